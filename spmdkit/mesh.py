@@ -1,0 +1,135 @@
+"""Meshes: real ones over devices, abstract ones for planning.
+
+Axis types are chosen on purpose. :func:`make_mesh` and :func:`abstract_mesh`
+default to ``Explicit`` axes: shardings are part of the types (``jax.typeof``
+shows ``f32[8@data,32]``), jaxprs show layouts without compiling, and an
+impossible layout raises instead of silently replicating (Auto axes let
+``with_sharding_constraint`` replicate a dim that does not divide, jax#26946).
+Pass ``axis_types="auto"`` to hand propagation to Shardy instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from spmdkit.errors import SpmdError
+
+__all__ = ["make_mesh", "abstract_mesh", "use_virtual_cpu_devices", "mesh_key"]
+
+AxisTypes = Literal["explicit", "auto"] | Sequence[Literal["explicit", "auto"]]
+
+
+def _axis_types(axis_types: AxisTypes, n: int, op: str) -> tuple[AxisType, ...]:
+    names = [axis_types] * n if isinstance(axis_types, str) else list(axis_types)
+    table = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+    if len(names) != n or any(t not in table for t in names):
+        raise SpmdError(
+            op=op,
+            must=f"axis_types is 'explicit', 'auto', or one of those per axis ({n} axes)",
+            given=repr(axis_types),
+            fix="pass axis_types='explicit' (default) or axis_types='auto'",
+        )
+    return tuple(table[t] for t in names)
+
+
+def _check_axes(axes: dict[str, int], op: str) -> None:
+    if not axes:
+        raise SpmdError(
+            op=op,
+            must="at least one mesh axis is named",
+            given="no axes",
+            fix="call e.g. make_mesh(data=2, model=4)",
+        )
+    for name, size in axes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise SpmdError(
+                op=op,
+                must="every axis size is a positive int",
+                given=f"{name}={size!r}",
+                fix="pass sizes like data=2, model=4",
+            )
+
+
+def use_virtual_cpu_devices(n: int = 8) -> bool:
+    """Ask JAX for ``n`` virtual CPU devices if its backends have not started yet.
+
+    Returns True when the setting took effect (or was already in place), False when
+    JAX had already started with a different count (set
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before starting Python).
+    """
+    from jax._src import xla_bridge  # noqa: PLC0415 - private, but the only way to ask
+
+    if xla_bridge.backends_are_initialized():
+        try:
+            return len(jax.devices("cpu")) >= n
+        except RuntimeError:
+            return False
+    jax.config.update("jax_num_cpu_devices", n)
+    return True
+
+
+def make_mesh(
+    *,
+    axis_types: AxisTypes = "explicit",
+    devices: Sequence[jax.Device] | None = None,
+    **axes: int,
+) -> Mesh:
+    """A device mesh with named axes, in the order given.
+
+    With no accelerator and too few CPU devices, asks JAX for virtual CPU devices
+    (works only before JAX's backends start; otherwise raises with the fix).
+
+    Args:
+      axis_types: ``"explicit"`` (default; see the module docstring) or ``"auto"``,
+        or one per axis.
+      devices: devices to use (default: the first ``prod(sizes)`` of ``jax.devices()``).
+      **axes: axis name → size, e.g. ``data=2, model=4``.
+
+    Example::
+
+        >>> mesh = make_mesh(data=2, model=4)
+        >>> mesh.axis_names
+        ('data', 'model')
+    """
+    _check_axes(axes, "make_mesh")
+    need = math.prod(axes.values())
+    types = _axis_types(axis_types, len(axes), "make_mesh")
+    if devices is None:
+        use_virtual_cpu_devices(max(need, 8))
+        devices = jax.devices()
+    if len(devices) < need:
+        raise SpmdError(
+            op="make_mesh",
+            must=f"the mesh has at most as many devices as are available ({len(devices)})",
+            given=f"{dict(axes)} = {need} devices",
+            fix=(
+                "shrink the mesh, use sk.abstract_mesh(...) to plan without devices, or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts"
+            ),
+        )
+    return jax.make_mesh(
+        tuple(axes.values()), tuple(axes), axis_types=types, devices=list(devices)[:need]
+    )
+
+
+def abstract_mesh(*, axis_types: AxisTypes = "explicit", **axes: int) -> AbstractMesh:
+    """A mesh with no devices, for planning (e.g. 1024 GPUs on a laptop).
+
+    Example::
+
+        >>> abstract_mesh(data=128, model=8).size
+        1024
+    """
+    _check_axes(axes, "abstract_mesh")
+    types = _axis_types(axis_types, len(axes), "abstract_mesh")
+    return AbstractMesh(tuple(axes.values()), tuple(axes), axis_types=types)
+
+
+def mesh_key(mesh: Mesh | AbstractMesh) -> tuple[tuple[str, int], ...]:
+    """What inference depends on in a mesh: axis names and sizes (cache key)."""
+    return tuple(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
