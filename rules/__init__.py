@@ -1,0 +1,7 @@
+"""The built-in rule library, one module per op family.
+
+Each module exposes ``RULES``; the registry registers them on first use.
+"""
+
+#: Rule family modules, in registration order.
+FAMILIES = ("elementwise", "matmul", "reduction", "softmax")

@@ -1,0 +1,218 @@
+"""Elementwise ops: unary, binary with numpy broadcasting, n-ary, select, casts, comparisons.
+
+Algebra: every output element depends on the same element of each operand,
+so every dim is a pass-through factor and any layout is kept as is; a dim of
+size 1 that broadcasts is never sharded. What differs between ops is how a
+*pending reduction* on an operand travels: ``add`` is linear, so sum-partial
+operands add up to a sum-partial result; ``exp`` is not linear, but it is
+increasing, so ``max`` over the shards commutes with it and a max-partial
+passes while a sum-partial must be all-reduced first. ``mul`` is linear in each
+operand separately: one sum-partial operand times replicated ones stays
+sum-partial. Comparisons and logic ops pass nothing. The policies are listed in
+:mod:`spmdkit.rule`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from spmdkit.factor import BROADCAST
+from spmdkit.rule import Example, FactorRule
+
+__all__ = ["RULES", "broadcast_notation"]
+
+
+def broadcast_notation(shapes: tuple[tuple[int, ...], ...], **_: Any) -> str:
+    """Notation of an elementwise op over numpy-broadcast operands.
+
+    Example::
+
+        >>> broadcast_notation(((8, 4), (4,)))
+        'd0 d1, d1 -> d0 d1'
+        >>> broadcast_notation(((8, 1), (1, 4)))
+        'd0 1, 1 d1 -> d0 d1'
+    """
+    rank = max((len(s) for s in shapes), default=0)
+    out = []
+    for j in range(rank):
+        sizes = [s[len(s) - rank + j] for s in shapes if len(s) - rank + j >= 0]
+        out.append(max(sizes))
+    names = [f"d{j}" for j in range(rank)]
+    operands = []
+    for s in shapes:
+        off = rank - len(s)
+        dims = [
+            BROADCAST if n == 1 and out[off + i] != 1 else names[off + i] for i, n in enumerate(s)
+        ]
+        operands.append(" ".join(dims))
+    return ", ".join(operands) + " -> " + " ".join(names)
+
+
+def _bool_dtype(dtypes: tuple[Any, ...], **_: Any) -> np.dtype:
+    return np.dtype(bool)
+
+
+def _cast_dtype(dtypes: tuple[Any, ...], *, new_dtype: Any, **_: Any) -> np.dtype:
+    return np.dtype(new_dtype)
+
+
+def _select_dtype(dtypes: tuple[Any, ...], **_: Any) -> Any:
+    rest = [d for d in dtypes[1:] if d is not None]
+    return np.result_type(*rest) if len(rest) == len(dtypes) - 1 else None
+
+
+_UNARY_EX = (Example(((8, 8),)), Example(((4, 8, 2),)))
+_POS_EX = tuple(Example(e.shapes, domain="positive") for e in _UNARY_EX)
+_BINARY_EX = (
+    Example(((8, 8), (8, 8))),
+    Example(((8, 8), (8,))),
+    Example(((8, 1), (1, 8))),
+)
+_POS_BINARY_EX = tuple(Example(e.shapes, domain="positive") for e in _BINARY_EX)
+_CMP_EX = tuple(Example(e.shapes, differentiable=(False, False)) for e in _BINARY_EX[:2])
+_BOOL_EX = (Example(((8, 8), (8, 8)), dtypes=("bool", "bool"), differentiable=(False, False)),)
+
+
+def _unary(name: str, impl: Any, policy: str, examples: Any = _UNARY_EX, doc: str = "") -> FactorRule:
+    return FactorRule(
+        name, broadcast_notation, impl=impl, partial=policy, examples=examples, doc=doc
+    )
+
+
+def _binary(name: str, impl: Any, policy: str, examples: Any = _BINARY_EX, **kw: Any) -> FactorRule:
+    return FactorRule(name, broadcast_notation, impl=impl, partial=policy, examples=examples, **kw)
+
+
+def _add_n(*xs: jax.Array) -> jax.Array:
+    out = xs[0]
+    for x in xs[1:]:
+        out = out + x
+    return out
+
+
+def _where(cond: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.where(cond, x, y)
+
+
+def _convert(x: jax.Array, *, new_dtype: Any) -> jax.Array:
+    return lax.convert_element_type(x, new_dtype)
+
+
+def _integer_pow(x: jax.Array, *, y: int) -> jax.Array:
+    return lax.integer_pow(x, y)
+
+
+def _cast_policy_rule() -> FactorRule:
+    return FactorRule(
+        "convert_element_type",
+        broadcast_notation,
+        impl=_convert,
+        partial="LINEAR",
+        dtype=_cast_dtype,
+        examples=(
+            Example(((8, 8),), attrs={"new_dtype": "bfloat16"}, rtol=2e-2),
+            Example(((8, 8),), attrs={"new_dtype": "float32"}),
+        ),
+        doc="float → float casts are linear up to rounding: every partial passes",
+    )
+
+
+_SELECT_EX = (
+    Example(((8, 8), (8, 8), (8, 8)), dtypes=("bool", "float32", "float32"),
+            differentiable=(False, True, True)),
+    Example(((8, 1), (8, 8), (8,)), dtypes=("bool", "float32", "float32"),
+            differentiable=(False, True, True)),
+)
+
+RULES = tuple(
+    sorted(
+        (
+            _unary("abs", jnp.abs, "NONE"),
+            _binary("add", jnp.add, "ADDITIVE"),
+            FactorRule(
+                "add_n",
+                broadcast_notation,
+                impl=_add_n,
+                partial="ADDITIVE",
+                examples=(Example(((8, 8), (8, 8), (8, 8))), Example(((8, 8), (8,), (1, 8)))),
+                doc="sum of n operands",
+            ),
+            _binary("and", jnp.logical_and, "NONE", examples=_BOOL_EX, dtype=_bool_dtype),
+            _cast_policy_rule(),
+            _unary("cos", jnp.cos, "NONE"),
+            _binary("div", jnp.divide, "DIVIDE", examples=_POS_BINARY_EX),
+            _binary("eq", jnp.equal, "NONE", examples=_CMP_EX, dtype=_bool_dtype),
+            _unary("erf", jax.scipy.special.erf, "MONOTONE"),
+            _unary("exp", jnp.exp, "MONOTONE"),
+            _unary("expm1", jnp.expm1, "MONOTONE"),
+            _binary("ge", jnp.greater_equal, "NONE", examples=_CMP_EX, dtype=_bool_dtype),
+            _binary("gt", jnp.greater, "NONE", examples=_CMP_EX, dtype=_bool_dtype),
+            FactorRule(
+                "integer_pow",
+                broadcast_notation,
+                impl=_integer_pow,
+                partial="NONE",
+                examples=(Example(((8, 8),), attrs={"y": 3}), Example(((8, 8),), attrs={"y": 2})),
+                doc="x ** y for a static int y",
+            ),
+            _binary("le", jnp.less_equal, "NONE", examples=_CMP_EX, dtype=_bool_dtype),
+            _unary("log", jnp.log, "MONOTONE", _POS_EX),
+            _unary("log1p", jnp.log1p, "MONOTONE", _POS_EX),
+            _unary("logistic", jax.nn.sigmoid, "MONOTONE"),
+            _binary("lt", jnp.less, "NONE", examples=_CMP_EX, dtype=_bool_dtype),
+            _binary("max", jnp.maximum, "MAX"),
+            _binary("min", jnp.minimum, "MIN"),
+            _binary("mul", jnp.multiply, "MULTIPLICATIVE"),
+            _binary("ne", jnp.not_equal, "NONE", examples=_CMP_EX, dtype=_bool_dtype),
+            _unary("neg", jnp.negative, "NEGATE"),
+            FactorRule(
+                "not",
+                broadcast_notation,
+                impl=jnp.logical_not,
+                partial="NONE",
+                examples=(Example(((8, 8),), dtypes=("bool",), differentiable=(False,)),),
+                dtype=_bool_dtype,
+            ),
+            _binary("or", jnp.logical_or, "NONE", examples=_BOOL_EX, dtype=_bool_dtype),
+            _binary("pow", jnp.power, "NONE", examples=_POS_BINARY_EX),
+            _unary("relu", jax.nn.relu, "MONOTONE"),
+            _unary("rsqrt", lax.rsqrt, "ANTITONE", _POS_EX),
+            FactorRule(
+                "select_n",
+                broadcast_notation,
+                impl=lax.select_n,
+                partial="SELECT",
+                dtype=_select_dtype,
+                examples=(
+                    Example(
+                        ((8, 8), (8, 8), (8, 8)),
+                        dtypes=("bool", "float32", "float32"),
+                        differentiable=(False, True, True),
+                    ),
+                ),
+                doc="lax.select_n(which, *cases): case i where which == i",
+            ),
+            _unary("sign", jnp.sign, "MONOTONE"),
+            _unary("sin", jnp.sin, "NONE"),
+            _unary("sqrt", jnp.sqrt, "MONOTONE", _POS_EX),
+            _unary("square", jnp.square, "NONE"),
+            _binary("sub", jnp.subtract, "SUBTRACT"),
+            _unary("tanh", jnp.tanh, "MONOTONE"),
+            FactorRule(
+                "where",
+                broadcast_notation,
+                impl=_where,
+                partial="SELECT",
+                dtype=_select_dtype,
+                examples=_SELECT_EX,
+                doc="jnp.where(cond, x, y)",
+            ),
+        ),
+        key=lambda r: r.name,
+    )
+)

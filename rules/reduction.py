@@ -1,0 +1,123 @@
+"""Reductions over some dims: sum, mean, max, min, prod (``axis``, ``keepdims``).
+
+Algebra: kept dims pass through; reduced dims are reduction factors. A reduced
+dim sharded over an axis leaves each device a partial result, so the output is
+partial over that axis with the reduction's own op: ``sum`` → sum, ``max`` →
+max, ``min`` → min, ``mean`` → avg (each device's mean of an equal-sized
+slice; an unevenly sharded reduced dim would weigh the slices wrongly, so mean
+then asks for the dim replicated). ``prod`` has no partial form here, so its
+reduced dims must be replicated. A pending reduction on the input passes when
+it commutes with the op: sum/avg through sum and mean, max through max, min
+through min. With ``keepdims`` the reduced dims stay as size-1 dims, never
+sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from spmdkit.factor import BROADCAST, Notation
+from spmdkit.rule import Example, FactorRule, Inferred, RuleContext
+from spmdkit.spec import TensorSpec
+
+__all__ = ["RULES", "reduce_notation"]
+
+
+def _axes(rank: int, axis: Any) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(rank))
+    items = (axis,) if isinstance(axis, int) else tuple(axis)
+    return tuple(sorted(a % rank for a in items))
+
+
+def reduce_notation(
+    shapes: tuple[tuple[int, ...], ...], *, axis: Any = None, keepdims: bool = False
+) -> str:
+    """Notation of a reduction over ``axis``.
+
+    Example::
+
+        >>> reduce_notation(((8, 4, 2),), axis=1)
+        'r0 r1 r2 -> r0 r2'
+        >>> reduce_notation(((8, 4),), axis=(0,), keepdims=True)
+        'r0 r1 -> 1 r1'
+    """
+    (shape,) = shapes
+    red = _axes(len(shape), axis)
+    ins = [f"r{i}" for i in range(len(shape))]
+    outs = [BROADCAST if i in red else f for i, f in enumerate(ins)] if keepdims else [
+        f for i, f in enumerate(ins) if i not in red
+    ]
+    return f"{' '.join(ins)} -> {' '.join(outs)}"
+
+
+class _MeanRule(FactorRule):
+    """reduce_mean: avg-partial only over evenly sharded reduced dims."""
+
+    def notation_for(self, shapes: Any, attrs: Mapping[str, Any]) -> Notation:
+        uneven = attrs.get("_uneven", frozenset())
+        nt = super().notation_for(shapes, {k: v for k, v in attrs.items() if k != "_uneven"})
+        return Notation(nt.inputs, nt.outputs, nt.need_replication | uneven, nt.reduce)
+
+    def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
+        (x,) = inputs
+        nt = super().notation_for([x.shape], ctx.attrs)
+        uneven = frozenset(
+            f
+            for f in nt.reduction_factors
+            for d, g in enumerate(nt.inputs[0])
+            if g == f
+            and x.dims[d]
+            and x.shape[d] % _prod(ctx.axis_sizes[a] for a in x.dims[d]) != 0
+        )
+        if uneven:
+            ctx = RuleContext(ctx.op, ctx.axis_sizes, {**ctx.attrs, "_uneven": uneven})
+        return super().forward(ctx, inputs)
+
+
+def _prod(xs: Any) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _reducer(fn: Any):
+    def impl(x: jax.Array, *, axis: Any = None, keepdims: bool = False, _uneven: Any = None):
+        return fn(x, axis=axis, keepdims=keepdims)
+
+    return impl
+
+
+_EX = (
+    Example(((8, 8),), attrs={"axis": 1}),
+    Example(((8, 8),), attrs={"axis": 0, "keepdims": True}),
+    Example(((4, 8, 2),), attrs={"axis": (0, 2)}),
+    Example(((8, 8),), attrs={"axis": None}),
+)
+_POS_EX = tuple(Example(e.shapes, attrs=e.attrs, domain="positive") for e in _EX)
+
+
+def _rule(name: str, fn: Any, reduce: str | None, policy: str, examples: Any = _EX, cls=FactorRule):
+    return cls(
+        name,
+        reduce_notation,
+        impl=_reducer(fn),
+        reduce=reduce,
+        partial=policy,
+        examples=examples,
+        doc=f"{fn.__name__} over axis (None: all), keepdims",
+    )
+
+
+RULES = (
+    _rule("reduce_max", jnp.max, "max", "REDUCE_MAX"),
+    _rule("reduce_mean", jnp.mean, "avg", "REDUCE_SUM", cls=_MeanRule),
+    _rule("reduce_min", jnp.min, "min", "REDUCE_MIN"),
+    _rule("reduce_prod", jnp.prod, None, "NONE", _POS_EX),
+    _rule("reduce_sum", jnp.sum, "sum", "REDUCE_SUM"),
+)

@@ -1,0 +1,114 @@
+"""The rule registry: the only global state in spmdkit.
+
+Built-in rules live in ``spmdkit.rules`` (the repository's ``rules/`` folder),
+one module per op family, each exposing a ``RULES`` tuple. They are registered
+by :func:`_load_builtin` the first time the registry is used, not as a side
+effect of importing the modules.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import threading
+
+from spmdkit.errors import NoRuleError, RegistrationError
+from spmdkit.rule import Rule
+
+__all__ = ["register_rule", "get_rule", "registered_ops", "unregister_rule"]
+
+_RULES: dict[str, Rule] = {}
+_BUILTIN_LOADED = False
+_LOCK = threading.RLock()
+
+
+def _load_builtin() -> None:
+    global _BUILTIN_LOADED  # noqa: PLW0603 - the registry is the one global by design
+    with _LOCK:
+        if _BUILTIN_LOADED:
+            return
+        _BUILTIN_LOADED = True
+        families = importlib.import_module("spmdkit.rules").FAMILIES
+        for family in families:
+            module = importlib.import_module(f"spmdkit.rules.{family}")
+            for rule in module.RULES:
+                _add(rule, family=family)
+
+
+def _add(rule: Rule, *, family: str) -> None:
+    if not isinstance(rule, Rule):
+        raise RegistrationError(
+            op=getattr(rule, "name", repr(rule)),
+            must="a rule is a spmdkit Rule (FactorRule or a Rule subclass)",
+            given=type(rule).__name__,
+            fix="build it with sk.FactorRule(...) or subclass sk.Rule",
+        )
+    if rule.name in _RULES:
+        raise RegistrationError(
+            op=rule.name,
+            must="an op is registered once",
+            given=f"a second rule for {rule.name!r} (from {family})",
+            fix="pick another op name, or unregister_rule() the old one first",
+        )
+    rule.family = family
+    _RULES[rule.name] = rule
+    _clear_caches()
+
+
+def _clear_caches() -> None:
+    from spmdkit import inference
+
+    inference.clear_cache()
+
+
+def register_rule(rule: Rule) -> Rule:
+    """Register ``rule`` under ``rule.name``; returns it (usable as a decorator
+    on a Rule instance factory's result).
+
+    Raises:
+      RegistrationError: the name is taken, or ``rule`` is not a Rule.
+
+    Example::
+
+        >>> sk.register_rule(sk.FactorRule("my_scale", "... d, d -> ... d",
+        ...                  impl=lambda x, s: x * s, partial="MULTIPLICATIVE"))
+    """
+    _load_builtin()
+    with _LOCK:
+        _add(rule, family="user")
+    return rule
+
+
+def unregister_rule(name: str) -> Rule:
+    """Remove and return the rule registered as ``name`` (for tests and notebooks)."""
+    rule = get_rule(name)
+    with _LOCK:
+        del _RULES[name]
+        _clear_caches()
+    return rule
+
+
+def get_rule(name: str) -> Rule:
+    """The rule registered as ``name``.
+
+    Raises:
+      NoRuleError: nothing is registered under ``name``; names near matches.
+    """
+    _load_builtin()
+    try:
+        return _RULES[name]
+    except KeyError:
+        near = difflib.get_close_matches(name, list(_RULES), n=3, cutoff=0.6)
+        raise NoRuleError(
+            op=name,
+            must="the op has a registered rule",
+            given=f"no rule named {name!r}",
+            fix=(f"did you mean {', '.join(map(repr, near))}? " if near else "")
+            + "see sk.registered_ops(), or register one with sk.register_rule(...)",
+        ) from None
+
+
+def registered_ops() -> tuple[str, ...]:
+    """Names of all registered ops, sorted."""
+    _load_builtin()
+    return tuple(sorted(_RULES))

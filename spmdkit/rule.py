@@ -1,0 +1,588 @@
+"""What a rule is, and the factor-notation rule from which most rules are made.
+
+A rule answers three questions about one op on one mesh:
+
+* **forward**: given input specs, which specs must the inputs have and which
+  specs do the outputs get;
+* **backward** (Paddle's "reverse"): given output specs, which input specs
+  produce them;
+* **grad**: given the forward inputs and the output cotangents, which specs
+  must they have and which specs do the input cotangents get.
+
+:class:`FactorRule` derives all three from one factor notation (see
+:mod:`spmdkit.factor`) plus a *partial policy*: how pending reductions on the
+inputs travel through the op. Hand-written rules subclass :class:`Rule`.
+
+The partial algebra (one policy per op family; an input partial over an axis
+that the policy cannot carry is resolved first, i.e. all-reduced):
+
+============== ======================================================= =========
+policy         passes                                                  why
+============== ======================================================= =========
+NONE           nothing                                                 nonlinear
+LINEAR         sum, avg, max, min unchanged                            copy, cast
+NEGATE         sum, avg unchanged; max ⇄ min                           -Σ = Σ(-·)
+MONOTONE       max, min                                                f(max) = max f
+ANTITONE       max ⇄ min (decreasing f)                                f(max) = min f
+MAX / MIN      operands partial with that op, the rest replicated      max is associative
+ADDITIVE       all-sum (or all-avg) operands; replicated operands      Σa + Σb = Σ(a+b)
+               join as partial for free; one max/min operand + others
+               replicated                                              max a + c = max(a + c)
+SUBTRACT       as ADDITIVE; max/min in the subtrahend flips            c - max a = min(c - a)
+MULTIPLICATIVE exactly one sum/avg operand, the rest replicated        (Σa)·b = Σ(a·b)
+DIVIDE         a sum/avg numerator over a replicated denominator       (Σa)/b = Σ(a/b)
+SELECT         condition replicated; the cases as ADDITIVE             select is linear in cases
+REDUCE_SUM     sum, avg                                                Σ commutes with Σ
+REDUCE_MAX     max                                                     max commutes with max
+REDUCE_MIN     min                                                     min commutes with min
+============== ======================================================= =========
+
+A partial axis never passes when the op's other operands shard a dim over
+that axis: the sharding wins and the partial is reduce-scattered into it.
+Mixed reduce ops on one output (max over one axis, sum over another) do not
+commute, so pass-through partials that would mix are resolved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from spmdkit.errors import ShardingConflictError
+from spmdkit.factor import BROADCAST, Notation, parse_notation
+from spmdkit.spec import TensorSpec
+
+__all__ = [
+    "Example",
+    "FactorRule",
+    "Inferred",
+    "InferredGrad",
+    "PartialPolicy",
+    "Rule",
+    "RuleContext",
+    "POLICIES",
+]
+
+# ---------------------------------------------------------------------------
+# Partial policies: ops per input on one axis → (output op, required per-input ops)
+# ---------------------------------------------------------------------------
+
+PolicyResult = tuple[str, tuple[str | None, ...]] | None
+PartialPolicy = Callable[[tuple[str | None, ...]], PolicyResult]
+
+
+def _map_unary(table: Mapping[str, str]) -> PartialPolicy:
+    def policy(ops: tuple[str | None, ...]) -> PolicyResult:
+        if len(ops) == 1 and ops[0] in table:
+            return table[ops[0]], ops
+        return None
+
+    return policy
+
+
+def _none(ops: tuple[str | None, ...]) -> PolicyResult:
+    return None
+
+
+def _same(ops: tuple[str | None, ...], op: str) -> PolicyResult:
+    present = {o for o in ops if o is not None}
+    return (op, ops) if present == {op} else None
+
+
+def _additive_from(ops: tuple[str | None, ...], flip_from: int | None) -> PolicyResult:
+    present = [(i, o) for i, o in enumerate(ops) if o is not None]
+    kinds = {o for _, o in present}
+    if len(kinds) == 1 and kinds <= {"sum", "avg"}:
+        op = next(iter(kinds))
+        return op, tuple(op for _ in ops)
+    if len(present) == 1 and present[0][1] in ("max", "min"):
+        i, op = present[0]
+        if flip_from is not None and i >= flip_from:
+            op = "min" if op == "max" else "max"
+        return op, ops
+    return None
+
+
+def _additive(ops: tuple[str | None, ...]) -> PolicyResult:
+    return _additive_from(ops, None)
+
+
+def _subtract(ops: tuple[str | None, ...]) -> PolicyResult:
+    return _additive_from(ops, 1)
+
+
+def _multiplicative(ops: tuple[str | None, ...]) -> PolicyResult:
+    present = [o for o in ops if o is not None]
+    if len(present) == 1 and present[0] in ("sum", "avg"):
+        return present[0], ops
+    return None
+
+
+def _divide(ops: tuple[str | None, ...]) -> PolicyResult:
+    if ops[0] in ("sum", "avg") and all(o is None for o in ops[1:]):
+        return ops[0], ops
+    return None
+
+
+def _select(ops: tuple[str | None, ...]) -> PolicyResult:
+    if ops[0] is not None:
+        return None
+    cases = ops[1:]
+    kinds = {o for o in cases if o is not None}
+    if len(kinds) == 1 and kinds <= {"sum", "avg"}:
+        op = next(iter(kinds))
+        return op, (None, *(op for _ in cases))
+    if len(kinds) == 1 and all(o is not None for o in cases):
+        return next(iter(kinds)), ops
+    return None
+
+
+#: The named partial policies (see the module docstring).
+POLICIES: dict[str, PartialPolicy] = {
+    "NONE": _none,
+    "LINEAR": _map_unary({"sum": "sum", "avg": "avg", "max": "max", "min": "min"}),
+    "NEGATE": _map_unary({"sum": "sum", "avg": "avg", "max": "min", "min": "max"}),
+    "MONOTONE": _map_unary({"max": "max", "min": "min"}),
+    "ANTITONE": _map_unary({"max": "min", "min": "max"}),
+    "MAX": lambda ops: _same(ops, "max"),
+    "MIN": lambda ops: _same(ops, "min"),
+    "ADDITIVE": _additive,
+    "SUBTRACT": _subtract,
+    "MULTIPLICATIVE": _multiplicative,
+    "DIVIDE": _divide,
+    "SELECT": _select,
+    "REDUCE_SUM": _map_unary({"sum": "sum", "avg": "avg"}),
+    "REDUCE_MAX": _map_unary({"max": "max"}),
+    "REDUCE_MIN": _map_unary({"min": "min"}),
+}
+
+# ---------------------------------------------------------------------------
+# Rule interface
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What a rule sees besides specs: op name, mesh axis sizes, attributes."""
+
+    op: str
+    axis_sizes: Mapping[str, int]
+    attrs: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Inferred:
+    """Forward or backward answer: required input specs, output specs."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class InferredGrad:
+    """Grad answer: required forward inputs and cotangents, input cotangents."""
+
+    inputs: tuple[TensorSpec, ...]
+    out_grads: tuple[TensorSpec, ...]
+    input_grads: tuple[TensorSpec, ...]
+    forward_outputs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class Example:
+    """Inputs the validation toolkit runs a rule on.
+
+    Attributes:
+      shapes: one shape per input.
+      attrs: op attributes.
+      dtypes: one dtype name per input (default float32).
+      domain: ``"real"``, ``"positive"`` (logs, roots) or ``"unit"`` (|x| < 1).
+      differentiable: per input, whether grads flow to it (ints/bools do not).
+      rtol: relative tolerance of the numeric check (low-precision casts).
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    dtypes: tuple[str, ...] | None = None
+    domain: str = "real"
+    differentiable: tuple[bool, ...] | None = None
+    rtol: float = 1e-5
+
+
+class Rule:
+    """Base class of every rule. Subclasses implement the three inferences.
+
+    Attributes:
+      name: the op name the registry knows it by.
+      impl: the op itself, ``impl(*arrays, **attrs)`` — the unsharded reference
+        and, unless ``local_impl`` says otherwise, what each device runs on its
+        local pieces.
+      local_impl: per-device computation when it differs from ``impl``.
+      examples: inputs for the validation toolkit.
+      doc: one line on the semantics.
+      strategies: names of the alternative strategies the rule offers.
+    """
+
+    name: str
+    impl: Callable[..., Any]
+    local_impl: Callable[..., Any] | None = None
+    examples: tuple[Example, ...] = ()
+    doc: str = ""
+    strategies: tuple[str, ...] = ("default",)
+
+    def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
+        """Input specs → required input specs and output specs."""
+        raise NotImplementedError
+
+    def backward(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]
+    ) -> Inferred:
+        """Output specs → input specs that produce them (inputs are placeholders)."""
+        raise NotImplementedError
+
+    def grad(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], out_grads: tuple[TensorSpec, ...]
+    ) -> InferredGrad:
+        """Forward inputs + output cotangents → input cotangent specs."""
+        raise NotImplementedError
+
+    def describe(self, shapes: Sequence[tuple[int, ...]] | None = None, **attrs: Any) -> str:
+        """A one-line description (the notation where there is one)."""
+        return self.doc
+
+
+# ---------------------------------------------------------------------------
+# FactorRule
+# ---------------------------------------------------------------------------
+
+NotationFn = Callable[..., "str | Notation"]
+
+
+class FactorRule(Rule):
+    """A rule declared by factor notation.
+
+    Args:
+      name: op name.
+      notation: a notation string, or ``fn(shapes, **attrs) -> str | Notation``
+        when it depends on ranks or attributes.
+      impl: the op, ``impl(*arrays, **attrs)``.
+      reduce: reduce op a sharded reduction factor leaves on the output, or
+        ``None`` when reduction factors must stay unsharded.
+      need_replication: factors that must stay unsharded.
+      partial: name of the partial policy in :data:`POLICIES`.
+      dtype: ``fn(input_dtypes, **attrs) -> dtype`` for the output (default:
+        numpy promotion of the inputs).
+      examples: inputs for the validation toolkit.
+      doc: one line on the semantics.
+
+    Example::
+
+        >>> FactorRule("matmul", "... m k, k n -> ... m n", impl=jnp.matmul,
+        ...            partial="MULTIPLICATIVE")
+    """
+
+    def __init__(
+        self,
+        name: str,
+        notation: str | NotationFn,
+        *,
+        impl: Callable[..., Any],
+        reduce: str | None = "sum",
+        need_replication: Sequence[str] = (),
+        partial: str = "NONE",
+        dtype: Callable[..., Any] | None = None,
+        examples: Sequence[Example] = (),
+        doc: str = "",
+        local_impl: Callable[..., Any] | None = None,
+    ) -> None:
+        if partial not in POLICIES:
+            from spmdkit.errors import RegistrationError
+
+            raise RegistrationError(
+                op=name,
+                must=f"partial is one of {sorted(POLICIES)}",
+                given=repr(partial),
+                fix="pick the policy that matches the op's linearity",
+            )
+        self.name = name
+        self.notation = notation
+        self.impl = impl
+        self.local_impl = local_impl
+        self.reduce = reduce
+        self.need_replication = tuple(need_replication)
+        self.partial = partial
+        self._policy = POLICIES[partial]
+        self._dtype = dtype
+        self.examples = tuple(examples)
+        self.doc = doc
+
+    def __repr__(self) -> str:
+        text = self.notation if isinstance(self.notation, str) else "<shape-dependent>"
+        return f"FactorRule({self.name!r}, {text!r}, partial={self.partial})"
+
+    # -- notation --------------------------------------------------------
+    def notation_for(self, shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any]) -> Notation:
+        """The expanded notation for these input shapes and attributes."""
+        text = self.notation(tuple(shapes), **attrs) if callable(self.notation) else self.notation
+        if isinstance(text, Notation):
+            return text
+        return parse_notation(
+            text,
+            tuple(len(s) for s in shapes),
+            need_replication=self.need_replication,
+            reduce=self.reduce,
+            op=self.name,
+        )
+
+    def describe(self, shapes: Sequence[tuple[int, ...]] | None = None, **attrs: Any) -> str:
+        """The notation (expanded for ``shapes`` when given) and partial policy."""
+        if shapes is None:
+            text = self.notation if isinstance(self.notation, str) else "(depends on shapes/attrs)"
+            return f"{text}  [partial: {self.partial}]"
+        return f"{self.notation_for(shapes, attrs)}  [partial: {self.partial}]"
+
+    def _sizes(
+        self, ctx: RuleContext, nt: Notation, shapes: Sequence[tuple[int, ...]]
+    ) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for i, (dims, shape) in enumerate(zip(nt.inputs, shapes, strict=True)):
+            for f, s in zip(dims, shape, strict=True):
+                if f == BROADCAST:
+                    if s != 1:
+                        raise ShardingConflictError(
+                            op=ctx.op,
+                            must="a dim marked '1' has size 1",
+                            given=f"size {s} at input {i} {shape}",
+                            fix="check the operand shapes",
+                        )
+                    continue
+                old = sizes.get(f)
+                if old is None or old == 1:
+                    sizes[f] = s
+                elif s not in (1, old):
+                    raise ShardingConflictError(
+                        op=ctx.op,
+                        must=f"dims sharing factor {f!r} agree (or are 1 and broadcast)",
+                        given=f"{old} and {s} (input {i} has shape {shape})",
+                        fix="fix the operand shapes or the transpose flags",
+                    )
+        return sizes
+
+    def _output_dtype(self, ctx: RuleContext, inputs: Sequence[TensorSpec]) -> Any:
+        dts = [s.dtype for s in inputs]
+        if self._dtype is not None:
+            return self._dtype(tuple(dts), **ctx.attrs)
+        if any(d is None for d in dts):
+            return None
+        return np.result_type(*dts)
+
+    # -- the factor assignment -------------------------------------------
+    @staticmethod
+    def _assign(
+        nt: Notation,
+        sizes: Mapping[str, int],
+        sources: Sequence[tuple[tuple[str, ...], TensorSpec]],
+        start: dict[str, tuple[str, ...]] | None = None,
+    ) -> dict[str, tuple[str, ...]]:
+        """Factor → mesh axes: the first sharded source wins; an axis serves one factor."""
+        assign: dict[str, tuple[str, ...]] = dict(start or {})
+        used = {a for axes in assign.values() for a in axes}
+        order = list(nt.factors)
+        for f in order:
+            if f in assign:
+                continue
+            assign[f] = ()
+            if f in nt.need_replication or sizes.get(f, 1) <= 1:
+                continue
+            if nt.reduce is None and f in nt.reduction_factors:
+                continue
+            for dims, spec in sources:
+                for d, g in enumerate(dims):
+                    if g != f or spec.shape[d] != sizes[f] or not spec.dims[d]:
+                        continue
+                    axes = tuple(a for a in spec.dims[d] if a not in used)
+                    if axes:
+                        assign[f] = axes
+                        used.update(axes)
+                    break
+                if assign[f]:
+                    break
+        return assign
+
+    @staticmethod
+    def _layout(
+        dims: tuple[str, ...], shape: tuple[int, ...], sizes: Mapping[str, int], assign: Mapping
+    ) -> tuple[tuple[str, ...], ...]:
+        return tuple(
+            () if f == BROADCAST or s != sizes.get(f, s) or s <= 1 else assign.get(f, ())
+            for f, s in zip(dims, shape, strict=True)
+        )
+
+    def _out_shapes(self, nt: Notation, sizes: Mapping[str, int]) -> list[tuple[int, ...]]:
+        return [tuple(1 if f == BROADCAST else sizes[f] for f in dims) for dims in nt.outputs]
+
+    def _partials(
+        self,
+        nt: Notation,
+        inputs: Sequence[TensorSpec],
+        assign: Mapping[str, tuple[str, ...]],
+    ) -> tuple[list[dict[str, str]], dict[str, str]]:
+        """Which input partials pass (required per-input partials) and the output partials."""
+        used = {a for axes in assign.values() for a in axes}
+        axes = sorted({a for s in inputs for a, _ in s.partial})
+        required: list[dict[str, str]] = [{} for _ in inputs]
+        out: dict[str, str] = {}
+        for a in axes:
+            if a in used:
+                continue
+            ops = tuple(s.partial_ops.get(a) for s in inputs)
+            res = self._policy(ops)
+            if res is None:
+                continue
+            out_op, req = res
+            out[a] = out_op
+            for i, o in enumerate(req):
+                if o is not None:
+                    required[i][a] = o
+        reduction = {a: nt.reduce for f in nt.reduction_factors for a in assign.get(f, ())}
+        ops = set(out.values()) | set(reduction.values())
+        if len(ops) > 1 and not ops <= {"sum", "avg"}:
+            keep = next(iter(reduction.values()), None)
+            for a in [a for a, o in out.items() if o != keep]:
+                del out[a]
+                for r in required:
+                    r.pop(a, None)
+        out.update(reduction)
+        return required, out
+
+    # -- the three inferences --------------------------------------------
+    def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
+        """Merge input layouts factor by factor; see the module docstring."""
+        shapes = [s.shape for s in inputs]
+        nt = self.notation_for(shapes, ctx.attrs)
+        sizes = self._sizes(ctx, nt, shapes)
+        assign = self._assign(nt, sizes, list(zip(nt.inputs, inputs, strict=True)))
+        return self._finish(ctx, nt, sizes, inputs, assign)
+
+    def _finish(
+        self,
+        ctx: RuleContext,
+        nt: Notation,
+        sizes: Mapping[str, int],
+        inputs: Sequence[TensorSpec],
+        assign: Mapping[str, tuple[str, ...]],
+        *,
+        keep_partial: bool = True,
+    ) -> Inferred:
+        req_partial, out_partial = (
+            self._partials(nt, inputs, assign) if keep_partial else ([{} for _ in inputs], {})
+        )
+        if not keep_partial:
+            out_partial = {a: nt.reduce for f in nt.reduction_factors for a in assign.get(f, ())}
+        req = tuple(
+            TensorSpec(
+                s.shape,
+                self._layout(dims, s.shape, sizes, assign),
+                partial=req_partial[i],
+                dtype=s.dtype,
+            )
+            for i, (dims, s) in enumerate(zip(nt.inputs, inputs, strict=True))
+        )
+        dtype = self._output_dtype(ctx, inputs)
+        outs = tuple(
+            TensorSpec(
+                shape,
+                self._layout(dims, shape, sizes, assign),
+                partial=out_partial,
+                dtype=dtype,
+            )
+            for dims, shape in zip(nt.outputs, self._out_shapes(nt, sizes), strict=True)
+        )
+        return Inferred(req, outs)
+
+    def backward(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]
+    ) -> Inferred:
+        """Take each factor's layout from the outputs; a sum-partial output axis
+        (matching the rule's reduce op) is traced back to the first reduction factor."""
+        shapes = [s.shape for s in inputs]
+        nt = self.notation_for(shapes, ctx.attrs)
+        sizes = self._sizes(ctx, nt, shapes)
+        self._check_outputs(ctx, nt, sizes, outputs, "outputs")
+        assign = self._assign(nt, sizes, list(zip(nt.outputs, outputs, strict=True)))
+        used = {a for axes in assign.values() for a in axes}
+        free = [
+            f
+            for f in nt.reduction_factors
+            if f not in nt.need_replication and nt.reduce is not None and sizes.get(f, 1) > 1
+        ]
+        if free:
+            for a, op in sorted({p for o in outputs for p in o.partial}):
+                if op == nt.reduce and a not in used:
+                    assign[free[0]] = (*assign.get(free[0], ()), a)
+                    used.add(a)
+        plain = tuple(s.without_partial() for s in inputs)
+        return self._finish(ctx, nt, sizes, plain, assign, keep_partial=False)
+
+    def grad(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], out_grads: tuple[TensorSpec, ...]
+    ) -> InferredGrad:
+        """Forward layout first, then output factors it left free take the cotangent's
+        layout. Each input cotangent is sum-partial over the axes of factors it lacks
+        (the VJP sums over them), and inherits the cotangent's sum/avg partials (a VJP
+        is linear in the cotangent)."""
+        shapes = [s.shape for s in inputs]
+        nt = self.notation_for(shapes, ctx.attrs)
+        sizes = self._sizes(ctx, nt, shapes)
+        self._check_outputs(ctx, nt, sizes, out_grads, "out_grads")
+        plain = tuple(s.without_partial() for s in inputs)
+        fwd_assign = self._assign(nt, sizes, list(zip(nt.inputs, plain, strict=True)))
+        out_factors = {f for dims in nt.outputs for f in dims}
+        start = {f: a for f, a in fwd_assign.items() if a or f not in out_factors}
+        assign = self._assign(nt, sizes, list(zip(nt.outputs, out_grads, strict=True)), start)
+        fwd = self._finish(ctx, nt, sizes, plain, assign, keep_partial=False)
+        used = {a for axes in assign.values() for a in axes}
+        g_partial = {
+            a: op
+            for a, op in sorted({p for g in out_grads for p in g.partial})
+            if a not in used
+            and op in ("sum", "avg")
+            and all(g.partial_ops.get(a) == op for g in out_grads)
+        }
+        req_g = tuple(
+            TensorSpec(
+                g.shape, self._layout(dims, g.shape, sizes, assign), partial=g_partial, dtype=g.dtype
+            )
+            for dims, g in zip(nt.outputs, out_grads, strict=True)
+        )
+        grads = []
+        for dims, s in zip(nt.inputs, fwd.inputs, strict=True):
+            present = {f for f, n in zip(dims, s.shape, strict=True) if n == sizes.get(f, n) > 1}
+            summed = {a: "sum" for f, axes in assign.items() if f not in present for a in axes}
+            grads.append(s.replace(partial={**summed, **g_partial}))
+        return InferredGrad(fwd.inputs, req_g, tuple(grads), fwd.outputs)
+
+    def _check_outputs(
+        self,
+        ctx: RuleContext,
+        nt: Notation,
+        sizes: Mapping[str, int],
+        given: Sequence[TensorSpec],
+        what: str,
+    ) -> None:
+        expected = self._out_shapes(nt, sizes)
+        got = [g.shape for g in given]
+        if len(got) != len(expected) or any(
+            math.prod(e) != math.prod(g) or len(e) != len(g)
+            for e, g in zip(expected, got, strict=False)
+        ):
+            raise ShardingConflictError(
+                op=ctx.op,
+                must=f"{what} have shapes {expected}",
+                given=str(got),
+                fix=f"pass {what} with the op's output shapes",
+            )
