@@ -107,18 +107,29 @@ def _integer_pow(x: jax.Array, *, y: int) -> jax.Array:
     return lax.integer_pow(x, y)
 
 
+def _cast_policy(dtypes: tuple[Any, ...], *, new_dtype: Any, **_: Any) -> str:
+    """Casts commute with max/min exactly. They commute with sum/avg only up to
+    rounding, and a narrowing cast rounds each partial piece (which may be much
+    larger than the sum) before the sum: then sum/avg partials are resolved first."""
+    src, dst = dtypes[0], np.dtype(new_dtype)
+    floats = src is not None and jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
+    if floats and dst.itemsize >= src.itemsize:
+        return "LINEAR"
+    return "MONOTONE"
+
+
 def _cast_policy_rule() -> FactorRule:
     return FactorRule(
         "convert_element_type",
         broadcast_notation,
         impl=_convert,
-        partial="LINEAR",
+        partial=_cast_policy,
         dtype=_cast_dtype,
         examples=(
             Example(((8, 8),), attrs={"new_dtype": "bfloat16"}, rtol=2e-2),
             Example(((8, 8),), attrs={"new_dtype": "float32"}),
         ),
-        doc="float → float casts are linear up to rounding: every partial passes",
+        doc="casts: max/min partials pass; sum/avg pass only through widening float casts",
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from spmdkit.errors import ShardingConflictError
 from spmdkit.factor import BROADCAST, Notation
 from spmdkit.rule import Example, FactorRule, Inferred, RuleContext
 from spmdkit.spec import TensorSpec
@@ -31,6 +32,14 @@ def _axes(rank: int, axis: Any) -> tuple[int, ...]:
     if axis is None:
         return tuple(range(rank))
     items = (axis,) if isinstance(axis, int) else tuple(axis)
+    bad = [a for a in items if not -rank <= a < rank]
+    if bad or len({a % rank for a in items}) != len(items):
+        raise ShardingConflictError(
+            op="reduce",
+            must=f"axis names distinct dims of a rank-{rank} input",
+            given=f"axis={axis!r}",
+            fix=f"pass axes in [-{rank}, {rank})",
+        )
     return tuple(sorted(a % rank for a in items))
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from spmdkit.errors import ShardingConflictError
 from spmdkit.factor import Notation, parse_notation
 from spmdkit.rule import Example, FactorRule
 
@@ -30,6 +31,13 @@ def softmax_notation(shapes: tuple[tuple[int, ...], ...], *, axis: int = -1) -> 
         'd0 d1 -> d0 d1  [replicated: d1]'
     """
     (shape,) = shapes
+    if not -len(shape) <= axis < len(shape):
+        raise ShardingConflictError(
+            op="softmax",
+            must=f"axis is a dim of the rank-{len(shape)} input",
+            given=f"axis={axis}",
+            fix=f"pass an axis in [-{len(shape)}, {len(shape)})",
+        )
     names = [f"d{i}" for i in range(len(shape))]
     text = f"{' '.join(names)} -> {' '.join(names)}"
     return parse_notation(

@@ -273,7 +273,8 @@ class FactorRule(Rule):
       reduce: reduce op a sharded reduction factor leaves on the output, or
         ``None`` when reduction factors must stay unsharded.
       need_replication: factors that must stay unsharded.
-      partial: name of the partial policy in :data:`POLICIES`.
+      partial: name of the partial policy in :data:`POLICIES`, or
+        ``fn(input_dtypes, **attrs) -> name`` when it depends on the call.
       dtype: ``fn(input_dtypes, **attrs) -> dtype`` for the output (default:
         numpy promotion of the inputs).
       examples: inputs for the validation toolkit.
@@ -293,13 +294,13 @@ class FactorRule(Rule):
         impl: Callable[..., Any],
         reduce: str | None = "sum",
         need_replication: Sequence[str] = (),
-        partial: str = "NONE",
+        partial: str | Callable[..., str] = "NONE",
         dtype: Callable[..., Any] | None = None,
         examples: Sequence[Example] = (),
         doc: str = "",
         local_impl: Callable[..., Any] | None = None,
     ) -> None:
-        if partial not in POLICIES:
+        if not callable(partial) and partial not in POLICIES:
             from spmdkit.errors import RegistrationError
 
             raise RegistrationError(
@@ -314,8 +315,9 @@ class FactorRule(Rule):
         self.local_impl = local_impl
         self.reduce = reduce
         self.need_replication = tuple(need_replication)
-        self.partial = partial
-        self._policy = POLICIES[partial]
+        self.partial = partial if isinstance(partial, str) else "DEPENDS"
+        self._choose_policy = None if isinstance(partial, str) else partial
+        self._policy = POLICIES[partial] if isinstance(partial, str) else None
         self._dtype = dtype
         self.examples = tuple(examples)
         self.doc = doc
@@ -327,7 +329,20 @@ class FactorRule(Rule):
     # -- notation --------------------------------------------------------
     def notation_for(self, shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any]) -> Notation:
         """The expanded notation for these input shapes and attributes."""
-        text = self.notation(tuple(shapes), **attrs) if callable(self.notation) else self.notation
+        if callable(self.notation):
+            try:
+                text = self.notation(tuple(shapes), **attrs)
+            except ShardingConflictError:
+                raise
+            except (TypeError, ValueError, IndexError, KeyError) as e:
+                raise ShardingConflictError(
+                    op=self.name,
+                    must="the inputs and attributes fit the op",
+                    given=f"{len(shapes)} inputs of shapes {tuple(shapes)}, attrs {dict(attrs)} ({e})",
+                    fix="check the operand count, ranks and attribute names",
+                ) from e
+        else:
+            text = self.notation
         if isinstance(text, Notation):
             return text
         return parse_notation(
@@ -427,6 +442,7 @@ class FactorRule(Rule):
 
     def _partials(
         self,
+        ctx: RuleContext,
         nt: Notation,
         inputs: Sequence[TensorSpec],
         assign: Mapping[str, tuple[str, ...]],
@@ -440,7 +456,10 @@ class FactorRule(Rule):
             if a in used:
                 continue
             ops = tuple(s.partial_ops.get(a) for s in inputs)
-            res = self._policy(ops)
+            policy = self._policy
+            if policy is None:
+                policy = POLICIES[self._choose_policy(tuple(s.dtype for s in inputs), **ctx.attrs)]
+            res = policy(ops)
             if res is None:
                 continue
             out_op, req = res
@@ -451,7 +470,7 @@ class FactorRule(Rule):
         reduction = {a: nt.reduce for f in nt.reduction_factors for a in assign.get(f, ())}
         ops = set(out.values()) | set(reduction.values())
         if len(ops) > 1 and not ops <= {"sum", "avg"}:
-            keep = next(iter(reduction.values()), None)
+            keep = next(iter(reduction.values()), None) or next(iter(out.values()))
             for a in [a for a, o in out.items() if o != keep]:
                 del out[a]
                 for r in required:
@@ -479,7 +498,7 @@ class FactorRule(Rule):
         keep_partial: bool = True,
     ) -> Inferred:
         req_partial, out_partial = (
-            self._partials(nt, inputs, assign) if keep_partial else ([{} for _ in inputs], {})
+            self._partials(ctx, nt, inputs, assign) if keep_partial else ([{} for _ in inputs], {})
         )
         if not keep_partial:
             out_partial = {a: nt.reduce for f in nt.reduction_factors for a in assign.get(f, ())}

@@ -1,0 +1,775 @@
+"""Rule-validation toolkit: check any rule against the unsharded op on a virtual mesh.
+
+Two checks, usable on your own rules:
+
+* :func:`check_rule` — the numeric sweep, in the style of PyTorch DTensor's
+  strategy validation. For each example of the rule it enumerates input specs
+  (replicated, sharded on each dim, partial with every reduce op) over the
+  mesh, asks the rule for required input and output specs, builds every
+  device's local pieces of the *required* inputs (partial values split
+  *asymmetrically*, so coincidences fail), runs the op on each device's pieces
+  with ``shard_map``, rebuilds the global result from the *claimed* output spec
+  and compares with the unsharded op. A replicated claim is checked too: every
+  copy must agree. Where the rule asked for a reshard, the op is also run on the
+  pieces as given, and any output spec that would have been right is reported
+  as a *missing* placement (the rule is conservative there). Grad rules are
+  checked the same way against ``jax.vjp``.
+* :func:`check_jit` — compiles the op with the rule's required input shardings
+  and the claimed output (partials resolved) and checks that the collectives in
+  the compiled HLO are exactly those the reshard planner predicts (count, kind
+  and bytes). Under ``jit`` a wrong rule still gives right numbers, because XLA
+  inserts whatever it needs; the collectives are what betray it.
+
+Both run on a mesh of virtual CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
+
+Example::
+
+    >>> report = check_rule("matmul", mesh=sk.make_mesh(a=2, b=4))
+    >>> report.ok, len(report.wrong), len(report.missing)
+    (True, 0, 3)
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import ShardingConflictError, SpmdError
+from spmdkit.inference import infer_forward, infer_grad
+from spmdkit.registry import get_rule
+from spmdkit.rule import Example, Rule
+from spmdkit.spec import REDUCE_OPS, TensorSpec, axis_sizes
+
+__all__ = [
+    "CaseFailure",
+    "MissingPlacement",
+    "RuleReport",
+    "JitReport",
+    "assemble",
+    "check_rule",
+    "check_jit",
+    "check_forward_case",
+    "check_grad_case",
+    "enumerate_specs",
+    "local_pieces",
+    "random_value",
+]
+
+
+# ---------------------------------------------------------------------------
+# Values, local pieces, reassembly
+# ---------------------------------------------------------------------------
+
+
+def random_value(
+    shape: tuple[int, ...], dtype: str = "float32", *, domain: str = "real", rng: np.random.Generator
+) -> np.ndarray:
+    """A random global value of ``shape`` in the op's ``domain``."""
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        return rng.random(shape) < 0.5
+    if np.issubdtype(dt, np.integer):
+        return rng.integers(-4, 5, size=shape).astype(dt)
+    if domain == "positive":
+        return rng.uniform(0.5, 2.0, size=shape).astype(dt)
+    if domain == "unit":
+        return rng.uniform(-0.9, 0.9, size=shape).astype(dt)
+    return rng.standard_normal(shape).astype(dt)
+
+
+def _coords(sizes: Mapping[str, int]) -> Iterable[tuple[int, ...]]:
+    return itertools.product(*(range(n) for n in sizes.values()))
+
+
+def _dim_slices(
+    spec: TensorSpec, coord: Mapping[str, int], sizes: Mapping[str, int]
+) -> tuple[slice, ...]:
+    out = []
+    for n, axes in zip(spec.shape, spec.dims, strict=True):
+        idx, count = 0, 1
+        for a in axes:
+            idx = idx * sizes[a] + coord[a]
+            count *= sizes[a]
+        step = n // count
+        out.append(slice(idx * step, (idx + 1) * step))
+    return tuple(out)
+
+
+def _split(
+    base: np.ndarray, n: int, op: str, rng: np.random.Generator, domain: str
+) -> list[np.ndarray]:
+    """Split ``base`` into ``n`` asymmetric parts whose ``op``-reduction is ``base``."""
+    scale = float(np.abs(base).mean()) + 1.0
+    if op in ("sum", "avg"):
+        target = base * n if op == "avg" else base
+        parts = [rng.standard_normal(base.shape).astype(base.dtype) * scale for _ in range(n - 1)]
+        parts.append((target - sum(parts, np.zeros_like(base))).astype(base.dtype))
+        order = rng.permutation(n)
+        return [parts[i] for i in order]
+    owner = rng.integers(0, n, size=base.shape)
+    parts = []
+    for j in range(n):
+        if domain == "positive":
+            u = rng.uniform(0.3, 0.9, size=base.shape).astype(base.dtype)
+            other = base * u if op == "max" else base / u
+        else:
+            d = (np.abs(rng.standard_normal(base.shape)) + 0.25).astype(base.dtype)
+            other = base - d if op == "max" else base + d
+        parts.append(np.where(owner == j, base, other).astype(base.dtype))
+    return parts
+
+
+def local_pieces(
+    value: np.ndarray,
+    spec: TensorSpec,
+    mesh: Any,
+    *,
+    rng: np.random.Generator,
+    domain: str = "real",
+) -> np.ndarray:
+    """Every device's local piece of ``value`` laid out as ``spec``.
+
+    Returns an array of shape ``(*mesh axis sizes, *local shape)``. Partial axes
+    get asymmetric splits: random parts (sum, avg) or one owner per element
+    holding the value with smaller/larger values elsewhere (max, min).
+
+    Raises:
+      ShardingConflictError: a sharded dim does not divide evenly.
+    """
+    sizes = axis_sizes(mesh)
+    if not spec.is_even(mesh):
+        raise ShardingConflictError(
+            op="local_pieces",
+            must="sharded dims divide evenly (the sweep runs shard_map)",
+            given=str(spec),
+            fix="use shapes divisible by the mesh axes in the examples",
+        )
+    local = spec.local_shape(mesh)
+    out = np.empty((*sizes.values(), *local), dtype=value.dtype)
+    names = list(sizes)
+    for c in _coords(sizes):
+        coord = dict(zip(names, c, strict=True))
+        out[c] = value[_dim_slices(spec, coord, sizes)]
+    for p, op in spec.partial:
+        k = names.index(p)
+        others = [a for a in names if a != p]
+        # Devices that differ only along replicated axes must hold equal pieces:
+        # draw one split per distinct coordinate along the axes the spec uses.
+        splits: dict[tuple[int, ...], list[np.ndarray]] = {}
+        for c in _coords({a: sizes[a] for a in others}):
+            at = [*c[:k], 0, *c[k:]]
+            key = tuple(i for a, i in zip(others, c, strict=True) if a in spec.used_axes)
+            if key not in splits:
+                splits[key] = _split(out[tuple(at)].copy(), sizes[p], op, rng, domain)
+            for j, part in enumerate(splits[key]):
+                at[k] = j
+                out[tuple(at)] = part
+    return out
+
+
+def _close(a: np.ndarray, b: np.ndarray, rtol: float) -> bool:
+    if a.shape != b.shape:
+        return False
+    if a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer):
+        return bool(np.array_equal(a, b))
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    scale = max(1.0, float(np.max(np.abs(b64), initial=0.0)))
+    return bool(np.allclose(a64, b64, rtol=rtol, atol=rtol * scale, equal_nan=True))
+
+
+def assemble(
+    stacked: np.ndarray, spec: TensorSpec, mesh: Any, *, rtol: float = 1e-5
+) -> tuple[np.ndarray | None, str | None]:
+    """Rebuild the global value from every device's local piece, read as ``spec``.
+
+    Partial axes are reduced with their op; over every axis the spec claims is
+    replicated, all copies must agree. Returns ``(value, None)`` or
+    ``(None, why)`` when the pieces contradict the claim.
+    """
+    sizes = axis_sizes(mesh)
+    names = list(sizes)
+    arr = np.asarray(stacked)
+    reducers = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
+    for p, op in spec.partial:
+        arr = reducers[op](arr, axis=names.index(p), keepdims=True).astype(arr.dtype)
+    for a in names:
+        if a in spec.used_axes:
+            continue
+        k = names.index(a)
+        first = np.take(arr, [0], axis=k)
+        for j in range(1, sizes[a]):
+            if not _close(np.take(arr, [j], axis=k), first, rtol):
+                return None, f"claimed replicated over {a!r} but device copies differ"
+        arr = first
+    out = np.empty(spec.shape, dtype=arr.dtype)
+    for c in _coords(sizes):
+        coord = dict(zip(names, c, strict=True))
+        src = tuple(coord[a] if a in spec.sharding_axes else 0 for a in names)
+        out[_dim_slices(spec, coord, sizes)] = arr[src]
+    return out, None
+
+
+# ---------------------------------------------------------------------------
+# Enumeration of specs
+# ---------------------------------------------------------------------------
+
+
+def enumerate_specs(
+    shape: tuple[int, ...],
+    mesh: Any,
+    *,
+    dtype: Any = None,
+    partial_ops: Sequence[str] = REDUCE_OPS,
+    even_only: bool = True,
+) -> list[TensorSpec]:
+    """Every spec of ``shape`` on ``mesh``: each axis unused, sharding one dim
+    (several axes on one dim in mesh order), or partial with each op.
+
+    Size-1 dims are never sharded; with ``even_only`` neither are dims the
+    axes do not divide.
+    """
+    sizes = axis_sizes(mesh)
+    choices: list[list[tuple[str, Any]]] = []
+    for a in sizes:
+        opts: list[tuple[str, Any]] = [("none", None)]
+        opts += [("dim", d) for d, n in enumerate(shape) if n > 1]
+        opts += [("partial", op) for op in partial_ops]
+        choices.append(opts)
+    out: list[TensorSpec] = []
+    for combo in itertools.product(*choices):
+        dims: list[list[str]] = [[] for _ in shape]
+        partial: dict[str, str] = {}
+        for a, (kind, v) in zip(sizes, combo, strict=True):
+            if kind == "dim":
+                dims[v].append(a)
+            elif kind == "partial":
+                partial[a] = v
+        spec = TensorSpec(shape, [tuple(d) for d in dims], partial=partial, dtype=dtype)
+        if even_only and not spec.is_even(mesh):
+            continue
+        out.append(spec)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Local execution with shard_map
+# ---------------------------------------------------------------------------
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _as_tuple(x: Any) -> tuple[Any, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+@functools.lru_cache(maxsize=512)
+def _forward_runner(impl: Callable[..., Any], attrs: Any, mesh: Mesh) -> Callable[..., Any]:
+    names = mesh.axis_names
+    lead = (0,) * len(names)
+    fn = functools.partial(impl, **dict(attrs))
+
+    def local(*xs):
+        ys = _as_tuple(fn(*(x[lead] for x in xs)))
+        return tuple(y[(None,) * len(names)] for y in ys)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(*names), out_specs=P(*names)))
+
+
+@functools.lru_cache(maxsize=512)
+def _grad_runner(
+    impl: Callable[..., Any],
+    attrs: Any,
+    mesh: Mesh,
+    diff: tuple[bool, ...],
+    transposes: tuple[tuple[float, bool], ...],
+) -> Callable[..., Any]:
+    names = mesh.axis_names
+    lead = (0,) * len(names)
+    fn = functools.partial(impl, **dict(attrs))
+    n_in = len(diff)
+
+    def local(*args):
+        xs = [a[lead] for a in args[:n_in]]
+        n_out = len(transposes)
+        gs = [a[lead] for a in args[n_in : n_in + n_out]]
+        outs_global = [a[lead] for a in args[n_in + n_out :]]
+        idx = [i for i, d in enumerate(diff) if d]
+
+        def f(*dxs):
+            full = list(xs)
+            for i, v in zip(idx, dxs, strict=True):
+                full[i] = v
+            return _as_tuple(fn(*full))
+
+        outs, vjp = jax.vjp(f, *(xs[i] for i in idx))
+        cts = []
+        for o, g, og, (scale, mask) in zip(outs, gs, outs_global, transposes, strict=True):
+            g = g / scale
+            if mask:
+                g = jnp.where(o == og, g, jnp.zeros_like(g))
+            cts.append(g.astype(o.dtype))
+        grads = vjp(tuple(cts))
+        return tuple(d[(None,) * len(names)] for d in grads)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(*names), out_specs=P(*names)))
+
+
+def _put(stacked: np.ndarray, mesh: Mesh) -> jax.Array:
+    return jax.device_put(stacked, NamedSharding(mesh, P(*mesh.axis_names)))
+
+
+# ---------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CaseFailure:
+    """A case where the rule's claim is wrong."""
+
+    kind: str
+    attrs: Mapping[str, Any]
+    given: tuple[TensorSpec, ...]
+    required: tuple[TensorSpec, ...]
+    claimed: tuple[TensorSpec, ...]
+    detail: str
+
+    def __str__(self) -> str:
+        g = ", ".join(map(str, self.given))
+        r = ", ".join(map(str, self.required))
+        c = ", ".join(map(str, self.claimed))
+        return f"{self.kind} {dict(self.attrs)}: given ({g}) required ({r}) claimed ({c}): {self.detail}"
+
+
+@dataclass(frozen=True)
+class MissingPlacement:
+    """Inputs the rule resharded although the op could run on them as given."""
+
+    attrs: Mapping[str, Any]
+    given: tuple[TensorSpec, ...]
+    valid_output: TensorSpec
+
+    def __str__(self) -> str:
+        g = ", ".join(map(str, self.given))
+        return f"{dict(self.attrs)}: ({g}) could give {self.valid_output} without a reshard"
+
+
+@dataclass
+class RuleReport:
+    """Result of :func:`check_rule`.
+
+    Attributes:
+      op: the op checked.
+      mesh: the mesh, as ``{axis: size}``.
+      forward_cases / grad_cases: how many cases ran.
+      wrong: cases where the rule's claim is numerically wrong.
+      missing: valid placements the rule did not claim (it resharded instead).
+      skipped: cases that could not run (and why).
+    """
+
+    op: str
+    mesh: dict[str, int]
+    forward_cases: int = 0
+    grad_cases: int = 0
+    wrong: list[CaseFailure] = field(default_factory=list)
+    missing: list[MissingPlacement] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no case is wrong and at least one case ran."""
+        return not self.wrong and self.forward_cases > 0
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.op} on {self.mesh}: {self.forward_cases} forward, {self.grad_cases} grad cases, "
+            f"{len(self.wrong)} wrong, {len(self.missing)} missing, {len(self.skipped)} skipped"
+        ]
+        lines += [f"  WRONG {w}" for w in self.wrong[:10]]
+        lines += [f"  missing {m}" for m in self.missing[:5]]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Single cases
+# ---------------------------------------------------------------------------
+
+
+def _values(rule: Rule, ex: Example, rng: np.random.Generator) -> list[np.ndarray]:
+    dtypes = ex.dtypes or ("float32",) * len(ex.shapes)
+    return [
+        random_value(s, d, domain=ex.domain, rng=rng)
+        for s, d in zip(ex.shapes, dtypes, strict=True)
+    ]
+
+
+def _impl(rule: Rule) -> Callable[..., Any]:
+    return rule.local_impl or rule.impl
+
+
+def check_forward_case(
+    rule: Rule | str,
+    specs: Sequence[TensorSpec],
+    mesh: Mesh,
+    *,
+    values: Sequence[np.ndarray],
+    attrs: Mapping[str, Any] | None = None,
+    rtol: float = 1e-5,
+    domain: str = "real",
+    seed: int = 0,
+) -> tuple[CaseFailure | None, Any]:
+    """Check one forward case; returns ``(failure or None, InferenceResult)``."""
+    rule = get_rule(rule) if isinstance(rule, str) else rule
+    attrs = dict(attrs or {})
+    rng = np.random.default_rng(seed)
+    res = infer_forward(rule.name, *specs, mesh=mesh, **attrs)
+    ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **attrs))]
+
+    def fail(detail: str) -> CaseFailure:
+        return CaseFailure("forward", attrs, tuple(specs), res.inputs, res.outputs, detail)
+
+    for s, r in zip(res.inputs, specs, strict=True):
+        if s.shape != r.shape:
+            return fail(f"required spec {s} changes the shape {r.shape}"), res
+    for o, r in zip(res.outputs, ref, strict=True):
+        if o.shape != r.shape:
+            return fail(f"claimed output shape {o.shape}, op gives {r.shape}"), res
+        if any(n == 1 and axes for n, axes in zip(o.shape, o.dims, strict=True)):
+            return fail(f"claimed output {o} shards a size-1 dim"), res
+    if not all(s.is_even(mesh) for s in (*res.inputs, *res.outputs)):
+        return None, res
+    pieces = [
+        _put(local_pieces(v, s, mesh, rng=rng, domain=domain), mesh)
+        for v, s in zip(values, res.inputs, strict=True)
+    ]
+    outs = _forward_runner(_impl(rule), _freeze(attrs), mesh)(*pieces)
+    for o, claimed, r in zip(outs, res.outputs, ref, strict=True):
+        got, why = assemble(np.asarray(o), claimed, mesh, rtol=rtol)
+        if why:
+            return fail(why), res
+        if not _close(got, r, rtol):
+            err = float(np.max(np.abs(got.astype(np.float64) - r.astype(np.float64))))
+            return fail(f"values differ from the unsharded op (max abs err {err:.3g})"), res
+    return None, res
+
+
+def _find_missing(
+    rule: Rule,
+    specs: Sequence[TensorSpec],
+    mesh: Mesh,
+    values: Sequence[np.ndarray],
+    attrs: Mapping[str, Any],
+    ref: Sequence[np.ndarray],
+    rtol: float,
+    domain: str,
+    rng: np.random.Generator,
+) -> TensorSpec | None:
+    try:
+        pieces = [
+            _put(local_pieces(v, s, mesh, rng=rng, domain=domain), mesh)
+            for v, s in zip(values, specs, strict=True)
+        ]
+        outs = _forward_runner(_impl(rule), _freeze(attrs), mesh)(*pieces)
+    except (TypeError, ValueError, SpmdError):
+        return None  # the op cannot even run on these pieces
+    if len(outs) != 1:
+        return None
+    stacked = np.asarray(outs[0])
+    mesh_rank = len(mesh.axis_names)
+    for cand in enumerate_specs(ref[0].shape, mesh, dtype=None):
+        if cand.local_shape(mesh) != stacked.shape[mesh_rank:]:
+            continue
+        got, why = assemble(stacked, cand, mesh, rtol=rtol)
+        if why is None and _close(got, ref[0], rtol):
+            return cand
+    return None
+
+
+def check_grad_case(
+    rule: Rule | str,
+    specs: Sequence[TensorSpec],
+    out_grads: Sequence[TensorSpec],
+    mesh: Mesh,
+    *,
+    values: Sequence[np.ndarray],
+    cotangents: Sequence[np.ndarray],
+    attrs: Mapping[str, Any] | None = None,
+    differentiable: Sequence[bool] | None = None,
+    rtol: float = 1e-5,
+    domain: str = "real",
+    seed: int = 0,
+) -> tuple[CaseFailure | None, Any]:
+    """Check one grad case against ``jax.vjp``; returns ``(failure or None, result)``.
+
+    Each device runs the VJP of the op on its local pieces. The cotangent first
+    goes back through the output's pending reduction (sum: as is; avg: divided
+    by the group size; max/min: kept only where the local result is the global
+    one, which the backward pass knows from the forward output).
+    """
+    rule = get_rule(rule) if isinstance(rule, str) else rule
+    attrs = dict(attrs or {})
+    diff = tuple(differentiable or (True,) * len(specs))
+    rng = np.random.default_rng(seed)
+    res = infer_grad(rule.name, *specs, out_grads=out_grads, mesh=mesh, **attrs)
+
+    def fail(detail: str) -> CaseFailure:
+        return CaseFailure(
+            "grad", attrs, (*specs, *out_grads), (*res.inputs, *res.out_grads), res.outputs, detail
+        )
+
+    fn = functools.partial(rule.impl, **attrs)
+    xs = list(map(jnp.asarray, values))
+    idx = [i for i, d in enumerate(diff) if d]
+
+    def f(*dxs):
+        full = list(xs)
+        for i, v in zip(idx, dxs, strict=True):
+            full[i] = v
+        return _as_tuple(fn(*full))
+
+    outs_ref, vjp = jax.vjp(f, *(xs[i] for i in idx))
+    ref_grads = [np.asarray(g) for g in vjp(tuple(jnp.asarray(c) for c in cotangents))]
+    specs_all = (*res.inputs, *res.out_grads, *res.outputs, *res.forward_outputs)
+    if not all(s.is_even(mesh) for s in specs_all):
+        return None, res
+    sizes = axis_sizes(mesh)
+    transposes = []
+    for fo in res.forward_outputs:
+        scale = float(math.prod(sizes[a] for a, op in fo.partial if op == "avg"))
+        mask = any(op in ("max", "min") for _, op in fo.partial)
+        transposes.append((scale, mask))
+    args = [
+        _put(local_pieces(v, s, mesh, rng=rng, domain=domain), mesh)
+        for v, s in zip(values, res.inputs, strict=True)
+    ]
+    args += [
+        _put(local_pieces(c, s, mesh, rng=rng), mesh)
+        for c, s in zip(cotangents, res.out_grads, strict=True)
+    ]
+    args += [
+        _put(local_pieces(np.asarray(o), fo.without_partial(), mesh, rng=rng), mesh)
+        for o, fo in zip(outs_ref, res.forward_outputs, strict=True)
+    ]
+    runner = _grad_runner(_impl(rule), _freeze(attrs), mesh, diff, tuple(transposes))
+    local_grads = runner(*args)
+    for i, lg, rg in zip(idx, local_grads, ref_grads, strict=True):
+        got, why = assemble(np.asarray(lg), res.outputs[i], mesh, rtol=rtol)
+        if why:
+            return fail(f"grad of input {i}: {why}"), res
+        if not _close(got, rg, rtol):
+            err = float(np.max(np.abs(got.astype(np.float64) - rg.astype(np.float64))))
+            return fail(f"grad of input {i} differs from jax.vjp (max abs err {err:.3g})"), res
+    return None, res
+
+
+# ---------------------------------------------------------------------------
+# The sweep
+# ---------------------------------------------------------------------------
+
+
+def _input_specs(ex: Example, mesh: Mesh) -> list[list[TensorSpec]]:
+    dtypes = ex.dtypes or ("float32",) * len(ex.shapes)
+    out = []
+    for shape, dt in zip(ex.shapes, dtypes, strict=True):
+        floating = jnp.issubdtype(np.dtype(dt), jnp.floating)
+        out.append(
+            enumerate_specs(shape, mesh, dtype=dt, partial_ops=REDUCE_OPS if floating else ())
+        )
+    return out
+
+
+def _sample(
+    combos: list[tuple[TensorSpec, ...]], limit: int | None, rng: np.random.Generator
+) -> list[tuple[TensorSpec, ...]]:
+    if limit is None or len(combos) <= limit:
+        return combos
+    keep = {0}  # all replicated
+    keep |= {int(i) for i in rng.choice(len(combos), size=limit - 1, replace=False)}
+    return [combos[i] for i in sorted(keep)]
+
+
+def check_rule(
+    rule: Rule | str,
+    *,
+    mesh: Mesh,
+    examples: Sequence[Example] | None = None,
+    max_cases: int | None = 48,
+    max_grad_cases: int | None = 16,
+    grads: bool = True,
+    missing: bool = True,
+    seed: int = 0,
+) -> RuleReport:
+    """Run the numeric sweep (forward and grad) of ``rule`` on ``mesh``.
+
+    Args:
+      rule: a Rule or a registered op name.
+      mesh: a real mesh (virtual CPU devices are fine).
+      examples: inputs to sweep (default: the rule's own ``examples``).
+      max_cases: forward cases per example; beyond it a deterministic sample
+        (always including all-replicated) is taken. ``None``: every combination.
+      max_grad_cases: grad cases per example (each with a random cotangent spec).
+      grads: also check the grad rule.
+      missing: also look for valid placements the rule did not claim.
+      seed: seed of the values, splits and sampling.
+
+    Returns:
+      A :class:`RuleReport`; ``report.ok`` is False when any claim is wrong.
+    """
+    rule = get_rule(rule) if isinstance(rule, str) else rule
+    report = RuleReport(rule.name, dict(axis_sizes(mesh)))
+    rng = np.random.default_rng(seed)
+    for ex in examples or rule.examples:
+        values = _values(rule, ex, rng)
+        attrs = dict(ex.attrs)
+        ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **attrs))]
+        combos = _sample(list(itertools.product(*_input_specs(ex, mesh))), max_cases, rng)
+        for specs in combos:
+            failure, res = check_forward_case(
+                rule, specs, mesh, values=values, attrs=attrs, rtol=ex.rtol, domain=ex.domain,
+                seed=int(rng.integers(1 << 30)),
+            )
+            report.forward_cases += 1
+            if failure:
+                report.wrong.append(failure)
+                continue
+            if missing and tuple(res.inputs) != tuple(specs) and len(ref) == 1:
+                cand = _find_missing(rule, specs, mesh, values, attrs, ref, ex.rtol, ex.domain, rng)
+                if cand is not None:
+                    report.missing.append(MissingPlacement(attrs, tuple(specs), cand))
+        if not grads:
+            continue
+        diff = ex.differentiable or (True,) * len(ex.shapes)
+        if not any(diff) or not all(jnp.issubdtype(r.dtype, jnp.floating) for r in ref):
+            continue
+        grad_combos = _sample(
+            list(itertools.product(*_input_specs(ex, mesh))), max_grad_cases, rng
+        )
+        out_cands = [enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",)) for r in ref]
+        for specs in grad_combos:
+            plain = tuple(s.without_partial() for s in specs)
+            gs = tuple(c[int(rng.integers(len(c)))] for c in out_cands)
+            cots = [random_value(r.shape, r.dtype.name, rng=rng) for r in ref]
+            failure, _ = check_grad_case(
+                rule, plain, gs, mesh, values=values, cotangents=cots, attrs=attrs,
+                differentiable=diff, rtol=max(ex.rtol, 1e-5), domain=ex.domain,
+                seed=int(rng.integers(1 << 30)),
+            )
+            report.grad_cases += 1
+            if failure:
+                report.wrong.append(failure)
+    return report
+
+
+# ---------------------------------------------------------------------------
+# Jit check
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class JitReport:
+    """Result of :func:`check_jit`: predicted vs compiled collectives per case."""
+
+    op: str
+    mesh: dict[str, int]
+    cases: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every compiled case matched the prediction."""
+        return not self.mismatches and self.cases > 0
+
+    def __str__(self) -> str:
+        head = f"{self.op} jit on {self.mesh}: {self.cases} cases, {len(self.mismatches)} mismatches"
+        return "\n".join([head, *(f"  {m}" for m in self.mismatches[:10])])
+
+
+def _auto_mesh(mesh: Mesh) -> Mesh:
+    return Mesh(mesh.devices, mesh.axis_names)
+
+
+def check_jit(
+    rule: Rule | str,
+    *,
+    mesh: Mesh,
+    examples: Sequence[Example] | None = None,
+    max_cases: int | None = 8,
+    seed: int = 0,
+) -> JitReport:
+    """Compile the op with the rule's shardings; compare HLO collectives with the prediction.
+
+    For each sampled case without partial inputs: ``jax.jit(op,
+    in_shardings=required inputs, out_shardings=claimed outputs with partials
+    resolved)`` on an Auto-axes copy of ``mesh``. The predicted collectives are
+    the reshard plan from the claimed output to that target (an all-reduce per
+    pending reduction, nothing else). The compiled HLO must show the same count
+    of collectives per kind and the same payload bytes per device.
+    """
+    from spmdkit.hlo import compiled_collectives
+    from spmdkit.reshard import plan_reshard
+
+    rule = get_rule(rule) if isinstance(rule, str) else rule
+    report = JitReport(rule.name, dict(axis_sizes(mesh)))
+    rng = np.random.default_rng(seed)
+    amesh = _auto_mesh(mesh)
+    for ex in examples or rule.examples:
+        attrs = dict(ex.attrs)
+        fn = functools.partial(rule.impl, **attrs)
+        combos = list(itertools.product(*_input_specs(ex, mesh)))
+        combos = [c for c in combos if not any(s.partial for s in c)]
+        for specs in _sample(combos, max_cases, rng):
+            res = infer_forward(rule.name, *specs, mesh=mesh, **attrs)
+            if any(s.partial for s in res.inputs):
+                continue
+            targets = [o.without_partial() for o in res.outputs]
+            predicted = [
+                c for o, t in zip(res.outputs, targets, strict=True)
+                for c in plan_reshard(o, t, mesh).collectives
+            ]
+            dtypes = ex.dtypes or ("float32",) * len(ex.shapes)
+            args = [
+                jax.ShapeDtypeStruct(s.shape, np.dtype(d), sharding=s.to_named_sharding(amesh))
+                for s, d in zip(res.inputs, dtypes, strict=True)
+            ]
+            out_sh = tuple(t.to_named_sharding(amesh) for t in targets)
+            compiled = compiled_collectives(
+                lambda *a, fn=fn: fn(*a), *args,
+                out_shardings=out_sh if len(out_sh) > 1 else out_sh[0],
+            )
+            report.cases += 1
+            why = _compare(predicted, compiled)
+            if why:
+                ins = ", ".join(map(str, res.inputs))
+                outs = ", ".join(map(str, res.outputs))
+                report.mismatches.append(f"{dict(attrs)} ({ins}) -> ({outs}): {why}")
+    return report
+
+
+def _compare(predicted: Sequence[Any], compiled: Sequence[Any]) -> str | None:
+    def tally(items: Iterable[Any]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for c in items:
+            out.setdefault(c.kind, []).append(int(c.payload_bytes))
+        return {k: sorted(v) for k, v in out.items()}
+
+    want, got = tally(predicted), tally(compiled)
+    if want != got:
+        return f"predicted {want or 'no collectives'}, compiled {got or 'no collectives'}"
+    return None

@@ -1,0 +1,56 @@
+"""The registry: lookup, near matches, duplicate registration, user rules."""
+
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+
+
+def test_builtin_families_registered():
+    ops = sk.registered_ops()
+    for op in ("add", "matmul", "dot_general", "einsum", "reduce_sum", "softmax", "where"):
+        assert op in ops
+    assert list(ops) == sorted(ops)
+
+
+def test_unknown_op_names_near_matches():
+    with pytest.raises(sk.NoRuleError, match="did you mean 'matmul'") as info:
+        sk.get_rule("matmull")
+    assert isinstance(info.value, LookupError)
+
+
+def test_registering_twice_is_an_error():
+    rule = sk.FactorRule("t_scale", "... d, d -> ... d", impl=jnp.multiply, partial="MULTIPLICATIVE")
+    sk.register_rule(rule)
+    try:
+        with pytest.raises(sk.RegistrationError, match="registered once"):
+            sk.register_rule(rule)
+        with pytest.raises(sk.RegistrationError):
+            sk.register_rule(sk.FactorRule("matmul", "m, m -> m", impl=jnp.add))
+    finally:
+        sk.unregister_rule("t_scale")
+    assert "t_scale" not in sk.registered_ops()
+
+
+def test_non_rule_is_refused():
+    with pytest.raises(sk.RegistrationError):
+        sk.register_rule(object())
+
+
+def test_unknown_partial_policy_is_refused():
+    with pytest.raises(sk.RegistrationError, match="partial is one of"):
+        sk.FactorRule("t_bad", "a -> a", impl=jnp.negative, partial="LINEARISH")
+
+
+def test_user_rule_infers_and_clears_cache():
+    mesh = sk.abstract_mesh(x=4)
+    x = sk.TensorSpec((8, 16), P("x", None))
+    sk.register_rule(sk.FactorRule("t_rowscale", "r d, d -> r d", impl=jnp.multiply))
+    try:
+        res = sk.infer_forward("t_rowscale", x, sk.TensorSpec((16,)), mesh=mesh)
+        assert str(res.outputs[0]) == "[8@x,16]"
+    finally:
+        sk.unregister_rule("t_rowscale")
+    with pytest.raises(sk.NoRuleError):
+        sk.infer_forward("t_rowscale", x, sk.TensorSpec((16,)), mesh=mesh)
