@@ -108,7 +108,7 @@ _EX = (
     Example(((4, 8, 2),), attrs={"axis": (0, 2)}),
     Example(((8, 8),), attrs={"axis": None}),
 )
-_POS_EX = tuple(Example(e.shapes, attrs=e.attrs, domain="positive") for e in _EX)
+_NEAR_ONE_EX = tuple(Example(e.shapes, attrs=e.attrs, domain="near_one") for e in _EX)
 
 
 def _rule(name: str, fn: Any, reduce: str | None, policy: str, examples: Any = _EX, cls=FactorRule):
@@ -127,6 +127,6 @@ RULES = (
     _rule("reduce_max", jnp.max, "max", "REDUCE_MAX"),
     _rule("reduce_mean", jnp.mean, "avg", "REDUCE_SUM", cls=_MeanRule),
     _rule("reduce_min", jnp.min, "min", "REDUCE_MIN"),
-    _rule("reduce_prod", jnp.prod, None, "NONE", _POS_EX),
+    _rule("reduce_prod", jnp.prod, None, "NONE", _NEAR_ONE_EX),
     _rule("reduce_sum", jnp.sum, "sum", "REDUCE_SUM"),
 )

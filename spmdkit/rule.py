@@ -200,7 +200,8 @@ class Example:
       shapes: one shape per input.
       attrs: op attributes.
       dtypes: one dtype name per input (default float32).
-      domain: ``"real"``, ``"positive"`` (logs, roots) or ``"unit"`` (|x| < 1).
+      domain: ``"real"``, ``"positive"`` (logs, roots), ``"near_one"`` (long
+        products) or ``"unit"`` (|x| < 1).
       differentiable: per input, whether grads flow to it (ints/bools do not).
       rtol: relative tolerance of the numeric check (low-precision casts).
     """

@@ -5,6 +5,10 @@ minor, as in ``P(("data", "fsdp"), None)``), plus *partial* axes: mesh axes over
 which the value is a pending reduction (``sum``, ``avg``, ``max`` or ``min``).
 Sum-partial is what JAX calls ``unreduced``.
 
+Several partial axes reduce in the order listed (sorted by axis name). sum and
+avg commute with each other; max and min commute with neither, so rules never
+mix them with other ops on one tensor.
+
 Invariants (checked on construction): a mesh axis appears at most once in a
 tensor, and is never both sharding and partial; reduce ops come from
 :data:`REDUCE_OPS`. Given ``mesh=``, axis names are checked against it too.

@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -45,9 +46,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.errors import ShardingConflictError, SpmdError
+from spmdkit.errors import NoRuleError, RegistrationError, ShardingConflictError, SpmdError
 from spmdkit.inference import infer_forward, infer_grad
-from spmdkit.registry import get_rule
+from spmdkit.registry import get_rule, register_rule, unregister_rule
 from spmdkit.rule import Example, Rule
 from spmdkit.spec import REDUCE_OPS, TensorSpec, axis_sizes
 
@@ -83,6 +84,8 @@ def random_value(
         return rng.integers(-4, 5, size=shape).astype(dt)
     if domain == "positive":
         return rng.uniform(0.5, 2.0, size=shape).astype(dt)
+    if domain == "near_one":
+        return rng.uniform(0.8, 1.25, size=shape).astype(dt)
     if domain == "unit":
         return rng.uniform(-0.9, 0.9, size=shape).astype(dt)
     return rng.standard_normal(shape).astype(dt)
@@ -120,7 +123,7 @@ def _split(
     owner = rng.integers(0, n, size=base.shape)
     parts = []
     for j in range(n):
-        if domain == "positive":
+        if domain in ("positive", "near_one"):
             u = rng.uniform(0.3, 0.9, size=base.shape).astype(base.dtype)
             other = base * u if op == "max" else base / u
         else:
@@ -161,7 +164,9 @@ def local_pieces(
     for c in _coords(sizes):
         coord = dict(zip(names, c, strict=True))
         out[c] = value[_dim_slices(spec, coord, sizes)]
-    for p, op in spec.partial:
+    # The value is the reduction over the partial axes in listed order, so the
+    # split runs in reverse: the last-reduced axis is split first.
+    for p, op in reversed(spec.partial):
         k = names.index(p)
         others = [a for a in names if a != p]
         # Devices that differ only along replicated axes must hold equal pieces:
@@ -184,7 +189,8 @@ def _close(a: np.ndarray, b: np.ndarray, rtol: float) -> bool:
     if a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer):
         return bool(np.array_equal(a, b))
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    scale = max(1.0, float(np.max(np.abs(b64), initial=0.0)))
+    finite = np.abs(b64[np.isfinite(b64)])
+    scale = max(1.0, float(np.max(finite, initial=0.0)))
     return bool(np.allclose(a64, b64, rtol=rtol, atol=rtol * scale, equal_nan=True))
 
 
@@ -412,6 +418,33 @@ class RuleReport:
 # ---------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _registered(rule: Rule | str):
+    """The rule, registered for the duration (a rule under test need not be yet)."""
+    if isinstance(rule, str):
+        yield get_rule(rule)
+        return
+    try:
+        current = get_rule(rule.name)
+    except NoRuleError:
+        current = None
+    if current is rule:
+        yield rule
+        return
+    if current is not None:
+        raise RegistrationError(
+            op=rule.name,
+            must="the rule under test is the one registered under its name, or its name is free",
+            given=f"another rule is registered as {rule.name!r}",
+            fix="give the rule under test another name",
+        )
+    register_rule(rule)
+    try:
+        yield rule
+    finally:
+        unregister_rule(rule.name)
+
+
 def _values(rule: Rule, ex: Example, rng: np.random.Generator) -> list[np.ndarray]:
     dtypes = ex.dtypes or ("float32",) * len(ex.shapes)
     return [
@@ -436,8 +469,20 @@ def check_forward_case(
     seed: int = 0,
 ) -> tuple[CaseFailure | None, Any]:
     """Check one forward case; returns ``(failure or None, InferenceResult)``."""
-    rule = get_rule(rule) if isinstance(rule, str) else rule
-    attrs = dict(attrs or {})
+    with _registered(rule) as rule:
+        return _forward_case(rule, specs, mesh, values, dict(attrs or {}), rtol, domain, seed)
+
+
+def _forward_case(
+    rule: Rule,
+    specs: Sequence[TensorSpec],
+    mesh: Mesh,
+    values: Sequence[np.ndarray],
+    attrs: dict[str, Any],
+    rtol: float,
+    domain: str,
+    seed: int,
+) -> tuple[CaseFailure | None, Any]:
     rng = np.random.default_rng(seed)
     res = infer_forward(rule.name, *specs, mesh=mesh, **attrs)
     ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **attrs))]
@@ -523,9 +568,26 @@ def check_grad_case(
     by the group size; max/min: kept only where the local result is the global
     one, which the backward pass knows from the forward output).
     """
-    rule = get_rule(rule) if isinstance(rule, str) else rule
-    attrs = dict(attrs or {})
-    diff = tuple(differentiable or (True,) * len(specs))
+    with _registered(rule) as rule:
+        return _grad_case(
+            rule, specs, out_grads, mesh, values, cotangents, dict(attrs or {}),
+            tuple(differentiable or (True,) * len(specs)), rtol, domain, seed,
+        )
+
+
+def _grad_case(
+    rule: Rule,
+    specs: Sequence[TensorSpec],
+    out_grads: Sequence[TensorSpec],
+    mesh: Mesh,
+    values: Sequence[np.ndarray],
+    cotangents: Sequence[np.ndarray],
+    attrs: dict[str, Any],
+    diff: tuple[bool, ...],
+    rtol: float,
+    domain: str,
+    seed: int,
+) -> tuple[CaseFailure | None, Any]:
     rng = np.random.default_rng(seed)
     res = infer_grad(rule.name, *specs, out_grads=out_grads, mesh=mesh, **attrs)
 
@@ -632,7 +694,20 @@ def check_rule(
     Returns:
       A :class:`RuleReport`; ``report.ok`` is False when any claim is wrong.
     """
-    rule = get_rule(rule) if isinstance(rule, str) else rule
+    with _registered(rule) as rule:
+        return _sweep(rule, mesh, examples, max_cases, max_grad_cases, grads, missing, seed)
+
+
+def _sweep(
+    rule: Rule,
+    mesh: Mesh,
+    examples: Sequence[Example] | None,
+    max_cases: int | None,
+    max_grad_cases: int | None,
+    grads: bool,
+    missing: bool,
+    seed: int,
+) -> RuleReport:
     report = RuleReport(rule.name, dict(axis_sizes(mesh)))
     rng = np.random.default_rng(seed)
     for ex in examples or rule.examples:
@@ -641,9 +716,8 @@ def check_rule(
         ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **attrs))]
         combos = _sample(list(itertools.product(*_input_specs(ex, mesh))), max_cases, rng)
         for specs in combos:
-            failure, res = check_forward_case(
-                rule, specs, mesh, values=values, attrs=attrs, rtol=ex.rtol, domain=ex.domain,
-                seed=int(rng.integers(1 << 30)),
+            failure, res = _forward_case(
+                rule, specs, mesh, values, attrs, ex.rtol, ex.domain, int(rng.integers(1 << 30))
             )
             report.forward_cases += 1
             if failure:
@@ -666,10 +740,9 @@ def check_rule(
             plain = tuple(s.without_partial() for s in specs)
             gs = tuple(c[int(rng.integers(len(c)))] for c in out_cands)
             cots = [random_value(r.shape, r.dtype.name, rng=rng) for r in ref]
-            failure, _ = check_grad_case(
-                rule, plain, gs, mesh, values=values, cotangents=cots, attrs=attrs,
-                differentiable=diff, rtol=max(ex.rtol, 1e-5), domain=ex.domain,
-                seed=int(rng.integers(1 << 30)),
+            failure, _ = _grad_case(
+                rule, plain, gs, mesh, values, cots, attrs, tuple(diff), max(ex.rtol, 1e-5),
+                ex.domain, int(rng.integers(1 << 30)),
             )
             report.grad_cases += 1
             if failure:
@@ -725,7 +798,16 @@ def check_jit(
     from spmdkit.hlo import compiled_collectives
     from spmdkit.reshard import plan_reshard
 
-    rule = get_rule(rule) if isinstance(rule, str) else rule
+    with _registered(rule) as rule:
+        return _jit_sweep(rule, mesh, examples, max_cases, seed)
+
+
+def _jit_sweep(
+    rule: Rule, mesh: Mesh, examples: Sequence[Example] | None, max_cases: int | None, seed: int
+) -> JitReport:
+    from spmdkit.hlo import compiled_collectives
+    from spmdkit.reshard import plan_reshard
+
     report = JitReport(rule.name, dict(axis_sizes(mesh)))
     rng = np.random.default_rng(seed)
     amesh = _auto_mesh(mesh)
