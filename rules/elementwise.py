@@ -78,7 +78,9 @@ _CMP_EX = tuple(Example(e.shapes, differentiable=(False, False)) for e in _BINAR
 _BOOL_EX = (Example(((8, 8), (8, 8)), dtypes=("bool", "bool"), differentiable=(False, False)),)
 
 
-def _unary(name: str, impl: Any, policy: str, examples: Any = _UNARY_EX, doc: str = "") -> FactorRule:
+def _unary(
+    name: str, impl: Any, policy: str, examples: Any = _UNARY_EX, doc: str = ""
+) -> FactorRule:
     return FactorRule(
         name, broadcast_notation, impl=impl, partial=policy, examples=examples, doc=doc
     )
@@ -112,7 +114,9 @@ def _cast_policy(dtypes: tuple[Any, ...], *, new_dtype: Any, **_: Any) -> str:
     rounding, and a narrowing cast rounds each partial piece (which may be much
     larger than the sum) before the sum: then sum/avg partials are resolved first."""
     src, dst = dtypes[0], np.dtype(new_dtype)
-    floats = src is not None and jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
+    floats = (
+        src is not None and jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
+    )
     if floats and dst.itemsize >= src.itemsize:
         return "LINEAR"
     return "MONOTONE"
@@ -134,10 +138,16 @@ def _cast_policy_rule() -> FactorRule:
 
 
 _SELECT_EX = (
-    Example(((8, 8), (8, 8), (8, 8)), dtypes=("bool", "float32", "float32"),
-            differentiable=(False, True, True)),
-    Example(((8, 1), (8, 8), (8,)), dtypes=("bool", "float32", "float32"),
-            differentiable=(False, True, True)),
+    Example(
+        ((8, 8), (8, 8), (8, 8)),
+        dtypes=("bool", "float32", "float32"),
+        differentiable=(False, True, True),
+    ),
+    Example(
+        ((8, 1), (8, 8), (8,)),
+        dtypes=("bool", "float32", "float32"),
+        differentiable=(False, True, True),
+    ),
 )
 
 RULES = tuple(

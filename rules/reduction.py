@@ -58,9 +58,11 @@ def reduce_notation(
     (shape,) = shapes
     red = _axes(len(shape), axis)
     ins = [f"r{i}" for i in range(len(shape))]
-    outs = [BROADCAST if i in red else f for i, f in enumerate(ins)] if keepdims else [
-        f for i, f in enumerate(ins) if i not in red
-    ]
+    outs = (
+        [BROADCAST if i in red else f for i, f in enumerate(ins)]
+        if keepdims
+        else [f for i, f in enumerate(ins) if i not in red]
+    )
     return f"{' '.join(ins)} -> {' '.join(outs)}"
 
 

@@ -74,8 +74,8 @@ class Notation:
 
 def _split_operands(side: str) -> list[list[str]]:
     operands = []
-    for part in side.split(","):
-        part = part.strip()
+    for raw in side.split(","):
+        part = raw.strip()
         tokens = _TOKEN.findall(part)
         if "".join(tokens) != part.replace(" ", ""):
             raise RegistrationError(

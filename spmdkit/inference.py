@@ -115,7 +115,9 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _check_specs(op: str, specs: Sequence[Any], what: str, mesh: MeshLike) -> tuple[TensorSpec, ...]:
+def _check_specs(
+    op: str, specs: Sequence[Any], what: str, mesh: MeshLike
+) -> tuple[TensorSpec, ...]:
     out = []
     for i, s in enumerate(specs):
         if not isinstance(s, TensorSpec):

@@ -62,7 +62,7 @@ def use_virtual_cpu_devices(n: int = 8) -> bool:
     JAX had already started with a different count (set
     ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before starting Python).
     """
-    from jax._src import xla_bridge  # noqa: PLC0415 - private, but the only way to ask
+    from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
         try:

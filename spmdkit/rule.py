@@ -339,7 +339,8 @@ class FactorRule(Rule):
                 raise ShardingConflictError(
                     op=self.name,
                     must="the inputs and attributes fit the op",
-                    given=f"{len(shapes)} inputs of shapes {tuple(shapes)}, attrs {dict(attrs)} ({e})",
+                    given=f"{len(shapes)} inputs of shapes {tuple(shapes)}, "
+                    f"attrs {dict(attrs)} ({e})",
                     fix="check the operand count, ranks and attribute names",
                 ) from e
         else:
@@ -575,7 +576,10 @@ class FactorRule(Rule):
         }
         req_g = tuple(
             TensorSpec(
-                g.shape, self._layout(dims, g.shape, sizes, assign), partial=g_partial, dtype=g.dtype
+                g.shape,
+                self._layout(dims, g.shape, sizes, assign),
+                partial=g_partial,
+                dtype=g.dtype,
             )
             for dims, g in zip(nt.outputs, out_grads, strict=True)
         )

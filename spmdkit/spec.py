@@ -142,7 +142,7 @@ class TensorSpec:
         [64,32]{max:x}
     """
 
-    __slots__ = ("shape", "dims", "partial", "dtype", "_hash")
+    __slots__ = ("_hash", "dims", "dtype", "partial", "shape")
 
     shape: tuple[int, ...]
     dims: tuple[tuple[str, ...], ...]
@@ -184,7 +184,8 @@ class TensorSpec:
                     raise PartialConflictError(
                         op="TensorSpec",
                         must="an axis has one reduce op",
-                        given=f"{ax!r} unreduced (sum) in the PartitionSpec and {part[ax]!r} in partial=",
+                        given=f"{ax!r} unreduced (sum) in the PartitionSpec "
+                        f"and {part[ax]!r} in partial=",
                         fix="name the axis in one place only",
                     )
                 part[ax] = "sum"
@@ -394,7 +395,7 @@ class TensorSpec:
                 op="TensorSpec.from_sharding",
                 must="the sharding is a NamedSharding",
                 given=type(sharding).__name__,
-                fix="build a NamedSharding(mesh, PartitionSpec(...)) or use jax.sharding.reshard first",
+                fix="build a NamedSharding(mesh, PartitionSpec(...)), or reshard the value first",
             )
         return cls(shape, sharding.spec, dtype=dtype, mesh=sharding.mesh)
 

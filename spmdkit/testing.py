@@ -74,7 +74,11 @@ __all__ = [
 
 
 def random_value(
-    shape: tuple[int, ...], dtype: str = "float32", *, domain: str = "real", rng: np.random.Generator
+    shape: tuple[int, ...],
+    dtype: str = "float32",
+    *,
+    domain: str = "real",
+    rng: np.random.Generator,
 ) -> np.ndarray:
     """A random global value of ``shape`` in the op's ``domain``."""
     dt = np.dtype(dtype)
@@ -247,7 +251,7 @@ def enumerate_specs(
     """
     sizes = axis_sizes(mesh)
     choices: list[list[tuple[str, Any]]] = []
-    for a in sizes:
+    for _ in sizes:
         opts: list[tuple[str, Any]] = [("none", None)]
         opts += [("dim", d) for d, n in enumerate(shape) if n > 1]
         opts += [("partial", op) for op in partial_ops]
@@ -327,10 +331,10 @@ def _grad_runner(
         outs, vjp = jax.vjp(f, *(xs[i] for i in idx))
         cts = []
         for o, g, og, (scale, mask) in zip(outs, gs, outs_global, transposes, strict=True):
-            g = g / scale
+            ct = g / scale
             if mask:
-                g = jnp.where(o == og, g, jnp.zeros_like(g))
-            cts.append(g.astype(o.dtype))
+                ct = jnp.where(o == og, ct, jnp.zeros_like(ct))
+            cts.append(ct.astype(o.dtype))
         grads = vjp(tuple(cts))
         return tuple(d[(None,) * len(names)] for d in grads)
 
@@ -361,7 +365,8 @@ class CaseFailure:
         g = ", ".join(map(str, self.given))
         r = ", ".join(map(str, self.required))
         c = ", ".join(map(str, self.claimed))
-        return f"{self.kind} {dict(self.attrs)}: given ({g}) required ({r}) claimed ({c}): {self.detail}"
+        head = f"{self.kind} {dict(self.attrs)}: given ({g}) required ({r})"
+        return f"{head} claimed ({c}): {self.detail}"
 
 
 @dataclass(frozen=True)
@@ -405,7 +410,8 @@ class RuleReport:
 
     def __str__(self) -> str:
         lines = [
-            f"{self.op} on {self.mesh}: {self.forward_cases} forward, {self.grad_cases} grad cases, "
+            f"{self.op} on {self.mesh}: {self.forward_cases} forward, "
+            f"{self.grad_cases} grad cases, "
             f"{len(self.wrong)} wrong, {len(self.missing)} missing, {len(self.skipped)} skipped"
         ]
         lines += [f"  WRONG {w}" for w in self.wrong[:10]]
@@ -469,8 +475,8 @@ def check_forward_case(
     seed: int = 0,
 ) -> tuple[CaseFailure | None, Any]:
     """Check one forward case; returns ``(failure or None, InferenceResult)``."""
-    with _registered(rule) as rule:
-        return _forward_case(rule, specs, mesh, values, dict(attrs or {}), rtol, domain, seed)
+    with _registered(rule) as checked:
+        return _forward_case(checked, specs, mesh, values, dict(attrs or {}), rtol, domain, seed)
 
 
 def _forward_case(
@@ -568,10 +574,19 @@ def check_grad_case(
     by the group size; max/min: kept only where the local result is the global
     one, which the backward pass knows from the forward output).
     """
-    with _registered(rule) as rule:
+    with _registered(rule) as checked:
         return _grad_case(
-            rule, specs, out_grads, mesh, values, cotangents, dict(attrs or {}),
-            tuple(differentiable or (True,) * len(specs)), rtol, domain, seed,
+            checked,
+            specs,
+            out_grads,
+            mesh,
+            values,
+            cotangents,
+            dict(attrs or {}),
+            tuple(differentiable or (True,) * len(specs)),
+            rtol,
+            domain,
+            seed,
         )
 
 
@@ -694,8 +709,8 @@ def check_rule(
     Returns:
       A :class:`RuleReport`; ``report.ok`` is False when any claim is wrong.
     """
-    with _registered(rule) as rule:
-        return _sweep(rule, mesh, examples, max_cases, max_grad_cases, grads, missing, seed)
+    with _registered(rule) as checked:
+        return _sweep(checked, mesh, examples, max_cases, max_grad_cases, grads, missing, seed)
 
 
 def _sweep(
@@ -732,17 +747,26 @@ def _sweep(
         diff = ex.differentiable or (True,) * len(ex.shapes)
         if not any(diff) or not all(jnp.issubdtype(r.dtype, jnp.floating) for r in ref):
             continue
-        grad_combos = _sample(
-            list(itertools.product(*_input_specs(ex, mesh))), max_grad_cases, rng
-        )
-        out_cands = [enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",)) for r in ref]
+        grad_combos = _sample(list(itertools.product(*_input_specs(ex, mesh))), max_grad_cases, rng)
+        out_cands = [
+            enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",)) for r in ref
+        ]
         for specs in grad_combos:
             plain = tuple(s.without_partial() for s in specs)
             gs = tuple(c[int(rng.integers(len(c)))] for c in out_cands)
             cots = [random_value(r.shape, r.dtype.name, rng=rng) for r in ref]
             failure, _ = _grad_case(
-                rule, plain, gs, mesh, values, cots, attrs, tuple(diff), max(ex.rtol, 1e-5),
-                ex.domain, int(rng.integers(1 << 30)),
+                rule,
+                plain,
+                gs,
+                mesh,
+                values,
+                cots,
+                attrs,
+                tuple(diff),
+                max(ex.rtol, 1e-5),
+                ex.domain,
+                int(rng.integers(1 << 30)),
             )
             report.grad_cases += 1
             if failure:
@@ -770,7 +794,9 @@ class JitReport:
         return not self.mismatches and self.cases > 0
 
     def __str__(self) -> str:
-        head = f"{self.op} jit on {self.mesh}: {self.cases} cases, {len(self.mismatches)} mismatches"
+        head = (
+            f"{self.op} jit on {self.mesh}: {self.cases} cases, {len(self.mismatches)} mismatches"
+        )
         return "\n".join([head, *(f"  {m}" for m in self.mismatches[:10])])
 
 
@@ -795,11 +821,9 @@ def check_jit(
     pending reduction, nothing else). The compiled HLO must show the same count
     of collectives per kind and the same payload bytes per device.
     """
-    from spmdkit.hlo import compiled_collectives
-    from spmdkit.reshard import plan_reshard
 
-    with _registered(rule) as rule:
-        return _jit_sweep(rule, mesh, examples, max_cases, seed)
+    with _registered(rule) as checked:
+        return _jit_sweep(checked, mesh, examples, max_cases, seed)
 
 
 def _jit_sweep(
@@ -822,7 +846,8 @@ def _jit_sweep(
                 continue
             targets = [o.without_partial() for o in res.outputs]
             predicted = [
-                c for o, t in zip(res.outputs, targets, strict=True)
+                c
+                for o, t in zip(res.outputs, targets, strict=True)
                 for c in plan_reshard(o, t, mesh).collectives
             ]
             dtypes = ex.dtypes or ("float32",) * len(ex.shapes)
@@ -832,7 +857,8 @@ def _jit_sweep(
             ]
             out_sh = tuple(t.to_named_sharding(amesh) for t in targets)
             compiled = compiled_collectives(
-                lambda *a, fn=fn: fn(*a), *args,
+                lambda *a, fn=fn: fn(*a),
+                *args,
                 out_shardings=out_sh if len(out_sh) > 1 else out_sh[0],
             )
             report.cases += 1

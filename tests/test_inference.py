@@ -50,8 +50,13 @@ def test_contracted_axis_becomes_partial_sum():
 
 
 def test_matmul_transpose_flags_and_one_d_operands():
-    r = fwd("matmul", T((32, 64), P("model", "data")), T((16, 32), P(None, "model")),
-            transpose_x=True, transpose_y=True)
+    r = fwd(
+        "matmul",
+        T((32, 64), P("model", "data")),
+        T((16, 32), P(None, "model")),
+        transpose_x=True,
+        transpose_y=True,
+    )
     assert strs(r.outputs) == ["[64@data,16]{sum:model}"]
     r = fwd("matmul", T((32,), P("model")), T((32, 16)))
     assert strs(r.inputs) == ["[32@model]", "[32@model,16]"]
@@ -100,8 +105,12 @@ def test_softmax_axis_replicated():
         # sum-partial + sum-partial stays sum-partial
         ("add", [T((8,), partial="model"), T((8,), partial="model")], "[8]{sum:model}", None),
         # a replicated addend joins as partial for free (one rank keeps it)
-        ("add", [T((8,), partial="model"), T((8,))], "[8]{sum:model}",
-         ["[8]{sum:model}", "[8]{sum:model}"]),
+        (
+            "add",
+            [T((8,), partial="model"), T((8,))],
+            "[8]{sum:model}",
+            ["[8]{sum:model}", "[8]{sum:model}"],
+        ),
         # sum-partial x replicated stays sum-partial; two partial factors do not
         ("mul", [T((8,), partial="model"), T((8,))], "[8]{sum:model}", None),
         ("mul", [T((8,), partial="model"), T((8,), partial="model")], "[8]", ["[8]", "[8]"]),
@@ -140,30 +149,40 @@ def test_partial_loses_to_sharding_on_the_same_axis():
 def test_narrowing_cast_resolves_sum_but_keeps_max():
     r = fwd("convert_element_type", T((8,), partial="model", dtype="float32"), new_dtype="bfloat16")
     assert strs(r.outputs) == ["bf16[8]"]
-    r = fwd("convert_element_type", T((8,), partial={"model": "max"}, dtype="float32"),
-            new_dtype="bfloat16")
+    r = fwd(
+        "convert_element_type",
+        T((8,), partial={"model": "max"}, dtype="float32"),
+        new_dtype="bfloat16",
+    )
     assert strs(r.outputs) == ["bf16[8]{max:model}"]
     r = fwd("convert_element_type", T((8,), partial="model", dtype="bfloat16"), new_dtype="float32")
     assert strs(r.outputs) == ["f32[8]{sum:model}"]
 
 
 def test_backward_from_outputs():
-    r = sk.infer_backward("matmul", T((64, 32)), T((32, 16)),
-                          outputs=(T((64, 16), P("data", "model")),), mesh=MESH)
+    r = sk.infer_backward(
+        "matmul", T((64, 32)), T((32, 16)), outputs=(T((64, 16), P("data", "model")),), mesh=MESH
+    )
     assert strs(r.inputs) == ["[64@data,32]", "[32,16@model]"]
     assert strs(r.outputs) == ["[64@data,16@model]"]
 
 
 def test_backward_traces_a_partial_output_to_the_contracted_dim():
-    r = sk.infer_backward("matmul", T((64, 32)), T((32, 16)),
-                          outputs=(T((64, 16), P("data"), partial="model"),), mesh=MESH)
+    r = sk.infer_backward(
+        "matmul",
+        T((64, 32)),
+        T((32, 16)),
+        outputs=(T((64, 16), P("data"), partial="model"),),
+        mesh=MESH,
+    )
     assert strs(r.inputs) == ["[64@data,32@model]", "[32@model,16]"]
     assert strs(r.outputs) == ["[64@data,16]{sum:model}"]
 
 
 def test_backward_drops_what_the_op_cannot_produce():
-    r = sk.infer_backward("softmax", T((8, 16)), outputs=(T((8, 16), P("data", "model")),),
-                          mesh=MESH, axis=-1)
+    r = sk.infer_backward(
+        "softmax", T((8, 16)), outputs=(T((8, 16), P("data", "model")),), mesh=MESH, axis=-1
+    )
     assert strs(r.inputs) == ["[8@data,16]"]
     assert [rs.arg for rs in r.reshards] == ["input 0", "output 0"]
 
@@ -179,21 +198,24 @@ def test_grad_of_weight_is_partial_over_the_batch_axis():
 
 
 def test_grad_of_broadcast_operand_sums_over_the_broadcast_dim():
-    r = sk.infer_grad("add", T((8, 4), P("data")), T((4,)), out_grads=(T((8, 4), P("data")),),
-                      mesh=MESH)
+    r = sk.infer_grad(
+        "add", T((8, 4), P("data")), T((4,)), out_grads=(T((8, 4), P("data")),), mesh=MESH
+    )
     assert strs(r.outputs) == ["[8@data,4]", "[4]{sum:data}"]
 
 
 def test_grad_takes_free_factors_from_the_cotangent():
-    r = sk.infer_grad("matmul", T((8, 32)), T((32, 16)), out_grads=(T((8, 16), P(None, "model")),),
-                      mesh=MESH)
+    r = sk.infer_grad(
+        "matmul", T((8, 32)), T((32, 16)), out_grads=(T((8, 16), P(None, "model")),), mesh=MESH
+    )
     assert strs(r.inputs) == ["[8,32]", "[32,16@model]"]
     assert strs(r.outputs) == ["[8,32]{sum:model}", "[32,16@model]"]
 
 
 def test_grad_passes_a_sum_partial_cotangent():
-    r = sk.infer_grad("exp", T((8,), P("data")), out_grads=(T((8,), P("data"), partial="model"),),
-                      mesh=MESH)
+    r = sk.infer_grad(
+        "exp", T((8,), P("data")), out_grads=(T((8,), P("data"), partial="model"),), mesh=MESH
+    )
     assert strs(r.outputs) == ["[8@data]{sum:model}"]
 
 

@@ -29,7 +29,7 @@ def test_abstract_mesh_plans_a_thousand_devices():
     "call",
     [
         lambda: sk.make_mesh(x=64),
-        lambda: sk.make_mesh(),
+        sk.make_mesh,
         lambda: sk.abstract_mesh(x=0),
         lambda: sk.abstract_mesh(x=2, axis_types="manual"),
     ],

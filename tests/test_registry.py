@@ -21,7 +21,9 @@ def test_unknown_op_names_near_matches():
 
 
 def test_registering_twice_is_an_error():
-    rule = sk.FactorRule("t_scale", "... d, d -> ... d", impl=jnp.multiply, partial="MULTIPLICATIVE")
+    rule = sk.FactorRule(
+        "t_scale", "... d, d -> ... d", impl=jnp.multiply, partial="MULTIPLICATIVE"
+    )
     sk.register_rule(rule)
     try:
         with pytest.raises(sk.RegistrationError, match="registered once"):

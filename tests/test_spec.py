@@ -51,7 +51,10 @@ def test_frozen_and_hashable():
         (lambda m: sk.TensorSpec((8,), P("modle"), mesh=m), sk.UnknownAxisError),
         (lambda m: sk.TensorSpec((8,), P("x", None)), sk.SpecError),
         (lambda m: sk.TensorSpec((8,), [3]), sk.SpecError),
-        (lambda m: sk.TensorSpec((8,), P(unreduced={"x"}), partial={"x": "max"}), sk.PartialConflictError),
+        (
+            lambda m: sk.TensorSpec((8,), P(unreduced={"x"}), partial={"x": "max"}),
+            sk.PartialConflictError,
+        ),
         (lambda m: sk.TensorSpec((-1,)), sk.SpecError),
     ],
 )

@@ -133,7 +133,10 @@ def test_sweep_reports_missing_placements(mesh1d):
 
 def test_single_forward_case(mesh2d):
     rng = np.random.default_rng(0)
-    x, w = rng.standard_normal((8, 8)).astype(np.float32), rng.standard_normal((8, 4)).astype(np.float32)
+    x, w = (
+        rng.standard_normal((8, 8)).astype(np.float32),
+        rng.standard_normal((8, 4)).astype(np.float32),
+    )
     failure, res = check_forward_case(
         "matmul", [T((8, 8), P("a", "b")), T((8, 4), P("b"))], mesh2d, values=[x, w]
     )
@@ -144,7 +147,9 @@ def test_single_forward_case(mesh2d):
 _DIMS = st.sampled_from([4, 8])
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     data=st.data(),
     op=st.sampled_from(["add", "mul", "matmul", "reduce_sum", "reduce_max", "softmax", "exp"]),

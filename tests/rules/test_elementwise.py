@@ -61,9 +61,7 @@ def test_max_of_max_partials_stays_max_partial():
 
 def test_mixed_reduce_ops_do_not_combine():
     # max over x from one operand, sum over y from the other: they do not commute
-    r = sk.infer_forward(
-        "mul", T((8,), partial={"y": "sum"}), T((8,)), mesh=MESH
-    )
+    r = sk.infer_forward("mul", T((8,), partial={"y": "sum"}), T((8,)), mesh=MESH)
     assert str(r.outputs[0]) == "[8]{sum:y}"
     r = sk.infer_forward(
         "add", T((8,), partial={"x": "max"}), T((8,), partial={"y": "sum"}), mesh=MESH
