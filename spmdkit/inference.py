@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jax.sharding import AbstractMesh, Mesh
+
 from spmdkit.errors import ShardingConflictError, SpecError
-from spmdkit.mesh import mesh_key
 from spmdkit.registry import get_rule
 from spmdkit.rule import RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
@@ -137,7 +138,6 @@ def _lookup(key: Any) -> InferenceResult | None:
     hit = _CACHE.get(key)
     if hit is not None:
         _STATS["hits"] += 1
-        _CACHE.move_to_end(key)
     return hit
 
 
@@ -145,16 +145,25 @@ def _store(key: Any, result: InferenceResult) -> InferenceResult:
     _STATS["misses"] += 1
     if key is not None:
         _CACHE[key] = result
-        if len(_CACHE) > _CACHE_SIZE:
+        if len(_CACHE) > _CACHE_SIZE:  # FIFO eviction keeps hits free of bookkeeping
             _CACHE.popitem(last=False)
     return result
 
 
 def _key(kind: str, op: str, mesh: MeshLike, attrs: Mapping[str, Any], *groups: Any) -> Any:
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise SpecError(
+            op=op,
+            must="mesh is a jax Mesh or AbstractMesh",
+            given=type(mesh).__name__,
+            fix="build one with sk.make_mesh(...) or sk.abstract_mesh(...)",
+        )
     try:
-        return (kind, op, mesh_key(mesh), _freeze(attrs), *groups)
+        key = (kind, op, mesh.shape_tuple, _freeze(attrs) if attrs else (), *groups)
+        hash(key)
     except TypeError:
-        return None  # unhashable attributes: compute every time
+        return None  # unhashable attributes or inputs: compute every time
+    return key
 
 
 def _reshards(
@@ -196,12 +205,12 @@ def infer_forward(op: str, *inputs: TensorSpec, mesh: MeshLike, **attrs: Any) ->
         >>> print(sk.infer_forward("matmul", x, w, mesh=mesh).outputs[0])
         [64@data,16]{sum:model}
     """
+    key = _key("fwd", op, mesh, attrs, inputs)
+    hit = _lookup(key)
+    if hit is not None:  # same op, specs, attrs and mesh shape: validated when first seen
+        return hit
     rule = get_rule(op)
     specs = _check_specs(op, inputs, "input", mesh)
-    key = _key("fwd", op, mesh, attrs, specs)
-    hit = _lookup(key)
-    if hit is not None:
-        return hit
     ans = rule.forward(_ctx(op, mesh, attrs), specs)
     result = InferenceResult(
         op, "forward", ans.inputs, ans.outputs, tuple(_reshards("input", specs, ans.inputs, mesh))
@@ -230,13 +239,13 @@ def infer_backward(
         >>> [str(s) for s in r.inputs]
         ['[64@data,32]', '[32,16@model]']
     """
-    rule = get_rule(op)
-    specs = _check_specs(op, inputs, "input", mesh)
-    outs = _check_specs(op, tuple(outputs), "output", mesh)
-    key = _key("bwd", op, mesh, attrs, specs, outs)
+    key = _key("bwd", op, mesh, attrs, inputs, tuple(outputs))
     hit = _lookup(key)
     if hit is not None:
         return hit
+    rule = get_rule(op)
+    specs = _check_specs(op, inputs, "input", mesh)
+    outs = _check_specs(op, tuple(outputs), "output", mesh)
     ans = rule.backward(_ctx(op, mesh, attrs), specs, outs)
     reshards = _reshards("input", specs, ans.inputs, mesh)
     if len(ans.outputs) != len(outs):
@@ -271,13 +280,13 @@ def infer_grad(
         >>> print(r.outputs[1])   # dW sums over the data-sharded batch
         [32@model,16]{sum:data}
     """
-    rule = get_rule(op)
-    specs = _check_specs(op, inputs, "input", mesh)
-    gs = _check_specs(op, tuple(out_grads), "out_grad", mesh)
-    key = _key("grad", op, mesh, attrs, specs, gs)
+    key = _key("grad", op, mesh, attrs, inputs, tuple(out_grads))
     hit = _lookup(key)
     if hit is not None:
         return hit
+    rule = get_rule(op)
+    specs = _check_specs(op, inputs, "input", mesh)
+    gs = _check_specs(op, tuple(out_grads), "out_grad", mesh)
     ans = rule.grad(_ctx(op, mesh, attrs), specs, gs)
     reshards = _reshards("input", specs, ans.inputs, mesh)
     reshards += _reshards("out_grad", gs, ans.out_grads, mesh)

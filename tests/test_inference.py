@@ -239,6 +239,11 @@ def test_non_spec_input_is_refused():
         fwd("exp", (8,))
 
 
+def test_mesh_must_be_a_mesh():
+    with pytest.raises(sk.SpecError, match="Mesh"):
+        sk.infer_forward("exp", T((8,)), mesh={"x": 4})
+
+
 def test_unknown_op():
     with pytest.raises(sk.NoRuleError):
         fwd("softmaxx", T((8,)))
