@@ -42,7 +42,7 @@ class ArgReshard:
       arg: ``"input 0"``, ``"output 1"``, ``"out_grad 0"``…
       src: the spec given.
       dst: the spec the rule requires.
-      plan: the :class:`spmdkit.reshard.ReshardPlan` (collectives, bytes per device, time).
+      plan: the :class:`spmdkit.resharding.ReshardPlan` (collectives, bytes per device, time).
     """
 
     arg: str
@@ -107,6 +107,15 @@ def cache_info() -> dict[str, int]:
     return {**_STATS, "size": len(_CACHE)}
 
 
+def _freeze_attrs(attrs: Mapping[str, Any]) -> Any:
+    items = tuple(sorted(attrs.items()))
+    try:
+        hash(items)  # fast path: attribute values are already hashable
+    except TypeError:
+        return _freeze(attrs)
+    return items
+
+
 def _freeze(value: Any) -> Any:
     if isinstance(value, Mapping):
         return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
@@ -159,7 +168,7 @@ def _key(kind: str, op: str, mesh: MeshLike, attrs: Mapping[str, Any], *groups: 
             fix="build one with sk.make_mesh(...) or sk.abstract_mesh(...)",
         )
     try:
-        key = (kind, op, mesh.shape_tuple, _freeze(attrs) if attrs else (), *groups)
+        key = (kind, op, mesh.shape_tuple, _freeze_attrs(attrs) if attrs else (), *groups)
         hash(key)
     except TypeError:
         return None  # unhashable attributes or inputs: compute every time
@@ -169,7 +178,7 @@ def _key(kind: str, op: str, mesh: MeshLike, attrs: Mapping[str, Any], *groups: 
 def _reshards(
     label: str, given: Sequence[TensorSpec], required: Sequence[TensorSpec], mesh: MeshLike
 ) -> list[ArgReshard]:
-    from spmdkit.reshard import plan_reshard
+    from spmdkit.resharding import plan_reshard
 
     out = []
     for i, (src, dst) in enumerate(zip(given, required, strict=True)):

@@ -1,0 +1,249 @@
+"""Topology: what a collective over some mesh axes costs on real links.
+
+The cost model is the alpha-beta (latency-bandwidth) model of ring collectives.
+A collective over a group of ``n`` devices takes ``steps`` latency hops and pushes
+``wire_bytes`` per device through the slowest link of the group::
+
+    time = latency * steps + wire_bytes / bandwidth
+    steps = n - 1        for all_gather, reduce_scatter, all_to_all
+    steps = 2 (n - 1)    for all_reduce (reduce-scatter then all-gather)
+    steps = 0            for local ops (slice, to_partial)
+
+Which link a group uses is decided per mesh axis. An axis named in
+``bandwidth=`` / ``latency=`` uses those numbers. Otherwise, when
+``gpus_per_node`` is set, the *node heuristic* applies: mesh axes are laid out
+major → minor over the device list (as ``jax.make_mesh`` does on one host kind),
+so the minor-most axes whose sizes multiply to at most ``gpus_per_node`` stay
+inside one node and use ``node_bandwidth`` / ``node_latency``; every more major
+axis crosses nodes and uses ``default_bandwidth`` / ``default_latency``. A group
+spanning several axes runs at the pace of its slowest axis (minimum bandwidth,
+maximum latency). This is a heuristic: a device order that interleaves nodes
+differently needs explicit per-axis numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from spmdkit.errors import SpmdError
+from spmdkit.spec import MeshLike, axis_sizes
+
+__all__ = ["Topology", "DEFAULT_TOPOLOGY", "LOCAL_KINDS", "COLLECTIVE_KINDS"]
+
+#: Reshard steps that move no data between devices.
+LOCAL_KINDS = frozenset({"slice", "to_partial"})
+
+#: Reshard steps that communicate.
+COLLECTIVE_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
+
+# Published link numbers behind Topology.h100 (per GPU, per direction).
+_NVLINK4_BANDWIDTH = 450e9  # H100 SXM NVLink 4: 900 GB/s bidirectional
+_NVLINK4_LATENCY = 5e-6
+_IB_NDR_BANDWIDTH = 50e9  # InfiniBand NDR: 400 Gb/s per GPU
+_IB_NDR_LATENCY = 10e-6
+
+
+def _table(
+    value: Mapping[str, float] | Iterable[tuple[str, float]], name: str
+) -> tuple[tuple[str, float], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    out = []
+    for axis, raw in items:
+        number = float(raw)
+        bad = number <= 0 if name == "bandwidth" else number < 0
+        if bad:
+            raise SpmdError(
+                op="Topology",
+                must="bandwidths are > 0 bytes/s and latencies >= 0 s",
+                given=f"{name}[{axis!r}] = {number}",
+                fix="pass bytes per second (e.g. 450e9) and seconds (e.g. 5e-6)",
+            )
+        out.append((str(axis), number))
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Per-mesh-axis link bandwidth (bytes/s) and latency (s).
+
+    Frozen and hashable (the mappings are stored as sorted tuples), so plans that
+    depend on it can be cached.
+
+    Args:
+      bandwidth: mesh axis → bandwidth override, bytes/s per device per direction.
+      latency: mesh axis → latency override, seconds per hop.
+      default_bandwidth: bandwidth of axes with no override that cross nodes (all
+        such axes when ``gpus_per_node`` is None).
+      default_latency: latency of those axes.
+      gpus_per_node: devices per node, for the node heuristic (module docstring);
+        None turns it off.
+      node_bandwidth: bandwidth of intra-node axes under the node heuristic.
+      node_latency: latency of intra-node axes under the node heuristic.
+
+    Example::
+
+        >>> topo = Topology(bandwidth={"data": 25e9, "model": 450e9})
+        >>> topo.link(("model",), abstract_mesh(data=4, model=8))
+        (450000000000.0, 1e-05)
+    """
+
+    bandwidth: Mapping[str, float] | tuple[tuple[str, float], ...] = ()
+    latency: Mapping[str, float] | tuple[tuple[str, float], ...] = ()
+    default_bandwidth: float = _IB_NDR_BANDWIDTH
+    default_latency: float = _IB_NDR_LATENCY
+    gpus_per_node: int | None = None
+    node_bandwidth: float = _NVLINK4_BANDWIDTH
+    node_latency: float = _NVLINK4_LATENCY
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth", _table(self.bandwidth, "bandwidth"))
+        object.__setattr__(self, "latency", _table(self.latency, "latency"))
+        for name in ("default_bandwidth", "node_bandwidth"):
+            value = float(getattr(self, name))
+            if not value > 0:
+                raise SpmdError(
+                    op="Topology",
+                    must=f"{name} is > 0 bytes/s",
+                    given=str(value),
+                    fix="pass bytes per second, e.g. 50e9",
+                )
+            object.__setattr__(self, name, value)
+        for name in ("default_latency", "node_latency"):
+            value = float(getattr(self, name))
+            if value < 0:
+                raise SpmdError(
+                    op="Topology",
+                    must=f"{name} is >= 0 s",
+                    given=str(value),
+                    fix="pass seconds, e.g. 5e-6",
+                )
+            object.__setattr__(self, name, value)
+        gpn = self.gpus_per_node
+        if gpn is not None and (isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1):
+            raise SpmdError(
+                op="Topology",
+                must="gpus_per_node is a positive int or None",
+                given=repr(gpn),
+                fix="pass e.g. gpus_per_node=8",
+            )
+
+    @classmethod
+    def h100(cls, gpus_per_node: int = 8) -> Topology:
+        """A cluster of H100 SXM nodes.
+
+        Inside a node NVLink 4 gives ≈ 450 GB/s per direction per GPU with ≈ 5 µs
+        per hop; across nodes InfiniBand NDR (400 Gb/s per GPU) gives ≈ 50 GB/s
+        with ≈ 10 µs per hop. Intra- vs inter-node follows the node heuristic of
+        the module docstring.
+
+        Args:
+          gpus_per_node: GPUs per node (8 on a DGX/HGX H100).
+
+        Example::
+
+            >>> Topology.h100().link(("model",), abstract_mesh(data=16, model=8))
+            (450000000000.0, 5e-06)
+        """
+        return cls(
+            default_bandwidth=_IB_NDR_BANDWIDTH,
+            default_latency=_IB_NDR_LATENCY,
+            gpus_per_node=gpus_per_node,
+            node_bandwidth=_NVLINK4_BANDWIDTH,
+            node_latency=_NVLINK4_LATENCY,
+        )
+
+    def intra_node_axes(self, mesh: MeshLike) -> frozenset[str]:
+        """Mesh axes the node heuristic places inside one node (empty when off)."""
+        if self.gpus_per_node is None:
+            return frozenset()
+        inside: set[str] = set()
+        product = 1
+        for name, size in reversed(list(axis_sizes(mesh).items())):
+            product *= size
+            if product > self.gpus_per_node:
+                break
+            inside.add(name)
+        return frozenset(inside)
+
+    def link(self, axes: tuple[str, ...], mesh: MeshLike) -> tuple[float, float]:
+        """``(bandwidth, latency)`` of a device group spanning ``axes`` of ``mesh``.
+
+        Each axis gets its override, else the intra-node link when the node
+        heuristic puts it inside a node, else the defaults; the group takes the
+        minimum bandwidth and the maximum latency of its axes.
+
+        Raises:
+          SpmdError: an axis is not a mesh axis.
+
+        Example::
+
+            >>> mesh = abstract_mesh(data=2, model=8)
+            >>> Topology.h100().link(("data", "model"), mesh)
+            (50000000000.0, 1e-05)
+        """
+        sizes = axis_sizes(mesh)
+        unknown = [a for a in axes if a not in sizes]
+        if unknown:
+            raise SpmdError(
+                op="Topology.link",
+                must=f"every axis is a mesh axis of {tuple(sizes)}",
+                given=f"{tuple(axes)}",
+                fix="name axes of the mesh the plan runs on",
+            )
+        bw_over, lat_over = dict(self.bandwidth), dict(self.latency)
+        inside = self.intra_node_axes(mesh)
+        bandwidth, latency = float("inf"), 0.0
+        for a in axes:
+            bw = self.node_bandwidth if a in inside else self.default_bandwidth
+            lat = self.node_latency if a in inside else self.default_latency
+            bandwidth = min(bandwidth, bw_over.get(a, bw))
+            latency = max(latency, lat_over.get(a, lat))
+        if not axes:
+            bandwidth = self.default_bandwidth
+        return bandwidth, latency
+
+    def collective_time(
+        self,
+        kind: str,
+        wire_bytes: int,
+        group_size: int,
+        axes: tuple[str, ...],
+        mesh: MeshLike,
+    ) -> float:
+        """Alpha-beta time (s) of one ring collective.
+
+        ``latency * steps + wire_bytes / bandwidth`` with ``steps = n - 1`` for
+        all_gather / reduce_scatter / all_to_all, ``2 (n - 1)`` for all_reduce,
+        and 0 s for local kinds or a group of one device.
+
+        Args:
+          kind: ``"all_gather"``, ``"all_reduce"``, ``"reduce_scatter"``,
+            ``"all_to_all"``, or a local kind (``"slice"``, ``"to_partial"``).
+          wire_bytes: bytes each device sends.
+          group_size: devices in the group.
+          axes: mesh axes the group spans.
+          mesh: the mesh.
+
+        Example::
+
+            >>> Topology.h100().collective_time(
+            ...     "all_gather", 3 * 2**20, 4, ("x",), abstract_mesh(x=4))
+            2.199...e-05
+        """
+        if kind in LOCAL_KINDS or group_size <= 1:
+            return 0.0
+        if kind not in COLLECTIVE_KINDS:
+            raise SpmdError(
+                op="Topology.collective_time",
+                must=f"kind is one of {sorted(COLLECTIVE_KINDS | LOCAL_KINDS)}",
+                given=repr(kind),
+                fix="use the kind names of spmdkit.resharding.Collective",
+            )
+        bandwidth, latency = self.link(axes, mesh)
+        steps = 2 * (group_size - 1) if kind == "all_reduce" else group_size - 1
+        return latency * steps + wire_bytes / bandwidth
+
+
+#: The topology plans use when none is given: H100 nodes of 8 GPUs.
+DEFAULT_TOPOLOGY = Topology.h100()

@@ -1,0 +1,96 @@
+"""Topology: links per mesh axis, the node heuristic, and alpha-beta times."""
+
+import pytest
+
+from spmdkit.errors import SpmdError
+from spmdkit.mesh import abstract_mesh
+from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
+
+NVLINK = (450e9, 5e-6)
+IB = (50e9, 10e-6)
+
+
+def test_h100_inner_axis_is_nvlink_outer_axis_is_infiniband():
+    mesh = abstract_mesh(data=16, model=8)
+    topo = Topology.h100()
+    assert topo.link(("model",), mesh) == NVLINK
+    assert topo.link(("data",), mesh) == IB
+    # a group spanning both runs at the pace of its slowest link
+    assert topo.link(("data", "model"), mesh) == IB
+
+
+@pytest.mark.parametrize(
+    ("gpus_per_node", "inside"),
+    [(8, {"b", "c"}), (4, {"c"}), (16, {"a", "b", "c"}), (1, set())],
+)
+def test_node_heuristic_takes_minor_axes_up_to_gpus_per_node(gpus_per_node, inside):
+    mesh = abstract_mesh(a=2, b=4, c=2)  # minor-most c (2), then b (2*4=8), then a (16)
+    topo = Topology.h100(gpus_per_node=gpus_per_node)
+    assert topo.intra_node_axes(mesh) == frozenset(inside)
+    for axis in ("a", "b", "c"):
+        assert topo.link((axis,), mesh) == (NVLINK if axis in inside else IB)
+
+
+def test_per_axis_overrides_win_over_the_heuristic_and_defaults():
+    mesh = abstract_mesh(data=4, model=8)
+    topo = Topology(
+        bandwidth={"data": 25e9},
+        latency={"data": 20e-6},
+        default_bandwidth=100e9,
+        default_latency=1e-6,
+    )
+    assert topo.link(("data",), mesh) == (25e9, 20e-6)
+    assert topo.link(("model",), mesh) == (100e9, 1e-6)
+    assert topo.intra_node_axes(mesh) == frozenset()  # no gpus_per_node: heuristic off
+    assert Topology.h100().link(("model",), mesh) == NVLINK
+
+
+def test_collective_time_is_alpha_beta_with_ring_steps():
+    mesh = abstract_mesh(x=4)
+    topo = Topology(default_bandwidth=1e9, default_latency=1e-6)
+    wire = 3_000_000
+    assert topo.collective_time("all_gather", wire, 4, ("x",), mesh) == pytest.approx(
+        3 * 1e-6 + wire / 1e9
+    )
+    assert topo.collective_time("reduce_scatter", wire, 4, ("x",), mesh) == pytest.approx(
+        3e-6 + 3e-3
+    )
+    assert topo.collective_time("all_to_all", wire, 4, ("x",), mesh) == pytest.approx(3e-6 + 3e-3)
+    assert topo.collective_time("all_reduce", wire, 4, ("x",), mesh) == pytest.approx(
+        6 * 1e-6 + wire / 1e9
+    )
+    assert topo.collective_time("slice", wire, 4, ("x",), mesh) == 0.0
+    assert topo.collective_time("to_partial", 0, 4, ("x",), mesh) == 0.0
+    assert topo.collective_time("all_gather", wire, 1, ("x",), mesh) == 0.0
+
+
+def test_topology_is_hashable_and_order_insensitive():
+    t1 = Topology(bandwidth={"a": 1e9, "b": 2e9})
+    t2 = Topology(bandwidth={"b": 2e9, "a": 1e9})
+    assert t1 == t2
+    assert hash(t1) == hash(t2)
+    assert {t1: 1}[t2] == 1
+    assert Topology.h100(gpus_per_node=8) == DEFAULT_TOPOLOGY
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"bandwidth": {"a": 0.0}},
+        {"latency": {"a": -1e-6}},
+        {"default_bandwidth": -5.0},
+        {"node_latency": -1.0},
+        {"gpus_per_node": 0},
+    ],
+)
+def test_bad_numbers_raise(kwargs):
+    with pytest.raises(SpmdError, match="Topology"):
+        Topology(**kwargs)
+
+
+def test_unknown_axis_and_unknown_kind_raise():
+    mesh = abstract_mesh(x=4)
+    with pytest.raises(SpmdError, match="mesh axis"):
+        DEFAULT_TOPOLOGY.link(("y",), mesh)
+    with pytest.raises(SpmdError, match="kind"):
+        DEFAULT_TOPOLOGY.collective_time("broadcast", 10, 4, ("x",), mesh)
