@@ -322,6 +322,7 @@ class FactorRule(Rule):
         self._dtype = dtype
         self.examples = tuple(examples)
         self.doc = doc
+        self._notations: dict[Any, Notation] = {}
 
     def __repr__(self) -> str:
         text = self.notation if isinstance(self.notation, str) else "<shape-dependent>"
@@ -329,7 +330,21 @@ class FactorRule(Rule):
 
     # -- notation --------------------------------------------------------
     def notation_for(self, shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any]) -> Notation:
-        """The expanded notation for these input shapes and attributes."""
+        """The expanded notation for these input shapes and attributes (memoized)."""
+        try:
+            key = (tuple(shapes), tuple(sorted(attrs.items())))
+            hit = self._notations.get(key)
+        except TypeError:  # unhashable attributes
+            return self._build_notation(shapes, attrs)
+        if hit is None:
+            hit = self._notations[key] = self._build_notation(shapes, attrs)
+            if len(self._notations) > 4096:
+                self._notations.pop(next(iter(self._notations)))
+        return hit
+
+    def _build_notation(
+        self, shapes: Sequence[tuple[int, ...]], attrs: Mapping[str, Any]
+    ) -> Notation:
         if callable(self.notation):
             try:
                 text = self.notation(tuple(shapes), **attrs)

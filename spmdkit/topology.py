@@ -23,6 +23,7 @@ differently needs explicit per-axis numbers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -182,7 +183,13 @@ class Topology:
             >>> Topology.h100().link(("data", "model"), mesh)
             (50000000000.0, 1e-05)
         """
-        sizes = axis_sizes(mesh)
+        return _link(self, tuple(axes), tuple(axis_sizes(mesh).items()))
+
+    def _link_uncached(
+        self, axes: tuple[str, ...], sizes_items: tuple[tuple[str, int], ...]
+    ) -> tuple[float, float]:
+        sizes = dict(sizes_items)
+        mesh = _SizesOnly(sizes)
         unknown = [a for a in axes if a not in sizes]
         if unknown:
             raise SpmdError(
@@ -247,3 +254,18 @@ class Topology:
 
 #: The topology plans use when none is given: H100 nodes of 8 GPUs.
 DEFAULT_TOPOLOGY = Topology.h100()
+
+
+class _SizesOnly:
+    """Just enough of a mesh for :func:`axis_sizes` (names and sizes)."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.axis_names = tuple(sizes)
+        self.axis_sizes = tuple(sizes.values())
+
+
+@functools.lru_cache(maxsize=4096)
+def _link(
+    topology: Topology, axes: tuple[str, ...], sizes_items: tuple[tuple[str, int], ...]
+) -> tuple[float, float]:
+    return topology._link_uncached(axes, sizes_items)

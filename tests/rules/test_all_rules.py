@@ -21,7 +21,7 @@ def test_numeric_sweep_1d(op, mesh1d):
 
 @pytest.mark.parametrize("op", OPS)
 def test_numeric_sweep_2d(op, mesh2d):
-    report = check_rule(op, mesh=mesh2d, max_cases=40, max_grad_cases=12, missing=False, seed=1)
+    report = check_rule(op, mesh=mesh2d, max_cases=30, max_grad_cases=10, missing=False, seed=1)
     assert report.ok, str(report)
 
 
