@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import NoRuleError, RegistrationError, ShardingConflictError, SpmdError
-from spmdkit.inference import infer_forward, infer_grad
+from spmdkit.inference import _freeze, infer_forward, infer_grad
 from spmdkit.registry import get_rule, register_rule, unregister_rule
 from spmdkit.rule import Example, Rule
 from spmdkit.spec import REDUCE_OPS, TensorSpec, axis_sizes
@@ -277,16 +277,22 @@ def enumerate_specs(
 # ---------------------------------------------------------------------------
 
 
-def _freeze(v: Any) -> Any:
-    if isinstance(v, Mapping):
-        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
-    if isinstance(v, (list, tuple)):
-        return tuple(_freeze(x) for x in v)
-    return v
-
-
 def _as_tuple(x: Any) -> tuple[Any, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _vjp(fn: Callable[..., Any], xs: Sequence[Any], diff: Sequence[bool]) -> tuple[Any, Any]:
+    """``jax.vjp`` of ``fn`` with respect to the inputs marked differentiable only
+    (ints and bools get no cotangent)."""
+    idx = [i for i, d in enumerate(diff) if d]
+
+    def f(*dxs):
+        full = list(xs)
+        for i, v in zip(idx, dxs, strict=True):
+            full[i] = v
+        return _as_tuple(fn(*full))
+
+    return jax.vjp(f, *(xs[i] for i in idx))
 
 
 @functools.lru_cache(maxsize=512)
@@ -320,15 +326,7 @@ def _grad_runner(
         n_out = len(transposes)
         gs = [a[lead] for a in args[n_in : n_in + n_out]]
         outs_global = [a[lead] for a in args[n_in + n_out :]]
-        idx = [i for i, d in enumerate(diff) if d]
-
-        def f(*dxs):
-            full = list(xs)
-            for i, v in zip(idx, dxs, strict=True):
-                full[i] = v
-            return _as_tuple(fn(*full))
-
-        outs, vjp = jax.vjp(f, *(xs[i] for i in idx))
+        outs, vjp = _vjp(fn, xs, diff)
         cts = []
         for o, g, og, (scale, mask) in zip(outs, gs, outs_global, transposes, strict=True):
             ct = g / scale
@@ -611,17 +609,9 @@ def _grad_case(
             "grad", attrs, (*specs, *out_grads), (*res.inputs, *res.out_grads), res.outputs, detail
         )
 
-    fn = functools.partial(rule.impl, **attrs)
-    xs = list(map(jnp.asarray, values))
     idx = [i for i, d in enumerate(diff) if d]
-
-    def f(*dxs):
-        full = list(xs)
-        for i, v in zip(idx, dxs, strict=True):
-            full[i] = v
-        return _as_tuple(fn(*full))
-
-    outs_ref, vjp = jax.vjp(f, *(xs[i] for i in idx))
+    fn = functools.partial(rule.impl, **attrs)
+    outs_ref, vjp = _vjp(fn, list(map(jnp.asarray, values)), diff)
     ref_grads = [np.asarray(g) for g in vjp(tuple(jnp.asarray(c) for c in cotangents))]
     specs_all = (*res.inputs, *res.out_grads, *res.outputs, *res.forward_outputs)
     if not all(s.is_even(mesh) for s in specs_all):
