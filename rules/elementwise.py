@@ -209,13 +209,7 @@ RULES = tuple(
                 impl=lax.select_n,
                 partial="SELECT",
                 dtype=_select_dtype,
-                examples=(
-                    Example(
-                        ((8, 8), (8, 8), (8, 8)),
-                        dtypes=("bool", "float32", "float32"),
-                        differentiable=(False, True, True),
-                    ),
-                ),
+                examples=_SELECT_EX[:1],
                 doc="lax.select_n(which, *cases): case i where which == i",
             ),
             _unary("sign", jnp.sign, "MONOTONE"),

@@ -14,6 +14,7 @@ sharded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,18 +84,11 @@ class _MeanRule(FactorRule):
             for d, g in enumerate(nt.inputs[0])
             if g == f
             and x.dims[d]
-            and x.shape[d] % _prod(ctx.axis_sizes[a] for a in x.dims[d]) != 0
+            and x.shape[d] % math.prod(ctx.axis_sizes[a] for a in x.dims[d]) != 0
         )
         if uneven:
             ctx = RuleContext(ctx.op, ctx.axis_sizes, {**ctx.attrs, "_uneven": uneven})
         return super().forward(ctx, inputs)
-
-
-def _prod(xs: Any) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def _reducer(fn: Any):

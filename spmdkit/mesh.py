@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdkit.errors import SpmdError
 
-__all__ = ["make_mesh", "abstract_mesh", "use_virtual_cpu_devices", "mesh_key"]
+__all__ = ["make_mesh", "abstract_mesh", "use_virtual_cpu_devices"]
 
 AxisTypes = Literal["explicit", "auto"] | Sequence[Literal["explicit", "auto"]]
 
@@ -128,8 +128,3 @@ def abstract_mesh(*, axis_types: AxisTypes = "explicit", **axes: int) -> Abstrac
     _check_axes(axes, "abstract_mesh")
     types = _axis_types(axis_types, len(axes), "abstract_mesh")
     return AbstractMesh(tuple(axes.values()), tuple(axes), axis_types=types)
-
-
-def mesh_key(mesh: Mesh | AbstractMesh) -> tuple[tuple[str, int], ...]:
-    """What inference depends on in a mesh: axis names and sizes (cache key)."""
-    return tuple(zip(mesh.axis_names, mesh.axis_sizes, strict=True))

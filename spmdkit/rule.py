@@ -45,7 +45,6 @@ commute, so pass-through partials that would mix are resolved.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -261,6 +260,12 @@ class Rule:
 # ---------------------------------------------------------------------------
 
 NotationFn = Callable[..., "str | Notation"]
+
+
+def _reduction_partials(nt: Notation, assign: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
+    """Output partials left by sharded reduction factors: each of their axes, with
+    the notation's reduce op."""
+    return {a: nt.reduce for f in nt.reduction_factors for a in assign.get(f, ())}
 
 
 class FactorRule(Rule):
@@ -484,7 +489,7 @@ class FactorRule(Rule):
             for i, o in enumerate(req):
                 if o is not None:
                     required[i][a] = o
-        reduction = {a: nt.reduce for f in nt.reduction_factors for a in assign.get(f, ())}
+        reduction = _reduction_partials(nt, assign)
         ops = set(out.values()) | set(reduction.values())
         if len(ops) > 1 and not ops <= {"sum", "avg"}:
             keep = next(iter(reduction.values()), None) or next(iter(out.values()))
@@ -514,11 +519,10 @@ class FactorRule(Rule):
         *,
         keep_partial: bool = True,
     ) -> Inferred:
-        req_partial, out_partial = (
-            self._partials(ctx, nt, inputs, assign) if keep_partial else ([{} for _ in inputs], {})
-        )
-        if not keep_partial:
-            out_partial = {a: nt.reduce for f in nt.reduction_factors for a in assign.get(f, ())}
+        if keep_partial:
+            req_partial, out_partial = self._partials(ctx, nt, inputs, assign)
+        else:
+            req_partial, out_partial = [{} for _ in inputs], _reduction_partials(nt, assign)
         req = tuple(
             TensorSpec(
                 s.shape,
@@ -615,10 +619,7 @@ class FactorRule(Rule):
     ) -> None:
         expected = self._out_shapes(nt, sizes)
         got = [g.shape for g in given]
-        if len(got) != len(expected) or any(
-            math.prod(e) != math.prod(g) or len(e) != len(g)
-            for e, g in zip(expected, got, strict=False)
-        ):
+        if got != expected:
             raise ShardingConflictError(
                 op=ctx.op,
                 must=f"{what} have shapes {expected}",
