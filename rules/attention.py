@@ -1,0 +1,3 @@
+"""attention rules (being written)."""
+
+RULES = ()

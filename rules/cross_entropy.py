@@ -1,0 +1,3 @@
+"""cross_entropy rules (being written)."""
+
+RULES = ()

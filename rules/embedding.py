@@ -1,0 +1,3 @@
+"""embedding rules (being written)."""
+
+RULES = ()

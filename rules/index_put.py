@@ -1,0 +1,3 @@
+"""index_put rules (being written)."""
+
+RULES = ()

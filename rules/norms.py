@@ -1,0 +1,3 @@
+"""norms rules (being written)."""
+
+RULES = ()

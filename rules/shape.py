@@ -1,0 +1,3 @@
+"""shape rules (being written)."""
+
+RULES = ()
