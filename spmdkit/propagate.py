@@ -1,0 +1,1416 @@
+"""Propagation: run the rule registry over a traced program.
+
+:func:`trace` turns a function (a whole train step: forward, ``jax.grad`` and the
+optimizer update) into a jaxpr from abstract inputs; nothing is computed.
+:func:`propagate` walks that jaxpr once per equation: each primitive is mapped
+to a registered rule (``dot_general``, ``add``, ``reduce_sum``…), the rule's
+forward inference says which specs the operands must have and which specs the
+results get, and every difference between what an operand has and what the
+rule needs is a reshard, planned and priced by :func:`spmdkit.plan_reshard`
+under a :class:`~spmdkit.topology.Topology`. Pending reductions (sum-partial
+matmul outputs) travel as far as the rules let them and are paid for where a
+consumer cannot take them: that is where the all-reduce (or reduce-scatter) of
+a real program sits.
+
+**Structure.** Calls that only group equations (``jit``, ``custom_jvp_call``,
+``custom_vjp_call``, ``remat``) are inlined, so the walk sees one flat list and
+memory liveness runs over it. Loops and branches stay one node each: ``scan``
+propagates its body with the carry specs iterated to a fixed point (the stacked
+dim of ``xs`` and ``ys`` stays unsharded) and counts the body's costs ``length``
+times; ``while`` counts its body once (trip count unknown); ``cond`` propagates
+every branch and keeps outputs on which the branches agree. ``shard_map``
+takes its in/out specs as given.
+
+**Unknown primitives.** A primitive with no rule is never an error: its inputs
+are made replicated (that reshard is priced), its outputs are replicated, one
+warning is issued per primitive and the count is kept in
+:attr:`Propagation.unknown`. :func:`register_primitive` maps a primitive to a
+rule.
+
+**Both directions.** Given ``out_specs``, a backward sweep (the rules' backward
+inference) carries the wanted output layouts upstream as hints, and the forward
+sweep takes a hint where it is consistent with the operands it has and costs no
+more than following the operands; the two sweeps repeat until nothing changes
+(a few rounds at most). Outputs without a constraint keep what the forward
+sweep gives them, with pending reductions resolved (a jitted function returns
+reduced values).
+
+**Costs.** ``comm_bytes`` are per-device payload bytes as XLA's HLO shows them
+(:mod:`spmdkit.resharding` conventions). ``flops`` are per device: ``2·M·N·K``
+of the local blocks for ``dot_general``, one per output element elsewhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.extend.core
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import SpecError, SpmdError
+from spmdkit.factor import Notation
+from spmdkit.inference import ArgReshard, infer_backward, infer_forward
+from spmdkit.memory import MemoryEstimate, liveness
+from spmdkit.registry import registered_ops
+from spmdkit.resharding import Collective, plan_reshard
+from spmdkit.rule import FactorRule, RuleContext
+from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
+
+__all__ = [
+    "EqnRecord",
+    "Propagation",
+    "propagate",
+    "register_primitive",
+    "trace",
+    "DEFAULT_PEAK_FLOPS",
+]
+
+#: Per-device peak FLOP/s used for compute time when the topology has no
+#: ``peak_flops`` field (H100 SXM dense bf16).
+DEFAULT_PEAK_FLOPS = 989e12
+
+# Parameters that say nothing about layouts, dropped before a rule sees them.
+_IGNORED_PARAMS = frozenset(
+    {
+        "sharding",
+        "out_sharding",
+        "precision",
+        "preferred_element_type",
+        "out_dtype",
+        "accumulation_type",
+        "algorithm",
+        "transpose_algorithm",
+        "weak_type",
+    }
+)
+
+# Call-like primitives whose body is inlined: (param holding the body).
+_INLINE = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_INLINE_PRIMS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "remat",
+        "remat2",
+        "checkpoint",
+        "custom_lin",
+    }
+)
+
+_CONVERTERS: dict[str, Callable[[Any], tuple[str, dict] | None]] = {}
+_WARNED: set[str] = set()
+
+
+def register_primitive(name: str, to_rule: Callable[[Any], tuple[str, dict] | None]) -> None:
+    """Map a jax primitive to a registered rule.
+
+    Args:
+      name: the primitive's name (``eqn.primitive.name``).
+      to_rule: ``fn(eqn) -> (op name, attrs)``, or None to treat the equation as
+        having no rule (replicated fallback).
+
+    Example::
+
+        >>> register_primitive("my_gelu", lambda eqn: ("tanh", {}))
+    """
+    if not isinstance(name, str) or not callable(to_rule):
+        raise SpmdError(
+            op="register_primitive",
+            must="name is a primitive name and to_rule a callable",
+            given=f"{name!r}, {type(to_rule).__name__}",
+            fix="register_primitive('prim', lambda eqn: ('op', {...}))",
+        )
+    _CONVERTERS[name] = to_rule
+
+
+# -- tracing --------------------------------------------------------------------
+
+
+def _abstract(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return x
+
+
+def trace(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The closed jaxpr of ``fn(*args, **kwargs)``, from abstract values only.
+
+    Array leaves may be ``jax.Array`` or ``jax.ShapeDtypeStruct`` (shardings are
+    dropped: propagation decides layouts). Keyword arguments are static.
+
+    Example::
+
+        >>> x = jax.ShapeDtypeStruct((8, 4), "float32")
+        >>> trace(lambda x: x @ x.T, x).jaxpr.eqns[0].primitive.name
+        'dot_general'
+    """
+    return _trace(fn, args, kwargs)[0]
+
+
+def _trace(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    abstract = jax.tree.map(_abstract, args)
+    f = functools.partial(fn, **kwargs) if kwargs else fn
+    closed, shapes = jax.make_jaxpr(f, return_shape=True)(*abstract)
+    return closed, jax.tree.structure(shapes)
+
+
+# -- flattened program ----------------------------------------------------------
+
+
+@dataclass
+class _Node:
+    prim: str
+    eqn: Any
+    ins: list[int]
+    outs: list[int]
+    backward: bool
+    kind: str = "eqn"  # "eqn", "scan", "while", "cond", "shard_map"
+    subs: list[_Graph] = field(default_factory=list)
+
+
+@dataclass
+class _Graph:
+    invars: list[int]
+    outvars: list[int]
+    nodes: list[_Node]
+
+
+class _Program:
+    """Values (shape, dtype) and a flat node list; call-like eqns are inlined."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[np.dtype] = []
+        self.const: list[bool] = []
+
+    def new(self, aval: Any, const: bool = False) -> int:
+        self.shapes.append(tuple(int(s) for s in getattr(aval, "shape", ())))
+        dtype = getattr(aval, "dtype", None)
+        try:
+            dtype = np.dtype(dtype) if dtype is not None else np.dtype("float32")
+        except TypeError:  # extended dtypes (PRNG keys): count 4 bytes per element
+            dtype = np.dtype("uint32")
+        self.dtypes.append(dtype)
+        self.const.append(const)
+        return len(self.shapes) - 1
+
+    def graph(self, closed: Any, ins: Sequence[int] | None = None, backward: bool = False):
+        jaxpr, _ = _open(closed)
+        env: dict[Any, int] = {}
+        for v in jaxpr.constvars:
+            env[v] = self.new(v.aval, const=True)
+        invars = []
+        for i, v in enumerate(jaxpr.invars):
+            vid = ins[i] if ins is not None else self.new(v.aval)
+            env[v] = vid
+            invars.append(vid)
+        nodes: list[_Node] = []
+        self._walk(jaxpr, env, nodes, backward)
+        outvars = [self._read(env, v) for v in jaxpr.outvars]
+        return _Graph(invars, outvars, nodes), env
+
+    def _read(self, env: dict[Any, int], v: Any) -> int:
+        if isinstance(v, jax.extend.core.Literal):
+            return self.new(v.aval, const=True)
+        return env[v]
+
+    def _walk(self, jaxpr: Any, env: dict[Any, int], nodes: list[_Node], backward: bool):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            bwd = backward or "transpose(" in str(eqn.source_info.name_stack)
+            ins = [self._read(env, v) for v in eqn.invars]
+            body = _inline_body(eqn) if name in _INLINE_PRIMS else None
+            if body is not None:
+                inner, _ = _open(body)
+                sub_env: dict[Any, int] = {}
+                for v in inner.constvars:
+                    sub_env[v] = self.new(v.aval, const=True)
+                for v, vid in zip(inner.invars, ins, strict=True):
+                    sub_env[v] = vid
+                self._walk(inner, sub_env, nodes, bwd)
+                for v, o in zip(eqn.outvars, inner.outvars, strict=True):
+                    env[v] = self._read(sub_env, o)
+                continue
+            outs = [self.new(v.aval) for v in eqn.outvars]
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v] = o
+            node = _Node(name, eqn, ins, outs, bwd)
+            if name == "scan":
+                node.kind = "scan"
+                node.subs = [self.graph(eqn.params["jaxpr"], backward=bwd)[0]]
+            elif name == "while":
+                node.kind = "while"
+                node.subs = [
+                    self.graph(eqn.params["cond_jaxpr"], backward=bwd)[0],
+                    self.graph(eqn.params["body_jaxpr"], backward=bwd)[0],
+                ]
+            elif name == "cond":
+                node.kind = "cond"
+                node.subs = [self.graph(b, backward=bwd)[0] for b in eqn.params["branches"]]
+            elif name == "shard_map":
+                node.kind = "shard_map"
+            nodes.append(node)
+
+
+def _open(closed: Any) -> tuple[Any, list]:
+    if hasattr(closed, "jaxpr") and hasattr(closed, "consts"):
+        return closed.jaxpr, list(closed.consts)
+    return closed, []
+
+
+def _inline_body(eqn: Any) -> Any:
+    for key in _INLINE:
+        body = eqn.params.get(key)
+        if body is not None and hasattr(_open(body)[0], "eqns"):
+            return body
+    return None
+
+
+def _dce(graph: _Graph) -> None:
+    """Drop nodes whose results nobody uses (XLA does the same)."""
+    live = set(graph.outvars)
+    keep = []
+    for node in reversed(graph.nodes):
+        effects = getattr(node.eqn, "effects", None)
+        if effects or any(o in live for o in node.outs):
+            keep.append(node)
+            live.update(node.ins)
+            for sub in node.subs:
+                _dce(sub)
+    graph.nodes = keep[::-1]
+
+
+# -- records --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EqnRecord:
+    """What propagation decided for one equation.
+
+    Attributes:
+      index: position in the flattened program.
+      primitive: the jax primitive name.
+      op: the rule used (None: no rule, treated as replicated).
+      attrs: the attributes the rule got.
+      inputs: the specs the operands were given to the rule in (after reshards).
+      outputs: the result specs.
+      reshards: operands that had to move, with their plans.
+      comm_bytes: per-device payload bytes of those reshards (× trip count in loops).
+      comm_time_s: their modelled time.
+      flops: per-device flops of the equation.
+      strategy: the rule strategy used.
+      source: ``file:line (function)`` of the user code that made the equation.
+      backward: True for equations of the backward pass (``transpose(jvp(...))``).
+    """
+
+    index: int
+    primitive: str
+    op: str | None
+    attrs: dict
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    reshards: tuple[ArgReshard, ...]
+    comm_bytes: int
+    comm_time_s: float
+    flops: float
+    strategy: str
+    source: str
+    backward: bool
+    repeat: int = 1
+
+    def collectives(self) -> list[Collective]:
+        """The communicating steps of this equation's reshards (each ``repeat`` times)."""
+        steps = [c for r in self.reshards for c in r.plan.collectives]
+        return steps * self.repeat
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class Propagation:
+    """The result of :func:`propagate`: specs of every value, costs, memory.
+
+    Attributes:
+      mesh: the mesh.
+      closed_jaxpr: the traced program.
+      in_specs: flat input specs.
+      out_specs: flat output specs (after resolving pending reductions or
+        meeting the ``out_specs`` constraints).
+      records: one per equation (flattened), plus ``output`` records for the
+        reshards at the outputs.
+      unknown: primitive → number of equations without a rule.
+      comm_bytes_by_kind: collective kind → per-device payload bytes.
+      comm_bytes: total per-device payload bytes.
+      comm_time_s: modelled communication time.
+      flops: per-device flops.
+      compute_time_s: flops / peak flops.
+      step_time_s: compute + communication (no overlap assumed).
+      memory: per-device memory estimate.
+      var_specs: top-level jaxpr variable → spec.
+    """
+
+    mesh: MeshLike
+    closed_jaxpr: Any
+    in_specs: list[TensorSpec]
+    out_specs: list[TensorSpec]
+    records: list[EqnRecord]
+    unknown: collections.Counter
+    comm_bytes_by_kind: dict[str, int]
+    comm_bytes: int
+    comm_time_s: float
+    flops: float
+    compute_time_s: float
+    step_time_s: float
+    memory: MemoryEstimate
+    var_specs: dict = field(default_factory=dict, repr=False)
+
+    def collectives(self) -> list[Collective]:
+        """Every predicted collective, in program order (loop bodies repeated)."""
+        return [c for r in self.records for c in r.collectives()]
+
+    def table(self, limit: int | None = None) -> str:
+        """A text table of the equations that communicate, costliest first."""
+        rows = sorted(
+            (r for r in self.records if r.comm_bytes),
+            key=lambda r: (-r.comm_bytes, r.index),
+        )
+        if limit is not None:
+            rows = rows[:limit]
+        lines = [
+            f"{'#':>5}  {'primitive':<18} {'pass':<4} {'bytes':>10}  reshards",
+        ]
+        for r in rows:
+            moves = "; ".join(str(a.plan) for a in r.reshards if a.plan.collectives)
+            rep = f" ×{r.repeat}" if r.repeat > 1 else ""
+            lines.append(
+                f"{r.index:>5}  {r.primitive:<18} {'bwd' if r.backward else 'fwd':<4} "
+                f"{_fmt_bytes(r.comm_bytes):>10}  {moves}{rep}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.comm_bytes_by_kind.items())
+        head = [
+            f"propagation on mesh {dict(axis_sizes(self.mesh))}: {len(self.records)} equations",
+            f"  communication: {_fmt_bytes(self.comm_bytes)} per device ({kinds or 'none'}), "
+            f"{self.comm_time_s * 1e3:.3f} ms",
+            f"  compute: {self.flops:.3g} flops per device, {self.compute_time_s * 1e3:.3f} ms",
+            f"  step time (model): {self.step_time_s * 1e3:.3f} ms",
+            f"  memory: {self.memory}",
+        ]
+        if self.unknown:
+            head.append(
+                "  no rule (replicated): "
+                + ", ".join(f"{k}×{n}" for k, n in sorted(self.unknown.items()))
+            )
+        table = self.table(limit=20)
+        return "\n".join(head) + ("\n" + table if table.count("\n") else "")
+
+
+# -- primitive → rule -----------------------------------------------------------
+
+_REDUCERS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+_RENAMES = {"add_any": "add"}
+
+
+def _to_rule(eqn: Any) -> tuple[str, dict] | None:
+    name = eqn.primitive.name
+    conv = _CONVERTERS.get(name)
+    if conv is not None:
+        return conv(eqn)
+    params = eqn.params
+    if name in _REDUCERS:
+        return name, {"axis": tuple(params["axes"])}
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        dn = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+        return name, {"dimension_numbers": dn}
+    if name == "convert_element_type":
+        return name, {"new_dtype": np.dtype(params["new_dtype"]).name}
+    if name == "integer_pow":
+        return name, {"y": int(params["y"])}
+    attrs = {k: v for k, v in params.items() if k not in _IGNORED_PARAMS}
+    return _RENAMES.get(name, name), attrs
+
+
+# -- built-in rules for primitives the library does not cover ---------------------
+
+
+def _dummy(*xs: Any, **_: Any) -> Any:
+    return xs[0]
+
+
+def _eltwise_notation(shapes: Any, **_: Any) -> str:
+    from spmdkit.rules.elementwise import broadcast_notation
+
+    return broadcast_notation(shapes)
+
+
+def _keep_notation(
+    shapes: Any,
+    *,
+    replicate: tuple[int, ...] = (),
+    drop: tuple[int, ...] = (),
+    reduce: str | None = None,
+    **_: Any,
+) -> Notation:
+    """All operands share one factor per dim; ``replicate`` dims unsharded; ``drop``
+    dims vanish from the (single) output."""
+    (rank,) = {len(s) for s in shapes}
+    fs = tuple(f"d{i}" for i in range(rank))
+    outs = tuple(f for i, f in enumerate(fs) if i not in drop)
+    need = frozenset(fs[i] for i in (*replicate, *drop))
+    return Notation(tuple(fs for _ in shapes), (outs,), need, reduce)
+
+
+def _builtin(name: str, notation: Any, policy: str, **kw: Any) -> FactorRule:
+    return FactorRule(name, notation, impl=_dummy, partial=policy, **kw)
+
+
+_ELTWISE_NONE = frozenset(
+    {
+        "acos",
+        "acosh",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "cbrt",
+        "ceil",
+        "clamp",
+        "conj",
+        "cosh",
+        "digamma",
+        "erf_inv",
+        "erfc",
+        "exp2",
+        "floor",
+        "igamma",
+        "imag",
+        "is_finite",
+        "lgamma",
+        "nextafter",
+        "population_count",
+        "real",
+        "rem",
+        "round",
+        "shift_left",
+        "shift_right_arithmetic",
+        "shift_right_logical",
+        "sinh",
+        "tan",
+        "xor",
+        "square",
+        "sign",
+        "abs",
+        "sqrt",
+        "rsqrt",
+        "cos",
+        "sin",
+        "tanh",
+        "logistic",
+        "exp",
+        "log",
+        "log1p",
+        "expm1",
+        "erf",
+        "neg",
+        "pow",
+        "max",
+        "min",
+        "not",
+        "and",
+        "or",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "select_n",
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "random_bits",
+        "random_wrap",
+        "random_unwrap",
+        "threefry2x32",
+    }
+)  # fallbacks only: a registered rule of the same name always wins
+_IDENTITY = frozenset(
+    {"copy", "copy_p", "stop_gradient", "reduce_precision", "pvary", "optimization_barrier"}
+)
+_ELTWISE_RULE = _builtin("elementwise", _eltwise_notation, "NONE")
+_IDENTITY_RULE = _builtin("identity", _eltwise_notation, "LINEAR")
+_KEEP_RULE = _builtin("keep", _keep_notation, "NONE")
+_KEEP_LINEAR_RULE = _builtin("keep_linear", _keep_notation, "LINEAR")
+_REDUCE_RULE = _builtin("reduce", _keep_notation, "NONE", reduce=None)
+
+
+def _builtin_for(name: str, eqn: Any, n_in: int) -> tuple[FactorRule, dict] | None:
+    p = eqn.params
+    if name in _IDENTITY and n_in == 1:
+        return _IDENTITY_RULE, {}
+    if name in _ELTWISE_NONE and len(eqn.outvars) == 1:
+        return _ELTWISE_RULE, {}
+    if name in ("cumsum", "cumlogsumexp", "cummax", "cummin", "cumprod"):
+        rule = _KEEP_LINEAR_RULE if name == "cumsum" else _KEEP_RULE
+        return rule, {"replicate": (int(p["axis"]),)}
+    if name in ("argmax", "argmin"):
+        return _REDUCE_RULE, {"drop": tuple(int(a) for a in p["axes"])}
+    if name == "sort" and len(eqn.outvars) == n_in:
+        return _KEEP_RULE, {"replicate": (int(p["dimension"]),), "_multi": True}
+    return None
+
+
+def _builtin_forward(
+    rule: FactorRule, attrs: dict, specs: tuple[TensorSpec, ...], mesh: MeshLike, out_dtypes: list
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    attrs = dict(attrs)
+    multi = attrs.pop("_multi", False)
+    ctx = RuleContext(op=rule.name, axis_sizes=axis_sizes(mesh), attrs=attrs)
+    ans = rule.forward(ctx, specs)
+    outs = ans.outputs
+    if multi:
+        outs = tuple(s.without_partial() for s in ans.inputs)
+    outs = tuple(o.replace(dtype=d) for o, d in zip(outs, out_dtypes, strict=True))
+    return ans.inputs, outs
+
+
+# Layout-only primitives (shape rules may not be registered yet): hand-written
+# fallbacks that keep what is safe to keep. Each returns (required input dims,
+# output dims); pending reductions pass (these ops are linear in their operand).
+
+_Dims = tuple[tuple[str, ...], ...]
+
+
+def _lay_transpose(p: Mapping, ins: list[TensorSpec], outs: list[tuple], sizes: Mapping):
+    x = ins[0]
+    return [x.dims], [tuple(x.dims[d] for d in p["permutation"])]
+
+
+def _lay_broadcast(p: Mapping, ins: list[TensorSpec], outs: list[tuple], sizes: Mapping):
+    x = ins[0]
+    shape = outs[0]
+    req = list(x.dims)
+    out: list[tuple[str, ...]] = [() for _ in shape]
+    for i, d in enumerate(p["broadcast_dimensions"]):
+        if x.shape[i] == shape[d]:
+            out[d] = x.dims[i]
+        else:
+            req[i] = ()
+    return [tuple(req), *(() for _ in ins[1:])], [tuple(out)]
+
+
+def _lay_squeeze(p: Mapping, ins: list[TensorSpec], outs: list[tuple], sizes: Mapping):
+    x = ins[0]
+    drop = {d % x.ndim for d in p["dimensions"]}
+    req = tuple(() if d in drop else a for d, a in enumerate(x.dims))
+    return [req], [tuple(a for d, a in enumerate(x.dims) if d not in drop)]
+
+
+def _lay_reshape(p: Mapping, ins: list[TensorSpec], outs: list[tuple], sizes: Mapping):
+    x = ins[0]
+    if p.get("dimensions") is not None:
+        return [tuple(() for _ in x.shape)], [tuple(() for _ in outs[0])]
+    src, dst = x.shape, outs[0]
+    req: list[tuple[str, ...]] = [() for _ in src]
+    out: list[tuple[str, ...]] = [() for _ in dst]
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        # the smallest groups src[i:i2], dst[j:j2] with equal products
+        i2, j2 = i, j
+        a = b = 1
+        while True:
+            if a == b and (i2 > i or j2 > j) and (a != 1 or i2 == len(src) or j2 == len(dst)):
+                break
+            if a <= b and i2 < len(src):
+                a *= src[i2]
+                i2 += 1
+            elif j2 < len(dst):
+                b *= dst[j2]
+                j2 += 1
+            else:
+                i2, j2 = len(src), len(dst)
+                break
+        major_in = next((k for k in range(i, i2) if src[k] != 1), None)
+        major_out = next((k for k in range(j, j2) if dst[k] != 1), None)
+        if major_in is not None and major_out is not None and x.dims[major_in]:
+            axes = x.dims[major_in]
+            n = math.prod(sizes[ax] for ax in axes)
+            others = all(not x.dims[k] for k in range(i, i2) if k != major_in)
+            if others and src[major_in] % n == 0 and dst[major_out] % n == 0:
+                req[major_in] = axes
+                out[major_out] = axes
+        i, j = i2, j2
+    return [tuple(req)], [tuple(out)]
+
+
+def _lay_slice(p: Mapping, ins: list[TensorSpec], outs: list[tuple], sizes: Mapping):
+    x = ins[0]
+    keep = tuple(a if n == m else () for a, n, m in zip(x.dims, x.shape, outs[0], strict=True))
+    return [keep, *(() for _ in ins[1:])], [keep]
+
+
+def _lay_concat(p: Mapping, ins: list[TensorSpec], outs: list[tuple], sizes: Mapping):
+    dim = int(p["dimension"])
+    first = ins[0]
+    dims = tuple(() if d == dim else a for d, a in enumerate(first.dims))
+    return [dims for _ in ins], [dims]
+
+
+def _lay_pad(p: Mapping, ins: list[TensorSpec], outs: list[tuple], sizes: Mapping):
+    x = ins[0]
+    dims = tuple(
+        a if tuple(cfg) == (0, 0, 0) else ()
+        for a, cfg in zip(x.dims, p["padding_config"], strict=True)
+    )
+    return [dims, ()], [dims]
+
+
+_LAYOUT = {
+    "broadcast_in_dim": _lay_broadcast,
+    "concatenate": _lay_concat,
+    "dynamic_slice": _lay_slice,
+    "pad": _lay_pad,
+    "reshape": _lay_reshape,
+    "slice": _lay_slice,
+    "squeeze": _lay_squeeze,
+    "transpose": _lay_transpose,
+}
+
+
+def _layout_forward(
+    name: str,
+    p: Mapping,
+    specs: tuple[TensorSpec, ...],
+    out_shapes: list,
+    out_dtypes: list,
+    mesh: MeshLike,
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    sizes = axis_sizes(mesh)
+    req_dims, out_dims = _LAYOUT[name](p, list(specs), out_shapes, sizes)
+    linear = name != "pad" and all(not s.partial for s in specs[1:])
+    partial = dict(specs[0].partial) if linear else {}
+    req = tuple(
+        TensorSpec(s.shape, d, partial=partial if i == 0 else {}, dtype=s.dtype)
+        for i, (s, d) in enumerate(zip(specs, req_dims, strict=True))
+    )
+    outs = tuple(
+        TensorSpec(shape, d, partial=partial, dtype=dt)
+        for shape, d, dt in zip(out_shapes, out_dims, out_dtypes, strict=True)
+    )
+    return req, outs
+
+
+# -- the propagation engine -------------------------------------------------------
+
+
+class _Engine:
+    def __init__(self, prog: _Program, mesh: MeshLike, topology: Topology, strategies: Mapping):
+        self.prog = prog
+        self.mesh = mesh
+        self.topology = topology
+        self.strategies = dict(strategies or {})
+        self.ops = frozenset(registered_ops())
+        self.unknown: collections.Counter = collections.Counter()
+        self.hints: dict[int, TensorSpec] = {}
+        self._sizes = axis_sizes(mesh)
+        self._plans: dict[tuple, ArgReshard | None] = {}
+
+    # specs
+    def replicated(self, vid: int) -> TensorSpec:
+        return TensorSpec(self.prog.shapes[vid], dtype=self.prog.dtypes[vid])
+
+    def reshard(self, label: str, src: TensorSpec, dst: TensorSpec) -> ArgReshard | None:
+        if src.dims == dst.dims and src.partial == dst.partial:
+            return None
+        key = (label, src, dst)
+        hit = self._plans.get(key, 0)
+        if hit != 0:
+            return hit
+        src_t = src if src.dtype == dst.dtype else src.replace(dtype=dst.dtype)
+        plan = plan_reshard(src_t, dst, self.mesh, topology=self.topology)
+        out = ArgReshard(label, src, dst, plan)
+        self._plans[key] = out
+        return out
+
+    def warn(self, prim: str, why: str) -> None:
+        self.unknown[prim] += 1
+        if prim not in _WARNED:
+            _WARNED.add(prim)
+            warnings.warn(
+                f"spmdkit.propagate: no sharding rule for primitive {prim!r} ({why}); "
+                "its operands are made replicated and the cost counted. "
+                "Register one with spmdkit.propagate.register_primitive.",
+                stacklevel=4,
+            )
+
+    # one equation
+    def infer(self, node: _Node, specs: tuple[TensorSpec, ...]):
+        """(op, attrs, required inputs, outputs) for a plain equation."""
+        eqn = node.eqn
+        name = node.prim
+        out_shapes = [self.prog.shapes[o] for o in node.outs]
+        out_dtypes = [self.prog.dtypes[o] for o in node.outs]
+        if name == "iota" or (not node.ins and name not in ("shard_map",)):
+            return None, {}, (), tuple(self.replicated(o) for o in node.outs)
+        if name in ("sharding_constraint", "reshard", "mesh_cast"):
+            got = self._constraint(node, specs[0])
+            if got is not None:
+                return name, {}, (got,), (got,)
+        conv = _to_rule(eqn)
+        if conv is not None and conv[0] in self.ops:
+            op, attrs = conv
+            strategy = self.strategies.get(op)
+            if strategy is not None:
+                attrs = {**attrs, "strategy": strategy}
+            try:
+                res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
+                outs = res.outputs
+                if [o.shape for o in outs] == out_shapes:
+                    outs = tuple(
+                        o if o.dtype == d else o.replace(dtype=d)
+                        for o, d in zip(outs, out_dtypes, strict=True)
+                    )
+                    return op, attrs, res.inputs, outs
+                why = f"rule {op!r} gave output shapes {[o.shape for o in outs]}"
+            except (SpmdError, TypeError, ValueError, KeyError) as e:
+                why = f"rule {op!r} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            self.warn(name, why)
+            return (
+                None,
+                {},
+                tuple(s.without_partial().replace(dims=()) for s in specs),
+                tuple(self.replicated(o) for o in node.outs),
+            )
+        if name in _LAYOUT:
+            try:
+                req, outs = _layout_forward(
+                    name, eqn.params, specs, out_shapes, out_dtypes, self.mesh
+                )
+                return name, {}, req, outs
+            except (SpmdError, TypeError, ValueError, KeyError, IndexError):
+                pass
+        built = _builtin_for(name, eqn, len(specs))
+        if built is not None:
+            rule, attrs = built
+            try:
+                req, outs = _builtin_forward(rule, attrs, specs, self.mesh, out_dtypes)
+                if [o.shape for o in outs] == out_shapes:
+                    return rule.name, {k: v for k, v in attrs.items() if k[0] != "_"}, req, outs
+            except (SpmdError, TypeError, ValueError, KeyError):
+                pass
+        self.warn(name, "no rule registered")
+        req = tuple(TensorSpec(s.shape, dtype=s.dtype) for s in specs)
+        return None, {}, req, tuple(self.replicated(o) for o in node.outs)
+
+    def _constraint(self, node: _Node, spec: TensorSpec) -> TensorSpec | None:
+        p = node.eqn.params
+        sharding = p.get("sharding", p.get("dst_sharding"))
+        pspec = getattr(sharding, "spec", sharding)
+        if not isinstance(pspec, P) or any(e is P.UNCONSTRAINED for e in pspec):
+            return None
+        try:
+            return TensorSpec(spec.shape, pspec, dtype=spec.dtype, mesh=self.mesh)
+        except SpmdError:
+            return None
+
+    def hinted(self, node: _Node, specs, op, attrs, req, outs):
+        """Take the backward hint on the outputs when it costs no more than the
+        forward answer plus resharding to the hint."""
+        hints = [self.hints.get(o) for o in node.outs]
+        if (
+            op is None
+            or op not in self.ops
+            or all(h is None or h == o for h, o in zip(hints, outs, strict=True))
+        ):
+            return req, outs
+        want = tuple(h if h is not None else o for h, o in zip(hints, outs, strict=True))
+        try:
+            res = infer_backward(op, *specs, outputs=want, mesh=self.mesh, **attrs)
+        except (SpmdError, TypeError, ValueError, KeyError):
+            return req, outs
+        if tuple(o.dims for o in res.outputs) != tuple(w.dims for w in want):
+            return req, outs
+
+        def cost(required, produced):
+            t = 0.0
+            for i, (s, r) in enumerate(zip(specs, required, strict=True)):
+                a = self.reshard(f"input {i}", s, r)
+                t += a.plan.time_s if a else 0.0
+            for i, (o, w) in enumerate(zip(produced, want, strict=True)):
+                a = self.reshard(f"output {i}", o, w)
+                t += a.plan.time_s if a else 0.0
+            return t
+
+        # candidate inputs: backward's layout, keeping operands' partials out
+        cand_in = res.inputs
+        try:
+            fwd = infer_forward(op, *cand_in, mesh=self.mesh, **attrs)
+        except (SpmdError, TypeError, ValueError, KeyError):
+            return req, outs
+        cand_out = tuple(o.replace(dtype=w.dtype) for o, w in zip(fwd.outputs, want, strict=True))
+        if cost(fwd.inputs, cand_out) <= cost(req, outs):
+            return fwd.inputs, cand_out
+        return req, outs
+
+    # whole graphs
+    def run(
+        self,
+        graph: _Graph,
+        in_specs: Sequence[TensorSpec],
+        spec: dict[int, TensorSpec],
+        collect: list | None,
+        repeat: int = 1,
+    ) -> None:
+        for vid, s in zip(graph.invars, in_specs, strict=True):
+            spec[vid] = s
+        for node in graph.nodes:
+            for v in node.ins:
+                if v not in spec:
+                    spec[v] = self.replicated(v)
+            specs = tuple(spec[v] for v in node.ins)
+            if node.kind == "scan":
+                self._scan(node, specs, spec, collect, repeat)
+                continue
+            if node.kind in ("while", "cond"):
+                self._control(node, specs, spec, collect, repeat)
+                continue
+            if node.kind == "shard_map":
+                op, attrs, req, outs = self._shard_map(node, specs)
+            else:
+                op, attrs, req, outs = self.infer(node, specs)
+                if self.hints:
+                    req, outs = self.hinted(node, specs, op, attrs, req, outs)
+            for o, s in zip(node.outs, outs, strict=True):
+                spec[o] = s
+            if collect is not None:
+                collect.append((node, op, attrs, specs, req, outs, repeat, None))
+
+    def _shard_map(self, node: _Node, specs):
+        p = node.eqn.params
+        try:
+            req = tuple(
+                TensorSpec(s.shape, ps, dtype=s.dtype, mesh=self.mesh)
+                for s, ps in zip(specs, p["in_specs"], strict=True)
+            )
+            outs = tuple(
+                TensorSpec(self.prog.shapes[o], ps, dtype=self.prog.dtypes[o], mesh=self.mesh)
+                for o, ps in zip(node.outs, p["out_specs"], strict=True)
+            )
+            return "shard_map", {}, req, outs
+        except (SpmdError, KeyError, TypeError):
+            self.warn("shard_map", "in/out specs not understood")
+            return (
+                None,
+                {},
+                tuple(TensorSpec(s.shape, dtype=s.dtype) for s in specs),
+                tuple(self.replicated(o) for o in node.outs),
+            )
+
+    def _body(self, graph: _Graph, in_specs, spec, collect, repeat):
+        self.run(graph, in_specs, spec, collect, repeat)
+        return [spec.get(v) or self.replicated(v) for v in graph.outvars]
+
+    def _scan(self, node: _Node, specs, spec, collect, repeat):
+        p = node.eqn.params
+        nc, nk, length = int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
+        body = node.subs[0]
+        consts = [s.without_partial() for s in specs[:nc]]
+        carry = [s.without_partial() for s in specs[nc : nc + nk]]
+        xs = [_unstack(s.without_partial()) for s in specs[nc + nk :]]
+        for _ in range(4):
+            scratch: dict[int, TensorSpec] = {}
+            outs = self._body(body, [*consts, *carry, *(x for x, _ in xs)], scratch, None, 1)
+            new = [o.without_partial() for o in outs[:nk]]
+            if new == carry:
+                break
+            carry = new
+        else:
+            carry = [TensorSpec(s.shape, dtype=s.dtype) for s in carry]
+        inner: list = []
+        outs = self._body(body, [*consts, *carry, *(x for x, _ in xs)], spec, inner, repeat)
+        req = (*consts, *carry, *(stacked for _, stacked in xs))
+        final_carry = [o.without_partial() if o.partial else o for o in outs[:nk]]
+        ys = [_stack(o.without_partial(), length) for o in outs[nk:]]
+        # the carry coming back each iteration must have the carry-in layout
+        back = []
+        for i, (o, c) in enumerate(zip(outs[:nk], carry, strict=True)):
+            a = self.reshard(f"carry {i}", o, c)
+            if a is not None:
+                back.append(a)
+        node_outs = (*carry, *ys)
+        for o, s in zip(node.outs, node_outs, strict=True):
+            spec[o] = s
+        del final_carry
+        if collect is not None:
+            collect.append(
+                (
+                    node,
+                    "scan",
+                    {"length": length},
+                    specs,
+                    req,
+                    tuple(node_outs),
+                    repeat,
+                    (inner, back, length),
+                )
+            )
+
+    def _control(self, node: _Node, specs, spec, collect, repeat):
+        if node.kind == "while":
+            p = node.eqn.params
+            cn, bn = int(p["cond_nconsts"]), int(p["body_nconsts"])
+            cconsts = [s.without_partial() for s in specs[:cn]]
+            bconsts = [s.without_partial() for s in specs[cn : cn + bn]]
+            carry = [s.without_partial() for s in specs[cn + bn :]]
+            body = node.subs[1]
+            for _ in range(4):
+                outs = self._body(body, [*bconsts, *carry], {}, None, 1)
+                new = [o.without_partial() for o in outs]
+                if new == carry:
+                    break
+                carry = new
+            else:
+                carry = [TensorSpec(s.shape, dtype=s.dtype) for s in carry]
+            inner: list = []
+            self._body(node.subs[0], [*cconsts, *carry], spec, inner, repeat)
+            outs = self._body(body, [*bconsts, *carry], spec, inner, repeat)
+            back = [
+                a
+                for i, (o, c) in enumerate(zip(outs, carry, strict=True))
+                if (a := self.reshard(f"carry {i}", o, c)) is not None
+            ]
+            req = (*cconsts, *bconsts, *carry)
+            node_outs = tuple(carry)
+            extra = (inner, back, 1)
+        else:  # cond: index, then operands
+            ops = [s.without_partial() for s in specs[1:]]
+            inner = []
+            results = []
+            for i, g in enumerate(node.subs):
+                results.append(self._body(g, ops, spec, inner if i == 0 else [], repeat))
+                # branches other than the first are propagated but only the first is costed
+            node_outs = []
+            back = []
+            for j, o in enumerate(node.outs):
+                cands = {r[j].without_partial() for r in results}
+                node_outs.append(cands.pop() if len(cands) == 1 else self.replicated(o))
+            for j, (r, want) in enumerate(zip(results[0], node_outs, strict=True)):
+                a = self.reshard(f"output {j}", r, want)
+                if a is not None:
+                    back.append(a)
+            req = (TensorSpec(specs[0].shape, dtype=specs[0].dtype), *ops)
+            node_outs = tuple(node_outs)
+            extra = (inner, back, 1)
+        for o, s in zip(node.outs, node_outs, strict=True):
+            spec[o] = s
+        if collect is not None:
+            collect.append((node, node.prim, {}, specs, req, node_outs, repeat, extra))
+
+    # backward sweep: hints from wanted output layouts
+    def backward_hints(
+        self,
+        graph: _Graph,
+        spec: dict[int, TensorSpec],
+        wanted: dict[int, TensorSpec],
+        fixed: set[int],
+    ) -> dict[int, TensorSpec]:
+        hints = dict(wanted)
+        for node in reversed(graph.nodes):
+            if node.kind != "eqn":
+                continue
+            want = [hints.get(o) for o in node.outs]
+            if all(w is None for w in want):
+                continue
+            conv = _to_rule(node.eqn)
+            if conv is None or conv[0] not in self.ops:
+                continue
+            op, attrs = conv
+            outs = tuple(
+                w if w is not None else spec[o] for w, o in zip(want, node.outs, strict=True)
+            )
+            ins = tuple(spec[v] for v in node.ins)
+            try:
+                res = infer_backward(op, *ins, outputs=outs, mesh=self.mesh, **attrs)
+            except (SpmdError, TypeError, ValueError, KeyError):
+                continue
+            for v, s in zip(node.ins, res.inputs, strict=True):
+                if v in fixed or self.prog.const[v] or v in hints:
+                    continue
+                if s.sharding_axes and s.dims != spec[v].dims:
+                    hints[v] = s
+        return hints
+
+
+def _unstack(s: TensorSpec) -> tuple[TensorSpec, TensorSpec]:
+    """(slice spec seen by the body, stacked spec with dim 0 unsharded)."""
+    stacked = s.replace(dims=((), *s.dims[1:])) if s.dims and s.dims[0] else s
+    return TensorSpec(s.shape[1:], s.dims[1:], dtype=s.dtype), stacked
+
+
+def _stack(s: TensorSpec, length: int) -> TensorSpec:
+    return TensorSpec((length, *s.shape), ((), *s.dims), dtype=s.dtype)
+
+
+# -- input specs ------------------------------------------------------------------
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (TensorSpec, P))
+
+
+def _flat_in_specs(in_specs: Any, args: tuple, mesh: MeshLike, what: str) -> list[TensorSpec]:
+    leaves, treedef = jax.tree.flatten(in_specs, is_leaf=_is_spec_leaf)
+    try:
+        groups = treedef.flatten_up_to(args)
+    except (ValueError, TypeError) as e:
+        raise SpecError(
+            op="propagate",
+            must=f"{what} is a pytree prefix of the arguments",
+            given=f"{treedef} for arguments {jax.tree.structure(args)}",
+            fix="give one spec (TensorSpec, PartitionSpec or None) per array, or one per subtree",
+        ) from e
+    out: list[TensorSpec] = []
+    for leaf, group in zip(leaves, groups, strict=True):
+        for x in jax.tree.leaves(group):
+            shape = tuple(getattr(x, "shape", ()))
+            dtype = getattr(x, "dtype", None)
+            if dtype is None:
+                dtype = np.asarray(x).dtype
+            try:
+                dtype = np.dtype(dtype)
+            except TypeError:
+                dtype = np.dtype("uint32")
+            if isinstance(leaf, TensorSpec):
+                if leaf.shape != shape:
+                    raise SpecError(
+                        op="propagate",
+                        must=f"each {what} TensorSpec has its argument's shape",
+                        given=f"{leaf} for an argument of shape {shape}",
+                        fix="build the spec with the argument's shape, or pass a PartitionSpec",
+                    )
+                s = leaf if leaf.dtype is not None else leaf.replace(dtype=dtype)
+            elif leaf is None:
+                s = TensorSpec(shape, dtype=dtype)
+            else:
+                s = TensorSpec(shape, leaf, dtype=dtype)
+            out.append(s.validate(mesh, op="propagate"))
+    return out
+
+
+# -- the public entry point -----------------------------------------------------------
+
+
+def _source(eqn: Any) -> str:
+    try:
+        from jax._src import source_info_util  # no public equivalent
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:
+        return ""
+
+
+def _flops(
+    node: _Node, req: Sequence[TensorSpec], outs: Sequence[TensorSpec], mesh: MeshLike
+) -> float:
+    if node.prim == "dot_general" and req:
+        (lc, _), _ = node.eqn.params["dimension_numbers"]
+        k = math.prod(req[0].local_shape(mesh)[d] for d in lc)
+        return 2.0 * math.prod(outs[0].local_shape(mesh)) * k
+    if node.prim in _REDUCERS or node.prim in ("argmax", "argmin"):
+        return float(math.prod(req[0].local_shape(mesh))) if req else 0.0
+    if node.kind != "eqn" or not outs:
+        return 0.0
+    return float(sum(math.prod(o.local_shape(mesh)) for o in outs))
+
+
+def propagate(
+    fn_or_closed_jaxpr: Any,
+    *args: Any,
+    in_specs: Any,
+    mesh: MeshLike,
+    out_specs: Any = None,
+    strategies: Mapping[str, str] | None = None,
+    topology: Topology = DEFAULT_TOPOLOGY,
+    donate_argnums: Sequence[int] | int = (),
+    arg_roles: Any = None,
+    **kwargs: Any,
+) -> Propagation:
+    """Propagate specs through ``fn(*args, **kwargs)`` and price every reshard.
+
+    Args:
+      fn_or_closed_jaxpr: a function (traced with :func:`trace`) or a closed jaxpr.
+      *args: the arguments (arrays or ``jax.ShapeDtypeStruct`` pytrees). With a
+        closed jaxpr, its input avals (flat) unless given.
+      in_specs: a pytree prefix of ``args`` with ``TensorSpec``, ``PartitionSpec``
+        or None (replicated) leaves.
+      mesh: a ``Mesh`` or ``AbstractMesh`` (no devices are needed).
+      out_specs: optional constraints on the outputs (a pytree prefix of the
+        outputs; None leaves are unconstrained).
+      strategies: op name → strategy name, for rules with alternatives.
+      topology: link model for reshard costs; ``peak_flops`` if it has one.
+      donate_argnums: donated positional arguments (memory only).
+      arg_roles: a pytree prefix of ``args`` with role strings (``"params"``,
+        ``"opt_state"``, ``"batch"``…) for the memory breakdown.
+      **kwargs: static keyword arguments of ``fn``.
+
+    Returns:
+      A :class:`Propagation`.
+
+    Example::
+
+        >>> mesh = sk.abstract_mesh(data=8)
+        >>> prop = propagate(train_step, params, batch, mesh=mesh,
+        ...                  in_specs=(None, P("data")))
+        >>> prop.comm_bytes_by_kind
+        {'all_reduce': 8392704}
+    """
+    if hasattr(fn_or_closed_jaxpr, "jaxpr") and hasattr(fn_or_closed_jaxpr, "consts"):
+        closed, out_treedef = fn_or_closed_jaxpr, None
+        if not args:
+            args = tuple(
+                jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars
+            )
+    else:
+        closed, out_treedef = _trace(fn_or_closed_jaxpr, args, kwargs)
+    flat_in = _flat_in_specs(in_specs, args, mesh, "in_specs")
+    n_in = len(closed.jaxpr.invars)
+    if len(flat_in) != n_in:
+        raise SpecError(
+            op="propagate",
+            must="one input spec per traced input",
+            given=f"{len(flat_in)} specs for {n_in} inputs",
+            fix="pass in_specs as a pytree prefix of the positional arguments",
+        )
+    prog = _Program()
+    graph, env = prog.graph(closed)
+    _dce(graph)
+    for vid, s in zip(graph.invars, flat_in, strict=True):
+        if s.shape != prog.shapes[vid]:
+            raise SpecError(
+                op="propagate",
+                must="each input spec has its input's shape",
+                given=f"{s} for an input of shape {prog.shapes[vid]}",
+                fix="pass specs matching the arguments",
+            )
+    out_avals = [jax.ShapeDtypeStruct(prog.shapes[v], prog.dtypes[v]) for v in graph.outvars]
+    wanted: dict[int, TensorSpec] = {}
+    out_req: list[TensorSpec | None] = [None] * len(graph.outvars)
+    if out_specs is not None:
+        out_tree = jax.tree.unflatten(out_treedef, out_avals) if out_treedef else out_avals
+        leaves, treedef = jax.tree.flatten(out_specs, is_leaf=_is_spec_leaf)
+        groups = treedef.flatten_up_to(out_tree)
+        flat_req = []
+        for leaf, group in zip(leaves, groups, strict=True):
+            for x in jax.tree.leaves(group):
+                if leaf is None:
+                    flat_req.append(None)
+                elif isinstance(leaf, TensorSpec):
+                    flat_req.append(leaf if leaf.dtype else leaf.replace(dtype=x.dtype))
+                else:
+                    flat_req.append(TensorSpec(x.shape, leaf, dtype=x.dtype, mesh=mesh))
+        out_req = flat_req
+        for v, r in zip(graph.outvars, out_req, strict=True):
+            if r is not None:
+                wanted[v] = r
+
+    engine = _Engine(prog, mesh, topology, strategies or {})
+    spec: dict[int, TensorSpec] = {}
+    fixed = set(graph.invars)
+    collect: list = []
+    for _ in range(4):
+        spec = {}
+        collect = []
+        engine.unknown = collections.Counter()
+        engine.run(graph, flat_in, spec, collect)
+        if not wanted:
+            break
+        hints = engine.backward_hints(graph, spec, wanted, fixed)
+        if hints == engine.hints:
+            break
+        engine.hints = hints
+
+    records: list[EqnRecord] = []
+    for node, op, attrs, specs, req, outs, repeat, extra in collect:
+        reshards = []
+        for i, (s, r) in enumerate(zip(specs, req, strict=True)):
+            a = engine.reshard(f"input {i}", s, r)
+            if a is not None:
+                reshards.append(a)
+        flops = _flops(node, req, outs, mesh) * repeat
+        comm = sum(a.payload_bytes for a in reshards) * repeat
+        ctime = sum(a.plan.time_s for a in reshards) * repeat
+        if extra is not None:
+            inner, back, length = extra
+            body_recs = [_inner_record(engine, x, mesh) for x in inner]
+            comm += sum(r.comm_bytes for r in body_recs) * length
+            ctime += sum(r.comm_time_s for r in body_recs) * length
+            flops += sum(r.flops for r in body_recs) * length
+            comm += sum(a.payload_bytes for a in back) * length * repeat
+            ctime += sum(a.plan.time_s for a in back) * length * repeat
+            inner_reshards = tuple(a for r in body_recs for a in r.reshards)
+            reshards_all = tuple(reshards) + inner_reshards + tuple(back)
+            rec_repeat = length
+        else:
+            reshards_all = tuple(reshards)
+            rec_repeat = repeat
+        records.append(
+            EqnRecord(
+                index=len(records),
+                primitive=node.prim,
+                op=op,
+                attrs=dict(attrs),
+                inputs=tuple(req),
+                outputs=tuple(outs),
+                reshards=reshards_all,
+                comm_bytes=int(comm),
+                comm_time_s=ctime,
+                flops=flops,
+                strategy=str(attrs.get("strategy", "default")),
+                source=_source(node.eqn),
+                backward=node.backward,
+                repeat=rec_repeat if extra is not None else 1,
+            )
+        )
+    final_out = []
+    for i, (v, r) in enumerate(zip(graph.outvars, out_req, strict=True)):
+        have = spec.get(v) or engine.replicated(v)
+        want = r if r is not None else have.without_partial()
+        final_out.append(want)
+        a = engine.reshard(f"output {i}", have, want)
+        if a is not None:
+            records.append(
+                EqnRecord(
+                    index=len(records),
+                    primitive="output",
+                    op=None,
+                    attrs={"output": i},
+                    inputs=(have,),
+                    outputs=(want,),
+                    reshards=(a,),
+                    comm_bytes=a.payload_bytes,
+                    comm_time_s=a.plan.time_s,
+                    flops=0.0,
+                    strategy="default",
+                    source="",
+                    backward=False,
+                )
+            )
+    by_kind: dict[str, int] = {}
+    for r in records:
+        for c in r.collectives():
+            by_kind[c.kind] = by_kind.get(c.kind, 0) + c.payload_bytes
+    comm_bytes = sum(r.comm_bytes for r in records)
+    comm_time = sum(r.comm_time_s for r in records)
+    flops = sum(r.flops for r in records)
+    peak = float(getattr(topology, "peak_flops", DEFAULT_PEAK_FLOPS))
+    compute_time = flops / peak
+
+    donated = _donated_ids(donate_argnums, args, graph.invars)
+    roles = _roles(arg_roles, args, graph.invars)
+    memory = liveness(graph, spec, final_out, mesh, prog, donated=donated, roles=roles)
+    var_specs = {}
+    for v, vid in env.items():
+        if vid in spec:
+            var_specs[v] = spec[vid]
+    return Propagation(
+        mesh=mesh,
+        closed_jaxpr=closed,
+        in_specs=list(flat_in),
+        out_specs=final_out,
+        records=records,
+        unknown=engine.unknown,
+        comm_bytes_by_kind=dict(sorted(by_kind.items())),
+        comm_bytes=int(comm_bytes),
+        comm_time_s=comm_time,
+        flops=flops,
+        compute_time_s=compute_time,
+        step_time_s=compute_time + comm_time,
+        memory=memory,
+        var_specs=var_specs,
+    )
+
+
+def _inner_record(engine: _Engine, item: tuple, mesh: MeshLike) -> EqnRecord:
+    node, op, attrs, specs, req, outs, _, extra = item
+    reshards = [
+        a
+        for i, (s, r) in enumerate(zip(specs, req, strict=True))
+        if (a := engine.reshard(f"input {i}", s, r)) is not None
+    ]
+    comm = sum(a.payload_bytes for a in reshards)
+    ctime = sum(a.plan.time_s for a in reshards)
+    flops = _flops(node, req, outs, mesh)
+    if extra is not None:
+        inner, back, length = extra
+        subs = [_inner_record(engine, x, mesh) for x in inner]
+        comm += (sum(r.comm_bytes for r in subs) + sum(a.payload_bytes for a in back)) * length
+        ctime += (sum(r.comm_time_s for r in subs) + sum(a.plan.time_s for a in back)) * length
+        flops += sum(r.flops for r in subs) * length
+        reshards += [a for r in subs for a in r.reshards] * length + list(back) * length
+    return EqnRecord(
+        0,
+        node.prim,
+        op,
+        dict(attrs),
+        tuple(req),
+        tuple(outs),
+        tuple(reshards),
+        int(comm),
+        ctime,
+        flops,
+        "default",
+        "",
+        node.backward,
+    )
+
+
+def _donated_ids(donate_argnums: Sequence[int] | int, args: tuple, invars: list[int]) -> set[int]:
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    out: set[int] = set()
+    pos = 0
+    for i, a in enumerate(args):
+        n = len(jax.tree.leaves(a))
+        if i in nums:
+            out.update(invars[pos : pos + n])
+        pos += n
+    return out
+
+
+def _roles(arg_roles: Any, args: tuple, invars: list[int]) -> dict[int, str]:
+    if arg_roles is None:
+        return {}
+    leaves, treedef = jax.tree.flatten(arg_roles, is_leaf=lambda x: x is None or isinstance(x, str))
+    groups = treedef.flatten_up_to(args)
+    out: dict[int, str] = {}
+    pos = 0
+    for role, group in zip(leaves, groups, strict=True):
+        for _ in jax.tree.leaves(group):
+            if role is not None:
+                out[invars[pos]] = role
+            pos += 1
+    return out
