@@ -71,6 +71,8 @@ class InferenceResult:
       reshards: the arguments that must move, with their plans.
       out_grads: for ``grad``, the specs the output cotangents must have.
       forward_outputs: for ``grad``, the forward outputs under ``inputs``.
+      collectives: the op's own communication (its local computation's
+        collectives, e.g. a statistic all-reduce), besides the reshards.
     """
 
     op: str
@@ -80,11 +82,19 @@ class InferenceResult:
     reshards: tuple[ArgReshard, ...]
     out_grads: tuple[TensorSpec, ...] = ()
     forward_outputs: tuple[TensorSpec, ...] = ()
+    collectives: tuple[Any, ...] = ()
 
     @property
     def payload_bytes(self) -> int:
-        """Total per-device payload bytes of every reshard."""
-        return sum(r.payload_bytes for r in self.reshards)
+        """Total per-device payload bytes of every reshard and of the op's own collectives."""
+        own = sum(c.payload_bytes for c in self.collectives)
+        return sum(r.payload_bytes for r in self.reshards) + own
+
+    @property
+    def time_s(self) -> float:
+        """Modelled time of the reshards and the op's own collectives (s)."""
+        own = sum(c.time_s for c in self.collectives)
+        return sum(r.plan.time_s for r in self.reshards) + own
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))
@@ -94,6 +104,7 @@ class InferenceResult:
         else:
             head = f"{self.op} {self.kind}: {ins} -> {', '.join(map(str, self.outputs))}"
         lines = [head, *(f"  {r}" for r in self.reshards)]
+        lines += [f"  op: {c}" for c in self.collectives]
         return "\n".join(lines)
 
 
@@ -222,7 +233,12 @@ def infer_forward(op: str, *inputs: TensorSpec, mesh: MeshLike, **attrs: Any) ->
     specs = _check_specs(op, inputs, "input", mesh)
     ans = rule.forward(_ctx(op, mesh, attrs), specs)
     result = InferenceResult(
-        op, "forward", ans.inputs, ans.outputs, tuple(_reshards("input", specs, ans.inputs, mesh))
+        op,
+        "forward",
+        ans.inputs,
+        ans.outputs,
+        tuple(_reshards("input", specs, ans.inputs, mesh)),
+        collectives=tuple(ans.collectives),
     )
     return _store(key, result)
 
@@ -265,7 +281,9 @@ def infer_backward(
             fix="pass outputs=(spec, ...) with one spec per op output",
         )
     reshards += _reshards("output", ans.outputs, outs, mesh)
-    result = InferenceResult(op, "backward", ans.inputs, ans.outputs, tuple(reshards))
+    result = InferenceResult(
+        op, "backward", ans.inputs, ans.outputs, tuple(reshards), collectives=tuple(ans.collectives)
+    )
     return _store(key, result)
 
 
@@ -307,5 +325,6 @@ def infer_grad(
         tuple(reshards),
         out_grads=ans.out_grads,
         forward_outputs=ans.forward_outputs,
+        collectives=tuple(ans.collectives),
     )
     return _store(key, result)

@@ -45,6 +45,8 @@ commute, so pass-through partials that would mix are resolved.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,11 +62,18 @@ __all__ = [
     "FactorRule",
     "Inferred",
     "InferredGrad",
+    "LocalContext",
     "PartialPolicy",
     "Rule",
     "RuleContext",
     "POLICIES",
+    "STRATEGY_ATTR",
+    "op_collective",
+    "without_strategy",
 ]
+
+#: The reserved attribute that picks one of a rule's strategies.
+STRATEGY_ATTR = "strategy"
 
 # ---------------------------------------------------------------------------
 # Partial policies: ops per input on one axis → (output op, required per-input ops)
@@ -175,20 +184,145 @@ class RuleContext:
 
 @dataclass(frozen=True)
 class Inferred:
-    """Forward or backward answer: required input specs, output specs."""
+    """Forward or backward answer: required input specs, output specs.
+
+    ``collectives`` are the op's *own* communication: what its local
+    computation does besides the reshards of its arguments (the per-row
+    statistic all-reduce of a sharded-statistics norm, the vocab-parallel
+    cross-entropy's scalar all-reduces, the K/V all-gather of sequence-parallel
+    attention). Build them with :func:`op_collective`.
+    """
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    collectives: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
 class InferredGrad:
-    """Grad answer: required forward inputs and cotangents, input cotangents."""
+    """Grad answer: required forward inputs and cotangents, input cotangents.
+
+    ``collectives``: the grad computation's own communication (see :class:`Inferred`).
+    """
 
     inputs: tuple[TensorSpec, ...]
     out_grads: tuple[TensorSpec, ...]
     input_grads: tuple[TensorSpec, ...]
     forward_outputs: tuple[TensorSpec, ...]
+    collectives: tuple[Any, ...] = ()
+
+
+def op_collective(
+    ctx: RuleContext,
+    kind: str,
+    axes: Sequence[str],
+    payload_bytes: int,
+    *,
+    reduce_op: str | None = None,
+    dim: int | None = None,
+) -> Any:
+    """A collective an op's local computation performs, priced like a reshard step.
+
+    Args:
+      ctx: the rule context (mesh axis sizes).
+      kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"all_to_all"``
+        or ``"collective_permute"`` is not modelled: use the closest of the four.
+      axes: the mesh axes of the group.
+      payload_bytes: per-device buffer as the HLO shows it (all-reduce operand,
+        all-gather output, reduce-scatter input).
+      reduce_op: the reduce op of an all-reduce / reduce-scatter.
+      dim: the gathered / scattered dim, if any.
+
+    Example::
+
+        >>> op_collective(ctx, "all_reduce", ("model",), rows * 4, reduce_op="sum")
+    """
+    from spmdkit.resharding import Collective
+    from spmdkit.topology import DEFAULT_TOPOLOGY
+
+    axes = tuple(axes)
+    n = math.prod(ctx.axis_sizes[a] for a in axes)
+    hops = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    wire = payload_bytes * hops // n if payload_bytes else 0
+    mesh = _Sizes(dict(ctx.axis_sizes))
+    time = DEFAULT_TOPOLOGY.collective_time(kind, wire, n, axes, mesh)
+    return Collective(
+        kind=kind,
+        axes=axes,
+        group_size=n,
+        dim=dim,
+        reduce_op=reduce_op,
+        payload_bytes=int(payload_bytes),
+        wire_bytes=int(wire),
+        time_s=time,
+    )
+
+
+class _Sizes:
+    """Just enough of a mesh for the topology model (axis names and sizes)."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.shape = sizes
+        self.axis_names = tuple(sizes)
+        self.axis_sizes = tuple(sizes.values())
+
+
+def without_strategy(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """``attrs`` minus the reserved ``strategy`` attribute (what ``impl`` takes)."""
+    return {k: v for k, v in attrs.items() if k != STRATEGY_ATTR}
+
+
+@dataclass(frozen=True)
+class LocalContext:
+    """What a per-device computation knows about its case (see :meth:`Rule.local_fn`).
+
+    Attributes:
+      op: the op name.
+      attrs: the op attributes, ``strategy`` included.
+      inputs: the required input specs: how each device's local pieces are laid out.
+      outputs: the claimed output specs.
+      axis_sizes: mesh axis name → size.
+
+    The helpers trace ``jax.lax.axis_index``, so call them inside ``shard_map``.
+    """
+
+    op: str
+    attrs: Mapping[str, Any]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    axis_sizes: Mapping[str, int]
+
+    def index(self, axes: Sequence[str]) -> Any:
+        """This device's linear index over ``axes`` (major → minor), traced."""
+        import jax
+
+        idx = 0
+        for a in axes:
+            idx = idx * self.axis_sizes[a] + jax.lax.axis_index(a)
+        return idx
+
+    def shards(self, spec: TensorSpec, dim: int) -> int:
+        """How many blocks ``dim`` of ``spec`` is split into."""
+        return math.prod(self.axis_sizes[a] for a in spec.dims[dim])
+
+    def block(self, spec: TensorSpec, dim: int) -> int:
+        """Block size along ``dim`` (``ceil(n / shards)``; the last block may be padded)."""
+        return -(-spec.shape[dim] // self.shards(spec, dim))
+
+    def offset(self, spec: TensorSpec, dim: int) -> Any:
+        """Global index of this device's first element along ``dim`` of ``spec``, traced."""
+        if not spec.dims[dim]:
+            return 0
+        return self.index(spec.dims[dim]) * self.block(spec, dim)
+
+    def local_shape(self, spec: TensorSpec) -> tuple[int, ...]:
+        """Per-device (padded) shape of ``spec``."""
+        return tuple(self.block(spec, d) for d in range(len(spec.shape)))
+
+    @property
+    def strategy(self) -> str | None:
+        """The ``strategy`` attribute, if given."""
+        return self.attrs.get(STRATEGY_ATTR)
 
 
 @dataclass(frozen=True)
@@ -203,6 +337,11 @@ class Example:
         products) or ``"unit"`` (|x| < 1).
       differentiable: per input, whether grads flow to it (ints/bools do not).
       rtol: relative tolerance of the numeric check (low-precision casts).
+      values: ``fn(rng) -> list of arrays``: the inputs, when random values in
+        ``domain`` do not fit (labels in range, unique indices…).
+      uneven: also sweep specs whose sharded dims do not divide (ceil blocks,
+        padded with NaN on the devices; give the example shapes that do not
+        divide the mesh axes).
     """
 
     shapes: tuple[tuple[int, ...], ...]
@@ -211,6 +350,8 @@ class Example:
     domain: str = "real"
     differentiable: tuple[bool, ...] | None = None
     rtol: float = 1e-5
+    values: Callable[[np.random.Generator], Sequence[np.ndarray]] | None = None
+    uneven: bool = False
 
 
 class Rule:
@@ -253,6 +394,40 @@ class Rule:
     def describe(self, shapes: Sequence[tuple[int, ...]] | None = None, **attrs: Any) -> str:
         """A one-line description (the notation where there is one)."""
         return self.doc
+
+    def strategy(self, ctx: RuleContext) -> str:
+        """The strategy this call asks for (``strategy`` attribute; default: the first).
+
+        Raises:
+          ShardingConflictError: the name is not one of :attr:`strategies`.
+        """
+        name = ctx.attrs.get(STRATEGY_ATTR, self.strategies[0])
+        if name not in self.strategies:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must=f"strategy is one of {self.strategies}",
+                given=repr(name),
+                fix=f"pass strategy={self.strategies[0]!r} (the reference semantics) or "
+                "another listed name",
+            )
+        return name
+
+    def local_fn(self, lctx: LocalContext) -> Callable[..., Any]:
+        """The per-device computation for one case, run inside ``shard_map`` over
+        every mesh axis on the local pieces of the required inputs.
+
+        It may use collectives over mesh axes (``psum``…) and ``lctx`` to find
+        where its pieces sit; the numeric sweep, the grad check and
+        :mod:`spmdkit.ops` all run it. Default: ``local_impl`` (or ``impl``) with
+        the attributes minus ``strategy``.
+        """
+        return functools.partial(self.local_impl or self.impl, **without_strategy(lctx.attrs))
+
+    @property
+    def has_custom_local_fn(self) -> bool:
+        """True when the subclass overrides :meth:`local_fn` (its computation depends
+        on the case's specs)."""
+        return type(self).local_fn is not Rule.local_fn
 
 
 # ---------------------------------------------------------------------------
@@ -412,7 +587,7 @@ class FactorRule(Rule):
     def _output_dtype(self, ctx: RuleContext, inputs: Sequence[TensorSpec]) -> Any:
         dts = [s.dtype for s in inputs]
         if self._dtype is not None:
-            return self._dtype(tuple(dts), **ctx.attrs)
+            return self._dtype(tuple(dts), **without_strategy(ctx.attrs))
         if any(d is None for d in dts):
             return None
         return np.result_type(*dts)
@@ -480,7 +655,8 @@ class FactorRule(Rule):
             ops = tuple(s.partial_ops.get(a) for s in inputs)
             policy = self._policy
             if policy is None:
-                policy = POLICIES[self._choose_policy(tuple(s.dtype for s in inputs), **ctx.attrs)]
+                attrs = without_strategy(ctx.attrs)
+                policy = POLICIES[self._choose_policy(tuple(s.dtype for s in inputs), **attrs)]
             res = policy(ops)
             if res is None:
                 continue
@@ -500,11 +676,17 @@ class FactorRule(Rule):
         out.update(reduction)
         return required, out
 
+    def _notation_attrs(self, ctx: RuleContext) -> Mapping[str, Any]:
+        if STRATEGY_ATTR not in ctx.attrs:
+            return ctx.attrs
+        self.strategy(ctx)  # validates the name
+        return without_strategy(ctx.attrs)
+
     # -- the three inferences --------------------------------------------
     def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
         """Merge input layouts factor by factor; see the module docstring."""
         shapes = [s.shape for s in inputs]
-        nt = self.notation_for(shapes, ctx.attrs)
+        nt = self.notation_for(shapes, self._notation_attrs(ctx))
         sizes = self._sizes(ctx, nt, shapes)
         assign = self._assign(nt, sizes, list(zip(nt.inputs, inputs, strict=True)))
         return self._finish(ctx, nt, sizes, inputs, assign)
@@ -550,7 +732,7 @@ class FactorRule(Rule):
         """Take each factor's layout from the outputs; a sum-partial output axis
         (matching the rule's reduce op) is traced back to the first reduction factor."""
         shapes = [s.shape for s in inputs]
-        nt = self.notation_for(shapes, ctx.attrs)
+        nt = self.notation_for(shapes, self._notation_attrs(ctx))
         sizes = self._sizes(ctx, nt, shapes)
         self._check_outputs(ctx, nt, sizes, outputs, "outputs")
         assign = self._assign(nt, sizes, list(zip(nt.outputs, outputs, strict=True)))
@@ -576,7 +758,7 @@ class FactorRule(Rule):
         (the VJP sums over them), and inherits the cotangent's sum/avg partials (a VJP
         is linear in the cotangent)."""
         shapes = [s.shape for s in inputs]
-        nt = self.notation_for(shapes, ctx.attrs)
+        nt = self.notation_for(shapes, self._notation_attrs(ctx))
         sizes = self._sizes(ctx, nt, shapes)
         self._check_outputs(ctx, nt, sizes, out_grads, "out_grads")
         plain = tuple(s.without_partial() for s in inputs)

@@ -46,10 +46,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.errors import NoRuleError, RegistrationError, ShardingConflictError, SpmdError
+from spmdkit.errors import NoRuleError, RegistrationError, SpmdError
 from spmdkit.inference import _freeze, infer_forward, infer_grad
 from spmdkit.registry import get_rule, register_rule, unregister_rule
-from spmdkit.rule import Example, Rule
+from spmdkit.rule import Example, LocalContext, Rule, without_strategy
 from spmdkit.spec import REDUCE_OPS, TensorSpec, axis_sizes
 
 __all__ = [
@@ -108,9 +108,21 @@ def _dim_slices(
         for a in axes:
             idx = idx * sizes[a] + coord[a]
             count *= sizes[a]
-        step = n // count
-        out.append(slice(idx * step, (idx + 1) * step))
+        step = -(-n // count)  # ceil: the last blocks may be short (padded on devices)
+        out.append(slice(min(idx * step, n), min((idx + 1) * step, n)))
     return tuple(out)
+
+
+def _crop(sl: tuple[slice, ...]) -> tuple[slice, ...]:
+    """The part of a (padded) local block that holds real elements."""
+    return tuple(slice(0, s.stop - s.start) for s in sl)
+
+
+def _fill_value(dtype: np.dtype) -> Any:
+    """Padding of uneven blocks: NaN for floats (so a leak into a real output is caught)."""
+    if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating):
+        return np.nan
+    return False if dtype == np.bool_ else 0
 
 
 def _split(
@@ -149,25 +161,19 @@ def local_pieces(
 
     Returns an array of shape ``(*mesh axis sizes, *local shape)``. Partial axes
     get asymmetric splits: random parts (sum, avg) or one owner per element
-    holding the value with smaller/larger values elsewhere (max, min).
-
-    Raises:
-      ShardingConflictError: a sharded dim does not divide evenly.
+    holding the value with smaller/larger values elsewhere (max, min). A dim
+    that does not divide is split in ``ceil(n / shards)`` blocks; the padding
+    of the short blocks is NaN (floats), 0 (ints) or False, so a rule that lets
+    padding reach a real output element fails.
     """
     sizes = axis_sizes(mesh)
-    if not spec.is_even(mesh):
-        raise ShardingConflictError(
-            op="local_pieces",
-            must="sharded dims divide evenly (the sweep runs shard_map)",
-            given=str(spec),
-            fix="use shapes divisible by the mesh axes in the examples",
-        )
     local = spec.local_shape(mesh)
-    out = np.empty((*sizes.values(), *local), dtype=value.dtype)
+    out = np.full((*sizes.values(), *local), _fill_value(value.dtype), dtype=value.dtype)
     names = list(sizes)
     for c in _coords(sizes):
         coord = dict(zip(names, c, strict=True))
-        out[c] = value[_dim_slices(spec, coord, sizes)]
+        sl = _dim_slices(spec, coord, sizes)
+        out[(*c, *_crop(sl))] = value[sl]
     # The value is the reduction over the partial axes in listed order, so the
     # split runs in reverse: the last-reduced axis is split first.
     for p, op in reversed(spec.partial):
@@ -226,7 +232,8 @@ def assemble(
     for c in _coords(sizes):
         coord = dict(zip(names, c, strict=True))
         src = tuple(coord[a] if a in spec.sharding_axes else 0 for a in names)
-        out[_dim_slices(spec, coord, sizes)] = arr[src]
+        sl = _dim_slices(spec, coord, sizes)
+        out[sl] = arr[(*src, *_crop(sl))]
     return out, None
 
 
@@ -295,13 +302,37 @@ def _vjp(fn: Callable[..., Any], xs: Sequence[Any], diff: Sequence[bool]) -> tup
     return jax.vjp(f, *(xs[i] for i in idx))
 
 
+def _local_key(
+    rule: Rule, attrs: Mapping[str, Any], res: Any, outputs: Sequence[TensorSpec] | None = None
+) -> tuple:
+    """Cache key of a runner: a rule whose local computation depends on the case's
+    specs gets one runner per case, the others one per attribute set."""
+    if not rule.has_custom_local_fn:
+        return (rule, _freeze(without_strategy(attrs)), None, None)
+    outs = tuple(res.outputs if outputs is None else outputs)
+    return (rule, _freeze(dict(attrs)), tuple(res.inputs), outs)
+
+
+def _local_fn(key: tuple, mesh: Mesh) -> Callable[..., Any]:
+    """Build the per-device function of a runner key (inside the shard_map trace)."""
+    rule, attrs, inputs, outputs = key
+    lctx = LocalContext(
+        op=rule.name,
+        attrs=dict(attrs),
+        inputs=inputs or (),
+        outputs=outputs or (),
+        axis_sizes=axis_sizes(mesh),
+    )
+    return rule.local_fn(lctx)
+
+
 @functools.lru_cache(maxsize=512)
-def _forward_runner(impl: Callable[..., Any], attrs: Any, mesh: Mesh) -> Callable[..., Any]:
+def _forward_runner(key: tuple, mesh: Mesh) -> Callable[..., Any]:
     names = mesh.axis_names
     lead = (0,) * len(names)
-    fn = functools.partial(impl, **dict(attrs))
 
     def local(*xs):
+        fn = _local_fn(key, mesh)
         ys = _as_tuple(fn(*(x[lead] for x in xs)))
         return tuple(y[(None,) * len(names)] for y in ys)
 
@@ -310,18 +341,17 @@ def _forward_runner(impl: Callable[..., Any], attrs: Any, mesh: Mesh) -> Callabl
 
 @functools.lru_cache(maxsize=512)
 def _grad_runner(
-    impl: Callable[..., Any],
-    attrs: Any,
+    key: tuple,
     mesh: Mesh,
     diff: tuple[bool, ...],
     transposes: tuple[tuple[float, bool], ...],
 ) -> Callable[..., Any]:
     names = mesh.axis_names
     lead = (0,) * len(names)
-    fn = functools.partial(impl, **dict(attrs))
     n_in = len(diff)
 
     def local(*args):
+        fn = _local_fn(key, mesh)
         xs = [a[lead] for a in args[:n_in]]
         n_out = len(transposes)
         gs = [a[lead] for a in args[n_in : n_in + n_out]]
@@ -450,15 +480,13 @@ def _registered(rule: Rule | str):
 
 
 def _values(rule: Rule, ex: Example, rng: np.random.Generator) -> list[np.ndarray]:
+    if ex.values is not None:
+        return [np.asarray(v) for v in ex.values(rng)]
     dtypes = ex.dtypes or ("float32",) * len(ex.shapes)
     return [
         random_value(s, d, domain=ex.domain, rng=rng)
         for s, d in zip(ex.shapes, dtypes, strict=True)
     ]
-
-
-def _impl(rule: Rule) -> Callable[..., Any]:
-    return rule.local_impl or rule.impl
 
 
 def check_forward_case(
@@ -489,7 +517,8 @@ def _forward_case(
 ) -> tuple[CaseFailure | None, Any]:
     rng = np.random.default_rng(seed)
     res = infer_forward(rule.name, *specs, mesh=mesh, **attrs)
-    ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **attrs))]
+    ref_attrs = without_strategy(attrs)
+    ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **ref_attrs))]
 
     def fail(detail: str) -> CaseFailure:
         return CaseFailure("forward", attrs, tuple(specs), res.inputs, res.outputs, detail)
@@ -502,13 +531,11 @@ def _forward_case(
             return fail(f"claimed output shape {o.shape}, op gives {r.shape}"), res
         if any(n == 1 and axes for n, axes in zip(o.shape, o.dims, strict=True)):
             return fail(f"claimed output {o} shards a size-1 dim"), res
-    if not all(s.is_even(mesh) for s in (*res.inputs, *res.outputs)):
-        return None, res
     pieces = [
         _put(local_pieces(v, s, mesh, rng=rng, domain=domain), mesh)
         for v, s in zip(values, res.inputs, strict=True)
     ]
-    outs = _forward_runner(_impl(rule), _freeze(attrs), mesh)(*pieces)
+    outs = _forward_runner(_local_key(rule, attrs, res), mesh)(*pieces)
     for o, claimed, r in zip(outs, res.outputs, ref, strict=True):
         got, why = assemble(np.asarray(o), claimed, mesh, rtol=rtol)
         if why:
@@ -530,12 +557,14 @@ def _find_missing(
     domain: str,
     rng: np.random.Generator,
 ) -> TensorSpec | None:
+    if rule.has_custom_local_fn:
+        return None  # its local computation is defined for the specs it requires only
     try:
         pieces = [
             _put(local_pieces(v, s, mesh, rng=rng, domain=domain), mesh)
             for v, s in zip(values, specs, strict=True)
         ]
-        outs = _forward_runner(_impl(rule), _freeze(attrs), mesh)(*pieces)
+        outs = _forward_runner(_local_key(rule, attrs, None), mesh)(*pieces)
     except (TypeError, ValueError, SpmdError):
         return None  # the op cannot even run on these pieces
     if len(outs) != 1:
@@ -610,12 +639,9 @@ def _grad_case(
         )
 
     idx = [i for i, d in enumerate(diff) if d]
-    fn = functools.partial(rule.impl, **attrs)
+    fn = functools.partial(rule.impl, **without_strategy(attrs))
     outs_ref, vjp = _vjp(fn, list(map(jnp.asarray, values)), diff)
     ref_grads = [np.asarray(g) for g in vjp(tuple(jnp.asarray(c) for c in cotangents))]
-    specs_all = (*res.inputs, *res.out_grads, *res.outputs, *res.forward_outputs)
-    if not all(s.is_even(mesh) for s in specs_all):
-        return None, res
     sizes = axis_sizes(mesh)
     transposes = []
     for fo in res.forward_outputs:
@@ -634,7 +660,8 @@ def _grad_case(
         _put(local_pieces(np.asarray(o), fo.without_partial(), mesh, rng=rng), mesh)
         for o, fo in zip(outs_ref, res.forward_outputs, strict=True)
     ]
-    runner = _grad_runner(_impl(rule), _freeze(attrs), mesh, diff, tuple(transposes))
+    key = _local_key(rule, attrs, res, res.forward_outputs)
+    runner = _grad_runner(key, mesh, diff, tuple(transposes))
     local_grads = runner(*args)
     for i, lg, rg in zip(idx, local_grads, ref_grads, strict=True):
         got, why = assemble(np.asarray(lg), res.outputs[i], mesh, rtol=rtol)
@@ -656,9 +683,8 @@ def _input_specs(ex: Example, mesh: Mesh) -> list[list[TensorSpec]]:
     out = []
     for shape, dt in zip(ex.shapes, dtypes, strict=True):
         floating = jnp.issubdtype(np.dtype(dt), jnp.floating)
-        out.append(
-            enumerate_specs(shape, mesh, dtype=dt, partial_ops=REDUCE_OPS if floating else ())
-        )
+        ops = REDUCE_OPS if floating else ()
+        out.append(enumerate_specs(shape, mesh, dtype=dt, partial_ops=ops, even_only=not ex.uneven))
     return out
 
 
@@ -718,7 +744,8 @@ def _sweep(
     for ex in examples or rule.examples:
         values = _values(rule, ex, rng)
         attrs = dict(ex.attrs)
-        ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **attrs))]
+        ref_attrs = without_strategy(attrs)
+        ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **ref_attrs))]
         combos = _sample(list(itertools.product(*_input_specs(ex, mesh))), max_cases, rng)
         for specs in combos:
             failure, res = _forward_case(
@@ -820,6 +847,7 @@ def _jit_sweep(
     rule: Rule, mesh: Mesh, examples: Sequence[Example] | None, max_cases: int | None, seed: int
 ) -> JitReport:
     from spmdkit.hlo import compiled_collectives
+    from spmdkit.local import shard_program
     from spmdkit.resharding import plan_reshard
 
     report = JitReport(rule.name, dict(axis_sizes(mesh)))
@@ -827,7 +855,7 @@ def _jit_sweep(
     amesh = _auto_mesh(mesh)
     for ex in examples or rule.examples:
         attrs = dict(ex.attrs)
-        fn = functools.partial(rule.impl, **attrs)
+        fn = functools.partial(rule.impl, **without_strategy(attrs))
         combos = list(itertools.product(*_input_specs(ex, mesh)))
         combos = [c for c in combos if not any(s.partial for s in c)]
         for specs in _sample(combos, max_cases, rng):
@@ -845,12 +873,20 @@ def _jit_sweep(
                 jax.ShapeDtypeStruct(s.shape, np.dtype(d), sharding=s.to_named_sharding(amesh))
                 for s, d in zip(res.inputs, dtypes, strict=True)
             ]
-            out_sh = tuple(t.to_named_sharding(amesh) for t in targets)
-            compiled = compiled_collectives(
-                lambda *a, fn=fn: fn(*a),
-                *args,
-                out_shardings=out_sh if len(out_sh) > 1 else out_sh[0],
-            )
+            if rule.has_custom_local_fn:
+                # The rule runs its own local computation: compile exactly that program.
+                if not all(s.is_even(mesh) for s in (*res.inputs, *res.outputs)):
+                    continue
+                predicted = [*res.collectives, *predicted]
+                program = shard_program(rule, res, attrs, amesh)
+                compiled = compiled_collectives(program, *args)
+            else:
+                out_sh = tuple(t.to_named_sharding(amesh) for t in targets)
+                compiled = compiled_collectives(
+                    lambda *a, fn=fn: fn(*a),
+                    *args,
+                    out_shardings=out_sh if len(out_sh) > 1 else out_sh[0],
+                )
             report.cases += 1
             why = _compare(predicted, compiled)
             if why:

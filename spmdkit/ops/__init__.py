@@ -26,7 +26,18 @@ _OPS = {
     "attention": "attention",
 }
 
-__all__ = sorted(_OPS)
+__all__ = [
+    "attention",
+    "batch_norm",
+    "embedding_lookup",
+    "group_norm",
+    "index_put",
+    "instance_norm",
+    "layer_norm",
+    "rms_norm",
+    "softmax_cross_entropy",
+    "sync_batch_norm",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,191 @@
+"""The machinery every rule-enforcing op shares: :func:`apply_rule`.
+
+An op is a registered rule applied to arrays:
+
+1. the mesh and the input specs are read from the arrays (their
+   ``NamedSharding``; inside ``jit`` the layout is part of the type under
+   Explicit axes), or taken from ``in_specs=``;
+2. :func:`spmdkit.infer_forward` answers with the required input specs, the
+   output specs and the op's own collectives;
+3. each input is moved to its required spec with :func:`spmdkit.reshard`
+   (exactly the planned collectives) — under Auto axes inside ``jit``, where a
+   tracer has no layout, the ``shard_map`` in_specs constrain it and XLA moves it;
+4. the rule's :meth:`~spmdkit.rule.Rule.local_fn` runs under ``shard_map``
+   (:func:`spmdkit.local.shard_program`), partial outputs are all-reduced in
+   the same program, and the outputs leave with the rule's layout.
+
+``jax.grad`` differentiates through all of it (shard_map and the reshard
+collectives transpose to their duals); a rule whose backward must move less
+than autodiff would gives its local function a ``jax.custom_vjp``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import SpecError
+from spmdkit.inference import InferenceResult, infer_forward
+from spmdkit.local import shard_program
+from spmdkit.registry import get_rule
+from spmdkit.resharding import reshard
+from spmdkit.spec import MeshLike, TensorSpec
+
+__all__ = ["apply_rule", "input_spec", "find_mesh"]
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _sharding(x: Any) -> Any:
+    if _is_tracer(x):
+        return jax.typeof(x).sharding
+    return getattr(x, "sharding", None)
+
+
+def find_mesh(op: str, args: Sequence[Any], mesh: MeshLike | None) -> MeshLike:
+    """The mesh an op runs on: ``mesh=``, else the arrays' mesh, else the context mesh.
+
+    Raises:
+      SpecError: no mesh can be found, or the arrays live on different meshes.
+    """
+    if mesh is not None:
+        return mesh
+    found: list[MeshLike] = []
+    for a in args:
+        s = _sharding(a)
+        if isinstance(s, NamedSharding) and s.mesh.axis_names:
+            found.append(s.mesh)
+    concrete = [m for m in found if isinstance(m, Mesh)]
+    pick = concrete[0] if concrete else (found[0] if found else None)
+    if pick is None:
+        ctx = jax.sharding.get_abstract_mesh()
+        if ctx is not None and ctx.axis_names:
+            pick = ctx
+    if pick is None:
+        raise SpecError(
+            op=op,
+            must="the op knows its mesh",
+            given="arrays without a NamedSharding and no mesh context",
+            fix="pass mesh=..., place the arrays with jax.device_put(x, NamedSharding(mesh, "
+            "P(...))), or call inside `with jax.set_mesh(mesh):`",
+        )
+    names = tuple(pick.axis_names)
+    for m in found:
+        if tuple(m.axis_names) != names or tuple(m.axis_sizes) != tuple(pick.axis_sizes):
+            raise SpecError(
+                op=op,
+                must="all array arguments live on one mesh",
+                given=f"meshes {dict(zip(names, pick.axis_sizes, strict=True))} and "
+                f"{dict(zip(m.axis_names, m.axis_sizes, strict=True))}",
+                fix="jax.device_put the arguments onto the same mesh",
+            )
+    return pick
+
+
+def _explicit(mesh: MeshLike) -> bool:
+    return all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def input_spec(op: str, i: int, x: Any, given: Any, mesh: MeshLike) -> TensorSpec:
+    """The spec of argument ``i``: from ``in_specs`` when given, else from its layout.
+
+    Raises:
+      SpecError: a traced argument under Auto mesh axes (its layout is not known
+        while tracing) and no ``in_specs`` entry for it.
+    """
+    if given is not None:
+        spec = given if isinstance(given, TensorSpec) else TensorSpec(x.shape, given)
+        if spec.shape != tuple(x.shape):
+            raise SpecError(
+                op=op,
+                must="in_specs entries have their argument's shape",
+                given=f"argument {i} of shape {tuple(x.shape)}, spec {spec}",
+                fix="build the TensorSpec with the argument's shape, or pass a PartitionSpec",
+            )
+        return spec.replace(dtype=x.dtype)
+    sharding = _sharding(x)
+    if _is_tracer(x) and not _explicit(mesh):
+        raise SpecError(
+            op=op,
+            must="the layout of every traced argument is known",
+            given=f"argument {i} ({jax.typeof(x)}) traced on a mesh with Auto axes, "
+            "where a tracer carries no layout",
+            fix="pass in_specs=(P(...), ...) for the arguments, or use Explicit axes "
+            "(sk.make_mesh)",
+        )
+    if isinstance(sharding, NamedSharding) and sharding.mesh.axis_names:
+        return TensorSpec.from_sharding(x.shape, sharding, dtype=x.dtype)
+    return TensorSpec(x.shape, dtype=x.dtype)
+
+
+def _place(x: Any, src: TensorSpec, dst: TensorSpec, mesh: MeshLike) -> Any:
+    if _is_tracer(x):
+        if _explicit(mesh):
+            return reshard(x, dst, mesh=mesh)
+        return x  # Auto axes: shard_map's in_specs constrain it; XLA moves it
+    if not isinstance(x, jax.Array) or not isinstance(_sharding(x), NamedSharding):
+        x = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P()))
+    return reshard(x, dst, mesh=mesh)
+
+
+def apply_rule(
+    op: str,
+    *args: Any,
+    mesh: MeshLike | None = None,
+    in_specs: Sequence[Any] | None = None,
+    return_result: bool = False,
+    **attrs: Any,
+) -> Any:
+    """Run the registered rule ``op`` on arrays: reshard, local computation, outputs.
+
+    Args:
+      op: a registered op whose rule governs the call.
+      *args: the op's array operands (jax arrays, tracers, numpy arrays).
+      mesh: the mesh (default: the arrays' mesh, else the ``jax.set_mesh`` context).
+      in_specs: per argument, a ``PartitionSpec`` or ``TensorSpec`` giving its
+        layout, or ``None`` to read it from the argument; needed for traced
+        arguments on meshes with Auto axes.
+      return_result: also return the :class:`~spmdkit.InferenceResult`.
+      **attrs: the op's attributes (``strategy=`` picks one of the rule's strategies).
+
+    Returns:
+      The output (or a tuple of outputs), laid out as the rule claims with the
+      pending reductions resolved; with ``return_result``, ``(outputs, result)``.
+
+    Raises:
+      SpecError: no mesh, arrays on different meshes, or an unknown layout.
+      ShardingConflictError: the rule rejects the shapes or attributes, or a
+        required layout does not divide evenly.
+    """
+    rule = get_rule(op)
+    arrays = [a if isinstance(a, jax.Array) or _is_tracer(a) else jnp.asarray(a) for a in args]
+    mesh = find_mesh(op, arrays, mesh)
+    given = list(in_specs) if in_specs is not None else [None] * len(arrays)
+    if len(given) != len(arrays):
+        raise SpecError(
+            op=op,
+            must="one in_specs entry per argument",
+            given=f"{len(given)} entries for {len(arrays)} arguments",
+            fix="pass None for arguments whose layout should be read from the array",
+        )
+    specs = [
+        input_spec(op, i, x, g, mesh) for i, (x, g) in enumerate(zip(arrays, given, strict=True))
+    ]
+    res: InferenceResult = infer_forward(op, *specs, mesh=mesh, **attrs)
+    moved = [_place(x, s, r, mesh) for x, s, r in zip(arrays, specs, res.inputs, strict=True)]
+    program = shard_program(rule, res, attrs, mesh)
+    outs = program(*moved)
+    out = outs[0] if len(outs) == 1 else tuple(outs)
+    return (out, res) if return_result else out
+
+
+def is_abstract(mesh: MeshLike) -> bool:
+    """True for an ``AbstractMesh`` (planning only, no devices)."""
+    return isinstance(mesh, AbstractMesh)
