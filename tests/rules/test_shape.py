@@ -1,0 +1,350 @@
+"""Shape-op family: semantics table, reshape divisibility, errors, jaxpr params."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.inference import cache_info
+from spmdkit.rules.shape import reshape_layout
+
+T = sk.TensorSpec
+MESH = sk.abstract_mesh(a=2, b=4)
+GATHER_ROWS = {
+    "dimension_numbers": lax.GatherDimensionNumbers(
+        offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)
+    ),
+    "slice_sizes": (1, 6),
+}
+
+
+def _fwd(op, *specs, **attrs):
+    r = sk.infer_forward(op, *specs, mesh=MESH, **attrs)
+    return [str(s) for s in r.inputs], [str(s) for s in r.outputs]
+
+
+# (op, input specs, attrs, required input specs, output specs)
+TABLE = [
+    # reshape: a merge keeps the major dim's sharding; a sharded minor dim is gathered
+    ("reshape", [T((8, 4), P("b"))], {"new_sizes": (32,)}, ["[8@b,4]"], ["[32@b]"]),
+    ("reshape", [T((8, 4), P(None, "b"))], {"new_sizes": (32,)}, ["[8,4]"], ["[32]"]),
+    # a split puts the sharding on its major part, spilling over once that is split whole
+    ("reshape", [T((32,), P(("a", "b")))], {"new_sizes": (2, 16)}, ["[32@(a,b)]"], ["[2@a,16@b]"]),
+    ("reshape", [T((32,), P(("a", "b")))], {"new_sizes": (4, 8)}, ["[32@a]"], ["[4@a,8]"]),
+    ("reshape", [T((2, 16), P("a", "b"))], {"new_sizes": (32,)}, ["[2@a,16@b]"], ["[32@(a,b)]"]),
+    # uneven pass-through dim keeps its sharding; dimensions= transposes first
+    ("reshape", [T((6, 8), P("b", "a"))], {"new_sizes": (6, 2, 4)}, ["[6@b,8@a]"], ["[6@b,2@a,4]"]),
+    (
+        "reshape",
+        [T((4, 6), P("b", "a"))],
+        {"new_sizes": (6, 4), "dimensions": (1, 0)},
+        ["[4@b,6@a]"],
+        ["[6@a,4@b]"],
+    ),
+    # every partial passes through a reshape
+    (
+        "reshape",
+        [T((8, 4), P("b"), partial={"a": "max"})],
+        {"new_sizes": (32,)},
+        ["[8@b,4]{max:a}"],
+        ["[32@b]{max:a}"],
+    ),
+    (
+        "transpose",
+        [T((6, 4, 2), P("b", "a"), partial={})],
+        {"permutation": (2, 0, 1)},
+        ["[6@b,4@a,2]"],
+        ["[2,6@b,4@a]"],
+    ),
+    (
+        "broadcast_in_dim",
+        [T((6, 1), P("a"), partial={"b": "sum"})],
+        {"shape": (2, 6, 4), "broadcast_dimensions": (1, 2)},
+        ["[6@a,1]{sum:b}"],
+        ["[2,6@a,4]{sum:b}"],
+    ),
+    (
+        "squeeze",
+        [T((6, 1, 4), P("a", None, "b"))],
+        {"dimensions": (1,)},
+        ["[6@a,1,4@b]"],
+        ["[6@a,4@b]"],
+    ),
+    ("expand_dims", [T((6, 4), P("a", "b"))], {"dimensions": (0,)}, ["[6@a,4@b]"], ["[1,6@a,4@b]"]),
+    # concatenate: concat dim replicated; a replicated operand joins a sum partial
+    (
+        "concatenate",
+        [T((6, 4), P("a", "b")), T((6, 2), partial={"b": "sum"})],
+        {"dimension": 1},
+        ["[6@a,4]{sum:b}", "[6@a,2]{sum:b}"],
+        ["[6@a,6]{sum:b}"],
+    ),
+    (
+        "concatenate",
+        [T((6, 4), partial={"b": "max"}), T((6, 2), partial={"b": "sum"})],
+        {"dimension": 1},
+        ["[6,4]", "[6,2]"],
+        None,
+    ),
+    (
+        "split",
+        [T((6, 8), P("a", "b"))],
+        {"sizes": (2, 6), "axis": 1},
+        ["[6@a,8]"],
+        ["[6@a,2]", "[6@a,6]"],
+    ),
+    (
+        "slice",
+        [T((6, 8), P("a", "b"))],
+        {"start_indices": (0, 1), "limit_indices": (6, 7), "strides": (1, 2)},
+        ["[6@a,8]"],
+        ["[6@a,3]"],
+    ),
+    (
+        "slice",
+        [T((6, 8), P("a", "b"))],
+        {"start_indices": (0, 0), "limit_indices": (6, 8), "strides": None},
+        ["[6@a,8@b]"],
+        ["[6@a,8@b]"],
+    ),
+    (
+        "dynamic_slice",
+        [T((6, 8), P("a", "b"), partial={}), T((), dtype="int32"), T((), dtype="int32")],
+        {"slice_sizes": (6, 4)},
+        ["[6@a,8]", "i32[]", "i32[]"],
+        ["[6@a,4]"],
+    ),
+    (
+        "dynamic_update_slice",
+        [T((6, 8), P("a", "b")), T((6, 3)), T(()), T(())],
+        {},
+        ["[6@a,8]", "[6@a,3]", "[]", "[]"],
+        ["[6@a,8]"],
+    ),
+    # pad: the padding value joins the operand's partial
+    (
+        "pad",
+        [T((6, 4), P("a", "b"), partial={}), T(())],
+        {"padding_config": ((0, 0, 0), (1, 2, 1))},
+        ["[6@a,4]", "[]"],
+        ["[6@a,10]"],
+    ),
+    (
+        "pad",
+        [T((6, 4), P("a"), partial={"b": "max"}), T(())],
+        {"padding_config": ((0, 0, 0), (1, 2, 1))},
+        ["[6@a,4]{max:b}", "[]{max:b}"],
+        ["[6@a,10]{max:b}"],
+    ),
+    # gather: the indexed dim replicated; index batch dims and whole offset dims stay
+    (
+        "gather",
+        [T((8, 6), P("a", "b")), T((4, 1), P("a"))],
+        GATHER_ROWS,
+        ["[8,6@b]", "[4@a,1]"],
+        ["[4@a,6@b]"],
+    ),
+    (
+        "gather",
+        [T((8, 6), partial={"b": "sum"}), T((4, 1))],
+        {**GATHER_ROWS, "mode": "fill", "fill_value": 1.0},
+        ["[8,6]", "[4,1]"],
+        ["[4,6]"],
+    ),
+    (
+        "gather",
+        [T((8, 6), partial={"b": "sum"}), T((4, 1))],
+        {**GATHER_ROWS, "mode": "clip"},
+        ["[8,6]{sum:b}", "[4,1]"],
+        ["[4,6]{sum:b}"],
+    ),
+    (
+        "take_along_axis",
+        [T((4, 6), P("a", "b")), T((4, 3), P(None, "b"))],
+        {"axis": 1},
+        ["[4@a,6]", "[4@a,3@b]"],
+        ["[4@a,3@b]"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("op", "specs", "attrs", "req", "out"), TABLE)
+def test_semantics(op, specs, attrs, req, out):
+    got_req, got_out = _fwd(op, *specs, **attrs)
+    assert got_req == req
+    if out is not None:
+        assert got_out == out
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "dims", "kept", "out"),
+    [
+        ((8, 4), (32,), (("b",), ()), (("b",), ()), (("b",),)),
+        ((6, 4), (24,), (("b",), ()), ((), ()), ((),)),  # 6 does not divide over 4
+        ((6, 4), (24,), (("a",), ()), (("a",), ()), (("a",),)),
+        ((24,), (6, 4), (("a", "b"),), (("a",),), (("a",), ())),  # b does not divide 6/2
+        ((2, 4), (8,), ((), ("a",)), ((), ()), ((),)),  # sharded minor under a whole major
+        ((2, 3, 4), (6, 4), (("a",), (), ("b",)), (("a",), (), ("b",)), (("a",), ("b",))),
+        ((4, 1, 2), (8,), (("b",), (), ()), (("b",), (), ()), (("b",),)),  # size-1 dims
+        ((0, 4), (4, 0), (("a",), ()), ((), ()), ((), ())),
+    ],
+)
+def test_reshape_divisibility(src, dst, dims, kept, out):
+    assert reshape_layout(src, dst, dims, {"a": 2, "b": 4}) == (kept, out)
+
+
+def test_reshape_asks_for_the_reshard_it_needs():
+    r = sk.infer_forward("reshape", T((6, 4), P("b")), mesh=MESH, new_sizes=(24,))
+    assert [x.arg for x in r.reshards] == ["input 0"]
+    assert "all_gather" in str(r.reshards[0])
+
+
+def test_reshape_backward_and_grad():
+    r = sk.infer_backward(
+        "reshape", T((8, 4)), outputs=(T((32,), P(("a", "b"))),), mesh=MESH, new_sizes=(32,)
+    )
+    assert str(r.inputs[0]) == "[8@(a,b),4]"
+    g = sk.infer_grad(
+        "reshape",
+        T((8, 4)),
+        out_grads=(T((32,), P("b"), partial={"a": "sum"}),),
+        mesh=MESH,
+        new_sizes=(32,),
+    )
+    assert (str(g.inputs[0]), str(g.outputs[0])) == ("[8@b,4]", "[8@b,4]{sum:a}")
+
+
+def test_grads_sum_over_factors_the_input_lacks():
+    g = sk.infer_grad(
+        "broadcast_in_dim",
+        T((6, 1), P("a")),
+        out_grads=(T((2, 6, 4), P("b", "a")),),
+        mesh=MESH,
+        shape=(2, 6, 4),
+        broadcast_dimensions=(1, 2),
+    )
+    assert str(g.outputs[0]) == "[6@a,1]{sum:b}"
+    g = sk.infer_grad(
+        "gather",
+        T((8, 6), P(None, "a")),
+        T((4, 1), P("b")),
+        out_grads=(T((4, 6)),),
+        mesh=MESH,
+        **GATHER_ROWS,
+    )
+    assert str(g.outputs[0]) == "[8,6@a]{sum:b}"
+    assert str(g.out_grads[0]) == "[4@b,6@a]"
+
+
+def test_backward_takes_the_output_layout():
+    r = sk.infer_backward(
+        "transpose",
+        T((6, 4, 2)),
+        outputs=(T((2, 6, 4), P(None, "b", "a")),),
+        mesh=MESH,
+        permutation=(2, 0, 1),
+    )
+    assert str(r.inputs[0]) == "[6@b,4@a,2]"
+
+
+@pytest.mark.parametrize(
+    ("op", "specs", "attrs"),
+    [
+        ("reshape", [T((8, 4))], {"new_sizes": (5, 6)}),
+        ("reshape", [T((8, 4))], {"new_sizes": (32,), "dimensions": (0, 0)}),
+        ("reshape", [T((8, 4))], {}),
+        ("transpose", [T((8, 4))], {"permutation": (0,)}),
+        ("broadcast_in_dim", [T((3,))], {"shape": (2, 4), "broadcast_dimensions": (1,)}),
+        ("squeeze", [T((3, 4))], {"dimensions": (0,)}),
+        ("expand_dims", [T((3, 4))], {"dimensions": (5,)}),
+        ("concatenate", [T((3, 4)), T((2, 5))], {"dimension": 0}),
+        ("split", [T((6, 4))], {"sizes": (2, 2), "axis": 0}),
+        ("slice", [T((6, 4))], {"start_indices": (0, 3), "limit_indices": (6, 2)}),
+        ("dynamic_slice", [T((6, 4)), T(())], {"slice_sizes": (2, 2)}),
+        ("dynamic_update_slice", [T((6, 4)), T((7, 4)), T(()), T(())], {}),
+        ("pad", [T((6, 4)), T(())], {"padding_config": ((0, 0, 0),)}),
+        ("gather", [T((8, 6)), T((4, 2))], GATHER_ROWS),
+        ("take_along_axis", [T((4, 6)), T((4,))], {"axis": 1}),
+        ("transpose", [T((8, 4))], {"perm": (1, 0)}),
+        ("transpose", [T((8, 4))], {"permutation": (1, 0), "strategy": "fancy"}),
+    ],
+)
+def test_bad_attrs_raise_conflicts(op, specs, attrs):
+    with pytest.raises(sk.ShardingConflictError) as e:
+        sk.infer_forward(op, *specs, mesh=MESH, **attrs)
+    assert e.value.op == op and e.value.fix
+
+
+def _jaxpr_cases():
+    x = jnp.ones((4, 6))
+    i = jnp.array([1, 2])
+    return [
+        (lambda x: x.reshape(24), (x,)),
+        (lambda x: jax.lax.reshape(x, (6, 4), dimensions=(1, 0)), (x,)),
+        (lambda x: x.T, (x,)),
+        (lambda x: jnp.broadcast_to(x[:, None, :], (4, 3, 6)), (x,)),
+        (lambda x: jnp.squeeze(x[None], 0), (x,)),
+        (lambda x: jnp.concatenate([x, x], 1), (x,)),
+        (lambda x: jnp.split(x, [2, 5], 1), (x,)),
+        (lambda x: x[1:3, ::2], (x,)),
+        (lambda x, i: lax.dynamic_slice(x, (i[0], 0), (2, 6)), (x, i)),
+        (lambda x, i: lax.dynamic_update_slice(x, jnp.ones((2, 6)), (i[0], 0)), (x, i)),
+        (lambda x, i: x[i], (x, i)),
+        (lambda x: jnp.pad(x, ((1, 2), (0, 0))), (x,)),
+        (lambda x, i: jnp.take_along_axis(x, jnp.zeros((4, 2), int), axis=1), (x, i)),
+    ]
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", None)  # a closed jaxpr (pjit / jit params)
+            if inner is not None and hasattr(inner, "eqns"):
+                yield from _eqns(inner)
+
+
+SHAPE_OPS = {
+    "reshape",
+    "transpose",
+    "broadcast_in_dim",
+    "squeeze",
+    "concatenate",
+    "split",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "gather",
+    "pad",
+}
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_jaxpr_params_are_accepted_unchanged(case):
+    """Each shape primitive's eqn.params go to the rule as they are, twice (cache hit),
+    and the rule's impl with those params reproduces the primitive."""
+    fn, args = _jaxpr_cases()[case]
+    closed = jax.make_jaxpr(fn)(*args)
+    seen = 0
+    for e in _eqns(closed.jaxpr):
+        if e.primitive.name not in SHAPE_OPS:
+            continue
+        seen += 1
+        specs = [T(v.aval.shape, dtype=v.aval.dtype) for v in e.invars]
+        r = sk.infer_forward(e.primitive.name, *specs, mesh=MESH, **e.params)
+        assert [o.shape for o in r.outputs] == [v.aval.shape for v in e.outvars]
+        hits = cache_info()["hits"]
+        sk.infer_forward(e.primitive.name, *specs, mesh=MESH, **e.params)
+        assert cache_info()["hits"] == hits + 1
+        rng = np.random.default_rng(0)
+        vals = [
+            jnp.asarray(rng.integers(0, 2, v.aval.shape).astype(v.aval.dtype)) for v in e.invars
+        ]
+        want = e.primitive.bind(*vals, **e.params)
+        got = sk.get_rule(e.primitive.name).impl(*vals, **e.params)
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
+    assert seen > 0
