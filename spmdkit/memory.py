@@ -32,6 +32,64 @@ from spmdkit.spec import MeshLike, TensorSpec
 __all__ = ["MemoryEstimate", "estimate_memory", "liveness"]
 
 
+_ELEMENTWISE = frozenset(
+    {
+        "abs",
+        "add",
+        "add_any",
+        "and",
+        "clamp",
+        "convert_element_type",
+        "cos",
+        "div",
+        "eq",
+        "erf",
+        "exp",
+        "exp2",
+        "expm1",
+        "ge",
+        "gt",
+        "integer_pow",
+        "is_finite",
+        "le",
+        "log",
+        "log1p",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "not",
+        "or",
+        "pow",
+        "rsqrt",
+        "select_n",
+        "sign",
+        "sin",
+        "sqrt",
+        "square",
+        "sub",
+        "tanh",
+        "xor",
+        "stop_gradient",
+        "copy",
+    }
+)
+# Values made by these and read only by those are fused by XLA, never materialized.
+_FUSIBLE = _ELEMENTWISE | {"broadcast_in_dim", "iota", "transpose", "reshape", "squeeze"}
+_FUSES_INTO = _ELEMENTWISE | {
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "broadcast_in_dim",
+    "transpose",
+    "reshape",
+    "squeeze",
+}
+
+
 def _fmt(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -71,13 +129,34 @@ class MemoryEstimate:
 
 
 def _temp_peak(
-    graph: Any, spec: Mapping[int, TensorSpec], mesh: MeshLike, prog: Any, exclude: set[int]
+    graph: Any,
+    spec: Mapping[int, TensorSpec],
+    mesh: MeshLike,
+    prog: Any,
+    exclude: set[int],
+    fuse: bool = True,
+    transient: Sequence[int] | None = None,
 ) -> int:
-    """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness."""
+    """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
+    ``transient[i]`` bytes (resharded operands) are live during node ``i`` only."""
     last: dict[int, int] = {}
+    consumers: dict[int, set[str]] = {}
     for i, node in enumerate(graph.nodes):
         for v in node.ins:
             last[v] = i
+            consumers.setdefault(v, set()).add(node.prim)
+    fused = (
+        {
+            o
+            for node in graph.nodes
+            if node.prim in _FUSIBLE
+            for o in node.outs
+            if o in consumers and consumers[o] <= _FUSES_INTO
+        }
+        - set(graph.outvars)
+        if fuse
+        else set()
+    )
     end = len(graph.nodes)
     for v in graph.outvars:
         last[v] = end
@@ -97,15 +176,16 @@ def _temp_peak(
     for i, node in enumerate(graph.nodes):
         born = 0
         for o in node.outs:
-            if o in exclude:
+            if o in exclude or o in fused:
                 continue
             born += nbytes(o)
             frees.setdefault(last.get(o, i), []).append(o)
         inner = 0
         for sub in node.subs:
-            inner = max(inner, _temp_peak(sub, spec, mesh, prog, set(sub.invars)))
+            inner = max(inner, _temp_peak(sub, spec, mesh, prog, set(sub.invars), fuse))
         live += born
-        peak = max(peak, live + inner)
+        extra = transient[i] if transient is not None and i < len(transient) else 0
+        peak = max(peak, live + max(inner, extra))
         for v in frees.pop(i, ()):
             live -= nbytes(v)
     return peak
@@ -120,6 +200,7 @@ def liveness(
     *,
     donated: set[int] = frozenset(),
     roles: Mapping[int, str] | None = None,
+    transient: Sequence[int] | None = None,
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagate`).
 
@@ -131,6 +212,7 @@ def liveness(
       prog: the value table (shapes, dtypes).
       donated: donated input value ids.
       roles: input value id → role.
+      transient: per node, bytes of operands resharded for it (live during it).
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -162,7 +244,15 @@ def liveness(
         if b and b in donated_sizes:
             donated_sizes.remove(b)
             alias += b
-    temp = _temp_peak(graph, spec, mesh, prog, seen_args | seen_out)
+    # an output that still needs a reduction is a temporary; its reduced copy is the output
+    pending = {
+        v
+        for v, s in zip(graph.outvars, out_specs, strict=True)
+        if v in spec and (spec[v].dims, spec[v].partial) != (s.dims, s.partial)
+    }
+    temp = _temp_peak(
+        graph, spec, mesh, prog, seen_args | (seen_out - pending), transient=transient
+    )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias
     return MemoryEstimate(

@@ -55,11 +55,11 @@ import jax.extend.core
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.errors import SpecError, SpmdError
+from spmdkit.errors import ShardingConflictError, SpecError, SpmdError
 from spmdkit.factor import Notation
 from spmdkit.inference import ArgReshard, infer_backward, infer_forward
 from spmdkit.memory import MemoryEstimate, liveness
-from spmdkit.registry import registered_ops
+from spmdkit.registry import get_rule, registered_ops
 from spmdkit.resharding import Collective, plan_reshard
 from spmdkit.rule import FactorRule, RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
@@ -315,6 +315,9 @@ class EqnRecord:
       strategy: the rule strategy used.
       source: ``file:line (function)`` of the user code that made the equation.
       backward: True for equations of the backward pass (``transpose(jvp(...))``).
+      repeat: how many times ``body`` runs (scan length; 1 otherwise).
+      body: records of a loop's or branch's equations (``carry``: the reshard of
+        the carry back to its loop-entry layout).
     """
 
     index: int
@@ -331,11 +334,14 @@ class EqnRecord:
     source: str
     backward: bool
     repeat: int = 1
+    body: tuple[EqnRecord, ...] = ()
 
     def collectives(self) -> list[Collective]:
-        """The communicating steps of this equation's reshards (each ``repeat`` times)."""
+        """The communicating steps of this equation's reshards, then of its loop
+        body (``repeat`` times)."""
         steps = [c for r in self.reshards for c in r.plan.collectives]
-        return steps * self.repeat
+        inner = [c for r in self.body for c in r.collectives()]
+        return steps + inner * self.repeat
 
 
 def _fmt_bytes(n: float) -> str:
@@ -955,7 +961,7 @@ class _Engine:
         outs = self._body(body, [*consts, *carry, *(x for x, _ in xs)], spec, inner, repeat)
         req = (*consts, *carry, *(stacked for _, stacked in xs))
         final_carry = [o.without_partial() if o.partial else o for o in outs[:nk]]
-        ys = [_stack(o.without_partial(), length) for o in outs[nk:]]
+        ys = [_stack(o, length) for o in outs[nk:]]
         # the carry coming back each iteration must have the carry-in layout
         back = []
         for i, (o, c) in enumerate(zip(outs[:nk], carry, strict=True)):
@@ -1073,7 +1079,7 @@ def _unstack(s: TensorSpec) -> tuple[TensorSpec, TensorSpec]:
 
 
 def _stack(s: TensorSpec, length: int) -> TensorSpec:
-    return TensorSpec((length, *s.shape), ((), *s.dims), dtype=s.dtype)
+    return TensorSpec((length, *s.shape), ((), *s.dims), partial=dict(s.partial), dtype=s.dtype)
 
 
 # -- input specs ------------------------------------------------------------------
@@ -1238,6 +1244,7 @@ def propagate(
             if r is not None:
                 wanted[v] = r
 
+    _check_strategies(strategies or {})
     engine = _Engine(prog, mesh, topology, strategies or {})
     spec: dict[int, TensorSpec] = {}
     fixed = set(graph.invars)
@@ -1254,54 +1261,14 @@ def propagate(
             break
         engine.hints = hints
 
-    records: list[EqnRecord] = []
-    for node, op, attrs, specs, req, outs, repeat, extra in collect:
-        reshards = []
-        for i, (s, r) in enumerate(zip(specs, req, strict=True)):
-            a = engine.reshard(f"input {i}", s, r)
-            if a is not None:
-                reshards.append(a)
-        flops = _flops(node, req, outs, mesh) * repeat
-        comm = sum(a.payload_bytes for a in reshards) * repeat
-        ctime = sum(a.plan.time_s for a in reshards) * repeat
-        if extra is not None:
-            inner, back, length = extra
-            body_recs = [_inner_record(engine, x, mesh) for x in inner]
-            comm += sum(r.comm_bytes for r in body_recs) * length
-            ctime += sum(r.comm_time_s for r in body_recs) * length
-            flops += sum(r.flops for r in body_recs) * length
-            comm += sum(a.payload_bytes for a in back) * length * repeat
-            ctime += sum(a.plan.time_s for a in back) * length * repeat
-            inner_reshards = tuple(a for r in body_recs for a in r.reshards)
-            reshards_all = tuple(reshards) + inner_reshards + tuple(back)
-            rec_repeat = length
-        else:
-            reshards_all = tuple(reshards)
-            rec_repeat = repeat
-        records.append(
-            EqnRecord(
-                index=len(records),
-                primitive=node.prim,
-                op=op,
-                attrs=dict(attrs),
-                inputs=tuple(req),
-                outputs=tuple(outs),
-                reshards=reshards_all,
-                comm_bytes=int(comm),
-                comm_time_s=ctime,
-                flops=flops,
-                strategy=str(attrs.get("strategy", "default")),
-                source=_source(node.eqn),
-                backward=node.backward,
-                repeat=rec_repeat if extra is not None else 1,
-            )
-        )
+    avail: dict[int, list[TensorSpec]] = {}
+    records = [_record(engine, item, avail, mesh, i) for i, item in enumerate(collect)]
     final_out = []
     for i, (v, r) in enumerate(zip(graph.outvars, out_req, strict=True)):
         have = spec.get(v) or engine.replicated(v)
         want = r if r is not None else have.without_partial()
         final_out.append(want)
-        a = engine.reshard(f"output {i}", have, want)
+        a = _reshard_once(engine, avail, v, f"output {i}", have, want)
         if a is not None:
             records.append(
                 EqnRecord(
@@ -1332,7 +1299,13 @@ def propagate(
 
     donated = _donated_ids(donate_argnums, args, graph.invars)
     roles = _roles(arg_roles, args, graph.invars)
-    memory = liveness(graph, spec, final_out, mesh, prog, donated=donated, roles=roles)
+    transient = [
+        sum(a.dst.local_bytes(mesh) for a in r.reshards if a.plan.collectives)
+        for r in records[: len(graph.nodes)]
+    ]
+    memory = liveness(
+        graph, spec, final_out, mesh, prog, donated=donated, roles=roles, transient=transient
+    )
     var_specs = {}
     for v, vid in env.items():
         if vid in spec:
@@ -1355,37 +1328,103 @@ def propagate(
     )
 
 
-def _inner_record(engine: _Engine, item: tuple, mesh: MeshLike) -> EqnRecord:
+def _check_strategies(strategies: Mapping[str, str]) -> None:
+    for op, name in strategies.items():
+        rule = get_rule(op)  # unknown op: NoRuleError naming near matches
+        if name not in rule.strategies:
+            raise ShardingConflictError(
+                op=op,
+                must=f"strategy is one of {rule.strategies}",
+                given=repr(name),
+                fix=f"pass strategies={{{op!r}: one of {rule.strategies}}}",
+            )
+
+
+def _reshard_once(
+    engine: _Engine,
+    avail: dict[int, list[TensorSpec]],
+    vid: int,
+    label: str,
+    src: TensorSpec,
+    dst: TensorSpec,
+) -> ArgReshard | None:
+    """The reshard of value ``vid`` to ``dst``, from the cheapest layout it already has.
+
+    A value resharded once for one consumer is not resharded again for the
+    next one that needs the same layout (XLA computes it once)."""
+    if src.dims == dst.dims and src.partial == dst.partial:
+        return None
+    have = avail.setdefault(vid, [src])
+    if src not in have:
+        have.insert(0, src)
+    if any(h.dims == dst.dims and h.partial == dst.partial for h in have):
+        return None
+    best = None
+    for h in have:
+        a = engine.reshard(label, h, dst)
+        if a is not None and (
+            best is None
+            or (a.plan.time_s, a.payload_bytes) < (best.plan.time_s, best.payload_bytes)
+        ):
+            best = a
+    have.append(dst)
+    return best
+
+
+def _record(
+    engine: _Engine, item: tuple, avail: dict[int, list[TensorSpec]], mesh: MeshLike, index: int
+) -> EqnRecord:
     node, op, attrs, specs, req, outs, _, extra = item
-    reshards = [
+    reshards = tuple(
         a
-        for i, (s, r) in enumerate(zip(specs, req, strict=True))
-        if (a := engine.reshard(f"input {i}", s, r)) is not None
-    ]
+        for i, (v, s, r) in enumerate(zip(node.ins, specs, req, strict=True))
+        if (a := _reshard_once(engine, avail, v, f"input {i}", s, r)) is not None
+    )
     comm = sum(a.payload_bytes for a in reshards)
     ctime = sum(a.plan.time_s for a in reshards)
     flops = _flops(node, req, outs, mesh)
+    body: tuple[EqnRecord, ...] = ()
+    repeat = 1
     if extra is not None:
-        inner, back, length = extra
-        subs = [_inner_record(engine, x, mesh) for x in inner]
-        comm += (sum(r.comm_bytes for r in subs) + sum(a.payload_bytes for a in back)) * length
-        ctime += (sum(r.comm_time_s for r in subs) + sum(a.plan.time_s for a in back)) * length
-        flops += sum(r.flops for r in subs) * length
-        reshards += [a for r in subs for a in r.reshards] * length + list(back) * length
+        inner, back, repeat = extra
+        body = tuple(_record(engine, x, avail, mesh, j) for j, x in enumerate(inner))
+        if back:
+            body += (
+                EqnRecord(
+                    len(body),
+                    "carry",
+                    None,
+                    {},
+                    (),
+                    (),
+                    tuple(back),
+                    sum(a.payload_bytes for a in back),
+                    sum(a.plan.time_s for a in back),
+                    0.0,
+                    "default",
+                    "",
+                    node.backward,
+                ),
+            )
+        comm += repeat * sum(r.comm_bytes for r in body)
+        ctime += repeat * sum(r.comm_time_s for r in body)
+        flops += repeat * sum(r.flops for r in body)
     return EqnRecord(
-        0,
-        node.prim,
-        op,
-        dict(attrs),
-        tuple(req),
-        tuple(outs),
-        tuple(reshards),
-        int(comm),
-        ctime,
-        flops,
-        "default",
-        "",
-        node.backward,
+        index=index,
+        primitive=node.prim,
+        op=op,
+        attrs=dict(attrs),
+        inputs=tuple(req),
+        outputs=tuple(outs),
+        reshards=reshards,
+        comm_bytes=int(comm),
+        comm_time_s=ctime,
+        flops=flops,
+        strategy=str(attrs.get("strategy", "default")),
+        source=_source(node.eqn),
+        backward=node.backward,
+        repeat=repeat,
+        body=body,
     )
 
 

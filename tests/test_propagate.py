@@ -1,0 +1,259 @@
+"""Propagation over traced train steps, checked against compiled HLO."""
+
+import warnings
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.propagate import EqnRecord, Propagation, propagate, register_primitive, trace
+
+S = jax.ShapeDtypeStruct
+F32 = "float32"
+
+
+def _loss(p, x, y):
+    h = jax.nn.relu(x @ p["w1"] + p["b1"])
+    o = h @ p["w2"]
+    return jnp.mean((o - y) ** 2)
+
+
+def _step(p, x, y):
+    g = jax.grad(_loss)(p, x, y)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+
+def _forward(p, x):
+    return jax.nn.relu(x @ p["w1"]) @ p["w2"]
+
+
+PARAMS = {"w1": S((64, 128), F32), "b1": S((128,), F32), "w2": S((128, 32), F32)}
+X = S((64, 64), F32)
+Y = S((64, 32), F32)
+
+
+def _auto(mesh):
+    return Mesh(mesh.devices, mesh.axis_names)
+
+
+def _sharded(tree, specs, mesh):
+    """ShapeDtypeStructs with NamedShardings on an Auto mesh (what jit compiles for)."""
+    return jax.tree.map(
+        lambda a, s: S(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+        tree,
+        specs,
+        is_leaf=lambda s: isinstance(s, P),
+    )
+
+
+def _all_reduce_bytes(fn, args, specs, mesh):
+    cols = sk.compiled_collectives(fn, *_sharded(args, specs, _auto(mesh)))
+    return sk.summarize(cols).get("all_reduce", {}).get("payload_bytes", 0)
+
+
+def test_trace_is_abstract():
+    closed = trace(_step, PARAMS, X, Y)
+    names = [e.primitive.name for e in closed.jaxpr.eqns]
+    assert "dot_general" in names
+    assert len(closed.jaxpr.invars) == 5
+
+
+def test_dp_train_step_grad_all_reduce_matches_hlo(mesh2d):
+    dp = P(("a", "b"))
+    prop = propagate(_step, PARAMS, X, Y, in_specs=(None, dp, dp), mesh=mesh2d)
+    assert isinstance(prop, Propagation)
+    assert not prop.unknown
+    grads = sum(math_prod(a.shape) * 4 for a in jax.tree.leaves(PARAMS))
+    assert prop.comm_bytes_by_kind == {"all_reduce": grads}
+    pspecs = (jax.tree.map(lambda _: P(), PARAMS), dp, dp)
+    compiled = _all_reduce_bytes(_step, (PARAMS, X, Y), pspecs, mesh2d)
+    assert abs(prop.comm_bytes - compiled) <= 0.10 * compiled
+    # the outputs are reduced; the parameters stay replicated
+    assert all(s.is_replicated for s in prop.out_specs)
+    assert all(isinstance(r, EqnRecord) for r in prop.records)
+    assert any(r.backward for r in prop.records)
+
+
+def math_prod(shape):
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def test_megatron_mlp_forward_has_one_activation_all_reduce(mesh2d):
+    params = {"w1": PARAMS["w1"], "w2": PARAMS["w2"]}
+    specs = ({"w1": P(None, "b"), "w2": P("b", None)}, P("a"))
+    prop = propagate(_forward, params, X, in_specs=specs, mesh=mesh2d)
+    cols = prop.collectives()
+    assert [c.kind for c in cols] == ["all_reduce"]
+    assert cols[0].axes == ("b",)
+    assert cols[0].payload_bytes == 32 * 32 * 4  # [64/2, 32] f32, the activation
+    assert prop.out_specs[0] == sk.TensorSpec((64, 32), P("a"), dtype=F32)
+    compiled = _all_reduce_bytes(_forward, (params, X), specs, mesh2d)
+    assert compiled == prop.comm_bytes
+
+
+def test_megatron_train_step_matches_hlo(mesh2d):
+    specs = ({"w1": P(None, "b"), "b1": P("b"), "w2": P("b", None)}, P("a"), P("a"))
+    prop = propagate(_step, PARAMS, X, Y, in_specs=specs, mesh=mesh2d)
+    fwd = [c for r in prop.records if not r.backward for c in r.collectives()]
+    assert fwd, "the forward all-reduce of the row-parallel output"
+    rep = sk_report(_step, _sharded((PARAMS, X, Y), specs, _auto(mesh2d)))
+    assert abs(prop.comm_bytes - rep.comm_bytes) <= 0.10 * rep.comm_bytes
+
+
+def sk_report(fn, args):
+    from spmdkit.report import report
+
+    return report(fn, *args)
+
+
+def test_unknown_primitive_warns_counts_and_replicates(mesh1d):
+    prim = jax.extend.core.Primitive("spmdkit_test_mystery")
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+
+    def f(x):
+        return jnp.sin(prim.bind(x * 2.0))
+
+    x = S((32, 8), F32)
+    with pytest.warns(UserWarning, match="spmdkit_test_mystery"):
+        prop = propagate(f, x, in_specs=(P("x"),), mesh=mesh1d)
+    assert prop.unknown["spmdkit_test_mystery"] == 1
+    rec = next(r for r in prop.records if r.primitive == "spmdkit_test_mystery")
+    assert rec.op is None
+    assert rec.outputs[0].is_replicated
+    assert [c.kind for c in rec.collectives()] == ["all_gather"]
+    assert rec.comm_bytes == 32 * 8 * 4
+    # warned once per primitive, counted every time
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = propagate(lambda x: prim.bind(prim.bind(x)), x, in_specs=(P("x"),), mesh=mesh1d)
+    assert again.unknown["spmdkit_test_mystery"] == 2
+
+
+def test_register_primitive_maps_to_a_rule(mesh1d):
+    prim = jax.extend.core.Primitive("spmdkit_test_tanhish")
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    register_primitive("spmdkit_test_tanhish", lambda eqn: ("tanh", {}))
+    prop = propagate(prim.bind, S((32, 8), F32), in_specs=(P("x"),), mesh=mesh1d)
+    assert not prop.unknown
+    assert prop.out_specs[0].dims == (("x",), ())
+    assert prop.comm_bytes == 0
+
+
+def _scan_model(w, x):
+    def body(h, wl):
+        return jnp.tanh(h @ wl), None
+
+    h, _ = jax.lax.scan(body, x, w)
+    return h
+
+
+def test_scan_body_row_parallel_counts_every_iteration(mesh1d):
+    layers, b, h = 3, 16, 32
+    w = S((layers, h, h), F32)
+    x = S((b, h), F32)
+    prop = propagate(_scan_model, w, x, in_specs=(P(None, "x", None), P(None, "x")), mesh=mesh1d)
+    rec = next(r for r in prop.records if r.primitive == "scan")
+    assert rec.repeat == layers
+    # each layer: x @ W row-parallel is sum-partial over x; tanh needs it reduced
+    per_layer = b * h * 4
+    assert prop.comm_bytes_by_kind["all_reduce"] == layers * per_layer
+    assert prop.out_specs[0].shape == (b, h)
+
+
+def test_scan_dp_carry_keeps_batch_sharding(mesh2d):
+    w = S((4, 32, 32), F32)
+    x = S((16, 32), F32)
+    prop = propagate(_scan_model, w, x, in_specs=(None, P("a")), mesh=mesh2d)
+    assert prop.comm_bytes == 0
+    assert prop.out_specs[0].dims == (("a",), ())
+
+
+def test_scan_stacked_dim_is_gathered(mesh1d):
+    w = S((4, 32, 32), F32)
+    x = S((16, 32), F32)
+    prop = propagate(_scan_model, w, x, in_specs=(P("x"), None), mesh=mesh1d)
+    # the stacked (layer) dim may not stay sharded: one all-gather of the weights
+    assert prop.comm_bytes_by_kind == {"all_gather": 4 * 32 * 32 * 4}
+
+
+def test_grad_through_scan_and_remat(mesh2d):
+    def loss(w, x):
+        return jnp.sum(jax.checkpoint(_scan_model)(w, x) ** 2)
+
+    w = S((2, 32, 32), F32)
+    x = S((16, 32), F32)
+    prop = propagate(jax.grad(loss), w, x, in_specs=(None, P("a")), mesh=mesh2d)
+    assert not prop.unknown
+    # dW is summed over the batch: one all-reduce over 'a' of the stacked weights' size
+    assert prop.comm_bytes_by_kind.get("all_reduce", 0) >= 2 * 32 * 32 * 4
+
+
+def test_out_specs_pull_sharding_upstream(mesh1d):
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    x, w = S((64, 32), F32), S((32, 16), F32)
+    free = propagate(f, x, w, in_specs=(None, None), mesh=mesh1d)
+    want = propagate(f, x, w, in_specs=(None, None), out_specs=P("x"), mesh=mesh1d)
+    assert want.out_specs[0].dims == (("x",), ())
+    assert want.flops < free.flops
+    assert want.comm_bytes == 0
+    dot = next(r for r in want.records if r.primitive == "dot_general")
+    assert dot.outputs[0].dims == (("x",), ())
+
+
+def test_out_specs_constraint_costs_a_reshard(mesh1d):
+    x = S((64, 32), F32)
+    prop = propagate(lambda x: x * 2.0, x, in_specs=(P("x"),), out_specs=P(), mesh=mesh1d)
+    assert prop.out_specs[0].is_replicated
+    assert prop.comm_bytes_by_kind == {"all_gather": 64 * 32 * 4}
+
+
+def test_abstract_mesh_needs_no_devices():
+    mesh = sk.abstract_mesh(data=64, model=8)
+    params = {"w1": S((4096, 16384), "bfloat16"), "w2": S((16384, 4096), "bfloat16")}
+    x = S((512, 4096), "bfloat16")
+    prop = propagate(
+        _forward,
+        params,
+        x,
+        in_specs=({"w1": P(None, "model"), "w2": P("model", None)}, P("data")),
+        mesh=mesh,
+    )
+    assert prop.comm_bytes_by_kind == {"all_reduce": 512 // 64 * 4096 * 2}
+    assert prop.flops == pytest.approx(2 * 2 * 8 * 4096 * 16384 / 8 + 8 * 16384 / 8)
+    assert prop.step_time_s > prop.compute_time_s > 0
+    assert "all_reduce" in str(prop)
+
+
+def test_strategies_are_checked(mesh1d):
+    x = S((8, 8), F32)
+    with pytest.raises(sk.ShardingConflictError, match="strategy"):
+        propagate(jnp.tanh, x, in_specs=(P("x"),), mesh=mesh1d, strategies={"tanh": "fast"})
+    with pytest.raises(sk.NoRuleError):
+        propagate(jnp.tanh, x, in_specs=(P("x"),), mesh=mesh1d, strategies={"tanhh": "x"})
+    prop = propagate(jnp.tanh, x, in_specs=(P("x"),), mesh=mesh1d, strategies={"tanh": "default"})
+    assert prop.records[0].strategy == "default"
+    assert not prop.unknown
+
+
+def test_bad_in_specs_raise(mesh1d):
+    with pytest.raises(sk.SpecError):
+        propagate(jnp.tanh, S((8, 8), F32), in_specs=(P("x"), P("x")), mesh=mesh1d)
+    with pytest.raises(sk.SpmdError):
+        propagate(jnp.tanh, S((8, 8), F32), in_specs=(P("nope"),), mesh=mesh1d)
+
+
+def test_table_lists_costly_equations(mesh2d):
+    dp = P(("a", "b"))
+    prop = propagate(_step, PARAMS, X, Y, in_specs=(None, dp, dp), mesh=mesh2d)
+    text = prop.table(limit=2)
+    assert len(text.splitlines()) == 3
+    assert "all_reduce" in text
