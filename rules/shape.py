@@ -48,6 +48,7 @@ index batch dims, where each device scatter-adds its own indices).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,7 +60,15 @@ import numpy as np
 from jax import lax
 
 from spmdkit.errors import ShardingConflictError
-from spmdkit.rule import Example, Inferred, InferredGrad, Rule, RuleContext
+from spmdkit.rule import (
+    Example,
+    Inferred,
+    InferredGrad,
+    LocalContext,
+    Rule,
+    RuleContext,
+    without_strategy,
+)
 from spmdkit.spec import TensorSpec
 
 __all__ = ["RULES", "DimMap", "reshape_layout"]
@@ -128,19 +137,6 @@ def _names(prefix: str, shape: tuple[int, ...]) -> list[str | None]:
     return [f"{prefix}{i}" if n > 1 else None for i, n in enumerate(shape)]
 
 
-def _local(spec: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    """Padded (ceil) per-device shape of ``spec``."""
-    return tuple(
-        -(-n // math.prod(sizes[a] for a in axes))
-        for n, axes in zip(spec.shape, spec.dims, strict=True)
-    )
-
-
-def _local_shape(lctx: Any, spec: TensorSpec) -> tuple[int, ...]:
-    helper = getattr(lctx, "local_shape", None)
-    return tuple(helper(spec)) if helper is not None else _local(spec, lctx.axis_sizes)
-
-
 # ---------------------------------------------------------------------------
 # The generic dim-map rule
 # ---------------------------------------------------------------------------
@@ -176,32 +172,30 @@ def _layout(
 def _pass_partials(
     inputs: Sequence[TensorSpec], data: Sequence[bool], used: set[str], sum_ok: bool
 ) -> tuple[list[dict[str, str]], dict[str, str]]:
-    """Per-input required partials and the output partials (see the module docstring)."""
-    required: list[dict[str, str]] = [{} for _ in inputs]
+    """Per-input required partials and the output partials (see the module docstring).
+
+    Each output element is one element of one data operand, so the pending
+    reductions of the operands pass in any mix (sum over one axis, max over
+    another): the output holds them in the same order. Per axis, the data
+    operands must agree on the op; a replicated operand joins an avg/max/min
+    as it is (every device holds the value) and a sum as a local to_partial.
+    """
+    required = [dict(s.partial_ops) for s in inputs]
     out: dict[str, str] = {}
     for a in sorted({a for s in inputs for a, _ in s.partial}):
-        if a in used:
-            continue
         ops = [s.partial_ops.get(a) for s in inputs]
-        if any(o is not None and not d for o, d in zip(ops, data, strict=True)):
-            continue  # a partial index operand: resolve everything on this axis
         kinds = {o for o in ops if o is not None}
-        if len(kinds) != 1:
+        index_partial = any(o is not None and not d for o, d in zip(ops, data, strict=True))
+        if a in used or index_partial or len(kinds) != 1 or (kinds == {"sum"} and not sum_ok):
+            for r in required:
+                r.pop(a, None)  # resolved first
             continue
         (op,) = kinds
-        if op == "sum" and not sum_ok:
-            continue
         out[a] = op
-        for i, d in enumerate(data):
-            if d:
-                required[i][a] = op
-    kinds = set(out.values())
-    if len(kinds) > 1 and not kinds <= {"sum", "avg"}:
-        keep = out[min(out)]  # max/min never mix with another op on one tensor
-        for a in [a for a, o in out.items() if o != keep]:
-            del out[a]
-            for r in required:
-                r.pop(a, None)
+        if op == "sum":
+            for i, d in enumerate(data):
+                if d:
+                    required[i][a] = op
     return required, out
 
 
@@ -217,7 +211,7 @@ class MapRule(Rule):
       mapping: ``fn(shapes, **attrs) -> DimMap``.
       impl: the op, ``impl(*arrays, **attrs)``.
       local_attrs: ``fn(attrs, lctx) -> attrs`` turning global sizes in the
-        attributes into this device's sizes (default: unchanged).
+        attributes into this device's sizes (used by :class:`LocalMapRule`).
       examples: inputs for the validation toolkit.
       doc: one line on the semantics.
     """
@@ -235,7 +229,7 @@ class MapRule(Rule):
         self.name = name
         self.mapping = mapping
         self.impl = impl
-        self.local_attrs = local_attrs
+        self.local_attrs = local_attrs or (lambda attrs, lctx: attrs)
         self.examples = tuple(examples)
         self.doc = doc
 
@@ -245,7 +239,7 @@ class MapRule(Rule):
     def dim_map(self, ctx: RuleContext, inputs: Sequence[TensorSpec]) -> DimMap:
         """The :class:`DimMap` for these inputs; bad shapes/attributes raise a conflict."""
         shapes = tuple(s.shape for s in inputs)
-        attrs = {k: v for k, v in ctx.attrs.items() if k != "strategy"}
+        attrs = without_strategy(ctx.attrs)
         try:
             dm = self.mapping(shapes, **attrs)
         except ShardingConflictError:
@@ -257,14 +251,7 @@ class MapRule(Rule):
                 f"{len(shapes)} inputs of shapes {shapes}, attrs {attrs} ({e})",
                 "check the operand count, ranks and attribute names (the jax.lax params)",
             ) from e
-        strategy = ctx.attrs.get("strategy", self.strategies[0])
-        if strategy not in self.strategies:
-            raise _err(
-                self.name,
-                f"strategy is one of {self.strategies}",
-                repr(strategy),
-                "drop strategy= or pick a listed one",
-            )
+        self.strategy(ctx)  # validates the name; every shape op has one strategy
         return dm
 
     def _specs(
@@ -315,6 +302,7 @@ class MapRule(Rule):
         plain = [s.without_partial() for s in inputs]
         fwd = _assign(list(zip(dm.inputs, plain, strict=True)))
         assign = _assign(list(zip(dm.outputs, out_grads, strict=True)), fwd)
+        _drop_uneven_sums(dm, [s.shape for s in inputs], assign, ctx.axis_sizes)
         used = {a for axes in assign.values() for a in axes}
         g_partial = _cotangent_partials(out_grads, used)
         res = self._specs(dm, plain, assign, [{} for _ in inputs], {})
@@ -332,17 +320,38 @@ class MapRule(Rule):
             grads.append(s.replace(partial={**summed, **g_partial}))
         return InferredGrad(res.inputs, req_g, tuple(grads), res.outputs)
 
-    def local_fn(self, lctx: Any) -> Callable[..., Any]:
+
+class LocalMapRule(MapRule):
+    """A :class:`MapRule` whose attributes hold global sizes of dims that may stay
+    sharded (reshape's ``new_sizes``, a slice's bounds): each device runs the op with
+    those sizes made local by ``local_attrs(attrs, lctx)``."""
+
+    def local_fn(self, lctx: LocalContext) -> Callable[..., Any]:
         """The op on this device's pieces, with global sizes in attributes made local."""
-        attrs = {k: v for k, v in lctx.attrs.items() if k != "strategy"}
-        if self.local_attrs is not None:
-            attrs = dict(self.local_attrs(attrs, lctx))
-        impl = self.impl
+        attrs = dict(self.local_attrs(without_strategy(lctx.attrs), lctx))
+        return functools.partial(self.impl, **attrs)
 
-        def local(*xs: Any) -> Any:
-            return impl(*xs, **attrs)
 
-        return local
+def _drop_uneven_sums(
+    dm: DimMap,
+    shapes: Sequence[tuple[int, ...]],
+    assign: dict[str, tuple[str, ...]],
+    axis_sizes: Mapping[str, int],
+) -> None:
+    """Unshard factors a data input lacks whose dims do not divide their axes: the
+    VJP sums over them, and the padding of short blocks would leak into the sum."""
+    sizes = {
+        f: n
+        for factors, shape in zip((*dm.inputs, *dm.outputs), (*shapes, *dm.out_shapes), strict=True)
+        for f, n in zip(factors, shape, strict=True)
+        if f is not None
+    }
+    for factors, is_data in zip(dm.inputs, dm.data, strict=True):
+        if not is_data:
+            continue
+        for f, axes in list(assign.items()):
+            if axes and f not in factors and sizes[f] % math.prod(axis_sizes[a] for a in axes):
+                assign[f] = ()
 
 
 def _check_shapes(
@@ -491,11 +500,7 @@ class ReshapeRule(Rule):
     def _parse(self, ctx: RuleContext, x: TensorSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if "new_sizes" not in ctx.attrs:
             raise _err(self.name, "new_sizes is given", str(dict(ctx.attrs)), "pass new_sizes=")
-        strategy = ctx.attrs.get("strategy", self.strategies[0])
-        if strategy not in self.strategies:
-            raise _err(
-                self.name, f"strategy is one of {self.strategies}", repr(strategy), "drop it"
-            )
+        self.strategy(ctx)
         sizes, perm = _reshape_attrs(
             self.name, x.shape, ctx.attrs["new_sizes"], ctx.attrs.get("dimensions")
         )
@@ -563,9 +568,9 @@ class ReshapeRule(Rule):
         req_g = y.replace(partial=g_partial, dtype=g.dtype)
         return InferredGrad((xin,), (req_g,), (xin.replace(partial=g_partial),), (y,))
 
-    def local_fn(self, lctx: Any) -> Callable[..., Any]:
+    def local_fn(self, lctx: LocalContext) -> Callable[..., Any]:
         """Reshape the local piece to the output's local (block) shape."""
-        shape = _local_shape(lctx, lctx.outputs[0])
+        shape = lctx.local_shape(lctx.outputs[0])
         dimensions = lctx.attrs.get("dimensions")
 
         def local(x: jax.Array) -> jax.Array:
@@ -624,8 +629,8 @@ def _broadcast(x: jax.Array, *, shape: Any, broadcast_dimensions: Any, **_: Any)
     )
 
 
-def _broadcast_local(attrs: Mapping[str, Any], lctx: Any) -> Mapping[str, Any]:
-    return {**attrs, "shape": _local_shape(lctx, lctx.outputs[0])}
+def _broadcast_local(attrs: Mapping[str, Any], lctx: LocalContext) -> Mapping[str, Any]:
+    return {**attrs, "shape": lctx.local_shape(lctx.outputs[0])}
 
 
 def _squeeze_map(shapes: Any, *, dimensions: Any, **_: Any) -> DimMap:
@@ -748,9 +753,9 @@ def _slice(
     )
 
 
-def _slice_local(attrs: Mapping[str, Any], lctx: Any) -> Mapping[str, Any]:
+def _slice_local(attrs: Mapping[str, Any], lctx: LocalContext) -> Mapping[str, Any]:
     spec = lctx.inputs[0]
-    local = _local_shape(lctx, spec)
+    local = lctx.local_shape(spec)
     limit = list(_ints("slice", "limit_indices", attrs["limit_indices"]))
     for d, axes in enumerate(spec.dims):
         if axes:  # a kept dim is the full range: [0, local size)
@@ -776,9 +781,9 @@ def _dynamic_slice(x: jax.Array, *idx: jax.Array, slice_sizes: Any, **_: Any) ->
     return lax.dynamic_slice(x, idx, tuple(int(s) for s in slice_sizes))
 
 
-def _dynamic_slice_local(attrs: Mapping[str, Any], lctx: Any) -> Mapping[str, Any]:
+def _dynamic_slice_local(attrs: Mapping[str, Any], lctx: LocalContext) -> Mapping[str, Any]:
     spec = lctx.inputs[0]
-    local = _local_shape(lctx, spec)
+    local = lctx.local_shape(spec)
     sizes = [
         local[d] if axes else int(n)
         for d, (axes, n) in enumerate(zip(spec.dims, attrs["slice_sizes"], strict=True))
@@ -924,9 +929,9 @@ def _gather(
     )
 
 
-def _gather_local(attrs: Mapping[str, Any], lctx: Any) -> Mapping[str, Any]:
+def _gather_local(attrs: Mapping[str, Any], lctx: LocalContext) -> Mapping[str, Any]:
     spec = lctx.inputs[0]
-    local = _local_shape(lctx, spec)
+    local = lctx.local_shape(spec)
     sizes = [
         local[d] if axes and n == spec.shape[d] else int(n)
         for d, (axes, n) in enumerate(zip(spec.dims, attrs["slice_sizes"], strict=True))
@@ -980,29 +985,35 @@ def _take_along_axis(
 
 _F, _I = "float32", "int32"
 
+
+def _example(shapes: Any, **kw: Any) -> Example:
+    """Every example has a dim of 6 or 3, which 4 (and 4 of 8) does not divide: uneven cases."""
+    return Example(shapes, uneven=True, **kw)
+
+
 RULES = (
-    MapRule(
+    LocalMapRule(
         "broadcast_in_dim",
         _broadcast_map,
         impl=_broadcast,
         local_attrs=_broadcast_local,
-        examples=(Example(((6, 1),), attrs={"shape": (2, 6, 4), "broadcast_dimensions": (1, 2)}),),
+        examples=(_example(((6, 1),), attrs={"shape": (2, 6, 4), "broadcast_dimensions": (1, 2)}),),
         doc="operand dims map to their output dims; new and broadcast dims replicated",
     ),
     MapRule(
         "concatenate",
         _concat_map,
         impl=_concatenate,
-        examples=(Example(((6, 4), (6, 2)), attrs={"dimension": 1}),),
+        examples=(_example(((6, 4), (6, 2)), attrs={"dimension": 1}),),
         doc="concat dim replicated; other dims merge; partials pass when all operands carry them",
     ),
-    MapRule(
+    LocalMapRule(
         "dynamic_slice",
         _dynamic_slice_map,
         impl=_dynamic_slice,
         local_attrs=_dynamic_slice_local,
         examples=(
-            Example(
+            _example(
                 ((6, 8), (), ()),
                 attrs={"slice_sizes": (6, 4)},
                 dtypes=(_F, _I, _I),
@@ -1016,7 +1027,7 @@ RULES = (
         _dus_map,
         impl=_dynamic_update_slice,
         examples=(
-            Example(
+            _example(
                 ((6, 8), (6, 3), (), ()),
                 dtypes=(_F, _F, _I, _I),
                 differentiable=(True, True, False, False),
@@ -1028,16 +1039,16 @@ RULES = (
         "expand_dims",
         _expand_map,
         impl=_expand_dims,
-        examples=(Example(((6, 4),), attrs={"dimensions": (0, 2)}),),
+        examples=(_example(((6, 4),), attrs={"dimensions": (0, 2)}),),
         doc="jnp.expand_dims: new size-1 dims replicated, the others keep their sharding",
     ),
-    MapRule(
+    LocalMapRule(
         "gather",
         _gather_map,
         impl=_gather,
         local_attrs=_gather_local,
         examples=(
-            Example(
+            _example(
                 ((8, 6), (4, 1)),
                 attrs={
                     "dimension_numbers": lax.GatherDimensionNumbers(
@@ -1056,22 +1067,22 @@ RULES = (
         "pad",
         _pad_map,
         impl=_pad,
-        examples=(Example(((6, 4), ()), attrs={"padding_config": ((0, 0, 0), (1, 2, 1))}),),
+        examples=(_example(((6, 4), ()), attrs={"padding_config": ((0, 0, 0), (1, 2, 1))}),),
         doc="padded dims replicated; partials pass when operand and padding value carry them",
     ),
     ReshapeRule(
         examples=(
-            Example(((4, 6),), attrs={"new_sizes": (24,), "dimensions": None}),
-            Example(((6, 8),), attrs={"new_sizes": (6, 2, 4), "dimensions": None}),
+            _example(((4, 6),), attrs={"new_sizes": (24,), "dimensions": None}),
+            _example(((6, 8),), attrs={"new_sizes": (6, 2, 4), "dimensions": None}),
         )
     ),
-    MapRule(
+    LocalMapRule(
         "slice",
         _slice_map,
         impl=_slice,
         local_attrs=_slice_local,
         examples=(
-            Example(
+            _example(
                 ((6, 8),),
                 attrs={"start_indices": (0, 1), "limit_indices": (6, 7), "strides": (1, 2)},
             ),
@@ -1082,14 +1093,14 @@ RULES = (
         "split",
         _split_map,
         impl=_split,
-        examples=(Example(((6, 8),), attrs={"sizes": (2, 6), "axis": 1}),),
+        examples=(_example(((6, 8),), attrs={"sizes": (2, 6), "axis": 1}),),
         doc="split dim replicated; other dims keep sharding in every piece",
     ),
     MapRule(
         "squeeze",
         _squeeze_map,
         impl=_squeeze,
-        examples=(Example(((6, 1, 4),), attrs={"dimensions": (1,)}),),
+        examples=(_example(((6, 1, 4),), attrs={"dimensions": (1,)}),),
         doc="drops size-1 dims; the others keep their sharding",
     ),
     MapRule(
@@ -1097,7 +1108,7 @@ RULES = (
         _take_along_map,
         impl=_take_along_axis,
         examples=(
-            Example(
+            _example(
                 ((4, 6), (4, 3)),
                 attrs={"axis": 1},
                 dtypes=(_F, _I),
@@ -1110,7 +1121,7 @@ RULES = (
         "transpose",
         _transpose_map,
         impl=_transpose,
-        examples=(Example(((6, 4, 2),), attrs={"permutation": (2, 0, 1)}),),
+        examples=(_example(((6, 4, 2),), attrs={"permutation": (2, 0, 1)}),),
         doc="permutes the dims' layouts",
     ),
 )

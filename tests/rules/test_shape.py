@@ -136,8 +136,23 @@ TABLE = [
         "pad",
         [T((6, 4), P("a"), partial={"b": "max"}), T(())],
         {"padding_config": ((0, 0, 0), (1, 2, 1))},
-        ["[6@a,4]{max:b}", "[]{max:b}"],
+        ["[6@a,4]{max:b}", "[]"],
         ["[6@a,10]{max:b}"],
+    ),
+    (
+        "pad",
+        [T((6, 4), P("a"), partial={"b": "sum"}), T(())],
+        {"padding_config": ((1, 0, 0), (0, 0, 0))},
+        ["[6,4]{sum:b}", "[]{sum:b}"],
+        ["[7,4]{sum:b}"],
+    ),
+    # one data operand: any mix of pending reductions passes (data movement commutes)
+    (
+        "transpose",
+        [T((6, 4), partial={"a": "sum", "b": "min"})],
+        {"permutation": (1, 0)},
+        ["[6,4]{sum:a,min:b}"],
+        ["[4,6]{sum:a,min:b}"],
     ),
     # gather: the indexed dim replicated; index batch dims and whole offset dims stay
     (
@@ -218,15 +233,21 @@ def test_reshape_backward_and_grad():
 
 
 def test_grads_sum_over_factors_the_input_lacks():
-    g = sk.infer_grad(
-        "broadcast_in_dim",
-        T((6, 1), P("a")),
-        out_grads=(T((2, 6, 4), P("b", "a")),),
-        mesh=MESH,
-        shape=(2, 6, 4),
-        broadcast_dimensions=(1, 2),
-    )
+    def bcast(out_shape, g):
+        return sk.infer_grad(
+            "broadcast_in_dim",
+            T((6, 1), P("a")),
+            out_grads=(g,),
+            mesh=MESH,
+            shape=out_shape,
+            broadcast_dimensions=(1, 2),
+        )
+
+    g = bcast((4, 6, 4), T((4, 6, 4), P("b", "a")))
     assert str(g.outputs[0]) == "[6@a,1]{sum:b}"
+    # a new dim of 2 does not divide over b=4: its padding would leak into the sum
+    g = bcast((2, 6, 4), T((2, 6, 4), P("b", "a")))
+    assert (str(g.out_grads[0]), str(g.outputs[0])) == ("[2,6@a,4]", "[6@a,1]")
     g = sk.infer_grad(
         "gather",
         T((8, 6), P(None, "a")),
