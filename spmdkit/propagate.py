@@ -941,6 +941,53 @@ class _Engine:
         self.run(graph, in_specs, spec, collect, repeat)
         return [spec.get(v) or self.replicated(v) for v in graph.outvars]
 
+    def _items_time(self, items: list) -> float:
+        """Modelled reshard time of collected equations (loops: body × trip count)."""
+        t = 0.0
+        for _node, _, _, specs, req, _, _, extra in items:
+            for s, r in zip(specs, req, strict=True):
+                a = self.reshard("input", s, r)
+                t += a.plan.time_s if a else 0.0
+            if extra is not None:
+                inner, back, n = extra
+                t += n * (self._items_time(inner) + sum(a.plan.time_s for a in back))
+        return t
+
+    def _carry(self, body: _Graph, init: list, length: int, inputs, carry_out: slice) -> list:
+        """The loop-carry layouts: the entry layouts, or the fixed point the body
+        reaches from them, whichever costs less over the whole loop."""
+        cands = [init]
+        carry = init
+        for _ in range(4):
+            outs = self._body(body, inputs(carry), {}, None, 1)
+            new = [o.without_partial() for o in outs[carry_out]]
+            if new == carry:
+                break
+            carry = new
+        else:
+            carry = [TensorSpec(s.shape, dtype=s.dtype) for s in carry]
+        if carry != init:
+            cands.append(carry)
+        if len(cands) == 1:
+            return init
+
+        def cost(c: list) -> float:
+            items: list = []
+            outs = self._body(body, inputs(c), {}, items, 1)
+            t = sum(
+                a.plan.time_s
+                for s, d in zip(init, c, strict=True)
+                if (a := self.reshard("carry", s, d)) is not None
+            )
+            back = sum(
+                a.plan.time_s
+                for o, d in zip(outs[carry_out], c, strict=True)
+                if (a := self.reshard("carry", o, d)) is not None
+            )
+            return t + length * (self._items_time(items) + back)
+
+        return min(cands, key=cost)
+
     def _scan(self, node: _Node, specs, spec, collect, repeat):
         p = node.eqn.params
         nc, nk, length = int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
@@ -948,19 +995,12 @@ class _Engine:
         consts = [s.without_partial() for s in specs[:nc]]
         carry = [s.without_partial() for s in specs[nc : nc + nk]]
         xs = [_unstack(s.without_partial()) for s in specs[nc + nk :]]
-        for _ in range(4):
-            scratch: dict[int, TensorSpec] = {}
-            outs = self._body(body, [*consts, *carry, *(x for x, _ in xs)], scratch, None, 1)
-            new = [o.without_partial() for o in outs[:nk]]
-            if new == carry:
-                break
-            carry = new
-        else:
-            carry = [TensorSpec(s.shape, dtype=s.dtype) for s in carry]
+        carry = self._carry(
+            body, carry, length, lambda c: [*consts, *c, *(x for x, _ in xs)], slice(0, nk)
+        )
         inner: list = []
         outs = self._body(body, [*consts, *carry, *(x for x, _ in xs)], spec, inner, repeat)
         req = (*consts, *carry, *(stacked for _, stacked in xs))
-        final_carry = [o.without_partial() if o.partial else o for o in outs[:nk]]
         ys = [_stack(o, length) for o in outs[nk:]]
         # the carry coming back each iteration must have the carry-in layout
         back = []
@@ -971,7 +1011,6 @@ class _Engine:
         node_outs = (*carry, *ys)
         for o, s in zip(node.outs, node_outs, strict=True):
             spec[o] = s
-        del final_carry
         if collect is not None:
             collect.append(
                 (
@@ -994,14 +1033,7 @@ class _Engine:
             bconsts = [s.without_partial() for s in specs[cn : cn + bn]]
             carry = [s.without_partial() for s in specs[cn + bn :]]
             body = node.subs[1]
-            for _ in range(4):
-                outs = self._body(body, [*bconsts, *carry], {}, None, 1)
-                new = [o.without_partial() for o in outs]
-                if new == carry:
-                    break
-                carry = new
-            else:
-                carry = [TensorSpec(s.shape, dtype=s.dtype) for s in carry]
+            carry = self._carry(body, carry, 1, lambda c: [*bconsts, *c], slice(0, None))
             inner: list = []
             self._body(node.subs[0], [*cconsts, *carry], spec, inner, repeat)
             outs = self._body(body, [*bconsts, *carry], spec, inner, repeat)

@@ -6,7 +6,8 @@ how they compare with a :class:`~spmdkit.propagate.Propagation`.
 from the compiled executable: the collectives of the post-partitioning HLO
 (:func:`spmdkit.hlo.parse_collectives`: kind, shapes, per-device payload bytes,
 group size, the JAX op that made it and whether it belongs to the backward
-pass), ``memory_analysis()`` (per device) and ``cost_analysis()`` flops.
+pass; collectives inside loops count once per iteration, from XLA's
+``known_trip_count``), ``memory_analysis()`` (per device) and ``cost_analysis()`` flops.
 
 :func:`verify` puts a prediction next to it: payload bytes per collective kind
 and in total, and peak memory, each within a relative tolerance. On CPU XLA may
@@ -17,6 +18,7 @@ collectives into one; bytes are compared, not instruction counts, and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +27,7 @@ import jax
 
 from spmdkit.hlo import HloCollective, parse_collectives
 
-__all__ = ["CompiledReport", "VerifyReport", "report", "verify"]
+__all__ = ["CompiledReport", "VerifyReport", "executions", "report", "verify"]
 
 
 def _fmt(n: float) -> str:
@@ -49,6 +51,7 @@ class CompiledReport:
       peak_bytes: arguments + outputs − aliased + temporaries.
       flops: ``cost_analysis()['flops']`` (None when unavailable).
       hlo_text: the compiled HLO.
+      executions: collective name → runs per step (loop trip counts).
     """
 
     collectives: list[HloCollective]
@@ -59,6 +62,11 @@ class CompiledReport:
     peak_bytes: int
     flops: float | None
     hlo_text: str = field(default="", repr=False)
+    executions: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def runs(self, c: HloCollective) -> int:
+        """How many times collective ``c`` runs per step."""
+        return self.executions.get(c.name, 1)
 
     def bytes_by_kind(self, *, backward: bool | None = None) -> dict[str, int]:
         """Payload bytes per collective kind; ``backward`` selects one pass."""
@@ -68,7 +76,7 @@ class CompiledReport:
                 continue
             if backward is not None and c.is_backward != backward:
                 continue
-            out[c.kind] = out.get(c.kind, 0) + c.payload_bytes
+            out[c.kind] = out.get(c.kind, 0) + c.payload_bytes * self.runs(c)
         return dict(sorted(out.items()))
 
     @property
@@ -86,8 +94,60 @@ class CompiledReport:
         ]
         for c in self.collectives:
             where = "bwd" if c.is_backward else "fwd"
-            lines.append(f"  {where} {c}  {c.op_name}")
+            times = f" ×{self.runs(c)}" if self.runs(c) > 1 else ""
+            lines.append(f"  {where} {c}{times}  {c.op_name}")
         return "\n".join(lines)
+
+
+_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=")
+_CALLEE = re.compile(
+    r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def executions(hlo_text: str) -> dict[str, int]:
+    """Instruction name → how many times it runs per call of the entry computation.
+
+    Instructions inside a ``while`` body run ``known_trip_count`` times (1 when XLA
+    does not know the count); nesting multiplies.
+    """
+    comp_of: dict[str, str] = {}
+    edges: list[tuple[str, str, int]] = []
+    entry = None
+    current = None
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            current = m["name"]
+            if line.lstrip().startswith("ENTRY"):
+                entry = current
+            continue
+        if current is None:
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        comp_of[m["name"]] = current
+        trip = _TRIP.search(line)
+        n = int(trip.group(1)) if trip and " while(" in line else 1
+        for callee in _CALLEE.findall(line):
+            edges.append((current, callee, n))
+        for group in _BRANCHES.findall(line):
+            for callee in group.split(","):
+                edges.append((current, callee.strip().lstrip("%"), 1))
+    times: dict[str, int] = {entry: 1} if entry else {}
+    for _ in range(len(edges) + 1):  # call graphs are DAGs: this settles
+        changed = False
+        for caller, callee, n in edges:
+            if caller in times and times.get(callee, 0) < times[caller] * n:
+                times[callee] = times[caller] * n
+                changed = True
+        if not changed:
+            break
+    return {name: times.get(comp, 1) for name, comp in comp_of.items()}
 
 
 def _flops(compiled: Any) -> float | None:
@@ -119,13 +179,15 @@ def report(fn: Callable, *args: Any, **jit_kwargs: Any) -> CompiledReport:
     jitted = fn if hasattr(fn, "lower") and not jit_kwargs else jax.jit(fn, **jit_kwargs)
     compiled = jitted.lower(*args).compile()
     text = compiled.as_text()
+    cols = parse_collectives(text)
+    runs = executions(text)
     mem = compiled.memory_analysis()
     arg = int(getattr(mem, "argument_size_in_bytes", 0))
     out = int(getattr(mem, "output_size_in_bytes", 0))
     alias = int(getattr(mem, "alias_size_in_bytes", 0))
     temp = int(getattr(mem, "temp_size_in_bytes", 0))
     return CompiledReport(
-        collectives=parse_collectives(text),
+        collectives=cols,
         argument_bytes=arg,
         output_bytes=out,
         alias_bytes=alias,
@@ -133,6 +195,7 @@ def report(fn: Callable, *args: Any, **jit_kwargs: Any) -> CompiledReport:
         peak_bytes=arg + out - alias + temp,
         flops=_flops(compiled),
         hlo_text=text,
+        executions={c.name: runs.get(c.name, 1) for c in cols},
     )
 
 
