@@ -1,0 +1,199 @@
+"""GPT-2 style decoder (Flax NNX): LayerNorm, GELU MLP, learned positions, tied embeddings.
+
+Parameters carry logical axis names only (``vocab``, ``embed``, ``pos``, ``heads``,
+``head_dim``, ``mlp``, ``norm``); there is no sharding code here. Logits are
+``h @ embedding.T`` (the token table is tied to the output projection), attention is
+causal, dropout is off by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import _layers as lyr
+
+__all__ = ["GPTConfig", "GPT", "CONFIGS", "gpt_loss", "lm_batch", "LM_BATCH_AXES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a GPT-2 style model.
+
+    Attributes:
+      vocab: token vocabulary size.
+      d_model: width of the residual stream.
+      n_layers: number of transformer blocks.
+      n_heads: attention heads (``d_model`` must be a multiple).
+      d_mlp: hidden width of the MLP (GPT-2 uses ``4 * d_model``).
+      max_seq: rows of the learned position table.
+      seq_len: sequence length of the batches :func:`lm_batch` makes.
+      dropout: dropout rate on the residual branches and embeddings (0 disables).
+      dtype: compute dtype; param_dtype: parameter dtype.
+    """
+
+    vocab: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_mlp: int = 256
+    max_seq: int = 16
+    seq_len: int = 16
+    dropout: float = 0.0
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class _Dense(nnx.Module):
+    """``x @ kernel + bias`` with the kernel's dims named."""
+
+    def __init__(self, din, dout, names, *, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.kernel = lyr.param(rngs, lyr.fan_in_init(din), (din, dout), names, cfg.param_dtype)
+        self.bias = _zeros(rngs, (dout,), names[1:], cfg.param_dtype)
+
+    def __call__(self, x):
+        return x @ self.kernel[...] + self.bias[...]
+
+
+def _zeros(rngs, shape, names, dtype):
+    return lyr.param(rngs, jax.nn.initializers.zeros, shape, names, dtype)
+
+
+class GPTAttention(nnx.Module):
+    """Causal multi-head self-attention with biases (q, k, v, out projections)."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, h, hd, pd = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.param_dtype
+        init = lyr.fan_in_init(d)
+        names = ("embed", "heads", "head_dim")
+        self.wq = lyr.param(rngs, init, (d, h, hd), names, pd)
+        self.wk = lyr.param(rngs, init, (d, h, hd), names, pd)
+        self.wv = lyr.param(rngs, init, (d, h, hd), names, pd)
+        self.bq = _zeros(rngs, (h, hd), names[1:], pd)
+        self.bk = _zeros(rngs, (h, hd), names[1:], pd)
+        self.bv = _zeros(rngs, (h, hd), names[1:], pd)
+        self.wo = lyr.param(
+            rngs, lyr.fan_in_init(d), (h, hd, d), ("heads", "head_dim", "embed"), pd
+        )
+        self.bo = _zeros(rngs, (d,), ("embed",), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...]) + self.bq[...]
+        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...]) + self.bk[...]
+        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...]) + self.bv[...]
+        o = lyr.attention(q, k, v, causal=True)
+        return jnp.einsum("bshk,hkd->bsd", o, self.wo[...]) + self.bo[...]
+
+
+class GPTBlock(nnx.Module):
+    """Pre-norm block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.ln1 = lyr.LayerNorm(cfg.d_model, dtype=cfg.param_dtype, rngs=rngs)
+        self.attn = GPTAttention(cfg, rngs=rngs)
+        self.ln2 = lyr.LayerNorm(cfg.d_model, dtype=cfg.param_dtype, rngs=rngs)
+        self.fc = _Dense(cfg.d_model, cfg.d_mlp, ("embed", "mlp"), cfg=cfg, rngs=rngs)
+        self.proj = _Dense(cfg.d_mlp, cfg.d_model, ("mlp", "embed"), cfg=cfg, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout > 0 else None
+
+    def _drop(self, x):
+        return self.dropout(x) if self.dropout is not None else x
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self._drop(self.attn(self.ln1(x)))
+        h = jax.nn.gelu(self.fc(self.ln2(x)), approximate=True)
+        return x + self._drop(self.proj(h))
+
+
+class GPT(nnx.Module):
+    """GPT-2 style language model; ``model(tokens [batch, seq]) -> logits [batch, seq, vocab]``.
+
+    Example::
+
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = GPT(GPTConfig(), rngs=nnx.Rngs(0))
+        >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+        (2, 16, 256)
+    """
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = cfg.param_dtype
+        self.embed = lyr.param(
+            rngs, jax.nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model), ("vocab", "embed"), pd
+        )
+        self.pos = lyr.param(
+            rngs, jax.nn.initializers.normal(0.01), (cfg.max_seq, cfg.d_model), ("pos", "embed"), pd
+        )
+        self.blocks = nnx.List([GPTBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.ln_f = lyr.LayerNorm(cfg.d_model, dtype=pd, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout > 0 else None
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        s = tokens.shape[1]
+        x = lyr.embedding_lookup(self.embed[...], tokens) + self.pos[:s]
+        x = x.astype(cfg.dtype)
+        if self.dropout is not None:
+            x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        return jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(cfg.dtype))
+
+
+CONFIGS: dict[str, Any] = {
+    "tiny": GPTConfig,
+    "small": lambda: GPTConfig(
+        vocab=1024, d_model=256, n_layers=4, n_heads=8, d_mlp=1024, max_seq=128, seq_len=128
+    ),
+    "124m": lambda: GPTConfig(
+        vocab=50257, d_model=768, n_layers=12, n_heads=12, d_mlp=3072, max_seq=1024, seq_len=1024
+    ),
+    "350m": lambda: GPTConfig(
+        vocab=50257, d_model=1024, n_layers=24, n_heads=16, d_mlp=4096, max_seq=1024, seq_len=1024
+    ),
+    "774m": lambda: GPTConfig(
+        vocab=50257, d_model=1280, n_layers=36, n_heads=20, d_mlp=5120, max_seq=1024, seq_len=1024
+    ),
+    "1.5b": lambda: GPTConfig(
+        vocab=50257, d_model=1600, n_layers=48, n_heads=25, d_mlp=6400, max_seq=1024, seq_len=1024
+    ),
+}
+"""GPT-2 sizes: ``tiny`` compiles in seconds on CPU; ``124m`` … ``1.5b`` are the published ones."""
+
+
+LM_BATCH_AXES: dict[str, tuple[str | None, ...]] = {
+    "tokens": ("batch", "seq"),
+    "targets": ("batch", "seq"),
+}
+"""Logical axis names of the language-model batch fields."""
+
+
+def lm_batch(cfg: Any, batch_size: int, rng: np.random.Generator | None) -> dict:
+    """A next-token batch: ``tokens`` and ``targets`` (tokens shifted by one), int32.
+
+    Args:
+      cfg: any config with ``vocab`` and ``seq_len``.
+      batch_size: global batch size.
+      rng: numpy generator for random tokens; ``None`` gives ``jax.ShapeDtypeStruct`` s.
+    """
+    shape = (batch_size, cfg.seq_len)
+    if rng is None:
+        return {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in LM_BATCH_AXES}
+    seq = rng.integers(0, cfg.vocab, size=(batch_size, cfg.seq_len + 1), dtype=np.int32)
+    return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+
+
+def gpt_loss(model: nnx.Module, batch: dict) -> jax.Array:
+    """Mean next-token cross-entropy of a model returning logits."""
+    return lyr.softmax_cross_entropy(model(batch["tokens"]), batch["targets"])

@@ -1,0 +1,141 @@
+"""GPT-2 style decoder written in flax linen, to prove linen support.
+
+Same architecture and :class:`~spmdkit.models.gpt.GPTConfig` as the NNX
+:mod:`~spmdkit.models.gpt`; every parameter is created through
+``nn.with_logical_partitioning(init, names)`` with the same logical axis names.
+
+Two ways to use it:
+
+* **linen** (``init``/``apply``): ``GPTLinen(cfg)`` is an ordinary ``nn.Module``.
+  ``jax.eval_shape(module.init, key, tokens)["params"]`` is a tree of
+  ``nn.LogicallyPartitioned`` boxes; each box's ``.names`` holds the logical axis
+  names and ``.value`` the ``ShapeDtypeStruct``; ``nn.get_partition_spec(tree)``
+  turns the boxes into ``PartitionSpec`` s of logical names and ``nn.unbox``
+  strips them.
+* **NNX** (what :data:`spmdkit.models.MODELS` ``["gpt_linen"]`` builds):
+  :func:`build` wraps the module in ``nnx.bridge.ToNNX`` and initializes it lazily
+  with a sample batch. The bridge turns every ``LogicallyPartitioned`` box into an
+  ``nnx.Param`` whose ``out_sharding`` metadata holds the same logical names, so a
+  planner reads the linen model exactly like the NNX ones. Parameter paths are
+  linen's (``params`` dict nesting: ``block_0/attn/wq``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from . import _layers as lyr
+from .gpt import GPTConfig
+
+__all__ = ["GPTLinen", "build", "gpt_linen_loss"]
+
+
+def _p(module: nn.Module, name: str, init, shape, names, dtype):
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+
+
+def _fan_in(n: int):
+    return lyr.fan_in_init(n)
+
+
+class _LayerNorm(nn.Module):
+    dim: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _p(self, "scale", nn.initializers.ones, (self.dim,), ("norm",), self.dtype)
+        bias = _p(self, "bias", nn.initializers.zeros, (self.dim,), ("norm",), self.dtype)
+        return lyr.layer_norm(x, scale, bias, eps=1e-5)
+
+
+class _Block(nn.Module):
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        d, h, hd, m, pd = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_mlp, cfg.param_dtype
+        zeros = nn.initializers.zeros
+        y = _LayerNorm(d, pd, name="ln1")(x)
+        qkv = []
+        for n in ("q", "k", "v"):
+            w = _p(self, f"w{n}", _fan_in(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
+            b = _p(self, f"b{n}", zeros, (h, hd), ("heads", "head_dim"), pd)
+            qkv.append(jnp.einsum("bsd,dhk->bshk", y, w) + b)
+        o = lyr.attention(*qkv, causal=True)
+        wo = _p(self, "wo", _fan_in(d), (h, hd, d), ("heads", "head_dim", "embed"), pd)
+        bo = _p(self, "bo", zeros, (d,), ("embed",), pd)
+        x = x + jnp.einsum("bshk,hkd->bsd", o, wo) + bo
+        y = _LayerNorm(d, pd, name="ln2")(x)
+        w1 = _p(self, "fc_kernel", _fan_in(d), (d, m), ("embed", "mlp"), pd)
+        b1 = _p(self, "fc_bias", zeros, (m,), ("mlp",), pd)
+        w2 = _p(self, "proj_kernel", _fan_in(m), (m, d), ("mlp", "embed"), pd)
+        b2 = _p(self, "proj_bias", zeros, (d,), ("embed",), pd)
+        return x + jax.nn.gelu(y @ w1 + b1, approximate=True) @ w2 + b2
+
+
+class GPTLinen(nn.Module):
+    """Linen GPT-2; ``GPTLinen(cfg).apply(variables, tokens) -> logits [batch, seq, vocab]``.
+
+    Dropout is not implemented here (``cfg.dropout`` must be 0).
+
+    Example::
+
+        >>> module = GPTLinen(GPTConfig())
+        >>> boxes = jax.eval_shape(module.init, jax.random.key(0),
+        ...                        jnp.zeros((1, 16), jnp.int32))["params"]
+        >>> boxes["embed"].names
+        ('vocab', 'embed')
+    """
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        pd = cfg.param_dtype
+        embed = _p(
+            self, "embed", nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model),
+            ("vocab", "embed"), pd,
+        )  # fmt: skip
+        pos = _p(
+            self, "pos", nn.initializers.normal(0.01), (cfg.max_seq, cfg.d_model),
+            ("pos", "embed"), pd,
+        )  # fmt: skip
+        x = lyr.embedding_lookup(embed, tokens) + pos[: tokens.shape[1]]
+        x = x.astype(cfg.dtype)
+        for i in range(cfg.n_layers):
+            x = _Block(cfg, name=f"block_{i}")(x)
+        x = _LayerNorm(cfg.d_model, pd, name="ln_f")(x)
+        return jnp.einsum("bsd,vd->bsv", x, embed.astype(cfg.dtype))
+
+
+def build(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """The linen GPT wrapped as an NNX module (``nnx.bridge.ToNNX``), initialized.
+
+    Works under ``nnx.eval_shape`` like the NNX models (flax eager sharding off).
+
+    Args:
+      cfg: model sizes; ``cfg.dropout`` must be 0.
+      rngs: rng streams; ``params`` (or ``default``) initializes the weights.
+    """
+    if cfg.dropout:
+        raise lyr.ModelConfigError(
+            op="gpt_linen",
+            must="dropout be 0 (the linen GPT has no dropout)",
+            given=f"dropout={cfg.dropout}",
+            fix="use the NNX 'gpt' model for dropout, or set dropout=0.0",
+        )
+    model = nnx.bridge.ToNNX(GPTLinen(cfg), rngs=rngs)
+    return nnx.bridge.lazy_init(model, jnp.zeros((1, min(cfg.seq_len, cfg.max_seq)), jnp.int32))
+
+
+def gpt_linen_loss(model: nnx.Module, batch: dict) -> jax.Array:
+    """Mean next-token cross-entropy of the wrapped linen GPT."""
+    return lyr.softmax_cross_entropy(model(batch["tokens"]), batch["targets"])
