@@ -594,7 +594,12 @@ def _transpose_map(shapes: Any, *, permutation: Any, **_: Any) -> DimMap:
     (shape,) = shapes
     perm = _ints("transpose", "permutation", permutation, len(shape))
     if sorted(perm) != list(range(len(shape))):
-        raise _err("transpose", "permutation is a permutation of the dims", repr(perm), "fix it")
+        raise _err(
+            "transpose",
+            "permutation is a permutation of the dims",
+            repr(perm),
+            "pass each dim once",
+        )
     f = _names("d", shape)
     return DimMap(
         (tuple(f),), (tuple(f[p] for p in perm),), (tuple(shape[p] for p in perm),), (True,)
@@ -611,9 +616,19 @@ def _broadcast_map(shapes: Any, *, shape: Any, broadcast_dimensions: Any, **_: A
     out = _ints(op, "shape", shape)
     bdims = _ints(op, "broadcast_dimensions", broadcast_dimensions, len(src))
     if len(set(bdims)) != len(bdims) or any(not 0 <= d < len(out) for d in bdims):
-        raise _err(op, "broadcast_dimensions are distinct output dims", repr(bdims), "fix them")
+        raise _err(
+            op,
+            "broadcast_dimensions are distinct output dims",
+            repr(bdims),
+            "map each operand dim to its own output dim",
+        )
     if any(src[i] not in (1, out[d]) for i, d in enumerate(bdims)):
-        raise _err(op, "each operand dim is 1 or its output dim's size", f"{src} -> {out}", "fix")
+        raise _err(
+            op,
+            "each operand dim is 1 or its output dim's size",
+            f"{src} -> {out}",
+            "check shape= and broadcast_dimensions=",
+        )
     fo: list[str | None] = [f"n{j}" if n > 1 else None for j, n in enumerate(out)]
     fi: list[str | None] = []
     for i, d in enumerate(bdims):
@@ -638,7 +653,12 @@ def _squeeze_map(shapes: Any, *, dimensions: Any, **_: Any) -> DimMap:
     dims = (dimensions,) if isinstance(dimensions, (int, np.integer)) else dimensions
     drop = {_dim("squeeze", "dimensions", d, len(shape)) for d in _ints("squeeze", "x", dims)}
     if any(shape[d] != 1 for d in drop):
-        raise _err("squeeze", "squeezed dims have size 1", f"{shape}, dims {sorted(drop)}", "fix")
+        raise _err(
+            "squeeze",
+            "squeezed dims have size 1",
+            f"{shape}, dims {sorted(drop)}",
+            "squeeze only size-1 dims",
+        )
     f = _names("d", shape)
     keep = [i for i in range(len(shape)) if i not in drop]
     return DimMap(
@@ -657,7 +677,9 @@ def _expand_map(shapes: Any, *, dimensions: Any, **_: Any) -> DimMap:
     rank = len(shape) + len(tuple(dims))
     new = {_dim("expand_dims", "dimensions", d, rank) for d in _ints("expand_dims", "x", dims)}
     if len(new) != len(tuple(dims)):
-        raise _err("expand_dims", "dimensions are distinct", repr(dimensions), "fix them")
+        raise _err(
+            "expand_dims", "dimensions are distinct", repr(dimensions), "name each new dim once"
+        )
     f = _names("d", shape)
     it = iter(range(len(shape)))
     out_f: list[str | None] = []
@@ -688,7 +710,12 @@ def _concat_map(shapes: Any, *, dimension: Any, **_: Any) -> DimMap:
         if len(s) != rank or any(
             a != b for k, (a, b) in enumerate(zip(s, shapes[0], strict=True)) if k != d
         ):
-            raise _err(op, "operands agree on every dim but the concat dim", str(shapes), "fix")
+            raise _err(
+                op,
+                "operands agree on every dim but the concat dim",
+                str(shapes),
+                "make the operands equal off dimension=",
+            )
     out = list(shapes[0])
     out[d] = sum(s[d] for s in shapes)
     f = _names("d", tuple(out))
@@ -707,7 +734,12 @@ def _split_map(shapes: Any, *, sizes: Any, axis: Any, **_: Any) -> DimMap:
     d = _dim("split", "axis", axis, len(shape))
     parts = _ints("split", "sizes", sizes)
     if sum(parts) != shape[d] or any(n < 0 for n in parts):
-        raise _err("split", "sizes add up to the split dim", f"{parts} for {shape[d]}", "fix")
+        raise _err(
+            "split",
+            "sizes add up to the split dim",
+            f"{parts} for {shape[d]}",
+            "pass non-negative sizes summing to the dim",
+        )
     f = _names("d", shape)
     f[d] = None
     outs = tuple(tuple(n if k == d else s for k, s in enumerate(shape)) for n in parts)
@@ -734,7 +766,12 @@ def _slice_map(
         any(not 0 <= a <= b <= n for a, b, n in zip(start, limit, shape, strict=True))
         or min(step, default=1) < 1
     ):
-        raise _err("slice", "0 <= start <= limit <= size and strides >= 1", str(shapes), "fix")
+        raise _err(
+            "slice",
+            "0 <= start <= limit <= size and strides >= 1",
+            f"{start}, {limit}, {step} on {shape}",
+            "pass bounds inside the operand",
+        )
     f = _names("d", shape)
     full = [_full_range(*z) for z in zip(shape, start, limit, step, strict=True)]
     f = [g if ok else None for g, ok in zip(f, full, strict=True)]
@@ -770,7 +807,12 @@ def _dynamic_slice_map(shapes: Any, *, slice_sizes: Any, **_: Any) -> DimMap:
     if len(idx) != len(shape) or any(s != () for s in idx):
         raise _err(op, "one scalar index per operand dim", str(shapes), "pass x, *indices")
     if any(not 0 <= s <= n for s, n in zip(sizes, shape, strict=True)):
-        raise _err(op, "0 <= slice_sizes <= operand dims", f"{sizes} of {shape}", "fix")
+        raise _err(
+            op,
+            "0 <= slice_sizes <= operand dims",
+            f"{sizes} of {shape}",
+            "pass slice_sizes within the operand",
+        )
     f = [g if s == n else None for g, s, n in zip(_names("d", shape), sizes, shape, strict=True)]
     return DimMap(
         (tuple(f), *(() for _ in idx)), (tuple(f),), (sizes,), (True, *(False,) * len(idx))
@@ -797,7 +839,12 @@ def _dus_map(shapes: Any, **_: Any) -> DimMap:
         raise _err(op, "operand, update, *indices", str(shapes), "pass x, update, *indices")
     shape, upd, *idx = shapes
     if len(upd) != len(shape) or any(u > n for u, n in zip(upd, shape, strict=True)):
-        raise _err(op, "update fits inside the operand", f"{upd} into {shape}", "fix")
+        raise _err(
+            op,
+            "update fits inside the operand",
+            f"{upd} into {shape}",
+            "pass an update of the operand's rank, no larger",
+        )
     if len(idx) != len(shape) or any(s != () for s in idx):
         raise _err(op, "one scalar index per operand dim", str(shapes), "pass x, update, *indices")
     f = tuple(g if u == n else None for g, u, n in zip(_names("d", shape), upd, shape, strict=True))
@@ -819,15 +866,28 @@ def _pad_map(shapes: Any, *, padding_config: Any, **_: Any) -> DimMap:
         cfg = [tuple(int(v) for v in c) for c in padding_config]
     except TypeError as e:
         raise _err(
-            op, "padding_config is ((lo, hi, interior), ...)", repr(padding_config), "fix"
+            op,
+            "padding_config is ((lo, hi, interior), ...)",
+            repr(padding_config),
+            "pass the lax.pad padding_config",
         ) from e
     if len(cfg) != len(shape) or any(len(c) != 3 or c[2] < 0 for c in cfg):
-        raise _err(op, "one (lo, hi, interior >= 0) per dim", repr(padding_config), "fix")
+        raise _err(
+            op,
+            "one (lo, hi, interior >= 0) per dim",
+            repr(padding_config),
+            "pass one triple per operand dim",
+        )
     out = tuple(
         n + lo + hi + max(n - 1, 0) * it for n, (lo, hi, it) in zip(shape, cfg, strict=True)
     )
     if any(n < 0 for n in out):
-        raise _err(op, "negative padding leaves a non-negative size", str(out), "fix")
+        raise _err(
+            op,
+            "negative padding leaves a non-negative size",
+            str(out),
+            "crop less with negative padding",
+        )
     f = tuple(g if c == (0, 0, 0) else None for g, c in zip(_names("d", shape), cfg, strict=True))
     return DimMap((f, ()), (f,), (out,), (True, True))
 
@@ -871,20 +931,35 @@ def _gather_map(
     dn = _dnums(dimension_numbers)
     sizes = _ints(op, "slice_sizes", slice_sizes, len(shape))
     if not ishape or ishape[-1] != len(dn.start_index_map):
-        raise _err(op, "indices end in a vector of len(start_index_map)", str(ishape), "fix")
+        raise _err(
+            op,
+            "indices end in a vector of len(start_index_map)",
+            str(ishape),
+            "add the trailing index-vector dim to indices",
+        )
     collapsed = set(dn.collapsed_slice_dims)
     obatch = list(dn.operand_batching_dims)
     ibatch = list(dn.start_indices_batching_dims)
     offset_src = [d for d in range(len(shape)) if d not in collapsed and d not in obatch]
     if len(offset_src) != len(dn.offset_dims) or len(obatch) != len(ibatch):
-        raise _err(op, "dimension numbers consistent with the operand rank", repr(dn), "fix")
+        raise _err(
+            op,
+            "dimension numbers consistent with the operand rank",
+            repr(dn),
+            "pass the dimension numbers the gather primitive was built with",
+        )
     out_rank = len(ishape) - 1 + len(offset_src)
     fx: list[str | None] = [None] * len(shape)
     fi: list[str | None] = [f"i{k}" if n > 1 else None for k, n in enumerate(ishape[:-1])]
     fi.append(None)
     for od, idd in zip(obatch, ibatch, strict=True):
         if shape[od] != ishape[idd]:
-            raise _err(op, "batching dims agree", f"{shape} / {ishape}", "fix the shapes")
+            raise _err(
+                op,
+                "batching dims agree",
+                f"{shape} / {ishape}",
+                "make operand and index batching dims equal",
+            )
         fx[od] = fi[idd]
     indexed = set(dn.start_index_map)
     out_f: list[str | None] = [None] * out_rank
@@ -957,7 +1032,12 @@ def _take_along_map(
             out.append(m)
             continue
         if n != m and 1 not in (n, m):
-            raise _err(op, "arr and indices broadcast off the axis", str(shapes), "fix")
+            raise _err(
+                op,
+                "arr and indices broadcast off the axis",
+                str(shapes),
+                "make the other dims equal or 1",
+            )
         size = max(n, m)
         out.append(size)
         fa.append(f"d{k}" if n == size > 1 else None)
