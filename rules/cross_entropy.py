@@ -621,22 +621,15 @@ def _soft_values(shape: tuple[int, ...]):
 
 _EXAMPLES = (
     Example(
-        ((4, 8), (4,)),
-        attrs={"reduction": "none", "label_smoothing": 0.1},
-        dtypes=("float32", "int32"),
-        differentiable=(True, False),
-        values=_hard_values((4,), 8, -100),
-    ),
-    Example(
         ((6, 8), (6,)),
-        attrs={"reduction": "mean", "ignore_index": 3},
+        attrs={"reduction": "mean", "ignore_index": 3, "label_smoothing": 0.1},
         dtypes=("float32", "int32"),
         differentiable=(True, False),
         values=_hard_values((6,), 8, 3),
     ),
     Example(
         ((4, 6), (4, 6)),
-        attrs={"reduction": "sum", "label_smoothing": 0.2, "strategy": "vocab_parallel"},
+        attrs={"reduction": "none", "label_smoothing": 0.2, "strategy": "vocab_parallel"},
         values=_soft_values((4, 6)),
     ),
 )
