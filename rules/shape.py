@@ -71,7 +71,7 @@ from spmdkit.rule import (
 )
 from spmdkit.spec import TensorSpec
 
-__all__ = ["RULES", "DimMap", "reshape_layout"]
+__all__ = ["RULES", "DimMap", "LocalMapRule", "MapRule", "ReshapeRule", "reshape_layout"]
 
 Dims = tuple[tuple[str, ...], ...]
 

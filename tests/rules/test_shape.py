@@ -369,3 +369,80 @@ def test_jaxpr_params_are_accepted_unchanged(case):
         for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
             np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
     assert seen > 0
+
+
+BATCHED_GATHER = {
+    "dimension_numbers": lax.GatherDimensionNumbers(
+        offset_dims=(),
+        collapsed_slice_dims=(1,),
+        start_index_map=(1,),
+        operand_batching_dims=(0,),
+        start_indices_batching_dims=(0,),
+    ),
+    "slice_sizes": (1, 1),
+    "mode": lax.GatherScatterMode.CLIP,
+}
+
+
+@pytest.mark.parametrize(
+    ("op", "specs", "attrs", "dtypes", "req"),
+    [
+        # a split spilling over into the minor part, and a transposing reshape
+        ("reshape", [T((32,), P(("a", "b")))], {"new_sizes": (2, 16)}, None, None),
+        (
+            "reshape",
+            [T((4, 6), P("b", "a"))],
+            {"new_sizes": (6, 4), "dimensions": (1, 0)},
+            None,
+            None,
+        ),
+        # uneven kept dims: local bounds are block sizes
+        (
+            "slice",
+            [T((6, 8), P("b"))],
+            {"start_indices": (0, 2), "limit_indices": (6, 8)},
+            None,
+            "[6@b,8]",
+        ),
+        (
+            "dynamic_slice",
+            [T((6, 8), P("b")), T(()), T(())],
+            {"slice_sizes": (6, 3)},
+            ("float32", "int32", "int32"),
+            "[6@b,8]",
+        ),
+        # batched gather (take_along_axis lowers to it): batch dims shard operand and indices
+        (
+            "gather",
+            [T((4, 6), P("a", "b")), T((4, 3, 1), P("a"))],
+            BATCHED_GATHER,
+            ("float32", "int32"),
+            "[4@a,6]",
+        ),
+    ],
+)
+def test_chosen_cases_run_numerically(mesh2d, op, specs, attrs, dtypes, req):
+    from spmdkit.testing import check_forward_case, check_grad_case, random_value
+
+    rng = np.random.default_rng(0)
+    dtypes = dtypes or ("float32",) * len(specs)
+    specs = [s.replace(dtype=d) for s, d in zip(specs, dtypes, strict=True)]
+    values = [random_value(s.shape, d, rng=rng) for s, d in zip(specs, dtypes, strict=True)]
+    failure, res = check_forward_case(op, specs, mesh2d, values=values, attrs=attrs)
+    assert failure is None, str(failure)
+    if req is not None:
+        assert str(res.inputs[0].replace(dtype=None)) == req
+    assert any(s.sharding_axes for s in res.outputs)
+    diff = [np.dtype(d) == np.float32 for d in dtypes]
+    cots = [random_value(o.shape, "float32", rng=rng) for o in res.outputs]
+    failure, _ = check_grad_case(
+        op,
+        specs,
+        [o.without_partial() for o in res.outputs],
+        mesh2d,
+        values=values,
+        cotangents=cots,
+        attrs=attrs,
+        differentiable=diff,
+    )
+    assert failure is None, str(failure)
