@@ -32,18 +32,23 @@ pass-through and may be uneven.
 
 Partials. Because each output element is one input element, a pending
 reduction of any kind (sum, avg, max, min) commutes with these ops and passes
-through, when the op is *one* data operand plus index operands (reshape,
-transpose, broadcast_in_dim, squeeze, expand_dims, slice, split, dynamic_slice,
-gather, take_along_axis). Ops that interleave several data operands
-(concatenate, dynamic_update_slice, pad with its padding value) pass a partial
-when every data operand carries it with one op: a replicated operand joins for
-free (sum: one device keeps it, the others hold zero; avg/max/min: every device
-keeps it). Index operands must never be partial. A gather in ``fill`` mode with
+through — several of them in any mix, since the output holds the same
+reductions in the same order — when the op is *one* data operand plus index
+operands (reshape, transpose, broadcast_in_dim, squeeze, expand_dims, slice,
+split, dynamic_slice, gather, take_along_axis). Ops that interleave several
+data operands (concatenate, dynamic_update_slice, pad with its padding value)
+pass a partial axis when the data operands that carry it agree on its op: a
+replicated operand joins for free (sum: a local to_partial, one device keeps
+it and the others hold zero; avg/max/min: as it is, every device holds the
+value). An axis that shards a dim of the output is resolved (reduce-scattered)
+instead. Index operands must never be partial. A gather in ``fill`` mode with
 a finite, non-zero ``fill_value`` does not pass sum (each device would add its
 own fill). The grad of every op here is linear in the cotangent, so a sum/avg
 cotangent partial passes to the input grads; an input grad is sum-partial over
 the axes that shard a factor the input lacks (broadcast's new dims; a gather's
-index batch dims, where each device scatter-adds its own indices).
+index batch dims, where each device scatter-adds its own indices), unless that
+factor's dim does not divide its axes: the padding of the short blocks would
+enter the sum, so the cotangent is gathered along it instead.
 """
 
 from __future__ import annotations
