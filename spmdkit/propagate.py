@@ -158,7 +158,13 @@ def trace(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         >>> trace(lambda x: x @ x.T, x).jaxpr.eqns[0].primitive.name
         'dot_general'
     """
-    return _trace(fn, args, kwargs)[0]
+    return trace_with_tree(fn, *args, **kwargs)[0]
+
+
+def trace_with_tree(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """:func:`trace`, plus the output pytree structure (pass it to
+    ``propagate(closed, ..., out_tree=)`` to give ``out_specs`` as a pytree)."""
+    return _trace(fn, args, kwargs)
 
 
 def _trace(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any]:
@@ -775,6 +781,52 @@ class _Engine:
             )
 
     # one equation
+    def _time(self, given: Sequence[TensorSpec], required: Sequence[TensorSpec]) -> float:
+        t = 0.0
+        for i, (s, r) in enumerate(zip(given, required, strict=True)):
+            a = self.reshard(f"input {i}", s, r)
+            if a is not None:
+                t += a.plan.time_s
+        return t
+
+    def _forward_cheapest(
+        self, op: str, attrs: dict, specs: tuple[TensorSpec, ...], ins: Sequence[int] = ()
+    ):
+        """The rule's answer; where that costs communication, also the answers led
+        by each sharded operand alone and the one with the operands' backward hints
+        (the layouts later equations want); the cheapest whose outputs are no bigger
+        per device wins (ties keep the rule's own answer)."""
+        res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
+        if not any(a.plan.collectives for a in res.reshards):
+            return res
+        best, best_t = res, self._time(specs, res.inputs)
+        size = sum(o.local_bytes(self.mesh) for o in res.outputs)
+        alts = []
+        if len(specs) > 1:
+            for i, lead in enumerate(specs):
+                if lead.sharding_axes:
+                    alts.append(
+                        tuple(x if j == i else x.replace(dims=()) for j, x in enumerate(specs))
+                    )
+        if self.hints and ins:
+            hinted = tuple(
+                h if (h := self.hints.get(v)) is not None and h.shape == x.shape else x
+                for v, x in zip(ins, specs, strict=True)
+            )
+            alts.append(hinted)
+        for alt in alts:
+            if alt == specs:
+                continue
+            try:
+                cand = infer_forward(op, *alt, mesh=self.mesh, **attrs)
+            except (SpmdError, TypeError, ValueError, KeyError):
+                continue
+            t = self._time(specs, cand.inputs)
+            smaller = sum(o.local_bytes(self.mesh) for o in cand.outputs) <= size
+            if smaller and t < best_t * (1 - 1e-9):
+                best, best_t = cand, t
+        return best
+
     def infer(self, node: _Node, specs: tuple[TensorSpec, ...]):
         """(op, attrs, required inputs, outputs) for a plain equation."""
         eqn = node.eqn
@@ -794,7 +846,7 @@ class _Engine:
             if strategy is not None:
                 attrs = {**attrs, "strategy": strategy}
             try:
-                res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
+                res = self._forward_cheapest(op, attrs, specs, node.ins)
                 outs = res.outputs
                 if [o.shape for o in outs] == out_shapes:
                     outs = tuple(
@@ -1079,6 +1131,9 @@ class _Engine:
     ) -> dict[int, TensorSpec]:
         hints = dict(wanted)
         for node in reversed(graph.nodes):
+            if node.kind == "scan":
+                self._scan_hints(node, spec, hints, fixed)
+                continue
             if node.kind != "eqn":
                 continue
             want = [hints.get(o) for o in node.outs]
@@ -1102,6 +1157,35 @@ class _Engine:
                 if s.sharding_axes and s.dims != spec[v].dims:
                     hints[v] = s
         return hints
+
+    def _scan_hints(self, node: _Node, spec, hints: dict, fixed: set[int]) -> None:
+        """Carry the hints on a scan's results into its body and back out to its
+        operands (the stacked dim stays unsharded)."""
+        p = node.eqn.params
+        nc, nk = int(p["num_consts"]), int(p["num_carry"])
+        body = node.subs[0]
+        inner: dict[int, TensorSpec] = {}
+        for j, (o, bo) in enumerate(zip(node.outs, body.outvars, strict=True)):
+            h = hints.get(o)
+            if h is None or bo in inner:
+                continue
+            if j < nk:
+                inner[bo] = h
+            elif not h.dims[0]:
+                inner[bo] = TensorSpec(h.shape[1:], h.dims[1:], dtype=h.dtype)
+        if not inner:
+            return
+        got = self.backward_hints(body, spec, inner, set())
+        for v, h in got.items():
+            hints.setdefault(v, h)
+        for j, (v, bi) in enumerate(zip(node.ins, body.invars, strict=True)):
+            h = got.get(bi)
+            if h is None or v in fixed or self.prog.const[v] or v in hints:
+                continue
+            if j >= nc + nk:
+                h = _stack(h, self.prog.shapes[v][0])
+            if h.shape == self.prog.shapes[v]:
+                hints[v] = h
 
 
 def _unstack(s: TensorSpec) -> tuple[TensorSpec, TensorSpec]:
@@ -1196,6 +1280,7 @@ def propagate(
     topology: Topology = DEFAULT_TOPOLOGY,
     donate_argnums: Sequence[int] | int = (),
     arg_roles: Any = None,
+    out_tree: Any = None,
     **kwargs: Any,
 ) -> Propagation:
     """Propagate specs through ``fn(*args, **kwargs)`` and price every reshard.
@@ -1214,6 +1299,8 @@ def propagate(
       donate_argnums: donated positional arguments (memory only).
       arg_roles: a pytree prefix of ``args`` with role strings (``"params"``,
         ``"opt_state"``, ``"batch"``…) for the memory breakdown.
+      out_tree: with a closed jaxpr, the output treedef (:func:`trace_with_tree`)
+        so ``out_specs`` can be a pytree; without it they are a flat list.
       **kwargs: static keyword arguments of ``fn``.
 
     Returns:
@@ -1228,7 +1315,7 @@ def propagate(
         {'all_reduce': 8392704}
     """
     if hasattr(fn_or_closed_jaxpr, "jaxpr") and hasattr(fn_or_closed_jaxpr, "consts"):
-        closed, out_treedef = fn_or_closed_jaxpr, None
+        closed, out_treedef = fn_or_closed_jaxpr, out_tree
         if not args:
             args = tuple(
                 jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars
@@ -1278,20 +1365,28 @@ def propagate(
 
     _check_strategies(strategies or {})
     engine = _Engine(prog, mesh, topology, strategies or {})
-    spec: dict[int, TensorSpec] = {}
     fixed = set(graph.invars)
-    collect: list = []
+    peak = float(getattr(topology, "peak_flops", DEFAULT_PEAK_FLOPS))
+    best: tuple | None = None
     for _ in range(4):
-        spec = {}
-        collect = []
+        spec: dict[int, TensorSpec] = {}
+        collect: list = []
         engine.unknown = collections.Counter()
         engine.run(graph, flat_in, spec, collect)
+        t = engine._items_time(collect) + _items_flops(collect, mesh) / peak
+        for v, r in zip(graph.outvars, out_req, strict=True):
+            have = spec.get(v) or engine.replicated(v)
+            a = engine.reshard("output", have, r if r is not None else have.without_partial())
+            t += a.plan.time_s if a else 0.0
+        if best is None or t < best[0]:  # hints are heuristics: keep the cheapest round
+            best = (t, spec, collect, engine.unknown)
         if not wanted:
             break
         hints = engine.backward_hints(graph, spec, wanted, fixed)
         if hints == engine.hints:
             break
         engine.hints = hints
+    _, spec, collect, engine.unknown = best
 
     avail: dict[int, list[TensorSpec]] = {}
     records = [_record(engine, item, avail, mesh, i) for i, item in enumerate(collect)]
@@ -1358,6 +1453,15 @@ def propagate(
         memory=memory,
         var_specs=var_specs,
     )
+
+
+def _items_flops(items: list, mesh: MeshLike) -> float:
+    total = 0.0
+    for node, _, _, _, req, outs, _, extra in items:
+        total += _flops(node, req, outs, mesh)
+        if extra is not None:
+            total += extra[2] * _items_flops(extra[0], mesh)
+    return total
 
 
 def _check_strategies(strategies: Mapping[str, str]) -> None:
