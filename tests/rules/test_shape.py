@@ -446,3 +446,41 @@ def test_chosen_cases_run_numerically(mesh2d, op, specs, attrs, dtypes, req):
         differentiable=diff,
     )
     assert failure is None, str(failure)
+
+
+@pytest.mark.parametrize(
+    ("op", "specs", "attrs"),
+    [
+        ("reshape", [T((8, 4), P("b"))], {"new_sizes": (32,)}),
+        ("reshape", [T((32,), P(("a", "b")))], {"new_sizes": (2, 16)}),
+        ("reshape", [T((4, 8), P("b", "a"))], {"new_sizes": (8, 4), "dimensions": (1, 0)}),
+        (
+            "broadcast_in_dim",
+            [T((8, 1), P("b"))],
+            {"shape": (2, 8, 4), "broadcast_dimensions": (1, 2)},
+        ),
+        ("slice", [T((8, 8), P("b", "a"))], {"start_indices": (0, 2), "limit_indices": (8, 8)}),
+        (
+            "dynamic_slice",
+            [T((8, 8), P("b", "a")), T((), dtype="int32"), T((), dtype="int32")],
+            {"slice_sizes": (8, 4)},
+        ),
+        ("gather", [T((4, 6), P("b")), T((4, 3, 1), P("b"), dtype="int32")], BATCHED_GATHER),
+    ],
+)
+def test_xla_needs_no_communication_for_the_claimed_layouts(mesh2d, op, specs, attrs):
+    """Rules with a custom local computation are jit-checked on that program by the
+    shared sweep; here XLA compiles the global op itself between the required and the
+    claimed layouts and must move nothing."""
+    from spmdkit.hlo import compiled_collectives
+
+    amesh = jax.sharding.Mesh(mesh2d.devices, mesh2d.axis_names)
+    res = sk.infer_forward(op, *specs, mesh=mesh2d, **attrs)
+    assert any(o.sharding_axes for o in res.outputs)
+    args = [
+        jax.ShapeDtypeStruct(s.shape, s.dtype or np.float32, sharding=s.to_named_sharding(amesh))
+        for s in res.inputs
+    ]
+    impl = sk.get_rule(op).impl
+    out = res.outputs[0].to_named_sharding(amesh)
+    assert compiled_collectives(lambda *a: impl(*a, **attrs), *args, out_shardings=out) == []
