@@ -99,18 +99,19 @@ def main() -> None:
         "ln_f": P(),
         "head": P("fsdp", "tp"),
     }  # fmt: skip
+    state_spec = _like_params(state, pspec)
     t0 = time.perf_counter()
     closed, out_tree = trace_with_tree(step, params, state, tokens, labels)
     t1 = time.perf_counter()
     n_eqns = sum(1 for _ in _all_eqns(closed.jaxpr))
-    specs = (pspec, None, P("fsdp"), P("fsdp"))
+    specs = (pspec, state_spec, P("fsdp"), P("fsdp"))
     prop = propagate(closed, params, state, tokens, labels, in_specs=specs, mesh=mesh)
     t2 = time.perf_counter()
     propagate(closed, params, state, tokens, labels, in_specs=specs, mesh=mesh)
     t3 = time.perf_counter()
     kept = propagate(
         closed, params, state, tokens, labels, in_specs=specs, mesh=mesh,
-        out_specs=(pspec, None), out_tree=out_tree,
+        out_specs=(pspec, state_spec), out_tree=out_tree,
     )  # fmt: skip
     t4 = time.perf_counter()
     print(f"jaxpr: {n_eqns} equations (all levels); trace {t1 - t0:.2f} s")
@@ -118,6 +119,23 @@ def main() -> None:
     print(prop)
     print(f"\nwith out_specs = the parameter specs ({t4 - t3:.2f} s):")
     print(kept)
+
+
+def _like_params(state, pspec):
+    """Specs for optimizer state: a leaf whose key path ends like a parameter's
+    takes that parameter's spec (Adam's mu and nu); the rest are replicated."""
+    by_path = {
+        tuple(str(k) for k in path): spec
+        for path, spec in jax.tree_util.tree_flatten_with_path(
+            pspec, is_leaf=lambda x: isinstance(x, P)
+        )[0]
+    }
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    out = []
+    for path, _ in leaves:
+        keys = tuple(str(k) for k in path)
+        out.append(next((s for p, s in by_path.items() if keys[-len(p) :] == p), P()))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _all_eqns(jaxpr):

@@ -789,6 +789,16 @@ class _Engine:
                 t += a.plan.time_s
         return t
 
+    def _pending(self, outs: Sequence[TensorSpec]) -> float:
+        """Time to resolve the outputs' pending reductions: most are paid later, so
+        alternatives are compared with it included."""
+        t = 0.0
+        for i, o in enumerate(outs):
+            if o.partial:
+                a = self.reshard(f"output {i}", o, o.without_partial())
+                t += a.plan.time_s if a else 0.0
+        return t
+
     def _forward_cheapest(
         self, op: str, attrs: dict, specs: tuple[TensorSpec, ...], ins: Sequence[int] = ()
     ):
@@ -797,16 +807,28 @@ class _Engine:
         (the layouts later equations want); the cheapest whose outputs are no bigger
         per device wins (ties keep the rule's own answer)."""
         res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
-        if not any(a.plan.collectives for a in res.reshards):
+        if not any(a.plan.collectives for a in res.reshards) and not any(
+            o.partial and not any(s.partial for s in specs) for o in res.outputs
+        ):
             return res
-        best, best_t = res, self._time(specs, res.inputs)
+        best, best_t = res, self._time(specs, res.inputs) + self._pending(res.outputs)
         size = sum(o.local_bytes(self.mesh) for o in res.outputs)
         alts = []
         if len(specs) > 1:
-            for i, lead in enumerate(specs):
+            # an axis sharding several operands: let each of them keep it alone
+            owners: dict[str, list[int]] = {}
+            for i, x in enumerate(specs):
+                for a in x.sharding_axes:
+                    owners.setdefault(a, []).append(i)
+            for a, who in sorted(owners.items()):
+                for i in who if len(who) > 1 else ():
+                    alts.append(
+                        tuple(x if j == i else _drop_axes(x, {a}) for j, x in enumerate(specs))
+                    )
+            for i, lead in enumerate(specs):  # one operand leads, the others replicated
                 if lead.sharding_axes:
                     alts.append(
-                        tuple(x if j == i else x.replace(dims=()) for j, x in enumerate(specs))
+                        tuple(x if j == i else _drop_axes(x, None) for j, x in enumerate(specs))
                     )
         if self.hints and ins:
             hinted = tuple(
@@ -821,7 +843,7 @@ class _Engine:
                 cand = infer_forward(op, *alt, mesh=self.mesh, **attrs)
             except (SpmdError, TypeError, ValueError, KeyError):
                 continue
-            t = self._time(specs, cand.inputs)
+            t = self._time(specs, cand.inputs) + self._pending(cand.outputs)
             smaller = sum(o.local_bytes(self.mesh) for o in cand.outputs) <= size
             if smaller and t < best_t * (1 - 1e-9):
                 best, best_t = cand, t
@@ -1186,6 +1208,13 @@ class _Engine:
                 h = _stack(h, self.prog.shapes[v][0])
             if h.shape == self.prog.shapes[v]:
                 hints[v] = h
+
+
+def _drop_axes(s: TensorSpec, axes: set[str] | None) -> TensorSpec:
+    """``s`` without the given sharding axes (None: all of them); partials stay."""
+    if axes is None:
+        return s.replace(dims=())
+    return s.replace(dims=tuple(tuple(a for a in d if a not in axes) for d in s.dims))
 
 
 def _unstack(s: TensorSpec) -> tuple[TensorSpec, TensorSpec]:
