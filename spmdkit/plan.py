@@ -1282,7 +1282,7 @@ def _zero1(dims: Dims, shape: tuple[int, ...], batch_axes: tuple[str, ...], size
 def _activation(rules: LogicalRules, mesh: MeshLike, trace: _Trace) -> dict[str, tuple[str, ...]]:
     sizes = axis_sizes(mesh)
     out: dict[str, tuple[str, ...]] = {}
-    dims = {"batch": trace.batch_size, "seq": trace.seq_len}
+    dims = {"batch": trace.batch_size, "seq": trace.seq_len if trace.seq_len > 1 else None}
     for name in BATCH_NAMES:
         chosen: tuple[str, ...] = ()
         for key, axes in rules.entries:
@@ -1292,7 +1292,7 @@ def _activation(rules: LogicalRules, mesh: MeshLike, trace: _Trace) -> dict[str,
                 break
             if any(a in v for v in out.values() for a in axes):
                 continue
-            if dims.get(name, 1) % math.prod(sizes[a] for a in axes):
+            if dims.get(name) and dims[name] % math.prod(sizes[a] for a in axes):
                 continue
             chosen = axes
             break
