@@ -1152,7 +1152,10 @@ RULES = (
         "pad",
         _pad_map,
         impl=_pad,
-        examples=(_example(((6, 4), ()), attrs={"padding_config": ((0, 0, 0), (1, 2, 1))}),),
+        # rtol: the padding value's grad sums ~30 cotangent elements of split partials
+        examples=(
+            _example(((6, 4), ()), attrs={"padding_config": ((0, 0, 0), (1, 2, 1))}, rtol=1e-4),
+        ),
         doc="padded dims replicated; partials pass when operand and padding value carry them",
     ),
     ReshapeRule(
