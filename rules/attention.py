@@ -1,3 +1,452 @@
-"""attention rules (being written)."""
+"""Scaled dot-product attention: ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` →
+``[B, Sq, H, D]``, with grouped-query attention when ``Hkv < H`` (query head
+``h`` reads key/value head ``h // (H / Hkv)``), an optional causal mask (query
+``i`` sees keys ``j ≤ i``, top-left aligned as ``jax.nn.dot_product_attention``)
+and ``scale`` (default ``1/sqrt(D)``).
 
-RULES = ()
+Algebra:
+
+* Batch ``B`` is independent: it passes through sharded on q, k, v and the output.
+* Heads ``H`` are independent (tensor parallel): the query heads pass through
+  sharded; the key/value heads follow with the same axes when their count
+  divides (each device then holds whole GQA groups), otherwise they are
+  replicated and each device reads the kv head of each of its query heads. In the
+  grad, replicated kv heads receive contributions from every device's query heads:
+  ``d k`` and ``d v`` are sum-partial over the head axes.
+* The head dim ``D`` is contracted by ``q·k`` inside a softmax: replicated.
+* Sequence. Every query row needs every key (the softmax normalizes over all of
+  them), so the key sequence ``Sk`` can stay sharded only with a schedule that
+  brings every key block to every query block:
+
+  - ``strategy="reference"`` (reference semantics): ``Sq`` and ``Sk`` replicated.
+  - ``strategy="gather_kv"``: ``Sq`` keeps its sharding (the causal mask is
+    offset by the device's block start); K and V, if they come sharded on
+    ``Sk``, are laid out over the same axes and all-gathered inside the op —
+    stated as the op's own collectives (two all-gathers of the full local K/V,
+    ``B/b · Sk · Hkv/h · D`` elements each); their grads come back reduce-scattered.
+    If K/V come replicated on ``Sk`` nothing moves and ``d k``, ``d v`` are
+    sum-partial over the ``Sq`` axes.
+  - ``strategy="ring"``: ``Sq`` and ``Sk`` sharded over the same axes; each device
+    keeps its query block and passes K/V blocks around the ring (``n - 1``
+    collective-permutes of one K and one V block each, ``n`` = the axes' size)
+    while it accumulates an online (flash-style) softmax (a ``lax.scan``: the
+    compiled program holds one permute pair in a loop of ``n - 1`` trips). Same bytes on the wire
+    as the all-gather but only two blocks of K/V in memory; priced as the
+    equivalent all-gathers. Grads travel back around the ring.
+
+* Pending reductions: attention is linear in ``v`` only, so a sum/avg-partial
+  ``v`` with whole ``q`` and ``k`` passes to the output; any partial ``q`` or ``k``
+  is resolved first. The grads are linear in the cotangent: a sum/avg-partial
+  cotangent passes to ``d q``, ``d k``, ``d v``.
+* Uneven shards: padded query rows/heads are zeroed on entry and their outputs
+  zeroed on exit, and padded keys are masked, so padding never reaches a real
+  element (forward or grad).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmdkit.errors import ShardingConflictError
+from spmdkit.rule import (
+    Example,
+    Inferred,
+    InferredGrad,
+    LocalContext,
+    Rule,
+    RuleContext,
+    op_collective,
+)
+from spmdkit.spec import TensorSpec
+
+__all__ = ["RULES", "AttentionRule", "attention_reference"]
+
+#: Large negative score for masked keys (finite, so fully masked blocks stay NaN-free).
+_MASKED = -1e30
+
+
+def attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+) -> jax.Array:
+    """The unsharded op: ``jax.nn.dot_product_attention`` (XLA implementation)."""
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal, implementation="xla"
+    )
+
+
+def _check(ctx: RuleContext, inputs: Sequence[TensorSpec]) -> None:
+    op = ctx.op
+    if len(inputs) != 3:
+        raise ShardingConflictError(
+            op=op,
+            must="operands are q, k, v",
+            given=f"{len(inputs)} operands",
+            fix="pass attention(q, k, v)",
+        )
+    q, k, v = inputs
+    if any(s.ndim != 4 for s in inputs):
+        raise ShardingConflictError(
+            op=op,
+            must="q, k, v have rank 4: [batch, seq, heads, head_dim]",
+            given=f"shapes {q.shape}, {k.shape}, {v.shape}",
+            fix="reshape to [B, S, H, D] (add a batch dim of 1 if needed)",
+        )
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ShardingConflictError(
+            op=op,
+            must="k and v have one shape [B, Sk, Hkv, D] with q's B and D",
+            given=f"q {q.shape}, k {k.shape}, v {v.shape}",
+            fix="check the operand order and the head dim",
+        )
+    h, hkv = q.shape[2], k.shape[2]
+    if hkv == 0 or h % hkv:
+        raise ShardingConflictError(
+            op=op,
+            must="the query heads are a multiple of the key/value heads (grouped-query)",
+            given=f"{h} query heads, {hkv} key/value heads",
+            fix="use Hkv dividing H (Hkv == H: multi-head; Hkv == 1: multi-query)",
+        )
+    dts = {s.dtype for s in inputs if s.dtype is not None}
+    if len(dts) > 1:
+        raise ShardingConflictError(
+            op=op,
+            must="q, k, v share one dtype (attention never casts silently)",
+            given=f"dtypes {q.dtype}, {k.dtype}, {v.dtype}",
+            fix="cast the operands to one dtype",
+        )
+    if any(not np.issubdtype(d, np.floating) for d in dts):
+        raise ShardingConflictError(
+            op=op,
+            must="q, k, v are floating point",
+            given=f"dtype {next(iter(dts))}",
+            fix="cast the operands to a float dtype",
+        )
+
+
+def _pick(sources: Sequence[tuple[str, ...]], used: set[str]) -> tuple[str, ...]:
+    for axes in sources:
+        free = tuple(a for a in axes if a not in used)
+        if free:
+            used.update(free)
+            return free
+    return ()
+
+
+def _size(ctx: RuleContext, axes: Sequence[str]) -> int:
+    return math.prod(ctx.axis_sizes[a] for a in axes)
+
+
+class _Layout:
+    """Axes of the factors B, Sq, H (queries), Sk, Hkv for one call."""
+
+    def __init__(self, b: tuple, sq: tuple, h: tuple, sk: tuple, hkv: tuple) -> None:
+        self.b, self.sq, self.h, self.sk, self.hkv = b, sq, h, sk, hkv
+
+    @property
+    def used(self) -> set[str]:
+        return {a for axes in (self.b, self.sq, self.h, self.sk, self.hkv) for a in axes}
+
+    def specs(
+        self, q: TensorSpec, k: TensorSpec, v: TensorSpec
+    ) -> tuple[TensorSpec, TensorSpec, TensorSpec, TensorSpec]:
+        qd = (self.b, self.sq, self.h, ())
+        kd = (self.b, self.sk, self.hkv, ())
+        return (
+            TensorSpec(q.shape, qd, dtype=q.dtype),
+            TensorSpec(k.shape, kd, dtype=k.dtype),
+            TensorSpec(v.shape, kd, dtype=v.dtype),
+            TensorSpec(q.shape, qd, dtype=q.dtype),
+        )
+
+
+class AttentionRule(Rule):
+    """The attention rule (hand-written: strategies, GQA head mapping, own collectives)."""
+
+    name = "attention"
+    strategies = ("reference", "gather_kv", "ring")
+    doc = "scaled dot-product attention (GQA, causal); B and H pass, sequence per strategy"
+
+    def __init__(self, examples: Sequence[Example]) -> None:
+        self.impl = attention_reference
+        self.examples = tuple(examples)
+
+    def describe(self, shapes: Sequence[tuple[int, ...]] | None = None, **attrs: Any) -> str:
+        """One line on the layouts of the strategies."""
+        return (
+            "q[B Sq H D], k/v[B Sk Hkv D] -> [B Sq H D]; B, H pass; D replicated; "
+            "reference: Sq, Sk replicated; gather_kv: Sq sharded, K/V all-gathered; "
+            "ring: Sq, Sk sharded alike, K/V blocks permuted"
+        )
+
+    # -- layouts -----------------------------------------------------------
+    def _layout(
+        self,
+        ctx: RuleContext,
+        q: TensorSpec,
+        k: TensorSpec,
+        v: TensorSpec,
+        extra: Sequence[TensorSpec] = (),
+        start: _Layout | None = None,
+    ) -> _Layout:
+        """Assign axes factor by factor: q first, then k, v, then output-shaped ``extra``."""
+        strategy = self.strategy(ctx)
+        used: set[str] = set(start.used) if start else set()
+        seqs = strategy != "reference"
+
+        def take(current: tuple, sources: list, size: int) -> tuple:
+            if current or size <= 1:
+                return current
+            return _pick(sources, used)
+
+        b = take(
+            start.b if start else (),
+            [q.dims[0], k.dims[0], v.dims[0], *(e.dims[0] for e in extra)],
+            q.shape[0],
+        )
+        h_src = [q.dims[2], *(e.dims[2] for e in extra)]
+        h = take(
+            start.h if start else (), [*h_src[:1], k.dims[2], v.dims[2], *h_src[1:]], q.shape[2]
+        )
+        hkv = h if h and k.shape[2] % _size(ctx, h) == 0 else ()
+        sq: tuple = start.sq if start else ()
+        sk: tuple = start.sk if start else ()
+        if seqs:
+            sq = take(
+                sq, [q.dims[1], k.dims[1], v.dims[1], *(e.dims[1] for e in extra)], q.shape[1]
+            )
+            if strategy == "ring":
+                sk = sq
+            elif not sk and sq and (k.dims[1] or v.dims[1]):
+                sk = sq  # K/V arrive sequence-sharded: keep them so and gather inside
+        return _Layout(b, sq, h, sk, hkv)
+
+    def _own(self, ctx: RuleContext, lay: _Layout, k: TensorSpec, *, grad: bool) -> tuple:
+        """The op's own collectives: K/V gathered (gather_kv) or passed around (ring)."""
+        if not lay.sk or _size(ctx, lay.sk) == 1:
+            return ()
+        n = _size(ctx, lay.sk)
+        kloc = TensorSpec(k.shape, (lay.b, lay.sk, lay.hkv, ()), dtype=k.dtype)
+        block = math.prod(-(-s // _size(ctx, d)) for s, d in zip(k.shape, kloc.dims, strict=True))
+        gathered = block * n * kloc.itemsize
+        out = [op_collective(ctx, "all_gather", lay.sk, gathered, dim=1) for _ in range(2)]
+        if grad:
+            if self.strategy(ctx) == "ring":
+                out += [op_collective(ctx, "all_gather", lay.sk, gathered, dim=1) for _ in range(2)]
+            else:
+                out += [
+                    op_collective(ctx, "reduce_scatter", lay.sk, gathered, reduce_op="sum", dim=1)
+                    for _ in range(2)
+                ]
+        return tuple(out)
+
+    # -- the three inferences ----------------------------------------------
+    def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
+        """Batch and heads pass; the sequence per strategy; a partial v passes (linear)."""
+        _check(ctx, inputs)
+        q, k, v = inputs
+        lay = self._layout(ctx, q, k, v)
+        rq, rk, rv, out = lay.specs(q, k, v)
+        part = {}
+        if not q.partial and not k.partial:
+            part = {a: op for a, op in v.partial if op in ("sum", "avg") and a not in lay.used}
+        rv = rv.replace(partial=part)
+        out = out.replace(partial=part)
+        return Inferred((rq, rk, rv), (out,), self._own(ctx, lay, k, grad=False))
+
+    def backward(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]
+    ) -> Inferred:
+        """Batch, heads (and, beyond the reference, the query sequence) from the
+        output; a sum/avg-partial output traces back to a partial v."""
+        _check(ctx, inputs)
+        (o,) = outputs
+        q, k, v = (TensorSpec(s.shape, dtype=s.dtype) for s in inputs)
+        if o.shape != q.shape:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must=f"the output has q's shape {q.shape}",
+                given=str(o.shape),
+                fix="pass the op's output spec",
+            )
+        lay = self._layout(ctx, q, k, v, extra=(o,))
+        rq, rk, rv, out = lay.specs(q, k, v)
+        part = {a: op for a, op in o.partial if op in ("sum", "avg") and a not in lay.used}
+        rv = rv.replace(partial=part)
+        return Inferred(
+            (rq, rk, rv), (out.replace(partial=part),), self._own(ctx, lay, k, grad=False)
+        )
+
+    def grad(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], out_grads: tuple[TensorSpec, ...]
+    ) -> InferredGrad:
+        """Forward layout first, free factors from the cotangent. d k, d v are
+        sum-partial over the axes of query factors they lack (query heads when kv
+        heads are replicated, the query sequence when K/V are replicated on it)."""
+        _check(ctx, inputs)
+        (g,) = out_grads
+        q, k, v = (s.without_partial() for s in inputs)
+        if g.shape != q.shape:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must=f"out_grads have q's shape {q.shape}",
+                given=str(g.shape),
+                fix="pass the cotangent of the op's output",
+            )
+        fwd = self._layout(ctx, q, k, v)
+        lay = self._layout(ctx, q, k, v, extra=(g,), start=fwd)
+        rq, rk, rv, out = lay.specs(q, k, v)
+        gp = {a: op for a, op in g.partial if op in ("sum", "avg") and a not in lay.used}
+        missing = {a: "sum" for a in lay.h if a not in lay.hkv}
+        missing.update({a: "sum" for a in lay.sq if a not in lay.sk})
+        grads = (
+            rq.replace(partial=gp),
+            rk.replace(partial={**gp, **missing}),
+            rv.replace(partial={**gp, **missing}),
+        )
+        return InferredGrad(
+            (rq, rk, rv),
+            (out.replace(partial=gp, dtype=g.dtype),),
+            grads,
+            (out,),
+            self._own(ctx, lay, k, grad=True),
+        )
+
+    # -- per-device computation -------------------------------------------
+    def local_fn(self, lctx: LocalContext) -> Callable[..., Any]:
+        """Attention on the local blocks, laid out as ``lctx.inputs`` (see the module
+        docstring: gathers for gather_kv, the ring for ring, GQA head mapping)."""
+        qs, ks, _ = lctx.inputs
+        causal = bool(lctx.attrs.get("causal", False))
+        scale = lctx.attrs.get("scale")
+        strategy = lctx.attrs.get("strategy", self.strategies[0])
+        _, n_q, n_heads, head_dim = qs.shape
+        n_k, n_kv_heads = ks.shape[1], ks.shape[2]
+        group = n_heads // n_kv_heads
+        scale = float(1.0 / math.sqrt(head_dim) if scale is None else scale)
+        sk_axes = ks.dims[1]
+        n_sk = math.prod(lctx.axis_sizes[a] for a in sk_axes)
+        heads_together = qs.dims[2] == ks.dims[2]
+        uneven_q = [d for d in (1, 2) if qs.shape[d] % lctx.shards(qs, d)]
+
+        def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            dtype = q.dtype
+            q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+            q_pos = lctx.offset(qs, 1) + jnp.arange(q.shape[1])
+            h_pos = lctx.offset(qs, 2) + jnp.arange(q.shape[2])
+            valid = None
+            if uneven_q:  # padded query rows/heads: zero in, zero out (no NaN reaches dk, dv)
+                valid = (q_pos < n_q)[None, :, None, None] & (h_pos < n_heads)[None, None, :, None]
+                q = jnp.where(valid, q, 0.0)
+            if not heads_together:  # kv heads replicated: the kv head of each query head
+                sel = jnp.clip(h_pos // group, 0, n_kv_heads - 1)
+                k, v = jnp.take(k, sel, axis=2), jnp.take(v, sel, axis=2)
+                g = 1
+            else:
+                g = group
+            b, s, hl, d = q.shape
+            q5 = q.reshape(b, s, hl // g, g, d) * scale
+            if strategy == "ring" and n_sk > 1:
+                out = _ring(lctx, ks, q5, k, v, q_pos, causal, n_sk)
+            else:
+                if sk_axes:  # gather_kv: K/V sequence-sharded, gathered here
+                    k = jax.lax.all_gather(k, sk_axes, axis=1, tiled=True)[:, :n_k]
+                    v = jax.lax.all_gather(v, sk_axes, axis=1, tiled=True)[:, :n_k]
+                k_pos = jnp.arange(k.shape[1])
+                _, total, acc = _block(q5, k, v, _mask(q_pos, k_pos, n_k, causal))
+                out = acc / total[..., None]
+            out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, hl, d)
+            if valid is not None:
+                out = jnp.where(valid, out, 0.0)
+            return out.astype(dtype)
+
+        return local
+
+
+def _mask(q_pos: jax.Array, k_pos: jax.Array, sk: int, causal: bool) -> jax.Array:
+    """[Sq_local, Sk_block] visibility: real keys, and keys ≤ query when causal."""
+    mask = (k_pos < sk)[None, :]
+    if causal:
+        mask = mask & (k_pos[None, :] <= q_pos[:, None])
+    return mask
+
+
+def _block(
+    q5: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Softmax statistics of one key block: row max, row sum, unnormalized output.
+
+    Shapes: q5 [B, Sq, Hkv, G, D] (pre-scaled), k, v [B, Sk, Hkv, D];
+    returns m, l [B, Hkv, G, Sq] and acc [B, Hkv, G, Sq, D].
+    """
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q5, k)
+    s = jnp.where(mask, s, _MASKED)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    return m, jnp.sum(p, axis=-1), jnp.einsum("bhgqk,bkhd->bhgqd", p, v)
+
+
+def _ring(
+    lctx: LocalContext,
+    ks: TensorSpec,
+    q5: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_pos: jax.Array,
+    causal: bool,
+    n: int,
+) -> jax.Array:
+    """Online softmax over the key blocks as they pass around the ring of ``ks``'s
+    sequence axes; each step sends this device's current block to the next device."""
+    axes = ks.dims[1]
+    sk = ks.shape[1]
+    blk = lctx.block(ks, 1)
+    me = lctx.index(axes)
+    real = (lctx.offset(ks, 1) + jnp.arange(blk) < sk)[None, :, None, None]
+    k, v = jnp.where(real, k, 0.0), jnp.where(real, v, 0.0)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def visit(step: Any, k: jax.Array, v: jax.Array):
+        k_pos = ((me - step) % n) * blk + jnp.arange(blk)  # the block that arrived
+        return _block(q5, k, v, _mask(q_pos, k_pos, sk, causal))
+
+    def body(carry: tuple, step: jax.Array) -> tuple[tuple, None]:
+        m, total, acc, k, v = carry
+        k = jax.lax.ppermute(k, axes, perm)
+        v = jax.lax.ppermute(v, axes, perm)
+        bm, btotal, bacc = visit(step, k, v)
+        new = jnp.maximum(m, bm)
+        a, c = jnp.exp(m - new), jnp.exp(bm - new)
+        carry = (new, total * a + btotal * c, acc * a[..., None] + bacc * c[..., None], k, v)
+        return carry, None
+
+    # own block first, then n - 1 steps that each receive the next block
+    m, total, acc = visit(0, k, v)
+    (_, total, acc, _, _), _ = jax.lax.scan(body, (m, total, acc, k, v), jnp.arange(1, n))
+    return acc / total[..., None]
+
+
+# ---------------------------------------------------------------------------
+# Examples
+# ---------------------------------------------------------------------------
+
+_EXAMPLES = (
+    Example(((2, 8, 4, 4), (2, 8, 2, 4), (2, 8, 2, 4)), attrs={"causal": True}),
+    Example(
+        ((2, 6, 4, 4), (2, 6, 1, 4), (2, 6, 1, 4)),
+        attrs={"causal": True, "strategy": "gather_kv"},
+        uneven=True,
+    ),
+)
+
+RULES = (AttentionRule(_EXAMPLES),)

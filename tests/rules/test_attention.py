@@ -1,0 +1,222 @@
+"""Attention family: layouts per strategy, GQA head mapping, errors, collective budgets."""
+
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.errors import ShardingConflictError
+from spmdkit.hlo import check_plan, compiled_collectives
+from spmdkit.local import shard_program
+from spmdkit.registry import get_rule
+from spmdkit.testing import check_forward_case, check_grad_case
+
+T = sk.TensorSpec
+F32 = "float32"
+
+
+def q_spec(shape=(4, 8, 4, 8), spec=None):
+    return T(shape, spec, dtype=F32)
+
+
+def kv_spec(shape=(4, 8, 2, 8), spec=None):
+    return T(shape, spec, dtype=F32)
+
+
+def _compiled(specs, mesh, **attrs):
+    """The collectives of the rule's own program for ``specs`` (no input reshards)."""
+    res = sk.infer_forward("attention", *specs, mesh=mesh, **attrs)
+    amesh = Mesh(mesh.devices, mesh.axis_names)
+    program = shard_program(get_rule("attention"), res, attrs, amesh)
+    args = [s.to_shape_dtype_struct(amesh) for s in res.inputs]
+    return res, compiled_collectives(program, *args)
+
+
+def test_reference_keeps_batch_and_heads_and_replicates_the_sequence():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    q = q_spec(spec=P("a", "b"))
+    k = kv_spec(spec=P("a", "b"))
+    r = sk.infer_forward("attention", q, k, k, mesh=mesh)
+    assert [str(s) for s in r.inputs] == [
+        "f32[4@a,8,4,8]",
+        "f32[4@a,8,2,8]",
+        "f32[4@a,8,2,8]",
+    ]
+    assert str(r.outputs[0]) == "f32[4@a,8,4,8]"
+    assert r.collectives == ()
+
+
+def test_heads_sharded_with_whole_gqa_groups():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    q = q_spec((2, 8, 8, 4), P(None, None, "b"))
+    k = kv_spec((2, 8, 4, 4))
+    r = sk.infer_forward("attention", q, k, k, mesh=mesh)
+    assert str(r.inputs[1]) == "f32[2,8,4@b,4]"  # 4 kv heads over b=4: one group each
+    g = sk.infer_grad("attention", q, k, k, out_grads=(q,), mesh=mesh)
+    assert [str(s) for s in g.outputs] == ["f32[2,8,8@b,4]", "f32[2,8,4@b,4]", "f32[2,8,4@b,4]"]
+
+
+def test_kv_heads_replicated_when_the_head_axes_do_not_divide_them():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    q = q_spec((2, 8, 4, 4), P(None, None, "b"))
+    k = kv_spec((2, 8, 2, 4), P(None, None, "a"))  # 2 kv heads: cannot follow b=4
+    r = sk.infer_forward("attention", q, k, k, mesh=mesh)
+    assert str(r.inputs[0]) == "f32[2,8,4@b,4]"
+    assert str(r.inputs[1]) == "f32[2,8,2,4]"
+    g = sk.infer_grad("attention", q, k, k, out_grads=(q,), mesh=mesh)
+    assert str(g.outputs[1]) == "f32[2,8,2,4]{sum:b}"  # every device's query heads add up
+
+
+def test_gather_kv_keeps_the_query_sequence_and_states_the_gather():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    q = q_spec(spec=P("a", "b"))
+    k = kv_spec(spec=P("a", "b"))
+    r = sk.infer_forward("attention", q, k, k, mesh=mesh, strategy="gather_kv")
+    assert str(r.inputs[0]) == "f32[4@a,8@b,4,8]"
+    assert str(r.inputs[1]) == "f32[4@a,8@b,2,8]"
+    assert str(r.outputs[0]) == "f32[4@a,8@b,4,8]"
+    assert r.reshards == ()
+    # two all-gathers over b, each of the whole local K (or V): 2*8*2*8 floats
+    assert [(c.kind, c.axes, c.payload_bytes) for c in r.collectives] == [
+        ("all_gather", ("b",), 2 * 8 * 2 * 8 * 4)
+    ] * 2
+    g = sk.infer_grad("attention", q, k, k, out_grads=(q,), mesh=mesh, strategy="gather_kv")
+    assert str(g.outputs[1]) == "f32[4@a,8@b,2,8]"  # reduce-scattered back
+    assert [c.kind for c in g.collectives] == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+
+
+def test_gather_kv_with_replicated_kv_moves_nothing_and_sums_dk():
+    mesh = sk.abstract_mesh(x=4)
+    q = q_spec(spec=P(None, "x"))
+    k = kv_spec()
+    r = sk.infer_forward("attention", q, k, k, mesh=mesh, strategy="gather_kv")
+    assert r.collectives == () and r.reshards == ()
+    g = sk.infer_grad("attention", q, k, k, out_grads=(q,), mesh=mesh, strategy="gather_kv")
+    assert str(g.outputs[1]) == "f32[4,8,2,8]{sum:x}"
+
+
+def test_ring_shards_both_sequences_alike():
+    mesh = sk.abstract_mesh(x=4)
+    q = q_spec(spec=P(None, "x"))
+    k = kv_spec()
+    r = sk.infer_forward("attention", q, k, k, mesh=mesh, strategy="ring")
+    assert str(r.inputs[1]) == "f32[4,8@x,2,8]"
+    assert len(r.collectives) == 2
+    g = sk.infer_grad("attention", q, k, k, out_grads=(q,), mesh=mesh, strategy="ring")
+    assert str(g.outputs[1]) == "f32[4,8@x,2,8]"
+
+
+def test_partial_v_passes_to_the_output():
+    mesh = sk.abstract_mesh(x=4)
+    v = kv_spec().replace(partial={"x": "sum"})
+    r = sk.infer_forward("attention", q_spec(), kv_spec(), v, mesh=mesh)
+    assert str(r.outputs[0]) == "f32[4,8,4,8]{sum:x}"
+    r = sk.infer_forward(
+        "attention", q_spec().replace(partial={"x": "sum"}), kv_spec(), v, mesh=mesh
+    )
+    assert not r.outputs[0].partial  # attention is not linear in q
+
+
+def test_backward_from_a_sequence_sharded_output():
+    mesh = sk.abstract_mesh(x=4)
+    out = q_spec(spec=P(None, "x"))
+    r = sk.infer_backward(
+        "attention", q_spec(), kv_spec(), kv_spec(), outputs=(out,), mesh=mesh, strategy="gather_kv"
+    )
+    assert str(r.inputs[0]) == "f32[4,8@x,4,8]"
+    r = sk.infer_backward("attention", q_spec(), kv_spec(), kv_spec(), outputs=(out,), mesh=mesh)
+    assert str(r.inputs[0]) == "f32[4,8,4,8]"
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((2, 8, 4, 4), (2, 8, 3, 4), (2, 8, 3, 4)),  # 4 query heads, 3 kv heads
+        ((2, 8, 4, 4), (2, 8, 2, 4), (2, 8, 2, 8)),  # v head dim differs
+        ((2, 8, 4), (2, 8, 4), (2, 8, 4)),  # rank 3
+    ],
+)
+def test_bad_shapes_raise(shapes):
+    mesh = sk.abstract_mesh(x=4)
+    with pytest.raises(ShardingConflictError):
+        sk.infer_forward("attention", *(T(s, dtype=F32) for s in shapes), mesh=mesh)
+
+
+def test_bad_gqa_ratio_names_the_heads():
+    mesh = sk.abstract_mesh(x=4)
+    with pytest.raises(ShardingConflictError, match="multiple of the key/value heads"):
+        sk.infer_forward(
+            "attention", q_spec(), kv_spec((4, 8, 3, 8)), kv_spec((4, 8, 3, 8)), mesh=mesh
+        )
+
+
+def test_unknown_strategy_and_int_inputs_raise():
+    mesh = sk.abstract_mesh(x=4)
+    with pytest.raises(ShardingConflictError, match="strategy"):
+        sk.infer_forward("attention", q_spec(), kv_spec(), kv_spec(), mesh=mesh, strategy="flash")
+    ints = [T(s.shape, dtype="int32") for s in (q_spec(), kv_spec(), kv_spec())]
+    with pytest.raises(ShardingConflictError, match="floating"):
+        sk.infer_forward("attention", *ints, mesh=mesh)
+
+
+def test_gather_kv_moves_exactly_the_stated_kv_gather(mesh1d):
+    q = q_spec(spec=P(None, "x"))
+    k = kv_spec(spec=P(None, "x"))
+    res, compiled = _compiled((q, k, k), mesh1d, strategy="gather_kv", causal=True)
+    assert check_plan(res.collectives, compiled) == []
+    assert sum(c.payload_bytes for c in compiled) == 2 * (4 * 8 * 2 * 8 * 4)
+
+
+def test_reference_and_heads_parallel_move_nothing(mesh2d):
+    q = q_spec(spec=P("a", None, "b"))
+    k = kv_spec((4, 8, 4, 8), P("a", None, "b"))
+    _, compiled = _compiled((q, k, k), mesh2d, causal=True)
+    assert compiled == []
+
+
+def test_ring_permutes_one_block_per_step(mesh1d):
+    q = q_spec(spec=P(None, "x"))
+    k = kv_spec(spec=P(None, "x"))
+    res, compiled = _compiled((q, k, k), mesh1d, strategy="ring", causal=True)
+    assert {c.kind for c in compiled} == {"collective_permute"}
+    block = 4 * 2 * 2 * 8 * 4  # [B, Sk/4, Hkv, D] f32
+    sizes = [s for c in compiled for s in [c.payload_bytes // len(c.shapes)] * len(c.shapes)]
+    # one K and one V permute in the loop body, which runs n - 1 = 3 times
+    assert sorted(sizes) == [block] * 2
+    assert all(len(c.source_target_pairs) == 4 for c in compiled)
+    # stated as the equivalent all-gathers: the same bytes on the wire
+    assert sum(c.wire_bytes for c in res.collectives) == 3 * sum(sizes)
+
+
+def _ring_case(mesh, shapes, specs, **attrs):
+    rng = np.random.default_rng(0)
+    vals = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
+    specs = tuple(T(sh, sp, dtype=F32) for sh, sp in zip(shapes, specs, strict=True))
+    attrs = {"causal": True, "strategy": "ring", **attrs}
+    fail, res = check_forward_case("attention", specs, mesh, values=vals, attrs=attrs)
+    assert fail is None, str(fail)
+    cot = [rng.standard_normal(shapes[0]).astype(np.float32)]
+    plain = tuple(s.without_partial() for s in specs)
+    fail, _ = check_grad_case(
+        "attention", plain, (plain[0],), mesh, values=vals, cotangents=cot, attrs=attrs
+    )
+    assert fail is None, str(fail)
+    return res
+
+
+def test_ring_uneven_blocks_and_multi_query(mesh1d):
+    # Sq = 6 and Sk = 5 over 4 devices: padded query rows and keys never leak
+    res = _ring_case(
+        mesh1d,
+        ((1, 6, 2, 4), (1, 5, 1, 4), (1, 5, 1, 4)),
+        (P(None, "x"), P(), P()),
+        scale=0.3,
+    )
+    assert str(res.inputs[1]) == "f32[1,5@x,1,4]"
+
+
+def test_ring_over_two_axes(mesh2d):
+    both = P(None, ("a", "b"))
+    res = _ring_case(mesh2d, ((1, 8, 2, 4),) * 3, (both, both, both))
+    assert str(res.inputs[1]) == "f32[1,8@(a,b),2,4]"
