@@ -781,23 +781,22 @@ class _Engine:
             )
 
     # one equation
-    def _time(self, given: Sequence[TensorSpec], required: Sequence[TensorSpec]) -> float:
-        t = 0.0
-        for i, (s, r) in enumerate(zip(given, required, strict=True)):
-            a = self.reshard(f"input {i}", s, r)
+    def _price(
+        self, given: Sequence[TensorSpec], required: Sequence[TensorSpec], outs: Sequence
+    ) -> tuple[int, float]:
+        """(payload bytes, time) of the operand reshards plus resolving the outputs'
+        pending reductions (most are paid later, so alternatives are compared with
+        them included). Bytes come first: under the latency term a plan that adds
+        small collectives to save hops looks cheaper than what XLA does."""
+        pairs = list(zip(given, required, strict=True))
+        pairs += [(o, o.without_partial()) for o in outs if o.partial]
+        nbytes, t = 0, 0.0
+        for i, (s, r) in enumerate(pairs):
+            a = self.reshard(f"arg {i}", s, r)
             if a is not None:
+                nbytes += a.payload_bytes
                 t += a.plan.time_s
-        return t
-
-    def _pending(self, outs: Sequence[TensorSpec]) -> float:
-        """Time to resolve the outputs' pending reductions: most are paid later, so
-        alternatives are compared with it included."""
-        t = 0.0
-        for i, o in enumerate(outs):
-            if o.partial:
-                a = self.reshard(f"output {i}", o, o.without_partial())
-                t += a.plan.time_s if a else 0.0
-        return t
+        return nbytes, t
 
     def _forward_cheapest(
         self, op: str, attrs: dict, specs: tuple[TensorSpec, ...], ins: Sequence[int] = ()
@@ -811,7 +810,7 @@ class _Engine:
             o.partial and not any(s.partial for s in specs) for o in res.outputs
         ):
             return res
-        best, best_t = res, self._time(specs, res.inputs) + self._pending(res.outputs)
+        best, best_t = res, self._price(specs, res.inputs, res.outputs)
         size = sum(o.local_bytes(self.mesh) for o in res.outputs)
         alts = []
         if len(specs) > 1:
@@ -843,9 +842,9 @@ class _Engine:
                 cand = infer_forward(op, *alt, mesh=self.mesh, **attrs)
             except (SpmdError, TypeError, ValueError, KeyError):
                 continue
-            t = self._time(specs, cand.inputs) + self._pending(cand.outputs)
+            t = self._price(specs, cand.inputs, cand.outputs)
             smaller = sum(o.local_bytes(self.mesh) for o in cand.outputs) <= size
-            if smaller and t < best_t * (1 - 1e-9):
+            if smaller and t < best_t:
                 best, best_t = cand, t
         return best
 
