@@ -173,11 +173,17 @@ def _checksums(leaves: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def _compute_checksums(flat: dict[str, Any]) -> dict[str, int]:
-    arrays = {k: v for k, v in flat.items() if _checksummable(v)}
-    if not arrays:
-        return {}
-    out = _checksums(arrays)
-    return {k: int(np.asarray(v)) for k, v in out.items()}
+    # one jitted call per device set: committed arrays on different devices (a
+    # single-device scalar beside mesh-sharded params) cannot meet in one computation
+    groups: dict[tuple[int, ...], dict[str, jax.Array]] = {}
+    for k, v in flat.items():
+        if _checksummable(v):
+            devices = tuple(sorted(d.id for d in v.sharding.device_set))
+            groups.setdefault(devices, {})[k] = v
+    out: dict[str, int] = {}
+    for arrays in groups.values():
+        out.update({k: int(np.asarray(v)) for k, v in _checksums(arrays).items()})
+    return out
 
 
 # -- metadata helpers ------------------------------------------------------------
@@ -238,7 +244,7 @@ class Manager:
       directory: where step directories live (created if missing).
       max_to_keep: keep at most this many complete checkpoints (``None``: all).
       save_interval_steps: :meth:`save` writes only on multiples of this (unless
-        ``force=True``).
+        ``force=True``), and always when the directory holds no checkpoint yet.
       async_: write in the background; :meth:`save` returns after the device→host
         copy, :meth:`wait` blocks until the files are committed.
       save_concurrent_gb: bound on host memory (GB) used by in-flight writes.

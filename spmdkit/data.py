@@ -134,7 +134,8 @@ class ShardedLoader:
         (dicts) — the generic form; its position is the number of batches consumed.
       sharding: the batch sharding (one ``NamedSharding`` or a dict per field),
         e.g. ``plan.batch_sharding(abstract_batch)``.
-      batch_size: examples per batch *per process* (dict sources only).
+      batch_size: examples per batch *per process* (required for dict sources; for a
+        generic source the default is the size of its first batch).
       last_batch: ``"drop"``, ``"pad"`` or ``"keep"`` (see the module docstring).
       shuffle_seed: with a dict source, shuffle examples per epoch with
         ``np.random.default_rng((seed, epoch))`` (``None``: keep the order).
@@ -214,6 +215,7 @@ class ShardedLoader:
                 fix="wrap an iterable as `lambda: iter(batches)`",
             )
         self.batch_size = batch_size
+        self._full: int | None = batch_size
 
     # position
     def state(self) -> dict[str, int]:
@@ -270,7 +272,9 @@ class ShardedLoader:
     def _finish(self, local: Mapping[str, Any]) -> dict[str, Any] | None:
         sizes = {len(v) for v in local.values() if is_array_field(v) and np.ndim(v) > 0}
         n = max(sizes) if sizes else 0
-        want = self.batch_size or n
+        if self._full is None:  # a generic source: its first batch sets the size
+            self._full = self.batch_size or n
+        want = self._full
         if self.last_batch == "pad":
             local = _pad(local, n, want)
         elif n < want and self.last_batch == "drop":
@@ -286,16 +290,16 @@ class ShardedLoader:
             if not is_array_field(v):
                 out[name] = v
                 continue
-            v = np.asarray(v)
-            if v.shape[0] % k:
+            arr = np.asarray(v)
+            if arr.shape[0] % k:
                 raise DataError(
                     op="data.ShardedLoader",
                     must="the per-process batch size divides into microbatches",
-                    given=f"{name}: {v.shape[0]} examples, microbatches={k}",
+                    given=f"{name}: {arr.shape[0]} examples, microbatches={k}",
                     fix="choose batch_size a multiple of microbatches",
                 )
             # micro-batch i takes rows i, i+k, i+2k, ...
-            out[name] = np.swapaxes(v.reshape(v.shape[0] // k, k, *v.shape[1:]), 0, 1)
+            out[name] = np.swapaxes(arr.reshape(arr.shape[0] // k, k, *arr.shape[1:]), 0, 1)
         return out
 
     def _micro_sharding(self) -> Any:
@@ -327,9 +331,9 @@ def _pad(local: Mapping[str, Any], n: int, want: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, v in local.items():
         if is_array_field(v) and np.ndim(v) > 0 and n < want:
-            v = np.asarray(v)
-            pad = np.zeros((want - n, *v.shape[1:]), v.dtype)
-            out[name] = np.concatenate([v, pad])
+            arr = np.asarray(v)
+            pad = np.zeros((want - n, *arr.shape[1:]), arr.dtype)
+            out[name] = np.concatenate([arr, pad])
         else:
             out[name] = v
     out["mask"] = np.arange(want) < n

@@ -274,156 +274,104 @@ def train(
         leaves = [s for s in jax.tree.leaves(param_sh) if hasattr(s, "mesh")]
         mesh = leaves[0].mesh if leaves else None
 
+    # under the mesh context optax's scalar states and the step's replicated metrics
+    # are created on the mesh, not on one device
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        return _run(**locals())
+        if rng is not None and mesh is not None:
+            # one replicated copy on the mesh: a global array every process can save
+            rng = jax.device_put(rng, NamedSharding(mesh, PartitionSpec()))
+        start = 0
+        restored = None
+        if resume and ckpt.latest_step() is not None:
+            target_params = abstract_target(abstract_params, param_sh)
+            if opt_sh is None:
+                opt_sh = jax.jit(optimizer.init).lower(target_params).compile().output_shardings
+            target = {
+                "params": target_params,
+                "opt_state": abstract_target(abstract_opt, opt_sh),
+            }
+            if rng is not None:
+                target["rng"] = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rng.sharding)
+            restored = ckpt.restore(target=target)
+            params, opt_state = restored.state["params"], restored.state["opt_state"]
+            if rng is not None:
+                rng = restored.state["rng"]
+            if hasattr(data, "set_state"):
+                data.set_state(restored.data_state)
+            start = restored.step
+        else:
+            params = jax.device_put(params, param_sh)
+            opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+            opt_sh = _shardings_of(opt_state)
 
-
-def _run(**kw: Any) -> TrainResult:
-    """The body of :func:`train`, under the mesh context (optax's scalar states and
-    the step's replicated metrics are then created on the mesh, not on one device)."""
-    (
-        loss,
-        optimizer,
-        data,
-        steps,
-        plan,
-        accum_steps,
-        remat,
-        has_aux,
-        rng,
-        ckpt,
-        resume,
-        log_every,
-        progress,
-        out,
-        params,
-        param_sh,
-        opt_sh,
-        mesh,
-        abstract_params,
-        abstract_opt,
-        write_back,
-    ) = (
-        kw[k]
-        for k in (
-            "loss",
-            "optimizer",
-            "data",
-            "steps",
-            "plan",
-            "accum_steps",
-            "remat",
-            "has_aux",
-            "rng",
-            "ckpt",
-            "resume",
-            "log_every",
-            "progress",
-            "out",
-            "params",
-            "param_sh",
-            "opt_sh",
-            "mesh",
-            "abstract_params",
-            "abstract_opt",
-            "write_back",
+        step_fn = jax.jit(
+            _make_step(
+                loss,
+                optimizer,
+                accum_steps=accum_steps,
+                remat=remat,
+                has_aux=has_aux,
+                use_rng=rng is not None,
+            ),
+            out_shardings=(param_sh, opt_sh, None),
+            donate_argnums=(0, 1),
         )
-    )
-    if rng is not None and mesh is not None:
-        # one replicated copy on the mesh: a global array every process can save
-        rng = jax.device_put(rng, NamedSharding(mesh, PartitionSpec()))
-    start = 0
-    restored = None
-    if resume and ckpt.latest_step() is not None:
-        target_params = abstract_target(abstract_params, param_sh)
-        if opt_sh is None:
-            opt_sh = jax.jit(optimizer.init).lower(target_params).compile().output_shardings
-        target = {
-            "params": target_params,
-            "opt_state": abstract_target(abstract_opt, opt_sh),
-        }
-        if rng is not None:
-            target["rng"] = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rng.sharding)
-        restored = ckpt.restore(target=target)
-        params, opt_state = restored.state["params"], restored.state["opt_state"]
-        if rng is not None:
-            rng = restored.state["rng"]
-        if hasattr(data, "set_state"):
-            data.set_state(restored.data_state)
-        start = restored.step
-    else:
-        params = jax.device_put(params, param_sh)
-        opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
-        opt_sh = _shardings_of(opt_state)
+        key = rng if rng is not None else jax.random.key(0)
 
-    step_fn = jax.jit(
-        _make_step(
-            loss,
-            optimizer,
-            accum_steps=accum_steps,
-            remat=remat,
-            has_aux=has_aux,
-            use_rng=rng is not None,
-        ),
-        out_shardings=(param_sh, opt_sh, None),
-        donate_argnums=(0, 1),
-    )
-    key = rng if rng is not None else jax.random.key(0)
+        history: list[dict[str, float]] = []
+        pending: list[tuple[int, dict[str, Any]]] = []
+        show = progress and jax.process_index() == 0
+        t0 = time.perf_counter()
 
-    history: list[dict[str, float]] = []
-    pending: list[tuple[int, dict[str, Any]]] = []
-    show = progress and jax.process_index() == 0
-    t0 = time.perf_counter()
+        def flush() -> None:
+            for s, m in pending:
+                history.append({"step": s, **{k: float(np.asarray(v)) for k, v in m.items()}})
+            pending.clear()
 
-    def flush() -> None:
-        for s, m in pending:
-            history.append({"step": s, **{k: float(np.asarray(v)) for k, v in m.items()}})
-        pending.clear()
+        def save(s: int, *, force: bool) -> None:
+            state = {"params": params, "opt_state": opt_state}
+            if rng is not None:
+                state["rng"] = rng
+            ckpt.save(
+                s,
+                state,
+                plan=plan,
+                mesh=mesh,
+                data=data if hasattr(data, "state") else None,
+                force=force,
+            )
 
-    def save(s: int, *, force: bool) -> None:
-        state = {"params": params, "opt_state": opt_state}
-        if rng is not None:
-            state["rng"] = rng
-        ckpt.save(
-            s,
-            state,
-            plan=plan,
-            mesh=mesh,
-            data=data if hasattr(data, "state") else None,
-            force=force,
+        it = _batches(data)
+        step = start
+        last_saved = start if restored is not None else None
+        while step < steps:
+            batch = next(it)
+            params, opt_state, metrics = step_fn(
+                params, opt_state, batch, jax.random.fold_in(key, step)
+            )
+            step += 1
+            pending.append((step, metrics))
+            if ckpt is not None and ckpt.should_save(step):
+                save(step, force=False)
+                last_saved = step
+            if step % log_every == 0 or step == steps:
+                flush()
+                if show:
+                    h = history[-1]
+                    rate = (step - start) / max(time.perf_counter() - t0, 1e-9)
+                    extra = "  ".join(f"{k} {v:.4g}" for k, v in h.items() if k not in ("step",))
+                    bar = _bar(step, steps)
+                    out.write(f"{bar} step {step}/{steps}  {extra}  {rate:.2f} step/s\n")
+                    out.flush()
+        flush()
+        if ckpt is not None and step > start:
+            if last_saved != step:
+                save(step, force=True)
+            ckpt.wait()
+        result_params = write_back(params) if write_back is not None else params
+        return TrainResult(
+            params=result_params, opt_state=opt_state, step=step, history=history, start_step=start
         )
-
-    it = _batches(data)
-    step = start
-    last_saved = start if restored is not None else None
-    while step < steps:
-        batch = next(it)
-        params, opt_state, metrics = step_fn(
-            params, opt_state, batch, jax.random.fold_in(key, step)
-        )
-        step += 1
-        pending.append((step, metrics))
-        if ckpt is not None and ckpt.should_save(step):
-            save(step, force=False)
-            last_saved = step
-        if step % log_every == 0 or step == steps:
-            flush()
-            if show:
-                h = history[-1]
-                rate = (step - start) / max(time.perf_counter() - t0, 1e-9)
-                extra = "  ".join(f"{k} {v:.4g}" for k, v in h.items() if k not in ("step",))
-                bar = _bar(step, steps)
-                out.write(f"{bar} step {step}/{steps}  {extra}  {rate:.2f} step/s\n")
-                out.flush()
-    flush()
-    if ckpt is not None and step > start:
-        if last_saved != step:
-            save(step, force=True)
-        ckpt.wait()
-    result_params = write_back(params) if write_back is not None else params
-    return TrainResult(
-        params=result_params, opt_state=opt_state, step=step, history=history, start_step=start
-    )
 
 
 def _bar(step: int, total: int, width: int = 20) -> str:
