@@ -70,7 +70,7 @@ def index_put_reference(x: jax.Array, *rest: jax.Array, accumulate: bool = False
       accumulate: add instead of overwrite.
     """
     *idx, value = rest
-    at = x.at[tuple(idx)]
+    at = jnp.asarray(x).at[tuple(idx)]
     return at.add(value) if accumulate else at.set(value)
 
 
