@@ -1,0 +1,79 @@
+"""``attention``: the registered ``attention`` rule applied to arrays.
+
+The computation runs under ``shard_map`` (see :func:`spmdkit.ops._base.apply_rule`),
+with exactly the rule's collectives: none for batch- or head-parallel attention
+(``strategy="reference"``); two all-gathers of K and V over the sequence axes for
+``"gather_kv"`` (their grads reduce-scattered back); ``n - 1`` collective-permutes
+of one K and one V block each for ``"ring"`` (the grads travel back the same
+way). ``jax.grad`` differentiates the local computation directly (the
+transposes of ``all_gather`` and ``ppermute`` are the backward collectives the
+grad rule states), so no ``custom_vjp`` is needed. Semantics and costs:
+:mod:`spmdkit.rules.attention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from spmdkit.ops._base import apply_rule
+from spmdkit.spec import MeshLike
+
+__all__ = ["attention"]
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    strategy: str | None = None,
+    mesh: MeshLike | None = None,
+    in_specs: Sequence[Any] | None = None,
+) -> jax.Array:
+    """Scaled dot-product attention governed by the ``attention`` rule.
+
+    Args:
+      q: ``[B, Sq, H, D]`` queries.
+      k: ``[B, Sk, Hkv, D]`` keys; ``H`` a multiple of ``Hkv`` (grouped-query:
+        query head ``h`` reads kv head ``h // (H / Hkv)``).
+      v: values, ``k``'s shape and dtype.
+      causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as
+        ``jax.nn.dot_product_attention(is_causal=True)``).
+      scale: logit scale (default ``1 / sqrt(D)``).
+      strategy: ``"reference"`` (default: batch and heads parallel, sequences
+        replicated), ``"gather_kv"`` (queries stay sequence-sharded, K/V
+        all-gathered) or ``"ring"`` (queries and K/V sequence-sharded alike, K/V
+        blocks passed around the ring).
+      mesh: the mesh (default: the arrays' mesh or the ``jax.set_mesh`` context).
+      in_specs: per argument a ``PartitionSpec``/``TensorSpec`` or ``None``;
+        needed for traced arguments under Auto mesh axes.
+
+    Returns:
+      ``[B, Sq, H, D]`` in q's dtype, laid out as the rule claims (batch, heads
+      and, beyond the reference, the query sequence as in ``q``).
+
+    Raises:
+      ShardingConflictError: shapes that do not fit (ranks, ``H % Hkv``), mixed
+        or integer dtypes, an unknown strategy, or a layout that does not divide.
+      SpecError: no mesh can be found, or a traced argument's layout is unknown.
+
+    Example::
+
+        >>> mesh = sk.make_mesh(data=2, seq=4)
+        >>> sh = NamedSharding(mesh, P("data", "seq"))
+        >>> q, k, v = (jax.device_put(t, sh) for t in (q, k, v))
+        >>> out = attention(q, k, v, causal=True, strategy="ring")   # [B@data, S@seq, H, D]
+    """
+    attrs: dict[str, Any] = {}
+    if causal:
+        attrs["causal"] = True
+    if scale is not None:
+        attrs["scale"] = float(scale)
+    if strategy is not None:
+        attrs["strategy"] = strategy
+    return apply_rule("attention", q, k, v, mesh=mesh, in_specs=in_specs, **attrs)

@@ -1,0 +1,152 @@
+"""spmdkit.ops.index_put: values and grads equal ``x.at[idx].set/add`` under sampled
+input specs, in Explicit and Auto axis modes; the local update moves nothing."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.errors import ShardingConflictError
+from spmdkit.hlo import compiled_collectives
+from spmdkit.ops.index_put import index_put
+from spmdkit.rules.index_put import index_put_reference
+from spmdkit.testing import enumerate_specs
+
+OP = "index_put"
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _sample(shapes, dtypes, mesh, n, seed):
+    """``n`` input-spec combinations (all-replicated first) from the sweep's enumeration."""
+    per_input = [
+        enumerate_specs(s, mesh, dtype=d, partial_ops=())
+        for s, d in zip(shapes, dtypes, strict=True)
+    ]
+    combos = list(itertools.product(*per_input))
+    rng = np.random.default_rng(seed)
+    pick = rng.choice(np.arange(1, len(combos)), size=n - 1, replace=False)
+    return [combos[0], *(combos[i] for i in sorted(pick))]
+
+
+def _values(rng, unique):
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    if unique:
+        i = rng.choice(8, size=4, replace=False).astype(np.int32)
+        i[0] -= 8  # a negative index
+    else:
+        i = rng.integers(0, 8, size=4).astype(np.int32)
+    v = rng.standard_normal((4, 4)).astype(np.float32)
+    return x, i, v
+
+
+CONFIGS = {
+    "set_reference": {"accumulate": False},
+    "add_local_update": {"accumulate": True, "strategy": "local_update"},
+    "set_local_update": {"accumulate": False, "strategy": "local_update"},
+}
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
+    attrs = CONFIGS[config]
+    rng = np.random.default_rng(len(config))
+    x, i, v = _values(rng, unique=not attrs["accumulate"])
+    w = rng.standard_normal(x.shape).astype(np.float32)
+    acc = attrs["accumulate"]
+
+    def ref_loss(a, c):
+        return jnp.sum(index_put_reference(a, i, c, accumulate=acc) * w)
+
+    ref_val, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1)))(x, v)
+    mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
+    cases = _sample(
+        [x.shape, i.shape, v.shape], [x.dtype, i.dtype, v.dtype], mesh2d, 3, seed=len(config)
+    )
+    for specs in cases:
+        pspecs = [s.to_partition_spec() for s in specs]
+        args = [
+            jax.device_put(a, NamedSharding(mesh, p))
+            for a, p in zip((x, i, v), pspecs, strict=True)
+        ]
+        kw = {} if mode == "explicit" else {"in_specs": pspecs, "mesh": mesh}
+
+        def f(a, b, c, kw=kw):
+            return jnp.sum(index_put(a, b, c, **attrs, **kw) * w)
+
+        val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 2)))(*args)
+        where = f"{mode} {config} {specs}"
+        np.testing.assert_allclose(val, ref_val, rtol=RTOL, atol=ATOL, err_msg=where)
+        for g, rg in zip(grads, ref_grads, strict=True):
+            np.testing.assert_allclose(g, rg, rtol=RTOL, atol=ATOL, err_msg=where)
+        # the grads leave the op with the layouts the grad rule predicts
+        fwd = sk.infer_forward(OP, *specs, mesh=mesh2d, **attrs)
+        out_spec = fwd.outputs[0].without_partial()
+        pred = sk.infer_grad(OP, *specs, out_grads=(out_spec,), mesh=mesh2d, **attrs)
+        assert pred.inputs == fwd.inputs
+        for k, g in zip((0, 2), grads, strict=True):
+            if fwd.inputs[k] == specs[k]:  # no input reshard: the op's own grad layout
+                want = pred.outputs[k].without_partial().to_partition_spec()
+                assert g.sharding.is_equivalent_to(NamedSharding(mesh, want), g.ndim), where
+
+
+def test_several_index_arrays_and_in_specs_under_auto_jit(mesh2d):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 8, 2)).astype(np.float32)
+    i0 = np.array([0, 3, 1], np.int32)
+    i1 = np.array([7, 2, 2], np.int32)
+    v = rng.standard_normal((3, 2)).astype(np.float32)
+    amesh = Mesh(mesh2d.devices, mesh2d.axis_names)
+    xs = jax.device_put(x, NamedSharding(amesh, P("a", "b")))
+    f = jax.jit(
+        lambda a, b, c, d: index_put(
+            a,
+            (b, c),
+            d,
+            strategy="local_update",
+            mesh=amesh,
+            in_specs=(P("a", "b"), (P(), P()), P()),
+        )
+    )
+    out = f(xs, i0, i1, v)
+    np.testing.assert_allclose(out, _set(x, i0, i1, v))
+    assert out.sharding.is_equivalent_to(NamedSharding(amesh, P("a", "b")), 3)
+
+
+def _set(x, i0, i1, v):
+    y = x.copy()
+    y[i0, i1] = v
+    return y
+
+
+def test_local_update_on_row_sharded_x_moves_nothing(mesh1d):
+    x = jax.device_put(jnp.zeros((16, 8)), NamedSharding(mesh1d, P("x")))
+    i = jax.device_put(jnp.array([1, 9, 15], jnp.int32), NamedSharding(mesh1d, P()))
+    v = jax.device_put(jnp.ones((3, 8)), NamedSharding(mesh1d, P()))
+    for acc in (False, True):
+
+        def f(a, b, c, acc=acc):
+            return index_put(a, b, c, accumulate=acc, strategy="local_update")
+
+        assert compiled_collectives(f, x, i, v) == []
+        out = jax.jit(f)(x, i, v)
+        assert jax.typeof(out).sharding.spec == P("x", None)
+        np.testing.assert_array_equal(np.asarray(out)[[1, 9, 15]], 1.0)
+    # the reference strategy gathers the rows instead
+    kinds = {c.kind for c in compiled_collectives(index_put, x, i, v)}
+    assert kinds == {"all_gather"}
+
+
+def test_bad_inputs_raise_typed_errors(mesh1d):
+    x = jax.device_put(jnp.zeros((8, 4)), NamedSharding(mesh1d, P()))
+    with pytest.raises(ShardingConflictError, match="integer"):
+        index_put(x, jnp.zeros((3,), jnp.float32), jnp.zeros((3, 4)))
+    with pytest.raises(ShardingConflictError, match="dtype"):
+        index_put(x, jnp.zeros((3,), jnp.int32), jnp.zeros((3, 4), jnp.bfloat16))
+    with pytest.raises(ShardingConflictError, match="strategy"):
+        index_put(x, jnp.zeros((3,), jnp.int32), jnp.zeros((3, 4)), strategy="scatter")
