@@ -753,6 +753,10 @@ class _Engine:
         self._plans: dict[tuple, ArgReshard | None] = {}
 
     # specs
+    def const_ids(self) -> set[int]:
+        """Ids of literals and constants (their layout is free to choose)."""
+        return {i for i, c in enumerate(self.prog.const) if c}
+
     def replicated(self, vid: int) -> TensorSpec:
         return TensorSpec(self.prog.shapes[vid], dtype=self.prog.dtypes[vid])
 
@@ -951,9 +955,13 @@ class _Engine:
             fwd = infer_forward(op, *cand_in, mesh=self.mesh, **attrs)
         except (SpmdError, TypeError, ValueError, KeyError):
             return req, outs
-        cand_out = tuple(o.replace(dtype=w.dtype) for o, w in zip(fwd.outputs, want, strict=True))
-        if cost(fwd.inputs, cand_out) <= cost(req, outs):
-            return fwd.inputs, cand_out
+        cand_in, cand_out = fwd.inputs, fwd.outputs
+        if tuple(o.dims for o in cand_out) != tuple(w.dims for w in want):
+            # forward cannot recreate it (dims new in the output): backward's own answer
+            cand_in, cand_out = res.inputs, res.outputs
+        cand_out = tuple(o.replace(dtype=w.dtype) for o, w in zip(cand_out, want, strict=True))
+        if cost(cand_in, cand_out) <= cost(req, outs):
+            return cand_in, cand_out
         return req, outs
 
     # whole graphs
@@ -1185,7 +1193,7 @@ class _Engine:
         p = node.eqn.params
         nc, nk = int(p["num_consts"]), int(p["num_carry"])
         body = node.subs[0]
-        inner: dict[int, TensorSpec] = {}
+        inner: dict[int, TensorSpec] = {v: h for v, h in hints.items() if v in _vids(body)}
         for j, (o, bo) in enumerate(zip(node.outs, body.outvars, strict=True)):
             h = hints.get(o)
             if h is None or bo in inner:
@@ -1207,6 +1215,20 @@ class _Engine:
                 h = _stack(h, self.prog.shapes[v][0])
             if h.shape == self.prog.shapes[v]:
                 hints[v] = h
+
+
+def _vids(graph: _Graph) -> frozenset[int]:
+    """Every value id a graph defines (inputs and results, nested bodies included)."""
+    cached = getattr(graph, "_vids", None)
+    if cached is None:
+        ids = set(graph.invars)
+        for node in graph.nodes:
+            ids.update(node.outs)
+            for sub in node.subs:
+                ids |= _vids(sub)
+        cached = frozenset(ids)
+        graph._vids = cached
+    return cached
 
 
 def _drop_axes(s: TensorSpec, axes: set[str] | None) -> TensorSpec:
@@ -1408,9 +1430,10 @@ def propagate(
             t += a.plan.time_s if a else 0.0
         if best is None or t < best[0]:  # hints are heuristics: keep the cheapest round
             best = (t, spec, collect, engine.unknown)
-        if not wanted:
+        asked = {**_consumer_hints(engine, collect, fixed | engine.const_ids()), **wanted}
+        if not asked:
             break
-        hints = engine.backward_hints(graph, spec, wanted, fixed)
+        hints = engine.backward_hints(graph, spec, asked, fixed)
         if hints == engine.hints:
             break
         engine.hints = hints
@@ -1481,6 +1504,32 @@ def propagate(
         memory=memory,
         var_specs=var_specs,
     )
+
+
+def _consumer_hints(engine: _Engine, items: list, skip: set[int]) -> dict[int, TensorSpec]:
+    """Values made from replicated operands (broadcast constants, masks) that a
+    consumer slices (no communication) to a more sharded layout: their producer may
+    as well make that layout (less compute and memory)."""
+    out: dict[int, TensorSpec] = {}
+    free = {  # made from replicated operands only: sharding them costs nothing upstream
+        o
+        for node, _, _, specs, _, _, _, extra in items
+        if extra is None and all(x.is_replicated for x in specs)
+        for o in node.outs
+    }
+    for node, _, _, specs, req, _, _, extra in items:
+        for v, s, r in zip(node.ins, specs, req, strict=True):
+            if v in skip or v in out or v not in free or r.dims == s.dims:
+                continue
+            if len(r.sharding_axes) <= len(s.sharding_axes) or r.partial != s.partial:
+                continue
+            a = engine.reshard("input", s, r)
+            if a is not None and not a.plan.collectives:
+                out[v] = r
+        if extra is not None:
+            for v, h in _consumer_hints(engine, extra[0], skip).items():
+                out.setdefault(v, h)
+    return out
 
 
 def _items_flops(items: list, mesh: MeshLike) -> float:
