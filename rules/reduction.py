@@ -14,17 +14,14 @@ sharded.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from spmdkit.errors import ShardingConflictError
-from spmdkit.factor import BROADCAST, Notation
-from spmdkit.rule import Example, FactorRule, Inferred, RuleContext
-from spmdkit.spec import TensorSpec
+from spmdkit.factor import BROADCAST
+from spmdkit.rule import Example, FactorRule
 
 __all__ = ["RULES", "reduce_notation"]
 
@@ -67,32 +64,8 @@ def reduce_notation(
     return f"{' '.join(ins)} -> {' '.join(outs)}"
 
 
-class _MeanRule(FactorRule):
-    """reduce_mean: avg-partial only over evenly sharded reduced dims."""
-
-    def notation_for(self, shapes: Any, attrs: Mapping[str, Any]) -> Notation:
-        uneven = attrs.get("_uneven", frozenset())
-        nt = super().notation_for(shapes, {k: v for k, v in attrs.items() if k != "_uneven"})
-        return Notation(nt.inputs, nt.outputs, nt.need_replication | uneven, nt.reduce)
-
-    def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
-        (x,) = inputs
-        nt = super().notation_for([x.shape], ctx.attrs)
-        uneven = frozenset(
-            f
-            for f in nt.reduction_factors
-            for d, g in enumerate(nt.inputs[0])
-            if g == f
-            and x.dims[d]
-            and x.shape[d] % math.prod(ctx.axis_sizes[a] for a in x.dims[d]) != 0
-        )
-        if uneven:
-            ctx = RuleContext(ctx.op, ctx.axis_sizes, {**ctx.attrs, "_uneven": uneven})
-        return super().forward(ctx, inputs)
-
-
 def _reducer(fn: Any):
-    def impl(x: jax.Array, *, axis: Any = None, keepdims: bool = False, _uneven: Any = None):
+    def impl(x: jax.Array, *, axis: Any = None, keepdims: bool = False):
         return fn(x, axis=axis, keepdims=keepdims)
 
     return impl
@@ -107,8 +80,8 @@ _EX = (
 _NEAR_ONE_EX = tuple(Example(e.shapes, attrs=e.attrs, domain="near_one") for e in _EX)
 
 
-def _rule(name: str, fn: Any, reduce: str | None, policy: str, examples: Any = _EX, cls=FactorRule):
-    return cls(
+def _rule(name: str, fn: Any, reduce: str | None, policy: str, examples: Any = _EX) -> FactorRule:
+    return FactorRule(
         name,
         reduce_notation,
         impl=_reducer(fn),
@@ -121,7 +94,7 @@ def _rule(name: str, fn: Any, reduce: str | None, policy: str, examples: Any = _
 
 RULES = (
     _rule("reduce_max", jnp.max, "max", "REDUCE_MAX"),
-    _rule("reduce_mean", jnp.mean, "avg", "REDUCE_SUM", cls=_MeanRule),
+    _rule("reduce_mean", jnp.mean, "avg", "REDUCE_SUM"),
     _rule("reduce_min", jnp.min, "min", "REDUCE_MIN"),
     _rule("reduce_prod", jnp.prod, None, "NONE", _NEAR_ONE_EX),
     _rule("reduce_sum", jnp.sum, "sum", "REDUCE_SUM"),

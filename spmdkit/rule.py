@@ -599,8 +599,12 @@ class FactorRule(Rule):
         sizes: Mapping[str, int],
         sources: Sequence[tuple[tuple[str, ...], TensorSpec]],
         start: dict[str, tuple[str, ...]] | None = None,
+        allowed: Callable[[str, tuple[str, ...]], bool] | None = None,
     ) -> dict[str, tuple[str, ...]]:
-        """Factor → mesh axes: the first sharded source wins; an axis serves one factor."""
+        """Factor → mesh axes: the first sharded source wins; an axis serves one factor.
+
+        ``allowed(factor, axes)`` may veto a choice (uneven splits of factors that
+        are summed away somewhere, see :meth:`_even_guard`)."""
         assign: dict[str, tuple[str, ...]] = dict(start or {})
         used = {a for axes in assign.values() for a in axes}
         order = list(nt.factors)
@@ -617,6 +621,8 @@ class FactorRule(Rule):
                     if g != f or spec.shape[d] != sizes[f] or not spec.dims[d]:
                         continue
                     axes = tuple(a for a in spec.dims[d] if a not in used)
+                    if axes and allowed is not None and not allowed(f, axes):
+                        axes = ()
                     if axes:
                         assign[f] = axes
                         used.update(axes)
@@ -624,6 +630,38 @@ class FactorRule(Rule):
                 if assign[f]:
                     break
         return assign
+
+    @staticmethod
+    def _even_guard(
+        ctx: RuleContext,
+        nt: Notation,
+        sizes: Mapping[str, int],
+        shapes: Sequence[tuple[int, ...]],
+    ) -> Callable[[str, tuple[str, ...]], bool]:
+        """Veto uneven splits of factors missing from some input or output.
+
+        A dim that does not divide its axes is padded on the devices. Where the
+        factor runs through every operand and result the padding only ever meets
+        padding and is cropped; where it is reduced away (a reduction factor, or
+        a broadcast operand whose grad sums over it) the padding would be summed
+        into real elements, so such a factor is sharded only when it divides.
+        """
+        complete = {
+            f
+            for f in nt.factors
+            if all(f in dims for dims in nt.outputs)
+            and all(
+                any(g == f and n == sizes.get(f) for g, n in zip(dims, shape, strict=True))
+                for dims, shape in zip(nt.inputs, shapes, strict=True)
+            )
+        }
+
+        def allowed(f: str, axes: tuple[str, ...]) -> bool:
+            if f in complete:
+                return True
+            return sizes.get(f, 1) % math.prod(ctx.axis_sizes[a] for a in axes) == 0
+
+        return allowed
 
     @staticmethod
     def _layout(
@@ -688,7 +726,8 @@ class FactorRule(Rule):
         shapes = [s.shape for s in inputs]
         nt = self.notation_for(shapes, self._notation_attrs(ctx))
         sizes = self._sizes(ctx, nt, shapes)
-        assign = self._assign(nt, sizes, list(zip(nt.inputs, inputs, strict=True)))
+        guard = self._even_guard(ctx, nt, sizes, shapes)
+        assign = self._assign(nt, sizes, list(zip(nt.inputs, inputs, strict=True)), None, guard)
         return self._finish(ctx, nt, sizes, inputs, assign)
 
     def _finish(
@@ -735,7 +774,8 @@ class FactorRule(Rule):
         nt = self.notation_for(shapes, self._notation_attrs(ctx))
         sizes = self._sizes(ctx, nt, shapes)
         self._check_outputs(ctx, nt, sizes, outputs, "outputs")
-        assign = self._assign(nt, sizes, list(zip(nt.outputs, outputs, strict=True)))
+        guard = self._even_guard(ctx, nt, sizes, shapes)
+        assign = self._assign(nt, sizes, list(zip(nt.outputs, outputs, strict=True)), None, guard)
         used = {a for axes in assign.values() for a in axes}
         free = [
             f
@@ -744,7 +784,11 @@ class FactorRule(Rule):
         ]
         if free:
             for a, op in sorted({p for o in outputs for p in o.partial}):
-                if op == nt.reduce and a not in used:
+                if (
+                    op == nt.reduce
+                    and a not in used
+                    and guard(free[0], (*assign.get(free[0], ()), a))
+                ):
                     assign[free[0]] = (*assign.get(free[0], ()), a)
                     used.add(a)
         plain = tuple(s.without_partial() for s in inputs)
@@ -762,10 +806,12 @@ class FactorRule(Rule):
         sizes = self._sizes(ctx, nt, shapes)
         self._check_outputs(ctx, nt, sizes, out_grads, "out_grads")
         plain = tuple(s.without_partial() for s in inputs)
-        fwd_assign = self._assign(nt, sizes, list(zip(nt.inputs, plain, strict=True)))
+        guard = self._even_guard(ctx, nt, sizes, shapes)
+        fwd_assign = self._assign(nt, sizes, list(zip(nt.inputs, plain, strict=True)), None, guard)
         out_factors = {f for dims in nt.outputs for f in dims}
         start = {f: a for f, a in fwd_assign.items() if a or f not in out_factors}
-        assign = self._assign(nt, sizes, list(zip(nt.outputs, out_grads, strict=True)), start)
+        out_srcs = list(zip(nt.outputs, out_grads, strict=True))
+        assign = self._assign(nt, sizes, out_srcs, start, guard)
         fwd = self._finish(ctx, nt, sizes, plain, assign, keep_partial=False)
         used = {a for axes in assign.values() for a in axes}
         g_partial = {

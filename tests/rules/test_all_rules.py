@@ -4,6 +4,8 @@
 * jit check: compiled HLO collectives equal the predicted ones.
 """
 
+import dataclasses
+
 import pytest
 
 import spmdkit as sk
@@ -28,4 +30,30 @@ def test_numeric_sweep_2d(op, mesh2d):
 @pytest.mark.parametrize("op", OPS)
 def test_jit_collectives_match_prediction(op, mesh2d):
     report = check_jit(op, mesh=mesh2d, max_cases=3)
+    assert report.ok, str(report)
+
+
+def _uneven_examples(rule):
+    """The rule's uneven examples; for a factor rule without any, its examples
+    with every dim of 8 made 6 (which 4 does not divide)."""
+    own = [e for e in rule.examples if e.uneven]
+    if own or not isinstance(rule, sk.FactorRule):
+        return own
+    return [
+        dataclasses.replace(
+            e, uneven=True, shapes=tuple(tuple(6 if n == 8 else n for n in s) for s in e.shapes)
+        )
+        for e in rule.examples
+        if e.values is None
+    ]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_uneven_sweep_1d(op, mesh1d):
+    examples = _uneven_examples(sk.get_rule(op))
+    if not examples:
+        pytest.skip(f"{op} has no uneven example (its shapes must divide)")
+    report = check_rule(
+        op, mesh=mesh1d, examples=examples, max_cases=12, max_grad_cases=4, missing=False, seed=2
+    )
     assert report.ok, str(report)
