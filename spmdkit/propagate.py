@@ -702,6 +702,58 @@ def _lay_pad(p: Mapping, ins: list[TensorSpec], outs: list[tuple], sizes: Mappin
     return [dims, ()], [dims]
 
 
+def _scatter(
+    name: str, p: Mapping, specs: tuple[TensorSpec, ...], out_dtype: Any
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """scatter / scatter-add (operand, indices, updates): the indexed operand dims
+    replicated, window dims shared by operand and updates, the updates' scatter
+    (batch) dims keep their axes — for scatter-add each device adds its own updates,
+    so the result is sum-partial over those axes (the operand joins as partial for
+    free); plain scatter gathers them instead."""
+    dn = p["dimension_numbers"]
+    if getattr(dn, "operand_batching_dims", ()) or len(specs) != 3:
+        raise ValueError("batched scatter")
+    o, idx, u = specs
+    indexed = set(dn.scatter_dims_to_operand_dims)
+    windowed = [d for d in range(o.ndim) if d not in set(dn.inserted_window_dims)]
+    win_of = dict(zip(windowed, dn.update_window_dims, strict=True))
+    out_dims: list[tuple[str, ...]] = []
+    used: set[str] = set()
+    for d in range(o.ndim):
+        axes: tuple[str, ...] = ()
+        if d not in indexed:
+            w = win_of.get(d)
+            if o.dims[d]:
+                axes = o.dims[d]
+            elif w is not None and u.shape[w] == o.shape[d]:
+                axes = u.dims[w]
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out_dims.append(axes)
+    scatter_dims = [k for k in range(u.ndim) if k not in set(dn.update_window_dims)]
+    u_dims: list[tuple[str, ...]] = [() for _ in range(u.ndim)]
+    for d, w in win_of.items():
+        if u.shape[w] == o.shape[d]:
+            u_dims[w] = out_dims[d]
+    partial: dict[str, str] = {}
+    i_dims: list[tuple[str, ...]] = [() for _ in range(idx.ndim)]
+    if name == "scatter-add":
+        for j, k in enumerate(scatter_dims):
+            axes = tuple(a for a in u.dims[k] if a not in used)
+            used.update(axes)
+            u_dims[k] = axes
+            if j < idx.ndim - 1:
+                i_dims[j] = axes
+            partial.update({a: "sum" for a in axes})
+    req = (
+        TensorSpec(o.shape, out_dims, partial=partial, dtype=o.dtype),
+        TensorSpec(idx.shape, i_dims, dtype=idx.dtype),
+        TensorSpec(u.shape, u_dims, dtype=u.dtype),
+    )
+    out = TensorSpec(o.shape, out_dims, partial=partial, dtype=out_dtype)
+    return req, (out,)
+
+
 _LAYOUT = {
     "broadcast_in_dim": _lay_broadcast,
     "concatenate": _lay_concat,
@@ -889,6 +941,12 @@ class _Engine:
                 tuple(s.without_partial().replace(dims=()) for s in specs),
                 tuple(self.replicated(o) for o in node.outs),
             )
+        if name in ("scatter-add", "scatter"):
+            try:
+                req, outs = _scatter(name, eqn.params, specs, out_dtypes[0])
+                return name, {}, req, outs
+            except (SpmdError, TypeError, ValueError, KeyError, IndexError, AttributeError):
+                pass
         if name in _LAYOUT:
             try:
                 req, outs = _layout_forward(

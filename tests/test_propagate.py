@@ -257,3 +257,27 @@ def test_table_lists_costly_equations(mesh2d):
     text = prop.table(limit=2)
     assert len(text.splitlines()) == 3
     assert "all_reduce" in text
+
+
+@pytest.mark.parametrize(
+    ("table", "expected"),
+    [(P(), {"all_reduce": 100 * 16 * 4}), (P(None, "x"), {"all_gather": 8 * 5 * 4})],
+    ids=["replicated-table", "dim-sharded-table"],
+)
+def test_embedding_grad_scatter_add_matches_hlo(mesh1d, table, expected):
+    def f(t, i):
+        return jax.grad(lambda t: jnp.sum(t[i] ** 2))(t)
+
+    t, i = S((100, 16), F32), S((8, 5), "int32")
+    prop = propagate(f, t, i, in_specs=(table, P("x")), mesh=mesh1d)
+    assert not prop.unknown
+    assert prop.comm_bytes_by_kind == expected
+    auto = _auto(mesh1d)
+    rep = sk_report(
+        f,
+        (
+            S(t.shape, F32, sharding=NamedSharding(auto, table)),
+            S(i.shape, "int32", sharding=NamedSharding(auto, P("x"))),
+        ),
+    )
+    assert rep.bytes_by_kind() == expected
