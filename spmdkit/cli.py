@@ -66,6 +66,11 @@ def _run_demo(args: argparse.Namespace, out: TextIO) -> int:
 
 def _configure_rules(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("op", nargs="?", help="show one op in detail (default: list all ops)")
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the Markdown rule reference (the source of docs/rules.md)",
+    )
 
 
 def _summary(rule: Rule) -> str:
@@ -83,6 +88,11 @@ def _call(ex: Example) -> str:
 
 
 def _run_rules(args: argparse.Namespace, out: TextIO) -> int:
+    if args.markdown:
+        from spmdkit.docgen import rules_markdown
+
+        out.write(rules_markdown())
+        return 0
     if args.op is None:
         names = registered_ops()
         rules = [get_rule(n) for n in names]
