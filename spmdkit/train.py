@@ -70,11 +70,42 @@ def _shardings_of(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
+def _opt_shardings_like_params(abstract_opt: Any, param_sh: Any, abstract_params: Any) -> Any:
+    """Optimizer-state shardings when no plan gives them: a leaf whose path ends with a
+    parameter's path and has its shape (adam's ``mu/l1/kernel``) takes that parameter's
+    sharding; other leaves (step counts, scalars) are replicated on the params' mesh."""
+    params = {
+        _path(p): (x.shape, s)
+        for (p, x), s in zip(
+            jax.tree_util.tree_flatten_with_path(abstract_params)[0],
+            jax.tree.leaves(param_sh),
+            strict=True,
+        )
+    }
+    meshes = [s.mesh for _, s in params.values() if isinstance(s, NamedSharding)]
+    if not meshes:
+        return None
+    replicated = NamedSharding(meshes[0], PartitionSpec())
+
+    def pick(path: tuple, x: Any) -> Any:
+        name = _path(path)
+        for p, (shape, sharding) in params.items():
+            if (name == p or name.endswith("/" + p)) and tuple(shape) == tuple(x.shape):
+                return sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt)
+
+
+def _path(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def _nnx_adapter(model: nnx.Module, loss_fn: Callable) -> tuple[Any, Callable, Callable]:
     """Split an NNX module into a pure dict of params, a loss over that dict, and a
     function writing final params back into the module."""
     graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
-    params = params_state.to_pure_dict()
+    params = nnx.to_pure_dict(params_state)
 
     def module_of(p: Any) -> nnx.Module:
         state = jax.tree.map(lambda x: x, params_state)
@@ -142,7 +173,7 @@ def _make_step(
             aux = jax.tree.map(lambda a: a / accum_steps, asum)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {"loss": value, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), **aux}
         return params, opt_state, metrics
 
     return step
@@ -199,7 +230,8 @@ def train(
         optimizer state live there) and ``plan.mesh`` / ``plan.to_json()`` are saved
         in checkpoints.
       shardings: ``(param_shardings, opt_state_shardings)`` pytrees instead of a plan
-        (``opt_state_shardings=None``: derive them by propagation from the params).
+        (``opt_state_shardings=None``: each optimizer leaf mirroring a parameter takes
+        that parameter's sharding, the rest are replicated).
         With neither, the params' current shardings are kept.
       accum_steps: micro-batches per step (gradients averaged); the loader splits each
         batch (``microbatches`` is set on a ShardedLoader that has 1).
@@ -269,6 +301,8 @@ def train(
         param_sh, opt_sh = shardings
     else:
         param_sh, opt_sh = _shardings_of(params), None
+    if opt_sh is None:
+        opt_sh = _opt_shardings_like_params(abstract_opt, param_sh, abstract_params)
     mesh = getattr(plan, "mesh", None)
     if mesh is None:
         leaves = [s for s in jax.tree.leaves(param_sh) if hasattr(s, "mesh")]
