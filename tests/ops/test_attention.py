@@ -95,17 +95,36 @@ def test_sequence_parallel_strategies_keep_the_query_sequence_sharded(mesh2d):
     assert out.sharding.spec == P("a", None, None, None)  # the reference gathers the sequence
 
 
-def test_gather_kv_moves_exactly_the_predicted_kv_bytes(mesh1d):
-    shapes = ((2, 16, 4, 8), (2, 16, 1, 8), (2, 16, 1, 8))
+def test_sequence_parallel_collectives_are_the_predicted_ones(mesh1d):
+    shapes = ((2, 16, 4, 8), (2, 16, 1, 8), (2, 16, 1, 8))  # multi-query
     specs = tuple(sk.TensorSpec(s, P(None, "x"), dtype="float32") for s in shapes)
     args = [s.to_shape_dtype_struct(mesh1d) for s in specs]
+    kv_bytes = 2 * 16 * 8 * 4  # K (or V) whole, f32
+
+    def loss(strategy):
+        return lambda a, b, c: jnp.sum(attention(a, b, c, causal=True, strategy=strategy))
+
     res = sk.infer_forward(OP, *specs, mesh=mesh1d, strategy="gather_kv", causal=True)
     compiled = compiled_collectives(
         lambda a, b, c: attention(a, b, c, causal=True, strategy="gather_kv"), *args
     )
     assert check_plan(res.collectives, compiled) == []
-    # K and V, each gathered whole on every device: [2, 16, 1, 8] f32
-    assert sorted(c.payload_bytes for c in compiled) == [2 * 16 * 8 * 4] * 2
+    assert sorted(c.payload_bytes for c in compiled) == [kv_bytes] * 2
+    # the grad: the two gathers again, and dK, dV reduce-scattered back
+    grad = sk.infer_grad(
+        OP, *specs, out_grads=(specs[0],), mesh=mesh1d, strategy="gather_kv", causal=True
+    )
+    compiled = compiled_collectives(jax.grad(loss("gather_kv"), argnums=(0, 1, 2)), *args)
+    assert check_plan(grad.collectives, compiled, reduce_scatter_as_all_reduce=True) == []
+    # ring: one K and one V permute per step forward, their transposes backward, each
+    # of one block; over n - 1 = 3 steps the wire bytes equal the stated all-gathers'
+    grad = sk.infer_grad(
+        OP, *specs, out_grads=(specs[0],), mesh=mesh1d, strategy="ring", causal=True
+    )
+    compiled = compiled_collectives(jax.grad(loss("ring"), argnums=(0, 1, 2)), *args)
+    assert [c.kind for c in compiled] == ["collective_permute"] * 4
+    assert {c.payload_bytes for c in compiled} == {kv_bytes // 4}
+    assert 3 * sum(c.payload_bytes for c in compiled) == sum(c.wire_bytes for c in grad.collectives)
 
 
 def test_bad_inputs_raise_typed_errors(mesh1d):
