@@ -440,7 +440,7 @@ def init_sharded(info_or_model: Any, plan: Any, **describe_kwargs: Any) -> Any:
             fix="pass lambda: MyModule(..., rngs=nnx.Rngs(0)) instead of the instance, "
             "or jax.device_put(state, plan.param_shardings(state))",
         )
-    shardings = plan.on(_auto_mesh(plan.mesh)).param_shardings(info.abstract_params)
+    shardings = plan.param_shardings(info.abstract_params)
     return jax.jit(info.init_fn, out_shardings=shardings)()
 
 
@@ -490,11 +490,13 @@ def shard(plan_or_rules: Any, *, mesh: Any = None) -> Callable[[type], type]:
 
         class _ShardedMeta(meta):
             def __call__(self, *args: Any, **kwargs: Any) -> Any:
-                def build() -> Any:
-                    return meta.__call__(self, *args, **kwargs)
+                # Graph nodes among the arguments (nnx.Rngs) must enter the traces as
+                # arguments of nnx transforms, not as closures.
+                def build(*a: Any, **k: Any) -> Any:
+                    with nnx.use_eager_sharding(False):
+                        return meta.__call__(self, *a, **k)
 
-                with nnx.use_eager_sharding(False):
-                    abstract = nnx.eval_shape(build)
+                abstract = nnx.eval_shape(build, *args, **kwargs)
                 graphdef, state = nnx.split(abstract)
                 specs = _specs_for_state(state, plan_or_rules, rules_for(), target_mesh)
                 smesh = _auto_mesh(target_mesh)
@@ -502,11 +504,10 @@ def shard(plan_or_rules: Any, *, mesh: Any = None) -> Callable[[type], type]:
                     lambda s: NamedSharding(smesh, s), specs, is_leaf=lambda x: isinstance(x, P)
                 )
 
-                def init() -> Any:
-                    with nnx.use_eager_sharding(False):
-                        return nnx.split(build())[1]
+                def init(*a: Any, **k: Any) -> Any:
+                    return nnx.split(build(*a, **k))[1]
 
-                sharded_state = jax.jit(init, out_shardings=shardings)()
+                sharded_state = nnx.jit(init, out_shardings=shardings)(*args, **kwargs)
                 return nnx.merge(graphdef, sharded_state)
 
         sharded = _ShardedMeta(

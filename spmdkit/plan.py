@@ -583,8 +583,17 @@ class Plan:
                     best = p
         return None if best is None else table[best]
 
+    @property
+    def sharding_mesh(self) -> MeshLike:
+        """The mesh of the shardings the plan hands out: for a device ``Mesh``, its
+        Auto-axes view (``sk.jit`` compiles under Auto axes, so arrays placed with
+        these shardings enter it without a copy); an ``AbstractMesh`` as is."""
+        from spmdkit.flaxlib import _auto_mesh
+
+        return _auto_mesh(self.mesh)
+
     def _named(self, spec: P) -> NamedSharding:
-        return NamedSharding(self.mesh, spec)
+        return NamedSharding(self.sharding_mesh, spec)
 
     def spec_for(self, path: str, shape: Sequence[int] = ()) -> P:
         """The param spec for ``path`` (exact, or the longest param path it ends with).
