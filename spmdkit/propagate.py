@@ -1642,6 +1642,59 @@ def _reshard_once(
     return best
 
 
+_MANUAL = {
+    "psum": ("all_reduce", "in", "sum"),
+    "psum_invariant": ("all_reduce", "in", "sum"),
+    "pmax": ("all_reduce", "in", "max"),
+    "pmin": ("all_reduce", "in", "min"),
+    "all_gather": ("all_gather", "out", None),
+    "reduce_scatter": ("reduce_scatter", "in", "sum"),
+    "all_to_all": ("all_to_all", "in", None),
+}
+
+
+def _manual_collectives(jaxpr: Any, engine: _Engine) -> list[ArgReshard]:
+    """The collectives a shard_map body calls (psum, all_gather, psum_scatter,
+    all_to_all, pmax, pmin), with per-device payload bytes from the body's local
+    shapes; wrapped as one-step reshards so records treat them like any other."""
+    from spmdkit.resharding import ReshardPlan
+
+    out: list[ArgReshard] = []
+    sizes = axis_sizes(engine.mesh)
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        body = _inline_body(eqn)
+        if body is not None:
+            out += _manual_collectives(_open(body)[0], engine)
+            continue
+        if name not in _MANUAL:
+            continue
+        kind, side, op = _MANUAL[name]
+        axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+        axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if isinstance(a, str))
+        if not axes or any(a not in sizes for a in axes):
+            continue
+        n = math.prod(sizes[a] for a in axes)
+        for v in eqn.invars if side == "in" else eqn.outvars:
+            aval = v.aval
+            local = TensorSpec(aval.shape, dtype=np.dtype(aval.dtype))
+            payload = local.local_bytes(engine.mesh)
+            wire = payload * (n - 1) // n * (2 if kind == "all_reduce" else 1)
+            c = Collective(
+                kind,
+                axes,
+                n,
+                reduce_op=op,
+                payload_bytes=payload,
+                wire_bytes=wire,
+                time_s=engine.topology.collective_time(kind, wire, n, axes, engine.mesh),
+            )
+            out.append(
+                ArgReshard(f"{name} in shard_map", local, local, ReshardPlan(local, local, (c,)))
+            )
+    return out
+
+
 def _record(
     engine: _Engine, item: tuple, avail: dict[int, list[TensorSpec]], mesh: MeshLike, index: int
 ) -> EqnRecord:
@@ -1651,6 +1704,8 @@ def _record(
         for i, (v, s, r) in enumerate(zip(node.ins, specs, req, strict=True))
         if (a := _reshard_once(engine, avail, v, f"input {i}", s, r)) is not None
     )
+    if node.kind == "shard_map":
+        reshards += tuple(_manual_collectives(node.eqn.params["jaxpr"], engine))
     comm = sum(a.payload_bytes for a in reshards)
     ctime = sum(a.plan.time_s for a in reshards)
     flops = _flops(node, req, outs, mesh)

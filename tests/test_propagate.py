@@ -281,3 +281,42 @@ def test_embedding_grad_scatter_add_matches_hlo(mesh1d, table, expected):
         ),
     )
     assert rep.bytes_by_kind() == expected
+
+
+def test_cond_merges_branches(mesh1d):
+    def f(p, x, w):
+        return jax.lax.cond(p > 0, lambda x: jnp.tanh(x @ w), lambda x: x @ w, x)
+
+    prop = propagate(
+        f, S((), "int32"), S((16, 32), F32), S((32, 32), F32),
+        in_specs=(None, P(None, "x"), P("x")), mesh=mesh1d,
+    )  # fmt: skip
+    assert not prop.unknown
+    # row-parallel in both branches: one all-reduce of the [16, 32] result
+    assert prop.comm_bytes_by_kind == {"all_reduce": 16 * 32 * 4}
+    assert prop.out_specs[0].is_replicated
+
+
+def test_while_keeps_the_carry_layout(mesh1d):
+    def f(x):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1])), (0, x))
+
+    prop = propagate(f, S((16, 32), F32), in_specs=(P("x"),), mesh=mesh1d)
+    assert not prop.unknown
+    assert prop.comm_bytes == 0
+    assert prop.out_specs[1].dims == (("x",), ())
+    assert [r.primitive for r in prop.records] == ["while"]
+
+
+def test_shard_map_specs_and_body_collectives_match_hlo(mesh1d):
+    mesh = _auto(mesh1d)
+
+    def f(x):
+        body = lambda b: jax.lax.psum(jnp.tanh(b), "x")  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())(x)
+
+    prop = propagate(f, S((16, 32), F32), in_specs=(P(None, "x"),), mesh=mesh)
+    # the operand moves to the shard_map's in_specs, then the body's psum
+    assert prop.comm_bytes_by_kind == {"all_reduce": 4 * 32 * 4, "all_to_all": 4 * 32 * 4}
+    rep = sk_report(f, (S((16, 32), F32, sharding=NamedSharding(mesh, P(None, "x"))),))
+    assert rep.bytes_by_kind() == prop.comm_bytes_by_kind
