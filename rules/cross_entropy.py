@@ -197,7 +197,13 @@ def cross_entropy_config(
     )
 
 
+_ATTRS = ("axis", "soft_label", "ignore_index", "reduction", "label_smoothing")
+
+
 def _config(logits: TensorSpec, labels: TensorSpec, attrs: Any) -> CrossEntropyConfig:
+    unknown = sorted(set(without_strategy(attrs)) - set(_ATTRS))
+    if unknown:
+        raise _fail(f"attributes are among {_ATTRS}", f"{unknown}", "drop or rename them")
     return cross_entropy_config(
         logits.shape,
         labels.shape,

@@ -50,6 +50,7 @@ from spmdkit.rule import (
     LocalContext,
     Rule,
     RuleContext,
+    without_strategy,
 )
 from spmdkit.spec import TensorSpec
 
@@ -108,8 +109,13 @@ class EmbeddingRule(Rule):
         self.examples = tuple(examples)
 
     # -- layout ------------------------------------------------------------
-    @staticmethod
-    def _check(inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, TensorSpec]:
+    def _check(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]
+    ) -> tuple[TensorSpec, TensorSpec]:
+        self.strategy(ctx)
+        extra = sorted(without_strategy(ctx.attrs))
+        if extra:
+            raise _fail("no attributes besides strategy", str(extra), "drop them")
         if len(inputs) != 2:
             raise _fail("two inputs: table and ids", f"{len(inputs)} inputs", "pass (table, ids)")
         table, ids = inputs
@@ -176,8 +182,7 @@ class EmbeddingRule(Rule):
     # -- the three inferences ----------------------------------------------
     def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
         """V, D from the table; the ids' dims from the ids; V sharded → sum-partial output."""
-        self.strategy(ctx)
-        table, ids = self._check(inputs)
+        table, ids = self._check(ctx, inputs)
         req, out = self._specs(table, ids, self._assign(table, ids, self._sources(table, ids)))
         return Inferred(req, (out,))
 
@@ -185,8 +190,7 @@ class EmbeddingRule(Rule):
         self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]
     ) -> Inferred:
         """The ids' dims and D from the output; a sum-partial output axis shards V."""
-        self.strategy(ctx)
-        table, ids = self._check(inputs)
+        table, ids = self._check(ctx, inputs)
         (out,) = self._outputs(table, ids, outputs, "outputs")
         factors = [*range(ids.ndim), _D]
         assign = self._assign(table, ids, [(factors, out)])
@@ -202,8 +206,7 @@ class EmbeddingRule(Rule):
     ) -> InferredGrad:
         """The forward layout, ids' dims and D it left free take the cotangent's; the
         table grad is sum-partial over the ids' axes, row-sharded like the table."""
-        self.strategy(ctx)
-        table, ids = self._check(inputs)
+        table, ids = self._check(ctx, inputs)
         (g,) = self._outputs(table, ids, out_grads, "out_grads")
         plain = (table.without_partial(), ids)
         assign = self._assign(*plain, self._sources(*plain))

@@ -141,6 +141,7 @@ def test_backward_traces_rows_from_the_loss(mesh2d):
         (I((8,)), {"axis": 2}, "axis is a dim"),
         (I((8,)), {"strategy": "ring"}, "strategy is one of"),
         (I((8,)), {"soft_label": True}, "soft labels have the logits' shape"),
+        (I((8,)), {"smoothing": 0.1}, "attributes are among"),
     ],
 )
 def test_bad_calls_raise_typed_errors(mesh1d, labels, attrs, match):

@@ -113,6 +113,8 @@ def test_bad_out_grads_and_strategy_raise(mesh1d):
         sk.infer_grad(OP, W(), ids(), out_grads=(out(shape=(4, 6)),), mesh=mesh1d)
     with pytest.raises(ShardingConflictError, match="strategy is one of"):
         sk.infer_forward(OP, W(), ids(), mesh=mesh1d, strategy="ring")
+    with pytest.raises(ShardingConflictError, match="no attributes besides strategy"):
+        sk.infer_forward(OP, W(), ids(), mesh=mesh1d, axis=1)
 
 
 # -- semantics -----------------------------------------------------------------
