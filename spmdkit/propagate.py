@@ -112,6 +112,8 @@ _INLINE_PRIMS = frozenset(
 )
 
 _CONVERTERS: dict[str, Callable[[Any], tuple[str, dict] | None]] = {}
+# (mesh, topology, op, attrs, specs, hints) -> chosen forward answer
+_CHEAPEST: dict[tuple, Any] = {}
 _WARNED: set[str] = set()
 
 
@@ -802,6 +804,7 @@ class _Engine:
         self.unknown: collections.Counter = collections.Counter()
         self.hints: dict[int, TensorSpec] = {}
         self._sizes = axis_sizes(mesh)
+        self._key = (tuple(self._sizes.items()), topology)
         self._plans: dict[tuple, ArgReshard | None] = {}
 
     # specs
@@ -861,6 +864,27 @@ class _Engine:
         by each sharded operand alone and the one with the operands' backward hints
         (the layouts later equations want); the cheapest whose outputs are no bigger
         per device wins (ties keep the rule's own answer)."""
+        hinted = None
+        if self.hints and ins:
+            hinted = tuple(
+                h if (h := self.hints.get(v)) is not None and h.shape == x.shape else x
+                for v, x in zip(ins, specs, strict=True)
+            )
+        try:
+            key = (self._key, op, id(get_rule(op)), tuple(sorted(attrs.items())), specs, hinted)
+            hit = _CHEAPEST.get(key)
+        except TypeError:  # unhashable attributes: no caching
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        best = self._cheapest_uncached(op, attrs, specs, hinted)
+        if key is not None:
+            if len(_CHEAPEST) > 65536:
+                _CHEAPEST.clear()
+            _CHEAPEST[key] = best
+        return best
+
+    def _cheapest_uncached(self, op, attrs, specs, hinted):
         res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
         if not any(a.plan.collectives for a in res.reshards) and not any(
             o.partial and not any(s.partial for s in specs) for o in res.outputs
@@ -885,11 +909,7 @@ class _Engine:
                     alts.append(
                         tuple(x if j == i else _drop_axes(x, None) for j, x in enumerate(specs))
                     )
-        if self.hints and ins:
-            hinted = tuple(
-                h if (h := self.hints.get(v)) is not None and h.shape == x.shape else x
-                for v, x in zip(ins, specs, strict=True)
-            )
+        if hinted is not None:
             alts.append(hinted)
         for alt in alts:
             if alt == specs:
