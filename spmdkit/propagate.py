@@ -14,30 +14,46 @@ a real program sits.
 
 **Structure.** Calls that only group equations (``jit``, ``custom_jvp_call``,
 ``custom_vjp_call``, ``remat``) are inlined, so the walk sees one flat list and
-memory liveness runs over it. Loops and branches stay one node each: ``scan``
-propagates its body with the carry specs iterated to a fixed point (the stacked
-dim of ``xs`` and ``ys`` stays unsharded) and counts the body's costs ``length``
-times; ``while`` counts its body once (trip count unknown); ``cond`` propagates
-every branch and keeps outputs on which the branches agree. ``shard_map``
-takes its in/out specs as given.
+memory liveness runs over it; results nobody uses are dropped first (as XLA
+does). Loops and branches stay one node each: ``scan`` propagates its body and
+counts its costs ``length`` times; the carry keeps its entry layout or takes the
+fixed point the body reaches from it, whichever costs less over the loop (the
+stacked dim of ``xs`` and ``ys`` stays unsharded); ``while`` does the same and
+counts its body once (trip count unknown); ``cond`` propagates every branch,
+costs the first and keeps outputs on which the branches agree. ``shard_map``
+takes its in/out specs as given and counts the collectives its body calls.
+
+**Choosing.** Where a rule's answer costs communication (operands disagree,
+or the result is left sum-partial), the answers with one operand keeping a
+contested axis alone, with one operand leading, and with the operands' hints
+are priced too — operand reshards plus resolving the result's pending
+reductions, payload bytes first — and the cheapest whose results are no
+bigger per device wins; ties keep the rule's answer.
 
 **Unknown primitives.** A primitive with no rule is never an error: its inputs
 are made replicated (that reshard is priced), its outputs are replicated, one
 warning is issued per primitive and the count is kept in
 :attr:`Propagation.unknown`. :func:`register_primitive` maps a primitive to a
-rule.
+rule. Layout-only primitives (transpose, broadcast_in_dim, reshape, slice…),
+scatter / scatter-add, cumulative ops, argmax/argmin, sort and a list of
+elementwise primitives have small built-in fallbacks used only when the
+registry has no rule of that name.
 
-**Both directions.** Given ``out_specs``, a backward sweep (the rules' backward
-inference) carries the wanted output layouts upstream as hints, and the forward
-sweep takes a hint where it is consistent with the operands it has and costs no
-more than following the operands; the two sweeps repeat until nothing changes
-(a few rounds at most). Outputs without a constraint keep what the forward
-sweep gives them, with pending reductions resolved (a jitted function returns
-reduced values).
+**Both directions.** A backward sweep (the rules' backward inference) carries
+wanted layouts upstream as hints: the ``out_specs`` constraints, and the layouts
+consumers slice free-made values to (a broadcast constant, a mask). The forward
+sweep takes a hint where it costs no more than following the operands; the
+sweeps repeat (four rounds at most) and the round with the lowest modelled
+step time is kept. Outputs without a constraint keep what the forward sweep
+gives them, with pending reductions resolved (a jitted function returns
+reduced values). A value resharded once is not resharded again for another
+consumer wanting the same layout.
 
 **Costs.** ``comm_bytes`` are per-device payload bytes as XLA's HLO shows them
 (:mod:`spmdkit.resharding` conventions). ``flops`` are per device: ``2·M·N·K``
-of the local blocks for ``dot_general``, one per output element elsewhere.
+of the local blocks for ``dot_general``, one per output element elsewhere;
+compute time uses ``topology.peak_flops`` when the topology has it, else
+:data:`DEFAULT_PEAK_FLOPS`.
 """
 
 from __future__ import annotations
