@@ -40,6 +40,11 @@ def _hard(rng):
     return z, y
 
 
+def _hard_axis0(rng):
+    z, y = _hard(rng)
+    return np.ascontiguousarray(z.T), y
+
+
 def _soft(rng):
     z = (rng.standard_normal((4, 8)) * 2).astype(np.float32)
     return z, rng.dirichlet(np.ones(8), 4).astype(np.float32)
@@ -47,6 +52,10 @@ def _soft(rng):
 
 CONFIGS = {
     "hard_mean": (_hard, {"reduction": "mean", "label_smoothing": 0.1}),
+    "hard_sum_axis0_vocab_parallel": (
+        _hard_axis0,
+        {"axis": 0, "reduction": "sum", "strategy": "vocab_parallel"},
+    ),
     "soft_none_vocab_parallel": (
         _soft,
         {"reduction": "none", "label_smoothing": 0.2, "strategy": "vocab_parallel"},
@@ -72,7 +81,13 @@ def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
         jax.value_and_grad(lambda a, b: _scalar(ce_ref(a, b, **ref_attrs), w), argnums=argnums)
     )(z, y)
     mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
-    cases = _sample([z.shape, y.shape], [z.dtype, y.dtype], mesh2d, 4, seed=len(config))
+    cases = _sample(
+        [z.shape, y.shape],
+        [z.dtype, y.dtype],
+        mesh2d,
+        3 if "axis0" in config else 4,
+        seed=len(config),
+    )
     for specs in cases:
         pspecs = [s.to_partition_spec() for s in specs]
         args = [
