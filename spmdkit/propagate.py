@@ -724,23 +724,34 @@ def _scatter(
     name: str, p: Mapping, specs: tuple[TensorSpec, ...], out_dtype: Any
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """scatter / scatter-add (operand, indices, updates): the indexed operand dims
-    replicated, window dims shared by operand and updates, the updates' scatter
-    (batch) dims keep their axes — for scatter-add each device adds its own updates,
-    so the result is sum-partial over those axes (the operand joins as partial for
-    free); plain scatter gathers them instead."""
+    replicated; window dims and batching dims (``take_along_axis``) shared by
+    operand, updates (and indices); the updates' other scatter dims keep their
+    axes — for scatter-add each device adds its own updates, so the result is
+    sum-partial over those axes (the operand joins as partial for free); plain
+    scatter gathers them instead."""
     dn = p["dimension_numbers"]
-    if getattr(dn, "operand_batching_dims", ()) or len(specs) != 3:
-        raise ValueError("batched scatter")
+    if len(specs) != 3:
+        raise ValueError("scatter takes operand, indices, updates")
     o, idx, u = specs
     indexed = set(dn.scatter_dims_to_operand_dims)
-    windowed = [d for d in range(o.ndim) if d not in set(dn.inserted_window_dims)]
-    win_of = dict(zip(windowed, dn.update_window_dims, strict=True))
+    o_batch = tuple(getattr(dn, "operand_batching_dims", ()))
+    i_batch = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+    windowed = [
+        d for d in range(o.ndim) if d not in set(dn.inserted_window_dims) and d not in o_batch
+    ]
+    link = dict(zip(windowed, dn.update_window_dims, strict=True))  # operand dim -> update dim
+    scatter_dims = [k for k in range(u.ndim) if k not in set(dn.update_window_dims)]
+    idx_dims = list(range(idx.ndim - 1))  # the last indices dim holds the index vectors
+    upd_of_idx = dict(zip(idx_dims, scatter_dims, strict=True))
+    idx_of_upd = {k: i for i, k in upd_of_idx.items()}
+    for od, idim in zip(o_batch, i_batch, strict=True):
+        link[od] = upd_of_idx[idim]
     out_dims: list[tuple[str, ...]] = []
     used: set[str] = set()
     for d in range(o.ndim):
         axes: tuple[str, ...] = ()
+        w = link.get(d)
         if d not in indexed:
-            w = win_of.get(d)
             if o.dims[d]:
                 axes = o.dims[d]
             elif w is not None and u.shape[w] == o.shape[d]:
@@ -748,20 +759,24 @@ def _scatter(
         axes = tuple(a for a in axes if a not in used)
         used.update(axes)
         out_dims.append(axes)
-    scatter_dims = [k for k in range(u.ndim) if k not in set(dn.update_window_dims)]
     u_dims: list[tuple[str, ...]] = [() for _ in range(u.ndim)]
-    for d, w in win_of.items():
+    i_dims: list[tuple[str, ...]] = [() for _ in range(idx.ndim)]
+    for d, w in link.items():
         if u.shape[w] == o.shape[d]:
             u_dims[w] = out_dims[d]
+            if w in idx_of_upd:
+                i_dims[idx_of_upd[w]] = out_dims[d]
     partial: dict[str, str] = {}
-    i_dims: list[tuple[str, ...]] = [() for _ in range(idx.ndim)]
     if name == "scatter-add":
-        for j, k in enumerate(scatter_dims):
+        linked = set(link.values())
+        for k in scatter_dims:
+            if k in linked:
+                continue
             axes = tuple(a for a in u.dims[k] if a not in used)
             used.update(axes)
             u_dims[k] = axes
-            if j < idx.ndim - 1:
-                i_dims[j] = axes
+            if k in idx_of_upd:
+                i_dims[idx_of_upd[k]] = axes
             partial.update({a: "sum" for a in axes})
     req = (
         TensorSpec(o.shape, out_dims, partial=partial, dtype=o.dtype),

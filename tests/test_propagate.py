@@ -320,3 +320,29 @@ def test_shard_map_specs_and_body_collectives_match_hlo(mesh1d):
     assert prop.comm_bytes_by_kind == {"all_reduce": 4 * 32 * 4, "all_to_all": 4 * 32 * 4}
     rep = sk_report(f, (S((16, 32), F32, sharding=NamedSharding(mesh, P(None, "x"))),))
     assert rep.bytes_by_kind() == prop.comm_bytes_by_kind
+
+
+@pytest.mark.parametrize(
+    "logits", [P("a"), P("a", None, "b")], ids=["batch-sharded", "vocab-parallel"]
+)
+def test_integer_label_cross_entropy_grad_matches_hlo(mesh2d, logits):
+    import optax
+
+    def f(lg, y):
+        return jax.grad(lambda lg: optax.softmax_cross_entropy_with_integer_labels(lg, y).mean())(
+            lg
+        )
+
+    lg, y = S((8, 16, 32), F32), S((8, 16), "int32")
+    prop = propagate(f, lg, y, in_specs=(logits, P("a")), mesh=mesh2d)
+    assert not prop.unknown  # take_along_axis's batched gather/scatter-add have rules
+    assert prop.out_specs[0].dims[0] == ("a",)
+    auto = _auto(mesh2d)
+    rep = sk_report(
+        f,
+        (
+            S(lg.shape, F32, sharding=NamedSharding(auto, logits)),
+            S(y.shape, "int32", sharding=NamedSharding(auto, P("a"))),
+        ),
+    )
+    assert rep.bytes_by_kind() == prop.comm_bytes_by_kind
