@@ -128,8 +128,14 @@ def _fill_value(dtype: np.dtype) -> Any:
 def _split(
     base: np.ndarray, n: int, op: str, rng: np.random.Generator, domain: str
 ) -> list[np.ndarray]:
-    """Split ``base`` into ``n`` asymmetric parts whose ``op``-reduction is ``base``."""
-    scale = float(np.abs(base).mean()) + 1.0
+    """Split ``base`` into ``n`` asymmetric parts whose ``op``-reduction is ``base``.
+
+    NaN padding (uneven blocks) stays NaN in every part."""
+    pad = np.isnan(base) if np.issubdtype(base.dtype, np.floating) else None
+    if pad is not None and pad.any():
+        parts = _split(np.where(pad, 0, base).astype(base.dtype), n, op, rng, domain)
+        return [np.where(pad, np.nan, p).astype(base.dtype) for p in parts]
+    scale = float(np.abs(base).mean()) + 1.0 if base.size else 1.0
     if op in ("sum", "avg"):
         target = base * n if op == "avg" else base
         parts = [rng.standard_normal(base.shape).astype(base.dtype) * scale for _ in range(n - 1)]
@@ -857,10 +863,14 @@ def _jit_sweep(
         attrs = dict(ex.attrs)
         fn = functools.partial(rule.impl, **without_strategy(attrs))
         combos = list(itertools.product(*_input_specs(ex, mesh)))
-        combos = [c for c in combos if not any(s.partial for s in c)]
+        combos = [  # jit arguments hold no padded shards: even, whole values only
+            c for c in combos if not any(s.partial for s in c) and all(s.is_even(mesh) for s in c)
+        ]
         for specs in _sample(combos, max_cases, rng):
             res = infer_forward(rule.name, *specs, mesh=mesh, **attrs)
-            if any(s.partial for s in res.inputs):
+            if any(s.partial for s in res.inputs) or not all(
+                s.is_even(mesh) for s in (*res.inputs, *res.outputs)
+            ):
                 continue
             targets = [o.without_partial() for o in res.outputs]
             predicted = [
