@@ -1615,12 +1615,14 @@ def propagate(
     )
 
 
-def _consumer_hints(engine: _Engine, items: list, skip: set[int]) -> dict[int, TensorSpec]:
+def _consumer_hints(
+    engine: _Engine, items: list, skip: set[int], free_in: frozenset[int] = frozenset()
+) -> dict[int, TensorSpec]:
     """Values made from replicated operands (broadcast constants, masks) that a
     consumer slices (no communication) to a more sharded layout: their producer may
     as well make that layout (less compute and memory)."""
     out: dict[int, TensorSpec] = {}
-    free = {  # made from replicated operands only: sharding them costs nothing upstream
+    free = set(free_in) | {  # made from replicated operands: sharding them costs nothing
         o
         for node, _, _, specs, _, _, _, extra in items
         if extra is None and all(x.is_replicated for x in specs)
@@ -1636,7 +1638,13 @@ def _consumer_hints(engine: _Engine, items: list, skip: set[int]) -> dict[int, T
             if a is not None and not a.plan.collectives:
                 out[v] = r
         if extra is not None:
-            for v, h in _consumer_hints(engine, extra[0], skip).items():
+            inner_free: frozenset[int] = frozenset()
+            if node.kind == "scan":  # operands reach the body as its inputs, in order
+                body = node.subs[0]
+                inner_free = frozenset(
+                    b for v, b in zip(node.ins, body.invars, strict=True) if v in free
+                )
+            for v, h in _consumer_hints(engine, extra[0], skip, inner_free).items():
                 out.setdefault(v, h)
     return out
 
