@@ -219,11 +219,15 @@ def _is_model_spec(obj: Any) -> bool:
 
 
 def _default_batch_axes(batch: Any) -> dict[str, tuple[str | None, ...]]:
+    """Dim 0 of every field is ``batch``; integer (token) fields of rank 2 are
+    ``("batch", "seq")``; other dims are unnamed."""
     out = {}
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         names: list[str | None] = [None] * len(leaf.shape)
         if names:
             names[0] = "batch"
+        if len(names) == 2 and np.issubdtype(np.dtype(leaf.dtype), np.integer):
+            names[1] = "seq"
         out[path_str(keypath)] = tuple(names)
     return out
 

@@ -1128,9 +1128,14 @@ class _GroupCost:
 
 
 def _group_cost(
-    ctx: _Ctx, g: _Group, dims: Dims, odims: Dims, batch_axes: tuple[str, ...], seq_shards: int
+    ctx: _Ctx,
+    g: _Group,
+    dims: Dims,
+    odims: Dims,
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
 ) -> _GroupCost:
-    key = (g.key, g.shape, dims, odims, batch_axes, seq_shards)
+    key = (g.key, g.shape, dims, odims, batch_axes, seq_axes)
     hit = ctx.cache.get(key)
     if hit is not None:
         return hit
@@ -1139,20 +1144,28 @@ def _group_cost(
     used = tuple(a for d in dims for a in d)
     shards = math.prod(sizes[a] for a in used)
     local = g.nbytes / shards
-    fsdp = tuple(a for a in used if a in batch_axes)
-    tp = tuple(a for a in used if a not in batch_axes)
-    grad_sync = tuple(a for a in batch_axes if a not in used)
+    logical = g.logical or (None,) * len(g.shape)
+    # Axes on a stacked-layers dim: each scan step gathers its layer's weights,
+    # like FSDP, and they split no compute.
+    layer_axes = tuple(a for d, n in zip(dims, logical, strict=True) if n == "layers" for a in d)
+    fsdp = tuple(a for a in used if a in batch_axes or a in layer_axes)
+    tp = tuple(a for a in used if a not in fsdp)
     n_fsdp = math.prod(sizes[a] for a in fsdp)
     n_tp = math.prod(sizes[a] for a in tp)
     batch_shards = math.prod(sizes[a] for a in batch_axes)
-    tokens_local = trace.tokens / batch_shards / seq_shards
+    # Sequence sharding over the tensor axes (Megatron-SP) turns each all-reduce
+    # into a reduce-scatter + all-gather of the same bytes; over other axes it
+    # splits the tokens (context parallelism).
+    context = tuple(a for a in seq_axes if a not in tp and a not in batch_axes)
+    tokens_local = trace.tokens / batch_shards / math.prod(sizes[a] for a in context)
+    # grads are partial sums over every axis that splits the tokens but not the param
+    grad_sync = tuple(a for a in (*batch_axes, *context) if a not in used)
     colls: list[tuple[float, str, float]] = []
     if fsdp:
         colls.append(_coll(ctx, "all_gather", local * n_fsdp, fsdp))
         colls.append(_coll(ctx, "reduce_scatter", local * n_fsdp, fsdp))
     if grad_sync:
         colls.append(_coll(ctx, "all_reduce", local, grad_sync))
-    logical = g.logical or (None,) * len(g.shape)
     layers = 1
     if "layers" in logical and not dims[logical.index("layers")]:
         layers = g.shape[logical.index("layers")]
@@ -1174,7 +1187,10 @@ def _group_cost(
             ]
             if "embed" in [logical[i] for i in keep]:
                 keep = [i for i in keep if logical[i] == "embed"]
-            other = math.prod(g.shape[i] for i in keep) if keep else 1
+            if keep:
+                other = math.prod(g.shape[i] for i in keep)
+            else:  # every dim sharded (2-D TP): one activation per sharded dim moves
+                other = sum(g.shape[i] for i in tp_dims if logical[i] not in _SKIP_OTHER)
             payload = tokens_local * other * trace.act_itemsize * layers
             colls.append(_coll(ctx, "all_reduce", payload, tp))
     oused = tuple(a for d in odims for a in d)
@@ -1183,7 +1199,8 @@ def _group_cost(
         colls.append(_coll(ctx, "all_gather", local, extra))
     oshards = math.prod(sizes[a] for a in oused)
     flops = _param_flops(g, trace.tokens) * ctx.flops_scale * g.count
-    compute = flops / (batch_shards * seq_shards * n_tp) / ctx.peak_flops
+    splits = set(batch_axes) | set(tp) | set(context)
+    compute = flops / math.prod(sizes[a] for a in splits) / ctx.peak_flops
     by_kind: dict[str, float] = {}
     comm_s = 0.0
     for t, kind, payload in colls:
@@ -1216,7 +1233,7 @@ def _total(
     params = grads = opt = tp_weight = 0.0
     total_flops = 0.0
     for g, (dims, odims) in zip(groups, choice, strict=True):
-        c = _group_cost(ctx, g, dims, odims, batch_axes, seq_shards)
+        c = _group_cost(ctx, g, dims, odims, batch_axes, seq_axes)
         comm_s += c.comm_s
         compute_s += c.compute_s
         for k, v in c.comm_bytes:
@@ -1230,7 +1247,8 @@ def _total(
     # Residuals split by batch/seq shards; tensor parallelism splits about half of
     # them (the mlp/heads-wide ones), in proportion to the FLOPs it splits.
     tp_frac = tp_weight / total_flops if total_flops else 0.0
-    acts = ctx.trace.resid_bytes / batch_shards / seq_shards * (1 - 0.5 * tp_frac)
+    tp_split = 1.0 if seq_axes else 1 - 0.5 * tp_frac  # SP splits the rest as well
+    acts = ctx.trace.resid_bytes / batch_shards / seq_shards * tp_split
     if not total_flops and ctx.trace.flops:
         compute_s = ctx.trace.flops / batch_shards / ctx.peak_flops
     return Cost(
@@ -1424,7 +1442,11 @@ def _batch_axis_choices(sizes: dict[str, int], batch_size: int) -> list[tuple[st
 
 
 def _search(
-    ctx: _Ctx, groups: list[_Group], batch_axes: tuple[str, ...], budget: float
+    ctx: _Ctx,
+    groups: list[_Group],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    budget: float,
 ) -> tuple[list[tuple[Dims, Dims]], Cost]:
     sizes = ctx.sizes
     options: list[list[tuple[Dims, Dims]]] = []
@@ -1438,7 +1460,7 @@ def _search(
         options.append(opts)
 
     def gcost(i: int, o: tuple[Dims, Dims]) -> _GroupCost:
-        return _group_cost(ctx, groups[i], o[0], o[1], batch_axes, 1)
+        return _group_cost(ctx, groups[i], o[0], o[1], batch_axes, seq_axes)
 
     pick = []
     for i, opts in enumerate(options):
@@ -1447,7 +1469,7 @@ def _search(
         )
         pick.append(best)
     choice = [options[i][j] for i, j in enumerate(pick)]
-    cost = _total(ctx, groups, choice, batch_axes, ())
+    cost = _total(ctx, groups, choice, batch_axes, seq_axes)
     # Over budget: trade time for memory, best Δtime per byte saved first.
     for _ in range(4 * len(groups) * 8):
         if cost.peak_bytes <= budget:
@@ -1468,7 +1490,7 @@ def _search(
         _, i, j = best_move
         pick[i] = j
         choice[i] = options[i][j]
-        cost = _total(ctx, groups, choice, batch_axes, ())
+        cost = _total(ctx, groups, choice, batch_axes, seq_axes)
     return choice, cost
 
 
@@ -1569,10 +1591,18 @@ def plan(
             continue
         candidates.append((name, choice, act, table, cost))
     for batch_ax in _batch_axis_choices(sizes, trace.batch_size):
-        choice, cost = _search(ctx, groups, batch_ax, budget)
-        act = {n: () for n in BATCH_NAMES}
-        act["batch"] = batch_ax
-        candidates.append((f"searched[batch={','.join(batch_ax) or '-'}]", choice, act, None, cost))
+        rest = tuple(a for a in sizes if a not in batch_ax and sizes[a] > 1)
+        seq_options: list[tuple[str, ...]] = [()]
+        if rest and trace.seq_len > 1 and trace.seq_len % math.prod(sizes[a] for a in rest) == 0:
+            seq_options.append(rest)
+        for seq_ax in seq_options:
+            choice, cost = _search(ctx, groups, batch_ax, seq_ax, budget)
+            act = {n: () for n in BATCH_NAMES}
+            act["batch"] = batch_ax
+            act["seq"] = seq_ax
+            label = f"searched[batch={','.join(batch_ax) or '-'}"
+            label += f",seq={','.join(seq_ax)}]" if seq_ax else "]"
+            candidates.append((label, choice, act, None, cost))
 
     def rank(c: tuple) -> tuple:
         cost = c[4]

@@ -17,7 +17,7 @@ def test_describe_reads_logical_names():
     by = info.by_path()
     assert by["mixers/0/up"].logical == ("embed", "mlp")
     assert by["table"].shape == (64, 32)
-    assert info.batch_axes["tokens"] == ("batch", None)
+    assert info.batch_axes["tokens"] == ("batch", "seq")
     assert jax.tree.leaves(info.abstract_params)[0].__class__ is jax.ShapeDtypeStruct
 
 
