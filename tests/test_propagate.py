@@ -346,3 +346,20 @@ def test_integer_label_cross_entropy_grad_matches_hlo(mesh2d, logits):
         ),
     )
     assert rep.bytes_by_kind() == prop.comm_bytes_by_kind
+
+
+def test_sharding_constraints_and_reshards_set_layouts(mesh1d):
+    auto = _auto(mesh1d)
+    x = S((16, 8), F32)
+    explicit = propagate(
+        lambda x: jax.sharding.reshard(x, NamedSharding(mesh1d, P("x"))) * 2.0,
+        x, in_specs=(None,), mesh=mesh1d,
+    )  # fmt: skip
+    constrained = propagate(
+        lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(auto, P(None, "x"))) * 2.0,
+        x, in_specs=(P("x"),), mesh=auto,
+    )  # fmt: skip
+    assert explicit.out_specs[0].dims == (("x",), ())
+    assert explicit.comm_bytes == 0  # replicated -> sharded is a local slice
+    assert constrained.out_specs[0].dims == ((), ("x",))
+    assert constrained.comm_bytes_by_kind == {"all_to_all": 16 * 8 * 4 // 4}
