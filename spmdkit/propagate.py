@@ -963,6 +963,8 @@ class _Engine:
         out_dtypes = [self.prog.dtypes[o] for o in node.outs]
         if name == "iota" or (not node.ins and name not in ("shard_map",)):
             return None, {}, (), tuple(self.replicated(o) for o in node.outs)
+        if name == "optimization_barrier" and len(specs) == len(node.outs):
+            return name, {}, specs, specs  # identity on every operand, layouts kept
         if name in ("sharding_constraint", "reshard", "mesh_cast"):
             got = self._constraint(node, specs[0])
             if got is not None:

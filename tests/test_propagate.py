@@ -363,3 +363,14 @@ def test_sharding_constraints_and_reshards_set_layouts(mesh1d):
     assert explicit.comm_bytes == 0  # replicated -> sharded is a local slice
     assert constrained.out_specs[0].dims == ((), ("x",))
     assert constrained.comm_bytes_by_kind == {"all_to_all": 16 * 8 * 4 // 4}
+
+
+def test_optimization_barrier_keeps_layouts(mesh1d):
+    def f(x, y):
+        a, b = jax.lax.optimization_barrier((x, y))
+        return a + 1.0, b * 2.0
+
+    prop = propagate(f, S((16, 8), F32), S((8,), F32), in_specs=(P("x"), None), mesh=mesh1d)
+    assert not prop.unknown
+    assert prop.out_specs[0].dims == (("x",), ())
+    assert prop.comm_bytes == 0
