@@ -279,40 +279,58 @@ def _local_ce(
     class_axes: tuple[str, ...],
     count_axes: tuple[str, ...],
     total_rows: int,
+    padded_classes: bool,
 ):
     """The local loss of one case, with a custom VJP whose backward moves nothing.
 
     Arguments of the returned function: ``z`` (local logits, class dim last),
-    ``y`` (local labels: class dim last for soft labels), ``cls`` (global class
-    index of each local class column), ``row_ok`` (False on padding rows).
+    ``y`` (local labels: class dim last for soft labels), ``offset`` (global
+    index of the first local class), ``row_ok`` (False on padding rows).
+    ``padded_classes``: the class blocks are uneven, so columns past C are masked.
+    Each pass re-reads ``z`` inside its own reduction, and the hard target is a
+    per-row gather, so no logits-sized temporary outlives a collective.
     """
     eps, n, soft = cfg.smoothing, cfg.num_classes, cfg.soft
 
-    def stats(z, y, cls):
-        cls_ok = cls < n
-        zm = jnp.where(cls_ok, z, -jnp.inf)
-        m = jnp.max(zm, axis=-1)
+    def valid(z, offset):
+        if not padded_classes:
+            return None
+        return (jnp.arange(z.shape[-1]) + offset) < n
+
+    def masked(x, ok, fill):
+        return x if ok is None else jnp.where(ok, x, fill)
+
+    def target(z, y, offset):
+        """Per row: the local target logit (0 where the target is in another block)."""
+        local = y - offset
+        inside = (local >= 0) & (local < z.shape[-1])
+        idx = jnp.clip(local, 0, z.shape[-1] - 1)[..., None]
+        return jnp.where(inside, jnp.take_along_axis(z, idx, axis=-1)[..., 0], 0.0), inside
+
+    def stats(z, y, offset):
+        ok = valid(z, offset)
+        m = jnp.max(masked(z, ok, -jnp.inf), axis=-1)
         if class_axes:
             m = jax.lax.pmax(m, class_axes)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
-        e = jnp.where(cls_ok, jnp.exp(zm - m[..., None]), 0.0)
-        zs = jnp.where(cls_ok, z, 0.0)
-        cols = [jnp.sum(e, axis=-1)]
+        cols = [jnp.sum(masked(jnp.exp(z - m[..., None]), ok, 0.0), axis=-1)]
         if soft:
-            qs = jnp.where(cls_ok, y, 0.0)
-            cols += [jnp.sum(qs * zs, axis=-1), jnp.sum(qs, axis=-1)]
+            cols += [
+                jnp.sum(masked(y * z, ok, 0.0), axis=-1),
+                jnp.sum(masked(y, ok, 0.0), axis=-1),
+            ]
         else:
-            cols.append(jnp.sum(jnp.where(cls == y[..., None], zs, 0.0), axis=-1))
+            cols.append(target(z, y, offset)[0])
         if eps:
-            cols.append(jnp.sum(zs, axis=-1))
+            cols.append(jnp.sum(masked(z, ok, 0.0), axis=-1))
         s = jnp.stack(cols, axis=-1)
         if class_axes:
             s = jax.lax.psum(s, class_axes)
         lse = m + jnp.log(s[..., 0])
         return lse, s
 
-    def fwd(z, y, cls, row_ok):
-        lse, s = stats(z, y, cls)
+    def fwd(z, y, offset, row_ok):
+        lse, s = stats(z, y, offset)
         smooth = eps / n * s[..., -1] if eps else 0.0
         if soft:
             loss = lse * ((1 - eps) * s[..., 2] + eps) - (1 - eps) * s[..., 1] - smooth
@@ -339,28 +357,28 @@ def _local_ce(
                         kept = jax.lax.psum(kept, count_axes)
                     count = jnp.maximum(kept, 1).astype(z.dtype)
                 out = out / count
-        return out, (z, y, cls, lse, s, good, count)
+        return out, (z, y, offset, lse, s, good, count)
 
     def bwd(res, g):
-        z, y, cls, lse, s, good, count = res
-        cls_ok = cls < n
-        p = jnp.where(cls_ok, jnp.exp(jnp.where(cls_ok, z, 0.0) - lse[..., None]), 0.0)
+        z, y, offset, lse, s, good, count = res
+        ok = valid(z, offset)
+        p = masked(jnp.exp(z - lse[..., None]), ok, 0.0)
         gr = g if cfg.reduction == "none" else jnp.broadcast_to(g / count, lse.shape)
-        uniform = eps / n * cls_ok
+        uniform = eps / n if ok is None else eps / n * ok
         if soft:
-            qs = jnp.where(cls_ok, y, 0.0)
             sq = (1 - eps) * s[..., 2] + eps
-            dz = (p * sq[..., None] - (1 - eps) * qs - uniform) * gr[..., None]
-            dy = (1 - eps) * jnp.where(cls_ok, lse[..., None] - z, 0.0) * gr[..., None]
+            dz = (p * sq[..., None] - (1 - eps) * masked(y, ok, 0.0) - uniform) * gr[..., None]
+            dy = (1 - eps) * masked(lse[..., None] - z, ok, 0.0) * gr[..., None]
             return dz.astype(z.dtype), dy.astype(y.dtype), None, None
-        target = (1 - eps) * (cls == y[..., None]) + uniform
+        cls = jnp.arange(z.shape[-1]) + offset
+        onehot = cls == y[..., None]
         w = jnp.where(good, gr, 0.0)
-        dz = (p - target) * w[..., None]
+        dz = (p - (1 - eps) * onehot - uniform) * w[..., None]
         return dz.astype(z.dtype), None, None, None
 
     @jax.custom_vjp
-    def ce(z, y, cls, row_ok):
-        return fwd(z, y, cls, row_ok)[0]
+    def ce(z, y, offset, row_ok):
+        return fwd(z, y, offset, row_ok)[0]
 
     ce.defvjp(fwd, bwd)
     return ce
@@ -562,14 +580,15 @@ class CrossEntropyRule(Rule):
         class_axes = logits_spec.dims[cfg.axis]
         row_axes = tuple(a for d in cfg.row_dims for a in logits_spec.dims[d])
         total_rows = math.prod(logits_spec.shape[d] for d in cfg.row_dims)
-        ce = _local_ce(cfg, class_axes, row_axes, total_rows)
+        padded = cfg.num_classes % lctx.shards(logits_spec, cfg.axis) != 0
+        ce = _local_ce(cfg, class_axes, row_axes, total_rows, padded)
 
         def fn(logits: jax.Array, labels: jax.Array) -> jax.Array:
             z = jnp.moveaxis(logits, cfg.axis, -1)
             y = jnp.moveaxis(labels, cfg.axis, -1) if cfg.soft else labels
-            cls = jnp.arange(z.shape[-1]) + lctx.offset(logits_spec, cfg.axis)
+            offset = jnp.asarray(lctx.offset(logits_spec, cfg.axis), jnp.int32)
             row_ok = _row_mask(lctx, logits_spec, cfg, z.shape[:-1])
-            return ce(z, y, cls, row_ok)
+            return ce(z, y, offset, row_ok)
 
         return fn
 

@@ -286,3 +286,16 @@ def test_vocab_parallel_forward_moves_only_row_scalars_and_backward_nothing(mesh
         (c.kind, c.reduce_op, c.group_size, c.payload_bytes) for c in fwd
     )
     assert any(c.group_size == 4 and c.reduce_op == "max" for c in grad)
+
+
+def test_vocab_parallel_grad_keeps_no_logits_sized_temporary(mesh1d):
+    rows, classes = 256, 4096
+    z = jax.ShapeDtypeStruct(
+        (rows, classes), jnp.float32, sharding=NamedSharding(mesh1d, P(None, "x"))
+    )
+    y = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=NamedSharding(mesh1d, P()))
+    step = jax.jit(
+        jax.value_and_grad(lambda a, b: softmax_cross_entropy(a, b, label_smoothing=0.1))
+    )
+    temp = step.lower(z, y).compile().memory_analysis().temp_size_in_bytes
+    assert temp < rows * (classes // 4) * 4 // 4  # well under one local logits block
