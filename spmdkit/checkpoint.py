@@ -350,7 +350,9 @@ class Manager:
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON metadata saved with a checkpoint (default: the latest)."""
-        step = self._resolve(step, "checkpoint.metadata")
+        return self._metadata(self._resolve(step, "checkpoint.metadata"))
+
+    def _metadata(self, step: int) -> dict[str, Any]:
         path = os.path.join(self.directory, str(step), "meta", "metadata")
         try:
             with open(path) as f:
@@ -374,6 +376,9 @@ class Manager:
     def saved_shapes(self, step: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
         """Shape and dtype of every saved array, keyed by path (``"params/w"``)."""
         step = self._resolve(step, "checkpoint.saved_shapes")
+        return self._saved_shapes(step, self._metadata(step))
+
+    def _saved_shapes(self, step: int, meta: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
         try:
             tree = self._mgr.item_metadata(step)["state"].tree
         except Exception as e:
@@ -383,14 +388,15 @@ class Manager:
                 given=f"step {step} in {self.directory}: {type(e).__name__}: {e}",
                 fix="restore an older step (all_steps()) or delete this one",
             ) from e
-        keys = set(self.metadata(step).get("prng_keys", {}))
-        out = {}
-        for path, m in _flat(tree).items():
-            if path in keys:
-                continue
-            out[path] = jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype))
-        for path, info in self.metadata(step).get("prng_keys", {}).items():
-            out[path] = jax.ShapeDtypeStruct(tuple(info["shape"]), jax.random.key(0).dtype)
+        keys = meta.get("prng_keys", {})
+        out = {
+            path: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype))
+            for path, m in _flat(tree).items()
+            if path not in keys
+        }
+        for path, info in keys.items():
+            dtype = jax.eval_shape(lambda impl=info["impl"]: jax.random.key(0, impl=impl)).dtype
+            out[path] = jax.ShapeDtypeStruct(tuple(info["shape"]), dtype)
         return out
 
     # save
@@ -488,8 +494,8 @@ class Manager:
         """
         op = "checkpoint.restore"
         step = self._resolve(step, op)
-        meta = self.metadata(step)
-        saved = self.saved_shapes(step)
+        meta = self._metadata(step)
+        saved = self._saved_shapes(step, meta)
         key_info = meta.get("prng_keys", {})
         flat_target = _flat(target)
         self._check(op, saved, flat_target, partial=partial, allow_cast=allow_cast)

@@ -303,10 +303,10 @@ def train(
         param_sh, opt_sh = _shardings_of(params), None
     if opt_sh is None:
         opt_sh = _opt_shardings_like_params(abstract_opt, param_sh, abstract_params)
-    mesh = getattr(plan, "mesh", None)
-    if mesh is None:
-        leaves = [s for s in jax.tree.leaves(param_sh) if hasattr(s, "mesh")]
-        mesh = leaves[0].mesh if leaves else None
+    # the mesh the shardings live on (a plan may hand out Auto-axis shardings for an
+    # Explicit plan.mesh: the context must be theirs)
+    leaves = [s for s in jax.tree.leaves(param_sh) if isinstance(s, NamedSharding)]
+    mesh = leaves[0].mesh if leaves else getattr(plan, "mesh", None)
 
     # under the mesh context optax's scalar states and the step's replicated metrics
     # are created on the mesh, not on one device
