@@ -583,14 +583,26 @@ _ELTWISE_NONE = frozenset(
         "sub",
         "mul",
         "div",
-        "random_bits",
-        "random_wrap",
-        "random_unwrap",
         "threefry2x32",
+        "bitcast_convert_type",
     }
 )  # fallbacks only: a registered rule of the same name always wins
 _IDENTITY = frozenset(
     {"copy", "copy_p", "stop_gradient", "reduce_precision", "pvary", "optimization_barrier"}
+)
+# Primitives that make new values from keys or nothing: any layout is as cheap.
+_GENERATORS = frozenset(
+    {
+        "iota",
+        "random_bits",
+        "random_fold_in",
+        "random_seed",
+        "random_split",
+        "random_unwrap",
+        "random_wrap",
+        "rng_bit_generator",
+        "rng_uniform",
+    }
 )
 _ELTWISE_RULE = _builtin("elementwise", _eltwise_notation, "NONE")
 _IDENTITY_RULE = _builtin("identity", _eltwise_notation, "LINEAR")
@@ -961,8 +973,13 @@ class _Engine:
         name = node.prim
         out_shapes = [self.prog.shapes[o] for o in node.outs]
         out_dtypes = [self.prog.dtypes[o] for o in node.outs]
-        if name == "iota" or (not node.ins and name not in ("shard_map",)):
+        if not node.ins and name not in ("shard_map",) and name not in _GENERATORS:
             return None, {}, (), tuple(self.replicated(o) for o in node.outs)
+        if name in _GENERATORS:  # fresh values: replicated, or the layout consumers want
+            outs = tuple(
+                h if (h := self.hints.get(o)) is not None else self.replicated(o) for o in node.outs
+            )
+            return name, {}, tuple(s.without_partial().replace(dims=()) for s in specs), outs
         if name == "optimization_barrier" and len(specs) == len(node.outs):
             return name, {}, specs, specs  # identity on every operand, layouts kept
         if name in ("sharding_constraint", "reshard", "mesh_cast"):

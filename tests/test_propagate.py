@@ -374,3 +374,17 @@ def test_optimization_barrier_keeps_layouts(mesh1d):
     assert not prop.unknown
     assert prop.out_specs[0].dims == (("x",), ())
     assert prop.comm_bytes == 0
+
+
+def test_random_generators_need_no_rule(mesh1d):
+    def f(x, key):
+        keep = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.9, x.shape)
+        return jnp.where(keep, x / 0.9, 0.0)
+
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prop = propagate(f, S((16, 8), F32), key, in_specs=(P("x"), None), mesh=mesh1d)
+    assert not prop.unknown
+    assert prop.out_specs[0].dims == (("x",), ())
+    assert prop.comm_bytes == 0
