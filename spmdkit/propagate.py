@@ -799,6 +799,42 @@ def _scatter(
     return req, (out,)
 
 
+def _conv(
+    p: Mapping, specs: tuple[TensorSpec, ...], out_shape: tuple, out_dtype: Any
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """conv_general_dilated like a matmul: the lhs batch dim and the rhs output-feature
+    dim pass to the output, the input-feature dims contract (sum-partial when both
+    operands shard them alike); spatial dims replicated (halos are not modelled);
+    grouped convolutions keep features replicated."""
+    lhs, rhs = specs
+    dn = p["dimension_numbers"]
+    lb, lf = dn.lhs_spec[:2]
+    ro, ri = dn.rhs_spec[:2]
+    ob, of = dn.out_spec[:2]
+    grouped = p.get("feature_group_count", 1) != 1 or p.get("batch_group_count", 1) != 1
+    used: set[str] = set()
+
+    def take(axes: tuple[str, ...]) -> tuple[str, ...]:
+        got = tuple(a for a in axes if a not in used)
+        used.update(got)
+        return got
+
+    b = take(lhs.dims[lb])
+    k = () if grouped else take(lhs.dims[lf] or rhs.dims[ri])
+    o = () if grouped else take(rhs.dims[ro])
+    ld = [() for _ in lhs.shape]
+    rd = [() for _ in rhs.shape]
+    od = [() for _ in out_shape]
+    ld[lb], ld[lf], rd[ri], rd[ro] = b, k, k, o
+    od[ob], od[of] = b, o
+    req = (
+        TensorSpec(lhs.shape, ld, dtype=lhs.dtype),
+        TensorSpec(rhs.shape, rd, dtype=rhs.dtype),
+    )
+    out = TensorSpec(out_shape, od, partial={a: "sum" for a in k}, dtype=out_dtype)
+    return req, (out,)
+
+
 _LAYOUT = {
     "broadcast_in_dim": _lay_broadcast,
     "concatenate": _lay_concat,
@@ -1011,6 +1047,12 @@ class _Engine:
                 tuple(s.without_partial().replace(dims=()) for s in specs),
                 tuple(self.replicated(o) for o in node.outs),
             )
+        if name == "conv_general_dilated" and len(specs) == 2:
+            try:
+                req, outs = _conv(eqn.params, specs, out_shapes[0], out_dtypes[0])
+                return name, {}, req, outs
+            except (SpmdError, TypeError, ValueError, KeyError, IndexError, AttributeError):
+                pass
         if name in ("scatter-add", "scatter"):
             try:
                 req, outs = _scatter(name, eqn.params, specs, out_dtypes[0])
@@ -1441,6 +1483,11 @@ def _flops(
         (lc, _), _ = node.eqn.params["dimension_numbers"]
         k = math.prod(req[0].local_shape(mesh)[d] for d in lc)
         return 2.0 * math.prod(outs[0].local_shape(mesh)) * k
+    if node.prim == "conv_general_dilated" and len(req) == 2:
+        dn = node.eqn.params["dimension_numbers"]
+        rhs = req[1].local_shape(mesh)
+        per_out = math.prod(rhs[d] for d in dn.rhs_spec[1:])  # in-features x window
+        return 2.0 * math.prod(outs[0].local_shape(mesh)) * per_out
     if node.prim in _REDUCERS or node.prim in ("argmax", "argmin"):
         return float(math.prod(req[0].local_shape(mesh))) if req else 0.0
     if node.kind != "eqn" or not outs:

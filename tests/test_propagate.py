@@ -388,3 +388,35 @@ def test_random_generators_need_no_rule(mesh1d):
     assert not prop.unknown
     assert prop.out_specs[0].dims == (("x",), ())
     assert prop.comm_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("kernel", "images", "expected"),
+    [
+        (P(), P(("a", "b")), 3 * 3 * 8 * 16 * 4),
+        (P(None, None, None, "b"), P("a"), 3 * 3 * 8 * 4 * 4),
+    ],
+    ids=["data-parallel", "output-channels-sharded"],
+)
+def test_conv_train_step_matches_hlo(mesh2d, kernel, images, expected):
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(conv(x, w))))(w)
+
+    w, x = S((3, 3, 8, 16), F32), S((16, 12, 12, 8), F32)
+    prop = propagate(step, w, x, in_specs=(kernel, images), mesh=mesh2d)
+    assert not prop.unknown
+    assert prop.comm_bytes_by_kind == {"all_reduce": expected}  # the kernel grad, batch-summed
+    auto = _auto(mesh2d)
+    rep = sk_report(
+        step,
+        (
+            S(w.shape, F32, sharding=NamedSharding(auto, kernel)),
+            S(x.shape, F32, sharding=NamedSharding(auto, images)),
+        ),
+    )
+    assert rep.bytes_by_kind() == prop.comm_bytes_by_kind
