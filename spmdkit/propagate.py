@@ -431,6 +431,12 @@ class Propagation:
         ]
         for r in rows:
             moves = "; ".join(str(a.plan) for a in r.reshards if a.plan.collectives)
+            if r.body:
+                per: dict[str, int] = {}
+                for c in (c for b in r.body for c in b.collectives()):
+                    per[c.kind] = per.get(c.kind, 0) + c.payload_bytes
+                inner = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(per.items()))
+                moves = (moves + "; " if moves else "") + f"body per iteration: {inner}"
             rep = f" ×{r.repeat}" if r.repeat > 1 else ""
             lines.append(
                 f"{r.index:>5}  {r.primitive:<18} {'bwd' if r.backward else 'fwd':<4} "
