@@ -1,0 +1,296 @@
+"""Norm rules: layouts per strategy, grads, errors, strategy sweeps, collective budgets."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.errors import ShardingConflictError
+from spmdkit.hlo import compiled_collectives
+from spmdkit.ops.norms import layer_norm, sync_batch_norm
+from spmdkit.rule import Example
+from spmdkit.rules.norms import (
+    batch_norm_notation,
+    group_norm_notation,
+    instance_norm_notation,
+    layer_norm_notation,
+)
+from spmdkit.testing import check_jit, check_rule
+
+
+def T(shape, spec=None, **kw):
+    return sk.TensorSpec(shape, spec, dtype="float32", **kw)
+
+
+C4 = T((4,))
+
+# -- notations -----------------------------------------------------------------
+
+
+def test_notations():
+    assert str(layer_norm_notation(((2, 3, 4), (3, 4)), begin_norm_axis=1, has_bias=False)) == (
+        "b0 d0 d1, d0 d1 -> b0 d0 d1  [replicated: d0,d1]"
+    )
+    assert str(layer_norm_notation(((2, 4), (4,), (4,)), strategy="sharded_stats")) == (
+        "b0 d0, d0, d0 -> b0 d0"
+    )
+    assert (
+        str(
+            group_norm_notation(((2, 3, 4), (4,)), num_groups=2, data_format="NHWC", has_bias=False)
+        )
+        == "n s0 c, c -> n s0 c  [replicated: c,s0]"
+    )
+    assert str(instance_norm_notation(((2, 4, 3),), has_scale=False, has_bias=False)) == (
+        "n c s0 -> n c s0  [replicated: s0]"
+    )
+    assert (
+        str(
+            batch_norm_notation(
+                ((8, 4), C4.shape, C4.shape), training=False, has_scale=False, has_bias=False
+            )
+        )
+        == "n c, c, c -> n c"
+    )
+
+
+# -- layouts per strategy --------------------------------------------------------
+
+
+def test_layer_norm_default_gathers_the_normalized_dim_sharded_stats_keeps_it():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    x, w = T((8, 16), P("a", "b")), T((16,))
+    ref = sk.infer_forward("layer_norm", x, w, w, mesh=mesh)
+    assert [str(s) for s in ref.inputs] == ["f32[8@a,16]", "f32[16]", "f32[16]"]
+    assert str(ref.outputs[0]) == "f32[8@a,16]"
+    assert not ref.collectives
+    fast = sk.infer_forward("layer_norm", x, w, w, mesh=mesh, strategy="sharded_stats")
+    assert [str(s) for s in fast.inputs] == ["f32[8@a,16@b]", "f32[16@b]", "f32[16@b]"]
+    assert str(fast.outputs[0]) == "f32[8@a,16@b]"
+    (stat,) = fast.collectives  # Σx and Σx² of the 4 local rows over b
+    assert (stat.kind, stat.axes, stat.payload_bytes) == ("all_reduce", ("b",), 2 * 4 * 4)
+    # the planner sees the difference: an activation all-gather against 32 bytes
+    assert ref.payload_bytes == 8 * 16 * 4 // 2 > fast.payload_bytes == 32
+
+
+def test_rms_norm_sharded_stats_all_reduces_one_scalar_per_row():
+    mesh = sk.abstract_mesh(x=4)
+    x = T((2, 6, 8), P(None, None, "x"))
+    res = sk.infer_forward("rms_norm", x, T((8,)), mesh=mesh, strategy="sharded_stats")
+    assert str(res.outputs[0]) == "f32[2,6,8@x]"
+    assert res.collectives[0].payload_bytes == 12 * 4
+    ref = sk.infer_forward("rms_norm", x, T((8,)), mesh=mesh)
+    assert str(ref.inputs[0]) == "f32[2,6,8]"
+
+
+def test_layer_norm_over_several_dims_keeps_the_leading_ones():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    x = T((2, 4, 8), P("a", "b", None))
+    res = sk.infer_forward("layer_norm", x, T((4, 8)), mesh=mesh, begin_norm_axis=1, has_bias=False)
+    assert str(res.inputs[0]) == "f32[2@a,4,8]"
+    res = sk.infer_forward(
+        "layer_norm",
+        x,
+        T((4, 8)),
+        mesh=mesh,
+        begin_norm_axis=1,
+        has_bias=False,
+        strategy="sharded_stats",
+    )
+    assert str(res.inputs[0]) == "f32[2@a,4@b,8]" and str(res.inputs[1]) == "f32[4@b,8]"
+
+
+def test_nc_norms_keep_what_the_reference_allows():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    x = T((8, 4, 4), P("a", "b", None))
+    xs = T((8, 4, 4), P("a", None, "b"))
+    gn = sk.infer_forward("group_norm", x, C4, C4, mesh=mesh, num_groups=2)
+    assert str(gn.inputs[0]) == "f32[8@a,4,4]" and str(gn.inputs[1]) == "f32[4]"
+    inn = sk.infer_forward("instance_norm", x, C4, C4, mesh=mesh)
+    assert str(inn.inputs[0]) == "f32[8@a,4@b,4]" and str(inn.inputs[1]) == "f32[4@b]"
+    assert (
+        str(
+            sk.infer_forward(
+                "instance_norm", xs, mesh=mesh, has_scale=False, has_bias=False
+            ).inputs[0]
+        )
+        == "f32[8@a,4,4]"
+    )
+    bn = sk.infer_forward("batch_norm", x, C4, C4, C4, C4, mesh=mesh)
+    assert str(bn.inputs[0]) == "f32[8,4@b,4]"
+    assert [str(o) for o in bn.outputs] == ["f32[8,4@b,4]", "f32[4@b]", "f32[4@b]"]
+    bn_inf = sk.infer_forward("batch_norm", xs, C4, C4, C4, C4, mesh=mesh, training=False)
+    assert [str(o) for o in bn_inf.outputs] == ["f32[8@a,4,4@b]"]
+    sbn = sk.infer_forward("sync_batch_norm", xs, C4, C4, C4, C4, mesh=mesh)
+    assert str(sbn.inputs[0]) == "f32[8@a,4,4@b]"
+    (stat,) = sbn.collectives  # Σx and Σx² per channel over both axes: O(C)
+    assert set(stat.axes) == {"a", "b"} and stat.payload_bytes == 2 * 4 * 4
+
+
+def test_partial_inputs_are_resolved():
+    mesh = sk.abstract_mesh(x=4)
+    res = sk.infer_forward("rms_norm", T((4, 8), partial={"x": "sum"}), T((8,)), mesh=mesh)
+    assert not res.inputs[0].partial and not res.outputs[0].partial
+
+
+# -- grads -----------------------------------------------------------------------
+
+
+def test_param_grads_are_partial_over_the_leading_axes():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    x, w = T((8, 16), P("a", "b")), T((16,))
+    g = sk.infer_grad("layer_norm", x, w, w, out_grads=(x,), mesh=mesh)
+    assert [str(s) for s in g.outputs] == ["f32[8@a,16]", "f32[16]{sum:a}", "f32[16]{sum:a}"]
+    g = sk.infer_grad("layer_norm", x, w, w, out_grads=(x,), mesh=mesh, strategy="sharded_stats")
+    assert [str(s) for s in g.outputs] == ["f32[8@a,16@b]", "f32[16@b]{sum:a}", "f32[16@b]{sum:a}"]
+    assert g.collectives[0].payload_bytes == 2 * 4 * 4  # the backward's per-row sums
+
+
+def test_running_statistics_grads_are_not_partial():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    x = T((8, 4, 4), P("a", None, "b"))
+    outs = (x, C4, C4)
+    g = sk.infer_grad("sync_batch_norm", x, C4, C4, C4, C4, out_grads=outs, mesh=mesh)
+    assert str(g.outputs[1]) == "f32[4]{sum:a,sum:b}"
+    assert str(g.outputs[3]) == "f32[4]" and str(g.outputs[4]) == "f32[4]"
+    g = sk.infer_grad("batch_norm", x, C4, C4, C4, C4, out_grads=(x,), mesh=mesh, training=False)
+    assert all(str(s) == "f32[4]{sum:a,sum:b}" for s in g.outputs[1:])  # all summed over rows
+
+
+# -- errors ----------------------------------------------------------------------
+
+X = T((4, 8, 2))
+
+
+@pytest.mark.parametrize(
+    ("op", "specs", "attrs", "match"),
+    [
+        ("layer_norm", (X, T((2,)), T((2,))), {"begin_norm_axis": 3}, "begin_norm_axis"),
+        ("layer_norm", (X, T((2,))), {}, "operand"),
+        ("layer_norm", (X, T((8, 2)), T((2,))), {}, "scale has shape"),
+        ("layer_norm", (X, T((2,)), T((2,))), {"epsilon": 0.0}, "epsilon"),
+        ("rms_norm", (X, T((2,))), {"strategy": "fastest"}, "strategy is one of"),
+        ("group_norm", (X, T((8,)), T((8,))), {"num_groups": 3}, "num_groups"),
+        (
+            "group_norm",
+            (X,),
+            {"num_groups": 2, "has_scale": False, "has_bias": False, "data_format": "NCW"},
+            "data_format",
+        ),
+        (
+            "group_norm",
+            (X, T((8,)), T((8,))),
+            {"num_groups": 2, "strategy": "sharded_stats"},
+            "strategy",
+        ),
+        ("instance_norm", (T((4, 8)), T((8,)), T((8,))), {}, "rank"),
+        ("batch_norm", (X, T((2,)), T((2,)), T((2,)), T((2,))), {}, "has shape"),
+        (
+            "batch_norm",
+            (X, T((8,)), T((8,)), T((8,)), T((8,))),
+            {"data_format": "NHWC"},
+            "has shape",
+        ),
+        ("batch_norm", (X, T((8,)), T((8,))), {}, "operand"),
+        ("sync_batch_norm", (X, *[T((8,))] * 4), {"momentum": 2.0}, "momentum"),
+        ("sync_batch_norm", (X, *[T((8,))] * 4), {"training": "yes"}, "training"),
+        ("batch_norm", (X, *[T((8,))] * 4), {"axis": 1}, "attributes fit"),
+    ],
+)
+def test_bad_calls_raise_typed_errors(op, specs, attrs, match):
+    with pytest.raises(ShardingConflictError, match=match):
+        sk.infer_forward(op, *specs, mesh=sk.abstract_mesh(x=4), **attrs)
+
+
+# -- the sweep, per strategy -------------------------------------------------------
+
+LN_FAST = (
+    Example(((4, 8), (8,), (8,)), attrs={"strategy": "sharded_stats"}, rtol=1e-4),
+    Example(
+        ((3, 6, 2), (6, 2)),
+        attrs={"strategy": "sharded_stats", "begin_norm_axis": 1, "has_bias": False},
+        rtol=1e-4,
+        uneven=True,
+    ),
+)
+RMS_FAST = (Example(((6, 6), (6,)), attrs={"strategy": "sharded_stats"}, rtol=1e-4, uneven=True),)
+LN_REF = (Example(((4, 8), (8,), (8,)), attrs={"strategy": "default"}, rtol=1e-4),)
+
+
+@pytest.mark.parametrize(
+    ("op", "examples"),
+    [("layer_norm", LN_FAST), ("rms_norm", RMS_FAST), ("layer_norm", LN_REF)],
+    ids=["layer_norm-sharded_stats", "rms_norm-sharded_stats", "layer_norm-default"],
+)
+def test_sweep_per_strategy(op, examples, mesh1d, mesh2d):
+    for mesh, seed in ((mesh1d, 0), (mesh2d, 1)):
+        report = check_rule(
+            op,
+            mesh=mesh,
+            examples=examples,
+            max_cases=24,
+            max_grad_cases=8,
+            missing=False,
+            seed=seed,
+        )
+        assert report.ok, str(report)
+    assert check_jit(op, mesh=mesh2d, examples=examples[:1], max_cases=3).ok
+
+
+# -- collective budgets from the compiled HLO ----------------------------------------
+
+
+def _put(x, mesh, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def test_sharded_stats_layer_norm_moves_only_row_scalars(mesh2d):
+    rows, d = 16, 64
+    rng = np.random.default_rng(0)
+    x = _put(rng.standard_normal((rows, d)).astype(np.float32), mesh2d, P("a", "b"))
+    w = _put(np.ones(d, np.float32), mesh2d, P("b"))
+
+    def fwd(x, w):
+        return layer_norm(x, w, w, strategy="sharded_stats")
+
+    local_rows = rows // 2
+    (stat,) = compiled_collectives(fwd, x, w)
+    assert (stat.kind, stat.group_size, stat.payload_bytes) == ("all_reduce", 4, 2 * local_rows * 4)
+
+    def loss(x, w):
+        return (fwd(x, w) ** 2).sum()
+
+    grad = compiled_collectives(jax.grad(loss, argnums=(0, 1)), x, w)
+    assert all(c.kind == "all_reduce" for c in grad)
+    over_b = [c for c in grad if c.group_size == 4]  # the normalized dim's axis
+    over_a = [c for c in grad if c.group_size == 2]  # the weight grads' sum over rows
+    assert len(over_b) + len(over_a) == len(grad)
+    # forward and backward per-row sums (+ the loss's own sum: one scalar)
+    assert sum(c.payload_bytes for c in over_b) <= 2 * (2 * local_rows * 4) + 4
+    assert sum(c.payload_bytes for c in over_a) <= 2 * (d // 4) * 4 + 4  # d scale + d bias
+    ref = compiled_collectives(lambda x, w: layer_norm(x, w, w), x, w)
+    assert sum(c.payload_bytes for c in ref) >= rows * d * 4 // 2 // 4  # gathers activations
+
+
+def test_sync_batch_norm_moves_only_channel_statistics(mesh2d):
+    n, c, s = 16, 8, 8
+    rng = np.random.default_rng(1)
+    x = _put(rng.standard_normal((n, c, s)).astype(np.float32), mesh2d, P("a", None, "b"))
+    stats = _put(np.ones(c, np.float32), mesh2d, P())
+
+    def fwd(x, m):
+        return sync_batch_norm(x, m, m, m, m)
+
+    (stat,) = compiled_collectives(fwd, x, stats)
+    assert (stat.kind, stat.group_size, stat.payload_bytes) == ("all_reduce", 8, 2 * c * 4)
+
+    def loss(x, m):
+        y, mean, var = fwd(x, m)
+        return (y**2).sum() + mean.sum() + var.sum()
+
+    grad = compiled_collectives(jax.grad(loss, argnums=(0, 1)), x, stats)
+    assert all(c_.kind == "all_reduce" for c_ in grad)
+    # every collective is O(C): statistics forward and backward, parameter grads
+    assert max(c_.payload_bytes for c_ in grad) <= 2 * c * 4
+    assert sum(c_.payload_bytes for c_ in grad) <= 6 * c * 4 + 4
