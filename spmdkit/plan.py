@@ -38,12 +38,19 @@ tp_fsdp  megatron over the model axes + fsdp (embed dim) over the data axes
 ep       batch over every axis; experts over the expert axes
 ======== ===================================================================
 
-Cost model (``estimator="analytic"``)
--------------------------------------
-The train step is traced once (``jax.make_jaxpr`` of the loss's value and grad,
-and the optimizer's state shapes); from it come total FLOPs and the bytes of the
-residuals saved for the backward pass. A candidate layout is then costed per
-parameter, which is what makes ``strategy="auto"`` fast:
+Cost model
+----------
+Two estimators. ``estimator="propagate"`` (the default) propagates a plan's specs
+through the traced train step (forward, backward, optimizer update) with the rule
+registry (:mod:`spmdkit.propagate`): per-equation reshards, collectives, bytes,
+FLOPs and a liveness memory estimate. It is exact to the rules but costs a
+propagation per candidate, so ``auto`` searches with the analytic model and
+re-costs only the presets and its three best searched candidates with it.
+
+``estimator="analytic"``: the train step is traced once (``jax.make_jaxpr`` of
+the loss's value and grad, and the optimizer's state shapes); from it come total
+FLOPs and the bytes of the residuals saved for the backward pass. A candidate
+layout is then costed per parameter, which is what makes ``strategy="auto"`` fast:
 
 - a param sharded over an axis that also splits the batch (FSDP) pays one
   all-gather and one reduce-scatter of its grad over that axis;
@@ -1265,6 +1272,61 @@ def _total(
     )
 
 
+def _train_step(info: ModelInfo, optimizer: Any) -> Callable:
+    key = ("step", id(optimizer))
+    if key not in info._cache:
+        import optax
+
+        opt = optimizer if optimizer is not None else _default_optimizer()
+
+        def train_step(params: Any, opt_state: Any, batch: Any) -> Any:
+            loss, grads = jax.value_and_grad(info.loss_fn)(params, batch)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        info._cache[key] = train_step
+    return info._cache[key]
+
+
+def _propagate_cost(info: ModelInfo, optimizer: Any, candidate: Plan, ctx: _Ctx) -> Cost:
+    """Cost of a plan by propagating its specs through the whole train step
+    (forward, backward, optimizer update; params and optimizer state donated)."""
+    from spmdkit.propagate import propagate
+
+    trace = ctx.trace
+    step = _train_step(info, optimizer)
+    in_specs = (
+        candidate.param_specs(info.abstract_params),
+        candidate.opt_specs(trace.abstract_opt),
+        candidate.batch_specs(info.batch),
+    )
+    prop = propagate(
+        step,
+        info.abstract_params,
+        trace.abstract_opt,
+        info.batch,
+        in_specs=in_specs,
+        mesh=ctx.mesh,
+        topology=ctx.topology,
+        donate_argnums=(0, 1),
+        arg_roles=("params", "opt_state", "batch"),
+    )
+    compute = prop.compute_time_s or (prop.flops / ctx.peak_flops)
+    mem = prop.memory
+    return Cost(
+        step_time_s=compute + prop.comm_time_s,
+        compute_time_s=compute,
+        comm_time_s=prop.comm_time_s,
+        comm_bytes={k: int(v) for k, v in sorted(prop.comm_bytes_by_kind.items())},
+        memory={
+            "arguments": int(mem.argument_bytes),
+            "outputs": int(mem.output_bytes - mem.alias_bytes),
+            "temporaries": int(mem.temp_bytes),
+        },
+        estimator="propagate",
+    )
+
+
 # -- candidates --------------------------------------------------------------------------------
 
 
@@ -1510,6 +1572,7 @@ def plan(
     topology: Topology = DEFAULT_TOPOLOGY,
     peak_flops: float = H100_BF16_FLOPS,
     init_args: tuple = (),
+    estimator: str = "propagate",
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -1534,6 +1597,11 @@ def plan(
       topology: link model for collectives.
       peak_flops: per-device FLOP/s for the compute term.
       init_args: linen only, ``module.init`` arguments after the rng.
+      estimator: ``"propagate"`` (default): the plan's cost (and auto's final
+        ranking of the presets and its best searched candidates) comes from
+        propagating the specs through the traced train step
+        (``spmdkit.propagate``); ``"analytic"``: the per-parameter model only
+        (module docstring), fastest.
 
     Returns:
       The :class:`Plan`.
@@ -1571,9 +1639,22 @@ def plan(
         flops_scale=(trace.flops / raw) if raw and trace.flops else 1.0,
     )
     budget = float(memory_budget) if memory_budget is not None else float(H100_MEMORY)
+    if estimator not in ("propagate", "analytic"):
+        raise PlanError(
+            op="plan",
+            must="estimator is 'propagate' or 'analytic'",
+            given=repr(estimator),
+            fix="pass estimator='propagate' (default) or 'analytic'",
+        )
+
+    def recost(p: Plan) -> Plan:
+        if estimator == "analytic":
+            return p
+        return replace(p, cost=_propagate_cost(info, optimizer, p, ctx))
+
     if isinstance(strategy, str) and strategy != "auto":
         choice, act, table, cost = _preset_candidate(strategy, mesh, ctx, info, groups, rules)
-        return _make_plan(strategy, mesh, info, groups, choice, act, table, cost)
+        return recost(_make_plan(strategy, mesh, info, groups, choice, act, table, cost))
     if not isinstance(strategy, str):
         table = LogicalRules.coerce(strategy)
         if rules is not None:
@@ -1581,7 +1662,7 @@ def plan(
         choice = _rules_choice(table, table, groups, mesh, None)
         act = _activation(table, mesh, ctx.trace)
         cost = _total(ctx, groups, choice, act.get("batch", ()), act.get("seq", ()))
-        return _make_plan("rules", mesh, info, groups, choice, act, table, cost)
+        return recost(_make_plan("rules", mesh, info, groups, choice, act, table, cost))
     # auto
     candidates: list[tuple[str, list, dict, LogicalRules | None, Cost]] = []
     for name in PRESETS:
@@ -1591,22 +1672,30 @@ def plan(
             continue
         candidates.append((name, choice, act, table, cost))
     for batch_ax in _batch_axis_choices(sizes, trace.batch_size):
-        rest = tuple(a for a in sizes if a not in batch_ax and sizes[a] > 1)
-        seq_options: list[tuple[str, ...]] = [()]
-        if rest and trace.seq_len > 1 and trace.seq_len % math.prod(sizes[a] for a in rest) == 0:
-            seq_options.append(rest)
-        for seq_ax in seq_options:
-            choice, cost = _search(ctx, groups, batch_ax, seq_ax, budget)
-            act = {n: () for n in BATCH_NAMES}
-            act["batch"] = batch_ax
-            act["seq"] = seq_ax
-            label = f"searched[batch={','.join(batch_ax) or '-'}"
-            label += f",seq={','.join(seq_ax)}]" if seq_ax else "]"
-            candidates.append((label, choice, act, None, cost))
+        choice, cost = _search(ctx, groups, batch_ax, (), budget)
+        act = {n: () for n in BATCH_NAMES}
+        act["batch"] = batch_ax
+        label = f"searched[batch={','.join(batch_ax) or '-'}]"
+        candidates.append((label, choice, act, None, cost))
 
     def rank(c: tuple) -> tuple:
         cost = c[4]
         return (cost.peak_bytes > budget, cost.step_time_s, cost.peak_bytes)
+
+    if estimator == "propagate":
+        # The presets and the best searched candidates, re-costed on the traced step.
+        searched = sorted(
+            (i for i, c in enumerate(candidates) if c[0].startswith("searched")),
+            key=lambda i: (*rank(candidates[i]), i),
+        )
+        keep = [i for i, c in enumerate(candidates) if not c[0].startswith("searched")]
+        keep += searched[:3]
+        recosted = []
+        for i in sorted(keep):
+            name, choice, act, table, _ = candidates[i]
+            p = _make_plan(name, mesh, info, groups, choice, act, table, None)
+            recosted.append((name, choice, act, table, _propagate_cost(info, optimizer, p, ctx)))
+        candidates = recosted
 
     ranked = sorted(range(len(candidates)), key=lambda i: (*rank(candidates[i]), i))
     best = candidates[ranked[0]]
@@ -1614,10 +1703,9 @@ def plan(
     alternatives = []
     for i in ranked[1:]:
         name = candidates[i][0]
-        label = "searched" if name.startswith("searched") else name
-        if label in seen:
+        if name in seen:
             continue
-        seen.add(label)
+        seen.add(name)
         alternatives.append((name, candidates[i][4]))
     out = _make_plan("auto", mesh, info, groups, best[1], best[2], best[3], best[4])
-    return replace(out, alternatives=tuple(alternatives[:6]), chosen=best[0])
+    return replace(out, alternatives=tuple(alternatives[:12]), chosen=best[0])

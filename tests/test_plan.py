@@ -25,7 +25,10 @@ def amesh():
 @pytest.fixture(scope="module")
 def plans(amesh):
     batch = toy_batch()
-    return {s: plan(toy_init, amesh, s, loss=toy_loss, batch=batch) for s in (*PRESETS, "auto")}
+    return {
+        s: plan(toy_init, amesh, s, loss=toy_loss, batch=batch, estimator="analytic")
+        for s in (*PRESETS, "auto")
+    }
 
 
 def test_rules_first_free_entry_wins(amesh):
@@ -84,7 +87,7 @@ def test_auto_not_worse_than_best_preset(plans):
 
 
 def test_auto_respects_memory_budget(amesh):
-    free = plan(toy_init, amesh, "auto", loss=toy_loss, batch=toy_batch())
+    free = plan(toy_init, amesh, "auto", loss=toy_loss, batch=toy_batch(), estimator="analytic")
     tight = plan(
         toy_init,
         amesh,
@@ -92,13 +95,14 @@ def test_auto_respects_memory_budget(amesh):
         loss=toy_loss,
         batch=toy_batch(),
         memory_budget=free.cost.peak_bytes // 3,
+        estimator="analytic",
     )
     assert tight.cost.peak_bytes <= free.cost.peak_bytes // 3
     assert tight.cost.step_time_s >= free.cost.step_time_s
 
 
 def test_auto_is_deterministic(plans, amesh):
-    again = plan(toy_init, amesh, "auto", loss=toy_loss, batch=toy_batch())
+    again = plan(toy_init, amesh, "auto", loss=toy_loss, batch=toy_batch(), estimator="analytic")
     assert again == plans["auto"]
 
 
@@ -142,3 +146,29 @@ def test_custom_rules_table(amesh):
     table[2] = ("mlp", "model")
     p = plan(toy_init, amesh, table, loss=toy_loss, batch=toy_batch())
     assert p.params["mixers/1/up"] == P(None, "model") and p.strategy == "rules"
+
+
+def test_auto_with_propagation_beats_every_preset():
+    mesh = sk.abstract_mesh(data=4, model=2)
+    p = plan(toy_init, mesh, "auto", loss=toy_loss, batch=toy_batch())
+    assert p.cost.estimator == "propagate"
+    presets = {n: c for n, c in p.alternatives if n in PRESETS}
+    assert p.chosen in PRESETS or len(presets) == len(PRESETS)
+    assert all(p.cost.step_time_s <= c.step_time_s for c in presets.values())
+    single = plan(toy_init, mesh, "megatron", loss=toy_loss, batch=toy_batch())
+    assert single.cost.estimator == "propagate" and single.cost.comm_bytes
+
+
+def test_unknown_estimator(amesh):
+    with pytest.raises(PlanError, match="estimator"):
+        plan(toy_init, amesh, "dp", loss=toy_loss, batch=toy_batch(), estimator="guess")
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "moe", "convnet", "gpt_linen"])
+def test_reference_models_auto_vs_presets(name):
+    from spmdkit.models import get_model
+
+    mesh = sk.abstract_mesh(data=2, model=4)
+    p = plan(get_model(name), mesh, "auto", config="tiny", estimator="analytic")
+    costs = [c.step_time_s for n, c in p.alternatives if n in PRESETS]
+    assert costs and p.cost.step_time_s <= min(costs)
