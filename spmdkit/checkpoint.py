@@ -145,7 +145,8 @@ def _is_key(x: Any) -> bool:
 def _checksum_leaf(x: jax.Array) -> jax.Array:
     """A position-weighted sum of the array's bits, mod 2**32: independent of the
     sharding and of reduction order (integer addition), sensitive to any changed or
-    moved element."""
+    moved element. The weights come from per-dim iotas so XLA fuses them into the
+    reduction instead of materialising an index array."""
     bits = x.dtype.itemsize * 8
     if x.dtype == jnp.bool_:
         words = x.astype(jnp.uint32)
@@ -154,8 +155,13 @@ def _checksum_leaf(x: jax.Array) -> jax.Array:
         words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
     else:  # 64-bit: split every element into two 32-bit words
         words = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    weights = jnp.arange(words.size, dtype=jnp.uint32).reshape(words.shape)
-    return jnp.sum(words * (weights * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
+    index = jnp.zeros((), jnp.uint32)
+    stride = 1
+    for d in reversed(range(words.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, d)
+        index = index + iota * jnp.uint32(stride % 2**32)
+        stride *= words.shape[d]
+    return jnp.sum(words * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
 
 
 def _checksummable(x: Any) -> bool:
@@ -172,17 +178,31 @@ def _checksums(leaves: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {k: _checksum_leaf(v) for k, v in leaves.items()}
 
 
+#: Checksums are computed over at most this many bytes of arrays at a time, so the
+#: transient device/host memory they take stays bounded whatever the state's size.
+CHECKSUM_CHUNK_BYTES = 256 * 2**20
+
+
 def _compute_checksums(flat: dict[str, Any]) -> dict[str, int]:
     # one jitted call per device set: committed arrays on different devices (a
     # single-device scalar beside mesh-sharded params) cannot meet in one computation
-    groups: dict[tuple[int, ...], dict[str, jax.Array]] = {}
+    groups: dict[tuple[int, ...], list[list[str]]] = {}
+    sizes: dict[tuple[int, ...], int] = {}
     for k, v in flat.items():
-        if _checksummable(v):
-            devices = tuple(sorted(d.id for d in v.sharding.device_set))
-            groups.setdefault(devices, {})[k] = v
+        if not _checksummable(v):
+            continue
+        devices = tuple(sorted(d.id for d in v.sharding.device_set))
+        chunks = groups.setdefault(devices, [[]])
+        if chunks[-1] and sizes[devices] + v.nbytes > CHECKSUM_CHUNK_BYTES:
+            chunks.append([])
+            sizes[devices] = 0
+        chunks[-1].append(k)
+        sizes[devices] = sizes.get(devices, 0) + v.nbytes
     out: dict[str, int] = {}
-    for arrays in groups.values():
-        out.update({k: int(np.asarray(v)) for k, v in _checksums(arrays).items()})
+    for chunks in groups.values():
+        for keys in chunks:
+            sums = _checksums({k: flat[k] for k in keys})
+            out.update({k: int(np.asarray(v)) for k, v in sums.items()})  # blocks
     return out
 
 
