@@ -127,6 +127,17 @@ _INLINE_PRIMS = frozenset(
     }
 )
 
+# What a rule (or a built-in) may raise on an equation it does not fit: the
+# equation then falls back to replicated, warned and counted, never a crash.
+_RULE_ERRORS = (
+    SpmdError,
+    TypeError,
+    ValueError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    NotImplementedError,
+)
 _CONVERTERS: dict[str, Callable[[Any], tuple[str, dict] | None]] = {}
 # (mesh, topology, op, attrs, specs, hints) -> chosen forward answer
 _CHEAPEST: dict[tuple, Any] = {}
@@ -470,6 +481,13 @@ _RENAMES = {"add_any": "add"}
 
 
 def _to_rule(eqn: Any) -> tuple[str, dict] | None:
+    try:
+        return _to_rule_unchecked(eqn)
+    except _RULE_ERRORS:  # a converter that does not fit the equation: no rule
+        return None
+
+
+def _to_rule_unchecked(eqn: Any) -> tuple[str, dict] | None:
     name = eqn.primitive.name
     conv = _CONVERTERS.get(name)
     if conv is not None:
@@ -1001,7 +1019,7 @@ class _Engine:
                 continue
             try:
                 cand = infer_forward(op, *alt, mesh=self.mesh, **attrs)
-            except (SpmdError, TypeError, ValueError, KeyError):
+            except _RULE_ERRORS:
                 continue
             t = self._price(specs, cand.inputs, cand.outputs)
             smaller = sum(o.local_bytes(self.mesh) for o in cand.outputs) <= size
@@ -1044,7 +1062,7 @@ class _Engine:
                     )
                     return op, attrs, res.inputs, outs
                 why = f"rule {op!r} gave output shapes {[o.shape for o in outs]}"
-            except (SpmdError, TypeError, ValueError, KeyError) as e:
+            except _RULE_ERRORS as e:
                 why = f"rule {op!r} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             self.warn(name, why)
             return (
@@ -1057,13 +1075,13 @@ class _Engine:
             try:
                 req, outs = _conv(eqn.params, specs, out_shapes[0], out_dtypes[0])
                 return name, {}, req, outs
-            except (SpmdError, TypeError, ValueError, KeyError, IndexError, AttributeError):
+            except _RULE_ERRORS:
                 pass
         if name in ("scatter-add", "scatter"):
             try:
                 req, outs = _scatter(name, eqn.params, specs, out_dtypes[0])
                 return name, {}, req, outs
-            except (SpmdError, TypeError, ValueError, KeyError, IndexError, AttributeError):
+            except _RULE_ERRORS:
                 pass
         if name in _LAYOUT:
             try:
@@ -1071,7 +1089,7 @@ class _Engine:
                     name, eqn.params, specs, out_shapes, out_dtypes, self.mesh
                 )
                 return name, {}, req, outs
-            except (SpmdError, TypeError, ValueError, KeyError, IndexError):
+            except _RULE_ERRORS:
                 pass
         built = _builtin_for(name, eqn, len(specs))
         if built is not None:
@@ -1080,7 +1098,7 @@ class _Engine:
                 req, outs = _builtin_forward(rule, attrs, specs, self.mesh, out_dtypes)
                 if [o.shape for o in outs] == out_shapes:
                     return rule.name, {k: v for k, v in attrs.items() if k[0] != "_"}, req, outs
-            except (SpmdError, TypeError, ValueError, KeyError):
+            except _RULE_ERRORS:
                 pass
         self.warn(name, "no rule registered")
         req = tuple(TensorSpec(s.shape, dtype=s.dtype) for s in specs)
@@ -1110,7 +1128,7 @@ class _Engine:
         want = tuple(h if h is not None else o for h, o in zip(hints, outs, strict=True))
         try:
             res = infer_backward(op, *specs, outputs=want, mesh=self.mesh, **attrs)
-        except (SpmdError, TypeError, ValueError, KeyError):
+        except _RULE_ERRORS:
             return req, outs
         if tuple(o.dims for o in res.outputs) != tuple(w.dims for w in want):
             return req, outs
@@ -1129,7 +1147,7 @@ class _Engine:
         cand_in = res.inputs
         try:
             fwd = infer_forward(op, *cand_in, mesh=self.mesh, **attrs)
-        except (SpmdError, TypeError, ValueError, KeyError):
+        except _RULE_ERRORS:
             return req, outs
         cand_in, cand_out = fwd.inputs, fwd.outputs
         if tuple(o.dims for o in cand_out) != tuple(w.dims for w in want):
@@ -1354,7 +1372,7 @@ class _Engine:
             ins = tuple(spec[v] for v in node.ins)
             try:
                 res = infer_backward(op, *ins, outputs=outs, mesh=self.mesh, **attrs)
-            except (SpmdError, TypeError, ValueError, KeyError):
+            except _RULE_ERRORS:
                 continue
             for v, s in zip(node.ins, res.inputs, strict=True):
                 if v in fixed or self.prog.const[v] or v in hints:
