@@ -37,7 +37,7 @@ def reference(info):
 def test_loss_and_grads_match_single_device(info, reference, strategy, shape):
     axes = dict(zip(("data", "model"), shape, strict=False))
     mesh = sk.make_mesh(**axes)
-    p = plan(info, mesh, strategy)
+    p = plan(info, mesh, strategy, estimator="propagate" if strategy == "auto" else "analytic")
     params = init_sharded(info, p)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path[:-1])
@@ -61,7 +61,7 @@ def test_loss_and_grads_match_single_device(info, reference, strategy, shape):
 
 def test_train_step_with_optimizer_state_and_donation(info):
     mesh = sk.make_mesh(data=2, model=4)
-    p = plan(info, mesh, "zero1")
+    p = plan(info, mesh, "zero1", estimator="analytic")
     opt = optax.adam(1e-2)
     params = init_sharded(info, p)
     opt_state = jax.jit(opt.init, out_shardings=p.opt_shardings(jax.eval_shape(opt.init, params)))(
@@ -88,6 +88,18 @@ def test_train_step_with_optimizer_state_and_donation(info):
 
 
 def test_abstract_plan_needs_a_real_mesh(info):
-    p = plan(info, sk.abstract_mesh(data=2, model=4), "dp")
+    p = plan(info, sk.abstract_mesh(data=2, model=4), "dp", estimator="analytic")
     with pytest.raises(sk.SpmdError, match="devices"):
         jit(lambda a: a, p)
+
+
+def test_verify_compares_prediction_with_compiled(info):
+    mesh = sk.make_mesh(data=8)
+    p = plan(info, mesh, "dp", estimator="analytic")
+    params = init_sharded(info, p)
+    step = jit(jax.value_and_grad(info.loss_fn), p)
+    report = p.verify(step, params, toy_batch())
+    rows = {r[0]: r for r in report.rows}
+    _, predicted, compiled, ok = rows["collectives total"]
+    assert compiled > 0 and abs(predicted - compiled) <= 0.1 * compiled
+    assert ok
