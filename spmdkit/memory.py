@@ -157,6 +157,14 @@ def _temp_peak(
         if fuse
         else set()
     )
+    # broadcasts of constants (masks, fill values) are fused into their users or
+    # sunk into loop bodies by XLA: never materialized at full size
+    const = {v for v in consumers if prog.const[v]}
+    for node in graph.nodes:
+        if node.kind == "eqn" and all(v in const for v in node.ins):
+            const.update(node.outs)
+            if node.prim == "broadcast_in_dim" and fuse:
+                fused.update(o for o in node.outs if o not in graph.outvars)
     end = len(graph.nodes)
     for v in graph.outvars:
         last[v] = end
