@@ -370,7 +370,7 @@ def train(
                 s,
                 state,
                 plan=plan,
-                mesh=mesh,
+                mesh=plan.mesh if getattr(plan, "mesh", None) is not None else mesh,
                 data=data if hasattr(data, "state") else None,
                 force=force,
             )
