@@ -21,8 +21,8 @@ max, the sum of exponentials, the target logit (hard) or ``Σ q·z`` and ``Σ q`
 (*vocab-parallel*): each device reduces its class block and the per-row
 scalars are all-reduced over the class axes (one max, one sum of the stacked
 scalars) — O(rows) bytes, never the logits. Each device finds its class block
-from its offset, takes the target logit with a masked compare, and masks the
-padding of an uneven block. The backward, ``(softmax - t)·g`` (and
+from its offset, gathers the target logit per row (zero when the target lies
+in another block), and masks the padding of an uneven block. The backward, ``(softmax - t)·g`` (and
 ``(1-ε)(lse - z)·g`` for soft labels), is local to each class block given the
 row's ``lse``, so it moves nothing: the local computation carries a custom VJP
 that saves the row statistics instead of differentiating the all-reduces.
