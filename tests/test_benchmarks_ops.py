@@ -1,0 +1,94 @@
+"""benchmarks/ops.py: a quick run on tiny shapes gives a well-formed report, the
+vocab-parallel cross-entropy backward moves nothing, and a missing op is
+reported as n/a instead of stopping the run."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "ops.py"
+SIDE_KEYS = {"bytes", "collectives", "peak_bytes", "memory", "compile_s"}
+PASSES = ("forward", "forward+backward", "backward")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmarks_ops", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _check_side(side):
+    assert set(side) == set(PASSES)
+    for pass_ in PASSES:
+        cost = side[pass_]
+        assert set(cost) >= SIDE_KEYS
+        assert cost["bytes"] == sum(v["payload_bytes"] for v in cost["collectives"].values())
+        mem = cost["memory"]
+        assert cost["peak_bytes"] == mem["temp"] + mem["argument"] + mem["output"] - mem["alias"]
+        assert cost["peak_bytes"] > 0
+
+
+def test_quick_run(bench, tmp_path, monkeypatch, capsys):
+    real_cases = bench._cases
+
+    def cases(shapes):
+        picked = [c for c in real_cases(shapes) if c.op in ("softmax_cross_entropy", "index_put")]
+
+        def plain_raises(mesh):
+            raise ValueError("plain side broken on purpose")
+
+        broken = picked[0]._replace(
+            op="missing_op",
+            spmdkit=lambda mesh: bench._op("no_such_op_in_spmdkit"),
+            plain=plain_raises,
+        )
+        return [*picked, broken]
+
+    monkeypatch.setattr(bench, "_cases", cases)
+    out = tmp_path / "ops.json"
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+
+    assert report["meta"]["quick"] is True
+    assert report["meta"]["mesh"]["data"] == 2 and report["meta"]["mesh"]["model"] == 4
+    rows = {r["op"]: r for r in report["rows"]}
+    assert set(rows) == {"softmax_cross_entropy", "index_put", "missing_op"}
+    for name in ("softmax_cross_entropy", "index_put"):
+        _check_side(rows[name]["spmdkit"])
+        _check_side(rows[name]["plain"])
+
+    ce = rows["softmax_cross_entropy"]["spmdkit"]
+    assert ce["backward"]["bytes"] == 0
+    assert ce["backward"]["collectives"] == {}
+    # the forward moves only per-row scalars: all-reduces, no gather of the logits
+    assert set(ce["forward"]["collectives"]) == {"all_reduce"}
+    assert ce["forward+backward"]["bytes"] <= ce["forward"]["bytes"]
+    # index_put local update: the forward moves nothing
+    assert rows["index_put"]["spmdkit"]["forward"]["bytes"] == 0
+
+    missing = rows["missing_op"]
+    assert missing["spmdkit"] == {"na": missing["spmdkit"]["na"]}
+    assert missing["spmdkit"]["na"].startswith("AttributeError")
+    assert missing["plain"] == {"na": "ValueError: plain side broken on purpose"}
+    printed = capsys.readouterr().out
+    assert "n/a [1]" in printed and "n/a [2]" in printed
+    assert "no_such_op_in_spmdkit" in printed and "broken on purpose" in printed
+
+
+def test_every_op_resolves(bench):
+    """Every benchmarked op name is a callable of spmdkit.ops (also after its module
+    is imported, when the package attribute of the same name is the module)."""
+    import spmdkit.ops.attention
+    import spmdkit.ops.index_put  # noqa: F401
+
+    for case in bench._cases(bench.QUICK):
+        assert callable(bench._op(case.op))
+    with pytest.raises(AttributeError):
+        bench._op("no_such_op_in_spmdkit")
