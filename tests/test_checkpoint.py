@@ -206,7 +206,14 @@ def test_checksum_mismatch_and_bad_metadata_raise(tmp_path, saved, mesh2d):
 
 
 def test_async_save_copies_before_returning_and_keeps_max(tmp_path, mesh2d):
-    mgr = Manager(tmp_path, max_to_keep=2, save_interval_steps=2)
+    # bounded host memory: orbax's in-flight byte limits are options
+    mgr = Manager(
+        tmp_path,
+        max_to_keep=2,
+        save_interval_steps=2,
+        save_concurrent_gb=1,
+        restore_concurrent_gb=1,
+    )
     started = []
     for step in range(1, 7):
         s = _state(mesh2d)
