@@ -20,7 +20,7 @@ counts its costs ``length`` times; the carry keeps its entry layout or takes the
 fixed point the body reaches from it, whichever costs less over the loop (the
 stacked dim of ``xs`` and ``ys`` stays unsharded); ``while`` does the same and
 counts its body once (trip count unknown); ``cond`` propagates every branch,
-costs the first and keeps outputs on which the branches agree. ``shard_map``
+costs the dearest and keeps outputs on which the branches agree. ``shard_map``
 takes its in/out specs as given and counts the collectives its body calls.
 
 **Choosing.** Where a rule's answer costs communication (operands disagree,
@@ -1322,20 +1322,25 @@ class _Engine:
             extra = (inner, back, 1)
         else:  # cond: index, then operands
             ops = [s.without_partial() for s in specs[1:]]
-            inner = []
-            results = []
-            for i, g in enumerate(node.subs):
-                results.append(self._body(g, ops, spec, inner if i == 0 else [], repeat))
-                # branches other than the first are propagated but only the first is costed
+            branches = []
+            for g in node.subs:
+                items: list = []
+                branches.append((self._body(g, ops, spec, items, repeat), items))
             node_outs = []
-            back = []
             for j, o in enumerate(node.outs):
-                cands = {r[j].without_partial() for r in results}
+                cands = {r[j].without_partial() for r, _ in branches}
                 node_outs.append(cands.pop() if len(cands) == 1 else self.replicated(o))
-            for j, (r, want) in enumerate(zip(results[0], node_outs, strict=True)):
-                a = self.reshard(f"output {j}", r, want)
-                if a is not None:
-                    back.append(a)
+            costed = []
+            for results, items in branches:
+                back = [
+                    a
+                    for j, (r, want) in enumerate(zip(results, node_outs, strict=True))
+                    if (a := self.reshard(f"output {j}", r, want)) is not None
+                ]
+                t = self._items_time(items) + sum(a.plan.time_s for a in back)
+                costed.append((t, items, back))
+            # one branch runs: cost the dearest (first among equals)
+            _, inner, back = max(costed, key=lambda c: c[0])
             req = (TensorSpec(specs[0].shape, dtype=specs[0].dtype), *ops)
             node_outs = tuple(node_outs)
             extra = (inner, back, 1)
