@@ -1849,6 +1849,26 @@ def _manual_collectives(jaxpr: Any, engine: _Engine) -> list[ArgReshard]:
     return out
 
 
+def _own_collectives(
+    engine: _Engine, op: str | None, attrs: dict, req: Sequence[TensorSpec]
+) -> list[ArgReshard]:
+    """The op's own collectives (a rule strategy's statistic all-reduce…), wrapped
+    as one-step reshards like the shard_map ones."""
+    from spmdkit.resharding import ReshardPlan
+
+    if op is None or op not in engine.ops or not req:
+        return []
+    try:
+        res = infer_forward(op, *req, mesh=engine.mesh, **attrs)
+    except _RULE_ERRORS:
+        return []
+    out = []
+    for c in res.collectives:
+        spec = res.outputs[0] if res.outputs else req[0]
+        out.append(ArgReshard(f"{op} (own)", spec, spec, ReshardPlan(spec, spec, (c,))))
+    return out
+
+
 def _record(
     engine: _Engine, item: tuple, avail: dict[int, list[TensorSpec]], mesh: MeshLike, index: int
 ) -> EqnRecord:
@@ -1860,6 +1880,7 @@ def _record(
     )
     if node.kind == "shard_map":
         reshards += tuple(_manual_collectives(node.eqn.params["jaxpr"], engine))
+    reshards += tuple(_own_collectives(engine, op, attrs, req))
     comm = sum(a.payload_bytes for a in reshards)
     ctime = sum(a.plan.time_s for a in reshards)
     flops = _flops(node, req, outs, mesh)
