@@ -116,20 +116,31 @@ class BatchNorm(nnx.Module):
         return lyr.batch_norm(x, self.scale[...], self.bias[...], mean, var, eps=self.eps)
 
 
+def _check(cfg: ConvNetConfig) -> None:
+    if not len(cfg.widths) == len(cfg.blocks) == len(cfg.norms):
+        raise lyr.ModelConfigError(
+            op="ConvNet",
+            must="widths, blocks and norms have one entry per stage",
+            given=f"{len(cfg.widths)}, {len(cfg.blocks)} and {len(cfg.norms)} entries",
+            fix="give the three tuples the same length",
+        )
+    for kind in cfg.norms:
+        if kind not in ("group", "batch"):
+            raise lyr.ModelConfigError(
+                op="ConvNet",
+                must="each entry of ConvNetConfig.norms be 'group' or 'batch'",
+                given=repr(kind),
+                fix="use norms=('group', 'batch', ...)",
+            )
+
+
 def _norm(kind: str, dim: int, cfg: ConvNetConfig, rngs: nnx.Rngs) -> nnx.Module:
     if kind == "group":
         return GroupNorm(
             dim, groups=cfg.groups, eps=cfg.eps, param_dtype=cfg.param_dtype, rngs=rngs
         )
-    if kind == "batch":
-        return BatchNorm(
-            dim, momentum=cfg.momentum, eps=cfg.eps, param_dtype=cfg.param_dtype, rngs=rngs
-        )
-    raise lyr.ModelConfigError(
-        op="ConvNet",
-        must="each entry of ConvNetConfig.norms be 'group' or 'batch'",
-        given=repr(kind),
-        fix="use norms=('group', 'batch', ...)",
+    return BatchNorm(
+        dim, momentum=cfg.momentum, eps=cfg.eps, param_dtype=cfg.param_dtype, rngs=rngs
     )
 
 
@@ -168,13 +179,7 @@ class ConvNet(nnx.Module):
     """
 
     def __init__(self, cfg: ConvNetConfig, *, rngs: nnx.Rngs):
-        if not len(cfg.widths) == len(cfg.blocks) == len(cfg.norms):
-            raise lyr.ModelConfigError(
-                op="ConvNet",
-                must="widths, blocks and norms have one entry per stage",
-                given=f"{len(cfg.widths)}, {len(cfg.blocks)} and {len(cfg.norms)} entries",
-                fix="give the three tuples the same length",
-            )
+        _check(cfg)
         self.cfg = cfg
         pd = cfg.param_dtype
         self.stem = Conv(cfg.channels, cfg.stem, param_dtype=pd, rngs=rngs)
