@@ -51,7 +51,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from spmdkit.errors import ShardingConflictError
 from spmdkit.rule import (
@@ -125,7 +124,7 @@ def _check(ctx: RuleContext, inputs: Sequence[TensorSpec]) -> None:
             given=f"dtypes {q.dtype}, {k.dtype}, {v.dtype}",
             fix="cast the operands to one dtype",
         )
-    if any(not np.issubdtype(d, np.floating) for d in dts):
+    if any(not jnp.issubdtype(d, jnp.floating) for d in dts):
         raise ShardingConflictError(
             op=op,
             must="q, k, v are floating point",
@@ -341,29 +340,32 @@ class AttentionRule(Rule):
 
         def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             dtype = q.dtype
-            q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+            q = q.astype(jnp.float32)
             q_pos = lctx.offset(qs, 1) + jnp.arange(q.shape[1])
             h_pos = lctx.offset(qs, 2) + jnp.arange(q.shape[2])
             valid = None
             if uneven_q:  # padded query rows/heads: zero in, zero out (no NaN reaches dk, dv)
                 valid = (q_pos < n_q)[None, :, None, None] & (h_pos < n_heads)[None, None, :, None]
                 q = jnp.where(valid, q, 0.0)
-            if not heads_together:  # kv heads replicated: the kv head of each query head
-                sel = jnp.clip(h_pos // group, 0, n_kv_heads - 1)
-                k, v = jnp.take(k, sel, axis=2), jnp.take(v, sel, axis=2)
-                g = 1
-            else:
-                g = group
+            g = group if heads_together else 1
+            sel = jnp.clip(h_pos // group, 0, n_kv_heads - 1)
+
+            def view(t: jax.Array) -> jax.Array:
+                # after any communication: K/V move in their own dtype and head count
+                if not heads_together:  # kv heads replicated: the kv head of each query head
+                    t = jnp.take(t, sel, axis=2)
+                return t.astype(jnp.float32)
+
             b, s, hl, d = q.shape
             q5 = q.reshape(b, s, hl // g, g, d) * scale
             if strategy == "ring" and n_sk > 1:
-                out = _ring(lctx, ks, q5, k, v, q_pos, causal, n_sk)
+                out = _ring(lctx, ks, q5, k, v, view, q_pos, causal, n_sk)
             else:
                 if sk_axes:  # gather_kv: K/V sequence-sharded, gathered here
                     k = jax.lax.all_gather(k, sk_axes, axis=1, tiled=True)[:, :n_k]
                     v = jax.lax.all_gather(v, sk_axes, axis=1, tiled=True)[:, :n_k]
                 k_pos = jnp.arange(k.shape[1])
-                _, total, acc = _block(q5, k, v, _mask(q_pos, k_pos, n_k, causal))
+                _, total, acc = _block(q5, view(k), view(v), _mask(q_pos, k_pos, n_k, causal))
                 out = acc / total[..., None]
             out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, hl, d)
             if valid is not None:
@@ -402,23 +404,25 @@ def _ring(
     q5: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    view: Callable[[jax.Array], jax.Array],
     q_pos: jax.Array,
     causal: bool,
     n: int,
 ) -> jax.Array:
     """Online softmax over the key blocks as they pass around the ring of ``ks``'s
-    sequence axes; each step sends this device's current block to the next device."""
+    sequence axes; each step sends this device's current block to the next device.
+    ``view`` turns an arrived block into what the local query heads read."""
     axes = ks.dims[1]
     sk = ks.shape[1]
     blk = lctx.block(ks, 1)
     me = lctx.index(axes)
     real = (lctx.offset(ks, 1) + jnp.arange(blk) < sk)[None, :, None, None]
-    k, v = jnp.where(real, k, 0.0), jnp.where(real, v, 0.0)
+    k, v = jnp.where(real, k, jnp.zeros_like(k)), jnp.where(real, v, jnp.zeros_like(v))
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def visit(step: Any, k: jax.Array, v: jax.Array):
         k_pos = ((me - step) % n) * blk + jnp.arange(blk)  # the block that arrived
-        return _block(q5, k, v, _mask(q_pos, k_pos, sk, causal))
+        return _block(q5, view(k), view(v), _mask(q_pos, k_pos, sk, causal))
 
     def body(carry: tuple, step: jax.Array) -> tuple[tuple, None]:
         m, total, acc, k, v = carry

@@ -1,5 +1,6 @@
 """Attention family: layouts per strategy, GQA head mapping, errors, collective budgets."""
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -222,3 +223,33 @@ def test_ring_over_two_axes(mesh2d):
     both = P(None, ("a", "b"))
     res = _ring_case(mesh2d, ((1, 8, 2, 4),) * 3, (both, both, both), grad=False)
     assert str(res.inputs[1]) == "f32[1,8@(a,b),2,4]"
+
+
+def test_ring_with_query_heads_sharded_permutes_the_kv_heads_only(mesh2d):
+    shapes = ((2, 8, 4, 4), (2, 8, 1, 4), (2, 8, 1, 4))  # multi-query, heads over a
+    q = T(shapes[0], P(None, "b", "a"), dtype=F32)
+    k = T(shapes[1], P(None, "b"), dtype=F32)
+    rng = np.random.default_rng(1)
+    vals = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    attrs = {"causal": True, "strategy": "ring"}
+    fail, res = check_forward_case("attention", (q, k, k), mesh2d, values=vals, attrs=attrs)
+    assert fail is None, str(fail)
+    assert str(res.inputs[1]) == "f32[2,8@b,1,4]"  # one kv head: replicated over a
+    _, compiled = _compiled((q, k, k), mesh2d, **attrs)
+    block = 2 * 2 * 1 * 4 * 4  # [B, Sk/4, Hkv, D]: the kv head moves, not its query copies
+    assert [c.payload_bytes for c in compiled] == [block, block]
+    assert sum(c.wire_bytes for c in res.collectives) == 3 * 2 * block
+
+
+def test_gather_kv_gathers_kv_in_their_own_dtype(mesh1d):
+    spec = T((2, 8, 2, 8), P(None, "x"), dtype="bfloat16")
+    attrs = {"strategy": "gather_kv"}
+    res = sk.infer_forward("attention", spec, spec, spec, mesh=mesh1d, **attrs)
+    assert [c.payload_bytes for c in res.collectives] == [2 * 8 * 2 * 8 * 2] * 2
+    amesh = Mesh(mesh1d.devices, mesh1d.axis_names)
+    program = shard_program(get_rule("attention"), res, attrs, amesh)
+    args = [s.to_shape_dtype_struct(amesh) for s in res.inputs]
+    text = str(jax.make_jaxpr(program)(*args))
+    # the program gathers bf16 (XLA's CPU backend then widens bf16 collectives to f32)
+    gathers = [line for line in text.splitlines() if "= all_gather[" in line]
+    assert len(gathers) == 2 and all("bf16[2,8,2,8]" in line for line in gathers)
