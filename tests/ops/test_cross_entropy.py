@@ -85,7 +85,7 @@ def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
         [z.shape, y.shape],
         [z.dtype, y.dtype],
         mesh2d,
-        3 if "axis0" in config else 4,
+        3,
         seed=len(config),
     )
     for specs in cases:
