@@ -9,19 +9,30 @@ next to the plain jnp/optax version of the same computation, with the same input
 shardings (``jax.jit(..., in_shardings=...)``) on a mesh with Auto axes
 (``jax.sharding.Mesh(devices, ("data", "model"))``, data=2, model=4 over 8
 virtual CPU devices), so that the plain version is partitioned by XLA's own
-sharding propagation. Each is compiled twice: the forward, and forward+backward
-(``jax.grad`` of ``½·Σ y²`` of the output ``y`` with respect to the
-floating-point inputs; a plain ``Σ y`` would hand XLA an all-ones cotangent
-and let it fold work a real downstream gradient needs, e.g. the gather behind
-``index_put``'s value gradient). Nothing is executed; the inputs are ``jax.ShapeDtypeStruct``.
+sharding propagation. One more cross-entropy row uses Explicit axes, where
+plain optax raises ``ShardingTypeError`` and the op works.
+
+Each side is compiled three ways (nothing is executed; the inputs are
+``jax.ShapeDtypeStruct``):
+
+* **forward**: the op alone;
+* **forward+backward**: ``jax.grad`` of ``½·Σ y²`` of the output ``y`` with
+  respect to the floating-point inputs, one program (a plain ``Σ y`` would hand
+  XLA an all-ones cotangent and let it fold work that a real downstream
+  gradient needs, e.g. the gather behind ``index_put``'s value gradient);
+* **backward alone**: the pullback of ``jax.vjp`` compiled on its own, its
+  residuals laid out as the forward program (compiled alone, returning them)
+  leaves them. XLA may return a residual sharded and gather it again in the
+  backward, which the fused program avoids: the fused column is the one to
+  compare, this one shows what the backward itself moves.
+
+Measured per program:
 
 * **bytes**: the per-device payload of the collectives in the compiled (post
   partitioning) HLO, read with :func:`spmdkit.hlo.parse_collectives` and
   :func:`spmdkit.hlo.summarize` (the all-gather output, the all-reduce operand,
   the reduce-scatter input, the all-to-all operand, the collective-permute
-  operand; see :mod:`spmdkit.hlo`). ``bwd bytes`` counts the collectives of the
-  forward+backward program whose JAX op name marks them as part of the backward
-  pass (``transpose(`` in ``metadata op_name``).
+  operand; see :mod:`spmdkit.hlo`).
 * **peak**: ``compiled.memory_analysis()`` of the per-device program:
   temp + argument + output − alias bytes.
 
@@ -62,14 +73,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.hlo import parse_collectives, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ops.json"
 MESH_AXES = {"data": 2, "model": 4}
-PASSES = ("forward", "forward+backward")
 _KIND_SHORT = {
     "all_gather": "AG",
     "all_reduce": "AR",
@@ -103,6 +113,7 @@ class Case(NamedTuple):
     spmdkit: Callable[[Mesh], Callable[..., Any]]
     plain: Callable[[Mesh], Callable[..., Any]]
     pick: Callable[[Any], Any] = lambda out: out
+    explicit: bool = False
 
 
 class Shapes(NamedTuple):
@@ -307,6 +318,20 @@ def _cases(s: Shapes) -> list[Case]:
             lambda m: _plain_cross_entropy,
         )
     )
+    # the same under Explicit axes, where the layout is part of the type: optax's
+    # gather along the vocab-sharded class dim is ambiguous and raises
+    out.append(
+        out[-1]._replace(
+            variant="vocab_parallel explicit",
+            what=out[-1].what + ", Explicit axes",
+            spmdkit=lambda m: (
+                lambda z, y: _op("softmax_cross_entropy")(
+                    z, y, ignore_index=None, reduction="mean", mesh=m
+                )
+            ),
+            explicit=True,
+        )
+    )
 
     # index_put local update: row-sharded x, replicated unique indices and values
     args = (
@@ -475,6 +500,9 @@ def _moves(c: Any) -> bool:
 
 
 def _side(case: Case, which: str, mesh: Mesh) -> dict[str, Any]:
+    if case.explicit:
+        explicit = (AxisType.Explicit,) * len(mesh.axis_names)
+        mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
     try:
         fn = (case.spmdkit if which == "spmdkit" else case.plain)(mesh)
         return measure(case, fn, mesh)
@@ -564,7 +592,10 @@ def _meta(shapes: Shapes, quick: bool) -> dict[str, Any]:
         "spmdkit_commit": _git_commit(),
         "backend": "cpu (8 virtual devices)",
         "machine": platform.machine(),
-        "mesh": {**MESH_AXES, "kind": "jax.sharding.Mesh, Auto axes"},
+        "mesh": {
+            **MESH_AXES,
+            "kind": "jax.sharding.Mesh, Auto axes (Explicit where the variant says so)",
+        },
         "quick": quick,
         "shapes": shapes._asdict(),
     }

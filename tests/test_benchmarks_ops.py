@@ -45,6 +45,7 @@ def test_quick_run(bench, tmp_path, monkeypatch, capsys):
             raise ValueError("plain side broken on purpose")
 
         broken = picked[0]._replace(
+            explicit=False,
             op="missing_op",
             spmdkit=lambda mesh: bench._op("no_such_op_in_spmdkit"),
             plain=plain_raises,
@@ -58,27 +59,34 @@ def test_quick_run(bench, tmp_path, monkeypatch, capsys):
 
     assert report["meta"]["quick"] is True
     assert report["meta"]["mesh"]["data"] == 2 and report["meta"]["mesh"]["model"] == 4
-    rows = {r["op"]: r for r in report["rows"]}
-    assert set(rows) == {"softmax_cross_entropy", "index_put", "missing_op"}
-    for name in ("softmax_cross_entropy", "index_put"):
-        _check_side(rows[name]["spmdkit"])
-        _check_side(rows[name]["plain"])
+    rows = {(r["op"], r["variant"]): r for r in report["rows"]}
+    ce_auto = ("softmax_cross_entropy", "vocab_parallel")
+    ce_explicit = ("softmax_cross_entropy", "vocab_parallel explicit")
+    index_put = ("index_put", "local_update")
+    assert set(rows) == {ce_auto, ce_explicit, index_put, ("missing_op", "vocab_parallel")}
+    for key in (ce_auto, index_put):
+        _check_side(rows[key]["spmdkit"])
+        _check_side(rows[key]["plain"])
+    _check_side(rows[ce_explicit]["spmdkit"])
+    # under Explicit axes plain optax cannot gather along the vocab-sharded class dim
+    assert rows[ce_explicit]["plain"]["na"].startswith("ShardingTypeError")
 
-    ce = rows["softmax_cross_entropy"]["spmdkit"]
-    assert ce["backward"]["bytes"] == 0
-    assert ce["backward"]["collectives"] == {}
-    # the forward moves only per-row scalars: all-reduces, no gather of the logits
-    assert set(ce["forward"]["collectives"]) == {"all_reduce"}
-    assert ce["forward+backward"]["bytes"] <= ce["forward"]["bytes"]
+    for key in (ce_auto, ce_explicit):
+        ce = rows[key]["spmdkit"]
+        assert ce["backward"]["bytes"] == 0
+        assert ce["backward"]["collectives"] == {}
+        # the forward moves only per-row scalars: all-reduces, no gather of the logits
+        assert set(ce["forward"]["collectives"]) == {"all_reduce"}
+        assert ce["forward+backward"]["bytes"] <= ce["forward"]["bytes"]
     # index_put local update: the forward moves nothing
-    assert rows["index_put"]["spmdkit"]["forward"]["bytes"] == 0
+    assert rows[index_put]["spmdkit"]["forward"]["bytes"] == 0
 
-    missing = rows["missing_op"]
+    missing = rows[("missing_op", "vocab_parallel")]
     assert missing["spmdkit"] == {"na": missing["spmdkit"]["na"]}
     assert missing["spmdkit"]["na"].startswith("AttributeError")
     assert missing["plain"] == {"na": "ValueError: plain side broken on purpose"}
     printed = capsys.readouterr().out
-    assert "n/a [1]" in printed and "n/a [2]" in printed
+    assert "n/a [1]" in printed and "n/a [3]" in printed
     assert "no_such_op_in_spmdkit" in printed and "broken on purpose" in printed
 
 
