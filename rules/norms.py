@@ -363,8 +363,17 @@ def _psum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def _moments(
     x: jax.Array, dims: tuple[int, ...], count: int, axes: tuple[str, ...]
 ) -> tuple[jax.Array, jax.Array]:
-    """Mean and (biased) variance over ``dims``: one all-reduce of Σx and Σx² over
-    ``axes`` (the axes sharding ``dims``), divided by the global element ``count``."""
+    """Mean and (biased) variance over ``dims``, divided by the global element ``count``.
+
+    With ``axes`` (the mesh axes sharding ``dims``): one all-reduce of the stacked
+    Σx and Σx², and ``var = E[x²] - mean²`` — the one-pass form flax uses by
+    default (``use_fast_variance``), which loses precision when the variance is
+    tiny against the mean. Without: two passes over local data, exact.
+    """
+    if not axes:
+        mean = jnp.sum(x, dims, keepdims=True) / count
+        centered = x - mean
+        return mean, jnp.sum(centered * centered, dims, keepdims=True) / count
     sums = jnp.stack([jnp.sum(x, dims, keepdims=True), jnp.sum(x * x, dims, keepdims=True)])
     s1, s2 = _psum(sums, axes)
     mean = s1 / count
