@@ -181,6 +181,15 @@ def rope(x: jax.Array, *, theta: float) -> jax.Array:
 # ---------------------------------------------------------------------------
 
 
+def check_config(name: str, *conditions: tuple[bool, str], given: Any) -> None:
+    """Raise :class:`ModelConfigError` for the first ``(holds, what must hold)`` that fails."""
+    for holds, must in conditions:
+        if not holds:
+            raise ModelConfigError(
+                op=name, must=must, given=repr(given), fix=f"choose sizes where {must}"
+            )
+
+
 def param(
     rngs: nnx.Rngs,
     init: Initializer,

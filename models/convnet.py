@@ -55,6 +55,9 @@ class ConvNetConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
+    def __post_init__(self) -> None:
+        _check(self)
+
 
 class Conv(nnx.Module):
     """Bias-free ``same``-padded 2-D convolution, NHWC / HWIO."""
@@ -179,7 +182,6 @@ class ConvNet(nnx.Module):
     """
 
     def __init__(self, cfg: ConvNetConfig, *, rngs: nnx.Rngs):
-        _check(cfg)
         self.cfg = cfg
         pd = cfg.param_dtype
         self.stem = Conv(cfg.channels, cfg.stem, param_dtype=pd, rngs=rngs)

@@ -48,6 +48,15 @@ class GPTConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
+    def __post_init__(self) -> None:
+        lyr.check_config(
+            "GPTConfig",
+            (self.d_model % self.n_heads == 0, "n_heads divide d_model"),
+            (self.seq_len <= self.max_seq, "seq_len <= max_seq (rows of the position table)"),
+            (0.0 <= self.dropout < 1.0, "0 <= dropout < 1"),
+            given=self,
+        )
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads

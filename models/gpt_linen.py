@@ -133,7 +133,11 @@ def build(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:
             fix="use the NNX 'gpt' model for dropout, or set dropout=0.0",
         )
     model = nnx.bridge.ToNNX(GPTLinen(cfg), rngs=rngs)
-    return nnx.bridge.lazy_init(model, jnp.zeros((1, min(cfg.seq_len, cfg.max_seq)), jnp.int32))
+    nnx.bridge.lazy_init(model, jnp.zeros((1, min(cfg.seq_len, cfg.max_seq)), jnp.int32))
+    # The model draws no randomness after init; dropping the wrapper's rng streams
+    # leaves only parameters in its state (nothing else to checkpoint or shard).
+    model.to_nnx__rngs = None
+    return model
 
 
 def gpt_linen_loss(model: nnx.Module, batch: dict) -> jax.Array:

@@ -71,6 +71,14 @@ class LlamaConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
+    def __post_init__(self) -> None:
+        lyr.check_config(
+            "LlamaConfig",
+            (self.n_heads % self.n_kv_heads == 0, "n_kv_heads divide n_heads"),
+            (self.head_dim % 2 == 0, "head_dim be even (RoPE rotates pairs)"),
+            given=self,
+        )
+
 
 class GQAttention(nnx.Module):
     """Causal grouped-query attention with RoPE, no biases."""

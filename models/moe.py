@@ -62,6 +62,15 @@ class MoEConfig(LlamaConfig):
     aux_loss_weight: float = 0.01
     normalize_top_k: bool = True
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        lyr.check_config(
+            "MoEConfig",
+            (1 <= self.top_k <= self.n_experts, "1 <= top_k <= n_experts"),
+            (self.capacity_factor > 0, "capacity_factor > 0"),
+            given=self,
+        )
+
 
 class Routing(NamedTuple):
     """What :func:`route` decides for ``[groups, seq]`` tokens.

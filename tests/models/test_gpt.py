@@ -3,9 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from spmdkit.models import gpt
+from spmdkit.models._layers import ModelConfigError
 
 _forward = nnx.jit(lambda model, tokens: model(tokens))
 
@@ -51,3 +53,10 @@ def test_dropout_only_in_train_mode():
     np.testing.assert_array_equal(_forward(model, tokens), _forward(model, tokens))
     model.train()
     assert not np.allclose(_forward(model, tokens), _forward(model, tokens))
+
+
+def test_config_validates_itself():
+    with pytest.raises(ModelConfigError, match="n_heads divide d_model"):
+        gpt.GPTConfig(d_model=64, n_heads=5)
+    with pytest.raises(ModelConfigError, match="max_seq"):
+        gpt.GPTConfig(seq_len=32, max_seq=16)

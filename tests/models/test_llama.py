@@ -3,9 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from spmdkit.models import llama
+from spmdkit.models._layers import ModelConfigError
 
 _forward = nnx.jit(lambda model, tokens: model(tokens))
 
@@ -39,3 +41,8 @@ def test_scanned_and_looped_agree_for_the_same_weights(tiny):
     # Causal: changing token 3 leaves positions 0-2 unchanged.
     np.testing.assert_allclose(a[0, :3], a[1, :3], rtol=1e-5, atol=1e-6)
     assert not np.allclose(a[0, 3:], a[1, 3:])
+
+
+def test_config_validates_itself():
+    with pytest.raises(ModelConfigError, match="n_kv_heads divide n_heads"):
+        llama.LlamaConfig(n_heads=4, n_kv_heads=3)

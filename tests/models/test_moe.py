@@ -3,10 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from spmdkit.models import moe
-from spmdkit.models._layers import softmax_cross_entropy
+from spmdkit.models._layers import ModelConfigError, softmax_cross_entropy
 
 _route = jax.jit(moe.route, static_argnames=("top_k", "capacity", "normalize_top_k"))
 
@@ -90,3 +91,10 @@ def test_scanned_loss_adds_weighted_aux():
     ce, aux, loss = parts(model, batch)
     np.testing.assert_allclose(loss, ce + cfg.aux_loss_weight * aux, rtol=1e-6)
     assert 0.0 < float(aux) < cfg.n_experts + 1e-5  # E * sum(density * prob) <= E
+
+
+def test_config_validates_itself():
+    with pytest.raises(ModelConfigError, match="top_k <= n_experts"):
+        moe.MoEConfig(n_experts=2, top_k=3)
+    with pytest.raises(ModelConfigError, match="n_kv_heads"):  # Llama checks run too
+        moe.MoEConfig(n_heads=4, n_kv_heads=3)
