@@ -294,18 +294,52 @@ def _as_tuple(x: Any) -> tuple[Any, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def _invariant_axes(y: Any) -> tuple[tuple[str, ...], int]:
+    """Mesh axes (of the enclosing shard_map) over which ``y`` is typed invariant, e.g.
+    after a ``psum``, and their total size; ``((), 1)`` outside shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.axis_names:
+        return (), 1
+    aval = jax.typeof(y)
+    varying = getattr(aval, "vma", None)  # some jax versions expose it as .vma
+    if varying is None:
+        varying = aval.manual_axis_type.varying
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    axes = tuple(a for a in mesh.axis_names if a not in varying)
+    return axes, math.prod(sizes[a] for a in axes)
+
+
 def _vjp(fn: Callable[..., Any], xs: Sequence[Any], diff: Sequence[bool]) -> tuple[Any, Any]:
     """``jax.vjp`` of ``fn`` with respect to the inputs marked differentiable only
-    (ints and bools get no cotangent)."""
+    (ints and bools get no cotangent).
+
+    Inside the sweep's shard_map every cotangent piece is typed varying over all
+    axes, while an output that went through a collective (a statistic ``psum``) is
+    invariant over its axes. Such an output is cast to varying and its cotangent,
+    equal on every device along those axes, is divided by their size, so the cast's
+    transpose (a psum) gives back exactly the cotangent.
+    """
     idx = [i for i, d in enumerate(diff) if d]
+    scales: list[int] = []
 
     def f(*dxs):
         full = list(xs)
         for i, v in zip(idx, dxs, strict=True):
             full[i] = v
-        return _as_tuple(fn(*full))
+        scales.clear()
+        outs = []
+        for y in _as_tuple(fn(*full)):
+            axes, size = _invariant_axes(y)
+            scales.append(size)
+            outs.append(jax.lax.pcast(y, axes, to="varying") if axes else y)
+        return tuple(outs)
 
-    return jax.vjp(f, *(xs[i] for i in idx))
+    outs, vjp = jax.vjp(f, *(xs[i] for i in idx))
+
+    def scaled(cts: Sequence[Any]) -> Any:
+        return vjp(tuple(c if s == 1 else c / s for c, s in zip(cts, scales, strict=True)))
+
+    return outs, scaled
 
 
 def _local_key(

@@ -21,6 +21,7 @@ than autodiff would gives its local function a ``jax.custom_vjp``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpecError
-from spmdkit.inference import InferenceResult, infer_forward
+from spmdkit.inference import InferenceResult, _freeze, infer_forward
 from spmdkit.local import shard_program
 from spmdkit.registry import get_rule
 from spmdkit.resharding import reshard
@@ -180,10 +181,17 @@ def apply_rule(
     ]
     res: InferenceResult = infer_forward(op, *specs, mesh=mesh, **attrs)
     moved = [_place(x, s, r, mesh) for x, s, r in zip(arrays, specs, res.inputs, strict=True)]
-    program = shard_program(rule, res, attrs, mesh)
-    outs = program(*moved)
+    if any(_is_tracer(x) for x in moved):
+        outs = shard_program(rule, res, attrs, mesh)(*moved)
+    else:  # eager call: one compiled program per layout, not one dispatch per primitive
+        outs = _jitted(rule, res, _freeze(attrs), mesh)(*moved)
     out = outs[0] if len(outs) == 1 else tuple(outs)
     return (out, res) if return_result else out
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(rule: Any, res: InferenceResult, attrs: Any, mesh: MeshLike) -> Any:
+    return jax.jit(shard_program(rule, res, dict(attrs), mesh))
 
 
 def is_abstract(mesh: MeshLike) -> bool:
