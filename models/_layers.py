@@ -33,8 +33,12 @@ __all__ = [
     "attention",
     "embedding_lookup",
     "softmax_cross_entropy",
+    "batch_stats",
     "rope",
     "param",
+    "fan_in_init",
+    "check_config",
+    "count_params",
     "LayerNorm",
     "RMSNorm",
 ]
@@ -221,7 +225,7 @@ _CONSTANT_INITS = (jax.nn.initializers.zeros, jax.nn.initializers.ones)
 
 
 def fan_in_init(fan_in: int) -> Initializer:
-    """Truncated-normal-free init scaled by ``1/sqrt(fan_in)`` (for any kernel layout)."""
+    """Normal init with standard deviation ``1/sqrt(fan_in)`` (for any kernel layout)."""
     return jax.nn.initializers.normal(1.0 / math.sqrt(fan_in))
 
 
