@@ -90,12 +90,15 @@ _KIND_SHORT = {
 
 
 class Arg(NamedTuple):
-    """One input: global shape, dtype, layout, and whether gradients flow to it."""
+    """One input: global shape, dtype, layout, whether gradients flow to it, and
+    for integer inputs the value range ``[0, high)`` (``unique``: no repeats)."""
 
     shape: tuple[int, ...]
     dtype: Any
     spec: P
     diff: bool = False
+    high: int = 0
+    unique: bool = False
 
 
 class Case(NamedTuple):
@@ -301,7 +304,7 @@ def _cases(s: Shapes) -> list[Case]:
     # softmax cross-entropy: vocab-parallel logits, integer labels, mean
     args = (
         Arg((s.tokens, s.vocab), f32, P("data", "model"), True),
-        Arg((s.tokens,), i32, P("data")),
+        Arg((s.tokens,), i32, P("data"), high=s.vocab),
     )
     out.append(
         Case(
@@ -336,7 +339,7 @@ def _cases(s: Shapes) -> list[Case]:
     # index_put local update: row-sharded x, replicated unique indices and values
     args = (
         Arg((s.vocab, s.hidden), f32, P("model", None), True),
-        Arg((s.updates,), i32, P(None)),
+        Arg((s.updates,), i32, P(None), high=s.vocab, unique=True),
         Arg((s.updates, s.hidden), f32, P(None), True),
     )
     out.append(
@@ -357,7 +360,7 @@ def _cases(s: Shapes) -> list[Case]:
     # embedding lookup: vocab-parallel table, batch-sharded ids
     args = (
         Arg((s.vocab, s.hidden), f32, P("model", None), True),
-        Arg((s.batch, s.tokens // s.batch), i32, P("data", None)),
+        Arg((s.batch, s.tokens // s.batch), i32, P("data", None), high=s.vocab),
     )
     out.append(
         Case(
@@ -378,7 +381,7 @@ def _cases(s: Shapes) -> list[Case]:
         ("gather_kv", P("data", "model", None, None), f"[{s.batch}@data,{s.seq}@model,{s.heads},"),
     ):
         args = (Arg(qkv, f32, spec, True),) * 3
-        rule_strategy = "reference" if strategy == "heads" else strategy
+        rule_strategy = None if strategy == "heads" else strategy  # None: the rule's default
         out.append(
             Case(
                 "attention",
@@ -499,10 +502,55 @@ def _moves(c: Any) -> bool:
     return c.group_size > 1 or (c.kind == "collective_permute" and c.source_target_pairs != ())
 
 
+def _case_mesh(case: Case, mesh: Mesh) -> Mesh:
+    if not case.explicit:
+        return mesh
+    explicit = (AxisType.Explicit,) * len(mesh.axis_names)
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
+
+
+def _values(args: Sequence[Arg], mesh: Mesh, seed: int = 0) -> list[jax.Array]:
+    """Random inputs for ``args``, placed by their specs."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for a in args:
+        if jnp.issubdtype(a.dtype, jnp.integer):
+            size = int(np.prod(a.shape))
+            if a.unique:
+                v = rng.permutation(a.high)[:size].reshape(a.shape)
+            else:
+                v = rng.integers(0, a.high, a.shape)
+        else:
+            v = rng.standard_normal(a.shape)
+        out.append(jax.device_put(np.asarray(v, a.dtype), NamedSharding(mesh, a.spec)))
+    return out
+
+
+def agreement(case: Case, mesh: Mesh) -> dict[str, Any]:
+    """Run both sides on random inputs: the largest absolute difference of the
+    outputs and of the ``forward+backward`` gradients (``{"na": reason}`` when a
+    side cannot run). A cost comparison means something only where this is small."""
+    mesh = _case_mesh(case, mesh)
+    try:
+        sides = [case.spmdkit(mesh), case.plain(mesh)]
+        shardings, _ = _structs(case.args, mesh)
+        values = _values(case.args, mesh)
+        diff = tuple(i for i, a in enumerate(case.args) if a.diff)
+        out = {}
+        for name, wrap in (
+            ("forward_max_abs_diff", lambda f: f),
+            ("grad_max_abs_diff", lambda f: jax.grad(_loss(case, f), argnums=diff)),
+        ):
+            got, want = (jax.jit(wrap(f), in_shardings=shardings)(*values) for f in sides)
+            leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+            out[name] = max(float(jnp.max(jnp.abs(g - w))) for g, w in leaves)
+        return out
+    except Exception as e:
+        return {"na": _short(e)}
+
+
 def _side(case: Case, which: str, mesh: Mesh) -> dict[str, Any]:
-    if case.explicit:
-        explicit = (AxisType.Explicit,) * len(mesh.axis_names)
-        mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=explicit)
+    mesh = _case_mesh(case, mesh)
     try:
         fn = (case.spmdkit if which == "spmdkit" else case.plain)(mesh)
         return measure(case, fn, mesh)
@@ -511,9 +559,22 @@ def _side(case: Case, which: str, mesh: Mesh) -> dict[str, Any]:
 
 
 def run(
-    *, quick: bool = False, out_path: Path = RESULTS, only: Sequence[str] = ()
+    *,
+    quick: bool = False,
+    out_path: Path = RESULTS,
+    only: Sequence[str] = (),
+    check: bool | None = None,
 ) -> dict[str, Any]:
-    """Compile every case both ways, print the table, save the JSON; returns what was saved."""
+    """Compile every case both ways, print the table, save the JSON; returns what was saved.
+
+    Args:
+      quick: tiny shapes.
+      out_path: where the JSON goes.
+      only: keep the cases whose ``"op variant"`` contains one of these.
+      check: also run both sides and record their :func:`agreement`
+        (default: with ``quick`` only; the full shapes take minutes on CPU).
+    """
+    check = quick if check is None else check
     shapes = QUICK if quick else FULL
     devices = np.array(jax.devices("cpu")[:8])
     if devices.size < 8:
@@ -530,6 +591,7 @@ def run(
             "case": case.what,
             "spmdkit": _side(case, "spmdkit", mesh),
             "plain": _side(case, "plain", mesh),
+            **({"agreement": agreement(case, mesh)} if check else {}),
         }
         for case in cases
     ]
@@ -548,6 +610,8 @@ def run(
             "it chose to return sharded",
             "plain": "the jnp/optax version under XLA's sharding propagation, same "
             "in_shardings, Auto-axes mesh",
+            "agreement": "max |spmdkit - plain| of the outputs and of the forward+backward "
+            "gradients on random inputs (only with --check / --quick)",
         },
         "rows": rows,
     }
@@ -677,7 +741,17 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"[{k}] n/a ({reason})")
     print()
     for r in report["rows"]:
-        print(f"{r['op']} [{r['variant']}]: {r['case']}")
+        line = f"{r['op']} [{r['variant']}]: {r['case']}"
+        agree = r.get("agreement")
+        if agree is not None:
+            if "na" in agree:
+                line += f"; agreement n/a ({agree['na']})"
+            else:
+                line += (
+                    f"; max|spmdkit-plain| fwd {agree['forward_max_abs_diff']:.1e}, "
+                    f"grad {agree['grad_max_abs_diff']:.1e}"
+                )
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -687,10 +761,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", action="append", default=[], help="keep cases whose 'op variant' contains this"
     )
+    parser.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run both sides on random inputs and record how far apart they are "
+        "(default: on with --quick)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON path (default {RESULTS})")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    run(quick=args.quick, out_path=args.out, only=args.only)
+    run(quick=args.quick, out_path=args.out, only=args.only, check=args.check)
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -1,6 +1,6 @@
 """benchmarks/ops.py: a quick run on tiny shapes gives a well-formed report, the
-vocab-parallel cross-entropy backward moves nothing, and a missing op is
-reported as n/a instead of stopping the run."""
+vocab-parallel cross-entropy backward moves nothing, a missing op is reported as
+n/a instead of stopping the run, and the agreement check tells equal from unequal."""
 
 import importlib.util
 import json
@@ -54,7 +54,7 @@ def test_quick_run(bench, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(bench, "_cases", cases)
     out = tmp_path / "ops.json"
-    assert bench.main(["--quick", "--out", str(out)]) == 0
+    assert bench.main(["--quick", "--no-check", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
 
     assert report["meta"]["quick"] is True
@@ -88,6 +88,22 @@ def test_quick_run(bench, tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "n/a [1]" in printed and "n/a [3]" in printed
     assert "no_such_op_in_spmdkit" in printed and "broken on purpose" in printed
+
+
+def test_agreement_cross_entropy(bench):
+    """The two sides of the cross-entropy row compute the same loss and gradient."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    key = ("softmax_cross_entropy", "vocab_parallel")
+    (case,) = [c for c in bench._cases(bench.QUICK) if (c.op, c.variant) == key]
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    agree = bench.agreement(case, mesh)
+    assert agree["forward_max_abs_diff"] < 1e-5
+    assert agree["grad_max_abs_diff"] < 1e-6
+    broken = case._replace(plain=lambda m: lambda z, y: z.sum())
+    assert bench.agreement(broken, mesh)["forward_max_abs_diff"] > 1.0
 
 
 def test_every_op_resolves(bench):
