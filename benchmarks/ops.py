@@ -43,7 +43,9 @@ counts (not bytes) and peaks may differ on accelerators. Results go to
 ``benchmarks/results/ops.json``.
 
 Run: ``python benchmarks/ops.py`` (``--quick`` for tiny shapes, ``--only NAME``
-to keep the cases whose op or variant contains NAME).
+to keep the cases whose op or variant contains NAME, ``--check``/``--no-check``
+to run both sides on random inputs and record how far apart their outputs and
+gradients are — on by default with ``--quick`` only).
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ class Case(NamedTuple):
 
     ``spmdkit(mesh)`` and ``plain(mesh)`` build the functions (building may raise
     when the op is missing); both take the arrays of ``args`` in order. ``pick``
-    selects the array the loss is taken of (e.g. ``y`` of batch norm).
+    selects the array the loss is taken of (e.g. ``y`` of batch norm);
+    ``explicit`` runs the case on the mesh with Explicit axes.
     """
 
     op: str
@@ -755,7 +758,8 @@ def _print_table(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python benchmarks/ops.py [--quick] [--only NAME ...] [--out PATH]``."""
+    """Command line: ``python benchmarks/ops.py [--quick] [--only NAME ...] [--[no-]check]
+    [--out PATH]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke run)")
     parser.add_argument(
