@@ -21,9 +21,12 @@ Presets and axis roles
 Presets are rule tables over four *roles*: ``data`` (batch), ``fsdp`` (parameter
 sharding that also splits the batch), ``model`` (tensor parallel) and ``expert``.
 Mesh axes are given roles by name when they are named ``data``/``dp``/``batch``,
-``fsdp``, ``model``/``tensor``/``tp``, ``expert``/``ep``; otherwise by position:
-one axis plays every role; two axes are ``(data=fsdp, model=expert)``; three or more
-are ``(data, fsdp..., model=expert)``.
+``fsdp``, ``model``/``tensor``/``tp``, ``expert``/``ep`` (a missing ``fsdp`` role
+falls back to the data axes, a missing ``expert`` role to the model axes, else the
+last axis; a missing ``model`` role stays empty, so ``megatron`` on a mesh with only
+a ``data`` axis is data parallel). When no axis has such a name, roles go by
+position: one axis plays every role; two axes are ``(data=fsdp, model=expert)``;
+three or more are ``(data, fsdp..., model=expert)``.
 
 ======== ===================================================================
 preset   layout
@@ -328,6 +331,8 @@ def axis_roles(mesh: MeshLike) -> dict[str, tuple[str, ...]]:
             roles["fsdp"] = roles["data"]
         if not roles["data"]:
             roles["data"] = roles["fsdp"]
+        if not roles["expert"]:
+            roles["expert"] = roles["model"] or names[-1:]
         return roles
     if len(names) == 1:
         return {r: names for r in _ROLE_NAMES}

@@ -172,3 +172,17 @@ def test_reference_models_auto_vs_presets(name):
     p = plan(get_model(name), mesh, "auto", config="tiny", estimator="analytic")
     costs = [c.step_time_s for n, c in p.alternatives if n in PRESETS]
     assert costs and p.cost.step_time_s <= min(costs)
+
+
+def test_ep_puts_experts_on_the_model_axis():
+    from spmdkit.models import get_model
+
+    mesh = sk.abstract_mesh(data=2, model=4)
+    p = plan(get_model("moe"), mesh, "ep", config="tiny", estimator="analytic")
+    expert_params = [k for k, (_, _, names) in p.info.items() if names and "expert" in names]
+    assert expert_params
+    for k in expert_params:
+        names = p.info[k][2]
+        spec = tuple(p.params[k]) + (None,) * len(names)
+        assert spec[names.index("expert")] == "model"
+    assert p.activation["batch"] == ("data", "model")
