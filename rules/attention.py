@@ -18,7 +18,7 @@ Algebra:
   them), so the key sequence ``Sk`` can stay sharded only with a schedule that
   brings every key block to every query block:
 
-  - ``strategy="reference"`` (reference semantics): ``Sq`` and ``Sk`` replicated.
+  - ``strategy="default"`` (reference semantics): ``Sq`` and ``Sk`` replicated.
   - ``strategy="gather_kv"``: ``Sq`` keeps its sharding (the causal mask is
     offset by the device's block start); K and V, if they come sharded on
     ``Sk``, are laid out over the same axes and all-gathered inside the op —
@@ -173,7 +173,7 @@ class AttentionRule(Rule):
     """The attention rule (hand-written: strategies, GQA head mapping, own collectives)."""
 
     name = "attention"
-    strategies = ("reference", "gather_kv", "ring")
+    strategies = ("default", "gather_kv", "ring")
     doc = "scaled dot-product attention (GQA, causal); B and H pass, sequence per strategy"
 
     def __init__(self, examples: Sequence[Example]) -> None:
@@ -184,7 +184,7 @@ class AttentionRule(Rule):
         """One line on the layouts of the strategies."""
         return (
             "q[B Sq H D], k/v[B Sk Hkv D] -> [B Sq H D]; B, H pass; D replicated; "
-            "reference: Sq, Sk replicated; gather_kv: Sq sharded, K/V all-gathered; "
+            "default: Sq, Sk replicated; gather_kv: Sq sharded, K/V all-gathered; "
             "ring: Sq, Sk sharded alike, K/V blocks permuted"
         )
 
@@ -201,7 +201,7 @@ class AttentionRule(Rule):
         """Assign axes factor by factor: q first, then k, v, then output-shaped ``extra``."""
         strategy = self.strategy(ctx)
         used: set[str] = set(start.used) if start else set()
-        seqs = strategy != "reference"
+        seqs = strategy != "default"
 
         def take(current: tuple, sources: list, size: int) -> tuple:
             if current or size <= 1:

@@ -12,7 +12,7 @@ Algebra:
 
 * The trailing dims ``t`` are untouched by the indexing: each of them is one
   factor shared by ``x``, ``value`` and the output, and passes through sharded.
-* ``strategy="reference"`` (the reference semantics): the indexed dims of ``x``,
+* ``strategy="default"`` (the reference semantics): the indexed dims of ``x``,
   the index tensors and the leading (index-shaped) dims of ``value`` are all
   replicated, so every device can resolve every index; the output has the layout
   of ``x``.
@@ -161,7 +161,7 @@ class IndexPutRule(Rule):
     """The index_put rule (hand-written: the masked local update has no notation)."""
 
     name = "index_put"
-    strategies = ("reference", "local_update")
+    strategies = ("default", "local_update")
     doc = "x.at[idx].set/add(value): trailing dims pass; indexed dims replicated or updated locally"
 
     def __init__(self, examples: Sequence[Example]) -> None:
@@ -171,7 +171,7 @@ class IndexPutRule(Rule):
     def describe(self, shapes: Sequence[tuple[int, ...]] | None = None, **attrs: Any) -> str:
         """One line per strategy."""
         return (
-            "reference: x[n.. t..], idx[m..], value[m.. t..] -> [n.. t..], n and m replicated; "
+            "default: x[n.. t..], idx[m..], value[m.. t..] -> [n.. t..], n and m replicated; "
             "local_update: n keeps x's sharding, each device writes the rows it owns"
         )
 
@@ -198,7 +198,7 @@ class IndexPutRule(Rule):
                 assign[d] = ()
                 continue
             if d < k:
-                srcs = [x.dims[d], *(e.dims[d] for e in extra)] if strategy != "reference" else []
+                srcs = [x.dims[d], *(e.dims[d] for e in extra)] if strategy != "default" else []
             else:
                 srcs = [x.dims[d], v.dims[nlead + d - k], *(e.dims[d] for e in extra)]
             assign[d] = _pick(srcs, used)

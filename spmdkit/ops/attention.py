@@ -2,7 +2,7 @@
 
 The computation runs under ``shard_map`` (see :func:`spmdkit.ops._base.apply_rule`),
 with exactly the rule's collectives: none for batch- or head-parallel attention
-(``strategy="reference"``); two all-gathers of K and V over the sequence axes for
+(``strategy="default"``); two all-gathers of K and V over the sequence axes for
 ``"gather_kv"`` (their grads reduce-scattered back); ``n - 1`` collective-permutes
 of one K and one V block each for ``"ring"`` (the grads travel back the same
 way). ``jax.grad`` differentiates the local computation directly (the
@@ -45,7 +45,7 @@ def attention(
       causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as
         ``jax.nn.dot_product_attention(is_causal=True)``).
       scale: logit scale (default ``1 / sqrt(D)``).
-      strategy: ``"reference"`` (default: batch and heads parallel, sequences
+      strategy: ``"default"`` (the reference semantics: batch and heads parallel, sequences
         replicated), ``"gather_kv"`` (queries stay sequence-sharded, K/V
         all-gathered) or ``"ring"`` (queries and K/V sequence-sharded alike, K/V
         blocks passed around the ring).

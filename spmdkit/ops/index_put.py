@@ -1,7 +1,7 @@
 """``index_put``: the registered ``index_put`` rule applied to arrays.
 
 The computation runs under ``shard_map`` (see :func:`spmdkit.ops._base.apply_rule`).
-With the default ``strategy="reference"`` the indexed dims of ``x`` are gathered
+With ``strategy="default"`` (the reference semantics) the indexed dims of ``x`` are gathered
 first and every device scatters all values (only ``x``'s trailing dims stay
 sharded). With ``strategy="local_update"`` a row-sharded ``x`` stays sharded:
 every device rebases the replicated indices to its own row block, drops the ones
@@ -47,7 +47,7 @@ def index_put(
         the op never does so silently).
       accumulate: add the values instead of overwriting. With ``False`` and
         duplicate indices, which write wins is unspecified (as in JAX).
-      strategy: ``"reference"`` (default: indexed dims replicated) or
+      strategy: ``"default"`` (the reference semantics: indexed dims replicated) or
         ``"local_update"`` (indexed dims keep ``x``'s sharding; zero communication).
       mesh: the mesh (default: the arrays' mesh or the ``jax.set_mesh`` context).
       in_specs: layouts of ``(x, indices, value)`` — ``indices`` as one entry
@@ -57,7 +57,7 @@ def index_put(
 
     Returns:
       The updated array, laid out as the rule claims (``x``'s layout, with the
-      indexed dims replicated under ``"reference"``).
+      indexed dims replicated under ``"default"``).
 
     Raises:
       ShardingConflictError: non-integer indices, index arrays of different
@@ -71,7 +71,7 @@ def index_put(
         >>> rows = jnp.array([3, 700, 12])
         >>> out = index_put(table, rows, jnp.ones((3, 64)), strategy="local_update")
         >>> out.sharding.spec                       # still row-sharded, nothing moved
-        PartitionSpec('x',)
+        PartitionSpec('x', None)
     """
     several = isinstance(indices, (tuple, list))
     idx = tuple(indices) if several else (indices,)

@@ -37,7 +37,7 @@ def _seq_sharded():
 
 
 CONFIGS = {
-    "reference": {"causal": True},
+    "default": {"causal": True},
     "gather_kv": {"causal": True, "strategy": "gather_kv"},
     "ring": {"causal": True, "strategy": "ring", "scale": 0.4},
 }
