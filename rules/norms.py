@@ -53,8 +53,8 @@ mean and variance (``momentum · old + (1 - momentum) · batch``, biased
 variance, as flax does).
 
 Uneven shards. Local pieces of an unevenly sharded dim carry padding; each
-device zeroes the padded positions of ``x`` and ``y`` before any sum, so
-padding never reaches a statistic or a parameter's cotangent.
+device zeroes the padded positions of every input and output, so padding never
+reaches a statistic, and no cotangent arriving on padding reaches an input.
 """
 
 from __future__ import annotations
@@ -506,7 +506,8 @@ class NormRule(FactorRule):
       summed over rows, see the module docstring).
     * ``local_fn``: each device runs the norm's body with its statistics
       all-reduced over the axes that shard the statistic dims (none under the
-      reference strategies) and the padding of uneven shards zeroed.
+      reference strategies) and the padding of uneven shards zeroed in every
+      input and output.
 
     Args:
       name: op name.
@@ -609,25 +610,32 @@ class NormRule(FactorRule):
         if axes:
             count = math.prod(x_spec.shape[d] for d in dims)
             body = functools.partial(body, _axes=axes, _count=count)
-        uneven = [
-            d
-            for d, n in enumerate(x_spec.shape)
-            if x_spec.dims[d] and n % math.prod(lctx.axis_sizes[a] for a in x_spec.dims[d])
-        ]
-        if not uneven:
+        specs = (*lctx.inputs, *lctx.outputs)
+        if not any(
+            s.dims[d] and n % lctx.shards(s, d) for s in specs for d, n in enumerate(s.shape)
+        ):
             return body
 
-        def masked(x: jax.Array, *rest: jax.Array) -> Any:
-            valid = jnp.ones(x.shape, bool)
-            for d in uneven:
-                pos = lctx.offset(x_spec, d) + jax.lax.broadcasted_iota(jnp.int32, x.shape, d)
-                valid = valid & (pos < x_spec.shape[d])
-            out = body(jnp.where(valid, x, 0), *rest)
-            if isinstance(out, tuple):
-                return (jnp.where(valid, out[0], 0), *out[1:])
-            return jnp.where(valid, out, 0)
+        def masked(*xs: jax.Array) -> Any:
+            xs = tuple(_zero_padding(lctx, s, v) for s, v in zip(lctx.inputs, xs, strict=True))
+            out = body(*xs)
+            outs = out if isinstance(out, tuple) else (out,)
+            outs = tuple(_zero_padding(lctx, s, v) for s, v in zip(lctx.outputs, outs, strict=True))
+            return outs if isinstance(out, tuple) else outs[0]
 
         return masked
+
+
+def _zero_padding(lctx: LocalContext, spec: TensorSpec, v: jax.Array) -> jax.Array:
+    """``v`` with the padding of ``spec``'s uneven blocks set to zero, so it reaches no
+    sum (and a cotangent arriving there reaches no input)."""
+    valid = None
+    for d, n in enumerate(spec.shape):
+        if not spec.dims[d] or n % lctx.shards(spec, d) == 0:
+            continue
+        pos = lctx.offset(spec, d) + jax.lax.broadcasted_iota(jnp.int32, v.shape, d)
+        valid = pos < n if valid is None else valid & (pos < n)
+    return v if valid is None else jnp.where(valid, v, jnp.zeros_like(v))
 
 
 def _layer_stat_dims(rank: int, *, begin_norm_axis: int = -1, **_: Any) -> tuple[int, ...]:
