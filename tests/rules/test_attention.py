@@ -208,15 +208,17 @@ def _ring_case(mesh, shapes, specs, *, grad=True, **attrs):
     return res
 
 
-def test_ring_uneven_blocks_and_multi_query(mesh1d):
-    # Sq = 6 and Sk = 5 over 4 devices: padded query rows and keys never leak
+def test_ring_uneven_blocks_and_query_heads_over_another_axis(mesh2d):
+    # Sq = 6 and Sk = 5 over b=4: padded query rows and keys never leak; the 2 query
+    # heads over a=2 read the one (replicated) kv head
     res = _ring_case(
-        mesh1d,
+        mesh2d,
         ((1, 6, 2, 4), (1, 5, 1, 4), (1, 5, 1, 4)),
-        (P(None, "x"), P(), P()),
+        (P(None, "b", "a"), P(), P()),
         scale=0.3,
     )
-    assert str(res.inputs[1]) == "f32[1,5@x,1,4]"
+    assert str(res.inputs[0]) == "f32[1,6@b,2@a,4]"
+    assert str(res.inputs[1]) == "f32[1,5@b,1,4]"
 
 
 def test_ring_over_two_axes(mesh2d):
@@ -226,16 +228,9 @@ def test_ring_over_two_axes(mesh2d):
 
 
 def test_ring_with_query_heads_sharded_permutes_the_kv_heads_only(mesh2d):
-    shapes = ((2, 8, 4, 4), (2, 8, 1, 4), (2, 8, 1, 4))  # multi-query, heads over a
-    q = T(shapes[0], P(None, "b", "a"), dtype=F32)
-    k = T(shapes[1], P(None, "b"), dtype=F32)
-    rng = np.random.default_rng(1)
-    vals = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    attrs = {"causal": True, "strategy": "ring"}
-    fail, res = check_forward_case("attention", (q, k, k), mesh2d, values=vals, attrs=attrs)
-    assert fail is None, str(fail)
-    assert str(res.inputs[1]) == "f32[2,8@b,1,4]"  # one kv head: replicated over a
-    _, compiled = _compiled((q, k, k), mesh2d, **attrs)
+    q = T((2, 8, 4, 4), P(None, "b", "a"), dtype=F32)
+    k = T((2, 8, 1, 4), P(None, "b"), dtype=F32)  # multi-query: replicated over a
+    res, compiled = _compiled((q, k, k), mesh2d, causal=True, strategy="ring")
     block = 2 * 2 * 1 * 4 * 4  # [B, Sk/4, Hkv, D]: the kv head moves, not its query copies
     assert [c.payload_bytes for c in compiled] == [block, block]
     assert sum(c.wire_bytes for c in res.collectives) == 3 * 2 * block

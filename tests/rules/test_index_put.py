@@ -154,7 +154,7 @@ def test_local_update_set_with_two_index_tensors_sweep(mesh1d):
         values=_unique,
         uneven=True,
     )
-    report = check_rule("index_put", mesh=mesh1d, examples=[ex], max_cases=12, max_grad_cases=4)
+    report = check_rule("index_put", mesh=mesh1d, examples=[ex], max_cases=8, max_grad_cases=3)
     assert report.ok, str(report)
 
 
