@@ -50,7 +50,9 @@ Operands. ``x`` first, then ``scale`` if ``has_scale``, then ``bias`` if
 sync_batch_norm then take ``running_mean`` and ``running_var``. Outputs: ``y``;
 batch_norm in training mode (and sync_batch_norm) also returns the new running
 mean and variance (``momentum · old + (1 - momentum) · batch``, biased
-variance, as flax does).
+variance, as flax does). Running statistics are buffers: no gradient flows
+from the new running statistics into ``x`` (the batch statistics enter them
+through ``stop_gradient``), only ``momentum ×`` the cotangent to the old ones.
 
 Uneven shards. Local pieces of an unevenly sharded dim carry padding; each
 device zeroes the padded positions of every input and output, so padding never
@@ -489,6 +491,9 @@ def _batch_norm(
     y = _apply_params((x - mean) * jax.lax.rsqrt(var + epsilon), params, has_scale, has_bias, shape)
     if not training:
         return y
+    # Running statistics are buffers (flax's batch_stats, PyTorch's no_grad update): no
+    # gradient reaches x through them, only the linear momentum term to the old ones.
+    mean, var = jax.lax.stop_gradient(mean), jax.lax.stop_gradient(var)
     new_mean = momentum * running_mean + (1 - momentum) * mean.reshape(running_mean.shape)
     new_var = momentum * running_var + (1 - momentum) * var.reshape(running_var.shape)
     return y, new_mean, new_var

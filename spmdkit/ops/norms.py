@@ -298,6 +298,7 @@ def batch_norm(
     but C, and updates the running statistics as flax does:
     ``new = momentum * running + (1 - momentum) * batch`` (note: PyTorch's
     ``momentum`` is the weight of the batch statistic, i.e. ``1 -`` this one).
+    The running statistics are buffers: no gradient flows from them into ``x``.
     Inference normalizes with the running statistics, which come back unchanged;
     every dim may then stay sharded.
 

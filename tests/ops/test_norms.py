@@ -80,6 +80,7 @@ def ref_batch_norm(
     y = _from_nchw(_affine_nchw(y, scale, bias), data_format)
     if not training:
         return y, mean, var
+    m, v = jax.lax.stop_gradient(m), jax.lax.stop_gradient(v)  # running stats are buffers
     return y, momentum * mean + (1 - momentum) * m, momentum * var + (1 - momentum) * v
 
 

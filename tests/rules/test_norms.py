@@ -19,7 +19,7 @@ from spmdkit.rules.norms import (
     instance_norm_notation,
     layer_norm_notation,
 )
-from spmdkit.testing import check_jit, check_rule
+from spmdkit.testing import check_forward_case, check_grad_case, check_jit, check_rule
 
 
 def T(shape, spec=None, **kw):
@@ -297,3 +297,22 @@ def test_sync_batch_norm_moves_only_channel_statistics(mesh2d):
     # Σx, Σx² forward; their cotangents backward; the scale and bias grads
     assert max(math.prod(shape) for c_ in grad for shape in c_.shapes) <= 2 * c
     assert sum(c_.payload_bytes for c_ in grad) <= 6 * c * 4
+
+
+def test_sync_batch_norm_with_scale_and_bias_chosen_cases(mesh2d):
+    rng = np.random.default_rng(4)
+    shapes = [(8, 4, 4), (4,), (4,), (4,), (4,)]
+    vals = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    vals[4] = rng.uniform(0.5, 2.0, 4).astype(np.float32)
+    x = T((8, 4, 4), P("a", None, "b"))
+    specs = (x, C4, C4, C4, C4)
+    failure, res = check_forward_case("sync_batch_norm", specs, mesh2d, values=vals, rtol=1e-4)
+    assert failure is None, str(failure)
+    assert res.inputs[0] == x  # batch and spatial sharding kept
+    cots = [rng.standard_normal(s).astype(np.float32) for s in ((8, 4, 4), (4,), (4,))]
+    outs = (T((8, 4, 4), P("b")), C4, C4)
+    failure, res = check_grad_case(
+        "sync_batch_norm", specs, outs, mesh2d, values=vals, cotangents=cots, rtol=1e-4
+    )
+    assert failure is None, str(failure)
+    assert str(res.outputs[1]) == "f32[4]{sum:a,sum:b}"  # scale grad sums over rows
