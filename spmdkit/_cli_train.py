@@ -103,7 +103,9 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
 
     spec = get_model(args.model)
     config = spec.config(args.config)
-    mesh = make_mesh(**axes)
+    # jax.devices() starts the backends with the device count chosen above (a launched
+    # process has only its own share), so make_mesh does not ask for more
+    mesh = make_mesh(devices=jax.devices(), **axes)
     optimizer = optax.adam(args.lr)
     plan = make_plan(
         spec,
