@@ -173,36 +173,27 @@ def _checksummable(x: Any) -> bool:
     )
 
 
-@jax.jit
-def _checksums(leaves: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return {k: _checksum_leaf(v) for k, v in leaves.items()}
+#: Checksums are computed over at most about this many bytes of arrays at a time, so
+#: the transient memory they take stays bounded whatever the state's size.
+CHECKSUM_CHUNK_BYTES = 128 * 2**20
 
-
-#: Checksums are computed over at most this many bytes of arrays at a time, so the
-#: transient device/host memory they take stays bounded whatever the state's size.
-CHECKSUM_CHUNK_BYTES = 256 * 2**20
+# one compiled checksum per (shape, dtype, sharding), whatever the leaf's name
+_checksum_jit = jax.jit(_checksum_leaf)
 
 
 def _compute_checksums(flat: dict[str, Any]) -> dict[str, int]:
-    # one jitted call per device set: committed arrays on different devices (a
-    # single-device scalar beside mesh-sharded params) cannot meet in one computation
-    groups: dict[tuple[int, ...], list[list[str]]] = {}
-    sizes: dict[tuple[int, ...], int] = {}
+    out: dict[str, int] = {}
+    pending: list[tuple[str, jax.Array]] = []
+    in_flight = 0
     for k, v in flat.items():
         if not _checksummable(v):
             continue
-        devices = tuple(sorted(d.id for d in v.sharding.device_set))
-        chunks = groups.setdefault(devices, [[]])
-        if chunks[-1] and sizes[devices] + v.nbytes > CHECKSUM_CHUNK_BYTES:
-            chunks.append([])
-            sizes[devices] = 0
-        chunks[-1].append(k)
-        sizes[devices] = sizes.get(devices, 0) + v.nbytes
-    out: dict[str, int] = {}
-    for chunks in groups.values():
-        for keys in chunks:
-            sums = _checksums({k: flat[k] for k in keys})
-            out.update({k: int(np.asarray(v)) for k, v in sums.items()})  # blocks
+        pending.append((k, _checksum_jit(v)))  # dispatched asynchronously
+        in_flight += v.nbytes
+        if in_flight >= CHECKSUM_CHUNK_BYTES:
+            out.update((name, int(np.asarray(c))) for name, c in pending)  # blocks
+            pending, in_flight = [], 0
+    out.update((name, int(np.asarray(c))) for name, c in pending)
     return out
 
 
