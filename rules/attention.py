@@ -30,9 +30,10 @@ Algebra:
     keeps its query block and passes K/V blocks around the ring (``n - 1``
     collective-permutes of one K and one V block each, ``n`` = the axes' size)
     while it accumulates an online (flash-style) softmax (a ``lax.scan``: the
-    compiled program holds one permute pair in a loop of ``n - 1`` trips). Same bytes on the wire
-    as the all-gather but only two blocks of K/V in memory; priced as the
-    equivalent all-gathers. Grads travel back around the ring.
+    compiled program holds one permute pair in a loop of ``n - 1`` trips). Same
+    bytes on the wire as the all-gather, priced as the equivalent all-gathers; the
+    forward holds one K/V block at a time (autodiff's residuals still keep every
+    visited block for the backward). Grads travel back around the ring.
 
 * Pending reductions: attention is linear in ``v`` only, so a sum/avg-partial
   ``v`` with whole ``q`` and ``k`` passes to the output; any partial ``q`` or ``k``
@@ -213,17 +214,14 @@ class AttentionRule(Rule):
             [q.dims[0], k.dims[0], v.dims[0], *(e.dims[0] for e in extra)],
             q.shape[0],
         )
-        h_src = [q.dims[2], *(e.dims[2] for e in extra)]
-        h = take(
-            start.h if start else (), [*h_src[:1], k.dims[2], v.dims[2], *h_src[1:]], q.shape[2]
-        )
+        h_src = [q.dims[2], k.dims[2], v.dims[2], *(e.dims[2] for e in extra)]
+        h = take(start.h if start else (), h_src, q.shape[2])
         hkv = h if h and k.shape[2] % _size(ctx, h) == 0 else ()
         sq: tuple = start.sq if start else ()
         sk: tuple = start.sk if start else ()
         if seqs:
-            sq = take(
-                sq, [q.dims[1], k.dims[1], v.dims[1], *(e.dims[1] for e in extra)], q.shape[1]
-            )
+            sq_src = [q.dims[1], k.dims[1], v.dims[1], *(e.dims[1] for e in extra)]
+            sq = take(sq, sq_src, q.shape[1])
             if strategy == "ring":
                 sk = sq
             elif not sk and sq and (k.dims[1] or v.dims[1]):
