@@ -100,10 +100,13 @@ def test_agreement_cross_entropy(bench):
     (case,) = [c for c in bench._cases(bench.QUICK) if (c.op, c.variant) == key]
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     agree = bench.agreement(case, mesh)
-    assert agree["forward_max_abs_diff"] < 1e-5
-    assert agree["grad_max_abs_diff"] < 1e-6
-    broken = case._replace(plain=lambda m: lambda z, y: z.sum())
-    assert bench.agreement(broken, mesh)["forward_max_abs_diff"] > 1.0
+    assert agree["forward_rel_err"] < 1e-5
+    assert agree["grad_rel_err"] < 1e-5
+    # twice the loss: outputs off by 1/2 of the plain value, grads of ½·(2L)² by 3/4
+    doubled = case._replace(plain=lambda m: lambda z, y: 2 * bench._plain_cross_entropy(z, y))
+    wrong = bench.agreement(doubled, mesh)
+    assert wrong["forward_rel_err"] == pytest.approx(0.5, rel=1e-4)
+    assert wrong["grad_rel_err"] == pytest.approx(0.75, rel=1e-4)
 
 
 def test_every_op_resolves(bench):
