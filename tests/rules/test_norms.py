@@ -136,6 +136,29 @@ def test_partial_inputs_are_resolved():
     assert not res.inputs[0].partial and not res.outputs[0].partial
 
 
+def test_backward_takes_layouts_from_the_outputs():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    x, w, out = T((8, 16)), T((16,)), T((8, 16), P("a", "b"))
+    r = sk.infer_backward("layer_norm", x, w, w, outputs=(out,), mesh=mesh)
+    assert str(r.inputs[0]) == "f32[8@a,16]"  # the normalized dim cannot be sharded
+    r = sk.infer_backward(
+        "layer_norm", x, w, w, outputs=(out,), mesh=mesh, strategy="sharded_stats"
+    )
+    assert [str(s) for s in r.inputs] == ["f32[8@a,16@b]", "f32[16@b]", "f32[16@b]"]
+    c = T((4,), P("b"))
+    r = sk.infer_backward(
+        "batch_norm",
+        T((8, 4)),
+        C4,
+        C4,
+        outputs=(T((8, 4), P("a", "b")), c, c),
+        mesh=mesh,
+        has_scale=False,
+        has_bias=False,
+    )
+    assert str(r.inputs[0]) == "f32[8,4@b]"
+
+
 # -- grads -----------------------------------------------------------------------
 
 
