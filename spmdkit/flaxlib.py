@@ -28,6 +28,7 @@ sharded"). :func:`shard` makes a module class do that on construction.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -272,9 +273,16 @@ def _describe_nnx(
 
 
 def _zeros_like(tree: Any) -> Any:
+    """Placeholder values for non-param state (batch stats, rng keys) in a loss trace."""
     import jax.numpy as jnp
 
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+    def zero(s: Any) -> Any:
+        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            keys = jax.random.split(jax.random.key(0), max(math.prod(s.shape), 1))
+            return keys.reshape(s.shape) if s.shape else keys[0]
+        return jnp.zeros(s.shape, s.dtype)
+
+    return jax.tree.map(zero, tree)
 
 
 def describe(
