@@ -82,7 +82,8 @@ def make_mesh(
     """A device mesh with named axes, in the order given.
 
     With no accelerator and too few CPU devices, asks JAX for virtual CPU devices
-    (works only before JAX's backends start; otherwise raises with the fix).
+    (works only before JAX's backends start; otherwise raises with the fix). Under
+    ``jax.distributed`` it uses the global device list as it is.
 
     Args:
       axis_types: ``"explicit"`` (default; see the module docstring) or ``"auto"``,
@@ -100,7 +101,10 @@ def make_mesh(
     need = math.prod(axes.values())
     types = _axis_types(axis_types, len(axes), "make_mesh")
     if devices is None:
-        use_virtual_cpu_devices(max(need, 8))
+        if not jax.distributed.is_initialized():
+            # Under jax.distributed each process keeps the device share it was started
+            # with; raising its local count would put the whole mesh on one process.
+            use_virtual_cpu_devices(max(need, 8))
         devices = jax.devices()
     if len(devices) < need:
         raise SpmdError(

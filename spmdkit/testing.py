@@ -738,6 +738,31 @@ def _sample(
     return [combos[i] for i in sorted(keep)]
 
 
+#: Above this many combinations the sweep samples them by index instead of listing them.
+_LAZY_ABOVE = 200_000
+
+
+def _combos(
+    lists: Sequence[Sequence[TensorSpec]], limit: int | None, rng: np.random.Generator
+) -> list[tuple[TensorSpec, ...]]:
+    """A deterministic sample of ``limit`` input-spec combinations (all of them when
+    fewer), without materialising the product when it is huge (many operands)."""
+    total = math.prod(len(x) for x in lists)
+    if total <= _LAZY_ABOVE or limit is None:
+        return _sample(list(itertools.product(*lists)), limit, rng)
+    picks = {0}
+    while len(picks) < min(limit, total):
+        picks.add(int(rng.integers(total)))
+    out = []
+    for pick in sorted(picks):
+        combo, rest = [], pick
+        for x in reversed(lists):
+            rest, j = divmod(rest, len(x))
+            combo.append(x[j])
+        out.append(tuple(reversed(combo)))
+    return out
+
+
 def check_rule(
     rule: Rule | str,
     *,
@@ -786,7 +811,7 @@ def _sweep(
         attrs = dict(ex.attrs)
         ref_attrs = without_strategy(attrs)
         ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **ref_attrs))]
-        combos = _sample(list(itertools.product(*_input_specs(ex, mesh))), max_cases, rng)
+        combos = _combos(_input_specs(ex, mesh), max_cases, rng)
         for specs in combos:
             failure, res = _forward_case(
                 rule, specs, mesh, values, attrs, ex.rtol, ex.domain, int(rng.integers(1 << 30))
@@ -804,7 +829,7 @@ def _sweep(
         diff = ex.differentiable or (True,) * len(ex.shapes)
         if not any(diff) or not all(jnp.issubdtype(r.dtype, jnp.floating) for r in ref):
             continue
-        grad_combos = _sample(list(itertools.product(*_input_specs(ex, mesh))), max_grad_cases, rng)
+        grad_combos = _combos(_input_specs(ex, mesh), max_grad_cases, rng)
         out_cands = [
             enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",)) for r in ref
         ]
@@ -896,7 +921,7 @@ def _jit_sweep(
     for ex in examples or rule.examples:
         attrs = dict(ex.attrs)
         fn = functools.partial(rule.impl, **without_strategy(attrs))
-        combos = list(itertools.product(*_input_specs(ex, mesh)))
+        combos = _combos(_input_specs(ex, mesh), 4096, rng)
         combos = [  # jit arguments hold no padded shards: even, whole values only
             c for c in combos if not any(s.partial for s in c) and all(s.is_even(mesh) for s in c)
         ]
