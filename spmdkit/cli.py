@@ -1,4 +1,5 @@
-"""The ``spmdkit`` command line: ``spmdkit demo``, ``spmdkit rules [OP]``.
+"""The ``spmdkit`` command line: ``demo``, ``rules [OP]``, ``plan``, ``report``,
+``train``, ``launch``.
 
 Each subcommand is one :class:`Command`: a name, a help line, a function that
 adds its arguments to its sub-parser, and a function that runs it and returns
@@ -131,6 +132,18 @@ COMMANDS: list[Command] = [
     ),
     Command("rules", "list the registered ops, or describe one", _configure_rules, _run_rules),
 ]
+
+
+def _more_commands() -> list[Command]:
+    """``plan``/``report`` (planner) and ``train``/``launch`` (training), defined in
+    their own modules; imported after :class:`Command` exists."""
+    from spmdkit._cli_plan import PLAN_COMMANDS
+    from spmdkit._cli_train import COMMANDS as TRAIN_COMMANDS
+
+    return [*PLAN_COMMANDS, *TRAIN_COMMANDS]
+
+
+COMMANDS.extend(_more_commands())
 
 
 def build_parser() -> argparse.ArgumentParser:
