@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+import spmdkit.cli  # noqa: F401  - cli imports _cli_plan; importing _cli_plan first is circular
 from spmdkit._cli_plan import PLAN_COMMANDS, parse_mesh
 from spmdkit.errors import SpmdError
 
