@@ -65,6 +65,8 @@ def draw_spec(ax, shape, dims, sizes, *, partial=(), title=""):
             )
         )
         text = ",".join(map(str, devs)) if len(devs) <= 4 else f"{devs[0]}..{devs[-1]}"
+        if partial:  # every device of the group holds a term of the pending reduction
+            text = f"{partial[0][1]}({text})"
         ax.text((c + 0.5) / n_cols, 1 - (r + 0.5) / n_rows, text, ha="center",
                 va="center", fontsize=8)
     ax.set_xlim(0, 1)
@@ -539,7 +541,10 @@ from spmdkit.train import train
 
 spec = get_model("gpt")
 cfg = spec.config("tiny")
-examples = spec.batch(cfg, 64, np.random.default_rng(0))  # 64 token sequences
+# 64 learnable sequences: each token is the previous one + 1 (mod vocab)
+start = np.random.default_rng(0).integers(0, cfg.vocab, size=(64, 1))
+seqs = ((start + np.arange(cfg.seq_len + 1)) % cfg.vocab).astype(np.int32)
+examples = {"tokens": seqs[:, :-1], "targets": seqs[:, 1:]}
 workdir = tempfile.mkdtemp(prefix="spmdkit_ckpt_")
 
 
@@ -624,7 +629,7 @@ ax.plot([h["step"] for h in run_b.history], run_b.losses, "s", mfc="none", ms=10
 ax.plot([h["step"] for h in run_c.history], run_c.losses, "x", ms=9,
         label="restored on 1 device")
 ax.axvline(6.5, color="gray", ls="--")
-ax.text(6.6, max(run_a.losses), "restore from step 6", color="gray", va="top")
+ax.text(6.6, min(run_a.losses), "restore from step 6", color="gray", va="bottom")
 ax.set_xlabel("step")
 ax.set_ylabel("loss")
 ax.set_title("tiny GPT: loss across a checkpoint restore on other meshes")
