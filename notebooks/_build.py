@@ -141,12 +141,17 @@ print(jax.device_count(), "devices;", "presets:", ", ".join(PRESETS))"""
     ),
     code(
         """\
-spec = get_model("gpt")
+# Change these to explore another model, size, batch or mesh (get_model("llama"), "moe"...).
+MODEL, CONFIG, BATCH = "gpt", "124m", 16
+MESH = {"data": 2, "model": 4}
+ESTIMATOR = "analytic"  # or "propagate": slower, memory split by buffer kind instead
+
+spec = get_model(MODEL)
 t0 = time.perf_counter()
-info = describe(spec, config="124m", batch_size=16)
-amesh = sk.abstract_mesh(data=2, model=4)
+info = describe(spec, config=CONFIG, batch_size=BATCH)
+amesh = sk.abstract_mesh(**MESH)
 strategies = ["dp", "fsdp", "zero1", "megatron", "tp_fsdp", "auto"]
-plans = {s: plan(info, amesh, s, estimator="analytic") for s in strategies}
+plans = {s: plan(info, amesh, s, estimator=ESTIMATOR) for s in strategies}
 print(f"{len(plans)} plans in {time.perf_counter() - t0:.1f} s")
 for name, p in plans.items():
     label = f"{name} ({p.chosen})" if p.chosen else name
@@ -167,7 +172,7 @@ fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
 
 ax = axes[0]
 bottom = np.zeros(len(names))
-for kind in ["params", "grads", "opt_state", "activations"]:
+for kind in dict.fromkeys(k for c in costs for k in c.memory):  # params, grads, opt_state, ...
     vals = np.array([c.memory.get(kind, 0) for c in costs]) / 2**30
     ax.bar(names, vals, bottom=bottom, label=kind)
     bottom += vals
@@ -196,7 +201,8 @@ ax.set_title("estimated step time")
 ax.legend(fontsize=8)
 for a in axes:
     a.tick_params(axis="x", rotation=30)
-fig.suptitle(f"GPT-2 124M, batch 16, mesh data=2 × model=4 (auto chose {plans['auto'].chosen})")
+mesh_text = " × ".join(f"{k}={v}" for k, v in MESH.items())
+fig.suptitle(f"{MODEL} {CONFIG}, batch {BATCH}, mesh {mesh_text}: auto is {plans['auto'].chosen}")
 fig.tight_layout()
 fig.savefig(os.path.join(OUT, "layout_compare.png"), dpi=80)
 plt.show()"""
