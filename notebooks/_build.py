@@ -68,7 +68,7 @@ def draw_spec(ax, shape, dims, sizes, *, partial=(), title=""):
         if partial:  # every device of the group holds a term of the pending reduction
             text = f"{partial[0][1]}({text})"
         ax.text((c + 0.5) / n_cols, 1 - (r + 0.5) / n_rows, text, ha="center",
-                va="center", fontsize=8)
+                va="center", fontsize=8, bbox={"facecolor": "white", "alpha": 0.7, "lw": 0})
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_xticks([])
