@@ -1,12 +1,13 @@
 """How long planning takes, and how good the plans are (no devices needed).
 
 1. Planning time for Llama-3 8B and 70B (stacked layers, one 8192-token sequence
-   per device, Adam) on abstract meshes of 8, 64, 512 and 4096 devices (``data × model`` with
-   8-way tensor axes): describing the model (abstract build), tracing the train
-   step (once per model, cached), and the ``strategy="auto"`` search (which costs
-   every preset too).
-2. Plan quality (again one sequence per device): for each model and mesh, the estimated step time, communication
-   bytes per device and memory per device of every preset and of ``auto``.
+   per device, Adam) on abstract meshes of 8, 64, 512 and 4096 devices
+   (``data × model`` with 8-way model axes): ``describe`` (abstract build), then
+   ``plan(strategy="auto")``: trace the train step, analytic search, and
+   propagation of the presets and the best searched candidates through the step.
+2. Plan quality (again one sequence per device): for each model and mesh, the
+   estimated step time, communication bytes per device and memory per device of
+   every preset and of ``auto`` (propagate estimator).
 
 Prints both tables and saves ``benchmarks/results/planner.json``.
 
