@@ -18,35 +18,10 @@ import math
 import sys
 from typing import TextIO
 
-from spmdkit.cli import Command
+from spmdkit._command import Command, parse_mesh
 from spmdkit.errors import SpmdError
 
 __all__ = ["PLAN_COMMANDS", "parse_mesh"]
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,model=4"`` → ``{"data": 2, "model": 4}``.
-
-    Raises:
-      SpmdError: malformed text.
-
-    Example::
-
-        >>> parse_mesh("data=2,model=4")
-        {'data': 2, 'model': 4}
-    """
-    out: dict[str, int] = {}
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        if not name.strip() or not size.strip().isdigit() or int(size) < 1:
-            raise SpmdError(
-                op="spmdkit --mesh",
-                must="the mesh is NAME=SIZE pairs separated by commas",
-                given=repr(text),
-                fix="write e.g. --mesh data=2,model=4",
-            )
-        out[name.strip()] = int(size)
-    return out
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

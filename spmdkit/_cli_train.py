@@ -19,32 +19,10 @@ import os
 import sys
 from typing import TextIO
 
-from spmdkit.cli import Command
+from spmdkit._command import Command, parse_mesh
 from spmdkit.errors import SpmdError
 
 __all__ = ["COMMANDS", "parse_mesh"]
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,model=4"`` → ``{"data": 2, "model": 4}``.
-
-    Example::
-
-        >>> parse_mesh("data=2,model=4")
-        {'data': 2, 'model': 4}
-    """
-    axes: dict[str, int] = {}
-    for part in text.split(","):
-        name, sep, size = part.partition("=")
-        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
-            raise SpmdError(
-                op="spmdkit train --mesh",
-                must="the mesh is NAME=SIZE pairs separated by commas",
-                given=repr(text),
-                fix="pass e.g. --mesh data=2,model=4",
-            )
-        axes[name.strip()] = int(size)
-    return axes
 
 
 # -- train ----------------------------------------------------------------------

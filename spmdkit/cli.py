@@ -14,31 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import NamedTuple, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
+from spmdkit._command import Command
 from spmdkit.errors import NoRuleError, SpmdError
 from spmdkit.registry import get_rule, registered_ops
 from spmdkit.rule import Example, FactorRule, Rule
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
-
-
-class Command(NamedTuple):
-    """One subcommand.
-
-    Attributes:
-      name: what the user types (``spmdkit NAME``).
-      help: one line for ``spmdkit --help``.
-      configure: adds the subcommand's arguments to its parser.
-      run: runs it on the parsed arguments, writing to the given stream; returns
-        the exit status.
-    """
-
-    name: str
-    help: str
-    configure: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace, TextIO], int]
 
 
 # -- demo ---------------------------------------------------------------------
