@@ -76,7 +76,7 @@ from spmdkit.factor import Notation
 from spmdkit.inference import ArgReshard, infer_backward, infer_forward
 from spmdkit.memory import MemoryEstimate, liveness
 from spmdkit.registry import get_rule, registered_ops
-from spmdkit.resharding import Collective, plan_reshard
+from spmdkit.resharding import Collective, ReshardPlan, plan_reshard
 from spmdkit.rule import FactorRule, RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
@@ -906,6 +906,7 @@ class _Engine:
         self.ops = frozenset(registered_ops())
         self.unknown: collections.Counter = collections.Counter()
         self.hints: dict[int, TensorSpec] = {}
+        self.stationary: frozenset[int] = frozenset()
         self._sizes = axis_sizes(mesh)
         self._key = (tuple(self._sizes.items()), topology)
         self._plans: dict[tuple, ArgReshard | None] = {}
@@ -926,7 +927,7 @@ class _Engine:
         if hit != 0:
             return hit
         src_t = src if src.dtype == dst.dtype else src.replace(dtype=dst.dtype)
-        plan = plan_reshard(src_t, dst, self.mesh, topology=self.topology)
+        plan = _one_group(plan_reshard(src_t, dst, self.mesh, topology=self.topology), self)
         out = ArgReshard(label, src, dst, plan)
         self._plans[key] = out
         return out
@@ -974,25 +975,50 @@ class _Engine:
                 for v, x in zip(ins, specs, strict=True)
             )
         try:
-            key = (self._key, op, id(get_rule(op)), tuple(sorted(attrs.items())), specs, hinted)
+            still = tuple(v in self.stationary for v in ins) if ins else ()
+            key = (
+                self._key,
+                op,
+                id(get_rule(op)),
+                tuple(sorted(attrs.items())),
+                specs,
+                hinted,
+                still,
+            )
             hit = _CHEAPEST.get(key)
         except TypeError:  # unhashable attributes: no caching
             key, hit = None, None
         if hit is not None:
             return hit
-        best = self._cheapest_uncached(op, attrs, specs, hinted)
+        still = tuple(v in self.stationary for v in ins) if ins else ()
+        best = self._cheapest_uncached(op, attrs, specs, hinted, still)
         if key is not None:
             if len(_CHEAPEST) > 65536:
                 _CHEAPEST.clear()
             _CHEAPEST[key] = best
         return best
 
-    def _cheapest_uncached(self, op, attrs, specs, hinted):
+    def _cheapest_uncached(self, op, attrs, specs, hinted, still=()):
         res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
         if not any(a.plan.collectives for a in res.reshards) and not any(
             o.partial and not any(s.partial for s in specs) for o in res.outputs
         ):
             return res
+        # activations stay put: where an activation (a value computed from the batch)
+        # and a weight contest a mesh axis, the weight gives it up (it is all-gathered,
+        # as in FSDP) rather than the activation being moved or left sum-partial
+        act = [i for i, m in enumerate(still) if m]
+        keeps = functools.partial(_keeps, specs, act)
+        if act and len(act) < len(specs) and not keeps(res):
+            axes = {a for i in act for d in specs[i].dims for a in d}
+            alt = tuple(x if still[j] else _drop_axes(x, axes) for j, x in enumerate(specs))
+            try:
+                cand = infer_forward(op, *alt, mesh=self.mesh, **attrs)
+            except _RULE_ERRORS:
+                cand = None
+            if cand is not None and keeps(cand):
+                return cand
+        kept = bool(act) and keeps(res)
         best, best_t = res, self._price(specs, res.inputs, res.outputs)
         size = sum(o.local_bytes(self.mesh) for o in res.outputs)
         alts = []
@@ -1020,6 +1046,8 @@ class _Engine:
             try:
                 cand = infer_forward(op, *alt, mesh=self.mesh, **attrs)
             except _RULE_ERRORS:
+                continue
+            if kept and not keeps(cand):
                 continue
             t = self._price(specs, cand.inputs, cand.outputs)
             smaller = sum(o.local_bytes(self.mesh) for o in cand.outputs) <= size
@@ -1154,6 +1182,10 @@ class _Engine:
             # forward cannot recreate it (dims new in the output): backward's own answer
             cand_in, cand_out = res.inputs, res.outputs
         cand_out = tuple(o.replace(dtype=w.dtype) for o, w in zip(cand_out, want, strict=True))
+        act = [i for i, v in enumerate(node.ins) if v in self.stationary]
+        moved = [i for i in act if not _kept(specs[i], cand_in[i])]
+        if moved and all(_kept(specs[i], req[i]) for i in moved):
+            return req, outs  # activations stay put (see _cheapest_uncached)
         if cost(cand_in, cand_out) <= cost(req, outs):
             return cand_in, cand_out
         return req, outs
@@ -1430,6 +1462,82 @@ def _vids(graph: _Graph) -> frozenset[int]:
     return cached
 
 
+def _one_group(plan: ReshardPlan, engine: _Engine) -> ReshardPlan:
+    """Staged gathers (or reduce-scatters) of one dim as the one collective over
+    all their axes that XLA's partitioner emits (its payload: the full gathered
+    block, or the whole reduce-scatter input)."""
+    steps: list[Collective] = []
+    merged = False
+    for c in plan.steps:
+        last = steps[-1] if steps else None
+        if (
+            last is not None
+            and c.kind == last.kind
+            and c.kind in ("all_gather", "reduce_scatter")
+            and c.dim == last.dim
+            and c.reduce_op == last.reduce_op
+            and not c.is_local
+            and not last.is_local
+        ):
+            axes = c.axes + last.axes if c.kind == "all_gather" else last.axes + c.axes
+            n = last.group_size * c.group_size
+            payload = max(c.payload_bytes, last.payload_bytes)
+            wire = payload * (n - 1) // n
+            t = engine.topology.collective_time(c.kind, wire, n, axes, engine.mesh)
+            steps[-1] = Collective(
+                kind=c.kind,
+                axes=axes,
+                group_size=n,
+                dim=c.dim,
+                reduce_op=c.reduce_op,
+                payload_bytes=payload,
+                wire_bytes=wire,
+                time_s=t,
+            )
+            merged = True
+        else:
+            steps.append(c)
+    return ReshardPlan(plan.src, plan.dst, tuple(steps)) if merged else plan
+
+
+def _keeps(specs: Sequence[TensorSpec], which: Sequence[int], res: Any) -> bool:
+    """Whether a rule's answer leaves the listed operands' dim shardings in place
+    (further sharding, a free slice, is fine)."""
+    return all(_kept(specs[i], res.inputs[i]) for i in which)
+
+
+def _kept(given: TensorSpec, required: TensorSpec) -> bool:
+    """Whether ``required`` still shards each dim of ``given`` over its axes."""
+    got = required.dims + ((),) * (len(given.dims) - len(required.dims))
+    return all(set(d) <= set(r) for d, r in zip(given.dims, got, strict=False))
+
+
+def _stationary(graph: _Graph, seeds: set[int]) -> set[int]:
+    """Values computed from ``seeds`` (the batch): activations and their gradients."""
+    out = set(seeds)
+    for node in graph.nodes:
+        hit = [v in out for v in node.ins]
+        if not any(hit):
+            continue
+        out.update(node.outs)
+        subs = node.subs
+        if node.kind == "scan":
+            body = subs[0]
+            nc, nk = int(node.eqn.params["num_consts"]), int(node.eqn.params["num_carry"])
+            ins = {b for b, h in zip(body.invars, hit, strict=True) if h}
+            for _ in range(2):  # a carry fed by the batch is an activation next time round
+                got = _stationary(body, ins)
+                ins |= {body.invars[nc + k] for k in range(nk) if body.outvars[k] in got}
+            out |= _stationary(body, ins)
+        elif node.kind == "cond":
+            for b in subs:
+                out |= _stationary(b, {v for v, h in zip(b.invars, hit[1:], strict=False) if h})
+        else:
+            for b in subs:
+                out |= _stationary(b, set(b.invars))
+    return out
+
+
 def _drop_axes(s: TensorSpec, axes: set[str] | None) -> TensorSpec:
     """``s`` without the given sharding axes (None: all of them); partials stay."""
     if axes is None:
@@ -1619,6 +1727,8 @@ def propagate(
 
     _check_strategies(strategies or {})
     engine = _Engine(prog, mesh, topology, strategies or {})
+    roles = _roles(arg_roles, args, graph.invars)
+    engine.stationary = frozenset(_stationary(graph, {v for v, r in roles.items() if r == "batch"}))
     fixed = set(graph.invars)
     peak = float(getattr(topology, "peak_flops", DEFAULT_PEAK_FLOPS))
     best: tuple | None = None
@@ -1680,7 +1790,6 @@ def propagate(
     compute_time = flops / peak
 
     donated = _donated_ids(donate_argnums, args, graph.invars)
-    roles = _roles(arg_roles, args, graph.invars)
     transient = [
         sum(a.dst.local_bytes(mesh) for a in r.reshards if a.plan.collectives)
         for r in records[: len(graph.nodes)]

@@ -420,3 +420,38 @@ def test_conv_train_step_matches_hlo(mesh2d, kernel, images, expected):
         ),
     )
     assert rep.bytes_by_kind() == prop.comm_bytes_by_kind
+
+
+def _mlp2_loss(ws, x):
+    h = x
+    for w1, w2 in ws:
+        h = h + jax.nn.relu(h @ w1) @ w2
+    return jnp.mean(h * h)
+
+
+@pytest.mark.parametrize("axes", [{"data": 8}, {"data": 2, "model": 4}])
+def test_fsdp_gathers_weights_and_reduce_scatters_grads(axes):
+    """FSDP: every weight is all-gathered once (the backward reuses the forward's
+    gathered copy, as XLA does), every weight grad is reduce-scattered, and the
+    batch-sharded activations never move."""
+    d, f, b = 32, 64, 16
+    mesh = sk.abstract_mesh(**axes)
+    every = tuple(axes)
+    ws = [(S((d, f), F32), S((f, d), F32)) for _ in range(2)]
+    specs = [(P(every), P(every)) for _ in range(2)]
+    prop = propagate(
+        jax.grad(_mlp2_loss),
+        ws,
+        S((b, d), F32),
+        mesh=mesh,
+        in_specs=(specs, P(every)),
+        out_specs=specs,
+        arg_roles=("params", "batch"),
+    )
+    weight_bytes = 4 * d * f * 4
+    assert prop.comm_bytes_by_kind == {
+        "all_gather": weight_bytes,
+        "reduce_scatter": weight_bytes,
+    }
+    gathers = [c for c in prop.collectives() if c.kind == "all_gather"]
+    assert len(gathers) == 4 and all(c.group_size == 8 for c in gathers)
