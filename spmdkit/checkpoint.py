@@ -173,27 +173,19 @@ def _checksummable(x: Any) -> bool:
     )
 
 
-#: Checksums are computed over at most about this many bytes of arrays at a time, so
-#: the transient memory they take stays bounded whatever the state's size.
-CHECKSUM_CHUNK_BYTES = 128 * 2**20
-
 # one compiled checksum per (shape, dtype, sharding), whatever the leaf's name
 _checksum_jit = jax.jit(_checksum_leaf)
 
 
 def _compute_checksums(flat: dict[str, Any]) -> dict[str, int]:
+    # One checksum at a time: each is a program with a cross-device reduction, and
+    # several such programs in flight at once can deadlock XLA:CPU's in-process
+    # collectives (seen restoring onto another mesh: 7 of 8 devices joined an
+    # all-reduce). Blocking per leaf also bounds the transient memory to one leaf.
     out: dict[str, int] = {}
-    pending: list[tuple[str, jax.Array]] = []
-    in_flight = 0
     for k, v in flat.items():
-        if not _checksummable(v):
-            continue
-        pending.append((k, _checksum_jit(v)))  # dispatched asynchronously
-        in_flight += v.nbytes
-        if in_flight >= CHECKSUM_CHUNK_BYTES:
-            out.update((name, int(np.asarray(c))) for name, c in pending)  # blocks
-            pending, in_flight = [], 0
-    out.update((name, int(np.asarray(c))) for name, c in pending)
+        if _checksummable(v):
+            out[k] = int(np.asarray(_checksum_jit(v)))
     return out
 
 

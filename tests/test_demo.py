@@ -48,6 +48,10 @@ def test_demo_runs_and_its_checks_pass(tmp_path):
     # part 2: real arrays, plan next to the compiled HLO
     assert "reduce_scatter[sum](model) dim1 4\N{MULTIPLICATION SIGN}: 16.0 KiB" in out
     assert "reduce_scatter[sum] f32[32,32] 4\N{MULTIPLICATION SIGN}: 16384 B" in out
+    # part 3: plan, train, checkpoint, restore on another mesh and plan, continue
+    assert "Plan 'megatron' on mesh data=2" in out
+    assert "restored step 3 onto data=4 x model=2 (fsdp), steps 4..6" in out
+    assert "losses after the restore match the uninterrupted run (rtol 1e-4): ok" in out
     assert "all_gather f32[64,128] 4\N{MULTIPLICATION SIGN}: 32768 B" in out
     assert out.count("compiled collectives match the plan (kind, group, bytes): ok") == 2
     assert out.count("values equal numpy x @ w: ok") == 2
