@@ -1754,7 +1754,8 @@ def propagate(
     _, spec, collect, engine.unknown = best
 
     avail: dict[int, list[TensorSpec]] = {}
-    records = [_record(engine, item, avail, mesh, i) for i, item in enumerate(collect)]
+    held: dict = {}
+    records = [_record(engine, item, avail, mesh, i, held) for i, item in enumerate(collect)]
     final_out = []
     for i, (v, r) in enumerate(zip(graph.outvars, out_req, strict=True)):
         have = spec.get(v) or engine.replicated(v)
@@ -1790,10 +1791,11 @@ def propagate(
     compute_time = flops / peak
 
     donated = _donated_ids(donate_argnums, args, graph.invars)
-    transient = [
-        sum(a.dst.local_bytes(mesh) for a in r.reshards if a.plan.collectives)
-        for r in records[: len(graph.nodes)]
-    ]
+    # a resharded copy lives from the equation that makes it to its last reuse
+    transient = [0] * len(graph.nodes)
+    for first, last, nbytes in held.values():
+        for i in range(first, min(last, len(transient) - 1) + 1):
+            transient[i] += nbytes
     memory = liveness(
         graph, spec, final_out, mesh, prog, donated=donated, roles=roles, transient=transient
     )
@@ -1881,18 +1883,25 @@ def _reshard_once(
     label: str,
     src: TensorSpec,
     dst: TensorSpec,
+    held: dict | None = None,
+    at: int = 0,
 ) -> ArgReshard | None:
     """The reshard of value ``vid`` to ``dst``, from the cheapest layout it already has.
 
     A value resharded once for one consumer is not resharded again for the
-    next one that needs the same layout (XLA computes it once)."""
+    next one that needs the same layout (XLA computes it once and keeps the copy:
+    ``held[(vid, layout)]`` is ``[first use, last use, bytes]`` over top-level
+    equation indices ``at``)."""
     if src.dims == dst.dims and src.partial == dst.partial:
         return None
     have = avail.setdefault(vid, [src])
     if src not in have:
         have.insert(0, src)
-    if any(h.dims == dst.dims and h.partial == dst.partial for h in have):
-        return None
+    for h in have:
+        if h.dims == dst.dims and h.partial == dst.partial:
+            if held is not None and (vid, h) in held:
+                held[(vid, h)][1] = at
+            return None
     best = None
     for h in have:
         a = engine.reshard(label, h, dst)
@@ -1902,6 +1911,8 @@ def _reshard_once(
         ):
             best = a
     have.append(dst)
+    if held is not None and best is not None and best.plan.collectives:
+        held[(vid, dst)] = [at, at, dst.local_bytes(engine.mesh)]
     return best
 
 
@@ -1979,13 +1990,20 @@ def _own_collectives(
 
 
 def _record(
-    engine: _Engine, item: tuple, avail: dict[int, list[TensorSpec]], mesh: MeshLike, index: int
+    engine: _Engine,
+    item: tuple,
+    avail: dict[int, list[TensorSpec]],
+    mesh: MeshLike,
+    index: int,
+    held: dict | None = None,
+    at: int | None = None,
 ) -> EqnRecord:
     node, op, attrs, specs, req, outs, _, extra = item
+    at = index if at is None else at
     reshards = tuple(
         a
         for i, (v, s, r) in enumerate(zip(node.ins, specs, req, strict=True))
-        if (a := _reshard_once(engine, avail, v, f"input {i}", s, r)) is not None
+        if (a := _reshard_once(engine, avail, v, f"input {i}", s, r, held, at)) is not None
     )
     if node.kind == "shard_map":
         reshards += tuple(_manual_collectives(node.eqn.params["jaxpr"], engine))
@@ -1997,7 +2015,7 @@ def _record(
     repeat = 1
     if extra is not None:
         inner, back, repeat = extra
-        body = tuple(_record(engine, x, avail, mesh, j) for j, x in enumerate(inner))
+        body = tuple(_record(engine, x, avail, mesh, j, held, at) for j, x in enumerate(inner))
         if back:
             body += (
                 EqnRecord(
