@@ -1,30 +1,27 @@
 """Rule-enforcing ops: plain JAX functions whose partitioning is the registered rule.
 
 Each op reshards its inputs to the specs its rule requires, runs the local
-computation with exactly the rule's collectives and returns outputs that carry
-the rule's output specs; ``jax.grad`` through it yields the grad rule's specs.
-One module per family; names are resolved lazily so importing ``spmdkit.ops``
-stays cheap.
+computation with exactly the rule's collectives (``shard_map``; see
+:mod:`spmdkit.ops._base`) and returns outputs that carry the rule's output specs;
+``jax.grad`` through it yields the grad rule's specs. One module per family.
+
+The functions are imported here eagerly: two of them share their module's name
+(``attention``, ``index_put``), and binding the function after the module import
+keeps ``spmdkit.ops.attention`` the function however the module was reached.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-#: public op name -> module (inside ``spmdkit.ops``) that defines it
-_OPS = {
-    "rms_norm": "norms",
-    "layer_norm": "norms",
-    "group_norm": "norms",
-    "instance_norm": "norms",
-    "batch_norm": "norms",
-    "sync_batch_norm": "norms",
-    "softmax_cross_entropy": "cross_entropy",
-    "embedding_lookup": "embedding",
-    "index_put": "index_put",
-    "attention": "attention",
-}
+from spmdkit.ops.attention import attention
+from spmdkit.ops.cross_entropy import softmax_cross_entropy
+from spmdkit.ops.embedding import embedding_lookup
+from spmdkit.ops.index_put import index_put
+from spmdkit.ops.norms import (
+    batch_norm,
+    group_norm,
+    instance_norm,
+    layer_norm,
+    rms_norm,
+    sync_batch_norm,
+)
 
 __all__ = [
     "attention",
@@ -38,14 +35,3 @@ __all__ = [
     "softmax_cross_entropy",
     "sync_batch_norm",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    module = _OPS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'spmdkit.ops' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"spmdkit.ops.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
