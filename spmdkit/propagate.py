@@ -59,6 +59,7 @@ compute time uses ``topology.peak_flops`` when the topology has it, else
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import warnings
@@ -907,6 +908,7 @@ class _Engine:
         self.unknown: collections.Counter = collections.Counter()
         self.hints: dict[int, TensorSpec] = {}
         self.stationary: frozenset[int] = frozenset()
+        self.uses: dict[int, int] = {}
         self._sizes = axis_sizes(mesh)
         self._key = (tuple(self._sizes.items()), topology)
         self._plans: dict[tuple, ArgReshard | None] = {}
@@ -1081,7 +1083,12 @@ class _Engine:
             if strategy is not None:
                 attrs = {**attrs, "strategy": strategy}
             try:
-                res = self._forward_cheapest(op, attrs, specs, node.ins)
+                local = _index_parallel(eqn, specs) if op == "gather" else None
+                if local is not None:
+                    res = self._forward_cheapest(op, attrs, local[0], node.ins)
+                    res = _with_masked_lookup(res, specs[0], local[1])
+                else:
+                    res = self._forward_cheapest(op, attrs, specs, node.ins)
                 outs = res.outputs
                 if [o.shape for o in outs] == out_shapes:
                     outs = tuple(
@@ -1206,6 +1213,22 @@ class _Engine:
                 if v not in spec:
                     spec[v] = self.replicated(v)
             specs = tuple(spec[v] for v in node.ins)
+            if node.kind == "eqn" and any(s.partial for s in specs):
+                # a pending reduction read by several equations is reduced once, where
+                # it is made (XLA all-reduces a dot's result), not once per reader
+                eff = tuple(
+                    s.without_partial() if s.partial and self.uses.get(v, 0) > 1 else s
+                    for v, s in zip(node.ins, specs, strict=True)
+                )
+                if eff != specs:
+                    op, attrs, req, outs = self.infer(node, eff)
+                    if self.hints:
+                        req, outs = self.hinted(node, eff, op, attrs, req, outs)
+                    for o, s in zip(node.outs, outs, strict=True):
+                        spec[o] = s
+                    if collect is not None:
+                        collect.append((node, op, attrs, specs, req, outs, repeat, None))
+                    continue
             if node.kind == "scan":
                 self._scan(node, specs, spec, collect, repeat)
                 continue
@@ -1308,13 +1331,20 @@ class _Engine:
         inner: list = []
         outs = self._body(body, [*consts, *carry, *(x for x, _ in xs)], spec, inner, repeat)
         req = (*consts, *carry, *(stacked for _, stacked in xs))
-        ys = [_stack(o, length) for o in outs[nk:]]
+        # a loop's results carry no pending reduction (XLA's loop shardings have none):
+        # each iteration reduces its ys, unless the body already made the reduced copy
+        ys = [_stack(o.without_partial(), length) for o in outs[nk:]]
         # the carry coming back each iteration must have the carry-in layout
         back = []
         for i, (o, c) in enumerate(zip(outs[:nk], carry, strict=True)):
             a = self.reshard(f"carry {i}", o, c)
             if a is not None:
                 back.append(a)
+        for j, (bo, o) in enumerate(zip(body.outvars[nk:], outs[nk:], strict=True)):
+            if o.partial and not _reduced_inside(inner, bo, o.without_partial()):
+                a = self.reshard(f"ys {j}", o, o.without_partial())
+                if a is not None:
+                    back.append(a)
         node_outs = (*carry, *ys)
         for o, s in zip(node.outs, node_outs, strict=True):
             spec[o] = s
@@ -1498,6 +1528,68 @@ def _one_group(plan: ReshardPlan, engine: _Engine) -> ReshardPlan:
         else:
             steps.append(c)
     return ReshardPlan(plan.src, plan.dst, tuple(steps)) if merged else plan
+
+
+def _index_parallel(eqn: Any, specs: Sequence[TensorSpec]):
+    """For a gather whose operand is sharded on a dim it indexes point-wise (an
+    embedding table over the vocabulary): (the specs with those axes taken off the
+    operand, the axes). XLA looks up locally with a mask and leaves the result
+    sum-partial over those axes; None when the operand is not so sharded."""
+    if len(specs) != 2:
+        return None
+    x = specs[0]
+    dn = eqn.params["dimension_numbers"]
+    sizes = eqn.params["slice_sizes"]
+    axes: set[str] = set()
+    for d in dn.start_index_map:
+        if sizes[d] == 1 and d < len(x.dims):
+            axes.update(x.dims[d])
+    if not axes or any(a in specs[1].sharding_axes for a in axes):
+        return None
+    return (_drop_axes(x, axes), specs[1]), axes
+
+
+def _with_masked_lookup(res: Any, x: TensorSpec, axes: set[str]) -> Any:
+    """``res`` (a gather's rule answer without ``axes`` on the operand) as the
+    masked local lookup: the operand keeps ``axes`` and the result is sum-partial
+    over them; the rule's answer when the result is sharded over them already."""
+    out = res.outputs[0]
+    if any(a in out.sharding_axes for a in axes) or any(a in dict(x.partial) for a in axes):
+        return res
+    req_x = res.inputs[0]
+    kept = req_x.replace(
+        dims=tuple(
+            tuple(a for a in g if a in axes) + tuple(r)
+            for g, r in zip(x.dims, req_x.dims, strict=True)
+        )
+    )
+    try:
+        new_out = out.replace(partial={**dict(out.partial), **dict.fromkeys(sorted(axes), "sum")})
+    except SpmdError:
+        return res
+    return dataclasses.replace(res, inputs=(kept, *res.inputs[1:]), outputs=(new_out,))
+
+
+def _uses(graph: _Graph, out: dict[int, int] | None = None) -> dict[int, int]:
+    """Value id → number of equations (and graph results) reading it, bodies included."""
+    out = {} if out is None else out
+    for node in graph.nodes:
+        for v in set(node.ins):
+            out[v] = out.get(v, 0) + 1
+        for sub in node.subs:
+            _uses(sub, out)
+    for v in set(graph.outvars):
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def _reduced_inside(items: list, vid: int, want: TensorSpec) -> bool:
+    """Whether some equation of a loop body already reads ``vid`` as ``want``."""
+    for node, _, _, _, req, _, _, _ in items:
+        for v, r in zip(node.ins, req, strict=True):
+            if v == vid and r.dims == want.dims and not r.partial:
+                return True
+    return False
 
 
 def _keeps(specs: Sequence[TensorSpec], which: Sequence[int], res: Any) -> bool:
@@ -1728,6 +1820,7 @@ def propagate(
     _check_strategies(strategies or {})
     engine = _Engine(prog, mesh, topology, strategies or {})
     roles = _roles(arg_roles, args, graph.invars)
+    engine.uses = _uses(graph)
     engine.stationary = frozenset(_stationary(graph, {v for v, r in roles.items() if r == "batch"}))
     fixed = set(graph.invars)
     peak = float(getattr(topology, "peak_flops", DEFAULT_PEAK_FLOPS))
