@@ -1331,20 +1331,21 @@ class _Engine:
         inner: list = []
         outs = self._body(body, [*consts, *carry, *(x for x, _ in xs)], spec, inner, repeat)
         req = (*consts, *carry, *(stacked for _, stacked in xs))
-        # a loop's results carry no pending reduction (XLA's loop shardings have none):
-        # each iteration reduces its ys, unless the body already made the reduced copy
-        ys = [_stack(o.without_partial(), length) for o in outs[nk:]]
+        # a result the body already reduced leaves the loop reduced (no second
+        # reduction after it); others leave stacked with their pending reduction, which
+        # their consumers resolve (same bytes as a reduction per iteration, fewer hops)
+        ys = [
+            _stack(
+                o.without_partial() if o.partial and _reduced_inside(inner, bo, o) else o, length
+            )
+            for bo, o in zip(body.outvars[nk:], outs[nk:], strict=True)
+        ]
         # the carry coming back each iteration must have the carry-in layout
         back = []
         for i, (o, c) in enumerate(zip(outs[:nk], carry, strict=True)):
             a = self.reshard(f"carry {i}", o, c)
             if a is not None:
                 back.append(a)
-        for j, (bo, o) in enumerate(zip(body.outvars[nk:], outs[nk:], strict=True)):
-            if o.partial and not _reduced_inside(inner, bo, o.without_partial()):
-                a = self.reshard(f"ys {j}", o, o.without_partial())
-                if a is not None:
-                    back.append(a)
         node_outs = (*carry, *ys)
         for o, s in zip(node.outs, node_outs, strict=True):
             spec[o] = s
@@ -1583,11 +1584,11 @@ def _uses(graph: _Graph, out: dict[int, int] | None = None) -> dict[int, int]:
     return out
 
 
-def _reduced_inside(items: list, vid: int, want: TensorSpec) -> bool:
-    """Whether some equation of a loop body already reads ``vid`` as ``want``."""
+def _reduced_inside(items: list, vid: int, have: TensorSpec) -> bool:
+    """Whether some equation of a loop body already reads ``vid`` reduced, in its layout."""
     for node, _, _, _, req, _, _, _ in items:
         for v, r in zip(node.ins, req, strict=True):
-            if v == vid and r.dims == want.dims and not r.partial:
+            if v == vid and r.dims == have.dims and not r.partial:
                 return True
     return False
 
