@@ -1216,8 +1216,10 @@ class _Engine:
             if node.kind == "eqn" and any(s.partial for s in specs):
                 # a pending reduction read by several equations is reduced once, where
                 # it is made (XLA all-reduces a dot's result), not once per reader
+                # and so are pending reductions that meet (XLA reduces each one)
+                meet = sum(1 for s in specs if s.partial) > 1
                 eff = tuple(
-                    s.without_partial() if s.partial and self.uses.get(v, 0) > 1 else s
+                    s.without_partial() if s.partial and (meet or self.uses.get(v, 0) > 1) else s
                     for v, s in zip(node.ins, specs, strict=True)
                 )
                 if eff != specs:
