@@ -90,6 +90,28 @@ _FUSES_INTO = _ELEMENTWISE | {
 }
 
 
+# Ops XLA does not duplicate into several consumer fusions: a result of one of
+# these read by more than one equation is materialized.
+_EXPENSIVE = frozenset(
+    {
+        "div",
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "logistic",
+        "tanh",
+        "rsqrt",
+        "sqrt",
+        "pow",
+        "erf",
+        "sin",
+        "cos",
+    }
+)
+
+
 def _fmt(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -141,17 +163,21 @@ def _temp_peak(
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only."""
     last: dict[int, int] = {}
     consumers: dict[int, set[str]] = {}
+    readers: dict[int, int] = {}
     for i, node in enumerate(graph.nodes):
-        for v in node.ins:
+        for v in set(node.ins):
             last[v] = i
             consumers.setdefault(v, set()).add(node.prim)
+            readers[v] = readers.get(v, 0) + 1
     fused = (
         {
             o
             for node in graph.nodes
             if node.prim in _FUSIBLE
             for o in node.outs
-            if o in consumers and consumers[o] <= _FUSES_INTO
+            if o in consumers
+            and consumers[o] <= _FUSES_INTO
+            and (readers[o] == 1 or node.prim not in _EXPENSIVE)
         }
         - set(graph.outvars)
         if fuse
