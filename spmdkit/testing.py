@@ -921,7 +921,9 @@ def _jit_sweep(
     for ex in examples or rule.examples:
         attrs = dict(ex.attrs)
         fn = functools.partial(rule.impl, **without_strategy(attrs))
-        combos = _combos(_input_specs(ex, mesh), 4096, rng)
+        lists = _input_specs(ex, mesh)
+        big = math.prod(len(x) for x in lists) > _LAZY_ABOVE
+        combos = _combos(lists, 4096, rng) if big else list(itertools.product(*lists))
         combos = [  # jit arguments hold no padded shards: even, whole values only
             c for c in combos if not any(s.partial for s in c) and all(s.is_even(mesh) for s in c)
         ]

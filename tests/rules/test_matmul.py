@@ -42,8 +42,16 @@ def test_einsum_notation_and_ellipsis():
 
 def test_batch_dims_broadcast_right_aligned():
     mesh = sk.abstract_mesh(x=2, y=4)
+    r = sk.infer_forward("matmul", T((4, 1, 8, 16), P("x")), T((8, 16, 2), P("y")), mesh=mesh)
+    assert str(r.outputs[0]) == "[4@x,8@y,8,2]"
+
+
+def test_uneven_broadcast_batch_dim_is_not_split():
+    # x broadcasts the size-3 batch dim: its grad sums over that dim, where the
+    # padding of an uneven split (3 over 4) would be added into real elements
+    mesh = sk.abstract_mesh(x=2, y=4)
     r = sk.infer_forward("matmul", T((4, 1, 8, 16), P("x")), T((3, 16, 2), P("y")), mesh=mesh)
-    assert str(r.outputs[0]) == "[4@x,3@y,8,2]"
+    assert str(r.outputs[0]) == "[4@x,3,8,2]"
 
 
 def test_matmul_rank_zero_is_refused():
