@@ -1,0 +1,239 @@
+"""Runtime overhead of spmdkit: a step compiled by ``sk.jit(step, plan)`` vs the
+same step written by hand with ``jax.jit(..., in_shardings=..., out_shardings=...)``.
+
+Both sides compile ``jax.value_and_grad(info.loss_fn)`` of a reference model
+(``spmdkit.models``) with the same shardings, taken from the plan
+(``plan.param_specs`` / ``plan.batch_specs`` on the mesh ``sk.jit`` runs on).
+Step times are measured alternately in one run (A, B, A, B, … after warm-up,
+each call ended with ``jax.block_until_ready``), so machine noise hits both
+sides alike; the table gives the median ratio sk.jit / jax.jit and its spread
+(25th–75th percentile of the per-pair ratios). The first call (trace + compile
++ run) of each side is timed after ``jax.clear_caches()``.
+
+Default: 8 virtual CPU devices (``--xla_force_host_platform_device_count=8``,
+set before jax is imported), mesh data=2 × model=4, tiny GPT and tiny Llama.
+``--gpu`` runs on the machine's accelerators instead (tiny and larger configs)
+and records the device name and, where the peak FLOP/s of the device is known,
+the MFU of the step.
+
+Run: ``python benchmarks/overhead.py [--quick] [--gpu] [--out PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Peak dense bf16 FLOP/s per device, for MFU (device_kind substring -> FLOP/s).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="sk.jit vs hand-written jax.jit: step time ratio.")
+    ap.add_argument("--quick", action="store_true", help="few repetitions (smoke run)")
+    ap.add_argument("--gpu", action="store_true", help="run on the GPU (tiny and larger configs)")
+    ap.add_argument("--models", default="gpt,llama", help="comma-separated model names")
+    ap.add_argument("--strategy", default="megatron", help="plan preset (default megatron)")
+    ap.add_argument("--iters", type=int, default=None, help="timed pairs per case")
+    ap.add_argument("--out", default=str(RESULTS / "overhead.json"), help="JSON path")
+    return ap.parse_args(argv)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _timed(fn: Any, *args: Any) -> float:
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def measure(
+    name: str, size: str, *, strategy: str, iters: int, warmup: int, batch_size: int
+) -> dict[str, Any]:
+    """Time one model/config: first-call and alternating step times of both sides."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import spmdkit as sk
+    from spmdkit.models import get_model
+
+    spec = get_model(name)
+    cfg = spec.config(size)
+    batch = spec.batch(cfg, batch_size, np.random.default_rng(0))
+    info = sk.describe(spec, config=cfg, batch=batch)
+    n = len(jax.devices())
+    mesh = sk.make_mesh(data=2, model=n // 2) if n >= 2 else sk.make_mesh(data=1, model=1)
+    plan = sk.plan(info, mesh, strategy, estimator="analytic")
+    params = sk.init_sharded(info, plan)
+    grad_fn = jax.value_and_grad(info.loss_fn)
+
+    planned = sk.jit(grad_fn, plan)  # A
+
+    # B: the same step by hand, on the same (Auto-axes) mesh sk.jit runs on.
+    run_mesh = Mesh(mesh.devices, mesh.axis_names)
+
+    def named(specs: Any) -> Any:
+        return jax.tree.map(
+            lambda s: NamedSharding(run_mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+
+    p_sh = named(plan.param_specs(params))
+    b_sh = named(plan.batch_specs(batch))
+    hand_jit = jax.jit(grad_fn, in_shardings=(p_sh, b_sh), out_shardings=(named(P()), p_sh))
+    params_b = jax.device_put(params, p_sh)
+    batch_b = jax.device_put(batch, b_sh)
+
+    def hand(p: Any, b: Any) -> Any:
+        with jax.set_mesh(run_mesh):
+            return hand_jit(p, b)
+
+    # first call: trace + compile + run, each side after clearing jax's caches
+    jax.clear_caches()
+    first_a = _timed(planned, params, batch)
+    jax.clear_caches()
+    first_b = _timed(hand, params_b, batch_b)
+    for _ in range(warmup):
+        _timed(planned, params, batch)
+        _timed(hand, params_b, batch_b)
+    ta: list[float] = []
+    tb: list[float] = []
+    for i in range(iters):
+        if i % 2 == 0:  # alternate which side goes first in a pair
+            ta.append(_timed(planned, params, batch))
+            tb.append(_timed(hand, params_b, batch_b))
+        else:
+            tb.append(_timed(hand, params_b, batch_b))
+            ta.append(_timed(planned, params, batch))
+    ratios = [a / b for a, b in zip(ta, tb, strict=True)]
+    la, lb = planned(params, batch)[0], hand(params_b, batch_b)[0]
+    row: dict[str, Any] = {
+        "model": name,
+        "config": size,
+        "strategy": strategy,
+        "batch": batch_size,
+        "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
+        "params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+        "iters": iters,
+        "skjit_step_ms": 1e3 * statistics.median(ta),
+        "jaxjit_step_ms": 1e3 * statistics.median(tb),
+        "ratio_median": statistics.median(ratios),
+        "ratio_p25": _pct(ratios, 0.25),
+        "ratio_p75": _pct(ratios, 0.75),
+        "skjit_first_s": first_a,
+        "jaxjit_first_s": first_b,
+        "first_ratio": first_a / first_b,
+        "same_loss": bool(abs(float(la) - float(lb)) <= 1e-5 * max(1.0, abs(float(lb)))),
+    }
+    try:  # FLOPs of the compiled step, for MFU on a known device
+        cost = hand_jit.lower(params_b, batch_b).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        flops = float(cost.get("flops", 0.0)) if cost else 0.0
+    except Exception:
+        flops = 0.0
+    kind = jax.devices()[0].device_kind
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+    row["flops_per_device"] = flops or None
+    row["mfu"] = flops / (statistics.median(tb) * peak) if flops and peak else None
+    return row
+
+
+def machine(gpu: bool) -> dict[str, Any]:
+    """Versions, devices, CPU count, load and date."""
+    import jax
+
+    import spmdkit
+
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "spmdkit": getattr(spmdkit, "__version__", "?"),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "devices": len(jax.devices()),
+        "gpu": gpu,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print the table and write the JSON."""
+    args = _parse(argv)
+    if not args.gpu:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    if args.gpu and jax.default_backend() != "gpu":
+        print("overhead.py --gpu: no GPU backend here; nothing run", file=sys.stderr)
+        return 2
+    models = [m for m in args.models.split(",") if m]
+    larger = {"gpt": ["124m", "350m"], "llama": ["small"]}
+    cases = [(m, "tiny") for m in models]
+    if args.gpu:
+        cases += [(m, s) for m in models for s in larger.get(m, [])]
+    iters = args.iters or (6 if args.quick else 40)
+    warmup = 1 if args.quick else 3
+    rows = []
+    for name, size in cases:
+        rows.append(
+            measure(
+                name,
+                size,
+                strategy=args.strategy,
+                iters=iters,
+                warmup=warmup,
+                batch_size=8,
+            )
+        )
+        r = rows[-1]
+        print(
+            f"{name:6s} {size:6s} sk.jit {r['skjit_step_ms']:8.2f} ms  jax.jit "
+            f"{r['jaxjit_step_ms']:8.2f} ms  ratio {r['ratio_median']:.3f} "
+            f"[{r['ratio_p25']:.3f}, {r['ratio_p75']:.3f}]  first {r['skjit_first_s']:.2f}s / "
+            f"{r['jaxjit_first_s']:.2f}s = {r['first_ratio']:.2f}",
+            flush=True,
+        )
+    out = {
+        "meta": machine(args.gpu) | {"quick": args.quick},
+        "definitions": {
+            "ratio": "per-pair step time sk.jit / jax.jit, measured alternately; median and "
+            "25th-75th percentile",
+            "first": "first call (trace + compile + run) after jax.clear_caches()",
+            "mfu": "compiled FLOPs per device / (jax.jit median step time * device peak)",
+        },
+        "rows": rows,
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,548 @@
+"""Run every benchmark and write ``benchmarks/results/REPORT.md`` with plots.
+
+Each benchmark script runs as a subprocess, with its full settings by default
+(the whole run stays under 15 minutes on a 2-core machine; ``--quick`` passes each
+script's smoke-run flags instead, about 2 minutes); its JSON goes to
+``benchmarks/results/``. A failing script does not stop the others: the report
+shows its error tail and this script exits non-zero at the end. Then every JSON
+in the results folder is read and the report is written: one section per
+benchmark, each with a Markdown table, the machine it ran on (jax version, CPU
+count, load average, date) and PNG plots beside the report.
+
+Flags:
+  ``--quick``    smoke-run flags for every script.
+  ``--no-run``   only regenerate the report from the JSON already there.
+  ``--gpu``      on a machine with a GPU, also run ``overhead.py --gpu`` (GPT and
+                 Llama, tiny and larger configs; device name and MFU recorded in
+                 ``overhead_gpu.json``). Without a GPU the report says it was not run.
+  ``--results``  folder with the JSON (default ``benchmarks/results``).
+  ``--out-dir``  folder for REPORT.md and the PNGs (default: the results folder).
+
+Run: ``python benchmarks/run_all.py [--quick] [--no-run] [--gpu]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def _scripts(results: Path, quick: bool) -> list[tuple[str, list[str]]]:
+    """(script, args) per benchmark; ``quick`` passes each script's smoke-run flags."""
+    q = ["--quick"] if quick else []
+    ckpt = ["--mb", "128", "--repeat", "2"] if quick else []
+    return [
+        ("rules.py", [*q, "--out", str(results / "rules.json")]),
+        ("ops.py", [*q, "--out", str(results / "ops.json")]),
+        ("propagate.py", []),
+        ("planner.py", q),
+        ("checkpoint.py", [*ckpt, "--out", str(results / "checkpoint.json")]),
+        ("overhead.py", [*q, "--out", str(results / "overhead.json")]),
+    ]
+
+
+def run_scripts(results: Path, gpu: bool, quick: bool = False) -> list[dict[str, Any]]:
+    """Run the benchmarks one after another; return one status dict per script."""
+    jobs = _scripts(results, quick)
+    if gpu:
+        jobs.append(("overhead.py", ["--gpu", "--out", str(results / "overhead_gpu.json")]))
+    status = []
+    for script, args in jobs:
+        cmd = [sys.executable, str(HERE / script), *args]
+        print("$", " ".join(cmd), flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=HERE.parent)
+        secs = time.perf_counter() - t0
+        tail = (proc.stdout + proc.stderr)[-2000:]
+        status.append(
+            {"script": script, "args": args, "rc": proc.returncode, "seconds": secs, "tail": tail}
+        )
+        print(f"  rc={proc.returncode} in {secs:.1f}s", flush=True)
+        if proc.returncode:
+            print(tail, flush=True)
+    return status
+
+
+# --------------------------------------------------------------------------- report helpers
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(x: Any) -> str:
+        if isinstance(x, float):
+            return f"{x:.4g}"
+        return "" if x is None else str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _load(results: Path, name: str) -> dict[str, Any] | None:
+    path = results / name
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _machine(d: dict[str, Any], path: Path) -> str:
+    meta = d.get("meta", d)
+    date = meta.get("date") or datetime.datetime.fromtimestamp(
+        path.stat().st_mtime, datetime.UTC
+    ).isoformat(timespec="seconds")
+    bits = [
+        f"date {date}",
+        f"jax {meta.get('jax', '?')}",
+        f"machine {meta.get('machine', '?')}",
+        f"CPUs {meta.get('cpu_count', '?')}",
+        f"load avg {meta['load_average_1m']:.2f}"
+        if isinstance(meta.get("load_average_1m"), (int, float))
+        else "load avg (not recorded)",
+    ]
+    for key in ("backend", "device_kind", "mesh"):
+        if key in meta:
+            bits.append(f"{key} {meta[key]}")
+    return "_Ran on: " + ", ".join(str(b) for b in bits) + "._"
+
+
+def _plot(path: Path, draw: Any) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    draw(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"![{path.stem}]({path.name})"
+
+
+MISSING = "_No results: the JSON is missing (run the script)._"
+
+
+# --------------------------------------------------------------------------- sections
+def sec_rules(results: Path, out: Path) -> str:
+    d = _load(results, "rules.json")
+    if d is None:
+        return MISSING
+    rows = [
+        [
+            r["family"],
+            r["op"],
+            r["kind"],
+            r["case"],
+            r.get("cached_us"),
+            r.get("uncached_us"),
+            r.get("cached_target_us"),
+            r.get("cached_verdict"),
+        ]
+        for r in d["rows"]
+    ]
+    text = [
+        _machine(d, results / "rules.json"),
+        "",
+        _table(
+            ["family", "op", "kind", "case", "cached µs", "uncached µs", "target µs", "verdict"],
+            rows,
+        ),
+        "",
+        f"Summary: {d.get('summary')}",
+    ]
+    return "\n".join(text)
+
+
+def sec_ops(results: Path, out: Path) -> str:
+    d = _load(results, "ops.json")
+    if d is None:
+        return MISSING
+    rows, labels, sk_b, xla_b = [], [], [], []
+    for r in d["rows"]:
+        s, p = r["spmdkit"], r["plain"]
+        for phase in ("forward", "forward+backward"):
+            if phase in s and phase in p:
+                rows.append(
+                    [
+                        f"{r['op']} {r['variant']}",
+                        phase,
+                        s[phase]["bytes"],
+                        p[phase]["bytes"],
+                        s[phase]["peak_bytes"],
+                        p[phase]["peak_bytes"],
+                    ]
+                )
+        if "forward+backward" in s and "forward+backward" in p:
+            labels.append(f"{r['op']} {r['variant']}")
+            sk_b.append(s["forward+backward"]["bytes"] / 2**20)
+            xla_b.append(p["forward+backward"]["bytes"] / 2**20)
+
+    def draw(ax: Any) -> None:
+        import numpy as np
+
+        x = np.arange(len(labels))
+        ax.bar(x - 0.2, sk_b, 0.4, label="spmdkit.ops")
+        ax.bar(x + 0.2, xla_b, 0.4, label="plain jnp (XLA propagation)")
+        ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("collective MiB / device (fwd+bwd)")
+        ax.set_yscale("symlog")
+        ax.legend(fontsize=8)
+
+    img = _plot(out / "ops_bytes.png", draw) if labels else None
+    meta = d.get("meta", {})
+    return "\n".join(
+        [
+            _machine(d, results / "ops.json") + f" quick={meta.get('quick')}",
+            "",
+            "Collective bytes and peak memory per device; spmdkit = the rule-enforcing op, "
+            "XLA = plain jnp/optax under XLA's own sharding propagation, same in_shardings.",
+            "",
+            _table(
+                ["op", "phase", "bytes spmdkit", "bytes XLA", "peak spmdkit", "peak XLA"],
+                rows,
+            ),
+            "",
+            img or "",
+        ]
+    )
+
+
+def sec_propagate(results: Path, out: Path) -> str:
+    d = _load(results, "propagate.json")
+    p = _load(results, "planner.json")
+    parts = []
+    if d is not None:
+        parts += [
+            _machine(d, results / "propagate.json"),
+            "",
+            f"Model config {d.get('config')}, mesh {d.get('mesh')}, {d.get('equations')} "
+            "equations.",
+            "",
+            _table(
+                ["trace s", "propagate (first) s", "propagate (again) s", "with out specs s"],
+                [
+                    [
+                        d.get("trace_s"),
+                        d.get("propagate_first_s"),
+                        d.get("propagate_again_s"),
+                        d.get("propagate_out_specs_s"),
+                    ]
+                ],
+            ),
+        ]
+    else:
+        parts.append("propagate.json: " + MISSING)
+    if p is not None:
+        rows = [
+            [
+                r["model"],
+                r["devices"],
+                r["mesh"],
+                r["describe_s"],
+                r["plan_s"],
+                r["total_s"],
+                r["chosen"],
+            ]
+            for r in p["timing"]
+        ]
+        parts += [
+            "",
+            "Planning time (trace + propagate + auto search) vs model and mesh size:",
+            "",
+            _machine(p, results / "planner.json"),
+            "",
+            _table(["model", "devices", "mesh", "describe s", "plan s", "total s", "chosen"], rows),
+        ]
+
+        def draw(ax: Any) -> None:
+            for model in dict.fromkeys(r["model"] for r in p["timing"]):
+                pts = [(r["devices"], r["total_s"]) for r in p["timing"] if r["model"] == model]
+                ax.plot(*zip(*pts, strict=True), marker="o", label=model)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("devices")
+            ax.set_ylabel("planning time (s)")
+            ax.legend(fontsize=8)
+
+        img = _plot(out / "planner_time.png", draw)
+        parts += ["", img or ""]
+    return "\n".join(parts)
+
+
+def sec_quality(results: Path, out: Path) -> str:
+    p = _load(results, "planner.json")
+    if p is None or not p.get("quality"):
+        return MISSING
+    rows = [
+        [
+            r["model"],
+            r["devices"],
+            r["strategy"],
+            r.get("chosen"),
+            r["step_time_s"],
+            r["comm_bytes"] / 2**30,
+            r["memory_bytes"] / 2**30,
+        ]
+        for r in p["quality"]
+    ]
+    return "\n".join(
+        [
+            _machine(p, results / "planner.json"),
+            "",
+            "Estimated step time, communication and per-device memory of each plan "
+            "(auto = spmdkit's search; `chosen` = the layout it picked).",
+            "",
+            _table(
+                ["model", "devices", "strategy", "chosen", "step s", "comm GiB", "memory GiB"],
+                rows,
+            ),
+        ]
+    )
+
+
+def _find_predictions(obj: Any, found: list[dict[str, Any]]) -> None:
+    if isinstance(obj, dict):
+        keys = {k.lower() for k in obj}
+        if any("predicted" in k for k in keys) and any("compiled" in k for k in keys):
+            found.append(obj)
+        for v in obj.values():
+            _find_predictions(v, found)
+    elif isinstance(obj, list):
+        for v in obj:
+            _find_predictions(v, found)
+
+
+def sec_prediction(results: Path, out: Path) -> str:
+    found: list[dict[str, Any]] = []
+    for path in sorted(results.glob("*.json")):
+        try:
+            _find_predictions(json.loads(path.read_text()), found)
+        except json.JSONDecodeError:
+            continue
+    if not found:
+        return (
+            "_No JSON in the results folder records predicted next to compiled figures "
+            "(no benchmark measures this yet)._"
+        )
+    keys = sorted({k for f in found for k in f if not isinstance(f[k], (dict, list))})
+    return _table(keys, [[f.get(k) for k in keys] for f in found])
+
+
+def sec_checkpoint(results: Path, out: Path) -> str:
+    d = _load(results, "checkpoint.json")
+    if d is None:
+        return MISSING
+    rows = [[k, v["seconds"], v["MB_per_s"], v.get("peak_rss_MB")] for k, v in d["rows"].items()]
+
+    def draw(ax: Any) -> None:
+        names = list(d["rows"])
+        ax.barh(names, [d["rows"][k]["MB_per_s"] for k in names])
+        ax.set_xlabel("MB/s")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.invert_yaxis()
+
+    img = _plot(out / "checkpoint_mbps.png", draw)
+    return "\n".join(
+        [
+            _machine(d, results / "checkpoint.json")
+            + f" state {d.get('state_MB')} MB in {d.get('arrays')} arrays, mesh {d.get('mesh')}, "
+            f"repeat {d.get('repeat')}, orbax {d.get('orbax')}",
+            "",
+            _table(["operation", "seconds", "MB/s", "peak RSS MB"], rows),
+            "",
+            "Ratios: " + ", ".join(f"{k} = {v:.3g}" for k, v in d.get("ratios", {}).items()),
+            "",
+            img or "",
+        ]
+    )
+
+
+def _overhead_table(d: dict[str, Any]) -> str:
+    rows = [
+        [
+            r["model"],
+            r["config"],
+            r["strategy"],
+            r["mesh"],
+            r["skjit_step_ms"],
+            r["jaxjit_step_ms"],
+            r["ratio_median"],
+            f"{r['ratio_p25']:.3f}–{r['ratio_p75']:.3f}",
+            r["skjit_first_s"],
+            r["jaxjit_first_s"],
+            r["first_ratio"],
+            r.get("mfu"),
+        ]
+        for r in d["rows"]
+    ]
+    return _table(
+        [
+            "model",
+            "config",
+            "plan",
+            "mesh",
+            "sk.jit ms",
+            "jax.jit ms",
+            "ratio (median)",
+            "ratio p25–p75",
+            "sk.jit first s",
+            "jax.jit first s",
+            "first ratio",
+            "MFU",
+        ],
+        rows,
+    )
+
+
+def sec_overhead(results: Path, out: Path, gpu_note: str) -> str:
+    d = _load(results, "overhead.json")
+    parts = []
+    if d is None:
+        parts.append(MISSING)
+    else:
+        parts += [
+            _machine(d, results / "overhead.json") + f" devices {d['meta'].get('devices')}",
+            "",
+            "A train step (`jax.value_and_grad(loss)`) compiled by `sk.jit(step, plan)` vs the "
+            "same step by hand with `jax.jit(in_shardings=..., out_shardings=...)` and the "
+            "plan's shardings; step times measured alternately in one run; ratio = sk.jit / "
+            "jax.jit per pair. First call = trace + compile + run after `jax.clear_caches()`.",
+            "",
+            _overhead_table(d),
+        ]
+    g = _load(results, "overhead_gpu.json")
+    parts += ["", "### GPU", ""]
+    if g is not None:
+        parts += [_machine(g, results / "overhead_gpu.json"), "", _overhead_table(g)]
+    else:
+        parts.append(gpu_note)
+    return "\n".join(parts)
+
+
+SECTIONS = [
+    ("Rule inference latency", "rules"),
+    ("Ops: bytes and memory vs XLA's own propagation", "ops"),
+    ("Propagation and planner time vs model and mesh size", "propagate"),
+    ("Plan quality: auto vs presets", "quality"),
+    ("Prediction accuracy: predicted vs compiled", "prediction"),
+    ("Checkpoint throughput vs raw orbax and the disk", "checkpoint"),
+    ("Runtime overhead: sk.jit vs jax.jit", "overhead"),
+]
+
+
+def write_report(
+    results: Path, out: Path, status: list[dict[str, Any]] | None, gpu_note: str
+) -> Path:
+    """Write REPORT.md (and PNGs) into ``out`` from the JSON in ``results``."""
+    out.mkdir(parents=True, exist_ok=True)
+    funcs = {
+        "rules": sec_rules,
+        "ops": sec_ops,
+        "propagate": sec_propagate,
+        "quality": sec_quality,
+        "prediction": sec_prediction,
+        "checkpoint": sec_checkpoint,
+    }
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    lines = [
+        "# spmdkit benchmark report",
+        "",
+        f"Generated {now} by `benchmarks/run_all.py` on {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}. Each section says "
+        "where its figures were measured. Machines are shared and noisy; ratios within one "
+        "run are more reliable than absolute times.",
+        "",
+    ]
+    if status is not None:
+        lines += ["## Runs", ""]
+        lines.append(
+            _table(
+                ["script", "args", "exit", "seconds"],
+                [[s["script"], " ".join(s["args"]), s["rc"], s["seconds"]] for s in status],
+            )
+        )
+        for s in status:
+            if s["rc"]:
+                lines += ["", f"**{s['script']} failed** (exit {s['rc']}); output tail:", ""]
+                lines += ["```", s["tail"].rstrip(), "```"]
+        lines.append("")
+    for title, key in SECTIONS:
+        lines += [f"## {title}", ""]
+        try:
+            if key == "overhead":
+                body = sec_overhead(results, out, gpu_note)
+            else:
+                body = funcs[key](results, out)
+        except Exception as e:
+            body = f"_Could not render this section: {type(e).__name__}: {e}_"
+        lines += [body, ""]
+    path = out / "REPORT.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _has_gpu() -> bool:
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import jax; print(jax.default_backend())"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.stdout.strip().endswith("gpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks (unless ``--no-run``) and write the report."""
+    ap = argparse.ArgumentParser(description="Run all benchmarks and write REPORT.md.")
+    ap.add_argument("--no-run", action="store_true", help="only regenerate REPORT.md from JSON")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also run overhead.py on the GPU (tiny and larger GPT/Llama; device name, MFU)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke-run flags for every script (about 2 min)"
+    )
+    ap.add_argument("--results", default=str(RESULTS), help="folder with the JSON")
+    ap.add_argument("--out-dir", default=None, help="folder for REPORT.md and PNGs")
+    args = ap.parse_args(argv)
+    results = Path(args.results)
+    out = Path(args.out_dir) if args.out_dir else results
+    gpu_note = "_Not run: no `--gpu` run on a machine with a GPU has produced overhead_gpu.json._"
+    gpu = False
+    if args.gpu and not args.no_run:
+        gpu = _has_gpu()
+        if not gpu:
+            gpu_note = "_Not run: `--gpu` was given but this machine has no GPU backend._"
+    status = None
+    t0 = time.perf_counter()
+    if not args.no_run:
+        results.mkdir(parents=True, exist_ok=True)
+        status = run_scripts(results, gpu, args.quick)
+    path = write_report(results, out, status, gpu_note)
+    print(f"wrote {path} ({time.perf_counter() - t0:.1f}s)")
+    failed = [s["script"] for s in status or [] if s["rc"]]
+    if failed:
+        print("failed:", ", ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

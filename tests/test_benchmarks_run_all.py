@@ -1,0 +1,93 @@
+"""benchmarks/run_all.py regenerates the report from JSON; benchmarks/overhead.py runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+SECTIONS = [
+    "## Rule inference latency",
+    "## Ops: bytes and memory vs XLA's own propagation",
+    "## Propagation and planner time vs model and mesh size",
+    "## Plan quality: auto vs presets",
+    "## Prediction accuracy: predicted vs compiled",
+    "## Checkpoint throughput vs raw orbax and the disk",
+    "## Runtime overhead: sk.jit vs jax.jit",
+    "### GPU",
+]
+
+
+def test_no_run_regenerates_every_section(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run_all.py"), "--no-run", "--out-dir", str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = (tmp_path / "REPORT.md").read_text()
+    for title in SECTIONS:
+        assert title in report, title
+    assert "Could not render" not in report
+    assert "| sk.jit ms |" in report
+    assert "Not run" in report  # no GPU JSON committed
+    assert list(tmp_path.glob("*.png")), "no plots written"
+    # --no-run leaves the committed results untouched
+    assert not (tmp_path / "overhead.json").exists()
+
+
+def test_no_run_reports_missing_json(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run_all.py"), "--no-run", "--results", str(empty)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = (empty / "REPORT.md").read_text()
+    assert report.count("the JSON is missing") >= 4
+
+
+def test_overhead_quick_run(tmp_path):
+    out = tmp_path / "overhead.json"
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "overhead.py"),
+            "--quick",
+            "--models",
+            "gpt",
+            "--iters",
+            "2",
+            "--out",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = json.loads(out.read_text())
+    assert d["meta"]["devices"] == 8
+    (row,) = d["rows"]
+    assert row["model"] == "gpt" and row["iters"] == 2
+    assert row["same_loss"]
+    assert row["ratio_median"] > 0 and row["first_ratio"] > 0
+    assert row["skjit_step_ms"] > 0 and row["jaxjit_step_ms"] > 0
