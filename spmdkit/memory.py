@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from spmdkit._fmt import fmt_bytes as _fmt
 from spmdkit.spec import MeshLike, TensorSpec
 
 __all__ = ["MemoryEstimate", "estimate_memory", "liveness"]
@@ -110,14 +111,6 @@ _EXPENSIVE = frozenset(
         "cos",
     }
 )
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass

@@ -72,6 +72,7 @@ import jax.extend.core
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from spmdkit._fmt import fmt_bytes
 from spmdkit.errors import ShardingConflictError, SpecError, SpmdError
 from spmdkit.factor import Notation
 from spmdkit.inference import ArgReshard, infer_backward, infer_forward
@@ -380,14 +381,6 @@ class EqnRecord:
         return steps + inner * self.repeat
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 @dataclass
 class Propagation:
     """The result of :func:`propagate`: specs of every value, costs, memory.
@@ -447,20 +440,20 @@ class Propagation:
                 per: dict[str, int] = {}
                 for c in (c for b in r.body for c in b.collectives()):
                     per[c.kind] = per.get(c.kind, 0) + c.payload_bytes
-                inner = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(per.items()))
+                inner = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(per.items()))
                 moves = (moves + "; " if moves else "") + f"body per iteration: {inner}"
             rep = f" ×{r.repeat}" if r.repeat > 1 else ""
             lines.append(
                 f"{r.index:>5}  {r.primitive:<18} {'bwd' if r.backward else 'fwd':<4} "
-                f"{_fmt_bytes(r.comm_bytes):>10}  {moves}{rep}"
+                f"{fmt_bytes(r.comm_bytes):>10}  {moves}{rep}"
             )
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        kinds = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.comm_bytes_by_kind.items())
+        kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.comm_bytes_by_kind.items())
         head = [
             f"propagation on mesh {dict(axis_sizes(self.mesh))}: {len(self.records)} equations",
-            f"  communication: {_fmt_bytes(self.comm_bytes)} per device ({kinds or 'none'}), "
+            f"  communication: {fmt_bytes(self.comm_bytes)} per device ({kinds or 'none'}), "
             f"{self.comm_time_s * 1e3:.3f} ms",
             f"  compute: {self.flops:.3g} flops per device, {self.compute_time_s * 1e3:.3f} ms",
             f"  step time (model): {self.step_time_s * 1e3:.3f} ms",

@@ -25,17 +25,10 @@ from typing import Any
 
 import jax
 
+from spmdkit._fmt import fmt_bytes as _fmt
 from spmdkit.hlo import HloCollective, parse_collectives
 
 __all__ = ["CompiledReport", "VerifyReport", "executions", "report", "verify"]
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass

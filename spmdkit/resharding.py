@@ -76,6 +76,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit._fmt import fmt_bytes
 from spmdkit.errors import ReshardError, SpmdError
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.topology import COLLECTIVE_KINDS, DEFAULT_TOPOLOGY, LOCAL_KINDS, Topology
@@ -90,17 +91,6 @@ _KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
 _Dims = tuple[tuple[str, ...], ...]
 _Partial = tuple[tuple[str, str], ...]
 _State = tuple[_Dims, _Partial]
-
-
-def _fmt_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def _fmt_time(t: float) -> str:
@@ -179,7 +169,7 @@ class Collective:
             text += f" dim{self.dim}→{self.dst_dim}"
         elif self.dim is not None:
             text += f" dim{self.dim}"
-        cost = "local" if self.is_local else _fmt_bytes(self.payload_bytes)
+        cost = "local" if self.is_local else fmt_bytes(self.payload_bytes)
         return f"{text} {self.group_size}×: {cost}"
 
 
@@ -245,7 +235,7 @@ class ReshardPlan:
             return head + "no-op"
         text = head + "; ".join(str(s) for s in self.steps)
         if len(self.collectives) > 1:
-            text += f" (total {_fmt_bytes(self.payload_bytes)}, {_fmt_time(self.time_s)})"
+            text += f" (total {fmt_bytes(self.payload_bytes)}, {_fmt_time(self.time_s)})"
         return text
 
 
