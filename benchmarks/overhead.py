@@ -6,7 +6,9 @@ Both sides compile ``jax.value_and_grad(info.loss_fn)`` of a reference model
 (``plan.param_specs`` / ``plan.batch_specs`` on the mesh ``sk.jit`` runs on).
 Step times are measured alternately in one run (A, B, A, B, … after warm-up,
 each call ended with ``jax.block_until_ready``), so machine noise hits both
-sides alike; the table gives the median ratio sk.jit / jax.jit and its spread
+sides alike. Both sides get the same device arrays, already placed with the
+plan's shardings, so the difference is sk.jit's own per-call work. The table
+gives the median ratio sk.jit / jax.jit and its spread
 (25th–75th percentile of the per-pair ratios). The first call (trace + compile
 + run) of each side is timed after ``jax.clear_caches()``.
 
@@ -99,8 +101,10 @@ def measure(
     p_sh = named(plan.param_specs(params))
     b_sh = named(plan.batch_specs(batch))
     hand_jit = jax.jit(grad_fn, in_shardings=(p_sh, b_sh), out_shardings=(named(P()), p_sh))
-    params_b = jax.device_put(params, p_sh)
-    batch_b = jax.device_put(batch, b_sh)
+    # Both sides get the same arrays, already placed with the plan's shardings (a
+    # numpy batch would add a host-to-device copy per call to whichever side gets it).
+    params = params_b = jax.device_put(params, p_sh)
+    batch = batch_b = jax.device_put(batch, b_sh)
 
     def hand(p: Any, b: Any) -> Any:
         with jax.set_mesh(run_mesh):
