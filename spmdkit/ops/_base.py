@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpecError
@@ -126,7 +126,7 @@ def input_spec(op: str, i: int, x: Any, given: Any, mesh: MeshLike) -> TensorSpe
     return TensorSpec(x.shape, dtype=x.dtype)
 
 
-def _place(x: Any, src: TensorSpec, dst: TensorSpec, mesh: MeshLike) -> Any:
+def _place(x: Any, dst: TensorSpec, mesh: MeshLike) -> Any:
     if _is_tracer(x):
         if _explicit(mesh):
             return reshard(x, dst, mesh=mesh)
@@ -180,7 +180,7 @@ def apply_rule(
         input_spec(op, i, x, g, mesh) for i, (x, g) in enumerate(zip(arrays, given, strict=True))
     ]
     res: InferenceResult = infer_forward(op, *specs, mesh=mesh, **attrs)
-    moved = [_place(x, s, r, mesh) for x, s, r in zip(arrays, specs, res.inputs, strict=True)]
+    moved = [_place(x, r, mesh) for x, r in zip(arrays, res.inputs, strict=True)]
     if any(_is_tracer(x) for x in moved):
         outs = shard_program(rule, res, attrs, mesh)(*moved)
     else:  # eager call: one compiled program per layout, not one dispatch per primitive
@@ -192,8 +192,3 @@ def apply_rule(
 @functools.lru_cache(maxsize=256)
 def _jitted(rule: Any, res: InferenceResult, attrs: Any, mesh: MeshLike) -> Any:
     return jax.jit(shard_program(rule, res, dict(attrs), mesh))
-
-
-def is_abstract(mesh: MeshLike) -> bool:
-    """True for an ``AbstractMesh`` (planning only, no devices)."""
-    return isinstance(mesh, AbstractMesh)
