@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdkit.errors import SpmdError
+from spmdkit.plan import BATCH_NAMES, PARAM_NAMES
 
 __all__ = [
     "ModelConfigError",
@@ -43,27 +44,11 @@ __all__ = [
     "RMSNorm",
 ]
 
-PARAM_AXES: frozenset[str] = frozenset(
-    {
-        "vocab",
-        "embed",
-        "mlp",
-        "heads",
-        "kv_heads",
-        "head_dim",
-        "expert",
-        "layers",
-        "norm",
-        "pos",
-        "conv_window",
-        "conv_in",
-        "conv_out",
-        "classes",
-    }
-)
-"""Every logical axis name a parameter of the reference models may carry."""
+PARAM_AXES: frozenset[str] = frozenset(PARAM_NAMES)
+"""Every logical axis name a parameter of the reference models may carry (the
+names every preset of :mod:`spmdkit.plan` maps)."""
 
-BATCH_AXES: frozenset[str] = frozenset({"batch", "seq", "height", "width", "channels"})
+BATCH_AXES: frozenset[str] = frozenset(BATCH_NAMES)
 """Every logical axis name a batch field of the reference models may carry."""
 
 Initializer = Callable[..., jax.Array]
