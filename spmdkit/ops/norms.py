@@ -56,6 +56,20 @@ def _check_specs(op: str, in_specs: Specs, n: int) -> None:
         )
 
 
+def _norm(
+    op: str,
+    x: Any,
+    params: Sequence[tuple[str, Any]],
+    mesh: MeshLike | None,
+    in_specs: Specs,
+    **attrs: Any,
+) -> Any:
+    """``x`` and the optional params that are given, checked and run through the rule."""
+    args, flags = _operands(x, params)
+    _check_specs(op, in_specs, len(args))
+    return apply_rule(op, *args, mesh=mesh, in_specs=in_specs, **attrs, **flags)
+
+
 def layer_norm(
     x: jax.Array,
     scale: jax.Array | None = None,
@@ -95,17 +109,15 @@ def layer_norm(
         >>> mesh = sk.make_mesh(data=2, model=4)
         >>> y = layer_norm(x, scale, bias, strategy="sharded_stats", mesh=mesh)
     """
-    args, flags = _operands(x, (("scale", scale), ("bias", bias)))
-    _check_specs("layer_norm", in_specs, len(args))
-    return apply_rule(
+    return _norm(
         "layer_norm",
-        *args,
-        mesh=mesh,
-        in_specs=in_specs,
+        x,
+        (("scale", scale), ("bias", bias)),
+        mesh,
+        in_specs,
         begin_norm_axis=begin_norm_axis,
         epsilon=epsilon,
         strategy=strategy,
-        **flags,
     )
 
 
@@ -139,17 +151,15 @@ def rms_norm(
 
         >>> y = rms_norm(x, scale, strategy="sharded_stats", mesh=mesh)
     """
-    args, flags = _operands(x, (("scale", scale),))
-    _check_specs("rms_norm", in_specs, len(args))
-    return apply_rule(
+    return _norm(
         "rms_norm",
-        *args,
-        mesh=mesh,
-        in_specs=in_specs,
+        x,
+        (("scale", scale),),
+        mesh,
+        in_specs,
         begin_norm_axis=begin_norm_axis,
         epsilon=epsilon,
         strategy=strategy,
-        **flags,
     )
 
 
@@ -184,17 +194,15 @@ def group_norm(
 
         >>> y = group_norm(x, scale, bias, num_groups=4, mesh=mesh)
     """
-    args, flags = _operands(x, (("scale", scale), ("bias", bias)))
-    _check_specs("group_norm", in_specs, len(args))
-    return apply_rule(
+    return _norm(
         "group_norm",
-        *args,
-        mesh=mesh,
-        in_specs=in_specs,
+        x,
+        (("scale", scale), ("bias", bias)),
+        mesh,
+        in_specs,
         num_groups=num_groups,
         epsilon=epsilon,
         data_format=data_format,
-        **flags,
     )
 
 
@@ -227,16 +235,14 @@ def instance_norm(
 
         >>> y = instance_norm(x, scale, bias, mesh=mesh)
     """
-    args, flags = _operands(x, (("scale", scale), ("bias", bias)))
-    _check_specs("instance_norm", in_specs, len(args))
-    return apply_rule(
+    return _norm(
         "instance_norm",
-        *args,
-        mesh=mesh,
-        in_specs=in_specs,
+        x,
+        (("scale", scale), ("bias", bias)),
+        mesh,
+        in_specs,
         epsilon=epsilon,
         data_format=data_format,
-        **flags,
     )
 
 
