@@ -20,6 +20,13 @@ By default the step is compiled on the plan's mesh with **Auto** axes: Shardy
 propagates shardings between the annotated boundaries, so any model compiles.
 ``axis_types="explicit"`` keeps Explicit axes (the model must then be written for
 sharding-in-types: contracting a sharded dim needs ``out_sharding=``).
+
+Under Auto axes the step is also **enforced** (``enforce=True``, the default):
+the step is traced, propagated with spmdkit's rules
+(:func:`spmdkit.propagate.propagate`), and compiled from a replay of its
+equations with every operand and result pinned to the propagated layout
+(:mod:`spmdkit.enforce`). The compiled program then moves what the plan
+predicts (``plan.verify``); ``enforce=False`` leaves the choice to XLA.
 """
 
 from __future__ import annotations
@@ -129,6 +136,7 @@ class PlannedFunction:
         mesh: Any,
         axis_types: str,
         constrain: bool,
+        enforce: bool = True,
     ) -> None:
         self.fn = fn
         self.plan = plan
@@ -138,7 +146,9 @@ class PlannedFunction:
         self._out_roles = out_roles
         self.donate_argnums = tuple(donate_argnums)
         self.constrain = constrain
+        self.enforce = enforce and axis_types == "auto"
         self._compiled: dict[Any, tuple] = {}
+        self._programs: dict[Any, tuple] = {}
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -213,14 +223,49 @@ class PlannedFunction:
             (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(args)
         )
 
+    def program(self, *args: Any) -> tuple[Callable, Any]:
+        """``(body, propagation)`` for these (abstract or concrete) arguments: the
+        function that is compiled, and the :class:`~spmdkit.propagate.Propagation`
+        it was pinned to (None with ``enforce=False`` or Explicit axes)."""
+        key = self._key(args)
+        hit = self._programs.get(key)
+        if hit is None:
+            with jax.set_mesh(self.mesh):
+                in_specs, out_specs, roles = self.shardings(*args)
+            body = self._body(roles, in_specs)
+            prop = self._propagate(body, args, in_specs, out_specs, roles)
+            if self.enforce:
+                from spmdkit.enforce import enforced
+
+                body = enforced(prop)
+            hit = (body, prop)
+            self._programs[key] = hit
+        return hit
+
+    def _propagate(self, body: Callable, args: tuple, in_specs: Any, out_specs: Any, roles):
+        from spmdkit.propagate import propagate
+
+        role_map = {"params": "params", "opt_state": "opt_state", "batch": "batch"}
+        return propagate(
+            body,
+            *args,
+            in_specs=in_specs,
+            mesh=self.mesh,
+            out_specs=out_specs,
+            donate_argnums=self.donate_argnums,
+            arg_roles=tuple(role_map.get(r, "other") for r in roles),
+        )
+
     def _get(self, args: tuple) -> tuple:
         key = self._key(args)
         hit = self._compiled.get(key)
         if hit is None:
             with jax.set_mesh(self.mesh):
                 in_specs, out_specs, roles = self.shardings(*args)
+            body = self.program(*args)[0] if self.enforce else self._body(roles, in_specs)
+            with jax.set_mesh(self.mesh):
                 jitted = jax.jit(
-                    self._body(roles, in_specs),
+                    body,
                     in_shardings=self._named(in_specs),
                     out_shardings=self._named(out_specs),
                     donate_argnums=self.donate_argnums,
@@ -276,6 +321,7 @@ def jit(
     mesh: Any = None,
     axis_types: str = "auto",
     constrain: bool = True,
+    enforce: bool = True,
 ) -> Any:
     """``jax.jit`` with the plan's in/out shardings, donation and batch constraints.
 
@@ -293,6 +339,8 @@ def jit(
         on an abstract mesh).
       axis_types: ``"auto"`` (default) or ``"explicit"`` (module docstring).
       constrain: put sharding constraints on batch arguments inside the step.
+      enforce: under Auto axes, pin every equation to the layouts spmdkit's
+        propagation chose (module docstring); False lets XLA choose.
 
     Returns:
       A :class:`PlannedFunction`.
@@ -320,6 +368,7 @@ def jit(
             mesh=mesh,
             axis_types=axis_types,
             constrain=constrain,
+            enforce=enforce,
         )
         if donate_state:
             planned._donate_state = True
@@ -350,26 +399,16 @@ def verify_plan(
     Returns:
       The ``VerifyReport`` (``.ok``, ``.mismatches``).
     """
-    from spmdkit.propagate import propagate
     from spmdkit.report import report, verify
 
     planned = fn if isinstance(fn, PlannedFunction) else jit(fn, plan)
-    _, in_specs, out_specs, roles = planned._get(args)
-    role_map = {"params": "params", "opt_state": "opt_state", "batch": "batch"}
-    prop = propagate(
-        planned._body(roles, in_specs),
-        *args,
-        in_specs=in_specs,
-        mesh=planned.mesh,
-        out_specs=out_specs,
-        donate_argnums=planned.donate_argnums,
-        arg_roles=tuple(role_map.get(r, "other") for r in roles),
-    )
+    _, in_specs, out_specs, _ = planned._get(args)
+    body, prop = planned.program(*args)
     if _platform(planned.mesh) == "cpu":
         prop = _as_on_cpu(prop)
     with jax.set_mesh(planned.mesh):
         compiled = report(
-            planned._body(roles, in_specs),
+            body,
             *args,
             in_shardings=planned._named(in_specs),
             out_shardings=planned._named(out_specs),
@@ -388,10 +427,11 @@ def _platform(mesh: Any) -> str | None:
 
 def _as_on_cpu(prop: Any) -> Any:
     """The prediction as XLA's CPU backend emits it: a reduce-scatter becomes an
-    all-reduce of the same operand followed by a local slice (same payload bytes)."""
+    all-reduce of the same operand followed by a local slice (same payload bytes),
+    and a value read by several consumers is materialized (``Propagation.memory_cpu``)."""
     kinds = dict(prop.comm_bytes_by_kind)
     moved = kinds.pop("reduce_scatter", 0)
-    if not moved:
-        return prop
-    kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved
-    return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())))
+    if moved:
+        kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved
+    memory = prop.memory_cpu if prop.memory_cpu is not None else prop.memory
+    return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())), memory=memory)

@@ -151,9 +151,12 @@ def _temp_peak(
     exclude: set[int],
     fuse: bool = True,
     transient: Sequence[int] | None = None,
+    duplicate: bool = True,
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
-    ``transient[i]`` bytes (resharded operands) are live during node ``i`` only."""
+    ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
+    ``duplicate``: a cheap elementwise value read by several consumers is fused
+    into each of them (XLA:GPU); False: only single-reader values fuse (XLA:CPU)."""
     last: dict[int, int] = {}
     consumers: dict[int, set[str]] = {}
     readers: dict[int, int] = {}
@@ -170,7 +173,7 @@ def _temp_peak(
             for o in node.outs
             if o in consumers
             and consumers[o] <= _FUSES_INTO
-            and (readers[o] == 1 or node.prim not in _EXPENSIVE)
+            and (readers[o] == 1 or (duplicate and node.prim not in _EXPENSIVE))
         }
         - set(graph.outvars)
         if fuse
@@ -209,7 +212,10 @@ def _temp_peak(
             frees.setdefault(last.get(o, i), []).append(o)
         inner = 0
         for sub in node.subs:
-            inner = max(inner, _temp_peak(sub, spec, mesh, prog, set(sub.invars), fuse))
+            inner = max(
+                inner,
+                _temp_peak(sub, spec, mesh, prog, set(sub.invars), fuse, duplicate=duplicate),
+            )
         live += born
         extra = transient[i] if transient is not None and i < len(transient) else 0
         peak = max(peak, live + max(inner, extra))
@@ -228,6 +234,7 @@ def liveness(
     donated: set[int] = frozenset(),
     roles: Mapping[int, str] | None = None,
     transient: Sequence[int] | None = None,
+    duplicate: bool = True,
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagate`).
 
@@ -240,6 +247,9 @@ def liveness(
       donated: donated input value ids.
       roles: input value id → role.
       transient: per node, bytes of operands resharded for it (live during it).
+      duplicate: fuse a cheap elementwise value read by several consumers into
+        each of them, as XLA:GPU does; False fuses single-reader values only,
+        as XLA:CPU does.
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -278,7 +288,13 @@ def liveness(
         if v in spec and (spec[v].dims, spec[v].partial) != (s.dims, s.partial)
     }
     temp = _temp_peak(
-        graph, spec, mesh, prog, seen_args | (seen_out - pending), transient=transient
+        graph,
+        spec,
+        mesh,
+        prog,
+        seen_args | (seen_out - pending),
+        transient=transient,
+        duplicate=duplicate,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias

@@ -111,6 +111,9 @@ _IGNORED_PARAMS = frozenset(
     }
 )
 
+# Inlined call-like primitives that must stay one unit when a program is replayed.
+_REMAT_PRIMS = frozenset({"remat", "remat2", "checkpoint"})
+
 # Call-like primitives whose body is inlined: (param holding the body).
 _INLINE = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _INLINE_PRIMS = frozenset(
@@ -217,6 +220,16 @@ class _Node:
     backward: bool
     kind: str = "eqn"  # "eqn", "scan", "while", "cond", "shard_map"
     subs: list[_Graph] = field(default_factory=list)
+    group: _Group | None = None  # the remat equation this node was inlined from
+
+
+@dataclass(eq=False)
+class _Group:
+    """A remat (checkpoint) equation whose body was inlined: replayed whole."""
+
+    eqn: Any
+    ins: list[int]
+    outs: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -224,6 +237,7 @@ class _Graph:
     invars: list[int]
     outvars: list[int]
     nodes: list[_Node]
+    all_nodes: list[_Node] = field(default_factory=list)  # before dead-code removal
 
 
 class _Program:
@@ -233,6 +247,7 @@ class _Program:
         self.shapes: list[tuple[int, ...]] = []
         self.dtypes: list[np.dtype] = []
         self.const: list[bool] = []
+        self.values: dict[int, Any] = {}  # constant id -> its value
 
     def new(self, aval: Any, const: bool = False) -> int:
         self.shapes.append(tuple(int(s) for s in getattr(aval, "shape", ())))
@@ -248,8 +263,10 @@ class _Program:
     def graph(self, closed: Any, ins: Sequence[int] | None = None, backward: bool = False):
         jaxpr, _ = _open(closed)
         env: dict[Any, int] = {}
-        for v in jaxpr.constvars:
+        for v, c in zip(jaxpr.constvars, _padded(_open(closed)[1], jaxpr.constvars), strict=True):
             env[v] = self.new(v.aval, const=True)
+            if c is not None:
+                self.values[env[v]] = c
         invars = []
         for i, v in enumerate(jaxpr.invars):
             vid = ins[i] if ins is not None else self.new(v.aval)
@@ -262,30 +279,46 @@ class _Program:
 
     def _read(self, env: dict[Any, int], v: Any) -> int:
         if isinstance(v, jax.extend.core.Literal):
-            return self.new(v.aval, const=True)
+            vid = self.new(v.aval, const=True)
+            self.values[vid] = v.val
+            return vid
         return env[v]
 
-    def _walk(self, jaxpr: Any, env: dict[Any, int], nodes: list[_Node], backward: bool):
+    def _walk(
+        self,
+        jaxpr: Any,
+        env: dict[Any, int],
+        nodes: list[_Node],
+        backward: bool,
+        group: _Group | None = None,
+    ):
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             bwd = backward or "transpose(" in str(eqn.source_info.name_stack)
             ins = [self._read(env, v) for v in eqn.invars]
             body = _inline_body(eqn) if name in _INLINE_PRIMS else None
             if body is not None:
-                inner, _ = _open(body)
+                inner, consts = _open(body)
                 sub_env: dict[Any, int] = {}
-                for v in inner.constvars:
+                for v, c in zip(inner.constvars, _padded(consts, inner.constvars), strict=True):
                     sub_env[v] = self.new(v.aval, const=True)
+                    if c is not None:
+                        self.values[sub_env[v]] = c
                 for v, vid in zip(inner.invars, ins, strict=True):
                     sub_env[v] = vid
-                self._walk(inner, sub_env, nodes, bwd)
+                g = group
+                if g is None and name in _REMAT_PRIMS:
+                    g = _Group(eqn, ins)
+                self._walk(inner, sub_env, nodes, bwd, g)
                 for v, o in zip(eqn.outvars, inner.outvars, strict=True):
                     env[v] = self._read(sub_env, o)
+                if g is not None and g is not group:
+                    g.outs = [env[v] for v in eqn.outvars]
                 continue
             outs = [self.new(v.aval) for v in eqn.outvars]
             for v, o in zip(eqn.outvars, outs, strict=True):
                 env[v] = o
-            node = _Node(name, eqn, ins, outs, bwd)
+            node = _Node(name, eqn, ins, outs, bwd, group=group)
             if name == "scan":
                 node.kind = "scan"
                 node.subs = [self.graph(eqn.params["jaxpr"], backward=bwd)[0]]
@@ -301,6 +334,11 @@ class _Program:
             elif name == "shard_map":
                 node.kind = "shard_map"
             nodes.append(node)
+
+
+def _padded(consts: Sequence[Any], constvars: Sequence[Any]) -> list[Any]:
+    """Constant values for ``constvars`` (None where an open jaxpr gives none)."""
+    return [*consts, *[None] * (len(constvars) - len(consts))]
 
 
 def _open(closed: Any) -> tuple[Any, list]:
@@ -319,6 +357,7 @@ def _inline_body(eqn: Any) -> Any:
 
 def _dce(graph: _Graph) -> None:
     """Drop nodes whose results nobody uses (XLA does the same)."""
+    graph.all_nodes = list(graph.nodes)
     live = set(graph.outvars)
     keep = []
     for node in reversed(graph.nodes):
@@ -400,8 +439,13 @@ class Propagation:
       flops: per-device flops.
       compute_time_s: flops / peak flops.
       step_time_s: compute + communication (no overlap assumed).
-      memory: per-device memory estimate.
+      memory: per-device memory estimate, elementwise values fused into their
+        consumers (duplicated into several) as XLA's GPU backend does.
+      memory_cpu: the same as XLA's CPU backend fuses (a value read by several
+        consumers is materialized); what ``plan.verify`` compares on CPU.
       var_specs: top-level jaxpr variable → spec.
+      program: what :func:`spmdkit.enforce.replay` needs to run the traced
+        program with every equation pinned to its propagated layouts.
     """
 
     mesh: MeshLike
@@ -418,6 +462,8 @@ class Propagation:
     step_time_s: float
     memory: MemoryEstimate
     var_specs: dict = field(default_factory=dict, repr=False)
+    program: Any = field(default=None, repr=False, compare=False)
+    memory_cpu: MemoryEstimate | None = field(default=None, repr=False)
 
     def collectives(self) -> list[Collective]:
         """Every predicted collective, in program order (loop bodies repeated)."""
@@ -902,6 +948,7 @@ class _Engine:
         self.hints: dict[int, TensorSpec] = {}
         self.stationary: frozenset[int] = frozenset()
         self.uses: dict[int, int] = {}
+        self.producer: dict[int, str] = {}
         self._sizes = axis_sizes(mesh)
         self._key = (tuple(self._sizes.items()), topology)
         self._plans: dict[tuple, ArgReshard | None] = {}
@@ -914,15 +961,21 @@ class _Engine:
     def replicated(self, vid: int) -> TensorSpec:
         return TensorSpec(self.prog.shapes[vid], dtype=self.prog.dtypes[vid])
 
-    def reshard(self, label: str, src: TensorSpec, dst: TensorSpec) -> ArgReshard | None:
+    def reshard(
+        self, label: str, src: TensorSpec, dst: TensorSpec, vid: int | None = None
+    ) -> ArgReshard | None:
         if src.dims == dst.dims and src.partial == dst.partial:
             return None
-        key = (label, src, dst)
+        strict = vid is not None and self.producer.get(vid) in _REDUCE_IN_PLACE
+        key = (label, src, dst, strict)
         hit = self._plans.get(key, 0)
         if hit != 0:
             return hit
         src_t = src if src.dtype == dst.dtype else src.replace(dtype=dst.dtype)
-        plan = _one_group(plan_reshard(src_t, dst, self.mesh, topology=self.topology), self)
+        plan = plan_reshard(src_t, dst, self.mesh, topology=self.topology)
+        if strict and not _reduces_first(plan):
+            plan = _reduce_then_move(src_t, dst, self)
+        plan = _one_group(plan, self)
         out = ArgReshard(label, src, dst, plan)
         self._plans[key] = out
         return out
@@ -1210,9 +1263,16 @@ class _Engine:
                 # a pending reduction read by several equations is reduced once, where
                 # it is made (XLA all-reduces a dot's result), not once per reader
                 # and so are pending reductions that meet (XLA reduces each one)
+                # and so is one a broadcast would enlarge (reducing first moves fewer
+                # bytes, and XLA does so)
                 meet = sum(1 for s in specs if s.partial) > 1
+                grows = node.prim == "broadcast_in_dim" and math.prod(
+                    self.prog.shapes[node.outs[0]]
+                ) > math.prod(self.prog.shapes[node.ins[0]])
                 eff = tuple(
-                    s.without_partial() if s.partial and (meet or self.uses.get(v, 0) > 1) else s
+                    s.without_partial()
+                    if s.partial and (meet or grows or self.uses.get(v, 0) > 1)
+                    else s
                     for v, s in zip(node.ins, specs, strict=True)
                 )
                 if eff != specs:
@@ -1486,6 +1546,37 @@ def _vids(graph: _Graph) -> frozenset[int]:
         cached = frozenset(ids)
         graph._vids = cached
     return cached
+
+
+# Producers of sum-partial values that XLA reduces at the layout they were made in:
+# it computes a dot's or a reduction's result directly in a sliced layout, but
+# not a scatter's (an embedding's gradient is all-reduced whole, then sliced).
+_REDUCE_IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "gather"})
+
+
+def _reduces_first(plan: ReshardPlan) -> bool:
+    """Whether every pending reduction of ``plan.src`` that ``plan.dst`` does not
+    keep happens before any other step (a reduce-scatter straight into a dim
+    counts as such a reduction): see :data:`_REDUCE_IN_PLACE`."""
+    keep = dict(plan.dst.partial)
+    pending = {a for a, op in plan.src.partial if keep.get(a) != op}
+    for c in plan.steps:
+        if not pending:
+            return True
+        if c.kind in ("all_reduce", "reduce_scatter"):
+            pending -= set(c.axes)
+        elif c.kind != "to_partial":
+            return False
+    return True
+
+
+def _reduce_then_move(src: TensorSpec, dst: TensorSpec, engine: _Engine) -> ReshardPlan:
+    """Reduce the pending axes ``dst`` does not keep at ``src``'s layout, then move."""
+    keep = dict(dst.partial)
+    mid = src.replace(partial={a: op for a, op in src.partial if keep.get(a) == op})
+    first = plan_reshard(src, mid, engine.mesh, topology=engine.topology)
+    then = plan_reshard(mid, dst, engine.mesh, topology=engine.topology)
+    return ReshardPlan(src, dst, first.steps + then.steps)
 
 
 def _one_group(plan: ReshardPlan, engine: _Engine) -> ReshardPlan:
@@ -1817,6 +1908,7 @@ def propagate(
     engine = _Engine(prog, mesh, topology, strategies or {})
     roles = _roles(arg_roles, args, graph.invars)
     engine.uses = _uses(graph)
+    engine.producer = _producers(graph, {})
     engine.stationary = frozenset(_stationary(graph, {v for v, r in roles.items() if r == "batch"}))
     fixed = set(graph.invars)
     peak = float(getattr(topology, "peak_flops", DEFAULT_PEAK_FLOPS))
@@ -1888,10 +1980,22 @@ def propagate(
     memory = liveness(
         graph, spec, final_out, mesh, prog, donated=donated, roles=roles, transient=transient
     )
+    memory_cpu = liveness(
+        graph,
+        spec,
+        final_out,
+        mesh,
+        prog,
+        donated=donated,
+        roles=roles,
+        transient=transient,
+        duplicate=False,
+    )
     var_specs = {}
     for v, vid in env.items():
         if vid in spec:
             var_specs[v] = spec[vid]
+    program = Program(graph, prog.values, _node_specs(collect), out_treedef)
     return Propagation(
         mesh=mesh,
         closed_jaxpr=closed,
@@ -1907,7 +2011,45 @@ def propagate(
         step_time_s=compute_time + comm_time,
         memory=memory,
         var_specs=var_specs,
+        program=program,
+        memory_cpu=memory_cpu,
     )
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """The flattened traced program with the layouts propagation chose.
+
+    Attributes:
+      graph: the flattened program (call-like equations inlined).
+      values: constant value id → value.
+      specs: ``id(node)`` → ``(input specs after reshards, output specs)``.
+      out_tree: the output treedef (None when propagating a closed jaxpr
+        without one).
+    """
+
+    graph: Any
+    values: dict[int, Any]
+    specs: dict[int, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]
+    out_tree: Any
+
+
+def _producers(graph: _Graph, out: dict[int, str]) -> dict[int, str]:
+    for node in graph.nodes:
+        for o in node.outs:
+            out[o] = node.prim
+        for sub in node.subs:
+            _producers(sub, out)
+    return out
+
+
+def _node_specs(items: list, out: dict | None = None) -> dict:
+    out = {} if out is None else out
+    for node, _, _, _, req, outs, _, extra in items:
+        out[id(node)] = (tuple(req), tuple(outs))
+        if extra is not None:
+            _node_specs(extra[0], out)
+    return out
 
 
 def _consumer_hints(
@@ -1993,7 +2135,7 @@ def _reshard_once(
             return None
     best = None
     for h in have:
-        a = engine.reshard(label, h, dst)
+        a = engine.reshard(label, h, dst, vid)
         if a is not None and (
             best is None
             or (a.plan.time_s, a.payload_bytes) < (best.plan.time_s, best.payload_bytes)

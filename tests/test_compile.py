@@ -156,6 +156,56 @@ def test_reference_models_match_single_device(model, strategy, shape):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
 
 
+# Cases where plan.verify is still outside its tolerances (collective bytes ±10%,
+# peak memory ±20%) on the pinned program, each with what is off. They are strict
+# xfails: a case that starts passing fails the suite until it is taken off the list.
+VERIFY_GAPS = {
+    ("gpt", "megatron_sp", (2, 4)): "sequence-parallel norms: all-gathers +11%",
+    ("gpt", "megatron_sp", (4, 2)): "sequence-parallel norms: an all-to-all XLA adds",
+    ("llama", "megatron_sp", (2, 4)): "sequence-parallel norms: all-reduce +12%",
+    ("llama", "tp_fsdp", (2, 4)): "XLA adds a collective-permute the plan does not have",
+    ("moe", "fsdp", (8,)): "memory",
+    ("moe", "fsdp", (2, 4)): "expert weights: all-reduce +50%",
+    ("moe", "fsdp", (4, 2)): "expert weights: all-reduce +50%",
+    ("moe", "tp_fsdp", (8,)): "memory",
+    ("moe", "tp_fsdp", (2, 4)): "a collective-permute the plan does not have",
+}
+
+
+def _verify_cases():
+    return [
+        pytest.param(
+            model,
+            strategy,
+            shape,
+            marks=[pytest.mark.xfail(reason=VERIFY_GAPS[(model, strategy, shape)], strict=True)]
+            if (model, strategy, shape) in VERIFY_GAPS
+            else [],
+        )
+        for model in MODELS
+        for strategy in STRATEGIES
+        for shape in MESHES
+        if strategy != "ep" or model == "moe"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "strategy", "shape"), _verify_cases())
+def test_reference_models_verify(model, strategy, shape):
+    """plan.verify on the compiled (pinned) step of every model × strategy × mesh:
+    collective bytes per kind within 10% and peak memory within 20%."""
+    from spmdkit.models import get_model
+
+    spec = get_model(model)
+    cfg = spec.config("tiny")
+    batch = spec.batch(cfg, 8, None)
+    info = describe(spec, config=cfg, batch=batch)
+    mesh = sk.make_mesh(**dict(zip(("data", "model"), shape, strict=False)))
+    p = plan(info, mesh, strategy, estimator="propagate" if strategy == "auto" else "analytic")
+    report = p.verify(jit(jax.value_and_grad(info.loss_fn), p), info.abstract_params, batch)
+    assert report.ok, str(report)
+
+
 def test_auto_compiled_collectives_at_most_best_preset(info):
     """The auto plan's compiled collective bytes are within 1.1x of the best preset's."""
     from spmdkit.plan import PRESETS
