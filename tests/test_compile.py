@@ -160,15 +160,25 @@ def test_reference_models_match_single_device(model, strategy, shape):
 # peak memory ±20%) on the pinned program, each with what is off. They are strict
 # xfails: a case that starts passing fails the suite until it is taken off the list.
 VERIFY_GAPS = {
-    ("gpt", "megatron_sp", (2, 4)): "sequence-parallel norms: all-gathers +11%",
-    ("gpt", "megatron_sp", (4, 2)): "sequence-parallel norms: an all-to-all XLA adds",
+    **{
+        (m, "megatron_sp", mesh): "sequence-parallel norms: all-gathers or all-to-alls off"
+        for m in ("gpt", "gpt_linen")
+        for mesh in ((2, 4), (4, 2))
+    },
     ("llama", "megatron_sp", (2, 4)): "sequence-parallel norms: all-reduce +12%",
     ("llama", "tp_fsdp", (2, 4)): "XLA adds a collective-permute the plan does not have",
-    ("moe", "fsdp", (8,)): "memory",
-    ("moe", "fsdp", (2, 4)): "expert weights: all-reduce +50%",
-    ("moe", "fsdp", (4, 2)): "expert weights: all-reduce +50%",
-    ("moe", "tp_fsdp", (8,)): "memory",
+    **{(("moe", "fsdp", mesh)): "expert weights: all-reduce +50%" for mesh in MESHES},
+    ("moe", "tp_fsdp", (8,)): "expert weights",
     ("moe", "tp_fsdp", (2, 4)): "a collective-permute the plan does not have",
+    **{
+        ("convnet", s, mesh): "convolutions on a 2-D mesh: gathers and all-to-alls off"
+        for s in ("fsdp", "megatron", "megatron_sp", "tp_fsdp")
+        for mesh in ((2, 4), (4, 2))
+    },
+    **{
+        ("convnet", "auto", mesh): "memory: convolution temporaries under-predicted (-28%)"
+        for mesh in MESHES
+    },
 }
 
 
