@@ -225,8 +225,9 @@ class PlannedFunction:
 
     def program(self, *args: Any) -> tuple[Callable, Any]:
         """``(body, propagation)`` for these (abstract or concrete) arguments: the
-        function that is compiled, and the :class:`~spmdkit.propagate.Propagation`
-        it was pinned to (None with ``enforce=False`` or Explicit axes)."""
+        function that is compiled and the :class:`~spmdkit.propagate.Propagation`
+        of the step (the body is pinned to it unless ``enforce=False`` or the axes
+        are Explicit, where the body is the step itself)."""
         key = self._key(args)
         hit = self._programs.get(key)
         if hit is None:
