@@ -428,11 +428,9 @@ def _platform(mesh: Any) -> str | None:
 
 def _as_on_cpu(prop: Any) -> Any:
     """The prediction as XLA's CPU backend emits it: a reduce-scatter becomes an
-    all-reduce of the same operand followed by a local slice (same payload bytes),
-    and a value read by several consumers is materialized (``Propagation.memory_cpu``)."""
+    all-reduce of the same operand followed by a local slice (same payload bytes)."""
     kinds = dict(prop.comm_bytes_by_kind)
     moved = kinds.pop("reduce_scatter", 0)
     if moved:
         kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved
-    memory = prop.memory_cpu if prop.memory_cpu is not None else prop.memory
-    return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())), memory=memory)
+    return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())))

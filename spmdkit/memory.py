@@ -156,7 +156,8 @@ def _temp_peak(
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
     ``duplicate``: a cheap elementwise value read by several consumers is fused
-    into each of them (XLA:GPU); False: only single-reader values fuse (XLA:CPU)."""
+    into each of them; False: only single-reader values fuse, the others are
+    materialized once."""
     last: dict[int, int] = {}
     consumers: dict[int, set[str]] = {}
     readers: dict[int, int] = {}
@@ -190,6 +191,20 @@ def _temp_peak(
     end = len(graph.nodes)
     for v in graph.outvars:
         last[v] = end
+    # a forward value fused into a backward consumer is recomputed there: its
+    # operands stay live until then (walk backwards so chains of fused values extend
+    # their roots). Other fused values are not extended: XLA schedules their
+    # consumers' fusions where the operands are ready, wherever the program order
+    # put them.
+    for i in range(len(graph.nodes) - 1, -1, -1):
+        node = graph.nodes[i]
+        if getattr(node, "backward", True):
+            continue
+        for o in node.outs:
+            j = last.get(o, end)
+            if o in fused and j < end and getattr(graph.nodes[j], "backward", False):
+                for v in node.ins:
+                    last[v] = max(last.get(v, i), last[o])
     cache: dict[int, int] = {}
 
     def nbytes(v: int) -> int:
@@ -248,8 +263,8 @@ def liveness(
       roles: input value id → role.
       transient: per node, bytes of operands resharded for it (live during it).
       duplicate: fuse a cheap elementwise value read by several consumers into
-        each of them, as XLA:GPU does; False fuses single-reader values only,
-        as XLA:CPU does.
+        each of them (recomputed there); False fuses single-reader values only
+        and materializes the others once.
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}

@@ -439,10 +439,14 @@ class Propagation:
       flops: per-device flops.
       compute_time_s: flops / peak flops.
       step_time_s: compute + communication (no overlap assumed).
-      memory: per-device memory estimate, elementwise values fused into their
-        consumers (duplicated into several) as XLA's GPU backend does.
-      memory_cpu: the same as XLA's CPU backend fuses (a value read by several
-        consumers is materialized); what ``plan.verify`` compares on CPU.
+      memory: per-device memory estimate, a cheap elementwise value recomputed
+        inside each consumer's fusion (as XLA:GPU does, and XLA:CPU often): the
+        planner's estimate and the low end of the predicted range.
+      memory_materialized: the same with every value that several consumers read
+        materialized once (never recomputed): the high end of the range.
+        Which of the two XLA does for a given value is its fusion heuristic's
+        choice, so ``plan.verify`` accepts a compiled peak anywhere in the range
+        (widened by its tolerance).
       var_specs: top-level jaxpr variable → spec.
       program: what :func:`spmdkit.enforce.replay` needs to run the traced
         program with every equation pinned to its propagated layouts.
@@ -463,7 +467,7 @@ class Propagation:
     memory: MemoryEstimate
     var_specs: dict = field(default_factory=dict, repr=False)
     program: Any = field(default=None, repr=False, compare=False)
-    memory_cpu: MemoryEstimate | None = field(default=None, repr=False)
+    memory_materialized: MemoryEstimate | None = field(default=None, repr=False)
 
     def collectives(self) -> list[Collective]:
         """Every predicted collective, in program order (loop bodies repeated)."""
@@ -1980,7 +1984,7 @@ def propagate(
     memory = liveness(
         graph, spec, final_out, mesh, prog, donated=donated, roles=roles, transient=transient
     )
-    memory_cpu = liveness(
+    memory_materialized = liveness(
         graph,
         spec,
         final_out,
@@ -2012,7 +2016,7 @@ def propagate(
         memory=memory,
         var_specs=var_specs,
         program=program,
-        memory_cpu=memory_cpu,
+        memory_materialized=memory_materialized,
     )
 
 

@@ -10,7 +10,11 @@ pass; collectives inside loops count once per iteration, from XLA's
 ``known_trip_count``), ``memory_analysis()`` (per device) and ``cost_analysis()`` flops.
 
 :func:`verify` puts a prediction next to it: payload bytes per collective kind
-and in total, and peak memory, each within a relative tolerance. On CPU XLA may
+and in total, and peak memory, each within a relative tolerance. Peak memory is
+predicted as a range: from every cheap elementwise value recomputed inside each
+consumer's fusion (``Propagation.memory``) to every value read by several
+consumers materialized once (``Propagation.memory_materialized``); which one
+XLA does per value is its fusion heuristic's choice. On CPU XLA may
 emit an all-reduce where a GPU emits a reduce-scatter and combines several
 collectives into one; bytes are compared, not instruction counts, and
 ``by_kind=False`` compares only the totals.
@@ -197,12 +201,16 @@ class VerifyReport:
     """Prediction next to the compiled facts.
 
     Attributes:
-      rows: ``(what, predicted, compiled, ok)`` per compared quantity.
+      rows: ``(what, predicted, compiled, ok)`` per compared quantity. Where the
+        prediction is a range (peak memory), ``predicted`` is the point of the
+        range nearest the compiled value.
       mismatches: one sentence per quantity outside its tolerance.
+      ranges: ``what`` → ``(low, high)`` for quantities predicted as a range.
     """
 
     rows: list[tuple[str, int, int, bool]]
     mismatches: list[str]
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -210,13 +218,19 @@ class VerifyReport:
         return not self.mismatches
 
     def __str__(self) -> str:
-        lines = [f"{'':<22}{'predicted':>12}{'compiled':>12}"]
+        width = max([12] + [len(_span(*r)) + 1 for r in self.ranges.values()])
+        lines = [f"{'':<22}{'predicted':>{width}}{'compiled':>12}"]
         for what, p, c, ok in self.rows:
-            lines.append(f"{what:<22}{_fmt(p):>12}{_fmt(c):>12}  {'ok' if ok else 'MISMATCH'}")
+            shown = _span(*self.ranges[what]) if what in self.ranges else _fmt(p)
+            lines.append(f"{what:<22}{shown:>{width}}{_fmt(c):>12}  {'ok' if ok else 'MISMATCH'}")
         lines.append(
             "verified: ok" if self.ok else "mismatches:\n  " + "\n  ".join(self.mismatches)
         )
         return "\n".join(lines)
+
+
+def _span(low: int, high: int) -> str:
+    return _fmt(low) if low == high else f"{_fmt(low)} – {_fmt(high)}"
 
 
 def _close(p: float, c: float, tol: float, slack: float) -> bool:
@@ -269,13 +283,19 @@ def verify(
     rows.append(("collectives total", p, c, ok))
     if not ok:
         bad.append(f"collective bytes: predicted {_fmt(p)}, compiled {_fmt(c)}")
+    ranges: dict[str, tuple[int, int]] = {}
     if memory:
-        p, c = prop.memory.peak_bytes, compiled.peak_bytes
+        low = prop.memory.peak_bytes
+        upper = getattr(prop, "memory_materialized", None)
+        high = max(low, upper.peak_bytes) if upper is not None else low
+        c = compiled.peak_bytes
+        p = min(max(c, low), high)  # the point of the predicted range nearest c
         ok = _close(p, c, mem_tol, 0)
         rows.append(("peak memory", p, c, ok))
+        ranges["peak memory"] = (low, high)
         if not ok:
             bad.append(
-                f"peak memory: predicted {_fmt(p)} per device, compiled {_fmt(c)} "
-                f"(tolerance {mem_tol:.0%})"
+                f"peak memory: predicted {_span(low, high)} per device, compiled "
+                f"{_fmt(c)} (tolerance {mem_tol:.0%})"
             )
-    return VerifyReport(rows, bad)
+    return VerifyReport(rows, bad, ranges)

@@ -100,3 +100,32 @@ def test_verify_flags_a_wrong_prediction(mesh2d):
     assert "MISMATCH" in str(result)
     strict = verify(prop, rep, mem_tol=0.0, by_kind=False)
     assert any(m.startswith("peak memory") for m in strict.mismatches)
+
+
+def test_verify_peak_memory_is_a_range():
+    """Peak memory is predicted from recomputed (low) to materialized (high): a
+    compiled peak within tolerance of any point of the range passes."""
+    from types import SimpleNamespace
+
+    def prop(low, high):
+        return SimpleNamespace(
+            comm_bytes_by_kind={},
+            memory=SimpleNamespace(peak_bytes=low),
+            memory_materialized=SimpleNamespace(peak_bytes=high),
+        )
+
+    def compiled(peak):
+        return SimpleNamespace(bytes_by_kind=dict, peak_bytes=peak)
+
+    inside = verify(prop(1000, 2000), compiled(1500))
+    assert inside.ok and inside.ranges["peak memory"] == (1000, 2000)
+    assert dict((r[0], r[1]) for r in inside.rows)["peak memory"] == 1500
+    assert " – " in str(inside)  # the range is shown
+    assert verify(prop(1000, 2000), compiled(2400)).ok  # within 20% of the high end
+    assert verify(prop(1000, 2000), compiled(820)).ok  # within 20% of the low end
+    above = verify(prop(1000, 2000), compiled(2600))
+    assert not above.ok and "peak memory" in above.mismatches[0]
+    assert not verify(prop(1000, 2000), compiled(790)).ok
+    # without a materialized estimate the range is one point
+    single = SimpleNamespace(comm_bytes_by_kind={}, memory=SimpleNamespace(peak_bytes=1000))
+    assert verify(single, compiled(1200)).ok and not verify(single, compiled(1300)).ok
