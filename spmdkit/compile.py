@@ -149,6 +149,7 @@ class PlannedFunction:
         self.enforce = enforce and axis_types == "auto"
         self._compiled: dict[Any, tuple] = {}
         self._programs: dict[Any, tuple] = {}
+        self._executables: dict[Any, Any] = {}
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -295,13 +296,25 @@ class PlannedFunction:
         with jax.set_mesh(self.mesh):
             return jitted.lower(*args)
 
+    def compile(self, *args: Any) -> Any:
+        """The ``jax.stages.Compiled`` executable for these (concrete or abstract)
+        arguments, compiled once: calls of this function run it, and
+        :func:`verify_plan` reads its HLO and memory, so checking a step never
+        compiles it a second time."""
+        key = self._key(args)
+        hit = self._executables.get(key)
+        if hit is None:
+            hit = self._executables[key] = self.lower(*args).compile()
+        return hit
+
     def __call__(self, *args: Any) -> Any:
-        jitted, in_specs, _, _ = self._get(args)
+        _, in_specs, _, _ = self._get(args)
         placed = []
         for a, specs in zip(args, in_specs, strict=True):
             placed.append(jax.tree.map(self._place, a, specs, is_leaf=lambda x: x is None))
+        executable = self.compile(*placed)
         with jax.set_mesh(self.mesh):
-            return jitted(*placed)
+            return executable(*placed)
 
     def _place(self, x: Any, spec: P) -> Any:
         target = NamedSharding(self.mesh, spec)
@@ -403,18 +416,10 @@ def verify_plan(
     from spmdkit.report import report, verify
 
     planned = fn if isinstance(fn, PlannedFunction) else jit(fn, plan)
-    _, in_specs, out_specs, _ = planned._get(args)
-    body, prop = planned.program(*args)
+    _, prop = planned.program(*args)
     if _platform(planned.mesh) == "cpu":
         prop = _as_on_cpu(prop)
-    with jax.set_mesh(planned.mesh):
-        compiled = report(
-            body,
-            *args,
-            in_shardings=planned._named(in_specs),
-            out_shardings=planned._named(out_specs),
-            donate_argnums=planned.donate_argnums,
-        )
+    compiled = report(planned.compile(*args))
     return verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
 
 

@@ -163,7 +163,9 @@ def report(fn: Callable, *args: Any, **jit_kwargs: Any) -> CompiledReport:
     """Compile ``fn`` for ``args`` and report its collectives, memory and flops.
 
     Args:
-      fn: a function, or an already jitted one (then ``jit_kwargs`` must be empty).
+      fn: a function, an already jitted one (then ``jit_kwargs`` must be empty),
+        or a ``jax.stages.Compiled`` executable (then nothing is compiled and
+        ``args`` are not needed).
       *args: arrays or ``jax.ShapeDtypeStruct`` (with shardings) to compile for.
       **jit_kwargs: passed to ``jax.jit`` (``in_shardings=``, ``donate_argnums=``…).
 
@@ -173,8 +175,11 @@ def report(fn: Callable, *args: Any, **jit_kwargs: Any) -> CompiledReport:
         >>> rep.bytes_by_kind(backward=True)
         {'all_reduce': 8392704}
     """
-    jitted = fn if hasattr(fn, "lower") and not jit_kwargs else jax.jit(fn, **jit_kwargs)
-    compiled = jitted.lower(*args).compile()
+    if isinstance(fn, jax.stages.Compiled):
+        compiled = fn
+    else:
+        jitted = fn if hasattr(fn, "lower") and not jit_kwargs else jax.jit(fn, **jit_kwargs)
+        compiled = jitted.lower(*args).compile()
     text = compiled.as_text()
     cols = parse_collectives(text)
     runs = executions(text)
