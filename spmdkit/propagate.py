@@ -692,19 +692,37 @@ def _builtin_for(name: str, eqn: Any, n_in: int) -> tuple[FactorRule, dict] | No
         return _REDUCE_RULE, {"drop": tuple(int(a) for a in p["axes"])}
     if name == "sort" and len(eqn.outvars) == n_in:
         return _KEEP_RULE, {"replicate": (int(p["dimension"]),), "_multi": True}
+    if name == "top_k" and n_in == 1:
+        # XLA partitions its TopK custom call by gathering the whole operand (even a
+        # batch dim sharded elsewhere): predict exactly that
+        rank = len(eqn.invars[0].aval.shape)
+        return _KEEP_RULE, {"replicate": tuple(range(rank)), "_fan": True}
+    if name == "rev" and n_in == 1:  # a reversed dim moves whole: keep it unsharded
+        return _KEEP_LINEAR_RULE, {"replicate": tuple(int(d) for d in p["dimensions"])}
     return None
 
 
 def _builtin_forward(
-    rule: FactorRule, attrs: dict, specs: tuple[TensorSpec, ...], mesh: MeshLike, out_dtypes: list
+    rule: FactorRule,
+    attrs: dict,
+    specs: tuple[TensorSpec, ...],
+    mesh: MeshLike,
+    out_dtypes: list,
+    out_shapes: list,
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """``_multi``: output i takes input i's layout (sort); ``_fan``: every output
+    takes the single input's layout with its own shape (top_k)."""
     attrs = dict(attrs)
     multi = attrs.pop("_multi", False)
+    fan = attrs.pop("_fan", False)
     ctx = RuleContext(op=rule.name, axis_sizes=axis_sizes(mesh), attrs=attrs)
     ans = rule.forward(ctx, specs)
     outs = ans.outputs
     if multi:
         outs = tuple(s.without_partial() for s in ans.inputs)
+    if fan:
+        base = ans.inputs[0].without_partial()
+        outs = tuple(base.replace(shape=tuple(shape)) for shape in out_shapes)
     outs = tuple(o.replace(dtype=d) for o, d in zip(outs, out_dtypes, strict=True))
     return ans.inputs, outs
 
@@ -1180,7 +1198,9 @@ class _Engine:
         if built is not None:
             rule, attrs = built
             try:
-                req, outs = _builtin_forward(rule, attrs, specs, self.mesh, out_dtypes)
+                req, outs = _builtin_forward(
+                    rule, attrs, specs, self.mesh, out_dtypes, out_shapes
+                )
                 if [o.shape for o in outs] == out_shapes:
                     return rule.name, {k: v for k, v in attrs.items() if k[0] != "_"}, req, outs
             except _RULE_ERRORS:

@@ -455,3 +455,39 @@ def test_fsdp_gathers_weights_and_reduce_scatters_grads(axes):
     }
     gathers = [c for c in prop.collectives() if c.kind == "all_gather"]
     assert len(gathers) == 4 and all(c.group_size == 8 for c in gathers)
+
+
+@pytest.mark.parametrize(
+    ("spec", "flipped"),
+    [(P("x"), (("x",), ())), (P(None, "x"), ((), ()))],
+    ids=["rows-sharded", "axis-sharded"],
+)
+def test_top_k_and_rev_have_rules_that_match_the_hlo(mesh1d, spec, flipped):
+    """top_k (MoE routing) and rev (flip) have rules. rev keeps every dim but the
+    reversed one; top_k gathers its whole operand, as XLA partitions its TopK custom
+    call. Predicted bytes equal the pinned program's HLO and its values equal the
+    unsharded function."""
+    import numpy as np
+
+    from spmdkit.enforce import enforced
+
+    def f(x):
+        values, idx = jax.lax.top_k(x, 2)
+        return values * 2.0, idx, jnp.flip(x, 1)
+
+    x = S((16, 32), F32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no rule" warning
+        prop = propagate(f, x, in_specs=(spec,), mesh=_auto(mesh1d))
+    assert not prop.unknown
+    assert [o.shape for o in prop.out_specs] == [(16, 2), (16, 2), (16, 32)]
+    assert prop.out_specs[2].dims == flipped
+    assert prop.comm_bytes_by_kind == {"all_gather": 16 * 32 * 4}  # one gather of x, reused
+    value = jax.random.normal(jax.random.key(0), (16, 32))
+    with jax.set_mesh(_auto(mesh1d)):  # the program as sk.jit runs it: pinned
+        cols = sk.compiled_collectives(enforced(prop), _sharded(x, spec, _auto(mesh1d)))
+        got = jax.jit(enforced(prop))(value)
+    compiled = sk.summarize(cols)
+    assert prop.comm_bytes == sum(v["payload_bytes"] for v in compiled.values())
+    for g, w in zip(got, f(value), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
