@@ -1198,9 +1198,7 @@ class _Engine:
         if built is not None:
             rule, attrs = built
             try:
-                req, outs = _builtin_forward(
-                    rule, attrs, specs, self.mesh, out_dtypes, out_shapes
-                )
+                req, outs = _builtin_forward(rule, attrs, specs, self.mesh, out_dtypes, out_shapes)
                 if [o.shape for o in outs] == out_shapes:
                     return rule.name, {k: v for k, v in attrs.items() if k[0] != "_"}, req, outs
             except _RULE_ERRORS:

@@ -11,8 +11,8 @@ if "xla_backend_optimization_level" not in _flags:
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
-import pytest
+import jax  # noqa: E402 (after the flags above)
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
