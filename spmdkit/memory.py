@@ -198,11 +198,11 @@ def _temp_peak(
     # put them.
     for i in range(len(graph.nodes) - 1, -1, -1):
         node = graph.nodes[i]
-        if getattr(node, "backward", True):
+        if node.backward:
             continue
         for o in node.outs:
             j = last.get(o, end)
-            if o in fused and j < end and getattr(graph.nodes[j], "backward", False):
+            if o in fused and j < end and graph.nodes[j].backward:
                 for v in node.ins:
                     last[v] = max(last.get(v, i), last[o])
     cache: dict[int, int] = {}

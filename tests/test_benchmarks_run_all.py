@@ -23,15 +23,20 @@ SECTIONS = [
 ]
 
 
-def test_no_run_regenerates_every_section(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "run_all.py"), "--no-run", "--out-dir", str(tmp_path)],
+def _run_all_no_run(*args: str) -> subprocess.CompletedProcess:
+    """``benchmarks/run_all.py --no-run`` with extra arguments (report only)."""
+    return subprocess.run(
+        [sys.executable, str(BENCH / "run_all.py"), "--no-run", *args],
         check=False,
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=120,
     )
+
+
+def test_no_run_regenerates_every_section(tmp_path):
+    proc = _run_all_no_run("--out-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     report = (tmp_path / "REPORT.md").read_text()
     for title in SECTIONS:
@@ -47,14 +52,7 @@ def test_no_run_regenerates_every_section(tmp_path):
 def test_no_run_reports_missing_json(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "run_all.py"), "--no-run", "--results", str(empty)],
-        check=False,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    proc = _run_all_no_run("--results", str(empty))
     assert proc.returncode == 0, proc.stderr
     report = (empty / "REPORT.md").read_text()
     assert report.count("the JSON is missing") >= 4
