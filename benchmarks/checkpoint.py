@@ -3,16 +3,19 @@
 A ~512 MB state (8 float32 arrays, sharded over a 2x4 mesh of virtual CPU
 devices) is saved and restored by
 
-* ``spmdkit``   — :class:`spmdkit.checkpoint.Manager` (with and without checksums),
-* ``orbax``     — raw ``orbax.checkpoint.StandardCheckpointer`` on the same arrays,
+* ``spmdkit``   — :class:`spmdkit.checkpoint.Manager`: its defaults (checksums, no
+  zstd), with zstd as orbax does by default, and without checksums,
+* ``orbax``     — raw ``orbax.checkpoint.StandardCheckpointer`` on the same arrays
+  (its defaults: zstd compression, no checksums),
 * ``file``      — one sequential ``write`` + ``fsync`` of the same bytes (the disk's limit),
 
 and restored onto the same mesh and onto a different mesh and specs (8x1,
-transposed specs). Each figure is the median of ``--repeat`` runs; restores read
-from the page cache after the first run, as they would right after a save. Peak
-host RSS above the starting RSS is sampled every 5 ms during each phase.
+transposed specs). Each figure is the median of ``--repeat`` runs, the variants
+taking turns; restores read from the page cache after the first run, as they
+would right after a save. Ratios are medians of per-round ratios. Peak host RSS
+above the starting RSS is sampled every 5 ms during each phase.
 
-Run: ``python benchmarks/checkpoint.py [--mb 512] [--repeat 3] [--dir /tmp/x]``;
+Run: ``python benchmarks/checkpoint.py [--mb 512] [--repeat 5] [--dir /tmp/x]``;
 prints a table and writes ``benchmarks/results/checkpoint.json``.
 """
 
@@ -88,24 +91,32 @@ def nbytes(state: dict) -> int:
     return sum(x.nbytes for x in state.values())
 
 
-def timed(fn, repeat: int) -> tuple[float, float]:
-    """Median seconds over ``repeat`` runs (after one untimed warm-up run: compilation,
-    page cache) and the peak RSS (MB above start) of the timed runs."""
-    fn(repeat)
-    times, peaks = [], []
+def timed_alternately(fns: dict, repeat: int) -> dict[str, tuple[list[float], float]]:
+    """Seconds of every round and peak RSS (MB above start) per variant. After one untimed
+    warm-up run of each (compilation, page cache), the variants take turns, the
+    order rotating every round, so that drift in this shared machine's load hits them
+    all alike; each run starts after ``os.sync()``, so none pays for the write-back
+    of the one before."""
+    names = list(fns)
+    for name in names:
+        fns[name](repeat)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    peaks: dict[str, list[float]] = {n: [] for n in names}
     for i in range(repeat):
-        with PeakRSS() as rss:
-            t0 = time.perf_counter()
-            fn(i)
-            times.append(time.perf_counter() - t0)
-        peaks.append(rss.peak_mb)
-    return statistics.median(times), max(peaks)
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            os.sync()  # flush earlier runs' dirty pages, so no run pays for another's
+            with PeakRSS() as rss:
+                t0 = time.perf_counter()
+                fns[name](i)
+                times[name].append(time.perf_counter() - t0)
+            peaks[name].append(rss.peak_mb)
+    return {n: (times[n], max(peaks[n])) for n in names}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=512)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument(
         "--out",
@@ -120,14 +131,22 @@ def main() -> None:
     jax.block_until_ready(state)
     rows: dict[str, dict[str, float]] = {}
 
-    def record(name: str, seconds: float, peak: float) -> None:
+    rounds: dict[str, list[float]] = {}
+
+    def record(name: str, times: list[float], peak: float) -> None:
+        seconds = statistics.median(times)
+        rounds[name] = times
         rows[name] = {"seconds": seconds, "MB_per_s": mb / seconds, "peak_rss_MB": peak}
 
+    def speed_ratio(a: str, b: str) -> float:
+        # throughput of a over b within each round (same load, same write-back), median
+        return statistics.median(tb / ta for ta, tb in zip(rounds[a], rounds[b], strict=True))
+
     # -- saves
-    def save_spmdkit(verify: bool):
+    def save_spmdkit(verify: bool, compress: bool = False):
         def run(i: int) -> None:
-            d = os.path.join(root, f"spmdkit-{verify}-{i}")
-            with Manager(d, verify=verify) as mgr:
+            d = os.path.join(root, f"spmdkit-{verify}-{compress}-{i}")
+            with Manager(d, verify=verify, compress=compress) as mgr:
                 mgr.save(1, state)
                 mgr.wait()
 
@@ -148,10 +167,17 @@ def main() -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    record("save spmdkit (checksums)", *timed(save_spmdkit(True), args.repeat))
-    record("save spmdkit (no checksums)", *timed(save_spmdkit(False), args.repeat))
-    record("save orbax StandardCheckpointer", *timed(save_orbax, args.repeat))
-    record("save plain file write+fsync", *timed(save_file, args.repeat))
+    for name, (times, peak) in timed_alternately(
+        {
+            "save spmdkit (checksums)": save_spmdkit(True),
+            "save spmdkit (checksums, zstd as orbax)": save_spmdkit(True, compress=True),
+            "save spmdkit (no checksums)": save_spmdkit(False),
+            "save orbax StandardCheckpointer": save_orbax,
+            "save plain file write+fsync": save_file,
+        },
+        args.repeat,
+    ).items():
+        record(name, times, peak)
 
     # -- restores
     same = abstract_target(state)
@@ -162,9 +188,9 @@ def main() -> None:
         for i, (k, v) in enumerate(state.items())
     }
 
-    def restore_spmdkit(target, verify: bool):
+    def restore_spmdkit(target, verify: bool, compressed: bool = False):
         def run(i: int) -> None:
-            mgr = Manager(os.path.join(root, "spmdkit-True-0"), verify=verify)
+            mgr = Manager(os.path.join(root, f"spmdkit-True-{compressed}-0"), verify=verify)
             jax.block_until_ready(mgr.restore(target=target).state)
             mgr.close()
 
@@ -183,44 +209,52 @@ def main() -> None:
             data = f.read()
         del data
 
-    record(
-        "restore spmdkit same mesh (checksums)", *timed(restore_spmdkit(same, True), args.repeat)
-    )
-    record(
-        "restore spmdkit same mesh (no checksums)",
-        *timed(restore_spmdkit(same, False), args.repeat),
-    )
-    record("restore orbax same mesh", *timed(restore_orbax(same), args.repeat))
-    record(
-        "restore spmdkit 2x4 -> 8x1 reshard (checksums)",
-        *timed(restore_spmdkit(other, True), args.repeat),
-    )
-    record(
-        "restore spmdkit 2x4 -> 8x1 reshard (no checksums)",
-        *timed(restore_spmdkit(other, False), args.repeat),
-    )
-    record("restore orbax 2x4 -> 8x1 reshard", *timed(restore_orbax(other), args.repeat))
-    record("restore plain file read", *timed(restore_file, args.repeat))
+    for name, (times, peak) in timed_alternately(
+        {
+            "restore spmdkit same mesh (checksums)": restore_spmdkit(same, True),
+            "restore spmdkit same mesh (checksums, zstd as orbax)": restore_spmdkit(
+                same, True, compressed=True
+            ),
+            "restore spmdkit same mesh (no checksums)": restore_spmdkit(same, False),
+            "restore orbax same mesh": restore_orbax(same),
+            "restore spmdkit 2x4 -> 8x1 reshard (checksums)": restore_spmdkit(other, True),
+            "restore orbax 2x4 -> 8x1 reshard": restore_orbax(other),
+            "restore plain file read": restore_file,
+        },
+        args.repeat,
+    ).items():
+        record(name, times, peak)
 
     ratios = {
-        "save spmdkit/orbax (checksums)": rows["save spmdkit (checksums)"]["MB_per_s"]
-        / rows["save orbax StandardCheckpointer"]["MB_per_s"],
-        "save spmdkit/orbax (no checksums)": rows["save spmdkit (no checksums)"]["MB_per_s"]
-        / rows["save orbax StandardCheckpointer"]["MB_per_s"],
-        "save spmdkit/plain file": rows["save spmdkit (checksums)"]["MB_per_s"]
-        / rows["save plain file write+fsync"]["MB_per_s"],
-        "restore spmdkit/orbax same mesh (checksums)": rows[
-            "restore spmdkit same mesh (checksums)"
-        ]["MB_per_s"]
-        / rows["restore orbax same mesh"]["MB_per_s"],
-        "restore spmdkit/orbax same mesh (no checksums)": rows[
-            "restore spmdkit same mesh (no checksums)"
-        ]["MB_per_s"]
-        / rows["restore orbax same mesh"]["MB_per_s"],
-        "reshard/same-mesh restore time (spmdkit)": rows[
-            "restore spmdkit 2x4 -> 8x1 reshard (checksums)"
-        ]["seconds"]
-        / rows["restore spmdkit same mesh (checksums)"]["seconds"],
+        "save spmdkit/orbax (checksums)": speed_ratio(
+            "save spmdkit (checksums)", "save orbax StandardCheckpointer"
+        ),
+        "save spmdkit/orbax (both zstd)": speed_ratio(
+            "save spmdkit (checksums, zstd as orbax)", "save orbax StandardCheckpointer"
+        ),
+        "save spmdkit/orbax (no checksums)": speed_ratio(
+            "save spmdkit (no checksums)", "save orbax StandardCheckpointer"
+        ),
+        "save spmdkit/plain file": speed_ratio(
+            "save spmdkit (checksums)", "save plain file write+fsync"
+        ),
+        "restore spmdkit/orbax same mesh (checksums)": speed_ratio(
+            "restore spmdkit same mesh (checksums)", "restore orbax same mesh"
+        ),
+        "restore spmdkit/orbax same mesh (both zstd)": speed_ratio(
+            "restore spmdkit same mesh (checksums, zstd as orbax)", "restore orbax same mesh"
+        ),
+        "restore spmdkit/orbax same mesh (no checksums)": speed_ratio(
+            "restore spmdkit same mesh (no checksums)", "restore orbax same mesh"
+        ),
+        "restore spmdkit/orbax 2x4 -> 8x1 (checksums)": speed_ratio(
+            "restore spmdkit 2x4 -> 8x1 reshard (checksums)", "restore orbax 2x4 -> 8x1 reshard"
+        ),
+        "reshard/same-mesh restore time (spmdkit)": 1
+        / speed_ratio(
+            "restore spmdkit 2x4 -> 8x1 reshard (checksums)",
+            "restore spmdkit same mesh (checksums)",
+        ),
     }
 
     width = max(len(k) for k in rows)
@@ -244,6 +278,7 @@ def main() -> None:
                 "cpu_count": os.cpu_count(),
                 "load_average_1m": os.getloadavg()[0],
                 "rows": rows,
+                "rounds_seconds": rounds,
                 "ratios": ratios,
                 "jax": jax.__version__,
                 "orbax": ocp.__version__ if hasattr(ocp, "__version__") else None,
