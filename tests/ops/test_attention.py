@@ -1,6 +1,7 @@
 """spmdkit.ops.attention: values and grads equal ``jax.nn.dot_product_attention`` under
-sequence-sharded and sampled input specs, in Explicit and Auto axis modes, for every
-strategy; the collectives are the rule's."""
+sequence-sharded and sampled input specs (every enumerated spec in the slow test, see
+``_layouts``), in Explicit and Auto axis modes, for every strategy; the collectives are
+the rule's."""
 
 import itertools
 
@@ -17,6 +18,8 @@ from spmdkit.hlo import check_plan, compiled_collectives
 from spmdkit.ops.attention import attention
 from spmdkit.rules.attention import attention_reference
 from spmdkit.testing import enumerate_specs
+
+from ._layouts import check_moves, cover, enumerated
 
 OP = "attention"
 RTOL, ATOL = 1e-5, 1e-6
@@ -43,26 +46,31 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
-    attrs = CONFIGS[config]
-    rng = np.random.default_rng(len(config))
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in SHAPES)
-    w = rng.standard_normal(SHAPES[0]).astype(np.float32)
-    ref_attrs = {a: b for a, b in attrs.items() if a != "strategy"}
+class _Case:
+    """One config's q, k, v and the unsharded attention's value and grads."""
 
-    def ref_loss(a, b, c):
-        return jnp.sum(attention_reference(a, b, c, **ref_attrs) * w)
+    def __init__(self, config):
+        self.config, self.attrs = config, CONFIGS[config]
+        rng = np.random.default_rng(len(config))
+        self.values = tuple(rng.standard_normal(s).astype(np.float32) for s in SHAPES)
+        self.w = rng.standard_normal(SHAPES[0]).astype(np.float32)
+        ref_attrs = {a: b for a, b in self.attrs.items() if a != "strategy"}
 
-    ref_val, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2)))(q, k, v)
-    mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
-    cases = [_seq_sharded()]
-    if mode == "explicit" and config != "ring":  # ring's sampled specs: tests/rules
-        cases += _sample(mesh2d, 1, seed=len(config))
-    for specs in cases:
+        def ref_loss(a, b, c):
+            return jnp.sum(attention_reference(a, b, c, **ref_attrs) * self.w)
+
+        self.ref_val, self.ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2)))(
+            *self.values
+        )
+
+    def required(self, specs, mesh2d):
+        return tuple(sk.infer_forward(OP, *specs, mesh=mesh2d, **self.attrs).inputs)
+
+    def check(self, mesh2d, mode, specs):
+        attrs, w = self.attrs, self.w
+        mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
         pspecs = [s.to_partition_spec() for s in specs]
-        placed = zip((q, k, v), pspecs, strict=True)
+        placed = zip(self.values, pspecs, strict=True)
         args = [jax.device_put(a, NamedSharding(mesh, p)) for a, p in placed]
         kw = {} if mode == "explicit" else {"in_specs": pspecs, "mesh": mesh}
 
@@ -70,9 +78,9 @@ def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
             return jnp.sum(attention(a, b, c, **attrs, **kw) * w)
 
         val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(*args)
-        where = f"{mode} {config} {specs}"
-        np.testing.assert_allclose(val, ref_val, rtol=RTOL, atol=ATOL * 10, err_msg=where)
-        for g, rg in zip(grads, ref_grads, strict=True):
+        where = f"{mode} {self.config} {specs}"
+        np.testing.assert_allclose(val, self.ref_val, rtol=RTOL, atol=ATOL * 10, err_msg=where)
+        for g, rg in zip(grads, self.ref_grads, strict=True):
             np.testing.assert_allclose(g, rg, rtol=RTOL, atol=ATOL * 10, err_msg=where)
         # the grads leave the op with the layouts the grad rule predicts
         fwd = sk.infer_forward(OP, *specs, mesh=mesh2d, **attrs)
@@ -83,6 +91,31 @@ def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
             if fwd.inputs[i] == specs[i]:  # no input reshard: the op's own grad layout
                 want = pred.outputs[i].without_partial().to_partition_spec()
                 assert g.sharding.is_equivalent_to(NamedSharding(mesh, want), g.ndim), where
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
+    case = _Case(config)
+    cases = [_seq_sharded()]
+    if mode == "explicit" and config != "ring":  # ring's layouts: the slow test below
+        cases += _sample(mesh2d, 1, seed=len(config))
+    for specs in cases:
+        case.check(mesh2d, mode, specs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_every_enumerated_layout(mesh2d, config):
+    """Every input-spec combination the sweep enumerates, through the distinct local
+    programs (both axis modes) and the distinct per-operand moves they need."""
+    case = _Case(config)
+    combos = enumerated(SHAPES, ["float32"] * 3, mesh2d)
+    cov = cover(combos, lambda specs: case.required(specs, mesh2d))
+    for specs in cov.programs:
+        for mode in ("explicit", "auto"):
+            case.check(mesh2d, mode, specs)
+    check_moves(case.values, cov, mesh2d)
 
 
 def test_sequence_parallel_strategies_keep_the_query_sequence_sharded(mesh2d):

@@ -1,7 +1,6 @@
 """spmdkit.ops.softmax_cross_entropy: values and grads equal the unsharded op under
-sampled input specs, in Explicit and Auto axis modes; works where optax raises."""
-
-import itertools
+sampled input specs (every enumerated spec in the slow test, see ``_layouts``), in
+Explicit and Auto axis modes; works where optax raises."""
 
 import jax
 import jax.numpy as jnp
@@ -15,22 +14,11 @@ import spmdkit as sk
 from spmdkit.errors import ShardingConflictError, SpecError
 from spmdkit.ops.cross_entropy import softmax_cross_entropy
 from spmdkit.rules.cross_entropy import softmax_cross_entropy_reference as ce_ref
-from spmdkit.testing import enumerate_specs
+
+from ._layouts import check_moves, cover, enumerated
 
 OP = "softmax_cross_entropy"
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _sample(shapes, dtypes, mesh, n, seed):
-    """``n`` input-spec combinations (all-replicated first) from the sweep's enumeration."""
-    per_input = [
-        enumerate_specs(s, mesh, dtype=d, partial_ops=())
-        for s, d in zip(shapes, dtypes, strict=True)
-    ]
-    combos = list(itertools.product(*per_input))
-    rng = np.random.default_rng(seed)
-    pick = rng.choice(np.arange(1, len(combos)), size=n - 1, replace=False)
-    return [combos[0], *(combos[i] for i in sorted(pick))]
 
 
 def _hard(rng):
@@ -67,31 +55,36 @@ def _scalar(loss, w):
     return loss if loss.ndim == 0 else jnp.sum(loss * w)
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
-    make, attrs = CONFIGS[config]
-    rng = np.random.default_rng(0)
-    z, y = make(rng)
-    w = rng.standard_normal(4).astype(np.float32)
-    ref_attrs = {k: v for k, v in attrs.items() if k != "strategy"}
-    soft = y.dtype != np.int32
-    argnums = (0, 1) if soft else (0,)
-    ref_val, ref_grads = jax.jit(
-        jax.value_and_grad(lambda a, b: _scalar(ce_ref(a, b, **ref_attrs), w), argnums=argnums)
-    )(z, y)
-    mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
-    cases = _sample(
-        [z.shape, y.shape],
-        [z.dtype, y.dtype],
-        mesh2d,
-        3,
-        seed=len(config),
-    )
-    for specs in cases:
+class _Case:
+    """One config's logits and labels, and the unsharded loss and grads."""
+
+    def __init__(self, config):
+        make, self.attrs = CONFIGS[config]
+        self.config = config
+        rng = np.random.default_rng(0)
+        self.z, self.y = make(rng)
+        self.w = rng.standard_normal(4).astype(np.float32)
+        ref_attrs = {k: v for k, v in self.attrs.items() if k != "strategy"}
+        self.argnums = (0, 1) if self.y.dtype != np.int32 else (0,)
+        self.ref_val, self.ref_grads = jax.jit(
+            jax.value_and_grad(
+                lambda a, b: _scalar(ce_ref(a, b, **ref_attrs), self.w), argnums=self.argnums
+            )
+        )(self.z, self.y)
+
+    def combos(self, mesh2d):
+        return enumerated([self.z.shape, self.y.shape], [self.z.dtype, self.y.dtype], mesh2d)
+
+    def required(self, specs, mesh2d):
+        return tuple(sk.infer_forward(OP, *specs, mesh=mesh2d, **self.attrs).inputs)
+
+    def check(self, mesh2d, mode, specs):
+        attrs, argnums, w = self.attrs, self.argnums, self.w
+        mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
         pspecs = [s.to_partition_spec() for s in specs]
         args = [
-            jax.device_put(v, NamedSharding(mesh, p)) for v, p in zip((z, y), pspecs, strict=True)
+            jax.device_put(v, NamedSharding(mesh, p))
+            for v, p in zip((self.z, self.y), pspecs, strict=True)
         ]
         kw = {} if mode == "explicit" else {"in_specs": pspecs, "mesh": mesh}
 
@@ -99,9 +92,9 @@ def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
             return _scalar(softmax_cross_entropy(a, b, **attrs, **kw), w)
 
         val, grads = jax.jit(jax.value_and_grad(f, argnums=argnums))(*args)
-        where = f"{mode} {config} {specs}"
-        np.testing.assert_allclose(val, ref_val, rtol=RTOL, atol=ATOL, err_msg=where)
-        for g, rg in zip(grads, ref_grads, strict=True):
+        where = f"{mode} {self.config} {specs}"
+        np.testing.assert_allclose(val, self.ref_val, rtol=RTOL, atol=ATOL, err_msg=where)
+        for g, rg in zip(grads, self.ref_grads, strict=True):
             np.testing.assert_allclose(g, rg, rtol=RTOL, atol=ATOL, err_msg=where)
         # the grads leave the op with the layouts the grad rule predicts
         fwd = sk.infer_forward(OP, *specs, mesh=mesh2d, **attrs)
@@ -118,6 +111,30 @@ def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
                 assert g.sharding.spec == pspecs[i] or g.sharding.is_equivalent_to(
                     NamedSharding(mesh, pspecs[i]), g.ndim
                 ), where
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
+    case = _Case(config)
+    combos = case.combos(mesh2d)
+    rng = np.random.default_rng(len(config))
+    pick = sorted(rng.choice(np.arange(1, len(combos)), size=2, replace=False))
+    for specs in [combos[0], *(combos[i] for i in pick)]:  # all-replicated, and two more
+        case.check(mesh2d, mode, specs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_every_enumerated_layout(mesh2d, config):
+    """Every input-spec combination the sweep enumerates, through the distinct local
+    programs (both axis modes) and the distinct per-operand moves they need."""
+    case = _Case(config)
+    cov = cover(case.combos(mesh2d), lambda specs: case.required(specs, mesh2d))
+    for specs in cov.programs:
+        for mode in ("explicit", "auto"):
+            case.check(mesh2d, mode, specs)
+    check_moves((case.z, case.y), cov, mesh2d)
 
 
 def test_optax_raises_on_vocab_sharded_logits_where_the_op_works(mesh1d):

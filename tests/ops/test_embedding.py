@@ -1,7 +1,6 @@
 """spmdkit.ops.embedding_lookup: values and table grads equal the unsharded lookup under
-sampled input specs, in Explicit and Auto axis modes."""
-
-import itertools
+sampled input specs (every enumerated spec in the slow test, see ``_layouts``), in
+Explicit and Auto axis modes."""
 
 import jax
 import jax.numpy as jnp
@@ -13,22 +12,11 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
 from spmdkit.ops.embedding import embedding_lookup
-from spmdkit.testing import enumerate_specs
+
+from ._layouts import check_moves, cover, enumerated
 
 OP = "embedding"
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _sample(shapes, dtypes, mesh, n, seed):
-    """``n`` input-spec combinations (all-replicated first) from the sweep's enumeration."""
-    per_input = [
-        enumerate_specs(s, mesh, dtype=d, partial_ops=())
-        for s, d in zip(shapes, dtypes, strict=True)
-    ]
-    combos = list(itertools.product(*per_input))
-    rng = np.random.default_rng(seed)
-    pick = rng.choice(np.arange(1, len(combos)), size=n - 1, replace=False)
-    return [combos[0], *(combos[i] for i in sorted(pick))]
 
 
 @pytest.fixture(scope="module")
@@ -40,37 +28,58 @@ def data():
     return table, ids, w
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
-def test_values_and_grads_equal_the_unsharded_lookup(mesh2d, data, mode):
+def _check(mesh2d, mode, data, specs):
+    """The lookup under ``specs``: value and table grad, and the grad's layout."""
     table, ids, w = data
     ref = jax.jit(jax.value_and_grad(lambda t, i: jnp.sum(jnp.take(t, i, axis=0) * w)))
     ref_val, ref_grad = ref(table, ids)
     mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
-    cases = _sample([table.shape, ids.shape], [table.dtype, ids.dtype], mesh2d, 5, seed=3)
-    for specs in cases:
-        pspecs = [s.to_partition_spec() for s in specs]
-        args = [
-            jax.device_put(v, NamedSharding(mesh, p))
-            for v, p in zip((table, ids), pspecs, strict=True)
-        ]
-        kw = {} if mode == "explicit" else {"in_specs": pspecs, "mesh": mesh}
+    pspecs = [s.to_partition_spec() for s in specs]
+    args = [
+        jax.device_put(v, NamedSharding(mesh, p)) for v, p in zip((table, ids), pspecs, strict=True)
+    ]
+    kw = {} if mode == "explicit" else {"in_specs": pspecs, "mesh": mesh}
 
-        def f(t, i, kw=kw):
-            return jnp.sum(embedding_lookup(t, i, **kw) * w)
+    def f(t, i, kw=kw):
+        return jnp.sum(embedding_lookup(t, i, **kw) * w)
 
-        val, grad = jax.jit(jax.value_and_grad(f))(*args)
-        where = f"{mode} {specs}"
-        np.testing.assert_allclose(val, ref_val, rtol=RTOL, atol=ATOL, err_msg=where)
-        np.testing.assert_allclose(grad, ref_grad, rtol=RTOL, atol=ATOL, err_msg=where)
-        fwd = sk.infer_forward(OP, *specs, mesh=mesh2d)
-        g_spec = fwd.outputs[0].without_partial()
-        pred = sk.infer_grad(OP, *specs, out_grads=(g_spec,), mesh=mesh2d)
-        assert pred.inputs == fwd.inputs
-        want = pred.outputs[0].without_partial()  # the data-parallel sum is resolved
-        if fwd.inputs[0] == specs[0]:
-            assert grad.sharding.is_equivalent_to(
-                NamedSharding(mesh, want.to_partition_spec()), 2
-            ), where
+    val, grad = jax.jit(jax.value_and_grad(f))(*args)
+    where = f"{mode} {specs}"
+    np.testing.assert_allclose(val, ref_val, rtol=RTOL, atol=ATOL, err_msg=where)
+    np.testing.assert_allclose(grad, ref_grad, rtol=RTOL, atol=ATOL, err_msg=where)
+    fwd = sk.infer_forward(OP, *specs, mesh=mesh2d)
+    g_spec = fwd.outputs[0].without_partial()
+    pred = sk.infer_grad(OP, *specs, out_grads=(g_spec,), mesh=mesh2d)
+    assert pred.inputs == fwd.inputs
+    want = pred.outputs[0].without_partial()  # the data-parallel sum is resolved
+    if fwd.inputs[0] == specs[0]:
+        assert grad.sharding.is_equivalent_to(NamedSharding(mesh, want.to_partition_spec()), 2), (
+            where
+        )
+
+
+def _combos(data, mesh2d):
+    table, ids, _ = data
+    return enumerated([table.shape, ids.shape], [table.dtype, ids.dtype], mesh2d)
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_values_and_grads_equal_the_unsharded_lookup(mesh2d, data, mode):
+    combos = _combos(data, mesh2d)
+    pick = sorted(np.random.default_rng(3).choice(np.arange(1, len(combos)), 4, replace=False))
+    for specs in [combos[0], *(combos[i] for i in pick)]:  # all-replicated, and four more
+        _check(mesh2d, mode, data, specs)
+
+
+@pytest.mark.slow
+def test_every_enumerated_layout(mesh2d, data):
+    """Every input-spec combination the sweep enumerates, through the distinct local
+    programs (both axis modes) and the distinct per-operand moves they need."""
+    cov = cover(_combos(data, mesh2d), lambda s: sk.infer_forward(OP, *s, mesh=mesh2d).inputs)
+    for specs in cov.programs:
+        for mode in ("explicit", "auto"):
+            _check(mesh2d, mode, data, specs)
+    check_moves(data[:2], cov, mesh2d)
 
 
 def test_outputs_carry_the_rule_layout(mesh2d, data):

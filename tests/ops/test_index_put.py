@@ -1,7 +1,6 @@
 """spmdkit.ops.index_put: values and grads equal ``x.at[idx].set/add`` under sampled
-input specs, in Explicit and Auto axis modes; the local update moves nothing."""
-
-import itertools
+input specs (every enumerated spec in the slow test, see ``_layouts``), in Explicit and
+Auto axis modes; the local update moves nothing."""
 
 import jax
 import jax.numpy as jnp
@@ -15,24 +14,13 @@ from spmdkit.errors import ShardingConflictError
 from spmdkit.hlo import compiled_collectives
 from spmdkit.ops.index_put import index_put
 from spmdkit.rules.index_put import index_put_reference
-from spmdkit.testing import enumerate_specs
+
+from ._layouts import check_moves, cover, enumerated
 
 T = sk.TensorSpec
 
 OP = "index_put"
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _sample(shapes, dtypes, mesh, n, seed):
-    """``n`` input-spec combinations (all-replicated first) from the sweep's enumeration."""
-    per_input = [
-        enumerate_specs(s, mesh, dtype=d, partial_ops=())
-        for s, d in zip(shapes, dtypes, strict=True)
-    ]
-    combos = list(itertools.product(*per_input))
-    rng = np.random.default_rng(seed)
-    pick = rng.choice(np.arange(1, len(combos)), size=n - 1, replace=False)
-    return [combos[0], *(combos[i] for i in sorted(pick))]
 
 
 def _values(rng, unique):
@@ -53,28 +41,40 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
-    attrs = CONFIGS[config]
-    rng = np.random.default_rng(len(config))
-    x, i, v = _values(rng, unique=not attrs["accumulate"])
-    w = rng.standard_normal(x.shape).astype(np.float32)
-    acc = attrs["accumulate"]
+class _Case:
+    """One config's x, indices and values, and the unsharded result and grads."""
 
-    def ref_loss(a, c):
-        return jnp.sum(index_put_reference(a, i, c, accumulate=acc) * w)
+    def __init__(self, config):
+        self.config, self.attrs = config, CONFIGS[config]
+        rng = np.random.default_rng(len(config))
+        acc = self.attrs["accumulate"]
+        self.x, self.i, self.v = _values(rng, unique=not acc)
+        self.w = rng.standard_normal(self.x.shape).astype(np.float32)
 
-    ref_val, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1)))(x, v)
-    mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
-    rows = (T(x.shape, P(("a", "b")), dtype=x.dtype), T(i.shape, dtype=i.dtype), T(v.shape))
-    sampled = _sample([x.shape, i.shape, v.shape], [x.dtype, i.dtype, v.dtype], mesh2d, 2, 7)
-    cases = [rows, sampled[1]]  # row-sharded x, and one sampled layout
-    for specs in cases:
+        def ref_loss(a, c):
+            return jnp.sum(index_put_reference(a, self.i, c, accumulate=acc) * self.w)
+
+        self.ref_val, self.ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1)))(
+            self.x, self.v
+        )
+
+    @property
+    def values(self):
+        return self.x, self.i, self.v
+
+    def combos(self, mesh2d):
+        return enumerated([a.shape for a in self.values], [a.dtype for a in self.values], mesh2d)
+
+    def required(self, specs, mesh2d):
+        return tuple(sk.infer_forward(OP, *specs, mesh=mesh2d, **self.attrs).inputs)
+
+    def check(self, mesh2d, mode, specs):
+        attrs, w = self.attrs, self.w
+        mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
         pspecs = [s.to_partition_spec() for s in specs]
         args = [
             jax.device_put(a, NamedSharding(mesh, p))
-            for a, p in zip((x, i, v), pspecs, strict=True)
+            for a, p in zip(self.values, pspecs, strict=True)
         ]
         kw = {} if mode == "explicit" else {"in_specs": pspecs, "mesh": mesh}
 
@@ -82,9 +82,9 @@ def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
             return jnp.sum(index_put(a, b, c, **attrs, **kw) * w)
 
         val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 2)))(*args)
-        where = f"{mode} {config} {specs}"
-        np.testing.assert_allclose(val, ref_val, rtol=RTOL, atol=ATOL, err_msg=where)
-        for g, rg in zip(grads, ref_grads, strict=True):
+        where = f"{mode} {self.config} {specs}"
+        np.testing.assert_allclose(val, self.ref_val, rtol=RTOL, atol=ATOL, err_msg=where)
+        for g, rg in zip(grads, self.ref_grads, strict=True):
             np.testing.assert_allclose(g, rg, rtol=RTOL, atol=ATOL, err_msg=where)
         # the grads leave the op with the layouts the grad rule predicts
         fwd = sk.infer_forward(OP, *specs, mesh=mesh2d, **attrs)
@@ -95,6 +95,31 @@ def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
             if fwd.inputs[k] == specs[k]:  # no input reshard: the op's own grad layout
                 want = pred.outputs[k].without_partial().to_partition_spec()
                 assert g.sharding.is_equivalent_to(NamedSharding(mesh, want), g.ndim), where
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
+    case = _Case(config)
+    x, i, v = case.values
+    rows = (T(x.shape, P(("a", "b")), dtype=x.dtype), T(i.shape, dtype=i.dtype), T(v.shape))
+    combos = case.combos(mesh2d)
+    sampled = combos[np.random.default_rng(7).integers(1, len(combos))]
+    for specs in (rows, sampled):  # row-sharded x, and one sampled layout
+        case.check(mesh2d, mode, specs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_every_enumerated_layout(mesh2d, config):
+    """Every input-spec combination the sweep enumerates, through the distinct local
+    programs (both axis modes) and the distinct per-operand moves they need."""
+    case = _Case(config)
+    cov = cover(case.combos(mesh2d), lambda specs: case.required(specs, mesh2d))
+    for specs in cov.programs:
+        for mode in ("explicit", "auto"):
+            case.check(mesh2d, mode, specs)
+    check_moves(case.values, cov, mesh2d)
 
 
 def test_several_index_arrays_and_in_specs_under_auto_jit(mesh2d):

@@ -1,6 +1,6 @@
 """spmdkit.ops norms: values and grads equal the unsharded computation under sampled
-input specs of the sweep's enumeration, in Explicit and Auto axis modes; output and
-grad layouts are the ones the rule predicts."""
+input specs of the sweep's enumeration (all of them in the slow test, see ``_layouts``),
+in Explicit and Auto axis modes; output and grad layouts are the ones the rule predicts."""
 
 import itertools
 
@@ -15,6 +15,8 @@ import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
 from spmdkit.ops import norms
 from spmdkit.testing import enumerate_specs
+
+from ._layouts import check_moves, cover, enumerated
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -139,41 +141,60 @@ def _sample(shapes, mesh, n, seed):
     return [combos[i] for i in sorted(rng.choice(len(combos), size=n, replace=False))]
 
 
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_values_and_grads_equal_the_unsharded_computation(mesh2d, mode, config):
-    op, ref, shapes, attrs = CONFIGS[config]
-    rng = np.random.default_rng(len(config))
-    vals = _values(config, shapes, rng)
-    ref_attrs = {k: v for k, v in attrs.items() if k != "strategy"}
-    argnums = tuple(range(len(vals)))
-    ref_out = ref(*map(jnp.asarray, vals), **ref_attrs)
-    ref_out = ref_out if isinstance(ref_out, tuple) else (ref_out,)
-    weights = [rng.standard_normal(o.shape).astype(np.float32) for o in ref_out]
+class _Case:
+    """One config's values, unsharded reference outputs and grads."""
 
-    def scalar(outs):
+    def __init__(self, config):
+        self.op, ref, self.shapes, self.attrs = CONFIGS[config]
+        self.config = config
+        rng = np.random.default_rng(len(config))
+        self.vals = _values(config, self.shapes, rng)
+        self.ref_attrs = {k: v for k, v in self.attrs.items() if k != "strategy"}
+        self.argnums = tuple(range(len(self.vals)))
+        ref_out = ref(*map(jnp.asarray, self.vals), **self.ref_attrs)
+        self.ref_out = ref_out if isinstance(ref_out, tuple) else (ref_out,)
+        self.weights = [rng.standard_normal(o.shape).astype(np.float32) for o in self.ref_out]
+        self.ref_grads = jax.jit(
+            jax.grad(lambda *a: self.scalar(ref(*a, **self.ref_attrs)), argnums=self.argnums)
+        )(*self.vals)
+
+    def scalar(self, outs):
         outs = outs if isinstance(outs, tuple) else (outs,)
-        return sum(jnp.sum(o * w) for o, w in zip(outs, weights, strict=True))
+        return sum(jnp.sum(o * w) for o, w in zip(outs, self.weights, strict=True))
 
-    ref_grads = jax.jit(jax.grad(lambda *a: scalar(ref(*a, **ref_attrs)), argnums=argnums))(*vals)
-    mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
-    fn = getattr(norms, op)
-    for specs in _sample(shapes, mesh2d, 2, seed=len(config) + (mode == "auto")):
+    def required(self, specs, mesh2d):
+        """The rule's required input specs, in this test's operand order."""
+        fwd = sk.infer_forward(
+            self.op, *_rule_order(self.config, specs), mesh=mesh2d, **self.attrs,
+            **_flags(self.op, self.shapes),
+        )  # fmt: skip
+        perm = _rule_order(self.config, list(range(len(specs))))
+        out = [None] * len(specs)
+        for k, i in enumerate(perm):
+            out[i] = fwd.inputs[k]
+        return tuple(out)
+
+    def check(self, mesh2d, mode, specs):
+        """The op under ``specs``: values, grads and layouts as the rules say."""
+        op, attrs, config, shapes = self.op, self.attrs, self.config, self.shapes
+        mesh = mesh2d if mode == "explicit" else Mesh(mesh2d.devices, mesh2d.axis_names)
+        fn = getattr(norms, op)
         pspecs = [s.to_partition_spec() for s in specs]
         args = [
-            jax.device_put(v, NamedSharding(mesh, p)) for v, p in zip(vals, pspecs, strict=True)
+            jax.device_put(v, NamedSharding(mesh, p))
+            for v, p in zip(self.vals, pspecs, strict=True)
         ]
         kw = {} if mode == "explicit" else {"in_specs": pspecs, "mesh": mesh}
         where = f"{mode} {config} {specs}"
 
         outs = jax.jit(lambda *a, kw=kw: fn(*a, **attrs, **kw))(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        for o, r in zip(outs, ref_out, strict=True):
+        for o, r in zip(outs, self.ref_out, strict=True):
             np.testing.assert_allclose(o, r, rtol=RTOL, atol=ATOL, err_msg=where)
-        grads = jax.jit(jax.grad(lambda *a, kw=kw: scalar(fn(*a, **attrs, **kw)), argnums=argnums))(
-            *args
-        )
-        for g, rg in zip(grads, ref_grads, strict=True):
+        grads = jax.jit(
+            jax.grad(lambda *a, kw=kw: self.scalar(fn(*a, **attrs, **kw)), argnums=self.argnums)
+        )(*args)
+        for g, rg in zip(grads, self.ref_grads, strict=True):
             np.testing.assert_allclose(g, rg, rtol=RTOL, atol=ATOL, err_msg=where)
 
         # outputs carry the rule's claim; grads leave with the grad rule's layouts
@@ -193,6 +214,28 @@ def test_values_and_grads_equal_the_unsharded_computation(mesh2d, mode, config):
                 assert g.sharding.is_equivalent_to(
                     NamedSharding(mesh, want.to_partition_spec()), g.ndim
                 ), f"{where}: grad {i}"
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_values_and_grads_equal_the_unsharded_computation(mesh2d, mode, config):
+    case = _Case(config)
+    for specs in _sample(case.shapes, mesh2d, 2, seed=len(config) + (mode == "auto")):
+        case.check(mesh2d, mode, specs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_every_enumerated_layout(mesh2d, config):
+    """Every input-spec combination the sweep enumerates, through the distinct local
+    programs (both axis modes) and the distinct per-operand moves they need."""
+    case = _Case(config)
+    combos = enumerated(case.shapes, ["float32"] * len(case.shapes), mesh2d)
+    cov = cover(combos, lambda specs: case.required(specs, mesh2d))
+    for specs in cov.programs:
+        for mode in ("explicit", "auto"):
+            case.check(mesh2d, mode, specs)
+    check_moves(case.vals, cov, mesh2d)
 
 
 def _flags(op, shapes):
