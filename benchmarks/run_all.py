@@ -47,6 +47,7 @@ def _scripts(results: Path, quick: bool) -> list[tuple[str, list[str]]]:
         ("ops.py", [*q, "--out", str(results / "ops.json")]),
         ("propagate.py", []),
         ("planner.py", q),
+        ("prediction.py", [*q, "--out", str(results / "prediction.json")]),
         ("checkpoint.py", [*ckpt, "--out", str(results / "checkpoint.json")]),
         ("overhead.py", [*q, "--out", str(results / "overhead.json")]),
     ]
@@ -312,32 +313,68 @@ def sec_quality(results: Path, out: Path) -> str:
     )
 
 
-def _find_predictions(obj: Any, found: list[dict[str, Any]]) -> None:
-    if isinstance(obj, dict):
-        keys = {k.lower() for k in obj}
-        if any("predicted" in k for k in keys) and any("compiled" in k for k in keys):
-            found.append(obj)
-        for v in obj.values():
-            _find_predictions(v, found)
-    elif isinstance(obj, list):
-        for v in obj:
-            _find_predictions(v, found)
-
-
 def sec_prediction(results: Path, out: Path) -> str:
-    found: list[dict[str, Any]] = []
-    for path in sorted(results.glob("*.json")):
-        try:
-            _find_predictions(json.loads(path.read_text()), found)
-        except json.JSONDecodeError:
-            continue
-    if not found:
-        return (
-            "_No JSON in the results folder records predicted next to compiled figures "
-            "(no benchmark measures this yet)._"
+    d = _load(results, "prediction.json")
+    if d is None:
+        return MISSING
+    summary, cases = d["summary"], d["cases"]
+
+    def ratio(row: dict[str, Any] | None) -> str:
+        if row is None:
+            return "-"
+        if row["compiled"] == 0:
+            return "0 = 0" if row["predicted"] == 0 else "compiled 0"
+        return f"{row['predicted'] / row['compiled']:.2f}"
+
+    rows = []
+    for c in cases:
+        coll = {w: r for w, r in c["rows"].items() if "memory" not in w}
+        mem = next((r for w, r in c["rows"].items() if "memory" in w), None)
+        rows.append(
+            [
+                c["model"],
+                c["strategy"],
+                c["mesh"],
+                "ok" if c["ok"] else "off",
+                ratio(coll.get("collectives total")),
+                ", ".join(f"{w} {ratio(r)}" for w, r in coll.items() if w != "collectives total"),
+                f"{mem['predicted_low'] / 2**10:.0f}–{mem['predicted_high'] / 2**10:.0f}"
+                if mem and "predicted_low" in mem
+                else "-",
+                f"{mem['compiled'] / 2**10:.0f}" if mem else "-",
+            ]
         )
-    keys = sorted({k for f in found for k in f if not isinstance(f[k], (dict, list))})
-    return _table(keys, [[f.get(k) for k in keys] for f in found])
+    lines = [
+        _machine(d, results / "prediction.json") + f" quick={d['meta'].get('quick')}",
+        "",
+        f"`plan.verify` on every reference model (tiny) × strategy × mesh: "
+        f"**{summary['verify_ok']} of {summary['cases']} cases within tolerance** "
+        "(collective bytes ±10% per kind, peak memory ±20% of the predicted range). "
+        "Ratios are predicted / compiled.",
+        "",
+        _table(
+            ["quantity", "n", "median", "p10", "p90", "within 10%", "within 20%"],
+            [
+                [w, s["n"], s["median"], s["p10"], s["p90"], s["within_10pct"], s["within_20pct"]]
+                for w, s in summary["ratios"].items()
+            ],
+        ),
+        "",
+        _table(
+            [
+                "model",
+                "strategy",
+                "mesh",
+                "verify",
+                "bytes total",
+                "per kind",
+                "memory predicted KiB",
+                "compiled KiB",
+            ],
+            rows,
+        ),
+    ]
+    return "\n".join(lines)
 
 
 def sec_checkpoint(results: Path, out: Path) -> str:

@@ -43,6 +43,7 @@ def test_no_run_regenerates_every_section(tmp_path):
         assert title in report, title
     assert "Could not render" not in report
     assert "| sk.jit ms |" in report
+    assert "| memory predicted KiB |" in report  # prediction accuracy, per case
     assert "Not run" in report  # no GPU JSON committed
     assert list(tmp_path.glob("*.png")), "no plots written"
     # --no-run leaves the committed results untouched
