@@ -79,8 +79,9 @@ picks per parameter group (parameters of the same role in different layers) the
 layout — any assignment of mesh axes to its dims that divides — with the lowest
 step time; if the total exceeds the per-device memory budget, it trades time for
 memory group by group (best Δtime/Δbytes first, including ZeRO-1 optimizer
-sharding). The cheapest of the presets and these searched plans wins; ties keep
-the earlier candidate, so the search is deterministic.
+sharding). The fastest of the presets and these searched plans that fit the
+budget wins; ties keep the earlier candidate, so the search is deterministic.
+When none fits, the one needing the least memory is chosen, with a warning.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ import itertools
 import json
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -1305,12 +1307,17 @@ def _propagate_cost(info: ModelInfo, optimizer: Any, candidate: Plan, ctx: _Ctx)
         candidate.opt_specs(trace.abstract_opt),
         candidate.batch_specs(info.batch),
     )
+    # The step hands back parameters and optimizer state in the layouts it took them
+    # in (the next step's inputs, and what sk.jit's out_shardings ask for): ZeRO-1's
+    # all-gather of the updated parameters is part of its cost.
+    out_specs = (in_specs[0], in_specs[1], P())
     prop = propagate(
         step,
         info.abstract_params,
         trace.abstract_opt,
         info.batch,
         in_specs=in_specs,
+        out_specs=out_specs,
         mesh=ctx.mesh,
         topology=ctx.topology,
         donate_argnums=(0, 1),
@@ -1684,8 +1691,11 @@ def plan(
         candidates.append((label, choice, act, None, cost))
 
     def rank(c: tuple) -> tuple:
+        # plans that fit: fastest first; none fits: the one nearest to fitting (the
+        # fastest of plans that cannot run is no answer)
         cost = c[4]
-        return (cost.peak_bytes > budget, cost.step_time_s, cost.peak_bytes)
+        over = cost.peak_bytes > budget
+        return (over, cost.peak_bytes if over else cost.step_time_s, cost.step_time_s)
 
     if estimator == "propagate":
         # The presets and the best searched candidates, re-costed on the traced step.
@@ -1712,5 +1722,13 @@ def plan(
             continue
         seen.add(name)
         alternatives.append((name, candidates[i][4]))
+    if best[4].peak_bytes > budget:
+        warnings.warn(
+            f"plan(strategy='auto'): no candidate fits the memory budget of "
+            f"{_fmt_bytes(budget)} per device; chose {best[0]!r}, the smallest "
+            f"({_fmt_bytes(best[4].peak_bytes)}). Add devices, shard more axes, or lower the "
+            "activation memory (remat, smaller batch per device).",
+            stacklevel=2,
+        )
     out = _make_plan("auto", mesh, info, groups, best[1], best[2], best[3], best[4])
     return replace(out, alternatives=tuple(alternatives[:12]), chosen=best[0])

@@ -17,8 +17,13 @@ so the minor-most axes whose sizes multiply to at most ``gpus_per_node`` stay
 inside one node and use ``node_bandwidth`` / ``node_latency``; every more major
 axis crosses nodes and uses ``default_bandwidth`` / ``default_latency``. A group
 spanning several axes runs at the pace of its slowest axis (minimum bandwidth,
-maximum latency). This is a heuristic: a device order that interleaves nodes
-differently needs explicit per-axis numbers.
+maximum latency) when its axes share one link. A group spanning links of different
+speeds runs hierarchically, as NCCL's multi-node collectives and the classic 2-D
+all-reduce do: the fastest link first on the whole buffer, each slower link on the
+piece the faster levels leave, so an all-reduce over (nodes, GPUs in a node) sends
+only 1/8 of the buffer over InfiniBand. All-to-alls stay flat at the slowest link.
+This is a heuristic: a device order that interleaves nodes differently needs
+explicit per-axis numbers.
 """
 
 from __future__ import annotations
@@ -247,9 +252,30 @@ class Topology:
                 given=repr(kind),
                 fix="use the kind names of spmdkit.resharding.Collective",
             )
-        bandwidth, latency = self.link(axes, mesh)
-        steps = 2 * (group_size - 1) if kind == "all_reduce" else group_size - 1
-        return latency * steps + wire_bytes / bandwidth
+        levels = self._levels(tuple(axes), mesh)
+        if len(levels) <= 1 or kind == "all_to_all":
+            bandwidth, latency = self.link(axes, mesh)
+            steps = 2 * (group_size - 1) if kind == "all_reduce" else group_size - 1
+            return latency * steps + wire_bytes / bandwidth
+        # Hierarchical: the fastest level first on the whole buffer, each slower level
+        # on the 1/n piece the faster ones leave (reduce-scatter down the levels; an
+        # all-reduce climbs back up with the mirror all-gathers, doubling the time).
+        rounds = 2 if kind == "all_reduce" else 1
+        full = wire_bytes * group_size / (rounds * (group_size - 1))
+        time, piece = 0.0, full
+        for n, bandwidth, latency in levels:
+            time += rounds * ((n - 1) * latency + (n - 1) / n * piece / bandwidth)
+            piece /= n
+        return time
+
+    def _levels(self, axes: tuple[str, ...], mesh: MeshLike) -> list[tuple[int, float, float]]:
+        """The group's axes merged by link, fastest first: ``(devices, bw, latency)``."""
+        sizes = axis_sizes(mesh)
+        by_link: dict[tuple[float, float], int] = {}
+        for a in axes:
+            link = self.link((a,), mesh)
+            by_link[link] = by_link.get(link, 1) * sizes[a]
+        return [(n, bw, lat) for (bw, lat), n in sorted(by_link.items(), key=lambda kv: -kv[0][0])]
 
 
 #: The topology plans use when none is given: H100 nodes of 8 GPUs.

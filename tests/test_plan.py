@@ -101,6 +101,15 @@ def test_auto_respects_memory_budget(amesh):
     assert tight.cost.step_time_s >= free.cost.step_time_s
 
 
+def test_auto_without_a_fitting_plan_takes_the_smallest_and_warns(amesh):
+    kw = {"loss": toy_loss, "batch": toy_batch(), "estimator": "analytic"}
+    with pytest.warns(UserWarning, match="no candidate fits the memory budget"):
+        p = plan(toy_init, amesh, "auto", memory_budget=1, **kw)
+    others = [c for _, c in p.alternatives]
+    assert others and all(p.cost.peak_bytes <= c.peak_bytes for c in others)
+    assert p.cost.peak_bytes < max(c.peak_bytes for c in others)  # not merely a tie
+
+
 def test_auto_is_deterministic(plans, amesh):
     again = plan(toy_init, amesh, "auto", loss=toy_loss, batch=toy_batch(), estimator="analytic")
     assert again == plans["auto"]

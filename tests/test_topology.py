@@ -94,3 +94,33 @@ def test_unknown_axis_and_unknown_kind_raise():
         DEFAULT_TOPOLOGY.link(("y",), mesh)
     with pytest.raises(SpmdError, match="kind"):
         DEFAULT_TOPOLOGY.collective_time("broadcast", 10, 4, ("x",), mesh)
+
+
+def test_groups_over_two_links_run_hierarchically():
+    # 4 nodes (data, InfiniBand) x 8 GPUs (model, NVLink): the NVLink level moves the
+    # whole buffer, the InfiniBand level only the 1/8 piece each GPU is left with
+    mesh = abstract_mesh(data=4, model=8)
+    topo = Topology.h100()
+    (ib, ib_lat), (nv, nv_lat) = topo.link(("data",), mesh), topo.link(("model",), mesh)
+    full, n = 64 * 2**20, 32
+    rs_wire = full * (n - 1) // n
+    rs = topo.collective_time("reduce_scatter", rs_wire, n, ("data", "model"), mesh)
+    want = 7 * nv_lat + 7 / 8 * full / nv + 3 * ib_lat + 3 / 4 * (full / 8) / ib
+    assert rs == pytest.approx(want)
+    ag = topo.collective_time("all_gather", rs_wire, n, ("data", "model"), mesh)
+    assert ag == pytest.approx(rs)
+    # an all-reduce is its reduce-scatter plus its all-gather, whichever axes it spans:
+    # dp's gradient all-reduce and ZeRO-1's reduce-scatter + all-gather cost the same
+    ar = topo.collective_time("all_reduce", 2 * rs_wire, n, ("data", "model"), mesh)
+    assert ar == pytest.approx(rs + ag)
+    # between the all-NVLink and the flat all-InfiniBand prices
+    flat_ib = 2 * (n - 1) * ib_lat + 2 * rs_wire / ib
+    assert 2 * rs_wire / nv < ar < flat_ib
+    # one link: the flat ring formula, unchanged
+    one = Topology(default_bandwidth=1e9, default_latency=1e-6)
+    assert one.collective_time("all_reduce", rs_wire, n, ("data", "model"), mesh) == (
+        pytest.approx(2 * (n - 1) * 1e-6 + rs_wire / 1e9)
+    )
+    # all-to-alls stay flat at the slowest link
+    a2a = topo.collective_time("all_to_all", rs_wire, n, ("data", "model"), mesh)
+    assert a2a == pytest.approx((n - 1) * ib_lat + rs_wire / ib)
