@@ -635,6 +635,17 @@ def _hard_values(rows: tuple[int, ...], classes: int, ignore: int):
     return values
 
 
+def _hard_values_axis(rows: tuple[int, ...], classes: int, axis: int, ignore: int):
+    """Hard-label values with the class dim at ``axis`` of the logits."""
+    last = _hard_values(rows, classes, ignore)
+
+    def values(rng: np.random.Generator) -> list[np.ndarray]:
+        logits, labels = last(rng)
+        return [np.ascontiguousarray(np.moveaxis(logits, -1, axis)), labels]
+
+    return values
+
+
 def _soft_values(shape: tuple[int, ...]):
     def values(rng: np.random.Generator) -> list[np.ndarray]:
         logits = rng.standard_normal(shape).astype(np.float32) * 2
@@ -656,6 +667,31 @@ _EXAMPLES = (
         ((4, 6), (4, 6)),
         attrs={"reduction": "none", "label_smoothing": 0.2, "strategy": "vocab_parallel"},
         values=_soft_values((4, 6)),
+    ),
+    # Uneven: 6 rows and 7 classes divide neither 4 nor 8 (7 not even 2), so the
+    # class blocks are padded (one device may hold padding only) and so are the rows.
+    Example(
+        ((6, 7), (6,)),
+        attrs={"reduction": "mean", "ignore_index": 3, "label_smoothing": 0.1},
+        dtypes=("float32", "int32"),
+        differentiable=(True, False),
+        values=_hard_values((6,), 7, 3),
+        uneven=True,
+    ),
+    Example(
+        ((5, 7), (5, 7)),
+        attrs={"reduction": "mean", "label_smoothing": 0.2, "strategy": "vocab_parallel"},
+        values=_soft_values((5, 7)),
+        uneven=True,
+    ),
+    # a class dim that is not last, two row dims, one loss per row
+    Example(
+        ((3, 7, 5), (3, 5)),
+        attrs={"axis": 1, "reduction": "none", "strategy": "vocab_parallel"},
+        dtypes=("float32", "int32"),
+        differentiable=(True, False),
+        values=_hard_values_axis((3, 5), 7, 1, -100),
+        uneven=True,
     ),
 )
 

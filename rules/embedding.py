@@ -283,6 +283,15 @@ _EXAMPLES = (
         differentiable=(True, False),
         values=_values((6, 3), (3,)),
     ),
+    # Uneven: no dim (7 vocab rows, 3 features, 5×3 ids) divides 2, 4 or 8, so every
+    # sharded dim has padded blocks (with 8 shards some blocks are padding only).
+    Example(
+        ((7, 3), (5, 3)),
+        dtypes=("float32", "int32"),
+        differentiable=(True, False),
+        values=_values((7, 3), (5, 3)),
+        uneven=True,
+    ),
 )
 
 RULES = (EmbeddingRule(_EXAMPLES),)

@@ -118,11 +118,21 @@ def _crop(sl: tuple[slice, ...]) -> tuple[slice, ...]:
     return tuple(slice(0, s.stop - s.start) for s in sl)
 
 
+def _is_float(dtype: np.dtype) -> bool:
+    """Floating point, including the ml_dtypes floats (bfloat16, float8) numpy does not know."""
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
 def _fill_value(dtype: np.dtype) -> Any:
     """Padding of uneven blocks: NaN for floats (so a leak into a real output is caught)."""
-    if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating):
+    if _is_float(dtype) or np.issubdtype(dtype, np.complexfloating):
         return np.nan
     return False if dtype == np.bool_ else 0
+
+
+def _low_precision(dtype: np.dtype) -> bool:
+    """A float with fewer mantissa bits than float32 (bfloat16, float16, float8)."""
+    return _is_float(dtype) and jnp.finfo(dtype).nmant < np.finfo(np.float32).nmant
 
 
 def _split(
@@ -130,12 +140,27 @@ def _split(
 ) -> list[np.ndarray]:
     """Split ``base`` into ``n`` asymmetric parts whose ``op``-reduction is ``base``.
 
-    NaN padding (uneven blocks) stays NaN in every part."""
-    pad = np.isnan(base) if np.issubdtype(base.dtype, np.floating) else None
+    NaN padding (uneven blocks) stays NaN in every part. Sum/avg parts of a
+    low-precision float are drawn on each element's own scale (half its
+    magnitude, plus a floor) and the last one is computed in float64: parts
+    much larger than the element would round its low bits away (a bfloat16
+    part near 8 is a multiple of 1/16), so their sum would miss ``base`` by
+    more than the example's tolerance."""
+    pad = np.isnan(base) if _is_float(base.dtype) else None
     if pad is not None and pad.any():
         parts = _split(np.where(pad, 0, base).astype(base.dtype), n, op, rng, domain)
         return [np.where(pad, np.nan, p).astype(base.dtype) for p in parts]
     scale = float(np.abs(base).mean()) + 1.0 if base.size else 1.0
+    if op in ("sum", "avg") and _low_precision(base.dtype):
+        wide = base.astype(np.float64)
+        target = wide * n if op == "avg" else wide
+        mean = float(np.abs(wide).mean()) if base.size else 0.0
+        local = 0.5 * np.abs(wide) + 0.125 * mean + 2**-8
+        parts = [(rng.standard_normal(base.shape) * local).astype(base.dtype) for _ in range(n - 1)]
+        rest = target - sum((p.astype(np.float64) for p in parts), np.zeros_like(wide))
+        parts.append(rest.astype(base.dtype))
+        order = rng.permutation(n)
+        return [parts[i] for i in order]
     if op in ("sum", "avg"):
         target = base * n if op == "avg" else base
         parts = [rng.standard_normal(base.shape).astype(base.dtype) * scale for _ in range(n - 1)]

@@ -1,6 +1,7 @@
 """Every registered rule through the same checks (adding a rule adds its tests).
 
-* numeric sweep, forward and grad, on the 1-D (x=4) and 2-D (a=2, b=4) meshes;
+* numeric sweep, forward and grad, on the 1-D (x=4) and 2-D (a=2, b=4) meshes,
+  even shapes and uneven ones (padded blocks);
 * jit check: compiled HLO collectives equal the predicted ones.
 """
 
@@ -55,5 +56,16 @@ def test_uneven_sweep_1d(op, mesh1d):
         pytest.skip(f"{op} has no uneven example (its shapes must divide)")
     report = check_rule(
         op, mesh=mesh1d, examples=examples, max_cases=12, max_grad_cases=4, missing=False, seed=2
+    )
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_uneven_sweep_2d(op, mesh2d):
+    examples = _uneven_examples(sk.get_rule(op))
+    if not examples:
+        pytest.skip(f"{op} has no uneven example (its shapes must divide)")
+    report = check_rule(
+        op, mesh=mesh2d, examples=examples, max_cases=4, max_grad_cases=2, missing=False, seed=3
     )
     assert report.ok, str(report)

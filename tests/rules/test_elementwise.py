@@ -1,10 +1,13 @@
 """Elementwise family: broadcast notation and the partial policy per op."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.rules.elementwise import broadcast_notation
+from spmdkit.testing import check_grad_case, local_pieces, random_value
 
 T = sk.TensorSpec
 MESH = sk.abstract_mesh(x=4, y=2)
@@ -67,3 +70,34 @@ def test_mixed_reduce_ops_do_not_combine():
         "add", T((8,), partial={"x": "max"}), T((8,), partial={"y": "sum"}), mesh=MESH
     )
     assert len(r.outputs[0].partial) == 1
+
+
+def test_bfloat16_cast_grad_with_a_sum_partial_cotangent(mesh2d):
+    # Found by the 2-D uneven sweep: a bf16 cotangent sum-partial over 8 devices was
+    # split into parts much larger than its elements, whose bf16 rounding missed the
+    # value by more than rtol (~1 seed in 10). Parts now follow each element's scale.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 6)).astype(np.float32)
+    grad_spec = T((6, 6), partial={"a": "sum", "b": "sum"}, dtype="bfloat16")
+    for seed in range(20):
+        cot = random_value((6, 6), "bfloat16", rng=np.random.default_rng(seed))
+        failure, res = check_grad_case(
+            "convert_element_type",
+            [T((6, 6), dtype="float32")],
+            [grad_spec],
+            mesh2d,
+            values=[x],
+            cotangents=[cot],
+            attrs={"new_dtype": "bfloat16"},
+            rtol=2e-2,
+            seed=seed,
+        )
+        assert failure is None, str(failure)
+    assert res.outputs[0].partial == grad_spec.partial  # the widening cast's grad keeps it
+
+
+def test_bfloat16_uneven_pieces_are_padded_with_nan(mesh1d):
+    # bfloat16 is not a numpy floating type: its padding must still be NaN, not 0
+    value = np.ones((6,), dtype=jnp.bfloat16)
+    pieces = local_pieces(value, T((6,), P("x")), mesh1d, rng=np.random.default_rng(0))
+    assert np.isnan(pieces.astype(np.float32)).sum() == 2  # blocks of 2: the last is padding
