@@ -130,28 +130,24 @@ def _fill_value(dtype: np.dtype) -> Any:
     return False if dtype == np.bool_ else 0
 
 
-def _low_precision(dtype: np.dtype) -> bool:
-    """A float with fewer mantissa bits than float32 (bfloat16, float16, float8)."""
-    return _is_float(dtype) and jnp.finfo(dtype).nmant < np.finfo(np.float32).nmant
-
-
 def _split(
     base: np.ndarray, n: int, op: str, rng: np.random.Generator, domain: str
 ) -> list[np.ndarray]:
     """Split ``base`` into ``n`` asymmetric parts whose ``op``-reduction is ``base``.
 
     NaN padding (uneven blocks) stays NaN in every part. Sum/avg parts of a
-    low-precision float are drawn on each element's own scale (half its
-    magnitude, plus a floor) and the last one is computed in float64: parts
-    much larger than the element would round its low bits away (a bfloat16
-    part near 8 is a multiple of 1/16), so their sum would miss ``base`` by
-    more than the example's tolerance."""
+    float are drawn on each element's own scale (half its magnitude, plus a
+    floor) and the last one is computed in float64: parts much larger than the
+    element would round its low bits away (a bfloat16 part near 8 is a multiple
+    of 1/16; a float32 reduction of 64 such parts to a scalar near 0 misses by
+    1e-5), so their sum would miss ``base`` by more than the example's tolerance
+    for reasons of the check, not of the rule."""
     pad = np.isnan(base) if _is_float(base.dtype) else None
     if pad is not None and pad.any():
         parts = _split(np.where(pad, 0, base).astype(base.dtype), n, op, rng, domain)
         return [np.where(pad, np.nan, p).astype(base.dtype) for p in parts]
     scale = float(np.abs(base).mean()) + 1.0 if base.size else 1.0
-    if op in ("sum", "avg") and _low_precision(base.dtype):
+    if op in ("sum", "avg") and _is_float(base.dtype):
         wide = base.astype(np.float64)
         target = wide * n if op == "avg" else wide
         mean = float(np.abs(wide).mean()) if base.size else 0.0
