@@ -282,7 +282,11 @@ def _host_checksums(flat: dict[str, jax.Array]) -> dict[str, int]:
     """Checksums of CPU-resident arrays from their shards in host memory (zero-copy
     views), one replica of each shard, summed over processes."""
     parts = {
-        k: [_ShardSum.of(sh, v.shape) for sh in v.addressable_shards if sh.replica_id == 0]
+        k: [
+            _ShardSum.of(sh, v.shape)
+            for sh in v.addressable_shards
+            if sh.replica_id == 0 and sh.data.size  # an empty shard adds nothing
+        ]
         for k, v in flat.items()
     }
     jobs = [(p, lo, hi) for ps in parts.values() for p in ps for lo, hi in p.ranges()]

@@ -282,6 +282,7 @@ def test_host_checksum_equals_the_device_checksum(mesh2d, dtype):
         ((16,), P(("a", "b"))),
         ((3,), P()),
         ((), P()),
+        ((8, 0), P("a")),  # no elements
     ]
     data = {
         shape: (rng.standard_normal(shape) * 100).astype(jnp.dtype(dtype)) for shape, _ in layouts
@@ -296,6 +297,7 @@ def test_host_checksum_equals_the_device_checksum(mesh2d, dtype):
     assert host == device
     # the same values under two layouts agree; different arrays differ
     assert host[((8, 12), P("a", "b"))] == host[((8, 12), P("b", None))]
+    assert host[((8, 0), P("a"))] == 0
     assert len(set(host.values())) == len(layouts) - 1
 
 
