@@ -99,3 +99,20 @@ def check_moves(values: Sequence[np.ndarray], coverage: Coverage, mesh) -> int:
                 ), f"{g} -> {r}: grad {grad.sharding.spec}"
         checked += len(moves)
     return checked
+
+
+def check_every_layout(
+    combos: Sequence[Specs],
+    required: Callable[[Specs], Specs],
+    check: Callable[[str, Specs], None],
+    values: Sequence[np.ndarray],
+    mesh,
+) -> Coverage:
+    """Every combination of ``combos``: ``check(mode, specs)`` once per distinct
+    program in both axis modes, then every distinct move (:func:`check_moves`)."""
+    cov = cover(combos, required)
+    for specs in cov.programs:
+        for mode in ("explicit", "auto"):
+            check(mode, specs)
+    check_moves(values, cov, mesh)
+    return cov

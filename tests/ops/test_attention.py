@@ -19,7 +19,7 @@ from spmdkit.ops.attention import attention
 from spmdkit.rules.attention import attention_reference
 from spmdkit.testing import enumerate_specs
 
-from ._layouts import check_moves, cover, enumerated
+from ._layouts import check_every_layout, enumerated
 
 OP = "attention"
 RTOL, ATOL = 1e-5, 1e-6
@@ -110,12 +110,13 @@ def test_every_enumerated_layout(mesh2d, config):
     """Every input-spec combination the sweep enumerates, through the distinct local
     programs (both axis modes) and the distinct per-operand moves they need."""
     case = _Case(config)
-    combos = enumerated(SHAPES, ["float32"] * 3, mesh2d)
-    cov = cover(combos, lambda specs: case.required(specs, mesh2d))
-    for specs in cov.programs:
-        for mode in ("explicit", "auto"):
-            case.check(mesh2d, mode, specs)
-    check_moves(case.values, cov, mesh2d)
+    check_every_layout(
+        enumerated(SHAPES, ["float32"] * 3, mesh2d),
+        lambda specs: case.required(specs, mesh2d),
+        lambda mode, specs: case.check(mesh2d, mode, specs),
+        case.values,
+        mesh2d,
+    )
 
 
 def test_sequence_parallel_strategies_keep_the_query_sequence_sharded(mesh2d):

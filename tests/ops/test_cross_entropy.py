@@ -15,7 +15,7 @@ from spmdkit.errors import ShardingConflictError, SpecError
 from spmdkit.ops.cross_entropy import softmax_cross_entropy
 from spmdkit.rules.cross_entropy import softmax_cross_entropy_reference as ce_ref
 
-from ._layouts import check_moves, cover, enumerated
+from ._layouts import check_every_layout, enumerated
 
 OP = "softmax_cross_entropy"
 RTOL, ATOL = 1e-5, 1e-6
@@ -130,11 +130,13 @@ def test_every_enumerated_layout(mesh2d, config):
     """Every input-spec combination the sweep enumerates, through the distinct local
     programs (both axis modes) and the distinct per-operand moves they need."""
     case = _Case(config)
-    cov = cover(case.combos(mesh2d), lambda specs: case.required(specs, mesh2d))
-    for specs in cov.programs:
-        for mode in ("explicit", "auto"):
-            case.check(mesh2d, mode, specs)
-    check_moves((case.z, case.y), cov, mesh2d)
+    check_every_layout(
+        case.combos(mesh2d),
+        lambda specs: case.required(specs, mesh2d),
+        lambda mode, specs: case.check(mesh2d, mode, specs),
+        (case.z, case.y),
+        mesh2d,
+    )
 
 
 def test_optax_raises_on_vocab_sharded_logits_where_the_op_works(mesh1d):

@@ -13,7 +13,7 @@ import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
 from spmdkit.ops.embedding import embedding_lookup
 
-from ._layouts import check_moves, cover, enumerated
+from ._layouts import check_every_layout, enumerated
 
 OP = "embedding"
 RTOL, ATOL = 1e-5, 1e-6
@@ -75,11 +75,13 @@ def test_values_and_grads_equal_the_unsharded_lookup(mesh2d, data, mode):
 def test_every_enumerated_layout(mesh2d, data):
     """Every input-spec combination the sweep enumerates, through the distinct local
     programs (both axis modes) and the distinct per-operand moves they need."""
-    cov = cover(_combos(data, mesh2d), lambda s: sk.infer_forward(OP, *s, mesh=mesh2d).inputs)
-    for specs in cov.programs:
-        for mode in ("explicit", "auto"):
-            _check(mesh2d, mode, data, specs)
-    check_moves(data[:2], cov, mesh2d)
+    check_every_layout(
+        _combos(data, mesh2d),
+        lambda specs: sk.infer_forward(OP, *specs, mesh=mesh2d).inputs,
+        lambda mode, specs: _check(mesh2d, mode, data, specs),
+        data[:2],
+        mesh2d,
+    )
 
 
 def test_outputs_carry_the_rule_layout(mesh2d, data):

@@ -15,7 +15,7 @@ from spmdkit.hlo import compiled_collectives
 from spmdkit.ops.index_put import index_put
 from spmdkit.rules.index_put import index_put_reference
 
-from ._layouts import check_moves, cover, enumerated
+from ._layouts import check_every_layout, enumerated
 
 T = sk.TensorSpec
 
@@ -115,11 +115,13 @@ def test_every_enumerated_layout(mesh2d, config):
     """Every input-spec combination the sweep enumerates, through the distinct local
     programs (both axis modes) and the distinct per-operand moves they need."""
     case = _Case(config)
-    cov = cover(case.combos(mesh2d), lambda specs: case.required(specs, mesh2d))
-    for specs in cov.programs:
-        for mode in ("explicit", "auto"):
-            case.check(mesh2d, mode, specs)
-    check_moves(case.values, cov, mesh2d)
+    check_every_layout(
+        case.combos(mesh2d),
+        lambda specs: case.required(specs, mesh2d),
+        lambda mode, specs: case.check(mesh2d, mode, specs),
+        case.values,
+        mesh2d,
+    )
 
 
 def test_several_index_arrays_and_in_specs_under_auto_jit(mesh2d):

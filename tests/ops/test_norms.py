@@ -16,7 +16,7 @@ from spmdkit.errors import ShardingConflictError
 from spmdkit.ops import norms
 from spmdkit.testing import enumerate_specs
 
-from ._layouts import check_moves, cover, enumerated
+from ._layouts import check_every_layout, enumerated
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -230,12 +230,13 @@ def test_every_enumerated_layout(mesh2d, config):
     """Every input-spec combination the sweep enumerates, through the distinct local
     programs (both axis modes) and the distinct per-operand moves they need."""
     case = _Case(config)
-    combos = enumerated(case.shapes, ["float32"] * len(case.shapes), mesh2d)
-    cov = cover(combos, lambda specs: case.required(specs, mesh2d))
-    for specs in cov.programs:
-        for mode in ("explicit", "auto"):
-            case.check(mesh2d, mode, specs)
-    check_moves(case.vals, cov, mesh2d)
+    check_every_layout(
+        enumerated(case.shapes, ["float32"] * len(case.shapes), mesh2d),
+        lambda specs: case.required(specs, mesh2d),
+        lambda mode, specs: case.check(mesh2d, mode, specs),
+        case.vals,
+        mesh2d,
+    )
 
 
 def _flags(op, shapes):
