@@ -432,10 +432,35 @@ def _platform(mesh: Any) -> str | None:
 
 
 def _as_on_cpu(prop: Any) -> Any:
-    """The prediction as XLA's CPU backend emits it: a reduce-scatter becomes an
-    all-reduce of the same operand followed by a local slice (same payload bytes)."""
+    """The prediction as XLA's CPU backend emits it.
+
+    A reduce-scatter becomes an all-reduce of the same operand followed by a local
+    slice. When one reshard reduce-scatters over several axes in turn (partial
+    over ``data`` and ``model`` into a dim tiled by both), the slices all come
+    after the last all-reduce, so every stage all-reduces the whole block the
+    first stage had, not the shrinking block the plan's staged scatters send.
+    """
     kinds = dict(prop.comm_bytes_by_kind)
     moved = kinds.pop("reduce_scatter", 0)
     if moved:
-        kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved
+        kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved + _unsliced_extra(prop.records)
     return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())))
+
+
+def _unsliced_extra(records: Any, repeat: int = 1) -> int:
+    """Bytes the unsliced stages of staged reduce-scatters add (see :func:`_as_on_cpu`)."""
+    extra = 0
+    for r in records:
+        for a in r.reshards:
+            first = None
+            for c in a.plan.collectives:
+                if c.kind != "reduce_scatter":
+                    first = None
+                    continue
+                if first is None:
+                    first = c.payload_bytes
+                else:
+                    extra += (first - c.payload_bytes) * repeat
+        if r.body:
+            extra += _unsliced_extra(r.body, repeat * r.repeat)
+    return extra

@@ -58,6 +58,15 @@ def _pin(x: Any, spec: TensorSpec | None, mesh: Any) -> Any:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_partition_spec()))
 
 
+def _through(x: Any, chain: Sequence[TensorSpec], mesh: Any) -> Any:
+    """Pin ``x`` to each layout of a multi-step reshard in turn, so that XLA takes
+    the plan's steps in the plan's order (left alone it may gather the larger
+    dim first, moving more bytes than planned)."""
+    for spec in chain:
+        x = _pin(x, spec, mesh)
+    return x
+
+
 def _bind(eqn: Any, vals: Sequence[Any]) -> list[Any]:
     got = eqn.primitive.get_bind_params(eqn.params)
     # jax <= 0.4.x returned (subfuns, params); newer versions return params only
@@ -77,6 +86,7 @@ class _Replay:
     def __init__(self, program: Any, mesh: Any) -> None:
         self.program = program
         self.mesh = mesh
+        self.memo: dict[tuple, tuple[Any, Any]] = {}
 
     def graph(self, graph: Any, ins: Sequence[Any]) -> list[Any]:
         env: dict[int, Any] = dict(zip(graph.invars, ins, strict=True))
@@ -102,12 +112,27 @@ class _Replay:
             if specs is None:  # dead code (XLA drops it) or not propagated
                 outs = _bind(node.eqn, vals)
             else:
-                req, produced = specs
-                vals = [_pin(x, s, self.mesh) for x, s in zip(vals, req, strict=True)]
+                req, produced, steps = specs
+                vals = [
+                    self.moved(v, x, chain, s)
+                    for v, x, s, chain in zip(node.ins, vals, req, steps, strict=True)
+                ]
                 outs = self.scan(node, vals) if node.kind == "scan" else _bind(node.eqn, vals)
                 outs = [_pin(x, s, self.mesh) for x, s in zip(outs, produced, strict=True)]
             env.update(zip(node.outs, outs, strict=True))
         return [read(v) for v in graph.outvars]
+
+    def moved(self, vid: int, x: Any, chain: Sequence[TensorSpec], spec: TensorSpec | None) -> Any:
+        """``x`` (value ``vid``) moved to ``spec`` through ``chain``, once per value
+        and target: later readers reuse the moved copy, as the plan counts it."""
+        if not chain:
+            return _pin(x, spec, self.mesh)
+        key = (vid, spec, tuple(chain))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not x:
+            hit = (x, _pin(_through(x, chain, self.mesh), spec, self.mesh))
+            self.memo[key] = hit
+        return hit[1]
 
     def scan(self, node: Any, vals: list[Any]) -> list[Any]:
         p = node.eqn.params

@@ -2017,7 +2017,7 @@ def propagate(
     for v, vid in env.items():
         if vid in spec:
             var_specs[v] = spec[vid]
-    program = Program(graph, prog.values, _node_specs(collect), out_treedef)
+    program = Program(graph, prog.values, _node_specs(collect, engine), out_treedef)
     return Propagation(
         mesh=mesh,
         closed_jaxpr=closed,
@@ -2045,14 +2045,16 @@ class Program:
     Attributes:
       graph: the flattened program (call-like equations inlined).
       values: constant value id → value.
-      specs: ``id(node)`` → ``(input specs after reshards, output specs)``.
+      specs: ``id(node)`` → ``(input specs after reshards, output specs, steps)``;
+        ``steps[i]`` are the layouts input ``i`` passes through on its way to its
+        spec when its reshard takes several collectives (partial ones left out).
       out_tree: the output treedef (None when propagating a closed jaxpr
         without one).
     """
 
     graph: Any
     values: dict[int, Any]
-    specs: dict[int, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]
+    specs: dict[int, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], tuple]]
     out_tree: Any
 
 
@@ -2065,12 +2067,17 @@ def _producers(graph: _Graph, out: dict[int, str]) -> dict[int, str]:
     return out
 
 
-def _node_specs(items: list, out: dict | None = None) -> dict:
+def _node_specs(items: list, engine: _Engine, out: dict | None = None) -> dict:
     out = {} if out is None else out
-    for node, _, _, _, req, outs, _, extra in items:
-        out[id(node)] = (tuple(req), tuple(outs))
+    for node, _, _, specs, req, outs, _, extra in items:
+        chains = []
+        for v, s, r in zip(node.ins, specs, req, strict=True):
+            a = engine.reshard("input", s, r, v) if s is not None and r is not None else None
+            steps = a.plan.specs[1:-1] if a is not None and len(a.plan.collectives) > 1 else ()
+            chains.append(tuple(x for x in steps if not x.partial))
+        out[id(node)] = (tuple(req), tuple(outs), tuple(chains))
         if extra is not None:
-            _node_specs(extra[0], out)
+            _node_specs(extra[0], engine, out)
     return out
 
 
