@@ -434,33 +434,57 @@ def _platform(mesh: Any) -> str | None:
 def _as_on_cpu(prop: Any) -> Any:
     """The prediction as XLA's CPU backend emits it.
 
-    A reduce-scatter becomes an all-reduce of the same operand followed by a local
-    slice. When one reshard reduce-scatters over several axes in turn (partial
-    over ``data`` and ``model`` into a dim tiled by both), the slices all come
-    after the last all-reduce, so every stage all-reduces the whole block the
-    first stage had, not the shrinking block the plan's staged scatters send.
+    A reduce-scatter that XLA's partitioner makes becomes an all-reduce of the
+    same operand followed by a local slice. When one reshard reduce-scatters over
+    several axes in turn (partial over ``data`` and ``model`` into dims tiled by
+    both), the slices all come after the last all-reduce, so every stage
+    all-reduces the whole block the first stage had, not the shrinking block the
+    plan's staged scatters send. The same holds for a reduce-scatter followed by
+    an all-reduce of a value made by an op XLA reduces in place (a scatter-add's
+    table gradient); after other ops it slices between the two. Reductions the
+    enforced program runs itself (``Program.specs``' fused plans,
+    ``psum_scatter`` under ``shard_map``) stay reduce-scatters.
     """
     kinds = dict(prop.comm_bytes_by_kind)
     moved = kinds.pop("reduce_scatter", 0)
-    if moved:
-        kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved + _unsliced_extra(prop.records)
+    if not moved:
+        return prop
+    extra = _unsliced(prop.records)
+    kept = 0
+    program = getattr(prop, "program", None)
+    for entry in program.specs.values() if program is not None else ():
+        if len(entry) > 4 and entry[3] is not None:
+            plan, runs = entry[3], entry[4]
+            rs = [c.payload_bytes for c in plan.collectives if c.kind == "reduce_scatter"]
+            kept += runs * sum(rs)
+            extra -= runs * _unsliced_plan(plan)
+    kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved - kept + extra
+    if kept:
+        kinds["reduce_scatter"] = kept
     return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())))
 
 
-def _unsliced_extra(records: Any, repeat: int = 1) -> int:
-    """Bytes the unsliced stages of staged reduce-scatters add (see :func:`_as_on_cpu`)."""
+def _unsliced_plan(plan: Any, in_place: bool = False) -> int:
+    """Bytes the unsliced stages of one plan's staged reductions add: further
+    reduce-scatters after a reduce-scatter, and all-reduces too when the value's
+    producer reduces in place (``ArgReshard.in_place``)."""
+    extra, first = 0, None
+    later = ("reduce_scatter", "all_reduce") if in_place else ("reduce_scatter",)
+    for c in plan.collectives:
+        if first is not None and c.kind in later:
+            extra += first - c.payload_bytes
+        elif c.kind == "reduce_scatter":
+            first = c.payload_bytes
+        else:
+            first = None
+    return extra
+
+
+def _unsliced(records: Any, repeat: int = 1) -> int:
+    """:func:`_unsliced_plan` over every reshard of ``records`` (loops repeated)."""
     extra = 0
     for r in records:
-        for a in r.reshards:
-            first = None
-            for c in a.plan.collectives:
-                if c.kind != "reduce_scatter":
-                    first = None
-                    continue
-                if first is None:
-                    first = c.payload_bytes
-                else:
-                    extra += (first - c.payload_bytes) * repeat
+        extra += repeat * sum(_unsliced_plan(a.plan, a.in_place) for a in r.reshards)
         if r.body:
-            extra += _unsliced_extra(r.body, repeat * r.repeat)
+            extra += _unsliced(r.body, repeat * r.repeat)
     return extra

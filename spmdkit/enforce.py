@@ -12,9 +12,22 @@ the layout the rule produced. XLA then has nothing left to choose but *how* to m
 between two given layouts, so the compiled program does what the plan predicted.
 ``sk.jit`` does this by default under Auto axes (``enforce=True``).
 
+Two cases need more than a constraint on each side:
+  - a reshard the plan does in several collectives (a weight tiled over
+    ``data`` and ``model`` gathered whole) is pinned at every intermediate
+    layout, so XLA takes the plan's steps in the plan's order, and the moved
+    copy is made once for all the readers that want it;
+  - a contraction (``dot_general``, ``conv_general_dilated``) whose result is
+    sum-partial, and whose readers all want it in one non-partial layout, runs
+    per device under ``shard_map`` and is reduced there with the plan's own
+    collectives (``psum_scatter``, ``psum``). A partial value cannot be pinned:
+    left alone, XLA may compute the contraction in another layout and move an
+    activation where the plan moves the (smaller) product.
+
 What is not pinned:
-  - values with a pending reduction (``partial``): XLA keeps those internal and
-    reduces them where the next constraint asks for a non-partial layout;
+  - other values with a pending reduction (``partial``): XLA keeps those
+    internal and reduces them where the next constraint asks for a non-partial
+    layout;
   - scalars and extended dtypes (PRNG keys);
   - the insides of ``while`` and ``cond`` bodies, and of remat (checkpoint)
     regions, which are replayed whole so that XLA still recomputes them (their
@@ -37,6 +50,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from spmdkit.resharding import _step_body
 from spmdkit.spec import TensorSpec
 
 try:  # name stacks keep forward/backward labels in the compiled HLO's metadata
@@ -112,12 +126,18 @@ class _Replay:
             if specs is None:  # dead code (XLA drops it) or not propagated
                 outs = _bind(node.eqn, vals)
             else:
-                req, produced, steps = specs
+                req, produced, steps, fused, _ = specs
                 vals = [
                     self.moved(v, x, chain, s)
                     for v, x, s, chain in zip(node.ins, vals, req, steps, strict=True)
                 ]
-                outs = self.scan(node, vals) if node.kind == "scan" else _bind(node.eqn, vals)
+                if fused is not None:
+                    outs = [self.reduced(node.eqn, vals, req, fused)]
+                    produced = (fused.dst,)
+                elif node.kind == "scan":
+                    outs = self.scan(node, vals)
+                else:
+                    outs = _bind(node.eqn, vals)
                 outs = [_pin(x, s, self.mesh) for x, s in zip(outs, produced, strict=True)]
             env.update(zip(node.outs, outs, strict=True))
         return [read(v) for v in graph.outvars]
@@ -133,6 +153,26 @@ class _Replay:
             hit = (x, _pin(_through(x, chain, self.mesh), spec, self.mesh))
             self.memo[key] = hit
         return hit[1]
+
+    def reduced(self, eqn: Any, vals: list[Any], req: Sequence[TensorSpec], plan: Any) -> Any:
+        """A contraction with a sum-partial result, run per device under
+        ``shard_map`` and reduced there with the plan's own collectives (a
+        partial value cannot be pinned; left alone XLA may compute the
+        contraction in another layout and move operands the plan does not)."""
+
+        def local(*blocks: Any) -> Any:
+            y = _bind(eqn, blocks)[0]
+            for step in plan.steps:
+                y = _step_body(step)(y)
+            return y
+
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=tuple(s.to_partition_spec() for s in req),
+            out_specs=plan.dst.to_partition_spec(),
+            check_vma=False,
+        )(*vals)
 
     def scan(self, node: Any, vals: list[Any]) -> list[Any]:
         p = node.eqn.params

@@ -43,12 +43,16 @@ class ArgReshard:
       src: the spec given.
       dst: the spec the rule requires.
       plan: the :class:`spmdkit.resharding.ReshardPlan` (collectives, bytes per device, time).
+      in_place: the value comes from an op that XLA reduces where it is made
+        (scatter, gather): all its pending reductions run, on the whole block,
+        before it moves (see ``spmdkit.propagate``).
     """
 
     arg: str
     src: TensorSpec
     dst: TensorSpec
     plan: Any
+    in_place: bool = False
 
     @property
     def payload_bytes(self) -> int:

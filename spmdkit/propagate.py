@@ -998,7 +998,7 @@ class _Engine:
         if strict and not _reduces_first(plan):
             plan = _reduce_then_move(src_t, dst, self)
         plan = _one_group(plan, self)
-        out = ArgReshard(label, src, dst, plan)
+        out = ArgReshard(label, src, dst, plan, in_place=strict)
         self._plans[key] = out
         return out
 
@@ -2017,7 +2017,12 @@ def propagate(
     for v, vid in env.items():
         if vid in spec:
             var_specs[v] = spec[vid]
-    program = Program(graph, prog.values, _node_specs(collect, engine), out_treedef)
+    program = Program(
+        graph,
+        prog.values,
+        _node_specs(collect, engine, _returned(graph, final_out), _body_outvars(graph)),
+        out_treedef,
+    )
     return Propagation(
         mesh=mesh,
         closed_jaxpr=closed,
@@ -2045,16 +2050,20 @@ class Program:
     Attributes:
       graph: the flattened program (call-like equations inlined).
       values: constant value id → value.
-      specs: ``id(node)`` → ``(input specs after reshards, output specs, steps)``;
-        ``steps[i]`` are the layouts input ``i`` passes through on its way to its
-        spec when its reshard takes several collectives (partial ones left out).
+      specs: ``id(node)`` → ``(input specs after reshards, output specs, steps,
+        fused, runs)``; ``steps[i]`` are the layouts input ``i`` passes through on its
+        way to its spec when its reshard takes several collectives (partial ones
+        left out); ``fused`` is the reshard plan that reduces a contraction's
+        sum-partial result to the one layout all its readers want (None when the
+        result is not partial, is returned, or its readers differ); ``runs`` is
+        how many times the equation runs per step (loop trip counts).
       out_tree: the output treedef (None when propagating a closed jaxpr
         without one).
     """
 
     graph: Any
     values: dict[int, Any]
-    specs: dict[int, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], tuple]]
+    specs: dict[int, tuple]
     out_tree: Any
 
 
@@ -2067,18 +2076,75 @@ def _producers(graph: _Graph, out: dict[int, str]) -> dict[int, str]:
     return out
 
 
-def _node_specs(items: list, engine: _Engine, out: dict | None = None) -> dict:
+#: Contractions whose sum-partial result the replay reduces itself (see Program).
+_FUSED_REDUCE = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _returned(graph: _Graph, final_out: Sequence[TensorSpec | None]) -> dict:
+    """Returned value → the layout it leaves in (None: returned twice, left alone)."""
+    out: dict[int, TensorSpec | None] = {}
+    for v, s in zip(graph.outvars, final_out, strict=True):
+        out[v] = None if v in out else s
+    return out
+
+
+def _body_outvars(graph: _Graph, out: set[int] | None = None) -> set[int]:
+    """Values that loop or branch bodies return (their layout is the loop's)."""
+    out = set() if out is None else out
+    for node in graph.all_nodes or graph.nodes:
+        for sub in node.subs:
+            out.update(sub.outvars)
+            _body_outvars(sub, out)
+    return out
+
+
+def _node_specs(
+    items: list,
+    engine: _Engine,
+    returned: dict[int, TensorSpec | None],
+    blocked: set[int],
+    out: dict | None = None,
+    runs: int = 1,
+) -> dict:
     out = {} if out is None else out
+    readers: dict[int, list[TensorSpec | None]] = collections.defaultdict(list)
+    for v, r in returned.items():
+        readers[v].append(r)
+    for node, _, _, _, req, _, _, _ in items:
+        for v, r in zip(node.ins, req, strict=True):
+            readers[v].append(r)
     for node, _, _, specs, req, outs, _, extra in items:
         chains = []
         for v, s, r in zip(node.ins, specs, req, strict=True):
             a = engine.reshard("input", s, r, v) if s is not None and r is not None else None
             steps = a.plan.specs[1:-1] if a is not None and len(a.plan.collectives) > 1 else ()
             chains.append(tuple(x for x in steps if not x.partial))
-        out[id(node)] = (tuple(req), tuple(outs), tuple(chains))
+        fused = None
+        if (
+            node.prim in _FUSED_REDUCE
+            and len(outs) == 1
+            and outs[0] is not None
+            and outs[0].partial
+            and all(r is not None and not r.partial for r in req)
+            and node.outs[0] not in blocked
+        ):
+            want = readers.get(node.outs[0], [])
+            same = all(w is not None and not w.partial and w.dims == want[0].dims for w in want)
+            if want and same:
+                a = engine.reshard("input", outs[0], want[0], node.outs[0])
+                if a is not None and _even(a.plan.dst, engine.mesh):
+                    fused = a.plan
+        out[id(node)] = (tuple(req), tuple(outs), tuple(chains), fused, runs)
         if extra is not None:
-            _node_specs(extra[0], engine, out)
+            _node_specs(extra[0], engine, {}, blocked, out, runs * extra[2])
     return out
+
+
+def _even(spec: TensorSpec, mesh: MeshLike) -> bool:
+    sizes = axis_sizes(mesh)
+    return all(
+        n % math.prod(sizes[a] for a in d) == 0 for n, d in zip(spec.shape, spec.dims, strict=True)
+    )
 
 
 def _consumer_hints(
