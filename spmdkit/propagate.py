@@ -2054,8 +2054,9 @@ class Program:
         fused, runs)``; ``steps[i]`` are the layouts input ``i`` passes through on its
         way to its spec when its reshard takes several collectives (partial ones
         left out); ``fused`` is the reshard plan that reduces a contraction's
-        sum-partial result to the one layout all its readers want (None when the
-        result is not partial, is returned, or its readers differ); ``runs`` is
+        sum-partial result to the one layout all its readers (and the step's
+        outputs) want (None when the result is not partial, a loop body returns
+        it, its readers differ, or a block would be uneven); ``runs`` is
         how many times the equation runs per step (loop trip counts).
       out_tree: the output treedef (None when propagating a closed jaxpr
         without one).
@@ -2132,7 +2133,8 @@ def _node_specs(
             same = all(w is not None and not w.partial and w.dims == want[0].dims for w in want)
             if want and same:
                 a = engine.reshard("input", outs[0], want[0], node.outs[0])
-                if a is not None and _even(a.plan.dst, engine.mesh):
+                even = all(_even(x, engine.mesh) for x in (*req, *(a.plan.specs if a else ())))
+                if a is not None and even:  # shard_map takes even blocks only
                     fused = a.plan
         out[id(node)] = (tuple(req), tuple(outs), tuple(chains), fused, runs)
         if extra is not None:
