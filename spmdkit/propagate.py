@@ -2133,20 +2133,13 @@ def _node_specs(
             same = all(w is not None and not w.partial and w.dims == want[0].dims for w in want)
             if want and same:
                 a = engine.reshard("input", outs[0], want[0], node.outs[0])
-                even = all(_even(x, engine.mesh) for x in (*req, *(a.plan.specs if a else ())))
-                if a is not None and even:  # shard_map takes even blocks only
+                # shard_map takes even blocks only
+                if a is not None and all(x.is_even(engine.mesh) for x in (*req, *a.plan.specs)):
                     fused = a.plan
         out[id(node)] = (tuple(req), tuple(outs), tuple(chains), fused, runs)
         if extra is not None:
             _node_specs(extra[0], engine, {}, blocked, out, runs * extra[2])
     return out
-
-
-def _even(spec: TensorSpec, mesh: MeshLike) -> bool:
-    sizes = axis_sizes(mesh)
-    return all(
-        n % math.prod(sizes[a] for a in d) == 0 for n, d in zip(spec.shape, spec.dims, strict=True)
-    )
 
 
 def _consumer_hints(
