@@ -12,17 +12,26 @@ the layout the rule produced. XLA then has nothing left to choose but *how* to m
 between two given layouts, so the compiled program does what the plan predicted.
 ``sk.jit`` does this by default under Auto axes (``enforce=True``).
 
-Two cases need more than a constraint on each side:
-  - a reshard the plan does in several collectives (a weight tiled over
-    ``data`` and ``model`` gathered whole) is pinned at every intermediate
-    layout, so XLA takes the plan's steps in the plan's order, and the moved
-    copy is made once for all the readers that want it;
+Three cases need more than a constraint on each side:
+  - a reshard with no partial layout on the way and even blocks runs with the
+    plan's own collectives under ``shard_map`` (the executor of
+    :func:`spmdkit.reshard`), once per value and target; every reader that wants
+    that layout reads the moved copy. Left to a constraint, XLA may move it
+    another way (gather the larger dim first, or slice and permute where the
+    plan gathers);
+  - a multi-step reshard that cannot run so (a partial or uneven layout on the
+    way) is pinned at every intermediate layout, so XLA still takes the plan's
+    steps in the plan's order;
   - a contraction (``dot_general``, ``conv_general_dilated``) whose result is
-    sum-partial, and whose readers all want it in one non-partial layout, runs
-    per device under ``shard_map`` and is reduced there with the plan's own
-    collectives (``psum_scatter``, ``psum``). A partial value cannot be pinned:
-    left alone, XLA may compute the contraction in another layout and move an
-    activation where the plan moves the (smaller) product.
+    sum-partial, and whose readers want non-partial layouts that all slice from
+    one of them, runs per device under ``shard_map`` and is reduced there with
+    the plan's own collectives (``psum_scatter``, ``psum``). A partial value
+    cannot be pinned: left alone, XLA may compute the contraction in another
+    layout and move an activation where the plan moves the (smaller) product,
+    or reduce-scatter and then gather where the plan all-reduces. When the
+    partial passes a transpose (or, kept in its layout, a reshape or cast) on
+    its way to the readers, it is reduced before it, in the layout the
+    transpose maps the readers' layout back to.
 
 What is not pinned:
   - other values with a pending reduction (``partial``): XLA keeps those
@@ -50,7 +59,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from spmdkit.resharding import _step_body
+from spmdkit.resharding import ReshardPlan, _run, _step_body
 from spmdkit.spec import TensorSpec
 
 try:  # name stacks keep forward/backward labels in the compiled HLO's metadata
@@ -142,15 +151,24 @@ class _Replay:
             env.update(zip(node.outs, outs, strict=True))
         return [read(v) for v in graph.outvars]
 
-    def moved(self, vid: int, x: Any, chain: Sequence[TensorSpec], spec: TensorSpec | None) -> Any:
-        """``x`` (value ``vid``) moved to ``spec`` through ``chain``, once per value
-        and target: later readers reuse the moved copy, as the plan counts it."""
+    def moved(
+        self, vid: int, x: Any, chain: Sequence[TensorSpec] | ReshardPlan, spec: TensorSpec | None
+    ) -> Any:
+        """``x`` (value ``vid``) moved to ``spec``, once per value and target (later
+        readers reuse the moved copy, as the plan counts it): by the plan's own
+        collectives when ``chain`` is a :class:`ReshardPlan`, else pinned at each
+        intermediate layout of ``chain``."""
         if not chain:
             return _pin(x, spec, self.mesh)
-        key = (vid, spec, tuple(chain))
+        explicit = isinstance(chain, ReshardPlan)
+        key = (vid, spec, chain if explicit else tuple(chain))
         hit = self.memo.get(key)
         if hit is None or hit[0] is not x:
-            hit = (x, _pin(_through(x, chain, self.mesh), spec, self.mesh))
+            if explicit:
+                moved = _run(_pin(x, chain.src, self.mesh), chain, self.mesh)
+            else:
+                moved = _through(x, chain, self.mesh)
+            hit = (x, _pin(moved, spec, self.mesh))
             self.memo[key] = hit
         return hit[1]
 

@@ -2051,13 +2051,16 @@ class Program:
       graph: the flattened program (call-like equations inlined).
       values: constant value id → value.
       specs: ``id(node)`` → ``(input specs after reshards, output specs, steps,
-        fused, runs)``; ``steps[i]`` are the layouts input ``i`` passes through on its
-        way to its spec when its reshard takes several collectives (partial ones
-        left out); ``fused`` is the reshard plan that reduces a contraction's
-        sum-partial result to the one layout all its readers (and the step's
-        outputs) want (None when the result is not partial, a loop body returns
-        it, its readers differ, or a block would be uneven); ``runs`` is
-        how many times the equation runs per step (loop trip counts).
+        fused, runs)``; ``steps[i]`` is the :class:`~spmdkit.resharding.ReshardPlan`
+        that moves input ``i`` when the replay runs it with its own collectives
+        (no partial layout on the way, even blocks), else the layouts it passes
+        through when its reshard takes several collectives (partial ones left
+        out); ``fused`` is the reshard plan that reduces a contraction's
+        sum-partial result to the layout all its readers (and the step's outputs)
+        slice from (None when the result is not partial, a loop body returns it,
+        its readers differ, or a block would be uneven); the transposes, reshapes
+        and casts it passes on the way carry reduced layouts; ``runs`` is how
+        many times the equation runs per step (loop trip counts).
       out_tree: the output treedef (None when propagating a closed jaxpr
         without one).
     """
@@ -2099,6 +2102,13 @@ def _body_outvars(graph: _Graph, out: set[int] | None = None) -> set[int]:
     return out
 
 
+def _explicit_move(plan: Any, mesh: Any) -> bool:
+    """Whether the replay runs this reshard with its own collectives under
+    ``shard_map``: no partial layout on the way (a pending sum cannot cross a
+    shard_map boundary under Auto axes) and even blocks all the way."""
+    return all(not x.partial and x.is_even(mesh) for x in plan.specs)
+
+
 def _node_specs(
     items: list,
     engine: _Engine,
@@ -2109,15 +2119,28 @@ def _node_specs(
 ) -> dict:
     out = {} if out is None else out
     readers: dict[int, list[TensorSpec | None]] = collections.defaultdict(list)
+    users: dict[int, list[_Node | None]] = collections.defaultdict(list)
+    made: dict[int, TensorSpec | None] = {}
     for v, r in returned.items():
         readers[v].append(r)
-    for node, _, _, _, req, _, _, _ in items:
+        users[v].append(None)
+    for node, _, _, _, req, outs, _, _ in items:
         for v, r in zip(node.ins, req, strict=True):
             readers[v].append(r)
+            users[v].append(node)
+        made.update(zip(node.outs, outs, strict=True))
+    settled: dict[int, tuple[TensorSpec, TensorSpec]] = {}  # reduced before they run
     for node, _, _, specs, req, outs, _, extra in items:
+        if id(node) in settled:
+            before, after = settled[id(node)]
+            out[id(node)] = ((before,), (after,), ((),), None, runs)
+            continue
         chains = []
         for v, s, r in zip(node.ins, specs, req, strict=True):
             a = engine.reshard("input", s, r, v) if s is not None and r is not None else None
+            if a is not None and a.plan.collectives and _explicit_move(a.plan, engine.mesh):
+                chains.append(a.plan)
+                continue
             steps = a.plan.specs[1:-1] if a is not None and len(a.plan.collectives) > 1 else ()
             chains.append(tuple(x for x in steps if not x.partial))
         fused = None
@@ -2129,17 +2152,91 @@ def _node_specs(
             and all(r is not None and not r.partial for r in req)
             and node.outs[0] not in blocked
         ):
-            want = readers.get(node.outs[0], [])
-            same = all(w is not None and not w.partial and w.dims == want[0].dims for w in want)
-            if want and same:
-                a = engine.reshard("input", outs[0], want[0], node.outs[0])
-                # shard_map takes even blocks only
-                if a is not None and all(x.is_even(engine.mesh) for x in (*req, *a.plan.specs)):
-                    fused = a.plan
+            fused, layouts = _fused_reduction(
+                node, outs[0], req, engine, readers, users, made, blocked
+            )
+            settled.update(layouts)
         out[id(node)] = (tuple(req), tuple(outs), tuple(chains), fused, runs)
         if extra is not None:
             _node_specs(extra[0], engine, {}, blocked, out, runs * extra[2])
     return out
+
+
+#: Ops a pending sum passes through unchanged in size: a contraction's partial
+#: result may be transposed or reshaped before its readers reduce it.
+_PARTIAL_PASS = frozenset(
+    {"transpose", "reshape", "convert_element_type", "copy", "squeeze", "expand_dims"}
+)
+
+
+def _coarsest(want: Sequence[TensorSpec | None]) -> TensorSpec | None:
+    """The one non-partial layout every reader's can be sliced from (no
+    communication), when there is one among them."""
+    if not want or any(w is None or w.partial for w in want):
+        return None
+    for t in want:
+        if all(
+            all(wd[: len(td)] == td for wd, td in zip(w.dims, t.dims, strict=True)) for w in want
+        ):
+            return t
+    return None
+
+
+def _fused_reduction(
+    node: _Node,
+    spec: TensorSpec,
+    req: Sequence[TensorSpec],
+    engine: _Engine,
+    readers: Mapping[int, list[TensorSpec | None]],
+    users: Mapping[int, list[_Node | None]],
+    made: Mapping[int, TensorSpec | None],
+    blocked: set[int],
+) -> tuple[Any, dict[int, tuple[TensorSpec, TensorSpec]]]:
+    """The plan by which the replay reduces a contraction's sum-partial result
+    right where it is computed (None: leave it to XLA), and the layouts (input,
+    output) of the layout-only nodes the partial passes through on its way to
+    its readers, which then move reduced values.
+
+    The readers (or the step's output) must all want non-partial layouts that
+    slice (locally) from one of them, the layout it is reduced to. A partial may
+    pass transposes (the target is permuted back) and, when its readers keep its
+    layout (an all-reduce), reshapes and casts.
+    """
+    if any(op != "sum" for _, op in spec.partial):
+        return None, {}
+    v, passed = node.outs[0], []
+    while True:
+        nxt = users.get(v, [])
+        if len(nxt) != 1 or nxt[0] is None or nxt[0].prim not in _PARTIAL_PASS:
+            break
+        n = nxt[0]
+        s = made.get(n.outs[0]) if len(n.outs) == 1 else None
+        if s is None or s.partial != spec.partial or n.outs[0] in blocked:
+            break
+        passed.append((n, made[v], s))
+        v = n.outs[0]
+    target = _coarsest(readers.get(v, []))
+    if target is None:
+        return None, {}
+    layouts: dict[int, tuple[TensorSpec, TensorSpec]] = {}
+    for n, before, after in reversed(passed):
+        if n.prim == "transpose":
+            dims: list[tuple[str, ...]] = [()] * len(target.dims)
+            for i, d in enumerate(n.eqn.params["permutation"]):
+                dims[d] = target.dims[i]
+            back = TensorSpec(before.shape, [d or None for d in dims], dtype=before.dtype)
+        elif target.dims == after.without_partial().dims:
+            back = before.without_partial()
+        else:
+            return None, {}
+        layouts[id(n)] = (back, target)
+        target = back
+    a = engine.reshard("input", spec, target, node.outs[0])
+    # shard_map takes even blocks only
+    specs = (*req, *a.plan.specs, *(x for pair in layouts.values() for x in pair)) if a else ()
+    if a is None or not all(x.is_even(engine.mesh) for x in specs):
+        return None, {}
+    return a.plan, layouts
 
 
 def _consumer_hints(

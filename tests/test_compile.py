@@ -127,21 +127,6 @@ STRATEGIES = ("dp", "fsdp", "megatron", "megatron_sp", "tp_fsdp", "auto", "ep")
 MESHES = ((8,), (2, 4), (4, 2))
 
 
-# Cases where plan.verify is still outside its tolerances (collective bytes ±10%,
-# peak memory ±20%) on the pinned program, each with what is off. Their numerics
-# are checked like every other case; their verify must fail: a case that starts
-# passing fails the suite until it is taken off the list.
-VERIFY_GAPS = {
-    **{
-        (m, "megatron_sp", mesh): "sequence-parallel norms: all-gathers or all-to-alls off"
-        for m in ("gpt", "gpt_linen")
-        for mesh in ((2, 4), (4, 2))
-    },
-    ("moe", "tp_fsdp", (2, 4)): "a collective-permute the plan does not have",
-    ("convnet", "tp_fsdp", (2, 4)): "convolutions on a 2-D mesh: gathers and all-to-alls off",
-}
-
-
 def _cases():
     return [
         (model, strategy, shape)
@@ -181,11 +166,7 @@ def test_reference_models_match_single_device_and_verify(model, strategy, shape)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
     report = p.verify(step, params, batch)  # the executable that just ran
-    gap = VERIFY_GAPS.get((model, strategy, shape))
-    if gap is None:
-        assert report.ok, str(report)
-    else:
-        assert not report.ok, f"verify now passes ({gap}): take it off VERIFY_GAPS\n{report}"
+    assert report.ok, str(report)
 
 
 def test_auto_compiled_collectives_at_most_best_preset(info):

@@ -209,3 +209,62 @@ def test_a_partial_contraction_is_reduced_as_planned():
     np.testing.assert_allclose(
         compiled(xv, wv), f(np.asarray(xv), np.asarray(wv)), rtol=1e-5, atol=1e-5
     )
+
+
+def test_a_partial_attention_output_is_reduced_before_its_transpose():
+    """GPT megatron_sp on (2, 4): ``probs @ v`` contracts the sequence-sharded
+    keys, so the attention output is partial over ``model``, and it is transposed
+    and reshaped before its readers (the output projection, and its weight
+    gradient in the backward pass) reduce it. The replay reduces it right where it
+    is computed and the transpose and reshape move reduced values; left to XLA,
+    it was reduce-scattered and gathered again, 16 KiB per layer more than the
+    plan (the slow matrix in tests/test_compile.py checks the compiled bytes).
+    Without the pass-through, no forward contraction ahead of a transpose is
+    reduced by the replay."""
+    from spmdkit.models import get_model
+
+    spec = get_model("gpt")
+    cfg = spec.config("tiny")
+    batch = spec.batch(cfg, 8, np.random.default_rng(0))
+    info = describe(spec, config=cfg, batch=batch)
+    p = plan(info, sk.make_mesh(data=2, model=4), "megatron_sp")
+    _, prop = jit(jax.value_and_grad(info.loss_fn), p).program(info.abstract_params, batch)
+    program = prop.program
+    nodes = program.graph.all_nodes or program.graph.nodes
+    reader = {v: n for n in nodes for v in n.ins}
+    passed = []
+    for n in nodes:
+        entry = program.specs.get(id(n))
+        if n.prim != "dot_general" or n.backward or entry is None or entry[3] is None:
+            continue
+        t = reader.get(n.outs[0])
+        if t is not None and t.prim == "transpose":
+            (before,), (after,) = program.specs[id(t)][:2]
+            assert before == entry[3].dst and not after.partial
+            passed.append(t)
+    assert len(passed) >= cfg.n_layers, len(passed)  # one per layer at least
+
+
+def test_a_reshard_runs_with_the_plans_own_collectives():
+    """Rows over ``data`` (2) wanted over ``model`` (4): the plan gathers over
+    ``data`` and slices (1.25 KiB). The replay runs exactly that under
+    ``shard_map``; left to a constraint, XLA slices and permutes blocks instead
+    (a collective-permute the plan does not have), so the prediction would not
+    match the program."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(w):
+        return jnp.tanh(w)
+
+    w = jax.ShapeDtypeStruct((32, 10), jnp.float32)
+    prop = propagate(f, w, mesh=mesh, in_specs=(P("data"),), out_specs=P("model"))
+    compiled, got = _compiled(prop, mesh, w)
+    planned = [(c.kind, c.payload_bytes) for c in prop.collectives()]
+    assert planned == [("all_gather", 32 * 10 * 4)], prop.collectives()
+    assert [(c.kind, c.payload_bytes) for c in got] == planned
+    x = jax.device_put(
+        jnp.arange(320, dtype=jnp.float32).reshape(32, 10) / 320, NamedSharding(mesh, P("data"))
+    )
+    out = compiled(x)
+    assert out.sharding.spec == P("model")
+    np.testing.assert_allclose(out, np.tanh(np.asarray(x)), rtol=1e-6)
