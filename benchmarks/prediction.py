@@ -61,10 +61,16 @@ def _case(info, batch, params, model: str, strategy: str, shape: tuple[int, ...]
     }
     for what, (low, high) in report.ranges.items():
         rows[what].update(predicted_low=int(low), predicted_high=int(high))
+    extra = {}
+    if strategy == "auto" and p.cost is not None:  # the candidates auto ranked, one estimator
+        extra["est_step_s"] = p.cost.step_time_s
+        extra["chosen"] = p.chosen
+        extra["alternatives"] = {name: c.step_time_s for name, c in p.alternatives}
     return {
         "model": model,
         "strategy": strategy,
         "mesh": "x".join(map(str, shape)),
+        **extra,
         "ok": report.ok,
         "mismatches": report.mismatches,
         "rows": rows,
@@ -111,7 +117,51 @@ def summarize(cases: list[dict]) -> dict:
         }
         for what, rs in sorted(quantities.items())
     }
-    return {"cases": len(cases), "verify_ok": sum(c["ok"] for c in cases), "ratios": spread}
+    return {
+        "cases": len(cases),
+        "verify_ok": sum(c["ok"] for c in cases),
+        "ratios": spread,
+        "auto_vs_presets": auto_vs_presets(cases),
+    }
+
+
+def _compiled_total(case: dict) -> int:
+    row = case["rows"].get("collectives total")
+    if row is not None:
+        return row["compiled"]
+    return sum(r["compiled"] for w, r in case["rows"].items() if "memory" not in w)
+
+
+def auto_vs_presets(cases: list[dict]) -> list[dict]:
+    """Per model and mesh: auto's estimated step time next to the best preset's
+    (the presets auto re-costed with the same estimator), and auto's compiled
+    collective bytes over the best preset's compiled bytes."""
+    by = {(c["model"], c["mesh"], c["strategy"]): c for c in cases}
+    rows = []
+    for (model, mesh, strategy), c in by.items():
+        if strategy != "auto" or "alternatives" not in c:
+            continue
+        presets = {n: t for n, t in c["alternatives"].items() if (model, mesh, n) in by}
+        if not presets:
+            continue
+        best = min(presets, key=presets.get)
+        best_bytes = _compiled_total(by[(model, mesh, best)])
+        auto_bytes = _compiled_total(c)
+        rows.append(
+            {
+                "model": model,
+                "mesh": mesh,
+                "chosen": c["chosen"],
+                "best_preset": best,
+                "auto_est_s": c["est_step_s"],
+                "best_preset_est_s": presets[best],
+                "auto_bytes": auto_bytes,
+                "best_preset_bytes": best_bytes,
+                "est_ok": c["est_step_s"] <= presets[best] * (1 + 1e-9),
+                "bytes_ok": auto_bytes <= 1.1 * best_bytes,
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -152,6 +202,19 @@ def main() -> None:
             f"{what}: predicted/compiled median {s['median']:.3f}, p10 {s['p10']:.3f}, "
             f"p90 {s['p90']:.3f}; within 10%: {s['within_10pct']}/{s['n']}, "
             f"within 20%: {s['within_20pct']}/{s['n']}"
+        )
+    rows = summary["auto_vs_presets"]
+    print(
+        f"\nauto vs the best preset: estimated step time <= on "
+        f"{sum(r['est_ok'] for r in rows)} of {len(rows)}, compiled bytes <= 1.1x on "
+        f"{sum(r['bytes_ok'] for r in rows)} of {len(rows)}"
+    )
+    for r in rows:
+        print(
+            f"  {r['model']:<10}{r['mesh']:<6}auto={r['chosen']:<12}best preset "
+            f"{r['best_preset']:<12}est {r['auto_est_s'] * 1e3:.3f} / "
+            f"{r['best_preset_est_s'] * 1e3:.3f} ms  bytes {r['auto_bytes']} / "
+            f"{r['best_preset_bytes']}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

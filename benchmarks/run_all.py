@@ -374,6 +374,37 @@ def sec_prediction(results: Path, out: Path) -> str:
             rows,
         ),
     ]
+    auto = summary.get("auto_vs_presets") or []
+    if auto:
+        lines += [
+            "",
+            f"Auto against the best preset (lowest estimated step time among the presets "
+            f"auto re-costed with its own estimator): estimated step time ≤ on "
+            f"**{sum(r['est_ok'] for r in auto)} of {len(auto)}**, compiled collective bytes "
+            f"≤ 1.1× on **{sum(r['bytes_ok'] for r in auto)} of {len(auto)}**.",
+            "",
+            _table(
+                [
+                    "model",
+                    "mesh",
+                    "auto chose",
+                    "best preset",
+                    "est. ms auto / preset",
+                    "compiled bytes auto / preset",
+                ],
+                [
+                    [
+                        r["model"],
+                        r["mesh"],
+                        r["chosen"],
+                        r["best_preset"],
+                        f"{r['auto_est_s'] * 1e3:.3f} / {r['best_preset_est_s'] * 1e3:.3f}",
+                        f"{r['auto_bytes']} / {r['best_preset_bytes']}",
+                    ]
+                    for r in auto
+                ],
+            ),
+        ]
     return "\n".join(lines)
 
 
