@@ -150,6 +150,8 @@ class PlannedFunction:
         self._compiled: dict[Any, tuple] = {}
         self._programs: dict[Any, tuple] = {}
         self._executables: dict[Any, Any] = {}
+        # pytree structure → (executable, (shape, dtype, sharding) of each placed leaf)
+        self._fast: dict[Any, tuple] = {}
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -308,11 +310,25 @@ class PlannedFunction:
         return hit
 
     def __call__(self, *args: Any) -> Any:
+        leaves, tree = jax.tree.flatten(args)
+        fast = self._fast.get(tree)
+        if fast is not None and _placed_as(leaves, fast[1]):
+            # the steady state of a training loop: arrays already where the plan puts
+            # them (the previous step's outputs), so no spec lookup or placement
+            with jax.set_mesh(self.mesh):
+                return fast[0](*args)
         _, in_specs, _, _ = self._get(args)
         placed = []
         for a, specs in zip(args, in_specs, strict=True):
             placed.append(jax.tree.map(self._place, a, specs, is_leaf=lambda x: x is None))
         executable = self.compile(*placed)
+        self._fast[tree] = (
+            executable,
+            tuple(
+                (x.shape, x.dtype, getattr(x, "sharding", None))
+                for x in jax.tree.leaves(tuple(placed))
+            ),
+        )
         with jax.set_mesh(self.mesh):
             return executable(*placed)
 
@@ -322,6 +338,20 @@ class PlannedFunction:
         if current is not None and current == target:
             return x
         return jax.device_put(x, target)
+
+
+def _placed_as(leaves: list, want: tuple) -> bool:
+    """Whether every leaf is a device array with the shape, dtype and sharding
+    its placed counterpart had (a numpy array or scalar never is)."""
+    if len(leaves) != len(want):
+        return False
+    for x, (shape, dtype, sharding) in zip(leaves, want, strict=True):
+        got = getattr(x, "sharding", None)
+        if got is None or sharding is None:
+            return False
+        if x.shape != shape or x.dtype != dtype or (got is not sharding and got != sharding):
+            return False
+    return True
 
 
 def jit(

@@ -89,6 +89,41 @@ def test_train_step_with_optimizer_state_and_donation(info):
     assert jnp.isfinite(loss)
 
 
+def test_placed_arguments_take_the_fast_path(info, monkeypatch):
+    """Once a step has run, arguments already placed as planned (a training loop's
+    steady state) go straight to the executable: no spec lookup, no placement.
+    Anything else (numpy arrays, another layout) takes the full path, and gives
+    the same result."""
+    mesh = sk.make_mesh(data=2, model=4)
+    p = plan(info, mesh, "fsdp", estimator="analytic")
+    params = init_sharded(info, p)
+    step = jit(jax.value_and_grad(info.loss_fn), p)
+    loss, _ = step(params, toy_batch())  # numpy batch: placed on the full path
+    _, in_specs, _, _ = step._get((params, toy_batch()))
+    batch = jax.tree.map(
+        lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(step.mesh, s)),
+        toy_batch(),
+        in_specs[1],
+    )
+    step(params, batch)  # records the placed layouts
+
+    calls = []
+    real_get = type(step)._get
+    monkeypatch.setattr(
+        type(step), "_get", lambda self, args: calls.append(1) or real_get(self, args)
+    )
+    again, _ = step(params, batch)
+    assert calls == [] and float(again) == float(loss)
+    step(params, toy_batch())  # numpy leaves: the full path
+    assert calls
+    calls.clear()
+    replicated = jax.sharding.NamedSharding(step.mesh, P())
+    moved = jax.tree.map(lambda x: jax.device_put(x, replicated), params)
+    assert any(x.sharding.spec != P() for x in jax.tree.leaves(params))  # fsdp shards some
+    assert float(step(moved, batch)[0]) == pytest.approx(float(loss), rel=1e-6)
+    assert calls  # another layout: placed again on the full path
+
+
 def test_abstract_plan_needs_a_real_mesh(info):
     p = plan(info, sk.abstract_mesh(data=2, model=4), "dp", estimator="analytic")
     with pytest.raises(sk.SpmdError, match="devices"):
