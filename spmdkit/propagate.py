@@ -823,7 +823,8 @@ def _scatter(
 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """scatter / scatter-add (operand, indices, updates): the indexed operand dims
     replicated; window dims and batching dims (``take_along_axis``) shared by
-    operand, updates (and indices); the updates' other scatter dims keep their
+    operand, updates (and indices), taking the operand's axes, else the updates',
+    else (batching dims) the indices'; the updates' other scatter dims keep their
     axes — for scatter-add each device adds its own updates, so the result is
     sum-partial over those axes (the operand joins as partial for free); plain
     scatter gathers them instead."""
@@ -842,7 +843,8 @@ def _scatter(
     idx_dims = list(range(idx.ndim - 1))  # the last indices dim holds the index vectors
     upd_of_idx = dict(zip(idx_dims, scatter_dims, strict=True))
     idx_of_upd = {k: i for i, k in upd_of_idx.items()}
-    for od, idim in zip(o_batch, i_batch, strict=True):
+    idx_of_batch = dict(zip(o_batch, i_batch, strict=True))
+    for od, idim in idx_of_batch.items():
         link[od] = upd_of_idx[idim]
     out_dims: list[tuple[str, ...]] = []
     used: set[str] = set()
@@ -852,8 +854,10 @@ def _scatter(
         if d not in indexed:
             if o.dims[d]:
                 axes = o.dims[d]
-            elif w is not None and u.shape[w] == o.shape[d]:
+            elif w is not None and u.shape[w] == o.shape[d] and u.dims[w]:
                 axes = u.dims[w]
+            elif d in idx_of_batch and idx.shape[idx_of_batch[d]] == o.shape[d]:
+                axes = idx.dims[idx_of_batch[d]]  # sharded labels: scatter locally
         axes = tuple(a for a in axes if a not in used)
         used.update(axes)
         out_dims.append(axes)
