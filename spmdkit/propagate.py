@@ -2214,7 +2214,7 @@ def _fused_reduction(
         if len(nxt) != 1 or nxt[0] is None or nxt[0].prim not in _PARTIAL_PASS:
             break
         n = nxt[0]
-        s = made.get(n.outs[0]) if len(n.outs) == 1 else None
+        s = made.get(n.outs[0]) if len(n.outs) == 1 and len(n.ins) == 1 else None
         if s is None or s.partial != spec.partial or n.outs[0] in blocked:
             break
         passed.append((n, made[v], s))
