@@ -483,8 +483,8 @@ def _as_on_cpu(prop: Any) -> Any:
     kept = 0
     program = getattr(prop, "program", None)
     for entry in program.specs.values() if program is not None else ():
-        if len(entry) > 4 and entry[3] is not None:
-            plan, runs = entry[3], entry[4]
+        plan, runs = entry[3], entry[4]
+        if plan is not None:
             rs = [c.payload_bytes for c in plan.collectives if c.kind == "reduce_scatter"]
             kept += runs * sum(rs)
             extra -= runs * _unsliced_plan(plan)

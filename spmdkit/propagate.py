@@ -2122,16 +2122,14 @@ def _node_specs(
     runs: int = 1,
 ) -> dict:
     out = {} if out is None else out
-    readers: dict[int, list[TensorSpec | None]] = collections.defaultdict(list)
-    users: dict[int, list[_Node | None]] = collections.defaultdict(list)
+    # value → (reading node, None for the step's output; the layout it wants)
+    readers: dict[int, list[tuple[_Node | None, TensorSpec | None]]] = collections.defaultdict(list)
     made: dict[int, TensorSpec | None] = {}
     for v, r in returned.items():
-        readers[v].append(r)
-        users[v].append(None)
+        readers[v].append((None, r))
     for node, _, _, _, req, outs, _, _ in items:
         for v, r in zip(node.ins, req, strict=True):
-            readers[v].append(r)
-            users[v].append(node)
+            readers[v].append((node, r))
         made.update(zip(node.outs, outs, strict=True))
     settled: dict[int, tuple[TensorSpec, TensorSpec]] = {}  # reduced before they run
     for node, _, _, specs, req, outs, _, extra in items:
@@ -2156,9 +2154,7 @@ def _node_specs(
             and all(r is not None and not r.partial for r in req)
             and node.outs[0] not in blocked
         ):
-            fused, layouts = _fused_reduction(
-                node, outs[0], req, engine, readers, users, made, blocked
-            )
+            fused, layouts = _fused_reduction(node, outs[0], req, engine, readers, made, blocked)
             settled.update(layouts)
         out[id(node)] = (tuple(req), tuple(outs), tuple(chains), fused, runs)
         if extra is not None:
@@ -2191,8 +2187,7 @@ def _fused_reduction(
     spec: TensorSpec,
     req: Sequence[TensorSpec],
     engine: _Engine,
-    readers: Mapping[int, list[TensorSpec | None]],
-    users: Mapping[int, list[_Node | None]],
+    readers: Mapping[int, list[tuple[_Node | None, TensorSpec | None]]],
     made: Mapping[int, TensorSpec | None],
     blocked: set[int],
 ) -> tuple[Any, dict[int, tuple[TensorSpec, TensorSpec]]]:
@@ -2210,16 +2205,16 @@ def _fused_reduction(
         return None, {}
     v, passed = node.outs[0], []
     while True:
-        nxt = users.get(v, [])
-        if len(nxt) != 1 or nxt[0] is None or nxt[0].prim not in _PARTIAL_PASS:
+        nxt = readers.get(v, [])
+        n = nxt[0][0] if len(nxt) == 1 else None
+        if n is None or n.prim not in _PARTIAL_PASS:
             break
-        n = nxt[0]
         s = made.get(n.outs[0]) if len(n.outs) == 1 and len(n.ins) == 1 else None
         if s is None or s.partial != spec.partial or n.outs[0] in blocked:
             break
         passed.append((n, made[v], s))
         v = n.outs[0]
-    target = _coarsest(readers.get(v, []))
+    target = _coarsest([r for _, r in readers.get(v, [])])
     if target is None:
         return None, {}
     layouts: dict[int, tuple[TensorSpec, TensorSpec]] = {}
