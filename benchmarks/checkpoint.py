@@ -1,9 +1,9 @@
-"""Checkpoint throughput: spmdkit.checkpoint.Manager vs raw orbax vs a plain file write.
+"""Checkpoint throughput: spmdkit.runtime.checkpoint.Manager vs raw orbax vs a plain file write.
 
 A ~512 MB state (8 float32 arrays, sharded over a 2x4 mesh of virtual CPU
 devices) is saved and restored by
 
-* ``spmdkit``   — :class:`spmdkit.checkpoint.Manager`: its defaults (checksums, no
+* ``spmdkit``   — :class:`spmdkit.runtime.checkpoint.Manager`: its defaults (checksums, no
   zstd), with zstd as orbax does by default, and without checksums,
 * ``orbax``     — raw ``orbax.checkpoint.StandardCheckpointer`` on the same arrays
   (its defaults: zstd compression, no checksums),
@@ -40,7 +40,7 @@ import psutil
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.checkpoint import Manager, abstract_target
+from spmdkit.runtime.checkpoint import Manager, abstract_target
 
 
 class PeakRSS:

@@ -29,10 +29,10 @@ Each side is compiled three ways (nothing is executed; the inputs are
 Measured per program:
 
 * **bytes**: the per-device payload of the collectives in the compiled (post
-  partitioning) HLO, read with :func:`spmdkit.hlo.parse_collectives` and
-  :func:`spmdkit.hlo.summarize` (the all-gather output, the all-reduce operand,
+  partitioning) HLO, read with :func:`spmdkit.verification.hlo.parse_collectives` and
+  :func:`spmdkit.verification.hlo.summarize` (the all-gather output, the all-reduce operand,
   the reduce-scatter input, the all-to-all operand, the collective-permute
-  operand; see :mod:`spmdkit.hlo`).
+  operand; see :mod:`spmdkit.verification.hlo`).
 * **peak**: ``compiled.memory_analysis()`` of the per-device program:
   temp + argument + output − alias bytes.
 
@@ -78,7 +78,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.hlo import parse_collectives, summarize
+from spmdkit.verification.hlo import parse_collectives, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ops.json"
 MESH_AXES = {"data": 2, "model": 4}
@@ -608,7 +608,7 @@ def run(
     report = {
         "meta": _meta(shapes, quick),
         "definitions": {
-            "bytes": "per-device payload of the compiled HLO collectives (spmdkit.hlo "
+            "bytes": "per-device payload of the compiled HLO collectives (spmdkit.verification.hlo "
             "convention: all-gather output, all-reduce operand, reduce-scatter input, "
             "all-to-all operand, collective-permute operand)",
             "peak_bytes": "memory_analysis(): temp + argument + output - alias, per device",

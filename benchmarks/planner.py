@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import spmdkit as sk
-from spmdkit.flaxlib import describe
+from spmdkit.flax import describe
 from spmdkit.models import get_model
-from spmdkit.plan import PRESETS, plan
+from spmdkit.planner import PRESETS, plan
 
 MESHES = {8: (1, 8), 64: (8, 8), 512: (64, 8), 4096: (512, 8)}
 QUALITY = [

@@ -36,9 +36,9 @@ import numpy as np
 
 import spmdkit as sk
 from spmdkit.compile import jit
-from spmdkit.flaxlib import describe
+from spmdkit.flax import describe
 from spmdkit.models import get_model
-from spmdkit.plan import plan
+from spmdkit.planner import plan
 
 MODELS = ("gpt", "llama", "moe", "convnet", "gpt_linen")
 STRATEGIES = ("dp", "fsdp", "megatron", "megatron_sp", "tp_fsdp", "auto", "ep")

@@ -24,7 +24,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.propagate import propagate, trace_with_tree
+from spmdkit.propagation import propagate, trace_with_tree
 
 S = jax.ShapeDtypeStruct
 

@@ -54,7 +54,7 @@ from flax import nnx
 from spmdkit.errors import SpmdError
 
 from . import convnet, gpt, gpt_linen, llama, moe
-from ._layers import BATCH_AXES, PARAM_AXES, ModelConfigError, count_params
+from .layers import BATCH_AXES, PARAM_AXES, ModelConfigError, count_params
 
 __all__ = [
     "ModelSpec",

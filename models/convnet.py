@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import _layers as lyr
+from . import layers as lyr
 
 __all__ = ["ConvNetConfig", "ConvNet", "CONFIGS", "convnet_loss", "image_batch", "IMAGE_AXES"]
 

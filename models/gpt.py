@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import _layers as lyr
+from . import layers as lyr
 
 __all__ = ["GPTConfig", "GPT", "CONFIGS", "gpt_loss", "lm_batch", "LM_BATCH_AXES"]
 

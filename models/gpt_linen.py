@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from . import _layers as lyr
+from . import layers as lyr
 from .gpt import GPTConfig
 
 __all__ = ["GPTLinen", "build", "gpt_linen_loss"]

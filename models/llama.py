@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import _layers as lyr
+from . import layers as lyr
 from .gpt import LM_BATCH_AXES, gpt_loss, lm_batch
 
 __all__ = [

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import _layers as lyr
+from . import layers as lyr
 from .gpt import LM_BATCH_AXES, lm_batch
 from .llama import GQAttention, LlamaConfig, make_layers
 

@@ -123,10 +123,10 @@ import treescope
 
 import spmdkit as sk
 from spmdkit.compile import jit
-from spmdkit.flaxlib import describe, init_sharded, path_str
+from spmdkit.flax import describe, init_sharded, path_str
 from spmdkit.models import get_model
-from spmdkit.plan import PRESETS, plan
-from spmdkit.propagate import propagate
+from spmdkit.planner import PRESETS, plan
+from spmdkit.propagation import propagate
 
 print(jax.device_count(), "devices;", "presets:", ", ".join(PRESETS))"""
     ),
@@ -258,7 +258,7 @@ plt.show()"""
     ),
     md(
         "## Drill into one layer\n\n"
-        "`spmdkit.propagate.propagate` runs the rule registry over the traced step "
+        "`spmdkit.propagation.propagate` runs the rule registry over the traced step "
         "(forward and backward) with the megatron plan's input specs. The summary lists "
         "the equations that communicate, costliest first; below it, block 0's MLP: "
         "`fc` (column-parallel: its output stays sharded on `mlp`), the GELU, and `proj` "
@@ -539,11 +539,11 @@ import optax
 from flax import nnx
 
 import spmdkit as sk
-from spmdkit.checkpoint import Manager, abstract_target
-from spmdkit.data import ShardedLoader
+from spmdkit.runtime.checkpoint import Manager, abstract_target
+from spmdkit.runtime.data import ShardedLoader
 from spmdkit.models import get_model
-from spmdkit.plan import Plan, plan
-from spmdkit.train import train
+from spmdkit.planner import Plan, plan
+from spmdkit.runtime.train import train
 
 spec = get_model("gpt")
 cfg = spec.config("tiny")

@@ -1,10 +1,13 @@
 """spmdkit: explicit, predictable, testable SPMD sharding for JAX and flax."""
 
-# The planner layer (imports flax). ``plan`` and ``report`` are functions here;
-# their modules stay reachable with ``from spmdkit.plan import ...``.
+# Package names never repeat a function name exported here (``sk.plan`` is a
+# function; its module is ``spmdkit.planner``), so ``import spmdkit.X as m``
+# always gives a module. Old flat module paths resolve through ``spmdkit.moved``.
+from spmdkit import moved
 from spmdkit.compile import PlannedFunction, jit
 from spmdkit.errors import (
     DuplicateAxisError,
+    ModuleMovedError,
     NoRuleError,
     PartialConflictError,
     RegistrationError,
@@ -15,15 +18,7 @@ from spmdkit.errors import (
     UnknownAxisError,
 )
 from spmdkit.factor import Notation, parse_notation
-from spmdkit.flaxlib import ModelInfo, describe, init_sharded, shard
-from spmdkit.hlo import (
-    HloCollective,
-    check_plan,
-    compiled_collectives,
-    parse_collectives,
-    parse_replica_groups,
-    summarize,
-)
+from spmdkit.flax import ModelInfo, describe, init_sharded, shard
 from spmdkit.inference import (
     ArgReshard,
     InferenceResult,
@@ -31,9 +26,8 @@ from spmdkit.inference import (
     infer_forward,
     infer_grad,
 )
-from spmdkit.memory import MemoryEstimate, estimate_memory
 from spmdkit.mesh import abstract_mesh, make_mesh, use_virtual_cpu_devices
-from spmdkit.plan import (
+from spmdkit.planner import (
     PRESETS,
     Cost,
     LogicalRules,
@@ -44,23 +38,43 @@ from spmdkit.plan import (
     plan,
     preset_rules,
 )
-from spmdkit.propagate import EqnRecord, Propagation, propagate, register_primitive, trace
+from spmdkit.propagation import EqnRecord, Propagation, propagate, register_primitive, trace
+from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
 from spmdkit.registry import get_rule, register_rule, registered_ops, unregister_rule
-from spmdkit.report import CompiledReport, VerifyReport, report, verify
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
 from spmdkit.rule import POLICIES, Example, FactorRule, Rule, RuleContext
 from spmdkit.spec import REDUCE_OPS, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
+from spmdkit.verification.hlo import (
+    HloCollective,
+    check_plan,
+    compiled_collectives,
+    parse_collectives,
+    parse_replica_groups,
+    summarize,
+)
+from spmdkit.verification.report import CompiledReport, VerifyReport, report, verify
 
-#: Submodules loaded on first use (they import orbax, optax or run-time machinery).
-_LAZY_MODULES = ("checkpoint", "data", "launch", "models", "ops", "testing", "train")
+moved.install()
+
+#: Submodules loaded on first use (they import orbax, optax or run-time machinery),
+#: by the name ``spmdkit`` gives them.
+_LAZY_MODULES = {
+    "checkpoint": "spmdkit.runtime.checkpoint",
+    "data": "spmdkit.runtime.data",
+    "launch": "spmdkit.runtime.launch",
+    "models": "spmdkit.models",
+    "ops": "spmdkit.ops",
+    "testing": "spmdkit.testing",
+    "train": "spmdkit.runtime.train",
+}
 
 
 def __getattr__(name: str):
     if name in _LAZY_MODULES:
         import importlib
 
-        return importlib.import_module(f"spmdkit.{name}")
+        return importlib.import_module(_LAZY_MODULES[name])
     raise AttributeError(f"module 'spmdkit' has no attribute {name!r}")
 
 
@@ -121,6 +135,7 @@ __all__ = [
     "summarize",
     "unregister_rule",
     "DuplicateAxisError",
+    "ModuleMovedError",
     "NoRuleError",
     "PartialConflictError",
     "RegistrationError",

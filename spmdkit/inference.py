@@ -45,7 +45,7 @@ class ArgReshard:
       plan: the :class:`spmdkit.resharding.ReshardPlan` (collectives, bytes per device, time).
       in_place: the value comes from an op that XLA reduces where it is made
         (scatter, gather): all its pending reductions run, on the whole block,
-        before it moves (see ``spmdkit.propagate``).
+        before it moves (see ``spmdkit.propagation``).
     """
 
     arg: str

@@ -932,9 +932,9 @@ def check_jit(
 def _jit_sweep(
     rule: Rule, mesh: Mesh, examples: Sequence[Example] | None, max_cases: int | None, seed: int
 ) -> JitReport:
-    from spmdkit.hlo import compiled_collectives
     from spmdkit.local import shard_program
     from spmdkit.resharding import plan_reshard
+    from spmdkit.verification.hlo import compiled_collectives
 
     report = JitReport(rule.name, dict(axis_sizes(mesh)))
     rng = np.random.default_rng(seed)
@@ -992,9 +992,9 @@ def _compare(predicted: Sequence[Any], compiled: Sequence[Any]) -> str | None:
     """Differences between predicted and compiled collectives (None when they agree).
 
     A pending reduction over several axes may compile as one all-reduce over all
-    of them or one per axis (see :func:`spmdkit.hlo.check_plan`); both are accepted.
+    of them or one per axis (see :func:`spmdkit.verification.hlo.check_plan`); both are accepted.
     """
-    from spmdkit.hlo import check_plan
+    from spmdkit.verification.hlo import check_plan
 
     diffs = check_plan(list(predicted), compiled, all_reduce_per_axis=True)
     return "; ".join(diffs) if diffs else None

@@ -8,8 +8,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.hlo import compiled_collectives, summarize
 from spmdkit.local import resolve_partials, shard_program
+from spmdkit.verification.hlo import compiled_collectives, summarize
 
 
 def test_partial_output_is_all_reduced_inside_the_program(mesh2d):

@@ -2,7 +2,7 @@
 
 Each op reshards its inputs to the specs its rule requires, runs the local
 computation with exactly the rule's collectives (``shard_map``; see
-:mod:`spmdkit.ops._base`) and returns outputs that carry the rule's output specs;
+:mod:`spmdkit.ops.base`) and returns outputs that carry the rule's output specs;
 ``jax.grad`` through it yields the grad rule's specs. One module per family.
 
 The functions are imported here eagerly: two of them share their module's name

@@ -1,6 +1,6 @@
 """``attention``: the registered ``attention`` rule applied to arrays.
 
-The computation runs under ``shard_map`` (see :func:`spmdkit.ops._base.apply_rule`),
+The computation runs under ``shard_map`` (see :func:`spmdkit.ops.base.apply_rule`),
 with exactly the rule's collectives: none for batch- or head-parallel attention
 (``strategy="default"``); two all-gathers of K and V over the sequence axes for
 ``"gather_kv"`` (their grads reduce-scattered back); ``n - 1`` collective-permutes
@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from spmdkit.ops._base import apply_rule
+from spmdkit.ops.base import apply_rule
 from spmdkit.spec import MeshLike
 
 __all__ = ["attention"]

@@ -1,6 +1,6 @@
 """``softmax_cross_entropy``: the registered rule applied to arrays.
 
-The computation runs under ``shard_map`` (see :func:`spmdkit.ops._base.apply_rule`):
+The computation runs under ``shard_map`` (see :func:`spmdkit.ops.base.apply_rule`):
 with vocab-sharded logits each device reduces its class block and only per-row
 scalars are all-reduced (max, then the stacked sum-exp / target logit / smoothing
 sums); the backward is a ``jax.custom_vjp`` that moves nothing. Under Explicit
@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from spmdkit.ops._base import apply_rule
+from spmdkit.ops.base import apply_rule
 from spmdkit.spec import MeshLike
 
 __all__ = ["softmax_cross_entropy"]

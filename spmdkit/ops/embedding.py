@@ -1,6 +1,6 @@
 """``embedding_lookup``: the registered ``embedding`` rule applied to arrays.
 
-The computation runs under ``shard_map`` (see :func:`spmdkit.ops._base.apply_rule`):
+The computation runs under ``shard_map`` (see :func:`spmdkit.ops.base.apply_rule`):
 a row-sharded (vocab-parallel) table is looked up locally with the ids masked to
 each device's row block, and the sum-partial result is all-reduced once inside
 the same program; a column-sharded table gives a D-sharded output with no
@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from spmdkit.ops._base import apply_rule
+from spmdkit.ops.base import apply_rule
 from spmdkit.spec import MeshLike
 
 __all__ = ["embedding_lookup"]

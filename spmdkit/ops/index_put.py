@@ -1,6 +1,6 @@
 """``index_put``: the registered ``index_put`` rule applied to arrays.
 
-The computation runs under ``shard_map`` (see :func:`spmdkit.ops._base.apply_rule`).
+The computation runs under ``shard_map`` (see :func:`spmdkit.ops.base.apply_rule`).
 With ``strategy="default"`` (the reference semantics) the indexed dims of ``x`` are gathered
 first and every device scatters all values (only ``x``'s trailing dims stay
 sharded). With ``strategy="local_update"`` a row-sharded ``x`` stays sharded:
@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.ops._base import apply_rule
+from spmdkit.ops.base import apply_rule
 from spmdkit.spec import MeshLike
 
 __all__ = ["index_put"]

@@ -1,7 +1,7 @@
 """Norm ops whose partitioning is the registered rule (``spmdkit.rules.norms``).
 
 Each op checks its arguments, then hands them to
-:func:`spmdkit.ops._base.apply_rule`: inputs are resharded to the specs the
+:func:`spmdkit.ops.base.apply_rule`: inputs are resharded to the specs the
 rule requires, every device runs the rule's local body under ``shard_map``
 (with exactly the rule's collectives: none for the reference strategies; one
 all-reduce of the per-row or per-channel sums for ``strategy="sharded_stats"``
@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from spmdkit.errors import ShardingConflictError
-from spmdkit.ops._base import apply_rule
+from spmdkit.ops.base import apply_rule
 from spmdkit.spec import MeshLike, TensorSpec
 
 __all__ = [

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 from spmdkit.models import convnet
-from spmdkit.models._layers import ModelConfigError
+from spmdkit.models.layers import ModelConfigError
 
 
 def test_mixes_group_and_batch_norm(tiny):

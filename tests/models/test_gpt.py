@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from spmdkit.models import gpt
-from spmdkit.models._layers import ModelConfigError
+from spmdkit.models.layers import ModelConfigError
 
 _forward = nnx.jit(lambda model, tokens: model(tokens))
 

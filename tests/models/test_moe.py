@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from spmdkit.models import moe
-from spmdkit.models._layers import ModelConfigError, softmax_cross_entropy
+from spmdkit.models.layers import ModelConfigError, softmax_cross_entropy
 
 _route = jax.jit(moe.route, static_argnames=("top_k", "capacity", "normalize_top_k"))
 

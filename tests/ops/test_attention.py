@@ -1,6 +1,6 @@
 """spmdkit.ops.attention: values and grads equal ``jax.nn.dot_product_attention`` under
 sequence-sharded and sampled input specs (every enumerated spec in the slow test, see
-``_layouts``), in Explicit and Auto axis modes, for every strategy; the collectives are
+``layouts``), in Explicit and Auto axis modes, for every strategy; the collectives are
 the rule's."""
 
 import itertools
@@ -14,12 +14,12 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
-from spmdkit.hlo import check_plan, compiled_collectives
 from spmdkit.ops.attention import attention
 from spmdkit.rules.attention import attention_reference
 from spmdkit.testing import enumerate_specs
+from spmdkit.verification.hlo import check_plan, compiled_collectives
 
-from ._layouts import check_every_layout, enumerated
+from .layouts import check_every_layout, enumerated
 
 OP = "attention"
 RTOL, ATOL = 1e-5, 1e-6

@@ -8,8 +8,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.hlo import compiled_collectives
-from spmdkit.ops._base import apply_rule
+from spmdkit.ops.base import apply_rule
+from spmdkit.verification.hlo import compiled_collectives
 
 
 def _x(mesh, spec=None):

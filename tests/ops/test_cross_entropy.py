@@ -1,5 +1,5 @@
 """spmdkit.ops.softmax_cross_entropy: values and grads equal the unsharded op under
-sampled input specs (every enumerated spec in the slow test, see ``_layouts``), in
+sampled input specs (every enumerated spec in the slow test, see ``layouts``), in
 Explicit and Auto axis modes; works where optax raises."""
 
 import jax
@@ -15,7 +15,7 @@ from spmdkit.errors import ShardingConflictError, SpecError
 from spmdkit.ops.cross_entropy import softmax_cross_entropy
 from spmdkit.rules.cross_entropy import softmax_cross_entropy_reference as ce_ref
 
-from ._layouts import check_every_layout, enumerated
+from .layouts import check_every_layout, enumerated
 
 OP = "softmax_cross_entropy"
 RTOL, ATOL = 1e-5, 1e-6

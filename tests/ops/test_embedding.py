@@ -1,5 +1,5 @@
 """spmdkit.ops.embedding_lookup: values and table grads equal the unsharded lookup under
-sampled input specs (every enumerated spec in the slow test, see ``_layouts``), in
+sampled input specs (every enumerated spec in the slow test, see ``layouts``), in
 Explicit and Auto axis modes."""
 
 import jax
@@ -13,7 +13,7 @@ import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
 from spmdkit.ops.embedding import embedding_lookup
 
-from ._layouts import check_every_layout, enumerated
+from .layouts import check_every_layout, enumerated
 
 OP = "embedding"
 RTOL, ATOL = 1e-5, 1e-6

@@ -1,5 +1,5 @@
 """spmdkit.ops.index_put: values and grads equal ``x.at[idx].set/add`` under sampled
-input specs (every enumerated spec in the slow test, see ``_layouts``), in Explicit and
+input specs (every enumerated spec in the slow test, see ``layouts``), in Explicit and
 Auto axis modes; the local update moves nothing."""
 
 import jax
@@ -11,11 +11,11 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
-from spmdkit.hlo import compiled_collectives
 from spmdkit.ops.index_put import index_put
 from spmdkit.rules.index_put import index_put_reference
+from spmdkit.verification.hlo import compiled_collectives
 
-from ._layouts import check_every_layout, enumerated
+from .layouts import check_every_layout, enumerated
 
 T = sk.TensorSpec
 

@@ -1,5 +1,5 @@
 """spmdkit.ops norms: values and grads equal the unsharded computation under sampled
-input specs of the sweep's enumeration (all of them in the slow test, see ``_layouts``),
+input specs of the sweep's enumeration (all of them in the slow test, see ``layouts``),
 in Explicit and Auto axis modes; output and grad layouts are the ones the rule predicts."""
 
 import itertools
@@ -16,7 +16,7 @@ from spmdkit.errors import ShardingConflictError
 from spmdkit.ops import norms
 from spmdkit.testing import enumerate_specs
 
-from ._layouts import check_every_layout, enumerated
+from .layouts import check_every_layout, enumerated
 
 RTOL, ATOL = 1e-5, 1e-5
 

@@ -8,10 +8,10 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
-from spmdkit.hlo import check_plan, compiled_collectives
 from spmdkit.local import shard_program
 from spmdkit.registry import get_rule
 from spmdkit.testing import check_forward_case, check_grad_case
+from spmdkit.verification.hlo import check_plan, compiled_collectives
 
 T = sk.TensorSpec
 F32 = "float32"

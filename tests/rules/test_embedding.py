@@ -9,10 +9,10 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
-from spmdkit.hlo import compiled_collectives
 from spmdkit.ops.embedding import embedding_lookup
 from spmdkit.rules.embedding import embedding_reference
 from spmdkit.testing import check_forward_case
+from spmdkit.verification.hlo import compiled_collectives
 
 OP = "embedding"
 

@@ -7,12 +7,12 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
-from spmdkit.hlo import compiled_collectives
 from spmdkit.local import shard_program
 from spmdkit.registry import get_rule
 from spmdkit.rule import Example
 from spmdkit.rules.index_put import index_put_reference
 from spmdkit.testing import check_rule
+from spmdkit.verification.hlo import compiled_collectives
 
 T = sk.TensorSpec
 

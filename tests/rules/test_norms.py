@@ -10,7 +10,6 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
-from spmdkit.hlo import compiled_collectives
 from spmdkit.ops.norms import layer_norm, sync_batch_norm
 from spmdkit.rule import Example
 from spmdkit.rules.norms import (
@@ -20,6 +19,7 @@ from spmdkit.rules.norms import (
     layer_norm_notation,
 )
 from spmdkit.testing import check_forward_case, check_grad_case, check_jit, check_rule
+from spmdkit.verification.hlo import compiled_collectives
 
 
 def T(shape, spec=None, **kw):

@@ -472,7 +472,7 @@ def test_xla_needs_no_communication_for_the_claimed_layouts(mesh2d, op, specs, a
     """Rules with a custom local computation are jit-checked on that program by the
     shared sweep; here XLA compiles the global op itself between the required and the
     claimed layouts and must move nothing."""
-    from spmdkit.hlo import compiled_collectives
+    from spmdkit.verification.hlo import compiled_collectives
 
     amesh = jax.sharding.Mesh(mesh2d.devices, mesh2d.axis_names)
     res = sk.infer_forward(op, *specs, mesh=mesh2d, **attrs)

@@ -1,0 +1,5 @@
+"""The `spmdkit` command line: demo, rules, plan, report, train, launch."""
+
+from spmdkit.cli.main import COMMANDS, build_parser, main
+
+__all__ = ["COMMANDS", "build_parser", "main"]

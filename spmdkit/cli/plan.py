@@ -1,0 +1,120 @@
+"""CLI subcommands ``spmdkit plan`` and ``spmdkit report`` (appended to ``cli.COMMANDS``).
+
+``spmdkit plan MODEL --mesh data=2,model=4 [--strategy auto] [--config tiny]
+[--batch-size 8] [--abstract] [--json PATH]`` prints the plan table for a
+reference model (``spmdkit.models``); ``--abstract`` plans on an abstract mesh (no
+devices, any size), otherwise on virtual CPU devices.
+
+``spmdkit report MODEL --mesh data=2,model=4 [--strategy ...] [--config tiny]``
+compiles one train step on virtual CPU devices with the plan (params born
+sharded, ``sk.jit``) and prints predicted vs compiled collectives and memory
+(``plan.verify``). Exit status 1 when they disagree beyond the tolerances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import TextIO
+
+from spmdkit.cli.command import Command, parse_mesh
+from spmdkit.errors import SpmdError
+
+__all__ = ["PLAN_COMMANDS", "parse_mesh"]
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="reference model: gpt, llama, moe, convnet, gpt_linen")
+    parser.add_argument("--mesh", default="data=2,model=4", help="axes, e.g. data=2,model=4")
+    parser.add_argument("--strategy", default="auto", help="auto or a preset (dp, fsdp, ...)")
+    parser.add_argument("--config", default="tiny", help="model config name (default: tiny)")
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch size")
+
+
+def _configure_plan(parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+    parser.add_argument("--abstract", action="store_true", help="plan on an abstract mesh")
+    parser.add_argument("--json", help="also write the plan as JSON to this path")
+    parser.add_argument(
+        "--estimator", default="propagate", choices=("propagate", "analytic"), help="cost model"
+    )
+
+
+def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        axes = parse_mesh(args.mesh)
+        import spmdkit as sk
+        from spmdkit.models import get_model
+        from spmdkit.planner import plan
+
+        if args.abstract:
+            mesh = sk.abstract_mesh(**axes)
+        else:
+            sk.use_virtual_cpu_devices(max(8, math.prod(axes.values())))
+            mesh = sk.make_mesh(**axes)
+        p = plan(
+            get_model(args.model),
+            mesh,
+            args.strategy,
+            config=args.config,
+            batch_size=args.batch_size,
+            estimator=args.estimator,
+        )
+    except SpmdError as e:
+        sys.stderr.write(f"spmdkit plan: {e}\n")
+        return 2
+    out.write(p.table() + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(p.to_json())
+        out.write(f"saved {args.json}\n")
+    return 0
+
+
+def _configure_report(parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+
+
+def _run_report(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        axes = parse_mesh(args.mesh)
+        import spmdkit as sk
+
+        sk.use_virtual_cpu_devices(max(8, math.prod(axes.values())))
+        import jax
+        import numpy as np
+
+        from spmdkit.compile import jit
+        from spmdkit.flax import describe, init_sharded
+        from spmdkit.models import get_model
+        from spmdkit.planner import plan
+
+        spec = get_model(args.model)
+        cfg = spec.config(args.config)
+        batch = spec.batch(cfg, args.batch_size, np.random.default_rng(0))
+        info = describe(spec, config=cfg, batch=batch)
+        mesh = sk.make_mesh(**axes)
+        p = plan(info, mesh, args.strategy)
+        params = init_sharded(info, p)
+        step = jit(jax.value_and_grad(info.loss_fn), p)
+        result = p.verify(step, params, batch)
+    except SpmdError as e:
+        sys.stderr.write(f"spmdkit report: {e}\n")
+        return 2
+    out.write(p.table() + "\n\n" + str(result) + "\n")
+    return 0 if result.ok else 1
+
+
+#: Commands for ``spmdkit.cli.COMMANDS``.
+PLAN_COMMANDS = [
+    Command(
+        "plan", "plan a reference model on a mesh and print the plan", _configure_plan, _run_plan
+    ),
+    Command(
+        "report",
+        "compile a planned train step on virtual CPU devices: predicted vs compiled",
+        _configure_report,
+        _run_report,
+    ),
+]

@@ -1,0 +1,190 @@
+"""CLI subcommands ``spmdkit train`` and ``spmdkit launch`` (append :data:`COMMANDS`
+to ``spmdkit.cli.COMMANDS``).
+
+``spmdkit train MODEL --mesh data=2,model=4 --steps N --ckpt DIR [--resume]`` plans
+the model on the mesh, trains it on the model's synthetic batches, checkpoints, and
+with ``--resume`` continues from the latest checkpoint — on whatever mesh and plan
+this run has. With no accelerator it uses virtual CPU devices (as many as the
+mesh needs). Under ``spmdkit launch`` each process feeds its share of the batch.
+
+``spmdkit launch --nproc N [--devices-per-process K] -- COMMAND...`` runs COMMAND
+as N local processes forming one JAX process group (:mod:`spmdkit.runtime.launch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import TextIO
+
+from spmdkit.cli.command import Command, parse_mesh
+from spmdkit.errors import SpmdError
+
+__all__ = ["COMMANDS", "parse_mesh"]
+
+
+# -- train ----------------------------------------------------------------------
+
+
+def _configure_train(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a reference model name (spmdkit.models)")
+    parser.add_argument("--mesh", default="data=2,model=4", help="axes, e.g. data=2,model=4")
+    parser.add_argument("--config", default="tiny", help="model config name (default tiny)")
+    parser.add_argument("--strategy", default="auto", help="plan strategy or preset name")
+    parser.add_argument("--steps", type=int, default=10, help="total steps to reach")
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch size")
+    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="adam learning rate")
+    parser.add_argument("--ckpt", default=None, help="checkpoint directory")
+    parser.add_argument("--save-every", type=int, default=50, help="checkpoint interval")
+    parser.add_argument("--resume", action="store_true", help="continue from --ckpt's latest")
+    parser.add_argument("--log-every", type=int, default=1, help="steps between log lines")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _start_devices(axes: dict[str, int]) -> None:
+    """Join a launched process group, or ask for enough virtual CPU devices."""
+    from spmdkit.runtime.launch import initialize_from_env
+
+    if initialize_from_env():
+        return
+    if os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
+        from spmdkit.mesh import use_virtual_cpu_devices
+
+        use_virtual_cpu_devices(max(math.prod(axes.values()), 1))
+
+
+def _run_train(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        axes = parse_mesh(args.mesh)
+        _start_devices(axes)
+        return _train(args, axes, out)
+    except SpmdError as e:
+        sys.stderr.write(f"spmdkit train: {e}\n")
+        return 2
+
+
+def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from spmdkit.mesh import make_mesh
+    from spmdkit.models import get_model
+    from spmdkit.planner import plan as make_plan
+    from spmdkit.runtime.checkpoint import Manager
+    from spmdkit.runtime.data import ShardedLoader
+    from spmdkit.runtime.train import train
+
+    spec = get_model(args.model)
+    config = spec.config(args.config)
+    # jax.devices() starts the backends with the device count chosen above (a launched
+    # process has only its own share), so make_mesh does not ask for more
+    mesh = make_mesh(devices=jax.devices(), **axes)
+    optimizer = optax.adam(args.lr)
+    plan = make_plan(
+        spec,
+        mesh,
+        args.strategy,
+        config=args.config,
+        batch_size=args.batch_size,
+        optimizer=optimizer,
+    )
+    if jax.process_index() == 0:
+        out.write(f"{plan}\n")
+    with nnx.use_eager_sharding(False):
+        model = spec.build(config, nnx.Rngs(args.seed))
+
+    nproc, pid = jax.process_count(), jax.process_index()
+    if args.batch_size % nproc:
+        raise SpmdError(
+            op="spmdkit train",
+            must="the global batch size divides over the processes",
+            given=f"--batch-size {args.batch_size}, {nproc} processes",
+            fix=f"use a multiple of {nproc}",
+        )
+    local = args.batch_size // nproc
+    abstract_batch = spec.batch(config, args.batch_size, None)
+    sharding = plan.batch_sharding(abstract_batch)
+
+    def batches():
+        # step i's global batch from seed (seed, i); this process keeps its rows
+        for i in range(args.steps):
+            full = spec.batch(config, args.batch_size, np.random.default_rng((args.seed, i)))
+            yield {k: np.asarray(v)[pid * local : (pid + 1) * local] for k, v in full.items()}
+
+    data = ShardedLoader(batches, sharding, batch_size=local)
+    ckpt = Manager(args.ckpt, save_interval_steps=args.save_every) if args.ckpt else None
+    result = train(
+        spec.loss,
+        model,
+        optimizer,
+        data,
+        steps=args.steps,
+        plan=plan,
+        accum_steps=args.accum_steps,
+        ckpt=ckpt,
+        resume=args.resume,
+        log_every=args.log_every,
+        out=out,
+    )
+    if ckpt is not None:
+        ckpt.close()
+    if pid == 0:
+        out.write(
+            f"trained steps {result.start_step + 1}..{result.step} on mesh {args.mesh}; "
+            f"losses {', '.join(f'{v:.4f}' for v in result.losses)}\n"
+        )
+    return 0
+
+
+# -- launch ---------------------------------------------------------------------
+
+
+def _configure_launch(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes")
+    parser.add_argument(
+        "--devices-per-process", type=int, default=1, help="virtual CPU devices per process"
+    )
+    parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1")
+    parser.add_argument("--timeout", type=float, default=None, help="stop all after S seconds")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+
+
+def _run_launch(args: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.runtime.launch import launch
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        return launch(
+            args.nproc,
+            command,
+            devices_per_process=args.devices_per_process,
+            port=args.port,
+            timeout=args.timeout,
+        )
+    except SpmdError as e:
+        sys.stderr.write(f"spmdkit launch: {e}\n")
+        return 2
+
+
+#: The subcommands this module adds to ``spmdkit.cli.COMMANDS``.
+COMMANDS: list[Command] = [
+    Command(
+        "train",
+        "plan a reference model on a mesh, train it, checkpoint, resume on any mesh",
+        _configure_train,
+        _run_train,
+    ),
+    Command(
+        "launch",
+        "run a command as N local processes of one JAX process group (gloo on CPU)",
+        _configure_launch,
+        _run_launch,
+    ),
+]

@@ -1,0 +1,254 @@
+"""Run a traced program with every equation pinned to its propagated layouts.
+
+:func:`spmdkit.propagation.propagate` decides a layout for every value of a step and
+prices the reshards between them. Left alone, XLA's partitioner makes its own
+choices from the step's input and output shardings only, and the compiled program
+can move different bytes than the plan says (it may gather an activation where the
+plan gathers a weight, or keep a result sharded where the plan replicates it).
+
+:func:`replay` re-emits the traced equations one by one and wraps each operand in
+``with_sharding_constraint`` to the layout the rule asked for, and each result to
+the layout the rule produced. XLA then has nothing left to choose but *how* to move
+between two given layouts, so the compiled program does what the plan predicted.
+``sk.jit`` does this by default under Auto axes (``enforce=True``).
+
+Three cases need more than a constraint on each side:
+  - a reshard with no partial layout on the way and even blocks runs with the
+    plan's own collectives under ``shard_map`` (the executor of
+    :func:`spmdkit.reshard`), once per value and target; every reader that wants
+    that layout reads the moved copy. Left to a constraint, XLA may move it
+    another way (gather the larger dim first, or slice and permute where the
+    plan gathers);
+  - a multi-step reshard that cannot run so (a partial or uneven layout on the
+    way) is pinned at every intermediate layout, so XLA still takes the plan's
+    steps in the plan's order;
+  - a contraction (``dot_general``, ``conv_general_dilated``) whose result is
+    sum-partial, and whose readers want non-partial layouts that all slice from
+    one of them, runs per device under ``shard_map`` and is reduced there with
+    the plan's own collectives (``psum_scatter``, ``psum``). A partial value
+    cannot be pinned: left alone, XLA may compute the contraction in another
+    layout and move an activation where the plan moves the (smaller) product,
+    or reduce-scatter and then gather where the plan all-reduces. When the
+    partial passes a transpose (or, kept in its layout, a reshape or cast) on
+    its way to the readers, it is reduced before it, in the layout the
+    transpose maps the readers' layout back to.
+
+What is not pinned:
+  - other values with a pending reduction (``partial``): XLA keeps those
+    internal and reduces them where the next constraint asks for a non-partial
+    layout;
+  - scalars and extended dtypes (PRNG keys);
+  - the insides of ``while`` and ``cond`` bodies, and of remat (checkpoint)
+    regions, which are replayed whole so that XLA still recomputes them (their
+    operands and results are pinned). ``scan`` bodies are pinned equation by
+    equation.
+
+The replayed program computes the same values as the traced one: constraints do
+not change values, and every equation is bound with its own parameters. Custom
+differentiation rules of inlined ``custom_jvp``/``custom_vjp`` calls are not kept:
+differentiate the step, then compile it (``sk.jit(jax.grad(loss), plan)``), not the
+other way round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from spmdkit.resharding.plan import ReshardPlan, _run, _step_body
+from spmdkit.spec import TensorSpec
+
+try:  # name stacks keep forward/backward labels in the compiled HLO's metadata
+    from jax._src import source_info_util as _siu
+except ImportError:  # pragma: no cover - a jax without the private module
+    _siu = None
+
+__all__ = ["replay", "enforced"]
+
+
+def _pin(x: Any, spec: TensorSpec | None, mesh: Any) -> Any:
+    if spec is None or spec.partial or not spec.dims:
+        return x
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return x
+    if tuple(getattr(x, "shape", ())) != tuple(spec.shape):
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_partition_spec()))
+
+
+def _through(x: Any, chain: Sequence[TensorSpec], mesh: Any) -> Any:
+    """Pin ``x`` to each layout of a multi-step reshard in turn, so that XLA takes
+    the plan's steps in the plan's order (left alone it may gather the larger
+    dim first, moving more bytes than planned)."""
+    for spec in chain:
+        x = _pin(x, spec, mesh)
+    return x
+
+
+def _bind(eqn: Any, vals: Sequence[Any]) -> list[Any]:
+    got = eqn.primitive.get_bind_params(eqn.params)
+    # jax <= 0.4.x returned (subfuns, params); newer versions return params only
+    subfuns, params = got if isinstance(got, tuple) else ((), got)
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+    if _siu is not None:
+        stack = _siu.current_name_stack() + eqn.source_info.name_stack
+        with _siu.user_context(eqn.source_info.traceback, name_stack=stack), ctx:
+            out = eqn.primitive.bind(*subfuns, *vals, **params)
+    else:  # pragma: no cover
+        with ctx:
+            out = eqn.primitive.bind(*subfuns, *vals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+class _Replay:
+    def __init__(self, program: Any, mesh: Any) -> None:
+        self.program = program
+        self.mesh = mesh
+        self.memo: dict[tuple, tuple[Any, Any]] = {}
+
+    def graph(self, graph: Any, ins: Sequence[Any]) -> list[Any]:
+        env: dict[int, Any] = dict(zip(graph.invars, ins, strict=True))
+        values = self.program.values
+
+        def read(vid: int) -> Any:
+            if vid in env:
+                return env[vid]
+            return values[vid]
+
+        done: set[int] = set()
+        for node in graph.all_nodes or graph.nodes:
+            group = node.group
+            if group is not None:
+                if id(group) in done:
+                    continue
+                done.add(id(group))
+                outs = _bind(group.eqn, [read(v) for v in group.ins])
+                env.update(zip(group.outs, outs, strict=True))
+                continue
+            vals = [read(v) for v in node.ins]
+            specs = self.program.specs.get(id(node))
+            if specs is None:  # dead code (XLA drops it) or not propagated
+                outs = _bind(node.eqn, vals)
+            else:
+                req, produced, steps, fused, _ = specs
+                vals = [
+                    self.moved(v, x, chain, s)
+                    for v, x, s, chain in zip(node.ins, vals, req, steps, strict=True)
+                ]
+                if fused is not None:
+                    outs = [self.reduced(node.eqn, vals, req, fused)]
+                    produced = (fused.dst,)
+                elif node.kind == "scan":
+                    outs = self.scan(node, vals)
+                else:
+                    outs = _bind(node.eqn, vals)
+                outs = [_pin(x, s, self.mesh) for x, s in zip(outs, produced, strict=True)]
+            env.update(zip(node.outs, outs, strict=True))
+        return [read(v) for v in graph.outvars]
+
+    def moved(
+        self, vid: int, x: Any, chain: Sequence[TensorSpec] | ReshardPlan, spec: TensorSpec | None
+    ) -> Any:
+        """``x`` (value ``vid``) moved to ``spec``, once per value and target (later
+        readers reuse the moved copy, as the plan counts it): by the plan's own
+        collectives when ``chain`` is a :class:`ReshardPlan`, else pinned at each
+        intermediate layout of ``chain``."""
+        if not chain:
+            return _pin(x, spec, self.mesh)
+        explicit = isinstance(chain, ReshardPlan)
+        key = (vid, spec, chain if explicit else tuple(chain))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not x:
+            if explicit:
+                moved = _run(_pin(x, chain.src, self.mesh), chain, self.mesh)
+            else:
+                moved = _through(x, chain, self.mesh)
+            hit = (x, _pin(moved, spec, self.mesh))
+            self.memo[key] = hit
+        return hit[1]
+
+    def reduced(self, eqn: Any, vals: list[Any], req: Sequence[TensorSpec], plan: Any) -> Any:
+        """A contraction with a sum-partial result, run per device under
+        ``shard_map`` and reduced there with the plan's own collectives (a
+        partial value cannot be pinned; left alone XLA may compute the
+        contraction in another layout and move operands the plan does not)."""
+
+        def local(*blocks: Any) -> Any:
+            y = _bind(eqn, blocks)[0]
+            for step in plan.steps:
+                y = _step_body(step)(y)
+            return y
+
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=tuple(s.to_partition_spec() for s in req),
+            out_specs=plan.dst.to_partition_spec(),
+            check_vma=False,
+        )(*vals)
+
+    def scan(self, node: Any, vals: list[Any]) -> list[Any]:
+        p = node.eqn.params
+        nc, nk = int(p["num_consts"]), int(p["num_carry"])
+        body = node.subs[0]
+        consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
+
+        def step(carry: list, x: list) -> tuple[list, list]:
+            outs = self.graph(body, [*consts, *carry, *x])
+            return outs[:nk], outs[nk:]
+
+        carry, ys = jax.lax.scan(
+            step,
+            list(init),
+            list(xs),
+            length=int(p["length"]),
+            reverse=bool(p["reverse"]),
+            unroll=p.get("unroll", 1),
+        )
+        return [*carry, *ys]
+
+
+def replay(prop: Any, *flat_args: Any) -> list[Any]:
+    """Evaluate the program of ``prop`` (a :class:`~spmdkit.propagation.Propagation`)
+    on flat arguments, pinning every equation to its propagated layouts.
+
+    Call it inside ``jax.jit`` with a mesh set (``jax.set_mesh``); it returns the
+    flat outputs.
+
+    Example::
+
+        >>> prop = sk.propagate(step, params, batch, in_specs=..., mesh=mesh)
+        >>> out = jax.jit(lambda *a: replay(prop, *a))(*jax.tree.leaves((params, batch)))
+    """
+    program = prop.program
+    if program is None:
+        raise ValueError("this Propagation carries no program to replay")
+    explicit = [
+        name
+        for name, t in zip(prop.mesh.axis_names, getattr(prop.mesh, "axis_types", ()), strict=False)
+        if t == jax.sharding.AxisType.Explicit
+    ]
+    if explicit:
+        raise ValueError(
+            f"replay pins layouts with sharding constraints, which need Auto mesh axes; "
+            f"axes {explicit} are Explicit: propagate on a mesh made with "
+            f"axis_types='auto' (sk.jit does this for you)"
+        )
+    return _Replay(program, prop.mesh).graph(program.graph, flat_args)
+
+
+def enforced(prop: Any) -> Callable[..., Any]:
+    """A function of the traced step's (pytree) arguments that runs
+    :func:`replay` and returns outputs with the step's output structure."""
+    out_tree = prop.program.out_tree
+
+    def run(*args: Any) -> Any:
+        outs = replay(prop, *jax.tree.leaves(args))
+        return jax.tree.unflatten(out_tree, outs) if out_tree is not None else outs
+
+    return run

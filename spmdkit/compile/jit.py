@@ -1,0 +1,520 @@
+"""``sk.jit``: compile a step with a plan's shardings, donation and activation constraints.
+
+:func:`jit` wraps ``jax.jit``. Each positional argument of the step has a *role*
+that decides its shardings:
+
+- ``"params"``: a params (or grads) pytree → the plan's param specs;
+- ``"opt_state"``: an optax state → the plan's optimizer specs;
+- ``"batch"``: a batch → the plan's batch specs (``Plan.batch_spec``), and the
+  step's body starts with a sharding constraint on it (``with_sharding_constraint``
+  under Auto axes, ``jax.sharding.reshard`` under Explicit axes);
+- ``"replicated"``: every leaf replicated.
+
+Roles not given are inferred per argument on the first call: a tree whose leaf
+paths are param paths is ``params``; a tree whose leaf paths end with param paths
+is ``opt_state``; otherwise ``batch`` (scalars replicated). Outputs get the same
+treatment (grads and new params: param specs; new optimizer state: optimizer
+specs; scalars replicated).
+
+By default the step is compiled on the plan's mesh with **Auto** axes: Shardy
+propagates shardings between the annotated boundaries, so any model compiles.
+``axis_types="explicit"`` keeps Explicit axes (the model must then be written for
+sharding-in-types: contracting a sharded dim needs ``out_sharding=``).
+
+Under Auto axes the step is also **enforced** (``enforce=True``, the default):
+the step is traced, propagated with spmdkit's rules
+(:func:`spmdkit.propagation.propagate`), and compiled from a replay of its
+equations with every operand and result pinned to the propagated layout
+(:mod:`spmdkit.compile.enforce`). The compiled program then moves what the plan
+predicts (``plan.verify``); ``enforce=False`` leaves the choice to XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import SpmdError
+from spmdkit.flax import path_str
+from spmdkit.planner import Plan, PlanError
+
+__all__ = ["PlannedFunction", "jit", "verify_plan"]
+
+ROLES = ("params", "opt_state", "batch", "replicated")
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
+    return [(path_str(kp), x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def infer_role(plan: Plan, tree: Any) -> str:
+    """The role of one argument tree (module docstring).
+
+    Example::
+
+        >>> infer_role(plan, params)
+        'params'
+    """
+    leaves = [(p, x) for p, x in _leaves_with_paths(tree) if np.ndim(x) > 0]
+    if not leaves:
+        return "replicated"
+    params = plan.params
+    if all(p in params for p, _ in leaves):
+        return "params"
+    if any(any(p.endswith("/" + q) for q in params) for p, _ in leaves):
+        return "opt_state"
+    return "batch"
+
+
+def _specs(plan: Plan, role: str, tree: Any, *, output: bool = False) -> Any:
+    if role == "params":
+        return plan.param_specs(tree)
+    if role == "opt_state":
+        return plan.opt_specs(tree)
+    if role == "batch":
+        if not output:
+            return plan.batch_specs(tree)
+
+        def one(kp: tuple, x: Any) -> P:
+            try:
+                return plan.batch_spec(path_str(kp), np.shape(x))
+            except PlanError:
+                return P()
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+    return jax.tree.map(lambda _: P(), tree)
+
+
+def _run_mesh(plan: Plan, mesh: Any, axis_types: str) -> Mesh:
+    target = mesh if mesh is not None else plan.mesh
+    if not isinstance(target, Mesh):
+        raise PlanError(
+            op="sk.jit",
+            must="the plan's mesh has devices (a jax Mesh)",
+            given=f"{type(target).__name__} {tuple(target.axis_names)}",
+            fix="pass mesh=sk.make_mesh(...) with the same axes, or plan.on(real_mesh)",
+        )
+    if axis_types not in ("auto", "explicit"):
+        raise SpmdError(
+            op="sk.jit",
+            must="axis_types is 'auto' or 'explicit'",
+            given=repr(axis_types),
+            fix="pass axis_types='auto' (default) or 'explicit'",
+        )
+    kind = AxisType.Auto if axis_types == "auto" else AxisType.Explicit
+    if all(t == kind for t in target.axis_types):
+        return target
+    return Mesh(target.devices, target.axis_names, axis_types=(kind,) * len(target.axis_names))
+
+
+class PlannedFunction:
+    """A step compiled with a plan (what :func:`jit` returns).
+
+    Call it like the step. Attributes after the first call (or :meth:`shardings`):
+    ``in_roles``, ``in_specs``, ``out_specs``. :meth:`lower` gives jax's
+    ``Lowered`` for reports; ``fn`` is the undecorated step.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        plan: Plan,
+        *,
+        in_roles: Sequence[str | None] | None,
+        out_roles: Sequence[str | None] | str | None,
+        donate_argnums: Sequence[int],
+        mesh: Any,
+        axis_types: str,
+        constrain: bool,
+        enforce: bool = True,
+    ) -> None:
+        self.fn = fn
+        self.plan = plan
+        self.mesh = _run_mesh(plan, mesh, axis_types)
+        self.axis_types = axis_types
+        self._in_roles = None if in_roles is None else tuple(in_roles)
+        self._out_roles = out_roles
+        self.donate_argnums = tuple(donate_argnums)
+        self.constrain = constrain
+        self.enforce = enforce and axis_types == "auto"
+        self._compiled: dict[Any, tuple] = {}
+        self._programs: dict[Any, tuple] = {}
+        self._executables: dict[Any, Any] = {}
+        # pytree structure → (executable, (shape, dtype, sharding) of each placed leaf)
+        self._fast: dict[Any, tuple] = {}
+        self.__name__ = getattr(fn, "__name__", "step")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    # -- shardings ---------------------------------------------------------------------
+    def _roles(self, args: tuple) -> tuple[str, ...]:
+        if self._in_roles is not None:
+            if len(self._in_roles) != len(args):
+                raise SpmdError(
+                    op="sk.jit",
+                    must=f"one role per positional argument ({len(args)})",
+                    given=f"in_roles={self._in_roles}",
+                    fix=f"pass in_roles with {len(args)} entries from {ROLES} or None",
+                )
+            return tuple(
+                r or infer_role(self.plan, a) for r, a in zip(self._in_roles, args, strict=True)
+            )
+        return tuple(infer_role(self.plan, a) for a in args)
+
+    def shardings(self, *args: Any) -> tuple[tuple, Any, tuple[str, ...]]:
+        """``(in_specs, out_specs, in_roles)`` for these arguments (abstract ones suffice)."""
+        roles = self._roles(args)
+        for r in roles:
+            if r not in ROLES:
+                raise SpmdError(
+                    op="sk.jit",
+                    must=f"roles are one of {ROLES}",
+                    given=repr(r),
+                    fix="fix in_roles",
+                )
+        in_specs = tuple(_specs(self.plan, r, a) for r, a in zip(roles, args, strict=True))
+        out_shape = jax.eval_shape(self._body(roles, in_specs), *args)
+        out_specs = self._out_specs(out_shape)
+        return in_specs, out_specs, roles
+
+    def _out_specs(self, out: Any) -> Any:
+        def specs_of(tree: Any, role: str | None) -> Any:
+            return _specs(self.plan, role or infer_role(self.plan, tree), tree, output=True)
+
+        roles = self._out_roles
+        if isinstance(out, tuple) and not hasattr(out, "_fields"):
+            if roles is None or isinstance(roles, str):
+                return tuple(specs_of(o, roles) for o in out)
+            return tuple(specs_of(o, r) for o, r in zip(out, roles, strict=True))
+        return specs_of(out, roles if isinstance(roles, str) else None)
+
+    def _constraint(self, x: Any, spec: P) -> Any:
+        sharding = NamedSharding(self.mesh, spec)
+        if self.axis_types == "explicit":
+            return jax.sharding.reshard(x, sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def _body(self, roles: tuple[str, ...], in_specs: tuple) -> Callable:
+        fn = self.fn
+
+        def body(*args: Any) -> Any:
+            if self.constrain:
+                args = tuple(
+                    jax.tree.map(self._constraint, a, s, is_leaf=lambda x: x is None)
+                    if r == "batch"
+                    else a
+                    for a, s, r in zip(args, in_specs, roles, strict=True)
+                )
+            return fn(*args)
+
+        return body
+
+    def _named(self, specs: Any) -> Any:
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+
+    def _key(self, args: tuple) -> Any:
+        return jax.tree.structure(args), tuple(
+            (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(args)
+        )
+
+    def program(self, *args: Any) -> tuple[Callable, Any]:
+        """``(body, propagation)`` for these (abstract or concrete) arguments: the
+        function that is compiled and the :class:`~spmdkit.propagation.Propagation`
+        of the step (the body is pinned to it unless ``enforce=False`` or the axes
+        are Explicit, where the body is the step itself)."""
+        key = self._key(args)
+        hit = self._programs.get(key)
+        if hit is None:
+            with jax.set_mesh(self.mesh):
+                in_specs, out_specs, roles = self.shardings(*args)
+            body = self._body(roles, in_specs)
+            prop = self._propagate(body, args, in_specs, out_specs, roles)
+            if self.enforce:
+                from spmdkit.compile.enforce import enforced
+
+                body = enforced(prop)
+            hit = (body, prop)
+            self._programs[key] = hit
+        return hit
+
+    def _propagate(self, body: Callable, args: tuple, in_specs: Any, out_specs: Any, roles):
+        from spmdkit.propagation import propagate
+
+        role_map = {"params": "params", "opt_state": "opt_state", "batch": "batch"}
+        return propagate(
+            body,
+            *args,
+            in_specs=in_specs,
+            mesh=self.mesh,
+            out_specs=out_specs,
+            donate_argnums=self.donate_argnums,
+            arg_roles=tuple(role_map.get(r, "other") for r in roles),
+        )
+
+    def _get(self, args: tuple) -> tuple:
+        key = self._key(args)
+        hit = self._compiled.get(key)
+        if hit is None:
+            with jax.set_mesh(self.mesh):
+                in_specs, out_specs, roles = self.shardings(*args)
+            body = self.program(*args)[0] if self.enforce else self._body(roles, in_specs)
+            with jax.set_mesh(self.mesh):
+                jitted = jax.jit(
+                    body,
+                    in_shardings=self._named(in_specs),
+                    out_shardings=self._named(out_specs),
+                    donate_argnums=self.donate_argnums,
+                )
+            hit = (jitted, in_specs, out_specs, roles)
+            self._compiled[key] = hit
+        return hit
+
+    @property
+    def in_specs(self) -> Any:
+        """In specs of the most recent compilation (None before the first call)."""
+        return next(reversed(self._compiled.values()))[1] if self._compiled else None
+
+    @property
+    def out_specs(self) -> Any:
+        """Out specs of the most recent compilation (None before the first call)."""
+        return next(reversed(self._compiled.values()))[2] if self._compiled else None
+
+    def jitted(self, *args: Any) -> Callable:
+        """The underlying ``jax.jit`` object for these argument shapes."""
+        return self._get(args)[0]
+
+    def lower(self, *args: Any) -> Any:
+        """``jax.stages.Lowered`` for these (concrete or abstract) arguments."""
+        jitted = self._get(args)[0]
+        with jax.set_mesh(self.mesh):
+            return jitted.lower(*args)
+
+    def compile(self, *args: Any) -> Any:
+        """The ``jax.stages.Compiled`` executable for these (concrete or abstract)
+        arguments, compiled once: calls of this function run it, and
+        :func:`verify_plan` reads its HLO and memory, so checking a step never
+        compiles it a second time."""
+        key = self._key(args)
+        hit = self._executables.get(key)
+        if hit is None:
+            hit = self._executables[key] = self.lower(*args).compile()
+        return hit
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tree = jax.tree.flatten(args)
+        fast = self._fast.get(tree)
+        if fast is not None and _placed_as(leaves, fast[1]):
+            # the steady state of a training loop: arrays already where the plan puts
+            # them (the previous step's outputs), so no spec lookup or placement
+            with jax.set_mesh(self.mesh):
+                return fast[0](*args)
+        _, in_specs, _, _ = self._get(args)
+        placed = []
+        for a, specs in zip(args, in_specs, strict=True):
+            placed.append(jax.tree.map(self._place, a, specs, is_leaf=lambda x: x is None))
+        executable = self.compile(*placed)
+        self._fast[tree] = (
+            executable,
+            tuple(
+                (x.shape, x.dtype, getattr(x, "sharding", None))
+                for x in jax.tree.leaves(tuple(placed))
+            ),
+        )
+        with jax.set_mesh(self.mesh):
+            return executable(*placed)
+
+    def _place(self, x: Any, spec: P) -> Any:
+        target = NamedSharding(self.mesh, spec)
+        current = getattr(x, "sharding", None)
+        if current is not None and current == target:
+            return x
+        return jax.device_put(x, target)
+
+
+def _placed_as(leaves: list, want: tuple) -> bool:
+    """Whether every leaf is a device array with the shape, dtype and sharding
+    its placed counterpart had (a numpy array or scalar never is)."""
+    if len(leaves) != len(want):
+        return False
+    for x, (shape, dtype, sharding) in zip(leaves, want, strict=True):
+        got = getattr(x, "sharding", None)
+        if got is None or sharding is None:
+            return False
+        if x.shape != shape or x.dtype != dtype or (got is not sharding and got != sharding):
+            return False
+    return True
+
+
+def jit(
+    fn: Callable | None = None,
+    plan: Plan | None = None,
+    *,
+    in_roles: Sequence[str | None] | None = None,
+    out_roles: Sequence[str | None] | str | None = None,
+    donate_argnums: Sequence[int] = (),
+    donate_state: bool = False,
+    mesh: Any = None,
+    axis_types: str = "auto",
+    constrain: bool = True,
+    enforce: bool = True,
+) -> Any:
+    """``jax.jit`` with the plan's in/out shardings, donation and batch constraints.
+
+    Args:
+      fn: the step (positional pytree arguments). Omit it to use as a decorator:
+        ``@sk.jit(plan=plan)``.
+      plan: the :class:`spmdkit.planner.Plan`.
+      in_roles: role per positional argument (module docstring); None entries
+        (or None) are inferred.
+      out_roles: role per output element, one role for all, or None to infer.
+      donate_argnums: arguments whose buffers XLA may reuse.
+      donate_state: also donate every ``params`` / ``opt_state`` argument (for a
+        step returning the new state).
+      mesh: the device mesh (default: the plan's; needed when the plan was made
+        on an abstract mesh).
+      axis_types: ``"auto"`` (default) or ``"explicit"`` (module docstring).
+      constrain: put sharding constraints on batch arguments inside the step.
+      enforce: under Auto axes, pin every equation to the layouts spmdkit's
+        propagation chose (module docstring); False lets XLA choose.
+
+    Returns:
+      A :class:`PlannedFunction`.
+
+    Example::
+
+        >>> step = sk.jit(train_step, plan, donate_state=True)
+        >>> params, opt_state, loss = step(params, opt_state, batch)
+    """
+    if plan is None:
+        raise SpmdError(
+            op="sk.jit",
+            must="a plan is given",
+            given="plan=None",
+            fix="pass sk.jit(step, plan) or @sk.jit(plan=plan)",
+        )
+
+    def wrap(f: Callable) -> PlannedFunction:
+        planned = PlannedFunction(
+            f,
+            plan,
+            in_roles=in_roles,
+            out_roles=out_roles,
+            donate_argnums=donate_argnums,
+            mesh=mesh,
+            axis_types=axis_types,
+            constrain=constrain,
+            enforce=enforce,
+        )
+        if donate_state:
+            planned._donate_state = True
+            original = planned._get
+
+            def get_with_donation(args: tuple) -> tuple:
+                if planned._key(args) not in planned._compiled:
+                    roles = planned._roles(args)
+                    extra = tuple(i for i, r in enumerate(roles) if r in ("params", "opt_state"))
+                    planned.donate_argnums = tuple(sorted(set(planned.donate_argnums) | set(extra)))
+                return original(args)
+
+            planned._get = get_with_donation  # type: ignore[method-assign]
+        return planned
+
+    return wrap if fn is None else wrap(fn)
+
+
+def verify_plan(
+    plan: Plan, fn: Any, *args: Any, bytes_tol: float = 0.1, mem_tol: float = 0.2
+) -> Any:
+    """Propagate the plan through ``fn`` and compare with its compiled HLO.
+
+    ``fn`` is a :class:`PlannedFunction` (from :func:`jit`) or a plain step (then
+    compiled with :func:`jit` on the plan). Uses ``spmdkit.propagation.propagate``,
+    ``spmdkit.verification.report.report`` and ``spmdkit.verification.report.verify``.
+
+    Returns:
+      The ``VerifyReport`` (``.ok``, ``.mismatches``).
+    """
+    from spmdkit.verification.report import report, verify
+
+    planned = fn if isinstance(fn, PlannedFunction) else jit(fn, plan)
+    _, prop = planned.program(*args)
+    if _platform(planned.mesh) == "cpu":
+        prop = _as_on_cpu(prop)
+    compiled = report(planned.compile(*args))
+    return verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
+
+
+def _platform(mesh: Any) -> str | None:
+    devices = getattr(mesh, "devices", None)
+    try:
+        return devices.flat[0].platform
+    except (AttributeError, IndexError):
+        return None
+
+
+def _as_on_cpu(prop: Any) -> Any:
+    """The prediction as XLA's CPU backend emits it.
+
+    A reduce-scatter that XLA's partitioner makes becomes an all-reduce of the
+    same operand followed by a local slice. When one reshard reduce-scatters over
+    several axes in turn (partial over ``data`` and ``model`` into dims tiled by
+    both), the slices all come after the last all-reduce, so every stage
+    all-reduces the whole block the first stage had, not the shrinking block the
+    plan's staged scatters send. The same holds for a reduce-scatter followed by
+    an all-reduce of a value made by an op XLA reduces in place (a scatter-add's
+    table gradient); after other ops it slices between the two. Reductions the
+    enforced program runs itself (``Program.specs``' fused plans,
+    ``psum_scatter`` under ``shard_map``) stay reduce-scatters.
+    """
+    kinds = dict(prop.comm_bytes_by_kind)
+    moved = kinds.pop("reduce_scatter", 0)
+    if not moved:
+        return prop
+    extra = _unsliced(prop.records)
+    kept = 0
+    program = getattr(prop, "program", None)
+    for entry in program.specs.values() if program is not None else ():
+        plan, runs = entry[3], entry[4]
+        if plan is not None:
+            rs = [c.payload_bytes for c in plan.collectives if c.kind == "reduce_scatter"]
+            kept += runs * sum(rs)
+            extra -= runs * _unsliced_plan(plan)
+    kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved - kept + extra
+    if kept:
+        kinds["reduce_scatter"] = kept
+    return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())))
+
+
+def _unsliced_plan(plan: Any, in_place: bool = False) -> int:
+    """Bytes the unsliced stages of one plan's staged reductions add: further
+    reduce-scatters after a reduce-scatter, and all-reduces too when the value's
+    producer reduces in place (``ArgReshard.in_place``)."""
+    extra, first = 0, None
+    later = ("reduce_scatter", "all_reduce") if in_place else ("reduce_scatter",)
+    for c in plan.collectives:
+        if first is not None and c.kind in later:
+            extra += first - c.payload_bytes
+        elif c.kind == "reduce_scatter":
+            first = c.payload_bytes
+        else:
+            first = None
+    return extra
+
+
+def _unsliced(records: Any, repeat: int = 1) -> int:
+    """:func:`_unsliced_plan` over every reshard of ``records`` (loops repeated)."""
+    extra = 0
+    for r in records:
+        extra += repeat * sum(_unsliced_plan(a.plan, a.in_place) for a in r.reshards)
+        if r.body:
+            extra += _unsliced(r.body, repeat * r.repeat)
+    return extra

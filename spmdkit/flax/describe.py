@@ -1,0 +1,561 @@
+"""Flax integration: read logical axis names off a model, build it abstractly, build it sharded.
+
+A planner needs four things from a model, and nothing else: the parameters' paths,
+shapes and dtypes; the logical axis names of each parameter dim (flax metadata);
+a loss ``loss(params, batch) -> scalar`` over a params pytree; and an abstract
+batch. :func:`describe` extracts them, as a :class:`ModelInfo`, from any of:
+
+- a model spec (``spmdkit.models.get_model(name)``: ``build(cfg, rngs)``,
+  ``loss(model, batch)``, ``batch(cfg, batch_size, rng)``, ``batch_axes``);
+- a zero-argument function returning an NNX module (with ``loss=`` and ``batch=``);
+- an NNX module (concrete or abstract; with ``loss=`` and ``batch=``);
+- a linen module (with ``loss=`` taking ``(variables, batch)``, ``batch=`` and
+  ``init_args=``): boxed ``LogicallyPartitioned`` names are logical, boxed
+  ``Partitioned`` names are mesh axes and are kept as given (pinned).
+
+NNX parameters carry logical names in the flax-standard ``out_sharding``
+metadata (``nnx.with_partitioning(init, ("embed", "mlp"))``). Linen models bridged
+into NNX keep their box type in ``linen_meta_type``. A parameter with no names is
+*unannotated*: presets replicate it (fsdp shards its largest dim), ``auto``
+treats it like any other.
+
+Nothing here materialises a model on one device: shapes come from
+``nnx.eval_shape`` / ``jax.eval_shape``, and :func:`init_sharded` runs the model's
+initialisers inside ``jax.jit`` with ``out_shardings`` from a plan ("born
+sharded"). :func:`shard` makes a module class do that on construction.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import SpmdError
+
+__all__ = [
+    "ModelInfo",
+    "ParamInfo",
+    "describe",
+    "init_sharded",
+    "path_str",
+    "shard",
+]
+
+
+class ModelError(SpmdError, TypeError):
+    """The object handed to the planner is not a model it can read.
+
+    Broken example: ``sk.plan(my_module, mesh)`` for an NNX module without ``loss=``
+    and ``batch=``: the planner cannot trace a train step without them.
+    """
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter as the planner sees it.
+
+    Attributes:
+      path: ``"/"``-joined key path (``"layers/0/mlp/kernel"``).
+      shape: global shape.
+      dtype: dtype name.
+      logical: logical axis name per dim (None for an unnamed dim), or None when
+        the parameter carries no names at all (unannotated).
+      pinned: a PartitionSpec given in mesh axes by the model (linen
+        ``Partitioned``); plans keep it.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str | None, ...] | None = None
+    pinned: P | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Global bytes."""
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass
+class ModelInfo:
+    """Everything the planner reads from a model (see the module docstring).
+
+    Attributes:
+      params: the parameters, in tree order.
+      abstract_params: the params pytree with ``jax.ShapeDtypeStruct`` leaves.
+      loss_fn: ``loss_fn(params, batch) -> scalar``.
+      batch: abstract batch (pytree of ``ShapeDtypeStruct``).
+      batch_axes: batch field → logical names per dim.
+      init_fn: zero-argument function returning the concrete params pytree, for
+        born-sharded initialisation (None when the model cannot be re-initialised).
+      kind: ``"nnx"``, ``"linen"`` or ``"fn"``.
+      merge: for NNX, ``merge(params) -> module`` (None otherwise).
+      name: a short name for reports.
+    """
+
+    params: list[ParamInfo]
+    abstract_params: Any
+    loss_fn: Callable[[Any, Any], Any]
+    batch: Any
+    batch_axes: dict[str, tuple[str | None, ...]]
+    init_fn: Callable[[], Any] | None = None
+    kind: str = "nnx"
+    merge: Callable[[Any], Any] | None = None
+    name: str = "model"
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def by_path(self) -> dict[str, ParamInfo]:
+        """Path → ParamInfo."""
+        return {p.path: p for p in self.params}
+
+
+# -- paths -----------------------------------------------------------------------
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def path_str(keypath: tuple) -> str:
+    """A ``"/"``-joined path from a jax key path, dropping Variable ``value`` leaves.
+
+    Example::
+
+        >>> path_str((DictKey("w1"), DictKey("kernel"), GetAttrKey("value")))
+        'w1/kernel'
+    """
+    names = [_key_name(k) for k in keypath]
+    while names and names[-1] in ("value", "raw_value"):
+        names.pop()
+    return "/".join(names)
+
+
+# -- metadata --------------------------------------------------------------------
+
+
+def _nnx_names(var: nnx.Variable) -> tuple[tuple | None, P | None]:
+    meta = var.get_metadata()
+    names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+    if not names:
+        return None, None
+    names = tuple(names)
+    linen_type = meta.get("linen_meta_type")
+    if linen_type is not None and linen_type.__name__ == "Partitioned":
+        return None, P(*names)
+    return names, None
+
+
+def _leaf_value(v: Any) -> Any:
+    return v.get_value() if isinstance(v, nnx.Variable) else v
+
+
+def _params_from_nnx_state(state: Any) -> list[ParamInfo]:
+    out = []
+    leaves = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )[0]
+    for keypath, var in leaves:
+        value = _leaf_value(var)
+        logical, pinned = _nnx_names(var) if isinstance(var, nnx.Variable) else (None, None)
+        out.append(
+            ParamInfo(
+                path_str(keypath),
+                tuple(value.shape),
+                np.dtype(value.dtype).name,
+                logical,
+                pinned,
+            )
+        )
+    return out
+
+
+def _params_from_linen(boxed: Any) -> tuple[list[ParamInfo], Any]:
+    import flax.linen as nn
+
+    def is_box(x: Any) -> bool:
+        return isinstance(x, nn.Partitioned)
+
+    out = []
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(boxed, is_leaf=is_box)[0]:
+        logical = pinned = None
+        value = leaf
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            logical, value = tuple(leaf.names), leaf.value
+        elif isinstance(leaf, nn.Partitioned):
+            pinned, value = P(*leaf.names), leaf.value
+        out.append(
+            ParamInfo(
+                path_str(keypath), tuple(value.shape), np.dtype(value.dtype).name, logical, pinned
+            )
+        )
+    return out, nn.unbox(boxed)
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+# -- describe --------------------------------------------------------------------
+
+
+def _is_model_spec(obj: Any) -> bool:
+    return all(hasattr(obj, a) for a in ("build", "loss", "batch", "configs"))
+
+
+def _default_batch_axes(batch: Any) -> dict[str, tuple[str | None, ...]]:
+    """Dim 0 of every field is ``batch``; integer (token) fields of rank 2 are
+    ``("batch", "seq")``; other dims are unnamed."""
+    out = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        names: list[str | None] = [None] * len(leaf.shape)
+        if names:
+            names[0] = "batch"
+        if len(names) == 2 and np.issubdtype(np.dtype(leaf.dtype), np.integer):
+            names[1] = "seq"
+        out[path_str(keypath)] = tuple(names)
+    return out
+
+
+def _describe_nnx(
+    build: Callable[[], Any],
+    loss: Callable[[Any, Any], Any],
+    batch: Any,
+    batch_axes: Mapping[str, tuple] | None,
+    name: str,
+) -> ModelInfo:
+    with nnx.use_eager_sharding(False):
+        abstract_model = nnx.eval_shape(build)
+    graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    infos = _params_from_nnx_state(params)
+    abstract_params = _abstract(params)
+    abstract_rest = _abstract(rest)
+
+    def merge(p: Any, r: Any = None) -> Any:
+        return nnx.merge(graphdef, p, abstract_rest if r is None else r)
+
+    def loss_fn(p: Any, b: Any) -> Any:
+        model = nnx.merge(graphdef, p, _zeros_like(abstract_rest))
+        return loss(model, b)
+
+    def init_fn() -> Any:
+        with nnx.use_eager_sharding(False):
+            model = build()
+        return nnx.split(model, nnx.Param, ...)[1]
+
+    return ModelInfo(
+        params=infos,
+        abstract_params=abstract_params,
+        loss_fn=loss_fn,
+        batch=_abstract(batch),
+        batch_axes=dict(batch_axes) if batch_axes else _default_batch_axes(batch),
+        init_fn=init_fn,
+        kind="nnx",
+        merge=merge,
+        name=name,
+    )
+
+
+def _zeros_like(tree: Any) -> Any:
+    """Placeholder values for non-param state (batch stats, rng keys) in a loss trace."""
+    import jax.numpy as jnp
+
+    def zero(s: Any) -> Any:
+        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            keys = jax.random.split(jax.random.key(0), max(math.prod(s.shape), 1))
+            return keys.reshape(s.shape) if s.shape else keys[0]
+        return jnp.zeros(s.shape, s.dtype)
+
+    return jax.tree.map(zero, tree)
+
+
+def describe(
+    model: Any,
+    *,
+    config: Any = None,
+    batch: Any = None,
+    batch_size: int = 8,
+    loss: Callable[[Any, Any], Any] | None = None,
+    batch_axes: Mapping[str, tuple] | None = None,
+    init_args: tuple = (),
+    rng_seed: int = 0,
+) -> ModelInfo:
+    """Read a model into a :class:`ModelInfo` (module docstring: accepted forms).
+
+    Args:
+      model: a model spec, an NNX module, a function returning one, or a linen module.
+      config: for a model spec, a config name in ``spec.configs`` or a config object
+        (default: the first config).
+      batch: an example or abstract batch (required except for model specs).
+      batch_size: batch size for a model spec's batch.
+      loss: ``loss(model, batch)`` (NNX) or ``loss(variables, batch)`` (linen).
+      batch_axes: batch field → logical names per dim (default: model spec's, or
+        ``("batch", None, ...)`` for every field).
+      init_args: linen only: the arguments of ``module.init`` after the rng.
+      rng_seed: seed of the rngs used to build the model.
+
+    Returns:
+      The model's ModelInfo.
+
+    Raises:
+      ModelError: the model is not in a form listed above or lacks loss/batch.
+
+    Example::
+
+        >>> info = describe(lambda: MyMLP(rngs=nnx.Rngs(0)), loss=my_loss, batch=b)
+        >>> [p.path for p in info.params]
+        ['w1/bias', 'w1/kernel']
+    """
+    if isinstance(model, ModelInfo):
+        return model
+    if _is_model_spec(model):
+        cfg = config
+        if cfg is None:
+            cfg = next(iter(model.configs.values()))()
+        elif isinstance(cfg, str):
+            if cfg not in model.configs:
+                raise ModelError(
+                    op="describe",
+                    must=f"config is one of {sorted(model.configs)}",
+                    given=repr(cfg),
+                    fix="pass config=<name> from the model spec's configs, or a config object",
+                )
+            cfg = model.configs[cfg]()
+        spec_batch = batch if batch is not None else model.batch(cfg, batch_size, None)
+        return _describe_nnx(
+            lambda: model.build(cfg, nnx.Rngs(rng_seed)),
+            loss or model.loss,
+            spec_batch,
+            batch_axes or getattr(model, "batch_axes", None),
+            getattr(model, "name", "model"),
+        )
+    if loss is None or batch is None:
+        raise ModelError(
+            op="describe",
+            must="a module or init function comes with loss= and batch=",
+            given=f"{type(model).__name__} with loss={loss!r}, batch={'given' if batch else None}",
+            fix="pass loss=lambda model, batch: ... and batch=<example or abstract batch>, "
+            "or pass a model spec (spmdkit.models.get_model(name))",
+        )
+    try:
+        import flax.linen as nn
+    except ImportError:  # pragma: no cover - flax always ships linen
+        nn = None
+    if nn is not None and isinstance(model, nn.Module):
+        return _describe_linen(model, loss, batch, batch_axes, init_args, rng_seed)
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+        abstract_state = _abstract(state)
+
+        def build() -> Any:
+            return nnx.merge(graphdef, jax.tree.map(lambda s: s, abstract_state))
+
+        info = _describe_nnx(build, loss, batch, batch_axes, type(model).__name__)
+        info.init_fn = None  # a given instance has no initialiser to replay
+        return info
+    if callable(model):
+        return _describe_nnx(model, loss, batch, batch_axes, getattr(model, "__name__", "model"))
+    raise ModelError(
+        op="describe",
+        must="model is a model spec, an NNX module, a function returning one, or a linen module",
+        given=type(model).__name__,
+        fix="pass spmdkit.models.get_model(name), a module, or lambda: MyModule(rngs=nnx.Rngs(0))",
+    )
+
+
+def _describe_linen(
+    module: Any,
+    loss: Callable[[Any, Any], Any],
+    batch: Any,
+    batch_axes: Mapping[str, tuple] | None,
+    init_args: tuple,
+    rng_seed: int,
+) -> ModelInfo:
+    def init_boxed() -> Any:
+        return module.init(jax.random.key(rng_seed), *init_args)
+
+    boxed = jax.eval_shape(init_boxed)
+    infos, plain = _params_from_linen(boxed)
+
+    def init_fn() -> Any:
+        import flax.linen as nn
+
+        return nn.unbox(init_boxed())
+
+    return ModelInfo(
+        params=infos,
+        abstract_params=_abstract(plain),
+        loss_fn=loss,
+        batch=_abstract(batch),
+        batch_axes=dict(batch_axes) if batch_axes else _default_batch_axes(batch),
+        init_fn=init_fn,
+        kind="linen",
+        name=type(module).__name__,
+    )
+
+
+# -- born sharded ----------------------------------------------------------------
+
+
+def _auto_mesh(mesh: Any) -> Any:
+    from jax.sharding import AxisType, Mesh
+
+    if isinstance(mesh, Mesh) and any(t != AxisType.Auto for t in mesh.axis_types):
+        return Mesh(
+            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+        )
+    return mesh
+
+
+def init_sharded(info_or_model: Any, plan: Any, **describe_kwargs: Any) -> Any:
+    """Initialise a model's params directly into the plan's shardings.
+
+    The initialisers run inside ``jax.jit`` with ``out_shardings`` from the plan,
+    so no device ever holds a whole parameter the plan shards.
+
+    Args:
+      info_or_model: a :class:`ModelInfo`, or anything :func:`describe` accepts.
+      plan: a :class:`spmdkit.planner.Plan` whose mesh has devices.
+      **describe_kwargs: passed to :func:`describe` when a model is given.
+
+    Returns:
+      The params pytree (NNX ``State`` or linen dict) of sharded ``jax.Array``.
+
+    Example::
+
+        >>> params = init_sharded(spec, plan, config="tiny")
+        >>> params["embed"]["embedding"].sharding.spec
+        PartitionSpec('model', None)
+    """
+    info = describe(info_or_model, **describe_kwargs)
+    if info.init_fn is None:
+        raise ModelError(
+            op="init_sharded",
+            must="the model can be re-initialised (an init function or a model spec)",
+            given="a module instance",
+            fix="pass lambda: MyModule(..., rngs=nnx.Rngs(0)) instead of the instance, "
+            "or jax.device_put(state, plan.param_shardings(state))",
+        )
+    shardings = plan.param_shardings(info.abstract_params)
+    return jax.jit(info.init_fn, out_shardings=shardings)()
+
+
+def shard(plan_or_rules: Any, *, mesh: Any = None) -> Callable[[type], type]:
+    """Class decorator: instances of the decorated NNX module are created sharded.
+
+    Construction runs the module's ``__init__`` inside ``jax.jit`` whose
+    ``out_shardings`` come from the plan (or from a logical-rule table resolved on
+    ``mesh``), then merges the sharded state back into a module. Instances are
+    instances of the decorated class.
+
+    Args:
+      plan_or_rules: a :class:`spmdkit.planner.Plan`, a preset name (``"fsdp"``), or a
+        logical-rule table (``LogicalRules`` or ``[("embed", "data"), ...]``).
+      mesh: the device mesh (default: the plan's mesh).
+
+    Example::
+
+        >>> @shard("fsdp", mesh=mesh)
+        ... class MLP(nnx.Module): ...
+        >>> MLP(rngs=nnx.Rngs(0)).w1.kernel.sharding.spec
+        PartitionSpec('data', None)
+    """
+    from spmdkit.planner import LogicalRules, Plan, preset_rules
+
+    if isinstance(plan_or_rules, Plan):
+        target_mesh = mesh if mesh is not None else plan_or_rules.mesh
+    elif mesh is None:
+        raise ModelError(
+            op="shard",
+            must="a mesh is given with a preset name or a rule table",
+            given=f"{plan_or_rules!r} and no mesh",
+            fix="write @sk.shard('fsdp', mesh=mesh) or @sk.shard(plan)",
+        )
+    else:
+        target_mesh = mesh
+
+    def rules_for() -> LogicalRules | None:
+        if isinstance(plan_or_rules, Plan):
+            return plan_or_rules.rules
+        if isinstance(plan_or_rules, str):
+            return preset_rules(plan_or_rules, target_mesh)
+        return LogicalRules.coerce(plan_or_rules)
+
+    def decorate(cls: type) -> type:
+        meta = type(cls)
+
+        class _ShardedMeta(meta):
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                # Graph nodes among the arguments (nnx.Rngs) must enter the traces as
+                # arguments of nnx transforms, not as closures.
+                def build(*a: Any, **k: Any) -> Any:
+                    with nnx.use_eager_sharding(False):
+                        return meta.__call__(self, *a, **k)
+
+                abstract = nnx.eval_shape(build, *args, **kwargs)
+                graphdef, state = nnx.split(abstract)
+                specs = _specs_for_state(state, plan_or_rules, rules_for(), target_mesh)
+                smesh = _auto_mesh(target_mesh)
+                shardings = jax.tree.map(
+                    lambda s: NamedSharding(smesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+                )
+
+                def init(*a: Any, **k: Any) -> Any:
+                    return nnx.split(build(*a, **k))[1]
+
+                sharded_state = nnx.jit(init, out_shardings=shardings)(*args, **kwargs)
+                return nnx.merge(graphdef, sharded_state)
+
+        sharded = _ShardedMeta(
+            cls.__name__,
+            (cls,),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+            },
+        )
+        functools.update_wrapper(sharded, cls, assigned=(), updated=())
+        return sharded
+
+    return decorate
+
+
+def _specs_for_state(state: Any, plan: Any, rules: Any, mesh: Any) -> Any:
+    """PartitionSpec per leaf of an abstract NNX state (Variables keep their structure)."""
+    from spmdkit.planner import Plan
+
+    def spec_of(keypath: tuple, var: Any) -> P:
+        value = _leaf_value(var)
+        path = path_str(keypath)
+        if isinstance(plan, Plan) and path in plan.params:
+            return plan.params[path]
+        if not isinstance(var, nnx.Param):
+            return P()
+        logical, pinned = _nnx_names(var)
+        if pinned is not None:
+            return pinned
+        if rules is None:
+            return P()
+        return rules.resolve(logical, tuple(value.shape), mesh, where=path)
+
+    specs = jax.tree_util.tree_map_with_path(
+        spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return specs

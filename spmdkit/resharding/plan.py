@@ -1,0 +1,803 @@
+"""Reshard: plan and run the collectives that move a tensor between two specs.
+
+Semantics follow PaddlePaddle's reshard functions, done one mesh axis at a time:
+
+================  ==================  =========================================
+from              to                  step
+================  ==================  =========================================
+replicated        sharded             ``slice`` (local, no communication)
+sharded           replicated          ``all_gather``
+partial           replicated          ``all_reduce`` with the partial's op
+partial           sharded             ``reduce_scatter`` straight into the dim
+sharded dim i     sharded dim j       ``all_to_all`` (same axes, other dim)
+replicated        partial             ``to_partial`` (local: one rank keeps the
+                                      value, the others the op's identity)
+partial op A      partial op B        ``all_reduce`` then ``to_partial``
+sharded           partial             ``all_gather`` then ``to_partial``
+================  ==================  =========================================
+
+A dim sharded over several axes lists them major → minor. Only the minor-most
+axis of a dim can leave it (gather or all-to-all) and a new axis always joins as
+the minor-most one (slice, reduce-scatter, all-to-all), so the common prefix of
+the source and target tuples stays, the source axes beyond it leave minor-most
+first, and the target axes beyond it join in order. An axis that leaves one dim
+and joins another moves in one ``all_to_all``; several such axes that sit in the
+same order at the minor end of one dim and at the join point of the other move
+together in one ``all_to_all`` over their product.
+
+**Ordering.** Every legal order of these steps reaches the target, but the bytes
+differ: each collective moves the local block *as it is at that moment*. The
+planner searches the (small) space of legal orders with Dijkstra under the
+:class:`~spmdkit.topology.Topology` cost model — time first, then wire bytes,
+payload bytes, and number of steps — so pending reductions are resolved while the
+block is small, slices that do not conflict run *before* gathers when that makes
+the gathers cheaper, and deadlocks (``P('a','b') -> P('b','a')``) fall back to
+gather-then-slice. Then every local step is moved as late as it can go without
+making any collective more expensive, and runs of local steps are sorted, so
+equal-cost plans print the same way. Gathers and reduce-scatters are staged one
+axis at a time (under the ring model a staged gather sends the same wire bytes
+with fewer latency hops, and the slow inter-node axis carries less). Pending
+reductions of one op that can go at the same point run as *one* all-reduce over
+all their axes, as XLA emits them (staged all-reduces would send more bytes:
+``2(n-1)/n`` of the full block per stage).
+
+**Mixed partial ops.** Partial axes reduce in name order (see
+:mod:`spmdkit.spec`); a reduction may jump ahead of a pending axis only when the
+two ops commute (equal ops, or sum with avg). Otherwise the blocking axis is
+reduced first and, if the target keeps it partial, made partial again.
+
+**Not modelled.** Plans have no device-permutation step: XLA moves a dim from
+axis ``a`` to axis ``b`` with a collective-permute, where a plan gathers then
+slices.
+
+**Bytes.** ``payload_bytes`` is the per-device buffer XLA's HLO shows for that
+collective: the all-gather output, the all-reduce operand, the reduce-scatter
+input, the all-to-all operand. Uneven dims are padded (ceil-divided local shapes,
+as XLA pads) and the padding is counted. ``wire_bytes`` is what each device sends
+with ring algorithms: ``(n-1)/n × payload``, twice that for all-reduce.
+
+The executor :func:`reshard` runs a plan step by step as ``jax.shard_map``
+collectives (``all_gather``, ``psum``, ``psum_scatter``, ``all_to_all``), so the
+compiled HLO has exactly the planned collectives; :func:`spmdkit.verification.hlo.check_plan`
+checks that.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import ReshardError, SpmdError
+from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.topology import COLLECTIVE_KINDS, DEFAULT_TOPOLOGY, LOCAL_KINDS, Topology
+from spmdkit.util import fmt_bytes
+
+__all__ = ["Collective", "ReshardPlan", "plan_reshard", "reshard", "clear_cache", "KINDS"]
+
+#: Every step kind a plan may hold.
+KINDS = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial")
+
+_KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
+
+_Dims = tuple[tuple[str, ...], ...]
+_Partial = tuple[tuple[str, str], ...]
+_State = tuple[_Dims, _Partial]
+
+
+def _fmt_time(t: float) -> str:
+    if t < 1e-3:
+        return f"{t * 1e6:.1f} µs"
+    if t < 1:
+        return f"{t * 1e3:.2f} ms"
+    return f"{t:.3f} s"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One reshard step: a collective over a group of devices, or a local op.
+
+    Attributes:
+      kind: ``"slice"``, ``"all_gather"``, ``"all_reduce"``, ``"reduce_scatter"``,
+        ``"all_to_all"`` or ``"to_partial"``; ``slice`` and ``to_partial`` are
+        local (no communication).
+      axes: mesh axes of the group, major → minor.
+      group_size: devices in the group (product of the axes' sizes).
+      dim: tensor dim gathered / scattered / sliced (all-to-all: the source dim).
+      dst_dim: all-to-all target dim.
+      reduce_op: reduce op of all_reduce / reduce_scatter / to_partial.
+      payload_bytes: per-device buffer as XLA's HLO shows it (all-gather output,
+        all-reduce operand, reduce-scatter input, all-to-all operand); 0 if local.
+      wire_bytes: bytes each device sends with ring algorithms.
+      time_s: alpha-beta time from the plan's :class:`Topology`.
+
+    Example::
+
+        >>> str(Collective("all_gather", ("x",), 4, dim=0, payload_bytes=1024,
+        ...                wire_bytes=768))
+        'all_gather(x) dim0 4×: 1.0 KiB'
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    group_size: int
+    dim: int | None = None
+    dst_dim: int | None = None
+    reduce_op: str | None = None
+    payload_bytes: int = 0
+    wire_bytes: int = 0
+    time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise SpmdError(
+                op="Collective",
+                must=f"kind is one of {KINDS}",
+                given=repr(self.kind),
+                fix="use one of the listed kinds",
+            )
+        axes = (self.axes,) if isinstance(self.axes, str) else tuple(self.axes)
+        object.__setattr__(self, "axes", axes)
+        if not axes or self.group_size < 1 or self.payload_bytes < 0 or self.wire_bytes < 0:
+            raise SpmdError(
+                op="Collective",
+                must="at least one axis, group_size >= 1 and bytes >= 0",
+                given=f"axes={axes}, group_size={self.group_size}, "
+                f"payload_bytes={self.payload_bytes}, wire_bytes={self.wire_bytes}",
+                fix="build steps with plan_reshard",
+            )
+
+    @property
+    def is_local(self) -> bool:
+        """True when no data moves between devices (local kinds, or a group of one)."""
+        return self.kind in LOCAL_KINDS or self.group_size == 1
+
+    def __str__(self) -> str:
+        head = self.kind
+        if self.reduce_op is not None:
+            head += f"[{self.reduce_op}]"
+        text = f"{head}({','.join(self.axes)})"
+        if self.dst_dim is not None:
+            text += f" dim{self.dim}→{self.dst_dim}"
+        elif self.dim is not None:
+            text += f" dim{self.dim}"
+        cost = "local" if self.is_local else fmt_bytes(self.payload_bytes)
+        return f"{text} {self.group_size}×: {cost}"
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """The ordered steps that move a tensor from ``src`` to ``dst``.
+
+    Attributes:
+      src: the starting spec.
+      dst: the target spec.
+      steps: the steps, in order (local steps included).
+
+    Example::
+
+        >>> plan = plan_reshard(TensorSpec((8, 4), P("x"), dtype="float32"),
+        ...                     TensorSpec((8, 4), dtype="float32"), abstract_mesh(x=4))
+        >>> print(plan)
+        f32[8@x,4] -> f32[8,4]: all_gather(x) dim0 4×: 128 B
+    """
+
+    src: TensorSpec
+    dst: TensorSpec
+    steps: tuple[Collective, ...]
+
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        """The steps that communicate."""
+        return tuple(s for s in self.steps if not s.is_local)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Sum of per-device payload bytes over the steps."""
+        return sum(s.payload_bytes for s in self.steps)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Sum of bytes each device sends over the steps."""
+        return sum(s.wire_bytes for s in self.steps)
+
+    @property
+    def time_s(self) -> float:
+        """Modelled time of the whole plan (s)."""
+        return sum(s.time_s for s in self.steps)
+
+    @property
+    def is_noop(self) -> bool:
+        """True when ``src`` already has ``dst``'s layout (no steps)."""
+        return not self.steps
+
+    @property
+    def specs(self) -> tuple[TensorSpec, ...]:
+        """The spec before the first step and after each step (``len(steps) + 1``)."""
+        state = _state(self.src)
+        out = [self.src]
+        for step in self.steps:
+            state = _apply(_move_of(step), state)
+            out.append(_spec(self.src, state))
+        return tuple(out)
+
+    def __str__(self) -> str:
+        head = f"{self.src} -> {self.dst}: "
+        if not self.steps:
+            return head + "no-op"
+        text = head + "; ".join(str(s) for s in self.steps)
+        if len(self.collectives) > 1:
+            text += f" (total {fmt_bytes(self.payload_bytes)}, {_fmt_time(self.time_s)})"
+        return text
+
+
+# -- planning ------------------------------------------------------------------
+
+
+class _Move(NamedTuple):
+    kind: str
+    axes: tuple[str, ...]
+    dim: int | None = None
+    dst_dim: int | None = None
+    reduce_op: str | None = None
+
+
+class _Ctx(NamedTuple):
+    shape: tuple[int, ...]
+    itemsize: int
+    sizes: dict[str, int]
+    mesh: AbstractMesh
+    topology: Topology
+    goal: _State
+
+
+def _state(spec: TensorSpec) -> _State:
+    return spec.dims, spec.partial
+
+
+def _spec(like: TensorSpec, state: _State) -> TensorSpec:
+    dims, partial = state
+    return TensorSpec(like.shape, dims, partial=dict(partial), dtype=like.dtype)
+
+
+def _move_of(step: Collective) -> _Move:
+    return _Move(step.kind, step.axes, step.dim, step.dst_dim, step.reduce_op)
+
+
+def _apply(move: _Move, state: _State) -> _State:
+    dims = list(state[0])
+    partial = dict(state[1])
+    kind = move.kind
+    if kind == "slice":
+        dims[move.dim] += move.axes
+    elif kind == "all_gather":
+        dims[move.dim] = dims[move.dim][: -len(move.axes)]
+    elif kind == "all_to_all":
+        dims[move.dim] = dims[move.dim][: -len(move.axes)]
+        dims[move.dst_dim] += move.axes
+    elif kind == "reduce_scatter":
+        for a in move.axes:
+            del partial[a]
+        dims[move.dim] += move.axes
+    elif kind == "all_reduce":
+        for a in move.axes:
+            del partial[a]
+    else:  # to_partial
+        for a in move.axes:
+            partial[a] = move.reduce_op
+    return tuple(dims), tuple(sorted(partial.items()))
+
+
+def _commute(op1: str, op2: str) -> bool:
+    return op1 == op2 or {op1, op2} <= {"sum", "avg"}
+
+
+def _may_reduce(group: tuple[str, ...], op: str, partial: _Partial) -> bool:
+    """Whether reducing ``group`` now keeps the value (see TensorSpec's partial order)."""
+    last = max(group)
+    return all(b in group or b > last or _commute(o, op) for b, o in partial)
+
+
+def _maximal_groups(axes: list[str], op: str, partial: _Partial) -> set[tuple[str, ...]]:
+    """The largest subsets of ``axes`` (by inclusion) that may be reduced now."""
+    legal = [
+        set(g)
+        for r in range(len(axes), 0, -1)
+        for g in itertools.combinations(axes, r)
+        if _may_reduce(g, op, partial)
+    ]
+    return {
+        tuple(a for a in axes if a in g) for g in legal if not any(g < other for other in legal)
+    }
+
+
+def _moves(state: _State, ctx: _Ctx) -> list[_Move]:
+    """Every legal step from ``state`` that makes progress towards the goal."""
+    dims, partial_t = state
+    goal_dims, goal_partial_t = ctx.goal
+    partial = dict(partial_t)
+    used = {a for axes in dims for a in axes} | set(partial)
+    extra: dict[int, tuple[str, ...]] = {}
+    joins: dict[int, tuple[str, ...]] = {}  # dim -> goal axes still to join, in order
+    for d, (cur, want) in enumerate(zip(dims, goal_dims, strict=True)):
+        k = 0
+        while k < min(len(cur), len(want)) and cur[k] == want[k]:
+            k += 1
+        if k < len(cur):
+            extra[d] = cur[k:]
+        elif len(want) > k:
+            joins[d] = want[k:]
+    out: list[_Move] = []
+    # Partial axes reduce in name order (TensorSpec.partial): reducing an axis now is
+    # only legal when it commutes with every pending axis listed before it. An axis
+    # whose op already matches the goal may still need a reduce (and a to_partial
+    # later) when it blocks a non-commuting axis after it. All-reduces take every
+    # axis of one op that can go at that point, in one collective (as XLA emits it).
+    goal_partial = dict(goal_partial_t)
+    mesh_order = list(ctx.sizes)
+    for op in sorted({op for _, op in partial_t}):
+        axes = sorted((a for a, o in partial_t if o == op), key=mesh_order.index)
+        wrong = [a for a in axes if goal_partial.get(a) != op]
+        groups = _maximal_groups(wrong, op, partial_t) | _maximal_groups(axes, op, partial_t)
+        out.extend(_Move("all_reduce", g, reduce_op=op) for g in sorted(groups))
+        for a in wrong:
+            if _may_reduce((a,), op, partial_t):
+                out.extend(
+                    _Move("reduce_scatter", (a,), dim=j, reduce_op=op)
+                    for j, want in joins.items()
+                    if want[0] == a
+                )
+    for i, ex in extra.items():
+        out.append(_Move("all_gather", (ex[-1],), dim=i))
+        for k in range(1, len(ex) + 1):
+            moving = ex[-k:]
+            for j, want in joins.items():
+                if j != i and want[:k] == moving:
+                    out.append(_Move("all_to_all", moving, dim=i, dst_dim=j))
+    for j, want in joins.items():
+        if want[0] not in used:
+            out.append(_Move("slice", (want[0],), dim=j))
+    for a, op in goal_partial_t:
+        if partial.get(a) != op and a not in used:
+            out.append(_Move("to_partial", (a,), reduce_op=op))
+    return out
+
+
+def _local_shape(ctx: _Ctx, dims: _Dims) -> list[int]:
+    return [
+        -(-s // math.prod(ctx.sizes[a] for a in axes))
+        for s, axes in zip(ctx.shape, dims, strict=True)
+    ]
+
+
+def _price(move: _Move, state: _State, ctx: _Ctx) -> Collective:
+    n = math.prod(ctx.sizes[a] for a in move.axes)
+    payload = 0
+    if move.kind in COLLECTIVE_KINDS and n > 1:
+        dims = state[0]
+        local = _local_shape(ctx, dims)
+        if move.kind == "all_gather":
+            payload = math.prod(local) * n
+        elif move.kind == "all_reduce":
+            payload = math.prod(local)
+        else:
+            # reduce-scatter input / all-to-all operand: the joined dim is padded to
+            # n × (its new local size), as XLA pads an uneven split.
+            j = move.dim if move.kind == "reduce_scatter" else move.dst_dim
+            joined = dims[j] + move.axes
+            out_j = -(-ctx.shape[j] // math.prod(ctx.sizes[a] for a in joined))
+            local[j] = out_j * n
+            payload = math.prod(local)
+        payload *= ctx.itemsize
+    hops = 2 * (n - 1) if move.kind == "all_reduce" else n - 1
+    wire = payload * hops // n if payload else 0
+    time = ctx.topology.collective_time(move.kind, wire, n, move.axes, ctx.mesh)
+    return Collective(
+        kind=move.kind,
+        axes=move.axes,
+        group_size=n,
+        dim=move.dim,
+        dst_dim=move.dst_dim,
+        reduce_op=move.reduce_op,
+        payload_bytes=payload,
+        wire_bytes=wire,
+        time_s=time,
+    )
+
+
+def _is_local(move: _Move, ctx: _Ctx) -> bool:
+    return move.kind in LOCAL_KINDS or math.prod(ctx.sizes[a] for a in move.axes) == 1
+
+
+def _simulate(moves: list[_Move], start: _State, ctx: _Ctx) -> list[Collective] | None:
+    """Price ``moves`` from ``start``; None if one is illegal or the goal is missed."""
+    state = start
+    steps = []
+    for mv in moves:
+        if mv not in _moves(state, ctx):
+            return None
+        steps.append(_price(mv, state, ctx))
+        state = _apply(mv, state)
+    return steps if state == ctx.goal else None
+
+
+def _search(start: _State, ctx: _Ctx) -> list[_Move]:
+    counter = itertools.count()
+    best: dict[_State, tuple] = {start: (0.0, 0, 0, 0)}
+    heap: list = [((0.0, 0, 0, 0), next(counter), start, ())]
+    while heap:
+        cost, _, state, path = heapq.heappop(heap)
+        if state == ctx.goal:
+            return list(path)
+        if best.get(state, cost) < cost:
+            continue
+        for mv in _moves(state, ctx):
+            step = _price(mv, state, ctx)
+            new = _apply(mv, state)
+            new_cost = (
+                cost[0] + step.time_s,
+                cost[1] + step.wire_bytes,
+                cost[2] + step.payload_bytes,
+                cost[3] + 1,
+            )
+            if new not in best or new_cost < best[new]:
+                best[new] = new_cost
+                heapq.heappush(heap, (new_cost, next(counter), new, (*path, mv)))
+    raise AssertionError(f"reshard search found no path from {start} to {ctx.goal}")
+
+
+def _local_key(move: _Move, ctx: _Ctx) -> tuple:
+    goal_dims = ctx.goal[0]
+    pos = goal_dims[move.dim].index(move.axes[0]) if move.kind == "slice" else 0
+    return (_KIND_ORDER[move.kind], -1 if move.dim is None else move.dim, pos, move.axes)
+
+
+def _canonical(moves: list[_Move], start: _State, ctx: _Ctx) -> list[_Move]:
+    """Sink local steps as late as they go at no extra cost; sort runs of them."""
+    priced = _simulate(moves, start, ctx)
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(moves) - 1):
+            a, b = moves[i], moves[i + 1]
+            if not _is_local(a, ctx) or _is_local(b, ctx):
+                continue
+            trial = [*moves[:i], b, a, *moves[i + 2 :]]
+            trial_priced = _simulate(trial, start, ctx)
+            if trial_priced is not None and trial_priced[i] == priced[i + 1]:
+                moves, priced, changed = trial, trial_priced, True
+    i = 0
+    while i < len(moves):
+        j = i
+        while j < len(moves) and moves[j].kind in LOCAL_KINDS:
+            j += 1
+        if j > i + 1:
+            trial = [*moves[:i], *sorted(moves[i:j], key=lambda m: _local_key(m, ctx)), *moves[j:]]
+            if _simulate(trial, start, ctx) is not None:
+                moves = trial
+        i = max(j, i + 1)
+    return moves
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(
+    src: TensorSpec,
+    dst: TensorSpec,
+    mesh_axes: tuple[tuple[str, int], ...],
+    topology: Topology,
+) -> ReshardPlan:
+    names = tuple(n for n, _ in mesh_axes)
+    sizes = tuple(s for _, s in mesh_axes)
+    dtype = src.dtype if src.dtype is not None else dst.dtype
+    ctx = _Ctx(
+        shape=src.shape,
+        itemsize=4 if dtype is None else dtype.itemsize,
+        sizes=dict(mesh_axes),
+        mesh=AbstractMesh(sizes, names),
+        topology=topology,
+        goal=_state(dst),
+    )
+    start = _state(src)
+    moves = _canonical(_search(start, ctx), start, ctx)
+    return ReshardPlan(src=src, dst=dst, steps=tuple(_simulate(moves, start, ctx)))
+
+
+def clear_cache() -> None:
+    """Drop every cached reshard plan (benchmarks measure the uncached planner)."""
+    _plan_cached.cache_clear()
+
+
+def plan_reshard(
+    src: TensorSpec,
+    dst: TensorSpec,
+    mesh: MeshLike,
+    *,
+    topology: Topology | None = None,
+) -> ReshardPlan:
+    """The cheapest ordered steps that move a tensor from ``src`` to ``dst`` on ``mesh``.
+
+    See the module docstring for the step semantics, the ordering and the byte
+    conventions. Results are cached on (src, dst, mesh axis names and sizes,
+    topology).
+
+    Args:
+      src: the current spec.
+      dst: the target spec; same shape (and dtype, when both have one).
+      mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh``.
+      topology: link costs; :data:`spmdkit.topology.DEFAULT_TOPOLOGY` when None.
+
+    Returns:
+      The plan; ``plan.steps`` is empty when the layouts already agree.
+
+    Raises:
+      ReshardError: shapes or dtypes of ``src`` and ``dst`` differ.
+      UnknownAxisError: a spec names an axis the mesh does not have.
+
+    Example::
+
+        >>> mesh = abstract_mesh(a=2, b=4)
+        >>> print(plan_reshard(TensorSpec((8, 16), P("a"), dtype="float32"),
+        ...                    TensorSpec((8, 16), P(None, "a"), dtype="float32"), mesh))
+        f32[8@a,16] -> f32[8,16@a]: all_to_all(a) dim0→1 2×: 256 B
+    """
+    for name, spec in (("src", src), ("dst", dst)):
+        if not isinstance(spec, TensorSpec):
+            raise ReshardError(
+                op="plan_reshard",
+                must=f"{name} is a TensorSpec",
+                given=type(spec).__name__,
+                fix="build it with TensorSpec(shape, P(...)) or TensorSpec.from_value(x)",
+            )
+    if src.shape != dst.shape:
+        raise ReshardError(
+            op="plan_reshard",
+            must="src and dst have the same global shape",
+            given=f"{src} -> {dst}",
+            fix="reshape the value first; a reshard only changes the layout",
+        )
+    if src.dtype is not None and dst.dtype is not None and src.dtype != dst.dtype:
+        raise ReshardError(
+            op="plan_reshard",
+            must="src and dst have the same dtype",
+            given=f"{src} -> {dst}",
+            fix="cast with .astype first, or leave dst.dtype unset",
+        )
+    src.validate(mesh, op="plan_reshard")
+    dst.validate(mesh, op="plan_reshard")
+    mesh_axes = tuple(axis_sizes(mesh).items())
+    return _plan_cached(src, dst, mesh_axes, topology or DEFAULT_TOPOLOGY)
+
+
+# -- execution -----------------------------------------------------------------
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _mesh_signature(mesh: MeshLike) -> tuple:
+    return tuple(axis_sizes(mesh).items())
+
+
+def _resolve(
+    x: jax.Array, dst: Any, mesh: MeshLike | None
+) -> tuple[TensorSpec, TensorSpec, MeshLike, jax.Array]:
+    """Source spec, target spec, mesh to run on, and ``x`` placed on that mesh."""
+    traced = _is_tracer(x)
+    sharding = jax.typeof(x).sharding if traced else getattr(x, "sharding", None)
+    src_mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    if src_mesh is not None and not src_mesh.axis_names:
+        src_mesh = None  # traced without a mesh: an unsharded value
+    if isinstance(dst, NamedSharding):
+        if mesh is not None and _mesh_signature(mesh) != _mesh_signature(dst.mesh):
+            raise ReshardError(
+                op="reshard",
+                must="mesh= agrees with the target NamedSharding's mesh",
+                given=f"{_mesh_signature(mesh)} vs {_mesh_signature(dst.mesh)}",
+                fix="drop mesh= or pass the same mesh",
+            )
+        mesh = dst.mesh
+        dst = dst.spec
+    if mesh is None:
+        mesh = src_mesh
+    if mesh is None:
+        raise ReshardError(
+            op="reshard",
+            must="a mesh is known (from x, a NamedSharding target, or mesh=)",
+            given=f"an unsharded value of shape {tuple(x.shape)} and a {type(dst).__name__}",
+            fix="pass mesh=... or a NamedSharding",
+        )
+    if src_mesh is not None and _mesh_signature(src_mesh) != _mesh_signature(mesh):
+        raise ReshardError(
+            op="reshard",
+            must="x lives on the target mesh",
+            given=f"x on {_mesh_signature(src_mesh)}, target {_mesh_signature(mesh)}",
+            fix="jax.device_put x onto the target mesh first",
+        )
+    if (
+        isinstance(src_mesh, Mesh)
+        and isinstance(mesh, Mesh)
+        and src_mesh.devices.tolist() != mesh.devices.tolist()
+    ):
+        raise ReshardError(
+            op="reshard",
+            must="x lives on the target mesh's devices, in the same order",
+            given=f"x on devices {src_mesh.device_ids.tolist()}, target {mesh.device_ids.tolist()}",
+            fix="jax.device_put x onto the target mesh first",
+        )
+    if src_mesh is not None and traced and any(t != AxisType.Explicit for t in src_mesh.axis_types):
+        raise ReshardError(
+            op="reshard",
+            must="inside jit, x's layout is part of its type (Explicit mesh axes)",
+            given=f"a traced value on a mesh with axis types {src_mesh.axis_types}",
+            fix="build the mesh with sk.make_mesh (Explicit axes) or call reshard outside jit",
+        )
+    src = (
+        TensorSpec.from_sharding(x.shape, sharding, dtype=x.dtype)
+        if src_mesh is not None
+        else TensorSpec(x.shape, dtype=x.dtype)
+    )
+    if isinstance(dst, TensorSpec):
+        if dst.shape != src.shape:
+            raise ReshardError(
+                op="reshard",
+                must="the target spec has x's shape",
+                given=f"x {src}, target {dst}",
+                fix="build the target TensorSpec with x.shape",
+            )
+        dst_spec = dst if dst.dtype is not None else dst.replace(dtype=x.dtype)
+    elif isinstance(dst, P):
+        dst_spec = TensorSpec(x.shape, dst, dtype=x.dtype)
+    else:
+        raise ReshardError(
+            op="reshard",
+            must="the target is a TensorSpec, PartitionSpec or NamedSharding",
+            given=type(dst).__name__,
+            fix="pass e.g. P('x', None)",
+        )
+    if not traced and not isinstance(mesh, Mesh):
+        if not isinstance(src_mesh, Mesh):
+            raise ReshardError(
+                op="reshard",
+                must="outside jit, a concrete Mesh (with devices) is known",
+                given=f"an AbstractMesh {_mesh_signature(mesh)}",
+                fix="pass the jax.sharding.Mesh the array should live on",
+            )
+        mesh = src_mesh
+    if src_mesh is None and not traced:
+        x = jax.device_put(x, NamedSharding(mesh, P()))
+    return src, dst_spec, mesh, x
+
+
+def _check_executable(spec: TensorSpec, mesh: MeshLike, which: str) -> None:
+    sizes = axis_sizes(mesh)
+    for d, (s, axes) in enumerate(zip(spec.shape, spec.dims, strict=True)):
+        n = math.prod(sizes[a] for a in axes)
+        if s % n:
+            raise ReshardError(
+                op="reshard",
+                must="every sharded dim of a JAX array divides evenly over its axes",
+                given=f"{which} {spec}: dim {d} of size {s} over {axes} = {n} devices",
+                fix=f"pad dim {d} to a multiple of {n} (e.g. {-(-s // n) * n}) "
+                "or shard it over fewer devices",
+            )
+    bad = {a: op for a, op in spec.partial if op != "sum"}
+    if bad:
+        raise ReshardError(
+            op="reshard",
+            must="JAX arrays hold only sum-partial (unreduced) values",
+            given=f"{which} {spec} with {bad}",
+            fix="plan it with plan_reshard, or resolve the partial axes to sum first",
+        )
+    if spec.partial and any(t != AxisType.Explicit for t in mesh.axis_types):
+        raise ReshardError(
+            op="reshard",
+            must="sum-partial (unreduced) arrays live on meshes with Explicit axes",
+            given=f"{which} {spec} on axis types {mesh.axis_types}",
+            fix="build the mesh with sk.make_mesh (Explicit axes by default)",
+        )
+
+
+def _step_body(step: Collective):
+    kind, axes = step.kind, step.axes
+    name = axes if len(axes) > 1 else axes[0]
+    if step.group_size == 1:
+        return lambda y: y
+    if kind == "all_gather":
+        return lambda y: jax.lax.all_gather(y, name, axis=step.dim, tiled=True)
+    if kind == "all_reduce":
+        return lambda y: jax.lax.psum(y, name)
+    if kind == "reduce_scatter":
+        return lambda y: jax.lax.psum_scatter(y, name, scatter_dimension=step.dim, tiled=True)
+    if kind == "all_to_all":
+        return lambda y: jax.lax.all_to_all(
+            y, name, split_axis=step.dst_dim, concat_axis=step.dim, tiled=True
+        )
+    if kind == "slice":
+
+        def take(y):
+            size = y.shape[step.dim] // step.group_size
+            start = jax.lax.axis_index(name) * size
+            return jax.lax.dynamic_slice_in_dim(y, start, size, axis=step.dim)
+
+        return take
+
+    def keep_on_first(y):  # to_partial(sum): one rank keeps the value, the rest hold 0
+        first = jax.lax.axis_index(name) == 0
+        return jnp.where(first, y, jnp.zeros_like(y))
+
+    return keep_on_first
+
+
+def _run(x: jax.Array, plan: ReshardPlan, mesh: MeshLike) -> jax.Array:
+    specs = plan.specs
+    for step, before, after in zip(plan.steps, specs[:-1], specs[1:], strict=True):
+        x = jax.shard_map(
+            _step_body(step),
+            mesh=mesh,
+            in_specs=before.to_partition_spec(),
+            out_specs=after.to_partition_spec(),
+            check_vma=False,
+        )(x)
+    return x
+
+
+@functools.lru_cache(maxsize=512)
+def _compiled_runner(plan: ReshardPlan, mesh: Mesh):
+    return jax.jit(functools.partial(_run, plan=plan, mesh=mesh))
+
+
+def reshard(
+    x: jax.Array,
+    dst: TensorSpec | P | NamedSharding,
+    *,
+    mesh: MeshLike | None = None,
+) -> jax.Array:
+    """Move ``x`` to the layout ``dst`` by running :func:`plan_reshard`'s steps.
+
+    The source layout is read from ``x`` (sum-partial when its spec has
+    ``unreduced`` axes). Each step runs as one ``jax.shard_map`` collective, so
+    the compiled program has exactly the planned collectives. Works eagerly and
+    inside ``jax.jit`` (there the mesh axes must be Explicit, so that ``x``'s
+    layout is known). An unsharded ``x`` is first placed replicated on the mesh.
+
+    Args:
+      x: the array (or a tracer of one).
+      dst: target layout: a ``TensorSpec`` (shape must match), a
+        ``PartitionSpec``, or a ``NamedSharding`` (which also names the mesh).
+      mesh: the mesh, when neither ``x`` nor ``dst`` carries one.
+
+    Returns:
+      ``x`` with the layout ``dst`` (``x`` itself when nothing changes).
+
+    Raises:
+      ReshardError: a dim does not divide evenly over its axes (JAX arrays hold no
+        padded shards), an avg/max/min partial target, a partial target on a
+        non-Explicit mesh, a shape mismatch, or meshes that disagree.
+      UnknownAxisError: ``dst`` names an axis the mesh does not have.
+
+    Example::
+
+        >>> mesh = sk.make_mesh(x=4)
+        >>> y = reshard(jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("x"))), P())
+        >>> y.sharding.spec
+        PartitionSpec()
+    """
+    src, dst_spec, mesh, x = _resolve(x, dst, mesh)
+    dst_spec.validate(mesh, op="reshard")
+    _check_executable(src, mesh, "source")
+    _check_executable(dst_spec, mesh, "target")
+    plan = plan_reshard(src, dst_spec, mesh)
+    if plan.is_noop:
+        return x
+    if _is_tracer(x):
+        return _run(x, plan, mesh)
+    return _compiled_runner(plan, mesh)(x)

@@ -1,0 +1,413 @@
+"""The training loop: sharded state, gradient accumulation, checkpoints, exact resume.
+
+:func:`train` runs ``steps`` optimizer steps of one jitted step function whose
+parameter and optimizer-state shardings come from a plan (or are given
+explicitly), with the previous state donated every step. With a checkpoint
+manager it saves periodically (asynchronously) and, with ``resume=True``,
+continues from the latest complete checkpoint — restoring onto *this* run's mesh
+and shardings, whatever they were at save time — including the data position.
+
+Exactness of resume: the step function, the data order and the per-step RNG key
+(``fold_in(rng, step)``) depend only on the step number and the restored state, so
+N steps, a restore, then M steps give bit-identical losses to N+M uninterrupted
+steps on the same mesh (within float reduction-order tolerance on another mesh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spmdkit.errors import SpmdError
+from spmdkit.runtime.checkpoint import Manager, abstract_target
+
+__all__ = ["TrainError", "TrainResult", "train"]
+
+
+class TrainError(SpmdError, ValueError):
+    """The training loop was configured inconsistently.
+
+    Broken example: ``train(..., resume=True)`` without ``ckpt=``.
+    """
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :func:`train` returns.
+
+    Attributes:
+      params: the trained parameters (for an NNX module: the module, updated in place).
+      opt_state: the final optimizer state.
+      step: the number of optimizer steps done in total (including restored ones).
+      history: one dict per step run here: ``{"step", "loss", "grad_norm", ...aux}``.
+      start_step: the step training started from (the restored step, or 0).
+    """
+
+    params: Any
+    opt_state: Any
+    step: int
+    history: list[dict[str, float]]
+    start_step: int = 0
+
+    @property
+    def losses(self) -> list[float]:
+        """The loss of every step run here, in order."""
+        return [h["loss"] for h in self.history]
+
+
+def _shardings_of(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _opt_shardings_like_params(abstract_opt: Any, param_sh: Any, abstract_params: Any) -> Any:
+    """Optimizer-state shardings when no plan gives them: a leaf whose path ends with a
+    parameter's path and has its shape (adam's ``mu/l1/kernel``) takes that parameter's
+    sharding; other leaves (step counts, scalars) are replicated on the params' mesh."""
+    params = {
+        _path(p): (x.shape, s)
+        for (p, x), s in zip(
+            jax.tree_util.tree_flatten_with_path(abstract_params)[0],
+            jax.tree.leaves(param_sh),
+            strict=True,
+        )
+    }
+    meshes = [s.mesh for _, s in params.values() if isinstance(s, NamedSharding)]
+    if not meshes:
+        return None
+    replicated = NamedSharding(meshes[0], PartitionSpec())
+
+    def pick(path: tuple, x: Any) -> Any:
+        name = _path(path)
+        for p, (shape, sharding) in params.items():
+            if (name == p or name.endswith("/" + p)) and tuple(shape) == tuple(x.shape):
+                return sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt)
+
+
+def _path(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _nnx_adapter(model: nnx.Module, loss_fn: Callable) -> tuple[Any, Callable, Callable]:
+    """Split an NNX module into a pure dict of params, a loss over that dict, and a
+    function writing final params back into the module."""
+    graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(params_state)
+
+    def module_of(p: Any) -> nnx.Module:
+        state = jax.tree.map(lambda x: x, params_state)
+        nnx.replace_by_pure_dict(state, p)
+        return nnx.merge(graphdef, state, rest)
+
+    def loss(p: Any, batch: Any, **kw: Any) -> Any:
+        return loss_fn(module_of(p), batch, **kw)
+
+    def write_back(p: Any) -> nnx.Module:
+        state = jax.tree.map(lambda x: x, params_state)
+        nnx.replace_by_pure_dict(state, p)
+        nnx.update(model, state)
+        return model
+
+    return params, loss, write_back
+
+
+def _make_step(
+    loss: Callable,
+    optimizer: optax.GradientTransformation,
+    *,
+    accum_steps: int,
+    remat: bool,
+    has_aux: bool,
+    use_rng: bool,
+) -> Callable:
+    def scalar_loss(p: Any, batch: Any, key: Any) -> tuple[Any, dict[str, Any]]:
+        kw = {"rng": key} if use_rng else {}
+        out = loss(p, batch, **kw)
+        value, aux = out if has_aux else (out, {})
+        return value, dict(aux)
+
+    if remat:
+        scalar_loss = jax.checkpoint(scalar_loss)
+    grad_fn = jax.value_and_grad(scalar_loss, has_aux=True)
+
+    def step(params: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, Any]:
+        if accum_steps == 1:
+            (value, aux), grads = grad_fn(params, batch, key)
+        else:
+            arrays = {k: v for k, v in batch.items() if isinstance(v, jax.Array)}
+            others = {k: v for k, v in batch.items() if k not in arrays}
+
+            def micro(carry: Any, xs: Any) -> tuple[Any, None]:
+                i, mb = xs
+                (v, a), g = grad_fn(params, {**others, **mb}, jax.random.fold_in(key, i))
+                gsum, vsum, asum = carry
+                return (
+                    jax.tree.map(jnp.add, gsum, g),
+                    vsum + v,
+                    jax.tree.map(jnp.add, asum, a),
+                ), None
+
+            first = {k: v[0] for k, v in arrays.items()}
+            (v0, aux0), _ = jax.eval_shape(grad_fn, params, {**others, **first}, key)
+            zeros = (
+                jax.tree.map(jnp.zeros_like, params),
+                jnp.zeros(v0.shape, v0.dtype),
+                jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0),
+            )
+            (gsum, vsum, asum), _ = jax.lax.scan(micro, zeros, (jnp.arange(accum_steps), arrays))
+            grads = jax.tree.map(lambda g: g / accum_steps, gsum)
+            value = vsum / accum_steps
+            aux = jax.tree.map(lambda a: a / accum_steps, asum)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), **aux}
+        return params, opt_state, metrics
+
+    return step
+
+
+def _batches(data: Any) -> Iterator[Any]:
+    """Endless batches: iterate the loader again (next epoch) whenever it runs out."""
+    while True:
+        empty = True
+        for batch in data:
+            empty = False
+            yield batch
+        if empty:
+            raise TrainError(
+                op="train",
+                must="the data yields at least one batch per epoch",
+                given="an empty epoch",
+                fix="use a smaller batch_size or last_batch='pad'",
+            )
+
+
+def train(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    data: Any,
+    *,
+    steps: int,
+    plan: Any | None = None,
+    shardings: tuple[Any, Any] | None = None,
+    accum_steps: int = 1,
+    remat: bool = False,
+    has_aux: bool = False,
+    rng: jax.Array | None = None,
+    ckpt: Manager | None = None,
+    resume: bool = False,
+    log_every: int = 10,
+    progress: bool = True,
+    out: TextIO | None = None,
+) -> TrainResult:
+    """Train for ``steps`` optimizer steps (in total, counting restored ones).
+
+    Args:
+      loss_fn: ``loss_fn(params_or_module, batch[, rng=key])`` → scalar loss, or
+        ``(loss, aux_dict)`` with ``has_aux=True``.
+      params: a pytree of arrays, or an ``nnx.Module`` (its ``nnx.Param`` s are
+        trained and written back into it). Arrays are donated: use the result.
+      optimizer: an optax transformation.
+      data: a :class:`spmdkit.runtime.data.ShardedLoader` (its position is checkpointed),
+        or any re-iterable of global batches (dicts).
+      steps: the total number of optimizer steps to reach.
+      plan: a plan; ``plan.state_shardings(abstract_params, abstract_opt_state)``
+        gives the parameter and optimizer-state shardings (ZeRO-1/FSDP specs for the
+        optimizer state live there) and ``plan.mesh`` / ``plan.to_json()`` are saved
+        in checkpoints.
+      shardings: ``(param_shardings, opt_state_shardings)`` pytrees instead of a plan
+        (``opt_state_shardings=None``: each optimizer leaf mirroring a parameter takes
+        that parameter's sharding, the rest are replicated).
+        With neither, the params' current shardings are kept.
+      accum_steps: micro-batches per step (gradients averaged); the loader splits each
+        batch (``microbatches`` is set on a ShardedLoader that has 1).
+      remat: recompute activations in the backward pass (``jax.checkpoint``).
+      has_aux: ``loss_fn`` returns ``(loss, metrics_dict)``.
+      rng: a PRNG key; ``loss_fn`` then gets ``rng=fold_in(rng, step)``.
+      ckpt: a :class:`spmdkit.runtime.checkpoint.Manager`; saves on its interval and at the end.
+      resume: continue from ``ckpt``'s latest complete checkpoint, if any.
+      log_every: steps between progress lines (and metric fetches).
+      progress: print progress lines (process 0 only).
+      out: stream for progress lines (default stderr).
+
+    Returns:
+      :class:`TrainResult`.
+
+    Example::
+
+        >>> res = train(loss, model, optax.adam(1e-3), loader, steps=100, plan=plan,
+        ...             ckpt=Manager("/tmp/run", save_interval_steps=50), resume=True)
+        >>> res.losses[-1]
+    """
+    op = "train"
+    if not isinstance(steps, int) or steps < 0:
+        raise TrainError(op=op, must="steps is an int >= 0", given=repr(steps), fix="steps=100")
+    if not isinstance(accum_steps, int) or accum_steps < 1:
+        raise TrainError(
+            op=op, must="accum_steps is a positive int", given=repr(accum_steps), fix="1 or more"
+        )
+    if resume and ckpt is None:
+        raise TrainError(
+            op=op,
+            must="resume=True comes with a checkpoint manager",
+            given="ckpt=None",
+            fix="pass ckpt=spmdkit.runtime.checkpoint.Manager(directory)",
+        )
+    if plan is not None and shardings is not None:
+        raise TrainError(
+            op=op,
+            must="shardings come from a plan or are given, not both",
+            given="plan= and shardings=",
+            fix="drop one of them",
+        )
+    out = out if out is not None else sys.stderr
+
+    write_back = None
+    loss = loss_fn
+    if isinstance(params, nnx.Module):
+        params, loss, write_back = _nnx_adapter(params, loss_fn)
+
+    if accum_steps > 1 and hasattr(data, "microbatches"):
+        if data.microbatches == 1:
+            data.microbatches = accum_steps
+        elif data.microbatches != accum_steps:
+            raise TrainError(
+                op=op,
+                must="the loader's microbatches equals accum_steps",
+                given=f"microbatches={data.microbatches}, accum_steps={accum_steps}",
+                fix="leave microbatches=1 on the loader; train sets it",
+            )
+
+    # shardings of the state on this run's mesh
+    abstract_params = jax.eval_shape(lambda p: p, params)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    if plan is not None:
+        param_sh, opt_sh = plan.state_shardings(abstract_params, abstract_opt)
+    elif shardings is not None:
+        param_sh, opt_sh = shardings
+    else:
+        param_sh, opt_sh = _shardings_of(params), None
+    if opt_sh is None:
+        opt_sh = _opt_shardings_like_params(abstract_opt, param_sh, abstract_params)
+    # the mesh the shardings live on (a plan may hand out Auto-axis shardings for an
+    # Explicit plan.mesh: the context must be theirs)
+    leaves = [s for s in jax.tree.leaves(param_sh) if isinstance(s, NamedSharding)]
+    mesh = leaves[0].mesh if leaves else getattr(plan, "mesh", None)
+
+    # under the mesh context optax's scalar states and the step's replicated metrics
+    # are created on the mesh, not on one device
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        if rng is not None and mesh is not None:
+            # one replicated copy on the mesh: a global array every process can save
+            rng = jax.device_put(rng, NamedSharding(mesh, PartitionSpec()))
+        start = 0
+        restored = None
+        if resume and ckpt.latest_step() is not None:
+            target_params = abstract_target(abstract_params, param_sh)
+            if opt_sh is None:
+                opt_sh = jax.jit(optimizer.init).lower(target_params).compile().output_shardings
+            target = {
+                "params": target_params,
+                "opt_state": abstract_target(abstract_opt, opt_sh),
+            }
+            if rng is not None:
+                target["rng"] = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rng.sharding)
+            restored = ckpt.restore(target=target)
+            params, opt_state = restored.state["params"], restored.state["opt_state"]
+            if rng is not None:
+                rng = restored.state["rng"]
+            if hasattr(data, "set_state"):
+                data.set_state(restored.data_state)
+            start = restored.step
+        else:
+            params = jax.device_put(params, param_sh)
+            opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+            opt_sh = _shardings_of(opt_state)
+
+        step_fn = jax.jit(
+            _make_step(
+                loss,
+                optimizer,
+                accum_steps=accum_steps,
+                remat=remat,
+                has_aux=has_aux,
+                use_rng=rng is not None,
+            ),
+            out_shardings=(param_sh, opt_sh, None),
+            donate_argnums=(0, 1),
+        )
+        key = rng if rng is not None else jax.random.key(0)
+
+        history: list[dict[str, float]] = []
+        pending: list[tuple[int, dict[str, Any]]] = []
+        show = progress and jax.process_index() == 0
+        t0 = time.perf_counter()
+
+        def flush() -> None:
+            for s, m in pending:
+                history.append({"step": s, **{k: float(np.asarray(v)) for k, v in m.items()}})
+            pending.clear()
+
+        def save(s: int, *, force: bool) -> None:
+            state = {"params": params, "opt_state": opt_state}
+            if rng is not None:
+                state["rng"] = rng
+            ckpt.save(
+                s,
+                state,
+                plan=plan,
+                mesh=plan.mesh if getattr(plan, "mesh", None) is not None else mesh,
+                data=data if hasattr(data, "state") else None,
+                force=force,
+            )
+
+        it = _batches(data)
+        step = start
+        last_saved = start if restored is not None else None
+        while step < steps:
+            batch = next(it)
+            params, opt_state, metrics = step_fn(
+                params, opt_state, batch, jax.random.fold_in(key, step)
+            )
+            step += 1
+            pending.append((step, metrics))
+            if ckpt is not None and ckpt.should_save(step):
+                save(step, force=False)
+                last_saved = step
+            if step % log_every == 0 or step == steps:
+                flush()
+                if show:
+                    h = history[-1]
+                    rate = (step - start) / max(time.perf_counter() - t0, 1e-9)
+                    extra = "  ".join(f"{k} {v:.4g}" for k, v in h.items() if k not in ("step",))
+                    bar = _bar(step, steps)
+                    out.write(f"{bar} step {step}/{steps}  {extra}  {rate:.2f} step/s\n")
+                    out.flush()
+        flush()
+        if ckpt is not None and step > start:
+            if last_saved != step:
+                save(step, force=True)
+            ckpt.wait()
+        result_params = write_back(params) if write_back is not None else params
+        return TrainResult(
+            params=result_params, opt_state=opt_state, step=step, history=history, start_step=start
+        )
+
+
+def _bar(step: int, total: int, width: int = 20) -> str:
+    filled = int(width * step / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"

@@ -1,0 +1,31 @@
+"""Verification: read the compiled program back and compare it with the prediction.
+
+Stage 5 of the pipeline (trace → propagate → plan → enforce/compile → **verify**
+→ run). ``hlo`` parses collectives out of compiled HLO text, ``report``
+summarizes a compiled step (collectives, bytes, memory) and compares it with a
+:class:`~spmdkit.propagation.Propagation`.
+"""
+
+from spmdkit.verification.hlo import (
+    HloCollective,
+    check_plan,
+    compiled_collectives,
+    parse_collectives,
+    parse_replica_groups,
+    summarize,
+)
+from spmdkit.verification.report import CompiledReport, VerifyReport, executions, report, verify
+
+__all__ = [
+    "CompiledReport",
+    "HloCollective",
+    "VerifyReport",
+    "check_plan",
+    "compiled_collectives",
+    "executions",
+    "parse_collectives",
+    "parse_replica_groups",
+    "report",
+    "summarize",
+    "verify",
+]

@@ -1,0 +1,44 @@
+"""The plan CLI commands (planning on abstract meshes only: no compiles)."""
+
+import io
+import json
+
+import pytest
+
+import spmdkit.cli  # noqa: F401  - cli imports _cli_plan; importing _cli_plan first is circular
+from spmdkit.cli.plan import PLAN_COMMANDS, parse_mesh
+from spmdkit.errors import SpmdError
+
+
+def test_parse_mesh():
+    assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
+    with pytest.raises(SpmdError, match="NAME=SIZE"):
+        parse_mesh("data:2")
+
+
+def _run(name, argv):
+    import argparse
+
+    cmd = next(c for c in PLAN_COMMANDS if c.name == name)
+    parser = argparse.ArgumentParser()
+    cmd.configure(parser)
+    out = io.StringIO()
+    return cmd.run(parser.parse_args(argv), out), out.getvalue()
+
+
+def test_plan_command_prints_table_and_saves_json(tmp_path):
+    path = tmp_path / "plan.json"
+    status, text = _run(
+        "plan",
+        ["gpt", "--mesh", "data=16,model=4", "--abstract", "--strategy", "megatron",
+         "--estimator", "analytic", "--batch-size", "16", "--json", str(path)],
+    )  # fmt: skip
+    assert status == 0
+    assert "Plan 'megatron'" in text and "bytes/dev" in text
+    assert json.loads(path.read_text())["strategy"] == "megatron"
+
+
+def test_plan_command_bad_strategy_exits_2(capsys):
+    status, _ = _run("plan", ["gpt", "--abstract", "--strategy", "fdsp"])
+    assert status == 2
+    assert "fsdp" in capsys.readouterr().err

@@ -1,0 +1,270 @@
+"""spmdkit.compile.enforce: the replayed program computes the same values, pinned to the
+propagated layouts, and the compiled program then moves what was predicted."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.compile import jit, verify_plan
+from spmdkit.compile.enforce import enforced, replay
+from spmdkit.flax import describe
+from spmdkit.planner import plan
+from spmdkit.propagation import propagate
+from spmdkit.verification.hlo import parse_collectives
+from tests.plan_model import toy_batch, toy_init, toy_loss
+
+
+@jax.custom_jvp
+def _softplus(x):
+    return jnp.logaddexp(x, 0.0)
+
+
+@_softplus.defjvp
+def _softplus_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return _softplus(x), t * jax.nn.sigmoid(x)
+
+
+def _step(w, xs):
+    """A scan over layers, a remat region, a custom_jvp and literals."""
+
+    @jax.checkpoint
+    def layer(h, wi):
+        return _softplus(h @ wi) * 0.5 + 1.0
+
+    def body(h, wi):
+        return layer(h, wi), jnp.sum(h)
+
+    def loss(w):
+        h, sums = jax.lax.scan(body, xs, w)
+        return jnp.mean(h**2) + 0.1 * jnp.sum(sums)
+
+    return jax.value_and_grad(loss)(w)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return sk.make_mesh(data=2, model=4, axis_types="auto")
+
+
+def test_replay_matches_the_traced_function(mesh):
+    w = jax.random.normal(jax.random.key(0), (3, 16, 16)) * 0.3
+    xs = jax.random.normal(jax.random.key(1), (8, 16))
+    prop = propagate(_step, w, xs, mesh=mesh, in_specs=(P(None, None, "model"), P("data")))
+    assert prop.program is not None
+    with jax.set_mesh(mesh):
+        got = jax.jit(enforced(prop))(w, xs)
+        flat = jax.jit(lambda *a: replay(prop, *a))(w, xs)
+    want = jax.jit(_step)(w, xs)
+    for g, f, r in zip(jax.tree.leaves(got), flat, jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(f, r, rtol=1e-5, atol=1e-6)
+
+
+def test_replay_pins_every_propagated_layout(mesh):
+    def f(x, w):
+        return jnp.tanh(x @ w).sum(axis=0)
+
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    prop = propagate(f, x, w, mesh=mesh, in_specs=(P("data"), P(None, "model")))
+    with jax.set_mesh(mesh):
+        text = jax.jit(enforced(prop)).lower(x, w).as_text()
+    # one constraint per operand and result of each equation that has a layout
+    assert text.count("sharding_constraint") >= 4
+    pinned = [s for r in prop.records for s in (*r.inputs, *r.outputs) if not s.partial]
+    assert pinned and any(s.sharding_axes for s in pinned)
+
+
+def test_without_a_program_replay_says_why():
+    class Bare:
+        program = None
+        mesh = None
+
+    with pytest.raises(ValueError, match="no program"):
+        replay(Bare())
+
+
+@pytest.mark.parametrize("enforce", [True, False])
+def test_enforced_step_moves_what_was_predicted(enforce):
+    """GPT, FSDP on 8 devices: left to itself XLA moves activations with
+    all-to-alls the plan does not have; pinned, it moves exactly the plan's
+    collectives (and the values are the same either way)."""
+    from spmdkit.models import get_model
+
+    spec = get_model("gpt")
+    cfg = spec.config("tiny")
+    batch = spec.batch(cfg, 8, np.random.default_rng(0))
+    info = describe(spec, config=cfg, batch=batch)
+    p = plan(info, sk.make_mesh(data=8), "fsdp", estimator="analytic")
+    step = jit(jax.value_and_grad(info.loss_fn), p, enforce=enforce)
+    report = verify_plan(p, step, info.abstract_params, batch)
+    rows = {r[0]: r for r in report.rows}
+    ok = rows["collectives total"][3]
+    assert ok is enforce, str(report)
+    if enforce:
+        for kind in ("all_gather", "all_reduce"):
+            _, pk, ck, _ = rows[kind]
+            assert abs(pk - ck) <= 0.02 * ck, str(report)
+    loss, _ = step(info.init_fn(), batch)
+    ref, _ = jax.jit(jax.value_and_grad(info.loss_fn))(info.init_fn(), batch)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+
+
+def test_explicit_axes_are_not_replayed(mesh):
+    info = describe(toy_init, loss=toy_loss, batch=toy_batch())
+    p = plan(info, mesh, "dp", estimator="analytic")
+    assert jit(lambda a: a, p, axis_types="explicit").enforce is False
+    assert jit(lambda a: a, p).enforce is True
+
+
+def test_parse_collectives_sees_pinned_reduction(mesh):
+    """A contraction over a sharded dim, pinned replicated: one all-reduce."""
+
+    def f(x, w):
+        return x @ w
+
+    x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 8), jnp.float32)
+    prop = propagate(f, x, w, mesh=mesh, in_specs=(P(None, "model"), P("model")))
+    with jax.set_mesh(mesh):
+        compiled = (
+            jax.jit(
+                enforced(prop),
+                in_shardings=(
+                    NamedSharding(mesh, P(None, "model")),
+                    NamedSharding(mesh, P("model")),
+                ),
+            )
+            .lower(x, w)
+            .compile()
+        )
+    kinds = [c.kind for c in parse_collectives(compiled.as_text()) if c.group_size > 1]
+    assert kinds == ["all_reduce"]
+    assert prop.comm_bytes_by_kind == {"all_reduce": 8 * 8 * 4}
+
+
+def _compiled(prop, mesh, *args):
+    shardings = tuple(NamedSharding(mesh, s.to_partition_spec()) for s in prop.in_specs)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(enforced(prop), in_shardings=shardings).lower(*args).compile()
+    return compiled, parse_collectives(compiled.as_text())
+
+
+def test_a_multi_step_reshard_runs_in_the_planned_order():
+    """A weight tiled over both axes and gathered whole: the plan gathers the
+    small ``data`` step first (48 + 192 KiB); left to itself XLA gathers ``model``
+    first (96 + 192 KiB). Pinned step by step, the program moves the plan's bytes,
+    and the gathered copy is made once for both of its readers."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(w):
+        top = jax.lax.top_k(w, 2)[0]  # gathers its whole operand
+        return top.sum() + jax.lax.top_k(w, 1)[0].sum()
+
+    w = jax.ShapeDtypeStruct((4, 64, 192), jnp.float32)
+    prop = propagate(f, w, mesh=mesh, in_specs=(P("data", "model"),))
+    compiled, got = _compiled(prop, mesh, w)
+    gathers = [c.payload_bytes for c in got if c.kind == "all_gather"]
+    assert sum(gathers) == prop.comm_bytes_by_kind["all_gather"], (gathers, prop)
+    assert sorted(gathers) == [48 * 1024, 192 * 1024]
+    x = jax.device_put(
+        jnp.arange(4 * 64 * 192, dtype=jnp.float32).reshape(4, 64, 192) % 97,
+        NamedSharding(mesh, P("data", "model")),
+    )
+    np.testing.assert_allclose(compiled(x), f(np.asarray(x)), rtol=1e-6)
+
+
+def test_a_partial_contraction_is_reduced_as_planned():
+    """``x @ w`` contracting a ``model``-sharded dim, wanted sharded over
+    ``model`` by columns: the plan reduce-scatters the partial product. XLA's CPU
+    partitioner would all-reduce it whole; the replay runs the contraction per
+    device and reduce-scatters it itself, so the compiled program has the
+    planned reduce-scatter, and the prediction for CPU keeps it one."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    prop = propagate(
+        f, x, w, mesh=mesh, in_specs=(P("data", "model"), P("model")), out_specs=P("data", "model")
+    )
+    planned = [c.kind for c in prop.collectives()]
+    assert planned == ["reduce_scatter"], prop.collectives()
+    compiled, got = _compiled(prop, mesh, x, w)
+    assert [(c.kind, c.payload_bytes) for c in got] == [("reduce_scatter", 8 * 32 * 4)]
+    rng = np.random.default_rng(0)
+    xv = jax.device_put(
+        rng.normal(size=(16, 64)).astype(np.float32), NamedSharding(mesh, P("data", "model"))
+    )
+    wv = jax.device_put(
+        rng.normal(size=(64, 32)).astype(np.float32), NamedSharding(mesh, P("model"))
+    )
+    np.testing.assert_allclose(
+        compiled(xv, wv), f(np.asarray(xv), np.asarray(wv)), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_partial_attention_output_is_reduced_before_its_transpose():
+    """GPT megatron_sp on (2, 4): ``probs @ v`` contracts the sequence-sharded
+    keys, so the attention output is partial over ``model``, and it is transposed
+    and reshaped before its readers (the output projection, and its weight
+    gradient in the backward pass) reduce it. The replay reduces it right where it
+    is computed and the transpose and reshape move reduced values; left to XLA,
+    it was reduce-scattered and gathered again, 16 KiB per layer more than the
+    plan (the slow matrix in tests/test_compile.py checks the compiled bytes).
+    Without the pass-through, no forward contraction ahead of a transpose is
+    reduced by the replay."""
+    from spmdkit.models import get_model
+
+    spec = get_model("gpt")
+    cfg = spec.config("tiny")
+    batch = spec.batch(cfg, 8, np.random.default_rng(0))
+    info = describe(spec, config=cfg, batch=batch)
+    p = plan(info, sk.make_mesh(data=2, model=4), "megatron_sp")
+    _, prop = jit(jax.value_and_grad(info.loss_fn), p).program(info.abstract_params, batch)
+    program = prop.program
+    nodes = program.graph.all_nodes or program.graph.nodes
+    reader = {v: n for n in nodes for v in n.ins}
+    passed = []
+    for n in nodes:
+        entry = program.specs.get(id(n))
+        if n.prim != "dot_general" or n.backward or entry is None or entry[3] is None:
+            continue
+        t = reader.get(n.outs[0])
+        if t is not None and t.prim == "transpose":
+            (before,), (after,) = program.specs[id(t)][:2]
+            assert before == entry[3].dst and not after.partial
+            passed.append(t)
+    assert len(passed) >= cfg.n_layers, len(passed)  # one per layer at least
+
+
+def test_a_reshard_runs_with_the_plans_own_collectives():
+    """Rows over ``data`` (2) wanted over ``model`` (4): the plan gathers over
+    ``data`` and slices (1.25 KiB). The replay runs exactly that under
+    ``shard_map``; left to a constraint, XLA slices and permutes blocks instead
+    (a collective-permute the plan does not have), so the prediction would not
+    match the program."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(w):
+        return jnp.tanh(w)
+
+    w = jax.ShapeDtypeStruct((32, 10), jnp.float32)
+    prop = propagate(f, w, mesh=mesh, in_specs=(P("data"),), out_specs=P("model"))
+    compiled, got = _compiled(prop, mesh, w)
+    planned = [(c.kind, c.payload_bytes) for c in prop.collectives()]
+    assert planned == [("all_gather", 32 * 10 * 4)], prop.collectives()
+    assert [(c.kind, c.payload_bytes) for c in got] == planned
+    x = jax.device_put(
+        jnp.arange(320, dtype=jnp.float32).reshape(32, 10) / 320, NamedSharding(mesh, P("data"))
+    )
+    out = compiled(x)
+    assert out.sharding.spec == P("model")
+    np.testing.assert_allclose(out, np.tanh(np.asarray(x)), rtol=1e-6)

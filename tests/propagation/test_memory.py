@@ -1,0 +1,139 @@
+"""Memory estimates by liveness, against XLA's memory_analysis on 8 CPU devices.
+
+Measured tolerance (peak bytes, per device): within 5% on MLP train steps with
+plain SGD and with Adam under dp, fsdp-like and megatron specs without donation;
+with donation XLA keeps extra copies the estimate does not model (up to ~26%
+more than predicted on the Adam steps), so donated steps are checked only for
+the aliased bytes.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.propagation import propagate
+from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
+from spmdkit.verification.report import report
+
+S = jax.ShapeDtypeStruct
+F32 = "float32"
+OPT = optax.adam(1e-3)
+PARAMS = {"w1": S((256, 512), F32), "b1": S((512,), F32), "w2": S((512, 128), F32)}
+X = S((128, 256), F32)
+Y = S((128, 128), F32)
+STATE = jax.eval_shape(OPT.init, PARAMS)
+
+
+def _loss(p, x, y):
+    h = jax.nn.relu(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+def _adam_step(p, o, x, y):
+    g = jax.grad(_loss)(p, x, y)
+    u, o = OPT.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+
+def _sgd_step(p, x, y):
+    g = jax.grad(_loss)(p, x, y)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+
+def _is_spec(s):
+    return s is None or isinstance(s, P)
+
+
+def _compile_args(args, specs, mesh):
+    auto = Mesh(mesh.devices, mesh.axis_names)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    out = []
+    for spec, group in zip(leaves, treedef.flatten_up_to(args), strict=True):
+        sharding = NamedSharding(auto, spec if spec is not None else P())
+        out.append(jax.tree.map(lambda a, sh=sharding: S(a.shape, a.dtype, sharding=sh), group))
+    return jax.tree.unflatten(treedef, out)
+
+
+TP = {"w1": P(None, "b"), "b1": P("b"), "w2": P("b", None)}
+FSDP = {"w1": P("a"), "b1": P("a"), "w2": P("a")}
+DP = P(("a", "b"))
+
+
+@pytest.mark.parametrize(
+    ("step", "args", "specs"),
+    [
+        (_sgd_step, (PARAMS, X, Y), (None, DP, DP)),
+        (_adam_step, (PARAMS, STATE, X, Y), (None, None, DP, DP)),
+        (_adam_step, (PARAMS, STATE, X, Y), (FSDP, None, P("b"), P("b"))),
+        (_adam_step, (PARAMS, STATE, X, Y), (TP, None, P("a"), P("a"))),
+    ],
+    ids=["sgd-dp", "adam-dp", "adam-fsdp", "adam-tp"],
+)
+def test_peak_within_5_percent_of_xla(mesh2d, step, args, specs):
+    prop = propagate(step, *args, in_specs=specs, mesh=mesh2d)
+    rep = report(step, *_compile_args(args, specs, mesh2d))
+    mem = prop.memory
+    assert mem.argument_bytes == rep.argument_bytes
+    assert abs(mem.output_bytes - rep.output_bytes) <= 0.02 * rep.output_bytes
+    assert abs(mem.peak_bytes - rep.peak_bytes) <= 0.05 * rep.peak_bytes
+
+
+def test_donation_aliases_outputs(mesh2d):
+    args, specs = (PARAMS, X, Y), (None, DP, DP)
+    plain = propagate(_sgd_step, *args, in_specs=specs, mesh=mesh2d)
+    donated = propagate(_sgd_step, *args, in_specs=specs, mesh=mesh2d, donate_argnums=0)
+    rep = report(_sgd_step, *_compile_args(args, specs, mesh2d), donate_argnums=0)
+    assert plain.memory.alias_bytes == 0
+    assert abs(donated.memory.alias_bytes - rep.alias_bytes) <= 0.01 * rep.alias_bytes
+    assert donated.memory.peak_bytes == plain.memory.peak_bytes - donated.memory.alias_bytes
+
+
+def test_roles_break_arguments_down(mesh2d):
+    prop = propagate(
+        _adam_step,
+        PARAMS,
+        STATE,
+        X,
+        Y,
+        in_specs=(TP, None, P("a"), P("a")),
+        mesh=mesh2d,
+        arg_roles=("params", "opt_state", "batch", "batch"),
+    )
+    roles = prop.memory.by_role
+    params = (256 * 512 + 512 + 512 * 128) * 4 // 4  # tensor-parallel over b=4
+    assert roles["params"] == params
+    assert roles["batch"] == (128 * 256 + 128 * 128) * 4 // 2
+    assert roles["opt_state"] > 2 * params  # mu and nu, replicated
+    assert roles["params"] + roles["opt_state"] + roles["batch"] == prop.memory.argument_bytes
+    assert "peak" in str(prop.memory)
+
+
+def test_sharding_shrinks_the_estimate(mesh2d):
+    prop = propagate(_sgd_step, PARAMS, X, Y, in_specs=(None, DP, DP), mesh=mesh2d)
+    closed = prop.closed_jaxpr
+    replicated = estimate_memory(closed, {}, mesh2d)
+    sharded = estimate_memory(closed, prop.var_specs, mesh2d)
+    assert isinstance(sharded, MemoryEstimate)
+    n_param = sum(a.size for a in jax.tree.leaves(PARAMS)) * 4
+    assert replicated.argument_bytes == n_param + (X.size + Y.size) * 4
+    assert sharded.argument_bytes == n_param + (X.size + Y.size) * 4 // 8
+    assert sharded.peak_bytes == prop.memory.peak_bytes < replicated.peak_bytes
+
+
+def test_scan_body_peak_counts_while_the_loop_runs():
+    mesh = sk.abstract_mesh(x=4)
+
+    def f(w, h):
+        def body(c, wl):
+            big = jnp.tanh(c @ wl)  # [16, 1024] inside the body only
+            return c + big @ wl.T, None
+
+        return jax.lax.scan(body, h, w)[0]
+
+    w, h = S((3, 64, 1024), F32), S((16, 64), F32)
+    prop = propagate(f, w, h, in_specs=(None, P("x")), mesh=mesh)
+    assert prop.memory.temp_bytes >= 16 // 4 * 1024 * 4

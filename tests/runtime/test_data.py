@@ -1,0 +1,125 @@
+"""spmdkit.runtime.data: host batches → global sharded arrays, last-batch policies, positions."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.runtime.data import DataError, ShardedLoader, is_array_field, to_global
+
+
+@pytest.fixture(scope="module")
+def batch_sharding(mesh2d):
+    return NamedSharding(mesh2d, P("a"))
+
+
+def _source(n=10, d=3):
+    return {
+        "x": np.arange(n * d, dtype=np.float32).reshape(n, d),
+        "y": np.arange(n, dtype=np.int32),
+        "ids": [f"ex{i}" for i in range(n)],
+    }
+
+
+def test_to_global_shards_arrays_and_passes_other_fields(batch_sharding):
+    batch = {"x": np.ones((4, 3), np.float32), "y": np.arange(4), "ids": ["a", "b", "c", "d"]}
+    g = to_global(batch, batch_sharding)
+    assert isinstance(g["x"], jax.Array) and g["x"].shape == (4, 3)
+    assert g["x"].sharding.spec == P("a")
+    assert g["y"].sharding.spec == P("a")  # the rank-1 field gets the spec's first entry
+    assert g["ids"] is batch["ids"]  # untouched
+    np.testing.assert_array_equal(np.asarray(g["y"]), np.arange(4))
+    assert {s.data.shape for s in g["x"].addressable_shards} == {(2, 3)}
+
+
+def test_to_global_per_field_shardings(mesh2d):
+    sh = {"x": NamedSharding(mesh2d, P("a", "b")), "y": NamedSharding(mesh2d, P())}
+    g = to_global({"x": np.ones((2, 8)), "y": np.ones(3)}, sh)
+    assert g["x"].sharding.spec == P("a", "b") and g["y"].sharding.spec == P()
+    with pytest.raises(DataError, match="no sharding for field 'z'"):
+        to_global({"z": np.ones(2)}, sh)
+
+
+def test_to_global_uneven_batch_is_a_typed_error(batch_sharding):
+    with pytest.raises(DataError, match="divides evenly"):
+        to_global({"x": np.ones((3, 2))}, batch_sharding)
+
+
+def test_is_array_field():
+    assert is_array_field(np.ones(2)) and is_array_field(np.array([True]))
+    assert (
+        not is_array_field(np.array(["a"])) and not is_array_field([1, 2]) and not is_array_field(3)
+    )
+
+
+def test_drop_policy_skips_the_remainder_and_is_reiterable(batch_sharding):
+    loader = ShardedLoader(_source(10), batch_sharding, batch_size=4)
+    assert loader.batches_per_epoch() == 2
+    first = [np.asarray(b["y"]).tolist() for b in loader]
+    second = [np.asarray(b["y"]).tolist() for b in loader]
+    assert first == second == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert loader.state() == {"epoch": 2, "batch": 0}
+
+
+def test_pad_policy_adds_a_mask(batch_sharding):
+    loader = ShardedLoader(_source(10), batch_sharding, batch_size=4, last_batch="pad")
+    batches = list(loader)
+    assert len(batches) == 3
+    last = batches[-1]
+    assert last["x"].shape == (4, 3)
+    np.testing.assert_array_equal(np.asarray(last["mask"]), [True, True, False, False])
+    np.testing.assert_array_equal(np.asarray(last["x"])[2:], 0)
+    assert last["ids"] == ["ex8", "ex9"]  # non-array fields are not padded
+    assert np.asarray(batches[0]["mask"]).all()
+
+
+def test_keep_policy_yields_the_short_batch(batch_sharding):
+    loader = ShardedLoader(_source(10), batch_sharding, batch_size=4, last_batch="keep")
+    assert [b["x"].shape[0] for b in loader] == [4, 4, 2]
+
+
+def test_position_roundtrip_resumes_exactly(batch_sharding):
+    loader = ShardedLoader(_source(16), batch_sharding, batch_size=4, shuffle_seed=7)
+    it = iter(loader)
+    next(it)
+    next(it)
+    pos = loader.state()
+    rest = [np.asarray(b["y"]).tolist() for b in it]
+    fresh = ShardedLoader(_source(16), batch_sharding, batch_size=4, shuffle_seed=7)
+    fresh.set_state(pos)
+    assert [np.asarray(b["y"]).tolist() for b in fresh] == rest
+    # the next epoch is shuffled differently but deterministically
+    a = [np.asarray(b["y"]).tolist() for b in loader]
+    b = [np.asarray(b["y"]).tolist() for b in fresh]
+    assert a == b and sorted(y for batch in a for y in batch) == list(range(16))
+
+
+def test_generic_source_replays_to_the_position(batch_sharding):
+    def batches():
+        for i in range(3):
+            yield {"x": np.full((4, 2), i, np.float32)}
+        yield {"x": np.full((2, 2), 9, np.float32)}  # short: dropped
+
+    loader = ShardedLoader(batches, batch_sharding)
+    assert [float(np.asarray(b["x"])[0, 0]) for b in loader] == [0, 1, 2]
+    loader.set_state({"epoch": 1, "batch": 2})
+    assert [float(np.asarray(b["x"])[0, 0]) for b in loader] == [2]
+
+
+def test_microbatches_stack_on_a_leading_unsharded_dim(batch_sharding):
+    loader = ShardedLoader(_source(8), batch_sharding, batch_size=8, microbatches=2)
+    (b,) = list(loader)
+    assert b["x"].shape == (2, 4, 3) and b["x"].sharding.spec == P(None, "a")
+    assert sorted(np.asarray(b["y"]).ravel().tolist()) == list(range(8))
+
+
+def test_bad_options_raise(batch_sharding):
+    with pytest.raises(DataError, match="last_batch"):
+        ShardedLoader(_source(), batch_sharding, batch_size=2, last_batch="wrap")
+    with pytest.raises(DataError, match="batch_size"):
+        ShardedLoader(_source(), batch_sharding)
+    with pytest.raises(DataError, match="same number of examples"):
+        ShardedLoader({"x": np.ones(3), "y": np.ones(4)}, batch_sharding, batch_size=2)
+    with pytest.raises(DataError, match="epoch"):
+        ShardedLoader(_source(), batch_sharding, batch_size=2).set_state({"step": 1})
