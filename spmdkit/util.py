@@ -1,8 +1,26 @@
-"""Human-readable byte counts, shared by every table spmdkit prints."""
+"""Small helpers every stage shares: formatting, FLOP counting, device peaks, tree paths.
+
+One definition each, so that every table spmdkit prints uses the same units and
+every cost model counts a matmul the same way.
+"""
 
 from __future__ import annotations
 
-__all__ = ["fmt_bytes"]
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "H100_BF16_PEAK_FLOPS",
+    "contraction_flops",
+    "fmt_bytes",
+    "fmt_time",
+    "path_str",
+]
+
+#: Dense bf16 peak of one H100 SXM (FLOP/s): the default compute speed of the
+#: cost models (``Topology.peak_flops`` overrides it).
+H100_BF16_PEAK_FLOPS = 989e12
 
 
 def fmt_bytes(n: float) -> str:
@@ -18,3 +36,70 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def fmt_time(t: float) -> str:
+    """``13.1 ns``, ``29.0 µs``, ``1.25 ms``, ``2.40 s``.
+
+    Example::
+
+        >>> fmt_time(2.9e-5)
+        '29.0 µs'
+    """
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.2f} ms"
+    if t >= 1e-6 or t == 0:
+        return f"{t * 1e6:.1f} µs"
+    return f"{t * 1e9:.1f} ns"
+
+
+def contraction_flops(
+    prim: str,
+    params: Mapping[str, Any],
+    lhs_shape: Sequence[int],
+    rhs_shape: Sequence[int],
+    out_shape: Sequence[int],
+) -> float:
+    """FLOPs (two per multiply-add) of a ``dot_general`` or ``conv_general_dilated``.
+
+    Shapes may be global or per-device; the count is for the shapes given. Any
+    other primitive counts 0 here (callers price elementwise work themselves).
+
+    Example::
+
+        >>> dn = (((1,), (0,)), ((), ()))
+        >>> contraction_flops("dot_general", {"dimension_numbers": dn}, (4, 8), (8, 2), (4, 2))
+        128.0
+    """
+    if prim == "dot_general":
+        (lhs_contract, _), _ = params["dimension_numbers"]
+        k = math.prod(lhs_shape[d] for d in lhs_contract)
+        return 2.0 * math.prod(out_shape) * k
+    if prim == "conv_general_dilated":
+        rhs_spec = params["dimension_numbers"].rhs_spec
+        per_output = math.prod(rhs_shape[d] for d in rhs_spec[1:])  # in-features x window
+        return 2.0 * math.prod(out_shape) * per_output
+    return 0.0
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def path_str(keypath: tuple) -> str:
+    """A ``"/"``-joined path from a jax key path, dropping Variable ``value`` leaves.
+
+    Example::
+
+        >>> path_str((DictKey("w1"), DictKey("kernel"), GetAttrKey("value")))
+        'w1/kernel'
+    """
+    names = [_key_name(k) for k in keypath]
+    while names and names[-1] in ("value", "raw_value"):
+        names.pop()
+    return "/".join(names)

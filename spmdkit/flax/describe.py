@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdError
+from spmdkit.util import path_str
 
 __all__ = [
     "ModelInfo",
@@ -124,27 +125,6 @@ class ModelInfo:
 
 
 # -- paths -----------------------------------------------------------------------
-
-
-def _key_name(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def path_str(keypath: tuple) -> str:
-    """A ``"/"``-joined path from a jax key path, dropping Variable ``value`` leaves.
-
-    Example::
-
-        >>> path_str((DictKey("w1"), DictKey("kernel"), GetAttrKey("value")))
-        'w1/kernel'
-    """
-    names = [_key_name(k) for k in keypath]
-    while names and names[-1] in ("value", "raw_value"):
-        names.pop()
-    return "/".join(names)
 
 
 # -- metadata --------------------------------------------------------------------
