@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdkit.errors import SpmdError
 
-__all__ = ["make_mesh", "abstract_mesh", "use_virtual_cpu_devices"]
+__all__ = ["abstract_mesh", "auto_mesh", "make_mesh", "use_virtual_cpu_devices"]
 
 AxisTypes = Literal["explicit", "auto"] | Sequence[Literal["explicit", "auto"]]
 
@@ -132,3 +132,19 @@ def abstract_mesh(*, axis_types: AxisTypes = "explicit", **axes: int) -> Abstrac
     _check_axes(axes, "abstract_mesh")
     types = _axis_types(axis_types, len(axes), "abstract_mesh")
     return AbstractMesh(tuple(axes.values()), tuple(axes), axis_types=types)
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis ``Auto`` (``mesh`` itself if so).
+
+    Used where XLA must choose layouts between pinned values (``jit`` with
+    sharding constraints); other meshes (abstract ones) are returned unchanged.
+
+    Example::
+
+        >>> auto_mesh(make_mesh(data=2, model=4)).axis_types
+        (AxisType.Auto, AxisType.Auto)
+    """
+    if isinstance(mesh, Mesh) and any(t != AxisType.Auto for t in mesh.axis_types):
+        return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.ndim)
+    return mesh

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import NoRuleError, RegistrationError, SpmdError
 from spmdkit.inference import _freeze, infer_forward, infer_grad
+from spmdkit.mesh import auto_mesh
 from spmdkit.registry import get_rule, register_rule, unregister_rule
 from spmdkit.rule import Example, LocalContext, Rule, without_strategy
 from spmdkit.spec import REDUCE_OPS, TensorSpec, axis_sizes
@@ -903,10 +904,6 @@ class JitReport:
         return "\n".join([head, *(f"  {m}" for m in self.mismatches[:10])])
 
 
-def _auto_mesh(mesh: Mesh) -> Mesh:
-    return Mesh(mesh.devices, mesh.axis_names)
-
-
 def check_jit(
     rule: Rule | str,
     *,
@@ -938,7 +935,7 @@ def _jit_sweep(
 
     report = JitReport(rule.name, dict(axis_sizes(mesh)))
     rng = np.random.default_rng(seed)
-    amesh = _auto_mesh(mesh)
+    amesh = auto_mesh(mesh)
     for ex in examples or rule.examples:
         attrs = dict(ex.attrs)
         fn = functools.partial(rule.impl, **without_strategy(attrs))

@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdError
+from spmdkit.mesh import auto_mesh
 from spmdkit.util import path_str
 
 __all__ = [
@@ -393,16 +394,6 @@ def _describe_linen(
 # -- born sharded ----------------------------------------------------------------
 
 
-def _auto_mesh(mesh: Any) -> Any:
-    from jax.sharding import AxisType, Mesh
-
-    if isinstance(mesh, Mesh) and any(t != AxisType.Auto for t in mesh.axis_types):
-        return Mesh(
-            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
-        )
-    return mesh
-
-
 def init_sharded(info_or_model: Any, plan: Any, **describe_kwargs: Any) -> Any:
     """Initialise a model's params directly into the plan's shardings.
 
@@ -491,7 +482,7 @@ def shard(plan_or_rules: Any, *, mesh: Any = None) -> Callable[[type], type]:
                 abstract = nnx.eval_shape(build, *args, **kwargs)
                 graphdef, state = nnx.split(abstract)
                 specs = _specs_for_state(state, plan_or_rules, rules_for(), target_mesh)
-                smesh = _auto_mesh(target_mesh)
+                smesh = auto_mesh(target_mesh)
                 shardings = jax.tree.map(
                     lambda s: NamedSharding(smesh, s), specs, is_leaf=lambda x: isinstance(x, P)
                 )

@@ -103,6 +103,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdError
 from spmdkit.flax import ModelInfo, ParamInfo, describe, path_str
+from spmdkit.mesh import auto_mesh
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
 
@@ -602,9 +603,8 @@ class Plan:
         """The mesh of the shardings the plan hands out: for a device ``Mesh``, its
         Auto-axes view (``sk.jit`` compiles under Auto axes, so arrays placed with
         these shardings enter it without a copy); an ``AbstractMesh`` as is."""
-        from spmdkit.flax.describe import _auto_mesh
 
-        return _auto_mesh(self.mesh)
+        return auto_mesh(self.mesh)
 
     def _named(self, spec: P) -> NamedSharding:
         return NamedSharding(self.sharding_mesh, spec)
