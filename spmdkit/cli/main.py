@@ -121,10 +121,11 @@ COMMANDS: list[Command] = [
 def _more_commands() -> list[Command]:
     """``plan``/``report`` (planner) and ``train``/``launch`` (training), defined in
     their own modules; imported after :class:`Command` exists."""
+    from spmdkit.cli.deps import COMMANDS as DEPS_COMMANDS
     from spmdkit.cli.plan import PLAN_COMMANDS
     from spmdkit.cli.train import COMMANDS as TRAIN_COMMANDS
 
-    return [*PLAN_COMMANDS, *TRAIN_COMMANDS]
+    return [*PLAN_COMMANDS, *TRAIN_COMMANDS, *DEPS_COMMANDS]
 
 
 COMMANDS.extend(_more_commands())

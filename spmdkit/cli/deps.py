@@ -1,0 +1,385 @@
+"""spmdkit's own import graph: which module imports which, circles, private reach-ins.
+
+The layout is one package per pipeline stage, and imports point one way
+(``docs/architecture.md``). This module reads the source (``ast``, nothing is
+imported) and answers three questions the test suite asks on every run:
+
+* :func:`find_cycles`: is there an import circle, counting imports inside
+  functions too (a lazy import hides a circle from Python, not from a reader)?
+* :func:`private_imports`: does a module use an underscored name of another
+  module (``from spmdkit.x import _helper``, ``x._cache``)?
+* :func:`layer_violations`: does a module import a stage it must not
+  (:data:`LAYERS`)?
+
+``spmdkit deps`` prints the package graph; ``--mermaid`` prints the diagram that
+``docs/architecture.md`` embeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from spmdkit.cli.command import Command
+
+__all__ = [
+    "LAYERS",
+    "STAGES",
+    "COMMANDS",
+    "PrivateUse",
+    "find_cycles",
+    "layer_violations",
+    "mermaid",
+    "module_graph",
+    "package_graph",
+    "private_imports",
+    "source_files",
+    "stage_of",
+]
+
+#: Stage name → module prefixes that belong to it (longest prefix wins). ``base``
+#: is the vocabulary every stage shares; ``rule`` the rule machinery (registry,
+#: inference) that prices reshards with ``resharding``.
+STAGES: dict[str, tuple[str, ...]] = {
+    "base": (
+        "spmdkit.errors",
+        "spmdkit.spec",
+        "spmdkit.mesh",
+        "spmdkit.topology",
+        "spmdkit.util",
+        "spmdkit.factor",
+        "spmdkit.moved",
+    ),
+    "rule": ("spmdkit.rule", "spmdkit.registry", "spmdkit.inference", "spmdkit.local"),
+    "rules": ("spmdkit.rules",),
+    "resharding": ("spmdkit.resharding",),
+    "propagation": ("spmdkit.propagation",),
+    "describe": ("spmdkit.flax",),
+    "planner": ("spmdkit.planner",),
+    "annotate": ("spmdkit.flax.annotate",),
+    "compile": ("spmdkit.compile",),
+    "verification": ("spmdkit.verification",),
+    "runtime": ("spmdkit.runtime",),
+    "ops": ("spmdkit.ops",),
+    "testing": ("spmdkit.testing",),
+    "models": ("spmdkit.models",),
+    "cli": ("spmdkit.cli", "spmdkit.__main__"),
+    "api": ("spmdkit",),
+}
+
+_BELOW_API = frozenset(
+    {
+        "base",
+        "rule",
+        "rules",
+        "resharding",
+        "propagation",
+        "describe",
+        "planner",
+        "annotate",
+        "compile",
+        "verification",
+    }
+)
+
+#: Stage → the stages its modules may import (besides their own). ``api`` is
+#: ``spmdkit/__init__.py``: the public names, re-exported once; stages above it
+#: (ops, testing, models, cli) may use it.
+LAYERS: dict[str, frozenset[str]] = {
+    "base": frozenset(),
+    "resharding": frozenset({"base"}),
+    "rule": frozenset({"base", "resharding"}),
+    "rules": frozenset({"base", "rule"}),
+    # the built-in fallbacks reuse the rule library's notation builders
+    "propagation": frozenset({"base", "resharding", "rule", "rules"}),
+    "describe": frozenset({"base"}),
+    "planner": frozenset({"base", "resharding", "rule", "propagation", "describe"}),
+    "annotate": frozenset({"base", "describe", "planner"}),
+    "compile": frozenset({"base", "resharding", "rule", "propagation", "describe", "planner"}),
+    "verification": frozenset({"base", "rule", "propagation", "planner", "compile"}),
+    "runtime": _BELOW_API,
+    "api": _BELOW_API,
+    "ops": frozenset({"base", "rule", "resharding", "api"}),
+    "testing": frozenset({"base", "rule", "resharding", "verification", "api"}),
+    "models": frozenset({"base", "planner", "api"}),
+    "cli": _BELOW_API | {"api", "runtime", "models", "rules", "ops", "testing"},
+}
+
+
+def source_files(root: Path | None = None) -> dict[str, Path]:
+    """Module name → source file for every module of the installed ``spmdkit``.
+
+    ``spmdkit.rules`` and ``spmdkit.models`` live in the repository's ``rules/``
+    and ``models/`` folders (``package-dir``); they are found where Python finds
+    them. ``root`` overrides the package folder (tests point it at a fixture).
+    """
+    import importlib.util
+
+    if root is not None:
+        bases = {root.name: root}
+    else:
+        bases = {}
+        for name in ("spmdkit", "spmdkit.rules", "spmdkit.models"):
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.origin is not None:
+                bases[name] = Path(spec.origin).parent
+    out: dict[str, Path] = {}
+    for prefix, base in bases.items():
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(base).with_suffix("").parts
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            if prefix == "spmdkit" and rel and rel[0] in ("rules", "models"):
+                continue  # found through their own mapping above
+            out[".".join((prefix, *rel))] = path
+    return out
+
+
+def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    """The absolute module an ``ImportFrom`` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".")
+    if not is_package:
+        parts = parts[:-1]
+    parts = parts[: len(parts) - node.level + 1]
+    return ".".join([*parts, *([node.module] if node.module else [])])
+
+
+def _imports(module: str, tree: ast.AST, modules: Iterable[str], is_package: bool):
+    """``(target module, names imported from it, line)`` for every import in a tree."""
+    known = set(modules)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, (), node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node, is_package)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:
+                    yield sub, (), node.lineno
+                else:
+                    yield base, (alias.name,), node.lineno
+
+
+def module_graph(files: Mapping[str, Path]) -> dict[str, set[str]]:
+    """Module → the ``spmdkit`` modules it imports (anywhere in its body).
+
+    Example::
+
+        >>> graph = module_graph(source_files())
+        >>> "spmdkit.errors" in graph["spmdkit.spec"]
+        True
+    """
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        edges = graph.setdefault(module, set())
+        is_package = path.name == "__init__.py"
+        for target, _, _ in _imports(module, tree, files, is_package):
+            if target in files and target != module:
+                edges.add(target)
+    return graph
+
+
+def find_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Every import circle: the strongly connected components with more than one
+    module (or a module importing itself), each sorted, the list sorted.
+
+    Example::
+
+        >>> find_cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}})
+        [['a', 'b']]
+    """
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm (recursion depth: the module count)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    """One use of another module's underscored name."""
+
+    module: str
+    line: int
+    target: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.line} uses {self.target}.{self.name}"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(files: Mapping[str, Path], known: Iterable[str] = ()) -> list[PrivateUse]:
+    """Uses of underscored names across modules: ``from m import _x``, ``m._x`` on a
+    module imported as a name, and importing a module whose own name is private.
+
+    ``files`` are the modules to check (the package, or test files); ``known``
+    adds module names they may import (the package, when checking tests).
+    """
+    modules = set(files) | set(known)
+    found: list[PrivateUse] = []
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}
+        is_package = path.name == "__init__.py"
+        for target, names, line in _imports(module, tree, modules, is_package):
+            if not target.startswith("spmdkit") or target == module:
+                continue
+            if any(_private(p) for p in target.split(".")):
+                found.append(PrivateUse(module, line, target.rsplit(".", 1)[0], target))
+            found.extend(PrivateUse(module, line, target, n) for n in names if _private(n))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname and alias.name in modules:
+                        aliases[alias.asname] = alias.name
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, node, is_package)
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in modules:
+                        aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and _private(node.attr)
+                and aliases[node.value.id] != module
+            ):
+                found.append(PrivateUse(module, node.lineno, aliases[node.value.id], node.attr))
+    return sorted(found, key=lambda u: (u.module, u.line, u.name))
+
+
+def stage_of(module: str) -> str:
+    """The stage (a key of :data:`STAGES`) a module belongs to: the longest prefix.
+
+    Example::
+
+        >>> stage_of("spmdkit.flax.annotate"), stage_of("spmdkit.flax.describe")
+        ('annotate', 'describe')
+    """
+    best, best_len = "api", 0
+    for stage, prefixes in STAGES.items():
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
+                best, best_len = stage, len(p)
+    return best
+
+
+def layer_violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """Imports that point the wrong way under :data:`LAYERS`, one line each."""
+    out = []
+    for module in sorted(graph):
+        stage = stage_of(module)
+        for target in sorted(graph[module]):
+            other = stage_of(target)
+            if other != stage and other not in LAYERS[stage]:
+                out.append(f"{module} ({stage}) imports {target} ({other})")
+    return out
+
+
+def package_graph(graph: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed to stages: stage → the stages it imports."""
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        stage = stage_of(module)
+        deps = out.setdefault(stage, set())
+        deps.update(stage_of(t) for t in targets if stage_of(t) != stage)
+    return out
+
+
+#: Stages in pipeline order (the diagram's top-to-bottom order).
+_ORDER = (
+    "cli",
+    "runtime",
+    "testing",
+    "ops",
+    "models",
+    "api",
+    "verification",
+    "compile",
+    "annotate",
+    "planner",
+    "propagation",
+    "describe",
+    "rules",
+    "rule",
+    "resharding",
+    "base",
+)
+
+
+def mermaid(stages: Mapping[str, Iterable[str]]) -> str:
+    """A Mermaid flowchart of the stage graph (an arrow = "imports")."""
+    lines = ["flowchart TD"]
+    for stage in _ORDER:
+        for dep in sorted(stages.get(stage, ()), key=_ORDER.index):
+            lines.append(f"  {stage} --> {dep}")
+    return "\n".join(lines) + "\n"
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mermaid", action="store_true", help="print a Mermaid diagram")
+
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
+    graph = module_graph(source_files())
+    if args.mermaid:
+        out.write(mermaid(package_graph(graph)))
+        return 0
+    for stage, deps in sorted(package_graph(graph).items(), key=lambda kv: _ORDER.index(kv[0])):
+        out.write(f"{stage:<13} -> {', '.join(sorted(deps, key=_ORDER.index)) or '-'}\n")
+    problems = [f"circle: {' <-> '.join(c)}" for c in find_cycles(graph)]
+    problems += [f"private: {u}" for u in private_imports(source_files())]
+    problems += [f"layer: {v}" for v in layer_violations(graph)]
+    for p in problems:
+        out.write(p + "\n")
+    return 1 if problems else 0
+
+
+#: ``spmdkit deps``.
+COMMANDS = [
+    Command(
+        "deps",
+        "spmdkit's own package import graph; circles, private reach-ins, layer breaks",
+        _configure,
+        _run,
+    )
+]

@@ -1,0 +1,144 @@
+"""The layout's rules, checked on the source: imports point one way with no circles,
+no module reaches into another's underscored names, every module says its job,
+functions stay short, and docs/architecture.md's diagram is the code's."""
+
+import ast
+import pathlib
+import textwrap
+
+import pytest
+
+from spmdkit.cli.deps import (
+    find_cycles,
+    layer_violations,
+    mermaid,
+    module_graph,
+    package_graph,
+    private_imports,
+    source_files,
+    stage_of,
+)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+#: The house limit on a function's length (lines of code, docstring excluded).
+MAX_FUNCTION_LINES = 80
+#: A class this long says what it is for in a docstring.
+CLASS_DOC_LINES = 50
+
+
+@pytest.fixture(scope="module")
+def files():
+    return source_files()
+
+
+@pytest.fixture(scope="module")
+def graph(files):
+    return module_graph(files)
+
+
+def test_the_package_is_found_whole(files):
+    for name in ("spmdkit", "spmdkit.propagation", "spmdkit.rules.matmul", "spmdkit.models.gpt"):
+        assert name in files
+
+
+def test_no_import_circles(graph):
+    assert find_cycles(graph) == []
+
+
+def test_imports_point_one_way(graph):
+    assert layer_violations(graph) == []
+
+
+def test_no_module_uses_another_modules_private_names(files):
+    assert [str(u) for u in private_imports(files)] == []
+
+
+def test_no_test_uses_private_names(files):
+    tests = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts): p
+        for p in sorted((REPO / "tests").rglob("*.py"))
+    }
+    assert [str(u) for u in private_imports(tests, known=files)] == []
+
+
+def _body_lines(node: ast.AST) -> int:
+    lines = node.end_lineno - node.lineno + 1
+    doc = ast.get_docstring(node, clean=False)
+    if doc is not None:
+        first = node.body[0]
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+def test_every_module_says_its_job(files):
+    missing = [m for m, p in files.items() if ast.get_docstring(ast.parse(p.read_text())) is None]
+    assert missing == []
+
+
+def test_long_classes_say_their_job_and_functions_stay_short(files):
+    problems = []
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                long = node.end_lineno - node.lineno + 1 > CLASS_DOC_LINES
+                if long and ast.get_docstring(node) is None:
+                    problems.append(f"{module}.{node.name}: no docstring")
+            elif (
+                isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                and _body_lines(node) > MAX_FUNCTION_LINES
+            ):
+                problems.append(f"{module}.{node.name}: {_body_lines(node)} lines")
+    assert problems == []
+
+
+def test_docs_diagram_is_the_codes(graph):
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    assert mermaid(package_graph(graph)) in doc, "regenerate with `spmdkit deps --mermaid`"
+
+
+def _write(root: pathlib.Path, files: dict[str, str]) -> dict[str, pathlib.Path]:
+    out = {}
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+        out[".".join(pathlib.Path(rel).with_suffix("").parts).removesuffix(".__init__")] = path
+    return out
+
+
+def test_the_checks_catch_a_lazy_circle_and_private_reach_ins(tmp_path):
+    fake = _write(
+        tmp_path,
+        {
+            "spmdkit/__init__.py": '"""x"""\n',
+            "spmdkit/a.py": """\
+                '''a'''
+                from spmdkit import b
+                from spmdkit.b import _hidden
+                def f():
+                    return b._cache
+                """,
+            "spmdkit/b.py": """\
+                '''b'''
+                def g():
+                    from spmdkit.a import f  # a lazy import still closes the circle
+                    return f
+                """,
+            "spmdkit/_c.py": "'''c'''\n",
+            "spmdkit/d.py": "'''d'''\nimport spmdkit._c\n",
+        },
+    )
+    assert find_cycles(module_graph(fake)) == [["spmdkit.a", "spmdkit.b"]]
+    found = sorted((u.module, u.name) for u in private_imports(fake))
+    assert found == [
+        ("spmdkit.a", "_cache"),
+        ("spmdkit.a", "_hidden"),
+        ("spmdkit.d", "spmdkit._c"),
+    ]
+
+
+def test_the_layer_check_catches_an_upward_import():
+    graph = {"spmdkit.spec": {"spmdkit.planner.plan"}, "spmdkit.planner.plan": {"spmdkit.spec"}}
+    assert layer_violations(graph) == ["spmdkit.spec (base) imports spmdkit.planner.plan (planner)"]
+    assert stage_of("spmdkit.flax.annotate") == "annotate"
+    assert stage_of("spmdkit.flax.describe") == "describe"
