@@ -146,5 +146,7 @@ def auto_mesh(mesh: Mesh) -> Mesh:
         (AxisType.Auto, AxisType.Auto)
     """
     if isinstance(mesh, Mesh) and any(t != AxisType.Auto for t in mesh.axis_types):
-        return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.ndim)
+        return Mesh(
+            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+        )
     return mesh
