@@ -68,6 +68,7 @@ from spmdkit.rule import (
     LocalContext,
     Rule,
     RuleContext,
+    assign_factors,
     op_collective,
     without_strategy,
 )
@@ -420,41 +421,32 @@ class CrossEntropyRule(Rule):
             return [_CLASS if d == cfg.axis else next(rows) for d in range(cfg.rank)]
         return list(range(spec_rank))
 
-    def _sizes(self, cfg: CrossEntropyConfig, logits: TensorSpec) -> dict[Any, int]:
-        sizes: dict[Any, int] = {j: logits.shape[d] for j, d in enumerate(cfg.row_dims)}
-        sizes[_CLASS] = cfg.num_classes
-        return sizes
+    def _sources(
+        self, cfg: CrossEntropyConfig, logits: TensorSpec, labels: TensorSpec
+    ) -> list[tuple[list[Any], TensorSpec]]:
+        """The logits, then the labels, as factor sources."""
+        return [
+            (self._factors(cfg, logits.ndim, False), logits),
+            (self._factors(cfg, labels.ndim, True), labels),
+        ]
 
     def _assign(
         self,
         ctx: RuleContext,
         cfg: CrossEntropyConfig,
-        sizes: dict[Any, int],
         sources: Sequence[tuple[list[Any], TensorSpec]],
         start: dict[Any, tuple[str, ...]] | None = None,
     ) -> dict[Any, tuple[str, ...]]:
-        """Factor → mesh axes: the first sharded source wins; an axis serves one factor."""
+        """:func:`~spmdkit.rule.assign_factors` in the logits' dim order; the class
+        dim stays unsharded unless the strategy (or hard labels on the last dim)
+        allows it."""
         class_ok = self.strategy(ctx) == "vocab_parallel" or (
             not cfg.soft and cfg.axis == cfg.rank - 1
         )
-        assign: dict[Any, tuple[str, ...]] = dict(start or {})
-        used = {a for axes in assign.values() for a in axes}
         order = self._factors(cfg, cfg.rank, False)
-        for f in order:
-            if f in assign:
-                continue
-            assign[f] = ()
-            if sizes[f] <= 1 or (f == _CLASS and not class_ok):
-                continue
-            for factors, spec in sources:
-                if f not in factors:
-                    continue
-                axes = tuple(a for a in spec.dims[factors.index(f)] if a not in used)
-                if axes:
-                    assign[f] = axes
-                    used.update(axes)
-                    break
-        return assign
+        return assign_factors(
+            sources, order=order, start=start, allowed=lambda f, _: class_ok or f != _CLASS
+        )
 
     def _specs(
         self,
@@ -511,12 +503,8 @@ class CrossEntropyRule(Rule):
         where the strategy allows; partial inputs are resolved."""
         logits, labels = self._two(inputs)
         cfg = _config(logits, labels, ctx.attrs)
-        sizes = self._sizes(cfg, logits)
-        sources = [
-            (self._factors(cfg, logits.ndim, False), logits),
-            (self._factors(cfg, labels.ndim, True), labels),
-        ]
-        return self._specs(ctx, cfg, logits, labels, self._assign(ctx, cfg, sizes, sources))
+        assign = self._assign(ctx, cfg, self._sources(cfg, logits, labels))
+        return self._specs(ctx, cfg, logits, labels, assign)
 
     def backward(
         self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]
@@ -526,14 +514,14 @@ class CrossEntropyRule(Rule):
         logits, labels = self._two(inputs)
         cfg = _config(logits, labels, ctx.attrs)
         (out,) = self._outputs(cfg, logits, outputs, "outputs")
-        sizes = self._sizes(cfg, logits)
         if cfg.reduction == "none":
-            assign = self._assign(ctx, cfg, sizes, [(list(range(out.ndim)), out)])
+            assign = self._assign(ctx, cfg, [(list(range(out.ndim)), out)])
         else:
             axes = tuple(a for a, op in out.partial if op == "sum")
-            first = next((j for j in range(cfg.rank - 1) if sizes[j] > 1), None)
+            rows = (logits.shape[d] for d in cfg.row_dims)
+            first = next((j for j, n in enumerate(rows) if n > 1), None)
             start = {first: axes} if axes and first is not None else {}
-            assign = self._assign(ctx, cfg, sizes, [], start)
+            assign = self._assign(ctx, cfg, [], start)
         plain = (logits.without_partial(), labels.without_partial())
         return self._specs(ctx, cfg, *plain, assign)
 
@@ -546,16 +534,11 @@ class CrossEntropyRule(Rule):
         logits, labels = self._two(inputs)
         cfg = _config(logits, labels, ctx.attrs)
         (g,) = self._outputs(cfg, logits, out_grads, "out_grads")
-        sizes = self._sizes(cfg, logits)
         plain = (logits.without_partial(), labels.without_partial())
-        sources = [
-            (self._factors(cfg, logits.ndim, False), plain[0]),
-            (self._factors(cfg, labels.ndim, True), plain[1]),
-        ]
-        assign = self._assign(ctx, cfg, sizes, sources)
+        assign = self._assign(ctx, cfg, self._sources(cfg, *plain))
         if cfg.reduction == "none":
             start = {f: a for f, a in assign.items() if a or f == _CLASS}
-            assign = self._assign(ctx, cfg, sizes, [(list(range(g.ndim)), g)], start)
+            assign = self._assign(ctx, cfg, [(list(range(g.ndim)), g)], start)
         fwd = self._specs(ctx, cfg, *plain, assign)
         used = {a for axes in assign.values() for a in axes}
         g_partial = {a: op for a, op in g.partial if a not in used and op in ("sum", "avg")}

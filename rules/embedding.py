@@ -50,6 +50,7 @@ from spmdkit.rule import (
     LocalContext,
     Rule,
     RuleContext,
+    assign_factors,
     without_strategy,
 )
 from spmdkit.spec import TensorSpec
@@ -124,31 +125,12 @@ class EmbeddingRule(Rule):
 
     @staticmethod
     def _assign(
-        table: TensorSpec,
         ids: TensorSpec,
         sources: Sequence[tuple[list[Any], TensorSpec]],
         start: dict[Any, tuple[str, ...]] | None = None,
     ) -> dict[Any, tuple[str, ...]]:
-        """Factor → mesh axes: the first sharded source wins; an axis serves one factor."""
-        sizes = {_V: table.shape[0], _D: table.shape[1]}
-        sizes.update(enumerate(ids.shape))
-        assign: dict[Any, tuple[str, ...]] = dict(start or {})
-        used = {a for axes in assign.values() for a in axes}
-        for f in (_V, _D, *range(ids.ndim)):
-            if f in assign:
-                continue
-            assign[f] = ()
-            if sizes[f] <= 1:
-                continue
-            for factors, spec in sources:
-                if f not in factors:
-                    continue
-                axes = tuple(a for a in spec.dims[factors.index(f)] if a not in used)
-                if axes:
-                    assign[f] = axes
-                    used.update(axes)
-                    break
-        return assign
+        """:func:`~spmdkit.rule.assign_factors` over V, D, then the ids' dims."""
+        return assign_factors(sources, order=(_V, _D, *range(ids.ndim)), start=start)
 
     @staticmethod
     def _sources(table: TensorSpec, ids: TensorSpec) -> list[tuple[list[Any], TensorSpec]]:
@@ -183,7 +165,7 @@ class EmbeddingRule(Rule):
     def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
         """V, D from the table; the ids' dims from the ids; V sharded → sum-partial output."""
         table, ids = self._check(ctx, inputs)
-        req, out = self._specs(table, ids, self._assign(table, ids, self._sources(table, ids)))
+        req, out = self._specs(table, ids, self._assign(ids, self._sources(table, ids)))
         return Inferred(req, (out,))
 
     def backward(
@@ -193,7 +175,7 @@ class EmbeddingRule(Rule):
         table, ids = self._check(ctx, inputs)
         (out,) = self._outputs(table, ids, outputs, "outputs")
         factors = [*range(ids.ndim), _D]
-        assign = self._assign(table, ids, [(factors, out)])
+        assign = self._assign(ids, [(factors, out)])
         used = {a for axes in assign.values() for a in axes}
         vocab = tuple(a for a, op in out.partial if op == "sum" and a not in used)
         if vocab and table.shape[0] > 1:
@@ -209,9 +191,9 @@ class EmbeddingRule(Rule):
         table, ids = self._check(ctx, inputs)
         (g,) = self._outputs(table, ids, out_grads, "out_grads")
         plain = (table.without_partial(), ids)
-        assign = self._assign(*plain, self._sources(*plain))
+        assign = self._assign(ids, self._sources(*plain))
         start = {f: a for f, a in assign.items() if a or f == _V}
-        assign = self._assign(*plain, [([*range(ids.ndim), _D], g)], start)
+        assign = self._assign(ids, [([*range(ids.ndim), _D], g)], start)
         req, out = self._specs(*plain, assign)
         used = {a for axes in assign.values() for a in axes}
         g_partial = {a: op for a, op in g.partial if a not in used and op in ("sum", "avg")}

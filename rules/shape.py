@@ -72,6 +72,7 @@ from spmdkit.rule import (
     LocalContext,
     Rule,
     RuleContext,
+    assign_factors,
     without_strategy,
 )
 from spmdkit.spec import TensorSpec
@@ -145,24 +146,6 @@ def _names(prefix: str, shape: tuple[int, ...]) -> list[str | None]:
 # ---------------------------------------------------------------------------
 # The generic dim-map rule
 # ---------------------------------------------------------------------------
-
-
-def _assign(
-    maps: Sequence[tuple[tuple[str | None, ...], TensorSpec]],
-    start: Mapping[str, tuple[str, ...]] | None = None,
-) -> dict[str, tuple[str, ...]]:
-    """Factor → mesh axes: the first source sharding it wins; an axis serves one factor."""
-    assign = dict(start or {})
-    used = {a for axes in assign.values() for a in axes}
-    for factors, spec in maps:
-        for f, axes, n in zip(factors, spec.dims, spec.shape, strict=True):
-            if f is None or f in assign or n <= 1 or not axes:
-                continue
-            free = tuple(a for a in axes if a not in used)
-            if free:
-                assign[f] = free
-                used.update(free)
-    return assign
 
 
 def _layout(
@@ -281,7 +264,7 @@ class MapRule(Rule):
     def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
         """Each factor takes the first input layout that shards it; see the module docstring."""
         dm = self.dim_map(ctx, inputs)
-        assign = _assign(list(zip(dm.inputs, inputs, strict=True)))
+        assign = assign_factors(list(zip(dm.inputs, inputs, strict=True)))
         used = {a for axes in assign.values() for a in axes}
         req_p, out_p = _pass_partials(inputs, dm.data, used, dm.sum_ok)
         return self._specs(dm, inputs, assign, req_p, out_p)
@@ -292,7 +275,7 @@ class MapRule(Rule):
         """Each factor takes the first output layout that shards it; no partials."""
         dm = self.dim_map(ctx, inputs)
         _check_shapes(self.name, dm.out_shapes, outputs, "outputs")
-        assign = _assign(list(zip(dm.outputs, outputs, strict=True)))
+        assign = assign_factors(list(zip(dm.outputs, outputs, strict=True)))
         plain = [s.without_partial() for s in inputs]
         return self._specs(dm, plain, assign, [{} for _ in inputs], {})
 
@@ -305,8 +288,8 @@ class MapRule(Rule):
         dm = self.dim_map(ctx, inputs)
         _check_shapes(self.name, dm.out_shapes, out_grads, "out_grads")
         plain = [s.without_partial() for s in inputs]
-        fwd = _assign(list(zip(dm.inputs, plain, strict=True)))
-        assign = _assign(list(zip(dm.outputs, out_grads, strict=True)), fwd)
+        fwd = assign_factors(list(zip(dm.inputs, plain, strict=True)))
+        assign = assign_factors(list(zip(dm.outputs, out_grads, strict=True)), start=fwd)
         _drop_uneven_sums(dm, [s.shape for s in inputs], assign, ctx.axis_sizes)
         used = {a for axes in assign.values() for a in axes}
         g_partial = _cotangent_partials(out_grads, used)

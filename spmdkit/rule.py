@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,7 @@ __all__ = [
     "RuleContext",
     "POLICIES",
     "STRATEGY_ATTR",
+    "assign_factors",
     "op_collective",
     "without_strategy",
 ]
@@ -431,6 +432,85 @@ class Rule:
 
 
 # ---------------------------------------------------------------------------
+# Factor assignment
+# ---------------------------------------------------------------------------
+
+Factor = Hashable
+FactorSource = tuple[Sequence["Factor | None"], TensorSpec]
+
+
+def _claims(
+    sources: Sequence[FactorSource], order: Sequence[Factor] | None
+) -> Iterator[tuple[Factor, tuple[str, ...]]]:
+    """(factor, mesh axes) of each sharded dim of size > 1, in the order they bid.
+
+    With ``order``: factor by factor, the first such dim of each source. Without:
+    source by source, dim by dim.
+    """
+    if order is None:
+        for factors, spec in sources:
+            for f, axes, n in zip(factors, spec.dims, spec.shape, strict=True):
+                if f is not None and n > 1 and axes:
+                    yield f, axes
+        return
+    for f in order:
+        for factors, spec in sources:
+            for g, axes, n in zip(factors, spec.dims, spec.shape, strict=True):
+                if g == f and n > 1 and axes:
+                    yield f, axes
+                    break
+
+
+def assign_factors(
+    sources: Sequence[FactorSource],
+    *,
+    order: Sequence[Factor] | None = None,
+    start: Mapping[Factor, tuple[str, ...]] | None = None,
+    allowed: Callable[[Factor, tuple[str, ...]], bool] | None = None,
+) -> dict[Factor, tuple[str, ...]]:
+    """Factor → mesh axes: the first sharded source wins; a mesh axis serves one factor.
+
+    The merge every layout rule starts from. Each source is one tensor: the
+    factor of each of its dims (``None`` for a dim that carries none) and its
+    spec. A factor takes the mesh axes of the first sharded dim (of size > 1)
+    that names it, minus the axes an earlier factor already took; when none are
+    left, the next source is asked.
+
+    Args:
+      sources: ``(factor per dim, spec)`` pairs, most authoritative first.
+      order: the factors to assign, first pick first; each takes the first source
+        that shards it, and every one of them is in the result (``()`` when
+        unsharded). Without ``order``, the sharded dims bid in source order and
+        only the factors that got axes are in the result.
+      start: factors already decided (kept as they are, their axes taken).
+      allowed: ``allowed(factor, axes) -> bool`` may veto a choice (e.g. an
+        uneven split of a factor that is summed away); a vetoed source is skipped.
+
+    Returns:
+      The assignment: ``start``'s entries first, then the new ones.
+
+    Example::
+
+        >>> x = TensorSpec((8, 4), P("data", "model"))
+        >>> w = TensorSpec((4, 6), P("data", None))
+        >>> assign_factors([("mk", x), ("kn", w)], order="mkn")
+        {'m': ('data',), 'k': ('model',), 'n': ()}
+    """
+    assign: dict[Factor, tuple[str, ...]] = dict(start or {})
+    used = {a for axes in assign.values() for a in axes}
+    for f, axes in _claims(sources, order):
+        if f in assign:
+            continue
+        free = tuple(a for a in axes if a not in used)
+        if free and (allowed is None or allowed(f, free)):
+            assign[f] = free
+            used.update(free)
+    if order is None:
+        return assign
+    return {**dict(start or {}), **{f: assign.get(f, ()) for f in order}}
+
+
+# ---------------------------------------------------------------------------
 # FactorRule
 # ---------------------------------------------------------------------------
 
@@ -596,40 +676,21 @@ class FactorRule(Rule):
     @staticmethod
     def _assign(
         nt: Notation,
-        sizes: Mapping[str, int],
         sources: Sequence[tuple[tuple[str, ...], TensorSpec]],
-        start: dict[str, tuple[str, ...]] | None = None,
-        allowed: Callable[[str, tuple[str, ...]], bool] | None = None,
+        start: Mapping[str, tuple[str, ...]] | None = None,
+        guard: Callable[[str, tuple[str, ...]], bool] | None = None,
     ) -> dict[str, tuple[str, ...]]:
-        """Factor → mesh axes: the first sharded source wins; an axis serves one factor.
+        """:func:`assign_factors` in notation order. Need-replication factors, and
+        the reduction factors of a notation with no reduce op, stay unsharded;
+        ``guard`` vetoes uneven splits (see :meth:`_even_guard`)."""
+        fixed = set(nt.need_replication)
+        if nt.reduce is None:
+            fixed.update(nt.reduction_factors)
 
-        ``allowed(factor, axes)`` may veto a choice (uneven splits of factors that
-        are summed away somewhere, see :meth:`_even_guard`)."""
-        assign: dict[str, tuple[str, ...]] = dict(start or {})
-        used = {a for axes in assign.values() for a in axes}
-        order = list(nt.factors)
-        for f in order:
-            if f in assign:
-                continue
-            assign[f] = ()
-            if f in nt.need_replication or sizes.get(f, 1) <= 1:
-                continue
-            if nt.reduce is None and f in nt.reduction_factors:
-                continue
-            for dims, spec in sources:
-                for d, g in enumerate(dims):
-                    if g != f or spec.shape[d] != sizes[f] or not spec.dims[d]:
-                        continue
-                    axes = tuple(a for a in spec.dims[d] if a not in used)
-                    if axes and allowed is not None and not allowed(f, axes):
-                        axes = ()
-                    if axes:
-                        assign[f] = axes
-                        used.update(axes)
-                    break
-                if assign[f]:
-                    break
-        return assign
+        def allowed(f: str, axes: tuple[str, ...]) -> bool:
+            return f not in fixed and (guard is None or guard(f, axes))
+
+        return assign_factors(sources, order=nt.factors, start=start, allowed=allowed)
 
     @staticmethod
     def _even_guard(
@@ -727,7 +788,7 @@ class FactorRule(Rule):
         nt = self.notation_for(shapes, self._notation_attrs(ctx))
         sizes = self._sizes(ctx, nt, shapes)
         guard = self._even_guard(ctx, nt, sizes, shapes)
-        assign = self._assign(nt, sizes, list(zip(nt.inputs, inputs, strict=True)), None, guard)
+        assign = self._assign(nt, list(zip(nt.inputs, inputs, strict=True)), None, guard)
         return self._finish(ctx, nt, sizes, inputs, assign)
 
     def _finish(
@@ -775,7 +836,7 @@ class FactorRule(Rule):
         sizes = self._sizes(ctx, nt, shapes)
         self._check_outputs(ctx, nt, sizes, outputs, "outputs")
         guard = self._even_guard(ctx, nt, sizes, shapes)
-        assign = self._assign(nt, sizes, list(zip(nt.outputs, outputs, strict=True)), None, guard)
+        assign = self._assign(nt, list(zip(nt.outputs, outputs, strict=True)), None, guard)
         used = {a for axes in assign.values() for a in axes}
         free = [
             f
@@ -807,11 +868,11 @@ class FactorRule(Rule):
         self._check_outputs(ctx, nt, sizes, out_grads, "out_grads")
         plain = tuple(s.without_partial() for s in inputs)
         guard = self._even_guard(ctx, nt, sizes, shapes)
-        fwd_assign = self._assign(nt, sizes, list(zip(nt.inputs, plain, strict=True)), None, guard)
+        fwd_assign = self._assign(nt, list(zip(nt.inputs, plain, strict=True)), None, guard)
         out_factors = {f for dims in nt.outputs for f in dims}
         start = {f: a for f, a in fwd_assign.items() if a or f not in out_factors}
         out_srcs = list(zip(nt.outputs, out_grads, strict=True))
-        assign = self._assign(nt, sizes, out_srcs, start, guard)
+        assign = self._assign(nt, out_srcs, start, guard)
         fwd = self._finish(ctx, nt, sizes, plain, assign, keep_partial=False)
         used = {a for axes in assign.values() for a in axes}
         g_partial = {
