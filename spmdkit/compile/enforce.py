@@ -59,7 +59,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from spmdkit.resharding.plan import ReshardPlan, _run, _step_body
+from spmdkit.resharding import ReshardPlan
+from spmdkit.resharding import run_plan as _run
+from spmdkit.resharding import step_fn as _step_body
 from spmdkit.spec import TensorSpec
 
 try:  # name stacks keep forward/backward labels in the compiled HLO's metadata

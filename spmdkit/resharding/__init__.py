@@ -5,13 +5,22 @@ prices it under a :class:`~spmdkit.topology.Topology`; ``execute`` runs a plan
 on a ``jax.Array`` with one ``shard_map`` collective per step.
 """
 
+from spmdkit.resharding.execute import reshard, run_plan, step_fn
 from spmdkit.resharding.plan import (
     KINDS,
     Collective,
     ReshardPlan,
     clear_cache,
     plan_reshard,
-    reshard,
 )
 
-__all__ = ["KINDS", "Collective", "ReshardPlan", "clear_cache", "plan_reshard", "reshard"]
+__all__ = [
+    "KINDS",
+    "Collective",
+    "ReshardPlan",
+    "clear_cache",
+    "plan_reshard",
+    "reshard",
+    "run_plan",
+    "step_fn",
+]

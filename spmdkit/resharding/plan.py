@@ -1,4 +1,4 @@
-"""Reshard: plan and run the collectives that move a tensor between two specs.
+"""Reshard planning: the cheapest collectives that move a tensor between two specs, and their cost.
 
 Semantics follow PaddlePaddle's reshard functions, done one mesh axis at a time:
 
@@ -56,10 +56,7 @@ input, the all-to-all operand. Uneven dims are padded (ceil-divided local shapes
 as XLA pads) and the padding is counted. ``wire_bytes`` is what each device sends
 with ring algorithms: ``(n-1)/n × payload``, twice that for all-reduce.
 
-The executor :func:`reshard` runs a plan step by step as ``jax.shard_map``
-collectives (``all_gather``, ``psum``, ``psum_scatter``, ``all_to_all``), so the
-compiled HLO has exactly the planned collectives; :func:`spmdkit.verification.hlo.check_plan`
-checks that.
+:mod:`spmdkit.resharding.execute` runs a plan on a ``jax.Array``.
 """
 
 from __future__ import annotations
@@ -69,19 +66,16 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh
 
 from spmdkit.errors import ReshardError, SpmdError
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.topology import COLLECTIVE_KINDS, DEFAULT_TOPOLOGY, LOCAL_KINDS, Topology
-from spmdkit.util import fmt_bytes
+from spmdkit.util import fmt_bytes, fmt_time
 
-__all__ = ["Collective", "ReshardPlan", "plan_reshard", "reshard", "clear_cache", "KINDS"]
+__all__ = ["Collective", "ReshardPlan", "plan_reshard", "clear_cache", "KINDS"]
 
 #: Every step kind a plan may hold.
 KINDS = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial")
@@ -91,14 +85,6 @@ _KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
 _Dims = tuple[tuple[str, ...], ...]
 _Partial = tuple[tuple[str, str], ...]
 _State = tuple[_Dims, _Partial]
-
-
-def _fmt_time(t: float) -> str:
-    if t < 1e-3:
-        return f"{t * 1e6:.1f} µs"
-    if t < 1:
-        return f"{t * 1e3:.2f} ms"
-    return f"{t:.3f} s"
 
 
 @dataclass(frozen=True)
@@ -235,7 +221,7 @@ class ReshardPlan:
             return head + "no-op"
         text = head + "; ".join(str(s) for s in self.steps)
         if len(self.collectives) > 1:
-            text += f" (total {fmt_bytes(self.payload_bytes)}, {_fmt_time(self.time_s)})"
+            text += f" (total {fmt_bytes(self.payload_bytes)}, {fmt_time(self.time_s)})"
         return text
 
 
@@ -574,230 +560,3 @@ def plan_reshard(
     dst.validate(mesh, op="plan_reshard")
     mesh_axes = tuple(axis_sizes(mesh).items())
     return _plan_cached(src, dst, mesh_axes, topology or DEFAULT_TOPOLOGY)
-
-
-# -- execution -----------------------------------------------------------------
-
-
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _mesh_signature(mesh: MeshLike) -> tuple:
-    return tuple(axis_sizes(mesh).items())
-
-
-def _resolve(
-    x: jax.Array, dst: Any, mesh: MeshLike | None
-) -> tuple[TensorSpec, TensorSpec, MeshLike, jax.Array]:
-    """Source spec, target spec, mesh to run on, and ``x`` placed on that mesh."""
-    traced = _is_tracer(x)
-    sharding = jax.typeof(x).sharding if traced else getattr(x, "sharding", None)
-    src_mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-    if src_mesh is not None and not src_mesh.axis_names:
-        src_mesh = None  # traced without a mesh: an unsharded value
-    if isinstance(dst, NamedSharding):
-        if mesh is not None and _mesh_signature(mesh) != _mesh_signature(dst.mesh):
-            raise ReshardError(
-                op="reshard",
-                must="mesh= agrees with the target NamedSharding's mesh",
-                given=f"{_mesh_signature(mesh)} vs {_mesh_signature(dst.mesh)}",
-                fix="drop mesh= or pass the same mesh",
-            )
-        mesh = dst.mesh
-        dst = dst.spec
-    if mesh is None:
-        mesh = src_mesh
-    if mesh is None:
-        raise ReshardError(
-            op="reshard",
-            must="a mesh is known (from x, a NamedSharding target, or mesh=)",
-            given=f"an unsharded value of shape {tuple(x.shape)} and a {type(dst).__name__}",
-            fix="pass mesh=... or a NamedSharding",
-        )
-    if src_mesh is not None and _mesh_signature(src_mesh) != _mesh_signature(mesh):
-        raise ReshardError(
-            op="reshard",
-            must="x lives on the target mesh",
-            given=f"x on {_mesh_signature(src_mesh)}, target {_mesh_signature(mesh)}",
-            fix="jax.device_put x onto the target mesh first",
-        )
-    if (
-        isinstance(src_mesh, Mesh)
-        and isinstance(mesh, Mesh)
-        and src_mesh.devices.tolist() != mesh.devices.tolist()
-    ):
-        raise ReshardError(
-            op="reshard",
-            must="x lives on the target mesh's devices, in the same order",
-            given=f"x on devices {src_mesh.device_ids.tolist()}, target {mesh.device_ids.tolist()}",
-            fix="jax.device_put x onto the target mesh first",
-        )
-    if src_mesh is not None and traced and any(t != AxisType.Explicit for t in src_mesh.axis_types):
-        raise ReshardError(
-            op="reshard",
-            must="inside jit, x's layout is part of its type (Explicit mesh axes)",
-            given=f"a traced value on a mesh with axis types {src_mesh.axis_types}",
-            fix="build the mesh with sk.make_mesh (Explicit axes) or call reshard outside jit",
-        )
-    src = (
-        TensorSpec.from_sharding(x.shape, sharding, dtype=x.dtype)
-        if src_mesh is not None
-        else TensorSpec(x.shape, dtype=x.dtype)
-    )
-    if isinstance(dst, TensorSpec):
-        if dst.shape != src.shape:
-            raise ReshardError(
-                op="reshard",
-                must="the target spec has x's shape",
-                given=f"x {src}, target {dst}",
-                fix="build the target TensorSpec with x.shape",
-            )
-        dst_spec = dst if dst.dtype is not None else dst.replace(dtype=x.dtype)
-    elif isinstance(dst, P):
-        dst_spec = TensorSpec(x.shape, dst, dtype=x.dtype)
-    else:
-        raise ReshardError(
-            op="reshard",
-            must="the target is a TensorSpec, PartitionSpec or NamedSharding",
-            given=type(dst).__name__,
-            fix="pass e.g. P('x', None)",
-        )
-    if not traced and not isinstance(mesh, Mesh):
-        if not isinstance(src_mesh, Mesh):
-            raise ReshardError(
-                op="reshard",
-                must="outside jit, a concrete Mesh (with devices) is known",
-                given=f"an AbstractMesh {_mesh_signature(mesh)}",
-                fix="pass the jax.sharding.Mesh the array should live on",
-            )
-        mesh = src_mesh
-    if src_mesh is None and not traced:
-        x = jax.device_put(x, NamedSharding(mesh, P()))
-    return src, dst_spec, mesh, x
-
-
-def _check_executable(spec: TensorSpec, mesh: MeshLike, which: str) -> None:
-    sizes = axis_sizes(mesh)
-    for d, (s, axes) in enumerate(zip(spec.shape, spec.dims, strict=True)):
-        n = math.prod(sizes[a] for a in axes)
-        if s % n:
-            raise ReshardError(
-                op="reshard",
-                must="every sharded dim of a JAX array divides evenly over its axes",
-                given=f"{which} {spec}: dim {d} of size {s} over {axes} = {n} devices",
-                fix=f"pad dim {d} to a multiple of {n} (e.g. {-(-s // n) * n}) "
-                "or shard it over fewer devices",
-            )
-    bad = {a: op for a, op in spec.partial if op != "sum"}
-    if bad:
-        raise ReshardError(
-            op="reshard",
-            must="JAX arrays hold only sum-partial (unreduced) values",
-            given=f"{which} {spec} with {bad}",
-            fix="plan it with plan_reshard, or resolve the partial axes to sum first",
-        )
-    if spec.partial and any(t != AxisType.Explicit for t in mesh.axis_types):
-        raise ReshardError(
-            op="reshard",
-            must="sum-partial (unreduced) arrays live on meshes with Explicit axes",
-            given=f"{which} {spec} on axis types {mesh.axis_types}",
-            fix="build the mesh with sk.make_mesh (Explicit axes by default)",
-        )
-
-
-def _step_body(step: Collective):
-    kind, axes = step.kind, step.axes
-    name = axes if len(axes) > 1 else axes[0]
-    if step.group_size == 1:
-        return lambda y: y
-    if kind == "all_gather":
-        return lambda y: jax.lax.all_gather(y, name, axis=step.dim, tiled=True)
-    if kind == "all_reduce":
-        return lambda y: jax.lax.psum(y, name)
-    if kind == "reduce_scatter":
-        return lambda y: jax.lax.psum_scatter(y, name, scatter_dimension=step.dim, tiled=True)
-    if kind == "all_to_all":
-        return lambda y: jax.lax.all_to_all(
-            y, name, split_axis=step.dst_dim, concat_axis=step.dim, tiled=True
-        )
-    if kind == "slice":
-
-        def take(y):
-            size = y.shape[step.dim] // step.group_size
-            start = jax.lax.axis_index(name) * size
-            return jax.lax.dynamic_slice_in_dim(y, start, size, axis=step.dim)
-
-        return take
-
-    def keep_on_first(y):  # to_partial(sum): one rank keeps the value, the rest hold 0
-        first = jax.lax.axis_index(name) == 0
-        return jnp.where(first, y, jnp.zeros_like(y))
-
-    return keep_on_first
-
-
-def _run(x: jax.Array, plan: ReshardPlan, mesh: MeshLike) -> jax.Array:
-    specs = plan.specs
-    for step, before, after in zip(plan.steps, specs[:-1], specs[1:], strict=True):
-        x = jax.shard_map(
-            _step_body(step),
-            mesh=mesh,
-            in_specs=before.to_partition_spec(),
-            out_specs=after.to_partition_spec(),
-            check_vma=False,
-        )(x)
-    return x
-
-
-@functools.lru_cache(maxsize=512)
-def _compiled_runner(plan: ReshardPlan, mesh: Mesh):
-    return jax.jit(functools.partial(_run, plan=plan, mesh=mesh))
-
-
-def reshard(
-    x: jax.Array,
-    dst: TensorSpec | P | NamedSharding,
-    *,
-    mesh: MeshLike | None = None,
-) -> jax.Array:
-    """Move ``x`` to the layout ``dst`` by running :func:`plan_reshard`'s steps.
-
-    The source layout is read from ``x`` (sum-partial when its spec has
-    ``unreduced`` axes). Each step runs as one ``jax.shard_map`` collective, so
-    the compiled program has exactly the planned collectives. Works eagerly and
-    inside ``jax.jit`` (there the mesh axes must be Explicit, so that ``x``'s
-    layout is known). An unsharded ``x`` is first placed replicated on the mesh.
-
-    Args:
-      x: the array (or a tracer of one).
-      dst: target layout: a ``TensorSpec`` (shape must match), a
-        ``PartitionSpec``, or a ``NamedSharding`` (which also names the mesh).
-      mesh: the mesh, when neither ``x`` nor ``dst`` carries one.
-
-    Returns:
-      ``x`` with the layout ``dst`` (``x`` itself when nothing changes).
-
-    Raises:
-      ReshardError: a dim does not divide evenly over its axes (JAX arrays hold no
-        padded shards), an avg/max/min partial target, a partial target on a
-        non-Explicit mesh, a shape mismatch, or meshes that disagree.
-      UnknownAxisError: ``dst`` names an axis the mesh does not have.
-
-    Example::
-
-        >>> mesh = sk.make_mesh(x=4)
-        >>> y = reshard(jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("x"))), P())
-        >>> y.sharding.spec
-        PartitionSpec()
-    """
-    src, dst_spec, mesh, x = _resolve(x, dst, mesh)
-    dst_spec.validate(mesh, op="reshard")
-    _check_executable(src, mesh, "source")
-    _check_executable(dst_spec, mesh, "target")
-    plan = plan_reshard(src, dst_spec, mesh)
-    if plan.is_noop:
-        return x
-    if _is_tracer(x):
-        return _run(x, plan, mesh)
-    return _compiled_runner(plan, mesh)(x)
