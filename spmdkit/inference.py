@@ -2,7 +2,8 @@
 
 Each looks the op up in the registry, checks the specs against the mesh, runs
 the rule, and plans the reshards that turn what was given into what the rule
-requires. Results are cached on (op, specs, attrs, mesh axis names and sizes).
+requires. Results are cached on (op, specs, attrs, mesh axis names and sizes,
+registry generation): a registry change makes every older answer unreachable.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh
 
 from spmdkit.errors import ShardingConflictError, SpecError
-from spmdkit.registry import get_rule
+from spmdkit.registry import generation, get_rule
 from spmdkit.rule import RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 
@@ -113,7 +114,7 @@ class InferenceResult:
 
 
 def clear_cache() -> None:
-    """Drop every cached inference result (the registry calls this on change)."""
+    """Drop every cached inference result (benchmarks time the uncached rules)."""
     _CACHE.clear()
 
 
@@ -183,7 +184,8 @@ def _key(kind: str, op: str, mesh: MeshLike, attrs: Mapping[str, Any], *groups: 
             fix="build one with sk.make_mesh(...) or sk.abstract_mesh(...)",
         )
     try:
-        key = (kind, op, mesh.shape_tuple, _freeze_attrs(attrs) if attrs else (), *groups)
+        attrs_key = _freeze_attrs(attrs) if attrs else ()
+        key = (generation(), kind, op, mesh.shape_tuple, attrs_key, *groups)
         hash(key)
     except TypeError:
         return None  # unhashable attributes or inputs: compute every time

@@ -1,9 +1,13 @@
-"""The rule registry: the only global state in spmdkit.
+"""The rule registry: op name → rule, the only global state in spmdkit.
 
 Built-in rules live in ``spmdkit.rules`` (the repository's ``rules/`` folder),
 one module per op family, each exposing a ``RULES`` tuple. They are registered
-by :func:`_load_builtin` the first time the registry is used, not as a side
-effect of importing the modules.
+the first time the registry is used, not as a side effect of importing the
+modules.
+
+Every change (register, unregister) bumps :func:`generation`; whoever caches
+rule answers (:mod:`spmdkit.inference`) keys them on it, so the registry never
+has to know who caches.
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ import threading
 from spmdkit.errors import NoRuleError, RegistrationError
 from spmdkit.rule import Rule
 
-__all__ = ["register_rule", "get_rule", "registered_ops", "unregister_rule"]
+__all__ = ["generation", "register_rule", "get_rule", "registered_ops", "unregister_rule"]
 
 _RULES: dict[str, Rule] = {}
 _BUILTIN_LOADED = False
+_GENERATION = 0
 _LOCK = threading.RLock()
 
 
 def _load_builtin() -> None:
     global _BUILTIN_LOADED  # noqa: PLW0603 - the registry is the one global by design
+    if _BUILTIN_LOADED:
+        return
     with _LOCK:
         if _BUILTIN_LOADED:
             return
@@ -52,13 +59,29 @@ def _add(rule: Rule, *, family: str) -> None:
         )
     rule.family = family
     _RULES[rule.name] = rule
-    _clear_caches()
+    _changed()
 
 
-def _clear_caches() -> None:
-    from spmdkit import inference
+def _changed() -> None:
+    global _GENERATION  # noqa: PLW0603 - the registry is the one global by design
+    _GENERATION += 1
 
-    inference.clear_cache()
+
+def generation() -> int:
+    """A number that grows on every change of the registry (built-ins loaded).
+
+    Caches of rule answers put it in their keys: an answer cached before a rule
+    was registered or unregistered is never returned after.
+
+    Example::
+
+        >>> g = generation()
+        >>> sk.unregister_rule(sk.register_rule(my_rule).name)
+        >>> generation() == g + 2
+        True
+    """
+    _load_builtin()
+    return _GENERATION
 
 
 def register_rule(rule: Rule) -> Rule:
@@ -84,7 +107,7 @@ def unregister_rule(name: str) -> Rule:
     rule = get_rule(name)
     with _LOCK:
         del _RULES[name]
-        _clear_caches()
+        _changed()
     return rule
 
 

@@ -53,9 +53,10 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.errors import ShardingConflictError
+from spmdkit.errors import RegistrationError, ShardingConflictError
 from spmdkit.factor import BROADCAST, Notation, parse_notation
 from spmdkit.spec import TensorSpec
+from spmdkit.topology import DEFAULT_TOPOLOGY
 
 __all__ = [
     "Example",
@@ -238,8 +239,7 @@ def op_collective(
 
         >>> op_collective(ctx, "all_reduce", ("model",), rows * 4, reduce_op="sum")
     """
-    from spmdkit.resharding import Collective
-    from spmdkit.topology import DEFAULT_TOPOLOGY
+    from spmdkit.resharding import Collective  # a stage package: loaded on use, not with core
 
     axes = tuple(axes)
     n = math.prod(ctx.axis_sizes[a] for a in axes)
@@ -562,8 +562,6 @@ class FactorRule(Rule):
         local_impl: Callable[..., Any] | None = None,
     ) -> None:
         if not callable(partial) and partial not in POLICIES:
-            from spmdkit.errors import RegistrationError
-
             raise RegistrationError(
                 op=name,
                 must=f"partial is one of {sorted(POLICIES)}",

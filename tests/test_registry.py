@@ -56,3 +56,22 @@ def test_user_rule_infers_and_clears_cache():
         sk.unregister_rule("t_rowscale")
     with pytest.raises(sk.NoRuleError):
         sk.infer_forward("t_rowscale", x, sk.TensorSpec((16,)), mesh=mesh)
+
+
+def test_a_registry_change_hides_answers_cached_before_it():
+    from spmdkit.registry import generation
+
+    mesh = sk.abstract_mesh(x=4)
+    x = sk.TensorSpec((8, 16), P("x", None))
+    before = generation()
+    sk.register_rule(sk.FactorRule("t_swap", "r d -> r d", impl=jnp.negative))
+    try:
+        assert str(sk.infer_forward("t_swap", x, mesh=mesh).outputs[0]) == "[8@x,16]"
+    finally:
+        sk.unregister_rule("t_swap")
+    assert generation() == before + 2
+    sk.register_rule(sk.FactorRule("t_swap", "r d -> r d", impl=jnp.negative, need_replication="r"))
+    try:
+        assert str(sk.infer_forward("t_swap", x, mesh=mesh).outputs[0]) == "[8,16]"
+    finally:
+        sk.unregister_rule("t_swap")
