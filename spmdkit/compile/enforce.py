@@ -59,6 +59,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from spmdkit.propagation.graph import Graph, Node
+from spmdkit.propagation.pinning import Program
+from spmdkit.propagation.records import Propagation
 from spmdkit.resharding import ReshardPlan
 from spmdkit.resharding import run_plan as _run
 from spmdkit.resharding import step_fn as _step_body
@@ -108,12 +111,16 @@ def _bind(eqn: Any, vals: Sequence[Any]) -> list[Any]:
 
 
 class _Replay:
-    def __init__(self, program: Any, mesh: Any) -> None:
+    """Evaluates a :class:`~spmdkit.propagation.Program` equation by equation,
+    pinning each node to its :class:`~spmdkit.propagation.pinning.NodePins`;
+    remat regions run whole, ``scan`` bodies pinned inside (module docstring)."""
+
+    def __init__(self, program: Program, mesh: Any) -> None:
         self.program = program
         self.mesh = mesh
         self.memo: dict[tuple, tuple[Any, Any]] = {}
 
-    def graph(self, graph: Any, ins: Sequence[Any]) -> list[Any]:
+    def graph(self, graph: Graph, ins: Sequence[Any]) -> list[Any]:
         env: dict[int, Any] = dict(zip(graph.invars, ins, strict=True))
         values = self.program.values
 
@@ -133,18 +140,20 @@ class _Replay:
                 env.update(zip(group.outs, outs, strict=True))
                 continue
             vals = [read(v) for v in node.ins]
-            specs = self.program.specs.get(id(node))
-            if specs is None:  # dead code (XLA drops it) or not propagated
+            pins = self.program.specs.get(id(node))
+            if pins is None:  # dead code (XLA drops it) or not propagated
                 outs = _bind(node.eqn, vals)
             else:
-                req, produced, steps, fused, _ = specs
                 vals = [
                     self.moved(v, x, chain, s)
-                    for v, x, s, chain in zip(node.ins, vals, req, steps, strict=True)
+                    for v, x, s, chain in zip(
+                        node.ins, vals, pins.required, pins.steps, strict=True
+                    )
                 ]
-                if fused is not None:
-                    outs = [self.reduced(node.eqn, vals, req, fused)]
-                    produced = (fused.dst,)
+                produced = pins.produced
+                if pins.fused is not None:
+                    outs = [self.reduced(node.eqn, vals, pins.required, pins.fused)]
+                    produced = (pins.fused.dst,)
                 elif node.kind == "scan":
                     outs = self.scan(node, vals)
                 else:
@@ -174,7 +183,9 @@ class _Replay:
             self.memo[key] = hit
         return hit[1]
 
-    def reduced(self, eqn: Any, vals: list[Any], req: Sequence[TensorSpec], plan: Any) -> Any:
+    def reduced(
+        self, eqn: Any, vals: list[Any], req: Sequence[TensorSpec | None], plan: ReshardPlan
+    ) -> Any:
         """A contraction with a sum-partial result, run per device under
         ``shard_map`` and reduced there with the plan's own collectives (a
         partial value cannot be pinned; left alone XLA may compute the
@@ -194,7 +205,7 @@ class _Replay:
             check_vma=False,
         )(*vals)
 
-    def scan(self, node: Any, vals: list[Any]) -> list[Any]:
+    def scan(self, node: Node, vals: list[Any]) -> list[Any]:
         p = node.eqn.params
         nc, nk = int(p["num_consts"]), int(p["num_carry"])
         body = node.subs[0]
@@ -215,7 +226,7 @@ class _Replay:
         return [*carry, *ys]
 
 
-def replay(prop: Any, *flat_args: Any) -> list[Any]:
+def replay(prop: Propagation, *flat_args: Any) -> list[Any]:
     """Evaluate the program of ``prop`` (a :class:`~spmdkit.propagation.Propagation`)
     on flat arguments, pinning every equation to its propagated layouts.
 
@@ -244,7 +255,7 @@ def replay(prop: Any, *flat_args: Any) -> list[Any]:
     return _Replay(program, prop.mesh).graph(program.graph, flat_args)
 
 
-def enforced(prop: Any) -> Callable[..., Any]:
+def enforced(prop: Propagation) -> Callable[..., Any]:
     """A function of the traced step's (pytree) arguments that runs
     :func:`replay` and returns outputs with the step's output structure."""
     out_tree = prop.program.out_tree

@@ -5,18 +5,22 @@ Stage 2 of the pipeline (trace → **propagate** → plan → enforce/compile �
 equation's rule, chooses layouts and the reshards between them, and returns a
 :class:`Propagation`: per-equation records, collective bytes, memory and the
 program the enforced replay runs.
+
+Modules, in import order (each imports only those above it):
+``graph`` (tracing, the flattened program IR), ``steps`` (the engine's
+per-equation hand-off), ``primitives`` (primitive → rule, built-in fallbacks),
+``pricing`` (reshard and FLOP costs), ``control`` (scan / while / cond),
+``choose`` (alternatives and hints), ``engine`` (the forward sweep),
+``pinning`` (what the enforced replay pins), ``memory`` (liveness),
+``records`` (EqnRecord, Propagation), ``driver`` (:func:`propagate`).
 """
 
-from spmdkit.propagation.engine import (
-    EqnRecord,
-    Program,
-    Propagation,
-    propagate,
-    register_primitive,
-    trace,
-    trace_with_tree,
-)
+from spmdkit.propagation.driver import propagate
+from spmdkit.propagation.graph import trace, trace_with_tree
 from spmdkit.propagation.memory import MemoryEstimate, estimate_memory, liveness
+from spmdkit.propagation.pinning import Program
+from spmdkit.propagation.primitives import register_primitive
+from spmdkit.propagation.records import EqnRecord, Propagation
 
 __all__ = [
     "EqnRecord",

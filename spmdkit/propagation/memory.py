@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from spmdkit.propagation.graph import FlatProgram, Graph, dce
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
 
@@ -143,21 +144,11 @@ class MemoryEstimate:
         )
 
 
-def _temp_peak(
-    graph: Any,
-    spec: Mapping[int, TensorSpec],
-    mesh: MeshLike,
-    prog: Any,
-    exclude: set[int],
-    fuse: bool = True,
-    transient: Sequence[int] | None = None,
-    duplicate: bool = True,
-) -> int:
-    """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
-    ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
-    ``duplicate``: a cheap elementwise value read by several consumers is fused
-    into each of them; False: only single-reader values fuse, the others are
-    materialized once."""
+def _lifetimes(
+    graph: Graph, prog: FlatProgram, fuse: bool, duplicate: bool
+) -> tuple[dict[int, int], set[int]]:
+    """(value id → index of the node that reads it last, the ids of values fused
+    into their consumers and never materialized); see :func:`_temp_peak`."""
     last: dict[int, int] = {}
     consumers: dict[int, set[str]] = {}
     readers: dict[int, int] = {}
@@ -205,6 +196,25 @@ def _temp_peak(
             if o in fused and j < end and graph.nodes[j].backward:
                 for v in node.ins:
                     last[v] = max(last.get(v, i), last[o])
+    return last, fused
+
+
+def _temp_peak(
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    mesh: MeshLike,
+    prog: FlatProgram,
+    exclude: set[int],
+    fuse: bool = True,
+    transient: Sequence[int] | None = None,
+    duplicate: bool = True,
+) -> int:
+    """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
+    ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
+    ``duplicate``: a cheap elementwise value read by several consumers is fused
+    into each of them; False: only single-reader values fuse, the others are
+    materialized once."""
+    last, fused = _lifetimes(graph, prog, fuse, duplicate)
     cache: dict[int, int] = {}
 
     def nbytes(v: int) -> int:
@@ -240,11 +250,11 @@ def _temp_peak(
 
 
 def liveness(
-    graph: Any,
+    graph: Graph,
     spec: Mapping[int, TensorSpec],
     out_specs: Sequence[TensorSpec],
     mesh: MeshLike,
-    prog: Any,
+    prog: FlatProgram,
     *,
     donated: set[int] = frozenset(),
     roles: Mapping[int, str] | None = None,
@@ -347,11 +357,9 @@ def estimate_memory(
         >>> estimate_memory(prop.closed_jaxpr, prop.var_specs, mesh).peak_bytes
         1245184
     """
-    from spmdkit.propagation.engine import _dce, _Program
-
-    prog = _Program()
+    prog = FlatProgram()
     graph, env = prog.graph(closed_jaxpr)
-    _dce(graph)
+    dce(graph)
     spec = {vid: var_specs[v] for v, vid in env.items() if v in var_specs}
     outs = [
         (spec.get(v) or TensorSpec(prog.shapes[v], dtype=prog.dtypes[v])).without_partial()

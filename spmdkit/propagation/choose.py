@@ -1,0 +1,322 @@
+"""Choosing among a rule's alternative answers, and the hints that steer them.
+
+Where a rule's answer costs communication (operands disagree, or the result is
+left sum-partial), :meth:`Chooser.forward` prices the answers with one operand
+keeping a contested axis alone, with one operand leading, and with the
+operands' hints too — operand reshards plus resolving the result's pending
+reductions, payload bytes first — and the cheapest whose results are no bigger
+per device wins; ties keep the rule's answer. Activations (values computed from
+the batch) stay put where they contest an axis with a weight.
+
+Hints are layouts later equations want, carried upstream: :meth:`Chooser.backward_hints`
+runs the rules' backward inference from wanted outputs (the ``out_specs``
+constraints), :func:`consumer_hints` finds free-made values (a broadcast
+constant, a mask) that consumers slice to a more sharded layout, and
+:meth:`Chooser.take_hint` takes a hint on a node's outputs where it costs no
+more than the forward answer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from spmdkit.inference import InferenceResult, infer_backward, infer_forward
+from spmdkit.propagation.control import stack
+from spmdkit.propagation.graph import FlatProgram, Graph, Node, vids
+from spmdkit.propagation.pricing import Pricer
+from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes, to_rule
+from spmdkit.propagation.steps import Step
+from spmdkit.registry import get_rule
+from spmdkit.spec import TensorSpec
+
+__all__ = ["Chooser", "consumer_hints"]
+
+# (mesh, topology, op, attrs, specs, hints, stationary) -> chosen forward answer
+_CHEAPEST: dict[tuple, Any] = {}
+
+
+class Chooser:
+    """Picks each equation's answer among the rule's alternatives and the hints.
+
+    ``hints`` (value id → wanted layout) and ``stationary`` (ids of activations)
+    are set by the engine; ``ops`` are the registered rule names.
+    """
+
+    def __init__(self, prog: FlatProgram, pricer: Pricer, ops: frozenset[str]) -> None:
+        self.prog = prog
+        self.pricer = pricer
+        self.mesh = pricer.mesh
+        self.ops = ops
+        self.hints: dict[int, TensorSpec] = {}
+        self.stationary: frozenset[int] = frozenset()
+
+    def forward(
+        self, op: str, attrs: dict, specs: tuple[TensorSpec, ...], ins: Sequence[int] = ()
+    ) -> InferenceResult:
+        """The rule's answer; where that costs communication, also the answers led
+        by each sharded operand alone and the one with the operands' backward hints
+        (the layouts later equations want); the cheapest whose outputs are no bigger
+        per device wins (ties keep the rule's own answer)."""
+        hinted = None
+        if self.hints and ins:
+            hinted = tuple(
+                h if (h := self.hints.get(v)) is not None and h.shape == x.shape else x
+                for v, x in zip(ins, specs, strict=True)
+            )
+        still = tuple(v in self.stationary for v in ins) if ins else ()
+        try:
+            attr_key = tuple(sorted(attrs.items()))
+            key = (self.pricer.key, op, id(get_rule(op)), attr_key, specs, hinted, still)
+            hit = _CHEAPEST.get(key)
+        except TypeError:  # unhashable attributes: no caching
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        best = self._cheapest(op, attrs, specs, hinted, still)
+        if key is not None:
+            if len(_CHEAPEST) > 65536:
+                _CHEAPEST.clear()
+            _CHEAPEST[key] = best
+        return best
+
+    def _cheapest(
+        self,
+        op: str,
+        attrs: dict,
+        specs: tuple[TensorSpec, ...],
+        hinted: tuple[TensorSpec, ...] | None,
+        still: tuple[bool, ...],
+    ) -> InferenceResult:
+        res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
+        if not any(a.plan.collectives for a in res.reshards) and not any(
+            o.partial and not any(s.partial for s in specs) for o in res.outputs
+        ):
+            return res
+        # activations stay put: where an activation (a value computed from the batch)
+        # and a weight contest a mesh axis, the weight gives it up (it is all-gathered,
+        # as in FSDP) rather than the activation being moved or left sum-partial
+        act = [i for i, m in enumerate(still) if m]
+        keeps = functools.partial(_keeps, specs, act)
+        if act and len(act) < len(specs) and not keeps(res):
+            axes = {a for i in act for d in specs[i].dims for a in d}
+            alt = tuple(x if still[j] else drop_axes(x, axes) for j, x in enumerate(specs))
+            cand = self._try_forward(op, attrs, alt)
+            if cand is not None and keeps(cand):
+                return cand
+        kept = bool(act) and keeps(res)
+        best, best_t = res, self.pricer.price(specs, res.inputs, res.outputs)
+        size = sum(o.local_bytes(self.mesh) for o in res.outputs)
+        alts = _alternatives(specs)
+        if hinted is not None:
+            alts.append(hinted)
+        for alt in alts:
+            if alt == specs:
+                continue
+            cand = self._try_forward(op, attrs, alt)
+            if cand is None or (kept and not keeps(cand)):
+                continue
+            t = self.pricer.price(specs, cand.inputs, cand.outputs)
+            smaller = sum(o.local_bytes(self.mesh) for o in cand.outputs) <= size
+            if smaller and t < best_t:
+                best, best_t = cand, t
+        return best
+
+    def _try_forward(
+        self, op: str, attrs: dict, specs: tuple[TensorSpec, ...]
+    ) -> InferenceResult | None:
+        try:
+            return infer_forward(op, *specs, mesh=self.mesh, **attrs)
+        except RULE_ERRORS:
+            return None
+
+    def take_hint(
+        self,
+        node: Node,
+        specs: tuple[TensorSpec, ...],
+        op: str | None,
+        attrs: dict,
+        req: tuple[TensorSpec, ...],
+        outs: tuple[TensorSpec, ...],
+    ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+        """(required inputs, outputs) taking the backward hint on the outputs when
+        it costs no more than the forward answer plus resharding to the hint."""
+        hints = [self.hints.get(o) for o in node.outs]
+        if (
+            op is None
+            or op not in self.ops
+            or all(h is None or h == o for h, o in zip(hints, outs, strict=True))
+        ):
+            return req, outs
+        want = tuple(h if h is not None else o for h, o in zip(hints, outs, strict=True))
+        try:
+            res = infer_backward(op, *specs, outputs=want, mesh=self.mesh, **attrs)
+        except RULE_ERRORS:
+            return req, outs
+        if tuple(o.dims for o in res.outputs) != tuple(w.dims for w in want):
+            return req, outs
+        # candidate inputs: backward's layout, keeping operands' partials out
+        fwd = self._try_forward(op, attrs, res.inputs)
+        if fwd is None:
+            return req, outs
+        cand_in, cand_out = fwd.inputs, fwd.outputs
+        if tuple(o.dims for o in cand_out) != tuple(w.dims for w in want):
+            # forward cannot recreate it (dims new in the output): backward's own answer
+            cand_in, cand_out = res.inputs, res.outputs
+        cand_out = tuple(o.replace(dtype=w.dtype) for o, w in zip(cand_out, want, strict=True))
+        act = [i for i, v in enumerate(node.ins) if v in self.stationary]
+        moved = [i for i in act if not _kept(specs[i], cand_in[i])]
+        if moved and all(_kept(specs[i], req[i]) for i in moved):
+            return req, outs  # activations stay put (see _cheapest)
+
+        def cost(required: Sequence[TensorSpec], produced: Sequence[TensorSpec]) -> float:
+            t = sum(
+                self.pricer.time(f"input {i}", s, r)
+                for i, (s, r) in enumerate(zip(specs, required, strict=True))
+            )
+            return t + sum(
+                self.pricer.time(f"output {i}", o, w)
+                for i, (o, w) in enumerate(zip(produced, want, strict=True))
+            )
+
+        if cost(cand_in, cand_out) <= cost(req, outs):
+            return cand_in, cand_out
+        return req, outs
+
+    def backward_hints(
+        self,
+        graph: Graph,
+        spec: Mapping[int, TensorSpec],
+        wanted: dict[int, TensorSpec],
+        fixed: set[int],
+    ) -> dict[int, TensorSpec]:
+        """The backward sweep: layouts wanted of ``graph``'s values, from the
+        ``wanted`` layouts of some of them, by the rules' backward inference
+        (``fixed`` values and constants get none)."""
+        hints = dict(wanted)
+        for node in reversed(graph.nodes):
+            if node.kind == "scan":
+                self._scan_hints(node, spec, hints, fixed)
+                continue
+            if node.kind != "eqn":
+                continue
+            want = [hints.get(o) for o in node.outs]
+            if all(w is None for w in want):
+                continue
+            conv = to_rule(node.eqn)
+            if conv is None or conv[0] not in self.ops:
+                continue
+            op, attrs = conv
+            outs = tuple(
+                w if w is not None else spec[o] for w, o in zip(want, node.outs, strict=True)
+            )
+            ins = tuple(spec[v] for v in node.ins)
+            try:
+                res = infer_backward(op, *ins, outputs=outs, mesh=self.mesh, **attrs)
+            except RULE_ERRORS:
+                continue
+            for v, s in zip(node.ins, res.inputs, strict=True):
+                if v in fixed or self.prog.const[v] or v in hints:
+                    continue
+                if s.sharding_axes and s.dims != spec[v].dims:
+                    hints[v] = s
+        return hints
+
+    def _scan_hints(
+        self, node: Node, spec: Mapping[int, TensorSpec], hints: dict, fixed: set[int]
+    ) -> None:
+        """Carry the hints on a scan's results into its body and back out to its
+        operands (the stacked dim stays unsharded)."""
+        p = node.eqn.params
+        nc, nk = int(p["num_consts"]), int(p["num_carry"])
+        body = node.subs[0]
+        inner: dict[int, TensorSpec] = {v: h for v, h in hints.items() if v in vids(body)}
+        for j, (o, bo) in enumerate(zip(node.outs, body.outvars, strict=True)):
+            h = hints.get(o)
+            if h is None or bo in inner:
+                continue
+            if j < nk:
+                inner[bo] = h
+            elif not h.dims[0]:
+                inner[bo] = TensorSpec(h.shape[1:], h.dims[1:], dtype=h.dtype)
+        if not inner:
+            return
+        got = self.backward_hints(body, spec, inner, set())
+        for v, h in got.items():
+            hints.setdefault(v, h)
+        for j, (v, bi) in enumerate(zip(node.ins, body.invars, strict=True)):
+            h = got.get(bi)
+            if h is None or v in fixed or self.prog.const[v] or v in hints:
+                continue
+            if j >= nc + nk:
+                h = stack(h, self.prog.shapes[v][0])
+            if h.shape == self.prog.shapes[v]:
+                hints[v] = h
+
+
+def _alternatives(specs: tuple[TensorSpec, ...]) -> list[tuple[TensorSpec, ...]]:
+    """Operand layouts to try besides the given ones: an axis sharding several
+    operands kept by each of them alone, and each sharded operand leading with
+    the others replicated."""
+    alts: list[tuple[TensorSpec, ...]] = []
+    if len(specs) <= 1:
+        return alts
+    owners: dict[str, list[int]] = {}
+    for i, x in enumerate(specs):
+        for a in x.sharding_axes:
+            owners.setdefault(a, []).append(i)
+    for a, who in sorted(owners.items()):
+        for i in who if len(who) > 1 else ():
+            alts.append(tuple(x if j == i else drop_axes(x, {a}) for j, x in enumerate(specs)))
+    for i, lead in enumerate(specs):  # one operand leads, the others replicated
+        if lead.sharding_axes:
+            alts.append(tuple(x if j == i else drop_axes(x, None) for j, x in enumerate(specs)))
+    return alts
+
+
+def _keeps(specs: Sequence[TensorSpec], which: Sequence[int], res: Any) -> bool:
+    """Whether a rule's answer leaves the listed operands' dim shardings in place
+    (further sharding, a free slice, is fine)."""
+    return all(_kept(specs[i], res.inputs[i]) for i in which)
+
+
+def _kept(given: TensorSpec, required: TensorSpec) -> bool:
+    """Whether ``required`` still shards each dim of ``given`` over its axes."""
+    got = required.dims + ((),) * (len(given.dims) - len(required.dims))
+    return all(set(d) <= set(r) for d, r in zip(given.dims, got, strict=False))
+
+
+def consumer_hints(
+    pricer: Pricer, steps: Sequence[Step], skip: set[int], free_in: frozenset[int] = frozenset()
+) -> dict[int, TensorSpec]:
+    """Values made from replicated operands (broadcast constants, masks) that a
+    consumer slices (no communication) to a more sharded layout: their producer may
+    as well make that layout (less compute and memory)."""
+    out: dict[int, TensorSpec] = {}
+    free = set(free_in) | {  # made from replicated operands: sharding them costs nothing
+        o
+        for step in steps
+        if step.loop is None and all(x.is_replicated for x in step.given)
+        for o in step.node.outs
+    }
+    for step in steps:
+        node = step.node
+        for v, s, r in zip(node.ins, step.given, step.required, strict=True):
+            if v in skip or v in out or v not in free or r.dims == s.dims:
+                continue
+            if len(r.sharding_axes) <= len(s.sharding_axes) or r.partial != s.partial:
+                continue
+            a = pricer.reshard("input", s, r)
+            if a is not None and not a.plan.collectives:
+                out[v] = r
+        if step.loop is not None:
+            inner_free: frozenset[int] = frozenset()
+            if node.kind == "scan":  # operands reach the body as its inputs, in order
+                body = node.subs[0]
+                inner_free = frozenset(
+                    b for v, b in zip(node.ins, body.invars, strict=True) if v in free
+                )
+            for v, h in consumer_hints(pricer, step.loop.steps, skip, inner_free).items():
+                out.setdefault(v, h)
+    return out

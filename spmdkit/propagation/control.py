@@ -1,0 +1,180 @@
+"""Loops and branches: how ``scan``, ``while`` and ``cond`` nodes propagate.
+
+Each stays one node whose body is propagated as a sub-graph by the engine
+(anything with the :class:`BodyRunner` methods). ``scan`` counts its body's
+costs ``length`` times; the carry keeps its entry layout or takes the fixed
+point the body reaches from it, whichever costs less over the loop (the stacked
+dim of ``xs`` and ``ys`` stays unsharded). ``while`` does the same and counts
+its body once (trip count unknown). ``cond`` propagates every branch, costs the
+dearest and keeps outputs on which the branches agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from spmdkit.inference import ArgReshard
+from spmdkit.propagation.graph import Graph, Node
+from spmdkit.propagation.pricing import Pricer
+from spmdkit.propagation.steps import LoopBody, Step
+from spmdkit.spec import TensorSpec
+
+__all__ = ["BodyRunner", "cond", "scan", "stack", "unstack", "while_loop"]
+
+Specs = tuple[TensorSpec, ...]
+
+
+class BodyRunner(Protocol):
+    """What the control-flow nodes need of the engine."""
+
+    pricer: Pricer
+
+    def body(
+        self,
+        graph: Graph,
+        in_specs: Sequence[TensorSpec],
+        spec: dict[int, TensorSpec],
+        collect: list[Step] | None,
+    ) -> list[TensorSpec]:
+        """Propagate ``graph`` from ``in_specs``; the specs of its results."""
+        ...
+
+    def replicated(self, vid: int) -> TensorSpec:
+        """The replicated spec of value ``vid``."""
+        ...
+
+
+def unstack(s: TensorSpec) -> tuple[TensorSpec, TensorSpec]:
+    """(slice spec seen by the body, stacked spec with dim 0 unsharded)."""
+    stacked = s.replace(dims=((), *s.dims[1:])) if s.dims and s.dims[0] else s
+    return TensorSpec(s.shape[1:], s.dims[1:], dtype=s.dtype), stacked
+
+
+def stack(s: TensorSpec, length: int) -> TensorSpec:
+    """The spec of ``length`` values of spec ``s`` stacked on a new unsharded dim 0."""
+    return TensorSpec((length, *s.shape), ((), *s.dims), partial=dict(s.partial), dtype=s.dtype)
+
+
+def _back(
+    pricer: Pricer, outs: Sequence[TensorSpec], want: Sequence[TensorSpec], label: str
+) -> list[ArgReshard]:
+    """Reshards of a body's results to the layouts the loop (or node) keeps."""
+    return [
+        a
+        for i, (o, c) in enumerate(zip(outs, want, strict=True))
+        if (a := pricer.reshard(f"{label} {i}", o, c)) is not None
+    ]
+
+
+def carry_layouts(
+    runner: BodyRunner,
+    body: Graph,
+    init: list[TensorSpec],
+    length: int,
+    inputs: Callable[[list[TensorSpec]], list[TensorSpec]],
+    carry_out: slice,
+) -> list[TensorSpec]:
+    """The loop-carry layouts: the entry layouts, or the fixed point the body
+    reaches from them, whichever costs less over the whole loop."""
+    carry = init
+    for _ in range(4):
+        outs = runner.body(body, inputs(carry), {}, None)
+        new = [o.without_partial() for o in outs[carry_out]]
+        if new == carry:
+            break
+        carry = new
+    else:
+        carry = [TensorSpec(s.shape, dtype=s.dtype) for s in carry]
+    if carry == init:
+        return init
+    pricer = runner.pricer
+
+    def cost(c: list[TensorSpec]) -> float:
+        items: list[Step] = []
+        outs = runner.body(body, inputs(c), {}, items)
+        t = sum(pricer.time("carry", s, d) for s, d in zip(init, c, strict=True))
+        back = sum(pricer.time("carry", o, d) for o, d in zip(outs[carry_out], c, strict=True))
+        return t + length * (pricer.steps_time(items) + back)
+
+    return min([init, carry], key=cost)
+
+
+def _reduced_inside(steps: list[Step], vid: int, have: TensorSpec) -> bool:
+    """Whether some equation of a loop body already reads ``vid`` reduced, in its layout."""
+    for step in steps:
+        for v, r in zip(step.node.ins, step.required, strict=True):
+            if v == vid and r.dims == have.dims and not r.partial:
+                return True
+    return False
+
+
+def scan(
+    runner: BodyRunner, node: Node, specs: Specs, spec: dict[int, TensorSpec]
+) -> tuple[Specs, Specs, LoopBody]:
+    """(required operands, results, body) of a ``scan`` node."""
+    p = node.eqn.params
+    nc, nk, length = int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
+    body = node.subs[0]
+    consts = [s.without_partial() for s in specs[:nc]]
+    carry = [s.without_partial() for s in specs[nc : nc + nk]]
+    xs = [unstack(s.without_partial()) for s in specs[nc + nk :]]
+    carry = carry_layouts(
+        runner, body, carry, length, lambda c: [*consts, *c, *(x for x, _ in xs)], slice(0, nk)
+    )
+    inner: list[Step] = []
+    outs = runner.body(body, [*consts, *carry, *(x for x, _ in xs)], spec, inner)
+    req = (*consts, *carry, *(stacked for _, stacked in xs))
+    # a result the body already reduced leaves the loop reduced (no second
+    # reduction after it); others leave stacked with their pending reduction, which
+    # their consumers resolve (same bytes as a reduction per iteration, fewer hops)
+    ys = [
+        stack(o.without_partial() if o.partial and _reduced_inside(inner, bo, o) else o, length)
+        for bo, o in zip(body.outvars[nk:], outs[nk:], strict=True)
+    ]
+    # the carry coming back each iteration must have the carry-in layout
+    back = _back(runner.pricer, outs[:nk], carry, "carry")
+    return req, (*carry, *ys), LoopBody(inner, back, length)
+
+
+def while_loop(
+    runner: BodyRunner, node: Node, specs: Specs, spec: dict[int, TensorSpec]
+) -> tuple[Specs, Specs, LoopBody]:
+    """(required operands, results, condition and body) of a ``while`` node."""
+    p = node.eqn.params
+    cn, bn = int(p["cond_nconsts"]), int(p["body_nconsts"])
+    cconsts = [s.without_partial() for s in specs[:cn]]
+    bconsts = [s.without_partial() for s in specs[cn : cn + bn]]
+    carry = [s.without_partial() for s in specs[cn + bn :]]
+    body = node.subs[1]
+    carry = carry_layouts(runner, body, carry, 1, lambda c: [*bconsts, *c], slice(0, None))
+    inner: list[Step] = []
+    runner.body(node.subs[0], [*cconsts, *carry], spec, inner)
+    outs = runner.body(body, [*bconsts, *carry], spec, inner)
+    back = _back(runner.pricer, outs, carry, "carry")
+    return (*cconsts, *bconsts, *carry), tuple(carry), LoopBody(inner, back, 1)
+
+
+def cond(
+    runner: BodyRunner, node: Node, specs: Specs, spec: dict[int, TensorSpec]
+) -> tuple[Specs, Specs, LoopBody]:
+    """(required operands, results, dearest branch) of a ``cond`` node (operands:
+    the branch index, then the branches' operands)."""
+    ops = [s.without_partial() for s in specs[1:]]
+    branches = []
+    for g in node.subs:
+        items: list[Step] = []
+        branches.append((runner.body(g, ops, spec, items), items))
+    node_outs = []
+    for j, o in enumerate(node.outs):
+        cands = {r[j].without_partial() for r, _ in branches}
+        node_outs.append(cands.pop() if len(cands) == 1 else runner.replicated(o))
+    costed = []
+    for results, items in branches:
+        back = _back(runner.pricer, results, node_outs, "output")
+        t = runner.pricer.steps_time(items) + sum(a.plan.time_s for a in back)
+        costed.append((t, items, back))
+    # one branch runs: cost the dearest (first among equals)
+    _, inner, back = max(costed, key=lambda c: c[0])
+    req = (TensorSpec(specs[0].shape, dtype=specs[0].dtype), *ops)
+    return req, tuple(node_outs), LoopBody(inner, back, 1)

@@ -1,0 +1,393 @@
+"""``propagate()``: run the rule registry over a traced step and assemble a
+:class:`~spmdkit.propagation.records.Propagation`.
+
+It traces (or takes) the step's jaxpr, flattens it, checks the input and output
+specs, runs the engine's sweeps, prices the chosen layouts into records, and
+adds the memory estimate and the program the enforced replay runs.
+
+**Both directions.** A backward sweep (the rules' backward inference) carries
+wanted layouts upstream as hints: the ``out_specs`` constraints, and the layouts
+consumers slice free-made values to (a broadcast constant, a mask). The forward
+sweep takes a hint where it costs no more than following the operands; the
+sweeps repeat (four rounds at most) and the round with the lowest modelled
+step time is kept. Outputs without a constraint keep what the forward sweep
+gives them, with pending reductions resolved (a jitted function returns
+reduced values). A value resharded once is not resharded again for another
+consumer wanting the same layout.
+
+**Costs.** ``comm_bytes`` are per-device payload bytes as XLA's HLO shows them
+(:mod:`spmdkit.resharding` conventions). ``flops`` are per device: the local
+blocks' multiply-adds for ``dot_general`` and ``conv_general_dilated``
+(:func:`spmdkit.util.contraction_flops`), one per output element elsewhere;
+compute time uses ``topology.peak_flops`` when the topology has it, else
+:data:`spmdkit.util.H100_BF16_PEAK_FLOPS`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import ShardingConflictError, SpecError
+from spmdkit.propagation.choose import consumer_hints
+from spmdkit.propagation.engine import Engine
+from spmdkit.propagation.graph import (
+    FlatProgram,
+    Graph,
+    dce,
+    producers,
+    stationary,
+    trace_with_tree,
+    uses,
+)
+from spmdkit.propagation.memory import liveness
+from spmdkit.propagation.pinning import Program, pins
+from spmdkit.propagation.pricing import steps_flops
+from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
+from spmdkit.propagation.steps import Step
+from spmdkit.registry import get_rule
+from spmdkit.spec import MeshLike, TensorSpec
+from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
+from spmdkit.util import H100_BF16_PEAK_FLOPS
+
+__all__ = ["propagate"]
+
+
+def propagate(
+    fn_or_closed_jaxpr: Any,
+    *args: Any,
+    in_specs: Any,
+    mesh: MeshLike,
+    out_specs: Any = None,
+    strategies: Mapping[str, str] | None = None,
+    topology: Topology = DEFAULT_TOPOLOGY,
+    donate_argnums: Sequence[int] | int = (),
+    arg_roles: Any = None,
+    out_tree: Any = None,
+    **kwargs: Any,
+) -> Propagation:
+    """Propagate specs through ``fn(*args, **kwargs)`` and price every reshard.
+
+    Args:
+      fn_or_closed_jaxpr: a function (traced with :func:`trace`) or a closed jaxpr.
+      *args: the arguments (arrays or ``jax.ShapeDtypeStruct`` pytrees). With a
+        closed jaxpr, its input avals (flat) unless given.
+      in_specs: a pytree prefix of ``args`` with ``TensorSpec``, ``PartitionSpec``
+        or None (replicated) leaves.
+      mesh: a ``Mesh`` or ``AbstractMesh`` (no devices are needed).
+      out_specs: optional constraints on the outputs (a pytree prefix of the
+        outputs; None leaves are unconstrained).
+      strategies: op name → strategy name, for rules with alternatives.
+      topology: link model for reshard costs; ``peak_flops`` if it has one.
+      donate_argnums: donated positional arguments (memory only).
+      arg_roles: a pytree prefix of ``args`` with role strings (``"params"``,
+        ``"opt_state"``, ``"batch"``…) for the memory breakdown.
+      out_tree: with a closed jaxpr, the output treedef (:func:`trace_with_tree`)
+        so ``out_specs`` can be a pytree; without it they are a flat list.
+      **kwargs: static keyword arguments of ``fn``.
+
+    Returns:
+      A :class:`Propagation`.
+
+    Example::
+
+        >>> mesh = sk.abstract_mesh(data=8)
+        >>> prop = propagate(train_step, params, batch, mesh=mesh,
+        ...                  in_specs=(None, P("data")))
+        >>> prop.comm_bytes_by_kind
+        {'all_reduce': 8392704}
+    """
+    if hasattr(fn_or_closed_jaxpr, "jaxpr") and hasattr(fn_or_closed_jaxpr, "consts"):
+        closed, out_treedef = fn_or_closed_jaxpr, out_tree
+        if not args:
+            args = tuple(
+                jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars
+            )
+    else:
+        closed, out_treedef = trace_with_tree(fn_or_closed_jaxpr, *args, **kwargs)
+    flat_in = _flat_in_specs(in_specs, args, mesh, "in_specs")
+    prog = FlatProgram()
+    graph, env = prog.graph(closed)
+    dce(graph)
+    _check_inputs(flat_in, graph, prog)
+    out_req = _flat_out_specs(out_specs, out_treedef, graph, prog, mesh)
+    _check_strategies(strategies or {})
+    engine = Engine(prog, mesh, topology, strategies or {})
+    roles = _roles(arg_roles, args, graph.invars)
+    engine.uses = uses(graph)
+    engine.pricer.producer = producers(graph)
+    batch = {v for v, r in roles.items() if r == "batch"}
+    engine.chooser.stationary = frozenset(stationary(graph, batch))
+    peak = float(getattr(topology, "peak_flops", H100_BF16_PEAK_FLOPS))
+    spec, collect = _sweeps(engine, graph, flat_in, out_req, peak)
+
+    recorder = Recorder(engine.pricer, engine.ops)
+    records, final_out = _records(recorder, engine, graph, spec, collect, out_req)
+    program = Program(
+        graph, prog.values, pins(collect, engine.pricer, graph, final_out), out_treedef
+    )
+    totals = _totals(records, peak)
+    donated = _donated_ids(donate_argnums, args, graph.invars)
+    transient = _transient(recorder.held, len(graph.nodes))
+
+    def memory(duplicate: bool) -> Any:
+        return liveness(
+            graph,
+            spec,
+            final_out,
+            mesh,
+            prog,
+            donated=donated,
+            roles=roles,
+            transient=transient,
+            duplicate=duplicate,
+        )
+
+    return Propagation(
+        mesh=mesh,
+        closed_jaxpr=closed,
+        in_specs=list(flat_in),
+        out_specs=final_out,
+        records=records,
+        unknown=engine.unknown,
+        comm_bytes_by_kind=totals.by_kind,
+        comm_bytes=totals.comm_bytes,
+        comm_time_s=totals.comm_time_s,
+        flops=totals.flops,
+        compute_time_s=totals.compute_time_s,
+        step_time_s=totals.compute_time_s + totals.comm_time_s,
+        memory=memory(True),
+        var_specs={v: spec[vid] for v, vid in env.items() if vid in spec},
+        program=program,
+        memory_materialized=memory(False),
+    )
+
+
+def _records(
+    recorder: Recorder,
+    engine: Engine,
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    collect: list[Step],
+    out_req: list[TensorSpec | None],
+) -> tuple[list[EqnRecord], list[TensorSpec]]:
+    """The records of the chosen steps, then of the reshards at the outputs, and
+    the layouts the outputs leave in (asked for, else with pending reductions
+    resolved)."""
+    records = [recorder.record(step, i) for i, step in enumerate(collect)]
+    final_out = []
+    for i, (v, r) in enumerate(zip(graph.outvars, out_req, strict=True)):
+        have = spec.get(v) or engine.replicated(v)
+        want = r if r is not None else have.without_partial()
+        final_out.append(want)
+        rec = recorder.output(len(records), i, v, have, want)
+        if rec is not None:
+            records.append(rec)
+    return records, final_out
+
+
+def _sweeps(
+    engine: Engine,
+    graph: Graph,
+    flat_in: list[TensorSpec],
+    out_req: list[TensorSpec | None],
+    peak: float,
+) -> tuple[dict[int, TensorSpec], list[Step]]:
+    """Forward sweeps, each after a backward sweep from the last one's hints (four
+    rounds at most); the specs and steps of the round with the lowest modelled
+    step time (hints are heuristics). Leaves that round's ``unknown`` on the engine."""
+    wanted = {v: r for v, r in zip(graph.outvars, out_req, strict=True) if r is not None}
+    fixed = set(graph.invars)
+    pricer = engine.pricer
+    best: tuple | None = None
+    for _ in range(4):
+        spec: dict[int, TensorSpec] = {}
+        collect: list[Step] = []
+        engine.unknown = collections.Counter()
+        engine.run(graph, flat_in, spec, collect)
+        t = pricer.steps_time(collect) + steps_flops(collect, engine.mesh) / peak
+        for v, r in zip(graph.outvars, out_req, strict=True):
+            have = spec.get(v) or engine.replicated(v)
+            t += pricer.time("output", have, r if r is not None else have.without_partial())
+        if best is None or t < best[0]:
+            best = (t, spec, collect, engine.unknown)
+        asked = {**consumer_hints(pricer, collect, fixed | engine.prog.const_ids()), **wanted}
+        if not asked:
+            break
+        hints = engine.chooser.backward_hints(graph, spec, asked, fixed)
+        if hints == engine.chooser.hints:
+            break
+        engine.chooser.hints = hints
+    _, spec, collect, engine.unknown = best
+    return spec, collect
+
+
+def _transient(held: Mapping, n: int) -> list[int]:
+    """Per top-level node, the bytes of resharded copies live during it: a copy
+    lives from the equation that makes it to its last reuse."""
+    transient = [0] * n
+    for first, last, nbytes in held.values():
+        for i in range(first, min(last, n - 1) + 1):
+            transient[i] += nbytes
+    return transient
+
+
+class _Totals(NamedTuple):
+    by_kind: dict[str, int]
+    comm_bytes: int
+    comm_time_s: float
+    flops: float
+    compute_time_s: float
+
+
+def _totals(records: Sequence[EqnRecord], peak: float) -> _Totals:
+    by_kind: dict[str, int] = {}
+    for r in records:
+        for c in r.collectives():
+            by_kind[c.kind] = by_kind.get(c.kind, 0) + c.payload_bytes
+    flops = sum(r.flops for r in records)
+    return _Totals(
+        by_kind=dict(sorted(by_kind.items())),
+        comm_bytes=int(sum(r.comm_bytes for r in records)),
+        comm_time_s=sum(r.comm_time_s for r in records),
+        flops=flops,
+        compute_time_s=flops / peak,
+    )
+
+
+# -- input and output specs ----------------------------------------------------------
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (TensorSpec, P))
+
+
+def _leaf_dtype(x: Any) -> np.dtype:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(x).dtype
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.dtype("uint32")
+
+
+def _flat_in_specs(in_specs: Any, args: tuple, mesh: MeshLike, what: str) -> list[TensorSpec]:
+    leaves, treedef = jax.tree.flatten(in_specs, is_leaf=_is_spec_leaf)
+    try:
+        groups = treedef.flatten_up_to(args)
+    except (ValueError, TypeError) as e:
+        raise SpecError(
+            op="propagate",
+            must=f"{what} is a pytree prefix of the arguments",
+            given=f"{treedef} for arguments {jax.tree.structure(args)}",
+            fix="give one spec (TensorSpec, PartitionSpec or None) per array, or one per subtree",
+        ) from e
+    out: list[TensorSpec] = []
+    for leaf, group in zip(leaves, groups, strict=True):
+        for x in jax.tree.leaves(group):
+            shape = tuple(getattr(x, "shape", ()))
+            dtype = _leaf_dtype(x)
+            if isinstance(leaf, TensorSpec):
+                if leaf.shape != shape:
+                    raise SpecError(
+                        op="propagate",
+                        must=f"each {what} TensorSpec has its argument's shape",
+                        given=f"{leaf} for an argument of shape {shape}",
+                        fix="build the spec with the argument's shape, or pass a PartitionSpec",
+                    )
+                s = leaf if leaf.dtype is not None else leaf.replace(dtype=dtype)
+            elif leaf is None:
+                s = TensorSpec(shape, dtype=dtype)
+            else:
+                s = TensorSpec(shape, leaf, dtype=dtype)
+            out.append(s.validate(mesh, op="propagate"))
+    return out
+
+
+def _check_inputs(flat_in: list[TensorSpec], graph: Graph, prog: FlatProgram) -> None:
+    if len(flat_in) != len(graph.invars):
+        raise SpecError(
+            op="propagate",
+            must="one input spec per traced input",
+            given=f"{len(flat_in)} specs for {len(graph.invars)} inputs",
+            fix="pass in_specs as a pytree prefix of the positional arguments",
+        )
+    for vid, s in zip(graph.invars, flat_in, strict=True):
+        if s.shape != prog.shapes[vid]:
+            raise SpecError(
+                op="propagate",
+                must="each input spec has its input's shape",
+                given=f"{s} for an input of shape {prog.shapes[vid]}",
+                fix="pass specs matching the arguments",
+            )
+
+
+def _flat_out_specs(
+    out_specs: Any, out_treedef: Any, graph: Graph, prog: FlatProgram, mesh: MeshLike
+) -> list[TensorSpec | None]:
+    """Per flat output, the layout ``out_specs`` asks for (None: unconstrained)."""
+    if out_specs is None:
+        return [None] * len(graph.outvars)
+    out_avals = [jax.ShapeDtypeStruct(prog.shapes[v], prog.dtypes[v]) for v in graph.outvars]
+    tree = jax.tree.unflatten(out_treedef, out_avals) if out_treedef else out_avals
+    leaves, treedef = jax.tree.flatten(out_specs, is_leaf=_is_spec_leaf)
+    groups = treedef.flatten_up_to(tree)
+    flat: list[TensorSpec | None] = []
+    for leaf, group in zip(leaves, groups, strict=True):
+        for x in jax.tree.leaves(group):
+            if leaf is None:
+                flat.append(None)
+            elif isinstance(leaf, TensorSpec):
+                flat.append(leaf if leaf.dtype else leaf.replace(dtype=x.dtype))
+            else:
+                flat.append(TensorSpec(x.shape, leaf, dtype=x.dtype, mesh=mesh))
+    return flat
+
+
+def _check_strategies(strategies: Mapping[str, str]) -> None:
+    for op, name in strategies.items():
+        rule = get_rule(op)  # unknown op: NoRuleError naming near matches
+        if name not in rule.strategies:
+            raise ShardingConflictError(
+                op=op,
+                must=f"strategy is one of {rule.strategies}",
+                given=repr(name),
+                fix=f"pass strategies={{{op!r}: one of {rule.strategies}}}",
+            )
+
+
+def _donated_ids(donate_argnums: Sequence[int] | int, args: tuple, invars: list[int]) -> set[int]:
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    out: set[int] = set()
+    pos = 0
+    for i, a in enumerate(args):
+        n = len(jax.tree.leaves(a))
+        if i in nums:
+            out.update(invars[pos : pos + n])
+        pos += n
+    return out
+
+
+def _is_role_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, str)
+
+
+def _roles(arg_roles: Any, args: tuple, invars: list[int]) -> dict[int, str]:
+    if arg_roles is None:
+        return {}
+    leaves, treedef = jax.tree.flatten(arg_roles, is_leaf=_is_role_leaf)
+    groups = treedef.flatten_up_to(args)
+    out: dict[int, str] = {}
+    pos = 0
+    for role, group in zip(leaves, groups, strict=True):
+        for _ in jax.tree.leaves(group):
+            if role is not None:
+                out[invars[pos]] = role
+            pos += 1
+    return out

@@ -1,0 +1,356 @@
+"""Tracing and the flattened program IR the engine walks.
+
+:func:`trace` turns a function (a whole train step: forward, ``jax.grad`` and the
+optimizer update) into a jaxpr from abstract inputs; nothing is computed.
+:class:`FlatProgram` turns that jaxpr into a :class:`Graph`: value ids with
+shapes and dtypes, and a flat list of :class:`Node` s. Calls that only group
+equations (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``) are
+inlined, so the walk sees one flat list and memory liveness runs over it; remat
+regions remember their :class:`Group` so the replay can run them whole. Loops
+and branches (``scan``, ``while``, ``cond``) stay one node each with their
+bodies as sub-graphs. :func:`dce` drops results nobody uses (as XLA does).
+
+The graph queries at the end (:func:`uses`, :func:`producers`,
+:func:`stationary`, :func:`vids`) read the IR only; they know nothing of specs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.extend.core
+import numpy as np
+
+__all__ = [
+    "FlatProgram",
+    "Graph",
+    "Group",
+    "Node",
+    "dce",
+    "inline_body",
+    "open_jaxpr",
+    "producers",
+    "stationary",
+    "trace",
+    "trace_with_tree",
+    "uses",
+    "vids",
+]
+
+# Inlined call-like primitives that must stay one unit when a program is replayed.
+_REMAT_PRIMS = frozenset({"remat", "remat2", "checkpoint"})
+
+# Call-like primitives whose body is inlined: (param holding the body).
+_INLINE = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_INLINE_PRIMS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "remat",
+        "remat2",
+        "checkpoint",
+        "custom_lin",
+    }
+)
+
+
+# -- tracing --------------------------------------------------------------------
+
+
+def _abstract(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return x
+
+
+def trace(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The closed jaxpr of ``fn(*args, **kwargs)``, from abstract values only.
+
+    Array leaves may be ``jax.Array`` or ``jax.ShapeDtypeStruct`` (shardings are
+    dropped: propagation decides layouts). Keyword arguments are static.
+
+    Example::
+
+        >>> x = jax.ShapeDtypeStruct((8, 4), "float32")
+        >>> trace(lambda x: x @ x.T, x).jaxpr.eqns[0].primitive.name
+        'dot_general'
+    """
+    return trace_with_tree(fn, *args, **kwargs)[0]
+
+
+def trace_with_tree(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """:func:`trace`, plus the output pytree structure (pass it to
+    ``propagate(closed, ..., out_tree=)`` to give ``out_specs`` as a pytree)."""
+    abstract = jax.tree.map(_abstract, args)
+    f = functools.partial(fn, **kwargs) if kwargs else fn
+    closed, shapes = jax.make_jaxpr(f, return_shape=True)(*abstract)
+    return closed, jax.tree.structure(shapes)
+
+
+# -- the flattened program --------------------------------------------------------
+
+
+@dataclass
+class Node:
+    """One equation of the flattened program: operand and result value ids.
+
+    ``kind`` is ``"eqn"`` for a plain equation, else ``"scan"``, ``"while"``,
+    ``"cond"`` (``subs``: the body graphs) or ``"shard_map"``; ``group`` is the
+    remat equation the node was inlined from (the replay runs it whole);
+    ``backward`` marks equations of the backward pass (``transpose(jvp(...))``).
+    """
+
+    prim: str
+    eqn: Any
+    ins: list[int]
+    outs: list[int]
+    backward: bool
+    kind: str = "eqn"
+    subs: list[Graph] = field(default_factory=list)
+    group: Group | None = None
+
+
+@dataclass(eq=False)
+class Group:
+    """A remat (checkpoint) equation whose body was inlined: replayed whole."""
+
+    eqn: Any
+    ins: list[int]
+    outs: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Graph:
+    """A (sub-)program: input and output value ids and its nodes in order
+    (``all_nodes``: before :func:`dce`)."""
+
+    invars: list[int]
+    outvars: list[int]
+    nodes: list[Node]
+    all_nodes: list[Node] = field(default_factory=list)
+
+
+class FlatProgram:
+    """Values (shape, dtype, constness, constant values) and the graphs that use
+    them; call-like equations are inlined into their callers' node lists."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[np.dtype] = []
+        self.const: list[bool] = []
+        self.values: dict[int, Any] = {}  # constant id -> its value
+
+    def new(self, aval: Any, const: bool = False) -> int:
+        """A new value id for ``aval``."""
+        self.shapes.append(tuple(int(s) for s in getattr(aval, "shape", ())))
+        dtype = getattr(aval, "dtype", None)
+        try:
+            dtype = np.dtype(dtype) if dtype is not None else np.dtype("float32")
+        except TypeError:  # extended dtypes (PRNG keys): count 4 bytes per element
+            dtype = np.dtype("uint32")
+        self.dtypes.append(dtype)
+        self.const.append(const)
+        return len(self.shapes) - 1
+
+    def const_ids(self) -> set[int]:
+        """Ids of literals and constants (their layout is free to choose)."""
+        return {i for i, c in enumerate(self.const) if c}
+
+    def graph(
+        self, closed: Any, ins: Sequence[int] | None = None, backward: bool = False
+    ) -> tuple[Graph, dict[Any, int]]:
+        """The graph of a (closed) jaxpr, and its jaxpr variable → value id map."""
+        jaxpr, consts = open_jaxpr(closed)
+        env: dict[Any, int] = {}
+        self._bind_consts(jaxpr.constvars, consts, env)
+        invars = []
+        for i, v in enumerate(jaxpr.invars):
+            vid = ins[i] if ins is not None else self.new(v.aval)
+            env[v] = vid
+            invars.append(vid)
+        nodes: list[Node] = []
+        self._walk(jaxpr, env, nodes, backward)
+        outvars = [self._read(env, v) for v in jaxpr.outvars]
+        return Graph(invars, outvars, nodes), env
+
+    def _bind_consts(self, constvars: Sequence[Any], consts: list, env: dict[Any, int]) -> None:
+        padded = [*consts, *[None] * (len(constvars) - len(consts))]
+        for v, c in zip(constvars, padded, strict=True):
+            env[v] = self.new(v.aval, const=True)
+            if c is not None:
+                self.values[env[v]] = c
+
+    def _read(self, env: dict[Any, int], v: Any) -> int:
+        if isinstance(v, jax.extend.core.Literal):
+            vid = self.new(v.aval, const=True)
+            self.values[vid] = v.val
+            return vid
+        return env[v]
+
+    def _walk(
+        self,
+        jaxpr: Any,
+        env: dict[Any, int],
+        nodes: list[Node],
+        backward: bool,
+        group: Group | None = None,
+    ) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            bwd = backward or "transpose(" in str(eqn.source_info.name_stack)
+            ins = [self._read(env, v) for v in eqn.invars]
+            body = inline_body(eqn) if name in _INLINE_PRIMS else None
+            if body is not None:
+                self._inline(eqn, body, ins, env, nodes, bwd, group)
+                continue
+            outs = [self.new(v.aval) for v in eqn.outvars]
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v] = o
+            node = Node(name, eqn, ins, outs, bwd, group=group)
+            if name == "scan":
+                node.kind = "scan"
+                node.subs = [self.graph(eqn.params["jaxpr"], backward=bwd)[0]]
+            elif name == "while":
+                node.kind = "while"
+                node.subs = [
+                    self.graph(eqn.params["cond_jaxpr"], backward=bwd)[0],
+                    self.graph(eqn.params["body_jaxpr"], backward=bwd)[0],
+                ]
+            elif name == "cond":
+                node.kind = "cond"
+                node.subs = [self.graph(b, backward=bwd)[0] for b in eqn.params["branches"]]
+            elif name == "shard_map":
+                node.kind = "shard_map"
+            nodes.append(node)
+
+    def _inline(
+        self,
+        eqn: Any,
+        body: Any,
+        ins: list[int],
+        env: dict[Any, int],
+        nodes: list[Node],
+        backward: bool,
+        group: Group | None,
+    ) -> None:
+        """Walk a call-like equation's body into ``nodes`` (a remat body as one group)."""
+        inner, consts = open_jaxpr(body)
+        sub_env: dict[Any, int] = {}
+        self._bind_consts(inner.constvars, consts, sub_env)
+        for v, vid in zip(inner.invars, ins, strict=True):
+            sub_env[v] = vid
+        g = group
+        if g is None and eqn.primitive.name in _REMAT_PRIMS:
+            g = Group(eqn, ins)
+        self._walk(inner, sub_env, nodes, backward, g)
+        for v, o in zip(eqn.outvars, inner.outvars, strict=True):
+            env[v] = self._read(sub_env, o)
+        if g is not None and g is not group:
+            g.outs = [env[v] for v in eqn.outvars]
+
+
+def open_jaxpr(closed: Any) -> tuple[Any, list]:
+    """(jaxpr, constant values) of a closed jaxpr; an open jaxpr has none."""
+    if hasattr(closed, "jaxpr") and hasattr(closed, "consts"):
+        return closed.jaxpr, list(closed.consts)
+    return closed, []
+
+
+def inline_body(eqn: Any) -> Any:
+    """The body of a call-like equation (None when it has none)."""
+    for key in _INLINE:
+        body = eqn.params.get(key)
+        if body is not None and hasattr(open_jaxpr(body)[0], "eqns"):
+            return body
+    return None
+
+
+def dce(graph: Graph) -> None:
+    """Drop nodes whose results nobody uses (XLA does the same)."""
+    graph.all_nodes = list(graph.nodes)
+    live = set(graph.outvars)
+    keep = []
+    for node in reversed(graph.nodes):
+        effects = getattr(node.eqn, "effects", None)
+        if effects or any(o in live for o in node.outs):
+            keep.append(node)
+            live.update(node.ins)
+            for sub in node.subs:
+                dce(sub)
+    graph.nodes = keep[::-1]
+
+
+# -- graph queries ------------------------------------------------------------------
+
+
+def vids(graph: Graph) -> frozenset[int]:
+    """Every value id a graph defines (inputs and results, nested bodies included)."""
+    cached = getattr(graph, "_vids", None)
+    if cached is None:
+        ids = set(graph.invars)
+        for node in graph.nodes:
+            ids.update(node.outs)
+            for sub in node.subs:
+                ids |= vids(sub)
+        cached = frozenset(ids)
+        graph._vids = cached
+    return cached
+
+
+def uses(graph: Graph, out: dict[int, int] | None = None) -> dict[int, int]:
+    """Value id → number of equations (and graph results) reading it, bodies included."""
+    out = {} if out is None else out
+    for node in graph.nodes:
+        for v in set(node.ins):
+            out[v] = out.get(v, 0) + 1
+        for sub in node.subs:
+            uses(sub, out)
+    for v in set(graph.outvars):
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def producers(graph: Graph, out: dict[int, str] | None = None) -> dict[int, str]:
+    """Value id → the primitive that makes it, bodies included."""
+    out = {} if out is None else out
+    for node in graph.nodes:
+        for o in node.outs:
+            out[o] = node.prim
+        for sub in node.subs:
+            producers(sub, out)
+    return out
+
+
+def stationary(graph: Graph, seeds: set[int]) -> set[int]:
+    """Values computed from ``seeds`` (the batch): activations and their gradients."""
+    out = set(seeds)
+    for node in graph.nodes:
+        hit = [v in out for v in node.ins]
+        if not any(hit):
+            continue
+        out.update(node.outs)
+        subs = node.subs
+        if node.kind == "scan":
+            body = subs[0]
+            nc, nk = int(node.eqn.params["num_consts"]), int(node.eqn.params["num_carry"])
+            ins = {b for b, h in zip(body.invars, hit, strict=True) if h}
+            for _ in range(2):  # a carry fed by the batch is an activation next time round
+                got = stationary(body, ins)
+                ins |= {body.invars[nc + k] for k in range(nk) if body.outvars[k] in got}
+            out |= stationary(body, ins)
+        elif node.kind == "cond":
+            for b in subs:
+                out |= stationary(b, {v for v, h in zip(b.invars, hit[1:], strict=False) if h})
+        else:
+            for b in subs:
+                out |= stationary(b, set(b.invars))
+    return out

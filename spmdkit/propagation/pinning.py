@@ -1,0 +1,248 @@
+"""What the enforced replay pins: the :class:`Program` and its per-node :class:`NodePins`.
+
+:func:`spmdkit.compile.enforce.replay` re-runs the traced program with every
+equation pinned to the layouts propagation chose. :func:`pins` says, per node,
+the layouts to pin its operands and results to, how each operand moves there
+(by the plan's own collectives, or through the intermediate layouts of a
+multi-step reshard), and for a contraction whose result is sum-partial, the
+plan by which the replay reduces it where it is computed (:func:`_fused_reduction`).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from spmdkit.propagation.graph import Graph, Node
+from spmdkit.propagation.pricing import Pricer
+from spmdkit.propagation.steps import Step
+from spmdkit.resharding import ReshardPlan
+from spmdkit.spec import MeshLike, TensorSpec
+
+__all__ = ["NodePins", "Program", "pins"]
+
+
+class NodePins(NamedTuple):
+    """What the replay pins for one node.
+
+    Attributes:
+      required: the operands' layouts after their reshards.
+      produced: the results' layouts.
+      steps: per operand, the :class:`~spmdkit.resharding.ReshardPlan` that moves
+        it when the replay runs it with its own collectives (no partial layout
+        on the way, even blocks), else the layouts it passes through when its
+        reshard takes several collectives (partial ones left out), else ``()``.
+      fused: the reshard plan that reduces a contraction's sum-partial result to
+        the layout all its readers (and the step's outputs) slice from (None when
+        the result is not partial, a loop body returns it, its readers differ,
+        or a block would be uneven); the transposes, reshapes and casts it passes
+        on the way carry reduced layouts.
+      runs: how many times the node runs per step (loop trip counts).
+    """
+
+    required: tuple[TensorSpec | None, ...]
+    produced: tuple[TensorSpec | None, ...]
+    steps: tuple[ReshardPlan | tuple[TensorSpec, ...], ...]
+    fused: ReshardPlan | None
+    runs: int
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """The flattened traced program with the layouts propagation chose.
+
+    Attributes:
+      graph: the flattened program (call-like equations inlined).
+      values: constant value id → value.
+      specs: ``id(node)`` → its :class:`NodePins`.
+      out_tree: the output treedef (None when propagating a closed jaxpr
+        without one).
+    """
+
+    graph: Graph
+    values: dict[int, Any]
+    specs: dict[int, NodePins]
+    out_tree: Any
+
+
+#: Contractions whose sum-partial result the replay reduces itself (see NodePins).
+_FUSED_REDUCE = frozenset({"dot_general", "conv_general_dilated"})
+
+#: Ops a pending sum passes through unchanged in size: a contraction's partial
+#: result may be transposed or reshaped before its readers reduce it.
+_PARTIAL_PASS = frozenset(
+    {"transpose", "reshape", "convert_element_type", "copy", "squeeze", "expand_dims"}
+)
+
+_Readers = Mapping[int, list[tuple[Node | None, TensorSpec | None]]]
+
+
+def pins(
+    steps: list[Step], pricer: Pricer, graph: Graph, final_out: Sequence[TensorSpec | None]
+) -> dict[int, NodePins]:
+    """``id(node)`` → :class:`NodePins` for the top-level ``steps`` of ``graph``
+    and, recursively, their loop bodies; ``final_out`` are the layouts the
+    step's outputs leave in."""
+    returned: dict[int, TensorSpec | None] = {}
+    for v, s in zip(graph.outvars, final_out, strict=True):
+        returned[v] = None if v in returned else s  # returned twice: left alone
+    out: dict[int, NodePins] = {}
+    _node_pins(steps, pricer, returned, _body_outvars(graph), out, 1)
+    return out
+
+
+def _body_outvars(graph: Graph, out: set[int] | None = None) -> set[int]:
+    """Values that loop or branch bodies return (their layout is the loop's)."""
+    out = set() if out is None else out
+    for node in graph.all_nodes or graph.nodes:
+        for sub in node.subs:
+            out.update(sub.outvars)
+            _body_outvars(sub, out)
+    return out
+
+
+def _explicit_move(plan: ReshardPlan, mesh: MeshLike) -> bool:
+    """Whether the replay runs this reshard with its own collectives under
+    ``shard_map``: no partial layout on the way (a pending sum cannot cross a
+    shard_map boundary under Auto axes) and even blocks all the way."""
+    return all(not x.partial and x.is_even(mesh) for x in plan.specs)
+
+
+def _node_pins(
+    steps: list[Step],
+    pricer: Pricer,
+    returned: dict[int, TensorSpec | None],
+    blocked: set[int],
+    out: dict[int, NodePins],
+    runs: int,
+) -> None:
+    # value → (reading node, None for the step's output; the layout it wants)
+    readers: dict[int, list[tuple[Node | None, TensorSpec | None]]] = collections.defaultdict(list)
+    made: dict[int, TensorSpec | None] = {}
+    for v, r in returned.items():
+        readers[v].append((None, r))
+    for step in steps:
+        for v, r in zip(step.node.ins, step.required, strict=True):
+            readers[v].append((step.node, r))
+        made.update(zip(step.node.outs, step.outputs, strict=True))
+    settled: dict[int, tuple[TensorSpec, TensorSpec]] = {}  # reduced before they run
+    for step in steps:
+        node, req, outs = step.node, step.required, step.outputs
+        if id(node) in settled:
+            before, after = settled[id(node)]
+            out[id(node)] = NodePins((before,), (after,), ((),), None, runs)
+            continue
+        chains = tuple(
+            _moves(pricer, v, s, r) for v, s, r in zip(node.ins, step.given, req, strict=True)
+        )
+        fused = None
+        if (
+            node.prim in _FUSED_REDUCE
+            and len(outs) == 1
+            and outs[0] is not None
+            and outs[0].partial
+            and all(r is not None and not r.partial for r in req)
+            and node.outs[0] not in blocked
+        ):
+            fused, layouts = _fused_reduction(node, outs[0], req, pricer, readers, made, blocked)
+            settled.update(layouts)
+        out[id(node)] = NodePins(tuple(req), tuple(outs), chains, fused, runs)
+        if step.loop is not None:
+            _node_pins(step.loop.steps, pricer, {}, blocked, out, runs * step.loop.trips)
+
+
+def _moves(
+    pricer: Pricer, vid: int, src: TensorSpec | None, dst: TensorSpec | None
+) -> ReshardPlan | tuple[TensorSpec, ...]:
+    """How the replay moves an operand: the plan itself (run with its own
+    collectives), else its non-partial intermediate layouts (pinned in turn)."""
+    a = pricer.reshard("input", src, dst, vid) if src is not None and dst is not None else None
+    if a is not None and a.plan.collectives and _explicit_move(a.plan, pricer.mesh):
+        return a.plan
+    steps = a.plan.specs[1:-1] if a is not None and len(a.plan.collectives) > 1 else ()
+    return tuple(x for x in steps if not x.partial)
+
+
+def _coarsest(want: Sequence[TensorSpec | None]) -> TensorSpec | None:
+    """The one non-partial layout every reader's can be sliced from (no
+    communication), when there is one among them."""
+    if not want or any(w is None or w.partial for w in want):
+        return None
+    for t in want:
+        if all(
+            all(wd[: len(td)] == td for wd, td in zip(w.dims, t.dims, strict=True)) for w in want
+        ):
+            return t
+    return None
+
+
+def _partial_path(
+    node: Node,
+    spec: TensorSpec,
+    readers: _Readers,
+    made: Mapping[int, TensorSpec | None],
+    blocked: set[int],
+) -> tuple[int, list[tuple[Node, TensorSpec, TensorSpec]]]:
+    """The value a contraction's partial result reaches through single-reader
+    layout-only nodes (:data:`_PARTIAL_PASS`), and those nodes with their
+    (input, output) specs."""
+    v, passed = node.outs[0], []
+    while True:
+        nxt = readers.get(v, [])
+        n = nxt[0][0] if len(nxt) == 1 else None
+        if n is None or n.prim not in _PARTIAL_PASS:
+            break
+        s = made.get(n.outs[0]) if len(n.outs) == 1 and len(n.ins) == 1 else None
+        if s is None or s.partial != spec.partial or n.outs[0] in blocked:
+            break
+        passed.append((n, made[v], s))
+        v = n.outs[0]
+    return v, passed
+
+
+def _fused_reduction(
+    node: Node,
+    spec: TensorSpec,
+    req: Sequence[TensorSpec],
+    pricer: Pricer,
+    readers: _Readers,
+    made: Mapping[int, TensorSpec | None],
+    blocked: set[int],
+) -> tuple[ReshardPlan | None, dict[int, tuple[TensorSpec, TensorSpec]]]:
+    """The plan by which the replay reduces a contraction's sum-partial result
+    right where it is computed (None: leave it to XLA), and the layouts (input,
+    output) of the layout-only nodes the partial passes through on its way to
+    its readers, which then move reduced values.
+
+    The readers (or the step's output) must all want non-partial layouts that
+    slice (locally) from one of them, the layout it is reduced to. A partial may
+    pass transposes (the target is permuted back) and, when its readers keep its
+    layout (an all-reduce), reshapes and casts.
+    """
+    if any(op != "sum" for _, op in spec.partial):
+        return None, {}
+    v, passed = _partial_path(node, spec, readers, made, blocked)
+    target = _coarsest([r for _, r in readers.get(v, [])])
+    if target is None:
+        return None, {}
+    layouts: dict[int, tuple[TensorSpec, TensorSpec]] = {}
+    for n, before, after in reversed(passed):
+        if n.prim == "transpose":
+            dims: list[tuple[str, ...]] = [()] * len(target.dims)
+            for i, d in enumerate(n.eqn.params["permutation"]):
+                dims[d] = target.dims[i]
+            back = TensorSpec(before.shape, [d or None for d in dims], dtype=before.dtype)
+        elif target.dims == after.without_partial().dims:
+            back = before.without_partial()
+        else:
+            return None, {}
+        layouts[id(n)] = (back, target)
+        target = back
+    a = pricer.reshard("input", spec, target, node.outs[0])
+    # shard_map takes even blocks only
+    specs = (*req, *a.plan.specs, *(x for pair in layouts.values() for x in pair)) if a else ()
+    if a is None or not all(x.is_even(pricer.mesh) for x in specs):
+        return None, {}
+    return a.plan, layouts
