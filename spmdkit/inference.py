@@ -19,6 +19,7 @@ from spmdkit.errors import ShardingConflictError, SpecError
 from spmdkit.registry import generation, get_rule
 from spmdkit.rule import RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.util import freeze
 
 __all__ = [
     "ArgReshard",
@@ -128,17 +129,8 @@ def _freeze_attrs(attrs: Mapping[str, Any]) -> Any:
     try:
         hash(items)  # fast path: attribute values are already hashable
     except TypeError:
-        return _freeze(attrs)
+        return freeze(attrs)
     return items
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    hash(value)
-    return value
 
 
 def _check_specs(

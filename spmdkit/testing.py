@@ -47,11 +47,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import NoRuleError, RegistrationError, SpmdError
-from spmdkit.inference import _freeze, infer_forward, infer_grad
+from spmdkit.inference import infer_forward, infer_grad
 from spmdkit.mesh import auto_mesh
 from spmdkit.registry import get_rule, register_rule, unregister_rule
 from spmdkit.rule import Example, LocalContext, Rule, without_strategy
 from spmdkit.spec import REDUCE_OPS, TensorSpec, axis_sizes
+from spmdkit.util import freeze
 
 __all__ = [
     "CaseFailure",
@@ -370,9 +371,9 @@ def _local_key(
     """Cache key of a runner: a rule whose local computation depends on the case's
     specs gets one runner per case, the others one per attribute set."""
     if not rule.has_custom_local_fn:
-        return (rule, _freeze(without_strategy(attrs)), None, None)
+        return (rule, freeze(without_strategy(attrs)), None, None)
     outs = tuple(res.outputs if outputs is None else outputs)
-    return (rule, _freeze(dict(attrs)), tuple(res.inputs), outs)
+    return (rule, freeze(dict(attrs)), tuple(res.inputs), outs)
 
 
 def _local_fn(key: tuple, mesh: Mesh) -> Callable[..., Any]:

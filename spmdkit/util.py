@@ -1,4 +1,5 @@
-"""Small helpers every stage shares: formatting, FLOP counting, device peaks, tree paths.
+"""Small helpers every stage shares: formatting, FLOP counting, device peaks, tree paths,
+hashable attributes.
 
 One definition each, so that every table spmdkit prints uses the same units and
 every cost model counts a matmul the same way.
@@ -15,6 +16,7 @@ __all__ = [
     "contraction_flops",
     "fmt_bytes",
     "fmt_time",
+    "freeze",
     "path_str",
 ]
 
@@ -103,3 +105,23 @@ def path_str(keypath: tuple) -> str:
     while names and names[-1] in ("value", "raw_value"):
         names.pop()
     return "/".join(names)
+
+
+def freeze(value: Any) -> Any:
+    """``value`` as a hashable cache key: mappings become sorted ``(key, value)``
+    tuples and lists become tuples, recursively.
+
+    Raises:
+      TypeError: a leaf is not hashable (callers then skip their cache).
+
+    Example::
+
+        >>> freeze({"axis": [0, 1], "eps": 1e-6})
+        (('axis', (0, 1)), ('eps', 1e-06))
+    """
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    hash(value)
+    return value

@@ -31,11 +31,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpecError
-from spmdkit.inference import InferenceResult, _freeze, infer_forward
+from spmdkit.inference import InferenceResult, infer_forward
 from spmdkit.local import shard_program
 from spmdkit.registry import get_rule
 from spmdkit.resharding import reshard
 from spmdkit.spec import MeshLike, TensorSpec
+from spmdkit.util import freeze
 
 __all__ = ["apply_rule", "input_spec", "find_mesh"]
 
@@ -184,7 +185,7 @@ def apply_rule(
     if any(_is_tracer(x) for x in moved):
         outs = shard_program(rule, res, attrs, mesh)(*moved)
     else:  # eager call: one compiled program per layout, not one dispatch per primitive
-        outs = _jitted(rule, res, _freeze(attrs), mesh)(*moved)
+        outs = _jitted(rule, res, freeze(attrs), mesh)(*moved)
     out = outs[0] if len(outs) == 1 else tuple(outs)
     return (out, res) if return_result else out
 

@@ -37,7 +37,7 @@ from typing import TextIO
 
 from spmdkit.errors import SpmdError
 
-__all__ = ["LaunchError", "free_port", "initialize_from_env", "launch"]
+__all__ = ["LaunchError", "child_env", "free_port", "initialize_from_env", "launch"]
 
 ENV_COORDINATOR = "SPMDKIT_COORDINATOR"
 ENV_NUM_PROCESSES = "SPMDKIT_NUM_PROCESSES"
@@ -114,9 +114,30 @@ def initialize_from_env(*, required: bool = False) -> bool:
     return True
 
 
-def _child_env(
+def child_env(
     base: Mapping[str, str], *, coordinator: str, nproc: int, pid: int, ndev: int, heartbeat: int
 ) -> dict[str, str]:
+    """The environment of process ``pid`` of ``nproc``: what :func:`initialize_from_env` reads.
+
+    ``base`` plus the ``SPMDKIT_*`` variables, CPU as the platform, and ``ndev``
+    virtual devices (replacing any device count already in ``XLA_FLAGS``). Useful
+    to start the processes with another process manager than :func:`launch`.
+
+    Args:
+      base: the environment to start from.
+      coordinator: ``host:port`` of process 0's coordinator.
+      nproc: number of processes.
+      pid: this process's id, ``0 <= pid < nproc``.
+      ndev: virtual CPU devices of this process.
+      heartbeat: ``jax.distributed`` heartbeat timeout (s).
+
+    Example::
+
+        >>> env = child_env(os.environ, coordinator="127.0.0.1:1234", nproc=2, pid=1,
+        ...                 ndev=4, heartbeat=10)
+        >>> env["SPMDKIT_PROCESS_ID"], env["JAX_PLATFORMS"]
+        ('1', 'cpu')
+    """
     env = dict(base)
     flags = [
         f
@@ -203,7 +224,7 @@ def launch(
     base = dict(os.environ if env is None else env)
     procs: list[subprocess.Popen] = []
     for pid in range(nproc):
-        child_env = _child_env(
+        env_i = child_env(
             base,
             coordinator=coordinator,
             nproc=nproc,
@@ -211,30 +232,39 @@ def launch(
             ndev=devices_per_process,
             heartbeat=heartbeat_s,
         )
-        procs.append(subprocess.Popen(list(command), env=child_env))
-    deadline = None if timeout is None else time.monotonic() + timeout
+        procs.append(subprocess.Popen(list(command), env=env_i))
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                i, code = failed[0]
-                how = f"signal {-code}" if code < 0 else f"exit status {code}"
-                err.write(
-                    f"spmdkit launch: process {i} of {nproc} failed ({how}); "
-                    f"stopping the other processes\n"
-                )
-                err.flush()
-                _stop(procs, grace_s)
-                return 128 - code if code < 0 else code
-            if all(c == 0 for c in codes):
-                return 0
-            if deadline is not None and time.monotonic() > deadline:
-                err.write(f"spmdkit launch: timed out after {timeout} s; stopping all\n")
-                err.flush()
-                _stop(procs, grace_s)
-                return 124
-            time.sleep(0.05)
+        return _wait(procs, timeout, grace_s, err)
     except BaseException:
         _stop(procs, grace_s)
         raise
+
+
+def _wait(
+    procs: Sequence[subprocess.Popen], timeout: float | None, grace_s: float, err: TextIO
+) -> int:
+    """Poll until every process succeeded (0), one failed (its status, the others
+    stopped) or ``timeout`` passed (124, all stopped)."""
+    nproc = len(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i, code = failed[0]
+            how = f"signal {-code}" if code < 0 else f"exit status {code}"
+            err.write(
+                f"spmdkit launch: process {i} of {nproc} failed ({how}); "
+                f"stopping the other processes\n"
+            )
+            err.flush()
+            _stop(procs, grace_s)
+            return 128 - code if code < 0 else code
+        if all(c == 0 for c in codes):
+            return 0
+        if deadline is not None and time.monotonic() > deadline:
+            err.write(f"spmdkit launch: timed out after {timeout} s; stopping all\n")
+            err.flush()
+            _stop(procs, grace_s)
+            return 124
+        time.sleep(0.05)

@@ -22,6 +22,7 @@ from spmdkit.runtime.checkpoint import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     Manager,
+    checksums,
     mesh_metadata,
 )
 
@@ -271,8 +272,6 @@ def test_host_checksum_equals_the_device_checksum(mesh2d, dtype):
     # On CPU the checksum is computed from the shards in host memory; elsewhere on the
     # devices. Both must give the same number for every layout, or a checkpoint saved
     # on one platform would fail verification on the other.
-    from spmdkit.runtime.checkpoint import _checksum_jit, _host_checksums
-
     rng = np.random.default_rng(0)
     layouts = [
         ((8, 12), P("a", "b")),
@@ -292,8 +291,11 @@ def test_host_checksum_equals_the_device_checksum(mesh2d, dtype):
             (shape, spec): jax.device_put(data[shape], NamedSharding(mesh2d, spec))
             for shape, spec in layouts
         }
-        host = _host_checksums(flat)
-        device = {k: int(np.asarray(_checksum_jit(v))) for k, v in flat.items()}
+        host = checksums(flat, evaluator="host")
+        device = checksums(flat, evaluator="device")
+        assert checksums(flat) == host  # "auto" evaluates CPU arrays on the host
+        with pytest.raises(CheckpointError, match="evaluator"):
+            checksums(flat, evaluator="gpu")
     assert host == device
     # the same values under two layouts agree; different arrays differ
     assert host[((8, 12), P("a", "b"))] == host[((8, 12), P("b", None))]

@@ -16,7 +16,7 @@ from spmdkit.runtime.launch import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     LaunchError,
-    _child_env,
+    child_env,
     initialize_from_env,
     launch,
 )
@@ -161,7 +161,7 @@ def test_a_killed_process_stops_the_others_with_a_clear_error(tmp_path):
 
 
 def test_child_environment():
-    env = _child_env(
+    env = child_env(
         {"XLA_FLAGS": "--xla_force_host_platform_device_count=3 --foo"},
         coordinator="127.0.0.1:1234",
         nproc=2,
