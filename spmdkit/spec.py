@@ -178,7 +178,7 @@ class TensorSpec:
         if spec is None:
             entries: tuple[Any, ...] = ()
         elif isinstance(spec, P):
-            entries = tuple(spec)
+            entries = tuple(spec.partitions)
             for ax in spec.unreduced:
                 if ax in part and part[ax] != "sum":
                     raise PartialConflictError(
