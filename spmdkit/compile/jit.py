@@ -26,27 +26,35 @@ the step is traced, propagated with spmdkit's rules
 (:func:`spmdkit.propagation.propagate`), and compiled from a replay of its
 equations with every operand and result pinned to the propagated layout
 (:mod:`spmdkit.compile.enforce`). The compiled program then moves what the plan
-predicts (``plan.verify``); ``enforce=False`` leaves the choice to XLA.
+predicts (``plan.verify``, which runs :meth:`PlannedFunction.verify`:
+:mod:`spmdkit.verification.verify`); ``enforce=False`` leaves the choice to XLA.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.compile.enforce import enforced
 from spmdkit.errors import SpmdError
-from spmdkit.flax import path_str
-from spmdkit.planner import Plan, PlanError
+from spmdkit.planner.logical import PlanError
+from spmdkit.planner.plan import Plan
+from spmdkit.propagation import Propagation, propagate
+from spmdkit.util import path_str
+from spmdkit.verification.report import VerifyReport
+from spmdkit.verification.verify import verify_plan
 
-__all__ = ["PlannedFunction", "jit", "verify_plan"]
+__all__ = ["ROLES", "STATE_ROLES", "PlannedFunction", "infer_role", "jit"]
 
+#: Argument roles, each with its own shardings (module docstring).
 ROLES = ("params", "opt_state", "batch", "replicated")
+#: Roles that ``donate_state=True`` donates.
+STATE_ROLES = ("params", "opt_state")
 
 
 def _is_spec(x: Any) -> bool:
@@ -95,7 +103,7 @@ def _specs(plan: Plan, role: str, tree: Any, *, output: bool = False) -> Any:
     return jax.tree.map(lambda _: P(), tree)
 
 
-def _run_mesh(plan: Plan, mesh: Any, axis_types: str) -> Mesh:
+def _run_mesh(plan: Plan, mesh: Mesh | None, axis_types: str) -> Mesh:
     target = mesh if mesh is not None else plan.mesh
     if not isinstance(target, Mesh):
         raise PlanError(
@@ -117,12 +125,32 @@ def _run_mesh(plan: Plan, mesh: Any, axis_types: str) -> Mesh:
     return Mesh(target.devices, target.axis_names, axis_types=(kind,) * len(target.axis_names))
 
 
+class _Jitted(NamedTuple):
+    """One argument signature's ``jax.jit`` and the specs it was made with."""
+
+    jitted: Callable
+    in_specs: tuple
+    out_specs: Any
+    roles: tuple[str, ...]
+
+
 class PlannedFunction:
     """A step compiled with a plan (what :func:`jit` returns).
 
     Call it like the step. Attributes after the first call (or :meth:`shardings`):
     ``in_roles``, ``in_specs``, ``out_specs``. :meth:`lower` gives jax's
-    ``Lowered`` for reports; ``fn`` is the undecorated step.
+    ``Lowered`` for reports, :meth:`place` puts arguments where the plan wants
+    them, :meth:`verify` compares the compiled step with its prediction; ``fn`` is
+    the undecorated step.
+
+    Args:
+      fn: the step.
+      plan: the plan.
+      in_roles, out_roles, donate_argnums, mesh, axis_types, constrain, enforce:
+        as for :func:`jit`.
+      donate_state: also donate every argument whose role is ``params`` or
+        ``opt_state`` (:data:`STATE_ROLES`); :attr:`donate_argnums` includes them
+        once the roles are known (first call, :meth:`program` or :meth:`lower`).
     """
 
     def __init__(
@@ -133,10 +161,11 @@ class PlannedFunction:
         in_roles: Sequence[str | None] | None,
         out_roles: Sequence[str | None] | str | None,
         donate_argnums: Sequence[int],
-        mesh: Any,
+        mesh: Mesh | None,
         axis_types: str,
         constrain: bool,
         enforce: bool = True,
+        donate_state: bool = False,
     ) -> None:
         self.fn = fn
         self.plan = plan
@@ -145,13 +174,14 @@ class PlannedFunction:
         self._in_roles = None if in_roles is None else tuple(in_roles)
         self._out_roles = out_roles
         self.donate_argnums = tuple(donate_argnums)
+        self.donate_state = donate_state
         self.constrain = constrain
         self.enforce = enforce and axis_types == "auto"
-        self._compiled: dict[Any, tuple] = {}
-        self._programs: dict[Any, tuple] = {}
-        self._executables: dict[Any, Any] = {}
+        self._compiled: dict[Hashable, _Jitted] = {}
+        self._programs: dict[Hashable, tuple[Callable, Propagation]] = {}
+        self._executables: dict[Hashable, jax.stages.Compiled] = {}
         # pytree structure → (executable, (shape, dtype, sharding) of each placed leaf)
-        self._fast: dict[Any, tuple] = {}
+        self._fast: dict[Any, tuple[jax.stages.Compiled, tuple]] = {}
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -169,6 +199,14 @@ class PlannedFunction:
                 r or infer_role(self.plan, a) for r, a in zip(self._in_roles, args, strict=True)
             )
         return tuple(infer_role(self.plan, a) for a in args)
+
+    def _donation(self, roles: tuple[str, ...]) -> tuple[int, ...]:
+        """The donated arguments for these roles (with ``donate_state``, the state
+        arguments join :attr:`donate_argnums`)."""
+        if self.donate_state:
+            state = {i for i, r in enumerate(roles) if r in STATE_ROLES}
+            self.donate_argnums = tuple(sorted(set(self.donate_argnums) | state))
+        return self.donate_argnums
 
     def shardings(self, *args: Any) -> tuple[tuple, Any, tuple[str, ...]]:
         """``(in_specs, out_specs, in_roles)`` for these arguments (abstract ones suffice)."""
@@ -197,7 +235,7 @@ class PlannedFunction:
             return tuple(specs_of(o, r) for o, r in zip(out, roles, strict=True))
         return specs_of(out, roles if isinstance(roles, str) else None)
 
-    def _constraint(self, x: Any, spec: P) -> Any:
+    def _constraint(self, x: jax.Array, spec: P) -> jax.Array:
         sharding = NamedSharding(self.mesh, spec)
         if self.axis_types == "explicit":
             return jax.sharding.reshard(x, sharding)
@@ -221,12 +259,13 @@ class PlannedFunction:
     def _named(self, specs: Any) -> Any:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
 
-    def _key(self, args: tuple) -> Any:
+    def _key(self, args: tuple) -> Hashable:
         return jax.tree.structure(args), tuple(
             (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(args)
         )
 
-    def program(self, *args: Any) -> tuple[Callable, Any]:
+    # -- programs and executables --------------------------------------------------------
+    def program(self, *args: Any) -> tuple[Callable, Propagation]:
         """``(body, propagation)`` for these (abstract or concrete) arguments: the
         function that is compiled and the :class:`~spmdkit.propagation.Propagation`
         of the step (the body is pinned to it unless ``enforce=False`` or the axes
@@ -237,77 +276,98 @@ class PlannedFunction:
             with jax.set_mesh(self.mesh):
                 in_specs, out_specs, roles = self.shardings(*args)
             body = self._body(roles, in_specs)
-            prop = self._propagate(body, args, in_specs, out_specs, roles)
-            if self.enforce:
-                from spmdkit.compile.enforce import enforced
-
-                body = enforced(prop)
-            hit = (body, prop)
+            prop = propagate(
+                body,
+                *args,
+                in_specs=in_specs,
+                mesh=self.mesh,
+                out_specs=out_specs,
+                donate_argnums=self._donation(roles),
+                arg_roles=tuple(r if r in (*STATE_ROLES, "batch") else "other" for r in roles),
+            )
+            hit = (enforced(prop) if self.enforce else body, prop)
             self._programs[key] = hit
         return hit
 
-    def _propagate(self, body: Callable, args: tuple, in_specs: Any, out_specs: Any, roles):
-        from spmdkit.propagation import propagate
-
-        role_map = {"params": "params", "opt_state": "opt_state", "batch": "batch"}
-        return propagate(
-            body,
-            *args,
-            in_specs=in_specs,
-            mesh=self.mesh,
-            out_specs=out_specs,
-            donate_argnums=self.donate_argnums,
-            arg_roles=tuple(role_map.get(r, "other") for r in roles),
-        )
-
-    def _get(self, args: tuple) -> tuple:
+    def _jitted(self, args: tuple) -> _Jitted:
         key = self._key(args)
         hit = self._compiled.get(key)
         if hit is None:
             with jax.set_mesh(self.mesh):
                 in_specs, out_specs, roles = self.shardings(*args)
+            donate = self._donation(roles)
             body = self.program(*args)[0] if self.enforce else self._body(roles, in_specs)
             with jax.set_mesh(self.mesh):
                 jitted = jax.jit(
                     body,
                     in_shardings=self._named(in_specs),
                     out_shardings=self._named(out_specs),
-                    donate_argnums=self.donate_argnums,
+                    donate_argnums=donate,
                 )
-            hit = (jitted, in_specs, out_specs, roles)
+            hit = _Jitted(jitted, in_specs, out_specs, roles)
             self._compiled[key] = hit
         return hit
 
     @property
-    def in_specs(self) -> Any:
+    def in_specs(self) -> tuple | None:
         """In specs of the most recent compilation (None before the first call)."""
-        return next(reversed(self._compiled.values()))[1] if self._compiled else None
+        return next(reversed(self._compiled.values())).in_specs if self._compiled else None
 
     @property
     def out_specs(self) -> Any:
         """Out specs of the most recent compilation (None before the first call)."""
-        return next(reversed(self._compiled.values()))[2] if self._compiled else None
+        return next(reversed(self._compiled.values())).out_specs if self._compiled else None
 
     def jitted(self, *args: Any) -> Callable:
         """The underlying ``jax.jit`` object for these argument shapes."""
-        return self._get(args)[0]
+        return self._jitted(args).jitted
 
-    def lower(self, *args: Any) -> Any:
+    def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for these (concrete or abstract) arguments."""
-        jitted = self._get(args)[0]
+        jitted = self._jitted(args).jitted
         with jax.set_mesh(self.mesh):
             return jitted.lower(*args)
 
-    def compile(self, *args: Any) -> Any:
+    def compile(self, *args: Any) -> jax.stages.Compiled:
         """The ``jax.stages.Compiled`` executable for these (concrete or abstract)
         arguments, compiled once: calls of this function run it, and
-        :func:`verify_plan` reads its HLO and memory, so checking a step never
+        :meth:`verify` reads its HLO and memory, so checking a step never
         compiles it a second time."""
         key = self._key(args)
         hit = self._executables.get(key)
         if hit is None:
             hit = self._executables[key] = self.lower(*args).compile()
         return hit
+
+    def verify(self, *args: Any, bytes_tol: float = 0.1, mem_tol: float = 0.2) -> VerifyReport:
+        """Predicted vs compiled collectives and memory of this step for ``args``
+        (:func:`spmdkit.verification.verify_plan`; what ``plan.verify(step, ...)``
+        runs).
+
+        Example::
+
+            >>> step = sk.jit(jax.value_and_grad(loss), plan)
+            >>> step.verify(params, batch).ok
+            True
+        """
+        return verify_plan(self.plan, self, *args, bytes_tol=bytes_tol, mem_tol=mem_tol)
+
+    # -- calls -------------------------------------------------------------------------
+    def place(self, *args: Any) -> tuple:
+        """The arguments where the plan puts them: every leaf on the
+        ``NamedSharding`` of its in spec (:meth:`shardings`) on :attr:`mesh`; leaves
+        already placed so are kept, others (numpy arrays, other layouts) are
+        ``jax.device_put``.
+
+        Example::
+
+            >>> params, batch = step.place(params, numpy_batch)
+        """
+        in_specs = self._jitted(args).in_specs
+        return tuple(
+            jax.tree.map(self._place, a, specs, is_leaf=lambda x: x is None)
+            for a, specs in zip(args, in_specs, strict=True)
+        )
 
     def __call__(self, *args: Any) -> Any:
         leaves, tree = jax.tree.flatten(args)
@@ -317,10 +377,7 @@ class PlannedFunction:
             # them (the previous step's outputs), so no spec lookup or placement
             with jax.set_mesh(self.mesh):
                 return fast[0](*args)
-        _, in_specs, _, _ = self._get(args)
-        placed = []
-        for a, specs in zip(args, in_specs, strict=True):
-            placed.append(jax.tree.map(self._place, a, specs, is_leaf=lambda x: x is None))
+        placed = self.place(*args)
         executable = self.compile(*placed)
         self._fast[tree] = (
             executable,
@@ -362,11 +419,11 @@ def jit(
     out_roles: Sequence[str | None] | str | None = None,
     donate_argnums: Sequence[int] = (),
     donate_state: bool = False,
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     axis_types: str = "auto",
     constrain: bool = True,
     enforce: bool = True,
-) -> Any:
+) -> PlannedFunction | Callable[[Callable], PlannedFunction]:
     """``jax.jit`` with the plan's in/out shardings, donation and batch constraints.
 
     Args:
@@ -403,7 +460,7 @@ def jit(
         )
 
     def wrap(f: Callable) -> PlannedFunction:
-        planned = PlannedFunction(
+        return PlannedFunction(
             f,
             plan,
             in_roles=in_roles,
@@ -413,108 +470,7 @@ def jit(
             axis_types=axis_types,
             constrain=constrain,
             enforce=enforce,
+            donate_state=donate_state,
         )
-        if donate_state:
-            planned._donate_state = True
-            original = planned._get
-
-            def get_with_donation(args: tuple) -> tuple:
-                if planned._key(args) not in planned._compiled:
-                    roles = planned._roles(args)
-                    extra = tuple(i for i, r in enumerate(roles) if r in ("params", "opt_state"))
-                    planned.donate_argnums = tuple(sorted(set(planned.donate_argnums) | set(extra)))
-                return original(args)
-
-            planned._get = get_with_donation  # type: ignore[method-assign]
-        return planned
 
     return wrap if fn is None else wrap(fn)
-
-
-def verify_plan(
-    plan: Plan, fn: Any, *args: Any, bytes_tol: float = 0.1, mem_tol: float = 0.2
-) -> Any:
-    """Propagate the plan through ``fn`` and compare with its compiled HLO.
-
-    ``fn`` is a :class:`PlannedFunction` (from :func:`jit`) or a plain step (then
-    compiled with :func:`jit` on the plan). Uses ``spmdkit.propagation.propagate``,
-    ``spmdkit.verification.report.report`` and ``spmdkit.verification.report.verify``.
-
-    Returns:
-      The ``VerifyReport`` (``.ok``, ``.mismatches``).
-    """
-    from spmdkit.verification.report import report, verify
-
-    planned = fn if isinstance(fn, PlannedFunction) else jit(fn, plan)
-    _, prop = planned.program(*args)
-    if _platform(planned.mesh) == "cpu":
-        prop = _as_on_cpu(prop)
-    compiled = report(planned.compile(*args))
-    return verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
-
-
-def _platform(mesh: Any) -> str | None:
-    devices = getattr(mesh, "devices", None)
-    try:
-        return devices.flat[0].platform
-    except (AttributeError, IndexError):
-        return None
-
-
-def _as_on_cpu(prop: Any) -> Any:
-    """The prediction as XLA's CPU backend emits it.
-
-    A reduce-scatter that XLA's partitioner makes becomes an all-reduce of the
-    same operand followed by a local slice. When one reshard reduce-scatters over
-    several axes in turn (partial over ``data`` and ``model`` into dims tiled by
-    both), the slices all come after the last all-reduce, so every stage
-    all-reduces the whole block the first stage had, not the shrinking block the
-    plan's staged scatters send. The same holds for a reduce-scatter followed by
-    an all-reduce of a value made by an op XLA reduces in place (a scatter-add's
-    table gradient); after other ops it slices between the two. Reductions the
-    enforced program runs itself (``Program.specs``' fused plans,
-    ``psum_scatter`` under ``shard_map``) stay reduce-scatters.
-    """
-    kinds = dict(prop.comm_bytes_by_kind)
-    moved = kinds.pop("reduce_scatter", 0)
-    if not moved:
-        return prop
-    extra = _unsliced(prop.records)
-    kept = 0
-    program = getattr(prop, "program", None)
-    for entry in program.specs.values() if program is not None else ():
-        plan, runs = entry[3], entry[4]
-        if plan is not None:
-            rs = [c.payload_bytes for c in plan.collectives if c.kind == "reduce_scatter"]
-            kept += runs * sum(rs)
-            extra -= runs * _unsliced_plan(plan)
-    kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved - kept + extra
-    if kept:
-        kinds["reduce_scatter"] = kept
-    return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())))
-
-
-def _unsliced_plan(plan: Any, in_place: bool = False) -> int:
-    """Bytes the unsliced stages of one plan's staged reductions add: further
-    reduce-scatters after a reduce-scatter, and all-reduces too when the value's
-    producer reduces in place (``ArgReshard.in_place``)."""
-    extra, first = 0, None
-    later = ("reduce_scatter", "all_reduce") if in_place else ("reduce_scatter",)
-    for c in plan.collectives:
-        if first is not None and c.kind in later:
-            extra += first - c.payload_bytes
-        elif c.kind == "reduce_scatter":
-            first = c.payload_bytes
-        else:
-            first = None
-    return extra
-
-
-def _unsliced(records: Any, repeat: int = 1) -> int:
-    """:func:`_unsliced_plan` over every reshard of ``records`` (loops repeated)."""
-    extra = 0
-    for r in records:
-        extra += repeat * sum(_unsliced_plan(a.plan, a.in_place) for a in r.reshards)
-        if r.body:
-            extra += _unsliced(r.body, repeat * r.repeat)
-    return extra

@@ -2,7 +2,7 @@
 
 ``describe`` reads a model's parameters, logical axis names and loss without
 allocating anything (it never imports the planner); ``annotate`` places
-parameters with a plan's shardings.
+parameters with a plan's shardings (``init_sharded``, ``shard``).
 """
 
 from spmdkit.flax.describe import (
@@ -10,9 +10,22 @@ from spmdkit.flax.describe import (
     ModelInfo,
     ParamInfo,
     describe,
-    init_sharded,
     path_str,
-    shard,
+    variable_names,
+    variable_value,
 )
 
-__all__ = ["ModelError", "ModelInfo", "ParamInfo", "describe", "init_sharded", "path_str", "shard"]
+# After ``describe``: ``annotate`` imports the planner, which imports ``describe``.
+from spmdkit.flax.annotate import init_sharded, shard  # isort: skip
+
+__all__ = [
+    "ModelError",
+    "ModelInfo",
+    "ParamInfo",
+    "describe",
+    "init_sharded",
+    "path_str",
+    "shard",
+    "variable_names",
+    "variable_value",
+]

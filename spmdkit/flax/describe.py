@@ -1,4 +1,4 @@
-"""Flax integration: read logical axis names off a model, build it abstractly, build it sharded.
+"""Describe a flax model abstractly: its parameters, their logical axis names, its loss and batch.
 
 A planner needs four things from a model, and nothing else: the parameters' paths,
 shapes and dtypes; the logical axis names of each parameter dim (flax metadata);
@@ -20,37 +20,38 @@ into NNX keep their box type in ``linen_meta_type``. A parameter with no names i
 treats it like any other.
 
 Nothing here materialises a model on one device: shapes come from
-``nnx.eval_shape`` / ``jax.eval_shape``, and :func:`init_sharded` runs the model's
-initialisers inside ``jax.jit`` with ``out_shardings`` from a plan ("born
-sharded"). :func:`shard` makes a module class do that on construction.
+``nnx.eval_shape`` / ``jax.eval_shape``. Creating the parameters sharded is
+:mod:`spmdkit.flax.annotate`'s job; this module never imports the planner (the
+planner imports it).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdError
-from spmdkit.mesh import auto_mesh
 from spmdkit.util import path_str
 
 __all__ = [
+    "ModelError",
     "ModelInfo",
     "ParamInfo",
     "describe",
-    "init_sharded",
     "path_str",
-    "shard",
+    "variable_names",
+    "variable_value",
 ]
+
+
+T = TypeVar("T")
 
 
 class ModelError(SpmdError, TypeError):
@@ -118,20 +119,41 @@ class ModelInfo:
     kind: str = "nnx"
     merge: Callable[[Any], Any] | None = None
     name: str = "model"
-    _cache: dict = field(default_factory=dict, repr=False)
+    _memo: dict[Hashable, object] = field(default_factory=dict, repr=False, compare=False)
 
     def by_path(self) -> dict[str, ParamInfo]:
         """Path → ParamInfo."""
         return {p.path: p for p in self.params}
 
+    def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, run once per model and key; later calls with the same key
+        return the first result.
 
-# -- paths -----------------------------------------------------------------------
+        Facts derived from a model that later stages need once per model (the
+        planner's abstract trace of the train step, the train step itself) are kept
+        on its ModelInfo, so planning one model for many meshes or strategies
+        traces it once. A caller namespaces its keys (``("planner.trace",
+        id(optimizer))``); the memo lives as long as the ModelInfo.
+
+        Example::
+
+            >>> info.memo(("mine", "flops"), lambda: count_flops(info))
+            1.2e9
+            >>> info.memo(("mine", "flops"), lambda: 0.0)  # not recomputed
+            1.2e9
+        """
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return cast(T, self._memo[key])
 
 
 # -- metadata --------------------------------------------------------------------
 
 
-def _nnx_names(var: nnx.Variable) -> tuple[tuple | None, P | None]:
+def variable_names(var: nnx.Variable) -> tuple[tuple[str | None, ...] | None, P | None]:
+    """``(logical names, pinned spec)`` of an NNX variable from its sharding
+    metadata: names of a linen ``Partitioned`` box are mesh axes (pinned), other
+    names are logical; ``(None, None)`` without names."""
     meta = var.get_metadata()
     names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
     if not names:
@@ -143,7 +165,8 @@ def _nnx_names(var: nnx.Variable) -> tuple[tuple | None, P | None]:
     return names, None
 
 
-def _leaf_value(v: Any) -> Any:
+def variable_value(v: nnx.Variable | jax.Array | jax.ShapeDtypeStruct) -> Any:
+    """The value of an NNX variable (anything else as is)."""
     return v.get_value() if isinstance(v, nnx.Variable) else v
 
 
@@ -153,8 +176,8 @@ def _params_from_nnx_state(state: Any) -> list[ParamInfo]:
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )[0]
     for keypath, var in leaves:
-        value = _leaf_value(var)
-        logical, pinned = _nnx_names(var) if isinstance(var, nnx.Variable) else (None, None)
+        value = variable_value(var)
+        logical, pinned = variable_names(var) if isinstance(var, nnx.Variable) else (None, None)
         out.append(
             ParamInfo(
                 path_str(keypath),
@@ -389,144 +412,3 @@ def _describe_linen(
         kind="linen",
         name=type(module).__name__,
     )
-
-
-# -- born sharded ----------------------------------------------------------------
-
-
-def init_sharded(info_or_model: Any, plan: Any, **describe_kwargs: Any) -> Any:
-    """Initialise a model's params directly into the plan's shardings.
-
-    The initialisers run inside ``jax.jit`` with ``out_shardings`` from the plan,
-    so no device ever holds a whole parameter the plan shards.
-
-    Args:
-      info_or_model: a :class:`ModelInfo`, or anything :func:`describe` accepts.
-      plan: a :class:`spmdkit.planner.Plan` whose mesh has devices.
-      **describe_kwargs: passed to :func:`describe` when a model is given.
-
-    Returns:
-      The params pytree (NNX ``State`` or linen dict) of sharded ``jax.Array``.
-
-    Example::
-
-        >>> params = init_sharded(spec, plan, config="tiny")
-        >>> params["embed"]["embedding"].sharding.spec
-        PartitionSpec('model', None)
-    """
-    info = describe(info_or_model, **describe_kwargs)
-    if info.init_fn is None:
-        raise ModelError(
-            op="init_sharded",
-            must="the model can be re-initialised (an init function or a model spec)",
-            given="a module instance",
-            fix="pass lambda: MyModule(..., rngs=nnx.Rngs(0)) instead of the instance, "
-            "or jax.device_put(state, plan.param_shardings(state))",
-        )
-    shardings = plan.param_shardings(info.abstract_params)
-    return jax.jit(info.init_fn, out_shardings=shardings)()
-
-
-def shard(plan_or_rules: Any, *, mesh: Any = None) -> Callable[[type], type]:
-    """Class decorator: instances of the decorated NNX module are created sharded.
-
-    Construction runs the module's ``__init__`` inside ``jax.jit`` whose
-    ``out_shardings`` come from the plan (or from a logical-rule table resolved on
-    ``mesh``), then merges the sharded state back into a module. Instances are
-    instances of the decorated class.
-
-    Args:
-      plan_or_rules: a :class:`spmdkit.planner.Plan`, a preset name (``"fsdp"``), or a
-        logical-rule table (``LogicalRules`` or ``[("embed", "data"), ...]``).
-      mesh: the device mesh (default: the plan's mesh).
-
-    Example::
-
-        >>> @shard("fsdp", mesh=mesh)
-        ... class MLP(nnx.Module): ...
-        >>> MLP(rngs=nnx.Rngs(0)).w1.kernel.sharding.spec
-        PartitionSpec('data', None)
-    """
-    from spmdkit.planner import LogicalRules, Plan, preset_rules
-
-    if isinstance(plan_or_rules, Plan):
-        target_mesh = mesh if mesh is not None else plan_or_rules.mesh
-    elif mesh is None:
-        raise ModelError(
-            op="shard",
-            must="a mesh is given with a preset name or a rule table",
-            given=f"{plan_or_rules!r} and no mesh",
-            fix="write @sk.shard('fsdp', mesh=mesh) or @sk.shard(plan)",
-        )
-    else:
-        target_mesh = mesh
-
-    def rules_for() -> LogicalRules | None:
-        if isinstance(plan_or_rules, Plan):
-            return plan_or_rules.rules
-        if isinstance(plan_or_rules, str):
-            return preset_rules(plan_or_rules, target_mesh)
-        return LogicalRules.coerce(plan_or_rules)
-
-    def decorate(cls: type) -> type:
-        meta = type(cls)
-
-        class _ShardedMeta(meta):
-            def __call__(self, *args: Any, **kwargs: Any) -> Any:
-                # Graph nodes among the arguments (nnx.Rngs) must enter the traces as
-                # arguments of nnx transforms, not as closures.
-                def build(*a: Any, **k: Any) -> Any:
-                    with nnx.use_eager_sharding(False):
-                        return meta.__call__(self, *a, **k)
-
-                abstract = nnx.eval_shape(build, *args, **kwargs)
-                graphdef, state = nnx.split(abstract)
-                specs = _specs_for_state(state, plan_or_rules, rules_for(), target_mesh)
-                smesh = auto_mesh(target_mesh)
-                shardings = jax.tree.map(
-                    lambda s: NamedSharding(smesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-                )
-
-                def init(*a: Any, **k: Any) -> Any:
-                    return nnx.split(build(*a, **k))[1]
-
-                sharded_state = nnx.jit(init, out_shardings=shardings)(*args, **kwargs)
-                return nnx.merge(graphdef, sharded_state)
-
-        sharded = _ShardedMeta(
-            cls.__name__,
-            (cls,),
-            {
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-                "__doc__": cls.__doc__,
-            },
-        )
-        functools.update_wrapper(sharded, cls, assigned=(), updated=())
-        return sharded
-
-    return decorate
-
-
-def _specs_for_state(state: Any, plan: Any, rules: Any, mesh: Any) -> Any:
-    """PartitionSpec per leaf of an abstract NNX state (Variables keep their structure)."""
-    from spmdkit.planner import Plan
-
-    def spec_of(keypath: tuple, var: Any) -> P:
-        value = _leaf_value(var)
-        path = path_str(keypath)
-        if isinstance(plan, Plan) and path in plan.params:
-            return plan.params[path]
-        if not isinstance(var, nnx.Param):
-            return P()
-        logical, pinned = _nnx_names(var)
-        if pinned is not None:
-            return pinned
-        if rules is None:
-            return P()
-        return rules.resolve(logical, tuple(value.shape), mesh, where=path)
-
-    specs = jax.tree_util.tree_map_with_path(
-        spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-    return specs

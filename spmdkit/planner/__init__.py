@@ -4,21 +4,28 @@ Stage 3 of the pipeline (trace → propagate → **plan** → enforce/compile �
 → run). :func:`plan` turns a described model and a mesh into a :class:`Plan`:
 specs for every parameter, optimizer state and activation boundary, with its
 estimated :class:`Cost`.
+
+Modules: ``logical`` (rule tables, presets, axis roles), ``plan`` (``Plan`` and
+``Cost`` as plain data: shardings, JSON, the printed table), ``analytic`` (the
+per-parameter cost model), ``search`` (one trace per model, the candidates, the
+search, :func:`plan`).
 """
 
-from spmdkit.planner.plan import (
+from spmdkit.planner.logical import (
     BATCH_NAMES,
     PARAM_NAMES,
     PRESETS,
-    Cost,
     LogicalRules,
-    Plan,
     PlanError,
     UnknownLogicalAxisError,
     axis_roles,
-    plan,
     preset_rules,
 )
+from spmdkit.planner.plan import Cost, Plan, PlannedStep
+
+# ``plan`` the function, imported after the module ``plan`` (importing a module
+# sets the package attribute of its name; the function must win).
+from spmdkit.planner.search import plan  # isort: skip
 
 __all__ = [
     "BATCH_NAMES",
@@ -28,6 +35,7 @@ __all__ = [
     "LogicalRules",
     "Plan",
     "PlanError",
+    "PlannedStep",
     "UnknownLogicalAxisError",
     "axis_roles",
     "plan",

@@ -99,18 +99,14 @@ def test_placed_arguments_take_the_fast_path(info, monkeypatch):
     params = init_sharded(info, p)
     step = jit(jax.value_and_grad(info.loss_fn), p)
     loss, _ = step(params, toy_batch())  # numpy batch: placed on the full path
-    _, in_specs, _, _ = step._get((params, toy_batch()))
-    batch = jax.tree.map(
-        lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(step.mesh, s)),
-        toy_batch(),
-        in_specs[1],
-    )
+    _, batch = step.place(params, toy_batch())
+    assert batch["tokens"].sharding.spec == step.in_specs[1]["tokens"]
     step(params, batch)  # records the placed layouts
 
     calls = []
-    real_get = type(step)._get
+    real_place = type(step).place
     monkeypatch.setattr(
-        type(step), "_get", lambda self, args: calls.append(1) or real_get(self, args)
+        type(step), "place", lambda self, *args: calls.append(1) or real_place(self, *args)
     )
     again, _ = step(params, batch)
     assert calls == [] and float(again) == float(loss)
@@ -140,6 +136,32 @@ def test_verify_compares_prediction_with_compiled(info):
     _, predicted, compiled, ok = rows["collectives total"]
     assert compiled > 0 and abs(predicted - compiled) <= 0.1 * compiled
     assert ok
+
+
+def test_verify_needs_a_step_compiled_for_the_plan(info):
+    """plan.verify reads the executable sk.jit made; a plain function is refused
+    with the fix, not compiled behind the caller's back."""
+    p = plan(info, sk.make_mesh(data=8), "dp", estimator="analytic")
+    with pytest.raises(sk.PlanError, match=r"wrap with sk\.jit\(step, plan\)"):
+        p.verify(jax.value_and_grad(info.loss_fn), info.abstract_params, toy_batch())
+
+
+def test_donate_state_is_a_constructor_option(info):
+    p = plan(info, sk.make_mesh(data=2, model=4), "fsdp", estimator="analytic")
+    step = sk.PlannedFunction(
+        jax.value_and_grad(info.loss_fn),
+        p,
+        in_roles=None,
+        out_roles=None,
+        donate_argnums=(),
+        mesh=None,
+        axis_types="auto",
+        constrain=True,
+        donate_state=True,
+    )
+    assert step.donate_argnums == ()  # roles are known once the arguments are
+    step.lower(info.abstract_params, toy_batch())
+    assert step.donate_argnums == (0,)  # params donated, the batch not
 
 
 @pytest.mark.parametrize(
@@ -215,22 +237,9 @@ def test_auto_compiled_collectives_at_most_best_preset(info):
     def compiled_bytes(strategy):
         estimator = "propagate" if strategy == "auto" else "analytic"  # preset layouts are fixed
         p = plan(info, mesh, strategy, estimator=estimator)
-        planned = jit(jax.value_and_grad(info.loss_fn), p)
-        args = (info.abstract_params, batch)
-        _, in_specs, out_specs, roles = planned._get(args)
-        args = jax.tree.map(
-            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-            args,
-            planned._named(in_specs),
-        )
-        with jax.set_mesh(planned.mesh):
-            rep = report(
-                planned._body(roles, in_specs),
-                *args,
-                in_shardings=planned._named(in_specs),
-                out_shardings=planned._named(out_specs),
-            )
-        return rep.comm_bytes
+        # enforce=False: the step as written, with the plan's in/out shardings, left to XLA
+        planned = jit(jax.value_and_grad(info.loss_fn), p, enforce=False)
+        return report(planned.compile(info.abstract_params, batch)).comm_bytes
 
     best = min(compiled_bytes(s) for s in PRESETS if s != "ep")
     assert compiled_bytes("auto") <= 1.1 * best

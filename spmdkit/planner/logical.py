@@ -1,0 +1,373 @@
+"""Logical-axis rules and presets: which mesh axes each logical dim name maps to.
+
+Logical-axis rules
+------------------
+Models name dims logically (``"embed"``, ``"mlp"``, ``"heads"``); a
+:class:`LogicalRules` table maps names to mesh axes. Entries are ordered
+fallbacks, as in flax/MaxText tables: for each dim, the first entry for its name
+whose mesh axes are all still free in that array *and* divide the dim wins; an
+entry of ``None`` means replicated; if no entry fits, the dim is replicated. A
+name with no entry at all raises :class:`UnknownLogicalAxisError` (flax's
+``logical_to_mesh_sharding`` silently replicates it instead).
+
+Presets and axis roles
+----------------------
+Presets are rule tables over four *roles*: ``data`` (batch), ``fsdp`` (parameter
+sharding that also splits the batch), ``model`` (tensor parallel) and ``expert``.
+Mesh axes are given roles by name when they are named ``data``/``dp``/``batch``,
+``fsdp``, ``model``/``tensor``/``tp``, ``expert``/``ep`` (a missing ``fsdp`` role
+falls back to the data axes, a missing ``expert`` role to the model axes, else the
+last axis; a missing ``model`` role stays empty, so ``megatron`` on a mesh with only
+a ``data`` axis is data parallel). When no axis has such a name, roles go by
+position: one axis plays every role; two axes are ``(data=fsdp, model=expert)``;
+three or more are ``(data, fsdp..., model=expert)``.
+
+======== ===================================================================
+preset   layout
+======== ===================================================================
+dp       batch over every axis; params, grads, optimizer state replicated
+fsdp     batch over every axis; every param sharded over every axis (ZeRO-3)
+zero1    as dp, but optimizer state sharded as in fsdp
+megatron batch over data axes; column/row-parallel attention and MLP, vocab-
+         parallel embedding and head over the model axes (Megatron-LM TP)
+megatron_sp  megatron plus the sequence dim of activations over the model axes
+tp_fsdp  megatron over the model axes + fsdp (embed dim) over the data axes
+ep       batch over every axis; experts over the expert axes
+======== ===================================================================
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.errors import SpmdError
+from spmdkit.spec import MeshLike, axis_sizes
+
+__all__ = [
+    "BATCH_NAMES",
+    "PARAM_NAMES",
+    "PRESETS",
+    "AxesLike",
+    "Entry",
+    "LogicalRules",
+    "PlanError",
+    "RulesLike",
+    "UnknownLogicalAxisError",
+    "axis_roles",
+    "preset_rules",
+]
+
+#: Logical names of parameter dims that every preset table covers.
+PARAM_NAMES = (
+    "vocab",
+    "embed",
+    "mlp",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "expert",
+    "layers",
+    "norm",
+    "pos",
+    "conv_window",
+    "conv_in",
+    "conv_out",
+    "classes",
+)
+#: Logical names of batch / activation dims that every preset table covers.
+BATCH_NAMES = ("batch", "seq", "height", "width", "channels")
+
+#: Preset strategies, in the order the planner tries them.
+PRESETS = ("dp", "fsdp", "zero1", "megatron", "megatron_sp", "tp_fsdp", "ep")
+
+
+class PlanError(SpmdError, ValueError):
+    """A plan cannot be built or applied as asked.
+
+    Broken example: ``sk.plan(spec, mesh, strategy="fdsp")`` (unknown preset).
+    """
+
+
+class UnknownLogicalAxisError(PlanError, LookupError):
+    """A logical axis name has no entry in the rule table.
+
+    Broken example: a param named ``("embed", "hidden")`` planned with a table that
+    has no ``"hidden"`` entry; the plan refuses instead of replicating it.
+    """
+
+
+#: One rule entry's mesh axes: a tuple of axis names, or None (replicated).
+Entry = tuple[str, ...] | None
+#: Mesh axes as a rule table may give them: one axis, several, or None.
+AxesLike = str | Sequence[str] | None
+#: What :meth:`LogicalRules.coerce` accepts: a table, ``(name, axes)`` pairs, or a
+#: mapping name → axes (or a list of fallback axes).
+RulesLike = Union[
+    "LogicalRules",
+    Mapping[str, "AxesLike | list[AxesLike]"],
+    Iterable[tuple[str, AxesLike]],
+]
+
+
+def _axes(value: AxesLike) -> Entry:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class LogicalRules:
+    """An ordered logical-name → mesh-axes table with fallbacks (module docstring).
+
+    Args:
+      entries: ``(logical name, mesh axes)`` pairs, in priority order; mesh axes are
+        an axis name, a tuple of names (one dim over several axes), or None
+        (replicated). A name may repeat: later entries are fallbacks.
+
+    Example::
+
+        >>> rules = LogicalRules((("embed", "fsdp"), ("mlp", "model"), ("mlp", None)))
+        >>> rules.resolve(("embed", "mlp"), (64, 256), abstract_mesh(fsdp=2, model=4))
+        PartitionSpec('fsdp', 'model')
+    """
+
+    entries: tuple[tuple[str, Entry], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "entries", tuple((str(k), _axes(v)) for k, v in self.entries))
+
+    @classmethod
+    def coerce(cls, value: RulesLike) -> LogicalRules:
+        """Accept a LogicalRules, a list of pairs, or a mapping name → axes (or list of)."""
+        if isinstance(value, LogicalRules):
+            return value
+        if isinstance(value, Mapping):
+            pairs: list[tuple[str, AxesLike]] = []
+            for k, v in value.items():
+                if isinstance(v, list):
+                    pairs.extend((k, e) for e in v)
+                else:
+                    pairs.append((k, v))
+            return cls(tuple(pairs))
+        if isinstance(value, Iterable) and not isinstance(value, str):
+            return cls(tuple((k, v) for k, v in value))
+        raise PlanError(
+            op="LogicalRules",
+            must="rules are a LogicalRules, pairs (name, axes), or a mapping name → axes",
+            given=repr(value),
+            fix='pass e.g. [("embed", "data"), ("mlp", "model"), ("mlp", None)]',
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Logical names with at least one entry, in first-appearance order."""
+        return tuple(dict.fromkeys(k for k, _ in self.entries))
+
+    def prepend(self, other: RulesLike) -> LogicalRules:
+        """A table whose entries from ``other`` take priority over this one's."""
+        return LogicalRules(LogicalRules.coerce(other).entries + self.entries)
+
+    def resolve(
+        self,
+        names: Sequence[str | None] | None,
+        shape: Sequence[int],
+        mesh: MeshLike,
+        *,
+        where: str = "",
+    ) -> P:
+        """The PartitionSpec for a tensor whose dims carry ``names``.
+
+        Args:
+          names: logical name per dim (None: replicated dim); None: unannotated
+            (replicated).
+          shape: the tensor's global shape.
+          mesh: the mesh (axis names and sizes).
+          where: the tensor's path, for error messages.
+
+        Raises:
+          UnknownLogicalAxisError: a name has no entry.
+          PlanError: an entry names an axis the mesh does not have, or names and
+            shape differ in length.
+        """
+        if names is None:
+            return P()
+        names = tuple(names)
+        if len(names) != len(shape):
+            raise PlanError(
+                op="LogicalRules.resolve",
+                must="one logical name per dim",
+                given=f"{names} for shape {tuple(shape)} at {where or '?'}",
+                fix="fix the model's sharding metadata",
+            )
+        sizes = axis_sizes(mesh)
+        known = self.names
+        used: set[str] = set()
+        out: list[str | tuple[str, ...] | None] = []
+        for name, dim in zip(names, shape, strict=True):
+            if name is None:
+                out.append(None)
+                continue
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                raise UnknownLogicalAxisError(
+                    op="LogicalRules.resolve",
+                    must=f"every logical name has a rule (known: {', '.join(known)})",
+                    given=f"{name!r} at {where or '?'}",
+                    fix=(f"did you mean {near[0]!r}? " if near else "")
+                    + f"add a rule, e.g. rules=[({name!r}, None)] to replicate it on purpose",
+                )
+            chosen: tuple[str, ...] = ()
+            for key, axes in self.entries:
+                if key != name:
+                    continue
+                if axes is None:
+                    break
+                missing = [a for a in axes if a not in sizes]
+                if missing:
+                    raise PlanError(
+                        op="LogicalRules.resolve",
+                        must=f"rule axes are mesh axes of {tuple(sizes)}",
+                        given=f"{name!r} → {axes}",
+                        fix="rename the rule's axes or build the mesh with them",
+                    )
+                if used.intersection(axes):
+                    continue
+                if dim % math.prod(sizes[a] for a in axes):
+                    continue
+                chosen = axes
+                break
+            used.update(chosen)
+            out.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
+    def to_json(self) -> list:
+        """JSON-able list of ``[name, axes or null]``."""
+        return [[k, None if v is None else list(v)] for k, v in self.entries]
+
+
+# -- roles and presets -------------------------------------------------------------
+
+_ROLE_NAMES = {
+    "data": {"data", "dp", "batch", "replica"},
+    "fsdp": {"fsdp", "zero"},
+    "model": {"model", "tensor", "tp", "mp"},
+    "expert": {"expert", "ep", "experts"},
+}
+
+
+def axis_roles(mesh: MeshLike) -> dict[str, tuple[str, ...]]:
+    """Mesh axes per role (``data``, ``fsdp``, ``model``, ``expert``); module docstring.
+
+    Example::
+
+        >>> axis_roles(abstract_mesh(a=2, b=4))
+        {'data': ('a',), 'fsdp': ('a',), 'model': ('b',), 'expert': ('b',)}
+    """
+    names = tuple(mesh.axis_names)
+    by_name = {role: tuple(a for a in names if a in keys) for role, keys in _ROLE_NAMES.items()}
+    if any(by_name.values()):
+        roles = dict(by_name)
+        if not roles["fsdp"]:
+            roles["fsdp"] = roles["data"]
+        if not roles["data"]:
+            roles["data"] = roles["fsdp"]
+        if not roles["expert"]:
+            roles["expert"] = roles["model"] or names[-1:]
+        return roles
+    if len(names) == 1:
+        return {r: names for r in _ROLE_NAMES}
+    if len(names) == 2:
+        return {
+            "data": names[:1],
+            "fsdp": names[:1],
+            "model": names[1:],
+            "expert": names[1:],
+        }
+    return {
+        "data": names[:1],
+        "fsdp": names[1:-1],
+        "model": names[-1:],
+        "expert": names[-1:],
+    }
+
+
+def _fallbacks(axes: tuple[str, ...]) -> list[Entry]:
+    """All axes together, then each axis alone, then replicated."""
+    out: list[Entry] = []
+    if axes:
+        out.append(axes)
+        if len(axes) > 1:
+            out.extend((a,) for a in axes)
+    out.append(None)
+    return out
+
+
+def _table(spec: Mapping[str, list[Entry]]) -> LogicalRules:
+    pairs = []
+    for name in PARAM_NAMES + BATCH_NAMES:
+        for entry in spec.get(name, [None]):
+            pairs.append((name, entry))
+    return LogicalRules(tuple(pairs))
+
+
+_TP_NAMES = ("vocab", "mlp", "heads", "kv_heads", "conv_out", "classes", "expert")
+
+
+def preset_rules(name: str, mesh: MeshLike) -> LogicalRules:
+    """The logical-rule table of a preset on ``mesh`` (module docstring).
+
+    Raises:
+      PlanError: unknown preset.
+
+    Example::
+
+        >>> preset_rules("megatron", abstract_mesh(data=2, model=4)).resolve(
+        ...     ("embed", "mlp"), (64, 256), abstract_mesh(data=2, model=4))
+        PartitionSpec(None, 'model')
+    """
+    roles = axis_roles(mesh)
+    every = tuple(mesh.axis_names)
+    model = roles["model"]
+    dp_axes = tuple(a for a in every if a in roles["data"] or a in roles["fsdp"])
+    dp_axes = tuple(a for a in dp_axes if a not in model) if model != every else ()
+    table: dict[str, list[Entry]] = {}
+    if name in ("dp", "zero1"):
+        table["batch"] = _fallbacks(every)
+    elif name == "fsdp":
+        table["batch"] = _fallbacks(every)
+        for n in PARAM_NAMES:
+            table[n] = _fallbacks(every)
+    elif name in ("megatron", "megatron_sp", "tp_fsdp"):
+        table["batch"] = _fallbacks(dp_axes)
+        for n in _TP_NAMES:
+            table[n] = _fallbacks(model)
+        if name == "megatron_sp":
+            table["seq"] = _fallbacks(model)
+        if name == "tp_fsdp":
+            fsdp = tuple(a for a in roles["fsdp"] if a not in model) or dp_axes
+            table["embed"] = _fallbacks(fsdp)
+            table["conv_in"] = _fallbacks(fsdp)
+            for n in _TP_NAMES:
+                table[n] = [*_fallbacks(model)[:-1], *_fallbacks(fsdp)]
+    elif name == "ep":
+        table["batch"] = _fallbacks(every)
+        table["expert"] = _fallbacks(roles["expert"])
+    else:
+        near = difflib.get_close_matches(name, PRESETS, n=1)
+        raise PlanError(
+            op="preset_rules",
+            must=f"strategy is 'auto', one of {PRESETS}, or a rule table",
+            given=repr(name),
+            fix=(f"did you mean {near[0]!r}? " if near else "") + "pick a listed preset",
+        )
+    return _table(table)

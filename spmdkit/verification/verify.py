@@ -1,0 +1,163 @@
+"""Verify a planned step: its prediction, as the target backend emits it, against its HLO.
+
+:func:`verify_plan` takes a step compiled for a plan (what ``sk.jit(step, plan)``
+returns), propagates the plan through it, reads the compiled executable back
+(:func:`spmdkit.verification.report.report`) and compares the two
+(:func:`spmdkit.verification.report.verify`). It is what ``plan.verify(step, ...)``
+and ``PlannedFunction.verify`` run.
+
+On CPU, XLA emits some reductions differently from the plan's collectives; the
+prediction is adjusted to what the CPU backend emits first (:func:`as_on_cpu`).
+
+This module reads the planned step through :class:`PlannedProgram` (the three
+members it uses), so it never imports :mod:`spmdkit.compile`, which calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from spmdkit.errors import SpmdError
+from spmdkit.planner.plan import Plan
+from spmdkit.propagation import EqnRecord, Propagation
+from spmdkit.resharding import ReshardPlan
+from spmdkit.spec import MeshLike
+from spmdkit.verification.report import VerifyReport, report, verify
+
+__all__ = [
+    "PlannedProgram",
+    "as_on_cpu",
+    "platform",
+    "unsliced_bytes",
+    "unsliced_plan_bytes",
+    "verify_plan",
+]
+
+
+@runtime_checkable
+class PlannedProgram(Protocol):
+    """What verification needs of a step compiled for a plan (``sk.jit``'s
+    :class:`~spmdkit.compile.PlannedFunction` has these)."""
+
+    mesh: MeshLike
+
+    def program(self, *args: Any) -> tuple[Callable, Propagation]:
+        """``(body, propagation)``: the compiled function and its prediction."""
+        ...
+
+    def compile(self, *args: Any) -> jax.stages.Compiled:
+        """The executable the step runs for these arguments."""
+        ...
+
+
+def verify_plan(
+    plan: Plan, step: PlannedProgram, *args: Any, bytes_tol: float = 0.1, mem_tol: float = 0.2
+) -> VerifyReport:
+    """Propagate the plan through ``step`` and compare with its compiled HLO.
+
+    Args:
+      plan: the plan ``step`` was compiled for (named in the error when ``step``
+        is not a planned step).
+      step: what ``sk.jit(step, plan)`` returns; its own executable is read (a
+        step that has run is not compiled again).
+      *args: the step's arguments (concrete, or ``jax.ShapeDtypeStruct``).
+      bytes_tol: relative tolerance on collective payload bytes.
+      mem_tol: relative tolerance on peak memory.
+
+    Returns:
+      The :class:`~spmdkit.verification.report.VerifyReport` (``.ok``, ``.mismatches``).
+
+    Raises:
+      SpmdError: ``step`` is not a step compiled for a plan (a plain function).
+
+    Example::
+
+        >>> step = sk.jit(jax.value_and_grad(loss), plan)
+        >>> verify_plan(plan, step, params, batch).ok
+        True
+    """
+    if not isinstance(step, PlannedProgram):
+        raise SpmdError(
+            op="verify_plan",
+            must="the step is compiled for the plan by sk.jit",
+            given=f"{type(step).__name__} {getattr(step, '__name__', '')}".rstrip(),
+            fix=f"wrap with sk.jit(step, plan) (plan: {plan!r}) and pass what it returns",
+        )
+    _, prop = step.program(*args)
+    if platform(step.mesh) == "cpu":
+        prop = as_on_cpu(prop)
+    compiled = report(step.compile(*args))
+    return verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
+
+
+def platform(mesh: MeshLike) -> str | None:
+    """The platform of a device mesh's devices (``"cpu"``, ``"gpu"``…); None for
+    an abstract mesh."""
+    devices = getattr(mesh, "devices", None)
+    try:
+        return devices.flat[0].platform
+    except (AttributeError, IndexError):
+        return None
+
+
+def as_on_cpu(prop: Propagation) -> Propagation:
+    """The prediction as XLA's CPU backend emits it.
+
+    A reduce-scatter that XLA's partitioner makes becomes an all-reduce of the
+    same operand followed by a local slice. When one reshard reduce-scatters over
+    several axes in turn (partial over ``data`` and ``model`` into dims tiled by
+    both), the slices all come after the last all-reduce, so every stage
+    all-reduces the whole block the first stage had, not the shrinking block the
+    plan's staged scatters send. The same holds for a reduce-scatter followed by
+    an all-reduce of a value made by an op XLA reduces in place (a scatter-add's
+    table gradient); after other ops it slices between the two. Reductions the
+    enforced program runs itself (``Program.specs``' fused plans,
+    ``psum_scatter`` under ``shard_map``) stay reduce-scatters.
+    """
+    kinds = dict(prop.comm_bytes_by_kind)
+    moved = kinds.pop("reduce_scatter", 0)
+    if not moved:
+        return prop
+    extra = unsliced_bytes(prop.records)
+    kept = 0
+    program = prop.program
+    for entry in program.specs.values() if program is not None else ():
+        plan, runs = entry[3], entry[4]
+        if plan is not None:
+            rs = [c.payload_bytes for c in plan.collectives if c.kind == "reduce_scatter"]
+            kept += runs * sum(rs)
+            extra -= runs * unsliced_plan_bytes(plan)
+    kinds["all_reduce"] = kinds.get("all_reduce", 0) + moved - kept + extra
+    if kept:
+        kinds["reduce_scatter"] = kept
+    return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())))
+
+
+def unsliced_plan_bytes(plan: ReshardPlan, in_place: bool = False) -> int:
+    """Bytes the unsliced stages of one plan's staged reductions add: further
+    reduce-scatters after a reduce-scatter, and all-reduces too when the value's
+    producer reduces in place (``ArgReshard.in_place``)."""
+    extra, first = 0, None
+    later = ("reduce_scatter", "all_reduce") if in_place else ("reduce_scatter",)
+    for c in plan.collectives:
+        if first is not None and c.kind in later:
+            extra += first - c.payload_bytes
+        elif c.kind == "reduce_scatter":
+            first = c.payload_bytes
+        else:
+            first = None
+    return extra
+
+
+def unsliced_bytes(records: Iterable[EqnRecord], repeat: int = 1) -> int:
+    """:func:`unsliced_plan_bytes` over every reshard of ``records`` (loops repeated)."""
+    extra = 0
+    for r in records:
+        extra += repeat * sum(unsliced_plan_bytes(a.plan, a.in_place) for a in r.reshards)
+        if r.body:
+            extra += unsliced_bytes(r.body, repeat * r.repeat)
+    return extra
