@@ -1,0 +1,114 @@
+"""propagate() end to end: train steps' collectives checked against compiled HLO,
+specs and strategies checked, the cost table."""
+
+import math
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.propagation import EqnRecord, Propagation, propagate
+from tests.propagation.programs import (
+    F32,
+    PARAMS,
+    S,
+    X,
+    Y,
+    all_reduce_bytes,
+    as_auto,
+    compiled_report,
+    mlp_forward,
+    sgd_step,
+    sharded,
+)
+
+
+def test_dp_train_step_grad_all_reduce_matches_hlo(mesh2d):
+    dp = P(("a", "b"))
+    prop = propagate(sgd_step, PARAMS, X, Y, in_specs=(None, dp, dp), mesh=mesh2d)
+    assert isinstance(prop, Propagation)
+    assert not prop.unknown
+    grads = sum(math.prod(a.shape) * 4 for a in jax.tree.leaves(PARAMS))
+    assert prop.comm_bytes_by_kind == {"all_reduce": grads}
+    pspecs = (jax.tree.map(lambda _: P(), PARAMS), dp, dp)
+    compiled = all_reduce_bytes(sgd_step, (PARAMS, X, Y), pspecs, mesh2d)
+    assert abs(prop.comm_bytes - compiled) <= 0.10 * compiled
+    # the outputs are reduced; the parameters stay replicated
+    assert all(s.is_replicated for s in prop.out_specs)
+    assert all(isinstance(r, EqnRecord) for r in prop.records)
+    assert any(r.backward for r in prop.records)
+
+
+def test_megatron_mlp_forward_has_one_activation_all_reduce(mesh2d):
+    params = {"w1": PARAMS["w1"], "w2": PARAMS["w2"]}
+    specs = ({"w1": P(None, "b"), "w2": P("b", None)}, P("a"))
+    prop = propagate(mlp_forward, params, X, in_specs=specs, mesh=mesh2d)
+    cols = prop.collectives()
+    assert [c.kind for c in cols] == ["all_reduce"]
+    assert cols[0].axes == ("b",)
+    assert cols[0].payload_bytes == 32 * 32 * 4  # [64/2, 32] f32, the activation
+    assert prop.out_specs[0] == sk.TensorSpec((64, 32), P("a"), dtype=F32)
+    compiled = all_reduce_bytes(mlp_forward, (params, X), specs, mesh2d)
+    assert compiled == prop.comm_bytes
+
+
+def test_megatron_train_step_matches_hlo(mesh2d):
+    specs = ({"w1": P(None, "b"), "b1": P("b"), "w2": P("b", None)}, P("a"), P("a"))
+    prop = propagate(sgd_step, PARAMS, X, Y, in_specs=specs, mesh=mesh2d)
+    fwd = [c for r in prop.records if not r.backward for c in r.collectives()]
+    assert fwd, "the forward all-reduce of the row-parallel output"
+    rep = compiled_report(sgd_step, sharded((PARAMS, X, Y), specs, as_auto(mesh2d)))
+    assert abs(prop.comm_bytes - rep.comm_bytes) <= 0.10 * rep.comm_bytes
+
+
+def test_out_specs_constraint_costs_a_reshard(mesh1d):
+    x = S((64, 32), F32)
+    prop = propagate(lambda x: x * 2.0, x, in_specs=(P("x"),), out_specs=P(), mesh=mesh1d)
+    assert prop.out_specs[0].is_replicated
+    assert prop.comm_bytes_by_kind == {"all_gather": 64 * 32 * 4}
+
+
+def test_abstract_mesh_needs_no_devices():
+    mesh = sk.abstract_mesh(data=64, model=8)
+    params = {"w1": S((4096, 16384), "bfloat16"), "w2": S((16384, 4096), "bfloat16")}
+    x = S((512, 4096), "bfloat16")
+    prop = propagate(
+        mlp_forward,
+        params,
+        x,
+        in_specs=({"w1": P(None, "model"), "w2": P("model", None)}, P("data")),
+        mesh=mesh,
+    )
+    assert prop.comm_bytes_by_kind == {"all_reduce": 512 // 64 * 4096 * 2}
+    assert prop.flops == pytest.approx(2 * 2 * 8 * 4096 * 16384 / 8 + 8 * 16384 / 8)
+    assert prop.step_time_s > prop.compute_time_s > 0
+    assert "all_reduce" in str(prop)
+
+
+def test_strategies_are_checked(mesh1d):
+    x = S((8, 8), F32)
+    with pytest.raises(sk.ShardingConflictError, match="strategy"):
+        propagate(jnp.tanh, x, in_specs=(P("x"),), mesh=mesh1d, strategies={"tanh": "fast"})
+    with pytest.raises(sk.NoRuleError):
+        propagate(jnp.tanh, x, in_specs=(P("x"),), mesh=mesh1d, strategies={"tanhh": "x"})
+    prop = propagate(jnp.tanh, x, in_specs=(P("x"),), mesh=mesh1d, strategies={"tanh": "default"})
+    assert prop.records[0].strategy == "default"
+    assert not prop.unknown
+
+
+def test_bad_in_specs_raise(mesh1d):
+    with pytest.raises(sk.SpecError):
+        propagate(jnp.tanh, S((8, 8), F32), in_specs=(P("x"), P("x")), mesh=mesh1d)
+    with pytest.raises(sk.SpmdError):
+        propagate(jnp.tanh, S((8, 8), F32), in_specs=(P("nope"),), mesh=mesh1d)
+
+
+def test_table_lists_costly_equations(mesh2d):
+    dp = P(("a", "b"))
+    prop = propagate(sgd_step, PARAMS, X, Y, in_specs=(None, dp, dp), mesh=mesh2d)
+    text = prop.table(limit=2)
+    assert len(text.splitlines()) == 3
+    assert "all_reduce" in text
