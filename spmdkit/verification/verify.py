@@ -125,8 +125,8 @@ def as_on_cpu(prop: Propagation) -> Propagation:
     extra = unsliced_bytes(prop.records)
     kept = 0
     program = prop.program
-    for entry in program.specs.values() if program is not None else ():
-        plan, runs = entry[3], entry[4]
+    for pins in program.specs.values() if program is not None else ():
+        plan, runs = pins.fused, pins.runs
         if plan is not None:
             rs = [c.payload_bytes for c in plan.collectives if c.kind == "reduce_scatter"]
             kept += runs * sum(rs)
