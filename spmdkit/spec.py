@@ -158,39 +158,9 @@ class TensorSpec:
         dtype: Any = None,
         mesh: MeshLike | None = None,
     ) -> None:
-        try:
-            shape_t = tuple(int(s) for s in shape)
-        except TypeError as e:
-            raise SpecError(
-                op="TensorSpec",
-                must="shape is a sequence of ints",
-                given=repr(shape),
-                fix="pass e.g. (64, 32)",
-            ) from e
-        if any(s < 0 for s in shape_t):
-            raise SpecError(
-                op="TensorSpec",
-                must="dims are non-negative",
-                given=str(shape_t),
-                fix="pass the tensor's real shape",
-            )
+        shape_t = _check_shape(shape)
         part = _normalize_partial(partial)
-        if spec is None:
-            entries: tuple[Any, ...] = ()
-        elif isinstance(spec, P):
-            entries = tuple(spec.partitions)
-            for ax in spec.unreduced:
-                if ax in part and part[ax] != "sum":
-                    raise PartialConflictError(
-                        op="TensorSpec",
-                        must="an axis has one reduce op",
-                        given=f"{ax!r} unreduced (sum) in the PartitionSpec "
-                        f"and {part[ax]!r} in partial=",
-                        fix="name the axis in one place only",
-                    )
-                part[ax] = "sum"
-        else:
-            entries = tuple(spec)
+        entries = _entries(spec, part)
         if len(entries) > len(shape_t):
             raise SpecError(
                 op="TensorSpec",
@@ -200,32 +170,7 @@ class TensorSpec:
             )
         dims = tuple(_normalize_entry(e, f"dim {i}") for i, e in enumerate(entries))
         dims = dims + ((),) * (len(shape_t) - len(dims))
-        seen: dict[str, int] = {}
-        for d, axes in enumerate(dims):
-            for a in axes:
-                if a in seen:
-                    raise DuplicateAxisError(
-                        op="TensorSpec",
-                        must="a mesh axis shards at most one dim of a tensor, once",
-                        given=f"axis {a!r} on dim {seen[a]} and dim {d} of {_fmt(shape_t, dims)}",
-                        fix=f"keep {a!r} on one dim and use another axis for the other",
-                    )
-                seen[a] = d
-        for a, op in part.items():
-            if op not in REDUCE_OPS:
-                raise PartialConflictError(
-                    op="TensorSpec",
-                    must=f"partial reduce ops are one of {REDUCE_OPS}",
-                    given=f"{a!r}: {op!r}",
-                    fix="use 'sum', 'avg', 'max' or 'min'",
-                )
-            if a in seen:
-                raise PartialConflictError(
-                    op="TensorSpec",
-                    must="an axis is never both sharding a dim and partial",
-                    given=f"axis {a!r} shards dim {seen[a]} and is partial ({op})",
-                    fix=f"drop {a!r} from the dims or from partial=",
-                )
+        _check_axes(shape_t, dims, part)
         object.__setattr__(self, "shape", shape_t)
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "partial", tuple(sorted(part.items())))
@@ -425,3 +370,74 @@ def _fmt(shape: tuple[int, ...], dims: tuple[tuple[str, ...], ...]) -> str:
         else:
             parts.append(f"{s}@({','.join(axes)})")
     return "[" + ",".join(parts) + "]"
+
+
+def _check_shape(shape: Iterable[int]) -> tuple[int, ...]:
+    try:
+        shape_t = tuple(int(s) for s in shape)
+    except TypeError as e:
+        raise SpecError(
+            op="TensorSpec",
+            must="shape is a sequence of ints",
+            given=repr(shape),
+            fix="pass e.g. (64, 32)",
+        ) from e
+    if any(s < 0 for s in shape_t):
+        raise SpecError(
+            op="TensorSpec",
+            must="dims are non-negative",
+            given=str(shape_t),
+            fix="pass the tensor's real shape",
+        )
+    return shape_t
+
+
+def _entries(spec: P | Iterable[Any] | None, part: dict[str, str]) -> tuple[Any, ...]:
+    """The per-dim entries of ``spec``; a PartitionSpec's unreduced axes join ``part``
+    as sum-partial."""
+    if spec is None:
+        return ()
+    if not isinstance(spec, P):
+        return tuple(spec)
+    for ax in spec.unreduced:
+        if ax in part and part[ax] != "sum":
+            raise PartialConflictError(
+                op="TensorSpec",
+                must="an axis has one reduce op",
+                given=f"{ax!r} unreduced (sum) in the PartitionSpec and {part[ax]!r} in partial=",
+                fix="name the axis in one place only",
+            )
+        part[ax] = "sum"
+    return tuple(spec.partitions)
+
+
+def _check_axes(
+    shape: tuple[int, ...], dims: tuple[tuple[str, ...], ...], part: Mapping[str, str]
+) -> None:
+    """A mesh axis shards one dim once, or is partial with a known op, never both."""
+    seen: dict[str, int] = {}
+    for d, axes in enumerate(dims):
+        for a in axes:
+            if a in seen:
+                raise DuplicateAxisError(
+                    op="TensorSpec",
+                    must="a mesh axis shards at most one dim of a tensor, once",
+                    given=f"axis {a!r} on dim {seen[a]} and dim {d} of {_fmt(shape, dims)}",
+                    fix=f"keep {a!r} on one dim and use another axis for the other",
+                )
+            seen[a] = d
+    for a, op in part.items():
+        if op not in REDUCE_OPS:
+            raise PartialConflictError(
+                op="TensorSpec",
+                must=f"partial reduce ops are one of {REDUCE_OPS}",
+                given=f"{a!r}: {op!r}",
+                fix="use 'sum', 'avg', 'max' or 'min'",
+            )
+        if a in seen:
+            raise PartialConflictError(
+                op="TensorSpec",
+                must="an axis is never both sharding a dim and partial",
+                given=f"axis {a!r} shards dim {seen[a]} and is partial ({op})",
+                fix=f"drop {a!r} from the dims or from partial=",
+            )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -253,6 +254,53 @@ def train(
         ...             ckpt=Manager("/tmp/run", save_interval_steps=50), resume=True)
         >>> res.losses[-1]
     """
+    _check_args(steps, accum_steps, resume=resume, ckpt=ckpt, plan=plan, shardings=shardings)
+    out = out if out is not None else sys.stderr
+    write_back = None
+    loss = loss_fn
+    if isinstance(params, nnx.Module):
+        params, loss, write_back = _nnx_adapter(params, loss_fn)
+    _set_microbatches(data, accum_steps)
+    abstract, param_sh, opt_sh, mesh = _state_shardings(params, optimizer, plan, shardings)
+
+    # under the mesh context optax's scalar states and the step's replicated metrics
+    # are created on the mesh, not on one device
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        if rng is not None and mesh is not None:
+            # one replicated copy on the mesh: a global array every process can save
+            rng = jax.device_put(rng, NamedSharding(mesh, PartitionSpec()))
+        resume_from = ckpt if resume and ckpt.latest_step() is not None else None
+        state, start, opt_sh = _initial_state(
+            params, optimizer, data, rng, resume_from, abstract, (param_sh, opt_sh)
+        )
+        step_fn = jax.jit(
+            _make_step(
+                loss,
+                optimizer,
+                accum_steps=accum_steps,
+                remat=remat,
+                has_aux=has_aux,
+                use_rng=rng is not None,
+            ),
+            out_shardings=(param_sh, opt_sh, None),
+            donate_argnums=(0, 1),
+        )
+        show = progress and jax.process_index() == 0
+        loop = _Loop(step_fn, data, state, start=start, show=show, out=out)
+        loop.run(steps, log_every=log_every, ckpt=ckpt, save=_saver(ckpt, plan, mesh, data))
+        params = loop.state["params"]
+        return TrainResult(
+            params=write_back(params) if write_back is not None else params,
+            opt_state=loop.state["opt_state"],
+            step=loop.step,
+            history=loop.history,
+            start_step=loop.start,
+        )
+
+
+def _check_args(
+    steps: Any, accum_steps: Any, *, resume: bool, ckpt: Any, plan: Any, shardings: Any
+) -> None:
     op = "train"
     if not isinstance(steps, int) or steps < 0:
         raise TrainError(op=op, must="steps is an int >= 0", given=repr(steps), fix="steps=100")
@@ -274,25 +322,27 @@ def train(
             given="plan= and shardings=",
             fix="drop one of them",
         )
-    out = out if out is not None else sys.stderr
 
-    write_back = None
-    loss = loss_fn
-    if isinstance(params, nnx.Module):
-        params, loss, write_back = _nnx_adapter(params, loss_fn)
 
+def _set_microbatches(data: Any, accum_steps: int) -> None:
+    """A loader that splits batches is told how many micro-batches a step takes."""
     if accum_steps > 1 and hasattr(data, "microbatches"):
         if data.microbatches == 1:
             data.microbatches = accum_steps
         elif data.microbatches != accum_steps:
             raise TrainError(
-                op=op,
+                op="train",
                 must="the loader's microbatches equals accum_steps",
                 given=f"microbatches={data.microbatches}, accum_steps={accum_steps}",
                 fix="leave microbatches=1 on the loader; train sets it",
             )
 
-    # shardings of the state on this run's mesh
+
+def _state_shardings(
+    params: Any, optimizer: optax.GradientTransformation, plan: Any, shardings: Any
+) -> tuple[tuple[Any, Any], Any, Any, Any]:
+    """``(abstract params, abstract optimizer state)``, their shardings on this run's
+    mesh, and that mesh."""
     abstract_params = jax.eval_shape(lambda p: p, params)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     if plan is not None:
@@ -307,105 +357,121 @@ def train(
     # Explicit plan.mesh: the context must be theirs)
     leaves = [s for s in jax.tree.leaves(param_sh) if isinstance(s, NamedSharding)]
     mesh = leaves[0].mesh if leaves else getattr(plan, "mesh", None)
+    return (abstract_params, abstract_opt), param_sh, opt_sh, mesh
 
-    # under the mesh context optax's scalar states and the step's replicated metrics
-    # are created on the mesh, not on one device
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        if rng is not None and mesh is not None:
-            # one replicated copy on the mesh: a global array every process can save
-            rng = jax.device_put(rng, NamedSharding(mesh, PartitionSpec()))
-        start = 0
-        restored = None
-        if resume and ckpt.latest_step() is not None:
-            target_params = abstract_target(abstract_params, param_sh)
-            if opt_sh is None:
-                opt_sh = jax.jit(optimizer.init).lower(target_params).compile().output_shardings
-            target = {
-                "params": target_params,
-                "opt_state": abstract_target(abstract_opt, opt_sh),
-            }
-            if rng is not None:
-                target["rng"] = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rng.sharding)
-            restored = ckpt.restore(target=target)
-            params, opt_state = restored.state["params"], restored.state["opt_state"]
-            if rng is not None:
-                rng = restored.state["rng"]
-            if hasattr(data, "set_state"):
-                data.set_state(restored.data_state)
-            start = restored.step
-        else:
-            params = jax.device_put(params, param_sh)
-            opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
-            opt_sh = _shardings_of(opt_state)
 
-        step_fn = jax.jit(
-            _make_step(
-                loss,
-                optimizer,
-                accum_steps=accum_steps,
-                remat=remat,
-                has_aux=has_aux,
-                use_rng=rng is not None,
-            ),
-            out_shardings=(param_sh, opt_sh, None),
-            donate_argnums=(0, 1),
-        )
-        key = rng if rng is not None else jax.random.key(0)
+def _initial_state(
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    data: Any,
+    rng: jax.Array | None,
+    ckpt: Manager | None,
+    abstract: tuple[Any, Any],
+    state_sh: tuple[Any, Any],
+) -> tuple[dict[str, Any], int | None, Any]:
+    """The state to start from (params, opt_state, rng), the step it was saved at
+    (None when fresh) and the optimizer state's shardings.
 
-        history: list[dict[str, float]] = []
-        pending: list[tuple[int, dict[str, Any]]] = []
-        show = progress and jax.process_index() == 0
+    With ``ckpt``: its latest checkpoint, placed as this run shards it, and the
+    loader moved to where it was. Otherwise ``params`` placed and the optimizer
+    state initialised."""
+    param_sh, opt_sh = state_sh
+    if ckpt is None:
+        params = jax.device_put(params, param_sh)
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+        state = {"params": params, "opt_state": opt_state}
+        if rng is not None:
+            state["rng"] = rng
+        return state, None, _shardings_of(opt_state)
+    abstract_params, abstract_opt = abstract
+    target_params = abstract_target(abstract_params, param_sh)
+    if opt_sh is None:
+        opt_sh = jax.jit(optimizer.init).lower(target_params).compile().output_shardings
+    target = {"params": target_params, "opt_state": abstract_target(abstract_opt, opt_sh)}
+    if rng is not None:
+        target["rng"] = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rng.sharding)
+    restored = ckpt.restore(target=target)
+    if hasattr(data, "set_state"):
+        data.set_state(restored.data_state)
+    return dict(restored.state), restored.step, opt_sh
+
+
+def _saver(ckpt: Manager | None, plan: Any, mesh: Any, data: Any) -> Callable[..., Any] | None:
+    """``save(step, state, force=...)`` recording the plan, mesh and loader position."""
+    if ckpt is None:
+        return None
+    return functools.partial(
+        ckpt.save,
+        plan=plan,
+        mesh=plan.mesh if getattr(plan, "mesh", None) is not None else mesh,
+        data=data if hasattr(data, "state") else None,
+    )
+
+
+class _Loop:
+    """The step loop: runs the compiled step, keeps the metric history (fetched
+    every ``log_every`` steps), prints progress and saves on the manager's interval."""
+
+    def __init__(
+        self,
+        step_fn: Callable[..., Any],
+        data: Any,
+        state: dict[str, Any],
+        *,
+        start: int | None,
+        show: bool,
+        out: TextIO,
+    ) -> None:
+        self.step_fn, self.data, self.state = step_fn, data, state
+        self.start = self.step = start or 0
+        self.saved = start  # the restored step counts as saved
+        self.show, self.out = show, out
+        self.history: list[dict[str, float]] = []
+        self.pending: list[tuple[int, dict[str, Any]]] = []
+
+    def flush(self) -> None:
+        for s, m in self.pending:
+            self.history.append({"step": s, **{k: float(np.asarray(v)) for k, v in m.items()}})
+        self.pending.clear()
+
+    def log(self, steps: int, t0: float) -> None:
+        h = self.history[-1]
+        rate = (self.step - self.start) / max(time.perf_counter() - t0, 1e-9)
+        extra = "  ".join(f"{k} {v:.4g}" for k, v in h.items() if k not in ("step",))
+        bar = _bar(self.step, steps)
+        self.out.write(f"{bar} step {self.step}/{steps}  {extra}  {rate:.2f} step/s\n")
+        self.out.flush()
+
+    def run(
+        self, steps: int, *, log_every: int, ckpt: Manager | None, save: Callable[..., Any] | None
+    ) -> None:
+        key = self.state.get("rng")
+        key = key if key is not None else jax.random.key(0)
+        it = _batches(self.data)
         t0 = time.perf_counter()
-
-        def flush() -> None:
-            for s, m in pending:
-                history.append({"step": s, **{k: float(np.asarray(v)) for k, v in m.items()}})
-            pending.clear()
-
-        def save(s: int, *, force: bool) -> None:
-            state = {"params": params, "opt_state": opt_state}
-            if rng is not None:
-                state["rng"] = rng
-            ckpt.save(
-                s,
-                state,
-                plan=plan,
-                mesh=plan.mesh if getattr(plan, "mesh", None) is not None else mesh,
-                data=data if hasattr(data, "state") else None,
-                force=force,
-            )
-
-        it = _batches(data)
-        step = start
-        last_saved = start if restored is not None else None
-        while step < steps:
+        while self.step < steps:
             batch = next(it)
-            params, opt_state, metrics = step_fn(
-                params, opt_state, batch, jax.random.fold_in(key, step)
+            params, opt_state, metrics = self.step_fn(
+                self.state["params"],
+                self.state["opt_state"],
+                batch,
+                jax.random.fold_in(key, self.step),
             )
-            step += 1
-            pending.append((step, metrics))
-            if ckpt is not None and ckpt.should_save(step):
-                save(step, force=False)
-                last_saved = step
-            if step % log_every == 0 or step == steps:
-                flush()
-                if show:
-                    h = history[-1]
-                    rate = (step - start) / max(time.perf_counter() - t0, 1e-9)
-                    extra = "  ".join(f"{k} {v:.4g}" for k, v in h.items() if k not in ("step",))
-                    bar = _bar(step, steps)
-                    out.write(f"{bar} step {step}/{steps}  {extra}  {rate:.2f} step/s\n")
-                    out.flush()
-        flush()
-        if ckpt is not None and step > start:
-            if last_saved != step:
-                save(step, force=True)
+            self.state.update(params=params, opt_state=opt_state)
+            self.step += 1
+            self.pending.append((self.step, metrics))
+            if ckpt is not None and ckpt.should_save(self.step):
+                save(self.step, dict(self.state), force=False)
+                self.saved = self.step
+            if self.step % log_every == 0 or self.step == steps:
+                self.flush()
+                if self.show:
+                    self.log(steps, t0)
+        self.flush()
+        if ckpt is not None and self.step > self.start:
+            if self.saved != self.step:
+                save(self.step, dict(self.state), force=True)
             ckpt.wait()
-        result_params = write_back(params) if write_back is not None else params
-        return TrainResult(
-            params=result_params, opt_state=opt_state, step=step, history=history, start_step=start
-        )
 
 
 def _bar(step: int, total: int, width: int = 20) -> str:
