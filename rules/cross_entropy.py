@@ -52,7 +52,7 @@ grad) has the logits' (labels') layout — it follows the labels on the row dims
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,32 +275,45 @@ def softmax_cross_entropy_reference(
 # ---------------------------------------------------------------------------
 
 
-def _local_ce(
-    cfg: CrossEntropyConfig,
-    class_axes: tuple[str, ...],
-    count_axes: tuple[str, ...],
-    total_rows: int,
-    padded_classes: bool,
-):
+@dataclass(frozen=True)
+class _LocalCE:
     """The local loss of one case, with a custom VJP whose backward moves nothing.
 
-    Arguments of the returned function: ``z`` (local logits, class dim last),
+    Arguments of :meth:`fn`'s function: ``z`` (local logits, class dim last),
     ``y`` (local labels: class dim last for soft labels), ``offset`` (global
     index of the first local class), ``row_ok`` (False on padding rows).
     ``padded_classes``: the class blocks are uneven, so columns past C are masked.
     Each pass re-reads ``z`` inside its own reduction, and the hard target is a
     per-row gather, so no logits-sized temporary outlives a collective.
     """
-    eps, n, soft = cfg.smoothing, cfg.num_classes, cfg.soft
 
-    def valid(z, offset):
-        if not padded_classes:
+    cfg: CrossEntropyConfig
+    class_axes: tuple[str, ...]
+    count_axes: tuple[str, ...]
+    total_rows: int
+    padded_classes: bool
+
+    def fn(self) -> Callable[..., Any]:
+        """``ce(z, y, offset, row_ok)`` with the communication-free backward."""
+
+        @jax.custom_vjp
+        def ce(z, y, offset, row_ok):
+            return self.fwd(z, y, offset, row_ok)[0]
+
+        ce.defvjp(self.fwd, self.bwd)
+        return ce
+
+    def valid(self, z, offset):
+        """Per local column: whether it is a real class (None: every one is)."""
+        if not self.padded_classes:
             return None
-        return (jnp.arange(z.shape[-1]) + offset) < n
+        return (jnp.arange(z.shape[-1]) + offset) < self.cfg.num_classes
 
+    @staticmethod
     def masked(x, ok, fill):
         return x if ok is None else jnp.where(ok, x, fill)
 
+    @staticmethod
     def target(z, y, offset):
         """Per row: the local target logit (0 where the target is in another block)."""
         local = y - offset
@@ -308,21 +321,22 @@ def _local_ce(
         idx = jnp.clip(local, 0, z.shape[-1] - 1)[..., None]
         return jnp.where(inside, jnp.take_along_axis(z, idx, axis=-1)[..., 0], 0.0), inside
 
-    def stats(z, y, offset):
-        ok = valid(z, offset)
+    def stats(self, z, y, offset):
+        """Per row: log-sum-exp, and the class sums every device reduces together."""
+        ok, masked, class_axes = self.valid(z, offset), self.masked, self.class_axes
         m = jnp.max(masked(z, ok, -jnp.inf), axis=-1)
         if class_axes:
             m = jax.lax.pmax(m, class_axes)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         cols = [jnp.sum(masked(jnp.exp(z - m[..., None]), ok, 0.0), axis=-1)]
-        if soft:
+        if self.cfg.soft:
             cols += [
                 jnp.sum(masked(y * z, ok, 0.0), axis=-1),
                 jnp.sum(masked(y, ok, 0.0), axis=-1),
             ]
         else:
-            cols.append(target(z, y, offset)[0])
-        if eps:
+            cols.append(self.target(z, y, offset)[0])
+        if self.cfg.smoothing:
             cols.append(jnp.sum(masked(z, ok, 0.0), axis=-1))
         s = jnp.stack(cols, axis=-1)
         if class_axes:
@@ -330,10 +344,12 @@ def _local_ce(
         lse = m + jnp.log(s[..., 0])
         return lse, s
 
-    def fwd(z, y, offset, row_ok):
-        lse, s = stats(z, y, offset)
+    def fwd(self, z, y, offset, row_ok):
+        cfg = self.cfg
+        eps, n = cfg.smoothing, cfg.num_classes
+        lse, s = self.stats(z, y, offset)
         smooth = eps / n * s[..., -1] if eps else 0.0
-        if soft:
+        if cfg.soft:
             loss = lse * ((1 - eps) * s[..., 2] + eps) - (1 - eps) * s[..., 1] - smooth
             keep = jnp.ones(loss.shape, bool)
             good = keep
@@ -350,23 +366,27 @@ def _local_ce(
         else:
             out = jnp.sum(jnp.where(row_ok, loss, 0.0))
             if cfg.reduction == "mean":
-                if soft:
-                    count = jnp.asarray(max(total_rows, 1), z.dtype)
-                else:
-                    kept = jnp.sum(keep & row_ok).astype(jnp.int32)
-                    if count_axes:
-                        kept = jax.lax.psum(kept, count_axes)
-                    count = jnp.maximum(kept, 1).astype(z.dtype)
+                count = self.count(z, keep, row_ok)
                 out = out / count
         return out, (z, y, offset, lse, s, good, count)
 
-    def bwd(res, g):
+    def count(self, z, keep, row_ok):
+        """The mean's denominator: every row (soft labels) or the kept rows, over all devices."""
+        if self.cfg.soft:
+            return jnp.asarray(max(self.total_rows, 1), z.dtype)
+        kept = jnp.sum(keep & row_ok).astype(jnp.int32)
+        if self.count_axes:
+            kept = jax.lax.psum(kept, self.count_axes)
+        return jnp.maximum(kept, 1).astype(z.dtype)
+
+    def bwd(self, res, g):
         z, y, offset, lse, s, good, count = res
-        ok = valid(z, offset)
+        eps, n = self.cfg.smoothing, self.cfg.num_classes
+        ok, masked = self.valid(z, offset), self.masked
         p = masked(jnp.exp(z - lse[..., None]), ok, 0.0)
-        gr = g if cfg.reduction == "none" else jnp.broadcast_to(g / count, lse.shape)
+        gr = g if self.cfg.reduction == "none" else jnp.broadcast_to(g / count, lse.shape)
         uniform = eps / n if ok is None else eps / n * ok
-        if soft:
+        if self.cfg.soft:
             sq = (1 - eps) * s[..., 2] + eps
             dz = (p * sq[..., None] - (1 - eps) * masked(y, ok, 0.0) - uniform) * gr[..., None]
             dy = (1 - eps) * masked(lse[..., None] - z, ok, 0.0) * gr[..., None]
@@ -376,13 +396,6 @@ def _local_ce(
         w = jnp.where(good, gr, 0.0)
         dz = (p - (1 - eps) * onehot - uniform) * w[..., None]
         return dz.astype(z.dtype), None, None, None
-
-    @jax.custom_vjp
-    def ce(z, y, offset, row_ok):
-        return fwd(z, y, offset, row_ok)[0]
-
-    ce.defvjp(fwd, bwd)
-    return ce
 
 
 def _row_mask(lctx: LocalContext, spec: TensorSpec, cfg: CrossEntropyConfig, shape) -> Any:
@@ -564,7 +577,7 @@ class CrossEntropyRule(Rule):
         row_axes = tuple(a for d in cfg.row_dims for a in logits_spec.dims[d])
         total_rows = math.prod(logits_spec.shape[d] for d in cfg.row_dims)
         padded = cfg.num_classes % lctx.shards(logits_spec, cfg.axis) != 0
-        ce = _local_ce(cfg, class_axes, row_axes, total_rows, padded)
+        ce = _LocalCE(cfg, class_axes, row_axes, total_rows, padded).fn()
 
         def fn(logits: jax.Array, labels: jax.Array) -> jax.Array:
             z = jnp.moveaxis(logits, cfg.axis, -1)
