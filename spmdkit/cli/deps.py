@@ -58,9 +58,10 @@ STAGES: dict[str, tuple[str, ...]] = {
     "rules": ("spmdkit.rules",),
     "resharding": ("spmdkit.resharding",),
     "propagation": ("spmdkit.propagation",),
-    "describe": ("spmdkit.flax",),
+    "describe": ("spmdkit.flax.describe",),
     "planner": ("spmdkit.planner",),
-    "annotate": ("spmdkit.flax.annotate",),
+    # the package re-exports annotate's names, so it sits at annotate's level
+    "annotate": ("spmdkit.flax", "spmdkit.flax.annotate"),
     "compile": ("spmdkit.compile",),
     "verification": ("spmdkit.verification",),
     "runtime": ("spmdkit.runtime",),
@@ -99,8 +100,10 @@ LAYERS: dict[str, frozenset[str]] = {
     "describe": frozenset({"base"}),
     "planner": frozenset({"base", "resharding", "rule", "propagation", "describe"}),
     "annotate": frozenset({"base", "describe", "planner"}),
-    "compile": frozenset({"base", "resharding", "rule", "propagation", "describe", "planner"}),
-    "verification": frozenset({"base", "rule", "propagation", "planner", "compile"}),
+    "verification": frozenset({"base", "rule", "resharding", "propagation", "planner"}),
+    "compile": frozenset(
+        {"base", "resharding", "rule", "propagation", "describe", "planner", "verification"}
+    ),
     "runtime": _BELOW_API,
     "api": _BELOW_API,
     "ops": frozenset({"base", "rule", "resharding", "api"}),
@@ -333,8 +336,8 @@ _ORDER = (
     "ops",
     "models",
     "api",
-    "verification",
     "compile",
+    "verification",
     "annotate",
     "planner",
     "propagation",
@@ -346,12 +349,26 @@ _ORDER = (
 )
 
 
+def _reachable(stages: Mapping[str, Iterable[str]], start: str, skip: str) -> set[str]:
+    """Stages reachable from ``start`` without taking the direct edge to ``skip``."""
+    seen: set[str] = set()
+    todo = [d for d in stages.get(start, ()) if d != skip]
+    while todo:
+        s = todo.pop()
+        if s not in seen:
+            seen.add(s)
+            todo.extend(stages.get(s, ()))
+    return seen
+
+
 def mermaid(stages: Mapping[str, Iterable[str]]) -> str:
-    """A Mermaid flowchart of the stage graph (an arrow = "imports")."""
+    """A Mermaid flowchart of the stage graph: an arrow means "imports"; an edge
+    that a longer path already implies is left out, so the picture stays legible."""
     lines = ["flowchart TD"]
     for stage in _ORDER:
         for dep in sorted(stages.get(stage, ()), key=_ORDER.index):
-            lines.append(f"  {stage} --> {dep}")
+            if dep not in _reachable(stages, stage, skip=dep):
+                lines.append(f"  {stage} --> {dep}")
     return "\n".join(lines) + "\n"
 
 
