@@ -329,26 +329,7 @@ def describe(
     if isinstance(model, ModelInfo):
         return model
     if _is_model_spec(model):
-        cfg = config
-        if cfg is None:
-            cfg = next(iter(model.configs.values()))()
-        elif isinstance(cfg, str):
-            if cfg not in model.configs:
-                raise ModelError(
-                    op="describe",
-                    must=f"config is one of {sorted(model.configs)}",
-                    given=repr(cfg),
-                    fix="pass config=<name> from the model spec's configs, or a config object",
-                )
-            cfg = model.configs[cfg]()
-        spec_batch = batch if batch is not None else model.batch(cfg, batch_size, None)
-        return _describe_nnx(
-            lambda: model.build(cfg, nnx.Rngs(rng_seed)),
-            loss or model.loss,
-            spec_batch,
-            batch_axes or getattr(model, "batch_axes", None),
-            getattr(model, "name", "model"),
-        )
+        return _describe_spec(model, config, batch, batch_size, loss, batch_axes, rng_seed)
     if loss is None or batch is None:
         raise ModelError(
             op="describe",
@@ -380,6 +361,38 @@ def describe(
         must="model is a model spec, an NNX module, a function returning one, or a linen module",
         given=type(model).__name__,
         fix="pass spmdkit.models.get_model(name), a module, or lambda: MyModule(rngs=nnx.Rngs(0))",
+    )
+
+
+def _describe_spec(
+    spec: Any,
+    config: Any,
+    batch: Any,
+    batch_size: int,
+    loss: Callable[[Any, Any], Any] | None,
+    batch_axes: Mapping[str, tuple] | None,
+    rng_seed: int,
+) -> ModelInfo:
+    """A model spec (``spmdkit.models.get_model(name)``) with one of its configs."""
+    cfg = config
+    if cfg is None:
+        cfg = next(iter(spec.configs.values()))()
+    elif isinstance(cfg, str):
+        if cfg not in spec.configs:
+            raise ModelError(
+                op="describe",
+                must=f"config is one of {sorted(spec.configs)}",
+                given=repr(cfg),
+                fix="pass config=<name> from the model spec's configs, or a config object",
+            )
+        cfg = spec.configs[cfg]()
+    spec_batch = batch if batch is not None else spec.batch(cfg, batch_size, None)
+    return _describe_nnx(
+        lambda: spec.build(cfg, nnx.Rngs(rng_seed)),
+        loss or spec.loss,
+        spec_batch,
+        batch_axes or getattr(spec, "batch_axes", None),
+        getattr(spec, "name", "model"),
     )
 
 

@@ -592,6 +592,22 @@ class _Planner:
                 others.append(candidates[i])
         return best, others
 
+    def auto_plan(self, extra: RulesLike | None) -> Plan:
+        """``strategy="auto"``'s plan: the best candidate, the others as
+        alternatives; warns when none fits the budget."""
+        best, others = self.auto(extra)
+        if best.cost.peak_bytes > self.budget:
+            warnings.warn(
+                f"plan(strategy='auto'): no candidate fits the memory budget of "
+                f"{fmt_bytes(self.budget)} per device; chose {best.name!r}, the smallest "
+                f"({fmt_bytes(best.cost.peak_bytes)}). Add devices, shard more axes, or lower "
+                "the activation memory (remat, smaller batch per device).",
+                stacklevel=3,  # the caller of plan()
+            )
+        out = self.make_plan("auto", best, best.cost)
+        alternatives = tuple((c.name, c.cost) for c in others[:12])
+        return replace(out, alternatives=alternatives, chosen=best.name)
+
 
 def plan(
     model: object,
@@ -670,18 +686,7 @@ def plan(
         if rules is not None:
             table = table.prepend(rules)
         return planner.final("rules", planner.table(table))
-    best, others = planner.auto(rules)
-    if best.cost.peak_bytes > planner.budget:
-        warnings.warn(
-            f"plan(strategy='auto'): no candidate fits the memory budget of "
-            f"{fmt_bytes(planner.budget)} per device; chose {best.name!r}, the smallest "
-            f"({fmt_bytes(best.cost.peak_bytes)}). Add devices, shard more axes, or lower the "
-            "activation memory (remat, smaller batch per device).",
-            stacklevel=2,
-        )
-    out = planner.make_plan("auto", best, best.cost)
-    alternatives = tuple((c.name, c.cost) for c in others[:12])
-    return replace(out, alternatives=alternatives, chosen=best.name)
+    return planner.auto_plan(rules)
 
 
 def _planner(

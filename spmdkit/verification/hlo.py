@@ -423,6 +423,21 @@ def parse_collectives(hlo_text: str) -> list[HloCollective]:
         ['all_gather']
     """
     lines = hlo_text.splitlines()
+    num_devices = _num_devices(lines)
+    reducers = _reducers(lines)
+    out = []
+    for line in lines:
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        collective = _collective(m, num_devices, reducers)
+        if collective is not None:
+            out.append(collective)
+    return out
+
+
+def _num_devices(lines: list[str]) -> int | None:
+    """Devices of the module (``num_partitions``, else ``replica_count``) from its header."""
     header = "\n".join(line for line in lines[:3] if line.startswith("HloModule"))
     m = _NUM_PARTITIONS.search(header)
     num_devices = int(m.group(1)) if m else None
@@ -430,68 +445,66 @@ def parse_collectives(hlo_text: str) -> list[HloCollective]:
         m = _REPLICA_COUNT.search(header)
         if m and int(m.group(1)) > 1:
             num_devices = int(m.group(1))
-    reducers = _reducers(lines)
-    out = []
-    for line in lines:
-        m = _INSTR.match(line)
-        if m is None:
-            continue
-        split = _split_type(m["rest"])
-        if split is None:
-            continue
-        type_text, remainder = split
-        op = re.match(r"(?P<op>[\w\-]+)\(", remainder)
-        if op is None:
-            continue
-        opcode = op["op"]
-        is_start = opcode.endswith("-start")
-        base = opcode[: -len("-start")] if is_start else opcode
-        if base not in _OPCODES:
-            continue
-        kind = _OPCODES[base]
-        tree = _type_tree(type_text)
-        if is_start and kind == "all_gather" and isinstance(tree, list) and len(tree) == 2:
-            tree = tree[1]  # (operands, results)
-        elif is_start and kind == "collective_permute" and isinstance(tree, list):
-            tree = tree[1] if len(tree) > 1 else tree[0]  # (operand, result, contexts…)
-        leaves = _leaves(tree)
-        attrs = remainder[op.end() :]
-        groups: tuple[tuple[int, ...], ...] = ()
-        pairs: tuple[tuple[int, int], ...] = ()
-        if kind == "collective_permute":
-            raw = _attr(attrs, "source_target_pairs") or "{}"
-            nums = _ints(raw)
-            pairs = tuple(zip(nums[::2], nums[1::2], strict=True))
-            group_size = len({d for p in pairs for d in p})
-        else:
-            raw = _attr(attrs, "replica_groups")
-            groups = parse_replica_groups(raw if raw is not None else "{}", num_devices=num_devices)
-            group_size = len(groups[0]) if groups else 1
-        payload = sum(_nbytes(leaf) for leaf in leaves)
-        if kind == "reduce_scatter":
-            payload *= group_size
-        op_name_m = re.search(r'op_name="([^"]*)"', attrs)
-        op_name = op_name_m.group(1) if op_name_m else ""
-        to_apply = _attr(attrs, "to_apply")
-        reduce_op = None
-        if kind in ("all_reduce", "reduce_scatter") and to_apply:
-            reduce_op = reducers.get(to_apply.lstrip("%"))
-        out.append(
-            HloCollective(
-                kind=kind,
-                shapes=tuple(dims for _, dims in leaves),
-                dtypes=tuple(dtype for dtype, _ in leaves),
-                payload_bytes=payload,
-                group_size=group_size,
-                replica_groups=groups,
-                op_name=op_name,
-                is_backward="transpose(" in op_name,
-                reduce_op=reduce_op,
-                name=m["name"],
-                source_target_pairs=pairs,
-            )
-        )
-    return out
+    return num_devices
+
+
+def _collective(
+    m: re.Match, num_devices: int | None, reducers: dict[str, str]
+) -> HloCollective | None:
+    """The collective one matched instruction line is (None when it is not one)."""
+    split = _split_type(m["rest"])
+    if split is None:
+        return None
+    type_text, remainder = split
+    op = re.match(r"(?P<op>[\w\-]+)\(", remainder)
+    if op is None:
+        return None
+    opcode = op["op"]
+    is_start = opcode.endswith("-start")
+    base = opcode[: -len("-start")] if is_start else opcode
+    if base not in _OPCODES:
+        return None
+    kind = _OPCODES[base]
+    tree = _type_tree(type_text)
+    if is_start and kind == "all_gather" and isinstance(tree, list) and len(tree) == 2:
+        tree = tree[1]  # (operands, results)
+    elif is_start and kind == "collective_permute" and isinstance(tree, list):
+        tree = tree[1] if len(tree) > 1 else tree[0]  # (operand, result, contexts…)
+    leaves = _leaves(tree)
+    attrs = remainder[op.end() :]
+    groups: tuple[tuple[int, ...], ...] = ()
+    pairs: tuple[tuple[int, int], ...] = ()
+    if kind == "collective_permute":
+        raw = _attr(attrs, "source_target_pairs") or "{}"
+        nums = _ints(raw)
+        pairs = tuple(zip(nums[::2], nums[1::2], strict=True))
+        group_size = len({d for p in pairs for d in p})
+    else:
+        raw = _attr(attrs, "replica_groups")
+        groups = parse_replica_groups(raw if raw is not None else "{}", num_devices=num_devices)
+        group_size = len(groups[0]) if groups else 1
+    payload = sum(_nbytes(leaf) for leaf in leaves)
+    if kind == "reduce_scatter":
+        payload *= group_size
+    op_name_m = re.search(r'op_name="([^"]*)"', attrs)
+    op_name = op_name_m.group(1) if op_name_m else ""
+    to_apply = _attr(attrs, "to_apply")
+    reduce_op = None
+    if kind in ("all_reduce", "reduce_scatter") and to_apply:
+        reduce_op = reducers.get(to_apply.lstrip("%"))
+    return HloCollective(
+        kind=kind,
+        shapes=tuple(dims for _, dims in leaves),
+        dtypes=tuple(dtype for dtype, _ in leaves),
+        payload_bytes=payload,
+        group_size=group_size,
+        replica_groups=groups,
+        op_name=op_name,
+        is_backward="transpose(" in op_name,
+        reduce_op=reduce_op,
+        name=m["name"],
+        source_target_pairs=pairs,
+    )
 
 
 def compiled_collectives(fn: Callable, *args: Any, **jit_kwargs: Any) -> list[HloCollective]:
@@ -620,25 +633,37 @@ def check_plan(
     else:
         steps = [s for s in plan if not s.is_local]
     unmatched = _logical(collectives)
-    problems = []
-    for step in steps:
-        wanted = [(step.kind, step.payload_bytes, step.group_size)]
-        if reduce_scatter_as_all_reduce and step.kind == "reduce_scatter":
-            wanted.append(("all_reduce", step.payload_bytes, step.group_size))
-        for key in wanted:
-            if key in unmatched:
-                unmatched.remove(key)
-                break
-        else:
-            split = None
-            if all_reduce_per_axis and step.kind == "all_reduce" and len(step.axes) > 1:
-                split = _per_axis_match(step, unmatched)
-            if split is None:
-                problems.append(f"planned {step} has no matching collective in the HLO")
-            else:
-                for key in split:
-                    unmatched.remove(key)
+    problems = [
+        f"planned {step} has no matching collective in the HLO"
+        for step in steps
+        if not _match(step, unmatched, reduce_scatter_as_all_reduce, all_reduce_per_axis)
+    ]
     problems.extend(
         f"HLO {kind} {group}×: {payload} B is not in the plan" for kind, payload, group in unmatched
     )
     return problems
+
+
+def _match(
+    step: Any,
+    unmatched: list[tuple[str, int, int]],
+    reduce_scatter_as_all_reduce: bool,
+    all_reduce_per_axis: bool,
+) -> bool:
+    """Remove the HLO collectives that one plan step matches from ``unmatched``
+    (:func:`check_plan`'s equivalences); False when none does."""
+    wanted = [(step.kind, step.payload_bytes, step.group_size)]
+    if reduce_scatter_as_all_reduce and step.kind == "reduce_scatter":
+        wanted.append(("all_reduce", step.payload_bytes, step.group_size))
+    for key in wanted:
+        if key in unmatched:
+            unmatched.remove(key)
+            return True
+    split = None
+    if all_reduce_per_axis and step.kind == "all_reduce" and len(step.axes) > 1:
+        split = _per_axis_match(step, unmatched)
+    if split is None:
+        return False
+    for key in split:
+        unmatched.remove(key)
+    return True

@@ -97,10 +97,9 @@ def verify_plan(
 def platform(mesh: MeshLike) -> str | None:
     """The platform of a device mesh's devices (``"cpu"``, ``"gpu"``…); None for
     an abstract mesh."""
-    devices = getattr(mesh, "devices", None)
     try:
-        return devices.flat[0].platform
-    except (AttributeError, IndexError):
+        return mesh.devices.flat[0].platform
+    except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
         return None
 
 

@@ -1,4 +1,4 @@
-"""Reading flax models (NNX and linen), born-sharded init and the shard decorator."""
+"""Reading flax models (NNX and linen) abstractly; the ModelInfo memo; no planner import."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.flax import ModelError, describe, path_str, shard
+from spmdkit.flax import ModelError, describe, path_str
 from spmdkit.planner import plan
 from tests.plan_model import Toy, toy_batch, toy_loss
 
@@ -55,22 +55,26 @@ def test_linen_logically_partitioned():
     assert p.params["params/w"] == P(None, "model") and p.params["params/b"] == P("model")
 
 
-def test_shard_decorator_creates_sharded_instances():
-    mesh = sk.make_mesh(data=2, model=4)
-
-    @shard("megatron", mesh=mesh)
-    class ShardedToy(Toy):
-        pass
-
-    model = ShardedToy(rngs=nnx.Rngs(0))
-    assert isinstance(model, Toy)
-    assert model.mixers[0].up[...].sharding.spec == P(None, "model")
-    assert model.table[...].sharding.spec == P("model")
-    with nnx.use_eager_sharding(False):
-        plain = Toy(rngs=nnx.Rngs(0))
-    assert jnp.allclose(model.mixers[1].down[...], plain.mixers[1].down[...])
+def test_memo_computes_once_per_key():
+    info = describe(lambda: Toy(rngs=nnx.Rngs(0)), loss=toy_loss, batch=toy_batch())
+    calls = []
+    assert info.memo(("t", 1), lambda: calls.append(1) or "a") == "a"
+    assert info.memo(("t", 1), lambda: calls.append(1) or "b") == "a"
+    assert info.memo(("t", 2), lambda: calls.append(1) or "c") == "c"
+    assert calls == [1, 1]
+    assert "memo" not in repr(info)
 
 
-def test_shard_needs_mesh_for_rules():
-    with pytest.raises(ModelError, match="mesh"):
-        shard("fsdp")
+def test_describe_never_imports_the_planner():
+    """The planner imports describe; describe (even inside functions) never imports
+    the planner, compile or verification."""
+    import ast
+    import inspect
+
+    import spmdkit.flax.describe as module
+
+    tree = ast.parse(inspect.getsource(module))
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    for stage in ("planner", "compile", "verification", "flax.annotate"):
+        assert not [m for m in imported if m and f"spmdkit.{stage}" in m], stage

@@ -1,0 +1,58 @@
+"""Logical-rule tables, axis roles and presets (no model, no tracing)."""
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.planner.logical import (
+    LogicalRules,
+    PlanError,
+    UnknownLogicalAxisError,
+    axis_roles,
+    preset_rules,
+)
+
+
+def test_rules_first_free_entry_wins(amesh):
+    rules = LogicalRules((("embed", "model"), ("mlp", "model"), ("mlp", "data"), ("mlp", None)))
+    assert rules.resolve(("embed", "mlp"), (64, 256), amesh) == P("model", "data")
+    assert rules.resolve(("mlp", "embed"), (256, 64), amesh) == P("model")
+
+
+def test_rules_skip_entries_that_do_not_divide(amesh):
+    rules = LogicalRules((("vocab", "model"), ("vocab", "data")))
+    assert rules.resolve(("vocab",), (6,), amesh) == P("data")
+
+
+def test_unknown_logical_name_raises_not_replicates(amesh):
+    rules = LogicalRules((("embed", "model"),))
+    with pytest.raises(UnknownLogicalAxisError, match="hidden"):
+        rules.resolve(("embed", "hidden"), (8, 8), amesh, where="w")
+
+
+def test_rule_naming_missing_mesh_axis_raises(amesh):
+    with pytest.raises(PlanError, match="mesh axes"):
+        LogicalRules((("embed", "fsdp"),)).resolve(("embed",), (8,), amesh)
+
+
+def test_coerce_accepts_pairs_and_mappings():
+    from_map = LogicalRules.coerce({"embed": ["model", None], "mlp": ("data", "model")})
+    assert from_map.entries == (("embed", ("model",)), ("embed", None), ("mlp", ("data", "model")))
+    assert LogicalRules.coerce([("embed", "model")]).prepend({"mlp": None}).names == (
+        "mlp",
+        "embed",
+    )
+    with pytest.raises(PlanError, match="LogicalRules"):
+        LogicalRules.coerce(3)
+
+
+def test_axis_roles_by_name_and_position():
+    assert axis_roles(sk.abstract_mesh(a=2, b=4))["model"] == ("b",)
+    assert axis_roles(sk.abstract_mesh(x=8))["data"] == ("x",)
+    roles = axis_roles(sk.abstract_mesh(model=4, data=2))
+    assert roles["data"] == ("data",) and roles["model"] == ("model",)
+
+
+def test_unknown_preset_names_near_match(amesh):
+    with pytest.raises(PlanError, match="fsdp"):
+        preset_rules("fdsp", amesh)

@@ -1,0 +1,75 @@
+"""verify_plan's checks and the CPU-emission adjustment of the prediction."""
+
+import ast
+import dataclasses
+import inspect
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+import spmdkit.verification.hlo
+import spmdkit.verification.report
+import spmdkit.verification.verify
+from spmdkit.propagation import propagate
+from spmdkit.resharding import plan_reshard
+from spmdkit.verification.verify import (
+    PlannedProgram,
+    as_on_cpu,
+    platform,
+    unsliced_plan_bytes,
+    verify_plan,
+)
+
+S = jax.ShapeDtypeStruct
+
+
+def _prop(mesh):
+    return propagate(
+        lambda x: jnp.tanh(x) * 2, S((16, 16), "float32"), in_specs=(P("a"),), mesh=mesh
+    )
+
+
+def test_a_plain_function_is_refused_with_the_fix(mesh2d):
+    plan = sk.Plan(mesh2d, {}, {}, {})
+    assert not isinstance(jnp.tanh, PlannedProgram)
+    with pytest.raises(sk.SpmdError, match=r"wrap with sk\.jit\(step, plan\)"):
+        verify_plan(plan, jnp.tanh, S((4,), "float32"))
+
+
+def test_platform_of_device_and_abstract_meshes(mesh2d):
+    assert platform(mesh2d) == "cpu"
+    assert platform(sk.abstract_mesh(a=2)) is None
+
+
+def test_cpu_all_reduces_what_a_gpu_reduce_scatters(mesh2d):
+    prop = _prop(mesh2d)
+    assert as_on_cpu(prop) is prop  # nothing to adjust
+    scattered = dataclasses.replace(
+        prop, comm_bytes_by_kind={"reduce_scatter": 4096, "all_gather": 512}, program=None
+    )
+    assert as_on_cpu(scattered).comm_bytes_by_kind == {"all_gather": 512, "all_reduce": 4096}
+
+
+def test_staged_reduce_scatters_reduce_the_whole_block_at_each_stage(mesh2d):
+    src = sk.TensorSpec((64, 64), partial={"a": "sum", "b": "sum"})
+    plan = plan_reshard(src, sk.TensorSpec((64, 64), P(("a", "b"))), mesh2d)
+    kinds = [c.kind for c in plan.collectives]
+    assert kinds == ["reduce_scatter", "reduce_scatter"], plan
+    first, second = (c.payload_bytes for c in plan.collectives)
+    assert unsliced_plan_bytes(plan) == first - second > 0
+
+
+def test_verification_never_imports_compile():
+    """sk.jit's PlannedFunction calls verification (its ``verify``), so
+    verification reads it through PlannedProgram instead of importing it."""
+    for module in (
+        spmdkit.verification.hlo,
+        spmdkit.verification.report,
+        spmdkit.verification.verify,
+    ):
+        tree = ast.parse(inspect.getsource(module))
+        names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in names if m.startswith("spmdkit.compile")], module.__name__
