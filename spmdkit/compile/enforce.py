@@ -62,9 +62,7 @@ from jax.sharding import NamedSharding
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.records import Propagation
-from spmdkit.resharding import ReshardPlan
-from spmdkit.resharding import run_plan as _run
-from spmdkit.resharding import step_fn as _step_body
+from spmdkit.resharding import ReshardPlan, run_plan, step_fn
 from spmdkit.spec import TensorSpec
 
 try:  # name stacks keep forward/backward labels in the compiled HLO's metadata
@@ -176,7 +174,7 @@ class _Replay:
         hit = self.memo.get(key)
         if hit is None or hit[0] is not x:
             if explicit:
-                moved = _run(_pin(x, chain.src, self.mesh), chain, self.mesh)
+                moved = run_plan(_pin(x, chain.src, self.mesh), chain, self.mesh)
             else:
                 moved = _through(x, chain, self.mesh)
             hit = (x, _pin(moved, spec, self.mesh))
@@ -194,7 +192,7 @@ class _Replay:
         def local(*blocks: Any) -> Any:
             y = _bind(eqn, blocks)[0]
             for step in plan.steps:
-                y = _step_body(step)(y)
+                y = step_fn(step)(y)
             return y
 
         return jax.shard_map(
