@@ -207,7 +207,7 @@ def _plain_batch_norm(
 def _op(name: str) -> Callable[..., Any]:
     """``spmdkit.ops.<name>``; raises (ImportError/AttributeError) when it is missing.
 
-    Read from the defining module: once ``spmdkit.ops.attention`` (the module) is
+    Read from the defining module: once ``spmdkit.ops.sdpa`` (the module) is
     imported, the package attribute of that name is the module, not the function.
     """
     found = getattr(importlib.import_module("spmdkit.ops"), name)

@@ -123,7 +123,8 @@ import treescope
 
 import spmdkit as sk
 from spmdkit.compile import jit
-from spmdkit.flax import describe, init_sharded, path_str
+from spmdkit.compile import init_sharded
+from spmdkit.flax import describe, path_str
 from spmdkit.models import get_model
 from spmdkit.planner import PRESETS, plan
 from spmdkit.propagation import propagate
@@ -304,7 +305,7 @@ show(bwd)"""
     ),
     md(
         "## Compile the plan and verify the prediction\n\n"
-        "`spmdkit.compile.jit` compiles a train step (Adam) with the plan's in/out "
+        "`spmdkit.compile.function` compiles a train step (Adam) with the plan's in/out "
         "shardings and donation; `plan.verify` propagates the plan through the same step "
         "and compares predicted collective bytes (per kind) and peak memory with the "
         "compiled HLO. On CPU, XLA may pick other collectives than a GPU would (e.g. an "

@@ -5,6 +5,7 @@
 # always gives a module. Old flat module paths resolve through ``spmdkit.moved``.
 from spmdkit import moved
 from spmdkit.compile import PlannedFunction, jit
+from spmdkit.compile.annotate import init_sharded, shard
 from spmdkit.errors import (
     DuplicateAxisError,
     ModuleMovedError,
@@ -18,7 +19,7 @@ from spmdkit.errors import (
     UnknownAxisError,
 )
 from spmdkit.factor import Notation, parse_notation
-from spmdkit.flax import ModelInfo, describe, init_sharded, shard
+from spmdkit.flax import ModelInfo, describe
 from spmdkit.inference import (
     ArgReshard,
     InferenceResult,
@@ -45,6 +46,7 @@ from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
 from spmdkit.rule import POLICIES, Example, FactorRule, Rule, RuleContext
 from spmdkit.spec import REDUCE_OPS, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
+from spmdkit.verification.compiled import CompiledReport, VerifyReport, report, verify
 from spmdkit.verification.hlo import (
     HloCollective,
     check_plan,
@@ -53,7 +55,6 @@ from spmdkit.verification.hlo import (
     parse_replica_groups,
     summarize,
 )
-from spmdkit.verification.report import CompiledReport, VerifyReport, report, verify
 
 moved.install()
 

@@ -6,9 +6,10 @@ keeps working: :data:`MOVED` maps each old path to its new one, and a finder
 installed by ``import spmdkit`` makes ``import spmdkit.checkpoint`` return
 :mod:`spmdkit.runtime.checkpoint` itself (the same module object, so patches and
 ``isinstance`` checks see one thing). Two old names are now *functions* of
-``spmdkit`` (``sk.plan``, ``sk.propagate``); making the old module importable
-would overwrite the function with the module, so those raise
-:class:`~spmdkit.errors.ModuleMovedError` naming the new path instead.
+``spmdkit`` (``sk.plan``, ``sk.propagate``, ``sk.report``); making the old module
+importable would overwrite the function with the module, so those raise
+:class:`~spmdkit.errors.ModuleMovedError` naming the new path instead, as does
+``spmdkit.flaxlib``, which was split in two.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from types import ModuleType
 
 from spmdkit.errors import ModuleMovedError
 
-__all__ = ["MOVED", "SHADOWED", "install"]
+__all__ = ["GONE", "MOVED", "install"]
 
 #: Old module path → new module path.
 MOVED: dict[str, str] = {
@@ -31,42 +32,48 @@ MOVED: dict[str, str] = {
     "spmdkit.demo": "spmdkit.cli.demo",
     "spmdkit.docgen": "spmdkit.cli.docgen",
     "spmdkit.enforce": "spmdkit.compile.enforce",
-    "spmdkit.flaxlib": "spmdkit.flax",
     "spmdkit.hlo": "spmdkit.verification.hlo",
     "spmdkit.launch": "spmdkit.runtime.launch",
     "spmdkit.memory": "spmdkit.propagation.memory",
-    "spmdkit.plan": "spmdkit.planner",
-    "spmdkit.propagate": "spmdkit.propagation",
-    "spmdkit.report": "spmdkit.verification.report",
     "spmdkit.train": "spmdkit.runtime.train",
 }
 
-#: Old paths that are also names of functions ``spmdkit`` exports: importing
-#: them raises instead of replacing the function.
-SHADOWED = frozenset({"spmdkit.plan", "spmdkit.propagate", "spmdkit.report"})
+#: Old paths that raise :class:`~spmdkit.errors.ModuleMovedError`: old path →
+#: (why, where its names are now). The others are names of functions their
+#: package exports (importing the module would replace the function).
+GONE: dict[str, tuple[str, str]] = {
+    "spmdkit.flaxlib": (
+        "split in two",
+        "spmdkit.flax (describe, ModelInfo, path_str) and spmdkit.compile (init_sharded, shard)",
+    ),
+    "spmdkit.plan": ("now the function sk.plan", "spmdkit.planner"),
+    "spmdkit.propagate": ("now the function sk.propagate", "spmdkit.propagation"),
+    "spmdkit.report": ("now the function sk.report", "spmdkit.verification.compiled"),
+    "spmdkit.ops.attention": ("now the function sk.ops.attention", "spmdkit.ops.sdpa"),
+    "spmdkit.ops.index_put": ("now the function sk.ops.index_put", "spmdkit.ops.indexing"),
+}
 
 
 class _Alias(importlib.abc.Loader):
-    """Loads an old path as the module now at its new path."""
-
-    def __init__(self, new: str) -> None:
-        self.new = new
+    """Loads an old path as the module now at its new path, or raises where
+    the old path is :data:`GONE`."""
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return None
 
     def exec_module(self, module: ModuleType) -> None:
         old = module.__name__
-        if old in SHADOWED:
+        if old in GONE:
+            why, new = GONE[old]
             raise ModuleMovedError(
                 op=f"import {old}",
-                must=f"the module is imported from its new path {self.new}",
-                given=f"the old path {old} (now the function sk.{old.rsplit('.', 1)[1]})",
-                fix=f"write `from {self.new} import ...` (or call sk.{old.rsplit('.', 1)[1]})",
+                must=f"its names are imported from {new}",
+                given=f"the old path {old} ({why})",
+                fix=f"import from {new}",
             )
         # importlib returns whatever sys.modules holds for the name once this
         # returns: the moved module itself, not a copy of its namespace.
-        sys.modules[old] = importlib.import_module(self.new)
+        sys.modules[old] = importlib.import_module(MOVED[old])
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
@@ -75,10 +82,9 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: object = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        new = MOVED.get(fullname)
-        if new is None:
+        if fullname not in MOVED and fullname not in GONE:
             return None
-        return importlib.util.spec_from_loader(fullname, _Alias(new))
+        return importlib.util.spec_from_loader(fullname, _Alias())
 
 
 def install() -> None:

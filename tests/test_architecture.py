@@ -15,6 +15,7 @@ from spmdkit.cli.deps import (
     module_graph,
     package_graph,
     private_imports,
+    shadowed_submodules,
     source_files,
     stage_of,
 )
@@ -47,6 +48,10 @@ def test_no_import_circles(graph):
 
 def test_imports_point_one_way(graph):
     assert layer_violations(graph) == []
+
+
+def test_no_package_exports_a_name_that_hides_a_submodule(files):
+    assert shadowed_submodules(files) == []
 
 
 def test_no_module_uses_another_modules_private_names(files):
@@ -110,7 +115,7 @@ def test_the_checks_catch_a_lazy_circle_and_private_reach_ins(tmp_path):
     fake = _write(
         tmp_path,
         {
-            "spmdkit/__init__.py": '"""x"""\n',
+            "spmdkit/__init__.py": '"""x"""\nfrom spmdkit.a import f as b\nfrom spmdkit import d\n',
             "spmdkit/a.py": """\
                 '''a'''
                 from spmdkit import b
@@ -129,6 +134,7 @@ def test_the_checks_catch_a_lazy_circle_and_private_reach_ins(tmp_path):
         },
     )
     assert find_cycles(module_graph(fake)) == [["spmdkit.a", "spmdkit.b"]]
+    assert shadowed_submodules(fake) == ["spmdkit.b"]
     found = sorted((u.module, u.name) for u in private_imports(fake))
     assert found == [
         ("spmdkit.a", "_cache"),
@@ -138,7 +144,9 @@ def test_the_checks_catch_a_lazy_circle_and_private_reach_ins(tmp_path):
 
 
 def test_the_layer_check_catches_an_upward_import():
-    graph = {"spmdkit.spec": {"spmdkit.planner.plan"}, "spmdkit.planner.plan": {"spmdkit.spec"}}
-    assert layer_violations(graph) == ["spmdkit.spec (base) imports spmdkit.planner.plan (planner)"]
-    assert stage_of("spmdkit.flax.annotate") == "annotate"
-    assert stage_of("spmdkit.flax.describe") == "describe"
+    graph = {"spmdkit.spec": {"spmdkit.planner.plans"}, "spmdkit.planner.plans": {"spmdkit.spec"}}
+    assert layer_violations(graph) == [
+        "spmdkit.spec (base) imports spmdkit.planner.plans (planner)"
+    ]
+    assert stage_of("spmdkit.compile.annotate") == "compile"
+    assert stage_of("spmdkit.flax.model") == "describe"

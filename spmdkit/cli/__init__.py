@@ -1,5 +1,5 @@
 """The `spmdkit` command line: demo, rules, plan, report, train, launch."""
 
-from spmdkit.cli.main import COMMANDS, build_parser, main
+from spmdkit.cli.app import COMMANDS, build_parser, main
 
 __all__ = ["COMMANDS", "build_parser", "main"]

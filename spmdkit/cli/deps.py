@@ -10,6 +10,9 @@ imported) and answers three questions the test suite asks on every run:
   module (``from spmdkit.x import _helper``, ``x._cache``)?
 * :func:`layer_violations`: does a module import a stage it must not
   (:data:`LAYERS`)?
+* :func:`shadowed_submodules`: does a package export a name that is also one of
+  its submodules (``spmdkit.planner.plan`` the function hiding the module
+  ``plan.py``: ``import spmdkit.planner.plan as m`` would give the function)?
 
 ``spmdkit deps`` prints the package graph; ``--mermaid`` prints the diagram that
 ``docs/architecture.md`` embeds.
@@ -37,6 +40,7 @@ __all__ = [
     "module_graph",
     "package_graph",
     "private_imports",
+    "shadowed_submodules",
     "source_files",
     "stage_of",
 ]
@@ -58,10 +62,8 @@ STAGES: dict[str, tuple[str, ...]] = {
     "rules": ("spmdkit.rules",),
     "resharding": ("spmdkit.resharding",),
     "propagation": ("spmdkit.propagation",),
-    "describe": ("spmdkit.flax.describe",),
+    "describe": ("spmdkit.flax",),
     "planner": ("spmdkit.planner",),
-    # the package re-exports annotate's names, so it sits at annotate's level
-    "annotate": ("spmdkit.flax", "spmdkit.flax.annotate"),
     "compile": ("spmdkit.compile",),
     "verification": ("spmdkit.verification",),
     "runtime": ("spmdkit.runtime",),
@@ -81,7 +83,6 @@ _BELOW_API = frozenset(
         "propagation",
         "describe",
         "planner",
-        "annotate",
         "compile",
         "verification",
     }
@@ -99,7 +100,6 @@ LAYERS: dict[str, frozenset[str]] = {
     "propagation": frozenset({"base", "resharding", "rule", "rules"}),
     "describe": frozenset({"base"}),
     "planner": frozenset({"base", "resharding", "rule", "propagation", "describe"}),
-    "annotate": frozenset({"base", "describe", "planner"}),
     "verification": frozenset({"base", "rule", "resharding", "propagation", "planner"}),
     "compile": frozenset(
         {"base", "resharding", "rule", "propagation", "describe", "planner", "verification"}
@@ -290,13 +290,46 @@ def private_imports(files: Mapping[str, Path], known: Iterable[str] = ()) -> lis
     return sorted(found, key=lambda u: (u.module, u.line, u.name))
 
 
+def shadowed_submodules(files: Mapping[str, Path]) -> list[str]:
+    """``package.name`` for every name a package's ``__init__`` binds (imports,
+    defines or assigns) that is also a submodule of that package, other than the
+    submodule itself.
+
+    Example::
+
+        >>> shadowed_submodules(source_files())
+        []
+    """
+    found = []
+    for package, path in files.items():
+        if path.name != "__init__.py":
+            continue
+        children = {m.rpartition(".")[2] for m in files if m.rpartition(".")[0] == package}
+        tree = ast.parse(path.read_text(), str(path))
+        bound: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(package, node, True)
+                bound.update(
+                    a.asname or a.name
+                    for a in node.names
+                    if f"{base}.{a.name}" != f"{package}.{a.asname or a.name}"
+                )
+            elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+                bound.add(node.name)
+            elif isinstance(node, ast.Assign):
+                bound.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        found.extend(f"{package}.{name}" for name in sorted(bound & children))
+    return sorted(found)
+
+
 def stage_of(module: str) -> str:
     """The stage (a key of :data:`STAGES`) a module belongs to: the longest prefix.
 
     Example::
 
-        >>> stage_of("spmdkit.flax.annotate"), stage_of("spmdkit.flax.describe")
-        ('annotate', 'describe')
+        >>> stage_of("spmdkit.compile.annotate"), stage_of("spmdkit.flax.model")
+        ('compile', 'describe')
     """
     best, best_len = "api", 0
     for stage, prefixes in STAGES.items():
@@ -338,7 +371,6 @@ _ORDER = (
     "api",
     "compile",
     "verification",
-    "annotate",
     "planner",
     "propagation",
     "describe",
@@ -386,6 +418,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     problems = [f"circle: {' <-> '.join(c)}" for c in find_cycles(graph)]
     problems += [f"private: {u}" for u in private_imports(source_files())]
     problems += [f"layer: {v}" for v in layer_violations(graph)]
+    problems += [f"shadowed: {s}" for s in shadowed_submodules(source_files())]
     for p in problems:
         out.write(p + "\n")
     return 1 if problems else 0

@@ -85,8 +85,8 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
         import jax
         import numpy as np
 
-        from spmdkit.compile import jit
-        from spmdkit.flax import describe, init_sharded
+        from spmdkit.compile import init_sharded, jit
+        from spmdkit.flax import describe
         from spmdkit.models import get_model
         from spmdkit.planner import plan
 

@@ -1,11 +1,12 @@
-"""flax: describe an NNX or linen model abstractly; create its parameters sharded.
+"""flax: describe an NNX or linen model abstractly.
 
 ``describe`` reads a model's parameters, logical axis names and loss without
-allocating anything (it never imports the planner); ``annotate`` places
-parameters with a plan's shardings (``init_sharded``, ``shard``).
+allocating anything. Nothing in this package imports the planner: the planner
+reads models through it. Placing a model's parameters with a plan's shardings
+(``init_sharded``, ``shard``) is :mod:`spmdkit.compile.annotate`'s job.
 """
 
-from spmdkit.flax.describe import (
+from spmdkit.flax.model import (
     ModelError,
     ModelInfo,
     ParamInfo,
@@ -15,17 +16,12 @@ from spmdkit.flax.describe import (
     variable_value,
 )
 
-# After ``describe``: ``annotate`` imports the planner, which imports ``describe``.
-from spmdkit.flax.annotate import init_sharded, shard  # isort: skip
-
 __all__ = [
     "ModelError",
     "ModelInfo",
     "ParamInfo",
     "describe",
-    "init_sharded",
     "path_str",
-    "shard",
     "variable_names",
     "variable_value",
 ]

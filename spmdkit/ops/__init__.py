@@ -3,17 +3,15 @@
 Each op reshards its inputs to the specs its rule requires, runs the local
 computation with exactly the rule's collectives (``shard_map``; see
 :mod:`spmdkit.ops.base`) and returns outputs that carry the rule's output specs;
-``jax.grad`` through it yields the grad rule's specs. One module per family.
-
-The functions are imported here eagerly: two of them share their module's name
-(``attention``, ``index_put``), and binding the function after the module import
-keeps ``spmdkit.ops.attention`` the function however the module was reached.
+``jax.grad`` through it yields the grad rule's specs. One module per family:
+``norms``, ``cross_entropy``, ``embedding``, ``indexing`` (``index_put``) and
+``sdpa`` (scaled dot-product ``attention``); no module shares a name with a
+function exported here.
 """
 
-from spmdkit.ops.attention import attention
 from spmdkit.ops.cross_entropy import softmax_cross_entropy
 from spmdkit.ops.embedding import embedding_lookup
-from spmdkit.ops.index_put import index_put
+from spmdkit.ops.indexing import index_put
 from spmdkit.ops.norms import (
     batch_norm,
     group_norm,
@@ -22,6 +20,7 @@ from spmdkit.ops.norms import (
     rms_norm,
     sync_batch_norm,
 )
+from spmdkit.ops.sdpa import attention
 
 __all__ = [
     "attention",

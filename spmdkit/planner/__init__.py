@@ -5,7 +5,7 @@ Stage 3 of the pipeline (trace → propagate → **plan** → enforce/compile �
 specs for every parameter, optimizer state and activation boundary, with its
 estimated :class:`Cost`.
 
-Modules: ``logical`` (rule tables, presets, axis roles), ``plan`` (``Plan`` and
+Modules: ``logical`` (rule tables, presets, axis roles), ``plans`` (``Plan`` and
 ``Cost`` as plain data: shardings, JSON, the printed table), ``analytic`` (the
 per-parameter cost model), ``search`` (one trace per model, the candidates, the
 search, :func:`plan`).
@@ -21,11 +21,8 @@ from spmdkit.planner.logical import (
     axis_roles,
     preset_rules,
 )
-from spmdkit.planner.plan import Cost, Plan, PlannedStep
-
-# ``plan`` the function, imported after the module ``plan`` (importing a module
-# sets the package attribute of its name; the function must win).
-from spmdkit.planner.search import plan  # isort: skip
+from spmdkit.planner.plans import Cost, Plan, PlannedStep
+from spmdkit.planner.search import plan
 
 __all__ = [
     "BATCH_NAMES",

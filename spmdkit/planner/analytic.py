@@ -37,8 +37,8 @@ from typing import NamedTuple
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.describe import ModelInfo, ParamInfo
-from spmdkit.planner.plan import Cost, Dims, PyTree
+from spmdkit.flax.model import ModelInfo, ParamInfo
+from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.spec import MeshLike
 from spmdkit.topology import Topology
 
@@ -327,7 +327,7 @@ def total_cost(
     batch_axes: tuple[str, ...],
     seq_axes: tuple[str, ...],
 ) -> Cost:
-    """The analytic :class:`~spmdkit.planner.plan.Cost` of one layout per group."""
+    """The analytic :class:`~spmdkit.planner.plans.Cost` of one layout per group."""
     sizes = ctx.sizes
     seq_shards = math.prod(sizes[a] for a in seq_axes)
     comm_s = compute_s = 0.0

@@ -1,7 +1,7 @@
 """The search: trace a model's train step once, build candidate layouts, cost them, pick one.
 
-:func:`plan` turns a model (anything :func:`spmdkit.flax.describe` reads) and a
-mesh into a :class:`~spmdkit.planner.plan.Plan`.
+:func:`plan` turns a model (anything :func:`spmdkit.flax.model` reads) and a
+mesh into a :class:`~spmdkit.planner.plans.Plan`.
 
 Estimators
 ----------
@@ -42,7 +42,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.describe import ModelInfo, describe
+from spmdkit.flax.model import ModelInfo, describe
 from spmdkit.planner.analytic import (
     CostContext,
     GroupCost,
@@ -63,7 +63,7 @@ from spmdkit.planner.logical import (
     UnknownLogicalAxisError,
     preset_rules,
 )
-from spmdkit.planner.plan import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
+from spmdkit.planner.plans import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
 from spmdkit.propagation import propagate
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology

@@ -3,14 +3,11 @@
 Stage 5 of the pipeline (trace → propagate → plan → enforce/compile → **verify**
 → run). ``hlo`` parses collectives out of compiled HLO text, ``report``
 summarizes a compiled step (collectives, bytes, memory) and compares it with a
-:class:`~spmdkit.propagation.Propagation`; ``verify`` runs that comparison for a
+:class:`~spmdkit.propagation.Propagation`; ``planned`` runs that comparison for a
 step compiled by ``sk.jit`` (what ``plan.verify`` does).
 """
 
-# The ``verify`` module is imported before the ``verify`` function so that the
-# package attribute ``verify`` is the function (importing a submodule sets the
-# package attribute of its name).
-from spmdkit.verification.verify import PlannedProgram, as_on_cpu, verify_plan  # isort: skip
+from spmdkit.verification.compiled import CompiledReport, VerifyReport, executions, report, verify
 from spmdkit.verification.hlo import (
     HloCollective,
     check_plan,
@@ -19,7 +16,7 @@ from spmdkit.verification.hlo import (
     parse_replica_groups,
     summarize,
 )
-from spmdkit.verification.report import CompiledReport, VerifyReport, executions, report, verify
+from spmdkit.verification.planned import PlannedProgram, as_on_cpu, verify_plan
 
 __all__ = [
     "CompiledReport",

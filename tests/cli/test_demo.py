@@ -61,7 +61,7 @@ def test_demo_runs_and_its_checks_pass(tmp_path):
 
 def test_console_script_is_installed_and_dispatches(tmp_path):
     """The ``spmdkit`` entry point runs a command (the demo itself is run above, through
-    ``python -m spmdkit``; both go through the same ``spmdkit.cli.main``)."""
+    ``python -m spmdkit``; both go through the same ``spmdkit.cli.app``)."""
     script = Path(sys.executable).parent / "spmdkit"
     if not script.exists():
         script = shutil.which("spmdkit")

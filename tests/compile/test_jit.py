@@ -11,8 +11,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.compile import infer_role, jit
-from spmdkit.flax import describe, init_sharded
+from spmdkit.compile import infer_role, init_sharded, jit
+from spmdkit.flax import describe
 from spmdkit.planner import plan
 from tests.plan_model import toy_batch, toy_init, toy_loss
 
@@ -229,7 +229,7 @@ def test_reference_models_match_single_device_and_verify(model, strategy, shape)
 def test_auto_compiled_collectives_at_most_best_preset(info):
     """The auto plan's compiled collective bytes are within 1.1x of the best preset's."""
     from spmdkit.planner import PRESETS
-    from spmdkit.verification.report import report
+    from spmdkit.verification.compiled import report
 
     mesh = sk.make_mesh(data=2, model=4)
     batch = toy_batch()

@@ -71,10 +71,10 @@ def test_describe_never_imports_the_planner():
     import ast
     import inspect
 
-    import spmdkit.flax.describe as module
+    import spmdkit.flax.model as module
 
     tree = ast.parse(inspect.getsource(module))
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    for stage in ("planner", "compile", "verification", "flax.annotate"):
+    for stage in ("planner", "compile", "verification"):
         assert not [m for m in imported if m and f"spmdkit.{stage}" in m], stage

@@ -1,4 +1,4 @@
-"""spmdkit.ops.attention: values and grads equal ``jax.nn.dot_product_attention`` under
+"""spmdkit.ops.sdpa: values and grads equal ``jax.nn.dot_product_attention`` under
 sequence-sharded and sampled input specs (every enumerated spec in the slow test, see
 ``layouts``), in Explicit and Auto axis modes, for every strategy; the collectives are
 the rule's."""
@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
-from spmdkit.ops.attention import attention
+from spmdkit.ops.sdpa import attention
 from spmdkit.rules.attention import attention_reference
 from spmdkit.testing import enumerate_specs
 from spmdkit.verification.hlo import check_plan, compiled_collectives

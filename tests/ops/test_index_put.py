@@ -1,4 +1,4 @@
-"""spmdkit.ops.index_put: values and grads equal ``x.at[idx].set/add`` under sampled
+"""spmdkit.ops.indexing: values and grads equal ``x.at[idx].set/add`` under sampled
 input specs (every enumerated spec in the slow test, see ``layouts``), in Explicit and
 Auto axis modes; the local update moves nothing."""
 
@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
-from spmdkit.ops.index_put import index_put
+from spmdkit.ops.indexing import index_put
 from spmdkit.rules.index_put import index_put_reference
 from spmdkit.verification.hlo import compiled_collectives
 

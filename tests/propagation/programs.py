@@ -54,6 +54,6 @@ def all_reduce_bytes(fn, args, specs, mesh):
 
 def compiled_report(fn, args):
     """The compiled-HLO report of ``fn`` on (sharded) abstract ``args``."""
-    from spmdkit.verification.report import report
+    from spmdkit.verification.compiled import report
 
     return report(fn, *args)

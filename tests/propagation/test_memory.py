@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.propagation import propagate
 from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
-from spmdkit.verification.report import report
+from spmdkit.verification.compiled import report
 
 S = jax.ShapeDtypeStruct
 F32 = "float32"

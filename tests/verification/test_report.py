@@ -6,7 +6,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.propagation import propagate
-from spmdkit.verification.report import CompiledReport, VerifyReport, executions, report, verify
+from spmdkit.verification.compiled import CompiledReport, VerifyReport, executions, report, verify
 
 S = jax.ShapeDtypeStruct
 F32 = "float32"

@@ -1,12 +1,13 @@
 """Create a flax model's parameters sharded as a plan (or a rule table) says: "born sharded".
 
 :func:`init_sharded` runs a described model's initialisers inside ``jax.jit`` with
-``out_shardings`` from a :class:`~spmdkit.planner.plan.Plan`, so no device ever
+``out_shardings`` from a :class:`~spmdkit.planner.plans.Plan`, so no device ever
 holds a whole parameter the plan shards. :func:`shard` makes an NNX module class
 do that on construction, from a plan, a preset name or a logical-rule table.
 
-This is the part of :mod:`spmdkit.flax` that reads plans; it imports the planner
-(:mod:`spmdkit.flax.describe`, which the planner imports, never does).
+It lives beside ``sk.jit`` because both turn a plan into JAX shardings; the
+:mod:`spmdkit.flax` package, which the planner itself reads models through,
+never imports the planner.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.describe import ModelError, describe, variable_names, variable_value
+from spmdkit.flax.model import ModelError, describe, variable_names, variable_value
 from spmdkit.mesh import auto_mesh
 from spmdkit.planner.logical import LogicalRules, RulesLike, preset_rules
-from spmdkit.planner.plan import Plan, PyTree
+from spmdkit.planner.plans import Plan, PyTree
 from spmdkit.util import path_str
 
 __all__ = ["init_sharded", "shard"]
@@ -37,9 +38,9 @@ def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> P
 
     Args:
       info_or_model: a :class:`~spmdkit.flax.ModelInfo`, or anything
-        :func:`~spmdkit.flax.describe` accepts.
+        :func:`~spmdkit.flax.model` accepts.
       plan: a :class:`spmdkit.planner.Plan` whose mesh has devices.
-      **describe_kwargs: passed to :func:`~spmdkit.flax.describe` when a model is given.
+      **describe_kwargs: passed to :func:`~spmdkit.flax.model` when a model is given.
 
     Returns:
       The params pytree (NNX ``State`` or linen dict) of sharded ``jax.Array``.

@@ -7,7 +7,7 @@ hands out pytrees of ``NamedSharding`` / ``ShapeDtypeStruct`` that ``jax.jit``,
 flax and orbax take directly, prints as a table, and round-trips through JSON.
 A :class:`Cost` is the estimated per-device cost of one train step under it.
 
-Plans are made by :func:`spmdkit.planner.plan` (:mod:`spmdkit.planner.search`)
+Plans are made by :func:`spmdkit.planner.plans` (:mod:`spmdkit.planner.search`)
 from the rule tables of :mod:`spmdkit.planner.logical`.
 """
 
@@ -165,7 +165,7 @@ R_co = TypeVar("R_co", covariant=True)
 class PlannedStep(Protocol[R_co]):
     """What :meth:`Plan.verify` needs of a step: one compiled for a plan that can
     verify itself (``sk.jit``'s :class:`~spmdkit.compile.PlannedFunction`, whose
-    ``verify`` returns a :class:`~spmdkit.verification.report.VerifyReport`).
+    ``verify`` returns a :class:`~spmdkit.verification.compiled.VerifyReport`).
 
     The planner names this shape instead of importing :mod:`spmdkit.compile`,
     which imports the planner.
@@ -524,7 +524,7 @@ class Plan:
         HLO of the executable the step runs (``spmdkit.verification``).
 
         Returns:
-          A ``spmdkit.verification.report.VerifyReport`` (``.ok``, ``.mismatches``).
+          A ``spmdkit.verification.compiled.VerifyReport`` (``.ok``, ``.mismatches``).
 
         Raises:
           PlanError: ``step`` is not compiled for a plan (a plain function, or a

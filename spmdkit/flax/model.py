@@ -21,7 +21,7 @@ treats it like any other.
 
 Nothing here materialises a model on one device: shapes come from
 ``nnx.eval_shape`` / ``jax.eval_shape``. Creating the parameters sharded is
-:mod:`spmdkit.flax.annotate`'s job; this module never imports the planner (the
+:mod:`spmdkit.compile.annotate`'s job; this module never imports the planner (the
 planner imports it).
 """
 

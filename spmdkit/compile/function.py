@@ -27,7 +27,7 @@ the step is traced, propagated with spmdkit's rules
 equations with every operand and result pinned to the propagated layout
 (:mod:`spmdkit.compile.enforce`). The compiled program then moves what the plan
 predicts (``plan.verify``, which runs :meth:`PlannedFunction.verify`:
-:mod:`spmdkit.verification.verify`); ``enforce=False`` leaves the choice to XLA.
+:mod:`spmdkit.verification.planned`); ``enforce=False`` leaves the choice to XLA.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.compile.enforce import enforced
 from spmdkit.errors import SpmdError
 from spmdkit.planner.logical import PlanError
-from spmdkit.planner.plan import Plan
+from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
 from spmdkit.util import path_str
-from spmdkit.verification.report import VerifyReport
-from spmdkit.verification.verify import verify_plan
+from spmdkit.verification.compiled import VerifyReport
+from spmdkit.verification.planned import verify_plan
 
 __all__ = ["ROLES", "STATE_ROLES", "PlannedFunction", "infer_role", "jit"]
 

@@ -6,7 +6,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.flax import ModelError, describe, init_sharded, shard
+from spmdkit.compile import init_sharded, shard
+from spmdkit.flax import ModelError, describe
 from spmdkit.planner import plan
 from tests.plan_model import Toy, toy_batch, toy_init, toy_loss
 

@@ -2,8 +2,8 @@
 
 :func:`verify_plan` takes a step compiled for a plan (what ``sk.jit(step, plan)``
 returns), propagates the plan through it, reads the compiled executable back
-(:func:`spmdkit.verification.report.report`) and compares the two
-(:func:`spmdkit.verification.report.verify`). It is what ``plan.verify(step, ...)``
+(:func:`spmdkit.verification.compiled.report`) and compares the two
+(:func:`spmdkit.verification.compiled.verify`). It is what ``plan.verify(step, ...)``
 and ``PlannedFunction.verify`` run.
 
 On CPU, XLA emits some reductions differently from the plan's collectives; the
@@ -22,11 +22,11 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from spmdkit.errors import SpmdError
-from spmdkit.planner.plan import Plan
+from spmdkit.planner.plans import Plan
 from spmdkit.propagation import EqnRecord, Propagation
 from spmdkit.resharding import ReshardPlan
 from spmdkit.spec import MeshLike
-from spmdkit.verification.report import VerifyReport, report, verify
+from spmdkit.verification.compiled import VerifyReport, report, verify
 
 __all__ = [
     "PlannedProgram",
@@ -69,7 +69,7 @@ def verify_plan(
       mem_tol: relative tolerance on peak memory.
 
     Returns:
-      The :class:`~spmdkit.verification.report.VerifyReport` (``.ok``, ``.mismatches``).
+      The :class:`~spmdkit.verification.compiled.VerifyReport` (``.ok``, ``.mismatches``).
 
     Raises:
       SpmdError: ``step`` is not a step compiled for a plan (a plain function).
