@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jax.sharding import AbstractMesh, Mesh
 
@@ -20,6 +20,9 @@ from spmdkit.registry import generation, get_rule
 from spmdkit.rule import RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import freeze
+
+if TYPE_CHECKING:
+    from spmdkit.resharding.plan import ReshardPlan
 
 __all__ = [
     "ArgReshard",
@@ -53,7 +56,7 @@ class ArgReshard:
     arg: str
     src: TensorSpec
     dst: TensorSpec
-    plan: Any
+    plan: ReshardPlan
     in_place: bool = False
 
     @property

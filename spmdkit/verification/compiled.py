@@ -25,12 +25,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from spmdkit.util import fmt_bytes as _fmt
 from spmdkit.verification.hlo import HloCollective, parse_collectives
+
+if TYPE_CHECKING:
+    from spmdkit.propagation.records import Propagation
 
 __all__ = ["CompiledReport", "VerifyReport", "executions", "report", "verify"]
 
@@ -243,7 +246,7 @@ def _close(p: float, c: float, tol: float, slack: float) -> bool:
 
 
 def verify(
-    prop: Any,
+    prop: Propagation,
     compiled: CompiledReport,
     *,
     bytes_tol: float = 0.10,

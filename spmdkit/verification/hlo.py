@@ -28,12 +28,15 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from spmdkit.errors import SpmdError
+
+if TYPE_CHECKING:
+    from spmdkit.resharding.plan import ReshardPlan
 
 __all__ = [
     "HloCollective",
@@ -573,7 +576,7 @@ def _per_axis_match(step: Any, unmatched: list[tuple[str, int, int]]) -> list | 
 
 
 def check_plan(
-    plan: Any,
+    plan: ReshardPlan,
     collectives: Iterable[HloCollective],
     *,
     reduce_scatter_as_all_reduce: bool = False,
