@@ -365,6 +365,46 @@ def _vjp(fn: Callable[..., Any], xs: Sequence[Any], diff: Sequence[bool]) -> tup
     return outs, scaled
 
 
+#: Jitted unsharded ops, by (rule, frozen attributes without strategy, differentiable).
+_REFERENCES: dict[tuple, Callable[..., Any]] = {}
+
+
+def _reference(
+    rule: Rule, attrs: Mapping[str, Any], diff: tuple[bool, ...] | None = None
+) -> Callable[..., Any]:
+    """The unsharded op, jitted: one compiled program per shape instead of one per
+    primitive that eager dispatch compiles, kept so every case and sweep of the op
+    reuses it. ``diff=None``: ``(*values) -> outputs``; else ``(values, cotangents) ->
+    (outputs, grads)``, the grads by :func:`_vjp` for the inputs ``diff`` marks."""
+    attrs = without_strategy(attrs)
+    fn = functools.partial(rule.impl, **attrs)
+
+    def outputs(*values):
+        return _as_tuple(fn(*values))
+
+    def outputs_and_grads(values, cotangents):
+        outs, vjp = _vjp(fn, list(values), diff)
+        return outs, vjp(tuple(cotangents))
+
+    try:
+        key = (rule, freeze(attrs), diff)
+    except TypeError:  # an unhashable attribute: compiled for this call only
+        key = None
+    if key is None or key not in _REFERENCES:
+        if len(_REFERENCES) >= 512:
+            _REFERENCES.clear()
+        compiled = jax.jit(outputs if diff is None else outputs_and_grads)
+        if key is None:
+            return compiled
+        _REFERENCES[key] = compiled
+    return _REFERENCES[key]
+
+
+def _unsharded(rule: Rule, attrs: Mapping[str, Any], values: Sequence[Any]) -> list[np.ndarray]:
+    """The unsharded op's outputs on ``values`` (the reference every case compares with)."""
+    return [np.asarray(o) for o in _reference(rule, attrs)(*values)]
+
+
 def _local_key(
     rule: Rule, attrs: Mapping[str, Any], res: Any, outputs: Sequence[TensorSpec] | None = None
 ) -> tuple:
@@ -580,8 +620,7 @@ def _forward_case(
 ) -> tuple[CaseFailure | None, Any]:
     rng = np.random.default_rng(seed)
     res = infer_forward(rule.name, *specs, mesh=mesh, **attrs)
-    ref_attrs = without_strategy(attrs)
-    ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **ref_attrs))]
+    ref = _unsharded(rule, attrs, values)
 
     def fail(detail: str) -> CaseFailure:
         return CaseFailure("forward", attrs, tuple(specs), res.inputs, res.outputs, detail)
@@ -702,9 +741,8 @@ def _grad_case(
         )
 
     idx = [i for i, d in enumerate(diff) if d]
-    fn = functools.partial(rule.impl, **without_strategy(attrs))
-    outs_ref, vjp = _vjp(fn, list(map(jnp.asarray, values)), diff)
-    ref_grads = [np.asarray(g) for g in vjp(tuple(jnp.asarray(c) for c in cotangents))]
+    outs_ref, grads_ref = _reference(rule, attrs, diff)(tuple(values), tuple(cotangents))
+    ref_grads = [np.asarray(g) for g in grads_ref]
     sizes = axis_sizes(mesh)
     transposes = []
     for fo in res.forward_outputs:
@@ -832,8 +870,7 @@ def _sweep(
     for ex in examples or rule.examples:
         values = _values(rule, ex, rng)
         attrs = dict(ex.attrs)
-        ref_attrs = without_strategy(attrs)
-        ref = [np.asarray(o) for o in _as_tuple(rule.impl(*map(jnp.asarray, values), **ref_attrs))]
+        ref = _unsharded(rule, attrs, values)
         combos = _combos(_input_specs(ex, mesh), max_cases, rng)
         for specs in combos:
             failure, res = _forward_case(

@@ -3,6 +3,10 @@
 * numeric sweep, forward and grad, on the 1-D (x=4) and 2-D (a=2, b=4) meshes,
   even shapes and uneven ones (padded blocks);
 * jit check: compiled HLO collectives equal the predicted ones.
+
+Each check runs twice over: a sample in the default run (``[sample-...]``) and the
+full sample in the slow step (``[full-...]``, ``python -m pytest -m slow``). Every case
+compiles its own program, so the sample sizes are what the sweeps cost.
 """
 
 import dataclasses
@@ -15,6 +19,14 @@ from spmdkit.testing import check_jit, check_rule
 OPS = sk.registered_ops()
 
 
+def _sizes(sample, full):
+    """The sweep's sample sizes: ``sample`` in the default run, ``full`` under ``slow``."""
+    return pytest.mark.parametrize(
+        "size",
+        [pytest.param(sample, id="sample"), pytest.param(full, id="full", marks=pytest.mark.slow)],
+    )
+
+
 def _even_examples(op):
     """The rule's examples on even shapes (uneven ones have their own sweeps below);
     None (the rule's own list) when it has no even example."""
@@ -23,22 +35,31 @@ def _even_examples(op):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_numeric_sweep_1d(op, mesh1d):
+@_sizes((8, 3), (24, 8))
+def test_numeric_sweep_1d(op, size, mesh1d):
+    cases, grad_cases = size
     report = check_rule(
-        op, mesh=mesh1d, examples=_even_examples(op), max_cases=24, max_grad_cases=8, missing=False
+        op,
+        mesh=mesh1d,
+        examples=_even_examples(op),
+        max_cases=cases,
+        max_grad_cases=grad_cases,
+        missing=False,
     )
     assert report.ok, str(report)
     assert report.forward_cases > 0
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_numeric_sweep_2d(op, mesh2d):
+@_sizes((8, 3), (20, 8))
+def test_numeric_sweep_2d(op, size, mesh2d):
+    cases, grad_cases = size
     report = check_rule(
         op,
         mesh=mesh2d,
         examples=_even_examples(op),
-        max_cases=20,
-        max_grad_cases=8,
+        max_cases=cases,
+        max_grad_cases=grad_cases,
         missing=False,
         seed=1,
     )
@@ -46,8 +67,9 @@ def test_numeric_sweep_2d(op, mesh2d):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_jit_collectives_match_prediction(op, mesh2d):
-    report = check_jit(op, mesh=mesh2d, max_cases=3)
+@_sizes(2, 3)
+def test_jit_collectives_match_prediction(op, size, mesh2d):
+    report = check_jit(op, mesh=mesh2d, max_cases=size)
     assert report.ok, str(report)
 
 
@@ -67,22 +89,38 @@ def _uneven_examples(rule):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_uneven_sweep_1d(op, mesh1d):
+@_sizes((3, 2), (6, 3))
+def test_uneven_sweep_1d(op, size, mesh1d):
     examples = _uneven_examples(sk.get_rule(op))
     if not examples:
         pytest.skip(f"{op} has no uneven example (its shapes must divide)")
+    cases, grad_cases = size
     report = check_rule(
-        op, mesh=mesh1d, examples=examples, max_cases=6, max_grad_cases=3, missing=False, seed=2
+        op,
+        mesh=mesh1d,
+        examples=examples,
+        max_cases=cases,
+        max_grad_cases=grad_cases,
+        missing=False,
+        seed=2,
     )
     assert report.ok, str(report)
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_uneven_sweep_2d(op, mesh2d):
+@_sizes((2, 1), (4, 2))
+def test_uneven_sweep_2d(op, size, mesh2d):
     examples = _uneven_examples(sk.get_rule(op))
     if not examples:
         pytest.skip(f"{op} has no uneven example (its shapes must divide)")
+    cases, grad_cases = size
     report = check_rule(
-        op, mesh=mesh2d, examples=examples, max_cases=4, max_grad_cases=2, missing=False, seed=3
+        op,
+        mesh=mesh2d,
+        examples=examples,
+        max_cases=cases,
+        max_grad_cases=grad_cases,
+        missing=False,
+        seed=3,
     )
     assert report.ok, str(report)
