@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
@@ -59,7 +61,10 @@ def test_no_run_reports_missing_json(tmp_path):
     assert report.count("the JSON is missing") >= 4
 
 
+@pytest.mark.slow
 def test_overhead_quick_run(tmp_path):
+    """benchmarks/overhead.py end to end in a fresh process (about 15 s). Slow step:
+    sk.jit's steps and losses are the default run's tests; this checks the script."""
     out = tmp_path / "overhead.json"
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)

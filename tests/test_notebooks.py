@@ -56,8 +56,11 @@ def test_notebooks_are_committed_without_outputs():
                 assert not cell.outputs and cell.execution_count is None, path.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PLOTS))
 def test_notebook_executes(name, tmp_path, monkeypatch, kernel_dirs):
+    """Slow step (about a minute for the three): each notebook drives APIs the default
+    run tests on their own; this checks the notebooks as documents."""
     monkeypatch.setenv("SPMDKIT_NB_OUT", str(tmp_path))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)

@@ -32,7 +32,12 @@ def _run(cmd: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, f
     return res, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_demo_runs_and_its_checks_pass(tmp_path):
+    """The README's first command end to end (about 30 s in a fresh process). Slow step:
+    each of its parts (rule inference, reshards against the compiled HLO, plan, train,
+    checkpoint and restore onto another mesh and plan) has its own tests in the
+    default run; this checks the demo's own text and that they compose."""
     res, _ = _run([sys.executable, "-m", "spmdkit", "demo", "--cpu"], tmp_path)
     out = res.stdout
     assert res.returncode == 0, out + res.stderr
