@@ -429,8 +429,8 @@ def _local_fn(key: tuple, mesh: Mesh) -> Callable[..., Any]:
     return rule.local_fn(lctx)
 
 
-@functools.lru_cache(maxsize=512)
-def _forward_runner(key: tuple, mesh: Mesh) -> Callable[..., Any]:
+def _forward_body(key: tuple, mesh: Mesh) -> Callable[..., tuple[Any, ...]]:
+    """The forward of a runner key on every device's stacked pieces (inside shard_map)."""
     names = mesh.axis_names
     lead = (0,) * len(names)
 
@@ -439,16 +439,14 @@ def _forward_runner(key: tuple, mesh: Mesh) -> Callable[..., Any]:
         ys = _as_tuple(fn(*(x[lead] for x in xs)))
         return tuple(y[(None,) * len(names)] for y in ys)
 
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(*names), out_specs=P(*names)))
+    return local
 
 
-@functools.lru_cache(maxsize=512)
-def _grad_runner(
-    key: tuple,
-    mesh: Mesh,
-    diff: tuple[bool, ...],
-    transposes: tuple[tuple[float, bool], ...],
-) -> Callable[..., Any]:
+def _grad_body(
+    key: tuple, mesh: Mesh, diff: tuple[bool, ...], transposes: tuple[tuple[float, bool], ...]
+) -> Callable[..., tuple[Any, ...]]:
+    """The VJP of a runner key on stacked inputs, cotangents and forward outputs: each
+    cotangent goes back through its output's pending reduction (``transposes``)."""
     names = mesh.axis_names
     lead = (0,) * len(names)
     n_in = len(diff)
@@ -469,7 +467,55 @@ def _grad_runner(
         grads = vjp(tuple(cts))
         return tuple(d[(None,) * len(names)] for d in grads)
 
+    return local
+
+
+def _spmd(local: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    names = mesh.axis_names
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(*names), out_specs=P(*names)))
+
+
+@functools.lru_cache(maxsize=512)
+def _forward_runner(key: tuple, mesh: Mesh) -> Callable[..., Any]:
+    return _spmd(_forward_body(key, mesh), mesh)
+
+
+@functools.lru_cache(maxsize=512)
+def _grad_runner(
+    key: tuple,
+    mesh: Mesh,
+    diff: tuple[bool, ...],
+    transposes: tuple[tuple[float, bool], ...],
+) -> Callable[..., Any]:
+    return _spmd(_grad_body(key, mesh, diff, transposes), mesh)
+
+
+#: Cases compiled into one program by :func:`_run_together`.
+_BATCH = 32
+
+
+def _run_together(
+    jobs: Sequence[tuple[Callable[..., tuple[Any, ...]], Sequence[jax.Array]]], mesh: Mesh
+) -> list[tuple[Any, ...]]:
+    """Run many cases, each ``(body, stacked arguments)``, side by side in one compiled
+    program per :data:`_BATCH` of them: a sweep's cases differ in their local shapes,
+    so run apart each would compile its own program, and compiling (not running)
+    is what a sweep spends its time on. Returns each case's outputs, in order."""
+    results: list[tuple[Any, ...]] = []
+    for start in range(0, len(jobs), _BATCH):
+        chunk = jobs[start : start + _BATCH]
+        counts = [len(args) for _, args in chunk]
+
+        def local(*flat, chunk=chunk, counts=counts):
+            outs, at = [], 0
+            for (body, _), n in zip(chunk, counts, strict=True):
+                outs.append(tuple(body(*flat[at : at + n])))
+                at += n
+            return tuple(outs)
+
+        flat = [a for _, args in chunk for a in args]
+        results += list(_spmd(local, mesh)(*flat))
+    return results
 
 
 def _put(stacked: np.ndarray, mesh: Mesh) -> jax.Array:
@@ -618,34 +664,102 @@ def _forward_case(
     domain: str,
     seed: int,
 ) -> tuple[CaseFailure | None, Any]:
+    ref = _unsharded(rule, attrs, values)
+    case = _prepare_forward(rule, specs, mesh, values, attrs, ref, domain, seed)
+    return _run_one(case, mesh, rtol), case.res
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One case of a sweep, its claim inferred and every device's arguments built,
+    ready to run (``early``: the claim is already wrong, nothing to run)."""
+
+    res: Any
+    fail: Callable[[str], CaseFailure]
+    early: CaseFailure | None = None
+    key: tuple = ()
+    grad: tuple | None = None  # (differentiable, transposes) of a grad case
+    args: tuple[jax.Array, ...] = ()
+    expect: tuple[np.ndarray, ...] = ()  # unsharded outputs, or grads of the diff inputs
+
+
+def _prepare_forward(
+    rule: Rule,
+    specs: Sequence[TensorSpec],
+    mesh: Mesh,
+    values: Sequence[np.ndarray],
+    attrs: dict[str, Any],
+    ref: Sequence[np.ndarray],
+    domain: str,
+    seed: int,
+) -> _Case:
     rng = np.random.default_rng(seed)
     res = infer_forward(rule.name, *specs, mesh=mesh, **attrs)
-    ref = _unsharded(rule, attrs, values)
-
-    def fail(detail: str) -> CaseFailure:
-        return CaseFailure("forward", attrs, tuple(specs), res.inputs, res.outputs, detail)
-
+    fail = functools.partial(CaseFailure, "forward", attrs, tuple(specs), res.inputs, res.outputs)
     for s, r in zip(res.inputs, specs, strict=True):
         if s.shape != r.shape:
-            return fail(f"required spec {s} changes the shape {r.shape}"), res
+            return _Case(res, fail, fail(f"required spec {s} changes the shape {r.shape}"))
     for o, r in zip(res.outputs, ref, strict=True):
         if o.shape != r.shape:
-            return fail(f"claimed output shape {o.shape}, op gives {r.shape}"), res
+            return _Case(res, fail, fail(f"claimed output shape {o.shape}, op gives {r.shape}"))
         if any(n == 1 and axes for n, axes in zip(o.shape, o.dims, strict=True)):
-            return fail(f"claimed output {o} shards a size-1 dim"), res
-    pieces = [
+            return _Case(res, fail, fail(f"claimed output {o} shards a size-1 dim"))
+    pieces = tuple(
         _put(local_pieces(v, s, mesh, rng=rng, domain=domain), mesh)
         for v, s in zip(values, res.inputs, strict=True)
-    ]
-    outs = _forward_runner(_local_key(rule, attrs, res), mesh)(*pieces)
-    for o, claimed, r in zip(outs, res.outputs, ref, strict=True):
-        got, why = assemble(np.asarray(o), claimed, mesh, rtol=rtol)
+    )
+    return _Case(res, fail, key=_local_key(rule, attrs, res), args=pieces, expect=tuple(ref))
+
+
+def _check_case(case: _Case, outs: Sequence[Any], mesh: Mesh, rtol: float) -> CaseFailure | None:
+    """Compare a case's per-device results, read as the claimed specs, with the
+    unsharded op (forward) or ``jax.vjp`` (grad)."""
+    if case.grad is None:
+        for o, claimed, r in zip(outs, case.res.outputs, case.expect, strict=True):
+            got, why = assemble(np.asarray(o), claimed, mesh, rtol=rtol)
+            if why:
+                return case.fail(why)
+            if not _close(got, r, rtol):
+                err = float(np.max(np.abs(got.astype(np.float64) - r.astype(np.float64))))
+                return case.fail(f"values differ from the unsharded op (max abs err {err:.3g})")
+        return None
+    idx = [i for i, d in enumerate(case.grad[0]) if d]
+    for i, lg, rg in zip(idx, outs, case.expect, strict=True):
+        got, why = assemble(np.asarray(lg), case.res.outputs[i], mesh, rtol=rtol)
         if why:
-            return fail(why), res
-        if not _close(got, r, rtol):
-            err = float(np.max(np.abs(got.astype(np.float64) - r.astype(np.float64))))
-            return fail(f"values differ from the unsharded op (max abs err {err:.3g})"), res
-    return None, res
+            return case.fail(f"grad of input {i}: {why}")
+        if not _close(got, rg, rtol):
+            err = float(np.max(np.abs(got.astype(np.float64) - rg.astype(np.float64))))
+            return case.fail(f"grad of input {i} differs from jax.vjp (max abs err {err:.3g})")
+    return None
+
+
+def _run_one(case: _Case, mesh: Mesh, rtol: float) -> CaseFailure | None:
+    """Run one case with its own (cached) runner and check it."""
+    if case.early is not None:
+        return case.early
+    if case.grad is None:
+        runner = _forward_runner(case.key, mesh)
+    else:
+        runner = _grad_runner(case.key, mesh, *case.grad)
+    return _check_case(case, runner(*case.args), mesh, rtol)
+
+
+def _run_cases(cases: Sequence[_Case], mesh: Mesh, rtol: float) -> list[CaseFailure | None]:
+    """Every case's failure or None; the cases that run, run in one program
+    (:func:`_run_together`)."""
+    live = [c for c in cases if c.early is None]
+    jobs = [
+        (
+            _forward_body(c.key, mesh) if c.grad is None else _grad_body(c.key, mesh, *c.grad),
+            c.args,
+        )
+        for c in live
+    ]
+    outs = iter(_run_together(jobs, mesh))
+    return [
+        c.early if c.early is not None else _check_case(c, next(outs), mesh, rtol) for c in cases
+    ]
 
 
 def _find_missing(
@@ -732,23 +846,37 @@ def _grad_case(
     domain: str,
     seed: int,
 ) -> tuple[CaseFailure | None, Any]:
+    case = _prepare_grad(
+        rule, specs, out_grads, mesh, values, cotangents, attrs, diff, domain, seed
+    )
+    return _run_one(case, mesh, rtol), case.res
+
+
+def _prepare_grad(
+    rule: Rule,
+    specs: Sequence[TensorSpec],
+    out_grads: Sequence[TensorSpec],
+    mesh: Mesh,
+    values: Sequence[np.ndarray],
+    cotangents: Sequence[np.ndarray],
+    attrs: dict[str, Any],
+    diff: tuple[bool, ...],
+    domain: str,
+    seed: int,
+) -> _Case:
     rng = np.random.default_rng(seed)
     res = infer_grad(rule.name, *specs, out_grads=out_grads, mesh=mesh, **attrs)
-
-    def fail(detail: str) -> CaseFailure:
-        return CaseFailure(
-            "grad", attrs, (*specs, *out_grads), (*res.inputs, *res.out_grads), res.outputs, detail
-        )
-
-    idx = [i for i, d in enumerate(diff) if d]
+    given, required = (*specs, *out_grads), (*res.inputs, *res.out_grads)
+    fail = functools.partial(CaseFailure, "grad", attrs, given, required, res.outputs)
     outs_ref, grads_ref = _reference(rule, attrs, diff)(tuple(values), tuple(cotangents))
-    ref_grads = [np.asarray(g) for g in grads_ref]
     sizes = axis_sizes(mesh)
-    transposes = []
-    for fo in res.forward_outputs:
-        scale = float(math.prod(sizes[a] for a, op in fo.partial if op == "avg"))
-        mask = any(op in ("max", "min") for _, op in fo.partial)
-        transposes.append((scale, mask))
+    transposes = tuple(
+        (
+            float(math.prod(sizes[a] for a, op in fo.partial if op == "avg")),
+            any(op in ("max", "min") for _, op in fo.partial),
+        )
+        for fo in res.forward_outputs
+    )
     args = [
         _put(local_pieces(v, s, mesh, rng=rng, domain=domain), mesh)
         for v, s in zip(values, res.inputs, strict=True)
@@ -761,17 +889,14 @@ def _grad_case(
         _put(local_pieces(np.asarray(o), fo.without_partial(), mesh, rng=rng), mesh)
         for o, fo in zip(outs_ref, res.forward_outputs, strict=True)
     ]
-    key = _local_key(rule, attrs, res, res.forward_outputs)
-    runner = _grad_runner(key, mesh, diff, tuple(transposes))
-    local_grads = runner(*args)
-    for i, lg, rg in zip(idx, local_grads, ref_grads, strict=True):
-        got, why = assemble(np.asarray(lg), res.outputs[i], mesh, rtol=rtol)
-        if why:
-            return fail(f"grad of input {i}: {why}"), res
-        if not _close(got, rg, rtol):
-            err = float(np.max(np.abs(got.astype(np.float64) - rg.astype(np.float64))))
-            return fail(f"grad of input {i} differs from jax.vjp (max abs err {err:.3g})"), res
-    return None, res
+    return _Case(
+        res,
+        fail,
+        key=_local_key(rule, attrs, res, res.forward_outputs),
+        grad=(diff, transposes),
+        args=tuple(args),
+        expect=tuple(np.asarray(g) for g in grads_ref),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -869,51 +994,76 @@ def _sweep(
     rng = np.random.default_rng(seed)
     for ex in examples or rule.examples:
         values = _values(rule, ex, rng)
-        attrs = dict(ex.attrs)
-        ref = _unsharded(rule, attrs, values)
-        combos = _combos(_input_specs(ex, mesh), max_cases, rng)
-        for specs in combos:
-            failure, res = _forward_case(
-                rule, specs, mesh, values, attrs, ex.rtol, ex.domain, int(rng.integers(1 << 30))
-            )
-            report.forward_cases += 1
-            if failure:
-                report.wrong.append(failure)
-                continue
-            if missing and tuple(res.inputs) != tuple(specs) and len(ref) == 1:
-                cand = _find_missing(rule, specs, mesh, values, attrs, ref, ex.rtol, ex.domain, rng)
-                if cand is not None:
-                    report.missing.append(MissingPlacement(attrs, tuple(specs), cand))
+        ref = _unsharded(rule, ex.attrs, values)
+        _sweep_forward(report, rule, ex, mesh, values, ref, max_cases, missing, rng)
         if not grads:
             continue
         diff = ex.differentiable or (True,) * len(ex.shapes)
         if not any(diff) or not all(jnp.issubdtype(r.dtype, jnp.floating) for r in ref):
             continue
-        grad_combos = _combos(_input_specs(ex, mesh), max_grad_cases, rng)
-        out_cands = [
-            enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",)) for r in ref
-        ]
-        for specs in grad_combos:
-            plain = tuple(s.without_partial() for s in specs)
-            gs = tuple(c[int(rng.integers(len(c)))] for c in out_cands)
-            cots = [random_value(r.shape, r.dtype.name, rng=rng) for r in ref]
-            failure, _ = _grad_case(
-                rule,
-                plain,
-                gs,
-                mesh,
-                values,
-                cots,
-                attrs,
-                tuple(diff),
-                max(ex.rtol, 1e-5),
-                ex.domain,
-                int(rng.integers(1 << 30)),
-            )
-            report.grad_cases += 1
-            if failure:
-                report.wrong.append(failure)
+        _sweep_grads(report, rule, ex, mesh, values, ref, tuple(diff), max_grad_cases, rng)
     return report
+
+
+def _sweep_forward(
+    report: RuleReport,
+    rule: Rule,
+    ex: Example,
+    mesh: Mesh,
+    values: Sequence[np.ndarray],
+    ref: Sequence[np.ndarray],
+    max_cases: int | None,
+    missing: bool,
+    rng: np.random.Generator,
+) -> None:
+    """The forward cases of one example, run together; then, for the cases the rule
+    resharded, a search for placements it missed (one at a time)."""
+    attrs = dict(ex.attrs)
+    combos = _combos(_input_specs(ex, mesh), max_cases, rng)
+    cases = [
+        _prepare_forward(
+            rule, specs, mesh, values, attrs, ref, ex.domain, int(rng.integers(1 << 30))
+        )
+        for specs in combos
+    ]
+    for specs, case, failure in zip(combos, cases, _run_cases(cases, mesh, ex.rtol), strict=True):
+        report.forward_cases += 1
+        if failure:
+            report.wrong.append(failure)
+            continue
+        if missing and tuple(case.res.inputs) != tuple(specs) and len(ref) == 1:
+            cand = _find_missing(rule, specs, mesh, values, attrs, ref, ex.rtol, ex.domain, rng)
+            if cand is not None:
+                report.missing.append(MissingPlacement(attrs, tuple(specs), cand))
+
+
+def _sweep_grads(
+    report: RuleReport,
+    rule: Rule,
+    ex: Example,
+    mesh: Mesh,
+    values: Sequence[np.ndarray],
+    ref: Sequence[np.ndarray],
+    diff: tuple[bool, ...],
+    max_grad_cases: int | None,
+    rng: np.random.Generator,
+) -> None:
+    """The grad cases of one example (each with a random cotangent spec), run together."""
+    attrs = dict(ex.attrs)
+    out_cands = [enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",)) for r in ref]
+    cases = []
+    for specs in _combos(_input_specs(ex, mesh), max_grad_cases, rng):
+        plain = tuple(s.without_partial() for s in specs)
+        gs = tuple(c[int(rng.integers(len(c)))] for c in out_cands)
+        cots = [random_value(r.shape, r.dtype.name, rng=rng) for r in ref]
+        seed = int(rng.integers(1 << 30))
+        cases.append(
+            _prepare_grad(rule, plain, gs, mesh, values, cots, attrs, diff, ex.domain, seed)
+        )
+    for failure in _run_cases(cases, mesh, max(ex.rtol, 1e-5)):
+        report.grad_cases += 1
+        if failure:
+            report.wrong.append(failure)
 
 
 # ---------------------------------------------------------------------------
