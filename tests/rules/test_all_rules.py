@@ -4,9 +4,11 @@
   even shapes and uneven ones (padded blocks);
 * jit check: compiled HLO collectives equal the predicted ones.
 
-Each check runs twice over: a sample in the default run (``[sample-...]``) and the
-full sample in the slow step (``[full-...]``, ``python -m pytest -m slow``). Every case
-compiles its own program, so the sample sizes are what the sweeps cost.
+Each check runs twice over: a sample in the default run (``[<op>-sample]``) and the
+full sample in the slow step (``[<op>-full]``, ``python -m pytest -m slow``). The sweeps
+spend their time compiling: the unsharded reference per example (shared by an op's
+sweeps, which run one after another) and one program per example and sweep whose
+size grows with the sample.
 """
 
 import dataclasses
@@ -17,6 +19,13 @@ import spmdkit as sk
 from spmdkit.testing import check_jit, check_rule
 
 OPS = sk.registered_ops()
+
+
+@pytest.fixture(scope="module", params=OPS)
+def op(request):
+    """The op under test: a module-scoped parameter, so pytest runs each op's checks
+    one after another (on one xdist worker, mostly), reusing its compiled reference."""
+    return request.param
 
 
 def _sizes(sample, full):
@@ -34,7 +43,6 @@ def _even_examples(op):
     return even or None
 
 
-@pytest.mark.parametrize("op", OPS)
 @_sizes((8, 3), (24, 8))
 def test_numeric_sweep_1d(op, size, mesh1d):
     cases, grad_cases = size
@@ -50,7 +58,6 @@ def test_numeric_sweep_1d(op, size, mesh1d):
     assert report.forward_cases > 0
 
 
-@pytest.mark.parametrize("op", OPS)
 @_sizes((8, 3), (20, 8))
 def test_numeric_sweep_2d(op, size, mesh2d):
     cases, grad_cases = size
@@ -66,7 +73,6 @@ def test_numeric_sweep_2d(op, size, mesh2d):
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("op", OPS)
 @_sizes(2, 3)
 def test_jit_collectives_match_prediction(op, size, mesh2d):
     report = check_jit(op, mesh=mesh2d, max_cases=size)
@@ -88,7 +94,6 @@ def _uneven_examples(rule):
     ]
 
 
-@pytest.mark.parametrize("op", OPS)
 @_sizes((3, 2), (6, 3))
 def test_uneven_sweep_1d(op, size, mesh1d):
     examples = _uneven_examples(sk.get_rule(op))
@@ -107,7 +112,6 @@ def test_uneven_sweep_1d(op, size, mesh1d):
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("op", OPS)
 @_sizes((2, 1), (4, 2))
 def test_uneven_sweep_2d(op, size, mesh2d):
     examples = _uneven_examples(sk.get_rule(op))
