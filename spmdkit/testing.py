@@ -1017,22 +1017,24 @@ def _sweep_forward(
     rng: np.random.Generator,
 ) -> None:
     """The forward cases of one example, run together; then, for the cases the rule
-    resharded, a search for placements it missed (one at a time)."""
+    resharded, a search for placements it missed (one at a time, drawing from the
+    case's own seed: the cases a sweep runs do not depend on ``missing``)."""
     attrs = dict(ex.attrs)
     combos = _combos(_input_specs(ex, mesh), max_cases, rng)
+    seeds = [int(rng.integers(1 << 30)) for _ in combos]
     cases = [
-        _prepare_forward(
-            rule, specs, mesh, values, attrs, ref, ex.domain, int(rng.integers(1 << 30))
-        )
-        for specs in combos
+        _prepare_forward(rule, specs, mesh, values, attrs, ref, ex.domain, seed)
+        for specs, seed in zip(combos, seeds, strict=True)
     ]
-    for specs, case, failure in zip(combos, cases, _run_cases(cases, mesh, ex.rtol), strict=True):
+    failures = _run_cases(cases, mesh, ex.rtol)
+    for specs, case, failure, seed in zip(combos, cases, failures, seeds, strict=True):
         report.forward_cases += 1
         if failure:
             report.wrong.append(failure)
             continue
         if missing and tuple(case.res.inputs) != tuple(specs) and len(ref) == 1:
-            cand = _find_missing(rule, specs, mesh, values, attrs, ref, ex.rtol, ex.domain, rng)
+            own = np.random.default_rng([seed, 1])
+            cand = _find_missing(rule, specs, mesh, values, attrs, ref, ex.rtol, ex.domain, own)
             if cand is not None:
                 report.missing.append(MissingPlacement(attrs, tuple(specs), cand))
 

@@ -16,6 +16,75 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# -- the quick loop: ``python -m pytest --quick`` (or ``-m quick``) ---------------------
+
+#: Left out of the quick loop, by node id prefix: the default run's costliest tests
+#: (fresh processes, whole-model compiles, every op layout, multi-process runs). They
+#: stay in the default run; the quick loop keeps the cheaper tests of the same modules.
+NOT_QUICK = (
+    "tests/cli/test_demo.py",
+    "tests/cli/test_main.py::test_python_dash_m_spmdkit_runs_the_cli",
+    "tests/compile/test_enforce.py::test_enforced_step_moves_what_was_predicted",
+    "tests/compile/test_jit.py::test_auto_compiled_collectives_at_most_best_preset",
+    "tests/compile/test_jit.py::test_loss_and_grads_match_single_device",
+    "tests/compile/test_jit.py::test_train_step_with_optimizer_state_and_donation",
+    "tests/compile/test_jit.py::test_verify_ok_on_a_2d_mesh",
+    "tests/models/test_gpt_linen.py::test_bridge_keeps_names_and_matches_linen_apply",
+    "tests/models/test_llama.py::test_scanned_and_looped_agree_for_the_same_weights",
+    "tests/models/test_models.py::test_tiny_loss_and_grad",
+    "tests/models/test_moe.py::test_scanned_loss_adds_weighted_aux",
+    "tests/ops/test_attention.py::test_values_and_grads_equal_the_unsharded_op",
+    "tests/ops/test_cross_entropy.py::test_values_and_grads_equal_the_unsharded_op",
+    "tests/ops/test_embedding.py::test_values_and_grads_equal_the_unsharded_lookup",
+    "tests/ops/test_norms.py::test_values_and_grads_equal_the_unsharded_computation",
+    "tests/planner/test_search.py::test_auto_with_propagation_beats_every_preset",
+    "tests/rules/test_attention.py::test_ring_uneven_blocks_and_query_heads_over_another_axis",
+    "tests/rules/test_norms.py::test_sweep_per_strategy",
+    "tests/runtime/test_checkpoint.py::test_sigkill_during_async_save",
+    "tests/runtime/test_launch.py::test_a_killed_process_stops_the_others",
+    "tests/runtime/test_launch.py::test_two_processes_train_then_one_process_restores",
+    "tests/runtime/test_train.py::test_resume_on_another_mesh_matches_within_tolerance",
+    "tests/test_benchmarks_ops.py::test_quick_run",
+    "tests/test_benchmarks_run_all.py",
+)
+#: The ops whose rule sweeps (tests/rules/test_all_rules.py) the quick loop runs: one
+#: per rule family, the factor-notation rules and hand-written ones.
+QUICK_OPS = frozenset(
+    ["add", "matmul", "reduce_sum", "softmax", "layer_norm", "embedding", "index_put", "reshape"]
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        default=False,
+        help="run only the tests marked quick: a representative subset for an edit-test "
+        "loop (about a minute); the default run is the full check",
+    )
+
+
+def _is_quick(item) -> bool:
+    if item.get_closest_marker("slow") or item.nodeid.startswith(NOT_QUICK):
+        return False
+    if item.nodeid.startswith("tests/rules/test_all_rules.py"):
+        callspec = getattr(item, "callspec", None)
+        return callspec is not None and callspec.params.get("op") in QUICK_OPS
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_quick(item):
+            item.add_marker(pytest.mark.quick)
+    if config.getoption("--quick"):
+        keep = [i for i in items if i.get_closest_marker("quick")]
+        dropped = [i for i in items if not i.get_closest_marker("quick")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
 
 @pytest.fixture(scope="session")
 def mesh1d():
