@@ -650,23 +650,11 @@ def check_forward_case(
     seed: int = 0,
 ) -> tuple[CaseFailure | None, Any]:
     """Check one forward case; returns ``(failure or None, InferenceResult)``."""
+    attrs = dict(attrs or {})
     with _registered(rule) as checked:
-        return _forward_case(checked, specs, mesh, values, dict(attrs or {}), rtol, domain, seed)
-
-
-def _forward_case(
-    rule: Rule,
-    specs: Sequence[TensorSpec],
-    mesh: Mesh,
-    values: Sequence[np.ndarray],
-    attrs: dict[str, Any],
-    rtol: float,
-    domain: str,
-    seed: int,
-) -> tuple[CaseFailure | None, Any]:
-    ref = _unsharded(rule, attrs, values)
-    case = _prepare_forward(rule, specs, mesh, values, attrs, ref, domain, seed)
-    return _run_one(case, mesh, rtol), case.res
+        ref = _unsharded(checked, attrs, values)
+        case = _prepare_forward(checked, specs, mesh, values, attrs, ref, domain, seed)
+        return _run_one(case, mesh, rtol), case.res
 
 
 @dataclass(frozen=True)
@@ -817,39 +805,13 @@ def check_grad_case(
     by the group size; max/min: kept only where the local result is the global
     one, which the backward pass knows from the forward output).
     """
+    attrs = dict(attrs or {})
+    diff = tuple(differentiable or (True,) * len(specs))
     with _registered(rule) as checked:
-        return _grad_case(
-            checked,
-            specs,
-            out_grads,
-            mesh,
-            values,
-            cotangents,
-            dict(attrs or {}),
-            tuple(differentiable or (True,) * len(specs)),
-            rtol,
-            domain,
-            seed,
+        case = _prepare_grad(
+            checked, specs, out_grads, mesh, values, cotangents, attrs, diff, domain, seed
         )
-
-
-def _grad_case(
-    rule: Rule,
-    specs: Sequence[TensorSpec],
-    out_grads: Sequence[TensorSpec],
-    mesh: Mesh,
-    values: Sequence[np.ndarray],
-    cotangents: Sequence[np.ndarray],
-    attrs: dict[str, Any],
-    diff: tuple[bool, ...],
-    rtol: float,
-    domain: str,
-    seed: int,
-) -> tuple[CaseFailure | None, Any]:
-    case = _prepare_grad(
-        rule, specs, out_grads, mesh, values, cotangents, attrs, diff, domain, seed
-    )
-    return _run_one(case, mesh, rtol), case.res
+        return _run_one(case, mesh, rtol), case.res
 
 
 def _prepare_grad(

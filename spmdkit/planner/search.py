@@ -698,6 +698,13 @@ def _planner(
     memory_budget: float | None,
     estimator: str,
 ) -> _Planner:
+    if estimator not in ("propagate", "analytic"):
+        raise PlanError(
+            op="plan",
+            must="estimator is 'propagate' or 'analytic'",
+            given=repr(estimator),
+            fix="pass estimator='propagate' (default) or 'analytic'",
+        )
     trace = trace_step(info, optimizer)
     groups = param_groups(info, trace)
     raw = sum(param_flops(g, trace.tokens) * g.count for g in groups)
@@ -710,11 +717,4 @@ def _planner(
         flops_scale=(trace.flops / raw) if raw and trace.flops else 1.0,
     )
     budget = float(memory_budget) if memory_budget is not None else float(H100_MEMORY)
-    if estimator not in ("propagate", "analytic"):
-        raise PlanError(
-            op="plan",
-            must="estimator is 'propagate' or 'analytic'",
-            given=repr(estimator),
-            fix="pass estimator='propagate' (default) or 'analytic'",
-        )
     return _Planner(mesh, info, optimizer, groups, ctx, budget, estimator)
