@@ -41,6 +41,7 @@ from spmdkit.planner import (
 )
 from spmdkit.propagation import EqnRecord, Propagation, propagate, register_primitive, trace
 from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
+from spmdkit.recipe import Recipe, RecipeError
 from spmdkit.registry import get_rule, register_rule, registered_ops, unregister_rule
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
 from spmdkit.rule import POLICIES, Example, FactorRule, Rule, RuleContext
@@ -113,6 +114,8 @@ __all__ = [
     "Collective",
     "HloCollective",
     "ReshardPlan",
+    "Recipe",
+    "RecipeError",
     "Topology",
     "Example",
     "FactorRule",

@@ -57,6 +57,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.util",
         "spmdkit.factor",
         "spmdkit.moved",
+        "spmdkit.recipe",
     ),
     "rule": ("spmdkit.rule", "spmdkit.registry", "spmdkit.inference", "spmdkit.local"),
     "rules": ("spmdkit.rules",),

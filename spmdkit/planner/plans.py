@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.mesh import auto_mesh
 from spmdkit.planner.logical import LogicalRules, PlanError
+from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.util import fmt_bytes, fmt_time, path_str
 
@@ -195,6 +196,10 @@ class Plan:
       cost: the estimated cost (None when not costed).
       alternatives: ``(strategy, Cost)`` of the other candidates, best first.
       chosen: for auto, the candidate that won (``"auto"`` or a preset name).
+      recipe: the step's levers besides layouts: recompute, compute dtype,
+        micro-batches, optimizer offload (:class:`~spmdkit.recipe.Recipe`).
+      grads: param path → PartitionSpec of its gradient where it differs from the
+        param's (ZeRO-2: gradients sharded like the optimizer state); empty: as params.
 
     Example::
 
@@ -214,6 +219,8 @@ class Plan:
     cost: Cost | None = None
     alternatives: tuple[tuple[str, Cost], ...] = ()
     chosen: str | None = None
+    recipe: Recipe = field(default_factory=Recipe)
+    grads: Mapping[str, P] = field(default_factory=dict)
 
     # -- shardings ------------------------------------------------------------------
     def _lookup(self, table: Mapping[str, P], path: str, shape: tuple[int, ...]) -> P | None:
@@ -265,6 +272,18 @@ class Plan:
         return jax.tree_util.tree_map_with_path(
             lambda kp, x: self.spec_for(path_str(kp), np.shape(x)), abstract_params
         )
+
+    def grad_specs(self, abstract_params: PyTree) -> PyTree:
+        """PartitionSpec tree of the gradients of ``abstract_params``: the param's
+        spec, or its entry in :attr:`grads` (ZeRO-2 shards gradients like the
+        optimizer state while the parameters stay replicated)."""
+
+        def one(kp: tuple, x: Any) -> P:
+            path = path_str(kp)
+            spec = self._lookup(self.grads, path, np.shape(x)) if self.grads else None
+            return spec if spec is not None else self.spec_for(path, np.shape(x))
+
+        return jax.tree_util.tree_map_with_path(one, abstract_params)
 
     def param_shardings(self, abstract_params: PyTree) -> PyTree:
         """NamedSharding tree matching ``abstract_params``.
@@ -393,6 +412,8 @@ class Plan:
                 "batch_axes": {k: list(v) for k, v in self.batch_axes.items()},
                 "cost": None if self.cost is None else self.cost.to_json(),
                 "alternatives": [[n, c.to_json()] for n, c in self.alternatives],
+                "recipe": self.recipe.to_json(),
+                "grads": {k: _spec_json(v) for k, v in self.grads.items()},
             },
             indent=1,
         )
@@ -432,6 +453,8 @@ class Plan:
             cost=None if d["cost"] is None else Cost.from_json(d["cost"]),
             alternatives=tuple((n, Cost.from_json(c)) for n, c in d["alternatives"]),
             chosen=d.get("chosen"),
+            recipe=Recipe.from_json(d.get("recipe")),
+            grads={k: _spec_from_json(v) for k, v in d.get("grads", {}).items()},
         )
         return out if mesh is None else out.on(mesh)
 
@@ -488,6 +511,9 @@ class Plan:
         if self.activation:
             acts = ", ".join(f"{k}→{_axes_text(v)}" for k, v in self.activation.items() if v)
             lines.append(f"activations: {acts or 'replicated'}")
+        if self.grads or not self.recipe.is_default:
+            grads = " (gradients sharded like the optimizer state)" if self.grads else ""
+            lines.append(f"recipe: {self.recipe.short()}{grads}")
         if self.cost is not None:
             c = self.cost
             mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items())
