@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from spmdkit.errors import SpmdError
 
-__all__ = ["REMAT_POLICIES", "Recipe", "RecipeError"]
+__all__ = ["PLAIN", "REMAT_POLICIES", "Recipe", "RecipeError"]
 
 #: The per-layer recomputation policies (module docstring).
 REMAT_POLICIES = ("none", "full", "dots", "names")
@@ -173,6 +173,9 @@ class Recipe:
             offload_opt=bool(d.get("offload_opt", False)),
         )
 
+
+#: The recipe that changes nothing: the plain step.
+PLAIN = Recipe()
 
 _DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 

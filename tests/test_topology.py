@@ -124,3 +124,45 @@ def test_groups_over_two_links_run_hierarchically():
     # all-to-alls stay flat at the slowest link
     a2a = topo.collective_time("all_to_all", rs_wire, n, ("data", "model"), mesh)
     assert a2a == pytest.approx((n - 1) * ib_lat + rs_wire / ib)
+
+
+# -- compute and overlap -----------------------------------------------------------------
+
+
+def test_peaks_per_dtype_and_float8_only_where_the_device_has_it():
+    h100, a100 = Topology.h100(), Topology.a100()
+    assert h100.peak("bfloat16") == pytest.approx(2 * h100.peak("tfloat32"), rel=1e-3)
+    assert h100.peak("float8_e4m3fn") == h100.peak("float8") == pytest.approx(1978.9e12)
+    assert h100.peak("float32") < h100.peak("tfloat32") < h100.peak("bfloat16")
+    assert a100.peak("bfloat16") == 312e12
+    with pytest.raises(SpmdError, match="float8") as err:
+        a100.peak("float8")
+    assert "peak_flops=" in str(err.value)  # says the fix
+
+
+def test_compute_time_uses_the_achievable_rates():
+    topo = Topology(peak_flops={"bfloat16": 1e15}, matmul_efficiency=0.5, attention_efficiency=0.25)
+    assert topo.compute_time(1e15, 0.0, "bfloat16") == pytest.approx(2.0)
+    assert topo.compute_time(0.0, 1e15, "bfloat16") == pytest.approx(4.0)
+
+
+def test_overlappable_collectives_hide_under_compute_up_to_the_overlap_share():
+    topo = Topology(overlap=0.5)
+    assert topo.exposed_comm(hidden_s=1.0, exposed_s=0.25, compute_s=4.0) == 0.25
+    assert topo.exposed_comm(hidden_s=3.0, exposed_s=0.25, compute_s=4.0) == pytest.approx(1.25)
+    assert Topology(overlap=0.0).exposed_comm(1.0, 0.0, 10.0) == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"matmul_efficiency": 0.0},
+        {"attention_efficiency": 1.5},
+        {"overlap": -0.1},
+        {"host_bandwidth": 0},
+        {"peak_flops": {"bfloat16": -1.0}},
+    ],
+)
+def test_compute_numbers_are_checked(kwargs):
+    with pytest.raises(SpmdError):
+        Topology(**kwargs)

@@ -15,11 +15,35 @@ makes the search fast:
   four all-to-alls of the tokens;
 - optimizer state sharded over more axes than its param costs an all-gather of
   the updated param over the extra axes (ZeRO-1);
-- compute is the param's share of the traced FLOPs divided by the batch and
-  tensor shards, at ``peak_flops``; step time = compute + communication (no overlap);
+- ZeRO-2 (``GroupLayout.grads_sharded``): the grad is reduce-scattered over the
+  optimizer state's extra axes instead of all-reduced, and kept at that shard;
+- compute is the param's share of the traced weight-matmul FLOPs divided by the
+  batch and tensor shards, plus the attention FLOPs, at the topology's achievable
+  rate for the compute dtype (:meth:`~spmdkit.topology.Topology.compute_time`);
+- communication that XLA's latency-hiding scheduler overlaps with compute (FSDP
+  all-gathers and reduce-scatters, gradient all-reduces) hides under
+  ``overlap × compute``; tensor-parallel all-reduces, expert all-to-alls and
+  ZeRO's parameter all-gather after the update stay exposed;
 - memory per device = params + grads + optimizer state at their shards +
   residual activations divided by the batch (and sequence) shards, and by the
   tensor shards for the fraction of activations tensor parallelism splits.
+
+The recipe (:class:`~spmdkit.recipe.Recipe`) changes these terms:
+
+- ``remat``: the activations kept per layer: all residuals (``none``), the
+  layer input (``full``), the layer input and the weight-matmul outputs
+  (``dots``), the input and the named values (``names``); with remat, one
+  layer's residuals live again while it is recomputed; recomputation costs the
+  layers' forward FLOPs (``full``, ``names``) or the attention forward
+  (``dots``: the scores are not saved);
+- ``compute_dtype``: activations at its itemsize; compute at its peak;
+  FSDP/gradient collectives move the cast (bf16) weights and gradients; the
+  cast copy of the local parameters is live during the step;
+- ``microbatches``: activations of one micro-batch; FSDP gathers and
+  reduce-scatters once per micro-batch; the gradient all-reduce once;
+- ``offload_opt``: optimizer state lives on the host and crosses the host link
+  twice per step (exposed); on the device it is live only during the update,
+  after the activations are freed.
 
 Collective times come from :class:`spmdkit.topology.Topology`. Parameters of the
 same role in different layers (paths that differ only in layer numbers) form one
@@ -39,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
 from spmdkit.planner.plans import Cost, Dims, PyTree
+from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike
 from spmdkit.topology import Topology
 
@@ -73,6 +98,17 @@ class StepTrace:
       seq_len: its ``seq`` dim (1 without one).
       act_itemsize: bytes per activation element (the smallest matrix dtype).
       abstract_opt: the optimizer state's ``ShapeDtypeStruct`` tree.
+      attn_flops: FLOPs of batched dots (attention scores and values) in the
+        step, forward and backward (global).
+      layers: iterations of the model's layer scan (0: no scanned layers).
+      layer_resid: residual bytes one layer saves (global batch).
+      layer_carry: bytes of one layer's input (the scan carry).
+      layer_dots: bytes of one layer's weight-matmul outputs.
+      layer_named: ``checkpoint_name`` tag → bytes per layer.
+      layer_fwd_flops: forward FLOPs of all layers together.
+      attn_fwd_flops: forward FLOPs of the batched dots.
+      resid_peak: the largest single residual (the logits), live again as its
+        gradient in the backward pass.
     """
 
     flops: float
@@ -84,6 +120,39 @@ class StepTrace:
     seq_len: int
     act_itemsize: int
     abstract_opt: PyTree
+    attn_flops: float = 0.0
+    layers: int = 0
+    layer_resid: float = 0.0
+    layer_carry: float = 0.0
+    layer_dots: float = 0.0
+    layer_named: dict[str, float] = field(default_factory=dict)
+    layer_fwd_flops: float = 0.0
+    attn_fwd_flops: float = 0.0
+    resid_peak: float = 0.0
+
+    def activation_bytes(self, recipe: Recipe) -> float:
+        """Global activation bytes the backward pass needs under ``recipe``'s
+        remat policy, in the traced dtype (module docstring)."""
+        layer_total = self.layers * self.layer_resid
+        other = max(self.resid_bytes - layer_total, 0.0)
+        if recipe.remat == "none" or not self.layers:
+            return self.resid_bytes + self.resid_peak
+        if recipe.remat == "full":
+            kept = self.layer_carry
+        elif recipe.remat == "dots":
+            kept = self.layer_carry + self.layer_dots
+        else:
+            kept = self.layer_carry + sum(self.layer_named.get(n, 0.0) for n in recipe.save_names)
+        kept = min(kept, self.layer_resid)
+        return other + self.layers * kept + self.layer_resid + self.resid_peak
+
+    def recompute_flops(self, recipe: Recipe) -> tuple[float, float]:
+        """``(weight-matmul, attention)`` FLOPs the remat policy adds (global)."""
+        if recipe.remat == "none" or not self.layers:
+            return 0.0, 0.0
+        if recipe.remat == "dots":
+            return 0.0, self.attn_fwd_flops
+        return max(self.layer_fwd_flops - self.attn_fwd_flops, 0.0), self.attn_fwd_flops
 
 
 @dataclass(frozen=True)
@@ -118,10 +187,12 @@ class ParamGroup:
 
 
 class GroupLayout(NamedTuple):
-    """One group's layout: the params' dims and their optimizer state's dims."""
+    """One group's layout: the params' dims and their optimizer state's dims;
+    ``grads_sharded``: the gradient is kept at the optimizer state's dims (ZeRO-2)."""
 
     params: Dims
     opt: Dims
+    grads_sharded: bool = False
 
 
 def param_groups(info: ModelInfo, trace: StepTrace) -> list[ParamGroup]:
@@ -146,19 +217,41 @@ class CostContext:
       sizes: mesh axis → size.
       topology: link model for collectives.
       trace: the model's :class:`StepTrace`.
-      peak_flops: per-device FLOP/s.
-      flops_scale: traced FLOPs / the per-param estimate (calibrates
-        :func:`param_flops` to the trace).
-      memo: ``(group, layout, batch axes, seq axes)`` → :class:`GroupCost`.
+      peak_flops: per-device FLOP/s override (None: the topology's peak for the
+        compute dtype, at its matmul and attention efficiencies).
+      flops_scale: traced weight-matmul FLOPs / the per-param estimate
+        (calibrates :func:`param_flops` to the trace).
+      recipe: the step's recipe (remat, compute dtype, micro-batches, offload).
+      memo: ``(group, layout, batch axes, seq axes, recipe)`` → :class:`GroupCost`.
     """
 
     mesh: MeshLike
     sizes: dict[str, int]
     topology: Topology
     trace: StepTrace
-    peak_flops: float
+    peak_flops: float | None
     flops_scale: float
+    recipe: Recipe = field(default_factory=Recipe)
     memo: dict[tuple, GroupCost] = field(default_factory=dict)
+
+    def compute_dtype(self, param_dtype: str) -> str:
+        """The dtype matmuls run in: the recipe's, else the params' (fp32 matmuls
+        run as TF32 on tensor cores, XLA's default on GPUs)."""
+        name = self.recipe.compute_dtype or str(param_dtype)
+        return "tfloat32" if name == "float32" else name
+
+    def compute_time(self, matmul_flops: float, attention_flops: float, dtype: str) -> float:
+        """Seconds for the FLOPs: at ``peak_flops`` when overridden, else at the
+        topology's achievable rate for ``dtype``."""
+        if self.peak_flops is not None:
+            return (matmul_flops + attention_flops) / self.peak_flops
+        return self.topology.compute_time(matmul_flops, attention_flops, dtype)
+
+    def cast_ratio(self, param_dtype: str) -> float:
+        """Bytes of the compute-dtype copy of a param per byte of the param."""
+        if self.recipe.compute_dtype is None:
+            return 1.0
+        return self.recipe.compute_itemsize(4) / np.dtype(param_dtype).itemsize
 
 
 def param_flops(g: ParamGroup, tokens: int) -> float:
@@ -178,15 +271,24 @@ class _Coll(NamedTuple):
     time_s: float
     kind: str
     payload: float
+    hidden: bool = False
 
 
-def _coll(ctx: CostContext, kind: str, payload: float, axes: tuple[str, ...]) -> _Coll:
+def _coll(
+    ctx: CostContext,
+    kind: str,
+    payload: float,
+    axes: tuple[str, ...],
+    *,
+    hidden: bool = False,
+    times: int = 1,
+) -> _Coll:
     n = math.prod(ctx.sizes[a] for a in axes)
     if n <= 1 or payload <= 0:
-        return _Coll(0.0, kind, 0.0)
+        return _Coll(0.0, kind, 0.0, hidden)
     wire = payload * (n - 1) / n * (2 if kind == "all_reduce" else 1)
     t = ctx.topology.collective_time(kind, int(wire), n, axes, ctx.mesh)
-    return _Coll(t, kind, payload)
+    return _Coll(t * times, kind, payload * times, hidden)
 
 
 @dataclass(frozen=True)
@@ -196,8 +298,14 @@ class GroupCost:
     Attributes:
       comm_s, compute_s: communication and compute time.
       comm_bytes: ``(collective kind, payload bytes)`` pairs, sorted.
-      params, grads, opt: bytes per device.
+      params, grads, opt: bytes per device (``opt`` 0 when offloaded).
       tp_weight: the FLOPs tensor parallelism splits, × (1 - 1/shards).
+      hidden_s: the part of ``comm_s`` that can overlap with compute.
+      layer_compute_s: the part of ``compute_s`` spent in layer params (what
+        full recompute repeats a third of).
+      cast: bytes of the compute-dtype copy of the local params.
+      offload_opt: optimizer-state bytes per device kept on the host.
+      tp_shards: devices tensor parallelism splits this group's FLOPs over.
     """
 
     comm_s: float
@@ -207,11 +315,17 @@ class GroupCost:
     grads: float
     opt: float
     tp_weight: float
+    hidden_s: float = 0.0
+    layer_compute_s: float = 0.0
+    cast: float = 0.0
+    offload_opt: float = 0.0
+    tp_shards: int = 1
 
     @property
     def time(self) -> float:
-        """Communication + compute."""
-        return self.comm_s + self.compute_s
+        """Exposed communication + compute, as if this group were alone (the
+        search's per-group ranking; :func:`total_cost` overlaps the totals)."""
+        return self.comm_s - self.hidden_s + self.compute_s
 
     @property
     def memory(self) -> float:
@@ -255,66 +369,129 @@ def _tp_collectives(
     return [_coll(ctx, "all_reduce", payload, tp)]
 
 
-def group_cost(
+class _Split(NamedTuple):
+    """How one group's layout splits the mesh: param shards, FSDP vs tensor axes."""
+
+    used: tuple[str, ...]
+    fsdp: tuple[str, ...]
+    tp: tuple[str, ...]
+    context: tuple[str, ...]
+    extra: tuple[str, ...]
+    grad_sync: tuple[str, ...]
+    local: float
+    tokens_local: float
+
+
+def _split(
     ctx: CostContext,
     g: ParamGroup,
-    dims: Dims,
-    odims: Dims,
+    layout: GroupLayout,
     batch_axes: tuple[str, ...],
     seq_axes: tuple[str, ...],
-) -> GroupCost:
-    """The cost of laying ``g`` out as ``dims`` (optimizer state as ``odims``) with
-    the batch over ``batch_axes`` and the sequence over ``seq_axes`` (module
-    docstring); memoized in ``ctx``."""
-    key = (g.key, g.shape, dims, odims, batch_axes, seq_axes)
-    hit = ctx.memo.get(key)
-    if hit is not None:
-        return hit
+) -> _Split:
     sizes = ctx.sizes
+    dims, odims = layout.params, layout.opt
     used = tuple(a for d in dims for a in d)
-    local = g.nbytes / math.prod(sizes[a] for a in used)
     logical = g.logical or (None,) * len(g.shape)
     # Axes on a stacked-layers dim: each scan step gathers its layer's weights,
     # like FSDP, and they split no compute.
     layer_axes = tuple(a for d, n in zip(dims, logical, strict=True) if n == "layers" for a in d)
     fsdp = tuple(a for a in used if a in batch_axes or a in layer_axes)
     tp = tuple(a for a in used if a not in fsdp)
-    n_fsdp = math.prod(sizes[a] for a in fsdp)
-    batch_shards = math.prod(sizes[a] for a in batch_axes)
     # Sequence sharding over the tensor axes (Megatron-SP) turns each all-reduce
     # into a reduce-scatter + all-gather of the same bytes; over other axes it
     # splits the tokens (context parallelism).
     context = tuple(a for a in seq_axes if a not in tp and a not in batch_axes)
-    tokens_local = ctx.trace.tokens / batch_shards / math.prod(sizes[a] for a in context)
-    # grads are partial sums over every axis that splits the tokens but not the param
-    grad_sync = tuple(a for a in (*batch_axes, *context) if a not in used)
-    colls: list[_Coll] = []
-    if fsdp:
-        colls.append(_coll(ctx, "all_gather", local * n_fsdp, fsdp))
-        colls.append(_coll(ctx, "reduce_scatter", local * n_fsdp, fsdp))
-    if grad_sync:
-        colls.append(_coll(ctx, "all_reduce", local, grad_sync))
-    if tp:
-        colls.extend(_tp_collectives(ctx, g, dims, tp, local, tokens_local))
+    batch_shards = math.prod(sizes[a] for a in batch_axes)
     oused = tuple(a for d in odims for a in d)
-    extra = tuple(a for a in oused if a not in used)
-    if extra:
-        colls.append(_coll(ctx, "all_gather", local, extra))
-    flops = param_flops(g, ctx.trace.tokens) * ctx.flops_scale * g.count
-    splits = set(batch_axes) | set(tp) | set(context)
+    return _Split(
+        used=used,
+        fsdp=fsdp,
+        tp=tp,
+        context=context,
+        extra=tuple(a for a in oused if a not in used),
+        # grads are partial sums over every axis that splits the tokens but not the param
+        grad_sync=tuple(a for a in (*batch_axes, *context) if a not in used),
+        local=g.nbytes / math.prod(sizes[a] for a in used),
+        tokens_local=ctx.trace.tokens / batch_shards / math.prod(sizes[a] for a in context),
+    )
+
+
+def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Split) -> list[_Coll]:
+    """What one member of ``g`` moves per step under ``layout`` and ``ctx.recipe``."""
+    # Under mixed precision the weights are cast before they are gathered, and
+    # their gradients reduced before the cast back: collectives of params and
+    # grads move compute-dtype bytes.
+    wire = sp.local * ctx.cast_ratio(g.dtype)
+    m = ctx.recipe.microbatches
+    n_fsdp = math.prod(ctx.sizes[a] for a in sp.fsdp)
+    colls: list[_Coll] = []
+    if sp.fsdp:
+        colls.append(_coll(ctx, "all_gather", wire * n_fsdp, sp.fsdp, hidden=True, times=m))
+        colls.append(_coll(ctx, "reduce_scatter", wire * n_fsdp, sp.fsdp, hidden=True, times=m))
+    if layout.grads_sharded and sp.extra:
+        # ZeRO-2: reduce-scatter into the optimizer's shard, all-reduce the rest.
+        colls.append(_coll(ctx, "reduce_scatter", wire, sp.extra, hidden=True))
+        rest = tuple(a for a in sp.grad_sync if a not in sp.extra)
+        if rest:
+            n_extra = math.prod(ctx.sizes[a] for a in sp.extra)
+            colls.append(_coll(ctx, "all_reduce", wire / n_extra, rest, hidden=True))
+    elif sp.grad_sync:
+        colls.append(_coll(ctx, "all_reduce", wire, sp.grad_sync, hidden=True))
+    if sp.tp:
+        colls.extend(_tp_collectives(ctx, g, layout.params, sp.tp, sp.local, sp.tokens_local))
+    if sp.extra:
+        colls.append(_coll(ctx, "all_gather", sp.local, sp.extra))
+    return colls
+
+
+def group_cost(
+    ctx: CostContext,
+    g: ParamGroup,
+    layout: GroupLayout,
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> GroupCost:
+    """The cost of laying ``g`` out as ``layout`` with the batch over
+    ``batch_axes`` and the sequence over ``seq_axes`` under ``ctx.recipe``
+    (module docstring); memoized in ``ctx``."""
+    key = (g.key, g.shape, layout, batch_axes, seq_axes, ctx.recipe)
+    hit = ctx.memo.get(key)
+    if hit is not None:
+        return hit
+    sizes = ctx.sizes
+    recipe = ctx.recipe
+    sp = _split(ctx, g, layout, batch_axes, seq_axes)
     by_kind: dict[str, float] = {}
-    comm_s = 0.0
-    for c in colls:
+    comm_s = hidden_s = 0.0
+    for c in _collectives(ctx, g, layout, sp):
         comm_s += c.time_s * g.count
+        hidden_s += c.time_s * g.count if c.hidden else 0.0
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.payload * g.count
+    oshards = math.prod(sizes[a] for d in layout.opt for a in d)
+    opt = g.opt_bytes / oshards * g.count
+    if recipe.offload_opt and opt:
+        comm_s += 2 * opt / ctx.topology.host_bandwidth  # to the device for the update, and back
+        by_kind["host_offload"] = by_kind.get("host_offload", 0.0) + 2 * opt
+    flops = param_flops(g, ctx.trace.tokens) * ctx.flops_scale * g.count
+    splits = math.prod(sizes[a] for a in {*batch_axes, *sp.tp, *sp.context})
+    compute_s = ctx.compute_time(flops / splits, 0.0, ctx.compute_dtype(g.dtype))
+    n_tp = math.prod(sizes[a] for a in sp.tp)
+    n_extra = math.prod(sizes[a] for a in sp.extra)
+    logical = g.logical or ()
     out = GroupCost(
         comm_s=comm_s,
-        compute_s=flops / math.prod(sizes[a] for a in splits) / ctx.peak_flops,
+        compute_s=compute_s,
         comm_bytes=tuple(sorted(by_kind.items())),
-        params=local * g.count,
-        grads=local * g.count,
-        opt=g.opt_bytes / math.prod(sizes[a] for a in oused) * g.count,
-        tp_weight=flops * (1 - 1 / math.prod(sizes[a] for a in tp)),
+        params=sp.local * g.count,
+        grads=sp.local * g.count / (n_extra if layout.grads_sharded else 1),
+        opt=0.0 if recipe.offload_opt else opt,
+        tp_weight=flops * (1 - 1 / n_tp),
+        hidden_s=hidden_s,
+        layer_compute_s=compute_s if g.count > 1 or "layers" in logical else 0.0,
+        cast=sp.local * g.count * ctx.cast_ratio(g.dtype) if recipe.compute_dtype else 0.0,
+        offload_opt=opt if recipe.offload_opt else 0.0,
+        tp_shards=n_tp if any(n in ("heads", "kv_heads") for n in logical) else 1,
     )
     ctx.memo[key] = out
     return out
@@ -327,41 +504,82 @@ def total_cost(
     batch_axes: tuple[str, ...],
     seq_axes: tuple[str, ...],
 ) -> Cost:
-    """The analytic :class:`~spmdkit.planner.plans.Cost` of one layout per group."""
+    """The analytic :class:`~spmdkit.planner.plans.Cost` of one layout per group
+    under ``ctx.recipe``."""
     sizes = ctx.sizes
+    trace = ctx.trace
+    recipe = ctx.recipe
     seq_shards = math.prod(sizes[a] for a in seq_axes)
-    comm_s = compute_s = 0.0
+    comm_s = compute_s = hidden_s = layer_s = 0.0
     comm: dict[str, float] = {}
-    params = grads = opt = tp_weight = 0.0
+    params = grads = opt = tp_weight = cast = offloaded = 0.0
     total_flops = 0.0
-    for g, (dims, odims) in zip(groups, choice, strict=True):
-        c = group_cost(ctx, g, dims, odims, batch_axes, seq_axes)
+    heads_tp = 1
+    for g, layout in zip(groups, choice, strict=True):
+        c = group_cost(ctx, g, layout, batch_axes, seq_axes)
         comm_s += c.comm_s
+        hidden_s += c.hidden_s
         compute_s += c.compute_s
+        layer_s += c.layer_compute_s
         for k, v in c.comm_bytes:
             comm[k] = comm.get(k, 0.0) + v
         params += c.params
         grads += c.grads
         opt += c.opt
+        cast += c.cast
+        offloaded += c.offload_opt
         tp_weight += c.tp_weight
-        total_flops += param_flops(g, ctx.trace.tokens) * ctx.flops_scale * g.count
+        heads_tp = max(heads_tp, c.tp_shards)
+        total_flops += param_flops(g, trace.tokens) * ctx.flops_scale * g.count
     batch_shards = math.prod(sizes[a] for a in batch_axes)
-    # Residuals split by batch/seq shards; tensor parallelism splits about half of
-    # them (the mlp/heads-wide ones), in proportion to the FLOPs it splits.
+    dtype = ctx.compute_dtype(min((g.dtype for g in groups), default="float32", key=_itemsize))
+    # Attention splits over the batch, sequence and head shards.
+    attn_split = batch_shards * seq_shards * heads_tp
+    recompute_mm, recompute_attn = trace.recompute_flops(recipe)
+    attn_s = ctx.compute_time(0.0, (trace.attn_flops + recompute_attn) / attn_split, dtype)
+    if recompute_mm:
+        # Recomputing a layer's forward repeats a third of its train-step matmuls.
+        compute_s += layer_s / 3
+    compute_s += attn_s
+    if not total_flops and trace.flops:
+        compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
     tp_frac = tp_weight / total_flops if total_flops else 0.0
-    tp_split = 1.0 if seq_axes else 1 - 0.5 * tp_frac  # SP splits the rest as well
-    acts = ctx.trace.resid_bytes / batch_shards / seq_shards * tp_split
-    if not total_flops and ctx.trace.flops:
-        compute_s = ctx.trace.flops / batch_shards / ctx.peak_flops
+    acts = _activations(ctx, batch_shards * seq_shards, tp_frac, bool(seq_axes))
+    exposed = comm_s - hidden_s
+    step = compute_s + ctx.topology.exposed_comm(hidden_s, exposed, compute_s)
+    hidden = comm_s - (step - compute_s)
+    memory = {
+        "params": int(params),
+        "grads": int(grads),
+        "opt_state": int(opt + (0 if recipe.offload_opt else trace.opt_other_bytes)),
+        "activations": int(acts),
+    }
+    if cast:
+        memory["compute_copy"] = int(cast)
+    if recipe.offload_opt:
+        # The offloaded state is on the device only for the update, after the
+        # activations are freed: the peak grows only where it exceeds them.
+        memory["opt_update"] = int(max(offloaded - acts, 0.0))
     return Cost(
-        step_time_s=compute_s + comm_s,
+        step_time_s=step,
         compute_time_s=compute_s,
         comm_time_s=comm_s,
         comm_bytes={k: int(v) for k, v in sorted(comm.items())},
-        memory={
-            "params": int(params),
-            "grads": int(grads),
-            "opt_state": int(opt + ctx.trace.opt_other_bytes),
-            "activations": int(acts),
-        },
+        memory=memory,
+        hidden_comm_s=hidden,
     )
+
+
+def _activations(ctx: CostContext, shards: int, tp_frac: float, seq_sharded: bool) -> float:
+    """Activation bytes per device: residuals under the remat policy at the
+    compute itemsize, split by the batch/sequence shards and micro-batches;
+    tensor parallelism splits about half of them (the mlp/heads-wide ones), in
+    proportion to the FLOPs it splits (sequence parallelism the rest as well)."""
+    trace, recipe = ctx.trace, ctx.recipe
+    tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
+    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
+    return trace.activation_bytes(recipe) * scale / shards / recipe.microbatches * tp_split
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize

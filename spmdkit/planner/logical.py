@@ -28,6 +28,8 @@ preset   layout
 dp       batch over every axis; params, grads, optimizer state replicated
 fsdp     batch over every axis; every param sharded over every axis (ZeRO-3)
 zero1    as dp, but optimizer state sharded as in fsdp
+zero2    as zero1, and gradients sharded like the optimizer state
+         (reduce-scattered, not all-reduced)
 megatron batch over data axes; column/row-parallel attention and MLP, vocab-
          parallel embedding and head over the model axes (Megatron-LM TP)
 megatron_sp  megatron plus the sequence dim of activations over the model axes
@@ -84,7 +86,7 @@ PARAM_NAMES = (
 BATCH_NAMES = ("batch", "seq", "height", "width", "channels")
 
 #: Preset strategies, in the order the planner tries them.
-PRESETS = ("dp", "fsdp", "zero1", "megatron", "megatron_sp", "tp_fsdp", "ep")
+PRESETS = ("dp", "fsdp", "zero1", "zero2", "megatron", "megatron_sp", "tp_fsdp", "ep")
 
 
 class PlanError(SpmdError, ValueError):
@@ -341,7 +343,7 @@ def preset_rules(name: str, mesh: MeshLike) -> LogicalRules:
     dp_axes = tuple(a for a in every if a in roles["data"] or a in roles["fsdp"])
     dp_axes = tuple(a for a in dp_axes if a not in model) if model != every else ()
     table: dict[str, list[Entry]] = {}
-    if name in ("dp", "zero1"):
+    if name in ("dp", "zero1", "zero2"):
         table["batch"] = _fallbacks(every)
     elif name == "fsdp":
         table["batch"] = _fallbacks(every)

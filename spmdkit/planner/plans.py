@@ -96,6 +96,9 @@ class Cost:
         HLO shows buffers: all-gather output, all-reduce operand, ...).
       memory: ``params``, ``grads``, ``opt_state``, ``activations`` → bytes per device.
       estimator: ``"analytic"`` or ``"propagate"``.
+      hidden_comm_s: the part of ``comm_time_s`` that overlaps with compute;
+        ``step_time_s = compute + comm - hidden`` (hidden is at most the
+        topology's overlap share of compute).
     """
 
     step_time_s: float
@@ -104,6 +107,7 @@ class Cost:
     comm_bytes: Mapping[str, int]
     memory: Mapping[str, int]
     estimator: str = "analytic"
+    hidden_comm_s: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -124,6 +128,7 @@ class Cost:
             "comm_bytes": dict(self.comm_bytes),
             "memory": dict(self.memory),
             "estimator": self.estimator,
+            "hidden_comm_s": self.hidden_comm_s,
         }
 
     @classmethod
@@ -136,6 +141,7 @@ class Cost:
             {k: int(v) for k, v in d["comm_bytes"].items()},
             {k: int(v) for k, v in d["memory"].items()},
             d.get("estimator", "analytic"),
+            float(d.get("hidden_comm_s", 0.0)),
         )
 
     def summary(self) -> str:
@@ -520,9 +526,10 @@ class Plan:
             lines.append(f"memory/device: {fmt_bytes(c.peak_bytes)} ({mem})")
             comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(c.comm_bytes.items()) if v)
             lines.append(f"comm/step/device: {comm or 'none'}")
+            hidden = f", {fmt_time(c.hidden_comm_s)} of it hidden" if c.hidden_comm_s else ""
             lines.append(
                 f"estimated step: {fmt_time(c.step_time_s)} = compute "
-                f"{fmt_time(c.compute_time_s)} + comm {fmt_time(c.comm_time_s)} "
+                f"{fmt_time(c.compute_time_s)} + comm {fmt_time(c.comm_time_s)}{hidden} "
                 f"({c.estimator})"
             )
         if self.alternatives:

@@ -65,9 +65,10 @@ from spmdkit.planner.logical import (
 )
 from spmdkit.planner.plans import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
 from spmdkit.propagation import propagate
+from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
-from spmdkit.util import H100_BF16_PEAK_FLOPS, contraction_flops, fmt_bytes, path_str
+from spmdkit.util import contraction_flops, fmt_bytes, path_str
 
 if TYPE_CHECKING:
     from optax import GradientTransformation
@@ -90,6 +91,7 @@ class Candidate(NamedTuple):
       activation: batch logical name → mesh axes.
       rules: the logical-rule table the layout came from (None when searched).
       cost: its estimated cost.
+      recipe: the recipe it is costed with.
     """
 
     name: str
@@ -97,6 +99,12 @@ class Candidate(NamedTuple):
     activation: Activation
     rules: LogicalRules | None
     cost: Cost
+    recipe: Recipe = PLAIN
+
+    @property
+    def label(self) -> str:
+        """The name with the recipe, e.g. ``fsdp+remat=full, bf16``."""
+        return self.name if self.recipe.is_default else f"{self.name}+{self.recipe.short()}"
 
 
 # -- tracing (once per model) -------------------------------------------------------------
@@ -112,13 +120,16 @@ def _eqn_flops(eqn: JaxprEqn) -> float:
     return contraction_flops(name, eqn.params, lhs, rhs, eqn.outvars[0].aval.shape)
 
 
-def _jaxpr_flops(jaxpr: Jaxpr) -> float:
+def _jaxpr_flops(jaxpr: Jaxpr, *, batched_only: bool = False) -> float:
+    """Contraction FLOPs of a jaxpr, scans unrolled (``batched_only``: only dots
+    with batch dims, i.e. attention's scores and values)."""
     total = 0.0
     for eqn in jaxpr.eqns:
-        total += _eqn_flops(eqn)
+        if not batched_only or (eqn.primitive.name == "dot_general" and _is_batched_dot(eqn)):
+            total += _eqn_flops(eqn)
         mult = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
         for sub in _sub_jaxprs(eqn.params):
-            total += mult * _jaxpr_flops(sub)
+            total += mult * _jaxpr_flops(sub, batched_only=batched_only)
     return total
 
 
@@ -182,9 +193,82 @@ def _opt_bytes(info: ModelInfo, abstract_opt: PyTree) -> tuple[dict[str, int], i
     return opt_bytes, other
 
 
+class _LayerScan(NamedTuple):
+    """What the model's layer scan tells the remat model (global batch)."""
+
+    layers: int
+    carry: float
+    dots: float
+    named: dict[str, float]
+    fwd_flops: float
+
+
+def _aval_bytes(v: Any) -> float:
+    aval = v.aval
+    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+
+
+def _is_batched_dot(eqn: JaxprEqn) -> bool:
+    (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    return bool(lhs_batch)
+
+
+def _body_facts(jaxpr: Jaxpr) -> tuple[float, dict[str, float], float]:
+    """Weight-matmul output bytes, ``checkpoint_name`` bytes and batched-dot
+    FLOPs of one scan body (nested calls and scans included)."""
+    dots = attn = 0.0
+    named: dict[str, float] = {}
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            if _is_batched_dot(eqn):
+                attn += _eqn_flops(eqn)
+            else:
+                dots += _aval_bytes(eqn.outvars[0])
+        elif name == "name" and "name" in eqn.params:
+            tag = str(eqn.params["name"])
+            named[tag] = named.get(tag, 0.0) + _aval_bytes(eqn.outvars[0])
+        mult = eqn.params.get("length", 1) if name == "scan" else 1
+        for sub in _sub_jaxprs(eqn.params):
+            d, n, a = _body_facts(sub)
+            dots += mult * d
+            attn += mult * a
+            for k, v in n.items():
+                named[k] = named.get(k, 0.0) + mult * v
+    return dots, named, attn
+
+
+def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
+    """The scan over layers in a forward jaxpr (the scan with the most FLOPs,
+    searched through nested calls) and the batched-dot FLOPs of the forward."""
+    best: tuple[float, _LayerScan] | None = None
+    attn_total = 0.0
+    stack = [jaxpr]
+    while stack:
+        j = stack.pop()
+        for eqn in j.eqns:
+            if eqn.primitive.name == "dot_general" and _is_batched_dot(eqn):
+                attn_total += _eqn_flops(eqn)
+            if eqn.primitive.name != "scan":
+                stack.extend(_sub_jaxprs(eqn.params))
+                continue
+            body = eqn.params["jaxpr"].jaxpr
+            length = int(eqn.params["length"])
+            flops = length * _jaxpr_flops(body)
+            dots, named, attn = _body_facts(body)
+            attn_total += length * attn
+            nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+            carry = sum(_aval_bytes(v) for v in body.invars[nc : nc + ncarry])
+            scan = _LayerScan(length, carry, dots, named, flops)
+            if length > 1 and (best is None or flops > best[0]):
+                best = (flops, scan)
+    return (best[1] if best else None), attn_total
+
+
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
     opt = _optimizer(optimizer)
     closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    forward = jax.make_jaxpr(info.loss_fn)(info.abstract_params, info.batch)
 
     def residuals(p: PyTree, b: PyTree) -> Callable:
         return jax.vjp(info.loss_fn, p, b)[1]
@@ -197,6 +281,27 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
     opt_bytes, other = _opt_bytes(info, abstract_opt)
     batch, seq, tokens = _batch_dims(info)
     dtypes = [np.dtype(p.dtype).itemsize for p in info.params if len(p.shape) >= 2]
+    scan, attn_fwd = _layer_scan(forward.jaxpr)
+    layer_resid = peak = 0.0
+    if scan is not None:
+        # Residuals stacked by the layer scan lead with its length; the stacked
+        # parameters are among them (counted as parameters, not activations).
+        stacked = sum(
+            _nbytes(x) for x in jax.tree.leaves(resid) if x.ndim >= 2 and x.shape[0] == scan.layers
+        )
+        stacked_params = sum(p.nbytes for p in info.params if p.shape and p.shape[0] == scan.layers)
+        layer_resid = max(stacked - stacked_params, 0) / scan.layers
+        # The largest residual outside the layers (the logits) is live twice in
+        # the backward pass: itself and its gradient.
+        peak = max(
+            (
+                _nbytes(x)
+                for x in jax.tree.leaves(resid)
+                if not (x.ndim >= 2 and x.shape[0] == scan.layers)
+            ),
+            default=0,
+        )
+    attn_train = _jaxpr_flops(closed.jaxpr, batched_only=True)
     return StepTrace(
         flops=_jaxpr_flops(closed.jaxpr),
         resid_bytes=int(max(resid_bytes - param_bytes - batch_bytes, 0)),
@@ -207,6 +312,15 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         seq_len=seq,
         act_itemsize=min(dtypes) if dtypes else 4,
         abstract_opt=abstract_opt,
+        attn_flops=attn_train,
+        layers=scan.layers if scan else 0,
+        layer_resid=layer_resid,
+        layer_carry=scan.carry if scan else 0.0,
+        layer_dots=scan.dots if scan else 0.0,
+        layer_named=scan.named if scan else {},
+        layer_fwd_flops=scan.fwd_flops if scan else 0.0,
+        attn_fwd_flops=attn_fwd,
+        resid_peak=float(peak),
     )
 
 
@@ -217,24 +331,31 @@ def trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> Ste
     return info.memo(("planner.trace", id(optimizer)), lambda: _trace_step(info, optimizer))
 
 
-def train_step(info: ModelInfo, optimizer: GradientTransformation | None) -> Callable:
+def train_step(
+    info: ModelInfo, optimizer: GradientTransformation | None, recipe: Recipe = PLAIN
+) -> Callable:
     """``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` with
-    the optimizer (default ``optax.adam``); one function per model and optimizer
-    (``ModelInfo.memo``), so propagations of it share jax's trace cache."""
+    the optimizer (default ``optax.adam``) and the recipe's levers applied as
+    ``sk.value_and_grad`` applies them when the plan runs; one function per
+    model, optimizer and recipe (``ModelInfo.memo``), so propagations of it share
+    jax's trace cache."""
 
     def make() -> Callable:
         import optax
 
+        from spmdkit import recipe as levers
+
         opt = _optimizer(optimizer)
+        grad_fn = levers.value_and_grad(info.loss_fn, recipe)
 
         def step(params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple:
-            loss, grads = jax.value_and_grad(info.loss_fn)(params, batch)
+            loss, grads = grad_fn(params, batch)
             updates, opt_state = opt.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
         return step
 
-    return info.memo(("planner.step", id(optimizer)), make)
+    return info.memo(("planner.step", id(optimizer), recipe), make)
 
 
 def propagate_cost(
@@ -242,9 +363,12 @@ def propagate_cost(
     optimizer: GradientTransformation | None,
     candidate: Plan,
     ctx: CostContext,
+    analytic: Cost,
 ) -> Cost:
     """Cost of a plan by propagating its specs through the whole train step
-    (forward, backward, optimizer update; params and optimizer state donated)."""
+    (forward, backward, optimizer update; params and optimizer state donated),
+    with its recipe applied; ``analytic`` is the same plan's analytic cost, whose
+    compute time and overlappable share of communication it keeps."""
     trace = ctx.trace
     in_specs = (
         candidate.param_specs(info.abstract_params),
@@ -256,7 +380,7 @@ def propagate_cost(
     # all-gather of the updated parameters is part of its cost.
     out_specs = (in_specs[0], in_specs[1], P())
     prop = propagate(
-        train_step(info, optimizer),
+        train_step(info, optimizer, candidate.recipe),
         info.abstract_params,
         trace.abstract_opt,
         info.batch,
@@ -267,13 +391,26 @@ def propagate_cost(
         donate_argnums=(0, 1),
         arg_roles=("params", "opt_state", "batch"),
     )
-    compute = prop.compute_time_s or (prop.flops / ctx.peak_flops)
+    # Compute time is the analytic model's (the traced FLOPs split by the layout,
+    # at achievable rates, recomputation included); communication is the
+    # propagated collectives, of which the analytic model's overlappable share
+    # hides under compute; host offload traffic as the analytic model prices it.
+    compute = analytic.compute_time_s
+    share = analytic.hidden_comm_s / analytic.comm_time_s if analytic.comm_time_s else 0.0
+    hidden = prop.comm_time_s * share
+    host = analytic.comm_bytes.get("host_offload", 0) / ctx.topology.host_bandwidth
+    comm_s = prop.comm_time_s + host
+    step = compute + ctx.topology.exposed_comm(hidden, comm_s - hidden, compute)
     mem = prop.memory
+    comm_bytes = {k: int(v) for k, v in sorted(prop.comm_bytes_by_kind.items())}
+    if host:
+        comm_bytes["host_offload"] = int(analytic.comm_bytes["host_offload"])
     return Cost(
-        step_time_s=compute + prop.comm_time_s,
+        step_time_s=step,
         compute_time_s=compute,
-        comm_time_s=prop.comm_time_s,
-        comm_bytes={k: int(v) for k, v in sorted(prop.comm_bytes_by_kind.items())},
+        comm_time_s=comm_s,
+        hidden_comm_s=comm_s - (step - compute),
+        comm_bytes=comm_bytes,
         memory={
             "arguments": int(mem.argument_bytes),
             "outputs": int(mem.output_bytes - mem.alias_bytes),
@@ -363,7 +500,9 @@ def _rules_choice(
             continue
         if g.logical is None:
             dims = _unannotated(g.shape, every if preset == "fsdp" else (), sizes)
-            odims = _unannotated(g.shape, every if preset in ("fsdp", "zero1") else (), sizes)
+            odims = _unannotated(
+                g.shape, every if preset in ("fsdp", "zero1", "zero2") else (), sizes
+            )
         else:
             dims = spec_dims(
                 rules.resolve(g.logical, g.shape, mesh, where=g.paths[0]), len(g.shape)
@@ -371,9 +510,9 @@ def _rules_choice(
             odims = spec_dims(
                 opt_rules.resolve(g.logical, g.shape, mesh, where=g.paths[0]), len(g.shape)
             )
-            if preset == "zero1":
+            if preset in ("zero1", "zero2"):
                 odims = _merge(dims, odims)
-        out.append(GroupLayout(dims, odims))
+        out.append(GroupLayout(dims, odims, grads_sharded=preset == "zero2" and odims != dims))
     return out
 
 
@@ -424,10 +563,11 @@ def _search(
             z = _zero1(dims, g.shape, batch_axes, sizes)
             if z != dims:
                 opts.append(GroupLayout(dims, z))
+                opts.append(GroupLayout(dims, z, grads_sharded=True))
         options.append(opts)
 
     def gcost(i: int, o: GroupLayout) -> GroupCost:
-        return group_cost(ctx, groups[i], o.params, o.opt, batch_axes, seq_axes)
+        return group_cost(ctx, groups[i], o, batch_axes, seq_axes)
 
     pick = []
     for i, opts in enumerate(options):
@@ -475,6 +615,10 @@ def _check_mesh(mesh: object) -> MeshLike:
     return mesh
 
 
+#: Micro-batch counts auto tries, smallest first (more only adds collectives).
+_MICROBATCHES = (1, 2, 4, 8, 16)
+
+
 @dataclass
 class _Planner:
     """One :func:`plan` call: the model, its parameter groups, the mesh and the
@@ -488,50 +632,74 @@ class _Planner:
     budget: float
     estimator: str
 
-    def costed(self, name: str, choice: list[GroupLayout], rules: LogicalRules | None) -> Candidate:
-        """A rule table's candidate, costed analytically."""
-        act = _activation(rules, self.mesh, self.ctx.trace)
-        cost = total_cost(self.ctx, self.groups, choice, act.get("batch", ()), act.get("seq", ()))
-        return Candidate(name, choice, act, rules, cost)
+    def at(self, recipe: Recipe) -> CostContext:
+        """The cost context under ``recipe`` (sharing the memo)."""
+        return self.ctx if recipe == self.ctx.recipe else replace(self.ctx, recipe=recipe)
 
-    def preset(self, name: str, extra: RulesLike | None) -> Candidate:
+    def fits_batch(self, recipe: Recipe, batch_axes: tuple[str, ...]) -> bool:
+        """Whether each data-parallel replica's batch splits into the micro-batches."""
+        shards = math.prod(self.ctx.sizes[a] for a in batch_axes)
+        local = self.ctx.trace.batch_size // max(shards, 1)
+        return local % recipe.microbatches == 0 and local >= recipe.microbatches
+
+    def costed(
+        self,
+        name: str,
+        choice: list[GroupLayout],
+        rules: LogicalRules | None,
+        recipe: Recipe = PLAIN,
+    ) -> Candidate:
+        """A rule table's candidate, costed analytically under ``recipe``."""
+        act = _activation(rules, self.mesh, self.ctx.trace)
+        cost = total_cost(
+            self.at(recipe), self.groups, choice, act.get("batch", ()), act.get("seq", ())
+        )
+        return Candidate(name, choice, act, rules, cost, recipe)
+
+    def preset(self, name: str, extra: RulesLike | None, recipe: Recipe = PLAIN) -> Candidate:
         """A preset's candidate (``extra`` rules take priority)."""
         rules = preset_rules(name, self.mesh)
         if extra is not None:
             rules = rules.prepend(extra)
-        opt_rules = preset_rules("fsdp", self.mesh) if name == "zero1" else rules
-        if extra is not None and name == "zero1":
+        zero = name in ("zero1", "zero2")
+        opt_rules = preset_rules("fsdp", self.mesh) if zero else rules
+        if extra is not None and zero:
             opt_rules = opt_rules.prepend(extra)
         return self.costed(
-            name, _rules_choice(rules, opt_rules, self.groups, self.mesh, name), rules
+            name, _rules_choice(rules, opt_rules, self.groups, self.mesh, name), rules, recipe
         )
 
-    def table(self, table: LogicalRules) -> Candidate:
+    def table(self, table: LogicalRules, recipe: Recipe = PLAIN) -> Candidate:
         """A user rule table's candidate."""
         return self.costed(
-            "rules", _rules_choice(table, table, self.groups, self.mesh, None), table
+            "rules", _rules_choice(table, table, self.groups, self.mesh, None), table, recipe
         )
 
-    def searched(self) -> list[Candidate]:
+    def searched(self, recipe: Recipe = PLAIN) -> list[Candidate]:
         """The searched candidate for each choice of batch axes."""
         out = []
+        ctx = self.at(recipe)
         for batch_ax in _batch_axis_choices(self.ctx.sizes, self.ctx.trace.batch_size):
-            choice, cost = _search(self.ctx, self.groups, batch_ax, (), self.budget)
+            if not self.fits_batch(recipe, batch_ax):
+                continue
+            choice, cost = _search(ctx, self.groups, batch_ax, (), self.budget)
             act = {n: () for n in BATCH_NAMES}
             act["batch"] = batch_ax
-            out.append(
-                Candidate(f"searched[batch={','.join(batch_ax) or '-'}]", choice, act, None, cost)
-            )
+            name = f"searched[batch={','.join(batch_ax) or '-'}]"
+            out.append(Candidate(name, choice, act, None, cost, recipe))
         return out
 
     def make_plan(self, strategy: str, c: Candidate, cost: Cost | None) -> Plan:
         """The :class:`Plan` of a candidate (every member of each group laid out alike)."""
         params: dict[str, P] = {}
         opt: dict[str, P] = {}
-        for g, (dims, odims) in zip(self.groups, c.choice, strict=True):
+        grads: dict[str, P] = {}
+        for g, layout in zip(self.groups, c.choice, strict=True):
             for path in g.paths:
-                params[path] = dims_spec(dims)
-                opt[path] = dims_spec(odims)
+                params[path] = dims_spec(layout.params)
+                opt[path] = dims_spec(layout.opt)
+                if layout.grads_sharded:
+                    grads[path] = dims_spec(layout.opt)
         order = [p.path for p in self.info.params]
         return Plan(
             mesh=self.mesh,
@@ -543,19 +711,22 @@ class _Planner:
             info={p.path: (p.shape, p.dtype, p.logical) for p in self.info.params},
             batch_axes=dict(self.info.batch_axes),
             cost=cost,
+            recipe=c.recipe,
+            grads={p: grads[p] for p in order if p in grads},
         )
 
     def propagated(self, c: Candidate) -> Candidate:
         """The candidate with its cost from propagating it through the train step."""
         p = self.make_plan(c.name, c, None)
-        return c._replace(cost=propagate_cost(self.info, self.optimizer, p, self.ctx))
+        return c._replace(
+            cost=propagate_cost(self.info, self.optimizer, p, self.at(c.recipe), c.cost)
+        )
 
     def final(self, strategy: str, c: Candidate) -> Plan:
         """The plan of one candidate, re-costed by the chosen estimator."""
-        p = self.make_plan(strategy, c, c.cost)
         if self.estimator == "analytic":
-            return p
-        return replace(p, cost=propagate_cost(self.info, self.optimizer, p, self.ctx))
+            return self.make_plan(strategy, c, c.cost)
+        return self.make_plan(strategy, c, self.propagated(c).cost)
 
     def rank(self, c: Candidate) -> tuple[bool, float, float]:
         """Plans that fit: fastest first; none fits: the one nearest to fitting (the
@@ -563,49 +734,104 @@ class _Planner:
         over = c.cost.peak_bytes > self.budget
         return (over, c.cost.peak_bytes if over else c.cost.step_time_s, c.cost.step_time_s)
 
-    def auto(self, extra: RulesLike | None) -> tuple[Candidate, list[Candidate]]:
-        """Every candidate (module docstring), best first: the winner and the
-        runner-ups (one per name)."""
-        candidates: list[Candidate] = []
+    def recipes(self, fixed: Recipe | None) -> list[list[Recipe]]:
+        """The recipes auto tries, in rounds: each round's micro-batch counts are
+        tried smallest first and the next round (optimizer offload) only when no
+        plan of the earlier ones fits."""
+        if fixed is not None:
+            return [[fixed]]
+        dtypes: list[str | None] = [None]
+        if any(np.dtype(g.dtype) == np.float32 for g in self.groups):
+            dtypes.append("bfloat16")
+        remats = ("none", "dots", "full") if self.ctx.trace.layers else ("none",)
+        rounds = []
+        for offload in (False, True):
+            rounds.append(
+                [
+                    Recipe(remat=r, compute_dtype=d, microbatches=m, offload_opt=offload)
+                    for r in remats
+                    for d in dtypes
+                    for m in _MICROBATCHES
+                    if self.ctx.trace.batch_size % m == 0
+                ]
+            )
+        return rounds
+
+    def candidates(self, recipe: Recipe, extra: RulesLike | None) -> list[Candidate]:
+        """Every preset and searched candidate under one recipe."""
+        out: list[Candidate] = []
         for name in PRESETS:
             try:
-                candidates.append(self.preset(name, extra))
+                c = self.preset(name, extra, recipe)
             except UnknownLogicalAxisError:
                 continue
-        candidates += self.searched()
+            if self.fits_batch(recipe, c.activation.get("batch", ())):
+                out.append(c)
+        return out + self.searched(recipe)
+
+    def analytic_candidates(self, extra: RulesLike | None, fixed: Recipe | None) -> list[Candidate]:
+        """Candidates over the recipes (:meth:`recipes`): per remat policy and
+        compute dtype, micro-batch counts grow only until some plan fits."""
+        out: list[Candidate] = []
+        for recipes in self.recipes(fixed):
+            fits = False
+            done: set[tuple] = set()
+            for r in recipes:
+                key = (r.remat, r.compute_dtype)
+                if key in done:
+                    continue
+                cands = self.candidates(r, extra)
+                out += cands
+                if any(c.cost.peak_bytes <= self.budget for c in cands):
+                    done.add(key)
+                    fits = True
+            if fits:
+                break
+        return out
+
+    def auto(
+        self, extra: RulesLike | None, fixed: Recipe | None
+    ) -> tuple[Candidate, list[Candidate]]:
+        """Every candidate (module docstring), best first: the winner and the
+        runner-ups (one per name and recipe)."""
+        candidates = self.analytic_candidates(extra, fixed)
         if self.estimator == "propagate":
-            # The presets and the best searched candidates, re-costed on the traced step.
-            searched = sorted(
-                (i for i, c in enumerate(candidates) if c.name.startswith("searched")),
-                key=lambda i: (*self.rank(candidates[i]), i),
-            )
-            keep = [i for i, c in enumerate(candidates) if not c.name.startswith("searched")]
-            keep += searched[:3]
+            # The presets (plain recipe, or the fixed one) and the three best
+            # candidates, re-costed on the traced step.
+            base = fixed or PLAIN
+            ranked = sorted(range(len(candidates)), key=lambda i: (*self.rank(candidates[i]), i))
+            keep = set(ranked[:3])
+            keep |= {
+                i
+                for i, c in enumerate(candidates)
+                if c.recipe == base and not c.name.startswith("searched")
+            }
             candidates = [self.propagated(candidates[i]) for i in sorted(keep)]
         ranked = sorted(range(len(candidates)), key=lambda i: (*self.rank(candidates[i]), i))
         best = candidates[ranked[0]]
-        seen = {best.name}
+        seen = {best.label}
         others = []
         for i in ranked[1:]:
-            if candidates[i].name not in seen:
-                seen.add(candidates[i].name)
+            if candidates[i].label not in seen:
+                seen.add(candidates[i].label)
                 others.append(candidates[i])
         return best, others
 
-    def auto_plan(self, extra: RulesLike | None) -> Plan:
+    def auto_plan(self, extra: RulesLike | None, fixed: Recipe | None) -> Plan:
         """``strategy="auto"``'s plan: the best candidate, the others as
         alternatives; warns when none fits the budget."""
-        best, others = self.auto(extra)
+        best, others = self.auto(extra, fixed)
         if best.cost.peak_bytes > self.budget:
             warnings.warn(
                 f"plan(strategy='auto'): no candidate fits the memory budget of "
-                f"{fmt_bytes(self.budget)} per device; chose {best.name!r}, the smallest "
+                f"{fmt_bytes(self.budget)} per device; chose {best.label!r}, the smallest "
                 f"({fmt_bytes(best.cost.peak_bytes)}). Add devices, shard more axes, or lower "
-                "the activation memory (remat, smaller batch per device).",
+                "the activation memory (a smaller batch per device, longer sequences "
+                "split over devices).",
                 stacklevel=3,  # the caller of plan()
             )
         out = self.make_plan("auto", best, best.cost)
-        alternatives = tuple((c.name, c.cost) for c in others[:12])
+        alternatives = tuple((c.label, c.cost) for c in others[:12])
         return replace(out, alternatives=alternatives, chosen=best.name)
 
 
@@ -623,9 +849,10 @@ def plan(
     rules: RulesLike | None = None,
     memory_budget: float | None = None,
     topology: Topology = DEFAULT_TOPOLOGY,
-    peak_flops: float = H100_BF16_PEAK_FLOPS,
+    peak_flops: float | None = None,
     init_args: tuple = (),
     estimator: str = "propagate",
+    recipe: Recipe | None = None,
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -647,14 +874,22 @@ def plan(
       rules: extra logical rules that take priority over the preset's (e.g. for
         logical names outside :data:`PARAM_NAMES`).
       memory_budget: per-device bytes (default: 80 GiB, one H100).
-      topology: link model for collectives.
-      peak_flops: per-device FLOP/s for the compute term.
+      topology: link model for collectives, and the device's peak FLOP/s per
+        dtype, achievable efficiencies and overlap (the calibrated step-time model).
+      peak_flops: per-device FLOP/s for the compute term, overriding the
+        topology's per-dtype achievable rates (ideal-peak accounting).
       init_args: linen only, ``module.init`` arguments after the rng.
       estimator: ``"propagate"`` (default): the plan's cost (and auto's final
         ranking of the presets and its best searched candidates) comes from
         propagating the specs through the traced train step
         (``spmdkit.propagation``); ``"analytic"``: the per-parameter model only
         (:mod:`spmdkit.planner.analytic`), fastest.
+      recipe: the step's levers (:class:`~spmdkit.recipe.Recipe`: remat,
+        compute dtype, micro-batches, optimizer offload). For a preset or rule
+        table, default: the plain step. For ``"auto"``, default: searched with
+        the layouts (remat none/dots/full, the params' dtype or bf16 compute,
+        micro-batches until a plan fits, optimizer offload when nothing else
+        fits); given, it is fixed.
 
     Returns:
       The :class:`Plan`.
@@ -678,15 +913,23 @@ def plan(
         batch_axes=batch_axes,
         init_args=init_args,
     )
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise PlanError(
+            op="plan",
+            must="recipe is a spmdkit.Recipe or None",
+            given=type(recipe).__name__,
+            fix="pass recipe=sk.Recipe(remat='full', compute_dtype='bfloat16', ...)",
+        )
     planner = _planner(info, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
+    fixed = recipe or PLAIN
     if isinstance(strategy, str) and strategy != "auto":
-        return planner.final(strategy, planner.preset(strategy, rules))
+        return planner.final(strategy, planner.preset(strategy, rules, fixed))
     if not isinstance(strategy, str):
         table = LogicalRules.coerce(strategy)
         if rules is not None:
             table = table.prepend(rules)
-        return planner.final("rules", planner.table(table))
-    return planner.auto_plan(rules)
+        return planner.final("rules", planner.table(table, fixed))
+    return planner.auto_plan(rules, recipe)
 
 
 def _planner(
@@ -694,7 +937,7 @@ def _planner(
     mesh: MeshLike,
     optimizer: GradientTransformation | None,
     topology: Topology,
-    peak_flops: float,
+    peak_flops: float | None,
     memory_budget: float | None,
     estimator: str,
 ) -> _Planner:
@@ -708,13 +951,14 @@ def _planner(
     trace = trace_step(info, optimizer)
     groups = param_groups(info, trace)
     raw = sum(param_flops(g, trace.tokens) * g.count for g in groups)
+    matmul = trace.flops - trace.attn_flops
     ctx = CostContext(
         mesh=mesh,
         sizes=axis_sizes(mesh),
         topology=topology,
         trace=trace,
-        peak_flops=float(peak_flops),
-        flops_scale=(trace.flops / raw) if raw and trace.flops else 1.0,
+        peak_flops=None if peak_flops is None else float(peak_flops),
+        flops_scale=(matmul / raw) if raw and matmul > 0 else 1.0,
     )
     budget = float(memory_budget) if memory_budget is not None else float(H100_MEMORY)
     return _Planner(mesh, info, optimizer, groups, ctx, budget, estimator)

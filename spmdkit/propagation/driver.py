@@ -19,7 +19,7 @@ consumer wanting the same layout.
 (:mod:`spmdkit.resharding` conventions). ``flops`` are per device: the local
 blocks' multiply-adds for ``dot_general`` and ``conv_general_dilated``
 (:func:`spmdkit.util.contraction_flops`), one per output element elsewhere;
-compute time uses ``topology.peak_flops`` when the topology has it, else
+compute time is the ideal one, at the bf16 peak (``topology.peak("bfloat16")``, else
 :data:`spmdkit.util.H100_BF16_PEAK_FLOPS`.
 """
 
@@ -83,7 +83,7 @@ def propagate(
       out_specs: optional constraints on the outputs (a pytree prefix of the
         outputs; None leaves are unconstrained).
       strategies: op name → strategy name, for rules with alternatives.
-      topology: link model for reshard costs; ``peak_flops`` if it has one.
+      topology: link model for reshard costs; its bf16 ``peak`` if it has one.
       donate_argnums: donated positional arguments (memory only).
       arg_roles: a pytree prefix of ``args`` with role strings (``"params"``,
         ``"opt_state"``, ``"batch"``…) for the memory breakdown.
@@ -123,7 +123,7 @@ def propagate(
     engine.pricer.producer = producers(graph)
     batch = {v for v, r in roles.items() if r == "batch"}
     engine.chooser.stationary = frozenset(stationary(graph, batch))
-    peak = float(getattr(topology, "peak_flops", H100_BF16_PEAK_FLOPS))
+    peak = topology.peak("bfloat16") if hasattr(topology, "peak") else H100_BF16_PEAK_FLOPS
     spec, collect = _sweeps(engine, graph, flat_in, out_req, peak)
 
     recorder = Recorder(engine.pricer, engine.ops)

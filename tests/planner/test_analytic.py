@@ -29,7 +29,7 @@ def test_layers_share_a_group(model):
 def test_data_parallel_all_reduces_the_grads(model):
     groups, ctx = model
     up = groups["mixers/*/up"]
-    c = group_cost(ctx, up, ((), ()), ((), ()), ("data", "model"), ())
+    c = group_cost(ctx, up, GroupLayout(((), ()), ((), ())), ("data", "model"), ())
     assert dict(c.comm_bytes) == {"all_reduce": 2 * up.nbytes}
     assert c.params == c.grads == 2 * up.nbytes and c.tp_weight == 0
 
@@ -37,7 +37,13 @@ def test_data_parallel_all_reduces_the_grads(model):
 def test_fsdp_gathers_and_scatters_the_same_bytes(model):
     groups, ctx = model
     up = groups["mixers/*/up"]
-    c = group_cost(ctx, up, (("data", "model"), ()), (("data", "model"), ()), ("data", "model"), ())
+    c = group_cost(
+        ctx,
+        up,
+        GroupLayout((("data", "model"), ()), (("data", "model"), ())),
+        ("data", "model"),
+        (),
+    )
     assert dict(c.comm_bytes) == {"all_gather": 2 * up.nbytes, "reduce_scatter": 2 * up.nbytes}
     assert c.params == 2 * up.nbytes / 8
 
@@ -45,8 +51,8 @@ def test_fsdp_gathers_and_scatters_the_same_bytes(model):
 def test_tensor_parallel_moves_activations_and_splits_compute(model):
     groups, ctx = model
     up = groups["mixers/*/up"]
-    dp = group_cost(ctx, up, ((), ()), ((), ()), ("data",), ())
-    tp = group_cost(ctx, up, ((), ("model",)), ((), ("model",)), ("data",), ())
+    dp = group_cost(ctx, up, GroupLayout(((), ()), ((), ())), ("data",), ())
+    tp = group_cost(ctx, up, GroupLayout(((), ("model",)), ((), ("model",))), ("data",), ())
     tokens_local = ctx.trace.tokens / 2
     activations = 2 * tokens_local * 32 * 4  # per layer, tokens × embed
     grads = 2 * up.nbytes / 4  # each shard's grad, summed over the data axis
@@ -57,8 +63,10 @@ def test_tensor_parallel_moves_activations_and_splits_compute(model):
 def test_zero1_gathers_the_updated_params(model):
     groups, ctx = model
     up = groups["mixers/*/up"]
-    plain = group_cost(ctx, up, ((), ()), ((), ()), ("data", "model"), ())
-    zero1 = group_cost(ctx, up, ((), ()), ((), ("data", "model")), ("data", "model"), ())
+    plain = group_cost(ctx, up, GroupLayout(((), ()), ((), ())), ("data", "model"), ())
+    zero1 = group_cost(
+        ctx, up, GroupLayout(((), ()), ((), ("data", "model"))), ("data", "model"), ()
+    )
     assert dict(zero1.comm_bytes)["all_gather"] == 2 * up.nbytes  # the updated params
     assert zero1.opt == plain.opt / 8
 
@@ -70,4 +78,106 @@ def test_total_adds_the_groups(model):
     cost = total_cost(ctx, gs, layout, ("data", "model"), ())
     assert cost.memory["params"] == sum(g.nbytes * g.count for g in gs)
     assert set(cost.comm_bytes) == {"all_reduce"} and cost.estimator == "analytic"
-    assert cost.step_time_s == pytest.approx(cost.compute_time_s + cost.comm_time_s)
+    # gradient all-reduces overlap with compute, up to the topology's overlap share
+    assert cost.step_time_s == pytest.approx(
+        cost.compute_time_s + cost.comm_time_s - cost.hidden_comm_s
+    )
+    assert 0 < cost.hidden_comm_s <= ctx.topology.overlap * cost.compute_time_s + 1e-15
+
+
+# -- the recipe's terms ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(amesh):
+    """Tiny Llama with scanned layers, at a sequence long enough for attention to count."""
+    from spmdkit.models import get_model
+
+    info = describe(get_model("llama"), config="tiny_scan", batch_size=8)
+    trace = trace_step(info, None)
+    groups = param_groups(info, trace)
+    ctx = CostContext(amesh, axis_sizes(amesh), DEFAULT_TOPOLOGY, trace, None, 1.0)
+    return groups, ctx
+
+
+def _fsdp(groups):
+    out = []
+    for g in groups:
+        dims = [()] * len(g.shape)
+        i = max(range(len(g.shape)), key=lambda i: g.shape[i]) if g.shape else None
+        if i is not None and g.shape[i] % 8 == 0:
+            dims[i] = ("data", "model")
+        out.append(GroupLayout(tuple(dims), tuple(dims)))
+    return out
+
+
+def _cost(llama, recipe, choice=None):
+    from dataclasses import replace
+
+    groups, ctx = llama
+    return total_cost(
+        replace(ctx, recipe=recipe), groups, choice or _fsdp(groups), ("data", "model"), ()
+    )
+
+
+def test_the_trace_finds_the_layer_scan(llama):
+    _, ctx = llama
+    t = ctx.trace
+    assert t.layers == 2  # tiny_scan: two stacked layers
+    assert 0 < t.layer_carry < t.layer_resid  # a layer keeps more than its input
+    assert 0 < t.layer_dots < t.layer_resid
+    assert 0 < t.attn_fwd_flops < t.attn_flops < t.flops
+
+
+def test_remat_keeps_less_and_recomputes_more(llama):
+    from spmdkit.recipe import Recipe
+
+    none, dots, full = (_cost(llama, Recipe(remat=r)) for r in ("none", "dots", "full"))
+    acts = [c.memory["activations"] for c in (none, dots, full)]
+    assert acts[0] > acts[1] > acts[2] > 0
+    assert none.compute_time_s < dots.compute_time_s < full.compute_time_s
+
+
+def test_bf16_compute_halves_activations_and_gathers_and_runs_faster(llama):
+    from spmdkit.recipe import Recipe
+
+    fp32, bf16 = _cost(llama, Recipe()), _cost(llama, Recipe(compute_dtype="bfloat16"))
+    assert bf16.memory["activations"] == pytest.approx(fp32.memory["activations"] / 2, rel=1e-6)
+    assert bf16.comm_bytes["all_gather"] == pytest.approx(fp32.comm_bytes["all_gather"] / 2, 1e-6)
+    assert bf16.memory["compute_copy"] == pytest.approx(fp32.memory["params"] / 2, rel=1e-6)
+    # fp32 matmuls run as TF32: half the bf16 peak
+    assert bf16.compute_time_s == pytest.approx(fp32.compute_time_s / 2, rel=1e-3)
+
+
+def test_microbatches_split_activations_and_repeat_fsdp_collectives(llama):
+    from spmdkit.recipe import Recipe
+
+    one, two = _cost(llama, Recipe()), _cost(llama, Recipe(microbatches=2))
+    assert two.memory["activations"] == pytest.approx(one.memory["activations"] / 2, rel=1e-6)
+    assert two.comm_bytes["all_gather"] == pytest.approx(2 * one.comm_bytes["all_gather"], 1e-6)
+    assert two.compute_time_s == pytest.approx(one.compute_time_s)
+
+
+def test_offload_moves_optimizer_state_over_the_host_link(llama):
+    from spmdkit.recipe import Recipe
+
+    dev, host = _cost(llama, Recipe()), _cost(llama, Recipe(offload_opt=True))
+    opt = dev.memory["opt_state"] - llama[1].trace.opt_other_bytes
+    assert host.memory["opt_state"] == 0
+    assert host.comm_bytes["host_offload"] == pytest.approx(2 * opt, rel=1e-6)
+    extra = 2 * opt / llama[1].topology.host_bandwidth
+    assert host.step_time_s == pytest.approx(dev.step_time_s + extra, rel=1e-6)
+
+
+def test_zero2_reduce_scatters_and_shards_the_grads(llama):
+    from spmdkit.recipe import Recipe
+
+    groups, _ = llama
+    rep = [((),) * len(g.shape) for g in groups]
+    opt = _fsdp(groups)
+    zero1 = [GroupLayout(r, o.opt) for r, o in zip(rep, opt, strict=True)]
+    zero2 = [GroupLayout(r, o.opt, grads_sharded=o.opt != r) for r, o in zip(rep, opt, strict=True)]
+    c1, c2 = _cost(llama, Recipe(), zero1), _cost(llama, Recipe(), zero2)
+    assert c2.memory["grads"] < c1.memory["grads"] == c1.memory["params"]
+    assert c2.comm_bytes.get("reduce_scatter", 0) > 0 == c1.comm_bytes.get("reduce_scatter", 0)
+    assert c2.comm_bytes.get("all_reduce", 0) < c1.comm_bytes["all_reduce"]

@@ -125,3 +125,64 @@ def test_ep_puts_experts_on_the_model_axis():
         spec = tuple(p.params[k]) + (None,) * len(names)
         assert spec[names.index("expert")] == "model"
     assert p.activation["batch"] == ("data", "model")
+
+
+# -- ZeRO-2 and recipes --------------------------------------------------------------------
+
+
+def test_zero2_shards_grads_like_the_optimizer_state(plans):
+    z1, z2 = plans["zero1"], plans["zero2"]
+    path = "mixers/0/up"
+    assert z2.params[path] == P() and z2.opt[path] == z1.opt[path] != P()
+    assert z2.grads[path] == z2.opt[path] and not z1.grads
+    assert z2.cost.memory["grads"] < z1.cost.memory["grads"]
+    assert z2.cost.comm_bytes["reduce_scatter"] > 0
+    again = sk.Plan.from_json(z2.to_json())
+    assert again.grads == z2.grads and again == z2
+    assert "gradients sharded like the optimizer state" in z2.table()
+
+
+def test_a_preset_takes_a_fixed_recipe(amesh):
+    kw = {"loss": toy_loss, "batch": toy_batch(), "estimator": "analytic"}
+    recipe = sk.Recipe(compute_dtype="bfloat16", microbatches=2)
+    plain = plan(toy_init, amesh, "fsdp", **kw)
+    mixed = plan(toy_init, amesh, "fsdp", recipe=recipe, **kw)
+    assert plain.recipe == sk.Recipe() and mixed.recipe == recipe
+    assert mixed.params == plain.params  # the layout is the preset's either way
+    assert mixed.cost.memory["activations"] < plain.cost.memory["activations"]
+    assert "recipe: bf16, microbatches=2" in mixed.table()
+    assert sk.Plan.from_json(mixed.to_json()).recipe == recipe
+    with pytest.raises(PlanError, match=r"recipe is a spmdkit\.Recipe"):
+        plan(toy_init, amesh, "fsdp", recipe={"remat": "full"}, **kw)
+
+
+def test_auto_searches_recipes_with_layouts_and_names_them(amesh):
+    from spmdkit.models import get_model
+
+    spec = get_model("llama")
+    free = plan(spec, amesh, "auto", config="tiny_scan", batch_size=8, estimator="analytic")
+    labels = [name for name, _ in free.alternatives]
+    assert any("remat=" in n for n in labels) and any("bf16" in n for n in labels)
+    # a budget below every plain plan: auto recomputes, accumulates or offloads to fit
+    plain = min(
+        plan(spec, amesh, s, config="tiny_scan", batch_size=8, estimator="analytic").cost.peak_bytes
+        for s in PRESETS
+        if s != "ep"
+    )
+    budget = int(plain * 0.6)
+    tight = plan(
+        spec, amesh, "auto", config="tiny_scan", batch_size=8, estimator="analytic",
+        memory_budget=budget,
+    )  # fmt: skip
+    assert tight.cost.peak_bytes <= budget and not tight.recipe.is_default
+    again = plan(
+        spec, amesh, "auto", config="tiny_scan", batch_size=8, estimator="analytic",
+        memory_budget=budget,
+    )  # fmt: skip
+    assert again == tight  # deterministic, recipe included
+    fixed = plan(
+        spec, amesh, "auto", config="tiny_scan", batch_size=8, estimator="analytic",
+        recipe=sk.Recipe(remat="full"),
+    )  # fmt: skip
+    assert fixed.recipe == sk.Recipe(remat="full")
+    assert all("remat=full" in n for n, _ in fixed.alternatives)
