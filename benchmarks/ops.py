@@ -46,6 +46,13 @@ Run: ``python benchmarks/ops.py`` (``--quick`` for tiny shapes, ``--only NAME``
 to keep the cases whose op or variant contains NAME, ``--check``/``--no-check``
 to run both sides on random inputs and record how far apart their outputs and
 gradients are — on by default with ``--quick`` only).
+
+A separate section, run alone with ``python benchmarks/ops.py --attention-memory``
+(a minute on this CPU), compares the compiled peak memory of value-and-grad of
+the reference models' attention, plain (``implementation="xla"``, S×S scores)
+vs blockwise (flash-style), on one device for Llama-3-8B-like shapes scaled
+down; results go to ``benchmarks/results/ops_attention.json`` (see
+:func:`attention_memory`).
 """
 
 from __future__ import annotations
@@ -634,6 +641,152 @@ def run(
     return report
 
 
+# -- attention memory: plain vs blockwise, one device ---------------------------
+
+ATTENTION_RESULTS = RESULTS.with_name("ops_attention.json")
+
+
+class AttnShape(NamedTuple):
+    """Attention inputs: q ``[batch, seq, heads, head_dim]``, k/v with ``kv_heads``."""
+
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+#: Llama-3 8B's attention (32 heads, 8 kv heads, head_dim 128) scaled down to a
+#: quarter of the heads, at two sequence lengths, in float32 and bfloat16.
+ATTENTION_FULL = (
+    AttnShape(1, 2048, 8, 2, 128, "float32"),
+    AttnShape(1, 2048, 8, 2, 128, "bfloat16"),
+    AttnShape(1, 8192, 8, 2, 128, "bfloat16"),
+)
+ATTENTION_QUICK = (AttnShape(1, 256, 4, 2, 16, "float32"),)
+
+
+def _attention_cost(shape: AttnShape, implementation: str, block_size: int) -> dict[str, Any]:
+    from spmdkit.models.layers import attention
+
+    dtype = jnp.dtype(shape.dtype)
+    q = jax.ShapeDtypeStruct((shape.batch, shape.seq, shape.heads, shape.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((shape.batch, shape.seq, shape.kv_heads, shape.head_dim), dtype)
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return attention(q, k, v, causal=True, implementation=implementation, block_size=block_size)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        y = fn(q, k, v).astype(jnp.float32)
+        return 0.5 * jnp.sum(y * y)
+
+    cost = _compile(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    residuals = jax.eval_shape(lambda *a: jax.vjp(fn, *a)[1], q, kv, kv)
+    cost["residual_bytes"] = sum(
+        int(np.prod(r.shape)) * r.dtype.itemsize for r in jax.tree.leaves(residuals)
+    )
+    del cost["bytes"], cost["collectives"]
+    return cost
+
+
+def attention_memory(
+    *, quick: bool = False, out_path: Path = ATTENTION_RESULTS, block_size: int = 512
+) -> dict[str, Any]:
+    """Compiled peak memory of value-and-grad of causal attention, plain vs blockwise.
+
+    One device (no mesh): ``jax.value_and_grad`` of ``½·Σ y²`` of
+    ``spmdkit.models.layers.attention(q, k, v, implementation=...)`` with respect to
+    q, k and v, compiled for ``jax.ShapeDtypeStruct`` inputs (nothing runs), its
+    ``memory_analysis()`` peak (temp + argument + output − alias), and the bytes of
+    the vjp residuals (``jax.eval_shape`` of the pullback): S×S for ``"xla"``, O(S)
+    for ``"blockwise"``. Prints a table and saves the JSON at ``out_path``.
+
+    The blockwise peak is O(S·block): on CPU its backward keeps about six
+    ``[b, kv, group, S, block]`` float32 buffers live (scores, probabilities,
+    dP, dS and the transposed copies XLA:CPU's dot wants), so a smaller
+    ``block_size`` lowers it further (fp32, S=2048: ~88 MiB at block 128).
+
+    Args:
+      quick: one tiny shape (a smoke run).
+      out_path: where the JSON goes.
+      block_size: the blockwise version's key/value block.
+    """
+    block = min(block_size, 64) if quick else block_size
+    rows = []
+    for shape in ATTENTION_QUICK if quick else ATTENTION_FULL:
+        row: dict[str, Any] = {"shape": shape._asdict(), "block_size": block}
+        for impl in ("xla", "blockwise"):
+            row[impl] = _attention_cost(shape, impl, block)
+        row["peak_ratio"] = row["xla"]["peak_bytes"] / row["blockwise"]["peak_bytes"]
+        rows.append(row)
+    meta = {
+        k: v
+        for k, v in _meta(ATTENTION_QUICK[0] if quick else ATTENTION_FULL[0], quick).items()
+        if k not in ("mesh", "shapes")
+    }
+    report = {
+        "meta": {**meta, "backend": f"{jax.default_backend()} (one device)"},
+        "definitions": {
+            "peak_bytes": "memory_analysis() of jax.value_and_grad(0.5*sum(y**2)) w.r.t. "
+            "q, k, v: temp + argument + output - alias",
+            "residual_bytes": "bytes of the leaves of jax.vjp's pullback (eval_shape)",
+            "xla": "plain attention (materializes [b, kv, group, S, S] scores)",
+            "blockwise": "flash-style blockwise attention (custom_vjp, lax.scan over "
+            "key/value blocks)",
+        },
+        "rows": rows,
+    }
+    _print_attention(report)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nsaved {out_path}")
+    return report
+
+
+def _print_attention(report: dict[str, Any]) -> None:
+    meta = report["meta"]
+    print(
+        f"attention value-and-grad memory, plain vs blockwise — jax {meta['jax']}, "
+        f"{meta['backend']}, {meta['date']}"
+    )
+    header = (
+        "b×S×h/kv×d",
+        "dtype",
+        "block",
+        "impl",
+        "peak",
+        "temp",
+        "residuals",
+        "plain/blockwise",
+    )
+    table = []
+    for r in report["rows"]:
+        s = r["shape"]
+        dims = f"{s['batch']}×{s['seq']}×{s['heads']}/{s['kv_heads']}×{s['head_dim']}"
+        for impl in ("xla", "blockwise"):
+            c = r[impl]
+            ratio = f"{r['peak_ratio']:.1f}×" if impl == "blockwise" else ""
+            table.append(
+                (
+                    dims if impl == "xla" else "",
+                    s["dtype"] if impl == "xla" else "",
+                    str(r["block_size"]) if impl == "blockwise" else "",
+                    impl,
+                    _fmt_bytes(c["peak_bytes"]),
+                    _fmt_bytes(c["memory"]["temp"]),
+                    _fmt_bytes(c["residual_bytes"]),
+                    ratio,
+                )
+            )
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+    print("  ".join("-" * w for w in widths))
+    for row in table:
+        cells = zip(row, widths, strict=True)
+        print("  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(cells)))
+
+
 def _git_commit() -> str | None:
     try:
         res = subprocess.run(
@@ -766,7 +919,7 @@ def _print_table(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``python benchmarks/ops.py [--quick] [--only NAME ...] [--[no-]check]
-    [--out PATH]``."""
+    [--out PATH] [--attention-memory]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke run)")
     parser.add_argument(
@@ -780,9 +933,19 @@ def main(argv: list[str] | None = None) -> int:
         "(default: on with --quick)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON path (default {RESULTS})")
+    parser.add_argument(
+        "--attention-memory",
+        action="store_true",
+        help="only the plain vs blockwise attention memory section "
+        f"(JSON to --out, default {ATTENTION_RESULTS})",
+    )
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    run(quick=args.quick, out_path=args.out, only=args.only, check=args.check)
+    if args.attention_memory:
+        out = ATTENTION_RESULTS if args.out == RESULTS else args.out
+        attention_memory(quick=args.quick, out_path=out)
+    else:
+        run(quick=args.quick, out_path=args.out, only=args.only, check=args.check)
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -35,6 +35,9 @@ class GPTConfig:
       seq_len: sequence length of the batches :func:`lm_batch` makes.
       dropout: dropout rate on the residual branches and embeddings (0 disables).
       dtype: compute dtype; param_dtype: parameter dtype.
+      attention: attention implementation, one of
+        :data:`~spmdkit.models.layers.ATTENTION_IMPLEMENTATIONS` (``"auto"``: cuDNN's
+        fused kernel on a GPU that accepts the inputs, else the blockwise version).
     """
 
     vocab: int = 256
@@ -47,6 +50,7 @@ class GPTConfig:
     dropout: float = 0.0
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         lyr.check_config(
@@ -54,6 +58,10 @@ class GPTConfig:
             (self.d_model % self.n_heads == 0, "n_heads divide d_model"),
             (self.seq_len <= self.max_seq, "seq_len <= max_seq (rows of the position table)"),
             (0.0 <= self.dropout < 1.0, "0 <= dropout < 1"),
+            (
+                self.attention in lyr.ATTENTION_IMPLEMENTATIONS,
+                f"attention be one of {lyr.ATTENTION_IMPLEMENTATIONS}",
+            ),
             given=self,
         )
 
@@ -82,6 +90,7 @@ class GPTAttention(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         d, h, hd, pd = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.param_dtype
+        self.implementation = cfg.attention
         init = lyr.fan_in_init(d)
         names = ("embed", "heads", "head_dim")
         self.wq = lyr.param(rngs, init, (d, h, hd), names, pd)
@@ -99,7 +108,7 @@ class GPTAttention(nnx.Module):
         q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...]) + self.bq[...]
         k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...]) + self.bk[...]
         v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...]) + self.bv[...]
-        o = lyr.attention(q, k, v, causal=True)
+        o = lyr.attention(q, k, v, causal=True, implementation=self.implementation)
         return jnp.einsum("bshk,hkd->bsd", o, self.wo[...]) + self.bo[...]
 
 

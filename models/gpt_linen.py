@@ -68,7 +68,7 @@ class _Block(nn.Module):
             w = _p(self, f"w{n}", _fan_in(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
             b = _p(self, f"b{n}", zeros, (h, hd), ("heads", "head_dim"), pd)
             qkv.append(jnp.einsum("bsd,dhk->bshk", y, w) + b)
-        o = lyr.attention(*qkv, causal=True)
+        o = lyr.attention(*qkv, causal=True, implementation=cfg.attention)
         wo = _p(self, "wo", _fan_in(d), (h, hd, d), ("heads", "head_dim", "embed"), pd)
         bo = _p(self, "bo", zeros, (d,), ("embed",), pd)
         x = x + jnp.einsum("bshk,hkd->bsd", o, wo) + bo

@@ -12,6 +12,7 @@ standard ``out_sharding`` metadata and never mention a mesh.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +33,9 @@ __all__ = [
     "group_norm",
     "batch_norm",
     "attention",
+    "blockwise_attention",
+    "AttentionError",
+    "ATTENTION_IMPLEMENTATIONS",
     "embedding_lookup",
     "softmax_cross_entropy",
     "batch_stats",
@@ -117,18 +121,115 @@ def batch_stats(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return mean, var
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) -> jax.Array:
+ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn")
+"""What ``attention(..., implementation=)`` and the configs' ``attention`` field accept."""
+
+
+class AttentionError(SpmdError, ValueError):
+    """Attention was asked for an implementation it cannot run.
+
+    Broken example: ``attention(q, k, v, implementation="cudnn")`` on a CPU-only machine.
+    """
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    implementation: str | None = None,
+    block_size: int = 512,
+) -> jax.Array:
     """Scaled dot-product attention with grouped-query support.
+
+    Implementations:
+
+    * ``"xla"``: the plain computation; materializes the ``[b, kv, group, S, S]``
+      scores (and keeps the probabilities for the backward).
+    * ``"blockwise"``: :func:`blockwise_attention`, flash-style, O(S) residuals and
+      no S×S value in its jaxpr.
+    * ``"cudnn"``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``, the
+      fused kernel; only on a GPU whose cuDNN accepts the shapes and dtypes (bf16/fp16).
+    * ``None`` / ``"auto"``: cuDNN on a GPU when it accepts the inputs, else blockwise.
+      On a CPU-only machine (the planner's abstract tracing included) this traces the
+      blockwise version, whose memory profile is the fused kernel's.
 
     Args:
       q: ``[batch, seq, heads, head_dim]``.
       k: ``[batch, seq, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
       v: like ``k``.
       causal: mask out keys after each query.
+      implementation: one of :data:`ATTENTION_IMPLEMENTATIONS` or ``None`` (auto).
+      block_size: key/value block length of the blockwise version.
 
     Returns:
       ``[batch, seq, heads, head_dim]``.
+
+    Raises:
+      AttentionError: unknown implementation, bad shapes, or ``"cudnn"`` where it cannot run.
+
+    Example::
+
+        >>> q = jnp.ones((1, 1024, 8, 64)); kv = jnp.ones((1, 1024, 2, 64))
+        >>> attention(q, kv, kv, implementation="blockwise", block_size=256).shape
+        (1, 1024, 8, 64)
     """
+    impl = "auto" if implementation is None else implementation
+    if impl not in ATTENTION_IMPLEMENTATIONS:
+        raise AttentionError(
+            op="attention",
+            must=f"implementation be one of {ATTENTION_IMPLEMENTATIONS} or None",
+            given=repr(implementation),
+            fix='pass implementation="auto" (or None)',
+        )
+    _check_qkv(q, k, v)
+    if impl == "xla":
+        return _plain_attention(q, k, v, causal=causal)
+    if impl in ("cudnn", "auto") and _on_gpu():
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError, TypeError) as err:
+            if impl == "cudnn":
+                raise AttentionError(
+                    op="attention",
+                    must="cuDNN's fused attention accept the inputs",
+                    given=f"q {q.shape} {q.dtype}, k {k.shape}; cuDNN said: {err}",
+                    fix='use bf16/fp16 inputs, or implementation="blockwise"',
+                ) from err
+    elif impl == "cudnn":
+        raise AttentionError(
+            op="attention",
+            must="a GPU with cuDNN be the default backend for implementation='cudnn'",
+            given=f"backend {jax.default_backend()!r}",
+            fix='pass implementation="auto" or "blockwise"',
+        )
+    return blockwise_attention(q, k, v, causal=causal, block_size=block_size)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda")
+
+
+def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    ok = (
+        q.ndim == 4
+        and k.shape == v.shape
+        and k.ndim == 4
+        and (q.shape[0], q.shape[1], q.shape[3]) == (k.shape[0], k.shape[1], k.shape[3])
+        and k.shape[2] > 0
+        and q.shape[2] % k.shape[2] == 0
+    )
+    if not ok:
+        raise AttentionError(
+            op="attention",
+            must="q be [b, s, heads, d], k and v [b, s, kv_heads, d] with kv_heads | heads",
+            given=f"q {q.shape}, k {k.shape}, v {v.shape}",
+            fix="reshape the projections to [batch, seq, heads, head_dim]",
+        )
+
+
+def _plain_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array:
     b, s, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, s, kv, h // kv, d)
@@ -139,6 +240,161 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) 
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
     return out.reshape(b, s, h, d)
+
+
+def blockwise_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, block_size: int = 512
+) -> jax.Array:
+    """Flash-style attention: key/value blocks, online softmax, O(S) residuals.
+
+    The forward runs a ``lax.scan`` over key/value blocks of ``block_size`` keys,
+    keeping a running row max and row sum (float32) and a float32 output
+    accumulator; it saves only ``q``, ``k``, ``v``, the output and the per-row
+    log-sum-exp. The backward (a ``jax.custom_vjp``) recomputes each block's
+    probabilities from the saved log-sum-exp and accumulates dQ in a scan carry
+    while emitting each block's dK and dV (flash-attention 2's backward, with
+    ``D = rowsum(dO * O)``). The largest temporary is one block of scores,
+    ``[b, kv_heads, group, S, block]``; no value has two dims of size S unless
+    ``block_size >= S``.
+
+    ``block_size`` is clamped to the sequence length. When it does not divide the
+    sequence, the keys and values are zero-padded to a whole number of blocks and
+    the padded keys are masked out (so any block size works).
+
+    Matmuls take the input dtype and accumulate in float32; the softmax statistics
+    are float32; probabilities are cast to ``v``'s dtype before multiplying ``v``,
+    as the plain version does. The output has ``q``'s dtype.
+
+    Args:
+      q: ``[batch, seq, heads, head_dim]``.
+      k: ``[batch, seq, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``.
+      v: like ``k``.
+      causal: mask out keys after each query.
+      block_size: keys per block (>= 1).
+
+    Returns:
+      ``[batch, seq, heads, head_dim]``, equal to the plain attention.
+
+    Raises:
+      AttentionError: bad shapes or ``block_size < 1``.
+
+    Example::
+
+        >>> q = jnp.ones((2, 100, 4, 16)); kv = jnp.ones((2, 100, 2, 16))
+        >>> blockwise_attention(q, kv, kv, block_size=32).shape   # 4 blocks, last one padded
+        (2, 100, 4, 16)
+    """
+    _check_qkv(q, k, v)
+    if not isinstance(block_size, int) or block_size < 1:
+        raise AttentionError(
+            op="blockwise_attention",
+            must="block_size be a positive int",
+            given=repr(block_size),
+            fix="pass e.g. block_size=512",
+        )
+    return _flash(q, k, v, causal, min(block_size, q.shape[1]))
+
+
+def _to_blocks(x: jax.Array, block: int) -> jax.Array:
+    """``[b, s, kv, d]`` -> ``[n_blocks, b, kv, block, d]``, zero-padded at the end."""
+    b, s, kv, d = x.shape
+    n = -(-s // block)
+    if n * block != s:
+        x = jnp.pad(x, ((0, 0), (0, n * block - s), (0, 0), (0, 0)))
+    return jnp.transpose(x.reshape(b, n, block, kv, d), (1, 0, 3, 2, 4))
+
+
+def _from_blocks(x: jax.Array, s: int) -> jax.Array:
+    """Inverse of :func:`_to_blocks` (drops the padding)."""
+    n, b, kv, block, d = x.shape
+    return jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(b, n * block, kv, d)[:, :s]
+
+
+def _heads_first(x: jax.Array, kv: int) -> jax.Array:
+    """``[b, s, heads, d]`` -> ``[b, kv, group, s, d]``: every einsum in the loops
+    then yields its result in the order it is used (no transposed copies of a block)."""
+    b, s, h, d = x.shape
+    return jnp.transpose(x.reshape(b, s, kv, h // kv, d), (0, 2, 3, 1, 4))
+
+
+def _block_scores(qh: jax.Array, kj: jax.Array, j: jax.Array, causal: bool) -> jax.Array:
+    """Scaled float32 scores ``[b, kv, g, S, block]`` of block ``j``; masked keys (after
+    the query, or padding) get the lowest float32, so ``exp(score - max)`` is 0 there."""
+    s, block = qh.shape[3], kj.shape[2]
+    scores = jnp.einsum("bkgqd,bksd->bkgqs", qh, kj, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(qh.shape[-1])
+    kpos = j * block + jnp.arange(block)
+    keep = kpos < s
+    if causal:
+        keep = keep[None, :] & (kpos[None, :] <= jnp.arange(s)[:, None])
+    return jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
+
+
+def _flash_forward(q, k, v, causal, block):
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    qh = _heads_first(q, kv)
+    f32 = jnp.float32
+
+    def step(carry, xs):
+        acc, m, total = carry
+        kj, vj, j = xs
+        scores = _block_scores(qh, kj, j, causal)
+        # key 0 is in block 0 and visible to every row, so m_new is a real score
+        # from the first step on and masked entries get exp(min - m_new) = 0
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        total = total * corr + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=f32)
+        return (acc * corr[..., None] + pv, m_new, total), None
+
+    stats = qh.shape[:4]
+    low = jnp.finfo(f32).min
+    init = (jnp.zeros((*stats, d), f32), jnp.full(stats, low, f32), jnp.zeros(stats, f32))
+    kb, vb = _to_blocks(k, block), _to_blocks(v, block)
+    (acc, m, total), _ = jax.lax.scan(step, init, (kb, vb, jnp.arange(kb.shape[0])))
+    out = (acc / total[..., None]).astype(q.dtype)  # [b, kv, g, s, d]
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
+    return out, m + jnp.log(total)
+
+
+def _flash_backward(causal, block, res, d_out):
+    q, k, v, out, lse = res
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    f32 = jnp.float32
+    qh, doh = _heads_first(q, kv), _heads_first(d_out, kv)
+    # D = rowsum(dO * O), float32, in the scores' [b, kv, g, s] layout
+    delta = jnp.sum(doh.astype(f32) * _heads_first(out, kv).astype(f32), axis=-1)
+
+    def step(dq, xs):
+        kj, vj, j = xs
+        p = jnp.exp(_block_scores(qh, kj, j, causal) - lse[..., None])
+        dv = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(v.dtype), doh, preferred_element_type=f32)
+        dp = jnp.einsum("bkgqd,bksd->bkgqs", doh, vj, preferred_element_type=f32)
+        ds = (p * (dp - delta[..., None]) / math.sqrt(d)).astype(q.dtype)
+        dk = jnp.einsum("bkgqs,bkgqd->bksd", ds, qh, preferred_element_type=f32)
+        dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, kj, preferred_element_type=f32)
+        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+
+    kb, vb = _to_blocks(k, block), _to_blocks(v, block)
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qh.shape, f32), (kb, vb, jnp.arange(kb.shape[0])))
+    dq = jnp.transpose(dq, (0, 3, 1, 2, 4)).reshape(b, s, h, d).astype(q.dtype)
+    return dq, _from_blocks(dk, s), _from_blocks(dv, s)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _flash(q, k, v, causal, block):
+    return _flash_forward(q, k, v, causal, block)[0]
+
+
+def _flash_fwd(q, k, v, causal, block):
+    out, lse = _flash_forward(q, k, v, causal, block)
+    return out, (q, k, v, out, lse)
+
+
+_flash.defvjp(_flash_fwd, _flash_backward)
 
 
 def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:

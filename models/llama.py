@@ -54,6 +54,9 @@ class LlamaConfig:
       scan_layers: stack the layers on a ``layers`` dim and run them with ``nnx.scan``.
       tie_embeddings: share the token table with the output projection.
       dtype: compute dtype; param_dtype: parameter dtype.
+      attention: attention implementation, one of
+        :data:`~spmdkit.models.layers.ATTENTION_IMPLEMENTATIONS` (``"auto"``: cuDNN's
+        fused kernel on a GPU that accepts the inputs, else the blockwise version).
     """
 
     vocab: int = 256
@@ -70,12 +73,17 @@ class LlamaConfig:
     tie_embeddings: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         lyr.check_config(
             "LlamaConfig",
             (self.n_heads % self.n_kv_heads == 0, "n_kv_heads divide n_heads"),
             (self.head_dim % 2 == 0, "head_dim be even (RoPE rotates pairs)"),
+            (
+                self.attention in lyr.ATTENTION_IMPLEMENTATIONS,
+                f"attention be one of {lyr.ATTENTION_IMPLEMENTATIONS}",
+            ),
             given=self,
         )
 
@@ -86,6 +94,7 @@ class GQAttention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         d, h, kv, hd, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
         self.theta = cfg.rope_theta
+        self.implementation = cfg.attention
         init = lyr.fan_in_init(d)
         self.wq = lyr.param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), pd)
         self.wk = lyr.param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd)
@@ -98,7 +107,7 @@ class GQAttention(nnx.Module):
         q = lyr.rope(jnp.einsum("bsd,dhk->bshk", x, self.wq[...]), theta=self.theta)
         k = lyr.rope(jnp.einsum("bsd,dhk->bshk", x, self.wk[...]), theta=self.theta)
         v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...])
-        o = lyr.attention(q, k, v, causal=True)
+        o = lyr.attention(q, k, v, causal=True, implementation=self.implementation)
         return jnp.einsum("bshk,hkd->bsd", o, self.wo[...])
 
 

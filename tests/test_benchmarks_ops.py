@@ -117,3 +117,22 @@ def test_every_op_resolves(bench):
         assert callable(bench._op(case.op))
     with pytest.raises(AttributeError):
         bench._op("no_such_op_in_spmdkit")
+
+
+def test_attention_memory_section(bench, tmp_path, capsys):
+    """--attention-memory runs only that section: plain vs blockwise value-and-grad,
+    the blockwise residuals O(S) (q, k, v, output, log-sum-exp) and its peak lower."""
+    out = tmp_path / "attn.json"
+    assert bench.main(["--attention-memory", "--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    s = row["shape"]
+    q_bytes = s["batch"] * s["seq"] * s["heads"] * s["head_dim"] * 4
+    kv_bytes = q_bytes // s["heads"] * s["kv_heads"]
+    lse_bytes = s["batch"] * s["seq"] * s["heads"] * 4
+    assert row["blockwise"]["residual_bytes"] == 2 * q_bytes + 2 * kv_bytes + lse_bytes
+    assert row["xla"]["residual_bytes"] > s["seq"] ** 2 * s["heads"] * 4  # the probabilities
+    assert row["xla"]["peak_bytes"] > row["blockwise"]["peak_bytes"] > 0
+    assert row["peak_ratio"] == row["xla"]["peak_bytes"] / row["blockwise"]["peak_bytes"]
+    printed = capsys.readouterr().out
+    assert "blockwise" in printed and "softmax_cross_entropy" not in printed
