@@ -418,7 +418,12 @@ def _plan_grad_specs(recipe_or_plan: Any, params: Any) -> Any:
     """A plan's per-path gradient specs (ZeRO-2) when it shards gradients, else None."""
     if isinstance(recipe_or_plan, Recipe) or not getattr(recipe_or_plan, "grads", None):
         return None
-    return recipe_or_plan.grad_specs(params)
+    mesh = recipe_or_plan.sharding_mesh
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        recipe_or_plan.grad_specs(params),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def value_and_grad(
