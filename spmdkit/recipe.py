@@ -72,6 +72,7 @@ __all__ = [
     "recipe_of",
     "recipes_used",
     "remat_loss",
+    "to_memory",
     "train_step",
     "value_and_grad",
 ]
@@ -381,7 +382,7 @@ def _split(batch: Any, n: int) -> Any:
             raise RecipeError(
                 op="sk.value_and_grad",
                 must="every batch leaf's leading (batch) dim divides into the micro-batches",
-                given=f"{jax.tree_util.keystr(kp) or 'batch'}: shape {tuple(x.shape)}, "
+                given=f"batch{kp[0].key if kp else ''}: shape {tuple(x.shape)}, "
                 f"microbatches={n}",
                 fix=f"use a batch size that is a multiple of {n}, or fewer micro-batches",
             )
@@ -490,9 +491,11 @@ def _accumulate(
     vg: Callable, n: int, specs: Any, params: Any, batch: Any, rest: tuple
 ) -> tuple[Any, Any]:
     """Run ``vg`` over ``n`` micro-batches in a ``lax.scan``; mean loss and grads."""
-    leaves, tree = jax.tree.flatten(batch)
+    with_paths, tree = jax.tree_util.tree_flatten_with_path(batch)
+    leaves = [x for _, x in with_paths]
     split_at = [i for i, x in enumerate(leaves) if hasattr(x, "shape") and np.ndim(x) > 0]
-    micro = _split([leaves[i] for i in split_at], n)
+    micro = _split({jax.tree_util.keystr(with_paths[i][0]): leaves[i] for i in split_at}, n)
+    micro = list(micro.values())
 
     def batch_of(xs: list) -> Any:
         full = list(leaves)
@@ -556,10 +559,16 @@ def check_offload(recipe: Recipe, device: Any = None) -> None:
         )
 
 
-def _to_space(tree: Any, space: Any) -> Any:
-    return jax.tree.map(
-        lambda x: jax.device_put(x, space) if hasattr(x, "shape") and np.ndim(x) else x, tree
-    )
+def to_memory(tree: Any, space: Any) -> Any:
+    """Every array leaf of ``tree`` moved to a memory space inside a jitted step
+    (``jax.memory.Space.Device`` / ``Host``), its sharding kept: how an offloaded
+    optimizer state reaches the device for the update and goes back.
+
+    Example::
+
+        >>> opt_state = to_memory(opt_state, jax.memory.Space.Device)
+    """
+    return jax.tree.map(lambda x: jax.device_put(x, space) if hasattr(x, "shape") else x, tree)
 
 
 def train_step(
@@ -594,10 +603,10 @@ def train_step(
     def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
         loss, grads = grad_fn(params, batch)
         if rcp.offload_opt:
-            opt_state = _to_space(opt_state, jax.memory.Space.Device)
+            opt_state = to_memory(opt_state, jax.memory.Space.Device)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         if rcp.offload_opt:
-            opt_state = _to_space(opt_state, jax.memory.Space.Host)
+            opt_state = to_memory(opt_state, jax.memory.Space.Host)
         params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
         return params, opt_state, loss
 
