@@ -34,7 +34,14 @@ class GPTConfig:
       max_seq: rows of the learned position table.
       seq_len: sequence length of the batches :func:`lm_batch` makes.
       dropout: dropout rate on the residual branches and embeddings (0 disables).
-      dtype: compute dtype; param_dtype: parameter dtype.
+      scan_layers: stack the blocks on a ``layers`` dim and run them with
+        ``nnx.scan`` (params ``blocks/<name>`` of shape ``(n_layers, ...)``); what
+        per-layer recompute (``Recipe(remat=...)``) needs.
+      dtype: compute dtype; ``None`` computes in the dtype the parameters reach
+        the model in (a recipe's ``compute_dtype`` casts fp32 master parameters
+        to bf16 before they do); weights are cast to the activations' dtype where
+        they are used.
+      param_dtype: parameter dtype.
       attention: attention implementation, one of
         :data:`~spmdkit.models.layers.ATTENTION_IMPLEMENTATIONS` (``"auto"``: cuDNN's
         fused kernel on a GPU that accepts the inputs, else the blockwise version).
@@ -48,7 +55,8 @@ class GPTConfig:
     max_seq: int = 16
     seq_len: int = 16
     dropout: float = 0.0
-    dtype: Any = jnp.float32
+    scan_layers: bool = False
+    dtype: Any = None
     param_dtype: Any = jnp.float32
     attention: str = "auto"
 
@@ -61,6 +69,10 @@ class GPTConfig:
             (
                 self.attention in lyr.ATTENTION_IMPLEMENTATIONS,
                 f"attention be one of {lyr.ATTENTION_IMPLEMENTATIONS}",
+            ),
+            (
+                not (self.scan_layers and self.dropout > 0),
+                "dropout == 0 with scan_layers (the scanned blocks share no rng stream)",
             ),
             given=self,
         )
@@ -78,7 +90,7 @@ class _Dense(nnx.Module):
         self.bias = _zeros(rngs, (dout,), names[1:], cfg.param_dtype)
 
     def __call__(self, x):
-        return x @ self.kernel[...] + self.bias[...]
+        return x @ self.kernel[...].astype(x.dtype) + self.bias[...].astype(x.dtype)
 
 
 def _zeros(rngs, shape, names, dtype):
@@ -105,11 +117,12 @@ class GPTAttention(nnx.Module):
         self.bo = _zeros(rngs, (d,), ("embed",), pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...]) + self.bq[...]
-        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...]) + self.bk[...]
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...]) + self.bv[...]
+        dt = x.dtype
+        q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt)) + self.bq[...].astype(dt)
+        k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt)) + self.bk[...].astype(dt)
+        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt)) + self.bv[...].astype(dt)
         o = lyr.attention(q, k, v, causal=True, implementation=self.implementation)
-        return jnp.einsum("bshk,hkd->bsd", o, self.wo[...]) + self.bo[...]
+        return jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
 
 
 class GPTBlock(nnx.Module):
@@ -152,7 +165,7 @@ class GPT(nnx.Module):
         self.pos = lyr.param(
             rngs, jax.nn.initializers.normal(0.01), (cfg.max_seq, cfg.d_model), ("pos", "embed"), pd
         )
-        self.blocks = nnx.List([GPTBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.blocks = lyr.make_layers(cfg, rngs, GPTBlock)
         self.ln_f = lyr.LayerNorm(cfg.d_model, dtype=pd, rngs=rngs)
         self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout > 0 else None
 
@@ -160,13 +173,11 @@ class GPT(nnx.Module):
         cfg = self.cfg
         s = tokens.shape[1]
         x = lyr.embedding_lookup(self.embed[...], tokens) + self.pos[:s]
-        x = x.astype(cfg.dtype)
+        x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         if self.dropout is not None:
             x = self.dropout(x)
-        for block in self.blocks:
-            x = block(x)
-        x = self.ln_f(x)
-        return jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(cfg.dtype))
+        x = self.ln_f(lyr.run_layers(cfg, self.blocks, x))
+        return jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(x.dtype))
 
 
 CONFIGS: dict[str, Any] = {

@@ -109,11 +109,11 @@ class GPTLinen(nn.Module):
             ("pos", "embed"), pd,
         )  # fmt: skip
         x = lyr.embedding_lookup(embed, tokens) + pos[: tokens.shape[1]]
-        x = x.astype(cfg.dtype)
+        x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         for i in range(cfg.n_layers):
             x = _Block(cfg, name=f"block_{i}")(x)
         x = _LayerNorm(cfg.d_model, pd, name="ln_f")(x)
-        return jnp.einsum("bsd,vd->bsv", x, embed.astype(cfg.dtype))
+        return jnp.einsum("bsd,vd->bsv", x, embed.astype(x.dtype))
 
 
 def build(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:

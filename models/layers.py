@@ -46,6 +46,8 @@ __all__ = [
     "count_params",
     "LayerNorm",
     "RMSNorm",
+    "make_layers",
+    "run_layers",
 ]
 
 PARAM_AXES: frozenset[str] = frozenset(PARAM_NAMES)
@@ -497,3 +499,37 @@ def count_params(model: nnx.Module) -> int:
     """Number of parameter elements of a (possibly abstract) model."""
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     return sum(math.prod(x.shape) for x in leaves)
+
+
+# ---------------------------------------------------------------------------
+# Layer stacks: a python list of blocks, or one block scanned over a `layers` dim.
+# ---------------------------------------------------------------------------
+
+_LAYERS_META = {nnx.PARTITION_NAME: "layers"}
+
+
+def make_layers(cfg: Any, rngs: nnx.Rngs, block_cls: type, **kwargs) -> nnx.Module:
+    """``cfg.n_layers`` blocks: an ``nnx.List``, or one block stacked on ``layers``."""
+    if not cfg.scan_layers:
+        return nnx.List([block_cls(cfg, rngs=rngs, **kwargs) for _ in range(cfg.n_layers)])
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYERS_META)
+    def create(r: nnx.Rngs) -> nnx.Module:
+        return block_cls(cfg, rngs=r, **kwargs)
+
+    return create(rngs)
+
+
+def run_layers(cfg: Any, layers: nnx.Module, x: jax.Array) -> jax.Array:
+    """Apply the blocks made by :func:`make_layers` in order."""
+    if not cfg.scan_layers:
+        for block in layers:
+            x = block(x)
+        return x
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_META)
+    def body(h: jax.Array, block: nnx.Module) -> jax.Array:
+        return block(h)
+
+    return body(x, layers)

@@ -23,6 +23,7 @@ from flax import nnx
 
 from . import layers as lyr
 from .gpt import LM_BATCH_AXES, gpt_loss, lm_batch
+from .layers import make_layers, run_layers
 
 __all__ = [
     "LlamaConfig",
@@ -53,7 +54,12 @@ class LlamaConfig:
       rope_theta: RoPE base; norm_eps: RMSNorm epsilon.
       scan_layers: stack the layers on a ``layers`` dim and run them with ``nnx.scan``.
       tie_embeddings: share the token table with the output projection.
-      dtype: compute dtype; param_dtype: parameter dtype.
+      dtype: compute dtype; ``None`` computes in the dtype the parameters reach
+        the model in (a recipe's ``compute_dtype`` casts fp32 master parameters
+        to bf16 before they do). Weights are cast to the activations' dtype where
+        they are used, so an explicit ``dtype`` with another ``param_dtype`` keeps
+        every layer (and the scan carry) in ``dtype``.
+      param_dtype: parameter dtype.
       attention: attention implementation, one of
         :data:`~spmdkit.models.layers.ATTENTION_IMPLEMENTATIONS` (``"auto"``: cuDNN's
         fused kernel on a GPU that accepts the inputs, else the blockwise version).
@@ -71,7 +77,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     scan_layers: bool = False
     tie_embeddings: bool = False
-    dtype: Any = jnp.float32
+    dtype: Any = None
     param_dtype: Any = jnp.float32
     attention: str = "auto"
 
@@ -104,11 +110,12 @@ class GQAttention(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q = lyr.rope(jnp.einsum("bsd,dhk->bshk", x, self.wq[...]), theta=self.theta)
-        k = lyr.rope(jnp.einsum("bsd,dhk->bshk", x, self.wk[...]), theta=self.theta)
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...])
+        dt = x.dtype
+        q = lyr.rope(jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt)), theta=self.theta)
+        k = lyr.rope(jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt)), theta=self.theta)
+        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
         o = lyr.attention(q, k, v, causal=True, implementation=self.implementation)
-        return jnp.einsum("bshk,hkd->bsd", o, self.wo[...])
+        return jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt))
 
 
 class SwiGLU(nnx.Module):
@@ -121,7 +128,9 @@ class SwiGLU(nnx.Module):
         self.down = lyr.param(rngs, lyr.fan_in_init(m), (m, d), ("mlp", "embed"), pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])) @ self.down[...]
+        dt = x.dtype
+        h = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
+        return h @ self.down[...].astype(dt)
 
 
 class LlamaBlock(nnx.Module):
@@ -141,36 +150,6 @@ class LlamaBlock(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
-
-
-_LAYERS = {nnx.PARTITION_NAME: "layers"}
-
-
-def make_layers(cfg: Any, rngs: nnx.Rngs, block_cls: type, **kwargs) -> nnx.Module:
-    """``cfg.n_layers`` blocks: an ``nnx.List``, or one block stacked on ``layers``."""
-    if not cfg.scan_layers:
-        return nnx.List([block_cls(cfg, rngs=rngs, **kwargs) for _ in range(cfg.n_layers)])
-
-    @nnx.split_rngs(splits=cfg.n_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYERS)
-    def create(r: nnx.Rngs) -> nnx.Module:
-        return block_cls(cfg, rngs=r, **kwargs)
-
-    return create(rngs)
-
-
-def run_layers(cfg: Any, layers: nnx.Module, x: jax.Array) -> jax.Array:
-    """Apply the blocks made by :func:`make_layers` in order."""
-    if not cfg.scan_layers:
-        for block in layers:
-            x = block(x)
-        return x
-
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS)
-    def body(h: jax.Array, block: nnx.Module) -> jax.Array:
-        return block(h)
-
-    return body(x, layers)
 
 
 class Llama(nnx.Module):
@@ -202,11 +181,12 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = lyr.embedding_lookup(self.embed[...], tokens).astype(cfg.dtype)
+        x = lyr.embedding_lookup(self.embed[...], tokens)
+        x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         x = self.norm(run_layers(cfg, self.layers, x))
         if self.lm_head is None:
-            return jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(cfg.dtype))
-        return x @ self.lm_head[...].astype(cfg.dtype)
+            return jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(x.dtype))
+        return x @ self.lm_head[...].astype(x.dtype)
 
 
 def stack_layers(looped: nnx.State) -> nnx.State:

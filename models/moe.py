@@ -156,12 +156,13 @@ class MoELayer(nnx.Module):
             top_k=cfg.top_k,
             capacity_factor=cfg.capacity_factor,
         )
-        logits = jnp.einsum("bsd,de->bse", x, self.router[...])
+        dt = x.dtype
+        logits = jnp.einsum("bsd,de->bse", x, self.router[...].astype(dt))
         r = route(logits, top_k=cfg.top_k, capacity=cap, normalize_top_k=cfg.normalize_top_k)
         xe = jnp.einsum("bsec,bsd->ebcd", r.dispatch.astype(x.dtype), x)
-        gate = jnp.einsum("ebcd,edm->ebcm", xe, self.w_gate[...])
-        up = jnp.einsum("ebcd,edm->ebcm", xe, self.w_up[...])
-        ye = jnp.einsum("ebcm,emd->ebcd", jax.nn.silu(gate) * up, self.w_down[...])
+        gate = jnp.einsum("ebcd,edm->ebcm", xe, self.w_gate[...].astype(dt))
+        up = jnp.einsum("ebcd,edm->ebcm", xe, self.w_up[...].astype(dt))
+        ye = jnp.einsum("ebcm,emd->ebcd", jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
         y = jnp.einsum("bsec,ebcd->bsd", r.combine.astype(x.dtype), ye)
         return y, r.aux_loss
 
@@ -208,7 +209,8 @@ class MoE(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
-        x = lyr.embedding_lookup(self.embed[...], tokens).astype(cfg.dtype)
+        x = lyr.embedding_lookup(self.embed[...], tokens)
+        x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         aux = jnp.zeros((), jnp.float32)
         if cfg.scan_layers:
 
@@ -228,7 +230,7 @@ class MoE(nnx.Module):
                 x, a = block(x)
                 aux = aux + a
         x = self.norm(x)
-        return x @ self.lm_head[...].astype(cfg.dtype), aux / cfg.n_layers
+        return x @ self.lm_head[...].astype(x.dtype), aux / cfg.n_layers
 
 
 def moe_loss(model: nnx.Module, batch: dict) -> jax.Array:

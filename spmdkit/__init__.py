@@ -41,7 +41,7 @@ from spmdkit.planner import (
 )
 from spmdkit.propagation import EqnRecord, Propagation, propagate, register_primitive, trace
 from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
-from spmdkit.recipe import Recipe, RecipeError
+from spmdkit.recipe import Recipe, RecipeError, train_step, value_and_grad
 from spmdkit.registry import get_rule, register_rule, registered_ops, unregister_rule
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
 from spmdkit.rule import POLICIES, Example, FactorRule, Rule, RuleContext
@@ -116,6 +116,8 @@ __all__ = [
     "ReshardPlan",
     "Recipe",
     "RecipeError",
+    "train_step",
+    "value_and_grad",
     "Topology",
     "Example",
     "FactorRule",

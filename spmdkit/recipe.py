@@ -23,18 +23,60 @@ uses memory and time around it, as the published large-model recipes do
   moves over the host link each step.
 
 Recipes are frozen, hashable, validate themselves and round-trip through JSON.
+
+:func:`value_and_grad` makes a recipe run: it is ``jax.value_and_grad`` of the
+user's loss with the levers applied to it, without editing the model:
+
+- recompute: the loss is traced to a jaxpr and every outermost ``scan``
+  equation (the scanned layers: ``nnx.scan``, ``jax.lax.scan``; also inside
+  ``jit`` / closed calls) gets its body wrapped in ``jax.checkpoint`` with the
+  policy, so each layer keeps only what the policy saves and is recomputed in
+  the backward pass. (A ``jax.checkpoint`` around the whole loss saves nothing
+  at the peak: the backward recomputes the whole forward and holds all of it.)
+  A loss with no scan has no layer boundary to recompute at: a
+  :class:`RecipeError` says to scan the layers (``scan_layers=True``,
+  ``nnx.scan``).
+- compute dtype: floating parameter leaves are cast inside the differentiated
+  function, so gradients come back in the parameters' dtype.
+- micro-batches: every array leaf of the batch is split on its leading dim,
+  a ``lax.scan`` runs one micro-batch per step, and the gradients accumulate in
+  the parameters' dtype (constrained to ``grad_specs`` when given: ZeRO-2).
+
+:func:`train_step` builds the whole step (gradients and optimizer update) the
+same way for the planner and the runtime, so what is planned is what runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
 
-__all__ = ["PLAIN", "REMAT_POLICIES", "Recipe", "RecipeError"]
+__all__ = [
+    "PLAIN",
+    "REMAT_POLICIES",
+    "Recipe",
+    "RecipeError",
+    "check_offload",
+    "host_memory_kinds",
+    "recipe_of",
+    "recipes_used",
+    "remat_loss",
+    "to_memory",
+    "train_step",
+    "value_and_grad",
+]
 
 #: The per-layer recomputation policies (module docstring).
 REMAT_POLICIES = ("none", "full", "dots", "names")
@@ -186,3 +228,390 @@ def _is_dtype(x: object) -> bool:
     except TypeError:
         return False
     return True
+
+
+# -- running a recipe ---------------------------------------------------------------
+
+#: The ``jax.checkpoint`` policy of each recompute policy (``names`` is built from
+#: the recipe's ``save_names``).
+_POLICIES: dict[str, Callable[[Recipe], Any]] = {
+    "full": lambda r: jax.checkpoint_policies.nothing_saveable,
+    "dots": lambda r: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "names": lambda r: jax.checkpoint_policies.save_only_these_names(*r.save_names),
+}
+
+# call-like primitives whose body may hold the layer scan (rewritten in place)
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+# the recipes of the sk.value_and_grad calls traced while a step is being checked
+_SEEN: contextvars.ContextVar[list[Recipe] | None] = contextvars.ContextVar(
+    "spmdkit_recipes_seen", default=None
+)
+
+
+def recipe_of(recipe_or_plan: Any) -> Recipe:
+    """The :class:`Recipe` of a recipe, or of a plan (anything with ``.recipe``)."""
+    if isinstance(recipe_or_plan, Recipe):
+        return recipe_or_plan
+    recipe = getattr(recipe_or_plan, "recipe", None)
+    if isinstance(recipe, Recipe):
+        return recipe
+    raise RecipeError(
+        op="sk.value_and_grad",
+        must="the second argument is a Recipe or a plan",
+        given=type(recipe_or_plan).__name__,
+        fix="pass sk.value_and_grad(loss, plan) or sk.value_and_grad(loss, sk.Recipe(...))",
+    )
+
+
+@contextlib.contextmanager
+def recipes_used() -> Iterator[list[Recipe]]:
+    """Collect the recipes of the :func:`value_and_grad` gradients traced inside.
+
+    ``sk.jit`` traces a step under this to check that the step runs its plan's
+    recipe (a recipe that is planned but not run would make every prediction
+    wrong).
+
+    Example::
+
+        >>> with recipes_used() as seen:
+        ...     jax.eval_shape(step, params, batch)
+        >>> seen
+        [Recipe(remat=full)]
+    """
+    seen: list[Recipe] = []
+    token = _SEEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN.reset(token)
+
+
+def _has_scan(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "scan":
+            return True
+        if name in _CALLS and _has_scan(eqn.params["jaxpr"].jaxpr):
+            return True
+    return False
+
+
+def _checkpointed(body: jex.ClosedJaxpr, policy: Any) -> jex.ClosedJaxpr:
+    """A scan body that runs under ``jax.checkpoint(policy)`` (same signature)."""
+    fn = jax.checkpoint(jex.jaxpr_as_fun(body), policy=policy, prevent_cse=False)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals]
+    return jax.make_jaxpr(fn)(*avals)
+
+
+def _rewrite(jaxpr: Any, policy: Any) -> tuple[Any, int]:
+    """``jaxpr`` with every outermost scan's body checkpointed, and how many."""
+    eqns, count = [], 0
+    for old in jaxpr.eqns:
+        eqn, name = old, old.primitive.name
+        if name == "scan":
+            eqn = old.replace(
+                params={**eqn.params, "jaxpr": _checkpointed(eqn.params["jaxpr"], policy)}
+            )
+            count += 1
+        elif name in _CALLS and _has_scan(eqn.params["jaxpr"].jaxpr):
+            inner = eqn.params["jaxpr"]
+            body, n = _rewrite(inner.jaxpr, policy)
+            eqn = old.replace(params={**eqn.params, "jaxpr": jex.ClosedJaxpr(body, inner.consts)})
+            count += n
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns), count
+
+
+def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
+    """``loss_fn`` with each scanned layer recomputed per the recipe's policy.
+
+    The loss is traced (for the arguments of each call), every outermost
+    ``scan`` equation's body is wrapped in ``jax.checkpoint(policy=...)``, and the
+    rewritten jaxpr is evaluated; the model is not edited. ``remat="none"``
+    returns ``loss_fn`` itself.
+
+    Raises:
+      RecipeError: the loss has no scan (its layers are a python loop): there is
+        no layer boundary to recompute at.
+
+    Example::
+
+        >>> loss = remat_loss(model_loss, Recipe(remat="full"))
+        >>> jax.grad(loss)(params, batch)  # each layer recomputed in the backward
+    """
+    if recipe.remat == "none":
+        return loss_fn
+    policy = _POLICIES[recipe.remat](recipe)
+
+    @functools.wraps(loss_fn)
+    def rematted(*args: Any) -> Any:
+        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+        jaxpr, count = _rewrite(closed.jaxpr, policy)
+        if count == 0:
+            raise RecipeError(
+                op="sk.value_and_grad",
+                must=f"remat={recipe.remat!r} finds the layers as a scan in the loss",
+                given="a loss with no scan (layers run as a python loop: unrolled)",
+                fix="scan the layers (scan_layers=True in the reference models, nnx.scan / "
+                "jax.lax.scan over stacked layer params), or use remat='none'",
+            )
+        flat = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shape), flat)
+
+    return rematted
+
+
+def _cast(params: Any, dtype: str | None) -> Any:
+    if dtype is None:
+        return params
+
+    def one(x: Any) -> Any:
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(one, params)
+
+
+def _split(batch: Any, n: int) -> Any:
+    """Each array leaf ``[B, ...]`` → ``[n, B/n, ...]``, micro-batch ``i`` = rows
+    ``i, i+n, i+2n, ...``: a batch sharded on its leading dim stays sharded on the
+    micro-batch's rows with no data moved (a contiguous split would move rows)."""
+
+    def one(kp: tuple, x: Any) -> Any:
+        if not hasattr(x, "shape") or np.ndim(x) == 0:
+            return x
+        if x.shape[0] % n:
+            raise RecipeError(
+                op="sk.value_and_grad",
+                must="every batch leaf's leading (batch) dim divides into the micro-batches",
+                given=f"batch{kp[0].key if kp else ''}: shape {tuple(x.shape)}, microbatches={n}",
+                fix=f"use a batch size that is a multiple of {n}, or fewer micro-batches",
+            )
+        y = jnp.reshape(x, (x.shape[0] // n, n, *x.shape[1:]))
+        return jnp.swapaxes(y, 0, 1)
+
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def _constrain(grads: Any, grad_specs: Any) -> Any:
+    if grad_specs is None:
+        return grads
+
+    def one(g: Any, spec: Any) -> Any:
+        return jax.lax.with_sharding_constraint(g, spec)
+
+    return jax.tree.map(
+        one, grads, grad_specs, is_leaf=lambda x: isinstance(x, (PartitionSpec, NamedSharding))
+    )
+
+
+def _fold_keys(rest: tuple, i: Any) -> tuple:
+    """PRNG key leaves of ``rest`` folded with the micro-batch index."""
+
+    def one(x: Any) -> Any:
+        if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.fold_in(x, i)
+        return x
+
+    return jax.tree.map(one, rest)
+
+
+def _plan_grad_specs(recipe_or_plan: Any, params: Any) -> Any:
+    """A plan's per-path gradient specs (ZeRO-2) when it shards gradients, else None."""
+    if isinstance(recipe_or_plan, Recipe) or not getattr(recipe_or_plan, "grads", None):
+        return None
+    mesh = recipe_or_plan.sharding_mesh
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        recipe_or_plan.grad_specs(params),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    recipe: Any,
+    *,
+    grad_specs: Any = None,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """``jax.value_and_grad(loss_fn)`` with a recipe applied (module docstring).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, *rest)`` → scalar loss (the mean over the
+        batch's examples), or ``(loss, aux)`` with ``has_aux=True``.
+      recipe: a :class:`Recipe`, or a plan (its ``recipe``; its gradient specs
+        when it shards gradients, ZeRO-2).
+      grad_specs: a tree like the params of ``PartitionSpec`` / ``NamedSharding``
+        the gradients are constrained to (accumulated in, with micro-batches);
+        ``None``: the plan's, if a plan is given, else unconstrained.
+      has_aux: as for ``jax.value_and_grad``; with micro-batches ``aux`` is the
+        mean over them.
+
+    Returns:
+      ``f(params, batch, *rest) -> (loss, grads)`` (``((loss, aux), grads)``).
+      Gradients have the params' dtypes whatever the compute dtype. With
+      micro-batches, each array leaf of ``batch`` is split on its leading dim
+      (micro-batch ``i`` takes rows ``i, i+n, ...``), PRNG-key leaves of ``rest``
+      are folded with ``i``, other ``rest`` leaves reach every micro-batch; the
+      loss is the mean of the micro-batch losses, the gradient the mean of theirs
+      (the full batch's, for a mean loss).
+
+    Raises:
+      RecipeError: the loss has no scanned layers to recompute, or a batch leaf
+        does not divide into the micro-batches.
+
+    Example::
+
+        >>> grad_fn = sk.value_and_grad(loss, Recipe(remat="full", microbatches=2))
+        >>> loss_value, grads = grad_fn(params, batch)
+    """
+    rcp = recipe_of(recipe)
+    inner = remat_loss(loss_fn, rcp)
+
+    def cast_loss(params: Any, batch: Any, *rest: Any) -> Any:
+        return inner(_cast(params, rcp.compute_dtype), batch, *rest)
+
+    vg = jax.value_and_grad(cast_loss, has_aux=has_aux)
+
+    def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
+        seen = _SEEN.get()
+        if seen is not None:
+            seen.append(rcp)
+        specs = grad_specs if grad_specs is not None else _plan_grad_specs(recipe, params)
+        if rcp.microbatches == 1:
+            out, grads = vg(params, batch, *rest)
+            return out, _constrain(grads, specs)
+        return _accumulate(vg, rcp.microbatches, specs, params, batch, rest)
+
+    grad_fn.recipe = rcp  # type: ignore[attr-defined]
+    return functools.wraps(loss_fn)(grad_fn)
+
+
+def _accumulate(
+    vg: Callable, n: int, specs: Any, params: Any, batch: Any, rest: tuple
+) -> tuple[Any, Any]:
+    """Run ``vg`` over ``n`` micro-batches in a ``lax.scan``; mean loss and grads."""
+    with_paths, tree = jax.tree_util.tree_flatten_with_path(batch)
+    leaves = [x for _, x in with_paths]
+    split_at = [i for i, x in enumerate(leaves) if hasattr(x, "shape") and np.ndim(x) > 0]
+    micro = _split({jax.tree_util.keystr(with_paths[i][0]): leaves[i] for i in split_at}, n)
+    micro = list(micro.values())
+
+    def batch_of(xs: list) -> Any:
+        full = list(leaves)
+        for i, x in zip(split_at, xs, strict=True):
+            full[i] = x
+        return jax.tree.unflatten(tree, full)
+
+    first = batch_of([x[0] for x in micro])
+    out_shape, _ = jax.eval_shape(vg, params, first, *rest)
+
+    def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+        i, mb = xs
+        out, grads = vg(params, batch_of(mb), *_fold_keys(rest, i))
+        gsum, osum = carry
+        gsum = _constrain(jax.tree.map(jnp.add, gsum, grads), specs)
+        return (gsum, jax.tree.map(jnp.add, osum, out)), None
+
+    zeros = (
+        _constrain(jax.tree.map(jnp.zeros_like, params), specs),
+        jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out_shape),
+    )
+    (gsum, osum), _ = jax.lax.scan(body, zeros, (jnp.arange(n), micro))
+    grads = jax.tree.map(lambda g: (g / n).astype(g.dtype), gsum)
+    out = jax.tree.map(lambda o: (o / n).astype(o.dtype), osum)
+    return out, _constrain(grads, specs)
+
+
+def host_memory_kinds(device: Any = None) -> frozenset[str]:
+    """The memory kinds a device exposes (``device``, ``pinned_host``, ...).
+
+    Example::
+
+        >>> "pinned_host" in host_memory_kinds()
+        True
+    """
+    device = device if device is not None else jax.devices()[0]
+    try:
+        return frozenset(m.kind for m in device.addressable_memories())
+    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
+        return frozenset()
+
+
+def check_offload(recipe: Recipe, device: Any = None) -> None:
+    """Raise when the recipe offloads optimizer state and the backend cannot.
+
+    Raises:
+      RecipeError: ``offload_opt`` on a backend whose devices have no
+        ``pinned_host`` memory kind.
+    """
+    if not recipe.offload_opt:
+        return
+    kinds = host_memory_kinds(device)
+    if "pinned_host" not in kinds:
+        dev = device if device is not None else jax.devices()[0]
+        raise RecipeError(
+            op="offload_opt",
+            must="the devices expose a 'pinned_host' memory kind (JAX memory kinds)",
+            given=f"{getattr(dev, 'platform', dev)} device with memory kinds {sorted(kinds)}",
+            fix="use offload_opt=False on this backend (or a backend with host memory "
+            "spaces: GPU, TPU, CPU)",
+        )
+
+
+def to_memory(tree: Any, space: Any) -> Any:
+    """Every array leaf of ``tree`` moved to a memory space inside a jitted step
+    (``jax.memory.Space.Device`` / ``Host``), its sharding kept: how an offloaded
+    optimizer state reaches the device for the update and goes back.
+
+    Example::
+
+        >>> opt_state = to_memory(opt_state, jax.memory.Space.Device)
+    """
+    return jax.tree.map(lambda x: jax.device_put(x, space) if hasattr(x, "shape") else x, tree)
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: Any,
+    recipe: Any,
+    *,
+    grad_specs: Any = None,
+) -> Callable[..., tuple[Any, Any, Any]]:
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` for a recipe.
+
+    The gradients come from :func:`value_and_grad` (recompute, compute dtype,
+    micro-batches, gradient specs); with ``offload_opt`` the optimizer state
+    arrives from host memory, moves to the device for the update and goes back.
+    The planner traces this function, ``sk.jit`` and ``train`` run it: what is
+    planned is what runs.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)`` → scalar mean loss.
+      optimizer: an optax ``GradientTransformation``.
+      recipe: a :class:`Recipe` or a plan.
+      grad_specs: as for :func:`value_and_grad`.
+
+    Example::
+
+        >>> step = sk.jit(train_step(loss, optax.adam(1e-3), plan), plan, donate_state=True)
+        >>> params, opt_state, loss_value = step(params, opt_state, batch)
+    """
+    rcp = recipe_of(recipe)
+    grad_fn = value_and_grad(loss_fn, recipe, grad_specs=grad_specs)
+
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        loss, grads = grad_fn(params, batch)
+        if rcp.offload_opt:
+            opt_state = to_memory(opt_state, jax.memory.Space.Device)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        if rcp.offload_opt:
+            opt_state = to_memory(opt_state, jax.memory.Space.Host)
+        params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+        return params, opt_state, loss
+
+    step.recipe = rcp  # type: ignore[attr-defined]
+    return step

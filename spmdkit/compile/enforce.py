@@ -38,10 +38,13 @@ What is not pinned:
     internal and reduces them where the next constraint asks for a non-partial
     layout;
   - scalars and extended dtypes (PRNG keys);
-  - the insides of ``while`` and ``cond`` bodies, and of remat (checkpoint)
-    regions, which are replayed whole so that XLA still recomputes them (their
-    operands and results are pinned). ``scan`` bodies are pinned equation by
-    equation.
+  - the insides of ``while`` and ``cond`` bodies (their operands and results
+    are pinned). ``scan`` bodies are pinned equation by equation; so are remat
+    (checkpoint) regions, whose pinned replay is bound again as a checkpoint
+    with the region's own parameters (policy, ``prevent_cse``,
+    ``differentiated``), so XLA still recomputes them where the traced step does
+    and moves what the plan says inside them (a recipe's per-layer recompute
+    runs each layer's forward again in the backward pass).
 
 The replayed program computes the same values as the traced one: constraints do
 not change values, and every equation is bound with its own parameters. Custom
@@ -128,37 +131,61 @@ class _Replay:
             return values[vid]
 
         done: set[int] = set()
-        for node in graph.all_nodes or graph.nodes:
+        nodes = graph.all_nodes or graph.nodes
+        for node in nodes:
             group = node.group
             if group is not None:
                 if id(group) in done:
                     continue
                 done.add(id(group))
-                outs = _bind(group.eqn, [read(v) for v in group.ins])
+                outs = self.remat(group, [n for n in nodes if n.group is group], read)
                 env.update(zip(group.outs, outs, strict=True))
                 continue
-            vals = [read(v) for v in node.ins]
-            pins = self.program.specs.get(id(node))
-            if pins is None:  # dead code (XLA drops it) or not propagated
-                outs = _bind(node.eqn, vals)
-            else:
-                vals = [
-                    self.moved(v, x, chain, s)
-                    for v, x, s, chain in zip(
-                        node.ins, vals, pins.required, pins.steps, strict=True
-                    )
-                ]
-                produced = pins.produced
-                if pins.fused is not None:
-                    outs = [self.reduced(node.eqn, vals, pins.required, pins.fused)]
-                    produced = (pins.fused.dst,)
-                elif node.kind == "scan":
-                    outs = self.scan(node, vals)
-                else:
-                    outs = _bind(node.eqn, vals)
-                outs = [_pin(x, s, self.mesh) for x, s in zip(outs, produced, strict=True)]
-            env.update(zip(node.outs, outs, strict=True))
+            env.update(zip(node.outs, self.node(node, read), strict=True))
         return [read(v) for v in graph.outvars]
+
+    def remat(self, group: Any, members: list[Node], read: Callable[[int], Any]) -> list[Any]:
+        """A remat region's nodes replayed pinned, bound as the region's own
+        checkpoint (module docstring)."""
+        ins = [read(v) for v in group.ins]
+
+        def body(*xs: Any) -> list[Any]:
+            local: dict[int, Any] = dict(zip(group.ins, xs, strict=True))
+
+            def look(vid: int) -> Any:
+                return local[vid] if vid in local else read(vid)
+
+            for node in members:
+                local.update(zip(node.outs, self.node(node, look), strict=True))
+            return [look(v) for v in group.outs]
+
+        closed = jax.make_jaxpr(body)(*ins)
+        jaxpr = closed.jaxpr
+        opened = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
+        params = {**group.eqn.params, "jaxpr": opened}
+        return list(group.eqn.primitive.bind(*closed.consts, *ins, **params))
+
+    def node(self, node: Node, read: Callable[[int], Any]) -> list[Any]:
+        """One equation run with its operands and results pinned."""
+        vals = [read(v) for v in node.ins]
+        pins = self.program.specs.get(id(node))
+        if pins is None:  # dead code (XLA drops it) or not propagated
+            outs = _bind(node.eqn, vals)
+        else:
+            vals = [
+                self.moved(v, x, chain, s)
+                for v, x, s, chain in zip(node.ins, vals, pins.required, pins.steps, strict=True)
+            ]
+            produced = pins.produced
+            if pins.fused is not None:
+                outs = [self.reduced(node.eqn, vals, pins.required, pins.fused)]
+                produced = (pins.fused.dst,)
+            elif node.kind == "scan":
+                outs = self.scan(node, vals)
+            else:
+                outs = _bind(node.eqn, vals)
+            outs = [_pin(x, s, self.mesh) for x, s in zip(outs, produced, strict=True)]
+        return outs
 
     def moved(
         self, vid: int, x: Any, chain: Sequence[TensorSpec] | ReshardPlan, spec: TensorSpec | None

@@ -8,6 +8,9 @@ that decides its shardings:
 - ``"batch"``: a batch → the plan's batch specs (``Plan.batch_spec``), and the
   step's body starts with a sharding constraint on it (``with_sharding_constraint``
   under Auto axes, ``jax.sharding.reshard`` under Explicit axes);
+- ``"grads"``: a gradients pytree → the plan's gradient specs
+  (``Plan.grad_specs``: the param specs, or ZeRO-2's sharded ones); never
+  inferred (a gradient tree looks like a params tree): pass it in ``out_roles``;
 - ``"replicated"``: every leaf replicated.
 
 Roles not given are inferred per argument on the first call: a tree whose leaf
@@ -18,6 +21,16 @@ specs; scalars replicated).
 
 By default the step is compiled on the plan's mesh with **Auto** axes: Shardy
 propagates shardings between the annotated boundaries, so any model compiles.
+A plan whose recipe is not the default (:class:`spmdkit.recipe.Recipe`:
+recompute, compute dtype, micro-batches, optimizer offload) is never silently
+ignored: the step is traced once to collect the recipes of the
+:func:`spmdkit.recipe.value_and_grad` gradients it takes, and a step that takes
+none, or takes them with another recipe, is a :class:`~spmdkit.recipe.RecipeError`
+telling to build the gradient with ``sk.value_and_grad(loss, plan)`` (or the
+whole step with ``sk.train_step(loss, optimizer, plan)``). With
+``offload_opt`` the ``opt_state`` arguments and outputs live in host memory
+(``pinned_host``; the step moves them to the device for the update).
+
 ``axis_types="explicit"`` keeps Explicit axes (the model must then be written for
 sharding-in-types: contracting a sharded dim needs ``out_sharding=``).
 
@@ -45,6 +58,7 @@ from spmdkit.errors import SpmdError
 from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
+from spmdkit.recipe import RecipeError, check_offload, recipes_used
 from spmdkit.util import path_str
 from spmdkit.verification.compiled import VerifyReport
 from spmdkit.verification.planned import verify_plan
@@ -52,7 +66,7 @@ from spmdkit.verification.planned import verify_plan
 __all__ = ["ROLES", "STATE_ROLES", "PlannedFunction", "infer_role", "jit"]
 
 #: Argument roles, each with its own shardings (module docstring).
-ROLES = ("params", "opt_state", "batch", "replicated")
+ROLES = ("params", "opt_state", "grads", "batch", "replicated")
 #: Roles that ``donate_state=True`` donates.
 STATE_ROLES = ("params", "opt_state")
 
@@ -89,6 +103,8 @@ def _specs(plan: Plan, role: str, tree: Any, *, output: bool = False) -> Any:
         return plan.param_specs(tree)
     if role == "opt_state":
         return plan.opt_specs(tree)
+    if role == "grads":
+        return plan.grad_specs(tree)
     if role == "batch":
         if not output:
             return plan.batch_specs(tree)
@@ -132,6 +148,7 @@ class _Jitted(NamedTuple):
     in_specs: tuple
     out_specs: Any
     roles: tuple[str, ...]
+    in_shardings: tuple
 
 
 class PlannedFunction:
@@ -178,6 +195,7 @@ class PlannedFunction:
         self.constrain = constrain
         self.enforce = enforce and axis_types == "auto"
         self._compiled: dict[Hashable, _Jitted] = {}
+        self._out_role_cache: dict[Hashable, tuple[str, ...] | str] = {}
         self._programs: dict[Hashable, tuple[Callable, Propagation]] = {}
         self._executables: dict[Hashable, jax.stages.Compiled] = {}
         # pytree structure → (executable, (shape, dtype, sharding) of each placed leaf)
@@ -220,20 +238,58 @@ class PlannedFunction:
                     fix="fix in_roles",
                 )
         in_specs = tuple(_specs(self.plan, r, a) for r, a in zip(roles, args, strict=True))
-        out_shape = jax.eval_shape(self._body(roles, in_specs), *args)
+        with recipes_used() as seen:
+            out_shape = jax.eval_shape(self._body(roles, in_specs), *args)
+        self._check_recipe(seen)
+        self._out_role_cache[self._key(args)] = self._out_role_list(out_shape)
         out_specs = self._out_specs(out_shape)
         return in_specs, out_specs, roles
 
-    def _out_specs(self, out: Any) -> Any:
-        def specs_of(tree: Any, role: str | None) -> Any:
-            return _specs(self.plan, role or infer_role(self.plan, tree), tree, output=True)
+    def _check_recipe(self, seen: list) -> None:
+        """The step runs the plan's recipe (module docstring)."""
+        recipe = self.plan.recipe
+        if recipe.is_default and all(r == recipe for r in seen):
+            return
+        wrong = sorted({repr(r) for r in seen if r != recipe})
+        if not seen or wrong:
+            raise RecipeError(
+                op="sk.jit",
+                must=f"the step runs the plan's recipe {recipe!r}",
+                given=f"a step taking gradients with {', '.join(wrong)}"
+                if wrong
+                else f"{self.__name__}: no sk.value_and_grad gradient in it",
+                fix="build the step's gradient with sk.value_and_grad(loss, plan) (or the "
+                "whole step with sk.train_step(loss, optimizer, plan)), or plan with the "
+                "recipe the step runs",
+            )
+        check_offload(recipe, self.mesh.devices.flat[0])
 
+    def _out_role_list(self, out: Any) -> tuple[str, ...] | str:
+        """The role of each output (a tuple for a tuple output, else one role)."""
         roles = self._out_roles
         if isinstance(out, tuple) and not hasattr(out, "_fields"):
-            if roles is None or isinstance(roles, str):
-                return tuple(specs_of(o, roles) for o in out)
-            return tuple(specs_of(o, r) for o, r in zip(out, roles, strict=True))
-        return specs_of(out, roles if isinstance(roles, str) else None)
+            given = (roles,) * len(out) if roles is None or isinstance(roles, str) else roles
+            return tuple(r or infer_role(self.plan, o) for o, r in zip(out, given, strict=True))
+        return (roles if isinstance(roles, str) else None) or infer_role(self.plan, out)
+
+    def _out_specs(self, out: Any) -> Any:
+        roles = self._out_role_list(out)
+        if isinstance(roles, tuple):
+            return tuple(
+                _specs(self.plan, r, o, output=True) for o, r in zip(out, roles, strict=True)
+            )
+        return _specs(self.plan, roles, out, output=True)
+
+    def _kind(self, role: str) -> str | None:
+        """The memory kind of a role's arrays: optimizer state offloaded to the host
+        when the plan's recipe says so, else the device's default."""
+        return "pinned_host" if role == "opt_state" and self.plan.recipe.offload_opt else None
+
+    def _placed(self, specs: Any, roles: tuple[str, ...] | str) -> Any:
+        """NamedShardings for per-role spec trees (a tuple of them, or one)."""
+        if isinstance(roles, tuple):
+            return tuple(self._named(s, self._kind(r)) for s, r in zip(specs, roles, strict=True))
+        return self._named(specs, self._kind(roles))
 
     def _constraint(self, x: jax.Array, spec: P) -> jax.Array:
         sharding = NamedSharding(self.mesh, spec)
@@ -256,8 +312,10 @@ class PlannedFunction:
 
         return body
 
-    def _named(self, specs: Any) -> Any:
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+    def _named(self, specs: Any, kind: str | None = None) -> Any:
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s, memory_kind=kind), specs, is_leaf=_is_spec
+        )
 
     def _key(self, args: tuple) -> Hashable:
         return jax.tree.structure(args), tuple(
@@ -298,13 +356,15 @@ class PlannedFunction:
             donate = self._donation(roles)
             body = self.program(*args)[0] if self.enforce else self._body(roles, in_specs)
             with jax.set_mesh(self.mesh):
+                out_roles = self._out_role_cache[key]
+                in_sh = self._placed(in_specs, roles)
                 jitted = jax.jit(
                     body,
-                    in_shardings=self._named(in_specs),
-                    out_shardings=self._named(out_specs),
+                    in_shardings=in_sh,
+                    out_shardings=self._placed(out_specs, out_roles),
                     donate_argnums=donate,
                 )
-            hit = _Jitted(jitted, in_specs, out_specs, roles)
+            hit = _Jitted(jitted, in_specs, out_specs, roles, in_sh)
             self._compiled[key] = hit
         return hit
 
@@ -363,10 +423,10 @@ class PlannedFunction:
 
             >>> params, batch = step.place(params, numpy_batch)
         """
-        in_specs = self._jitted(args).in_specs
+        in_shardings = self._jitted(args).in_shardings
         return tuple(
-            jax.tree.map(self._place, a, specs, is_leaf=lambda x: x is None)
-            for a, specs in zip(args, in_specs, strict=True)
+            jax.tree.map(self._place, a, sh, is_leaf=lambda x: x is None)
+            for a, sh in zip(args, in_shardings, strict=True)
         )
 
     def __call__(self, *args: Any) -> Any:
@@ -389,8 +449,7 @@ class PlannedFunction:
         with jax.set_mesh(self.mesh):
             return executable(*placed)
 
-    def _place(self, x: Any, spec: P) -> Any:
-        target = NamedSharding(self.mesh, spec)
+    def _place(self, x: Any, target: NamedSharding) -> Any:
         current = getattr(x, "sharding", None)
         if current is not None and current == target:
             return x

@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
+from spmdkit.recipe import Recipe, check_offload, to_memory, value_and_grad
 from spmdkit.runtime.checkpoint import Manager, abstract_target
 
 __all__ = ["TrainError", "TrainResult", "train"]
@@ -133,7 +134,15 @@ def _make_step(
     remat: bool,
     has_aux: bool,
     use_rng: bool,
+    recipe: Any = None,
+    grad_specs: Any = None,
 ) -> Callable:
+    """The jitted step's body. With a non-default ``recipe`` (a plan's), the
+    gradient is :func:`spmdkit.recipe.value_and_grad` (per-layer recompute,
+    compute dtype, micro-batches split inside the step, gradients constrained to
+    ``grad_specs``) and, with ``offload_opt``, the optimizer state moves from host
+    memory to the device for the update and back."""
+
     def scalar_loss(p: Any, batch: Any, key: Any) -> tuple[Any, dict[str, Any]]:
         kw = {"rng": key} if use_rng else {}
         out = loss(p, batch, **kw)
@@ -142,9 +151,15 @@ def _make_step(
 
     if remat:
         scalar_loss = jax.checkpoint(scalar_loss)
-    grad_fn = jax.value_and_grad(scalar_loss, has_aux=True)
+    rcp = recipe if recipe is not None else Recipe()
+    if rcp.is_default and grad_specs is None:
+        grad_fn = jax.value_and_grad(scalar_loss, has_aux=True)
+    else:
+        grad_fn = value_and_grad(scalar_loss, rcp, grad_specs=grad_specs, has_aux=True)
 
     def step(params: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, Any]:
+        if rcp.offload_opt:
+            opt_state = to_memory(opt_state, jax.memory.Space.Device)
         if accum_steps == 1:
             (value, aux), grads = grad_fn(params, batch, key)
         else:
@@ -174,6 +189,8 @@ def _make_step(
             aux = jax.tree.map(lambda a: a / accum_steps, asum)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
+        if rcp.offload_opt:
+            opt_state = to_memory(opt_state, jax.memory.Space.Host)
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), **aux}
         return params, opt_state, metrics
 
@@ -229,14 +246,19 @@ def train(
       plan: a plan; ``plan.state_shardings(abstract_params, abstract_opt_state)``
         gives the parameter and optimizer-state shardings (ZeRO-1/FSDP specs for the
         optimizer state live there) and ``plan.mesh`` / ``plan.to_json()`` are saved
-        in checkpoints.
+        in checkpoints. Its recipe runs (:func:`spmdkit.recipe.value_and_grad`:
+        per-layer recompute, compute dtype, micro-batches split inside the step);
+        its gradient specs constrain the gradients (ZeRO-2); with ``offload_opt``
+        the optimizer state lives in ``pinned_host`` memory between steps.
       shardings: ``(param_shardings, opt_state_shardings)`` pytrees instead of a plan
         (``opt_state_shardings=None``: each optimizer leaf mirroring a parameter takes
         that parameter's sharding, the rest are replicated).
         With neither, the params' current shardings are kept.
       accum_steps: micro-batches per step (gradients averaged); the loader splits each
         batch (``microbatches`` is set on a ShardedLoader that has 1).
-      remat: recompute activations in the backward pass (``jax.checkpoint``).
+      remat: wrap the whole loss in ``jax.checkpoint`` (this does not lower the
+        peak: the backward recomputes the whole forward at once); per-layer
+        recompute is a plan's ``Recipe(remat="full")``.
       has_aux: ``loss_fn`` returns ``(loss, metrics_dict)``.
       rng: a PRNG key; ``loss_fn`` then gets ``rng=fold_in(rng, step)``.
       ckpt: a :class:`spmdkit.runtime.checkpoint.Manager`; saves on its interval and at the end.
@@ -260,8 +282,14 @@ def train(
     loss = loss_fn
     if isinstance(params, nnx.Module):
         params, loss, write_back = _nnx_adapter(params, loss_fn)
+    recipe = plan.recipe if plan is not None else Recipe()
+    accum_steps = _recipe_accum(recipe, accum_steps, remat=remat, data=data)
     _set_microbatches(data, accum_steps)
     abstract, param_sh, opt_sh, mesh = _state_shardings(params, optimizer, plan, shardings)
+    grad_specs = _grad_shardings(plan, abstract[0], mesh)
+    if recipe.offload_opt:
+        check_offload(recipe, mesh.devices.flat[0] if mesh is not None else None)
+        opt_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_sh)
 
     # under the mesh context optax's scalar states and the step's replicated metrics
     # are created on the mesh, not on one device
@@ -281,6 +309,8 @@ def train(
                 remat=remat,
                 has_aux=has_aux,
                 use_rng=rng is not None,
+                recipe=recipe,
+                grad_specs=grad_specs,
             ),
             out_shardings=(param_sh, opt_sh, None),
             donate_argnums=(0, 1),
@@ -322,6 +352,49 @@ def _check_args(
             given="plan= and shardings=",
             fix="drop one of them",
         )
+
+
+def _recipe_accum(recipe: Recipe, accum_steps: int, *, remat: bool, data: Any) -> int:
+    """The loader-side accumulation steps once the plan's recipe is taken into
+    account: a recipe with micro-batches splits each batch inside the step, so
+    the loader does not (``accum_steps`` may only repeat the recipe's count)."""
+    if remat and recipe.remat != "none":
+        raise TrainError(
+            op="train",
+            must="recompute comes from the plan's recipe or from remat=True, not both",
+            given=f"remat=True and a plan with remat={recipe.remat!r}",
+            fix="drop remat=True (the recipe recomputes each layer)",
+        )
+    n = recipe.microbatches
+    if n == 1:
+        return accum_steps
+    if accum_steps not in (1, n):
+        raise TrainError(
+            op="train",
+            must="accum_steps is 1 or the plan's micro-batch count",
+            given=f"accum_steps={accum_steps}, plan.recipe.microbatches={n}",
+            fix=f"drop accum_steps (the plan splits each batch into {n} micro-batches), "
+            "or plan with the count you want",
+        )
+    if getattr(data, "microbatches", 1) != 1:
+        raise TrainError(
+            op="train",
+            must="the loader yields whole batches when the plan has micro-batches",
+            given=f"loader microbatches={data.microbatches}, plan.recipe.microbatches={n}",
+            fix="leave microbatches=1 on the loader; the step splits each batch",
+        )
+    return 1
+
+
+def _grad_shardings(plan: Any, abstract_params: Any, mesh: Any) -> Any:
+    """The plan's gradient shardings (ZeRO-2) when it shards gradients, else None."""
+    if plan is None or not plan.grads or mesh is None:
+        return None
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        plan.grad_specs(abstract_params),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def _set_microbatches(data: Any, accum_steps: int) -> None:

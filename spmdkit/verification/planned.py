@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from spmdkit.errors import SpmdError
 from spmdkit.planner.plans import Plan
@@ -30,7 +32,9 @@ from spmdkit.verification.compiled import VerifyReport, report, verify
 
 __all__ = [
     "PlannedProgram",
+    "CPU_PROMOTED",
     "as_on_cpu",
+    "promoted_on_cpu",
     "platform",
     "unsliced_bytes",
     "unsliced_plan_bytes",
@@ -89,7 +93,7 @@ def verify_plan(
         )
     _, prop = step.program(*args)
     if platform(step.mesh) == "cpu":
-        prop = as_on_cpu(prop)
+        prop = promoted_on_cpu(prop, as_on_cpu(prop))
     compiled = report(step.compile(*args))
     return verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
 
@@ -134,6 +138,54 @@ def as_on_cpu(prop: Propagation) -> Propagation:
     if kept:
         kinds["reduce_scatter"] = kept
     return dataclasses.replace(prop, comm_bytes_by_kind=dict(sorted(kinds.items())))
+
+
+#: Float dtypes XLA's CPU backend does not reduce or move natively: it converts
+#: them to float32 around each collective (the reduction computations end in
+#: ``_promoted``), so the compiled collective moves twice the predicted bytes.
+CPU_PROMOTED = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
+
+
+def promoted_on_cpu(prop: Propagation, on_cpu: Propagation | None = None) -> Propagation:
+    """The prediction with 16-bit float collectives moved in float32, as XLA's
+    CPU backend runs them (:data:`CPU_PROMOTED`); GPUs and TPUs move them as is.
+
+    Args:
+      prop: the propagation (its records say which reshards move 16-bit floats).
+      on_cpu: the prediction to add to (default ``prop``); after
+        :func:`as_on_cpu`, whose reduce-scatters the CPU backend runs as
+        all-reduces (except the enforced program's own, fused ones).
+
+    Example::
+
+        >>> promoted_on_cpu(prop).comm_bytes_by_kind  # bf16 gathers counted twice
+    """
+    extra: dict[str, int] = {}
+    program = prop.program
+    fused = {pins.fused for pins in program.specs.values()} if program is not None else set()
+    relabel = on_cpu is not None
+
+    def walk(records: Iterable[EqnRecord], repeat: int) -> None:
+        for r in records:
+            for a in r.reshards:
+                if a.src.dtype not in CPU_PROMOTED:
+                    continue
+                for c in a.plan.collectives:
+                    kind = c.kind
+                    if relabel and kind == "reduce_scatter" and a.plan not in fused:
+                        kind = "all_reduce"
+                    extra[kind] = extra.get(kind, 0) + repeat * c.payload_bytes
+            if r.body:
+                walk(r.body, repeat * r.repeat)
+
+    walk(prop.records, 1)
+    base = on_cpu if on_cpu is not None else prop
+    if not extra:
+        return base
+    kinds = dict(base.comm_bytes_by_kind)
+    for kind, n in extra.items():
+        kinds[kind] = kinds.get(kind, 0) + n
+    return dataclasses.replace(base, comm_bytes_by_kind=dict(sorted(kinds.items())))
 
 
 def unsliced_plan_bytes(plan: ReshardPlan, in_place: bool = False) -> int:
