@@ -298,33 +298,26 @@ def blockwise_attention(
 
 
 def _to_blocks(x: jax.Array, block: int) -> jax.Array:
-    """``[b, s, kv, d]`` -> ``[n_blocks, b, kv, block, d]``, zero-padded at the end."""
+    """``[b, s, kv, d]`` -> ``[n_blocks, b, block, kv, d]``, zero-padded at the end."""
     b, s, kv, d = x.shape
     n = -(-s // block)
     if n * block != s:
         x = jnp.pad(x, ((0, 0), (0, n * block - s), (0, 0), (0, 0)))
-    return jnp.transpose(x.reshape(b, n, block, kv, d), (1, 0, 3, 2, 4))
+    return jnp.moveaxis(x.reshape(b, n, block, kv, d), 1, 0)
 
 
 def _from_blocks(x: jax.Array, s: int) -> jax.Array:
     """Inverse of :func:`_to_blocks` (drops the padding)."""
-    n, b, kv, block, d = x.shape
-    return jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(b, n * block, kv, d)[:, :s]
+    n, b, block, kv, d = x.shape
+    return jnp.moveaxis(x, 0, 1).reshape(b, n * block, kv, d)[:, :s]
 
 
-def _heads_first(x: jax.Array, kv: int) -> jax.Array:
-    """``[b, s, heads, d]`` -> ``[b, kv, group, s, d]``: every einsum in the loops
-    then yields its result in the order it is used (no transposed copies of a block)."""
-    b, s, h, d = x.shape
-    return jnp.transpose(x.reshape(b, s, kv, h // kv, d), (0, 2, 3, 1, 4))
-
-
-def _block_scores(qh: jax.Array, kj: jax.Array, j: jax.Array, causal: bool) -> jax.Array:
+def _block_scores(qg: jax.Array, kj: jax.Array, j: jax.Array, causal: bool) -> jax.Array:
     """Scaled float32 scores ``[b, kv, g, S, block]`` of block ``j``; masked keys (after
     the query, or padding) get the lowest float32, so ``exp(score - max)`` is 0 there."""
-    s, block = qh.shape[3], kj.shape[2]
-    scores = jnp.einsum("bkgqd,bksd->bkgqs", qh, kj, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(qh.shape[-1])
+    s, block = qg.shape[1], kj.shape[1]
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(qg.shape[-1])
     kpos = j * block + jnp.arange(block)
     keep = kpos < s
     if causal:
@@ -332,32 +325,37 @@ def _block_scores(qh: jax.Array, kj: jax.Array, j: jax.Array, causal: bool) -> j
     return jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
 
 
+# q, dO and dQ stay token-major ([b, s, kv, group, d], a reshape of [b, s, heads, d]):
+# transposing them to heads-first before the loops lets XLA reshard a sequence-
+# parallel layout with an all-to-all that the planner does not predict.
+
+
 def _flash_forward(q, k, v, causal, block):
     b, s, h, d = q.shape
     kv = k.shape[2]
-    qh = _heads_first(q, kv)
+    qg = q.reshape(b, s, kv, h // kv, d)
     f32 = jnp.float32
 
     def step(carry, xs):
         acc, m, total = carry
         kj, vj, j = xs
-        scores = _block_scores(qh, kj, j, causal)
+        scores = _block_scores(qg, kj, j, causal)
         # key 0 is in block 0 and visible to every row, so m_new is a real score
         # from the first step on and masked entries get exp(min - m_new) = 0
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
         p = jnp.exp(scores - m_new[..., None])
         corr = jnp.exp(m - m_new)
         total = total * corr + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=f32)
+        pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=f32)
         return (acc * corr[..., None] + pv, m_new, total), None
 
-    stats = qh.shape[:4]
+    stats = (b, kv, h // kv, s)
     low = jnp.finfo(f32).min
     init = (jnp.zeros((*stats, d), f32), jnp.full(stats, low, f32), jnp.zeros(stats, f32))
     kb, vb = _to_blocks(k, block), _to_blocks(v, block)
     (acc, m, total), _ = jax.lax.scan(step, init, (kb, vb, jnp.arange(kb.shape[0])))
     out = (acc / total[..., None]).astype(q.dtype)  # [b, kv, g, s, d]
-    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
+    out = jnp.moveaxis(out, 3, 1).reshape(b, s, h, d)
     return out, m + jnp.log(total)
 
 
@@ -365,25 +363,28 @@ def _flash_backward(causal, block, res, d_out):
     q, k, v, out, lse = res
     b, s, h, d = q.shape
     kv = k.shape[2]
+    g = h // kv
     f32 = jnp.float32
-    qh, doh = _heads_first(q, kv), _heads_first(d_out, kv)
+    qg, dog = q.reshape(b, s, kv, g, d), d_out.reshape(b, s, kv, g, d)
     # D = rowsum(dO * O), float32, in the scores' [b, kv, g, s] layout
-    delta = jnp.sum(doh.astype(f32) * _heads_first(out, kv).astype(f32), axis=-1)
+    delta = jnp.einsum(
+        "bqkgd,bqkgd->bkgq", dog.astype(f32), out.reshape(b, s, kv, g, d).astype(f32)
+    )
 
     def step(dq, xs):
         kj, vj, j = xs
-        p = jnp.exp(_block_scores(qh, kj, j, causal) - lse[..., None])
-        dv = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(v.dtype), doh, preferred_element_type=f32)
-        dp = jnp.einsum("bkgqd,bksd->bkgqs", doh, vj, preferred_element_type=f32)
+        p = jnp.exp(_block_scores(qg, kj, j, causal) - lse[..., None])
+        dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), dog, preferred_element_type=f32)
+        dp = jnp.einsum("bqkgd,bskd->bkgqs", dog, vj, preferred_element_type=f32)
         ds = (p * (dp - delta[..., None]) / math.sqrt(d)).astype(q.dtype)
-        dk = jnp.einsum("bkgqs,bkgqd->bksd", ds, qh, preferred_element_type=f32)
-        dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, kj, preferred_element_type=f32)
+        dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg, preferred_element_type=f32)
+        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=f32)
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
     kb, vb = _to_blocks(k, block), _to_blocks(v, block)
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qh.shape, f32), (kb, vb, jnp.arange(kb.shape[0])))
-    dq = jnp.transpose(dq, (0, 3, 1, 2, 4)).reshape(b, s, h, d).astype(q.dtype)
-    return dq, _from_blocks(dk, s), _from_blocks(dv, s)
+    dq0 = jnp.zeros(qg.shape, f32)
+    dq, (dk, dv) = jax.lax.scan(step, dq0, (kb, vb, jnp.arange(kb.shape[0])))
+    return dq.reshape(b, s, h, d).astype(q.dtype), _from_blocks(dk, s), _from_blocks(dv, s)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
