@@ -322,6 +322,12 @@ def _block_scores(qg: jax.Array, kj: jax.Array, j: jax.Array, causal: bool) -> j
     keep = kpos < s
     if causal:
         keep = keep[None, :] & (kpos[None, :] <= jnp.arange(s)[:, None])
+    # The mask depends only on positions: inside a scan over layers, JAX's partial
+    # evaluation hoists such loop-invariant values out of the layer scan, and its
+    # broadcast to the scores' shape would be stacked per key block as a residual
+    # ([blocks, b, kv, g, S, block] booleans: 32 GiB at Llama-3 8B's shapes). Tying
+    # the small mask to the scores keeps the broadcast inside the loop body.
+    scores, keep = jax.lax.optimization_barrier((scores, keep))
     return jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
 
 
