@@ -615,6 +615,10 @@ def _check_mesh(mesh: object) -> MeshLike:
     return mesh
 
 
+#: A preset whose analytic peak is over this many budgets is not re-costed by
+#: propagation in auto (the two estimates differ by far less than that).
+_RECOST_OVER_BUDGET = 2.0
+
 #: Micro-batch counts auto tries, smallest first (more only adds collectives).
 _MICROBATCHES = (1, 2, 4, 8, 16)
 
@@ -796,15 +800,18 @@ class _Planner:
         runner-ups (one per name and recipe)."""
         candidates = self.analytic_candidates(extra, fixed)
         if self.estimator == "propagate":
-            # The presets (plain recipe, or the fixed one) and the three best
-            # candidates, re-costed on the traced step.
+            # The three best candidates and the presets (plain recipe, or the fixed
+            # one), re-costed on the traced step; a preset the analytic model puts
+            # far over the budget is left out (no re-costing makes it fit).
             base = fixed or PLAIN
             ranked = sorted(range(len(candidates)), key=lambda i: (*self.rank(candidates[i]), i))
             keep = set(ranked[:3])
             keep |= {
                 i
                 for i, c in enumerate(candidates)
-                if c.recipe == base and not c.name.startswith("searched")
+                if c.recipe == base
+                and not c.name.startswith("searched")
+                and c.cost.peak_bytes <= _RECOST_OVER_BUDGET * self.budget
             }
             candidates = [self.propagated(candidates[i]) for i in sorted(keep)]
         ranked = sorted(range(len(candidates)), key=lambda i: (*self.rank(candidates[i]), i))
