@@ -220,11 +220,14 @@ def test_a_partial_attention_output_is_reduced_before_its_transpose():
     it was reduce-scattered and gathered again, 16 KiB per layer more than the
     plan (the slow matrix in tests/test_compile.py checks the compiled bytes).
     Without the pass-through, no forward contraction ahead of a transpose is
-    reduced by the replay."""
+    reduced by the replay. The plain attention (``attention="xla"``) is the one whose
+    ``probs @ v`` feeds a transpose; the blockwise one's sits inside a scan."""
+    import dataclasses
+
     from spmdkit.models import get_model
 
     spec = get_model("gpt")
-    cfg = spec.config("tiny")
+    cfg = dataclasses.replace(spec.config("tiny"), attention="xla")
     batch = spec.batch(cfg, 8, np.random.default_rng(0))
     info = describe(spec, config=cfg, batch=batch)
     p = plan(info, sk.make_mesh(data=2, model=4), "megatron_sp")
