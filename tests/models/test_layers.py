@@ -193,3 +193,32 @@ def test_planner_propagates_blockwise_like_plain_with_less_memory():
     assert costs["auto"].comm_bytes == costs["xla"].comm_bytes
     assert set(costs["auto"].comm_bytes) == {"all_reduce"}  # Megatron's, no gather
     assert costs["auto"].memory["temporaries"] < costs["xla"].memory["temporaries"] / 2
+
+
+def _scan_outputs(jaxpr):
+    """(shape, dtype) of every scan result in a jaxpr, nested jaxprs included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            out += [(v.aval.shape, str(v.aval.dtype)) for v in eqn.outvars]
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _scan_outputs(inner)
+    return out
+
+
+def test_the_causal_mask_is_not_stacked_out_of_the_layer_scan():
+    """Inside scanned layers, JAX's partial evaluation hoists loop-invariant values out
+    of the layer scan; the mask's broadcast to the scores' shape must stay in the loop
+    (else a [blocks, b, kv, g, S, block] residual appears: 32 GiB at Llama-3 8B)."""
+    from spmdkit.flax import describe
+    from spmdkit.models import get_model
+
+    info = describe(get_model("llama"), config="tiny_scan", batch_size=4)
+    closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    masks = [shape for shape, dtype in _scan_outputs(closed.jaxpr) if dtype == "bool"]
+    assert masks, "the blockwise attention's causal mask is a scan result"
+    # only [blocks, S, block]: never with the batch and head dims
+    assert all(len(shape) <= 3 for shape in masks), masks
