@@ -70,7 +70,8 @@ def test_pad_policy_adds_a_mask(batch_sharding):
     assert last["x"].shape == (4, 3)
     np.testing.assert_array_equal(np.asarray(last["mask"]), [True, True, False, False])
     np.testing.assert_array_equal(np.asarray(last["x"])[2:], 0)
-    assert last["ids"] == ["ex8", "ex9"]  # non-array fields are not padded
+    # example-aligned non-tensor fields stay aligned with the rows: padded with None
+    assert last["ids"] == ["ex8", "ex9", None, None]
     assert np.asarray(batches[0]["mask"]).all()
 
 
