@@ -148,10 +148,11 @@ def map_leaves(
 ) -> Any:
     """Rebuild a batch tree with ``fn(path, value)`` applied to its leaves.
 
-    A leaf is a value ``is_leaf`` accepts (array fields by default), or the
-    largest subtree holding none of them (a list of strings is one leaf, handed
-    to ``fn`` whole). Dicts, lists, tuples, named tuples and dataclass instances
-    are walked; a subtree that ``fn`` leaves unchanged keeps its identity.
+    A leaf is a value ``is_leaf`` accepts (array fields by default), a list or
+    tuple holding none of them (a list of strings is one leaf, handed to ``fn``
+    whole), or any other non-container value. Dicts and dataclass instances are
+    always walked, lists and tuples (named or not) when they hold leaves; a
+    subtree that ``fn`` leaves unchanged keeps its identity.
 
     Example::
 
@@ -159,7 +160,8 @@ def map_leaves(
         ...            {"img": {"pix": np.ones(2)}, "ids": ["a"]})["img"]["pix"]
         array([2., 2.])
     """
-    if is_leaf(batch) or not _has(batch, is_leaf):
+    walked = isinstance(batch, Mapping) or _is_dataclass_instance(batch)
+    if is_leaf(batch) or (not walked and not _has(batch, is_leaf)):
         return fn(path, batch)
     kids = _children(batch) or []
     new = [(k, map_leaves(fn, x, is_leaf=is_leaf, path=(*path, k))) for k, x in kids]
@@ -586,6 +588,9 @@ class ShardedLoader:
 
     # iteration
     def __iter__(self) -> Iterator[Any]:
+        if self._arrays is not None and self._batch >= (self.batches_per_epoch() or 0):
+            # a position saved after an epoch's last batch: that epoch is over
+            self._epoch, self._batch = self._epoch + 1, 0
         host = self._host_batches()
         for local in host:
             batch = self._finish(local)
