@@ -62,6 +62,7 @@ __all__ = [
     "abstract_target",
     "checksums",
     "config_metadata",
+    "tree_paths",
     "mesh_metadata",
 ]
 
@@ -205,6 +206,18 @@ def _path(path: tuple) -> str:
 def _flat(tree: Any) -> dict[str, Any]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {_path(p): leaf for p, leaf in leaves}
+
+
+def tree_paths(tree: Any) -> dict[str, Any]:
+    """A pytree's leaves keyed by their ``/``-joined paths, the names checkpoints and
+    exports use (``"params/layers/0/kernel"``).
+
+    Example::
+
+        >>> tree_paths({"params": {"w": 1, "b": [2, 3]}})
+        {'params/b/0': 2, 'params/b/1': 3, 'params/w': 1}
+    """
+    return _flat(tree)
 
 
 def _listing(paths: list[str]) -> str:
