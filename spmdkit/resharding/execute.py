@@ -277,7 +277,8 @@ def reshard(
       mesh: the mesh, when neither ``x`` nor ``dst`` carries one.
 
     Returns:
-      ``x`` with the layout ``dst`` (``x`` itself when nothing changes).
+      ``x`` with the layout ``dst`` (``x`` itself when nothing changes). A zero-size
+      ``x`` moves no data and runs no collective, whatever the two layouts.
 
     Raises:
       ReshardError: a dim does not divide evenly over its axes (JAX arrays hold no
@@ -299,6 +300,31 @@ def reshard(
     plan = plan_reshard(src, dst_spec, mesh)
     if plan.is_noop:
         return x
+    if math.prod(x.shape) == 0:  # no data to move: every block is empty, whatever the layout
+        if _is_tracer(x):
+            return _empty_move(x, src, dst_spec, mesh)
+        return _compiled_empty_move(src, dst_spec, mesh)(x)
     if _is_tracer(x):
         return run_plan(x, plan, mesh)
     return _compiled_runner(plan, mesh)(x)
+
+
+def _empty_move(x: jax.Array, src: TensorSpec, dst: TensorSpec, mesh: MeshLike) -> jax.Array:
+    """A zero-size array in ``dst``'s layout, with no collective: each device makes
+    its (empty) block of the target. Collectives on empty operands do not even lower."""
+    sizes = axis_sizes(mesh)
+    block = tuple(
+        s // math.prod(sizes[a] for a in axes) for s, axes in zip(dst.shape, dst.dims, strict=True)
+    )
+    return jax.shard_map(
+        lambda y: jnp.zeros(block, y.dtype),
+        mesh=mesh,
+        in_specs=src.to_partition_spec(),
+        out_specs=dst.to_partition_spec(),
+        check_vma=False,
+    )(x)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_empty_move(src: TensorSpec, dst: TensorSpec, mesh: Mesh):
+    return jax.jit(lambda x: _empty_move(x, src, dst, mesh))
