@@ -210,9 +210,14 @@ def test_zero_size_arrays_move_between_every_layout_without_a_collective(mesh2d)
             assert out.shape == (0, 8) and out.sharding.spec == dst, (src, dst)
         text = outs.lower(placed).compile().as_text()
         assert parse_collectives(text) == [], src
-    # eagerly too, and onto a sum-partial target
+    # eagerly: the right (empty) block on every device, so the value reads back
     placed = jax.device_put(x, NamedSharding(mesh2d, P("a", "b")))
-    out = reshard(placed, P(("b", "a"), None))
-    assert out.shape == (0, 8) and out.sharding.spec == P(("b", "a"), None)
+    for dst in _ZERO_LAYOUTS:
+        out = reshard(placed, dst)
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh2d, dst), 2), dst
+        want = NamedSharding(mesh2d, dst).shard_shape((0, 8))
+        assert {s.data.shape for s in out.addressable_shards} == {want}
+        assert np.asarray(out).shape == (0, 8)
+    # onto a sum-partial target
     part = reshard(placed, TensorSpec((0, 8), P(None, "b"), partial={"a": "sum"}))
     assert part.shape == (0, 8) and "a" in part.sharding.spec.unreduced
