@@ -61,6 +61,7 @@ __all__ = [
     "Restored",
     "abstract_target",
     "checksums",
+    "check_target_leaf",
     "config_metadata",
     "tree_paths",
     "mesh_metadata",
@@ -500,7 +501,14 @@ def _zeros_like(x: Any) -> jax.Array:
     return jax.make_array_from_callback(x.shape, x.sharding, lambda index: empty[index])
 
 
-def _check_target_leaf(op: str, path: str, x: Any) -> None:
+def check_target_leaf(op: str, path: str, x: Any) -> None:
+    """Raise a typed error unless ``x`` (a restore or import target leaf) has a
+    sharding that lays out its shape evenly.
+
+    Raises:
+      CheckpointError: no sharding.
+      CheckpointMismatchError: the sharding does not divide the shape.
+    """
     if not isinstance(getattr(x, "sharding", None), jax.sharding.Sharding):
         raise CheckpointError(
             op=op,
@@ -508,6 +516,15 @@ def _check_target_leaf(op: str, path: str, x: Any) -> None:
             given=f"{path}: {x!r}",
             fix="build the target with abstract_target(tree, shardings)",
         )
+    try:
+        x.sharding.shard_shape(tuple(x.shape))
+    except ValueError as e:
+        raise CheckpointMismatchError(
+            op=op,
+            must="every target sharding divides its leaf's shape evenly",
+            given=f"{path}: shape {tuple(x.shape)}, {x.sharding}: {str(e)[:160]}",
+            fix="shard that dim over fewer devices, or replicate it",
+        ) from e
 
 
 def _select_items(op: str, tree: Any, items: Sequence[str] | None) -> Any:
@@ -840,7 +857,7 @@ class Manager:
         flat_target = _flat(target)
         self._check(op, saved, flat_target, partial=partial, allow_cast=allow_cast)
         for path, x in flat_target.items():
-            _check_target_leaf(op, path, x)
+            check_target_leaf(op, path, x)
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
         paths = [_path(p) for p, _ in paths_leaves]
         zero = set(meta.get("zero_size", {})) & set(paths)

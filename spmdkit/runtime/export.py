@@ -37,6 +37,7 @@ from spmdkit.runtime.checkpoint import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    check_target_leaf,
     checksums,
     config_metadata,
     tree_paths,
@@ -351,6 +352,8 @@ def import_params(directory: str | os.PathLike, target: Any, *, verify: bool = T
     treedef = jax.tree.structure(target)
     flat = tree_paths(target)
     _check_target(op, saved, flat)
+    for path, x in flat.items():
+        check_target_leaf(op, path, x)
     loaded: dict[str, jax.Array] = {}
     by_file: dict[str, list[str]] = {}
     for path in flat:
