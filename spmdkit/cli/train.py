@@ -127,6 +127,7 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
         plan=plan,
         accum_steps=args.accum_steps,
         ckpt=ckpt,
+        config=config,
         resume=args.resume,
         log_every=args.log_every,
         out=out,

@@ -152,9 +152,26 @@ class Restored:
             ) from e
 
 
+def _config_json(v: Any) -> Any:
+    """Config values as JSON: containers walked, dtypes (``jnp.float32``,
+    ``np.dtype``) by name; anything else as is (``json.dumps`` judges it)."""
+    if isinstance(v, Mapping):
+        return {str(k): _config_json(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_config_json(x) for x in v]
+    if isinstance(v, np.dtype):
+        return v.name
+    if isinstance(v, type) and (
+        issubclass(v, np.generic) or isinstance(getattr(v, "dtype", None), np.dtype)
+    ):
+        return np.dtype(v).name
+    return v
+
+
 def config_metadata(config: Any) -> dict[str, Any] | None:
     """A model config (dataclass, dict or ``None``) as JSON metadata:
-    ``{"class": "module:QualName" or None, "value": {...}}``.
+    ``{"class": "module:QualName" or None, "value": {...}}``; dtypes are saved by
+    name (``"bfloat16"``) and tuples as lists.
 
     Raises:
       CheckpointError: the config is neither, or not JSON-serialisable.
@@ -168,9 +185,10 @@ def config_metadata(config: Any) -> dict[str, Any] | None:
         return None
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         cls = type(config)
-        out = {"class": f"{cls.__module__}:{cls.__qualname__}", "value": dataclasses.asdict(config)}
+        value = _config_json(dataclasses.asdict(config))
+        out = {"class": f"{cls.__module__}:{cls.__qualname__}", "value": value}
     elif isinstance(config, Mapping):
-        out = {"class": None, "value": dict(config)}
+        out = {"class": None, "value": _config_json(dict(config))}
     else:
         raise CheckpointError(
             op="checkpoint.save",

@@ -24,6 +24,7 @@ from spmdkit.runtime.checkpoint import (
     CheckpointNotFoundError,
     Manager,
     checksums,
+    config_metadata,
     mesh_metadata,
 )
 
@@ -527,3 +528,10 @@ def test_items_and_config_params_only_save_and_restore(tmp_path, saved, mesh2d):
         mgr.save(6, state, items=("nope",), force=True)
     with pytest.raises(CheckpointError, match="dataclass instance or a dict"):
         mgr.save(6, state, config=[1, 2], force=True)
+    with pytest.raises(CheckpointError, match="JSON"):
+        mgr.save(6, state, config={"f": object()}, force=True)
+    # dtypes (as model configs hold them) are saved by name
+    assert config_metadata({"dtype": jnp.bfloat16, "d": np.dtype("int8"), "s": (1, 2)}) == {
+        "class": None,
+        "value": {"dtype": "bfloat16", "d": "int8", "s": [1, 2]},
+    }
