@@ -241,6 +241,19 @@ def test_string_ids_and_nested_fields_reach_each_micro_batch(mesh):
     assert traced[:2] == [[f"ex{i}" for i in range(0, 16, 2)], [f"ex{i}" for i in range(1, 16, 2)]]
     assert traced[2][0] == "ex16" and len(traced) == 4
     assert res.compiles == 2  # one per distinct id list
+    # without accumulation the whole batch's ids reach loss_fn
+    seen.clear()
+    data = ShardedLoader(source, NamedSharding(mesh, P("a")), batch_size=16)
+    one = train(
+        nested_loss,
+        MLP(nnx.Rngs(0)),
+        optax.adam(1e-2),
+        data,
+        steps=1,
+        shardings=(sh, None),
+        progress=False,
+    )
+    assert seen == [[f"ex{i}" for i in range(16)]] and one.compiles == 1
 
 
 def test_params_only_checkpoint_restores_into_a_fresh_optimizer(tmp_path, mesh):
