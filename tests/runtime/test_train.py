@@ -241,19 +241,35 @@ def test_string_ids_and_nested_fields_reach_each_micro_batch(mesh):
     assert traced[:2] == [[f"ex{i}" for i in range(0, 16, 2)], [f"ex{i}" for i in range(1, 16, 2)]]
     assert traced[2][0] == "ex16" and len(traced) == 4
     assert res.compiles == 2  # one per distinct id list
-    # without accumulation the whole batch's ids reach loss_fn
-    seen.clear()
-    data = ShardedLoader(source, NamedSharding(mesh, P("a")), batch_size=16)
-    one = train(
-        nested_loss,
-        MLP(nnx.Rngs(0)),
-        optax.adam(1e-2),
-        data,
-        steps=1,
-        shardings=(sh, None),
-        progress=False,
-    )
-    assert seen == [[f"ex{i}" for i in range(16)]] and one.compiles == 1
+
+
+def test_a_list_of_string_ids_reaches_loss_fn(mesh):
+    """The plain and the accumulated step take a batch with a list of strings (it
+    used to fail: `Error interpreting argument ... as an abstract array`)."""
+    seen = []
+
+    def ids_loss(model, batch):
+        seen.append(batch["ids"])
+        return loss_fn(model, batch)
+
+    source = {"x": X, "y": Y, "ids": [f"ex{i}" for i in range(64)]}
+    sh = tp_shardings(mesh, "a", "b")
+    for accum in (1, 2):
+        seen.clear()
+        data = ShardedLoader(source, NamedSharding(mesh, P("a")), batch_size=16)
+        res = train(
+            ids_loss,
+            MLP(nnx.Rngs(0)),
+            optax.adam(1e-2),
+            data,
+            steps=1,
+            shardings=(sh, None),
+            accum_steps=accum,
+            progress=False,
+        )
+        want = [f"ex{i}" for i in range(16)]
+        assert sorted(i for ids in dict.fromkeys(map(tuple, seen)) for i in ids) == sorted(want)
+        assert res.compiles == 1
 
 
 def test_params_only_checkpoint_restores_into_a_fresh_optimizer(tmp_path, mesh):
