@@ -44,13 +44,13 @@ OPS = sorted(sk.registered_ops())
 
 #: (default-suite cases, slow cases) per check; their sum is what one CI run tries.
 FUZZ_EXAMPLES = {
-    "tensor_spec": (120, 300),
-    "inference": (150, 400),
-    "plan_reshard": (80, 200),
-    "logical_rules": (60, 150),
-    "loader": (40, 120),
-    "restore": (12, 40),
-    "reshard": (4, 25),
+    "tensor_spec": (60, 300),
+    "inference": (80, 400),
+    "plan_reshard": (50, 200),
+    "logical_rules": (40, 150),
+    "loader": (30, 120),
+    "restore": (8, 40),
+    "reshard": (3, 25),
     "plan": (0, 6),
 }
 

@@ -209,6 +209,7 @@ def test_bad_configurations_raise(mesh):
         run(mesh, 1, accum_steps=0)
 
 
+@pytest.mark.slow
 def test_string_ids_and_nested_fields_reach_each_micro_batch(mesh):
     """Non-tensor leaves (a list of example ids) and a nested array field pass
     through the loader, micro-batching and the compiled step to loss_fn; each
@@ -284,7 +285,10 @@ def test_params_only_checkpoint_restores_into_a_fresh_optimizer(tmp_path, mesh):
     second = run(mesh, 5, ckpt=mgr, resume=True)  # default: fresh optimizer state
     assert second.start_step == 3 and int(second.opt_state[0].count) == 2
     assert first.step == 3
-    # a full checkpoint restores its optimizer state unless told not to
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_restores_its_optimizer_state_unless_told_not_to(tmp_path, mesh):
     full = tmp_path / "full"
     run(mesh, 3, ckpt=Manager(full))
     assert int(run(mesh, 4, ckpt=Manager(full), resume=True).opt_state[0].count) == 4
