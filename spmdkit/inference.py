@@ -206,12 +206,14 @@ def _ctx(op: str, mesh: MeshLike, attrs: Mapping[str, Any]) -> RuleContext:
 
 def _guarded(op: str, attrs: Mapping[str, Any], infer: Any) -> Any:
     """``infer()``, with a rule's raw error on attributes or shapes it cannot take
-    (``new_dtype=-1``, an axis out of range) turned into a typed one."""
+    (``new_dtype=-1``, an axis out of range) turned into a typed one. Only the
+    errors a notation raises when a case does not fit are turned: any other
+    exception is a bug in the rule and surfaces as is."""
     try:
         return infer()
     except SpmdError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
+    except (TypeError, ValueError, KeyError, IndexError) as e:  # what "does not fit" raises
         raise ShardingConflictError(
             op=op,
             must="the attributes and shapes are ones the op accepts",
