@@ -15,17 +15,30 @@ taking turns; restores read from the page cache after the first run, as they
 would right after a save. Ratios are medians of per-round ratios. Peak host RSS
 above the starting RSS is sampled every 5 ms during each phase.
 
-Run: ``python benchmarks/checkpoint.py [--mb 512] [--repeat 5] [--dir /tmp/x]``;
-prints a table and writes ``benchmarks/results/checkpoint.json``.
+Export/import (``--only export``, or part of a full run): a megatron-laid-out
+state (column/row-parallel weight pairs, 2x4 mesh) is exported as safetensors
+(:mod:`spmdkit.runtime.export`) and imported onto one device and onto a 4x2
+FSDP layout, checked bit-exact. During each import the anonymous host memory
+(``RssAnon``: numpy buffers and, on CPU, the device buffers) is sampled every
+millisecond; *transient* is its peak above the start minus the bytes of the
+imported arrays themselves, to compare with the largest tensor. File pages the
+reader maps (``RssFile``, reclaimable page cache) are reported apart.
+
+Run: ``python benchmarks/checkpoint.py [--mb 512] [--repeat 5] [--dir /tmp/x]
+[--only all|export]``; prints a table and writes ``benchmarks/results/checkpoint.json``
+(``--only export`` updates only its ``export_import`` entry).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -40,7 +53,8 @@ import psutil
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.runtime.checkpoint import Manager, abstract_target
+from spmdkit.runtime.checkpoint import Manager, abstract_target, checksums
+from spmdkit.runtime.export import export_params, import_params
 
 
 class PeakRSS:
@@ -70,6 +84,154 @@ class PeakRSS:
     @property
     def peak_mb(self) -> float:
         return (self.peak - self.base) / 2**20
+
+
+def _utc(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="seconds")
+
+
+class PeakStatus:
+    """Samples ``RssAnon`` and ``RssFile`` from /proc/self/status every millisecond;
+    peaks above the values at the start, in bytes."""
+
+    def __init__(self) -> None:
+        self.base = self.read()
+        self.peak = dict(self.base)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def read() -> dict[str, int]:
+        out = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("RssAnon", "RssFile"):
+                    out[key] = int(rest.split()[0]) * 1024
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = self.read()
+            self.peak = {k: max(v, now[k]) for k, v in self.peak.items()}
+            time.sleep(0.001)
+
+    def __enter__(self) -> PeakStatus:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def above(self, key: str) -> int:
+        return self.peak[key] - self.base[key]
+
+
+def export_import(root: str, mb: int) -> dict:
+    """Export a megatron-laid-out state, import it onto one device and a 4x2 FSDP
+    layout; peak host memory of each import against its largest tensor."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    rng = np.random.default_rng(1)
+    # column-parallel (d, 4d) / row-parallel (4d, d) pairs of decreasing size, + biases
+    d0 = int((mb * 2**20 / 4 / 8 / 1.9) ** 0.5) // 64 * 64
+    params = {}
+    for i, d in enumerate([d0, d0 // 2, d0 // 4]):
+        specs = {"up": (d, 4 * d, P(None, "model")), "down": (4 * d, d, P("model", None))}
+        for name, (a, b, spec) in specs.items():
+            params[f"layer{i}/{name}"] = jax.device_put(
+                rng.standard_normal((a, b), dtype=np.float32), NamedSharding(mesh, spec)
+            )
+        params[f"layer{i}/bias"] = jax.device_put(
+            rng.standard_normal(4 * d, dtype=np.float32), NamedSharding(mesh, P("model"))
+        )
+    jax.block_until_ready(params)
+    total = sum(x.nbytes for x in params.values())
+    largest = max(x.nbytes for x in params.values())
+    want = checksums(params)
+    out = os.path.join(root, "export")
+    t0 = time.perf_counter()
+    export_params(params, out, max_file_bytes=largest * 2)
+    export_s = time.perf_counter() - t0
+    rows = {}
+    for name in IMPORT_TARGETS:
+        # a fresh process per import: the allocator of an earlier one would hide its peak
+        proc = subprocess.run(
+            [sys.executable, __file__, "--import-into", name, "--export-dir", out],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows[name]["bit_exact"] = rows[name].pop("checksums") == want
+    return {
+        "date": _utc(time.time()),
+        "load_average_1m": os.getloadavg()[0],
+        "state_MB": total / 2**20,
+        "tensors": len(params),
+        "largest_tensor_MB": largest / 2**20,
+        "from": "2x4 megatron (column/row-parallel pairs)",
+        "export_seconds": export_s,
+        "imports": rows,
+    }
+
+
+def _import_shardings(name: str, abstract: dict) -> dict:
+    if name == "1 device":
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: one, abstract)
+    mesh42 = jax.make_mesh((4, 2), ("fsdp", "model"))
+
+    def fsdp(x: jax.ShapeDtypeStruct) -> NamedSharding:
+        spec = P(("fsdp", "model")) if x.ndim == 1 else P(("fsdp", "model"), None)
+        return NamedSharding(mesh42, spec)
+
+    return jax.tree.map(fsdp, abstract)
+
+
+#: The layouts an export is imported onto, one fresh process each.
+IMPORT_TARGETS = ("1 device", "4x2 fsdp")
+
+
+def import_once(name: str, directory: str) -> dict:
+    """One import of ``directory`` onto layout ``name``, with its host-memory peaks
+    (JSON on stdout: the parent compares the checksums)."""
+    from spmdkit.runtime.export import exported_shapes
+
+    abstract = {
+        p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in exported_shapes(directory).items()
+    }
+    target = abstract_target(abstract, _import_shardings(name, abstract))
+    jax.block_until_ready(jax.device_put(np.ones(8), jax.devices()[0]))  # backends up
+    with PeakStatus() as mem:
+        t0 = time.perf_counter()
+        got = jax.block_until_ready(import_params(directory, target, verify=False))
+        seconds = time.perf_counter() - t0
+    resident = sum(s.data.nbytes for x in got.values() for s in x.addressable_shards)
+    return {
+        "seconds": seconds,
+        "result_MB": resident / 2**20,
+        "peak_anon_MB": mem.above("RssAnon") / 2**20,
+        "transient_MB": (mem.above("RssAnon") - resident) / 2**20,
+        "mapped_file_MB": mem.above("RssFile") / 2**20,
+        "checksums": checksums(got),
+    }
+
+
+def print_export_import(r: dict) -> None:
+    print(
+        f"export/import: {r['state_MB']:.0f} MB in {r['tensors']} tensors, largest "
+        f"{r['largest_tensor_MB']:.0f} MB, from {r['from']}; export {r['export_seconds']:.2f} s"
+    )
+    print(
+        f"{'import onto':<10}  {'seconds':>8}  {'result MB':>9}  {'peak anon +MB':>13}  "
+        f"{'transient MB':>12}  {'mapped file MB':>14}  bit-exact"
+    )
+    for name, v in r["imports"].items():
+        print(
+            f"{name:<10}  {v['seconds']:8.3f}  {v['result_MB']:9.0f}  {v['peak_anon_MB']:13.0f}  "
+            f"{v['transient_MB']:12.0f}  {v['mapped_file_MB']:14.0f}  {v['bit_exact']}"
+        )
 
 
 def make_state(mb: int) -> tuple[dict, jax.sharding.Mesh]:
@@ -122,9 +284,29 @@ def main() -> None:
         "--out",
         default=os.path.join(os.path.dirname(__file__), "results", "checkpoint.json"),
     )
+    parser.add_argument("--only", choices=["all", "export"], default="all")
+    parser.add_argument("--import-into", choices=IMPORT_TARGETS, help=argparse.SUPPRESS)
+    parser.add_argument("--export-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.import_into:
+        print(json.dumps(import_once(args.import_into, args.export_dir)))
+        return
 
     root = tempfile.mkdtemp(dir=args.dir, prefix="spmdkit-ckpt-bench-")
+    exported = export_import(root, args.mb)
+    print_export_import(exported)
+    if args.only == "export":
+        previous = {}
+        if os.path.exists(args.out):
+            with open(args.out) as f:
+                previous = json.load(f)
+            # the throughput rows keep the date they were measured on
+            previous.setdefault("date", _utc(os.stat(args.out).st_mtime))
+        previous["export_import"] = exported
+        with open(args.out, "w") as f:
+            json.dump(previous, f, indent=2)
+        shutil.rmtree(root, ignore_errors=True)
+        return
     state, _ = make_state(args.mb)
     size = nbytes(state)
     mb = size / 2**20
@@ -282,6 +464,8 @@ def main() -> None:
                 "ratios": ratios,
                 "jax": jax.__version__,
                 "orbax": ocp.__version__ if hasattr(ocp, "__version__") else None,
+                "date": _utc(time.time()),
+                "export_import": exported,
             },
             f,
             indent=2,

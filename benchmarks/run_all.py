@@ -464,6 +464,48 @@ def sec_prediction(results: Path, out: Path) -> str:
     return "\n".join(lines)
 
 
+def _export_import_lines(r: dict[str, Any] | None) -> list[str]:
+    """The export → import table: peak host memory of each import vs its largest tensor."""
+    if not r:
+        return []
+    rows = [
+        [
+            name,
+            v["seconds"],
+            v["result_MB"],
+            v["peak_anon_MB"],
+            v["transient_MB"],
+            v["transient_MB"] / r["largest_tensor_MB"],
+            v["mapped_file_MB"],
+            v["bit_exact"],
+        ]
+        for name, v in r["imports"].items()
+    ]
+    return [
+        f"Export → import (safetensors): {r['state_MB']:.0f} MB in {r['tensors']} tensors, "
+        f"largest {r['largest_tensor_MB']:.0f} MB, exported from {r['from']} in "
+        f"{r['export_seconds']:.2f} s, each import in a fresh process (ran {r.get('date', '?')}, "
+        f"load avg {r.get('load_average_1m', float('nan')):.2f}). Transient = peak "
+        "anonymous RSS above the start minus the imported arrays' own bytes; mapped file = "
+        "page cache the reader maps (reclaimable).",
+        "",
+        _table(
+            [
+                "import onto",
+                "seconds",
+                "result MB",
+                "peak anon +MB",
+                "transient MB",
+                "transient / largest tensor",
+                "mapped file MB",
+                "bit-exact",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
 def sec_checkpoint(results: Path, out: Path) -> str:
     d = _load(results, "checkpoint.json")
     if d is None:
@@ -489,6 +531,8 @@ def sec_checkpoint(results: Path, out: Path) -> str:
             "Ratios: " + ", ".join(f"{k} = {v:.3g}" for k, v in d.get("ratios", {}).items()),
             "",
             img or "",
+            "",
+            *_export_import_lines(d.get("export_import")),
         ]
     )
 

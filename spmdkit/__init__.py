@@ -64,6 +64,7 @@ moved.install()
 _LAZY_MODULES = {
     "checkpoint": "spmdkit.runtime.checkpoint",
     "data": "spmdkit.runtime.data",
+    "export": "spmdkit.runtime.export",
     "launch": "spmdkit.runtime.launch",
     "models": "spmdkit.models",
     "ops": "spmdkit.ops",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import AbstractMesh, Mesh
 
-from spmdkit.errors import ShardingConflictError, SpecError
+from spmdkit.errors import ShardingConflictError, SpecError, SpmdError
 from spmdkit.registry import generation, get_rule
 from spmdkit.rule import RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
@@ -204,6 +204,24 @@ def _ctx(op: str, mesh: MeshLike, attrs: Mapping[str, Any]) -> RuleContext:
     return RuleContext(op=op, axis_sizes=axis_sizes(mesh), attrs=dict(attrs))
 
 
+def _guarded(op: str, attrs: Mapping[str, Any], infer: Any) -> Any:
+    """``infer()``, with a rule's raw error on attributes or shapes it cannot take
+    (``new_dtype=-1``, an axis out of range) turned into a typed one. Only the
+    errors a notation raises when a case does not fit are turned: any other
+    exception is a bug in the rule and surfaces as is."""
+    try:
+        return infer()
+    except SpmdError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError) as e:  # what "does not fit" raises
+        raise ShardingConflictError(
+            op=op,
+            must="the attributes and shapes are ones the op accepts",
+            given=f"attrs {dict(attrs)}: {type(e).__name__}: {str(e)[:200]}",
+            fix=f"check the op's signature and examples (spmdkit rules {op})",
+        ) from e
+
+
 def infer_forward(op: str, *inputs: TensorSpec, mesh: MeshLike, **attrs: Any) -> InferenceResult:
     """Forward inference: input specs → required input specs, output specs, reshards.
 
@@ -232,7 +250,7 @@ def infer_forward(op: str, *inputs: TensorSpec, mesh: MeshLike, **attrs: Any) ->
         return hit
     rule = get_rule(op)
     specs = _check_specs(op, inputs, "input", mesh)
-    ans = rule.forward(_ctx(op, mesh, attrs), specs)
+    ans = _guarded(op, attrs, lambda: rule.forward(_ctx(op, mesh, attrs), specs))
     result = InferenceResult(
         op,
         "forward",
@@ -272,7 +290,7 @@ def infer_backward(
     rule = get_rule(op)
     specs = _check_specs(op, inputs, "input", mesh)
     outs = _check_specs(op, tuple(outputs), "output", mesh)
-    ans = rule.backward(_ctx(op, mesh, attrs), specs, outs)
+    ans = _guarded(op, attrs, lambda: rule.backward(_ctx(op, mesh, attrs), specs, outs))
     reshards = _reshards("input", specs, ans.inputs, mesh)
     if len(ans.outputs) != len(outs):
         raise ShardingConflictError(
@@ -315,7 +333,7 @@ def infer_grad(
     rule = get_rule(op)
     specs = _check_specs(op, inputs, "input", mesh)
     gs = _check_specs(op, tuple(out_grads), "out_grad", mesh)
-    ans = rule.grad(_ctx(op, mesh, attrs), specs, gs)
+    ans = _guarded(op, attrs, lambda: rule.grad(_ctx(op, mesh, attrs), specs, gs))
     reshards = _reshards("input", specs, ans.inputs, mesh)
     reshards += _reshards("out_grad", gs, ans.out_grads, mesh)
     result = InferenceResult(

@@ -22,7 +22,7 @@ from typing import TextIO
 from spmdkit.cli.command import Command, parse_mesh
 from spmdkit.errors import SpmdError
 
-__all__ = ["COMMANDS", "parse_mesh"]
+__all__ = ["COMMANDS", "parse_mesh", "start_devices"]
 
 
 # -- train ----------------------------------------------------------------------
@@ -44,7 +44,7 @@ def _configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _start_devices(axes: dict[str, int]) -> None:
+def start_devices(axes: dict[str, int]) -> None:
     """Join a launched process group, or ask for enough virtual CPU devices."""
     from spmdkit.runtime.launch import initialize_from_env
 
@@ -59,7 +59,7 @@ def _start_devices(axes: dict[str, int]) -> None:
 def _run_train(args: argparse.Namespace, out: TextIO) -> int:
     try:
         axes = parse_mesh(args.mesh)
-        _start_devices(axes)
+        start_devices(axes)
         return _train(args, axes, out)
     except SpmdError as e:
         sys.stderr.write(f"spmdkit train: {e}\n")
@@ -127,6 +127,7 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
         plan=plan,
         accum_steps=args.accum_steps,
         ckpt=ckpt,
+        config=config,
         resume=args.resume,
         log_every=args.log_every,
         out=out,

@@ -22,6 +22,7 @@ than autodiff would gives its local function a ``jax.custom_vjp``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,8 @@ from spmdkit.errors import SpecError
 from spmdkit.inference import InferenceResult, infer_forward
 from spmdkit.local import shard_program
 from spmdkit.registry import get_rule
-from spmdkit.resharding import reshard
+from spmdkit.resharding import empty_array, reshard
+from spmdkit.rule import without_strategy
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import freeze
 
@@ -181,6 +183,14 @@ def apply_rule(
         input_spec(op, i, x, g, mesh) for i, (x, g) in enumerate(zip(arrays, given, strict=True))
     ]
     res: InferenceResult = infer_forward(op, *specs, mesh=mesh, **attrs)
+    if any(math.prod(x.shape) == 0 for x in arrays):
+        empty = _zero_size_outputs(rule, res, arrays, specs, attrs, mesh)
+        if empty is not None:
+            return (
+                (empty[0] if len(empty) == 1 else empty, res)
+                if return_result
+                else (empty[0] if len(empty) == 1 else empty)
+            )
     moved = [_place(x, r, mesh) for x, r in zip(arrays, res.inputs, strict=True)]
     if any(_is_tracer(x) for x in moved):
         outs = shard_program(rule, res, attrs, mesh)(*moved)
@@ -188,6 +198,44 @@ def apply_rule(
         outs = _jitted(rule, res, freeze(attrs), mesh)(*moved)
     out = outs[0] if len(outs) == 1 else tuple(outs)
     return (out, res) if return_result else out
+
+
+def _zero_size_outputs(
+    rule: Any,
+    res: InferenceResult,
+    arrays: list[Any],
+    specs: list[TensorSpec],
+    attrs: dict[str, Any],
+    mesh: MeshLike,
+) -> tuple[Any, ...] | None:
+    """The outputs of an op with a zero-size input, computed without a collective
+    (collectives on empty operands do not even lower), or ``None`` when the general
+    path must run (a non-empty input can give a non-empty output: ``index_put`` with
+    no indices returns ``x``).
+
+    Zero-size outputs are made empty in the rule's layouts. When every input is
+    zero-size, the outputs depend on shapes only (a mean over no examples), so
+    the unsharded op runs on the empty inputs and its result is laid out as the
+    rule says."""
+    outs = [o.without_partial() for o in res.outputs]
+    if all(math.prod(o.shape) == 0 for o in outs):
+        kw = without_strategy(attrs)
+        dtypes = [
+            y.dtype
+            for y in jax.tree.leaves(
+                jax.eval_shape(
+                    lambda *xs: rule.impl(*xs, **kw),
+                    *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays],
+                ),
+            )
+        ]
+        like = (arrays[0], specs[0])
+        return tuple(empty_array(o, d, mesh, like=like) for o, d in zip(outs, dtypes, strict=True))
+    if not all(math.prod(x.shape) == 0 for x in arrays):
+        return None
+    values = rule.impl(*[jnp.zeros(x.shape, x.dtype) for x in arrays], **without_strategy(attrs))
+    values = values if isinstance(values, tuple | list) else (values,)
+    return tuple(_place(jnp.asarray(v), o, mesh) for v, o in zip(values, outs, strict=True))
 
 
 @functools.lru_cache(maxsize=256)

@@ -44,7 +44,7 @@ import difflib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 from jax.sharding import PartitionSpec as P
 
@@ -117,12 +117,19 @@ RulesLike = Union[
 ]
 
 
-def _axes(value: AxesLike) -> Entry:
+def _axes(value: AxesLike, name: Any = "?") -> Entry:
     if value is None:
         return None
     if isinstance(value, str):
         return (value,)
-    return tuple(value)
+    if isinstance(value, Iterable) and all(isinstance(a, str) for a in value):
+        return tuple(value)
+    raise PlanError(
+        op="LogicalRules",
+        must="an entry's mesh axes are an axis name, a tuple of names, or None",
+        given=f"{name!r}: {value!r}",
+        fix='write e.g. ("mlp", "model"), ("embed", ("data", "fsdp")) or ("mlp", None)',
+    )
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,17 @@ class LogicalRules:
     entries: tuple[tuple[str, Entry], ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "entries", tuple((str(k), _axes(v)) for k, v in self.entries))
+        entries = []
+        for entry in self.entries:
+            if not isinstance(entry, tuple | list) or len(entry) != 2:
+                raise PlanError(
+                    op="LogicalRules",
+                    must="every entry is a (logical name, mesh axes) pair",
+                    given=repr(entry),
+                    fix='write e.g. ("mlp", "model")',
+                )
+            entries.append((str(entry[0]), _axes(entry[1], entry[0])))
+        object.__setattr__(self, "entries", tuple(entries))
 
     @classmethod
     def coerce(cls, value: RulesLike) -> LogicalRules:
@@ -160,7 +177,7 @@ class LogicalRules:
                     pairs.append((k, v))
             return cls(tuple(pairs))
         if isinstance(value, Iterable) and not isinstance(value, str):
-            return cls(tuple((k, v) for k, v in value))
+            return cls(tuple(value))
         raise PlanError(
             op="LogicalRules",
             must="rules are a LogicalRules, pairs (name, axes), or a mapping name → axes",

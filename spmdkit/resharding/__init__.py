@@ -5,7 +5,7 @@ prices it under a :class:`~spmdkit.topology.Topology`; ``execute`` runs a plan
 on a ``jax.Array`` with one ``shard_map`` collective per step.
 """
 
-from spmdkit.resharding.execute import reshard, run_plan, step_fn
+from spmdkit.resharding.execute import empty_array, reshard, run_plan, step_fn
 from spmdkit.resharding.plan import (
     KINDS,
     Collective,
@@ -19,6 +19,7 @@ __all__ = [
     "Collective",
     "ReshardPlan",
     "clear_cache",
+    "empty_array",
     "plan_reshard",
     "reshard",
     "run_plan",

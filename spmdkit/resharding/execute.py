@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,7 +29,7 @@ from spmdkit.errors import ReshardError
 from spmdkit.resharding.plan import Collective, ReshardPlan, plan_reshard
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 
-__all__ = ["reshard", "run_plan", "step_fn"]
+__all__ = ["empty_array", "reshard", "run_plan", "step_fn"]
 
 
 def _is_tracer(x: Any) -> bool:
@@ -277,7 +278,8 @@ def reshard(
       mesh: the mesh, when neither ``x`` nor ``dst`` carries one.
 
     Returns:
-      ``x`` with the layout ``dst`` (``x`` itself when nothing changes).
+      ``x`` with the layout ``dst`` (``x`` itself when nothing changes). A zero-size
+      ``x`` moves no data and runs no collective, whatever the two layouts.
 
     Raises:
       ReshardError: a dim does not divide evenly over its axes (JAX arrays hold no
@@ -299,6 +301,48 @@ def reshard(
     plan = plan_reshard(src, dst_spec, mesh)
     if plan.is_noop:
         return x
+    if math.prod(x.shape) == 0:  # no data to move: every block is empty, whatever the layout
+        return empty_array(dst_spec, x.dtype, mesh, like=(x, src))
     if _is_tracer(x):
         return run_plan(x, plan, mesh)
     return _compiled_runner(plan, mesh)(x)
+
+
+def empty_array(
+    spec: TensorSpec, dtype: Any, mesh: MeshLike, *, like: tuple[Any, TensorSpec] | None = None
+) -> Any:
+    """A zero-size array of ``spec``'s shape laid out by ``spec``, made without any
+    collective (collectives on empty operands do not even lower).
+
+    Outside ``jit`` every device's block is made from an empty host array, so the
+    shards have their right (empty) shapes. Inside ``jit`` pass ``like=(x, x_spec)``,
+    a traced operand and its layout: each device then makes its block in a
+    ``shard_map`` over ``x`` (which fixes the program's devices; nothing of ``x``
+    is read).
+
+    Example::
+
+        >>> empty_array(TensorSpec((0, 8), P(None, "x")), jnp.float32, mesh).shape
+        (0, 8)
+    """
+    pspec = spec.to_partition_spec()
+    traced = like is not None and _is_tracer(like[0])
+    if not traced and isinstance(mesh, Mesh) and not spec.partial:
+        host = np.zeros(spec.shape, dtype)
+        return jax.make_array_from_callback(
+            spec.shape, NamedSharding(mesh, pspec), lambda index: host[index]
+        )
+    sizes = axis_sizes(mesh)
+    dims = zip(spec.shape, spec.dims, strict=True)
+    block = tuple(s // math.prod(sizes[a] for a in axes) for s, axes in dims)
+    x, x_spec = like if like is not None else (jnp.zeros(()), TensorSpec(()))
+    make = jax.shard_map(
+        # the block depends on x (a sum over its empty block, 0): a program whose
+        # outputs use no input loses its devices when jit lowers it
+        lambda y: jnp.zeros(block, dtype) + jnp.sum(y).astype(dtype),
+        mesh=mesh,
+        in_specs=x_spec.without_partial().to_partition_spec(),
+        out_specs=pspec,
+        check_vma=False,
+    )
+    return make(x) if traced else jax.jit(make)(x)

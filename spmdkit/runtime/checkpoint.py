@@ -7,7 +7,14 @@ A checkpoint is one orbax step directory holding two items:
   writing only what it owns;
 * ``meta`` — one JSON document: the step, the data-iterator position, the plan
   (``plan.to_json()``) and mesh it was saved with, user metadata, which leaves were
-  typed PRNG keys, and a checksum per array.
+  typed PRNG keys, a checksum per array, the model config, and the shape and
+  dtype of every zero-size array (orbax cannot write those: they hold no data and
+  are rebuilt from this record at restore).
+
+``save(items=("params",))`` writes only some top-level keys of the state (a
+params-only checkpoint for export or inference); ``restore(items=("params",))``
+reads only those, so parameters can go into a fresh optimizer. A state with no
+array data at all (``{}``, or only zero-size arrays) is saved as metadata alone.
 
 Atomicity comes from orbax: a step is written into a temporary directory and
 renamed only when every item is complete, so a process killed at any moment of a
@@ -32,7 +39,7 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +61,9 @@ __all__ = [
     "Restored",
     "abstract_target",
     "checksums",
+    "check_target_leaf",
+    "config_metadata",
+    "tree_paths",
     "mesh_metadata",
 ]
 
@@ -116,6 +126,87 @@ class Restored:
         """The ``plan.to_json()`` text saved with the checkpoint (or ``None``)."""
         return self.metadata.get("plan")
 
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """The model config saved with the checkpoint, as a JSON dict (or ``None``)."""
+        saved = self.metadata.get("config")
+        return saved["value"] if saved else None
+
+    def config_as(self, cls: Any) -> Any:
+        """The saved model config rebuilt as ``cls(**config)`` (a dataclass, usually).
+
+        Raises:
+          CheckpointError: no config was saved, or ``cls`` does not accept its fields.
+        """
+        value = self.config
+        try:
+            if value is None:
+                raise TypeError("no config was saved with this checkpoint")
+            return cls(**value)
+        except TypeError as e:
+            raise CheckpointError(
+                op="checkpoint.Restored.config_as",
+                must="the saved config has the fields of the given class",
+                given=f"{getattr(cls, '__name__', cls)}: {e}",
+                fix="save with Manager.save(..., config=cfg), and pass the config's class",
+            ) from e
+
+
+def _config_json(v: Any) -> Any:
+    """Config values as JSON: containers walked, dtypes (``jnp.float32``,
+    ``np.dtype``) by name; anything else as is (``json.dumps`` judges it)."""
+    if isinstance(v, Mapping):
+        return {str(k): _config_json(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_config_json(x) for x in v]
+    if isinstance(v, np.dtype):
+        return v.name
+    if isinstance(v, type) and (
+        issubclass(v, np.generic) or isinstance(getattr(v, "dtype", None), np.dtype)
+    ):
+        return np.dtype(v).name
+    return v
+
+
+def config_metadata(config: Any) -> dict[str, Any] | None:
+    """A model config (dataclass, dict or ``None``) as JSON metadata:
+    ``{"class": "module:QualName" or None, "value": {...}}``; dtypes are saved by
+    name (``"bfloat16"``) and tuples as lists.
+
+    Raises:
+      CheckpointError: the config is neither, or not JSON-serialisable.
+
+    Example::
+
+        >>> config_metadata({"d_model": 64})
+        {'class': None, 'value': {'d_model': 64}}
+    """
+    if config is None:
+        return None
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        cls = type(config)
+        value = _config_json(dataclasses.asdict(config))
+        out = {"class": f"{cls.__module__}:{cls.__qualname__}", "value": value}
+    elif isinstance(config, Mapping):
+        out = {"class": None, "value": _config_json(dict(config))}
+    else:
+        raise CheckpointError(
+            op="checkpoint.save",
+            must="the model config is a dataclass instance or a dict",
+            given=type(config).__name__,
+            fix="pass config=dataclasses.asdict(cfg) or the dataclass itself",
+        )
+    try:
+        json.dumps(out)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            op="checkpoint.save",
+            must="the model config is JSON-serialisable",
+            given=str(e),
+            fix="keep config fields to str/int/float/bool/None, lists and dicts",
+        ) from e
+    return out
+
 
 # -- paths, keys and checksums --------------------------------------------------
 
@@ -134,6 +225,18 @@ def _path(path: tuple) -> str:
 def _flat(tree: Any) -> dict[str, Any]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {_path(p): leaf for p, leaf in leaves}
+
+
+def tree_paths(tree: Any) -> dict[str, Any]:
+    """A pytree's leaves keyed by their ``/``-joined paths, the names checkpoints and
+    exports use (``"params/layers/0/kernel"``).
+
+    Example::
+
+        >>> tree_paths({"params": {"w": 1, "b": [2, 3]}})
+        {'params/b/0': 2, 'params/b/1': 3, 'params/w': 1}
+    """
+    return _flat(tree)
 
 
 def _listing(paths: list[str]) -> str:
@@ -404,6 +507,66 @@ def abstract_target(tree: Any, shardings: Any | None = None) -> Any:
     )
 
 
+def _is_zero_size(x: Any) -> bool:
+    shape = getattr(x, "shape", None)
+    return shape is not None and hasattr(x, "dtype") and 0 in tuple(shape)
+
+
+def _zeros_like(x: Any) -> jax.Array:
+    """A zero-size array of ``x``'s shape and dtype laid out by its sharding (no data
+    moves: every shard is empty)."""
+    empty = np.zeros(x.shape, jnp.dtype(x.dtype))
+    return jax.make_array_from_callback(x.shape, x.sharding, lambda index: empty[index])
+
+
+def check_target_leaf(op: str, path: str, x: Any) -> None:
+    """Raise a typed error unless ``x`` (a restore or import target leaf) has a
+    sharding that lays out its shape evenly.
+
+    Raises:
+      CheckpointError: no sharding.
+      CheckpointMismatchError: the sharding does not divide the shape.
+    """
+    if not isinstance(getattr(x, "sharding", None), jax.sharding.Sharding):
+        raise CheckpointError(
+            op=op,
+            must="every target leaf carries a sharding",
+            given=f"{path}: {x!r}",
+            fix="build the target with abstract_target(tree, shardings)",
+        )
+    try:
+        x.sharding.shard_shape(tuple(x.shape))
+    except ValueError as e:
+        raise CheckpointMismatchError(
+            op=op,
+            must="every target sharding divides its leaf's shape evenly",
+            given=f"{path}: shape {tuple(x.shape)}, {x.sharding}: {str(e)[:160]}",
+            fix="shard that dim over fewer devices, or replicate it",
+        ) from e
+
+
+def _select_items(op: str, tree: Any, items: Sequence[str] | None) -> Any:
+    """The top-level keys ``items`` of a dict tree (all of it when ``items`` is None)."""
+    if items is None:
+        return tree
+    if isinstance(items, str) or not isinstance(tree, Mapping):
+        raise CheckpointError(
+            op=op,
+            must="items= is a sequence of top-level keys of a dict state",
+            given=f"items={items!r} for a {type(tree).__name__}",
+            fix="pass e.g. items=('params',) with a dict such as {'params': ..., 'opt_state': ...}",
+        )
+    missing = [k for k in items if k not in tree]
+    if missing:
+        raise CheckpointError(
+            op=op,
+            must="every key in items= is a top-level key of the state",
+            given=f"missing {missing}; keys {sorted(map(str, tree))}",
+            fix="drop those names from items=",
+        )
+    return {k: tree[k] for k in items}
+
+
 # -- the manager -------------------------------------------------------------------
 
 
@@ -557,6 +720,12 @@ class Manager:
         return self._saved_shapes(step, self._metadata(step))
 
     def _saved_shapes(self, step: int, meta: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+        out = {
+            path: jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.dtype(info["dtype"]))
+            for path, info in meta.get("zero_size", {}).items()
+        }
+        if meta.get("empty_state"):
+            return out
         try:
             tree = self._mgr.item_metadata(step)["state"].tree
         except Exception as e:
@@ -567,11 +736,13 @@ class Manager:
                 fix="restore an older step (all_steps()) or delete this one",
             ) from e
         keys = meta.get("prng_keys", {})
-        out = {
-            path: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype))
-            for path, m in _flat(tree).items()
-            if path not in keys
-        }
+        out.update(
+            {
+                path: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype))
+                for path, m in _flat(tree).items()
+                if path not in keys
+            }
+        )
         for path, info in keys.items():
             dtype = jax.eval_shape(lambda impl=info["impl"]: jax.random.key(0, impl=impl)).dtype
             out[path] = jax.ShapeDtypeStruct(tuple(info["shape"]), dtype)
@@ -587,46 +758,68 @@ class Manager:
         mesh: Any | None = None,
         data: Any | None = None,
         metadata: Mapping[str, Any] | None = None,
+        config: Any | None = None,
+        items: Sequence[str] | None = None,
         force: bool = False,
     ) -> bool:
         """Save ``state`` as checkpoint ``step`` (asynchronously unless ``async_=False``).
 
         Args:
           step: the step number (checkpoint name).
-          state: a pytree of arrays (typed PRNG keys allowed).
+          state: a pytree of arrays (typed PRNG keys and zero-size arrays allowed;
+            an empty state is saved as metadata alone).
           plan: a plan object (its ``to_json()`` and ``mesh`` are recorded).
           mesh: the mesh, when no plan is given (recorded as axes and axis types).
           data: the data-iterator position: an object with ``state()`` or any JSON value.
           metadata: extra JSON-able user metadata.
+          config: the model config (a dataclass instance or a dict), saved beside the
+            plan; :attr:`Restored.config` / :meth:`Restored.config_as` give it back.
+          items: save only these top-level keys of a dict ``state`` (e.g.
+            ``("params",)`` for a params-only checkpoint); default all.
           force: save even when ``step`` is not on the save interval.
 
         Returns:
           Whether a save was started.
+
+        Raises:
+          CheckpointError: ``items`` names keys the state lacks, or the metadata
+            is not JSON-serialisable.
         """
         if not force and not self._mgr.should_save(step):
             return False
+        state = _select_items("checkpoint.save", state, items)
         flat = _flat(state)
         keys = {p: v for p, v in flat.items() if _is_key(v)}
         if keys:
             state = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+        empty = {p: v for p, v in _flat(state).items() if _is_zero_size(v)}
+        if empty:  # orbax refuses zero-size arrays: recorded in the metadata instead
+            state = jax.tree.map(lambda x: None if _is_zero_size(x) else x, state)
         if mesh is None and plan is not None:
             mesh = getattr(plan, "mesh", None)
         if data is not None and hasattr(data, "state") and callable(data.state):
             data = data.state()
+        flat = _flat(state)
         meta = {
             "format": _FORMAT,
             "step": int(step),
             "data": data,
             "plan": plan.to_json() if plan is not None else None,
             "mesh": mesh_metadata(mesh) if mesh is not None else None,
+            "config": config_metadata(config),
             "process_count": jax.process_count(),
             "user": dict(metadata) if metadata else None,
             "prng_keys": {
                 p: {"impl": str(jax.random.key_impl(k)), "shape": list(k.shape)}
                 for p, k in keys.items()
             },
-            "specs": {p: _spec_str(v) for p, v in _flat(state).items()},
-            "checksums": checksums(_flat(state)) if self.verify else {},
+            "zero_size": {
+                p: {"shape": list(v.shape), "dtype": jnp.dtype(v.dtype).name}
+                for p, v in empty.items()
+            },
+            "empty_state": not jax.tree.leaves(state),
+            "specs": {p: _spec_str(v) for p, v in flat.items()},
+            "checksums": checksums(flat) if self.verify else {},
         }
         try:
             json.dumps(meta)
@@ -637,11 +830,10 @@ class Manager:
                 given=str(e),
                 fix="pass plain dicts/lists/str/int/float",
             ) from e
-        return self._mgr.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
-            force=force,
-        )
+        parts = {"meta": ocp.args.JsonSave(meta)}
+        if not meta["empty_state"]:
+            parts["state"] = ocp.args.PyTreeSave(state)
+        return self._mgr.save(step, args=ocp.args.Composite(**parts), force=force)
 
     # restore
     def restore(
@@ -651,6 +843,7 @@ class Manager:
         target: Any,
         partial: bool = False,
         allow_cast: bool = False,
+        items: Sequence[str] | None = None,
     ) -> Restored:
         """Restore a checkpoint onto the layout ``target`` describes.
 
@@ -661,6 +854,9 @@ class Manager:
           partial: restore only the keys in ``target`` (e.g. ``{"params": ...}`` for
             weights into a fresh optimizer); saved keys not in the target are skipped.
           allow_cast: let a target dtype differ from the saved one (orbax casts).
+          items: restore only these top-level keys of a dict ``target`` (the others
+            are neither read nor returned), e.g. ``("params",)`` to put saved
+            weights into a fresh optimizer; implies ``partial=True``.
 
         Returns:
           :class:`Restored` with the state and its metadata.
@@ -671,32 +867,52 @@ class Manager:
           CheckpointCorruptedError: the files cannot be read back intact.
         """
         op = "checkpoint.restore"
+        if items is not None:
+            target, partial = _select_items(op, target, items), True
         step = self._resolve(step, op)
         meta = self._metadata(step)
         saved = self._saved_shapes(step, meta)
-        key_info = meta.get("prng_keys", {})
         flat_target = _flat(target)
         self._check(op, saved, flat_target, partial=partial, allow_cast=allow_cast)
-
-        def to_restore_leaf(path: str, x: Any) -> Any:
-            sharding = getattr(x, "sharding", None)
-            if not isinstance(sharding, jax.sharding.Sharding):
-                raise CheckpointError(
-                    op=op,
-                    must="every target leaf carries a sharding",
-                    given=f"{path}: {x!r}",
-                    fix="build the target with abstract_target(tree, shardings)",
-                )
-            if path in key_info:
-                data_shape = jax.eval_shape(jax.random.key_data, x).shape
-                return jax.ShapeDtypeStruct(data_shape, jnp.uint32, sharding=sharding)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
+        for path, x in flat_target.items():
+            check_target_leaf(op, path, x)
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
         paths = [_path(p) for p, _ in paths_leaves]
-        raw = jax.tree_util.tree_unflatten(
-            treedef, [to_restore_leaf(p, x) for p, (_, x) in zip(paths, paths_leaves, strict=True)]
+        zero = set(meta.get("zero_size", {})) & set(paths)
+        flat_state = self._read(op, step, meta, target, zero, partial=partial)
+        if self.verify and meta.get("checksums"):
+            self._verify(op, step, meta["checksums"], flat_state, saved, flat_target)
+        key_info = meta.get("prng_keys", {})
+        leaves = []
+        for p in paths:
+            if p in zero:
+                leaves.append(_zeros_like(flat_target[p]))
+            elif p in key_info:
+                leaves.append(jax.random.wrap_key_data(flat_state[p], impl=key_info[p]["impl"]))
+            else:
+                leaves.append(flat_state[p])
+        return Restored(
+            step=step, state=jax.tree_util.tree_unflatten(treedef, leaves), metadata=meta
         )
+
+    def _read(
+        self, op: str, step: int, meta: dict[str, Any], target: Any, zero: set, *, partial: bool
+    ) -> dict[str, Any]:
+        """The arrays of ``target`` (except the zero-size ones) read by orbax, by path."""
+        key_info = meta.get("prng_keys", {})
+
+        def to_restore_leaf(path: tuple, x: Any) -> Any:
+            name = _path(path)
+            if name in zero:
+                return None
+            if name in key_info:
+                data_shape = jax.eval_shape(jax.random.key_data, x).shape
+                return jax.ShapeDtypeStruct(data_shape, jnp.uint32, sharding=x.sharding)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        raw = jax.tree_util.tree_map_with_path(to_restore_leaf, target)
+        if meta.get("empty_state") or not jax.tree.leaves(raw):
+            return {}
         try:
             out = self._mgr.restore(
                 step,
@@ -716,17 +932,7 @@ class Manager:
                 given=f"step {step} in {self.directory}: {type(e).__name__}: {str(e)[:300]}",
                 fix="restore an older step (all_steps()) or delete this one",
             ) from e
-        state = out["state"]
-        flat_state = _flat(state)
-        if self.verify and meta.get("checksums"):
-            self._verify(op, step, meta["checksums"], flat_state, saved, flat_target)
-        if key_info:
-            leaves = [
-                jax.random.wrap_key_data(v, impl=key_info[p]["impl"]) if p in key_info else v
-                for p, v in zip(paths, jax.tree.leaves(state), strict=True)
-            ]
-            state = jax.tree_util.tree_unflatten(treedef, leaves)
-        return Restored(step=step, state=state, metadata=meta)
+        return _flat(out["state"])
 
     def _check(
         self,

@@ -1,11 +1,18 @@
-"""Sharded data feeding: each process's host batch becomes one global sharded array.
+"""Sharded data feeding: each process's host batch becomes global sharded arrays.
 
 Every process reads its own slice of the data (its *local* batch, numpy on the
-host). :func:`to_global` turns a dict of local batches into global ``jax.Array``
-s laid out by the batch sharding (``jax.make_array_from_process_local_data``):
-the global batch is the concatenation of the processes' local batches along the
-sharded dims, and no process ever holds the global batch. Fields that are not
-numeric arrays (strings, ids, lists, metadata) pass through untouched.
+host). :func:`to_global` turns a local batch into global ``jax.Array`` s laid out
+by the batch sharding (``jax.make_array_from_process_local_data``): the global
+batch is the concatenation of the processes' local batches along the sharded
+dims, and no process ever holds the global batch.
+
+A batch is any tree of dicts, lists, tuples (named or not) and dataclass
+instances. Its *array leaves* (numeric or bool numpy/jax arrays, at any depth)
+become global arrays; every other leaf (strings, bytes, ``None``, python
+objects, lists of those, numpy arrays of strings) is *non-tensor* and passes
+through untouched. A non-tensor sequence as long as the batch (example ids) is
+*example-aligned*: padded with ``None`` by ``last_batch="pad"`` and split per
+micro-batch like the arrays (:class:`PerMicrobatch`).
 
 :class:`ShardedLoader` iterates over a dict of per-process example arrays (or
 any re-iterable source of host batches) and yields global batches. Its position
@@ -20,11 +27,20 @@ Uneven last batch policy (``last_batch=``):
   batch carries a boolean field ``mask`` (``True`` for real examples) that a loss
   must use to ignore the padding.
 * ``"keep"`` — yield the short batch as is (a new shape: the step recompiles).
+
+Variable lengths (``bucket_sizes=``, ``bucket_dims=``): a field whose examples
+differ in size along some dims (token lists of different lengths, images of
+different sizes) is given as a list of per-example arrays; each batch pads those
+dims up to the smallest bucket size that fits the batch's longest example and
+adds ``<field>_mask`` (``True`` on real positions). A run then compiles at most
+one step per bucket instead of one per length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -33,7 +49,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
 
-__all__ = ["DataError", "ShardedLoader", "to_global", "is_array_field"]
+__all__ = [
+    "BatchSkeleton",
+    "DataError",
+    "PerMicrobatch",
+    "ShardedLoader",
+    "is_array_field",
+    "map_leaves",
+    "split_batch",
+    "to_global",
+]
 
 LastBatch = Literal["drop", "pad", "keep"]
 
@@ -47,7 +72,7 @@ class DataError(SpmdError, ValueError):
 
 
 def is_array_field(value: Any) -> bool:
-    """Whether a batch field becomes a global array (numeric/bool numpy or jax arrays).
+    """Whether a batch leaf becomes a global array (numeric/bool numpy or jax arrays).
 
     Example::
 
@@ -59,16 +84,203 @@ def is_array_field(value: Any) -> bool:
     return isinstance(value, np.ndarray) and value.dtype.kind in "biufc"
 
 
-def _sharding_for(sharding: Any, name: str) -> Any:
-    if isinstance(sharding, Mapping):
-        if name not in sharding:
+class PerMicrobatch(tuple):
+    """An example-aligned non-tensor field split for gradient accumulation: item ``i``
+    is micro-batch ``i``'s share (the loader's arrays are stacked the same way).
+
+    Example::
+
+        >>> PerMicrobatch((["a", "c"], ["b", "d"]))[1]
+        ['b', 'd']
+    """
+
+    __slots__ = ()
+
+
+# -- batch trees ------------------------------------------------------------------
+
+
+def _is_dataclass_instance(v: Any) -> bool:
+    return dataclasses.is_dataclass(v) and not isinstance(v, type)
+
+
+def _children(v: Any) -> list[tuple[Any, Any]] | None:
+    """``(key, child)`` pairs of a container, or ``None`` for a leaf."""
+    if isinstance(v, Mapping):
+        return list(v.items())
+    if isinstance(v, list | tuple) and not isinstance(v, PerMicrobatch):
+        return list(enumerate(v))
+    if _is_dataclass_instance(v):
+        return [(f.name, getattr(v, f.name)) for f in dataclasses.fields(v)]
+    return None
+
+
+def _rebuild(v: Any, items: list[tuple[Any, Any]]) -> Any:
+    if isinstance(v, Mapping):
+        try:
+            return type(v)(items)
+        except TypeError:
+            return dict(items)
+    if isinstance(v, list):
+        return [x for _, x in items]
+    if isinstance(v, tuple):
+        values = [x for _, x in items]
+        return type(v)(*values) if hasattr(v, "_fields") else type(v)(values)
+    out = copy.copy(v)  # a dataclass: frozen ones too, and fields with init=False
+    for name, x in items:
+        object.__setattr__(out, name, x)
+    return out
+
+
+def _has(v: Any, is_leaf: Callable[[Any], bool]) -> bool:
+    if is_leaf(v):
+        return True
+    kids = _children(v)
+    return kids is not None and any(_has(x, is_leaf) for _, x in kids)
+
+
+def map_leaves(
+    fn: Callable[[tuple, Any], Any],
+    batch: Any,
+    *,
+    is_leaf: Callable[[Any], bool] = is_array_field,
+    path: tuple = (),
+) -> Any:
+    """Rebuild a batch tree with ``fn(path, value)`` applied to its leaves.
+
+    A leaf is a value ``is_leaf`` accepts (array fields by default), a list or
+    tuple holding none of them (a list of strings is one leaf, handed to ``fn``
+    whole), or any other non-container value. Dicts and dataclass instances are
+    always walked, lists and tuples (named or not) when they hold leaves; a
+    subtree that ``fn`` leaves unchanged keeps its identity.
+
+    Example::
+
+        >>> map_leaves(lambda p, v: v * 2 if is_array_field(v) else v,
+        ...            {"img": {"pix": np.ones(2)}, "ids": ["a"]})["img"]["pix"]
+        array([2., 2.])
+    """
+    walked = isinstance(batch, Mapping) or _is_dataclass_instance(batch)
+    if is_leaf(batch) or (not walked and not _has(batch, is_leaf)):
+        return fn(path, batch)
+    kids = _children(batch) or []
+    new = [(k, map_leaves(fn, x, is_leaf=is_leaf, path=(*path, k))) for k, x in kids]
+    if all(a is b for (_, a), (_, b) in zip(kids, new, strict=True)):
+        return batch
+    return _rebuild(batch, new)
+
+
+def _path_name(path: tuple) -> str:
+    return "/".join(str(k) for k in path) or "<batch>"
+
+
+class _Slot(int):
+    """Where the i-th array leaf goes back into a :class:`BatchSkeleton`."""
+
+    __slots__ = ()
+
+
+def _freeze(v: Any) -> Any:
+    """A hashable value equal for equal batch skeletons."""
+    if isinstance(v, _Slot):
+        return ("slot", int(v))
+    kids = _children(v)
+    if kids is not None:
+        return (type(v).__qualname__, tuple((k, _freeze(x)) for k, x in kids))
+    if isinstance(v, PerMicrobatch):
+        return ("micro", tuple(_freeze(x) for x in v))
+    if isinstance(v, np.ndarray):
+        return ("ndarray", v.dtype.str, v.shape, v.tobytes())
+    try:
+        hash(v)
+    except TypeError:
+        return ("object", id(v))
+    return (type(v).__qualname__, v)
+
+
+class BatchSkeleton:
+    """A batch with its array leaves taken out: the static part of a compiled step.
+
+    Hashable and compared by value, so it can be a static argument of ``jax.jit``:
+    batches with the same structure and the same non-tensor values share one
+    compiled step.
+
+    Attributes:
+      tree: the batch with :class:`int` slot markers where the arrays were.
+      per_micro: whether some leaf is a :class:`PerMicrobatch`.
+    """
+
+    def __init__(self, tree: Any) -> None:
+        self.tree = tree
+        self.per_micro = _has(tree, lambda v: isinstance(v, PerMicrobatch))
+        self._key = _freeze(tree)
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BatchSkeleton) and self._key == other._key
+
+    def fill(self, leaves: Sequence[Any], *, micro: int | None = None) -> Any:
+        """The batch with ``leaves`` put back; with ``micro=i`` each
+        :class:`PerMicrobatch` leaf is replaced by its ``i``-th item."""
+
+        def put(_: tuple, v: Any) -> Any:
+            if isinstance(v, _Slot):
+                return leaves[int(v)]
+            if micro is not None and isinstance(v, PerMicrobatch):
+                return v[micro]
+            return v
+
+        return map_leaves(put, self.tree, is_leaf=lambda v: isinstance(v, _Slot | PerMicrobatch))
+
+
+def split_batch(batch: Any) -> tuple[list[Any], BatchSkeleton]:
+    """Split a batch into its array leaves (in walk order) and the rest.
+
+    Example::
+
+        >>> leaves, skel = split_batch({"x": np.ones(2), "ids": ["a", "b"]})
+        >>> len(leaves), skel.fill(leaves)["ids"]
+        (1, ['a', 'b'])
+    """
+    leaves: list[Any] = []
+
+    def take(_: tuple, v: Any) -> Any:
+        if is_array_field(v):
+            leaves.append(v)
+            return _Slot(len(leaves) - 1)
+        return v
+
+    return leaves, BatchSkeleton(map_leaves(take, batch))
+
+
+# -- to_global --------------------------------------------------------------------
+
+
+def _sharding_for(sharding: Any, path: tuple) -> Any:
+    """The sharding for the leaf at ``path``: dict shardings are followed down the path
+    as far as they go; a sharding met on the way serves the whole subtree."""
+    for depth, key in enumerate(path):
+        if not isinstance(sharding, Mapping):
+            return sharding
+        if key not in sharding:
             raise DataError(
                 op="data.to_global",
                 must="the batch sharding names every array field",
-                given=f"no sharding for field {name!r}; shardings for {sorted(sharding)}",
-                fix=f"add {name!r} to the batch shardings (or pass one sharding for all)",
+                given=f"no sharding for field {_path_name(path[: depth + 1])!r}; "
+                f"shardings for {sorted(map(str, sharding))}",
+                fix=f"add {key!r} to the batch shardings (or pass one sharding for all)",
             )
-        return sharding[name]
+        sharding = sharding[key]
+    if isinstance(sharding, Mapping):
+        raise DataError(
+            op="data.to_global",
+            must="an array field's sharding is a sharding, not a dict",
+            given=f"{_path_name(path)}: a dict of shardings for keys {sorted(map(str, sharding))}",
+            fix="give the array field one NamedSharding",
+        )
     return sharding
 
 
@@ -87,51 +299,177 @@ def _fit_spec(sharding: Any, ndim: int) -> Any:
     return sharding
 
 
-def to_global(batch: Mapping[str, Any], sharding: Any) -> dict[str, Any]:
+def to_global(batch: Any, sharding: Any) -> Any:
     """Turn one process's host batch into global arrays sharded by ``sharding``.
 
     Args:
-      batch: field name → local data. Numeric/bool arrays become global arrays;
-        anything else (strings, lists, ids, scalars) passes through untouched.
+      batch: a tree (dicts, lists, tuples, dataclasses) of local data. Numeric/bool
+        arrays at any depth become global arrays; anything else (strings, lists,
+        ids, ``None``, objects) passes through untouched.
       sharding: one ``NamedSharding`` for every array field (trailing unsharded
-        entries are dropped for lower-rank fields), or a dict field → sharding.
+        entries are dropped for lower-rank fields), or a dict field → sharding,
+        nested as deep as the batch (a sharding met on the way serves its subtree).
 
     Returns:
-      The batch with array fields replaced by global ``jax.Array`` s.
+      The batch with array leaves replaced by global ``jax.Array`` s.
+
+    Raises:
+      DataError: a field has no sharding, or its shape does not divide evenly.
 
     Example::
 
         >>> s = NamedSharding(mesh, P("data"))
-        >>> g = to_global({"x": np.ones((8, 4)), "ids": ["a"] * 8}, s)
-        >>> g["x"].sharding.spec, g["ids"][0]
+        >>> g = to_global({"img": {"pix": np.ones((8, 4))}, "ids": ["a"] * 8}, s)
+        >>> g["img"]["pix"].sharding.spec, g["ids"][0]
         (PartitionSpec('data',), 'a')
     """
-    out: dict[str, Any] = {}
-    for name, value in batch.items():
+
+    def place(path: tuple, value: Any) -> Any:
         if not is_array_field(value):
-            out[name] = value
-            continue
-        s = _fit_spec(_sharding_for(sharding, name), np.ndim(value))
+            return value
+        s = _fit_spec(_sharding_for(sharding, path), np.ndim(value))
         try:
-            out[name] = jax.make_array_from_process_local_data(s, np.asarray(value))
+            return jax.make_array_from_process_local_data(s, np.asarray(value))
         except (ValueError, TypeError) as e:
             raise DataError(
                 op="data.to_global",
                 must="each local field's shape divides evenly over the batch sharding",
-                given=f"{name}: local shape {np.shape(value)}, sharding {s}: {e}",
+                given=f"{_path_name(path)}: local shape {np.shape(value)}, sharding {s}: {e}",
                 fix="choose a batch size divisible by the devices sharding the batch dim",
             ) from e
-    return out
+
+    return map_leaves(place, batch)
+
+
+# -- the loader ---------------------------------------------------------------------
+
+
+def _source_fields(source: Mapping[str, Any], path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """A dict source's per-example fields: nested dicts are walked, anything else is
+    one field (an array, or a sequence with one item per example)."""
+    for k, v in source.items():
+        if isinstance(v, Mapping):
+            yield from _source_fields(v, (*path, k))
+        else:
+            yield (*path, k), v
+
+
+def _take_source(source: Mapping[str, Any], idx: np.ndarray) -> dict[str, Any]:
+    return {
+        k: _take_source(v, idx) if isinstance(v, Mapping) else _take(v, idx)
+        for k, v in source.items()
+    }
+
+
+def _source_length(source: Mapping[str, Any], op: str) -> int:
+    lengths: dict[str, Any] = {}
+    for path, v in _source_fields(source):
+        try:
+            lengths[_path_name(path)] = len(v)
+        except TypeError:
+            lengths[_path_name(path)] = f"{type(v).__name__} (no length)"
+    if not lengths or len(set(map(str, lengths.values()))) != 1:
+        raise DataError(
+            op=op,
+            must="a dict source has fields, each with the same number of examples",
+            given=str(lengths) if lengths else "no fields",
+            fix="give every field one item per example (arrays, lists), trimmed to one length",
+        )
+    n = next(iter(lengths.values()))
+    if not isinstance(n, int):
+        raise DataError(
+            op=op,
+            must="every field of a dict source is a sequence of examples",
+            given=str(lengths),
+            fix="pass arrays or lists with one item per example",
+        )
+    return n
+
+
+def _example_aligned(v: Any, n: int) -> bool:
+    """A non-tensor leaf with one item per example (ids, texts)."""
+    if n < 1:
+        return False
+    if isinstance(v, list | tuple) and not hasattr(v, "_fields"):
+        return len(v) == n
+    return isinstance(v, np.ndarray) and v.ndim > 0 and v.shape[0] == n
+
+
+def _example_count(local: Any) -> int:
+    sizes: list[int] = []
+
+    def count(_: tuple, v: Any) -> Any:
+        if is_array_field(v) and np.ndim(v) > 0:
+            sizes.append(int(np.shape(v)[0]))
+        return v
+
+    map_leaves(count, local)
+    return max(sizes, default=0)
+
+
+def _check_options(last_batch: Any, microbatches: Any, op: str) -> None:
+    if last_batch not in ("drop", "pad", "keep"):
+        raise DataError(
+            op=op,
+            must="last_batch is 'drop', 'pad' or 'keep'",
+            given=repr(last_batch),
+            fix="pass last_batch='drop' (default) or 'pad' (adds a mask field)",
+        )
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise DataError(
+            op=op,
+            must="microbatches is a positive int",
+            given=repr(microbatches),
+            fix="pass microbatches=1 or the gradient-accumulation step count",
+        )
+
+
+def _check_buckets(sizes: Any, dims: Any, op: str) -> tuple[tuple[int, ...], dict[str, tuple]]:
+    if sizes is None and dims is None:
+        return (), {}
+    ok_sizes = (
+        isinstance(sizes, Sequence)
+        and len(sizes) > 0
+        and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)
+    )
+    if not ok_sizes:
+        raise DataError(
+            op=op,
+            must="bucket_sizes is a non-empty sequence of positive ints",
+            given=repr(sizes),
+            fix="pass e.g. bucket_sizes=(32, 64, 128) with bucket_dims={'tokens': 0}",
+        )
+    if not isinstance(dims, Mapping) or not dims:
+        raise DataError(
+            op=op,
+            must="bucket_sizes comes with bucket_dims: field → the example dims that vary",
+            given=repr(dims),
+            fix="pass e.g. bucket_dims={'tokens': 0} or {'image': (0, 1)}",
+        )
+    out: dict[str, tuple] = {}
+    for name, d in dims.items():
+        ds = (d,) if isinstance(d, int) else tuple(d) if isinstance(d, Sequence) else None
+        if not ds or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ds):
+            raise DataError(
+                op=op,
+                must="each bucket_dims entry is a dim index >= 0 or a tuple of them",
+                given=f"{name!r}: {d!r}",
+                fix="count dims within one example: 0 is the first dim after the batch dim",
+            )
+        out[name] = ds
+    return tuple(sorted(set(sizes))), out
 
 
 class ShardedLoader:
     """A re-iterable, resumable loader of global sharded batches.
 
     Args:
-      source: either a dict field → per-process example array (all with the same
-        number of examples; non-array fields are lists/sequences of that length),
-        or a zero-argument callable returning a fresh iterator of host batches
-        (dicts) — the generic form; its position is the number of batches consumed.
+      source: either a dict field → per-process examples (arrays, or sequences such
+        as lists of strings or of variable-size arrays, all with the same number of
+        examples; nested dicts allowed), or a zero-argument callable returning a
+        fresh iterator of host batches (trees of dicts, lists, tuples,
+        dataclasses) — the generic form; its position is the number of batches
+        consumed.
       sharding: the batch sharding (one ``NamedSharding`` or a dict per field),
         e.g. ``plan.batch_sharding(abstract_batch)``.
       batch_size: examples per batch *per process* (required for dict sources; for a
@@ -141,43 +479,42 @@ class ShardedLoader:
         ``np.random.default_rng((seed, epoch))`` (``None``: keep the order).
       microbatches: split every batch into this many micro-batches stacked on a new
         leading dim (unsharded) for gradient accumulation; the batch size must divide.
+        Example-aligned non-tensor fields become :class:`PerMicrobatch` tuples.
+      bucket_sizes: the sizes variable dims are padded up to (sorted; the smallest
+        that fits each batch is used).
+      bucket_dims: field → the dims of one example that vary (``0`` or ``(0, 1)``);
+        such a field is a list of per-example arrays (or an array to pad further).
+        Each batch gets ``<field>_mask`` (``True`` on real positions, shape
+        ``(batch, *padded dims)``); a dict ``sharding`` without that key shards the
+        mask like the field.
 
     Iterating yields the rest of the current epoch from the current position, then
     moves to the next epoch; iterate again for the next epoch.
 
     Example::
 
-        >>> loader = ShardedLoader({"x": xs, "y": ys}, NamedSharding(mesh, P("data")),
-        ...                        batch_size=32)
-        >>> for batch in loader: ...
+        >>> loader = ShardedLoader({"tokens": token_lists, "ids": names},
+        ...                        NamedSharding(mesh, P("data")), batch_size=32,
+        ...                        bucket_sizes=(64, 128, 256), bucket_dims={"tokens": 0})
+        >>> for batch in loader: ...   # batch["tokens"]: (32, 64|128|256), + "tokens_mask"
         >>> pos = loader.state(); loader.set_state(pos)
     """
 
     def __init__(
         self,
-        source: Mapping[str, Any] | Callable[[], Iterable[Mapping[str, Any]]],
+        source: Mapping[str, Any] | Callable[[], Iterable[Any]],
         sharding: Any,
         *,
         batch_size: int | None = None,
         last_batch: LastBatch = "drop",
         shuffle_seed: int | None = None,
         microbatches: int = 1,
+        bucket_sizes: Sequence[int] | None = None,
+        bucket_dims: Mapping[str, int | Sequence[int]] | None = None,
     ) -> None:
         op = "data.ShardedLoader"
-        if last_batch not in ("drop", "pad", "keep"):
-            raise DataError(
-                op=op,
-                must="last_batch is 'drop', 'pad' or 'keep'",
-                given=repr(last_batch),
-                fix="pass last_batch='drop' (default) or 'pad' (adds a mask field)",
-            )
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise DataError(
-                op=op,
-                must="microbatches is a positive int",
-                given=repr(microbatches),
-                fix="pass microbatches=1 or the gradient-accumulation step count",
-            )
+        _check_options(last_batch, microbatches, op)
+        self.bucket_sizes, self.bucket_dims = _check_buckets(bucket_sizes, bucket_dims, op)
         self.sharding = sharding
         self.last_batch = last_batch
         self.shuffle_seed = shuffle_seed
@@ -185,25 +522,24 @@ class ShardedLoader:
         self._epoch = 0
         self._batch = 0
         if isinstance(source, Mapping):
-            if not isinstance(batch_size, int) or batch_size < 1:
+            if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
                 raise DataError(
                     op=op,
                     must="a dict source comes with a positive int batch_size (per process)",
                     given=repr(batch_size),
                     fix="pass batch_size=<examples per batch per process>",
                 )
-            lengths = {k: len(v) for k, v in source.items()}
-            if len(set(lengths.values())) != 1:
-                raise DataError(
-                    op=op,
-                    must="every field of a dict source has the same number of examples",
-                    given=str(lengths),
-                    fix="trim the fields to one length",
-                )
+            self._n = _source_length(source, op)
             self._arrays: Mapping[str, Any] | None = source
-            self._n = next(iter(lengths.values()))
             self._factory = None
         elif callable(source):
+            if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+                raise DataError(
+                    op=op,
+                    must="batch_size is a positive int or None",
+                    given=repr(batch_size),
+                    fix="pass batch_size=None to take the first batch's size",
+                )
             self._arrays = None
             self._n = 0
             self._factory = source
@@ -226,7 +562,7 @@ class ShardedLoader:
         """Move to a position returned by :meth:`state` (``None``: the start)."""
         state = state or {"epoch": 0, "batch": 0}
         try:
-            self._epoch, self._batch = int(state["epoch"]), int(state["batch"])
+            epoch, batch = int(state["epoch"]), int(state["batch"])
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(
                 op="data.ShardedLoader.set_state",
@@ -234,6 +570,14 @@ class ShardedLoader:
                 given=repr(state),
                 fix="pass what state() returned (it is saved in checkpoint metadata)",
             ) from e
+        if epoch < 0 or batch < 0:
+            raise DataError(
+                op="data.ShardedLoader.set_state",
+                must="epoch and batch are >= 0",
+                given=repr(state),
+                fix="pass what state() returned (it is saved in checkpoint metadata)",
+            )
+        self._epoch, self._batch = epoch, batch
 
     def batches_per_epoch(self) -> int | None:
         """Batches in one epoch (dict sources), or ``None`` for a generic source."""
@@ -243,7 +587,10 @@ class ShardedLoader:
         return full + (1 if rest and self.last_batch != "drop" else 0)
 
     # iteration
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Any]:
+        if self._arrays is not None and self._batch >= (self.batches_per_epoch() or 0):
+            # a position saved after an epoch's last batch: that epoch is over
+            self._epoch, self._batch = self._epoch + 1, 0
         host = self._host_batches()
         for local in host:
             batch = self._finish(local)
@@ -254,9 +601,17 @@ class ShardedLoader:
         self._epoch += 1
         self._batch = 0
 
-    def _host_batches(self) -> Iterator[Mapping[str, Any]]:
+    def _host_batches(self) -> Iterator[Any]:
         if self._arrays is None:
-            it = iter(self._factory())
+            try:
+                it = iter(self._factory())
+            except TypeError as e:
+                raise DataError(
+                    op="data.ShardedLoader",
+                    must="a callable source returns an iterable of batches",
+                    given=f"{self._factory!r} raised or returned a non-iterable: {e}",
+                    fix="return a generator or list of batches from the callable",
+                ) from e
             for _ in range(self._batch):  # a generic source can only be replayed
                 next(it, None)
             yield from it
@@ -267,46 +622,37 @@ class ShardedLoader:
         total = self.batches_per_epoch()
         for i in range(self._batch, total):
             idx = order[i * self.batch_size : (i + 1) * self.batch_size]
-            yield {k: _take(v, idx) for k, v in self._arrays.items()}
+            yield _take_source(self._arrays, idx)
 
-    def _finish(self, local: Mapping[str, Any]) -> dict[str, Any] | None:
-        sizes = {len(v) for v in local.values() if is_array_field(v) and np.ndim(v) > 0}
-        n = max(sizes) if sizes else 0
+    def _finish(self, local: Any) -> Any:
+        if self.bucket_dims:
+            local = _bucket(local, self.bucket_sizes, self.bucket_dims)
+        n = _example_count(local)
         if self._full is None:  # a generic source: its first batch sets the size
             self._full = self.batch_size or n
         want = self._full
         if self.last_batch == "pad":
-            local = _pad(local, n, want)
+            local, n = _pad(local, n, want), max(n, want)
         elif n < want and self.last_batch == "drop":
             return None
         if self.microbatches > 1:
-            local = self._split(local)
-        return to_global(local, self._micro_sharding())
+            local = _split(local, self.microbatches, n)
+        return to_global(local, self._micro_sharding(self._batch_sharding(local)))
 
-    def _split(self, local: Mapping[str, Any]) -> dict[str, Any]:
-        k = self.microbatches
-        out = {}
-        for name, v in local.items():
-            if not is_array_field(v):
-                out[name] = v
-                continue
-            arr = np.asarray(v)
-            if arr.shape[0] % k:
-                raise DataError(
-                    op="data.ShardedLoader",
-                    must="the per-process batch size divides into microbatches",
-                    given=f"{name}: {arr.shape[0]} examples, microbatches={k}",
-                    fix="choose batch_size a multiple of microbatches",
-                )
-            # micro-batch i takes rows i, i+k, i+2k, ...
-            out[name] = np.swapaxes(arr.reshape(arr.shape[0] // k, k, *arr.shape[1:]), 0, 1)
-        return out
-
-    def _micro_sharding(self) -> Any:
-        if self.microbatches == 1:
+    def _batch_sharding(self, local: Any) -> Any:
+        """The sharding with entries for the masks this loader adds to a dict sharding."""
+        if not isinstance(self.sharding, Mapping) or not isinstance(local, Mapping):
             return self.sharding
+        extra = {f"{k}_mask": self.sharding[k] for k in self.bucket_dims if k in self.sharding}
+        return {**extra, **self.sharding}
+
+    def _micro_sharding(self, sharding: Any) -> Any:
+        if self.microbatches == 1:
+            return sharding
 
         def lift(s: Any) -> Any:
+            if isinstance(s, Mapping):
+                return {k: lift(v) for k, v in s.items()}
             if isinstance(s, NamedSharding):
                 return NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
             raise DataError(
@@ -316,9 +662,7 @@ class ShardedLoader:
                 fix="pass NamedSharding(mesh, P(...)) shardings",
             )
 
-        if isinstance(self.sharding, Mapping):
-            return {k: lift(v) for k, v in self.sharding.items()}
-        return lift(self.sharding)
+        return lift(sharding)
 
 
 def _take(v: Any, idx: np.ndarray) -> Any:
@@ -327,14 +671,120 @@ def _take(v: Any, idx: np.ndarray) -> Any:
     return [v[int(i)] for i in idx]
 
 
-def _pad(local: Mapping[str, Any], n: int, want: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, v in local.items():
-        if is_array_field(v) and np.ndim(v) > 0 and n < want:
+def _pad(local: Any, n: int, want: int) -> Any:
+    if not isinstance(local, Mapping):
+        raise DataError(
+            op="data.ShardedLoader",
+            must="last_batch='pad' batches are dicts (the loader adds a 'mask' field)",
+            given=type(local).__name__,
+            fix="yield dict batches, or use last_batch='drop' or 'keep'",
+        )
+
+    def pad(_: tuple, v: Any) -> Any:
+        if n >= want:
+            return v
+        if is_array_field(v) and np.ndim(v) > 0 and np.shape(v)[0] == n:
             arr = np.asarray(v)
-            pad = np.zeros((want - n, *arr.shape[1:]), arr.dtype)
-            out[name] = np.concatenate([arr, pad])
-        else:
-            out[name] = v
+            return np.concatenate([arr, np.zeros((want - n, *arr.shape[1:]), arr.dtype)])
+        if not is_array_field(v) and _example_aligned(v, n):
+            if isinstance(v, np.ndarray):
+                return np.concatenate([v, np.zeros((want - n, *v.shape[1:]), v.dtype)])
+            return type(v)([*v, *([None] * (want - n))])  # padded examples carry no value
+        return v
+
+    out = dict(map_leaves(pad, local))
     out["mask"] = np.arange(want) < n
     return out
+
+
+def _split(local: Any, k: int, n: int) -> Any:
+    """Micro-batch ``i`` takes examples ``i, i+k, i+2k, ...``: arrays are stacked on a
+    new leading dim, example-aligned non-tensor fields become :class:`PerMicrobatch`."""
+
+    def split(path: tuple, v: Any) -> Any:
+        if is_array_field(v):
+            arr = np.asarray(v)
+            if arr.ndim == 0:  # a per-batch scalar: every micro-batch sees it
+                return np.broadcast_to(arr, (k,)).copy()
+            if arr.shape[0] % k:
+                raise DataError(
+                    op="data.ShardedLoader",
+                    must="the per-process batch size divides into microbatches",
+                    given=f"{_path_name(path)}: {arr.shape[0]} examples, microbatches={k}",
+                    fix="choose batch_size a multiple of microbatches",
+                )
+            return np.swapaxes(arr.reshape(arr.shape[0] // k, k, *arr.shape[1:]), 0, 1)
+        if _example_aligned(v, n) and n % k == 0:
+            return PerMicrobatch(v[i::k] for i in range(k))
+        return v
+
+    return map_leaves(split, local)
+
+
+def _bucket_size(longest: int, sizes: tuple[int, ...], where: str) -> int:
+    for s in sizes:
+        if s >= longest:
+            return s
+    raise DataError(
+        op="data.ShardedLoader",
+        must="every example fits the largest bucket",
+        given=f"{where}: size {longest}, buckets {list(sizes)}",
+        fix=f"add a bucket >= {longest} to bucket_sizes, or truncate the examples",
+    )
+
+
+def _bucket(local: Any, sizes: tuple[int, ...], dims: dict[str, tuple]) -> Any:
+    """Pad each bucketed field's variable dims up to a bucket size; add its mask."""
+    if not isinstance(local, Mapping):
+        raise DataError(
+            op="data.ShardedLoader",
+            must="bucketed batches are dicts",
+            given=type(local).__name__,
+            fix="yield dict batches naming the fields of bucket_dims",
+        )
+    out = dict(local)
+    for name, ds in dims.items():
+        if name not in local:
+            raise DataError(
+                op="data.ShardedLoader",
+                must="every bucket_dims field is in the batch",
+                given=f"{name!r} missing; fields {sorted(map(str, local))}",
+                fix="name top-level batch fields in bucket_dims",
+            )
+        out[name], out[f"{name}_mask"] = _pad_examples(name, local[name], sizes, ds)
+    return out
+
+
+def _pad_examples(
+    name: str, value: Any, sizes: tuple[int, ...], dims: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    examples = [np.asarray(e) for e in value]
+    bad = [e for e in examples if e.dtype.kind not in "biufc" or e.ndim <= max(dims)]
+    if not examples or bad:
+        raise DataError(
+            op="data.ShardedLoader",
+            must=f"a bucketed field holds numeric examples with more than {max(dims)} dims",
+            given=f"{name!r}: {len(examples)} examples"
+            + (f", e.g. {bad[0].dtype} of shape {bad[0].shape}" if bad else ""),
+            fix="give one numeric array per example, or fix bucket_dims",
+        )
+    ndim = examples[0].ndim
+    target = list(examples[0].shape)
+    for d in range(ndim):
+        got = {e.shape[d] if e.ndim == ndim else -1 for e in examples}
+        if d in dims:
+            target[d] = _bucket_size(max(got), sizes, f"{name!r} dim {d}")
+        elif len(got) != 1:
+            raise DataError(
+                op="data.ShardedLoader",
+                must="examples of a bucketed field agree on every dim not in bucket_dims",
+                given=f"{name!r} dim {d}: sizes {sorted(got)}",
+                fix=f"add {d} to bucket_dims[{name!r}] or fix the examples",
+            )
+    dtype = np.result_type(*examples)
+    out = np.zeros((len(examples), *target), dtype)
+    mask = np.zeros((len(examples), *(target[d] for d in dims)), bool)
+    for i, e in enumerate(examples):
+        out[(i, *(slice(0, s) for s in e.shape))] = e
+        mask[(i, *(slice(0, e.shape[d]) for d in dims))] = True
+    return out, mask

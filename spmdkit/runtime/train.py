@@ -11,6 +11,17 @@ Exactness of resume: the step function, the data order and the per-step RNG key
 (``fold_in(rng, step)``) depend only on the step number and the restored state, so
 N steps, a restore, then M steps give bit-identical losses to N+M uninterrupted
 steps on the same mesh (within float reduction-order tolerance on another mesh).
+
+Batches are trees (:mod:`spmdkit.runtime.data`): their array leaves are the
+compiled step's traced inputs; the rest (strings, ids, ``None``, objects) reaches
+``loss_fn`` untouched as a *static* part of the step, compared by value — a
+non-tensor value that changes every batch compiles a step every batch, so keep
+per-example ids out of the loss or make them integer arrays.
+``TrainResult.compiles`` counts the compiled steps.
+
+Checkpoints hold the parameters and, unless ``save_opt_state=False``, the
+optimizer state; ``restore_opt_state=False`` (or a checkpoint without one) puts
+the restored parameters into a freshly initialised optimizer state.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmdkit.errors import SpmdError
 from spmdkit.recipe import Recipe, check_offload, to_memory, value_and_grad
 from spmdkit.runtime.checkpoint import Manager, abstract_target
+from spmdkit.runtime.data import BatchSkeleton, split_batch
 
 __all__ = ["TrainError", "TrainResult", "train"]
 
@@ -54,6 +66,8 @@ class TrainResult:
       step: the number of optimizer steps done in total (including restored ones).
       history: one dict per step run here: ``{"step", "loss", "grad_norm", ...aux}``.
       start_step: the step training started from (the restored step, or 0).
+      compiles: how many times the step was traced and compiled (one per batch
+        shape and non-tensor value).
     """
 
     params: Any
@@ -61,6 +75,7 @@ class TrainResult:
     step: int
     history: list[dict[str, float]]
     start_step: int = 0
+    compiles: int = 0
 
     @property
     def losses(self) -> list[float]:
@@ -163,30 +178,7 @@ def _make_step(
         if accum_steps == 1:
             (value, aux), grads = grad_fn(params, batch, key)
         else:
-            arrays = {k: v for k, v in batch.items() if isinstance(v, jax.Array)}
-            others = {k: v for k, v in batch.items() if k not in arrays}
-
-            def micro(carry: Any, xs: Any) -> tuple[Any, None]:
-                i, mb = xs
-                (v, a), g = grad_fn(params, {**others, **mb}, jax.random.fold_in(key, i))
-                gsum, vsum, asum = carry
-                return (
-                    jax.tree.map(jnp.add, gsum, g),
-                    vsum + v,
-                    jax.tree.map(jnp.add, asum, a),
-                ), None
-
-            first = {k: v[0] for k, v in arrays.items()}
-            (v0, aux0), _ = jax.eval_shape(grad_fn, params, {**others, **first}, key)
-            zeros = (
-                jax.tree.map(jnp.zeros_like, params),
-                jnp.zeros(v0.shape, v0.dtype),
-                jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0),
-            )
-            (gsum, vsum, asum), _ = jax.lax.scan(micro, zeros, (jnp.arange(accum_steps), arrays))
-            grads = jax.tree.map(lambda g: g / accum_steps, gsum)
-            value = vsum / accum_steps
-            aux = jax.tree.map(lambda a: a / accum_steps, asum)
+            value, aux, grads = _accumulate(grad_fn, params, batch, key, accum_steps)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if rcp.offload_opt:
@@ -197,14 +189,70 @@ def _make_step(
     return step
 
 
+def _accumulate(
+    grad_fn: Callable, params: Any, batch: Any, key: Any, accum_steps: int
+) -> tuple[Any, Any, Any]:
+    """Loss, aux and gradients averaged over the micro-batches stacked on the leading
+    dim of every array leaf. Non-tensor leaves reach each micro-batch untouched, or
+    split (a :class:`~spmdkit.runtime.data.PerMicrobatch` gives micro-batch ``i`` its
+    ``i``-th item; then the micro-batches are unrolled instead of scanned)."""
+    leaves, skeleton = split_batch(batch)
+
+    def micro(i: Any, mb: list[Any]) -> Any:
+        return grad_fn(params, skeleton.fill(mb, micro=i), jax.random.fold_in(key, i))
+
+    (v0, aux0), _ = jax.eval_shape(lambda mb: micro(0, mb), [x[0] for x in leaves])
+    carry = (
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.zeros(v0.shape, v0.dtype),
+        jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0),
+    )
+
+    def add(carry: Any, out: Any) -> Any:
+        (v, a), g = out
+        gsum, vsum, asum = carry
+        return jax.tree.map(jnp.add, gsum, g), vsum + v, jax.tree.map(jnp.add, asum, a)
+
+    if skeleton.per_micro:
+        for i in range(accum_steps):
+            carry = add(carry, micro(i, [x[i] for x in leaves]))
+    else:
+        xs = (jnp.arange(accum_steps), leaves)
+        carry, _ = jax.lax.scan(lambda c, x: (add(c, micro(*x)), None), carry, xs)
+    gsum, vsum, asum = carry
+    grads = jax.tree.map(lambda g: g / accum_steps, gsum)
+    return vsum / accum_steps, jax.tree.map(lambda a: a / accum_steps, asum), grads
+
+
+class _BatchTreeStep:
+    """The jitted step called with a batch tree: array leaves are traced, the rest is
+    a static :class:`~spmdkit.runtime.data.BatchSkeleton`; counts the compiles."""
+
+    def __init__(self, step: Callable, **jit_kwargs: Any) -> None:
+        self.compiles = 0
+
+        def traced(params: Any, opt_state: Any, leaves: Any, key: Any, skel: BatchSkeleton):
+            self.compiles += 1
+            return step(params, opt_state, skel.fill(leaves), key)
+
+        self._jitted = jax.jit(traced, static_argnums=4, **jit_kwargs)
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any, key: Any) -> Any:
+        leaves, skeleton = split_batch(batch)
+        return self._jitted(params, opt_state, leaves, key, skeleton)
+
+
 def _batches(data: Any) -> Iterator[Any]:
-    """Endless batches: iterate the loader again (next epoch) whenever it runs out."""
+    """Endless batches: iterate the loader again (next epoch) whenever it runs out.
+    One empty pass is allowed (a position restored at the very end of an epoch)."""
+    empties = 0
     while True:
         empty = True
         for batch in data:
             empty = False
             yield batch
-        if empty:
+        empties = empties + 1 if empty else 0
+        if empties == 2:
             raise TrainError(
                 op="train",
                 must="the data yields at least one batch per epoch",
@@ -228,6 +276,9 @@ def train(
     rng: jax.Array | None = None,
     ckpt: Manager | None = None,
     resume: bool = False,
+    save_opt_state: bool = True,
+    restore_opt_state: bool | None = None,
+    config: Any | None = None,
     log_every: int = 10,
     progress: bool = True,
     out: TextIO | None = None,
@@ -263,6 +314,12 @@ def train(
       rng: a PRNG key; ``loss_fn`` then gets ``rng=fold_in(rng, step)``.
       ckpt: a :class:`spmdkit.runtime.checkpoint.Manager`; saves on its interval and at the end.
       resume: continue from ``ckpt``'s latest complete checkpoint, if any.
+      save_opt_state: checkpoints hold the optimizer state (``False``: parameters,
+        RNG and data position only — for export and inference).
+      restore_opt_state: on resume, restore the optimizer state (``True``: it must be
+        there), start a fresh one from the restored parameters (``False``), or
+        restore it when the checkpoint has one (``None``, the default).
+      config: the model config (dataclass or dict), saved in every checkpoint.
       log_every: steps between progress lines (and metric fetches).
       progress: print progress lines (process 0 only).
       out: stream for progress lines (default stderr).
@@ -299,9 +356,16 @@ def train(
             rng = jax.device_put(rng, NamedSharding(mesh, PartitionSpec()))
         resume_from = ckpt if resume and ckpt.latest_step() is not None else None
         state, start, opt_sh = _initial_state(
-            params, optimizer, data, rng, resume_from, abstract, (param_sh, opt_sh)
+            params,
+            optimizer,
+            data,
+            rng,
+            resume_from,
+            abstract,
+            (param_sh, opt_sh),
+            restore_opt=restore_opt_state,
         )
-        step_fn = jax.jit(
+        step_fn = _BatchTreeStep(
             _make_step(
                 loss,
                 optimizer,
@@ -317,7 +381,9 @@ def train(
         )
         show = progress and jax.process_index() == 0
         loop = _Loop(step_fn, data, state, start=start, show=show, out=out)
-        loop.run(steps, log_every=log_every, ckpt=ckpt, save=_saver(ckpt, plan, mesh, data))
+        items = None if save_opt_state else tuple(k for k in state if k != "opt_state")
+        save = _saver(ckpt, plan, mesh, data, config=config, items=items)
+        loop.run(steps, log_every=log_every, ckpt=ckpt, save=save)
         params = loop.state["params"]
         return TrainResult(
             params=write_back(params) if write_back is not None else params,
@@ -325,6 +391,7 @@ def train(
             step=loop.step,
             history=loop.history,
             start_step=loop.start,
+            compiles=step_fn.compiles,
         )
 
 
@@ -441,13 +508,15 @@ def _initial_state(
     ckpt: Manager | None,
     abstract: tuple[Any, Any],
     state_sh: tuple[Any, Any],
+    *,
+    restore_opt: bool | None = None,
 ) -> tuple[dict[str, Any], int | None, Any]:
     """The state to start from (params, opt_state, rng), the step it was saved at
     (None when fresh) and the optimizer state's shardings.
 
     With ``ckpt``: its latest checkpoint, placed as this run shards it, and the
-    loader moved to where it was. Otherwise ``params`` placed and the optimizer
-    state initialised."""
+    loader moved to where it was (the optimizer state as ``restore_opt`` says).
+    Otherwise ``params`` placed and the optimizer state initialised."""
     param_sh, opt_sh = state_sh
     if ckpt is None:
         params = jax.device_put(params, param_sh)
@@ -463,14 +532,30 @@ def _initial_state(
     target = {"params": target_params, "opt_state": abstract_target(abstract_opt, opt_sh)}
     if rng is not None:
         target["rng"] = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rng.sharding)
-    restored = ckpt.restore(target=target)
+    if restore_opt is None:
+        saved = ckpt.saved_shapes()
+        restore_opt = any(p.startswith("opt_state/") or p == "opt_state" for p in saved)
+    items = tuple(k for k in target if restore_opt or k != "opt_state")
+    restored = ckpt.restore(target=target, items=items)
     if hasattr(data, "set_state"):
         data.set_state(restored.data_state)
-    return dict(restored.state), restored.step, opt_sh
+    state = dict(restored.state)
+    if not restore_opt:  # the restored parameters go into a fresh optimizer state
+        state["opt_state"] = jax.jit(optimizer.init, out_shardings=opt_sh)(state["params"])
+    return state, restored.step, opt_sh
 
 
-def _saver(ckpt: Manager | None, plan: Any, mesh: Any, data: Any) -> Callable[..., Any] | None:
-    """``save(step, state, force=...)`` recording the plan, mesh and loader position."""
+def _saver(
+    ckpt: Manager | None,
+    plan: Any,
+    mesh: Any,
+    data: Any,
+    *,
+    config: Any = None,
+    items: tuple[str, ...] | None = None,
+) -> Callable[..., Any] | None:
+    """``save(step, state, force=...)`` recording the plan, mesh, loader position and
+    model config; with ``items``, only those top-level keys of the state."""
     if ckpt is None:
         return None
     return functools.partial(
@@ -478,6 +563,8 @@ def _saver(ckpt: Manager | None, plan: Any, mesh: Any, data: Any) -> Callable[..
         plan=plan,
         mesh=plan.mesh if getattr(plan, "mesh", None) is not None else mesh,
         data=data if hasattr(data, "state") else None,
+        config=config,
+        items=items,
     )
 
 

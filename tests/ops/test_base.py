@@ -67,3 +67,69 @@ def test_errors_name_the_fix(mesh1d, mesh2d):
         apply_rule("exp", x, in_specs=[None, None])
     with pytest.raises(sk.ShardingConflictError, match="strategy"):
         apply_rule("exp", x, strategy="nope")
+
+
+def _zero_cases():
+    """(name, op, [(shape, dtype, spec)], attrs): an empty operand in every op family."""
+    f32, i32 = jnp.float32, jnp.int32
+    x08 = ((0, 8), f32, P("a", "b"))
+    vec = ((8,), f32, P())
+    return [
+        ("layer_norm", sk.ops.layer_norm, [x08, vec, vec], {}),
+        ("rms_norm", sk.ops.rms_norm, [((0, 8), f32, P("a")), vec], {}),
+        ("group_norm", sk.ops.group_norm, [((0, 8, 4), f32, P("a"))], {"num_groups": 2}),
+        ("instance_norm", sk.ops.instance_norm, [((0, 8, 4), f32, P(None, "b"))], {}),
+        ("batch_norm", sk.ops.batch_norm, [x08, ((8,), f32, P("b")), ((8,), f32, P("b"))], {}),
+        (
+            "xent_mean",
+            sk.ops.softmax_cross_entropy,
+            [((0, 16), f32, P("a", "b")), ((0,), i32, P("a"))],
+            {},
+        ),
+        (
+            "xent_none",
+            sk.ops.softmax_cross_entropy,
+            [((0, 16), f32, P(None, "b")), ((0,), i32, P())],
+            {"reduction": "none"},
+        ),
+        (
+            "embedding_ids",
+            sk.ops.embedding_lookup,
+            [((16, 8), f32, P("b")), ((0, 4), i32, P("a"))],
+            {},
+        ),
+        (
+            "embedding_width",
+            sk.ops.embedding_lookup,
+            [((16, 0), f32, P("b")), ((4,), i32, P("a"))],
+            {},
+        ),
+        ("attention", sk.ops.attention, [((2, 0, 4, 8), f32, P("a", None, "b"))] * 3, {}),
+        (
+            "index_put",
+            sk.ops.index_put,
+            [((8, 4), f32, P("a", "b")), ((0,), i32, P()), ((0, 4), f32, P(None, "b"))],
+            {},
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", _zero_cases(), ids=lambda c: c[0])
+def test_zero_size_operands_give_the_unsharded_result_without_collectives(mesh2d, case):
+    _, op, operands, attrs = case
+    rs = np.random.RandomState(0)
+    host = [
+        rs.randn(*shape).astype(dtype) if dtype == jnp.float32 else np.zeros(shape, dtype)
+        for shape, dtype, _ in operands
+    ]
+    specs = [spec for _, _, spec in operands]
+    args = [jax.device_put(h, NamedSharding(mesh2d, s)) for h, s in zip(host, specs, strict=True)]
+    got = op(*args, **attrs)
+    want = op(*[jax.device_put(h, NamedSharding(mesh2d, P())) for h in host], **attrs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))  # shards read back
+    if any(0 in shape for shape, _, _ in operands) and all(
+        0 in g.shape for g in jax.tree.leaves(got)
+    ):
+        assert compiled_collectives(lambda *a: op(*a, **attrs), *args) == []

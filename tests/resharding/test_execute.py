@@ -190,3 +190,34 @@ def test_run_plan_and_step_fn_run_a_plan_without_reshard(mesh2d):
         step_fn(step), mesh=mesh2d, in_specs=P("a", "b"), out_specs=P(None, "b"), check_vma=False
     )
     np.testing.assert_array_equal(np.asarray(local(x)), np.asarray(g))
+
+
+_ZERO_DIM = [None, "a", "b", ("a", "b")]
+_ZERO_LAYOUTS = [
+    P(d0, d1)
+    for d0 in _ZERO_DIM
+    for d1 in _ZERO_DIM
+    if not (set(np.atleast_1d(d0 or ())) & set(np.atleast_1d(d1 or ())))
+]
+
+
+def test_zero_size_arrays_move_between_every_layout_without_a_collective(mesh2d):
+    x = jnp.zeros((0, 8), jnp.float32)
+    for src in _ZERO_LAYOUTS:
+        placed = jax.device_put(x, NamedSharding(mesh2d, src))
+        outs = jax.jit(lambda y: tuple(reshard(y, t) for t in _ZERO_LAYOUTS))
+        for out, dst in zip(outs(placed), _ZERO_LAYOUTS, strict=True):
+            assert out.shape == (0, 8) and out.sharding.spec == dst, (src, dst)
+        text = outs.lower(placed).compile().as_text()
+        assert parse_collectives(text) == [], src
+    # eagerly: the right (empty) block on every device, so the value reads back
+    placed = jax.device_put(x, NamedSharding(mesh2d, P("a", "b")))
+    for dst in _ZERO_LAYOUTS:
+        out = reshard(placed, dst)
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh2d, dst), 2), dst
+        want = NamedSharding(mesh2d, dst).shard_shape((0, 8))
+        assert {s.data.shape for s in out.addressable_shards} == {want}
+        assert np.asarray(out).shape == (0, 8)
+    # onto a sum-partial target
+    part = reshard(placed, TensorSpec((0, 8), P(None, "b"), partial={"a": "sum"}))
+    assert part.shape == (0, 8) and "a" in part.sharding.spec.unreduced

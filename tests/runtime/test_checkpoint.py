@@ -1,6 +1,7 @@
 """spmdkit.runtime.checkpoint: sharded save, restore onto any mesh, checks, corruption, crash."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from spmdkit.runtime.checkpoint import (
     CheckpointNotFoundError,
     Manager,
     checksums,
+    config_metadata,
     mesh_metadata,
 )
 
@@ -466,3 +468,70 @@ def test_sigkill_during_async_save_never_leaves_a_partial_latest(tmp_path):
         zygote.wait(timeout=60)
     assert not [n for n in os.listdir(ckdir) if "tmp" in n]  # leftovers were cleaned
     assert leftovers_seen >= 1  # some kill did land inside a save
+
+
+def test_zero_size_arrays_save_and_restore_with_their_shape(tmp_path, mesh2d):
+    state = {
+        "w": jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh2d, P("a", "b"))),
+        "empty": jax.device_put(jnp.zeros((0, 8), jnp.bfloat16), NamedSharding(mesh2d, P("a"))),
+        "none": jnp.zeros((3, 0), jnp.int32),
+    }
+    with Manager(tmp_path, async_=False) as mgr:
+        assert mgr.save(1, state)
+    mgr = Manager(tmp_path)
+    shapes = mgr.saved_shapes()
+    assert shapes["empty"].shape == (0, 8) and shapes["empty"].dtype == jnp.bfloat16
+    target = _target(state, mesh2d, {"empty": P(None, "b"), "w": P("b")})
+    r = mgr.restore(target=target)
+    assert r.state["empty"].shape == (0, 8) and r.state["empty"].dtype == jnp.bfloat16
+    assert r.state["empty"].sharding.spec == P(None, "b") and r.state["none"].shape == (3, 0)
+    np.testing.assert_array_equal(np.asarray(r.state["w"]), 1.0)
+    bad = dict(
+        target, empty=jax.ShapeDtypeStruct((0, 4), jnp.bfloat16, sharding=target["w"].sharding)
+    )
+    with pytest.raises(CheckpointMismatchError, match="empty saved"):
+        mgr.restore(target=bad)
+
+
+@pytest.mark.parametrize("state", [{}, {"a": {}, "b": jnp.zeros((0,))}], ids=["empty", "no-data"])
+def test_an_empty_state_saves_and_restores(tmp_path, mesh2d, state):
+    with Manager(tmp_path, async_=False) as mgr:
+        assert mgr.save(2, state, data={"epoch": 0, "batch": 1})
+    r = Manager(tmp_path).restore(target=_target(state, mesh2d, {}))
+    assert r.step == 2 and r.data_state == {"epoch": 0, "batch": 1}
+    assert jax.tree.structure(r.state) == jax.tree.structure(state)
+
+
+@dataclasses.dataclass
+class _Config:
+    d_model: int
+    name: str
+
+
+def test_items_and_config_params_only_save_and_restore(tmp_path, saved, mesh2d):
+    d, state = saved
+    full = _target(state, mesh2d, {"params/w": P("b", "a")})
+    r = Manager(d).restore(target=full, items=("params",))
+    assert set(r.state) == {"params"} and r.state["params"]["w"].sharding.spec == P("b", "a")
+    _equal(r.state["params"], state["params"])
+    with Manager(tmp_path, async_=False) as mgr:
+        mgr.save(5, state, items=("params",), config=_Config(64, "tiny"))
+    mgr = Manager(tmp_path)
+    assert {p.split("/")[0] for p in mgr.saved_shapes()} == {"params"}
+    r = mgr.restore(target={"params": full["params"]})
+    assert r.config == {"d_model": 64, "name": "tiny"}
+    assert r.config_as(_Config) == _Config(64, "tiny")
+    assert r.metadata["config"]["class"].endswith(":_Config")
+    with pytest.raises(CheckpointError, match="fields of the given class"):
+        r.config_as(Manager)
+    with pytest.raises(CheckpointError, match="items="):
+        mgr.save(6, state, items=("nope",), force=True)
+    with pytest.raises(CheckpointError, match="dataclass instance or a dict"):
+        mgr.save(6, state, config=[1, 2], force=True)
+    with pytest.raises(CheckpointError, match="JSON"):
+        mgr.save(6, state, config={"f": object()}, force=True)
+    # dtypes (as model configs hold them) are saved by name
+    assert config_metadata({"dtype": jnp.bfloat16, "d": np.dtype("int8"), "s": (1, 2)}) == {
+        "class": None,
+        "value": {"dtype": "bfloat16", "d": "int8", "s": [1, 2]},
+    }

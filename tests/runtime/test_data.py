@@ -1,12 +1,15 @@
 """spmdkit.runtime.data: host batches → global sharded arrays, last-batch policies, positions."""
 
+import collections
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.runtime.data import DataError, ShardedLoader, is_array_field, to_global
+from spmdkit.runtime.data import DataError, PerMicrobatch, ShardedLoader, is_array_field, to_global
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,8 @@ def test_pad_policy_adds_a_mask(batch_sharding):
     assert last["x"].shape == (4, 3)
     np.testing.assert_array_equal(np.asarray(last["mask"]), [True, True, False, False])
     np.testing.assert_array_equal(np.asarray(last["x"])[2:], 0)
-    assert last["ids"] == ["ex8", "ex9"]  # non-array fields are not padded
+    # example-aligned non-tensor fields stay aligned with the rows: padded with None
+    assert last["ids"] == ["ex8", "ex9", None, None]
     assert np.asarray(batches[0]["mask"]).all()
 
 
@@ -123,3 +127,116 @@ def test_bad_options_raise(batch_sharding):
         ShardedLoader({"x": np.ones(3), "y": np.ones(4)}, batch_sharding, batch_size=2)
     with pytest.raises(DataError, match="epoch"):
         ShardedLoader(_source(), batch_sharding, batch_size=2).set_state({"step": 1})
+
+
+@dataclasses.dataclass
+class _Pair:
+    pix: np.ndarray
+    caption: str
+
+
+def test_array_leaves_at_any_depth_become_global_arrays(batch_sharding):
+    Named = collections.namedtuple("Named", "a b")
+    batch = {
+        "img": {"pix": np.ones((4, 2), np.float32)},
+        "seq": [np.arange(4), ("keep", np.zeros((4, 1)))],
+        "nt": Named(np.ones(4), None),
+        "dc": _Pair(np.ones((4, 3)), "a cat"),
+        "ids": ["a", "b", "c", "d"],
+    }
+    g = to_global(batch, batch_sharding)
+    for arr in (g["img"]["pix"], g["seq"][0], g["seq"][1][1], g["nt"].a, g["dc"].pix):
+        assert isinstance(arr, jax.Array) and arr.sharding.spec[0] == "a"
+    assert g["seq"][1][0] == "keep" and g["nt"].b is None and g["dc"].caption == "a cat"
+    assert g["ids"] is batch["ids"] and isinstance(g["nt"], Named)
+    assert isinstance(batch["img"]["pix"], np.ndarray)  # the input is not modified
+    # a dict of shardings is followed down the tree
+    sh = {"img": {"pix": NamedSharding(batch_sharding.mesh, P(None, "b"))}, "y": batch_sharding}
+    g = to_global({"img": {"pix": np.ones((4, 4))}, "y": np.ones(4)}, sh)
+    assert g["img"]["pix"].sharding.spec == P(None, "b")
+    with pytest.raises(DataError, match="img/other"):
+        to_global({"img": {"other": np.ones(4)}}, sh)
+
+
+def _id_source(n=12):
+    return {
+        "x": np.arange(n, dtype=np.float32)[:, None],
+        "meta": {"ids": [f"e{i}" for i in range(n)]},
+    }
+
+
+def test_non_tensor_fields_split_per_microbatch_and_resume_exactly(batch_sharding):
+    loader = ShardedLoader(
+        _id_source(), batch_sharding, batch_size=4, microbatches=2, shuffle_seed=3
+    )
+    it = iter(loader)
+    first = next(it)
+    ids = first["meta"]["ids"]
+    assert isinstance(ids, PerMicrobatch) and len(ids) == 2
+    rows = np.asarray(first["x"])[..., 0]  # (2 micro-batches, 2 rows)
+    assert [[f"e{int(v)}" for v in r] for r in rows] == [list(m) for m in ids]
+    pos = loader.state()
+    rest = [list(b["meta"]["ids"]) for b in it]
+    fresh = ShardedLoader(
+        _id_source(), batch_sharding, batch_size=4, microbatches=2, shuffle_seed=3
+    )
+    fresh.set_state(pos)
+    assert [list(b["meta"]["ids"]) for b in fresh] == rest
+    again = [list(b["meta"]["ids"]) for b in loader]  # re-iterating: the next epoch, whole
+    assert len(again) == 3 and again != rest
+
+
+def test_bucketing_pads_to_the_smallest_fitting_bucket(batch_sharding):
+    lengths = [3, 5, 2, 7, 8, 1, 4, 6]
+    tokens = [np.arange(1, n + 1, dtype=np.int32) for n in lengths]
+    loader = ShardedLoader(
+        {"tokens": tokens, "ids": list(range(8))},
+        batch_sharding,
+        batch_size=4,
+        bucket_sizes=(4, 8),
+        bucket_dims={"tokens": 0},
+    )
+    b1, b2 = list(loader)
+    assert b1["tokens"].shape == (4, 8) and b2["tokens"].shape == (4, 8)
+    mask = np.asarray(b1["tokens_mask"])
+    assert mask.sum(axis=1).tolist() == lengths[:4]
+    np.testing.assert_array_equal(np.asarray(b1["tokens"])[0], [1, 2, 3, 0, 0, 0, 0, 0])
+    small = ShardedLoader(
+        {"tokens": tokens[:2] + tokens[5:7]},
+        batch_sharding,
+        batch_size=4,
+        bucket_sizes=(4, 8),
+        bucket_dims={"tokens": 0},
+    )
+    assert next(iter(small))["tokens"].shape == (4, 8)  # the 5-token example needs 8
+    images = [np.ones((h, w, 3), np.float32) for h, w in [(2, 3), (4, 1)]]
+    (img,) = list(
+        ShardedLoader(
+            {"im": images},
+            batch_sharding,
+            batch_size=2,
+            bucket_sizes=(2, 4),
+            bucket_dims={"im": (0, 1)},
+        )
+    )
+    assert img["im"].shape == (2, 4, 4, 3) and img["im_mask"].shape == (2, 4, 4)
+    assert np.asarray(img["im_mask"]).sum(axis=(1, 2)).tolist() == [6, 4]
+    with pytest.raises(DataError, match="largest bucket"):
+        list(
+            ShardedLoader(
+                {"t": tokens}, batch_sharding, batch_size=4, bucket_sizes=(4,), bucket_dims={"t": 0}
+            )
+        )
+    with pytest.raises(DataError, match="bucket_dims"):
+        ShardedLoader({"t": tokens}, batch_sharding, batch_size=4, bucket_sizes=(4,))
+
+
+def test_malformed_sources_are_typed_errors(batch_sharding):
+    with pytest.raises(DataError, match="sequence of examples"):
+        ShardedLoader({"x": 3}, batch_sharding, batch_size=2)
+    with pytest.raises(DataError, match="no fields"):
+        ShardedLoader({}, batch_sharding, batch_size=2)
+    with pytest.raises(DataError, match="non-iterable"):
+        list(ShardedLoader(lambda: 5, batch_sharding))
+    with pytest.raises(DataError, match="pad"):
+        list(ShardedLoader(lambda: iter([[np.ones(4)]]), batch_sharding, last_batch="pad"))

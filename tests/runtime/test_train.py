@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.runtime.checkpoint import Manager
+from spmdkit.runtime.checkpoint import CheckpointMismatchError, Manager
 from spmdkit.runtime.data import ShardedLoader
 from spmdkit.runtime.train import TrainError, train
 
@@ -207,3 +207,133 @@ def test_bad_configurations_raise(mesh):
         )
     with pytest.raises(TrainError, match="accum_steps"):
         run(mesh, 1, accum_steps=0)
+
+
+@pytest.mark.slow
+def test_string_ids_and_nested_fields_reach_each_micro_batch(mesh):
+    """Non-tensor leaves (a list of example ids) and a nested array field pass
+    through the loader, micro-batching and the compiled step to loss_fn; each
+    micro-batch sees its own ids."""
+    seen = []
+
+    def nested_loss(model, batch):
+        ids = batch["meta"]["ids"]
+        assert isinstance(ids, list) and all(isinstance(i, str) for i in ids)
+        seen.append(ids)  # at trace time: the non-tensor part is static
+        return loss_fn(model, {"x": batch["inp"]["x"], "y": batch["y"]})
+
+    source = {"inp": {"x": X}, "y": Y, "meta": {"ids": [f"ex{i}" for i in range(64)]}}
+    data = ShardedLoader(source, NamedSharding(mesh, P("a")), batch_size=16)
+    sh = tp_shardings(mesh, "a", "b")
+    res = train(
+        nested_loss,
+        MLP(nnx.Rngs(0)),
+        optax.adam(1e-2),
+        data,
+        steps=2,
+        shardings=(sh, None),
+        accum_steps=2,
+        progress=False,
+    )
+    plain = run(mesh, 2, accum_steps=2, rng=None)
+    np.testing.assert_allclose(res.losses, plain.losses, rtol=1e-6)
+    # step 1: micro-batches take examples 0,2,4.. and 1,3,5..; step 2 the next 16
+    traced = [list(t) for t in dict.fromkeys(map(tuple, seen))]  # in order, once each
+    assert traced[:2] == [[f"ex{i}" for i in range(0, 16, 2)], [f"ex{i}" for i in range(1, 16, 2)]]
+    assert traced[2][0] == "ex16" and len(traced) == 4
+    assert res.compiles == 2  # one per distinct id list
+
+
+def test_a_list_of_string_ids_reaches_loss_fn(mesh):
+    """The plain and the accumulated step take a batch with a list of strings (it
+    used to fail: `Error interpreting argument ... as an abstract array`)."""
+    seen = []
+
+    def ids_loss(model, batch):
+        seen.append(batch["ids"])
+        return loss_fn(model, batch)
+
+    source = {"x": X, "y": Y, "ids": [f"ex{i}" for i in range(64)]}
+    sh = tp_shardings(mesh, "a", "b")
+    for accum in (1, 2):
+        seen.clear()
+        data = ShardedLoader(source, NamedSharding(mesh, P("a")), batch_size=16)
+        res = train(
+            ids_loss,
+            MLP(nnx.Rngs(0)),
+            optax.adam(1e-2),
+            data,
+            steps=1,
+            shardings=(sh, None),
+            accum_steps=accum,
+            progress=False,
+        )
+        want = [f"ex{i}" for i in range(16)]
+        assert sorted(i for ids in dict.fromkeys(map(tuple, seen)) for i in ids) == sorted(want)
+        assert res.compiles == 1
+
+
+def test_params_only_checkpoint_restores_into_a_fresh_optimizer(tmp_path, mesh):
+    config = {"hidden": 16, "name": "mlp"}
+    first = run(mesh, 3, ckpt=Manager(tmp_path), save_opt_state=False, config=config)
+    mgr = Manager(tmp_path)
+    assert not any(p.startswith("opt_state") for p in mgr.saved_shapes())
+    assert mgr.metadata()["config"]["value"] == config
+    # the optimizer state is not in the checkpoint: asking for it is a typed error
+    with pytest.raises(CheckpointMismatchError, match="opt_state"):
+        run(mesh, 4, ckpt=mgr, resume=True, restore_opt_state=True)
+    second = run(mesh, 5, ckpt=mgr, resume=True)  # default: fresh optimizer state
+    assert second.start_step == 3 and int(second.opt_state[0].count) == 2
+    assert first.step == 3
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_restores_its_optimizer_state_unless_told_not_to(tmp_path, mesh):
+    full = tmp_path / "full"
+    run(mesh, 3, ckpt=Manager(full))
+    assert int(run(mesh, 4, ckpt=Manager(full), resume=True).opt_state[0].count) == 4
+    fresh = run(mesh, 5, ckpt=Manager(full), resume=True, restore_opt_state=False)
+    assert fresh.start_step == 4 and int(fresh.opt_state[0].count) == 1
+
+
+def test_bucketed_lengths_compile_per_bucket_and_match_the_unpadded_loss(mesh):
+    """Five different lengths, three buckets: at most three compiled steps, and each
+    step's loss (and so its update) equals the computation on the unpadded examples."""
+    lengths = [3, 5, 6, 7, 9] * 4
+    rs = np.random.RandomState(1)
+    tokens = [rs.randint(0, 16, n).astype(np.int32) for n in lengths]
+    rep = NamedSharding(mesh, P())
+    init = {"emb": rs.randn(16, 8).astype(np.float32), "w": rs.randn(8).astype(np.float32)}
+
+    def token_err(p, tok):
+        return (p["emb"][tok] @ p["w"] - tok / 16.0) ** 2
+
+    def masked_loss(p, batch):
+        m = batch["tokens_mask"]
+        return jnp.sum(jnp.where(m, token_err(p, batch["tokens"]), 0.0)) / jnp.sum(m)
+
+    data = ShardedLoader(
+        {"tokens": tokens},
+        NamedSharding(mesh, P("a")),
+        batch_size=4,
+        shuffle_seed=0,
+        bucket_sizes=(4, 8, 12),
+        bucket_dims={"tokens": 0},
+    )
+    params = jax.device_put({k: jnp.asarray(v) for k, v in init.items()}, rep)
+    res = train(masked_loss, params, optax.sgd(0.1), data, steps=5, progress=False)
+    assert res.compiles <= 3 < len(set(lengths))
+
+    # the same steps by hand in float64 numpy, on the unpadded tokens of each batch
+    p = {k: v.astype(np.float64) for k, v in init.items()}
+    order = np.random.default_rng((0, 0)).permutation(len(tokens))
+    want = []
+    for i in range(5):
+        tok = np.concatenate([tokens[j] for j in order[4 * i : 4 * i + 4]])
+        r = p["emb"][tok] @ p["w"] - tok / 16.0
+        want.append(np.mean(r**2))
+        g_emb = np.zeros_like(p["emb"])
+        np.add.at(g_emb, tok, (2 * r / len(tok))[:, None] * p["w"])
+        g_w = (2 * r / len(tok)) @ p["emb"][tok]
+        p = {"emb": p["emb"] - 0.1 * g_emb, "w": p["w"] - 0.1 * g_w}
+    np.testing.assert_allclose(res.losses, want, rtol=1e-5)

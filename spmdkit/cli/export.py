@@ -1,0 +1,162 @@
+"""CLI subcommands ``spmdkit export`` and ``spmdkit import`` (append :data:`COMMANDS`
+to ``spmdkit.cli.COMMANDS``).
+
+``spmdkit export CKPT OUT [--step N]`` writes a checkpoint's parameters (the
+``params/...`` arrays) as a safetensors file set (:mod:`spmdkit.runtime.export`),
+with the model config saved in the checkpoint as ``config.json``.
+
+``spmdkit import EXPORT MODEL --mesh data=4,model=2 [--strategy fsdp] [--ckpt DIR]``
+plans the model on the mesh, loads the export onto the plan's parameter
+shardings shard by shard, prints what arrived where, and with ``--ckpt`` saves a
+params-only checkpoint (step 0) that ``spmdkit train --resume`` continues from
+with a fresh optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, TextIO
+
+from spmdkit.cli.command import Command, parse_mesh
+from spmdkit.errors import SpmdError
+
+__all__ = ["COMMANDS"]
+
+
+def _configure_export(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ckpt", help="checkpoint directory (spmdkit.runtime.checkpoint)")
+    parser.add_argument("out", help="directory to write the safetensors files into")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+    parser.add_argument("--max-file-gb", type=float, default=4.0, help="split files above this")
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a/b": x}`` → ``{"a": {"b": x}}``."""
+    out: dict[str, Any] = {}
+    for path, x in flat.items():
+        node = out
+        *parents, last = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = x
+    return out
+
+
+def _run_export(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        return _export(args, out)
+    except SpmdError as e:
+        sys.stderr.write(f"spmdkit export: {e}\n")
+        return 2
+
+
+def _export(args: argparse.Namespace, out: TextIO) -> int:
+    import jax
+
+    from spmdkit.runtime.checkpoint import Manager
+    from spmdkit.runtime.export import export_params
+
+    mgr = Manager(args.ckpt)
+    step = args.step if args.step is not None else mgr.latest_step()
+    shapes = mgr.saved_shapes(step)
+    params = {p[len("params/") :]: s for p, s in shapes.items() if p.startswith("params/")}
+    if not params:
+        raise SpmdError(
+            op="spmdkit export",
+            must="the checkpoint holds parameters under 'params/'",
+            given=f"saved paths: {sorted(shapes)[:8]}",
+            fix="export a checkpoint written by spmdkit.runtime.train.train",
+        )
+    # single host: every tensor restored whole onto the first device, one file's
+    # worth gathered to the host at a time by export_params
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {
+        "params": _nest(
+            {p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one) for p, s in params.items()}
+        )
+    }
+    restored = mgr.restore(step, target=target, items=("params",))
+    config = restored.config
+    index = export_params(
+        restored.state["params"],
+        args.out,
+        config=config,
+        max_file_bytes=int(args.max_file_gb * (1 << 30)),
+    )
+    files = sorted(set(index["weight_map"].values()))
+    out.write(
+        f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']} bytes) "
+        f"of step {restored.step} to {args.out}: {', '.join(files)}\n"
+    )
+    return 0
+
+
+def _configure_import(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("export", help="directory written by `spmdkit export`")
+    parser.add_argument("model", help="a reference model name (spmdkit.models)")
+    parser.add_argument("--config", default="tiny", help="model config name (default tiny)")
+    parser.add_argument("--mesh", default="data=2,model=4", help="axes, e.g. data=4,model=2")
+    parser.add_argument("--strategy", default="fsdp", help="plan strategy or preset name")
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch size (planning)")
+    parser.add_argument("--ckpt", default=None, help="write a params-only checkpoint here")
+
+
+def _run_import(args: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.cli.train import start_devices
+
+    try:
+        axes = parse_mesh(args.mesh)
+        start_devices(axes)
+        return _import(args, axes, out)
+    except SpmdError as e:
+        sys.stderr.write(f"spmdkit import: {e}\n")
+        return 2
+
+
+def _import(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
+    import jax
+    from flax import nnx
+
+    from spmdkit.mesh import make_mesh
+    from spmdkit.models import abstract_model, get_model
+    from spmdkit.planner import plan as make_plan
+    from spmdkit.runtime.checkpoint import Manager, abstract_target, tree_paths
+    from spmdkit.runtime.export import exported_config, import_params
+
+    spec = get_model(args.model)
+    mesh = make_mesh(devices=jax.devices(), **axes)
+    plan = make_plan(spec, mesh, args.strategy, config=args.config, batch_size=args.batch_size)
+    abstract = nnx.to_pure_dict(nnx.state(abstract_model(spec, args.config), nnx.Param))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+    params = import_params(args.export, abstract_target(abstract, plan.param_shardings(abstract)))
+    flat = tree_paths(params)
+    sharded = sum(1 for x in flat.values() if any(e is not None for e in x.sharding.spec))
+    out.write(
+        f"imported {len(flat)} tensors onto plan {plan.strategy!r} on mesh {args.mesh} "
+        f"({sharded} sharded)\n"
+    )
+    if args.ckpt:
+        with Manager(args.ckpt, async_=False) as mgr:
+            mgr.save(
+                0, {"params": params}, plan=plan, config=exported_config(args.export), force=True
+            )
+        out.write(f"saved a params-only checkpoint (step 0) in {args.ckpt}\n")
+    return 0
+
+
+#: The subcommands this module adds to ``spmdkit.cli.COMMANDS``.
+COMMANDS: list[Command] = [
+    Command(
+        "export",
+        "write a checkpoint's parameters as safetensors files (one tensor per parameter path)",
+        _configure_export,
+        _run_export,
+    ),
+    Command(
+        "import",
+        "load a safetensors export onto a model's plan on a mesh, sharded at load",
+        _configure_import,
+        _run_import,
+    ),
+]
