@@ -382,8 +382,7 @@ def _split(batch: Any, n: int) -> Any:
             raise RecipeError(
                 op="sk.value_and_grad",
                 must="every batch leaf's leading (batch) dim divides into the micro-batches",
-                given=f"batch{kp[0].key if kp else ''}: shape {tuple(x.shape)}, "
-                f"microbatches={n}",
+                given=f"batch{kp[0].key if kp else ''}: shape {tuple(x.shape)}, microbatches={n}",
                 fix=f"use a batch size that is a multiple of {n}, or fewer micro-batches",
             )
         y = jnp.reshape(x, (x.shape[0] // n, n, *x.shape[1:]))

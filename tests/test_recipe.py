@@ -6,6 +6,7 @@ compiles in well under a second.
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,8 @@ def reference():
 
 def test_recipe_validates_and_round_trips():
     r = Recipe(remat="names", save_names=("proj",), compute_dtype=jnp.bfloat16, microbatches=2)
-    assert r.compute_dtype == "bfloat16" and r.short() == "remat=names, save=proj, bf16, microbatches=2"
+    assert r.compute_dtype == "bfloat16"
+    assert r.short() == "remat=names, save=proj, bf16, microbatches=2"
     assert Recipe.from_json(r.to_json()) == r and Recipe().is_default
     for bad in (
         {"remat": "some"},
@@ -188,7 +190,7 @@ def test_grad_specs_constrain_the_accumulated_gradients():
 def test_a_plan_passes_its_recipe_and_gradient_specs():
     class FakePlan:
         recipe = Recipe(microbatches=2)
-        grads = {"w": P(None, "data")}
+        grads = types.MappingProxyType({"w": P(None, "data")})
         sharding_mesh = jax.sharding.Mesh(jax.devices(), ("data",))
 
         def grad_specs(self, params):
