@@ -1,5 +1,6 @@
 """sk.jit with a plan: one train step's loss and grads equal the single-device run."""
 
+import dataclasses
 import functools
 
 import jax
@@ -87,6 +88,56 @@ def test_train_step_with_optimizer_state_and_donation(info):
     assert any(x.sharding.spec != P() for x in mu)  # ZeRO-1: optimizer state sharded
     assert all(x.sharding.spec == P() for x in jax.tree.leaves(new_params))
     assert jnp.isfinite(loss)
+
+
+def _recipe_plan(info, recipe, *, zero2=False):
+    base = plan(info, sk.make_mesh(data=8), "zero1", estimator="analytic")
+    grads = dict(base.opt) if zero2 else {}
+    return base, dataclasses.replace(base, recipe=recipe, grads=grads)
+
+
+def test_a_recipe_is_never_silently_ignored(info):
+    """A plan with a recipe refuses a step that does not run it (checked when the
+    step is traced, before anything compiles)."""
+    _, p = _recipe_plan(info, sk.Recipe(microbatches=2))
+    abstract = (info.abstract_params, toy_batch())
+    with pytest.raises(sk.RecipeError, match=r"no sk\.value_and_grad gradient"):
+        jit(jax.value_and_grad(info.loss_fn), p).shardings(*abstract)
+    other = sk.value_and_grad(info.loss_fn, sk.Recipe(microbatches=4))
+    with pytest.raises(sk.RecipeError, match="microbatches=4"):
+        jit(other, p).shardings(*abstract)
+    jit(sk.value_and_grad(info.loss_fn, p), p).shardings(*abstract)  # runs the recipe
+
+
+@pytest.mark.slow
+def test_a_zero2_recipe_step_matches_single_device(info, reference):
+    """Micro-batches and ZeRO-2: the grads equal the single-device ones and come
+    out in the plan's gradient specs (sharded like the optimizer state)."""
+    _, p = _recipe_plan(info, sk.Recipe(microbatches=2), zero2=True)
+    params = init_sharded(info, p)
+    step = jit(sk.value_and_grad(info.loss_fn, p), p, out_roles=(None, "grads"))
+    loss, grads = step(params, toy_batch())
+    np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference[1]), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+    specs = jax.tree.leaves(p.grad_specs(params), is_leaf=lambda x: isinstance(x, P))
+    assert any(s != P() for s in specs)
+    assert [g.sharding.spec for g in jax.tree.leaves(grads)] == specs
+
+
+@pytest.mark.slow
+def test_offloaded_optimizer_state_lives_in_host_memory(info):
+    base, p = _recipe_plan(info, sk.Recipe(offload_opt=True))
+    opt = optax.adam(1e-2)
+    params = init_sharded(info, p)
+    step = jit(sk.train_step(info.loss_fn, opt, p), p)
+    opt_state = opt.init(params)
+    new_params, new_opt, loss = step(params, opt_state, toy_batch())
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(new_opt)} == {"pinned_host"}
+    ref = jit(sk.train_step(info.loss_fn, opt, base), base)(params, opt_state, toy_batch())
+    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref[0]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert float(loss) == pytest.approx(float(ref[2]), rel=1e-6)
 
 
 def test_placed_arguments_take_the_fast_path(info, monkeypatch):
