@@ -128,6 +128,18 @@ def test_full_remat_saves_only_the_layer_inputs():
     assert plain - full >= act  # at least one [L, B, D] activation stack fewer
 
 
+def test_remat_finds_the_layer_scan_inside_a_jit(reference):
+    jitted = jax.jit(scanned_loss)
+    rematted = rc.remat_loss(jitted, Recipe(remat="full"))
+    closed = jax.make_jaxpr(rematted)(init(), batch())
+    (call,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("pjit", "jit")]
+    (scan,) = [e for e in call.params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    body = scan.params["jaxpr"].jaxpr.eqns
+    assert [e.primitive.name for e in body] in (["checkpoint"], ["remat2"])
+    _, grads = jax.jit(sk.value_and_grad(jitted, Recipe(remat="full")))(init(), batch())
+    assert_tree_close(grads, reference[1], rtol=1e-5)
+
+
 def test_remat_of_an_unrolled_loss_is_a_typed_error():
     with pytest.raises(RecipeError, match="scan_layers=True"):
         sk.value_and_grad(looped_loss, Recipe(remat="full"))(init(), batch())

@@ -325,20 +325,25 @@ def _scanned_reference(model):
 
 
 def _assert_grads_close(grads, ref_grads, rtol):
-    """Leaf-wise, relative to each leaf's largest entry (entries zero in exact
-    arithmetic, e.g. a key bias's gradient, hold only rounding noise)."""
+    """Element-wise at ``rtol``, with an absolute floor of ``rtol`` times the
+    largest gradient entry of the whole tree: entries that are zero in exact
+    arithmetic (a key bias's gradient: softmax ignores a per-query shift) hold
+    only the rounding noise of the sums that produce them, whose size follows
+    the magnitudes flowing through the step, not their own."""
+    scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         assert g.dtype == r.dtype  # fp32 master gradients whatever the compute dtype
-        np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * float(jnp.max(jnp.abs(r))))
+        np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * scale)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_recipes_match_single_device_and_verify(model, name):
-    """Tiny GPT and Llama (scanned) on 8 devices (fsdp, data=2 × model=4; ZeRO-2 on
-    data=8) under each recipe: loss and grads equal the single-device run and
-    plan.verify holds (collective bytes ±10%, peak memory ±20%).
+    """Tiny GPT and Llama (scanned) on 8 devices (fsdp over data=8; ZeRO-2: zero1's
+    layouts with gradients sharded like the optimizer state) under each recipe:
+    loss and grads equal the single-device run and plan.verify holds (collective
+    bytes ±10%, peak memory ±20%).
 
     fp32 recipes: rtol 1e-5 (recompute and micro-batches only reorder fp32 sums).
     bf16 compute: bf16 keeps 8 significant bits, so each rounding is off by up to
@@ -357,7 +362,7 @@ def test_recipes_match_single_device_and_verify(model, name):
         base = plan(info, sk.make_mesh(data=8), "zero1", estimator="analytic")
         p = dataclasses.replace(base, recipe=recipe, grads=dict(base.opt))
     else:
-        base = plan(info, sk.make_mesh(data=2, model=4), "fsdp", estimator="analytic")
+        base = plan(info, sk.make_mesh(data=8), "fsdp", estimator="analytic")
         p = dataclasses.replace(base, recipe=recipe)
     step = jit(sk.value_and_grad(info.loss_fn, p), p, out_roles=(None, "grads"))
     params, batch = step.place(params, batch)
