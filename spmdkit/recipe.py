@@ -240,8 +240,9 @@ _POLICIES: dict[str, Callable[[Recipe], Any]] = {
     "names": lambda r: jax.checkpoint_policies.save_only_these_names(*r.save_names),
 }
 
-# call-like primitives whose body may hold the layer scan (rewritten in place)
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# call-like primitives whose body may hold the layer scan (rewritten in place),
+# and the parameter holding their closed body
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr"}
 
 # the recipes of the sk.value_and_grad calls traced while a step is being checked
 _SEEN: contextvars.ContextVar[list[Recipe] | None] = contextvars.ContextVar(
@@ -287,12 +288,18 @@ def recipes_used() -> Iterator[list[Recipe]]:
         _SEEN.reset(token)
 
 
+def _call_body(eqn: Any) -> jex.ClosedJaxpr | None:
+    """The closed body of a call-like equation that may hold a scan."""
+    body = eqn.params.get(_CALLS.get(eqn.primitive.name, ""))
+    return body if isinstance(body, jex.ClosedJaxpr) else None
+
+
 def _has_scan(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "scan":
+        if eqn.primitive.name == "scan":
             return True
-        if name in _CALLS and _has_scan(eqn.params["jaxpr"].jaxpr):
+        body = _call_body(eqn)
+        if body is not None and _has_scan(body.jaxpr):
             return True
     return False
 
@@ -300,7 +307,10 @@ def _has_scan(jaxpr: Any) -> bool:
 def _checkpointed(body: jex.ClosedJaxpr, policy: Any) -> jex.ClosedJaxpr:
     """A scan body that runs under ``jax.checkpoint(policy)`` (same signature)."""
     fn = jax.checkpoint(jex.jaxpr_as_fun(body), policy=policy, prevent_cse=False)
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals]
+    avals = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        for a in body.in_avals
+    ]
     return jax.make_jaxpr(fn)(*avals)
 
 
@@ -314,10 +324,10 @@ def _rewrite(jaxpr: Any, policy: Any) -> tuple[Any, int]:
                 params={**eqn.params, "jaxpr": _checkpointed(eqn.params["jaxpr"], policy)}
             )
             count += 1
-        elif name in _CALLS and _has_scan(eqn.params["jaxpr"].jaxpr):
-            inner = eqn.params["jaxpr"]
+        elif (inner := _call_body(old)) is not None and _has_scan(inner.jaxpr):
             body, n = _rewrite(inner.jaxpr, policy)
-            eqn = old.replace(params={**eqn.params, "jaxpr": jex.ClosedJaxpr(body, inner.consts)})
+            key = _CALLS[name]
+            eqn = old.replace(params={**old.params, key: jex.ClosedJaxpr(body, inner.consts)})
             count += n
         eqns.append(eqn)
     return jaxpr.replace(eqns=eqns), count

@@ -6,6 +6,7 @@ compiles in well under a second.
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -75,10 +76,8 @@ def reference():
 
 def test_recipe_validates_and_round_trips():
     r = Recipe(remat="names", save_names=("proj",), compute_dtype=jnp.bfloat16, microbatches=2)
-    assert (
-        r.compute_dtype == "bfloat16"
-        and r.short() == "remat=names, save=proj, bf16, microbatches=2"
-    )
+    assert r.compute_dtype == "bfloat16"
+    assert r.short() == "remat=names, save=proj, bf16, microbatches=2"
     assert Recipe.from_json(r.to_json()) == r and Recipe().is_default
     for bad in (
         {"remat": "some"},
@@ -127,6 +126,18 @@ def test_full_remat_saves_only_the_layer_inputs():
     assert full < plain
     act = L * B * D * 4
     assert plain - full >= act  # at least one [L, B, D] activation stack fewer
+
+
+def test_remat_finds_the_layer_scan_inside_a_jit(reference):
+    jitted = jax.jit(scanned_loss)
+    rematted = rc.remat_loss(jitted, Recipe(remat="full"))
+    closed = jax.make_jaxpr(rematted)(init(), batch())
+    (call,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("pjit", "jit")]
+    (scan,) = [e for e in call.params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
+    body = scan.params["jaxpr"].jaxpr.eqns
+    assert [e.primitive.name for e in body] in (["checkpoint"], ["remat2"])
+    _, grads = jax.jit(sk.value_and_grad(jitted, Recipe(remat="full")))(init(), batch())
+    assert_tree_close(grads, reference[1], rtol=1e-5)
 
 
 def test_remat_of_an_unrolled_loss_is_a_typed_error():
@@ -191,7 +202,7 @@ def test_grad_specs_constrain_the_accumulated_gradients():
 def test_a_plan_passes_its_recipe_and_gradient_specs():
     class FakePlan:
         recipe = Recipe(microbatches=2)
-        grads = {"w": P(None, "data")}
+        grads = types.MappingProxyType({"w": P(None, "data")})
         sharding_mesh = jax.sharding.Mesh(jax.devices(), ("data",))
 
         def grad_specs(self, params):

@@ -339,7 +339,7 @@ def train(
     loss = loss_fn
     if isinstance(params, nnx.Module):
         params, loss, write_back = _nnx_adapter(params, loss_fn)
-    recipe = plan.recipe if plan is not None else Recipe()
+    recipe = getattr(plan, "recipe", None) or Recipe()
     accum_steps = _recipe_accum(recipe, accum_steps, remat=remat, data=data)
     _set_microbatches(data, accum_steps)
     abstract, param_sh, opt_sh, mesh = _state_shardings(params, optimizer, plan, shardings)
@@ -455,7 +455,7 @@ def _recipe_accum(recipe: Recipe, accum_steps: int, *, remat: bool, data: Any) -
 
 def _grad_shardings(plan: Any, abstract_params: Any, mesh: Any) -> Any:
     """The plan's gradient shardings (ZeRO-2) when it shards gradients, else None."""
-    if plan is None or not plan.grads or mesh is None:
+    if not getattr(plan, "grads", None) or mesh is None:
         return None
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec),

@@ -161,9 +161,6 @@ def promoted_on_cpu(prop: Propagation, on_cpu: Propagation | None = None) -> Pro
         >>> promoted_on_cpu(prop).comm_bytes_by_kind  # bf16 gathers counted twice
     """
     extra: dict[str, int] = {}
-    program = prop.program
-    fused = {pins.fused for pins in program.specs.values()} if program is not None else set()
-    relabel = on_cpu is not None
 
     def walk(records: Iterable[EqnRecord], repeat: int) -> None:
         for r in records:
@@ -171,20 +168,33 @@ def promoted_on_cpu(prop: Propagation, on_cpu: Propagation | None = None) -> Pro
                 if a.src.dtype not in CPU_PROMOTED:
                     continue
                 for c in a.plan.collectives:
-                    kind = c.kind
-                    if relabel and kind == "reduce_scatter" and a.plan not in fused:
-                        kind = "all_reduce"
-                    extra[kind] = extra.get(kind, 0) + repeat * c.payload_bytes
+                    extra[c.kind] = extra.get(c.kind, 0) + repeat * c.payload_bytes
             if r.body:
                 walk(r.body, repeat * r.repeat)
 
     walk(prop.records, 1)
+    scattered = extra.pop("reduce_scatter", 0)
+    if on_cpu is None:
+        extra["reduce_scatter"] = scattered
+    elif scattered:
+        # the enforced program's own (fused) reduce-scatters stay; the rest run as
+        # all-reduces on CPU (as_on_cpu)
+        kept = 0
+        for pins in prop.program.specs.values() if prop.program is not None else ():
+            plan = pins.fused
+            if plan is not None and plan.src.dtype in CPU_PROMOTED:
+                rs = [c.payload_bytes for c in plan.collectives if c.kind == "reduce_scatter"]
+                kept += pins.runs * sum(rs)
+        kept = min(kept, scattered)
+        extra["reduce_scatter"] = kept
+        extra["all_reduce"] = extra.get("all_reduce", 0) + scattered - kept
     base = on_cpu if on_cpu is not None else prop
     if not extra:
         return base
     kinds = dict(base.comm_bytes_by_kind)
     for kind, n in extra.items():
-        kinds[kind] = kinds.get(kind, 0) + n
+        if n:
+            kinds[kind] = kinds.get(kind, 0) + n
     return dataclasses.replace(base, comm_bytes_by_kind=dict(sorted(kinds.items())))
 
 

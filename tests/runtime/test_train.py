@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.recipe import Recipe
 from spmdkit.runtime.checkpoint import CheckpointMismatchError, Manager
 from spmdkit.runtime.data import ShardedLoader
 from spmdkit.runtime.train import TrainError, train
@@ -174,6 +175,48 @@ def test_plan_gives_param_and_optimizer_shardings(tmp_path, mesh, reference):
     assert meta["mesh"]["axes"] == {"a": 2, "b": 4}
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and "step 4/4" in lines[-1] and "loss" in lines[-1]
+
+
+class _RecipePlan(_Zero1Plan):
+    """The duck plan with a recipe and ZeRO-2 gradient specs (like the optimizer
+    state's: leading dim over ``a`` where it divides)."""
+
+    def __init__(self, mesh, recipe):
+        super().__init__(mesh)
+        self.recipe = recipe
+        self.grads = {"*": "like the optimizer state"}
+
+    def grad_specs(self, abstract_params):
+        n = self.mesh.shape["a"]
+        return jax.tree.map(
+            lambda x: P("a") if x.ndim and x.shape[0] % n == 0 else P(), abstract_params
+        )
+
+
+@pytest.mark.slow
+def test_the_plan_recipe_runs_micro_batches_zero2_and_offload(mesh):
+    """Micro-batches split inside the step (the loader yields whole batches),
+    gradients constrained to the plan's gradient specs, optimizer state in host
+    memory between steps: the same losses as the plain run."""
+    plan = _RecipePlan(mesh, Recipe(microbatches=2, offload_opt=True))
+    data = loader(mesh, "a")
+    res = train(
+        loss_fn, MLP(nnx.Rngs(0)), optax.adam(1e-2), data, steps=4, plan=plan, rng=None,
+        progress=False,
+    )  # fmt: skip
+    assert data.microbatches == 1
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(res.opt_state)} == {"pinned_host"}
+    assert res.opt_state[0].mu["l1"]["kernel"].sharding.spec == P("a")
+    np.testing.assert_allclose(res.losses, run(mesh, 4, rng=None).losses, rtol=1e-5)
+
+
+def test_a_recipe_conflicting_with_train_options_raises(mesh):
+    plan = _RecipePlan(mesh, Recipe(microbatches=2, remat="none"))
+    model = MLP(nnx.Rngs(0))
+    with pytest.raises(TrainError, match=r"accum_steps=4, plan\.recipe\.microbatches=2"):
+        train(loss_fn, model, optax.sgd(0.1), loader(mesh, "a"), steps=1, plan=plan, accum_steps=4)
+    with pytest.raises(TrainError, match="loader microbatches=2"):
+        train(loss_fn, model, optax.sgd(0.1), loader(mesh, "a", microbatches=2), steps=1, plan=plan)
 
 
 def test_plain_params_and_aux_metrics(mesh):
