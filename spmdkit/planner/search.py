@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, describe
@@ -332,30 +333,26 @@ def trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> Ste
 
 
 def train_step(
-    info: ModelInfo, optimizer: GradientTransformation | None, recipe: Recipe = PLAIN
+    info: ModelInfo,
+    optimizer: GradientTransformation | None,
+    recipe: Recipe = PLAIN,
+    grad_specs: PyTree = None,
 ) -> Callable:
     """``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` with
-    the optimizer (default ``optax.adam``) and the recipe's levers applied as
-    ``sk.value_and_grad`` applies them when the plan runs; one function per
-    model, optimizer and recipe (``ModelInfo.memo``), so propagations of it share
-    jax's trace cache."""
+    the optimizer (default ``optax.adam``) and the recipe applied: the very
+    function ``sk.train_step`` builds and ``sk.jit``/``train`` run
+    (:func:`spmdkit.recipe.train_step`), so what is planned is what runs.
+    ``grad_specs``: the gradients' shardings when the plan shards them (ZeRO-2).
+    One function per model, optimizer and recipe (``ModelInfo.memo``), so
+    propagations of it share jax's trace cache."""
+    from spmdkit.recipe import train_step as recipe_step
 
-    def make() -> Callable:
-        import optax
-
-        from spmdkit import recipe as levers
-
-        opt = _optimizer(optimizer)
-        grad_fn = levers.value_and_grad(info.loss_fn, recipe)
-
-        def step(params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple:
-            loss, grads = grad_fn(params, batch)
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return step
-
-    return info.memo(("planner.step", id(optimizer), recipe), make)
+    if grad_specs is not None:
+        return recipe_step(info.loss_fn, _optimizer(optimizer), recipe, grad_specs=grad_specs)
+    return info.memo(
+        ("planner.step", id(optimizer), recipe),
+        lambda: recipe_step(info.loss_fn, _optimizer(optimizer), recipe),
+    )
 
 
 def propagate_cost(
@@ -379,8 +376,20 @@ def propagate_cost(
     # in (the next step's inputs, and what sk.jit's out_shardings ask for): ZeRO-1's
     # all-gather of the updated parameters is part of its cost.
     out_specs = (in_specs[0], in_specs[1], P())
+    grad_specs = None
+    if candidate.grads:
+        # constraints inside the traced step need Auto axes (as sk.jit compiles)
+        sizes = axis_sizes(ctx.mesh)
+        auto = AbstractMesh(
+            tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
+        )
+        grad_specs = jax.tree.map(
+            lambda spec: NamedSharding(auto, spec),
+            candidate.grad_specs(info.abstract_params),
+            is_leaf=lambda x: isinstance(x, P),
+        )
     prop = propagate(
-        train_step(info, optimizer, candidate.recipe),
+        train_step(info, optimizer, candidate.recipe, grad_specs),
         info.abstract_params,
         trace.abstract_opt,
         info.batch,
