@@ -195,6 +195,9 @@ class Plan:
       cost: the estimated cost (None when not costed).
       alternatives: ``(strategy, Cost)`` of the other candidates, best first.
       chosen: for auto, the candidate that won (``"auto"`` or a preset name).
+      names_from: param path → where its logical names came from (``"model"``,
+        ``"given"`` by ``names=``, ``"inferred"`` from the traced step); the table
+        marks inferred and given names.
 
     Example::
 
@@ -214,6 +217,7 @@ class Plan:
     cost: Cost | None = None
     alternatives: tuple[tuple[str, Cost], ...] = ()
     chosen: str | None = None
+    names_from: Mapping[str, str] = field(default_factory=dict)
 
     # -- shardings ------------------------------------------------------------------
     def _lookup(self, table: Mapping[str, P], path: str, shape: tuple[int, ...]) -> P | None:
@@ -393,6 +397,7 @@ class Plan:
                 "batch_axes": {k: list(v) for k, v in self.batch_axes.items()},
                 "cost": None if self.cost is None else self.cost.to_json(),
                 "alternatives": [[n, c.to_json()] for n, c in self.alternatives],
+                "names_from": dict(self.names_from),
             },
             indent=1,
         )
@@ -432,6 +437,7 @@ class Plan:
             cost=None if d["cost"] is None else Cost.from_json(d["cost"]),
             alternatives=tuple((n, Cost.from_json(c)) for n, c in d["alternatives"]),
             chosen=d.get("chosen"),
+            names_from=d.get("names_from", {}),
         )
         return out if mesh is None else out.on(mesh)
 
@@ -464,7 +470,11 @@ class Plan:
                 continue
             nbytes = math.prod(shape) * np.dtype(dtype).itemsize
             shards = math.prod(sizes[a] for a in _flat(spec))
-            rows[key] = [1, shape, logical, nbytes // max(shards, 1)]
+            text = "-" if logical is None else ",".join(n or "_" for n in logical)
+            source = self.names_from.get(path, "model")
+            if source != "model":
+                text += f" ({source})"
+            rows[key] = [1, shape, text, nbytes // max(shards, 1)]
         header = ("param", "n", "shape", "logical", "spec", "opt spec", "bytes/dev")
         body = []
         for (path, spec, ospec), (count, shape, logical, per_dev) in rows.items():
@@ -473,7 +483,7 @@ class Plan:
                     path,
                     str(count),
                     "×".join(map(str, shape)) or "scalar",
-                    "-" if logical is None else ",".join(n or "_" for n in logical),
+                    logical,
                     _spec_text(spec),
                     "=" if ospec == spec else _spec_text(ospec),
                     fmt_bytes(per_dev),

@@ -63,6 +63,7 @@ from spmdkit.planner.logical import (
     UnknownLogicalAxisError,
     preset_rules,
 )
+from spmdkit.planner.naming import apply_names, check_placement, infer_names
 from spmdkit.planner.plans import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
 from spmdkit.propagation import propagate
 from spmdkit.spec import MeshLike, axis_sizes
@@ -626,6 +627,8 @@ def plan(
     peak_flops: float = H100_BF16_PEAK_FLOPS,
     init_args: tuple = (),
     estimator: str = "propagate",
+    names: Mapping[str, tuple | None] | None = None,
+    strict: bool = False,
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -655,12 +658,20 @@ def plan(
         propagating the specs through the traced train step
         (``spmdkit.propagation``); ``"analytic"``: the per-parameter model only
         (:mod:`spmdkit.planner.analytic`), fastest.
+      names: path glob → logical names, overriding the model's (fewer names than
+        dims: the trailing dims unnamed, as flax pads); parameters without names
+        get names inferred from their role in the traced step
+        (:mod:`spmdkit.planner.naming`).
+      strict: a tensor-parallel preset that leaves a weight off the model axes
+        raises instead of warning.
 
     Returns:
       The :class:`Plan`.
 
     Raises:
-      PlanError: unknown strategy; UnknownLogicalAxisError: a logical name has no rule.
+      PlanError: unknown strategy, a ``names`` glob matching nothing, or (``strict``)
+        a weight a tensor-parallel preset replicates; UnknownLogicalAxisError: a
+        logical name has no rule.
 
     Example::
 
@@ -678,15 +689,20 @@ def plan(
         batch_axes=batch_axes,
         init_args=init_args,
     )
+    info, names_from = apply_names(info, names, lambda: infer_names(info))
     planner = _planner(info, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
     if isinstance(strategy, str) and strategy != "auto":
-        return planner.final(strategy, planner.preset(strategy, rules))
+        out = replace(
+            planner.final(strategy, planner.preset(strategy, rules)), names_from=names_from
+        )
+        check_placement(out, infer_names(info), strict=strict)
+        return out
     if not isinstance(strategy, str):
         table = LogicalRules.coerce(strategy)
         if rules is not None:
             table = table.prepend(rules)
-        return planner.final("rules", planner.table(table))
-    return planner.auto_plan(rules)
+        return replace(planner.final("rules", planner.table(table)), names_from=names_from)
+    return replace(planner.auto_plan(rules), names_from=names_from)
 
 
 def _planner(
