@@ -298,7 +298,7 @@ ZOO = {
     "nnx_decoder": ZooCase(
         "nnx_decoder",
         "nnx",
-        lambda: (lambda: NnxDecoder(rngs=nnx.Rngs(0))),
+        lambda: lambda: NnxDecoder(rngs=nnx.Rngs(0)),
         nnx_decoder_loss,
         lambda: _tokens(8, 16, 64, 0),
     ),
@@ -321,7 +321,7 @@ ZOO = {
     "vit": ZooCase(
         "vit",
         "nnx",
-        lambda: (lambda: ViT(rngs=nnx.Rngs(0))),
+        lambda: lambda: ViT(rngs=nnx.Rngs(0)),
         vit_loss,
         lambda: _images(8, 16, 16, 3),
     ),
