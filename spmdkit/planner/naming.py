@@ -15,8 +15,9 @@ to the first equation that uses it as a weight:
 - a ``dot_general``: whether its activation operand already carries a
   tensor-parallel feature dim (a value computed from a column-parallel matmul's
   output, not yet through a row-parallel one) decides the Megatron role: *column*
-  (contracted dims ``embed``; one kept dim ``mlp``, or ``vocab`` when its size is
-  an embedding table's vocabulary; several kept dims ``heads, head_dim...``) or
+  (contracted dims ``embed``; one kept dim ``mlp``, or ``vocab`` for the last
+  matmul of the step when its size is an embedding table's vocabulary; several
+  kept dims ``heads, head_dim...``) or
   *row* (contracted ``mlp`` or ``heads, head_dim...``; kept ``embed``);
 - a ``gather`` (an embedding table): the indexed dim ``vocab``, the others ``embed``;
 - a ``conv_general_dilated`` kernel: ``conv_window...``, ``conv_in``, ``conv_out``
@@ -103,6 +104,19 @@ class _Walk:
     def __init__(self) -> None:
         self.roles: dict[str, Role] = {}
         self.vocab: set[int] = set()
+        self.head: tuple[str, int] | None = None
+        self.last_dot: str | None = None
+
+    def name_head(self) -> None:
+        """The output projection: the last matmul weight, when its kept dim is an
+        embedding table's vocabulary, projects onto the vocabulary."""
+        if self.head is None or self.head[0] != self.last_dot:
+            return
+        path, dim = self.head
+        role = self.roles[path]
+        names = list(role.names)
+        names[dim] = "vocab"
+        self.roles[path] = Role(role.kind, tuple(names))
 
     def run(self, jaxpr: Any, tracked: dict, tainted: set) -> set:
         """Walk ``jaxpr``; ``tracked``: var → (param path, param dim per dim);
@@ -158,7 +172,13 @@ class _Walk:
         path, dims = tracked[w]
         row = _is_var(x) and x in tainted
         shape = w.aval.shape
-        kept = [d for d in range(len(shape)) if d not in contract and d not in batch]
+        # heads before head_dim in the parameter's own dim order (an einsum may
+        # contract them in another order)
+        contract = sorted(contract, key=lambda d: dims[d])
+        kept = sorted(
+            (d for d in range(len(shape)) if d not in contract and d not in batch),
+            key=lambda d: dims[d],
+        )
         names: list[str | None] = [None] * len(shape)
         if row:
             for d, n in zip(contract, _feature_names(len(contract)), strict=True):
@@ -168,11 +188,12 @@ class _Walk:
         else:
             for d in contract:
                 names[d] = "embed"
-            feats = _feature_names(len(kept))
-            if len(kept) == 1 and shape[kept[0]] in self.vocab:
-                feats = ("vocab",)
-            for d, n in zip(kept, feats, strict=True):
+            for d, n in zip(kept, _feature_names(len(kept)), strict=True):
                 names[d] = n
+            if len(kept) == 1 and shape[kept[0]] in self.vocab:
+                self.head = (path, dims[kept[0]])
+        if path not in self.roles:
+            self.last_dot = path
         self.set(path, dims, Role("dot", tuple(names)))
         return not row
 
@@ -235,6 +256,7 @@ def _infer(info: ModelInfo) -> dict[str, Role]:
     }
     walk = _Walk()
     walk.run(closed.jaxpr, dict(tracked), set())
+    walk.name_head()
     for p in info.params:
         if p.path not in walk.roles:
             walk.other(p.path, tuple(range(len(p.shape))))
