@@ -40,7 +40,7 @@ from typing import Any
 
 import jax
 
-from spmdkit.flax.model import ModelInfo, ParamInfo
+from spmdkit.flax.model import ModelInfo, ParamInfo, unbound_axis_error
 from spmdkit.planner.logical import PlanError, axis_roles
 from spmdkit.planner.plans import Plan
 from spmdkit.spec import axis_sizes
@@ -248,7 +248,10 @@ def infer_names(info: ModelInfo) -> dict[str, Role]:
 
 
 def _infer(info: ModelInfo) -> dict[str, Role]:
-    closed = jax.make_jaxpr(info.loss_fn)(info.abstract_params, info.batch)
+    try:
+        closed = jax.make_jaxpr(info.loss_fn)(info.abstract_params, info.batch)
+    except NameError as e:
+        raise (unbound_axis_error(e, "plan") or e) from e
     leaves = jax.tree_util.tree_flatten_with_path(info.abstract_params)[0]
     tracked = {
         v: (path_str(kp), tuple(range(len(leaf.shape))))

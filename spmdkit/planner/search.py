@@ -42,7 +42,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.model import ModelInfo, describe
+from spmdkit.flax.model import ModelInfo, describe, unbound_axis_error
 from spmdkit.planner.analytic import (
     CostContext,
     GroupCost,
@@ -185,7 +185,10 @@ def _opt_bytes(info: ModelInfo, abstract_opt: PyTree) -> tuple[dict[str, int], i
 
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
     opt = _optimizer(optimizer)
-    closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    try:
+        closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    except NameError as e:
+        raise (unbound_axis_error(e, "plan") or e) from e
 
     def residuals(p: PyTree, b: PyTree) -> Callable:
         return jax.vjp(info.loss_fn, p, b)[1]
@@ -629,6 +632,7 @@ def plan(
     estimator: str = "propagate",
     names: Mapping[str, tuple | None] | None = None,
     strict: bool = False,
+    axis_names: tuple[str, ...] = (),
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -664,6 +668,9 @@ def plan(
         (:mod:`spmdkit.planner.naming`).
       strict: a tensor-parallel preset that leaves a weight off the model axes
         raises instead of warning.
+      axis_names: collective axis names the model uses as if under ``pmap``
+        (``nn.BatchNorm(axis_name="batch")``), bound around the loss
+        (:func:`spmdkit.flax.model.bind_axis_names`).
 
     Returns:
       The :class:`Plan`.
@@ -688,6 +695,7 @@ def plan(
         loss=loss,
         batch_axes=batch_axes,
         init_args=init_args,
+        axis_names=axis_names,
     )
     info, names_from = apply_names(info, names, lambda: infer_names(info))
     planner = _planner(info, mesh, optimizer, topology, peak_flops, memory_budget, estimator)

@@ -121,3 +121,43 @@ def test_resolve_pads_and_flax_tables_are_rules():
     megatron = preset_rules("megatron", MESH)
     assert megatron.resolve(("embed", "joined_kv"), (32, 32), MESH) == P(None, "model")
     assert megatron.resolve(("embed", "kv"), (32, 8), MESH) == P()
+
+
+class _SyncNorm(__import__("flax").linen.Module):
+    """A linen layer written for pmap: BatchNorm averages over ``axis_name``."""
+
+    axis: str | None = "batch"
+
+    @__import__("flax").linen.compact
+    def __call__(self, x):
+        nn = __import__("flax").linen
+        h = nn.Dense(16)(x)
+        return nn.BatchNorm(use_running_average=False, axis_name=self.axis)(h)
+
+
+def _sync_loss(variables, batch):
+    out, _ = _SyncNorm().apply(variables, batch["x"], mutable=["batch_stats"])
+    return (out**2).mean()
+
+
+def test_a_pmap_axis_name_is_a_typed_error_or_bound():
+    import jax
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    kw = {"loss": _sync_loss, "batch": {"x": x}, "init_args": (x,), "estimator": "analytic"}
+    with pytest.raises(sk.SpmdError, match=r"(?s)unbound axis name.*axis_names=\('batch',\)"):
+        sk.plan(_SyncNorm(), MESH, "dp", **kw)
+    p = sk.plan(_SyncNorm(), MESH, "dp", axis_names=("batch",), **kw)
+    assert p.params
+    info = describe(
+        _SyncNorm(), loss=_sync_loss, batch={"x": x}, init_args=(x,), axis_names=("batch",)
+    )
+    variables = info.init_fn()
+    # one device's BatchNorm over the whole batch: what the pmean averages to
+    plain = _SyncNorm(axis=None).apply(variables, x, mutable=["batch_stats"])[0]
+    np.testing.assert_allclose(info.loss_fn(variables, {"x": x}), (plain**2).mean(), rtol=1e-6)
+    assert jax.grad(info.loss_fn)(variables, {"x": x})["params"]["Dense_0"]["kernel"].shape == (
+        4,
+        16,
+    )
