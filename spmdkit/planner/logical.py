@@ -10,6 +10,16 @@ entry of ``None`` means replicated; if no entry fits, the dim is replicated. A
 name with no entry at all raises :class:`UnknownLogicalAxisError` (flax's
 ``logical_to_mesh_sharding`` silently replicates it instead).
 
+flax's tables and names
+-----------------------
+A flax rule table (``nn.logical_axis_rules``-style ``(name, axes)`` pairs, as
+MaxText and T5X write them) is a rule table as is: pass it as ``rules=`` or as
+the strategy. Metadata with fewer names than dims (linen's ``DenseGeneral``
+gives its N-D kernels the flat initializer's names) names the leading dims, the
+trailing ones unnamed, as flax pads a ``PartitionSpec``. flax's own names are in
+every preset: ``kv`` (a head's feature dim, as ``head_dim``) and ``joined_kv``
+(heads × head_dim flattened, sharded as ``heads``).
+
 Presets and axis roles
 ----------------------
 Presets are rule tables over four *roles*: ``data`` (batch), ``fsdp`` (parameter
