@@ -16,8 +16,8 @@ batch. :func:`describe` extracts them, as a :class:`ModelInfo`, from any of:
 NNX parameters carry logical names in the flax-standard ``out_sharding``
 metadata (``nnx.with_partitioning(init, ("embed", "mlp"))``). Linen models bridged
 into NNX keep their box type in ``linen_meta_type``. A parameter with no names is
-*unannotated*: presets replicate it (fsdp shards its largest dim), ``auto``
-treats it like any other.
+*unannotated* here; the planner names it from its role in the traced loss, or
+from ``names=`` by path (:mod:`spmdkit.planner.naming`).
 
 Nothing here materialises a model on one device: shapes come from
 ``nnx.eval_shape`` / ``jax.eval_shape``. Creating the parameters sharded is
