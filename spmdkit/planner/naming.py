@@ -90,7 +90,10 @@ def _is_var(v: Any) -> bool:
 
 
 def _sub_jaxpr(eqn: Any) -> Any:
-    """The called jaxpr of a call-like equation whose invars map one to one."""
+    """The called jaxpr of a call-like equation whose invars map one to one
+    (``scan``: its body, whose scanned operands lose their leading dim)."""
+    if eqn.primitive.name in ("while", "cond"):
+        return None
     for value in eqn.params.values():
         jaxpr = getattr(value, "jaxpr", value)
         if hasattr(jaxpr, "eqns") and len(jaxpr.invars) == len(eqn.invars):
@@ -103,6 +106,7 @@ class _Walk:
 
     def __init__(self) -> None:
         self.roles: dict[str, Role] = {}
+        self.ranks: dict[str, int] = {}
         self.vocab: set[int] = set()
         self.head: tuple[str, int] | None = None
         self.last_dot: str | None = None
@@ -145,8 +149,8 @@ class _Walk:
                 sub = _sub_jaxpr(eqn)
                 if sub is not None:
                     inner_t = {
-                        s: tracked[o]
-                        for o, s in zip(eqn.invars, sub.invars, strict=True)
+                        s: _sliced(tracked[o], eqn, i)
+                        for i, (o, s) in enumerate(zip(eqn.invars, sub.invars, strict=True))
                         if _is_var(o) and o in tracked
                     }
                     inner_h = {
@@ -220,11 +224,23 @@ class _Walk:
         self.set(path, dims, Role("other", (None,) * (n - 1) + ("norm",) if n else ()))
 
     def set(self, path: str, dims: tuple, role: Role) -> None:
-        """Record ``role`` (given per current dim) in the parameter's own dim order."""
-        names: list[str | None] = [None] * len(dims)
+        """Record ``role`` (given per current dim) in the parameter's own dim order;
+        a dim a ``scan`` slices off (stacked layers) is ``layers``."""
+        names: list[str | None] = ["layers"] * self.ranks.get(path, len(dims))
         for cur, pd in enumerate(dims):
             names[pd] = role.names[cur]
         self.roles.setdefault(path, Role(role.kind, tuple(names)))
+
+
+def _sliced(entry: tuple[str, tuple], eqn: Any, i: int) -> tuple[str, tuple]:
+    """A tracked parameter as a call's body sees operand ``i``: a ``scan`` hands
+    its body one slice of each scanned operand (the leading dim dropped)."""
+    path, dims = entry
+    if eqn.primitive.name == "scan":
+        first_xs = int(eqn.params["num_consts"]) + int(eqn.params["num_carry"])
+        if i >= first_xs:
+            return path, dims[1:]
+    return path, dims
 
 
 def _feature_names(n: int) -> tuple[str, ...]:
@@ -258,6 +274,7 @@ def _infer(info: ModelInfo) -> dict[str, Role]:
         for (kp, leaf), v in zip(leaves, closed.jaxpr.invars, strict=False)
     }
     walk = _Walk()
+    walk.ranks = {p.path: len(p.shape) for p in info.params}
     walk.run(closed.jaxpr, dict(tracked), set())
     walk.name_head()
     for p in info.params:

@@ -161,3 +161,19 @@ def test_a_pmap_axis_name_is_a_typed_error_or_bound():
         4,
         16,
     )
+
+
+def test_scanned_layers_get_a_layers_dim_and_match_the_models_own_names():
+    """Inside a layer scan each weight is one slice: its stacked dim is ``layers``;
+    the rest agrees with llama's hand-written names (kv heads are heads)."""
+    import dataclasses
+
+    from spmdkit.models import get_model
+
+    spec = get_model("llama")
+    cfg = dataclasses.replace(spec.config("tiny"), scan_layers=True)
+    info = describe(spec, config=cfg)
+    roles = infer_names(info)
+    for p in info.params:
+        own = tuple("heads" if n == "kv_heads" else n for n in p.logical)
+        assert roles[p.path].names == own, p.path
