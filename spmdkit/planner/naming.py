@@ -348,24 +348,30 @@ def apply_names(
 TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp")
 
 
-def unplaced(plan: Plan, roles: Mapping[str, Role]) -> list[str]:
+def unplaced(plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, Role]]) -> list[str]:
     """Weights a tensor-parallel preset leaves off every ``model`` axis (a matmul,
     lookup or conv weight of rank ≥ 2 not named unplaced on purpose), one line
-    each: path, names, spec and the fix."""
+    each: path, names, spec and the roles' names. ``roles`` may be a function:
+    it is called only when some parameter of rank ≥ 2 has no model axis."""
     sizes = axis_sizes(plan.mesh)
     model = {a for a in axis_roles(plan.mesh)["model"] if sizes[a] > 1}
     if plan.strategy not in TP_PRESETS or not model:
         return []
-    out = []
+    suspects = []
     for path, spec in plan.params.items():
-        role = roles.get(path)
         shape, _, logical = plan.info[path]
-        if role is None or not role.is_weight or len(shape) < 2:
-            continue
-        if plan.names_from.get(path) == "given" and logical is None:
-            continue  # names={glob: None}: replicated on purpose
+        if len(shape) < 2 or (plan.names_from.get(path) == "given" and logical is None):
+            continue  # a vector, or names={glob: None}: replicated on purpose
         used = {a for d in spec for a in ((d,) if isinstance(d, str) else d or ())}
-        if used & model:
+        if not used & model:
+            suspects.append((path, spec, shape, logical))
+    if not suspects:
+        return []
+    known = roles() if callable(roles) else roles
+    out = []
+    for path, spec, shape, logical in suspects:
+        role = known.get(path)
+        if role is None or not role.is_weight:
             continue
         hint = role.names if role.names != logical else None
         out.append(
@@ -375,7 +381,9 @@ def unplaced(plan: Plan, roles: Mapping[str, Role]) -> list[str]:
     return out
 
 
-def check_placement(plan: Plan, roles: Mapping[str, Role], *, strict: bool) -> None:
+def check_placement(
+    plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, Role]], *, strict: bool
+) -> None:
     """Warn (``strict=True``: raise :class:`PlanError`) when a tensor-parallel
     preset replicates weights over its ``model`` axes (:func:`unplaced`).
 

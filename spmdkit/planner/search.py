@@ -703,7 +703,7 @@ def plan(
         out = replace(
             planner.final(strategy, planner.preset(strategy, rules)), names_from=names_from
         )
-        check_placement(out, infer_names(info), strict=strict)
+        check_placement(out, lambda: infer_names(info), strict=strict)
         return out
     if not isinstance(strategy, str):
         table = LogicalRules.coerce(strategy)
