@@ -156,8 +156,9 @@ def test_a_pmap_axis_name_is_a_typed_error_or_bound():
     variables = info.init_fn()
     # one device's BatchNorm over the whole batch: what the pmean averages to
     plain = _SyncNorm(axis=None).apply(variables, x, mutable=["batch_stats"])[0]
-    np.testing.assert_allclose(info.loss_fn(variables, {"x": x}), (plain**2).mean(), rtol=1e-6)
-    assert jax.grad(info.loss_fn)(variables, {"x": x})["params"]["Dense_0"]["kernel"].shape == (
+    loss, grads = jax.jit(jax.value_and_grad(info.loss_fn))(variables, {"x": x})
+    np.testing.assert_allclose(loss, (plain**2).mean(), rtol=1e-6)
+    assert grads["params"]["Dense_0"]["kernel"].shape == (
         4,
         16,
     )

@@ -2,7 +2,7 @@
 
 Each case's glue (what the user writes besides the model, loss and batch) is the
 keyword arguments of ``sk.plan`` below, counted in lines. The full matrix is
-slow; the default suite runs a representative pair.
+slow; the default suite runs the glue count and the unnamed NNX decoder end to end.
 """
 
 import warnings
@@ -119,6 +119,7 @@ def test_unnamed_nnx_decoder_megatron_shards_matches_and_verifies():
     _check("nnx_decoder", "megatron", (2, 4))
 
 
+@pytest.mark.slow
 def test_resnet_max_pool_has_rules_matches_and_verifies():
     _check("resnet", "megatron", (4, 2))
 
