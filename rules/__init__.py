@@ -15,4 +15,5 @@ FAMILIES = (
     "index_put",
     "shape",
     "attention",
+    "pooling",
 )

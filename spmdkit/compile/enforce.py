@@ -120,6 +120,9 @@ class _Replay:
         self.program = program
         self.mesh = mesh
         self.memo: dict[tuple, tuple[Any, Any]] = {}
+        # (value, layout) → (the value, its copy in that layout) for moves that
+        # start from a copy made for an earlier reader (as the records count them)
+        self.copies: dict[tuple, tuple[Any, Any]] = {}
 
     def graph(self, graph: Graph, ins: Sequence[Any]) -> list[Any]:
         env: dict[int, Any] = dict(zip(graph.invars, ins, strict=True))
@@ -195,17 +198,22 @@ class _Replay:
         collectives when ``chain`` is a :class:`ReshardPlan`, else pinned at each
         intermediate layout of ``chain``."""
         if not chain:
-            return _pin(x, spec, self.mesh)
+            copy = self.copies.get((vid, spec))
+            return copy[1] if copy is not None and copy[0] is x else _pin(x, spec, self.mesh)
         explicit = isinstance(chain, ReshardPlan)
         key = (vid, spec, chain if explicit else tuple(chain))
         hit = self.memo.get(key)
         if hit is None or hit[0] is not x:
             if explicit:
-                moved = run_plan(_pin(x, chain.src, self.mesh), chain, self.mesh)
+                copy = self.copies.get((vid, chain.src))
+                start = copy[1] if copy is not None and copy[0] is x else x
+                moved = run_plan(_pin(start, chain.src, self.mesh), chain, self.mesh)
             else:
                 moved = _through(x, chain, self.mesh)
             hit = (x, _pin(moved, spec, self.mesh))
             self.memo[key] = hit
+            if spec is not None:
+                self.copies[(vid, spec)] = hit
         return hit[1]
 
     def reduced(

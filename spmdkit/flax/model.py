@@ -16,8 +16,8 @@ batch. :func:`describe` extracts them, as a :class:`ModelInfo`, from any of:
 NNX parameters carry logical names in the flax-standard ``out_sharding``
 metadata (``nnx.with_partitioning(init, ("embed", "mlp"))``). Linen models bridged
 into NNX keep their box type in ``linen_meta_type``. A parameter with no names is
-*unannotated*: presets replicate it (fsdp shards its largest dim), ``auto``
-treats it like any other.
+*unannotated* here; the planner names it from its role in the traced loss, or
+from ``names=`` by path (:mod:`spmdkit.planner.naming`).
 
 Nothing here materialises a model on one device: shapes come from
 ``nnx.eval_shape`` / ``jax.eval_shape``. Creating the parameters sharded is
@@ -28,7 +28,7 @@ planner imports it).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -44,8 +44,10 @@ __all__ = [
     "ModelError",
     "ModelInfo",
     "ParamInfo",
+    "bind_axis_names",
     "describe",
     "path_str",
+    "unbound_axis_error",
     "variable_names",
     "variable_value",
 ]
@@ -216,6 +218,53 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
+# -- collectives written for pmap --------------------------------------------------
+
+
+def bind_axis_names(loss: Callable[..., Any], names: Sequence[str]) -> Callable[..., Any]:
+    """``loss`` with the collective axis ``names`` bound, each to an axis of size 1.
+
+    A model written for ``pmap`` (``nn.BatchNorm(axis_name="batch")``) averages
+    its statistics over the devices with ``lax.pmean(x, "batch")``; under ``jit``
+    the arrays are global and its statistics are over the whole batch already,
+    so binding the name to a size-1 axis (``vmap`` with nothing mapped) keeps
+    the meaning and lets the loss trace.
+
+    Example::
+
+        >>> loss = bind_axis_names(lambda v, b: model.apply(v, b["x"]).sum(), ["batch"])
+    """
+    for name in reversed(tuple(names)):
+        loss = _bound(loss, str(name))
+    return loss
+
+
+def _bound(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def bound(*args: Any) -> Any:
+        out = jax.vmap(fn, in_axes=None, axis_size=1, axis_name=name)(*args)
+        return jax.tree.map(lambda x: x[0], out)
+
+    return bound
+
+
+def unbound_axis_error(err: NameError, where: str) -> ModelError | None:
+    """The typed error for a loss that uses a collective axis name no mesh binds
+    (None when ``err`` is another NameError)."""
+    text = str(err)
+    if "unbound axis name" not in text:
+        return None
+    name = text.rsplit("unbound axis name:", maxsplit=1)[-1].split(".", maxsplit=1)[0].strip()
+    return ModelError(
+        op=where,
+        must="every collective axis name in the loss is bound",
+        given=f"{text.splitlines()[0]} (a layer written for pmap, e.g. "
+        f"nn.BatchNorm(axis_name={name!r}))",
+        fix=f"pass axis_names=({name!r},) to sk.plan / describe (under jit the arrays "
+        "are global: the statistics are over the whole batch already), or drop the "
+        "layer's axis_name",
+    )
+
+
 # -- describe --------------------------------------------------------------------
 
 
@@ -299,6 +348,7 @@ def describe(
     batch_axes: Mapping[str, tuple] | None = None,
     init_args: tuple = (),
     rng_seed: int = 0,
+    axis_names: Sequence[str] = (),
 ) -> ModelInfo:
     """Read a model into a :class:`ModelInfo` (module docstring: accepted forms).
 
@@ -313,6 +363,10 @@ def describe(
         ``("batch", None, ...)`` for every field).
       init_args: linen only: the arguments of ``module.init`` after the rng.
       rng_seed: seed of the rngs used to build the model.
+      axis_names: collective axis names the model uses as if under ``pmap``
+        (``nn.BatchNorm(axis_name="batch")``): bound around the loss (see
+        :func:`bind_axis_names`); under ``jit`` the arrays are global, so the
+        statistics the collective averages are already over the whole batch.
 
     Returns:
       The model's ModelInfo.
@@ -328,6 +382,7 @@ def describe(
     """
     if isinstance(model, ModelInfo):
         return model
+    loss = bind_axis_names(loss, axis_names) if loss is not None else None
     if _is_model_spec(model):
         return _describe_spec(model, config, batch, batch_size, loss, batch_axes, rng_seed)
     if loss is None or batch is None:

@@ -5,7 +5,9 @@ Stage 3 of the pipeline (trace → propagate → **plan** → enforce/compile �
 specs for every parameter, optimizer state and activation boundary, with its
 estimated :class:`Cost`.
 
-Modules: ``logical`` (rule tables, presets, axis roles), ``plans`` (``Plan`` and
+Modules: ``logical`` (rule tables, presets, axis roles), ``naming`` (a logical
+name for every parameter: given by path, the model's, or inferred from the
+traced loss; the tensor-parallel placement check), ``plans`` (``Plan`` and
 ``Cost`` as plain data: shardings, JSON, the printed table), ``analytic`` (the
 per-parameter cost model), ``search`` (one trace per model, the candidates, the
 search, :func:`plan`).

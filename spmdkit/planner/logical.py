@@ -10,6 +10,16 @@ entry of ``None`` means replicated; if no entry fits, the dim is replicated. A
 name with no entry at all raises :class:`UnknownLogicalAxisError` (flax's
 ``logical_to_mesh_sharding`` silently replicates it instead).
 
+flax's tables and names
+-----------------------
+A flax rule table (``nn.logical_axis_rules``-style ``(name, axes)`` pairs, as
+MaxText and T5X write them) is a rule table as is: pass it as ``rules=`` or as
+the strategy. Metadata with fewer names than dims (linen's ``DenseGeneral``
+gives its N-D kernels the flat initializer's names) names the leading dims, the
+trailing ones unnamed, as flax pads a ``PartitionSpec``. flax's own names are in
+every preset: ``kv`` (a head's feature dim, as ``head_dim``) and ``joined_kv``
+(heads × head_dim flattened, sharded as ``heads``).
+
 Presets and axis roles
 ----------------------
 Presets are rule tables over four *roles*: ``data`` (batch), ``fsdp`` (parameter
@@ -73,6 +83,8 @@ PARAM_NAMES = (
     "heads",
     "kv_heads",
     "head_dim",
+    "kv",
+    "joined_kv",
     "expert",
     "layers",
     "norm",
@@ -206,26 +218,30 @@ class LogicalRules:
 
         Args:
           names: logical name per dim (None: replicated dim); None: unannotated
-            (replicated).
+            (replicated). Fewer names than dims name the leading dims, the
+            trailing ones unnamed, as flax pads a PartitionSpec (linen's
+            ``DenseGeneral`` gives its N-D kernels the flat initializer's names).
           shape: the tensor's global shape.
           mesh: the mesh (axis names and sizes).
           where: the tensor's path, for error messages.
 
         Raises:
           UnknownLogicalAxisError: a name has no entry.
-          PlanError: an entry names an axis the mesh does not have, or names and
-            shape differ in length.
+          PlanError: an entry names an axis the mesh does not have, or there
+            are more names than dims.
         """
         if names is None:
             return P()
         names = tuple(names)
-        if len(names) != len(shape):
+        if len(names) > len(shape):
             raise PlanError(
                 op="LogicalRules.resolve",
-                must="one logical name per dim",
+                must="at most one logical name per dim",
                 given=f"{names} for shape {tuple(shape)} at {where or '?'}",
-                fix="fix the model's sharding metadata",
+                fix="fix the model's sharding metadata, or give names by path "
+                "(sk.plan(..., names={path_glob: names}))",
             )
+        names = names + (None,) * (len(shape) - len(names))
         sizes = axis_sizes(mesh)
         known = self.names
         used: set[str] = set()
@@ -339,7 +355,9 @@ def _table(spec: Mapping[str, list[Entry]]) -> LogicalRules:
     return LogicalRules(tuple(pairs))
 
 
-_TP_NAMES = ("vocab", "mlp", "heads", "kv_heads", "conv_out", "classes", "expert")
+# flax's names: ``kv`` is a head's feature dim (as ``head_dim``), ``joined_kv``
+# heads × head_dim flattened (sharded as ``heads``).
+_TP_NAMES = ("vocab", "mlp", "heads", "kv_heads", "joined_kv", "conv_out", "classes", "expert")
 
 
 def preset_rules(name: str, mesh: MeshLike) -> LogicalRules:

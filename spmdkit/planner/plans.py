@@ -206,6 +206,9 @@ class Plan:
         micro-batches, optimizer offload (:class:`~spmdkit.recipe.Recipe`).
       grads: param path → PartitionSpec of its gradient where it differs from the
         param's (ZeRO-2: gradients sharded like the optimizer state); empty: as params.
+      names_from: param path → where its logical names came from (``"model"``,
+        ``"given"`` by ``names=``, ``"inferred"`` from the traced step); the table
+        marks inferred and given names.
 
     Example::
 
@@ -227,6 +230,7 @@ class Plan:
     chosen: str | None = None
     recipe: Recipe = field(default_factory=Recipe)
     grads: Mapping[str, P] = field(default_factory=dict)
+    names_from: Mapping[str, str] = field(default_factory=dict)
 
     # -- shardings ------------------------------------------------------------------
     def _lookup(self, table: Mapping[str, P], path: str, shape: tuple[int, ...]) -> P | None:
@@ -420,6 +424,7 @@ class Plan:
                 "alternatives": [[n, c.to_json()] for n, c in self.alternatives],
                 "recipe": self.recipe.to_json(),
                 "grads": {k: _spec_json(v) for k, v in self.grads.items()},
+                "names_from": dict(self.names_from),
             },
             indent=1,
         )
@@ -461,6 +466,7 @@ class Plan:
             chosen=d.get("chosen"),
             recipe=Recipe.from_json(d.get("recipe")),
             grads={k: _spec_from_json(v) for k, v in d.get("grads", {}).items()},
+            names_from=d.get("names_from", {}),
         )
         return out if mesh is None else out.on(mesh)
 
@@ -493,7 +499,11 @@ class Plan:
                 continue
             nbytes = math.prod(shape) * np.dtype(dtype).itemsize
             shards = math.prod(sizes[a] for a in _flat(spec))
-            rows[key] = [1, shape, logical, nbytes // max(shards, 1)]
+            text = "-" if logical is None else ",".join(n or "_" for n in logical)
+            source = self.names_from.get(path, "model")
+            if source != "model":
+                text += f" ({source})"
+            rows[key] = [1, shape, text, nbytes // max(shards, 1)]
         header = ("param", "n", "shape", "logical", "spec", "opt spec", "bytes/dev")
         body = []
         for (path, spec, ospec), (count, shape, logical, per_dev) in rows.items():
@@ -502,7 +512,7 @@ class Plan:
                     path,
                     str(count),
                     "×".join(map(str, shape)) or "scalar",
-                    "-" if logical is None else ",".join(n or "_" for n in logical),
+                    logical,
                     _spec_text(spec),
                     "=" if ospec == spec else _spec_text(ospec),
                     fmt_bytes(per_dev),

@@ -43,7 +43,7 @@ from jax.extend.core import Jaxpr, JaxprEqn
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.model import ModelInfo, describe
+from spmdkit.flax.model import ModelInfo, describe, unbound_axis_error
 from spmdkit.planner.analytic import (
     CostContext,
     GroupCost,
@@ -64,6 +64,7 @@ from spmdkit.planner.logical import (
     UnknownLogicalAxisError,
     preset_rules,
 )
+from spmdkit.planner.naming import apply_names, check_placement, infer_names
 from spmdkit.planner.plans import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
 from spmdkit.propagation import propagate
 from spmdkit.recipe import PLAIN, Recipe
@@ -268,7 +269,10 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
 
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
     opt = _optimizer(optimizer)
-    closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    try:
+        closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    except NameError as e:
+        raise (unbound_axis_error(e, "plan") or e) from e
     forward = jax.make_jaxpr(info.loss_fn)(info.abstract_params, info.batch)
 
     def residuals(p: PyTree, b: PyTree) -> Callable:
@@ -869,6 +873,9 @@ def plan(
     init_args: tuple = (),
     estimator: str = "propagate",
     recipe: Recipe | None = None,
+    names: Mapping[str, tuple | None] | None = None,
+    strict: bool = False,
+    axis_names: tuple[str, ...] = (),
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -906,12 +913,23 @@ def plan(
         the layouts (remat none/dots/full, the params' dtype or bf16 compute,
         micro-batches until a plan fits, optimizer offload when nothing else
         fits); given, it is fixed.
+      names: path glob → logical names, overriding the model's (fewer names than
+        dims: the trailing dims unnamed, as flax pads); parameters without names
+        get names inferred from their role in the traced step
+        (:mod:`spmdkit.planner.naming`).
+      strict: a tensor-parallel preset that leaves a weight off the model axes
+        raises instead of warning.
+      axis_names: collective axis names the model uses as if under ``pmap``
+        (``nn.BatchNorm(axis_name="batch")``), bound around the loss
+        (:func:`spmdkit.flax.model.bind_axis_names`).
 
     Returns:
       The :class:`Plan`.
 
     Raises:
-      PlanError: unknown strategy; UnknownLogicalAxisError: a logical name has no rule.
+      PlanError: unknown strategy, a ``names`` glob matching nothing, or (``strict``)
+        a weight a tensor-parallel preset replicates; UnknownLogicalAxisError: a
+        logical name has no rule.
 
     Example::
 
@@ -928,6 +946,7 @@ def plan(
         loss=loss,
         batch_axes=batch_axes,
         init_args=init_args,
+        axis_names=axis_names,
     )
     if recipe is not None and not isinstance(recipe, Recipe):
         raise PlanError(
@@ -936,16 +955,21 @@ def plan(
             given=type(recipe).__name__,
             fix="pass recipe=sk.Recipe(remat='full', compute_dtype='bfloat16', ...)",
         )
+    info, names_from = apply_names(info, names, lambda: infer_names(info))
     planner = _planner(info, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
     fixed = recipe or PLAIN
     if isinstance(strategy, str) and strategy != "auto":
-        return planner.final(strategy, planner.preset(strategy, rules, fixed))
+        out = replace(
+            planner.final(strategy, planner.preset(strategy, rules, fixed)), names_from=names_from
+        )
+        check_placement(out, lambda: infer_names(info), strict=strict)
+        return out
     if not isinstance(strategy, str):
         table = LogicalRules.coerce(strategy)
         if rules is not None:
             table = table.prepend(rules)
-        return planner.final("rules", planner.table(table, fixed))
-    return planner.auto_plan(rules, recipe)
+        return replace(planner.final("rules", planner.table(table, fixed)), names_from=names_from)
+    return replace(planner.auto_plan(rules, recipe), names_from=names_from)
 
 
 def _planner(

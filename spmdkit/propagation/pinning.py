@@ -128,6 +128,7 @@ def _node_pins(
             readers[v].append((step.node, r))
         made.update(zip(step.node.outs, step.outputs, strict=True))
     settled: dict[int, tuple[TensorSpec, TensorSpec]] = {}  # reduced before they run
+    avail: dict[int, list[TensorSpec]] = {}  # value → layouts it has (the records' copies)
     for step in steps:
         node, req, outs = step.node, step.required, step.outputs
         if id(node) in settled:
@@ -135,7 +136,8 @@ def _node_pins(
             out[id(node)] = NodePins((before,), (after,), ((),), None, runs)
             continue
         chains = tuple(
-            _moves(pricer, v, s, r) for v, s, r in zip(node.ins, step.given, req, strict=True)
+            _moves(pricer, v, s, r, avail)
+            for v, s, r in zip(node.ins, step.given, req, strict=True)
         )
         fused = None
         if (
@@ -153,13 +155,43 @@ def _node_pins(
             _node_pins(step.loop.steps, pricer, {}, blocked, out, runs * step.loop.trips)
 
 
+def _source(
+    pricer: Pricer, vid: int, src: TensorSpec, dst: TensorSpec, avail: dict[int, list[TensorSpec]]
+) -> TensorSpec:
+    """The layout the records move ``vid`` from: the cheapest one it already has
+    (:func:`~spmdkit.propagation.pricing.reshard_once`, whose choices the
+    prediction counts), so the replay moves from the same copy."""
+    have = avail.setdefault(vid, [src])
+    if src not in have:
+        have.insert(0, src)
+    best, cost = src, None
+    for h in have:
+        if h.dims == dst.dims and h.partial == dst.partial:
+            return h
+        a = pricer.reshard("input", h, dst, vid)
+        key = None if a is None else (a.plan.time_s, a.payload_bytes)
+        if a is not None and (cost is None or key < cost):
+            best, cost = h, key
+    have.append(dst)
+    return best
+
+
 def _moves(
-    pricer: Pricer, vid: int, src: TensorSpec | None, dst: TensorSpec | None
+    pricer: Pricer,
+    vid: int,
+    src: TensorSpec | None,
+    dst: TensorSpec | None,
+    avail: dict[int, list[TensorSpec]],
 ) -> ReshardPlan | tuple[TensorSpec, ...]:
     """How the replay moves an operand: the plan itself (run with its own
-    collectives), else its non-partial intermediate layouts (pinned in turn)."""
+    collectives, or locally from a copy the value already has in another
+    layout), else its non-partial intermediate layouts (pinned in turn)."""
+    given = src
+    if src is not None and dst is not None:
+        src = _source(pricer, vid, src, dst, avail)
     a = pricer.reshard("input", src, dst, vid) if src is not None and dst is not None else None
-    if a is not None and a.plan.collectives and _explicit_move(a.plan, pricer.mesh):
+    copy = src != given and not (src.dims == dst.dims and src.partial == dst.partial)
+    if a is not None and (a.plan.collectives or copy) and _explicit_move(a.plan, pricer.mesh):
         return a.plan
     steps = a.plan.specs[1:-1] if a is not None and len(a.plan.collectives) > 1 else ()
     return tuple(x for x in steps if not x.partial)

@@ -344,9 +344,7 @@ def train(
     _set_microbatches(data, accum_steps)
     abstract, param_sh, opt_sh, mesh = _state_shardings(params, optimizer, plan, shardings)
     grad_specs = _grad_shardings(plan, abstract[0], mesh)
-    if recipe.offload_opt:
-        check_offload(recipe, mesh.devices.flat[0] if mesh is not None else None)
-        opt_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_sh)
+    opt_sh = _offloaded(recipe, opt_sh, mesh)
 
     # under the mesh context optax's scalar states and the step's replicated metrics
     # are created on the mesh, not on one device
@@ -393,6 +391,15 @@ def train(
             start_step=loop.start,
             compiles=step_fn.compiles,
         )
+
+
+def _offloaded(recipe: Recipe, opt_sh: Any, mesh: Any) -> Any:
+    """The optimizer-state shardings, in host memory when the recipe offloads it
+    (a backend without ``pinned_host`` memory raises :class:`RecipeError`)."""
+    if not recipe.offload_opt:
+        return opt_sh
+    check_offload(recipe, mesh.devices.flat[0] if mesh is not None else None)
+    return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_sh)
 
 
 def _check_args(

@@ -1,0 +1,413 @@
+"""Logical names for every parameter: from the model, given by path, or inferred from the step.
+
+A parameter's logical names come from, in order of priority:
+
+1. ``names=`` given to :func:`spmdkit.plan`: ``{path glob: names}``
+   (``{"*/attn/*/kernel": ("embed", "heads", "head_dim")}``; ``fnmatch`` globs,
+   ``*`` crosses ``/``; a later glob overrides an earlier one; ``None`` leaves the
+   parameter unnamed on purpose, so presets replicate it without a warning);
+2. the model's own metadata (flax ``out_sharding`` / ``LogicallyPartitioned``);
+3. its role in the traced loss, inferred here (:func:`infer_names`).
+
+Inference reads the forward jaxpr of the loss once and follows each parameter
+to the first equation that uses it as a weight:
+
+- a ``dot_general``: whether its activation operand already carries a
+  tensor-parallel feature dim (a value computed from a column-parallel matmul's
+  output, not yet through a row-parallel one) decides the Megatron role: *column*
+  (contracted dims ``embed``; one kept dim ``mlp``, or ``vocab`` for the last
+  matmul of the step when its size is an embedding table's vocabulary; several
+  kept dims ``heads, head_dim...``) or
+  *row* (contracted ``mlp`` or ``heads, head_dim...``; kept ``embed``);
+- a ``gather`` (an embedding table): the indexed dim ``vocab``, the others ``embed``;
+- a ``conv_general_dilated`` kernel: ``conv_window...``, ``conv_in``, ``conv_out``
+  from its dimension numbers;
+- anything else (norm scales, biases, position embeddings, class tokens): the
+  last dim ``norm``, the others unnamed.
+
+Dtype casts, transposes and calls (``pjit``, ``custom_jvp_call``...) are
+followed. Names are a proposal the plan table shows (``(inferred)``); give
+``names=`` where they are wrong.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+
+from spmdkit.flax.model import ModelInfo, ParamInfo, unbound_axis_error
+from spmdkit.planner.logical import PlanError, axis_roles
+from spmdkit.planner.plans import Plan
+from spmdkit.spec import axis_sizes
+from spmdkit.util import path_str
+
+__all__ = [
+    "TP_PRESETS",
+    "NameSource",
+    "Role",
+    "apply_names",
+    "check_placement",
+    "infer_names",
+    "unplaced",
+]
+
+#: Where a parameter's names came from: ``"model"``, ``"given"``, ``"inferred"``.
+NameSource = str
+
+#: Names per dim, or None (unnamed).
+Names = tuple[str | None, ...] | None
+
+
+@dataclass(frozen=True)
+class Role:
+    """What the traced step does with one parameter.
+
+    Attributes:
+      kind: ``"dot"`` (a matmul weight), ``"gather"`` (an embedding table),
+        ``"conv"`` (a convolution kernel) or ``"other"``.
+      names: the logical names its role implies, one per dim.
+    """
+
+    kind: str
+    names: tuple[str | None, ...]
+
+    @property
+    def is_weight(self) -> bool:
+        """A matmul, lookup or convolution weight: tensor-parallel presets shard it."""
+        return self.kind in ("dot", "gather", "conv")
+
+
+_CASTS = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision", "rev"})
+
+
+def _is_var(v: Any) -> bool:
+    return not hasattr(v, "val")
+
+
+def _sub_jaxpr(eqn: Any) -> Any:
+    """The called jaxpr of a call-like equation whose invars map one to one
+    (``scan``: its body, whose scanned operands lose their leading dim)."""
+    if eqn.primitive.name in ("while", "cond"):
+        return None
+    for value in eqn.params.values():
+        jaxpr = getattr(value, "jaxpr", value)
+        if hasattr(jaxpr, "eqns") and len(jaxpr.invars) == len(eqn.invars):
+            return jaxpr
+    return None
+
+
+class _Walk:
+    """One pass over the loss's forward jaxpr (module docstring)."""
+
+    def __init__(self) -> None:
+        self.roles: dict[str, Role] = {}
+        self.ranks: dict[str, int] = {}
+        self.vocab: set[int] = set()
+        self.head: tuple[str, int] | None = None
+        self.last_dot: str | None = None
+
+    def name_head(self) -> None:
+        """The output projection: the last matmul weight, when its kept dim is an
+        embedding table's vocabulary, projects onto the vocabulary."""
+        if self.head is None or self.head[0] != self.last_dot:
+            return
+        path, dim = self.head
+        role = self.roles[path]
+        names = list(role.names)
+        names[dim] = "vocab"
+        self.roles[path] = Role(role.kind, tuple(names))
+
+    def run(self, jaxpr: Any, tracked: dict, tainted: set) -> set:
+        """Walk ``jaxpr``; ``tracked``: var → (param path, param dim per dim);
+        ``tainted``: vars carrying a tensor-parallel feature dim. Returns the
+        tainted outvars' positions."""
+        for eqn in jaxpr.eqns:
+            ins = [v for v in eqn.invars if _is_var(v)]
+            hot = any(v in tainted for v in ins)
+            name = eqn.primitive.name
+            params = [v for v in ins if v in tracked and tracked[v][0] not in self.roles]
+            if name in _CASTS and params:
+                path, dims = tracked[params[0]]
+                tracked[eqn.outvars[0]] = (path, dims)
+            elif name == "transpose" and params:
+                path, dims = tracked[params[0]]
+                tracked[eqn.outvars[0]] = (path, tuple(dims[i] for i in eqn.params["permutation"]))
+            elif name == "dot_general" and params:
+                hot = self.dot(eqn, tracked, tainted)
+            elif name == "gather" and eqn.invars[0] in params:
+                self.gather(eqn, tracked)
+                hot = False
+            elif name == "conv_general_dilated" and eqn.invars[1] in params:
+                self.conv(eqn, tracked)
+                hot = False
+            else:
+                sub = _sub_jaxpr(eqn)
+                if sub is not None:
+                    inner_t = {
+                        s: _sliced(tracked[o], eqn, i)
+                        for i, (o, s) in enumerate(zip(eqn.invars, sub.invars, strict=True))
+                        if _is_var(o) and o in tracked
+                    }
+                    inner_h = {
+                        s
+                        for o, s in zip(eqn.invars, sub.invars, strict=True)
+                        if _is_var(o) and o in tainted
+                    }
+                    hot_out = self.run(sub, inner_t, inner_h)
+                    tainted.update(eqn.outvars[i] for i in hot_out)
+                    continue
+                for v in params:
+                    self.other(*tracked[v])
+            if hot:
+                tainted.update(eqn.outvars)
+        return {i for i, v in enumerate(jaxpr.outvars) if _is_var(v) and v in tainted}
+
+    def dot(self, eqn: Any, tracked: dict, tainted: set) -> bool:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = eqn.invars
+        side = 1 if _is_var(rhs) and rhs in tracked else 0
+        w, x = (rhs, lhs) if side else (lhs, rhs)
+        contract, batch = (rc, rb) if side else (lc, lb)
+        path, dims = tracked[w]
+        row = _is_var(x) and x in tainted
+        shape = w.aval.shape
+        # heads before head_dim in the parameter's own dim order (an einsum may
+        # contract them in another order)
+        contract = sorted(contract, key=lambda d: dims[d])
+        kept = sorted(
+            (d for d in range(len(shape)) if d not in contract and d not in batch),
+            key=lambda d: dims[d],
+        )
+        names: list[str | None] = [None] * len(shape)
+        if row:
+            for d, n in zip(contract, _feature_names(len(contract)), strict=True):
+                names[d] = n
+            for d in kept:
+                names[d] = "embed"
+        else:
+            for d in contract:
+                names[d] = "embed"
+            for d, n in zip(kept, _feature_names(len(kept)), strict=True):
+                names[d] = n
+            if len(kept) == 1 and shape[kept[0]] in self.vocab:
+                self.head = (path, dims[kept[0]])
+        if path not in self.roles:
+            self.last_dot = path
+        self.set(path, dims, Role("dot", tuple(names)))
+        return not row
+
+    def gather(self, eqn: Any, tracked: dict) -> None:
+        path, dims = tracked[eqn.invars[0]]
+        dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+        shape = eqn.invars[0].aval.shape
+        indexed = {d for d in dn.start_index_map if sizes[d] == 1}
+        names = tuple("vocab" if d in indexed else "embed" for d in range(len(shape)))
+        self.vocab.update(shape[d] for d in indexed)
+        self.set(path, dims, Role("gather", names))
+
+    def conv(self, eqn: Any, tracked: dict) -> None:
+        path, dims = tracked[eqn.invars[1]]
+        out, inp, *spatial = eqn.params["dimension_numbers"].rhs_spec
+        names: list[str | None] = [None] * len(eqn.invars[1].aval.shape)
+        names[out], names[inp] = "conv_out", "conv_in"
+        for d in spatial:
+            names[d] = "conv_window"
+        self.set(path, dims, Role("conv", tuple(names)))
+
+    def other(self, path: str, dims: tuple) -> None:
+        n = len(dims)
+        self.set(path, dims, Role("other", (None,) * (n - 1) + ("norm",) if n else ()))
+
+    def set(self, path: str, dims: tuple, role: Role) -> None:
+        """Record ``role`` (given per current dim) in the parameter's own dim order;
+        a dim a ``scan`` slices off (stacked layers) is ``layers``."""
+        names: list[str | None] = ["layers"] * self.ranks.get(path, len(dims))
+        for cur, pd in enumerate(dims):
+            names[pd] = role.names[cur]
+        self.roles.setdefault(path, Role(role.kind, tuple(names)))
+
+
+def _sliced(entry: tuple[str, tuple], eqn: Any, i: int) -> tuple[str, tuple]:
+    """A tracked parameter as a call's body sees operand ``i``: a ``scan`` hands
+    its body one slice of each scanned operand (the leading dim dropped)."""
+    path, dims = entry
+    if eqn.primitive.name == "scan":
+        first_xs = int(eqn.params["num_consts"]) + int(eqn.params["num_carry"])
+        if i >= first_xs:
+            return path, dims[1:]
+    return path, dims
+
+
+def _feature_names(n: int) -> tuple[str, ...]:
+    if n == 1:
+        return ("mlp",)
+    return ("heads",) + ("head_dim",) * (n - 1) if n else ()
+
+
+def infer_names(info: ModelInfo) -> dict[str, Role]:
+    """Each parameter's :class:`Role` in the model's traced loss (module docstring).
+
+    Traced once per model (``ModelInfo.memo``), abstractly.
+
+    Example::
+
+        >>> roles = infer_names(describe(lambda: MLP(rngs=nnx.Rngs(0)), loss=l, batch=b))
+        >>> roles["w1/kernel"]
+        Role(kind='dot', names=('embed', 'mlp'))
+    """
+    return info.memo(("planner.names",), lambda: _infer(info))
+
+
+def _infer(info: ModelInfo) -> dict[str, Role]:
+    try:
+        closed = jax.make_jaxpr(info.loss_fn)(info.abstract_params, info.batch)
+    except NameError as e:
+        raise (unbound_axis_error(e, "plan") or e) from e
+    leaves = jax.tree_util.tree_flatten_with_path(info.abstract_params)[0]
+    tracked = {
+        v: (path_str(kp), tuple(range(len(leaf.shape))))
+        for (kp, leaf), v in zip(leaves, closed.jaxpr.invars, strict=False)
+    }
+    walk = _Walk()
+    walk.ranks = {p.path: len(p.shape) for p in info.params}
+    walk.run(closed.jaxpr, dict(tracked), set())
+    walk.name_head()
+    for p in info.params:
+        if p.path not in walk.roles:
+            walk.other(p.path, tuple(range(len(p.shape))))
+    return walk.roles
+
+
+def _pad(names: Sequence[str | None], ndim: int, where: str) -> tuple[str | None, ...]:
+    """Fewer names than dims: the trailing dims unnamed, as flax pads a
+    PartitionSpec (DenseGeneral's kernels get the flat initializer's names)."""
+    names = tuple(names)
+    if len(names) > ndim:
+        raise PlanError(
+            op="plan(names=...)",
+            must="at most one logical name per dim",
+            given=f"{names} for a rank-{ndim} parameter at {where}",
+            fix="give one name (or None) per dim",
+        )
+    return names + (None,) * (ndim - len(names))
+
+
+def apply_names(
+    info: ModelInfo,
+    names: Mapping[str, Names] | None,
+    roles: Mapping[str, Role] | Callable[[], Mapping[str, Role]],
+) -> tuple[ModelInfo, dict[str, NameSource]]:
+    """``info`` with every parameter named (module docstring), and where each
+    parameter's names came from.
+
+    Args:
+      info: the model.
+      names: path glob → names (None: unnamed on purpose).
+      roles: the inferred roles (or a function computing them on demand).
+
+    Raises:
+      PlanError: a glob matches no parameter, or gives more names than dims.
+    """
+    given: dict[str, Names] = {}
+    for glob, value in (names or {}).items():
+        hits = [p for p in info.params if fnmatch.fnmatchcase(p.path, glob)]
+        if not hits:
+            near = [p.path for p in info.params][:3]
+            raise PlanError(
+                op="plan(names=...)",
+                must="every path glob matches a parameter",
+                given=f"{glob!r} matches none",
+                fix=f"globs match '/'-joined paths such as {near}; '*' crosses '/'",
+            )
+        for p in hits:
+            given[p.path] = None if value is None else _pad(value, len(p.shape), p.path)
+    out: list[ParamInfo] = []
+    source: dict[str, NameSource] = {}
+    resolved = None
+    for p in info.params:
+        if p.path in given:
+            out.append(replace(p, logical=given[p.path], pinned=None))
+            source[p.path] = "given"
+        elif p.pinned is not None or p.logical is not None:
+            logical = None if p.logical is None else _pad(p.logical, len(p.shape), p.path)
+            out.append(replace(p, logical=logical))
+            source[p.path] = "model"
+        else:
+            resolved = resolved if resolved is not None else (roles() if callable(roles) else roles)
+            out.append(replace(p, logical=resolved[p.path].names))
+            source[p.path] = "inferred"
+    return replace(info, params=out), source
+
+
+#: Presets that put weights on the ``model`` axes (tensor parallel).
+TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp")
+
+
+def unplaced(plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, Role]]) -> list[str]:
+    """Weights a tensor-parallel preset leaves off every ``model`` axis (a matmul,
+    lookup or conv weight of rank ≥ 2 not named unplaced on purpose), one line
+    each: path, names, spec and the roles' names. ``roles`` may be a function:
+    it is called only when some parameter of rank ≥ 2 has no model axis."""
+    sizes = axis_sizes(plan.mesh)
+    model = {a for a in axis_roles(plan.mesh)["model"] if sizes[a] > 1}
+    if plan.strategy not in TP_PRESETS or not model:
+        return []
+    suspects = []
+    for path, spec in plan.params.items():
+        shape, _, logical = plan.info[path]
+        if len(shape) < 2 or (plan.names_from.get(path) == "given" and logical is None):
+            continue  # a vector, or names={glob: None}: replicated on purpose
+        used = {a for d in spec for a in ((d,) if isinstance(d, str) else d or ())}
+        if not used & model:
+            suspects.append((path, spec, shape, logical))
+    if not suspects:
+        return []
+    known = roles() if callable(roles) else roles
+    out = []
+    for path, spec, shape, logical in suspects:
+        role = known.get(path)
+        if role is None or not role.is_weight:
+            continue
+        hint = role.names if role.names != logical else None
+        out.append(
+            f"{path} {tuple(shape)} named {logical} → {spec}"
+            + (f"; its role in the step says {hint}" if hint else "")
+        )
+    return out
+
+
+def check_placement(
+    plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, Role]], *, strict: bool
+) -> None:
+    """Warn (``strict=True``: raise :class:`PlanError`) when a tensor-parallel
+    preset replicates weights over its ``model`` axes (:func:`unplaced`).
+
+    Raises:
+      PlanError: with ``strict=True``, a weight left off the ``model`` axes.
+    """
+    lines = unplaced(plan, roles)
+    if not lines:
+        return
+    fix = (
+        "give names by path: sk.plan(..., names={'*/attn/*/kernel': ('embed', 'heads', "
+        "'head_dim')}), map the names with rules=[(name, 'model')], or pass names={glob: "
+        "None} to replicate on purpose"
+    )
+    head = (
+        f"plan(strategy={plan.strategy!r}): {len(lines)} weight(s) get no "
+        f"'model' axis and are replicated over it"
+    )
+    if strict:
+        raise PlanError(
+            op="plan",
+            must="a tensor-parallel preset shards every weight over the model axes",
+            given=head + ": " + "; ".join(lines[:6]),
+            fix=fix,
+        )
+    shown = "\n  ".join(lines[:8]) + (f"\n  ... {len(lines) - 8} more" if len(lines) > 8 else "")
+    warnings.warn(f"{head}:\n  {shown}\nFix: {fix}.", stacklevel=3)

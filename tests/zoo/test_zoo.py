@@ -1,0 +1,153 @@
+"""The zoo planned like a new user would: every preset and auto, compiled, against one device.
+
+Each case's glue (what the user writes besides the model, loss and batch) is the
+keyword arguments of ``sk.plan`` below, counted in lines. The full matrix is
+slow; the default suite runs the glue count and the unnamed NNX decoder end to end.
+"""
+
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import spmdkit as sk
+from spmdkit.flax import describe
+from tests.zoo.models import ZOO
+
+# The user's glue per model, as written: keyword arguments of sk.plan beyond
+# model/loss/batch (counted in lines).
+GLUE_SOURCE = {
+    "nnx_decoder": "",
+    # linen's DenseGeneral gives its 3-D kernels the flat initializer's two names
+    "linen_decoder": """names={
+        "*/attn/[qkv]*/kernel": ("embed", "heads", "head_dim"),
+        "*/attn/out/kernel": ("heads", "head_dim", "embed"),
+    }""",
+    "resnet": "",
+    "vit": "",
+    # the output conv has 3 channels, which no model axis divides: replicated on purpose
+    "unet": 'names={"params/Conv_5/kernel": None}',
+}
+GLUE = {name: eval(f"dict({src})") for name, src in GLUE_SOURCE.items()}
+#: Per-device FLOP/s auto plans for: a CPU-class device, what the zoo's sizes run on
+#: (at H100 speed these models are too small for any sharding to pay).
+CPU_FLOPS = 1e9
+STRATEGIES = ("dp", "fsdp", "zero1", "megatron", "megatron_sp", "tp_fsdp", "auto")
+MESHES = ((2, 4), (4, 2))
+
+#: Cases whose plan.verify is outside ±10% bytes / ±20% memory today (issue 19,
+#: item 5: the replay does not pin these yet). The test asserts they still miss,
+#: so a fix shows up as a failure here to remove the entry.
+KNOWN_VERIFY_MISSES = frozenset(
+    [
+        # peak memory: XLA:CPU's max-pool gradient (select_and_scatter) takes a
+        # workspace of 5-13x the pooled input, and a conv's backward one more
+        # activation; the liveness model counts neither
+        ("resnet", "fsdp", (2, 4)),
+        ("resnet", "fsdp", (4, 2)),
+        ("resnet", "tp_fsdp", (4, 2)),
+        ("unet", "fsdp", (2, 4)),
+        ("unet", "fsdp", (4, 2)),
+        # collectives: GroupNorm over channel-sharded convolutions (XLA gathers
+        # and exchanges where the plan all-reduces statistics)
+        *(("unet", s, m) for s in ("megatron", "megatron_sp", "tp_fsdp", "auto") for m in MESHES),
+        # auto's searched layout (batch over the model axis): XLA adds a 640 B
+        # collective-permute the plan does not have
+        ("vit", "auto", (2, 4)),
+    ]
+)
+
+
+def glue_lines(name):
+    """Lines of user glue for a zoo model."""
+    return len(GLUE_SOURCE[name].splitlines())
+
+
+_CACHE = {}
+
+
+def _reference(name):
+    if name not in _CACHE:
+        case = ZOO[name]
+        batch = case.batch()
+        info = describe(case.model(), loss=case.loss, batch=batch, init_args=case.init_args())
+        params = info.init_fn()
+        loss, grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+        _CACHE[name] = info, batch, params, loss, grads
+    return _CACHE[name]
+
+
+def run_case(name, strategy, shape):
+    """Plan, compile, run and verify one case; returns (plan, report, warnings)."""
+    info, batch, params, ref_loss, ref_grads = _reference(name)
+    mesh = sk.make_mesh(data=shape[0], model=shape[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kw = {"estimator": "propagate", "peak_flops": CPU_FLOPS} if strategy == "auto" else {}
+        p = sk.plan(info, mesh, strategy, **{"estimator": "analytic", **kw}, **GLUE[name])
+        step = sk.jit(jax.value_and_grad(info.loss_fn), p)
+        loss, grads = step(params, batch)
+        report = p.verify(step, params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-4)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+    return p, report, [str(w.message) for w in caught]
+
+
+def _check(name, strategy, shape):
+    p, report, messages = run_case(name, strategy, shape)
+    assert not [m for m in messages if "no sharding rule" in m], messages
+    assert not [m for m in messages if "get no 'model' axis" in m], messages
+    if strategy in ("megatron", "megatron_sp", "tp_fsdp", "auto"):
+        assert any(s != jax.sharding.PartitionSpec() for s in p.params.values())
+    if (name, strategy, shape) in KNOWN_VERIFY_MISSES:
+        assert not report.ok, f"fixed: remove {(name, strategy, shape)} from KNOWN_VERIFY_MISSES"
+    else:
+        assert report.ok, str(report)
+
+
+def test_glue_is_at_most_ten_lines():
+    assert {name: glue_lines(name) for name in ZOO} == {
+        "nnx_decoder": 0,
+        "linen_decoder": 4,
+        "resnet": 0,
+        "vit": 0,
+        "unet": 1,
+    }
+    assert max(glue_lines(name) for name in ZOO) <= 10
+
+
+def test_unnamed_nnx_decoder_megatron_shards_matches_and_verifies():
+    _check("nnx_decoder", "megatron", (2, 4))
+
+
+@pytest.mark.slow
+def test_resnet_max_pool_has_rules_matches_and_verifies():
+    _check("resnet", "megatron", (4, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_matrix(name, strategy, shape):
+    _check(name, strategy, shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_auto_shards_and_is_at_most_the_best_preset(name, shape):
+    """On a CPU-class device auto shards every zoo model, and its estimated step
+    is no slower than any preset's costed the same way."""
+    info = _reference(name)[0]
+    mesh = sk.abstract_mesh(data=shape[0], model=shape[1])
+    kw = {"estimator": "propagate", "peak_flops": CPU_FLOPS, **GLUE[name]}
+    auto = sk.plan(info, mesh, "auto", **kw)
+    assert auto.chosen != "searched[batch=-]"
+    assert any(s != jax.sharding.PartitionSpec() for s in auto.params.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a preset that cannot place a weight says so
+        presets = {n: sk.plan(info, mesh, n, **kw).cost.step_time_s for n in STRATEGIES[:-1]}
+    assert auto.cost.step_time_s <= min(presets.values()) * (1 + 1e-9), presets
