@@ -26,6 +26,7 @@ from spmdkit.spec import MeshLike, TensorSpec
 
 __all__ = [
     "batch_norm",
+    "fused_add_rms_norm",
     "group_norm",
     "instance_norm",
     "layer_norm",
@@ -160,6 +161,55 @@ def rms_norm(
         begin_norm_axis=begin_norm_axis,
         epsilon=epsilon,
         strategy=strategy,
+    )
+
+
+def fused_add_rms_norm(
+    x: jax.Array,
+    residual: jax.Array,
+    scale: jax.Array | None = None,
+    *,
+    begin_norm_axis: int = -1,
+    epsilon: float = 1e-6,
+    strategy: str = "default",
+    mesh: MeshLike | None = None,
+    in_specs: Specs = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Residual add fused with an RMS norm, sharded by its rule.
+
+    ``h = x + residual``; ``inv_rms = 1 / sqrt(mean(h²) + epsilon)`` over the dims
+    from ``begin_norm_axis`` on; ``y = h · inv_rms · scale``. A sum-partial ``x``
+    or ``residual`` (a row-parallel matmul's output) is all-reduced once, as ``h``.
+
+    Args:
+      x: the input (e.g. a sublayer's output).
+      residual: the residual stream, shaped like ``x``.
+      scale: shape ``x.shape[begin_norm_axis:]``, or ``None``.
+      begin_norm_axis: first normalized dim.
+      epsilon: added to the mean square.
+      strategy: ``"default"`` or ``"sharded_stats"`` (per-row Σh² all-reduced).
+      mesh: the mesh (default: from the arrays or the mesh context).
+      in_specs: the inputs' specs (one per array passed), for Auto axes inside ``jit``.
+
+    Returns:
+      ``(y, h, inv_rms)``; ``inv_rms`` has ``x``'s leading dims.
+
+    Example::
+
+        >>> y, h, inv_rms = fused_add_rms_norm(attn_out, stream, scale, mesh=mesh)
+    """
+    args, flags = _operands(x, (("scale", scale),))
+    args.insert(1, residual)
+    _check_specs("fused_add_rms_norm", in_specs, len(args))
+    return apply_rule(
+        "fused_add_rms_norm",
+        *args,
+        mesh=mesh,
+        in_specs=in_specs,
+        begin_norm_axis=begin_norm_axis,
+        epsilon=epsilon,
+        strategy=strategy,
+        **flags,
     )
 
 
