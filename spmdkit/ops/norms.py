@@ -47,6 +47,12 @@ def _operands(x: Any, params: Sequence[tuple[str, Any]]) -> tuple[list[Any], dic
     return args, flags
 
 
+def _strategy(strategy: str | None) -> dict[str, str]:
+    """``strategy=`` when the caller fixed one; left out, the rule's first applies (and,
+    where the op is traced as a region, the planner chooses)."""
+    return {} if strategy is None else {"strategy": strategy}
+
+
 def _check_specs(op: str, in_specs: Specs, n: int) -> None:
     if in_specs is not None and len(in_specs) != n:
         raise ShardingConflictError(
@@ -78,7 +84,7 @@ def layer_norm(
     *,
     begin_norm_axis: int = -1,
     epsilon: float = 1e-5,
-    strategy: str = "default",
+    strategy: str | None = None,
     mesh: MeshLike | None = None,
     in_specs: Specs = None,
 ) -> jax.Array:
@@ -94,7 +100,8 @@ def layer_norm(
       begin_norm_axis: first normalized dim.
       epsilon: added to the variance.
       strategy: ``"default"`` (normalized dims gathered) or ``"sharded_stats"``
-        (normalized dims stay sharded; the per-row Σx and Σx² are all-reduced).
+        (normalized dims stay sharded; the per-row Σx and Σx² are all-reduced);
+        ``None``: the default, or the planner's choice where the op is a region.
       mesh: the mesh (default: from the arrays or the mesh context).
       in_specs: the inputs' specs (one per array passed), needed under Auto
         mesh axes inside ``jit``.
@@ -118,7 +125,7 @@ def layer_norm(
         in_specs,
         begin_norm_axis=begin_norm_axis,
         epsilon=epsilon,
-        strategy=strategy,
+        **_strategy(strategy),
     )
 
 
@@ -128,7 +135,7 @@ def rms_norm(
     *,
     begin_norm_axis: int = -1,
     epsilon: float = 1e-6,
-    strategy: str = "default",
+    strategy: str | None = None,
     mesh: MeshLike | None = None,
     in_specs: Specs = None,
 ) -> jax.Array:
@@ -141,7 +148,8 @@ def rms_norm(
       scale: shape ``x.shape[begin_norm_axis:]``, or ``None``.
       begin_norm_axis: first normalized dim.
       epsilon: added to the mean square.
-      strategy: ``"default"`` or ``"sharded_stats"`` (per-row Σx² all-reduced).
+      strategy: ``"default"`` or ``"sharded_stats"`` (per-row Σx² all-reduced);
+        ``None``: the default, or the planner's choice where the op is a region.
       mesh: the mesh (default: from the arrays or the mesh context).
       in_specs: the inputs' specs (one per array passed), for Auto axes inside ``jit``.
 
@@ -160,7 +168,7 @@ def rms_norm(
         in_specs,
         begin_norm_axis=begin_norm_axis,
         epsilon=epsilon,
-        strategy=strategy,
+        **_strategy(strategy),
     )
 
 
@@ -171,7 +179,7 @@ def fused_add_rms_norm(
     *,
     begin_norm_axis: int = -1,
     epsilon: float = 1e-6,
-    strategy: str = "default",
+    strategy: str | None = None,
     mesh: MeshLike | None = None,
     in_specs: Specs = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -187,7 +195,8 @@ def fused_add_rms_norm(
       scale: shape ``x.shape[begin_norm_axis:]``, or ``None``.
       begin_norm_axis: first normalized dim.
       epsilon: added to the mean square.
-      strategy: ``"default"`` or ``"sharded_stats"`` (per-row Σh² all-reduced).
+      strategy: ``"default"`` or ``"sharded_stats"`` (per-row Σh² all-reduced);
+        ``None``: the default, or the planner's choice where the op is a region.
       mesh: the mesh (default: from the arrays or the mesh context).
       in_specs: the inputs' specs (one per array passed), for Auto axes inside ``jit``.
 
@@ -208,7 +217,7 @@ def fused_add_rms_norm(
         in_specs=in_specs,
         begin_norm_axis=begin_norm_axis,
         epsilon=epsilon,
-        strategy=strategy,
+        **_strategy(strategy),
         **flags,
     )
 
