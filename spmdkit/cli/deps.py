@@ -74,6 +74,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "verification": ("spmdkit.verification",),
     "runtime": ("spmdkit.runtime",),
     "ops": ("spmdkit.ops",),
+    "nn": ("spmdkit.nn",),
     "testing": ("spmdkit.testing",),
     "models": ("spmdkit.models",),
     "cli": ("spmdkit.cli", "spmdkit.__main__"),
@@ -113,9 +114,10 @@ LAYERS: dict[str, frozenset[str]] = {
     "runtime": _BELOW_API,
     "api": _BELOW_API,
     "ops": frozenset({"base", "rule", "resharding", "api"}),
+    "nn": frozenset({"base", "ops"}),
     "testing": frozenset({"base", "rule", "resharding", "verification", "api"}),
-    "models": frozenset({"base", "planner", "api"}),
-    "cli": _BELOW_API | {"api", "runtime", "models", "rules", "ops", "testing"},
+    "models": frozenset({"base", "planner", "api", "nn"}),
+    "cli": _BELOW_API | {"api", "runtime", "models", "rules", "ops", "nn", "testing"},
 }
 
 
