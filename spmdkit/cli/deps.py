@@ -116,7 +116,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "ops": frozenset({"base", "rule", "resharding", "api"}),
     "nn": frozenset({"base", "ops"}),
     "testing": frozenset({"base", "rule", "resharding", "verification", "api"}),
-    "models": frozenset({"base", "planner", "api", "nn"}),
+    "models": frozenset({"base", "planner", "api", "nn", "ops"}),
     "cli": _BELOW_API | {"api", "runtime", "models", "rules", "ops", "nn", "testing"},
 }
 
@@ -374,8 +374,9 @@ _ORDER = (
     "cli",
     "runtime",
     "testing",
-    "ops",
     "models",
+    "nn",
+    "ops",
     "api",
     "compile",
     "verification",

@@ -57,3 +57,20 @@ def test_uneven_broadcast_batch_dim_is_not_split():
 def test_matmul_rank_zero_is_refused():
     with pytest.raises(sk.ShardingConflictError):
         sk.infer_forward("matmul", T(()), T((4,)), mesh=sk.abstract_mesh(x=2))
+
+
+def test_uneven_dims_stay_sharded_on_an_axis_of_three():
+    """PaddlePaddle's held-out cases (a mesh axis of 3, dims of 32 and 64): the batch,
+    contracting and output dims keep their sharding, forward and grad; nothing moves."""
+    import spmdkit as sk
+
+    mesh = sk.abstract_mesh(a=2, c=3)
+    x = sk.TensorSpec((32, 64), P("c", "a"), dtype="float32")
+    w = sk.TensorSpec((64, 32), P("a", None), dtype="float32")
+    fwd = sk.infer_forward("matmul", x, w, mesh=mesh)
+    assert fwd.inputs == (x, w) and not fwd.reshards
+    assert str(fwd.outputs[0]) == "f32[32@c,32]{sum:a}"
+    g = sk.TensorSpec((32, 32), P("c", None), dtype="float32")
+    grad = sk.infer_grad("matmul", x, w, out_grads=(g,), mesh=mesh)
+    assert not grad.reshards
+    assert grad.outputs[0].dims == (("c",), ("a",)) and grad.outputs[1].partial_ops == {"c": "sum"}

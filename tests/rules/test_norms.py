@@ -439,3 +439,22 @@ def test_fused_add_rms_norm_sharded_stats_sweep(mesh2d):
         strategy="sharded_stats",
     )
     assert str(res.outputs[0]) == "f32[4,8@x]" and res.collectives[0].payload_bytes == 4 * 4
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_uneven_rows_stay_sharded_on_an_axis_of_three(op):
+    """A mesh axis of 3 over 32 rows (PaddlePaddle's held-out cases): the rows stay
+    sharded forward and grad, the scale grad is partial over them; nothing moves."""
+    mesh = sk.abstract_mesh(a=2, c=3)
+    x = T((32, 64), P("c", None))
+    params = (T((64,)),) * (2 if op == "layer_norm" else 1)
+    fwd = sk.infer_forward(op, x, *params, mesh=mesh)
+    assert fwd.inputs[0] == x and not fwd.reshards
+    grad = sk.infer_grad(op, x, *params, out_grads=(x,), mesh=mesh)
+    assert not grad.reshards and grad.outputs[0].dims == (("c",), ())
+    assert all(g.partial_ops == {"c": "sum"} for g in grad.outputs[1:])
+    fast = sk.infer_forward(
+        op, T((32, 64), P(None, "c")), *params, mesh=mesh, strategy="sharded_stats"
+    )
+    assert fast.inputs[0].dims == ((), ("c",))  # the parameters are sliced: no bytes move
+    assert all(r.plan.payload_bytes == 0 for r in fast.reshards)
