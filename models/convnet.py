@@ -21,8 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spmdkit import nn
-
 from . import layers as lyr
 
 __all__ = ["ConvNetConfig", "ConvNet", "CONFIGS", "convnet_loss", "image_batch", "IMAGE_AXES"]
@@ -96,25 +94,29 @@ class GroupNorm(nnx.Module):
         return lyr.group_norm(x, self.scale[...], self.bias[...], groups=self.groups, eps=self.eps)
 
 
-class BatchNorm(nn.BatchNorm):
-    """``spmdkit.nn.BatchNorm`` (flax's, global statistics) over NHWC activations, with
-    running statistics (``nnx.BatchStat``) and parameters on the ``norm`` logical axis.
+class BatchNorm(nnx.Module):
+    """Batch norm over NHWC activations with running statistics (``nnx.BatchStat``).
 
     ``use_running_average`` is the attribute ``Module.train()``/``eval()`` flip.
     """
 
     def __init__(self, dim: int, *, momentum: float, eps: float, param_dtype=jnp.float32, rngs):
-        super().__init__(
-            dim,
-            momentum=momentum,
-            epsilon=eps,
-            param_dtype=param_dtype,
-            use_running_average=False,
-            rngs=rngs,
-        )
+        self.momentum, self.eps = momentum, eps
+        self.use_running_average = False
+        self.scale = lyr.param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), param_dtype)
+        self.bias = lyr.param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), param_dtype)
+        self.mean = nnx.BatchStat(jnp.zeros((dim,), jnp.float32), out_sharding=("norm",))
+        self.var = nnx.BatchStat(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return super().__call__(x).astype(x.dtype)
+        if self.use_running_average:
+            mean, var = self.mean[...], self.var[...]
+        else:
+            mean, var = lyr.batch_stats(x)
+            m = self.momentum
+            self.mean[...] = m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(mean)
+            self.var[...] = m * self.var[...] + (1 - m) * jax.lax.stop_gradient(var)
+        return lyr.batch_norm(x, self.scale[...], self.bias[...], mean, var, eps=self.eps)
 
 
 def _check(cfg: ConvNetConfig) -> None:

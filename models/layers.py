@@ -3,11 +3,8 @@
 The functions at the top (``layer_norm``, ``rms_norm``, ``group_norm``,
 ``batch_norm``, ``attention``, ``embedding_lookup``, ``softmax_cross_entropy``)
 are the computations that ``spmdkit.ops`` provides sharding-aware versions of.
-Every model calls them from here and nowhere else. The norms, the embedding
-lookup and the loss are the ``spmdkit.ops`` ops (their statistics in float32),
-and the norm layers are ``spmdkit.nn``'s flax drop-ins: in a planned step each is
-a region the planner lays out with the op's rule and strategies. ``attention``
-and ``batch_norm``/``batch_stats`` stay plain jnp.
+Every model calls them from here and nowhere else, so switching a model to the
+ops means changing only this file.
 
 The layers below them create their parameters with logical axis names in flax's
 standard ``out_sharding`` metadata and never mention a mesh.
@@ -23,13 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmdkit import nn
 from spmdkit.errors import SpmdError
-from spmdkit.nn.calls import call_op
-from spmdkit.ops import embedding_lookup as _lookup
-from spmdkit.ops import group_norm as _group_norm
-from spmdkit.ops import layer_norm as _layer_norm
-from spmdkit.ops import rms_norm as _rms_norm
 from spmdkit.planner import BATCH_NAMES, PARAM_NAMES
 
 __all__ = [
@@ -71,39 +62,36 @@ class ModelConfigError(SpmdError, ValueError):
 
 
 # ---------------------------------------------------------------------------
-# Swappable computations (spmdkit.ops provides the sharded ones).
+# Swappable computations (spmdkit.ops will provide sharded versions).
 # ---------------------------------------------------------------------------
 
 
-def _f32(x: jax.Array) -> jax.Array:
-    return x.astype(jnp.float32)
-
-
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float) -> jax.Array:
-    """Layer norm over the last dim (``spmdkit.ops.layer_norm``), statistics in float32."""
-    return call_op(_layer_norm, _f32(x), _f32(scale), _f32(bias), epsilon=eps).astype(x.dtype)
+    """Layer norm over the last dim, statistics in float32."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale + bias).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float) -> jax.Array:
-    """RMS norm over the last dim (``spmdkit.ops.rms_norm``), statistics in float32."""
-    return call_op(_rms_norm, _f32(x), _f32(scale), epsilon=eps).astype(x.dtype)
+    """RMS norm over the last dim, statistics in float32."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    return (y * scale).astype(x.dtype)
 
 
 def group_norm(
     x: jax.Array, scale: jax.Array, bias: jax.Array, *, groups: int, eps: float
 ) -> jax.Array:
-    """Group norm of an NHWC tensor (``spmdkit.ops.group_norm``): statistics per sample
-    over (H, W, C/groups), in float32."""
-    y = call_op(
-        _group_norm,
-        _f32(x),
-        _f32(scale),
-        _f32(bias),
-        num_groups=groups,
-        epsilon=eps,
-        data_format="NHWC",
-    )
-    return y.astype(x.dtype)
+    """Group norm of an NHWC tensor: statistics per sample over (H, W, C/groups)."""
+    n, h, w, c = x.shape
+    xg = x.astype(jnp.float32).reshape(n, h, w, groups, c // groups)
+    mean = jnp.mean(xg, axis=(1, 2, 4), keepdims=True)
+    var = jnp.mean(jnp.square(xg - mean), axis=(1, 2, 4), keepdims=True)
+    y = ((xg - mean) * jax.lax.rsqrt(var + eps)).reshape(n, h, w, c)
+    return (y * scale + bias).astype(x.dtype)
 
 
 def batch_norm(
@@ -154,14 +142,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True) 
 
 
 def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows of ``table`` ``[vocab, embed]`` at integer ``ids`` (``spmdkit.ops``)."""
-    return call_op(_lookup, table, ids)
+    """Rows of ``table`` ``[vocab, embed]`` at integer ``ids``."""
+    return jnp.take(table, ids, axis=0)
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean cross-entropy of ``logits [..., classes]`` against integer ``labels [...]``
-    (``spmdkit.nn.cross_entropy``: vocab-parallel where the class dim is sharded)."""
-    return nn.cross_entropy(logits, labels)
+    """Mean cross-entropy of ``logits [..., classes]`` against integer ``labels [...]``."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    return -jnp.mean(picked)
 
 
 def rope(x: jax.Array, *, theta: float) -> jax.Array:
@@ -225,26 +214,27 @@ def fan_in_init(fan_in: int) -> Initializer:
     return jax.nn.initializers.normal(1.0 / math.sqrt(fan_in))
 
 
-class LayerNorm(nn.LayerNorm):
-    """``spmdkit.nn.LayerNorm`` (flax's) with ``scale`` and ``bias`` on the ``norm``
-    logical axis; ``dtype`` is the parameter dtype, the result keeps ``x``'s."""
+class LayerNorm(nnx.Module):
+    """Layer norm with ``scale`` and ``bias`` on the ``norm`` logical axis."""
 
     def __init__(self, dim: int, *, eps: float = 1e-5, dtype: Any = jnp.float32, rngs: nnx.Rngs):
-        super().__init__(dim, epsilon=eps, param_dtype=dtype, rngs=rngs)
+        self.eps = eps
+        self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), dtype)
+        self.bias = param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return super().__call__(x).astype(x.dtype)
+        return layer_norm(x, self.scale[...], self.bias[...], eps=self.eps)
 
 
-class RMSNorm(nn.RMSNorm):
-    """``spmdkit.nn.RMSNorm`` (flax's) with ``scale`` on the ``norm`` logical axis;
-    ``dtype`` is the parameter dtype, the result keeps ``x``'s."""
+class RMSNorm(nnx.Module):
+    """RMS norm with ``scale`` on the ``norm`` logical axis."""
 
     def __init__(self, dim: int, *, eps: float = 1e-5, dtype: Any = jnp.float32, rngs: nnx.Rngs):
-        super().__init__(dim, epsilon=eps, param_dtype=dtype, rngs=rngs)
+        self.eps = eps
+        self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return super().__call__(x).astype(x.dtype)
+        return rms_norm(x, self.scale[...], eps=self.eps)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -116,7 +116,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "ops": frozenset({"base", "rule", "resharding", "api"}),
     "nn": frozenset({"base", "ops"}),
     "testing": frozenset({"base", "rule", "resharding", "verification", "api"}),
-    "models": frozenset({"base", "planner", "api", "nn", "ops"}),
+    "models": frozenset({"base", "planner", "api"}),
     "cli": _BELOW_API | {"api", "runtime", "models", "rules", "ops", "nn", "testing"},
 }
 
