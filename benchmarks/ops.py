@@ -42,10 +42,18 @@ the GPU/TPU ones, but its collective combiners and memory scheduler differ, so
 counts (not bytes) and peaks may differ on accelerators. Results go to
 ``benchmarks/results/ops.json``.
 
+A **planned** section compiles ``forward+backward`` the way ``sk.jit`` does —
+spmdkit's propagation from the same input layouts, then the replay that pins
+every equation — twice: with the op called without ``in_specs`` (one region
+equation, laid out by its rule with the case's strategy) and with the jnp
+decomposition; per side the compiled bytes and peak, the propagation's
+prediction and the region strategies chosen.
+
 Run: ``python benchmarks/ops.py`` (``--quick`` for tiny shapes, ``--only NAME``
 to keep the cases whose op or variant contains NAME, ``--check``/``--no-check``
 to run both sides on random inputs and record how far apart their outputs and
-gradients are — on by default with ``--quick`` only).
+gradients are — on by default with ``--quick`` only; ``--no-planned`` skips the
+planned section).
 """
 
 from __future__ import annotations
@@ -888,10 +896,23 @@ def main(argv: list[str] | None = None) -> int:
         help="run both sides on random inputs and record how far apart they are "
         "(default: on with --quick)",
     )
+    parser.add_argument(
+        "--planned",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also compile forward+backward through spmdkit's propagation and pinned "
+        "replay, the op as a region vs the jnp decomposition (default: on)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON path (default {RESULTS})")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    run(quick=args.quick, out_path=args.out, only=args.only, check=args.check)
+    run(
+        quick=args.quick,
+        out_path=args.out,
+        only=args.only,
+        check=args.check,
+        planned=args.planned,
+    )
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 

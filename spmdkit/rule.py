@@ -555,6 +555,21 @@ def assign_factors(
 # FactorRule
 # ---------------------------------------------------------------------------
 
+def _complete(
+    nt: Notation, sizes: Mapping[str, int], shapes: Sequence[tuple[int, ...]]
+) -> set[Any]:
+    """Factors that run through every operand (at full size) and every result."""
+    return {
+        f
+        for f in nt.factors
+        if all(f in dims for dims in nt.outputs)
+        and all(
+            any(g == f and n == sizes.get(f) for g, n in zip(dims, shape, strict=True))
+            for dims, shape in zip(nt.inputs, shapes, strict=True)
+        )
+    }
+
+
 #: The padding fill per reduce op under which a padded, reduced-away dim stays
 #: sharded (the reduction's identity).
 _PAD_FILL: dict[str, float] = {"sum": 0.0, "max": -math.inf, "min": math.inf}
@@ -755,15 +770,7 @@ class FactorRule(Rule):
         (``reduce="avg"``: each device would divide by its padded block) is
         sharded only when it divides.
         """
-        complete = {
-            f
-            for f in nt.factors
-            if all(f in dims for dims in nt.outputs)
-            and all(
-                any(g == f and n == sizes.get(f) for g, n in zip(dims, shape, strict=True))
-                for dims, shape in zip(nt.inputs, shapes, strict=True)
-            )
-        }
+        complete = _complete(nt, sizes, shapes)
 
         def allowed(f: str, axes: tuple[str, ...]) -> bool:
             if f in complete or f not in reduced or nt.reduce in _PAD_FILL:
@@ -786,7 +793,9 @@ class FactorRule(Rule):
         ):
             return None
         ctx = RuleContext(op=lctx.op, axis_sizes=lctx.axis_sizes, attrs=lctx.attrs)
-        nt = self.notation_for([s.shape for s in lctx.inputs], self._notation_attrs(ctx))
+        shapes = [s.shape for s in lctx.inputs]
+        nt = self.notation_for(shapes, self._notation_attrs(ctx))
+        complete = _complete(nt, self._sizes(ctx, nt, shapes), shapes)
         fills: list[Any] = []
         for dims, s in zip(nt.inputs, lctx.inputs, strict=True):
             uneven = [
@@ -798,7 +807,18 @@ class FactorRule(Rule):
                 fills.append(_PAD_FILL[nt.reduce])
             else:
                 fills.append(1 if uneven else None)
+        if all(f in complete for f in self._uneven_factors(nt, lctx)):
+            return None  # the padding only ever meets padding, and is cropped
         return tuple(fills)
+
+    @staticmethod
+    def _uneven_factors(nt: Notation, lctx: LocalContext) -> set[Any]:
+        return {
+            f
+            for dims, s in zip(nt.inputs, lctx.inputs, strict=True)
+            for d, f in enumerate(dims)
+            if s.dims[d] and s.shape[d] % lctx.shards(s, d)
+        }
 
     @staticmethod
     def _layout(

@@ -419,7 +419,12 @@ def _local_key(
     padded = (
         res is not None
         and mesh is not None
+        and not rule.has_custom_local_fn
         and not all(s.is_even(mesh) for s in (*res.inputs, *outs))
+        and rule.padding_fills(
+            LocalContext(rule.name, dict(attrs), tuple(res.inputs), outs, axis_sizes(mesh))
+        )
+        is not None
     )
     if not rule.has_custom_local_fn and not padded:
         return (rule, freeze(without_strategy(attrs)), None, None)
