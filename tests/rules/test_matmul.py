@@ -46,12 +46,32 @@ def test_batch_dims_broadcast_right_aligned():
     assert str(r.outputs[0]) == "[4@x,8@y,8,2]"
 
 
-def test_uneven_broadcast_batch_dim_is_not_split():
-    # x broadcasts the size-3 batch dim: its grad sums over that dim, where the
-    # padding of an uneven split (3 over 4) would be added into real elements
-    mesh = sk.abstract_mesh(x=2, y=4)
-    r = sk.infer_forward("matmul", T((4, 1, 8, 16), P("x")), T((3, 16, 2), P("y")), mesh=mesh)
-    assert str(r.outputs[0]) == "[4@x,3,8,2]"
+def test_uneven_broadcast_batch_dim_stays_split(mesh2d):
+    # x broadcasts the size-3 batch dim: its grad sums over that dim. The split
+    # (3 over 4) stays: the local computation zeroes the padding of the cotangent
+    # and fills w's padding, so nothing of it is added into real elements
+    import numpy as np
+
+    from spmdkit.testing import check_grad_case
+
+    mesh = sk.abstract_mesh(a=2, b=4)
+    x, w = T((4, 1, 8, 16), P("a")), T((3, 16, 2), P("b"))
+    r = sk.infer_forward("matmul", x, w, mesh=mesh)
+    assert str(r.outputs[0]) == "[4@a,3@b,8,2]"
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(s.shape).astype(np.float32) for s in (x, w)]
+    g = rng.standard_normal((4, 3, 8, 2)).astype(np.float32)
+    failure, res = check_grad_case(
+        "matmul",
+        (x.replace(dtype="float32"), w.replace(dtype="float32")),
+        (r.outputs[0].replace(dtype="float32"),),
+        mesh2d,
+        values=values,
+        cotangents=[g],
+        rtol=1e-4,
+    )
+    assert failure is None, str(failure)
+    assert res.outputs[0].partial_ops == {"b": "sum"}  # x's grad sums over the split dim
 
 
 def test_matmul_rank_zero_is_refused():
