@@ -555,6 +555,7 @@ def assign_factors(
 # FactorRule
 # ---------------------------------------------------------------------------
 
+
 def _complete(
     nt: Notation, sizes: Mapping[str, int], shapes: Sequence[tuple[int, ...]]
 ) -> set[Any]:
