@@ -25,7 +25,6 @@ NOT_QUICK = (
     "tests/cli/test_demo.py",
     "tests/cli/test_app.py::test_python_dash_m_spmdkit_runs_the_cli",
     "tests/compile/test_enforce.py::test_enforced_step_moves_what_was_predicted",
-    "tests/compile/test_enforce.py::test_d_model_sharded_into_the_norm_picks_sharded_stats",
     "tests/compile/test_function.py::test_auto_compiled_collectives_at_most_best_preset",
     "tests/compile/test_function.py::test_loss_and_grads_match_single_device",
     "tests/compile/test_function.py::test_train_step_with_optimizer_state_and_donation",

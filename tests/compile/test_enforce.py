@@ -332,6 +332,7 @@ def _hybrid_bytes(norm_strategy):
     return prop, report
 
 
+@pytest.mark.slow
 def test_d_model_sharded_into_the_norm_picks_sharded_stats():
     """d_model sharded over `model` into the norms: left to choose, the planner takes
     sharded_stats (row statistics all-reduced, the activation all-gather gone), and

@@ -269,7 +269,10 @@ def test_bad_arguments_raise_typed_errors(mesh1d):
 
 @pytest.mark.parametrize(
     ("spec", "strategy", "out"),
-    [(P("a", None), "default", "a"), (P(None, "b"), "sharded_stats", None)],
+    [
+        (P("a", None), "default", "a"),
+        pytest.param(P(None, "b"), "sharded_stats", None, marks=pytest.mark.slow),
+    ],
 )
 def test_fused_add_rms_norm_equals_add_then_rms_norm(mesh2d, spec, strategy, out):
     rng = np.random.default_rng(3)
