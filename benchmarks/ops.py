@@ -42,10 +42,18 @@ the GPU/TPU ones, but its collective combiners and memory scheduler differ, so
 counts (not bytes) and peaks may differ on accelerators. Results go to
 ``benchmarks/results/ops.json``.
 
+A **planned** section compiles ``forward+backward`` the way ``sk.jit`` does —
+spmdkit's propagation from the same input layouts, then the replay that pins
+every equation — twice: with the op called without ``in_specs`` (one region
+equation, laid out by its rule with the case's strategy) and with the jnp
+decomposition; per side the compiled bytes and peak, the propagation's
+prediction and the region strategies chosen.
+
 Run: ``python benchmarks/ops.py`` (``--quick`` for tiny shapes, ``--only NAME``
 to keep the cases whose op or variant contains NAME, ``--check``/``--no-check``
 to run both sides on random inputs and record how far apart their outputs and
-gradients are — on by default with ``--quick`` only).
+gradients are — on by default with ``--quick`` only; ``--no-planned`` skips the
+planned section).
 
 A separate section, run alone with ``python benchmarks/ops.py --attention-memory``
 (a minute on this CPU), compares the compiled peak memory of value-and-grad of
@@ -222,7 +230,19 @@ def _op(name: str) -> Callable[..., Any]:
         found = getattr(found, name)
     if not callable(found):
         raise TypeError(f"spmdkit.ops.{name} is not callable")
-    return found
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _AS_REGION:  # the planned section: no layout given, the op is a region
+            kwargs.pop("mesh", None)
+            kwargs.pop("in_specs", None)
+        return found(*args, **kwargs)
+
+    return call
+
+
+#: Set while the planned section traces the ops: they are called without ``mesh=`` and
+#: ``in_specs=``, so each is one region equation the propagation lays out.
+_AS_REGION: list[bool] = []
 
 
 # -- the cases ----------------------------------------------------------------
@@ -507,6 +527,43 @@ def measure(case: Case, fn: Callable[..., Any], mesh: Mesh) -> dict[str, Any]:
     return out
 
 
+def measure_planned(case: Case, fn: Callable[..., Any], mesh: Mesh) -> dict[str, Any]:
+    """``forward+backward`` through spmdkit's propagation and enforced replay (what
+    ``sk.jit`` compiles): the step is propagated from the case's input layouts, every
+    equation pinned, and compiled. For the op side the op is traced as a region (no
+    ``in_specs``). Returns the compiled costs plus the propagation's ``predicted_bytes``
+    and the region strategies it chose."""
+    from spmdkit.compile.enforce import enforced
+    from spmdkit.propagation import propagate
+
+    shardings, structs = _structs(case.args, mesh)
+    diff = tuple(i for i, a in enumerate(case.args) if a.diff)
+    step = jax.grad(_loss(case, fn), argnums=diff)
+    abstract = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in case.args)
+    specs = tuple(a.spec for a in case.args)
+    with jax.set_mesh(mesh):
+        prop = propagate(step, *abstract, in_specs=specs, mesh=mesh)
+        t0 = time.perf_counter()
+        compiled = jax.jit(enforced(prop), in_shardings=shardings).lower(*structs).compile()
+    cost = _cost(compiled, time.perf_counter() - t0)
+    cost["predicted_bytes"] = int(prop.comm_bytes)
+    cost["strategies"] = prop.region_strategies()
+    return cost
+
+
+def _planned(case: Case, which: str, mesh: Mesh) -> dict[str, Any]:
+    try:
+        if which == "region":
+            _AS_REGION.append(True)
+            try:
+                return measure_planned(case, case.spmdkit(mesh), mesh)
+            finally:
+                _AS_REGION.pop()
+        return measure_planned(case, case.plain(mesh), mesh)
+    except Exception as e:
+        return {"na": _short(e)}
+
+
 def _moves(c: Any) -> bool:
     """Collectives over a group of one device move nothing."""
     return c.group_size > 1 or (c.kind == "collective_permute" and c.source_target_pairs != ())
@@ -581,6 +638,7 @@ def run(
     out_path: Path = RESULTS,
     only: Sequence[str] = (),
     check: bool | None = None,
+    planned: bool = True,
 ) -> dict[str, Any]:
     """Compile every case both ways, print the table, save the JSON; returns what was saved.
 
@@ -590,6 +648,9 @@ def run(
       only: keep the cases whose ``"op variant"`` contains one of these.
       check: also run both sides and record their :func:`agreement`
         (default: with ``quick`` only; the full shapes take minutes on CPU).
+      planned: also compile ``forward+backward`` through spmdkit's propagation and
+        enforced replay, the op as a region against the jnp decomposition
+        (:func:`measure_planned`; the row's ``planned``).
     """
     check = quick if check is None else check
     shapes = QUICK if quick else FULL
@@ -609,6 +670,16 @@ def run(
             "spmdkit": _side(case, "spmdkit", mesh),
             "plain": _side(case, "plain", mesh),
             **({"agreement": agreement(case, mesh)} if check else {}),
+            **(
+                {}
+                if case.explicit or not planned
+                else {
+                    "planned": {
+                        "region": _planned(case, "region", mesh),
+                        "jnp": _planned(case, "plain", mesh),
+                    }
+                }
+            ),
         }
         for case in cases
     ]
@@ -629,10 +700,16 @@ def run(
             "in_shardings, Auto-axes mesh",
             "agreement": "max |spmdkit - plain| / max |plain| over the outputs and over "
             "the forward+backward gradients, on random inputs (only with --check / --quick)",
+            "planned": "forward+backward as sk.jit compiles it: propagated from the same "
+            "input layouts and replayed with every equation pinned; region = the op called "
+            "without in_specs (one region equation, laid out by its rule, strategy as the "
+            "case fixes it), jnp = the plain decomposition; predicted_bytes = the "
+            "propagation's figure",
         },
         "rows": rows,
     }
     _print_table(report)
+    _print_planned(report)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
@@ -917,6 +994,46 @@ def _print_table(report: dict[str, Any]) -> None:
         print(line)
 
 
+def _print_planned(report: dict[str, Any]) -> None:
+    rows = [r for r in report["rows"] if "planned" in r]
+    if not rows:
+        return
+    print(
+        "\nplanned (sk.jit's propagation + pinned replay), forward+backward: "
+        "the op as a region vs the jnp decomposition, same input layouts"
+    )
+    header = ("op", "variant", "region bytes", "jnp bytes", "region peak", "jnp peak")
+    table = []
+    for r in rows:
+        reg, jnp_ = r["planned"]["region"], r["planned"]["jnp"]
+
+        def cell(side: dict[str, Any], key: str) -> str:
+            return "n/a" if "na" in side else _fmt_bytes(side[key])
+
+        table.append(
+            (
+                r["op"],
+                r["variant"],
+                cell(reg, "bytes"),
+                cell(jnp_, "bytes"),
+                cell(reg, "peak_bytes"),
+                cell(jnp_, "peak_bytes"),
+            )
+        )
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+    for row in (header, tuple("-" * w for w in widths), *table):
+        print(
+            "  ".join(
+                c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            ).rstrip()
+        )
+    for r in rows:
+        for side in ("region", "jnp"):
+            if "na" in r["planned"][side]:
+                print(f"{r['op']} [{r['variant']}] {side}: n/a ({r['planned'][side]['na']})")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``python benchmarks/ops.py [--quick] [--only NAME ...] [--[no-]check]
     [--out PATH] [--attention-memory]``."""
@@ -932,6 +1049,13 @@ def main(argv: list[str] | None = None) -> int:
         help="run both sides on random inputs and record how far apart they are "
         "(default: on with --quick)",
     )
+    parser.add_argument(
+        "--planned",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also compile forward+backward through spmdkit's propagation and pinned "
+        "replay, the op as a region vs the jnp decomposition (default: on)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON path (default {RESULTS})")
     parser.add_argument(
         "--attention-memory",
@@ -945,7 +1069,13 @@ def main(argv: list[str] | None = None) -> int:
         out = ATTENTION_RESULTS if args.out == RESULTS else args.out
         attention_memory(quick=args.quick, out_path=out)
     else:
-        run(quick=args.quick, out_path=args.out, only=args.only, check=args.check)
+        run(
+            quick=args.quick,
+            out_path=args.out,
+            only=args.only,
+            check=args.check,
+            planned=args.planned,
+        )
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -217,8 +217,53 @@ def sec_ops(results: Path, out: Path) -> str:
             ),
             "",
             img or "",
+            *_planned_ops(d),
         ]
     )
+
+
+def _planned_ops(d: dict[str, Any]) -> list[str]:
+    """The planned section of ops.json: forward+backward as sk.jit compiles it, the op
+    as a region against the jnp decomposition."""
+    rows = []
+    for r in d["rows"]:
+        planned = r.get("planned")
+        if planned is None:
+            continue
+        reg, dec = planned["region"], planned["jnp"]
+
+        def cells(side: dict[str, Any]) -> list[Any]:
+            if "na" in side:
+                return ["n/a", "n/a", "n/a"]
+            return [side["bytes"], side["predicted_bytes"], side["peak_bytes"]]
+
+        strategies = ", ".join(
+            f"{op} {'/'.join(per)}" for op, per in reg.get("strategies", {}).items()
+        )
+        rows.append([f"{r['op']} {r['variant']}", *cells(reg), *cells(dec), strategies])
+    if not rows:
+        return []
+    return [
+        "",
+        "Planned (forward+backward through spmdkit's propagation and the pinned replay, "
+        "as `sk.jit` compiles it; same input layouts): the op called without `in_specs`, "
+        "one region laid out by its rule, against the jnp decomposition. Bytes: compiled "
+        "collective payload per device; predicted: the propagation's figure.",
+        "",
+        _table(
+            [
+                "op",
+                "region bytes",
+                "region predicted",
+                "region peak",
+                "jnp bytes",
+                "jnp predicted",
+                "jnp peak",
+                "region strategies",
+            ],
+            rows,
+        ),
+    ]
 
 
 def sec_propagate(results: Path, out: Path) -> str:

@@ -8,7 +8,10 @@ operands add up to a sum-partial result; ``exp`` is not linear, but it is
 increasing, so ``max`` over the shards commutes with it and a max-partial
 passes while a sum-partial must be all-reduced first. ``mul`` is linear in each
 operand separately: one sum-partial operand times replicated ones stays
-sum-partial. Comparisons and logic ops pass nothing. The policies are listed in
+sum-partial. ``fmax``/``fmin`` are ``max``/``min`` that skip NaN operands: as
+associative as max and min, so they pass max (min) partials. ``gelu``,
+``atan2`` and ``reciprocal`` are not monotone on the whole line (``1/x`` jumps
+at 0), so they pass nothing. Comparisons and logic ops pass nothing. The policies are listed in
 :mod:`spmdkit.rule`.
 """
 
@@ -109,6 +112,14 @@ def _integer_pow(x: jax.Array, *, y: int) -> jax.Array:
     return lax.integer_pow(x, y)
 
 
+def _gelu(x: jax.Array, *, approximate: bool = True) -> jax.Array:
+    return jax.nn.gelu(x, approximate=approximate)
+
+
+def _reciprocal(x: jax.Array) -> jax.Array:
+    return jnp.reciprocal(x)
+
+
 def _cast_policy(dtypes: tuple[Any, ...], *, new_dtype: Any, **_: Any) -> str:
     """Casts commute with max/min exactly. They commute with sum/avg only up to
     rounding, and a narrowing cast rounds each partial piece (which may be much
@@ -164,6 +175,12 @@ RULES = tuple(
                 doc="sum of n operands",
             ),
             _binary("and", jnp.logical_and, "NONE", examples=_BOOL_EX, dtype=_bool_dtype),
+            _binary(
+                "atan2",
+                jnp.arctan2,
+                "NONE",
+                doc="atan2(y, x): the angle of (x, y); nonlinear, every partial resolved",
+            ),
             _cast_policy_rule(),
             _unary("cos", jnp.cos, "NONE"),
             _binary("div", jnp.divide, "DIVIDE", examples=_POS_BINARY_EX),
@@ -171,6 +188,30 @@ RULES = tuple(
             _unary("erf", jax.scipy.special.erf, "MONOTONE"),
             _unary("exp", jnp.exp, "MONOTONE"),
             _unary("expm1", jnp.expm1, "MONOTONE"),
+            _binary(
+                "fmax",
+                jnp.fmax,
+                "MAX",
+                doc="maximum that ignores NaN (a NaN operand yields the other); max partials pass",
+            ),
+            _binary(
+                "fmin",
+                jnp.fmin,
+                "MIN",
+                doc="minimum that ignores NaN (a NaN operand yields the other); min partials pass",
+            ),
+            FactorRule(
+                "gelu",
+                broadcast_notation,
+                impl=_gelu,
+                partial="NONE",
+                examples=(
+                    Example(((8, 8),), attrs={"approximate": True}),
+                    Example(((4, 8, 2),), attrs={"approximate": False}),
+                ),
+                doc="GELU: approximate=True the tanh form, False the exact erf form "
+                "(jax.nn.gelu); not monotone, so every partial is resolved",
+            ),
             _binary("ge", jnp.greater_equal, "NONE", examples=_CMP_EX, dtype=_bool_dtype),
             _binary("gt", jnp.greater, "NONE", examples=_CMP_EX, dtype=_bool_dtype),
             FactorRule(
@@ -201,6 +242,13 @@ RULES = tuple(
             ),
             _binary("or", jnp.logical_or, "NONE", examples=_BOOL_EX, dtype=_bool_dtype),
             _binary("pow", jnp.power, "NONE", examples=_POS_BINARY_EX),
+            _unary(
+                "reciprocal",
+                _reciprocal,
+                "NONE",
+                _POS_EX,
+                doc="1 / x; decreasing only on each side of 0, so every partial is resolved",
+            ),
             _unary("relu", jax.nn.relu, "MONOTONE"),
             _unary("rsqrt", lax.rsqrt, "ANTITONE", _POS_EX),
             FactorRule(

@@ -86,8 +86,10 @@ from spmdkit.spec import TensorSpec
 
 __all__ = [
     "RULES",
+    "FusedAddNormRule",
     "NormRule",
     "batch_norm_notation",
+    "fused_add_rms_norm_notation",
     "group_norm_notation",
     "instance_norm_notation",
     "layer_norm_notation",
@@ -220,6 +222,39 @@ def _rms_norm_notation(
         strategy=strategy,
         _op="rms_norm",
     )
+
+
+def fused_add_rms_norm_notation(
+    shapes: tuple[tuple[int, ...], ...],
+    *,
+    begin_norm_axis: int = -1,
+    epsilon: float = 1e-6,
+    has_scale: bool = True,
+    strategy: str = "default",
+) -> Notation:
+    """Notation of fused_add_rms_norm: ``x, residual, [scale] -> y, x + residual, inv_rms``.
+
+    ``inv_rms`` has the leading dims only (one value per normalized row).
+
+    Example::
+
+        >>> str(fused_add_rms_norm_notation(((4, 8), (4, 8), (8,))))
+        'b0 d0, b0 d0, d0 -> b0 d0, b0 d0, b0  [replicated: d0]'
+    """
+    op = "fused_add_rms_norm"
+    _check_strategy(op, strategy, ("default", "sharded_stats"))
+    _check_epsilon(op, epsilon)
+    x = tuple(shapes[0])
+    begin = _norm_axis(op, len(x), begin_norm_axis)
+    names = _param_names(has_scale, False)
+    _n_params(op, shapes, 1 + len(names), ", ".join(["residual", *names]))
+    _param_shapes(op, shapes[:2], x, ["residual"])
+    _param_shapes(op, (x, *shapes[2:]), tuple(x[begin:]), names)
+    lead = tuple(f"b{i}" for i in range(begin))
+    norm = tuple(f"d{i}" for i in range(len(x) - begin))
+    need = frozenset(norm) if strategy == "default" else frozenset()
+    full = (*lead, *norm)
+    return Notation((full, full, *(norm for _ in names)), (full, full, lead), need, None)
 
 
 def _nc_factors(rank: int, c_dim: int) -> tuple[str, ...]:
@@ -428,6 +463,26 @@ def _rms_norm(
     return _apply_params(y, params, has_scale, False, x.shape[begin:])
 
 
+def _fused_add_rms_norm(
+    x: jax.Array,
+    residual: jax.Array,
+    *params: jax.Array,
+    begin_norm_axis: int = -1,
+    epsilon: float = 1e-6,
+    has_scale: bool = True,
+    _axes: tuple[str, ...] = (),
+    _count: int | None = None,
+    _partial_axes: tuple[str, ...] = (),
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    h = _psum(x + residual, _partial_axes)
+    begin = begin_norm_axis % h.ndim
+    dims = tuple(range(begin, h.ndim))
+    count = _count or math.prod(h.shape[begin:])
+    inv = jax.lax.rsqrt(_psum(jnp.sum(h * h, dims, keepdims=True), _axes) / count + epsilon)
+    y = _apply_params(h * inv, params, has_scale, False, h.shape[begin:])
+    return y, h, inv.reshape(h.shape[:begin])
+
+
 def _channel_shape(x: jax.Array, c_dim: int) -> tuple[int, ...]:
     return tuple(x.shape[d] if d == c_dim else 1 for d in range(x.ndim))
 
@@ -550,6 +605,10 @@ class NormRule(FactorRule):
         self._running_stats = running_stats
         self._n_stats = n_stats
 
+    def _local_kwargs(self, lctx: LocalContext) -> dict[str, Any]:
+        """Extra keyword arguments of the per-device body (none for plain norms)."""
+        return {}
+
     def _notation_attrs(self, ctx: RuleContext) -> Mapping[str, Any]:
         """The attributes with ``strategy`` kept: the notation depends on it."""
         self.strategy(ctx)  # validates the name
@@ -615,6 +674,7 @@ class NormRule(FactorRule):
         if axes:
             count = math.prod(x_spec.shape[d] for d in dims)
             body = functools.partial(body, _axes=axes, _count=count)
+        body = functools.partial(body, **self._local_kwargs(lctx))
         specs = (*lctx.inputs, *lctx.outputs)
         if not any(
             s.dims[d] and n % lctx.shards(s, d) for s in specs for d, n in enumerate(s.shape)
@@ -641,6 +701,52 @@ def _zero_padding(lctx: LocalContext, spec: TensorSpec, v: jax.Array) -> jax.Arr
         pos = lctx.offset(spec, d) + jax.lax.broadcasted_iota(jnp.int32, v.shape, d)
         valid = pos < n if valid is None else valid & (pos < n)
     return v if valid is None else jnp.where(valid, v, jnp.zeros_like(v))
+
+
+class FusedAddNormRule(NormRule):
+    """A norm of ``x + residual`` whose inputs may arrive sum-partial.
+
+    The sum is linear: a sum-partial ``x`` or ``residual`` (the other one
+    replicated or sum-partial over the same axis, joining as partial for free)
+    passes into the op, which all-reduces ``h = x + residual`` once (one
+    all-reduce of the local ``h``, stated as the op's own collective) instead of
+    resolving each input. ``h`` and the outputs are whole afterwards.
+    """
+
+    def _summed_axes(self, inputs: Sequence[TensorSpec], required: Sequence[TensorSpec]) -> tuple:
+        """Axes on which ``x`` / ``residual`` are sum-partial and nothing shards."""
+        used = {a for s in required for a in s.sharding_axes}
+        scale = {a for s in inputs[2:] for a, _ in s.partial}
+        out = []
+        for a in sorted({a for s in inputs[:2] for a, _ in s.partial}):
+            ops = {s.partial_ops.get(a) for s in inputs[:2]} - {None}
+            if ops == {"sum"} and a not in used and a not in scale:
+                out.append(a)
+        return tuple(out)
+
+    def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
+        """The norm's layouts; sum-partial inputs stay partial and ``h`` is all-reduced."""
+        ans = super().forward(ctx, inputs)
+        axes = self._summed_axes(inputs, ans.inputs)
+        if not axes:
+            return ans
+        partial = dict.fromkeys(axes, "sum")
+        req = (
+            ans.inputs[0].replace(partial=partial),
+            ans.inputs[1].replace(partial=partial),
+            *ans.inputs[2:],
+        )
+        h = ans.inputs[0]
+        blocks = [math.prod(ctx.axis_sizes[a] for a in d) for d in h.dims]
+        local = [-(-n // b) for n, b in zip(h.shape, blocks, strict=True)]
+        payload = math.prod(local) * h.itemsize
+        resolve = op_collective(ctx, "all_reduce", axes, payload, reduce_op="sum")
+        return Inferred(req, ans.outputs, (resolve, *ans.collectives))
+
+    def _local_kwargs(self, lctx: LocalContext) -> dict[str, Any]:
+        """The axes ``h`` is all-reduced over: where the required ``x`` is sum-partial."""
+        axes = tuple(a for a, op in lctx.inputs[0].partial if op == "sum")
+        return {"_partial_axes": axes} if axes else {}
 
 
 def _layer_stat_dims(rank: int, *, begin_norm_axis: int = -1, **_: Any) -> tuple[int, ...]:
@@ -680,6 +786,10 @@ _LN_EX = (
 _RMS_EX = (
     Example(((4, 8), (8,)), attrs={}, rtol=1e-4),
     Example(((6, 6),), attrs={"has_scale": False}, rtol=1e-4, uneven=True),
+)
+_FUSED_EX = (
+    Example(((4, 8), (4, 8), (8,)), attrs={}, rtol=1e-4),
+    Example(((6, 6), (6, 6)), attrs={"has_scale": False}, rtol=1e-4, uneven=True),
 )
 _GN_EX = (
     Example(((4, 4, 2), (4,), (4,)), attrs={"num_groups": 2}, rtol=1e-4),
@@ -735,6 +845,17 @@ RULES = (
         running_stats=True,
         examples=_BN_EX,
         doc="batch norm (training: batch stats, C only sharded; inference: running stats)",
+    ),
+    FusedAddNormRule(
+        "fused_add_rms_norm",
+        fused_add_rms_norm_notation,
+        impl=_fused_add_rms_norm,
+        stat_dims=_layer_stat_dims,
+        strategies=("default", "sharded_stats"),
+        n_stats=1,
+        examples=_FUSED_EX,
+        doc="RMS norm of x + residual, returning (y, x + residual, inv_rms); sum-partial "
+        "inputs are resolved once, as h (sharded_stats: all-reduce Σh²)",
     ),
     NormRule(
         "group_norm",

@@ -68,6 +68,7 @@ _LAZY_MODULES = {
     "launch": "spmdkit.runtime.launch",
     "models": "spmdkit.models",
     "ops": "spmdkit.ops",
+    "nn": "spmdkit.nn",
     "testing": "spmdkit.testing",
     "train": "spmdkit.runtime.train",
 }

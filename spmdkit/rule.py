@@ -325,6 +325,25 @@ class LocalContext:
         """The ``strategy`` attribute, if given."""
         return self.attrs.get(STRATEGY_ATTR)
 
+    def pad(self, spec: TensorSpec, v: Any, fill: Any) -> Any:
+        """``v`` (this device's piece of ``spec``) with the padding of its uneven blocks
+        set to ``fill`` (``±inf`` becomes the dtype's extreme for integers), traced."""
+        import jax
+        import jax.numpy as jnp
+
+        valid = None
+        for d, n in enumerate(spec.shape):
+            if not spec.dims[d] or n % self.shards(spec, d) == 0:
+                continue
+            pos = self.offset(spec, d) + jax.lax.broadcasted_iota(jnp.int32, v.shape, d)
+            valid = pos < n if valid is None else valid & (pos < n)
+        if valid is None:
+            return v
+        if math.isinf(fill) and not jnp.issubdtype(v.dtype, jnp.inexact):
+            info = jnp.iinfo(v.dtype) if v.dtype != jnp.bool_ else None
+            fill = (fill > 0) if info is None else (info.max if fill > 0 else info.min)
+        return jnp.where(valid, v, jnp.asarray(fill, v.dtype))
+
 
 @dataclass(frozen=True)
 class Example:
@@ -422,7 +441,29 @@ class Rule:
         :mod:`spmdkit.ops` all run it. Default: ``local_impl`` (or ``impl``) with
         the attributes minus ``strategy``.
         """
-        return functools.partial(self.local_impl or self.impl, **without_strategy(lctx.attrs))
+        fn = functools.partial(self.local_impl or self.impl, **without_strategy(lctx.attrs))
+        fills = self.padding_fills(lctx)
+        if fills is None:
+            return fn
+
+        def padded(*xs: Any) -> Any:
+            xs = tuple(
+                x if f is None else lctx.pad(s, x, f)
+                for x, s, f in zip(xs, lctx.inputs, fills, strict=True)
+            )
+            out = fn(*xs)
+            outs = out if isinstance(out, tuple) else (out,)
+            outs = tuple(lctx.pad(s, y, 0) for y, s in zip(outs, lctx.outputs, strict=True))
+            return outs if isinstance(out, tuple) else outs[0]
+
+        return padded
+
+    def padding_fills(self, lctx: LocalContext) -> tuple[Any, ...] | None:
+        """Per input, the value the padding of its uneven blocks takes before the
+        local computation (``None``: left as is); ``None`` when nothing is padded or
+        the rule needs no filling (the default). Outputs' padding is then zeroed, so
+        no cotangent arriving on padding reaches an input."""
+        return None
 
     @property
     def has_custom_local_fn(self) -> bool:
@@ -513,6 +554,26 @@ def assign_factors(
 # ---------------------------------------------------------------------------
 # FactorRule
 # ---------------------------------------------------------------------------
+
+
+def _complete(
+    nt: Notation, sizes: Mapping[str, int], shapes: Sequence[tuple[int, ...]]
+) -> set[Any]:
+    """Factors that run through every operand (at full size) and every result."""
+    return {
+        f
+        for f in nt.factors
+        if all(f in dims for dims in nt.outputs)
+        and all(
+            any(g == f and n == sizes.get(f) for g, n in zip(dims, shape, strict=True))
+            for dims, shape in zip(nt.inputs, shapes, strict=True)
+        )
+    }
+
+
+#: The padding fill per reduce op under which a padded, reduced-away dim stays
+#: sharded (the reduction's identity).
+_PAD_FILL: dict[str, float] = {"sum": 0.0, "max": -math.inf, "min": math.inf}
 
 NotationFn = Callable[..., "str | Notation"]
 
@@ -697,30 +758,68 @@ class FactorRule(Rule):
         sizes: Mapping[str, int],
         shapes: Sequence[tuple[int, ...]],
     ) -> Callable[[str, tuple[str, ...]], bool]:
-        """Veto uneven splits of factors missing from some input or output.
+        """Veto the uneven splits whose padding the local computation cannot keep out
+        of real elements.
 
         A dim that does not divide its axes is padded on the devices. Where the
         factor runs through every operand and result the padding only ever meets
-        padding and is cropped; where it is reduced away (a reduction factor, or
-        a broadcast operand whose grad sums over it) the padding would be summed
-        into real elements, so such a factor is sharded only when it divides.
+        padding and is cropped. Where it is reduced away — a reduction factor, or
+        a broadcast operand whose grad sums over it — :meth:`padding_fills` fills
+        the padding with the reduction's identity (or 1) and zeroes the outputs'
+        padding, so the split stays; XLA pads such dims the same way inside
+        ``jit``. Only a reduction whose partial result is an average
+        (``reduce="avg"``: each device would divide by its padded block) is
+        sharded only when it divides.
         """
-        complete = {
-            f
-            for f in nt.factors
-            if all(f in dims for dims in nt.outputs)
-            and all(
-                any(g == f and n == sizes.get(f) for g, n in zip(dims, shape, strict=True))
-                for dims, shape in zip(nt.inputs, shapes, strict=True)
-            )
-        }
+        complete = _complete(nt, sizes, shapes)
 
         def allowed(f: str, axes: tuple[str, ...]) -> bool:
-            if f in complete:
+            if f in complete or f not in reduced or nt.reduce in _PAD_FILL:
                 return True
             return sizes.get(f, 1) % math.prod(ctx.axis_sizes[a] for a in axes) == 0
 
+        reduced = set(nt.reduction_factors)
         return allowed
+
+    def padding_fills(self, lctx: LocalContext) -> tuple[Any, ...] | None:
+        """Fill the padding of uneven blocks so it reaches no real element: with the
+        reduce op's identity (0 for sum, ∓inf for max/min) where an uneven dim is
+        reduced away, else with 1 (finite under every elementwise op, so a zero
+        cotangent times its derivative stays zero in a broadcast operand's grad)."""
+        specs = (*lctx.inputs, *lctx.outputs)
+        if all(
+            not s.dims[d] or n % lctx.shards(s, d) == 0
+            for s in specs
+            for d, n in enumerate(s.shape)
+        ):
+            return None
+        ctx = RuleContext(op=lctx.op, axis_sizes=lctx.axis_sizes, attrs=lctx.attrs)
+        shapes = [s.shape for s in lctx.inputs]
+        nt = self.notation_for(shapes, self._notation_attrs(ctx))
+        complete = _complete(nt, self._sizes(ctx, nt, shapes), shapes)
+        fills: list[Any] = []
+        for dims, s in zip(nt.inputs, lctx.inputs, strict=True):
+            uneven = [
+                f
+                for d, (f, n) in enumerate(zip(dims, s.shape, strict=True))
+                if s.dims[d] and n % lctx.shards(s, d)
+            ]
+            if any(f in nt.reduction_factors for f in uneven):
+                fills.append(_PAD_FILL[nt.reduce])
+            else:
+                fills.append(1 if uneven else None)
+        if all(f in complete for f in self._uneven_factors(nt, lctx)):
+            return None  # the padding only ever meets padding, and is cropped
+        return tuple(fills)
+
+    @staticmethod
+    def _uneven_factors(nt: Notation, lctx: LocalContext) -> set[Any]:
+        return {
+            f
+            for dims, s in zip(nt.inputs, lctx.inputs, strict=True)
+            for d, f in enumerate(dims)
+            if s.dims[d] and s.shape[d] % lctx.shards(s, d)
+        }
 
     @staticmethod
     def _layout(

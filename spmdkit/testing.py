@@ -406,13 +406,28 @@ def _unsharded(rule: Rule, attrs: Mapping[str, Any], values: Sequence[Any]) -> l
 
 
 def _local_key(
-    rule: Rule, attrs: Mapping[str, Any], res: Any, outputs: Sequence[TensorSpec] | None = None
+    rule: Rule,
+    attrs: Mapping[str, Any],
+    res: Any,
+    outputs: Sequence[TensorSpec] | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple:
     """Cache key of a runner: a rule whose local computation depends on the case's
-    specs gets one runner per case, the others one per attribute set."""
-    if not rule.has_custom_local_fn:
+    specs (its own, or the padding of uneven blocks) gets one runner per case, the
+    others one per attribute set."""
+    outs = tuple(res.outputs if outputs is None else outputs) if res is not None else ()
+    padded = (
+        res is not None
+        and mesh is not None
+        and not rule.has_custom_local_fn
+        and not all(s.is_even(mesh) for s in (*res.inputs, *outs))
+        and rule.padding_fills(
+            LocalContext(rule.name, dict(attrs), tuple(res.inputs), outs, axis_sizes(mesh))
+        )
+        is not None
+    )
+    if not rule.has_custom_local_fn and not padded:
         return (rule, freeze(without_strategy(attrs)), None, None)
-    outs = tuple(res.outputs if outputs is None else outputs)
     return (rule, freeze(dict(attrs)), tuple(res.inputs), outs)
 
 
@@ -696,7 +711,8 @@ def _prepare_forward(
         _put(local_pieces(v, s, mesh, rng=rng, domain=domain), mesh)
         for v, s in zip(values, res.inputs, strict=True)
     )
-    return _Case(res, fail, key=_local_key(rule, attrs, res), args=pieces, expect=tuple(ref))
+    key = _local_key(rule, attrs, res, mesh=mesh)
+    return _Case(res, fail, key=key, args=pieces, expect=tuple(ref))
 
 
 def _check_case(case: _Case, outs: Sequence[Any], mesh: Mesh, rtol: float) -> CaseFailure | None:
@@ -854,7 +870,7 @@ def _prepare_grad(
     return _Case(
         res,
         fail,
-        key=_local_key(rule, attrs, res, res.forward_outputs),
+        key=_local_key(rule, attrs, res, res.forward_outputs, mesh),
         grad=(diff, transposes),
         args=tuple(args),
         expect=tuple(np.asarray(g) for g in grads_ref),

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import spmdkit as sk
+
 
 def _param(rngs, names, shape):
     init = nnx.with_partitioning(nnx.initializers.normal(0.02), names)
@@ -54,3 +56,39 @@ def toy_batch(b=8, s=16, vocab=64, seed=0):
 
 def toy_init():
     return Toy(rngs=nnx.Rngs(0))
+
+
+class OpsMixer(nnx.Module):
+    def __init__(self, d, f, rngs, strategy):
+        self.scale = nnx.Param(jnp.ones((d,)), out_sharding=("norm",))
+        self.up = _param(rngs, ("embed", "mlp"), (d, f))
+        self.down = _param(rngs, ("mlp", "embed"), (f, d))
+        self.strategy = strategy
+
+    def __call__(self, x):
+        y = sk.ops.rms_norm(x, self.scale[...], strategy=self.strategy)
+        return x + jax.nn.gelu(y @ self.up[...]) @ self.down[...]
+
+
+class OpsToy(nnx.Module):
+    """The toy written with ``spmdkit.ops`` (no in_specs): norms, lookup and loss are
+    regions the planner lays out (``norm_strategy`` fixes the norms' strategy)."""
+
+    def __init__(self, vocab=64, d=32, f=64, layers=2, *, rngs, norm_strategy=None):
+        self.table = _param(rngs, ("vocab", "embed"), (vocab, d))
+        self.mixers = nnx.List([OpsMixer(d, f, rngs, norm_strategy) for _ in range(layers)])
+        self.unembed = _param(rngs, ("embed", "vocab"), (d, vocab))
+
+    def __call__(self, tokens):
+        x = sk.ops.embedding_lookup(self.table[...], tokens)
+        for m in self.mixers:
+            x = m(x)
+        return x @ self.unembed[...]
+
+
+def ops_toy_loss(model, batch):
+    return sk.ops.softmax_cross_entropy(model(batch["tokens"]), batch["targets"])
+
+
+def ops_toy_init(norm_strategy=None):
+    return OpsToy(rngs=nnx.Rngs(0), norm_strategy=norm_strategy)

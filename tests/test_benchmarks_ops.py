@@ -54,7 +54,7 @@ def test_quick_run(bench, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(bench, "_cases", cases)
     out = tmp_path / "ops.json"
-    assert bench.main(["--quick", "--no-check", "--out", str(out)]) == 0
+    assert bench.main(["--quick", "--no-check", "--no-planned", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
 
     assert report["meta"]["quick"] is True
@@ -136,3 +136,21 @@ def test_attention_memory_section(bench, tmp_path, capsys):
     assert row["peak_ratio"] == row["xla"]["peak_bytes"] / row["blockwise"]["peak_bytes"]
     printed = capsys.readouterr().out
     assert "blockwise" in printed and "softmax_cross_entropy" not in printed
+
+
+@pytest.mark.slow
+def test_planned_region_against_the_jnp_decomposition(bench):
+    """The planned section: the vocab-parallel loss as a region moves per-row scalars,
+    the jnp decomposition under the same propagation moves more."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    key = ("softmax_cross_entropy", "vocab_parallel")
+    (case,) = [c for c in bench._cases(bench.QUICK) if (c.op, c.variant) == key]
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    region, jnp_ = bench._planned(case, "region", mesh), bench._planned(case, "plain", mesh)
+    assert set(region["strategies"]) == {"softmax_cross_entropy", "softmax_cross_entropy:grad"}
+    assert jnp_["strategies"] == {}
+    assert 0 < region["bytes"] < jnp_["bytes"]
+    assert abs(region["bytes"] - region["predicted_bytes"]) <= 0.1 * region["bytes"]

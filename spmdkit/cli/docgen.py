@@ -48,6 +48,38 @@ def _family_doc(family: str) -> str:
     return inspect.cleandoc(module.__doc__ or "")
 
 
+_UNEVEN = """\
+### Uneven dims: what stays sharded, what must divide
+
+A dim that its mesh axes do not divide (32 rows over an axis of 3) is padded on
+the devices (ceil blocks; bytes are priced padded, as XLA pads them inside
+`jit`). Every factor-notation rule keeps such a dim sharded wherever the padding
+can be kept out of real elements: a dim that runs through every operand and
+result (elementwise ops, the batch dims of matmul, the rows of a norm), a
+contracted or reduced dim (matmul's `k`, `reduce_sum`/`max`/`min`: the padding
+is filled with the reduction's identity before the local computation), and a dim
+a broadcast operand lacks (its grad sums the cotangent, whose padding is zeroed).
+The norms zero the padding of every input and output, so their rows — and, under
+`sharded_stats`, the normalized dims (statistics divided by the global count) —
+may be uneven. The numeric sweep checks all of it on a 2 × 3 mesh with dims of 32
+and 64 (`tests/rules/test_all_rules.py::test_numeric_sweep_2x3`, slow).
+
+Still required to divide, and why:
+
+* a dim reduced by `reduce_mean` (partial `avg`): each device would divide by its
+  padded block, so the mean of the partial means would be wrong;
+* the shape family's merged or split dims and the dims a data input lacks (see
+  that family's notes: a reshape cannot keep padding contiguous, and a gather's
+  VJP sum would take the padding in);
+* what runs under `shard_map` — `spmdkit.ops` and the planner's regions, the
+  reshard executor's own collectives: `shard_map` takes even blocks only; an
+  uneven layout there is an error from `spmdkit.ops`, and the replay of a region
+  (or reshard) with one leaves it to XLA, which pads.
+
+The hand-written rules (attention, cross-entropy, embedding, index_put) mask
+their own padding (their notes say how)."""
+
+
 def rules_markdown() -> str:
     """The Markdown reference of every registered rule, grouped by family.
 
@@ -75,6 +107,7 @@ def rules_markdown() -> str:
         "picked with `strategy=` and costed by the planner.",
         "",
     ]
+    lines += [_UNEVEN, ""]
     for family in sorted(by_family, key=lambda f: (f == "user", f)):
         rules = by_family[family]
         lines += [f"## {family}", ""]

@@ -33,6 +33,10 @@ Three cases need more than a constraint on each side:
     its way to the readers, it is reduced before it, in the layout the
     transpose maps the readers' layout back to.
 
+Composite ops of :mod:`spmdkit.ops` traced as regions (:mod:`spmdkit.region`) run
+as their rule's ``shard_map`` program with the planned layouts and strategy, so their
+collectives are the rule's own.
+
 What is not pinned:
   - other values with a pending reduction (``partial``): XLA keeps those
     internal and reduces them where the next constraint asks for a non-partial
@@ -65,6 +69,7 @@ from jax.sharding import NamedSharding
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.records import Propagation
+from spmdkit.region import REGIONS, region_program
 from spmdkit.resharding import ReshardPlan, run_plan, step_fn
 from spmdkit.spec import TensorSpec
 
@@ -185,6 +190,8 @@ class _Replay:
                 produced = (pins.fused.dst,)
             elif node.kind == "scan":
                 outs = self.scan(node, vals)
+            elif node.prim in REGIONS:
+                outs = self.region(node, vals, pins)
             else:
                 outs = _bind(node.eqn, vals)
             outs = [_pin(x, s, self.mesh) for x, s in zip(outs, produced, strict=True)]
@@ -237,6 +244,17 @@ class _Replay:
             out_specs=plan.dst.to_partition_spec(),
             check_vma=False,
         )(*vals)
+
+    def region(self, node: Node, vals: list[Any], pins: Any) -> list[Any]:
+        """A composite op's region: the rule's ``shard_map`` program with the planned
+        layouts and strategy; bound as traced (XLA partitions the op's unsharded
+        computation) when those layouts cannot run so (uneven, partial)."""
+        run = region_program(
+            node.prim, node.eqn.params, pins.attrs or {}, pins.required, pins.produced, self.mesh
+        )
+        if run is None:
+            return _bind(node.eqn, vals)
+        return list(run(*vals))
 
     def scan(self, node: Node, vals: list[Any]) -> list[Any]:
         p = node.eqn.params

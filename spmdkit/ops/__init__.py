@@ -14,6 +14,7 @@ from spmdkit.ops.embedding import embedding_lookup
 from spmdkit.ops.indexing import index_put
 from spmdkit.ops.norms import (
     batch_norm,
+    fused_add_rms_norm,
     group_norm,
     instance_norm,
     layer_norm,
@@ -26,6 +27,7 @@ __all__ = [
     "attention",
     "batch_norm",
     "embedding_lookup",
+    "fused_add_rms_norm",
     "group_norm",
     "index_put",
     "instance_norm",

@@ -14,6 +14,12 @@ An op is a registered rule applied to arrays:
    (:func:`spmdkit.local.shard_program`), partial outputs are all-reduced in
    the same program, and the outputs leave with the rule's layout.
 
+Where no layout can be known yet — traced arguments on a mesh with Auto axes
+and no ``in_specs``, or traced arguments with no mesh at all (the planner's
+abstract trace) — the op is traced as a region (:mod:`spmdkit.region`): one
+named equation the planner propagates with the rule and ``sk.jit``'s replay
+runs with the planned specs.
+
 ``jax.grad`` differentiates through all of it (shard_map and the reshard
 collectives transpose to their duals); a rule whose backward must move less
 than autodiff would gives its local function a ``jax.custom_vjp``.
@@ -34,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.errors import SpecError
 from spmdkit.inference import InferenceResult, infer_forward
 from spmdkit.local import shard_program
+from spmdkit.region import region_call
 from spmdkit.registry import get_rule
 from spmdkit.resharding import empty_array, reshard
 from spmdkit.rule import without_strategy
@@ -129,6 +136,28 @@ def input_spec(op: str, i: int, x: Any, given: Any, mesh: MeshLike) -> TensorSpe
     return TensorSpec(x.shape, dtype=x.dtype)
 
 
+def _layout_unknown(op: str, arrays: Sequence[Any], mesh: MeshLike | None) -> bool:
+    """True when some argument is traced and its layout cannot be read: no mesh at
+    all, or a mesh with Auto axes (the region case, see the module docstring)."""
+    if not any(_is_tracer(x) for x in arrays):
+        return False
+    try:
+        found = find_mesh(op, arrays, mesh)
+    except SpecError:
+        return True
+    return not _explicit(found)
+
+
+def _region(op: str, arrays: Sequence[Any], attrs: dict[str, Any]) -> Any:
+    """The op as a region, after the rule has checked the shapes and attributes."""
+    specs = [TensorSpec(x.shape, dtype=x.dtype) for x in arrays]
+    infer_forward(op, *specs, mesh=_NO_AXES, **attrs)  # raises the rule's typed errors
+    return region_call(op, arrays, attrs)
+
+
+_NO_AXES = jax.sharding.AbstractMesh((), ())
+
+
 def _place(x: Any, dst: TensorSpec, mesh: MeshLike) -> Any:
     if _is_tracer(x):
         if _explicit(mesh):
@@ -163,6 +192,9 @@ def apply_rule(
       The output (or a tuple of outputs), laid out as the rule claims with the
       pending reductions resolved; with ``return_result``, ``(outputs, result)``.
 
+    Traced arguments whose layout is unknown (Auto axes and no ``in_specs``, or
+    no mesh) make the call a region (module docstring): the planner lays it out.
+
     Raises:
       SpecError: no mesh, arrays on different meshes, or an unknown layout.
       ShardingConflictError: the rule rejects the shapes or attributes, or a
@@ -170,6 +202,8 @@ def apply_rule(
     """
     rule = get_rule(op)
     arrays = [a if isinstance(a, jax.Array) or _is_tracer(a) else jnp.asarray(a) for a in args]
+    if in_specs is None and not return_result and _layout_unknown(op, arrays, mesh):
+        return _region(op, arrays, attrs)
     mesh = find_mesh(op, arrays, mesh)
     given = list(in_specs) if in_specs is not None else [None] * len(arrays)
     if len(given) != len(arrays):

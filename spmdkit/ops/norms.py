@@ -26,6 +26,7 @@ from spmdkit.spec import MeshLike, TensorSpec
 
 __all__ = [
     "batch_norm",
+    "fused_add_rms_norm",
     "group_norm",
     "instance_norm",
     "layer_norm",
@@ -44,6 +45,12 @@ def _operands(x: Any, params: Sequence[tuple[str, Any]]) -> tuple[list[Any], dic
         if value is not None:
             args.append(value)
     return args, flags
+
+
+def _strategy(strategy: str | None) -> dict[str, str]:
+    """``strategy=`` when the caller fixed one; left out, the rule's first applies (and,
+    where the op is traced as a region, the planner chooses)."""
+    return {} if strategy is None else {"strategy": strategy}
 
 
 def _check_specs(op: str, in_specs: Specs, n: int) -> None:
@@ -77,7 +84,7 @@ def layer_norm(
     *,
     begin_norm_axis: int = -1,
     epsilon: float = 1e-5,
-    strategy: str = "default",
+    strategy: str | None = None,
     mesh: MeshLike | None = None,
     in_specs: Specs = None,
 ) -> jax.Array:
@@ -93,7 +100,8 @@ def layer_norm(
       begin_norm_axis: first normalized dim.
       epsilon: added to the variance.
       strategy: ``"default"`` (normalized dims gathered) or ``"sharded_stats"``
-        (normalized dims stay sharded; the per-row Σx and Σx² are all-reduced).
+        (normalized dims stay sharded; the per-row Σx and Σx² are all-reduced);
+        ``None``: the default, or the planner's choice where the op is a region.
       mesh: the mesh (default: from the arrays or the mesh context).
       in_specs: the inputs' specs (one per array passed), needed under Auto
         mesh axes inside ``jit``.
@@ -117,7 +125,7 @@ def layer_norm(
         in_specs,
         begin_norm_axis=begin_norm_axis,
         epsilon=epsilon,
-        strategy=strategy,
+        **_strategy(strategy),
     )
 
 
@@ -127,7 +135,7 @@ def rms_norm(
     *,
     begin_norm_axis: int = -1,
     epsilon: float = 1e-6,
-    strategy: str = "default",
+    strategy: str | None = None,
     mesh: MeshLike | None = None,
     in_specs: Specs = None,
 ) -> jax.Array:
@@ -140,7 +148,8 @@ def rms_norm(
       scale: shape ``x.shape[begin_norm_axis:]``, or ``None``.
       begin_norm_axis: first normalized dim.
       epsilon: added to the mean square.
-      strategy: ``"default"`` or ``"sharded_stats"`` (per-row Σx² all-reduced).
+      strategy: ``"default"`` or ``"sharded_stats"`` (per-row Σx² all-reduced);
+        ``None``: the default, or the planner's choice where the op is a region.
       mesh: the mesh (default: from the arrays or the mesh context).
       in_specs: the inputs' specs (one per array passed), for Auto axes inside ``jit``.
 
@@ -159,7 +168,57 @@ def rms_norm(
         in_specs,
         begin_norm_axis=begin_norm_axis,
         epsilon=epsilon,
-        strategy=strategy,
+        **_strategy(strategy),
+    )
+
+
+def fused_add_rms_norm(
+    x: jax.Array,
+    residual: jax.Array,
+    scale: jax.Array | None = None,
+    *,
+    begin_norm_axis: int = -1,
+    epsilon: float = 1e-6,
+    strategy: str | None = None,
+    mesh: MeshLike | None = None,
+    in_specs: Specs = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Residual add fused with an RMS norm, sharded by its rule.
+
+    ``h = x + residual``; ``inv_rms = 1 / sqrt(mean(h²) + epsilon)`` over the dims
+    from ``begin_norm_axis`` on; ``y = h · inv_rms · scale``. A sum-partial ``x``
+    or ``residual`` (a row-parallel matmul's output) is all-reduced once, as ``h``.
+
+    Args:
+      x: the input (e.g. a sublayer's output).
+      residual: the residual stream, shaped like ``x``.
+      scale: shape ``x.shape[begin_norm_axis:]``, or ``None``.
+      begin_norm_axis: first normalized dim.
+      epsilon: added to the mean square.
+      strategy: ``"default"`` or ``"sharded_stats"`` (per-row Σh² all-reduced);
+        ``None``: the default, or the planner's choice where the op is a region.
+      mesh: the mesh (default: from the arrays or the mesh context).
+      in_specs: the inputs' specs (one per array passed), for Auto axes inside ``jit``.
+
+    Returns:
+      ``(y, h, inv_rms)``; ``inv_rms`` has ``x``'s leading dims.
+
+    Example::
+
+        >>> y, h, inv_rms = fused_add_rms_norm(attn_out, stream, scale, mesh=mesh)
+    """
+    args, flags = _operands(x, (("scale", scale),))
+    args.insert(1, residual)
+    _check_specs("fused_add_rms_norm", in_specs, len(args))
+    return apply_rule(
+        "fused_add_rms_norm",
+        *args,
+        mesh=mesh,
+        in_specs=in_specs,
+        begin_norm_axis=begin_norm_axis,
+        epsilon=epsilon,
+        **_strategy(strategy),
+        **flags,
     )
 
 

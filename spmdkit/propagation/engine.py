@@ -38,7 +38,9 @@ from spmdkit.propagation.primitives import (
     to_rule,
     with_masked_lookup,
 )
+from spmdkit.propagation.regions import region_answer
 from spmdkit.propagation.steps import Step
+from spmdkit.region import REGIONS
 from spmdkit.registry import registered_ops
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import Topology
@@ -190,6 +192,8 @@ class Engine:
             got = self._constraint(node, specs[0])
             if got is not None:
                 return name, {}, (got,), (got,)
+        if name in REGIONS:
+            return self._region(node, specs)
         conv = to_rule(node.eqn)
         if conv is not None and conv[0] in self.ops:
             return self._by_rule(node, specs, *conv)
@@ -229,6 +233,18 @@ class Engine:
             why = f"rule {op!r} gave output shapes {[o.shape for o in outs]}"
         self.warn(node.prim, why)
         return self._unknown(node, specs)
+
+    def _region(self, node: Node, specs: _Specs) -> _Answer:
+        """A composite op's region, laid out whole by its rule, its strategy
+        searched (:mod:`spmdkit.propagation.regions`)."""
+        p = node.eqn.params
+        ans = region_answer(node.prim, p, specs, self.pricer, self.strategies.get(p["op"]))
+        if ans is None:
+            self.warn(node.prim, f"rule {p['op']!r} does not fit the region")
+            return self._unknown(node, specs)
+        dtypes = [self.prog.dtypes[o] for o in node.outs]
+        outs = tuple(o.replace(dtype=d) for o, d in zip(ans.outputs, dtypes, strict=True))
+        return p["op"], ans.attrs, ans.required, outs
 
     def _unknown(self, node: Node, specs: _Specs) -> _Answer:
         """No rule: operands made replicated (pending reductions resolved), results

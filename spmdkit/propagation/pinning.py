@@ -40,6 +40,7 @@ class NodePins(NamedTuple):
         or a block would be uneven); the transposes, reshapes and casts it passes
         on the way carry reduced layouts.
       runs: how many times the node runs per step (loop trip counts).
+      attrs: the op attributes propagation chose (a region's ``strategy``).
     """
 
     required: tuple[TensorSpec | None, ...]
@@ -47,6 +48,7 @@ class NodePins(NamedTuple):
     steps: tuple[ReshardPlan | tuple[TensorSpec, ...], ...]
     fused: ReshardPlan | None
     runs: int
+    attrs: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,7 +152,7 @@ def _node_pins(
         ):
             fused, layouts = _fused_reduction(node, outs[0], req, pricer, readers, made, blocked)
             settled.update(layouts)
-        out[id(node)] = NodePins(tuple(req), tuple(outs), chains, fused, runs)
+        out[id(node)] = NodePins(tuple(req), tuple(outs), chains, fused, runs, step.attrs)
         if step.loop is not None:
             _node_pins(step.loop.steps, pricer, {}, blocked, out, runs * step.loop.trips)
 

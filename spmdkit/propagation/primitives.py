@@ -176,7 +176,6 @@ _ELTWISE_NONE = frozenset(
         "asin",
         "asinh",
         "atan",
-        "atan2",
         "atanh",
         "bitcast_convert_type",
         "cbrt",

@@ -24,7 +24,9 @@ from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.pricing import Pricer, node_flops, reshard_once
 from spmdkit.propagation.primitives import RULE_ERRORS
+from spmdkit.propagation.regions import region_layouts
 from spmdkit.propagation.steps import Step
+from spmdkit.region import GRAD, REGIONS
 from spmdkit.resharding import Collective, ReshardPlan
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import fmt_bytes
@@ -133,6 +135,20 @@ class Propagation:
         """Every predicted collective, in program order (loop bodies repeated)."""
         return [c for r in self.records for c in r.collectives()]
 
+    def region_strategies(self) -> dict[str, dict[str, int]]:
+        """Composite ops traced as regions (:mod:`spmdkit.region`): op (``:grad`` for
+        the grad region) → chosen strategy → how many equations took it."""
+        out: dict[str, dict[str, int]] = {}
+        todo = list(self.records)
+        while todo:
+            r = todo.pop(0)
+            todo.extend(r.body)
+            if r.primitive in REGIONS:
+                key = r.op + (":grad" if r.primitive == GRAD else "")
+                per = out.setdefault(key, {})
+                per[r.strategy] = per.get(r.strategy, 0) + 1
+        return out
+
     def table(self, limit: int | None = None) -> str:
         """A text table of the equations that communicate, costliest first."""
         rows = sorted(
@@ -169,6 +185,16 @@ class Propagation:
             f"  step time (model): {self.step_time_s * 1e3:.3f} ms",
             f"  memory: {self.memory}",
         ]
+        regions = self.region_strategies()
+        if regions:
+            head.append(
+                "  ops (strategy): "
+                + ", ".join(
+                    f"{op} {name}" + (f"×{n}" if n > 1 else "")
+                    for op, per in regions.items()
+                    for name, n in per.items()
+                )
+            )
         if self.unknown:
             head.append(
                 "  no rule (replicated): "
@@ -228,7 +254,10 @@ class Recorder:
         )
         if node.kind == "shard_map":
             reshards += tuple(self._manual_collectives(node.eqn.params["jaxpr"]))
-        reshards += tuple(self._own_collectives(op, attrs, req))
+        if node.prim in REGIONS:
+            reshards += tuple(self._region_collectives(node, attrs, req))
+        else:
+            reshards += tuple(self._own_collectives(op, attrs, req))
         comm = sum(a.payload_bytes for a in reshards)
         ctime = sum(a.plan.time_s for a in reshards)
         flops = node_flops(node, req, outs, self.mesh)
@@ -320,6 +349,19 @@ class Recorder:
             kind, axes, n, reduce_op=op, payload_bytes=payload, wire_bytes=wire, time_s=t
         )
 
+    def _region_collectives(
+        self, node: Any, attrs: dict, req: Sequence[TensorSpec]
+    ) -> list[ArgReshard]:
+        """A region's own collectives under its chosen strategy (see
+        :mod:`spmdkit.propagation.regions`)."""
+        p = node.eqn.params
+        try:
+            ans = region_layouts(node.prim, p, attrs, req, self.mesh)
+        except RULE_ERRORS:
+            return []
+        spec = ans.outputs[0] if ans.outputs else req[0]
+        return [_wrap_own(f"{p['op']} (region)", spec, c) for c in ans.collectives]
+
     def _own_collectives(
         self, op: str | None, attrs: dict, req: Sequence[TensorSpec]
     ) -> list[ArgReshard]:
@@ -336,6 +378,10 @@ class Recorder:
             spec = res.outputs[0] if res.outputs else req[0]
             out.append(ArgReshard(f"{op} (own)", spec, spec, ReshardPlan(spec, spec, (c,))))
         return out
+
+
+def _wrap_own(name: str, spec: TensorSpec, c: Collective) -> ArgReshard:
+    return ArgReshard(name, spec, spec, ReshardPlan(spec, spec, (c,)))
 
 
 def _carry_record(index: int, back: Sequence[ArgReshard], backward: bool) -> EqnRecord:

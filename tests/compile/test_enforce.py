@@ -15,7 +15,7 @@ from spmdkit.flax import describe
 from spmdkit.planner import plan
 from spmdkit.propagation import propagate
 from spmdkit.verification.hlo import parse_collectives
-from tests.plan_model import toy_batch, toy_init, toy_loss
+from tests.plan_model import ops_toy_init, ops_toy_loss, toy_batch, toy_init, toy_loss
 
 
 @jax.custom_jvp
@@ -271,3 +271,81 @@ def test_a_reshard_runs_with_the_plans_own_collectives():
     out = compiled(x)
     assert out.sharding.spec == P("model")
     np.testing.assert_allclose(out, np.tanh(np.asarray(x)), rtol=1e-6)
+
+
+# -- composite ops traced as regions ------------------------------------------------
+
+
+def _ops_step(info, p):
+    return jit(jax.value_and_grad(info.loss_fn), p)
+
+
+@pytest.fixture(scope="module")
+def ops_reference():
+    """The ops toy's loss and grads on one device (plain jit: regions lower to the
+    unsharded computation)."""
+    from flax import nnx
+
+    info = describe(ops_toy_init, loss=ops_toy_loss, batch=toy_batch())
+    with nnx.use_eager_sharding(False):
+        params = info.init_fn()
+    return info, jax.jit(jax.value_and_grad(info.loss_fn))(params, toy_batch())
+
+
+def test_megatron_with_ops_compiles_the_plans_collectives(ops_reference):
+    """The ops toy (spmdkit.ops with no in_specs, Auto axes) under sk.jit: values equal
+    the single-device run, the compiled collectives equal the propagation's, and the
+    loss is vocab-parallel (the class dim stays sharded into the loss region)."""
+    info, (ref_loss, ref_grads) = ops_reference
+    mesh = sk.make_mesh(data=4, model=2)
+    p = plan(info, mesh, "megatron", estimator="analytic")
+    params = sk.init_sharded(info, p)
+    step = _ops_step(info, p)
+    loss, grads = step(params, toy_batch())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+    report = p.verify(step, params, toy_batch())
+    assert report.ok, str(report)
+    prop = step.program(params, toy_batch())[1]
+    regions = prop.region_strategies()
+    assert set(regions) == {
+        "embedding",
+        "embedding:grad",
+        "rms_norm",
+        "rms_norm:grad",
+        "softmax_cross_entropy",
+        "softmax_cross_entropy:grad",
+    }
+    (ce,) = [r for r in prop.records if r.primitive == "spmdkit_op" and r.op.startswith("softmax")]
+    assert ce.inputs[0].dims[-1] == ("model",)  # logits stay vocab-sharded into the loss
+    assert "ops (strategy): " in str(prop)
+
+
+def _hybrid_bytes(norm_strategy):
+    info = describe(lambda: ops_toy_init(norm_strategy), loss=ops_toy_loss, batch=toy_batch())
+    mesh = sk.make_mesh(data=2, model=4)
+    table = {"embed": "model", "vocab": None, "mlp": None, "norm": None}
+    p = plan(info, mesh, table, estimator="analytic")
+    params = sk.init_sharded(info, p)
+    step = _ops_step(info, p)
+    report = p.verify(step, params, toy_batch())
+    assert report.ok, str(report)
+    prop = step.program(params, toy_batch())[1]
+    return prop, report
+
+
+@pytest.mark.slow
+def test_d_model_sharded_into_the_norm_picks_sharded_stats():
+    """d_model sharded over `model` into the norms: left to choose, the planner takes
+    sharded_stats (row statistics all-reduced, the activation all-gather gone), and
+    the compiled program moves what it predicted; a norm fixed to the default gathers."""
+    prop, _ = _hybrid_bytes(None)
+    assert prop.region_strategies()["rms_norm"] == {"sharded_stats": 2}
+    assert prop.region_strategies()["rms_norm:grad"] == {"sharded_stats": 2}
+    gathers = [c for c in prop.collectives() if c.kind == "all_gather" and c.payload_bytes > 512]
+    assert not gathers
+    fixed, _ = _hybrid_bytes("default")
+    assert fixed.region_strategies()["rms_norm"] == {"default": 2}
+    assert fixed.comm_bytes_by_kind.get("all_gather", 0) >= 2 * 8 * 16 * 32 * 4
+    assert prop.comm_bytes < fixed.comm_bytes

@@ -45,15 +45,24 @@ def test_collectives_are_the_planned_reshard(mesh2d):
     assert sk.check_plan(planned, compiled_collectives(f, x)) == []
 
 
-def test_auto_axes_need_specs_for_tracers(mesh2d):
+def test_auto_axes_without_specs_trace_a_region(mesh2d):
     amesh = Mesh(mesh2d.devices, mesh2d.axis_names)
     v, x = _x(amesh)
     y = apply_rule("softmax", x, axis=-1)  # concrete: layout read from the array
     assert sk.TensorSpec.from_value(y).dims == (("a",), ())
     f = jax.jit(lambda x: apply_rule("softmax", x, axis=-1, in_specs=[P("a", "b")]))
     np.testing.assert_allclose(np.asarray(f(x)), np.asarray(jax.nn.softmax(v, -1)), rtol=1e-6)
-    with pytest.raises(sk.SpecError, match="in_specs"):
-        jax.jit(lambda x: apply_rule("softmax", x, axis=-1))(x)
+    # no in_specs: the op is one region equation, which plain jit compiles (XLA partitions)
+    g = jax.jit(lambda x: apply_rule("softmax", x, axis=-1))
+    np.testing.assert_allclose(np.asarray(g(x)), np.asarray(jax.nn.softmax(v, -1)), rtol=1e-6)
+    jaxpr = jax.make_jaxpr(lambda x: apply_rule("softmax", x, axis=-1))(x)
+    inner = jaxpr.jaxpr.eqns[0].params["call_jaxpr"].jaxpr.eqns
+    assert [e.primitive.name for e in inner] == ["spmdkit_op"]
+    assert inner[0].params["op"] == "softmax"
+    with pytest.raises(sk.SpecError, match="in_specs"):  # a spec left out of in_specs
+        jax.jit(lambda x: apply_rule("softmax", x, axis=-1, in_specs=[None]))(x)
+    with pytest.raises(sk.ShardingConflictError, match="strategy"):  # checked as a region too
+        jax.jit(lambda x: apply_rule("softmax", x, axis=-1, strategy="nope"))(x)
 
 
 def test_errors_name_the_fix(mesh1d, mesh2d):

@@ -265,3 +265,37 @@ def test_bad_arguments_raise_typed_errors(mesh1d):
         norms.layer_norm(x, strategy="fastest")
     with pytest.raises(ShardingConflictError, match="one spec per array"):
         norms.rms_norm(x, in_specs=(P(), P()))
+
+
+@pytest.mark.parametrize(
+    ("spec", "strategy", "out"),
+    [
+        (P("a", None), "default", "a"),
+        pytest.param(P(None, "b"), "sharded_stats", None, marks=pytest.mark.slow),
+    ],
+)
+def test_fused_add_rms_norm_equals_add_then_rms_norm(mesh2d, spec, strategy, out):
+    rng = np.random.default_rng(3)
+    x, r = (rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2))
+    scale = rng.standard_normal(8).astype(np.float32)
+    put = lambda v, s: jax.device_put(v, NamedSharding(mesh2d, s))  # noqa: E731
+    xs, rs, ss = put(x, spec), put(r, spec), put(scale, P(spec[1]))
+
+    def f(x, r, s):
+        y, h, inv = norms.fused_add_rms_norm(x, r, s, strategy=strategy)
+        return (y * y).sum() + (h * inv[:, None]).sum()
+
+    def ref(x, r, s):
+        h = x + r
+        inv = 1 / jnp.sqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+        return ((h * inv * s) ** 2).sum() + (h * inv).sum()
+
+    y, h, inv = norms.fused_add_rms_norm(xs, rs, ss, strategy=strategy)
+    np.testing.assert_allclose(np.asarray(h), x + r, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(y), ref_rms_norm(x + r, scale), rtol=1e-4, atol=1e-5)
+    assert inv.shape == (4,) and inv.sharding.spec[0] == out
+    with jax.set_mesh(mesh2d):
+        got = jax.grad(f, argnums=(0, 1, 2))(xs, rs, ss)
+    want = jax.grad(ref, argnums=(0, 1, 2))(x, r, scale)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)

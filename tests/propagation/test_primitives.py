@@ -258,3 +258,12 @@ def test_a_converter_bug_surfaces(mesh1d):
     register_primitive("spmdkit_test_bad_converter", lambda eqn: ("tanh", eqn.params["missing"]))
     with pytest.raises(KeyError, match="missing"):
         propagate(prim.bind, S((32, 8), F32), in_specs=(P("x"),), mesh=mesh1d)
+
+
+def test_atan2_propagates_with_its_registered_rule(mesh1d):
+    prop = propagate(
+        jnp.arctan2, S((32, 8), F32), S((32, 8), F32), in_specs=(P("x"), P("x")), mesh=mesh1d
+    )
+    assert not prop.unknown
+    assert [r.op for r in prop.records if r.op == "atan2"] == ["atan2"]
+    assert prop.out_specs[0].dims == (("x",), ())

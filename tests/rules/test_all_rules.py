@@ -128,3 +128,45 @@ def test_uneven_sweep_2d(op, size, mesh2d):
         seed=3,
     )
     assert report.ok, str(report)
+
+
+#: Dims of the 2 × 3 sweep: the examples' 8s become 32 and their 4s become 64, which the
+#: mesh axis of 3 does not divide (the held-out PaddlePaddle cases' sizes).
+_SCALE = {8: 32, 4: 64, 6: 32}
+
+
+def _scaled_examples(rule):
+    """The rule's examples with dims of 32 and 64, uneven over the axis of 3; a rule
+    whose examples are tied to their shapes (values, shape attributes) keeps its own."""
+    if not isinstance(rule, sk.FactorRule):
+        return [dataclasses.replace(e, uneven=True) for e in rule.examples]
+    return [
+        dataclasses.replace(
+            e, uneven=True, shapes=tuple(tuple(_SCALE.get(n, n) for n in s) for s in e.shapes)
+        )
+        if e.values is None
+        else dataclasses.replace(e, uneven=True)
+        for e in rule.examples
+    ]
+
+
+@pytest.fixture(scope="module")
+def mesh2x3():
+    """Axes ``a`` (2) and ``c`` (3): six of the eight devices, an axis that divides
+    neither 32 nor 64."""
+    return sk.make_mesh(a=2, c=3)
+
+
+@pytest.mark.slow
+def test_numeric_sweep_2x3(op, mesh2x3):
+    report = check_rule(
+        op,
+        mesh=mesh2x3,
+        examples=_scaled_examples(sk.get_rule(op)),
+        max_cases=10,
+        max_grad_cases=4,
+        missing=False,
+        seed=5,
+    )
+    assert report.ok, str(report)
+    assert report.forward_cases > 0

@@ -101,3 +101,37 @@ def test_bfloat16_uneven_pieces_are_padded_with_nan(mesh1d):
     value = np.ones((6,), dtype=jnp.bfloat16)
     pieces = local_pieces(value, T((6,), P("x")), mesh1d, rng=np.random.default_rng(0))
     assert np.isnan(pieces.astype(np.float32)).sum() == 2  # blocks of 2: the last is padding
+
+
+@pytest.mark.parametrize(
+    ("op", "partial", "passes"),
+    [
+        ("fmax", "max", True),
+        ("fmax", "sum", False),
+        ("fmin", "min", True),
+        ("fmin", "max", False),
+        ("atan2", "sum", False),
+    ],
+)
+def test_named_binary_rules_pass_only_what_their_algebra_allows(op, partial, passes):
+    r = sk.infer_forward(op, T((8, 4), P("y"), partial={"x": partial}), T((8, 4)), mesh=MESH)
+    assert r.outputs[0].dims == (("y",), ())
+    assert (r.outputs[0].partial_ops == {"x": partial}) is passes
+
+
+@pytest.mark.parametrize("op", ["gelu", "reciprocal"])
+def test_named_unary_rules_resolve_every_partial(op):
+    for kind in ("sum", "max", "min"):
+        r = sk.infer_forward(op, T((8, 4), P(None, "y"), partial={"x": kind}), mesh=MESH)
+        assert not r.inputs[0].partial and not r.outputs[0].partial
+        assert r.outputs[0].dims == ((), ("y",))
+
+
+def test_fmax_ignores_nan_and_gelu_has_both_forms():
+    nan = np.float32(np.nan)
+    fmax = sk.get_rule("fmax").impl
+    assert float(fmax(nan, np.float32(2.0))) == 2.0
+    gelu = sk.get_rule("gelu").impl
+    x = jnp.linspace(-3, 3, 7)
+    exact, tanh = gelu(x, approximate=False), gelu(x, approximate=True)
+    assert not np.allclose(exact, tanh, atol=1e-6) and np.allclose(exact, tanh, atol=1e-2)

@@ -357,3 +357,104 @@ def test_sharded_stats_on_an_unevenly_sharded_normalized_dim(op, mesh1d):
     )
     assert failure is None, str(failure)
     assert res.outputs[1] == specs[1]
+
+
+# -- fused residual-add + RMS norm ---------------------------------------------------
+
+
+def test_fused_add_rms_norm_resolves_a_partial_residual_once():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    x = T((8, 16), P("a"), partial={"b": "sum"})
+    r = T((8, 16), P("a"))
+    res = sk.infer_forward("fused_add_rms_norm", x, r, T((16,)), mesh=mesh)
+    # both inputs stay partial over b (the replicated residual joins for free) ...
+    assert res.inputs[0].partial_ops == res.inputs[1].partial_ops == {"b": "sum"}
+    assert all(r.plan.payload_bytes == 0 for r in res.reshards)  # r -> p moves nothing
+    # ... and the op all-reduces h = x + residual once: the local 4 × 16 block
+    (resolve,) = res.collectives
+    assert (resolve.kind, resolve.axes, resolve.payload_bytes) == ("all_reduce", ("b",), 4 * 16 * 4)
+    y, h, inv = res.outputs
+    assert str(y) == str(h) == "f32[8@a,16]" and str(inv) == "f32[8@a]"
+
+
+def test_fused_add_rms_norm_partial_case_is_numerically_right(mesh2d):
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(s).astype(np.float32) for s in ((8, 16), (8, 16), (16,))]
+    specs = (T((8, 16), P("a"), partial={"b": "sum"}), T((8, 16), P("a")), T((16,)))
+    failure, res = check_forward_case("fused_add_rms_norm", specs, mesh2d, values=values, rtol=1e-4)
+    assert failure is None, str(failure)
+    assert res.inputs[1].partial_ops == {"b": "sum"}
+
+
+def test_fused_add_rms_norm_max_partial_and_scale_partial_are_resolved():
+    mesh = sk.abstract_mesh(x=4)
+    x = T((4, 8), partial={"x": "max"})
+    res = sk.infer_forward("fused_add_rms_norm", x, T((4, 8)), T((8,)), mesh=mesh)
+    assert not res.inputs[0].partial and not res.collectives
+    s = T((8,), partial={"x": "sum"})
+    res = sk.infer_forward("fused_add_rms_norm", T((4, 8)), T((4, 8)), s, mesh=mesh)
+    assert not any(i.partial for i in res.inputs)
+
+
+def test_fused_add_rms_norm_scale_grad_is_partial_over_the_batch_axes():
+    mesh = sk.abstract_mesh(a=2, b=4)
+    x = T((8, 16), P("a", None))
+    g = sk.infer_grad(
+        "fused_add_rms_norm",
+        x,
+        x,
+        T((16,)),
+        out_grads=(x, x, T((8,), P("a"))),
+        mesh=mesh,
+    )
+    dx, dr, ds = g.outputs
+    assert not dx.partial and not dr.partial
+    assert ds.partial_ops == {"a": "sum"}
+
+
+FUSED_FAST = (
+    Example(((4, 8), (4, 8), (8,)), attrs={"strategy": "sharded_stats"}, rtol=1e-4),
+    Example(((6, 6), (6, 6)), attrs={"strategy": "sharded_stats", "has_scale": False}, rtol=1e-4),
+)
+
+
+def test_fused_add_rms_norm_sharded_stats_sweep(mesh2d):
+    report = check_rule(
+        "fused_add_rms_norm",
+        mesh=mesh2d,
+        examples=FUSED_FAST,
+        max_cases=10,
+        max_grad_cases=4,
+        missing=False,
+        seed=4,
+    )
+    assert report.ok, str(report)
+    mesh = sk.abstract_mesh(x=4)
+    res = sk.infer_forward(
+        "fused_add_rms_norm",
+        T((4, 8), P(None, "x")),
+        T((4, 8), P(None, "x")),
+        T((8,)),
+        mesh=mesh,
+        strategy="sharded_stats",
+    )
+    assert str(res.outputs[0]) == "f32[4,8@x]" and res.collectives[0].payload_bytes == 4 * 4
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_uneven_rows_stay_sharded_on_an_axis_of_three(op):
+    """A mesh axis of 3 over 32 rows (PaddlePaddle's held-out cases): the rows stay
+    sharded forward and grad, the scale grad is partial over them; nothing moves."""
+    mesh = sk.abstract_mesh(a=2, c=3)
+    x = T((32, 64), P("c", None))
+    params = (T((64,)),) * (2 if op == "layer_norm" else 1)
+    fwd = sk.infer_forward(op, x, *params, mesh=mesh)
+    assert fwd.inputs[0] == x and not fwd.reshards
+    grad = sk.infer_grad(op, x, *params, out_grads=(x,), mesh=mesh)
+    assert not grad.reshards and grad.outputs[0].dims == (("c",), ())
+    assert all(g.partial_ops == {"c": "sum"} for g in grad.outputs[1:])
+    fast = sk.infer_forward(
+        op, T((32, 64), P(None, "c")), *params, mesh=mesh, strategy="sharded_stats"
+    )
+    assert fast.inputs[0].dims == ((), ("c",))  # the parameters are sliced: no bytes move
+    assert all(r.plan.payload_bytes == 0 for r in fast.reshards)

@@ -1,0 +1,287 @@
+"""Composite ops as named regions of a jaxpr: what the planner sees of ``spmdkit.ops``.
+
+An op of :mod:`spmdkit.ops` called where its inputs have no known layout (inside
+a trace on a mesh with Auto axes and no ``in_specs``, or with no mesh at all, as
+under the planner's abstract trace) cannot pick its reshards yet. It is traced
+as a *region* instead: one equation of the primitive ``spmdkit_op`` whose
+parameters name the op and its attributes, wrapped in a ``jax.custom_vjp`` whose
+backward pass is one equation of ``spmdkit_op_grad`` (the primal inputs and the
+output cotangents in, the input cotangents out). Propagation applies the op's
+forward rule to the first and its grad rule to the second, whole, and searches
+the op's strategies; ``sk.jit``'s enforced replay runs the rule's ``shard_map``
+program for each region with the planned specs.
+
+Everywhere else a region computes the op's unsharded reference (``rule.impl``):
+compiled by plain ``jax.jit`` it lowers to that computation and XLA partitions
+it, so a model calling ``spmdkit.ops`` also runs without spmdkit's planner.
+
+The grad region recomputes the forward from its primal inputs (no residuals
+cross the region boundary, so nothing of unknown layout does): like a remat
+region, its cost is the forward's FLOPs and own collectives again plus the
+backward's, and :func:`grad_collectives` prices exactly that.
+
+Example::
+
+    >>> x = jax.ShapeDtypeStruct((8, 16), "float32")
+    >>> jaxpr = jax.make_jaxpr(lambda x: region_call("rms_norm", (x,), {}))(x)
+    >>> [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    ['custom_vjp_call']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+from jax.interpreters import batching, mlir
+
+from spmdkit.inference import InferenceResult, infer_forward, infer_grad
+from spmdkit.local import resolve_partials, shard_program
+from spmdkit.registry import get_rule
+from spmdkit.rule import LocalContext, without_strategy
+from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.util import freeze
+
+__all__ = [
+    "FORWARD",
+    "GRAD",
+    "REGIONS",
+    "forward_fn",
+    "grad_fn",
+    "grad_inference",
+    "region_attrs",
+    "region_call",
+    "region_program",
+]
+
+#: Primitive names of the forward and the grad region.
+FORWARD = "spmdkit_op"
+GRAD = "spmdkit_op_grad"
+REGIONS = frozenset({FORWARD, GRAD})
+
+_forward_p = jax.extend.core.Primitive(FORWARD)
+_forward_p.multiple_results = True
+_grad_p = jax.extend.core.Primitive(GRAD)
+_grad_p.multiple_results = True
+
+
+def region_attrs(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The op attributes a region equation carries (``strategy`` only when the
+    caller fixed one; otherwise the planner searches it)."""
+    return dict(params["attrs"])
+
+
+def forward_fn(op: str, attrs: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:
+    """The op's unsharded computation as a function returning a tuple of outputs."""
+    impl = get_rule(op).impl
+    kw = without_strategy(attrs)
+
+    def run(*xs: Any) -> tuple[Any, ...]:
+        ys = impl(*xs, **kw)
+        return tuple(ys) if isinstance(ys, (tuple, list)) else (ys,)
+
+    return run
+
+
+def grad_fn(
+    op: str, attrs: Mapping[str, Any], diff: Sequence[bool]
+) -> Callable[..., tuple[Any, ...]]:
+    """``(*primal inputs, *output cotangents) -> cotangents of the differentiable
+    inputs``, by autodiff of the unsharded computation."""
+    fwd = forward_fn(op, attrs)
+    n = len(diff)
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        xs, cts = args[:n], args[n:]
+
+        def f(*d: Any) -> tuple[Any, ...]:
+            it = iter(d)
+            return fwd(*(next(it) if on else x for x, on in zip(xs, diff, strict=True)))
+
+        _, vjp = jax.vjp(f, *(x for x, on in zip(xs, diff, strict=True) if on))
+        return tuple(vjp(tuple(cts)))
+
+    return run
+
+
+def _shapes(fn: Callable[..., Any], avals: Sequence[Any]) -> list[Any]:
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    return [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(fn, *args)]
+
+
+def _forward_abstract(*avals: Any, op: str, attrs: Any) -> list[Any]:
+    return _shapes(forward_fn(op, dict(attrs)), avals)
+
+
+def _grad_abstract(*avals: Any, op: str, attrs: Any, diff: tuple[bool, ...]) -> list[Any]:
+    return _shapes(grad_fn(op, dict(attrs), diff), avals)
+
+
+def _forward_impl(*xs: Any, op: str, attrs: Any) -> list[Any]:
+    return list(forward_fn(op, dict(attrs))(*xs))
+
+
+def _grad_impl(*xs: Any, op: str, attrs: Any, diff: tuple[bool, ...]) -> list[Any]:
+    return list(grad_fn(op, dict(attrs), diff)(*xs))
+
+
+def _forward_batch(args: Sequence[Any], dims: Sequence[Any], *, op: str, attrs: Any) -> Any:
+    """Under ``vmap`` the region gives way to the batched unsharded computation."""
+    outs = jax.vmap(forward_fn(op, dict(attrs)), in_axes=tuple(dims))(*args)
+    return list(outs), [0] * len(outs)
+
+
+def _grad_batch(
+    args: Sequence[Any], dims: Sequence[Any], *, op: str, attrs: Any, diff: tuple[bool, ...]
+) -> Any:
+    outs = jax.vmap(grad_fn(op, dict(attrs), diff), in_axes=tuple(dims))(*args)
+    return list(outs), [0] * len(outs)
+
+
+_forward_p.def_abstract_eval(_forward_abstract)
+_forward_p.def_impl(_forward_impl)
+_grad_p.def_abstract_eval(_grad_abstract)
+_grad_p.def_impl(_grad_impl)
+mlir.register_lowering(_forward_p, mlir.lower_fun(_forward_impl, multiple_results=True))
+mlir.register_lowering(_grad_p, mlir.lower_fun(_grad_impl, multiple_results=True))
+batching.primitive_batchers[_forward_p] = _forward_batch
+batching.primitive_batchers[_grad_p] = _grad_batch
+
+
+def _differentiable(x: Any) -> bool:
+    return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def region_call(op: str, args: Sequence[Any], attrs: Mapping[str, Any]) -> Any:
+    """Trace ``op(*args, **attrs)`` as a forward region with a grad region for its VJP.
+
+    Args:
+      op: a registered op.
+      args: its array operands (tracers or arrays).
+      attrs: its attributes; leave ``strategy`` out to let the planner choose.
+
+    Returns:
+      The output, or a tuple of outputs, as the op's ``impl`` returns them.
+    """
+    frozen = freeze(dict(attrs))
+    diff = tuple(_differentiable(x) for x in args)
+
+    @jax.custom_vjp
+    def region(*xs: Any) -> tuple[Any, ...]:
+        return tuple(_forward_p.bind(*xs, op=op, attrs=frozen))
+
+    def fwd(*xs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        return region(*xs), xs
+
+    def bwd(xs: tuple[Any, ...], cts: tuple[Any, ...]) -> tuple[Any, ...]:
+        grads = iter(_grad_p.bind(*xs, *cts, op=op, attrs=frozen, diff=diff))
+        return tuple(next(grads) if on else None for on in diff)
+
+    region.defvjp(fwd, bwd)
+    outs = region(*args)
+    return outs[0] if len(outs) == 1 else outs
+
+
+def grad_inference(
+    op: str,
+    attrs: Mapping[str, Any],
+    specs: Sequence[TensorSpec],
+    diff: Sequence[bool],
+    mesh: MeshLike,
+) -> tuple[InferenceResult, InferenceResult]:
+    """The grad rule's answer for a grad region's operands ``(*inputs, *cotangents)``,
+    and the forward answer the region recomputes on the grad's required inputs."""
+    n = len(diff)
+    g = infer_grad(op, *specs[:n], out_grads=tuple(specs[n:]), mesh=mesh, **attrs)
+    f = infer_forward(op, *g.inputs, mesh=mesh, **attrs)
+    return g, f
+
+
+def _runnable(specs: Sequence[TensorSpec | None], mesh: MeshLike) -> bool:
+    return all(s is not None and not s.partial and s.is_even(mesh) for s in specs)
+
+
+def region_program(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec | None],
+    produced: Sequence[TensorSpec | None],
+    mesh: MeshLike,
+) -> Callable[..., tuple[Any, ...]] | None:
+    """The rule's ``shard_map`` program for a region equation laid out as planned.
+
+    Args:
+      prim: :data:`FORWARD` or :data:`GRAD`.
+      params: the equation's parameters.
+      attrs: the attributes propagation chose (``strategy`` included).
+      required: the operands' planned layouts.
+      produced: the results' planned layouts.
+      mesh: the mesh (Auto axes: the program runs inside ``jit``).
+
+    Returns:
+      A function of the operands returning the results in ``produced``'s layouts,
+      with exactly the rule's collectives (a grad region: the recomputed
+      forward's and the grad's, and the all-reduce of cotangents the grad rule
+      leaves partial); None when the layouts cannot run under ``shard_map``
+      (an uneven block or a pending reduction) or the rule now answers otherwise:
+      then the caller binds the region as it is and XLA partitions it.
+    """
+    if not _runnable((*required, *produced), mesh):
+        return None
+    op, rule = params["op"], get_rule(params["op"])
+    if prim == FORWARD:
+        res = infer_forward(op, *required, mesh=mesh, **attrs)
+        if tuple(res.inputs) != tuple(required):
+            return None
+        return shard_program(rule, res, attrs, mesh)
+    diff = tuple(params["diff"])
+    n = len(diff)
+    g = infer_grad(op, *required[:n], out_grads=tuple(required[n:]), mesh=mesh, **attrs)
+    if (*g.inputs, *g.out_grads) != tuple(required):
+        return None
+    lctx = LocalContext(op, dict(attrs), g.inputs, g.forward_outputs, axis_sizes(mesh))
+    return _grad_program(rule.local_fn(lctx), lctx.outputs, diff, required, produced, mesh)
+
+
+def _grad_program(
+    local: Callable[..., Any],
+    outputs: Sequence[TensorSpec],
+    diff: tuple[bool, ...],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> Callable[..., tuple[Any, ...]]:
+    n = len(diff)
+
+    def body(*args: Any) -> tuple[Any, ...]:
+        # the barrier keeps XLA from merging the recomputed forward's collectives
+        # with the forward region's: the grad region's collectives are the same
+        # whether or not the forward ran in the same program (a scanned or remat
+        # model recomputes them anyway)
+        xs = tuple(jax.lax.optimization_barrier(x) for x in args[:n])
+        cts = args[n:]
+
+        def f(*d: Any) -> tuple[Any, ...]:
+            it = iter(d)
+            ys = local(*(next(it) if on else x for x, on in zip(xs, diff, strict=True)))
+            ys = tuple(ys) if isinstance(ys, (tuple, list)) else (ys,)
+            # the forward's pending reductions, resolved as the forward region does:
+            # their transposes route each cotangent to the pieces (XLA drops the
+            # forward all-reduce itself, whose value the backward does not read)
+            return tuple(resolve_partials(y, o) for y, o in zip(ys, outputs, strict=True))
+
+        # shard_map's autodiff sums the cotangent of an input over the axes it is
+        # invariant on: that is the grad rule's partial sum over those axes
+        _, vjp = jax.vjp(f, *(x for x, on in zip(xs, diff, strict=True) if on))
+        return tuple(vjp(tuple(cts)))
+
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=tuple(s.to_partition_spec() for s in required),
+        out_specs=tuple(s.to_partition_spec() for s in produced),
+    )
