@@ -4,13 +4,19 @@ Each stays one node whose body is propagated as a sub-graph by the engine
 (anything with the :class:`BodyRunner` methods). ``scan`` counts its body's
 costs ``length`` times; the carry keeps its entry layout or takes the fixed
 point the body reaches from it, whichever costs less over the loop (the stacked
-dim of ``xs`` and ``ys`` stays unsharded). ``while`` does the same and counts
-its body once (trip count unknown). ``cond`` propagates every branch, costs the
-dearest and keeps outputs on which the branches agree.
+dim of ``xs`` and ``ys`` stays unsharded). A body result with a pending
+reduction is resolved inside the body, each iteration, into the layout its
+consumers want (:func:`ys_layout`): stacked unreduced it would hold every
+iteration's full-size partial at once (a layer scan's weight gradients in the
+gathered weight's shape, where FSDP reduce-scatters each into its shard).
+``while`` does the same and counts its body once (trip count unknown).
+``cond`` propagates every branch, costs the dearest and keeps outputs on which
+the branches agree.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -18,7 +24,7 @@ from spmdkit.inference import ArgReshard
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.steps import LoopBody, Step
-from spmdkit.spec import TensorSpec
+from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 
 __all__ = ["BodyRunner", "cond", "scan", "stack", "unstack", "while_loop"]
 
@@ -42,6 +48,10 @@ class BodyRunner(Protocol):
 
     def replicated(self, vid: int) -> TensorSpec:
         """The replicated spec of value ``vid``."""
+        ...
+
+    def wanted(self, vid: int) -> TensorSpec | None:
+        """The layout later equations want of value ``vid`` (a hint), if any."""
         ...
 
 
@@ -109,6 +119,78 @@ def _reduced_inside(steps: list[Step], vid: int, have: TensorSpec) -> bool:
     return False
 
 
+def ys_layout(
+    pricer: Pricer,
+    have: TensorSpec,
+    wanted: Sequence[TensorSpec],
+    slices: Sequence[TensorSpec],
+) -> TensorSpec:
+    """The layout a scan body's sum-partial result is reduced to each iteration.
+
+    The first group with a candidate decides: the layouts consumers want of it
+    (``wanted``: hints on the body result, or the slice of a hint on the stacked
+    scan result), then the layouts of the body's input slices of the same shape
+    (a layer's weight gradient takes its weight's layout), then the all-reduced
+    layout. Within a group, the reduction that moves the fewest payload bytes
+    wins, then the smallest result per device (a reduce-scatter moves what an
+    all-reduce does), then the quickest.
+
+    Example::
+
+        >>> g = TensorSpec((8, 4), (), partial={"data": "sum"})
+        >>> w = TensorSpec((8, 4), ("data", None))
+        >>> ys_layout(pricer, g, [], [w]).dims
+        (('data',), ())
+    """
+    mesh = pricer.mesh
+    for group in (wanted, [s for s in slices if not s.partial]):
+        best: tuple | None = None
+        for c in group:
+            if c.shape != have.shape or c.partial:
+                continue
+            t = c.replace(dtype=have.dtype)
+            a = pricer.reshard("output", have, t)
+            if a is None:
+                continue
+            key = (a.payload_bytes, t.local_bytes(mesh), a.plan.time_s)
+            if best is None or key < best[0]:
+                best = (key, t)
+        if best is not None:
+            return best[1]
+    return have.without_partial()
+
+
+def _slice_wanted(have: TensorSpec, stacked: TensorSpec | None, mesh: MeshLike) -> list:
+    """The slice layouts a hint on a scan's stacked result asks of a body result:
+    the hint's slice when it leaves the stacked dim unsharded, else (the consumers
+    shard the stack over layers, as FSDP of a layer stack does) the pending sum
+    scattered over a dim of the slice, as evenly sharded as they want it."""
+    if stacked is None or not stacked.dims:
+        return []
+    if not stacked.dims[0]:
+        return [TensorSpec(stacked.shape[1:], stacked.dims[1:], dtype=stacked.dtype)]
+    t = _scattered(have, mesh)
+    return [t] if t is not None else []
+
+
+def _scattered(have: TensorSpec, mesh: MeshLike) -> TensorSpec | None:
+    """``have`` with its pending sums reduce-scattered over its largest dim that
+    their axes divide evenly (None: no sum pending, or no such dim)."""
+    axes = tuple(a for a, op in have.partial if op == "sum")
+    if not axes:
+        return None
+    n = math.prod(axis_sizes(mesh)[a] for a in axes)
+    local = have.local_shape(mesh)
+    fits = [d for d in range(len(local)) if local[d] % n == 0 and local[d] >= n]
+    if not fits:
+        return None
+    d = max(fits, key=lambda i: (local[i], -i))
+    dims = [x or None for x in have.dims]
+    dims[d] = (*have.dims[d], *axes)
+    rest = {a: op for a, op in have.partial if a not in axes}
+    return TensorSpec(have.shape, dims, partial=rest, dtype=have.dtype)
+
+
 def scan(
     runner: BodyRunner, node: Node, specs: Specs, spec: dict[int, TensorSpec]
 ) -> tuple[Specs, Specs, LoopBody]:
@@ -126,14 +208,24 @@ def scan(
     outs = runner.body(body, [*consts, *carry, *(x for x, _ in xs)], spec, inner)
     req = (*consts, *carry, *(stacked for _, stacked in xs))
     # a result the body already reduced leaves the loop reduced (no second
-    # reduction after it); others leave stacked with their pending reduction, which
-    # their consumers resolve (same bytes as a reduction per iteration, fewer hops)
-    ys = [
-        stack(o.without_partial() if o.partial and _reduced_inside(inner, bo, o) else o, length)
-        for bo, o in zip(body.outvars[nk:], outs[nk:], strict=True)
-    ]
+    # reduction after it); the other pending sums are reduced inside the body,
+    # each iteration, into the layout their consumers want (see ys_layout)
+    slices = [x for x, _ in xs]
+    ys: list[TensorSpec] = []
+    ys_back = []
+    for j, (bo, o) in enumerate(zip(body.outvars[nk:], outs[nk:], strict=True)):
+        y = o
+        if o.partial and _reduced_inside(inner, bo, o):
+            y = o.without_partial()
+        elif o.partial:
+            hint = runner.wanted(bo)
+            want = [hint] if hint is not None else []
+            want += _slice_wanted(o, runner.wanted(node.outs[nk + j]), runner.pricer.mesh)
+            y = ys_layout(runner.pricer, o, want, slices)
+            ys_back.append(runner.pricer.reshard(f"output {nk + j}", o, y, bo))
+        ys.append(stack(y, length))
     # the carry coming back each iteration must have the carry-in layout
-    back = _back(runner.pricer, outs[:nk], carry, "carry")
+    back = _back(runner.pricer, outs[:nk], carry, "carry") + [a for a in ys_back if a]
     return req, (*carry, *ys), LoopBody(inner, back, length)
 
 
