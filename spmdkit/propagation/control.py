@@ -16,7 +16,6 @@ the branches agree.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -123,27 +122,31 @@ def ys_layout(
     pricer: Pricer,
     have: TensorSpec,
     wanted: Sequence[TensorSpec],
-    slices: Sequence[TensorSpec],
+    stacked_xs: Sequence[TensorSpec],
 ) -> TensorSpec:
     """The layout a scan body's sum-partial result is reduced to each iteration.
 
     The first group with a candidate decides: the layouts consumers want of it
-    (``wanted``: hints on the body result, or the slice of a hint on the stacked
-    scan result), then the layouts of the body's input slices of the same shape
+    (``wanted``: hints on the body result, and the slice of a hint on the stacked
+    scan result), then the slices of the loop's stacked inputs of the same shape
     (a layer's weight gradient takes its weight's layout), then the all-reduced
-    layout. Within a group, the reduction that moves the fewest payload bytes
-    wins, then the smallest result per device (a reduce-scatter moves what an
-    all-reduce does), then the quickest.
+    layout. A stacked layout sharded over layers (FSDP of a layer stack: the loop
+    gathers it) gives its slice with the pending sums over those axes scattered
+    over the slice's dims: each layer's gradient as evenly sharded as its weight.
+    Within a group, the reduction that moves the fewest payload bytes wins, then
+    the smallest result per device (a reduce-scatter moves what an all-reduce
+    does), then the quickest.
 
     Example::
 
         >>> g = TensorSpec((8, 4), (), partial={"data": "sum"})
-        >>> w = TensorSpec((8, 4), ("data", None))
+        >>> w = TensorSpec((2, 8, 4), ("data", None, None))
         >>> ys_layout(pricer, g, [], [w]).dims
         (('data',), ())
     """
     mesh = pricer.mesh
-    for group in (wanted, [s for s in slices if not s.partial]):
+    spread = [x for st in stacked_xs for x in _slice_wanted(have, st, mesh)]
+    for group in (wanted, spread):
         best: tuple | None = None
         for c in group:
             if c.shape != have.shape or c.partial:
@@ -162,33 +165,38 @@ def ys_layout(
 
 def _slice_wanted(have: TensorSpec, stacked: TensorSpec | None, mesh: MeshLike) -> list:
     """The slice layouts a hint on a scan's stacked result asks of a body result:
-    the hint's slice when it leaves the stacked dim unsharded, else (the consumers
-    shard the stack over layers, as FSDP of a layer stack does) the pending sum
-    scattered over a dim of the slice, as evenly sharded as they want it."""
+    its slice, with (when the consumers shard the stack over layers, as FSDP of a
+    layer stack does) the pending sums over the stacked dim's axes scattered over
+    the slice's dims, as evenly sharded as the consumers want it."""
     if stacked is None or not stacked.dims:
         return []
-    if not stacked.dims[0]:
-        return [TensorSpec(stacked.shape[1:], stacked.dims[1:], dtype=stacked.dtype)]
-    t = _scattered(have, mesh)
-    return [t] if t is not None else []
+    base = TensorSpec(stacked.shape[1:], stacked.dims[1:], dtype=stacked.dtype)
+    t = _scattered(have, base, stacked.dims[0], mesh) if stacked.dims[0] else None
+    return [t] if t is not None else [base]
 
 
-def _scattered(have: TensorSpec, mesh: MeshLike) -> TensorSpec | None:
-    """``have`` with its pending sums reduce-scattered over its largest dim that
-    their axes divide evenly (None: no sum pending, or no such dim)."""
-    axes = tuple(a for a, op in have.partial if op == "sum")
-    if not axes:
+def _scattered(
+    have: TensorSpec, base: TensorSpec, allowed: Sequence[str], mesh: MeshLike
+) -> TensorSpec | None:
+    """``base`` (a non-partial layout of ``have``) with each of ``have``'s pending
+    sums over an ``allowed`` axis ``base`` does not use scattered over the dim with
+    the largest block that axis divides evenly (None: no such axis, or no such dim)."""
+    used = {a for d in base.dims for a in d}
+    axes = [a for a, op in have.partial if op == "sum" and a not in used and a in allowed]
+    sizes = axis_sizes(mesh)
+    dims = [tuple(d) for d in base.dims]
+    added = False
+    for a in axes:
+        local = TensorSpec(base.shape, [d or None for d in dims]).local_shape(mesh)
+        fits = [i for i, n in enumerate(local) if n % sizes[a] == 0 and n >= sizes[a]]
+        if not fits:
+            continue
+        i = max(fits, key=lambda j: (local[j], -j))
+        dims[i] = (*dims[i], a)
+        added = True
+    if not added:
         return None
-    n = math.prod(axis_sizes(mesh)[a] for a in axes)
-    local = have.local_shape(mesh)
-    fits = [d for d in range(len(local)) if local[d] % n == 0 and local[d] >= n]
-    if not fits:
-        return None
-    d = max(fits, key=lambda i: (local[i], -i))
-    dims = [x or None for x in have.dims]
-    dims[d] = (*have.dims[d], *axes)
-    rest = {a: op for a, op in have.partial if a not in axes}
-    return TensorSpec(have.shape, dims, partial=rest, dtype=have.dtype)
+    return TensorSpec(base.shape, [d or None for d in dims], dtype=base.dtype)
 
 
 def scan(
@@ -210,7 +218,7 @@ def scan(
     # a result the body already reduced leaves the loop reduced (no second
     # reduction after it); the other pending sums are reduced inside the body,
     # each iteration, into the layout their consumers want (see ys_layout)
-    slices = [x for x, _ in xs]
+    given_xs = [s.without_partial() for s in specs[nc + nk :]]
     ys: list[TensorSpec] = []
     ys_back = []
     for j, (bo, o) in enumerate(zip(body.outvars[nk:], outs[nk:], strict=True)):
@@ -221,7 +229,7 @@ def scan(
             hint = runner.wanted(bo)
             want = [hint] if hint is not None else []
             want += _slice_wanted(o, runner.wanted(node.outs[nk + j]), runner.pricer.mesh)
-            y = ys_layout(runner.pricer, o, want, slices)
+            y = ys_layout(runner.pricer, o, want, given_xs)
             ys_back.append(runner.pricer.reshard(f"output {nk + j}", o, y, bo))
         ys.append(stack(y, length))
     # the carry coming back each iteration must have the carry-in layout
