@@ -339,7 +339,8 @@ class Recorder:
 
 
 def _carry_record(index: int, back: Sequence[ArgReshard], backward: bool) -> EqnRecord:
-    """The record of a loop body's results moving back to the carry layouts."""
+    """The record of a loop body's results moving back to the carry layouts (and a
+    scan's sum-partial ``ys`` reduced to the layouts they leave the loop in)."""
     return EqnRecord(
         index,
         "carry",
