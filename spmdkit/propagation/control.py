@@ -29,6 +29,9 @@ __all__ = ["BodyRunner", "cond", "scan", "stack", "unstack", "while_loop"]
 
 Specs = tuple[TensorSpec, ...]
 
+#: Collectives that only resolve a pending sum (no slicing or moving besides).
+_REDUCE = frozenset({"all_reduce", "reduce_scatter"})
+
 
 class BodyRunner(Protocol):
     """What the control-flow nodes need of the engine."""
@@ -130,7 +133,9 @@ def ys_layout(
     (``wanted``: hints on the body result, and the slice of a hint on the stacked
     scan result), then the slices of the loop's stacked inputs of the same shape
     (a layer's weight gradient takes its weight's layout), then the all-reduced
-    layout. A stacked layout sharded over layers (FSDP of a layer stack: the loop
+    layout; an input slice only where the reduction alone reaches it (an
+    all-reduce then a slice leaves XLA free to keep the loop's stacked buffer
+    whole and gather into it). A stacked layout sharded over layers (FSDP of a layer stack: the loop
     gathers it) gives its slice with the pending sums over those axes scattered
     over the slice's dims: each layer's gradient as evenly sharded as its weight.
     Within a group, the reduction that moves the fewest payload bytes wins, then
@@ -146,14 +151,14 @@ def ys_layout(
     """
     mesh = pricer.mesh
     spread = [x for st in stacked_xs for x in _slice_wanted(have, st, mesh)]
-    for group in (wanted, spread):
+    for group, pure in ((wanted, False), (spread, True)):
         best: tuple | None = None
         for c in group:
             if c.shape != have.shape or c.partial:
                 continue
             t = c.replace(dtype=have.dtype)
             a = pricer.reshard("output", have, t)
-            if a is None:
+            if a is None or (pure and any(x.kind not in _REDUCE for x in a.plan.steps)):
                 continue
             key = (a.payload_bytes, t.local_bytes(mesh), a.plan.time_s)
             if best is None or key < best[0]:
