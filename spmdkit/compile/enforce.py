@@ -43,7 +43,10 @@ What is not pinned:
     layout;
   - scalars and extended dtypes (PRNG keys);
   - the insides of ``while`` and ``cond`` bodies (their operands and results
-    are pinned). ``scan`` bodies are pinned equation by equation; so are remat
+    are pinned). ``scan`` bodies are pinned equation by equation, and each
+    ``ys`` result every iteration to the slice of its stacked layout, so a
+    pending sum (a layer's weight gradient) is reduced inside the loop into its
+    shard as the plan counts it, not stacked at full size; so are remat
     (checkpoint) regions, whose pinned replay is bound again as a checkpoint
     with the region's own parameters (policy, ``prevent_cse``,
     ``differentiated``), so XLA still recomputes them where the traced step does
@@ -189,7 +192,7 @@ class _Replay:
                 outs = [self.reduced(node.eqn, vals, pins.required, pins.fused)]
                 produced = (pins.fused.dst,)
             elif node.kind == "scan":
-                outs = self.scan(node, vals)
+                outs = self.scan(node, vals, produced)
             elif node.prim in REGIONS:
                 outs = self.region(node, vals, pins)
             else:
@@ -256,15 +259,25 @@ class _Replay:
             return _bind(node.eqn, vals)
         return list(run(*vals))
 
-    def scan(self, node: Node, vals: list[Any]) -> list[Any]:
+    def scan(self, node: Node, vals: list[Any], produced: Sequence[TensorSpec | None]) -> list[Any]:
+        """A ``scan`` whose body is replayed pinned; each ``ys`` result is pinned,
+        every iteration, to the slice of its stacked layout (a pending sum is
+        reduced inside the body, as the plan counts it, not stacked)."""
         p = node.eqn.params
         nc, nk = int(p["num_consts"]), int(p["num_carry"])
         body = node.subs[0]
         consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
+        slices = [
+            TensorSpec(s.shape[1:], s.dims[1:], dtype=s.dtype)
+            if s is not None and not s.partial and s.dims
+            else None
+            for s in produced[nk:]
+        ]
 
         def step(carry: list, x: list) -> tuple[list, list]:
             outs = self.graph(body, [*consts, *carry, *x])
-            return outs[:nk], outs[nk:]
+            ys = [_pin(y, s, self.mesh) for y, s in zip(outs[nk:], slices, strict=True)]
+            return outs[:nk], ys
 
         carry, ys = jax.lax.scan(
             step,

@@ -4,9 +4,14 @@ Each stays one node whose body is propagated as a sub-graph by the engine
 (anything with the :class:`BodyRunner` methods). ``scan`` counts its body's
 costs ``length`` times; the carry keeps its entry layout or takes the fixed
 point the body reaches from it, whichever costs less over the loop (the stacked
-dim of ``xs`` and ``ys`` stays unsharded). ``while`` does the same and counts
-its body once (trip count unknown). ``cond`` propagates every branch, costs the
-dearest and keeps outputs on which the branches agree.
+dim of ``xs`` and ``ys`` stays unsharded). A body result with a pending
+reduction is resolved inside the body, each iteration, into the layout its
+consumers want (:func:`ys_layout`): stacked unreduced it would hold every
+iteration's full-size partial at once (a layer scan's weight gradients in the
+gathered weight's shape, where FSDP reduce-scatters each into its shard).
+``while`` does the same and counts its body once (trip count unknown).
+``cond`` propagates every branch, costs the dearest and keeps outputs on which
+the branches agree.
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ from spmdkit.inference import ArgReshard
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.steps import LoopBody, Step
-from spmdkit.spec import TensorSpec
+from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 
 __all__ = ["BodyRunner", "cond", "scan", "stack", "unstack", "while_loop"]
 
 Specs = tuple[TensorSpec, ...]
+
+#: Collectives that only resolve a pending sum (no slicing or moving besides).
+_REDUCE = frozenset({"all_reduce", "reduce_scatter"})
 
 
 class BodyRunner(Protocol):
@@ -42,6 +50,10 @@ class BodyRunner(Protocol):
 
     def replicated(self, vid: int) -> TensorSpec:
         """The replicated spec of value ``vid``."""
+        ...
+
+    def wanted(self, vid: int) -> TensorSpec | None:
+        """The layout later equations want of value ``vid`` (a hint), if any."""
         ...
 
 
@@ -109,6 +121,89 @@ def _reduced_inside(steps: list[Step], vid: int, have: TensorSpec) -> bool:
     return False
 
 
+def ys_layout(
+    pricer: Pricer,
+    have: TensorSpec,
+    wanted: Sequence[TensorSpec],
+    stacked_xs: Sequence[TensorSpec],
+) -> TensorSpec:
+    """The layout a scan body's sum-partial result is reduced to each iteration.
+
+    The first group with a candidate decides: the layouts consumers want of it
+    (``wanted``: hints on the body result, and the slice of a hint on the stacked
+    scan result), then the slices of the loop's stacked inputs of the same shape
+    (a layer's weight gradient takes its weight's layout), then the all-reduced
+    layout; an input slice only where the reduction alone reaches it (an
+    all-reduce then a slice leaves XLA free to keep the loop's stacked buffer
+    whole and gather into it). A stacked layout sharded over layers (FSDP of a layer stack: the loop
+    gathers it) gives its slice with the pending sums over those axes scattered
+    over the slice's dims: each layer's gradient as evenly sharded as its weight.
+    Within a group, the reduction that moves the fewest payload bytes wins, then
+    the smallest result per device (a reduce-scatter moves what an all-reduce
+    does), then the quickest.
+
+    Example::
+
+        >>> g = TensorSpec((8, 4), (), partial={"data": "sum"})
+        >>> w = TensorSpec((2, 8, 4), ("data", None, None))
+        >>> ys_layout(pricer, g, [], [w]).dims
+        (('data',), ())
+    """
+    mesh = pricer.mesh
+    spread = [x for st in stacked_xs for x in _slice_wanted(have, st, mesh)]
+    for group, pure in ((wanted, False), (spread, True)):
+        best: tuple | None = None
+        for c in group:
+            if c.shape != have.shape or c.partial:
+                continue
+            t = c.replace(dtype=have.dtype)
+            a = pricer.reshard("output", have, t)
+            if a is None or (pure and any(x.kind not in _REDUCE for x in a.plan.steps)):
+                continue
+            key = (a.payload_bytes, t.local_bytes(mesh), a.plan.time_s)
+            if best is None or key < best[0]:
+                best = (key, t)
+        if best is not None:
+            return best[1]
+    return have.without_partial()
+
+
+def _slice_wanted(have: TensorSpec, stacked: TensorSpec | None, mesh: MeshLike) -> list:
+    """The slice layouts a hint on a scan's stacked result asks of a body result:
+    its slice, with (when the consumers shard the stack over layers, as FSDP of a
+    layer stack does) the pending sums over the stacked dim's axes scattered over
+    the slice's dims, as evenly sharded as the consumers want it."""
+    if stacked is None or not stacked.dims:
+        return []
+    base = TensorSpec(stacked.shape[1:], stacked.dims[1:], dtype=stacked.dtype)
+    t = _scattered(have, base, stacked.dims[0], mesh) if stacked.dims[0] else None
+    return [t] if t is not None else [base]
+
+
+def _scattered(
+    have: TensorSpec, base: TensorSpec, allowed: Sequence[str], mesh: MeshLike
+) -> TensorSpec | None:
+    """``base`` (a non-partial layout of ``have``) with each of ``have``'s pending
+    sums over an ``allowed`` axis ``base`` does not use scattered over the dim with
+    the largest block that axis divides evenly (None: no such axis, or no such dim)."""
+    used = {a for d in base.dims for a in d}
+    axes = [a for a, op in have.partial if op == "sum" and a not in used and a in allowed]
+    sizes = axis_sizes(mesh)
+    dims = [tuple(d) for d in base.dims]
+    added = False
+    for a in axes:
+        local = TensorSpec(base.shape, [d or None for d in dims]).local_shape(mesh)
+        fits = [i for i, n in enumerate(local) if n % sizes[a] == 0 and n >= sizes[a]]
+        if not fits:
+            continue
+        i = max(fits, key=lambda j: (local[j], -j))
+        dims[i] = (*dims[i], a)
+        added = True
+    if not added:
+        return None
+    return TensorSpec(base.shape, [d or None for d in dims], dtype=base.dtype)
+
+
 def scan(
     runner: BodyRunner, node: Node, specs: Specs, spec: dict[int, TensorSpec]
 ) -> tuple[Specs, Specs, LoopBody]:
@@ -126,14 +221,24 @@ def scan(
     outs = runner.body(body, [*consts, *carry, *(x for x, _ in xs)], spec, inner)
     req = (*consts, *carry, *(stacked for _, stacked in xs))
     # a result the body already reduced leaves the loop reduced (no second
-    # reduction after it); others leave stacked with their pending reduction, which
-    # their consumers resolve (same bytes as a reduction per iteration, fewer hops)
-    ys = [
-        stack(o.without_partial() if o.partial and _reduced_inside(inner, bo, o) else o, length)
-        for bo, o in zip(body.outvars[nk:], outs[nk:], strict=True)
-    ]
+    # reduction after it); the other pending sums are reduced inside the body,
+    # each iteration, into the layout their consumers want (see ys_layout)
+    given_xs = [s.without_partial() for s in specs[nc + nk :]]
+    ys: list[TensorSpec] = []
+    ys_back = []
+    for j, (bo, o) in enumerate(zip(body.outvars[nk:], outs[nk:], strict=True)):
+        y = o
+        if o.partial and _reduced_inside(inner, bo, o):
+            y = o.without_partial()
+        elif o.partial:
+            hint = runner.wanted(bo)
+            want = [hint] if hint is not None else []
+            want += _slice_wanted(o, runner.wanted(node.outs[nk + j]), runner.pricer.mesh)
+            y = ys_layout(runner.pricer, o, want, given_xs)
+            ys_back.append(runner.pricer.reshard(f"output {nk + j}", o, y, bo))
+        ys.append(stack(y, length))
     # the carry coming back each iteration must have the carry-in layout
-    back = _back(runner.pricer, outs[:nk], carry, "carry")
+    back = _back(runner.pricer, outs[:nk], carry, "carry") + [a for a in ys_back if a]
     return req, (*carry, *ys), LoopBody(inner, back, length)
 
 

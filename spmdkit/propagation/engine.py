@@ -87,6 +87,11 @@ class Engine:
         """The replicated spec of value ``vid``."""
         return TensorSpec(self.prog.shapes[vid], dtype=self.prog.dtypes[vid])
 
+    def wanted(self, vid: int) -> TensorSpec | None:
+        """The layout later equations want of value ``vid`` (the chooser's hint)."""
+        h = self.chooser.hints.get(vid)
+        return h if h is not None and h.shape == self.prog.shapes[vid] else None
+
     def warn(self, prim: str, why: str) -> None:
         """Count an equation propagated without a rule; warn once per primitive."""
         self.unknown[prim] += 1

@@ -154,7 +154,27 @@ def _node_pins(
             settled.update(layouts)
         out[id(node)] = NodePins(tuple(req), tuple(outs), chains, fused, runs, step.attrs)
         if step.loop is not None:
-            _node_pins(step.loop.steps, pricer, {}, blocked, out, runs * step.loop.trips)
+            ys = _scan_ys(node, outs)
+            inner = blocked - set(ys) if ys else blocked
+            _node_pins(step.loop.steps, pricer, ys, inner, out, runs * step.loop.trips)
+
+
+def _scan_ys(node: Node, outs: Sequence[TensorSpec | None]) -> dict[int, TensorSpec | None]:
+    """A scan body's ``ys`` results → the (non-partial) slice layout each leaves
+    the body in (the scan reduces a pending sum inside the body); a value the
+    body returns twice, or as carry too, is left alone."""
+    if node.kind != "scan":
+        return {}
+    nk = int(node.eqn.params["num_carry"])
+    body = node.subs[0]
+    ys: dict[int, TensorSpec | None] = {}
+    for bo, s in zip(body.outvars[nk:], outs[nk:], strict=True):
+        if s is None or s.partial or not s.dims or s.dims[0]:
+            continue
+        ys[bo] = None if bo in ys else TensorSpec(s.shape[1:], s.dims[1:], dtype=s.dtype)
+    for bo in body.outvars[:nk]:
+        ys.pop(bo, None)
+    return {v: t for v, t in ys.items() if t is not None}
 
 
 def _source(

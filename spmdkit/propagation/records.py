@@ -385,7 +385,8 @@ def _wrap_own(name: str, spec: TensorSpec, c: Collective) -> ArgReshard:
 
 
 def _carry_record(index: int, back: Sequence[ArgReshard], backward: bool) -> EqnRecord:
-    """The record of a loop body's results moving back to the carry layouts."""
+    """The record of a loop body's results moving back to the carry layouts (and a
+    scan's sum-partial ``ys`` reduced to the layouts they leave the loop in)."""
     return EqnRecord(
         index,
         "carry",

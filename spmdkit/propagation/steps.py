@@ -23,7 +23,8 @@ class LoopBody(NamedTuple):
       steps: the body's steps (a ``while``: its condition's, then its body's; a
         ``cond``: the dearest branch's).
       back: reshards of the body's results back to the loop's carry (or the
-        branches' agreed output) layouts, per iteration.
+        branches' agreed output) layouts, and of a scan's sum-partial ``ys``
+        to the layouts they leave the loop in, per iteration.
       trips: how many times the body runs per run of the node (a scan's length;
         1 for ``while``, whose trip count is unknown, and ``cond``).
     """
