@@ -82,7 +82,6 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
         import spmdkit as sk
 
         sk.use_virtual_cpu_devices(max(8, math.prod(axes.values())))
-        import jax
         import numpy as np
 
         from spmdkit.compile import init_sharded, jit
@@ -97,7 +96,7 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
         mesh = sk.make_mesh(**axes)
         p = plan(info, mesh, args.strategy)
         params = init_sharded(info, p)
-        step = jit(jax.value_and_grad(info.loss_fn), p)
+        step = jit(sk.value_and_grad(info.loss_fn, p), p)  # the plan's recipe applied
         result = p.verify(step, params, batch)
     except SpmdError as e:
         sys.stderr.write(f"spmdkit report: {e}\n")

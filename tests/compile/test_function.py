@@ -40,7 +40,15 @@ def reference(info):
 def test_loss_and_grads_match_single_device(info, reference, strategy, shape):
     axes = dict(zip(("data", "model"), shape, strict=False))
     mesh = sk.make_mesh(**axes)
-    p = plan(info, mesh, strategy, estimator="propagate" if strategy == "auto" else "analytic")
+    # auto's layout search with the plain step (fp32 numerics checked here; auto's
+    # recipe search runs in tests/test_recipe.py and the recipe matrix below)
+    p = plan(
+        info,
+        mesh,
+        strategy,
+        estimator="propagate" if strategy == "auto" else "analytic",
+        recipe=sk.Recipe() if strategy == "auto" else None,
+    )
     params = init_sharded(info, p)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path[:-1])
@@ -267,7 +275,13 @@ def test_reference_models_match_single_device_and_verify(model, strategy, shape)
     collective bytes per kind within 10% and peak memory within 20%."""
     info, batch, params, ref_loss, ref_grads = _reference(model)
     mesh = sk.make_mesh(**dict(zip(("data", "model"), shape, strict=False)))
-    p = plan(info, mesh, strategy, estimator="propagate" if strategy == "auto" else "analytic")
+    p = plan(
+        info,
+        mesh,
+        strategy,
+        estimator="propagate" if strategy == "auto" else "analytic",
+        recipe=sk.Recipe() if strategy == "auto" else None,  # layouts; recipes: below
+    )
     step = jit(jax.value_and_grad(info.loss_fn), p)
     loss, grads = step(params, batch)  # the step places the parameters as planned
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
@@ -287,7 +301,7 @@ def test_auto_compiled_collectives_at_most_best_preset(info):
 
     def compiled_bytes(strategy):
         estimator = "propagate" if strategy == "auto" else "analytic"  # preset layouts are fixed
-        p = plan(info, mesh, strategy, estimator=estimator)
+        p = plan(info, mesh, strategy, estimator=estimator, recipe=sk.Recipe())
         # enforce=False: the step as written, with the plan's in/out shardings, left to XLA
         planned = jit(jax.value_and_grad(info.loss_fn), p, enforce=False)
         return report(planned.compile(info.abstract_params, batch)).comm_bytes
