@@ -206,8 +206,18 @@ _ELTWISE_NONE = frozenset(
         "xor",
     }
 )
+# device_put: a move between memory kinds inside a step (optimizer offload) keeps
+# the layout (one operand per equation, as spmdkit.recipe.to_memory binds it)
 _IDENTITY = frozenset(
-    {"copy", "copy_p", "stop_gradient", "reduce_precision", "pvary", "optimization_barrier"}
+    {
+        "copy",
+        "copy_p",
+        "device_put",
+        "stop_gradient",
+        "reduce_precision",
+        "pvary",
+        "optimization_barrier",
+    }
 )
 _ELTWISE_RULE = _builtin("elementwise", _eltwise_notation, "NONE")
 _IDENTITY_RULE = _builtin("identity", _eltwise_notation, "LINEAR")

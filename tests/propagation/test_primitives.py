@@ -267,3 +267,20 @@ def test_atan2_propagates_with_its_registered_rule(mesh1d):
     assert not prop.unknown
     assert [r.op for r in prop.records if r.op == "atan2"] == ["atan2"]
     assert prop.out_specs[0].dims == (("x",), ())
+
+
+def test_device_put_between_memory_kinds_keeps_each_layout(mesh2d):
+    """Optimizer offload moves state to host memory and back inside the step: the
+    values keep their layouts, nothing moves between devices."""
+
+    def step(a, b):
+        a, b = (jax.device_put(x, jax.memory.Space.Device) for x in (a, b))
+        return a * 2, b + 1
+
+    args = (jnp.ones((8, 16)), jnp.ones((16,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prop = propagate(step, *args, in_specs=(P("a", "b"), P("b")), mesh=mesh2d)
+    outs = [r for r in prop.records if r.op != "device_put"][-2:]
+    assert [o.outputs[0].dims for o in outs] == [(("a",), ("b",)), (("b",),)]
+    assert prop.comm_bytes == 0
