@@ -22,10 +22,21 @@ Auto search
 picks per parameter group (parameters of the same role in different layers) the
 layout — any assignment of mesh axes to its dims that divides — with the lowest
 step time; if the total exceeds the per-device memory budget, it trades time for
-memory group by group (best Δtime/Δbytes first, including ZeRO-1 optimizer
-sharding). The fastest of the presets and these searched plans that fit the
+memory group by group (best Δtime/Δbytes first, including ZeRO-1 and ZeRO-2
+optimizer/gradient sharding). The fastest of the presets and these searched plans that fit the
 budget wins; ties keep the earlier candidate, so the search is deterministic.
 When none fits, the one needing the least memory is chosen, with a warning.
+
+Recipes
+-------
+Each candidate is a layout *and* a :class:`~spmdkit.recipe.Recipe`. Unless
+``recipe=`` fixes one, auto costs every preset and searched layout under each
+remat policy (``none``, ``dots``, ``full`` when the model has a layer scan) and
+compute dtype (the parameters', or bf16 on fp32 master weights), growing the
+micro-batch count only until some plan fits; optimizer offload is tried only
+when nothing fits without it. The three best candidates and the presets within
+twice the budget are re-costed by propagating :func:`train_step` for their recipe
+(the step ``sk.train_step`` builds and ``train`` runs).
 """
 
 from __future__ import annotations
