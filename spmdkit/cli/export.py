@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from spmdkit.cli.command import Command, parse_mesh
+from spmdkit.cli.command import Command
 from spmdkit.errors import SpmdError
 
 __all__ = ["COMMANDS"]
@@ -103,15 +103,9 @@ def _configure_import(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_import(args: argparse.Namespace, out: TextIO) -> int:
-    from spmdkit.cli.train import start_devices
+    from spmdkit.cli.train import run_on_mesh
 
-    try:
-        axes = parse_mesh(args.mesh)
-        start_devices(axes)
-        return _import(args, axes, out)
-    except SpmdError as e:
-        sys.stderr.write(f"spmdkit import: {e}\n")
-        return 2
+    return run_on_mesh("import", _import, args, out)
 
 
 def _import(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:

@@ -17,6 +17,7 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
 from spmdkit.cli.command import Command, parse_mesh
@@ -56,14 +57,25 @@ def start_devices(axes: dict[str, int]) -> None:
         use_virtual_cpu_devices(max(math.prod(axes.values()), 1))
 
 
-def _run_train(args: argparse.Namespace, out: TextIO) -> int:
+def run_on_mesh(
+    verb: str,
+    body: Callable[[argparse.Namespace, dict[str, int], TextIO], int],
+    args: argparse.Namespace,
+    out: TextIO,
+) -> int:
+    """Parse ``--mesh``, start its devices, run ``body(args, axes, out)``; a typed
+    error is printed as ``spmdkit VERB: ...`` with exit status 2."""
     try:
         axes = parse_mesh(args.mesh)
         start_devices(axes)
-        return _train(args, axes, out)
+        return body(args, axes, out)
     except SpmdError as e:
-        sys.stderr.write(f"spmdkit train: {e}\n")
+        sys.stderr.write(f"spmdkit {verb}: {e}\n")
         return 2
+
+
+def _run_train(args: argparse.Namespace, out: TextIO) -> int:
+    return run_on_mesh("train", _train, args, out)
 
 
 def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
