@@ -58,6 +58,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.factor",
         "spmdkit.moved",
         "spmdkit.recipe",
+        "spmdkit.pipeline",
     ),
     "rule": (
         "spmdkit.rule",

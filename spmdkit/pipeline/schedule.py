@@ -1,0 +1,334 @@
+"""Pipeline configurations and their schedules as tick tables.
+
+A :class:`Pipeline` says how the stacked layers of a model are split over a
+``pipe`` mesh axis: ``stages`` devices on that axis (``p``), ``virtual`` chunks
+per device (``v``: the layers split into ``p · v`` chunks, chunk ``c`` on device
+``c mod p``, round-robin as in interleaved schedules), ``microbatches`` (``m``)
+and a ``schedule``:
+
+- ``"gpipe"``: every forward, then every backward; each micro-batch's stage
+  input *and* the output it sent stay held until the backward phase is over
+  (nothing is released early).
+- ``"fthenb"``: the same order, but each micro-batch's stage output is released
+  once it is sent and its stage input once its backward has consumed it
+  (PaddlePaddle's ``FThenB`` with input release).
+- ``"1f1b"``: after a warm-up of ``p − d − 1`` forwards on device ``d``, one
+  forward and one backward alternate, so device ``d`` holds at most ``p − d``
+  micro-batches (PipeDream-flush, Megatron-LM's default).
+- ``"interleaved"``: 1F1B over ``v ≥ 2`` virtual chunks per device, in
+  Megatron-LM's order (micro-batches in groups of ``p``); the bubble shrinks by
+  ``v``: ``(p − 1) / (v · m + p − 1)``.
+
+:func:`build_schedule` turns a configuration into a :class:`Schedule`: for
+every tick and device the action it runs (:class:`Action`: forward or backward
+of one micro-batch through one chunk) or ``None`` (a bubble). Every action takes
+one tick (forward and backward priced alike, as the published bubble formulas
+do); an action waits for its input from the neighbouring chunk's action at an
+earlier tick. The table is what the executor runs, what the cost model counts
+(bubble, held micro-batches, point-to-point sends) and what the layout explorer
+draws.
+
+Example:
+    >>> s = build_schedule(Pipeline(stages=4, microbatches=8, schedule="1f1b"))
+    >>> round(s.bubble_fraction, 4), s.peak_in_flight
+    (0.2727, (4, 3, 2, 1))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from spmdkit.errors import SpmdError
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Pipeline",
+    "PipelineError",
+    "Schedule",
+    "build_schedule",
+]
+
+#: The schedules :func:`build_schedule` knows, in the order the docs list them.
+SCHEDULES = ("gpipe", "fthenb", "1f1b", "interleaved")
+
+ScheduleName = Literal["gpipe", "fthenb", "1f1b", "interleaved"]
+
+
+class PipelineError(SpmdError, ValueError):
+    """A pipeline configuration cannot run as asked.
+
+    Broken example: ``Pipeline(stages=4, microbatches=2, schedule="1f1b")``:
+    1F1B needs at least as many micro-batches as stages.
+    """
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How the stacked layers are pipelined over a mesh axis.
+
+    Attributes:
+        stages: devices on the pipe axis (``p``).
+        microbatches: micro-batches per step (``m``); the batch's leading dim
+            is split into this many.
+        schedule: one of :data:`SCHEDULES`.
+        virtual: chunks per device (``v``); only ``"interleaved"`` (which needs
+            ``v ≥ 2``), ``"gpipe"`` and ``"fthenb"`` (circular) take ``v > 1``.
+        axis: the mesh axis the stages live on.
+        return_output: the last stage's outputs are returned (evaluation).
+    """
+
+    stages: int
+    microbatches: int
+    schedule: ScheduleName = "1f1b"
+    virtual: int = 1
+    axis: str = "pipe"
+    return_output: bool = False
+
+    def __post_init__(self) -> None:
+        op = "Pipeline"
+        for name in ("stages", "microbatches", "virtual"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PipelineError(
+                    op=op,
+                    must=f"{name} must be a positive int",
+                    given=repr(value),
+                    fix=f"pass {name}=1 or more",
+                )
+        if self.schedule not in SCHEDULES:
+            raise PipelineError(
+                op=op,
+                must=f"schedule must be one of {SCHEDULES}",
+                given=repr(self.schedule),
+                fix='pick one, e.g. schedule="1f1b"',
+            )
+        if self.schedule == "1f1b" and self.virtual > 1:
+            raise PipelineError(
+                op=op,
+                must="1f1b runs one chunk per device; virtual stages need the interleaved schedule",
+                given=f"virtual={self.virtual}",
+                fix='pass schedule="interleaved" (or virtual=1)',
+            )
+        if self.schedule == "interleaved" and self.virtual < 2:
+            raise PipelineError(
+                op=op,
+                must="the interleaved schedule needs virtual >= 2 chunks per device",
+                given=f"virtual={self.virtual}",
+                fix='pass virtual=2 or more, or schedule="1f1b"',
+            )
+        if self.schedule in ("1f1b", "interleaved") and self.microbatches < self.stages:
+            raise PipelineError(
+                op=op,
+                must=f"{self.schedule} needs at least as many micro-batches as stages",
+                given=f"microbatches={self.microbatches}, stages={self.stages}",
+                fix=f"pass microbatches={self.stages} or more (or schedule='fthenb')",
+            )
+        if self.schedule == "interleaved" and self.microbatches % self.stages:
+            raise PipelineError(
+                op=op,
+                must="the interleaved schedule runs micro-batches in groups of `stages`",
+                given=f"microbatches={self.microbatches}, stages={self.stages}",
+                fix=f"pass a multiple of {self.stages} micro-batches",
+            )
+
+    @property
+    def chunks(self) -> int:
+        """How many pieces the layer stack is cut into: ``stages · virtual``."""
+        return self.stages * self.virtual
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step: ``(p − 1) / (v · m + p − 1)``."""
+        p, v, m = self.stages, self.virtual, self.microbatches
+        return (p - 1) / (v * m + p - 1)
+
+    def check_layers(self, n_layers: int, *, op: str = "pipeline") -> int:
+        """Layers per chunk; a :class:`PipelineError` unless ``p · v`` divides them.
+
+        Args:
+            n_layers: the stacked (scanned) layer count.
+            op: names the caller in the error.
+        """
+        if n_layers < 1 or n_layers % self.chunks:
+            raise PipelineError(
+                op=op,
+                must=f"the stacked layers split evenly into stages x virtual = {self.chunks}",
+                given=f"{n_layers} layers",
+                fix=f"use a layer count divisible by {self.chunks}, or change stages/virtual",
+            )
+        return n_layers // self.chunks
+
+    def chunk_device(self, chunk: int) -> int:
+        """The pipe-axis index that runs ``chunk`` (round-robin)."""
+        return chunk % self.stages
+
+    def short(self) -> str:
+        """Compact label, e.g. ``pp4 1f1b m8`` or ``pp2x2 interleaved m4``."""
+        v = f"x{self.virtual}" if self.virtual > 1 else ""
+        return f"pp{self.stages}{v} {self.schedule} m{self.microbatches}"
+
+    def to_json(self) -> dict:
+        """A JSON-able dict; :meth:`from_json` reads it back."""
+        return {
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "virtual": self.virtual,
+            "axis": self.axis,
+            "return_output": self.return_output,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping | None) -> Pipeline | None:
+        """Inverse of :meth:`to_json` (``None`` stays ``None``)."""
+        return None if d is None else cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class Action:
+    """One tick of work on one device: ``kind`` ``"F"`` or ``"B"`` of
+    ``microbatch`` through global chunk ``chunk``."""
+
+    kind: Literal["F", "B"]
+    microbatch: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}.{self.chunk}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline's tick table and what it implies.
+
+    Attributes:
+        pipeline: the configuration.
+        ticks: ``ticks[t][d]``: the action device ``d`` runs at tick ``t``, or
+            ``None`` (idle).
+    """
+
+    pipeline: Pipeline
+    ticks: tuple[tuple[Action | None, ...], ...]
+
+    @property
+    def n_ticks(self) -> int:
+        """Ticks from the first forward to the last backward."""
+        return len(self.ticks)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle device-ticks over all device-ticks of the table."""
+        p = self.pipeline.stages
+        idle = sum(a is None for row in self.ticks for a in row)
+        return idle / (self.n_ticks * p)
+
+    @property
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """Per device, the most (micro-batch, chunk) pairs forwarded and not
+        yet backwarded at once: how many stage activations it holds at its peak."""
+        p = self.pipeline.stages
+        held, peak = [0] * p, [0] * p
+        for row in self.ticks:
+            for d, a in enumerate(row):
+                if a is not None:
+                    held[d] += 1 if a.kind == "F" else -1
+                    peak[d] = max(peak[d], held[d])
+        return tuple(peak)
+
+    @property
+    def sends(self) -> tuple[int, ...]:
+        """Per device, point-to-point sends of one micro-batch's activation (or
+        its cotangent) to the neighbouring device: forward outputs of every
+        chunk but the last, backward outputs of every chunk but the first."""
+        p, last = self.pipeline.stages, self.pipeline.chunks - 1
+        out = [0] * p
+        for row in self.ticks:
+            for d, a in enumerate(row):
+                if a is None:
+                    continue
+                if (a.kind == "F" and a.chunk < last) or (a.kind == "B" and a.chunk > 0):
+                    out[d] += 1
+        return tuple(out)
+
+    def table(self) -> str:
+        """The tick table as text: one row per device, one column per tick."""
+        width = max((len(str(a)) for row in self.ticks for a in row if a), default=1)
+        lines = []
+        for d in range(self.pipeline.stages):
+            cells = [(str(row[d]) if row[d] else ".").ljust(width) for row in self.ticks]
+            lines.append(f"d{d}: " + " ".join(cells))
+        return "\n".join(lines)
+
+
+def _orders(pipe: Pipeline) -> list[list[Action]]:
+    """Per device, its actions in the order it runs them."""
+    p, v, m = pipe.stages, pipe.virtual, pipe.microbatches
+    out = []
+    for d in range(p):
+        chunks = [j * p + d for j in range(v)]
+        if pipe.schedule in ("gpipe", "fthenb"):
+            fwd = [Action("F", i, c) for c in chunks for i in range(m)]
+            bwd = [Action("B", i, c) for c in reversed(chunks) for i in range(m)]
+            out.append(fwd + bwd)
+            continue
+        # 1F1B and Megatron's interleaved order: micro-batches in groups of p,
+        # each group through every local chunk (backward: chunks reversed).
+        groups = [range(g, min(g + p, m)) for g in range(0, m, p)]
+        fwd = [Action("F", i, c) for grp in groups for c in chunks for i in grp]
+        bwd = [Action("B", i, c) for grp in groups for c in reversed(chunks) for i in grp]
+        warm = (p - d - 1) if v == 1 else (p - d - 1) * 2 + (v - 1) * p
+        warm = min(warm, len(fwd))
+        seq = fwd[:warm]
+        rest_f, rest_b = fwd[warm:], bwd
+        for k in range(len(rest_f)):
+            seq += [rest_f[k], rest_b[k]]
+        seq += rest_b[len(rest_f) :]
+        out.append(seq)
+    return out
+
+
+def build_schedule(pipe: Pipeline) -> Schedule:
+    """The tick table of ``pipe``'s schedule.
+
+    Each device runs its actions in its schedule's order; an action starts at
+    the first tick after its input exists (the previous chunk's forward of that
+    micro-batch, or the next chunk's backward; a last chunk's backward follows
+    its own forward).
+
+    Args:
+        pipe: the configuration.
+
+    Returns:
+        The :class:`Schedule`.
+    """
+    orders = _orders(pipe)
+    last = pipe.chunks - 1
+    done: dict[tuple[str, int, int], int] = {}
+    pos = [0] * pipe.stages
+    rows: list[tuple[Action | None, ...]] = []
+    t = 0
+    while any(pos[d] < len(orders[d]) for d in range(pipe.stages)):
+        row: list[Action | None] = []
+        for d in range(pipe.stages):
+            a = orders[d][pos[d]] if pos[d] < len(orders[d]) else None
+            if a is not None:
+                if a.kind == "F":
+                    need = ("F", a.microbatch, a.chunk - 1) if a.chunk > 0 else None
+                else:
+                    nxt = ("F", a.microbatch, last) if a.chunk == last else None
+                    need = nxt or ("B", a.microbatch, a.chunk + 1)
+                if need is not None and done.get(need, t) >= t:
+                    a = None
+            row.append(a)
+        for d, a in enumerate(row):
+            if a is not None:
+                done[(a.kind, a.microbatch, a.chunk)] = t
+                pos[d] += 1
+        rows.append(tuple(row))
+        t += 1
+        if t > 4 * (pipe.microbatches * pipe.chunks + pipe.stages) + 8:  # pragma: no cover
+            raise RuntimeError(f"schedule {pipe} does not finish")
+    return Schedule(pipe, tuple(rows))

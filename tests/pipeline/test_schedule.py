@@ -1,0 +1,88 @@
+"""Tick tables of the pipeline schedules: dependencies, bubbles, held micro-batches, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmdkit.pipeline import SCHEDULES, Pipeline, PipelineError, build_schedule
+
+CONFIGS = [
+    Pipeline(stages=4, microbatches=8, schedule="gpipe"),
+    Pipeline(stages=4, microbatches=8, schedule="fthenb"),
+    Pipeline(stages=4, microbatches=8, schedule="1f1b"),
+    Pipeline(stages=4, microbatches=6, schedule="1f1b"),
+    Pipeline(stages=2, microbatches=4, schedule="interleaved", virtual=2),
+    Pipeline(stages=4, microbatches=8, schedule="interleaved", virtual=2),
+    Pipeline(stages=4, microbatches=4, schedule="interleaved", virtual=3),
+    Pipeline(stages=2, microbatches=3, schedule="fthenb", virtual=2),
+    Pipeline(stages=1, microbatches=2, schedule="1f1b"),
+]
+
+
+@pytest.mark.parametrize("pipe", CONFIGS, ids=lambda p: p.short().replace(" ", "-"))
+def test_every_action_once_after_its_input(pipe: Pipeline) -> None:
+    s = build_schedule(pipe)
+    when = {}
+    for t, row in enumerate(s.ticks):
+        for d, a in enumerate(row):
+            if a is not None:
+                assert pipe.chunk_device(a.chunk) == d
+                key = (a.kind, a.microbatch, a.chunk)
+                assert key not in when
+                when[key] = t
+    last = pipe.chunks - 1
+    assert len(when) == 2 * pipe.microbatches * pipe.chunks
+    for (kind, i, c), t in when.items():
+        if kind == "F" and c > 0:
+            assert when[("F", i, c - 1)] < t
+        if kind == "B":
+            assert when[("F", i, c)] < t
+            if c < last:
+                assert when[("B", i, c + 1)] < t
+
+
+@pytest.mark.parametrize("pipe", CONFIGS, ids=lambda p: p.short().replace(" ", "-"))
+def test_bubble_matches_the_closed_form(pipe: Pipeline) -> None:
+    assert build_schedule(pipe).bubble_fraction == pytest.approx(pipe.bubble_fraction)
+
+
+def test_held_micro_batches_per_schedule() -> None:
+    def peak(**kw):
+        return build_schedule(Pipeline(**kw)).peak_in_flight
+
+    assert peak(stages=4, microbatches=8, schedule="gpipe") == (8, 8, 8, 8)
+    assert peak(stages=4, microbatches=8, schedule="1f1b") == (4, 3, 2, 1)
+    # Megatron's interleaved warm-up: (p - d - 1) * 2 + (v - 1) * p forwards, then one more
+    assert peak(stages=4, microbatches=8, schedule="interleaved", virtual=2) == (11, 9, 7, 5)
+
+
+def test_sends_and_text_table() -> None:
+    s = build_schedule(Pipeline(stages=2, microbatches=2, schedule="1f1b"))
+    assert s.sends == (2, 2)  # d0 sends 2 forwards; d1 sends 2 cotangents back
+    assert s.table().splitlines()[0].startswith("d0: F0.0 F1.0")
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(stages=4, microbatches=2, schedule="1f1b"), "at least as many micro-batches"),
+        (dict(stages=2, microbatches=4, schedule="1f1b", virtual=2), "interleaved"),
+        (dict(stages=2, microbatches=4, schedule="interleaved"), "virtual >= 2"),
+        (dict(stages=2, microbatches=3, schedule="interleaved", virtual=2), "groups"),
+        (dict(stages=0, microbatches=3), "positive"),
+        (dict(stages=2, microbatches=2, schedule="zb"), "one of"),
+    ],
+)
+def test_bad_configurations_are_typed(kw: dict, match: str) -> None:
+    with pytest.raises(PipelineError, match=match) as e:
+        Pipeline(**kw)
+    assert e.value.fix
+
+
+def test_layers_must_divide_into_chunks_and_json_round_trip() -> None:
+    pipe = Pipeline(stages=2, microbatches=4, schedule="interleaved", virtual=2)
+    assert pipe.check_layers(8) == 2
+    with pytest.raises(PipelineError, match="divisible by 4"):
+        pipe.check_layers(6)
+    assert Pipeline.from_json(pipe.to_json()) == pipe
+    assert set(SCHEDULES) == {"gpipe", "fthenb", "1f1b", "interleaved"}
