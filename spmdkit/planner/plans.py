@@ -27,6 +27,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.mesh import auto_mesh
+from spmdkit.pipeline import Pipeline
 from spmdkit.planner.logical import LogicalRules, PlanError
 from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike, axis_sizes
@@ -209,6 +210,9 @@ class Plan:
       names_from: param path → where its logical names came from (``"model"``,
         ``"given"`` by ``names=``, ``"inferred"`` from the traced step); the table
         marks inferred and given names.
+      pipeline: how the stacked layers are pipelined over a mesh axis
+        (:class:`~spmdkit.pipeline.Pipeline`: stages, virtual stages,
+        micro-batches, schedule); ``None``: not pipelined.
 
     Example::
 
@@ -231,6 +235,7 @@ class Plan:
     recipe: Recipe = field(default_factory=Recipe)
     grads: Mapping[str, P] = field(default_factory=dict)
     names_from: Mapping[str, str] = field(default_factory=dict)
+    pipeline: Pipeline | None = None
 
     # -- shardings ------------------------------------------------------------------
     def _lookup(self, table: Mapping[str, P], path: str, shape: tuple[int, ...]) -> P | None:
@@ -425,6 +430,7 @@ class Plan:
                 "recipe": self.recipe.to_json(),
                 "grads": {k: _spec_json(v) for k, v in self.grads.items()},
                 "names_from": dict(self.names_from),
+                "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
             },
             indent=1,
         )
@@ -467,6 +473,7 @@ class Plan:
             recipe=Recipe.from_json(d.get("recipe")),
             grads={k: _spec_from_json(v) for k, v in d.get("grads", {}).items()},
             names_from=d.get("names_from", {}),
+            pipeline=Pipeline.from_json(d.get("pipeline")),
         )
         return out if mesh is None else out.on(mesh)
 
@@ -530,6 +537,12 @@ class Plan:
         if self.grads or not self.recipe.is_default:
             grads = " (gradients sharded like the optimizer state)" if self.grads else ""
             lines.append(f"recipe: {self.recipe.short()}{grads}")
+        if self.pipeline is not None:
+            pp = self.pipeline
+            lines.append(
+                f"pipeline: {pp.short()} over '{pp.axis}' ({pp.chunks} chunks, "
+                f"bubble {pp.bubble_fraction:.1%})"
+            )
         if self.cost is not None:
             c = self.cost
             mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items())
