@@ -11,6 +11,15 @@ from spmdkit.pipeline.schedule import (
     PipelineError,
     Schedule,
     build_schedule,
+    device_orders,
 )
 
-__all__ = ["SCHEDULES", "Action", "Pipeline", "PipelineError", "Schedule", "build_schedule"]
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Pipeline",
+    "PipelineError",
+    "Schedule",
+    "build_schedule",
+    "device_orders",
+]

@@ -49,6 +49,7 @@ __all__ = [
     "PipelineError",
     "Schedule",
     "build_schedule",
+    "device_orders",
 ]
 
 #: The schedules :func:`build_schedule` knows, in the order the docs list them.
@@ -288,6 +289,18 @@ def _orders(pipe: Pipeline) -> list[list[Action]]:
         seq += rest_b[len(rest_f) :]
         out.append(seq)
     return out
+
+
+def device_orders(pipe: Pipeline) -> tuple[tuple[Action, ...], ...]:
+    """Per device, the actions it runs in the order it runs them (the tick table
+    without its idle ticks): enough for what depends only on the order, such as
+    the held micro-batches and the sends, without timing the whole table.
+
+    Example:
+        >>> [str(a) for a in device_orders(Pipeline(2, 2, "1f1b"))[1]]
+        ['F0.1', 'B0.1', 'F1.1', 'B1.1']
+    """
+    return tuple(tuple(o) for o in _orders(pipe))
 
 
 def build_schedule(pipe: Pipeline) -> Schedule:

@@ -222,7 +222,7 @@ class CostContext:
       flops_scale: traced weight-matmul FLOPs / the per-param estimate
         (calibrates :func:`param_flops` to the trace).
       recipe: the step's recipe (remat, compute dtype, micro-batches, offload).
-      memo: ``(group, layout, batch axes, seq axes, recipe)`` → :class:`GroupCost`.
+      memo: ``(group, layout, batch axes, seq axes, recipe levers)`` → :class:`GroupCost`.
     """
 
     mesh: MeshLike
@@ -455,12 +455,15 @@ def group_cost(
     """The cost of laying ``g`` out as ``layout`` with the batch over
     ``batch_axes`` and the sequence over ``seq_axes`` under ``ctx.recipe``
     (module docstring); memoized in ``ctx``."""
-    key = (g.key, g.shape, layout, batch_axes, seq_axes, ctx.recipe)
+    recipe = ctx.recipe
+    # The remat policy does not change a group's cost: recipes that differ only
+    # in it share the entry.
+    levers = (recipe.compute_dtype, recipe.microbatches, recipe.offload_opt)
+    key = (g.key, g.shape, layout, batch_axes, seq_axes, levers)
     hit = ctx.memo.get(key)
     if hit is not None:
         return hit
     sizes = ctx.sizes
-    recipe = ctx.recipe
     sp = _split(ctx, g, layout, batch_axes, seq_axes)
     by_kind: dict[str, float] = {}
     comm_s = hidden_s = 0.0

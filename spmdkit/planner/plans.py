@@ -100,6 +100,10 @@ class Cost:
       hidden_comm_s: the part of ``comm_time_s`` that overlaps with compute;
         ``step_time_s = compute + comm - hidden`` (hidden is at most the
         topology's overlap share of compute).
+      stage_memory: pipelined plans: per-device memory of each device on the
+        pipe axis (``memory`` is the fullest one's); empty otherwise.
+      bubble_s: pipelined plans: the idle time the schedule adds to
+        ``compute_time_s`` (included in it).
     """
 
     step_time_s: float
@@ -109,6 +113,8 @@ class Cost:
     memory: Mapping[str, int]
     estimator: str = "analytic"
     hidden_comm_s: float = 0.0
+    stage_memory: tuple[int, ...] = ()
+    bubble_s: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -122,7 +128,7 @@ class Cost:
 
     def to_json(self) -> dict:
         """JSON-able dict."""
-        return {
+        out = {
             "step_time_s": self.step_time_s,
             "compute_time_s": self.compute_time_s,
             "comm_time_s": self.comm_time_s,
@@ -131,6 +137,10 @@ class Cost:
             "estimator": self.estimator,
             "hidden_comm_s": self.hidden_comm_s,
         }
+        if self.stage_memory:
+            out["stage_memory"] = list(self.stage_memory)
+            out["bubble_s"] = self.bubble_s
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping) -> Cost:
@@ -143,6 +153,8 @@ class Cost:
             {k: int(v) for k, v in d["memory"].items()},
             d.get("estimator", "analytic"),
             float(d.get("hidden_comm_s", 0.0)),
+            tuple(int(v) for v in d.get("stage_memory", ())),
+            float(d.get("bubble_s", 0.0)),
         )
 
     def summary(self) -> str:

@@ -44,8 +44,8 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -55,6 +55,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, describe, unbound_axis_error
+from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.planner.analytic import (
     CostContext,
     GroupCost,
@@ -76,6 +77,8 @@ from spmdkit.planner.logical import (
     preset_rules,
 )
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
+from spmdkit.planner.pipecost import StageSplit, param_stages, pipeline_cost, stage_groups
+from spmdkit.planner.pipesearch import PIPE_AXIS, pipe_meshes, pipeline_configs, reference
 from spmdkit.planner.plans import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
 from spmdkit.propagation import propagate
 from spmdkit.recipe import PLAIN, Recipe
@@ -105,6 +108,9 @@ class Candidate(NamedTuple):
       rules: the logical-rule table the layout came from (None when searched).
       cost: its estimated cost.
       recipe: the recipe it is costed with.
+      pipeline: pipelined candidates: the pipeline (``choice`` then puts the
+        layer dim of the stacked params on its axis).
+      mesh: pipelined candidates: the mesh with the pipe axis (None: the plan's).
     """
 
     name: str
@@ -113,11 +119,14 @@ class Candidate(NamedTuple):
     rules: LogicalRules | None
     cost: Cost
     recipe: Recipe = PLAIN
+    pipeline: Pipeline | None = None
+    mesh: MeshLike | None = None
 
     @property
     def label(self) -> str:
-        """The name with the recipe, e.g. ``fsdp+remat=full, bf16``."""
-        return self.name if self.recipe.is_default else f"{self.name}+{self.recipe.short()}"
+        """The name with the recipe (and pipeline), e.g. ``fsdp+remat=full, bf16``."""
+        out = self.name if self.recipe.is_default else f"{self.name}+{self.recipe.short()}"
+        return out if self.pipeline is None else f"{out}+{self.pipeline.short()}"
 
 
 # -- tracing (once per model) -------------------------------------------------------------
@@ -575,10 +584,15 @@ def _search(
     batch_axes: tuple[str, ...],
     seq_axes: tuple[str, ...],
     budget: float,
+    *,
+    total: Callable[..., Cost] = total_cost,
+    sizes: dict[str, int] | None = None,
 ) -> tuple[list[GroupLayout], Cost]:
     """The fastest layout per group, then, while over ``budget``, the move that
-    saves memory at the least time per byte."""
-    sizes = ctx.sizes
+    saves memory at the least time per byte. ``total``: the cost of a whole
+    choice (a pipelined one's for pipelines); ``sizes``: the mesh axes layouts
+    may use (default: all)."""
+    sizes = ctx.sizes if sizes is None else sizes
     options: list[list[GroupLayout]] = []
     for g in groups:
         opts = []
@@ -600,7 +614,7 @@ def _search(
         )
         pick.append(best)
     choice = [options[i][j] for i, j in enumerate(pick)]
-    cost = total_cost(ctx, groups, choice, batch_axes, seq_axes)
+    cost = total(ctx, groups, choice, batch_axes, seq_axes)
     # Over budget: trade time for memory, best Δtime per byte saved first.
     for _ in range(4 * len(groups) * 8):
         if cost.peak_bytes <= budget:
@@ -621,11 +635,21 @@ def _search(
         _, i, j = best_move
         pick[i] = j
         choice[i] = options[i][j]
-        cost = total_cost(ctx, groups, choice, batch_axes, seq_axes)
+        cost = total(ctx, groups, choice, batch_axes, seq_axes)
     return choice, cost
 
 
 # -- one plan() call ----------------------------------------------------------------------------
+
+
+def _on_pipe(g: ParamGroup, layout: GroupLayout) -> GroupLayout:
+    """A stage group's layout on the whole stack: its layer dim over the pipe axis too."""
+    i = g.logical.index("layers") if g.logical and "layers" in g.logical else 0
+
+    def put(dims: Dims) -> Dims:
+        return tuple((PIPE_AXIS, *d) if k == i else d for k, d in enumerate(dims))
+
+    return GroupLayout(put(layout.params), put(layout.opt), layout.grads_sharded)
 
 
 def _check_mesh(mesh: object) -> MeshLike:
@@ -659,6 +683,7 @@ class _Planner:
     ctx: CostContext
     budget: float
     estimator: str
+    pipe_memos: dict = field(default_factory=dict)
 
     def at(self, recipe: Recipe) -> CostContext:
         """The cost context under ``recipe`` (sharing the memo)."""
@@ -730,7 +755,7 @@ class _Planner:
                     grads[path] = dims_spec(layout.opt)
         order = [p.path for p in self.info.params]
         return Plan(
-            mesh=self.mesh,
+            mesh=self.mesh if c.mesh is None else c.mesh,
             params={p: params[p] for p in order},
             opt={p: opt[p] for p in order},
             activation=c.activation,
@@ -741,10 +766,14 @@ class _Planner:
             cost=cost,
             recipe=c.recipe,
             grads={p: grads[p] for p in order if p in grads},
+            pipeline=c.pipeline,
         )
 
     def propagated(self, c: Candidate) -> Candidate:
-        """The candidate with its cost from propagating it through the train step."""
+        """The candidate with its cost from propagating it through the train step
+        (a pipelined one keeps its analytic cost: the stage program is not traced)."""
+        if c.pipeline is not None:
+            return c
         p = self.make_plan(c.name, c, None)
         return c._replace(
             cost=propagate_cost(self.info, self.optimizer, p, self.at(c.recipe), c.cost)
@@ -759,8 +788,12 @@ class _Planner:
     def rank(self, c: Candidate) -> tuple[bool, float, float]:
         """Plans that fit: fastest first; none fits: the one nearest to fitting (the
         fastest of plans that cannot run is no answer)."""
-        over = c.cost.peak_bytes > self.budget
-        return (over, c.cost.peak_bytes if over else c.cost.step_time_s, c.cost.step_time_s)
+        return self.rank_cost(c.cost)
+
+    def rank_cost(self, cost: Cost) -> tuple[bool, float, float]:
+        """:meth:`rank` of a cost."""
+        over = cost.peak_bytes > self.budget
+        return (over, cost.peak_bytes if over else cost.step_time_s, cost.step_time_s)
 
     def recipes(self, fixed: Recipe | None) -> list[list[Recipe]]:
         """The recipes auto tries, in rounds: each round's micro-batch counts are
@@ -817,11 +850,146 @@ class _Planner:
                 break
         return out
 
+    def stages(self) -> tuple[str, ...] | None:
+        """Per group, where it lives in a pipeline (:func:`~spmdkit.planner.pipecost.param_stages`);
+        None when the model has no stacked layers to pipeline."""
+        trace = self.ctx.trace
+        if trace.layers < 2:
+            return None
+        found = self.info.memo(
+            ("planner.stages", trace.layers),
+            lambda: param_stages(
+                self.info.loss_fn, self.info.abstract_params, self.info.batch, trace.layers
+            ),
+        )
+        where = tuple(found.get(g.paths[0], "first") for g in self.groups)
+        for g, w in zip(self.groups, where, strict=True):
+            dim = g.logical.index("layers") if g.logical and "layers" in g.logical else 0
+            if w == "layers" and (not g.shape or g.shape[dim] != trace.layers):
+                return None
+        return where if "layers" in where else None
+
+    def pipelined(self, request: Pipeline | str, fixed: Recipe | None) -> list[Candidate]:
+        """Pipelined candidates (:mod:`spmdkit.planner.pipesearch`): per pipe degree,
+        recipe and batch axes, the layouts searched under the reference
+        configuration, then every configuration costed with them; the best kept."""
+        fixed_pipe = request if isinstance(request, Pipeline) else None
+        where = self.stages()
+        if where is None:
+            if fixed_pipe is None:
+                return []
+            raise PipelineError(
+                op="plan",
+                must="a pipelined model has its layers stacked in one scan (nnx.scan, "
+                "flax.linen.scan or jax.lax.scan over a params stack)",
+                given=f"{self.info.name}: no layer scan whose stacked "
+                "parameters lead with the layer count",
+                fix="scan the layers (e.g. scan_layers=True in the reference models), or "
+                "plan without pipeline=",
+            )
+        if fixed is not None and fixed.microbatches != 1:
+            raise PlanError(
+                op="plan",
+                must="a pipelined plan takes its micro-batches from the pipeline",
+                given=f"recipe microbatches={fixed.microbatches}",
+                fix="pass microbatches=1 in the recipe and Pipeline(microbatches=...)",
+            )
+        recipes = {(r.remat, r.compute_dtype, r.save_names): r for r in self.recipes(fixed)[0]}
+        base = [replace(r, microbatches=1) for r in recipes.values()]
+        layers = self.ctx.trace.layers
+        stages = fixed_pipe.stages if fixed_pipe is not None else None
+        if fixed_pipe is not None:
+            fixed_pipe.check_layers(layers, op="plan")
+        out: list[Candidate] = []
+        for mesh in pipe_meshes(self.mesh, layers, stages):
+            for r in base:
+                out += self.pipelined_on(mesh, where, r, fixed_pipe)
+        return out
+
+    def pipelined_on(
+        self, mesh: MeshLike, where: tuple[str, ...], recipe: Recipe, request: Pipeline | None
+    ) -> list[Candidate]:
+        """The best pipelined candidate per batch-axes choice on one mesh with a pipe axis."""
+        sizes = axis_sizes(mesh)
+        p = sizes[PIPE_AXIS]
+        if request is not None and request.stages != p:
+            raise PipelineError(
+                op="plan",
+                must=f"the pipeline's stages equal the mesh's '{PIPE_AXIS}' axis",
+                given=f"stages={request.stages}, {PIPE_AXIS}={p}",
+                fix=f"pass Pipeline(stages={p}, ...) or a mesh with {PIPE_AXIS}={request.stages}",
+            )
+        trace = self.ctx.trace
+        inner = {a: s for a, s in sizes.items() if a != PIPE_AXIS}
+        ctx = replace(self.ctx, mesh=mesh, sizes=sizes, recipe=recipe, memo=self.pipe_memo(mesh))
+        groups = stage_groups(self.groups, where, p)
+        out = []
+        for batch_ax in _batch_axis_choices(inner, trace.batch_size):
+            local = trace.batch_size // math.prod(inner[a] for a in batch_ax)
+            configs = pipeline_configs(p, trace.layers, local, request)
+            if not configs:
+                continue
+            choice, cost, pipe = self.pipe_search(ctx, groups, where, batch_ax, configs, inner)
+            full = [
+                _on_pipe(g, lay) if w == "layers" else lay
+                for g, lay, w in zip(self.groups, choice, where, strict=True)
+            ]
+            act = {n: () for n in BATCH_NAMES}
+            act["batch"] = batch_ax
+            name = f"searched[batch={','.join(batch_ax) or '-'}]"
+            out.append(Candidate(name, full, act, None, cost, recipe, pipe, mesh))
+        return out
+
+    def pipe_search(
+        self,
+        ctx: CostContext,
+        groups: list[ParamGroup],
+        where: tuple[str, ...],
+        batch_ax: tuple[str, ...],
+        configs: list[Pipeline],
+        inner: dict[str, int],
+    ) -> tuple[list[GroupLayout], Cost, Pipeline]:
+        """Stage layouts searched under the reference configuration
+        (:func:`~spmdkit.planner.pipesearch.reference`, honouring the budget), then
+        the best configuration with them: ``(choice, cost, pipeline)``."""
+        layers = ctx.trace.layers
+        ref = reference(configs)
+        rctx = replace(ctx, recipe=replace(ctx.recipe, microbatches=ref.microbatches))
+
+        def cost_of(pipe: Pipeline, choice: Sequence[GroupLayout]) -> Cost:
+            split = StageSplit(pipe, where, layers)
+            return pipeline_cost(rctx, groups, choice, batch_ax, (), split)
+
+        choice, _ = _search(
+            rctx,
+            groups,
+            batch_ax,
+            (),
+            self.budget,
+            total=lambda _c, _g, ch, _b, _s: cost_of(ref, ch),
+            sizes=inner,
+        )
+        costed = [(cost_of(pipe, choice), i, pipe) for i, pipe in enumerate(configs)]
+        cost, _, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
+        return choice, cost, pipe
+
+    def pipe_memo(self, mesh: MeshLike) -> dict:
+        """The group-cost memo of one pipe mesh (shared by its recipes)."""
+        return self.pipe_memos.setdefault(tuple(axis_sizes(mesh).items()), {})
+
     def auto(
-        self, extra: RulesLike | None, fixed: Recipe | None
+        self,
+        extra: RulesLike | None,
+        fixed: Recipe | None,
+        pipeline: Pipeline | str | None = None,
     ) -> tuple[Candidate, list[Candidate]]:
         """Every candidate (module docstring), best first: the winner and the
-        runner-ups (one per name and recipe)."""
+        runner-ups (one per name and recipe). ``pipeline``: ``"auto"`` adds
+        pipelined candidates, a :class:`~spmdkit.pipeline.Pipeline` costs only
+        candidates with it."""
+        if isinstance(pipeline, Pipeline):
+            candidates = self.pipelined(pipeline, fixed)
+            return self.ranked(candidates)
         candidates = self.analytic_candidates(extra, fixed)
         if self.estimator == "propagate":
             # The three best candidates and the presets (plain recipe, or the fixed
@@ -838,6 +1006,12 @@ class _Planner:
                 and c.cost.peak_bytes <= _RECOST_OVER_BUDGET * self.budget
             }
             candidates = [self.propagated(candidates[i]) for i in sorted(keep)]
+        if pipeline is not None:
+            candidates += self.pipelined(pipeline, fixed)
+        return self.ranked(candidates)
+
+    def ranked(self, candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:
+        """The best candidate and the runner-ups (one per label), by :meth:`rank`."""
         ranked = sorted(range(len(candidates)), key=lambda i: (*self.rank(candidates[i]), i))
         best = candidates[ranked[0]]
         seen = {best.label}
@@ -848,10 +1022,12 @@ class _Planner:
                 others.append(candidates[i])
         return best, others
 
-    def auto_plan(self, extra: RulesLike | None, fixed: Recipe | None) -> Plan:
+    def auto_plan(
+        self, extra: RulesLike | None, fixed: Recipe | None, pipeline: Pipeline | str | None = None
+    ) -> Plan:
         """``strategy="auto"``'s plan: the best candidate, the others as
         alternatives; warns when none fits the budget."""
-        best, others = self.auto(extra, fixed)
+        best, others = self.auto(extra, fixed, pipeline)
         if best.cost.peak_bytes > self.budget:
             warnings.warn(
                 f"plan(strategy='auto'): no candidate fits the memory budget of "
@@ -887,6 +1063,7 @@ def plan(
     names: Mapping[str, tuple | None] | None = None,
     strict: bool = False,
     axis_names: tuple[str, ...] = (),
+    pipeline: Pipeline | str | None = None,
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -933,6 +1110,12 @@ def plan(
       axis_names: collective axis names the model uses as if under ``pmap``
         (``nn.BatchNorm(axis_name="batch")``), bound around the loss
         (:func:`spmdkit.flax.model.bind_axis_names`).
+      pipeline: with ``"auto"``: ``"auto"`` also costs pipelined plans (pipe
+        degree, virtual stages, micro-batches and schedule searched with the
+        layouts and recipes; a mesh without a ``pipe`` axis has its data axis
+        split into ``pipe × data``, :mod:`spmdkit.planner.pipesearch`), a
+        :class:`~spmdkit.pipeline.Pipeline` searches layouts and recipes for
+        that pipeline. ``None`` (default): no pipelines.
 
     Returns:
       The :class:`Plan`.
@@ -980,7 +1163,14 @@ def plan(
         if rules is not None:
             table = table.prepend(rules)
         return replace(planner.final("rules", planner.table(table, fixed)), names_from=names_from)
-    return replace(planner.auto_plan(rules, recipe), names_from=names_from)
+    if pipeline is not None and not (pipeline == "auto" or isinstance(pipeline, Pipeline)):
+        raise PlanError(
+            op="plan",
+            must="pipeline is None, 'auto' or a spmdkit.pipeline.Pipeline",
+            given=repr(pipeline),
+            fix="pass pipeline='auto' or Pipeline(stages=..., microbatches=...)",
+        )
+    return replace(planner.auto_plan(rules, recipe, pipeline), names_from=names_from)
 
 
 def _planner(

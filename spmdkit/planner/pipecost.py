@@ -1,0 +1,450 @@
+"""The analytic cost of a pipelined plan: stages, bubble, held micro-batches, sends.
+
+A pipelined candidate splits the model's stacked (scanned) layers over a
+``pipe`` mesh axis of ``p`` devices (:class:`~spmdkit.pipeline.Pipeline`),
+``v`` chunks per device, ``m`` micro-batches. Every other mesh axis lays out the
+layers inside a stage as the usual per-group layouts do. This module prices
+such a candidate with the per-group model of :mod:`spmdkit.planner.analytic`:
+
+- **Where parameters live** (:func:`param_stages`): the forward pass is split at
+  its layer scan. Parameters the scan slices (its stacked operands) are split
+  over the stages along their layer dim; parameters used before it (the
+  embedding) live on the first stage, those used after it (final norm, head,
+  loss) on the last, a parameter used on both sides (tied embeddings) on both.
+- **Per stage** (:func:`stage_groups`): each device's layer groups hold
+  ``L / p`` layers; a stage is costed as a model of ``L / p`` layers that sees
+  every token of the step (all micro-batches pass through it): params, grads,
+  optimizer state and the collectives of the other axes are
+  :func:`~spmdkit.planner.analytic.total_cost`'s for that stage's groups, with
+  ``m`` micro-batches (FSDP gathers once per micro-batch).
+- **Stage imbalance**: the first stage adds the embedding, the last the head
+  and the loss (for Llama-3 70B the head's matmul is ~1.2 layers); the step runs
+  at the pace of the slowest stage.
+- **Bubble**: the slowest stage's compute is stretched by the schedule's idle
+  share, ``compute / (1 − bubble)``, the bubble being the tick table's
+  (:attr:`~spmdkit.pipeline.Schedule.bubble_fraction` = ``(p − 1) / (v·m + p − 1)``).
+- **Activations per schedule** (:func:`activation_bytes`): a device holds
+  ``held`` (micro-batch, chunk) activations at its peak, each
+  ``L / (p·v)`` layers × the per-layer bytes the recipe's remat keeps, for one
+  micro-batch of ``batch / (data shards × m)`` sequences. ``held`` is the
+  schedule's :attr:`~spmdkit.pipeline.Schedule.peak_in_flight` (1F1B: ``p − d``
+  on device ``d``; F-then-B: ``m·v``), and for ``"gpipe"`` every tick of the
+  forward phase (autodiff through the tick scan keeps the bubble ticks'
+  residuals too) plus each sent output. With remat, one layer's residuals live
+  again while it is recomputed; the last stage also holds the head's residuals
+  (the logits) for the micro-batches whose last chunk is in flight.
+- **Point-to-point**: each send moves one micro-batch's stage activation (the
+  layer scan's carry) to the neighbouring device, over the pipe axis's link
+  (:meth:`~spmdkit.topology.Topology.link`: a pipe axis spanning nodes uses the
+  inter-node bandwidth); the busiest device's sends are on the critical path
+  (Megatron-LM's default, no overlap), counted as ``collective_permute``.
+
+Memory per device is the largest over the pipe axis (:attr:`Cost.stage_memory`
+lists each device's).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import jax
+from jax.extend.core import Jaxpr, Var
+
+from spmdkit.pipeline import Action, Pipeline, Schedule, build_schedule, device_orders
+from spmdkit.planner.analytic import (
+    CostContext,
+    GroupLayout,
+    ParamGroup,
+    StepTrace,
+    group_cost,
+    param_flops,
+    total_cost,
+)
+from spmdkit.planner.plans import Cost, PyTree
+from spmdkit.util import path_str
+
+__all__ = [
+    "StageSplit",
+    "Where",
+    "activation_bytes",
+    "held_activations",
+    "most_sends",
+    "param_stages",
+    "pipeline_cost",
+    "schedule_of",
+    "stage_groups",
+]
+
+#: Where a parameter lives in a pipeline: split over the stages with the layer
+#: stack, on the first stage, on the last, or on both ends (tied embeddings).
+Where = Literal["layers", "first", "last", "both"]
+
+
+@functools.lru_cache(maxsize=512)
+def schedule_of(pipe: Pipeline) -> Schedule:
+    """:func:`~spmdkit.pipeline.build_schedule`, memoized per configuration."""
+    return build_schedule(pipe)
+
+
+# -- which parameters live on which stage -----------------------------------------------
+
+
+def _is_layer_scan(eqn: Any, layers: int) -> bool:
+    return eqn.primitive.name == "scan" and int(eqn.params["length"]) == layers
+
+
+def _contains_scan(jaxpr: Jaxpr, layers: int) -> bool:
+    for eqn in jaxpr.eqns:
+        if _is_layer_scan(eqn, layers):
+            return True
+        if any(_contains_scan(sub, layers) for sub in _subs(eqn)):
+            return True
+    return False
+
+
+def _subs(eqn: Any) -> list[Jaxpr]:
+    out = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                out.append(v)
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                out.append(v.jaxpr)
+    return out
+
+
+def _stages_in(jaxpr: Jaxpr, label: dict[Var, set[int]], layers: int) -> dict[int, str]:
+    """Per param index, ``"layers"``/``"first"``/``"last"``/``"both"``, for a jaxpr whose
+    input vars carry the param indices they depend on (``label``)."""
+    deps: dict[Any, set[int]] = dict(label)
+
+    def of(v: Any) -> set[int]:
+        return deps.get(v, set()) if isinstance(v, Var) else set()
+
+    out: dict[int, set[str]] = {}
+    seen_scan = False
+    for eqn in jaxpr.eqns:
+        ins = [of(v) for v in eqn.invars]
+        union: set[int] = set().union(*ins) if ins else set()
+        if not seen_scan and _is_layer_scan(eqn, layers):
+            seen_scan = True
+            nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+            for i, s in enumerate(ins):
+                side = "first" if nc <= i < nc + ncarry else "layers"
+                for k in s:
+                    out.setdefault(k, set()).add(side)
+        elif not seen_scan and any(_contains_scan(s, layers) for s in _subs(eqn)):
+            seen_scan = True
+            sub = _subs(eqn)[0]
+            inner = _stages_in(sub, dict(zip(sub.invars, ins, strict=False)), layers)
+            for k, side in inner.items():
+                out.setdefault(k, set()).add(side)
+            union = set()
+        else:
+            side = "last" if seen_scan else "first"
+            for s in ins:
+                for k in s:
+                    out.setdefault(k, set()).add(side)
+        if _is_layer_scan(eqn, layers):
+            union = set()  # the stack's outputs are activations, not parameters
+        for v in eqn.outvars:
+            deps[v] = union
+    return {k: _merge_sides(s) for k, s in out.items()}
+
+
+def _merge_sides(sides: set[str]) -> str:
+    if "layers" in sides:
+        return "layers"
+    if sides == {"first"}:
+        return "first"
+    if sides == {"last"}:
+        return "last"
+    return "both"
+
+
+def param_stages(loss_fn: Any, abstract_params: PyTree, batch: PyTree, layers: int) -> dict:
+    """Param path → :data:`Where` it lives in a pipeline, from the forward jaxpr.
+
+    The forward is split at its layer scan (the first ``scan`` of ``layers``
+    iterations, searched through nested calls): parameters the scan slices are
+    split over the stages; those feeding its carry (through the embedding) or
+    used before it live on the first stage, those used after it on the last.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> scalar``.
+        abstract_params: the params as ``ShapeDtypeStruct`` leaves.
+        batch: an (abstract) batch.
+        layers: the layer scan's length (:attr:`StepTrace.layers`).
+
+    Returns:
+        Path → ``"layers"``, ``"first"``, ``"last"`` or ``"both"``; an unused
+        parameter is ``"first"``.
+    """
+    closed = jax.make_jaxpr(loss_fn)(abstract_params, batch)
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    paths = [path_str(kp) for kp, _ in flat]
+    label = {v: {i} for i, v in enumerate(closed.jaxpr.invars[: len(paths)])}
+    found = _stages_in(closed.jaxpr, label, layers)
+    return {p: found.get(i, "first") for i, p in enumerate(paths)}
+
+
+# -- the stage view ----------------------------------------------------------------------
+
+
+def _layer_dim(g: ParamGroup) -> int:
+    logical = g.logical or ()
+    return logical.index("layers") if "layers" in logical else 0
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """A pipeline and where each parameter group lives in it.
+
+    Attributes:
+        pipe: the configuration (stages, virtual, micro-batches, schedule, axis).
+        where: per parameter group (the planner's order), its :data:`Where`.
+        layers: the stacked layer count ``L`` (``p · v`` divides it).
+    """
+
+    pipe: Pipeline
+    where: tuple[str, ...]
+    layers: int
+
+    def on_device(self, d: int) -> list[int]:
+        """Indices of the groups pipe-axis device ``d`` holds."""
+        last = self.pipe.stages - 1
+        keep = {"layers", "both"}
+        if d == 0:
+            keep.add("first")
+        if d == last:
+            keep.add("last")
+        return [i for i, w in enumerate(self.where) if w in keep]
+
+
+def stage_groups(groups: Sequence[ParamGroup], where: Sequence[str], stages: int) -> list:
+    """The groups as one pipe-axis device holds them: layer groups with ``L / p``
+    layers on their layer dim (and their optimizer state likewise), others whole."""
+    out = []
+    for g, w in zip(groups, where, strict=True):
+        if w != "layers":
+            out.append(g)
+            continue
+        i = _layer_dim(g)
+        shape = (*g.shape[:i], g.shape[i] // stages, *g.shape[i + 1 :])
+        out.append(replace(g, shape=shape, opt_bytes=g.opt_bytes // stages))
+    return out
+
+
+def _stage_trace(trace: StepTrace, stages: int) -> StepTrace:
+    """The trace of one stage's layers (FLOPs and per-layer facts of ``L / p`` layers)."""
+    return replace(
+        trace,
+        layers=trace.layers // stages,
+        attn_flops=trace.attn_flops / stages,
+        layer_fwd_flops=trace.layer_fwd_flops / stages,
+        attn_fwd_flops=trace.attn_fwd_flops / stages,
+    )
+
+
+def _per_microbatch(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> tuple[float, float]:
+    """``(activation, carry)`` scale from global-batch bytes to one micro-batch on one
+    device: the compute itemsize, the batch/sequence shards, ``m``, and (activations
+    only) the share tensor parallelism splits (as :mod:`~spmdkit.planner.analytic`)."""
+    sizes, trace, recipe = ctx.sizes, ctx.trace, ctx.recipe
+    shards = math.prod(sizes[a] for a in (*batch_axes, *seq_axes))
+    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
+    base = scale / shards / recipe.microbatches
+    tp_weight = flops = 0.0
+    for g, layout in zip(groups, choice, strict=True):
+        tp_weight += group_cost(ctx, g, layout, batch_axes, seq_axes).tp_weight
+        flops += param_flops(g, trace.tokens) * ctx.flops_scale * g.count
+    tp_frac = tp_weight / flops if flops else 0.0
+    tp_split = 1.0 if seq_axes else 1 - 0.5 * tp_frac
+    return base * tp_split, base
+
+
+def _kept_per_layer(trace: StepTrace, remat: str, save_names: tuple[str, ...]) -> float:
+    if remat == "none":
+        return trace.layer_resid
+    kept = trace.layer_carry
+    if remat == "dots":
+        kept += trace.layer_dots
+    elif remat == "names":
+        kept += sum(trace.layer_named.get(n, 0.0) for n in save_names)
+    return min(kept, trace.layer_resid)
+
+
+@functools.lru_cache(maxsize=512)
+def _orders(pipe: Pipeline) -> tuple[tuple[Action, ...], ...]:
+    return device_orders(pipe)
+
+
+@functools.lru_cache(maxsize=512)
+def held_activations(pipe: Pipeline) -> tuple[tuple[int, ...], int]:
+    """Per device, the (micro-batch, chunk) activations it holds at its peak
+    (``"gpipe"``: every forward tick, bubbles included), and how many of the
+    last chunk's the last device holds at once (its head residuals).
+
+    Counted on each device's order of actions (:func:`~spmdkit.pipeline.device_orders`:
+    the tick table without its idle ticks, which hold nothing new), so equal to
+    :attr:`~spmdkit.pipeline.Schedule.peak_in_flight` without building the table.
+    """
+    p, m, last = pipe.stages, pipe.microbatches, pipe.chunks - 1
+    if pipe.schedule == "gpipe":
+        # Autodiff through the forward tick scan keeps every tick's residuals
+        # (v·m + p − 1 ticks when m >= p; circular chunks wait longer below that).
+        ticks = schedule_of(pipe).ticks
+        fwd = 1 + max(t for t, row in enumerate(ticks) for a in row if a and a.kind == "F")
+        return (fwd,) * p, m
+    held = []
+    peak_last = 0
+    for order in _orders(pipe):
+        n = peak = n_last = 0
+        for a in order:
+            n += 1 if a.kind == "F" else -1
+            peak = max(peak, n)
+            if a.chunk == last:
+                n_last += 1 if a.kind == "F" else -1
+                peak_last = max(peak_last, n_last)
+        held.append(peak)
+    return tuple(held), peak_last
+
+
+@functools.lru_cache(maxsize=512)
+def most_sends(pipe: Pipeline) -> int:
+    """The most point-to-point sends one device makes per step (as
+    :attr:`~spmdkit.pipeline.Schedule.sends`, counted on the action orders)."""
+    last = pipe.chunks - 1
+    return max(
+        sum((a.kind == "F" and a.chunk < last) or (a.kind == "B" and a.chunk > 0) for a in order)
+        for order in _orders(pipe)
+    )
+
+
+def activation_bytes(
+    trace: StepTrace,
+    pipe: Pipeline,
+    remat: str,
+    save_names: tuple[str, ...],
+    act_scale: float,
+    carry_scale: float,
+) -> tuple[float, ...]:
+    """Activation bytes per pipe-axis device under ``pipe``'s schedule (module docstring).
+
+    Args:
+        trace: the full model's trace (global batch, all ``L`` layers).
+        pipe: the configuration.
+        remat: the recipe's remat policy; ``save_names`` its saved names.
+        act_scale: global-batch activation bytes → one micro-batch on one device.
+        carry_scale: the same for the carry (not split by tensor parallelism).
+
+    Example: 8 layers whose input is 1 MiB and residuals 4 MiB per micro-batch
+    and device, full remat, 1F1B over 4 stages: device 0 holds 4 micro-batches
+    × 2 layers × 1 MiB + one layer's 4 MiB recomputed = 12 MiB.
+    """
+    p, v, m = pipe.stages, pipe.virtual, pipe.microbatches
+    per_chunk = trace.layers / (p * v) * _kept_per_layer(trace, remat, save_names) * act_scale
+    recompute = trace.layer_resid * act_scale if remat != "none" else 0.0
+    head = max(trace.resid_bytes - trace.layers * trace.layer_resid, 0.0) * act_scale
+    held, held_last = held_activations(pipe)
+    out = []
+    for d in range(p):
+        acts = held[d] * per_chunk + recompute
+        if pipe.schedule == "gpipe":
+            sending = v if d < p - 1 else v - 1
+            acts += m * sending * trace.layer_carry * carry_scale
+        if d == p - 1:
+            acts += held_last * head + trace.resid_peak * act_scale
+        out.append(acts)
+    return tuple(out)
+
+
+def _p2p(ctx: CostContext, pipe: Pipeline, carry_bytes: float) -> tuple[float, float]:
+    """``(seconds, bytes)`` of the busiest device's point-to-point sends."""
+    sends = most_sends(pipe)
+    if not sends or carry_bytes <= 0:
+        return 0.0, 0.0
+    bandwidth, latency = ctx.topology.link((pipe.axis,), ctx.mesh)
+    return sends * (latency + carry_bytes / bandwidth), sends * carry_bytes
+
+
+def pipeline_cost(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    split: StageSplit,
+) -> Cost:
+    """The analytic :class:`~spmdkit.planner.plans.Cost` of a pipelined candidate.
+
+    Args:
+        ctx: the cost context on the mesh with the pipe axis; its recipe's
+            micro-batches are ignored (the pipeline's count is used).
+        groups: the stage groups (:func:`stage_groups`), in the planner's order.
+        choice: their layouts over the mesh axes other than the pipe axis.
+        batch_axes: mesh axes the batch is split over (not the pipe axis).
+        seq_axes: mesh axes the sequence is split over.
+        split: the pipeline and where each group lives.
+
+    Returns:
+        The cost; ``memory`` is the fullest pipe-axis device's, ``stage_memory``
+        every device's, ``bubble_s`` the idle time the schedule adds.
+    """
+    pipe = split.pipe
+    recipe = replace(ctx.recipe, microbatches=pipe.microbatches)
+    sctx = replace(ctx, recipe=recipe, trace=_stage_trace(ctx.trace, pipe.stages))
+    p = pipe.stages
+
+    def view(d: int) -> int:  # devices other than the two ends hold the same
+        return d if d in (0, p - 1) else 1
+
+    views = {view(d): split.on_device(view(d)) for d in range(p)}
+    costs = {
+        d: total_cost(sctx, [groups[i] for i in ix], [choice[i] for i in ix], batch_axes, seq_axes)
+        for d, ix in views.items()
+    }
+    act_scale, carry_scale = _per_microbatch(sctx, groups, choice, batch_axes, seq_axes)
+    acts = activation_bytes(
+        ctx.trace, pipe, recipe.remat, recipe.save_names, act_scale, carry_scale
+    )
+    static = [_static(costs[view(d)]) for d in range(p)]
+    stage_memory = tuple(int(s + a) for s, a in zip(static, acts, strict=True))
+    peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))
+    slow = max(costs.values(), key=lambda c: c.compute_time_s)
+    ticks = pipe.virtual * pipe.microbatches
+    bubble_s = slow.compute_time_s * (p - 1) / ticks
+    compute = slow.compute_time_s + bubble_s
+    p2p_s, p2p_bytes = _p2p(ctx, pipe, ctx.trace.layer_carry * carry_scale)
+    hidden = slow.hidden_comm_s
+    exposed = slow.comm_time_s - hidden
+    step = compute + ctx.topology.exposed_comm(hidden, exposed, slow.compute_time_s) + p2p_s
+    comm_bytes = dict(slow.comm_bytes)
+    if p2p_bytes:
+        comm_bytes["collective_permute"] = int(p2p_bytes)
+    memory = dict(costs[view(peak_dev)].memory)
+    memory["activations"] = int(acts[peak_dev])
+    return Cost(
+        step_time_s=step,
+        compute_time_s=compute,
+        comm_time_s=slow.comm_time_s + p2p_s,
+        comm_bytes={k: int(v) for k, v in sorted(comm_bytes.items())},
+        memory=memory,
+        hidden_comm_s=slow.comm_time_s + p2p_s - (step - compute),
+        stage_memory=stage_memory,
+        bubble_s=bubble_s,
+    )
+
+
+def _static(c: Cost) -> float:
+    return sum(v for k, v in c.memory.items() if k != "activations")
