@@ -555,6 +555,8 @@ class Plan:
                 f"pipeline: {pp.short()} over '{pp.axis}' ({pp.chunks} chunks, "
                 f"bubble {pp.bubble_fraction:.1%})"
             )
+            if self.cost is not None and self.cost.stage_memory:
+                lines.append(_stages_line(self.cost))
         if self.cost is not None:
             c = self.cost
             mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items())
@@ -613,6 +615,20 @@ class Plan:
                 "plan.verify(sk.jit(step, plan), *args)",
             )
         return step.verify(*args, bytes_tol=bytes_tol, mem_tol=mem_tol)
+
+
+def _stages_line(cost: Cost) -> str:
+    """Per-stage memory and the bubble's time, e.g. ``stages: memory/device d0
+    70.1 GiB, d1 64.3 GiB; bubble 0.21 s``; past four stages, the first, the
+    fullest middle one and the last."""
+    mem = cost.stage_memory
+    if len(mem) <= 4:
+        parts = [f"d{d} {fmt_bytes(b)}" for d, b in enumerate(mem)]
+    else:
+        mid = max(range(1, len(mem) - 1), key=lambda d: (mem[d], -d))
+        parts = [f"d0 {fmt_bytes(mem[0])}", f"d{mid} {fmt_bytes(mem[mid])} (fullest middle)"]
+        parts.append(f"d{len(mem) - 1} {fmt_bytes(mem[-1])}")
+    return f"stages: memory/device {', '.join(parts)}; bubble {fmt_time(cost.bubble_s)}"
 
 
 def _flat(spec: P) -> tuple[str, ...]:

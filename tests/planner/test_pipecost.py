@@ -1,0 +1,183 @@
+"""The analytic cost of pipelined plans, on numbers small enough to check by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import spmdkit as sk
+from spmdkit.flax import describe
+from spmdkit.models import get_model
+from spmdkit.pipeline import Pipeline, build_schedule
+from spmdkit.planner.analytic import CostContext, GroupLayout, StepTrace, param_groups
+from spmdkit.planner.pipecost import (
+    StageSplit,
+    activation_bytes,
+    held_activations,
+    most_sends,
+    param_stages,
+    pipeline_cost,
+    stage_groups,
+)
+from spmdkit.planner.search import trace_step
+from spmdkit.spec import axis_sizes
+from spmdkit.topology import Topology
+
+MiB = 2**20
+
+
+def _trace(**kw: float) -> StepTrace:
+    """8 layers; per micro-batch and device (scale 1/8): carry 1 MiB, residuals
+    4 MiB per layer, head residuals 2 MiB, the logits 1 MiB."""
+    base = dict(
+        flops=0.0,
+        resid_bytes=int(8 * 32 * MiB + 16 * MiB),
+        opt_bytes={},
+        opt_other_bytes=0,
+        tokens=1,
+        batch_size=8,
+        seq_len=1,
+        act_itemsize=4,
+        abstract_opt=None,
+        layers=8,
+        layer_resid=32.0 * MiB,
+        layer_carry=8.0 * MiB,
+        resid_peak=8.0 * MiB,
+    )
+    base.update(kw)
+    return StepTrace(**base)
+
+
+def _acts(schedule: str, remat: str = "full", m: int = 8) -> tuple[float, ...]:
+    pipe = Pipeline(4, m, schedule)
+    out = activation_bytes(_trace(), pipe, remat, (), 1 / 8, 1 / 8)
+    return tuple(a / MiB for a in out)
+
+
+def test_activations_per_schedule_by_hand() -> None:
+    # 1F1B: device d holds 4 - d micro-batches × 2 layers × 1 MiB carry, plus one
+    # layer's 4 MiB live again while recomputed; the last device also the head
+    # (2 MiB) of its one in-flight micro-batch and the logits' gradient (1 MiB).
+    assert _acts("1f1b") == (12.0, 10.0, 8.0, 9.0)
+    # F-then-B with input release: every device holds all 8 micro-batches.
+    assert _acts("fthenb") == (20.0, 20.0, 20.0, 37.0)
+    # GPipe: the 8 + 3 forward ticks (the bubble's included) and every sent
+    # output (8 × 1 MiB; the last device sends nothing).
+    assert _acts("gpipe") == (34.0, 34.0, 34.0, 43.0)
+    # No remat: every layer's residuals (4 MiB), nothing recomputed.
+    assert _acts("1f1b", remat="none")[0] == 4 * 2 * 4
+
+
+def test_held_and_sends_match_the_tick_table() -> None:
+    for p, m, schedule, v in [
+        (2, 4, "1f1b", 1),
+        (4, 8, "1f1b", 1),
+        (3, 2, "fthenb", 1),
+        (2, 2, "fthenb", 2),
+        (4, 8, "interleaved", 2),
+        (2, 4, "interleaved", 3),
+    ]:
+        pipe = Pipeline(p, m, schedule, virtual=v)
+        table = build_schedule(pipe)
+        assert held_activations(pipe)[0] == table.peak_in_flight, pipe
+        assert most_sends(pipe) == max(table.sends), pipe
+    gp = Pipeline(4, 8, "gpipe")
+    assert held_activations(gp)[0] == (11,) * 4  # v·m + p - 1 forward ticks
+
+
+def _loss(params: dict, batch: jax.Array) -> jax.Array:
+    x = params["emb"][batch]
+
+    def layer(h: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
+        return jnp.tanh(h @ w), None
+
+    x, _ = jax.lax.scan(layer, x, params["stack"])
+    return jnp.mean((x @ params["head"]) ** 2) + jnp.sum(params["emb"]) * 0.0
+
+
+def test_param_stages_split_at_the_layer_scan() -> None:
+    params = {
+        "emb": jax.ShapeDtypeStruct((16, 8), jnp.float32),
+        "stack": jax.ShapeDtypeStruct((4, 8, 8), jnp.float32),
+        "head": jax.ShapeDtypeStruct((8, 16), jnp.float32),
+    }
+    batch = jax.ShapeDtypeStruct((2, 3), jnp.int32)
+    found = param_stages(_loss, params, batch, 4)
+    # the embedding is used before the scan and (tied-style) after it: both ends
+    assert found == {"emb": "both", "head": "last", "stack": "layers"}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple:
+    info = describe(get_model("llama"), config="tiny_scan", batch_size=8)
+    trace = trace_step(info, None)
+    groups = param_groups(info, trace)
+    found = param_stages(info.loss_fn, info.abstract_params, info.batch, trace.layers)
+    return info, trace, groups, tuple(found[g.paths[0]] for g in groups)
+
+
+def _cost(tiny: tuple, config: Pipeline, topology: Topology, **axes: int) -> sk.Cost:
+    _, trace, groups, where = tiny
+    mesh = sk.abstract_mesh(**axes)
+    ctx = CostContext(mesh, axis_sizes(mesh), topology, trace, None, 1.0)
+    sg = stage_groups(groups, where, config.stages)
+    choice = [GroupLayout(((),) * len(g.shape), ((),) * len(g.shape)) for g in sg]
+    return pipeline_cost(ctx, sg, choice, ("data",), (), StageSplit(config, where, trace.layers))
+
+
+def test_stage_memory_has_the_embedding_first_and_the_head_last(tiny: tuple) -> None:
+    _, trace, groups, where = tiny
+    assert dict(zip((g.key for g in groups), where, strict=True))["embed"] == "first"
+    c = _cost(tiny, Pipeline(2, 4, "1f1b"), Topology.h100(), pipe=2, data=4)
+    first, last = c.stage_memory
+    nbytes = {g.key: g.nbytes for g in groups}
+    # params + grads + Adam's two moments: 4× the bytes, each on its own stage
+    acts = activation_bytes(trace, Pipeline(2, 4, "1f1b"), "none", (), 1 / 16, 1 / 16)
+    static_first = first - acts[0]
+    static_last = last - acts[1]
+    head = nbytes["lm_head"] + nbytes["norm/scale"]
+    assert static_last - static_first == pytest.approx(4 * (head - nbytes["embed"]), abs=8)
+    assert c.peak_bytes == max(c.stage_memory)
+
+
+def test_bubble_and_sends_over_the_pipe_link(tiny: tuple) -> None:
+    _, trace, _, _ = tiny
+    pipe = Pipeline(4, 8, "1f1b")
+    inside = _cost(tiny, pipe, Topology.h100(gpus_per_node=8), pipe=4, data=2)
+    across = _cost(tiny, pipe, Topology.h100(gpus_per_node=2), pipe=4, data=2)
+    # 1F1B over 4 stages, 8 micro-batches: compute stretched by (8 + 3) / 8
+    stage = inside.compute_time_s - inside.bubble_s
+    assert inside.bubble_s == pytest.approx(stage * 3 / 8)
+    # a middle device sends 8 forwards and 8 backwards, each one micro-batch's
+    # carry: 1 of 8 micro-batches of half the batch (data=2)
+    sends = 2 * 8
+    carry = trace.layer_carry / 2 / 8
+    assert inside.comm_bytes["collective_permute"] == int(sends * carry)
+    # the same bytes, over NVLink (inside a node) vs InfiniBand (across nodes)
+    t = Topology.h100()
+    p2p_in = sends * (t.node_latency + carry / t.node_bandwidth)
+    p2p_ib = sends * (t.default_latency + carry / t.default_bandwidth)
+    assert across.step_time_s - inside.step_time_s == pytest.approx(p2p_ib - p2p_in, rel=1e-6)
+
+
+def test_more_microbatches_shrink_bubble_and_activations(tiny: tuple) -> None:
+    topo = Topology.h100()
+    few = _cost(tiny, Pipeline(2, 2, "1f1b"), topo, pipe=2, data=4)
+    many = _cost(tiny, Pipeline(2, 8, "1f1b"), topo, pipe=2, data=4)
+    assert many.bubble_s < few.bubble_s
+    assert many.memory["activations"] < few.memory["activations"]
+    inter = _cost(tiny, Pipeline(2, 8, "interleaved", virtual=2), topo, pipe=2, data=4)
+    for c, ticks in ((few, 2), (many, 8), (inter, 16)):  # v·m
+        assert c.bubble_s / (c.compute_time_s - c.bubble_s) == pytest.approx(1 / ticks)
+    assert inter.comm_bytes["collective_permute"] > many.comm_bytes["collective_permute"]
+
+
+def test_cost_json_keeps_stage_memory(tiny: tuple) -> None:
+    c = _cost(tiny, Pipeline(2, 4, "1f1b"), Topology.h100(), pipe=2, data=4)
+    back = sk.Cost.from_json(c.to_json())
+    assert back == c
+    plain = dataclasses.replace(c, stage_memory=(), bubble_s=0.0)
+    assert "stage_memory" not in plain.to_json()
