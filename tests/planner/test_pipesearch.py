@@ -1,0 +1,106 @@
+"""auto with pipelines: pipe degrees, meshes, configurations, and the plans it returns."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.flax import describe
+from spmdkit.models import get_model
+from spmdkit.pipeline import Pipeline, PipelineError
+from spmdkit.planner import Plan, PlanError, plan
+from spmdkit.planner.pipesearch import pipe_meshes, pipeline_configs, split_mesh
+
+
+def test_split_mesh_keeps_the_device_order() -> None:
+    mesh = sk.make_mesh(data=4, model=2)
+    split = split_mesh(mesh, 2)
+    assert split.axis_names == ("pipe", "data", "model")
+    assert dict(split.shape) == {"pipe": 2, "data": 2, "model": 2}
+    assert list(np.asarray(split.devices).flat) == list(np.asarray(mesh.devices).flat)
+    assert split_mesh(sk.abstract_mesh(data=64, model=8), 8).axis_names == ("pipe", "data", "model")
+    with pytest.raises(PipelineError, match="divide"):
+        split_mesh(sk.abstract_mesh(data=6), 4)
+
+
+def test_pipe_degrees_divide_the_data_axis_and_the_layers() -> None:
+    degrees = [dict(m.shape)["pipe"] for m in pipe_meshes(sk.abstract_mesh(data=16, model=8), 12)]
+    assert degrees == [2, 4]
+    given = sk.abstract_mesh(pipe=4, data=2)
+    assert pipe_meshes(given, 8) == [given]
+
+
+def test_configurations() -> None:
+    configs = [c.short() for c in pipeline_configs(4, 8, 16)]
+    assert configs == [
+        "pp4 fthenb m1",
+        "pp4 fthenb m2",
+        "pp4 1f1b m4",
+        "pp4x2 interleaved m4",
+        "pp4 1f1b m8",
+        "pp4x2 interleaved m8",
+        "pp4 1f1b m16",
+        "pp4x2 interleaved m16",
+    ]
+    asked = Pipeline(4, 8, "1f1b")
+    assert pipeline_configs(4, 8, 16, asked) == [asked]
+    assert pipeline_configs(4, 8, 4, asked) == []  # 8 micro-batches do not split 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return describe(get_model("llama"), config="tiny_scan", batch_size=16)
+
+
+def _plan(info, budget: float | None = None, **kw) -> Plan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan(
+            info, sk.abstract_mesh(data=8), "auto", estimator="analytic", memory_budget=budget, **kw
+        )
+
+
+def test_auto_pipelines_within_the_budget(tiny) -> None:
+    budget = 0.6e6
+    flat = _plan(tiny, budget)
+    piped = _plan(tiny, budget, pipeline="auto")
+    assert flat.pipeline is None and not any("pp" in n for n, _ in flat.alternatives)
+    assert piped.pipeline is not None
+    assert piped.cost.peak_bytes <= budget
+    assert piped.cost.step_time_s <= flat.cost.step_time_s
+    # the data axis became pipe × data; the layer stacks are split over the stages
+    assert dict(piped.mesh.shape) == {"pipe": 2, "data": 4}
+    assert piped.params["layers/mlp/up"][0] == "pipe"
+    assert piped.params["embed"] == P() or "pipe" not in str(piped.params["embed"])
+    assert "stages: memory/device d0" in piped.table()
+    # deterministic, and the JSON keeps the pipeline and the per-stage memory
+    assert _plan(tiny, budget, pipeline="auto") == piped
+    back = Plan.from_json(piped.to_json())
+    assert back.pipeline == piped.pipeline
+    assert back.cost.stage_memory == piped.cost.stage_memory
+
+
+def test_auto_with_a_given_pipeline(tiny) -> None:
+    asked = Pipeline(2, 4, "1f1b")
+    p = _plan(tiny, pipeline=asked)
+    assert p.pipeline == asked
+    assert all("pp2 1f1b m4" in n for n, _ in p.alternatives)
+
+
+def test_bad_pipeline_requests(tiny) -> None:
+    with pytest.raises(PipelineError, match="divisible by 4"):
+        _plan(tiny, pipeline=Pipeline(4, 4, "1f1b"))  # 2 layers
+    with pytest.raises(PlanError, match="pipeline is None"):
+        _plan(tiny, pipeline="yes")
+    with pytest.raises(PlanError, match="micro-batches from the pipeline"):
+        _plan(tiny, pipeline="auto", recipe=sk.Recipe(microbatches=2))
+    with pytest.raises(PipelineError, match="equal the mesh"):
+        plan(tiny, sk.abstract_mesh(pipe=2, data=4), "auto", pipeline=Pipeline(1, 2, "fthenb"))
+    looped = describe(get_model("llama"), config="tiny", batch_size=16)
+    with pytest.raises(PipelineError, match="stacked in one scan"):
+        _plan(looped, pipeline=Pipeline(2, 2, "1f1b"))
+    assert _plan(looped, pipeline="auto").pipeline is None  # nothing to pipeline
