@@ -14,9 +14,18 @@
    estimated tokens/s/GPU, beside torchtitan's measurement where one exists, and
    the planning time with every recipe dimension searched.
 
-Prints both tables and saves ``benchmarks/results/planner.json``.
+4. Pipelines: ``auto`` with ``pipeline="auto"`` on Llama-3 70B over 512 and 128
+   GPUs (seq 8192, 2 sequences per GPU, 80 GiB): the best pipelined plan beside
+   the best non-pipelined one (memory, bubble, estimated tokens/s/GPU), which
+   one auto chose, the planning time with pipelines searched, and a
+   Megatron-LM-style configuration (pipe 4 × 5 virtual stages, interleaved,
+   micro-batch size 1, tensor parallelism inside the node) costed by the same
+   model for comparison.
 
-Run: ``python benchmarks/planner.py [--quick]`` (``--quick``: 8B only, two meshes).
+Prints the tables and saves ``benchmarks/results/planner.json``.
+
+Run: ``python benchmarks/planner.py [--quick] [--pipelines-only]`` (``--quick``: 8B
+only, two meshes; ``--pipelines-only``: section 4 only, merged into the saved JSON).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from pathlib import Path
 import spmdkit as sk
 from spmdkit.flax import describe
 from spmdkit.models import get_model
+from spmdkit.pipeline import Pipeline
 from spmdkit.planner import PRESETS, plan
 
 MESHES = {8: (1, 8), 64: (8, 8), 512: (64, 8), 4096: (512, 8)}
@@ -224,10 +234,99 @@ def real_size() -> list[dict]:
     return rows
 
 
+#: (config, mesh axes, batch size) auto pipelines on.
+PIPELINE_CASES = [
+    ("70b", {"data": 64, "model": 8}, 1024),
+    ("70b", {"data": 16, "model": 8}, 256),
+]
+
+
+def _row(label: str, cost: sk.Cost, batch: int, devices: int) -> dict:
+    return {
+        "label": label,
+        "memory_bytes": cost.peak_bytes,
+        "stage_memory": list(cost.stage_memory),
+        "bubble_s": cost.bubble_s,
+        "bubble_share": cost.bubble_s / cost.step_time_s,
+        "step_time_s": cost.step_time_s,
+        "tok_s_gpu": batch * 8192 / cost.step_time_s / devices,
+        "estimator": cost.estimator,
+    }
+
+
+def _megatron(size: str, axes: dict, batch: int) -> dict:
+    """Megatron-LM-style: pipe 4, 5 virtual stages (4 layers per chunk), interleaved,
+    micro-batch size 1, layouts (tensor parallelism over the node's 8 GPUs) and
+    recipe searched by auto for that pipeline."""
+    data = axes["data"] // 4
+    mesh = sk.abstract_mesh(pipe=4, data=data, model=axes["model"])
+    pipe = Pipeline(stages=4, microbatches=batch // data, schedule="interleaved", virtual=5)
+    p = plan(get_model("llama"), mesh, "auto", config=size, batch_size=batch, pipeline=pipe)
+    row = _row(f"{p.chosen}+{p.recipe.short()}+{pipe.short()}", p.cost, batch, mesh.size)
+    row["specs"] = {k: str(v) for k, v in list(p.params.items())[:6]}
+    return row
+
+
+def pipelines(cases: list) -> list[dict]:
+    """auto with pipelines searched: best pipelined vs best non-pipelined plan."""
+    rows = []
+    for size, axes, batch in cases:
+        devices = math.prod(axes.values())
+        t0, c0 = time.perf_counter(), time.process_time()
+        info = describe(get_model("llama"), config=size, batch_size=batch)
+        p = plan(info, sk.abstract_mesh(**axes), "auto", pipeline="auto")
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        ranked = [
+            (f"{p.chosen}+{p.recipe.short()}", p.cost, p.pipeline),
+            *[(n, c, "pp" if "+pp" in n else None) for n, c in p.alternatives],
+        ]
+        if p.pipeline is not None:
+            ranked[0] = (f"{ranked[0][0]}+{p.pipeline.short()}", p.cost, p.pipeline)
+        best_pp = next((r for r in ranked if r[2] is not None), None)
+        best_flat = next((r for r in ranked if r[2] is None), None)
+        row = {
+            "model": f"llama-{size}",
+            "devices": devices,
+            "mesh": axes,
+            "batch": batch,
+            "chosen": ranked[0][0],
+            "chosen_pipelined": p.pipeline is not None,
+            "plan_mesh": dict(p.mesh.shape),
+            "plan_s": seconds,
+            "plan_cpu_s": cpu,
+            "best_pipelined": best_pp and _row(best_pp[0], best_pp[1], batch, devices),
+            "best_non_pipelined": best_flat and _row(best_flat[0], best_flat[1], batch, devices),
+            "megatron_style": _megatron(size, axes, batch),
+        }
+        rows.append(row)
+        for kind in ("best_pipelined", "best_non_pipelined", "megatron_style"):
+            r = row[kind]
+            if r is None:
+                continue
+            print(
+                f"llama-{size:<4}{devices:>5}  {kind:<19}{r['label'][:58]:<58}"
+                f"{_gib(r['memory_bytes']):>8}{r['bubble_share']:>8.1%}{r['tok_s_gpu']:>8.0f}",
+                flush=True,
+            )
+        print(f"  auto chose {row['chosen']} ({seconds:.1f} s wall, {cpu:.1f} s CPU)", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--pipelines-only", action="store_true")
     args = parser.parse_args()
+    out = Path(__file__).parent / "results" / "planner.json"
+    print("== pipelines: best pipelined vs best non-pipelined (seq 8192, 80 GiB) ==")
+    print(f"{'model':<10}{'dev':>5}  {'':<19}{'plan':<58}{'mem GiB':>8}{'bubble':>8}{'tok/s':>8}")
+    p_rows = pipelines(PIPELINE_CASES[:1] if args.quick else PIPELINE_CASES)
+    if args.pipelines_only:
+        saved = json.loads(out.read_text()) if out.exists() else {}
+        saved["pipelines"] = p_rows
+        out.write_text(json.dumps(saved, indent=1))
+        print(f"\nsaved {out}")
+        return
     models = ["8b"] if args.quick else ["8b", "70b"]
     meshes = [8, 512] if args.quick else [8, 64, 512, 4096]
     print("== real size: auto vs published (seq 8192, 2 sequences/GPU, 80 GiB) ==")
@@ -249,7 +348,6 @@ def main() -> None:
             f"{r['model']:<20}{r['devices']:>6}  {label[:30]:<12}{r['step_time_s'] * 1e3:>10.1f}"
             f"{_gib(r['comm_bytes']):>10}{_gib(r['memory_bytes']):>9}"
         )
-    out = Path(__file__).parent / "results" / "planner.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(
         json.dumps(
@@ -259,6 +357,7 @@ def main() -> None:
                 "calibration": cal,
                 "timing": t_rows,
                 "quality": q_rows,
+                "pipelines": p_rows,
             },
             indent=1,
         )

@@ -23,7 +23,12 @@ NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 
 # notebook -> the plots it must save (each a real image, not an empty canvas)
 PLOTS = {
-    "layout_explorer": ["layout_compare.png", "layout_params.png", "layout_verify.png"],
+    "layout_explorer": [
+        "layout_compare.png",
+        "layout_params.png",
+        "layout_verify.png",
+        "layout_pipeline.png",
+    ],
     "rules_playground": ["rules_matmul.png", "rules_custom.png"],
     "checkpoint_reshard": ["checkpoint_losses.png"],
 }

@@ -385,6 +385,7 @@ def pipeline_cost(
     batch_axes: tuple[str, ...],
     seq_axes: tuple[str, ...],
     split: StageSplit,
+    calibration: tuple[float, float] | None = None,
 ) -> Cost:
     """The analytic :class:`~spmdkit.planner.plans.Cost` of a pipelined candidate.
 
@@ -396,6 +397,10 @@ def pipeline_cost(
         batch_axes: mesh axes the batch is split over (not the pipe axis).
         seq_axes: mesh axes the sequence is split over.
         split: the pipeline and where each group lives.
+        calibration: ``(communication, memory)`` factors that scale the stages'
+            collectives (not the sends) and the memory, from propagating the same
+            layouts without the pipe axis (``estimator`` then says
+            ``"analytic+propagate"``).
 
     Returns:
         The cost; ``memory`` is the fullest pipe-axis device's, ``stage_memory``
@@ -426,9 +431,10 @@ def pipeline_cost(
     bubble_s = slow.compute_time_s * (p - 1) / ticks
     compute = slow.compute_time_s + bubble_s
     p2p_s, p2p_bytes = _p2p(ctx, pipe, ctx.trace.layer_carry * carry_scale)
-    hidden = slow.hidden_comm_s
-    exposed = slow.comm_time_s - hidden
-    step = compute + ctx.topology.exposed_comm(hidden, exposed, slow.compute_time_s) + p2p_s
+    comm_k, mem_k = calibration or (1.0, 1.0)
+    hidden = slow.hidden_comm_s * comm_k
+    colls = slow.comm_time_s * comm_k
+    step = compute + ctx.topology.exposed_comm(hidden, colls - hidden, slow.compute_time_s) + p2p_s
     comm_bytes = dict(slow.comm_bytes)
     if p2p_bytes:
         comm_bytes["collective_permute"] = int(p2p_bytes)
@@ -437,11 +443,12 @@ def pipeline_cost(
     return Cost(
         step_time_s=step,
         compute_time_s=compute,
-        comm_time_s=slow.comm_time_s + p2p_s,
+        comm_time_s=colls + p2p_s,
         comm_bytes={k: int(v) for k, v in sorted(comm_bytes.items())},
-        memory=memory,
-        hidden_comm_s=slow.comm_time_s + p2p_s - (step - compute),
-        stage_memory=stage_memory,
+        memory={k: int(v * mem_k) for k, v in memory.items()},
+        estimator="analytic" if calibration is None else "analytic+propagate",
+        hidden_comm_s=colls + p2p_s - (step - compute),
+        stage_memory=tuple(int(v * mem_k) for v in stage_memory),
         bubble_s=bubble_s,
     )
 

@@ -55,6 +55,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, describe, unbound_axis_error
+from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.planner.analytic import (
     CostContext,
@@ -652,6 +653,13 @@ def _on_pipe(g: ParamGroup, layout: GroupLayout) -> GroupLayout:
     return GroupLayout(put(layout.params), put(layout.opt), layout.grads_sharded)
 
 
+def _off_pipe(layout: GroupLayout) -> GroupLayout:
+    def drop(dims: Dims) -> Dims:
+        return tuple(tuple(a for a in d if a != PIPE_AXIS) for d in dims)
+
+    return GroupLayout(drop(layout.params), drop(layout.opt), layout.grads_sharded)
+
+
 def _check_mesh(mesh: object) -> MeshLike:
     if not hasattr(mesh, "axis_names") or not hasattr(mesh, "axis_sizes"):
         raise PlanError(
@@ -666,6 +674,9 @@ def _check_mesh(mesh: object) -> MeshLike:
 #: A preset whose analytic peak is over this many budgets is not re-costed by
 #: propagation in auto (the two estimates differ by far less than that).
 _RECOST_OVER_BUDGET = 2.0
+
+#: Pipelined candidates auto calibrates by propagation (the best, analytically).
+_RECOST_PIPELINES = 2
 
 #: Micro-batch counts auto tries, smallest first (more only adds collectives).
 _MICROBATCHES = (1, 2, 4, 8, 16)
@@ -1007,8 +1018,49 @@ class _Planner:
             }
             candidates = [self.propagated(candidates[i]) for i in sorted(keep)]
         if pipeline is not None:
-            candidates += self.pipelined(pipeline, fixed)
+            candidates += self.recosted_pipelines(self.pipelined(pipeline, fixed))
         return self.ranked(candidates)
+
+    def recosted_pipelines(self, candidates: list[Candidate]) -> list[Candidate]:
+        """With the propagate estimator, the best pipelined candidates calibrated by
+        propagation (:meth:`calibrated`), so they compete with propagated ones on
+        the same footing; the rest as they are."""
+        if self.estimator != "propagate" or not candidates:
+            return candidates
+        ranked = sorted(range(len(candidates)), key=lambda i: (*self.rank(candidates[i]), i))
+        keep = set(ranked[:_RECOST_PIPELINES])
+        return [self.calibrated(c) if i in keep else c for i, c in enumerate(candidates)]
+
+    def calibrated(self, c: Candidate) -> Candidate:
+        """A pipelined candidate whose analytic communication and memory are scaled by
+        propagated / analytic of its twin: the same layouts on the mesh without the
+        pipe axis (the whole stack, the pipeline's micro-batches as accumulation
+        steps), propagated through the train step. The propagator does not trace the
+        stage program itself; the twin carries the layouts' collectives and buffers."""
+        assert c.pipeline is not None and c.mesh is not None
+        inner = {a: s for a, s in axis_sizes(c.mesh).items() if a != PIPE_AXIS}
+        mesh = abstract_mesh(**inner)
+        choice = [_off_pipe(lay) for lay in c.choice]
+        recipe = replace(c.recipe, microbatches=c.pipeline.microbatches)
+        ctx = replace(self.ctx, mesh=mesh, sizes=inner, recipe=recipe, memo=self.pipe_memo(mesh))
+        batch = c.activation.get("batch", ())
+        analytic = total_cost(ctx, self.groups, choice, batch, ())
+        twin = Candidate(c.name, choice, c.activation, None, analytic, recipe, mesh=mesh)
+        prop = propagate_cost(
+            self.info, self.optimizer, self.make_plan(c.name, twin, None), ctx, analytic
+        )
+        comm = prop.comm_time_s / analytic.comm_time_s if analytic.comm_time_s else 1.0
+        mem = prop.peak_bytes / analytic.peak_bytes if analytic.peak_bytes else 1.0
+        where = self.stages()
+        assert where is not None
+        sizes = axis_sizes(c.mesh)
+        pctx = replace(
+            self.ctx, mesh=c.mesh, sizes=sizes, recipe=c.recipe, memo=self.pipe_memo(c.mesh)
+        )
+        split = StageSplit(c.pipeline, where, self.ctx.trace.layers)
+        groups = stage_groups(self.groups, where, c.pipeline.stages)
+        cost = pipeline_cost(pctx, groups, choice, batch, (), split, calibration=(comm, mem))
+        return c._replace(cost=cost)
 
     def ranked(self, candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:
         """The best candidate and the runner-ups (one per label), by :meth:`rank`."""
