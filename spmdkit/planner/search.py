@@ -675,8 +675,12 @@ def _check_mesh(mesh: object) -> MeshLike:
 #: propagation in auto (the two estimates differ by far less than that).
 _RECOST_OVER_BUDGET = 2.0
 
-#: Pipelined candidates auto calibrates by propagation (the best, analytically).
-_RECOST_PIPELINES = 2
+#: At most this many pipelined candidates are calibrated by propagation per plan.
+_RECOST_PIPELINES = 4
+
+#: Pipelined candidates are also kept at their best within this share of the
+#: budget (their analytic memory is calibrated upwards by propagation).
+_PIPE_HEADROOM = 0.7
 
 #: Micro-batch counts auto tries, smallest first (more only adds collectives).
 _MICROBATCHES = (1, 2, 4, 8, 16)
@@ -801,10 +805,14 @@ class _Planner:
         fastest of plans that cannot run is no answer)."""
         return self.rank_cost(c.cost)
 
-    def rank_cost(self, cost: Cost) -> tuple[bool, float, float]:
-        """:meth:`rank` of a cost."""
-        over = cost.peak_bytes > self.budget
-        return (over, cost.peak_bytes if over else cost.step_time_s, cost.step_time_s)
+    def rank_cost(
+        self, cost: Cost, budget: float | None = None, scale: tuple[float, float] = (1.0, 1.0)
+    ) -> tuple[bool, float, float]:
+        """:meth:`rank` of a cost (against ``budget``, default the plan's), its step
+        time and memory multiplied by ``scale``."""
+        step, peak = cost.step_time_s * scale[0], cost.peak_bytes * scale[1]
+        over = peak > (self.budget if budget is None else budget)
+        return (over, peak if over else step, step)
 
     def recipes(self, fixed: Recipe | None) -> list[list[Recipe]]:
         """The recipes auto tries, in rounds: each round's micro-batch counts are
@@ -940,15 +948,16 @@ class _Planner:
             configs = pipeline_configs(p, trace.layers, local, request)
             if not configs:
                 continue
-            choice, cost, pipe = self.pipe_search(ctx, groups, where, batch_ax, configs, inner)
-            full = [
-                _on_pipe(g, lay) if w == "layers" else lay
-                for g, lay, w in zip(self.groups, choice, where, strict=True)
-            ]
-            act = {n: () for n in BATCH_NAMES}
-            act["batch"] = batch_ax
-            name = f"searched[batch={','.join(batch_ax) or '-'}]"
-            out.append(Candidate(name, full, act, None, cost, recipe, pipe, mesh))
+            found = self.pipe_search(ctx, groups, where, batch_ax, configs, inner)
+            for choice, cost, pipe in found:
+                full = [
+                    _on_pipe(g, lay) if w == "layers" else lay
+                    for g, lay, w in zip(self.groups, choice, where, strict=True)
+                ]
+                act = {n: () for n in BATCH_NAMES}
+                act["batch"] = batch_ax
+                name = f"searched[batch={','.join(batch_ax) or '-'}]"
+                out.append(Candidate(name, full, act, None, cost, recipe, pipe, mesh))
         return out
 
     def pipe_search(
@@ -959,10 +968,12 @@ class _Planner:
         batch_ax: tuple[str, ...],
         configs: list[Pipeline],
         inner: dict[str, int],
-    ) -> tuple[list[GroupLayout], Cost, Pipeline]:
+    ) -> list[tuple[list[GroupLayout], Cost, Pipeline]]:
         """Stage layouts searched under the reference configuration
         (:func:`~spmdkit.planner.pipesearch.reference`, honouring the budget), then
-        the best configuration with them: ``(choice, cost, pipeline)``."""
+        the best configuration with them, ``(choice, cost, pipeline)``, and the best
+        within :data:`_PIPE_HEADROOM` of the budget when that is another one (the
+        analytic model's memory is calibrated upwards later, :meth:`calibrated`)."""
         layers = ctx.trace.layers
         ref = reference(configs)
         rctx = replace(ctx, recipe=replace(ctx.recipe, microbatches=ref.microbatches))
@@ -981,8 +992,11 @@ class _Planner:
             sizes=inner,
         )
         costed = [(cost_of(pipe, choice), i, pipe) for i, pipe in enumerate(configs)]
-        cost, _, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
-        return choice, cost, pipe
+        cost, i, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
+        tight = self.budget * _PIPE_HEADROOM
+        cost2, i2, pipe2 = min(costed, key=lambda x: (*self.rank_cost(x[0], tight), x[1]))
+        out = [(choice, cost, pipe)]
+        return out if i2 == i else [*out, (choice, cost2, pipe2)]
 
     def pipe_memo(self, mesh: MeshLike) -> dict:
         """The group-cost memo of one pipe mesh (shared by its recipes)."""
@@ -999,8 +1013,7 @@ class _Planner:
         pipelined candidates, a :class:`~spmdkit.pipeline.Pipeline` costs only
         candidates with it."""
         if isinstance(pipeline, Pipeline):
-            candidates = self.pipelined(pipeline, fixed)
-            return self.ranked(candidates)
+            return self.ranked(self.recosted_pipelines(self.pipelined(pipeline, fixed)))
         candidates = self.analytic_candidates(extra, fixed)
         if self.estimator == "propagate":
             # The three best candidates and the presets (plain recipe, or the fixed
@@ -1022,14 +1035,34 @@ class _Planner:
         return self.ranked(candidates)
 
     def recosted_pipelines(self, candidates: list[Candidate]) -> list[Candidate]:
-        """With the propagate estimator, the best pipelined candidates calibrated by
-        propagation (:meth:`calibrated`), so they compete with propagated ones on
-        the same footing; the rest as they are."""
+        """With the propagate estimator, pipelined candidates calibrated by
+        propagation (:meth:`calibrated`), best first, until the best of them is a
+        calibrated one (at most :data:`_RECOST_PIPELINES`); only the calibrated ones
+        are kept, so they compete with propagated candidates on the same footing."""
         if self.estimator != "propagate" or not candidates:
             return candidates
-        ranked = sorted(range(len(candidates)), key=lambda i: (*self.rank(candidates[i]), i))
-        keep = set(ranked[:_RECOST_PIPELINES])
-        return [self.calibrated(c) if i in keep else c for i, c in enumerate(candidates)]
+        pool = list(candidates)
+        done: dict[int, Candidate] = {}
+        # Candidates not calibrated yet are ranked as if the largest factors seen
+        # so far applied to them.
+        scale = (1.0, 1.0)
+
+        def key(i: int) -> tuple:
+            if i in done:
+                return (*self.rank(done[i]), i)
+            return (*self.rank_cost(pool[i].cost, scale=scale), i)
+
+        for _ in range(_RECOST_PIPELINES):
+            top = min(range(len(pool)), key=key)
+            if top in done:
+                break
+            done[top] = self.calibrated(pool[top])
+            before, after = pool[top].cost, done[top].cost
+            scale = (
+                max(scale[0], after.step_time_s / before.step_time_s),
+                max(scale[1], after.peak_bytes / max(before.peak_bytes, 1)),
+            )
+        return [done[i] for i in sorted(done)]
 
     def calibrated(self, c: Candidate) -> Candidate:
         """A pipelined candidate whose analytic communication and memory are scaled by

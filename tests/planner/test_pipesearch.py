@@ -104,3 +104,18 @@ def test_bad_pipeline_requests(tiny) -> None:
     with pytest.raises(PipelineError, match="stacked in one scan"):
         _plan(looped, pipeline=Pipeline(2, 2, "1f1b"))
     assert _plan(looped, pipeline="auto").pipeline is None  # nothing to pipeline
+
+
+@pytest.mark.slow
+def test_propagate_calibrates_the_pipelined_candidates(tiny) -> None:
+    """Slow: the whole auto with propagation (about 5 s of CPU)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(tiny, sk.abstract_mesh(data=8), "auto", memory_budget=0.6e6, pipeline="auto")
+    costs = [c for n, c in p.alternatives if "+pp" in n]
+    if p.pipeline is not None:
+        costs.append(p.cost)
+    assert costs
+    # costed analytically, then scaled by propagating the same layouts without the pipe
+    assert {c.estimator for c in costs} == {"analytic+propagate"}
+    assert all(c.stage_memory for c in costs)
