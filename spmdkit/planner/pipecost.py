@@ -6,19 +6,23 @@ A pipelined candidate splits the model's stacked (scanned) layers over a
 layers inside a stage as the usual per-group layouts do. This module prices
 such a candidate with the per-group model of :mod:`spmdkit.planner.analytic`:
 
-- **Where parameters live** (:func:`param_stages`): the forward pass is split at
-  its layer scan. Parameters the scan slices (its stacked operands) are split
-  over the stages along their layer dim; parameters used before it (the
-  embedding) live on the first stage, those used after it (final norm, head,
+- **Where parameters work** (:func:`param_stages`): the forward pass is split
+  at its layer scan. Parameters the scan slices (its stacked operands) are
+  split over the stages along their layer dim; parameters used before it (the
+  embedding) compute on the first stage, those used after it (final norm, head,
   loss) on the last, a parameter used on both sides (tied embeddings) on both.
+  The plan's specs leave the pipe axis off the parameters outside the stack, so
+  every device *holds* them, and their gradients (non-zero only where they were
+  used) are all-reduced over the pipe axis (overlappable, like other gradient
+  reductions).
 - **Per stage** (:func:`stage_groups`): each device's layer groups hold
   ``L / p`` layers; a stage is costed as a model of ``L / p`` layers that sees
   every token of the step (all micro-batches pass through it): params, grads,
   optimizer state and the collectives of the other axes are
   :func:`~spmdkit.planner.analytic.total_cost`'s for that stage's groups, with
   ``m`` micro-batches (FSDP gathers once per micro-batch).
-- **Stage imbalance**: the first stage adds the embedding, the last the head
-  and the loss (for Llama-3 70B the head's matmul is ~1.2 layers); the step runs
+- **Stage imbalance**: the first stage adds the embedding's work, the last the
+  head's and the loss's (for Llama-3 70B the head's matmul is ~1.2 layers); the step runs
   at the pace of the slowest stage.
 - **Bubble**: the slowest stage's compute is stretched by the schedule's idle
   share, ``compute / (1 − bubble)``, the bubble being the tick table's
@@ -419,26 +423,38 @@ def pipeline_cost(
         d: total_cost(sctx, [groups[i] for i in ix], [choice[i] for i in ix], batch_axes, seq_axes)
         for d, ix in views.items()
     }
+    # Parameters outside the stack are replicated over the pipe axis (the plan's
+    # specs leave it off them): every device holds them, and their gradients
+    # (non-zero only on the stage that used them) are all-reduced over it.
+    held = total_cost(sctx, groups, choice, batch_axes, seq_axes)
+    ends = [i for i, w in enumerate(split.where) if w != "layers"]
+    ends_cost = total_cost(sctx, [groups[i] for i in ends], [choice[i] for i in ends], (), ())
+    wire = sctx.cast_ratio(groups[ends[0]].dtype) if ends else 1.0
+    sync_bytes = ends_cost.memory["grads"] * wire
     act_scale, carry_scale = _per_microbatch(sctx, groups, choice, batch_axes, seq_axes)
     acts = activation_bytes(
         ctx.trace, pipe, recipe.remat, recipe.save_names, act_scale, carry_scale
     )
-    static = [_static(costs[view(d)]) for d in range(p)]
-    stage_memory = tuple(int(s + a) for s, a in zip(static, acts, strict=True))
+    stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))
     slow = max(costs.values(), key=lambda c: c.compute_time_s)
     ticks = pipe.virtual * pipe.microbatches
     bubble_s = slow.compute_time_s * (p - 1) / ticks
     compute = slow.compute_time_s + bubble_s
     p2p_s, p2p_bytes = _p2p(ctx, pipe, ctx.trace.layer_carry * carry_scale)
+    sync_s = ctx.topology.collective_time(
+        "all_reduce", int(2 * sync_bytes * (p - 1) / p), p, (pipe.axis,), ctx.mesh
+    )
     comm_k, mem_k = calibration or (1.0, 1.0)
-    hidden = slow.hidden_comm_s * comm_k
-    colls = slow.comm_time_s * comm_k
+    hidden = slow.hidden_comm_s * comm_k + sync_s
+    colls = slow.comm_time_s * comm_k + sync_s
     step = compute + ctx.topology.exposed_comm(hidden, colls - hidden, slow.compute_time_s) + p2p_s
     comm_bytes = dict(slow.comm_bytes)
+    if sync_bytes:
+        comm_bytes["all_reduce"] = comm_bytes.get("all_reduce", 0) + int(sync_bytes)
     if p2p_bytes:
         comm_bytes["collective_permute"] = int(p2p_bytes)
-    memory = dict(costs[view(peak_dev)].memory)
+    memory = dict(held.memory)
     memory["activations"] = int(acts[peak_dev])
     return Cost(
         step_time_s=step,

@@ -128,23 +128,28 @@ def _cost(tiny: tuple, config: Pipeline, topology: Topology, **axes: int) -> sk.
     return pipeline_cost(ctx, sg, choice, ("data",), (), StageSplit(config, where, trace.layers))
 
 
-def test_stage_memory_has_the_embedding_first_and_the_head_last(tiny: tuple) -> None:
+def test_every_stage_holds_its_layers_and_the_ends(tiny: tuple) -> None:
     _, trace, groups, where = tiny
-    assert dict(zip((g.key for g in groups), where, strict=True))["embed"] == "first"
+    kinds = dict(zip((g.key for g in groups), where, strict=True))
+    assert kinds["embed"] == "first" and kinds["lm_head"] == "last"
     c = _cost(tiny, Pipeline(2, 4, "1f1b"), Topology.h100(), pipe=2, data=4)
-    first, last = c.stage_memory
-    nbytes = {g.key: g.nbytes for g in groups}
-    # params + grads + Adam's two moments: 4× the bytes, each on its own stage
     acts = activation_bytes(trace, Pipeline(2, 4, "1f1b"), "none", (), 1 / 16, 1 / 16)
-    static_first = first - acts[0]
-    static_last = last - acts[1]
-    head = nbytes["lm_head"] + nbytes["norm/scale"]
-    assert static_last - static_first == pytest.approx(4 * (head - nbytes["embed"]), abs=8)
+    # params + grads + Adam's two moments (4x the bytes) of half the layers and of
+    # the embedding, norm and head, which the plan replicates over the pipe axis
+    held = sum(
+        g.nbytes * g.count / (2 if w == "layers" else 1) for g, w in zip(groups, where, strict=True)
+    )
+    for d in range(2):
+        assert c.stage_memory[d] - acts[d] == pytest.approx(4 * held + 8, abs=16)
     assert c.peak_bytes == max(c.stage_memory)
+    # the ends' gradients are all-reduced over the pipe axis
+    ends = sum(g.nbytes for g, w in zip(groups, where, strict=True) if w != "layers")
+    plain = _cost(tiny, Pipeline(2, 4, "1f1b"), Topology.h100(), pipe=2, data=4)
+    assert plain.comm_bytes["all_reduce"] >= ends
 
 
 def test_bubble_and_sends_over_the_pipe_link(tiny: tuple) -> None:
-    _, trace, _, _ = tiny
+    _, trace, groups, where = tiny
     pipe = Pipeline(4, 8, "1f1b")
     inside = _cost(tiny, pipe, Topology.h100(gpus_per_node=8), pipe=4, data=2)
     across = _cost(tiny, pipe, Topology.h100(gpus_per_node=2), pipe=4, data=2)
@@ -156,11 +161,18 @@ def test_bubble_and_sends_over_the_pipe_link(tiny: tuple) -> None:
     sends = 2 * 8
     carry = trace.layer_carry / 2 / 8
     assert inside.comm_bytes["collective_permute"] == int(sends * carry)
-    # the same bytes, over NVLink (inside a node) vs InfiniBand (across nodes)
+    # the same bytes, over NVLink (inside a node) vs InfiniBand (across nodes): the
+    # sends and the all-reduce of the embedding's and head's gradients over the pipe
     t = Topology.h100()
     p2p_in = sends * (t.node_latency + carry / t.node_bandwidth)
     p2p_ib = sends * (t.default_latency + carry / t.default_bandwidth)
-    assert across.step_time_s - inside.step_time_s == pytest.approx(p2p_ib - p2p_in, rel=1e-6)
+    ends = sum(g.nbytes for g, w in zip(groups, where, strict=True) if w != "layers")
+    wire = int(2 * ends * 3 / 4)
+    mesh = sk.abstract_mesh(pipe=4, data=2)
+    sync_in = Topology.h100(gpus_per_node=8).collective_time("all_reduce", wire, 4, ("pipe",), mesh)
+    sync_ib = Topology.h100(gpus_per_node=2).collective_time("all_reduce", wire, 4, ("pipe",), mesh)
+    expected = p2p_ib - p2p_in + sync_ib - sync_in
+    assert across.step_time_s - inside.step_time_s == pytest.approx(expected, rel=1e-6)
 
 
 def test_more_microbatches_shrink_bubble_and_activations(tiny: tuple) -> None:
