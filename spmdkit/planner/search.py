@@ -55,6 +55,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, describe, unbound_axis_error
+from spmdkit.pipeline import Pipeline
 from spmdkit.planner.analytic import (
     CostContext,
     GroupCost,
@@ -76,6 +77,7 @@ from spmdkit.planner.logical import (
     preset_rules,
 )
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
+from spmdkit.planner.pipelined import layer_rules, pipeline_submesh, pipelined_plan
 from spmdkit.planner.plans import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
 from spmdkit.propagation import propagate
 from spmdkit.recipe import PLAIN, Recipe
@@ -887,6 +889,7 @@ def plan(
     names: Mapping[str, tuple | None] | None = None,
     strict: bool = False,
     axis_names: tuple[str, ...] = (),
+    pipeline: Pipeline | None = None,
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -933,6 +936,10 @@ def plan(
       axis_names: collective axis names the model uses as if under ``pmap``
         (``nn.BatchNorm(axis_name="batch")``), bound around the loss
         (:func:`spmdkit.flax.model.bind_axis_names`).
+      pipeline: pipeline the stacked layers over ``pipeline.axis``
+        (:class:`~spmdkit.pipeline.Pipeline`): the strategy is planned on the other
+        axes and the ``layers`` dim goes on the pipe axis
+        (:mod:`spmdkit.planner.pipelined`).
 
     Returns:
       The :class:`Plan`.
@@ -940,7 +947,8 @@ def plan(
     Raises:
       PlanError: unknown strategy, a ``names`` glob matching nothing, or (``strict``)
         a weight a tensor-parallel preset replicates; UnknownLogicalAxisError: a
-        logical name has no rule.
+        logical name has no rule; PipelineError: a pipeline the mesh or model
+        cannot run.
 
     Example::
 
@@ -959,6 +967,12 @@ def plan(
         init_args=init_args,
         axis_names=axis_names,
     )
+    if pipeline is not None:
+        sub = pipeline_submesh(mesh, pipeline, info, recipe)
+        kw = {"optimizer": optimizer, "rules": layer_rules(rules), "memory_budget": memory_budget}
+        kw |= {"topology": topology, "peak_flops": peak_flops, "estimator": estimator}
+        base = plan(info, sub, strategy, recipe=recipe, names=names, strict=strict, **kw)
+        return pipelined_plan(info, mesh, pipeline, base)
     if recipe is not None and not isinstance(recipe, Recipe):
         raise PlanError(
             op="plan",
