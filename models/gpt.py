@@ -182,6 +182,7 @@ class GPT(nnx.Module):
 
 CONFIGS: dict[str, Any] = {
     "tiny": GPTConfig,
+    "tiny_pipe": lambda: GPTConfig(n_layers=4, scan_layers=True),
     "small": lambda: GPTConfig(
         vocab=1024, d_model=256, n_layers=4, n_heads=8, d_mlp=1024, max_seq=128, seq_len=128
     ),
@@ -198,7 +199,9 @@ CONFIGS: dict[str, Any] = {
         vocab=50257, d_model=1600, n_layers=48, n_heads=25, d_mlp=6400, max_seq=1024, seq_len=1024
     ),
 }
-"""GPT-2 sizes: ``tiny`` compiles in seconds on CPU; ``124m`` … ``1.5b`` are the published ones."""
+"""GPT-2 sizes: ``tiny`` compiles in seconds on CPU (``tiny_pipe``: 4 stacked, scanned
+layers, what pipelined tests split into 2 or 4 stages); ``124m`` … ``1.5b`` are the
+published ones."""
 
 
 LM_BATCH_AXES: dict[str, tuple[str | None, ...]] = {

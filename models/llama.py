@@ -216,6 +216,7 @@ def stack_layers(looped: nnx.State) -> nnx.State:
 CONFIGS: dict[str, Any] = {
     "tiny": LlamaConfig,
     "tiny_scan": lambda: LlamaConfig(scan_layers=True),
+    "tiny_pipe": lambda: LlamaConfig(n_layers=4, scan_layers=True),
     "small": lambda: LlamaConfig(
         vocab=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, d_mlp=768,
         seq_len=128, scan_layers=True,
@@ -229,5 +230,6 @@ CONFIGS: dict[str, Any] = {
         d_mlp=28672, seq_len=8192, scan_layers=True,
     ),
 }  # fmt: skip
-"""Llama sizes: ``tiny`` (looped) and ``tiny_scan`` compile in seconds on CPU; ``8b``
+"""Llama sizes: ``tiny`` (looped), ``tiny_scan`` and ``tiny_pipe`` (4 stacked layers, for
+pipelined tests) compile in seconds on CPU; ``8b``
 and ``70b`` are Llama-3's published dims (stacked layers)."""

@@ -62,6 +62,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
+from spmdkit.pipeline.execute import pipelined_value_and_grad
 
 __all__ = [
     "PLAIN",
@@ -460,6 +461,10 @@ def value_and_grad(
       has_aux: as for ``jax.value_and_grad``; with micro-batches ``aux`` is the
         mean over them.
 
+    A plan with a ``pipeline`` runs its layer stack pipelined over the pipe axis
+    (:func:`spmdkit.pipeline.execute.pipelined_value_and_grad`; the pipeline's
+    micro-batches, not the recipe's).
+
     Returns:
       ``f(params, batch, *rest) -> (loss, grads)`` (``((loss, aux), grads)``).
       Gradients have the params' dtypes whatever the compute dtype. With
@@ -485,6 +490,17 @@ def value_and_grad(
         return inner(_cast(params, rcp.compute_dtype), batch, *rest)
 
     vg = jax.value_and_grad(cast_loss, has_aux=has_aux)
+    pipe = getattr(recipe, "pipeline", None)
+    if pipe is not None:
+        if has_aux:
+            raise RecipeError(
+                op="sk.value_and_grad",
+                must="a pipelined plan's loss returns the loss alone",
+                given="has_aux=True",
+                fix="return aux values from a separate evaluation step",
+            )
+        # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
+        vg = pipelined_value_and_grad(cast_loss, pipe, recipe.sharding_mesh)
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
         seen = _SEEN.get()

@@ -79,6 +79,7 @@ from spmdkit.planner.logical import (
 )
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
 from spmdkit.planner.pipecost import StageSplit, param_stages, pipeline_cost, stage_groups
+from spmdkit.planner.pipelined import layer_rules, pipeline_submesh, pipelined_plan
 from spmdkit.planner.pipesearch import PIPE_AXIS, pipe_meshes, pipeline_configs, reference
 from spmdkit.planner.plans import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
 from spmdkit.propagation import propagate
@@ -906,8 +907,15 @@ class _Planner:
                 fix="scan the layers (e.g. scan_layers=True in the reference models), or "
                 "plan without pipeline=",
             )
+        if fixed_pipe is not None and fixed_pipe.axis != PIPE_AXIS:
+            raise PipelineError(
+                op="plan",
+                must=f"auto pipelines over the '{PIPE_AXIS}' axis",
+                given=f"Pipeline(axis={fixed_pipe.axis!r})",
+                fix=f"pass Pipeline(axis='{PIPE_AXIS}', ...) and name the mesh axis so",
+            )
         if fixed is not None and fixed.microbatches != 1:
-            raise PlanError(
+            raise PipelineError(
                 op="plan",
                 must="a pipelined plan takes its micro-batches from the pipeline",
                 given=f"recipe microbatches={fixed.microbatches}",
@@ -1195,12 +1203,15 @@ def plan(
       axis_names: collective axis names the model uses as if under ``pmap``
         (``nn.BatchNorm(axis_name="batch")``), bound around the loss
         (:func:`spmdkit.flax.model.bind_axis_names`).
-      pipeline: with ``"auto"``: ``"auto"`` also costs pipelined plans (pipe
-        degree, virtual stages, micro-batches and schedule searched with the
-        layouts and recipes; a mesh without a ``pipe`` axis has its data axis
-        split into ``pipe × data``, :mod:`spmdkit.planner.pipesearch`), a
-        :class:`~spmdkit.pipeline.Pipeline` searches layouts and recipes for
-        that pipeline. ``None`` (default): no pipelines.
+      pipeline: with a preset or rule table, a :class:`~spmdkit.pipeline.Pipeline`
+        pipelines the stacked layers over ``pipeline.axis``: the strategy is
+        planned on the other axes and the ``layers`` dim goes on the pipe axis
+        (:mod:`spmdkit.planner.pipelined`). With ``"auto"``: ``"auto"`` also
+        costs pipelined plans (pipe degree, virtual stages, micro-batches and
+        schedule searched with the layouts and recipes; a mesh without a ``pipe``
+        axis has its data axis split into ``pipe × data``,
+        :mod:`spmdkit.planner.pipesearch`), a ``Pipeline`` searches layouts and
+        recipes for that pipeline. ``None`` (default): no pipelines.
 
     Returns:
       The :class:`Plan`.
@@ -1208,7 +1219,8 @@ def plan(
     Raises:
       PlanError: unknown strategy, a ``names`` glob matching nothing, or (``strict``)
         a weight a tensor-parallel preset replicates; UnknownLogicalAxisError: a
-        logical name has no rule.
+        logical name has no rule; PipelineError: a pipeline the mesh or model
+        cannot run.
 
     Example::
 
@@ -1227,6 +1239,12 @@ def plan(
         init_args=init_args,
         axis_names=axis_names,
     )
+    if pipeline is not None and strategy != "auto":
+        sub = pipeline_submesh(mesh, pipeline, info, recipe)
+        kw = {"optimizer": optimizer, "rules": layer_rules(rules), "memory_budget": memory_budget}
+        kw |= {"topology": topology, "peak_flops": peak_flops, "estimator": estimator}
+        base = plan(info, sub, strategy, recipe=recipe, names=names, strict=strict, **kw)
+        return pipelined_plan(info, mesh, pipeline, base)
     if recipe is not None and not isinstance(recipe, Recipe):
         raise PlanError(
             op="plan",

@@ -96,7 +96,7 @@ def test_bad_pipeline_requests(tiny) -> None:
         _plan(tiny, pipeline=Pipeline(4, 4, "1f1b"))  # 2 layers
     with pytest.raises(PlanError, match="pipeline is None"):
         _plan(tiny, pipeline="yes")
-    with pytest.raises(PlanError, match="micro-batches from the pipeline"):
+    with pytest.raises(PipelineError, match="micro-batches from the pipeline"):
         _plan(tiny, pipeline="auto", recipe=sk.Recipe(microbatches=2))
     with pytest.raises(PipelineError, match="equal the mesh"):
         plan(tiny, sk.abstract_mesh(pipe=2, data=4), "auto", pipeline=Pipeline(1, 2, "fthenb"))

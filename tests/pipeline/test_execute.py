@@ -1,0 +1,97 @@
+"""The pipelined executor: loss and grads equal the single-device run, for every schedule."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmdkit as sk
+from spmdkit.flax.model import describe
+from spmdkit.models import get_model
+from spmdkit.pipeline import Pipeline, PipelineError, build_schedule
+from spmdkit.pipeline.execute import permute_count, pipelined_value_and_grad
+from spmdkit.pipeline.tables import build_tables, forward_ticks
+from spmdkit.recipe import RecipeError
+
+
+def _model(name: str):
+    info = describe(get_model(name), config="tiny_pipe", batch_size=8)
+    rng = np.random.default_rng(0)
+    batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, 200, s.shape), s.dtype), info.batch)
+    return info, info.init_fn(), batch
+
+
+def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp") -> None:
+    info, params, batch = _model(name)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+    plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    loss, grads = step(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7 * float(jnp.max(jnp.abs(r))))
+
+
+def test_1f1b_on_two_stages_equals_one_device():
+    _check("llama", {"pipe": 2}, Pipeline(stages=2, microbatches=2, schedule="1f1b"))
+
+
+_MESHES = [
+    ({"pipe": 2, "data": 2, "model": 2}, 1),
+    ({"pipe": 4, "data": 2}, 1),
+    ({"pipe": 2}, 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize(("axes", "virtual"), _MESHES)
+@pytest.mark.parametrize("schedule", ["gpipe", "fthenb", "1f1b", "interleaved"])
+def test_every_schedule_equals_one_device(name, axes, virtual, schedule):
+    p = axes["pipe"]
+    v = max(virtual, 2) if schedule == "interleaved" else virtual
+    if schedule == "1f1b":
+        v = 1
+    if 4 % (p * v):
+        pytest.skip(f"{p} stages x {v} chunks do not divide 4 layers")
+    _check(name, axes, Pipeline(stages=p, microbatches=4, schedule=schedule, virtual=v))
+
+
+def test_tables_hold_what_the_schedule_holds():
+    pipe = Pipeline(stages=4, microbatches=8, schedule="1f1b")
+    sched = build_schedule(pipe)
+    t = build_tables(sched)
+    assert t.n_stash == max(sched.peak_in_flight)
+    kinds = t.fields["kind"]
+    assert (kinds == 1).sum() == (kinds == 2).sum() == pipe.microbatches * pipe.chunks
+    gp = build_schedule(Pipeline(stages=4, microbatches=8, schedule="gpipe"))
+    assert build_tables(gp).n_stash == 8  # every micro-batch held at the end of the forwards
+    assert forward_ticks(gp) == 8 + 4 - 1
+
+
+def test_permute_count_follows_the_sends():
+    pipe = Pipeline(stages=2, microbatches=4, schedule="fthenb")
+    t = build_tables(build_schedule(pipe))
+    assert permute_count(pipe) == sum(t.send_f) + sum(t.send_b)
+    flags = [s[2:] for s in t.segments()]
+    assert flags[0] == (True, False) and (True, True) not in flags  # no tick sends both ways
+    assert (False, True) in flags
+
+
+def test_a_loss_without_a_layer_scan_is_typed():
+    info = describe(get_model("llama"), config="tiny", batch_size=4)
+    mesh = sk.make_mesh(pipe=2)
+    f = pipelined_value_and_grad(info.loss_fn, Pipeline(stages=2, microbatches=2), mesh)
+    with pytest.raises(PipelineError, match="scan"):
+        jax.eval_shape(f, info.abstract_params, info.batch)
+
+
+def test_has_aux_is_typed():
+    info = describe(get_model("llama"), config="tiny_pipe", batch_size=4)
+    plan = sk.plan(
+        info, sk.abstract_mesh(pipe=2), "dp", pipeline=Pipeline(stages=2, microbatches=2)
+    )
+    with pytest.raises(RecipeError, match="loss alone"):
+        sk.value_and_grad(info.loss_fn, plan, has_aux=True)

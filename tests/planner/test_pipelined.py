@@ -1,0 +1,86 @@
+"""Pipelined plans: the strategy on the other axes, the stacked layers over the pipe axis."""
+
+from __future__ import annotations
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.models import get_model
+from spmdkit.pipeline import Pipeline, PipelineError
+from spmdkit.planner.pipelined import layer_rules
+from spmdkit.planner.plans import Plan
+
+
+def _plan(name: str, strategy: str, pipeline: Pipeline, config: str = "tiny_pipe", **axes: int):
+    mesh = sk.abstract_mesh(**axes)
+    return sk.plan(get_model(name), mesh, strategy, config=config, pipeline=pipeline)
+
+
+def test_megatron_on_the_other_axes_and_layers_over_pipe():
+    pipe = Pipeline(stages=2, microbatches=4)
+    p = _plan("llama", "megatron", pipe, pipe=2, data=2, model=2)
+    assert p.pipeline == pipe
+    assert p.params["layers/attn/wq"] == P("pipe", None, "model")
+    assert p.opt["layers/attn/wq"] == P("pipe", None, "model")
+    assert p.params["embed"] == P("model")  # not stacked: replicated over pipe
+    assert p.activation["batch"] == ("data",)
+    assert "pipeline: pp2 1f1b m4" in p.table()
+    assert Plan.from_json(p.to_json(), mesh=p.mesh) == p
+
+
+def test_fsdp_keeps_the_layer_dim_for_the_pipe_axis():
+    p = _plan("llama", "fsdp", Pipeline(stages=2, microbatches=4), pipe=2, data=2, model=2)
+    spec = p.params["layers/attn/wq"]
+    assert spec[0] == "pipe" and "pipe" not in str(spec[1:])
+    assert "pipe" not in str(p.params["embed"])
+
+
+def test_pipe_axis_alone():
+    pipe = Pipeline(stages=2, microbatches=4, virtual=2, schedule="interleaved")
+    p = _plan("gpt", "dp", pipe, pipe=2)
+    assert p.params["blocks/fc/kernel"] == P("pipe")
+    assert p.params["embed"] == P()
+    assert p.activation["batch"] == ()
+
+
+def test_layer_rules_put_layers_first():
+    assert layer_rules(None).entries[0] == ("layers", None)
+    assert layer_rules([("embed", ("data",))]).entries[0][0] == "layers"
+
+
+@pytest.mark.parametrize(
+    ("pipe", "axes", "config", "match"),
+    [
+        (Pipeline(stages=4, microbatches=8, virtual=2, schedule="interleaved"),
+         {"pipe": 4, "data": 2}, "tiny_pipe", "split evenly"),
+        (Pipeline(stages=2, microbatches=4), {"pipe": 2}, "tiny", "stacked"),
+        (Pipeline(stages=2, microbatches=4), {"data": 2}, "tiny_pipe", "has the pipeline's axis"),
+        (Pipeline(stages=2, microbatches=4), {"pipe": 4}, "tiny_pipe", "one device per stage"),
+        (Pipeline(stages=2, microbatches=3, schedule="fthenb"), {"pipe": 2}, "tiny_pipe",
+         "divides into the pipeline's micro-batches"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_typed(pipe, axes, config, match):
+    with pytest.raises(PipelineError, match=match) as e:
+        _plan("llama", "dp", pipe, config=config, **axes)
+    assert e.value.fix
+
+
+def test_recipe_microbatches_are_the_pipelines():
+    mesh = sk.abstract_mesh(pipe=2)
+    with pytest.raises(PipelineError, match="not the recipe's"):
+        sk.plan(
+            get_model("llama"),
+            mesh,
+            "dp",
+            config="tiny_pipe",
+            pipeline=Pipeline(stages=2, microbatches=2),
+            recipe=sk.Recipe(microbatches=2),
+        )
+
+
+def test_not_a_pipeline_is_typed():
+    with pytest.raises(PipelineError, match=r"spmdkit\.Pipeline"):
+        sk.plan(get_model("llama"), sk.abstract_mesh(pipe=2), "dp", config="tiny_pipe",
+                pipeline={"stages": 2})  # fmt: skip
