@@ -589,14 +589,11 @@ def _search(
     *,
     total: Callable[..., Cost] = total_cost,
     sizes: dict[str, int] | None = None,
-    all_comm: bool = False,
 ) -> tuple[list[GroupLayout], Cost]:
     """The fastest layout per group, then, while over ``budget``, the move that
     saves memory at the least time per byte. ``total``: the cost of a whole
     choice (a pipelined one's for pipelines); ``sizes``: the mesh axes layouts
-    may use (default: all); ``all_comm``: groups are ranked by all their
-    communication, overlappable or not (pipelines: with many micro-batches,
-    FSDP's per-micro-batch gathers outgrow the compute they could hide under)."""
+    may use (default: all)."""
     sizes = ctx.sizes if sizes is None else sizes
     options: list[list[GroupLayout]] = []
     for g in groups:
@@ -612,13 +609,10 @@ def _search(
     def gcost(i: int, o: GroupLayout) -> GroupCost:
         return group_cost(ctx, groups[i], o, batch_axes, seq_axes)
 
-    def speed(c: GroupCost) -> float:
-        return c.comm_s + c.compute_s if all_comm else c.time
-
     pick = []
     for i, opts in enumerate(options):
         best = min(
-            range(len(opts)), key=lambda j: (speed(gcost(i, opts[j])), gcost(i, opts[j]).memory, j)
+            range(len(opts)), key=lambda j: (gcost(i, opts[j]).time, gcost(i, opts[j]).memory, j)
         )
         pick.append(best)
     choice = [options[i][j] for i, j in enumerate(pick)]
@@ -635,7 +629,7 @@ def _search(
                 saved = cur.memory - c.memory
                 if saved <= 0:
                     continue
-                ratio = (speed(c) - speed(cur)) / saved
+                ratio = (c.time - cur.time) / saved
                 if best_move is None or ratio < best_move[0]:
                     best_move = (ratio, i, j)
         if best_move is None:
@@ -1004,7 +998,6 @@ class _Planner:
             self.budget,
             total=lambda _c, _g, ch, _b, _s: cost_of(ref, ch),
             sizes=inner,
-            all_comm=True,
         )
         costed = [(cost_of(pipe, choice), i, pipe) for i, pipe in enumerate(configs)]
         cost, i, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
