@@ -126,7 +126,7 @@ def propagate(
     peak = topology.peak("bfloat16") if hasattr(topology, "peak") else H100_BF16_PEAK_FLOPS
     spec, collect = _sweeps(engine, graph, flat_in, out_req, peak)
 
-    recorder = Recorder(engine.pricer, engine.ops)
+    recorder = Recorder(engine.pricer, engine.ops, prog.values)
     records, final_out = _records(recorder, engine, graph, spec, collect, out_req)
     program = Program(
         graph, prog.values, pins(collect, engine.pricer, graph, final_out), out_treedef

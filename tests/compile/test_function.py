@@ -243,23 +243,6 @@ STRATEGIES = ("dp", "fsdp", "megatron", "megatron_sp", "tp_fsdp", "auto", "ep")
 MESHES = ((8,), (2, 4), (4, 2))
 
 
-#: Cases whose compiled program moves less than the plan predicts (the loss and
-#: grads still match): sequence-parallel attention through the blockwise kernel,
-#: where the replay moves an operand from a copy it already has and reuses moved
-#: copies (compiled all-to-all 48 KiB vs 56 KiB predicted on GPT, all-gather 777 vs
-#: 825 KiB): the prediction does not yet count the reuse. Asserted to still miss, so
-#: a fix shows up here.
-KNOWN_VERIFY_MISSES = frozenset(
-    {
-        ("gpt", "megatron_sp", (2, 4)),
-        ("gpt", "megatron_sp", (4, 2)),
-        ("gpt_linen", "megatron_sp", (2, 4)),
-        ("gpt_linen", "megatron_sp", (4, 2)),
-        ("moe", "megatron_sp", (2, 4)),
-    }
-)
-
-
 def _cases():
     return [
         (model, strategy, shape)
@@ -305,10 +288,7 @@ def test_reference_models_match_single_device_and_verify(model, strategy, shape)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
     report = p.verify(step, params, batch)  # the executable that just ran
-    if (model, strategy, shape) in KNOWN_VERIFY_MISSES:
-        assert not report.ok, f"fixed: remove {(model, strategy, shape)} from KNOWN_VERIFY_MISSES"
-    else:
-        assert report.ok, str(report)
+    assert report.ok, str(report)
 
 
 def test_auto_compiled_collectives_at_most_best_preset(info):
