@@ -88,7 +88,7 @@ class ValueNumbers:
     def _const_key(self, vid: int) -> Hashable | None:
         try:
             a = np.asarray(self.values[vid])
-        except Exception:  # noqa: BLE001 - extended dtypes (PRNG keys) and the like
+        except Exception:  # extended dtypes (PRNG keys) and the like
             return None
         if a.dtype == object or a.size > _CONST_ELEMENTS:
             return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +110,11 @@ class Propagation:
         Which of the two XLA does for a given value is its fusion heuristic's
         choice, so ``plan.verify`` accepts a compiled peak anywhere in the range
         (widened by its tolerance).
+      memory_as: ``widen`` (dtype → a wider dtype) → ``(memory,
+        memory_materialized)`` with temporaries and resharded copies of those
+        dtypes held in the wider one: how a backend without native 16-bit
+        floats stores them (see ``spmdkit.verification.planned.held_on_cpu``);
+        None when not propagated.
       var_specs: top-level jaxpr variable → spec.
       program: what :func:`spmdkit.compile.enforce.replay` needs to run the traced
         program with every equation pinned to its propagated layouts.
@@ -131,6 +136,9 @@ class Propagation:
     var_specs: dict = field(default_factory=dict, repr=False)
     program: Program | None = field(default=None, repr=False, compare=False)
     memory_materialized: MemoryEstimate | None = field(default=None, repr=False)
+    memory_as: Callable[[Mapping[Any, Any]], tuple[MemoryEstimate, MemoryEstimate]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def collectives(self) -> list[Collective]:
         """Every predicted collective, in program order (loop bodies repeated)."""
@@ -249,9 +257,7 @@ class Recorder:
         self.held: dict = {}
         self.numbers = ValueNumbers(values)
 
-    def record(
-        self, step: Step, index: int, at: int | None = None, scope: Any = None
-    ) -> EqnRecord:
+    def record(self, step: Step, index: int, at: int | None = None, scope: Any = None) -> EqnRecord:
         """The record of one step (``at``: the top-level index it runs at;
         ``scope``: where XLA may merge it with an identical equation, see
         :mod:`spmdkit.propagation.cse`)."""
