@@ -12,7 +12,8 @@ per-equation hand-off), ``primitives`` (primitive → rule, built-in fallbacks),
 ``pricing`` (reshard and FLOP costs), ``control`` (scan / while / cond),
 ``choose`` (alternatives and hints), ``engine`` (the forward sweep),
 ``pinning`` (what the enforced replay pins), ``memory`` (liveness),
-``records`` (EqnRecord, Propagation), ``driver`` (:func:`propagate`).
+``cse`` (which values XLA computes once), ``records`` (EqnRecord, Propagation),
+``driver`` (:func:`propagate`).
 """
 
 from spmdkit.propagation.driver import propagate

@@ -126,16 +126,15 @@ def propagate(
     peak = topology.peak("bfloat16") if hasattr(topology, "peak") else H100_BF16_PEAK_FLOPS
     spec, collect = _sweeps(engine, graph, flat_in, out_req, peak)
 
-    recorder = Recorder(engine.pricer, engine.ops)
+    recorder = Recorder(engine.pricer, engine.ops, prog.values)
     records, final_out = _records(recorder, engine, graph, spec, collect, out_req)
     program = Program(
         graph, prog.values, pins(collect, engine.pricer, graph, final_out), out_treedef
     )
     totals = _totals(records, peak)
     donated = _donated_ids(donate_argnums, args, graph.invars)
-    transient = _transient(recorder.held, len(graph.nodes))
 
-    def memory(duplicate: bool) -> Any:
+    def memory(duplicate: bool, widen: Mapping | None = None) -> Any:
         return liveness(
             graph,
             spec,
@@ -144,8 +143,9 @@ def propagate(
             prog,
             donated=donated,
             roles=roles,
-            transient=transient,
+            transient=_transient(recorder.held, len(graph.nodes), mesh, widen),
             duplicate=duplicate,
+            widen=widen,
         )
 
     return Propagation(
@@ -165,6 +165,7 @@ def propagate(
         var_specs={v: spec[vid] for v, vid in env.items() if vid in spec},
         program=program,
         memory_materialized=memory(False),
+        memory_as=lambda widen: (memory(True, widen), memory(False, widen)),
     )
 
 
@@ -227,11 +228,15 @@ def _sweeps(
     return spec, collect
 
 
-def _transient(held: Mapping, n: int) -> list[int]:
+def _transient(held: Mapping, n: int, mesh: Any, widen: Mapping | None = None) -> list[int]:
     """Per top-level node, the bytes of resharded copies live during it: a copy
-    lives from the equation that makes it to its last reuse."""
+    lives from the equation that makes it to its last reuse (``widen``: dtype →
+    the dtype the backend holds such copies in)."""
     transient = [0] * n
-    for first, last, nbytes in held.values():
+    for (_, layout), (first, last, held_bytes) in held.items():
+        nbytes = held_bytes
+        if widen and layout.dtype in widen:
+            nbytes = layout.replace(dtype=widen[layout.dtype]).local_bytes(mesh)
         for i in range(first, min(last, n - 1) + 1):
             transient[i] += nbytes
     return transient

@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from spmdkit.propagation.graph import FlatProgram, Graph, dce
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
@@ -208,14 +210,15 @@ def _temp_peak(
     fuse: bool = True,
     transient: Sequence[int] | None = None,
     duplicate: bool = True,
+    widen: Mapping[np.dtype, np.dtype] | None = None,
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
     ``duplicate``: a cheap elementwise value read by several consumers is fused
     into each of them; False: only single-reader values fuse, the others are
-    materialized once."""
+    materialized once. ``widen``: dtype → the dtype its values are held in."""
     last, fused = _lifetimes(graph, prog, fuse, duplicate)
-    cache: dict[int, int] = {}
+    cache: dict[int, int] = dict.fromkeys(_narrowed(graph, prog, widen), 0) if widen else {}
 
     def nbytes(v: int) -> int:
         b = cache.get(v)
@@ -223,6 +226,8 @@ def _temp_peak(
             s = spec.get(v)
             if s is None:
                 s = TensorSpec(prog.shapes[v], dtype=prog.dtypes[v])
+            if widen and s.dtype in widen:
+                s = s.replace(dtype=widen[s.dtype])
             b = cache[v] = s.local_bytes(mesh)
         return b
 
@@ -239,7 +244,9 @@ def _temp_peak(
         for sub in node.subs:
             inner = max(
                 inner,
-                _temp_peak(sub, spec, mesh, prog, set(sub.invars), fuse, duplicate=duplicate),
+                _temp_peak(
+                    sub, spec, mesh, prog, set(sub.invars), fuse, duplicate=duplicate, widen=widen
+                ),
             )
         live += born
         extra = transient[i] if transient is not None and i < len(transient) else 0
@@ -247,6 +254,20 @@ def _temp_peak(
         for v in frees.pop(i, ()):
             live -= nbytes(v)
     return peak
+
+
+def _narrowed(graph: Graph, prog: FlatProgram, widen: Mapping[np.dtype, np.dtype]) -> set[int]:
+    """Values cast down to a dtype the backend holds wider, from that wider dtype:
+    the backend drops the round trip (excess precision) and reads the source, so
+    the cast copy takes no buffer of its own."""
+    out = set()
+    for node in graph.nodes:
+        if node.prim != "convert_element_type" or len(node.ins) != 1:
+            continue
+        src, dst = prog.dtypes[node.ins[0]], prog.dtypes[node.outs[0]]
+        if widen.get(dst) == src:
+            out.add(node.outs[0])
+    return out
 
 
 def liveness(
@@ -260,6 +281,7 @@ def liveness(
     roles: Mapping[int, str] | None = None,
     transient: Sequence[int] | None = None,
     duplicate: bool = True,
+    widen: Mapping[np.dtype, np.dtype] | None = None,
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagation`).
 
@@ -275,6 +297,9 @@ def liveness(
       duplicate: fuse a cheap elementwise value read by several consumers into
         each of them (recomputed there); False fuses single-reader values only
         and materializes the others once.
+      widen: dtype → a wider dtype the backend holds its temporaries in (XLA's
+        CPU backend computes 16-bit floats in float32); arguments and outputs
+        keep their own dtypes.
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -320,6 +345,7 @@ def liveness(
         seen_args | (seen_out - pending),
         transient=transient,
         duplicate=duplicate,
+        widen=widen,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from spmdkit.inference import ArgReshard, infer_forward
+from spmdkit.propagation.cse import ValueNumbers
 from spmdkit.propagation.graph import inline_body, open_jaxpr
 from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
@@ -109,6 +110,11 @@ class Propagation:
         Which of the two XLA does for a given value is its fusion heuristic's
         choice, so ``plan.verify`` accepts a compiled peak anywhere in the range
         (widened by its tolerance).
+      memory_as: ``widen`` (dtype → a wider dtype) → ``(memory,
+        memory_materialized)`` with temporaries and resharded copies of those
+        dtypes held in the wider one: how a backend without native 16-bit
+        floats stores them (see ``spmdkit.verification.planned.held_on_cpu``);
+        None when not propagated.
       var_specs: top-level jaxpr variable → spec.
       program: what :func:`spmdkit.compile.enforce.replay` needs to run the traced
         program with every equation pinned to its propagated layouts.
@@ -130,6 +136,9 @@ class Propagation:
     var_specs: dict = field(default_factory=dict, repr=False)
     program: Program | None = field(default=None, repr=False, compare=False)
     memory_materialized: MemoryEstimate | None = field(default=None, repr=False)
+    memory_as: Callable[[Mapping[Any, Any]], tuple[MemoryEstimate, MemoryEstimate]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def collectives(self) -> list[Collective]:
         """Every predicted collective, in program order (loop bodies repeated)."""
@@ -232,26 +241,36 @@ class Recorder:
     A value resharded once is not resharded again for a later reader wanting the
     same layout (``avail``: value id → layouts it has); ``held`` collects the
     resharded copies' lifetimes for the memory estimate (see
-    :func:`~spmdkit.propagation.pricing.reshard_once`).
+    :func:`~spmdkit.propagation.pricing.reshard_once`). Values are priced by
+    their number (:class:`~spmdkit.propagation.cse.ValueNumbers`): a value XLA's
+    CSE merges with an earlier identical one is that value, already moved, and
+    its equation's FLOPs are not counted again.
     """
 
-    def __init__(self, pricer: Pricer, ops: frozenset[str]) -> None:
+    def __init__(
+        self, pricer: Pricer, ops: frozenset[str], values: dict[int, Any] | None = None
+    ) -> None:
         self.pricer = pricer
         self.mesh = pricer.mesh
         self.ops = ops
         self.avail: dict[int, list[TensorSpec]] = {}
         self.held: dict = {}
+        self.numbers = ValueNumbers(values)
 
-    def record(self, step: Step, index: int, at: int | None = None) -> EqnRecord:
-        """The record of one step (``at``: the top-level index it runs at)."""
+    def record(self, step: Step, index: int, at: int | None = None, scope: Any = None) -> EqnRecord:
+        """The record of one step (``at``: the top-level index it runs at;
+        ``scope``: where XLA may merge it with an identical equation, see
+        :mod:`spmdkit.propagation.cse`)."""
         node, op, attrs, req, outs = step.node, step.op, step.attrs, step.required, step.outputs
         at = index if at is None else at
+        ins = [self.numbers.of(v) for v in node.ins]
         reshards = tuple(
             a
-            for i, (v, s, r) in enumerate(zip(node.ins, step.given, req, strict=True))
+            for i, (v, s, r) in enumerate(zip(ins, step.given, req, strict=True))
             if (a := reshard_once(self.pricer, self.avail, v, f"input {i}", s, r, self.held, at))
             is not None
         )
+        merged = self.numbers.merge(node, req, outs, self.numbers.scope(node, scope))
         if node.kind == "shard_map":
             reshards += tuple(self._manual_collectives(node.eqn.params["jaxpr"]))
         if node.prim in REGIONS:
@@ -260,12 +279,15 @@ class Recorder:
             reshards += tuple(self._own_collectives(op, attrs, req))
         comm = sum(a.payload_bytes for a in reshards)
         ctime = sum(a.plan.time_s for a in reshards)
-        flops = node_flops(node, req, outs, self.mesh)
+        flops = 0.0 if merged else node_flops(node, req, outs, self.mesh)
         body: tuple[EqnRecord, ...] = ()
         repeat = 1
         if step.loop is not None:
             repeat = step.loop.trips
-            body = tuple(self.record(x, j, at) for j, x in enumerate(step.loop.steps))
+            inner = self._enter(step, scope)
+            body = tuple(self.record(x, j, at, inner) for j, x in enumerate(step.loop.steps))
+            if inner is scope:
+                self._leave(step, scope)
             if step.loop.back:
                 body += (_carry_record(len(body), step.loop.back, node.backward),)
             comm += repeat * sum(r.comm_bytes for r in body)
@@ -289,9 +311,37 @@ class Recorder:
             body=body,
         )
 
+    def _enter(self, step: Step, scope: Any) -> Any:
+        """The scope a loop's body is numbered in: the caller's for a scan that
+        runs once (XLA inlines it; its operands are the caller's values, the
+        ``xs`` sliced at 0), else the loop's own."""
+        node = step.node
+        if node.kind != "scan" or int(node.eqn.params["length"]) != 1:
+            return ("loop", id(node))
+        nc, nk = int(node.eqn.params["num_consts"]), int(node.eqn.params["num_carry"])
+        body = node.subs[0]
+        for i, (b, v) in enumerate(zip(body.invars, node.ins, strict=True)):
+            if i < nc + nk:
+                self.numbers.alias(b, v)
+            else:
+                self.numbers.derived(b, ("x0", scope, self.numbers.of(v), step.required[i]))
+        return scope
+
+    def _leave(self, step: Step, scope: Any) -> None:
+        """A once-run scan's results are its body's (``ys`` stacked)."""
+        node = step.node
+        nk = int(node.eqn.params["num_carry"])
+        body = node.subs[0]
+        for k, (b, o) in enumerate(zip(body.outvars, node.outs, strict=True)):
+            if k < nk:
+                self.numbers.alias(o, b)
+            else:
+                self.numbers.derived(o, ("ys", scope, self.numbers.of(b), step.outputs[k]))
+
     def output(self, index: int, i: int, vid: int, have: TensorSpec, want: TensorSpec):
         """The record of moving the step's output ``i`` (value ``vid``) from
         ``have`` to ``want``; None when it needs no move."""
+        vid = self.numbers.of(vid)
         a = reshard_once(self.pricer, self.avail, vid, f"output {i}", have, want)
         if a is None:
             return None

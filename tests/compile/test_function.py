@@ -243,23 +243,6 @@ STRATEGIES = ("dp", "fsdp", "megatron", "megatron_sp", "tp_fsdp", "auto", "ep")
 MESHES = ((8,), (2, 4), (4, 2))
 
 
-#: Cases whose compiled program moves less than the plan predicts (the loss and
-#: grads still match): sequence-parallel attention through the blockwise kernel,
-#: where the replay moves an operand from a copy it already has and reuses moved
-#: copies (compiled all-to-all 48 KiB vs 56 KiB predicted on GPT, all-gather 777 vs
-#: 825 KiB): the prediction does not yet count the reuse. Asserted to still miss, so
-#: a fix shows up here.
-KNOWN_VERIFY_MISSES = frozenset(
-    {
-        ("gpt", "megatron_sp", (2, 4)),
-        ("gpt", "megatron_sp", (4, 2)),
-        ("gpt_linen", "megatron_sp", (2, 4)),
-        ("gpt_linen", "megatron_sp", (4, 2)),
-        ("moe", "megatron_sp", (2, 4)),
-    }
-)
-
-
 def _cases():
     return [
         (model, strategy, shape)
@@ -305,10 +288,7 @@ def test_reference_models_match_single_device_and_verify(model, strategy, shape)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
     report = p.verify(step, params, batch)  # the executable that just ran
-    if (model, strategy, shape) in KNOWN_VERIFY_MISSES:
-        assert not report.ok, f"fixed: remove {(model, strategy, shape)} from KNOWN_VERIFY_MISSES"
-    else:
-        assert report.ok, str(report)
+    assert report.ok, str(report)
 
 
 def test_auto_compiled_collectives_at_most_best_preset(info):
@@ -386,16 +366,9 @@ def test_recipes_match_single_device_and_verify(model, name):
     some 30 roundings along any path, which add like a random walk
     (sqrt(30) * 2^-9 ≈ 1.1%) and at worst linearly (≈6%): gradients within 6e-2
     of each leaf's largest entry, the loss (a mean over 128 tokens, reduced in
-    fp32) within 1e-2. On CPU the peak memory of bf16 steps is not compared: XLA's
-    CPU backend computes bf16 dots and collectives in float32 (it converts around
-    them), so its buffers are not those of a backend with native bf16.
-
-    Known gaps (measured, not hidden): with the state donated, the predicted peak
-    of a recomputed step is 25% under the compiled one (473 KiB vs 637 KiB for
-    Llama, full), so the step here is not donated; with recompute, bf16 and
-    micro-batches together the per-kind split misses (a 64 KiB all-gather the
-    CPU backend adds, an all-to-all 76 vs 98 KiB) while the total bytes hold, so
-    only the total is compared for ``all``.
+    fp32) within 1e-2. On CPU, bf16 steps are compared with the prediction as the
+    CPU backend runs it (collectives and temporaries in float32:
+    ``spmdkit.verification.planned.held_on_cpu``).
     """
     info, batch, params, ref_loss, ref_grads = _scanned_reference(model)
     recipe = RECIPES[name]
@@ -415,10 +388,7 @@ def test_recipes_match_single_device_and_verify(model, name):
     train = jit(sk.train_step(info.loss_fn, opt, p), p)
     state = train.place(params, opt.init(params), batch)
     report = p.verify(train, *state)
-    problems = [m for m in report.mismatches if not (bf16 and m.startswith("peak memory"))]
-    if name == "all":  # known gap: per-kind split off, the total holds (docstring)
-        problems = [m for m in problems if m.startswith("collective bytes")]
-    assert not problems, str(report)
+    assert report.ok, str(report)
 
 
 @pytest.mark.slow
