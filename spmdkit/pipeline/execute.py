@@ -52,7 +52,7 @@ from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import FIELDS, Tables, build_tables, forward_ticks
 
-__all__ = ["permute_count", "pipelined_value_and_grad", "split_microbatches"]
+__all__ = ["chunk_residuals", "permute_count", "pipelined_value_and_grad", "split_microbatches"]
 
 
 def split_microbatches(batch: Any, m: int) -> Any:
@@ -497,3 +497,52 @@ def pipelined_value_and_grad(
         return loss, jax.tree.unflatten(p_tree, g)
 
     return grad_fn
+
+
+def chunk_residuals(
+    loss_fn: Callable[..., Any],
+    pipe: Pipeline,
+    params: Any,
+    batch: Any,
+    *rest: Any,
+    head: bool = False,
+) -> list[jax.ShapeDtypeStruct]:
+    """What one forward of one chunk stashes for one micro-batch in the explicit
+    schedules (``fthenb``, ``1f1b``, ``interleaved``): the chunk's ``jax.vjp``
+    residuals less its weights and shared constants (global shapes; divide by
+    the batch's shards for a device's share). The same set is what GPipe's
+    differentiated scan keeps per forward tick. ``head=True``: instead, what the
+    head and loss keep for one micro-batch (GPipe's scan keeps that per forward
+    tick too, on every device: its ``cond`` saves the residuals of both branches).
+
+    Example::
+
+        >>> sum(r.size * r.dtype.itemsize for r in chunk_residuals(loss, pipe, params, batch))
+        5242880
+    """
+    m, chunks = pipe.microbatches, pipe.chunks
+
+    def probe_fn(params: Any, batch: Any) -> list:
+        micro = split_microbatches(batch, m)
+        one = jax.tree.map(lambda x: x[0], micro)
+        sp = split_loss(loss_fn, params, one, rest)
+        pipe.check_layers(sp.layers, op="pipeline")
+        xs, shared, per = sp.pre(jax.tree.leaves((params, one, rest)))
+        ctx = _Ctx(sp, pipe, shared, [x[None] for x in per])
+        w = [x[: sp.layers // chunks] for x in xs]
+        cd = [({**ctx.sv, **ctx.mb(0)})[v] for v in ctx.dconsts]
+        carry = [ctx.per[v][0] for v in ctx.carry]
+        if head:
+            post = [ctx.sv[v] if v in ctx.sv else ctx.mb(0)[v] for v in ctx.dpost]
+
+            def f(c: list, dv: list) -> Any:
+                vals = {**ctx.sv, **ctx.mb(0), **dict(zip(ctx.dpost, dv, strict=True))}
+                return sp.post(vals, c)
+
+            _, vjp = jax.vjp(f, carry, post)
+            shared = [v in ctx.sv for v in ctx.dpost]
+            return _Probe().record(jax.tree.leaves(vjp), [], post, shared)
+        _, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0), w, cd, carry)
+        return _Probe().record(jax.tree.leaves(vjp), w, cd, [v in ctx.sv for v in ctx.dconsts])
+
+    return jax.eval_shape(probe_fn, params, batch)
