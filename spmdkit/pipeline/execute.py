@@ -148,11 +148,29 @@ class _Ctx:
         return loss / m, ct_c, ct_v
 
 
+def _branch(index: Any, branches: list, masked: bool, *args: Any) -> Any:
+    """``lax.switch(index, branches, *args)``, or, ``masked``, every branch run and
+    the result selected: no per-device control flow, so no collective of the other
+    mesh axes sits in a branch that only some devices take (XLA's partitioner
+    fails on those, or deadlocks at run time)."""
+    if not masked:
+        return jax.lax.switch(index, branches, *args)
+    outs = [b(*args) for b in branches]
+
+    def pick(*xs: Any) -> Any:
+        out = xs[0]
+        for k, x in enumerate(xs[1:], start=1):
+            out = jnp.where(index == k, x, out)
+        return out
+
+    return jax.tree.map(pick, *outs)
+
+
 def _chunk(xs_l: list, j: Any, v: int) -> list:
     return [x[0] if v == 1 else x[j] for x in xs_l]
 
 
-def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
+def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, masked: bool) -> Callable:
     fperm, _ = _perms(pipe)
 
     def body(xs_local: list, shared: list, per: list) -> Any:
@@ -171,12 +189,16 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Cal
             ]
             cd = [({**ctx.sv, **ctx.mb(i)})[v] for v in ctx.dconsts]
             out = ctx.stage(_chunk(xs_l, row["local"], pipe.virtual), cd, x_in, i)
-            loss = jax.lax.cond(
-                row["last"] > 0,
-                lambda: (
-                    ctx.sp.post({**ctx.sv, **ctx.mb(i)}, out).astype(loss_dtype) / pipe.microbatches
-                ),
-                lambda: jnp.zeros((), loss_dtype),
+            loss = _branch(
+                row["last"],
+                [
+                    lambda: jnp.zeros((), loss_dtype),
+                    lambda: (
+                        ctx.sp.post({**ctx.sv, **ctx.mb(i)}, out).astype(loss_dtype)
+                        / pipe.microbatches
+                    ),
+                ],
+                masked,
             )
             return out, loss
 
@@ -187,7 +209,7 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Cal
             def tick(state: tuple, tab: Any) -> tuple:
                 inbox, loss = state
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
-                out, li = jax.lax.switch(row["kind"], [idle, fwd], row, inbox)
+                out, li = _branch(row["kind"], [idle, fwd], masked, row, inbox)
                 if send:
                     recv = [jax.lax.ppermute(o, axis, fperm) for o in out]
                     inbox = [b.at[row["recv_f"]].set(r) for b, r in zip(inbox, recv, strict=True)]
@@ -242,7 +264,9 @@ class _Probe:
         return jax.tree.unflatten(self.tree, leaves)
 
 
-def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callable, Callable]:
+def _effects(
+    ctx: _Ctx, probe: _Probe, xs_l: list, state: dict, masked: bool = False
+) -> tuple[Callable, Callable]:
     """The forward and backward actions of one tick, as functions of its row
     returning every effect (zeros for the other action's)."""
     pipe = ctx.pipe
@@ -262,10 +286,13 @@ def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callabl
         out, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, i), w, cd, x_in)
         leaves, probe.tree = jax.tree.flatten(vjp)
         keep = probe.record(leaves, w, cd, [v in ctx.sv for v in ctx.dconsts])
-        loss, ct_c, ct_l = jax.lax.cond(
-            row["last"] > 0,
-            lambda: ctx.post(i, out),
-            lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(ctx.post, i, out)),
+        loss, ct_c, ct_l = _branch(
+            row["last"],
+            [
+                lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(ctx.post, i, out)),
+                lambda: ctx.post(i, out),
+            ],
+            masked,
         )
         ct_v = dict(zip(ctx.dpost, ct_l, strict=True))
         return {
@@ -322,7 +349,9 @@ def _apply(state: dict, eff: dict, row: dict) -> dict:
     }
 
 
-def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
+def _explicit_body(
+    sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, masked: bool
+) -> Callable:
     fperm, bperm = _perms(pipe)
 
     def body(xs_local: list, shared: list, per: list) -> tuple:
@@ -350,11 +379,12 @@ def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> 
         def make_tick(send_f: bool, send_b: bool) -> Callable:
             def tick(st: dict, tab: Any) -> tuple:
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
-                f, b = _effects(ctx, probe, xs_l, st)
-                eff = jax.lax.switch(
+                f, b = _effects(ctx, probe, xs_l, st, masked)
+                eff = _branch(
                     row["kind"],
                     [lambda r: _full(shapes, {}), lambda r: _full(shapes, f(r)),
                      lambda r: _full(shapes, b(r))],
+                    masked,
                     row,
                 )  # fmt: skip
                 st = _apply(st, eff, row)
@@ -417,10 +447,11 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     """``(loss, (ct xs, ct shared, ct per))`` of the pipelined layer stack and head."""
     sched = build_schedule(pipe)
     xs_g = [_regroup(x, pipe) for x in xs]
+    masked = any(a != pipe.axis and size > 1 for a, size in mesh.shape.items())
     n = (len(xs), len(shared), len(per))
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))
-        fn = _shard_map(_gpipe_body(sp, pipe, tables, pipe.axis), pipe, mesh, P(), n)
+        fn = _shard_map(_gpipe_body(sp, pipe, tables, pipe.axis, masked), pipe, mesh, P(), n)
         loss, vjp = jax.vjp(fn, xs_g, shared, per)
         ct_xs, ct_sh, ct_per = vjp(jnp.ones_like(loss))
         return loss, (
@@ -431,7 +462,7 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     tables = build_tables(sched)
     ctx_probe = [_float(x) for x in xs]
     out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), P())
-    body = _explicit_body(sp, pipe, tables, pipe.axis)
+    body = _explicit_body(sp, pipe, tables, pipe.axis, masked)
     loss, g_xs, g_sh, g_mb = _shard_map(body, pipe, mesh, out_specs, n)(xs_g, shared, per)
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [

@@ -40,25 +40,27 @@ def test_1f1b_on_two_stages_equals_one_device():
     _check("llama", {"pipe": 2}, Pipeline(stages=2, microbatches=2, schedule="1f1b"))
 
 
+#: (mesh, virtual stages, strategy on the other axes). fsdp on the 3-axis mesh: the
+#: stage's weights sharded over data and model, gathered inside the pipeline.
 _MESHES = [
-    ({"pipe": 2, "data": 2, "model": 2}, 1),
-    ({"pipe": 4, "data": 2}, 1),
-    ({"pipe": 2}, 2),
+    ({"pipe": 2, "data": 2, "model": 2}, 1, "fsdp"),
+    ({"pipe": 4, "data": 2}, 1, "dp"),
+    ({"pipe": 2}, 2, "dp"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-@pytest.mark.parametrize(("axes", "virtual"), _MESHES)
+@pytest.mark.parametrize(("axes", "virtual", "strategy"), _MESHES)
 @pytest.mark.parametrize("schedule", ["gpipe", "fthenb", "1f1b", "interleaved"])
-def test_every_schedule_equals_one_device(name, axes, virtual, schedule):
+def test_every_schedule_equals_one_device(name, axes, virtual, strategy, schedule):
     p = axes["pipe"]
     v = max(virtual, 2) if schedule == "interleaved" else virtual
     if schedule == "1f1b":
         v = 1
     if 4 % (p * v):
         pytest.skip(f"{p} stages x {v} chunks do not divide 4 layers")
-    _check(name, axes, Pipeline(stages=p, microbatches=4, schedule=schedule, virtual=v))
+    _check(name, axes, Pipeline(stages=p, microbatches=4, schedule=schedule, virtual=v), strategy)
 
 
 def test_tables_hold_what_the_schedule_holds():
