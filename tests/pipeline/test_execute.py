@@ -92,10 +92,15 @@ def test_a_loss_without_a_layer_scan_is_typed():
         jax.eval_shape(f, info.abstract_params, info.batch)
 
 
-def test_has_aux_is_typed():
+def test_aux_arrays_are_typed():
     info = describe(get_model("llama"), config="tiny_pipe", batch_size=4)
-    plan = sk.plan(
-        info, sk.abstract_mesh(pipe=2), "dp", pipeline=Pipeline(stages=2, microbatches=2)
-    )
-    with pytest.raises(RecipeError, match="loss alone"):
-        sk.value_and_grad(info.loss_fn, plan, has_aux=True)
+    mesh = sk.abstract_mesh(pipe=2)
+    plan = sk.plan(info, mesh, "dp", pipeline=Pipeline(stages=2, microbatches=2))
+
+    def loss(p, b):
+        value = info.loss_fn(p, b)
+        return value, {"twice": 2 * value}
+
+    f = sk.value_and_grad(loss, plan, has_aux=True)
+    with pytest.raises(RecipeError, match="no aux arrays"):
+        jax.eval_shape(f, info.abstract_params, info.batch)
