@@ -6,7 +6,8 @@ the model on the mesh (a ``pipe`` axis pipelines its stacked layers:
 ``--schedule``, ``--microbatches``, ``--virtual``; :func:`pipeline_of`), trains it
 on the model's synthetic batches, checkpoints, and with ``--resume`` continues from
 the latest checkpoint — on whatever mesh and plan this run has. With no accelerator
-it uses virtual CPU devices (as many as the mesh needs). Under ``spmdkit launch`` each process feeds its share of the batch.
+it uses virtual CPU devices (as many as the mesh needs). Under ``spmdkit launch``
+each process feeds its share of the batch.
 
 ``spmdkit launch --nproc N [--devices-per-process K] -- COMMAND...`` runs COMMAND
 as N local processes forming one JAX process group (:mod:`spmdkit.runtime.launch`).
