@@ -30,10 +30,12 @@ def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp") -> None:
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
     loss, grads = step(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    # fp32 rtol 1e-5, with an absolute floor of 1e-5 of the array's largest entry: the
-    # micro-batches sum a scatter-add (the embedding's gradient) in another order
+    # fp32 rtol 1e-5, with an absolute floor of 1e-5 of the largest gradient entry:
+    # the micro-batches sum in another order, and GPT's key biases have a gradient
+    # that is exactly zero in exact arithmetic (rounding noise of 1e-10 here)
+    scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_1f1b_on_two_stages_equals_one_device():
