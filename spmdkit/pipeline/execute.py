@@ -40,7 +40,10 @@ Schedules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -52,7 +55,61 @@ from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import FIELDS, Tables, build_tables, forward_ticks
 
-__all__ = ["chunk_residuals", "permute_count", "pipelined_value_and_grad", "split_microbatches"]
+__all__ = [
+    "PipelineFacts",
+    "chunk_residuals",
+    "permute_count",
+    "pipelined_value_and_grad",
+    "pipelines_traced",
+    "split_microbatches",
+]
+
+
+@dataclass(frozen=True)
+class PipelineFacts:
+    """What a traced pipelined gradient sends and holds (global shapes: divide by
+    the batch's shards for a device's share).
+
+    Attributes:
+      pipe: the pipeline.
+      carry_bytes: one micro-batch's stage output (what one permute sends).
+      residual_bytes: one chunk's residual set for one micro-batch (``R``).
+      head_bytes: the head and loss's residuals for one micro-batch (``H``).
+    """
+
+    pipe: Pipeline
+    carry_bytes: int
+    residual_bytes: int
+    head_bytes: int
+
+
+_TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = contextvars.ContextVar(
+    "spmdkit_pipelines_traced", default=None
+)
+
+
+@contextlib.contextmanager
+def pipelines_traced() -> Iterator[list[PipelineFacts]]:
+    """Collect the :class:`PipelineFacts` of the pipelined gradients traced inside
+    (what ``plan.verify`` predicts a pipelined step from).
+
+    Example::
+
+        >>> with pipelines_traced() as seen:
+        ...     jax.eval_shape(step, params, batch)
+        >>> seen[0].pipe.short()
+        'pp2 1f1b m4'
+    """
+    seen: list[PipelineFacts] = []
+    token = _TRACED.set(seen)
+    try:
+        yield seen
+    finally:
+        _TRACED.reset(token)
+
+
+def _nbytes(shapes: Any) -> int:
+    return int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
 
 
 def split_microbatches(batch: Any, m: int) -> Any:
@@ -522,6 +579,12 @@ def pipelined_value_and_grad(
         def pre_all(pl: list) -> tuple:
             return jax.vmap(pre_one, in_axes=(None, 0), out_axes=((None, None), 0))(pl, micro)
 
+        seen = _TRACED.get()
+        if seen is not None:
+            carry = [v.aval for v in sp.carry]
+            args = (loss_fn, pipe, params, batch, *rest)
+            r, h = chunk_residuals(*args), chunk_residuals(*args, head=True)
+            seen.append(PipelineFacts(pipe, _nbytes(carry), _nbytes(r), _nbytes(h)))
         ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
         loss, (ct_xs, ct_sh, ct_per) = _run(sp, pipe, _mesh(mesh, pipe.axis), xs, shared, per)
         (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
