@@ -42,9 +42,12 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
       prop: the propagated prediction.
       *args: the step's arguments.
     """
+    def fresh(*a: Any) -> Any:
+        # a new function: the step was traced before, and jax caches traces by function
+        return body(*a)
+
     with pipelines_traced() as seen:
-        # a fresh wrapper: the step was traced before, and jax caches traces by function
-        jax.make_jaxpr(lambda *a: body(*a))(*args)
+        jax.make_jaxpr(fresh)(*args)
     if not seen:
         return prop
     sizes = axis_sizes(plan.mesh)
