@@ -42,6 +42,7 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
       prop: the propagated prediction.
       *args: the step's arguments.
     """
+
     def fresh(*a: Any) -> Any:
         # a new function: the step was traced before, and jax caches traces by function
         return body(*a)
