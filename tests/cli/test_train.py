@@ -53,7 +53,12 @@ def test_train_cli_pipelines_over_a_pipe_axis(capsys):
     from spmdkit.cli import main
 
     argv = ["train", "gpt", "--config", "tiny_pipe", "--mesh", "pipe=2,data=2,model=2"]
-    assert main([*argv, "--strategy", "fsdp", "--steps", "2", "--log-every", "2"]) == 0
+    assert (
+        main(
+            [*argv, "--strategy", "fsdp", "--batch-size", "16", "--steps", "2", "--log-every", "2"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "pipeline: pp2 1f1b m4" in out and "trained steps 1..2" in out
 

@@ -16,15 +16,15 @@ from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.recipe import RecipeError
 
 
-def _model(name: str):
-    info = describe(get_model(name), config="tiny_pipe", batch_size=8)
+def _model(name: str, batch_size: int):
+    info = describe(get_model(name), config="tiny_pipe", batch_size=batch_size)
     rng = np.random.default_rng(0)
     batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, 200, s.shape), s.dtype), info.batch)
     return info, info.init_fn(), batch
 
 
-def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp") -> None:
-    info, params, batch = _model(name)
+def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp", rows: int = 16) -> None:
+    info, params, batch = _model(name, rows)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
     plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
@@ -39,7 +39,7 @@ def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp") -> None:
 
 
 def test_1f1b_on_two_stages_equals_one_device():
-    _check("llama", {"pipe": 2}, Pipeline(stages=2, microbatches=2, schedule="1f1b"))
+    _check("llama", {"pipe": 2}, Pipeline(stages=2, microbatches=2, schedule="1f1b"), rows=8)
 
 
 #: (mesh, virtual stages, strategy on the other axes). fsdp on the 3-axis mesh: the

@@ -17,7 +17,7 @@ from spmdkit.verification.compiled import report
 def test_verify_predicts_the_pipeline_permutes(schedule):
     info = describe(get_model("llama"), config="tiny_pipe", batch_size=8)
     pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
-    plan = sk.plan(info, sk.make_mesh(pipe=2, data=4), "dp", pipeline=pipe)
+    plan = sk.plan(info, sk.make_mesh(pipe=2, data=2), "dp", pipeline=pipe)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
     rows = {r[0]: r for r in plan.verify(step, info.abstract_params, info.batch).rows}
     _, predicted, compiled, ok = rows["collective_permute"]
