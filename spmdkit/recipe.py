@@ -492,15 +492,8 @@ def value_and_grad(
     vg = jax.value_and_grad(cast_loss, has_aux=has_aux)
     pipe = getattr(recipe, "pipeline", None)
     if pipe is not None:
-        if has_aux:
-            raise RecipeError(
-                op="sk.value_and_grad",
-                must="a pipelined plan's loss returns the loss alone",
-                given="has_aux=True",
-                fix="return aux values from a separate evaluation step",
-            )
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
-        vg = pipelined_value_and_grad(cast_loss, pipe, recipe.sharding_mesh)
+        vg = _pipelined(cast_loss, pipe, recipe.sharding_mesh, has_aux)
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
         seen = _SEEN.get()
@@ -514,6 +507,29 @@ def value_and_grad(
 
     grad_fn.recipe = rcp  # type: ignore[attr-defined]
     return functools.wraps(loss_fn)(grad_fn)
+
+
+def _pipelined(loss: Callable, pipe: Any, mesh: Any, has_aux: bool) -> Callable:
+    """The pipelined gradient; with ``has_aux``, an aux with no arrays (train's
+    empty metrics) passes through, any other is a :class:`RecipeError`."""
+    if not has_aux:
+        return pipelined_value_and_grad(loss, pipe, mesh)
+    vg = pipelined_value_and_grad(lambda *a: loss(*a)[0], pipe, mesh)
+
+    def f(*args: Any) -> tuple:
+        aux = jax.eval_shape(loss, *args)[1]
+        if jax.tree.leaves(aux):
+            raise RecipeError(
+                op="sk.value_and_grad",
+                must="a pipelined plan's loss returns no aux arrays (the head and loss "
+                "run per micro-batch on the last stage)",
+                given=f"aux {jax.tree.structure(aux)}",
+                fix="return the loss alone, and compute metrics in an evaluation step",
+            )
+        value, grads = vg(*args)
+        return (value, aux), grads
+
+    return f
 
 
 def _accumulate(

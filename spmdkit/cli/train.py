@@ -2,10 +2,12 @@
 to ``spmdkit.cli.COMMANDS``).
 
 ``spmdkit train MODEL --mesh data=2,model=4 --steps N --ckpt DIR [--resume]`` plans
-the model on the mesh, trains it on the model's synthetic batches, checkpoints, and
-with ``--resume`` continues from the latest checkpoint — on whatever mesh and plan
-this run has. With no accelerator it uses virtual CPU devices (as many as the
-mesh needs). Under ``spmdkit launch`` each process feeds its share of the batch.
+the model on the mesh (a ``pipe`` axis pipelines its stacked layers:
+``--schedule``, ``--microbatches``, ``--virtual``; :func:`pipeline_of`), trains it
+on the model's synthetic batches, checkpoints, and with ``--resume`` continues from
+the latest checkpoint — on whatever mesh and plan this run has. With no accelerator
+it uses virtual CPU devices (as many as the mesh needs). Under ``spmdkit launch``
+each process feeds its share of the batch.
 
 ``spmdkit launch --nproc N [--devices-per-process K] -- COMMAND...`` runs COMMAND
 as N local processes forming one JAX process group (:mod:`spmdkit.runtime.launch`).
@@ -23,7 +25,7 @@ from typing import TextIO
 from spmdkit.cli.command import Command, parse_mesh
 from spmdkit.errors import SpmdError
 
-__all__ = ["COMMANDS", "parse_mesh", "start_devices"]
+__all__ = ["COMMANDS", "parse_mesh", "pipeline_of", "start_devices"]
 
 
 # -- train ----------------------------------------------------------------------
@@ -43,6 +45,18 @@ def _configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from --ckpt's latest")
     parser.add_argument("--log-every", type=int, default=1, help="steps between log lines")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--schedule",
+        default=None,
+        help="pipeline schedule when the mesh has a 'pipe' axis: gpipe, fthenb, 1f1b "
+        "(default) or interleaved (default with --virtual > 1)",
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=None, help="pipeline micro-batches (default: 2 x pipe)"
+    )
+    parser.add_argument(
+        "--virtual", type=int, default=1, help="pipeline chunks per device (interleaved)"
+    )
 
 
 def start_devices(axes: dict[str, int]) -> None:
@@ -104,6 +118,7 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
         config=args.config,
         batch_size=args.batch_size,
         optimizer=optimizer,
+        pipeline=pipeline_of(args, axes),
     )
     if jax.process_index() == 0:
         out.write(f"{plan}\n")
@@ -152,6 +167,39 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
             f"losses {', '.join(f'{v:.4f}' for v in result.losses)}\n"
         )
     return 0
+
+
+def pipeline_of(args: argparse.Namespace, axes: dict[str, int]) -> object:
+    """The :class:`~spmdkit.pipeline.Pipeline` a ``pipe`` axis of the mesh asks for
+    (``None`` without one): ``stages`` its size, ``--microbatches`` (default twice
+    the stages), ``--virtual``, ``--schedule`` (default 1F1B, interleaved with
+    ``--virtual`` > 1).
+
+    Example::
+
+        >>> pipeline_of(argparse.Namespace(schedule=None, microbatches=None, virtual=1),
+        ...             {"pipe": 2, "data": 4}).short()
+        'pp2 1f1b m4'
+    """
+    from spmdkit.pipeline import Pipeline
+
+    stages = axes.get("pipe", 1)
+    if stages == 1:
+        if args.schedule or args.microbatches or args.virtual > 1:
+            raise SpmdError(
+                op="spmdkit train",
+                must="pipeline flags come with a 'pipe' axis in --mesh",
+                given=f"--mesh axes {axes}",
+                fix="add pipe=N to --mesh (e.g. --mesh pipe=2,data=4), or drop the flags",
+            )
+        return None
+    schedule = args.schedule or ("interleaved" if args.virtual > 1 else "1f1b")
+    return Pipeline(
+        stages=stages,
+        microbatches=args.microbatches or 2 * stages,
+        schedule=schedule,
+        virtual=args.virtual,
+    )
 
 
 # -- launch ---------------------------------------------------------------------

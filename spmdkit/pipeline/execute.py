@@ -40,7 +40,10 @@ Schedules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -52,7 +55,61 @@ from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import FIELDS, Tables, build_tables, forward_ticks
 
-__all__ = ["permute_count", "pipelined_value_and_grad", "split_microbatches"]
+__all__ = [
+    "PipelineFacts",
+    "chunk_residuals",
+    "permute_count",
+    "pipelined_value_and_grad",
+    "pipelines_traced",
+    "split_microbatches",
+]
+
+
+@dataclass(frozen=True)
+class PipelineFacts:
+    """What a traced pipelined gradient sends and holds (global shapes: divide by
+    the batch's shards for a device's share).
+
+    Attributes:
+      pipe: the pipeline.
+      carry_bytes: one micro-batch's stage output (what one permute sends).
+      residual_bytes: one chunk's residual set for one micro-batch (``R``).
+      head_bytes: the head and loss's residuals for one micro-batch (``H``).
+    """
+
+    pipe: Pipeline
+    carry_bytes: int
+    residual_bytes: int
+    head_bytes: int
+
+
+_TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = contextvars.ContextVar(
+    "spmdkit_pipelines_traced", default=None
+)
+
+
+@contextlib.contextmanager
+def pipelines_traced() -> Iterator[list[PipelineFacts]]:
+    """Collect the :class:`PipelineFacts` of the pipelined gradients traced inside
+    (what ``plan.verify`` predicts a pipelined step from).
+
+    Example::
+
+        >>> with pipelines_traced() as seen:
+        ...     jax.eval_shape(step, params, batch)
+        >>> seen[0].pipe.short()
+        'pp2 1f1b m4'
+    """
+    seen: list[PipelineFacts] = []
+    token = _TRACED.set(seen)
+    try:
+        yield seen
+    finally:
+        _TRACED.reset(token)
+
+
+def _nbytes(shapes: Any) -> int:
+    return int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
 
 
 def split_microbatches(batch: Any, m: int) -> Any:
@@ -148,11 +205,29 @@ class _Ctx:
         return loss / m, ct_c, ct_v
 
 
+def _branch(index: Any, branches: list, masked: bool, *args: Any) -> Any:
+    """``lax.switch(index, branches, *args)``, or, ``masked``, every branch run and
+    the result selected: no per-device control flow, so no collective of the other
+    mesh axes sits in a branch that only some devices take (XLA's partitioner
+    fails on those, or deadlocks at run time)."""
+    if not masked:
+        return jax.lax.switch(index, branches, *args)
+    outs = [b(*args) for b in branches]
+
+    def pick(*xs: Any) -> Any:
+        out = xs[0]
+        for k, x in enumerate(xs[1:], start=1):
+            out = jnp.where(index == k, x, out)
+        return out
+
+    return jax.tree.map(pick, *outs)
+
+
 def _chunk(xs_l: list, j: Any, v: int) -> list:
     return [x[0] if v == 1 else x[j] for x in xs_l]
 
 
-def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
+def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, masked: bool) -> Callable:
     fperm, _ = _perms(pipe)
 
     def body(xs_local: list, shared: list, per: list) -> Any:
@@ -171,12 +246,16 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Cal
             ]
             cd = [({**ctx.sv, **ctx.mb(i)})[v] for v in ctx.dconsts]
             out = ctx.stage(_chunk(xs_l, row["local"], pipe.virtual), cd, x_in, i)
-            loss = jax.lax.cond(
-                row["last"] > 0,
-                lambda: (
-                    ctx.sp.post({**ctx.sv, **ctx.mb(i)}, out).astype(loss_dtype) / pipe.microbatches
-                ),
-                lambda: jnp.zeros((), loss_dtype),
+            loss = _branch(
+                row["last"],
+                [
+                    lambda: jnp.zeros((), loss_dtype),
+                    lambda: (
+                        ctx.sp.post({**ctx.sv, **ctx.mb(i)}, out).astype(loss_dtype)
+                        / pipe.microbatches
+                    ),
+                ],
+                masked,
             )
             return out, loss
 
@@ -187,7 +266,7 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Cal
             def tick(state: tuple, tab: Any) -> tuple:
                 inbox, loss = state
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
-                out, li = jax.lax.switch(row["kind"], [idle, fwd], row, inbox)
+                out, li = _branch(row["kind"], [idle, fwd], masked, row, inbox)
                 if send:
                     recv = [jax.lax.ppermute(o, axis, fperm) for o in out]
                     inbox = [b.at[row["recv_f"]].set(r) for b, r in zip(inbox, recv, strict=True)]
@@ -242,7 +321,9 @@ class _Probe:
         return jax.tree.unflatten(self.tree, leaves)
 
 
-def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callable, Callable]:
+def _effects(
+    ctx: _Ctx, probe: _Probe, xs_l: list, state: dict, masked: bool = False
+) -> tuple[Callable, Callable]:
     """The forward and backward actions of one tick, as functions of its row
     returning every effect (zeros for the other action's)."""
     pipe = ctx.pipe
@@ -262,10 +343,13 @@ def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callabl
         out, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, i), w, cd, x_in)
         leaves, probe.tree = jax.tree.flatten(vjp)
         keep = probe.record(leaves, w, cd, [v in ctx.sv for v in ctx.dconsts])
-        loss, ct_c, ct_l = jax.lax.cond(
-            row["last"] > 0,
-            lambda: ctx.post(i, out),
-            lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(ctx.post, i, out)),
+        loss, ct_c, ct_l = _branch(
+            row["last"],
+            [
+                lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(ctx.post, i, out)),
+                lambda: ctx.post(i, out),
+            ],
+            masked,
         )
         ct_v = dict(zip(ctx.dpost, ct_l, strict=True))
         return {
@@ -322,7 +406,9 @@ def _apply(state: dict, eff: dict, row: dict) -> dict:
     }
 
 
-def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
+def _explicit_body(
+    sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, masked: bool
+) -> Callable:
     fperm, bperm = _perms(pipe)
 
     def body(xs_local: list, shared: list, per: list) -> tuple:
@@ -350,11 +436,12 @@ def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> 
         def make_tick(send_f: bool, send_b: bool) -> Callable:
             def tick(st: dict, tab: Any) -> tuple:
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
-                f, b = _effects(ctx, probe, xs_l, st)
-                eff = jax.lax.switch(
+                f, b = _effects(ctx, probe, xs_l, st, masked)
+                eff = _branch(
                     row["kind"],
                     [lambda r: _full(shapes, {}), lambda r: _full(shapes, f(r)),
                      lambda r: _full(shapes, b(r))],
+                    masked,
                     row,
                 )  # fmt: skip
                 st = _apply(st, eff, row)
@@ -417,10 +504,11 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     """``(loss, (ct xs, ct shared, ct per))`` of the pipelined layer stack and head."""
     sched = build_schedule(pipe)
     xs_g = [_regroup(x, pipe) for x in xs]
+    masked = any(a != pipe.axis and size > 1 for a, size in mesh.shape.items())
     n = (len(xs), len(shared), len(per))
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))
-        fn = _shard_map(_gpipe_body(sp, pipe, tables, pipe.axis), pipe, mesh, P(), n)
+        fn = _shard_map(_gpipe_body(sp, pipe, tables, pipe.axis, masked), pipe, mesh, P(), n)
         loss, vjp = jax.vjp(fn, xs_g, shared, per)
         ct_xs, ct_sh, ct_per = vjp(jnp.ones_like(loss))
         return loss, (
@@ -431,7 +519,7 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     tables = build_tables(sched)
     ctx_probe = [_float(x) for x in xs]
     out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), P())
-    body = _explicit_body(sp, pipe, tables, pipe.axis)
+    body = _explicit_body(sp, pipe, tables, pipe.axis, masked)
     loss, g_xs, g_sh, g_mb = _shard_map(body, pipe, mesh, out_specs, n)(xs_g, shared, per)
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
@@ -491,9 +579,64 @@ def pipelined_value_and_grad(
         def pre_all(pl: list) -> tuple:
             return jax.vmap(pre_one, in_axes=(None, 0), out_axes=((None, None), 0))(pl, micro)
 
+        seen = _TRACED.get()
+        if seen is not None:
+            carry = [v.aval for v in sp.carry]
+            args = (loss_fn, pipe, params, batch, *rest)
+            r, h = chunk_residuals(*args), chunk_residuals(*args, head=True)
+            seen.append(PipelineFacts(pipe, _nbytes(carry), _nbytes(r), _nbytes(h)))
         ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
         loss, (ct_xs, ct_sh, ct_per) = _run(sp, pipe, _mesh(mesh, pipe.axis), xs, shared, per)
         (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
         return loss, jax.tree.unflatten(p_tree, g)
 
     return grad_fn
+
+
+def chunk_residuals(
+    loss_fn: Callable[..., Any],
+    pipe: Pipeline,
+    params: Any,
+    batch: Any,
+    *rest: Any,
+    head: bool = False,
+) -> list[jax.ShapeDtypeStruct]:
+    """What one forward of one chunk stashes for one micro-batch in the explicit
+    schedules (``fthenb``, ``1f1b``, ``interleaved``): the chunk's ``jax.vjp``
+    residuals less its weights and shared constants (global shapes; divide by
+    the batch's shards for a device's share). The same set is what GPipe's
+    differentiated scan keeps per forward tick. ``head=True``: instead, what the
+    head and loss keep for one micro-batch (GPipe's scan keeps that per forward
+    tick too, on every device: its ``cond`` saves the residuals of both branches).
+
+    Example::
+
+        >>> sum(r.size * r.dtype.itemsize for r in chunk_residuals(loss, pipe, params, batch))
+        5242880
+    """
+    m, chunks = pipe.microbatches, pipe.chunks
+
+    def probe_fn(params: Any, batch: Any) -> list:
+        micro = split_microbatches(batch, m)
+        one = jax.tree.map(lambda x: x[0], micro)
+        sp = split_loss(loss_fn, params, one, rest)
+        pipe.check_layers(sp.layers, op="pipeline")
+        xs, shared, per = sp.pre(jax.tree.leaves((params, one, rest)))
+        ctx = _Ctx(sp, pipe, shared, [x[None] for x in per])
+        w = [x[: sp.layers // chunks] for x in xs]
+        cd = [({**ctx.sv, **ctx.mb(0)})[v] for v in ctx.dconsts]
+        carry = [ctx.per[v][0] for v in ctx.carry]
+        if head:
+            post = [ctx.sv[v] if v in ctx.sv else ctx.mb(0)[v] for v in ctx.dpost]
+
+            def f(c: list, dv: list) -> Any:
+                vals = {**ctx.sv, **ctx.mb(0), **dict(zip(ctx.dpost, dv, strict=True))}
+                return sp.post(vals, c)
+
+            _, vjp = jax.vjp(f, carry, post)
+            shared = [v in ctx.sv for v in ctx.dpost]
+            return _Probe().record(jax.tree.leaves(vjp), [], post, shared)
+        _, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0), w, cd, carry)
+        return _Probe().record(jax.tree.leaves(vjp), w, cd, [v in ctx.sv for v in ctx.dconsts])
+
+    return jax.eval_shape(probe_fn, params, batch)

@@ -247,7 +247,8 @@ def split_loss(
 
     # traced on plain shapes with no context mesh: the parts run again under other
     # meshes (the layers inside the pipeline's shard_map, where the pipe axis is manual)
-    plain = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves]
+    plain = [jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or jnp.result_type(x))
+             for x in leaves]  # fmt: skip
     with jax.sharding.use_abstract_mesh(AbstractMesh((), ())):
         closed = jax.make_jaxpr(_inlined(jax.make_jaxpr(flat)(*plain)))(*plain)
     jaxpr = closed.jaxpr

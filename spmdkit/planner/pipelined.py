@@ -109,6 +109,22 @@ def _check_batch(info: ModelInfo, pipe: Pipeline) -> None:
             )
 
 
+def _check_local_batch(info: ModelInfo, pipe: Pipeline, shards: int) -> None:
+    """Each device's rows split evenly into the micro-batches (else XLA would
+    replicate the uneven micro-batches: never silently)."""
+    for leaf in jax.tree.leaves(info.batch):
+        shape = getattr(leaf, "shape", ())
+        if shape and (shape[0] // shards) % pipe.microbatches:
+            raise PipelineError(
+                op="plan(pipeline=...)",
+                must="each device's batch rows divide into the pipeline's micro-batches",
+                given=f"batch {shape[0]} over {shards} batch shards, "
+                f"microbatches={pipe.microbatches}",
+                fix=f"use a batch size that is a multiple of {shards * pipe.microbatches}, "
+                "or fewer micro-batches",
+            )
+
+
 def pipeline_submesh(
     mesh: MeshLike, pipe: object, info: ModelInfo, recipe: Recipe | None
 ) -> AbstractMesh:
@@ -230,6 +246,7 @@ def pipelined_plan(info: ModelInfo, mesh: MeshLike, pipe: Pipeline, base: Plan) 
         name: tuple(a for a in axes if a != PLACEHOLDER_AXIS)
         for name, axes in base.activation.items()
     }
+    _check_local_batch(info, pipe, math.prod(sizes[a] for a in activation.get("batch", ())))
     return replace(
         base,
         mesh=mesh,

@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
-from spmdkit.recipe import Recipe, check_offload, to_memory, value_and_grad
+from spmdkit.recipe import Recipe, check_offload, recipe_of, to_memory, value_and_grad
 from spmdkit.runtime.checkpoint import Manager, abstract_target
 from spmdkit.runtime.data import BatchSkeleton, split_batch
 
@@ -166,8 +166,9 @@ def _make_step(
 
     if remat:
         scalar_loss = jax.checkpoint(scalar_loss)
-    rcp = recipe if recipe is not None else Recipe()
-    if rcp.is_default and grad_specs is None:
+    rcp = recipe_of(recipe) if recipe is not None else Recipe()
+    # a pipelined plan comes as the plan itself (its pipeline and mesh run the step)
+    if rcp.is_default and grad_specs is None and getattr(recipe, "pipeline", None) is None:
         grad_fn = jax.value_and_grad(scalar_loss, has_aux=True)
     else:
         grad_fn = value_and_grad(scalar_loss, rcp, grad_specs=grad_specs, has_aux=True)
@@ -371,7 +372,7 @@ def train(
                 remat=remat,
                 has_aux=has_aux,
                 use_rng=rng is not None,
-                recipe=recipe,
+                recipe=plan if getattr(plan, "pipeline", None) is not None else recipe,
                 grad_specs=grad_specs,
             ),
             out_shardings=(param_sh, opt_sh, None),

@@ -30,6 +30,7 @@ from spmdkit.propagation import EqnRecord, Propagation
 from spmdkit.resharding import ReshardPlan
 from spmdkit.spec import MeshLike
 from spmdkit.verification.compiled import VerifyReport, report, verify
+from spmdkit.verification.pipelined import pipelined_prediction
 
 __all__ = [
     "PlannedProgram",
@@ -93,9 +94,11 @@ def verify_plan(
             given=f"{type(step).__name__} {getattr(step, '__name__', '')}".rstrip(),
             fix=f"wrap with sk.jit(step, plan) (plan: {plan!r}) and pass what it returns",
         )
-    _, prop = step.program(*args)
+    body, prop = step.program(*args)
     if platform(step.mesh) == "cpu":
         prop = held_on_cpu(promoted_on_cpu(prop, as_on_cpu(prop)))
+    if plan.pipeline is not None:
+        prop = pipelined_prediction(plan, body, prop, *args)
     compiled = report(step.compile(*args))
     return verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from spmdkit.cli.train import COMMANDS, parse_mesh
+from spmdkit.cli.train import COMMANDS, parse_mesh, pipeline_of
 from spmdkit.errors import SpmdError
 
 
@@ -35,6 +35,32 @@ def test_train_arguments():
         "/tmp/x",
         True,
     )
+
+
+def test_pipe_axis_picks_a_pipeline():
+    parser, _ = _parser("train")
+    args = parser.parse_args(["gpt", "--mesh", "pipe=2,data=4"])
+    assert pipeline_of(args, {"pipe": 2, "data": 4}).short() == "pp2 1f1b m4"
+    args = parser.parse_args(["gpt", "--virtual", "2", "--microbatches", "2"])
+    assert pipeline_of(args, {"pipe": 2}).short() == "pp2x2 interleaved m2"
+    assert pipeline_of(parser.parse_args(["gpt"]), {"data": 8}) is None
+    with pytest.raises(SpmdError, match="pipe"):
+        pipeline_of(parser.parse_args(["gpt", "--schedule", "gpipe"]), {"data": 8})
+
+
+@pytest.mark.slow
+def test_train_cli_pipelines_over_a_pipe_axis(capsys):
+    from spmdkit.cli import main
+
+    argv = ["train", "gpt", "--config", "tiny_pipe", "--mesh", "pipe=2,data=2,model=2"]
+    assert (
+        main(
+            [*argv, "--strategy", "fsdp", "--batch-size", "16", "--steps", "2", "--log-every", "2"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "pipeline: pp2 1f1b m4" in out and "trained steps 1..2" in out
 
 
 def test_launch_runs_the_command_in_n_processes(tmp_path, capfd):

@@ -16,47 +16,53 @@ from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.recipe import RecipeError
 
 
-def _model(name: str):
-    info = describe(get_model(name), config="tiny_pipe", batch_size=8)
+def _model(name: str, batch_size: int):
+    info = describe(get_model(name), config="tiny_pipe", batch_size=batch_size)
     rng = np.random.default_rng(0)
     batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, 200, s.shape), s.dtype), info.batch)
     return info, info.init_fn(), batch
 
 
-def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp") -> None:
-    info, params, batch = _model(name)
+def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp", rows: int = 16) -> None:
+    info, params, batch = _model(name, rows)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
     plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
     loss, grads = step(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    # fp32 rtol 1e-5, with an absolute floor of 1e-5 of the largest gradient entry:
+    # the micro-batches sum in another order, and GPT's key biases have a gradient
+    # that is exactly zero in exact arithmetic (rounding noise of 1e-10 here)
+    scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7 * float(jnp.max(jnp.abs(r))))
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_1f1b_on_two_stages_equals_one_device():
-    _check("llama", {"pipe": 2}, Pipeline(stages=2, microbatches=2, schedule="1f1b"))
+    _check("llama", {"pipe": 2}, Pipeline(stages=2, microbatches=2, schedule="1f1b"), rows=8)
 
 
+#: (mesh, virtual stages, strategy on the other axes). fsdp on the 3-axis mesh: the
+#: stage's weights sharded over data and model, gathered inside the pipeline.
 _MESHES = [
-    ({"pipe": 2, "data": 2, "model": 2}, 1),
-    ({"pipe": 4, "data": 2}, 1),
-    ({"pipe": 2}, 2),
+    ({"pipe": 2, "data": 2, "model": 2}, 1, "fsdp"),
+    ({"pipe": 4, "data": 2}, 1, "dp"),
+    ({"pipe": 2}, 2, "dp"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-@pytest.mark.parametrize(("axes", "virtual"), _MESHES)
+@pytest.mark.parametrize(("axes", "virtual", "strategy"), _MESHES)
 @pytest.mark.parametrize("schedule", ["gpipe", "fthenb", "1f1b", "interleaved"])
-def test_every_schedule_equals_one_device(name, axes, virtual, schedule):
+def test_every_schedule_equals_one_device(name, axes, virtual, strategy, schedule):
     p = axes["pipe"]
     v = max(virtual, 2) if schedule == "interleaved" else virtual
     if schedule == "1f1b":
         v = 1
     if 4 % (p * v):
         pytest.skip(f"{p} stages x {v} chunks do not divide 4 layers")
-    _check(name, axes, Pipeline(stages=p, microbatches=4, schedule=schedule, virtual=v))
+    _check(name, axes, Pipeline(stages=p, microbatches=4, schedule=schedule, virtual=v), strategy)
 
 
 def test_tables_hold_what_the_schedule_holds():
@@ -88,10 +94,15 @@ def test_a_loss_without_a_layer_scan_is_typed():
         jax.eval_shape(f, info.abstract_params, info.batch)
 
 
-def test_has_aux_is_typed():
+def test_aux_arrays_are_typed():
     info = describe(get_model("llama"), config="tiny_pipe", batch_size=4)
-    plan = sk.plan(
-        info, sk.abstract_mesh(pipe=2), "dp", pipeline=Pipeline(stages=2, microbatches=2)
-    )
-    with pytest.raises(RecipeError, match="loss alone"):
-        sk.value_and_grad(info.loss_fn, plan, has_aux=True)
+    mesh = sk.abstract_mesh(pipe=2)
+    plan = sk.plan(info, mesh, "dp", pipeline=Pipeline(stages=2, microbatches=2))
+
+    def loss(p, b):
+        value = info.loss_fn(p, b)
+        return value, {"twice": 2 * value}
+
+    f = sk.value_and_grad(loss, plan, has_aux=True)
+    with pytest.raises(RecipeError, match="no aux arrays"):
+        jax.eval_shape(f, info.abstract_params, info.batch)

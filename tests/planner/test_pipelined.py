@@ -30,7 +30,7 @@ def test_megatron_on_the_other_axes_and_layers_over_pipe():
 
 
 def test_fsdp_keeps_the_layer_dim_for_the_pipe_axis():
-    p = _plan("llama", "fsdp", Pipeline(stages=2, microbatches=4), pipe=2, data=2, model=2)
+    p = _plan("llama", "fsdp", Pipeline(stages=2, microbatches=2), pipe=2, data=2, model=2)
     spec = p.params["layers/attn/wq"]
     assert spec[0] == "pipe" and "pipe" not in str(spec[1:])
     assert "pipe" not in str(p.params["embed"])
@@ -65,6 +65,11 @@ def test_bad_requests_are_typed(pipe, axes, config, match):
     with pytest.raises(PipelineError, match=match) as e:
         _plan("llama", "dp", pipe, config=config, **axes)
     assert e.value.fix
+
+
+def test_each_devices_rows_divide_into_the_microbatches():
+    with pytest.raises(PipelineError, match="each device's batch rows"):
+        _plan("llama", "dp", Pipeline(stages=2, microbatches=4), pipe=2, data=4)
 
 
 def test_recipe_microbatches_are_the_pipelines():

@@ -1,0 +1,27 @@
+"""plan.verify on a pipelined step: the pipeline's collective permutes predicted exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+import spmdkit as sk
+from spmdkit.flax.model import describe
+from spmdkit.models import get_model
+from spmdkit.pipeline import Pipeline
+from spmdkit.pipeline.execute import permute_count
+from spmdkit.verification.compiled import report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_verify_predicts_the_pipeline_permutes(schedule):
+    info = describe(get_model("llama"), config="tiny_pipe", batch_size=8)
+    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
+    plan = sk.plan(info, sk.make_mesh(pipe=2, data=2), "dp", pipeline=pipe)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    rows = {r[0]: r for r in plan.verify(step, info.abstract_params, info.batch).rows}
+    _, predicted, compiled, ok = rows["collective_permute"]
+    assert ok and predicted == compiled > 0
+    rep = report(step.compile(info.abstract_params, info.batch))
+    runs = sum(rep.runs(c) for c in rep.collectives if c.op_name.endswith("ppermute"))
+    assert runs == permute_count(pipe)
