@@ -184,8 +184,9 @@ class ResNet(nn.Module):
 
 
 def resnet_loss(variables, batch):
-    logits, _ = ResNet().apply(variables, batch["image"], mutable=["batch_stats"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    logits, updates = ResNet().apply(variables, batch["image"], mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, updates
 
 
 # -- an NNX ViT --------------------------------------------------------------------------
