@@ -372,6 +372,8 @@ def _describe_nnx(
         return loss(model, b)
 
     def state_loss_fn(p: Any, b: Any, s: Any) -> tuple[Any, Any]:
+        # fresh variables at this trace level: the loss may update them in place
+        s = jax.tree.map(lambda x: x, s)
         model = nnx.merge(graphdef, p, s, _zeros_like(abstract_rng))
         out = loss(model, b)
         # layers that update their statistics in place left them on the module
