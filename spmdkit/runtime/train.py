@@ -49,12 +49,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
-from spmdkit.flax.model import STATE_FILTER
 from spmdkit.recipe import Recipe, check_offload, to_memory, value_and_grad
 from spmdkit.runtime.checkpoint import Manager, abstract_target
 from spmdkit.runtime.data import BatchSkeleton, split_batch
 
 __all__ = ["TrainError", "TrainResult", "train"]
+
+#: An NNX module's mutable state: its variables but parameters and RNG streams, the
+#: split ``spmdkit.flax.model.STATE_FILTER`` makes (applied after ``nnx.Param``).
+_STATE_FILTER = nnx.Not(nnx.RngState)
 
 
 class TrainError(SpmdError, ValueError):
@@ -136,7 +139,7 @@ def _nnx_adapter(
     when it has none), a loss over them (with state: ``loss(p, batch, s) ->
     (out, new_s)``, the new state read back from the module after the call), and
     a function writing the final params (and state) back into the module."""
-    graphdef, params_state, model_state, rest = nnx.split(model, nnx.Param, STATE_FILTER, ...)
+    graphdef, params_state, model_state, rest = nnx.split(model, nnx.Param, _STATE_FILTER, ...)
     params = nnx.to_pure_dict(params_state)
     state = nnx.to_pure_dict(model_state) if jax.tree.leaves(model_state) else None
 
@@ -152,7 +155,7 @@ def _nnx_adapter(
             )
         module = nnx.merge(graphdef, filled(params_state, p), filled(model_state, s[0]), rest)
         out = loss_fn(module, batch, **kw)
-        return out, nnx.to_pure_dict(nnx.split(module, nnx.Param, STATE_FILTER, ...)[2])
+        return out, nnx.to_pure_dict(nnx.split(module, nnx.Param, _STATE_FILTER, ...)[2])
 
     def write_back(p: Any, s: Any = None) -> nnx.Module:
         nnx.update(model, filled(params_state, p))
@@ -380,17 +383,7 @@ def train(
     """
     _check_args(steps, accum_steps, resume=resume, ckpt=ckpt, plan=plan, shardings=shardings)
     out = out if out is not None else sys.stderr
-    write_back = None
-    loss = loss_fn
-    if isinstance(params, nnx.Module):
-        if state is not None:
-            raise TrainError(
-                op="train",
-                must="an NNX module brings its own state",
-                given="an nnx.Module with state=",
-                fix="drop state= (the module's nnx.BatchStat variables are its state)",
-            )
-        params, state, loss, write_back = _nnx_adapter(params, loss_fn)
+    params, state, loss, write_back = _model_parts(loss_fn, params, state)
     recipe = getattr(plan, "recipe", None) or Recipe()
     accum_steps = _recipe_accum(recipe, accum_steps, remat=remat, data=data)
     _set_microbatches(data, accum_steps)
@@ -407,16 +400,9 @@ def train(
             rng = jax.device_put(rng, NamedSharding(mesh, PartitionSpec()))
         resume_from = ckpt if resume and ckpt.latest_step() is not None else None
         train_state, start, opt_sh = _initial_state(
-            params,
-            optimizer,
-            data,
-            rng,
-            resume_from,
-            abstract,
-            (param_sh, opt_sh),
-            restore_opt=restore_opt_state,
-            model_state=(state, model_sh),
-        )
+            params, optimizer, data, rng, resume_from, abstract, (param_sh, opt_sh),
+            restore_opt=restore_opt_state, model_state=(state, model_sh),
+        )  # fmt: skip
         step_fn = _BatchTreeStep(
             _make_step(
                 loss,
@@ -447,6 +433,23 @@ def train(
             compiles=step_fn.compiles,
             model_state=final_state,
         )
+
+
+def _model_parts(
+    loss_fn: Callable, params: Any, state: Any
+) -> tuple[Any, Any, Callable, Callable[..., Any] | None]:
+    """``(params, model state, loss, write_back)``: an NNX module split into pure
+    dicts (:func:`_nnx_adapter`), a pytree as given (``write_back`` None)."""
+    if not isinstance(params, nnx.Module):
+        return params, state, loss_fn, None
+    if state is not None:
+        raise TrainError(
+            op="train",
+            must="an NNX module brings its own state",
+            given="an nnx.Module with state=",
+            fix="drop state= (the module's nnx.BatchStat variables are its state)",
+        )
+    return _nnx_adapter(params, loss_fn)
 
 
 def _offloaded(recipe: Recipe, opt_sh: Any, mesh: Any) -> Any:
