@@ -56,6 +56,10 @@ KNOWN_VERIFY_MISSES = frozenset(
         # the same max-pool gradient workspace
         ("resnet", "auto", (2, 4)),
         ("resnet", "auto", (4, 2)),
+        # peak memory, with no pooling at all: the NNX conv net's fsdp (and auto,
+        # which picks fsdp-style layouts) holds more conv-backward activations than
+        # the liveness model counts (collectives match to the byte)
+        *(("nnx_cnn", s, m) for s in ("fsdp", "auto") for m in MESHES),
         # collectives: GroupNorm over channel-sharded convolutions (XLA gathers
         # and exchanges where the plan all-reduces statistics)
         *(("unet", s, m) for s in ("megatron", "megatron_sp", "tp_fsdp", "auto") for m in MESHES),
