@@ -99,6 +99,15 @@ def infer_role(plan: Plan, tree: Any) -> str:
         return "params"
     if plan.state and all(p in plan.state for p, _ in leaves):
         return "state"
+    if plan.state and all(p in params or p in plan.state for p, _ in leaves):
+        raise SpmdError(
+            op="sk.jit",
+            must="parameters and the model's mutable state are separate arguments",
+            given="one argument holding both (e.g. linen's whole variables dict: params "
+            "and batch_stats)",
+            fix="pass params (info.init_fn()) and state (info.init_state_fn()) as two "
+            "arguments, as info.loss_fn(params, batch, state) takes them",
+        )
     if any(any(p.endswith("/" + q) for q in params) for p, _ in leaves):
         return "opt_state"
     return "batch"

@@ -185,6 +185,8 @@ def test_batch_statistics_are_state_and_train_like_one_device(name):
         *ref_carried, ref_loss = ref(*ref_carried, batch)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-4)
     assert step.in_specs[2] == p.state_specs(state)  # the state role, inferred
+    with pytest.raises(sk.SpmdError, match="separate arguments"):  # never a batch
+        sk.jit(lambda v, b: v, p).shardings({**params, **state}, batch)
     for got, want, first in zip(
         *(jax.tree.leaves(t) for t in (carried[2], ref_carried[2], state)), strict=False
     ):
