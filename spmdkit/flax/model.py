@@ -26,8 +26,10 @@ Parameters are what the optimizer trains: NNX ``nnx.Param`` variables, linen's
 ``params`` collection. Everything else a model holds that its forward pass reads
 and may update is *state*: NNX ``nnx.BatchStat`` (and any other non-``Param``
 variable type except the RNG streams, which stay placeholders), linen's other
-collections (``batch_stats``, caches). A model with state gets a loss of the form
-``loss_fn(params, batch, state) -> (loss, new_state)``:
+collections (``batch_stats``, caches). A model with state gets
+``state_loss_fn(params, batch, state) -> (loss, new_state)`` besides ``loss_fn(params,
+batch) -> loss`` (which runs on placeholder zeros for the state, as a trace of the
+loss alone needs; training steps use ``state_loss_fn``):
 
 - NNX: the user's ``loss(model, batch)`` runs on a module merged from the
   arguments; a layer that updates its statistics in place (``nnx.BatchNorm`` in
@@ -131,8 +133,9 @@ class ModelInfo:
     Attributes:
       params: the parameters, in tree order.
       abstract_params: the params pytree with ``jax.ShapeDtypeStruct`` leaves.
-      loss_fn: ``loss_fn(params, batch) -> scalar``; for a model with state,
-        ``loss_fn(params, batch, state) -> (loss, new_state)`` (module docstring).
+      loss_fn: ``loss_fn(params, batch) -> scalar`` (for a model with state: the
+        state at placeholder zeros and its updates dropped; train with
+        :attr:`state_loss_fn`).
       batch: abstract batch (pytree of ``ShapeDtypeStruct``).
       batch_axes: batch field → logical names per dim.
       init_fn: zero-argument function returning the concrete params pytree, for
@@ -146,6 +149,8 @@ class ModelInfo:
         (None without state).
       init_state_fn: zero-argument function returning the concrete initial
         state (None without state, or when the model cannot be re-initialised).
+      state_loss_fn: ``state_loss_fn(params, batch, state) -> (loss, new_state)``
+        for a model with state (module docstring), None without.
     """
 
     params: list[ParamInfo]
@@ -160,6 +165,7 @@ class ModelInfo:
     state: list[ParamInfo] = field(default_factory=list)
     abstract_state: Any = None
     init_state_fn: Callable[[], Any] | None = None
+    state_loss_fn: Callable[..., Any] | None = None
     _memo: dict[Hashable, object] = field(default_factory=dict, repr=False, compare=False)
 
     def by_path(self) -> dict[str, ParamInfo]:
@@ -168,12 +174,12 @@ class ModelInfo:
 
     @property
     def has_state(self) -> bool:
-        """Whether the model carries mutable state (and ``loss_fn`` takes and returns it)."""
+        """Whether the model carries mutable state (:attr:`state_loss_fn` takes and returns it)."""
         return bool(self.state)
 
     def trace_args(self) -> tuple[Any, ...]:
-        """The abstract arguments of :attr:`loss_fn`: ``(params, batch)``, or
-        ``(params, batch, state)`` for a model with state."""
+        """The abstract arguments of the step's loss: ``(params, batch)``, or
+        ``(params, batch, state)`` for a model with state (:attr:`state_loss_fn`)."""
         if self.has_state:
             return self.abstract_params, self.batch, self.abstract_state
         return self.abstract_params, self.batch
@@ -186,8 +192,9 @@ class ModelInfo:
 
             >>> jax.make_jaxpr(info.scalar_loss)(*info.trace_args())
         """
-        out = self.loss_fn(params, batch, *state)
-        return out[0] if self.has_state else out
+        if self.state_loss_fn is not None and state:
+            return self.state_loss_fn(params, batch, *state)[0]
+        return self.loss_fn(params, batch)
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, run once per model and key; later calls with the same key
@@ -368,7 +375,7 @@ def _describe_nnx(
         return nnx.merge(graphdef, p, abstract_state if s is None else s, abstract_rng)
 
     def loss_fn(p: Any, b: Any) -> Any:
-        model = nnx.merge(graphdef, p, abstract_state, _zeros_like(abstract_rng))
+        model = nnx.merge(graphdef, p, _zeros_like(abstract_state), _zeros_like(abstract_rng))
         return loss(model, b)
 
     def state_loss_fn(p: Any, b: Any, s: Any) -> tuple[Any, Any]:
@@ -392,7 +399,7 @@ def _describe_nnx(
     return ModelInfo(
         params=infos,
         abstract_params=abstract_params,
-        loss_fn=state_loss_fn if has_state else loss_fn,
+        loss_fn=loss_fn,
         batch=_abstract(batch),
         batch_axes=dict(batch_axes) if batch_axes else _default_batch_axes(batch),
         init_fn=init_fn,
@@ -402,6 +409,7 @@ def _describe_nnx(
         state=_params_from_nnx_state(state) if has_state else [],
         abstract_state=abstract_state if has_state else None,
         init_state_fn=init_state_fn if has_state else None,
+        state_loss_fn=state_loss_fn if has_state else None,
     )
 
 
@@ -549,6 +557,13 @@ def _describe_linen(
     infos, plain = _params_from_linen(params_boxed)
     state_infos, state_plain = _params_from_linen(state_boxed)
     has_state = bool(state_infos)
+    state_loss = _linen_state_loss(loss, type(module).__name__) if has_state else None
+    abstract_state = _abstract(state_plain) if has_state else None
+
+    def loss_fn(params: Any, batch: Any) -> Any:
+        if state_loss is None:
+            return loss(params, batch)
+        return state_loss(params, batch, _zeros_like(abstract_state))[0]
 
     def init_fn() -> Any:
         import flax.linen as nn
@@ -563,15 +578,16 @@ def _describe_linen(
     return ModelInfo(
         params=infos,
         abstract_params=_abstract(plain),
-        loss_fn=_linen_state_loss(loss, type(module).__name__) if has_state else loss,
+        loss_fn=loss_fn,
         batch=_abstract(batch),
         batch_axes=dict(batch_axes) if batch_axes else _default_batch_axes(batch),
         init_fn=init_fn,
         kind="linen",
         name=type(module).__name__,
         state=state_infos,
-        abstract_state=_abstract(state_plain) if has_state else None,
+        abstract_state=abstract_state,
         init_state_fn=init_state_fn if has_state else None,
+        state_loss_fn=state_loss,
     )
 
 

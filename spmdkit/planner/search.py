@@ -376,7 +376,7 @@ def train_step(
 
     def make() -> Callable:
         return recipe_step(
-            info.loss_fn,
+            info.state_loss_fn if info.has_state else info.loss_fn,
             _optimizer(optimizer),
             recipe,
             grad_specs=grad_specs,

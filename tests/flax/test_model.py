@@ -116,7 +116,7 @@ def test_linen_collections_besides_params_are_state():
         "batch_stats/BatchNorm_0/mean",
         "batch_stats/BatchNorm_0/var",
     ]
-    _, new = info.loss_fn(info.init_fn(), {"x": x + 1.0}, info.init_state_fn())
+    _, new = info.state_loss_fn(info.init_fn(), {"x": x + 1.0}, info.init_state_fn())
     assert float(new["batch_stats"]["BatchNorm_0"]["mean"][0]) == pytest.approx(0.02)
 
     def scalar(v, b):
@@ -124,12 +124,12 @@ def test_linen_collections_besides_params_are_state():
 
     frozen = describe(net, loss=scalar, batch={"x": x}, init_args=(x,))
     with pytest.warns(UserWarning, match="returns no updated state"):
-        _, same = frozen.loss_fn(frozen.init_fn(), {"x": x}, frozen.init_state_fn())
+        _, same = frozen.state_loss_fn(frozen.init_fn(), {"x": x}, frozen.init_state_fn())
     assert float(same["batch_stats"]["BatchNorm_0"]["var"][0]) == 1.0
     wrong = describe(net, loss=lambda v, b: (scalar(v, b), {"cache": {}}), batch={"x": x},
                      init_args=(x,))  # fmt: skip
     with pytest.raises(ModelError, match="cache"):
-        wrong.loss_fn(wrong.init_fn(), {"x": x}, wrong.init_state_fn())
+        wrong.state_loss_fn(wrong.init_fn(), {"x": x}, wrong.init_state_fn())
 
 
 def test_nnx_batch_stats_are_state_read_back_after_the_loss():
@@ -146,7 +146,7 @@ def test_nnx_batch_stats_are_state_read_back_after_the_loss():
     info = describe(lambda: Net(nnx.Rngs(0)), loss=lambda m, b: m(b["x"]).sum(), batch={"x": x})
     assert [s.path for s in info.state] == ["bn/mean", "bn/var"]
     assert "bn/mean" not in info.by_path()
-    (_, new), grads = jax.value_and_grad(info.loss_fn, has_aux=True)(
+    (_, new), grads = jax.value_and_grad(info.state_loss_fn, has_aux=True)(
         info.init_fn(), {"x": x}, info.init_state_fn()
     )
     assert float(jnp.abs(new["bn"]["mean"][...]).sum()) > 0  # updated in place, read back

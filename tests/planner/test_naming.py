@@ -156,7 +156,7 @@ def test_a_pmap_axis_name_is_a_typed_error_or_bound():
     params, state = info.init_fn(), info.init_state_fn()
     # one device's BatchNorm over the whole batch: what the pmean averages to
     plain, updates = _SyncNorm(axis=None).apply({**params, **state}, x, mutable=["batch_stats"])
-    (loss, new), grads = jax.jit(jax.value_and_grad(info.loss_fn, has_aux=True))(
+    (loss, new), grads = jax.jit(jax.value_and_grad(info.state_loss_fn, has_aux=True))(
         params, {"x": x}, state
     )
     np.testing.assert_allclose(loss, (plain**2).mean(), rtol=1e-6)

@@ -82,7 +82,7 @@ def _grad_fn(info):
     and gradient, with the updated batch statistics of a model that has them."""
     if not info.has_state:
         return jax.value_and_grad(info.loss_fn)
-    vg = jax.value_and_grad(info.loss_fn, has_aux=True)
+    vg = jax.value_and_grad(info.state_loss_fn, has_aux=True)
 
     def f(params, batch, state):
         (loss, new_state), grads = vg(params, batch, state)
@@ -176,8 +176,8 @@ def test_batch_statistics_are_state_and_train_like_one_device(name):
     for path in p.state:
         assert "state, like" in next(line for line in table.splitlines() if path in line)
     opt = optax.sgd(0.1, momentum=0.9)
-    step = sk.jit(sk.train_step(info.loss_fn, opt, p, has_state=True), p)
-    ref = jax.jit(sk.train_step(info.loss_fn, opt, sk.Recipe(), has_state=True))
+    step = sk.jit(sk.train_step(info.state_loss_fn, opt, p, has_state=True), p)
+    ref = jax.jit(sk.train_step(info.state_loss_fn, opt, sk.Recipe(), has_state=True))
     carried = ref_carried = (params, opt.init(params), state)
     for _ in range(3):
         *carried, loss = step(*carried, batch)
