@@ -44,6 +44,12 @@ user's loss with the levers applied to it, without editing the model:
 
 :func:`train_step` builds the whole step (gradients and optimizer update) the
 same way for the planner and the runtime, so what is planned is what runs.
+
+Mutable state (``has_state=True``): a model with batch statistics has a loss
+``loss_fn(params, batch, state) -> (loss, new_state)``. The state is an input
+and an output of the step, never differentiated and never seen by the
+optimizer; with micro-batches it is threaded through them in order (micro-batch
+``i`` reads what ``i - 1`` wrote), as consecutive steps would.
 """
 
 from __future__ import annotations
@@ -447,12 +453,15 @@ def value_and_grad(
     *,
     grad_specs: Any = None,
     has_aux: bool = False,
+    has_state: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
     """``jax.value_and_grad(loss_fn)`` with a recipe applied (module docstring).
 
     Args:
       loss_fn: ``loss_fn(params, batch, *rest)`` → scalar loss (the mean over the
-        batch's examples), or ``(loss, aux)`` with ``has_aux=True``.
+        batch's examples), or ``(loss, aux)`` with ``has_aux=True``; with
+        ``has_state=True``, ``loss_fn(params, batch, state, *rest)`` →
+        ``(value, new_state)`` where ``value`` is as above.
       recipe: a :class:`Recipe`, or a plan (its ``recipe``; its gradient specs
         when it shards gradients, ZeRO-2).
       grad_specs: a tree like the params of ``PartitionSpec`` / ``NamedSharding``
@@ -460,13 +469,17 @@ def value_and_grad(
         ``None``: the plan's, if a plan is given, else unconstrained.
       has_aux: as for ``jax.value_and_grad``; with micro-batches ``aux`` is the
         mean over them.
+      has_state: the loss takes the model's mutable state after the batch and
+        returns it updated (module docstring); it is not differentiated.
 
     A plan with a ``pipeline`` runs its layer stack pipelined over the pipe axis
     (:func:`spmdkit.pipeline.execute.pipelined_value_and_grad`; the pipeline's
     micro-batches, not the recipe's).
 
     Returns:
-      ``f(params, batch, *rest) -> (loss, grads)`` (``((loss, aux), grads)``).
+      ``f(params, batch, *rest) -> (loss, grads)`` (``((loss, aux), grads)``);
+      with ``has_state``, ``f(params, batch, state, *rest) -> ((value,
+      new_state), grads)``, ``new_state`` in the dtypes of ``state``.
       Gradients have the params' dtypes whatever the compute dtype. With
       micro-batches, each array leaf of ``batch`` is split on its leading dim
       (micro-batch ``i`` takes rows ``i, i+n, ...``), PRNG-key leaves of ``rest``
@@ -489,9 +502,19 @@ def value_and_grad(
     def cast_loss(params: Any, batch: Any, *rest: Any) -> Any:
         return inner(_cast(params, rcp.compute_dtype), batch, *rest)
 
-    vg = jax.value_and_grad(cast_loss, has_aux=has_aux)
+    if has_state:
+        vg = _state_value_and_grad(cast_loss, has_aux)
+    else:
+        vg = jax.value_and_grad(cast_loss, has_aux=has_aux)
     pipe = getattr(recipe, "pipeline", None)
     if pipe is not None:
+        if has_state:
+            raise RecipeError(
+                op="sk.value_and_grad",
+                must="a pipelined plan's loss carries no mutable model state",
+                given="has_state=True with a plan whose pipeline is set",
+                fix="plan without a pipeline, or keep the state out of the pipelined loss",
+            )
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
         vg = _pipelined(cast_loss, pipe, recipe.sharding_mesh, has_aux)
 
@@ -503,6 +526,8 @@ def value_and_grad(
         if rcp.microbatches == 1:
             out, grads = vg(params, batch, *rest)
             return out, _constrain(grads, specs)
+        if has_state:
+            return _accumulate_state(vg, rcp.microbatches, specs, params, batch, rest)
         return _accumulate(vg, rcp.microbatches, specs, params, batch, rest)
 
     grad_fn.recipe = rcp  # type: ignore[attr-defined]
@@ -532,9 +557,52 @@ def _pipelined(loss: Callable, pipe: Any, mesh: Any, has_aux: bool) -> Callable:
     return f
 
 
-def _accumulate(
+def _state_value_and_grad(loss: Callable, has_aux: bool) -> Callable:
+    """``f(params, batch, state, *rest) -> ((value, new_state), grads)`` for a loss
+    returning ``(value, new_state)``: the new state rides as ``jax.value_and_grad``'s
+    aux (not differentiated) and comes back in the dtypes of ``state``."""
+
+    def split(params: Any, batch: Any, state: Any, *rest: Any) -> tuple[Any, tuple[Any, Any]]:
+        value, new_state = loss(params, batch, state, *rest)
+        new_state = jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), new_state, state)
+        loss_value, aux = value if has_aux else (value, None)
+        return loss_value, (aux, new_state)
+
+    vg = jax.value_and_grad(split, has_aux=True)
+
+    def f(params: Any, batch: Any, state: Any, *rest: Any) -> tuple[tuple[Any, Any], Any]:
+        (loss_value, (aux, new_state)), grads = vg(params, batch, state, *rest)
+        value = (loss_value, aux) if has_aux else loss_value
+        return (value, new_state), grads
+
+    return f
+
+
+def _accumulate_state(
     vg: Callable, n: int, specs: Any, params: Any, batch: Any, rest: tuple
 ) -> tuple[Any, Any]:
+    """:func:`_accumulate` for a loss with state: the state is threaded through the
+    micro-batches in order (the scan's carry) and returned as the last one left it."""
+    state, others = rest[0], rest[1:]
+
+    def step(params: Any, mb: Any, carried: Any, *more: Any) -> tuple[Any, Any, Any]:
+        (value, new_state), grads = vg(params, mb, carried, *more)
+        return value, grads, new_state
+
+    value, grads, state = _accumulate(step, n, specs, params, batch, others, state=state)
+    return (value, state), grads
+
+
+def _accumulate(
+    vg: Callable,
+    n: int,
+    specs: Any,
+    params: Any,
+    batch: Any,
+    rest: tuple,
+    *,
+    state: Any = None,
+) -> Any:
     """Run ``vg`` over ``n`` micro-batches in a ``lax.scan``; mean loss and grads."""
     with_paths, tree = jax.tree_util.tree_flatten_with_path(batch)
     leaves = [x for _, x in with_paths]
@@ -549,22 +617,28 @@ def _accumulate(
         return jax.tree.unflatten(tree, full)
 
     first = batch_of([x[0] for x in micro])
-    out_shape, _ = jax.eval_shape(vg, params, first, *rest)
+    stateful = state is not None
+    carried = (state,) if stateful else ()
+    out_shape = jax.eval_shape(vg, params, first, *carried, *rest)[0]
 
     def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
         i, mb = xs
-        out, grads = vg(params, batch_of(mb), *_fold_keys(rest, i))
-        gsum, osum = carry
+        gsum, osum, *st = carry
+        got = vg(params, batch_of(mb), *st, *_fold_keys(rest, i))
+        out, grads = got[:2]
         gsum = _constrain(jax.tree.map(jnp.add, gsum, grads), specs)
-        return (gsum, jax.tree.map(jnp.add, osum, out)), None
+        return (gsum, jax.tree.map(jnp.add, osum, out), *got[2:]), None
 
     zeros = (
         _constrain(jax.tree.map(jnp.zeros_like, params), specs),
         jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out_shape),
+        *carried,
     )
-    (gsum, osum), _ = jax.lax.scan(body, zeros, (jnp.arange(n), micro))
+    (gsum, osum, *st), _ = jax.lax.scan(body, zeros, (jnp.arange(n), micro))
     grads = jax.tree.map(lambda g: (g / n).astype(g.dtype), gsum)
     out = jax.tree.map(lambda o: (o / n).astype(o.dtype), osum)
+    if stateful:
+        return out, _constrain(grads, specs), st[0]
     return out, _constrain(grads, specs)
 
 
@@ -622,8 +696,13 @@ def train_step(
     recipe: Any,
     *,
     grad_specs: Any = None,
-) -> Callable[..., tuple[Any, Any, Any]]:
+    has_state: bool = False,
+) -> Callable[..., tuple[Any, ...]]:
     """``step(params, opt_state, batch) -> (params, opt_state, loss)`` for a recipe.
+
+    With ``has_state=True`` (a model with batch statistics, module docstring):
+    ``step(params, opt_state, state, batch) -> (params, opt_state, state, loss)``;
+    the state is updated by the loss, not by the optimizer.
 
     The gradients come from :func:`value_and_grad` (recompute, compute dtype,
     micro-batches, gradient specs); with ``offload_opt`` the optimizer state
@@ -632,10 +711,12 @@ def train_step(
     planned is what runs.
 
     Args:
-      loss_fn: ``loss_fn(params, batch)`` → scalar mean loss.
+      loss_fn: ``loss_fn(params, batch)`` → scalar mean loss (with
+        ``has_state``: ``loss_fn(params, batch, state) -> (loss, new_state)``).
       optimizer: an optax ``GradientTransformation``.
       recipe: a :class:`Recipe` or a plan.
       grad_specs: as for :func:`value_and_grad`.
+      has_state: the loss carries mutable model state.
 
     Example::
 
@@ -643,17 +724,29 @@ def train_step(
         >>> params, opt_state, loss_value = step(params, opt_state, batch)
     """
     rcp = recipe_of(recipe)
-    grad_fn = value_and_grad(loss_fn, recipe, grad_specs=grad_specs)
+    grad_fn = value_and_grad(loss_fn, recipe, grad_specs=grad_specs, has_state=has_state)
 
-    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
-        loss, grads = grad_fn(params, batch)
+    def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
         if rcp.offload_opt:
             opt_state = to_memory(opt_state, jax.memory.Space.Device)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         if rcp.offload_opt:
             opt_state = to_memory(opt_state, jax.memory.Space.Host)
         params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+        return params, opt_state
+
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        loss, grads = grad_fn(params, batch)
+        params, opt_state = update(params, opt_state, grads)
         return params, opt_state, loss
 
-    step.recipe = rcp  # type: ignore[attr-defined]
-    return step
+    def state_step(
+        params: Any, opt_state: Any, state: Any, batch: Any
+    ) -> tuple[Any, Any, Any, Any]:
+        (loss, state), grads = grad_fn(params, batch, state)
+        params, opt_state = update(params, opt_state, grads)
+        return params, opt_state, state, loss
+
+    out = state_step if has_state else step
+    out.recipe = rcp  # type: ignore[attr-defined]
+    return out

@@ -268,3 +268,33 @@ def test_replace_keeps_recipe_frozen():
     r = Recipe(remat="full")
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.remat = "none"  # type: ignore[misc]
+
+
+def test_state_is_threaded_through_micro_batches_and_not_differentiated():
+    """has_state: the loss takes and returns state; with micro-batches micro-batch i
+    sees what i-1 wrote (in dtype), and the step's optimizer never sees it."""
+
+    def loss(params, batch, state):
+        new = {"seen": state["seen"] * 2 + batch["x"].sum().astype(jnp.float16)}
+        return jnp.mean((batch["x"] @ params["w"]) ** 2), new
+
+    params = {"w": jnp.ones((4, 1))}
+    batch = {"x": jnp.arange(16.0).reshape(4, 4)}
+    state = {"seen": jnp.zeros((), jnp.float16)}
+    (value, new), grads = sk.value_and_grad(loss, Recipe(microbatches=2), has_state=True)(
+        params, batch, state
+    )
+    rows = [batch["x"][0::2], batch["x"][1::2]]  # micro-batch i: rows i, i+2
+    want = 0.0
+    for r in rows:
+        want = want * 2 + float(r.sum())
+    assert new["seen"].dtype == jnp.float16 and float(new["seen"]) == want
+    plain, plain_grads = jax.value_and_grad(lambda p: loss(p, batch, state)[0])(params)
+    np.testing.assert_allclose(value, plain, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], plain_grads["w"], rtol=1e-6)
+    opt = optax.sgd(0.1, momentum=0.9)
+    step = sk.train_step(loss, opt, Recipe(), has_state=True)
+    p2, o2, s2, _ = jax.jit(step)(params, opt.init(params), state, batch)
+    assert jax.tree.structure(o2) == jax.tree.structure(opt.init(params))
+    assert float(s2["seen"]) == float(batch["x"].sum())
+    assert jax.tree.structure(p2) == jax.tree.structure(params)

@@ -8,16 +8,20 @@ that decides its shardings:
 - ``"batch"``: a batch → the plan's batch specs (``Plan.batch_spec``), and the
   step's body starts with a sharding constraint on it (``with_sharding_constraint``
   under Auto axes, ``jax.sharding.reshard`` under Explicit axes);
+- ``"state"``: the model's mutable state (batch statistics) → the plan's state
+  specs (``Plan.state_specs``); an input and an output of a step, never
+  differentiated;
 - ``"grads"``: a gradients pytree → the plan's gradient specs
   (``Plan.grad_specs``: the param specs, or ZeRO-2's sharded ones); never
   inferred (a gradient tree looks like a params tree): pass it in ``out_roles``;
 - ``"replicated"``: every leaf replicated.
 
 Roles not given are inferred per argument on the first call: a tree whose leaf
-paths are param paths is ``params``; a tree whose leaf paths end with param paths
+paths are param paths is ``params``; one whose leaf paths are the plan's state
+paths is ``state``; a tree whose leaf paths end with param paths
 is ``opt_state``; otherwise ``batch`` (scalars replicated). Outputs get the same
-treatment (grads and new params: param specs; new optimizer state: optimizer
-specs; scalars replicated).
+treatment (grads and new params: param specs; new state: state specs; new
+optimizer state: optimizer specs; scalars replicated).
 
 By default the step is compiled on the plan's mesh with **Auto** axes: Shardy
 propagates shardings between the annotated boundaries, so any model compiles.
@@ -66,9 +70,9 @@ from spmdkit.verification.planned import verify_plan
 __all__ = ["ROLES", "STATE_ROLES", "PlannedFunction", "infer_role", "jit"]
 
 #: Argument roles, each with its own shardings (module docstring).
-ROLES = ("params", "opt_state", "grads", "batch", "replicated")
+ROLES = ("params", "opt_state", "state", "grads", "batch", "replicated")
 #: Roles that ``donate_state=True`` donates.
-STATE_ROLES = ("params", "opt_state")
+STATE_ROLES = ("params", "opt_state", "state")
 
 
 def _is_spec(x: Any) -> bool:
@@ -93,6 +97,17 @@ def infer_role(plan: Plan, tree: Any) -> str:
     params = plan.params
     if all(p in params for p, _ in leaves):
         return "params"
+    if plan.state and all(p in plan.state for p, _ in leaves):
+        return "state"
+    if plan.state and all(p in params or p in plan.state for p, _ in leaves):
+        raise SpmdError(
+            op="sk.jit",
+            must="parameters and the model's mutable state are separate arguments",
+            given="one argument holding both (e.g. linen's whole variables dict: params "
+            "and batch_stats)",
+            fix="pass params (info.init_fn()) and state (info.init_state_fn()) as two "
+            "arguments, as info.loss_fn(params, batch, state) takes them",
+        )
     if any(any(p.endswith("/" + q) for q in params) for p, _ in leaves):
         return "opt_state"
     return "batch"
@@ -103,6 +118,8 @@ def _specs(plan: Plan, role: str, tree: Any, *, output: bool = False) -> Any:
         return plan.param_specs(tree)
     if role == "opt_state":
         return plan.opt_specs(tree)
+    if role == "state":
+        return plan.state_specs(tree)
     if role == "grads":
         return plan.grad_specs(tree)
     if role == "batch":
@@ -165,8 +182,8 @@ class PlannedFunction:
       plan: the plan.
       in_roles, out_roles, donate_argnums, mesh, axis_types, constrain, enforce:
         as for :func:`jit`.
-      donate_state: also donate every argument whose role is ``params`` or
-        ``opt_state`` (:data:`STATE_ROLES`); :attr:`donate_argnums` includes them
+      donate_state: also donate every argument whose role is ``params``,
+        ``opt_state`` or ``state`` (:data:`STATE_ROLES`); :attr:`donate_argnums` includes them
         once the roles are known (first call, :meth:`program` or :meth:`lower`).
     """
 
@@ -493,8 +510,8 @@ def jit(
         (or None) are inferred.
       out_roles: role per output element, one role for all, or None to infer.
       donate_argnums: arguments whose buffers XLA may reuse.
-      donate_state: also donate every ``params`` / ``opt_state`` argument (for a
-        step returning the new state).
+      donate_state: also donate every ``params`` / ``opt_state`` / ``state``
+        argument (for a step returning the new state).
       mesh: the device mesh (default: the plan's; needed when the plan was made
         on an abstract mesh).
       axis_types: ``"auto"`` (default) or ``"explicit"`` (module docstring).

@@ -1,9 +1,10 @@
-"""Describe a flax model abstractly: its parameters, their logical axis names, its loss and batch.
+"""Describe a flax model abstractly: parameters, state, logical axis names, loss and batch.
 
-A planner needs four things from a model, and nothing else: the parameters' paths,
+A planner needs five things from a model, and nothing else: the parameters' paths,
 shapes and dtypes; the logical axis names of each parameter dim (flax metadata);
-a loss ``loss(params, batch) -> scalar`` over a params pytree; and an abstract
-batch. :func:`describe` extracts them, as a :class:`ModelInfo`, from any of:
+the model's mutable state (batch statistics), which the step carries but never
+differentiates; a loss over a params pytree; and an abstract batch.
+:func:`describe` extracts them, as a :class:`ModelInfo`, from any of:
 
 - a model spec (``spmdkit.models.get_model(name)``: ``build(cfg, rngs)``,
   ``loss(model, batch)``, ``batch(cfg, batch_size, rng)``, ``batch_axes``);
@@ -19,6 +20,29 @@ into NNX keep their box type in ``linen_meta_type``. A parameter with no names i
 *unannotated* here; the planner names it from its role in the traced loss, or
 from ``names=`` by path (:mod:`spmdkit.planner.naming`).
 
+Mutable state
+-------------
+Parameters are what the optimizer trains: NNX ``nnx.Param`` variables, linen's
+``params`` collection. Everything else a model holds that its forward pass reads
+and may update is *state*: NNX ``nnx.BatchStat`` (and any other non-``Param``
+variable type except the RNG streams, which stay placeholders), linen's other
+collections (``batch_stats``, caches). A model with state gets
+``state_loss_fn(params, batch, state) -> (loss, new_state)`` besides ``loss_fn(params,
+batch) -> loss`` (which runs on placeholder zeros for the state, as a trace of the
+loss alone needs; training steps use ``state_loss_fn``):
+
+- NNX: the user's ``loss(model, batch)`` runs on a module merged from the
+  arguments; a layer that updates its statistics in place (``nnx.BatchNorm`` in
+  training mode) leaves them on the module, and the new state is read back from
+  it after the call — nothing to change in the loss.
+- linen: the user's ``loss(variables, batch)`` gets every collection and returns
+  ``(loss, updates)`` as ``module.apply(variables, x, mutable=["batch_stats"])``
+  hands them out; a loss returning only the loss keeps the state as it was (a
+  warning says so once: its statistics would never update).
+
+The state is never differentiated and never given to the optimizer; the planner
+lays it out (:mod:`spmdkit.planner.search`) and the step returns it updated.
+
 Nothing here materialises a model on one device: shapes come from
 ``nnx.eval_shape`` / ``jax.eval_shape``. Creating the parameters sharded is
 :mod:`spmdkit.compile.annotate`'s job; this module never imports the planner (the
@@ -28,6 +52,7 @@ planner imports it).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -41,6 +66,7 @@ from spmdkit.errors import SpmdError
 from spmdkit.util import path_str
 
 __all__ = [
+    "STATE_FILTER",
     "ModelError",
     "ModelInfo",
     "ParamInfo",
@@ -54,6 +80,11 @@ __all__ = [
 
 
 T = TypeVar("T")
+
+#: The NNX variables that are mutable state: everything but parameters and the
+#: RNG streams (``nnx.BatchStat``, caches, user variable types); the filter is
+#: applied after ``nnx.Param`` in ``nnx.split``.
+STATE_FILTER = nnx.Not(nnx.RngState)
 
 
 class ModelError(SpmdError, TypeError):
@@ -102,7 +133,9 @@ class ModelInfo:
     Attributes:
       params: the parameters, in tree order.
       abstract_params: the params pytree with ``jax.ShapeDtypeStruct`` leaves.
-      loss_fn: ``loss_fn(params, batch) -> scalar``.
+      loss_fn: ``loss_fn(params, batch) -> scalar`` (for a model with state: the
+        state at placeholder zeros and its updates dropped; train with
+        :attr:`state_loss_fn`).
       batch: abstract batch (pytree of ``ShapeDtypeStruct``).
       batch_axes: batch field → logical names per dim.
       init_fn: zero-argument function returning the concrete params pytree, for
@@ -110,22 +143,58 @@ class ModelInfo:
       kind: ``"nnx"``, ``"linen"`` or ``"fn"``.
       merge: for NNX, ``merge(params) -> module`` (None otherwise).
       name: a short name for reports.
+      state: the mutable state leaves (batch statistics), in tree order; empty
+        for a model without state.
+      abstract_state: the state pytree with ``jax.ShapeDtypeStruct`` leaves
+        (None without state).
+      init_state_fn: zero-argument function returning the concrete initial
+        state (None without state, or when the model cannot be re-initialised).
+      state_loss_fn: ``state_loss_fn(params, batch, state) -> (loss, new_state)``
+        for a model with state (module docstring), None without.
     """
 
     params: list[ParamInfo]
     abstract_params: Any
-    loss_fn: Callable[[Any, Any], Any]
+    loss_fn: Callable[..., Any]
     batch: Any
     batch_axes: dict[str, tuple[str | None, ...]]
     init_fn: Callable[[], Any] | None = None
     kind: str = "nnx"
     merge: Callable[[Any], Any] | None = None
     name: str = "model"
+    state: list[ParamInfo] = field(default_factory=list)
+    abstract_state: Any = None
+    init_state_fn: Callable[[], Any] | None = None
+    state_loss_fn: Callable[..., Any] | None = None
     _memo: dict[Hashable, object] = field(default_factory=dict, repr=False, compare=False)
 
     def by_path(self) -> dict[str, ParamInfo]:
         """Path → ParamInfo."""
         return {p.path: p for p in self.params}
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the model carries mutable state (:attr:`state_loss_fn` takes and returns it)."""
+        return bool(self.state)
+
+    def trace_args(self) -> tuple[Any, ...]:
+        """The abstract arguments of the step's loss: ``(params, batch)``, or
+        ``(params, batch, state)`` for a model with state (:attr:`state_loss_fn`)."""
+        if self.has_state:
+            return self.abstract_params, self.batch, self.abstract_state
+        return self.abstract_params, self.batch
+
+    def scalar_loss(self, params: Any, batch: Any, *state: Any) -> Any:
+        """The loss value alone (the new state dropped), for traces that only need
+        the loss's dataflow: ``scalar_loss(*info.trace_args())``.
+
+        Example::
+
+            >>> jax.make_jaxpr(info.scalar_loss)(*info.trace_args())
+        """
+        if self.state_loss_fn is not None and state:
+            return self.state_loss_fn(params, batch, *state)[0]
+        return self.loss_fn(params, batch)
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, run once per model and key; later calls with the same key
@@ -295,22 +364,37 @@ def _describe_nnx(
 ) -> ModelInfo:
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(build)
-    graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    graphdef, params, state, rng = nnx.split(abstract_model, nnx.Param, STATE_FILTER, ...)
     infos = _params_from_nnx_state(params)
     abstract_params = _abstract(params)
-    abstract_rest = _abstract(rest)
+    abstract_state = _abstract(state)
+    abstract_rng = _abstract(rng)
+    has_state = bool(jax.tree.leaves(abstract_state))
 
-    def merge(p: Any, r: Any = None) -> Any:
-        return nnx.merge(graphdef, p, abstract_rest if r is None else r)
+    def merge(p: Any, s: Any = None) -> Any:
+        return nnx.merge(graphdef, p, abstract_state if s is None else s, abstract_rng)
 
     def loss_fn(p: Any, b: Any) -> Any:
-        model = nnx.merge(graphdef, p, _zeros_like(abstract_rest))
+        model = nnx.merge(graphdef, p, _zeros_like(abstract_state), _zeros_like(abstract_rng))
         return loss(model, b)
+
+    def state_loss_fn(p: Any, b: Any, s: Any) -> tuple[Any, Any]:
+        # fresh variables at this trace level: the loss may update them in place
+        s = jax.tree.map(lambda x: x, s)
+        model = nnx.merge(graphdef, p, s, _zeros_like(abstract_rng))
+        out = loss(model, b)
+        # layers that update their statistics in place left them on the module
+        return out, nnx.split(model, nnx.Param, STATE_FILTER, ...)[2]
 
     def init_fn() -> Any:
         with nnx.use_eager_sharding(False):
             model = build()
         return nnx.split(model, nnx.Param, ...)[1]
+
+    def init_state_fn() -> Any:
+        with nnx.use_eager_sharding(False):
+            model = build()
+        return nnx.split(model, nnx.Param, STATE_FILTER, ...)[2]
 
     return ModelInfo(
         params=infos,
@@ -322,11 +406,15 @@ def _describe_nnx(
         kind="nnx",
         merge=merge,
         name=name,
+        state=_params_from_nnx_state(state) if has_state else [],
+        abstract_state=abstract_state if has_state else None,
+        init_state_fn=init_state_fn if has_state else None,
+        state_loss_fn=state_loss_fn if has_state else None,
     )
 
 
 def _zeros_like(tree: Any) -> Any:
-    """Placeholder values for non-param state (batch stats, rng keys) in a loss trace."""
+    """Placeholder values for the RNG streams a module holds, in a loss trace."""
     import jax.numpy as jnp
 
     def zero(s: Any) -> Any:
@@ -408,6 +496,7 @@ def describe(
 
         info = _describe_nnx(build, loss, batch, batch_axes, type(model).__name__)
         info.init_fn = None  # a given instance has no initialiser to replay
+        info.init_state_fn = None
         return info
     if callable(model):
         return _describe_nnx(model, loss, batch, batch_axes, getattr(model, "__name__", "model"))
@@ -463,20 +552,88 @@ def _describe_linen(
         return module.init(jax.random.key(rng_seed), *init_args)
 
     boxed = jax.eval_shape(init_boxed)
-    infos, plain = _params_from_linen(boxed)
+    params_boxed = {k: v for k, v in boxed.items() if k == "params"}
+    state_boxed = {k: v for k, v in boxed.items() if k != "params"}
+    infos, plain = _params_from_linen(params_boxed)
+    state_infos, state_plain = _params_from_linen(state_boxed)
+    has_state = bool(state_infos)
+    state_loss = _linen_state_loss(loss, type(module).__name__) if has_state else None
+    abstract_state = _abstract(state_plain) if has_state else None
+
+    def loss_fn(params: Any, batch: Any) -> Any:
+        if state_loss is None:
+            return loss(params, batch)
+        return state_loss(params, batch, _zeros_like(abstract_state))[0]
 
     def init_fn() -> Any:
         import flax.linen as nn
 
-        return nn.unbox(init_boxed())
+        return nn.unbox({k: v for k, v in init_boxed().items() if k == "params"})
+
+    def init_state_fn() -> Any:
+        import flax.linen as nn
+
+        return nn.unbox({k: v for k, v in init_boxed().items() if k != "params"})
 
     return ModelInfo(
         params=infos,
         abstract_params=_abstract(plain),
-        loss_fn=loss,
+        loss_fn=loss_fn,
         batch=_abstract(batch),
         batch_axes=dict(batch_axes) if batch_axes else _default_batch_axes(batch),
         init_fn=init_fn,
         kind="linen",
         name=type(module).__name__,
+        state=state_infos,
+        abstract_state=abstract_state,
+        init_state_fn=init_state_fn if has_state else None,
+        state_loss_fn=state_loss,
     )
+
+
+def _linen_state_loss(loss: Callable[[Any, Any], Any], name: str) -> Callable[..., Any]:
+    """``loss(variables, batch) -> loss | (loss, updates)`` as
+    ``loss_fn(params, batch, state) -> (loss, new_state)`` (module docstring)."""
+    warned: list[bool] = []
+
+    def loss_fn(params: Any, batch: Any, state: Any) -> tuple[Any, Any]:
+        out = loss({**params, **state}, batch)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
+            if not warned:
+                warned.append(True)
+                warnings.warn(
+                    f"describe({name}): the loss returns no updated state, so the model's "
+                    f"{'/'.join(state)} collections stay as initialised; return "
+                    "`(loss, updates)` from `module.apply(variables, x, "
+                    f"mutable={list(state)})` to update them",
+                    stacklevel=2,
+                )
+            return out, state
+        value, updates = out
+        return value, _updated_state(state, dict(updates), name)
+
+    return loss_fn
+
+
+def _updated_state(state: dict, updates: dict, name: str) -> dict:
+    """The state with the collections a linen loss returned swapped in."""
+    unknown = sorted(set(updates) - set(state))
+    if unknown:
+        raise ModelError(
+            op=f"describe({name})",
+            must="a loss returning (loss, updates) returns mutable collections of the model",
+            given=f"updates for {unknown}; the model's state collections are {sorted(state)}",
+            fix="return the second value of module.apply(..., mutable=[...]) as is",
+        )
+    out = {}
+    for k, old in state.items():
+        new = updates.get(k, old)
+        if jax.tree.structure(new) != jax.tree.structure(old):
+            raise ModelError(
+                op=f"describe({name})",
+                must=f"the updated {k!r} collection has the variables the model initialised",
+                given=f"{jax.tree.structure(new)}",
+                fix=f"return module.apply(..., mutable={list(state)})'s updates unchanged",
+            )
+        out[k] = new
+    return out

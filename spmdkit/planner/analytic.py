@@ -109,6 +109,9 @@ class StepTrace:
       attn_fwd_flops: forward FLOPs of the batched dots.
       resid_peak: the largest single residual (the logits), live again as its
         gradient in the backward pass.
+      state_bytes: the model's mutable state (batch statistics), global; counted
+        replicated (it is per-channel and small), twice (the step's input and
+        its updated output).
     """
 
     flops: float
@@ -129,6 +132,7 @@ class StepTrace:
     layer_fwd_flops: float = 0.0
     attn_fwd_flops: float = 0.0
     resid_peak: float = 0.0
+    state_bytes: int = 0
 
     def activation_bytes(self, recipe: Recipe) -> float:
         """Global activation bytes the backward pass needs under ``recipe``'s
@@ -559,6 +563,8 @@ def total_cost(
     }
     if cast:
         memory["compute_copy"] = int(cast)
+    if trace.state_bytes:
+        memory["state"] = 2 * int(trace.state_bytes)
     if recipe.offload_opt:
         # The offloaded state is on the device only for the update, after the
         # activations are freed: the peak grows only where it exceeds them.

@@ -265,7 +265,7 @@ def infer_names(info: ModelInfo) -> dict[str, Role]:
 
 def _infer(info: ModelInfo) -> dict[str, Role]:
     try:
-        closed = jax.make_jaxpr(info.loss_fn)(info.abstract_params, info.batch)
+        closed = jax.make_jaxpr(info.scalar_loss)(*info.trace_args())
     except NameError as e:
         raise (unbound_axis_error(e, "plan") or e) from e
     leaves = jax.tree_util.tree_flatten_with_path(info.abstract_params)[0]

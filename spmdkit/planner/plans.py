@@ -225,6 +225,12 @@ class Plan:
       pipeline: how the stacked layers are pipelined over a mesh axis
         (:class:`~spmdkit.pipeline.Pipeline`: stages, virtual stages,
         micro-batches, schedule); ``None``: not pipelined.
+      state: state path → PartitionSpec of the model's mutable state (batch
+        statistics): an input and an output of the step, not differentiated,
+        no optimizer state. Their shapes are in :attr:`info` too.
+      state_from: state path → where its layout came from (``"like <param
+        path>"``: the parameter of its module with its shape, ``"rules"``: its
+        own logical names, ``"replicated"``: neither); the table shows it.
 
     Example::
 
@@ -248,6 +254,8 @@ class Plan:
     grads: Mapping[str, P] = field(default_factory=dict)
     names_from: Mapping[str, str] = field(default_factory=dict)
     pipeline: Pipeline | None = None
+    state: Mapping[str, P] = field(default_factory=dict)
+    state_from: Mapping[str, str] = field(default_factory=dict)
 
     # -- shardings ------------------------------------------------------------------
     def _lookup(self, table: Mapping[str, P], path: str, shape: tuple[int, ...]) -> P | None:
@@ -347,6 +355,35 @@ class Plan:
         """``(param_shardings, opt_shardings)``, e.g. for an orbax restore target."""
         return self.param_shardings(abstract_params), self.opt_shardings(abstract_opt_state)
 
+    def state_specs(self, abstract_state: PyTree) -> PyTree:
+        """PartitionSpec tree for the model's mutable state (:attr:`state`).
+
+        Raises:
+          PlanError: a leaf matches no state path of the plan.
+        """
+
+        def one(kp: tuple, x: Any) -> P:
+            path = path_str(kp)
+            spec = self._lookup(self.state, path, tuple(np.shape(x)))
+            if spec is None:
+                near = difflib.get_close_matches(path, list(self.state), n=1)
+                raise PlanError(
+                    op="Plan.state_specs",
+                    must="the path is a state path of the plan",
+                    given=repr(path) + ("" if self.state else " (the plan has no state)"),
+                    fix=(f"did you mean {near[0]!r}? " if near else "")
+                    + "plan the model whose state you pass",
+                )
+            return spec
+
+        return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+    def state_sharding(self, abstract_state: PyTree) -> PyTree:
+        """NamedSharding tree for the model's mutable state (see :meth:`state_specs`)."""
+        return jax.tree.map(
+            self._named, self.state_specs(abstract_state), is_leaf=lambda x: isinstance(x, P)
+        )
+
     def batch_spec(self, path: str, shape: Sequence[int]) -> P:
         """The spec of one batch field: its dims' logical names through :attr:`activation`.
 
@@ -443,6 +480,8 @@ class Plan:
                 "grads": {k: _spec_json(v) for k, v in self.grads.items()},
                 "names_from": dict(self.names_from),
                 "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
+                "state": {k: _spec_json(v) for k, v in self.state.items()},
+                "state_from": dict(self.state_from),
             },
             indent=1,
         )
@@ -486,6 +525,8 @@ class Plan:
             grads={k: _spec_from_json(v) for k, v in d.get("grads", {}).items()},
             names_from=d.get("names_from", {}),
             pipeline=Pipeline.from_json(d.get("pipeline")),
+            state={k: _spec_from_json(v) for k, v in d.get("state", {}).items()},
+            state_from=d.get("state_from", {}),
         )
         return out if mesh is None else out.on(mesh)
 
@@ -510,9 +551,11 @@ class Plan:
             head += f" (chose {self.chosen})"
         lines = [f"{head} on mesh {mesh_text} ({math.prod(sizes.values())} devices)"]
         rows: dict[tuple, list] = {}
-        for path, spec in self.params.items():
+        entries = [(path, spec, self.opt.get(path, spec)) for path, spec in self.params.items()]
+        entries += [(path, spec, None) for path, spec in self.state.items()]
+        for path, spec, ospec in entries:
             shape, dtype, logical = self.info.get(path, ((), "float32", None))
-            key = (re.sub(r"(^|/)\d+(?=/|$)", r"\1*", path), spec, self.opt.get(path, spec))
+            key = (re.sub(r"(^|/)\d+(?=/|$)", r"\1*", path), spec, ospec)
             if key in rows:
                 rows[key][0] += 1
                 continue
@@ -520,7 +563,9 @@ class Plan:
             shards = math.prod(sizes[a] for a in _flat(spec))
             text = "-" if logical is None else ",".join(n or "_" for n in logical)
             source = self.names_from.get(path, "model")
-            if source != "model":
+            if ospec is None:
+                text = f"state, {self.state_from.get(path, 'given')}"
+            elif source != "model":
                 text += f" ({source})"
             rows[key] = [1, shape, text, nbytes // max(shards, 1)]
         header = ("param", "n", "shape", "logical", "spec", "opt spec", "bytes/dev")
@@ -533,7 +578,7 @@ class Plan:
                     "×".join(map(str, shape)) or "scalar",
                     logical,
                     _spec_text(spec),
-                    "=" if ospec == spec else _spec_text(ospec),
+                    "none" if ospec is None else "=" if ospec == spec else _spec_text(ospec),
                     fmt_bytes(per_dev),
                 )
             )

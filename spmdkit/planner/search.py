@@ -54,7 +54,7 @@ from jax.extend.core import Jaxpr, JaxprEqn
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.model import ModelInfo, describe, unbound_axis_error
+from spmdkit.flax.model import ModelInfo, ParamInfo, describe, unbound_axis_error
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.planner.analytic import (
@@ -91,7 +91,15 @@ from spmdkit.util import contraction_flops, fmt_bytes, path_str
 if TYPE_CHECKING:
     from optax import GradientTransformation
 
-__all__ = ["H100_MEMORY", "Candidate", "plan", "propagate_cost", "trace_step", "train_step"]
+__all__ = [
+    "H100_MEMORY",
+    "Candidate",
+    "plan",
+    "propagate_cost",
+    "state_layout",
+    "trace_step",
+    "train_step",
+]
 
 #: Per-device memory of one H100 (bytes); the default memory budget.
 H100_MEMORY = 80 * 2**30
@@ -291,16 +299,17 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
 
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
     opt = _optimizer(optimizer)
+    args = info.trace_args()
     try:
-        closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+        closed = jax.make_jaxpr(jax.value_and_grad(info.scalar_loss))(*args)
     except NameError as e:
         raise (unbound_axis_error(e, "plan") or e) from e
-    forward = jax.make_jaxpr(info.loss_fn)(info.abstract_params, info.batch)
+    forward = jax.make_jaxpr(info.scalar_loss)(*args)
 
-    def residuals(p: PyTree, b: PyTree) -> Callable:
-        return jax.vjp(info.loss_fn, p, b)[1]
+    def residuals(p: PyTree, b: PyTree, *state: PyTree) -> Callable:
+        return jax.vjp(lambda p, b: info.scalar_loss(p, b, *state), p, b)[1]
 
-    resid = jax.eval_shape(residuals, info.abstract_params, info.batch)
+    resid = jax.eval_shape(residuals, *args)
     resid_bytes = sum(_nbytes(x) for x in jax.tree.leaves(resid))
     param_bytes = sum(p.nbytes for p in info.params)
     batch_bytes = sum(_nbytes(x) for x in jax.tree.leaves(info.batch))
@@ -348,6 +357,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         layer_fwd_flops=scan.fwd_flops if scan else 0.0,
         attn_fwd_flops=attn_fwd,
         resid_peak=float(peak),
+        state_bytes=sum(p.nbytes for p in info.state),
     )
 
 
@@ -367,18 +377,26 @@ def train_step(
     """``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` with
     the optimizer (default ``optax.adam``) and the recipe applied: the very
     function ``sk.train_step`` builds and ``sk.jit``/``train`` run
-    (:func:`spmdkit.recipe.train_step`), so what is planned is what runs.
+    (:func:`spmdkit.recipe.train_step`), so what is planned is what runs. A model
+    with mutable state gets ``train_step(params, opt_state, state, batch) ->
+    (params, opt_state, state, loss)``.
     ``grad_specs``: the gradients' shardings when the plan shards them (ZeRO-2).
     One function per model, optimizer and recipe (``ModelInfo.memo``), so
     propagations of it share jax's trace cache."""
     from spmdkit.recipe import train_step as recipe_step
 
+    def make() -> Callable:
+        return recipe_step(
+            info.state_loss_fn if info.has_state else info.loss_fn,
+            _optimizer(optimizer),
+            recipe,
+            grad_specs=grad_specs,
+            has_state=info.has_state,
+        )
+
     if grad_specs is not None:
-        return recipe_step(info.loss_fn, _optimizer(optimizer), recipe, grad_specs=grad_specs)
-    return info.memo(
-        ("planner.step", id(optimizer), recipe),
-        lambda: recipe_step(info.loss_fn, _optimizer(optimizer), recipe),
-    )
+        return make()
+    return info.memo(("planner.step", id(optimizer), recipe), make)
 
 
 def propagate_cost(
@@ -393,15 +411,19 @@ def propagate_cost(
     with its recipe applied; ``analytic`` is the same plan's analytic cost, whose
     compute time and overlappable share of communication it keeps."""
     trace = ctx.trace
-    in_specs = (
-        candidate.param_specs(info.abstract_params),
-        candidate.opt_specs(trace.abstract_opt),
-        candidate.batch_specs(info.batch),
-    )
-    # The step hands back parameters and optimizer state in the layouts it took them
-    # in (the next step's inputs, and what sk.jit's out_shardings ask for): ZeRO-1's
-    # all-gather of the updated parameters is part of its cost.
-    out_specs = (in_specs[0], in_specs[1], P())
+    carried = (candidate.param_specs(info.abstract_params), candidate.opt_specs(trace.abstract_opt))
+    args = (info.abstract_params, trace.abstract_opt)
+    roles: tuple[str, ...] = ("params", "opt_state")
+    if info.has_state:  # the model's batch statistics: in and out of the step, no grads
+        carried += (candidate.state_specs(info.abstract_state),)
+        args += (info.abstract_state,)
+        roles += ("state",)
+    in_specs = (*carried, candidate.batch_specs(info.batch))
+    # The step hands back parameters, optimizer state (and model state) in the
+    # layouts it took them in (the next step's inputs, and what sk.jit's
+    # out_shardings ask for): ZeRO-1's all-gather of the updated parameters is
+    # part of its cost.
+    out_specs = (*carried, P())
     grad_specs = None
     if candidate.grads:
         # constraints inside the traced step need Auto axes (as sk.jit compiles)
@@ -416,15 +438,14 @@ def propagate_cost(
         )
     prop = propagate(
         train_step(info, optimizer, candidate.recipe, grad_specs),
-        info.abstract_params,
-        trace.abstract_opt,
+        *args,
         info.batch,
         in_specs=in_specs,
         out_specs=out_specs,
         mesh=ctx.mesh,
         topology=ctx.topology,
-        donate_argnums=(0, 1),
-        arg_roles=("params", "opt_state", "batch"),
+        donate_argnums=tuple(range(len(args))),
+        arg_roles=(*roles, "batch"),
     )
     # Compute time is the analytic model's (the traced FLOPs split by the layout,
     # at achievable rates, recomputation included); communication is the
@@ -453,6 +474,68 @@ def propagate_cost(
         },
         estimator="propagate",
     )
+
+
+# -- the model's mutable state ----------------------------------------------------------------
+
+#: Parameter names a module's statistics follow first (a norm's scale, then its bias).
+_OWNER_ORDER = ("scale", "bias")
+
+
+def _owner(path: str, shape: tuple[int, ...], params: Mapping[str, ParamInfo]) -> str | None:
+    """The parameter a state leaf belongs to: one of its module (its parent path;
+    for linen, the same module in the ``params`` collection) with its shape, a
+    norm's ``scale`` or ``bias`` first."""
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    parents = {parent}
+    _, _, module = parent.partition("/")
+    if module:
+        parents.add("params/" + module)
+    hits = [
+        q
+        for q, p in params.items()
+        if (q.rsplit("/", 1)[0] if "/" in q else "") in parents and tuple(p.shape) == shape
+    ]
+
+    def order(q: str) -> tuple[int, str]:
+        leaf = q.rsplit("/", 1)[-1]
+        return (_OWNER_ORDER.index(leaf) if leaf in _OWNER_ORDER else len(_OWNER_ORDER), q)
+
+    return min(hits, key=order) if hits else None
+
+
+def state_layout(
+    info: ModelInfo, params: Mapping[str, P], rules: LogicalRules | None, mesh: MeshLike
+) -> tuple[dict[str, P], dict[str, str]]:
+    """Specs for the model's mutable state and where each came from.
+
+    A state leaf (a norm's running mean) is laid out like the parameter of its
+    module with its shape (the norm's scale: per-channel statistics follow the
+    channels' layout, whatever the rules decided for them); a leaf with its own
+    pin or logical names and no such parameter, by the pin or the rule table;
+    otherwise it is replicated, and its row in the plan's table says so.
+
+    Example::
+
+        >>> specs, sources = state_layout(info, plan.params, plan.rules, mesh)
+        >>> sources["batch_stats/BatchNorm_0/mean"]
+        'like params/BatchNorm_0/scale'
+    """
+    by_path = info.by_path()
+    specs: dict[str, P] = {}
+    sources: dict[str, str] = {}
+    for s in info.state:
+        owner = _owner(s.path, tuple(s.shape), by_path)
+        if owner is not None and owner in params:
+            specs[s.path], sources[s.path] = params[owner], f"like {owner}"
+        elif s.pinned is not None:
+            specs[s.path], sources[s.path] = s.pinned, "pinned"
+        elif s.logical is not None and rules is not None:
+            specs[s.path] = rules.resolve(s.logical, s.shape, mesh, where=s.path)
+            sources[s.path] = "rules"
+        else:
+            specs[s.path], sources[s.path] = P(), "replicated"
+    return specs, sources
 
 
 # -- candidate layouts ------------------------------------------------------------------------
@@ -770,6 +853,9 @@ class _Planner:
                 if layout.grads_sharded:
                     grads[path] = dims_spec(layout.opt)
         order = [p.path for p in self.info.params]
+        state, state_from = state_layout(
+            self.info, params, c.rules, self.mesh if c.mesh is None else c.mesh
+        )
         return Plan(
             mesh=self.mesh if c.mesh is None else c.mesh,
             params={p: params[p] for p in order},
@@ -777,12 +863,16 @@ class _Planner:
             activation=c.activation,
             strategy=strategy,
             rules=c.rules,
-            info={p.path: (p.shape, p.dtype, p.logical) for p in self.info.params},
+            info={
+                p.path: (p.shape, p.dtype, p.logical) for p in (*self.info.params, *self.info.state)
+            },
             batch_axes=dict(self.info.batch_axes),
             cost=cost,
             recipe=c.recipe,
             grads={p: grads[p] for p in order if p in grads},
             pipeline=c.pipeline,
+            state=state,
+            state_from=state_from,
         )
 
     def propagated(self, c: Candidate) -> Candidate:

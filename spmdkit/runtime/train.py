@@ -22,6 +22,13 @@ per-example ids out of the loss or make them integer arrays.
 Checkpoints hold the parameters and, unless ``save_opt_state=False``, the
 optimizer state; ``restore_opt_state=False`` (or a checkpoint without one) puts
 the restored parameters into a freshly initialised optimizer state.
+
+Mutable model state (batch statistics) is carried from step to step, never
+differentiated nor handed to the optimizer, and checkpointed as ``model_state``:
+an NNX module's non-``Param`` variables (``nnx.BatchStat``; the RNG streams
+excepted) are found and updated by themselves; for a params pytree, pass
+``state=`` and write the loss as ``loss_fn(params, batch, state) -> (loss,
+new_state)`` (linen: ``module.apply(..., mutable=["batch_stats"])``'s updates).
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ from spmdkit.runtime.data import BatchSkeleton, split_batch
 
 __all__ = ["TrainError", "TrainResult", "train"]
 
+#: An NNX module's mutable state: its variables but parameters and RNG streams, the
+#: split ``spmdkit.flax.model.STATE_FILTER`` makes (applied after ``nnx.Param``).
+_STATE_FILTER = nnx.Not(nnx.RngState)
+
 
 class TrainError(SpmdError, ValueError):
     """The training loop was configured inconsistently.
@@ -68,6 +79,8 @@ class TrainResult:
       start_step: the step training started from (the restored step, or 0).
       compiles: how many times the step was traced and compiled (one per batch
         shape and non-tensor value).
+      model_state: the final mutable model state (batch statistics; for an NNX
+        module, also written back into it), or None for a model without any.
     """
 
     params: Any
@@ -76,6 +89,7 @@ class TrainResult:
     history: list[dict[str, float]]
     start_step: int = 0
     compiles: int = 0
+    model_state: Any = None
 
     @property
     def losses(self) -> list[float]:
@@ -118,27 +132,38 @@ def _path(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def _nnx_adapter(model: nnx.Module, loss_fn: Callable) -> tuple[Any, Callable, Callable]:
-    """Split an NNX module into a pure dict of params, a loss over that dict, and a
-    function writing final params back into the module."""
-    graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
+def _nnx_adapter(
+    model: nnx.Module, loss_fn: Callable
+) -> tuple[Any, Any, Callable, Callable[..., nnx.Module]]:
+    """Split an NNX module into pure dicts of params and of mutable state (None
+    when it has none), a loss over them (with state: ``loss(p, batch, s) ->
+    (out, new_s)``, the new state read back from the module after the call), and
+    a function writing the final params (and state) back into the module."""
+    graphdef, params_state, model_state, rest = nnx.split(model, nnx.Param, _STATE_FILTER, ...)
     params = nnx.to_pure_dict(params_state)
+    state = nnx.to_pure_dict(model_state) if jax.tree.leaves(model_state) else None
 
-    def module_of(p: Any) -> nnx.Module:
-        state = jax.tree.map(lambda x: x, params_state)
-        nnx.replace_by_pure_dict(state, p)
-        return nnx.merge(graphdef, state, rest)
+    def filled(template: Any, values: Any) -> Any:
+        out = jax.tree.map(lambda x: x, template)
+        nnx.replace_by_pure_dict(out, values)
+        return out
 
-    def loss(p: Any, batch: Any, **kw: Any) -> Any:
-        return loss_fn(module_of(p), batch, **kw)
+    def loss(p: Any, batch: Any, *s: Any, **kw: Any) -> Any:
+        if state is None:
+            return loss_fn(
+                nnx.merge(graphdef, filled(params_state, p), model_state, rest), batch, **kw
+            )
+        module = nnx.merge(graphdef, filled(params_state, p), filled(model_state, s[0]), rest)
+        out = loss_fn(module, batch, **kw)
+        return out, nnx.to_pure_dict(nnx.split(module, nnx.Param, _STATE_FILTER, ...)[2])
 
-    def write_back(p: Any) -> nnx.Module:
-        state = jax.tree.map(lambda x: x, params_state)
-        nnx.replace_by_pure_dict(state, p)
-        nnx.update(model, state)
+    def write_back(p: Any, s: Any = None) -> nnx.Module:
+        nnx.update(model, filled(params_state, p))
+        if s is not None:
+            nnx.update(model, filled(model_state, s))
         return model
 
-    return params, loss, write_back
+    return params, state, loss, write_back
 
 
 def _make_step(
@@ -151,78 +176,96 @@ def _make_step(
     use_rng: bool,
     recipe: Any = None,
     grad_specs: Any = None,
+    has_state: bool = False,
 ) -> Callable:
-    """The jitted step's body. With a non-default ``recipe`` (a plan's), the
-    gradient is :func:`spmdkit.recipe.value_and_grad` (per-layer recompute,
-    compute dtype, micro-batches split inside the step, gradients constrained to
+    """The jitted step's body: ``step(params, opt_state, model_state, batch, key)
+    -> (params, opt_state, model_state, metrics)`` (``model_state`` None without
+    state). With a non-default ``recipe`` (a plan's), the gradient is
+    :func:`spmdkit.recipe.value_and_grad` (per-layer recompute, compute dtype,
+    micro-batches split inside the step, gradients constrained to
     ``grad_specs``) and, with ``offload_opt``, the optimizer state moves from host
     memory to the device for the update and back."""
 
-    def scalar_loss(p: Any, batch: Any, key: Any) -> tuple[Any, dict[str, Any]]:
-        kw = {"rng": key} if use_rng else {}
-        out = loss(p, batch, **kw)
+    def scalar_loss(p: Any, batch: Any, *args: Any) -> Any:
+        *state, key = args  # (key,) or (model_state, key)
+        out = loss(p, batch, *state, **({"rng": key} if use_rng else {}))
+        out, new_state = out if has_state else (out, None)
         value, aux = out if has_aux else (out, {})
-        return value, dict(aux)
+        return ((value, dict(aux)), new_state) if has_state else (value, dict(aux))
 
     if remat:
         scalar_loss = jax.checkpoint(scalar_loss)
     rcp = recipe_of(recipe) if recipe is not None else Recipe()
     # a pipelined plan comes as the plan itself (its pipeline and mesh run the step)
-    if rcp.is_default and grad_specs is None and getattr(recipe, "pipeline", None) is None:
+    piped = getattr(recipe, "pipeline", None) is not None
+    if rcp.is_default and grad_specs is None and not piped and not has_state:
         grad_fn = jax.value_and_grad(scalar_loss, has_aux=True)
     else:
-        grad_fn = value_and_grad(scalar_loss, rcp, grad_specs=grad_specs, has_aux=True)
+        grad_fn = value_and_grad(
+            scalar_loss,
+            recipe if piped else rcp,
+            grad_specs=grad_specs,
+            has_aux=True,
+            has_state=has_state,
+        )
 
-    def step(params: Any, opt_state: Any, batch: Any, key: Any) -> tuple[Any, Any, Any]:
+    def step(params: Any, opt_state: Any, model_state: Any, batch: Any, key: Any) -> tuple:
         if rcp.offload_opt:
             opt_state = to_memory(opt_state, jax.memory.Space.Device)
+        state = (model_state,) if has_state else ()
         if accum_steps == 1:
-            (value, aux), grads = grad_fn(params, batch, key)
+            out, grads = grad_fn(params, batch, *state, key)
+            (value, aux), state = (out[0], (out[1],)) if has_state else (out, ())
         else:
-            value, aux, grads = _accumulate(grad_fn, params, batch, key, accum_steps)
+            value, aux, grads, state = _accumulate(grad_fn, params, batch, key, accum_steps, state)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if rcp.offload_opt:
             opt_state = to_memory(opt_state, jax.memory.Space.Host)
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), **aux}
-        return params, opt_state, metrics
+        return params, opt_state, state[0] if has_state else None, metrics
 
     return step
 
 
 def _accumulate(
-    grad_fn: Callable, params: Any, batch: Any, key: Any, accum_steps: int
-) -> tuple[Any, Any, Any]:
+    grad_fn: Callable, params: Any, batch: Any, key: Any, accum_steps: int, state: tuple = ()
+) -> tuple[Any, Any, Any, tuple]:
     """Loss, aux and gradients averaged over the micro-batches stacked on the leading
-    dim of every array leaf. Non-tensor leaves reach each micro-batch untouched, or
-    split (a :class:`~spmdkit.runtime.data.PerMicrobatch` gives micro-batch ``i`` its
-    ``i``-th item; then the micro-batches are unrolled instead of scanned)."""
+    dim of every array leaf, and the model state (``state``: ``()`` or
+    ``(model_state,)``) threaded through them in order. Non-tensor leaves reach each
+    micro-batch untouched, or split (a :class:`~spmdkit.runtime.data.PerMicrobatch`
+    gives micro-batch ``i`` its ``i``-th item; then the micro-batches are unrolled
+    instead of scanned)."""
     leaves, skeleton = split_batch(batch)
 
-    def micro(i: Any, mb: list[Any]) -> Any:
-        return grad_fn(params, skeleton.fill(mb, micro=i), jax.random.fold_in(key, i))
+    def micro(i: Any, mb: list[Any], st: tuple) -> Any:
+        out, g = grad_fn(params, skeleton.fill(mb, micro=i), *st, jax.random.fold_in(key, i))
+        return (out[0], g, (out[1],)) if st else (out, g, ())
 
-    (v0, aux0), _ = jax.eval_shape(lambda mb: micro(0, mb), [x[0] for x in leaves])
+    (v0, aux0), _, _ = jax.eval_shape(lambda mb: micro(0, mb, state), [x[0] for x in leaves])
     carry = (
         jax.tree.map(jnp.zeros_like, params),
         jnp.zeros(v0.shape, v0.dtype),
         jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0),
+        state,
     )
 
-    def add(carry: Any, out: Any) -> Any:
-        (v, a), g = out
-        gsum, vsum, asum = carry
-        return jax.tree.map(jnp.add, gsum, g), vsum + v, jax.tree.map(jnp.add, asum, a)
+    def add(carry: Any, i: Any, mb: list[Any]) -> Any:
+        gsum, vsum, asum, st = carry
+        (v, a), g, st = micro(i, mb, st)
+        return jax.tree.map(jnp.add, gsum, g), vsum + v, jax.tree.map(jnp.add, asum, a), st
 
     if skeleton.per_micro:
         for i in range(accum_steps):
-            carry = add(carry, micro(i, [x[i] for x in leaves]))
+            carry = add(carry, i, [x[i] for x in leaves])
     else:
         xs = (jnp.arange(accum_steps), leaves)
-        carry, _ = jax.lax.scan(lambda c, x: (add(c, micro(*x)), None), carry, xs)
-    gsum, vsum, asum = carry
+        carry, _ = jax.lax.scan(lambda c, x: (add(c, *x), None), carry, xs)
+    gsum, vsum, asum, state = carry
     grads = jax.tree.map(lambda g: g / accum_steps, gsum)
-    return vsum / accum_steps, jax.tree.map(lambda a: a / accum_steps, asum), grads
+    mean_aux = jax.tree.map(lambda a: a / accum_steps, asum)
+    return vsum / accum_steps, mean_aux, grads, state
 
 
 class _BatchTreeStep:
@@ -232,15 +275,17 @@ class _BatchTreeStep:
     def __init__(self, step: Callable, **jit_kwargs: Any) -> None:
         self.compiles = 0
 
-        def traced(params: Any, opt_state: Any, leaves: Any, key: Any, skel: BatchSkeleton):
+        def traced(
+            params: Any, opt_state: Any, state: Any, leaves: Any, key: Any, skel: BatchSkeleton
+        ) -> Any:
             self.compiles += 1
-            return step(params, opt_state, skel.fill(leaves), key)
+            return step(params, opt_state, state, skel.fill(leaves), key)
 
-        self._jitted = jax.jit(traced, static_argnums=4, **jit_kwargs)
+        self._jitted = jax.jit(traced, static_argnums=5, **jit_kwargs)
 
-    def __call__(self, params: Any, opt_state: Any, batch: Any, key: Any) -> Any:
+    def __call__(self, params: Any, opt_state: Any, state: Any, batch: Any, key: Any) -> Any:
         leaves, skeleton = split_batch(batch)
-        return self._jitted(params, opt_state, leaves, key, skeleton)
+        return self._jitted(params, opt_state, state, leaves, key, skeleton)
 
 
 def _batches(data: Any) -> Iterator[Any]:
@@ -274,6 +319,7 @@ def train(
     accum_steps: int = 1,
     remat: bool = False,
     has_aux: bool = False,
+    state: Any = None,
     rng: jax.Array | None = None,
     ckpt: Manager | None = None,
     resume: bool = False,
@@ -288,9 +334,12 @@ def train(
 
     Args:
       loss_fn: ``loss_fn(params_or_module, batch[, rng=key])`` → scalar loss, or
-        ``(loss, aux_dict)`` with ``has_aux=True``.
+        ``(loss, aux_dict)`` with ``has_aux=True``; with ``state=``,
+        ``loss_fn(params, batch, state[, rng=key]) -> (that, new_state)``.
       params: a pytree of arrays, or an ``nnx.Module`` (its ``nnx.Param`` s are
-        trained and written back into it). Arrays are donated: use the result.
+        trained, its other variables but the RNG streams (``nnx.BatchStat``) are
+        carried as mutable state; both are written back into it). Arrays are
+        donated: use the result.
       optimizer: an optax transformation.
       data: a :class:`spmdkit.runtime.data.ShardedLoader` (its position is checkpointed),
         or any re-iterable of global batches (dicts).
@@ -312,6 +361,10 @@ def train(
         peak: the backward recomputes the whole forward at once); per-layer
         recompute is a plan's ``Recipe(remat="full")``.
       has_aux: ``loss_fn`` returns ``(loss, metrics_dict)``.
+      state: mutable model state for a params pytree (linen's ``batch_stats``
+        collections): carried between steps, laid out by the plan
+        (``plan.state_sharding``; replicated with ``shardings=``; as placed
+        otherwise), checkpointed as ``model_state``; not differentiated.
       rng: a PRNG key; ``loss_fn`` then gets ``rng=fold_in(rng, step)``.
       ckpt: a :class:`spmdkit.runtime.checkpoint.Manager`; saves on its interval and at the end.
       resume: continue from ``ckpt``'s latest complete checkpoint, if any.
@@ -336,14 +389,12 @@ def train(
     """
     _check_args(steps, accum_steps, resume=resume, ckpt=ckpt, plan=plan, shardings=shardings)
     out = out if out is not None else sys.stderr
-    write_back = None
-    loss = loss_fn
-    if isinstance(params, nnx.Module):
-        params, loss, write_back = _nnx_adapter(params, loss_fn)
+    params, state, loss, write_back = _model_parts(loss_fn, params, state)
     recipe = getattr(plan, "recipe", None) or Recipe()
     accum_steps = _recipe_accum(recipe, accum_steps, remat=remat, data=data)
     _set_microbatches(data, accum_steps)
     abstract, param_sh, opt_sh, mesh = _state_shardings(params, optimizer, plan, shardings)
+    model_sh = _model_state_shardings(state, plan, mesh)
     grad_specs = _grad_shardings(plan, abstract[0], mesh)
     opt_sh = _offloaded(recipe, opt_sh, mesh)
 
@@ -354,16 +405,10 @@ def train(
             # one replicated copy on the mesh: a global array every process can save
             rng = jax.device_put(rng, NamedSharding(mesh, PartitionSpec()))
         resume_from = ckpt if resume and ckpt.latest_step() is not None else None
-        state, start, opt_sh = _initial_state(
-            params,
-            optimizer,
-            data,
-            rng,
-            resume_from,
-            abstract,
-            (param_sh, opt_sh),
-            restore_opt=restore_opt_state,
-        )
+        train_state, start, opt_sh = _initial_state(
+            params, optimizer, data, rng, resume_from, abstract, (param_sh, opt_sh),
+            restore_opt=restore_opt_state, model_state=(state, model_sh),
+        )  # fmt: skip
         step_fn = _BatchTreeStep(
             _make_step(
                 loss,
@@ -374,24 +419,43 @@ def train(
                 use_rng=rng is not None,
                 recipe=plan if getattr(plan, "pipeline", None) is not None else recipe,
                 grad_specs=grad_specs,
+                has_state=state is not None,
             ),
-            out_shardings=(param_sh, opt_sh, None),
-            donate_argnums=(0, 1),
+            out_shardings=(param_sh, opt_sh, model_sh, None),
+            donate_argnums=(0, 1, 2),
         )
         show = progress and jax.process_index() == 0
-        loop = _Loop(step_fn, data, state, start=start, show=show, out=out)
-        items = None if save_opt_state else tuple(k for k in state if k != "opt_state")
+        loop = _Loop(step_fn, data, train_state, start=start, show=show, out=out)
+        items = None if save_opt_state else tuple(k for k in train_state if k != "opt_state")
         save = _saver(ckpt, plan, mesh, data, config=config, items=items)
         loop.run(steps, log_every=log_every, ckpt=ckpt, save=save)
-        params = loop.state["params"]
+        params, final_state = loop.state["params"], loop.state.get("model_state")
         return TrainResult(
-            params=write_back(params) if write_back is not None else params,
+            params=write_back(params, final_state) if write_back is not None else params,
             opt_state=loop.state["opt_state"],
             step=loop.step,
             history=loop.history,
             start_step=loop.start,
             compiles=step_fn.compiles,
+            model_state=final_state,
         )
+
+
+def _model_parts(
+    loss_fn: Callable, params: Any, state: Any
+) -> tuple[Any, Any, Callable, Callable[..., Any] | None]:
+    """``(params, model state, loss, write_back)``: an NNX module split into pure
+    dicts (:func:`_nnx_adapter`), a pytree as given (``write_back`` None)."""
+    if not isinstance(params, nnx.Module):
+        return params, state, loss_fn, None
+    if state is not None:
+        raise TrainError(
+            op="train",
+            must="an NNX module brings its own state",
+            given="an nnx.Module with state=",
+            fix="drop state= (the module's nnx.BatchStat variables are its state)",
+        )
+    return _nnx_adapter(params, loss_fn)
 
 
 def _offloaded(recipe: Recipe, opt_sh: Any, mesh: Any) -> Any:
@@ -461,6 +525,20 @@ def _recipe_accum(recipe: Recipe, accum_steps: int, *, remat: bool, data: Any) -
     return 1
 
 
+def _model_state_shardings(state: Any, plan: Any, mesh: Any) -> Any:
+    """Where the mutable model state lives: the plan's state layout, replicated on
+    the mesh when shardings are given without a plan, or as the arrays are placed
+    (None without state)."""
+    if state is None:
+        return None
+    abstract = jax.eval_shape(lambda s: s, state)
+    if plan is not None:
+        return plan.state_sharding(abstract)
+    if mesh is not None:
+        return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), abstract)
+    return _shardings_of(state)
+
+
 def _grad_shardings(plan: Any, abstract_params: Any, mesh: Any) -> Any:
     """The plan's gradient shardings (ZeRO-2) when it shards gradients, else None."""
     if not getattr(plan, "grads", None) or mesh is None:
@@ -518,18 +596,23 @@ def _initial_state(
     state_sh: tuple[Any, Any],
     *,
     restore_opt: bool | None = None,
+    model_state: tuple[Any, Any] = (None, None),
 ) -> tuple[dict[str, Any], int | None, Any]:
-    """The state to start from (params, opt_state, rng), the step it was saved at
-    (None when fresh) and the optimizer state's shardings.
+    """The state to start from (params, opt_state, model_state, rng), the step it
+    was saved at (None when fresh) and the optimizer state's shardings.
 
     With ``ckpt``: its latest checkpoint, placed as this run shards it, and the
     loader moved to where it was (the optimizer state as ``restore_opt`` says).
-    Otherwise ``params`` placed and the optimizer state initialised."""
+    Otherwise ``params`` (and the model state) placed and the optimizer state
+    initialised. ``model_state``: ``(mutable model state or None, its shardings)``."""
     param_sh, opt_sh = state_sh
+    mstate, mstate_sh = model_state
     if ckpt is None:
         params = jax.device_put(params, param_sh)
         opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
         state = {"params": params, "opt_state": opt_state}
+        if mstate is not None:
+            state["model_state"] = jax.device_put(mstate, mstate_sh)
         if rng is not None:
             state["rng"] = rng
         return state, None, _shardings_of(opt_state)
@@ -538,6 +621,8 @@ def _initial_state(
     if opt_sh is None:
         opt_sh = jax.jit(optimizer.init).lower(target_params).compile().output_shardings
     target = {"params": target_params, "opt_state": abstract_target(abstract_opt, opt_sh)}
+    if mstate is not None:
+        target["model_state"] = abstract_target(jax.eval_shape(lambda s: s, mstate), mstate_sh)
     if rng is not None:
         target["rng"] = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=rng.sharding)
     if restore_opt is None:
@@ -619,13 +704,16 @@ class _Loop:
         t0 = time.perf_counter()
         while self.step < steps:
             batch = next(it)
-            params, opt_state, metrics = self.step_fn(
+            params, opt_state, model_state, metrics = self.step_fn(
                 self.state["params"],
                 self.state["opt_state"],
+                self.state.get("model_state"),
                 batch,
                 jax.random.fold_in(key, self.step),
             )
             self.state.update(params=params, opt_state=opt_state)
+            if model_state is not None:
+                self.state["model_state"] = model_state
             self.step += 1
             self.pending.append((self.step, metrics))
             if ckpt is not None and ckpt.should_save(self.step):

@@ -78,3 +78,76 @@ def test_describe_never_imports_the_planner():
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     for stage in ("planner", "compile", "verification"):
         assert not [m for m in imported if m and f"spmdkit.{stage}" in m], stage
+
+
+class _LinenBN:
+    """A linen module with BatchNorm, built lazily (linen imports on first use)."""
+
+    @staticmethod
+    def make():
+        import flax.linen as nn
+
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return nn.Dense(2)(nn.BatchNorm(use_running_average=False)(x))
+
+        return Net()
+
+
+def test_linen_collections_besides_params_are_state():
+    """batch_stats are state (not params); the loss returns (loss, updates) as
+    linen's apply(mutable=...) gives them, a scalar loss keeps the state (warned),
+    and updates for a collection the model lacks are a typed error."""
+    net, x = _LinenBN.make(), jnp.ones((4, 3))
+
+    def loss(v, b):
+        y, updates = net.apply(v, b["x"], mutable=["batch_stats"])
+        return y.sum(), updates
+
+    info = describe(net, loss=loss, batch={"x": x}, init_args=(x,))
+    assert info.has_state and [p.path for p in info.params] == [
+        "params/BatchNorm_0/bias",
+        "params/BatchNorm_0/scale",
+        "params/Dense_0/bias",
+        "params/Dense_0/kernel",
+    ]
+    assert [s.path for s in info.state] == [
+        "batch_stats/BatchNorm_0/mean",
+        "batch_stats/BatchNorm_0/var",
+    ]
+    _, new = info.state_loss_fn(info.init_fn(), {"x": x + 1.0}, info.init_state_fn())
+    assert float(new["batch_stats"]["BatchNorm_0"]["mean"][0]) == pytest.approx(0.02)
+
+    def scalar(v, b):
+        return net.apply(v, b["x"], mutable=["batch_stats"])[0].sum()
+
+    frozen = describe(net, loss=scalar, batch={"x": x}, init_args=(x,))
+    with pytest.warns(UserWarning, match="returns no updated state"):
+        _, same = frozen.state_loss_fn(frozen.init_fn(), {"x": x}, frozen.init_state_fn())
+    assert float(same["batch_stats"]["BatchNorm_0"]["var"][0]) == 1.0
+    wrong = describe(net, loss=lambda v, b: (scalar(v, b), {"cache": {}}), batch={"x": x},
+                     init_args=(x,))  # fmt: skip
+    with pytest.raises(ModelError, match="cache"):
+        wrong.state_loss_fn(wrong.init_fn(), {"x": x}, wrong.init_state_fn())
+
+
+def test_nnx_batch_stats_are_state_read_back_after_the_loss():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)  # RNG streams: not state
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    x = jnp.ones((2, 3))
+    info = describe(lambda: Net(nnx.Rngs(0)), loss=lambda m, b: m(b["x"]).sum(), batch={"x": x})
+    assert [s.path for s in info.state] == ["bn/mean", "bn/var"]
+    assert "bn/mean" not in info.by_path()
+    (_, new), grads = jax.value_and_grad(info.state_loss_fn, has_aux=True)(
+        info.init_fn(), {"x": x}, info.init_state_fn()
+    )
+    assert float(jnp.abs(new["bn"]["mean"][...]).sum()) > 0  # updated in place, read back
+    assert "mean" not in grads["bn"]

@@ -136,8 +136,8 @@ class _SyncNorm(__import__("flax").linen.Module):
 
 
 def _sync_loss(variables, batch):
-    out, _ = _SyncNorm().apply(variables, batch["x"], mutable=["batch_stats"])
-    return (out**2).mean()
+    out, updates = _SyncNorm().apply(variables, batch["x"], mutable=["batch_stats"])
+    return (out**2).mean(), updates
 
 
 def test_a_pmap_axis_name_is_a_typed_error_or_bound():
@@ -153,11 +153,15 @@ def test_a_pmap_axis_name_is_a_typed_error_or_bound():
     info = describe(
         _SyncNorm(), loss=_sync_loss, batch={"x": x}, init_args=(x,), axis_names=("batch",)
     )
-    variables = info.init_fn()
+    params, state = info.init_fn(), info.init_state_fn()
     # one device's BatchNorm over the whole batch: what the pmean averages to
-    plain = _SyncNorm(axis=None).apply(variables, x, mutable=["batch_stats"])[0]
-    loss, grads = jax.jit(jax.value_and_grad(info.loss_fn))(variables, {"x": x})
+    plain, updates = _SyncNorm(axis=None).apply({**params, **state}, x, mutable=["batch_stats"])
+    (loss, new), grads = jax.jit(jax.value_and_grad(info.state_loss_fn, has_aux=True))(
+        params, {"x": x}, state
+    )
     np.testing.assert_allclose(loss, (plain**2).mean(), rtol=1e-6)
+    for got, want in zip(*map(jax.tree.leaves, (new, updates)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
     assert grads["params"]["Dense_0"]["kernel"].shape == (
         4,
         16,

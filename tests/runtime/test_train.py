@@ -380,3 +380,62 @@ def test_bucketed_lengths_compile_per_bucket_and_match_the_unpadded_loss(mesh):
         g_w = (2 * r / len(tok)) @ p["emb"][tok]
         p = {"emb": p["emb"] - 0.1 * g_emb, "w": p["w"] - 0.1 * g_w}
     np.testing.assert_allclose(res.losses, want, rtol=1e-5)
+
+
+class BatchNormMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.l2 = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.bn(self.l1(x))))
+
+
+def run_bn(mesh, steps, **kw):
+    sh = tp_shardings(mesh, "a", "b")
+    sh["bn"] = {"scale": NamedSharding(mesh, P("b")), "bias": NamedSharding(mesh, P("b"))}
+    model = BatchNormMLP(nnx.Rngs(0))
+    return train(loss_fn, model, optax.adam(1e-2), loader(mesh, "a"), steps=steps,
+                 shardings=(sh, None), progress=False, **kw)  # fmt: skip
+
+
+def test_batch_stats_are_carried_not_optimized_and_checkpointed(tmp_path, mesh):
+    """An NNX module's BatchStats: updated every step (not by the optimizer, which
+    has no state for them), written back into the module, saved as model_state and
+    restored on resume: 3 steps + resume to 5 == 5 uninterrupted."""
+    whole = run_bn(mesh, 5)
+    first = BatchNormMLP(nnx.Rngs(0)).bn.mean[...]
+    assert not np.allclose(whole.model_state["bn"]["mean"], first)
+    np.testing.assert_array_equal(whole.params.bn.mean[...], whole.model_state["bn"]["mean"])
+    assert set(whole.opt_state[0].mu["bn"]) == {"scale", "bias"}  # no mean/var moments
+    run_bn(mesh, 3, ckpt=Manager(tmp_path))
+    mgr = Manager(tmp_path)
+    assert {"model_state/bn/mean", "model_state/bn/var"} <= set(mgr.saved_shapes())
+    second = run_bn(mesh, 5, ckpt=mgr, resume=True)
+    assert second.losses == whole.losses[3:]
+    for a, b in zip(*map(jax.tree.leaves, (second.model_state, whole.model_state)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_params_pytree_carries_state_given_with_its_loss(mesh):
+    """``state=`` for a pytree: ``loss_fn(params, batch, state) -> (loss, new_state)``;
+    the running mean moves with every micro-batch, in order."""
+    params = {"w": jnp.zeros((8, 1))}
+
+    def loss(p, batch, state):
+        new = {"mean": 0.5 * state["mean"] + 0.5 * batch["x"].mean(0)}
+        return jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2), new
+
+    state = {"mean": jnp.zeros((8,))}
+    sh = ({"w": NamedSharding(mesh, P())}, None)
+    res = train(loss, params, optax.sgd(0.1), loader(mesh, "a"), steps=2, state=state,
+                shardings=sh, accum_steps=2, progress=False)  # fmt: skip
+    want = np.zeros(8)
+    for _, batch in zip(range(2), loader(mesh, "a", microbatches=2), strict=False):
+        for micro in np.asarray(batch["x"]):  # the loader's micro-batches, in order
+            want = 0.5 * want + 0.5 * micro.mean(0)
+    np.testing.assert_allclose(res.model_state["mean"], want, rtol=1e-5)
+    assert res.model_state["mean"].sharding.spec == P()
+    with pytest.raises(TrainError, match="brings its own state"):
+        train(loss_fn, MLP(nnx.Rngs(0)), optax.sgd(0.1), [], steps=0, state=state)

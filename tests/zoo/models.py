@@ -6,7 +6,8 @@ a linen decoder in the style of flax's lm1b example (``nn.MultiHeadDotProductAtt
 whose ``DenseGeneral`` kernels get the two names of the flat initializer,
 ``("embed", "kv")``); a linen ResNet with ``BatchNorm`` and max-pooling (flax's
 imagenet example); an NNX ViT; a linen U-Net-ish conv net with ``GroupNorm``,
-average pooling and transposed convolutions.
+average pooling and transposed convolutions; an NNX conv net with
+``nnx.BatchNorm`` (its running statistics are state, updated in place).
 
 Each model comes as a :class:`ZooCase`: how to build it, a loss, a batch.
 """
@@ -184,8 +185,9 @@ class ResNet(nn.Module):
 
 
 def resnet_loss(variables, batch):
-    logits, _ = ResNet().apply(variables, batch["image"], mutable=["batch_stats"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    logits, updates = ResNet().apply(variables, batch["image"], mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, updates
 
 
 # -- an NNX ViT --------------------------------------------------------------------------
@@ -225,6 +227,28 @@ class ViT(nnx.Module):
 
 
 def vit_loss(model, batch):
+    logits = model(batch["image"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+# -- an NNX conv net with batch norm ------------------------------------------------------
+
+
+class NnxConvNet(nnx.Module):
+    def __init__(self, width=16, classes=16, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(3, width, (3, 3), use_bias=False, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(width, momentum=0.9, rngs=rngs)
+        self.conv2 = nnx.Conv(width, 2 * width, (3, 3), strides=(2, 2), use_bias=False, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(2 * width, momentum=0.9, rngs=rngs)
+        self.head = nnx.Linear(2 * width, classes, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn1(self.conv1(x)))
+        x = nnx.relu(self.bn2(self.conv2(x)))
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def nnx_cnn_loss(model, batch):
     logits = model(batch["image"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
@@ -324,6 +348,13 @@ ZOO = {
         lambda: lambda: ViT(rngs=nnx.Rngs(0)),
         vit_loss,
         lambda: _images(8, 16, 16, 3),
+    ),
+    "nnx_cnn": ZooCase(
+        "nnx_cnn",
+        "nnx",
+        lambda: lambda: NnxConvNet(rngs=nnx.Rngs(0)),
+        nnx_cnn_loss,
+        lambda: _images(8, 16, 16, 5),
     ),
     "unet": ZooCase(
         "unet",
