@@ -49,7 +49,9 @@ from spmdkit.propagation.memory import liveness
 from spmdkit.propagation.pinning import Program, pins
 from spmdkit.propagation.pricing import steps_flops
 from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
+from spmdkit.propagation.regions import region_temp_bytes
 from spmdkit.propagation.steps import Step
+from spmdkit.region import REGIONS
 from spmdkit.registry import get_rule
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
@@ -146,6 +148,7 @@ def propagate(
             roles=roles,
             transient=transient,
             duplicate=duplicate,
+            inner=_region_temps(collect, mesh, duplicate),
         )
 
     return Propagation(
@@ -225,6 +228,26 @@ def _sweeps(
         engine.chooser.hints = hints
     _, spec, collect, engine.unknown = best
     return spec, collect
+
+
+def _region_temps(steps: Sequence[Step], mesh: MeshLike, duplicate: bool) -> dict[int, int]:
+    """``id(node)`` → a region node's own temporaries at its planned layouts (see
+    :func:`~spmdkit.propagation.regions.region_temp_bytes`), loop bodies included."""
+    out: dict[int, int] = {}
+    for step in steps:
+        if step.node.prim in REGIONS:
+            out[id(step.node)] = region_temp_bytes(
+                step.node.prim,
+                step.node.eqn.params,
+                step.attrs,
+                step.required,
+                step.outputs,
+                mesh,
+                duplicate=duplicate,
+            )
+        if step.loop is not None:
+            out.update(_region_temps(step.loop.steps, mesh, duplicate))
+    return out
 
 
 def _transient(held: Mapping, n: int) -> list[int]:

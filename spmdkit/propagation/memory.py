@@ -27,11 +27,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
+
 from spmdkit.propagation.graph import FlatProgram, Graph, dce
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
 
-__all__ = ["MemoryEstimate", "estimate_memory", "liveness"]
+__all__ = ["MemoryEstimate", "estimate_memory", "liveness", "program_temp_bytes"]
 
 
 _ELEMENTWISE = frozenset(
@@ -208,12 +210,14 @@ def _temp_peak(
     fuse: bool = True,
     transient: Sequence[int] | None = None,
     duplicate: bool = True,
+    inner: Mapping[int, int] | None = None,
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
     ``duplicate``: a cheap elementwise value read by several consumers is fused
     into each of them; False: only single-reader values fuse, the others are
-    materialized once."""
+    materialized once. ``inner``: ``id(node)`` → the temporaries a node holds
+    while it runs (a region's own program), in this graph or a nested body."""
     last, fused = _lifetimes(graph, prog, fuse, duplicate)
     cache: dict[int, int] = {}
 
@@ -235,15 +239,20 @@ def _temp_peak(
                 continue
             born += nbytes(o)
             frees.setdefault(last.get(o, i), []).append(o)
-        inner = 0
+        body = 0
         for sub in node.subs:
-            inner = max(
-                inner,
-                _temp_peak(sub, spec, mesh, prog, set(sub.invars), fuse, duplicate=duplicate),
+            body = max(
+                body,
+                _temp_peak(
+                    sub, spec, mesh, prog, set(sub.invars), fuse, duplicate=duplicate, inner=inner
+                ),
             )
         live += born
         extra = transient[i] if transient is not None and i < len(transient) else 0
-        peak = max(peak, live + max(inner, extra))
+        if inner:
+            # a region's temporaries live beside its resharded operands
+            extra += inner.get(id(node), 0)
+        peak = max(peak, live + max(body, extra))
         for v in frees.pop(i, ()):
             live -= nbytes(v)
     return peak
@@ -260,6 +269,7 @@ def liveness(
     roles: Mapping[int, str] | None = None,
     transient: Sequence[int] | None = None,
     duplicate: bool = True,
+    inner: Mapping[int, int] | None = None,
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagation`).
 
@@ -275,6 +285,8 @@ def liveness(
       duplicate: fuse a cheap elementwise value read by several consumers into
         each of them (recomputed there); False fuses single-reader values only
         and materializes the others once.
+      inner: ``id(node)`` → temporaries a node holds while it runs besides its
+        results (a region's own program: :func:`program_temp_bytes`).
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -320,6 +332,7 @@ def liveness(
         seen_args | (seen_out - pending),
         transient=transient,
         duplicate=duplicate,
+        inner=inner,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias
@@ -370,3 +383,26 @@ def estimate_memory(
         {} if roles is None else {graph.invars[i]: r for i, r in enumerate(roles) if r is not None}
     )
     return liveness(graph, spec, outs, mesh, prog, donated=donated_ids, roles=role_ids)
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def program_temp_bytes(closed_jaxpr: Any, *, duplicate: bool = True) -> int:
+    """Peak bytes of a program's temporaries: the values it makes that are
+    neither its inputs nor its outputs, by liveness with the fusion model above.
+
+    Every value is taken at its own (per-device) shape: pass the body of a
+    ``shard_map`` to get what one device holds while the body runs.
+
+    Example::
+
+        >>> body = jax.make_jaxpr(lambda x: jnp.exp(x) @ x)(jnp.ones((64, 64)))
+        >>> program_temp_bytes(body)   # exp(x) is materialized for the matmul
+        16384
+    """
+    prog = FlatProgram()
+    graph, _ = prog.graph(closed_jaxpr)
+    dce(graph)
+    ends = set(graph.invars) | set(graph.outvars)
+    return _temp_peak(graph, {}, _NO_MESH, prog, ends, duplicate=duplicate)

@@ -24,7 +24,7 @@ from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.pricing import Pricer, node_flops, reshard_once
 from spmdkit.propagation.primitives import RULE_ERRORS
-from spmdkit.propagation.regions import region_layouts
+from spmdkit.propagation.regions import MANUAL_COLLECTIVES, region_layouts
 from spmdkit.propagation.steps import Step
 from spmdkit.region import GRAD, REGIONS
 from spmdkit.resharding import Collective, ReshardPlan
@@ -206,15 +206,7 @@ class Propagation:
 
 # -- steps → records ---------------------------------------------------------------
 
-_MANUAL = {
-    "psum": ("all_reduce", "in", "sum"),
-    "psum_invariant": ("all_reduce", "in", "sum"),
-    "pmax": ("all_reduce", "in", "max"),
-    "pmin": ("all_reduce", "in", "min"),
-    "all_gather": ("all_gather", "out", None),
-    "reduce_scatter": ("reduce_scatter", "in", "sum"),
-    "all_to_all": ("all_to_all", "in", None),
-}
+_MANUAL = MANUAL_COLLECTIVES
 
 
 def _source(eqn: Any) -> str:

@@ -17,19 +17,45 @@ so its own collectives are the forward's plus the grad's.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
+import numpy as np
+
 from spmdkit.inference import infer_forward
+from spmdkit.propagation.graph import FlatProgram, dce, inline_body, open_jaxpr
+from spmdkit.propagation.memory import program_temp_bytes
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import RULE_ERRORS
-from spmdkit.region import FORWARD, GRAD, grad_inference, region_attrs
+from spmdkit.region import FORWARD, GRAD, grad_inference, region_attrs, region_program
 from spmdkit.registry import get_rule
 from spmdkit.resharding import Collective
 from spmdkit.rule import RuleContext, op_collective
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.util import freeze
 
-__all__ = ["RegionAnswer", "region_answer", "region_layouts"]
+__all__ = [
+    "MANUAL_COLLECTIVES",
+    "RegionAnswer",
+    "region_answer",
+    "region_layouts",
+    "region_temp_bytes",
+]
+
+#: Collective primitives of a ``shard_map`` body: name → (kind, which side's
+#: buffer is the per-device payload, reduce op).
+MANUAL_COLLECTIVES: dict[str, tuple[str, str, str | None]] = {
+    "psum": ("all_reduce", "in", "sum"),
+    "psum_invariant": ("all_reduce", "in", "sum"),
+    "pmax": ("all_reduce", "in", "max"),
+    "pmin": ("all_reduce", "in", "min"),
+    "all_gather": ("all_gather", "out", None),
+    "reduce_scatter": ("reduce_scatter", "in", "sum"),
+    "all_to_all": ("all_to_all", "in", None),
+}
 
 
 class RegionAnswer(NamedTuple):
@@ -90,7 +116,18 @@ def region_layouts(
     grads = [o for o, on in zip(g.outputs, diff, strict=True) if on]
     outs, coll = _resolves(grads, mesh, op)
     req = (*g.inputs, *g.out_grads)
-    own = (*f.collectives, *g.collectives, *coll)
+    facts = _program(prim, params, attrs, req, tuple(outs), mesh)
+    if facts is not None:
+        # what the replayed program runs: the recomputed forward's collectives
+        # its backward reads, and the backward's (a grad rule may already count
+        # the forward's, as attention's gathers of K/V)
+        ctx = RuleContext(op=op, axis_sizes=axis_sizes(mesh), attrs={})
+        own = tuple(
+            op_collective(ctx, kind, axes, nbytes, reduce_op=r)
+            for kind, axes, r, nbytes in facts.collectives
+        )
+    else:
+        own = (*f.collectives, *g.collectives, *coll)
     return RegionAnswer(dict(attrs), req, tuple(outs), own)
 
 
@@ -109,20 +146,176 @@ def region_answer(
     pricer: Pricer,
     fixed: str | None = None,
 ) -> RegionAnswer | None:
-    """The cheapest of the op's strategies for a region equation (``fixed``, or
-    the ``strategy`` the call carries, when given); None when no strategy fits."""
+    """The cheapest way to lay out a region equation; None when no strategy fits.
+
+    Each of the op's strategies (``fixed``, or the ``strategy`` the call carries,
+    when given) is asked about the operands as given, and about them with one
+    operand replicated: a rule resolves a conflict between operands (the labels
+    sequence-sharded, the logits vocab-sharded over the same axis) its own way,
+    and moving the small operand can be much cheaper. Ties go to the operands
+    as given, then to the rule's first strategy. The chosen strategy is named by
+    what it does (:meth:`~spmdkit.rule.Rule.named_strategy`) where the strategy
+    of that name lays the region out identically.
+    """
     if prim not in (FORWARD, GRAD):
         raise ValueError(f"{prim!r} is not a region primitive")
     attrs = region_attrs(params)
     chosen = attrs.get("strategy") or fixed
     names = (chosen,) if chosen else get_rule(params["op"]).strategies
-    best: tuple[tuple[int, float], RegionAnswer] | None = None
-    for name in names:
-        try:
-            ans = region_layouts(prim, params, {**attrs, "strategy": name}, specs, pricer.mesh)
-        except RULE_ERRORS:
+    best: tuple[tuple[int, float], RegionAnswer, tuple[TensorSpec, ...]] | None = None
+    for given in _candidates(specs):
+        for name in names:
+            try:
+                ans = region_layouts(prim, params, {**attrs, "strategy": name}, given, pricer.mesh)
+            except RULE_ERRORS:
+                continue
+            cost = _cost(pricer, specs, ans)
+            if best is None or cost < best[0]:
+                best = (cost, ans, given)
+    if best is None:
+        return None
+    _, ans, given = best
+    return ans if chosen else _named(prim, params, ans, given, pricer.mesh)
+
+
+def _candidates(specs: Sequence[TensorSpec]) -> list[tuple[TensorSpec, ...]]:
+    """The operands as given, then with each laid-out operand replicated."""
+    out = [tuple(specs)]
+    for i, s in enumerate(specs):
+        if any(s.dims) or s.partial:
+            out.append((*specs[:i], TensorSpec(s.shape, dtype=s.dtype), *specs[i + 1 :]))
+    return out
+
+
+def _named(
+    prim: str,
+    params: Mapping[str, Any],
+    ans: RegionAnswer,
+    given: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> RegionAnswer:
+    op = params["op"]
+    ctx = RuleContext(op=op, axis_sizes=axis_sizes(mesh), attrs=ans.attrs)
+    name = get_rule(op).named_strategy(ctx, ans.required)
+    if name == ans.attrs["strategy"]:
+        return ans
+    try:
+        other = region_layouts(prim, params, {**ans.attrs, "strategy": name}, given, mesh)
+    except RULE_ERRORS:
+        return ans
+    same = (other.required, other.outputs, other.collectives) == (
+        ans.required,
+        ans.outputs,
+        ans.collectives,
+    )
+    return other if same else ans
+
+
+class _Facts(NamedTuple):
+    """What one device does inside a region's replayed program."""
+
+    collectives: tuple[tuple[str, tuple[str, ...], str | None, int], ...]
+    temp_bytes: int
+    temp_bytes_materialized: int
+
+
+def region_temp_bytes(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+    *,
+    duplicate: bool = True,
+) -> int:
+    """Bytes one device holds inside a region while it runs, besides its operands
+    and results: the temporaries of the ``shard_map`` program the replay runs
+    (:func:`spmdkit.region.region_program`) at the planned layouts, a grad
+    region's recomputed forward included (``duplicate``: as
+    :func:`~spmdkit.propagation.memory.liveness`). 0 where the replay binds the
+    region unsharded instead (an uneven or partial layout: XLA partitions it).
+    """
+    facts = _program(prim, params, attrs, required, produced, mesh)
+    if facts is None:
+        return 0
+    return facts.temp_bytes if duplicate else facts.temp_bytes_materialized
+
+
+def _program(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> _Facts | None:
+    key = (prim, params["op"], params["attrs"], params.get("diff"), freeze(dict(attrs)))
+    return _traced(key, tuple(required), tuple(produced), mesh)
+
+
+@functools.lru_cache(maxsize=512)
+def _traced(
+    key: tuple,
+    required: tuple[TensorSpec, ...],
+    produced: tuple[TensorSpec, ...],
+    mesh: MeshLike,
+) -> _Facts | None:
+    """The replayed program of a region, traced at its planned layouts (None when
+    the replay binds the region unsharded). Dead values are dropped first, as
+    XLA does: a grad region's recomputed forward all-reduce that only resolved
+    the forward's result is never run."""
+    prim, op, frozen, diff, attrs = key
+    params = {"op": op, "attrs": frozen, "diff": diff}
+    # traced on Auto axes: only the body's local shapes and collectives are read
+    auto = jax.sharding.AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names))
+    try:
+        run = region_program(prim, params, dict(attrs), required, produced, auto)
+    except RULE_ERRORS:
+        return None
+    if run is None:
+        return None
+    args = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in required]
+    outer = jax.make_jaxpr(run)(*args)
+    body = _shard_map_body(outer.jaxpr)
+    if body is None:
+        return None
+    graph = FlatProgram().graph(body)[0]
+    dce(graph)
+    return _Facts(
+        tuple(_collectives(graph.nodes, mesh)),
+        program_temp_bytes(body, duplicate=True),
+        program_temp_bytes(body, duplicate=False),
+    )
+
+
+def _shard_map_body(jaxpr: Any) -> Any:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            return eqn.params["jaxpr"]
+        inner = inline_body(eqn)
+        if inner is not None:
+            found = _shard_map_body(open_jaxpr(inner)[0])
+            if found is not None:
+                return found
+    return None
+
+
+def _collectives(nodes: Sequence[Any], mesh: MeshLike) -> list[tuple]:
+    """(kind, axes, reduce op, per-device payload) of each collective the nodes run."""
+    sizes = axis_sizes(mesh)
+    out = []
+    for node in nodes:
+        for sub in node.subs:
+            out += _collectives(sub.nodes, mesh)
+        if node.prim not in MANUAL_COLLECTIVES:
             continue
-        cost = _cost(pricer, specs, ans)
-        if best is None or cost < best[0]:
-            best = (cost, ans)
-    return None if best is None else best[1]
+        axes = node.eqn.params.get("axes", node.eqn.params.get("axis_name"))
+        axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if isinstance(a, str))
+        if not axes or any(a not in sizes for a in axes):
+            continue
+        kind, side, r = MANUAL_COLLECTIVES[node.prim]
+        for v in node.eqn.invars if side == "in" else node.eqn.outvars:
+            nbytes = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+            out.append((kind, axes, r, nbytes))
+    return out
