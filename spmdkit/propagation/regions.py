@@ -26,10 +26,10 @@ import jax
 import numpy as np
 
 from spmdkit.inference import infer_forward
-from spmdkit.propagation.graph import FlatProgram, dce, inline_body, open_jaxpr
+from spmdkit.propagation.graph import FlatProgram, inline_body, open_jaxpr
 from spmdkit.propagation.memory import program_temp_bytes
 from spmdkit.propagation.pricing import Pricer
-from spmdkit.propagation.primitives import RULE_ERRORS
+from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes
 from spmdkit.region import FORWARD, GRAD, grad_inference, region_attrs, region_program
 from spmdkit.registry import get_rule
 from spmdkit.resharding import Collective
@@ -145,46 +145,63 @@ def region_answer(
     specs: Sequence[TensorSpec],
     pricer: Pricer,
     fixed: str | None = None,
+    still: Sequence[bool] = (),
 ) -> RegionAnswer | None:
     """The cheapest way to lay out a region equation; None when no strategy fits.
 
     Each of the op's strategies (``fixed``, or the ``strategy`` the call carries,
-    when given) is asked about the operands as given, and about them with one
-    operand replicated: a rule resolves a conflict between operands (the labels
-    sequence-sharded, the logits vocab-sharded over the same axis) its own way,
-    and moving the small operand can be much cheaper. Ties go to the operands
-    as given, then to the rule's first strategy. The chosen strategy is named by
-    what it does (:meth:`~spmdkit.rule.Rule.named_strategy`) where the strategy
-    of that name lays the region out identically.
+    when given) is asked about the operands as given, about them with one
+    operand replicated (a rule resolves a conflict between operands — labels
+    sequence-sharded, logits vocab-sharded over the same axis — its own way, and
+    moving the small operand can be much cheaper), and with the other operands
+    giving up the axes of the activations (``still``: operands computed from the
+    batch). As for any equation (:mod:`spmdkit.propagation.choose`), activations
+    stay put: where some answer keeps every activation's sharding, only those
+    compete (a weight is all-gathered, as in FSDP, rather than the batch
+    gathered). Ties go to the operands as given, then to the rule's first
+    strategy. The chosen strategy is named by what it does
+    (:meth:`~spmdkit.rule.Rule.named_strategy`) where the strategy of that name
+    lays the region out identically.
     """
     if prim not in (FORWARD, GRAD):
         raise ValueError(f"{prim!r} is not a region primitive")
     attrs = region_attrs(params)
     chosen = attrs.get("strategy") or fixed
     names = (chosen,) if chosen else get_rule(params["op"]).strategies
-    best: tuple[tuple[int, float], RegionAnswer, tuple[TensorSpec, ...]] | None = None
-    for given in _candidates(specs):
+    act = [i for i, m in enumerate(still) if m and any(specs[i].dims)]
+    found: list[tuple[tuple[int, float], bool, RegionAnswer, tuple[TensorSpec, ...]]] = []
+    for given in _candidates(specs, act):
         for name in names:
             try:
                 ans = region_layouts(prim, params, {**attrs, "strategy": name}, given, pricer.mesh)
             except RULE_ERRORS:
                 continue
-            cost = _cost(pricer, specs, ans)
-            if best is None or cost < best[0]:
-                best = (cost, ans, given)
-    if best is None:
+            kept = all(_kept(specs[i], ans.required[i]) for i in act)
+            found.append((_cost(pricer, specs, ans), kept, ans, given))
+    if any(kept for _, kept, _, _ in found):
+        found = [f for f in found if f[1]]
+    if not found:
         return None
-    _, ans, given = best
+    _, _, ans, given = min(found, key=lambda f: f[0])  # the first of equal costs
     return ans if chosen else _named(prim, params, ans, given, pricer.mesh)
 
 
-def _candidates(specs: Sequence[TensorSpec]) -> list[tuple[TensorSpec, ...]]:
-    """The operands as given, then with each laid-out operand replicated."""
+def _candidates(specs: Sequence[TensorSpec], act: Sequence[int]) -> list[tuple[TensorSpec, ...]]:
+    """The operands as given, with each laid-out operand replicated, and with the
+    others giving up the axes of the activations ``act``."""
     out = [tuple(specs)]
     for i, s in enumerate(specs):
         if any(s.dims) or s.partial:
             out.append((*specs[:i], TensorSpec(s.shape, dtype=s.dtype), *specs[i + 1 :]))
+    if act and len(act) < len(specs):
+        axes = {a for i in act for d in specs[i].dims for a in d}
+        out.append(tuple(x if i in act else drop_axes(x, axes) for i, x in enumerate(specs)))
     return out
+
+
+def _kept(given: TensorSpec, required: TensorSpec) -> bool:
+    """Whether ``required`` still shards each dim of ``given`` over its axes."""
+    return all(set(d) <= set(r) for d, r in zip(given.dims, required.dims, strict=False))
 
 
 def _named(
@@ -281,12 +298,29 @@ def _traced(
     if body is None:
         return None
     graph = FlatProgram().graph(body)[0]
-    dce(graph)
+    _drop_dead(graph)
     return _Facts(
         tuple(_collectives(graph.nodes, mesh)),
         program_temp_bytes(body, duplicate=True),
         program_temp_bytes(body, duplicate=False),
     )
+
+
+def _drop_dead(graph: Any) -> None:
+    """Drop the nodes whose results nobody reads, collectives included: their
+    named-axis effect only says which mesh axes they talk over (XLA removes an
+    unread all-reduce like any dead value)."""
+    live = set(graph.outvars)
+    keep = []
+    for node in reversed(graph.nodes):
+        effects = getattr(node.eqn, "effects", None) or ()
+        named = all(type(e).__name__ == "NamedAxisEffect" for e in effects)
+        if not named or any(o in live for o in node.outs):
+            keep.append(node)
+            live.update(node.ins)
+            for sub in node.subs:
+                _drop_dead(sub)
+    graph.nodes = keep[::-1]
 
 
 def _shard_map_body(jaxpr: Any) -> Any:
