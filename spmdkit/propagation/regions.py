@@ -293,7 +293,8 @@ def _traced(
     if run is None:
         return None
     args = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in required]
-    outer = jax.make_jaxpr(run)(*args)
+    with jax.sharding.use_abstract_mesh(auto):  # whatever mesh the caller set
+        outer = jax.make_jaxpr(run)(*args)
     body = _shard_map_body(outer.jaxpr)
     if body is None:
         return None
