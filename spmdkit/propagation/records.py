@@ -24,7 +24,11 @@ from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.pricing import Pricer, node_flops, reshard_once
 from spmdkit.propagation.primitives import RULE_ERRORS
-from spmdkit.propagation.regions import MANUAL_COLLECTIVES, region_layouts
+from spmdkit.propagation.regions import (
+    MANUAL_COLLECTIVES,
+    region_input_collectives,
+    region_layouts,
+)
 from spmdkit.propagation.steps import Step
 from spmdkit.region import GRAD, REGIONS
 from spmdkit.resharding import Collective, ReshardPlan
@@ -224,7 +228,10 @@ class Recorder:
     A value resharded once is not resharded again for a later reader wanting the
     same layout (``avail``: value id → layouts it has); ``held`` collects the
     resharded copies' lifetimes for the memory estimate (see
-    :func:`~spmdkit.propagation.pricing.reshard_once`).
+    :func:`~spmdkit.propagation.pricing.reshard_once`). Likewise a grad region
+    does not count again a collective its recomputed forward runs on an operand
+    exactly as the forward region of the same op did on the same value (XLA
+    computes the identical collective once; ``shared``).
     """
 
     def __init__(self, pricer: Pricer, ops: frozenset[str]) -> None:
@@ -233,6 +240,7 @@ class Recorder:
         self.ops = ops
         self.avail: dict[int, list[TensorSpec]] = {}
         self.held: dict = {}
+        self.shared: collections.Counter = collections.Counter()
 
     def record(self, step: Step, index: int, at: int | None = None) -> EqnRecord:
         """The record of one step (``at``: the top-level index it runs at)."""
@@ -351,8 +359,21 @@ class Recorder:
             ans = region_layouts(node.prim, p, attrs, req, self.mesh)
         except RULE_ERRORS:
             return []
+        own = list(ans.collectives)
+        on_in = region_input_collectives(node.prim, p, attrs, req, ans.outputs, self.mesh)
+        for i, kind, axes, nbytes in on_in:
+            key = (p["op"], p["attrs"], node.ins[i], req[i], kind, axes, nbytes)
+            if node.prim != GRAD:
+                self.shared[key] += 1
+                continue
+            same = next(
+                (c for c in own if (c.kind, c.axes, c.payload_bytes) == (kind, axes, nbytes)),
+                None,
+            )
+            if self.shared[key] and same is not None:
+                own.remove(same)
         spec = ans.outputs[0] if ans.outputs else req[0]
-        return [_wrap_own(f"{p['op']} (region)", spec, c) for c in ans.collectives]
+        return [_wrap_own(f"{p['op']} (region)", spec, c) for c in own]
 
     def _own_collectives(
         self, op: str | None, attrs: dict, req: Sequence[TensorSpec]

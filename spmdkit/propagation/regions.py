@@ -41,6 +41,7 @@ __all__ = [
     "MANUAL_COLLECTIVES",
     "RegionAnswer",
     "region_answer",
+    "region_input_collectives",
     "region_layouts",
     "region_temp_bytes",
 ]
@@ -234,6 +235,7 @@ class _Facts(NamedTuple):
     collectives: tuple[tuple[str, tuple[str, ...], str | None, int], ...]
     temp_bytes: int
     temp_bytes_materialized: int
+    on_inputs: tuple[tuple[int, str, tuple[str, ...], int], ...] = ()
 
 
 def region_temp_bytes(
@@ -304,7 +306,41 @@ def _traced(
         tuple(_collectives(graph.nodes, mesh)),
         program_temp_bytes(body, duplicate=True),
         program_temp_bytes(body, duplicate=False),
+        tuple(_on_inputs(graph, mesh)),
     )
+
+
+def _on_inputs(graph: Any, mesh: MeshLike) -> list[tuple[int, str, tuple[str, ...], int]]:
+    """(operand position, kind, axes, payload) of the collectives the program runs
+    on an operand as it enters (through the optimization barrier, if any)."""
+    origin = {v: i for i, v in enumerate(graph.invars)}
+    out = []
+    for node in graph.nodes:
+        if node.prim == "optimization_barrier":
+            pairs = zip(node.ins, node.outs, strict=True)
+            origin.update({o: origin[v] for v, o in pairs if v in origin})
+        elif node.prim in MANUAL_COLLECTIVES and node.ins and node.ins[0] in origin:
+            for kind, axes, _, nbytes in _collectives([node], mesh):
+                out.append((origin[node.ins[0]], kind, axes, nbytes))
+    return out
+
+
+def region_input_collectives(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> tuple[tuple[int, str, tuple[str, ...], int], ...]:
+    """The collectives a region's replayed program runs on its operands as they
+    enter: ``(operand position, kind, axes, per-device payload)`` (attention's
+    all-gathers of K and V). A grad region recomputes its forward, so it runs
+    the forward region's again on the same values; XLA computes such an
+    identical collective once (see :class:`~spmdkit.propagation.records.Recorder`).
+    """
+    facts = _program(prim, params, attrs, required, produced, mesh)
+    return () if facts is None else facts.on_inputs
 
 
 def _drop_dead(graph: Any) -> None:

@@ -95,21 +95,30 @@ def test_rows_sharded_logits_keep_the_name_default():
     assert prop.region_strategies()["softmax_cross_entropy"] == {"default": 1}
 
 
-def test_attention_grad_region_counts_its_kv_gathers_once():
-    """gather_kv: the grad region's program gathers K and V once (its recomputed
-    forward's gathers are the ones the backward reads) and reduce-scatters dK, dV."""
+def test_attention_gather_kv_regions_predict_the_compiled_collectives():
+    """gather_kv: the grad region's program gathers K and V (its recomputed
+    forward) and reduce-scatters dK, dV; XLA computes the gathers once with the
+    forward region's (the same collective on the same values), and so does the
+    prediction: all-gathers of K and V, reduce-scatters of dK and dV, as compiled."""
+    from jax.sharding import NamedSharding
+
+    from spmdkit.compile.enforce import enforced
+    from spmdkit.verification.compiled import report
+
     q = jax.ShapeDtypeStruct((2, 16, 4, 8), "float32")
 
     def loss(q, k, v):
         out = region_call("attention", (q, k, v), {"causal": True, "strategy": "gather_kv"})
         return (out**2).sum()
 
-    prop = propagate(
-        jax.grad(loss, argnums=(0, 1, 2)), q, q, q, in_specs=(P(None, "b"),) * 3, mesh=MESH
-    )
-    grad = [r for r in prop.records if r.primitive == "spmdkit_op_grad"]
-    kinds = sorted(c.kind for r in grad for c in r.collectives())
-    assert kinds == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+    mesh = sk.make_mesh(a=2, b=4, axis_types="auto")
+    specs = (P(None, "b"),) * 3
+    with jax.set_mesh(mesh):
+        prop = propagate(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, in_specs=specs, mesh=mesh)
+        shardings = tuple(NamedSharding(mesh, s) for s in specs)
+        compiled = jax.jit(enforced(prop), in_shardings=shardings).lower(q, q, q).compile()
+    assert prop.comm_bytes_by_kind == report(compiled).bytes_by_kind()
+    assert sorted(c.kind for c in prop.collectives()) == ["all_gather"] * 2 + ["reduce_scatter"] * 2
 
 
 @pytest.mark.parametrize(
