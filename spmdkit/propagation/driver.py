@@ -49,9 +49,9 @@ from spmdkit.propagation.memory import liveness
 from spmdkit.propagation.pinning import Program, pins
 from spmdkit.propagation.pricing import steps_flops
 from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
-from spmdkit.propagation.regions import region_temp_bytes
+from spmdkit.propagation.regions import region_residual_bytes, region_temp_bytes
 from spmdkit.propagation.steps import Step
-from spmdkit.region import REGIONS
+from spmdkit.region import GRAD, REGIONS
 from spmdkit.registry import get_rule
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
@@ -138,6 +138,7 @@ def propagate(
     transient = _transient(recorder.held, len(graph.nodes))
 
     def memory(duplicate: bool) -> Any:
+        held = _with_residuals(transient, collect, graph, mesh, duplicate)
         return liveness(
             graph,
             spec,
@@ -146,7 +147,7 @@ def propagate(
             prog,
             donated=donated,
             roles=roles,
-            transient=transient,
+            transient=held,
             duplicate=duplicate,
             inner=_region_temps(collect, mesh, duplicate),
         )
@@ -247,6 +248,28 @@ def _region_temps(steps: Sequence[Step], mesh: MeshLike, duplicate: bool) -> dic
             )
         if step.loop is not None:
             out.update(_region_temps(step.loop.steps, mesh, duplicate))
+    return out
+
+
+def _with_residuals(
+    transient: list[int], steps: Sequence[Step], graph: Graph, mesh: Any, duplicate: bool
+) -> list[int]:
+    """``transient`` plus what each top-level grad region holds from the forward
+    pass (:func:`~spmdkit.propagation.regions.region_residual_bytes`): from the
+    node that makes the last of its primal inputs to the region itself."""
+    out = list(transient)
+    made = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
+    for g, step in enumerate(steps):
+        node = step.node
+        if node.prim != GRAD:
+            continue
+        p = node.eqn.params
+        nbytes = region_residual_bytes(
+            node.prim, p, step.attrs, step.required, step.outputs, mesh, duplicate=duplicate
+        )
+        start = max((made.get(v, 0) for v in node.ins[: len(p["diff"])]), default=0)
+        for i in range(start + 1, g):
+            out[i] += nbytes
     return out
 
 

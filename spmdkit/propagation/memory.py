@@ -33,7 +33,7 @@ from spmdkit.propagation.graph import FlatProgram, Graph, dce
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
 
-__all__ = ["MemoryEstimate", "estimate_memory", "liveness", "program_temp_bytes"]
+__all__ = ["MemoryEstimate", "estimate_memory", "fused_values", "liveness", "program_temp_bytes"]
 
 
 _ELEMENTWISE = frozenset(
@@ -406,3 +406,9 @@ def program_temp_bytes(closed_jaxpr: Any, *, duplicate: bool = True) -> int:
     dce(graph)
     ends = set(graph.invars) | set(graph.outvars)
     return _temp_peak(graph, {}, _NO_MESH, prog, ends, duplicate=duplicate)
+
+
+def fused_values(graph: Graph, prog: FlatProgram, *, duplicate: bool = True) -> set[int]:
+    """Ids of the values of ``graph`` that XLA fuses into their consumers (never
+    materialized), by the fusion model of :func:`liveness`."""
+    return _lifetimes(graph, prog, True, duplicate)[1]

@@ -27,7 +27,7 @@ import numpy as np
 
 from spmdkit.inference import infer_forward
 from spmdkit.propagation.graph import FlatProgram, inline_body, open_jaxpr
-from spmdkit.propagation.memory import program_temp_bytes
+from spmdkit.propagation.memory import fused_values, program_temp_bytes
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes
 from spmdkit.region import FORWARD, GRAD, grad_inference, region_attrs, region_program
@@ -43,6 +43,7 @@ __all__ = [
     "region_answer",
     "region_input_collectives",
     "region_layouts",
+    "region_residual_bytes",
     "region_temp_bytes",
 ]
 
@@ -236,6 +237,8 @@ class _Facts(NamedTuple):
     temp_bytes: int
     temp_bytes_materialized: int
     on_inputs: tuple[tuple[int, str, tuple[str, ...], int], ...] = ()
+    residual_bytes: int = 0
+    residual_bytes_materialized: int = 0
 
 
 def region_temp_bytes(
@@ -300,14 +303,49 @@ def _traced(
     body = _shard_map_body(outer.jaxpr)
     if body is None:
         return None
-    graph = FlatProgram().graph(body)[0]
+    prog = FlatProgram()
+    graph = prog.graph(body)[0]
     _drop_dead(graph)
     return _Facts(
         tuple(_collectives(graph.nodes, mesh)),
         program_temp_bytes(body, duplicate=True),
         program_temp_bytes(body, duplicate=False),
         tuple(_on_inputs(graph, mesh)),
+        *(
+            _residual_bytes(graph, len(diff), fused_values(graph, prog, duplicate=d))
+            if prim == GRAD
+            else 0
+            for d in (True, False)
+        ),
     )
+
+
+def _residual_bytes(graph: Any, n: int, fused: set[int]) -> int:
+    """Bytes of the values a grad region's program computes from its primal
+    inputs alone (its first ``n`` operands) that the cotangent's side reads: XLA
+    schedules that part as soon as the inputs exist, in the forward pass, and
+    holds those values until the backward reaches the region (residuals in all
+    but name). Values XLA fuses into their readers are recomputed there, not held."""
+    late = set(graph.invars[n:])
+    early: dict[int, int] = {}
+    passed = set(graph.invars[:n])
+    for node in graph.nodes:
+        if any(v in late for v in node.ins):
+            late.update(node.outs)
+            continue
+        through = node.prim == "optimization_barrier" or all(v in passed for v in node.ins)
+        for o in node.outs:
+            if through and node.prim in ("optimization_barrier", "pvary"):
+                passed.add(o)
+            else:
+                early[o] = _nbytes(o, node)
+    read = {v for node in graph.nodes if any(o in late for o in node.outs) for v in node.ins}
+    return sum(b for v, b in early.items() if v in read and v not in fused)
+
+
+def _nbytes(vid: int, node: Any) -> int:
+    var = node.eqn.outvars[node.outs.index(vid)]
+    return math.prod(var.aval.shape) * np.dtype(var.aval.dtype).itemsize
 
 
 def _on_inputs(graph: Any, mesh: MeshLike) -> list[tuple[int, str, tuple[str, ...], int]]:
@@ -390,3 +428,27 @@ def _collectives(nodes: Sequence[Any], mesh: MeshLike) -> list[tuple]:
             nbytes = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
             out.append((kind, axes, r, nbytes))
     return out
+
+
+def region_residual_bytes(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+    *,
+    duplicate: bool = True,
+) -> int:
+    """Per device, the bytes a grad region holds from the forward pass to its own
+    run: what its program computes from the primal inputs alone and its
+    cotangent side reads (``x - mean``, the scale times the inverse deviation...).
+    XLA runs that part as soon as the inputs exist (merging what equals the
+    forward region's own computation) and keeps it until the backward; 0 for a
+    forward region, or where the replay binds the region unsharded. ``duplicate``:
+    as :func:`~spmdkit.propagation.memory.liveness` (False: a cheap value read
+    by several consumers is held, not recomputed in each)."""
+    facts = _program(prim, params, attrs, required, produced, mesh)
+    if facts is None:
+        return 0
+    return facts.residual_bytes if duplicate else facts.residual_bytes_materialized
