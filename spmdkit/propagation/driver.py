@@ -138,7 +138,13 @@ def propagate(
     transient = _transient(recorder.held, len(graph.nodes))
 
     def memory(duplicate: bool) -> Any:
-        held = _with_residuals(transient, collect, graph, mesh, duplicate)
+        # The regions' own temporaries and what a grad region holds from the
+        # forward pass count in the materialized (upper) estimate only: XLA fuses
+        # most of a region's elementwise body and merges its recompute with the
+        # forward region's where it can, so how much stays depends on its
+        # schedule (measured on the reference models: from none of it, a toy
+        # megatron step, to most of it, ConvNet's group norms under FSDP).
+        held = transient if duplicate else _with_residuals(transient, collect, graph, mesh)
         return liveness(
             graph,
             spec,
@@ -149,7 +155,7 @@ def propagate(
             roles=roles,
             transient=held,
             duplicate=duplicate,
-            inner=_region_temps(collect, mesh, duplicate),
+            inner=None if duplicate else _region_temps(collect, mesh),
         )
 
     return Propagation(
@@ -231,7 +237,7 @@ def _sweeps(
     return spec, collect
 
 
-def _region_temps(steps: Sequence[Step], mesh: MeshLike, duplicate: bool) -> dict[int, int]:
+def _region_temps(steps: Sequence[Step], mesh: MeshLike) -> dict[int, int]:
     """``id(node)`` → a region node's own temporaries at its planned layouts (see
     :func:`~spmdkit.propagation.regions.region_temp_bytes`), loop bodies included."""
     out: dict[int, int] = {}
@@ -244,15 +250,15 @@ def _region_temps(steps: Sequence[Step], mesh: MeshLike, duplicate: bool) -> dic
                 step.required,
                 step.outputs,
                 mesh,
-                duplicate=duplicate,
+                duplicate=False,
             )
         if step.loop is not None:
-            out.update(_region_temps(step.loop.steps, mesh, duplicate))
+            out.update(_region_temps(step.loop.steps, mesh))
     return out
 
 
 def _with_residuals(
-    transient: list[int], steps: Sequence[Step], graph: Graph, mesh: Any, duplicate: bool
+    transient: list[int], steps: Sequence[Step], graph: Graph, mesh: Any
 ) -> list[int]:
     """``transient`` plus what each top-level grad region holds from the forward
     pass (:func:`~spmdkit.propagation.regions.region_residual_bytes`): from the
@@ -265,7 +271,7 @@ def _with_residuals(
             continue
         p = node.eqn.params
         nbytes = region_residual_bytes(
-            node.prim, p, step.attrs, step.required, step.outputs, mesh, duplicate=duplicate
+            node.prim, p, step.attrs, step.required, step.outputs, mesh, duplicate=False
         )
         start = max((made.get(v, 0) for v in node.ins[: len(p["diff"])]), default=0)
         for i in range(start + 1, g):
