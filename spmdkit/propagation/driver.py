@@ -138,24 +138,8 @@ def propagate(
     transient = _transient(recorder.held, len(graph.nodes))
 
     def memory(duplicate: bool) -> Any:
-        # The regions' own temporaries and what a grad region holds from the
-        # forward pass count in the materialized (upper) estimate only: XLA fuses
-        # most of a region's elementwise body and merges its recompute with the
-        # forward region's where it can, so how much stays depends on its
-        # schedule (measured on the reference models: from none of it, a toy
-        # megatron step, to most of it, ConvNet's group norms under FSDP).
-        held = transient if duplicate else _with_residuals(transient, collect, graph, mesh)
-        return liveness(
-            graph,
-            spec,
-            final_out,
-            mesh,
-            prog,
-            donated=donated,
-            roles=roles,
-            transient=held,
-            duplicate=duplicate,
-            inner=None if duplicate else _region_temps(collect, mesh),
+        return _memory(
+            graph, spec, final_out, mesh, prog, collect, duplicate, transient, donated, roles
         )
 
     return Propagation(
@@ -255,6 +239,40 @@ def _region_temps(steps: Sequence[Step], mesh: MeshLike) -> dict[int, int]:
         if step.loop is not None:
             out.update(_region_temps(step.loop.steps, mesh))
     return out
+
+
+def _memory(
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    final_out: list[TensorSpec],
+    mesh: MeshLike,
+    prog: FlatProgram,
+    collect: list[Step],
+    duplicate: bool,
+    transient: list[int],
+    donated: set[int],
+    roles: Mapping[int, str],
+) -> Any:
+    """The liveness estimate (``duplicate``: see :func:`liveness`). The regions'
+    own temporaries and what a grad region holds from the forward pass count in
+    the materialized (upper) estimate only: XLA fuses most of a region's
+    elementwise body and merges its recompute with the forward region's where it
+    can, so how much stays depends on its schedule (measured on the reference
+    models: from none of it, a toy megatron step, to most of it, ConvNet's group
+    norms under FSDP)."""
+    held = transient if duplicate else _with_residuals(transient, collect, graph, mesh)
+    return liveness(
+        graph,
+        spec,
+        final_out,
+        mesh,
+        prog,
+        donated=donated,
+        roles=roles,
+        transient=held,
+        duplicate=duplicate,
+        inner=None if duplicate else _region_temps(collect, mesh),
+    )
 
 
 def _with_residuals(
