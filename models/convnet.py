@@ -109,14 +109,20 @@ class BatchNorm(nnx.Module):
         self.var = nnx.BatchStat(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.use_running_average:
-            mean, var = self.mean[...], self.var[...]
-        else:
-            mean, var = lyr.batch_stats(x)
-            m = self.momentum
-            self.mean[...] = m * self.mean[...] + (1 - m) * jax.lax.stop_gradient(mean)
-            self.var[...] = m * self.var[...] + (1 - m) * jax.lax.stop_gradient(var)
-        return lyr.batch_norm(x, self.scale[...], self.bias[...], mean, var, eps=self.eps)
+        training = not self.use_running_average
+        y, mean, var = lyr.sync_batch_norm(
+            x,
+            self.scale[...],
+            self.bias[...],
+            self.mean[...],
+            self.var[...],
+            training=training,
+            momentum=self.momentum,
+            eps=self.eps,
+        )
+        if training:
+            self.mean[...], self.var[...] = mean, var
+        return y
 
 
 def _check(cfg: ConvNetConfig) -> None:

@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmdkit import ops
 from spmdkit.errors import SpmdError
+from spmdkit.nn.calls import call_op
 from spmdkit.planner import BATCH_NAMES, PARAM_NAMES
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "rms_norm",
     "group_norm",
     "batch_norm",
+    "sync_batch_norm",
     "attention",
     "blockwise_attention",
     "AttentionError",
@@ -73,31 +76,29 @@ class ModelConfigError(SpmdError, ValueError):
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float) -> jax.Array:
-    """Layer norm over the last dim, statistics in float32."""
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (y * scale + bias).astype(x.dtype)
+    """Layer norm over the last dim, statistics in float32 (:func:`spmdkit.ops.layer_norm`)."""
+    y = call_op(ops.layer_norm, *_f32(x, scale, bias), epsilon=eps)
+    return y.astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, *, eps: float) -> jax.Array:
-    """RMS norm over the last dim, statistics in float32."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
-    return (y * scale).astype(x.dtype)
+    """RMS norm over the last dim, statistics in float32 (:func:`spmdkit.ops.rms_norm`)."""
+    return call_op(ops.rms_norm, *_f32(x, scale), epsilon=eps).astype(x.dtype)
 
 
 def group_norm(
     x: jax.Array, scale: jax.Array, bias: jax.Array, *, groups: int, eps: float
 ) -> jax.Array:
-    """Group norm of an NHWC tensor: statistics per sample over (H, W, C/groups)."""
-    n, h, w, c = x.shape
-    xg = x.astype(jnp.float32).reshape(n, h, w, groups, c // groups)
-    mean = jnp.mean(xg, axis=(1, 2, 4), keepdims=True)
-    var = jnp.mean(jnp.square(xg - mean), axis=(1, 2, 4), keepdims=True)
-    y = ((xg - mean) * jax.lax.rsqrt(var + eps)).reshape(n, h, w, c)
-    return (y * scale + bias).astype(x.dtype)
+    """Group norm of an NHWC tensor: statistics per sample over (H, W, C/groups)
+    (:func:`spmdkit.ops.group_norm`, in float32)."""
+    y = call_op(
+        ops.group_norm, *_f32(x, scale, bias), num_groups=groups, epsilon=eps, data_format="NHWC"
+    )
+    return y.astype(x.dtype)
+
+
+def _f32(*xs: jax.Array) -> list[jax.Array]:
+    return [x.astype(jnp.float32) for x in xs]
 
 
 def batch_norm(
@@ -121,6 +122,38 @@ def batch_stats(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     mean = jnp.mean(xf, axis=axes)
     var = jnp.mean(jnp.square(xf - mean), axis=axes)
     return mean, var
+
+
+def sync_batch_norm(
+    x: jax.Array,
+    scale: jax.Array,
+    bias: jax.Array,
+    mean: jax.Array,
+    var: jax.Array,
+    *,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Batch norm of an NHWC tensor by :func:`spmdkit.ops.sync_batch_norm`: in
+    training with the global batch statistics (float32), else with ``mean``/``var``.
+
+    Returns:
+      ``(y, new_mean, new_var)``: the running statistics updated as flax does
+      (``momentum · old + (1 - momentum) · batch``; unchanged when not training).
+    """
+    y, new_mean, new_var = call_op(
+        ops.sync_batch_norm,
+        x.astype(jnp.float32),
+        mean,
+        var,
+        *_f32(scale, bias),
+        training=training,
+        momentum=momentum,
+        epsilon=eps,
+        data_format="NHWC",
+    )
+    return y.astype(x.dtype), new_mean, new_var
 
 
 ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn")
@@ -407,15 +440,15 @@ _flash.defvjp(_flash_fwd, _flash_backward)
 
 
 def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows of ``table`` ``[vocab, embed]`` at integer ``ids``."""
-    return jnp.take(table, ids, axis=0)
+    """Rows of ``table [vocab, embed]`` at integer ``ids`` (by
+    :func:`spmdkit.ops.embedding_lookup`)."""
+    return call_op(ops.embedding_lookup, table, ids)
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean cross-entropy of ``logits [..., classes]`` against integer ``labels [...]``."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-    return -jnp.mean(picked)
+    """Mean cross-entropy of ``logits [..., classes]`` against integer ``labels [...]``,
+    in float32 (:func:`spmdkit.ops.softmax_cross_entropy`)."""
+    return call_op(ops.softmax_cross_entropy, logits.astype(jnp.float32), labels, ignore_index=None)
 
 
 def rope(x: jax.Array, *, theta: float) -> jax.Array:

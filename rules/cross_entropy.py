@@ -425,6 +425,15 @@ class CrossEntropyRule(Rule):
     def __init__(self, examples: Sequence[Example] = ()) -> None:
         self.examples = tuple(examples)
 
+    def named_strategy(self, ctx: RuleContext, inputs: Sequence[TensorSpec]) -> str:
+        """``"vocab_parallel"`` wherever the logits' class dim stays sharded (the
+        reference strategy keeps it so for hard labels on the last dim, computing
+        exactly what ``vocab_parallel`` does), else the strategy asked for."""
+        name = self.strategy(ctx)
+        logits, labels = inputs[0], inputs[1]
+        cfg = _config(logits, labels, ctx.attrs)
+        return "vocab_parallel" if logits.dims[cfg.axis] else name
+
     # -- layout ------------------------------------------------------------
     @staticmethod
     def _factors(cfg: CrossEntropyConfig, spec_rank: int, is_labels: bool) -> list[Any]:

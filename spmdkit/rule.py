@@ -432,6 +432,20 @@ class Rule:
             )
         return name
 
+    def named_strategy(self, ctx: RuleContext, inputs: Sequence[TensorSpec]) -> str:
+        """The name of what the call's strategy does with these (required) operands.
+
+        Strategies may coincide on some layouts (every one of them computes the
+        same there); a plan names the one that describes the layout. Default:
+        the strategy asked for (:meth:`strategy`).
+
+        Example::
+
+            >>> rule.named_strategy(ctx, (logits_vocab_sharded, labels))
+            'vocab_parallel'
+        """
+        return self.strategy(ctx)
+
     def local_fn(self, lctx: LocalContext) -> Callable[..., Any]:
         """The per-device computation for one case, run inside ``shard_map`` over
         every mesh axis on the local pieces of the required inputs.

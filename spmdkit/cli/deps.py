@@ -118,7 +118,8 @@ LAYERS: dict[str, frozenset[str]] = {
     "ops": frozenset({"base", "rule", "resharding", "api"}),
     "nn": frozenset({"base", "ops"}),
     "testing": frozenset({"base", "rule", "resharding", "verification", "api"}),
-    "models": frozenset({"base", "planner", "api"}),
+    # the reference models compute norms, lookup and loss with spmdkit.ops (regions)
+    "models": frozenset({"base", "planner", "api", "ops", "nn"}),
     "cli": _BELOW_API | {"api", "runtime", "models", "rules", "ops", "nn", "testing"},
 }
 

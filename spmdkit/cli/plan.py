@@ -7,8 +7,10 @@ devices, any size), otherwise on virtual CPU devices.
 
 ``spmdkit report MODEL --mesh data=2,model=4 [--strategy ...] [--config tiny]``
 compiles one train step on virtual CPU devices with the plan (params born
-sharded, ``sk.jit``) and prints predicted vs compiled collectives and memory
-(``plan.verify``). Exit status 1 when they disagree beyond the tolerances.
+sharded, ``sk.jit``) and prints the strategy chosen per composite op (the
+``spmdkit.ops`` regions: ``softmax_cross_entropy vocab_parallel``...) and
+predicted vs compiled collectives and memory (``plan.verify``). Exit status 1
+when they disagree beyond the tolerances.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from spmdkit.cli.command import Command, parse_mesh
 from spmdkit.errors import SpmdError
@@ -98,11 +100,26 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
         params = init_sharded(info, p)
         step = jit(sk.value_and_grad(info.loss_fn, p), p)  # the plan's recipe applied
         result = p.verify(step, params, batch)
+        ops = _op_strategies(step.program(params, batch)[1])
     except SpmdError as e:
         sys.stderr.write(f"spmdkit report: {e}\n")
         return 2
-    out.write(p.table() + "\n\n" + str(result) + "\n")
+    out.write(p.table() + "\n" + ops + "\n" + str(result) + "\n")
     return 0 if result.ok else 1
+
+
+def _op_strategies(prop: Any) -> str:
+    """One line naming the strategy propagation chose per composite op (its
+    regions), e.g. ``ops (strategy): softmax_cross_entropy vocab_parallel``."""
+    chosen = prop.region_strategies()
+    if not chosen:
+        return ""
+    text = ", ".join(
+        f"{op} {name}" + (f" ×{n}" if n > 1 else "")
+        for op, per in chosen.items()
+        for name, n in per.items()
+    )
+    return f"ops (strategy): {text}\n"
 
 
 #: Commands for ``spmdkit.cli.COMMANDS``.

@@ -20,6 +20,7 @@ to the first equation that uses it as a weight:
   kept dims ``heads, head_dim...``) or
   *row* (contracted ``mlp`` or ``heads, head_dim...``; kept ``embed``);
 - a ``gather`` (an embedding table): the indexed dim ``vocab``, the others ``embed``;
+  so for an ``embedding`` region (``spmdkit.ops.embedding_lookup``);
 - a ``conv_general_dilated`` kernel: ``conv_window...``, ``conv_in``, ``conv_out``
   from its dimension numbers;
 - anything else (norm scales, biases, position embeddings, class tokens): the
@@ -43,6 +44,7 @@ import jax
 from spmdkit.flax.model import ModelInfo, ParamInfo, unbound_axis_error
 from spmdkit.planner.logical import PlanError, axis_roles
 from spmdkit.planner.plans import Plan
+from spmdkit.region import FORWARD
 from spmdkit.spec import axis_sizes
 from spmdkit.util import path_str
 
@@ -87,6 +89,11 @@ _CASTS = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"
 
 def _is_var(v: Any) -> bool:
     return not hasattr(v, "val")
+
+
+def _is_lookup(eqn: Any) -> bool:
+    """An embedding lookup traced as a region (:mod:`spmdkit.region`)."""
+    return eqn.primitive.name == FORWARD and eqn.params["op"] == "embedding"
 
 
 def _sub_jaxpr(eqn: Any) -> Any:
@@ -141,6 +148,9 @@ class _Walk:
                 hot = self.dot(eqn, tracked, tainted)
             elif name == "gather" and eqn.invars[0] in params:
                 self.gather(eqn, tracked)
+                hot = False
+            elif _is_lookup(eqn) and eqn.invars[0] in params:
+                self.lookup(eqn, tracked)
                 hot = False
             elif name == "conv_general_dilated" and eqn.invars[1] in params:
                 self.conv(eqn, tracked)
@@ -209,6 +219,13 @@ class _Walk:
         names = tuple("vocab" if d in indexed else "embed" for d in range(len(shape)))
         self.vocab.update(shape[d] for d in indexed)
         self.set(path, dims, Role("gather", names))
+
+    def lookup(self, eqn: Any, tracked: dict) -> None:
+        """An ``embedding`` region (``spmdkit.ops.embedding_lookup``): the table's
+        rows are ``vocab``, its columns ``embed``."""
+        path, dims = tracked[eqn.invars[0]]
+        self.vocab.add(eqn.invars[0].aval.shape[0])
+        self.set(path, dims, Role("gather", ("vocab", "embed")))
 
     def conv(self, eqn: Any, tracked: dict) -> None:
         path, dims = tracked[eqn.invars[1]]

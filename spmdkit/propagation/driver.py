@@ -49,7 +49,9 @@ from spmdkit.propagation.memory import liveness
 from spmdkit.propagation.pinning import Program, pins
 from spmdkit.propagation.pricing import steps_flops
 from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
+from spmdkit.propagation.regions import region_residual_bytes, region_temp_bytes
 from spmdkit.propagation.steps import Step
+from spmdkit.region import GRAD, REGIONS
 from spmdkit.registry import get_rule
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
@@ -135,17 +137,19 @@ def propagate(
     donated = _donated_ids(donate_argnums, args, graph.invars)
 
     def memory(duplicate: bool, widen: Mapping | None = None) -> Any:
-        return liveness(
+        transient = _transient(recorder.held, len(graph.nodes), mesh, widen)
+        return _memory(
             graph,
             spec,
             final_out,
             mesh,
             prog,
-            donated=donated,
-            roles=roles,
-            transient=_transient(recorder.held, len(graph.nodes), mesh, widen),
-            duplicate=duplicate,
-            widen=widen,
+            collect,
+            duplicate,
+            transient,
+            donated,
+            roles,
+            widen,
         )
 
     return Propagation(
@@ -226,6 +230,84 @@ def _sweeps(
         engine.chooser.hints = hints
     _, spec, collect, engine.unknown = best
     return spec, collect
+
+
+def _region_temps(steps: Sequence[Step], mesh: MeshLike) -> dict[int, int]:
+    """``id(node)`` → a region node's own temporaries at its planned layouts (see
+    :func:`~spmdkit.propagation.regions.region_temp_bytes`), loop bodies included."""
+    out: dict[int, int] = {}
+    for step in steps:
+        if step.node.prim in REGIONS:
+            out[id(step.node)] = region_temp_bytes(
+                step.node.prim,
+                step.node.eqn.params,
+                step.attrs,
+                step.required,
+                step.outputs,
+                mesh,
+                duplicate=False,
+            )
+        if step.loop is not None:
+            out.update(_region_temps(step.loop.steps, mesh))
+    return out
+
+
+def _memory(
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    final_out: list[TensorSpec],
+    mesh: MeshLike,
+    prog: FlatProgram,
+    collect: list[Step],
+    duplicate: bool,
+    transient: list[int],
+    donated: set[int],
+    roles: Mapping[int, str],
+    widen: Mapping | None = None,
+) -> Any:
+    """The liveness estimate (``duplicate``: see :func:`liveness`). The regions'
+    own temporaries and what a grad region holds from the forward pass count in
+    the materialized (upper) estimate only: XLA fuses most of a region's
+    elementwise body and merges its recompute with the forward region's where it
+    can, so how much stays depends on its schedule (measured on the reference
+    models: from none of it, a toy megatron step, to most of it, ConvNet's group
+    norms under FSDP)."""
+    held = transient if duplicate else _with_residuals(transient, collect, graph, mesh)
+    return liveness(
+        graph,
+        spec,
+        final_out,
+        mesh,
+        prog,
+        donated=donated,
+        roles=roles,
+        transient=held,
+        duplicate=duplicate,
+        widen=widen,
+        inner=None if duplicate else _region_temps(collect, mesh),
+    )
+
+
+def _with_residuals(
+    transient: list[int], steps: Sequence[Step], graph: Graph, mesh: Any
+) -> list[int]:
+    """``transient`` plus what each top-level grad region holds from the forward
+    pass (:func:`~spmdkit.propagation.regions.region_residual_bytes`): from the
+    node that makes the last of its primal inputs to the region itself."""
+    out = list(transient)
+    made = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
+    for g, step in enumerate(steps):
+        node = step.node
+        if node.prim != GRAD:
+            continue
+        p = node.eqn.params
+        nbytes = region_residual_bytes(
+            node.prim, p, step.attrs, step.required, step.outputs, mesh, duplicate=False
+        )
+        start = max((made.get(v, 0) for v in node.ins[: len(p["diff"])]), default=0)
+        for i in range(start + 1, g):
+            out[i] += nbytes
+    return out
 
 
 def _transient(held: Mapping, n: int, mesh: Any, widen: Mapping | None = None) -> list[int]:

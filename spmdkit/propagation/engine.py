@@ -243,7 +243,8 @@ class Engine:
         """A composite op's region, laid out whole by its rule, its strategy
         searched (:mod:`spmdkit.propagation.regions`)."""
         p = node.eqn.params
-        ans = region_answer(node.prim, p, specs, self.pricer, self.strategies.get(p["op"]))
+        still = tuple(v in self.chooser.stationary for v in node.ins)
+        ans = region_answer(node.prim, p, specs, self.pricer, self.strategies.get(p["op"]), still)
         if ans is None:
             self.warn(node.prim, f"rule {p['op']!r} does not fit the region")
             return self._unknown(node, specs)

@@ -36,13 +36,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from spmdkit.propagation.graph import FlatProgram, Graph, dce
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
 
-__all__ = ["MemoryEstimate", "estimate_memory", "liveness"]
+__all__ = ["MemoryEstimate", "estimate_memory", "fused_values", "liveness", "program_temp_bytes"]
 
 
 _ELEMENTWISE = frozenset(
@@ -252,12 +253,15 @@ def _temp_peak(
     transient: Sequence[int] | None = None,
     duplicate: bool = True,
     widen: Mapping[np.dtype, np.dtype] | None = None,
+    inner: Mapping[int, int] | None = None,
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
     ``duplicate``: a cheap elementwise value read by several consumers is fused
     into each of them; False: only single-reader values fuse, the others are
-    materialized once. ``widen``: dtype → the dtype its values are held in."""
+    materialized once. ``widen``: dtype → the dtype its values are held in.
+    ``inner``: ``id(node)`` → the temporaries a node holds
+    while it runs (a region's own program), in this graph or a nested body."""
     last, fused = _lifetimes(graph, prog, fuse, duplicate)
     cache: dict[int, int] = dict.fromkeys(_narrowed(graph, prog, widen), 0) if widen else {}
 
@@ -283,17 +287,28 @@ def _temp_peak(
                 continue
             born += nbytes(o)
             frees.setdefault(last.get(o, i), []).append(o)
-        inner = 0
+        body = 0
         for sub in node.subs:
-            inner = max(
-                inner,
+            body = max(
+                body,
                 _temp_peak(
-                    sub, spec, mesh, prog, set(sub.invars), fuse, duplicate=duplicate, widen=widen
+                    sub,
+                    spec,
+                    mesh,
+                    prog,
+                    set(sub.invars),
+                    fuse,
+                    duplicate=duplicate,
+                    widen=widen,
+                    inner=inner,
                 ),
             )
         live += born
         extra = transient[i] if transient is not None and i < len(transient) else 0
-        peak = max(peak, live + max(inner, extra))
+        if inner:
+            # a region's temporaries live beside its resharded operands
+            extra += inner.get(id(node), 0)
+        peak = max(peak, live + max(body, extra))
         for v in frees.pop(i, ()):
             live -= nbytes(v)
         live -= copies.freed.get(i, 0)
@@ -326,6 +341,7 @@ def liveness(
     transient: Sequence[int] | None = None,
     duplicate: bool = True,
     widen: Mapping[np.dtype, np.dtype] | None = None,
+    inner: Mapping[int, int] | None = None,
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagation`).
 
@@ -344,6 +360,8 @@ def liveness(
       widen: dtype → a wider dtype the backend holds its temporaries in (XLA's
         CPU backend computes 16-bit floats in float32); arguments and outputs
         keep their own dtypes.
+      inner: ``id(node)`` → temporaries a node holds while it runs besides its
+        results (a region's own program: :func:`program_temp_bytes`).
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -390,6 +408,7 @@ def liveness(
         transient=transient,
         duplicate=duplicate,
         widen=widen,
+        inner=inner,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias
@@ -440,3 +459,32 @@ def estimate_memory(
         {} if roles is None else {graph.invars[i]: r for i, r in enumerate(roles) if r is not None}
     )
     return liveness(graph, spec, outs, mesh, prog, donated=donated_ids, roles=role_ids)
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def program_temp_bytes(closed_jaxpr: Any, *, duplicate: bool = True) -> int:
+    """Peak bytes of a program's temporaries: the values it makes that are
+    neither its inputs nor its outputs, by liveness with the fusion model above.
+
+    Every value is taken at its own (per-device) shape: pass the body of a
+    ``shard_map`` to get what one device holds while the body runs.
+
+    Example::
+
+        >>> body = jax.make_jaxpr(lambda x: jnp.exp(x) @ x)(jnp.ones((64, 64)))
+        >>> program_temp_bytes(body)   # exp(x) is materialized for the matmul
+        16384
+    """
+    prog = FlatProgram()
+    graph, _ = prog.graph(closed_jaxpr)
+    dce(graph)
+    ends = set(graph.invars) | set(graph.outvars)
+    return _temp_peak(graph, {}, _NO_MESH, prog, ends, duplicate=duplicate)
+
+
+def fused_values(graph: Graph, prog: FlatProgram, *, duplicate: bool = True) -> set[int]:
+    """Ids of the values of ``graph`` that XLA fuses into their consumers (never
+    materialized), by the fusion model of :func:`liveness`."""
+    return _lifetimes(graph, prog, True, duplicate)[1]

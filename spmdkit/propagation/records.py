@@ -25,7 +25,11 @@ from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.pricing import Pricer, node_flops, reshard_once
 from spmdkit.propagation.primitives import RULE_ERRORS
-from spmdkit.propagation.regions import region_layouts
+from spmdkit.propagation.regions import (
+    MANUAL_COLLECTIVES,
+    region_input_collectives,
+    region_layouts,
+)
 from spmdkit.propagation.steps import Step
 from spmdkit.region import GRAD, REGIONS
 from spmdkit.resharding import Collective, ReshardPlan
@@ -215,15 +219,7 @@ class Propagation:
 
 # -- steps → records ---------------------------------------------------------------
 
-_MANUAL = {
-    "psum": ("all_reduce", "in", "sum"),
-    "psum_invariant": ("all_reduce", "in", "sum"),
-    "pmax": ("all_reduce", "in", "max"),
-    "pmin": ("all_reduce", "in", "min"),
-    "all_gather": ("all_gather", "out", None),
-    "reduce_scatter": ("reduce_scatter", "in", "sum"),
-    "all_to_all": ("all_to_all", "in", None),
-}
+_MANUAL = MANUAL_COLLECTIVES
 
 
 def _source(eqn: Any) -> str:
@@ -244,7 +240,10 @@ class Recorder:
     :func:`~spmdkit.propagation.pricing.reshard_once`). Values are priced by
     their number (:class:`~spmdkit.propagation.cse.ValueNumbers`): a value XLA's
     CSE merges with an earlier identical one is that value, already moved, and
-    its equation's FLOPs are not counted again.
+    its equation's FLOPs are not counted again. Likewise a grad region does not
+    count again a collective its recomputed forward runs on an operand
+    exactly as the forward region of the same op did on the same value (XLA
+    computes the identical collective once; ``shared``).
     """
 
     def __init__(
@@ -256,6 +255,7 @@ class Recorder:
         self.avail: dict[int, list[TensorSpec]] = {}
         self.held: dict = {}
         self.numbers = ValueNumbers(values)
+        self.shared: collections.Counter = collections.Counter()
 
     def record(self, step: Step, index: int, at: int | None = None, scope: Any = None) -> EqnRecord:
         """The record of one step (``at``: the top-level index it runs at;
@@ -409,8 +409,21 @@ class Recorder:
             ans = region_layouts(node.prim, p, attrs, req, self.mesh)
         except RULE_ERRORS:
             return []
+        own = list(ans.collectives)
+        on_in = region_input_collectives(node.prim, p, attrs, req, ans.outputs, self.mesh)
+        for i, kind, axes, nbytes in on_in:
+            key = (p["op"], p["attrs"], self.numbers.of(node.ins[i]), req[i], kind, axes, nbytes)
+            if node.prim != GRAD:
+                self.shared[key] += 1
+                continue
+            same = next(
+                (c for c in own if (c.kind, c.axes, c.payload_bytes) == (kind, axes, nbytes)),
+                None,
+            )
+            if self.shared[key] and same is not None:
+                own.remove(same)
         spec = ans.outputs[0] if ans.outputs else req[0]
-        return [_wrap_own(f"{p['op']} (region)", spec, c) for c in ans.collectives]
+        return [_wrap_own(f"{p['op']} (region)", spec, c) for c in own]
 
     def _own_collectives(
         self, op: str | None, attrs: dict, req: Sequence[TensorSpec]

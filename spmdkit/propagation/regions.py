@@ -17,19 +17,47 @@ so its own collectives are the forward's plus the grad's.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
+import numpy as np
+
 from spmdkit.inference import infer_forward
+from spmdkit.propagation.graph import FlatProgram, inline_body, open_jaxpr
+from spmdkit.propagation.memory import fused_values, program_temp_bytes
 from spmdkit.propagation.pricing import Pricer
-from spmdkit.propagation.primitives import RULE_ERRORS
-from spmdkit.region import FORWARD, GRAD, grad_inference, region_attrs
+from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes
+from spmdkit.region import FORWARD, GRAD, grad_inference, region_attrs, region_program
 from spmdkit.registry import get_rule
 from spmdkit.resharding import Collective
 from spmdkit.rule import RuleContext, op_collective
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.util import freeze
 
-__all__ = ["RegionAnswer", "region_answer", "region_layouts"]
+__all__ = [
+    "MANUAL_COLLECTIVES",
+    "RegionAnswer",
+    "region_answer",
+    "region_input_collectives",
+    "region_layouts",
+    "region_residual_bytes",
+    "region_temp_bytes",
+]
+
+#: Collective primitives of a ``shard_map`` body: name → (kind, which side's
+#: buffer is the per-device payload, reduce op).
+MANUAL_COLLECTIVES: dict[str, tuple[str, str, str | None]] = {
+    "psum": ("all_reduce", "in", "sum"),
+    "psum_invariant": ("all_reduce", "in", "sum"),
+    "pmax": ("all_reduce", "in", "max"),
+    "pmin": ("all_reduce", "in", "min"),
+    "all_gather": ("all_gather", "out", None),
+    "reduce_scatter": ("reduce_scatter", "in", "sum"),
+    "all_to_all": ("all_to_all", "in", None),
+}
 
 
 class RegionAnswer(NamedTuple):
@@ -90,7 +118,18 @@ def region_layouts(
     grads = [o for o, on in zip(g.outputs, diff, strict=True) if on]
     outs, coll = _resolves(grads, mesh, op)
     req = (*g.inputs, *g.out_grads)
-    own = (*f.collectives, *g.collectives, *coll)
+    facts = _program(prim, params, attrs, req, tuple(outs), mesh)
+    if facts is not None:
+        # what the replayed program runs: the recomputed forward's collectives
+        # its backward reads, and the backward's (a grad rule may already count
+        # the forward's, as attention's gathers of K/V)
+        ctx = RuleContext(op=op, axis_sizes=axis_sizes(mesh), attrs={})
+        own = tuple(
+            op_collective(ctx, kind, axes, nbytes, reduce_op=r)
+            for kind, axes, r, nbytes in facts.collectives
+        )
+    else:
+        own = (*f.collectives, *g.collectives, *coll)
     return RegionAnswer(dict(attrs), req, tuple(outs), own)
 
 
@@ -108,21 +147,308 @@ def region_answer(
     specs: Sequence[TensorSpec],
     pricer: Pricer,
     fixed: str | None = None,
+    still: Sequence[bool] = (),
 ) -> RegionAnswer | None:
-    """The cheapest of the op's strategies for a region equation (``fixed``, or
-    the ``strategy`` the call carries, when given); None when no strategy fits."""
+    """The cheapest way to lay out a region equation; None when no strategy fits.
+
+    Each of the op's strategies (``fixed``, or the ``strategy`` the call carries,
+    when given) is asked about the operands as given, about them with one
+    operand replicated (a rule resolves a conflict between operands — labels
+    sequence-sharded, logits vocab-sharded over the same axis — its own way, and
+    moving the small operand can be much cheaper), and with the other operands
+    giving up the axes of the activations (``still``: operands computed from the
+    batch). As for any equation (:mod:`spmdkit.propagation.choose`), activations
+    stay put: where some answer keeps every activation's sharding, only those
+    compete (a weight is all-gathered, as in FSDP, rather than the batch
+    gathered). Ties go to the operands as given, then to the rule's first
+    strategy. The chosen strategy is named by what it does
+    (:meth:`~spmdkit.rule.Rule.named_strategy`) where the strategy of that name
+    lays the region out identically.
+    """
     if prim not in (FORWARD, GRAD):
         raise ValueError(f"{prim!r} is not a region primitive")
     attrs = region_attrs(params)
     chosen = attrs.get("strategy") or fixed
     names = (chosen,) if chosen else get_rule(params["op"]).strategies
-    best: tuple[tuple[int, float], RegionAnswer] | None = None
-    for name in names:
-        try:
-            ans = region_layouts(prim, params, {**attrs, "strategy": name}, specs, pricer.mesh)
-        except RULE_ERRORS:
+    act = [i for i, m in enumerate(still) if m and any(specs[i].dims)]
+    found: list[tuple[tuple[int, float], bool, RegionAnswer, tuple[TensorSpec, ...]]] = []
+    for given in _candidates(specs, act):
+        for name in names:
+            try:
+                ans = region_layouts(prim, params, {**attrs, "strategy": name}, given, pricer.mesh)
+            except RULE_ERRORS:
+                continue
+            kept = all(_kept(specs[i], ans.required[i]) for i in act)
+            found.append((_cost(pricer, specs, ans), kept, ans, given))
+    if any(kept for _, kept, _, _ in found):
+        found = [f for f in found if f[1]]
+    if not found:
+        return None
+    _, _, ans, given = min(found, key=lambda f: f[0])  # the first of equal costs
+    return ans if chosen else _named(prim, params, ans, given, pricer.mesh)
+
+
+def _candidates(specs: Sequence[TensorSpec], act: Sequence[int]) -> list[tuple[TensorSpec, ...]]:
+    """The operands as given, with each laid-out operand replicated, and with the
+    others giving up the axes of the activations ``act``."""
+    out = [tuple(specs)]
+    for i, s in enumerate(specs):
+        if any(s.dims) or s.partial:
+            out.append((*specs[:i], TensorSpec(s.shape, dtype=s.dtype), *specs[i + 1 :]))
+    if act and len(act) < len(specs):
+        axes = {a for i in act for d in specs[i].dims for a in d}
+        out.append(tuple(x if i in act else drop_axes(x, axes) for i, x in enumerate(specs)))
+    return out
+
+
+def _kept(given: TensorSpec, required: TensorSpec) -> bool:
+    """Whether ``required`` still shards each dim of ``given`` over its axes."""
+    return all(set(d) <= set(r) for d, r in zip(given.dims, required.dims, strict=False))
+
+
+def _named(
+    prim: str,
+    params: Mapping[str, Any],
+    ans: RegionAnswer,
+    given: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> RegionAnswer:
+    op = params["op"]
+    ctx = RuleContext(op=op, axis_sizes=axis_sizes(mesh), attrs=ans.attrs)
+    name = get_rule(op).named_strategy(ctx, ans.required)
+    if name == ans.attrs["strategy"]:
+        return ans
+    try:
+        other = region_layouts(prim, params, {**ans.attrs, "strategy": name}, given, mesh)
+    except RULE_ERRORS:
+        return ans
+    same = (other.required, other.outputs, other.collectives) == (
+        ans.required,
+        ans.outputs,
+        ans.collectives,
+    )
+    return other if same else ans
+
+
+class _Facts(NamedTuple):
+    """What one device does inside a region's replayed program."""
+
+    collectives: tuple[tuple[str, tuple[str, ...], str | None, int], ...]
+    temp_bytes: int
+    temp_bytes_materialized: int
+    on_inputs: tuple[tuple[int, str, tuple[str, ...], int], ...] = ()
+    residual_bytes: int = 0
+    residual_bytes_materialized: int = 0
+
+
+def region_temp_bytes(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+    *,
+    duplicate: bool = True,
+) -> int:
+    """Bytes one device holds inside a region while it runs, besides its operands
+    and results: the temporaries of the ``shard_map`` program the replay runs
+    (:func:`spmdkit.region.region_program`) at the planned layouts, a grad
+    region's recomputed forward included (``duplicate``: as
+    :func:`~spmdkit.propagation.memory.liveness`). 0 where the replay binds the
+    region unsharded instead (an uneven or partial layout: XLA partitions it).
+    """
+    facts = _program(prim, params, attrs, required, produced, mesh)
+    if facts is None:
+        return 0
+    return facts.temp_bytes if duplicate else facts.temp_bytes_materialized
+
+
+def _program(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> _Facts | None:
+    key = (prim, params["op"], params["attrs"], params.get("diff"), freeze(dict(attrs)))
+    return _traced(key, tuple(required), tuple(produced), mesh)
+
+
+@functools.lru_cache(maxsize=512)
+def _traced(
+    key: tuple,
+    required: tuple[TensorSpec, ...],
+    produced: tuple[TensorSpec, ...],
+    mesh: MeshLike,
+) -> _Facts | None:
+    """The replayed program of a region, traced at its planned layouts (None when
+    the replay binds the region unsharded). Dead values are dropped first, as
+    XLA does: a grad region's recomputed forward all-reduce that only resolved
+    the forward's result is never run."""
+    prim, op, frozen, diff, attrs = key
+    params = {"op": op, "attrs": frozen, "diff": diff}
+    # traced on Auto axes: only the body's local shapes and collectives are read
+    auto = jax.sharding.AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names))
+    try:
+        run = region_program(prim, params, dict(attrs), required, produced, auto)
+    except RULE_ERRORS:
+        return None
+    if run is None:
+        return None
+    args = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in required]
+    with jax.sharding.use_abstract_mesh(auto):  # whatever mesh the caller set
+        outer = jax.make_jaxpr(run)(*args)
+    body = _shard_map_body(outer.jaxpr)
+    if body is None:
+        return None
+    prog = FlatProgram()
+    graph = prog.graph(body)[0]
+    _drop_dead(graph)
+    return _Facts(
+        tuple(_collectives(graph.nodes, mesh)),
+        program_temp_bytes(body, duplicate=True),
+        program_temp_bytes(body, duplicate=False),
+        tuple(_on_inputs(graph, mesh)),
+        *(
+            _residual_bytes(graph, len(diff), fused_values(graph, prog, duplicate=d))
+            if prim == GRAD
+            else 0
+            for d in (True, False)
+        ),
+    )
+
+
+def _residual_bytes(graph: Any, n: int, fused: set[int]) -> int:
+    """Bytes of the values a grad region's program computes from its primal
+    inputs alone (its first ``n`` operands) that the cotangent's side reads: XLA
+    schedules that part as soon as the inputs exist, in the forward pass, and
+    holds those values until the backward reaches the region (residuals in all
+    but name). Values XLA fuses into their readers are recomputed there, not held."""
+    late = set(graph.invars[n:])
+    early: dict[int, int] = {}
+    passed = set(graph.invars[:n])
+    for node in graph.nodes:
+        if any(v in late for v in node.ins):
+            late.update(node.outs)
             continue
-        cost = _cost(pricer, specs, ans)
-        if best is None or cost < best[0]:
-            best = (cost, ans)
-    return None if best is None else best[1]
+        through = node.prim == "optimization_barrier" or all(v in passed for v in node.ins)
+        for o in node.outs:
+            if through and node.prim in ("optimization_barrier", "pvary"):
+                passed.add(o)
+            else:
+                early[o] = _nbytes(o, node)
+    read = {v for node in graph.nodes if any(o in late for o in node.outs) for v in node.ins}
+    return sum(b for v, b in early.items() if v in read and v not in fused)
+
+
+def _nbytes(vid: int, node: Any) -> int:
+    var = node.eqn.outvars[node.outs.index(vid)]
+    return math.prod(var.aval.shape) * np.dtype(var.aval.dtype).itemsize
+
+
+def _on_inputs(graph: Any, mesh: MeshLike) -> list[tuple[int, str, tuple[str, ...], int]]:
+    """(operand position, kind, axes, payload) of the collectives the program runs
+    on an operand as it enters (through the optimization barrier, if any)."""
+    origin = {v: i for i, v in enumerate(graph.invars)}
+    out = []
+    for node in graph.nodes:
+        if node.prim == "optimization_barrier":
+            pairs = zip(node.ins, node.outs, strict=True)
+            origin.update({o: origin[v] for v, o in pairs if v in origin})
+        elif node.prim in MANUAL_COLLECTIVES and node.ins and node.ins[0] in origin:
+            for kind, axes, _, nbytes in _collectives([node], mesh):
+                out.append((origin[node.ins[0]], kind, axes, nbytes))
+    return out
+
+
+def region_input_collectives(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> tuple[tuple[int, str, tuple[str, ...], int], ...]:
+    """The collectives a region's replayed program runs on its operands as they
+    enter: ``(operand position, kind, axes, per-device payload)`` (attention's
+    all-gathers of K and V). A grad region recomputes its forward, so it runs
+    the forward region's again on the same values; XLA computes such an
+    identical collective once (see :class:`~spmdkit.propagation.records.Recorder`).
+    """
+    facts = _program(prim, params, attrs, required, produced, mesh)
+    return () if facts is None else facts.on_inputs
+
+
+def _drop_dead(graph: Any) -> None:
+    """Drop the nodes whose results nobody reads, collectives included: their
+    named-axis effect only says which mesh axes they talk over (XLA removes an
+    unread all-reduce like any dead value)."""
+    live = set(graph.outvars)
+    keep = []
+    for node in reversed(graph.nodes):
+        effects = getattr(node.eqn, "effects", None) or ()
+        named = all(type(e).__name__ == "NamedAxisEffect" for e in effects)
+        if not named or any(o in live for o in node.outs):
+            keep.append(node)
+            live.update(node.ins)
+            for sub in node.subs:
+                _drop_dead(sub)
+    graph.nodes = keep[::-1]
+
+
+def _shard_map_body(jaxpr: Any) -> Any:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            return eqn.params["jaxpr"]
+        inner = inline_body(eqn)
+        if inner is not None:
+            found = _shard_map_body(open_jaxpr(inner)[0])
+            if found is not None:
+                return found
+    return None
+
+
+def _collectives(nodes: Sequence[Any], mesh: MeshLike) -> list[tuple]:
+    """(kind, axes, reduce op, per-device payload) of each collective the nodes run."""
+    sizes = axis_sizes(mesh)
+    out = []
+    for node in nodes:
+        for sub in node.subs:
+            out += _collectives(sub.nodes, mesh)
+        if node.prim not in MANUAL_COLLECTIVES:
+            continue
+        axes = node.eqn.params.get("axes", node.eqn.params.get("axis_name"))
+        axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if isinstance(a, str))
+        if not axes or any(a not in sizes for a in axes):
+            continue
+        kind, side, r = MANUAL_COLLECTIVES[node.prim]
+        for v in node.eqn.invars if side == "in" else node.eqn.outvars:
+            nbytes = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
+            out.append((kind, axes, r, nbytes))
+    return out
+
+
+def region_residual_bytes(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+    *,
+    duplicate: bool = True,
+) -> int:
+    """Per device, the bytes a grad region holds from the forward pass to its own
+    run: what its program computes from the primal inputs alone and its
+    cotangent side reads (``x - mean``, the scale times the inverse deviation...).
+    XLA runs that part as soon as the inputs exist (merging what equals the
+    forward region's own computation) and keeps it until the backward; 0 for a
+    forward region, or where the replay binds the region unsharded. ``duplicate``:
+    as :func:`~spmdkit.propagation.memory.liveness` (False: a cheap value read
+    by several consumers is held, not recomputed in each)."""
+    facts = _program(prim, params, attrs, required, produced, mesh)
+    if facts is None:
+        return 0
+    return facts.residual_bytes if duplicate else facts.residual_bytes_materialized

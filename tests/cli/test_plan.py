@@ -1,4 +1,4 @@
-"""The plan CLI commands (planning on abstract meshes only: no compiles)."""
+"""The plan CLI commands (planning on abstract meshes; the report's compile is slow)."""
 
 import io
 import json
@@ -42,3 +42,13 @@ def test_plan_command_bad_strategy_exits_2(capsys):
     status, _ = _run("plan", ["gpt", "--abstract", "--strategy", "fdsp"])
     assert status == 2
     assert "fsdp" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_report_names_the_strategy_of_each_composite_op():
+    """spmdkit report on GPT under megatron (a compile): the loss is vocab-parallel
+    cross-entropy, and the prediction matches the compiled step."""
+    status, text = _run("report", ["gpt", "--mesh", "data=2,model=4", "--strategy", "megatron"])
+    assert "ops (strategy): " in text
+    assert "softmax_cross_entropy vocab_parallel" in text
+    assert status == 0, text

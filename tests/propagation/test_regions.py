@@ -2,6 +2,8 @@
 strategies priced (reshards plus the op's own collectives) and the cheapest chosen."""
 
 import jax
+import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
@@ -60,3 +62,88 @@ def test_a_partial_operand_is_resolved_before_the_region():
     (rec,) = [r for r in prop.records if r.primitive == "spmdkit_op"]
     assert not any(s.partial for s in rec.inputs) and not rec.outputs[0].partial
     assert [c.kind for c in rec.collectives()] == ["all_reduce"]  # the product, once
+
+
+def _ce_grad(**attrs):
+    def loss(z, y):
+        return region_call("softmax_cross_entropy", (z, y), {"ignore_index": None, **attrs})
+
+    return jax.value_and_grad(loss)  # the loss keeps the forward region
+
+
+Z = jax.ShapeDtypeStruct((8, 16, 64), "float32")
+Y = jax.ShapeDtypeStruct((8, 16), "int32")
+
+
+def test_vocab_sharded_logits_are_named_vocab_parallel():
+    """The reference strategy keeps hard labels' class dim sharded, computing what
+    vocab_parallel does: the plan names it vocab_parallel; the sequence-sharded
+    labels move (an all-gather of ids), not the logits."""
+    prop = propagate(_ce_grad(), Z, Y, in_specs=(P("a", None, "b"), P("a", "b")), mesh=MESH)
+    assert prop.region_strategies() == {
+        "softmax_cross_entropy": {"vocab_parallel": 1},
+        "softmax_cross_entropy:grad": {"vocab_parallel": 1},
+    }
+    kinds = {c.kind for c in prop.collectives() if c.payload_bytes > 8}
+    assert kinds == {"all_gather", "all_reduce"}  # the labels, the per-row statistics
+    logits_block = 4 * 16 * 16 * 4
+    assert max(c.payload_bytes for c in prop.collectives()) < logits_block / 4  # none moved
+
+
+def test_rows_sharded_logits_keep_the_name_default():
+    prop = propagate(_ce_grad(), Z, Y, in_specs=(P("a"), P("a")), mesh=MESH)
+    assert prop.region_strategies()["softmax_cross_entropy"] == {"default": 1}
+
+
+def test_attention_gather_kv_regions_predict_the_compiled_collectives():
+    """gather_kv: the grad region's program gathers K and V (its recomputed
+    forward) and reduce-scatters dK, dV; XLA computes the gathers once with the
+    forward region's (the same collective on the same values), and so does the
+    prediction: all-gathers of K and V, reduce-scatters of dK and dV, as compiled."""
+    from jax.sharding import NamedSharding
+
+    from spmdkit.compile.enforce import enforced
+    from spmdkit.verification.compiled import report
+
+    q = jax.ShapeDtypeStruct((2, 16, 4, 8), "float32")
+
+    def loss(q, k, v):
+        out = region_call("attention", (q, k, v), {"causal": True, "strategy": "gather_kv"})
+        return (out**2).sum()
+
+    mesh = sk.make_mesh(a=2, b=4, axis_types="auto")
+    specs = (P(None, "b"),) * 3
+    with jax.set_mesh(mesh):
+        prop = propagate(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, in_specs=specs, mesh=mesh)
+        shardings = tuple(NamedSharding(mesh, s) for s in specs)
+        compiled = jax.jit(enforced(prop), in_shardings=shardings).lower(q, q, q).compile()
+    assert prop.comm_bytes_by_kind == report(compiled).bytes_by_kind()
+    assert sorted(c.kind for c in prop.collectives()) == ["all_gather"] * 2 + ["reduce_scatter"] * 2
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "gpt",
+        pytest.param("llama", marks=pytest.mark.slow),
+        pytest.param("gpt_linen", marks=pytest.mark.slow),
+    ],
+)
+def test_reference_megatron_plans_choose_vocab_parallel_cross_entropy(model):
+    """The reference models compute their loss with spmdkit.ops: under the megatron
+    preset the logits arrive vocab-sharded and the loss region keeps them so."""
+    from spmdkit.compile import jit
+    from spmdkit.flax import describe
+    from spmdkit.models import get_model
+    from spmdkit.planner import plan
+
+    spec = get_model(model)
+    cfg = spec.config("tiny")
+    batch = spec.batch(cfg, 8, np.random.default_rng(0))
+    info = describe(spec, config=cfg, batch=batch)
+    p = plan(info, sk.make_mesh(data=2, model=4), "megatron", estimator="analytic")
+    _, prop = jit(jax.value_and_grad(info.loss_fn), p).program(info.abstract_params, batch)
+    chosen = prop.region_strategies()
+    assert chosen["softmax_cross_entropy"] == {"vocab_parallel": 1}
+    assert chosen["softmax_cross_entropy:grad"] == {"vocab_parallel": 1}
+    assert "softmax_cross_entropy vocab_parallel" in str(prop)
