@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+import spmdkit.recipe as recipe_module
 from spmdkit.flax.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline
@@ -21,7 +22,15 @@ from spmdkit.runtime.train import train
 
 
 @pytest.mark.slow
-def test_train_pipelined_then_restore_on_pp1_and_pp4(tmp_path):
+def test_train_pipelined_then_restore_on_pp1_and_pp4(tmp_path, monkeypatch):
+    ran = []  # train() must run the plan's pipeline, not a plain step on its layouts
+    real = recipe_module.pipelined_value_and_grad
+
+    def spy(loss, pipe, *rest, **kw):
+        ran.append(pipe)
+        return real(loss, pipe, *rest, **kw)
+
+    monkeypatch.setattr(recipe_module, "pipelined_value_and_grad", spy)
     info = describe(get_model("gpt"), config="tiny_pipe", batch_size=8)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (32, 17)).astype(np.int32)
@@ -43,6 +52,7 @@ def test_train_pipelined_then_restore_on_pp1_and_pp4(tmp_path):
         optax.adam(1e-3), ShardedLoader(source, NamedSharding(flat, P("data")), batch_size=8),
         steps=3, plan=ref_plan, out=io.StringIO(),
     )  # fmt: skip
+    assert ran == [pipe]
     np.testing.assert_allclose(res.losses, ref.losses, rtol=1e-5)
     saved = res.params
     mgr = Manager(tmp_path)
