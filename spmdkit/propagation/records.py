@@ -29,6 +29,7 @@ from spmdkit.propagation.regions import (
     MANUAL_COLLECTIVES,
     region_input_collectives,
     region_layouts,
+    region_unread_inputs,
 )
 from spmdkit.propagation.steps import Step
 from spmdkit.region import GRAD, REGIONS
@@ -264,10 +265,16 @@ class Recorder:
         node, op, attrs, req, outs = step.node, step.op, step.attrs, step.required, step.outputs
         at = index if at is None else at
         ins = [self.numbers.of(v) for v in node.ins]
+        unread = (
+            region_unread_inputs(node.prim, node.eqn.params, attrs, req, outs, self.mesh)
+            if node.prim in REGIONS
+            else frozenset()
+        )
         reshards = tuple(
             a
             for i, (v, s, r) in enumerate(zip(ins, step.given, req, strict=True))
-            if (a := reshard_once(self.pricer, self.avail, v, f"input {i}", s, r, self.held, at))
+            if i not in unread
+            and (a := reshard_once(self.pricer, self.avail, v, f"input {i}", s, r, self.held, at))
             is not None
         )
         merged = self.numbers.merge(node, req, outs, self.numbers.scope(node, scope))

@@ -45,6 +45,7 @@ __all__ = [
     "region_layouts",
     "region_residual_bytes",
     "region_temp_bytes",
+    "region_unread_inputs",
 ]
 
 #: Collective primitives of a ``shard_map`` body: name → (kind, which side's
@@ -239,6 +240,7 @@ class _Facts(NamedTuple):
     on_inputs: tuple[tuple[int, str, tuple[str, ...], int], ...] = ()
     residual_bytes: int = 0
     residual_bytes_materialized: int = 0
+    unread: frozenset[int] = frozenset()
 
 
 def region_temp_bytes(
@@ -306,6 +308,8 @@ def _traced(
     prog = FlatProgram()
     graph = prog.graph(body)[0]
     _drop_dead(graph)
+    read = set(graph.outvars).union(*(node.ins for node in graph.nodes))
+    unread = frozenset(i for i, v in enumerate(graph.invars) if v not in read)
     return _Facts(
         tuple(_collectives(graph.nodes, mesh)),
         program_temp_bytes(body, duplicate=True),
@@ -317,6 +321,7 @@ def _traced(
             else 0
             for d in (True, False)
         ),
+        unread,
     )
 
 
@@ -379,6 +384,22 @@ def region_input_collectives(
     """
     facts = _program(prim, params, attrs, required, produced, mesh)
     return () if facts is None else facts.on_inputs
+
+
+def region_unread_inputs(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> frozenset[int]:
+    """Operand positions a region's replayed program never reads once its dead
+    values are dropped (an embedding grad region's table: its gradient needs only
+    the ids and the cotangent). XLA drops the move of such an operand with the
+    program's unread input, so it is not priced."""
+    facts = _program(prim, params, attrs, required, produced, mesh)
+    return frozenset() if facts is None else facts.unread
 
 
 def _drop_dead(graph: Any) -> None:
