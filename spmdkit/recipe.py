@@ -69,6 +69,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
 from spmdkit.pipeline.execute import pipelined_value_and_grad
+from spmdkit.pipeline.split import CALLS, call_body, has_scan
 
 __all__ = [
     "PLAIN",
@@ -247,10 +248,6 @@ _POLICIES: dict[str, Callable[[Recipe], Any]] = {
     "names": lambda r: jax.checkpoint_policies.save_only_these_names(*r.save_names),
 }
 
-# call-like primitives whose body may hold the layer scan (rewritten in place),
-# and the parameter holding their closed body
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr"}
-
 # the recipes of the sk.value_and_grad calls traced while a step is being checked
 _SEEN: contextvars.ContextVar[list[Recipe] | None] = contextvars.ContextVar(
     "spmdkit_recipes_seen", default=None
@@ -295,22 +292,6 @@ def recipes_used() -> Iterator[list[Recipe]]:
         _SEEN.reset(token)
 
 
-def _call_body(eqn: Any) -> jex.ClosedJaxpr | None:
-    """The closed body of a call-like equation that may hold a scan."""
-    body = eqn.params.get(_CALLS.get(eqn.primitive.name, ""))
-    return body if isinstance(body, jex.ClosedJaxpr) else None
-
-
-def _has_scan(jaxpr: Any) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            return True
-        body = _call_body(eqn)
-        if body is not None and _has_scan(body.jaxpr):
-            return True
-    return False
-
-
 def _checkpointed(body: jex.ClosedJaxpr, policy: Any) -> jex.ClosedJaxpr:
     """A scan body that runs under ``jax.checkpoint(policy)`` (same signature)."""
     fn = jax.checkpoint(jex.jaxpr_as_fun(body), policy=policy, prevent_cse=False)
@@ -331,9 +312,9 @@ def _rewrite(jaxpr: Any, policy: Any) -> tuple[Any, int]:
                 params={**eqn.params, "jaxpr": _checkpointed(eqn.params["jaxpr"], policy)}
             )
             count += 1
-        elif (inner := _call_body(old)) is not None and _has_scan(inner.jaxpr):
+        elif (inner := call_body(old)) is not None and has_scan(inner.jaxpr):
             body, n = _rewrite(inner.jaxpr, policy)
-            key = _CALLS[name]
+            key = CALLS[name]
             eqn = old.replace(params={**old.params, key: jex.ClosedJaxpr(body, inner.consts)})
             count += n
         eqns.append(eqn)

@@ -38,23 +38,27 @@ from jax.sharding import AbstractMesh
 
 from spmdkit.pipeline.schedule import PipelineError
 
-__all__ = ["SplitLoss", "split_loss"]
+__all__ = ["CALLS", "SplitLoss", "call_body", "has_scan", "split_loss"]
 
 # call-like primitives whose body may hold the layer scan, and its parameter
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr"}
+#: call-like primitive → the parameter holding its closed body (where a layer
+#: scan may sit); shared with :mod:`spmdkit.recipe`'s recompute rewrite.
+CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr"}
 
 
-def _call_body(eqn: Any) -> jex.ClosedJaxpr | None:
-    body = eqn.params.get(_CALLS.get(eqn.primitive.name, ""))
+def call_body(eqn: Any) -> jex.ClosedJaxpr | None:
+    """The closed body of a call-like equation (``pjit``, ``closed_call``), else None."""
+    body = eqn.params.get(CALLS.get(eqn.primitive.name, ""))
     return body if isinstance(body, jex.ClosedJaxpr) else None
 
 
-def _has_scan(jaxpr: Any) -> bool:
+def has_scan(jaxpr: Any) -> bool:
+    """Does ``jaxpr`` run a ``scan``, directly or inside a call-like equation?"""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
             return True
-        body = _call_body(eqn)
-        if body is not None and _has_scan(body.jaxpr):
+        body = call_body(eqn)
+        if body is not None and has_scan(body.jaxpr):
             return True
     return False
 
@@ -68,8 +72,8 @@ def _run(eqns: Sequence[Any], env: dict, *, inline: bool = False) -> None:
     evaluated equation by equation, so their scans are traced at this level)."""
     for eqn in eqns:
         invals = [_read(env, v) for v in eqn.invars]
-        body = _call_body(eqn) if inline else None
-        if body is not None and _has_scan(body.jaxpr):
+        body = call_body(eqn) if inline else None
+        if body is not None and has_scan(body.jaxpr):
             inner = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
             inner.update(zip(body.jaxpr.invars, invals, strict=True))
             _run(body.jaxpr.eqns, inner, inline=True)
