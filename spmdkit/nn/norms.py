@@ -39,7 +39,8 @@ def _axes(axes: Any) -> tuple[int, ...]:
 
 
 def _begin(op: str, rank: int, reduction_axes: Any, feature_axes: Any) -> int:
-    """``begin_norm_axis`` of trailing ``reduction_axes`` equal to ``feature_axes``."""
+    """``begin_norm_axis`` (negative: counted from the end, as the ops' default ``-1``)
+    of trailing ``reduction_axes`` equal to ``feature_axes``."""
     red = sorted(a % rank for a in _axes(reduction_axes))
     feat = sorted(a % rank for a in _axes(feature_axes))
     if red != list(range(red[0], rank)) or red != feat:
@@ -49,7 +50,7 @@ def _begin(op: str, rank: int, reduction_axes: Any, feature_axes: Any) -> int:
             f"reduction_axes={reduction_axes!r}, feature_axes={feature_axes!r} for rank {rank}",
             f"use flax.nnx.{op} for other axes",
         )
-    return red[0]
+    return red[0] - rank
 
 
 def _check_call(op: str, mask: Any, axis_name: Any) -> None:
@@ -237,7 +238,8 @@ class BatchNorm(nnx.BatchNorm):
 
     flax under ``jit`` normalizes with the statistics of the whole (global) batch;
     so does ``sync_batch_norm``, whose batch and spatial dims may stay sharded (the
-    per-channel sums are all-reduced). ``sync=False`` uses ``batch_norm``, the
+    per-channel sums are all-reduced); in evaluation it normalizes a sharded batch
+    with the running statistics in place. ``sync=False`` uses ``batch_norm``, the
     reference semantics, which gathers the batch first.
 
     Args:
@@ -302,7 +304,7 @@ class BatchNorm(nnx.BatchNorm):
         scale, bias = _value(self.scale), _value(self.bias)
         dtype = _out_dtype(self, x, scale, bias)
         xf, sf, bf = _f32(x, scale, bias)
-        op = ops.sync_batch_norm if self.sync and not use_ra else ops.batch_norm
+        op = ops.sync_batch_norm if self.sync else ops.batch_norm
         y, mean, var = call_op(
             op,
             xf,
