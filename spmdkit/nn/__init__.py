@@ -22,7 +22,8 @@ cross_entropy      ``softmax_cross_entropy``               integer labels, mean
 ================== ======================================= =============================
 
 :mod:`spmdkit.nn.linen` has the flax linen counterparts (``LayerNorm``, ``RMSNorm``,
-``GroupNorm``, ``BatchNorm``, ``Embed``): linen's attributes and variable names.
+``GroupNorm``, ``BatchNorm``, ``Embed``, ``MultiHeadDotProductAttention``): linen's
+attributes and variable names.
 """
 
 from spmdkit.nn import linen

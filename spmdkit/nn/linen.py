@@ -17,7 +17,11 @@ RMSNorm            ``rms_norm``                            trailing reduction ax
 GroupNorm          ``group_norm`` (channels last)          flax's NHWC layout
 BatchNorm          ``sync_batch_norm`` / ``batch_norm``    global statistics by default
 Embed              ``embedding``                           ``attend`` stays a matmul
+MultiHeadDot...    ``attention`` (no mask, no dropout)     else flax's attention
 ================== ======================================= =============================
+
+(``MultiHeadDotProductAttention``: flax linen's module with :func:`attention_fn`
+and logical names on its kernels and biases.)
 
 The loss is :func:`spmdkit.nn.cross_entropy` (a function, for both APIs).
 
@@ -40,9 +44,17 @@ from flax import linen as nn
 from spmdkit.errors import ShardingConflictError
 from spmdkit.nn import norms
 from spmdkit.nn.calls import call_op
-from spmdkit.ops import embedding_lookup
+from spmdkit.ops import attention, embedding_lookup
 
-__all__ = ["BatchNorm", "Embed", "GroupNorm", "LayerNorm", "RMSNorm"]
+__all__ = [
+    "BatchNorm",
+    "Embed",
+    "GroupNorm",
+    "LayerNorm",
+    "MultiHeadDotProductAttention",
+    "RMSNorm",
+    "attention_fn",
+]
 
 Names = tuple[str | None, ...] | None
 
@@ -263,3 +275,88 @@ class Embed(nn.Embed):
             )
         table = self.embedding if self.dtype is None else self.embedding.astype(self.dtype)
         return call_op(embedding_lookup, table, inputs)
+
+
+def attention_fn(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+) -> jax.Array:
+    """An ``attention_fn`` for flax linen's attention modules: the ``attention`` op
+    where it fits (no bias, mask, dropout or sowing; one batch dim), else
+    ``flax.linen.dot_product_attention`` with the same arguments.
+
+    Args:
+      query: ``[batch, q_len, heads, head_dim]``; key, value: ``[batch, kv_len,
+        heads, head_dim]``.
+      bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype,
+        precision, module: flax linen's.
+
+    Example::
+
+        >>> mha = flax.linen.MultiHeadDotProductAttention(8, attention_fn=attention_fn)
+    """
+    plain = (
+        bias is None
+        and mask is None
+        and (dropout_rate == 0.0 or deterministic)
+        and module is None
+        and query.ndim == 4
+    )
+    if plain:
+        q, k, v = (
+            (query, key, value) if dtype is None else (t.astype(dtype) for t in (query, key, value))
+        )
+        return call_op(attention, q, k, v, causal=False)
+    return nn.dot_product_attention(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        broadcast_dropout,
+        dropout_rng,
+        dropout_rate,
+        deterministic,
+        dtype,
+        precision,
+        module,
+    )
+
+
+def _named(init: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., Any]:
+    return nn.with_logical_partitioning(init, names)
+
+
+class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+    """``flax.linen.MultiHeadDotProductAttention`` with :func:`attention_fn` and
+    logical names: kernels ``query``/``key``/``value`` ``(embed, heads, head_dim)``,
+    ``out`` ``(heads, head_dim, embed)``; biases ``(heads, head_dim)`` / ``(embed,)``.
+    Parameter paths and shapes are flax's (``query/kernel``, ..., ``out/bias``).
+
+    flax linen's module takes causality as a ``mask`` (which falls back to flax's
+    attention); unmasked attention is the ``attention`` op.
+
+    Example::
+
+        >>> y = MultiHeadDotProductAttention(num_heads=8).apply(variables, x)
+    """
+
+    kernel_init: Callable[..., Any] = _named(
+        nn.linear.default_kernel_init, ("embed", "heads", "head_dim")
+    )
+    out_kernel_init: Callable[..., Any] | None = _named(
+        nn.linear.default_kernel_init, ("heads", "head_dim", "embed")
+    )
+    bias_init: Callable[..., Any] = _named(nn.initializers.zeros_init(), ("heads", "head_dim"))
+    out_bias_init: Callable[..., Any] | None = _named(nn.initializers.zeros_init(), ("embed",))
+    attention_fn: Callable[..., jax.Array] = attention_fn

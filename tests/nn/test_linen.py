@@ -93,3 +93,28 @@ def test_what_the_ops_do_not_do_raises():
         sklinen.RMSNorm(axis_name="data").init(jax.random.key(0), x)
     with pytest.raises(sk.ShardingConflictError, match="divides"):
         sklinen.GroupNorm(num_groups=3).init(jax.random.key(0), _x(2, 3, 3, 16))
+
+
+def test_attention_applies_flax_linen_variables_through_the_op():
+    x = _x(2, 8, 16)
+    theirs = linen.MultiHeadDotProductAttention(num_heads=4)
+    ours = sklinen.MultiHeadDotProductAttention(num_heads=4)
+    variables = _perturb(theirs.init(jax.random.key(0), x))
+    boxed = ours.init(jax.random.key(0), x)["params"]
+    assert boxed["query"]["kernel"].names == ("embed", "heads", "head_dim")
+    assert boxed["out"]["kernel"].names == ("heads", "head_dim", "embed")
+    assert jax.tree.map(jnp.shape, linen.unbox(boxed)) == jax.tree.map(
+        jnp.shape, variables["params"]
+    )
+    np.testing.assert_allclose(
+        jax.jit(ours.apply)(variables, x), theirs.apply(variables, x), rtol=1e-4, atol=1e-5
+    )
+    prims = [e.primitive.name for e in jax.make_jaxpr(lambda x: ours.apply(variables, x))(x).eqns]
+    assert "custom_vjp_call" in prims  # the attention is a region
+    mask = linen.make_causal_mask(jnp.ones((2, 8)))  # a mask: flax's attention
+    np.testing.assert_allclose(
+        ours.apply(variables, x, mask=mask),
+        theirs.apply(variables, x, mask=mask),
+        rtol=1e-4,
+        atol=1e-5,
+    )
