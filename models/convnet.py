@@ -4,11 +4,12 @@ Images are NHWC (logical axes ``batch``, ``height``, ``width``, ``channels``).
 Kernels are ``(conv_window, conv_window, conv_in, conv_out)``; norm scales, biases
 and BatchNorm statistics are on ``norm``; the head is ``(embed, classes)``.
 
-Each stage of residual blocks uses the norm its config names (``"group"`` or
-``"batch"``). BatchNorm keeps running statistics as ``nnx.BatchStat`` variables
-(not parameters): ``model.train()`` normalizes with the batch's statistics and
-updates the running ones (a fresh model is in train mode); ``model.eval()``
-normalizes with the running statistics.
+Each stage of residual blocks uses the norm its config names (``"group"``:
+:class:`spmdkit.nn.GroupNorm`, ``"batch"``: :class:`spmdkit.nn.BatchNorm`, whose
+statistics are the global batch's). BatchNorm keeps running statistics as
+``nnx.BatchStat`` variables (not parameters): ``model.train()`` normalizes with
+the batch's statistics and updates the running ones (a fresh model is in train
+mode); ``model.eval()`` normalizes with the running statistics.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from spmdkit import nn as sknn
 
 from . import layers as lyr
 
@@ -82,49 +85,6 @@ class Conv(nnx.Module):
         )
 
 
-class GroupNorm(nnx.Module):
-    """Group norm over NHWC activations."""
-
-    def __init__(self, dim: int, *, groups: int, eps: float, param_dtype=jnp.float32, rngs):
-        self.groups, self.eps = groups, eps
-        self.scale = lyr.param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), param_dtype)
-        self.bias = lyr.param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), param_dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return lyr.group_norm(x, self.scale[...], self.bias[...], groups=self.groups, eps=self.eps)
-
-
-class BatchNorm(nnx.Module):
-    """Batch norm over NHWC activations with running statistics (``nnx.BatchStat``).
-
-    ``use_running_average`` is the attribute ``Module.train()``/``eval()`` flip.
-    """
-
-    def __init__(self, dim: int, *, momentum: float, eps: float, param_dtype=jnp.float32, rngs):
-        self.momentum, self.eps = momentum, eps
-        self.use_running_average = False
-        self.scale = lyr.param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), param_dtype)
-        self.bias = lyr.param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), param_dtype)
-        self.mean = nnx.BatchStat(jnp.zeros((dim,), jnp.float32), out_sharding=("norm",))
-        self.var = nnx.BatchStat(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        training = not self.use_running_average
-        y, mean, var = lyr.sync_batch_norm(
-            x,
-            self.scale[...],
-            self.bias[...],
-            self.mean[...],
-            self.var[...],
-            training=training,
-            momentum=self.momentum,
-            eps=self.eps,
-        )
-        if training:
-            self.mean[...], self.var[...] = mean, var
-        return y
-
-
 def _check(cfg: ConvNetConfig) -> None:
     if not len(cfg.widths) == len(cfg.blocks) == len(cfg.norms):
         raise lyr.ModelConfigError(
@@ -143,14 +103,18 @@ def _check(cfg: ConvNetConfig) -> None:
             )
 
 
-def _norm(kind: str, dim: int, cfg: ConvNetConfig, rngs: nnx.Rngs) -> nnx.Module:
+def _norm(kind: str, dim: int, cfg: ConvNetConfig) -> nnx.Module:
+    """``spmdkit.nn.GroupNorm`` or ``spmdkit.nn.BatchNorm`` (synchronized: statistics of
+    the global batch, running statistics as ``nnx.BatchStat``), params on ``norm``."""
+    common = {
+        "epsilon": cfg.eps,
+        "dtype": cfg.dtype,
+        "param_dtype": cfg.param_dtype,
+        "rngs": lyr.norm_rngs(),
+    }
     if kind == "group":
-        return GroupNorm(
-            dim, groups=cfg.groups, eps=cfg.eps, param_dtype=cfg.param_dtype, rngs=rngs
-        )
-    return BatchNorm(
-        dim, momentum=cfg.momentum, eps=cfg.eps, param_dtype=cfg.param_dtype, rngs=rngs
-    )
+        return sknn.GroupNorm(dim, num_groups=cfg.groups, **common)
+    return sknn.BatchNorm(dim, momentum=cfg.momentum, use_running_average=False, **common)
 
 
 class ResBlock(nnx.Module):
@@ -160,9 +124,9 @@ class ResBlock(nnx.Module):
     def __init__(self, cin, cout, *, stride, norm, cfg: ConvNetConfig, rngs: nnx.Rngs):
         pd = cfg.param_dtype
         self.conv1 = Conv(cin, cout, stride=stride, param_dtype=pd, rngs=rngs)
-        self.norm1 = _norm(norm, cout, cfg, rngs)
+        self.norm1 = _norm(norm, cout, cfg)
         self.conv2 = Conv(cout, cout, param_dtype=pd, rngs=rngs)
-        self.norm2 = _norm(norm, cout, cfg, rngs)
+        self.norm2 = _norm(norm, cout, cfg)
         self.shortcut = (
             Conv(cin, cout, window=1, stride=stride, param_dtype=pd, rngs=rngs)
             if stride != 1 or cin != cout
@@ -191,7 +155,7 @@ class ConvNet(nnx.Module):
         self.cfg = cfg
         pd = cfg.param_dtype
         self.stem = Conv(cfg.channels, cfg.stem, param_dtype=pd, rngs=rngs)
-        self.stem_norm = _norm("group", cfg.stem, cfg, rngs)
+        self.stem_norm = _norm("group", cfg.stem, cfg)
         blocks = []
         cin = cfg.stem
         for i, (width, n, norm) in enumerate(zip(cfg.widths, cfg.blocks, cfg.norms, strict=True)):
@@ -245,7 +209,7 @@ def image_batch(cfg: ConvNetConfig, batch_size: int, rng: np.random.Generator | 
 
 def convnet_loss(model: nnx.Module, batch: dict) -> jax.Array:
     """Mean softmax cross-entropy of the class logits (updates BatchNorm stats in train mode)."""
-    return lyr.softmax_cross_entropy(model(batch["images"]), batch["labels"])
+    return sknn.cross_entropy(model(batch["images"]), batch["labels"])
 
 
 CONFIGS: dict[str, Any] = {

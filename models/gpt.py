@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from spmdkit import nn as sknn
+
 from . import layers as lyr
 
 __all__ = ["GPTConfig", "GPT", "CONFIGS", "gpt_loss", "lm_batch", "LM_BATCH_AXES"]
@@ -125,13 +127,24 @@ class GPTAttention(nnx.Module):
         return jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
 
 
+def _layer_norm(cfg: GPTConfig) -> sknn.LayerNorm:
+    """``spmdkit.nn.LayerNorm`` (params ``scale``/``bias`` on ``norm``), GPT-2's epsilon."""
+    return sknn.LayerNorm(
+        cfg.d_model,
+        epsilon=1e-5,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        rngs=lyr.norm_rngs(),
+    )
+
+
 class GPTBlock(nnx.Module):
     """Pre-norm block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        self.ln1 = lyr.LayerNorm(cfg.d_model, dtype=cfg.param_dtype, rngs=rngs)
+        self.ln1 = _layer_norm(cfg)
         self.attn = GPTAttention(cfg, rngs=rngs)
-        self.ln2 = lyr.LayerNorm(cfg.d_model, dtype=cfg.param_dtype, rngs=rngs)
+        self.ln2 = _layer_norm(cfg)
         self.fc = _Dense(cfg.d_model, cfg.d_mlp, ("embed", "mlp"), cfg=cfg, rngs=rngs)
         self.proj = _Dense(cfg.d_mlp, cfg.d_model, ("mlp", "embed"), cfg=cfg, rngs=rngs)
         self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout > 0 else None
@@ -166,7 +179,7 @@ class GPT(nnx.Module):
             rngs, jax.nn.initializers.normal(0.01), (cfg.max_seq, cfg.d_model), ("pos", "embed"), pd
         )
         self.blocks = lyr.make_layers(cfg, rngs, GPTBlock)
-        self.ln_f = lyr.LayerNorm(cfg.d_model, dtype=pd, rngs=rngs)
+        self.ln_f = _layer_norm(cfg)
         self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout > 0 else None
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -228,4 +241,4 @@ def lm_batch(cfg: Any, batch_size: int, rng: np.random.Generator | None) -> dict
 
 def gpt_loss(model: nnx.Module, batch: dict) -> jax.Array:
     """Mean next-token cross-entropy of a model returning logits."""
-    return lyr.softmax_cross_entropy(model(batch["tokens"]), batch["targets"])
+    return sknn.cross_entropy(model(batch["tokens"]), batch["targets"])

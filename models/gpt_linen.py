@@ -3,6 +3,8 @@
 Same architecture and :class:`~spmdkit.models.gpt.GPTConfig` as the NNX
 :mod:`~spmdkit.models.gpt`; every parameter is created through
 ``nn.with_logical_partitioning(init, names)`` with the same logical axis names.
+The norms are :class:`spmdkit.nn.linen.LayerNorm` (flax linen's, computed by
+``spmdkit.ops.layer_norm``) and the loss :func:`spmdkit.nn.cross_entropy`.
 
 Two ways to use it:
 
@@ -22,12 +24,13 @@ Two ways to use it:
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
+
+from spmdkit import nn as sknn
+from spmdkit.nn import linen as sklinen
 
 from . import layers as lyr
 from .gpt import GPTConfig
@@ -43,15 +46,9 @@ def _fan_in(n: int):
     return lyr.fan_in_init(n)
 
 
-class _LayerNorm(nn.Module):
-    dim: int
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        scale = _p(self, "scale", nn.initializers.ones, (self.dim,), ("norm",), self.dtype)
-        bias = _p(self, "bias", nn.initializers.zeros, (self.dim,), ("norm",), self.dtype)
-        return lyr.layer_norm(x, scale, bias, eps=1e-5)
+def _layer_norm(cfg: GPTConfig, name: str) -> sklinen.LayerNorm:
+    """``spmdkit.nn.linen.LayerNorm`` (params ``<name>/scale``, ``<name>/bias`` on ``norm``)."""
+    return sklinen.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
 
 
 class _Block(nn.Module):
@@ -62,7 +59,7 @@ class _Block(nn.Module):
         cfg = self.cfg
         d, h, hd, m, pd = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_mlp, cfg.param_dtype
         zeros = nn.initializers.zeros
-        y = _LayerNorm(d, pd, name="ln1")(x)
+        y = _layer_norm(cfg, "ln1")(x)
         qkv = []
         for n in ("q", "k", "v"):
             w = _p(self, f"w{n}", _fan_in(d), (d, h, hd), ("embed", "heads", "head_dim"), pd)
@@ -72,7 +69,7 @@ class _Block(nn.Module):
         wo = _p(self, "wo", _fan_in(d), (h, hd, d), ("heads", "head_dim", "embed"), pd)
         bo = _p(self, "bo", zeros, (d,), ("embed",), pd)
         x = x + jnp.einsum("bshk,hkd->bsd", o, wo) + bo
-        y = _LayerNorm(d, pd, name="ln2")(x)
+        y = _layer_norm(cfg, "ln2")(x)
         w1 = _p(self, "fc_kernel", _fan_in(d), (d, m), ("embed", "mlp"), pd)
         b1 = _p(self, "fc_bias", zeros, (m,), ("mlp",), pd)
         w2 = _p(self, "proj_kernel", _fan_in(m), (m, d), ("mlp", "embed"), pd)
@@ -112,7 +109,7 @@ class GPTLinen(nn.Module):
         x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         for i in range(cfg.n_layers):
             x = _Block(cfg, name=f"block_{i}")(x)
-        x = _LayerNorm(cfg.d_model, pd, name="ln_f")(x)
+        x = _layer_norm(cfg, "ln_f")(x)
         return jnp.einsum("bsd,vd->bsv", x, embed.astype(x.dtype))
 
 
@@ -142,4 +139,4 @@ def build(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:
 
 def gpt_linen_loss(model: nnx.Module, batch: dict) -> jax.Array:
     """Mean next-token cross-entropy of the wrapped linen GPT."""
-    return lyr.softmax_cross_entropy(model(batch["tokens"]), batch["targets"])
+    return sknn.cross_entropy(model(batch["tokens"]), batch["targets"])

@@ -1,10 +1,12 @@
 """Shared pieces of the reference models: the swappable computations and small layers.
 
-The functions at the top (``layer_norm``, ``rms_norm``, ``group_norm``,
-``batch_norm``, ``attention``, ``embedding_lookup``, ``softmax_cross_entropy``)
-are the computations that ``spmdkit.ops`` provides sharding-aware versions of.
-Every model calls them from here and nowhere else, so switching a model to the
-ops means changing only this file.
+The NNX models' norms are :mod:`spmdkit.nn` modules (``LayerNorm``, ``RMSNorm``,
+``GroupNorm``, ``BatchNorm``) and their losses :func:`spmdkit.nn.cross_entropy`;
+the functions at the top (``layer_norm``, ``rms_norm``, ``group_norm``,
+``sync_batch_norm``, ``embedding_lookup``, ``softmax_cross_entropy``) are the same
+:mod:`spmdkit.ops` calls for code that holds the parameters itself (the token
+tables, which stay top-level parameters named ``embed``, and tests);
+``attention`` is the models' own (blockwise / cuDNN).
 
 The layers below them create their parameters with logical axis names in flax's
 standard ``out_sharding`` metadata and never mention a mesh.
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmdkit import nn as sknn
 from spmdkit import ops
 from spmdkit.errors import SpmdError
 from spmdkit.nn.calls import call_op
@@ -47,8 +50,7 @@ __all__ = [
     "fan_in_init",
     "check_config",
     "count_params",
-    "LayerNorm",
-    "RMSNorm",
+    "norm_rngs",
     "make_layers",
     "run_layers",
 ]
@@ -447,8 +449,8 @@ def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross-entropy of ``logits [..., classes]`` against integer ``labels [...]``,
-    in float32 (:func:`spmdkit.ops.softmax_cross_entropy`)."""
-    return call_op(ops.softmax_cross_entropy, logits.astype(jnp.float32), labels, ignore_index=None)
+    in float32: :func:`spmdkit.nn.cross_entropy` (the models' losses call it)."""
+    return sknn.cross_entropy(logits, labels)
 
 
 def rope(x: jax.Array, *, theta: float) -> jax.Array:
@@ -512,27 +514,19 @@ def fan_in_init(fan_in: int) -> Initializer:
     return jax.nn.initializers.normal(1.0 / math.sqrt(fan_in))
 
 
-class LayerNorm(nnx.Module):
-    """Layer norm with ``scale`` and ``bias`` on the ``norm`` logical axis."""
+def norm_rngs() -> nnx.Rngs:
+    """The ``rngs`` the models give their :mod:`spmdkit.nn` norms.
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, dtype: Any = jnp.float32, rngs: nnx.Rngs):
-        self.eps = eps
-        self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), dtype)
-        self.bias = param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), dtype)
+    flax's norms draw a key per parameter even for their constant (ones/zeros)
+    initializers; a stream of their own leaves the model's other draws — and so
+    every parameter value, checkpoint and figure — as they were when the norms
+    drew nothing.
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return layer_norm(x, self.scale[...], self.bias[...], eps=self.eps)
+    Example::
 
-
-class RMSNorm(nnx.Module):
-    """RMS norm with ``scale`` on the ``norm`` logical axis."""
-
-    def __init__(self, dim: int, *, eps: float = 1e-5, dtype: Any = jnp.float32, rngs: nnx.Rngs):
-        self.eps = eps
-        self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], eps=self.eps)
+        >>> ln = spmdkit.nn.LayerNorm(64, epsilon=1e-5, rngs=norm_rngs())
+    """
+    return nnx.Rngs(0)
 
 
 def count_params(model: nnx.Module) -> int:

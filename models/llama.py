@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmdkit import nn as sknn
+
 from . import layers as lyr
 from .gpt import LM_BATCH_AXES, gpt_loss, lm_batch
 from .layers import make_layers, run_layers
@@ -133,6 +135,17 @@ class SwiGLU(nnx.Module):
         return h @ self.down[...].astype(dt)
 
 
+def rms_norm(cfg: LlamaConfig) -> sknn.RMSNorm:
+    """``spmdkit.nn.RMSNorm`` of the residual stream (param ``scale`` on ``norm``)."""
+    return sknn.RMSNorm(
+        cfg.d_model,
+        epsilon=cfg.norm_eps,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        rngs=lyr.norm_rngs(),
+    )
+
+
 class LlamaBlock(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
@@ -141,10 +154,9 @@ class LlamaBlock(nnx.Module):
     """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, mlp_factory=None):
-        pd = cfg.param_dtype
-        self.attn_norm = lyr.RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=pd, rngs=rngs)
+        self.attn_norm = rms_norm(cfg)
         self.attn = GQAttention(cfg, rngs=rngs)
-        self.mlp_norm = lyr.RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=pd, rngs=rngs)
+        self.mlp_norm = rms_norm(cfg)
         self.mlp = mlp_factory(cfg, rngs=rngs) if mlp_factory else SwiGLU(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -170,7 +182,7 @@ class Llama(nnx.Module):
             rngs, jax.nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model), ("vocab", "embed"), pd
         )
         self.layers = make_layers(cfg, rngs, LlamaBlock)
-        self.norm = lyr.RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=pd, rngs=rngs)
+        self.norm = rms_norm(cfg)
         self.lm_head = (
             None
             if cfg.tie_embeddings

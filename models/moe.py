@@ -26,9 +26,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmdkit import nn as sknn
+
 from . import layers as lyr
 from .gpt import LM_BATCH_AXES, lm_batch
-from .llama import GQAttention, LlamaConfig, make_layers
+from .llama import GQAttention, LlamaConfig, make_layers, rms_norm
 
 __all__ = [
     "MoEConfig",
@@ -171,10 +173,9 @@ class MoEBlock(nnx.Module):
     """Pre-norm block with an expert MLP; ``block(x) -> (x, aux_loss)``."""
 
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
-        pd = cfg.param_dtype
-        self.attn_norm = lyr.RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=pd, rngs=rngs)
+        self.attn_norm = rms_norm(cfg)
         self.attn = GQAttention(cfg, rngs=rngs)
-        self.mlp_norm = lyr.RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=pd, rngs=rngs)
+        self.mlp_norm = rms_norm(cfg)
         self.moe = MoELayer(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -202,7 +203,7 @@ class MoE(nnx.Module):
             rngs, jax.nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model), ("vocab", "embed"), pd
         )
         self.layers = make_layers(cfg, rngs, MoEBlock)
-        self.norm = lyr.RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=pd, rngs=rngs)
+        self.norm = rms_norm(cfg)
         self.lm_head = lyr.param(
             rngs, lyr.fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab), ("embed", "vocab"), pd
         )
@@ -236,7 +237,7 @@ class MoE(nnx.Module):
 def moe_loss(model: nnx.Module, batch: dict) -> jax.Array:
     """Mean next-token cross-entropy plus ``aux_loss_weight`` times the load-balancing loss."""
     logits, aux = model(batch["tokens"])
-    ce = lyr.softmax_cross_entropy(logits, batch["targets"])
+    ce = sknn.cross_entropy(logits, batch["targets"])
     return ce + model.cfg.aux_loss_weight * aux
 
 

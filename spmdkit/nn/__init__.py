@@ -20,8 +20,13 @@ Embed              ``embedding``                           ``attend`` stays a ma
 MultiHeadAttention ``attention`` (no mask, no dropout)     else flax's attention
 cross_entropy      ``softmax_cross_entropy``               integer labels, mean
 ================== ======================================= =============================
+
+:mod:`spmdkit.nn.linen` has the flax linen counterparts (``LayerNorm``, ``RMSNorm``,
+``GroupNorm``, ``BatchNorm``, ``Embed``, ``MultiHeadDotProductAttention``): linen's
+attributes and variable names.
 """
 
+from spmdkit.nn import linen
 from spmdkit.nn.embedding import Embed
 from spmdkit.nn.losses import cross_entropy, softmax_cross_entropy_with_integer_labels
 from spmdkit.nn.mha import MultiHeadAttention, attention_fn
@@ -36,5 +41,6 @@ __all__ = [
     "RMSNorm",
     "attention_fn",
     "cross_entropy",
+    "linen",
     "softmax_cross_entropy_with_integer_labels",
 ]

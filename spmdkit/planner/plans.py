@@ -104,6 +104,9 @@ class Cost:
         pipe axis (``memory`` is the fullest one's); empty otherwise.
       bubble_s: pipelined plans: the idle time the schedule adds to
         ``compute_time_s`` (included in it).
+      ops: the propagate estimator's strategy per composite op (the step's
+        :mod:`spmdkit.region` regions): op (``"<op>:grad"`` for its grad region)
+        → strategy → regions in the traced step; empty otherwise.
     """
 
     step_time_s: float
@@ -115,6 +118,7 @@ class Cost:
     hidden_comm_s: float = 0.0
     stage_memory: tuple[int, ...] = ()
     bubble_s: float = 0.0
+    ops: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -140,6 +144,8 @@ class Cost:
         if self.stage_memory:
             out["stage_memory"] = list(self.stage_memory)
             out["bubble_s"] = self.bubble_s
+        if self.ops:
+            out["ops"] = {op: dict(per) for op, per in self.ops.items()}
         return out
 
     @classmethod
@@ -155,6 +161,7 @@ class Cost:
             float(d.get("hidden_comm_s", 0.0)),
             tuple(int(v) for v in d.get("stage_memory", ())),
             float(d.get("bubble_s", 0.0)),
+            ops={op: {k: int(n) for k, n in per.items()} for op, per in d.get("ops", {}).items()},
         )
 
     def summary(self) -> str:
@@ -164,6 +171,25 @@ class Cost:
             f"comm {fmt_time(self.comm_time_s)}), comm {fmt_bytes(self.total_comm_bytes)}, "
             f"memory {fmt_bytes(self.peak_bytes)}"
         )
+
+
+def _ops_lines(ops: Mapping[str, Mapping[str, int]]) -> list[str]:
+    """The table's ``ops`` section: one row per composite op and chosen strategy, with
+    its forward and grad regions' counts (``op:grad`` keys are the grad regions)."""
+    rows: dict[tuple[str, str], list[int]] = {}
+    for key, per in ops.items():
+        op, grad = key.removesuffix(":grad"), key.endswith(":grad")
+        for strategy, n in per.items():
+            rows.setdefault((op, strategy), [0, 0])[grad] += n
+    if not rows:
+        return []
+    body = [("op", "strategy", "fwd", "grad")]
+    body += [(op, name, str(f), str(g)) for (op, name), (f, g) in rows.items()]
+    widths = [max(len(r[i]) for r in body) for i in range(4)]
+    out = ["ops (strategy chosen per composite op; regions in the step):"]
+    for r in body:
+        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return out
 
 
 # -- the plan ---------------------------------------------------------------------------
@@ -614,6 +640,7 @@ class Plan:
                 f"{fmt_time(c.compute_time_s)} + comm {fmt_time(c.comm_time_s)}{hidden} "
                 f"({c.estimator})"
             )
+            lines += _ops_lines(c.ops)
         if self.alternatives:
             lines.append("runner-up plans:")
             for name, cost in self.alternatives:

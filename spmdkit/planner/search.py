@@ -473,6 +473,7 @@ def propagate_cost(
             "temporaries": int(mem.temp_bytes),
         },
         estimator="propagate",
+        ops=prop.region_strategies(),
     )
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from spmdkit import nn as sknn
 from spmdkit.models import convnet
 from spmdkit.models.layers import ModelConfigError
 
@@ -11,7 +12,7 @@ from spmdkit.models.layers import ModelConfigError
 def test_mixes_group_and_batch_norm(tiny):
     _, _, model = tiny("convnet")
     kinds = {type(b.norm1) for b in model.blocks}
-    assert kinds == {convnet.GroupNorm, convnet.BatchNorm}
+    assert kinds == {sknn.GroupNorm, sknn.BatchNorm}  # the spmdkit.nn drop-ins
     stats = nnx.to_flat_state(nnx.state(model, nnx.BatchStat))
     assert len(stats) == 4  # mean and var of the two BatchNorms of the "batch" stage
     assert model.blocks[1].norm1.mean.get_metadata()["out_sharding"] == ("norm",)

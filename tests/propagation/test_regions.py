@@ -1,6 +1,8 @@
 """propagation.regions: a composite op's region laid out whole by its rule, its
 strategies priced (reshards plus the op's own collectives) and the cheapest chosen."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -130,9 +132,10 @@ def test_attention_gather_kv_regions_predict_the_compiled_collectives():
     ],
 )
 def test_reference_megatron_plans_choose_vocab_parallel_cross_entropy(model):
-    """The reference models compute their loss with spmdkit.ops: under the megatron
-    preset the logits arrive vocab-sharded and the loss region keeps them so."""
-    from spmdkit.compile import jit
+    """The reference models compute their loss with spmdkit.nn (spmdkit.ops): under
+    the megatron preset the logits arrive vocab-sharded and the loss region keeps
+    them so; the plan's cost (the propagate estimator) and its table name the
+    strategy chosen per composite op."""
     from spmdkit.flax import describe
     from spmdkit.models import get_model
     from spmdkit.planner import plan
@@ -141,9 +144,10 @@ def test_reference_megatron_plans_choose_vocab_parallel_cross_entropy(model):
     cfg = spec.config("tiny")
     batch = spec.batch(cfg, 8, np.random.default_rng(0))
     info = describe(spec, config=cfg, batch=batch)
-    p = plan(info, sk.make_mesh(data=2, model=4), "megatron", estimator="analytic")
-    _, prop = jit(jax.value_and_grad(info.loss_fn), p).program(info.abstract_params, batch)
-    chosen = prop.region_strategies()
+    p = plan(info, sk.make_mesh(data=2, model=4), "megatron")  # estimator="propagate"
+    chosen = p.cost.ops
     assert chosen["softmax_cross_entropy"] == {"vocab_parallel": 1}
     assert chosen["softmax_cross_entropy:grad"] == {"vocab_parallel": 1}
-    assert "softmax_cross_entropy vocab_parallel" in str(prop)
+    rows = p.table().split("ops (strategy chosen per composite op; regions in the step):\n")[1]
+    assert re.search(r"^  softmax_cross_entropy +vocab_parallel +1 +1$", rows, re.M), rows
+    assert sk.Plan.from_json(p.to_json()).cost.ops == chosen
