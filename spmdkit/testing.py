@@ -1114,9 +1114,7 @@ def _sweep_grads(
     """The grad cases of one example (each with a random cotangent spec), run together."""
     attrs = dict(ex.attrs)
     out_cands = [
-        enumerate_specs(
-            r.shape, mesh, dtype=r.dtype, partial_ops=("sum",), even_only=not ex.uneven
-        )
+        enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",), even_only=not ex.uneven)
         for r in ref
     ]
     cases, given = [], []
