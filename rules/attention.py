@@ -160,6 +160,8 @@ def _heads_align(heads: int, kv_heads: int, n: int) -> bool:
         >>> _heads_align(4, 2, 3), _heads_align(4, 2, 4)
         (True, False)
     """
+    if kv_heads % n == 0:
+        return True
     return kv_heads > 1 and -(-heads // n) == heads // kv_heads * -(-kv_heads // n)
 
 
