@@ -875,7 +875,7 @@ class FactorRule(Rule):
 
     def padding_fills(self, lctx: LocalContext) -> tuple[Any, ...] | None:
         """Fill the padding of uneven blocks so it reaches no real element: with the
-        reduce op's identity (0 for sum, ∓inf for max/min) where an uneven dim is
+        reduce op's identity (0 for sum and avg, ∓inf for max/min) where an uneven dim is
         reduced away, else with 1 (finite under every elementwise op, so a zero
         cotangent times its derivative stays zero in a broadcast operand's grad)."""
         specs = (*lctx.inputs, *lctx.outputs)
