@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.rule import Inferred, MustDivide, Rule
+from spmdkit.rule import Inferred, Rule
 from spmdkit.testing import (
     assemble,
     check_forward_case,
@@ -154,7 +154,7 @@ class _GuardedNeg(Rule):
 class _DeclaredNeg(_GuardedNeg):
     name = "t_declared_neg"
     must_divide = (
-        MustDivide("every dim", "a test", lambda ctx, ins, gs: (frozenset(range(ins[0].ndim)),)),
+        sk.MustDivide("every dim", "a test", lambda ctx, ins, gs: (frozenset(range(ins[0].ndim)),)),
     )
 
 

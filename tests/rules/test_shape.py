@@ -216,6 +216,14 @@ def test_reshape_divisibility(src, dst, dims, kept, out):
     assert reshape_layout(src, dst, dims, {"a": 2, "b": 4}) == (kept, out)
 
 
+def test_reshape_declares_its_merged_and_split_dims_must_divide():
+    rule = sk.get_rule("reshape")
+    ctx = sk.RuleContext("reshape", {"a": 2, "b": 4}, {"new_sizes": (6, 2, 4)})
+    (x_dims, g_dims) = rule.divisible_dims(ctx, (T((6, 8)),), (T((6, 2, 4)),))
+    assert (x_dims, g_dims) == ({1}, {1, 2})  # 6 passes through; 8 splits into 2 × 4
+    assert [m.dims for m in sk.get_rule("transpose").must_divide] == []
+
+
 def test_reshape_asks_for_the_reshard_it_needs():
     r = sk.infer_forward("reshape", T((6, 4), P("b")), mesh=MESH, new_sizes=(24,))
     assert [x.arg for x in r.reshards] == ["input 0"]
