@@ -8,8 +8,9 @@ Algebra:
 
 * Batch ``B`` is independent: it passes through sharded on q, k, v and the output.
 * Heads ``H`` are independent (tensor parallel): the query heads pass through
-  sharded; the key/value heads follow with the same axes when their count
-  divides (each device then holds whole GQA groups), otherwise they are
+  sharded; the key/value heads follow with the same axes when the blocks line
+  up (each device's query heads read only its own kv heads: the axes divide
+  ``Hkv``, or, uneven, ``ceil(H/n) = (H/Hkv)·ceil(Hkv/n)``), otherwise they are
   replicated and each device reads the kv head of each of its query heads. In the
   grad, replicated kv heads receive contributions from every device's query heads:
   ``d k`` and ``d v`` are sum-partial over the head axes.
@@ -39,9 +40,9 @@ Algebra:
   ``v`` with whole ``q`` and ``k`` passes to the output; any partial ``q`` or ``k``
   is resolved first. The grads are linear in the cotangent: a sum/avg-partial
   cotangent passes to ``d q``, ``d k``, ``d v``.
-* Uneven shards: padded query rows/heads are zeroed on entry and their outputs
-  zeroed on exit, and padded keys are masked, so padding never reaches a real
-  element (forward or grad).
+* Uneven shards: padded query rows/heads (and kv heads) are zeroed on entry
+  and their outputs zeroed on exit, and padded keys are masked, so padding
+  never reaches a real element (forward or grad).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from spmdkit.rule import (
     Inferred,
     InferredGrad,
     LocalContext,
+    MustDivide,
     Rule,
     RuleContext,
     op_collective,
@@ -147,6 +149,40 @@ def _size(ctx: RuleContext, axes: Sequence[str]) -> int:
     return math.prod(ctx.axis_sizes[a] for a in axes)
 
 
+def _heads_align(heads: int, kv_heads: int, n: int) -> bool:
+    """Whether ``n`` blocks of the query heads and ``n`` blocks of the kv heads line up:
+    each device's query heads then read only its own kv heads. Blocks are ceil-sized
+    (the last ones padded), so this holds when ``n`` divides the kv heads and, uneven,
+    when a query block is exactly a group of kv blocks: ``ceil(H/n) = (H/Hkv)·ceil(Hkv/n)``.
+
+    Example::
+
+        >>> _heads_align(4, 2, 3), _heads_align(4, 2, 4)
+        (True, False)
+    """
+    if kv_heads % n == 0:
+        return True
+    return kv_heads > 1 and -(-heads // n) == heads // kv_heads * -(-kv_heads // n)
+
+
+def _kv_heads_where(
+    ctx: RuleContext, inputs: tuple[TensorSpec, ...], out_grads: tuple[TensorSpec, ...]
+) -> tuple[frozenset[int], ...]:
+    return (frozenset(), frozenset({2}), frozenset({2}), *(frozenset() for _ in out_grads))
+
+
+_MUST_DIVIDE = (
+    MustDivide(
+        "the key/value heads of k and v (grouped-query attention, Hkv < H)",
+        "query head h reads kv head h // (H/Hkv); sharded like the query heads, each "
+        "device's query-head block must map onto its own kv-head block, which holds "
+        "when the head axes divide Hkv or ceil(H/n) = (H/Hkv)·ceil(Hkv/n); otherwise "
+        "the kv heads are replicated (the query heads stay sharded)",
+        _kv_heads_where,
+    ),
+)
+
+
 class _Layout:
     """Axes of the factors B, Sq, H (queries), Sk, Hkv for one call."""
 
@@ -175,6 +211,7 @@ class AttentionRule(Rule):
 
     name = "attention"
     strategies = ("default", "gather_kv", "ring")
+    must_divide = _MUST_DIVIDE
     doc = "scaled dot-product attention (GQA, causal); B and H pass, sequence per strategy"
 
     def __init__(self, examples: Sequence[Example]) -> None:
@@ -216,7 +253,7 @@ class AttentionRule(Rule):
         )
         h_src = [q.dims[2], k.dims[2], v.dims[2], *(e.dims[2] for e in extra)]
         h = take(start.h if start else (), h_src, q.shape[2])
-        hkv = h if h and k.shape[2] % _size(ctx, h) == 0 else ()
+        hkv = h if h and _heads_align(q.shape[2], k.shape[2], _size(ctx, h)) else ()
         sq: tuple = start.sq if start else ()
         sk: tuple = start.sk if start else ()
         if seqs:
@@ -335,6 +372,7 @@ class AttentionRule(Rule):
         n_sk = math.prod(lctx.axis_sizes[a] for a in sk_axes)
         heads_together = qs.dims[2] == ks.dims[2]
         uneven_q = [d for d in (1, 2) if qs.shape[d] % lctx.shards(qs, d)]
+        uneven_kv = heads_together and n_kv_heads % lctx.shards(ks, 2) != 0
 
         def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             dtype = q.dtype
@@ -345,6 +383,12 @@ class AttentionRule(Rule):
             if uneven_q:  # padded query rows/heads: zero in, zero out (no NaN reaches dk, dv)
                 valid = (q_pos < n_q)[None, :, None, None] & (h_pos < n_heads)[None, None, :, None]
                 q = jnp.where(valid, q, 0.0)
+            if uneven_kv:  # padded kv heads (only padded query heads read them)
+                kv_ok = (lctx.offset(ks, 2) + jnp.arange(k.shape[2]) < n_kv_heads)[
+                    None, None, :, None
+                ]
+                k = jnp.where(kv_ok, k, jnp.zeros_like(k))
+                v = jnp.where(kv_ok, v, jnp.zeros_like(v))
             g = group if heads_together else 1
             sel = jnp.clip(h_pos // group, 0, n_kv_heads - 1)
 

@@ -3,13 +3,15 @@
 Algebra: kept dims pass through; reduced dims are reduction factors. A reduced
 dim sharded over an axis leaves each device a partial result, so the output is
 partial over that axis with the reduction's own op: ``sum`` → sum, ``max`` →
-max, ``min`` → min, ``mean`` → avg (each device's mean of an equal-sized
-slice; an unevenly sharded reduced dim would weigh the slices wrongly, so mean
-then asks for the dim replicated). ``prod`` has no partial form here, so its
-reduced dims must be replicated. A pending reduction on the input passes when
-it commutes with the op: sum/avg through sum and mean, max through max, min
-through min. With ``keepdims`` the reduced dims stay as size-1 dims, never
-sharded.
+max, ``min`` → min, ``mean`` → avg (each device's mean of its slice; the
+average of the devices' means is the global mean). An unevenly sharded reduced
+dim stays sharded: its padding is filled with the reduction's identity (0, or
+∓inf for max/min), and a device's mean of a padded block is rescaled by
+``block · shards / size`` so the average still comes out right. ``prod`` has
+no partial form here, so its reduced dims must be replicated. A pending
+reduction on the input passes when it commutes with the op: sum/avg through sum
+and mean, max through max, min through min. With ``keepdims`` the reduced dims
+stay as size-1 dims, never sharded.
 """
 
 from __future__ import annotations

@@ -28,7 +28,10 @@ completely). Where that fails (uneven split of a merged dim, a sharded minor dim
 under a whole major dim, axes that do not divide the major part) the rule drops
 the minor-most axes until it holds — the dropped axes are an all-gather, listed
 as a reshard of the input. A group of one input dim and one equal output dim is
-pass-through and may be uneven.
+pass-through and may be uneven. An uneven split of a merged or split group
+survives only when the padded blocks line up on both sides (only the major dim
+sharded, ``ceil(n/k)·M = ceil(n'/k)·M'``: ``(32, 2) → (64,)`` over 3); these
+are the only dims of the family that must divide (``must_divide``).
 
 Partials. Because each output element is one input element, a pending
 reduction of any kind (sum, avg, max, min) commutes with these ops and passes
@@ -46,9 +49,9 @@ a finite, non-zero ``fill_value`` does not pass sum (each device would add its
 own fill). The grad of every op here is linear in the cotangent, so a sum/avg
 cotangent partial passes to the input grads; an input grad is sum-partial over
 the axes that shard a factor the input lacks (broadcast's new dims; a gather's
-index batch dims, where each device scatter-adds its own indices), unless that
-factor's dim does not divide its axes: the padding of the short blocks would
-enter the sum, so the cotangent is gathered along it instead.
+index batch dims, where each device scatter-adds its own indices), uneven
+dims included: the local computation zeroes its outputs' padding there, so
+the padding of the short blocks never enters the sum.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from spmdkit.rule import (
     Inferred,
     InferredGrad,
     LocalContext,
+    MustDivide,
     Rule,
     RuleContext,
     assign_factors,
@@ -290,7 +294,6 @@ class MapRule(Rule):
         plain = [s.without_partial() for s in inputs]
         fwd = assign_factors(list(zip(dm.inputs, plain, strict=True)))
         assign = assign_factors(list(zip(dm.outputs, out_grads, strict=True)), start=fwd)
-        _drop_uneven_sums(dm, [s.shape for s in inputs], assign, ctx.axis_sizes)
         used = {a for axes in assign.values() for a in axes}
         g_partial = _cotangent_partials(out_grads, used)
         res = self._specs(dm, plain, assign, [{} for _ in inputs], {})
@@ -308,6 +311,35 @@ class MapRule(Rule):
             grads.append(s.replace(partial={**summed, **g_partial}))
         return InferredGrad(res.inputs, req_g, tuple(grads), res.outputs)
 
+    def padding_fills(self, lctx: LocalContext) -> tuple[Any, ...] | None:
+        """No input is filled; the outputs' padding is zeroed when an output dim is
+        split unevenly over a factor that a data input lacks (broadcast's new dims,
+        a gather's index batch dims, the padded dims a padding value fills): that
+        input's grad sums the cotangent over the dim, and the zeroed padding keeps
+        the cotangent's padding out of the sum."""
+        if all(
+            not s.dims[d] or n % lctx.shards(s, d) == 0
+            for s in lctx.outputs
+            for d, n in enumerate(s.shape)
+        ):
+            return None  # also the case of a runner built without specs
+        ctx = RuleContext(op=self.name, axis_sizes=lctx.axis_sizes, attrs=lctx.attrs)
+        dm = self.dim_map(ctx, lctx.inputs)
+        uneven = {
+            f
+            for factors, spec in zip(dm.outputs, lctx.outputs, strict=True)
+            for d, f in enumerate(factors)
+            if f is not None and spec.dims[d] and spec.shape[d] % lctx.shards(spec, d)
+        }
+        if not any(
+            f not in factors
+            for factors, data in zip(dm.inputs, dm.data, strict=True)
+            if data
+            for f in uneven
+        ):
+            return None
+        return (None,) * len(lctx.inputs)
+
 
 class LocalMapRule(MapRule):
     """A :class:`MapRule` whose attributes hold global sizes of dims that may stay
@@ -315,31 +347,10 @@ class LocalMapRule(MapRule):
     those sizes made local by ``local_attrs(attrs, lctx)``."""
 
     def local_fn(self, lctx: LocalContext) -> Callable[..., Any]:
-        """The op on this device's pieces, with global sizes in attributes made local."""
+        """The op on this device's pieces, with global sizes in attributes made local
+        (and the padding handled as :meth:`MapRule.padding_fills` says)."""
         attrs = dict(self.local_attrs(without_strategy(lctx.attrs), lctx))
-        return functools.partial(self.impl, **attrs)
-
-
-def _drop_uneven_sums(
-    dm: DimMap,
-    shapes: Sequence[tuple[int, ...]],
-    assign: dict[str, tuple[str, ...]],
-    axis_sizes: Mapping[str, int],
-) -> None:
-    """Unshard factors a data input lacks whose dims do not divide their axes: the
-    VJP sums over them, and the padding of short blocks would leak into the sum."""
-    sizes = {
-        f: n
-        for factors, shape in zip((*dm.inputs, *dm.outputs), (*shapes, *dm.out_shapes), strict=True)
-        for f, n in zip(factors, shape, strict=True)
-        if f is not None
-    }
-    for factors, is_data in zip(dm.inputs, dm.data, strict=True):
-        if not is_data:
-            continue
-        for f, axes in list(assign.items()):
-            if axes and f not in factors and sizes[f] % math.prod(axis_sizes[a] for a in axes):
-                assign[f] = ()
+        return self.masked(functools.partial(self.impl, **attrs), lctx)
 
 
 def _check_shapes(
@@ -393,6 +404,37 @@ def _groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int],
     return groups
 
 
+def _aligned_uneven(
+    src: tuple[int, ...],
+    dst: tuple[int, ...],
+    gs: list[int],
+    gd: list[int],
+    dims: Dims,
+    axis_sizes: Mapping[str, int],
+) -> bool:
+    """Whether a merge/split group keeps an uneven split of its major source dim.
+
+    Only the major dim is sharded, over ``k`` devices, and ``k`` does not divide it.
+    Device ``i`` holds rows ``[i·b, (i+1)·b)`` of it (``b = ceil(n/k)``, the last
+    block padded) times the whole minor dims (``M`` elements): the flat range
+    ``[i·b·M, (i+1)·b·M)``. On the output's major dim (``n'``, minor ``M'``) it
+    must hold ``[i·B·M', (i+1)·B·M')``, ``B = ceil(n'/k)``: the same ranges, and the
+    padding lands on padding, exactly when ``b·M = B·M'``. Example: ``(32, 2) →
+    (64,)`` over 3 (``11·2 = 22 = ceil(64/3)``) keeps the split; ``(4, 6) → (24,)``
+    over 3 (``2·6 ≠ 8``) does not.
+    """
+    axes = dims[gs[0]]
+    if not axes or any(dims[d] for d in gs[1:]) or not gd:
+        return False
+    k = math.prod(axis_sizes[a] for a in axes)
+    n, n_out = src[gs[0]], dst[gd[0]]
+    if n % k == 0:
+        return False  # even: the general rule below decides
+    minor = math.prod(src[d] for d in gs[1:])
+    minor_out = math.prod(dst[d] for d in gd[1:])
+    return -(-n // k) * minor == -(-n_out // k) * minor_out
+
+
 def reshape_layout(
     src: tuple[int, ...],
     dst: tuple[int, ...],
@@ -418,6 +460,9 @@ def reshape_layout(
         return tuple(out_src), tuple(out_dst)
     for gs, gd in _groups(src, dst):
         if len(gs) == 1 and len(gd) == 1:  # pass-through dim: any layout, even uneven
+            out_src[gs[0]] = out_dst[gd[0]] = dims[gs[0]]
+            continue
+        if _aligned_uneven(src, dst, gs, gd, dims, axis_sizes):
             out_src[gs[0]] = out_dst[gd[0]] = dims[gs[0]]
             continue
         flat: list[tuple[str, int]] = []  # (axis, source dim), major → minor
@@ -555,6 +600,37 @@ class ReshapeRule(Rule):
         g_partial = _cotangent_partials(out_grads, set(y.sharding_axes))
         req_g = y.replace(partial=g_partial, dtype=g.dtype)
         return InferredGrad((xin,), (req_g,), (xin.replace(partial=g_partial),), (y,))
+
+    @property
+    def must_divide(self) -> tuple[MustDivide, ...]:
+        """The merged and split dims (see :func:`reshape_layout`)."""
+        return (
+            MustDivide(
+                "merged or split dims (a group of several input or output dims with one "
+                "product); a dim that maps to one equal dim passes uneven",
+                "a padded block of a merged dim is ceil(n/k)·M elements, but the merged "
+                "dim's own blocks are ceil(n·M/k): the devices' ranges differ (the "
+                "padding would land inside real elements) unless k divides n or the two "
+                "happen to agree (ceil(n/k)·M = ceil(n'/k)·M', e.g. (32, 2) → (64,) over 3), "
+                "which the rule keeps sharded; a split is the same read backwards",
+                self._grouped_dims,
+            ),
+        )
+
+    def _grouped_dims(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], out_grads: tuple[TensorSpec, ...]
+    ) -> tuple[frozenset[int], ...]:
+        """The input dims, and the cotangent dims, in merge/split groups."""
+        (x,) = _one(self.name, inputs)
+        sizes, perm = self._parse(ctx, x)
+        groups = [
+            (gs, gd)
+            for gs, gd in _groups(tuple(x.shape[p] for p in perm), sizes)
+            if len(gs) != 1 or len(gd) != 1
+        ]
+        src = frozenset(perm[k] for gs, _ in groups for k in gs)
+        dst = frozenset(j for _, gd in groups for j in gd)
+        return (src, *(dst for _ in out_grads))
 
     def local_fn(self, lctx: LocalContext) -> Callable[..., Any]:
         """Reshape the local piece to the output's local (block) shape."""

@@ -44,7 +44,7 @@ from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
 from spmdkit.recipe import Recipe, RecipeError, train_step, value_and_grad
 from spmdkit.registry import get_rule, register_rule, registered_ops, unregister_rule
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
-from spmdkit.rule import POLICIES, Example, FactorRule, Rule, RuleContext
+from spmdkit.rule import POLICIES, Example, FactorRule, MustDivide, Rule, RuleContext
 from spmdkit.spec import REDUCE_OPS, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
 from spmdkit.verification.compiled import CompiledReport, VerifyReport, report, verify
@@ -124,6 +124,7 @@ __all__ = [
     "Example",
     "FactorRule",
     "InferenceResult",
+    "MustDivide",
     "Notation",
     "Rule",
     "RuleContext",

@@ -64,6 +64,7 @@ __all__ = [
     "Inferred",
     "InferredGrad",
     "LocalContext",
+    "MustDivide",
     "PartialPolicy",
     "Rule",
     "RuleContext",
@@ -345,6 +346,42 @@ class LocalContext:
         return jnp.where(valid, v, jnp.asarray(fill, v.dtype))
 
 
+#: ``where(ctx, inputs, out_grads)``: per input, then per cotangent, a set of dims.
+DimsFn = Callable[
+    [RuleContext, tuple[TensorSpec, ...], tuple[TensorSpec, ...]], tuple[frozenset[int], ...]
+]
+
+
+@dataclass(frozen=True)
+class MustDivide:
+    """Dims a rule keeps sharded only when their mesh axes divide them, and why.
+
+    A dim that its axes do not divide is padded on the devices (ceil blocks). A
+    rule keeps every such dim sharded, masking the padding in its local
+    computation, except where the op's math needs whole blocks; each of those
+    cases is one ``MustDivide``. ``docs/rules.md`` prints ``dims`` and ``why``; the
+    numeric sweep checks with ``where`` that every uneven dim a rule replicates is
+    declared here (an undeclared one fails the sweep).
+
+    Attributes:
+      dims: which dims, in words.
+      why: why the op's math needs whole blocks there.
+      where: ``where(ctx, inputs, out_grads)`` → for one call, per input and then
+        per cotangent (``out_grads`` is ``()`` for a forward call), the dims this
+        applies to: the rule may replicate them when they do not divide.
+
+    Example::
+
+        >>> MustDivide("a dim reduce_mean averages away",
+        ...            "each device would divide by its padded block",
+        ...            where=lambda ctx, ins, gs: (frozenset({1}), *(frozenset() for _ in gs)))
+    """
+
+    dims: str
+    why: str
+    where: DimsFn
+
+
 @dataclass(frozen=True)
 class Example:
     """Inputs the validation toolkit runs a rule on.
@@ -359,9 +396,9 @@ class Example:
       rtol: relative tolerance of the numeric check (low-precision casts).
       values: ``fn(rng) -> list of arrays``: the inputs, when random values in
         ``domain`` do not fit (labels in range, unique indices…).
-      uneven: also sweep specs whose sharded dims do not divide (ceil blocks,
-        padded with NaN on the devices; give the example shapes that do not
-        divide the mesh axes).
+      uneven: also sweep specs (inputs and cotangents) whose sharded dims do not
+        divide (ceil blocks, padded with NaN on the devices; give the example
+        shapes that do not divide the mesh axes).
     """
 
     shapes: tuple[tuple[int, ...], ...]
@@ -398,6 +435,32 @@ class Rule:
     def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
         """Input specs → required input specs and output specs."""
         raise NotImplementedError
+
+    @property
+    def must_divide(self) -> tuple[MustDivide, ...]:
+        """The dims this rule keeps sharded only when they divide (default: none;
+        every uneven dim stays sharded)."""
+        return ()
+
+    def divisible_dims(
+        self,
+        ctx: RuleContext,
+        inputs: tuple[TensorSpec, ...],
+        out_grads: tuple[TensorSpec, ...] = (),
+    ) -> tuple[frozenset[int], ...]:
+        """Per input, then per cotangent: the dims this call may replicate when their
+        axes do not divide them (the union of :attr:`must_divide`'s ``where``).
+
+        Example::
+
+            >>> rule.divisible_dims(ctx, (TensorSpec((32, 6), P("c", None)),))
+            (frozenset({0}),)
+        """
+        out = [frozenset[int]() for _ in (*inputs, *out_grads)]
+        for entry in self.must_divide:
+            for i, dims in enumerate(entry.where(ctx, inputs, out_grads)):
+                out[i] |= dims
+        return tuple(out)
 
     def backward(
         self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]
@@ -456,9 +519,23 @@ class Rule:
         the attributes minus ``strategy``.
         """
         fn = functools.partial(self.local_impl or self.impl, **without_strategy(lctx.attrs))
+        return self.masked(fn, lctx)
+
+    def masked(self, fn: Callable[..., Any], lctx: LocalContext) -> Callable[..., Any]:
+        """``fn`` (a per-device computation of this case) with the padding of uneven
+        blocks kept out of real elements: inputs filled as :meth:`padding_fills`
+        says, outputs rescaled (an average over padded blocks) and their padding
+        zeroed, so no cotangent arriving on padding reaches an input. ``fn`` itself
+        when the case needs none of it.
+
+        Example::
+
+            >>> local = rule.masked(functools.partial(rule.impl, **attrs), lctx)
+        """
         fills = self.padding_fills(lctx)
         if fills is None:
             return fn
+        scale = self._padded_scale(lctx)
 
         def padded(*xs: Any) -> Any:
             xs = tuple(
@@ -467,10 +544,16 @@ class Rule:
             )
             out = fn(*xs)
             outs = out if isinstance(out, tuple) else (out,)
+            if scale != 1:
+                outs = tuple(y * np.asarray(scale, y.dtype) for y in outs)
             outs = tuple(lctx.pad(s, y, 0) for y, s in zip(outs, lctx.outputs, strict=True))
             return outs if isinstance(out, tuple) else outs[0]
 
         return padded
+
+    def _padded_scale(self, lctx: LocalContext) -> float:
+        """Factor on the local outputs of a padded case (1: none; see FactorRule's)."""
+        return 1.0
 
     def padding_fills(self, lctx: LocalContext) -> tuple[Any, ...] | None:
         """Per input, the value the padding of its uneven blocks takes before the
@@ -585,9 +668,9 @@ def _complete(
     }
 
 
-#: The padding fill per reduce op under which a padded, reduced-away dim stays
-#: sharded (the reduction's identity).
-_PAD_FILL: dict[str, float] = {"sum": 0.0, "max": -math.inf, "min": math.inf}
+#: The padding fill of a padded, reduced-away dim per reduce op: the reduction's
+#: identity (an average sums zeros, then is rescaled: see ``FactorRule._padded_scale``).
+_PAD_FILL: dict[str, float] = {"sum": 0.0, "avg": 0.0, "max": -math.inf, "min": math.inf}
 
 NotationFn = Callable[..., "str | Notation"]
 
@@ -751,53 +834,48 @@ class FactorRule(Rule):
         nt: Notation,
         sources: Sequence[tuple[tuple[str, ...], TensorSpec]],
         start: Mapping[str, tuple[str, ...]] | None = None,
-        guard: Callable[[str, tuple[str, ...]], bool] | None = None,
     ) -> dict[str, tuple[str, ...]]:
         """:func:`assign_factors` in notation order. Need-replication factors, and
-        the reduction factors of a notation with no reduce op, stay unsharded;
-        ``guard`` vetoes uneven splits (see :meth:`_even_guard`)."""
+        the reduction factors of a notation with no reduce op, stay unsharded.
+
+        Uneven splits stay: a dim that does not divide its axes is padded on the
+        devices. Where the factor runs through every operand and result the
+        padding only ever meets padding and is cropped. Where it is reduced away
+        — a reduction factor, or a broadcast operand whose grad sums over it —
+        :meth:`padding_fills` fills the padding with the reduction's identity (or
+        1) and zeroes the outputs' padding, and an average is rescaled from the
+        padded block to the global count (:meth:`_padded_scale`); XLA pads such
+        dims the same way inside ``jit``.
+        """
         fixed = set(nt.need_replication)
         if nt.reduce is None:
             fixed.update(nt.reduction_factors)
 
         def allowed(f: str, axes: tuple[str, ...]) -> bool:
-            return f not in fixed and (guard is None or guard(f, axes))
+            return f not in fixed
 
         return assign_factors(sources, order=nt.factors, start=start, allowed=allowed)
 
-    @staticmethod
-    def _even_guard(
-        ctx: RuleContext,
-        nt: Notation,
-        sizes: Mapping[str, int],
-        shapes: Sequence[tuple[int, ...]],
-    ) -> Callable[[str, tuple[str, ...]], bool]:
-        """Veto the uneven splits whose padding the local computation cannot keep out
-        of real elements.
-
-        A dim that does not divide its axes is padded on the devices. Where the
-        factor runs through every operand and result the padding only ever meets
-        padding and is cropped. Where it is reduced away — a reduction factor, or
-        a broadcast operand whose grad sums over it — :meth:`padding_fills` fills
-        the padding with the reduction's identity (or 1) and zeroes the outputs'
-        padding, so the split stays; XLA pads such dims the same way inside
-        ``jit``. Only a reduction whose partial result is an average
-        (``reduce="avg"``: each device would divide by its padded block) is
-        sharded only when it divides.
-        """
-        complete = _complete(nt, sizes, shapes)
-
-        def allowed(f: str, axes: tuple[str, ...]) -> bool:
-            if f in complete or f not in reduced or nt.reduce in _PAD_FILL:
-                return True
-            return sizes.get(f, 1) % math.prod(ctx.axis_sizes[a] for a in axes) == 0
-
-        reduced = set(nt.reduction_factors)
-        return allowed
+    def _padded_scale(self, lctx: LocalContext) -> float:
+        """An average over padded blocks: each device's local mean divides its sum
+        by its padded block, so it is scaled by ``block · shards / size`` per
+        sharded reduced dim, which makes the mean of the devices' partial averages
+        the global mean (``Σ / size``)."""
+        if self.reduce != "avg":
+            return 1.0
+        shapes = [s.shape for s in lctx.inputs]
+        ctx = RuleContext(op=lctx.op, axis_sizes=lctx.axis_sizes, attrs=lctx.attrs)
+        nt = self.notation_for(shapes, self._notation_attrs(ctx))
+        blocks: dict[Any, float] = {}
+        for dims, s in zip(nt.inputs, lctx.inputs, strict=True):
+            for d, f in enumerate(dims):
+                if f in nt.reduction_factors and s.dims[d] and f not in blocks:
+                    blocks[f] = lctx.block(s, d) * lctx.shards(s, d) / s.shape[d]
+        return math.prod(blocks.values())
 
     def padding_fills(self, lctx: LocalContext) -> tuple[Any, ...] | None:
         """Fill the padding of uneven blocks so it reaches no real element: with the
-        reduce op's identity (0 for sum, ∓inf for max/min) where an uneven dim is
+        reduce op's identity (0 for sum and avg, ∓inf for max/min) where an uneven dim is
         reduced away, else with 1 (finite under every elementwise op, so a zero
         cotangent times its derivative stays zero in a broadcast operand's grad)."""
         specs = (*lctx.inputs, *lctx.outputs)
@@ -898,8 +976,7 @@ class FactorRule(Rule):
         shapes = [s.shape for s in inputs]
         nt = self.notation_for(shapes, self._notation_attrs(ctx))
         sizes = self._sizes(ctx, nt, shapes)
-        guard = self._even_guard(ctx, nt, sizes, shapes)
-        assign = self._assign(nt, list(zip(nt.inputs, inputs, strict=True)), None, guard)
+        assign = self._assign(nt, list(zip(nt.inputs, inputs, strict=True)))
         return self._finish(ctx, nt, sizes, inputs, assign)
 
     def _finish(
@@ -946,8 +1023,7 @@ class FactorRule(Rule):
         nt = self.notation_for(shapes, self._notation_attrs(ctx))
         sizes = self._sizes(ctx, nt, shapes)
         self._check_outputs(ctx, nt, sizes, outputs, "outputs")
-        guard = self._even_guard(ctx, nt, sizes, shapes)
-        assign = self._assign(nt, list(zip(nt.outputs, outputs, strict=True)), None, guard)
+        assign = self._assign(nt, list(zip(nt.outputs, outputs, strict=True)))
         used = {a for axes in assign.values() for a in axes}
         free = [
             f
@@ -956,11 +1032,7 @@ class FactorRule(Rule):
         ]
         if free:
             for a, op in sorted({p for o in outputs for p in o.partial}):
-                if (
-                    op == nt.reduce
-                    and a not in used
-                    and guard(free[0], (*assign.get(free[0], ()), a))
-                ):
+                if op == nt.reduce and a not in used:
                     assign[free[0]] = (*assign.get(free[0], ()), a)
                     used.add(a)
         plain = tuple(s.without_partial() for s in inputs)
@@ -978,12 +1050,11 @@ class FactorRule(Rule):
         sizes = self._sizes(ctx, nt, shapes)
         self._check_outputs(ctx, nt, sizes, out_grads, "out_grads")
         plain = tuple(s.without_partial() for s in inputs)
-        guard = self._even_guard(ctx, nt, sizes, shapes)
-        fwd_assign = self._assign(nt, list(zip(nt.inputs, plain, strict=True)), None, guard)
+        fwd_assign = self._assign(nt, list(zip(nt.inputs, plain, strict=True)))
         out_factors = {f for dims in nt.outputs for f in dims}
         start = {f: a for f, a in fwd_assign.items() if a or f not in out_factors}
         out_srcs = list(zip(nt.outputs, out_grads, strict=True))
-        assign = self._assign(nt, out_srcs, start, guard)
+        assign = self._assign(nt, out_srcs, start)
         fwd = self._finish(ctx, nt, sizes, plain, assign, keep_partial=False)
         used = {a for axes in assign.values() for a in axes}
         g_partial = {

@@ -50,8 +50,8 @@ from spmdkit.errors import NoRuleError, RegistrationError, SpmdError
 from spmdkit.inference import infer_forward, infer_grad
 from spmdkit.mesh import auto_mesh
 from spmdkit.registry import get_rule, register_rule, unregister_rule
-from spmdkit.rule import Example, LocalContext, Rule, without_strategy
-from spmdkit.spec import REDUCE_OPS, TensorSpec, axis_sizes
+from spmdkit.rule import Example, LocalContext, Rule, RuleContext, without_strategy
+from spmdkit.spec import REDUCE_OPS, MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import freeze
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "enumerate_specs",
     "local_pieces",
     "random_value",
+    "undeclared_replications",
 ]
 
 
@@ -583,6 +584,8 @@ class RuleReport:
       mesh: the mesh, as ``{axis: size}``.
       forward_cases / grad_cases: how many cases ran.
       wrong: cases where the rule's claim is numerically wrong.
+      replicated: cases where the rule replicated an uneven dim it does not declare
+        in :attr:`~spmdkit.rule.Rule.must_divide` (see :func:`undeclared_replications`).
       missing: valid placements the rule did not claim (it resharded instead).
       skipped: cases that could not run (and why).
     """
@@ -592,21 +595,24 @@ class RuleReport:
     forward_cases: int = 0
     grad_cases: int = 0
     wrong: list[CaseFailure] = field(default_factory=list)
+    replicated: list[CaseFailure] = field(default_factory=list)
     missing: list[MissingPlacement] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """True when no case is wrong and at least one case ran."""
-        return not self.wrong and self.forward_cases > 0
+        """True when no case is wrong or replicated and at least one case ran."""
+        return not self.wrong and not self.replicated and self.forward_cases > 0
 
     def __str__(self) -> str:
         lines = [
             f"{self.op} on {self.mesh}: {self.forward_cases} forward, "
-            f"{self.grad_cases} grad cases, "
-            f"{len(self.wrong)} wrong, {len(self.missing)} missing, {len(self.skipped)} skipped"
+            f"{self.grad_cases} grad cases, {len(self.wrong)} wrong, "
+            f"{len(self.replicated)} replicated, {len(self.missing)} missing, "
+            f"{len(self.skipped)} skipped"
         ]
         lines += [f"  WRONG {w}" for w in self.wrong[:10]]
+        lines += [f"  REPLICATED {w}" for w in self.replicated[:10]]
         lines += [f"  missing {m}" for m in self.missing[:5]]
         return "\n".join(lines)
 
@@ -878,6 +884,82 @@ def _prepare_grad(
 
 
 # ---------------------------------------------------------------------------
+# Uneven dims the rule replicates
+# ---------------------------------------------------------------------------
+
+
+def undeclared_replications(
+    rule: Rule | str,
+    specs: Sequence[TensorSpec],
+    mesh: MeshLike,
+    *,
+    attrs: Mapping[str, Any] | None = None,
+    out_grads: Sequence[TensorSpec] | None = None,
+) -> list[str]:
+    """Sharded dims the rule replicates because their axes do not divide them, where
+    it does not declare (:attr:`~spmdkit.rule.Rule.must_divide`) that they must.
+
+    The rule is asked twice: on ``mesh``, and on its *even twin*, the same axes of
+    size 1, which divide every dim. A layout decision that depends on the axis
+    sizes is a divisibility decision, so an axis the twin keeps on an operand dim
+    and the real mesh drops is the rule replicating an uneven dim. Each such dim
+    must be one :meth:`~spmdkit.rule.Rule.divisible_dims` names for the call.
+    Checks the forward inference, or the grad inference when ``out_grads`` is given
+    (its required inputs and cotangents).
+
+    Returns:
+      One line per undeclared replicated dim (empty when every given spec is even).
+
+    Example::
+
+        >>> undeclared_replications("matmul", (T((32, 64), P(None, "c")),
+        ...                                    T((64, 32))), sk.abstract_mesh(c=3))
+        []
+    """
+    checked = get_rule(rule) if isinstance(rule, str) else rule
+    attrs = dict(attrs or {})
+    sizes = axis_sizes(mesh)
+    specs, grads = tuple(specs), tuple(out_grads or ())
+    given = (*specs, *grads)
+    if all(s.is_even(mesh) for s in given):
+        return []
+    ctx = RuleContext(op=checked.name, axis_sizes=sizes, attrs=attrs)
+    twin = RuleContext(op=checked.name, axis_sizes={a: 1 for a in sizes}, attrs=attrs)
+
+    def required(c: RuleContext) -> tuple[TensorSpec, ...]:
+        if out_grads is None:
+            return checked.forward(c, specs).inputs
+        res = checked.grad(c, specs, grads)
+        return (*res.inputs, *res.out_grads)
+
+    real, even = required(ctx), required(twin)
+    declared = checked.divisible_dims(ctx, specs, grads)
+    out = []
+    for i, (r, e, g, ok) in enumerate(zip(real, even, given, declared, strict=True)):
+        what = f"input {i}" if i < len(specs) else f"out_grad {i - len(specs)}"
+        for d, n in enumerate(g.shape):
+            lost = [a for a in e.dims[d] if a not in r.dims[d]]
+            if lost and n > 1 and d not in ok:  # a size-1 dim is never sharded
+                out.append(f"{what} dim {d} (size {n}) loses {lost}: not declared must_divide")
+    return out
+
+
+def _replications(
+    report: RuleReport,
+    rule: Rule,
+    case: _Case,
+    specs: Sequence[TensorSpec],
+    mesh: Mesh,
+    attrs: Mapping[str, Any],
+    out_grads: Sequence[TensorSpec] | None = None,
+) -> None:
+    """Record a case's undeclared replications of uneven dims in ``report``."""
+    why = undeclared_replications(rule, specs, mesh, attrs=attrs, out_grads=out_grads)
+    if why:
+        report.replicated.append(case.fail("; ".join(why)))
+
+
+# ---------------------------------------------------------------------------
 # The sweep
 # ---------------------------------------------------------------------------
 
@@ -1007,6 +1089,7 @@ def _sweep_forward(
     failures = _run_cases(cases, mesh, ex.rtol)
     for specs, case, failure, seed in zip(combos, cases, failures, seeds, strict=True):
         report.forward_cases += 1
+        _replications(report, rule, case, specs, mesh, attrs)
         if failure:
             report.wrong.append(failure)
             continue
@@ -1030,8 +1113,11 @@ def _sweep_grads(
 ) -> None:
     """The grad cases of one example (each with a random cotangent spec), run together."""
     attrs = dict(ex.attrs)
-    out_cands = [enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",)) for r in ref]
-    cases = []
+    out_cands = [
+        enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",), even_only=not ex.uneven)
+        for r in ref
+    ]
+    cases, given = [], []
     for specs in _combos(_input_specs(ex, mesh), max_grad_cases, rng):
         plain = tuple(s.without_partial() for s in specs)
         gs = tuple(c[int(rng.integers(len(c)))] for c in out_cands)
@@ -1040,8 +1126,11 @@ def _sweep_grads(
         cases.append(
             _prepare_grad(rule, plain, gs, mesh, values, cots, attrs, diff, ex.domain, seed)
         )
-    for failure in _run_cases(cases, mesh, max(ex.rtol, 1e-5)):
+        given.append((plain, gs))
+    failures = _run_cases(cases, mesh, max(ex.rtol, 1e-5))
+    for case, (plain, gs), failure in zip(cases, given, failures, strict=True):
         report.grad_cases += 1
+        _replications(report, rule, case, plain, mesh, attrs, gs)
         if failure:
             report.wrong.append(failure)
 

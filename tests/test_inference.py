@@ -1,10 +1,12 @@
 """Inference semantics (the reference rules) and the public call contract."""
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit import inference
+from spmdkit.testing import check_forward_case
 
 T = sk.TensorSpec
 MESH = sk.abstract_mesh(data=2, model=4)
@@ -80,10 +82,16 @@ def test_prod_reduction_needs_the_dim_replicated():
     assert strs(r.outputs) == ["[8@data]"]
 
 
-def test_mean_over_an_uneven_dim_replicates_it():
+def test_mean_over_an_uneven_dim_stays_sharded(mesh2d):
     r = fwd("reduce_mean", T((8, 6), P(None, "model")), axis=1)
-    assert strs(r.outputs) == ["[8]"]
-    assert strs(r.inputs) == ["[8,6]"]
+    assert strs(r.outputs) == ["[8]{avg:model}"]
+    assert strs(r.inputs) == ["[8,6@model]"]
+    # each device's mean of its padded block is rescaled: the average is the global mean
+    x = T((8, 6), P(None, "b"))
+    values = [np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)]
+    failure, res = check_forward_case("reduce_mean", [x], mesh2d, values=values, attrs={"axis": 1})
+    assert failure is None, str(failure)
+    assert strs(res.outputs) == ["[8]{avg:b}"]
 
 
 def test_keepdims_keeps_a_size_one_unsharded_dim():

@@ -53,31 +53,48 @@ _UNEVEN = """\
 
 A dim that its mesh axes do not divide (32 rows over an axis of 3) is padded on
 the devices (ceil blocks; bytes are priced padded, as XLA pads them inside
-`jit`). Every factor-notation rule keeps such a dim sharded wherever the padding
-can be kept out of real elements: a dim that runs through every operand and
-result (elementwise ops, the batch dims of matmul, the rows of a norm), a
-contracted or reduced dim (matmul's `k`, `reduce_sum`/`max`/`min`: the padding
-is filled with the reduction's identity before the local computation), and a dim
-a broadcast operand lacks (its grad sums the cotangent, whose padding is zeroed).
-The norms zero the padding of every input and output, so their rows — and, under
-`sharded_stats`, the normalized dims (statistics divided by the global count) —
-may be uneven. The numeric sweep checks all of it on a 2 × 3 mesh with dims of 32
-and 64 (`tests/rules/test_all_rules.py::test_numeric_sweep_2x3`, slow).
+`jit`). Every rule keeps such a dim sharded wherever the op's math allows,
+and its local computation keeps the padding out of real elements: a dim that
+runs through every operand and result (elementwise ops, the batch dims of
+matmul, the rows of a norm, the pass-through dims of the shape ops) only ever
+meets padding; a contracted or reduced dim (matmul's `k`, `reduce_sum`/`max`/
+`min`) has its padding filled with the reduction's identity, and `reduce_mean`
+rescales each device's mean of a padded block to the global count; a dim an
+operand lacks (a broadcast operand, a gather's index batch dims, a padding
+value) has the outputs' padding zeroed, so its grad's sum takes none in. The
+norms zero the padding of every input and output; attention, cross-entropy,
+embedding and index_put mask theirs (their notes say how).
 
-Still required to divide, and why:
+The dims that still must divide are declared by each rule (`Rule.must_divide`:
+which dims, and why) and listed per family below, in the column *must divide*
+and the notes under each table. The numeric sweep checks the declaration: on
+every uneven case it asks the rule again with each mesh axis of size 1 (which
+divides every dim), and any dim kept there but replicated on the real mesh must
+be a declared one (`spmdkit.testing.undeclared_replications`; the 2 × 3 sweep,
+`tests/rules/test_all_rules.py::test_numeric_sweep_2x3`, slow, runs every rule
+on a mesh with an axis of 3 and dims of 32 and 64).
 
-* a dim reduced by `reduce_mean` (partial `avg`): each device would divide by its
-  padded block, so the mean of the partial means would be wrong;
-* the shape family's merged or split dims and the dims a data input lacks (see
-  that family's notes: a reshape cannot keep padding contiguous, and a gather's
-  VJP sum would take the padding in);
-* what runs under `shard_map` — `spmdkit.ops` and the planner's regions, the
-  reshard executor's own collectives: `shard_map` takes even blocks only; an
-  uneven layout there is an error from `spmdkit.ops`, and the replay of a region
-  (or reshard) with one leaves it to XLA, which pads.
+What runs under `shard_map` — `spmdkit.ops` on concrete arrays, the planner's
+regions, the reshard executor's own collectives — takes even blocks only: an
+uneven layout there is an error from `spmdkit.ops`, and the replay of a region
+(or reshard) with one leaves the op to XLA, which pads."""
 
-The hand-written rules (attention, cross-entropy, embedding, index_put) mask
-their own padding (their notes say how)."""
+
+def _divides(rule: Rule) -> str:
+    """The *must divide* cell: the declared dims, or that every dim may be uneven."""
+    entries = rule.must_divide
+    if not entries:
+        return "none"
+    return "; ".join(_cell(m.dims) for m in entries)
+
+
+def _divide_notes(rules: list[Rule]) -> list[str]:
+    """Why each declared dim must divide, one bullet per declaration."""
+    return [
+        f"* **{rule.name}** — {_cell(m.dims)}: {_cell(m.why)}."
+        for rule in rules
+        for m in rule.must_divide
+    ]
 
 
 def rules_markdown() -> str:
@@ -115,8 +132,8 @@ def rules_markdown() -> str:
         if doc:
             lines += [doc, ""]
         lines += [
-            "| op | rule | partial policy | strategies | semantics |",
-            "|---|---|---|---|---|",
+            "| op | rule | partial policy | strategies | must divide | semantics |",
+            "|---|---|---|---|---|---|",
         ]
         for rule in rules:
             policy = (
@@ -127,7 +144,10 @@ def rules_markdown() -> str:
             strategies = ", ".join(f"`{s}`" for s in rule.strategies)
             lines.append(
                 f"| {rule.name} | {_notation(rule)} | {policy} | {strategies} | "
-                f"{_cell(rule.doc or '')} |"
+                f"{_divides(rule)} | {_cell(rule.doc or '')} |"
             )
         lines.append("")
+        notes = _divide_notes(rules)
+        if notes:
+            lines += ["Dims that must divide, and why:", "", *notes, ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -69,6 +69,37 @@ def test_kv_heads_replicated_when_the_head_axes_do_not_divide_them():
     assert str(g.outputs[1]) == "f32[2,8,2,4]{sum:b}"  # every device's query heads add up
 
 
+def test_kv_heads_stay_sharded_unevenly_when_their_blocks_line_up():
+    mesh = sk.abstract_mesh(a=2, c=3)
+    q = q_spec((2, 8, 4, 4), P(None, None, "c"))  # blocks of 2 query heads (last padded)
+    k = kv_spec((2, 8, 2, 4))  # blocks of 1 kv head: query heads 2h, 2h+1 read kv head h
+    r = sk.infer_forward("attention", q, k, k, mesh=mesh)
+    assert [str(s) for s in r.inputs] == ["f32[2,8,4@c,4]", *["f32[2,8,2@c,4]"] * 2]
+    g = sk.infer_grad("attention", q, k, k, out_grads=(q,), mesh=mesh)
+    assert str(g.outputs[1]) == "f32[2,8,2@c,4]"  # no sum: each device owns its kv heads
+    q8 = q_spec((2, 8, 8, 4), P(None, None, "c"))  # blocks of 3 query heads vs 2·ceil(4/3)
+    r = sk.infer_forward("attention", q8, kv_spec((2, 8, 4, 4)), kv_spec((2, 8, 4, 4)), mesh=mesh)
+    assert str(r.inputs[1]) == "f32[2,8,4,4]"
+
+
+@pytest.mark.slow
+def test_uneven_kv_heads_run_numerically():
+    mesh = sk.make_mesh(a=2, c=3)
+    rng = np.random.default_rng(0)
+    q, k = q_spec((2, 8, 4, 4), P("a", None, "c")), kv_spec((2, 8, 2, 4))
+    xs = [rng.standard_normal(s.shape).astype(np.float32) for s in (q, k, k)]
+    for strategy in ("default", "gather_kv"):
+        attrs = {"causal": True, "strategy": strategy}
+        failure, res = check_forward_case("attention", [q, k, k], mesh, values=xs, attrs=attrs)
+        assert failure is None, str(failure)
+        assert str(res.inputs[1]) == "f32[2@a,8,2@c,4]"
+        cot = rng.standard_normal(q.shape).astype(np.float32)
+        failure, _ = check_grad_case(
+            "attention", [q, k, k], [q], mesh, values=xs, cotangents=[cot], attrs=attrs
+        )
+        assert failure is None, str(failure)
+
+
 def test_gather_kv_keeps_the_query_sequence_and_states_the_gather():
     mesh = sk.abstract_mesh(a=2, b=4)
     q = q_spec(spec=P("a", "b"))

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.inference import cache_info
 from spmdkit.rules.shape import reshape_layout
+from spmdkit.testing import check_forward_case, check_grad_case
 
 T = sk.TensorSpec
 MESH = sk.abstract_mesh(a=2, b=4)
@@ -205,10 +206,22 @@ def test_semantics(op, specs, attrs, req, out):
         ((2, 3, 4), (6, 4), (("a",), (), ("b",)), (("a",), (), ("b",)), (("a",), ("b",))),
         ((4, 1, 2), (8,), (("b",), (), ()), (("b",), (), ()), (("b",),)),  # size-1 dims
         ((0, 4), (4, 0), (("a",), ()), ((), ()), ((), ())),
+        # uneven, but the padded blocks line up: ceil(7/4)·2 = ceil(14/4)
+        ((7, 2), (14,), (("b",), ()), (("b",), ()), (("b",),)),
+        ((14,), (7, 2), (("b",),), (("b",),), (("b",), ())),
+        ((3, 2), (6,), (("a",), ()), ((), ()), ((),)),  # ceil(3/2)·2 ≠ ceil(6/2)
     ],
 )
 def test_reshape_divisibility(src, dst, dims, kept, out):
     assert reshape_layout(src, dst, dims, {"a": 2, "b": 4}) == (kept, out)
+
+
+def test_reshape_declares_its_merged_and_split_dims_must_divide():
+    rule = sk.get_rule("reshape")
+    ctx = sk.RuleContext("reshape", {"a": 2, "b": 4}, {"new_sizes": (6, 2, 4)})
+    (x_dims, g_dims) = rule.divisible_dims(ctx, (T((6, 8)),), (T((6, 2, 4)),))
+    assert (x_dims, g_dims) == ({1}, {1, 2})  # 6 passes through; 8 splits into 2 × 4
+    assert [m.dims for m in sk.get_rule("transpose").must_divide] == []
 
 
 def test_reshape_asks_for_the_reshard_it_needs():
@@ -245,9 +258,9 @@ def test_grads_sum_over_factors_the_input_lacks():
 
     g = bcast((4, 6, 4), T((4, 6, 4), P("b", "a")))
     assert str(g.outputs[0]) == "[6@a,1]{sum:b}"
-    # a new dim of 2 does not divide over b=4: its padding would leak into the sum
+    # a new dim of 2 over b=4 stays split: the padding of its short blocks is zeroed
     g = bcast((2, 6, 4), T((2, 6, 4), P("b", "a")))
-    assert (str(g.out_grads[0]), str(g.outputs[0])) == ("[2,6@a,4]", "[6@a,1]")
+    assert (str(g.out_grads[0]), str(g.outputs[0])) == ("[2@b,6@a,4]", "[6@a,1]{sum:b}")
     g = sk.infer_grad(
         "gather",
         T((8, 6), P(None, "a")),
@@ -484,3 +497,42 @@ def test_xla_needs_no_communication_for_the_claimed_layouts(mesh2d, op, specs, a
     impl = sk.get_rule(op).impl
     out = res.outputs[0].to_named_sharding(amesh)
     assert compiled_collectives(lambda *a: impl(*a, **attrs), *args, out_shardings=out) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("op", "specs", "grad", "values", "attrs"),
+    [
+        # a broadcast's new dim split unevenly: the input grad sums the cotangent over it
+        (
+            "broadcast_in_dim",
+            [T((6, 1))],
+            T((2, 6, 4), P("c", None, "a")),
+            [(6, 1)],
+            {"shape": (2, 6, 4), "broadcast_dimensions": (1, 2)},
+        ),
+        # a padding value's grad sums the cotangent over the uneven rows
+        (
+            "pad",
+            [T((32, 4)), T(())],
+            T((32, 10), P("c")),
+            [(32, 4), ()],
+            {"padding_config": ((0, 0, 0), (1, 2, 1))},
+        ),
+        # uneven merge whose blocks line up: 11·2 = ceil(64/3)
+        ("reshape", [T((32, 2), P("c"))], T((64,), P("c")), [(32, 2)], {"new_sizes": (64,)}),
+    ],
+)
+def test_uneven_dims_a_grad_sums_over_stay_split(op, specs, grad, values, attrs):
+    mesh = sk.make_mesh(a=2, c=3)
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in values]
+    cot = rng.standard_normal(grad.shape).astype(np.float32)
+    failure, res = check_grad_case(
+        op, specs, [grad], mesh, values=xs, cotangents=[cot], attrs=attrs
+    )
+    assert failure is None, str(failure)
+    assert res.out_grads[0].dims == grad.dims  # nothing gathered
+    failure, fwd = check_forward_case(op, list(res.inputs), mesh, values=xs, attrs=attrs)
+    assert failure is None, str(failure)
+    assert fwd.inputs == res.inputs  # the forward keeps the uneven split too
