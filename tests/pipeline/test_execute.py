@@ -26,11 +26,18 @@ def _model(name: str, batch_size: int):
     return info, info.init_fn(), batch
 
 
-def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp", rows: int = 16) -> None:
+def _check(
+    name: str,
+    axes: dict,
+    pipe: Pipeline,
+    strategy: str = "dp",
+    rows: int = 16,
+    enforce: bool = False,
+) -> sk.PlannedFunction:
     info, params, batch = _model(name, rows)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
     plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
-    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=enforce)
     loss, grads = step(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     # fp32 rtol 1e-5, with an absolute floor of 1e-5 of the largest gradient entry:
@@ -39,10 +46,30 @@ def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp", rows: in
     scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
+    return step
 
 
 def test_1f1b_on_two_stages_equals_one_device():
-    _check("llama", {"pipe": 2}, Pipeline(stages=2, microbatches=2, schedule="1f1b"), rows=8)
+    """Through sk.jit's default (enforced) path."""
+    pipe = Pipeline(stages=2, microbatches=2, schedule="1f1b")
+    _check("llama", {"pipe": 2}, pipe, rows=8, enforce=True)
+
+
+@pytest.mark.slow
+def test_the_enforced_step_runs_the_stages_sharded_like_the_plain_one():
+    """sk.jit's default enforced replay on pipe × data × model (fsdp): equal to one
+    device, and the compiled step computes what the unenforced one does (the
+    replay used to pin the pipeline's operands replicated over data and model,
+    taking the shard_map's specs for every axis, and every device computed the
+    whole micro-batch: 4x the flops)."""
+    axes = {"pipe": 2, "data": 2, "model": 2}
+    pipe = Pipeline(stages=2, microbatches=4, schedule="1f1b")
+    step = _check("llama", axes, pipe, "fsdp", enforce=True)
+    assert step.enforce
+    _, params, batch = _model("llama", 16)
+    loose = sk.jit(step.fn, step.plan, enforce=False)
+    flops = [f.lower(params, batch).compile().cost_analysis()["flops"] for f in (step, loose)]
+    assert flops[0] == pytest.approx(flops[1], rel=0.05)
 
 
 #: (mesh, virtual stages, strategy on the other axes). fsdp on the 3-axis mesh: the
