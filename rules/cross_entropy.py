@@ -259,7 +259,12 @@ def softmax_cross_entropy_reference(
     else:
         inrange = (labels >= 0) & (labels < n)
         safe = jnp.where(inrange, labels, 0)
-        nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+        # the target's log-probability selected by a class mask and a sum, not
+        # gathered: the same value exactly, and XLA's SPMD partitioner aborts on a
+        # gather along a sharded class dim inside a partially manual shard_map
+        # (a pipeline stage with data and model axes; spmdkit.pipeline.execute)
+        target = jnp.arange(n) == safe[..., None]
+        nll = -jnp.sum(jnp.where(target, logp, 0.0), axis=-1)
         loss = (1 - eps) * nll - eps * jnp.mean(logp, axis=-1)
         keep = (
             jnp.ones(labels.shape, bool)

@@ -61,6 +61,7 @@ __all__ = [
     "permute_count",
     "pipelined_value_and_grad",
     "pipelines_traced",
+    "runs_masked",
     "split_microbatches",
 ]
 
@@ -205,29 +206,11 @@ class _Ctx:
         return loss / m, ct_c, ct_v
 
 
-def _branch(index: Any, branches: list, masked: bool, *args: Any) -> Any:
-    """``lax.switch(index, branches, *args)``, or, ``masked``, every branch run and
-    the result selected: no per-device control flow, so no collective of the other
-    mesh axes sits in a branch that only some devices take (XLA's partitioner
-    fails on those, or deadlocks at run time)."""
-    if not masked:
-        return jax.lax.switch(index, branches, *args)
-    outs = [b(*args) for b in branches]
-
-    def pick(*xs: Any) -> Any:
-        out = xs[0]
-        for k, x in enumerate(xs[1:], start=1):
-            out = jnp.where(index == k, x, out)
-        return out
-
-    return jax.tree.map(pick, *outs)
-
-
 def _chunk(xs_l: list, j: Any, v: int) -> list:
     return [x[0] if v == 1 else x[j] for x in xs_l]
 
 
-def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, masked: bool) -> Callable:
+def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
     fperm, _ = _perms(pipe)
 
     def body(xs_local: list, shared: list, per: list) -> Any:
@@ -246,7 +229,7 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, masked
             ]
             cd = [({**ctx.sv, **ctx.mb(i)})[v] for v in ctx.dconsts]
             out = ctx.stage(_chunk(xs_l, row["local"], pipe.virtual), cd, x_in, i)
-            loss = _branch(
+            loss = jax.lax.switch(
                 row["last"],
                 [
                     lambda: jnp.zeros((), loss_dtype),
@@ -255,7 +238,6 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, masked
                         / pipe.microbatches
                     ),
                 ],
-                masked,
             )
             return out, loss
 
@@ -266,7 +248,7 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, masked
             def tick(state: tuple, tab: Any) -> tuple:
                 inbox, loss = state
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
-                out, li = _branch(row["kind"], [idle, fwd], masked, row, inbox)
+                out, li = jax.lax.switch(row["kind"], [idle, fwd], row, inbox)
                 if send:
                     recv = [jax.lax.ppermute(o, axis, fperm) for o in out]
                     inbox = [b.at[row["recv_f"]].set(r) for b, r in zip(inbox, recv, strict=True)]
@@ -321,9 +303,7 @@ class _Probe:
         return jax.tree.unflatten(self.tree, leaves)
 
 
-def _effects(
-    ctx: _Ctx, probe: _Probe, xs_l: list, state: dict, masked: bool = False
-) -> tuple[Callable, Callable]:
+def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callable, Callable]:
     """The forward and backward actions of one tick, as functions of its row
     returning every effect (zeros for the other action's)."""
     pipe = ctx.pipe
@@ -343,13 +323,12 @@ def _effects(
         out, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, i), w, cd, x_in)
         leaves, probe.tree = jax.tree.flatten(vjp)
         keep = probe.record(leaves, w, cd, [v in ctx.sv for v in ctx.dconsts])
-        loss, ct_c, ct_l = _branch(
+        loss, ct_c, ct_l = jax.lax.switch(
             row["last"],
             [
                 lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(ctx.post, i, out)),
                 lambda: ctx.post(i, out),
             ],
-            masked,
         )
         ct_v = dict(zip(ctx.dpost, ct_l, strict=True))
         return {
@@ -406,9 +385,7 @@ def _apply(state: dict, eff: dict, row: dict) -> dict:
     }
 
 
-def _explicit_body(
-    sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, masked: bool
-) -> Callable:
+def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
     fperm, bperm = _perms(pipe)
 
     def body(xs_local: list, shared: list, per: list) -> tuple:
@@ -436,12 +413,11 @@ def _explicit_body(
         def make_tick(send_f: bool, send_b: bool) -> Callable:
             def tick(st: dict, tab: Any) -> tuple:
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
-                f, b = _effects(ctx, probe, xs_l, st, masked)
-                eff = _branch(
+                f, b = _effects(ctx, probe, xs_l, st)
+                eff = jax.lax.switch(
                     row["kind"],
                     [lambda r: _full(shapes, {}), lambda r: _full(shapes, f(r)),
                      lambda r: _full(shapes, b(r))],
-                    masked,
                     row,
                 )  # fmt: skip
                 st = _apply(st, eff, row)
@@ -504,11 +480,10 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     """``(loss, (ct xs, ct shared, ct per))`` of the pipelined layer stack and head."""
     sched = build_schedule(pipe)
     xs_g = [_regroup(x, pipe) for x in xs]
-    masked = any(a != pipe.axis and size > 1 for a, size in mesh.shape.items())
     n = (len(xs), len(shared), len(per))
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))
-        fn = _shard_map(_gpipe_body(sp, pipe, tables, pipe.axis, masked), pipe, mesh, P(), n)
+        fn = _shard_map(_gpipe_body(sp, pipe, tables, pipe.axis), pipe, mesh, P(), n)
         loss, vjp = jax.vjp(fn, xs_g, shared, per)
         ct_xs, ct_sh, ct_per = vjp(jnp.ones_like(loss))
         return loss, (
@@ -519,7 +494,7 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     tables = build_tables(sched)
     ctx_probe = [_float(x) for x in xs]
     out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), P())
-    body = _explicit_body(sp, pipe, tables, pipe.axis, masked)
+    body = _explicit_body(sp, pipe, tables, pipe.axis)
     loss, g_xs, g_sh, g_mb = _shard_map(body, pipe, mesh, out_specs, n)(xs_g, shared, per)
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
@@ -528,6 +503,27 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     ct_sh = [next(it_sh) if _float(x) else _zero_ct(x) for x in shared]
     ct_per = [next(it_mb) if _float(x) else _zero_ct(x) for x in per]
     return loss, (ct_xs, ct_sh, ct_per)
+
+
+def runs_masked(mesh: Any, pipe: Pipeline) -> bool:
+    """Whether the executor runs the ticks of ``pipe`` on ``mesh`` *masked*
+    (every branch of a tick computed and one result selected): never. Every
+    tick runs only its own action (``lax.switch`` on the tick table's row) on
+    every mesh, the other mesh axes included: the tick's index depends on the
+    pipe position only, so every device of a pipe stage takes the same branch,
+    and the collectives XLA puts inside a branch (the stage's all-gathers and
+    all-reduces over the other axes) have groups inside one pipe stage.
+
+    Kept so a memory model can ask (a masked tick would hold both branches'
+    buffers).
+
+    Example::
+
+        >>> runs_masked(sk.make_mesh(pipe=2, data=2, model=2), Pipeline(2, 4))
+        False
+    """
+    del mesh, pipe
+    return False
 
 
 def _mesh(plan_mesh: Any, axis: str) -> Any:

@@ -272,21 +272,52 @@ class Engine:
             return None
 
     def _shard_map(self, node: Node, specs: _Specs) -> _Answer:
-        """A ``shard_map`` takes its in/out specs as given."""
+        """A ``shard_map`` takes its in/out specs as given on its manual axes. On
+        the axes it leaves automatic (``axis_names=`` a subset of the mesh, as the
+        pipeline's executor does) an operand keeps its layout, and a result
+        shaped like an operand is taken to be laid out like it there (else
+        replicated over them): the specs say nothing of those axes."""
         p = node.eqn.params
         try:
+            manual = _manual_axes(p)
             req = tuple(
-                TensorSpec(s.shape, ps, dtype=s.dtype, mesh=self.mesh)
+                _on_manual(TensorSpec(s.shape, ps, dtype=s.dtype, mesh=self.mesh), s, manual)
                 for s, ps in zip(specs, p["in_specs"], strict=True)
             )
-            outs = tuple(
-                TensorSpec(self.prog.shapes[o], ps, dtype=self.prog.dtypes[o], mesh=self.mesh)
-                for o, ps in zip(node.outs, p["out_specs"], strict=True)
-            )
-            return "shard_map", {}, req, outs
+            outs = []
+            for o, ps in zip(node.outs, p["out_specs"], strict=True):
+                out = TensorSpec(self.prog.shapes[o], ps, dtype=self.prog.dtypes[o], mesh=self.mesh)
+                like = next((r for r in req if (r.shape, r.dtype) == (out.shape, out.dtype)), None)
+                outs.append(out if like is None else _on_manual(out, like, manual))
+            return "shard_map", {}, req, tuple(outs)
         except (SpmdError, KeyError, TypeError):
             self.warn("shard_map", "in/out specs not understood")
             return self._unknown(node, specs)
+
+
+def _manual_axes(params: dict) -> frozenset | None:
+    """The axes a ``shard_map`` equation makes manual; None when all of them
+    (jax 0.10 names the parameter ``newly_manual_axes``, later ones ``manual_axes``)."""
+    for key in ("newly_manual_axes", "manual_axes", "axis_names"):
+        axes = params.get(key)
+        if axes is not None:
+            names = frozenset(axes)
+            mesh_axes = frozenset(getattr(params.get("mesh"), "axis_names", ()))
+            return None if not mesh_axes or names >= mesh_axes else names
+    return None
+
+
+def _on_manual(given: TensorSpec, outer: TensorSpec, manual: frozenset | None) -> TensorSpec:
+    """``given`` (a shard_map's spec) on the ``manual`` axes, ``outer``'s layout
+    (no pending sums) on the other axes; ``given`` when every axis is manual."""
+    if manual is None:
+        return given
+    used = {a for entry in given.dims for a in entry}
+    dims = [
+        tuple(entry) + tuple(a for a in keep if a not in manual and a not in used)
+        for entry, keep in zip(given.dims, outer.dims, strict=True)
+    ]
+    return TensorSpec(given.shape, [d or None for d in dims], dtype=given.dtype)
 
 
 def _loop_attrs(node: Node) -> dict:

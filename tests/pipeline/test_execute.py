@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,9 +13,10 @@ import spmdkit as sk
 from spmdkit.flax.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, PipelineError, build_schedule
-from spmdkit.pipeline.execute import permute_count, pipelined_value_and_grad
+from spmdkit.pipeline.execute import permute_count, pipelined_value_and_grad, runs_masked
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.recipe import RecipeError
+from spmdkit.verification.hlo import parse_collectives
 
 
 def _model(name: str, batch_size: int):
@@ -23,11 +26,18 @@ def _model(name: str, batch_size: int):
     return info, info.init_fn(), batch
 
 
-def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp", rows: int = 16) -> None:
+def _check(
+    name: str,
+    axes: dict,
+    pipe: Pipeline,
+    strategy: str = "dp",
+    rows: int = 16,
+    enforce: bool = False,
+) -> sk.PlannedFunction:
     info, params, batch = _model(name, rows)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
     plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
-    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=enforce)
     loss, grads = step(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     # fp32 rtol 1e-5, with an absolute floor of 1e-5 of the largest gradient entry:
@@ -36,10 +46,30 @@ def _check(name: str, axes: dict, pipe: Pipeline, strategy: str = "dp", rows: in
     scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
+    return step
 
 
 def test_1f1b_on_two_stages_equals_one_device():
-    _check("llama", {"pipe": 2}, Pipeline(stages=2, microbatches=2, schedule="1f1b"), rows=8)
+    """Through sk.jit's default (enforced) path."""
+    pipe = Pipeline(stages=2, microbatches=2, schedule="1f1b")
+    _check("llama", {"pipe": 2}, pipe, rows=8, enforce=True)
+
+
+@pytest.mark.slow
+def test_the_enforced_step_runs_the_stages_sharded_like_the_plain_one():
+    """sk.jit's default enforced replay on pipe × data × model (fsdp): equal to one
+    device, and the compiled step computes what the unenforced one does (the
+    replay used to pin the pipeline's operands replicated over data and model,
+    taking the shard_map's specs for every axis, and every device computed the
+    whole micro-batch: 4x the flops)."""
+    axes = {"pipe": 2, "data": 2, "model": 2}
+    pipe = Pipeline(stages=2, microbatches=4, schedule="1f1b")
+    step = _check("llama", axes, pipe, "fsdp", enforce=True)
+    assert step.enforce
+    _, params, batch = _model("llama", 16)
+    loose = sk.jit(step.fn, step.plan, enforce=False)
+    flops = [f.lower(params, batch).compile().cost_analysis()["flops"] for f in (step, loose)]
+    assert flops[0] == pytest.approx(flops[1], rel=0.05)
 
 
 #: (mesh, virtual stages, strategy on the other axes). fsdp on the 3-axis mesh: the
@@ -63,6 +93,17 @@ def test_every_schedule_equals_one_device(name, axes, virtual, strategy, schedul
     if 4 % (p * v):
         pytest.skip(f"{p} stages x {v} chunks do not divide 4 layers")
     _check(name, axes, Pipeline(stages=p, microbatches=4, schedule=schedule, virtual=v), strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "schedule"), [("gpt", "1f1b"), ("llama", "gpipe")])
+def test_megatron_on_pipe_data_model_equals_one_device(name, schedule):
+    """Tensor-parallel stages with a data axis beside them: the vocab-parallel
+    head's cross-entropy inside the pipeline (a gather along the model-sharded
+    class dim aborted XLA's SPMD partitioner inside the partially manual
+    shard_map; the reference now selects the target by a class mask)."""
+    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
+    _check(name, {"pipe": 2, "data": 2, "model": 2}, pipe, "megatron")
 
 
 def test_tables_hold_what_the_schedule_holds():
@@ -106,3 +147,93 @@ def test_aux_arrays_are_typed():
     f = sk.value_and_grad(loss, plan, has_aux=True)
     with pytest.raises(RecipeError, match="no aux arrays"):
         jax.eval_shape(f, info.abstract_params, info.batch)
+
+
+# -- the compiled tick: only its own branch runs ---------------------------------------
+
+_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_CALLS = re.compile(r"\b(?:body|condition|to_apply|calls)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    comps: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            current = comps.setdefault(m["name"], [])
+        elif current is not None:
+            current.append(line)
+    return comps
+
+
+def _branches(line: str) -> list[str]:
+    return [b.strip().lstrip("%") for g in _BRANCHES.findall(line) for b in g.split(",")]
+
+
+def _reach(comps: dict, roots: list[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            todo += _CALLS.findall(line) + _branches(line)
+    return seen
+
+
+def _lines(comps: dict, names: set[str], op: str) -> list[str]:
+    pattern = re.compile(rf"= \S+ {op}\(")
+    return [line for name in names for line in comps[name] if pattern.search(line)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_tick_runs_only_its_own_branch_on_a_mesh_with_other_axes(schedule):
+    """pipe=2 × data=2 × model=2, fsdp: each tick is a conditional on the tick
+    table's action whose idle branch computes nothing, whose forward and backward
+    branches hold the stage's matmuls (the backward's more), and no matmul of the
+    tick loop sits outside a branch (a masked tick computes both and selects). The
+    collectives inside the branches stay within one pipe stage (every device of a
+    stage takes the same branch) and none is a collective permute (XLA:CPU's
+    permute meets all devices: inside a branch it would deadlock)."""
+    mesh = sk.make_mesh(pipe=2, data=2, model=2)
+    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
+    assert not runs_masked(mesh, pipe)
+    info, params, batch = _model("llama", 16)
+    plan = sk.plan(info, mesh, "fsdp", pipeline=pipe)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    text = step.lower(params, batch).compile().as_text()
+    comps = _computations(text)
+    conds = [line for lines in comps.values() for line in lines if " conditional(" in line]
+    ticks = [_branches(line) for line in conds]
+    kinds = [b for b in ticks if len(b) == (2 if schedule == "gpipe" else 3)]
+    assert kinds, "no conditional on the tick's action"
+    in_branches: set[str] = set()
+    forward = 0
+    for branches in ticks:
+        in_branches |= _reach(comps, branches)
+    for branches in kinds:
+        dots = [len(_lines(comps, _reach(comps, [b]), "dot")) for b in branches]
+        if dots[1] > 0:
+            forward += 1
+            assert dots[0] == 0, dots  # idle
+            assert schedule == "gpipe" or dots[2] > dots[1], dots  # backward > forward
+    assert forward >= 1
+    loop = [
+        line
+        for name in comps.keys() - in_branches
+        for line in _lines(comps, {name}, "dot")
+        if "shard_map/while" in line
+    ]
+    assert loop == [], f"{len(loop)} stage matmuls of the tick loop run outside the branches"
+    header = text.splitlines()[0]
+    inside = [line for name in in_branches for line in comps[name]]
+    stages = [set(range(0, 4)), set(range(4, 8))]  # partition ids: pipe is the major axis
+    for c in parse_collectives("\n".join([header, *inside])):
+        assert c.kind != "collective_permute", c.op_name
+        for group in c.replica_groups:
+            assert any(set(group) <= s for s in stages), (c, group)

@@ -29,6 +29,21 @@ def test_shard_map_specs_and_body_collectives_match_hlo(mesh1d):
     assert rep.bytes_by_kind() == prop.comm_bytes_by_kind
 
 
+def test_a_partially_manual_shard_map_leaves_the_automatic_axes_alone(mesh2d):
+    """``axis_names={"a"}``: the in/out specs speak for ``a`` only; the operand keeps
+    its ``b`` layout (no gather at the boundary), the result shaped like it too."""
+    mesh = as_auto(mesh2d)
+
+    def f(x):
+        body = lambda blk: jnp.tanh(blk) * 2.0  # noqa: E731
+        sm = jax.shard_map(body, mesh=mesh, in_specs=P("a"), out_specs=P("a"), axis_names={"a"})
+        return sm(x)
+
+    prop = propagate(f, S((8, 16), F32), in_specs=(P("a", "b"),), mesh=mesh)
+    assert prop.comm_bytes == 0
+    assert prop.out_specs[0].dims == (("a",), ("b",))
+
+
 def test_sharding_constraints_and_reshards_set_layouts(mesh1d):
     auto = as_auto(mesh1d)
     x = S((16, 8), F32)
