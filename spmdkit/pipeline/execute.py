@@ -59,6 +59,7 @@ __all__ = [
     "PipelineFacts",
     "chunk_residuals",
     "permute_count",
+    "runs_masked",
     "pipelined_value_and_grad",
     "pipelines_traced",
     "split_microbatches",
@@ -500,11 +501,18 @@ def _shard_map(body: Callable, pipe: Pipeline, mesh: Any, out_specs: Any, n: tup
     )
 
 
+def runs_masked(pipe: Pipeline, mesh: Any) -> bool:
+    """Whether the ticks run masked on ``mesh`` (every action and the head each tick,
+    results selected: :func:`_branch`): a mesh with another axis of size > 1.
+    What :mod:`spmdkit.pipeline.memory` reads to size a tick's buffers."""
+    return any(a != pipe.axis and size > 1 for a, size in dict(mesh.shape).items())
+
+
 def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: list) -> tuple:
     """``(loss, (ct xs, ct shared, ct per))`` of the pipelined layer stack and head."""
     sched = build_schedule(pipe)
     xs_g = [_regroup(x, pipe) for x in xs]
-    masked = any(a != pipe.axis and size > 1 for a, size in mesh.shape.items())
+    masked = runs_masked(pipe, mesh)
     n = (len(xs), len(shared), len(per))
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))

@@ -8,11 +8,15 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.execute.pipelines_tra
 - collective permutes: :func:`~spmdkit.pipeline.execute.permute_count` of them,
   each one micro-batch's stage output on one device (its batch rows split over
   the plan's batch axes);
-- memory: the residual sets the schedule holds
-  (:func:`spmdkit.pipeline.memory.peak_bytes`: GPipe's per forward tick with the
-  head's, the stash's in-flight micro-batches otherwise) and the micro-batches'
-  embeddings (the pre part's outputs, held through the pipeline), on top of the
-  propagated step.
+- memory: the pipeline's buffers that live inside its ``shard_map``
+  (:func:`spmdkit.pipeline.memory.stage_buffers`, the kinds
+  :func:`~spmdkit.pipeline.memory.inside_pipeline` names: the explicit
+  schedules' stash, inboxes and one tick's residuals; for GPipe one tick's,
+  its held residuals being the forward ``shard_map``'s outputs, which
+  propagation counts), sized from the traced facts and the plan (a chunk's
+  weights: the stacked parameters' bytes on one device over ``v``), masked
+  as the executor runs on this mesh
+  (:func:`~spmdkit.pipeline.execute.runs_masked`), on top of the propagated step.
 """
 
 from __future__ import annotations
@@ -23,14 +27,34 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
-from spmdkit.pipeline.execute import permute_count, pipelines_traced
-from spmdkit.pipeline.memory import peak_bytes
+from spmdkit.pipeline.execute import permute_count, pipelines_traced, runs_masked
+from spmdkit.pipeline.memory import StageSizes, inside_pipeline, stage_buffers
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation
 from spmdkit.spec import axis_sizes
 
-__all__ = ["pipelined_prediction"]
+__all__ = ["chunk_weight_bytes", "pipelined_prediction"]
+
+
+def chunk_weight_bytes(plan: Plan) -> float:
+    """One chunk's stacked weights on one device: the parameters whose first
+    logical dim is ``layers``, as the plan stores them, over the virtual stages."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return 0.0
+    sizes = axis_sizes(plan.mesh)
+    total = 0.0
+    for path, (shape, dtype, logical) in plan.info.items():
+        if not logical or logical[0] != "layers" or path not in plan.params:
+            continue
+        shards = 1
+        for entry in plan.params[path]:
+            for axis in (entry,) if isinstance(entry, str) else entry or ():
+                shards *= sizes[axis]
+        total += math.prod(shape) * np.dtype(dtype).itemsize / shards
+    return total / pipe.virtual
 
 
 def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: Any) -> Propagation:
@@ -61,8 +85,14 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         comm["collective_permute"] = comm.get("collective_permute", 0) + int(
             permute_count(pipe) * carry
         )
-        extra += peak_bytes(pipe, facts.residual_bytes / shards, facts.head_bytes / shards)
-        extra += pipe.microbatches * carry
+        sizes = StageSizes(
+            residual=facts.residual_bytes / shards,
+            head=facts.head_bytes / shards,
+            carry=carry,
+            weights=chunk_weight_bytes(plan),
+        )
+        held = stage_buffers(pipe, sizes, masked=runs_masked(pipe, plan.mesh))
+        extra += sum(held[k] for k in inside_pipeline(pipe))
     mem = prop.memory
     memory = dataclasses.replace(
         mem, peak_bytes=int(mem.peak_bytes + extra), temp_bytes=int(mem.temp_bytes + extra)
