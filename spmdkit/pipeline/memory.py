@@ -17,9 +17,14 @@ weights. :func:`stage_buffers` counts them from the tick tables
     trash slot ticks that stash nothing write to;
   - ``inboxes``: ``(n_inbox_f + 1 + n_inbox_b + 1) · C``;
   - ``tick``: one tick's own residual set, ``R`` (a forward's before it is
-    written to its slot; the slot a backward reads, copied out). On a mesh with
-    other axes the executor runs *masked* (every tick runs both actions and the
-    head, :func:`~spmdkit.pipeline.execute.runs_masked`): ``2·R + H``.
+    written to its slot; the slot a backward reads, copied out).
+
+  On a mesh with other axes the executor runs *masked*
+  (:func:`~spmdkit.pipeline.execute.runs_masked`: every tick runs both actions
+  and the head, results selected): each tick then reads one stash slot and
+  writes another unconditionally, so the loop keeps two copies of the stash and
+  the inboxes (the state before and after the tick's writes), and the tick's own
+  buffers are the head's and one residual set, ``R + H``.
 
 - ``"gpipe"`` (autodiff of the forward tick scan): every forward tick ``t``
   (``T`` of them, bubbles included) keeps its chunk's residuals, the head's
@@ -27,15 +32,15 @@ weights. :func:`stage_buffers` counts them from the tick tables
   (the ``cond``'s operand; masked ticks keep none), and the forward inbox it
   read: ``stash = T · (R + H + W)`` (``T · (R + H)`` masked),
   ``inboxes = (T + 1) · (n_inbox_f + 1) · C``; ``tick``: ``R`` (``2·R + H``
-  masked: the backward of a tick recomputes nothing, but both branches' results
-  are live).
+  masked: both branches' results live).
 
 :func:`peak_bytes` sums them (plus what the caller knows about the rest:
 parameters, gradients, the embedding's activations); :func:`saved_bytes` is
 the difference between two schedules of one model and mesh. The planner
 (:mod:`spmdkit.planner.pipecost`) prices a pipelined stage with the same
 :func:`stage_buffers`, and ``plan.verify`` adds to its propagated prediction
-the buffers propagation does not see (:func:`inside_pipeline`).
+the buffers propagation does not see or lays out otherwise
+(:func:`residual_outputs`).
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ from spmdkit.pipeline.tables import build_tables, forward_ticks
 __all__ = [
     "StageSizes",
     "held_residual_sets",
-    "inside_pipeline",
     "peak_bytes",
+    "residual_outputs",
     "saved_bytes",
     "stage_buffers",
 ]
@@ -104,11 +109,13 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes, *, masked: bool = False) ->
     """
     r, h, c, w = sizes.residual, sizes.head, sizes.carry, sizes.weights
     held, inbox = _slots(pipe)
-    tick = 2 * r + h if masked else r
     if pipe.schedule == "gpipe":
         kept = r + h + (0.0 if masked else w)
+        tick = 2 * r + h if masked else r
         return {"stash": held * kept, "inboxes": (held + 1) * inbox * c, "tick": tick}
-    return {"stash": held * r, "inboxes": inbox * c, "tick": tick}
+    copies = 2 if masked else 1
+    tick = r + h if masked else r
+    return {"stash": copies * held * r, "inboxes": copies * inbox * c, "tick": tick}
 
 
 @functools.lru_cache(maxsize=512)
@@ -124,14 +131,15 @@ def _slots(pipe: Pipeline) -> tuple[int, int]:
     return tables.n_stash + 1, tables.n_inbox_f + 1 + tables.n_inbox_b + 1
 
 
-def inside_pipeline(pipe: Pipeline) -> frozenset[str]:
-    """The kinds of :func:`stage_buffers` that live inside the pipeline's
-    ``shard_map``, unseen by a propagation of the step. GPipe's held residuals
-    and inboxes are the differentiated scan's residuals, outputs of its forward
-    ``shard_map``: propagation counts those itself."""
+def residual_outputs(pipe: Pipeline) -> frozenset[str]:
+    """The kinds of :func:`stage_buffers` that are outputs of the pipeline's
+    forward ``shard_map`` (GPipe's held residuals and inboxes: the
+    differentiated scan's residuals); the others live inside it. A propagation
+    of the step sees only the former, laid out as their ``out_specs`` say (over
+    the pipe axis only: the other axes' share of the batch is XLA's choice)."""
     if pipe.schedule == "gpipe":
-        return frozenset({"tick"})
-    return frozenset({"stash", "inboxes", "tick"})
+        return frozenset({"stash", "inboxes"})
+    return frozenset()
 
 
 def peak_bytes(
@@ -143,7 +151,9 @@ def peak_bytes(
     return sum(stage_buffers(pipe, sizes, masked=masked).values()) + float(rest_bytes)
 
 
-def saved_bytes(pipe: Pipeline, than: Pipeline, sizes: StageSizes, *, masked: bool = False) -> float:
+def saved_bytes(
+    pipe: Pipeline, than: Pipeline, sizes: StageSizes, *, masked: bool = False
+) -> float:
     """How much less ``pipe`` holds at its peak than ``than`` (e.g. 1F1B than GPipe);
     negative when it holds more.
 

@@ -137,9 +137,7 @@ def test_every_stage_holds_its_layers_and_the_ends(tiny: tuple) -> None:
     assert kinds["embed"] == "first" and kinds["lm_head"] == "last"
     c = _cost(tiny, Pipeline(2, 4, "1f1b"), Topology.h100(), pipe=2, data=4)
     # the executor runs masked ticks on a mesh with a data axis
-    acts = activation_bytes(
-        trace, Pipeline(2, 4, "1f1b"), "none", (), 1 / 16, 1 / 16, masked=True
-    )
+    acts = activation_bytes(trace, Pipeline(2, 4, "1f1b"), "none", (), 1 / 16, 1 / 16, masked=True)
     # params + grads + Adam's two moments (4x the bytes) of half the layers and of
     # the embedding, norm and head, which the plan replicates over the pipe axis
     held = sum(
