@@ -16,8 +16,10 @@ weights. :func:`stage_buffers` counts them from the tick tables
     flight on the busiest device (F-then-B: ``v·m``; 1F1B: ``p``) and the
     trash slot ticks that stash nothing write to;
   - ``inboxes``: ``(n_inbox_f + 1 + n_inbox_b + 1) · C``;
-  - ``tick``: one tick's own residual set, ``R`` (a forward's before it is
-    written to its slot; the slot a backward reads, copied out).
+  - ``tick``: three residual sets around the tick's ``lax.switch``: the slot a
+    backward reads, copied out of the stash, and its copy into the branch's
+    operands; a forward's fresh set and the branch's result holding it until
+    it is written to its slot (``3·R``).
 
   On a mesh with other axes the executor runs *masked*
   (:func:`~spmdkit.pipeline.execute.runs_masked`: every tick runs both actions
@@ -105,7 +107,7 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes, *, masked: bool = False) ->
     Example:
         >>> stage_buffers(Pipeline(stages=2, microbatches=4, schedule="1f1b"),
         ...               StageSizes(residual=10.0, head=1.0, carry=2.0))
-        {'stash': 30.0, 'inboxes': 8.0, 'tick': 10.0}
+        {'stash': 30.0, 'inboxes': 8.0, 'tick': 30.0}
     """
     r, h, c, w = sizes.residual, sizes.head, sizes.carry, sizes.weights
     held, inbox = _slots(pipe)
@@ -114,7 +116,7 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes, *, masked: bool = False) ->
         tick = 2 * r + h if masked else r
         return {"stash": held * kept, "inboxes": (held + 1) * inbox * c, "tick": tick}
     copies = 2 if masked else 1
-    tick = r + h if masked else r
+    tick = r + h if masked else 3 * r
     return {"stash": copies * held * r, "inboxes": copies * inbox * c, "tick": tick}
 
 
@@ -160,6 +162,6 @@ def saved_bytes(
     Example:
         >>> gp = Pipeline(stages=4, microbatches=8, schedule="gpipe")
         >>> saved_bytes(Pipeline(stages=4, microbatches=8, schedule="1f1b"), gp, StageSizes(1.0))
-        6.0
+        4.0
     """
     return peak_bytes(than, sizes, masked=masked) - peak_bytes(pipe, sizes, masked=masked)

@@ -60,18 +60,19 @@ def _acts(schedule: str, remat: str = "full", m: int = 8) -> tuple[float, ...]:
 def test_activations_per_schedule_by_hand() -> None:
     # Per chunk (2 layers, full remat) R = 2 × 1 MiB carry; the head H = 2 MiB;
     # a send C = 1 MiB; every device also holds one recomputed layer (4 MiB) and
-    # the logits' gradient (1 MiB), and one tick's own residual set R (one program
-    # on every device: the busiest device's buffers everywhere).
+    # the logits' gradient (1 MiB), and a tick's three residual sets around its
+    # switch (one program on every device: the busiest device's buffers everywhere).
     # 1F1B: 4 stash slots + the trash slot, 2 inbox slots + 2 trash slots.
-    assert _acts("1f1b") == (5 * 2 + 4 * 1 + 2 + 4 + 1.0,) * 4
+    assert _acts("1f1b") == (5 * 2 + 4 * 1 + 3 * 2 + 4 + 1.0,) * 4
     # F-then-B with input release: 8 slots + trash; the last device's backward
     # inbox holds all 8 losses' cotangents at the end of the forwards.
-    assert _acts("fthenb") == (9 * 2 + (2 + 9) * 1 + 2 + 4 + 1.0,) * 4
+    assert _acts("fthenb") == (9 * 2 + (2 + 9) * 1 + 3 * 2 + 4 + 1.0,) * 4
     # GPipe: the 8 + 3 forward ticks (the bubble's included) each keep R and the
-    # head's residuals, and the forward inbox (2 slots) it read, plus the last one.
+    # head's residuals, and the forward inbox (2 slots) it read, plus the last
+    # one; a tick's own set R.
     assert _acts("gpipe") == (11 * (2 + 2) + 12 * 2 * 1 + 2 + 4 + 1.0,) * 4
     # No remat: every layer's residuals (4 MiB), nothing recomputed.
-    assert _acts("1f1b", remat="none")[0] == 5 * 8 + 4 + 8 + 1
+    assert _acts("1f1b", remat="none")[0] == 5 * 8 + 4 + 3 * 8 + 1
 
 
 def test_held_and_sends_match_the_tick_table() -> None:
