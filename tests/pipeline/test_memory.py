@@ -76,13 +76,15 @@ def _peaks_and_sizes(stages: int) -> tuple[dict, dict, StageSizes]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [4, 2])
 def test_fthenb_and_1f1b_peaks_against_gpipe_by_the_predicted_amount(stages):
-    """pipe=4: both hold less than GPipe, by the predicted amount (±20%). pipe=2:
-    GPipe's m + 1 forward ticks hold about what F-then-B's m + 1 slots and a
-    tick's sets do, so F-then-B saves nothing there, as predicted."""
+    """pipe=4: both hold less than GPipe, by the predicted amount (±20%; measured
+    10.2 / 21.2 MB, predicted 9.1 / 20.1). pipe=2: GPipe's m + 1 forward ticks hold
+    about what F-then-B's m + 1 slots and a tick's three sets do, so F-then-B holds
+    a little more than GPipe (measured 2.0 MB more, predicted 1.4 MB more: within
+    20% of 5% of the peak, the floor for a difference near zero); 1F1B saves 24.5
+    MB, predicted 29.6 (its one-tick runs hold more than the model counts)."""
     peaks, pipes, sizes = _peaks_and_sizes(stages)
     for schedule in ("fthenb", "1f1b"):
         measured = peaks["gpipe"] - peaks[schedule]
         predicted = saved_bytes(pipes[schedule], pipes["gpipe"], sizes)
-        print(stages, schedule, peaks, measured, predicted, sizes)
         scale = max(abs(predicted), 0.05 * peaks["gpipe"])
         assert abs(measured - predicted) <= 0.2 * scale, (schedule, measured, predicted)
