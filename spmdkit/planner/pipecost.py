@@ -27,16 +27,18 @@ such a candidate with the per-group model of :mod:`spmdkit.planner.analytic`:
 - **Bubble**: the slowest stage's compute is stretched by the schedule's idle
   share, ``compute / (1 − bubble)``, the bubble being the tick table's
   (:attr:`~spmdkit.pipeline.Schedule.bubble_fraction` = ``(p − 1) / (v·m + p − 1)``).
-- **Activations per schedule** (:func:`activation_bytes`): a device holds
-  ``held`` (micro-batch, chunk) activations at its peak, each
-  ``L / (p·v)`` layers × the per-layer bytes the recipe's remat keeps, for one
-  micro-batch of ``batch / (data shards × m)`` sequences. ``held`` is the
-  schedule's :attr:`~spmdkit.pipeline.Schedule.peak_in_flight` (1F1B: ``p − d``
-  on device ``d``; F-then-B: ``m·v``), and for ``"gpipe"`` every tick of the
-  forward phase (autodiff through the tick scan keeps the bubble ticks'
-  residuals too) plus each sent output. With remat, one layer's residuals live
-  again while it is recomputed; the last stage also holds the head's residuals
-  (the logits) for the micro-batches whose last chunk is in flight.
+- **Activations per schedule** (:func:`activation_bytes`): the executor's
+  buffers, counted by :func:`spmdkit.pipeline.memory.stage_buffers` (what
+  ``plan.verify`` predicts a compiled pipelined step with): one program runs on
+  every device of the pipe axis, so each holds the busiest device's stash slots
+  (the schedule's peak of in-flight (micro-batch, chunk) pairs,
+  :func:`held_activations`, plus a trash slot; two copies when the ticks run
+  masked, on a mesh with other axes), a tick's working sets and the inboxes;
+  GPipe every forward tick's residuals, head and chunk weights. A residual set
+  is ``L / (p·v)`` layers × the per-layer bytes the recipe's remat keeps, for
+  one micro-batch of ``batch / (data shards × m)`` sequences; with remat one
+  layer's residuals live again while it is recomputed, and the loss's peak (the
+  logits' gradient) is added.
 - **Point-to-point**: each send moves one micro-batch's stage activation (the
   layer scan's carry) to the neighbouring device, over the pipe axis's link
   (:meth:`~spmdkit.topology.Topology.link`: a pipe axis spanning nodes uses the
