@@ -371,9 +371,10 @@ def activation_bytes(
             :func:`~spmdkit.pipeline.execute.runs_masked`).
 
     Example: 8 layers whose input is 1 MiB and residuals 4 MiB per micro-batch
-    and device, full remat, 1F1B over 4 stages (4 stash slots + the trash slot,
-    one tick's set: 6 × 2 layers × 1 MiB), one layer's 4 MiB recomputed, 8
-    inbox slots of 1 MiB: 24 MiB on every device.
+    and device, full remat, 1F1B over 4 stages: 4 stash slots + the trash slot
+    of 2 layers × 1 MiB (10 MiB), a tick's three sets (6 MiB), 4 inbox slots of
+    1 MiB, one layer's 4 MiB recomputed and a 1 MiB logits' gradient: 25 MiB on
+    every device.
     """
     p, v = pipe.stages, pipe.virtual
     per_chunk = trace.layers / (p * v) * _kept_per_layer(trace, remat, save_names) * act_scale
