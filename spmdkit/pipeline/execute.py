@@ -505,7 +505,7 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     return loss, (ct_xs, ct_sh, ct_per)
 
 
-def runs_masked(mesh: Any, pipe: Pipeline) -> bool:
+def runs_masked(pipe: Pipeline, mesh: Any) -> bool:
     """Whether the executor runs the ticks of ``pipe`` on ``mesh`` *masked*
     (every branch of a tick computed and one result selected): never. Every
     tick runs only its own action (``lax.switch`` on the tick table's row) on
@@ -519,10 +519,10 @@ def runs_masked(mesh: Any, pipe: Pipeline) -> bool:
 
     Example::
 
-        >>> runs_masked(sk.make_mesh(pipe=2, data=2, model=2), Pipeline(2, 4))
+        >>> runs_masked(Pipeline(2, 4), sk.make_mesh(pipe=2, data=2, model=2))
         False
     """
-    del mesh, pipe
+    del pipe, mesh
     return False
 
 

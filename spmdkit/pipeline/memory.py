@@ -1,34 +1,89 @@
-"""How much a pipelined step holds: residual sets per schedule, as the executor runs them.
+"""How much a pipelined step holds per device: the executor's buffers, by schedule.
 
-The executor (:mod:`spmdkit.pipeline.execute`) keeps, per device, whole
-*residual sets*: what one forward of one chunk keeps for its backward, for one
-micro-batch (:func:`~spmdkit.pipeline.execute.chunk_residuals`; ``R`` bytes).
-How many it holds at its peak is the schedule's business:
+The executor (:mod:`spmdkit.pipeline.execute`) runs one program on every device
+of the pipe axis, so every device allocates the same buffers, sized for the
+busiest device. They are made of four pieces, per device
+(:class:`StageSizes`): ``R``, one chunk's residual set for one micro-batch
+(what its ``jax.vjp`` keeps, less the weights and shared constants);
+``H``, the head and loss's residuals for one micro-batch; ``C``, one
+micro-batch's stage input (what a permute sends); ``W``, one chunk's stacked
+weights. :func:`stage_buffers` counts them from the tick tables
+(:mod:`spmdkit.pipeline.tables`):
 
-- ``"gpipe"``: the forward ticks run as one differentiated scan, which keeps a
-  residual set for every forward tick, bubbles included: ``v·m + p − 1``, and
-  with each the head and loss's residuals (``H`` bytes: the tick's ``cond``
-  keeps both branches' residuals, on every device).
-- ``"fthenb"``, ``"1f1b"``, ``"interleaved"``: the stash holds the micro-batches
-  in flight (the schedule's ``peak_in_flight``, on the device holding most:
-  ``v·m`` for fthenb, ``p`` for 1F1B), plus one slot that ticks stashing
-  nothing write to.
+- ``"fthenb"``, ``"1f1b"``, ``"interleaved"`` (explicit ticks):
 
-:func:`peak_bytes` is ``held × R (+ ticks × H for GPipe) + rest``; the
-difference between two schedules of one model and mesh (:func:`saved_bytes`)
-leaves the rest out, which is what the tests compare with the compiled peaks.
+  - ``stash``: ``(n_stash + 1) · R``: the residual slots of the micro-batches in
+    flight on the busiest device (F-then-B: ``v·m``; 1F1B: ``p``) and the
+    trash slot ticks that stash nothing write to;
+  - ``inboxes``: ``(n_inbox_f + 1 + n_inbox_b + 1) · C``;
+  - ``tick``: three residual sets around the tick's ``lax.switch``: the slot a
+    backward reads, copied out of the stash, and its copy into the branch's
+    operands; a forward's fresh set and the branch's result holding it until
+    it is written to its slot (``3·R``).
+
+  On a mesh with other axes the executor runs *masked*
+  (:func:`~spmdkit.pipeline.execute.runs_masked`: every tick runs both actions
+  and the head, results selected): each tick then reads one stash slot and
+  writes another unconditionally, so the loop keeps two copies of the stash and
+  the inboxes (the state before and after the tick's writes), and the tick's own
+  buffers are the head's and one residual set, ``R + H``.
+
+- ``"gpipe"`` (autodiff of the forward tick scan): every forward tick ``t``
+  (``T`` of them, bubbles included) keeps its chunk's residuals, the head's
+  (the tick's ``cond`` keeps both branches'), the chunk's weights it sliced
+  (the ``cond``'s operand; masked ticks keep none), and the forward inbox it
+  read: ``stash = T · (R + H + W)`` (``T · (R + H)`` masked),
+  ``inboxes = (T + 1) · (n_inbox_f + 1) · C``; ``tick``: ``R`` (``2·R + H``
+  masked: both branches' results live).
+
+:func:`peak_bytes` sums them (plus what the caller knows about the rest:
+parameters, gradients, the embedding's activations); :func:`saved_bytes` is
+the difference between two schedules of one model and mesh. The planner
+(:mod:`spmdkit.planner.pipecost`) prices a pipelined stage with the same
+:func:`stage_buffers`, and ``plan.verify`` adds to its propagated prediction
+the buffers propagation does not see or lays out otherwise
+(:func:`residual_outputs`).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 from spmdkit.pipeline.schedule import Pipeline, build_schedule
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 
-__all__ = ["held_residual_sets", "peak_bytes", "saved_bytes"]
+__all__ = [
+    "StageSizes",
+    "held_residual_sets",
+    "peak_bytes",
+    "residual_outputs",
+    "saved_bytes",
+    "stage_buffers",
+]
+
+
+@dataclass(frozen=True)
+class StageSizes:
+    """The pieces a device's pipeline buffers are made of (bytes on one device).
+
+    Attributes:
+      residual: ``R``, one chunk's residual set for one micro-batch.
+      head: ``H``, the head and loss's residuals for one micro-batch.
+      carry: ``C``, one micro-batch's stage input (what one permute sends).
+      weights: ``W``, one chunk's stacked weights as the device stores them.
+    """
+
+    residual: float
+    head: float = 0.0
+    carry: float = 0.0
+    weights: float = 0.0
 
 
 def held_residual_sets(pipe: Pipeline) -> int:
-    """Residual sets the busiest device holds at its peak (module docstring).
+    """Residual sets every device allocates for held micro-batches: GPipe's forward
+    ticks, else the stash's slots (the busiest device's in-flight micro-batches
+    and the trash slot).
 
     Example:
         >>> held_residual_sets(Pipeline(stages=4, microbatches=8, schedule="gpipe"))
@@ -36,41 +91,77 @@ def held_residual_sets(pipe: Pipeline) -> int:
         >>> held_residual_sets(Pipeline(stages=4, microbatches=8, schedule="1f1b"))
         5
     """
-    sched = build_schedule(pipe)
-    if pipe.schedule == "gpipe":
-        return forward_ticks(sched)
-    return build_tables(sched).n_stash + 1
+    return _slots(pipe)[0]
 
 
-def peak_bytes(
-    pipe: Pipeline, residual_bytes: float, head_bytes: float = 0.0, rest_bytes: float = 0.0
-) -> float:
-    """Predicted per-device peak (module docstring).
+def stage_buffers(pipe: Pipeline, sizes: StageSizes, *, masked: bool = False) -> dict[str, float]:
+    """A device's pipeline buffers, by kind (``stash``, ``inboxes``, ``tick``;
+    module docstring).
 
     Args:
       pipe: the pipeline.
-      residual_bytes: one residual set on one device (``R``: the chunk residuals'
-        bytes divided by the batch's shards on the other axes).
-      head_bytes: the head and loss's residuals for one micro-batch on one device
-        (``H``; GPipe keeps one per forward tick).
-      rest_bytes: everything else (parameters, gradients, optimizer state,
-        the embedding's activations), the same for every schedule.
+      sizes: ``R``, ``H``, ``C``, ``W`` on one device.
+      masked: the executor runs every tick's actions masked (a mesh with other
+        axes: :func:`~spmdkit.pipeline.execute.runs_masked`).
+
+    Example:
+        >>> stage_buffers(Pipeline(stages=2, microbatches=4, schedule="1f1b"),
+        ...               StageSizes(residual=10.0, head=1.0, carry=2.0))
+        {'stash': 30.0, 'inboxes': 8.0, 'tick': 30.0}
     """
-    held = held_residual_sets(pipe)
-    head = held * float(head_bytes) if pipe.schedule == "gpipe" else 0.0
-    return held * float(residual_bytes) + head + float(rest_bytes)
+    r, h, c, w = sizes.residual, sizes.head, sizes.carry, sizes.weights
+    held, inbox = _slots(pipe)
+    if pipe.schedule == "gpipe":
+        kept = r + h + (0.0 if masked else w)
+        tick = 2 * r + h if masked else r
+        return {"stash": held * kept, "inboxes": (held + 1) * inbox * c, "tick": tick}
+    copies = 2 if masked else 1
+    tick = r + h if masked else 3 * r
+    return {"stash": copies * held * r, "inboxes": copies * inbox * c, "tick": tick}
+
+
+@functools.lru_cache(maxsize=512)
+def _slots(pipe: Pipeline) -> tuple[int, int]:
+    """``(held residual sets, inbox slots)`` every device allocates (GPipe: its
+    forward ticks and forward inbox; else the stash's and both inboxes' slots,
+    trash slots included)."""
+    sched = build_schedule(pipe)
+    if pipe.schedule == "gpipe":
+        t = forward_ticks(sched)
+        return t, build_tables(sched, ticks=t).n_inbox_f + 1
+    tables = build_tables(sched)
+    return tables.n_stash + 1, tables.n_inbox_f + 1 + tables.n_inbox_b + 1
+
+
+def residual_outputs(pipe: Pipeline) -> frozenset[str]:
+    """The kinds of :func:`stage_buffers` that are outputs of the pipeline's
+    forward ``shard_map`` (GPipe's held residuals and inboxes: the
+    differentiated scan's residuals); the others live inside it. A propagation
+    of the step sees only the former, laid out as their ``out_specs`` say (over
+    the pipe axis only: the other axes' share of the batch is XLA's choice)."""
+    if pipe.schedule == "gpipe":
+        return frozenset({"stash", "inboxes"})
+    return frozenset()
+
+
+def peak_bytes(
+    pipe: Pipeline, sizes: StageSizes, rest_bytes: float = 0.0, *, masked: bool = False
+) -> float:
+    """Predicted per-device peak: :func:`stage_buffers` plus ``rest_bytes``
+    (parameters, gradients, optimizer state, the embedding's activations: the
+    same for every schedule)."""
+    return sum(stage_buffers(pipe, sizes, masked=masked).values()) + float(rest_bytes)
 
 
 def saved_bytes(
-    pipe: Pipeline, than: Pipeline, residual_bytes: float, head_bytes: float = 0.0
+    pipe: Pipeline, than: Pipeline, sizes: StageSizes, *, masked: bool = False
 ) -> float:
-    """How much less ``pipe`` holds at its peak than ``than`` (e.g. 1F1B than GPipe).
+    """How much less ``pipe`` holds at its peak than ``than`` (e.g. 1F1B than GPipe);
+    negative when it holds more.
 
     Example:
         >>> gp = Pipeline(stages=4, microbatches=8, schedule="gpipe")
-        >>> saved_bytes(Pipeline(stages=4, microbatches=8, schedule="1f1b"), gp, 1.0)
-        6.0
+        >>> saved_bytes(Pipeline(stages=4, microbatches=8, schedule="1f1b"), gp, StageSizes(1.0))
+        4.0
     """
-    return peak_bytes(than, residual_bytes, head_bytes) - peak_bytes(
-        pipe, residual_bytes, head_bytes
-    )
+    return peak_bytes(than, sizes, masked=masked) - peak_bytes(pipe, sizes, masked=masked)

@@ -27,16 +27,18 @@ such a candidate with the per-group model of :mod:`spmdkit.planner.analytic`:
 - **Bubble**: the slowest stage's compute is stretched by the schedule's idle
   share, ``compute / (1 − bubble)``, the bubble being the tick table's
   (:attr:`~spmdkit.pipeline.Schedule.bubble_fraction` = ``(p − 1) / (v·m + p − 1)``).
-- **Activations per schedule** (:func:`activation_bytes`): a device holds
-  ``held`` (micro-batch, chunk) activations at its peak, each
-  ``L / (p·v)`` layers × the per-layer bytes the recipe's remat keeps, for one
-  micro-batch of ``batch / (data shards × m)`` sequences. ``held`` is the
-  schedule's :attr:`~spmdkit.pipeline.Schedule.peak_in_flight` (1F1B: ``p − d``
-  on device ``d``; F-then-B: ``m·v``), and for ``"gpipe"`` every tick of the
-  forward phase (autodiff through the tick scan keeps the bubble ticks'
-  residuals too) plus each sent output. With remat, one layer's residuals live
-  again while it is recomputed; the last stage also holds the head's residuals
-  (the logits) for the micro-batches whose last chunk is in flight.
+- **Activations per schedule** (:func:`activation_bytes`): the executor's
+  buffers, counted by :func:`spmdkit.pipeline.memory.stage_buffers` (what
+  ``plan.verify`` predicts a compiled pipelined step with): one program runs on
+  every device of the pipe axis, so each holds the busiest device's stash slots
+  (the schedule's peak of in-flight (micro-batch, chunk) pairs,
+  :func:`held_activations`, plus a trash slot; two copies when the ticks run
+  masked, on a mesh with other axes), a tick's working sets and the inboxes;
+  GPipe every forward tick's residuals, head and chunk weights. A residual set
+  is ``L / (p·v)`` layers × the per-layer bytes the recipe's remat keeps, for
+  one micro-batch of ``batch / (data shards × m)`` sequences; with remat one
+  layer's residuals live again while it is recomputed, and the loss's peak (the
+  logits' gradient) is added.
 - **Point-to-point**: each send moves one micro-batch's stage activation (the
   layer scan's carry) to the neighbouring device, over the pipe axis's link
   (:meth:`~spmdkit.topology.Topology.link`: a pipe axis spanning nodes uses the
@@ -59,6 +61,8 @@ import jax
 from jax.extend.core import Jaxpr, Var
 
 from spmdkit.pipeline import Action, Pipeline, Schedule, build_schedule, device_orders
+from spmdkit.pipeline.execute import runs_masked
+from spmdkit.pipeline.memory import StageSizes, stage_buffers
 from spmdkit.planner.analytic import (
     CostContext,
     GroupLayout,
@@ -342,8 +346,18 @@ def activation_bytes(
     save_names: tuple[str, ...],
     act_scale: float,
     carry_scale: float,
+    *,
+    chunk_weights: float = 0.0,
+    masked: bool = False,
 ) -> tuple[float, ...]:
     """Activation bytes per pipe-axis device under ``pipe``'s schedule (module docstring).
+
+    The executor's buffers (:func:`~spmdkit.pipeline.memory.stage_buffers`, the
+    same count ``plan.verify`` predicts a compiled step with) of a residual set
+    ``R`` = ``L / (p·v)`` layers × what the remat policy keeps, a head ``H`` (the
+    residuals after the stack), a carry ``C``; plus one layer's residuals
+    recomputed when rematting and the loss's peak (the logits' gradient). One
+    program runs on every device of the pipe axis, so each allocates the same.
 
     Args:
         trace: the full model's trace (global batch, all ``L`` layers).
@@ -351,26 +365,29 @@ def activation_bytes(
         remat: the recipe's remat policy; ``save_names`` its saved names.
         act_scale: global-batch activation bytes → one micro-batch on one device.
         carry_scale: the same for the carry (not split by tensor parallelism).
+        chunk_weights: one chunk's stacked weights on one device (GPipe keeps
+            them per forward tick).
+        masked: the executor runs masked ticks (a mesh with other axes,
+            :func:`~spmdkit.pipeline.execute.runs_masked`).
 
     Example: 8 layers whose input is 1 MiB and residuals 4 MiB per micro-batch
-    and device, full remat, 1F1B over 4 stages: device 0 holds 4 micro-batches
-    × 2 layers × 1 MiB + one layer's 4 MiB recomputed = 12 MiB.
+    and device, full remat, 1F1B over 4 stages: 4 stash slots + the trash slot
+    of 2 layers × 1 MiB (10 MiB), a tick's three sets (6 MiB), 4 inbox slots of
+    1 MiB, one layer's 4 MiB recomputed and a 1 MiB logits' gradient: 25 MiB on
+    every device.
     """
-    p, v, m = pipe.stages, pipe.virtual, pipe.microbatches
+    p, v = pipe.stages, pipe.virtual
     per_chunk = trace.layers / (p * v) * _kept_per_layer(trace, remat, save_names) * act_scale
     recompute = trace.layer_resid * act_scale if remat != "none" else 0.0
     head = max(trace.resid_bytes - trace.layers * trace.layer_resid, 0.0) * act_scale
-    held, held_last = held_activations(pipe)
-    out = []
-    for d in range(p):
-        acts = held[d] * per_chunk + recompute
-        if pipe.schedule == "gpipe":
-            sending = v if d < p - 1 else v - 1
-            acts += m * sending * trace.layer_carry * carry_scale
-        if d == p - 1:
-            acts += held_last * head + trace.resid_peak * act_scale
-        out.append(acts)
-    return tuple(out)
+    sizes = StageSizes(
+        residual=per_chunk,
+        head=head,
+        carry=trace.layer_carry * carry_scale,
+        weights=chunk_weights,
+    )
+    held = sum(stage_buffers(pipe, sizes, masked=masked).values())
+    return (held + recompute + trace.resid_peak * act_scale,) * p
 
 
 def _p2p(ctx: CostContext, pipe: Pipeline, carry_bytes: float) -> tuple[float, float]:
@@ -432,8 +449,19 @@ def pipeline_cost(
     wire = sctx.cast_ratio(groups[ends[0]].dtype) if ends else 1.0
     sync_bytes = ends_cost.memory["grads"] * wire
     act_scale, carry_scale = _per_microbatch(sctx, groups, choice, batch_axes, seq_axes)
+    stack = [i for i, w in enumerate(split.where) if w == "layers"]
+    stack_cost = total_cost(
+        sctx, [groups[i] for i in stack], [choice[i] for i in stack], batch_axes, seq_axes
+    )
     acts = activation_bytes(
-        ctx.trace, pipe, recipe.remat, recipe.save_names, act_scale, carry_scale
+        ctx.trace,
+        pipe,
+        recipe.remat,
+        recipe.save_names,
+        act_scale,
+        carry_scale,
+        chunk_weights=stack_cost.memory["params"] / pipe.virtual,
+        masked=runs_masked(pipe, ctx.mesh),
     )
     stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))

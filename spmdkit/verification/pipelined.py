@@ -8,11 +8,14 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.execute.pipelines_tra
 - collective permutes: :func:`~spmdkit.pipeline.execute.permute_count` of them,
   each one micro-batch's stage output on one device (its batch rows split over
   the plan's batch axes);
-- memory: the residual sets the schedule holds
-  (:func:`spmdkit.pipeline.memory.peak_bytes`: GPipe's per forward tick with the
-  head's, the stash's in-flight micro-batches otherwise) and the micro-batches'
-  embeddings (the pre part's outputs, held through the pipeline), on top of the
-  propagated step.
+- memory: the pipeline's buffers (:func:`spmdkit.pipeline.memory.stage_buffers`),
+  sized from the traced facts and the plan (a chunk's weights: the stacked
+  parameters' bytes on one device over ``v``), masked as the executor runs on
+  this mesh (:func:`~spmdkit.pipeline.execute.runs_masked`), on top of the
+  propagated step. Propagation takes a ``shard_map``'s out_specs as given, so it
+  counts GPipe's residuals (the forward ``shard_map``'s outputs,
+  :func:`~spmdkit.pipeline.memory.residual_outputs`) unsharded over the axes
+  other than the pipe axis; that count is replaced by the model's.
 """
 
 from __future__ import annotations
@@ -23,14 +26,34 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
-from spmdkit.pipeline.execute import permute_count, pipelines_traced
-from spmdkit.pipeline.memory import peak_bytes
+from spmdkit.pipeline.execute import permute_count, pipelines_traced, runs_masked
+from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation
 from spmdkit.spec import axis_sizes
 
-__all__ = ["pipelined_prediction"]
+__all__ = ["chunk_weight_bytes", "pipelined_prediction"]
+
+
+def chunk_weight_bytes(plan: Plan) -> float:
+    """One chunk's stacked weights on one device: the parameters whose first
+    logical dim is ``layers``, as the plan stores them, over the virtual stages."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return 0.0
+    sizes = axis_sizes(plan.mesh)
+    total = 0.0
+    for path, (shape, dtype, logical) in plan.info.items():
+        if not logical or logical[0] != "layers" or path not in plan.params:
+            continue
+        shards = 1
+        for entry in plan.params[path]:
+            for axis in (entry,) if isinstance(entry, str) else entry or ():
+                shards *= sizes[axis]
+        total += math.prod(shape) * np.dtype(dtype).itemsize / shards
+    return total / pipe.virtual
 
 
 def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: Any) -> Propagation:
@@ -48,11 +71,12 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         return body(*a)
 
     with pipelines_traced() as seen:
-        jax.make_jaxpr(fresh)(*args)
+        traced = jax.make_jaxpr(fresh)(*args)
     if not seen:
         return prop
-    sizes = axis_sizes(plan.mesh)
-    shards = math.prod(sizes[a] for a in plan.activation.get("batch", ()))
+    mesh_sizes = axis_sizes(plan.mesh)
+    shards = math.prod(mesh_sizes[a] for a in plan.activation.get("batch", ()))
+    counted = _propagated_outputs(traced.jaxpr, seen[0].pipe.axis, mesh_sizes)
     comm = dict(prop.comm_bytes_by_kind)
     extra = 0.0
     for facts in seen:
@@ -61,8 +85,16 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         comm["collective_permute"] = comm.get("collective_permute", 0) + int(
             permute_count(pipe) * carry
         )
-        extra += peak_bytes(pipe, facts.residual_bytes / shards, facts.head_bytes / shards)
-        extra += pipe.microbatches * carry
+        sizes = StageSizes(
+            residual=facts.residual_bytes / shards,
+            head=facts.head_bytes / shards,
+            carry=carry,
+            weights=chunk_weight_bytes(plan),
+        )
+        held = stage_buffers(pipe, sizes, masked=runs_masked(pipe, plan.mesh))
+        extra += sum(held.values())
+        if residual_outputs(pipe):
+            extra -= counted.pop(0) if counted else 0.0
     mem = prop.memory
     memory = dataclasses.replace(
         mem, peak_bytes=int(mem.peak_bytes + extra), temp_bytes=int(mem.temp_bytes + extra)
@@ -70,3 +102,37 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
     return dataclasses.replace(
         prop, comm_bytes_by_kind=comm, memory=memory, memory_materialized=None
     )
+
+
+def _propagated_outputs(jaxpr: Any, axis: str, sizes: dict[str, int]) -> list[float]:
+    """Per ``shard_map`` over ``axis`` with more than one output (a forward that
+    returns residuals), in program order: its non-scalar outputs' bytes on one
+    device as propagation counts them (split over the axes their out_specs name)."""
+    out: list[float] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            manual = _manual_axes(eqn.params)
+            if axis in manual and len(eqn.outvars) > 1:
+                total = 0.0
+                for v, spec in zip(eqn.outvars, eqn.params["out_specs"], strict=True):
+                    if not v.aval.shape:
+                        continue
+                    split = math.prod(
+                        sizes[a] for e in spec for a in ((e,) if isinstance(e, str) else e or ())
+                    )
+                    total += math.prod(v.aval.shape) * v.aval.dtype.itemsize / split
+                out.append(total)
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out.extend(_propagated_outputs(inner, axis, sizes))
+    return out
+
+
+def _manual_axes(params: dict) -> frozenset:
+    for key in ("newly_manual_axes", "manual_axes", "axis_names"):
+        if params.get(key) is not None:
+            return frozenset(params[key])
+    return frozenset()

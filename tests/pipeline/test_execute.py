@@ -202,7 +202,7 @@ def test_a_tick_runs_only_its_own_branch_on_a_mesh_with_other_axes(schedule):
     permute meets all devices: inside a branch it would deadlock)."""
     mesh = sk.make_mesh(pipe=2, data=2, model=2)
     pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
-    assert not runs_masked(mesh, pipe)
+    assert not runs_masked(pipe, mesh)
     info, params, batch = _model("llama", 16)
     plan = sk.plan(info, mesh, "fsdp", pipeline=pipe)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
