@@ -136,7 +136,7 @@ def propagate(
     totals = _totals(records, peak)
     donated = _donated_ids(donate_argnums, args, graph.invars)
 
-    def memory(duplicate: bool, widen: Mapping | None = None) -> Any:
+    def memory(duplicate: bool, widen: Mapping | None = None, cpu: bool = False) -> Any:
         transient = _transient(recorder.held, len(graph.nodes), mesh, widen)
         return _memory(
             graph,
@@ -150,6 +150,7 @@ def propagate(
             donated,
             roles,
             widen,
+            cpu,
         )
 
     return Propagation(
@@ -169,7 +170,10 @@ def propagate(
         var_specs={v: spec[vid] for v, vid in env.items() if vid in spec},
         program=program,
         memory_materialized=memory(False),
-        memory_as=lambda widen: (memory(True, widen), memory(False, widen)),
+        memory_as=lambda widen=None, cpu=False: (
+            memory(True, widen, cpu),
+            memory(False, widen, cpu),
+        ),
     )
 
 
@@ -264,8 +268,9 @@ def _memory(
     donated: set[int],
     roles: Mapping[int, str],
     widen: Mapping | None = None,
+    cpu: bool = False,
 ) -> Any:
-    """The liveness estimate (``duplicate``: see :func:`liveness`). The regions'
+    """The liveness estimate (``duplicate``, ``widen``, ``cpu``: see :func:`liveness`). The regions'
     own temporaries and what a grad region holds from the forward pass count in
     the materialized (upper) estimate only: XLA fuses most of a region's
     elementwise body and merges its recompute with the forward region's where it
@@ -285,6 +290,7 @@ def _memory(
         duplicate=duplicate,
         widen=widen,
         inner=None if duplicate else _region_temps(collect, mesh),
+        cpu=cpu,
     )
 
 
