@@ -137,7 +137,8 @@ def propagate(
     donated = _donated_ids(donate_argnums, args, graph.invars)
 
     def memory(duplicate: bool, widen: Mapping | None = None, cpu: bool = False) -> Any:
-        transient = _transient(recorder.held, len(graph.nodes), mesh, widen)
+        early = _batch_free(graph, roles) if cpu else None
+        transient = _transient(recorder.held, len(graph.nodes), mesh, widen, early)
         return _memory(
             graph,
             spec,
@@ -316,12 +317,34 @@ def _with_residuals(
     return out
 
 
-def _transient(held: Mapping, n: int, mesh: Any, widen: Mapping | None = None) -> list[int]:
+def _batch_free(graph: Graph, roles: Mapping[int, str]) -> set[int]:
+    """Values computed without the batch (from parameters, state, constants: a
+    weight's reversed or cast copy); empty when no input has the ``batch`` role."""
+    if "batch" not in roles.values():
+        return set()
+    free = {v for v in graph.invars if roles.get(v) != "batch"}
+    for node in graph.nodes:
+        if not node.subs and all(v in free for v in node.ins):
+            free.update(node.outs)
+    return free
+
+
+def _transient(
+    held: Mapping,
+    n: int,
+    mesh: Any,
+    widen: Mapping | None = None,
+    early: set[int] | None = None,
+) -> list[int]:
     """Per top-level node, the bytes of resharded copies live during it: a copy
     lives from the equation that makes it to its last reuse (``widen``: dtype →
-    the dtype the backend holds such copies in)."""
+    the dtype the backend holds such copies in). A copy of an ``early`` value is
+    made at the start: XLA:CPU's scheduler runs the collectives that do not wait
+    for the batch (a parameter's all-gather, for the forward and the backward
+    pass) before the forward pass."""
     transient = [0] * n
-    for (_, layout), (first, last, held_bytes) in held.items():
+    for (vid, layout), (made, last, held_bytes) in held.items():
+        first = 0 if early and vid in early else made
         nbytes = held_bytes
         if widen and layout.dtype in widen:
             nbytes = layout.replace(dtype=widen[layout.dtype]).local_bytes(mesh)

@@ -206,10 +206,15 @@ def promoted_on_cpu(prop: Propagation, on_cpu: Propagation | None = None) -> Pro
 
 def held_on_cpu(prop: Propagation) -> Propagation:
     """The prediction's memory as XLA's CPU backend holds the program: 16-bit float
-    temporaries in float32 (:data:`CPU_PROMOTED`), and the workspaces of the ops
+    temporaries in float32 (:data:`CPU_PROMOTED`), the workspaces of the ops
     it expands (a max pool's gradient, ``select_and_scatter``: positions and
-    iotas, :func:`~spmdkit.propagation.memory.select_and_scatter_workspace`).
-    GPUs and TPUs hold 16-bit floats as is and run ``select_and_scatter`` natively.
+    iotas, :func:`~spmdkit.propagation.memory.select_and_scatter_workspace`), and
+    the resharded copies of values that do not depend on the batch (a parameter's
+    all-gathers, for the forward and for the backward pass) made at the start, as
+    its scheduler runs those collectives before the forward pass (every
+    all-gather of the zoo's fsdp steps lies in the first 40% of the compiled
+    schedule). GPUs and TPUs hold 16-bit floats as is and run
+    ``select_and_scatter`` natively.
 
     XLA:CPU has no native bfloat16 or float16 arithmetic: it converts around every
     dot (the dot runs in float32 on float32 operands and result) and every
