@@ -307,7 +307,7 @@ def _fused_reduction(
     if any(op != "sum" for _, op in spec.partial):
         return None, {}
     v, passed = _partial_path(node, spec, readers, made, blocked)
-    if node.prim in _REDUCED_FOR_OUTPUT and any(n is not None for n, _ in readers.get(v, [])):
+    if node.prim in _REDUCED_FOR_OUTPUT and not _only_returned(v, readers):
         return None, {}
     target = _coarsest([r for _, r in readers.get(v, [])])
     if target is None:
@@ -333,10 +333,19 @@ def _fused_reduction(
     return a.plan, layouts
 
 
+def _only_returned(v: int, readers: _Readers) -> bool:
+    """Whether only the step's outputs read ``v``, directly or through nodes that
+    only add or drop size-1 dims."""
+    got = readers.get(v, [])
+    return bool(got) and all(
+        n is None or (_adds_unit_dims(n) and _only_returned(n.outs[0], readers)) for n, _ in got
+    )
+
+
 def _adds_unit_dims(node: Node) -> bool:
-    """A ``broadcast_in_dim`` or ``reshape`` that only adds or drops size-1 dims
-    (a pending sum passes it unchanged in size)."""
-    if node.prim not in ("broadcast_in_dim", "reshape") or len(node.ins) != 1:
+    """A ``broadcast_in_dim``, ``reshape`` or ``reduce_sum`` that only adds or
+    drops size-1 dims (a pending sum passes it unchanged in size)."""
+    if node.prim not in ("broadcast_in_dim", "reshape", "reduce_sum") or len(node.ins) != 1:
         return False
     src = node.eqn.invars[0].aval.shape
     dst = node.eqn.outvars[0].aval.shape
