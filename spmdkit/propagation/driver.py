@@ -136,23 +136,7 @@ def propagate(
     totals = _totals(records, peak)
     donated = _donated_ids(donate_argnums, args, graph.invars)
 
-    def memory(duplicate: bool, widen: Mapping | None = None, cpu: bool = False) -> Any:
-        early = _batch_free(graph, roles) if cpu else None
-        transient = _transient(recorder.held, len(graph.nodes), mesh, widen, early)
-        return _memory(
-            graph,
-            spec,
-            final_out,
-            mesh,
-            prog,
-            collect,
-            duplicate,
-            transient,
-            donated,
-            roles,
-            widen,
-            cpu,
-        )
+    memory = _memory_fn(graph, spec, final_out, mesh, prog, collect, recorder, donated, roles)
 
     return Propagation(
         mesh=mesh,
@@ -255,6 +239,42 @@ def _region_temps(steps: Sequence[Step], mesh: MeshLike) -> dict[int, int]:
         if step.loop is not None:
             out.update(_region_temps(step.loop.steps, mesh))
     return out
+
+
+def _memory_fn(
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    final_out: list[TensorSpec],
+    mesh: MeshLike,
+    prog: FlatProgram,
+    collect: list[Step],
+    recorder: Recorder,
+    donated: set[int],
+    roles: Mapping[int, str],
+) -> Any:
+    """``memory(duplicate, widen=None, cpu=False)``: the liveness estimate of the
+    propagated program (see :func:`_memory`); ``cpu`` also makes the copies of
+    batch-independent values at the start (:func:`_transient`)."""
+
+    def memory(duplicate: bool, widen: Mapping | None = None, cpu: bool = False) -> Any:
+        early = _batch_free(graph, roles) if cpu else None
+        transient = _transient(recorder.held, len(graph.nodes), mesh, widen, early)
+        return _memory(
+            graph,
+            spec,
+            final_out,
+            mesh,
+            prog,
+            collect,
+            duplicate,
+            transient,
+            donated,
+            roles,
+            widen,
+            cpu,
+        )
+
+    return memory
 
 
 def _memory(
