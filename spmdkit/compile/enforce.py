@@ -21,7 +21,11 @@ Three cases need more than a constraint on each side:
     plan gathers);
   - a multi-step reshard that cannot run so (a partial or uneven layout on the
     way) is pinned at every intermediate layout, so XLA still takes the plan's
-    steps in the plan's order;
+    steps in the plan's order; when its collectives all come before the first
+    partial layout (a bias gathered, then made partial to be added to a pending
+    sum), they run under ``shard_map`` and only the local rest is left to XLA
+    (left alone, XLA adds the bias after the sum and moves it by slice and
+    permute where the plan gathers);
   - a contraction (``dot_general``, ``conv_general_dilated``) whose result is
     sum-partial, and whose readers want non-partial layouts that all slice from
     one of them, runs per device under ``shard_map`` and is reduced there with
@@ -31,7 +35,10 @@ Three cases need more than a constraint on each side:
     or reduce-scatter and then gather where the plan all-reduces. When the
     partial passes a transpose (or, kept in its layout, a reshape or cast) on
     its way to the readers, it is reduced before it, in the layout the
-    transpose maps the readers' layout back to.
+    transpose maps the readers' layout back to. So is a ``reduce_sum`` whose
+    partial result only the step's outputs read (a bias's gradient summed over
+    a sharded batch), whose output layout XLA would otherwise reach by reducing,
+    slicing and permuting where the plan gathers and reduce-scatters.
 
 Composite ops of :mod:`spmdkit.ops` traced as regions (:mod:`spmdkit.region`) run
 as their rule's ``shard_map`` program with the planned layouts and strategy, so their

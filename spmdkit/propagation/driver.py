@@ -136,21 +136,7 @@ def propagate(
     totals = _totals(records, peak)
     donated = _donated_ids(donate_argnums, args, graph.invars)
 
-    def memory(duplicate: bool, widen: Mapping | None = None) -> Any:
-        transient = _transient(recorder.held, len(graph.nodes), mesh, widen)
-        return _memory(
-            graph,
-            spec,
-            final_out,
-            mesh,
-            prog,
-            collect,
-            duplicate,
-            transient,
-            donated,
-            roles,
-            widen,
-        )
+    memory = _memory_fn(graph, spec, final_out, mesh, prog, collect, recorder, donated, roles)
 
     return Propagation(
         mesh=mesh,
@@ -169,7 +155,10 @@ def propagate(
         var_specs={v: spec[vid] for v, vid in env.items() if vid in spec},
         program=program,
         memory_materialized=memory(False),
-        memory_as=lambda widen: (memory(True, widen), memory(False, widen)),
+        memory_as=lambda widen=None, cpu=False: (
+            memory(True, widen, cpu),
+            memory(False, widen, cpu),
+        ),
     )
 
 
@@ -252,6 +241,42 @@ def _region_temps(steps: Sequence[Step], mesh: MeshLike) -> dict[int, int]:
     return out
 
 
+def _memory_fn(
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    final_out: list[TensorSpec],
+    mesh: MeshLike,
+    prog: FlatProgram,
+    collect: list[Step],
+    recorder: Recorder,
+    donated: set[int],
+    roles: Mapping[int, str],
+) -> Any:
+    """``memory(duplicate, widen=None, cpu=False)``: the liveness estimate of the
+    propagated program (see :func:`_memory`); ``cpu`` also makes the copies of
+    batch-independent values at the start (:func:`_transient`)."""
+
+    def memory(duplicate: bool, widen: Mapping | None = None, cpu: bool = False) -> Any:
+        early = _batch_free(graph, roles) if cpu else None
+        transient = _transient(recorder.held, len(graph.nodes), mesh, widen, early)
+        return _memory(
+            graph,
+            spec,
+            final_out,
+            mesh,
+            prog,
+            collect,
+            duplicate,
+            transient,
+            donated,
+            roles,
+            widen,
+            cpu,
+        )
+
+    return memory
+
+
 def _memory(
     graph: Graph,
     spec: Mapping[int, TensorSpec],
@@ -264,8 +289,9 @@ def _memory(
     donated: set[int],
     roles: Mapping[int, str],
     widen: Mapping | None = None,
+    cpu: bool = False,
 ) -> Any:
-    """The liveness estimate (``duplicate``: see :func:`liveness`). The regions'
+    """The liveness estimate (``duplicate``, ``widen``, ``cpu``: see :func:`liveness`). The regions'
     own temporaries and what a grad region holds from the forward pass count in
     the materialized (upper) estimate only: XLA fuses most of a region's
     elementwise body and merges its recompute with the forward region's where it
@@ -285,6 +311,7 @@ def _memory(
         duplicate=duplicate,
         widen=widen,
         inner=None if duplicate else _region_temps(collect, mesh),
+        cpu=cpu,
     )
 
 
@@ -310,12 +337,34 @@ def _with_residuals(
     return out
 
 
-def _transient(held: Mapping, n: int, mesh: Any, widen: Mapping | None = None) -> list[int]:
+def _batch_free(graph: Graph, roles: Mapping[int, str]) -> set[int]:
+    """Values computed without the batch (from parameters, state, constants: a
+    weight's reversed or cast copy); empty when no input has the ``batch`` role."""
+    if "batch" not in roles.values():
+        return set()
+    free = {v for v in graph.invars if roles.get(v) != "batch"}
+    for node in graph.nodes:
+        if not node.subs and all(v in free for v in node.ins):
+            free.update(node.outs)
+    return free
+
+
+def _transient(
+    held: Mapping,
+    n: int,
+    mesh: Any,
+    widen: Mapping | None = None,
+    early: set[int] | None = None,
+) -> list[int]:
     """Per top-level node, the bytes of resharded copies live during it: a copy
     lives from the equation that makes it to its last reuse (``widen``: dtype →
-    the dtype the backend holds such copies in)."""
+    the dtype the backend holds such copies in). A copy of an ``early`` value is
+    made at the start: XLA:CPU's scheduler runs the collectives that do not wait
+    for the batch (a parameter's all-gather, for the forward and the backward
+    pass) before the forward pass."""
     transient = [0] * n
-    for (_, layout), (first, last, held_bytes) in held.items():
+    for (vid, layout), (made, last, held_bytes) in held.items():
+        first = 0 if early and vid in early else made
         nbytes = held_bytes
         if widen and layout.dtype in widen:
             nbytes = layout.replace(dtype=widen[layout.dtype]).local_bytes(mesh)

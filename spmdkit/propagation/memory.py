@@ -24,6 +24,16 @@ compiled temp is the liveness figure plus exactly its input's bytes (3x3/1x1/5x5
 windows, strides 1 and 2, 3 to 64 channels); three stacked convolutions hold 8
 activations where liveness alone counts 4.
 
+Workspace on XLA:CPU only (``cpu=True``; :func:`select_and_scatter_workspace`):
+XLA:CPU has no kernel for a max-pool's gradient (``select_and_scatter``); it
+expands it into a variadic reduce-window over the padded operand and one int32
+iota per dimension, which finds each window's argmax position, and a scatter-add
+of the source into a zero-filled padded buffer at those positions. The
+reduce-window runs as soon as the operand exists (with the forward pool) and
+the positions stay alive until the gradient; XLA's scheduler makes the
+operand-less iotas and zero-filled buffer at the start of the program. GPUs run
+``select_and_scatter`` natively.
+
 What it does not model: XLA fuses chains of elementwise ops (their
 intermediates are never materialized) and may schedule differently, so the
 temp figure is an upper-side estimate for unfused programs; the test suite
@@ -43,7 +53,15 @@ from spmdkit.propagation.graph import FlatProgram, Graph, dce
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
 
-__all__ = ["MemoryEstimate", "estimate_memory", "fused_values", "liveness", "program_temp_bytes"]
+__all__ = [
+    "MemoryEstimate",
+    "ScatterWorkspace",
+    "estimate_memory",
+    "fused_values",
+    "liveness",
+    "program_temp_bytes",
+    "select_and_scatter_workspace",
+]
 
 
 _ELEMENTWISE = frozenset(
@@ -213,25 +231,120 @@ def _lifetimes(
 
 @dataclass
 class _Copies:
-    """Bytes of transposed operand copies born and freed at each node index."""
+    """Bytes of backend buffers that are none of the program's values: born at a
+    node index (live from its start), freed after a node index, or live during
+    one node only."""
 
     born: dict[int, int] = field(default_factory=dict)
     freed: dict[int, int] = field(default_factory=dict)
+    during: dict[int, int] = field(default_factory=dict)
+
+    def hold(self, first: int, last: int, nbytes: int) -> None:
+        """``nbytes`` live from the start of node ``first`` to the end of node ``last``."""
+        self.born[first] = self.born.get(first, 0) + nbytes
+        self.freed[last] = self.freed.get(last, 0) + nbytes
+
+    def at(self, i: int, nbytes: int) -> None:
+        """``nbytes`` live while node ``i`` runs."""
+        self.during[i] = self.during.get(i, 0) + nbytes
 
 
-def _transposed_copies(graph: Graph, nbytes: Any) -> _Copies:
+def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> None:
     """The transposed input copies of :func:`_transposes_input` equations: each is
     made as soon as its operand exists (at its producer, or at the start for an
     input of the graph) and freed after the equation reading it."""
     producer = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
-    out = _Copies()
     for i, node in enumerate(graph.nodes):
         if _transposes_input(node):
-            b = nbytes(node.ins[0])
-            j = producer.get(node.ins[0], 0)
-            out.born[j] = out.born.get(j, 0) + b
-            out.freed[i] = out.freed.get(i, 0) + b
-    return out
+            out.hold(producer.get(node.ins[0], 0), i, nbytes(node.ins[0]))
+
+
+@dataclass(frozen=True)
+class ScatterWorkspace:
+    """Bytes XLA:CPU's expansion of one ``select_and_scatter`` takes besides the
+    operand, the source and the gradient (module docstring).
+
+    Attributes:
+      iotas: one int32 per padded element and operand dimension (each element's
+        position): XLA:CPU's scheduler makes these operand-less buffers at the
+        start of the program; they live until the positions are computed.
+      zeros: the zero-filled padded buffer the source is scattered into: made at
+        the start too, alive until it becomes the gradient (a padded one is
+        sliced as its consumer reads it).
+      indices: each window's argmax position, one int32 per window and operand
+        dimension: from the forward pool (when the operand exists) to the gradient.
+      forward: the padded operand (when there is padding) and each window's
+        maximum: while the positions are computed.
+    """
+
+    iotas: int
+    zeros: int
+    indices: int
+    forward: int
+
+
+def select_and_scatter_workspace(
+    shape: Sequence[int],
+    operand_itemsize: int,
+    source_itemsize: int,
+    window_dimensions: Sequence[int],
+    window_strides: Sequence[int],
+    padding: Sequence[tuple[int, int]],
+) -> ScatterWorkspace:
+    """The workspace of XLA:CPU's ``select_and_scatter`` on an operand of ``shape``
+    (per device), from the equation's window (see :class:`ScatterWorkspace`).
+
+    Example::
+
+        >>> # a 3x3/2 SAME max pool's gradient on f32[8,16,16,32]
+        >>> w = select_and_scatter_workspace(
+        ...     (8, 16, 16, 32), 4, 4, (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (0, 1), (0, 1), (0, 0)))
+        >>> w.iotas, w.zeros, w.indices, w.forward  # padded: 8*17*17*32; windows: 8*8*8*32
+        (1183744, 295936, 262144, 361472)
+    """
+    rank = len(shape)
+    padded = [n + lo + hi for n, (lo, hi) in zip(shape, padding, strict=True)]
+    windows = [
+        max(0, (p - w) // s + 1)
+        for p, w, s in zip(padded, window_dimensions, window_strides, strict=True)
+    ]
+    n_padded, n_windows = int(np.prod(padded)), int(np.prod(windows))
+    pad_copy = n_padded * operand_itemsize if any(lo or hi for lo, hi in padding) else 0
+    return ScatterWorkspace(
+        iotas=rank * n_padded * 4,
+        zeros=n_padded * source_itemsize,
+        indices=rank * n_windows * 4,
+        forward=pad_copy + n_windows * operand_itemsize,
+    )
+
+
+def _scatter_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: _Copies) -> None:
+    """The workspaces of the ``select_and_scatter_add`` equations (XLA:CPU): the
+    positions are computed at the operand's first reader (the forward pool, or
+    the equation itself); iotas and zeros are made at the start."""
+    first: dict[int, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for v in node.ins:
+            first.setdefault(v, i)
+    for i, node in enumerate(graph.nodes):
+        if node.prim != "select_and_scatter_add" or node.eqn is None:
+            continue
+        source, operand = layout(node.ins[0]), layout(node.ins[1])
+        p = node.eqn.params
+        ws = select_and_scatter_workspace(
+            operand.local_shape(mesh),
+            operand.itemsize,
+            source.itemsize,
+            p["window_dimensions"],
+            p["window_strides"],
+            p["padding"],
+        )
+        k = first[node.ins[1]]
+        out.hold(0, k, ws.iotas)
+        out.at(k, ws.forward)
+        out.hold(k, i, ws.indices)
+        if i > 0:
+            out.hold(0, i - 1, ws.zeros)
 
 
 def _transposes_input(node: Any) -> bool:
@@ -254,6 +367,7 @@ def _temp_peak(
     duplicate: bool = True,
     widen: Mapping[np.dtype, np.dtype] | None = None,
     inner: Mapping[int, int] | None = None,
+    cpu: bool = False,
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
@@ -261,23 +375,30 @@ def _temp_peak(
     into each of them; False: only single-reader values fuse, the others are
     materialized once. ``widen``: dtype → the dtype its values are held in.
     ``inner``: ``id(node)`` → the temporaries a node holds
-    while it runs (a region's own program), in this graph or a nested body."""
+    while it runs (a region's own program), in this graph or a nested body.
+    ``cpu``: add XLA:CPU's workspaces (:func:`select_and_scatter_workspace`)."""
     last, fused = _lifetimes(graph, prog, fuse, duplicate)
     cache: dict[int, int] = dict.fromkeys(_narrowed(graph, prog, widen), 0) if widen else {}
+
+    def layout(v: int) -> TensorSpec:
+        s = spec.get(v)
+        if s is None:
+            s = TensorSpec(prog.shapes[v], dtype=prog.dtypes[v])
+        if widen and s.dtype in widen:
+            s = s.replace(dtype=widen[s.dtype])
+        return s
 
     def nbytes(v: int) -> int:
         b = cache.get(v)
         if b is None:
-            s = spec.get(v)
-            if s is None:
-                s = TensorSpec(prog.shapes[v], dtype=prog.dtypes[v])
-            if widen and s.dtype in widen:
-                s = s.replace(dtype=widen[s.dtype])
-            b = cache[v] = s.local_bytes(mesh)
+            b = cache[v] = layout(v).local_bytes(mesh)
         return b
 
     frees: dict[int, list[int]] = {}
-    copies = _transposed_copies(graph, nbytes)
+    copies = _Copies()
+    _transposed_copies(graph, nbytes, copies)
+    if cpu:
+        _scatter_workspaces(graph, layout, mesh, copies)
     live = peak = 0
     for i, node in enumerate(graph.nodes):
         live += copies.born.get(i, 0)
@@ -301,10 +422,12 @@ def _temp_peak(
                     duplicate=duplicate,
                     widen=widen,
                     inner=inner,
+                    cpu=cpu,
                 ),
             )
         live += born
         extra = transient[i] if transient is not None and i < len(transient) else 0
+        extra += copies.during.get(i, 0)
         if inner:
             # a region's temporaries live beside its resharded operands
             extra += inner.get(id(node), 0)
@@ -342,6 +465,7 @@ def liveness(
     duplicate: bool = True,
     widen: Mapping[np.dtype, np.dtype] | None = None,
     inner: Mapping[int, int] | None = None,
+    cpu: bool = False,
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagation`).
 
@@ -362,6 +486,8 @@ def liveness(
         keep their own dtypes.
       inner: ``id(node)`` → temporaries a node holds while it runs besides its
         results (a region's own program: :func:`program_temp_bytes`).
+      cpu: add the workspaces XLA's CPU backend takes where it expands an op
+        (a max pool's gradient: :func:`select_and_scatter_workspace`).
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -409,6 +535,7 @@ def liveness(
         duplicate=duplicate,
         widen=widen,
         inner=inner,
+        cpu=cpu,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias
@@ -429,6 +556,7 @@ def estimate_memory(
     *,
     donated: Sequence[int] = (),
     roles: Sequence[str | None] | None = None,
+    cpu: bool = False,
 ) -> MemoryEstimate:
     """Per-device memory of ``closed_jaxpr`` with the given layouts.
 
@@ -439,6 +567,7 @@ def estimate_memory(
       mesh: the mesh.
       donated: indices of donated flat inputs.
       roles: per flat input, a role name or None.
+      cpu: add XLA:CPU's workspaces (see :func:`liveness`).
 
     Example::
 
@@ -458,7 +587,7 @@ def estimate_memory(
     role_ids = (
         {} if roles is None else {graph.invars[i]: r for i, r in enumerate(roles) if r is not None}
     )
-    return liveness(graph, spec, outs, mesh, prog, donated=donated_ids, roles=role_ids)
+    return liveness(graph, spec, outs, mesh, prog, donated=donated_ids, roles=role_ids, cpu=cpu)
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())

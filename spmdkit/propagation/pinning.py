@@ -32,13 +32,16 @@ class NodePins(NamedTuple):
       produced: the results' layouts.
       steps: per operand, the :class:`~spmdkit.resharding.ReshardPlan` that moves
         it when the replay runs it with its own collectives (no partial layout
-        on the way, even blocks), else the layouts it passes through when its
-        reshard takes several collectives (partial ones left out), else ``()``.
+        on the way, even blocks; or the plan's collectives alone when they all
+        come before its first partial layout: :func:`_explicit_head`), else the
+        layouts it passes through when its reshard takes several collectives
+        (partial ones left out), else ``()``.
       fused: the reshard plan that reduces a contraction's sum-partial result to
-        the layout all its readers (and the step's outputs) slice from (None when
-        the result is not partial, a loop body returns it, its readers differ,
-        or a block would be uneven); the transposes, reshapes and casts it passes
-        on the way carry reduced layouts.
+        the layout all its readers (and the step's outputs) slice from, or a
+        ``reduce_sum``'s that only the step's outputs read (None when the result
+        is not partial, a loop body returns it, its readers differ, or a block
+        would be uneven); the transposes, reshapes, casts and size-1 broadcasts
+        it passes on the way carry reduced layouts.
       runs: how many times the node runs per step (loop trip counts).
       attrs: the op attributes propagation chose (a region's ``strategy``).
     """
@@ -71,6 +74,12 @@ class Program:
 
 #: Contractions whose sum-partial result the replay reduces itself (see NodePins).
 _FUSED_REDUCE = frozenset({"dot_general", "conv_general_dilated"})
+
+#: Reductions whose sum-partial result the replay reduces itself when the step
+#: returns it (a bias's gradient, summed over a sharded batch): the output's
+#: layout is the only constraint, and left to it XLA may reduce and then slice and
+#: permute where the plan gathers and reduce-scatters.
+_REDUCED_FOR_OUTPUT = frozenset({"reduce_sum"})
 
 #: Ops a pending sum passes through unchanged in size: a contraction's partial
 #: result may be transposed or reshaped before its readers reduce it.
@@ -143,7 +152,7 @@ def _node_pins(
         )
         fused = None
         if (
-            node.prim in _FUSED_REDUCE
+            (node.prim in _FUSED_REDUCE or node.prim in _REDUCED_FOR_OUTPUT)
             and len(outs) == 1
             and outs[0] is not None
             and outs[0].partial
@@ -215,8 +224,28 @@ def _moves(
     copy = src != given and not (src.dims == dst.dims and src.partial == dst.partial)
     if a is not None and (a.plan.collectives or copy) and _explicit_move(a.plan, pricer.mesh):
         return a.plan
+    head = _explicit_head(a.plan, pricer.mesh) if a is not None else None
+    if head is not None:
+        return head
     steps = a.plan.specs[1:-1] if a is not None and len(a.plan.collectives) > 1 else ()
     return tuple(x for x in steps if not x.partial)
+
+
+def _explicit_head(plan: ReshardPlan, mesh: MeshLike) -> ReshardPlan | None:
+    """The plan's collectives as a plan of their own, when they all come before
+    its first partial layout (a gather, then a value made partial to be added to
+    a pending sum): the replay runs them under ``shard_map`` and leaves the local
+    rest to the constraints. Left to a constraint (a partial cannot be pinned),
+    XLA may reorder the sum and move the operand another way (slice and permute
+    where the plan gathers). None when the plan has no such head."""
+    specs = plan.specs
+    last = max((i for i, s in enumerate(plan.steps) if not s.is_local), default=-1)
+    if last < 0 or last == len(plan.steps) - 1:
+        return None
+    head = specs[: last + 2]
+    if any(x.partial or not x.is_even(mesh) for x in head):
+        return None
+    return ReshardPlan(plan.src, head[-1], plan.steps[: last + 1])
 
 
 def _coarsest(want: Sequence[TensorSpec | None]) -> TensorSpec | None:
@@ -246,7 +275,7 @@ def _partial_path(
     while True:
         nxt = readers.get(v, [])
         n = nxt[0][0] if len(nxt) == 1 else None
-        if n is None or n.prim not in _PARTIAL_PASS:
+        if n is None or not (n.prim in _PARTIAL_PASS or _adds_unit_dims(n)):
             break
         s = made.get(n.outs[0]) if len(n.outs) == 1 and len(n.ins) == 1 else None
         if s is None or s.partial != spec.partial or n.outs[0] in blocked:
@@ -278,6 +307,8 @@ def _fused_reduction(
     if any(op != "sum" for _, op in spec.partial):
         return None, {}
     v, passed = _partial_path(node, spec, readers, made, blocked)
+    if node.prim in _REDUCED_FOR_OUTPUT and not _only_returned(v, readers):
+        return None, {}
     target = _coarsest([r for _, r in readers.get(v, [])])
     if target is None:
         return None, {}
@@ -290,7 +321,7 @@ def _fused_reduction(
             back = TensorSpec(before.shape, [d or None for d in dims], dtype=before.dtype)
         elif target.dims == after.without_partial().dims:
             back = before.without_partial()
-        else:
+        elif (back := _unit_dims_back(before, target)) is None:
             return None, {}
         layouts[id(n)] = (back, target)
         target = back
@@ -300,3 +331,38 @@ def _fused_reduction(
     if a is None or not all(x.is_even(pricer.mesh) for x in specs):
         return None, {}
     return a.plan, layouts
+
+
+def _only_returned(v: int, readers: _Readers) -> bool:
+    """Whether only the step's outputs read ``v``, directly or through nodes that
+    only add or drop size-1 dims."""
+    got = readers.get(v, [])
+    return bool(got) and all(
+        n is None or (_adds_unit_dims(n) and _only_returned(n.outs[0], readers)) for n, _ in got
+    )
+
+
+def _adds_unit_dims(node: Node) -> bool:
+    """A ``broadcast_in_dim``, ``reshape`` or ``reduce_sum`` that only adds or
+    drops size-1 dims (a pending sum passes it unchanged in size)."""
+    if node.prim not in ("broadcast_in_dim", "reshape", "reduce_sum") or len(node.ins) != 1:
+        return False
+    src = node.eqn.invars[0].aval.shape
+    dst = node.eqn.outvars[0].aval.shape
+    return [d for d in src if d != 1] == [d for d in dst if d != 1]
+
+
+def _unit_dims_back(before: TensorSpec, target: TensorSpec) -> TensorSpec | None:
+    """``target`` (after a node that only adds or drops size-1 dims) mapped back
+    to the node's input shape: the non-unit dims keep their axes in order; None
+    when ``target`` shards a size-1 dim or the dims do not pair up."""
+    pairs = list(zip(target.shape, target.dims, strict=True))
+    if any(n == 1 and a for n, a in pairs):
+        return None
+    axes = [a for n, a in pairs if n != 1]
+    big = [n for n in before.shape if n != 1]
+    if big != [n for n in target.shape if n != 1]:
+        return None
+    it = iter(axes)
+    dims = [next(it) if n != 1 else () for n in before.shape]
+    return TensorSpec(before.shape, [d or None for d in dims], dtype=before.dtype)

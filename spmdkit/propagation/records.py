@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,11 +115,14 @@ class Propagation:
         Which of the two XLA does for a given value is its fusion heuristic's
         choice, so ``plan.verify`` accepts a compiled peak anywhere in the range
         (widened by its tolerance).
-      memory_as: ``widen`` (dtype → a wider dtype) → ``(memory,
-        memory_materialized)`` with temporaries and resharded copies of those
-        dtypes held in the wider one: how a backend without native 16-bit
-        floats stores them (see ``spmdkit.verification.planned.held_on_cpu``);
-        None when not propagated.
+      memory_as: ``(widen=None, cpu=False)`` → ``(memory,
+        memory_materialized)`` re-measured as a backend holds the program:
+        ``widen`` (dtype → a wider dtype) holds temporaries and resharded copies
+        of those dtypes in the wider one (a backend without native 16-bit floats),
+        ``cpu`` adds the workspaces of the ops XLA:CPU expands and makes the
+        batch-independent resharded copies at the start, as XLA:CPU schedules
+        them (see ``spmdkit.verification.planned.held_on_cpu``); None when not
+        propagated.
       var_specs: top-level jaxpr variable → spec.
       program: what :func:`spmdkit.compile.enforce.replay` needs to run the traced
         program with every equation pinned to its propagated layouts.
@@ -141,7 +144,7 @@ class Propagation:
     var_specs: dict = field(default_factory=dict, repr=False)
     program: Program | None = field(default=None, repr=False, compare=False)
     memory_materialized: MemoryEstimate | None = field(default=None, repr=False)
-    memory_as: Callable[[Mapping[Any, Any]], tuple[MemoryEstimate, MemoryEstimate]] | None = field(
+    memory_as: Callable[..., tuple[MemoryEstimate, MemoryEstimate]] | None = field(
         default=None, repr=False, compare=False
     )
 

@@ -44,15 +44,6 @@ MESHES = ((2, 4), (4, 2))
 #: so a fix shows up as a failure here to remove the entry.
 KNOWN_VERIFY_MISSES = frozenset(
     [
-        # peak memory: XLA:CPU's max-pool gradient (select_and_scatter) takes a
-        # workspace of 5-13x the pooled input, which the liveness model does not
-        # count (conv inputs' transposed copies are counted: propagation/memory.py)
-        ("resnet", "fsdp", (2, 4)),
-        ("resnet", "fsdp", (4, 2)),
-        # auto under 70% of data parallelism's memory shards the ResNet FSDP-style:
-        # the same max-pool gradient workspace
-        ("resnet", "auto", (2, 4)),
-        ("resnet", "auto", (4, 2)),
         # peak memory, no pooling: on 2x4 the NNX conv net's fsdp (and auto, which
         # picks it) moves its batch-norm backward to channel-sharded activations
         # and back (all-gather + all-to-all, predicted to the byte); XLA keeps more
@@ -62,9 +53,6 @@ KNOWN_VERIFY_MISSES = frozenset(
         # collectives: GroupNorm over channel-sharded convolutions (XLA gathers
         # and exchanges where the plan all-reduces statistics)
         *(("unet", s, m) for s in ("megatron", "megatron_sp", "tp_fsdp") for m in MESHES),
-        # auto's searched layout (batch over the model axis): XLA adds a 640 B
-        # collective-permute the plan does not have
-        ("vit", "auto", (2, 4)),
     ]
 )
 
