@@ -6,12 +6,20 @@ keeping a contested axis alone, with one operand leading, and with the
 operands' hints too — operand reshards plus resolving the result's pending
 reductions, payload bytes first — and the cheapest whose results are no bigger
 per device wins; ties keep the rule's answer. Activations (values computed from
-the batch) stay put where they contest an axis with a weight.
+the batch) stay put where they contest an axis with a weight. A pending sum is
+also priced resolved before the op where the rule would make another operand
+join it (a conv's partial result concatenated with a replicated skip
+connection: the later reduction would move the skip's bytes too), and is
+resolved before an op that splits it into several results (XLA reduces a
+contraction's result where it is made, and the replay can pin the split's input
+only when it is not partial).
 
 Hints are layouts later equations want, carried upstream: :meth:`Chooser.backward_hints`
 runs the rules' backward inference from wanted outputs (the ``out_specs``
 constraints), :func:`consumer_hints` finds free-made values (a broadcast
-constant, a mask) that consumers slice to a more sharded layout, and
+constant, a mask) that consumers slice to a more sharded layout and broadcasts
+of a small sharded operand whose result a consumer moves (gathering the operand
+moves fewer bytes: a batch norm's statistics sharded like an FSDP scale), and
 :meth:`Chooser.take_hint` takes a hint on a node's outputs where it costs no
 more than the forward answer.
 """

@@ -53,15 +53,6 @@ KNOWN_VERIFY_MISSES = frozenset(
         # the same max-pool gradient workspace
         ("resnet", "auto", (2, 4)),
         ("resnet", "auto", (4, 2)),
-        # peak memory, no pooling: on 2x4 the NNX conv net's fsdp (and auto, which
-        # picks it) moves its batch-norm backward to channel-sharded activations
-        # and back (all-gather + all-to-all, predicted to the byte); XLA keeps more
-        # of those copies alive than the replay's transient accounting
-        ("nnx_cnn", "fsdp", (2, 4)),
-        ("nnx_cnn", "auto", (2, 4)),
-        # collectives: GroupNorm over channel-sharded convolutions (XLA gathers
-        # and exchanges where the plan all-reduces statistics)
-        *(("unet", s, m) for s in ("megatron", "megatron_sp", "tp_fsdp") for m in MESHES),
         # auto's searched layout (batch over the model axis): XLA adds a 640 B
         # collective-permute the plan does not have
         ("vit", "auto", (2, 4)),
