@@ -6,12 +6,20 @@ keeping a contested axis alone, with one operand leading, and with the
 operands' hints too — operand reshards plus resolving the result's pending
 reductions, payload bytes first — and the cheapest whose results are no bigger
 per device wins; ties keep the rule's answer. Activations (values computed from
-the batch) stay put where they contest an axis with a weight.
+the batch) stay put where they contest an axis with a weight. A pending sum is
+also priced resolved before the op where the rule would make another operand
+join it (a conv's partial result concatenated with a replicated skip
+connection: the later reduction would move the skip's bytes too), and is
+resolved before an op that splits it into several results (XLA reduces a
+contraction's result where it is made, and the replay can pin the split's input
+only when it is not partial).
 
 Hints are layouts later equations want, carried upstream: :meth:`Chooser.backward_hints`
 runs the rules' backward inference from wanted outputs (the ``out_specs``
 constraints), :func:`consumer_hints` finds free-made values (a broadcast
-constant, a mask) that consumers slice to a more sharded layout, and
+constant, a mask) that consumers slice to a more sharded layout and broadcasts
+of a small sharded operand whose result a consumer moves (gathering the operand
+moves fewer bytes: a batch norm's statistics sharded like an FSDP scale), and
 :meth:`Chooser.take_hint` takes a hint on a node's outputs where it costs no
 more than the forward answer.
 """
@@ -90,8 +98,21 @@ class Chooser:
         still: tuple[bool, ...],
     ) -> InferenceResult:
         res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
-        if not any(a.plan.collectives for a in res.reshards) and not any(
-            o.partial and not any(s.partial for s in specs) for o in res.outputs
+        if len(res.outputs) > 1 and any(s.partial for s in specs):
+            # a pending sum split into several results (the cotangent of a
+            # concatenation) is resolved first, where the replay can pin it: XLA
+            # reduces a contraction's result where it is made and would otherwise
+            # lay the split's input out as it likes
+            cand = self._try_forward(op, attrs, tuple(s.without_partial() for s in specs))
+            price = functools.partial(self.pricer.price, specs)
+            if cand is not None and price(cand.inputs, cand.outputs) <= price(
+                res.inputs, res.outputs
+            ):
+                return cand
+        if (
+            not any(a.plan.collectives for a in res.reshards)
+            and not any(o.partial and not any(s.partial for s in specs) for o in res.outputs)
+            and not _joins_partial(specs, res.inputs)
         ):
             return res
         # activations stay put: where an activation (a value computed from the batch)
@@ -167,18 +188,23 @@ class Chooser:
         cand_out = tuple(o.replace(dtype=w.dtype) for o, w in zip(cand_out, want, strict=True))
         act = [i for i, v in enumerate(node.ins) if v in self.stationary]
         moved = [i for i in act if not _kept(specs[i], cand_in[i])]
-        if moved and all(_kept(specs[i], req[i]) for i in moved):
+        # a broadcast that only gathers its (small) operand: the activation that stays
+        # put is its result, and bytes come first (as in _cheapest: at small sizes the
+        # latency term would rather move the broadcast result than gather the operand)
+        spread = node.prim == "broadcast_in_dim" and all(
+            _kept(c, s) for c, s in zip(cand_in, specs, strict=True)
+        )
+        if moved and not spread and all(_kept(specs[i], req[i]) for i in moved):
             return req, outs  # activations stay put (see _cheapest)
 
-        def cost(required: Sequence[TensorSpec], produced: Sequence[TensorSpec]) -> float:
-            t = sum(
-                self.pricer.time(f"input {i}", s, r)
-                for i, (s, r) in enumerate(zip(specs, required, strict=True))
-            )
-            return t + sum(
-                self.pricer.time(f"output {i}", o, w)
-                for i, (o, w) in enumerate(zip(produced, want, strict=True))
-            )
+        def cost(required: Sequence[TensorSpec], produced: Sequence[TensorSpec]) -> tuple:
+            ins = zip(specs, required, strict=True)
+            pairs = [(f"input {i}", s, r) for i, (s, r) in enumerate(ins)]
+            outs = zip(produced, want, strict=True)
+            pairs += [(f"output {i}", o, w) for i, (o, w) in enumerate(outs)]
+            moves = [a for p in pairs if (a := self.pricer.reshard(*p)) is not None]
+            t = sum(a.plan.time_s for a in moves)
+            return (sum(a.payload_bytes for a in moves), t) if spread else (t,)
 
         if cost(cand_in, cand_out) <= cost(req, outs):
             return cand_in, cand_out
@@ -255,6 +281,30 @@ class Chooser:
                 hints[v] = h
 
 
+def _broadcasts(steps: Sequence[Step]) -> dict[int, TensorSpec]:
+    """Value id → its operand's layout, for values made by ``broadcast_in_dim`` of
+    a sharded operand (outside loops)."""
+    return {
+        step.node.outs[0]: step.given[0]
+        for step in steps
+        if step.loop is None
+        and step.node.prim == "broadcast_in_dim"
+        and len(step.given) == 1
+        and step.given[0].sharding_axes
+    }
+
+
+def _gather_first(pricer: Pricer, operand: TensorSpec, have: TensorSpec, want: TensorSpec) -> bool:
+    """Whether moving a broadcast's result from ``have`` to ``want`` costs more than
+    gathering its whole (unbroadcast) ``operand``, which lets the broadcast make
+    ``want`` itself."""
+    move = pricer.reshard("input", have, want)
+    if move is None or not move.plan.collectives or have.partial or want.partial:
+        return False
+    gather = pricer.reshard("input", operand, operand.replace(dims=((),) * len(operand.dims)))
+    return gather is not None and gather.payload_bytes < move.payload_bytes
+
+
 def _alternatives(specs: tuple[TensorSpec, ...]) -> list[tuple[TensorSpec, ...]]:
     """Operand layouts to try besides the given ones: an axis sharding several
     operands kept by each of them alone, and each sharded operand leading with
@@ -272,7 +322,21 @@ def _alternatives(specs: tuple[TensorSpec, ...]) -> list[tuple[TensorSpec, ...]]
     for i, lead in enumerate(specs):  # one operand leads, the others replicated
         if lead.sharding_axes:
             alts.append(tuple(x if j == i else drop_axes(x, None) for j, x in enumerate(specs)))
+    if any(not x.partial for x in specs):  # pending sums resolved before the op
+        resolved = tuple(x.without_partial() for x in specs)
+        if resolved != specs:
+            alts.append(resolved)
     return alts
+
+
+def _joins_partial(given: Sequence[TensorSpec], required: Sequence[TensorSpec]) -> bool:
+    """Whether a rule made an operand that was not sum-partial join a partial one (a
+    local ``to_partial``): the output's pending reduction then moves that operand's
+    bytes too, so resolving the partial operand first may cost less (a conv's
+    partial result concatenated with a replicated skip connection)."""
+    return any(r.partial and not s.partial for s, r in zip(given, required, strict=True)) and any(
+        s.partial for s in given
+    )
 
 
 def _keeps(specs: Sequence[TensorSpec], which: Sequence[int], res: Any) -> bool:
@@ -290,9 +354,15 @@ def _kept(given: TensorSpec, required: TensorSpec) -> bool:
 def consumer_hints(
     pricer: Pricer, steps: Sequence[Step], skip: set[int], free_in: frozenset[int] = frozenset()
 ) -> dict[int, TensorSpec]:
-    """Values made from replicated operands (broadcast constants, masks) that a
+    """Layouts a producer may as well make itself, as seen from the consumers.
+
+    Values made from replicated operands (broadcast constants, masks) that a
     consumer slices (no communication) to a more sharded layout: their producer may
-    as well make that layout (less compute and memory)."""
+    as well make that layout (less compute and memory). And values a
+    ``broadcast_in_dim`` spreads from a small sharded operand that a consumer moves
+    (a batch norm's statistic's cotangent, sharded like its channel-sharded scale,
+    broadcast over the batch-sharded activations): moving the small operand
+    before the broadcast costs less than moving the broadcast result."""
     out: dict[int, TensorSpec] = {}
     free = set(free_in) | {  # made from replicated operands: sharding them costs nothing
         o
@@ -300,10 +370,16 @@ def consumer_hints(
         if step.loop is None and all(x.is_replicated for x in step.given)
         for o in step.node.outs
     }
+    spread = _broadcasts(steps)
     for step in steps:
         node = step.node
         for v, s, r in zip(node.ins, step.given, step.required, strict=True):
-            if v in skip or v in out or v not in free or r.dims == s.dims:
+            if v in skip or v in out or r.dims == s.dims:
+                continue
+            if v in spread and _gather_first(pricer, spread[v], s, r):
+                out[v] = r
+                continue
+            if v not in free:
                 continue
             if len(r.sharding_axes) <= len(s.sharding_axes) or r.partial != s.partial:
                 continue

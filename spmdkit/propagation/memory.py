@@ -18,7 +18,8 @@ XLA's ``compiled.memory_analysis()``:
 Workspace: a convolution whose input is not laid out batch-major and
 feature-minor (the filter gradient's, which contracts over the batch) is run by
 XLA:CPU on a transposed copy of that input, which XLA makes as soon as the input
-exists (in the forward pass) and keeps until the convolution in the backward
+exists (in the forward pass, right after the op that makes it, whose own
+operands are then freed) and keeps until the convolution in the backward
 pass: every convolution's input is held twice. Measured: a single convolution's
 compiled temp is the liveness figure plus exactly its input's bytes (3x3/1x1/5x5
 windows, strides 1 and 2, 3 to 64 channels); three stacked convolutions hold 8
@@ -251,12 +252,16 @@ class _Copies:
 
 def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> None:
     """The transposed input copies of :func:`_transposes_input` equations: each is
-    made as soon as its operand exists (at its producer, or at the start for an
+    made as soon as its operand exists (right after its producer, whose operands
+    and resharded copies are then gone — measured: a concatenation's output is
+    copied after the concatenation's inputs are freed — or at the start for an
     input of the graph) and freed after the equation reading it."""
     producer = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
     for i, node in enumerate(graph.nodes):
         if _transposes_input(node):
-            out.hold(producer.get(node.ins[0], 0), i, nbytes(node.ins[0]))
+            v = node.ins[0]
+            first = min(producer[v] + 1, i) if v in producer else 0
+            out.hold(first, i, nbytes(v))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Choosing among a rule's answers and the hints: out_specs pulled upstream,
-FSDP's weights gathered rather than activations."""
+FSDP's weights gathered rather than activations, pending sums resolved before a
+concatenation or a split."""
 
 import jax
 import jax.extend.core
@@ -62,3 +63,30 @@ def test_fsdp_gathers_weights_and_reduce_scatters_grads(axes):
     }
     gathers = [c for c in prop.collectives() if c.kind == "all_gather"]
     assert len(gathers) == 4 and all(c.group_size == 8 for c in gathers)
+
+
+@pytest.mark.slow
+def test_pending_sum_resolved_before_concatenation_and_split():
+    """A row-parallel product (sum-partial) concatenated with a replicated skip
+    connection is reduced alone, not with the skip; its cotangent, partial too, is
+    reduced before the split that hands out its halves (XLA reduces a contraction's
+    result where it is made; the replay pins the split's input so)."""
+    mesh = sk.abstract_mesh(model=4)
+    b, k, n = 16, 32, 8
+
+    def f(x, w, skip, w2):
+        y = jnp.concatenate([x @ w, skip], axis=-1)
+        return jnp.sum(jnp.tanh(y @ w2))
+
+    args = (S((b, k), F32), S((k, n), F32), S((b, n), F32), S((2 * n, n), F32))
+    prop = propagate(
+        jax.grad(f, argnums=(0, 2)),
+        *args,
+        mesh=mesh,
+        in_specs=(P(None, "model"), P("model"), None, P(None, "model")),
+    )
+    concat = next(r for r in prop.records if r.primitive == "concatenate")
+    assert not concat.outputs[0].partial
+    assert concat.comm_bytes == b * n * 4  # the product's all-reduce only
+    split = next(r for r in prop.records if r.primitive == "split")
+    assert not any(o.partial for o in split.outputs)

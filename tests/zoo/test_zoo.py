@@ -39,23 +39,6 @@ CPU_FLOPS = 1e9
 STRATEGIES = ("dp", "fsdp", "zero1", "megatron", "megatron_sp", "tp_fsdp", "auto")
 MESHES = ((2, 4), (4, 2))
 
-#: Cases whose plan.verify is outside ±10% bytes / ±20% memory today (issue 19,
-#: item 5: the replay does not pin these yet). The test asserts they still miss,
-#: so a fix shows up as a failure here to remove the entry.
-KNOWN_VERIFY_MISSES = frozenset(
-    [
-        # peak memory, no pooling: on 2x4 the NNX conv net's fsdp (and auto, which
-        # picks it) moves its batch-norm backward to channel-sharded activations
-        # and back (all-gather + all-to-all, predicted to the byte); XLA keeps more
-        # of those copies alive than the replay's transient accounting
-        ("nnx_cnn", "fsdp", (2, 4)),
-        ("nnx_cnn", "auto", (2, 4)),
-        # collectives: GroupNorm over channel-sharded convolutions (XLA gathers
-        # and exchanges where the plan all-reduces statistics)
-        *(("unet", s, m) for s in ("megatron", "megatron_sp", "tp_fsdp") for m in MESHES),
-    ]
-)
-
 
 def glue_lines(name):
     """Lines of user glue for a zoo model."""
@@ -127,10 +110,7 @@ def _check(name, strategy, shape):
     assert not [m for m in messages if "get no 'model' axis" in m], messages
     if strategy in ("megatron", "megatron_sp", "tp_fsdp", "auto"):
         assert any(s != jax.sharding.PartitionSpec() for s in p.params.values())
-    if (name, strategy, shape) in KNOWN_VERIFY_MISSES:
-        assert not report.ok, f"fixed: remove {(name, strategy, shape)} from KNOWN_VERIFY_MISSES"
-    else:
-        assert report.ok, str(report)
+    assert report.ok, str(report)
 
 
 def test_glue_is_at_most_ten_lines():
