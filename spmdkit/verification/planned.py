@@ -52,6 +52,7 @@ class PlannedProgram(Protocol):
     :class:`~spmdkit.compile.PlannedFunction` has these)."""
 
     mesh: MeshLike
+    fn: Callable  #: the step as written (traced once more for a pipeline's facts)
 
     def program(self, *args: Any) -> tuple[Callable, Propagation]:
         """``(body, propagation)``: the compiled function and its prediction."""
@@ -95,11 +96,13 @@ def verify_plan(
             given=f"{type(step).__name__} {getattr(step, '__name__', '')}".rstrip(),
             fix=f"wrap with sk.jit(step, plan) (plan: {plan!r}) and pass what it returns",
         )
-    body, prop = step.program(*args)
+    _, prop = step.program(*args)
     if platform(step.mesh) == "cpu":
         prop = held_on_cpu(promoted_on_cpu(prop, as_on_cpu(prop)))
     if plan.pipeline is not None:
-        prop = pipelined_prediction(plan, body, prop, *args)
+        # the step itself, not the body: the enforced body replays the traced
+        # program and never calls the pipeline, so it reports no pipeline facts
+        prop = pipelined_prediction(plan, step.fn, prop, *args)
     compiled = report(step.compile(*args))
     return verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
 
