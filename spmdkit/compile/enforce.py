@@ -111,6 +111,22 @@ def _through(x: Any, chain: Sequence[TensorSpec], mesh: Any) -> Any:
     return x
 
 
+def _partly_manual(node: Node, mesh: Any) -> bool:
+    """Whether ``node`` is a ``shard_map`` manual over some of ``mesh``'s axes of
+    size > 1 but not all of them."""
+    if node.prim != "shard_map":
+        return False
+    params = node.eqn.params
+    manual = next(
+        (params[k] for k in ("newly_manual_axes", "manual_axes", "axis_names") if params.get(k)),
+        None,
+    )
+    if manual is None:
+        return False
+    others = {a for a, n in dict(mesh.shape).items() if n > 1} - set(manual)
+    return bool(others)
+
+
 def _bind(eqn: Any, vals: Sequence[Any]) -> list[Any]:
     got = eqn.primitive.get_bind_params(eqn.params)
     # jax <= 0.4.x returned (subfuns, params); newer versions return params only
@@ -187,7 +203,11 @@ class _Replay:
         """One equation run with its operands and results pinned."""
         vals = [read(v) for v in node.ins]
         pins = self.program.specs.get(id(node))
-        if pins is None:  # dead code (XLA drops it) or not propagated
+        if pins is None or _partly_manual(node, self.mesh):
+            # dead code (XLA drops it), not propagated, or a shard_map manual over
+            # some axes only (the pipeline): its specs say nothing of the other
+            # axes, so its operands and results are left as XLA lays them out there
+            # (pinned, GPipe's residuals went replicated over data and model)
             outs = _bind(node.eqn, vals)
         else:
             vals = [

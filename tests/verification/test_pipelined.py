@@ -19,10 +19,9 @@ def test_verify_predicts_the_pipeline_permutes(schedule):
     info = describe(get_model("llama"), config="tiny_pipe", batch_size=8)
     pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
     plan = sk.plan(info, sk.make_mesh(pipe=2, data=2), "dp", pipeline=pipe)
-    # 1F1B on sk.jit's default, enforced path (its body replays the program, so the
-    # pipeline's facts must come from the step itself); GPipe unenforced: enforced,
-    # XLA adds a permute and gathers inside the pipeline on a data axis (issue 16)
-    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=schedule != "gpipe")
+    # sk.jit's default, enforced path: its body replays the program, so the
+    # pipeline's facts must come from the step itself
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
     rows = {r[0]: r for r in plan.verify(step, info.abstract_params, info.batch).rows}
     _, predicted, compiled, ok = rows["collective_permute"]
     assert ok and predicted == compiled > 0
