@@ -2,7 +2,8 @@
 
 Parameters carry logical axis names only (``vocab``, ``embed``, ``pos``, ``heads``,
 ``head_dim``, ``mlp``, ``norm``); there is no sharding code here. Logits are
-``h @ embedding.T`` (the token table is tied to the output projection), attention is
+``h @ embedding.T`` (the token table, an ``sk.nn.Embed`` at ``embed/embedding``, is
+tied to the output projection through its ``attend``), attention is
 causal, dropout is off by default.
 """
 
@@ -172,9 +173,7 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = cfg.param_dtype
-        self.embed = lyr.param(
-            rngs, jax.nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model), ("vocab", "embed"), pd
-        )
+        self.embed = lyr.token_embed(cfg, rngs)  # table at embed/embedding
         self.pos = lyr.param(
             rngs, jax.nn.initializers.normal(0.01), (cfg.max_seq, cfg.d_model), ("pos", "embed"), pd
         )
@@ -185,12 +184,12 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
         s = tokens.shape[1]
-        x = lyr.embedding_lookup(self.embed[...], tokens) + self.pos[:s]
+        x = self.embed(tokens) + self.pos[:s]
         x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         if self.dropout is not None:
             x = self.dropout(x)
         x = self.ln_f(lyr.run_layers(cfg, self.blocks, x))
-        return jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(x.dtype))
+        return self.embed.attend(x)  # tied: x @ embedding.T
 
 
 CONFIGS: dict[str, Any] = {

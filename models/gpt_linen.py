@@ -51,6 +51,27 @@ def _layer_norm(cfg: GPTConfig, name: str) -> sklinen.LayerNorm:
     return sklinen.LayerNorm(epsilon=1e-5, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
 
 
+def _token_embed(parent: nn.Module, cfg: GPTConfig) -> sklinen.Embed:
+    """``sk.nn.linen.Embed(vocab, d_model, name="embed")``: the table at
+    ``embed/embedding`` on ``("vocab", "embed")``, looked up by the ``embedding`` op
+    and tied to the head through ``attend``.
+
+    linen derives a submodule's keys from its name, so the table's key is drawn in
+    ``parent`` (when initializing), where the top-level ``embed`` parameter drew it
+    before the table was a module: every initial value is unchanged.
+    """
+    key = parent.make_rng("params") if parent.is_initializing() else None
+    normal = nn.initializers.normal(0.02)
+
+    def init(own_key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+        # (flax also calls it abstractly, when applying, to check the shape)
+        return normal(own_key if key is None else key, shape, dtype)
+
+    return sklinen.Embed(
+        cfg.vocab, cfg.d_model, param_dtype=cfg.param_dtype, embedding_init=init, name="embed"
+    )
+
+
 class _Block(nn.Module):
     cfg: GPTConfig
 
@@ -87,7 +108,7 @@ class GPTLinen(nn.Module):
         >>> module = GPTLinen(GPTConfig())
         >>> boxes = jax.eval_shape(module.init, jax.random.key(0),
         ...                        jnp.zeros((1, 16), jnp.int32))["params"]
-        >>> boxes["embed"].names
+        >>> boxes["embed"]["embedding"].names
         ('vocab', 'embed')
     """
 
@@ -97,20 +118,17 @@ class GPTLinen(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
         pd = cfg.param_dtype
-        embed = _p(
-            self, "embed", nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model),
-            ("vocab", "embed"), pd,
-        )  # fmt: skip
+        embed = _token_embed(self, cfg)
         pos = _p(
             self, "pos", nn.initializers.normal(0.01), (cfg.max_seq, cfg.d_model),
             ("pos", "embed"), pd,
         )  # fmt: skip
-        x = lyr.embedding_lookup(embed, tokens) + pos[: tokens.shape[1]]
+        x = embed(tokens) + pos[: tokens.shape[1]]
         x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         for i in range(cfg.n_layers):
             x = _Block(cfg, name=f"block_{i}")(x)
         x = _layer_norm(cfg, "ln_f")(x)
-        return jnp.einsum("bsd,vd->bsv", x, embed.astype(x.dtype))
+        return embed.attend(x)  # tied: x @ embedding.T
 
 
 def build(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:

@@ -2,10 +2,11 @@
 
 The NNX models' norms are :mod:`spmdkit.nn` modules (``LayerNorm``, ``RMSNorm``,
 ``GroupNorm``, ``BatchNorm``) and their losses :func:`spmdkit.nn.cross_entropy`;
-the functions at the top (``layer_norm``, ``rms_norm``, ``group_norm``,
+the language models' token tables are ``sk.nn.Embed`` modules (:func:`token_embed`;
+the table at ``embed/embedding``, the tied head its ``attend``).
+The functions at the top (``layer_norm``, ``rms_norm``, ``group_norm``,
 ``sync_batch_norm``, ``embedding_lookup``, ``softmax_cross_entropy``) are the same
-:mod:`spmdkit.ops` calls for code that holds the parameters itself (the token
-tables, which stay top-level parameters named ``embed``, and tests);
+:mod:`spmdkit.ops` calls for code that holds the parameters itself (tests);
 ``attention`` is the models' own (blockwise / cuDNN).
 
 The layers below them create their parameters with logical axis names in flax's
@@ -48,6 +49,7 @@ __all__ = [
     "rope",
     "param",
     "fan_in_init",
+    "token_embed",
     "check_config",
     "count_params",
     "norm_rngs",
@@ -507,6 +509,30 @@ def param(
 
 
 _CONSTANT_INITS = (jax.nn.initializers.zeros, jax.nn.initializers.ones)
+
+
+def token_embed(cfg: Any, rngs: nnx.Rngs) -> sknn.Embed:
+    """The token table of the language models: ``sk.nn.Embed(cfg.vocab, cfg.d_model)``.
+
+    Its parameter is ``<attribute>/embedding [vocab, d_model]`` named ``("vocab",
+    "embed")``, drawn from ``normal(0.02)`` with one ``params`` key (the draw the
+    models' top-level ``embed`` table made before it was a module, so every value is
+    unchanged). ``dtype`` is left ``None``: the lookup returns the table's dtype
+    and ``attend`` (the tied head) casts the table to the activations' dtype, as the
+    models' other weights are.
+
+    Example::
+
+        >>> emb = token_embed(GPTConfig(), nnx.Rngs(0))
+        >>> logits = emb.attend(emb(tokens))
+    """
+    return sknn.Embed(
+        cfg.vocab,
+        cfg.d_model,
+        param_dtype=cfg.param_dtype,
+        embedding_init=jax.nn.initializers.normal(0.02),
+        rngs=rngs,
+    )
 
 
 def fan_in_init(fan_in: int) -> Initializer:

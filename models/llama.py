@@ -178,9 +178,7 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = cfg.param_dtype
-        self.embed = lyr.param(
-            rngs, jax.nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model), ("vocab", "embed"), pd
-        )
+        self.embed = lyr.token_embed(cfg, rngs)  # table at embed/embedding
         self.layers = make_layers(cfg, rngs, LlamaBlock)
         self.norm = rms_norm(cfg)
         self.lm_head = (
@@ -193,11 +191,11 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = lyr.embedding_lookup(self.embed[...], tokens)
+        x = self.embed(tokens)
         x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         x = self.norm(run_layers(cfg, self.layers, x))
         if self.lm_head is None:
-            return jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(x.dtype))
+            return self.embed.attend(x)  # tied: x @ embedding.T
         return x @ self.lm_head[...].astype(x.dtype)
 
 

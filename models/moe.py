@@ -199,9 +199,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = cfg.param_dtype
-        self.embed = lyr.param(
-            rngs, jax.nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model), ("vocab", "embed"), pd
-        )
+        self.embed = lyr.token_embed(cfg, rngs)  # table at embed/embedding
         self.layers = make_layers(cfg, rngs, MoEBlock)
         self.norm = rms_norm(cfg)
         self.lm_head = lyr.param(
@@ -210,7 +208,7 @@ class MoE(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
-        x = lyr.embedding_lookup(self.embed[...], tokens)
+        x = self.embed(tokens)
         x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         aux = jnp.zeros((), jnp.float32)
         if cfg.scan_layers:

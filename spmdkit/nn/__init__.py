@@ -16,7 +16,7 @@ LayerNorm          ``layer_norm``                          trailing reduction ax
 RMSNorm            ``rms_norm``                            trailing reduction axes
 GroupNorm          ``group_norm`` (channels last)          flax's NHWC layout
 BatchNorm          ``sync_batch_norm`` / ``batch_norm``    global statistics by default
-Embed              ``embedding``                           ``attend`` stays a matmul
+Embed              ``embedding``                           ``attend``: one matmul
 MultiHeadAttention ``attention`` (no mask, no dropout)     else flax's attention
 cross_entropy      ``softmax_cross_entropy``               integer labels, mean
 ================== ======================================= =============================

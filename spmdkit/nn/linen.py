@@ -16,7 +16,7 @@ LayerNorm          ``layer_norm``                          trailing reduction ax
 RMSNorm            ``rms_norm``                            trailing reduction axes
 GroupNorm          ``group_norm`` (channels last)          flax's NHWC layout
 BatchNorm          ``sync_batch_norm`` / ``batch_norm``    global statistics by default
-Embed              ``embedding``                           ``attend`` stays a matmul
+Embed              ``embedding``                           ``attend``: one matmul
 MultiHeadDot...    ``attention`` (no mask, no dropout)     else flax's attention
 ================== ======================================= =============================
 
@@ -44,6 +44,7 @@ from flax import linen as nn
 from spmdkit.errors import ShardingConflictError
 from spmdkit.nn import norms
 from spmdkit.nn.calls import call_op
+from spmdkit.nn.embedding import attend as attend_table
 from spmdkit.ops import attention, embedding_lookup
 
 __all__ = [
@@ -242,7 +243,10 @@ class Embed(nn.Embed):
 
     The table is ``params/embedding [num_embeddings, features]`` as in flax; a
     vocab-sharded table is looked up locally and masked, and the rows are summed
-    once. ``attend`` (tied output logits) is flax's matmul.
+    once. ``attend`` (tied output logits) is one matmul against the table
+    (:func:`spmdkit.nn.embedding.attend`): with ``dtype`` set both are cast to it as
+    in flax; with ``dtype=None`` the table is cast to the query's dtype (flax would
+    promote both to their common type, e.g. f32 logits for a bf16 query).
 
     Attributes:
       logical_axes: logical names of the table (default ``("vocab", "embed")``).
@@ -275,6 +279,16 @@ class Embed(nn.Embed):
             )
         table = self.embedding if self.dtype is None else self.embedding.astype(self.dtype)
         return call_op(embedding_lookup, table, inputs)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """Logits ``query [..., features] @ embedding.T`` (tied output projection),
+        in ``dtype`` if set, else in the query's dtype.
+
+        Example::
+
+            >>> logits = emb.apply(variables, h, method="attend")
+        """
+        return attend_table(query, self.embedding, self.dtype)
 
 
 def attention_fn(
