@@ -28,7 +28,11 @@ onto more, fewer or differently laid out devices never gathers a whole tensor on
 one device. Before reading, the target is checked against the saved metadata:
 missing or unexpected keys, different shapes, and different dtypes raise
 :class:`CheckpointMismatchError` naming every offending path (orbax itself would
-cast dtypes silently; pass ``allow_cast=True`` to ask for the cast). After
+cast dtypes silently; pass ``allow_cast=True`` to ask for the cast). A parameter
+that moved into a module since the save (the reference models' token table
+``embed`` is now ``sk.nn.Embed``'s ``embed/embedding``) is named as such in that
+error, and ``restore(rename={"embed": "embed/embedding"})`` reads it from its old
+path (every saved path ending in ``embed``, so the optimizer's moments too). After
 reading, each array's checksum is compared with the saved one, so a damaged file
 raises :class:`CheckpointCorruptedError` instead of yielding wrong values.
 """
@@ -209,6 +213,57 @@ def config_metadata(config: Any) -> dict[str, Any] | None:
 
 
 # -- paths, keys and checksums --------------------------------------------------
+
+_SKIP = object()
+
+
+def _saved_name(path: str, rename: Mapping[str, str] | None) -> str:
+    """The saved path a target leaf is read from: ``path`` with its longest suffix
+    among ``rename``'s values (whole components) replaced by that rule's key."""
+    best = None
+    for old, new in (rename or {}).items():
+        if (path == new or path.endswith("/" + new)) and (best is None or len(new) > len(best[1])):
+            best = (old, new)
+    return path if best is None else path[: len(path) - len(best[1])] + best[0]
+
+
+def _moved_into_modules(
+    missing: list[str], saved: Mapping[str, Any], target: Mapping[str, Any]
+) -> dict[str, tuple[tuple[str, str], str]]:
+    """Missing target paths whose parent path is a saved array of the same shape
+    (a parameter that became a module's): ``{target: ((old, new) suffixes, saved)}``."""
+    out = {}
+    for t in missing:
+        parts = t.split("/")
+        for i in range(len(parts) - 1, 0, -1):
+            s = "/".join(parts[:i])
+            if s in saved and s not in target and saved[s].shape == tuple(target[t].shape):
+                out[t] = ((parts[i - 1], "/".join(parts[i - 1 :])), s)
+                break
+    return out
+
+
+def _prune(op: str, tree: Any) -> Any:
+    """``tree`` without its :data:`_SKIP` leaves (dict entries dropped; a list or
+    tuple keeps all its saved elements or none: orbax restores sequences whole)."""
+    if isinstance(tree, Mapping):
+        kept = {k: _prune(op, v) for k, v in tree.items()}
+        kept = {k: v for k, v in kept.items() if v is not _SKIP}
+        return kept if kept else _SKIP
+    if isinstance(tree, (list, tuple)):
+        kept = [_prune(op, v) for v in tree]
+        data = [v for v in kept if v is not None]  # None: nothing saved there
+        if all(v is _SKIP for v in data):
+            return _SKIP
+        if any(v is _SKIP for v in data):
+            raise CheckpointError(
+                op=op,
+                must="a rename restore reads a saved list or tuple whole",
+                given="the target holds only some elements of a saved sequence",
+                fix="put every element of that sequence in the target, or restore without rename",
+            )
+        return type(tree)(kept) if isinstance(tree, list) else tuple(kept)
+    return tree
 
 
 def _key_str(k: Any) -> str:
@@ -844,6 +899,7 @@ class Manager:
         partial: bool = False,
         allow_cast: bool = False,
         items: Sequence[str] | None = None,
+        rename: Mapping[str, str] | None = None,
     ) -> Restored:
         """Restore a checkpoint onto the layout ``target`` describes.
 
@@ -857,6 +913,13 @@ class Manager:
           items: restore only these top-level keys of a dict ``target`` (the others
             are neither read nor returned), e.g. ``("params",)`` to put saved
             weights into a fresh optimizer; implies ``partial=True``.
+          rename: ``{saved suffix: target suffix}`` for paths renamed since the save:
+            a target leaf whose path ends in a target suffix (whole ``/``-separated
+            components) is read from the saved path ending in the saved suffix
+            instead. ``{"embed": "embed/embedding"}`` restores a checkpoint of a
+            reference model saved before its token table became ``sk.nn.Embed``
+            (``params/embed`` into ``params/embed/embedding``, and the same for
+            every optimizer-state mirror of it).
 
         Returns:
           :class:`Restored` with the state and its metadata.
@@ -872,14 +935,19 @@ class Manager:
         step = self._resolve(step, op)
         meta = self._metadata(step)
         saved = self._saved_shapes(step, meta)
-        flat_target = _flat(target)
-        self._check(op, saved, flat_target, partial=partial, allow_cast=allow_cast)
-        for path, x in flat_target.items():
+        target_flat = _flat(target)
+        for path, x in target_flat.items():
             check_target_leaf(op, path, x)
+        names = {p: _saved_name(p, rename) for p in target_flat}  # target → saved path
+        flat_target = {names[p]: x for p, x in target_flat.items()}
+        self._check(op, saved, flat_target, partial=partial, allow_cast=allow_cast)
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-        paths = [_path(p) for p, _ in paths_leaves]
+        paths = [names[_path(p)] for p, _ in paths_leaves]
         zero = set(meta.get("zero_size", {})) & set(paths)
-        flat_state = self._read(op, step, meta, target, zero, partial=partial)
+        if rename:
+            flat_state = self._read_renamed(op, step, meta, flat_target, zero)
+        else:
+            flat_state = self._read(op, step, meta, target, zero, partial=partial)
         if self.verify and meta.get("checksums"):
             self._verify(op, step, meta["checksums"], flat_state, saved, flat_target)
         key_info = meta.get("prng_keys", {})
@@ -934,6 +1002,58 @@ class Manager:
             ) from e
         return _flat(out["state"])
 
+    def _read_renamed(
+        self, op: str, step: int, meta: dict[str, Any], flat_target: dict[str, Any], zero: set
+    ) -> dict[str, Any]:
+        """Like :meth:`_read` for a target whose paths differ from the saved ones:
+        the arrays are read in the saved tree's structure (from the checkpoint's
+        own metadata), each laid out as the target leaf it goes to (``flat_target``
+        is keyed by saved path)."""
+        key_info = meta.get("prng_keys", {})
+        try:
+            tree = self._mgr.item_metadata(step)["state"].tree
+        except Exception as e:
+            raise CheckpointCorruptedError(
+                op=op,
+                must="the checkpoint's array metadata is readable",
+                given=f"step {step} in {self.directory}: {type(e).__name__}: {e}",
+                fix="restore an older step (all_steps()) or delete this one",
+            ) from e
+
+        def leaf(path: tuple, m: Any) -> Any:
+            name = _path(path)
+            if name in zero or name not in flat_target:
+                return _SKIP
+            x = flat_target[name]
+            if name in key_info:
+                shape = jax.eval_shape(jax.random.key_data, x).shape
+                return jax.ShapeDtypeStruct(shape, jnp.uint32, sharding=x.sharding)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        raw = _prune(op, jax.tree_util.tree_map_with_path(leaf, tree))
+        if raw is _SKIP or not jax.tree.leaves(raw):
+            return {}
+        try:
+            out = self._mgr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        raw,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(raw),
+                        partial_restore=True,
+                    ),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        except Exception as e:
+            raise CheckpointCorruptedError(
+                op=op,
+                must="the checkpoint's array files are readable",
+                given=f"step {step} in {self.directory}: {type(e).__name__}: {str(e)[:300]}",
+                fix="restore an older step (all_steps()) or delete this one",
+            ) from e
+        return _flat(out["state"])
+
     def _check(
         self,
         op: str,
@@ -945,6 +1065,19 @@ class Manager:
     ) -> None:
         missing = sorted(set(target) - set(saved))
         if missing:
+            moved = _moved_into_modules(missing, saved, target)
+            if moved:
+                rules = {old: new for (old, new), _ in moved.values()}
+                raise CheckpointMismatchError(
+                    op=op,
+                    must="every target key exists in the checkpoint",
+                    given=f"not in the checkpoint: {_listing(missing)}; saved under the "
+                    "path they had before moving into a module: "
+                    + _listing([f"{s} -> {t}" for t, (_, s) in moved.items()]),
+                    fix=f"restore(..., rename={rules!r}) reads them from the "
+                    "old paths (e.g. the reference models' token table, now sk.nn.Embed: "
+                    "rename={'embed': 'embed/embedding'})",
+                )
             raise CheckpointMismatchError(
                 op=op,
                 must="every target key exists in the checkpoint",

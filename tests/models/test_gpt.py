@@ -17,14 +17,14 @@ def test_tied_embeddings_are_the_output_projection(tiny):
     names = {p[-1] for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     assert "lm_head" not in names
     a = jnp.array([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 6]], jnp.int32)
-    table = model.embed[...]
+    table = model.embed.embedding[...]
     try:
-        model.embed[...] = table.at[7].set(0.0)
+        model.embed.embedding[...] = table.at[7].set(0.0)
         zero_row = _forward(model, a)
-        model.embed[...] = table.at[7].set(1.0)
+        model.embed.embedding[...] = table.at[7].set(1.0)
         one_row = _forward(model, a)
     finally:
-        model.embed[...] = table
+        model.embed.embedding[...] = table
     # Token 7 never occurs in the input: only its output logit can change.
     diff = np.abs(np.asarray(one_row - zero_row)).max(axis=(0, 1))
     assert diff[7] > 0 and np.all(np.delete(diff, 7) == 0)
@@ -36,7 +36,7 @@ def test_tied_embeddings_are_the_output_projection(tiny):
 
 def test_param_layout(tiny):
     _, cfg, model = tiny("gpt")
-    assert model.embed.get_metadata()["out_sharding"] == ("vocab", "embed")
+    assert model.embed.embedding.get_metadata()["out_sharding"] == ("vocab", "embed")
     assert model.pos.get_metadata()["out_sharding"] == ("pos", "embed")
     wq = model.blocks[0].attn.wq
     assert wq.shape == (cfg.d_model, cfg.n_heads, cfg.head_dim)

@@ -15,8 +15,8 @@ def test_linen_init_gives_logically_partitioned_boxes():
     module = gpt_linen.GPTLinen(gpt.GPTConfig())
     boxes = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
     params = boxes["params"]
-    assert isinstance(params["embed"], nn.LogicallyPartitioned)
-    assert params["embed"].names == ("vocab", "embed")
+    assert isinstance(params["embed"]["embedding"], nn.LogicallyPartitioned)
+    assert params["embed"]["embedding"].names == ("vocab", "embed")
     specs = nn.get_partition_spec(params)
     assert tuple(specs["block_0"]["wq"]) == ("embed", "heads", "head_dim")
 

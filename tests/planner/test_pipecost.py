@@ -135,7 +135,7 @@ def _cost(tiny: tuple, config: Pipeline, topology: Topology, **axes: int) -> sk.
 def test_every_stage_holds_its_layers_and_the_ends(tiny: tuple) -> None:
     _, trace, groups, where = tiny
     kinds = dict(zip((g.key for g in groups), where, strict=True))
-    assert kinds["embed"] == "first" and kinds["lm_head"] == "last"
+    assert kinds["embed/embedding"] == "first" and kinds["lm_head"] == "last"
     c = _cost(tiny, Pipeline(2, 4, "1f1b"), Topology.h100(), pipe=2, data=4)
     # the executor runs only each tick's own branch, on a data axis too
     acts = activation_bytes(trace, Pipeline(2, 4, "1f1b"), "none", (), 1 / 16, 1 / 16, masked=False)

@@ -23,7 +23,7 @@ def test_megatron_on_the_other_axes_and_layers_over_pipe():
     assert p.pipeline == pipe
     assert p.params["layers/attn/wq"] == P("pipe", None, "model")
     assert p.opt["layers/attn/wq"] == P("pipe", None, "model")
-    assert p.params["embed"] == P("model")  # not stacked: replicated over pipe
+    assert p.params["embed/embedding"] == P("model")  # not stacked: replicated over pipe
     assert p.activation["batch"] == ("data",)
     assert "pipeline: pp2 1f1b m4" in p.table()
     assert Plan.from_json(p.to_json(), mesh=p.mesh) == p
@@ -33,14 +33,14 @@ def test_fsdp_keeps_the_layer_dim_for_the_pipe_axis():
     p = _plan("llama", "fsdp", Pipeline(stages=2, microbatches=2), pipe=2, data=2, model=2)
     spec = p.params["layers/attn/wq"]
     assert spec[0] == "pipe" and "pipe" not in str(spec[1:])
-    assert "pipe" not in str(p.params["embed"])
+    assert "pipe" not in str(p.params["embed/embedding"])
 
 
 def test_pipe_axis_alone():
     pipe = Pipeline(stages=2, microbatches=4, virtual=2, schedule="interleaved")
     p = _plan("gpt", "dp", pipe, pipe=2)
     assert p.params["blocks/fc/kernel"] == P("pipe")
-    assert p.params["embed"] == P()
+    assert p.params["embed/embedding"] == P()
     assert p.activation["batch"] == ()
 
 

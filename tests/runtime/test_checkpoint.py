@@ -535,3 +535,43 @@ def test_items_and_config_params_only_save_and_restore(tmp_path, saved, mesh2d):
         "class": None,
         "value": {"dtype": "bfloat16", "d": "int8", "s": [1, 2]},
     }
+
+
+@pytest.mark.slow
+def test_a_table_moved_into_a_module_restores_with_rename(tmp_path, mesh2d):
+    # saved before the token table became sk.nn.Embed: params/embed (and its moments)
+    import optax
+
+    table = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8)
+    old_params = {"embed": table, "blocks": [{"w": jnp.ones(8)}, {"w": jnp.zeros(8)}]}
+    old = {"params": old_params, "opt_state": optax.adam(1e-3).init(old_params)}
+    old["opt_state"][0].mu["embed"] = table + 1.0
+    with Manager(tmp_path) as mgr:
+        mgr.save(1, {**old, "rng": jax.random.key(3)}, force=True)
+        mgr.wait()
+
+    def moved(tree):  # the new layout: embed/embedding
+        return {**tree, "embed": {"embedding": tree["embed"]}}
+
+    new_params = moved(old_params)
+    opt = old["opt_state"][0]
+    new = {
+        "params": new_params,
+        "opt_state": (opt._replace(mu=moved(opt.mu), nu=moved(opt.nu)), old["opt_state"][1]),
+        "rng": jax.random.key(3),
+    }
+    target = _target(new, mesh2d, {"params/embed/embedding": P("a", "b")})
+    mgr = Manager(tmp_path)
+    with pytest.raises(CheckpointMismatchError) as e:
+        mgr.restore(target=target)
+    message = str(e.value)
+    assert "params/embed -> params/embed/embedding" in message
+    assert "rename={'embed': 'embed/embedding'}" in message
+    r = mgr.restore(target=target, rename={"embed": "embed/embedding"})
+    _equal(r.state, new)
+    assert r.state["params"]["embed"]["embedding"].sharding.spec == P("a", "b")
+    np.testing.assert_array_equal(r.state["opt_state"][0].mu["embed"]["embedding"], table + 1.0)
+    # params only, into a fresh optimizer
+    r = mgr.restore(target=target, items=("params",), rename={"embed": "embed/embedding"})
+    assert set(r.state) == {"params"}
+    _equal(r.state["params"], new_params)
