@@ -100,7 +100,9 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
         params = init_sharded(info, p)
         step = jit(sk.value_and_grad(info.loss_fn, p), p)  # the plan's recipe applied
         result = p.verify(step, params, batch)
-        ops = _op_strategies(step.program(params, batch)[1])
+        # the plan table's ops section names each composite op's strategy; a plan
+        # costed without propagation has none, so the compiled program's are listed
+        ops = "" if getattr(p.cost, "ops", None) else _op_strategies(step, params, batch)
     except SpmdError as e:
         sys.stderr.write(f"spmdkit report: {e}\n")
         return 2
@@ -108,10 +110,10 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
     return 0 if result.ok else 1
 
 
-def _op_strategies(prop: Any) -> str:
-    """One line naming the strategy propagation chose per composite op (its
-    regions), e.g. ``ops (strategy): softmax_cross_entropy vocab_parallel``."""
-    chosen = prop.region_strategies()
+def _op_strategies(step: Any, params: Any, batch: Any) -> str:
+    """One line naming the strategy the step's propagation chose per composite op
+    (its regions), e.g. ``ops (strategy): softmax_cross_entropy vocab_parallel``."""
+    chosen = step.program(params, batch)[1].region_strategies()
     if not chosen:
         return ""
     text = ", ".join(
