@@ -176,15 +176,36 @@ class MemoryEstimate:
 
 
 def _lifetimes(
-    graph: Graph, prog: FlatProgram, fuse: bool, duplicate: bool
+    graph: Graph,
+    prog: FlatProgram,
+    fuse: bool,
+    duplicate: bool,
+    copy_reads: Mapping[int, Mapping[int, int]] | None = None,
+    aliases: Mapping[int, int] | None = None,
 ) -> tuple[dict[int, int], set[int]]:
     """(value id → index of the node that reads it last, the ids of values fused
-    into their consumers and never materialized); see :func:`_temp_peak`."""
+    into their consumers and never materialized); see :func:`_temp_peak`.
+
+    ``copy_reads``: node index → {value id: index of the node whose collective
+    made the resharded copy the node reads instead of the value}. A collective
+    reads a materialized buffer (the value is never fused), and a node that
+    reads a copy made before it does not keep the value alive: the copy is
+    what lives on (the resharded copies' own lifetimes, ``transient``).
+    ``aliases``: result id → operand id of nodes whose result is their operand's
+    buffer (a layout constraint that changes nothing): the operand lives as long
+    as the result, and the result takes no buffer of its own (it is reported
+    as fused)."""
     last: dict[int, int] = {}
     consumers: dict[int, set[str]] = {}
     readers: dict[int, int] = {}
+    collected: set[int] = set()
     for i, node in enumerate(graph.nodes):
+        via = copy_reads.get(i, {}) if copy_reads else {}
         for v in set(node.ins):
+            if v in via:
+                collected.add(v)
+                if via[v] < i:
+                    continue
             last[v] = i
             consumers.setdefault(v, set()).add(node.prim)
             readers[v] = readers.get(v, 0) + 1
@@ -199,6 +220,7 @@ def _lifetimes(
             and (readers[o] == 1 or (duplicate and node.prim not in _EXPENSIVE))
         }
         - set(graph.outvars)
+        - collected
         if fuse
         else set()
     )
@@ -220,13 +242,19 @@ def _lifetimes(
     # put them.
     for i in range(len(graph.nodes) - 1, -1, -1):
         node = graph.nodes[i]
+        for o in node.outs:
+            if aliases and o in aliases and o in last:
+                v = aliases[o]
+                last[v] = max(last.get(v, i), last[o])
+                fused.add(o)
         if node.backward:
             continue
         for o in node.outs:
             j = last.get(o, end)
             if o in fused and j < end and graph.nodes[j].backward:
                 for v in node.ins:
-                    last[v] = max(last.get(v, i), last[o])
+                    if v not in (copy_reads or {}).get(i, ()):  # it reads a copy
+                        last[v] = max(last.get(v, i), last[o])
     return last, fused
 
 
@@ -250,18 +278,25 @@ class _Copies:
         self.during[i] = self.during.get(i, 0) + nbytes
 
 
-def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> None:
+def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> dict[int, dict[int, int]]:
     """The transposed input copies of :func:`_transposes_input` equations: each is
     made as soon as its operand exists (right after its producer, whose operands
     and resharded copies are then gone — measured: a concatenation's output is
     copied after the concatenation's inputs are freed — or at the start for an
-    input of the graph) and freed after the equation reading it."""
+    input of the graph) and freed after the equation reading it. Returns where
+    each was made, as :func:`_lifetimes`' ``copy_reads``: the equation reads the
+    copy, so the operand itself is freed after its other readers (the forward
+    convolution)."""
     producer = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
+    reads: dict[int, dict[int, int]] = {}
     for i, node in enumerate(graph.nodes):
         if _transposes_input(node):
             v = node.ins[0]
             first = min(producer[v] + 1, i) if v in producer else 0
             out.hold(first, i, nbytes(v))
+            if node.ins.count(v) == 1:
+                reads[i] = {v: first}
+    return reads
 
 
 @dataclass(frozen=True)
@@ -373,6 +408,7 @@ def _temp_peak(
     widen: Mapping[np.dtype, np.dtype] | None = None,
     inner: Mapping[int, int] | None = None,
     cpu: bool = False,
+    copy_reads: Mapping[int, Mapping[int, int]] | None = None,
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
@@ -381,8 +417,13 @@ def _temp_peak(
     materialized once. ``widen``: dtype → the dtype its values are held in.
     ``inner``: ``id(node)`` → the temporaries a node holds
     while it runs (a region's own program), in this graph or a nested body.
-    ``cpu``: add XLA:CPU's workspaces (:func:`select_and_scatter_workspace`)."""
-    last, fused = _lifetimes(graph, prog, fuse, duplicate)
+    ``cpu``: add XLA:CPU's workspaces (:func:`select_and_scatter_workspace`).
+    ``copy_reads``: node index → {value id: where its resharded copy that the
+    node reads was made} (:func:`_lifetimes`).
+
+    A node that reshards an operand runs in two steps: its collectives (the
+    operand and its new copy both live, the node's results not yet made), then
+    the node itself (an operand that only the collective read is freed)."""
     cache: dict[int, int] = dict.fromkeys(_narrowed(graph, prog, widen), 0) if widen else {}
 
     def layout(v: int) -> TensorSpec:
@@ -401,9 +442,14 @@ def _temp_peak(
 
     frees: dict[int, list[int]] = {}
     copies = _Copies()
-    _transposed_copies(graph, nbytes, copies)
+    transposed = _transposed_copies(graph, nbytes, copies)
     if cpu:
         _scatter_workspaces(graph, layout, mesh, copies)
+    copy_reads = {
+        i: {**transposed.get(i, {}), **(copy_reads or {}).get(i, {})}
+        for i in set(transposed) | set(copy_reads or {})
+    }
+    last, fused = _lifetimes(graph, prog, fuse, duplicate, copy_reads, _aliases(graph, spec))
     live = peak = 0
     for i, node in enumerate(graph.nodes):
         live += copies.born.get(i, 0)
@@ -430,17 +476,35 @@ def _temp_peak(
                     cpu=cpu,
                 ),
             )
-        live += born
         extra = transient[i] if transient is not None and i < len(transient) else 0
         extra += copies.during.get(i, 0)
         if inner:
             # a region's temporaries live beside its resharded operands
             extra += inner.get(id(node), 0)
-        peak = max(peak, live + max(body, extra))
-        for v in frees.pop(i, ()):
-            live -= nbytes(v)
+        gone = frees.pop(i, [])
+        via = copy_reads.get(i, {})
+        collected = sum(nbytes(v) for v in gone if via.get(v) == i)
+        # the collectives (operands and new copies), then the node (results, copies)
+        peak = max(peak, live + extra, live - collected + born + max(body, extra))
+        live += born - sum(nbytes(v) for v in gone)
         live -= copies.freed.get(i, 0)
     return peak
+
+
+#: Primitives whose result is their operand when the layouts agree (no buffer).
+_LAYOUT_ONLY = frozenset({"sharding_constraint", "reshard"})
+
+
+def _aliases(graph: Graph, spec: Mapping[int, TensorSpec]) -> dict[int, int]:
+    """Result id → operand id of layout constraints that leave their operand's
+    layout as it is: XLA drops them, the result is the operand's buffer."""
+    out = {}
+    for node in graph.nodes:
+        if node.prim in _LAYOUT_ONLY and len(node.ins) == len(node.outs) == 1:
+            a, b = spec.get(node.ins[0]), spec.get(node.outs[0])
+            if a is None or b is None or (a.dims, a.partial) == (b.dims, b.partial):
+                out[node.outs[0]] = node.ins[0]
+    return out
 
 
 def _narrowed(graph: Graph, prog: FlatProgram, widen: Mapping[np.dtype, np.dtype]) -> set[int]:
@@ -471,6 +535,7 @@ def liveness(
     widen: Mapping[np.dtype, np.dtype] | None = None,
     inner: Mapping[int, int] | None = None,
     cpu: bool = False,
+    copy_reads: Mapping[int, Mapping[int, int]] | None = None,
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagation`).
 
@@ -493,6 +558,11 @@ def liveness(
         results (a region's own program: :func:`program_temp_bytes`).
       cpu: add the workspaces XLA's CPU backend takes where it expands an op
         (a max pool's gradient: :func:`select_and_scatter_workspace`).
+      copy_reads: node index → {value id: index of the node whose collective
+        made the resharded copy of it that the node reads}: the value is
+        materialized for the collective, freed once no node reads it in its own
+        layout (its copies live in ``transient``), and one that only the
+        collective of node ``i`` reads is freed before node ``i``'s results are made.
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -541,6 +611,7 @@ def liveness(
         widen=widen,
         inner=inner,
         cpu=cpu,
+        copy_reads=copy_reads,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias
