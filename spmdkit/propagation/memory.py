@@ -188,7 +188,8 @@ def _lifetimes(
 
     ``copy_reads``: node index → {value id: index of the node whose collective
     made the resharded copy the node reads instead of the value}. A collective
-    reads a materialized buffer (the value is never fused), and a node that
+    reads a materialized buffer (a computed value is never fused; a transpose
+    or reshape is, XLA lays its operand out for the collective), and a node that
     reads a copy made before it does not keep the value alive: the copy is
     what lives on (the resharded copies' own lifetimes, ``transient``).
     ``aliases``: result id → operand id of nodes whose result is their operand's
@@ -198,12 +199,14 @@ def _lifetimes(
     last: dict[int, int] = {}
     consumers: dict[int, set[str]] = {}
     readers: dict[int, int] = {}
+    copy_reads_values = {v for via in (copy_reads or {}).values() for v in via}
     collected: set[int] = set()
     for i, node in enumerate(graph.nodes):
         via = copy_reads.get(i, {}) if copy_reads else {}
+        if node.prim not in _MOVES_ONLY:
+            collected.update(o for o in node.outs if o in copy_reads_values)
         for v in set(node.ins):
             if v in via:
-                collected.add(v)
                 if via[v] < i:
                     continue
             last[v] = i
@@ -490,6 +493,9 @@ def _temp_peak(
         live -= copies.freed.get(i, 0)
     return peak
 
+
+#: Primitives that only move elements: fused into a collective that reads them.
+_MOVES_ONLY = frozenset({"transpose", "reshape", "squeeze", "broadcast_in_dim"})
 
 #: Primitives whose result is their operand when the layouts agree (no buffer).
 _LAYOUT_ONLY = frozenset({"sharding_constraint", "reshard"})
