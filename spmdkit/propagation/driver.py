@@ -45,7 +45,7 @@ from spmdkit.propagation.graph import (
     trace_with_tree,
     uses,
 )
-from spmdkit.propagation.memory import liveness
+from spmdkit.propagation.memory import CopyRead, liveness
 from spmdkit.propagation.pinning import Program, pins
 from spmdkit.propagation.pricing import steps_flops
 from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
@@ -293,7 +293,7 @@ def _memory(
     roles: Mapping[int, str],
     widen: Mapping | None = None,
     cpu: bool = False,
-    copy_reads: Mapping[int, Mapping[int, int]] | None = None,
+    copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
 ) -> Any:
     """The liveness estimate (``duplicate``, ``widen``, ``cpu``, ``copy_reads``: see
     :func:`liveness`). The regions'
@@ -321,26 +321,26 @@ def _memory(
     )
 
 
-def _copy_reads(steps: Sequence[Step], recorder: Recorder) -> dict[int, dict[int, int]]:
-    """Top-level node index → {value id: index of the node whose collective made
-    the resharded copy (``recorder.held``) the node reads in its place}, for the
-    operands a node reads only through such a copy (an operand it also reads as
-    it is, or resharded without a collective, a slice, is read itself)."""
+def _copy_reads(steps: Sequence[Step], recorder: Recorder) -> dict[int, dict[int, CopyRead]]:
+    """Top-level node index → {value id: the resharded copy (``recorder.held``)
+    the node reads in its place}, for the operands a node reads only through such
+    a copy (an operand it also reads as it is, or resharded without a
+    collective, a slice, is read itself)."""
     made = {
-        (num, layout.dims, layout.partial): first
-        for (num, layout), (first, _, _) in recorder.held.items()
+        (num, layout.dims, layout.partial): CopyRead(first, last, layout)
+        for (num, layout), (first, last, _) in recorder.held.items()
     }
-    out: dict[int, dict[int, int]] = {}
+    out: dict[int, dict[int, CopyRead]] = {}
     for i, step in enumerate(steps):
         own: set[int] = set()
-        via: dict[int, int] = {}
+        via: dict[int, CopyRead] = {}
         for v, s, r in zip(step.node.ins, step.given, step.required, strict=True):
             key = (recorder.numbers.of(v), r.dims, r.partial)
             if (s.dims, s.partial) == (r.dims, r.partial) or key not in made:
                 own.add(v)
             else:
                 via[v] = made[key]
-        via = {v: m for v, m in via.items() if v not in own}
+        via = {v: c for v, c in via.items() if v not in own}
         if via:
             out[i] = via
     return out

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -55,6 +55,7 @@ from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
 
 __all__ = [
+    "CopyRead",
     "MemoryEstimate",
     "ScatterWorkspace",
     "estimate_memory",
@@ -175,19 +176,35 @@ class MemoryEstimate:
         )
 
 
+class CopyRead(NamedTuple):
+    """A copy of a value that a node reads in the value's place.
+
+    Attributes:
+      made: the index of the node whose collective (or transpose) makes it.
+      last: the index of the last node that reads it.
+      spec: its layout (None: never extended past ``last``).
+    """
+
+    made: int
+    last: int
+    spec: TensorSpec | None = None
+
+
 def _lifetimes(
     graph: Graph,
     prog: FlatProgram,
     fuse: bool,
     duplicate: bool,
-    copy_reads: Mapping[int, Mapping[int, int]] | None = None,
+    copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     aliases: Mapping[int, int] | None = None,
-) -> tuple[dict[int, int], set[int]]:
+) -> tuple[dict[int, int], set[int], dict[CopyRead, int]]:
     """(value id → index of the node that reads it last, the ids of values fused
-    into their consumers and never materialized); see :func:`_temp_peak`.
+    into their consumers and never materialized, copies read by a forward value
+    that a backward node recomputes → the index they must live to); see
+    :func:`_temp_peak`.
 
-    ``copy_reads``: node index → {value id: index of the node whose collective
-    made the resharded copy the node reads instead of the value}. A collective
+    ``copy_reads``: node index → {value id: the resharded copy the node reads
+    instead of the value (:class:`CopyRead`)}. A collective
     reads a materialized buffer (a computed value is never fused; a transpose
     or reshape is, XLA lays its operand out for the collective), and a node that
     reads a copy made before it does not keep the value alive: the copy is
@@ -206,9 +223,8 @@ def _lifetimes(
         if node.prim not in _MOVES_ONLY:
             collected.update(o for o in node.outs if o in copy_reads_values)
         for v in set(node.ins):
-            if v in via:
-                if via[v] < i:
-                    continue
+            if v in via and via[v].made < i:
+                continue
             last[v] = i
             consumers.setdefault(v, set()).add(node.prim)
             readers[v] = readers.get(v, 0) + 1
@@ -243,6 +259,7 @@ def _lifetimes(
     # their roots). Other fused values are not extended: XLA schedules their
     # consumers' fusions where the operands are ready, wherever the program order
     # put them.
+    extended: dict[CopyRead, int] = {}
     for i in range(len(graph.nodes) - 1, -1, -1):
         node = graph.nodes[i]
         for o in node.outs:
@@ -255,10 +272,14 @@ def _lifetimes(
         for o in node.outs:
             j = last.get(o, end)
             if o in fused and j < end and graph.nodes[j].backward:
+                via = copy_reads.get(i, {}) if copy_reads else {}
                 for v in node.ins:
-                    if v not in (copy_reads or {}).get(i, ()):  # it reads a copy
+                    if v in via:  # recomputed from the copy it reads: the copy lives on
+                        c = via[v]
+                        extended[c] = max(extended.get(c, c.last), last[o])
+                    else:
                         last[v] = max(last.get(v, i), last[o])
-    return last, fused
+    return last, fused, extended
 
 
 @dataclass
@@ -281,7 +302,7 @@ class _Copies:
         self.during[i] = self.during.get(i, 0) + nbytes
 
 
-def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> dict[int, dict[int, int]]:
+def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> dict[int, dict[int, CopyRead]]:
     """The transposed input copies of :func:`_transposes_input` equations: each is
     made as soon as its operand exists (right after its producer, whose operands
     and resharded copies are then gone — measured: a concatenation's output is
@@ -291,14 +312,14 @@ def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> dict[int, dic
     copy, so the operand itself is freed after its other readers (the forward
     convolution)."""
     producer = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
-    reads: dict[int, dict[int, int]] = {}
+    reads: dict[int, dict[int, CopyRead]] = {}
     for i, node in enumerate(graph.nodes):
         if _transposes_input(node):
             v = node.ins[0]
             first = min(producer[v] + 1, i) if v in producer else 0
             out.hold(first, i, nbytes(v))
             if node.ins.count(v) == 1:
-                reads[i] = {v: first}
+                reads[i] = {v: CopyRead(first, i)}
     return reads
 
 
@@ -411,7 +432,7 @@ def _temp_peak(
     widen: Mapping[np.dtype, np.dtype] | None = None,
     inner: Mapping[int, int] | None = None,
     cpu: bool = False,
-    copy_reads: Mapping[int, Mapping[int, int]] | None = None,
+    copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
@@ -421,8 +442,8 @@ def _temp_peak(
     ``inner``: ``id(node)`` → the temporaries a node holds
     while it runs (a region's own program), in this graph or a nested body.
     ``cpu``: add XLA:CPU's workspaces (:func:`select_and_scatter_workspace`).
-    ``copy_reads``: node index → {value id: where its resharded copy that the
-    node reads was made} (:func:`_lifetimes`).
+    ``copy_reads``: node index → {value id: the resharded copy the node reads in
+    its place} (:func:`_lifetimes`).
 
     A node that reshards an operand runs in two steps: its collectives (the
     operand and its new copy both live, the node's results not yet made), then
@@ -444,15 +465,11 @@ def _temp_peak(
         return b
 
     frees: dict[int, list[int]] = {}
-    copies = _Copies()
-    transposed = _transposed_copies(graph, nbytes, copies)
-    if cpu:
-        _scatter_workspaces(graph, layout, mesh, copies)
-    copy_reads = {
-        i: {**transposed.get(i, {}), **(copy_reads or {}).get(i, {})}
-        for i in set(transposed) | set(copy_reads or {})
-    }
-    last, fused = _lifetimes(graph, prog, fuse, duplicate, copy_reads, _aliases(graph, spec))
+    copies, copy_reads = _workspaces(graph, layout, nbytes, mesh, cpu, copy_reads)
+    last, fused, extended = _lifetimes(
+        graph, prog, fuse, duplicate, copy_reads, _aliases(graph, spec)
+    )
+    _extend_copies(extended, mesh, widen, copies)
     live = peak = 0
     for i, node in enumerate(graph.nodes):
         live += copies.born.get(i, 0)
@@ -462,10 +479,8 @@ def _temp_peak(
                 continue
             born += nbytes(o)
             frees.setdefault(last.get(o, i), []).append(o)
-        body = 0
-        for sub in node.subs:
-            body = max(
-                body,
+        body = max(
+            (
                 _temp_peak(
                     sub,
                     spec,
@@ -477,8 +492,11 @@ def _temp_peak(
                     widen=widen,
                     inner=inner,
                     cpu=cpu,
-                ),
-            )
+                )
+                for sub in node.subs
+            ),
+            default=0,
+        )
         extra = transient[i] if transient is not None and i < len(transient) else 0
         extra += copies.during.get(i, 0)
         if inner:
@@ -486,12 +504,50 @@ def _temp_peak(
             extra += inner.get(id(node), 0)
         gone = frees.pop(i, [])
         via = copy_reads.get(i, {})
-        collected = sum(nbytes(v) for v in gone if via.get(v) == i)
+        collected = sum(nbytes(v) for v in gone if v in via and via[v].made == i)
         # the collectives (operands and new copies), then the node (results, copies)
         peak = max(peak, live + extra, live - collected + born + max(body, extra))
         live += born - sum(nbytes(v) for v in gone)
         live -= copies.freed.get(i, 0)
     return peak
+
+
+def _workspaces(
+    graph: Graph,
+    layout: Any,
+    nbytes: Any,
+    mesh: MeshLike,
+    cpu: bool,
+    copy_reads: Mapping[int, Mapping[int, CopyRead]] | None,
+) -> tuple[_Copies, dict[int, dict[int, CopyRead]]]:
+    """The backend's own buffers (transposed convolution inputs; on XLA:CPU, the
+    max-pool gradient's workspace) and ``copy_reads`` with the transposed copies."""
+    copies = _Copies()
+    transposed = _transposed_copies(graph, nbytes, copies)
+    if cpu:
+        _scatter_workspaces(graph, layout, mesh, copies)
+    reads = {
+        i: {**transposed.get(i, {}), **(copy_reads or {}).get(i, {})}
+        for i in set(transposed) | set(copy_reads or {})
+    }
+    return copies, reads
+
+
+def _extend_copies(
+    extended: Mapping[CopyRead, int],
+    mesh: MeshLike,
+    widen: Mapping[np.dtype, np.dtype] | None,
+    out: _Copies,
+) -> None:
+    """Hold each resharded copy a backward node recomputes a forward value from
+    (:func:`_lifetimes`) from after its own last reader to that node."""
+    for c, j in extended.items():
+        if c.spec is None or j <= c.last:
+            continue
+        s = c.spec
+        if widen and s.dtype in widen:
+            s = s.replace(dtype=widen[s.dtype])
+        out.hold(c.last + 1, j, s.local_bytes(mesh))
 
 
 #: Primitives that only move elements: fused into a collective that reads them.
@@ -541,7 +597,7 @@ def liveness(
     widen: Mapping[np.dtype, np.dtype] | None = None,
     inner: Mapping[int, int] | None = None,
     cpu: bool = False,
-    copy_reads: Mapping[int, Mapping[int, int]] | None = None,
+    copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagation`).
 
@@ -564,11 +620,12 @@ def liveness(
         results (a region's own program: :func:`program_temp_bytes`).
       cpu: add the workspaces XLA's CPU backend takes where it expands an op
         (a max pool's gradient: :func:`select_and_scatter_workspace`).
-      copy_reads: node index → {value id: index of the node whose collective
-        made the resharded copy of it that the node reads}: the value is
-        materialized for the collective, freed once no node reads it in its own
-        layout (its copies live in ``transient``), and one that only the
-        collective of node ``i`` reads is freed before node ``i``'s results are made.
+      copy_reads: node index → {value id: the resharded copy of it that the
+        node reads (:class:`CopyRead`)}: the value is materialized for the
+        collective, freed once no node reads it in its own layout (its copies
+        live in ``transient``; one that a backward node recomputes a forward
+        value from lives on to it), and one that only the collective of node
+        ``i`` reads is freed before node ``i``'s results are made.
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
