@@ -45,7 +45,7 @@ from spmdkit.propagation.graph import (
     trace_with_tree,
     uses,
 )
-from spmdkit.propagation.memory import liveness
+from spmdkit.propagation.memory import CopyRead, liveness
 from spmdkit.propagation.pinning import Program, pins
 from spmdkit.propagation.pricing import steps_flops
 from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
@@ -256,6 +256,8 @@ def _memory_fn(
     propagated program (see :func:`_memory`); ``cpu`` also makes the copies of
     batch-independent values at the start (:func:`_transient`)."""
 
+    reads = _copy_reads(collect, recorder)
+
     def memory(duplicate: bool, widen: Mapping | None = None, cpu: bool = False) -> Any:
         early = _batch_free(graph, roles) if cpu else None
         transient = _transient(recorder.held, len(graph.nodes), mesh, widen, early)
@@ -272,6 +274,7 @@ def _memory_fn(
             roles,
             widen,
             cpu,
+            reads,
         )
 
     return memory
@@ -290,8 +293,10 @@ def _memory(
     roles: Mapping[int, str],
     widen: Mapping | None = None,
     cpu: bool = False,
+    copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
 ) -> Any:
-    """The liveness estimate (``duplicate``, ``widen``, ``cpu``: see :func:`liveness`). The regions'
+    """The liveness estimate (``duplicate``, ``widen``, ``cpu``, ``copy_reads``: see
+    :func:`liveness`). The regions'
     own temporaries and what a grad region holds from the forward pass count in
     the materialized (upper) estimate only: XLA fuses most of a region's
     elementwise body and merges its recompute with the forward region's where it
@@ -312,7 +317,33 @@ def _memory(
         widen=widen,
         inner=None if duplicate else _region_temps(collect, mesh),
         cpu=cpu,
+        copy_reads=copy_reads,
     )
+
+
+def _copy_reads(steps: Sequence[Step], recorder: Recorder) -> dict[int, dict[int, CopyRead]]:
+    """Top-level node index → {value id: the resharded copy (``recorder.held``)
+    the node reads in its place}, for the operands a node reads only through such
+    a copy (an operand it also reads as it is, or resharded without a
+    collective, a slice, is read itself)."""
+    made = {
+        (num, layout.dims, layout.partial): CopyRead(first, last, layout)
+        for (num, layout), (first, last, _) in recorder.held.items()
+    }
+    out: dict[int, dict[int, CopyRead]] = {}
+    for i, step in enumerate(steps):
+        own: set[int] = set()
+        via: dict[int, CopyRead] = {}
+        for v, s, r in zip(step.node.ins, step.given, step.required, strict=True):
+            key = (recorder.numbers.of(v), r.dims, r.partial)
+            if (s.dims, s.partial) == (r.dims, r.partial) or key not in made:
+                own.add(v)
+            else:
+                via[v] = made[key]
+        via = {v: c for v, c in via.items() if v not in own}
+        if via:
+            out[i] = via
+    return out
 
 
 def _with_residuals(

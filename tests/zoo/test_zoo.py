@@ -42,16 +42,7 @@ MESHES = ((2, 4), (4, 2))
 
 #: Cases whose plan.verify is outside ±10% bytes / ±20% memory today. The test
 #: asserts they still miss, so a fix shows up as a failure here to remove the entry.
-KNOWN_VERIFY_MISSES = frozenset(
-    [
-        # peak memory over-predicted after two fixes met (each branch verified these):
-        # the CPU-only parameter gathers made at the start plus the broadcast's
-        # gathered small operands; vit 497-557 vs 395 KiB (467-529 without the
-        # early gathers), unet 906 KiB-1.0 MiB vs 691 KiB (868-994 without)
-        ("vit", "tp_fsdp", (2, 4)),
-        ("unet", "tp_fsdp", (2, 4)),
-    ]
-)
+KNOWN_VERIFY_MISSES: frozenset = frozenset()
 
 
 def glue_lines(name):
