@@ -32,7 +32,8 @@ Algebra:
     collective-permutes of one K and one V block each, ``n`` = the axes' size)
     while it accumulates an online (flash-style) softmax (a ``lax.scan``: the
     compiled program holds one permute pair in a loop of ``n - 1`` trips). Same
-    bytes on the wire as the all-gather, priced as the equivalent all-gathers; the
+    bytes on the wire as the all-gather, stated as those ``2 (n - 1)``
+    collective-permutes (``4 (n - 1)`` in the grad); the
     forward holds one K/V block at a time (autodiff's residuals still keep every
     visited block for the backward). Grads travel back around the ring.
 
@@ -269,6 +270,7 @@ class AttentionRule(Rule):
     name = "attention"
     strategies = ("default", "gather_kv", "ring")
     must_divide = _MUST_DIVIDE
+    scratch_materializes = True  # the scores (all at once, or a key block per scan step)
     doc = "scaled dot-product attention (GQA, causal); B and H pass, sequence per strategy"
 
     def __init__(self, examples: Sequence[Example]) -> None:
@@ -330,15 +332,18 @@ class AttentionRule(Rule):
         kloc = TensorSpec(k.shape, (lay.b, lay.sk, lay.hkv, ()), dtype=k.dtype)
         block = math.prod(-(-s // _size(ctx, d)) for s, d in zip(k.shape, kloc.dims, strict=True))
         gathered = block * n * kloc.itemsize
+        if self.strategy(ctx) == "ring":  # one K and one V block per step, n - 1 steps
+            sends = 2 * (n - 1) * (2 if grad else 1)  # the grads travel back the same way
+            one = block * kloc.itemsize
+            return tuple(
+                op_collective(ctx, "collective_permute", lay.sk, one) for _ in range(sends)
+            )
         out = [op_collective(ctx, "all_gather", lay.sk, gathered, dim=1) for _ in range(2)]
         if grad:
-            if self.strategy(ctx) == "ring":
-                out += [op_collective(ctx, "all_gather", lay.sk, gathered, dim=1) for _ in range(2)]
-            else:
-                out += [
-                    op_collective(ctx, "reduce_scatter", lay.sk, gathered, reduce_op="sum", dim=1)
-                    for _ in range(2)
-                ]
+            out += [
+                op_collective(ctx, "reduce_scatter", lay.sk, gathered, reduce_op="sum", dim=1)
+                for _ in range(2)
+            ]
         return tuple(out)
 
     # -- the three inferences ----------------------------------------------

@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spmdkit import kernels
 from spmdkit.errors import SpmdError
 from spmdkit.models import gpt, llama
 from spmdkit.models import layers as lyr
 from spmdkit.models.layers import AttentionError, ModelConfigError
+from spmdkit.region import forward_fn
 
 
 def _qkv(b, s, h, kv, d, dtype=jnp.float32, seed=0):
@@ -24,6 +26,11 @@ def _qkv(b, s, h, kv, d, dtype=jnp.float32, seed=0):
 
 def _plain(causal):
     return lambda q, k, v: lyr.attention(q, k, v, causal=causal, implementation="xla")
+
+
+def _plain_kernel(causal):
+    """The plain kernel itself (``lyr.attention`` is a region whose jaxpr hides it)."""
+    return lambda q, k, v: kernels.plain_attention(q, k, v, causal=causal)
 
 
 def _blockwise(causal, block):
@@ -110,7 +117,7 @@ def test_blockwise_value_and_grad_has_no_s_by_s_value():
     avals = list(_values(blockwise))
     assert any(len(getattr(a, "shape", ())) == 5 and 32 in a.shape for a in avals)  # walked
     assert _square(avals, s) == []
-    plain = jax.make_jaxpr(loss(_plain(True)))(q, k, v).jaxpr
+    plain = jax.make_jaxpr(loss(_plain_kernel(True)))(q, k, v).jaxpr
     assert _square(list(_values(plain)), s)  # the check does see S×S values
 
 
@@ -127,15 +134,23 @@ def test_blockwise_residuals_are_linear_in_s():
         # q, k, v, the output and the float32 log-sum-exp per (head, row)
         assert sizes[-1] == s * (4 * 8 + 2 * 2 * 8 + 4 * 8 + 4)
     assert sizes[1] == 2 * sizes[0]
-    assert _square(residuals(_plain(True), 64), 64)  # the plain one keeps S×S
+    assert _square(residuals(_plain_kernel(True), 64), 64)  # the plain one keeps S×S
+
+
+def _region_body(q, k, v, **attrs):
+    """The jaxpr text of what the ``attention`` region runs on this backend."""
+    return str(jax.make_jaxpr(forward_fn("attention", {"causal": True, **attrs}))(q, k, v))
 
 
 def test_default_traces_blockwise_on_cpu():
     q, k, v, _ = _qkv(1, 32, 2, 1, 8)
     text = str(jax.make_jaxpr(lambda *a: lyr.attention(*a, block_size=8))(q, k, v))
-    assert "custom_vjp_call" in text and "scan" in text
-    plain = str(jax.make_jaxpr(lambda *a: lyr.attention(*a, implementation="xla"))(q, k, v))
-    assert "scan" not in plain
+    # one attention region carrying the kernel's attributes
+    assert "op=attention" in text and "('implementation', 'auto')" in text
+    assert "('block_size', 8)" in text and "scan" not in text
+    body = _region_body(q, k, v, implementation="auto", block_size=8)
+    assert "custom_vjp_call" in body and "scan" in body
+    assert "scan" not in _region_body(q, k, v, implementation="xla", block_size=8)
     auto = jax.jit(lambda *a: lyr.attention(*a, implementation="auto", block_size=64))
     # block_size clamped to S (one block)
     np.testing.assert_allclose(auto(q, k, v), _plain(True)(q, k, v), rtol=1e-5, atol=1e-5)

@@ -134,9 +134,14 @@ def test_ring_shards_both_sequences_alike():
     k = kv_spec()
     r = sk.infer_forward("attention", q, k, k, mesh=mesh, strategy="ring")
     assert str(r.inputs[1]) == "f32[4,8@x,2,8]"
-    assert len(r.collectives) == 2
+    # stated as what runs: n - 1 = 3 collective-permutes of one K and one V block each
+    block = 4 * 2 * 2 * 8 * 4
+    assert [(c.kind, c.payload_bytes, c.wire_bytes) for c in r.collectives] == [
+        ("collective_permute", block, block)
+    ] * 6
     g = sk.infer_grad("attention", q, k, k, out_grads=(q,), mesh=mesh, strategy="ring")
     assert str(g.outputs[1]) == "f32[4,8@x,2,8]"
+    assert [c.kind for c in g.collectives] == ["collective_permute"] * 12  # and back
 
 
 def test_partial_v_passes_to_the_output():
