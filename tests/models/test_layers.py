@@ -230,13 +230,26 @@ def _scan_outputs(jaxpr):
 def test_the_causal_mask_is_not_stacked_out_of_the_layer_scan():
     """Inside scanned layers, JAX's partial evaluation hoists loop-invariant values out
     of the layer scan; the mask's broadcast to the scores' shape must stay in the loop
-    (else a [blocks, b, kv, g, S, block] residual appears: 32 GiB at Llama-3 8B)."""
+    (else a [blocks, b, kv, g, S, block] residual appears: 32 GiB at Llama-3 8B). The
+    blockwise kernel under a layer scan, and the scanned Llama, whose attention is a
+    region (its residuals q, k, v) inside the layer scan."""
     from spmdkit.flax import describe
     from spmdkit.models import get_model
 
-    info = describe(get_model("llama"), config="tiny_scan", batch_size=4)
-    closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    q, k, v, _ = _qkv(2, 64, 4, 2, 8)
+
+    def layers(q, ws):
+        def body(x, w):
+            return kernels.blockwise_attention(x * w, k * w, v, block_size=16), None
+
+        return jnp.sum(jax.lax.scan(body, q, ws)[0])
+
+    closed = jax.make_jaxpr(jax.value_and_grad(layers))(q, jnp.ones(3))
     masks = [shape for shape, dtype in _scan_outputs(closed.jaxpr) if dtype == "bool"]
     assert masks, "the blockwise attention's causal mask is a scan result"
     # only [blocks, S, block]: never with the batch and head dims
+    assert all(len(shape) <= 3 for shape in masks), masks
+    info = describe(get_model("llama"), config="tiny_scan", batch_size=4)
+    closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    masks = [shape for shape, dtype in _scan_outputs(closed.jaxpr) if dtype == "bool"]
     assert all(len(shape) <= 3 for shape in masks), masks
