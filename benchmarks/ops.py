@@ -4,7 +4,9 @@ For every op in :mod:`spmdkit.ops` that enforces a rule (``rms_norm`` and
 ``layer_norm`` with both strategies, ``group_norm``, ``batch_norm``,
 ``sync_batch_norm``, vocab-parallel ``softmax_cross_entropy``, ``index_put``
 with ``strategy="local_update"``, vocab-parallel ``embedding_lookup``, and
-``attention`` head-parallel and with ``strategy="gather_kv"``) the op is compiled
+``attention`` head-parallel and with ``strategy="gather_kv"``, each with the op's own
+local algorithm and with ``implementation="blockwise"``, the reference models'
+flash-style kernel, against that kernel written in jnp) the op is compiled
 next to the plain jnp/optax version of the same computation, with the same input
 shardings (``jax.jit(..., in_shardings=...)``) on a mesh with Auto axes
 (``jax.sharding.Mesh(devices, ("data", "model"))``, data=2, model=4 over 8
@@ -426,7 +428,38 @@ def _cases(s: Shapes) -> list[Case]:
                 lambda m: lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
             )
         )
+        # the reference models' attention: the op running the blockwise kernel (a region
+        # whose backward recomputes the kernel's forward) vs the kernel written in jnp
+        # (its custom_vjp keeping O(S) residuals), as the models called it before
+        out.append(
+            Case(
+                "attention",
+                f"{strategy} blockwise",
+                f"q,k,v{where}{s.head_dim}] f32, causal, implementation='blockwise' "
+                "(plain: spmdkit.kernels.blockwise_attention)",
+                args,
+                lambda m, st=rule_strategy, a=args: (
+                    lambda q, k, v: _op("attention")(
+                        q,
+                        k,
+                        v,
+                        causal=True,
+                        strategy=st,
+                        implementation="blockwise",
+                        mesh=m,
+                        in_specs=specs(a),
+                    )
+                ),
+                lambda m: _blockwise_kernel,
+            )
+        )
     return out
+
+
+def _blockwise_kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    from spmdkit.kernels import blockwise_attention
+
+    return blockwise_attention(q, k, v, causal=True)
 
 
 def _plain_cross_entropy(z: jax.Array, y: jax.Array) -> jax.Array:

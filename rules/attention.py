@@ -559,8 +559,9 @@ def _kernel_ring(
     _, ks, _ = lctx.inputs
     axes, sk, blk = ks.dims[1], ks.shape[1], lctx.block(ks, 1)
     me = lctx.index(axes)
-    real = (lctx.offset(ks, 1) + jnp.arange(blk) < sk)[None, :, None, None]
-    k, v = jnp.where(real, k, jnp.zeros_like(k)), jnp.where(real, v, jnp.zeros_like(v))
+    if sk % n:  # padded keys: zeros (masked by k_limit; no garbage reaches a product)
+        real = (lctx.offset(ks, 1) + jnp.arange(blk) < sk)[None, :, None, None]
+        k, v = jnp.where(real, k, jnp.zeros_like(k)), jnp.where(real, v, jnp.zeros_like(v))
     perm = [(i, (i + 1) % n) for i in range(n)]
     b, s, h, _ = q.shape
 
@@ -580,8 +581,12 @@ def _kernel_ring(
         out = out * rows(jnp.exp(lse - new)) + o.astype(jnp.float32) * rows(jnp.exp(l_blk - new))
         return (out, new, k, v), None
 
+    # the own block, then the first arriving block outside the loop: its permutes read
+    # the op's inputs, as the forward region's do, so XLA computes them once when a
+    # grad region recomputes the forward in the same scope (and so does the prediction)
     out, lse = visit(0, k, v)
-    (out, _, _, _), _ = jax.lax.scan(body, (out.astype(jnp.float32), lse, k, v), jnp.arange(1, n))
+    carry, _ = body((out.astype(jnp.float32), lse, k, v), 1)
+    (out, _, _, _), _ = jax.lax.scan(body, carry, jnp.arange(2, n))
     return out
 
 
