@@ -44,6 +44,19 @@ Algebra:
 * Uneven shards: padded query rows/heads (and kv heads) are zeroed on entry
   and their outputs zeroed on exit, and padded keys are masked, so padding
   never reaches a real element (forward or grad).
+
+Local computation (``implementation``): unset, the op's own algorithm above
+(float32 scores; the reference is ``jax.nn.dot_product_attention``). Set to one
+of :data:`spmdkit.kernels.ATTENTION_IMPLEMENTATIONS`, every strategy runs that
+kernel on the local blocks and the reference is the same kernel unsharded:
+``default`` calls it as is, ``gather_kv`` after the gathers with the query
+block's global offset in the causal mask, ``ring`` once per arriving K/V block
+with the block's key offset, merging the partial outputs by their log-sum-exp
+(the blockwise kernel's custom VJP takes the log-sum-exp's cotangent). cuDNN's
+fused kernel masks causally from its block's position 0, so ``"cudnn"`` with a
+causal mask refuses a sequence-sharded query (``"auto"`` runs the blockwise
+kernel there). ``block_size`` is the blockwise kernel's key block. The layouts
+and collectives do not depend on the implementation.
 """
 
 from __future__ import annotations
