@@ -778,7 +778,9 @@ ATTENTION_QUICK = (AttnShape(1, 256, 4, 2, 16, "float32"),)
 
 
 def _attention_cost(shape: AttnShape, implementation: str, block_size: int) -> dict[str, Any]:
-    from spmdkit.models.layers import attention
+    # the kernel itself (what each device runs); the models call it through the
+    # attention op, whose region saves q, k, v and recomputes the kernel's forward
+    from spmdkit.kernels import attention_kernel as attention
 
     dtype = jnp.dtype(shape.dtype)
     q = jax.ShapeDtypeStruct((shape.batch, shape.seq, shape.heads, shape.head_dim), dtype)
@@ -806,7 +808,8 @@ def attention_memory(
     """Compiled peak memory of value-and-grad of causal attention, plain vs blockwise.
 
     One device (no mesh): ``jax.value_and_grad`` of ``½·Σ y²`` of
-    ``spmdkit.models.layers.attention(q, k, v, implementation=...)`` with respect to
+    ``spmdkit.kernels.attention_kernel(q, k, v, implementation=...)`` (the reference
+    models' kernel, as each device runs it inside the attention op) with respect to
     q, k and v, compiled for ``jax.ShapeDtypeStruct`` inputs (nothing runs), its
     ``memory_analysis()`` peak (temp + argument + output − alias), and the bytes of
     the vjp residuals (``jax.eval_shape`` of the pullback): S×S for ``"xla"``, O(S)
