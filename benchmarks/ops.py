@@ -4,7 +4,9 @@ For every op in :mod:`spmdkit.ops` that enforces a rule (``rms_norm`` and
 ``layer_norm`` with both strategies, ``group_norm``, ``batch_norm``,
 ``sync_batch_norm``, vocab-parallel ``softmax_cross_entropy``, ``index_put``
 with ``strategy="local_update"``, vocab-parallel ``embedding_lookup``, and
-``attention`` head-parallel and with ``strategy="gather_kv"``) the op is compiled
+``attention`` head-parallel and with ``strategy="gather_kv"``, each with the op's own
+local algorithm and with ``implementation="blockwise"``, the reference models'
+flash-style kernel, against that kernel written in jnp) the op is compiled
 next to the plain jnp/optax version of the same computation, with the same input
 shardings (``jax.jit(..., in_shardings=...)``) on a mesh with Auto axes
 (``jax.sharding.Mesh(devices, ("data", "model"))``, data=2, model=4 over 8
@@ -426,7 +428,38 @@ def _cases(s: Shapes) -> list[Case]:
                 lambda m: lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
             )
         )
+        # the reference models' attention: the op running the blockwise kernel (a region
+        # whose backward recomputes the kernel's forward) vs the kernel written in jnp
+        # (its custom_vjp keeping O(S) residuals), as the models called it before
+        out.append(
+            Case(
+                "attention",
+                f"{strategy} blockwise",
+                f"q,k,v{where}{s.head_dim}] f32, causal, implementation='blockwise' "
+                "(plain: spmdkit.kernels.blockwise_attention)",
+                args,
+                lambda m, st=rule_strategy, a=args: (
+                    lambda q, k, v: _op("attention")(
+                        q,
+                        k,
+                        v,
+                        causal=True,
+                        strategy=st,
+                        implementation="blockwise",
+                        mesh=m,
+                        in_specs=specs(a),
+                    )
+                ),
+                lambda m: _blockwise_kernel,
+            )
+        )
     return out
+
+
+def _blockwise_kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    from spmdkit.kernels import blockwise_attention
+
+    return blockwise_attention(q, k, v, causal=True)
 
 
 def _plain_cross_entropy(z: jax.Array, y: jax.Array) -> jax.Array:
@@ -745,7 +778,9 @@ ATTENTION_QUICK = (AttnShape(1, 256, 4, 2, 16, "float32"),)
 
 
 def _attention_cost(shape: AttnShape, implementation: str, block_size: int) -> dict[str, Any]:
-    from spmdkit.models.layers import attention
+    # the kernel itself (what each device runs); the models call it through the
+    # attention op, whose region saves q, k, v and recomputes the kernel's forward
+    from spmdkit.kernels import attention_kernel as attention
 
     dtype = jnp.dtype(shape.dtype)
     q = jax.ShapeDtypeStruct((shape.batch, shape.seq, shape.heads, shape.head_dim), dtype)
@@ -773,7 +808,8 @@ def attention_memory(
     """Compiled peak memory of value-and-grad of causal attention, plain vs blockwise.
 
     One device (no mesh): ``jax.value_and_grad`` of ``½·Σ y²`` of
-    ``spmdkit.models.layers.attention(q, k, v, implementation=...)`` with respect to
+    ``spmdkit.kernels.attention_kernel(q, k, v, implementation=...)`` (the reference
+    models' kernel, as each device runs it inside the attention op) with respect to
     q, k and v, compiled for ``jax.ShapeDtypeStruct`` inputs (nothing runs), its
     ``memory_analysis()`` peak (temp + argument + output − alias), and the bytes of
     the vjp residuals (``jax.eval_shape`` of the pullback): S×S for ``"xla"``, O(S)

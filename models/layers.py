@@ -7,7 +7,8 @@ the table at ``embed/embedding``, the tied head its ``attend``).
 The functions at the top (``layer_norm``, ``rms_norm``, ``group_norm``,
 ``sync_batch_norm``, ``embedding_lookup``, ``softmax_cross_entropy``) are the same
 :mod:`spmdkit.ops` calls for code that holds the parameters itself (tests);
-``attention`` is the models' own (blockwise / cuDNN).
+``attention`` is the ``attention`` op running the models' kernel (blockwise /
+cuDNN / plain, :mod:`spmdkit.kernels`), a region the planner lays out.
 
 The layers below them create their parameters with logical axis names in flax's
 standard ``out_sharding`` metadata and never mention a mesh.
@@ -15,7 +16,6 @@ standard ``out_sharding`` metadata and never mention a mesh.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +27,12 @@ from flax import nnx
 from spmdkit import nn as sknn
 from spmdkit import ops
 from spmdkit.errors import SpmdError
+from spmdkit.kernels import (
+    ATTENTION_IMPLEMENTATIONS,
+    AttentionError,
+    blockwise_attention,
+    on_gpu,
+)
 from spmdkit.nn.calls import call_op
 from spmdkit.planner import BATCH_NAMES, PARAM_NAMES
 
@@ -160,17 +166,6 @@ def sync_batch_norm(
     return y.astype(x.dtype), new_mean, new_var
 
 
-ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn")
-"""What ``attention(..., implementation=)`` and the configs' ``attention`` field accept."""
-
-
-class AttentionError(SpmdError, ValueError):
-    """Attention was asked for an implementation it cannot run.
-
-    Broken example: ``attention(q, k, v, implementation="cudnn")`` on a CPU-only machine.
-    """
-
-
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -180,7 +175,9 @@ def attention(
     implementation: str | None = None,
     block_size: int = 512,
 ) -> jax.Array:
-    """Scaled dot-product attention with grouped-query support.
+    """Scaled dot-product attention with grouped-query support: the ``attention`` op
+    (:func:`spmdkit.ops.attention`, through :func:`spmdkit.nn.attention_fn`) running
+    the chosen kernel of :mod:`spmdkit.kernels`.
 
     Implementations:
 
@@ -193,6 +190,13 @@ def attention(
     * ``None`` / ``"auto"``: cuDNN on a GPU when it accepts the inputs, else blockwise.
       On a CPU-only machine (the planner's abstract tracing included) this traces the
       blockwise version, whose memory profile is the fused kernel's.
+
+    Under the planner's trace (and ``sk.jit``'s Auto axes) the call is one region:
+    the planner lays it out with the op's rule and searches its strategies (batch /
+    heads parallel; ``gather_kv`` and ``ring`` for a sequence-sharded layout), and
+    every strategy runs this kernel on the local blocks. The region's backward
+    recomputes the kernel's forward from ``q``, ``k``, ``v`` and runs its backward
+    (the blockwise custom VJP included).
 
     Args:
       q: ``[batch, seq, heads, head_dim]``.
@@ -222,35 +226,25 @@ def attention(
             given=repr(implementation),
             fix='pass implementation="auto" (or None)',
         )
-    _check_qkv(q, k, v)
-    if impl == "xla":
-        return _plain_attention(q, k, v, causal=causal)
-    if impl in ("cudnn", "auto") and _on_gpu():
-        try:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-        except (ValueError, NotImplementedError, RuntimeError, TypeError) as err:
-            if impl == "cudnn":
-                raise AttentionError(
-                    op="attention",
-                    must="cuDNN's fused attention accept the inputs",
-                    given=f"q {q.shape} {q.dtype}, k {k.shape}; cuDNN said: {err}",
-                    fix='use bf16/fp16 inputs, or implementation="blockwise"',
-                ) from err
-    elif impl == "cudnn":
+    _check_shapes(q, k, v)
+    if impl == "cudnn" and not on_gpu():
         raise AttentionError(
             op="attention",
             must="a GPU with cuDNN be the default backend for implementation='cudnn'",
             given=f"backend {jax.default_backend()!r}",
             fix='pass implementation="auto" or "blockwise"',
         )
-    return blockwise_attention(q, k, v, causal=causal, block_size=block_size)
+    if not isinstance(block_size, int) or block_size < 1:
+        raise AttentionError(
+            op="attention",
+            must="block_size be a positive int",
+            given=repr(block_size),
+            fix="pass e.g. block_size=512",
+        )
+    return sknn.attention_fn(q, k, v, is_causal=causal, implementation=impl, block_size=block_size)
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda")
-
-
-def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
     ok = (
         q.ndim == 4
         and k.shape == v.shape
@@ -266,181 +260,6 @@ def _check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
             given=f"q {q.shape}, k {k.shape}, v {v.shape}",
             fix="reshape the projections to [batch, seq, heads, head_dim]",
         )
-
-
-def _plain_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array:
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k).astype(jnp.float32) / math.sqrt(d)
-    if causal:
-        mask = jnp.tril(jnp.ones((s, s), dtype=bool))
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return out.reshape(b, s, h, d)
-
-
-def blockwise_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, block_size: int = 512
-) -> jax.Array:
-    """Flash-style attention: key/value blocks, online softmax, O(S) residuals.
-
-    The forward runs a ``lax.scan`` over key/value blocks of ``block_size`` keys,
-    keeping a running row max and row sum (float32) and a float32 output
-    accumulator; it saves only ``q``, ``k``, ``v``, the output and the per-row
-    log-sum-exp. The backward (a ``jax.custom_vjp``) recomputes each block's
-    probabilities from the saved log-sum-exp and accumulates dQ in a scan carry
-    while emitting each block's dK and dV (flash-attention 2's backward, with
-    ``D = rowsum(dO * O)``). The largest temporary is one block of scores,
-    ``[b, kv_heads, group, S, block]``; no value has two dims of size S unless
-    ``block_size >= S``.
-
-    ``block_size`` is clamped to the sequence length. When it does not divide the
-    sequence, the keys and values are zero-padded to a whole number of blocks and
-    the padded keys are masked out (so any block size works).
-
-    Matmuls take the input dtype and accumulate in float32; the softmax statistics
-    are float32; probabilities are cast to ``v``'s dtype before multiplying ``v``,
-    as the plain version does. The output has ``q``'s dtype.
-
-    Args:
-      q: ``[batch, seq, heads, head_dim]``.
-      k: ``[batch, seq, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``.
-      v: like ``k``.
-      causal: mask out keys after each query.
-      block_size: keys per block (>= 1).
-
-    Returns:
-      ``[batch, seq, heads, head_dim]``, equal to the plain attention.
-
-    Raises:
-      AttentionError: bad shapes or ``block_size < 1``.
-
-    Example::
-
-        >>> q = jnp.ones((2, 100, 4, 16)); kv = jnp.ones((2, 100, 2, 16))
-        >>> blockwise_attention(q, kv, kv, block_size=32).shape   # 4 blocks, last one padded
-        (2, 100, 4, 16)
-    """
-    _check_qkv(q, k, v)
-    if not isinstance(block_size, int) or block_size < 1:
-        raise AttentionError(
-            op="blockwise_attention",
-            must="block_size be a positive int",
-            given=repr(block_size),
-            fix="pass e.g. block_size=512",
-        )
-    return _flash(q, k, v, causal, min(block_size, q.shape[1]))
-
-
-def _to_blocks(x: jax.Array, block: int) -> jax.Array:
-    """``[b, s, kv, d]`` -> ``[n_blocks, b, block, kv, d]``, zero-padded at the end."""
-    b, s, kv, d = x.shape
-    n = -(-s // block)
-    if n * block != s:
-        x = jnp.pad(x, ((0, 0), (0, n * block - s), (0, 0), (0, 0)))
-    return jnp.moveaxis(x.reshape(b, n, block, kv, d), 1, 0)
-
-
-def _from_blocks(x: jax.Array, s: int) -> jax.Array:
-    """Inverse of :func:`_to_blocks` (drops the padding)."""
-    n, b, block, kv, d = x.shape
-    return jnp.moveaxis(x, 0, 1).reshape(b, n * block, kv, d)[:, :s]
-
-
-def _block_scores(qg: jax.Array, kj: jax.Array, j: jax.Array, causal: bool) -> jax.Array:
-    """Scaled float32 scores ``[b, kv, g, S, block]`` of block ``j``; masked keys (after
-    the query, or padding) get the lowest float32, so ``exp(score - max)`` is 0 there."""
-    s, block = qg.shape[1], kj.shape[1]
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(qg.shape[-1])
-    kpos = j * block + jnp.arange(block)
-    keep = kpos < s
-    if causal:
-        keep = keep[None, :] & (kpos[None, :] <= jnp.arange(s)[:, None])
-    # The mask depends only on positions: inside a scan over layers, JAX's partial
-    # evaluation hoists such loop-invariant values out of the layer scan, and its
-    # broadcast to the scores' shape would be stacked per key block as a residual
-    # ([blocks, b, kv, g, S, block] booleans: 32 GiB at Llama-3 8B's shapes). Tying
-    # the small mask to the scores keeps the broadcast inside the loop body.
-    scores, keep = jax.lax.optimization_barrier((scores, keep))
-    return jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
-
-
-# q, dO and dQ stay token-major ([b, s, kv, group, d], a reshape of [b, s, heads, d]):
-# transposing them to heads-first before the loops lets XLA reshard a sequence-
-# parallel layout with an all-to-all that the planner does not predict.
-
-
-def _flash_forward(q, k, v, causal, block):
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, s, kv, h // kv, d)
-    f32 = jnp.float32
-
-    def step(carry, xs):
-        acc, m, total = carry
-        kj, vj, j = xs
-        scores = _block_scores(qg, kj, j, causal)
-        # key 0 is in block 0 and visible to every row, so m_new is a real score
-        # from the first step on and masked entries get exp(min - m_new) = 0
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-        p = jnp.exp(scores - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        total = total * corr + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=f32)
-        return (acc * corr[..., None] + pv, m_new, total), None
-
-    stats = (b, kv, h // kv, s)
-    low = jnp.finfo(f32).min
-    init = (jnp.zeros((*stats, d), f32), jnp.full(stats, low, f32), jnp.zeros(stats, f32))
-    kb, vb = _to_blocks(k, block), _to_blocks(v, block)
-    (acc, m, total), _ = jax.lax.scan(step, init, (kb, vb, jnp.arange(kb.shape[0])))
-    out = (acc / total[..., None]).astype(q.dtype)  # [b, kv, g, s, d]
-    out = jnp.moveaxis(out, 3, 1).reshape(b, s, h, d)
-    return out, m + jnp.log(total)
-
-
-def _flash_backward(causal, block, res, d_out):
-    q, k, v, out, lse = res
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    g = h // kv
-    f32 = jnp.float32
-    qg, dog = q.reshape(b, s, kv, g, d), d_out.reshape(b, s, kv, g, d)
-    # D = rowsum(dO * O), float32, in the scores' [b, kv, g, s] layout
-    delta = jnp.einsum(
-        "bqkgd,bqkgd->bkgq", dog.astype(f32), out.reshape(b, s, kv, g, d).astype(f32)
-    )
-
-    def step(dq, xs):
-        kj, vj, j = xs
-        p = jnp.exp(_block_scores(qg, kj, j, causal) - lse[..., None])
-        dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), dog, preferred_element_type=f32)
-        dp = jnp.einsum("bqkgd,bskd->bkgqs", dog, vj, preferred_element_type=f32)
-        ds = (p * (dp - delta[..., None]) / math.sqrt(d)).astype(q.dtype)
-        dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg, preferred_element_type=f32)
-        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=f32)
-        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
-
-    kb, vb = _to_blocks(k, block), _to_blocks(v, block)
-    dq0 = jnp.zeros(qg.shape, f32)
-    dq, (dk, dv) = jax.lax.scan(step, dq0, (kb, vb, jnp.arange(kb.shape[0])))
-    return dq.reshape(b, s, h, d).astype(q.dtype), _from_blocks(dk, s), _from_blocks(dv, s)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flash(q, k, v, causal, block):
-    return _flash_forward(q, k, v, causal, block)[0]
-
-
-def _flash_fwd(q, k, v, causal, block):
-    out, lse = _flash_forward(q, k, v, causal, block)
-    return out, (q, k, v, out, lse)
-
-
-_flash.defvjp(_flash_fwd, _flash_backward)
 
 
 def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:

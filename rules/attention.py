@@ -32,7 +32,8 @@ Algebra:
     collective-permutes of one K and one V block each, ``n`` = the axes' size)
     while it accumulates an online (flash-style) softmax (a ``lax.scan``: the
     compiled program holds one permute pair in a loop of ``n - 1`` trips). Same
-    bytes on the wire as the all-gather, priced as the equivalent all-gathers; the
+    bytes on the wire as the all-gather, stated as those ``2 (n - 1)``
+    collective-permutes (``4 (n - 1)`` in the grad); the
     forward holds one K/V block at a time (autodiff's residuals still keep every
     visited block for the backward). Grads travel back around the ring.
 
@@ -43,10 +44,24 @@ Algebra:
 * Uneven shards: padded query rows/heads (and kv heads) are zeroed on entry
   and their outputs zeroed on exit, and padded keys are masked, so padding
   never reaches a real element (forward or grad).
+
+Local computation (``implementation``): unset, the op's own algorithm above
+(float32 scores; the reference is ``jax.nn.dot_product_attention``). Set to one
+of :data:`spmdkit.kernels.ATTENTION_IMPLEMENTATIONS`, every strategy runs that
+kernel on the local blocks and the reference is the same kernel unsharded:
+``default`` calls it as is, ``gather_kv`` after the gathers with the query
+block's global offset in the causal mask, ``ring`` once per arriving K/V block
+with the block's key offset, merging the partial outputs by their log-sum-exp
+(the blockwise kernel's custom VJP takes the log-sum-exp's cotangent). cuDNN's
+fused kernel masks causally from its block's position 0, so ``"cudnn"`` with a
+causal mask refuses a sequence-sharded query (``"auto"`` runs the blockwise
+kernel there). ``block_size`` is the blockwise kernel's key block. The layouts
+and collectives do not depend on the implementation.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +70,12 @@ import jax
 import jax.numpy as jnp
 
 from spmdkit.errors import ShardingConflictError
+from spmdkit.kernels import (
+    ATTENTION_IMPLEMENTATIONS,
+    attention_kernel,
+    blockwise_attention_lse,
+    plain_attention_lse,
+)
 from spmdkit.rule import (
     Example,
     Inferred,
@@ -72,6 +93,9 @@ __all__ = ["RULES", "AttentionRule", "attention_reference"]
 #: Large negative score for masked keys (finite, so fully masked blocks stay NaN-free).
 _MASKED = -1e30
 
+#: Default key/value block of the blockwise implementation.
+_BLOCK = 512
+
 
 def attention_reference(
     q: jax.Array,
@@ -80,10 +104,24 @@ def attention_reference(
     *,
     causal: bool = False,
     scale: float | None = None,
+    implementation: str | None = None,
+    block_size: int = _BLOCK,
 ) -> jax.Array:
-    """The unsharded op: ``jax.nn.dot_product_attention`` (XLA implementation)."""
-    return jax.nn.dot_product_attention(
-        q, k, v, scale=scale, is_causal=causal, implementation="xla"
+    """The unsharded op: ``jax.nn.dot_product_attention`` (XLA implementation), or,
+    with ``implementation``, :func:`spmdkit.kernels.attention_kernel` (the reference
+    models' attention: ``"xla"``, ``"blockwise"``, ``"cudnn"``, ``"auto"``)."""
+    if implementation is None:
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, implementation="xla"
+        )
+    return attention_kernel(
+        q,
+        k,
+        v,
+        causal=causal,
+        implementation=implementation,
+        block_size=block_size,
+        scale=scale,
     )
 
 
@@ -133,6 +171,39 @@ def _check(ctx: RuleContext, inputs: Sequence[TensorSpec]) -> None:
             must="q, k, v are floating point",
             given=f"dtype {next(iter(dts))}",
             fix="cast the operands to a float dtype",
+        )
+    _check_implementation(ctx)
+
+
+def _check_implementation(ctx: RuleContext) -> None:
+    impl = ctx.attrs.get("implementation")
+    if impl is not None and impl not in ATTENTION_IMPLEMENTATIONS:
+        raise ShardingConflictError(
+            op=ctx.op,
+            must=f"implementation is None (the op's own) or one of {ATTENTION_IMPLEMENTATIONS}",
+            given=repr(impl),
+            fix='pass implementation="blockwise", "xla", "cudnn" or "auto"',
+        )
+    block = ctx.attrs.get("block_size", _BLOCK)
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ShardingConflictError(
+            op=ctx.op,
+            must="block_size is a positive int",
+            given=repr(block),
+            fix="pass e.g. block_size=512",
+        )
+
+
+def _check_sequence(ctx: RuleContext, lay: _Layout) -> None:
+    """cuDNN's fused kernel masks causally from position 0 of its query block: it
+    cannot run on a sequence-sharded query block, so those strategies refuse it."""
+    if ctx.attrs.get("implementation") == "cudnn" and ctx.attrs.get("causal") and lay.sq:
+        raise ShardingConflictError(
+            op=ctx.op,
+            must="implementation='cudnn' keep the query sequence whole under a causal mask",
+            given=f"strategy {ctx.attrs.get('strategy')!r} with the query sequence over {lay.sq}",
+            fix='use strategy="default", or implementation="blockwise" / "auto" '
+            "for sequence-sharded attention",
         )
 
 
@@ -212,6 +283,7 @@ class AttentionRule(Rule):
     name = "attention"
     strategies = ("default", "gather_kv", "ring")
     must_divide = _MUST_DIVIDE
+    scratch_materializes = True  # the scores (all at once, or a key block per scan step)
     doc = "scaled dot-product attention (GQA, causal); B and H pass, sequence per strategy"
 
     def __init__(self, examples: Sequence[Example]) -> None:
@@ -273,15 +345,18 @@ class AttentionRule(Rule):
         kloc = TensorSpec(k.shape, (lay.b, lay.sk, lay.hkv, ()), dtype=k.dtype)
         block = math.prod(-(-s // _size(ctx, d)) for s, d in zip(k.shape, kloc.dims, strict=True))
         gathered = block * n * kloc.itemsize
+        if self.strategy(ctx) == "ring":  # one K and one V block per step, n - 1 steps
+            sends = 2 * (n - 1) * (2 if grad else 1)  # the grads travel back the same way
+            one = block * kloc.itemsize
+            return tuple(
+                op_collective(ctx, "collective_permute", lay.sk, one) for _ in range(sends)
+            )
         out = [op_collective(ctx, "all_gather", lay.sk, gathered, dim=1) for _ in range(2)]
         if grad:
-            if self.strategy(ctx) == "ring":
-                out += [op_collective(ctx, "all_gather", lay.sk, gathered, dim=1) for _ in range(2)]
-            else:
-                out += [
-                    op_collective(ctx, "reduce_scatter", lay.sk, gathered, reduce_op="sum", dim=1)
-                    for _ in range(2)
-                ]
+            out += [
+                op_collective(ctx, "reduce_scatter", lay.sk, gathered, reduce_op="sum", dim=1)
+                for _ in range(2)
+            ]
         return tuple(out)
 
     # -- the three inferences ----------------------------------------------
@@ -290,6 +365,7 @@ class AttentionRule(Rule):
         _check(ctx, inputs)
         q, k, v = inputs
         lay = self._layout(ctx, q, k, v)
+        _check_sequence(ctx, lay)
         rq, rk, rv, out = lay.specs(q, k, v)
         part = {}
         if not q.partial and not k.partial:
@@ -314,6 +390,7 @@ class AttentionRule(Rule):
                 fix="pass the op's output spec",
             )
         lay = self._layout(ctx, q, k, v, extra=(o,))
+        _check_sequence(ctx, lay)
         rq, rk, rv, out = lay.specs(q, k, v)
         part = {a: op for a, op in o.partial if op in ("sum", "avg") and a not in lay.used}
         rv = rv.replace(partial=part)
@@ -339,6 +416,7 @@ class AttentionRule(Rule):
             )
         fwd = self._layout(ctx, q, k, v)
         lay = self._layout(ctx, q, k, v, extra=(g,), start=fwd)
+        _check_sequence(ctx, lay)
         rq, rk, rv, out = lay.specs(q, k, v)
         gp = {a: op for a, op in g.partial if op in ("sum", "avg") and a not in lay.used}
         missing = {a: "sum" for a in lay.h if a not in lay.hkv}
@@ -361,13 +439,11 @@ class AttentionRule(Rule):
         """Attention on the local blocks, laid out as ``lctx.inputs`` (see the module
         docstring: gathers for gather_kv, the ring for ring, GQA head mapping)."""
         qs, ks, _ = lctx.inputs
-        causal = bool(lctx.attrs.get("causal", False))
-        scale = lctx.attrs.get("scale")
         strategy = lctx.attrs.get("strategy", self.strategies[0])
-        _, n_q, n_heads, head_dim = qs.shape
-        n_k, n_kv_heads = ks.shape[1], ks.shape[2]
+        kernel = lctx.attrs.get("implementation") is not None
+        _, n_q, n_heads, _ = qs.shape
+        n_kv_heads = ks.shape[2]
         group = n_heads // n_kv_heads
-        scale = float(1.0 / math.sqrt(head_dim) if scale is None else scale)
         sk_axes = ks.dims[1]
         n_sk = math.prod(lctx.axis_sizes[a] for a in sk_axes)
         heads_together = qs.dims[2] == ks.dims[2]
@@ -376,45 +452,155 @@ class AttentionRule(Rule):
 
         def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             dtype = q.dtype
-            q = q.astype(jnp.float32)
+            q = q if kernel else q.astype(jnp.float32)
             q_pos = lctx.offset(qs, 1) + jnp.arange(q.shape[1])
             h_pos = lctx.offset(qs, 2) + jnp.arange(q.shape[2])
             valid = None
             if uneven_q:  # padded query rows/heads: zero in, zero out (no NaN reaches dk, dv)
                 valid = (q_pos < n_q)[None, :, None, None] & (h_pos < n_heads)[None, None, :, None]
-                q = jnp.where(valid, q, 0.0)
+                q = jnp.where(valid, q, jnp.zeros_like(q))
             if uneven_kv:  # padded kv heads (only padded query heads read them)
                 kv_ok = (lctx.offset(ks, 2) + jnp.arange(k.shape[2]) < n_kv_heads)[
                     None, None, :, None
                 ]
                 k = jnp.where(kv_ok, k, jnp.zeros_like(k))
                 v = jnp.where(kv_ok, v, jnp.zeros_like(v))
-            g = group if heads_together else 1
             sel = jnp.clip(h_pos // group, 0, n_kv_heads - 1)
 
             def view(t: jax.Array) -> jax.Array:
                 # after any communication: K/V move in their own dtype and head count
                 if not heads_together:  # kv heads replicated: the kv head of each query head
                     t = jnp.take(t, sel, axis=2)
-                return t.astype(jnp.float32)
+                return t if kernel else t.astype(jnp.float32)
 
-            b, s, hl, d = q.shape
-            q5 = q.reshape(b, s, hl // g, g, d) * scale
-            if strategy == "ring" and n_sk > 1:
-                out = _ring(lctx, ks, q5, k, v, view, q_pos, causal, n_sk)
+            if kernel:
+                out = _kernel_local(lctx, q, k, v, view, strategy, n_sk)
             else:
-                if sk_axes:  # gather_kv: K/V sequence-sharded, gathered here
-                    k = jax.lax.all_gather(k, sk_axes, axis=1, tiled=True)[:, :n_k]
-                    v = jax.lax.all_gather(v, sk_axes, axis=1, tiled=True)[:, :n_k]
-                k_pos = jnp.arange(k.shape[1])
-                _, total, acc = _block(q5, view(k), view(v), _mask(q_pos, k_pos, n_k, causal))
-                out = acc / total[..., None]
-            out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, hl, d)
+                out = _own_local(lctx, q, k, v, view, q_pos, group if heads_together else 1)
             if valid is not None:
-                out = jnp.where(valid, out, 0.0)
+                out = jnp.where(valid, out, jnp.zeros_like(out))
             return out.astype(dtype)
 
         return local
+
+
+def _own_local(
+    lctx: LocalContext,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    view: Callable[[jax.Array], jax.Array],
+    q_pos: jax.Array,
+    g: int,
+) -> jax.Array:
+    """The op's own local algorithm (``implementation`` unset): float32 scores of
+    all keys at once, or the ring's online softmax; ``[b, s, H_local, d]`` float32."""
+    qs, ks, _ = lctx.inputs
+    causal = bool(lctx.attrs.get("causal", False))
+    scale = lctx.attrs.get("scale")
+    strategy = lctx.attrs.get("strategy", "default")
+    scale = float(1.0 / math.sqrt(qs.shape[3]) if scale is None else scale)
+    sk_axes, n_k = ks.dims[1], ks.shape[1]
+    n_sk = math.prod(lctx.axis_sizes[a] for a in sk_axes)
+    b, s, hl, d = q.shape
+    q5 = q.reshape(b, s, hl // g, g, d) * scale
+    if strategy == "ring" and n_sk > 1:
+        out = _ring(lctx, ks, q5, k, v, view, q_pos, causal, n_sk)
+    else:
+        if sk_axes:  # gather_kv: K/V sequence-sharded, gathered here
+            k = jax.lax.all_gather(k, sk_axes, axis=1, tiled=True)[:, :n_k]
+            v = jax.lax.all_gather(v, sk_axes, axis=1, tiled=True)[:, :n_k]
+        k_pos = jnp.arange(k.shape[1])
+        _, total, acc = _block(q5, view(k), view(v), _mask(q_pos, k_pos, n_k, causal))
+        out = acc / total[..., None]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, hl, d)
+
+
+def _kernel_local(
+    lctx: LocalContext,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    view: Callable[[jax.Array], jax.Array],
+    strategy: str,
+    n_sk: int,
+) -> jax.Array:
+    """The requested ``implementation`` (:mod:`spmdkit.kernels`) on the local blocks:
+    as is (batch/heads parallel), after gathering K/V (``gather_kv``), or per
+    arriving K/V block of the ring, merged by log-sum-exp (``ring``)."""
+    qs, ks, _ = lctx.inputs
+    attrs = lctx.attrs
+    causal = bool(attrs.get("causal", False))
+    impl, block = attrs.get("implementation"), int(attrs.get("block_size", _BLOCK))
+    q_off = lctx.offset(qs, 1) if qs.dims[1] else None
+    if strategy == "ring" and n_sk > 1:
+        if impl == "xla":
+            part = functools.partial(plain_attention_lse, causal=causal, scale=attrs.get("scale"))
+        else:  # auto / blockwise (cuDNN's fused kernel returns no log-sum-exp)
+            part = functools.partial(
+                blockwise_attention_lse, causal=causal, block_size=block, scale=attrs.get("scale")
+            )
+        return _kernel_ring(lctx, q, k, v, view, q_off, part, n_sk)
+    sk_axes, n_k = ks.dims[1], ks.shape[1]
+    if sk_axes:  # gather_kv: K/V sequence-sharded, gathered here
+        k = jax.lax.all_gather(k, sk_axes, axis=1, tiled=True)[:, :n_k]
+        v = jax.lax.all_gather(v, sk_axes, axis=1, tiled=True)[:, :n_k]
+    return attention_kernel(
+        q,
+        view(k),
+        view(v),
+        causal=causal,
+        implementation=impl,
+        block_size=block,
+        scale=attrs.get("scale"),
+        q_offset=q_off,
+    )
+
+
+def _kernel_ring(
+    lctx: LocalContext,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    view: Callable[[jax.Array], jax.Array],
+    q_off: Any,
+    part: Callable[..., tuple[jax.Array, jax.Array]],
+    n: int,
+) -> jax.Array:
+    """The ring with a kernel: each arriving K/V block's partial attention and
+    log-sum-exp (``part``), merged into a float32 running output."""
+    _, ks, _ = lctx.inputs
+    axes, sk, blk = ks.dims[1], ks.shape[1], lctx.block(ks, 1)
+    me = lctx.index(axes)
+    if sk % n:  # padded keys: zeros (masked by k_limit; no garbage reaches a product)
+        real = (lctx.offset(ks, 1) + jnp.arange(blk) < sk)[None, :, None, None]
+        k, v = jnp.where(real, k, jnp.zeros_like(k)), jnp.where(real, v, jnp.zeros_like(v))
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    b, s, h, _ = q.shape
+
+    def rows(w: jax.Array) -> jax.Array:  # [b, kv, g, s] -> [b, s, h, 1]
+        return jnp.moveaxis(w, 3, 1).reshape(b, s, h)[..., None]
+
+    def visit(step: Any, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        k_off = ((me - step) % n) * blk  # the block that arrived
+        return part(q, view(k), view(v), q_offset=q_off, k_offset=k_off, k_limit=sk)
+
+    def body(carry: tuple, step: jax.Array) -> tuple[tuple, None]:
+        out, lse, k, v = carry
+        k = jax.lax.ppermute(k, axes, perm)
+        v = jax.lax.ppermute(v, axes, perm)
+        o, l_blk = visit(step, k, v)
+        new = jnp.logaddexp(lse, l_blk)
+        out = out * rows(jnp.exp(lse - new)) + o.astype(jnp.float32) * rows(jnp.exp(l_blk - new))
+        return (out, new, k, v), None
+
+    # the own block, then the first arriving block outside the loop: its permutes read
+    # the op's inputs, as the forward region's do, so XLA computes them once when a
+    # grad region recomputes the forward in the same scope (and so does the prediction)
+    out, lse = visit(0, k, v)
+    carry, _ = body((out.astype(jnp.float32), lse, k, v), 1)
+    (out, _, _, _), _ = jax.lax.scan(body, carry, jnp.arange(2, n))
+    return out
 
 
 def _mask(q_pos: jax.Array, k_pos: jax.Array, sk: int, causal: bool) -> jax.Array:

@@ -229,7 +229,7 @@ def op_collective(
     Args:
       ctx: the rule context (mesh axis sizes).
       kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"all_to_all"``
-        or ``"collective_permute"`` is not modelled: use the closest of the four.
+        or ``"collective_permute"`` (one send of the payload to one peer per device).
       axes: the mesh axes of the group.
       payload_bytes: per-device buffer as the HLO shows it (all-reduce operand,
         all-gather output, reduce-scatter input).
@@ -246,6 +246,8 @@ def op_collective(
     n = math.prod(ctx.axis_sizes[a] for a in axes)
     hops = 2 * (n - 1) if kind == "all_reduce" else n - 1
     wire = payload_bytes * hops // n if payload_bytes else 0
+    if kind == "collective_permute":
+        wire = payload_bytes
     mesh = _Sizes(dict(ctx.axis_sizes))
     time = DEFAULT_TOPOLOGY.collective_time(kind, wire, n, axes, mesh)
     return Collective(
@@ -423,6 +425,10 @@ class Rule:
       examples: inputs for the validation toolkit.
       doc: one line on the semantics.
       strategies: names of the alternative strategies the rule offers.
+      scratch_materializes: as a region, the local computation's temporaries are
+        buffers XLA cannot fuse away (matmul outputs, a loop's per-iteration
+        values: attention's scores), so the memory estimate counts them in its
+        lower bound too, not only in the materialized one.
     """
 
     name: str
@@ -431,6 +437,7 @@ class Rule:
     examples: tuple[Example, ...] = ()
     doc: str = ""
     strategies: tuple[str, ...] = ("default",)
+    scratch_materializes: bool = False
 
     def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
         """Input specs → required input specs and output specs."""

@@ -72,7 +72,9 @@ __all__ = [
 LOCAL_KINDS = frozenset({"slice", "to_partial"})
 
 #: Reshard steps that communicate.
-COLLECTIVE_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
+COLLECTIVE_KINDS = frozenset(
+    {"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute"}
+)
 
 # Published link numbers behind Topology.h100 (per GPU, per direction).
 _NVLINK4_BANDWIDTH = 450e9  # H100 SXM NVLink 4: 900 GB/s bidirectional
@@ -370,6 +372,7 @@ class Topology:
 
         ``latency * steps + wire_bytes / bandwidth`` with ``steps = n - 1`` for
         all_gather / reduce_scatter / all_to_all, ``2 (n - 1)`` for all_reduce,
+        1 for a collective_permute (each device sends one buffer to one peer),
         and 0 s for local kinds or a group of one device.
 
         Args:
@@ -395,6 +398,9 @@ class Topology:
                 given=repr(kind),
                 fix="use the kind names of spmdkit.resharding.Collective",
             )
+        if kind == "collective_permute":
+            bandwidth, latency = self.link(axes, mesh)
+            return latency + wire_bytes / bandwidth
         levels = self._levels(tuple(axes), mesh)
         if len(levels) <= 1 or kind == "all_to_all":
             bandwidth, latency = self.link(axes, mesh)

@@ -55,6 +55,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.mesh",
         "spmdkit.topology",
         "spmdkit.util",
+        "spmdkit.kernels",
         "spmdkit.factor",
         "spmdkit.moved",
         "spmdkit.recipe",

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from spmdkit.errors import ShardingConflictError
 from spmdkit.nn.calls import call_op
 from spmdkit.ops import attention
 
@@ -34,6 +35,8 @@ def attention_fn(
     deterministic: bool = True,
     module: Any = None,
     is_causal: bool = False,
+    implementation: str | None = None,
+    block_size: int | None = None,
     **kwargs: Any,
 ) -> jax.Array:
     """An ``attention_fn`` for flax's attention modules: the ``attention`` op where it
@@ -43,6 +46,14 @@ def attention_fn(
       query: ``[batch..., q_len, heads, head_dim]`` (one batch dim for the op).
       key, value: ``[batch..., kv_len, kv_heads, head_dim]``.
       bias, mask, dropout_rate, deterministic, module, is_causal, **kwargs: flax's.
+      implementation, block_size: the op's local kernel (see
+        :func:`spmdkit.ops.attention`; ``None``: the op's own). Bind them with
+        ``functools.partial`` to pass them through flax's module.
+
+    Raises:
+      ShardingConflictError: ``implementation``/``block_size`` given where the call
+        cannot reach the op (a bias, mask, dropout or sowing): flax's fallback has
+        no such kernels.
 
     Example::
 
@@ -55,8 +66,17 @@ def attention_fn(
         and module is None
         and query.ndim == 4
     )
+    kernel = {"implementation": implementation, "block_size": block_size}
     if plain:
-        return call_op(attention, query, key, value, causal=bool(is_causal))
+        return call_op(attention, query, key, value, causal=bool(is_causal), **kernel)
+    if implementation is not None or block_size is not None:
+        raise ShardingConflictError(
+            op="attention",
+            must="implementation= and block_size= reach the attention op",
+            given="a call with a bias, mask, dropout, sowing module or extra batch dims, "
+            "which goes to flax's dot_product_attention",
+            fix="drop implementation/block_size, or express the mask as is_causal=True",
+        )
     return nnx.dot_product_attention(
         query,
         key,

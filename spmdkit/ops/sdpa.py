@@ -32,6 +32,8 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     strategy: str | None = None,
+    implementation: str | None = None,
+    block_size: int | None = None,
     mesh: MeshLike | None = None,
     in_specs: Sequence[Any] | None = None,
 ) -> jax.Array:
@@ -49,6 +51,14 @@ def attention(
         replicated), ``"gather_kv"`` (queries stay sequence-sharded, K/V
         all-gathered) or ``"ring"`` (queries and K/V sequence-sharded alike, K/V
         blocks passed around the ring).
+      implementation: the local computation. ``None``: the op's own (float32
+        scores of all keys at once; the ring's online softmax). Else a kernel of
+        :mod:`spmdkit.kernels` on each device's blocks, under every strategy:
+        ``"xla"`` (plain), ``"blockwise"`` (flash-style, O(S) residuals),
+        ``"cudnn"`` (the fused kernel; not with a sequence-sharded causal query),
+        ``"auto"`` (cuDNN on a GPU when it accepts the inputs, else blockwise).
+        The unsharded reference is then that kernel too.
+      block_size: key/value block of the blockwise kernel (default 512).
       mesh: the mesh (default: the arrays' mesh or the ``jax.set_mesh`` context).
       in_specs: per argument a ``PartitionSpec``/``TensorSpec`` or ``None``;
         needed for traced arguments under Auto mesh axes.
@@ -76,4 +86,8 @@ def attention(
         attrs["scale"] = float(scale)
     if strategy is not None:
         attrs["strategy"] = strategy
+    if implementation is not None:
+        attrs["implementation"] = implementation
+    if block_size is not None:
+        attrs["block_size"] = block_size
     return apply_rule("attention", q, k, v, mesh=mesh, in_specs=in_specs, **attrs)

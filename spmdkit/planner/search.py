@@ -41,6 +41,7 @@ twice the budget are re-costed by propagating :func:`train_step` for their recip
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
@@ -84,6 +85,7 @@ from spmdkit.planner.pipesearch import PIPE_AXIS, pipe_meshes, pipeline_configs,
 from spmdkit.planner.plans import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
 from spmdkit.propagation import propagate
 from spmdkit.recipe import PLAIN, Recipe
+from spmdkit.region import FORWARD, REGIONS, forward_fn, grad_fn
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
 from spmdkit.util import contraction_flops, fmt_bytes, path_str
@@ -160,9 +162,27 @@ def _jaxpr_flops(jaxpr: Jaxpr, *, batched_only: bool = False) -> float:
         if not batched_only or (eqn.primitive.name == "dot_general" and _is_batched_dot(eqn)):
             total += _eqn_flops(eqn)
         mult = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        for sub in _sub_jaxprs(eqn.params):
+        for sub in _eqn_subs(eqn):
             total += mult * _jaxpr_flops(sub, batched_only=batched_only)
     return total
+
+
+def _eqn_subs(eqn: JaxprEqn) -> Iterable[Jaxpr]:
+    """The jaxprs inside an equation: its parameters' (scan, call, custom_vjp), or
+    for a composite op's region the unsharded computation it stands for (so the
+    attention region's dots count as the model's attention FLOPs, its grad region's
+    recomputed forward included)."""
+    yield from _sub_jaxprs(eqn.params)
+    if eqn.primitive.name in REGIONS:
+        avals = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars)
+        p = eqn.params
+        yield _region_jaxpr(eqn.primitive.name, p["op"], p["attrs"], p.get("diff"), avals)
+
+
+@functools.lru_cache(maxsize=256)
+def _region_jaxpr(prim: str, op: str, attrs: Any, diff: Any, avals: tuple) -> Jaxpr:
+    fn = forward_fn(op, dict(attrs)) if prim == FORWARD else grad_fn(op, dict(attrs), diff)
+    return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d) for s, d in avals)).jaxpr
 
 
 def _sub_jaxprs(params: Mapping[str, Any]) -> Iterable[Jaxpr]:
@@ -261,7 +281,7 @@ def _body_facts(jaxpr: Jaxpr) -> tuple[float, dict[str, float], float]:
             tag = str(eqn.params["name"])
             named[tag] = named.get(tag, 0.0) + _aval_bytes(eqn.outvars[0])
         mult = eqn.params.get("length", 1) if name == "scan" else 1
-        for sub in _sub_jaxprs(eqn.params):
+        for sub in _eqn_subs(eqn):
             d, n, a = _body_facts(sub)
             dots += mult * d
             attn += mult * a
@@ -282,7 +302,7 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
             if eqn.primitive.name == "dot_general" and _is_batched_dot(eqn):
                 attn_total += _eqn_flops(eqn)
             if eqn.primitive.name != "scan":
-                stack.extend(_sub_jaxprs(eqn.params))
+                stack.extend(_eqn_subs(eqn))
                 continue
             body = eqn.params["jaxpr"].jaxpr
             length = int(eqn.params["length"])

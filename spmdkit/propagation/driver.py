@@ -221,23 +221,31 @@ def _sweeps(
     return spec, collect
 
 
-def _region_temps(steps: Sequence[Step], mesh: MeshLike) -> dict[int, int]:
+def _region_temps(
+    steps: Sequence[Step], mesh: MeshLike, *, duplicate: bool = False
+) -> dict[int, int]:
     """``id(node)`` → a region node's own temporaries at its planned layouts (see
-    :func:`~spmdkit.propagation.regions.region_temp_bytes`), loop bodies included."""
+    :func:`~spmdkit.propagation.regions.region_temp_bytes`), loop bodies included.
+    ``duplicate`` (the lower estimate): only the regions whose rule says their
+    temporaries materialize (:attr:`~spmdkit.rule.Rule.scratch_materializes`),
+    at their program's own lower estimate."""
     out: dict[int, int] = {}
     for step in steps:
-        if step.node.prim in REGIONS:
-            out[id(step.node)] = region_temp_bytes(
-                step.node.prim,
-                step.node.eqn.params,
+        node = step.node
+        if node.prim in REGIONS and (
+            not duplicate or get_rule(node.eqn.params["op"]).scratch_materializes
+        ):
+            out[id(node)] = region_temp_bytes(
+                node.prim,
+                node.eqn.params,
                 step.attrs,
                 step.required,
                 step.outputs,
                 mesh,
-                duplicate=False,
+                duplicate=duplicate,
             )
         if step.loop is not None:
-            out.update(_region_temps(step.loop.steps, mesh))
+            out.update(_region_temps(step.loop.steps, mesh, duplicate=duplicate))
     return out
 
 
@@ -302,7 +310,8 @@ def _memory(
     elementwise body and merges its recompute with the forward region's where it
     can, so how much stays depends on its schedule (measured on the reference
     models: from none of it, a toy megatron step, to most of it, ConvNet's group
-    norms under FSDP)."""
+    norms under FSDP). The exception: a rule whose temporaries materialize
+    (attention's scores) counts them in the lower estimate too."""
     held = transient if duplicate else _with_residuals(transient, collect, graph, mesh)
     return liveness(
         graph,
@@ -315,7 +324,7 @@ def _memory(
         transient=held,
         duplicate=duplicate,
         widen=widen,
-        inner=None if duplicate else _region_temps(collect, mesh),
+        inner=_region_temps(collect, mesh, duplicate=duplicate),
         cpu=cpu,
         copy_reads=copy_reads,
     )

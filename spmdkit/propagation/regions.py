@@ -58,6 +58,7 @@ MANUAL_COLLECTIVES: dict[str, tuple[str, str, str | None]] = {
     "all_gather": ("all_gather", "out", None),
     "reduce_scatter": ("reduce_scatter", "in", "sum"),
     "all_to_all": ("all_to_all", "in", None),
+    "ppermute": ("collective_permute", "in", None),
 }
 
 
@@ -432,12 +433,14 @@ def _shard_map_body(jaxpr: Any) -> Any:
 
 
 def _collectives(nodes: Sequence[Any], mesh: MeshLike) -> list[tuple]:
-    """(kind, axes, reduce op, per-device payload) of each collective the nodes run."""
+    """(kind, axes, reduce op, per-device payload) of each collective the nodes run,
+    once per trip of a ``scan`` body (a ring's block passing runs in one)."""
     sizes = axis_sizes(mesh)
     out = []
     for node in nodes:
+        trips = int(node.eqn.params.get("length", 1)) if node.prim == "scan" else 1
         for sub in node.subs:
-            out += _collectives(sub.nodes, mesh)
+            out += _collectives(sub.nodes, mesh) * trips
         if node.prim not in MANUAL_COLLECTIVES:
             continue
         axes = node.eqn.params.get("axes", node.eqn.params.get("axis_name"))

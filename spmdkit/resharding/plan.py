@@ -78,7 +78,15 @@ from spmdkit.util import fmt_bytes, fmt_time
 __all__ = ["Collective", "ReshardPlan", "plan_reshard", "clear_cache", "KINDS"]
 
 #: Every step kind a plan may hold.
-KINDS = ("slice", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "to_partial")
+KINDS = (
+    "slice",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+    "to_partial",
+    "collective_permute",  # an op's own (a ring's block passing), never a reshard step
+)
 
 _KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
 

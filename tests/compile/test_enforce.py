@@ -212,7 +212,7 @@ def test_a_partial_contraction_is_reduced_as_planned():
     )
 
 
-def test_a_partial_attention_output_is_reduced_before_its_transpose():
+def test_a_partial_attention_output_is_reduced_before_its_transpose(monkeypatch):
     """GPT megatron_sp on (2, 4): ``probs @ v`` contracts the sequence-sharded
     keys, so the attention output is partial over ``model``, and it is transposed
     and reshaped before its readers (the output projection, and its weight
@@ -222,10 +222,19 @@ def test_a_partial_attention_output_is_reduced_before_its_transpose():
     plan (the slow matrix in tests/test_compile.py checks the compiled bytes).
     Without the pass-through, no forward contraction ahead of a transpose is
     reduced by the replay. The plain attention (``attention="xla"``) is the one whose
-    ``probs @ v`` feeds a transpose; the blockwise one's sits inside a scan."""
+    ``probs @ v`` feeds a transpose; the blockwise one's sits inside a scan. The
+    models call attention as a region now; this test puts the plain kernel back in
+    jnp (the case of a model written with jnp attention)."""
     import dataclasses
 
+    from spmdkit import kernels
     from spmdkit.models import get_model
+    from spmdkit.models import layers as lyr
+
+    def jnp_attention(q, k, v, *, causal=True, implementation=None, block_size=512):
+        return kernels.plain_attention(q, k, v, causal=causal)
+
+    monkeypatch.setattr(lyr, "attention", jnp_attention)
 
     spec = get_model("gpt")
     cfg = dataclasses.replace(spec.config("tiny"), attention="xla")

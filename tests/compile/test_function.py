@@ -1,5 +1,6 @@
 """sk.jit with a plan: one train step's loss and grads equal the single-device run."""
 
+import contextlib
 import dataclasses
 import functools
 
@@ -416,3 +417,31 @@ def test_recompute_lowers_the_compiled_peak_as_predicted():
     compiled_drop = peaks["none"][1] - peaks["full"][1]
     assert predicted_drop > 0.2 * peaks["none"][0], peaks  # recompute matters here
     assert compiled_drop == pytest.approx(predicted_drop, rel=0.2), peaks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_sequence_parallel_attention_is_a_planned_ring_and_verifies(model):
+    """megatron_sp lays the activations out sequence-sharded over ``model``: the
+    planner lays the reference models' attention region out with a sequence
+    strategy (the ring keeps q, k, v where they are), the plan table names it, the
+    step equals one device, and plan.verify finds the ring's collective-permutes
+    (forward and grad, each K/V block once per step) at the predicted bytes."""
+    info, batch, params, ref_loss, ref_grads = _reference(model)
+    mesh = sk.make_mesh(data=2, model=4)
+    with pytest.warns(UserWarning) if model == "llama" else contextlib.nullcontext():
+        p = plan(info, mesh, "megatron_sp", estimator="propagate")  # llama: kv heads warn
+    chosen = {**p.cost.ops["attention"], **p.cost.ops["attention:grad"]}
+    assert set(chosen) <= {"ring", "gather_kv"} and chosen, p.cost.ops
+    table = str(p)
+    assert any(line.split()[:2] == ["attention", next(iter(chosen))] for line in table.splitlines())
+    step = jit(jax.value_and_grad(info.loss_fn), p)
+    loss, grads = step(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+    report = p.verify(step, params, batch)
+    assert report.ok, str(report)
+    if "ring" in chosen:
+        permutes = [r for r in report.rows if r[0] == "collective_permute"]
+        assert permutes and permutes[0][1] == permutes[0][2] > 0, str(report)

@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spmdkit import kernels
 from spmdkit.errors import SpmdError
 from spmdkit.models import gpt, llama
 from spmdkit.models import layers as lyr
 from spmdkit.models.layers import AttentionError, ModelConfigError
+from spmdkit.region import forward_fn
 
 
 def _qkv(b, s, h, kv, d, dtype=jnp.float32, seed=0):
@@ -24,6 +26,11 @@ def _qkv(b, s, h, kv, d, dtype=jnp.float32, seed=0):
 
 def _plain(causal):
     return lambda q, k, v: lyr.attention(q, k, v, causal=causal, implementation="xla")
+
+
+def _plain_kernel(causal):
+    """The plain kernel itself (``lyr.attention`` is a region whose jaxpr hides it)."""
+    return lambda q, k, v: kernels.plain_attention(q, k, v, causal=causal)
 
 
 def _blockwise(causal, block):
@@ -110,7 +117,7 @@ def test_blockwise_value_and_grad_has_no_s_by_s_value():
     avals = list(_values(blockwise))
     assert any(len(getattr(a, "shape", ())) == 5 and 32 in a.shape for a in avals)  # walked
     assert _square(avals, s) == []
-    plain = jax.make_jaxpr(loss(_plain(True)))(q, k, v).jaxpr
+    plain = jax.make_jaxpr(loss(_plain_kernel(True)))(q, k, v).jaxpr
     assert _square(list(_values(plain)), s)  # the check does see S×S values
 
 
@@ -127,15 +134,23 @@ def test_blockwise_residuals_are_linear_in_s():
         # q, k, v, the output and the float32 log-sum-exp per (head, row)
         assert sizes[-1] == s * (4 * 8 + 2 * 2 * 8 + 4 * 8 + 4)
     assert sizes[1] == 2 * sizes[0]
-    assert _square(residuals(_plain(True), 64), 64)  # the plain one keeps S×S
+    assert _square(residuals(_plain_kernel(True), 64), 64)  # the plain one keeps S×S
+
+
+def _region_body(q, k, v, **attrs):
+    """The jaxpr text of what the ``attention`` region runs on this backend."""
+    return str(jax.make_jaxpr(forward_fn("attention", {"causal": True, **attrs}))(q, k, v))
 
 
 def test_default_traces_blockwise_on_cpu():
     q, k, v, _ = _qkv(1, 32, 2, 1, 8)
     text = str(jax.make_jaxpr(lambda *a: lyr.attention(*a, block_size=8))(q, k, v))
-    assert "custom_vjp_call" in text and "scan" in text
-    plain = str(jax.make_jaxpr(lambda *a: lyr.attention(*a, implementation="xla"))(q, k, v))
-    assert "scan" not in plain
+    # one attention region carrying the kernel's attributes
+    assert "op=attention" in text and "('implementation', 'auto')" in text
+    assert "('block_size', 8)" in text and "scan" not in text
+    body = _region_body(q, k, v, implementation="auto", block_size=8)
+    assert "custom_vjp_call" in body and "scan" in body
+    assert "scan" not in _region_body(q, k, v, implementation="xla", block_size=8)
     auto = jax.jit(lambda *a: lyr.attention(*a, implementation="auto", block_size=64))
     # block_size clamped to S (one block)
     np.testing.assert_allclose(auto(q, k, v), _plain(True)(q, k, v), rtol=1e-5, atol=1e-5)
@@ -215,13 +230,26 @@ def _scan_outputs(jaxpr):
 def test_the_causal_mask_is_not_stacked_out_of_the_layer_scan():
     """Inside scanned layers, JAX's partial evaluation hoists loop-invariant values out
     of the layer scan; the mask's broadcast to the scores' shape must stay in the loop
-    (else a [blocks, b, kv, g, S, block] residual appears: 32 GiB at Llama-3 8B)."""
+    (else a [blocks, b, kv, g, S, block] residual appears: 32 GiB at Llama-3 8B). The
+    blockwise kernel under a layer scan, and the scanned Llama, whose attention is a
+    region (its residuals q, k, v) inside the layer scan."""
     from spmdkit.flax import describe
     from spmdkit.models import get_model
 
-    info = describe(get_model("llama"), config="tiny_scan", batch_size=4)
-    closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    q, k, v, _ = _qkv(2, 64, 4, 2, 8)
+
+    def layers(q, ws):
+        def body(x, w):
+            return kernels.blockwise_attention(x * w, k * w, v, block_size=16), None
+
+        return jnp.sum(jax.lax.scan(body, q, ws)[0])
+
+    closed = jax.make_jaxpr(jax.value_and_grad(layers))(q, jnp.ones(3))
     masks = [shape for shape, dtype in _scan_outputs(closed.jaxpr) if dtype == "bool"]
     assert masks, "the blockwise attention's causal mask is a scan result"
     # only [blocks, S, block]: never with the batch and head dims
+    assert all(len(shape) <= 3 for shape in masks), masks
+    info = describe(get_model("llama"), config="tiny_scan", batch_size=4)
+    closed = jax.make_jaxpr(jax.value_and_grad(info.loss_fn))(info.abstract_params, info.batch)
+    masks = [shape for shape, dtype in _scan_outputs(closed.jaxpr) if dtype == "bool"]
     assert all(len(shape) <= 3 for shape in masks), masks

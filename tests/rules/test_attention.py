@@ -134,9 +134,14 @@ def test_ring_shards_both_sequences_alike():
     k = kv_spec()
     r = sk.infer_forward("attention", q, k, k, mesh=mesh, strategy="ring")
     assert str(r.inputs[1]) == "f32[4,8@x,2,8]"
-    assert len(r.collectives) == 2
+    # stated as what runs: n - 1 = 3 collective-permutes of one K and one V block each
+    block = 4 * 2 * 2 * 8 * 4
+    assert [(c.kind, c.payload_bytes, c.wire_bytes) for c in r.collectives] == [
+        ("collective_permute", block, block)
+    ] * 6
     g = sk.infer_grad("attention", q, k, k, out_grads=(q,), mesh=mesh, strategy="ring")
     assert str(g.outputs[1]) == "f32[4,8@x,2,8]"
+    assert [c.kind for c in g.collectives] == ["collective_permute"] * 12  # and back
 
 
 def test_partial_v_passes_to_the_output():
@@ -279,3 +284,91 @@ def test_gather_kv_gathers_kv_in_their_own_dtype(mesh1d):
     # the program gathers bf16 (XLA's CPU backend then widens bf16 collectives to f32)
     gathers = [line for line in text.splitlines() if "= all_gather[" in line]
     assert len(gathers) == 2 and all("bf16[2,8,2,8]" in line for line in gathers)
+
+
+# -- implementation=: the reference models' kernels as the local computation -----------
+
+_KERNEL_CASES = [
+    # (mesh axes, shapes q/k/v, given layouts)
+    ({"x": 4}, ((2, 8, 4, 4), (2, 8, 2, 4), (2, 8, 2, 4)), (P(None, "x"),) * 3),
+    (
+        {"a": 2, "b": 4},
+        ((2, 8, 4, 4), (2, 8, 2, 4), (2, 8, 2, 4)),
+        (P("a", None, "b"), P("a"), P("a")),
+    ),
+    # Sq = 6, Sk = 5 over b=4: padded query rows and keys; 2 query heads over a, 1 kv head
+    ({"a": 2, "b": 4}, ((1, 6, 2, 4), (1, 5, 1, 4), (1, 5, 1, 4)), (P(None, "b", "a"), P(), P())),
+    # multi-query with the query heads sharded and the sequences over b
+    (
+        {"a": 2, "b": 4},
+        ((2, 8, 4, 4), (2, 8, 1, 4), (2, 8, 1, 4)),
+        (P(None, "b", "a"), P(None, "b"), P(None, "b")),
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["blockwise", "xla", "auto"])
+@pytest.mark.parametrize("strategy", ["default", "gather_kv", "ring"])
+def test_kernel_implementations_run_every_strategy_numerically(implementation, strategy):
+    """Each kernel (block size 3: padded key blocks) under each strategy, causal and
+    not, equals the unsharded kernel, forward and grad, on even and uneven layouts
+    (gather_kv: the query block's offset in the causal mask; ring: per-block
+    partial results merged by their log-sum-exp)."""
+    rng = np.random.default_rng(0)
+    for axes, shapes, given in _KERNEL_CASES:
+        mesh = sk.make_mesh(**axes)
+        specs = tuple(T(s, p, dtype=F32) for s, p in zip(shapes, given, strict=True))
+        for causal in (True, False):
+            vals = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+            attrs = {
+                "causal": causal,
+                "strategy": strategy,
+                "implementation": implementation,
+                "block_size": 3,
+            }
+            fail, _ = check_forward_case("attention", specs, mesh, values=vals, attrs=attrs)
+            assert fail is None, str(fail)
+            cot = [rng.standard_normal(shapes[0]).astype(np.float32)]
+            fail, _ = check_grad_case(
+                "attention", specs, (specs[0],), mesh, values=vals, cotangents=cot, attrs=attrs
+            )
+            assert fail is None, str(fail)
+
+
+@pytest.mark.slow
+def test_kernel_reference_is_the_models_attention():
+    from spmdkit.kernels import attention_kernel
+
+    rng = np.random.default_rng(1)
+    q, k = (rng.standard_normal(s).astype(np.float32) for s in ((2, 8, 4, 4), (2, 8, 2, 4)))
+    rule = get_rule("attention")
+    for impl in ("blockwise", "xla"):
+        got = rule.impl(q, k, k, causal=True, implementation=impl, block_size=3)
+        want = attention_kernel(q, k, k, causal=True, implementation=impl, block_size=3)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_implementation_errors_are_typed():
+    mesh = sk.abstract_mesh(x=4)
+    q, k = q_spec(spec=P(None, "x")), kv_spec(spec=P(None, "x"))
+    with pytest.raises(ShardingConflictError, match="implementation is None"):
+        sk.infer_forward("attention", q, k, k, mesh=mesh, implementation="flash")
+    with pytest.raises(ShardingConflictError, match="block_size is a positive int"):
+        sk.infer_forward("attention", q, k, k, mesh=mesh, implementation="xla", block_size=0)
+    # cuDNN masks causally from its block's position 0: no sequence-sharded query
+    for strategy in ("gather_kv", "ring"):
+        with pytest.raises(ShardingConflictError, match="keep the query sequence whole"):
+            sk.infer_forward(
+                "attention",
+                q,
+                k,
+                k,
+                mesh=mesh,
+                causal=True,
+                strategy=strategy,
+                implementation="cudnn",
+            )
+    r = sk.infer_forward("attention", q, k, k, mesh=mesh, causal=True, implementation="cudnn")
+    assert str(r.inputs[0]) == "f32[4,8,4,8]"  # the default strategy gathers the sequence
