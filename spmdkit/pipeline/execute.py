@@ -674,13 +674,7 @@ def pipelined_value_and_grad(
         lay = _Manual(pipe.axis, axes, shards, _row_split(sp, local, shards))
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
-
-        def pre_one(pl: list, mb: Any) -> tuple:
-            xs, shared, per = sp.pre([*pl, *jax.tree.leaves(mb), *r_leaves])
-            return (xs, shared), per
-
-        def pre_all(pl: list) -> tuple:
-            return jax.vmap(pre_one, in_axes=(None, 0), out_axes=((None, None), 0))(pl, micro)
+        pre_all = _pre_all(sp, micro, r_leaves)
 
         seen = _TRACED.get()
         if seen is not None:
@@ -688,12 +682,87 @@ def pipelined_value_and_grad(
             args = (loss_fn, pipe, params, batch, *rest)
             r, h = chunk_residuals(*args), chunk_residuals(*args, head=True)
             seen.append(_facts(sp, lay, pipe, (_nbytes(carry), _nbytes(r), _nbytes(h))))
-        ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
+        if not _rows_apart(sp, lay):
+            ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
+            loss, (ct_xs, ct_sh, ct_per) = _run(local, pipe, run_mesh, lay, (xs, shared, per))
+            (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
+            return loss, jax.tree.unflatten(p_tree, g)
+        # the embedding's gradient from the rows' cotangents: on each device's rows,
+        # summed over the micro-batches, then over the batch axes once
+        (_, per) = pre_all(p_leaves)
+        (xs, shared), pre_vjp = jax.vjp(lambda pl: pre_all(pl)[0], p_leaves)
         loss, (ct_xs, ct_sh, ct_per) = _run(local, pipe, run_mesh, lay, (xs, shared, per))
-        (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
+        (g,) = pre_vjp((ct_xs, ct_sh))
+        g_rows = _rows_grad(local, lay, run_mesh, (p_leaves, micro, r_leaves), ct_per)
+        g = [a + b if _float(a) else a for a, b in zip(g, g_rows, strict=True)]
         return loss, jax.tree.unflatten(p_tree, g)
 
     return grad_fn
+
+
+def _pre_all(sp: SplitLoss, micro: Any, r_leaves: list) -> Callable:
+    """``params → ((xs, shared), per)``: the pre part for every micro-batch."""
+
+    def pre_one(pl: list, mb: Any) -> tuple:
+        xs, shared, per = sp.pre([*pl, *jax.tree.leaves(mb), *r_leaves])
+        return (xs, shared), per
+
+    def pre_all(pl: list) -> tuple:
+        return jax.vmap(pre_one, in_axes=(None, 0), out_axes=((None, None), 0))(pl, micro)
+
+    return pre_all
+
+
+def _rows_apart(sp: SplitLoss, lay: _Manual) -> bool:
+    """Does the pre part's gradient run on each device's rows (:func:`_rows_grad`)?
+    With batch axes, when every floating per-micro-batch value is split over them."""
+    return bool(lay.batch) and all(
+        r for v, r in zip(sp.per_mb, lay.rows, strict=True) if _float(v.aval.dtype)
+    )
+
+
+def _rows_grad(local: SplitLoss, lay: _Manual, mesh: Any, args: tuple, ct_per: list) -> list:
+    """The parameters' gradient through the per-micro-batch values (the
+    embedding's), under a ``shard_map`` manual over the batch axes: each device
+    differentiates the pre part on its rows of every micro-batch (``local``: the
+    loss split on those rows), summed over the micro-batches, then over the
+    batch axes once. Non-floating parameters get zeros."""
+    p_leaves, micro, r_leaves = args
+    dp = [i for i, x in enumerate(p_leaves) if _float(x)]
+    dper = [i for i, x in enumerate(ct_per) if _float(x)]
+    b_leaves = jax.tree.leaves(micro)
+
+    def body(pl: list, bl: list, rl: list, cts: list) -> list:
+        def pre_rows(dpl: list) -> list:
+            full = list(pl)
+            for i, x in zip(dp, dpl, strict=True):
+                full[i] = x
+
+            def one(mb: list) -> list:
+                per = local.pre([*full, *mb, *rl])[2]
+                return [per[i] for i in dper]
+
+            return jax.vmap(one)(bl)
+
+        _, vjp = jax.vjp(pre_rows, [pl[i] for i in dp])
+        (g,) = vjp(cts)
+        return [jax.lax.psum(x, lay.batch) for x in g]
+
+    rows = P(None, lay.batch)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=([P()] * len(p_leaves), [rows] * len(b_leaves), [P()] * len(r_leaves),
+                  [rows] * len(dper)),
+        out_specs=[P()] * len(dp),
+        axis_names=frozenset(lay.batch),
+        check_vma=False,
+    )  # fmt: skip
+    g = fn(p_leaves, b_leaves, r_leaves, [ct_per[i] for i in dper])
+    out = [_zero_ct(x) for x in p_leaves]
+    for i, x in zip(dp, g, strict=True):
+        out[i] = x
+    return out
 
 
 def _facts(sp: SplitLoss, lay: _Manual, pipe: Pipeline, sizes: tuple) -> PipelineFacts:

@@ -28,18 +28,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit.pipeline.execute import permute_count, pipelines_traced, runs_masked
+from spmdkit.pipeline.execute import PipelineFacts, permute_count, pipelines_traced, runs_masked
 from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation
 from spmdkit.spec import axis_sizes
 
-__all__ = ["chunk_weight_bytes", "pipelined_prediction"]
+__all__ = ["chunk_weight_bytes", "pipelined_prediction", "reduced_bytes"]
 
 
-def chunk_weight_bytes(plan: Plan) -> float:
+def chunk_weight_bytes(plan: Plan, gathered: tuple[str, ...] = ()) -> float:
     """One chunk's stacked weights on one device: the parameters whose first
-    logical dim is ``layers``, as the plan stores them, over the virtual stages."""
+    logical dim is ``layers``, as the plan stores them (``gathered``: except
+    over these axes, which the pipeline's ``shard_map`` gathers them over),
+    over the virtual stages."""
     pipe = plan.pipeline
     if pipe is None:
         return 0.0
@@ -51,9 +53,28 @@ def chunk_weight_bytes(plan: Plan) -> float:
         shards = 1
         for entry in plan.params[path]:
             for axis in (entry,) if isinstance(entry, str) else entry or ():
-                shards *= sizes[axis]
+                shards *= 1 if axis in gathered else sizes[axis]
         total += math.prod(shape) * np.dtype(dtype).itemsize / shards
     return total / pipe.virtual
+
+
+def reduced_bytes(plan: Plan, facts: PipelineFacts) -> float:
+    """The all-reduce bytes one device's pipeline runs once per step, at its end
+    (:func:`~spmdkit.pipeline.execute.pipelined_value_and_grad`): its chunks'
+    weight gradients over the batch axes (accumulated over the micro-batches
+    until then), the shared values' and the per-micro-batch values' cotangents
+    over the pipe axis (and the batch axes, for those not split over them), and
+    the loss."""
+    sizes = axis_sizes(plan.mesh)
+    axes = facts.batch_axes
+    shards = math.prod(sizes[a] for a in axes)
+    total = 4.0  # the loss (a float32 scalar)
+    if axes:
+        total += facts.pipe.virtual * chunk_weight_bytes(plan, axes)
+    total += facts.shared_grad_bytes + facts.other_grad_bytes
+    if facts.pipe.stages > 1:
+        total += facts.row_grad_bytes / shards
+    return total
 
 
 def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: Any) -> Propagation:
