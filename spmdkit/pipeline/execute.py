@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -728,13 +729,18 @@ def _rows_grad(local: SplitLoss, lay: _Manual, mesh: Any, args: tuple, ct_per: l
     loss split on those rows), summed over the micro-batches, then over the
     batch axes once. Non-floating parameters get zeros."""
     p_leaves, micro, r_leaves = args
-    dp = [i for i, x in enumerate(p_leaves) if _float(x)]
     dper = [i for i, x in enumerate(ct_per) if _float(x)]
     b_leaves = jax.tree.leaves(micro)
+    read = _read_by(local, dper, (p_leaves, [x[0] for x in b_leaves], r_leaves))
+    dp = [i for i in read if _float(p_leaves[i])]
 
     def body(pl: list, bl: list, rl: list, cts: list) -> list:
+        # the parameters the rows' values are not computed from are not passed
+        # (a shard_map input is gathered over the manual axes even when unread)
+        given = dict(zip(read, pl, strict=True))
+
         def pre_rows(dpl: list) -> list:
-            full = list(pl)
+            full = [given.get(i, jnp.zeros(x.shape, x.dtype)) for i, x in enumerate(p_leaves)]
             for i, x in zip(dp, dpl, strict=True):
                 full[i] = x
 
@@ -744,7 +750,7 @@ def _rows_grad(local: SplitLoss, lay: _Manual, mesh: Any, args: tuple, ct_per: l
 
             return jax.vmap(one)(bl)
 
-        _, vjp = jax.vjp(pre_rows, [pl[i] for i in dp])
+        _, vjp = jax.vjp(pre_rows, [given[i] for i in dp])
         (g,) = vjp(cts)
         return [jax.lax.psum(x, lay.batch) for x in g]
 
@@ -752,17 +758,31 @@ def _rows_grad(local: SplitLoss, lay: _Manual, mesh: Any, args: tuple, ct_per: l
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=([P()] * len(p_leaves), [rows] * len(b_leaves), [P()] * len(r_leaves),
+        in_specs=([P()] * len(read), [rows] * len(b_leaves), [P()] * len(r_leaves),
                   [rows] * len(dper)),
         out_specs=[P()] * len(dp),
         axis_names=frozenset(lay.batch),
         check_vma=False,
     )  # fmt: skip
-    g = fn(p_leaves, b_leaves, r_leaves, [ct_per[i] for i in dper])
+    g = fn([p_leaves[i] for i in read], b_leaves, r_leaves, [ct_per[i] for i in dper])
     out = [_zero_ct(x) for x in p_leaves]
     for i, x in zip(dp, g, strict=True):
         out[i] = x
     return out
+
+
+def _read_by(sp: SplitLoss, outs: list, args: tuple) -> list[int]:
+    """The parameter leaves that ``sp``'s per-micro-batch values ``outs``
+    (indices) are computed from (the others' gradient through them is zero, and
+    a ``psum`` of it would be priced though XLA drops it)."""
+    p_leaves, mb, rl = args
+    closed = jax.make_jaxpr(lambda *a: [sp.pre(list(a))[2][i] for i in outs])(*p_leaves, *mb, *rl)
+    need = {v for v in closed.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    for eqn in reversed(closed.jaxpr.eqns):
+        if any(o in need for o in eqn.outvars):
+            need.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+    invars = closed.jaxpr.invars[: len(p_leaves)]
+    return [i for i, v in enumerate(invars) if v in need]
 
 
 def _facts(sp: SplitLoss, lay: _Manual, pipe: Pipeline, sizes: tuple) -> PipelineFacts:
