@@ -391,7 +391,13 @@ def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callabl
             dmb.append(g)
         return {
             "send_b": dx,
-            "dxs": [dw[k] for k, x in enumerate(w) if _float(x)],
+            # added to the accumulators inside the branch: the next tick's branch
+            # then reads them, so XLA cannot run several (unrolled) ticks'
+            # branches before their additions and hold all their gradients
+            "g_xs": [
+                g.at[row["local"]].add(x)
+                for g, x in zip(state["g_xs"], [d for d, x in zip(dw, w) if _float(x)], strict=True)
+            ],
             "dsh": [dc.get(v, jnp.zeros(v.aval.shape, v.aval.dtype)) for v in ctx.dshared],
             "dmb": dmb,
         }
@@ -414,7 +420,7 @@ def _apply(state: dict, eff: dict, row: dict) -> dict:
         **state,
         "stash": put(state["stash"], row["stash"], eff["stash"]),
         "inbox_b": put(state["inbox_b"], row["self_b"], eff["post_ct"]),
-        "g_xs": add(state["g_xs"], row["local"], eff["dxs"]),
+        "g_xs": eff["g_xs"],
         "g_sh": [g + x for g, x in zip(state["g_sh"], eff["dsh"], strict=True)],
         "g_mb": add(state["g_mb"], row["mb"], eff["dmb"]),
         "loss": state["loss"] + eff["loss"],
@@ -444,16 +450,16 @@ def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) 
         f_shape = jax.eval_shape(_effects(ctx, probe, xs_l, state)[0], row0)
         stash_shapes = f_shape["stash"]
         state["stash"] = [jnp.zeros((tables.n_stash + 1, *s.shape), s.dtype) for s in stash_shapes]
-        dxs = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in state["g_xs"]]
-        shapes = {**f_shape, "send_b": f_shape["send_f"], "dxs": dxs}
+        shapes = {**f_shape, "send_b": f_shape["send_f"]}
 
         def make_tick(send_f: bool, send_b: bool) -> Callable:
             def tick(st: dict, tab: Any) -> tuple:
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
                 f, b = _effects(ctx, probe, xs_l, st)
+                keep = {"g_xs": st["g_xs"]}
                 eff = jax.lax.switch(
                     row["kind"],
-                    [lambda r: _full(shapes, {}), lambda r: _full(shapes, f(r)),
+                    [lambda r: _full(shapes, keep), lambda r: _full(shapes, {**f(r), **keep}),
                      lambda r: _full(shapes, b(r))],
                     row,
                 )  # fmt: skip
