@@ -106,14 +106,20 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         comm["collective_permute"] = comm.get("collective_permute", 0) + int(
             permute_count(pipe) * carry
         )
+        gathered = chunk_weight_bytes(plan, facts.batch_axes)
         sizes = StageSizes(
             residual=facts.residual_bytes / shards,
             head=facts.head_bytes / shards,
             carry=carry,
-            weights=chunk_weight_bytes(plan),
+            weights=gathered,
         )
         held = stage_buffers(pipe, sizes, masked=runs_masked(pipe, plan.mesh))
         extra += sum(held.values())
+        # the device's chunks' weights, gathered over the batch axes at the
+        # pipeline's input, and their gradients' accumulators: held at that size
+        # through the step (propagation sees the shard_map's operands and results
+        # at the plan's size)
+        extra += 2 * pipe.virtual * (gathered - chunk_weight_bytes(plan))
         if residual_outputs(pipe):
             extra -= counted.pop(0) if counted else 0.0
     mem = prop.memory
