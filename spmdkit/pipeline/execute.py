@@ -396,7 +396,9 @@ def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callabl
             # branches before their additions and hold all their gradients
             "g_xs": [
                 g.at[row["local"]].add(x)
-                for g, x in zip(state["g_xs"], [d for d, x in zip(dw, w) if _float(x)], strict=True)
+                for g, x in zip(
+                    state["g_xs"], [dw[k] for k, x in enumerate(w) if _float(x)], strict=True
+                )
             ],
             "dsh": [dc.get(v, jnp.zeros(v.aval.shape, v.aval.dtype)) for v in ctx.dshared],
             "dmb": dmb,
@@ -492,7 +494,10 @@ def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) 
             psum(state["loss"]),
             g_xs,
             [psum(g) for g in state["g_sh"]],
-            [psum(g, (axis,) if r else lay.every) for g, r in zip(state["g_mb"], rows, strict=True)],
+            [
+                psum(g, (axis,) if r else lay.every)
+                for g, r in zip(state["g_mb"], rows, strict=True)
+            ],
         )
 
     return body
