@@ -9,8 +9,14 @@ when ``plan.pipeline`` is set):
    (micro-batch ``i`` takes rows ``i, i + m, ...``, so a batch sharded on that
    dim stays put); the *pre* part (embedding) runs for every micro-batch
    outside the pipeline (``vmap``), differentiated with ``jax.vjp``.
-2. The layer stack runs under ``jax.shard_map`` over the pipe axis only (the
-   other mesh axes stay automatic, laid out as the plan says): each device
+2. The layer stack runs under ``jax.shard_map`` manual over the pipe axis and
+   the batch's axes (``batch_axes``: a device computes its own rows of each
+   micro-batch, with its stages' weights gathered over those axes once, at the
+   shard_map's input; other axes, e.g. a tensor-parallel one, stay automatic,
+   laid out as the plan says). Every gradient is accumulated locally over the
+   micro-batches and summed over the batch axes once, at the end of the step
+   (the embedding's, from the rows' cotangents, in a second shard_map over the
+   batch axes: :func:`_rows_grad`). Each device
    holds its chunks' stacked weights (``L / (p·v)`` layers per chunk, chunk
    ``c`` on device ``c mod p``; with ``v > 1`` the layer dim is regrouped into
    that order inside the step). A ``lax.scan`` over the schedule's ticks runs,
@@ -79,12 +85,6 @@ class PipelineFacts:
       head_bytes: the head and loss's residuals for one micro-batch (``H``).
       batch_axes: the mesh axes the pipeline's ``shard_map`` makes manual besides
         the pipe axis (the batch rows' axes: :func:`pipelined_value_and_grad`).
-      shared_grad_bytes: the floating shared values' cotangents, summed over every
-        manual axis once per step (the head's weights, constants).
-      row_grad_bytes: the per-micro-batch values' cotangents split over the batch
-        axes (every micro-batch's; summed over the pipe axis once per step).
-      other_grad_bytes: the per-micro-batch values' cotangents that are not split
-        over them (summed over every manual axis once per step).
     """
 
     pipe: Pipeline
@@ -92,9 +92,6 @@ class PipelineFacts:
     residual_bytes: int
     head_bytes: int
     batch_axes: tuple[str, ...] = ()
-    shared_grad_bytes: int = 0
-    row_grad_bytes: int = 0
-    other_grad_bytes: int = 0
 
 
 _TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = contextvars.ContextVar(
@@ -693,7 +690,8 @@ def pipelined_value_and_grad(
             carry = [v.aval for v in sp.carry]
             args = (loss_fn, pipe, params, batch, *rest)
             r, h = chunk_residuals(*args), chunk_residuals(*args, head=True)
-            seen.append(_facts(sp, lay, pipe, (_nbytes(carry), _nbytes(r), _nbytes(h))))
+            sizes = (_nbytes(carry), _nbytes(r), _nbytes(h))
+            seen.append(PipelineFacts(pipe, *sizes, batch_axes=lay.batch))
         if not _rows_apart(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
             loss, (ct_xs, ct_sh, ct_per) = _run(local, pipe, run_mesh, lay, (xs, shared, per))
@@ -794,20 +792,6 @@ def _read_by(sp: SplitLoss, outs: list, args: tuple) -> list[int]:
             need.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
     invars = closed.jaxpr.invars[: len(p_leaves)]
     return [i for i, v in enumerate(invars) if v in need]
-
-
-def _facts(sp: SplitLoss, lay: _Manual, pipe: Pipeline, sizes: tuple) -> PipelineFacts:
-    m = pipe.microbatches
-    dshared = [v.aval for v in sp.shared if _float(v.aval.dtype)]
-    per = [(v.aval, r) for v, r in zip(sp.per_mb, lay.rows, strict=True) if _float(v.aval.dtype)]
-    return PipelineFacts(
-        pipe,
-        *sizes,
-        batch_axes=lay.batch,
-        shared_grad_bytes=_nbytes(dshared),
-        row_grad_bytes=m * _nbytes([a for a, r in per if r]),
-        other_grad_bytes=m * _nbytes([a for a, r in per if not r]),
-    )
 
 
 def chunk_residuals(

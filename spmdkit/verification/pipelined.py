@@ -8,6 +8,9 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.execute.pipelines_tra
 - collective permutes: :func:`~spmdkit.pipeline.execute.permute_count` of them,
   each one micro-batch's stage output on one device (its batch rows split over
   the plan's batch axes);
+- the gradient sums the executor runs once per step are the ``psum`` calls of
+  its ``shard_map`` bodies, which propagation prices itself; the stage weights'
+  gathers are the reshards of the ``shard_map``'s operands;
 - memory: the pipeline's buffers (:func:`spmdkit.pipeline.memory.stage_buffers`),
   sized from the traced facts and the plan (a chunk's weights: the stacked
   parameters' bytes on one device over ``v``), masked as the executor runs on
@@ -28,13 +31,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit.pipeline.execute import PipelineFacts, permute_count, pipelines_traced, runs_masked
+from spmdkit.pipeline.execute import permute_count, pipelines_traced, runs_masked
 from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation
 from spmdkit.spec import axis_sizes
 
-__all__ = ["chunk_weight_bytes", "pipelined_prediction", "reduced_bytes"]
+__all__ = ["chunk_weight_bytes", "pipelined_prediction"]
 
 
 def chunk_weight_bytes(plan: Plan, gathered: tuple[str, ...] = ()) -> float:
@@ -56,25 +59,6 @@ def chunk_weight_bytes(plan: Plan, gathered: tuple[str, ...] = ()) -> float:
                 shards *= 1 if axis in gathered else sizes[axis]
         total += math.prod(shape) * np.dtype(dtype).itemsize / shards
     return total / pipe.virtual
-
-
-def reduced_bytes(plan: Plan, facts: PipelineFacts) -> float:
-    """The all-reduce bytes one device's pipeline runs once per step, at its end
-    (:func:`~spmdkit.pipeline.execute.pipelined_value_and_grad`): its chunks'
-    weight gradients over the batch axes (accumulated over the micro-batches
-    until then), the shared values' and the per-micro-batch values' cotangents
-    over the pipe axis (and the batch axes, for those not split over them), and
-    the loss."""
-    sizes = axis_sizes(plan.mesh)
-    axes = facts.batch_axes
-    shards = math.prod(sizes[a] for a in axes)
-    total = 4.0  # the loss (a float32 scalar)
-    if axes:
-        total += facts.pipe.virtual * chunk_weight_bytes(plan, axes)
-    total += facts.shared_grad_bytes + facts.other_grad_bytes
-    if facts.pipe.stages > 1:
-        total += facts.row_grad_bytes / shards
-    return total
 
 
 def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: Any) -> Propagation:
