@@ -497,7 +497,8 @@ def value_and_grad(
                 fix="plan without a pipeline, or keep the state out of the pipelined loss",
             )
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
-        vg = _pipelined(cast_loss, pipe, recipe.sharding_mesh, has_aux)
+        batch_axes = tuple(getattr(recipe, "activation", {}).get("batch", ()))
+        vg = _pipelined(cast_loss, pipe, (recipe.sharding_mesh, batch_axes), has_aux)
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
         seen = _SEEN.get()
@@ -515,12 +516,13 @@ def value_and_grad(
     return functools.wraps(loss_fn)(grad_fn)
 
 
-def _pipelined(loss: Callable, pipe: Any, mesh: Any, has_aux: bool) -> Callable:
-    """The pipelined gradient; with ``has_aux``, an aux with no arrays (train's
-    empty metrics) passes through, any other is a :class:`RecipeError`."""
+def _pipelined(loss: Callable, pipe: Any, where: tuple, has_aux: bool) -> Callable:
+    """The pipelined gradient (``where``: the mesh and the batch's axes); with
+    ``has_aux``, an aux with no arrays (train's empty metrics) passes through, any
+    other is a :class:`RecipeError`."""
     if not has_aux:
-        return pipelined_value_and_grad(loss, pipe, mesh)
-    vg = pipelined_value_and_grad(lambda *a: loss(*a)[0], pipe, mesh)
+        return pipelined_value_and_grad(loss, pipe, *where)
+    vg = pipelined_value_and_grad(lambda *a: loss(*a)[0], pipe, *where)
 
     def f(*args: Any) -> tuple:
         aux = jax.eval_shape(loss, *args)[1]

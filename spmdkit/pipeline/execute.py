@@ -9,8 +9,14 @@ when ``plan.pipeline`` is set):
    (micro-batch ``i`` takes rows ``i, i + m, ...``, so a batch sharded on that
    dim stays put); the *pre* part (embedding) runs for every micro-batch
    outside the pipeline (``vmap``), differentiated with ``jax.vjp``.
-2. The layer stack runs under ``jax.shard_map`` over the pipe axis only (the
-   other mesh axes stay automatic, laid out as the plan says): each device
+2. The layer stack runs under ``jax.shard_map`` manual over the pipe axis and
+   the batch's axes (``batch_axes``: a device computes its own rows of each
+   micro-batch, with its stages' weights gathered over those axes once, at the
+   shard_map's input; other axes, e.g. a tensor-parallel one, stay automatic,
+   laid out as the plan says). Every gradient is accumulated locally over the
+   micro-batches and summed over the batch axes once, at the end of the step
+   (the embedding's, from the rows' cotangents, in a second shard_map over the
+   batch axes: :func:`_rows_grad`). Each device
    holds its chunks' stacked weights (``L / (p·v)`` layers per chunk, chunk
    ``c`` on device ``c mod p``; with ``v > 1`` the layer dim is regrouped into
    that order inside the step). A ``lax.scan`` over the schedule's ticks runs,
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -76,12 +83,15 @@ class PipelineFacts:
       carry_bytes: one micro-batch's stage output (what one permute sends).
       residual_bytes: one chunk's residual set for one micro-batch (``R``).
       head_bytes: the head and loss's residuals for one micro-batch (``H``).
+      batch_axes: the mesh axes the pipeline's ``shard_map`` makes manual besides
+        the pipe axis (the batch rows' axes: :func:`pipelined_value_and_grad`).
     """
 
     pipe: Pipeline
     carry_bytes: int
     residual_bytes: int
     head_bytes: int
+    batch_axes: tuple[str, ...] = ()
 
 
 _TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = contextvars.ContextVar(
@@ -165,8 +175,12 @@ def permute_count(pipe: Pipeline) -> int:
 class _Ctx:
     """One trace of the pipelined loss: the split, the values and the helpers."""
 
-    def __init__(self, sp: SplitLoss, pipe: Pipeline, shared: list, per: list) -> None:
+    def __init__(
+        self, sp: SplitLoss, pipe: Pipeline, shared: list, per: list, shards: int = 1
+    ) -> None:
         self.sp, self.pipe = sp, pipe
+        # the loss of a device's rows of a micro-batch, as a share of the step's
+        self.scale = 1.0 / (pipe.microbatches * shards)
         self.sv = dict(zip(sp.shared, shared, strict=True))
         self.per = dict(zip(sp.per_mb, per, strict=True))
         self.carry = [v for v in sp.carry]
@@ -193,8 +207,8 @@ class _Ctx:
         return self.sp.stage(w, vals, carry)
 
     def post(self, i: Any, out: list) -> tuple:
-        """``(loss_i / m, ct of carry, {var: ct})`` of micro-batch ``i``'s head and loss."""
-        m = self.pipe.microbatches
+        """``(loss_i · scale, ct of carry, {var: ct})`` of micro-batch ``i``'s head and
+        loss (``scale``: ``1 / (m · batch shards)``, the device's rows' share)."""
         base = {**self.sv, **self.mb(i)}
         diff = [base[v] for v in self.dpost]
 
@@ -202,19 +216,39 @@ class _Ctx:
             return self.sp.post({**base, **dict(zip(self.dpost, dv, strict=True))}, c)
 
         loss, vjp = jax.vjp(f, out, diff)
-        ct_c, ct_v = vjp(jnp.asarray(1.0 / m, loss.dtype))
-        return loss / m, ct_c, ct_v
+        ct_c, ct_v = vjp(jnp.asarray(self.scale, loss.dtype))
+        return loss * self.scale, ct_c, ct_v
 
 
 def _chunk(xs_l: list, j: Any, v: int) -> list:
     return [x[0] if v == 1 else x[j] for x in xs_l]
 
 
-def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
+@dataclass(frozen=True)
+class _Manual:
+    """The pipeline ``shard_map``'s manual axes: the pipe axis and the batch axes
+    (``batch``, ``shards`` devices in all), and which per-micro-batch values are
+    split over the latter on their row dim (``rows``)."""
+
+    axis: str
+    batch: tuple[str, ...] = ()
+    shards: int = 1
+    rows: tuple[bool, ...] = ()
+
+    @property
+    def every(self) -> tuple[str, ...]:
+        return (self.axis, *self.batch)
+
+    def per_spec(self, row: bool) -> P:
+        return P(None, self.batch) if row and self.batch else P()
+
+
+def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> Callable:
     fperm, _ = _perms(pipe)
+    axis = lay.axis
 
     def body(xs_local: list, shared: list, per: list) -> Any:
-        ctx = _Ctx(sp, pipe, shared, per)
+        ctx = _Ctx(sp, pipe, shared, per, lay.shards)
         d = jax.lax.axis_index(axis)
         xs_l = [x[0] for x in xs_local]
         shapes = [ctx.per[v][0] for v in ctx.carry]
@@ -234,8 +268,7 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Cal
                 [
                     lambda: jnp.zeros((), loss_dtype),
                     lambda: (
-                        ctx.sp.post({**ctx.sv, **ctx.mb(i)}, out).astype(loss_dtype)
-                        / pipe.microbatches
+                        ctx.sp.post({**ctx.sv, **ctx.mb(i)}, out).astype(loss_dtype) * ctx.scale
                     ),
                 ],
             )
@@ -260,7 +293,7 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Cal
         tab = jnp.asarray(tables.stacked())
         for start, stop, send, _ in tables.segments():
             state, _ = jax.lax.scan(make_tick(send), state, tab[start:stop])
-        return jax.lax.psum(state[1], axis)
+        return jax.lax.psum(state[1], lay.every)
 
     return body
 
@@ -355,7 +388,15 @@ def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callabl
             dmb.append(g)
         return {
             "send_b": dx,
-            "dxs": [dw[k] for k, x in enumerate(w) if _float(x)],
+            # added to the accumulators inside the branch: the next tick's branch
+            # then reads them, so XLA cannot run several (unrolled) ticks'
+            # branches before their additions and hold all their gradients
+            "g_xs": [
+                g.at[row["local"]].add(x)
+                for g, x in zip(
+                    state["g_xs"], [dw[k] for k, x in enumerate(w) if _float(x)], strict=True
+                )
+            ],
             "dsh": [dc.get(v, jnp.zeros(v.aval.shape, v.aval.dtype)) for v in ctx.dshared],
             "dmb": dmb,
         }
@@ -378,18 +419,19 @@ def _apply(state: dict, eff: dict, row: dict) -> dict:
         **state,
         "stash": put(state["stash"], row["stash"], eff["stash"]),
         "inbox_b": put(state["inbox_b"], row["self_b"], eff["post_ct"]),
-        "g_xs": add(state["g_xs"], row["local"], eff["dxs"]),
+        "g_xs": eff["g_xs"],
         "g_sh": [g + x for g, x in zip(state["g_sh"], eff["dsh"], strict=True)],
         "g_mb": add(state["g_mb"], row["mb"], eff["dmb"]),
         "loss": state["loss"] + eff["loss"],
     }
 
 
-def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
+def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> Callable:
     fperm, bperm = _perms(pipe)
+    axis = lay.axis
 
     def body(xs_local: list, shared: list, per: list) -> tuple:
-        ctx = _Ctx(sp, pipe, shared, per)
+        ctx = _Ctx(sp, pipe, shared, per, lay.shards)
         d = jax.lax.axis_index(axis)
         xs_l = [x[0] for x in xs_local]
         probe = _Probe()
@@ -407,16 +449,16 @@ def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> 
         f_shape = jax.eval_shape(_effects(ctx, probe, xs_l, state)[0], row0)
         stash_shapes = f_shape["stash"]
         state["stash"] = [jnp.zeros((tables.n_stash + 1, *s.shape), s.dtype) for s in stash_shapes]
-        dxs = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in state["g_xs"]]
-        shapes = {**f_shape, "send_b": f_shape["send_f"], "dxs": dxs}
+        shapes = {**f_shape, "send_b": f_shape["send_f"]}
 
         def make_tick(send_f: bool, send_b: bool) -> Callable:
             def tick(st: dict, tab: Any) -> tuple:
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
                 f, b = _effects(ctx, probe, xs_l, st)
+                keep = {"g_xs": st["g_xs"]}
                 eff = jax.lax.switch(
                     row["kind"],
-                    [lambda r: _full(shapes, {}), lambda r: _full(shapes, f(r)),
+                    [lambda r: _full(shapes, keep), lambda r: _full(shapes, {**f(r), **keep}),
                      lambda r: _full(shapes, b(r))],
                     row,
                 )  # fmt: skip
@@ -440,13 +482,19 @@ def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> 
         tab = jnp.asarray(tables.stacked())
         for start, stop, sf, sb in tables.segments():
             state, _ = jax.lax.scan(make_tick(sf, sb), state, tab[start:stop])
-        psum = lambda x: jax.lax.psum(x, axis)  # noqa: E731
-        g_xs = [g[None] for g in state["g_xs"]]
+        # every gradient is reduced here, once per step: the weights' over the batch
+        # axes (accumulated locally over the micro-batches until now)
+        psum = lambda x, axes=lay.every: jax.lax.psum(x, axes)  # noqa: E731
+        g_xs = [(psum(g, lay.batch) if lay.batch else g)[None] for g in state["g_xs"]]
+        rows = [r for r, v in zip(lay.rows, sp.per_mb, strict=True) if v in ctx.dper]
         return (
             psum(state["loss"]),
             g_xs,
             [psum(g) for g in state["g_sh"]],
-            [psum(g) for g in state["g_mb"]],
+            [
+                psum(g, (axis,) if r else lay.every)
+                for g, r in zip(state["g_mb"], rows, strict=True)
+            ],
         )
 
     return body
@@ -464,26 +512,30 @@ def _ungroup(g: Any) -> Any:
     return jnp.reshape(y, (y.shape[0] * y.shape[1] * y.shape[2], *y.shape[3:]))
 
 
-def _shard_map(body: Callable, pipe: Pipeline, mesh: Any, out_specs: Any, n: tuple) -> Callable:
-    in_specs = ([P(pipe.axis)] * n[0], [P()] * n[1], [P()] * n[2])
+def _shard_map(body: Callable, lay: _Manual, mesh: Any, out_specs: Any, n: tuple) -> Callable:
+    in_specs = ([P(lay.axis)] * n[0], [P()] * n[1], [lay.per_spec(r) for r in lay.rows])
     return jax.shard_map(
         body,
         mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,
-        axis_names=frozenset({pipe.axis}),
+        axis_names=frozenset(lay.every),
         check_vma=False,
     )
 
 
-def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: list) -> tuple:
-    """``(loss, (ct xs, ct shared, ct per))`` of the pipelined layer stack and head."""
+def _run(
+    sp: SplitLoss, pipe: Pipeline, mesh: Any, lay: _Manual, vals: tuple[list, list, list]
+) -> tuple:
+    """``(loss, (ct xs, ct shared, ct per))`` of the pipelined layer stack and head
+    (``sp``: the loss split on a device's rows of a micro-batch)."""
+    xs, shared, per = vals
     sched = build_schedule(pipe)
     xs_g = [_regroup(x, pipe) for x in xs]
     n = (len(xs), len(shared), len(per))
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))
-        fn = _shard_map(_gpipe_body(sp, pipe, tables, pipe.axis), pipe, mesh, P(), n)
+        fn = _shard_map(_gpipe_body(sp, pipe, tables, lay), lay, mesh, P(), n)
         loss, vjp = jax.vjp(fn, xs_g, shared, per)
         ct_xs, ct_sh, ct_per = vjp(jnp.ones_like(loss))
         return loss, (
@@ -493,9 +545,10 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
         )
     tables = build_tables(sched)
     ctx_probe = [_float(x) for x in xs]
-    out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), P())
-    body = _explicit_body(sp, pipe, tables, pipe.axis)
-    loss, g_xs, g_sh, g_mb = _shard_map(body, pipe, mesh, out_specs, n)(xs_g, shared, per)
+    mb_specs = [lay.per_spec(r) for r, x in zip(lay.rows, per, strict=True) if _float(x)]
+    out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), mb_specs)
+    body = _explicit_body(sp, pipe, tables, lay)
+    loss, g_xs, g_sh, g_mb = _shard_map(body, lay, mesh, out_specs, n)(xs_g, shared, per)
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
         _ungroup(next(it_xs)) if f else _zero_ct(x) for x, f in zip(xs, ctx_probe, strict=True)
@@ -533,8 +586,59 @@ def _mesh(plan_mesh: Any, axis: str) -> Any:
     return plan_mesh
 
 
+def _batch_axes(mesh: Any, pipe: Pipeline, batch_axes: tuple[str, ...]) -> tuple[tuple, int]:
+    """The batch axes of ``mesh`` (size > 1, not the pipe axis) and their device count."""
+    sizes = dict(mesh.shape)
+    axes = tuple(a for a in batch_axes if a != pipe.axis and sizes.get(a, 1) > 1)
+    return axes, int(np.prod([sizes[a] for a in axes]))
+
+
+def _local_rows(one: Any, shards: int) -> Any:
+    """One micro-batch's leaves with a device's share of its rows."""
+
+    def cut(x: Any) -> jax.ShapeDtypeStruct:
+        if x.shape[0] % shards:
+            raise PipelineError(
+                op="pipeline",
+                must="a micro-batch's rows split evenly over the batch axes' devices",
+                given=f"a micro-batch leaf of shape {tuple(x.shape)} over {shards} devices",
+                fix=f"use a batch size that is a multiple of microbatches × {shards}",
+            )
+        return jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype)
+
+    return jax.tree.map(cut, one)
+
+
+def _row_split(sp: SplitLoss, local: SplitLoss, shards: int) -> tuple[bool, ...]:
+    """Per value of ``sp.per_mb``: is it split over the batch rows (its leading dim
+    scales with them)? ``local`` is the loss split on a device's rows."""
+    same = all(
+        [v.aval for v in getattr(sp, k)] == [v.aval for v in getattr(local, k)]
+        for k in ("xs", "shared")
+    )
+    rows = []
+    for g, lo in zip(sp.per_mb, local.per_mb, strict=False):
+        gs, ls = tuple(g.aval.shape), tuple(lo.aval.shape)
+        split = bool(ls) and gs == (ls[0] * shards, *ls[1:])
+        same = same and (gs == ls or split) and g.aval.dtype == lo.aval.dtype
+        rows.append(split)
+    if not same or len(sp.per_mb) != len(local.per_mb):
+        raise PipelineError(
+            op="pipeline",
+            must="the loss traced on a device's rows of a micro-batch has the same "
+            "structure, its per-micro-batch values split on their leading dim",
+            given="a loss whose values change otherwise with the rows (a batch statistic, "
+            "a reshape that mixes rows with other dims before the layer stack)",
+            fix="keep the layer stack's inputs row-wise, or plan without a batch axis",
+        )
+    return tuple(rows)
+
+
 def pipelined_value_and_grad(
-    loss_fn: Callable[..., Any], pipe: Pipeline, mesh: Any
+    loss_fn: Callable[..., Any],
+    pipe: Pipeline,
+    mesh: Any,
+    batch_axes: tuple[str, ...] = (),
 ) -> Callable[..., tuple[Any, Any]]:
     """``jax.value_and_grad(loss_fn)`` with the layer stack pipelined (module docstring).
 
@@ -544,6 +648,14 @@ def pipelined_value_and_grad(
       pipe: the pipeline.
       mesh: the mesh with ``pipe.axis`` (the context mesh, under ``jax.set_mesh``,
         wins when it has that axis).
+      batch_axes: the mesh axes the batch's rows are split over (a plan's
+        ``activation["batch"]``). They are manual inside the pipeline too: a
+        device runs its stages on its own rows of each micro-batch with the
+        stage's weights gathered over them once per step (at the ``shard_map``'s
+        input), accumulates its weight gradients locally over the micro-batches
+        and sums them over these axes once, at the end of the step. The loss must
+        be a mean over rows (as for micro-batches). Other axes stay automatic
+        (a tensor-parallel ``model`` axis: XLA partitions the stage over it).
 
     Returns:
       ``f(params, batch, *rest) -> (loss, grads)``; ``rest`` is passed to every
@@ -565,28 +677,121 @@ def pipelined_value_and_grad(
         one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
         sp = split_loss(loss_fn, params, one, rest)
         pipe.check_layers(sp.layers, op="pipeline")
+        run_mesh = _mesh(mesh, pipe.axis)
+        axes, shards = _batch_axes(run_mesh, pipe, batch_axes)
+        local = sp if shards == 1 else split_loss(loss_fn, params, _local_rows(one, shards), rest)
+        lay = _Manual(pipe.axis, axes, shards, _row_split(sp, local, shards))
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
-
-        def pre_one(pl: list, mb: Any) -> tuple:
-            xs, shared, per = sp.pre([*pl, *jax.tree.leaves(mb), *r_leaves])
-            return (xs, shared), per
-
-        def pre_all(pl: list) -> tuple:
-            return jax.vmap(pre_one, in_axes=(None, 0), out_axes=((None, None), 0))(pl, micro)
+        pre_all = _pre_all(sp, micro, r_leaves)
 
         seen = _TRACED.get()
         if seen is not None:
             carry = [v.aval for v in sp.carry]
             args = (loss_fn, pipe, params, batch, *rest)
             r, h = chunk_residuals(*args), chunk_residuals(*args, head=True)
-            seen.append(PipelineFacts(pipe, _nbytes(carry), _nbytes(r), _nbytes(h)))
-        ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
-        loss, (ct_xs, ct_sh, ct_per) = _run(sp, pipe, _mesh(mesh, pipe.axis), xs, shared, per)
-        (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
+            sizes = (_nbytes(carry), _nbytes(r), _nbytes(h))
+            seen.append(PipelineFacts(pipe, *sizes, batch_axes=lay.batch))
+        if not _rows_apart(sp, lay):
+            ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
+            loss, (ct_xs, ct_sh, ct_per) = _run(local, pipe, run_mesh, lay, (xs, shared, per))
+            (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
+            return loss, jax.tree.unflatten(p_tree, g)
+        # the embedding's gradient from the rows' cotangents: on each device's rows,
+        # summed over the micro-batches, then over the batch axes once
+        (_, per) = pre_all(p_leaves)
+        (xs, shared), pre_vjp = jax.vjp(lambda pl: pre_all(pl)[0], p_leaves)
+        loss, (ct_xs, ct_sh, ct_per) = _run(local, pipe, run_mesh, lay, (xs, shared, per))
+        (g,) = pre_vjp((ct_xs, ct_sh))
+        g_rows = _rows_grad(local, lay, run_mesh, (p_leaves, micro, r_leaves), ct_per)
+        g = [a + b if _float(a) else a for a, b in zip(g, g_rows, strict=True)]
         return loss, jax.tree.unflatten(p_tree, g)
 
     return grad_fn
+
+
+def _pre_all(sp: SplitLoss, micro: Any, r_leaves: list) -> Callable:
+    """``params → ((xs, shared), per)``: the pre part for every micro-batch."""
+
+    def pre_one(pl: list, mb: Any) -> tuple:
+        xs, shared, per = sp.pre([*pl, *jax.tree.leaves(mb), *r_leaves])
+        return (xs, shared), per
+
+    def pre_all(pl: list) -> tuple:
+        return jax.vmap(pre_one, in_axes=(None, 0), out_axes=((None, None), 0))(pl, micro)
+
+    return pre_all
+
+
+def _rows_apart(sp: SplitLoss, lay: _Manual) -> bool:
+    """Does the pre part's gradient run on each device's rows (:func:`_rows_grad`)?
+    With batch axes, when every floating per-micro-batch value is split over them."""
+    return bool(lay.batch) and all(
+        r for v, r in zip(sp.per_mb, lay.rows, strict=True) if _float(v.aval.dtype)
+    )
+
+
+def _rows_grad(local: SplitLoss, lay: _Manual, mesh: Any, args: tuple, ct_per: list) -> list:
+    """The parameters' gradient through the per-micro-batch values (the
+    embedding's), under a ``shard_map`` manual over the batch axes: each device
+    differentiates the pre part on its rows of every micro-batch (``local``: the
+    loss split on those rows), summed over the micro-batches, then over the
+    batch axes once. Non-floating parameters get zeros."""
+    p_leaves, micro, r_leaves = args
+    dper = [i for i, x in enumerate(ct_per) if _float(x)]
+    b_leaves = jax.tree.leaves(micro)
+    read = _read_by(local, dper, (p_leaves, [x[0] for x in b_leaves], r_leaves))
+    dp = [i for i in read if _float(p_leaves[i])]
+
+    def body(pl: list, bl: list, rl: list, cts: list) -> list:
+        # the parameters the rows' values are not computed from are not passed
+        # (a shard_map input is gathered over the manual axes even when unread)
+        given = dict(zip(read, pl, strict=True))
+
+        def pre_rows(dpl: list) -> list:
+            full = [given.get(i, jnp.zeros(x.shape, x.dtype)) for i, x in enumerate(p_leaves)]
+            for i, x in zip(dp, dpl, strict=True):
+                full[i] = x
+
+            def one(mb: list) -> list:
+                per = local.pre([*full, *mb, *rl])[2]
+                return [per[i] for i in dper]
+
+            return jax.vmap(one)(bl)
+
+        _, vjp = jax.vjp(pre_rows, [given[i] for i in dp])
+        (g,) = vjp(cts)
+        return [jax.lax.psum(x, lay.batch) for x in g]
+
+    rows = P(None, lay.batch)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=([P()] * len(read), [rows] * len(b_leaves), [P()] * len(r_leaves),
+                  [rows] * len(dper)),
+        out_specs=[P()] * len(dp),
+        axis_names=frozenset(lay.batch),
+        check_vma=False,
+    )  # fmt: skip
+    g = fn([p_leaves[i] for i in read], b_leaves, r_leaves, [ct_per[i] for i in dper])
+    out = [_zero_ct(x) for x in p_leaves]
+    for i, x in zip(dp, g, strict=True):
+        out[i] = x
+    return out
+
+
+def _read_by(sp: SplitLoss, outs: list, args: tuple) -> list[int]:
+    """The parameter leaves that ``sp``'s per-micro-batch values ``outs``
+    (indices) are computed from (the others' gradient through them is zero, and
+    a ``psum`` of it would be priced though XLA drops it)."""
+    p_leaves, mb, rl = args
+    closed = jax.make_jaxpr(lambda *a: [sp.pre(list(a))[2][i] for i in outs])(*p_leaves, *mb, *rl)
+    need = {v for v in closed.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    for eqn in reversed(closed.jaxpr.eqns):
+        if any(o in need for o in eqn.outvars):
+            need.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+    invars = closed.jaxpr.invars[: len(p_leaves)]
+    return [i for i, v in enumerate(invars) if v in need]
 
 
 def chunk_residuals(

@@ -8,6 +8,9 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.execute.pipelines_tra
 - collective permutes: :func:`~spmdkit.pipeline.execute.permute_count` of them,
   each one micro-batch's stage output on one device (its batch rows split over
   the plan's batch axes);
+- the gradient sums the executor runs once per step are the ``psum`` calls of
+  its ``shard_map`` bodies, which propagation prices itself; the stage weights'
+  gathers are the reshards of the ``shard_map``'s operands;
 - memory: the pipeline's buffers (:func:`spmdkit.pipeline.memory.stage_buffers`),
   sized from the traced facts and the plan (a chunk's weights: the stacked
   parameters' bytes on one device over ``v``), masked as the executor runs on
@@ -37,9 +40,11 @@ from spmdkit.spec import axis_sizes
 __all__ = ["chunk_weight_bytes", "pipelined_prediction"]
 
 
-def chunk_weight_bytes(plan: Plan) -> float:
+def chunk_weight_bytes(plan: Plan, gathered: tuple[str, ...] = ()) -> float:
     """One chunk's stacked weights on one device: the parameters whose first
-    logical dim is ``layers``, as the plan stores them, over the virtual stages."""
+    logical dim is ``layers``, as the plan stores them (``gathered``: except
+    over these axes, which the pipeline's ``shard_map`` gathers them over),
+    over the virtual stages."""
     pipe = plan.pipeline
     if pipe is None:
         return 0.0
@@ -51,7 +56,7 @@ def chunk_weight_bytes(plan: Plan) -> float:
         shards = 1
         for entry in plan.params[path]:
             for axis in (entry,) if isinstance(entry, str) else entry or ():
-                shards *= sizes[axis]
+                shards *= 1 if axis in gathered else sizes[axis]
         total += math.prod(shape) * np.dtype(dtype).itemsize / shards
     return total / pipe.virtual
 
@@ -85,14 +90,20 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         comm["collective_permute"] = comm.get("collective_permute", 0) + int(
             permute_count(pipe) * carry
         )
+        gathered = chunk_weight_bytes(plan, facts.batch_axes)
         sizes = StageSizes(
             residual=facts.residual_bytes / shards,
             head=facts.head_bytes / shards,
             carry=carry,
-            weights=chunk_weight_bytes(plan),
+            weights=gathered,
         )
         held = stage_buffers(pipe, sizes, masked=runs_masked(pipe, plan.mesh))
         extra += sum(held.values())
+        # the device's chunks' weights, gathered over the batch axes at the
+        # pipeline's input, and their gradients' accumulators: held at that size
+        # through the step (propagation sees the shard_map's operands and results
+        # at the plan's size)
+        extra += 2 * pipe.virtual * (gathered - chunk_weight_bytes(plan))
         if residual_outputs(pipe):
             extra -= counted.pop(0) if counted else 0.0
     mem = prop.memory
