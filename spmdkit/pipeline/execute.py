@@ -343,7 +343,8 @@ def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callabl
     def bwd(row: dict) -> dict:
         _, w, cd = inputs(row)
         ct = [b[row["b_in"]] for b in state["inbox_b"]]
-        vjp = probe.rebuild([s[row["stash"]] for s in state["stash"]], w, cd)
+        held = [s[row["stash"]] for s in state["stash"]]
+        vjp = probe.rebuild(held, w, cd)
         dw, dc_l, dx = vjp(ct)
         dc = dict(zip(ctx.dconsts, dc_l, strict=True))
         first = row["first"] > 0
@@ -354,6 +355,7 @@ def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callabl
                 g = g + jnp.where(first, dx[ctx.carry.index(v)], 0)
             dmb.append(g)
         return {
+            "stash": held,
             "send_b": dx,
             "dxs": [dw[k] for k, x in enumerate(w) if _float(x)],
             "dsh": [dc.get(v, jnp.zeros(v.aval.shape, v.aval.dtype)) for v in ctx.dshared],
@@ -370,19 +372,49 @@ def _full(shapes: dict, part: dict) -> dict:
     return out
 
 
+def _put(bufs: list, slot: Any, vals: list) -> list:
+    return [b.at[slot].set(x) for b, x in zip(bufs, vals, strict=True)]
+
+
+def _add(bufs: list, slot: Any, vals: list) -> list:
+    return [b.at[slot].add(x) for b, x in zip(bufs, vals, strict=True)]
+
+
 def _apply(state: dict, eff: dict, row: dict) -> dict:
-    """A tick's effects written into the device's buffers and accumulators."""
-    put = lambda bufs, slot, vals: [b.at[slot].set(x) for b, x in zip(bufs, vals, strict=True)]  # noqa: E731
-    add = lambda bufs, slot, vals: [b.at[slot].add(x) for b, x in zip(bufs, vals, strict=True)]  # noqa: E731
+    """A tick's effects written into the device's buffers and accumulators (the
+    weight and shared gradients are accumulated inside the tick's branch,
+    :func:`_branch`). Only a forward writes the stash: any other tick's slot
+    index is the stash's length, out of bounds, and a scatter drops it (so the
+    stash has no trash slot)."""
+    n_stash = state["stash"][0].shape[0] if state["stash"] else 0
+    slot = jnp.where(row["kind"] == 1, row["stash"], n_stash)
     return {
         **state,
-        "stash": put(state["stash"], row["stash"], eff["stash"]),
-        "inbox_b": put(state["inbox_b"], row["self_b"], eff["post_ct"]),
-        "g_xs": add(state["g_xs"], row["local"], eff["dxs"]),
-        "g_sh": [g + x for g, x in zip(state["g_sh"], eff["dsh"], strict=True)],
-        "g_mb": add(state["g_mb"], row["mb"], eff["dmb"]),
+        "stash": _put(state["stash"], slot, eff["stash"]),
+        "inbox_b": _put(state["inbox_b"], row["self_b"], eff["post_ct"]),
+        "g_mb": _add(state["g_mb"], row["mb"], eff["dmb"]),
         "loss": state["loss"] + eff["loss"],
     }
+
+
+def _branch(action: Callable | None, shapes: dict) -> Callable:
+    """One ``lax.switch`` branch of a tick: ``action``'s effects (zeros for the
+    missing ones; ``None``: idle), with its weight and shared gradients added to
+    the accumulators inside the branch. Accumulated outside, the ticks of runs
+    XLA unrolls (runs of one tick) had their adds fused into one, holding every
+    such tick's weight gradients at once. A backward's stash effect is the slot
+    it read (the result buffer holds the set it reads anyway, not zeros)."""
+
+    def run(acc: tuple, row: dict) -> tuple:
+        part = {} if action is None else action(row)
+        g_xs, g_sh = acc
+        if "dxs" in part:
+            g_xs = _add(g_xs, row["local"], part.pop("dxs"))
+        if "dsh" in part:
+            g_sh = [g + x for g, x in zip(g_sh, part.pop("dsh"), strict=True)]
+        return _full(shapes, part), (g_xs, g_sh)
+
+    return run
 
 
 def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
@@ -406,21 +438,18 @@ def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> 
         state["stash"] = []
         f_shape = jax.eval_shape(_effects(ctx, probe, xs_l, state)[0], row0)
         stash_shapes = f_shape["stash"]
-        state["stash"] = [jnp.zeros((tables.n_stash + 1, *s.shape), s.dtype) for s in stash_shapes]
-        dxs = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in state["g_xs"]]
-        shapes = {**f_shape, "send_b": f_shape["send_f"], "dxs": dxs}
+        state["stash"] = [jnp.zeros((tables.n_stash, *s.shape), s.dtype) for s in stash_shapes]
+        shapes = {k: x for k, x in f_shape.items() if k != "dsh"}
+        shapes["send_b"] = f_shape["send_f"]
 
         def make_tick(send_f: bool, send_b: bool) -> Callable:
             def tick(st: dict, tab: Any) -> tuple:
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
                 f, b = _effects(ctx, probe, xs_l, st)
-                eff = jax.lax.switch(
-                    row["kind"],
-                    [lambda r: _full(shapes, {}), lambda r: _full(shapes, f(r)),
-                     lambda r: _full(shapes, b(r))],
-                    row,
-                )  # fmt: skip
-                st = _apply(st, eff, row)
+                branches = [_branch(a, shapes) for a in (None, f, b)]
+                acc = (st["g_xs"], st["g_sh"])
+                eff, (g_xs, g_sh) = jax.lax.switch(row["kind"], branches, acc, row)
+                st = _apply({**st, "g_xs": g_xs, "g_sh": g_sh}, eff, row)
                 if send_f:
                     recv = [jax.lax.ppermute(x, axis, fperm) for x in eff["send_f"]]
                     st["inbox_f"] = [
