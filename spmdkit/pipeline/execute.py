@@ -61,7 +61,6 @@ __all__ = [
     "permute_count",
     "pipelined_value_and_grad",
     "pipelines_traced",
-    "runs_masked",
     "split_microbatches",
 ]
 
@@ -532,27 +531,6 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     ct_sh = [next(it_sh) if _float(x) else _zero_ct(x) for x in shared]
     ct_per = [next(it_mb) if _float(x) else _zero_ct(x) for x in per]
     return loss, (ct_xs, ct_sh, ct_per)
-
-
-def runs_masked(pipe: Pipeline, mesh: Any) -> bool:
-    """Whether the executor runs the ticks of ``pipe`` on ``mesh`` *masked*
-    (every branch of a tick computed and one result selected): never. Every
-    tick runs only its own action (``lax.switch`` on the tick table's row) on
-    every mesh, the other mesh axes included: the tick's index depends on the
-    pipe position only, so every device of a pipe stage takes the same branch,
-    and the collectives XLA puts inside a branch (the stage's all-gathers and
-    all-reduces over the other axes) have groups inside one pipe stage.
-
-    Kept so a memory model can ask (a masked tick would hold both branches'
-    buffers).
-
-    Example::
-
-        >>> runs_masked(Pipeline(2, 4), sk.make_mesh(pipe=2, data=2, model=2))
-        False
-    """
-    del pipe, mesh
-    return False
 
 
 def _mesh(plan_mesh: Any, axis: str) -> Any:

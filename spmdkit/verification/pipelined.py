@@ -10,9 +10,7 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.execute.pipelines_tra
   the plan's batch axes);
 - memory: the pipeline's buffers (:func:`spmdkit.pipeline.memory.stage_buffers`),
   sized from the traced facts and the plan (a chunk's weights: the stacked
-  parameters' bytes on one device over ``v``), masked as the executor runs on
-  this mesh (:func:`~spmdkit.pipeline.execute.runs_masked`), on top of the
-  propagated step. Propagation takes a ``shard_map``'s out_specs as given, so it
+  parameters' bytes on one device over ``v``), on top of the propagated step. Propagation takes a ``shard_map``'s out_specs as given, so it
   counts GPipe's residuals (the forward ``shard_map``'s outputs,
   :func:`~spmdkit.pipeline.memory.residual_outputs`) unsharded over the axes
   other than the pipe axis; that count is replaced by the model's.
@@ -28,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit.pipeline.execute import permute_count, pipelines_traced, runs_masked
+from spmdkit.pipeline.execute import permute_count, pipelines_traced
 from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation
@@ -91,7 +89,7 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
             carry=carry,
             weights=chunk_weight_bytes(plan),
         )
-        held = stage_buffers(pipe, sizes, masked=runs_masked(pipe, plan.mesh))
+        held = stage_buffers(pipe, sizes)
         extra += sum(held.values())
         if residual_outputs(pipe):
             extra -= counted.pop(0) if counted else 0.0
