@@ -73,15 +73,15 @@ def _peaks_and_sizes(stages: int) -> tuple[dict, dict, StageSizes]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [4, 2])
 def test_fthenb_and_1f1b_peaks_against_gpipe_by_the_predicted_amount(stages):
-    """pipe=4: both hold less than GPipe, by the predicted amount (±20%; measured
-    10.2 / 21.2 MB, predicted 9.1 / 20.1). pipe=2: GPipe's m + 1 forward ticks hold
-    about what F-then-B's m + 1 slots and a tick's three sets do, so F-then-B holds
-    a little more than GPipe (measured 2.0 MB more, predicted 1.4 MB more: within
-    20% of 5% of the peak, the floor for a difference near zero); 1F1B saves 24.5
-    MB, predicted 29.6 (its one-tick runs hold more than the model counts)."""
+    """Both hold less than GPipe, by the predicted amount (±20%). Measured (MB,
+    saved vs GPipe / predicted): pipe=4 F-then-B 12.71 / 14.20, 1F1B 23.68 / 25.16;
+    pipe=2 F-then-B 7.78 / 8.60, 1F1B 38.92 / 39.60. At pipe=2 F-then-B holds all
+    m sets like GPipe; it saves GPipe's bubble tick's set and every tick's head
+    and weights, only because its stash has no trash slot and its ticks keep two
+    sets, not three (before: 2.0 MB *more* than GPipe)."""
     peaks, pipes, sizes = _peaks_and_sizes(stages)
     for schedule in ("fthenb", "1f1b"):
         measured = peaks["gpipe"] - peaks[schedule]
         predicted = saved_bytes(pipes[schedule], pipes["gpipe"], sizes)
-        scale = max(abs(predicted), 0.05 * peaks["gpipe"])
-        assert abs(measured - predicted) <= 0.2 * scale, (schedule, measured, predicted)
+        assert measured > 0, (schedule, measured)
+        assert abs(measured - predicted) <= 0.2 * predicted, (schedule, measured, predicted)
