@@ -10,8 +10,9 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.execute.pipelines_tra
   the plan's batch axes);
 - memory: the pipeline's buffers (:func:`spmdkit.pipeline.memory.stage_buffers`),
   sized from the traced facts and the plan (a chunk's weights: the stacked
-  parameters' bytes on one device over ``v``), on top of the propagated step. Propagation takes a ``shard_map``'s out_specs as given, so it
-  counts GPipe's residuals (the forward ``shard_map``'s outputs,
+  parameters' bytes on one device over ``v``), on top of the propagated step.
+  Propagation takes a ``shard_map``'s out_specs as given, so it counts GPipe's
+  residuals (the forward ``shard_map``'s outputs,
   :func:`~spmdkit.pipeline.memory.residual_outputs`) unsharded over the axes
   other than the pipe axis; that count is replaced by the model's.
 """
