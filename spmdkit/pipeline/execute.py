@@ -381,8 +381,7 @@ def _add(bufs: list, slot: Any, vals: list) -> list:
 
 def _apply(state: dict, eff: dict, row: dict) -> dict:
     """A tick's effects written into the device's buffers and accumulators (the
-    weight and shared gradients are accumulated inside the tick's branch,
-    :func:`_branch`). Only a forward writes the stash: any other tick's slot
+    weight and shared gradients are accumulated by :func:`_tick_effects`). Only a forward writes the stash: any other tick's slot
     index is the stash's length, out of bounds, and a scatter drops it (so the
     stash has no trash slot)."""
     n_stash = state["stash"][0].shape[0] if state["stash"] else 0
@@ -399,10 +398,9 @@ def _apply(state: dict, eff: dict, row: dict) -> dict:
 def _branch(action: Callable | None, shapes: dict) -> Callable:
     """One ``lax.switch`` branch of a tick: ``action``'s effects (zeros for the
     missing ones; ``None``: idle), with its weight and shared gradients added to
-    the accumulators inside the branch. Accumulated outside, the ticks of runs
-    XLA unrolls (runs of one tick) had their adds fused into one, holding every
-    such tick's weight gradients at once. A backward's stash effect is the slot
-    it read (the result buffer holds the set it reads anyway, not zeros)."""
+    the accumulators inside the branch (:func:`_tick_effects`). A backward's
+    stash effect is the slot it read (the result buffer holds the set it reads
+    anyway, not zeros)."""
 
     def run(acc: tuple, row: dict) -> tuple:
         part = {} if action is None else action(row)
@@ -416,7 +414,33 @@ def _branch(action: Callable | None, shapes: dict) -> Callable:
     return run
 
 
-def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> Callable:
+def _tick_effects(st: dict, row: dict, actions: tuple, shapes: dict, inside: bool) -> tuple:
+    """``(effects, state with the gradients accumulated)`` of one tick's switch.
+
+    ``inside`` (a mesh with only the pipe axis): the weight and shared gradients
+    are added inside the branch. Added after the switch, the ticks of runs XLA
+    unrolls (1F1B at ``p = 2`` is all one-tick runs) had their adds fused into
+    one, holding every such tick's weight gradients at once. With other mesh
+    axes the accumulators stay outside the switch: XLA reshards a branch's
+    operand inside the branch, with a collective permute, which deadlocks
+    XLA:CPU there.
+    """
+    if inside:
+        keep = {k: x for k, x in shapes.items() if k not in ("dxs", "dsh")}
+        branches = [_branch(a, keep) for a in (None, *actions)]
+        acc = (st["g_xs"], st["g_sh"])
+        eff, (g_xs, g_sh) = jax.lax.switch(row["kind"], branches, acc, row)
+        return eff, {**st, "g_xs": g_xs, "g_sh": g_sh}
+    branches = [lambda r, a=a: _full(shapes, {} if a is None else a(r)) for a in (None, *actions)]
+    eff = jax.lax.switch(row["kind"], branches, row)
+    g_xs = _add(st["g_xs"], row["local"], eff["dxs"])
+    g_sh = [g + x for g, x in zip(st["g_sh"], eff["dsh"], strict=True)]
+    return eff, {**st, "g_xs": g_xs, "g_sh": g_sh}
+
+
+def _explicit_body(
+    sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str, *, inside: bool = False
+) -> Callable:
     fperm, bperm = _perms(pipe)
 
     def body(xs_local: list, shared: list, per: list) -> tuple:
@@ -438,17 +462,15 @@ def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, axis: str) -> 
         f_shape = jax.eval_shape(_effects(ctx, probe, xs_l, state)[0], row0)
         stash_shapes = f_shape["stash"]
         state["stash"] = [jnp.zeros((tables.n_stash, *s.shape), s.dtype) for s in stash_shapes]
-        shapes = {k: x for k, x in f_shape.items() if k != "dsh"}
-        shapes["send_b"] = f_shape["send_f"]
+        dxs = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in state["g_xs"]]
+        shapes = {**f_shape, "send_b": f_shape["send_f"], "dxs": dxs}
 
         def make_tick(send_f: bool, send_b: bool) -> Callable:
             def tick(st: dict, tab: Any) -> tuple:
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
-                f, b = _effects(ctx, probe, xs_l, st)
-                branches = [_branch(a, shapes) for a in (None, f, b)]
-                acc = (st["g_xs"], st["g_sh"])
-                eff, (g_xs, g_sh) = jax.lax.switch(row["kind"], branches, acc, row)
-                st = _apply({**st, "g_xs": g_xs, "g_sh": g_sh}, eff, row)
+                actions = _effects(ctx, probe, xs_l, st)
+                eff, st = _tick_effects(st, row, actions, shapes, inside)
+                st = _apply(st, eff, row)
                 if send_f:
                     recv = [jax.lax.ppermute(x, axis, fperm) for x in eff["send_f"]]
                     st["inbox_f"] = [
@@ -522,7 +544,10 @@ def _run(sp: SplitLoss, pipe: Pipeline, mesh: Any, xs: list, shared: list, per: 
     tables = build_tables(sched)
     ctx_probe = [_float(x) for x in xs]
     out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), P())
-    body = _explicit_body(sp, pipe, tables, pipe.axis)
+    # gradients accumulated inside a tick's branch only where XLA has no other
+    # axis to reshard them over (:func:`_tick_effects`)
+    inside = all(size == 1 for name, size in mesh.shape.items() if name != pipe.axis)
+    body = _explicit_body(sp, pipe, tables, pipe.axis, inside=inside)
     loss, g_xs, g_sh, g_mb = _shard_map(body, pipe, mesh, out_specs, n)(xs_g, shared, per)
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
