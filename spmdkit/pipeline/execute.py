@@ -381,9 +381,10 @@ def _add(bufs: list, slot: Any, vals: list) -> list:
 
 def _apply(state: dict, eff: dict, row: dict) -> dict:
     """A tick's effects written into the device's buffers and accumulators (the
-    weight and shared gradients are accumulated by :func:`_tick_effects`). Only a forward writes the stash: any other tick's slot
-    index is the stash's length, out of bounds, and a scatter drops it (so the
-    stash has no trash slot)."""
+    weight and shared gradients are accumulated by :func:`_tick_effects`). Only
+    a forward writes the stash: any other tick's slot index is the stash's
+    length, out of bounds, and a scatter drops it (so the stash has no trash
+    slot)."""
     n_stash = state["stash"][0].shape[0] if state["stash"] else 0
     slot = jnp.where(row["kind"] == 1, row["stash"], n_stash)
     return {
@@ -421,8 +422,9 @@ def _tick_effects(st: dict, row: dict, actions: tuple, shapes: dict, inside: boo
     are added inside the branch. Added after the switch, the ticks of runs XLA
     unrolls (1F1B at ``p = 2`` is all one-tick runs) had their adds fused into
     one, holding every such tick's weight gradients at once. With other mesh
-    axes the accumulators stay outside the switch: XLA reshards a branch's
-    operand inside the branch, with a collective permute, which deadlocks
+    axes the accumulators stay outside the switch, and a backward's stash
+    effect is zeros, not the slot it read: XLA reshards such a branch operand
+    or result inside the branch, with a collective permute, which deadlocks
     XLA:CPU there.
     """
     if inside:
@@ -431,7 +433,17 @@ def _tick_effects(st: dict, row: dict, actions: tuple, shapes: dict, inside: boo
         acc = (st["g_xs"], st["g_sh"])
         eff, (g_xs, g_sh) = jax.lax.switch(row["kind"], branches, acc, row)
         return eff, {**st, "g_xs": g_xs, "g_sh": g_sh}
-    branches = [lambda r, a=a: _full(shapes, {} if a is None else a(r)) for a in (None, *actions)]
+
+    def outside(action: Callable | None, kind: int) -> Callable:
+        def run(r: dict) -> dict:
+            part = {} if action is None else dict(action(r))
+            if kind == 2:  # zeros: XLA would reshard the slot read inside the branch too
+                part.pop("stash")
+            return _full(shapes, part)
+
+        return run
+
+    branches = [outside(a, k) for k, a in enumerate((None, *actions))]
     eff = jax.lax.switch(row["kind"], branches, row)
     g_xs = _add(st["g_xs"], row["local"], eff["dxs"])
     g_sh = [g + x for g, x in zip(st["g_sh"], eff["dsh"], strict=True)]
