@@ -68,7 +68,6 @@ __all__ = [
     "permute_count",
     "pipelined_value_and_grad",
     "pipelines_traced",
-    "runs_masked",
     "split_microbatches",
 ]
 
@@ -336,7 +335,9 @@ class _Probe:
         return jax.tree.unflatten(self.tree, leaves)
 
 
-def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callable, Callable]:
+def _effects(
+    ctx: _Ctx, probe: _Probe, xs_l: list, state: dict, *, read_slot: bool = False
+) -> tuple[Callable, Callable]:
     """The forward and backward actions of one tick, as functions of its row
     returning every effect (zeros for the other action's)."""
     pipe = ctx.pipe
@@ -376,7 +377,8 @@ def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callabl
     def bwd(row: dict) -> dict:
         _, w, cd = inputs(row)
         ct = [b[row["b_in"]] for b in state["inbox_b"]]
-        vjp = probe.rebuild([s[row["stash"]] for s in state["stash"]], w, cd)
+        held = [s[row["stash"]] for s in state["stash"]]
+        vjp = probe.rebuild(held, w, cd)
         dw, dc_l, dx = vjp(ct)
         dc = dict(zip(ctx.dconsts, dc_l, strict=True))
         first = row["first"] > 0
@@ -387,6 +389,7 @@ def _effects(ctx: _Ctx, probe: _Probe, xs_l: list, state: dict) -> tuple[Callabl
                 g = g + jnp.where(first, dx[ctx.carry.index(v)], 0)
             dmb.append(g)
         return {
+            **({"stash": held} if read_slot else {}),
             "send_b": dx,
             # added to the accumulators inside the branch: the next tick's branch
             # then reads them, so XLA cannot run several (unrolled) ticks'
@@ -411,22 +414,41 @@ def _full(shapes: dict, part: dict) -> dict:
     return out
 
 
+def _put(bufs: list, slot: Any, vals: list) -> list:
+    return [b.at[slot].set(x) for b, x in zip(bufs, vals, strict=True)]
+
+
+def _add(bufs: list, slot: Any, vals: list) -> list:
+    return [b.at[slot].add(x) for b, x in zip(bufs, vals, strict=True)]
+
+
 def _apply(state: dict, eff: dict, row: dict) -> dict:
-    """A tick's effects written into the device's buffers and accumulators."""
-    put = lambda bufs, slot, vals: [b.at[slot].set(x) for b, x in zip(bufs, vals, strict=True)]  # noqa: E731
-    add = lambda bufs, slot, vals: [b.at[slot].add(x) for b, x in zip(bufs, vals, strict=True)]  # noqa: E731
+    """A tick's effects written into the device's buffers and accumulators (the
+    weight gradients are accumulated inside the backward's branch). Only
+    a forward writes the stash: any other tick's slot index is the stash's
+    length, out of bounds, and a scatter drops it (so the stash has no trash
+    slot)."""
+    n_stash = state["stash"][0].shape[0] if state["stash"] else 0
+    slot = jnp.where(row["kind"] == 1, row["stash"], n_stash)
     return {
         **state,
-        "stash": put(state["stash"], row["stash"], eff["stash"]),
-        "inbox_b": put(state["inbox_b"], row["self_b"], eff["post_ct"]),
+        "stash": _put(state["stash"], slot, eff["stash"]),
+        "inbox_b": _put(state["inbox_b"], row["self_b"], eff["post_ct"]),
         "g_xs": eff["g_xs"],
         "g_sh": [g + x for g, x in zip(state["g_sh"], eff["dsh"], strict=True)],
-        "g_mb": add(state["g_mb"], row["mb"], eff["dmb"]),
+        "g_mb": _add(state["g_mb"], row["mb"], eff["dmb"]),
         "loss": state["loss"] + eff["loss"],
     }
 
 
-def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> Callable:
+def _explicit_body(
+    sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual, *, read_slot: bool = False
+) -> Callable:
+    """The 1F1B-family tick loop. ``read_slot``: a backward's stash effect is the
+    slot it read (the branch's result buffer holds that set anyway) rather than
+    zeros; only where every mesh axis is manual, since XLA reshards such a branch
+    result over an automatic axis inside the branch, with a collective permute
+    that deadlocks XLA:CPU."""
     fperm, bperm = _perms(pipe)
     axis = lay.axis
 
@@ -448,13 +470,13 @@ def _explicit_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) 
         state["stash"] = []
         f_shape = jax.eval_shape(_effects(ctx, probe, xs_l, state)[0], row0)
         stash_shapes = f_shape["stash"]
-        state["stash"] = [jnp.zeros((tables.n_stash + 1, *s.shape), s.dtype) for s in stash_shapes]
+        state["stash"] = [jnp.zeros((tables.n_stash, *s.shape), s.dtype) for s in stash_shapes]
         shapes = {**f_shape, "send_b": f_shape["send_f"]}
 
         def make_tick(send_f: bool, send_b: bool) -> Callable:
             def tick(st: dict, tab: Any) -> tuple:
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
-                f, b = _effects(ctx, probe, xs_l, st)
+                f, b = _effects(ctx, probe, xs_l, st, read_slot=read_slot)
                 keep = {"g_xs": st["g_xs"]}
                 eff = jax.lax.switch(
                     row["kind"],
@@ -547,7 +569,8 @@ def _run(
     ctx_probe = [_float(x) for x in xs]
     mb_specs = [lay.per_spec(r) for r, x in zip(lay.rows, per, strict=True) if _float(x)]
     out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), mb_specs)
-    body = _explicit_body(sp, pipe, tables, lay)
+    read_slot = all(size == 1 for name, size in mesh.shape.items() if name not in lay.every)
+    body = _explicit_body(sp, pipe, tables, lay, read_slot=read_slot)
     loss, g_xs, g_sh, g_mb = _shard_map(body, lay, mesh, out_specs, n)(xs_g, shared, per)
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
@@ -556,27 +579,6 @@ def _run(
     ct_sh = [next(it_sh) if _float(x) else _zero_ct(x) for x in shared]
     ct_per = [next(it_mb) if _float(x) else _zero_ct(x) for x in per]
     return loss, (ct_xs, ct_sh, ct_per)
-
-
-def runs_masked(pipe: Pipeline, mesh: Any) -> bool:
-    """Whether the executor runs the ticks of ``pipe`` on ``mesh`` *masked*
-    (every branch of a tick computed and one result selected): never. Every
-    tick runs only its own action (``lax.switch`` on the tick table's row) on
-    every mesh, the other mesh axes included: the tick's index depends on the
-    pipe position only, so every device of a pipe stage takes the same branch,
-    and the collectives XLA puts inside a branch (the stage's all-gathers and
-    all-reduces over the other axes) have groups inside one pipe stage.
-
-    Kept so a memory model can ask (a masked tick would hold both branches'
-    buffers).
-
-    Example::
-
-        >>> runs_masked(Pipeline(2, 4), sk.make_mesh(pipe=2, data=2, model=2))
-        False
-    """
-    del pipe, mesh
-    return False
 
 
 def _mesh(plan_mesh: Any, axis: str) -> Any:

@@ -12,29 +12,23 @@ weights. :func:`stage_buffers` counts them from the tick tables
 
 - ``"fthenb"``, ``"1f1b"``, ``"interleaved"`` (explicit ticks):
 
-  - ``stash``: ``(n_stash + 1) · R``: the residual slots of the micro-batches in
-    flight on the busiest device (F-then-B: ``v·m``; 1F1B: ``p``) and the
-    trash slot ticks that stash nothing write to;
-  - ``inboxes``: ``(n_inbox_f + 1 + n_inbox_b + 1) · C``;
-  - ``tick``: three residual sets around the tick's ``lax.switch``: the slot a
-    backward reads, copied out of the stash, and its copy into the branch's
-    operands; a forward's fresh set and the branch's result holding it until
-    it is written to its slot (``3·R``).
-
-  On a mesh with other axes the executor runs *masked*
-  (:func:`~spmdkit.pipeline.execute.runs_masked`: every tick runs both actions
-  and the head, results selected): each tick then reads one stash slot and
-  writes another unconditionally, so the loop keeps two copies of the stash and
-  the inboxes (the state before and after the tick's writes), and the tick's own
-  buffers are the head's and one residual set, ``R + H``.
+  - ``stash``: ``n_stash · R``: the residual slots of the micro-batches in
+    flight on the busiest device (F-then-B: ``v·m``; 1F1B: ``p``); a slot is
+    released (free for the next forward) by the backward that consumes it, and
+    there is no trash slot (ticks that stash nothing write out of bounds,
+    dropped);
+  - ``inboxes``: ``(n_inbox_f + 1 + n_inbox_b + 1) · C`` (with their trash slots);
+  - ``tick``: two residual sets around the tick's ``lax.switch``: the branch's
+    result (a forward's fresh set until it is written to its slot, or the slot
+    a backward read) and the backward's working set (``2·R``; measured on
+    XLA:CPU, tiny Llama, pipe=2 and 4).
 
 - ``"gpipe"`` (autodiff of the forward tick scan): every forward tick ``t``
   (``T`` of them, bubbles included) keeps its chunk's residuals, the head's
   (the tick's ``cond`` keeps both branches'), the chunk's weights it sliced
-  (the ``cond``'s operand; masked ticks keep none), and the forward inbox it
-  read: ``stash = T · (R + H + W)`` (``T · (R + H)`` masked),
-  ``inboxes = (T + 1) · (n_inbox_f + 1) · C``; ``tick``: ``R`` (``2·R + H``
-  masked: both branches' results live).
+  (the ``cond``'s operand), and the forward inbox it read:
+  ``stash = T · (R + H + W)``, ``inboxes = (T + 1) · (n_inbox_f + 1) · C``;
+  ``tick``: ``R``.
 
 :func:`peak_bytes` sums them (plus what the caller knows about the rest:
 parameters, gradients, the embedding's activations); :func:`saved_bytes` is
@@ -82,55 +76,48 @@ class StageSizes:
 
 def held_residual_sets(pipe: Pipeline) -> int:
     """Residual sets every device allocates for held micro-batches: GPipe's forward
-    ticks, else the stash's slots (the busiest device's in-flight micro-batches
-    and the trash slot).
+    ticks, else the stash's slots (the busiest device's in-flight micro-batches).
 
     Example:
         >>> held_residual_sets(Pipeline(stages=4, microbatches=8, schedule="gpipe"))
         11
         >>> held_residual_sets(Pipeline(stages=4, microbatches=8, schedule="1f1b"))
-        5
+        4
     """
     return _slots(pipe)[0]
 
 
-def stage_buffers(pipe: Pipeline, sizes: StageSizes, *, masked: bool = False) -> dict[str, float]:
+def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
     """A device's pipeline buffers, by kind (``stash``, ``inboxes``, ``tick``;
     module docstring).
 
     Args:
       pipe: the pipeline.
       sizes: ``R``, ``H``, ``C``, ``W`` on one device.
-      masked: the executor runs every tick's actions masked (a mesh with other
-        axes: :func:`~spmdkit.pipeline.execute.runs_masked`).
 
     Example:
         >>> stage_buffers(Pipeline(stages=2, microbatches=4, schedule="1f1b"),
         ...               StageSizes(residual=10.0, head=1.0, carry=2.0))
-        {'stash': 30.0, 'inboxes': 8.0, 'tick': 30.0}
+        {'stash': 20.0, 'inboxes': 8.0, 'tick': 20.0}
     """
     r, h, c, w = sizes.residual, sizes.head, sizes.carry, sizes.weights
     held, inbox = _slots(pipe)
     if pipe.schedule == "gpipe":
-        kept = r + h + (0.0 if masked else w)
-        tick = 2 * r + h if masked else r
-        return {"stash": held * kept, "inboxes": (held + 1) * inbox * c, "tick": tick}
-    copies = 2 if masked else 1
-    tick = r + h if masked else 3 * r
-    return {"stash": copies * held * r, "inboxes": copies * inbox * c, "tick": tick}
+        return {"stash": held * (r + h + w), "inboxes": (held + 1) * inbox * c, "tick": r}
+    return {"stash": held * r, "inboxes": inbox * c, "tick": 2 * r}
 
 
 @functools.lru_cache(maxsize=512)
 def _slots(pipe: Pipeline) -> tuple[int, int]:
     """``(held residual sets, inbox slots)`` every device allocates (GPipe: its
-    forward ticks and forward inbox; else the stash's and both inboxes' slots,
-    trash slots included)."""
+    forward ticks and forward inbox; else the stash's slots and both inboxes'
+    slots, their trash slots included)."""
     sched = build_schedule(pipe)
     if pipe.schedule == "gpipe":
         t = forward_ticks(sched)
         return t, build_tables(sched, ticks=t).n_inbox_f + 1
     tables = build_tables(sched)
-    return tables.n_stash + 1, tables.n_inbox_f + 1 + tables.n_inbox_b + 1
+    return tables.n_stash, tables.n_inbox_f + 1 + tables.n_inbox_b + 1
 
 
 def residual_outputs(pipe: Pipeline) -> frozenset[str]:
@@ -144,24 +131,20 @@ def residual_outputs(pipe: Pipeline) -> frozenset[str]:
     return frozenset()
 
 
-def peak_bytes(
-    pipe: Pipeline, sizes: StageSizes, rest_bytes: float = 0.0, *, masked: bool = False
-) -> float:
+def peak_bytes(pipe: Pipeline, sizes: StageSizes, rest_bytes: float = 0.0) -> float:
     """Predicted per-device peak: :func:`stage_buffers` plus ``rest_bytes``
     (parameters, gradients, optimizer state, the embedding's activations: the
     same for every schedule)."""
-    return sum(stage_buffers(pipe, sizes, masked=masked).values()) + float(rest_bytes)
+    return sum(stage_buffers(pipe, sizes).values()) + float(rest_bytes)
 
 
-def saved_bytes(
-    pipe: Pipeline, than: Pipeline, sizes: StageSizes, *, masked: bool = False
-) -> float:
+def saved_bytes(pipe: Pipeline, than: Pipeline, sizes: StageSizes) -> float:
     """How much less ``pipe`` holds at its peak than ``than`` (e.g. 1F1B than GPipe);
     negative when it holds more.
 
     Example:
         >>> gp = Pipeline(stages=4, microbatches=8, schedule="gpipe")
         >>> saved_bytes(Pipeline(stages=4, microbatches=8, schedule="1f1b"), gp, StageSizes(1.0))
-        4.0
+        6.0
     """
-    return peak_bytes(than, sizes, masked=masked) - peak_bytes(pipe, sizes, masked=masked)
+    return peak_bytes(than, sizes) - peak_bytes(pipe, sizes)

@@ -8,7 +8,9 @@ its neighbour sends at the end of the tick in. Slots are assigned here, once,
 by replaying the schedule: a slot is taken when a value arrives (or a forward
 stashes) and freed when the action that needs it runs, so buffers hold only
 what is in flight (1F1B's ``p − d`` micro-batches on device ``d``, not ``m``).
-Each buffer has one extra *trash* slot that idle and non-writing ticks write to.
+Each inbox has one extra *trash* slot that ticks receiving nothing write to;
+the stash has none: a tick that stashes nothing has the stash's length as its
+slot, which the executor's scatter drops (out of bounds).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class Tables:
 
     Attributes:
       fields: name → ``int32[ticks, stages]``.
-      n_inbox_f, n_inbox_b, n_stash: slots per buffer (the trash slot not counted).
+      n_inbox_f, n_inbox_b, n_stash: slots per buffer (an inbox's trash slot not counted).
       send_f, send_b: per tick, whether any device sends a forward (backward) value.
     """
 

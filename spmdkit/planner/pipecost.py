@@ -32,8 +32,7 @@ such a candidate with the per-group model of :mod:`spmdkit.planner.analytic`:
   ``plan.verify`` predicts a compiled pipelined step with): one program runs on
   every device of the pipe axis, so each holds the busiest device's stash slots
   (the schedule's peak of in-flight (micro-batch, chunk) pairs,
-  :func:`held_activations`, plus a trash slot; two copies when the ticks run
-  masked, on a mesh with other axes), a tick's working sets and the inboxes;
+  :func:`held_activations`), a tick's working sets and the inboxes;
   GPipe every forward tick's residuals, head and chunk weights. A residual set
   is ``L / (p·v)`` layers × the per-layer bytes the recipe's remat keeps, for
   one micro-batch of ``batch / (data shards × m)`` sequences; with remat one
@@ -61,7 +60,6 @@ import jax
 from jax.extend.core import Jaxpr, Var
 
 from spmdkit.pipeline import Action, Pipeline, Schedule, build_schedule, device_orders
-from spmdkit.pipeline.execute import runs_masked
 from spmdkit.pipeline.memory import StageSizes, stage_buffers
 from spmdkit.planner.analytic import (
     CostContext,
@@ -348,7 +346,6 @@ def activation_bytes(
     carry_scale: float,
     *,
     chunk_weights: float = 0.0,
-    masked: bool = False,
 ) -> tuple[float, ...]:
     """Activation bytes per pipe-axis device under ``pipe``'s schedule (module docstring).
 
@@ -367,14 +364,11 @@ def activation_bytes(
         carry_scale: the same for the carry (not split by tensor parallelism).
         chunk_weights: one chunk's stacked weights on one device (GPipe keeps
             them per forward tick).
-        masked: the executor runs masked ticks (a mesh with other axes,
-            :func:`~spmdkit.pipeline.execute.runs_masked`).
 
     Example: 8 layers whose input is 1 MiB and residuals 4 MiB per micro-batch
-    and device, full remat, 1F1B over 4 stages: 4 stash slots + the trash slot
-    of 2 layers × 1 MiB (10 MiB), a tick's three sets (6 MiB), 4 inbox slots of
-    1 MiB, one layer's 4 MiB recomputed and a 1 MiB logits' gradient: 25 MiB on
-    every device.
+    and device, full remat, 1F1B over 4 stages: 4 stash slots of 2 layers × 1 MiB
+    (8 MiB), a tick's two sets (4 MiB), 4 inbox slots of 1 MiB, one layer's 4 MiB
+    recomputed and a 1 MiB logits' gradient: 21 MiB on every device.
     """
     p, v = pipe.stages, pipe.virtual
     per_chunk = trace.layers / (p * v) * _kept_per_layer(trace, remat, save_names) * act_scale
@@ -386,7 +380,7 @@ def activation_bytes(
         carry=trace.layer_carry * carry_scale,
         weights=chunk_weights,
     )
-    held = sum(stage_buffers(pipe, sizes, masked=masked).values())
+    held = sum(stage_buffers(pipe, sizes).values())
     return (held + recompute + trace.resid_peak * act_scale,) * p
 
 
@@ -461,7 +455,6 @@ def pipeline_cost(
         act_scale,
         carry_scale,
         chunk_weights=stack_cost.memory["params"] / pipe.virtual,
-        masked=runs_masked(pipe, ctx.mesh),
     )
     stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))

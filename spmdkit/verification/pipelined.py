@@ -13,10 +13,9 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.execute.pipelines_tra
   gathers are the reshards of the ``shard_map``'s operands;
 - memory: the pipeline's buffers (:func:`spmdkit.pipeline.memory.stage_buffers`),
   sized from the traced facts and the plan (a chunk's weights: the stacked
-  parameters' bytes on one device over ``v``), masked as the executor runs on
-  this mesh (:func:`~spmdkit.pipeline.execute.runs_masked`), on top of the
-  propagated step. Propagation takes a ``shard_map``'s out_specs as given, so it
-  counts GPipe's residuals (the forward ``shard_map``'s outputs,
+  parameters' bytes on one device over ``v``), on top of the propagated step.
+  Propagation takes a ``shard_map``'s out_specs as given, so it counts GPipe's
+  residuals (the forward ``shard_map``'s outputs,
   :func:`~spmdkit.pipeline.memory.residual_outputs`) unsharded over the axes
   other than the pipe axis; that count is replaced by the model's.
 """
@@ -31,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdkit.pipeline.execute import permute_count, pipelines_traced, runs_masked
+from spmdkit.pipeline.execute import permute_count, pipelines_traced
 from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation
@@ -97,7 +96,7 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
             carry=carry,
             weights=gathered,
         )
-        held = stage_buffers(pipe, sizes, masked=runs_masked(pipe, plan.mesh))
+        held = stage_buffers(pipe, sizes)
         extra += sum(held.values())
         # the device's chunks' weights, gathered over the batch axes at the
         # pipeline's input, and their gradients' accumulators: held at that size

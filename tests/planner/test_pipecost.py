@@ -60,19 +60,19 @@ def _acts(schedule: str, remat: str = "full", m: int = 8) -> tuple[float, ...]:
 def test_activations_per_schedule_by_hand() -> None:
     # Per chunk (2 layers, full remat) R = 2 × 1 MiB carry; the head H = 2 MiB;
     # a send C = 1 MiB; every device also holds one recomputed layer (4 MiB) and
-    # the logits' gradient (1 MiB), and a tick's three residual sets around its
+    # the logits' gradient (1 MiB), and a tick's two residual sets around its
     # switch (one program on every device: the busiest device's buffers everywhere).
-    # 1F1B: 4 stash slots + the trash slot, 2 inbox slots + 2 trash slots.
-    assert _acts("1f1b") == (5 * 2 + 4 * 1 + 3 * 2 + 4 + 1.0,) * 4
-    # F-then-B with input release: 8 slots + trash; the last device's backward
-    # inbox holds all 8 losses' cotangents at the end of the forwards.
-    assert _acts("fthenb") == (9 * 2 + (2 + 9) * 1 + 3 * 2 + 4 + 1.0,) * 4
+    # 1F1B: 4 stash slots (no trash slot), 2 inbox slots + 2 trash slots.
+    assert _acts("1f1b") == (4 * 2 + 4 * 1 + 2 * 2 + 4 + 1.0,) * 4
+    # F-then-B with input release: 8 slots; the last device's backward inbox
+    # holds all 8 losses' cotangents at the end of the forwards.
+    assert _acts("fthenb") == (8 * 2 + (2 + 9) * 1 + 2 * 2 + 4 + 1.0,) * 4
     # GPipe: the 8 + 3 forward ticks (the bubble's included) each keep R and the
     # head's residuals, and the forward inbox (2 slots) it read, plus the last
     # one; a tick's own set R.
     assert _acts("gpipe") == (11 * (2 + 2) + 12 * 2 * 1 + 2 + 4 + 1.0,) * 4
     # No remat: every layer's residuals (4 MiB), nothing recomputed.
-    assert _acts("1f1b", remat="none")[0] == 5 * 8 + 4 + 3 * 8 + 1
+    assert _acts("1f1b", remat="none")[0] == 4 * 8 + 4 + 2 * 8 + 1
 
 
 def test_held_and_sends_match_the_tick_table() -> None:
@@ -137,8 +137,7 @@ def test_every_stage_holds_its_layers_and_the_ends(tiny: tuple) -> None:
     kinds = dict(zip((g.key for g in groups), where, strict=True))
     assert kinds["embed/embedding"] == "first" and kinds["lm_head"] == "last"
     c = _cost(tiny, Pipeline(2, 4, "1f1b"), Topology.h100(), pipe=2, data=4)
-    # the executor runs only each tick's own branch, on a data axis too
-    acts = activation_bytes(trace, Pipeline(2, 4, "1f1b"), "none", (), 1 / 16, 1 / 16, masked=False)
+    acts = activation_bytes(trace, Pipeline(2, 4, "1f1b"), "none", (), 1 / 16, 1 / 16)
     # params + grads + Adam's two moments (4x the bytes) of half the layers and of
     # the embedding, norm and head, which the plan replicates over the pipe axis
     held = sum(
