@@ -34,6 +34,7 @@ from spmdkit.pipeline.execute import permute_count, pipelines_traced
 from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation
+from spmdkit.propagation.graph import inline_body, open_jaxpr
 from spmdkit.spec import axis_sizes
 
 __all__ = ["chunk_weight_bytes", "pipelined_prediction"]
@@ -82,6 +83,11 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
     shards = math.prod(mesh_sizes[a] for a in plan.activation.get("batch", ()))
     counted = _propagated_outputs(traced.jaxpr, seen[0].pipe.axis, mesh_sizes)
     comm = dict(prop.comm_bytes_by_kind)
+    # propagation prices a shard_map body's ppermutes once each, not per tick:
+    # the schedule's count below replaces that
+    priced = _propagated_permutes(traced.jaxpr, seen[0].pipe.axis)
+    if priced:
+        comm["collective_permute"] = max(0, comm.get("collective_permute", 0) - priced)
     extra = 0.0
     for facts in seen:
         pipe = facts.pipe
@@ -112,6 +118,39 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
     return dataclasses.replace(
         prop, comm_bytes_by_kind=comm, memory=memory, memory_materialized=None
     )
+
+
+def _propagated_permutes(jaxpr: Any, axis: str, inside: bool = False) -> int:
+    """The ``collective_permute`` bytes propagation prices for the pipeline's
+    ``shard_map`` bodies over ``axis``: each ``ppermute`` over ``axis`` in them
+    once, its operand's bytes (the walk of
+    :meth:`~spmdkit.propagation.records.Recorder._manual_collectives`)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "shard_map":
+            if axis in _manual_axes(eqn.params):
+                total += _propagated_permutes(open_jaxpr(eqn.params["jaxpr"])[0], axis, True)
+            continue
+        if inside:
+            if name == "ppermute":
+                axes = eqn.params.get("axis_name")
+                axes = (axes,) if isinstance(axes, str) else tuple(axes)
+                if axis in axes:
+                    total += sum(
+                        math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars
+                    )
+                continue
+            body = inline_body(eqn)
+            if body is not None:
+                total += _propagated_permutes(open_jaxpr(body)[0], axis, True)
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _propagated_permutes(inner, axis)
+    return total
 
 
 def _propagated_outputs(jaxpr: Any, axis: str, sizes: dict[str, int]) -> list[float]:
