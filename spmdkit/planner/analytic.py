@@ -226,6 +226,13 @@ class CostContext:
       flops_scale: traced weight-matmul FLOPs / the per-param estimate
         (calibrates :func:`param_flops` to the trace).
       recipe: the step's recipe (remat, compute dtype, micro-batches, offload).
+      gather_once: FSDP as the pipeline executor runs it
+        (:mod:`spmdkit.pipeline.execute`): a group's weights are gathered over
+        their FSDP axes once per step, at the pipeline's input, and held for the
+        step; their gradients accumulate at that full size over the
+        micro-batches and are all-reduced over those axes once, at the end.
+        Neither collective overlaps the ticks. False: gathered and
+        reduce-scattered once per micro-batch, overlapped (the unpipelined step).
       memo: ``(group, layout, batch axes, seq axes, recipe levers)`` → :class:`GroupCost`.
     """
 
@@ -236,6 +243,7 @@ class CostContext:
     peak_flops: float | None
     flops_scale: float
     recipe: Recipe = field(default_factory=Recipe)
+    gather_once: bool = False
     memo: dict[tuple, GroupCost] = field(default_factory=dict)
 
     def compute_dtype(self, param_dtype: str) -> str:
@@ -308,6 +316,10 @@ class GroupCost:
       layer_compute_s: the part of ``compute_s`` spent in layer params (what
         full recompute repeats a third of).
       cast: bytes of the compute-dtype copy of the local params.
+      gathered: bytes the step holds beyond the local params and grads when the
+        weights are gathered once and held (:attr:`CostContext.gather_once`):
+        the gathered weights and their full-size gradient accumulators, less the
+        local shares.
       offload_opt: optimizer-state bytes per device kept on the host.
       tp_shards: devices tensor parallelism splits this group's FLOPs over.
     """
@@ -322,6 +334,7 @@ class GroupCost:
     hidden_s: float = 0.0
     layer_compute_s: float = 0.0
     cast: float = 0.0
+    gathered: float = 0.0
     offload_opt: float = 0.0
     tp_shards: int = 1
 
@@ -430,7 +443,10 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
     m = ctx.recipe.microbatches
     n_fsdp = math.prod(ctx.sizes[a] for a in sp.fsdp)
     colls: list[_Coll] = []
-    if sp.fsdp:
+    if sp.fsdp and ctx.gather_once:
+        colls.append(_coll(ctx, "all_gather", wire * n_fsdp, sp.fsdp))
+        colls.append(_coll(ctx, "all_reduce", wire * n_fsdp, sp.fsdp))
+    elif sp.fsdp:
         colls.append(_coll(ctx, "all_gather", wire * n_fsdp, sp.fsdp, hidden=True, times=m))
         colls.append(_coll(ctx, "reduce_scatter", wire * n_fsdp, sp.fsdp, hidden=True, times=m))
     if layout.grads_sharded and sp.extra:
@@ -462,13 +478,14 @@ def group_cost(
     recipe = ctx.recipe
     # The remat policy does not change a group's cost: recipes that differ only
     # in it share the entry.
-    levers = (recipe.compute_dtype, recipe.microbatches, recipe.offload_opt)
+    levers = (recipe.compute_dtype, recipe.microbatches, recipe.offload_opt, ctx.gather_once)
     key = (g.key, g.shape, layout, batch_axes, seq_axes, levers)
     hit = ctx.memo.get(key)
     if hit is not None:
         return hit
     sizes = ctx.sizes
     sp = _split(ctx, g, layout, batch_axes, seq_axes)
+    n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     by_kind: dict[str, float] = {}
     comm_s = hidden_s = 0.0
     for c in _collectives(ctx, g, layout, sp):
@@ -497,6 +514,11 @@ def group_cost(
         hidden_s=hidden_s,
         layer_compute_s=compute_s if g.count > 1 or "layers" in logical else 0.0,
         cast=sp.local * g.count * ctx.cast_ratio(g.dtype) if recipe.compute_dtype else 0.0,
+        gathered=(
+            2 * (n_fsdp - 1) * sp.local * g.count * ctx.cast_ratio(g.dtype)
+            if ctx.gather_once
+            else 0.0
+        ),
         offload_opt=opt if recipe.offload_opt else 0.0,
         tp_shards=n_tp if any(n in ("heads", "kv_heads") for n in logical) else 1,
     )
@@ -519,7 +541,7 @@ def total_cost(
     seq_shards = math.prod(sizes[a] for a in seq_axes)
     comm_s = compute_s = hidden_s = layer_s = 0.0
     comm: dict[str, float] = {}
-    params = grads = opt = tp_weight = cast = offloaded = 0.0
+    params = grads = opt = tp_weight = cast = offloaded = gathered = 0.0
     total_flops = 0.0
     heads_tp = 1
     for g, layout in zip(groups, choice, strict=True):
@@ -534,6 +556,7 @@ def total_cost(
         grads += c.grads
         opt += c.opt
         cast += c.cast
+        gathered += c.gathered
         offloaded += c.offload_opt
         tp_weight += c.tp_weight
         heads_tp = max(heads_tp, c.tp_shards)
@@ -563,6 +586,8 @@ def total_cost(
     }
     if cast:
         memory["compute_copy"] = int(cast)
+    if gathered:
+        memory["gathered_stage"] = int(gathered)
     if trace.state_bytes:
         memory["state"] = 2 * int(trace.state_bytes)
     if recipe.offload_opt:

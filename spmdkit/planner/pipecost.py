@@ -20,7 +20,12 @@ such a candidate with the per-group model of :mod:`spmdkit.planner.analytic`:
   every token of the step (all micro-batches pass through it): params, grads,
   optimizer state and the collectives of the other axes are
   :func:`~spmdkit.planner.analytic.total_cost`'s for that stage's groups, with
-  ``m`` micro-batches (FSDP gathers once per micro-batch).
+  ``m`` micro-batches and FSDP as the executor runs it
+  (:attr:`~spmdkit.planner.analytic.CostContext.gather_once`): the stage's
+  weights gathered over their FSDP axes once per step and held, their gradients
+  accumulated at full size and all-reduced once (neither overlapped). The
+  parameters outside the stack are priced the same way (the head runs inside the
+  pipeline; the embedding, which runs before it, is over-counted).
 - **Stage imbalance**: the first stage adds the embedding's work, the last the
   head's and the loss's (for Llama-3 70B the head's matmul is ~1.2 layers); the step runs
   at the pace of the slowest stage.
@@ -423,7 +428,7 @@ def pipeline_cost(
     """
     pipe = split.pipe
     recipe = replace(ctx.recipe, microbatches=pipe.microbatches)
-    sctx = replace(ctx, recipe=recipe, trace=_stage_trace(ctx.trace, pipe.stages))
+    sctx = replace(ctx, recipe=recipe, trace=_stage_trace(ctx.trace, pipe.stages), gather_once=True)
     p = pipe.stages
 
     def view(d: int) -> int:  # devices other than the two ends hold the same
@@ -454,7 +459,9 @@ def pipeline_cost(
         recipe.save_names,
         act_scale,
         carry_scale,
-        chunk_weights=stack_cost.memory["params"] / pipe.virtual,
+        # a chunk's weights as the executor holds them: gathered over the FSDP axes
+        chunk_weights=(stack_cost.memory["params"] + stack_cost.memory.get("gathered_stage", 0) / 2)
+        / pipe.virtual,
     )
     stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))

@@ -48,6 +48,30 @@ def test_fsdp_gathers_and_scatters_the_same_bytes(model):
     assert c.params == 2 * up.nbytes / 8
 
 
+def test_fsdp_gathered_once_and_held_as_the_pipeline_runs_it(model):
+    from dataclasses import replace
+
+    from spmdkit.recipe import Recipe
+
+    groups, ctx = model
+    up = groups["mixers/*/up"]
+    layout = GroupLayout((("data", "model"), ()), (("data", "model"), ()))
+    ctx = replace(ctx, recipe=Recipe(microbatches=4), memo={})
+    per_mb = group_cost(ctx, up, layout, ("data", "model"), ())
+    once = group_cost(replace(ctx, gather_once=True), up, layout, ("data", "model"), ())
+    # per micro-batch: 4 gathers and 4 reduce-scatters; once: one gather, one all-reduce
+    assert dict(per_mb.comm_bytes) == {
+        "all_gather": 4 * 2 * up.nbytes,
+        "reduce_scatter": 4 * 2 * up.nbytes,
+    }
+    assert dict(once.comm_bytes) == {"all_gather": 2 * up.nbytes, "all_reduce": 2 * up.nbytes}
+    assert once.hidden_s == 0 < per_mb.hidden_s  # before the first tick, after the last
+    # the gathered weights and their full-size gradient accumulators, less the shards
+    assert per_mb.gathered == 0
+    assert once.gathered == 2 * (2 * up.nbytes - 2 * up.nbytes / 8)
+    assert once.params == per_mb.params == 2 * up.nbytes / 8
+
+
 def test_tensor_parallel_moves_activations_and_splits_compute(model):
     groups, ctx = model
     up = groups["mixers/*/up"]
