@@ -41,7 +41,7 @@ The matmul efficiency is calibrated, not measured here: with torchtitan's
 recipe (FSDP, selective recompute keeping matmul outputs, bf16 compute on fp32
 master weights), the step-time model reproduces its published Llama-3 8B
 throughput on 8 H100s (5,762 tokens/s/GPU at seq 8192, 2 sequences per GPU)
-when weight matmuls run at 39% of the bf16 peak, given attention at 35% (an
+when weight matmuls run at 43% of the bf16 peak, given attention at 35% (an
 assumption: fused attention's forward + backward on H100 at head_dim 128, between
 FlashAttention-2's and cuDNN's published rates) and collectives hidden under 90%
 of compute. torchtitan's 128-GPU figure (5,605) is the hold-out check.
@@ -101,7 +101,7 @@ A100_PEAK_FLOPS = {
 }
 
 # Calibrated on torchtitan's Llama-3 8B / 8 H100 measurement (module docstring).
-_MATMUL_EFFICIENCY = 0.39
+_MATMUL_EFFICIENCY = 0.43
 _ATTENTION_EFFICIENCY = 0.35
 _OVERLAP = 0.9
 

@@ -1,5 +1,7 @@
 """The search: presets, rule tables, auto (memory budget, determinism), both estimators."""
 
+import warnings
+
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -186,3 +188,43 @@ def test_auto_searches_recipes_with_layouts_and_names_them(amesh):
     )  # fmt: skip
     assert fixed.recipe == sk.Recipe(remat="full")
     assert all("remat=full" in n for n, _ in fixed.alternatives)
+
+
+def test_auto_recosts_on_when_the_favourites_no_longer_fit(amesh, monkeypatch):
+    """When every candidate auto re-costs first comes out over the budget once
+    propagated, auto goes on re-costing the next ones until one fits, instead of
+    returning the smallest of the over-budget favourites."""
+    import dataclasses
+
+    from spmdkit.models import get_model
+    from spmdkit.planner import search
+
+    spec = get_model("llama")
+    kw = dict(config="tiny_scan", batch_size=8)
+    real = search._Planner.propagated
+    first: set = set()
+
+    def record(self, c):
+        first.add((c.name, c.recipe))
+        return real(self, c)
+
+    monkeypatch.setattr(search._Planner, "propagated", record)
+    free = plan(spec, amesh, "auto", **kw)
+    budget = int(free.cost.peak_bytes * 1.5)
+    seen: list = []
+
+    def inflated(self, c):
+        out = real(self, c)
+        seen.append((c.name, c.recipe))
+        if (c.name, c.recipe) not in first:
+            return out
+        memory = {k: v * 10 for k, v in out.cost.memory.items()}
+        return out._replace(cost=dataclasses.replace(out.cost, memory=memory))
+
+    monkeypatch.setattr(search._Planner, "propagated", inflated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "no candidate fits" fails the test
+        warnings.filterwarnings("ignore", message=".*replicated over it.*")
+        p = plan(spec, amesh, "auto", memory_budget=budget, **kw)
+    assert p.cost.peak_bytes <= budget
+    assert set(seen) - first and (p.chosen, p.recipe) not in first
