@@ -201,30 +201,33 @@ def test_auto_recosts_on_when_the_favourites_no_longer_fit(amesh, monkeypatch):
 
     spec = get_model("llama")
     kw = dict(config="tiny_scan", batch_size=8)
-    real = search._Planner.propagated
+    real = search.propagate_cost
+
+    def key(p):
+        return (p.strategy, p.recipe, tuple(p.params.items()))
+
     first: set = set()
 
-    def record(self, c):
-        first.add((c.name, c.recipe))
-        return real(self, c)
+    def record(info, optimizer, p, ctx, analytic):
+        first.add(key(p))
+        return real(info, optimizer, p, ctx, analytic)
 
-    monkeypatch.setattr(search._Planner, "propagated", record)
+    monkeypatch.setattr(search, "propagate_cost", record)
     free = plan(spec, amesh, "auto", **kw)
     budget = int(free.cost.peak_bytes * 1.5)
-    seen: list = []
+    seen: set = set()
 
-    def inflated(self, c):
-        out = real(self, c)
-        seen.append((c.name, c.recipe))
-        if (c.name, c.recipe) not in first:
-            return out
-        memory = {k: v * 10 for k, v in out.cost.memory.items()}
-        return out._replace(cost=dataclasses.replace(out.cost, memory=memory))
+    def inflated(info, optimizer, p, ctx, analytic):
+        cost = real(info, optimizer, p, ctx, analytic)
+        seen.add(key(p))
+        if key(p) not in first:
+            return cost
+        return dataclasses.replace(cost, memory={k: v * 10 for k, v in cost.memory.items()})
 
-    monkeypatch.setattr(search._Planner, "propagated", inflated)
+    monkeypatch.setattr(search, "propagate_cost", inflated)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # "no candidate fits" fails the test
         warnings.filterwarnings("ignore", message=".*replicated over it.*")
         p = plan(spec, amesh, "auto", memory_budget=budget, **kw)
     assert p.cost.peak_bytes <= budget
-    assert set(seen) - first and (p.chosen, p.recipe) not in first
+    assert seen - first and key(p) not in first
