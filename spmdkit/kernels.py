@@ -309,6 +309,10 @@ def blockwise_attention(
     _check_qkv("blockwise_attention", q, k, v)
     _check_block(block_size)
     pos = _Pos(causal, min(block_size, k.shape[1]), _scale(q.shape[3], scale), None, None)
+    # one manual-axis type for the three: a custom VJP's cotangents must match its
+    # inputs' types, and a replicated K/V's cotangent varies with the query's
+    # (the cast's transpose sums it over those axes)
+    q, k, v = (_varying(x, q, k, v) for x in (q, k, v))
     return _flash(q, k, v, q_offset, pos)
 
 
@@ -336,6 +340,7 @@ def blockwise_attention_lse(
     _check_block(block_size)
     blk = min(block_size, k.shape[1])
     pos = _Pos(causal, blk, _scale(q.shape[3], scale), k_limit, True)
+    q, k, v = (_varying(x, q, k, v) for x in (q, k, v))  # as blockwise_attention
     return _flash_lse(q, k, v, (q_offset, k_offset), pos)
 
 
