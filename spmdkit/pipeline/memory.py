@@ -21,7 +21,13 @@ weights. :func:`stage_buffers` counts them from the tick tables
   - ``tick``: two residual sets around the tick's ``lax.switch``: the branch's
     result (a forward's fresh set until it is written to its slot, or the slot
     a backward read) and the backward's working set (``2·R``; measured on
-    XLA:CPU, tiny Llama, pipe=2 and 4).
+    XLA:CPU, tiny Llama, pipe=2 and 4);
+  - ``accumulators``: ``v · W``, the switch's copy of the weight-gradient
+    accumulators. A backward adds its gradients inside its branch, so every
+    branch returns the accumulators, and a conditional's result buffer is not
+    its operand's: XLA copies them (seen in the buffer assignment of GPT,
+    interleaved, pipe=2×data=2×model=2: ``copy(scatter-add)`` in the backward
+    branch, live at the peak).
 
 - ``"gpipe"`` (autodiff of the forward tick scan): every forward tick ``t``
   (``T`` of them, bubbles included) keeps its chunk's residuals, the head's
@@ -88,8 +94,8 @@ def held_residual_sets(pipe: Pipeline) -> int:
 
 
 def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
-    """A device's pipeline buffers, by kind (``stash``, ``inboxes``, ``tick``;
-    module docstring).
+    """A device's pipeline buffers, by kind (``stash``, ``inboxes``, ``tick``,
+    ``accumulators``; module docstring).
 
     Args:
       pipe: the pipeline.
@@ -98,13 +104,18 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
     Example:
         >>> stage_buffers(Pipeline(stages=2, microbatches=4, schedule="1f1b"),
         ...               StageSizes(residual=10.0, head=1.0, carry=2.0))
-        {'stash': 20.0, 'inboxes': 8.0, 'tick': 20.0}
+        {'stash': 20.0, 'inboxes': 8.0, 'tick': 20.0, 'accumulators': 0.0}
     """
     r, h, c, w = sizes.residual, sizes.head, sizes.carry, sizes.weights
     held, inbox = _slots(pipe)
     if pipe.schedule == "gpipe":
         return {"stash": held * (r + h + w), "inboxes": (held + 1) * inbox * c, "tick": r}
-    return {"stash": held * r, "inboxes": inbox * c, "tick": 2 * r}
+    return {
+        "stash": held * r,
+        "inboxes": inbox * c,
+        "tick": 2 * r,
+        "accumulators": pipe.virtual * w,
+    }
 
 
 @functools.lru_cache(maxsize=512)

@@ -137,7 +137,11 @@ def test_every_stage_holds_its_layers_and_the_ends(tiny: tuple) -> None:
     kinds = dict(zip((g.key for g in groups), where, strict=True))
     assert kinds["embed/embedding"] == "first" and kinds["lm_head"] == "last"
     c = _cost(tiny, Pipeline(2, 4, "1f1b"), Topology.h100(), pipe=2, data=4)
-    acts = activation_bytes(trace, Pipeline(2, 4, "1f1b"), "none", (), 1 / 16, 1 / 16)
+    # a stage's chunk weights (half the layers): the switch's accumulator copy
+    chunk = sum(g.nbytes * g.count / 2 for g, w in zip(groups, where, strict=True) if w == "layers")
+    acts = activation_bytes(
+        trace, Pipeline(2, 4, "1f1b"), "none", (), 1 / 16, 1 / 16, chunk_weights=chunk
+    )
     # params + grads + Adam's two moments (4x the bytes) of half the layers and of
     # the embedding, norm and head, which the plan replicates over the pipe axis
     held = sum(
