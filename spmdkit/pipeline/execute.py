@@ -665,14 +665,25 @@ def pipelined_value_and_grad(
 
     Raises:
       PipelineError: the loss has no layer scan of ``stages · virtual``-divisible
-        length, the batch does not divide into the micro-batches, or the
-        scan's carry is not the batch's hidden state.
+        length, the batch does not divide into the micro-batches, the
+        scan's carry is not the batch's hidden state, or ``pipe.return_output``
+        is set (not implemented: refused rather than ignored).
 
     Example::
 
         >>> f = pipelined_value_and_grad(loss, Pipeline(stages=2, microbatches=4), mesh)
         >>> loss_value, grads = jax.jit(f)(params, batch)
     """
+
+    if pipe.return_output:
+        raise PipelineError(
+            op="pipeline",
+            must="return_output=False: the executor returns the loss and gradients only "
+            "(returning the last stage's outputs is not implemented yet)",
+            given=f"{pipe!r}",
+            fix="pass Pipeline(..., return_output=False) and evaluate the model's outputs "
+            "with an unpipelined plan (sk.plan without a pipe axis)",
+        )
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
         micro = split_microbatches(batch, pipe.microbatches)

@@ -78,7 +78,10 @@ class Pipeline:
         virtual: chunks per device (``v``); only ``"interleaved"`` (which needs
             ``v ≥ 2``), ``"gpipe"`` and ``"fthenb"`` (circular) take ``v > 1``.
         axis: the mesh axis the stages live on.
-        return_output: the last stage's outputs are returned (evaluation).
+        return_output: the last stage's outputs are returned (evaluation). Not
+            implemented by the executor yet:
+            :func:`~spmdkit.pipeline.execute.pipelined_value_and_grad` refuses
+            it with a :class:`PipelineError` rather than ignore it.
     """
 
     stages: int

@@ -138,6 +138,13 @@ def test_a_loss_without_a_layer_scan_is_typed():
         jax.eval_shape(f, info.abstract_params, info.batch)
 
 
+def test_return_output_is_refused_not_ignored():
+    info = describe(get_model("llama"), config="tiny_pipe", batch_size=4)
+    pipe = Pipeline(stages=2, microbatches=2, return_output=True)
+    with pytest.raises(PipelineError, match="return_output=False"):
+        pipelined_value_and_grad(info.loss_fn, pipe, sk.make_mesh(pipe=2))
+
+
 def test_aux_arrays_are_typed():
     info = describe(get_model("llama"), config="tiny_pipe", batch_size=4)
     mesh = sk.abstract_mesh(pipe=2)
