@@ -1168,15 +1168,23 @@ class _Planner:
             candidates += self.recosted_pipelines(self.pipelined(pipeline, fixed))
         return self.ranked(candidates)
 
-    def recosted(self, candidates: list[Candidate], first: set[int]) -> list[Candidate]:
-        """The candidates ``first`` re-costed by propagation, then, while the best of
-        all is one not re-costed yet (ranked as if the largest propagated/analytic
-        factors seen so far applied to it), that one too (at most
-        :data:`_RECOST_MORE` more); only the re-costed ones are kept. Where every
-        analytic favourite turns out over the budget once propagated, this goes on
-        to the candidates that fit (e.g. full recompute) instead of returning the
-        smallest plan that cannot run."""
-        done = {i: self.propagated(candidates[i]) for i in sorted(first)}
+    def recosted(
+        self,
+        candidates: list[Candidate],
+        first: set[int],
+        recost: Callable[[Candidate], Candidate] | None = None,
+        limit: int = _RECOST_MORE,
+    ) -> list[Candidate]:
+        """The candidates ``first`` re-costed (``recost``, default
+        :meth:`propagated`), then, while the best of all is one not re-costed yet
+        (ranked as if the largest re-costed/analytic factors of step time and
+        memory seen so far applied to it), that one too (at most ``limit`` more);
+        only the re-costed ones are kept. Where every analytic favourite turns out
+        over the budget once propagated, this goes on to the candidates that fit
+        (e.g. full recompute) instead of returning the smallest plan that cannot
+        run."""
+        recost = recost or self.propagated
+        done = {i: recost(candidates[i]) for i in sorted(first)}
         scale = (1.0, 1.0)
 
         def grow(scale: tuple[float, float], i: int) -> tuple[float, float]:
@@ -1194,43 +1202,23 @@ class _Planner:
                 return (*self.rank(done[i]), i)
             return (*self.rank_cost(candidates[i].cost, scale=scale), i)
 
-        for _ in range(_RECOST_MORE):
+        for _ in range(limit):
             top = min(range(len(candidates)), key=key)
             if top in done:
                 break
-            done[top] = self.propagated(candidates[top])
+            done[top] = recost(candidates[top])
             scale = grow(scale, top)
         return [done[i] for i in sorted(done)]
 
     def recosted_pipelines(self, candidates: list[Candidate]) -> list[Candidate]:
         """With the propagate estimator, pipelined candidates calibrated by
         propagation (:meth:`calibrated`), best first, until the best of them is a
-        calibrated one (at most :data:`_RECOST_PIPELINES`); only the calibrated ones
-        are kept, so they compete with propagated candidates on the same footing."""
+        calibrated one (at most :data:`_RECOST_PIPELINES`, :meth:`recosted`); only
+        the calibrated ones are kept, so they compete with propagated candidates on
+        the same footing."""
         if self.estimator != "propagate" or not candidates:
             return candidates
-        pool = list(candidates)
-        done: dict[int, Candidate] = {}
-        # Candidates not calibrated yet are ranked as if the largest factors seen
-        # so far applied to them.
-        scale = (1.0, 1.0)
-
-        def key(i: int) -> tuple:
-            if i in done:
-                return (*self.rank(done[i]), i)
-            return (*self.rank_cost(pool[i].cost, scale=scale), i)
-
-        for _ in range(_RECOST_PIPELINES):
-            top = min(range(len(pool)), key=key)
-            if top in done:
-                break
-            done[top] = self.calibrated(pool[top])
-            before, after = pool[top].cost, done[top].cost
-            scale = (
-                max(scale[0], after.step_time_s / before.step_time_s),
-                max(scale[1], after.peak_bytes / max(before.peak_bytes, 1)),
-            )
-        return [done[i] for i in sorted(done)]
+        return self.recosted(list(candidates), set(), self.calibrated, _RECOST_PIPELINES)
 
     def calibrated(self, c: Candidate) -> Candidate:
         """A pipelined candidate whose analytic communication and memory are scaled by
