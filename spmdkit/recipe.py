@@ -522,6 +522,13 @@ def _pipelined(loss: Callable, pipe: Any, where: tuple, has_aux: bool) -> Callab
     other is a :class:`RecipeError`."""
     if not has_aux:
         return pipelined_value_and_grad(loss, pipe, *where)
+    if pipe.return_output:
+        raise RecipeError(
+            op="sk.value_and_grad",
+            must="has_aux=False when the pipeline returns the last stage's outputs",
+            given=f"has_aux=True with {pipe!r}",
+            fix="drop has_aux (the value is then (loss, outputs)) or pass return_output=False",
+        )
     vg = pipelined_value_and_grad(lambda *a: loss(*a)[0], pipe, *where)
 
     def f(*args: Any) -> tuple:
@@ -707,6 +714,16 @@ def train_step(
         >>> params, opt_state, loss_value = step(params, opt_state, batch)
     """
     rcp = recipe_of(recipe)
+    pipe = getattr(recipe, "pipeline", None)
+    if pipe is not None and pipe.return_output:
+        raise RecipeError(
+            op="sk.train_step",
+            must="a training step's pipeline has return_output=False (the step returns "
+            "the loss; the last stage's outputs are for evaluation)",
+            given=f"{pipe!r}",
+            fix="use sk.value_and_grad(loss, plan), which returns ((loss, outputs), grads), "
+            "or plan the step with Pipeline(..., return_output=False)",
+        )
     grad_fn = value_and_grad(loss_fn, recipe, grad_specs=grad_specs, has_state=has_state)
 
     def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:

@@ -242,6 +242,24 @@ class _Manual:
         return P(None, self.batch) if row and self.batch else P()
 
 
+def _outputs(ctx: _Ctx, pipe: Pipeline) -> list:
+    """The buffers of the last stage's outputs (``pipe.return_output``): per carry
+    value, one slot per micro-batch of a device's rows; empty otherwise."""
+    if not pipe.return_output:
+        return []
+    return [jnp.zeros_like(ctx.per[v]) for v in ctx.carry]
+
+
+def _keep_output(outs: list, row: dict, out: list) -> list:
+    """A forward of the last chunk on the last stage writes its outputs to its
+    micro-batch's slot; any other tick writes out of bounds (dropped)."""
+    if not outs:
+        return outs
+    m = outs[0].shape[0]
+    slot = jnp.where((row["kind"] == 1) & (row["last"] > 0), row["mb"], m)
+    return _put(outs, slot, out)
+
+
 def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> Callable:
     fperm, _ = _perms(pipe)
     axis = lay.axis
@@ -278,21 +296,25 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> 
 
         def make_tick(send: bool) -> Callable:
             def tick(state: tuple, tab: Any) -> tuple:
-                inbox, loss = state
+                inbox, loss, outs = state
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
                 out, li = jax.lax.switch(row["kind"], [idle, fwd], row, inbox)
+                outs = _keep_output(outs, row, out)
                 if send:
                     recv = [jax.lax.ppermute(o, axis, fperm) for o in out]
                     inbox = [b.at[row["recv_f"]].set(r) for b, r in zip(inbox, recv, strict=True)]
-                return (inbox, loss + li), None
+                return (inbox, loss + li, outs), None
 
             return tick
 
-        state = (inbox, jnp.zeros((), loss_dtype))
+        state = (inbox, jnp.zeros((), loss_dtype), _outputs(ctx, pipe))
         tab = jnp.asarray(tables.stacked())
         for start, stop, send, _ in tables.segments():
             state, _ = jax.lax.scan(make_tick(send), state, tab[start:stop])
-        return jax.lax.psum(state[1], lay.every)
+        loss = jax.lax.psum(state[1], lay.every)
+        if not pipe.return_output:
+            return loss
+        return loss, [jax.lax.psum(o, axis) for o in state[2]]
 
     return body
 
@@ -465,6 +487,7 @@ def _explicit_body(
             "g_sh": [jnp.zeros_like(ctx.sv[v]) for v in ctx.dshared],
             "g_mb": [jnp.zeros_like(ctx.per[v]) for v in ctx.dper],
             "loss": jnp.zeros((), sp.closed.out_avals[0].dtype),
+            "outs": _outputs(ctx, pipe),
         }
         row0 = {name: jnp.int32(0) for name in FIELDS}
         state["stash"] = []
@@ -485,6 +508,7 @@ def _explicit_body(
                     row,
                 )  # fmt: skip
                 st = _apply(st, eff, row)
+                st["outs"] = _keep_output(st["outs"], row, eff["send_f"])
                 if send_f:
                     recv = [jax.lax.ppermute(x, axis, fperm) for x in eff["send_f"]]
                     st["inbox_f"] = [
@@ -517,6 +541,7 @@ def _explicit_body(
                 psum(g, (axis,) if r else lay.every)
                 for g, r in zip(state["g_mb"], rows, strict=True)
             ],
+            [psum(o, (axis,)) for o in state["outs"]],
         )
 
     return body
@@ -549,36 +574,48 @@ def _shard_map(body: Callable, lay: _Manual, mesh: Any, out_specs: Any, n: tuple
 def _run(
     sp: SplitLoss, pipe: Pipeline, mesh: Any, lay: _Manual, vals: tuple[list, list, list]
 ) -> tuple:
-    """``(loss, (ct xs, ct shared, ct per))`` of the pipelined layer stack and head
-    (``sp``: the loss split on a device's rows of a micro-batch)."""
+    """``(loss, (ct xs, ct shared, ct per), outputs)`` of the pipelined layer stack
+    and head (``sp``: the loss split on a device's rows of a micro-batch;
+    ``outputs``: the last stage's, ``[m, rows, ...]`` per carry value, with
+    ``pipe.return_output``, else None)."""
+    row_of = dict(zip(sp.per_mb, lay.rows, strict=True))
+    carry_specs = [lay.per_spec(row_of[v]) for v in sp.carry] if pipe.return_output else []
     xs, shared, per = vals
     sched = build_schedule(pipe)
     xs_g = [_regroup(x, pipe) for x in xs]
     n = (len(xs), len(shared), len(per))
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))
-        fn = _shard_map(_gpipe_body(sp, pipe, tables, lay), lay, mesh, P(), n)
-        loss, vjp = jax.vjp(fn, xs_g, shared, per)
-        ct_xs, ct_sh, ct_per = vjp(jnp.ones_like(loss))
-        return loss, (
-            [_ungroup(g) if _float(g) else _zero_ct(x) for g, x in zip(ct_xs, xs, strict=True)],
-            ct_sh,
-            ct_per,
+        specs = (P(), carry_specs) if pipe.return_output else P()
+        fn = _shard_map(_gpipe_body(sp, pipe, tables, lay), lay, mesh, specs, n)
+        res, vjp = jax.vjp(fn, xs_g, shared, per)
+        loss, outputs = res if pipe.return_output else (res, None)
+        ones = jnp.ones_like(loss)
+        ct = ones if outputs is None else (ones, jax.tree.map(jnp.zeros_like, outputs))
+        ct_xs, ct_sh, ct_per = vjp(ct)
+        return (
+            loss,
+            (
+                [_ungroup(g) if _float(g) else _zero_ct(x) for g, x in zip(ct_xs, xs, strict=True)],
+                ct_sh,
+                ct_per,
+            ),
+            outputs,
         )
     tables = build_tables(sched)
     ctx_probe = [_float(x) for x in xs]
     mb_specs = [lay.per_spec(r) for r, x in zip(lay.rows, per, strict=True) if _float(x)]
-    out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), mb_specs)
+    out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), mb_specs, carry_specs)
     read_slot = all(size == 1 for name, size in mesh.shape.items() if name not in lay.every)
     body = _explicit_body(sp, pipe, tables, lay, read_slot=read_slot)
-    loss, g_xs, g_sh, g_mb = _shard_map(body, lay, mesh, out_specs, n)(xs_g, shared, per)
+    loss, g_xs, g_sh, g_mb, outputs = _shard_map(body, lay, mesh, out_specs, n)(xs_g, shared, per)
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
         _ungroup(next(it_xs)) if f else _zero_ct(x) for x, f in zip(xs, ctx_probe, strict=True)
     ]
     ct_sh = [next(it_sh) if _float(x) else _zero_ct(x) for x in shared]
     ct_per = [next(it_mb) if _float(x) else _zero_ct(x) for x in per]
-    return loss, (ct_xs, ct_sh, ct_per)
+    return loss, (ct_xs, ct_sh, ct_per), (outputs if pipe.return_output else None)
 
 
 def _mesh(plan_mesh: Any, axis: str) -> Any:
@@ -661,29 +698,22 @@ def pipelined_value_and_grad(
 
     Returns:
       ``f(params, batch, *rest) -> (loss, grads)``; ``rest`` is passed to every
-      micro-batch and not differentiated.
+      micro-batch and not differentiated. With ``pipe.return_output``:
+      ``((loss, outputs), grads)``, ``outputs`` a list with the layer stack's
+      final value of each carried value (the scan's carry: the hidden state, and
+      any other value the layers carry) for every example, ``[batch, ...]`` in
+      the batch's row order, as the last stage computed it.
 
     Raises:
       PipelineError: the loss has no layer scan of ``stages · virtual``-divisible
         length, the batch does not divide into the micro-batches, the
-        scan's carry is not the batch's hidden state, or ``pipe.return_output``
-        is set (not implemented: refused rather than ignored).
+        scan's carry is not the batch's hidden state.
 
     Example::
 
         >>> f = pipelined_value_and_grad(loss, Pipeline(stages=2, microbatches=4), mesh)
         >>> loss_value, grads = jax.jit(f)(params, batch)
     """
-
-    if pipe.return_output:
-        raise PipelineError(
-            op="pipeline",
-            must="return_output=False: the executor returns the loss and gradients only "
-            "(returning the last stage's outputs is not implemented yet)",
-            given=f"{pipe!r}",
-            fix="pass Pipeline(..., return_output=False) and evaluate the model's outputs "
-            "with an unpipelined plan (sk.plan without a pipe axis)",
-        )
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
         micro = split_microbatches(batch, pipe.microbatches)
@@ -707,20 +737,33 @@ def pipelined_value_and_grad(
             seen.append(PipelineFacts(pipe, *sizes, batch_axes=lay.batch))
         if not _rows_apart(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
-            loss, (ct_xs, ct_sh, ct_per) = _run(local, pipe, run_mesh, lay, (xs, shared, per))
+            loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
             (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
-            return loss, jax.tree.unflatten(p_tree, g)
+            return _value(loss, outs), jax.tree.unflatten(p_tree, g)
         # the embedding's gradient from the rows' cotangents: on each device's rows,
         # summed over the micro-batches, then over the batch axes once
         (_, per) = pre_all(p_leaves)
         (xs, shared), pre_vjp = jax.vjp(lambda pl: pre_all(pl)[0], p_leaves)
-        loss, (ct_xs, ct_sh, ct_per) = _run(local, pipe, run_mesh, lay, (xs, shared, per))
+        loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
         (g,) = pre_vjp((ct_xs, ct_sh))
         g_rows = _rows_grad(local, lay, run_mesh, (p_leaves, micro, r_leaves), ct_per)
         g = [a + b if _float(a) else a for a, b in zip(g, g_rows, strict=True)]
-        return loss, jax.tree.unflatten(p_tree, g)
+        return _value(loss, outs), jax.tree.unflatten(p_tree, g)
 
     return grad_fn
+
+
+def _value(loss: Any, outs: list | None) -> Any:
+    """The loss, or ``(loss, outputs)`` with the last stage's outputs in the
+    batch's row order (the inverse of :func:`split_microbatches`)."""
+    if outs is None:
+        return loss
+
+    def rows(o: Any) -> Any:
+        y = jnp.swapaxes(o, 0, 1)
+        return jnp.reshape(y, (y.shape[0] * y.shape[1], *y.shape[2:]))
+
+    return loss, [rows(o) for o in outs]
 
 
 def _pre_all(sp: SplitLoss, micro: Any, r_leaves: list) -> Callable:

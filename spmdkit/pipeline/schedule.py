@@ -78,10 +78,11 @@ class Pipeline:
         virtual: chunks per device (``v``); only ``"interleaved"`` (which needs
             ``v ≥ 2``), ``"gpipe"`` and ``"fthenb"`` (circular) take ``v > 1``.
         axis: the mesh axis the stages live on.
-        return_output: the last stage's outputs are returned (evaluation). Not
-            implemented by the executor yet:
-            :func:`~spmdkit.pipeline.execute.pipelined_value_and_grad` refuses
-            it with a :class:`PipelineError` rather than ignore it.
+        return_output: the last stage's outputs are returned (evaluation):
+            :func:`~spmdkit.pipeline.execute.pipelined_value_and_grad` then
+            returns ``((loss, outputs), grads)``, ``outputs`` the layer stack's
+            final carry values (the hidden state, and any other carried value)
+            for every example, in the batch's row order.
     """
 
     stages: int

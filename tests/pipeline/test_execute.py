@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import spmdkit as sk
@@ -138,11 +139,59 @@ def test_a_loss_without_a_layer_scan_is_typed():
         jax.eval_shape(f, info.abstract_params, info.batch)
 
 
-def test_return_output_is_refused_not_ignored():
+def _scanned_loss(params: dict, batch: dict) -> jax.Array:
+    h = batch["x"] @ params["emb"]
+    h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["layers"])
+    return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+
+def _hidden(params: dict, batch: dict) -> jax.Array:
+    """The layer stack's output, computed directly (the reference)."""
+    h = batch["x"] @ params["emb"]
+    h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["layers"])
+    return h
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual", "axes"),
+    [
+        ("gpipe", 1, {"pipe": 2}),
+        ("1f1b", 1, {"pipe": 2}),
+        ("interleaved", 2, {"pipe": 2}),
+        ("fthenb", 1, {"pipe": 2, "data": 2}),
+    ],
+)
+def test_return_output_gives_the_last_stages_outputs_in_row_order(schedule, virtual, axes):
+    """``Pipeline(return_output=True)``: ``((loss, outputs), grads)``, the outputs
+    the layer stack's final hidden state for every example, in the batch's row
+    order (micro-batches are strided rows), equal to the unpipelined stack's."""
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    params = {"emb": f32(6, 8), "layers": f32(4, 8, 8) * 0.5, "head": f32(8, 3)}
+    batch = {"x": f32(16, 6), "y": f32(16, 3)}
+    pipe = Pipeline(
+        stages=2, microbatches=4, schedule=schedule, virtual=virtual, return_output=True
+    )
+    batch_axes = ("data",) if "data" in axes else ()
+    n = int(np.prod(list(axes.values())))
+    devices = np.array(jax.devices()[:n]).reshape(tuple(axes.values()))
+    mesh = jax.sharding.Mesh(devices, tuple(axes))  # automatic axes, no context mesh
+    f = pipelined_value_and_grad(_scanned_loss, pipe, mesh, batch_axes)
+    (loss, outputs), grads = jax.jit(f)(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(_scanned_loss)(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    (hidden,) = outputs
+    np.testing.assert_allclose(hidden, _hidden(params, batch), rtol=1e-5, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_return_output_is_refused_by_the_training_step():
     info = describe(get_model("llama"), config="tiny_pipe", batch_size=4)
     pipe = Pipeline(stages=2, microbatches=2, return_output=True)
-    with pytest.raises(PipelineError, match="return_output=False"):
-        pipelined_value_and_grad(info.loss_fn, pipe, sk.make_mesh(pipe=2))
+    plan = sk.plan(info, sk.abstract_mesh(pipe=2), "dp", pipeline=pipe)
+    with pytest.raises(RecipeError, match="return_output=False"):
+        sk.train_step(info.loss_fn, optax.adam(1e-3), plan)
 
 
 def test_aux_arrays_are_typed():
