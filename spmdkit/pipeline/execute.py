@@ -184,6 +184,18 @@ class _Ctx:
         self.per = dict(zip(sp.per_mb, per, strict=True))
         self.carry = [v for v in sp.carry]
         for v in self.carry:
+            if isinstance(v, jex.Literal):
+                raise PipelineError(
+                    op="pipeline",
+                    must="every value the layer scan carries is computed from the batch "
+                    "(it crosses from stage to stage with its micro-batch)",
+                    given=f"a carry that starts as the constant {v.val!r} ({v.aval}), e.g. an "
+                    "auxiliary loss summed over the layers (MoE load balancing)",
+                    fix="start the accumulator from the batch, one entry per row (e.g. "
+                    "jnp.zeros(x.shape[0]), summed into the loss as a mean), or leave the term "
+                    "out when pipelining (a statistic of the whole batch does not split into "
+                    "micro-batches)",
+                )
             if v not in self.per or not _float(v.aval.dtype):
                 raise PipelineError(
                     op="pipeline",
@@ -578,8 +590,10 @@ def _run(
     and head (``sp``: the loss split on a device's rows of a micro-batch;
     ``outputs``: the last stage's, ``[m, rows, ...]`` per carry value, with
     ``pipe.return_output``, else None)."""
-    row_of = dict(zip(sp.per_mb, lay.rows, strict=True))
-    carry_specs = [lay.per_spec(row_of[v]) for v in sp.carry] if pipe.return_output else []
+    carry_specs = [
+        lay.per_spec(next(r for u, r in zip(sp.per_mb, lay.rows, strict=True) if u is v))
+        for v in (sp.carry if pipe.return_output else ())
+    ]
     xs, shared, per = vals
     sched = build_schedule(pipe)
     xs_g = [_regroup(x, pipe) for x in xs]

@@ -194,6 +194,16 @@ def test_return_output_is_refused_by_the_training_step():
         sk.train_step(info.loss_fn, optax.adam(1e-3), plan)
 
 
+def test_a_constant_carry_is_typed():
+    """MoE sums its load-balancing loss over the layers in the scan's carry, which
+    starts as a constant: it cannot cross the stages with a micro-batch."""
+    info = describe(get_model("moe"), config="tiny_scan", batch_size=8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("pipe",))
+    f = pipelined_value_and_grad(info.loss_fn, Pipeline(stages=2, microbatches=2), mesh)
+    with pytest.raises(PipelineError, match="starts as the constant"):
+        jax.eval_shape(f, info.abstract_params, info.batch)
+
+
 def test_aux_arrays_are_typed():
     info = describe(get_model("llama"), config="tiny_pipe", batch_size=4)
     mesh = sk.abstract_mesh(pipe=2)
