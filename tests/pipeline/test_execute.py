@@ -110,6 +110,15 @@ def test_megatron_on_pipe_data_model_equals_one_device(name, schedule):
     _check(name, {"pipe": 2, "data": 2, "model": 2}, pipe, "megatron")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "schedule"), [("gpt", "gpipe"), ("llama", "1f1b")])
+def test_sequence_parallel_stages_equal_one_device(name, schedule):
+    """megatron_sp (the sequence split over the model axis between the tensor-parallel
+    blocks) inside the stages, a data axis beside them."""
+    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
+    _check(name, {"pipe": 2, "data": 2, "model": 2}, pipe, "megatron_sp")
+
+
 def test_tables_hold_what_the_schedule_holds():
     pipe = Pipeline(stages=4, microbatches=8, schedule="1f1b")
     sched = build_schedule(pipe)
