@@ -148,17 +148,22 @@ def test_a_loss_without_a_layer_scan_is_typed():
         jax.eval_shape(f, info.abstract_params, info.batch)
 
 
+def _layers(params: dict, batch: dict) -> tuple:
+    """A layer stack whose stage input is a tuple: the hidden state and a per-row
+    gate, both carried (and both changed) by every layer."""
+    h = batch["x"] @ params["emb"]
+    g = jax.nn.sigmoid(batch["x"][:, 0])
+
+    def layer(c: tuple, w: jax.Array) -> tuple:
+        h, g = c
+        return (jnp.tanh(h @ w) * g[:, None], g * 0.9 + 0.05), None
+
+    return jax.lax.scan(layer, (h, g), params["layers"])[0]
+
+
 def _scanned_loss(params: dict, batch: dict) -> jax.Array:
-    h = batch["x"] @ params["emb"]
-    h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["layers"])
-    return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
-
-
-def _hidden(params: dict, batch: dict) -> jax.Array:
-    """The layer stack's output, computed directly (the reference)."""
-    h = batch["x"] @ params["emb"]
-    h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, params["layers"])
-    return h
+    h, g = _layers(params, batch)
+    return jnp.mean((h @ params["head"] - batch["y"]) ** 2) + jnp.mean(g)
 
 
 @pytest.mark.parametrize(
@@ -170,9 +175,10 @@ def _hidden(params: dict, batch: dict) -> jax.Array:
         ("fthenb", 1, {"pipe": 2, "data": 2}),
     ],
 )
-def test_return_output_gives_the_last_stages_outputs_in_row_order(schedule, virtual, axes):
-    """``Pipeline(return_output=True)``: ``((loss, outputs), grads)``, the outputs
-    the layer stack's final hidden state for every example, in the batch's row
+def test_tuple_stage_inputs_and_the_last_stages_outputs_in_row_order(schedule, virtual, axes):
+    """A tuple stage input (hidden state and a per-row gate), and
+    ``Pipeline(return_output=True)``: ``((loss, outputs), grads)``, the outputs
+    the layer stack's final carried values for every example, in the batch's row
     order (micro-batches are strided rows), equal to the unpipelined stack's."""
     rng = np.random.default_rng(0)
     f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
@@ -189,8 +195,8 @@ def test_return_output_gives_the_last_stages_outputs_in_row_order(schedule, virt
     (loss, outputs), grads = jax.jit(f)(params, batch)
     ref_loss, ref_grads = jax.value_and_grad(_scanned_loss)(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    (hidden,) = outputs
-    np.testing.assert_allclose(hidden, _hidden(params, batch), rtol=1e-5, atol=1e-6)
+    for got, want in zip(outputs, _layers(params, batch), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
 
