@@ -720,8 +720,9 @@ def pipelined_value_and_grad(
 
     Raises:
       PipelineError: the loss has no layer scan of ``stages · virtual``-divisible
-        length, the batch does not divide into the micro-batches, the
-        scan's carry is not the batch's hidden state.
+        length, the batch does not divide into the micro-batches, or a value
+        the scan carries is not computed from the batch (a constant-initialized
+        accumulator included).
 
     Example::
 
