@@ -169,10 +169,10 @@ def _scanned_loss(params: dict, batch: dict) -> jax.Array:
 @pytest.mark.parametrize(
     ("schedule", "virtual", "axes"),
     [
-        ("gpipe", 1, {"pipe": 2}),
+        pytest.param("gpipe", 1, {"pipe": 2}, marks=pytest.mark.slow),
         ("1f1b", 1, {"pipe": 2}),
-        ("interleaved", 2, {"pipe": 2}),
-        ("fthenb", 1, {"pipe": 2, "data": 2}),
+        pytest.param("interleaved", 2, {"pipe": 2}, marks=pytest.mark.slow),
+        pytest.param("fthenb", 1, {"pipe": 2, "data": 2}, marks=pytest.mark.slow),
     ],
 )
 def test_tuple_stage_inputs_and_the_last_stages_outputs_in_row_order(schedule, virtual, axes):

@@ -190,6 +190,7 @@ def test_auto_searches_recipes_with_layouts_and_names_them(amesh):
     assert all("remat=full" in n for n, _ in fixed.alternatives)
 
 
+@pytest.mark.slow
 def test_auto_recosts_on_when_the_favourites_no_longer_fit(amesh, monkeypatch):
     """When every candidate auto re-costs first comes out over the budget once
     propagated, auto goes on re-costing the next ones until one fits, instead of
