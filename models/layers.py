@@ -32,6 +32,7 @@ from spmdkit.kernels import (
     AttentionError,
     blockwise_attention,
     on_gpu,
+    resolve_implementation,
 )
 from spmdkit.nn.calls import call_op
 from spmdkit.planner import BATCH_NAMES, PARAM_NAMES
@@ -218,14 +219,7 @@ def attention(
         >>> attention(q, kv, kv, implementation="blockwise", block_size=256).shape
         (1, 1024, 8, 64)
     """
-    impl = "auto" if implementation is None else implementation
-    if impl not in ATTENTION_IMPLEMENTATIONS:
-        raise AttentionError(
-            op="attention",
-            must=f"implementation be one of {ATTENTION_IMPLEMENTATIONS} or None",
-            given=repr(implementation),
-            fix='pass implementation="auto" (or None)',
-        )
+    impl = resolve_implementation(implementation)
     _check_shapes(q, k, v)
     if impl == "cudnn" and not on_gpu():
         raise AttentionError(

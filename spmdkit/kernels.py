@@ -55,11 +55,35 @@ __all__ = [
     "on_gpu",
     "plain_attention",
     "plain_attention_lse",
+    "resolve_implementation",
 ]
 
 ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn")
 """The implementations :func:`attention_kernel` (and the ``attention`` op's
 ``implementation=``) accept."""
+
+
+def resolve_implementation(implementation: str | None) -> str:
+    """``implementation`` checked against :data:`ATTENTION_IMPLEMENTATIONS`
+    (``None``: ``"auto"``).
+
+    Raises:
+      AttentionError: an unknown implementation.
+
+    Example::
+
+        >>> resolve_implementation(None)
+        'auto'
+    """
+    impl = "auto" if implementation is None else implementation
+    if impl not in ATTENTION_IMPLEMENTATIONS:
+        raise AttentionError(
+            op="attention",
+            must=f"implementation be one of {ATTENTION_IMPLEMENTATIONS} or None",
+            given=repr(implementation),
+            fix='pass implementation="auto" (or None)',
+        )
+    return impl
 
 
 class AttentionError(SpmdError, ValueError):
@@ -132,14 +156,7 @@ def attention_kernel(
       AttentionError: unknown implementation, bad shapes, or ``"cudnn"`` where it
         cannot run (no GPU, inputs cuDNN rejects, or a query offset under ``causal``).
     """
-    impl = "auto" if implementation is None else implementation
-    if impl not in ATTENTION_IMPLEMENTATIONS:
-        raise AttentionError(
-            op="attention",
-            must=f"implementation be one of {ATTENTION_IMPLEMENTATIONS} or None",
-            given=repr(implementation),
-            fix='pass implementation="auto" (or None)',
-        )
+    impl = resolve_implementation(implementation)
     _check_qkv("attention", q, k, v)
     if impl == "xla":
         return plain_attention(q, k, v, causal=causal, scale=scale, q_offset=q_offset)

@@ -243,6 +243,15 @@ def _moved_into_modules(
     return out
 
 
+def _read_struct(x: Any, key: bool) -> jax.ShapeDtypeStruct:
+    """What orbax reads for target leaf ``x``: its shape, dtype and sharding; a
+    PRNG key array as its ``uint32`` key data (``key``)."""
+    if key:
+        shape = jax.eval_shape(jax.random.key_data, x).shape
+        return jax.ShapeDtypeStruct(shape, jnp.uint32, sharding=x.sharding)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
 def _prune(op: str, tree: Any) -> Any:
     """``tree`` without its :data:`_SKIP` leaves (dict entries dropped; a list or
     tuple keeps all its saved elements or none: orbax restores sequences whole)."""
@@ -973,34 +982,12 @@ class Manager:
             name = _path(path)
             if name in zero:
                 return None
-            if name in key_info:
-                data_shape = jax.eval_shape(jax.random.key_data, x).shape
-                return jax.ShapeDtypeStruct(data_shape, jnp.uint32, sharding=x.sharding)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            return _read_struct(x, name in key_info)
 
         raw = jax.tree_util.tree_map_with_path(to_restore_leaf, target)
         if meta.get("empty_state") or not jax.tree.leaves(raw):
             return {}
-        try:
-            out = self._mgr.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        raw,
-                        restore_args=ocp.checkpoint_utils.construct_restore_args(raw),
-                        partial_restore=partial,
-                    ),
-                    meta=ocp.args.JsonRestore(),
-                ),
-            )
-        except Exception as e:
-            raise CheckpointCorruptedError(
-                op=op,
-                must="the checkpoint's array files are readable",
-                given=f"step {step} in {self.directory}: {type(e).__name__}: {str(e)[:300]}",
-                fix="restore an older step (all_steps()) or delete this one",
-            ) from e
-        return _flat(out["state"])
+        return self._restore_arrays(op, step, raw, partial=partial)
 
     def _read_renamed(
         self, op: str, step: int, meta: dict[str, Any], flat_target: dict[str, Any], zero: set
@@ -1024,15 +1011,16 @@ class Manager:
             name = _path(path)
             if name in zero or name not in flat_target:
                 return _SKIP
-            x = flat_target[name]
-            if name in key_info:
-                shape = jax.eval_shape(jax.random.key_data, x).shape
-                return jax.ShapeDtypeStruct(shape, jnp.uint32, sharding=x.sharding)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            return _read_struct(flat_target[name], name in key_info)
 
         raw = _prune(op, jax.tree_util.tree_map_with_path(leaf, tree))
         if raw is _SKIP or not jax.tree.leaves(raw):
             return {}
+        return self._restore_arrays(op, step, raw, partial=True)
+
+    def _restore_arrays(self, op: str, step: int, raw: Any, *, partial: bool) -> dict[str, Any]:
+        """Orbax's read of the arrays ``raw`` describes (one ``ShapeDtypeStruct`` a
+        leaf, :func:`_read_struct`), by path."""
         try:
             out = self._mgr.restore(
                 step,
@@ -1040,7 +1028,7 @@ class Manager:
                     state=ocp.args.PyTreeRestore(
                         raw,
                         restore_args=ocp.checkpoint_utils.construct_restore_args(raw),
-                        partial_restore=True,
+                        partial_restore=partial,
                     ),
                     meta=ocp.args.JsonRestore(),
                 ),
