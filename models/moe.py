@@ -242,6 +242,7 @@ def moe_loss(model: nnx.Module, batch: dict) -> jax.Array:
 CONFIGS: dict[str, Any] = {
     "tiny": MoEConfig,
     "tiny_scan": lambda: MoEConfig(scan_layers=True),
+    "tiny_pipe": lambda: MoEConfig(n_layers=4, scan_layers=True),
     "small": lambda: MoEConfig(
         vocab=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, d_mlp=512,
         seq_len=128, n_experts=8, scan_layers=True,
@@ -252,5 +253,6 @@ CONFIGS: dict[str, Any] = {
         scan_layers=True,
     ),
 }  # fmt: skip
-"""MoE sizes: ``tiny``/``tiny_scan`` compile in seconds on CPU; ``mixtral_8x7b`` has
+"""MoE sizes: ``tiny``/``tiny_scan`` and ``tiny_pipe`` (4 stacked layers, for pipelined
+tests) compile in seconds on CPU; ``mixtral_8x7b`` has
 Mixtral 8x7B's published dims (8 experts, top-2)."""

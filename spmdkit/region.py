@@ -40,6 +40,7 @@ from jax.interpreters import batching, mlir
 
 from spmdkit.inference import InferenceResult, infer_forward, infer_grad
 from spmdkit.local import resolve_partials, shard_program
+from spmdkit.pipeline.rows import register_body
 from spmdkit.registry import get_rule
 from spmdkit.rule import LocalContext, without_strategy
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
@@ -147,6 +148,22 @@ _grad_p.def_abstract_eval(_grad_abstract)
 _grad_p.def_impl(_grad_impl)
 mlir.register_lowering(_forward_p, mlir.lower_fun(_forward_impl, multiple_results=True))
 mlir.register_lowering(_grad_p, mlir.lower_fun(_grad_impl, multiple_results=True))
+
+
+def _region_body(eqn: Any) -> Any:
+    """The unsharded computation a region equation runs, as a jaxpr of its operands
+    (what a pipeline stage runs: :func:`spmdkit.pipeline.rows.mixed_rows` looks inside)."""
+    p = eqn.params
+    if eqn.primitive.name == FORWARD:
+        fn = forward_fn(p["op"], dict(p["attrs"]))
+    else:
+        fn = grad_fn(p["op"], dict(p["attrs"]), p["diff"])
+    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    return jax.make_jaxpr(fn)(*args)
+
+
+register_body(FORWARD, _region_body)
+register_body(GRAD, _region_body)
 batching.primitive_batchers[_forward_p] = _forward_batch
 batching.primitive_batchers[_grad_p] = _grad_batch
 

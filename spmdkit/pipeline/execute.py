@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.pipeline.rows import mixed_rows
 from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import FIELDS, Tables, build_tables, forward_ticks
@@ -84,6 +85,9 @@ class PipelineFacts:
       head_bytes: the head and loss's residuals for one micro-batch (``H``).
       batch_axes: the mesh axes the pipeline's ``shard_map`` makes manual besides
         the pipe axis (the batch rows' axes: :func:`pipelined_value_and_grad`).
+      rows_mixed: a layer equation that combines a micro-batch's rows, computed
+        over each device's rows (``Pipeline.local_statistics``;
+        :func:`~spmdkit.pipeline.rows.mixed_rows`), else empty.
     """
 
     pipe: Pipeline
@@ -91,6 +95,7 @@ class PipelineFacts:
     residual_bytes: int
     head_bytes: int
     batch_axes: tuple[str, ...] = ()
+    rows_mixed: str = ""
 
 
 _TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = contextvars.ContextVar(
@@ -184,22 +189,11 @@ class _Ctx:
         self.per = dict(zip(sp.per_mb, per, strict=True))
         self.carry = [v for v in sp.carry]
         for v in self.carry:
-            if isinstance(v, jex.Literal):
-                raise PipelineError(
-                    op="pipeline",
-                    must="every value the layer scan carries is computed from the batch "
-                    "(it crosses from stage to stage with its micro-batch)",
-                    given=f"a carry that starts as the constant {v.val!r} ({v.aval}), e.g. an "
-                    "auxiliary loss summed over the layers (MoE load balancing)",
-                    fix="start the accumulator from the batch, one entry per row (e.g. "
-                    "jnp.zeros(x.shape[0]), summed into the loss as a mean), or leave the term "
-                    "out when pipelining (a statistic of the whole batch does not split into "
-                    "micro-batches)",
-                )
             if v not in self.per or not _float(v.aval.dtype):
                 raise PipelineError(
                     op="pipeline",
-                    must="the layer scan's carry is floating and computed from the batch",
+                    must="the layer scan's carry is floating (the hidden state; an "
+                    "accumulator such as an auxiliary loss)",
                     given=f"a carry of {v.aval}",
                     fix="carry the hidden state; pass other values as scan constants",
                 )
@@ -707,8 +701,15 @@ def pipelined_value_and_grad(
         stage's weights gathered over them once per step (at the ``shard_map``'s
         input), accumulates its weight gradients locally over the micro-batches
         and sums them over these axes once, at the end of the step. The loss must
-        be a mean over rows (as for micro-batches). Other axes stay automatic
-        (a tensor-parallel ``model`` axis: XLA partitions the stage over it).
+        be a mean over rows (as for micro-batches), and a layer that combines
+        rows needs ``pipe.local_statistics``. Other axes stay automatic (a
+        tensor-parallel ``model`` axis, an expert axis: XLA partitions the
+        stage over it).
+
+    The loss is the mean of the micro-batches' losses, each micro-batch running
+    the whole loss, as ``sk.value_and_grad``'s micro-batches do: a value the
+    layer scan carries from a constant (an auxiliary loss summed over the
+    layers) starts from it for every micro-batch and crosses the stages with it.
 
     Returns:
       ``f(params, batch, *rest) -> (loss, grads)``; ``rest`` is passed to every
@@ -720,9 +721,9 @@ def pipelined_value_and_grad(
 
     Raises:
       PipelineError: the loss has no layer scan of ``stages · virtual``-divisible
-        length, the batch does not divide into the micro-batches, or a value
-        the scan carries is not computed from the batch (a constant-initialized
-        accumulator included).
+        length, the batch does not divide into the micro-batches, a value the
+        scan carries is not floating, or (with batch axes) a layer combines a
+        micro-batch's rows and ``pipe.local_statistics`` is off.
 
     Example::
 
@@ -739,6 +740,18 @@ def pipelined_value_and_grad(
         axes, shards = _batch_axes(run_mesh, pipe, batch_axes)
         local = sp if shards == 1 else split_loss(loss_fn, params, _local_rows(one, shards), rest)
         lay = _Manual(pipe.axis, axes, shards, _row_split(sp, local, shards))
+        mixed = _rows_mixed(sp, lay)
+        if mixed and not pipe.local_statistics:
+            raise PipelineError(
+                op="pipeline",
+                must="with the batch split over other mesh axes too, each device runs "
+                "its stages on its own rows of a micro-batch, so no layer may combine rows",
+                given=f"a layer equation `{mixed}` (the batch over {axes}), e.g. a "
+                "mixture-of-experts router's load-balancing statistics",
+                fix="pass Pipeline(..., local_statistics=True) to compute it over each "
+                "device's rows (as Megatron-LM computes MoE load balancing per "
+                "data-parallel rank), or keep the batch off the other axes",
+            )
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
         pre_all = _pre_all(sp, micro, r_leaves)
@@ -749,7 +762,7 @@ def pipelined_value_and_grad(
             args = (loss_fn, pipe, params, batch, *rest)
             r, h = chunk_residuals(*args), chunk_residuals(*args, head=True)
             sizes = (_nbytes(carry), _nbytes(r), _nbytes(h))
-            seen.append(PipelineFacts(pipe, *sizes, batch_axes=lay.batch))
+            seen.append(PipelineFacts(pipe, *sizes, batch_axes=lay.batch, rows_mixed=mixed))
         if not _rows_apart(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
             loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
@@ -792,6 +805,21 @@ def _pre_all(sp: SplitLoss, micro: Any, r_leaves: list) -> Callable:
         return jax.vmap(pre_one, in_axes=(None, 0), out_axes=((None, None), 0))(pl, micro)
 
     return pre_all
+
+
+def _rows_mixed(sp: SplitLoss, lay: _Manual) -> str:
+    """With batch axes: the first equation of the layer scan's body that combines
+    a micro-batch's rows (:func:`~spmdkit.pipeline.rows.mixed_rows`), else empty.
+    The scan's inputs split over the rows have their rows on dim 0."""
+    if not lay.batch:
+        return ""
+    row = dict(zip(sp.per_mb, lay.rows, strict=True))
+    eqn = sp.scan
+    n = eqn.params["num_consts"] + eqn.params["num_carry"]
+    inputs = [*sp.consts, *sp.carry]
+    dims = [0 if not hasattr(v, "val") and row.get(v) else None for v in inputs]
+    dims += [None] * (len(eqn.invars) - n)
+    return mixed_rows(eqn.params["jaxpr"], dims) or ""
 
 
 def _rows_apart(sp: SplitLoss, lay: _Manual) -> bool:

@@ -83,6 +83,13 @@ class Pipeline:
             returns ``((loss, outputs), grads)``, ``outputs`` the layer stack's
             final carry values (the hidden state, and any other carried value)
             for every example, in the batch's row order.
+        local_statistics: with the batch also split over other mesh axes, a
+            layer that combines a micro-batch's rows (a mixture-of-experts
+            router's load-balancing statistics, a batch norm) computes it over
+            each device's rows of the micro-batch, as Megatron-LM computes MoE
+            load balancing per data-parallel rank. Off (the default), such a
+            layer is a :class:`PipelineError` that names it; without batch axes
+            it is computed over the whole micro-batch either way.
     """
 
     stages: int
@@ -91,6 +98,7 @@ class Pipeline:
     virtual: int = 1
     axis: str = "pipe"
     return_output: bool = False
+    local_statistics: bool = False
 
     def __post_init__(self) -> None:
         op = "Pipeline"
@@ -184,6 +192,7 @@ class Pipeline:
             "virtual": self.virtual,
             "axis": self.axis,
             "return_output": self.return_output,
+            "local_statistics": self.local_statistics,
         }
 
     @classmethod

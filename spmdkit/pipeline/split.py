@@ -16,7 +16,11 @@ What crosses between the parts is sorted by whether it depends on the batch:
   not depend on the batch (the head's weights, a RoPE table);
 - ``per_mb``: the values that do (the scan's initial carry: the hidden state
   after the embedding; batch-dependent constants: positions, masks; what the
-  post part reads from the batch: labels).
+  post part reads from the batch: labels). A carry that starts as a constant
+  (an auxiliary loss summed over the layers from ``0.0``) is one too: every
+  micro-batch starts it from that constant and it crosses the stages with the
+  micro-batch, so its final value is that micro-batch's (as with ``sk.value_and_grad``'s
+  micro-batches, where each micro-batch runs the whole loss).
 
 :meth:`SplitLoss.pre` computes all three for one micro-batch,
 :meth:`SplitLoss.stage` runs one chunk of layers (a ``lax.scan`` of the body
@@ -132,7 +136,9 @@ class SplitLoss:
       n_params, n_batch: how many leaves of the params and the batch the loss takes
         (the rest are the ``rest`` arguments' leaves).
       xs, shared, per_mb: the jaxpr variables of each kind.
-      consts, carry: the scan's constants and initial carry (variables).
+      consts, carry: the scan's constants and initial carry (variables; a carry
+        that starts as a constant is a new variable, its value in ``starts``).
+      starts: the constant-started carries' variables → their values.
     """
 
     closed: jex.ClosedJaxpr
@@ -145,6 +151,7 @@ class SplitLoss:
     per_mb: tuple
     consts: tuple
     carry: tuple
+    starts: tuple = ()
 
     @property
     def scan(self) -> Any:
@@ -157,6 +164,7 @@ class SplitLoss:
         jaxpr = self.closed.jaxpr
         env = dict(zip(jaxpr.constvars, self.closed.consts, strict=True))
         env.update(zip(jaxpr.invars, leaves, strict=True))
+        env.update(self.starts)
         _run(jaxpr.eqns[: self.index], env)
         return tuple(
             [_read(env, v) for v in group] for group in (self.xs, self.shared, self.per_mb)
@@ -273,14 +281,19 @@ def split_loss(
             fix="scan over the stacked parameters only; pass batch values through the carry",
         )
     consts = tuple(eqn.invars[:nc])
-    carry = tuple(eqn.invars[nc : nc + ncarry])
+    # a carry that starts as a constant gets a variable of its own (per micro-batch)
+    carry, starts = [], {}
+    for v in eqn.invars[nc : nc + ncarry]:
+        start = jex.Var(v.aval) if isinstance(v, jex.Literal) else v
+        if start is not v:
+            starts[start] = np.full(v.aval.shape, v.val, v.aval.dtype)
+        carry.append(start)
     defined_after = set(eqn.outvars)
     post_in = [v for v in _free(post_eqns, jaxpr.outvars[:1]) if v not in defined_after]
     need = [v for v in (*consts, *post_in) if not isinstance(v, jex.Literal)]
     need = list(dict.fromkeys(need))
     shared = tuple(v for v in need if v not in dep)
-    per_mb = tuple(dict.fromkeys([*(v for v in carry if not isinstance(v, jex.Literal)),
-                                  *(v for v in need if v in dep)]))  # fmt: skip
+    per_mb = tuple(dict.fromkeys([*carry, *(v for v in need if v in dep)]))
     return SplitLoss(
         closed=closed,
         index=index,
@@ -291,5 +304,6 @@ def split_loss(
         shared=shared,
         per_mb=per_mb,
         consts=consts,
-        carry=carry,
+        carry=tuple(carry),
+        starts=tuple(starts.items()),
     )

@@ -209,14 +209,95 @@ def test_return_output_is_refused_by_the_training_step():
         sk.train_step(info.loss_fn, optax.adam(1e-3), plan)
 
 
-def test_a_constant_carry_is_typed():
-    """MoE sums its load-balancing loss over the layers in the scan's carry, which
-    starts as a constant: it cannot cross the stages with a micro-batch."""
-    info = describe(get_model("moe"), config="tiny_scan", batch_size=8)
+def _moe_reference(info, params, batch, groups):
+    """The mean over ``groups`` (row index arrays) of the loss on those rows, and its
+    gradient: what a pipeline computes when every micro-batch (or every device's
+    rows of one) runs the whole loss, its load-balancing statistics included."""
+
+    def loss(p, b):
+        values = [info.loss_fn(p, jax.tree.map(lambda x, g=g: x[g], b)) for g in groups]
+        return sum(values) / len(values)
+
+    return jax.jit(jax.value_and_grad(loss))(params, batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("axes", "strategy", "schedule", "virtual", "local"),
+    [
+        # experts over the automatic model axis inside the stages; the batch over data
+        ({"pipe": 2, "data": 2, "model": 2}, "megatron", "1f1b", 1, True),
+        ({"pipe": 2, "data": 2, "model": 2}, "megatron", "interleaved", 2, True),
+        ({"pipe": 2, "data": 2, "model": 2}, "tp_fsdp", "fthenb", 1, True),
+        # the batch over every axis but pipe (experts gathered with the stage's weights)
+        ({"pipe": 2, "data": 2, "model": 2}, "ep", "gpipe", 1, True),
+        # no batch axis: the statistics are the whole micro-batch's
+        ({"pipe": 2, "model": 4}, "megatron", "1f1b", 1, False),
+    ],
+)
+def test_moe_stages_equal_the_micro_batched_loss(axes, strategy, schedule, virtual, local):
+    """MoE's load-balancing loss, summed over the layers in the scan's carry from the
+    constant 0, starts from it for every micro-batch and crosses the stages with it.
+    The pipelined loss and grads equal the mean of the loss over the micro-batches
+    (micro-batch j: rows j, j+m, ...) or, with ``local_statistics``, over each
+    device's rows of each micro-batch (contiguous parts of its rows)."""
+    info, params, batch = _moe("tiny_pipe", 16)
+    m = 4
+    pipe = Pipeline(
+        stages=axes["pipe"], microbatches=m, schedule=schedule, virtual=virtual,
+        local_statistics=local,
+    )  # fmt: skip
+    plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
+    shards = int(np.prod([axes[a] for a in plan.activation.get("batch", ()) if a != "pipe"]))
+    assert (shards > 1) == local
+    groups = [part for j in range(m) for part in np.split(np.arange(j, 16, m), shards)]
+    ref_loss, ref_grads = _moe_reference(info, params, batch, groups)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    loss, grads = step(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
+    # the full batch's statistics differ: the reference is not trivially the same
+    full_loss = jax.jit(info.loss_fn)(params, batch)
+    assert abs(float(full_loss) - float(ref_loss)) > 1e-5
+
+
+def _moe(config: str, batch_size: int):
+    info = describe(get_model("moe"), config=config, batch_size=batch_size)
+    rng = np.random.default_rng(0)
+    batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, 200, s.shape), s.dtype), info.batch)
+    return info, info.init_fn(), batch
+
+
+def test_moe_on_one_pipe_axis_equals_the_micro_batched_loss():
+    """The constant-started carry (MoE's load-balancing sum) on a pipe-only mesh:
+    every micro-batch runs the whole loss, as with sk.value_and_grad's micro-batches."""
+    info, params, batch = _moe("tiny_scan", 8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("pipe",))
     f = pipelined_value_and_grad(info.loss_fn, Pipeline(stages=2, microbatches=2), mesh)
-    with pytest.raises(PipelineError, match="starts as the constant"):
+    loss, grads = jax.jit(f)(params, batch)
+    micro = sk.value_and_grad(info.loss_fn, sk.Recipe(microbatches=2))
+    ref_loss, ref_grads = jax.jit(micro)(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_a_layer_that_combines_rows_needs_local_statistics():
+    """With a batch axis beside the pipe axis each device runs its stages on its own
+    rows: MoE's router statistics (a mean over the micro-batch's tokens) would be
+    its rows' alone, so that is a typed error unless asked for."""
+    info = describe(get_model("moe"), config="tiny_scan", batch_size=8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("pipe", "data"))
+    pipe = Pipeline(stages=2, microbatches=2)
+    f = pipelined_value_and_grad(info.loss_fn, pipe, mesh, ("data",))
+    with pytest.raises(PipelineError, match=r"reduce_sum over the rows.*local_statistics=True"):
         jax.eval_shape(f, info.abstract_params, info.batch)
+    pipe = Pipeline(stages=2, microbatches=2, local_statistics=True)
+    f = pipelined_value_and_grad(info.loss_fn, pipe, mesh, ("data",))
+    jax.eval_shape(f, info.abstract_params, info.batch)
 
 
 def test_aux_arrays_are_typed():
