@@ -57,6 +57,11 @@ def _configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--virtual", type=int, default=1, help="pipeline chunks per device (interleaved)"
     )
+    parser.add_argument(
+        "--local-statistics",
+        action="store_true",
+        help="pipeline: layers that combine rows (MoE routing statistics) use each device's rows",
+    )
 
 
 def start_devices(axes: dict[str, int]) -> None:
@@ -173,7 +178,7 @@ def pipeline_of(args: argparse.Namespace, axes: dict[str, int]) -> object:
     """The :class:`~spmdkit.pipeline.Pipeline` a ``pipe`` axis of the mesh asks for
     (``None`` without one): ``stages`` its size, ``--microbatches`` (default twice
     the stages), ``--virtual``, ``--schedule`` (default 1F1B, interleaved with
-    ``--virtual`` > 1).
+    ``--virtual`` > 1), ``--local-statistics``.
 
     Example::
 
@@ -184,8 +189,9 @@ def pipeline_of(args: argparse.Namespace, axes: dict[str, int]) -> object:
     from spmdkit.pipeline import Pipeline
 
     stages = axes.get("pipe", 1)
+    local = getattr(args, "local_statistics", False)
     if stages == 1:
-        if args.schedule or args.microbatches or args.virtual > 1:
+        if args.schedule or args.microbatches or args.virtual > 1 or local:
             raise SpmdError(
                 op="spmdkit train",
                 must="pipeline flags come with a 'pipe' axis in --mesh",
@@ -199,6 +205,7 @@ def pipeline_of(args: argparse.Namespace, axes: dict[str, int]) -> object:
         microbatches=args.microbatches or 2 * stages,
         schedule=schedule,
         virtual=args.virtual,
+        local_statistics=local,
     )
 
 
