@@ -624,7 +624,9 @@ class Plan:
             pp = self.pipeline
             lines.append(
                 f"pipeline: {pp.short()} over '{pp.axis}' ({pp.chunks} chunks, "
-                f"bubble {pp.bubble_fraction:.1%})"
+                f"bubble {pp.bubble_fraction:.1%}"
+                + ("; row statistics per device" if pp.local_statistics else "")
+                + ")"
             )
             if self.cost is not None and self.cost.stage_memory:
                 lines.append(_stages_line(self.cost))

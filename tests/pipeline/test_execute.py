@@ -40,15 +40,20 @@ def _check(
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
     plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=enforce)
-    loss, grads = step(params, batch)
+    _assert_equal(step(params, batch), (ref_loss, ref_grads))
+    return step
+
+
+def _assert_equal(got, want) -> None:
+    """Loss and grads equal: fp32 rtol 1e-5, with an absolute floor of 1e-5 of the
+    largest gradient entry (the micro-batches sum in another order, and GPT's key
+    biases have a gradient that is exactly zero in exact arithmetic: rounding noise
+    of 1e-10 here)."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    # fp32 rtol 1e-5, with an absolute floor of 1e-5 of the largest gradient entry:
-    # the micro-batches sum in another order, and GPT's key biases have a gradient
-    # that is exactly zero in exact arithmetic (rounding noise of 1e-10 here)
     scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
-    return step
 
 
 def test_1f1b_on_two_stages_equals_one_device():
@@ -253,11 +258,7 @@ def test_moe_stages_equal_the_micro_batched_loss(axes, strategy, schedule, virtu
     groups = [part for j in range(m) for part in np.split(np.arange(j, 16, m), shards)]
     ref_loss, ref_grads = _moe_reference(info, params, batch, groups)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
-    loss, grads = step(params, batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
+    _assert_equal(step(params, batch), (ref_loss, ref_grads))
     # the full batch's statistics differ: the reference is not trivially the same
     full_loss = jax.jit(info.loss_fn)(params, batch)
     assert abs(float(full_loss) - float(ref_loss)) > 1e-5
@@ -276,13 +277,8 @@ def test_moe_on_one_pipe_axis_equals_the_micro_batched_loss():
     info, params, batch = _moe("tiny_scan", 8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("pipe",))
     f = pipelined_value_and_grad(info.loss_fn, Pipeline(stages=2, microbatches=2), mesh)
-    loss, grads = jax.jit(f)(params, batch)
     micro = sk.value_and_grad(info.loss_fn, sk.Recipe(microbatches=2))
-    ref_loss, ref_grads = jax.jit(micro)(params, batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(ref_grads))
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
+    _assert_equal(jax.jit(f)(params, batch), jax.jit(micro)(params, batch))
 
 
 def test_a_layer_that_combines_rows_needs_local_statistics():
