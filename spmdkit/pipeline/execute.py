@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -64,11 +64,16 @@ from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import FIELDS, Tables, build_tables, forward_ticks
 
 __all__ = [
+    "BACKWARD_SCOPE",
+    "FORWARD_SCOPE",
+    "HEAD_SCOPE",
     "PipelineFacts",
+    "branch_runs",
     "chunk_residuals",
     "permute_count",
     "pipelined_value_and_grad",
     "pipelines_traced",
+    "residual_probe",
     "split_microbatches",
 ]
 
@@ -88,6 +93,10 @@ class PipelineFacts:
       rows_mixed: a layer equation that combines a micro-batch's rows, computed
         over each device's rows (``Pipeline.local_statistics``;
         :func:`~spmdkit.pipeline.rows.mixed_rows`), else empty.
+      loss_fn, args: the loss the pipeline runs and its arguments' shapes
+        (params, batch, rest): the unpipelined step, whose layer scans
+        ``plan.verify`` prices the stages' collectives from.
+      layers: the stacked layer count.
     """
 
     pipe: Pipeline
@@ -96,6 +105,9 @@ class PipelineFacts:
     head_bytes: int
     batch_axes: tuple[str, ...] = ()
     rows_mixed: str = ""
+    loss_fn: Callable | None = field(default=None, compare=False)
+    args: tuple = field(default=(), compare=False)
+    layers: int = 0
 
 
 _TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = contextvars.ContextVar(
@@ -225,6 +237,51 @@ class _Ctx:
         return loss * self.scale, ct_c, ct_v
 
 
+#: ``jax.named_scope`` names of a tick's actions (in the compiled program's op
+#: names): a chunk's forward, its backward, and the head and loss (inside a
+#: forward of the last chunk). A ``lax.switch`` branch runs on some ticks only,
+#: which the compiled HLO does not say: ``plan.verify`` counts the collectives
+#: under these scopes by the schedule (:func:`branch_runs`).
+FORWARD_SCOPE = "spmdkit_pipeline_forward"
+BACKWARD_SCOPE = "spmdkit_pipeline_backward"
+HEAD_SCOPE = "spmdkit_pipeline_head"
+
+
+def _scoped(name: str) -> Callable:
+    def wrap(fn: Callable) -> Callable:
+        def run(*args: Any) -> Any:
+            with jax.named_scope(name):
+                return fn(*args)
+
+        return run
+
+    return wrap
+
+
+def branch_runs(pipe: Pipeline) -> dict[str, tuple[int, int]]:
+    """Per action scope: ``(runs on the busiest device, ticks the branch's loops
+    run)`` per step. The compiled program's loops run a tick's ``lax.switch`` on
+    every tick, and each branch's collectives are counted that often; a device
+    runs ``m·v`` forwards and backwards among those ticks, and the head ``m``
+    times (on the last stage). GPipe's backward is the transpose of its forward
+    ticks (under the forward's scope).
+
+    Example::
+
+        >>> branch_runs(Pipeline(stages=2, microbatches=4))
+        {'spmdkit_pipeline_forward': (4, 10), 'spmdkit_pipeline_backward': (4, 10),
+         'spmdkit_pipeline_head': (4, 10)}
+    """
+    sched = build_schedule(pipe)
+    ticks = forward_ticks(sched) if pipe.schedule == "gpipe" else build_tables(sched).n_ticks
+    work = pipe.microbatches * pipe.virtual
+    return {
+        FORWARD_SCOPE: (work, ticks),
+        BACKWARD_SCOPE: (work, ticks),
+        HEAD_SCOPE: (pipe.microbatches, ticks),
+    }
+
+
 def _chunk(xs_l: list, j: Any, v: int) -> list:
     return [x[0] if v == 1 else x[j] for x in xs_l]
 
@@ -278,6 +335,7 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> 
         inbox = [jnp.zeros((tables.n_inbox_f + 1, *s.shape), s.dtype) for s in shapes]
         loss_dtype = ctx.sp.closed.out_avals[0].dtype
 
+        @_scoped(FORWARD_SCOPE)
         def fwd(row: dict, inbox: list) -> tuple:
             i = row["mb"]
             x_in = [
@@ -290,8 +348,10 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> 
                 row["last"],
                 [
                     lambda: jnp.zeros((), loss_dtype),
-                    lambda: (
-                        ctx.sp.post({**ctx.sv, **ctx.mb(i)}, out).astype(loss_dtype) * ctx.scale
+                    _scoped(HEAD_SCOPE)(
+                        lambda: (
+                            ctx.sp.post({**ctx.sv, **ctx.mb(i)}, out).astype(loss_dtype) * ctx.scale
+                        )
                     ),
                 ],
             )
@@ -376,6 +436,7 @@ def _effects(
         cd = [({**ctx.sv, **ctx.mb(i)})[v] for v in ctx.dconsts]
         return i, w, cd
 
+    @_scoped(FORWARD_SCOPE)
     def fwd(row: dict) -> dict:
         i, w, cd = inputs(row)
         x_in = [
@@ -389,7 +450,7 @@ def _effects(
             row["last"],
             [
                 lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(ctx.post, i, out)),
-                lambda: ctx.post(i, out),
+                _scoped(HEAD_SCOPE)(lambda: ctx.post(i, out)),
             ],
         )
         ct_v = dict(zip(ctx.dpost, ct_l, strict=True))
@@ -402,6 +463,7 @@ def _effects(
             "dmb": [ct_v.get(v, jnp.zeros(v.aval.shape, v.aval.dtype)) for v in ctx.dper],
         }
 
+    @_scoped(BACKWARD_SCOPE)
     def bwd(row: dict) -> dict:
         _, w, cd = inputs(row)
         ct = [b[row["b_in"]] for b in state["inbox_b"]]
@@ -762,7 +824,15 @@ def pipelined_value_and_grad(
             args = (loss_fn, pipe, params, batch, *rest)
             r, h = chunk_residuals(*args), chunk_residuals(*args, head=True)
             sizes = (_nbytes(carry), _nbytes(r), _nbytes(h))
-            seen.append(PipelineFacts(pipe, *sizes, batch_axes=lay.batch, rows_mixed=mixed))
+            shapes = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), args[2:]
+            )
+            seen.append(
+                PipelineFacts(
+                    pipe, *sizes, batch_axes=lay.batch, rows_mixed=mixed,
+                    loss_fn=loss_fn, args=tuple(shapes), layers=sp.layers,
+                )
+            )  # fmt: skip
         if not _rows_apart(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
             loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
@@ -914,6 +984,15 @@ def chunk_residuals(
         >>> sum(r.size * r.dtype.itemsize for r in chunk_residuals(loss, pipe, params, batch))
         5242880
     """
+    return jax.eval_shape(residual_probe(loss_fn, pipe, *rest, head=head), params, batch)
+
+
+def residual_probe(
+    loss_fn: Callable[..., Any], pipe: Pipeline, *rest: Any, head: bool = False
+) -> Callable[[Any, Any], list]:
+    """``f(params, batch) -> residuals``: :func:`chunk_residuals`'s leaves as a
+    function of the step's arguments, for micro-batch 0 and chunk 0 (what
+    ``plan.verify`` propagates with the plan's layouts to size them per device)."""
     m, chunks = pipe.microbatches, pipe.chunks
 
     def probe_fn(params: Any, batch: Any) -> list:
@@ -939,4 +1018,4 @@ def chunk_residuals(
         _, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0), w, cd, carry)
         return _Probe().record(jax.tree.leaves(vjp), w, cd, [v in ctx.sv for v in ctx.dconsts])
 
-    return jax.eval_shape(probe_fn, params, batch)
+    return probe_fn

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.errors import SpmdError
 from spmdkit.propagation.choose import Chooser
 from spmdkit.propagation.control import cond, scan, while_loop
-from spmdkit.propagation.graph import FlatProgram, Graph, Node
+from spmdkit.propagation.graph import FlatProgram, Graph, Node, manual_axes
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import (
     GENERATORS,
@@ -298,13 +298,11 @@ class Engine:
 def _manual_axes(params: dict) -> frozenset | None:
     """The axes a ``shard_map`` equation makes manual; None when all of them
     (jax 0.10 names the parameter ``newly_manual_axes``, later ones ``manual_axes``)."""
-    for key in ("newly_manual_axes", "manual_axes", "axis_names"):
-        axes = params.get(key)
-        if axes is not None:
-            names = frozenset(axes)
-            mesh_axes = frozenset(getattr(params.get("mesh"), "axis_names", ()))
-            return None if not mesh_axes or names >= mesh_axes else names
-    return None
+    names = manual_axes(params)
+    if not names:
+        return None
+    mesh_axes = frozenset(getattr(params.get("mesh"), "axis_names", ()))
+    return None if not mesh_axes or names >= mesh_axes else names
 
 
 def _on_manual(given: TensorSpec, outer: TensorSpec, manual: frozenset | None) -> TensorSpec:

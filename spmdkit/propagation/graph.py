@@ -354,3 +354,13 @@ def stationary(graph: Graph, seeds: set[int]) -> set[int]:
             for b in subs:
                 out |= stationary(b, set(b.invars))
     return out
+
+
+def manual_axes(params: dict) -> frozenset:
+    """The mesh axes a ``shard_map`` equation (its ``params``) makes manual, empty
+    when it names none (jax 0.10 calls the parameter ``newly_manual_axes``, later
+    ones ``manual_axes``; ``axis_names`` before either)."""
+    for key in ("newly_manual_axes", "manual_axes", "axis_names"):
+        if params.get(key) is not None:
+            return frozenset(params[key])
+    return frozenset()

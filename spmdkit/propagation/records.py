@@ -20,7 +20,7 @@ import numpy as np
 
 from spmdkit.inference import ArgReshard, infer_forward
 from spmdkit.propagation.cse import ValueNumbers
-from spmdkit.propagation.graph import inline_body, open_jaxpr
+from spmdkit.propagation.graph import inline_body, manual_axes, open_jaxpr
 from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.pricing import Pricer, node_flops, reshard_once
@@ -282,7 +282,8 @@ class Recorder:
         )
         merged = self.numbers.merge(node, req, outs, self.numbers.scope(node, scope))
         if node.kind == "shard_map":
-            reshards += tuple(self._manual_collectives(node.eqn.params["jaxpr"]))
+            layouts = self._operand_layouts(node.eqn.params, req)
+            reshards += tuple(self._manual_collectives(node.eqn.params["jaxpr"], layouts))
         if node.prim in REGIONS:
             reshards += tuple(self._region_collectives(node, attrs, req))
         else:
@@ -371,17 +372,38 @@ class Recorder:
             backward=False,
         )
 
-    def _manual_collectives(self, jaxpr: Any) -> list[ArgReshard]:
+    def _operand_layouts(self, params: dict, req: Sequence[TensorSpec]) -> dict[tuple, int]:
+        """A partially manual ``shard_map``'s operands, by their shape inside the
+        body (leading 1s dropped): how many devices of the axes left automatic
+        split each (its layout there is the outer one, see the engine)."""
+        manual = manual_axes(params)
+        sizes = axis_sizes(self.mesh)
+        if not manual or manual >= set(sizes):
+            return {}
+        out: dict[tuple, int] = {}
+        for spec in req:
+            local = tuple(
+                n // math.prod(sizes[a] for a in entry if a in manual)
+                for n, entry in zip(spec.shape, spec.dims, strict=True)
+            )
+            split = math.prod(sizes[a] for entry in spec.dims for a in entry if a not in manual)
+            out.setdefault(_squeezed(local), split)
+        return out
+
+    def _manual_collectives(self, jaxpr: Any, layouts: dict[tuple, int]) -> list[ArgReshard]:
         """The collectives a shard_map body calls (psum, all_gather, psum_scatter,
         all_to_all, pmax, pmin), with per-device payload bytes from the body's local
-        shapes; wrapped as one-step reshards so records treat them like any other."""
+        shapes; wrapped as one-step reshards so records treat them like any other.
+        Under a partially manual ``shard_map`` a value shaped like an operand is
+        taken to be split like it over the automatic axes (``layouts``: a tensor-
+        parallel stage's gradient sums, as XLA lays them out)."""
         out: list[ArgReshard] = []
         sizes = axis_sizes(self.mesh)
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             body = inline_body(eqn)
             if body is not None:
-                out += self._manual_collectives(open_jaxpr(body)[0])
+                out += self._manual_collectives(open_jaxpr(body)[0], layouts)
                 continue
             if name not in _MANUAL:
                 continue
@@ -395,7 +417,8 @@ class Recorder:
             kind, side, op = _MANUAL[name]
             for v in eqn.invars if side == "in" else eqn.outvars:
                 local = TensorSpec(v.aval.shape, dtype=np.dtype(v.aval.dtype))
-                c = self._collective(kind, axes, n, op, local.local_bytes(self.mesh))
+                split = layouts.get(_squeezed(tuple(v.aval.shape)), 1)
+                c = self._collective(kind, axes, n, op, local.local_bytes(self.mesh) // split)
                 plan = ReshardPlan(local, local, (c,))
                 out.append(ArgReshard(f"{name} in shard_map", local, local, plan))
         return out
@@ -475,3 +498,11 @@ def _carry_record(index: int, back: Sequence[ArgReshard], backward: bool) -> Eqn
         "",
         backward,
     )
+
+
+def _squeezed(shape: tuple) -> tuple:
+    """``shape`` without its leading 1s."""
+    i = 0
+    while i < len(shape) and shape[i] == 1:
+        i += 1
+    return shape[i:]

@@ -51,7 +51,8 @@ class CompiledReport:
       peak_bytes: arguments + outputs − aliased + temporaries.
       flops: ``cost_analysis()['flops']`` (None when unavailable).
       hlo_text: the compiled HLO.
-      executions: collective name → runs per step (loop trip counts).
+      executions: collective name → runs per step (loop trip counts; a share of
+        them for a collective in a branch that runs on some iterations only).
     """
 
     collectives: list[HloCollective]
@@ -62,22 +63,22 @@ class CompiledReport:
     peak_bytes: int
     flops: float | None
     hlo_text: str = field(default="", repr=False)
-    executions: dict[str, int] = field(default_factory=dict, repr=False)
+    executions: dict[str, float] = field(default_factory=dict, repr=False)
 
-    def runs(self, c: HloCollective) -> int:
+    def runs(self, c: HloCollective) -> float:
         """How many times collective ``c`` runs per step."""
         return self.executions.get(c.name, 1)
 
     def bytes_by_kind(self, *, backward: bool | None = None) -> dict[str, int]:
         """Payload bytes per collective kind; ``backward`` selects one pass."""
-        out: dict[str, int] = {}
+        out: dict[str, float] = {}
         for c in self.collectives:
             if c.group_size <= 1 and c.kind != "collective_permute":
                 continue
             if backward is not None and c.is_backward != backward:
                 continue
             out[c.kind] = out.get(c.kind, 0) + c.payload_bytes * self.runs(c)
-        return dict(sorted(out.items()))
+        return {k: round(v) for k, v in sorted(out.items())}
 
     @property
     def comm_bytes(self) -> int:
@@ -94,7 +95,7 @@ class CompiledReport:
         ]
         for c in self.collectives:
             where = "bwd" if c.is_backward else "fwd"
-            times = f" ×{self.runs(c)}" if self.runs(c) > 1 else ""
+            times = f" ×{self.runs(c):g}" if self.runs(c) != 1 else ""
             lines.append(f"  {where} {c}{times}  {c.op_name}")
         return "\n".join(lines)
 

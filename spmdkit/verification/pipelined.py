@@ -29,15 +29,32 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from spmdkit.pipeline.execute import permute_count, pipelines_traced
+from spmdkit.pipeline.execute import (
+    BACKWARD_SCOPE,
+    FORWARD_SCOPE,
+    HEAD_SCOPE,
+    PipelineFacts,
+    branch_runs,
+    permute_count,
+    pipelines_traced,
+    residual_probe,
+)
 from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
+from spmdkit.pipeline.schedule import Pipeline
 from spmdkit.planner.plans import Plan
-from spmdkit.propagation import Propagation
-from spmdkit.propagation.graph import inline_body, open_jaxpr
+from spmdkit.propagation import Propagation, propagate
+from spmdkit.propagation.graph import inline_body, manual_axes, open_jaxpr
 from spmdkit.spec import axis_sizes
+from spmdkit.verification.compiled import CompiledReport
 
-__all__ = ["chunk_weight_bytes", "pipelined_prediction"]
+__all__ = [
+    "chunk_weight_bytes",
+    "counted_by_schedule",
+    "pipelined_prediction",
+    "stage_collectives",
+]
 
 
 def chunk_weight_bytes(plan: Plan, gathered: tuple[str, ...] = ()) -> float:
@@ -96,12 +113,8 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
             permute_count(pipe) * carry
         )
         gathered = chunk_weight_bytes(plan, facts.batch_axes)
-        sizes = StageSizes(
-            residual=facts.residual_bytes / shards,
-            head=facts.head_bytes / shards,
-            carry=carry,
-            weights=gathered,
-        )
+        residual, head = _residuals_per_device(plan, facts, shards)
+        sizes = StageSizes(residual=residual, head=head, carry=carry, weights=gathered)
         held = stage_buffers(pipe, sizes)
         extra += sum(held.values())
         # the device's chunks' weights, gathered over the batch axes at the
@@ -109,6 +122,8 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         # through the step (propagation sees the shard_map's operands and results
         # at the plan's size)
         extra += 2 * pipe.virtual * (gathered - chunk_weight_bytes(plan))
+        for kind, b in stage_collectives(plan, facts).items():
+            comm[kind] = comm.get(kind, 0) + int(b)
         if residual_outputs(pipe):
             extra -= counted.pop(0) if counted else 0.0
     mem = prop.memory
@@ -129,7 +144,7 @@ def _propagated_permutes(jaxpr: Any, axis: str, inside: bool = False) -> int:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "shard_map":
-            if axis in _manual_axes(eqn.params):
+            if axis in manual_axes(eqn.params):
                 total += _propagated_permutes(open_jaxpr(eqn.params["jaxpr"])[0], axis, True)
             continue
         if inside:
@@ -160,7 +175,7 @@ def _propagated_outputs(jaxpr: Any, axis: str, sizes: dict[str, int]) -> list[fl
     out: list[float] = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            manual = _manual_axes(eqn.params)
+            manual = manual_axes(eqn.params)
             if axis in manual and len(eqn.outvars) > 1:
                 total = 0.0
                 for v, spec in zip(eqn.outvars, eqn.params["out_specs"], strict=True):
@@ -180,8 +195,108 @@ def _propagated_outputs(jaxpr: Any, axis: str, sizes: dict[str, int]) -> list[fl
     return out
 
 
-def _manual_axes(params: dict) -> frozenset:
-    for key in ("newly_manual_axes", "manual_axes", "axis_names"):
-        if params.get(key) is not None:
-            return frozenset(params[key])
-    return frozenset()
+def counted_by_schedule(compiled: CompiledReport, pipe: Pipeline) -> CompiledReport:
+    """``compiled`` with the collectives of a tick's actions counted as the
+    schedule runs them.
+
+    The compiled HLO runs each tick's ``lax.switch`` in a loop over the ticks and
+    does not say which branch a tick takes, so a branch's collectives count once
+    per tick (:func:`~spmdkit.verification.compiled.executions`). A device runs
+    ``m·v`` chunk forwards and backwards among those ticks and, on the last
+    stage, ``m`` heads (:func:`~spmdkit.pipeline.execute.branch_runs`): a
+    collective under one of those scopes (the executor's ``jax.named_scope``
+    names, in its op name) counts that share of its loops' runs.
+    """
+    runs = branch_runs(pipe)
+    out = dict(compiled.executions)
+    for c in compiled.collectives:
+        scope = next((s for s in (HEAD_SCOPE, FORWARD_SCOPE, BACKWARD_SCOPE) if s in c.op_name), "")
+        if scope:
+            work, ticks = runs[scope]
+            out[c.name] = compiled.runs(c) * work / ticks
+    return dataclasses.replace(compiled, executions=out)
+
+
+def _auto_axes(plan: Plan, facts: PipelineFacts) -> set[str]:
+    """The mesh axes (size > 1) the pipeline's ``shard_map`` leaves automatic."""
+    sizes = axis_sizes(plan.mesh)
+    manual = {facts.pipe.axis, *facts.batch_axes}
+    return {a for a, n in sizes.items() if n > 1 and a not in manual}
+
+
+def _unpipelined_specs(plan: Plan, facts: PipelineFacts) -> tuple:
+    """In-specs of the step's arguments (params, batch, rest) with the plan's
+    layouts less the pipe axis (the unpipelined step the stages run pieces of)."""
+    axis = facts.pipe.axis
+    params, batch, *rest = facts.args
+
+    def drop(entry: Any) -> Any:
+        if isinstance(entry, tuple):
+            return tuple(a for a in entry if a != axis) or None
+        return None if entry == axis else entry
+
+    param_specs = jax.tree.map(
+        lambda spec: P(*(drop(e) for e in spec)),
+        plan.param_specs(params),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return (param_specs, plan.batch_specs(batch), *(None for _ in rest))
+
+
+def _residuals_per_device(plan: Plan, facts: PipelineFacts, shards: int) -> tuple[float, float]:
+    """One chunk's and the head's residual sets on one device: the global sets
+    over the batch's shards; with automatic axes inside the stages (tensor
+    parallel), as the plan lays them out there, by propagating the residuals as
+    a function of the step's arguments."""
+    if not _auto_axes(plan, facts) or facts.loss_fn is None:
+        return facts.residual_bytes / shards, facts.head_bytes / shards
+    params, batch, *rest = facts.args
+    sizes = []
+    for head in (False, True):
+        probe = residual_probe(facts.loss_fn, facts.pipe, *rest, head=head)
+        prop = propagate(
+            probe, params, batch, in_specs=_unpipelined_specs(plan, facts)[:2], mesh=plan.mesh
+        )
+        sizes.append(float(sum(s.local_bytes(plan.mesh) for s in prop.out_specs)))
+    return sizes[0], sizes[1]
+
+
+def stage_collectives(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
+    """The collectives the pipeline's stages run over the automatic axes (a
+    tensor-parallel ``model`` axis: the mesh's axes other than the pipe axis and
+    the manual batch axes), per device: propagation takes the pipeline's
+    ``shard_map`` as given and does not see inside it.
+
+    They are read off the unpipelined step with the plan's layouts (the loss
+    the pipeline runs, differentiated, propagated with the plan's specs less
+    the pipe axis): its layer scans' collectives over those axes, over ``p``
+    (a device runs ``L / p`` of the layers, for all its rows), and the head's
+    and loss's (the equations between the forward and the backward layer scan),
+    which the last stage runs whole. Per kind, payload bytes (empty when the
+    stages have no automatic axis).
+    """
+    auto = _auto_axes(plan, facts)
+    if not auto or facts.loss_fn is None:
+        return {}
+    pipe = facts.pipe
+    prop = propagate(
+        jax.value_and_grad(facts.loss_fn),
+        *facts.args,
+        in_specs=_unpipelined_specs(plan, facts),
+        mesh=plan.mesh,
+    )
+    scans = [i for i, r in enumerate(prop.records) if r.primitive == "scan"
+             and r.repeat == facts.layers]  # fmt: skip
+    if len(scans) < 2:
+        return {}
+    out: dict[str, float] = {}
+
+    def add(records: Any, share: float) -> None:
+        for r in records:
+            for c in r.collectives():
+                if c.axes and set(c.axes) <= auto:
+                    out[c.kind] = out.get(c.kind, 0.0) + c.payload_bytes * share
+
+    add([prop.records[scans[0]], prop.records[scans[-1]]], 1 / pipe.stages)
+    add(prop.records[scans[0] + 1 : scans[-1]], 1.0)
+    return out

@@ -31,7 +31,7 @@ from spmdkit.propagation import EqnRecord, Propagation
 from spmdkit.resharding import ReshardPlan
 from spmdkit.spec import MeshLike
 from spmdkit.verification.compiled import VerifyReport, report, verify
-from spmdkit.verification.pipelined import pipelined_prediction
+from spmdkit.verification.pipelined import counted_by_schedule, pipelined_prediction
 
 __all__ = [
     "PlannedProgram",
@@ -104,6 +104,8 @@ def verify_plan(
         # program and never calls the pipeline, so it reports no pipeline facts
         prop = pipelined_prediction(plan, step.fn, prop, *args)
     compiled = report(step.compile(*args))
+    if plan.pipeline is not None:
+        compiled = counted_by_schedule(compiled, plan.pipeline)
     return verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
 
 
