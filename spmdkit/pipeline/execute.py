@@ -866,13 +866,20 @@ def _value(loss: Any, outs: list | None) -> Any:
 
 def _pre_all(sp: SplitLoss, micro: Any, r_leaves: list) -> Callable:
     """``params → ((xs, shared), per)``: the pre part for every micro-batch."""
+    m = jax.tree.leaves(micro)[0].shape[0]
 
     def pre_one(pl: list, mb: Any) -> tuple:
         xs, shared, per = sp.pre([*pl, *jax.tree.leaves(mb), *r_leaves])
         return (xs, shared), per
 
     def pre_all(pl: list) -> tuple:
-        return jax.vmap(pre_one, in_axes=(None, 0), out_axes=((None, None), 0))(pl, micro)
+        # once per micro-batch, unrolled rather than vmapped: an spmdkit op (the
+        # embedding) stays the planned region instead of a batched plain gather
+        # (which XLA partitions with a permute of a vocab-sharded table), and a
+        # weight's reshard is shared by the copies, as XLA shares it
+        outs = [pre_one(pl, jax.tree.map(lambda x, i=i: x[i], micro)) for i in range(m)]
+        per = [jnp.stack(vals) for vals in zip(*(o[1] for o in outs), strict=True)]
+        return outs[0][0], per
 
     return pre_all
 

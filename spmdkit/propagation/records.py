@@ -260,6 +260,9 @@ class Recorder:
         self.held: dict = {}
         self.numbers = ValueNumbers(values)
         self.shared: collections.Counter = collections.Counter()
+        # partially manual shard_maps' operand layouts on their automatic axes, by
+        # manual axes (:meth:`_operand_layouts`)
+        self.manual_layouts: dict[frozenset, dict[tuple, int]] = {}
 
     def record(self, step: Step, index: int, at: int | None = None, scope: Any = None) -> EqnRecord:
         """The record of one step (``at``: the top-level index it runs at;
@@ -375,7 +378,9 @@ class Recorder:
     def _operand_layouts(self, params: dict, req: Sequence[TensorSpec]) -> dict[tuple, int]:
         """A partially manual ``shard_map``'s operands, by their shape inside the
         body (leading 1s dropped): how many devices of the axes left automatic
-        split each (its layout there is the outer one, see the engine)."""
+        split each (its layout there is the outer one, see the engine); then
+        those of the earlier ``shard_map``s manual over the same axes (a
+        forward's, for its transpose, whose operands are residuals)."""
         manual = manual_axes(params)
         sizes = axis_sizes(self.mesh)
         if not manual or manual >= set(sizes):
@@ -387,7 +392,12 @@ class Recorder:
                 for n, entry in zip(spec.shape, spec.dims, strict=True)
             )
             split = math.prod(sizes[a] for entry in spec.dims for a in entry if a not in manual)
-            out.setdefault(_squeezed(local), split)
+            if split > 1:  # a replicated one of the same shape does not hide it
+                out.setdefault(_squeezed(local), split)
+        earlier = self.manual_layouts.setdefault(manual, {})
+        for shape, split in earlier.items():
+            out.setdefault(shape, split)
+        earlier.update(out)
         return out
 
     def _manual_collectives(self, jaxpr: Any, layouts: dict[tuple, int]) -> list[ArgReshard]:

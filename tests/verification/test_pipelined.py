@@ -86,26 +86,27 @@ def test_branch_collectives_count_as_the_schedule_runs_them():
 
 #: megatron stages: the model axis automatic inside the pipeline (tensor parallel)
 _TP_CASES = [
-    ("gpt", {"pipe": 2, "model": 4}, "1f1b", None),
-    ("gpt", {"pipe": 2, "model": 4}, "interleaved", None),
-    # the vocab-parallel embedding, batched over the micro-batches outside the
-    # pipeline, gets a collective permute of its table from XLA that is not predicted
-    ("llama", {"pipe": 2, "data": 2, "model": 2}, "fthenb", "collective_permute"),
+    ("gpt", {"pipe": 2, "model": 4}, "1f1b"),
+    ("gpt", {"pipe": 2, "model": 4}, "interleaved"),
+    ("llama", {"pipe": 2, "data": 2, "model": 2}, "gpipe"),
+    ("moe", {"pipe": 2, "data": 2, "model": 2}, "fthenb"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "axes", "schedule", "unpredicted"), _TP_CASES)
-def test_tensor_parallel_stages_verify(name, axes, schedule, unpredicted):
+@pytest.mark.parametrize(("name", "axes", "schedule"), _TP_CASES)
+def test_tensor_parallel_stages_verify(name, axes, schedule):
     """The stages' collectives over the automatic model axis (read off the
-    unpipelined step's layer scans), their residuals at the plan's layouts, and
-    the compiled branches counted by the schedule."""
+    unpipelined step's layer scans), their residuals at the plan's layouts, the
+    stage gradients' sums at their layouts, and the compiled branches counted by
+    the schedule: every collective kind within ±10%, the peak within ±20%."""
     info = describe(get_model(name), config="tiny_pipe", batch_size=16)
     v = 2 if schedule == "interleaved" else 1
-    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule, virtual=v)
+    pipe = Pipeline(
+        stages=2, microbatches=4, schedule=schedule, virtual=v, local_statistics=name == "moe"
+    )
     plan = sk.plan(info, sk.make_mesh(**axes), "megatron", pipeline=pipe)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
     rows = plan.verify(step, info.abstract_params, info.batch).rows
-    bad = [r for r in rows if not r[3] and r[0] != unpredicted]
-    assert not bad, rows
+    assert all(r[3] for r in rows), rows
     assert dict((r[0], r[1]) for r in rows)["all_reduce"] > 0
