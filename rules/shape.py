@@ -1,5 +1,5 @@
 """Shape ops: reshape, transpose, broadcast_in_dim, squeeze, expand_dims, concatenate,
-split, slice, dynamic_slice, dynamic_update_slice, gather, take_along_axis, pad.
+stack, split, slice, dynamic_slice, dynamic_update_slice, gather, take_along_axis, pad.
 
 Op names and attributes are those of the ``jax.lax`` primitives (what a jaxpr
 equation carries in ``eqn.params``), so a planner can map an equation to its rule
@@ -793,6 +793,24 @@ def _concatenate(*xs: jax.Array, dimension: Any, **_: Any) -> jax.Array:
     return lax.concatenate(xs, int(dimension))
 
 
+def _stack_map(shapes: Any, *, axis: Any, **_: Any) -> DimMap:
+    """``jnp.stack`` (jax's ``stack`` primitive): operands of one shape, a new dim of
+    their count at ``axis`` (replicated: each operand is one slice of it)."""
+    op = "stack"
+    if not shapes or any(tuple(s) != tuple(shapes[0]) for s in shapes):
+        raise _err(op, "one or more operands of one shape", str(shapes), "stack equal shapes")
+    shape = tuple(shapes[0])
+    d = _dim(op, "axis", axis, len(shape) + 1)
+    f = _names("d", shape)
+    out_f = (*f[:d], None, *f[d:])
+    out_s = (*shape[:d], len(shapes), *shape[d:])
+    return DimMap(tuple(tuple(f) for _ in shapes), (out_f,), (out_s,), (True,) * len(shapes))
+
+
+def _stack(*xs: jax.Array, axis: Any, **_: Any) -> jax.Array:
+    return jnp.stack(xs, int(axis))
+
+
 def _split_map(shapes: Any, *, sizes: Any, axis: Any, **_: Any) -> DimMap:
     (shape,) = shapes
     d = _dim("split", "axis", axis, len(shape))
@@ -1242,6 +1260,14 @@ RULES = (
         impl=_split,
         examples=(_example(((6, 8),), attrs={"sizes": (2, 6), "axis": 1}),),
         doc="split dim replicated; other dims keep sharding in every piece",
+    ),
+    MapRule(
+        "stack",
+        _stack_map,
+        impl=_stack,
+        examples=(_example(((6, 4), (6, 4), (6, 4)), attrs={"axis": 1}),),
+        doc="jnp.stack: the new dim replicated; the operands' dims merge; partials pass "
+        "when all operands carry them",
     ),
     MapRule(
         "squeeze",
