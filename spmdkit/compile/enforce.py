@@ -76,7 +76,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from spmdkit.propagation.graph import Graph, Node
+from spmdkit.propagation.graph import Graph, Node, manual_axes
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.records import Propagation
 from spmdkit.region import REGIONS, region_program
@@ -116,14 +116,10 @@ def _partly_manual(node: Node, mesh: Any) -> bool:
     size > 1 but not all of them."""
     if node.prim != "shard_map":
         return False
-    params = node.eqn.params
-    manual = next(
-        (params[k] for k in ("newly_manual_axes", "manual_axes", "axis_names") if params.get(k)),
-        None,
-    )
-    if manual is None:
+    manual = manual_axes(node.eqn.params)
+    if not manual:
         return False
-    others = {a for a, n in dict(mesh.shape).items() if n > 1} - set(manual)
+    others = {a for a, n in dict(mesh.shape).items() if n > 1} - manual
     return bool(others)
 
 

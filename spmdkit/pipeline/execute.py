@@ -90,9 +90,6 @@ class PipelineFacts:
       head_bytes: the head and loss's residuals for one micro-batch (``H``).
       batch_axes: the mesh axes the pipeline's ``shard_map`` makes manual besides
         the pipe axis (the batch rows' axes: :func:`pipelined_value_and_grad`).
-      rows_mixed: a layer equation that combines a micro-batch's rows, computed
-        over each device's rows (``Pipeline.local_statistics``;
-        :func:`~spmdkit.pipeline.rows.mixed_rows`), else empty.
       loss_fn, args: the loss the pipeline runs and its arguments' shapes
         (params, batch, rest): the unpipelined step, whose layer scans
         ``plan.verify`` prices the stages' collectives from.
@@ -104,7 +101,6 @@ class PipelineFacts:
     residual_bytes: int
     head_bytes: int
     batch_axes: tuple[str, ...] = ()
-    rows_mixed: str = ""
     loss_fn: Callable | None = field(default=None, compare=False)
     args: tuple = field(default=(), compare=False)
     layers: int = 0
@@ -829,8 +825,8 @@ def pipelined_value_and_grad(
             )
             seen.append(
                 PipelineFacts(
-                    pipe, *sizes, batch_axes=lay.batch, rows_mixed=mixed,
-                    loss_fn=loss_fn, args=tuple(shapes), layers=sp.layers,
+                    pipe, *sizes, batch_axes=lay.batch, loss_fn=loss_fn,
+                    args=tuple(shapes), layers=sp.layers,
                 )
             )  # fmt: skip
         if not _rows_apart(sp, lay):
