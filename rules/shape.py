@@ -811,6 +811,22 @@ def _stack(*xs: jax.Array, axis: Any, **_: Any) -> jax.Array:
     return jnp.stack(xs, int(axis))
 
 
+def _unstack_map(shapes: Any, *, axis: Any, **_: Any) -> DimMap:
+    """``lax.unstack`` (the transpose of ``stack``): one output per slice of the
+    operand's dim ``axis``, which is dropped (replicated: each output is one slice)."""
+    (shape,) = shapes
+    d = _dim("unstack", "axis", axis, len(shape))
+    f = _names("d", shape)
+    out_f = (*f[:d], *f[d + 1 :])
+    out_s = (*shape[:d], *shape[d + 1 :])
+    f[d] = None
+    return DimMap((tuple(f),), tuple(out_f for _ in range(shape[d])), (out_s,) * shape[d], (True,))
+
+
+def _unstack(x: jax.Array, *, axis: Any, **_: Any) -> tuple[jax.Array, ...]:
+    return tuple(lax.unstack(x, axis=int(axis)))
+
+
 def _split_map(shapes: Any, *, sizes: Any, axis: Any, **_: Any) -> DimMap:
     (shape,) = shapes
     d = _dim("split", "axis", axis, len(shape))
@@ -1268,6 +1284,14 @@ RULES = (
         examples=(_example(((6, 4), (6, 4), (6, 4)), attrs={"axis": 1}),),
         doc="jnp.stack: the new dim replicated; the operands' dims merge; partials pass "
         "when all operands carry them",
+    ),
+    MapRule(
+        "unstack",
+        _unstack_map,
+        impl=_unstack,
+        examples=(_example(((6, 3, 4),), attrs={"axis": 1}),),
+        doc="the transpose of stack: the unstacked dim replicated; the others keep "
+        "their sharding in every output",
     ),
     MapRule(
         "squeeze",

@@ -237,6 +237,7 @@ _AT_32_64 = {
     "broadcast_in_dim": [_ex(((32, 1),), {"shape": (2, 32, 64), "broadcast_dimensions": (1, 2)})],
     "concatenate": [_ex(((32, 64), (32, 32)), {"dimension": 1})],
     "stack": [_ex(((32, 64), (32, 64)), {"axis": 1})],
+    "unstack": [_ex(((32, 2, 64),), {"axis": 1})],
     "dynamic_slice": [_ex(((32, 64), (), ()), {"slice_sizes": (32, 16)}, **_IDX)],
     "dynamic_update_slice": [
         _ex(
