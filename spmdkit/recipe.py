@@ -498,7 +498,8 @@ def value_and_grad(
             )
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
         batch_axes = tuple(getattr(recipe, "activation", {}).get("batch", ()))
-        vg = _pipelined(cast_loss, pipe, (recipe.sharding_mesh, batch_axes), has_aux)
+        where = (recipe.sharding_mesh, batch_axes, _plan_layouts(recipe))
+        vg = _pipelined(cast_loss, pipe, where, has_aux)
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
         seen = _SEEN.get()
@@ -514,6 +515,12 @@ def value_and_grad(
 
     grad_fn.recipe = rcp  # type: ignore[attr-defined]
     return functools.wraps(loss_fn)(grad_fn)
+
+
+def _plan_layouts(plan: Any) -> Callable[[Any], tuple[Any, Any]]:
+    """``params -> (param specs, grad specs)`` of a plan (what the pipeline takes
+    as given at its inputs and reduce-scatters its gradients to)."""
+    return lambda params: (plan.param_specs(params), plan.grad_specs(params))
 
 
 def _pipelined(loss: Callable, pipe: Any, where: tuple, has_aux: bool) -> Callable:

@@ -8,7 +8,7 @@ when ``plan.pipeline`` is set):
    The batch's leaves are split on their leading dim into ``m`` micro-batches
    (micro-batch ``i`` takes rows ``i, i + m, ...``, so a batch sharded on that
    dim stays put); the *pre* part (embedding) runs for every micro-batch
-   outside the pipeline (``vmap``), differentiated with ``jax.vjp``.
+   outside the pipeline (unrolled), differentiated with ``jax.vjp``.
 2. The layer stack runs under ``jax.shard_map`` manual over the pipe axis and
    the batch's axes (``batch_axes``: a device computes its own rows of each
    micro-batch, with its stages' weights gathered over those axes once, at the
@@ -16,7 +16,9 @@ when ``plan.pipeline`` is set):
    laid out as the plan says). Every gradient is accumulated locally over the
    micro-batches and summed over the batch axes once, at the end of the step
    (the embedding's, from the rows' cotangents, in a second shard_map over the
-   batch axes: :func:`_rows_grad`). Each device
+   batch axes: :func:`_rows_grad`): reduce-scattered to the plan's gradient
+   layout where it splits the weight over batch axes (FSDP, ZeRO-2:
+   :func:`weight_splits`), all-reduced where it replicates it. Each device
    holds its chunks' stacked weights (``L / (p·v)`` layers per chunk, chunk
    ``c`` on device ``c mod p``; with ``v > 1`` the layer dim is regrouped into
    that order inside the step). A ``lax.scan`` over the schedule's ticks runs,
@@ -48,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +77,7 @@ __all__ = [
     "pipelines_traced",
     "residual_probe",
     "split_microbatches",
+    "weight_splits",
 ]
 
 
@@ -282,16 +285,32 @@ def _chunk(xs_l: list, j: Any, v: int) -> list:
     return [x[0] if v == 1 else x[j] for x in xs_l]
 
 
+#: How a weight is split over the batch axes: per dim of the parameter it is
+#: (a cast of), the batch axes that split it, ``((dim, axes), ...)``.
+Split = tuple[tuple[int, tuple[str, ...]], ...]
+
+
 @dataclass(frozen=True)
 class _Manual:
     """The pipeline ``shard_map``'s manual axes: the pipe axis and the batch axes
-    (``batch``, ``shards`` devices in all), and which per-micro-batch values are
-    split over the latter on their row dim (``rows``)."""
+    (``batch``, ``shards`` devices in all), which per-micro-batch values are
+    split over the latter on their row dim (``rows``), how the stacked weights
+    enter split over them (``xs_in``: gathered inside, once per step; GPipe's,
+    whose gradients autodiff transposes from that gather), and how
+    their gradients and the shared weights' leave (``xs_out``, ``sh_out``:
+    reduce-scattered to those splits), as the plan lays them out
+    (:func:`weight_splits`); empty: replicated over the batch axes. The shared
+    weights enter replicated: XLA gathers them at the input, the same gather as
+    the embedding's or the head's outside the pipeline (one all-gather, where
+    one inside would be a second that propagation would price apart)."""
 
     axis: str
     batch: tuple[str, ...] = ()
     shards: int = 1
     rows: tuple[bool, ...] = ()
+    xs_in: tuple[Split, ...] = ()
+    xs_out: tuple[Split, ...] = ()
+    sh_out: tuple[Split, ...] = ()
 
     @property
     def every(self) -> tuple[str, ...]:
@@ -299,6 +318,83 @@ class _Manual:
 
     def per_spec(self, row: bool) -> P:
         return P(None, self.batch) if row and self.batch else P()
+
+    def xs_spec(self, split: Split) -> P:
+        """A stacked weight's spec, regrouped ``[p, v, L/(p·v), ...]``."""
+        return _split_spec((self.axis, None, None), split, skip=1)
+
+    def reduce(self, g: Any, split: Split, offset: int, extra: tuple[str, ...] = ()) -> Any:
+        """A gradient summed over the batch axes (and ``extra``): reduce-scattered
+        over the axes of ``split`` (its dims shifted by ``offset``), all-reduced
+        over the others."""
+        for d, axes in split:
+            g = jax.lax.psum_scatter(g, axes, scatter_dimension=d + offset, tiled=True)
+        done = {a for _, axes in split for a in axes}
+        rest = (*extra, *(a for a in self.batch if a not in done))
+        return jax.lax.psum(g, rest) if rest else g
+
+
+def _split_spec(lead: tuple, split: Split, skip: int = 0) -> P:
+    """``lead``, then per dim of the value from ``skip`` on, the axes splitting it."""
+    if not split:
+        return P(*lead)
+    entries: list = [None] * (max(d for d, _ in split) + 1)
+    for d, axes in split:
+        entries[d] = axes
+    return P(*lead, *entries[skip:])
+
+
+def _gather(x: Any, split: Split, offset: int) -> Any:
+    """A device's split of a weight gathered whole (dims shifted by ``offset``)."""
+    for d, axes in split:
+        x = jax.lax.all_gather(x, axes, axis=d + offset, tiled=True)
+    return x
+
+
+#: Primitives a weight may pass through between its parameter and the layer
+#: scan keeping the parameter's layout (the compute-dtype cast).
+_SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
+
+
+def _split_of(spec: Any, shape: tuple, batch: tuple[str, ...], sizes: dict, skip: int) -> Split:
+    """The dims (from ``skip`` on) of a value laid out as ``spec`` that the batch
+    axes split major-most, where they divide it (the part of the layout a
+    ``shard_map`` manual over those axes can take as given)."""
+    out = []
+    for d, entry in enumerate(tuple(spec or ())):
+        if d < skip or entry is None or d >= len(shape):
+            continue
+        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        k = 0
+        while k < len(axes) and axes[k] in batch:
+            k += 1
+        n = int(np.prod([sizes[a] for a in axes[:k]]))
+        if k and shape[d] % n == 0:
+            out.append((d, axes[:k]))
+    return tuple(out)
+
+
+def weight_splits(
+    sp: SplitLoss, specs: list | None, batch: tuple[str, ...], sizes: dict
+) -> tuple[tuple[Split, ...], tuple[Split, ...]]:
+    """Per stacked weight and per shared value of ``sp``: how the parameter it
+    is (or is a cast of) is split over the batch axes by ``specs`` (the
+    parameters' ``PartitionSpec`` leaves). A value computed otherwise, or
+    with no specs or batch axes, is taken replicated (``()``)."""
+    if not specs or not batch:
+        return (), ()
+    jaxpr = sp.closed.jaxpr
+    made = {o: e for e in jaxpr.eqns[: sp.index] for o in e.outvars}
+    leaf = {v: i for i, v in enumerate(jaxpr.invars[: sp.n_params])}
+
+    def split(v: Any, skip: int) -> Split:
+        while v not in leaf and v in made and made[v].primitive.name in _SAME_LAYOUT:
+            v = made[v].invars[0]
+        if isinstance(v, jex.Literal) or v not in leaf:
+            return ()
+        return _split_of(specs[leaf[v]], tuple(v.aval.shape), batch, sizes, skip)
+
+    return tuple(split(v, 1) for v in sp.xs), tuple(split(v, 0) for v in sp.shared)
 
 
 def _outputs(ctx: _Ctx, pipe: Pipeline) -> list:
@@ -324,9 +420,13 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> 
     axis = lay.axis
 
     def body(xs_local: list, shared: list, per: list) -> Any:
+        # the stacked weights gathered over the batch axes (their gradients,
+        # autodiff's transpose of it: reduce-scattered)
         ctx = _Ctx(sp, pipe, shared, per, lay.shards)
         d = jax.lax.axis_index(axis)
-        xs_l = [x[0] for x in xs_local]
+        xs_l = [
+            _gather(x[0], s, 1) for x, s in zip(xs_local, lay.xs_in or _none(xs_local), strict=True)
+        ]
         shapes = [ctx.per[v][0] for v in ctx.carry]
         inbox = [jnp.zeros((tables.n_inbox_f + 1, *s.shape), s.dtype) for s in shapes]
         loss_dtype = ctx.sp.closed.out_avals[0].dtype
@@ -541,7 +641,9 @@ def _explicit_body(
     def body(xs_local: list, shared: list, per: list) -> tuple:
         ctx = _Ctx(sp, pipe, shared, per, lay.shards)
         d = jax.lax.axis_index(axis)
-        xs_l = [x[0] for x in xs_local]
+        xs_l = [
+            _gather(x[0], s, 1) for x, s in zip(xs_local, lay.xs_in or _none(xs_local), strict=True)
+        ]
         probe = _Probe()
         carry = [ctx.per[v][0] for v in ctx.carry]
         state = {
@@ -593,14 +695,20 @@ def _explicit_body(
         for start, stop, sf, sb in tables.segments():
             state, _ = jax.lax.scan(make_tick(sf, sb), state, tab[start:stop])
         # every gradient is reduced here, once per step: the weights' over the batch
-        # axes (accumulated locally over the micro-batches until now)
+        # axes (accumulated locally over the micro-batches until now), reduce-
+        # scattered to the plan's split of them
         psum = lambda x, axes=lay.every: jax.lax.psum(x, axes)  # noqa: E731
-        g_xs = [(psum(g, lay.batch) if lay.batch else g)[None] for g in state["g_xs"]]
+        xs_out = [s for s, x in zip(lay.xs_out or _none(xs_l), xs_l, strict=True) if _float(x)]
+        g_xs = [lay.reduce(g, s, 1)[None] for g, s in zip(state["g_xs"], xs_out, strict=True)]
+        sh_out = [
+            s for s, v in zip(lay.sh_out or _none(sp.shared), sp.shared, strict=True)
+            if v in ctx.dshared
+        ]  # fmt: skip
         rows = [r for r, v in zip(lay.rows, sp.per_mb, strict=True) if v in ctx.dper]
         return (
             psum(state["loss"]),
             g_xs,
-            [psum(g) for g in state["g_sh"]],
+            [lay.reduce(g, s, 0, (axis,)) for g, s in zip(state["g_sh"], sh_out, strict=True)],
             [
                 psum(g, (axis,) if r else lay.every)
                 for g, r in zip(state["g_mb"], rows, strict=True)
@@ -623,8 +731,16 @@ def _ungroup(g: Any) -> Any:
     return jnp.reshape(y, (y.shape[0] * y.shape[1] * y.shape[2], *y.shape[3:]))
 
 
+def _none(values: Any) -> tuple:
+    return ((),) * len(values)
+
+
 def _shard_map(body: Callable, lay: _Manual, mesh: Any, out_specs: Any, n: tuple) -> Callable:
-    in_specs = ([P(lay.axis)] * n[0], [P()] * n[1], [lay.per_spec(r) for r in lay.rows])
+    in_specs = (
+        [lay.xs_spec(s) for s in lay.xs_in or ((),) * n[0]],
+        [P()] * n[1],
+        [lay.per_spec(r) for r in lay.rows],
+    )
     return jax.shard_map(
         body,
         mesh=mesh,
@@ -671,7 +787,10 @@ def _run(
     tables = build_tables(sched)
     ctx_probe = [_float(x) for x in xs]
     mb_specs = [lay.per_spec(r) for r, x in zip(lay.rows, per, strict=True) if _float(x)]
-    out_specs = (P(), [P(pipe.axis)] * sum(ctx_probe), P(), mb_specs, carry_specs)
+    xs_out = [lay.xs_spec(s) for s, f in zip(lay.xs_out or _none(xs), ctx_probe, strict=True) if f]
+    sh_out = [_split_spec((), s) for s, x in zip(lay.sh_out or _none(shared), shared, strict=True)
+              if _float(x)]  # fmt: skip
+    out_specs = (P(), xs_out, sh_out, mb_specs, carry_specs)
     read_slot = all(size == 1 for name, size in mesh.shape.items() if name not in lay.every)
     body = _explicit_body(sp, pipe, tables, lay, read_slot=read_slot)
     loss, g_xs, g_sh, g_mb, outputs = _shard_map(body, lay, mesh, out_specs, n)(xs_g, shared, per)
@@ -744,6 +863,7 @@ def pipelined_value_and_grad(
     pipe: Pipeline,
     mesh: Any,
     batch_axes: tuple[str, ...] = (),
+    layouts: Callable[[Any], tuple[Any, Any]] | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
     """``jax.value_and_grad(loss_fn)`` with the layer stack pipelined (module docstring).
 
@@ -763,6 +883,13 @@ def pipelined_value_and_grad(
         rows needs ``pipe.local_statistics``. Other axes stay automatic (a
         tensor-parallel ``model`` axis, an expert axis: XLA partitions the
         stage over it).
+      layouts: ``layouts(params) -> (param specs, grad specs)``, trees like the
+        params of ``PartitionSpec`` (a plan's ``param_specs`` and ``grad_specs``).
+        A weight the specs split over batch axes (FSDP, ZeRO-2) enters the
+        pipeline split and is gathered inside, once per step, and its gradient
+        leaves reduce-scattered to its grad spec (rather than all-reduced and
+        sliced: half the bytes). ``None``: weights enter replicated over the
+        batch axes and their gradients are all-reduced.
 
     The loss is the mean of the micro-batches' losses, each micro-batch running
     the whole loss, as ``sk.value_and_grad``'s micro-batches do: a value the
@@ -797,7 +924,18 @@ def pipelined_value_and_grad(
         run_mesh = _mesh(mesh, pipe.axis)
         axes, shards = _batch_axes(run_mesh, pipe, batch_axes)
         local = sp if shards == 1 else split_loss(loss_fn, params, _local_rows(one, shards), rest)
-        lay = _Manual(pipe.axis, axes, shards, _row_split(sp, local, shards))
+        p_specs, g_specs = layouts(params) if layouts and axes else (None, None)
+        on = dict(run_mesh.shape)
+        leaves = jax.tree.leaves
+        # GPipe's gradients are autodiff's transpose of its shard_map: its stacked
+        # weights enter split and are gathered inside, so theirs are reduce-
+        # scattered. The explicit schedules reduce-scatter their accumulators
+        # themselves and take the weights gathered at the input (gathered
+        # inside, XLA keeps a second copy for the tick loops: +W on the peak)
+        split_in = p_specs if pipe.schedule == "gpipe" else None
+        xs_in, _ = weight_splits(sp, split_in and leaves(split_in, _is_spec), axes, on)
+        xs_out, sh_out = weight_splits(sp, g_specs and leaves(g_specs, _is_spec), axes, on)
+        lay = _Manual(pipe.axis, axes, shards, _row_split(sp, local, shards), xs_in, xs_out, sh_out)
         mixed = _rows_mixed(sp, lay)
         if mixed and not pipe.local_statistics:
             raise PipelineError(
@@ -840,7 +978,12 @@ def pipelined_value_and_grad(
         (xs, shared), pre_vjp = jax.vjp(lambda pl: pre_all(pl)[0], p_leaves)
         loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
         (g,) = pre_vjp((ct_xs, ct_sh))
-        g_rows = _rows_grad(local, lay, run_mesh, (p_leaves, micro, r_leaves), ct_per)
+        g_out = (
+            [_split_of(s, np.shape(x), axes, on, 0)
+             for s, x in zip(leaves(g_specs, _is_spec), p_leaves, strict=True)]
+            if g_specs else _none(p_leaves)
+        )  # fmt: skip
+        g_rows = _rows_grad(local, lay, run_mesh, (p_leaves, micro, r_leaves), ct_per, g_out)
         g = [a + b if _float(a) else a for a, b in zip(g, g_rows, strict=True)]
         return _value(loss, outs), jax.tree.unflatten(p_tree, g)
 
@@ -903,12 +1046,19 @@ def _rows_apart(sp: SplitLoss, lay: _Manual) -> bool:
     )
 
 
-def _rows_grad(local: SplitLoss, lay: _Manual, mesh: Any, args: tuple, ct_per: list) -> list:
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P) or x is None
+
+
+def _rows_grad(
+    local: SplitLoss, lay: _Manual, mesh: Any, args: tuple, ct_per: list, g_out: Sequence
+) -> list:
     """The parameters' gradient through the per-micro-batch values (the
     embedding's), under a ``shard_map`` manual over the batch axes: each device
     differentiates the pre part on its rows of every micro-batch (``local``: the
     loss split on those rows), summed over the micro-batches, then over the
-    batch axes once. Non-floating parameters get zeros."""
+    batch axes once (``g_out``: per parameter, the split over the batch axes
+    its gradient is reduce-scattered to). Non-floating parameters get zeros."""
     p_leaves, micro, r_leaves = args
     dper = [i for i, x in enumerate(ct_per) if _float(x)]
     b_leaves = jax.tree.leaves(micro)
@@ -933,15 +1083,15 @@ def _rows_grad(local: SplitLoss, lay: _Manual, mesh: Any, args: tuple, ct_per: l
 
         _, vjp = jax.vjp(pre_rows, [given[i] for i in dp])
         (g,) = vjp(cts)
-        return [jax.lax.psum(x, lay.batch) for x in g]
+        return [lay.reduce(x, g_out[i], 0) for i, x in zip(dp, g, strict=True)]
 
     rows = P(None, lay.batch)
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=([P()] * len(read), [rows] * len(b_leaves), [P()] * len(r_leaves),
-                  [rows] * len(dper)),
-        out_specs=[P()] * len(dp),
+        in_specs=([P()] * len(read), [rows] * len(b_leaves),
+                  [P()] * len(r_leaves), [rows] * len(dper)),
+        out_specs=[_split_spec((), g_out[i]) for i in dp],
         axis_names=frozenset(lay.batch),
         check_vma=False,
     )  # fmt: skip

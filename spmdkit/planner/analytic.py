@@ -230,7 +230,7 @@ class CostContext:
         (:mod:`spmdkit.pipeline.execute`): a group's weights are gathered over
         their FSDP axes once per step, at the pipeline's input, and held for the
         step; their gradients accumulate at that full size over the
-        micro-batches and are all-reduced over those axes once, at the end.
+        micro-batches and are reduce-scattered over those axes once, at the end.
         Neither collective overlaps the ticks. False: gathered and
         reduce-scattered once per micro-batch, overlapped (the unpipelined step).
       memo: ``(group, layout, batch axes, seq axes, recipe levers)`` → :class:`GroupCost`.
@@ -445,7 +445,7 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
     colls: list[_Coll] = []
     if sp.fsdp and ctx.gather_once:
         colls.append(_coll(ctx, "all_gather", wire * n_fsdp, sp.fsdp))
-        colls.append(_coll(ctx, "all_reduce", wire * n_fsdp, sp.fsdp))
+        colls.append(_coll(ctx, "reduce_scatter", wire * n_fsdp, sp.fsdp))
     elif sp.fsdp:
         colls.append(_coll(ctx, "all_gather", wire * n_fsdp, sp.fsdp, hidden=True, times=m))
         colls.append(_coll(ctx, "reduce_scatter", wire * n_fsdp, sp.fsdp, hidden=True, times=m))

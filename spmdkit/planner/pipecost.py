@@ -23,7 +23,7 @@ such a candidate with the per-group model of :mod:`spmdkit.planner.analytic`:
   ``m`` micro-batches and FSDP as the executor runs it
   (:attr:`~spmdkit.planner.analytic.CostContext.gather_once`): the stage's
   weights gathered over their FSDP axes once per step and held, their gradients
-  accumulated at full size and all-reduced once (neither overlapped). The
+  accumulated at full size and reduce-scattered once (neither overlapped). The
   parameters outside the stack are priced the same way (the head runs inside the
   pipeline; the embedding, which runs before it, is over-counted).
 - **Stage imbalance**: the first stage adds the embedding's work, the last the

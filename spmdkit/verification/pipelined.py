@@ -122,6 +122,10 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         # through the step (propagation sees the shard_map's operands and results
         # at the plan's size)
         extra += 2 * pipe.virtual * (gathered - chunk_weight_bytes(plan))
+        # the gradients' accumulators are whole over the batch axes until the
+        # step's end reduce-scatters them (propagation counts the shard_map's
+        # results at their out_specs' size)
+        extra += _scattered_outputs(traced.jaxpr, pipe.axis, mesh_sizes, facts.batch_axes)
         for kind, b in stage_collectives(plan, facts).items():
             comm[kind] = comm.get(kind, 0) + int(b)
         if residual_outputs(pipe):
@@ -166,6 +170,56 @@ def _propagated_permutes(jaxpr: Any, axis: str, inside: bool = False) -> int:
                 if hasattr(inner, "eqns"):
                     total += _propagated_permutes(inner, axis)
     return total
+
+
+def _scattered_outputs(
+    jaxpr: Any, axis: str, sizes: dict[str, int], batch: tuple[str, ...]
+) -> float:
+    """What the gradients that the pipeline's ``shard_map`` bodies over ``axis``
+    reduce-scatter over ``batch`` axes hold on one device before their scatter,
+    beyond their share after it (propagation counts the results at their
+    out_specs' size; the accumulators are whole until the step's end)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            if axis in manual_axes(eqn.params):
+                body = open_jaxpr(eqn.params["jaxpr"])[0]
+                scattered = _scatter_factors(body, sizes, batch)
+                for v, spec, k in zip(eqn.outvars, eqn.params["out_specs"], scattered, strict=True):
+                    named = [a for e in spec for a in ((e,) if isinstance(e, str) else e or ())]
+                    nbytes = math.prod(v.aval.shape) * v.aval.dtype.itemsize
+                    total += nbytes / math.prod(sizes[a] for a in named) * (k - 1)
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _scattered_outputs(inner, axis, sizes, batch)
+    return total
+
+
+#: Primitives between a ``psum_scatter`` and a body's result that keep its size.
+_PASS = frozenset({"broadcast_in_dim", "reshape", "psum", "convert_element_type", "squeeze"})
+
+
+def _scatter_factors(body: Any, sizes: dict[str, int], batch: tuple[str, ...]) -> list[int]:
+    """Per result of a ``shard_map`` body: the devices of the ``batch`` axes a
+    ``psum_scatter`` it comes from splits it over (1: none)."""
+    made = {o: e for e in body.eqns for o in e.outvars}
+    out = []
+    for res in body.outvars:
+        k, v = 1, res
+        while v in made:
+            e = made[v]
+            if e.primitive.name == "reduce_scatter":
+                axes = e.params["axis_name"]
+                axes = (axes,) if isinstance(axes, str) else tuple(axes)
+                k *= math.prod(sizes[a] for a in axes if a in batch)
+            elif e.primitive.name not in _PASS:
+                break
+            v = e.invars[0]
+        out.append(k)
+    return out
 
 
 def _propagated_outputs(jaxpr: Any, axis: str, sizes: dict[str, int]) -> list[float]:

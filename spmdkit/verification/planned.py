@@ -137,7 +137,7 @@ def as_on_cpu(prop: Propagation) -> Propagation:
     if not moved:
         return prop
     extra = unsliced_bytes(prop.records)
-    kept = 0
+    kept = manual_scatter_bytes(prop.records)
     program = prop.program
     for pins in program.specs.values() if program is not None else ():
         plan, runs = pins.fused, pins.runs
@@ -190,7 +190,7 @@ def promoted_on_cpu(prop: Propagation, on_cpu: Propagation | None = None) -> Pro
     elif scattered:
         # the enforced program's own (fused) reduce-scatters stay; the rest run as
         # all-reduces on CPU (as_on_cpu)
-        kept = 0
+        kept = manual_scatter_bytes(prop.records, promoted=True)
         for pins in prop.program.specs.values() if prop.program is not None else ():
             plan = pins.fused
             if plan is not None and plan.src.dtype in CPU_PROMOTED:
@@ -283,6 +283,26 @@ def unsliced_plan_bytes(plan: ReshardPlan, in_place: bool = False) -> int:
         else:
             first = None
     return extra
+
+
+def manual_scatter_bytes(
+    records: Iterable[EqnRecord], repeat: int = 1, *, promoted: bool = False
+) -> int:
+    """The reduce-scatter bytes of the ``psum_scatter`` calls that ``shard_map`` bodies
+    call (a pipeline's gradients: XLA runs them as written, on CPU too; loops
+    repeated). ``promoted``: only those of 16-bit floats (:data:`CPU_PROMOTED`)."""
+    total = 0
+    for r in records:
+        for a in r.reshards:
+            if not a.arg.endswith(" in shard_map"):
+                continue
+            if promoted and a.src.dtype not in CPU_PROMOTED:
+                continue
+            rs = [c.payload_bytes for c in a.plan.collectives if c.kind == "reduce_scatter"]
+            total += repeat * sum(rs)
+        if r.body:
+            total += manual_scatter_bytes(r.body, repeat * r.repeat, promoted=promoted)
+    return total
 
 
 def unsliced_bytes(records: Iterable[EqnRecord], repeat: int = 1) -> int:

@@ -9,12 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.flax.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, PipelineError, build_schedule
-from spmdkit.pipeline.execute import permute_count, pipelined_value_and_grad
+from spmdkit.pipeline.execute import (
+    _split_of,
+    permute_count,
+    pipelined_value_and_grad,
+    weight_splits,
+)
+from spmdkit.pipeline.split import split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.recipe import RecipeError
 from spmdkit.verification.compiled import report
@@ -436,3 +443,78 @@ def test_gradients_are_reduced_once_per_step_whatever_the_micro_batches(axes, st
     four, eight = (_collective_runs(axes, strategy, schedule, m) for m in (4, 8))
     assert four == eight
     assert four.get("all_reduce", 0) <= 4
+
+
+def _stage_gradient_bytes(strategy: str, schedule: str) -> tuple[dict, float]:
+    """Compiled collective bytes by kind of a pipelined llama step on pipe=2 x
+    data=4, and the stacked layer weights' bytes on one device of a stage."""
+    info, params, batch = _model("llama", 8)
+    ref = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+    pipe = Pipeline(stages=2, microbatches=2, schedule=schedule)
+    plan = sk.plan(info, sk.make_mesh(pipe=2, data=4), strategy, pipeline=pipe)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    _assert_equal(step(params, batch), ref)
+    by_kind: dict[str, float] = {}
+    for c in parse_collectives(step.compile(params, batch).as_text()):
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.payload_bytes
+    stacked = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) / 2
+    return by_kind, stacked
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_fsdp_stage_gradients_are_reduce_scattered(schedule):
+    """FSDP weights split over the batch axes: a stage's gradients leave the
+    pipeline reduce-scattered to the plan's layout (1F1B scatters its
+    accumulators itself; GPipe's are autodiff's transpose of gathering the weights
+    inside), not all-reduced and sliced (twice the bytes: main before). What
+    all-reduces remain are the embedding lookup's, the loss's, the head's and the
+    embedding cotangents' over the pipe axis (and GPipe's head gradients over
+    every device: its shared weights enter replicated)."""
+    by_kind, stacked = _stage_gradient_bytes("fsdp", schedule)
+    assert by_kind.get("reduce_scatter", 0) >= stacked
+    assert by_kind.get("all_reduce", 0) < 0.5 * stacked, by_kind
+
+
+def test_data_parallel_stage_gradients_are_all_reduced():
+    """Weights replicated over the batch axes (dp): their gradients are all-reduced."""
+    by_kind, stacked = _stage_gradient_bytes("dp", "1f1b")
+    assert by_kind.get("all_reduce", 0) >= stacked
+    assert by_kind.get("reduce_scatter", 0) < 0.1 * stacked, by_kind
+
+
+def test_weight_splits_take_the_batch_axes_a_spec_splits_major_most():
+    """What the pipeline takes as given of a weight's layout: per dim (the layer
+    dim skipped), the batch axes leading its entry, where they divide the dim."""
+    sizes = {"pipe": 2, "data": 2, "fsdp": 4, "model": 2}
+    batch = ("data", "fsdp")
+    spec = P("pipe", ("data", "fsdp"), "model")
+    assert _split_of(spec, (8, 16, 4), batch, sizes, 1) == ((1, ("data", "fsdp")),)
+    # a tensor-parallel axis leading the entry: the batch axes cannot be taken
+    assert _split_of(P(None, ("model", "data")), (8, 16), batch, sizes, 1) == ()
+    # the batch axes before an automatic one: taken, the automatic one left to XLA
+    assert _split_of(P(None, ("fsdp", "model")), (8, 16), batch, sizes, 1) == ((1, ("fsdp",)),)
+    # does not divide: replicated over the batch axes
+    assert _split_of(P(None, "fsdp"), (8, 6), batch, sizes, 1) == ()
+    # the layer dim is skipped for stacked weights, not for shared ones
+    assert _split_of(P("data", None), (8, 6), batch, sizes, 1) == ()
+    assert _split_of(P("data", None), (8, 6), batch, sizes, 0) == ((0, ("data",)),)
+
+
+def test_weight_splits_follow_a_cast_to_the_parameter():
+    """The stacked weights the layer scan reads are the bf16 casts of the fp32
+    parameters under a bf16 recipe: their split is the parameter's."""
+    info, params, batch = _model("llama", 8)
+    one = jax.tree.map(lambda x: x[:4], batch)
+    specs = jax.tree.map(lambda x: P(None, "data") if x.ndim > 1 else P(), params)
+    leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for cast in (None, jnp.bfloat16):
+
+        def loss(p, b, cast=cast):
+            return info.loss_fn(jax.tree.map(lambda x: x.astype(cast or x.dtype), p), b)
+
+        sp = split_loss(loss, params, one)
+        xs, _ = weight_splits(sp, leaves, ("data",), {"data": 2})
+        assert len(xs) == len(sp.xs)
+        for v, split in zip(sp.xs, xs, strict=True):
+            want = ((1, ("data",)),) if len(v.aval.shape) > 1 and v.aval.shape[1] % 2 == 0 else ()
+            assert split == want, (v.aval, split)
