@@ -76,6 +76,8 @@ __all__ = [
     "pipelined_value_and_grad",
     "pipelines_traced",
     "residual_probe",
+    "rows_combined",
+    "rows_error",
     "split_microbatches",
     "weight_splits",
 ]
@@ -938,16 +940,7 @@ def pipelined_value_and_grad(
         lay = _Manual(pipe.axis, axes, shards, _row_split(sp, local, shards), xs_in, xs_out, sh_out)
         mixed = _rows_mixed(sp, lay)
         if mixed and not pipe.local_statistics:
-            raise PipelineError(
-                op="pipeline",
-                must="with the batch split over other mesh axes too, each device runs "
-                "its stages on its own rows of a micro-batch, so no layer may combine rows",
-                given=f"a layer equation `{mixed}` (the batch over {axes}), e.g. a "
-                "mixture-of-experts router's load-balancing statistics",
-                fix="pass Pipeline(..., local_statistics=True) to compute it over each "
-                "device's rows (as Megatron-LM computes MoE load balancing per "
-                "data-parallel rank), or keep the batch off the other axes",
-            )
+            raise rows_error(mixed, axes, "pipeline")
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
         pre_all = _pre_all(sp, micro, r_leaves)
@@ -1021,6 +1014,47 @@ def _pre_all(sp: SplitLoss, micro: Any, r_leaves: list) -> Callable:
         return outs[0][0], per
 
     return pre_all
+
+
+def rows_error(equation: str, axes: tuple[str, ...], op: str) -> PipelineError:
+    """The typed error for a layer that combines a micro-batch's rows (``equation``)
+    in a pipeline with the batch over ``axes`` besides the pipe axis."""
+    return PipelineError(
+        op=op,
+        must="with the batch split over other mesh axes too, each device runs "
+        "its stages on its own rows of a micro-batch, so no layer may combine rows",
+        given=f"a layer equation `{equation}` (the batch over {axes}), e.g. a "
+        "mixture-of-experts router's load-balancing statistics",
+        fix="pass Pipeline(..., local_statistics=True) to compute it over each "
+        "device's rows (as Megatron-LM computes MoE load balancing per "
+        "data-parallel rank), or keep the batch off the other axes",
+    )
+
+
+def rows_combined(loss_fn: Callable[..., Any], params: Any, batch: Any, *rest: Any) -> str:
+    """The first equation of the loss's layer stack that combines a batch's rows
+    (:func:`~spmdkit.pipeline.rows.mixed_rows`), else ``""``: what a pipeline
+    with the batch over other mesh axes refuses unless ``local_statistics``
+    (the planner asks before it plans one). ``batch``: concrete or abstract,
+    with an even number of rows (else ``""``: its rows cannot be split).
+
+    Raises:
+      PipelineError: the loss has no layer scan, or its structure changes with
+        its rows (:func:`pipelined_value_and_grad`).
+
+    Example::
+
+        >>> rows_combined(moe.loss_fn, moe.abstract_params, moe.batch)
+        'reduce_sum over the rows'
+    """
+    first = jax.tree.leaves(batch)
+    rows = first[0].shape[0] if first and np.ndim(first[0]) else 0
+    if rows < 2 or rows % 2:
+        return ""
+    sp = split_loss(loss_fn, params, batch, rest)
+    local = split_loss(loss_fn, params, _local_rows(batch, 2), rest)
+    lay = _Manual("", ("rows",), 2, _row_split(sp, local, 2))
+    return _rows_mixed(sp, lay)
 
 
 def _rows_mixed(sp: SplitLoss, lay: _Manual) -> str:

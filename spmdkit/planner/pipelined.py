@@ -13,7 +13,10 @@
    ``d`` of the pipe axis holds layers ``[d·L/p, (d+1)·L/p)``; everything else
    is replicated over the pipe axis (the embedding and the head run outside the
    layer stack); the batch is laid out as on the smaller mesh, replicated over
-   the pipe axis; :attr:`~spmdkit.planner.plans.Plan.pipeline` is set.
+   the pipe axis; :attr:`~spmdkit.planner.plans.Plan.pipeline` is set. With the
+   batch over other axes, a layer that combines a micro-batch's rows (a MoE
+   router's statistics) is a typed error here, before anything compiles,
+   unless the pipeline asks for ``local_statistics``.
 
 With ``virtual > 1`` chunk ``c`` runs on device ``c mod p`` (round-robin);
 the executor (:mod:`spmdkit.pipeline.execute`) regroups the stored layers into
@@ -43,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.flax.model import ModelInfo
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
+from spmdkit.pipeline.execute import rows_combined, rows_error
 from spmdkit.planner.logical import LogicalRules, RulesLike
 from spmdkit.planner.plans import Plan
 from spmdkit.recipe import Recipe
@@ -246,7 +250,12 @@ def pipelined_plan(info: ModelInfo, mesh: MeshLike, pipe: Pipeline, base: Plan) 
         name: tuple(a for a in axes if a != PLACEHOLDER_AXIS)
         for name, axes in base.activation.items()
     }
-    _check_local_batch(info, pipe, math.prod(sizes[a] for a in activation.get("batch", ())))
+    batch = activation.get("batch", ())
+    _check_local_batch(info, pipe, math.prod(sizes[a] for a in batch))
+    if math.prod(sizes[a] for a in batch) > 1 and not pipe.local_statistics:
+        mixed = rows_combined(info.loss_fn, info.abstract_params, info.batch)
+        if mixed:
+            raise rows_error(mixed, batch, "plan(pipeline=...)")
     return replace(
         base,
         mesh=mesh,

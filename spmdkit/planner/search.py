@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.flax.model import ModelInfo, ParamInfo, describe, unbound_axis_error
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
+from spmdkit.pipeline.execute import rows_combined
 from spmdkit.planner.analytic import (
     CostContext,
     GroupCost,
@@ -814,6 +815,7 @@ class _Planner:
     budget: float
     estimator: str
     pipe_memos: dict = field(default_factory=dict)
+    _rows_mixed: str | None = None
 
     def at(self, recipe: Recipe) -> CostContext:
         """The cost context under ``recipe`` (sharing the memo)."""
@@ -1077,7 +1079,13 @@ class _Planner:
         ctx = replace(self.ctx, mesh=mesh, sizes=sizes, recipe=recipe, memo=self.pipe_memo(mesh))
         groups = stage_groups(self.groups, where, p)
         out = []
+        # a layer combining a micro-batch's rows (MoE's router statistics) runs
+        # pipelined only without batch axes, unless the request computes it per
+        # device's rows (the executor refuses it otherwise)
+        rows_apart = (request is not None and request.local_statistics) or not self.rows_mixed()
         for batch_ax in _batch_axis_choices(inner, trace.batch_size):
+            if math.prod(inner[a] for a in batch_ax) > 1 and not rows_apart:
+                continue
             local = trace.batch_size // math.prod(inner[a] for a in batch_ax)
             configs = pipeline_configs(p, trace.layers, local, request)
             if not configs:
@@ -1131,6 +1139,14 @@ class _Planner:
         cost2, i2, pipe2 = min(costed, key=lambda x: (*self.rank_cost(x[0], tight), x[1]))
         out = [(choice, cost, pipe)]
         return out if i2 == i else [*out, (choice, cost2, pipe2)]
+
+    def rows_mixed(self) -> str:
+        """The model's first layer equation that combines a batch's rows, else ``""``
+        (:func:`~spmdkit.pipeline.execute.rows_combined`; found once)."""
+        if self._rows_mixed is None:
+            info = self.info
+            self._rows_mixed = rows_combined(info.loss_fn, info.abstract_params, info.batch)
+        return self._rows_mixed
 
     def pipe_memo(self, mesh: MeshLike) -> dict:
         """The group-cost memo of one pipe mesh (shared by its recipes)."""

@@ -89,3 +89,15 @@ def test_not_a_pipeline_is_typed():
     with pytest.raises(PipelineError, match=r"spmdkit\.Pipeline"):
         sk.plan(get_model("llama"), sk.abstract_mesh(pipe=2), "dp", config="tiny_pipe",
                 pipeline={"stages": 2})  # fmt: skip
+
+
+def test_a_layer_combining_rows_is_refused_when_planned():
+    """A MoE router's statistics over a micro-batch's rows, with the batch over a
+    data axis beside the pipe axis: a typed error at plan time (not at sk.jit),
+    lifted by local_statistics; without batch axes the rows stay together."""
+    with pytest.raises(PipelineError, match=r"reduce_sum over the rows.*local_statistics=True"):
+        _plan("moe", "megatron", Pipeline(stages=2, microbatches=4), pipe=2, data=2, model=2)
+    pipe = Pipeline(stages=2, microbatches=4, local_statistics=True)
+    assert _plan("moe", "megatron", pipe, pipe=2, data=2, model=2).pipeline == pipe
+    p = _plan("moe", "megatron", Pipeline(stages=2, microbatches=4), pipe=2, model=4)
+    assert p.activation["batch"] == ()

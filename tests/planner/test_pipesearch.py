@@ -148,3 +148,16 @@ def test_an_auto_pipelined_plan_runs_and_equals_one_device() -> None:
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+
+
+def test_auto_pipelines_a_layer_combining_rows_only_without_batch_axes() -> None:
+    """MoE's router statistics combine a micro-batch's rows: auto costs its
+    pipelined candidates only with the batch off the other axes, unless the
+    requested pipeline computes them per device's rows (the executor refuses
+    them otherwise, and the plan would not run)."""
+    moe = describe(get_model("moe"), config="tiny_pipe", batch_size=16)
+    piped = [n for n, _ in _plan(moe, pipeline="auto").alternatives if "+pp" in n]
+    assert piped and all("batch=-" in n for n in piped), piped
+    asked = Pipeline(2, 4, "1f1b", local_statistics=True)
+    batched = [n for n, _ in _plan(moe, pipeline=asked).alternatives if "batch=-" not in n]
+    assert any("+pp" in n for n in batched)
