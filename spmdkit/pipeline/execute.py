@@ -70,6 +70,7 @@ __all__ = [
     "FORWARD_SCOPE",
     "HEAD_SCOPE",
     "PipelineFacts",
+    "batch_split",
     "branch_runs",
     "chunk_residuals",
     "permute_count",
@@ -358,10 +359,16 @@ def _gather(x: Any, split: Split, offset: int) -> Any:
 _SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
 
 
-def _split_of(spec: Any, shape: tuple, batch: tuple[str, ...], sizes: dict, skip: int) -> Split:
+def batch_split(spec: Any, shape: tuple, batch: tuple[str, ...], sizes: dict, skip: int) -> Split:
     """The dims (from ``skip`` on) of a value laid out as ``spec`` that the batch
     axes split major-most, where they divide it (the part of the layout a
-    ``shard_map`` manual over those axes can take as given)."""
+    ``shard_map`` manual over those axes can take as given).
+
+    Example::
+
+        >>> batch_split(P("pipe", ("data", "model")), (8, 16), ("data",), sizes, 1)
+        ((1, ('data',)),)
+    """
     out = []
     for d, entry in enumerate(tuple(spec or ())):
         if d < skip or entry is None or d >= len(shape):
@@ -394,7 +401,7 @@ def weight_splits(
             v = made[v].invars[0]
         if isinstance(v, jex.Literal) or v not in leaf:
             return ()
-        return _split_of(specs[leaf[v]], tuple(v.aval.shape), batch, sizes, skip)
+        return batch_split(specs[leaf[v]], tuple(v.aval.shape), batch, sizes, skip)
 
     return tuple(split(v, 1) for v in sp.xs), tuple(split(v, 0) for v in sp.shared)
 
@@ -696,29 +703,31 @@ def _explicit_body(
         tab = jnp.asarray(tables.stacked())
         for start, stop, sf, sb in tables.segments():
             state, _ = jax.lax.scan(make_tick(sf, sb), state, tab[start:stop])
-        # every gradient is reduced here, once per step: the weights' over the batch
-        # axes (accumulated locally over the micro-batches until now), reduce-
-        # scattered to the plan's split of them
-        psum = lambda x, axes=lay.every: jax.lax.psum(x, axes)  # noqa: E731
-        xs_out = [s for s, x in zip(lay.xs_out or _none(xs_l), xs_l, strict=True) if _float(x)]
-        g_xs = [lay.reduce(g, s, 1)[None] for g, s in zip(state["g_xs"], xs_out, strict=True)]
-        sh_out = [
-            s for s, v in zip(lay.sh_out or _none(sp.shared), sp.shared, strict=True)
-            if v in ctx.dshared
-        ]  # fmt: skip
-        rows = [r for r, v in zip(lay.rows, sp.per_mb, strict=True) if v in ctx.dper]
-        return (
-            psum(state["loss"]),
-            g_xs,
-            [lay.reduce(g, s, 0, (axis,)) for g, s in zip(state["g_sh"], sh_out, strict=True)],
-            [
-                psum(g, (axis,) if r else lay.every)
-                for g, r in zip(state["g_mb"], rows, strict=True)
-            ],
-            [psum(o, (axis,)) for o in state["outs"]],
-        )
+        return _reduced(ctx, lay, state, xs_l)
 
     return body
+
+
+def _reduced(ctx: _Ctx, lay: _Manual, state: dict, xs_l: list) -> tuple:
+    """The explicit schedules' results, every gradient reduced here, once per
+    step: the weights' over the batch axes (accumulated locally over the
+    micro-batches until now), reduce-scattered to the plan's split of them."""
+    sp, axis = ctx.sp, lay.axis
+    psum = lambda x, axes=lay.every: jax.lax.psum(x, axes)  # noqa: E731
+    xs_out = [s for s, x in zip(lay.xs_out or _none(xs_l), xs_l, strict=True) if _float(x)]
+    g_xs = [lay.reduce(g, s, 1)[None] for g, s in zip(state["g_xs"], xs_out, strict=True)]
+    sh_out = [
+        s for s, v in zip(lay.sh_out or _none(sp.shared), sp.shared, strict=True)
+        if v in ctx.dshared
+    ]  # fmt: skip
+    rows = [r for r, v in zip(lay.rows, sp.per_mb, strict=True) if v in ctx.dper]
+    return (
+        psum(state["loss"]),
+        g_xs,
+        [lay.reduce(g, s, 0, (axis,)) for g, s in zip(state["g_sh"], sh_out, strict=True)],
+        [psum(g, (axis,) if r else lay.every) for g, r in zip(state["g_mb"], rows, strict=True)],
+        [psum(o, (axis,)) for o in state["outs"]],
+    )
 
 
 def _regroup(x: Any, pipe: Pipeline) -> Any:
@@ -972,7 +981,7 @@ def pipelined_value_and_grad(
         loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
         (g,) = pre_vjp((ct_xs, ct_sh))
         g_out = (
-            [_split_of(s, np.shape(x), axes, on, 0)
+            [batch_split(s, np.shape(x), axes, on, 0)
              for s, x in zip(leaves(g_specs, _is_spec), p_leaves, strict=True)]
             if g_specs else _none(p_leaves)
         )  # fmt: skip

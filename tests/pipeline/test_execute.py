@@ -16,7 +16,7 @@ from spmdkit.flax.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.execute import (
-    _split_of,
+    batch_split,
     permute_count,
     pipelined_value_and_grad,
     weight_splits,
@@ -488,16 +488,16 @@ def test_weight_splits_take_the_batch_axes_a_spec_splits_major_most():
     sizes = {"pipe": 2, "data": 2, "fsdp": 4, "model": 2}
     batch = ("data", "fsdp")
     spec = P("pipe", ("data", "fsdp"), "model")
-    assert _split_of(spec, (8, 16, 4), batch, sizes, 1) == ((1, ("data", "fsdp")),)
+    assert batch_split(spec, (8, 16, 4), batch, sizes, 1) == ((1, ("data", "fsdp")),)
     # a tensor-parallel axis leading the entry: the batch axes cannot be taken
-    assert _split_of(P(None, ("model", "data")), (8, 16), batch, sizes, 1) == ()
+    assert batch_split(P(None, ("model", "data")), (8, 16), batch, sizes, 1) == ()
     # the batch axes before an automatic one: taken, the automatic one left to XLA
-    assert _split_of(P(None, ("fsdp", "model")), (8, 16), batch, sizes, 1) == ((1, ("fsdp",)),)
+    assert batch_split(P(None, ("fsdp", "model")), (8, 16), batch, sizes, 1) == ((1, ("fsdp",)),)
     # does not divide: replicated over the batch axes
-    assert _split_of(P(None, "fsdp"), (8, 6), batch, sizes, 1) == ()
+    assert batch_split(P(None, "fsdp"), (8, 6), batch, sizes, 1) == ()
     # the layer dim is skipped for stacked weights, not for shared ones
-    assert _split_of(P("data", None), (8, 6), batch, sizes, 1) == ()
-    assert _split_of(P("data", None), (8, 6), batch, sizes, 0) == ((0, ("data",)),)
+    assert batch_split(P("data", None), (8, 6), batch, sizes, 1) == ()
+    assert batch_split(P("data", None), (8, 6), batch, sizes, 0) == ((0, ("data",)),)
 
 
 def test_weight_splits_follow_a_cast_to_the_parameter():
