@@ -70,9 +70,11 @@ __all__ = [
     "FORWARD_SCOPE",
     "HEAD_SCOPE",
     "PipelineFacts",
+    "accumulator_dtype",
     "batch_split",
     "branch_runs",
     "chunk_residuals",
+    "param_sources",
     "permute_count",
     "pipelined_value_and_grad",
     "pipelines_traced",
@@ -383,6 +385,21 @@ def batch_split(spec: Any, shape: tuple, batch: tuple[str, ...], sizes: dict, sk
     return tuple(out)
 
 
+def param_sources(sp: SplitLoss) -> tuple[list[int | None], list[int | None]]:
+    """Per stacked weight and per shared value of ``sp``: the parameter leaf it is
+    (or is a cast of: ``convert_element_type``, ``copy``), else None."""
+    jaxpr = sp.closed.jaxpr
+    made = {o: e for e in jaxpr.eqns[: sp.index] for o in e.outvars}
+    leaf = {v: i for i, v in enumerate(jaxpr.invars[: sp.n_params])}
+
+    def source(v: Any) -> int | None:
+        while v not in leaf and v in made and made[v].primitive.name in _SAME_LAYOUT:
+            v = made[v].invars[0]
+        return None if isinstance(v, jex.Literal) else leaf.get(v)
+
+    return [source(v) for v in sp.xs], [source(v) for v in sp.shared]
+
+
 def weight_splits(
     sp: SplitLoss, specs: list | None, batch: tuple[str, ...], sizes: dict
 ) -> tuple[tuple[Split, ...], tuple[Split, ...]]:
@@ -392,18 +409,43 @@ def weight_splits(
     with no specs or batch axes, is taken replicated (``()``)."""
     if not specs or not batch:
         return (), ()
-    jaxpr = sp.closed.jaxpr
-    made = {o: e for e in jaxpr.eqns[: sp.index] for o in e.outvars}
-    leaf = {v: i for i, v in enumerate(jaxpr.invars[: sp.n_params])}
+    xs_src, sh_src = param_sources(sp)
 
-    def split(v: Any, skip: int) -> Split:
-        while v not in leaf and v in made and made[v].primitive.name in _SAME_LAYOUT:
-            v = made[v].invars[0]
-        if isinstance(v, jex.Literal) or v not in leaf:
+    def split(v: Any, i: int | None, skip: int) -> Split:
+        if i is None:
             return ()
-        return batch_split(specs[leaf[v]], tuple(v.aval.shape), batch, sizes, skip)
+        return batch_split(specs[i], tuple(v.aval.shape), batch, sizes, skip)
 
-    return tuple(split(v, 1) for v in sp.xs), tuple(split(v, 0) for v in sp.shared)
+    return (
+        tuple(split(v, i, 1) for v, i in zip(sp.xs, xs_src, strict=True)),
+        tuple(split(v, i, 0) for v, i in zip(sp.shared, sh_src, strict=True)),
+    )
+
+
+def accumulator_dtype(dtype: Any) -> np.dtype:
+    """The dtype a gradient of ``dtype`` accumulates in over the micro-batches
+    and is reduced in: float32 for narrower floats (bf16 compute: as Megatron-LM
+    accumulates and reduces fp32 main gradients), else ``dtype``."""
+    d = np.dtype(dtype)
+    narrow = jnp.issubdtype(d, jnp.floating) and d.itemsize < 4
+    return np.dtype(np.float32) if narrow else d
+
+
+def _direct(cts: list, vals: list, sources: list) -> tuple[list, dict[int, Any]]:
+    """Gradients accumulated wider than their values (:func:`accumulator_dtype`):
+    those of a (cast) parameter go to it directly, at that precision, and the
+    pre part's vjp gets zeros for them; the others are cast back for it."""
+    out, direct = [], {}
+    for ct, x, src in zip(cts, vals, sources, strict=True):
+        dtype = jnp.result_type(x)
+        if not _float(x) or jnp.result_type(ct) == dtype:
+            out.append(ct)
+        elif src is None:
+            out.append(ct.astype(dtype))
+        else:
+            out.append(jnp.zeros(np.shape(x), dtype))
+            direct[src] = direct[src] + ct if src in direct else ct
+    return out, direct
 
 
 def _outputs(ctx: _Ctx, pipe: Pipeline) -> list:
@@ -590,7 +632,7 @@ def _effects(
             # then reads them, so XLA cannot run several (unrolled) ticks'
             # branches before their additions and hold all their gradients
             "g_xs": [
-                g.at[row["local"]].add(x)
+                g.at[row["local"]].add(x.astype(g.dtype))
                 for g, x in zip(
                     state["g_xs"], [dw[k] for k, x in enumerate(w) if _float(x)], strict=True
                 )
@@ -630,7 +672,7 @@ def _apply(state: dict, eff: dict, row: dict) -> dict:
         "stash": _put(state["stash"], slot, eff["stash"]),
         "inbox_b": _put(state["inbox_b"], row["self_b"], eff["post_ct"]),
         "g_xs": eff["g_xs"],
-        "g_sh": [g + x for g, x in zip(state["g_sh"], eff["dsh"], strict=True)],
+        "g_sh": [g + x.astype(g.dtype) for g, x in zip(state["g_sh"], eff["dsh"], strict=True)],
         "g_mb": _add(state["g_mb"], row["mb"], eff["dmb"]),
         "loss": state["loss"] + eff["loss"],
     }
@@ -658,8 +700,11 @@ def _explicit_body(
         state = {
             "inbox_f": [jnp.zeros((tables.n_inbox_f + 1, *c.shape), c.dtype) for c in carry],
             "inbox_b": [jnp.zeros((tables.n_inbox_b + 1, *c.shape), c.dtype) for c in carry],
-            "g_xs": [jnp.zeros_like(x) for x in xs_l if _float(x)],
-            "g_sh": [jnp.zeros_like(ctx.sv[v]) for v in ctx.dshared],
+            # the weights' gradients accumulate in float32 under bf16 compute
+            "g_xs": [jnp.zeros(x.shape, accumulator_dtype(x.dtype)) for x in xs_l if _float(x)],
+            "g_sh": [
+                jnp.zeros(ctx.sv[v].shape, accumulator_dtype(ctx.sv[v].dtype)) for v in ctx.dshared
+            ],
             "g_mb": [jnp.zeros_like(ctx.per[v]) for v in ctx.dper],
             "loss": jnp.zeros((), sp.closed.out_avals[0].dtype),
             "outs": _outputs(ctx, pipe),
@@ -969,17 +1014,20 @@ def pipelined_value_and_grad(
                     args=tuple(shapes), layers=sp.layers,
                 )
             )  # fmt: skip
+        sources = param_sources(sp)
         if not _rows_apart(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
             loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
+            (ct_xs, ct_sh), direct = _routed((ct_xs, ct_sh), (xs, shared), sources)
             (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
-            return _value(loss, outs), jax.tree.unflatten(p_tree, g)
+            return _value(loss, outs), jax.tree.unflatten(p_tree, _plus(g, direct))
         # the embedding's gradient from the rows' cotangents: on each device's rows,
         # summed over the micro-batches, then over the batch axes once
         (_, per) = pre_all(p_leaves)
         (xs, shared), pre_vjp = jax.vjp(lambda pl: pre_all(pl)[0], p_leaves)
         loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
-        (g,) = pre_vjp((ct_xs, ct_sh))
+        (ct_xs, ct_sh), direct = _routed((ct_xs, ct_sh), (xs, shared), sources)
+        g = _plus(pre_vjp((ct_xs, ct_sh))[0], direct)
         g_out = (
             [batch_split(s, np.shape(x), axes, on, 0)
              for s, x in zip(leaves(g_specs, _is_spec), p_leaves, strict=True)]
@@ -990,6 +1038,22 @@ def pipelined_value_and_grad(
         return _value(loss, outs), jax.tree.unflatten(p_tree, g)
 
     return grad_fn
+
+
+def _routed(cts: tuple, vals: tuple, sources: tuple) -> tuple[tuple, dict[int, Any]]:
+    """:func:`_direct` over the stacked weights' and the shared values' gradients."""
+    (xs, d_xs), (sh, d_sh) = (_direct(*a) for a in zip(cts, vals, sources, strict=True))
+    for i, g in d_sh.items():
+        d_xs[i] = d_xs[i] + g if i in d_xs else g
+    return (xs, sh), d_xs
+
+
+def _plus(g: list, direct: dict[int, Any]) -> list:
+    """The pre part's parameter gradients plus those routed past it."""
+    g = list(g)
+    for i, x in direct.items():
+        g[i] = (g[i] + x).astype(g[i].dtype)
+    return g
 
 
 def _value(loss: Any, outs: list | None) -> Any:

@@ -62,6 +62,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
+from spmdkit.pipeline.execute import accumulator_dtype
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike
@@ -230,7 +231,8 @@ class CostContext:
         (:mod:`spmdkit.pipeline.execute`): a group's weights are gathered over
         their FSDP axes once per step, at the pipeline's input, and held for the
         step; their gradients accumulate at that full size over the
-        micro-batches and are reduce-scattered over those axes once, at the end.
+        micro-batches (in float32 under a narrower compute dtype) and are
+        reduce-scattered over those axes once, at the end.
         Neither collective overlaps the ticks. False: gathered and
         reduce-scattered once per micro-batch, overlapped (the unpipelined step).
       memo: ``(group, layout, batch axes, seq axes, recipe levers)`` → :class:`GroupCost`.
@@ -258,6 +260,13 @@ class CostContext:
         if self.peak_flops is not None:
             return (matmul_flops + attention_flops) / self.peak_flops
         return self.topology.compute_time(matmul_flops, attention_flops, dtype)
+
+    def accumulator_ratio(self, param_dtype: str) -> float:
+        """Bytes of a pipelined stage's gradient accumulator per byte of the param
+        (:func:`spmdkit.pipeline.execute.accumulator_dtype` of the compute dtype:
+        float32 under bf16 compute)."""
+        compute = np.dtype(self.recipe.compute_dtype or param_dtype)
+        return accumulator_dtype(compute).itemsize / np.dtype(param_dtype).itemsize
 
     def cast_ratio(self, param_dtype: str) -> float:
         """Bytes of the compute-dtype copy of a param per byte of the param."""
@@ -318,8 +327,11 @@ class GroupCost:
       cast: bytes of the compute-dtype copy of the local params.
       gathered: bytes the step holds beyond the local params and grads when the
         weights are gathered once and held (:attr:`CostContext.gather_once`):
-        the gathered weights and their full-size gradient accumulators, less the
-        local shares.
+        the gathered weights (compute dtype) and their full-size gradient
+        accumulators (:meth:`CostContext.accumulator_ratio`), less the local
+        shares.
+      accumulators: those full-size gradient accumulators' bytes (0 unless
+        :attr:`CostContext.gather_once`).
       offload_opt: optimizer-state bytes per device kept on the host.
       tp_shards: devices tensor parallelism splits this group's FLOPs over.
     """
@@ -335,6 +347,7 @@ class GroupCost:
     layer_compute_s: float = 0.0
     cast: float = 0.0
     gathered: float = 0.0
+    accumulators: float = 0.0
     offload_opt: float = 0.0
     tp_shards: int = 1
 
@@ -445,7 +458,9 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
     colls: list[_Coll] = []
     if sp.fsdp and ctx.gather_once:
         colls.append(_coll(ctx, "all_gather", wire * n_fsdp, sp.fsdp))
-        colls.append(_coll(ctx, "reduce_scatter", wire * n_fsdp, sp.fsdp))
+        # the accumulators, in float32 under a narrower compute dtype
+        acc = sp.local * ctx.accumulator_ratio(g.dtype)
+        colls.append(_coll(ctx, "reduce_scatter", acc * n_fsdp, sp.fsdp))
     elif sp.fsdp:
         colls.append(_coll(ctx, "all_gather", wire * n_fsdp, sp.fsdp, hidden=True, times=m))
         colls.append(_coll(ctx, "reduce_scatter", wire * n_fsdp, sp.fsdp, hidden=True, times=m))
@@ -515,9 +530,14 @@ def group_cost(
         layer_compute_s=compute_s if g.count > 1 or "layers" in logical else 0.0,
         cast=sp.local * g.count * ctx.cast_ratio(g.dtype) if recipe.compute_dtype else 0.0,
         gathered=(
-            2 * (n_fsdp - 1) * sp.local * g.count * ctx.cast_ratio(g.dtype)
+            ((n_fsdp - 1) * ctx.cast_ratio(g.dtype) + n_fsdp * ctx.accumulator_ratio(g.dtype) - 1)
+            * sp.local
+            * g.count
             if ctx.gather_once
             else 0.0
+        ),
+        accumulators=(
+            n_fsdp * sp.local * g.count * ctx.accumulator_ratio(g.dtype) if ctx.gather_once else 0.0
         ),
         offload_opt=opt if recipe.offload_opt else 0.0,
         tp_shards=n_tp if any(n in ("heads", "kv_heads") for n in logical) else 1,

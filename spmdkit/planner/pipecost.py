@@ -445,12 +445,15 @@ def pipeline_cost(
     held = total_cost(sctx, groups, choice, batch_axes, seq_axes)
     ends = [i for i, w in enumerate(split.where) if w != "layers"]
     ends_cost = total_cost(sctx, [groups[i] for i in ends], [choice[i] for i in ends], (), ())
-    wire = sctx.cast_ratio(groups[ends[0]].dtype) if ends else 1.0
+    # reduced as accumulated: in float32 under bf16 compute
+    wire = sctx.accumulator_ratio(groups[ends[0]].dtype) if ends else 1.0
     sync_bytes = ends_cost.memory["grads"] * wire
     act_scale, carry_scale = _per_microbatch(sctx, groups, choice, batch_axes, seq_axes)
     stack = [i for i, w in enumerate(split.where) if w == "layers"]
-    stack_cost = total_cost(
-        sctx, [groups[i] for i in stack], [choice[i] for i in stack], batch_axes, seq_axes
+    # a chunk's gradient accumulators as the executor holds them: whole over the
+    # FSDP axes, in float32 under bf16 compute (the switch copies them)
+    accumulators = sum(
+        group_cost(sctx, groups[i], choice[i], batch_axes, seq_axes).accumulators for i in stack
     )
     acts = activation_bytes(
         ctx.trace,
@@ -459,9 +462,7 @@ def pipeline_cost(
         recipe.save_names,
         act_scale,
         carry_scale,
-        # a chunk's weights as the executor holds them: gathered over the FSDP axes
-        chunk_weights=(stack_cost.memory["params"] + stack_cost.memory.get("gathered_stage", 0) / 2)
-        / pipe.virtual,
+        chunk_weights=accumulators / pipe.virtual,
     )
     stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))

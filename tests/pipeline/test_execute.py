@@ -518,3 +518,27 @@ def test_weight_splits_follow_a_cast_to_the_parameter():
         for v, split in zip(sp.xs, xs, strict=True):
             want = ((1, ("data",)),) if len(v.aval.shape) > 1 and v.aval.shape[1] % 2 == 0 else ()
             assert split == want, (v.aval, split)
+
+
+def test_bf16_stage_gradients_accumulate_in_float32():
+    """Under bf16 compute (fp32 master weights) the stages' gradients accumulate
+    over the micro-batches in float32 and reach the fp32 parameters without a
+    bf16 rounding, as sk.value_and_grad's micro-batches do (and Megatron-LM's
+    main gradients): on one pipe axis the two compute the same sums (main:
+    accumulated in bf16, 1.1e-3 apart in norm at m=8)."""
+    info, params, batch = _model("llama", 16)
+    bf16 = sk.Recipe(compute_dtype="bfloat16")
+    micro = jax.jit(
+        sk.value_and_grad(info.loss_fn, sk.Recipe(compute_dtype="bfloat16", microbatches=8))
+    )
+    want = micro(params, batch)[1]
+    pipe = Pipeline(stages=2, microbatches=8, schedule="1f1b")
+    plan = sk.plan(info, sk.make_mesh(pipe=2), "dp", pipeline=pipe, recipe=bf16)
+    got = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)(params, batch)[1]
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(got))
+    diff = sum(
+        float(jnp.sum((g - w) ** 2))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+    norm = sum(float(jnp.sum(w**2)) for w in jax.tree.leaves(want))
+    assert (diff / norm) ** 0.5 < 1e-5

@@ -59,17 +59,26 @@ def test_fsdp_gathered_once_and_held_as_the_pipeline_runs_it(model):
     ctx = replace(ctx, recipe=Recipe(microbatches=4), memo={})
     per_mb = group_cost(ctx, up, layout, ("data", "model"), ())
     once = group_cost(replace(ctx, gather_once=True), up, layout, ("data", "model"), ())
-    # per micro-batch: 4 gathers and 4 reduce-scatters; once: one gather, one all-reduce
+    # per micro-batch: 4 gathers and 4 reduce-scatters; once: one gather, one reduce-scatter
     assert dict(per_mb.comm_bytes) == {
         "all_gather": 4 * 2 * up.nbytes,
         "reduce_scatter": 4 * 2 * up.nbytes,
     }
-    assert dict(once.comm_bytes) == {"all_gather": 2 * up.nbytes, "all_reduce": 2 * up.nbytes}
+    assert dict(once.comm_bytes) == {"all_gather": 2 * up.nbytes, "reduce_scatter": 2 * up.nbytes}
     assert once.hidden_s == 0 < per_mb.hidden_s  # before the first tick, after the last
     # the gathered weights and their full-size gradient accumulators, less the shards
     assert per_mb.gathered == 0
     assert once.gathered == 2 * (2 * up.nbytes - 2 * up.nbytes / 8)
+    assert once.accumulators == 2 * up.nbytes
     assert once.params == per_mb.params == 2 * up.nbytes / 8
+    # bf16 compute (fp32 params): the weights gathered in bf16, the accumulators
+    # and their reduce-scatter in fp32 (as Megatron-LM's main gradients)
+    bf16 = replace(ctx, recipe=Recipe(microbatches=4, compute_dtype="bfloat16"), memo={})
+    half = group_cost(replace(bf16, gather_once=True), up, layout, ("data", "model"), ())
+    assert dict(half.comm_bytes) == {"all_gather": up.nbytes, "reduce_scatter": 2 * up.nbytes}
+    assert half.accumulators == 2 * up.nbytes
+    local = 2 * up.nbytes / 8
+    assert half.gathered == 7 * local / 2 + (2 * up.nbytes - local)
 
 
 def test_tensor_parallel_moves_activations_and_splits_compute(model):
