@@ -461,7 +461,7 @@ def _stage_gradient_bytes(strategy: str, schedule: str) -> tuple[dict, float]:
     return by_kind, stacked
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_fsdp_stage_gradients_are_reduce_scattered(schedule):
     """FSDP weights split over the batch axes: a stage's gradients leave the
     pipeline reduce-scattered to the plan's layout (1F1B scatters its
@@ -475,6 +475,7 @@ def test_fsdp_stage_gradients_are_reduce_scattered(schedule):
     assert by_kind.get("all_reduce", 0) < 0.5 * stacked, by_kind
 
 
+@pytest.mark.slow
 def test_data_parallel_stage_gradients_are_all_reduced():
     """Weights replicated over the batch axes (dp): their gradients are all-reduced."""
     by_kind, stacked = _stage_gradient_bytes("dp", "1f1b")
@@ -520,19 +521,20 @@ def test_weight_splits_follow_a_cast_to_the_parameter():
             assert split == want, (v.aval, split)
 
 
+@pytest.mark.slow
 def test_bf16_stage_gradients_accumulate_in_float32():
     """Under bf16 compute (fp32 master weights) the stages' gradients accumulate
     over the micro-batches in float32 and reach the fp32 parameters without a
     bf16 rounding, as sk.value_and_grad's micro-batches do (and Megatron-LM's
     main gradients): on one pipe axis the two compute the same sums (main:
-    accumulated in bf16, 1.1e-3 apart in norm at m=8)."""
-    info, params, batch = _model("llama", 16)
+    accumulated in bf16, 7.8e-4 apart in norm)."""
+    info, params, batch = _model("llama", 8)
     bf16 = sk.Recipe(compute_dtype="bfloat16")
     micro = jax.jit(
-        sk.value_and_grad(info.loss_fn, sk.Recipe(compute_dtype="bfloat16", microbatches=8))
+        sk.value_and_grad(info.loss_fn, sk.Recipe(compute_dtype="bfloat16", microbatches=4))
     )
     want = micro(params, batch)[1]
-    pipe = Pipeline(stages=2, microbatches=8, schedule="1f1b")
+    pipe = Pipeline(stages=2, microbatches=4, schedule="1f1b")
     plan = sk.plan(info, sk.make_mesh(pipe=2), "dp", pipeline=pipe, recipe=bf16)
     got = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)(params, batch)[1]
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(got))
