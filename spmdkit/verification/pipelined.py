@@ -344,12 +344,21 @@ def stage_collectives(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
     if len(scans) < 2:
         return {}
     out: dict[str, float] = {}
+    manual = set(facts.batch_axes)
 
     def add(records: Any, share: float) -> None:
         for r in records:
-            for c in r.collectives():
-                if c.axes and set(c.axes) <= auto:
-                    out[c.kind] = out.get(c.kind, 0.0) + c.payload_bytes * share
+            for a in r.reshards:
+                # a step gathering over the manual batch axes first (XLA's TopK
+                # gathers a whole operand) does not run in the stage, whose rows
+                # stay split over them: the later steps move that much less
+                grown = 1
+                for c in a.plan.collectives:
+                    if c.kind == "all_gather" and c.axes and set(c.axes) <= manual:
+                        grown *= c.group_size
+                    elif c.axes and set(c.axes) <= auto:
+                        out[c.kind] = out.get(c.kind, 0.0) + c.payload_bytes * share / grown
+            add(r.body, share * r.repeat)
 
     add([prop.records[scans[0]], prop.records[scans[-1]]], 1 / pipe.stages)
     add(prop.records[scans[0] + 1 : scans[-1]], 1.0)
