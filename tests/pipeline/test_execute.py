@@ -461,7 +461,8 @@ def _stage_gradient_bytes(strategy: str, schedule: str) -> tuple[dict, float]:
     return by_kind, stacked
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_fsdp_stage_gradients_are_reduce_scattered(schedule):
     """FSDP weights split over the batch axes: a stage's gradients leave the
     pipeline reduce-scattered to the plan's layout (1F1B scatters its
