@@ -471,10 +471,10 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> 
     axis = lay.axis
 
     def body(xs_local: list, shared: list, per: list) -> Any:
-        # the stacked weights gathered over the batch axes (their gradients,
-        # autodiff's transpose of it: reduce-scattered)
         ctx = _Ctx(sp, pipe, shared, per, lay.shards)
         d = jax.lax.axis_index(axis)
+        # the stacked weights gathered over the batch axes (their gradients,
+        # autodiff's transpose of it: reduce-scattered)
         xs_l = [
             _gather(x[0], s, 1) for x, s in zip(xs_local, lay.xs_in or _none(xs_local), strict=True)
         ]
@@ -941,11 +941,10 @@ def pipelined_value_and_grad(
         stage over it).
       layouts: ``layouts(params) -> (param specs, grad specs)``, trees like the
         params of ``PartitionSpec`` (a plan's ``param_specs`` and ``grad_specs``).
-        A weight the specs split over batch axes (FSDP, ZeRO-2) enters the
-        pipeline split and is gathered inside, once per step, and its gradient
-        leaves reduce-scattered to its grad spec (rather than all-reduced and
-        sliced: half the bytes). ``None``: weights enter replicated over the
-        batch axes and their gradients are all-reduced.
+        A weight the specs split over batch axes (FSDP, ZeRO-2) is gathered
+        over them once per step, and its gradient leaves reduce-scattered to
+        its grad spec (rather than all-reduced and sliced: half the bytes).
+        ``None``: their gradients are all-reduced over the batch axes.
 
     The loss is the mean of the micro-batches' losses, each micro-batch running
     the whole loss, as ``sk.value_and_grad``'s micro-batches do: a value the
