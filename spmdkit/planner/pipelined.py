@@ -253,7 +253,10 @@ def pipelined_plan(info: ModelInfo, mesh: MeshLike, pipe: Pipeline, base: Plan) 
     batch = activation.get("batch", ())
     _check_local_batch(info, pipe, math.prod(sizes[a] for a in batch))
     if math.prod(sizes[a] for a in batch) > 1 and not pipe.local_statistics:
-        mixed = rows_combined(info.loss_fn, info.abstract_params, info.batch)
+        mixed = info.memo(
+            ("pipeline.rows_combined",),
+            lambda: rows_combined(info.loss_fn, info.abstract_params, info.batch),
+        )
         if mixed:
             raise rows_error(mixed, batch, "plan(pipeline=...)")
     return replace(

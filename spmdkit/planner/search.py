@@ -815,7 +815,6 @@ class _Planner:
     budget: float
     estimator: str
     pipe_memos: dict = field(default_factory=dict)
-    _rows_mixed: str | None = None
 
     def at(self, recipe: Recipe) -> CostContext:
         """The cost context under ``recipe`` (sharing the memo)."""
@@ -1142,11 +1141,12 @@ class _Planner:
 
     def rows_mixed(self) -> str:
         """The model's first layer equation that combines a batch's rows, else ``""``
-        (:func:`~spmdkit.pipeline.execute.rows_combined`; found once)."""
-        if self._rows_mixed is None:
-            info = self.info
-            self._rows_mixed = rows_combined(info.loss_fn, info.abstract_params, info.batch)
-        return self._rows_mixed
+        (:func:`~spmdkit.pipeline.execute.rows_combined`; once per model)."""
+        info = self.info
+        return info.memo(
+            ("pipeline.rows_combined",),
+            lambda: rows_combined(info.loss_fn, info.abstract_params, info.batch),
+        )
 
     def pipe_memo(self, mesh: MeshLike) -> dict:
         """The group-cost memo of one pipe mesh (shared by its recipes)."""
