@@ -281,6 +281,7 @@ def _moe(config: str, batch_size: int):
     return info, info.init_fn(), batch
 
 
+@pytest.mark.slow
 def test_moe_on_one_pipe_axis_equals_the_micro_batched_loss():
     """The constant-started carry (MoE's load-balancing sum) on a pipe-only mesh:
     every micro-batch runs the whole loss, as with sk.value_and_grad's micro-batches."""
