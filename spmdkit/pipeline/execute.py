@@ -1097,8 +1097,9 @@ def rows_error(equation: str, axes: tuple[str, ...], op: str) -> PipelineError:
         "its stages on its own rows of a micro-batch, so no layer may combine rows",
         given=f"a layer equation `{equation}` (the batch over {axes}), e.g. a "
         "mixture-of-experts router's load-balancing statistics",
-        fix="pass Pipeline(..., local_statistics=True) to compute it over each "
-        "device's rows (as Megatron-LM computes MoE load balancing per "
+        fix="pass Pipeline(..., local_statistics=True) (spmdkit train: "
+        "--local-statistics) to compute it over each device's rows (as Megatron-LM "
+        "computes MoE load balancing per "
         "data-parallel rank), or keep the batch off the other axes",
     )
 
