@@ -213,6 +213,16 @@ def _with_pipe(spec: P, ndim: int, axis: str | None) -> P:
     return _spec(entries)
 
 
+def model_rows_combined(info: ModelInfo) -> str:
+    """The model's first layer equation that combines a batch's rows, else ``""``
+    (:func:`~spmdkit.pipeline.execute.rows_combined`; once per model): what a
+    pipeline with batch axes refuses unless ``local_statistics``."""
+    return info.memo(
+        ("pipeline.rows_combined",),
+        lambda: rows_combined(info.loss_fn, info.abstract_params, info.batch),
+    )
+
+
 def pipelined_plan(info: ModelInfo, mesh: MeshLike, pipe: Pipeline, base: Plan) -> Plan:
     """``base`` (planned on :func:`pipeline_submesh`) put back on ``mesh`` with the
     stacked layers over the pipe axis (module docstring).
@@ -253,10 +263,7 @@ def pipelined_plan(info: ModelInfo, mesh: MeshLike, pipe: Pipeline, base: Plan) 
     batch = activation.get("batch", ())
     _check_local_batch(info, pipe, math.prod(sizes[a] for a in batch))
     if math.prod(sizes[a] for a in batch) > 1 and not pipe.local_statistics:
-        mixed = info.memo(
-            ("pipeline.rows_combined",),
-            lambda: rows_combined(info.loss_fn, info.abstract_params, info.batch),
-        )
+        mixed = model_rows_combined(info)
         if mixed:
             raise rows_error(mixed, batch, "plan(pipeline=...)")
     return replace(

@@ -60,7 +60,6 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.flax.model import ModelInfo, ParamInfo, describe, unbound_axis_error
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
-from spmdkit.pipeline.execute import rows_combined
 from spmdkit.planner.analytic import (
     CostContext,
     GroupCost,
@@ -83,7 +82,12 @@ from spmdkit.planner.logical import (
 )
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
 from spmdkit.planner.pipecost import StageSplit, param_stages, pipeline_cost, stage_groups
-from spmdkit.planner.pipelined import layer_rules, pipeline_submesh, pipelined_plan
+from spmdkit.planner.pipelined import (
+    layer_rules,
+    model_rows_combined,
+    pipeline_submesh,
+    pipelined_plan,
+)
 from spmdkit.planner.pipesearch import PIPE_AXIS, pipe_meshes, pipeline_configs, reference
 from spmdkit.planner.plans import Cost, Dims, Plan, PyTree, dims_spec, spec_dims
 from spmdkit.propagation import propagate
@@ -1081,7 +1085,8 @@ class _Planner:
         # a layer combining a micro-batch's rows (MoE's router statistics) runs
         # pipelined only without batch axes, unless the request computes it per
         # device's rows (the executor refuses it otherwise)
-        rows_apart = (request is not None and request.local_statistics) or not self.rows_mixed()
+        local_stats = request is not None and request.local_statistics
+        rows_apart = local_stats or not model_rows_combined(self.info)
         for batch_ax in _batch_axis_choices(inner, trace.batch_size):
             if math.prod(inner[a] for a in batch_ax) > 1 and not rows_apart:
                 continue
@@ -1138,15 +1143,6 @@ class _Planner:
         cost2, i2, pipe2 = min(costed, key=lambda x: (*self.rank_cost(x[0], tight), x[1]))
         out = [(choice, cost, pipe)]
         return out if i2 == i else [*out, (choice, cost2, pipe2)]
-
-    def rows_mixed(self) -> str:
-        """The model's first layer equation that combines a batch's rows, else ``""``
-        (:func:`~spmdkit.pipeline.execute.rows_combined`; once per model)."""
-        info = self.info
-        return info.memo(
-            ("pipeline.rows_combined",),
-            lambda: rows_combined(info.loss_fn, info.abstract_params, info.batch),
-        )
 
     def pipe_memo(self, mesh: MeshLike) -> dict:
         """The group-cost memo of one pipe mesh (shared by its recipes)."""

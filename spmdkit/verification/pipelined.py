@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -172,6 +172,27 @@ def _propagated_permutes(jaxpr: Any, axis: str, inside: bool = False) -> int:
     return total
 
 
+def _pipeline_shard_maps(jaxpr: Any, axis: str) -> Iterator[Any]:
+    """The ``shard_map`` equations manual over ``axis`` in ``jaxpr`` and the
+    bodies of its other equations, in program order (not inside them)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            if axis in manual_axes(eqn.params):
+                yield eqn
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _pipeline_shard_maps(inner, axis)
+
+
+def _split_bytes(v: Any, spec: Any, sizes: dict[str, int]) -> float:
+    """One device's bytes of a ``shard_map`` result split over the axes its spec names."""
+    named = [a for e in spec for a in ((e,) if isinstance(e, str) else e or ())]
+    return math.prod(v.aval.shape) * v.aval.dtype.itemsize / math.prod(sizes[a] for a in named)
+
+
 def _scattered_outputs(
     jaxpr: Any, axis: str, sizes: dict[str, int], batch: tuple[str, ...]
 ) -> float:
@@ -180,21 +201,10 @@ def _scattered_outputs(
     beyond their share after it (propagation counts the results at their
     out_specs' size; the accumulators are whole until the step's end)."""
     total = 0.0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "shard_map":
-            if axis in manual_axes(eqn.params):
-                body = open_jaxpr(eqn.params["jaxpr"])[0]
-                scattered = _scatter_factors(body, sizes, batch)
-                for v, spec, k in zip(eqn.outvars, eqn.params["out_specs"], scattered, strict=True):
-                    named = [a for e in spec for a in ((e,) if isinstance(e, str) else e or ())]
-                    nbytes = math.prod(v.aval.shape) * v.aval.dtype.itemsize
-                    total += nbytes / math.prod(sizes[a] for a in named) * (k - 1)
-            continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    total += _scattered_outputs(inner, axis, sizes, batch)
+    for eqn in _pipeline_shard_maps(jaxpr, axis):
+        factors = _scatter_factors(open_jaxpr(eqn.params["jaxpr"])[0], sizes, batch)
+        for v, spec, k in zip(eqn.outvars, eqn.params["out_specs"], factors, strict=True):
+            total += _split_bytes(v, spec, sizes) * (k - 1)
     return total
 
 
@@ -226,27 +236,15 @@ def _propagated_outputs(jaxpr: Any, axis: str, sizes: dict[str, int]) -> list[fl
     """Per ``shard_map`` over ``axis`` with more than one output (a forward that
     returns residuals), in program order: its non-scalar outputs' bytes on one
     device as propagation counts them (split over the axes their out_specs name)."""
-    out: list[float] = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "shard_map":
-            manual = manual_axes(eqn.params)
-            if axis in manual and len(eqn.outvars) > 1:
-                total = 0.0
-                for v, spec in zip(eqn.outvars, eqn.params["out_specs"], strict=True):
-                    if not v.aval.shape:
-                        continue
-                    split = math.prod(
-                        sizes[a] for e in spec for a in ((e,) if isinstance(e, str) else e or ())
-                    )
-                    total += math.prod(v.aval.shape) * v.aval.dtype.itemsize / split
-                out.append(total)
-            continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out.extend(_propagated_outputs(inner, axis, sizes))
-    return out
+    return [
+        sum(
+            _split_bytes(v, spec, sizes)
+            for v, spec in zip(eqn.outvars, eqn.params["out_specs"], strict=True)
+            if v.aval.shape
+        )
+        for eqn in _pipeline_shard_maps(jaxpr, axis)
+        if len(eqn.outvars) > 1
+    ]
 
 
 def counted_by_schedule(compiled: CompiledReport, pipe: Pipeline) -> CompiledReport:
