@@ -628,20 +628,33 @@ def _effects(
         return {
             **({"stash": held} if read_slot else {}),
             "send_b": dx,
-            # added to the accumulators inside the branch: the next tick's branch
-            # then reads them, so XLA cannot run several (unrolled) ticks'
-            # branches before their additions and hold all their gradients
-            "g_xs": [
-                g.at[row["local"]].add(x.astype(g.dtype))
-                for g, x in zip(
-                    state["g_xs"], [dw[k] for k, x in enumerate(w) if _float(x)], strict=True
-                )
-            ],
+            "dw": _after(
+                [dw[k] for k, x in enumerate(w) if _float(x)], state["g_xs"], row["local"]
+            ),
             "dsh": [dc.get(v, jnp.zeros(v.aval.shape, v.aval.dtype)) for v in ctx.dshared],
             "dmb": dmb,
         }
 
     return fwd, bwd
+
+
+def _after(dw: list, acc: list, slot: Any) -> list:
+    """A backward's chunk gradients ``dw``, made to read the accumulators ``acc``
+    (``+ 0 · acc[slot, 0]``, one layer's slice, which XLA does not fold away):
+    the tick's ``lax.switch`` then waits for the previous tick's addition, so XLA
+    cannot run several (unrolled) ticks' backwards before their additions and
+    hold all their gradients. The slice is along the chunk and layer dims, which
+    no automatic axis splits: no collective. (``x · 0`` is NaN for a non-finite
+    ``x``: non-finite accumulators make every gradient non-finite, not just
+    theirs.)"""
+    return [d.at[0].add(0 * g[slot, 0].astype(d.dtype)) for d, g in zip(dw, acc, strict=True)]
+
+
+def _add_at(bufs: list, slot: Any, vals: list) -> list:
+    """``bufs[slot] += vals``, in the buffers' (accumulator) dtype. Outside the
+    tick's ``lax.switch``: a branch that returned the updated accumulators would
+    have its result copied (a conditional's result buffer is not its operand's)."""
+    return [b.at[slot].add(x.astype(b.dtype)) for b, x in zip(bufs, vals, strict=True)]
 
 
 def _full(shapes: dict, part: dict) -> dict:
@@ -671,7 +684,7 @@ def _apply(state: dict, eff: dict, row: dict) -> dict:
         **state,
         "stash": _put(state["stash"], slot, eff["stash"]),
         "inbox_b": _put(state["inbox_b"], row["self_b"], eff["post_ct"]),
-        "g_xs": eff["g_xs"],
+        "g_xs": _add_at(state["g_xs"], row["local"], eff["dw"]),
         "g_sh": [g + x.astype(g.dtype) for g, x in zip(state["g_sh"], eff["dsh"], strict=True)],
         "g_mb": _add(state["g_mb"], row["mb"], eff["dmb"]),
         "loss": state["loss"] + eff["loss"],
@@ -714,16 +727,16 @@ def _explicit_body(
         f_shape = jax.eval_shape(_effects(ctx, probe, xs_l, state)[0], row0)
         stash_shapes = f_shape["stash"]
         state["stash"] = [jnp.zeros((tables.n_stash, *s.shape), s.dtype) for s in stash_shapes]
-        shapes = {**f_shape, "send_b": f_shape["send_f"]}
+        dw_shapes = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs_l if _float(x)]
+        shapes = {**f_shape, "send_b": f_shape["send_f"], "dw": dw_shapes}
 
         def make_tick(send_f: bool, send_b: bool) -> Callable:
             def tick(st: dict, tab: Any) -> tuple:
                 row = {name: tab[k, d] for k, name in enumerate(FIELDS)}
                 f, b = _effects(ctx, probe, xs_l, st, read_slot=read_slot)
-                keep = {"g_xs": st["g_xs"]}
                 eff = jax.lax.switch(
                     row["kind"],
-                    [lambda r: _full(shapes, keep), lambda r: _full(shapes, {**f(r), **keep}),
+                    [lambda r: _full(shapes, {}), lambda r: _full(shapes, f(r)),
                      lambda r: _full(shapes, b(r))],
                     row,
                 )  # fmt: skip

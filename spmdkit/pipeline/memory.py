@@ -7,7 +7,8 @@ busiest device. They are made of four pieces, per device
 (what its ``jax.vjp`` keeps, less the weights and shared constants);
 ``H``, the head and loss's residuals for one micro-batch; ``C``, one
 micro-batch's stage input (what a permute sends); ``W``, one chunk's stacked
-weights. :func:`stage_buffers` counts them from the tick tables
+weights as its stage computes with them (in the compute dtype, gathered over the
+batch axes). :func:`stage_buffers` counts them from the tick tables
 (:mod:`spmdkit.pipeline.tables`):
 
 - ``"fthenb"``, ``"1f1b"``, ``"interleaved"`` (explicit ticks):
@@ -22,12 +23,11 @@ weights. :func:`stage_buffers` counts them from the tick tables
     result (a forward's fresh set until it is written to its slot, or the slot
     a backward read) and the backward's working set (``2·R``; measured on
     XLA:CPU, tiny Llama, pipe=2 and 4);
-  - ``accumulators``: ``v · W``, the switch's copy of the weight-gradient
-    accumulators. A backward adds its gradients inside its branch, so every
-    branch returns the accumulators, and a conditional's result buffer is not
-    its operand's: XLA copies them (seen in the buffer assignment of GPT,
-    interleaved, pipe=2×data=2×model=2: ``copy(scatter-add)`` in the backward
-    branch, live at the peak).
+  - ``grads``: ``W``, a backward's chunk gradients: the tick's ``lax.switch``
+    result, added to the accumulators after it. (Added inside the
+    branch, the accumulators were the switch's result instead, and XLA copied
+    them, ``v`` chunks in float32: a conditional's result buffer is not its
+    operand's.)
 
 - ``"gpipe"`` (autodiff of the forward tick scan): every forward tick ``t``
   (``T`` of them, bubbles included) keeps its chunk's residuals, the head's
@@ -71,7 +71,8 @@ class StageSizes:
       residual: ``R``, one chunk's residual set for one micro-batch.
       head: ``H``, the head and loss's residuals for one micro-batch.
       carry: ``C``, one micro-batch's stage input (what one permute sends).
-      weights: ``W``, one chunk's stacked weights as the device stores them.
+      weights: ``W``, one chunk's stacked weights as its stage computes with
+        them (compute dtype, gathered over the batch axes).
     """
 
     residual: float
@@ -95,7 +96,7 @@ def held_residual_sets(pipe: Pipeline) -> int:
 
 def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
     """A device's pipeline buffers, by kind (``stash``, ``inboxes``, ``tick``,
-    ``accumulators``; module docstring).
+    ``grads``; module docstring).
 
     Args:
       pipe: the pipeline.
@@ -104,7 +105,7 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
     Example:
         >>> stage_buffers(Pipeline(stages=2, microbatches=4, schedule="1f1b"),
         ...               StageSizes(residual=10.0, head=1.0, carry=2.0))
-        {'stash': 20.0, 'inboxes': 8.0, 'tick': 20.0, 'accumulators': 0.0}
+        {'stash': 20.0, 'inboxes': 8.0, 'tick': 20.0, 'grads': 0.0}
     """
     r, h, c, w = sizes.residual, sizes.head, sizes.carry, sizes.weights
     held, inbox = _slots(pipe)
@@ -114,7 +115,7 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
         "stash": held * r,
         "inboxes": inbox * c,
         "tick": 2 * r,
-        "accumulators": pipe.virtual * w,
+        "grads": w,
     }
 
 

@@ -367,8 +367,9 @@ def activation_bytes(
         remat: the recipe's remat policy; ``save_names`` its saved names.
         act_scale: global-batch activation bytes → one micro-batch on one device.
         carry_scale: the same for the carry (not split by tensor parallelism).
-        chunk_weights: one chunk's stacked weights on one device (GPipe keeps
-            them per forward tick).
+        chunk_weights: one chunk's stacked weights on one device, in the compute
+            dtype (GPipe keeps them per forward tick; the other schedules hold one
+            chunk's gradients from a backward).
 
     Example: 8 layers whose input is 1 MiB and residuals 4 MiB per micro-batch
     and device, full remat, 1F1B over 4 stages: 4 stash slots of 2 layers × 1 MiB
@@ -450,10 +451,16 @@ def pipeline_cost(
     sync_bytes = ends_cost.memory["grads"] * wire
     act_scale, carry_scale = _per_microbatch(sctx, groups, choice, batch_axes, seq_axes)
     stack = [i for i, w in enumerate(split.where) if w == "layers"]
-    # a chunk's gradient accumulators as the executor holds them: whole over the
-    # FSDP axes, in float32 under bf16 compute (the switch copies them)
-    accumulators = sum(
-        group_cost(sctx, groups[i], choice[i], batch_axes, seq_axes).accumulators for i in stack
+    # a chunk's stacked weights as its stage computes with them: whole over the
+    # FSDP axes (the executor's accumulators), in the compute dtype
+    chunk_weights = (
+        sum(
+            group_cost(sctx, groups[i], choice[i], batch_axes, seq_axes).accumulators
+            / sctx.accumulator_ratio(groups[i].dtype)
+            * sctx.cast_ratio(groups[i].dtype)
+            for i in stack
+        )
+        / pipe.virtual
     )
     acts = activation_bytes(
         ctx.trace,
@@ -462,7 +469,7 @@ def pipeline_cost(
         recipe.save_names,
         act_scale,
         carry_scale,
-        chunk_weights=accumulators / pipe.virtual,
+        chunk_weights=chunk_weights,
     )
     stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))

@@ -57,11 +57,14 @@ __all__ = [
 ]
 
 
-def chunk_weight_bytes(plan: Plan, gathered: tuple[str, ...] = ()) -> float:
+def chunk_weight_bytes(
+    plan: Plan, gathered: tuple[str, ...] = (), *, computed: bool = False
+) -> float:
     """One chunk's stacked weights on one device: the parameters whose first
     logical dim is ``layers``, as the plan stores them (``gathered``: except
-    over these axes, which the pipeline's ``shard_map`` gathers them over),
-    over the virtual stages."""
+    over these axes, which the pipeline's ``shard_map`` gathers them over;
+    ``computed``: in the recipe's compute dtype, as the stages use them), over
+    the virtual stages."""
     pipe = plan.pipeline
     if pipe is None:
         return 0.0
@@ -74,7 +77,9 @@ def chunk_weight_bytes(plan: Plan, gathered: tuple[str, ...] = ()) -> float:
         for entry in plan.params[path]:
             for axis in (entry,) if isinstance(entry, str) else entry or ():
                 shards *= 1 if axis in gathered else sizes[axis]
-        total += math.prod(shape) * np.dtype(dtype).itemsize / shards
+        cast = computed and plan.recipe.compute_dtype and np.issubdtype(dtype, np.floating)
+        item = np.dtype(plan.recipe.compute_dtype if cast else dtype).itemsize
+        total += math.prod(shape) * item / shards
     return total / pipe.virtual
 
 
@@ -113,8 +118,9 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
             permute_count(pipe) * carry
         )
         gathered = chunk_weight_bytes(plan, facts.batch_axes)
+        computed = chunk_weight_bytes(plan, facts.batch_axes, computed=True)
         residual, head = _residuals_per_device(plan, facts, shards)
-        sizes = StageSizes(residual=residual, head=head, carry=carry, weights=gathered)
+        sizes = StageSizes(residual=residual, head=head, carry=carry, weights=computed)
         held = stage_buffers(pipe, sizes)
         extra += sum(held.values())
         # the device's chunks' weights, gathered over the batch axes at the

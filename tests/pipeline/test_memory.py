@@ -35,15 +35,15 @@ def test_held_sets_per_schedule():
     sizes = StageSizes(residual=10.0, head=1.0, carry=2.0, weights=3.0)
     t = build_tables(build_schedule(ob))
     inboxes = (t.n_inbox_f + 1 + t.n_inbox_b + 1) * 2.0
-    # the switch's copy of the weight-gradient accumulators: v chunks' weights
+    # a backward's chunk gradients, the switch's result: one chunk's weights
     assert stage_buffers(ob, sizes) == {
         "stash": 40.0,
         "inboxes": inboxes,
         "tick": 20.0,
-        "accumulators": 3.0,
+        "grads": 3.0,
     }
     il = Pipeline(stages=2, microbatches=4, schedule="interleaved", virtual=2)
-    assert stage_buffers(il, sizes)["accumulators"] == 6.0
+    assert stage_buffers(il, sizes)["grads"] == 3.0
     # GPipe: per forward tick R + H + W, and its inbox
     gpipe = stage_buffers(gp, sizes)
     assert gpipe["stash"] == 11 * (10 + 1 + 3) and gpipe["tick"] == 10.0
