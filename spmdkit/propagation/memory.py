@@ -61,14 +61,14 @@ states the tolerance measured against ``memory_analysis`` on CPU.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from spmdkit.propagation.graph import FlatProgram, Graph, dce
+from spmdkit.propagation.graph import FlatProgram, Graph, Node, dce
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
 
@@ -215,10 +215,11 @@ def _lifetimes(
     duplicate: bool,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     aliases: Mapping[int, int] | None = None,
-) -> tuple[dict[int, int], set[int], dict[CopyRead, int]]:
+) -> tuple[dict[int, int], set[int], dict[CopyRead, int], dict[int, int]]:
     """(value id → index of the node that reads it last, the ids of values fused
     into their consumers and never materialized, copies read by a forward value
-    that a backward node recomputes → the index they must live to); see
+    that a backward node recomputes → the index they must live to, the
+    ``aliases`` that hold: result id → the operand whose buffer it is); see
     :func:`_temp_peak`.
 
     ``copy_reads``: node index → {value id: the resharded copy the node reads
@@ -228,9 +229,9 @@ def _lifetimes(
     reads a copy made before it does not keep the value alive: the copy is
     what lives on (the resharded copies' own lifetimes, ``transient``).
     ``aliases``: result id → operand id of nodes whose result is their operand's
-    buffer (a layout constraint that changes nothing): the operand lives as long
-    as the result, and the result takes no buffer of its own (it is reported
-    as fused)."""
+    buffer (:func:`_aliases`): the operand lives as long as the result, and the
+    result takes no buffer of its own (it is reported as fused), unless the
+    operand is fused into it (then it is the fusion's result)."""
     last: dict[int, int] = {}
     consumers: dict[int, set[str]] = {}
     readers: dict[int, int] = {}
@@ -277,12 +278,21 @@ def _lifetimes(
     # their roots). Other fused values are not extended: XLA schedules their
     # consumers' fusions where the operands are ready, wherever the program order
     # put them.
+    # an alias of a value fused into it is what XLA makes (as the fusion decided);
+    # of a materialized value (or an alias of one), that value's buffer
+    applied: dict[int, int] = {}
+    for node in graph.nodes:
+        for o in node.outs:
+            if aliases and o in aliases and o in last:
+                v = aliases[o]
+                if v not in fused or v in applied:
+                    applied[o] = v
     extended: dict[CopyRead, int] = {}
     for i in range(len(graph.nodes) - 1, -1, -1):
         node = graph.nodes[i]
         for o in node.outs:
-            if aliases and o in aliases and o in last:
-                v = aliases[o]
+            if o in applied:
+                v = applied[o]
                 last[v] = max(last.get(v, i), last[o])
                 fused.add(o)
         if node.backward:
@@ -297,7 +307,7 @@ def _lifetimes(
                         extended[c] = max(extended.get(c, c.last), last[o])
                     else:
                         last[v] = max(last.get(v, i), last[o])
-    return last, fused, extended
+    return last, fused, extended, applied
 
 
 @dataclass
@@ -484,9 +494,9 @@ def _temp_peak(
 
     frees: dict[int, list[int]] = {}
     copies, copy_reads = _workspaces(graph, layout, nbytes, mesh, cpu, copy_reads)
-    last, fused, extended = _lifetimes(
-        graph, prog, fuse, duplicate, copy_reads, _aliases(graph, spec)
-    )
+    aliases = _aliases(graph, spec, prog, nbytes, copy_reads)
+    last, fused, extended, applied = _lifetimes(graph, prog, fuse, duplicate, copy_reads, aliases)
+    fused |= _output_roots(graph, exclude & set(graph.outvars), applied)
     _extend_copies(extended, mesh, widen, copies)
     live = peak = 0
     for i, node in enumerate(graph.nodes):
@@ -575,16 +585,93 @@ _MOVES_ONLY = frozenset({"transpose", "reshape", "squeeze", "broadcast_in_dim"})
 _LAYOUT_ONLY = frozenset({"sharding_constraint", "reshard"})
 
 
-def _aliases(graph: Graph, spec: Mapping[int, TensorSpec]) -> dict[int, int]:
-    """Result id → operand id of layout constraints that leave their operand's
-    layout as it is: XLA drops them, the result is the operand's buffer."""
+#: Primitives that only reinterpret their operand's shape: on XLA's row-major
+#: layouts a bitcast (the same buffer) when each device keeps its block.
+_RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
+
+
+def _bitcast(node: Node, prog: FlatProgram) -> bool:
+    """A reshape, or a transpose that moves only size-1 dims (the other dims keep
+    their order): XLA makes it a bitcast of its operand."""
+    if node.prim in _RESHAPES:
+        return True
+    if node.prim != "transpose":
+        return False
+    shape = prog.shapes[node.ins[0]]
+    moved = [d for d in node.eqn.params["permutation"] if shape[d] != 1]
+    return moved == sorted(moved)
+
+
+def _aliases(
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    prog: FlatProgram,
+    nbytes: Callable[[int], int],
+    copy_reads: Mapping[int, Mapping[int, CopyRead]] | None,
+) -> dict[int, int]:
+    """Result id → operand id of nodes whose result is their operand's buffer:
+    layout constraints that leave their operand's layout as it is (XLA drops
+    them), and bitcasts (:func:`_bitcast`) that reshard nothing (each device's
+    block is its operand's, as many bytes, read in place)."""
     out = {}
-    for node in graph.nodes:
-        if node.prim in _LAYOUT_ONLY and len(node.ins) == len(node.outs) == 1:
-            a, b = spec.get(node.ins[0]), spec.get(node.outs[0])
+    zeros = _zeros(graph, prog)
+    for i, node in enumerate(graph.nodes):
+        ins = node.ins
+        if node.prim in ("add", "add_any") and len(ins) == 2 and len(node.outs) == 1:
+            # XLA folds x + 0 into x
+            ins = [v for v in ins if v not in zeros]
+        if len(ins) != 1 or len(node.outs) != 1:
+            continue
+        a, b = spec.get(ins[0]), spec.get(node.outs[0])
+        if node.prim in ("add", "add_any"):
+            if (
+                prog.shapes[ins[0]] == prog.shapes[node.outs[0]]
+                and (
+                    (a is None) == (b is None)
+                    and (a is None or (a.dims, a.partial) == (b.dims, b.partial))
+                )
+                and not (copy_reads and copy_reads.get(i))
+            ):
+                out[node.outs[0]] = ins[0]
+        elif node.prim in _LAYOUT_ONLY:
             if a is None or b is None or (a.dims, a.partial) == (b.dims, b.partial):
                 out[node.outs[0]] = node.ins[0]
+        elif (
+            node.kind == "eqn"
+            and _bitcast(node, prog)
+            and not (copy_reads and copy_reads.get(i))
+            and (a is None) == (b is None)
+            and (a is None or a.partial == b.partial)
+            and nbytes(node.ins[0]) == nbytes(node.outs[0])
+        ):
+            out[node.outs[0]] = node.ins[0]
     return out
+
+
+#: Primitives that keep a zero operand's values zero.
+_ZERO_PRESERVING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze"})
+
+
+def _zeros(graph: Graph, prog: FlatProgram) -> set[int]:
+    """Ids of values that are all zeros: literal zeros, and broadcasts, casts and
+    reshapes of them (``jnp.zeros``, an autodiff's instantiated zero cotangent)."""
+    out = {v for v, c in prog.values.items() if np.size(c) == 1 and not np.any(np.asarray(c))}
+    for node in graph.nodes:
+        if node.prim in _ZERO_PRESERVING and node.ins and node.ins[0] in out:
+            out.update(node.outs)
+    return out
+
+
+def _output_roots(graph: Graph, outputs: set[int], aliases: Mapping[int, int]) -> set[int]:
+    """Values that outputs are bitcasts of (through ``aliases``): the output's
+    buffer, counted with the outputs, not as temporaries."""
+    roots = set()
+    for o in outputs:
+        v = o
+        while v in aliases:
+            v = aliases[v]
+            roots.add(v)
+    return roots - set(graph.invars)
 
 
 def _narrowed(graph: Graph, prog: FlatProgram, widen: Mapping[np.dtype, np.dtype]) -> set[int]:

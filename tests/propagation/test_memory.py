@@ -128,6 +128,51 @@ def test_sharding_shrinks_the_estimate(mesh2d):
     assert sharded.peak_bytes == prop.memory.peak_bytes < replicated.peak_bytes
 
 
+def _scan_sum(x):
+    return jax.lax.scan(lambda c, xi: (c + xi.sum(), None), 0.0, x)[0]
+
+
+def test_a_reshape_is_its_operands_buffer():
+    """A reshape (or a transpose that moves only size-1 dims) is a bitcast in XLA:
+    a loop reads the argument in place, no copy (main before: a 1 MiB copy
+    counted, where XLA's temporaries are the loop's 0.5 MiB slice). A transpose
+    that reorders real dims is a copy, counted."""
+    mesh = sk.abstract_mesh(x=1)
+    w = S((4, 256, 256), F32)
+    nbytes = 4 * 256 * 256 * 4
+
+    def reshaped(w):
+        return _scan_sum(w.reshape(2, 2, 256, 256))
+
+    def unit_swap(w):
+        return _scan_sum(jnp.swapaxes(w.reshape(1, 4, 256, 256), 0, 1)[:, 0])
+
+    def transposed(w):
+        return _scan_sum(jnp.swapaxes(w.reshape(2, 2, 256, 256), 0, 1))
+
+    for f in (reshaped, unit_swap):
+        assert estimate_memory(jax.make_jaxpr(f)(w), {}, mesh).temp_bytes < 0.01 * nbytes
+        assert jax.jit(f).lower(w).compile().memory_analysis().temp_size_in_bytes < nbytes
+    assert estimate_memory(jax.make_jaxpr(transposed)(w), {}, mesh).temp_bytes >= nbytes
+
+
+def test_an_output_that_is_a_bitcast_plus_zeros_is_its_operands_buffer():
+    """``reshape(x) + 0`` returned: XLA folds the addition and bitcasts ``x`` into
+    the output buffer, so ``x`` is no temporary (an autodiff's gradients reach
+    the outputs this way: the pipeline's accumulators, ungrouped, plus zero
+    cotangents). Estimate equal to XLA's (main before: 0.75 MiB against 0.5)."""
+    mesh = sk.abstract_mesh(x=1)
+    w = S((4, 256, 256), F32)
+
+    def f(w):
+        return (w[0] @ w[1]).reshape(-1) + jnp.zeros((256 * 256,))
+
+    est = estimate_memory(jax.make_jaxpr(f)(w), {}, mesh)
+    xla = jax.jit(f).lower(w).compile().memory_analysis()
+    assert est.output_bytes == xla.output_size_in_bytes
+    assert est.temp_bytes == pytest.approx(xla.temp_size_in_bytes, rel=0.05)
+
+
 def test_scan_body_peak_counts_while_the_loop_runs():
     mesh = sk.abstract_mesh(x=4)
 
