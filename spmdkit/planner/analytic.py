@@ -583,8 +583,8 @@ def total_cost(
         total_flops += param_flops(g, trace.tokens) * ctx.flops_scale * g.count
     batch_shards = math.prod(sizes[a] for a in batch_axes)
     dtype = ctx.compute_dtype(min((g.dtype for g in groups), default="float32", key=_itemsize))
-    # Attention splits over the batch, sequence and head shards.
-    attn_split = batch_shards * seq_shards * heads_tp
+    attn_split = batch_shards * _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
+    attn_split *= heads_tp
     recompute_mm, recompute_attn = trace.recompute_flops(recipe)
     attn_s = ctx.compute_time(0.0, (trace.attn_flops + recompute_attn) / attn_split, dtype)
     if recompute_mm:
@@ -622,6 +622,26 @@ def total_cost(
         memory=memory,
         hidden_comm_s=hidden,
     )
+
+
+def _attention_seq_shards(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> int:
+    """The sequence shards that split attention beyond the head shards: attention
+    splits over the batch, sequence and head shards, but a sequence axis that also
+    splits the heads (Megatron-SP: the sequence is gathered before attention,
+    which runs on the local heads) splits it once, not twice."""
+    head_axes = {
+        a
+        for g, layout in zip(groups, choice, strict=True)
+        if g.logical and any(n in ("heads", "kv_heads") for n in g.logical)
+        for a in _split(ctx, g, layout, batch_axes, seq_axes).tp
+    }
+    return math.prod(ctx.sizes[a] for a in seq_axes if a not in head_axes)
 
 
 def _activations(ctx: CostContext, shards: int, tp_frac: float, seq_sharded: bool) -> float:

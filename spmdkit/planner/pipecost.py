@@ -451,17 +451,8 @@ def pipeline_cost(
     sync_bytes = ends_cost.memory["grads"] * wire
     act_scale, carry_scale = _per_microbatch(sctx, groups, choice, batch_axes, seq_axes)
     stack = [i for i, w in enumerate(split.where) if w == "layers"]
-    # a chunk's stacked weights as its stage computes with them: whole over the
-    # FSDP axes (the executor's accumulators), in the compute dtype
-    chunk_weights = (
-        sum(
-            group_cost(sctx, groups[i], choice[i], batch_axes, seq_axes).accumulators
-            / sctx.accumulator_ratio(groups[i].dtype)
-            * sctx.cast_ratio(groups[i].dtype)
-            for i in stack
-        )
-        / pipe.virtual
-    )
+    chunk_weights = _chunk_weights(sctx, groups, choice, stack, batch_axes, seq_axes)
+    chunk_weights /= pipe.virtual
     acts = activation_bytes(
         ctx.trace,
         pipe,
@@ -502,6 +493,24 @@ def pipeline_cost(
         hidden_comm_s=colls + p2p_s - (step - compute),
         stage_memory=tuple(int(v * mem_k) for v in stage_memory),
         bubble_s=bubble_s,
+    )
+
+
+def _chunk_weights(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    stack: Sequence[int],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> float:
+    """A stage's stacked weights (groups ``stack``) as it computes with them: whole
+    over the FSDP axes (the executor's accumulators), in the compute dtype."""
+    return sum(
+        group_cost(ctx, groups[i], choice[i], batch_axes, seq_axes).accumulators
+        / ctx.accumulator_ratio(groups[i].dtype)
+        * ctx.cast_ratio(groups[i].dtype)
+        for i in stack
     )
 
 

@@ -83,6 +83,7 @@ from spmdkit.planner.logical import (
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
 from spmdkit.planner.pipecost import StageSplit, param_stages, pipeline_cost, stage_groups
 from spmdkit.planner.pipelined import (
+    PLACEHOLDER_AXIS,
     layer_rules,
     model_rows_combined,
     pipeline_submesh,
@@ -629,6 +630,20 @@ def _activation(rules: LogicalRules, mesh: MeshLike, trace: StepTrace) -> Activa
     return out
 
 
+def _preset_tables(
+    name: str, extra: RulesLike | None, mesh: MeshLike
+) -> tuple[LogicalRules, LogicalRules]:
+    """A preset's rule tables for the parameters and for their optimizer state
+    (ZeRO-1/2: the fsdp table), ``extra`` rules first."""
+    rules = preset_rules(name, mesh)
+    if extra is not None:
+        rules = rules.prepend(extra)
+    opt_rules = preset_rules("fsdp", mesh) if name in ("zero1", "zero2") else rules
+    if extra is not None and name in ("zero1", "zero2"):
+        opt_rules = opt_rules.prepend(extra)
+    return rules, opt_rules
+
+
 def _rules_choice(
     rules: LogicalRules,
     opt_rules: LogicalRules,
@@ -755,19 +770,28 @@ def _search(
 # -- one plan() call ----------------------------------------------------------------------------
 
 
-def _on_pipe(g: ParamGroup, layout: GroupLayout) -> GroupLayout:
+def _on_pipe(g: ParamGroup, layout: GroupLayout, axis: str = PIPE_AXIS) -> GroupLayout:
     """A stage group's layout on the whole stack: its layer dim over the pipe axis too."""
     i = g.logical.index("layers") if g.logical and "layers" in g.logical else 0
 
     def put(dims: Dims) -> Dims:
-        return tuple((PIPE_AXIS, *d) if k == i else d for k, d in enumerate(dims))
+        return tuple((axis, *d) if k == i else d for k, d in enumerate(dims))
 
     return GroupLayout(put(layout.params), put(layout.opt), layout.grads_sharded)
 
 
-def _off_pipe(layout: GroupLayout) -> GroupLayout:
+def _off_pipe(layout: GroupLayout, axis: str = PIPE_AXIS) -> GroupLayout:
     def drop(dims: Dims) -> Dims:
-        return tuple(tuple(a for a in d if a != PIPE_AXIS) for d in dims)
+        return tuple(tuple(a for a in d if a != axis) for d in dims)
+
+    return GroupLayout(drop(layout.params), drop(layout.opt), layout.grads_sharded)
+
+
+def _without(layout: GroupLayout, axes: tuple[str, ...]) -> GroupLayout:
+    """A layout with ``axes`` taken off its parameters and optimizer state."""
+
+    def drop(dims: Dims) -> Dims:
+        return tuple(tuple(a for a in d if a not in axes) for d in dims)
 
     return GroupLayout(drop(layout.params), drop(layout.opt), layout.grads_sharded)
 
@@ -797,6 +821,12 @@ _RECOST_MORE = 6
 
 #: At most this many pipelined candidates are calibrated by propagation per plan.
 _RECOST_PIPELINES = 4
+
+#: The presets auto also pipelines (:meth:`_Planner.pipelined_on`).
+_TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp")
+
+#: The cost of a candidate not costed yet (never ranked).
+_NO_COST = Cost(0.0, 0.0, 0.0, {}, {})
 
 #: Pipelined candidates are also kept at their best within this share of the
 #: budget (their analytic memory is calibrated upwards by propagation).
@@ -846,13 +876,7 @@ class _Planner:
 
     def preset(self, name: str, extra: RulesLike | None, recipe: Recipe = PLAIN) -> Candidate:
         """A preset's candidate (``extra`` rules take priority)."""
-        rules = preset_rules(name, self.mesh)
-        if extra is not None:
-            rules = rules.prepend(extra)
-        zero = name in ("zero1", "zero2")
-        opt_rules = preset_rules("fsdp", self.mesh) if zero else rules
-        if extra is not None and zero:
-            opt_rules = opt_rules.prepend(extra)
+        rules, opt_rules = _preset_tables(name, extra, self.mesh)
         return self.costed(
             name, _rules_choice(rules, opt_rules, self.groups, self.mesh, name), rules, recipe
         )
@@ -1104,6 +1128,19 @@ class _Planner:
                 act["batch"] = batch_ax
                 name = f"searched[batch={','.join(batch_ax) or '-'}]"
                 out.append(Candidate(name, full, act, None, cost, recipe, pipe, mesh))
+        # the tensor-parallel presets' layouts on the other axes too: Megatron-LM's
+        # pipelines keep tensor parallelism inside the node, which the per-group
+        # search (each group's layout on its own) can miss; it covers the
+        # data-parallel and FSDP layouts itself
+        for name in _TP_PRESETS:
+            try:
+                sub = abstract_mesh(**(inner or {PLACEHOLDER_AXIS: 1}))
+                tables = _preset_tables(name, None, sub)
+                c = self.pipelined_table(name, tables, mesh, recipe, request)
+            except UnknownLogicalAxisError:
+                continue
+            if c is not None:
+                out.append(c)
         return out
 
     def pipe_search(
@@ -1234,24 +1271,50 @@ class _Planner:
 
     def calibrated(self, c: Candidate) -> Candidate:
         """A pipelined candidate whose analytic communication and memory are scaled by
-        propagated / analytic of its twin: the same layouts on the mesh without the
-        pipe axis (the whole stack, the pipeline's micro-batches as accumulation
-        steps), propagated through the train step. The propagator does not trace the
-        stage program itself; the twin carries the layouts' collectives and buffers."""
+        propagated / analytic of its twin, propagated through the train step.
+
+        The twin is one stage's work as the executor runs it: the whole stack on the
+        mesh without the pipe axis and without the batch axes (a stage's rows stay
+        on their device; the weights are gathered over the batch axes once per step
+        and held), the pipeline's micro-batches as accumulation steps of the rows
+        one device runs per micro-batch (``m × batch shards`` of them). So the twin
+        re-runs per micro-batch exactly the collectives a stage re-runs per
+        micro-batch (tensor-parallel reductions, gathers over the other axes), and
+        none the executor runs once per step. The propagator does not trace the
+        stage program itself; the twin carries the layouts' collectives and
+        buffers."""
         assert c.pipeline is not None and c.mesh is not None
-        inner = {a: s for a, s in axis_sizes(c.mesh).items() if a != PIPE_AXIS}
-        mesh = abstract_mesh(**inner)
-        choice = [_off_pipe(lay) for lay in c.choice]
-        recipe = replace(c.recipe, microbatches=c.pipeline.microbatches)
-        ctx = replace(self.ctx, mesh=mesh, sizes=inner, recipe=recipe, memo=self.pipe_memo(mesh))
-        batch = c.activation.get("batch", ())
-        analytic = total_cost(ctx, self.groups, choice, batch, ())
-        twin = Candidate(c.name, choice, c.activation, None, analytic, recipe, mesh=mesh)
+        axis = c.pipeline.axis
+        batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
+        sizes = axis_sizes(c.mesh)
+        inner = {a: s for a, s in sizes.items() if a != axis and a not in batch}
+        mesh = abstract_mesh(**(inner or {PLACEHOLDER_AXIS: 1}))
+        choice = [_off_pipe(lay, axis) for lay in c.choice]
+        shards = math.prod(sizes[a] for a in batch)
+        recipe = replace(c.recipe, microbatches=c.pipeline.microbatches * shards)
+        ctx = replace(
+            self.ctx, mesh=mesh, sizes=axis_sizes(mesh), recipe=recipe, memo=self.pipe_memo(mesh)
+        )
+        stage = [_without(lay, batch) for lay in choice]
+        analytic = total_cost(ctx, self.groups, stage, (), seq)
+        act = {n: () if n == "batch" else v for n, v in c.activation.items()}
+        twin = Candidate(c.name, stage, act, None, analytic, recipe, mesh=mesh)
         prop = propagate_cost(
             self.info, self.optimizer, self.make_plan(c.name, twin, None), ctx, analytic
         )
         comm = prop.comm_time_s / analytic.comm_time_s if analytic.comm_time_s else 1.0
         mem = prop.peak_bytes / analytic.peak_bytes if analytic.peak_bytes else 1.0
+        return c._replace(cost=self.pipelined_cost(c, choice, (comm, mem)))
+
+    def pipelined_cost(
+        self,
+        c: Candidate,
+        choice: list[GroupLayout],
+        calibration: tuple[float, float] | None = None,
+    ) -> Cost:
+        """:func:`~spmdkit.planner.pipecost.pipeline_cost` of a pipelined candidate
+        (its cost not read) whose layouts off the pipe axis are ``choice``."""
+        assert c.pipeline is not None and c.mesh is not None
         where = self.stages()
         assert where is not None
         sizes = axis_sizes(c.mesh)
@@ -1260,8 +1323,82 @@ class _Planner:
         )
         split = StageSplit(c.pipeline, where, self.ctx.trace.layers)
         groups = stage_groups(self.groups, where, c.pipeline.stages)
-        cost = pipeline_cost(pctx, groups, choice, batch, (), split, calibration=(comm, mem))
-        return c._replace(cost=cost)
+        batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
+        return pipeline_cost(pctx, groups, choice, batch, seq, split, calibration=calibration)
+
+    def pipelined_plan_cost(
+        self,
+        strategy: str | RulesLike,
+        extra: RulesLike | None,
+        recipe: Recipe | None,
+        pipe: Pipeline,
+    ) -> Cost:
+        """The cost of a preset or rule table pipelined with ``pipe`` over this
+        planner's mesh (:meth:`pipelined_table`), calibrated by propagation
+        (:meth:`calibrated`) under the propagate estimator."""
+        if isinstance(strategy, str):
+            sub = abstract_mesh(
+                **(
+                    {a: s for a, s in self.ctx.sizes.items() if a != pipe.axis}
+                    or {PLACEHOLDER_AXIS: 1}
+                )
+            )
+            tables = _preset_tables(strategy, extra, sub)
+        else:
+            table = LogicalRules.coerce(strategy)
+            table = table if extra is None else table.prepend(extra)
+            tables = (table, table)
+        name = strategy if isinstance(strategy, str) else "rules"
+        c = self.pipelined_table(name, tables, self.mesh, recipe or PLAIN, pipe)
+        assert c is not None  # pipelined_plan checked the batch and the rows
+        return self.calibrated(c).cost if self.estimator == "propagate" else c.cost
+
+    def pipelined_table(
+        self,
+        name: str,
+        tables: tuple[LogicalRules, LogicalRules],
+        mesh: MeshLike,
+        recipe: Recipe,
+        request: Pipeline | None,
+    ) -> Candidate | None:
+        """A rule table's layouts on the axes other than the pipe axis (the ``layers``
+        dim kept off them), pipelined over ``mesh``'s pipe axis: with ``request``,
+        that configuration, else every configuration auto tries for the table's
+        batch axes, the best kept (analytic cost). None when no configuration splits
+        the table's per-replica batch, or when its batch axes would mix the rows a
+        layer combines (MoE router statistics) and the request does not compute them
+        per device."""
+        axis = request.axis if request is not None else PIPE_AXIS
+        where = self.stages()
+        assert where is not None
+        sizes = axis_sizes(mesh)
+        inner = {a: s for a, s in sizes.items() if a != axis}
+        sub = abstract_mesh(**(inner or {PLACEHOLDER_AXIS: 1}))
+        rules, opt_rules = (layer_rules(t) for t in tables)
+        preset = name if name in PRESETS else None
+        choice = _rules_choice(rules, opt_rules, self.groups, sub, preset)
+        act = {
+            n: tuple(a for a in v if a in inner)
+            for n, v in _activation(rules, sub, self.ctx.trace).items()
+        }
+        shards = math.prod(inner[a] for a in act.get("batch", ()))
+        local_stats = request is not None and request.local_statistics
+        if shards > 1 and not local_stats and model_rows_combined(self.info):
+            return None
+        configs = pipeline_configs(
+            sizes[axis], self.ctx.trace.layers, self.ctx.trace.batch_size // shards, request
+        )
+        full = [
+            _on_pipe(g, lay, axis) if w == "layers" else lay
+            for g, lay, w in zip(self.groups, choice, where, strict=True)
+        ]
+        best: Candidate | None = None
+        for pipe in configs:
+            c = Candidate(name, full, act, rules, _NO_COST, recipe, pipe, mesh)
+            c = c._replace(cost=self.pipelined_cost(c, choice))
+            if best is None or self.rank(c) < self.rank(best):
+                best = c
+        return best
 
     def ranked(self, candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:
         """The best candidate and the runner-ups (one per label), by :meth:`rank`."""
@@ -1404,7 +1541,10 @@ def plan(
         kw = {"optimizer": optimizer, "rules": layer_rules(rules), "memory_budget": memory_budget}
         kw |= {"topology": topology, "peak_flops": peak_flops, "estimator": estimator}
         base = plan(info, sub, strategy, recipe=recipe, names=names, strict=strict, **kw)
-        return pipelined_plan(info, mesh, pipeline, base)
+        out = pipelined_plan(info, mesh, pipeline, base)
+        named, _ = apply_names(info, names, lambda: infer_names(info))
+        planner = _planner(named, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
+        return replace(out, cost=planner.pipelined_plan_cost(strategy, rules, recipe, pipeline))
     if recipe is not None and not isinstance(recipe, Recipe):
         raise PlanError(
             op="plan",

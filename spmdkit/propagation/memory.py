@@ -208,6 +208,22 @@ class CopyRead(NamedTuple):
     spec: TensorSpec | None = None
 
 
+def _applied_aliases(
+    graph: Graph, aliases: Mapping[int, int] | None, last: Mapping[int, int], fused: set[int]
+) -> dict[int, int]:
+    """The ``aliases`` that hold (result id → operand id): an alias of a value fused
+    into it is what XLA makes (as the fusion decided); of a materialized value (or
+    an alias of one), that value's buffer."""
+    applied: dict[int, int] = {}
+    for node in graph.nodes:
+        for o in node.outs:
+            if aliases and o in aliases and o in last:
+                v = aliases[o]
+                if v not in fused or v in applied:
+                    applied[o] = v
+    return applied
+
+
 def _lifetimes(
     graph: Graph,
     prog: FlatProgram,
@@ -278,15 +294,7 @@ def _lifetimes(
     # their roots). Other fused values are not extended: XLA schedules their
     # consumers' fusions where the operands are ready, wherever the program order
     # put them.
-    # an alias of a value fused into it is what XLA makes (as the fusion decided);
-    # of a materialized value (or an alias of one), that value's buffer
-    applied: dict[int, int] = {}
-    for node in graph.nodes:
-        for o in node.outs:
-            if aliases and o in aliases and o in last:
-                v = aliases[o]
-                if v not in fused or v in applied:
-                    applied[o] = v
+    applied = _applied_aliases(graph, aliases, last, fused)
     extended: dict[CopyRead, int] = {}
     for i in range(len(graph.nodes) - 1, -1, -1):
         node = graph.nodes[i]
