@@ -1539,7 +1539,8 @@ def plan(
     if pipeline is not None and strategy != "auto":
         sub = pipeline_submesh(mesh, pipeline, info, recipe)
         kw = {"optimizer": optimizer, "rules": layer_rules(rules), "memory_budget": memory_budget}
-        kw |= {"topology": topology, "peak_flops": peak_flops, "estimator": estimator}
+        # the layouts only: the cost is the pipeline's (below)
+        kw |= {"topology": topology, "peak_flops": peak_flops, "estimator": "analytic"}
         base = plan(info, sub, strategy, recipe=recipe, names=names, strict=strict, **kw)
         out = pipelined_plan(info, mesh, pipeline, base)
         named, _ = apply_names(info, names, lambda: infer_names(info))

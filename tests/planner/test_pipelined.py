@@ -101,3 +101,23 @@ def test_a_layer_combining_rows_is_refused_when_planned():
     assert _plan("moe", "megatron", pipe, pipe=2, data=2, model=2).pipeline == pipe
     p = _plan("moe", "megatron", Pipeline(stages=2, microbatches=4), pipe=2, model=4)
     assert p.activation["batch"] == ()
+
+
+def test_a_pipelined_preset_is_costed_as_a_pipeline():
+    """The plan's cost is the pipeline's (stages, bubble, sends), not the smaller
+    mesh's cost of the whole stack on every device."""
+    pipe = Pipeline(stages=2, microbatches=4)
+    mesh = sk.abstract_mesh(pipe=2, data=2, model=2)
+    kw = {"config": "tiny_pipe", "estimator": "analytic"}
+    piped = sk.plan(get_model("llama"), mesh, "megatron", pipeline=pipe, **kw)
+    flat = sk.plan(get_model("llama"), sk.abstract_mesh(data=2, model=2), "megatron", **kw)
+    c = piped.cost
+    assert len(c.stage_memory) == 2 and c.peak_bytes == max(c.stage_memory)
+    assert c.bubble_s > 0 and c.comm_bytes["collective_permute"] > 0
+    # each device runs half the layers: the stage's compute (bubble aside) is
+    # below the whole stack's on the smaller mesh
+    assert c.compute_time_s - c.bubble_s < flat.cost.compute_time_s
+    assert "stages: memory/device d0" in piped.table()
+    calibrated = sk.plan(get_model("llama"), mesh, "megatron", pipeline=pipe, config="tiny_pipe")
+    assert calibrated.cost.estimator == "analytic+propagate"
+    assert len(calibrated.cost.stage_memory) == 2
