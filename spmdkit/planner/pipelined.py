@@ -22,8 +22,10 @@ With ``virtual > 1`` chunk ``c`` runs on device ``c mod p`` (round-robin);
 the executor (:mod:`spmdkit.pipeline.execute`) regroups the stored layers into
 that order inside the step.
 
-The plan's :class:`~spmdkit.planner.plans.Cost` is the smaller mesh's (the
-pipelined cost model lives in :mod:`spmdkit.planner.analytic`).
+The plan's :class:`~spmdkit.planner.plans.Cost` is the pipeline's: ``sk.plan``
+re-costs the layouts pipelined (:mod:`spmdkit.planner.pipecost`, calibrated by
+propagation under the default estimator: ``_Planner.pipelined_plan_cost`` in
+:mod:`spmdkit.planner.search`).
 
 Example::
 
