@@ -1376,7 +1376,10 @@ class _Planner:
         sub = abstract_mesh(**(inner or {PLACEHOLDER_AXIS: 1}))
         rules, opt_rules = (layer_rules(t) for t in tables)
         preset = name if name in PRESETS else None
-        choice = _rules_choice(rules, opt_rules, self.groups, sub, preset)
+        choice = [
+            _without(lay, (PLACEHOLDER_AXIS,))
+            for lay in _rules_choice(rules, opt_rules, self.groups, sub, preset)
+        ]
         act = {
             n: tuple(a for a in v if a in inner)
             for n, v in _activation(rules, sub, self.ctx.trace).items()

@@ -121,3 +121,13 @@ def test_a_pipelined_preset_is_costed_as_a_pipeline():
     calibrated = sk.plan(get_model("llama"), mesh, "megatron", pipeline=pipe, config="tiny_pipe")
     assert calibrated.cost.estimator == "analytic+propagate"
     assert len(calibrated.cost.stage_memory) == 2
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "megatron_sp"])
+@pytest.mark.parametrize("axes", [{"pipe": 2}, {"pipe": 2, "data": 2, "model": 2}])
+def test_every_preset_pipelined_is_costed_per_stage(strategy, axes):
+    mesh = sk.abstract_mesh(**axes)
+    pipe = Pipeline(stages=2, microbatches=4)
+    kw = {"config": "tiny_pipe", "batch_size": 16, "estimator": "analytic"}
+    p = sk.plan(get_model("llama"), mesh, strategy, pipeline=pipe, **kw)
+    assert len(p.cost.stage_memory) == 2 and p.cost.bubble_s > 0
