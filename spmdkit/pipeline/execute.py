@@ -466,12 +466,25 @@ def _keep_output(outs: list, row: dict, out: list) -> list:
     return _put(outs, slot, out)
 
 
-def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> Callable:
+def _gpipe_body(
+    sp: SplitLoss,
+    pipe: Pipeline,
+    tables: Tables,
+    lay: _Manual,
+    dtypes: tuple[Sequence[Any], Sequence[Any]],
+) -> Callable:
+    """GPipe's forward ticks; the stacked weights and shared values may enter
+    wider than ``dtypes`` (the fp32 parameters of bf16 casts) and are cast per
+    tick, so autodiff accumulates their gradients over the ticks, and reduces
+    them, at the wider dtype."""
     fperm, _ = _perms(pipe)
     axis = lay.axis
 
-    def body(xs_local: list, shared: list, per: list) -> Any:
-        ctx = _Ctx(sp, pipe, shared, per, lay.shards)
+    def cast(vals: list, types: Sequence[Any]) -> list:
+        return [v.astype(t) if _float(v) else v for v, t in zip(vals, types, strict=True)]
+
+    def body(xs_local: list, shared_in: list, per: list) -> Any:
+        ctx = _Ctx(sp, pipe, cast(shared_in, dtypes[1]), per, lay.shards)
         d = jax.lax.axis_index(axis)
         # the stacked weights gathered over the batch axes (their gradients,
         # autodiff's transpose of it: reduce-scattered)
@@ -484,13 +497,15 @@ def _gpipe_body(sp: SplitLoss, pipe: Pipeline, tables: Tables, lay: _Manual) -> 
 
         @_scoped(FORWARD_SCOPE)
         def fwd(row: dict, inbox: list) -> tuple:
+            # the shared values cast where a tick reads them (see the docstring)
+            ctx = _Ctx(sp, pipe, cast(shared_in, dtypes[1]), per, lay.shards)
             i = row["mb"]
             x_in = [
                 jnp.where(row["first"] > 0, ctx.per[v][i], b[row["f_in"]])
                 for v, b in zip(ctx.carry, inbox, strict=True)
             ]
             cd = [({**ctx.sv, **ctx.mb(i)})[v] for v in ctx.dconsts]
-            out = ctx.stage(_chunk(xs_l, row["local"], pipe.virtual), cd, x_in, i)
+            out = ctx.stage(cast(_chunk(xs_l, row["local"], pipe.virtual), dtypes[0]), cd, x_in, i)
             loss = jax.lax.switch(
                 row["last"],
                 [
@@ -821,12 +836,19 @@ def _shard_map(body: Callable, lay: _Manual, mesh: Any, out_specs: Any, n: tuple
 
 
 def _run(
-    sp: SplitLoss, pipe: Pipeline, mesh: Any, lay: _Manual, vals: tuple[list, list, list]
+    sp: SplitLoss,
+    pipe: Pipeline,
+    mesh: Any,
+    lay: _Manual,
+    vals: tuple[list, list, list],
+    wide: tuple[Sequence[Any], Sequence[Any]] = ((), ()),
 ) -> tuple:
     """``(loss, (ct xs, ct shared, ct per), outputs)`` of the pipelined layer stack
     and head (``sp``: the loss split on a device's rows of a micro-batch;
     ``outputs``: the last stage's, ``[m, rows, ...]`` per carry value, with
-    ``pipe.return_output``, else None)."""
+    ``pipe.return_output``, else None). ``wide``: per stacked weight and per
+    shared value, the wider value it is a cast of (its fp32 parameter) or None;
+    GPipe runs with those and returns their gradients at that dtype."""
     carry_specs = [
         lay.per_spec(next(r for u, r in zip(sp.per_mb, lay.rows, strict=True) if u is v))
         for v in (sp.carry if pipe.return_output else ())
@@ -838,8 +860,12 @@ def _run(
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))
         specs = (P(), carry_specs) if pipe.return_output else P()
-        fn = _shard_map(_gpipe_body(sp, pipe, tables, lay), lay, mesh, specs, n)
-        res, vjp = jax.vjp(fn, xs_g, shared, per)
+        dtypes = ([jnp.result_type(x) for x in xs], [jnp.result_type(x) for x in shared])
+        w_xs, w_sh = (list(w) or [None] * len(v) for w, v in zip(wide, (xs, shared), strict=True))
+        xs_g = [x if w is None else _regroup(w, pipe) for x, w in zip(xs_g, w_xs, strict=True)]
+        sh_g = [x if w is None else w for x, w in zip(shared, w_sh, strict=True)]
+        fn = _shard_map(_gpipe_body(sp, pipe, tables, lay, dtypes), lay, mesh, specs, n)
+        res, vjp = jax.vjp(fn, xs_g, sh_g, per)
         loss, outputs = res if pipe.return_output else (res, None)
         ones = jnp.ones_like(loss)
         ct = ones if outputs is None else (ones, jax.tree.map(jnp.zeros_like, outputs))
@@ -1029,7 +1055,13 @@ def pipelined_value_and_grad(
         sources = param_sources(sp)
         if not _rows_apart(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
-            loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
+            wide = (
+                _wide(pipe, xs, sources[0], p_leaves),
+                _wide(pipe, shared, sources[1], p_leaves),
+            )
+            loss, (ct_xs, ct_sh, ct_per), outs = _run(
+                local, pipe, run_mesh, lay, (xs, shared, per), wide
+            )
             (ct_xs, ct_sh), direct = _routed((ct_xs, ct_sh), (xs, shared), sources)
             (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
             return _value(loss, outs), jax.tree.unflatten(p_tree, _plus(g, direct))
@@ -1037,7 +1069,10 @@ def pipelined_value_and_grad(
         # summed over the micro-batches, then over the batch axes once
         (_, per) = pre_all(p_leaves)
         (xs, shared), pre_vjp = jax.vjp(lambda pl: pre_all(pl)[0], p_leaves)
-        loss, (ct_xs, ct_sh, ct_per), outs = _run(local, pipe, run_mesh, lay, (xs, shared, per))
+        wide = (_wide(pipe, xs, sources[0], p_leaves), _wide(pipe, shared, sources[1], p_leaves))
+        loss, (ct_xs, ct_sh, ct_per), outs = _run(
+            local, pipe, run_mesh, lay, (xs, shared, per), wide
+        )
         (ct_xs, ct_sh), direct = _routed((ct_xs, ct_sh), (xs, shared), sources)
         g = _plus(pre_vjp((ct_xs, ct_sh))[0], direct)
         g_out = (
@@ -1050,6 +1085,22 @@ def pipelined_value_and_grad(
         return _value(loss, outs), jax.tree.unflatten(p_tree, g)
 
     return grad_fn
+
+
+def _wide(pipe: Pipeline, vals: list, sources: list, p_leaves: list) -> list:
+    """GPipe's stacked weights (or shared values) as it runs them: per value that
+    is a narrower cast of a parameter (bf16 compute on fp32 master weights), that
+    parameter, else None (the explicit schedules accumulate in float32 themselves:
+    :func:`accumulator_dtype`)."""
+    if pipe.schedule != "gpipe":
+        return []
+    out = []
+    for x, src in zip(vals, sources, strict=True):
+        dtype = jnp.result_type(x)
+        wider = accumulator_dtype(dtype)
+        keep = src is not None and _float(x) and wider != dtype
+        out.append(p_leaves[src] if keep and jnp.result_type(p_leaves[src]) == wider else None)
+    return out
 
 
 def _routed(cts: tuple, vals: tuple, sources: tuple) -> tuple[tuple, dict[int, Any]]:
