@@ -1044,7 +1044,9 @@ class _Planner:
                 return None
         return where if "layers" in where else None
 
-    def pipelined(self, request: Pipeline | str, fixed: Recipe | None) -> list[Candidate]:
+    def pipelined(
+        self, request: Pipeline | str, fixed: Recipe | None, extra: RulesLike | None = None
+    ) -> list[Candidate]:
         """Pipelined candidates (:mod:`spmdkit.planner.pipesearch`): per pipe degree,
         recipe and batch axes, the layouts searched under the reference
         configuration, then every configuration costed with them; the best kept."""
@@ -1085,13 +1087,19 @@ class _Planner:
         out: list[Candidate] = []
         for mesh in pipe_meshes(self.mesh, layers, stages):
             for r in base:
-                out += self.pipelined_on(mesh, where, r, fixed_pipe)
+                out += self.pipelined_on(mesh, where, r, fixed_pipe, extra)
         return out
 
     def pipelined_on(
-        self, mesh: MeshLike, where: tuple[str, ...], recipe: Recipe, request: Pipeline | None
+        self,
+        mesh: MeshLike,
+        where: tuple[str, ...],
+        recipe: Recipe,
+        request: Pipeline | None,
+        extra: RulesLike | None = None,
     ) -> list[Candidate]:
-        """The best pipelined candidate per batch-axes choice on one mesh with a pipe axis."""
+        """The best pipelined candidate per batch-axes choice on one mesh with a pipe
+        axis, and the tensor-parallel presets' (``extra`` rules first) pipelined."""
         sizes = axis_sizes(mesh)
         p = sizes[PIPE_AXIS]
         if request is not None and request.stages != p:
@@ -1135,7 +1143,7 @@ class _Planner:
         for name in _TP_PRESETS:
             try:
                 sub = abstract_mesh(**(inner or {PLACEHOLDER_AXIS: 1}))
-                tables = _preset_tables(name, None, sub)
+                tables = _preset_tables(name, extra, sub)
                 c = self.pipelined_table(name, tables, mesh, recipe, request)
             except UnknownLogicalAxisError:
                 continue
@@ -1196,7 +1204,7 @@ class _Planner:
         pipelined candidates, a :class:`~spmdkit.pipeline.Pipeline` costs only
         candidates with it."""
         if isinstance(pipeline, Pipeline):
-            return self.ranked(self.recosted_pipelines(self.pipelined(pipeline, fixed)))
+            return self.ranked(self.recosted_pipelines(self.pipelined(pipeline, fixed, extra)))
         candidates = self.analytic_candidates(extra, fixed)
         if self.estimator == "propagate":
             # The three best candidates and the presets (plain recipe, or the fixed
@@ -1214,7 +1222,7 @@ class _Planner:
             }
             candidates = self.recosted(candidates, keep)
         if pipeline is not None:
-            candidates += self.recosted_pipelines(self.pipelined(pipeline, fixed))
+            candidates += self.recosted_pipelines(self.pipelined(pipeline, fixed, extra))
         return self.ranked(candidates)
 
     def recosted(

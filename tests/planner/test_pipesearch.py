@@ -161,3 +161,21 @@ def test_auto_pipelines_a_layer_combining_rows_only_without_batch_axes() -> None
     asked = Pipeline(2, 4, "1f1b", local_statistics=True)
     batched = [n for n, _ in _plan(moe, pipeline=asked).alternatives if "batch=-" not in n]
     assert any("+pp" in n for n in batched)
+
+
+def test_auto_pipelines_the_tensor_parallel_presets(tiny) -> None:
+    """Besides the searched layouts, auto costs megatron, megatron_sp and tp_fsdp
+    pipelined (Megatron-LM's pipelines keep tensor parallelism in the node)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(
+            tiny,
+            sk.abstract_mesh(data=4, model=2),
+            "auto",
+            estimator="analytic",
+            recipe=sk.Recipe(),  # one recipe: every candidate among the 12 alternatives
+            pipeline=Pipeline(2, 4, "1f1b"),
+        )
+    names = {n.split("+")[0] for n, _ in p.alternatives} | {p.chosen}
+    assert {"megatron", "megatron_sp", "tp_fsdp"} <= names
+    assert all(c.stage_memory for _, c in p.alternatives)
