@@ -1055,10 +1055,7 @@ def pipelined_value_and_grad(
         sources = param_sources(sp)
         if not _rows_apart(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
-            wide = (
-                _wide(pipe, xs, sources[0], p_leaves),
-                _wide(pipe, shared, sources[1], p_leaves),
-            )
+            wide = _wide(pipe, (xs, shared), sources, p_leaves)
             loss, (ct_xs, ct_sh, ct_per), outs = _run(
                 local, pipe, run_mesh, lay, (xs, shared, per), wide
             )
@@ -1069,7 +1066,7 @@ def pipelined_value_and_grad(
         # summed over the micro-batches, then over the batch axes once
         (_, per) = pre_all(p_leaves)
         (xs, shared), pre_vjp = jax.vjp(lambda pl: pre_all(pl)[0], p_leaves)
-        wide = (_wide(pipe, xs, sources[0], p_leaves), _wide(pipe, shared, sources[1], p_leaves))
+        wide = _wide(pipe, (xs, shared), sources, p_leaves)
         loss, (ct_xs, ct_sh, ct_per), outs = _run(
             local, pipe, run_mesh, lay, (xs, shared, per), wide
         )
@@ -1087,20 +1084,24 @@ def pipelined_value_and_grad(
     return grad_fn
 
 
-def _wide(pipe: Pipeline, vals: list, sources: list, p_leaves: list) -> list:
-    """GPipe's stacked weights (or shared values) as it runs them: per value that
-    is a narrower cast of a parameter (bf16 compute on fp32 master weights), that
-    parameter, else None (the explicit schedules accumulate in float32 themselves:
-    :func:`accumulator_dtype`)."""
+def _wide(pipe: Pipeline, vals: tuple, sources: tuple, p_leaves: list) -> tuple:
+    """GPipe's stacked weights and shared values (``vals``, their parameter
+    ``sources``) as it runs them: per value that is a narrower cast of a parameter
+    (bf16 compute on fp32 master weights), that parameter, else None (the explicit
+    schedules accumulate in float32 themselves: :func:`accumulator_dtype`)."""
     if pipe.schedule != "gpipe":
-        return []
-    out = []
-    for x, src in zip(vals, sources, strict=True):
+        return ((), ())
+
+    def one(x: Any, src: int | None) -> Any:
         dtype = jnp.result_type(x)
         wider = accumulator_dtype(dtype)
         keep = src is not None and _float(x) and wider != dtype
-        out.append(p_leaves[src] if keep and jnp.result_type(p_leaves[src]) == wider else None)
-    return out
+        return p_leaves[src] if keep and jnp.result_type(p_leaves[src]) == wider else None
+
+    return tuple(
+        [one(x, i) for x, i in zip(v, srcs, strict=True)]
+        for v, srcs in zip(vals, sources, strict=True)
+    )
 
 
 def _routed(cts: tuple, vals: tuple, sources: tuple) -> tuple[tuple, dict[int, Any]]:
