@@ -484,7 +484,9 @@ def _gpipe_body(
         return [v.astype(t) if _float(v) else v for v, t in zip(vals, types, strict=True)]
 
     def body(xs_local: list, shared_in: list, per: list) -> Any:
-        ctx = _Ctx(sp, pipe, cast(shared_in, dtypes[1]), per, lay.shards)
+        # the carry's shapes and the outputs' buffers; a tick builds its own with
+        # the shared values cast
+        ctx = _Ctx(sp, pipe, shared_in, per, lay.shards)
         d = jax.lax.axis_index(axis)
         # the stacked weights gathered over the batch axes (their gradients,
         # autodiff's transpose of it: reduce-scattered)

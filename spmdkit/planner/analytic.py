@@ -635,6 +635,8 @@ def _attention_seq_shards(
     splits over the batch, sequence and head shards, but a sequence axis that also
     splits the heads (Megatron-SP: the sequence is gathered before attention,
     which runs on the local heads) splits it once, not twice."""
+    if not seq_axes:  # the common case, on the search's hot path
+        return 1
     head_axes = {
         a
         for g, layout in zip(groups, choice, strict=True)

@@ -780,11 +780,13 @@ def _on_pipe(g: ParamGroup, layout: GroupLayout, axis: str = PIPE_AXIS) -> Group
     return GroupLayout(put(layout.params), put(layout.opt), layout.grads_sharded)
 
 
-def _off_pipe(layout: GroupLayout, axis: str = PIPE_AXIS) -> GroupLayout:
-    def drop(dims: Dims) -> Dims:
-        return tuple(tuple(a for a in d if a != axis) for d in dims)
-
-    return GroupLayout(drop(layout.params), drop(layout.opt), layout.grads_sharded)
+def _mesh_without(sizes: Mapping[str, int], axes: Iterable[str]) -> AbstractMesh:
+    """The abstract mesh of ``sizes`` without ``axes`` (a one-device placeholder
+    axis when none is left: a plan needs a mesh with an axis)."""
+    drop = set(axes)
+    return abstract_mesh(
+        **({a: s for a, s in sizes.items() if a not in drop} or {PLACEHOLDER_AXIS: 1})
+    )
 
 
 def _without(layout: GroupLayout, axes: tuple[str, ...]) -> GroupLayout:
@@ -1140,9 +1142,9 @@ class _Planner:
         # pipelines keep tensor parallelism inside the node, which the per-group
         # search (each group's layout on its own) can miss; it covers the
         # data-parallel and FSDP layouts itself
+        sub = _mesh_without(sizes, (PIPE_AXIS,))
         for name in _TP_PRESETS:
             try:
-                sub = abstract_mesh(**(inner or {PLACEHOLDER_AXIS: 1}))
                 tables = _preset_tables(name, extra, sub)
                 c = self.pipelined_table(name, tables, mesh, recipe, request)
             except UnknownLogicalAxisError:
@@ -1295,9 +1297,8 @@ class _Planner:
         axis = c.pipeline.axis
         batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
         sizes = axis_sizes(c.mesh)
-        inner = {a: s for a, s in sizes.items() if a != axis and a not in batch}
-        mesh = abstract_mesh(**(inner or {PLACEHOLDER_AXIS: 1}))
-        choice = [_off_pipe(lay, axis) for lay in c.choice]
+        mesh = _mesh_without(sizes, (axis, *batch))
+        choice = [_without(lay, (axis,)) for lay in c.choice]
         shards = math.prod(sizes[a] for a in batch)
         recipe = replace(c.recipe, microbatches=c.pipeline.microbatches * shards)
         ctx = replace(
@@ -1345,12 +1346,7 @@ class _Planner:
         planner's mesh (:meth:`pipelined_table`), calibrated by propagation
         (:meth:`calibrated`) under the propagate estimator."""
         if isinstance(strategy, str):
-            sub = abstract_mesh(
-                **(
-                    {a: s for a, s in self.ctx.sizes.items() if a != pipe.axis}
-                    or {PLACEHOLDER_AXIS: 1}
-                )
-            )
+            sub = _mesh_without(self.ctx.sizes, (pipe.axis,))
             tables = _preset_tables(strategy, extra, sub)
         else:
             table = LogicalRules.coerce(strategy)
@@ -1381,7 +1377,7 @@ class _Planner:
         assert where is not None
         sizes = axis_sizes(mesh)
         inner = {a: s for a, s in sizes.items() if a != axis}
-        sub = abstract_mesh(**(inner or {PLACEHOLDER_AXIS: 1}))
+        sub = _mesh_without(sizes, (axis,))
         rules, opt_rules = (layer_rules(t) for t in tables)
         preset = name if name in PRESETS else None
         choice = [
