@@ -2,13 +2,11 @@
 
 # Package names never repeat a function name exported here (``sk.plan`` is a
 # function; its module is ``spmdkit.planner``), so ``import spmdkit.X as m``
-# always gives a module. Old flat module paths resolve through ``spmdkit.moved``.
-from spmdkit import moved
+# always gives a module.
 from spmdkit.compile import PlannedFunction, jit
 from spmdkit.compile.annotate import init_sharded, shard
 from spmdkit.errors import (
     DuplicateAxisError,
-    ModuleMovedError,
     NoRuleError,
     PartialConflictError,
     RegistrationError,
@@ -56,8 +54,6 @@ from spmdkit.verification.hlo import (
     parse_replica_groups,
     summarize,
 )
-
-moved.install()
 
 #: Submodules loaded on first use (they import orbax, optax or run-time machinery),
 #: by the name ``spmdkit`` gives them.
@@ -144,7 +140,6 @@ __all__ = [
     "summarize",
     "unregister_rule",
     "DuplicateAxisError",
-    "ModuleMovedError",
     "NoRuleError",
     "PartialConflictError",
     "RegistrationError",

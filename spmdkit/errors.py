@@ -18,7 +18,6 @@ __all__ = [
     "RegistrationError",
     "ShardingConflictError",
     "ReshardError",
-    "ModuleMovedError",
 ]
 
 
@@ -109,12 +108,4 @@ class ReshardError(SpmdError, ValueError):
 
     Broken example: ``sk.reshard(jnp.ones(6), TensorSpec((6,), P("x")))`` on a
     4-device ``x`` axis.
-    """
-
-
-class ModuleMovedError(SpmdError, ImportError):
-    """An old module path whose name is now a function of ``spmdkit`` was imported.
-
-    Broken example: ``from spmdkit.plan import Plan`` (``sk.plan`` is the planning
-    function; the module is ``spmdkit.planner``).
     """

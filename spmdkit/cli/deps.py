@@ -57,7 +57,6 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.util",
         "spmdkit.kernels",
         "spmdkit.factor",
-        "spmdkit.moved",
         "spmdkit.recipe",
         "spmdkit.pipeline",
     ),
