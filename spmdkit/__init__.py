@@ -26,6 +26,7 @@ from spmdkit.inference import (
     infer_grad,
 )
 from spmdkit.mesh import abstract_mesh, make_mesh, use_virtual_cpu_devices
+from spmdkit.pipeline import Pipeline
 from spmdkit.planner import (
     PRESETS,
     Cost,
@@ -89,6 +90,7 @@ __all__ = [
     "ModelInfo",
     "Plan",
     "PlanError",
+    "Pipeline",
     "PlannedFunction",
     "Propagation",
     "UnknownLogicalAxisError",

@@ -11,8 +11,9 @@ imported) and answers three questions the test suite asks on every run:
 * :func:`layer_violations`: does a module import a stage it must not
   (:data:`LAYERS`)?
 * :func:`shadowed_submodules`: does a package export a name that is also one of
-  its submodules (``spmdkit.planner.plan`` the function hiding the module
-  ``plan.py``: ``import spmdkit.planner.plan as m`` would give the function)?
+  its submodules (a function ``plan`` exported by ``spmdkit.planner`` next to a
+  module ``planner/plan.py``: importing that module as ``m`` would give the
+  function)?
 
 ``spmdkit deps`` prints the package graph; ``--mermaid`` prints the diagram that
 ``docs/architecture.md`` embeds.

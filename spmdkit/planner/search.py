@@ -1473,7 +1473,8 @@ def plan(
       mesh: a ``Mesh`` (to run) or ``AbstractMesh`` (to plan).
       strategy: ``"auto"``, a preset name (:data:`PRESETS`), or a logical-rule
         table (``LogicalRules``, pairs, or a mapping).
-      config: model spec config name or object.
+      config: for a model spec, a size name in its ``configs`` (``"tiny"``,
+        ``"8b"``) or a config object (default: the first config).
       batch: example or abstract batch (required unless ``model`` is a spec).
       batch_size: batch size for a model spec.
       loss: ``loss(model, batch)`` (required unless ``model`` is a spec).
@@ -1528,8 +1529,9 @@ def plan(
 
     Example::
 
+        >>> from spmdkit.models import get_model
         >>> mesh = sk.abstract_mesh(data=64, model=8)
-        >>> p = sk.plan(get_model("llama"), mesh, config="llama3_8b", batch_size=512)
+        >>> p = sk.plan(get_model("llama"), mesh, config="8b", batch_size=512)
         >>> print(p)  # doctest: +SKIP
     """
     mesh = _check_mesh(mesh)
