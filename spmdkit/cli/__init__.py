@@ -1,4 +1,4 @@
-"""The `spmdkit` command line: demo, rules, plan, report, train, launch."""
+"""The `spmdkit` command line: demo, rules, plan, report, train, launch, doctor."""
 
 from spmdkit.cli.app import COMMANDS, build_parser, main
 

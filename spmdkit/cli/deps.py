@@ -60,6 +60,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.factor",
         "spmdkit.recipe",
         "spmdkit.pipeline",
+        "spmdkit.versions",
     ),
     "rule": (
         "spmdkit.rule",

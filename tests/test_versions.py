@@ -1,0 +1,99 @@
+"""The tested range: one table (spmdkit/versions.py) that pyproject.toml states too."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from spmdkit import versions
+from spmdkit.versions import TESTED, TestedRange, VersionCheck
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+@pytest.fixture(scope="module")
+def project():
+    return tomllib.loads(PYPROJECT.read_text())["project"]
+
+
+def _minimums(requirements):
+    """``{"jax": "0.10.2", ...}`` from ``["jax>=0.10.2", ...]`` (extras dropped)."""
+    out = {}
+    for req in requirements:
+        found = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^]]*\])?>=([0-9.]+)", req)
+        assert found, f"pyproject requirement {req!r} is not NAME>=MINIMUM"
+        out[found.group(1)] = found.group(3)
+    return out
+
+
+def test_pyproject_states_the_tables_range(project):
+    text = PYPROJECT.read_text()
+    assert versions.range_line() in text.splitlines(), "update pyproject's # Tested: line"
+    assert project["requires-python"] == f">={versions.check('python').tested.minimum}"
+    listed = sorted(
+        c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if re.search(r":: 3\.\d+$", c)
+    )
+    assert listed == versions.python_minors()
+    # every tested dependency's minimum is pyproject's, and the reverse
+    tested = {row.dist: row.minimum for row in TESTED if row.dist not in ("python", "jaxlib")}
+    direct = _minimums(project["dependencies"])
+    assert {d: direct[d] for d in tested} == tested
+    # the CUDA extras ask for the same jax
+    extras = project["optional-dependencies"]
+    for name in ("cuda12", "cuda13"):
+        assert _minimums(extras[name]) == {"jax": tested["jax"]}
+
+
+def test_jaxlib_range_is_jaxs():
+    rows = {row.dist: row for row in TESTED}
+    assert (rows["jaxlib"].minimum, rows["jaxlib"].below) == (
+        rows["jax"].minimum,
+        rows["jax"].below,
+    )
+
+
+def test_range_bounds():
+    jax_range = TestedRange("jax", "0.10.2", "0.13")
+    assert jax_range.contains("0.10.2")
+    assert jax_range.contains("0.12.0.1")
+    assert not jax_range.contains("0.10.1")
+    assert not jax_range.contains("0.13.0")
+    assert not jax_range.contains("0.13.0.dev20260101")  # a pre-release of 0.13 is 0.13
+    assert TestedRange("flax", "0.12.8").contains("9.0")
+    assert str(jax_range) == ">=0.10.2,<0.13"
+    with pytest.raises(ValueError, match="not above"):
+        TestedRange("jax", "0.13", "0.13")
+    with pytest.raises(ValueError, match="not a version"):
+        versions.parse_version("dev")
+
+
+def test_advice_names_the_package_and_the_fix():
+    jax_range = TestedRange("jax", "0.10.2", "0.13")
+    assert VersionCheck("jax", "0.12.0", jax_range).advice() == ""
+    too_new = VersionCheck("jax", "0.13.1", jax_range).advice()
+    assert too_new.startswith("jax 0.13.1 is outside the tested range >=0.10.2,<0.13")
+    assert 'pip install "jax>=0.10.2,<0.13"' in too_new
+    missing = VersionCheck("chex", None, TestedRange("chex", "0.1.90")).advice()
+    assert missing == 'chex is not installed: pip install "chex>=0.1.90"'
+    old_python = VersionCheck("python", "3.10.4", TestedRange("python", "3.11", "3.14"))
+    assert "Python 3.11 or 3.12 or 3.13" in old_python.advice()
+
+
+def test_installed_versions_are_read(monkeypatch):
+    assert versions.installed_version("no-such-distribution") is None
+    assert versions.installed_version("jax") is not None
+    monkeypatch.setattr(versions, "installed_version", lambda dist: "0.13.1")
+    assert not versions.check("jax").ok
+    assert [c.dist for c in versions.check_all()] == [row.dist for row in TESTED]
+
+
+def test_plugins_must_be_jaxlibs_release():
+    plugins = {"jax-cuda13-pjrt": "0.11.2", "jax-cuda13-plugin": "0.11.1"}
+    assert versions.plugin_advice(plugins, "0.11.2") == [
+        'jax-cuda13-plugin 0.11.1 is not jaxlib 0.11.2: pip install "jax-cuda13-plugin==0.11.2"'
+    ]
+    assert versions.plugin_advice(plugins, None) == []
+    # this environment's plugins (none on a CPU machine) are all jaxlib's
+    installed = versions.accelerator_plugins()
+    assert versions.plugin_advice(installed, versions.installed_version("jaxlib")) == []
