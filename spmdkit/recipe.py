@@ -67,9 +67,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmdkit import jaxprs
 from spmdkit.errors import SpmdError
 from spmdkit.pipeline.execute import pipelined_value_and_grad
-from spmdkit.pipeline.split import CALLS, call_body, has_scan
+from spmdkit.pipeline.split import call_body, has_scan
 
 __all__ = [
     "PLAIN",
@@ -292,7 +293,7 @@ def recipes_used() -> Iterator[list[Recipe]]:
         _SEEN.reset(token)
 
 
-def _checkpointed(body: jex.ClosedJaxpr, policy: Any) -> jex.ClosedJaxpr:
+def _checkpointed(body: Any, policy: Any) -> Any:
     """A scan body that runs under ``jax.checkpoint(policy)`` (same signature)."""
     fn = jax.checkpoint(jex.jaxpr_as_fun(body), policy=policy, prevent_cse=False)
     avals = [
@@ -308,14 +309,11 @@ def _rewrite(jaxpr: Any, policy: Any) -> tuple[Any, int]:
     for old in jaxpr.eqns:
         eqn, name = old, old.primitive.name
         if name == "scan":
-            eqn = old.replace(
-                params={**eqn.params, "jaxpr": _checkpointed(eqn.params["jaxpr"], policy)}
-            )
+            eqn = jaxprs.with_body(old, _checkpointed(jaxprs.scan(old).body, policy))
             count += 1
         elif (inner := call_body(old)) is not None and has_scan(inner.jaxpr):
             body, n = _rewrite(inner.jaxpr, policy)
-            key = CALLS[name]
-            eqn = old.replace(params={**old.params, key: jex.ClosedJaxpr(body, inner.consts)})
+            eqn = jaxprs.with_body(old, jaxprs.closed(body, inner.consts))
             count += n
         eqns.append(eqn)
     return jaxpr.replace(eqns=eqns), count
@@ -354,7 +352,7 @@ def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
                 fix="scan the layers (scan_layers=True in the reference models, nnx.scan / "
                 "jax.lax.scan over stacked layer params), or use remat='none'",
             )
-        flat = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, closed.consts))(*jax.tree.leaves(args))
+        flat = jex.jaxpr_as_fun(jaxprs.closed(jaxpr, closed.consts))(*jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(shape), flat)
 
     return rematted

@@ -61,6 +61,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.recipe",
         "spmdkit.pipeline",
         "spmdkit.versions",
+        "spmdkit.jaxprs",
     ),
     "rule": (
         "spmdkit.rule",

@@ -76,7 +76,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from spmdkit.propagation.graph import Graph, Node, manual_axes
+from spmdkit import jaxprs
+from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.records import Propagation
 from spmdkit.region import REGIONS, region_program
@@ -116,7 +117,7 @@ def _partly_manual(node: Node, mesh: Any) -> bool:
     size > 1 but not all of them."""
     if node.prim != "shard_map":
         return False
-    manual = manual_axes(node.eqn.params)
+    manual = jaxprs.manual_axes(node.eqn)
     if not manual:
         return False
     others = {a for a, n in dict(mesh.shape).items() if n > 1} - manual
@@ -192,7 +193,7 @@ class _Replay:
         closed = jax.make_jaxpr(body)(*ins)
         jaxpr = closed.jaxpr
         opened = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
-        params = {**group.eqn.params, "jaxpr": opened}
+        params = jaxprs.body_params(group.eqn, opened)
         return list(group.eqn.primitive.bind(*closed.consts, *ins, **params))
 
     def node(self, node: Node, read: Callable[[int], Any]) -> list[Any]:
@@ -286,8 +287,8 @@ class _Replay:
         """A ``scan`` whose body is replayed pinned; each ``ys`` result is pinned,
         every iteration, to the slice of its stacked layout (a pending sum is
         reduced inside the body, as the plan counts it, not stacked)."""
-        p = node.eqn.params
-        nc, nk = int(p["num_consts"]), int(p["num_carry"])
+        sc = jaxprs.scan(node.eqn)
+        nc, nk = sc.num_consts, sc.num_carry
         body = node.subs[0]
         consts, init, xs = vals[:nc], vals[nc : nc + nk], vals[nc + nk :]
         slices = [
@@ -306,9 +307,9 @@ class _Replay:
             step,
             list(init),
             list(xs),
-            length=int(p["length"]),
-            reverse=bool(p["reverse"]),
-            unroll=p.get("unroll", 1),
+            length=sc.length,
+            reverse=sc.reverse,
+            unroll=sc.unroll,
         )
         return [*carry, *ys]
 

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from spmdkit import jaxprs
 from spmdkit.pipeline.rows import mixed_rows
 from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
@@ -1205,11 +1206,11 @@ def _rows_mixed(sp: SplitLoss, lay: _Manual) -> str:
         return ""
     row = dict(zip(sp.per_mb, lay.rows, strict=True))
     eqn = sp.scan
-    n = eqn.params["num_consts"] + eqn.params["num_carry"]
+    sc = jaxprs.scan(eqn)
     inputs = [*sp.consts, *sp.carry]
     dims = [0 if not hasattr(v, "val") and row.get(v) else None for v in inputs]
-    dims += [None] * (len(eqn.invars) - n)
-    return mixed_rows(eqn.params["jaxpr"], dims) or ""
+    dims += [None] * (len(eqn.invars) - sc.first_xs)
+    return mixed_rows(sc.body, dims) or ""
 
 
 def _rows_apart(sp: SplitLoss, lay: _Manual) -> bool:

@@ -26,6 +26,8 @@ from typing import Any
 
 import jax.extend.core as jex
 
+from spmdkit import jaxprs
+
 __all__ = ["BODIES", "mixed_rows", "register_body"]
 
 #: primitives applied entry by entry (operands of the result's shape, or scalars)
@@ -46,7 +48,6 @@ _REDUCE = frozenset({
 })
 # fmt: on
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
-_BODY_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
 class _Mixed(Exception):
@@ -71,7 +72,7 @@ def mixed_rows(body: Any, dims: Sequence[int | None]) -> str | None:
         >>> mixed_rows(closed, [0])
         'reduce_sum over the rows (dim 0 of f32[4,3])'
     """
-    jaxpr = body.jaxpr if isinstance(body, jex.ClosedJaxpr) else body
+    jaxpr = _open(body)
     try:
         _walk(jaxpr, [_state(d) for d in dims])
     except _Mixed as e:
@@ -80,7 +81,7 @@ def mixed_rows(body: Any, dims: Sequence[int | None]) -> str | None:
 
 
 def _open(j: Any) -> Any:
-    return j.jaxpr if isinstance(j, jex.ClosedJaxpr) else j
+    return jaxprs.open_jaxpr(j)[0]
 
 
 #: a value's state: its row dim (an int), or, for a value that does not depend on
@@ -203,7 +204,9 @@ def _rule(eqn: Any, states: list[State]) -> list[int | None]:
     rule = _RULES.get(name)
     if rule is not None:
         return rule(e)
-    body = next((e.p[k] for k in _BODY_KEYS if k in e.p), None)
+    body = jaxprs.call_body(eqn)
+    if body is None and name == "shard_map":
+        body = jaxprs.shard_map_body(eqn)
     if body is None and name in BODIES:
         body = BODIES[name](eqn)
     if body is not None and len(_open(body).invars) == len(ins):
@@ -315,7 +318,9 @@ def _conv(e: _Eqn) -> list[int | None]:
 def _cond(e: _Eqn) -> list[int | None]:
     if e.ins[0] is not None:
         raise e.mixed("a branch index computed from the rows")
-    branches = [[_rows(x) for x in _walk(_open(b), e.states[1:])] for b in e.p["branches"]]
+    branches = [
+        [_rows(x) for x in _walk(_open(b), e.states[1:])] for b in jaxprs.cond_branches(e.eqn)
+    ]
     if any(b != branches[0] for b in branches):
         raise e.mixed("branches that put the rows on different dims")
     return branches[0]
@@ -383,24 +388,24 @@ def _fixed_point(body: Any, consts: list, carry: list, rest: list) -> list[State
 
 def _scan(e: _Eqn) -> list[int | None]:
     eqn, states = e.eqn, e.states
-    p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    sc = jaxprs.scan(eqn)
+    nc, ncarry = sc.num_consts, sc.num_carry
     inner = []
     for s in states[nc + ncarry :]:
         if s == 0:
             raise _mixed(eqn, "scanned over the rows")
         inner.append(s - 1 if isinstance(s, int) else frozenset(a - 1 for a in s if a > 0))
-    outs = _fixed_point(_open(p["jaxpr"]), states[:nc], list(states[nc : nc + ncarry]), inner)
+    outs = _fixed_point(sc.jaxpr, states[:nc], list(states[nc : nc + ncarry]), inner)
     ys = [None if _rows(s) is None else _rows(s) + 1 for s in outs[ncarry:]]  # type: ignore[operator]
     return [*(_rows(s) for s in outs[:ncarry]), *ys]
 
 
 def _while(e: _Eqn) -> list[int | None]:
     eqn, states = e.eqn, e.states
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    outs = _fixed_point(_open(p["body_jaxpr"]), states[cn : cn + bn], list(states[cn + bn :]), [])
-    _walk(_open(p["cond_jaxpr"]), [*states[:cn], *outs])
+    loop = jaxprs.while_loop(eqn)
+    cn, bn = loop.cond_nconsts, loop.body_nconsts
+    outs = _fixed_point(_open(loop.body), states[cn : cn + bn], list(states[cn + bn :]), [])
+    _walk(_open(loop.cond), [*states[:cn], *outs])
     return [_rows(s) for s in outs]
 
 

@@ -40,20 +40,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from spmdkit import jaxprs
 from spmdkit.pipeline.schedule import PipelineError
 
 __all__ = ["CALLS", "SplitLoss", "call_body", "has_scan", "split_loss"]
 
-# call-like primitives whose body may hold the layer scan, and its parameter
-#: call-like primitive → the parameter holding its closed body (where a layer
-#: scan may sit); shared with :mod:`spmdkit.recipe`'s recompute rewrite.
-CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr"}
+#: Call-like primitives whose body may hold the layer scan (inlined to find it);
+#: shared with :mod:`spmdkit.recipe`'s recompute rewrite.
+CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 
 
-def call_body(eqn: Any) -> jex.ClosedJaxpr | None:
-    """The closed body of a call-like equation (``pjit``, ``closed_call``), else None."""
-    body = eqn.params.get(CALLS.get(eqn.primitive.name, ""))
-    return body if isinstance(body, jex.ClosedJaxpr) else None
+def call_body(eqn: Any) -> Any | None:
+    """The closed body of a plain call (``jit``, ``closed_call``), else None."""
+    return jaxprs.call_body(eqn) if eqn.primitive.name in CALLS else None
 
 
 def has_scan(jaxpr: Any) -> bool:
@@ -174,14 +173,13 @@ class SplitLoss:
         """The carry after the layers whose stacked weights are ``xs`` (a chunk:
         leading dim ``L / chunks``); ``values`` maps the scan's constants
         (variables) to their values."""
-        eqn = self.scan
-        closed = eqn.params["jaxpr"]
+        sc = jaxprs.scan(self.scan)
 
         def body(*args: Any) -> list:
-            env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-            env.update(zip(closed.jaxpr.invars, args, strict=True))
-            _run(closed.jaxpr.eqns, env)
-            return [_read(env, v) for v in closed.jaxpr.outvars]
+            env = dict(zip(sc.jaxpr.constvars, sc.consts, strict=True))
+            env.update(zip(sc.jaxpr.invars, args, strict=True))
+            _run(sc.jaxpr.eqns, env)
+            return [_read(env, v) for v in sc.jaxpr.outvars]
 
         consts = [
             _read(values, v) if not isinstance(v, jex.Literal) else v.val for v in self.consts
@@ -208,7 +206,7 @@ class SplitLoss:
 def _find_scan(jaxpr: Any, layers: int | None) -> int:
     scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
     if layers is not None:
-        scans = [i for i in scans if int(jaxpr.eqns[i].params["length"]) == layers]
+        scans = [i for i in scans if jaxprs.scan_length(jaxpr.eqns[i]) == layers]
     if not scans:
         raise PipelineError(
             op="pipeline",
@@ -222,9 +220,9 @@ def _find_scan(jaxpr: Any, layers: int | None) -> int:
 
 
 def _check_scan(eqn: Any, post_eqns: Sequence[Any], outvars: Sequence[Any]) -> None:
-    n_carry = eqn.params["num_carry"]
+    sc = jaxprs.scan(eqn)
     used = set(_free(post_eqns, outvars))
-    if eqn.params.get("reverse") or any(v in used for v in eqn.outvars[n_carry:]):
+    if sc.reverse or any(v in used for v in eqn.outvars[sc.num_carry :]):
         raise PipelineError(
             op="pipeline",
             must="the layer scan runs forward and the loss reads only its final carry",
@@ -268,7 +266,8 @@ def split_loss(
     eqn = jaxpr.eqns[index]
     post_eqns = jaxpr.eqns[index + 1 :]
     _check_scan(eqn, post_eqns, jaxpr.outvars[:1])
-    nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+    sc = jaxprs.scan(eqn)
+    nc, ncarry = sc.num_consts, sc.num_carry
     batch_vars = set(jaxpr.invars[n_params : n_params + n_batch])
     dep = _depends(jaxpr.eqns[:index], batch_vars)
     xs = tuple(eqn.invars[nc + ncarry :])
@@ -297,7 +296,7 @@ def split_loss(
     return SplitLoss(
         closed=closed,
         index=index,
-        layers=int(eqn.params["length"]),
+        layers=sc.length,
         n_params=n_params,
         n_batch=n_batch,
         xs=xs,

@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 
+from spmdkit import jaxprs
 from spmdkit.flax.model import ModelInfo, ParamInfo, unbound_axis_error
 from spmdkit.planner.logical import PlanError, axis_roles
 from spmdkit.planner.plans import Plan
@@ -101,9 +102,9 @@ def _sub_jaxpr(eqn: Any) -> Any:
     (``scan``: its body, whose scanned operands lose their leading dim)."""
     if eqn.primitive.name in ("while", "cond"):
         return None
-    for value in eqn.params.values():
-        jaxpr = getattr(value, "jaxpr", value)
-        if hasattr(jaxpr, "eqns") and len(jaxpr.invars) == len(eqn.invars):
+    for sub in jaxprs.sub_jaxprs(eqn):
+        jaxpr = jaxprs.open_jaxpr(sub)[0]
+        if len(jaxpr.invars) == len(eqn.invars):
             return jaxpr
     return None
 
@@ -253,10 +254,8 @@ def _sliced(entry: tuple[str, tuple], eqn: Any, i: int) -> tuple[str, tuple]:
     """A tracked parameter as a call's body sees operand ``i``: a ``scan`` hands
     its body one slice of each scanned operand (the leading dim dropped)."""
     path, dims = entry
-    if eqn.primitive.name == "scan":
-        first_xs = int(eqn.params["num_consts"]) + int(eqn.params["num_carry"])
-        if i >= first_xs:
-            return path, dims[1:]
+    if eqn.primitive.name == "scan" and i >= jaxprs.scan(eqn).first_xs:
+        return path, dims[1:]
     return path, dims
 
 

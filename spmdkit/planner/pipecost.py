@@ -64,6 +64,7 @@ from typing import Any, Literal
 import jax
 from jax.extend.core import Jaxpr, Var
 
+from spmdkit import jaxprs
 from spmdkit.pipeline import Action, Pipeline, Schedule, build_schedule, device_orders
 from spmdkit.pipeline.memory import StageSizes, stage_buffers
 from spmdkit.planner.analytic import (
@@ -105,7 +106,7 @@ def schedule_of(pipe: Pipeline) -> Schedule:
 
 
 def _is_layer_scan(eqn: Any, layers: int) -> bool:
-    return eqn.primitive.name == "scan" and int(eqn.params["length"]) == layers
+    return eqn.primitive.name == "scan" and jaxprs.scan_length(eqn) == layers
 
 
 def _contains_scan(jaxpr: Jaxpr, layers: int) -> bool:
@@ -118,14 +119,7 @@ def _contains_scan(jaxpr: Jaxpr, layers: int) -> bool:
 
 
 def _subs(eqn: Any) -> list[Jaxpr]:
-    out = []
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns"):
-                out.append(v)
-            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-                out.append(v.jaxpr)
-    return out
+    return [jaxprs.open_jaxpr(sub)[0] for sub in jaxprs.sub_jaxprs(eqn)]
 
 
 def _stages_in(jaxpr: Jaxpr, label: dict[Var, set[int]], layers: int) -> dict[int, str]:
@@ -143,7 +137,8 @@ def _stages_in(jaxpr: Jaxpr, label: dict[Var, set[int]], layers: int) -> dict[in
         union: set[int] = set().union(*ins) if ins else set()
         if not seen_scan and _is_layer_scan(eqn, layers):
             seen_scan = True
-            nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+            sc = jaxprs.scan(eqn)
+            nc, ncarry = sc.num_consts, sc.num_carry
             for i, s in enumerate(ins):
                 side = "first" if nc <= i < nc + ncarry else "layers"
                 for k in s:

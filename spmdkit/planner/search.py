@@ -57,6 +57,7 @@ from jax.extend.core import Jaxpr, JaxprEqn
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit import jaxprs
 from spmdkit.flax.model import ModelInfo, ParamInfo, describe, unbound_axis_error
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
@@ -169,7 +170,7 @@ def _jaxpr_flops(jaxpr: Jaxpr, *, batched_only: bool = False) -> float:
     for eqn in jaxpr.eqns:
         if not batched_only or (eqn.primitive.name == "dot_general" and _is_batched_dot(eqn)):
             total += _eqn_flops(eqn)
-        mult = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        mult = jaxprs.scan_length(eqn)
         for sub in _eqn_subs(eqn):
             total += mult * _jaxpr_flops(sub, batched_only=batched_only)
     return total
@@ -180,7 +181,8 @@ def _eqn_subs(eqn: JaxprEqn) -> Iterable[Jaxpr]:
     for a composite op's region the unsharded computation it stands for (so the
     attention region's dots count as the model's attention FLOPs, its grad region's
     recomputed forward included)."""
-    yield from _sub_jaxprs(eqn.params)
+    for sub in jaxprs.sub_jaxprs(eqn):
+        yield jaxprs.open_jaxpr(sub)[0]
     if eqn.primitive.name in REGIONS:
         avals = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars)
         p = eqn.params
@@ -191,15 +193,6 @@ def _eqn_subs(eqn: JaxprEqn) -> Iterable[Jaxpr]:
 def _region_jaxpr(prim: str, op: str, attrs: Any, diff: Any, avals: tuple) -> Jaxpr:
     fn = forward_fn(op, dict(attrs)) if prim == FORWARD else grad_fn(op, dict(attrs), diff)
     return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d) for s, d in avals)).jaxpr
-
-
-def _sub_jaxprs(params: Mapping[str, Any]) -> Iterable[Jaxpr]:
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns"):
-                yield v
-            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-                yield v.jaxpr
 
 
 def _optimizer(optimizer: GradientTransformation | None) -> GradientTransformation:
@@ -288,7 +281,7 @@ def _body_facts(jaxpr: Jaxpr) -> tuple[float, dict[str, float], float]:
         elif name == "name" and "name" in eqn.params:
             tag = str(eqn.params["name"])
             named[tag] = named.get(tag, 0.0) + _aval_bytes(eqn.outvars[0])
-        mult = eqn.params.get("length", 1) if name == "scan" else 1
+        mult = jaxprs.scan_length(eqn)
         for sub in _eqn_subs(eqn):
             d, n, a = _body_facts(sub)
             dots += mult * d
@@ -312,13 +305,12 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
             if eqn.primitive.name != "scan":
                 stack.extend(_eqn_subs(eqn))
                 continue
-            body = eqn.params["jaxpr"].jaxpr
-            length = int(eqn.params["length"])
+            sc = jaxprs.scan(eqn)
+            body, length = sc.jaxpr, sc.length
             flops = length * _jaxpr_flops(body)
             dots, named, attn = _body_facts(body)
             attn_total += length * attn
-            nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
-            carry = sum(_aval_bytes(v) for v in body.invars[nc : nc + ncarry])
+            carry = sum(_aval_bytes(v) for v in body.invars[sc.num_consts : sc.first_xs])
             scan = _LayerScan(length, carry, dots, named, flops)
             if length > 1 and (best is None or flops > best[0]):
                 best = (flops, scan)

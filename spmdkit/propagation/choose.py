@@ -30,6 +30,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from spmdkit import jaxprs
 from spmdkit.inference import InferenceResult, infer_backward, infer_forward
 from spmdkit.propagation.control import stack
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, vids
@@ -254,8 +255,8 @@ class Chooser:
     ) -> None:
         """Carry the hints on a scan's results into its body and back out to its
         operands (the stacked dim stays unsharded)."""
-        p = node.eqn.params
-        nc, nk = int(p["num_consts"]), int(p["num_carry"])
+        sc = jaxprs.scan(node.eqn)
+        nc, nk = sc.num_consts, sc.num_carry
         body = node.subs[0]
         inner: dict[int, TensorSpec] = {v: h for v, h in hints.items() if v in vids(body)}
         for j, (o, bo) in enumerate(zip(node.outs, body.outvars, strict=True)):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from spmdkit import jaxprs
 from spmdkit.inference import ArgReshard
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pricing import Pricer
@@ -208,8 +209,8 @@ def scan(
     runner: BodyRunner, node: Node, specs: Specs, spec: dict[int, TensorSpec]
 ) -> tuple[Specs, Specs, LoopBody]:
     """(required operands, results, body) of a ``scan`` node."""
-    p = node.eqn.params
-    nc, nk, length = int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
+    sc = jaxprs.scan(node.eqn)
+    nc, nk, length = sc.num_consts, sc.num_carry, sc.length
     body = node.subs[0]
     consts = [s.without_partial() for s in specs[:nc]]
     carry = [s.without_partial() for s in specs[nc : nc + nk]]
@@ -246,8 +247,8 @@ def while_loop(
     runner: BodyRunner, node: Node, specs: Specs, spec: dict[int, TensorSpec]
 ) -> tuple[Specs, Specs, LoopBody]:
     """(required operands, results, condition and body) of a ``while`` node."""
-    p = node.eqn.params
-    cn, bn = int(p["cond_nconsts"]), int(p["body_nconsts"])
+    loop = jaxprs.while_loop(node.eqn)
+    cn, bn = loop.cond_nconsts, loop.body_nconsts
     cconsts = [s.without_partial() for s in specs[:cn]]
     bconsts = [s.without_partial() for s in specs[cn : cn + bn]]
     carry = [s.without_partial() for s in specs[cn + bn :]]

@@ -22,13 +22,15 @@ import collections
 import math
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
+from spmdkit import jaxprs
 from spmdkit.errors import SpmdError
 from spmdkit.propagation.choose import Chooser
 from spmdkit.propagation.control import cond, scan, while_loop
-from spmdkit.propagation.graph import FlatProgram, Graph, Node, manual_axes
+from spmdkit.propagation.graph import FlatProgram, Graph, Node
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import (
     GENERATORS,
@@ -277,15 +279,15 @@ class Engine:
         pipeline's executor does) an operand keeps its layout, and a result
         shaped like an operand is taken to be laid out like it there (else
         replicated over them): the specs say nothing of those axes."""
-        p = node.eqn.params
+        in_specs, out_specs = jaxprs.shard_map_specs(node.eqn)
         try:
-            manual = _manual_axes(p)
+            manual = _manual_axes(node.eqn)
             req = tuple(
                 _on_manual(TensorSpec(s.shape, ps, dtype=s.dtype, mesh=self.mesh), s, manual)
-                for s, ps in zip(specs, p["in_specs"], strict=True)
+                for s, ps in zip(specs, in_specs, strict=True)
             )
             outs = []
-            for o, ps in zip(node.outs, p["out_specs"], strict=True):
+            for o, ps in zip(node.outs, out_specs, strict=True):
                 out = TensorSpec(self.prog.shapes[o], ps, dtype=self.prog.dtypes[o], mesh=self.mesh)
                 like = next((r for r in req if (r.shape, r.dtype) == (out.shape, out.dtype)), None)
                 outs.append(out if like is None else _on_manual(out, like, manual))
@@ -295,13 +297,12 @@ class Engine:
             return self._unknown(node, specs)
 
 
-def _manual_axes(params: dict) -> frozenset | None:
-    """The axes a ``shard_map`` equation makes manual; None when all of them
-    (jax 0.10 names the parameter ``newly_manual_axes``, later ones ``manual_axes``)."""
-    names = manual_axes(params)
+def _manual_axes(eqn: Any) -> frozenset | None:
+    """The axes a ``shard_map`` equation makes manual; None when all of them."""
+    names = jaxprs.manual_axes(eqn)
     if not names:
         return None
-    mesh_axes = frozenset(getattr(params.get("mesh"), "axis_names", ()))
+    mesh_axes = frozenset(getattr(jaxprs.shard_map_mesh(eqn), "axis_names", ()))
     return None if not mesh_axes or names >= mesh_axes else names
 
 
@@ -319,4 +320,4 @@ def _on_manual(given: TensorSpec, outer: TensorSpec, manual: frozenset | None) -
 
 
 def _loop_attrs(node: Node) -> dict:
-    return {"length": int(node.eqn.params["length"])} if node.kind == "scan" else {}
+    return {"length": jaxprs.scan_length(node.eqn)} if node.kind == "scan" else {}

@@ -25,14 +25,14 @@ import jax
 import jax.extend.core
 import numpy as np
 
+from spmdkit import jaxprs
+
 __all__ = [
     "FlatProgram",
     "Graph",
     "Group",
     "Node",
     "dce",
-    "inline_body",
-    "open_jaxpr",
     "producers",
     "stationary",
     "trace",
@@ -40,28 +40,6 @@ __all__ = [
     "uses",
     "vids",
 ]
-
-# Inlined call-like primitives that must stay one unit when a program is replayed.
-_REMAT_PRIMS = frozenset({"remat", "remat2", "checkpoint"})
-
-# Call-like primitives whose body is inlined: (param holding the body).
-_INLINE = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_INLINE_PRIMS = frozenset(
-    {
-        "jit",
-        "pjit",
-        "closed_call",
-        "core_call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "remat",
-        "remat2",
-        "checkpoint",
-        "custom_lin",
-    }
-)
-
 
 # -- tracing --------------------------------------------------------------------
 
@@ -169,7 +147,7 @@ class FlatProgram:
         self, closed: Any, ins: Sequence[int] | None = None, backward: bool = False
     ) -> tuple[Graph, dict[Any, int]]:
         """The graph of a (closed) jaxpr, and its jaxpr variable → value id map."""
-        jaxpr, consts = open_jaxpr(closed)
+        jaxpr, consts = jaxprs.open_jaxpr(closed)
         env: dict[Any, int] = {}
         self._bind_consts(jaxpr.constvars, consts, env)
         invars = []
@@ -208,7 +186,7 @@ class FlatProgram:
             name = eqn.primitive.name
             bwd = backward or "transpose(" in str(eqn.source_info.name_stack)
             ins = [self._read(env, v) for v in eqn.invars]
-            body = inline_body(eqn) if name in _INLINE_PRIMS else None
+            body = jaxprs.call_body(eqn)
             if body is not None:
                 self._inline(eqn, body, ins, env, nodes, bwd, group)
                 continue
@@ -218,16 +196,17 @@ class FlatProgram:
             node = Node(name, eqn, ins, outs, bwd, group=group)
             if name == "scan":
                 node.kind = "scan"
-                node.subs = [self.graph(eqn.params["jaxpr"], backward=bwd)[0]]
+                node.subs = [self.graph(jaxprs.scan(eqn).body, backward=bwd)[0]]
             elif name == "while":
                 node.kind = "while"
+                loop = jaxprs.while_loop(eqn)
                 node.subs = [
-                    self.graph(eqn.params["cond_jaxpr"], backward=bwd)[0],
-                    self.graph(eqn.params["body_jaxpr"], backward=bwd)[0],
+                    self.graph(loop.cond, backward=bwd)[0],
+                    self.graph(loop.body, backward=bwd)[0],
                 ]
             elif name == "cond":
                 node.kind = "cond"
-                node.subs = [self.graph(b, backward=bwd)[0] for b in eqn.params["branches"]]
+                node.subs = [self.graph(b, backward=bwd)[0] for b in jaxprs.cond_branches(eqn)]
             elif name == "shard_map":
                 node.kind = "shard_map"
             nodes.append(node)
@@ -243,35 +222,19 @@ class FlatProgram:
         group: Group | None,
     ) -> None:
         """Walk a call-like equation's body into ``nodes`` (a remat body as one group)."""
-        inner, consts = open_jaxpr(body)
+        inner, consts = jaxprs.open_jaxpr(body)
         sub_env: dict[Any, int] = {}
         self._bind_consts(inner.constvars, consts, sub_env)
         for v, vid in zip(inner.invars, ins, strict=True):
             sub_env[v] = vid
         g = group
-        if g is None and eqn.primitive.name in _REMAT_PRIMS:
+        if g is None and eqn.primitive.name in jaxprs.REMAT_PRIMITIVES:
             g = Group(eqn, ins)
         self._walk(inner, sub_env, nodes, backward, g)
         for v, o in zip(eqn.outvars, inner.outvars, strict=True):
             env[v] = self._read(sub_env, o)
         if g is not None and g is not group:
             g.outs = [env[v] for v in eqn.outvars]
-
-
-def open_jaxpr(closed: Any) -> tuple[Any, list]:
-    """(jaxpr, constant values) of a closed jaxpr; an open jaxpr has none."""
-    if hasattr(closed, "jaxpr") and hasattr(closed, "consts"):
-        return closed.jaxpr, list(closed.consts)
-    return closed, []
-
-
-def inline_body(eqn: Any) -> Any:
-    """The body of a call-like equation (None when it has none)."""
-    for key in _INLINE:
-        body = eqn.params.get(key)
-        if body is not None and hasattr(open_jaxpr(body)[0], "eqns"):
-            return body
-    return None
 
 
 def dce(graph: Graph) -> None:
@@ -341,7 +304,8 @@ def stationary(graph: Graph, seeds: set[int]) -> set[int]:
         subs = node.subs
         if node.kind == "scan":
             body = subs[0]
-            nc, nk = int(node.eqn.params["num_consts"]), int(node.eqn.params["num_carry"])
+            sc = jaxprs.scan(node.eqn)
+            nc, nk = sc.num_consts, sc.num_carry
             ins = {b for b, h in zip(body.invars, hit, strict=True) if h}
             for _ in range(2):  # a carry fed by the batch is an activation next time round
                 got = stationary(body, ins)
@@ -354,13 +318,3 @@ def stationary(graph: Graph, seeds: set[int]) -> set[int]:
             for b in subs:
                 out |= stationary(b, set(b.invars))
     return out
-
-
-def manual_axes(params: dict) -> frozenset:
-    """The mesh axes a ``shard_map`` equation (its ``params``) makes manual, empty
-    when it names none (jax 0.10 calls the parameter ``newly_manual_axes``, later
-    ones ``manual_axes``; ``axis_names`` before either)."""
-    for key in ("newly_manual_axes", "manual_axes", "axis_names"):
-        if params.get(key) is not None:
-            return frozenset(params[key])
-    return frozenset()

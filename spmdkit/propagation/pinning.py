@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from spmdkit import jaxprs
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.steps import Step
@@ -174,7 +175,7 @@ def _scan_ys(node: Node, outs: Sequence[TensorSpec | None]) -> dict[int, TensorS
     body returns twice, or as carry too, is left alone."""
     if node.kind != "scan":
         return {}
-    nk = int(node.eqn.params["num_carry"])
+    nk = jaxprs.scan(node.eqn).num_carry
     body = node.subs[0]
     ys: dict[int, TensorSpec | None] = {}
     for bo, s in zip(body.outvars[nk:], outs[nk:], strict=True):

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from spmdkit import jaxprs
 from spmdkit.inference import ArgReshard, infer_forward
 from spmdkit.propagation.cse import ValueNumbers
-from spmdkit.propagation.graph import inline_body, manual_axes, open_jaxpr
 from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.pricing import Pricer, node_flops, reshard_once
@@ -285,8 +285,9 @@ class Recorder:
         )
         merged = self.numbers.merge(node, req, outs, self.numbers.scope(node, scope))
         if node.kind == "shard_map":
-            layouts = self._operand_layouts(node.eqn.params, req)
-            reshards += tuple(self._manual_collectives(node.eqn.params["jaxpr"], layouts))
+            layouts = self._operand_layouts(jaxprs.manual_axes(node.eqn), req)
+            body = jaxprs.open_jaxpr(jaxprs.shard_map_body(node.eqn))[0]
+            reshards += tuple(self._manual_collectives(body, layouts))
         if node.prim in REGIONS:
             reshards += tuple(self._region_collectives(node, attrs, req))
         else:
@@ -330,12 +331,12 @@ class Recorder:
         runs once (XLA inlines it; its operands are the caller's values, the
         ``xs`` sliced at 0), else the loop's own."""
         node = step.node
-        if node.kind != "scan" or int(node.eqn.params["length"]) != 1:
+        if node.kind != "scan" or jaxprs.scan_length(node.eqn) != 1:
             return ("loop", id(node))
-        nc, nk = int(node.eqn.params["num_consts"]), int(node.eqn.params["num_carry"])
+        first_xs = jaxprs.scan(node.eqn).first_xs
         body = node.subs[0]
         for i, (b, v) in enumerate(zip(body.invars, node.ins, strict=True)):
-            if i < nc + nk:
+            if i < first_xs:
                 self.numbers.alias(b, v)
             else:
                 self.numbers.derived(b, ("x0", scope, self.numbers.of(v), step.required[i]))
@@ -344,7 +345,7 @@ class Recorder:
     def _leave(self, step: Step, scope: Any) -> None:
         """A once-run scan's results are its body's (``ys`` stacked)."""
         node = step.node
-        nk = int(node.eqn.params["num_carry"])
+        nk = jaxprs.scan(node.eqn).num_carry
         body = node.subs[0]
         for k, (b, o) in enumerate(zip(body.outvars, node.outs, strict=True)):
             if k < nk:
@@ -375,13 +376,12 @@ class Recorder:
             backward=False,
         )
 
-    def _operand_layouts(self, params: dict, req: Sequence[TensorSpec]) -> dict[tuple, int]:
+    def _operand_layouts(self, manual: frozenset, req: Sequence[TensorSpec]) -> dict[tuple, int]:
         """A partially manual ``shard_map``'s operands, by their shape inside the
         body (leading 1s dropped): how many devices of the axes left automatic
         split each (its layout there is the outer one, see the engine); then
         those of the earlier ``shard_map``s manual over the same axes (a
         forward's, for its transpose, whose operands are residuals)."""
-        manual = manual_axes(params)
         sizes = axis_sizes(self.mesh)
         if not manual or manual >= set(sizes):
             return {}
@@ -411,9 +411,9 @@ class Recorder:
         sizes = axis_sizes(self.mesh)
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            body = inline_body(eqn)
+            body = jaxprs.call_body(eqn)
             if body is not None:
-                out += self._manual_collectives(open_jaxpr(body)[0], layouts)
+                out += self._manual_collectives(jaxprs.open_jaxpr(body)[0], layouts)
                 continue
             if name not in _MANUAL:
                 continue

@@ -25,8 +25,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from spmdkit import jaxprs
 from spmdkit.inference import infer_forward
-from spmdkit.propagation.graph import FlatProgram, inline_body, open_jaxpr
+from spmdkit.propagation.graph import FlatProgram
 from spmdkit.propagation.memory import fused_values, program_temp_bytes
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes
@@ -423,10 +424,10 @@ def _drop_dead(graph: Any) -> None:
 def _shard_map_body(jaxpr: Any) -> Any:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            return eqn.params["jaxpr"]
-        inner = inline_body(eqn)
+            return jaxprs.shard_map_body(eqn)
+        inner = jaxprs.call_body(eqn)
         if inner is not None:
-            found = _shard_map_body(open_jaxpr(inner)[0])
+            found = _shard_map_body(jaxprs.open_jaxpr(inner)[0])
             if found is not None:
                 return found
     return None
@@ -438,7 +439,7 @@ def _collectives(nodes: Sequence[Any], mesh: MeshLike) -> list[tuple]:
     sizes = axis_sizes(mesh)
     out = []
     for node in nodes:
-        trips = int(node.eqn.params.get("length", 1)) if node.prim == "scan" else 1
+        trips = jaxprs.scan_length(node.eqn)
         for sub in node.subs:
             out += _collectives(sub.nodes, mesh) * trips
         if node.prim not in MANUAL_COLLECTIVES:

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from spmdkit import jaxprs
 from spmdkit.pipeline.execute import (
     BACKWARD_SCOPE,
     FORWARD_SCOPE,
@@ -45,7 +46,6 @@ from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
 from spmdkit.pipeline.schedule import Pipeline
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
-from spmdkit.propagation.graph import inline_body, manual_axes, open_jaxpr
 from spmdkit.spec import axis_sizes
 from spmdkit.verification.compiled import CompiledReport
 
@@ -154,8 +154,9 @@ def _propagated_permutes(jaxpr: Any, axis: str, inside: bool = False) -> int:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "shard_map":
-            if axis in manual_axes(eqn.params):
-                total += _propagated_permutes(open_jaxpr(eqn.params["jaxpr"])[0], axis, True)
+            if axis in jaxprs.manual_axes(eqn):
+                body = jaxprs.open_jaxpr(jaxprs.shard_map_body(eqn))[0]
+                total += _propagated_permutes(body, axis, True)
             continue
         if inside:
             if name == "ppermute":
@@ -166,15 +167,12 @@ def _propagated_permutes(jaxpr: Any, axis: str, inside: bool = False) -> int:
                         math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars
                     )
                 continue
-            body = inline_body(eqn)
+            body = jaxprs.call_body(eqn)
             if body is not None:
-                total += _propagated_permutes(open_jaxpr(body)[0], axis, True)
+                total += _propagated_permutes(jaxprs.open_jaxpr(body)[0], axis, True)
             continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    total += _propagated_permutes(inner, axis)
+        for sub in jaxprs.sub_jaxprs(eqn):
+            total += _propagated_permutes(jaxprs.open_jaxpr(sub)[0], axis)
     return total
 
 
@@ -183,14 +181,11 @@ def _pipeline_shard_maps(jaxpr: Any, axis: str) -> Iterator[Any]:
     bodies of its other equations, in program order (not inside them)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            if axis in manual_axes(eqn.params):
+            if axis in jaxprs.manual_axes(eqn):
                 yield eqn
             continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _pipeline_shard_maps(inner, axis)
+        for sub in jaxprs.sub_jaxprs(eqn):
+            yield from _pipeline_shard_maps(jaxprs.open_jaxpr(sub)[0], axis)
 
 
 def _split_bytes(v: Any, spec: Any, sizes: dict[str, int]) -> float:
@@ -208,8 +203,9 @@ def _scattered_outputs(
     out_specs' size; the accumulators are whole until the step's end)."""
     total = 0.0
     for eqn in _pipeline_shard_maps(jaxpr, axis):
-        factors = _scatter_factors(open_jaxpr(eqn.params["jaxpr"])[0], sizes, batch)
-        for v, spec, k in zip(eqn.outvars, eqn.params["out_specs"], factors, strict=True):
+        factors = _scatter_factors(jaxprs.open_jaxpr(jaxprs.shard_map_body(eqn))[0], sizes, batch)
+        out_specs = jaxprs.shard_map_specs(eqn)[1]
+        for v, spec, k in zip(eqn.outvars, out_specs, factors, strict=True):
             total += _split_bytes(v, spec, sizes) * (k - 1)
     return total
 
@@ -245,7 +241,7 @@ def _propagated_outputs(jaxpr: Any, axis: str, sizes: dict[str, int]) -> list[fl
     return [
         sum(
             _split_bytes(v, spec, sizes)
-            for v, spec in zip(eqn.outvars, eqn.params["out_specs"], strict=True)
+            for v, spec in zip(eqn.outvars, jaxprs.shard_map_specs(eqn)[1], strict=True)
             if v.aval.shape
         )
         for eqn in _pipeline_shard_maps(jaxpr, axis)

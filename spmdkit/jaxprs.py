@@ -1,0 +1,275 @@
+"""Reading jaxprs on every supported jax: the one module that knows how each release
+spells its control-flow and call equations.
+
+spmdkit reads traced programs (jaxprs) to plan, cost, split and rewrite them.
+jax changes how some equations carry their structure between releases, so every
+other module asks this one instead of indexing ``eqn.params`` of control flow
+(``tests/test_architecture.py`` fails when one does). What changed, by release:
+
+==================  ===================================  ==================================
+equation            jax 0.10                             jax 0.11 and 0.12
+==================  ===================================  ==================================
+``scan``            ``num_consts``, ``num_carry``;        ``ft_in``: a flat tree of three
+                    body a ``ClosedJaxpr``                 groups (consts, carry, xs); body a
+                                                           ``Jaxpr`` that carries its consts
+``while``           ``cond_nconsts``/``body_nconsts``;    same counts; bodies are ``Jaxpr``
+                    bodies ``ClosedJaxpr``
+``cond``            ``branches``: ``ClosedJaxpr``s        ``branches``: ``Jaxpr``s
+``jit``/``pjit``,   ``jaxpr``/``call_jaxpr``:             ``Jaxpr`` (``jaxpr.jaxpr`` is the
+``custom_*``        ``ClosedJaxpr``                       jaxpr itself, ``.consts`` its
+                                                          constants)
+``shard_map``       ``manual_axes`` or                    ``newly_manual_axes``
+                    ``newly_manual_axes``
+``remat``           ``jaxpr``: an open ``Jaxpr``          same
+==================  ===================================  ==================================
+
+Everything here works on what the running jax hands out; nothing converts a jaxpr
+from one release's form to another's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax.extend.core as jex
+
+__all__ = [
+    "CALL_PRIMITIVES",
+    "REMAT_PRIMITIVES",
+    "Scan",
+    "WhileLoop",
+    "call_body",
+    "closed",
+    "cond_branches",
+    "is_literal",
+    "manual_axes",
+    "open_jaxpr",
+    "scan",
+    "scan_length",
+    "shard_map_body",
+    "shard_map_mesh",
+    "shard_map_specs",
+    "sub_jaxprs",
+    "body_params",
+    "walk_eqns",
+    "while_loop",
+    "with_body",
+]
+
+
+#: Recompute (``jax.checkpoint``) primitives: their body is an open jaxpr in ``jaxpr``.
+REMAT_PRIMITIVES = frozenset({"remat", "remat2", "checkpoint"})
+
+#: Call-like primitive → the parameter holding its body.
+CALL_PRIMITIVES: Mapping[str, str] = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+
+
+def is_literal(v: Any) -> bool:
+    """Is ``v`` (an equation operand) a literal constant rather than a variable?"""
+    return isinstance(v, jex.Literal)
+
+
+def open_jaxpr(body: Any) -> tuple[Any, list]:
+    """(jaxpr, constant values) of a body: ``ClosedJaxpr`` (jax 0.10) and ``Jaxpr``
+    with consts (jax 0.11+) give their constants; an open jaxpr gives none."""
+    if hasattr(body, "jaxpr") and hasattr(body, "consts"):
+        return body.jaxpr, list(body.consts)
+    return body, []
+
+
+def closed(jaxpr: Any, consts: list | tuple = ()) -> Any:
+    """The running jax's closed jaxpr of an open ``jaxpr`` and its ``consts`` (what
+    a ``scan``/``jit`` equation's body parameter holds)."""
+    return jex.ClosedJaxpr(jaxpr, list(consts))
+
+
+def _has_eqns(value: Any) -> bool:
+    return hasattr(open_jaxpr(value)[0], "eqns")
+
+
+# -- scan, while, cond ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scan:
+    """A ``scan`` equation read: its operands are ``consts``, then the initial
+    ``carry``, then the scanned ``xs``; its results the final carry, then ``ys``.
+
+    Attributes:
+      body: the body as the equation holds it (closed).
+      jaxpr: the body's open jaxpr (invars: consts, carry, one slice of each xs).
+      consts: the body's own constant values (``jaxpr.constvars``).
+      length: trip count.
+      reverse: whether it runs from the last slice to the first.
+      num_consts: how many operands are loop-invariant.
+      num_carry: how many are carried.
+      unroll: how many iterations XLA runs per loop trip.
+    """
+
+    body: Any
+    jaxpr: Any
+    consts: tuple
+    length: int
+    reverse: bool
+    num_consts: int
+    num_carry: int
+    unroll: int | bool = 1
+
+    @property
+    def num_xs(self) -> int:
+        """How many operands are scanned over (leading dim ``length``)."""
+        return len(self.jaxpr.invars) - self.num_consts - self.num_carry
+
+    @property
+    def first_xs(self) -> int:
+        """The operand index of the first scanned operand."""
+        return self.num_consts + self.num_carry
+
+
+def _scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    groups = params["ft_in"].unpack()  # jax 0.11+: (consts, carry, xs)
+    return len(groups[0]), len(groups[1])
+
+
+def scan(eqn: Any) -> Scan:
+    """The parts of a ``scan`` equation."""
+    p = eqn.params
+    nc, nk = _scan_counts(p)
+    jaxpr, consts = open_jaxpr(p["jaxpr"])
+    return Scan(
+        body=p["jaxpr"],
+        jaxpr=jaxpr,
+        consts=tuple(consts),
+        length=int(p["length"]),
+        reverse=bool(p["reverse"]),
+        num_consts=nc,
+        num_carry=nk,
+        unroll=p.get("unroll", 1),
+    )
+
+
+@dataclass(frozen=True)
+class WhileLoop:
+    """A ``while`` equation read: operands are the condition's consts, the body's
+    consts, then the carry.
+
+    Attributes:
+      cond: the condition (closed).
+      body: the body (closed).
+      cond_nconsts: how many operands only the condition reads.
+      body_nconsts: how many operands only the body reads.
+    """
+
+    cond: Any
+    body: Any
+    cond_nconsts: int
+    body_nconsts: int
+
+
+def while_loop(eqn: Any) -> WhileLoop:
+    """The parts of a ``while`` equation."""
+    p = eqn.params
+    return WhileLoop(
+        p["cond_jaxpr"], p["body_jaxpr"], int(p["cond_nconsts"]), int(p["body_nconsts"])
+    )
+
+
+def cond_branches(eqn: Any) -> list:
+    """The branches (closed) of a ``cond`` equation; its first operand picks one."""
+    return list(eqn.params["branches"])
+
+
+# -- calls, shard_map ----------------------------------------------------------------
+
+
+def call_body(eqn: Any) -> Any | None:
+    """The body of a call-like equation (``jit``, ``closed_call``, ``custom_jvp_call``,
+    ``custom_vjp_call``, ``remat``), as the equation holds it; None for others.
+    Its invars line up with the equation's operands."""
+    key = CALL_PRIMITIVES.get(eqn.primitive.name)
+    body = eqn.params.get(key) if key else None
+    return body if body is not None and _has_eqns(body) else None
+
+
+def shard_map_body(eqn: Any) -> Any:
+    """The per-device body of a ``shard_map`` equation."""
+    return eqn.params["jaxpr"]
+
+
+def shard_map_specs(eqn: Any) -> tuple[tuple, tuple]:
+    """(in_specs, out_specs) of a ``shard_map`` equation."""
+    return tuple(eqn.params["in_specs"]), tuple(eqn.params["out_specs"])
+
+
+def manual_axes(eqn_or_params: Any) -> frozenset:
+    """The mesh axes a ``shard_map`` equation (or its ``params``) makes manual, empty
+    when it names none (jax 0.10 calls the parameter ``manual_axes`` or
+    ``newly_manual_axes``, later ones ``newly_manual_axes``; ``axis_names`` before)."""
+    params = getattr(eqn_or_params, "params", eqn_or_params)
+    for key in ("newly_manual_axes", "manual_axes", "axis_names"):
+        if params.get(key) is not None:
+            return frozenset(params[key])
+    return frozenset()
+
+
+def shard_map_mesh(eqn: Any) -> Any:
+    """The mesh a ``shard_map`` equation runs over."""
+    return eqn.params.get("mesh")
+
+
+# -- walking -------------------------------------------------------------------------
+
+
+def sub_jaxprs(eqn: Any) -> list:
+    """Every jaxpr nested in an equation's parameters (a scan's body, a while's
+    condition and body, a cond's branches, a call's body, a shard_map's body), as
+    the equation holds them, in parameter order. Thunks (a custom_vjp's backward)
+    are not jaxprs yet and are left out."""
+    out = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if _has_eqns(v):
+                out.append(v)
+    return out
+
+
+def walk_eqns(jaxpr: Any, times: int = 1) -> Iterator[tuple[Any, int]]:
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it, depth first, with
+    how many times it runs per run of ``jaxpr`` (scan trip counts multiplied)."""
+    for eqn in open_jaxpr(jaxpr)[0].eqns:
+        yield eqn, times
+        for sub in sub_jaxprs(eqn):
+            yield from walk_eqns(sub, times * scan_length(eqn))
+
+
+def body_params(eqn: Any, body: Any) -> dict:
+    """``eqn``'s parameters with its body replaced (a scan's, a call's or a
+    shard_map's): what ``eqn.replace(params=...)`` or a ``bind`` takes."""
+    name = eqn.primitive.name
+    key = "jaxpr" if name in ("scan", "shard_map") else CALL_PRIMITIVES[name]
+    return {**eqn.params, key: body}
+
+
+def with_body(eqn: Any, body: Any) -> Any:
+    """``eqn`` with its body replaced (a scan's, a call's or a shard_map's)."""
+    return eqn.replace(params=body_params(eqn, body))
+
+
+def scan_length(eqn: Any) -> int:
+    """The trip count of a ``scan`` equation (1 for any other equation)."""
+    return int(eqn.params["length"]) if eqn.primitive.name == "scan" else 1
