@@ -241,6 +241,12 @@ RULES = tuple(
                 dtype=_bool_dtype,
             ),
             _binary("or", jnp.logical_or, "NONE", examples=_BOOL_EX, dtype=_bool_dtype),
+            _unary(
+                "one_minus_square",
+                lambda x: 1 - x * x,
+                "NONE",
+                doc="1 - x * x: tanh's derivative, one primitive since jax 0.12",
+            ),
             _binary("pow", jnp.power, "NONE", examples=_POS_BINARY_EX),
             _unary(
                 "reciprocal",

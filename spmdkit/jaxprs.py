@@ -67,6 +67,7 @@ CALL_PRIMITIVES: Mapping[str, str] = {
     "pjit": "jaxpr",
     "jit": "jaxpr",
     "closed_call": "call_jaxpr",
+    "eval_jaxpr": "call_jaxpr",  # jax 0.12's closed_call
     "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",

@@ -44,7 +44,7 @@ from spmdkit.pipeline.rows import register_body
 from spmdkit.registry import get_rule
 from spmdkit.rule import LocalContext, without_strategy
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
-from spmdkit.util import freeze
+from spmdkit.util import as_unreduced, freeze
 
 __all__ = [
     "FORWARD",
@@ -294,7 +294,8 @@ def _grad_program(
         # shard_map's autodiff sums the cotangent of an input over the axes it is
         # invariant on: that is the grad rule's partial sum over those axes
         _, vjp = jax.vjp(f, *(x for x, on in zip(xs, diff, strict=True) if on))
-        return tuple(vjp(tuple(cts)))
+        grads = vjp(tuple(cts))
+        return tuple(as_unreduced(g, s) for g, s in zip(grads, produced, strict=True))
 
     return jax.shard_map(
         body,

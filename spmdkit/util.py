@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "as_unreduced",
     "H100_BF16_PEAK_FLOPS",
     "contraction_flops",
     "fmt_bytes",
@@ -125,3 +126,22 @@ def freeze(value: Any) -> Any:
         return tuple(freeze(v) for v in value)
     hash(value)
     return value
+
+
+def as_unreduced(y: Any, spec: Any) -> Any:
+    """A local value typed as holding the pending sums of ``spec`` (a ``TensorSpec``),
+    inside a ``shard_map`` that checks types (``check_vma``): jax 0.11+ refuses an
+    ``unreduced`` out-spec for a result not typed unreduced. A value the same on
+    every device of an axis is first made varying over it (each device's piece of
+    the sum)."""
+    axes = tuple(a for a, _ in spec.partial)
+    if not axes:
+        return y
+    import jax  # only inside shard_map bodies; util stays import-light
+
+    mat = getattr(jax.typeof(y), "mat", None)
+    varying = getattr(mat, "varying", frozenset())
+    same = tuple(a for a in axes if a not in varying)
+    if same:
+        y = jax.lax.pcast(y, same, to="varying")
+    return jax.lax.pcast(y, axes, to="unreduced")

@@ -530,7 +530,7 @@ class Plan:
                 getattr(jax.sharding.AxisType, t.capitalize()) for t in m["axis_types"]
             )
             if m.get("axis_types")
-            else None,
+            else (jax.sharding.AxisType.Auto,) * len(m["axis_names"]),
         )
         out = cls(
             mesh=saved,

@@ -114,6 +114,7 @@ _ELEMENTWISE = frozenset(
         "ne",
         "neg",
         "not",
+        "one_minus_square",
         "or",
         "pow",
         "rsqrt",

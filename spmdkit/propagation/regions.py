@@ -294,7 +294,11 @@ def _traced(
     prim, op, frozen, diff, attrs = key
     params = {"op": op, "attrs": frozen, "diff": diff}
     # traced on Auto axes: only the body's local shapes and collectives are read
-    auto = jax.sharding.AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names))
+    auto = jax.sharding.AbstractMesh(
+        tuple(mesh.axis_sizes),
+        tuple(mesh.axis_names),
+        axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
+    )
     try:
         run = region_program(prim, params, dict(attrs), required, produced, auto)
     except RULE_ERRORS:

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.errors import ReshardError
 from spmdkit.resharding.plan import Collective, ReshardPlan, plan_reshard
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.util import as_unreduced
 
 __all__ = ["empty_array", "reshard", "run_plan", "step_fn"]
 
@@ -339,10 +340,27 @@ def empty_array(
     make = jax.shard_map(
         # the block depends on x (a sum over its empty block, 0): a program whose
         # outputs use no input loses its devices when jit lowers it
-        lambda y: jnp.zeros(block, dtype) + jnp.sum(y).astype(dtype),
+        # (typed unreduced where the target is sum-partial: jax 0.11+ compiles no
+        # unreduced result from an untyped one)
+        lambda y: as_unreduced(jnp.zeros(block, dtype) + jnp.sum(y).astype(dtype), spec),
         mesh=mesh,
         in_specs=x_spec.without_partial().to_partition_spec(),
         out_specs=pspec,
-        check_vma=False,
+        check_vma=bool(spec.partial),
     )
-    return make(x) if traced else jax.jit(make)(x)
+    if traced:
+        return make(x)
+    try:
+        return jax.jit(make)(x)
+    except jax.errors.JaxRuntimeError as e:
+        if "unreduced" not in str(e):
+            raise
+        # jax 0.11+ compiles no zero-size unreduced result (jax.device_put fails too)
+        raise ReshardError(
+            op="reshard",
+            must="an empty array can be made sum-partial outside jit on this jax",
+            given=f"a zero-size {spec} on jax {jax.__version__}, which refuses to "
+            "compile an empty unreduced result",
+            fix="reshard it to the layout without the pending sum (an empty array has "
+            "nothing to sum), or inside jax.jit",
+        ) from None

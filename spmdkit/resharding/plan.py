@@ -68,7 +68,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 
 from spmdkit.errors import ReshardError, SpmdError
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
@@ -495,7 +495,7 @@ def _plan_cached(
         shape=src.shape,
         itemsize=4 if dtype is None else dtype.itemsize,
         sizes=dict(mesh_axes),
-        mesh=AbstractMesh(sizes, names),
+        mesh=AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names)),
         topology=topology,
         goal=_state(dst),
     )

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.propagation import propagate
 from spmdkit.region import region_call
+from spmdkit.versions import parse_version
 
 MESH = sk.abstract_mesh(a=2, b=4)
 X = jax.ShapeDtypeStruct((8, 16), "float32")
@@ -97,6 +98,13 @@ def test_rows_sharded_logits_keep_the_name_default():
     assert prop.region_strategies()["softmax_cross_entropy"] == {"default": 1}
 
 
+@pytest.mark.xfail(
+    parse_version(jax.__version__) >= (0, 11),
+    strict=True,
+    reason="XLA in jax 0.11+ runs the grad region's recomputed K/V all-gathers again "
+    "(all_gather 16 KiB compiled, 8 KiB predicted): the prediction models jax 0.10's "
+    "XLA, which computes them once with the forward region's",
+)
 def test_attention_gather_kv_regions_predict_the_compiled_collectives():
     """gather_kv: the grad region's program gathers K and V (its recomputed
     forward) and reduce-scatters dK, dV; XLA computes the gathers once with the

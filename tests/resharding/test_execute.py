@@ -15,6 +15,7 @@ from spmdkit.mesh import abstract_mesh
 from spmdkit.resharding import plan_reshard, reshard, run_plan, step_fn
 from spmdkit.spec import TensorSpec, axis_sizes
 from spmdkit.verification.hlo import check_plan, parse_collectives, summarize
+from spmdkit.versions import parse_version
 
 M1 = abstract_mesh(x=4)
 F32 = "float32"
@@ -218,6 +219,12 @@ def test_zero_size_arrays_move_between_every_layout_without_a_collective(mesh2d)
         want = NamedSharding(mesh2d, dst).shard_shape((0, 8))
         assert {s.data.shape for s in out.addressable_shards} == {want}
         assert np.asarray(out).shape == (0, 8)
-    # onto a sum-partial target
-    part = reshard(placed, TensorSpec((0, 8), P(None, "b"), partial={"a": "sum"}))
-    assert part.shape == (0, 8) and "a" in part.sharding.spec.unreduced
+    # onto a sum-partial target: jax 0.11+ compiles no empty unreduced array (its
+    # own jax.device_put fails), which reshard says in a typed error
+    target = TensorSpec((0, 8), P(None, "b"), partial={"a": "sum"})
+    if parse_version(jax.__version__) >= (0, 11):
+        with pytest.raises(ReshardError, match="empty array"):
+            reshard(placed, target)
+    else:
+        part = reshard(placed, target)
+        assert part.shape == (0, 8) and "a" in part.sharding.spec.unreduced

@@ -218,7 +218,8 @@ def _sum_partial(mesh, x, axis):
     n = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[axis]
 
     def body(y):
-        return y * (jax.lax.axis_index(axis) + 1).astype(y.dtype) * (2.0 / (n * (n + 1)))
+        y = y * (jax.lax.axis_index(axis) + 1).astype(y.dtype) * (2.0 / (n * (n + 1)))
+        return jax.lax.pcast(y, axis, to="unreduced")  # typed as the pending sum
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(unreduced={axis}))
     return jax.jit(fn)(x)

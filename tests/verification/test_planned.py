@@ -22,6 +22,7 @@ from spmdkit.verification.planned import (
     unsliced_plan_bytes,
     verify_plan,
 )
+from spmdkit.versions import parse_version
 
 S = jax.ShapeDtypeStruct
 
@@ -75,6 +76,13 @@ def test_verification_never_imports_compile():
         assert not [m for m in names if m.startswith("spmdkit.compile")], module.__name__
 
 
+@pytest.mark.xfail(
+    parse_version(jax.__version__) >= (0, 11),
+    strict=True,
+    reason="XLA:CPU in jax 0.11+ holds these bf16 temporaries as bf16 (peak: native "
+    "prediction 1.19 MiB, held_on_cpu 1.50 MiB, compiled 1.25 MiB): held_on_cpu models "
+    "jax 0.10's XLA:CPU",
+)
 def test_cpu_holds_bf16_temporaries_in_float32():
     """A bf16 MLP's gradient on 8 CPU devices (batch-parallel, activations
     dominate): XLA:CPU computes the dots and activations in float32, so the
