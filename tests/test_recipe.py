@@ -115,17 +115,17 @@ def test_remat_policies_recompute_each_layer_and_keep_the_gradients(reference, r
 def test_full_remat_saves_only_the_layer_inputs():
     """What crosses from the forward to the backward scan: with ``full`` each
     layer's input (the carry) plus the weights; without recompute also the
-    layer's pre-activation and tanh output."""
+    layer's tanh output (and on jax 0.10 its pre-activation: jax 0.12 computes
+    tanh's derivative from the output alone)."""
 
-    def residual_bytes(fn):
+    def activation_stacks(fn):
         _, vjp = jax.vjp(fn, init(), batch())
-        return sum(x.nbytes for x in jax.tree.leaves(vjp))
+        return [x for x in jax.tree.leaves(vjp) if x.shape == (L, B, D)]
 
-    plain = residual_bytes(scanned_loss)
-    full = residual_bytes(rc.remat_loss(scanned_loss, Recipe(remat="full")))
-    assert full < plain
-    act = L * B * D * 4
-    assert plain - full >= act  # at least one [L, B, D] activation stack fewer
+    plain = activation_stacks(scanned_loss)
+    full = activation_stacks(rc.remat_loss(scanned_loss, Recipe(remat="full")))
+    assert len(full) == 1  # the layers' inputs
+    assert len(plain) >= 2  # ... and what each layer computed
 
 
 def test_remat_finds_the_layer_scan_inside_a_jit(reference):
