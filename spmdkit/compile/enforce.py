@@ -124,11 +124,15 @@ def _partly_manual(node: Node, mesh: Any) -> bool:
     return bool(others)
 
 
-def _bind(eqn: Any, vals: Sequence[Any]) -> list[Any]:
+def _bind(eqn: Any, vals: Sequence[Any], *, local: bool = False) -> list[Any]:
+    """Bind ``eqn``'s primitive on ``vals`` under the context it was traced in;
+    ``local``: per device inside a ``shard_map``, where that context's mesh (the
+    step's, when it was traced under ``jax.set_mesh``) would hide the manual one."""
     got = eqn.primitive.get_bind_params(eqn.params)
     # jax <= 0.4.x returned (subfuns, params); newer versions return params only
     subfuns, params = got if isinstance(got, tuple) else ((), got)
-    ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+    ctx = None if local else getattr(getattr(eqn, "ctx", None), "manager", None)
+    ctx = ctx or contextlib.nullcontext()
     if _siu is not None:
         stack = _siu.current_name_stack() + eqn.source_info.name_stack
         with _siu.user_context(eqn.source_info.traceback, name_stack=stack), ctx:
@@ -259,7 +263,7 @@ class _Replay:
         contraction in another layout and move operands the plan does not)."""
 
         def local(*blocks: Any) -> Any:
-            y = _bind(eqn, blocks)[0]
+            y = _bind(eqn, blocks, local=True)[0]
             for step in plan.steps:
                 y = step_fn(step)(y)
             return y

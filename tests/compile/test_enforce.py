@@ -4,6 +4,7 @@ propagated layouts, and the compiled program then moves what was predicted."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -210,6 +211,27 @@ def test_a_partial_contraction_is_reduced_as_planned():
     np.testing.assert_allclose(
         compiled(xv, wv), f(np.asarray(xv), np.asarray(wv)), rtol=1e-5, atol=1e-5
     )
+
+
+def test_a_partial_contraction_replays_under_the_users_mesh_context():
+    """A step traced under ``jax.set_mesh`` records that (Auto) mesh on its
+    equations; the per-device contraction must not rebind it inside the
+    ``shard_map`` (it raised "context mesh ... should match the aval mesh")."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+    specs = {"w1": P(None, "model"), "w2": P("model", None)}
+    tp = sk.Plan(mesh, specs, specs, {"batch": ("data",)})
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]) ** 2)
+
+    params = {"w1": jnp.ones((8, 16)) / 8, "w2": jnp.ones((16, 1)) / 16}
+    batch = {"x": jnp.ones((16, 8))}
+    opt = optax.adam(1e-2)  # its update gives the propagation a partial contraction
+    step = jit(sk.train_step(loss, opt, tp), tp, donate_state=True)
+    want = jax.jit(loss)(params, batch)
+    with jax.set_mesh(mesh):
+        got = step(params, opt.init(params), batch)[2]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_a_partial_attention_output_is_reduced_before_its_transpose(monkeypatch):
