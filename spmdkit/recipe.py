@@ -64,11 +64,12 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit import jaxprs
+from spmdkit.batch import as_traced, as_tree, microbatches
 from spmdkit.errors import SpmdError
+from spmdkit.loss import Loss, as_loss
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.split import call_body, has_scan
 
@@ -370,27 +371,6 @@ def _cast(params: Any, dtype: str | None) -> Any:
     return jax.tree.map(one, params)
 
 
-def _split(batch: Any, n: int) -> Any:
-    """Each array leaf ``[B, ...]`` → ``[n, B/n, ...]``, micro-batch ``i`` = rows
-    ``i, i+n, i+2n, ...``: a batch sharded on its leading dim stays sharded on the
-    micro-batch's rows with no data moved (a contiguous split would move rows)."""
-
-    def one(kp: tuple, x: Any) -> Any:
-        if not hasattr(x, "shape") or np.ndim(x) == 0:
-            return x
-        if x.shape[0] % n:
-            raise RecipeError(
-                op="sk.value_and_grad",
-                must="every batch leaf's leading (batch) dim divides into the micro-batches",
-                given=f"batch{kp[0].key if kp else ''}: shape {tuple(x.shape)}, microbatches={n}",
-                fix=f"use a batch size that is a multiple of {n}, or fewer micro-batches",
-            )
-        y = jnp.reshape(x, (x.shape[0] // n, n, *x.shape[1:]))
-        return jnp.swapaxes(y, 0, 1)
-
-    return jax.tree_util.tree_map_with_path(one, batch)
-
-
 def _constrain(grads: Any, grad_specs: Any) -> Any:
     if grad_specs is None:
         return grads
@@ -427,7 +407,7 @@ def _plan_grad_specs(recipe_or_plan: Any, params: Any) -> Any:
 
 
 def value_and_grad(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any] | Loss,
     recipe: Any,
     *,
     grad_specs: Any = None,
@@ -440,7 +420,9 @@ def value_and_grad(
       loss_fn: ``loss_fn(params, batch, *rest)`` → scalar loss (the mean over the
         batch's examples), or ``(loss, aux)`` with ``has_aux=True``; with
         ``has_state=True``, ``loss_fn(params, batch, state, *rest)`` →
-        ``(value, new_state)`` where ``value`` is as above.
+        ``(value, new_state)`` where ``value`` is as above. Or a
+        :class:`~spmdkit.loss.Loss` (a described model's ``info.train_loss``, or
+        the model itself), which carries these flags and whether it takes a key.
       recipe: a :class:`Recipe`, or a plan (its ``recipe``; its gradient specs
         when it shards gradients, ZeRO-2).
       grad_specs: a tree like the params of ``PartitionSpec`` / ``NamedSharding``
@@ -460,15 +442,17 @@ def value_and_grad(
       with ``has_state``, ``f(params, batch, state, *rest) -> ((value,
       new_state), grads)``, ``new_state`` in the dtypes of ``state``.
       Gradients have the params' dtypes whatever the compute dtype. With
-      micro-batches, each array leaf of ``batch`` is split on its leading dim
-      (micro-batch ``i`` takes rows ``i, i+n, ...``), PRNG-key leaves of ``rest``
-      are folded with ``i``, other ``rest`` leaves reach every micro-batch; the
-      loss is the mean of the micro-batch losses, the gradient the mean of theirs
-      (the full batch's, for a mean loss).
+      micro-batches the batch is split by :func:`spmdkit.batch.microbatches`
+      (micro-batch ``i`` takes rows ``i, i+n, ...``; a non-tensor field with one
+      item per example is split too, and the micro-batches then run unrolled),
+      PRNG-key leaves of ``rest`` are folded with ``i``, other ``rest`` leaves
+      reach every micro-batch; the loss is the mean of the micro-batch losses,
+      the gradient the mean of theirs (the full batch's, for a mean loss).
 
     Raises:
       RecipeError: the loss has no scanned layers to recompute, or a batch leaf
         does not divide into the micro-batches.
+      LossError: a loss that draws random numbers is called without a key.
 
     Example::
 
@@ -476,43 +460,56 @@ def value_and_grad(
         >>> loss_value, grads = grad_fn(params, batch)
     """
     rcp = recipe_of(recipe)
-    inner = remat_loss(loss_fn, rcp)
+    loss = as_loss(loss_fn, has_state=has_state, has_aux=has_aux)
+
+    def user_loss(params: Any, batch: Any, *rest: Any) -> Any:
+        return loss.fn(params, as_tree(batch), *rest)
+
+    inner = remat_loss(user_loss, rcp)
 
     def cast_loss(params: Any, batch: Any, *rest: Any) -> Any:
         return inner(_cast(params, rcp.compute_dtype), batch, *rest)
 
-    if has_state:
-        vg = _state_value_and_grad(cast_loss, has_aux)
+    if loss.has_state:
+        vg = _state_value_and_grad(cast_loss, loss.has_aux)
     else:
-        vg = jax.value_and_grad(cast_loss, has_aux=has_aux)
+        vg = jax.value_and_grad(cast_loss, has_aux=loss.has_aux)
     pipe = getattr(recipe, "pipeline", None)
     if pipe is not None:
-        if has_state:
-            raise RecipeError(
-                op="sk.value_and_grad",
-                must="a pipelined plan's loss carries no mutable model state",
-                given="has_state=True with a plan whose pipeline is set",
-                fix="plan without a pipeline, or keep the state out of the pipelined loss",
-            )
+        _check_pipelined(loss, pipe)
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
         batch_axes = tuple(getattr(recipe, "activation", {}).get("batch", ()))
         where = (recipe.sharding_mesh, batch_axes, _plan_layouts(recipe))
-        vg = _pipelined(cast_loss, pipe, where, has_aux)
+        vg = _pipelined(cast_loss, pipe, where, loss.has_aux)
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
         seen = _SEEN.get()
         if seen is not None:
             seen.append(rcp)
+        loss.check_key(rest, op="sk.value_and_grad", call="grad_fn(params, batch, key)")
         specs = grad_specs if grad_specs is not None else _plan_grad_specs(recipe, params)
         if rcp.microbatches == 1:
-            out, grads = vg(params, batch, *rest)
+            out, grads = vg(params, as_traced(batch), *rest)
             return out, _constrain(grads, specs)
-        if has_state:
+        if loss.has_state:
             return _accumulate_state(vg, rcp.microbatches, specs, params, batch, rest)
         return _accumulate(vg, rcp.microbatches, specs, params, batch, rest)
 
     grad_fn.recipe = rcp  # type: ignore[attr-defined]
-    return functools.wraps(loss_fn)(grad_fn)
+    return functools.wraps(loss.fn)(grad_fn)
+
+
+def _check_pipelined(loss: Loss, pipe: Any) -> None:
+    """A pipelined plan's loss carries no model state and draws no random numbers
+    (its micro-batches would share one key)."""
+    if loss.has_state or loss.rng:
+        what = "mutable model state" if loss.has_state else "random numbers (a key)"
+        raise RecipeError(
+            op="sk.value_and_grad",
+            must="a pipelined plan's loss carries no mutable model state and takes no key",
+            given=f"{loss!r}: {what}, with {pipe!r}",
+            fix="plan without a pipeline, or keep the state and dropout out of the pipelined loss",
+        )
 
 
 def _plan_layouts(plan: Any) -> Callable[[Any], tuple[Any, Any]]:
@@ -598,41 +595,39 @@ def _accumulate(
     *,
     state: Any = None,
 ) -> Any:
-    """Run ``vg`` over ``n`` micro-batches in a ``lax.scan``; mean loss and grads."""
-    with_paths, tree = jax.tree_util.tree_flatten_with_path(batch)
-    leaves = [x for _, x in with_paths]
-    split_at = [i for i, x in enumerate(leaves) if hasattr(x, "shape") and np.ndim(x) > 0]
-    micro = _split({jax.tree_util.keystr(with_paths[i][0]): leaves[i] for i in split_at}, n)
-    micro = list(micro.values())
+    """Run ``vg`` over ``n`` micro-batches (:func:`spmdkit.batch.microbatches`) in a
+    ``lax.scan``, or a python loop when they differ in non-tensor values; the
+    mean loss and gradients, summed in the parameters' dtype."""
+    mb = microbatches(batch, n, op="sk.value_and_grad", error=RecipeError)
+    carried = (state,) if state is not None else ()
 
-    def batch_of(xs: list) -> Any:
-        full = list(leaves)
-        for i, x in zip(split_at, xs, strict=True):
-            full[i] = x
-        return jax.tree.unflatten(tree, full)
+    def run(i: Any, rows: list, st: Any) -> Any:
+        return vg(params, as_traced(mb.batch(i, rows)), *st, *_fold_keys(rest, i))
 
-    first = batch_of([x[0] for x in micro])
-    stateful = state is not None
-    carried = (state,) if stateful else ()
-    out_shape = jax.eval_shape(vg, params, first, *carried, *rest)[0]
+    out_shape = jax.eval_shape(lambda st, rows: run(0, rows, st), carried, mb.rows(0))[0]
 
-    def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
-        i, mb = xs
+    def add(carry: tuple, i: Any, rows: list) -> tuple:
         gsum, osum, *st = carry
-        got = vg(params, batch_of(mb), *st, *_fold_keys(rest, i))
+        got = run(i, rows, st)
         out, grads = got[:2]
         gsum = _constrain(jax.tree.map(jnp.add, gsum, grads), specs)
-        return (gsum, jax.tree.map(jnp.add, osum, out), *got[2:]), None
+        return (gsum, jax.tree.map(jnp.add, osum, out), *got[2:])
 
-    zeros = (
+    carry = (
         _constrain(jax.tree.map(jnp.zeros_like, params), specs),
         jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out_shape),
         *carried,
     )
-    (gsum, osum, *st), _ = jax.lax.scan(body, zeros, (jnp.arange(n), micro))
+    if mb.unrolled:
+        for i in range(n):
+            carry = add(carry, i, mb.rows(i))
+    else:
+        xs = (jnp.arange(n), list(mb.stacked))
+        carry, _ = jax.lax.scan(lambda c, x: (add(c, *x), None), carry, xs)
+    gsum, osum, *st = carry
     grads = jax.tree.map(lambda g: (g / n).astype(g.dtype), gsum)
     out = jax.tree.map(lambda o: (o / n).astype(o.dtype), osum)
-    if stateful:
+    if state is not None:
         return out, _constrain(grads, specs), st[0]
     return out, _constrain(grads, specs)
 
@@ -686,39 +681,49 @@ def to_memory(tree: Any, space: Any) -> Any:
 
 
 def train_step(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any] | Loss,
     optimizer: Any,
     recipe: Any,
     *,
     grad_specs: Any = None,
     has_state: bool = False,
 ) -> Callable[..., tuple[Any, ...]]:
-    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` for a recipe.
+    """``step(params, opt_state, batch, *rest) -> (params, opt_state, value)`` for a recipe.
 
-    With ``has_state=True`` (a model with batch statistics, module docstring):
-    ``step(params, opt_state, state, batch) -> (params, opt_state, state, loss)``;
-    the state is updated by the loss, not by the optimizer.
+    With state (``has_state=True``, or a described model with batch statistics,
+    module docstring): ``step(params, opt_state, state, batch, *rest) ->
+    (params, opt_state, state, value)``; the state is updated by the loss, not by
+    the optimizer. ``rest`` reaches the loss after the batch (and state): a loss
+    that draws random numbers takes the step's key there (micro-batch ``i``
+    gets it folded with ``i``). ``value`` is the loss, or ``(loss, aux)`` for a
+    loss with aux.
 
     The gradients come from :func:`value_and_grad` (recompute, compute dtype,
     micro-batches, gradient specs); with ``offload_opt`` the optimizer state
     arrives from host memory, moves to the device for the update and goes back.
-    The planner traces this function, ``sk.jit`` and ``train`` run it: what is
-    planned is what runs.
+    ``sk.jit`` compiles it and ``train`` runs exactly that; the planner traces the
+    same function of the described model's loss.
 
     Args:
-      loss_fn: ``loss_fn(params, batch)`` → scalar mean loss (with
-        ``has_state``: ``loss_fn(params, batch, state) -> (loss, new_state)``).
+      loss_fn: a described model (``sk.describe(...)``; its ``train_loss``), a
+        :class:`~spmdkit.loss.Loss`, or ``loss_fn(params, batch, *rest)`` →
+        scalar mean loss (with ``has_state``: ``loss_fn(params, batch, state,
+        *rest) -> (loss, new_state)``).
       optimizer: an optax ``GradientTransformation``.
       recipe: a :class:`Recipe` or a plan.
       grad_specs: as for :func:`value_and_grad`.
       has_state: the loss carries mutable model state.
 
+    Raises:
+      LossError: the loss draws random numbers and the step gets no key.
+
     Example::
 
-        >>> step = sk.jit(train_step(loss, optax.adam(1e-3), plan), plan, donate_state=True)
-        >>> params, opt_state, loss_value = step(params, opt_state, batch)
+        >>> step = sk.jit(train_step(info, optax.adam(1e-3), plan), plan, donate_state=True)
+        >>> params, opt_state, loss_value = step(params, opt_state, batch, key)
     """
     rcp = recipe_of(recipe)
+    loss = as_loss(loss_fn, has_state=has_state)
     pipe = getattr(recipe, "pipeline", None)
     if pipe is not None and pipe.return_output:
         raise RecipeError(
@@ -729,7 +734,8 @@ def train_step(
             fix="use sk.value_and_grad(loss, plan), which returns ((loss, outputs), grads), "
             "or plan the step with Pipeline(..., return_output=False)",
         )
-    grad_fn = value_and_grad(loss_fn, recipe, grad_specs=grad_specs, has_state=has_state)
+    grad_fn = value_and_grad(loss, recipe, grad_specs=grad_specs)
+    call = "step(params, opt_state, " + ("state, " if loss.has_state else "") + "batch, key)"
 
     def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
         if rcp.offload_opt:
@@ -740,18 +746,21 @@ def train_step(
         params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
         return params, opt_state
 
-    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
-        loss, grads = grad_fn(params, batch)
+    def step(params: Any, opt_state: Any, batch: Any, *rest: Any) -> tuple[Any, Any, Any]:
+        loss.check_key(rest, op="sk.train_step", call=call)
+        value, grads = grad_fn(params, batch, *rest)
         params, opt_state = update(params, opt_state, grads)
-        return params, opt_state, loss
+        return params, opt_state, value
 
     def state_step(
-        params: Any, opt_state: Any, state: Any, batch: Any
+        params: Any, opt_state: Any, state: Any, batch: Any, *rest: Any
     ) -> tuple[Any, Any, Any, Any]:
-        (loss, state), grads = grad_fn(params, batch, state)
+        loss.check_key(rest, op="sk.train_step", call=call)
+        (value, state), grads = grad_fn(params, batch, state, *rest)
         params, opt_state = update(params, opt_state, grads)
-        return params, opt_state, state, loss
+        return params, opt_state, state, value
 
-    out = state_step if has_state else step
+    out = state_step if loss.has_state else step
     out.recipe = rcp  # type: ignore[attr-defined]
+    out.loss = loss  # type: ignore[attr-defined]
     return out

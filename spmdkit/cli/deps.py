@@ -62,6 +62,8 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.pipeline",
         "spmdkit.versions",
         "spmdkit.jaxprs",
+        "spmdkit.batch",
+        "spmdkit.loss",
     ),
     "rule": (
         "spmdkit.rule",

@@ -4,8 +4,10 @@ to ``spmdkit.cli.COMMANDS``).
 ``spmdkit train MODEL --mesh data=2,model=4 --steps N --ckpt DIR [--resume]`` plans
 the model on the mesh (a ``pipe`` axis pipelines its stacked layers:
 ``--schedule``, ``--microbatches``, ``--virtual``; :func:`pipeline_of`), trains it
-on the model's synthetic batches, checkpoints, and with ``--resume`` continues from
-the latest checkpoint — on whatever mesh and plan this run has. With no accelerator
+on the model's synthetic batches with the step ``sk.jit`` compiles for the plan
+(``--verify`` prints that step's verify table first), checkpoints, and with
+``--resume`` continues from the latest checkpoint — on whatever mesh and plan this
+run has. With no accelerator
 it uses virtual CPU devices (as many as the mesh needs). Under ``spmdkit launch``
 each process feeds its share of the batch.
 
@@ -44,7 +46,12 @@ def _configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-every", type=int, default=50, help="checkpoint interval")
     parser.add_argument("--resume", action="store_true", help="continue from --ckpt's latest")
     parser.add_argument("--log-every", type=int, default=1, help="steps between log lines")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="model init and per-step key seed")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="print the verify table (predicted vs compiled) of the step before it runs",
+    )
     parser.add_argument(
         "--schedule",
         default=None,
@@ -161,6 +168,8 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
         ckpt=ckpt,
         config=config,
         resume=args.resume,
+        rng=args.seed,
+        verify=args.verify,
         log_every=args.log_every,
         out=out,
     )

@@ -57,8 +57,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.batch import as_traced, as_tree
 from spmdkit.compile.enforce import enforced
 from spmdkit.errors import SpmdError
+from spmdkit.loss import LossError, placeholder_keys
 from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
@@ -245,6 +247,7 @@ class PlannedFunction:
 
     def shardings(self, *args: Any) -> tuple[tuple, Any, tuple[str, ...]]:
         """``(in_specs, out_specs, in_roles)`` for these arguments (abstract ones suffice)."""
+        args = _traced(args)
         roles = self._roles(args)
         for r in roles:
             if r not in ROLES:
@@ -255,9 +258,18 @@ class PlannedFunction:
                     fix="fix in_roles",
                 )
         in_specs = tuple(_specs(self.plan, r, a) for r, a in zip(roles, args, strict=True))
-        with recipes_used() as seen:
+        with recipes_used() as seen, placeholder_keys() as fixed:
             out_shape = jax.eval_shape(self._body(roles, in_specs), *args)
         self._check_recipe(seen)
+        if fixed:
+            raise LossError(
+                op="sk.jit",
+                must="a step that draws random numbers takes a key per step",
+                given=f"{self.__name__} runs {fixed[0]}, which draws from one fixed "
+                "placeholder key (every step would reuse one dropout mask)",
+                fix="build the step from the described model: sk.train_step(info, optimizer, "
+                "plan) (or sk.value_and_grad(info, plan)) and pass a key per step",
+            )
         self._out_role_cache[self._key(args)] = self._out_role_list(out_shape)
         out_specs = self._out_specs(out_shape)
         return in_specs, out_specs, roles
@@ -325,7 +337,7 @@ class PlannedFunction:
                     else a
                     for a, s, r in zip(args, in_specs, roles, strict=True)
                 )
-            return fn(*args)
+            return fn(*(as_tree(a) for a in args))
 
         return body
 
@@ -345,6 +357,7 @@ class PlannedFunction:
         function that is compiled and the :class:`~spmdkit.propagation.Propagation`
         of the step (the body is pinned to it unless ``enforce=False`` or the axes
         are Explicit, where the body is the step itself)."""
+        args = _traced(args)
         key = self._key(args)
         hit = self._programs.get(key)
         if hit is None:
@@ -365,6 +378,7 @@ class PlannedFunction:
         return hit
 
     def _jitted(self, args: tuple) -> _Jitted:
+        args = _traced(args)
         key = self._key(args)
         hit = self._compiled.get(key)
         if hit is None:
@@ -387,8 +401,11 @@ class PlannedFunction:
 
     @property
     def in_specs(self) -> tuple | None:
-        """In specs of the most recent compilation (None before the first call)."""
-        return next(reversed(self._compiled.values())).in_specs if self._compiled else None
+        """In specs of the most recent compilation (None before the first call); a
+        batch tree's specs in its own shape (its non-tensor leaves as they are)."""
+        if not self._compiled:
+            return None
+        return tuple(as_tree(s) for s in next(reversed(self._compiled.values())).in_specs)
 
     @property
     def out_specs(self) -> Any:
@@ -401,6 +418,7 @@ class PlannedFunction:
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for these (concrete or abstract) arguments."""
+        args = _traced(args)
         jitted = self._jitted(args).jitted
         with jax.set_mesh(self.mesh):
             return jitted.lower(*args)
@@ -410,6 +428,7 @@ class PlannedFunction:
         arguments, compiled once: calls of this function run it, and
         :meth:`verify` reads its HLO and memory, so checking a step never
         compiles it a second time."""
+        args = _traced(args)
         key = self._key(args)
         hit = self._executables.get(key)
         if hit is None:
@@ -440,13 +459,21 @@ class PlannedFunction:
 
             >>> params, batch = step.place(params, numpy_batch)
         """
+        args = _traced(args)
         in_shardings = self._jitted(args).in_shardings
         return tuple(
             jax.tree.map(self._place, a, sh, is_leaf=lambda x: x is None)
             for a, sh in zip(args, in_shardings, strict=True)
         )
 
+    @property
+    def executables(self) -> dict[Hashable, jax.stages.Compiled]:
+        """The executables compiled so far, one per argument signature (what calls
+        run and :meth:`verify` reads)."""
+        return dict(self._executables)
+
     def __call__(self, *args: Any) -> Any:
+        args = _traced(args)
         leaves, tree = jax.tree.flatten(args)
         fast = self._fast.get(tree)
         if fast is not None and _placed_as(leaves, fast[1]):
@@ -471,6 +498,13 @@ class PlannedFunction:
         if current is not None and current == target:
             return x
         return jax.device_put(x, target)
+
+
+def _traced(args: tuple) -> tuple:
+    """The arguments as the compiled step takes them: a batch tree with non-tensor
+    leaves (ids, strings) as one :class:`spmdkit.batch.Batch` node, whose static
+    part never enters the cache key by value (the body hands the step the tree)."""
+    return tuple(as_traced(a) for a in args)
 
 
 def _placed_as(leaves: list, want: tuple) -> bool:

@@ -51,8 +51,7 @@ planner imports it).
 
 from __future__ import annotations
 
-import math
-import warnings
+import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -62,7 +61,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.errors import SpmdError
+from spmdkit.batch import as_traced
+from spmdkit.flax.losses import (
+    STATE_FILTER,
+    ModelError,
+    Run,
+    dict_run,
+    has_aux,
+    model_losses,
+    nnx_run,
+    train_loss,
+)
+from spmdkit.loss import Loss, is_key, takes_rng
 from spmdkit.util import path_str
 
 __all__ = [
@@ -80,19 +90,6 @@ __all__ = [
 
 
 T = TypeVar("T")
-
-#: The NNX variables that are mutable state: everything but parameters and the
-#: RNG streams (``nnx.BatchStat``, caches, user variable types); the filter is
-#: applied after ``nnx.Param`` in ``nnx.split``.
-STATE_FILTER = nnx.Not(nnx.RngState)
-
-
-class ModelError(SpmdError, TypeError):
-    """The object handed to the planner is not a model it can read.
-
-    Broken example: ``sk.plan(my_module, mesh)`` for an NNX module without ``loss=``
-    and ``batch=``: the planner cannot trace a train step without them.
-    """
 
 
 @dataclass(frozen=True)
@@ -151,6 +148,11 @@ class ModelInfo:
         state (None without state, or when the model cannot be re-initialised).
       state_loss_fn: ``state_loss_fn(params, batch, state) -> (loss, new_state)``
         for a model with state (module docstring), None without.
+      rng: the loss draws random numbers (NNX RNG streams, a loss taking
+        ``rng=``): its train step takes a key (:attr:`train_loss`).
+      run: ``run(params, batch, state, key) -> (out, new_state)``, the user's
+        loss on pure arrays (:mod:`spmdkit.flax.losses`); None for a ModelInfo
+        built by hand.
     """
 
     params: list[ParamInfo]
@@ -166,6 +168,8 @@ class ModelInfo:
     abstract_state: Any = None
     init_state_fn: Callable[[], Any] | None = None
     state_loss_fn: Callable[..., Any] | None = None
+    rng: bool = False
+    run: Run | None = field(default=None, repr=False, compare=False)
     _memo: dict[Hashable, object] = field(default_factory=dict, repr=False, compare=False)
 
     def by_path(self) -> dict[str, ParamInfo]:
@@ -176,6 +180,40 @@ class ModelInfo:
     def has_state(self) -> bool:
         """Whether the model carries mutable state (:attr:`state_loss_fn` takes and returns it)."""
         return bool(self.state)
+
+    @property
+    def has_aux(self) -> bool:
+        """Whether the loss returns ``(loss, aux)`` (read off an abstract trace, once)."""
+        return self.train_loss.has_aux
+
+    @property
+    def train_loss(self) -> Loss:
+        """The loss a train step runs (:class:`spmdkit.loss.Loss`):
+        ``fn(params, batch[, state][, key])``, the model's state and the step's
+        key as it has them, the loss's aux kept; what ``sk.train_step(info, ...)``
+        and ``train`` run.
+
+        Raises:
+          ModelError: the ModelInfo was built by hand, without the user's loss.
+
+        Example::
+
+            >>> info.train_loss
+            Loss(Net: state, rng)
+        """
+        return self.memo(("describe", "train_loss"), self._train_loss)
+
+    def _train_loss(self) -> Loss:
+        if self.run is None:
+            raise ModelError(
+                op="ModelInfo.train_loss",
+                must="the model was described from its loss",
+                given=f"a ModelInfo for {self.name} without its run function",
+                fix="describe the model with sk.describe(model, loss=..., batch=...)",
+            )
+        key = jax.random.key(0) if self.rng else None
+        aux = has_aux(self.run, (self.abstract_params, self.batch, self.abstract_state, key))
+        return train_loss(self.run, stateful=self.has_state, rng=self.rng, aux=aux, name=self.name)
 
     def trace_args(self) -> tuple[Any, ...]:
         """The abstract arguments of the step's loss: ``(params, batch)``, or
@@ -287,6 +325,20 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
+def _abstract_batch(batch: Any) -> Any:
+    """The batch as the step takes it (non-tensor fields in a
+    :class:`spmdkit.batch.Batch` node's static part), its tensors abstract."""
+    shapes = jax.eval_shape(lambda b: b, as_traced(batch))
+    # no shardings: the batch's placement is the plan's to choose, not the example's
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type), shapes
+    )
+
+
+def _has_keys(abstract_rng: Any) -> bool:
+    return any(is_key(x) for x in jax.tree.leaves(abstract_rng))
+
+
 # -- collectives written for pmap --------------------------------------------------
 
 
@@ -309,8 +361,9 @@ def bind_axis_names(loss: Callable[..., Any], names: Sequence[str]) -> Callable[
 
 
 def _bound(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    def bound(*args: Any) -> Any:
-        out = jax.vmap(fn, in_axes=None, axis_size=1, axis_name=name)(*args)
+    @functools.wraps(fn)  # keeps the signature: a loss taking rng= still does
+    def bound(*args: Any, **kw: Any) -> Any:
+        out = jax.vmap(lambda *a: fn(*a, **kw), in_axes=None, axis_size=1, axis_name=name)(*args)
         return jax.tree.map(lambda x: x[0], out)
 
     return bound
@@ -365,26 +418,18 @@ def _describe_nnx(
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(build)
     graphdef, params, state, rng = nnx.split(abstract_model, nnx.Param, STATE_FILTER, ...)
-    infos = _params_from_nnx_state(params)
     abstract_params = _abstract(params)
     abstract_state = _abstract(state)
     abstract_rng = _abstract(rng)
     has_state = bool(jax.tree.leaves(abstract_state))
+    uses_rng = _has_keys(abstract_rng) or takes_rng(loss)
+    run = nnx_run(graphdef, loss, abstract_state, abstract_rng)
+    loss_fn, state_loss_fn = model_losses(
+        run, abstract_state=abstract_state if has_state else None, rng=uses_rng, name=name
+    )
 
     def merge(p: Any, s: Any = None) -> Any:
         return nnx.merge(graphdef, p, abstract_state if s is None else s, abstract_rng)
-
-    def loss_fn(p: Any, b: Any) -> Any:
-        model = nnx.merge(graphdef, p, _zeros_like(abstract_state), _zeros_like(abstract_rng))
-        return loss(model, b)
-
-    def state_loss_fn(p: Any, b: Any, s: Any) -> tuple[Any, Any]:
-        # fresh variables at this trace level: the loss may update them in place
-        s = jax.tree.map(lambda x: x, s)
-        model = nnx.merge(graphdef, p, s, _zeros_like(abstract_rng))
-        out = loss(model, b)
-        # layers that update their statistics in place left them on the module
-        return out, nnx.split(model, nnx.Param, STATE_FILTER, ...)[2]
 
     def init_fn() -> Any:
         with nnx.use_eager_sharding(False):
@@ -396,12 +441,13 @@ def _describe_nnx(
             model = build()
         return nnx.split(model, nnx.Param, STATE_FILTER, ...)[2]
 
+    abstract_batch = _abstract_batch(batch)
     return ModelInfo(
-        params=infos,
+        params=_params_from_nnx_state(params),
         abstract_params=abstract_params,
         loss_fn=loss_fn,
-        batch=_abstract(batch),
-        batch_axes=dict(batch_axes) if batch_axes else _default_batch_axes(batch),
+        batch=abstract_batch,
+        batch_axes=dict(batch_axes) if batch_axes else _default_batch_axes(abstract_batch),
         init_fn=init_fn,
         kind="nnx",
         merge=merge,
@@ -409,21 +455,10 @@ def _describe_nnx(
         state=_params_from_nnx_state(state) if has_state else [],
         abstract_state=abstract_state if has_state else None,
         init_state_fn=init_state_fn if has_state else None,
-        state_loss_fn=state_loss_fn if has_state else None,
+        state_loss_fn=state_loss_fn,
+        rng=uses_rng,
+        run=run,
     )
-
-
-def _zeros_like(tree: Any) -> Any:
-    """Placeholder values for the RNG streams a module holds, in a loss trace."""
-    import jax.numpy as jnp
-
-    def zero(s: Any) -> Any:
-        if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
-            keys = jax.random.split(jax.random.key(0), max(math.prod(s.shape), 1))
-            return keys.reshape(s.shape) if s.shape else keys[0]
-        return jnp.zeros(s.shape, s.dtype)
-
-    return jax.tree.map(zero, tree)
 
 
 def describe(
@@ -500,9 +535,13 @@ def describe(
         return info
     if callable(model):
         return _describe_nnx(model, loss, batch, batch_axes, getattr(model, "__name__", "model"))
+    leaves = jax.tree.leaves(model)
+    if leaves and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+        return _describe_tree(model, loss, batch, batch_axes)
     raise ModelError(
         op="describe",
-        must="model is a model spec, an NNX module, a function returning one, or a linen module",
+        must="model is a model spec, an NNX module, a function returning one, a linen "
+        "module, or a pytree of arrays (params, or a linen variables dict)",
         given=type(model).__name__,
         fix="pass spmdkit.models.get_model(name), a module, or lambda: MyModule(rngs=nnx.Rngs(0))",
     )
@@ -552,18 +591,8 @@ def _describe_linen(
         return module.init(jax.random.key(rng_seed), *init_args)
 
     boxed = jax.eval_shape(init_boxed)
-    params_boxed = {k: v for k, v in boxed.items() if k == "params"}
-    state_boxed = {k: v for k, v in boxed.items() if k != "params"}
-    infos, plain = _params_from_linen(params_boxed)
-    state_infos, state_plain = _params_from_linen(state_boxed)
-    has_state = bool(state_infos)
-    state_loss = _linen_state_loss(loss, type(module).__name__) if has_state else None
-    abstract_state = _abstract(state_plain) if has_state else None
-
-    def loss_fn(params: Any, batch: Any) -> Any:
-        if state_loss is None:
-            return loss(params, batch)
-        return state_loss(params, batch, _zeros_like(abstract_state))[0]
+    infos, plain = _params_from_linen({k: v for k, v in boxed.items() if k == "params"})
+    state_infos, state_plain = _params_from_linen({k: v for k, v in boxed.items() if k != "params"})
 
     def init_fn() -> Any:
         import flax.linen as nn
@@ -575,65 +604,69 @@ def _describe_linen(
 
         return nn.unbox({k: v for k, v in init_boxed().items() if k != "params"})
 
-    return ModelInfo(
-        params=infos,
-        abstract_params=_abstract(plain),
-        loss_fn=loss_fn,
-        batch=_abstract(batch),
-        batch_axes=dict(batch_axes) if batch_axes else _default_batch_axes(batch),
-        init_fn=init_fn,
-        kind="linen",
-        name=type(module).__name__,
-        state=state_infos,
-        abstract_state=abstract_state,
-        init_state_fn=init_state_fn if has_state else None,
-        state_loss_fn=state_loss,
+    info = _dict_info(
+        loss, _abstract(plain), _abstract(state_plain) if state_infos else None, batch,
+        batch_axes, type(module).__name__, params=infos, state=state_infos,
+    )  # fmt: skip
+    info.kind = "linen"
+    info.init_fn = init_fn
+    info.init_state_fn = init_state_fn if state_infos else None
+    return info
+
+
+def _describe_tree(
+    tree: Any, loss: Callable[..., Any], batch: Any, batch_axes: Mapping[str, tuple] | None
+) -> ModelInfo:
+    """A params pytree with ``loss(params, batch)``, or a linen variables dict (a
+    dict with ``params`` and other collections) with ``loss(variables, batch)``:
+    ``params`` is trained, the other collections are state."""
+    abstract = _abstract(tree)
+    is_variables = (
+        isinstance(tree, Mapping)
+        and "params" in tree
+        and len(tree) > 1
+        and all(isinstance(v, Mapping) for v in tree.values())
     )
+    params = {"params": abstract["params"]} if is_variables else abstract
+    state = {k: v for k, v in abstract.items() if k != "params"} if is_variables else None
+    info = _dict_info(
+        loss, params, state, batch, batch_axes, getattr(loss, "__name__", "loss"),
+        params=_params_from_nnx_state(params),
+        state=_params_from_nnx_state(state) if state else [],
+    )  # fmt: skip
+    info.kind = "tree"
+    return info
 
 
-def _linen_state_loss(loss: Callable[[Any, Any], Any], name: str) -> Callable[..., Any]:
-    """``loss(variables, batch) -> loss | (loss, updates)`` as
-    ``loss_fn(params, batch, state) -> (loss, new_state)`` (module docstring)."""
-    warned: list[bool] = []
-
-    def loss_fn(params: Any, batch: Any, state: Any) -> tuple[Any, Any]:
-        out = loss({**params, **state}, batch)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
-            if not warned:
-                warned.append(True)
-                warnings.warn(
-                    f"describe({name}): the loss returns no updated state, so the model's "
-                    f"{'/'.join(state)} collections stay as initialised; return "
-                    "`(loss, updates)` from `module.apply(variables, x, "
-                    f"mutable={list(state)})` to update them",
-                    stacklevel=2,
-                )
-            return out, state
-        value, updates = out
-        return value, _updated_state(state, dict(updates), name)
-
-    return loss_fn
-
-
-def _updated_state(state: dict, updates: dict, name: str) -> dict:
-    """The state with the collections a linen loss returned swapped in."""
-    unknown = sorted(set(updates) - set(state))
-    if unknown:
-        raise ModelError(
-            op=f"describe({name})",
-            must="a loss returning (loss, updates) returns mutable collections of the model",
-            given=f"updates for {unknown}; the model's state collections are {sorted(state)}",
-            fix="return the second value of module.apply(..., mutable=[...]) as is",
-        )
-    out = {}
-    for k, old in state.items():
-        new = updates.get(k, old)
-        if jax.tree.structure(new) != jax.tree.structure(old):
-            raise ModelError(
-                op=f"describe({name})",
-                must=f"the updated {k!r} collection has the variables the model initialised",
-                given=f"{jax.tree.structure(new)}",
-                fix=f"return module.apply(..., mutable={list(state)})'s updates unchanged",
-            )
-        out[k] = new
-    return out
+def _dict_info(
+    loss: Callable[..., Any],
+    abstract_params: Any,
+    abstract_state: Any,
+    batch: Any,
+    batch_axes: Mapping[str, tuple] | None,
+    name: str,
+    *,
+    params: list[ParamInfo],
+    state: list[ParamInfo],
+) -> ModelInfo:
+    """The ModelInfo of a loss over a variables dict (linen's, or a pytree's)."""
+    run = dict_run(loss, tuple(abstract_state or ()), name)
+    uses_rng = takes_rng(loss)
+    loss_fn, state_loss_fn = model_losses(
+        run, abstract_state=abstract_state, rng=uses_rng, name=name
+    )
+    abstract_batch = _abstract_batch(batch)
+    return ModelInfo(
+        params=params,
+        abstract_params=abstract_params,
+        loss_fn=loss_fn,
+        batch=abstract_batch,
+        batch_axes=dict(batch_axes) if batch_axes else _default_batch_axes(abstract_batch),
+        kind="linen",
+        name=name,
+        state=state,
+        abstract_state=abstract_state,
+        state_loss_fn=state_loss_fn,
+        rng=uses_rng,
+        run=run,
+    )

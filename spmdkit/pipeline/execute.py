@@ -61,6 +61,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdkit import jaxprs
+from spmdkit.batch import stack_rows
 from spmdkit.pipeline.rows import mixed_rows
 from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
@@ -145,23 +146,14 @@ def _nbytes(shapes: Any) -> int:
 
 
 def split_microbatches(batch: Any, m: int) -> Any:
-    """Each array leaf ``[B, ...]`` → ``[m, B/m, ...]`` (micro-batch ``i``: rows ``i, i+m, ...``).
+    """Each array leaf ``[B, ...]`` → ``[m, B/m, ...]`` (micro-batch ``i``: rows
+    ``i, i+m, ...``; :func:`spmdkit.batch.split_rows`, the one split every
+    accumulation uses).
 
     Raises:
       PipelineError: a leaf's leading dim does not divide into ``m``.
     """
-
-    def one(x: Any) -> Any:
-        if x.shape[0] % m:
-            raise PipelineError(
-                op="pipeline",
-                must="every batch leaf's leading dim divides into the micro-batches",
-                given=f"a leaf of shape {tuple(x.shape)}, microbatches={m}",
-                fix=f"use a batch size that is a multiple of {m}",
-            )
-        return jnp.swapaxes(jnp.reshape(x, (x.shape[0] // m, m, *x.shape[1:])), 0, 1)
-
-    return jax.tree.map(one, batch)
+    return stack_rows(batch, m, op="pipeline", error=PipelineError)
 
 
 def _float(x: Any) -> bool:

@@ -11,8 +11,8 @@ instances. Its *array leaves* (numeric or bool numpy/jax arrays, at any depth)
 become global arrays; every other leaf (strings, bytes, ``None``, python
 objects, lists of those, numpy arrays of strings) is *non-tensor* and passes
 through untouched. A non-tensor sequence as long as the batch (example ids) is
-*example-aligned*: padded with ``None`` by ``last_batch="pad"`` and split per
-micro-batch like the arrays (:class:`PerMicrobatch`).
+*example-aligned*: padded with ``None`` by ``last_batch="pad"`` (and split per
+micro-batch by the step that accumulates: :func:`spmdkit.batch.microbatches`).
 
 :class:`ShardedLoader` iterates over a dict of per-process example arrays (or
 any re-iterable source of host batches) and yields global batches. Its position
@@ -38,8 +38,6 @@ one step per bucket instead of one per length.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -47,18 +45,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmdkit.batch import is_array_field, map_leaves, path_name
 from spmdkit.errors import SpmdError
 
-__all__ = [
-    "BatchSkeleton",
-    "DataError",
-    "PerMicrobatch",
-    "ShardedLoader",
-    "is_array_field",
-    "map_leaves",
-    "split_batch",
-    "to_global",
-]
+__all__ = ["DataError", "ShardedLoader", "to_global"]
 
 LastBatch = Literal["drop", "pad", "keep"]
 
@@ -69,191 +59,6 @@ class DataError(SpmdError, ValueError):
     Broken example: ``ShardedLoader({"x": np.ones((8, 2)), "y": np.ones(7)}, s, batch_size=4)``
     (fields with different numbers of examples).
     """
-
-
-def is_array_field(value: Any) -> bool:
-    """Whether a batch leaf becomes a global array (numeric/bool numpy or jax arrays).
-
-    Example::
-
-        >>> is_array_field(np.ones(3)), is_array_field(["a", "b"])
-        (True, False)
-    """
-    if isinstance(value, jax.Array):
-        return True
-    return isinstance(value, np.ndarray) and value.dtype.kind in "biufc"
-
-
-class PerMicrobatch(tuple):
-    """An example-aligned non-tensor field split for gradient accumulation: item ``i``
-    is micro-batch ``i``'s share (the loader's arrays are stacked the same way).
-
-    Example::
-
-        >>> PerMicrobatch((["a", "c"], ["b", "d"]))[1]
-        ['b', 'd']
-    """
-
-    __slots__ = ()
-
-
-# -- batch trees ------------------------------------------------------------------
-
-
-def _is_dataclass_instance(v: Any) -> bool:
-    return dataclasses.is_dataclass(v) and not isinstance(v, type)
-
-
-def _children(v: Any) -> list[tuple[Any, Any]] | None:
-    """``(key, child)`` pairs of a container, or ``None`` for a leaf."""
-    if isinstance(v, Mapping):
-        return list(v.items())
-    if isinstance(v, list | tuple) and not isinstance(v, PerMicrobatch):
-        return list(enumerate(v))
-    if _is_dataclass_instance(v):
-        return [(f.name, getattr(v, f.name)) for f in dataclasses.fields(v)]
-    return None
-
-
-def _rebuild(v: Any, items: list[tuple[Any, Any]]) -> Any:
-    if isinstance(v, Mapping):
-        try:
-            return type(v)(items)
-        except TypeError:
-            return dict(items)
-    if isinstance(v, list):
-        return [x for _, x in items]
-    if isinstance(v, tuple):
-        values = [x for _, x in items]
-        return type(v)(*values) if hasattr(v, "_fields") else type(v)(values)
-    out = copy.copy(v)  # a dataclass: frozen ones too, and fields with init=False
-    for name, x in items:
-        object.__setattr__(out, name, x)
-    return out
-
-
-def _has(v: Any, is_leaf: Callable[[Any], bool]) -> bool:
-    if is_leaf(v):
-        return True
-    kids = _children(v)
-    return kids is not None and any(_has(x, is_leaf) for _, x in kids)
-
-
-def map_leaves(
-    fn: Callable[[tuple, Any], Any],
-    batch: Any,
-    *,
-    is_leaf: Callable[[Any], bool] = is_array_field,
-    path: tuple = (),
-) -> Any:
-    """Rebuild a batch tree with ``fn(path, value)`` applied to its leaves.
-
-    A leaf is a value ``is_leaf`` accepts (array fields by default), a list or
-    tuple holding none of them (a list of strings is one leaf, handed to ``fn``
-    whole), or any other non-container value. Dicts and dataclass instances are
-    always walked, lists and tuples (named or not) when they hold leaves; a
-    subtree that ``fn`` leaves unchanged keeps its identity.
-
-    Example::
-
-        >>> map_leaves(lambda p, v: v * 2 if is_array_field(v) else v,
-        ...            {"img": {"pix": np.ones(2)}, "ids": ["a"]})["img"]["pix"]
-        array([2., 2.])
-    """
-    walked = isinstance(batch, Mapping) or _is_dataclass_instance(batch)
-    if is_leaf(batch) or (not walked and not _has(batch, is_leaf)):
-        return fn(path, batch)
-    kids = _children(batch) or []
-    new = [(k, map_leaves(fn, x, is_leaf=is_leaf, path=(*path, k))) for k, x in kids]
-    if all(a is b for (_, a), (_, b) in zip(kids, new, strict=True)):
-        return batch
-    return _rebuild(batch, new)
-
-
-def _path_name(path: tuple) -> str:
-    return "/".join(str(k) for k in path) or "<batch>"
-
-
-class _Slot(int):
-    """Where the i-th array leaf goes back into a :class:`BatchSkeleton`."""
-
-    __slots__ = ()
-
-
-def _freeze(v: Any) -> Any:
-    """A hashable value equal for equal batch skeletons."""
-    if isinstance(v, _Slot):
-        return ("slot", int(v))
-    kids = _children(v)
-    if kids is not None:
-        return (type(v).__qualname__, tuple((k, _freeze(x)) for k, x in kids))
-    if isinstance(v, PerMicrobatch):
-        return ("micro", tuple(_freeze(x) for x in v))
-    if isinstance(v, np.ndarray):
-        return ("ndarray", v.dtype.str, v.shape, v.tobytes())
-    try:
-        hash(v)
-    except TypeError:
-        return ("object", id(v))
-    return (type(v).__qualname__, v)
-
-
-class BatchSkeleton:
-    """A batch with its array leaves taken out: the static part of a compiled step.
-
-    Hashable and compared by value, so it can be a static argument of ``jax.jit``:
-    batches with the same structure and the same non-tensor values share one
-    compiled step.
-
-    Attributes:
-      tree: the batch with :class:`int` slot markers where the arrays were.
-      per_micro: whether some leaf is a :class:`PerMicrobatch`.
-    """
-
-    def __init__(self, tree: Any) -> None:
-        self.tree = tree
-        self.per_micro = _has(tree, lambda v: isinstance(v, PerMicrobatch))
-        self._key = _freeze(tree)
-        self._hash = hash(self._key)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BatchSkeleton) and self._key == other._key
-
-    def fill(self, leaves: Sequence[Any], *, micro: int | None = None) -> Any:
-        """The batch with ``leaves`` put back; with ``micro=i`` each
-        :class:`PerMicrobatch` leaf is replaced by its ``i``-th item."""
-
-        def put(_: tuple, v: Any) -> Any:
-            if isinstance(v, _Slot):
-                return leaves[int(v)]
-            if micro is not None and isinstance(v, PerMicrobatch):
-                return v[micro]
-            return v
-
-        return map_leaves(put, self.tree, is_leaf=lambda v: isinstance(v, _Slot | PerMicrobatch))
-
-
-def split_batch(batch: Any) -> tuple[list[Any], BatchSkeleton]:
-    """Split a batch into its array leaves (in walk order) and the rest.
-
-    Example::
-
-        >>> leaves, skel = split_batch({"x": np.ones(2), "ids": ["a", "b"]})
-        >>> len(leaves), skel.fill(leaves)["ids"]
-        (1, ['a', 'b'])
-    """
-    leaves: list[Any] = []
-
-    def take(_: tuple, v: Any) -> Any:
-        if is_array_field(v):
-            leaves.append(v)
-            return _Slot(len(leaves) - 1)
-        return v
-
-    return leaves, BatchSkeleton(map_leaves(take, batch))
 
 
 # -- to_global --------------------------------------------------------------------
@@ -269,7 +74,7 @@ def _sharding_for(sharding: Any, path: tuple) -> Any:
             raise DataError(
                 op="data.to_global",
                 must="the batch sharding names every array field",
-                given=f"no sharding for field {_path_name(path[: depth + 1])!r}; "
+                given=f"no sharding for field {path_name(path[: depth + 1])!r}; "
                 f"shardings for {sorted(map(str, sharding))}",
                 fix=f"add {key!r} to the batch shardings (or pass one sharding for all)",
             )
@@ -278,7 +83,7 @@ def _sharding_for(sharding: Any, path: tuple) -> Any:
         raise DataError(
             op="data.to_global",
             must="an array field's sharding is a sharding, not a dict",
-            given=f"{_path_name(path)}: a dict of shardings for keys {sorted(map(str, sharding))}",
+            given=f"{path_name(path)}: a dict of shardings for keys {sorted(map(str, sharding))}",
             fix="give the array field one NamedSharding",
         )
     return sharding
@@ -334,7 +139,7 @@ def to_global(batch: Any, sharding: Any) -> Any:
             raise DataError(
                 op="data.to_global",
                 must="each local field's shape divides evenly over the batch sharding",
-                given=f"{_path_name(path)}: local shape {np.shape(value)}, sharding {s}: {e}",
+                given=f"{path_name(path)}: local shape {np.shape(value)}, sharding {s}: {e}",
                 fix="choose a batch size divisible by the devices sharding the batch dim",
             ) from e
 
@@ -365,9 +170,9 @@ def _source_length(source: Mapping[str, Any], op: str) -> int:
     lengths: dict[str, Any] = {}
     for path, v in _source_fields(source):
         try:
-            lengths[_path_name(path)] = len(v)
+            lengths[path_name(path)] = len(v)
         except TypeError:
-            lengths[_path_name(path)] = f"{type(v).__name__} (no length)"
+            lengths[path_name(path)] = f"{type(v).__name__} (no length)"
     if not lengths or len(set(map(str, lengths.values()))) != 1:
         raise DataError(
             op=op,
@@ -407,20 +212,13 @@ def _example_count(local: Any) -> int:
     return max(sizes, default=0)
 
 
-def _check_options(last_batch: Any, microbatches: Any, op: str) -> None:
+def _check_options(last_batch: Any, op: str) -> None:
     if last_batch not in ("drop", "pad", "keep"):
         raise DataError(
             op=op,
             must="last_batch is 'drop', 'pad' or 'keep'",
             given=repr(last_batch),
             fix="pass last_batch='drop' (default) or 'pad' (adds a mask field)",
-        )
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise DataError(
-            op=op,
-            must="microbatches is a positive int",
-            given=repr(microbatches),
-            fix="pass microbatches=1 or the gradient-accumulation step count",
         )
 
 
@@ -477,9 +275,6 @@ class ShardedLoader:
       last_batch: ``"drop"``, ``"pad"`` or ``"keep"`` (see the module docstring).
       shuffle_seed: with a dict source, shuffle examples per epoch with
         ``np.random.default_rng((seed, epoch))`` (``None``: keep the order).
-      microbatches: split every batch into this many micro-batches stacked on a new
-        leading dim (unsharded) for gradient accumulation; the batch size must divide.
-        Example-aligned non-tensor fields become :class:`PerMicrobatch` tuples.
       bucket_sizes: the sizes variable dims are padded up to (sorted; the smallest
         that fits each batch is used).
       bucket_dims: field → the dims of one example that vary (``0`` or ``(0, 1)``);
@@ -508,17 +303,15 @@ class ShardedLoader:
         batch_size: int | None = None,
         last_batch: LastBatch = "drop",
         shuffle_seed: int | None = None,
-        microbatches: int = 1,
         bucket_sizes: Sequence[int] | None = None,
         bucket_dims: Mapping[str, int | Sequence[int]] | None = None,
     ) -> None:
         op = "data.ShardedLoader"
-        _check_options(last_batch, microbatches, op)
+        _check_options(last_batch, op)
         self.bucket_sizes, self.bucket_dims = _check_buckets(bucket_sizes, bucket_dims, op)
         self.sharding = sharding
         self.last_batch = last_batch
         self.shuffle_seed = shuffle_seed
-        self.microbatches = microbatches
         self._epoch = 0
         self._batch = 0
         if isinstance(source, Mapping):
@@ -635,9 +428,7 @@ class ShardedLoader:
             local, n = _pad(local, n, want), max(n, want)
         elif n < want and self.last_batch == "drop":
             return None
-        if self.microbatches > 1:
-            local = _split(local, self.microbatches, n)
-        return to_global(local, self._micro_sharding(self._batch_sharding(local)))
+        return to_global(local, self._batch_sharding(local))
 
     def _batch_sharding(self, local: Any) -> Any:
         """The sharding with entries for the masks this loader adds to a dict sharding."""
@@ -645,24 +436,6 @@ class ShardedLoader:
             return self.sharding
         extra = {f"{k}_mask": self.sharding[k] for k in self.bucket_dims if k in self.sharding}
         return {**extra, **self.sharding}
-
-    def _micro_sharding(self, sharding: Any) -> Any:
-        if self.microbatches == 1:
-            return sharding
-
-        def lift(s: Any) -> Any:
-            if isinstance(s, Mapping):
-                return {k: lift(v) for k, v in s.items()}
-            if isinstance(s, NamedSharding):
-                return NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
-            raise DataError(
-                op="data.ShardedLoader",
-                must="micro-batching needs NamedSharding batch shardings",
-                given=type(s).__name__,
-                fix="pass NamedSharding(mesh, P(...)) shardings",
-            )
-
-        return lift(sharding)
 
 
 def _take(v: Any, idx: np.ndarray) -> Any:
@@ -695,30 +468,6 @@ def _pad(local: Any, n: int, want: int) -> Any:
     out = dict(map_leaves(pad, local))
     out["mask"] = np.arange(want) < n
     return out
-
-
-def _split(local: Any, k: int, n: int) -> Any:
-    """Micro-batch ``i`` takes examples ``i, i+k, i+2k, ...``: arrays are stacked on a
-    new leading dim, example-aligned non-tensor fields become :class:`PerMicrobatch`."""
-
-    def split(path: tuple, v: Any) -> Any:
-        if is_array_field(v):
-            arr = np.asarray(v)
-            if arr.ndim == 0:  # a per-batch scalar: every micro-batch sees it
-                return np.broadcast_to(arr, (k,)).copy()
-            if arr.shape[0] % k:
-                raise DataError(
-                    op="data.ShardedLoader",
-                    must="the per-process batch size divides into microbatches",
-                    given=f"{_path_name(path)}: {arr.shape[0]} examples, microbatches={k}",
-                    fix="choose batch_size a multiple of microbatches",
-                )
-            return np.swapaxes(arr.reshape(arr.shape[0] // k, k, *arr.shape[1:]), 0, 1)
-        if _example_aligned(v, n) and n % k == 0:
-            return PerMicrobatch(v[i::k] for i in range(k))
-        return v
-
-    return map_leaves(split, local)
 
 
 def _bucket_size(longest: int, sizes: tuple[int, ...], where: str) -> int:

@@ -28,13 +28,15 @@ def test_train_arguments():
     args = parser.parse_args(
         ["gpt", "--mesh", "data=4,model=2", "--steps", "5", "--ckpt", "/tmp/x", "--resume"]
     )
-    assert (args.model, args.mesh, args.steps, args.ckpt, args.resume) == (
+    assert (args.model, args.mesh, args.steps, args.ckpt, args.resume, args.verify) == (
         "gpt",
         "data=4,model=2",
         5,
         "/tmp/x",
         True,
+        False,
     )
+    assert parser.parse_args(["gpt", "--verify"]).verify
 
 
 def test_pipe_axis_picks_a_pipeline():
@@ -53,14 +55,11 @@ def test_train_cli_pipelines_over_a_pipe_axis(capsys):
     from spmdkit.cli import main
 
     argv = ["train", "gpt", "--config", "tiny_pipe", "--mesh", "pipe=2,data=2,model=2"]
-    assert (
-        main(
-            [*argv, "--strategy", "fsdp", "--batch-size", "16", "--steps", "2", "--log-every", "2"]
-        )
-        == 0
-    )
+    argv += ["--strategy", "fsdp", "--batch-size", "16", "--steps", "2", "--log-every", "2"]
+    assert main([*argv, "--verify"]) == 0
     out = capsys.readouterr().out
     assert "pipeline: pp2 1f1b m4" in out and "trained steps 1..2" in out
+    assert "the step about to run, verified" in out and "collectives total" in out
 
 
 def test_launch_runs_the_command_in_n_processes(tmp_path, capfd):

@@ -180,6 +180,29 @@ def test_placed_arguments_take_the_fast_path(info, monkeypatch):
     assert calls  # another layout: placed again on the full path
 
 
+def test_a_batch_tree_with_strings_compiles_once(info):
+    """sk.jit takes the batch trees train does: a string field is the step's static
+    part, compared by structure, so new ids reuse the executable; the loss sees the
+    tree as written."""
+    seen = []
+
+    def loss(params, batch):
+        seen.append(batch["meta"]["ids"][0])
+        return info.loss_fn(params, {"tokens": batch["tokens"], "targets": batch["targets"]})
+
+    p = plan(info, sk.make_mesh(data=2, model=4), "fsdp", estimator="analytic")
+    params = init_sharded(info, p)
+    step = jit(jax.value_and_grad(loss), p)
+    batch = toy_batch()
+    rows = len(batch["tokens"])
+    losses = [
+        float(step(params, {**batch, "meta": {"ids": [f"{k}{i}" for i in range(rows)]}})[0])
+        for k in "ab"
+    ]
+    assert len(step.executables) == 1 and losses[0] == losses[1] and seen[0] == "a0"
+    assert step.in_specs[1]["tokens"] == p.batch_spec("tokens", batch["tokens"].shape)
+
+
 def test_abstract_plan_needs_a_real_mesh(info):
     p = plan(info, sk.abstract_mesh(data=2, model=4), "dp", estimator="analytic")
     with pytest.raises(sk.SpmdError, match="devices"):

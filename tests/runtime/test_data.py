@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.runtime.data import DataError, PerMicrobatch, ShardedLoader, is_array_field, to_global
+from spmdkit.runtime.data import DataError, ShardedLoader, to_global
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +47,6 @@ def test_to_global_per_field_shardings(mesh2d):
 def test_to_global_uneven_batch_is_a_typed_error(batch_sharding):
     with pytest.raises(DataError, match="divides evenly"):
         to_global({"x": np.ones((3, 2))}, batch_sharding)
-
-
-def test_is_array_field():
-    assert is_array_field(np.ones(2)) and is_array_field(np.array([True]))
-    assert (
-        not is_array_field(np.array(["a"])) and not is_array_field([1, 2]) and not is_array_field(3)
-    )
 
 
 def test_drop_policy_skips_the_remainder_and_is_reiterable(batch_sharding):
@@ -111,13 +104,6 @@ def test_generic_source_replays_to_the_position(batch_sharding):
     assert [float(np.asarray(b["x"])[0, 0]) for b in loader] == [2]
 
 
-def test_microbatches_stack_on_a_leading_unsharded_dim(batch_sharding):
-    loader = ShardedLoader(_source(8), batch_sharding, batch_size=8, microbatches=2)
-    (b,) = list(loader)
-    assert b["x"].shape == (2, 4, 3) and b["x"].sharding.spec == P(None, "a")
-    assert sorted(np.asarray(b["y"]).ravel().tolist()) == list(range(8))
-
-
 def test_bad_options_raise(batch_sharding):
     with pytest.raises(DataError, match="last_batch"):
         ShardedLoader(_source(), batch_sharding, batch_size=2, last_batch="wrap")
@@ -165,21 +151,15 @@ def _id_source(n=12):
     }
 
 
-def test_non_tensor_fields_split_per_microbatch_and_resume_exactly(batch_sharding):
-    loader = ShardedLoader(
-        _id_source(), batch_sharding, batch_size=4, microbatches=2, shuffle_seed=3
-    )
+def test_non_tensor_fields_follow_their_examples_and_resume_exactly(batch_sharding):
+    loader = ShardedLoader(_id_source(), batch_sharding, batch_size=4, shuffle_seed=3)
     it = iter(loader)
     first = next(it)
     ids = first["meta"]["ids"]
-    assert isinstance(ids, PerMicrobatch) and len(ids) == 2
-    rows = np.asarray(first["x"])[..., 0]  # (2 micro-batches, 2 rows)
-    assert [[f"e{int(v)}" for v in r] for r in rows] == [list(m) for m in ids]
+    assert [f"e{int(v)}" for v in np.asarray(first["x"])[:, 0]] == ids
     pos = loader.state()
     rest = [list(b["meta"]["ids"]) for b in it]
-    fresh = ShardedLoader(
-        _id_source(), batch_sharding, batch_size=4, microbatches=2, shuffle_seed=3
-    )
+    fresh = ShardedLoader(_id_source(), batch_sharding, batch_size=4, shuffle_seed=3)
     fresh.set_state(pos)
     assert [list(b["meta"]["ids"]) for b in fresh] == rest
     again = [list(b["meta"]["ids"]) for b in loader]  # re-iterating: the next epoch, whole
