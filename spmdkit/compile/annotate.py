@@ -22,7 +22,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelError, describe, variable_names, variable_value
-from spmdkit.mesh import auto_mesh
 from spmdkit.planner.logical import LogicalRules, RulesLike, preset_rules
 from spmdkit.planner.plans import Plan, PyTree
 from spmdkit.util import path_str
@@ -34,7 +33,10 @@ def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> P
     """Initialise a model's params directly into the plan's shardings.
 
     The initialisers run inside ``jax.jit`` with ``out_shardings`` from the plan,
-    so no device ever holds a whole parameter the plan shards.
+    so no device ever holds a whole parameter the plan shards. The arrays live on
+    the plan's mesh as the user made it (``sk.make_mesh``'s Explicit axes stay
+    Explicit, so ``jax.jit`` under ``jax.set_mesh(mesh)`` runs on them); ``sk.jit``
+    takes them as they are (it relabels them onto its Auto view without a copy).
 
     Args:
       info_or_model: a :class:`~spmdkit.flax.ModelInfo`, or anything
@@ -60,7 +62,13 @@ def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> P
             fix="pass lambda: MyModule(..., rngs=nnx.Rngs(0)) instead of the instance, "
             "or jax.device_put(state, plan.param_shardings(state))",
         )
-    shardings = plan.param_shardings(info.abstract_params)
+    # on the plan's own mesh (Explicit axes stay Explicit: jax.jit under
+    # jax.set_mesh(plan.mesh) takes them); sk.jit relabels them, without a copy
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(plan.mesh, s.spec, memory_kind=s.memory_kind),
+        plan.param_shardings(info.abstract_params),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
     return jax.jit(info.init_fn, out_shardings=shardings)()
 
 
@@ -107,9 +115,8 @@ def shard(
 
     def shardings_for(state: nnx.State) -> PyTree:
         specs = _specs_for_state(state, plan_or_rules, rules_for(), target_mesh)
-        smesh = auto_mesh(target_mesh)
         return jax.tree.map(
-            lambda s: NamedSharding(smesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+            lambda s: NamedSharding(target_mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
 
     return functools.partial(_sharded_class, shardings_for=shardings_for)

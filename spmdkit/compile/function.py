@@ -247,7 +247,7 @@ class PlannedFunction:
 
     def shardings(self, *args: Any) -> tuple[tuple, Any, tuple[str, ...]]:
         """``(in_specs, out_specs, in_roles)`` for these arguments (abstract ones suffice)."""
-        args = _traced(args)
+        args = _abstract(_traced(args))
         roles = self._roles(args)
         for r in roles:
             if r not in ROLES:
@@ -357,7 +357,7 @@ class PlannedFunction:
         function that is compiled and the :class:`~spmdkit.propagation.Propagation`
         of the step (the body is pinned to it unless ``enforce=False`` or the axes
         are Explicit, where the body is the step itself)."""
-        args = _traced(args)
+        args = _abstract(_traced(args))
         key = self._key(args)
         hit = self._programs.get(key)
         if hit is None:
@@ -418,7 +418,7 @@ class PlannedFunction:
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for these (concrete or abstract) arguments."""
-        args = _traced(args)
+        args = _abstract(_traced(args))
         jitted = self._jitted(args).jitted
         with jax.set_mesh(self.mesh):
             return jitted.lower(*args)
@@ -495,7 +495,7 @@ class PlannedFunction:
 
     def _place(self, x: Any, target: NamedSharding) -> Any:
         current = getattr(x, "sharding", None)
-        if current is not None and current == target:
+        if current is not None and _same_place(current, target, np.ndim(x)):
             return x
         return jax.device_put(x, target)
 
@@ -507,6 +507,20 @@ def _traced(args: tuple) -> tuple:
     return tuple(as_traced(a) for a in args)
 
 
+def _abstract(args: tuple) -> tuple:
+    """Shapes and dtypes of the arrays among ``args``, without their shardings:
+    what the step is traced and lowered from (``in_shardings`` place them), so an
+    array on the user's Explicit mesh traces as the plan's Auto layout would."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
+            weak = bool(getattr(x, "weak_type", False))
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak)
+        return x
+
+    return jax.tree.map(one, args)
+
+
 def _placed_as(leaves: list, want: tuple) -> bool:
     """Whether every leaf is a device array with the shape, dtype and sharding
     its placed counterpart had (a numpy array or scalar never is)."""
@@ -516,9 +530,16 @@ def _placed_as(leaves: list, want: tuple) -> bool:
         got = getattr(x, "sharding", None)
         if got is None or sharding is None:
             return False
-        if x.shape != shape or x.dtype != dtype or (got is not sharding and got != sharding):
+        if x.shape != shape or x.dtype != dtype or not _same_place(got, sharding, len(shape)):
             return False
     return True
+
+
+def _same_place(got: Any, want: Any, ndim: int) -> bool:
+    """Whether an array placed by ``got`` is where ``want`` puts it: the same
+    sharding, or one that differs only in its mesh's axis types (the user's
+    Explicit mesh and sk.jit's Auto view of it: the executable takes it as is)."""
+    return got is want or got == want or got.is_equivalent_to(want, ndim)
 
 
 def jit(

@@ -1,5 +1,6 @@
 """Born-sharded parameters: init_sharded from a plan, the shard class decorator."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -18,6 +19,22 @@ def test_init_sharded_places_every_param_as_planned():
     params = init_sharded(info, p)
     assert params["mixers"][0]["up"][...].sharding.spec == p.params["mixers/0/up"]
     assert params["table"][...].sharding.spec == P("model")
+
+
+def test_init_sharded_arrays_live_on_the_users_explicit_mesh():
+    """sk.make_mesh makes Explicit axes; the params stay on that mesh, so plain
+    jax.jit under jax.set_mesh(mesh) runs on them, and sk.jit takes them too."""
+    mesh = sk.make_mesh(data=2, model=4)
+    info = describe(toy_init, loss=toy_loss, batch=toy_batch())
+    p = plan(info, mesh, "fsdp", estimator="analytic")
+    params = init_sharded(info, p)
+    leaf = next(x for x in jax.tree.leaves(params) if x.sharding.spec != P())
+    assert leaf.sharding.mesh == mesh
+    with jax.set_mesh(mesh):
+        doubled = jax.jit(lambda t: jax.tree.map(lambda x: 2 * x, t))(params)
+    assert jax.tree.leaves(doubled)[0].sharding.mesh == mesh
+    loss, _ = sk.jit(jax.value_and_grad(info.loss_fn), p)(params, toy_batch())
+    assert jnp.isfinite(loss)
 
 
 def test_init_sharded_needs_an_initialiser():

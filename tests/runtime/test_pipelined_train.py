@@ -19,6 +19,7 @@ from spmdkit.pipeline import Pipeline
 from spmdkit.runtime.checkpoint import Manager, abstract_target
 from spmdkit.runtime.data import ShardedLoader
 from spmdkit.runtime.train import train
+from tests.runtime.test_train import fingerprint
 
 
 @pytest.mark.slow
@@ -54,6 +55,14 @@ def test_train_pipelined_then_restore_on_pp1_and_pp4(tmp_path, monkeypatch):
     )  # fmt: skip
     assert ran == [pipe]
     np.testing.assert_allclose(res.losses, ref.losses, rtol=1e-5)
+    # the executable train ran is the one sk.jit(sk.train_step(...)) compiles
+    opt = optax.adam(1e-3)
+    batch = {k: v[:8] for k, v in source.items()}
+    stepped = describe(info.abstract_params, loss=info.loss_fn, batch=batch)
+    step = sk.jit(sk.train_step(stepped, opt, plan), plan, donate_state=True)
+    abstract = (info.abstract_params, jax.eval_shape(opt.init, info.abstract_params), batch)
+    (executable,) = res.planned.executables.values()
+    assert fingerprint(step.compile(*abstract)) == fingerprint(executable)
     saved = res.params
     mgr = Manager(tmp_path)
     for axes, other in (
