@@ -38,12 +38,19 @@ user's loss with the levers applied to it, without editing the model:
   ``nnx.scan``).
 - compute dtype: floating parameter leaves are cast inside the differentiated
   function, so gradients come back in the parameters' dtype.
-- micro-batches: every array leaf of the batch is split on its leading dim,
-  a ``lax.scan`` runs one micro-batch per step, and the gradients accumulate in
-  the parameters' dtype (constrained to ``grad_specs`` when given: ZeRO-2).
+- micro-batches: the batch is split by :func:`spmdkit.batch.microbatches` (the
+  one split: rows ``i, i+n, ...``; the pipeline executor splits the same way),
+  a ``lax.scan`` runs one micro-batch per step (a python loop when a non-tensor
+  field is split per example), PRNG keys after the batch are folded with the
+  micro-batch index, and the gradients accumulate in the parameters' dtype
+  (constrained to ``grad_specs`` when given: ZeRO-2).
 
-:func:`train_step` builds the whole step (gradients and optimizer update) the
-same way for the planner and the runtime, so what is planned is what runs.
+:func:`train_step` builds the whole step (gradients and optimizer update); the
+planner traces it, ``sk.jit`` compiles it and ``train`` runs what ``sk.jit``
+compiled, so what is planned is what runs. Both take a described model
+(``sk.describe``) or its :class:`~spmdkit.loss.Loss`, which says whether the
+loss carries state, returns aux or draws random numbers (then the step takes a
+key last: ``step(params, opt_state, batch, key)``), or a plain function.
 
 Mutable state (``has_state=True``): a model with batch statistics has a loss
 ``loss_fn(params, batch, state) -> (loss, new_state)``. The state is an input

@@ -12,7 +12,9 @@ differentiates; a loss over a params pytree; and an abstract batch.
 - an NNX module (concrete or abstract; with ``loss=`` and ``batch=``);
 - a linen module (with ``loss=`` taking ``(variables, batch)``, ``batch=`` and
   ``init_args=``): boxed ``LogicallyPartitioned`` names are logical, boxed
-  ``Partitioned`` names are mesh axes and are kept as given (pinned).
+  ``Partitioned`` names are mesh axes and are kept as given (pinned);
+- a pytree of arrays with ``loss=`` and ``batch=``: a params pytree, or a linen
+  variables dict (``params`` plus other collections, which are state).
 
 NNX parameters carry logical names in the flax-standard ``out_sharding``
 metadata (``nnx.with_partitioning(init, ("embed", "mlp"))``). Linen models bridged
@@ -20,28 +22,29 @@ into NNX keep their box type in ``linen_meta_type``. A parameter with no names i
 *unannotated* here; the planner names it from its role in the traced loss, or
 from ``names=`` by path (:mod:`spmdkit.planner.naming`).
 
-Mutable state
--------------
+Mutable state, randomness, the loss
+-----------------------------------
 Parameters are what the optimizer trains: NNX ``nnx.Param`` variables, linen's
 ``params`` collection. Everything else a model holds that its forward pass reads
 and may update is *state*: NNX ``nnx.BatchStat`` (and any other non-``Param``
-variable type except the RNG streams, which stay placeholders), linen's other
-collections (``batch_stats``, caches). A model with state gets
-``state_loss_fn(params, batch, state) -> (loss, new_state)`` besides ``loss_fn(params,
-batch) -> loss`` (which runs on placeholder zeros for the state, as a trace of the
-loss alone needs; training steps use ``state_loss_fn``):
+variable type except the RNG streams), linen's other collections
+(``batch_stats``, caches). The state is never differentiated and never given to
+the optimizer; the planner lays it out (:mod:`spmdkit.planner.search`) and the
+step returns it updated.
 
-- NNX: the user's ``loss(model, batch)`` runs on a module merged from the
-  arguments; a layer that updates its statistics in place (``nnx.BatchNorm`` in
-  training mode) leaves them on the module, and the new state is read back from
-  it after the call — nothing to change in the loss.
-- linen: the user's ``loss(variables, batch)`` gets every collection and returns
-  ``(loss, updates)`` as ``module.apply(variables, x, mutable=["batch_stats"])``
-  hands them out; a loss returning only the loss keeps the state as it was (a
-  warning says so once: its statistics would never update).
+The user writes one loss per model kind (:mod:`spmdkit.flax.losses`): NNX
+``loss(model, batch)`` (batch statistics read back from the module, its RNG
+streams drawn from the step's key), linen ``loss(variables, batch)`` returning
+the loss or ``(loss, updates)`` as ``module.apply(..., mutable=[...])`` gives
+them, a params pytree's ``loss(params, batch)``; any may return ``(loss, aux)``
+and take the step's key as ``rng=``. A described model hands on:
 
-The state is never differentiated and never given to the optimizer; the planner
-lays it out (:mod:`spmdkit.planner.search`) and the step returns it updated.
+- :attr:`ModelInfo.train_loss`: the :class:`~spmdkit.loss.Loss` a train step
+  runs (``sk.train_step(info, ...)``, ``train``): state, key and aux as they are;
+- ``loss_fn(params, batch) -> loss`` and, with state, ``state_loss_fn(params,
+  batch, state) -> (loss, new_state)``: the planner's traces of the loss alone,
+  on placeholder state and placeholder keys, aux dropped (``sk.jit`` refuses a
+  step that would draw from those keys).
 
 Nothing here materialises a model on one device: shapes come from
 ``nnx.eval_shape`` / ``jax.eval_shape``. Creating the parameters sharded is
