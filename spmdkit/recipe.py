@@ -78,7 +78,8 @@ from spmdkit.batch import as_traced, as_tree, microbatches
 from spmdkit.errors import SpmdError
 from spmdkit.loss import Loss, as_loss
 from spmdkit.pipeline.execute import pipelined_value_and_grad
-from spmdkit.pipeline.split import call_body, has_scan
+from spmdkit.pipeline.layer_scan import LayerScan, find_layer_scan
+from spmdkit.pipeline.split import CALLS, call_body
 
 __all__ = [
     "PLAIN",
@@ -311,33 +312,35 @@ def _checkpointed(body: Any, policy: Any) -> Any:
     return jax.make_jaxpr(fn)(*avals)
 
 
-def _rewrite(jaxpr: Any, policy: Any) -> tuple[Any, int]:
-    """``jaxpr`` with every outermost scan's body checkpointed, and how many."""
-    eqns, count = [], 0
+def _rewrite(jaxpr: Any, layer: LayerScan, policy: Any) -> Any:
+    """``jaxpr`` with the layer scan's body checkpointed (through the plain calls
+    it sits inside)."""
+    eqns = []
     for old in jaxpr.eqns:
-        eqn, name = old, old.primitive.name
-        if name == "scan":
-            eqn = jaxprs.with_body(old, _checkpointed(jaxprs.scan(old).body, policy))
-            count += 1
-        elif (inner := call_body(old)) is not None and has_scan(inner.jaxpr):
-            body, n = _rewrite(inner.jaxpr, policy)
+        eqn = old
+        if old is layer.eqn:
+            eqn = jaxprs.with_body(old, _checkpointed(layer.scan.body, policy))
+        elif any(old is c for c in layer.calls):
+            inner = call_body(old)
+            body = _rewrite(inner.jaxpr, layer, policy)
             eqn = jaxprs.with_body(old, jaxprs.closed(body, inner.consts))
-            count += n
         eqns.append(eqn)
-    return jaxpr.replace(eqns=eqns), count
+    return jaxpr.replace(eqns=eqns)
 
 
 def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
     """``loss_fn`` with each scanned layer recomputed per the recipe's policy.
 
-    The loss is traced (for the arguments of each call), every outermost
-    ``scan`` equation's body is wrapped in ``jax.checkpoint(policy=...)``, and the
-    rewritten jaxpr is evaluated; the model is not edited. ``remat="none"``
+    The loss is traced (for the arguments of each call), the layer scan's body
+    (:func:`~spmdkit.pipeline.layer_scan.find_layer_scan`, the scan the planner
+    and the pipeline split take too) is wrapped in ``jax.checkpoint(policy=...)``,
+    and the rewritten jaxpr is evaluated; the model is not edited. ``remat="none"``
     returns ``loss_fn`` itself.
 
     Raises:
-      RecipeError: the loss has no scan (its layers are a python loop): there is
-        no layer boundary to recompute at.
+      RecipeError: the loss has no layer scan (its layers are a python loop), or
+        runs it inside a ``jax.checkpoint``/``custom_vjp``: there is no layer
+        boundary to recompute at.
 
     Example::
 
@@ -351,15 +354,17 @@ def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
     @functools.wraps(loss_fn)
     def rematted(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
-        jaxpr, count = _rewrite(closed.jaxpr, policy)
-        if count == 0:
+        layer = find_layer_scan(closed.jaxpr)
+        if layer is None or any(c.primitive.name not in CALLS for c in layer.calls):
             raise RecipeError(
                 op="sk.value_and_grad",
                 must=f"remat={recipe.remat!r} finds the layers as a scan in the loss",
                 given="a loss with no scan (layers run as a python loop: unrolled)",
                 fix="scan the layers (scan_layers=True in the reference models, nnx.scan / "
-                "jax.lax.scan over stacked layer params), or use remat='none'",
+                "jax.lax.scan over stacked layer params, not wrapped in jax.checkpoint), or "
+                "use remat='none'",
             )
+        jaxpr = _rewrite(closed.jaxpr, layer, policy)
         flat = jex.jaxpr_as_fun(jaxprs.closed(jaxpr, closed.consts))(*jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(shape), flat)
 

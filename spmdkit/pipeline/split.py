@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from spmdkit import jaxprs
+from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.schedule import PipelineError
 
 __all__ = ["CALLS", "SplitLoss", "call_body", "has_scan", "split_loss"]
@@ -204,10 +205,19 @@ class SplitLoss:
 
 
 def _find_scan(jaxpr: Any, layers: int | None) -> int:
-    scans = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
-    if layers is not None:
-        scans = [i for i in scans if jaxprs.scan_length(jaxpr.eqns[i]) == layers]
-    if not scans:
+    """The index of the layer scan (:func:`find_layer_scan`) among the equations of
+    ``jaxpr``, whose plain calls are inlined."""
+    found = find_layer_scan(jaxpr, layers=layers)
+    if found is not None and found.calls:
+        raise PipelineError(
+            op="pipeline",
+            must="the layer scan runs at the loss's top level or inside jit",
+            given=f"the layer scan inside {found.calls[-1].primitive.name} (a "
+            "jax.checkpoint or custom_vjp around the whole stack)",
+            fix="checkpoint each layer inside the scan body (or use a Recipe's remat) "
+            "instead of wrapping the stack",
+        )
+    if found is None:
         raise PipelineError(
             op="pipeline",
             must="the loss runs its stacked layers as a scan (the layer stack the "
@@ -216,7 +226,7 @@ def _find_scan(jaxpr: Any, layers: int | None) -> int:
             fix="stack and scan the layers (scan_layers=True in the reference models, "
             "nnx.scan / jax.lax.scan over stacked layer params)",
         )
-    return scans[0]
+    return next(i for i, e in enumerate(jaxpr.eqns) if e is found.eqn)
 
 
 def _check_scan(eqn: Any, post_eqns: Sequence[Any], outvars: Sequence[Any]) -> None:

@@ -66,6 +66,7 @@ from jax.extend.core import Jaxpr, Var
 
 from spmdkit import jaxprs
 from spmdkit.pipeline import Action, Pipeline, Schedule, build_schedule, device_orders
+from spmdkit.pipeline.layer_scan import LayerScan, find_layer_scan
 from spmdkit.pipeline.memory import StageSizes, stage_buffers
 from spmdkit.planner.analytic import (
     CostContext,
@@ -105,24 +106,11 @@ def schedule_of(pipe: Pipeline) -> Schedule:
 # -- which parameters live on which stage -----------------------------------------------
 
 
-def _is_layer_scan(eqn: Any, layers: int) -> bool:
-    return eqn.primitive.name == "scan" and jaxprs.scan_length(eqn) == layers
-
-
-def _contains_scan(jaxpr: Jaxpr, layers: int) -> bool:
-    for eqn in jaxpr.eqns:
-        if _is_layer_scan(eqn, layers):
-            return True
-        if any(_contains_scan(sub, layers) for sub in _subs(eqn)):
-            return True
-    return False
-
-
 def _subs(eqn: Any) -> list[Jaxpr]:
     return [jaxprs.open_jaxpr(sub)[0] for sub in jaxprs.sub_jaxprs(eqn)]
 
 
-def _stages_in(jaxpr: Jaxpr, label: dict[Var, set[int]], layers: int) -> dict[int, str]:
+def _stages_in(jaxpr: Jaxpr, label: dict[Var, set[int]], layer: LayerScan) -> dict[int, str]:
     """Per param index, ``"layers"``/``"first"``/``"last"``/``"both"``, for a jaxpr whose
     input vars carry the param indices they depend on (``label``)."""
     deps: dict[Any, set[int]] = dict(label)
@@ -135,18 +123,17 @@ def _stages_in(jaxpr: Jaxpr, label: dict[Var, set[int]], layers: int) -> dict[in
     for eqn in jaxpr.eqns:
         ins = [of(v) for v in eqn.invars]
         union: set[int] = set().union(*ins) if ins else set()
-        if not seen_scan and _is_layer_scan(eqn, layers):
+        if eqn is layer.eqn:
             seen_scan = True
-            sc = jaxprs.scan(eqn)
-            nc, ncarry = sc.num_consts, sc.num_carry
             for i, s in enumerate(ins):
-                side = "first" if nc <= i < nc + ncarry else "layers"
+                side = "first" if i in layer.carried else "layers"
                 for k in s:
                     out.setdefault(k, set()).add(side)
-        elif not seen_scan and any(_contains_scan(s, layers) for s in _subs(eqn)):
+            union = set()  # the stack's outputs are activations, not parameters
+        elif not seen_scan and any(c is eqn for c in layer.calls):
             seen_scan = True
             sub = _subs(eqn)[0]
-            inner = _stages_in(sub, dict(zip(sub.invars, ins, strict=False)), layers)
+            inner = _stages_in(sub, dict(zip(sub.invars, ins, strict=False)), layer)
             for k, side in inner.items():
                 out.setdefault(k, set()).add(side)
             union = set()
@@ -155,8 +142,6 @@ def _stages_in(jaxpr: Jaxpr, label: dict[Var, set[int]], layers: int) -> dict[in
             for s in ins:
                 for k in s:
                     out.setdefault(k, set()).add(side)
-        if _is_layer_scan(eqn, layers):
-            union = set()  # the stack's outputs are activations, not parameters
         for v in eqn.outvars:
             deps[v] = union
     return {k: _merge_sides(s) for k, s in out.items()}
@@ -175,8 +160,9 @@ def _merge_sides(sides: set[str]) -> str:
 def param_stages(loss_fn: Any, abstract_params: PyTree, batch: PyTree, layers: int) -> dict:
     """Param path → :data:`Where` it lives in a pipeline, from the forward jaxpr.
 
-    The forward is split at its layer scan (the first ``scan`` of ``layers``
-    iterations, searched through nested calls): parameters the scan slices are
+    The forward is split at its layer scan (:func:`~spmdkit.pipeline.layer_scan.
+    find_layer_scan` of ``layers`` iterations, the one the executor splits):
+    parameters the scan slices are
     split over the stages; those feeding its carry (through the embedding) or
     used before it live on the first stage, those used after it on the last.
 
@@ -194,7 +180,10 @@ def param_stages(loss_fn: Any, abstract_params: PyTree, batch: PyTree, layers: i
     flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
     paths = [path_str(kp) for kp, _ in flat]
     label = {v: {i} for i, v in enumerate(closed.jaxpr.invars[: len(paths)])}
-    found = _stages_in(closed.jaxpr, label, layers)
+    layer = find_layer_scan(closed.jaxpr, layers=layers)
+    if layer is None:
+        return {p: "first" for p in paths}
+    found = _stages_in(closed.jaxpr, label, layer)
     return {p: found.get(i, "first") for i, p in enumerate(paths)}
 
 

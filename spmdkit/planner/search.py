@@ -61,6 +61,7 @@ from spmdkit import jaxprs
 from spmdkit.flax.model import ModelInfo, ParamInfo, describe, unbound_axis_error
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
+from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.planner.analytic import (
     CostContext,
     GroupCost,
@@ -292,9 +293,11 @@ def _body_facts(jaxpr: Jaxpr) -> tuple[float, dict[str, float], float]:
 
 
 def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
-    """The scan over layers in a forward jaxpr (the scan with the most FLOPs,
-    searched through nested calls) and the batched-dot FLOPs of the forward."""
-    best: tuple[float, _LayerScan] | None = None
+    """The facts of the layer scan in a forward jaxpr
+    (:func:`~spmdkit.pipeline.layer_scan.find_layer_scan`, the scan the pipeline
+    split and the recompute rewrite take) and the batched-dot FLOPs of the forward."""
+    layer = find_layer_scan(jaxpr)
+    best: _LayerScan | None = None
     attn_total = 0.0
     stack = [jaxpr]
     while stack:
@@ -311,10 +314,9 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
             dots, named, attn = _body_facts(body)
             attn_total += length * attn
             carry = sum(_aval_bytes(v) for v in body.invars[sc.num_consts : sc.first_xs])
-            scan = _LayerScan(length, carry, dots, named, flops)
-            if length > 1 and (best is None or flops > best[0]):
-                best = (flops, scan)
-    return (best[1] if best else None), attn_total
+            if layer is not None and eqn is layer.eqn:
+                best = _LayerScan(length, carry, dots, named, flops)
+    return best, attn_total
 
 
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
