@@ -428,7 +428,16 @@ class _Source:
     def __init__(self, data: Any, *, resuming: bool) -> None:
         self.data = data
         self.loader = hasattr(data, "set_state") and hasattr(data, "state")
-        self.one_shot = iter(data) is data
+        try:
+            self.one_shot = iter(data) is data
+        except TypeError as e:
+            raise TrainError(
+                op="train",
+                must="data is an iterable of batches",
+                given=f"{type(data).__name__}: {e}",
+                fix="pass a ShardedLoader, a list of batches, or an iterable "
+                "(wrap a generator function as ShardedLoader(fn, sharding))",
+            ) from e
         if self.one_shot and resuming:
             raise TrainError(
                 op="train",
@@ -530,6 +539,13 @@ def _endless(data: Any) -> Iterator[Any]:
 def _base_key(rng: Any, mesh: Any) -> jax.Array:
     """The seed's key, one replicated copy on the mesh (a global array every
     process can save)."""
+    if rng is None:
+        raise TrainError(
+            op="train",
+            must="a loss that draws random numbers gets a seed for its per-step keys",
+            given="rng=None",
+            fix="pass rng=0 (or any int seed, or a jax.random.key)",
+        )
     key = rng if is_key(rng) else jax.random.key(int(rng))
     return jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
 

@@ -293,6 +293,10 @@ def test_bad_configurations_raise(mesh):
         run(mesh, 1, accum_steps=0)
     with pytest.raises(TrainError, match="at least one batch"):
         train(loss_fn, MLP(nnx.Rngs(0)), optax.sgd(0.1), [], steps=1)
+    with pytest.raises(TrainError, match="an iterable of batches"):
+        train(loss_fn, MLP(nnx.Rngs(0)), optax.sgd(0.1), lambda: [], steps=1)
+    with pytest.raises(TrainError, match="rng=None"):
+        run(mesh, 1, rng=None)
 
 
 # -- checkpoints and resume ---------------------------------------------------------------------
