@@ -39,7 +39,7 @@ batch axes). :func:`stage_buffers` counts them from the tick tables
 :func:`peak_bytes` sums them (plus what the caller knows about the rest:
 parameters, gradients, the embedding's activations); :func:`saved_bytes` is
 the difference between two schedules of one model and mesh. The planner
-(:mod:`spmdkit.planner.pipecost`) prices a pipelined stage with the same
+(:mod:`spmdkit.planner.pipeline.cost`) prices a pipelined stage with the same
 :func:`stage_buffers`, and ``plan.verify`` adds to its propagated prediction
 the buffers propagation does not see or lays out otherwise
 (:func:`residual_outputs`).

@@ -9,8 +9,10 @@ Modules: ``logical`` (rule tables, presets, axis roles), ``naming`` (a logical
 name for every parameter: given by path, the model's, or inferred from the
 traced loss; the tensor-parallel placement check), ``plans`` (``Plan`` and
 ``Cost`` as plain data: shardings, JSON, the printed table), ``analytic`` (the
-per-parameter cost model), ``search`` (one trace per model, the candidates, the
-search, :func:`plan`).
+per-parameter cost model), ``trace`` (the train step traced once per model),
+``candidates`` (the layouts considered and their cost by propagation),
+``search`` (:func:`plan` and the search), ``pipeline`` (pipelined plans: the
+pipe meshes and configurations searched, their cost, the plan).
 """
 
 from spmdkit.planner.logical import (

@@ -1,7 +1,7 @@
 """The analytic cost model: a layout's step time and memory, priced per parameter group.
 
 ``estimator="analytic"`` (and the inner loop of ``strategy="auto"``). The train
-step is traced once per model (:func:`spmdkit.planner.search.trace_step`, a
+step is traced once per model (:func:`spmdkit.planner.trace.trace_step`, a
 :class:`StepTrace`): total FLOPs and the bytes of the residuals saved for the
 backward pass. A candidate layout is then costed per parameter, which is what
 makes the search fast:

@@ -11,8 +11,8 @@ from spmdkit import jaxprs
 from spmdkit.flax import describe
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.split import split_loss
-from spmdkit.planner.pipecost import param_stages
-from spmdkit.planner.search import trace_step
+from spmdkit.planner.pipeline.cost import param_stages
+from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import Recipe, remat_loss
 
 L, B, S, D, V = 4, 8, 4, 16, 32

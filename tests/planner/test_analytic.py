@@ -4,7 +4,7 @@ import pytest
 
 from spmdkit.flax import describe
 from spmdkit.planner.analytic import CostContext, GroupLayout, group_cost, param_groups, total_cost
-from spmdkit.planner.search import trace_step
+from spmdkit.planner.trace import trace_step
 from spmdkit.spec import axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY
 from tests.plan_model import toy_batch, toy_init, toy_loss

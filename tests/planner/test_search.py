@@ -8,7 +8,8 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.flax import describe
 from spmdkit.planner.logical import PRESETS, PlanError
-from spmdkit.planner.search import plan, trace_step, train_step
+from spmdkit.planner.search import plan
+from spmdkit.planner.trace import trace_step, train_step
 from tests.plan_model import toy_batch, toy_init, toy_loss
 
 

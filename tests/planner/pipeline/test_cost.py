@@ -13,7 +13,7 @@ from spmdkit.flax import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, build_schedule
 from spmdkit.planner.analytic import CostContext, GroupLayout, StepTrace, param_groups
-from spmdkit.planner.pipecost import (
+from spmdkit.planner.pipeline.cost import (
     StageSplit,
     activation_bytes,
     held_activations,
@@ -22,7 +22,7 @@ from spmdkit.planner.pipecost import (
     pipeline_cost,
     stage_groups,
 )
-from spmdkit.planner.search import trace_step
+from spmdkit.planner.trace import trace_step
 from spmdkit.spec import axis_sizes
 from spmdkit.topology import Topology
 

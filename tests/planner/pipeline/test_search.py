@@ -13,7 +13,7 @@ from spmdkit.flax import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.planner import Plan, PlanError, plan
-from spmdkit.planner.pipesearch import pipe_meshes, pipeline_configs, split_mesh
+from spmdkit.planner.pipeline.search import pipe_meshes, pipeline_configs, split_mesh
 
 
 def test_split_mesh_keeps_the_device_order() -> None:

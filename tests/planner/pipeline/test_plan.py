@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, PipelineError
-from spmdkit.planner.pipelined import layer_rules
+from spmdkit.planner.pipeline.plan import layer_rules
 from spmdkit.planner.plans import Plan
 
 

@@ -23,7 +23,7 @@ the executor (:mod:`spmdkit.pipeline.execute`) regroups the stored layers into
 that order inside the step.
 
 The plan's :class:`~spmdkit.planner.plans.Cost` is the pipeline's: ``sk.plan``
-re-costs the layouts pipelined (:mod:`spmdkit.planner.pipecost`, calibrated by
+re-costs the layouts pipelined (:mod:`spmdkit.planner.pipeline.cost`, calibrated by
 propagation under the default estimator: ``_Planner.pipelined_plan_cost`` in
 :mod:`spmdkit.planner.search`).
 

@@ -1,0 +1,434 @@
+"""Candidates: the layouts the planner considers, and their cost by propagation.
+
+A :class:`Candidate` is one costed layout (a layout per parameter group, the
+activations' batch axes, the rule table it came from, its recipe and pipeline).
+The candidate layouts are the presets' rule tables, a user's rules, and the
+searched ones (:func:`search_layouts`: per group, the fastest layout that
+divides; over the memory budget, trades time for memory group by group).
+:func:`propagate_cost` costs a candidate by propagating the traced step at its
+layouts; :func:`state_layout` lays out a model's mutable state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdkit.flax.model import ModelInfo, ParamInfo
+from spmdkit.pipeline import Pipeline
+from spmdkit.planner.analytic import (
+    CostContext,
+    GroupCost,
+    GroupLayout,
+    ParamGroup,
+    StepTrace,
+    group_cost,
+    total_cost,
+)
+from spmdkit.planner.logical import (
+    BATCH_NAMES,
+    LogicalRules,
+    RulesLike,
+    preset_rules,
+)
+from spmdkit.planner.plans import Cost, Dims, Plan, spec_dims
+from spmdkit.planner.trace import train_step
+from spmdkit.propagation import propagate
+from spmdkit.recipe import PLAIN, Recipe
+from spmdkit.spec import MeshLike, axis_sizes
+
+if TYPE_CHECKING:
+    from optax import GradientTransformation
+
+__all__ = [
+    "Activation",
+    "Candidate",
+    "activation_layout",
+    "batch_axis_choices",
+    "preset_tables",
+    "propagate_cost",
+    "rules_choice",
+    "search_layouts",
+    "state_layout",
+]
+
+
+#: Activations per batch dim: ``batch``, ``seq``, ... → mesh axes.
+Activation = dict[str, tuple[str, ...]]
+
+
+class Candidate(NamedTuple):
+    """One costed layout the planner considers.
+
+    Attributes:
+      name: the preset name, ``"rules"``, or ``"searched[batch=...]"``.
+      choice: one :class:`~spmdkit.planner.analytic.GroupLayout` per parameter group.
+      activation: batch logical name → mesh axes.
+      rules: the logical-rule table the layout came from (None when searched).
+      cost: its estimated cost.
+      recipe: the recipe it is costed with.
+      pipeline: pipelined candidates: the pipeline (``choice`` then puts the
+        layer dim of the stacked params on its axis).
+      mesh: pipelined candidates: the mesh with the pipe axis (None: the plan's).
+    """
+
+    name: str
+    choice: list[GroupLayout]
+    activation: Activation
+    rules: LogicalRules | None
+    cost: Cost
+    recipe: Recipe = PLAIN
+    pipeline: Pipeline | None = None
+    mesh: MeshLike | None = None
+
+    @property
+    def label(self) -> str:
+        """The name with the recipe (and pipeline), e.g. ``fsdp+remat=full, bf16``."""
+        out = self.name if self.recipe.is_default else f"{self.name}+{self.recipe.short()}"
+        return out if self.pipeline is None else f"{out}+{self.pipeline.short()}"
+
+
+def propagate_cost(
+    info: ModelInfo,
+    optimizer: GradientTransformation | None,
+    candidate: Plan,
+    ctx: CostContext,
+    analytic: Cost,
+) -> Cost:
+    """Cost of a plan by propagating its specs through the whole train step
+    (forward, backward, optimizer update; params and optimizer state donated),
+    with its recipe applied; ``analytic`` is the same plan's analytic cost, whose
+    compute time and overlappable share of communication it keeps."""
+    trace = ctx.trace
+    carried = (candidate.param_specs(info.abstract_params), candidate.opt_specs(trace.abstract_opt))
+    args = (info.abstract_params, trace.abstract_opt)
+    roles: tuple[str, ...] = ("params", "opt_state")
+    if info.has_state:  # the model's batch statistics: in and out of the step, no grads
+        carried += (candidate.state_specs(info.abstract_state),)
+        args += (info.abstract_state,)
+        roles += ("state",)
+    in_specs = (*carried, candidate.batch_specs(info.batch))
+    # The step hands back parameters, optimizer state (and model state) in the
+    # layouts it took them in (the next step's inputs, and what sk.jit's
+    # out_shardings ask for): ZeRO-1's all-gather of the updated parameters is
+    # part of its cost.
+    out_specs = (*carried, P())
+    grad_specs = None
+    if candidate.grads:
+        # constraints inside the traced step need Auto axes (as sk.jit compiles)
+        sizes = axis_sizes(ctx.mesh)
+        auto = AbstractMesh(
+            tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
+        )
+        grad_specs = jax.tree.map(
+            lambda spec: NamedSharding(auto, spec),
+            candidate.grad_specs(info.abstract_params),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+    prop = propagate(
+        train_step(info, optimizer, candidate.recipe, grad_specs),
+        *args,
+        info.batch,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        mesh=ctx.mesh,
+        topology=ctx.topology,
+        donate_argnums=tuple(range(len(args))),
+        arg_roles=(*roles, "batch"),
+    )
+    # Compute time is the analytic model's (the traced FLOPs split by the layout,
+    # at achievable rates, recomputation included); communication is the
+    # propagated collectives, of which the analytic model's overlappable share
+    # hides under compute; host offload traffic as the analytic model prices it.
+    compute = analytic.compute_time_s
+    share = analytic.hidden_comm_s / analytic.comm_time_s if analytic.comm_time_s else 0.0
+    hidden = prop.comm_time_s * share
+    host = analytic.comm_bytes.get("host_offload", 0) / ctx.topology.host_bandwidth
+    comm_s = prop.comm_time_s + host
+    step = compute + ctx.topology.exposed_comm(hidden, comm_s - hidden, compute)
+    mem = prop.memory
+    comm_bytes = {k: int(v) for k, v in sorted(prop.comm_bytes_by_kind.items())}
+    if host:
+        comm_bytes["host_offload"] = int(analytic.comm_bytes["host_offload"])
+    return Cost(
+        step_time_s=step,
+        compute_time_s=compute,
+        comm_time_s=comm_s,
+        hidden_comm_s=comm_s - (step - compute),
+        comm_bytes=comm_bytes,
+        memory={
+            "arguments": int(mem.argument_bytes),
+            "outputs": int(mem.output_bytes - mem.alias_bytes),
+            "temporaries": int(mem.temp_bytes),
+        },
+        estimator="propagate",
+        ops=prop.region_strategies(),
+    )
+
+
+# -- the model's mutable state ----------------------------------------------------------------
+
+#: Parameter names a module's statistics follow first (a norm's scale, then its bias).
+_OWNER_ORDER = ("scale", "bias")
+
+
+def _owner(path: str, shape: tuple[int, ...], params: Mapping[str, ParamInfo]) -> str | None:
+    """The parameter a state leaf belongs to: one of its module (its parent path;
+    for linen, the same module in the ``params`` collection) with its shape, a
+    norm's ``scale`` or ``bias`` first."""
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    parents = {parent}
+    _, _, module = parent.partition("/")
+    if module:
+        parents.add("params/" + module)
+    hits = [
+        q
+        for q, p in params.items()
+        if (q.rsplit("/", 1)[0] if "/" in q else "") in parents and tuple(p.shape) == shape
+    ]
+
+    def order(q: str) -> tuple[int, str]:
+        leaf = q.rsplit("/", 1)[-1]
+        return (_OWNER_ORDER.index(leaf) if leaf in _OWNER_ORDER else len(_OWNER_ORDER), q)
+
+    return min(hits, key=order) if hits else None
+
+
+def state_layout(
+    info: ModelInfo, params: Mapping[str, P], rules: LogicalRules | None, mesh: MeshLike
+) -> tuple[dict[str, P], dict[str, str]]:
+    """Specs for the model's mutable state and where each came from.
+
+    A state leaf (a norm's running mean) is laid out like the parameter of its
+    module with its shape (the norm's scale: per-channel statistics follow the
+    channels' layout, whatever the rules decided for them); a leaf with its own
+    pin or logical names and no such parameter, by the pin or the rule table;
+    otherwise it is replicated, and its row in the plan's table says so.
+
+    Example::
+
+        >>> specs, sources = state_layout(info, plan.params, plan.rules, mesh)
+        >>> sources["batch_stats/BatchNorm_0/mean"]
+        'like params/BatchNorm_0/scale'
+    """
+    by_path = info.by_path()
+    specs: dict[str, P] = {}
+    sources: dict[str, str] = {}
+    for s in info.state:
+        owner = _owner(s.path, tuple(s.shape), by_path)
+        if owner is not None and owner in params:
+            specs[s.path], sources[s.path] = params[owner], f"like {owner}"
+        elif s.pinned is not None:
+            specs[s.path], sources[s.path] = s.pinned, "pinned"
+        elif s.logical is not None and rules is not None:
+            specs[s.path] = rules.resolve(s.logical, s.shape, mesh, where=s.path)
+            sources[s.path] = "rules"
+        else:
+            specs[s.path], sources[s.path] = P(), "replicated"
+    return specs, sources
+
+
+# -- candidate layouts ------------------------------------------------------------------------
+
+
+def _layouts(g: ParamGroup, sizes: dict[str, int], limit: int = 400) -> list[Dims]:
+    """Every assignment of the mesh axes to ``g``'s dims that divides (its pin only
+    when pinned), at most ``limit``."""
+    if g.pinned is not None:
+        return [spec_dims(g.pinned, len(g.shape))]
+    ndim = len(g.shape)
+    axes = [a for a, s in sizes.items() if s > 1]
+    out: list[Dims] = []
+    for assign in itertools.product(range(-1, ndim), repeat=len(axes)):
+        dims: list[tuple[str, ...]] = [()] * ndim
+        for a, d in zip(axes, assign, strict=True):
+            if d >= 0:
+                dims[d] = (*dims[d], a)
+        if all(g.shape[i] % math.prod(sizes[a] for a in dims[i]) == 0 for i in range(ndim)):
+            out.append(tuple(dims))
+        if len(out) >= limit:
+            break
+    return out or [((),) * ndim]
+
+
+def _zero1(
+    dims: Dims, shape: tuple[int, ...], batch_axes: tuple[str, ...], sizes: dict[str, int]
+) -> Dims:
+    """Optimizer dims: the param's dims plus the free batch axes on the largest dim they divide."""
+    used = {a for d in dims for a in d}
+    extra = tuple(a for a in batch_axes if a not in used and sizes[a] > 1)
+    if not extra or not shape:
+        return dims
+    n_extra = math.prod(sizes[a] for a in extra)
+    order = sorted(range(len(shape)), key=lambda i: -shape[i])
+    for i in order:
+        cur = math.prod(sizes[a] for a in dims[i])
+        if shape[i] % (cur * n_extra) == 0:
+            out = list(dims)
+            out[i] = dims[i] + extra
+            return tuple(out)
+    return dims
+
+
+def activation_layout(rules: LogicalRules, mesh: MeshLike, trace: StepTrace) -> Activation:
+    sizes = axis_sizes(mesh)
+    out: Activation = {}
+    dims = {"batch": trace.batch_size, "seq": trace.seq_len if trace.seq_len > 1 else None}
+    for name in BATCH_NAMES:
+        chosen: tuple[str, ...] = ()
+        for key, axes in rules.entries:
+            if key != name:
+                continue
+            if axes is None:
+                break
+            if any(a in v for v in out.values() for a in axes):
+                continue
+            if dims.get(name) and dims[name] % math.prod(sizes[a] for a in axes):
+                continue
+            chosen = axes
+            break
+        out[name] = chosen
+    return out
+
+
+def preset_tables(
+    name: str, extra: RulesLike | None, mesh: MeshLike
+) -> tuple[LogicalRules, LogicalRules]:
+    """A preset's rule tables for the parameters and for their optimizer state
+    (ZeRO-1/2: the fsdp table), ``extra`` rules first."""
+    rules = preset_rules(name, mesh)
+    if extra is not None:
+        rules = rules.prepend(extra)
+    opt_rules = preset_rules("fsdp", mesh) if name in ("zero1", "zero2") else rules
+    if extra is not None and name in ("zero1", "zero2"):
+        opt_rules = opt_rules.prepend(extra)
+    return rules, opt_rules
+
+
+def rules_choice(
+    rules: LogicalRules,
+    opt_rules: LogicalRules,
+    groups: list[ParamGroup],
+    mesh: MeshLike,
+    preset: str | None,
+) -> list[GroupLayout]:
+    sizes = axis_sizes(mesh)
+    every = tuple(a for a in mesh.axis_names if sizes[a] > 1)
+    out = []
+    for g in groups:
+        if g.pinned is not None:
+            d = spec_dims(g.pinned, len(g.shape))
+            out.append(GroupLayout(d, d))
+            continue
+        if g.logical is None:
+            dims = _unannotated(g.shape, every if preset == "fsdp" else (), sizes)
+            odims = _unannotated(
+                g.shape, every if preset in ("fsdp", "zero1", "zero2") else (), sizes
+            )
+        else:
+            dims = spec_dims(
+                rules.resolve(g.logical, g.shape, mesh, where=g.paths[0]), len(g.shape)
+            )
+            odims = spec_dims(
+                opt_rules.resolve(g.logical, g.shape, mesh, where=g.paths[0]), len(g.shape)
+            )
+            if preset in ("zero1", "zero2"):
+                odims = _merge(dims, odims)
+        out.append(GroupLayout(dims, odims, grads_sharded=preset == "zero2" and odims != dims))
+    return out
+
+
+def _merge(dims: Dims, odims: Dims) -> Dims:
+    used = {a for d in dims for a in d}
+    return tuple(d + tuple(a for a in o if a not in used) for d, o in zip(dims, odims, strict=True))
+
+
+def _unannotated(shape: tuple[int, ...], axes: tuple[str, ...], sizes: dict[str, int]) -> Dims:
+    """fsdp for a param without names: every axis on its largest dim that divides."""
+    dims: list[tuple[str, ...]] = [()] * len(shape)
+    if not axes:
+        return tuple(dims)
+    for cand in (axes, *((a,) for a in axes)):
+        n = math.prod(sizes[a] for a in cand)
+        for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+            if shape[i] % n == 0:
+                dims[i] = cand
+                return tuple(dims)
+    return tuple(dims)
+
+
+def batch_axis_choices(sizes: dict[str, int], batch_size: int) -> list[tuple[str, ...]]:
+    axes = [a for a, s in sizes.items() if s > 1]
+    out = []
+    for r in range(len(axes), -1, -1):
+        for combo in itertools.combinations(axes, r):
+            if batch_size % math.prod(sizes[a] for a in combo) == 0:
+                out.append(combo)
+    return out
+
+
+def search_layouts(
+    ctx: CostContext,
+    groups: list[ParamGroup],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    budget: float,
+    *,
+    total: Callable[..., Cost] = total_cost,
+    sizes: dict[str, int] | None = None,
+) -> tuple[list[GroupLayout], Cost]:
+    """The fastest layout per group, then, while over ``budget``, the move that
+    saves memory at the least time per byte. ``total``: the cost of a whole
+    choice (a pipelined one's for pipelines); ``sizes``: the mesh axes layouts
+    may use (default: all)."""
+    sizes = ctx.sizes if sizes is None else sizes
+    options: list[list[GroupLayout]] = []
+    for g in groups:
+        opts = []
+        for dims in _layouts(g, sizes):
+            opts.append(GroupLayout(dims, dims))
+            z = _zero1(dims, g.shape, batch_axes, sizes)
+            if z != dims:
+                opts.append(GroupLayout(dims, z))
+                opts.append(GroupLayout(dims, z, grads_sharded=True))
+        options.append(opts)
+
+    def gcost(i: int, o: GroupLayout) -> GroupCost:
+        return group_cost(ctx, groups[i], o, batch_axes, seq_axes)
+
+    pick = []
+    for i, opts in enumerate(options):
+        best = min(
+            range(len(opts)), key=lambda j: (gcost(i, opts[j]).time, gcost(i, opts[j]).memory, j)
+        )
+        pick.append(best)
+    choice = [options[i][j] for i, j in enumerate(pick)]
+    cost = total(ctx, groups, choice, batch_axes, seq_axes)
+    # Over budget: trade time for memory, best Δtime per byte saved first.
+    for _ in range(4 * len(groups) * 8):
+        if cost.peak_bytes <= budget:
+            break
+        best_move = None
+        for i, opts in enumerate(options):
+            cur = gcost(i, opts[pick[i]])
+            for j, o in enumerate(opts):
+                c = gcost(i, o)
+                saved = cur.memory - c.memory
+                if saved <= 0:
+                    continue
+                ratio = (c.time - cur.time) / saved
+                if best_move is None or ratio < best_move[0]:
+                    best_move = (ratio, i, j)
+        if best_move is None:
+            break
+        _, i, j = best_move
+        pick[i] = j
+        choice[i] = options[i][j]
+        cost = total(ctx, groups, choice, batch_axes, seq_axes)
+    return choice, cost

@@ -1,0 +1,583 @@
+"""What auto searches when asked for pipelines: pipe degrees, meshes, configurations.
+
+``sk.plan(model, mesh, "auto", pipeline="auto")`` costs pipelined candidates
+beside the usual ones (:mod:`spmdkit.planner.search`); this module says which:
+
+- **Pipe degrees and meshes** (:func:`pipe_meshes`): a mesh with a ``pipe``
+  axis is used as it is (its size is the degree). A mesh without one has its
+  data axis (the axis named ``data``, else the first axis with more than one
+  device) split into ``pipe × data`` for every degree ``p ≥ 2`` that divides
+  both that axis and the layer count: ``data=64, model=8`` gives
+  ``pipe=8, data=8, model=8`` among others. The pipe axis goes right before the
+  data axis (major to it), so with the topology's node heuristic it spans nodes
+  and its sends use the inter-node link. The plan's mesh then has the ``pipe``
+  axis: build the devices' mesh the same way, ``sk.make_mesh(pipe=8, data=8,
+  model=8)`` (the same devices in the same order as ``data=64, model=8``),
+  or take it from ``plan.mesh``'s axis names and sizes.
+- **Configurations** (:func:`pipeline_configs`): micro-batch counts ``m`` that
+  divide each data-parallel replica's batch (the five largest powers of two); for ``m ≥ p``
+  1F1B and, where ``p · v`` divides the layers and ``p`` divides ``m``,
+  interleaved 1F1B with ``v ∈ {2, 4}`` virtual stages; for ``m < p``
+  (1F1B needs ``m ≥ p``) F-then-B with input release. GPipe is never proposed:
+  it has F-then-B's bubble and holds more (:mod:`spmdkit.planner.pipeline.cost`),
+  and F-then-B has 1F1B's bubble and holds more where 1F1B runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh
+
+from spmdkit.mesh import abstract_mesh
+from spmdkit.pipeline import Pipeline, PipelineError
+from spmdkit.planner.analytic import (
+    CostContext,
+    GroupLayout,
+    ParamGroup,
+    total_cost,
+)
+from spmdkit.planner.candidates import (
+    Candidate,
+    activation_layout,
+    batch_axis_choices,
+    preset_tables,
+    propagate_cost,
+    rules_choice,
+    search_layouts,
+)
+from spmdkit.planner.logical import (
+    BATCH_NAMES,
+    PRESETS,
+    LogicalRules,
+    RulesLike,
+    UnknownLogicalAxisError,
+)
+from spmdkit.planner.pipeline.cost import StageSplit, param_stages, pipeline_cost, stage_groups
+from spmdkit.planner.pipeline.plan import (
+    PLACEHOLDER_AXIS,
+    layer_rules,
+    model_rows_combined,
+)
+from spmdkit.planner.plans import Cost, Dims
+from spmdkit.recipe import PLAIN, Recipe
+from spmdkit.spec import MeshLike, axis_sizes
+
+if TYPE_CHECKING:
+    pass
+
+
+__all__ = [
+    "PipelinePlanning",
+    "MICROBATCH_COUNTS",
+    "PIPE_AXIS",
+    "VIRTUAL",
+    "data_axis",
+    "pipe_meshes",
+    "pipeline_configs",
+    "reference",
+    "split_mesh",
+]
+
+#: The cost of a candidate not costed yet (never ranked).
+_NO_COST = Cost(0.0, 0.0, 0.0, {}, {})
+
+#: Pipelined candidates are also kept at their best within this share of the
+#: budget (their analytic memory is calibrated upwards by propagation).
+_PIPE_HEADROOM = 0.7
+
+#: At most this many pipelined candidates are calibrated by propagation per plan.
+_RECOST_PIPELINES = 4
+
+#: The presets auto also pipelines (:meth:`_Planner.pipelined_on`).
+_TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp")
+
+#: The mesh axis pipelined plans put their stages on.
+PIPE_AXIS = "pipe"
+
+#: Virtual stages per device auto tries with the interleaved schedule.
+VIRTUAL = (2, 4)
+
+#: How many micro-batch counts auto tries per pipe degree: the largest powers
+#: of two that divide a replica's batch (more micro-batches: a smaller bubble and
+#: fewer activations held; fewer: less per-micro-batch communication).
+MICROBATCH_COUNTS = 5
+
+
+def data_axis(mesh: MeshLike) -> str | None:
+    """The axis a mesh without a pipe axis gives its stages from: ``data`` if it
+    has one, else its first axis with more than one device (None: no such axis)."""
+    sizes = axis_sizes(mesh)
+    if sizes.get("data", 1) > 1:
+        return "data"
+    return next((a for a, s in sizes.items() if s > 1), None)
+
+
+def split_mesh(mesh: MeshLike, stages: int, axis: str = PIPE_AXIS) -> MeshLike:
+    """``mesh`` with its data axis (:func:`data_axis`) split into ``axis × data``.
+
+    The devices keep their order (a ``Mesh``'s device array is reshaped), so
+    ``split_mesh(make_mesh(data=8, model=2), 2)`` is ``make_mesh(pipe=2, data=4,
+    model=2)``.
+
+    Args:
+        mesh: a ``Mesh`` or ``AbstractMesh`` without ``axis``.
+        stages: the pipe axis's size; it must divide the data axis.
+        axis: the new axis's name.
+
+    Raises:
+        PipelineError: no data axis, or ``stages`` does not divide it.
+
+    Example::
+
+        >>> split_mesh(abstract_mesh(data=64, model=8), 8).axis_names
+        ('pipe', 'data', 'model')
+    """
+    sizes = axis_sizes(mesh)
+    data = data_axis(mesh)
+    if data is None or sizes[data] % stages:
+        raise PipelineError(
+            op="plan",
+            must=f"a mesh without a '{axis}' axis has a data axis that {stages} stages divide",
+            given=str(sizes),
+            fix=f"add a '{axis}' axis to the mesh (sk.make_mesh({axis}={stages}, ...)) "
+            "or pick stages that divide the data axis",
+        )
+    names: list[str] = []
+    shape: list[int] = []
+    for a, s in sizes.items():
+        if a == data:
+            names += [axis, a]
+            shape += [stages, s // stages]
+        else:
+            names.append(a)
+            shape.append(s)
+    types = tuple(getattr(mesh, "axis_types", ()) or ())
+    if types:
+        i = list(sizes).index(data)
+        types = (*types[:i], types[i], *types[i:])
+    if isinstance(mesh, Mesh):
+        devices = np.asarray(mesh.devices).reshape(shape)
+        return Mesh(devices, tuple(names), axis_types=types or None)
+    return AbstractMesh(tuple(shape), tuple(names), axis_types=types or None)
+
+
+def pipe_meshes(mesh: MeshLike, layers: int, stages: int | None = None) -> list[MeshLike]:
+    """The meshes auto pipelines over (module docstring), smallest degree first.
+
+    Args:
+        mesh: the mesh given to ``plan``.
+        layers: the stacked layer count (degrees must divide it).
+        stages: a fixed degree (a given :class:`~spmdkit.pipeline.Pipeline`), or
+            None for every degree.
+    """
+    sizes = axis_sizes(mesh)
+    if PIPE_AXIS in sizes:
+        return [mesh] if sizes[PIPE_AXIS] > 1 else []
+    if stages is not None:
+        return [split_mesh(mesh, stages)]
+    data = data_axis(mesh)
+    if data is None or layers < 2:
+        return []
+    return [
+        split_mesh(mesh, p)
+        for p in range(2, sizes[data] + 1)
+        if sizes[data] % p == 0 and layers % p == 0
+    ]
+
+
+def pipeline_configs(
+    stages: int, layers: int, local_batch: int, request: Pipeline | None = None
+) -> list[Pipeline]:
+    """The configurations auto costs for one degree (module docstring).
+
+    Args:
+        stages: the pipe axis's size.
+        layers: the stacked layer count.
+        local_batch: one data-parallel replica's batch (micro-batches divide it).
+        request: a fixed configuration: just it, when it fits these.
+
+    Returns:
+        Valid configurations, fewest micro-batches first.
+    """
+    if request is not None:
+        ok = (
+            request.stages == stages
+            and layers % request.chunks == 0
+            and local_batch % request.microbatches == 0
+        )
+        return [request] if ok else []
+    out: list[Pipeline] = []
+    counts = [2**k for k in range(int(math.log2(max(local_batch, 1))) + 1)]
+    counts = [c for c in counts if local_batch % c == 0][-MICROBATCH_COUNTS:]
+    for m in counts:
+        if layers % stages:
+            break
+        if m < stages:
+            out.append(Pipeline(stages, m, "fthenb"))
+            continue
+        out.append(Pipeline(stages, m, "1f1b"))
+        for v in VIRTUAL:
+            if layers % (stages * v) == 0 and m % stages == 0:
+                out.append(Pipeline(stages, m, "interleaved", virtual=v))
+    return out
+
+
+def reference(configs: Sequence[Pipeline]) -> Pipeline:
+    """The configuration layouts are searched under: the most micro-batches
+    (the smallest bubble and activations), 1F1B where it runs."""
+    most = max(c.microbatches for c in configs)
+    top = [c for c in configs if c.microbatches == most]
+    return next((c for c in top if c.schedule == "1f1b"), top[0])
+
+
+# -- one plan() call ----------------------------------------------------------------------------
+
+
+def _on_pipe(g: ParamGroup, layout: GroupLayout, axis: str = PIPE_AXIS) -> GroupLayout:
+    """A stage group's layout on the whole stack: its layer dim over the pipe axis too."""
+    i = g.logical.index("layers") if g.logical and "layers" in g.logical else 0
+
+    def put(dims: Dims) -> Dims:
+        return tuple((axis, *d) if k == i else d for k, d in enumerate(dims))
+
+    return GroupLayout(put(layout.params), put(layout.opt), layout.grads_sharded)
+
+
+def _mesh_without(sizes: Mapping[str, int], axes: Iterable[str]) -> AbstractMesh:
+    """The abstract mesh of ``sizes`` without ``axes`` (a one-device placeholder
+    axis when none is left: a plan needs a mesh with an axis)."""
+    drop = set(axes)
+    return abstract_mesh(
+        **({a: s for a, s in sizes.items() if a not in drop} or {PLACEHOLDER_AXIS: 1})
+    )
+
+
+def _without(layout: GroupLayout, axes: tuple[str, ...]) -> GroupLayout:
+    """A layout with ``axes`` taken off its parameters and optimizer state."""
+
+    def drop(dims: Dims) -> Dims:
+        return tuple(tuple(a for a in d if a not in axes) for d in dims)
+
+    return GroupLayout(drop(layout.params), drop(layout.opt), layout.grads_sharded)
+
+
+class PipelinePlanning:
+    """The pipeline half of one :func:`~spmdkit.planner.plan` call: which groups
+    live on which stage, the pipelined candidates per pipe degree, recipe and
+    batch axes (searched under the reference configuration, then every
+    configuration costed with their layouts), and their costs calibrated by
+    propagating a twin that runs one stage's work. Mixed into the planner, whose
+    fields (``mesh``, ``info``, ``groups``, ``ctx``...) and candidate methods it
+    uses."""
+
+    def stages(self) -> tuple[str, ...] | None:
+        """Per group, where it lives in a pipeline
+        (:func:`~spmdkit.planner.pipeline.cost.param_stages`); None when the model
+        has no stacked layers to pipeline."""
+        trace = self.ctx.trace
+        if trace.layers < 2:
+            return None
+        found = self.info.memo(
+            ("planner.stages", trace.layers),
+            lambda: param_stages(
+                self.info.loss_fn, self.info.abstract_params, self.info.batch, trace.layers
+            ),
+        )
+        where = tuple(found.get(g.paths[0], "first") for g in self.groups)
+        for g, w in zip(self.groups, where, strict=True):
+            dim = g.logical.index("layers") if g.logical and "layers" in g.logical else 0
+            if w == "layers" and (not g.shape or g.shape[dim] != trace.layers):
+                return None
+        return where if "layers" in where else None
+
+    def pipelined(
+        self, request: Pipeline | str, fixed: Recipe | None, extra: RulesLike | None = None
+    ) -> list[Candidate]:
+        """Pipelined candidates (:mod:`spmdkit.planner.pipeline.search`): per pipe degree,
+        recipe and batch axes, the layouts searched under the reference
+        configuration, then every configuration costed with them; the best kept."""
+        fixed_pipe = request if isinstance(request, Pipeline) else None
+        where = self.stages()
+        if where is None:
+            if fixed_pipe is None:
+                return []
+            raise PipelineError(
+                op="plan",
+                must="a pipelined model has its layers stacked in one scan (nnx.scan, "
+                "flax.linen.scan or jax.lax.scan over a params stack)",
+                given=f"{self.info.name}: no layer scan whose stacked "
+                "parameters lead with the layer count",
+                fix="scan the layers (e.g. scan_layers=True in the reference models), or "
+                "plan without pipeline=",
+            )
+        if fixed_pipe is not None and fixed_pipe.axis != PIPE_AXIS:
+            raise PipelineError(
+                op="plan",
+                must=f"auto pipelines over the '{PIPE_AXIS}' axis",
+                given=f"Pipeline(axis={fixed_pipe.axis!r})",
+                fix=f"pass Pipeline(axis='{PIPE_AXIS}', ...) and name the mesh axis so",
+            )
+        if fixed is not None and fixed.microbatches != 1:
+            raise PipelineError(
+                op="plan",
+                must="a pipelined plan takes its micro-batches from the pipeline",
+                given=f"recipe microbatches={fixed.microbatches}",
+                fix="pass microbatches=1 in the recipe and Pipeline(microbatches=...)",
+            )
+        recipes = {(r.remat, r.compute_dtype, r.save_names): r for r in self.recipes(fixed)[0]}
+        base = [replace(r, microbatches=1) for r in recipes.values()]
+        layers = self.ctx.trace.layers
+        stages = fixed_pipe.stages if fixed_pipe is not None else None
+        if fixed_pipe is not None:
+            fixed_pipe.check_layers(layers, op="plan")
+        out: list[Candidate] = []
+        for mesh in pipe_meshes(self.mesh, layers, stages):
+            for r in base:
+                out += self.pipelined_on(mesh, where, r, fixed_pipe, extra)
+        return out
+
+    def pipelined_on(
+        self,
+        mesh: MeshLike,
+        where: tuple[str, ...],
+        recipe: Recipe,
+        request: Pipeline | None,
+        extra: RulesLike | None = None,
+    ) -> list[Candidate]:
+        """The best pipelined candidate per batch-axes choice on one mesh with a pipe
+        axis, and the tensor-parallel presets' (``extra`` rules first) pipelined."""
+        sizes = axis_sizes(mesh)
+        p = sizes[PIPE_AXIS]
+        if request is not None and request.stages != p:
+            raise PipelineError(
+                op="plan",
+                must=f"the pipeline's stages equal the mesh's '{PIPE_AXIS}' axis",
+                given=f"stages={request.stages}, {PIPE_AXIS}={p}",
+                fix=f"pass Pipeline(stages={p}, ...) or a mesh with {PIPE_AXIS}={request.stages}",
+            )
+        trace = self.ctx.trace
+        inner = {a: s for a, s in sizes.items() if a != PIPE_AXIS}
+        ctx = replace(self.ctx, mesh=mesh, sizes=sizes, recipe=recipe, memo=self.pipe_memo(mesh))
+        groups = stage_groups(self.groups, where, p)
+        out = []
+        # a layer combining a micro-batch's rows (MoE's router statistics) runs
+        # pipelined only without batch axes, unless the request computes it per
+        # device's rows (the executor refuses it otherwise)
+        local_stats = request is not None and request.local_statistics
+        rows_apart = local_stats or not model_rows_combined(self.info)
+        for batch_ax in batch_axis_choices(inner, trace.batch_size):
+            if math.prod(inner[a] for a in batch_ax) > 1 and not rows_apart:
+                continue
+            local = trace.batch_size // math.prod(inner[a] for a in batch_ax)
+            configs = pipeline_configs(p, trace.layers, local, request)
+            if not configs:
+                continue
+            found = self.pipe_search(ctx, groups, where, batch_ax, configs, inner)
+            for choice, cost, pipe in found:
+                full = [
+                    _on_pipe(g, lay) if w == "layers" else lay
+                    for g, lay, w in zip(self.groups, choice, where, strict=True)
+                ]
+                act = {n: () for n in BATCH_NAMES}
+                act["batch"] = batch_ax
+                name = f"searched[batch={','.join(batch_ax) or '-'}]"
+                out.append(Candidate(name, full, act, None, cost, recipe, pipe, mesh))
+        # the tensor-parallel presets' layouts on the other axes too: Megatron-LM's
+        # pipelines keep tensor parallelism inside the node, which the per-group
+        # search (each group's layout on its own) can miss; it covers the
+        # data-parallel and FSDP layouts itself
+        sub = _mesh_without(sizes, (PIPE_AXIS,))
+        for name in _TP_PRESETS:
+            try:
+                tables = preset_tables(name, extra, sub)
+                c = self.pipelined_table(name, tables, mesh, recipe, request)
+            except UnknownLogicalAxisError:
+                continue
+            if c is not None:
+                out.append(c)
+        return out
+
+    def pipe_search(
+        self,
+        ctx: CostContext,
+        groups: list[ParamGroup],
+        where: tuple[str, ...],
+        batch_ax: tuple[str, ...],
+        configs: list[Pipeline],
+        inner: dict[str, int],
+    ) -> list[tuple[list[GroupLayout], Cost, Pipeline]]:
+        """Stage layouts searched under the reference configuration
+        (:func:`~spmdkit.planner.pipeline.search.reference`, honouring the budget), then
+        the best configuration with them, ``(choice, cost, pipeline)``, and the best
+        within :data:`_PIPE_HEADROOM` of the budget when that is another one (the
+        analytic model's memory is calibrated upwards later, :meth:`calibrated`)."""
+        layers = ctx.trace.layers
+        ref = reference(configs)
+        rctx = replace(ctx, recipe=replace(ctx.recipe, microbatches=ref.microbatches))
+
+        def cost_of(pipe: Pipeline, choice: Sequence[GroupLayout]) -> Cost:
+            split = StageSplit(pipe, where, layers)
+            return pipeline_cost(rctx, groups, choice, batch_ax, (), split)
+
+        choice, _ = search_layouts(
+            rctx,
+            groups,
+            batch_ax,
+            (),
+            self.budget,
+            total=lambda _c, _g, ch, _b, _s: cost_of(ref, ch),
+            sizes=inner,
+        )
+        costed = [(cost_of(pipe, choice), i, pipe) for i, pipe in enumerate(configs)]
+        cost, i, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
+        tight = self.budget * _PIPE_HEADROOM
+        cost2, i2, pipe2 = min(costed, key=lambda x: (*self.rank_cost(x[0], tight), x[1]))
+        out = [(choice, cost, pipe)]
+        return out if i2 == i else [*out, (choice, cost2, pipe2)]
+
+    def pipe_memo(self, mesh: MeshLike) -> dict:
+        """The group-cost memo of one pipe mesh (shared by its recipes)."""
+        return self.pipe_memos.setdefault(tuple(axis_sizes(mesh).items()), {})
+
+    def recosted_pipelines(self, candidates: list[Candidate]) -> list[Candidate]:
+        """With the propagate estimator, pipelined candidates calibrated by
+        propagation (:meth:`calibrated`), best first, until the best of them is a
+        calibrated one (at most :data:`_RECOST_PIPELINES`, :meth:`recosted`); only
+        the calibrated ones are kept, so they compete with propagated candidates on
+        the same footing."""
+        if self.estimator != "propagate" or not candidates:
+            return candidates
+        return self.recosted(list(candidates), set(), self.calibrated, _RECOST_PIPELINES)
+
+    def calibrated(self, c: Candidate) -> Candidate:
+        """A pipelined candidate whose analytic communication and memory are scaled by
+        propagated / analytic of its twin, propagated through the train step.
+
+        The twin is one stage's work as the executor runs it: the whole stack on the
+        mesh without the pipe axis and without the batch axes (a stage's rows stay
+        on their device; the weights are gathered over the batch axes once per step
+        and held), the pipeline's micro-batches as accumulation steps of the rows
+        one device runs per micro-batch (``m × batch shards`` of them). So the twin
+        re-runs per micro-batch exactly the collectives a stage re-runs per
+        micro-batch (tensor-parallel reductions, gathers over the other axes), and
+        none the executor runs once per step. The propagator does not trace the
+        stage program itself; the twin carries the layouts' collectives and
+        buffers."""
+        assert c.pipeline is not None and c.mesh is not None
+        axis = c.pipeline.axis
+        batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
+        sizes = axis_sizes(c.mesh)
+        mesh = _mesh_without(sizes, (axis, *batch))
+        choice = [_without(lay, (axis,)) for lay in c.choice]
+        shards = math.prod(sizes[a] for a in batch)
+        recipe = replace(c.recipe, microbatches=c.pipeline.microbatches * shards)
+        ctx = replace(
+            self.ctx, mesh=mesh, sizes=axis_sizes(mesh), recipe=recipe, memo=self.pipe_memo(mesh)
+        )
+        stage = [_without(lay, batch) for lay in choice]
+        analytic = total_cost(ctx, self.groups, stage, (), seq)
+        act = {n: () if n == "batch" else v for n, v in c.activation.items()}
+        twin = Candidate(c.name, stage, act, None, analytic, recipe, mesh=mesh)
+        prop = propagate_cost(
+            self.info, self.optimizer, self.make_plan(c.name, twin, None), ctx, analytic
+        )
+        comm = prop.comm_time_s / analytic.comm_time_s if analytic.comm_time_s else 1.0
+        mem = prop.peak_bytes / analytic.peak_bytes if analytic.peak_bytes else 1.0
+        return c._replace(cost=self.pipelined_cost(c, choice, (comm, mem)))
+
+    def pipelined_cost(
+        self,
+        c: Candidate,
+        choice: list[GroupLayout],
+        calibration: tuple[float, float] | None = None,
+    ) -> Cost:
+        """:func:`~spmdkit.planner.pipeline.cost.pipeline_cost` of a pipelined candidate
+        (its cost not read) whose layouts off the pipe axis are ``choice``."""
+        assert c.pipeline is not None and c.mesh is not None
+        where = self.stages()
+        assert where is not None
+        sizes = axis_sizes(c.mesh)
+        pctx = replace(
+            self.ctx, mesh=c.mesh, sizes=sizes, recipe=c.recipe, memo=self.pipe_memo(c.mesh)
+        )
+        split = StageSplit(c.pipeline, where, self.ctx.trace.layers)
+        groups = stage_groups(self.groups, where, c.pipeline.stages)
+        batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
+        return pipeline_cost(pctx, groups, choice, batch, seq, split, calibration=calibration)
+
+    def pipelined_plan_cost(
+        self,
+        strategy: str | RulesLike,
+        extra: RulesLike | None,
+        recipe: Recipe | None,
+        pipe: Pipeline,
+    ) -> Cost:
+        """The cost of a preset or rule table pipelined with ``pipe`` over this
+        planner's mesh (:meth:`pipelined_table`), calibrated by propagation
+        (:meth:`calibrated`) under the propagate estimator."""
+        if isinstance(strategy, str):
+            sub = _mesh_without(self.ctx.sizes, (pipe.axis,))
+            tables = preset_tables(strategy, extra, sub)
+        else:
+            table = LogicalRules.coerce(strategy)
+            table = table if extra is None else table.prepend(extra)
+            tables = (table, table)
+        name = strategy if isinstance(strategy, str) else "rules"
+        c = self.pipelined_table(name, tables, self.mesh, recipe or PLAIN, pipe)
+        assert c is not None  # pipelined_plan checked the batch and the rows
+        return self.calibrated(c).cost if self.estimator == "propagate" else c.cost
+
+    def pipelined_table(
+        self,
+        name: str,
+        tables: tuple[LogicalRules, LogicalRules],
+        mesh: MeshLike,
+        recipe: Recipe,
+        request: Pipeline | None,
+    ) -> Candidate | None:
+        """A rule table's layouts on the axes other than the pipe axis (the ``layers``
+        dim kept off them), pipelined over ``mesh``'s pipe axis: with ``request``,
+        that configuration, else every configuration auto tries for the table's
+        batch axes, the best kept (analytic cost). None when no configuration splits
+        the table's per-replica batch, or when its batch axes would mix the rows a
+        layer combines (MoE router statistics) and the request does not compute them
+        per device."""
+        axis = request.axis if request is not None else PIPE_AXIS
+        where = self.stages()
+        assert where is not None
+        sizes = axis_sizes(mesh)
+        inner = {a: s for a, s in sizes.items() if a != axis}
+        sub = _mesh_without(sizes, (axis,))
+        rules, opt_rules = (layer_rules(t) for t in tables)
+        preset = name if name in PRESETS else None
+        choice = [
+            _without(lay, (PLACEHOLDER_AXIS,))
+            for lay in rules_choice(rules, opt_rules, self.groups, sub, preset)
+        ]
+        act = {
+            n: tuple(a for a in v if a in inner)
+            for n, v in activation_layout(rules, sub, self.ctx.trace).items()
+        }
+        shards = math.prod(inner[a] for a in act.get("batch", ()))
+        local_stats = request is not None and request.local_statistics
+        if shards > 1 and not local_stats and model_rows_combined(self.info):
+            return None
+        configs = pipeline_configs(
+            sizes[axis], self.ctx.trace.layers, self.ctx.trace.batch_size // shards, request
+        )
+        full = [
+            _on_pipe(g, lay, axis) if w == "layers" else lay
+            for g, lay, w in zip(self.groups, choice, where, strict=True)
+        ]
+        best: Candidate | None = None
+        for pipe in configs:
+            c = Candidate(name, full, act, rules, _NO_COST, recipe, pipe, mesh)
+            c = c._replace(cost=self.pipelined_cost(c, choice))
+            if best is None or self.rank(c) < self.rank(best):
+                best = c
+        return best

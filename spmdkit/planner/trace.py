@@ -1,0 +1,310 @@
+"""The step trace: a model's train step traced once, abstractly, and what the
+cost model reads from it.
+
+:func:`trace_step` traces the loss's value and grad (no FLOPs run, no device
+memory) and measures the FLOPs, the optimizer state, the batch dims and the
+layer scan's facts (:func:`~spmdkit.pipeline.layer_scan.find_layer_scan`: the
+carry, the weight-matmul outputs, ``checkpoint_name`` bytes, attention FLOPs),
+memoized on the ``ModelInfo``. :func:`train_step` is the step the planner
+propagates, the very function ``sk.train_step`` builds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.extend.core import Jaxpr, JaxprEqn
+
+from spmdkit import jaxprs
+from spmdkit.flax.model import ModelInfo, unbound_axis_error
+from spmdkit.pipeline.layer_scan import find_layer_scan
+from spmdkit.planner.analytic import (
+    StepTrace,
+)
+from spmdkit.planner.plans import PyTree
+from spmdkit.recipe import PLAIN, Recipe
+from spmdkit.region import FORWARD, REGIONS, forward_fn, grad_fn
+from spmdkit.util import contraction_flops, path_str
+
+if TYPE_CHECKING:
+    from optax import GradientTransformation
+
+__all__ = [
+    "trace_step",
+    "train_step",
+]
+
+
+# -- tracing (once per model) -------------------------------------------------------------
+
+_CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
+
+def _eqn_flops(eqn: JaxprEqn) -> float:
+    name = eqn.primitive.name
+    if name not in _CONTRACTIONS:
+        return 0.0
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    return contraction_flops(name, eqn.params, lhs, rhs, eqn.outvars[0].aval.shape)
+
+
+def _jaxpr_flops(jaxpr: Jaxpr, *, batched_only: bool = False) -> float:
+    """Contraction FLOPs of a jaxpr, scans unrolled (``batched_only``: only dots
+    with batch dims, i.e. attention's scores and values)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if not batched_only or (eqn.primitive.name == "dot_general" and _is_batched_dot(eqn)):
+            total += _eqn_flops(eqn)
+        mult = jaxprs.scan_length(eqn)
+        for sub in _eqn_subs(eqn):
+            total += mult * _jaxpr_flops(sub, batched_only=batched_only)
+    return total
+
+
+def _eqn_subs(eqn: JaxprEqn) -> Iterable[Jaxpr]:
+    """The jaxprs inside an equation: its parameters' (scan, call, custom_vjp), or
+    for a composite op's region the unsharded computation it stands for (so the
+    attention region's dots count as the model's attention FLOPs, its grad region's
+    recomputed forward included)."""
+    for sub in jaxprs.sub_jaxprs(eqn):
+        yield jaxprs.open_jaxpr(sub)[0]
+    if eqn.primitive.name in REGIONS:
+        avals = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars)
+        p = eqn.params
+        yield _region_jaxpr(eqn.primitive.name, p["op"], p["attrs"], p.get("diff"), avals)
+
+
+@functools.lru_cache(maxsize=256)
+def _region_jaxpr(prim: str, op: str, attrs: Any, diff: Any, avals: tuple) -> Jaxpr:
+    fn = forward_fn(op, dict(attrs)) if prim == FORWARD else grad_fn(op, dict(attrs), diff)
+    return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d) for s, d in avals)).jaxpr
+
+
+def _optimizer(optimizer: GradientTransformation | None) -> GradientTransformation:
+    import optax  # loaded on first plan, not on ``import spmdkit``
+
+    return optimizer if optimizer is not None else optax.adam(1e-3)
+
+
+def _batch_dims(info: ModelInfo) -> tuple[int, int, int]:
+    """``(batch size, seq length, tokens)`` from the first batch field's logical names."""
+    leaves = jax.tree_util.tree_flatten_with_path(info.batch)[0]
+    if not leaves:
+        return 1, 1, 1
+    kp, leaf = leaves[0]
+    names = info.batch_axes.get(path_str(kp)) or ("batch",)
+    shape = tuple(leaf.shape)
+    batch = seq = 1
+    tokens = 1
+    for n, s in zip(names, shape, strict=False):
+        if n == "batch":
+            batch = s
+        if n == "seq":
+            seq = s
+        if n in ("batch", "seq", "height", "width"):
+            tokens *= s
+    return batch, seq, max(tokens, 1)
+
+
+def _nbytes(x: jax.ShapeDtypeStruct) -> int:
+    return math.prod(x.shape) * np.dtype(x.dtype).itemsize
+
+
+def _opt_bytes(info: ModelInfo, abstract_opt: PyTree) -> tuple[dict[str, int], int]:
+    """Optimizer-state bytes per param path (leaves whose path ends with the
+    param's and have its shape), and the bytes of the other leaves."""
+    paths = [p.path for p in info.params]
+    shapes = {p.path: p.shape for p in info.params}
+    opt_bytes: dict[str, int] = dict.fromkeys(paths, 0)
+    other = 0
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(abstract_opt)[0]:
+        lp = path_str(kp)
+        match = None
+        for p in paths:
+            hit = (lp == p or lp.endswith("/" + p)) and shapes[p] == tuple(leaf.shape)
+            if hit and (match is None or len(p) > len(match)):
+                match = p
+        if match is None:
+            other += _nbytes(leaf)
+        else:
+            opt_bytes[match] += _nbytes(leaf)
+    return opt_bytes, other
+
+
+class _LayerScan(NamedTuple):
+    """What the model's layer scan tells the remat model (global batch)."""
+
+    layers: int
+    carry: float
+    dots: float
+    named: dict[str, float]
+    fwd_flops: float
+
+
+def _aval_bytes(v: Any) -> float:
+    aval = v.aval
+    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+
+
+def _is_batched_dot(eqn: JaxprEqn) -> bool:
+    (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    return bool(lhs_batch)
+
+
+def _body_facts(jaxpr: Jaxpr) -> tuple[float, dict[str, float], float]:
+    """Weight-matmul output bytes, ``checkpoint_name`` bytes and batched-dot
+    FLOPs of one scan body (nested calls and scans included)."""
+    dots = attn = 0.0
+    named: dict[str, float] = {}
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            if _is_batched_dot(eqn):
+                attn += _eqn_flops(eqn)
+            else:
+                dots += _aval_bytes(eqn.outvars[0])
+        elif name == "name" and "name" in eqn.params:
+            tag = str(eqn.params["name"])
+            named[tag] = named.get(tag, 0.0) + _aval_bytes(eqn.outvars[0])
+        mult = jaxprs.scan_length(eqn)
+        for sub in _eqn_subs(eqn):
+            d, n, a = _body_facts(sub)
+            dots += mult * d
+            attn += mult * a
+            for k, v in n.items():
+                named[k] = named.get(k, 0.0) + mult * v
+    return dots, named, attn
+
+
+def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
+    """The facts of the layer scan in a forward jaxpr
+    (:func:`~spmdkit.pipeline.layer_scan.find_layer_scan`, the scan the pipeline
+    split and the recompute rewrite take) and the batched-dot FLOPs of the forward."""
+    layer = find_layer_scan(jaxpr)
+    best: _LayerScan | None = None
+    attn_total = 0.0
+    stack = [jaxpr]
+    while stack:
+        j = stack.pop()
+        for eqn in j.eqns:
+            if eqn.primitive.name == "dot_general" and _is_batched_dot(eqn):
+                attn_total += _eqn_flops(eqn)
+            if eqn.primitive.name != "scan":
+                stack.extend(_eqn_subs(eqn))
+                continue
+            sc = jaxprs.scan(eqn)
+            body, length = sc.jaxpr, sc.length
+            flops = length * _jaxpr_flops(body)
+            dots, named, attn = _body_facts(body)
+            attn_total += length * attn
+            carry = sum(_aval_bytes(v) for v in body.invars[sc.num_consts : sc.first_xs])
+            if layer is not None and eqn is layer.eqn:
+                best = _LayerScan(length, carry, dots, named, flops)
+    return best, attn_total
+
+
+def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
+    opt = _optimizer(optimizer)
+    args = info.trace_args()
+    try:
+        closed = jax.make_jaxpr(jax.value_and_grad(info.scalar_loss))(*args)
+    except NameError as e:
+        raise (unbound_axis_error(e, "plan") or e) from e
+    forward = jax.make_jaxpr(info.scalar_loss)(*args)
+
+    def residuals(p: PyTree, b: PyTree, *state: PyTree) -> Callable:
+        return jax.vjp(lambda p, b: info.scalar_loss(p, b, *state), p, b)[1]
+
+    resid = jax.eval_shape(residuals, *args)
+    resid_bytes = sum(_nbytes(x) for x in jax.tree.leaves(resid))
+    param_bytes = sum(p.nbytes for p in info.params)
+    batch_bytes = sum(_nbytes(x) for x in jax.tree.leaves(info.batch))
+    abstract_opt = jax.eval_shape(opt.init, info.abstract_params)
+    opt_bytes, other = _opt_bytes(info, abstract_opt)
+    batch, seq, tokens = _batch_dims(info)
+    dtypes = [np.dtype(p.dtype).itemsize for p in info.params if len(p.shape) >= 2]
+    scan, attn_fwd = _layer_scan(forward.jaxpr)
+    layer_resid = peak = 0.0
+    if scan is not None:
+        # Residuals stacked by the layer scan lead with its length; the stacked
+        # parameters are among them (counted as parameters, not activations).
+        stacked = sum(
+            _nbytes(x) for x in jax.tree.leaves(resid) if x.ndim >= 2 and x.shape[0] == scan.layers
+        )
+        stacked_params = sum(p.nbytes for p in info.params if p.shape and p.shape[0] == scan.layers)
+        layer_resid = max(stacked - stacked_params, 0) / scan.layers
+        # The largest residual outside the layers (the logits) is live twice in
+        # the backward pass: itself and its gradient.
+        peak = max(
+            (
+                _nbytes(x)
+                for x in jax.tree.leaves(resid)
+                if not (x.ndim >= 2 and x.shape[0] == scan.layers)
+            ),
+            default=0,
+        )
+    attn_train = _jaxpr_flops(closed.jaxpr, batched_only=True)
+    return StepTrace(
+        flops=_jaxpr_flops(closed.jaxpr),
+        resid_bytes=int(max(resid_bytes - param_bytes - batch_bytes, 0)),
+        opt_bytes=opt_bytes,
+        opt_other_bytes=other,
+        tokens=tokens,
+        batch_size=batch,
+        seq_len=seq,
+        act_itemsize=min(dtypes) if dtypes else 4,
+        abstract_opt=abstract_opt,
+        attn_flops=attn_train,
+        layers=scan.layers if scan else 0,
+        layer_resid=layer_resid,
+        layer_carry=scan.carry if scan else 0.0,
+        layer_dots=scan.dots if scan else 0.0,
+        layer_named=scan.named if scan else {},
+        layer_fwd_flops=scan.fwd_flops if scan else 0.0,
+        attn_fwd_flops=attn_fwd,
+        resid_peak=float(peak),
+        state_bytes=sum(p.nbytes for p in info.state),
+    )
+
+
+def trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
+    """The model's train step traced abstractly (no FLOPs run, no device memory):
+    FLOPs, residual bytes, optimizer state. Once per model and optimizer
+    (``ModelInfo.memo``)."""
+    return info.memo(("planner.trace", id(optimizer)), lambda: _trace_step(info, optimizer))
+
+
+def train_step(
+    info: ModelInfo,
+    optimizer: GradientTransformation | None,
+    recipe: Recipe = PLAIN,
+    grad_specs: PyTree = None,
+) -> Callable:
+    """``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` with
+    the optimizer (default ``optax.adam``) and the recipe applied: the very
+    function ``sk.train_step`` builds and ``sk.jit``/``train`` run
+    (:func:`spmdkit.recipe.train_step`), so what is planned is what runs. A model
+    with mutable state gets ``train_step(params, opt_state, state, batch) ->
+    (params, opt_state, state, loss)``.
+    ``grad_specs``: the gradients' shardings when the plan shards them (ZeRO-2).
+    One function per model, optimizer and recipe (``ModelInfo.memo``), so
+    propagations of it share jax's trace cache."""
+    from spmdkit.recipe import train_step as recipe_step
+
+    def make() -> Callable:
+        return recipe_step(
+            info.state_loss_fn if info.has_state else info.loss_fn,
+            _optimizer(optimizer),
+            recipe,
+            grad_specs=grad_specs,
+            has_state=info.has_state,
+        )
+
+    if grad_specs is not None:
+        return make()
+    return info.memo(("planner.step", id(optimizer), recipe), make)
