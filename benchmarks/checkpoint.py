@@ -53,7 +53,8 @@ import psutil
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.runtime.checkpoint import Manager, abstract_target, checksums
+from spmdkit.runtime.checkpoint import Manager, abstract_target
+from spmdkit.runtime.checksums import checksums
 from spmdkit.runtime.export import export_params, import_params
 
 

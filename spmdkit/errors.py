@@ -18,6 +18,10 @@ __all__ = [
     "RegistrationError",
     "ShardingConflictError",
     "ReshardError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointMismatchError",
+    "CheckpointCorruptedError",
 ]
 
 
@@ -108,4 +112,35 @@ class ReshardError(SpmdError, ValueError):
 
     Broken example: ``sk.reshard(jnp.ones(6), TensorSpec((6,), P("x")))`` on a
     4-device ``x`` axis.
+    """
+
+
+class CheckpointError(SpmdError, RuntimeError):
+    """Root of the checkpoint errors.
+
+    Broken example: ``Manager(d).restore(target=t)`` while another run is writing
+    garbage into ``d``.
+    """
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No (complete) checkpoint exists for the requested step.
+
+    Broken example: ``Manager(empty_dir).restore(target=t)``.
+    """
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The restore target disagrees with the saved metadata: keys, shapes or dtypes.
+
+    Broken example: restoring a float32 checkpoint into a bfloat16 target without
+    ``allow_cast=True``.
+    """
+
+
+class CheckpointCorruptedError(CheckpointError):
+    """A checkpoint exists but cannot be read back intact (damaged or truncated files,
+    checksum mismatch, unreadable metadata).
+
+    Broken example: overwriting bytes of a file under ``<dir>/<step>/state/``.
     """
