@@ -11,7 +11,7 @@ reshard planner too.
 * **cached**: the same call repeated; the result comes from the inference cache.
   Measured in batches of calls (median over batches of the mean per call) so
   that the clock's own cost does not dominate a few-µs call.
-* **uncached**: ``spmdkit.inference.clear_cache()`` (and the reshard planner's
+* **uncached**: ``spmdkit.engine.inference.clear_cache()`` (and the reshard planner's
   ``cache_clear()`` when it has one) before each call, outside the timed region.
 
 The garbage collector is off while timing, as in ``timeit``. Targets (printed
@@ -46,7 +46,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit import inference
+from spmdkit.engine import inference
 
 CACHED_TARGET_US = 5.0
 UNCACHED_MATMUL_TARGET_US = 200.0
@@ -229,7 +229,7 @@ def _meta(planner_clear: str) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "mesh": {"data": 2, "model": 4, "kind": "AbstractMesh, Explicit axes"},
         "uncached_clears": [
-            "spmdkit.inference.clear_cache",
+            "spmdkit.engine.inference.clear_cache",
             *([planner_clear] if planner_clear else []),
         ],
     }

@@ -69,14 +69,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spmdkit.errors import ShardingConflictError
-from spmdkit.kernels import (
-    ATTENTION_IMPLEMENTATIONS,
-    attention_kernel,
-    blockwise_attention_lse,
-    plain_attention_lse,
-)
-from spmdkit.rule import (
+from spmdkit.engine.rule import (
     Example,
     Inferred,
     InferredGrad,
@@ -85,6 +78,13 @@ from spmdkit.rule import (
     Rule,
     RuleContext,
     op_collective,
+)
+from spmdkit.errors import ShardingConflictError
+from spmdkit.kernels import (
+    ATTENTION_IMPLEMENTATIONS,
+    attention_kernel,
+    blockwise_attention_lse,
+    plain_attention_lse,
 )
 from spmdkit.spec import TensorSpec
 

@@ -60,18 +60,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdkit.errors import ShardingConflictError
-from spmdkit.rule import (
+from spmdkit.engine.factor_rule import assign_factors
+from spmdkit.engine.rule import (
     Example,
     Inferred,
     InferredGrad,
     LocalContext,
     Rule,
     RuleContext,
-    assign_factors,
     op_collective,
     without_strategy,
 )
+from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import TensorSpec
 
 __all__ = ["RULES", "REDUCTIONS", "CrossEntropyConfig", "cross_entropy_config"]
@@ -464,7 +464,7 @@ class CrossEntropyRule(Rule):
         sources: Sequence[tuple[list[Any], TensorSpec]],
         start: dict[Any, tuple[str, ...]] | None = None,
     ) -> dict[Any, tuple[str, ...]]:
-        """:func:`~spmdkit.rule.assign_factors` in the logits' dim order; the class
+        """:func:`~spmdkit.engine.factor_rule.assign_factors` in the logits' dim order; the class
         dim stays unsharded unless the strategy (or hard labels on the last dim)
         allows it."""
         class_ok = self.strategy(ctx) == "vocab_parallel" or (

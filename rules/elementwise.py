@@ -12,7 +12,7 @@ sum-partial. ``fmax``/``fmin`` are ``max``/``min`` that skip NaN operands: as
 associative as max and min, so they pass max (min) partials. ``gelu``,
 ``atan2`` and ``reciprocal`` are not monotone on the whole line (``1/x`` jumps
 at 0), so they pass nothing. Comparisons and logic ops pass nothing. The policies are listed in
-:mod:`spmdkit.rule`.
+:mod:`spmdkit.engine.rule`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from spmdkit.factor import BROADCAST
-from spmdkit.rule import Example, FactorRule
+from spmdkit.engine.factor import BROADCAST
+from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.rule import Example
 
 __all__ = ["RULES", "broadcast_notation"]
 

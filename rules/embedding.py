@@ -42,17 +42,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdkit.errors import ShardingConflictError
-from spmdkit.rule import (
+from spmdkit.engine.factor_rule import assign_factors
+from spmdkit.engine.rule import (
     Example,
     Inferred,
     InferredGrad,
     LocalContext,
     Rule,
     RuleContext,
-    assign_factors,
     without_strategy,
 )
+from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import TensorSpec
 
 __all__ = ["RULES", "embedding_reference"]
@@ -129,7 +129,7 @@ class EmbeddingRule(Rule):
         sources: Sequence[tuple[list[Any], TensorSpec]],
         start: dict[Any, tuple[str, ...]] | None = None,
     ) -> dict[Any, tuple[str, ...]]:
-        """:func:`~spmdkit.rule.assign_factors` over V, D, then the ids' dims."""
+        """:func:`~spmdkit.engine.factor_rule.assign_factors` over V, D, then the ids' dims."""
         return assign_factors(sources, order=(_V, _D, *range(ids.ndim)), start=start)
 
     @staticmethod

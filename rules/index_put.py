@@ -44,8 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdkit.errors import ShardingConflictError
-from spmdkit.rule import (
+from spmdkit.engine.rule import (
     Example,
     Inferred,
     InferredGrad,
@@ -53,6 +52,7 @@ from spmdkit.rule import (
     Rule,
     RuleContext,
 )
+from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import TensorSpec
 
 __all__ = ["RULES", "IndexPutRule", "index_put_reference"]

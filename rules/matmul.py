@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.rule import Example
 from spmdkit.errors import ShardingConflictError
-from spmdkit.rule import Example, FactorRule
 
 __all__ = ["RULES", "matmul_notation", "dot_general_notation", "einsum_notation"]
 

@@ -70,11 +70,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdkit.errors import ShardingConflictError
-from spmdkit.factor import Notation
-from spmdkit.rule import (
+from spmdkit.engine.factor import Notation
+from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.rule import (
     Example,
-    FactorRule,
     Inferred,
     InferredGrad,
     LocalContext,
@@ -82,6 +81,7 @@ from spmdkit.rule import (
     op_collective,
     without_strategy,
 )
+from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import TensorSpec
 
 __all__ = [

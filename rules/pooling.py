@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from spmdkit.rule import Example, Inferred, RuleContext
+from spmdkit.engine.rule import Example, Inferred, RuleContext
 from spmdkit.rules.shape import DimMap, MapRule
 from spmdkit.spec import TensorSpec
 

@@ -21,9 +21,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from spmdkit.engine.factor import BROADCAST
+from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.rule import Example
 from spmdkit.errors import ShardingConflictError
-from spmdkit.factor import BROADCAST
-from spmdkit.rule import Example, FactorRule
 
 __all__ = ["RULES", "reduce_notation"]
 

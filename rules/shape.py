@@ -67,8 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from spmdkit.errors import ShardingConflictError
-from spmdkit.rule import (
+from spmdkit.engine.factor_rule import assign_factors
+from spmdkit.engine.rule import (
     Example,
     Inferred,
     InferredGrad,
@@ -76,9 +76,9 @@ from spmdkit.rule import (
     MustDivide,
     Rule,
     RuleContext,
-    assign_factors,
     without_strategy,
 )
+from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import TensorSpec
 
 __all__ = ["RULES", "DimMap", "LocalMapRule", "MapRule", "ReshapeRule", "reshape_layout"]

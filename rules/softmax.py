@@ -15,9 +15,10 @@ from typing import Any
 
 import jax
 
+from spmdkit.engine.factor import Notation, parse_notation
+from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.rule import Example
 from spmdkit.errors import ShardingConflictError
-from spmdkit.factor import Notation, parse_notation
-from spmdkit.rule import Example, FactorRule
 
 __all__ = ["RULES", "softmax_notation"]
 

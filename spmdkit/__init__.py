@@ -5,6 +5,17 @@
 # always gives a module.
 from spmdkit.compile import PlannedFunction, jit
 from spmdkit.compile.annotate import init_sharded, shard
+from spmdkit.engine.factor import Notation, parse_notation
+from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.inference import (
+    ArgReshard,
+    InferenceResult,
+    infer_backward,
+    infer_forward,
+    infer_grad,
+)
+from spmdkit.engine.registry import get_rule, register_rule, registered_ops, unregister_rule
+from spmdkit.engine.rule import POLICIES, Example, MustDivide, Rule, RuleContext
 from spmdkit.errors import (
     DuplicateAxisError,
     NoRuleError,
@@ -16,15 +27,7 @@ from spmdkit.errors import (
     SpmdError,
     UnknownAxisError,
 )
-from spmdkit.factor import Notation, parse_notation
 from spmdkit.flax import ModelInfo, describe
-from spmdkit.inference import (
-    ArgReshard,
-    InferenceResult,
-    infer_backward,
-    infer_forward,
-    infer_grad,
-)
 from spmdkit.mesh import abstract_mesh, make_mesh, use_virtual_cpu_devices
 from spmdkit.pipeline import Pipeline
 from spmdkit.planner import (
@@ -41,9 +44,7 @@ from spmdkit.planner import (
 from spmdkit.propagation import EqnRecord, Propagation, propagate, register_primitive, trace
 from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
 from spmdkit.recipe import Recipe, RecipeError, train_step, value_and_grad
-from spmdkit.registry import get_rule, register_rule, registered_ops, unregister_rule
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
-from spmdkit.rule import POLICIES, Example, FactorRule, MustDivide, Rule, RuleContext
 from spmdkit.spec import REDUCE_OPS, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
 from spmdkit.verification.compiled import CompiledReport, VerifyReport, report, verify

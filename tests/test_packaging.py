@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 _PROBE = """
 import importlib.util, json, spmdkit, spmdkit.models, spmdkit.rules
-from spmdkit.registry import registered_ops
+from spmdkit.engine.registry import registered_ops
 print(json.dumps({
     "spmdkit": spmdkit.__file__,
     "rules": spmdkit.rules.__file__,

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from spmdkit.cli.command import Command
+from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.registry import get_rule, registered_ops
+from spmdkit.engine.rule import Example, Rule
 from spmdkit.errors import NoRuleError, SpmdError
-from spmdkit.registry import get_rule, registered_ops
-from spmdkit.rule import Example, FactorRule, Rule
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 

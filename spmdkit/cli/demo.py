@@ -26,10 +26,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.engine.inference import InferenceResult, infer_forward, infer_grad
+from spmdkit.engine.registry import get_rule
 from spmdkit.errors import SpmdError
-from spmdkit.inference import InferenceResult, infer_forward, infer_grad
 from spmdkit.mesh import make_mesh, use_virtual_cpu_devices
-from spmdkit.registry import get_rule
 from spmdkit.resharding import plan_reshard, reshard
 from spmdkit.spec import TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY

@@ -12,8 +12,9 @@ import importlib
 import inspect
 from collections import defaultdict
 
-from spmdkit.registry import get_rule, registered_ops
-from spmdkit.rule import Example, FactorRule, Rule
+from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.registry import get_rule, registered_ops
+from spmdkit.engine.rule import Example, Rule
 
 __all__ = ["rules_markdown"]
 

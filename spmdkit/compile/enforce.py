@@ -40,7 +40,7 @@ Three cases need more than a constraint on each side:
     a sharded batch), whose output layout XLA would otherwise reach by reducing,
     slicing and permuting where the plan gathers and reduce-scatters.
 
-Composite ops of :mod:`spmdkit.ops` traced as regions (:mod:`spmdkit.region`) run
+Composite ops of :mod:`spmdkit.ops` traced as regions (:mod:`spmdkit.engine.region`) run
 as their rule's ``shard_map`` program with the planned layouts and strategy, so their
 collectives are the rule's own.
 
@@ -77,10 +77,10 @@ import jax
 from jax.sharding import NamedSharding
 
 from spmdkit import jaxprs
+from spmdkit.engine.region import REGIONS, region_program
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.records import Propagation
-from spmdkit.region import REGIONS, region_program
 from spmdkit.resharding import ReshardPlan, run_plan, step_fn
 from spmdkit.spec import TensorSpec
 

@@ -10,13 +10,13 @@ An op is a registered rule applied to arrays:
 3. each input is moved to its required spec with :func:`spmdkit.reshard`
    (exactly the planned collectives) — under Auto axes inside ``jit``, where a
    tracer has no layout, the ``shard_map`` in_specs constrain it and XLA moves it;
-4. the rule's :meth:`~spmdkit.rule.Rule.local_fn` runs under ``shard_map``
-   (:func:`spmdkit.local.shard_program`), partial outputs are all-reduced in
+4. the rule's :meth:`~spmdkit.engine.rule.Rule.local_fn` runs under ``shard_map``
+   (:func:`spmdkit.engine.local.shard_program`), partial outputs are all-reduced in
    the same program, and the outputs leave with the rule's layout.
 
 Where no layout can be known yet — traced arguments on a mesh with Auto axes
 and no ``in_specs``, or traced arguments with no mesh at all (the planner's
-abstract trace) — the op is traced as a region (:mod:`spmdkit.region`): one
+abstract trace) — the op is traced as a region (:mod:`spmdkit.engine.region`): one
 named equation the planner propagates with the rule and ``sk.jit``'s replay
 runs with the planned specs.
 
@@ -37,13 +37,13 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.engine.inference import InferenceResult, infer_forward
+from spmdkit.engine.local import shard_program
+from spmdkit.engine.region import region_call
+from spmdkit.engine.registry import get_rule
+from spmdkit.engine.rule import without_strategy
 from spmdkit.errors import SpecError
-from spmdkit.inference import InferenceResult, infer_forward
-from spmdkit.local import shard_program
-from spmdkit.region import region_call
-from spmdkit.registry import get_rule
 from spmdkit.resharding import empty_array, reshard
-from spmdkit.rule import without_strategy
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import freeze
 

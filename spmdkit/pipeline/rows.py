@@ -431,7 +431,7 @@ _RULES: dict[str, Callable[[_Eqn], list[int | None]]] = {
 }
 
 #: primitive name → ``f(eqn) -> jaxpr``: the computation of a primitive that holds
-#: no body in its params (spmdkit's op regions register theirs, :mod:`spmdkit.region`)
+#: no body in its params (spmdkit's op regions register theirs, :mod:`spmdkit.engine.region`)
 BODIES: dict[str, Callable[[Any], Any]] = {}
 
 

@@ -42,10 +42,10 @@ from typing import Any
 import jax
 
 from spmdkit import jaxprs
+from spmdkit.engine.region import FORWARD
 from spmdkit.flax.model import ModelInfo, ParamInfo, unbound_axis_error
 from spmdkit.planner.logical import PlanError, axis_roles
 from spmdkit.planner.plans import Plan
-from spmdkit.region import FORWARD
 from spmdkit.spec import axis_sizes
 from spmdkit.util import path_str
 
@@ -93,7 +93,7 @@ def _is_var(v: Any) -> bool:
 
 
 def _is_lookup(eqn: Any) -> bool:
-    """An embedding lookup traced as a region (:mod:`spmdkit.region`)."""
+    """An embedding lookup traced as a region (:mod:`spmdkit.engine.region`)."""
     return eqn.primitive.name == FORWARD and eqn.params["op"] == "embedding"
 
 

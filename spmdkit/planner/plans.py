@@ -105,7 +105,7 @@ class Cost:
       bubble_s: pipelined plans: the idle time the schedule adds to
         ``compute_time_s`` (included in it).
       ops: the propagate estimator's strategy per composite op (the step's
-        :mod:`spmdkit.region` regions): op (``"<op>:grad"`` for its grad region)
+        :mod:`spmdkit.engine.region` regions): op (``"<op>:grad"`` for its grad region)
         → strategy → regions in the traced step; empty otherwise.
     """
 

@@ -21,6 +21,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn
 
 from spmdkit import jaxprs
+from spmdkit.engine.region import FORWARD, REGIONS, forward_fn, grad_fn
 from spmdkit.flax.model import ModelInfo, unbound_axis_error
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.planner.analytic import (
@@ -28,7 +29,6 @@ from spmdkit.planner.analytic import (
 )
 from spmdkit.planner.plans import PyTree
 from spmdkit.recipe import PLAIN, Recipe
-from spmdkit.region import FORWARD, REGIONS, forward_fn, grad_fn
 from spmdkit.util import contraction_flops, path_str
 
 if TYPE_CHECKING:

@@ -31,13 +31,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from spmdkit import jaxprs
-from spmdkit.inference import InferenceResult, infer_backward, infer_forward
+from spmdkit.engine.inference import InferenceResult, infer_backward, infer_forward
+from spmdkit.engine.registry import get_rule
 from spmdkit.propagation.control import stack
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, vids
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes, to_rule
 from spmdkit.propagation.steps import Step
-from spmdkit.registry import get_rule
 from spmdkit.spec import TensorSpec
 
 __all__ = ["Chooser", "consumer_hints"]

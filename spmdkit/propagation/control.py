@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from spmdkit import jaxprs
-from spmdkit.inference import ArgReshard
+from spmdkit.engine.inference import ArgReshard
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.steps import LoopBody, Step

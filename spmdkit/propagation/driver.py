@@ -33,6 +33,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.engine.region import GRAD, REGIONS
+from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError, SpecError
 from spmdkit.propagation.choose import consumer_hints
 from spmdkit.propagation.engine import Engine
@@ -51,8 +53,6 @@ from spmdkit.propagation.pricing import steps_flops
 from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
 from spmdkit.propagation.regions import region_residual_bytes, region_temp_bytes
 from spmdkit.propagation.steps import Step
-from spmdkit.region import GRAD, REGIONS
-from spmdkit.registry import get_rule
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
 from spmdkit.util import H100_BF16_PEAK_FLOPS
@@ -227,7 +227,7 @@ def _region_temps(
     """``id(node)`` → a region node's own temporaries at its planned layouts (see
     :func:`~spmdkit.propagation.regions.region_temp_bytes`), loop bodies included.
     ``duplicate`` (the lower estimate): only the regions whose rule says their
-    temporaries materialize (:attr:`~spmdkit.rule.Rule.scratch_materializes`),
+    temporaries materialize (:attr:`~spmdkit.engine.rule.Rule.scratch_materializes`),
     at their program's own lower estimate."""
     out: dict[int, int] = {}
     for step in steps:

@@ -27,6 +27,8 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 
 from spmdkit import jaxprs
+from spmdkit.engine.region import REGIONS
+from spmdkit.engine.registry import registered_ops
 from spmdkit.errors import SpmdError
 from spmdkit.propagation.choose import Chooser
 from spmdkit.propagation.control import cond, scan, while_loop
@@ -42,8 +44,6 @@ from spmdkit.propagation.primitives import (
 )
 from spmdkit.propagation.regions import region_answer
 from spmdkit.propagation.steps import Step
-from spmdkit.region import REGIONS
-from spmdkit.registry import registered_ops
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import Topology
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from spmdkit.inference import ArgReshard
+from spmdkit.engine.inference import ArgReshard
 from spmdkit.propagation.graph import Node
 from spmdkit.propagation.primitives import REDUCERS
 from spmdkit.propagation.steps import Step

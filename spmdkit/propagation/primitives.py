@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from spmdkit.engine.factor import Notation
+from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.rule import RuleContext
 from spmdkit.errors import SpmdError
-from spmdkit.factor import Notation
-from spmdkit.rule import FactorRule, RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 
 __all__ = [

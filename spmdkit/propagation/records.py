@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from spmdkit import jaxprs
-from spmdkit.inference import ArgReshard, infer_forward
+from spmdkit.engine.inference import ArgReshard, infer_forward
+from spmdkit.engine.region import GRAD, REGIONS
 from spmdkit.propagation.cse import ValueNumbers
 from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
@@ -32,7 +33,6 @@ from spmdkit.propagation.regions import (
     region_unread_inputs,
 )
 from spmdkit.propagation.steps import Step
-from spmdkit.region import GRAD, REGIONS
 from spmdkit.resharding import Collective, ReshardPlan
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import fmt_bytes
@@ -153,7 +153,7 @@ class Propagation:
         return [c for r in self.records for c in r.collectives()]
 
     def region_strategies(self) -> dict[str, dict[str, int]]:
-        """Composite ops traced as regions (:mod:`spmdkit.region`): op (``:grad`` for
+        """Composite ops traced as regions (:mod:`spmdkit.engine.region`): op (``:grad`` for
         the grad region) → chosen strategy → how many equations took it."""
         out: dict[str, dict[str, int]] = {}
         todo = list(self.records)

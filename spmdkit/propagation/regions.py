@@ -1,4 +1,4 @@
-"""Propagating the regions of :mod:`spmdkit.region`: a composite op laid out whole.
+"""Propagating the regions of :mod:`spmdkit.engine.region`: a composite op laid out whole.
 
 A forward region (``spmdkit_op``) is propagated with the op's forward rule, a
 grad region (``spmdkit_op_grad``) with its grad rule, and each of the rule's
@@ -7,11 +7,11 @@ the caller fixed one (``strategy=`` on the op, or ``propagate(strategies=)``):
 the cheapest wins, bytes first, ties to the rule's first (reference) strategy.
 
 The region's implementation (the rule's ``shard_map`` program, see
-:func:`spmdkit.local.shard_program`) takes whole inputs and resolves pending
+:func:`spmdkit.engine.local.shard_program`) takes whole inputs and resolves pending
 reductions on its outputs inside, so a region's required inputs and its
 outputs are never partial: a partial operand is resolved before it (a priced
 reshard), and the all-reduce of a partial result is one of the region's own
-collectives. A grad region recomputes the forward (see :mod:`spmdkit.region`),
+collectives. A grad region recomputes the forward (see :mod:`spmdkit.engine.region`),
 so its own collectives are the forward's plus the grad's.
 """
 
@@ -26,15 +26,15 @@ import jax
 import numpy as np
 
 from spmdkit import jaxprs
-from spmdkit.inference import infer_forward
+from spmdkit.engine.inference import infer_forward
+from spmdkit.engine.region import FORWARD, GRAD, grad_inference, region_attrs, region_program
+from spmdkit.engine.registry import get_rule
+from spmdkit.engine.rule import RuleContext, op_collective
 from spmdkit.propagation.graph import FlatProgram
 from spmdkit.propagation.memory import fused_values, program_temp_bytes
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes
-from spmdkit.region import FORWARD, GRAD, grad_inference, region_attrs, region_program
-from spmdkit.registry import get_rule
 from spmdkit.resharding import Collective
-from spmdkit.rule import RuleContext, op_collective
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import freeze
 
@@ -165,7 +165,7 @@ def region_answer(
     compete (a weight is all-gathered, as in FSDP, rather than the batch
     gathered). Ties go to the operands as given, then to the rule's first
     strategy. The chosen strategy is named by what it does
-    (:meth:`~spmdkit.rule.Rule.named_strategy`) where the strategy of that name
+    (:meth:`~spmdkit.engine.rule.Rule.named_strategy`) where the strategy of that name
     lays the region out identically.
     """
     if prim not in (FORWARD, GRAD):
@@ -257,7 +257,7 @@ def region_temp_bytes(
 ) -> int:
     """Bytes one device holds inside a region while it runs, besides its operands
     and results: the temporaries of the ``shard_map`` program the replay runs
-    (:func:`spmdkit.region.region_program`) at the planned layouts, a grad
+    (:func:`spmdkit.engine.region.region_program`) at the planned layouts, a grad
     region's recomputed forward included (``duplicate``: as
     :func:`~spmdkit.propagation.memory.liveness`). 0 where the replay binds the
     region unsharded instead (an uneven or partial layout: XLA partitions it).

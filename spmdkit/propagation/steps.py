@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from spmdkit.inference import ArgReshard
+from spmdkit.engine.inference import ArgReshard
 from spmdkit.propagation.graph import Node
 from spmdkit.spec import TensorSpec
 

@@ -26,10 +26,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.engine.inference import infer_forward, infer_grad
+from spmdkit.engine.registry import get_rule, register_rule, unregister_rule
+from spmdkit.engine.rule import LocalContext, Rule, without_strategy
 from spmdkit.errors import NoRuleError, RegistrationError, SpmdError
-from spmdkit.inference import infer_forward, infer_grad
-from spmdkit.registry import get_rule, register_rule, unregister_rule
-from spmdkit.rule import LocalContext, Rule, without_strategy
 from spmdkit.spec import TensorSpec, axis_sizes
 from spmdkit.testing.pieces import assemble, enumerate_specs, local_pieces, values_close
 from spmdkit.util import freeze

@@ -18,11 +18,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from spmdkit.inference import infer_forward
-from spmdkit.local import shard_program
+from spmdkit.engine.inference import infer_forward
+from spmdkit.engine.local import shard_program
+from spmdkit.engine.rule import Example, Rule, without_strategy
 from spmdkit.mesh import auto_mesh
 from spmdkit.resharding import plan_reshard
-from spmdkit.rule import Example, Rule, without_strategy
 from spmdkit.spec import axis_sizes
 from spmdkit.testing.cases import temporarily_registered
 from spmdkit.testing.pieces import every_combination, example_input_specs, sample_combinations

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from spmdkit.rule import Example
+from spmdkit.engine.rule import Example
 from spmdkit.spec import REDUCE_OPS, TensorSpec, axis_sizes
 
 __all__ = [

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from spmdkit.registry import get_rule
-from spmdkit.rule import Example, Rule, RuleContext
+from spmdkit.engine.registry import get_rule
+from spmdkit.engine.rule import Example, Rule, RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.testing.cases import (
     Case,
@@ -83,7 +83,7 @@ class RuleReport:
       forward_cases / grad_cases: how many cases ran.
       wrong: cases where the rule's claim is numerically wrong.
       replicated: cases where the rule replicated an uneven dim it does not declare
-        in :attr:`~spmdkit.rule.Rule.must_divide` (see :func:`undeclared_replications`).
+        in :attr:`~spmdkit.engine.rule.Rule.must_divide` (see :func:`undeclared_replications`).
       missing: valid placements the rule did not claim (it resharded instead).
       skipped: cases that could not run (and why).
     """
@@ -137,13 +137,13 @@ def undeclared_replications(
     out_grads: Sequence[TensorSpec] | None = None,
 ) -> list[str]:
     """Sharded dims the rule replicates because their axes do not divide them, where
-    it does not declare (:attr:`~spmdkit.rule.Rule.must_divide`) that they must.
+    it does not declare (:attr:`~spmdkit.engine.rule.Rule.must_divide`) that they must.
 
     The rule is asked twice: on ``mesh``, and on its *even twin*, the same axes of
     size 1, which divide every dim. A layout decision that depends on the axis
     sizes is a divisibility decision, so an axis the twin keeps on an operand dim
     and the real mesh drops is the rule replicating an uneven dim. Each such dim
-    must be one :meth:`~spmdkit.rule.Rule.divisible_dims` names for the call.
+    must be one :meth:`~spmdkit.engine.rule.Rule.divisible_dims` names for the call.
     Checks the forward inference, or the grad inference when ``out_grads`` is given
     (its required inputs and cotangents).
 

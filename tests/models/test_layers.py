@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from spmdkit import kernels
+from spmdkit.engine.region import forward_fn
 from spmdkit.errors import SpmdError
 from spmdkit.models import gpt, llama
 from spmdkit.models import layers as lyr
 from spmdkit.models.layers import AttentionError, ModelConfigError
-from spmdkit.region import forward_fn
 
 
 def _qkv(b, s, h, kv, d, dtype=jnp.float32, seed=0):

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.engine.region import region_call
 from spmdkit.propagation import propagate
-from spmdkit.region import region_call
 from spmdkit.versions import parse_version
 
 MESH = sk.abstract_mesh(a=2, b=4)

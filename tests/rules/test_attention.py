@@ -7,9 +7,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.engine.local import shard_program
+from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError
-from spmdkit.local import shard_program
-from spmdkit.registry import get_rule
 from spmdkit.testing import check_forward_case, check_grad_case
 from spmdkit.verification.hlo import check_plan, compiled_collectives
 

@@ -11,9 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.engine.rule import Example
 from spmdkit.errors import ShardingConflictError
 from spmdkit.ops.cross_entropy import softmax_cross_entropy
-from spmdkit.rule import Example
 from spmdkit.rules.cross_entropy import softmax_cross_entropy_reference
 from spmdkit.testing import check_forward_case, check_jit
 from spmdkit.verification.hlo import compiled_collectives

@@ -6,10 +6,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.engine.local import shard_program
+from spmdkit.engine.registry import get_rule
+from spmdkit.engine.rule import Example
 from spmdkit.errors import ShardingConflictError
-from spmdkit.local import shard_program
-from spmdkit.registry import get_rule
-from spmdkit.rule import Example
 from spmdkit.rules.index_put import index_put_reference
 from spmdkit.testing import check_rule
 from spmdkit.verification.hlo import compiled_collectives

@@ -9,9 +9,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.engine.rule import Example
 from spmdkit.errors import ShardingConflictError
 from spmdkit.ops.norms import layer_norm, sync_batch_norm
-from spmdkit.rule import Example
 from spmdkit.rules.norms import (
     batch_norm_notation,
     group_norm_notation,

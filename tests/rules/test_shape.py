@@ -8,7 +8,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.inference import cache_info
+from spmdkit.engine.inference import cache_info
 from spmdkit.rules.shape import reshape_layout
 from spmdkit.testing import check_forward_case, check_grad_case
 

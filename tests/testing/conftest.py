@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 import spmdkit as sk
-from spmdkit.rule import Inferred, Rule
+from spmdkit.engine.rule import Inferred, Rule
 
 T = sk.TensorSpec
 

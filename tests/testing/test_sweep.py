@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.rule import Inferred, Rule
+from spmdkit.engine.rule import Inferred, Rule
 from spmdkit.testing import check_rule, undeclared_replications
 
 T = sk.TensorSpec

@@ -2,7 +2,7 @@
 
 This is where a rule *governs* execution instead of predicting it: the inputs
 arrive laid out as the rule requires, every device runs
-:meth:`spmdkit.rule.Rule.local_fn` on its pieces (with exactly the collectives
+:meth:`spmdkit.engine.rule.Rule.local_fn` on its pieces (with exactly the collectives
 that function contains), and the outputs leave laid out as the rule claims.
 Pending reductions (partial outputs) are resolved inside the program with
 ``psum`` / ``pmax`` / ``pmin`` over their axes unless the caller keeps them.
@@ -19,9 +19,9 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.engine.inference import InferenceResult
+from spmdkit.engine.rule import LocalContext, Rule
 from spmdkit.errors import ShardingConflictError
-from spmdkit.inference import InferenceResult
-from spmdkit.rule import LocalContext, Rule
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 
 __all__ = ["local_context", "resolve_partials", "shard_program"]

@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit import inference
+from spmdkit.engine import inference
 from spmdkit.testing import check_forward_case
 
 T = sk.TensorSpec

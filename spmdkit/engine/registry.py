@@ -6,7 +6,7 @@ the first time the registry is used, not as a side effect of importing the
 modules.
 
 Every change (register, unregister) bumps :func:`generation`; whoever caches
-rule answers (:mod:`spmdkit.inference`) keys them on it, so the registry never
+rule answers (:mod:`spmdkit.engine.inference`) keys them on it, so the registry never
 has to know who caches.
 """
 
@@ -16,8 +16,8 @@ import difflib
 import importlib
 import threading
 
+from spmdkit.engine.rule import Rule
 from spmdkit.errors import NoRuleError, RegistrationError
-from spmdkit.rule import Rule
 
 __all__ = ["generation", "register_rule", "get_rule", "registered_ops", "unregister_rule"]
 

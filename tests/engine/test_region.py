@@ -1,4 +1,4 @@
-"""spmdkit.region: ops traced without a layout are one named equation each, compute the
+"""spmdkit.engine.region: ops traced without a layout are one named equation each, compute the
 op's unsharded reference under plain jit (values and grads), and run as the rule's
 shard_map program with planned layouts."""
 
@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.region import FORWARD, GRAD, region_call, region_program
+from spmdkit.engine.region import FORWARD, GRAD, region_call, region_program
 from spmdkit.verification.hlo import compiled_collectives
 
 

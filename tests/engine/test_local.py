@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.local import resolve_partials, shard_program
+from spmdkit.engine.local import resolve_partials, shard_program
 from spmdkit.verification.hlo import compiled_collectives, summarize
 
 
@@ -56,7 +56,7 @@ def test_uneven_and_partial_inputs_are_rejected(mesh1d):
 
 
 def test_local_context_offsets(mesh2d):
-    from spmdkit.rule import LocalContext
+    from spmdkit.engine.rule import LocalContext
 
     spec = sk.TensorSpec((16, 6), P(("a", "b"), None))
     lctx = LocalContext("t", {}, (spec,), (), {"a": 2, "b": 4})

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import AbstractMesh, Mesh
 
+from spmdkit.engine.registry import generation, get_rule
+from spmdkit.engine.rule import RuleContext
 from spmdkit.errors import ShardingConflictError, SpecError, SpmdError
-from spmdkit.registry import generation, get_rule
-from spmdkit.rule import RuleContext
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import freeze
 

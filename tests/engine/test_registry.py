@@ -59,7 +59,7 @@ def test_user_rule_infers_and_clears_cache():
 
 
 def test_a_registry_change_hides_answers_cached_before_it():
-    from spmdkit.registry import generation
+    from spmdkit.engine.registry import generation
 
     mesh = sk.abstract_mesh(x=4)
     x = sk.TensorSpec((8, 16), P("x", None))

@@ -38,11 +38,11 @@ import jax.extend.core
 import jax.numpy as jnp
 from jax.interpreters import batching, mlir
 
-from spmdkit.inference import InferenceResult, infer_forward, infer_grad
-from spmdkit.local import resolve_partials, shard_program
+from spmdkit.engine.inference import InferenceResult, infer_forward, infer_grad
+from spmdkit.engine.local import resolve_partials, shard_program
+from spmdkit.engine.registry import get_rule
+from spmdkit.engine.rule import LocalContext, without_strategy
 from spmdkit.pipeline.rows import register_body
-from spmdkit.registry import get_rule
-from spmdkit.rule import LocalContext, without_strategy
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import as_unreduced, freeze
 

@@ -3,7 +3,7 @@
 import pytest
 
 import spmdkit as sk
-from spmdkit.factor import parse_notation
+from spmdkit.engine.factor import parse_notation
 
 
 def test_ellipsis_right_aligned():
