@@ -269,7 +269,6 @@ def check_loader(data):
     kw = {
         "batch_size": data.draw(st.sampled_from([None, 0, 1, 2, 4, -1, 2.5])),
         "last_batch": data.draw(st.sampled_from(["drop", "pad", "keep", "bogus"])),
-        "microbatches": data.draw(st.sampled_from([1, 2, 0])),
     }
     if data.draw(st.booleans()):
         kw["bucket_sizes"] = data.draw(st.sampled_from([(2, 4), (), None, (0,)]))
@@ -391,12 +390,13 @@ def test_regression_a_rule_table_entry_with_a_number_is_typed():
 def test_regression_loader_sources_and_scalars_are_typed_or_work():
     with pytest.raises(SpmdError, match="sequence of examples"):
         ShardedLoader({"x": 3}, _batch_sharding(), batch_size=2)
-    # a per-batch scalar array with micro-batching (was an IndexError): with one
-    # batch sharding it is refused (a scalar has no batch dim), with its own it works
+    # a per-batch scalar array: with one batch sharding it is refused (a scalar has
+    # no batch dim), with its own it works (micro-batches are the step's, not the
+    # loader's: sk.value_and_grad splits the rows)
     batches = lambda: iter([{"x": np.ones((4, 2)), "t": np.array(2, np.float32)}])  # noqa: E731
     with pytest.raises(SpmdError, match="rank"):
-        list(ShardedLoader(batches, _batch_sharding(), microbatches=2))
+        list(ShardedLoader(batches, _batch_sharding()))
     mesh = _batch_sharding().mesh
     sh = {"x": _batch_sharding(), "t": NamedSharding(mesh, P())}
-    (b,) = list(ShardedLoader(batches, sh, microbatches=2))
-    assert b["x"].shape == (2, 2, 2) and np.asarray(b["t"]).tolist() == [2.0, 2.0]
+    (b,) = list(ShardedLoader(batches, sh))
+    assert b["x"].shape == (4, 2) and float(np.asarray(b["t"])) == 2.0
