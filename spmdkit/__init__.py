@@ -14,7 +14,14 @@ from spmdkit.engine.inference import (
     infer_forward,
     infer_grad,
 )
-from spmdkit.engine.registry import get_rule, register_rule, registered_ops, unregister_rule
+from spmdkit.engine.registry import (
+    get_rule,
+    register_primitive,
+    register_rule,
+    registered_ops,
+    unregister_primitive,
+    unregister_rule,
+)
 from spmdkit.engine.rule import POLICIES, Example, MustDivide, Rule, RuleContext
 from spmdkit.errors import (
     DuplicateAxisError,
@@ -41,7 +48,7 @@ from spmdkit.planner import (
     plan,
     preset_rules,
 )
-from spmdkit.propagation import EqnRecord, Propagation, propagate, register_primitive, trace
+from spmdkit.propagation import EqnRecord, Propagation, propagate, trace
 from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
 from spmdkit.recipe import Recipe, RecipeError, train_step, value_and_grad
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
@@ -138,6 +145,7 @@ __all__ = [
     "parse_replica_groups",
     "plan_reshard",
     "register_rule",
+    "unregister_primitive",
     "registered_ops",
     "reshard",
     "summarize",

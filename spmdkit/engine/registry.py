@@ -1,4 +1,5 @@
-"""The rule registry: op name → rule, the only global state in spmdkit.
+"""The rule registry: op name → rule, and jax primitive → the rule it runs as; the
+only global state in spmdkit.
 
 Built-in rules live in ``spmdkit.rules`` (the repository's ``rules/`` folder),
 one module per op family, each exposing a ``RULES`` tuple. They are registered
@@ -15,13 +16,28 @@ from __future__ import annotations
 import difflib
 import importlib
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from spmdkit.engine.rule import Rule
 from spmdkit.errors import NoRuleError, RegistrationError
 
-__all__ = ["generation", "register_rule", "get_rule", "registered_ops", "unregister_rule"]
+__all__ = [
+    "generation",
+    "get_rule",
+    "primitive_converter",
+    "register_primitive",
+    "register_rule",
+    "registered_ops",
+    "unregister_primitive",
+    "unregister_rule",
+]
+
+#: ``fn(eqn) -> (op name, attrs)``, or None: the equation has no rule.
+Converter = Callable[[Any], "tuple[str, dict] | None"]
 
 _RULES: dict[str, Rule] = {}
+_CONVERTERS: dict[str, Converter] = {}
 _BUILTIN_LOADED = False
 _GENERATION = 0
 _LOCK = threading.RLock()
@@ -135,3 +151,66 @@ def registered_ops() -> tuple[str, ...]:
     """Names of all registered ops, sorted."""
     _load_builtin()
     return tuple(sorted(_RULES))
+
+
+# -- primitives ------------------------------------------------------------------
+
+
+def register_primitive(name: str, to_rule: Converter) -> None:
+    """Map a jax primitive to a registered rule: propagation runs an equation of
+    primitive ``name`` as the rule ``to_rule(eqn)`` names.
+
+    Args:
+      name: the primitive's name (``eqn.primitive.name``).
+      to_rule: ``fn(eqn) -> (op name, attrs)``, or None to treat the equation as
+        having no rule (replicated fallback).
+
+    Raises:
+      RegistrationError: ``name`` is not a string, ``to_rule`` not callable, or the
+        primitive already has a converter (unregister it first).
+
+    Example::
+
+        >>> sk.register_primitive("my_gelu", lambda eqn: ("tanh", {}))
+    """
+    if not isinstance(name, str) or not callable(to_rule):
+        raise RegistrationError(
+            op="register_primitive",
+            must="name is a primitive name and to_rule a callable",
+            given=f"{name!r}, {type(to_rule).__name__}",
+            fix="register_primitive('prim', lambda eqn: ('op', {...}))",
+        )
+    with _LOCK:
+        if name in _CONVERTERS:
+            raise RegistrationError(
+                op="register_primitive",
+                must="a primitive is registered once",
+                given=f"{name!r} already has a converter",
+                fix=f"sk.unregister_primitive({name!r}) first",
+            )
+        _CONVERTERS[name] = to_rule
+        _changed()
+
+
+def unregister_primitive(name: str) -> Converter:
+    """Remove and return the converter registered for primitive ``name``.
+
+    Raises:
+      NoRuleError: no converter is registered for ``name``.
+    """
+    with _LOCK:
+        if name not in _CONVERTERS:
+            raise NoRuleError(
+                op=name,
+                must="the primitive has a registered converter",
+                given=f"none for {name!r}",
+                fix="see sk.register_primitive",
+            )
+        conv = _CONVERTERS.pop(name)
+        _changed()
+    return conv
+
+
+def primitive_converter(name: str) -> Converter | None:
+    """The converter registered for primitive ``name``, None when there is none."""
+    return _CONVERTERS.get(name)

@@ -20,7 +20,6 @@ from spmdkit.propagation.driver import propagate
 from spmdkit.propagation.graph import trace, trace_with_tree
 from spmdkit.propagation.memory import MemoryEstimate, estimate_memory, liveness
 from spmdkit.propagation.pinning import Program
-from spmdkit.propagation.primitives import register_primitive
 from spmdkit.propagation.records import EqnRecord, Propagation
 
 __all__ = [
@@ -31,7 +30,6 @@ __all__ = [
     "estimate_memory",
     "liveness",
     "propagate",
-    "register_primitive",
     "trace",
     "trace_with_tree",
 ]

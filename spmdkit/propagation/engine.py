@@ -102,7 +102,7 @@ class Engine:
             warnings.warn(
                 f"spmdkit.propagation: no sharding rule for primitive {prim!r} ({why}); "
                 "its operands are made replicated and the cost counted. "
-                "Register one with spmdkit.propagation.register_primitive.",
+                "Register one with sk.register_primitive.",
                 stacklevel=4,
             )
 

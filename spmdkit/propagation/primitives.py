@@ -1,8 +1,8 @@
 """Primitive → rule: which rule (and attributes) a jaxpr equation propagates with.
 
 :func:`to_rule` maps an equation to a registered rule's name and attributes
-(``dot_general``, ``add``, ``reduce_sum``…; :func:`register_primitive` adds a
-mapping). Where the registry has no rule of that name, :func:`builtin_forward`
+(``dot_general``, ``add``, ``reduce_sum``…; ``sk.register_primitive`` adds a
+mapping, held by the registry). Where the registry has no rule of that name, :func:`builtin_forward`
 has small built-in fallbacks: identity-like primitives, elementwise primitives
 the library does not register, cumulative ops, argmax/argmin, sort, top_k, rev,
 ``conv_general_dilated`` and scatter / scatter-add. :func:`index_parallel` and
@@ -16,13 +16,14 @@ the registry first, and there are no built-ins for registered names.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from spmdkit.engine.factor import Notation
 from spmdkit.engine.factor_rule import FactorRule
+from spmdkit.engine.registry import primitive_converter
 from spmdkit.engine.rule import RuleContext
 from spmdkit.errors import SpmdError
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
@@ -34,7 +35,6 @@ __all__ = [
     "builtin_forward",
     "drop_axes",
     "index_parallel",
-    "register_primitive",
     "to_rule",
     "with_masked_lookup",
 ]
@@ -77,29 +77,6 @@ _IGNORED_PARAMS = frozenset(
     }
 )
 _RENAMES = {"add_any": "add"}
-_CONVERTERS: dict[str, Callable[[Any], tuple[str, dict] | None]] = {}
-
-
-def register_primitive(name: str, to_rule: Callable[[Any], tuple[str, dict] | None]) -> None:
-    """Map a jax primitive to a registered rule.
-
-    Args:
-      name: the primitive's name (``eqn.primitive.name``).
-      to_rule: ``fn(eqn) -> (op name, attrs)``, or None to treat the equation as
-        having no rule (replicated fallback).
-
-    Example::
-
-        >>> register_primitive("my_gelu", lambda eqn: ("tanh", {}))
-    """
-    if not isinstance(name, str) or not callable(to_rule):
-        raise SpmdError(
-            op="register_primitive",
-            must="name is a primitive name and to_rule a callable",
-            given=f"{name!r}, {type(to_rule).__name__}",
-            fix="register_primitive('prim', lambda eqn: ('op', {...}))",
-        )
-    _CONVERTERS[name] = to_rule
 
 
 def to_rule(eqn: Any) -> tuple[str, dict] | None:
@@ -113,7 +90,7 @@ def to_rule(eqn: Any) -> tuple[str, dict] | None:
 
 def _to_rule_unchecked(eqn: Any) -> tuple[str, dict] | None:
     name = eqn.primitive.name
-    conv = _CONVERTERS.get(name)
+    conv = primitive_converter(name)
     if conv is not None:
         return conv(eqn)
     params = eqn.params

@@ -75,3 +75,25 @@ def test_a_registry_change_hides_answers_cached_before_it():
         assert str(sk.infer_forward("t_swap", x, mesh=mesh).outputs[0]) == "[8,16]"
     finally:
         sk.unregister_rule("t_swap")
+
+
+def test_primitive_converters_are_held_by_the_registry_once():
+    from spmdkit.engine.registry import generation, primitive_converter
+
+    def conv(eqn):
+        return ("tanh", {})
+
+    before = generation()
+    sk.register_primitive("t_prim", conv)
+    try:
+        assert primitive_converter("t_prim") is conv
+        with pytest.raises(sk.RegistrationError, match="once"):
+            sk.register_primitive("t_prim", conv)
+        with pytest.raises(sk.RegistrationError, match="callable"):
+            sk.register_primitive("t_other", "tanh")
+    finally:
+        assert sk.unregister_primitive("t_prim") is conv
+    assert primitive_converter("t_prim") is None
+    assert generation() == before + 2  # cached answers keyed on it see the change
+    with pytest.raises(sk.NoRuleError):
+        sk.unregister_primitive("t_prim")

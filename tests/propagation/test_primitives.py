@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.propagation import propagate, register_primitive
+from spmdkit.engine.registry import register_primitive
+from spmdkit.propagation import propagate
 from tests.propagation.programs import (
     F32,
     S,
