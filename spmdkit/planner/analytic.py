@@ -62,7 +62,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
-from spmdkit.pipeline.execute import accumulator_dtype
+from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike
@@ -263,7 +263,7 @@ class CostContext:
 
     def accumulator_ratio(self, param_dtype: str) -> float:
         """Bytes of a pipelined stage's gradient accumulator per byte of the param
-        (:func:`spmdkit.pipeline.execute.accumulator_dtype` of the compute dtype:
+        (:func:`spmdkit.pipeline.layouts.accumulator_dtype` of the compute dtype:
         float32 under bf16 compute)."""
         compute = np.dtype(self.recipe.compute_dtype or param_dtype)
         return accumulator_dtype(compute).itemsize / np.dtype(param_dtype).itemsize

@@ -3,9 +3,9 @@
 Propagation (:mod:`spmdkit.propagation`) takes the pipeline's ``shard_map`` as
 given: it prices the step outside it and predicts no ``ppermute`` and none of
 the memory the schedule holds. :func:`pipelined_prediction` adds both from the
-facts the traced gradient reports (:func:`spmdkit.pipeline.execute.pipelines_traced`):
+facts the traced gradient reports (:func:`spmdkit.pipeline.facts.pipelines_traced`):
 
-- collective permutes: :func:`~spmdkit.pipeline.execute.permute_count` of them,
+- collective permutes: :func:`~spmdkit.pipeline.facts.permute_count` of them,
   each one micro-batch's stage output on one device (its batch rows split over
   the plan's batch axes);
 - the gradient sums the executor runs once per step are the ``psum`` calls of
@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdkit import jaxprs
-from spmdkit.pipeline.execute import (
+from spmdkit.pipeline.facts import (
     BACKWARD_SCOPE,
     FORWARD_SCOPE,
     HEAD_SCOPE,
@@ -257,7 +257,7 @@ def counted_by_schedule(compiled: CompiledReport, pipe: Pipeline) -> CompiledRep
     does not say which branch a tick takes, so a branch's collectives count once
     per tick (:func:`~spmdkit.verification.compiled.executions`). A device runs
     ``m·v`` chunk forwards and backwards among those ticks and, on the last
-    stage, ``m`` heads (:func:`~spmdkit.pipeline.execute.branch_runs`): a
+    stage, ``m`` heads (:func:`~spmdkit.pipeline.facts.branch_runs`): a
     collective under one of those scopes (the executor's ``jax.named_scope``
     names, in its op name) counts that share of its loops' runs.
     """

@@ -10,19 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.flax.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, PipelineError, build_schedule
-from spmdkit.pipeline.execute import (
-    batch_split,
-    permute_count,
-    pipelined_value_and_grad,
-    weight_splits,
-)
-from spmdkit.pipeline.split import split_loss
+from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.recipe import RecipeError
 from spmdkit.verification.compiled import report
@@ -145,15 +138,6 @@ def test_tables_hold_what_the_schedule_holds():
     gp = build_schedule(Pipeline(stages=4, microbatches=8, schedule="gpipe"))
     assert build_tables(gp).n_stash == 8  # every micro-batch held at the end of the forwards
     assert forward_ticks(gp) == 8 + 4 - 1
-
-
-def test_permute_count_follows_the_sends():
-    pipe = Pipeline(stages=2, microbatches=4, schedule="fthenb")
-    t = build_tables(build_schedule(pipe))
-    assert permute_count(pipe) == sum(t.send_f) + sum(t.send_b)
-    flags = [s[2:] for s in t.segments()]
-    assert flags[0] == (True, False) and (True, True) not in flags  # no tick sends both ways
-    assert (False, True) in flags
 
 
 def test_a_loss_without_a_layer_scan_is_typed():
@@ -484,44 +468,6 @@ def test_data_parallel_stage_gradients_are_all_reduced():
     by_kind, stacked = _stage_gradient_bytes("dp", "1f1b")
     assert by_kind.get("all_reduce", 0) >= stacked
     assert by_kind.get("reduce_scatter", 0) < 0.1 * stacked, by_kind
-
-
-def test_weight_splits_take_the_batch_axes_a_spec_splits_major_most():
-    """What the pipeline takes as given of a weight's layout: per dim (the layer
-    dim skipped), the batch axes leading its entry, where they divide the dim."""
-    sizes = {"pipe": 2, "data": 2, "fsdp": 4, "model": 2}
-    batch = ("data", "fsdp")
-    spec = P("pipe", ("data", "fsdp"), "model")
-    assert batch_split(spec, (8, 16, 4), batch, sizes, 1) == ((1, ("data", "fsdp")),)
-    # a tensor-parallel axis leading the entry: the batch axes cannot be taken
-    assert batch_split(P(None, ("model", "data")), (8, 16), batch, sizes, 1) == ()
-    # the batch axes before an automatic one: taken, the automatic one left to XLA
-    assert batch_split(P(None, ("fsdp", "model")), (8, 16), batch, sizes, 1) == ((1, ("fsdp",)),)
-    # does not divide: replicated over the batch axes
-    assert batch_split(P(None, "fsdp"), (8, 6), batch, sizes, 1) == ()
-    # the layer dim is skipped for stacked weights, not for shared ones
-    assert batch_split(P("data", None), (8, 6), batch, sizes, 1) == ()
-    assert batch_split(P("data", None), (8, 6), batch, sizes, 0) == ((0, ("data",)),)
-
-
-def test_weight_splits_follow_a_cast_to_the_parameter():
-    """The stacked weights the layer scan reads are the bf16 casts of the fp32
-    parameters under a bf16 recipe: their split is the parameter's."""
-    info, params, batch = _model("llama", 8)
-    one = jax.tree.map(lambda x: x[:4], batch)
-    specs = jax.tree.map(lambda x: P(None, "data") if x.ndim > 1 else P(), params)
-    leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    for cast in (None, jnp.bfloat16):
-
-        def loss(p, b, cast=cast):
-            return info.loss_fn(jax.tree.map(lambda x: x.astype(cast or x.dtype), p), b)
-
-        sp = split_loss(loss, params, one)
-        xs, _ = weight_splits(sp, leaves, ("data",), {"data": 2})
-        assert len(xs) == len(sp.xs)
-        for v, split in zip(sp.xs, xs, strict=True):
-            want = ((1, ("data",)),) if len(v.aval.shape) > 1 and v.aval.shape[1] % 2 == 0 else ()
-            assert split == want, (v.aval, split)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from spmdkit.flax.model import describe
 from spmdkit.models import get_model
 from spmdkit.models.llama import LlamaConfig
 from spmdkit.pipeline import Pipeline, build_schedule
-from spmdkit.pipeline.execute import chunk_residuals, pipelines_traced
+from spmdkit.pipeline.facts import chunk_residuals, pipelines_traced
 from spmdkit.pipeline.memory import (
     StageSizes,
     held_residual_sets,

@@ -10,7 +10,7 @@ import spmdkit as sk
 from spmdkit.flax.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline
-from spmdkit.pipeline.execute import FORWARD_SCOPE, HEAD_SCOPE, branch_runs, permute_count
+from spmdkit.pipeline.facts import FORWARD_SCOPE, HEAD_SCOPE, branch_runs, permute_count
 from spmdkit.verification.compiled import CompiledReport, report
 from spmdkit.verification.hlo import HloCollective
 from spmdkit.verification.pipelined import counted_by_schedule

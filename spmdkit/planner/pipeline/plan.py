@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.flax.model import ModelInfo
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
-from spmdkit.pipeline.execute import rows_combined, rows_error
+from spmdkit.pipeline.facts import rows_combined, rows_error
 from spmdkit.planner.logical import LogicalRules, RulesLike
 from spmdkit.planner.plans import Plan
 from spmdkit.recipe import Recipe
@@ -217,7 +217,7 @@ def _with_pipe(spec: P, ndim: int, axis: str | None) -> P:
 
 def model_rows_combined(info: ModelInfo) -> str:
     """The model's first layer equation that combines a batch's rows, else ``""``
-    (:func:`~spmdkit.pipeline.execute.rows_combined`; once per model): what a
+    (:func:`~spmdkit.pipeline.facts.rows_combined`; once per model): what a
     pipeline with batch axes refuses unless ``local_statistics``."""
     return info.memo(
         ("pipeline.rows_combined",),

@@ -1,0 +1,311 @@
+"""What the planner and ``plan.verify`` read about a pipelined loss.
+
+- While it is traced: :func:`pipelines_traced` collects a :class:`PipelineFacts`
+  per pipelined gradient traced inside (a stage output's bytes, a chunk's
+  residual set's, the head's; the batch axes; the unpipelined loss and its
+  arguments' shapes).
+- From the schedule: :func:`permute_count`, the collective permutes the executor
+  runs, and :func:`branch_runs`, how often the branch under each action scope
+  runs (``FORWARD_SCOPE``…: the ``jax.named_scope``s the ticks run under).
+- From the loss: :func:`chunk_residuals` / :func:`residual_probe`, what one
+  forward of one chunk stashes for one micro-batch; :func:`rows_combined`, a
+  layer that combines a micro-batch's rows, which a pipeline with batch axes
+  refuses (:func:`rows_error`) and the planner asks about before it plans one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmdkit import jaxprs
+from spmdkit.pipeline.chunk import BoundLoss, VjpStash
+from spmdkit.pipeline.layouts import (
+    ManualAxes,
+    local_rows,
+    per_mb_rows_split,
+    split_microbatches,
+)
+from spmdkit.pipeline.rows import mixed_rows
+from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
+from spmdkit.pipeline.split import SplitLoss, split_loss
+from spmdkit.pipeline.tables import build_tables, forward_ticks
+
+__all__ = [
+    "BACKWARD_SCOPE",
+    "FORWARD_SCOPE",
+    "HEAD_SCOPE",
+    "PipelineFacts",
+    "branch_runs",
+    "chunk_residuals",
+    "permute_count",
+    "pipelines_traced",
+    "record_traced",
+    "residual_probe",
+    "rows_combined",
+    "rows_error",
+    "split_rows_combined",
+]
+
+# -- collected while a pipelined gradient is traced ----------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineFacts:
+    """What a traced pipelined gradient sends and holds (global shapes: divide by
+    the batch's shards for a device's share).
+
+    Attributes:
+      pipe: the pipeline.
+      carry_bytes: one micro-batch's stage output (what one permute sends).
+      residual_bytes: one chunk's residual set for one micro-batch (``R``).
+      head_bytes: the head and loss's residuals for one micro-batch (``H``).
+      batch_axes: the mesh axes the pipeline's ``shard_map`` makes manual besides
+        the pipe axis (the batch rows' axes:
+        :func:`~spmdkit.pipeline.execute.pipelined_value_and_grad`).
+      loss_fn, args: the loss the pipeline runs and its arguments' shapes
+        (params, batch, rest): the unpipelined step, whose layer scans
+        ``plan.verify`` prices the stages' collectives from.
+      layers: the stacked layer count.
+    """
+
+    pipe: Pipeline
+    carry_bytes: int
+    residual_bytes: int
+    head_bytes: int
+    batch_axes: tuple[str, ...] = ()
+    loss_fn: Callable | None = field(default=None, compare=False)
+    args: tuple = field(default=(), compare=False)
+    layers: int = 0
+
+
+_TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = contextvars.ContextVar(
+    "spmdkit_pipelines_traced", default=None
+)
+
+
+@contextlib.contextmanager
+def pipelines_traced() -> Iterator[list[PipelineFacts]]:
+    """Collect the :class:`PipelineFacts` of the pipelined gradients traced inside
+    (what ``plan.verify`` predicts a pipelined step from).
+
+    Example::
+
+        >>> with pipelines_traced() as seen:
+        ...     jax.eval_shape(step, params, batch)
+        >>> seen[0].pipe.short()
+        'pp2 1f1b m4'
+    """
+    seen: list[PipelineFacts] = []
+    token = _TRACED.set(seen)
+    try:
+        yield seen
+    finally:
+        _TRACED.reset(token)
+
+
+def record_traced(
+    loss_fn: Callable[..., Any],
+    pipe: Pipeline,
+    sp: SplitLoss,
+    batch_axes: tuple[str, ...],
+    args: tuple,
+) -> None:
+    """Hand a pipelined gradient being traced (``sp``: its loss split; ``args``:
+    its params, batch and the rest) to the :func:`pipelines_traced` around it, if
+    any: its :class:`PipelineFacts`, residuals sized only then."""
+    seen = _TRACED.get()
+    if seen is None:
+        return
+    carry = [v.aval for v in sp.carry]
+    r = chunk_residuals(loss_fn, pipe, *args)
+    h = chunk_residuals(loss_fn, pipe, *args, head=True)
+    sizes = (_tree_bytes(carry), _tree_bytes(r), _tree_bytes(h))
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), args)
+    seen.append(
+        PipelineFacts(
+            pipe, *sizes, batch_axes=batch_axes, loss_fn=loss_fn,
+            args=tuple(shapes), layers=sp.layers,
+        )
+    )  # fmt: skip
+
+
+def _tree_bytes(shapes: Any) -> int:
+    """The bytes of a tree of arrays or shapes."""
+    return int(sum(np.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes)))
+
+
+# -- counted from the schedule -------------------------------------------------------
+
+#: ``jax.named_scope`` names of a tick's actions (in the compiled program's op
+#: names): a chunk's forward, its backward, and the head and loss (inside a
+#: forward of the last chunk). A ``lax.switch`` branch runs on some ticks only,
+#: which the compiled HLO does not say: ``plan.verify`` counts the collectives
+#: under these scopes by the schedule (:func:`branch_runs`).
+FORWARD_SCOPE = "spmdkit_pipeline_forward"
+BACKWARD_SCOPE = "spmdkit_pipeline_backward"
+HEAD_SCOPE = "spmdkit_pipeline_head"
+
+
+def branch_runs(pipe: Pipeline) -> dict[str, tuple[int, int]]:
+    """Per action scope: ``(runs on the busiest device, ticks the branch's loops
+    run)`` per step. The compiled program's loops run a tick's ``lax.switch`` on
+    every tick, and each branch's collectives are counted that often; a device
+    runs ``m·v`` forwards and backwards among those ticks, and the head ``m``
+    times (on the last stage). GPipe's backward is the transpose of its forward
+    ticks (under the forward's scope).
+
+    Example::
+
+        >>> branch_runs(Pipeline(stages=2, microbatches=4))
+        {'spmdkit_pipeline_forward': (4, 10), 'spmdkit_pipeline_backward': (4, 10),
+         'spmdkit_pipeline_head': (4, 10)}
+    """
+    sched = build_schedule(pipe)
+    ticks = forward_ticks(sched) if pipe.schedule == "gpipe" else build_tables(sched).n_ticks
+    work = pipe.microbatches * pipe.virtual
+    return {
+        FORWARD_SCOPE: (work, ticks),
+        BACKWARD_SCOPE: (work, ticks),
+        HEAD_SCOPE: (pipe.microbatches, ticks),
+    }
+
+
+def permute_count(pipe: Pipeline) -> int:
+    """Collective permutes the executor runs for ``pipe``: per run of ticks, its
+    length times the permutes of its body (a forward send, a backward send);
+    for GPipe, the forward ticks' sends, doubled by their transposes."""
+    sched = build_schedule(pipe)
+    if pipe.schedule == "gpipe":
+        tables = build_tables(sched, ticks=forward_ticks(sched))
+        return 2 * sum(tables.send_f)
+    tables = build_tables(sched)
+    return sum(int(f) + int(b) for f, b in zip(tables.send_f, tables.send_b, strict=True))
+
+
+# -- sized from the loss -------------------------------------------------------------
+
+
+def chunk_residuals(
+    loss_fn: Callable[..., Any],
+    pipe: Pipeline,
+    params: Any,
+    batch: Any,
+    *rest: Any,
+    head: bool = False,
+) -> list[jax.ShapeDtypeStruct]:
+    """What one forward of one chunk stashes for one micro-batch in the explicit
+    schedules (``fthenb``, ``1f1b``, ``interleaved``): the chunk's ``jax.vjp``
+    residuals less its weights and shared constants (global shapes; divide by
+    the batch's shards for a device's share). The same set is what GPipe's
+    differentiated scan keeps per forward tick. ``head=True``: instead, what the
+    head and loss keep for one micro-batch (GPipe's scan keeps that per forward
+    tick too, on every device: its ``cond`` saves the residuals of both branches).
+
+    Example::
+
+        >>> sum(r.size * r.dtype.itemsize for r in chunk_residuals(loss, pipe, params, batch))
+        5242880
+    """
+    return jax.eval_shape(residual_probe(loss_fn, pipe, *rest, head=head), params, batch)
+
+
+def residual_probe(
+    loss_fn: Callable[..., Any], pipe: Pipeline, *rest: Any, head: bool = False
+) -> Callable[[Any, Any], list]:
+    """``f(params, batch) -> residuals``: :func:`chunk_residuals`'s leaves as a
+    function of the step's arguments, for micro-batch 0 and chunk 0 (what
+    ``plan.verify`` propagates with the plan's layouts to size them per device)."""
+    m, chunks = pipe.microbatches, pipe.chunks
+
+    def probe_fn(params: Any, batch: Any) -> list:
+        micro = split_microbatches(batch, m)
+        one = jax.tree.map(lambda x: x[0], micro)
+        sp = split_loss(loss_fn, params, one, rest)
+        pipe.check_layers(sp.layers, op="pipeline")
+        xs, shared, per = sp.pre(jax.tree.leaves((params, one, rest)))
+        ctx = BoundLoss(sp, pipe, shared, [x[None] for x in per])
+        w = [x[: sp.layers // chunks] for x in xs]
+        cd = [({**ctx.sv, **ctx.microbatch(0)})[v] for v in ctx.dconsts]
+        carry = [ctx.per[v][0] for v in ctx.carry]
+        if head:
+            post = [ctx.sv[v] if v in ctx.sv else ctx.microbatch(0)[v] for v in ctx.dpost]
+
+            def f(c: list, dv: list) -> Any:
+                vals = {**ctx.sv, **ctx.microbatch(0), **dict(zip(ctx.dpost, dv, strict=True))}
+                return sp.post(vals, c)
+
+            _, vjp = jax.vjp(f, carry, post)
+            shared = [v in ctx.sv for v in ctx.dpost]
+            return VjpStash().record(jax.tree.leaves(vjp), [], post, shared)
+        _, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0), w, cd, carry)
+        return VjpStash().record(jax.tree.leaves(vjp), w, cd, [v in ctx.sv for v in ctx.dconsts])
+
+    return probe_fn
+
+
+# -- the row-combining layer check ---------------------------------------------------
+
+
+def rows_combined(loss_fn: Callable[..., Any], params: Any, batch: Any, *rest: Any) -> str:
+    """The first equation of the loss's layer stack that combines a batch's rows
+    (:func:`~spmdkit.pipeline.rows.mixed_rows`), else ``""``: what a pipeline
+    with the batch over other mesh axes refuses unless ``local_statistics``
+    (the planner asks before it plans one). ``batch``: concrete or abstract,
+    with an even number of rows (else ``""``: its rows cannot be split).
+
+    Raises:
+      PipelineError: the loss has no layer scan, or its structure changes with
+        its rows (:func:`~spmdkit.pipeline.execute.pipelined_value_and_grad`).
+
+    Example::
+
+        >>> rows_combined(moe.loss_fn, moe.abstract_params, moe.batch)
+        'reduce_sum over the rows'
+    """
+    first = jax.tree.leaves(batch)
+    rows = first[0].shape[0] if first and np.ndim(first[0]) else 0
+    if rows < 2 or rows % 2:
+        return ""
+    sp = split_loss(loss_fn, params, batch, rest)
+    local = split_loss(loss_fn, params, local_rows(batch, 2), rest)
+    lay = ManualAxes("", ("rows",), 2, per_mb_rows_split(sp, local, 2))
+    return split_rows_combined(sp, lay)
+
+
+def rows_error(equation: str, axes: tuple[str, ...], op: str) -> PipelineError:
+    """The typed error for a layer that combines a micro-batch's rows (``equation``)
+    in a pipeline with the batch over ``axes`` besides the pipe axis."""
+    return PipelineError(
+        op=op,
+        must="with the batch split over other mesh axes too, each device runs "
+        "its stages on its own rows of a micro-batch, so no layer may combine rows",
+        given=f"a layer equation `{equation}` (the batch over {axes}), e.g. a "
+        "mixture-of-experts router's load-balancing statistics",
+        fix="pass Pipeline(..., local_statistics=True) (spmdkit train: "
+        "--local-statistics) to compute it over each device's rows (as Megatron-LM "
+        "computes MoE load balancing per "
+        "data-parallel rank), or keep the batch off the other axes",
+    )
+
+
+def split_rows_combined(sp: SplitLoss, lay: ManualAxes) -> str:
+    """With batch axes: the first equation of the layer scan's body that combines
+    a micro-batch's rows (:func:`~spmdkit.pipeline.rows.mixed_rows`), else empty.
+    The scan's inputs split over the rows have their rows on dim 0."""
+    if not lay.batch:
+        return ""
+    row = dict(zip(sp.per_mb, lay.rows, strict=True))
+    eqn = sp.scan
+    sc = jaxprs.scan(eqn)
+    inputs = [*sp.consts, *sp.carry]
+    dims = [0 if not hasattr(v, "val") and row.get(v) else None for v in inputs]
+    dims += [None] * (len(eqn.invars) - sc.first_xs)
+    return mixed_rows(sc.body, dims) or ""
