@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.ops.base import apply_rule
 from spmdkit.verification.hlo import compiled_collectives
+from spmdkit.versions import parse_version
 
 
 def _x(mesh, spec=None):
@@ -88,7 +89,14 @@ def _zero_cases():
         ("rms_norm", sk.ops.rms_norm, [((0, 8), f32, P("a")), vec], {}),
         ("group_norm", sk.ops.group_norm, [((0, 8, 4), f32, P("a"))], {"num_groups": 2}),
         ("instance_norm", sk.ops.instance_norm, [((0, 8, 4), f32, P(None, "b"))], {}),
-        ("batch_norm", sk.ops.batch_norm, [x08, ((8,), f32, P("b")), ((8,), f32, P("b"))], {}),
+        pytest.param(
+            ("batch_norm", sk.ops.batch_norm, [x08, ((8,), f32, P("b")), ((8,), f32, P("b"))], {}),
+            marks=pytest.mark.skipif(
+                parse_version(jax.__version__)[:2] == (0, 11),
+                reason="jaxlib 0.11.x crashes (segmentation fault) compiling batch_norm's "
+                "statistics over an empty batch; 0.10.2 and 0.12 run it",
+            ),
+        ),
         (
             "xent_mean",
             sk.ops.softmax_cross_entropy,
@@ -123,7 +131,9 @@ def _zero_cases():
     ]
 
 
-@pytest.mark.parametrize("case", _zero_cases(), ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "case", _zero_cases(), ids=lambda c: (c.values[0] if hasattr(c, "values") else c)[0]
+)
 def test_zero_size_operands_give_the_unsharded_result_without_collectives(mesh2d, case):
     _, op, operands, attrs = case
     rs = np.random.RandomState(0)
