@@ -35,6 +35,7 @@ def _check_side(side):
         assert cost["peak_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_quick_run(bench, tmp_path, monkeypatch, capsys):
     real_cases = bench._cases
 

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.kernels import blockwise_attention, blockwise_attention_lse, plain_attention
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lse", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_blockwise_grads_with_a_replicated_kv_and_a_sharded_query(lse):
     """Queries split over a manual axis (the sequence, as ``gather_kv`` runs it),

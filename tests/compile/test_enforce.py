@@ -91,6 +91,7 @@ def test_without_a_program_replay_says_why():
         replay(Bare())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enforce", [True, False])
 def test_enforced_step_moves_what_was_predicted(enforce):
     """GPT, FSDP on 8 devices: left to itself XLA moves activations with

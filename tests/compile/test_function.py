@@ -315,6 +315,7 @@ def test_reference_models_match_single_device_and_verify(model, strategy, shape)
     assert report.ok, str(report)
 
 
+@pytest.mark.slow
 def test_auto_compiled_collectives_at_most_best_preset(info):
     """The auto plan's compiled collective bytes are within 1.1x of the best preset's."""
     from spmdkit.planner import PRESETS

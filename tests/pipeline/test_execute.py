@@ -57,6 +57,7 @@ def _assert_equal(got, want) -> None:
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("error:.*no sharding rule")
 def test_1f1b_on_two_stages_equals_one_device():
     """Through sk.jit's default (enforced) path, every equation of the step with a

@@ -391,6 +391,7 @@ _ZYGOTE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_during_async_save_never_leaves_a_partial_latest(tmp_path):
     script = tmp_path / "zygote.py"
     script.write_text(_ZYGOTE)

@@ -316,6 +316,7 @@ def test_resume_is_bit_identical_on_the_same_mesh(tmp_path, mesh, reference):
     assert "saved on mesh (a=2, b=4)" in out.getvalue()
 
 
+@pytest.mark.slow
 def test_resume_on_another_mesh_matches_within_tolerance(tmp_path, mesh, reference):
     run(mesh, 3, ckpt=Manager(tmp_path), rng=1)
     other = Mesh(np.array(jax.devices()).reshape(4, 2), ("d", "m"))

@@ -133,6 +133,7 @@ def test_glue_is_at_most_ten_lines():
     assert max(glue_lines(name) for name in ZOO) <= 10
 
 
+@pytest.mark.slow
 def test_unnamed_nnx_decoder_megatron_shards_matches_and_verifies():
     _check("nnx_decoder", "megatron", (2, 4))
 
