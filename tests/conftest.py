@@ -1,5 +1,6 @@
 """Test setup: 8 virtual CPU devices, set before JAX starts any backend."""
 
+import functools
 import os
 
 # The suite compiles thousands of small programs: LLVM's -O0 halves XLA:CPU's
@@ -14,6 +15,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402 (after the flags above)
 import pytest  # noqa: E402
 
+from tests.sampling import FULL_SWEEP, every_kth  # noqa: E402
+
 jax.config.update("jax_num_cpu_devices", 8)
 
 # -- the quick loop: ``python -m pytest --quick`` (or ``-m quick``) ---------------------
@@ -24,6 +27,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 NOT_QUICK = (
     "tests/cli/test_demo.py",
     "tests/cli/test_app.py::test_python_dash_m_spmdkit_runs_the_cli",
+    "tests/cli/test_doctor.py::test_python_dash_m_spmdkit_doctor",
     "tests/compile/test_enforce.py::test_enforced_step_moves_what_was_predicted",
     "tests/compile/test_function.py::test_auto_compiled_collectives_at_most_best_preset",
     "tests/compile/test_function.py::test_loss_and_grads_match_single_device",
@@ -54,6 +58,31 @@ QUICK_OPS = frozenset(
 )
 
 
+# -- the slow step's sample: ``SPMDKIT_FULL_SWEEP=1`` runs every case (tests/sampling.py)
+
+#: The slow rule sweeps (tests/rules/test_all_rules.py: the ``full`` sizes and the 2 x 3
+#: mesh) that CI's slow step runs: those of every fourth op of each rule family, by
+#: name, the first included (tests/sampling.py); every op's sample sweeps run in the
+#: default run.
+SWEEP_EVERY = 4
+
+
+@functools.cache
+def sweep_ops() -> frozenset[str]:
+    """The ops whose slow rule sweeps CI runs (:data:`SWEEP_EVERY`)."""
+    import spmdkit as sk
+
+    return every_kth(sk.registered_ops(), lambda op: sk.get_rule(op).family, SWEEP_EVERY)
+
+
+def _left_to_full_sweep(item) -> bool:
+    if not item.nodeid.startswith("tests/rules/test_all_rules.py"):
+        return False
+    callspec = getattr(item, "callspec", None)
+    op = callspec.params.get("op") if callspec is not None else None
+    return bool(item.get_closest_marker("slow")) and op is not None and op not in sweep_ops()
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--quick",
@@ -78,6 +107,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _is_quick(item):
             item.add_marker(pytest.mark.quick)
+        if _left_to_full_sweep(item):
+            item.add_marker(pytest.mark.full)
+    # the slow step's samples (tests/sampling.py): the rest only on request
+    if not FULL_SWEEP and "full" not in (config.getoption("markexpr") or ""):
+        left_out = [i for i in items if i.get_closest_marker("full")]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [i for i in items if not i.get_closest_marker("full")]
     if config.getoption("--quick"):
         keep = [i for i in items if i.get_closest_marker("quick")]
         dropped = [i for i in items if not i.get_closest_marker("quick")]

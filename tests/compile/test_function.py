@@ -17,6 +17,7 @@ from spmdkit.compile import infer_role, init_sharded, jit
 from spmdkit.flax import describe
 from spmdkit.planner import plan
 from tests.plan_model import toy_batch, toy_init, toy_loss
+from tests.sampling import latin, sampled
 
 
 @pytest.fixture(scope="module")
@@ -268,13 +269,16 @@ MESHES = ((8,), (2, 4), (4, 2))
 
 
 def _cases():
-    return [
+    """Every reference model x strategy x mesh (ep: MoE's only); CI's sample runs each
+    model with each strategy on one of the three meshes, rotating (tests/sampling.py)."""
+    every = [
         (model, strategy, shape)
         for model in MODELS
         for strategy in STRATEGIES
         for shape in MESHES
         if strategy != "ep" or model == "moe"
     ]
+    return sampled(every, latin(MODELS, STRATEGIES, MESHES))
 
 
 @functools.cache
@@ -375,9 +379,18 @@ def _assert_grads_close(grads, ref_grads, rtol):
         np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * scale)
 
 
+#: Both models under every recipe; CI's sample runs each recipe on one of them,
+#: alternating (tests/sampling.py).
+_RECIPE_CASES = [(model, name) for model in ("gpt", "llama") for name in RECIPES]
+_RECIPE_SAMPLE = {(m, n) for n, m in latin(list(RECIPES), ["gpt", "llama"])}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(RECIPES))
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize(
+    ("model", "name"),
+    sampled(_RECIPE_CASES, _RECIPE_SAMPLE),
+    ids=[f"{m}-{n}" for m, n in _RECIPE_CASES],
+)
 def test_recipes_match_single_device_and_verify(model, name):
     """Tiny GPT and Llama (scanned) on 8 devices (fsdp over data=8; ZeRO-2: zero1's
     layouts with gradients sharded like the optimizer state) under each recipe:

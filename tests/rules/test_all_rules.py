@@ -5,7 +5,9 @@
 * jit check: compiled HLO collectives equal the predicted ones.
 
 Each check runs twice over: a sample in the default run (``[<op>-sample]``) and the
-full sample in the slow step (``[<op>-full]``, ``python -m pytest -m slow``). The sweeps
+full sample in the slow step (``[<op>-full]``, ``python -m pytest -m slow``), where CI
+runs the full sweeps (and the 2 x 3 mesh's) of every fourth op of each family
+(tests/conftest.py, ``SWEEP_EVERY``; ``SPMDKIT_FULL_SWEEP=1`` runs every op's). The sweeps
 spend their time compiling: the unsharded reference per example (shared by an op's
 sweeps, which run one after another) and one program per example and sweep whose
 size grows with the sample.

@@ -12,6 +12,7 @@ from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError
 from spmdkit.testing import check_forward_case, check_grad_case
 from spmdkit.verification.hlo import check_plan, compiled_collectives
+from tests.sampling import latin, sampled
 
 T = sk.TensorSpec
 F32 = "float32"
@@ -307,9 +308,20 @@ _KERNEL_CASES = [
 ]
 
 
+_KERNELS = ["auto", "blockwise", "xla"]
+_STRATEGIES = ["default", "gather_kv", "ring"]
+#: CI's sample runs each strategy with one kernel, each kernel with one strategy
+#: (tests/sampling.py): default-auto, gather_kv-blockwise, ring-xla (on CPU ``auto``
+#: is the blockwise kernel, which the models' ring runs in the reference matrix).
+_KERNEL_STRATEGIES = [(s, k) for s in _STRATEGIES for k in _KERNELS]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", ["blockwise", "xla", "auto"])
-@pytest.mark.parametrize("strategy", ["default", "gather_kv", "ring"])
+@pytest.mark.parametrize(
+    ("strategy", "implementation"),
+    sampled(_KERNEL_STRATEGIES, latin(_STRATEGIES, _KERNELS)),
+    ids=[f"{s}-{k}" for s, k in _KERNEL_STRATEGIES],
+)
 def test_kernel_implementations_run_every_strategy_numerically(implementation, strategy):
     """Each kernel (block size 3: padded key blocks) under each strategy, causal and
     not, equals the unsharded kernel, forward and grad, on even and uneven layouts
