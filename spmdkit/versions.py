@@ -203,21 +203,21 @@ def accelerator_plugins() -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
-def plugin_advice(plugins: dict[str, str], jaxlib: str | None) -> list[str]:
-    """One line per plugin whose release differs from jaxlib's, saying what to install.
+def plugin_advice(plugins: dict[str, str], jaxlib: str | None) -> dict[str, str]:
+    """Each plugin whose release differs from jaxlib's → a line saying what to install.
 
     Example::
 
         >>> plugin_advice({"jax-cuda13-plugin": "0.11.1"}, "0.11.2")
-        ['jax-cuda13-plugin 0.11.1 is not jaxlib 0.11.2: pip install "jax-cuda13-plugin==0.11.2"']
-    """
+        {'jax-cuda13-plugin': 'jax-cuda13-plugin 0.11.1 is not jaxlib 0.11.2: pip install "jax-cuda13-plugin==0.11.2"'}
+    """  # noqa: E501 - a doctest line
     if jaxlib is None:
-        return []
-    return [
-        f'{name} {version} is not jaxlib {jaxlib}: pip install "{name}=={jaxlib}"'
+        return {}
+    return {
+        name: f'{name} {version} is not jaxlib {jaxlib}: pip install "{name}=={jaxlib}"'
         for name, version in plugins.items()
         if parse_version(version) != parse_version(jaxlib)
-    ]
+    }
 
 
 def check(dist: str) -> VersionCheck:

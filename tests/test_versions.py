@@ -90,10 +90,12 @@ def test_installed_versions_are_read(monkeypatch):
 
 def test_plugins_must_be_jaxlibs_release():
     plugins = {"jax-cuda13-pjrt": "0.11.2", "jax-cuda13-plugin": "0.11.1"}
-    assert versions.plugin_advice(plugins, "0.11.2") == [
-        'jax-cuda13-plugin 0.11.1 is not jaxlib 0.11.2: pip install "jax-cuda13-plugin==0.11.2"'
-    ]
-    assert versions.plugin_advice(plugins, None) == []
+    assert versions.plugin_advice(plugins, "0.11.2") == {
+        "jax-cuda13-plugin": (
+            'jax-cuda13-plugin 0.11.1 is not jaxlib 0.11.2: pip install "jax-cuda13-plugin==0.11.2"'
+        )
+    }
+    assert versions.plugin_advice(plugins, None) == {}
     # this environment's plugins (none on a CPU machine) are all jaxlib's
     installed = versions.accelerator_plugins()
-    assert versions.plugin_advice(installed, versions.installed_version("jaxlib")) == []
+    assert versions.plugin_advice(installed, versions.installed_version("jaxlib")) == {}

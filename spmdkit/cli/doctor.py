@@ -41,11 +41,11 @@ def _versions(out: TextIO) -> list[str]:
     jaxlib = versions.installed_version("jaxlib")
     mismatched = versions.plugin_advice(plugins, jaxlib)
     for name, version in plugins.items():
-        status = "ok" if not any(m.startswith(f"{name} ") for m in mismatched) else "MISMATCH"
+        status = "MISMATCH" if name in mismatched else "ok"
         out.write(f"  {name:<{width}}{version:<12}{'==jaxlib':<18}{status}\n")
     if not plugins:
         out.write("  (no jax CUDA or ROCm plugin installed)\n")
-    return [c.advice() for c in checks if not c.ok] + mismatched
+    return [c.advice() for c in checks if not c.ok] + list(mismatched.values())
 
 
 def _memory_kinds(device) -> str:
