@@ -4,7 +4,7 @@ spells its control-flow and call equations.
 spmdkit reads traced programs (jaxprs) to plan, cost, split and rewrite them.
 jax changes how some equations carry their structure between releases, so every
 other module asks this one instead of indexing ``eqn.params`` of control flow
-(``tests/test_architecture.py`` fails when one does). What changed, by release:
+(``tests/test_jaxprs.py`` fails when one does). What changed, by release:
 
 ==================  ===================================  ==================================
 equation            jax 0.10                             jax 0.11 and 0.12
@@ -18,8 +18,8 @@ equation            jax 0.10                             jax 0.11 and 0.12
 ``jit``/``pjit``,   ``jaxpr``/``call_jaxpr``:             ``Jaxpr`` (``jaxpr.jaxpr`` is the
 ``custom_*``        ``ClosedJaxpr``                       jaxpr itself, ``.consts`` its
                                                           constants)
-``shard_map``       ``manual_axes`` or                    ``newly_manual_axes``
-                    ``newly_manual_axes``
+``shard_map``       ``newly_manual_axes`` (older:        ``newly_manual_axes``
+                    ``manual_axes``, ``axis_names``)
 ``remat``           ``jaxpr``: an open ``Jaxpr``          same
 ==================  ===================================  ==================================
 
