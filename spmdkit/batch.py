@@ -194,6 +194,24 @@ class _Slot(int):
     __slots__ = ()
 
 
+def _slotted(
+    batch: Any, is_leaf: Callable[[Any], bool], name: Callable[[tuple], str]
+) -> tuple[Any, list[Any], list[str]]:
+    """``batch`` with each leaf ``is_leaf`` picks replaced by its :class:`_Slot`, the
+    leaves in slot order, and each leaf's path named by ``name``."""
+    leaves: list[Any] = []
+    names: list[str] = []
+
+    def take(path: tuple, v: Any) -> Any:
+        if is_leaf(v):
+            leaves.append(v)
+            names.append(name(path))
+            return _Slot(len(leaves) - 1)
+        return v
+
+    return map_leaves(take, batch, is_leaf=is_leaf), leaves, names
+
+
 def _structure(v: Any) -> Any:
     """A hashable key equal for batches of the same structure, whatever their
     non-tensor values (a list's length counts, a string's does not)."""
@@ -263,17 +281,7 @@ def split_batch(
         >>> len(leaves), skel.fill(leaves)["ids"], skel.paths
         (1, ['a', 'b'], ('x',))
     """
-    leaves: list[Any] = []
-    paths: list[str] = []
-
-    def take(path: tuple, v: Any) -> Any:
-        if is_leaf(v):
-            leaves.append(v)
-            paths.append(path_name(path))
-            return _Slot(len(leaves) - 1)
-        return v
-
-    tree = map_leaves(take, batch, is_leaf=is_leaf)
+    tree, leaves, paths = _slotted(batch, is_leaf, path_name)
     return leaves, BatchSkeleton(tree, paths)
 
 
@@ -430,17 +438,7 @@ def microbatches(
         >>> mb.batch(1, mb.rows(1))
         {'x': Array([1, 3], dtype=int32), 'ids': ['b', 'd']}
     """
-    leaves: list[Any] = []
-    where: list[str] = []
-
-    def take(path: tuple, v: Any) -> Any:
-        if is_tensor(v):
-            leaves.append(v)
-            where.append(_keystr(path))
-            return _Slot(len(leaves) - 1)
-        return v
-
-    tree = map_leaves(take, as_tree(batch), is_leaf=is_tensor)
+    tree, leaves, where = _slotted(as_tree(batch), is_tensor, _keystr)
     split = tuple(i for i, x in enumerate(leaves) if np.ndim(x) > 0)
     stacked = tuple(split_rows(leaves[i], n, where=where[i], op=op, error=error) for i in split)
     rows = {int(np.shape(leaves[i])[0]) for i in split}
