@@ -43,7 +43,6 @@ __all__ = [
     "call_body",
     "closed",
     "cond_branches",
-    "is_literal",
     "manual_axes",
     "open_jaxpr",
     "scan",
@@ -76,11 +75,6 @@ CALL_PRIMITIVES: Mapping[str, str] = {
     "remat2": "jaxpr",
     "checkpoint": "jaxpr",
 }
-
-
-def is_literal(v: Any) -> bool:
-    """Is ``v`` (an equation operand) a literal constant rather than a variable?"""
-    return isinstance(v, jex.Literal)
 
 
 def open_jaxpr(body: Any) -> tuple[Any, list]:

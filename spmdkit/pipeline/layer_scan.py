@@ -61,10 +61,6 @@ class LayerScan:
         """Operand indices of the carry (the hidden state between layers)."""
         return tuple(range(self.scan.num_consts, self.scan.first_xs))
 
-    def within(self, jaxpr: Any) -> bool:
-        """Does ``jaxpr`` hold this scan (at any depth)?"""
-        return any(e is self.eqn for e, _ in jaxprs.walk_eqns(jaxpr))
-
 
 def body_flops(jaxpr: Any) -> float:
     """Contraction FLOPs of one run of ``jaxpr``: nested loops by their trip
