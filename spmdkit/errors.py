@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointMismatchError",
     "CheckpointCorruptedError",
+    "UsageError",
 ]
 
 
@@ -143,4 +144,13 @@ class CheckpointCorruptedError(CheckpointError):
     checksum mismatch, unreadable metadata).
 
     Broken example: overwriting bytes of a file under ``<dir>/<step>/state/``.
+    """
+
+
+class UsageError(SpmdError, ValueError):
+    """A ``spmdkit`` command-line flag or argument is invalid; ``op`` names the
+    subcommand and the flag (``spmdkit train --ckpt``). Raised before any planning
+    or compiling, with nothing written to disk.
+
+    Broken example: ``spmdkit train gpt --resume`` (no ``--ckpt`` to resume from).
     """

@@ -134,6 +134,16 @@ def _more_commands() -> list[Command]:
 COMMANDS.extend(_more_commands())
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` names each option's default (options without one, and on/off
+    flags, stay as written)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-parser per entry of :data:`COMMANDS`.
 
@@ -148,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS:
-        child = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        child = sub.add_parser(
+            cmd.name, help=cmd.help, description=cmd.help, formatter_class=_HelpFormatter
+        )
         cmd.configure(child)
         child.set_defaults(_run=cmd.run)
     return parser

@@ -4,10 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
-from typing import NamedTuple, TextIO
+from typing import Any, NamedTuple, TextIO
 
-__all__ = ["Command", "parse_mesh"]
+from spmdkit.errors import UsageError
+
+__all__ = [
+    "Command",
+    "check_model",
+    "dir_to_write",
+    "existing_dir",
+    "model_help",
+    "non_negative_int",
+    "parse_mesh",
+    "positive_int",
+    "report_error",
+]
 
 
 class Command(NamedTuple):
@@ -52,3 +65,136 @@ def parse_mesh(text: str) -> dict[str, int]:
             )
         axes[name.strip()] = int(size)
     return axes
+
+
+def report_error(verb: str, error: Exception, stream: TextIO) -> int:
+    """Print a typed error for the user, no traceback: ``spmdkit VERB: <error>``
+    (once: an error whose op already names the command is printed as it is).
+    Returns 2, the exit status of bad usage."""
+    text = str(error)
+    stream.write((text if text.startswith("spmdkit ") else f"spmdkit {verb}: {text}") + "\n")
+    return 2
+
+
+# -- checks run before any planning (nothing here touches the disk or jax) -----------
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: an int >= 1 (argparse names the flag when it fails).
+
+    Example::
+
+        >>> positive_int("8")
+        8
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, given {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An ``argparse`` type: an int >= 0.
+
+    Example::
+
+        >>> non_negative_int("0")
+        0
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, given {text!r}")
+    return value
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` or its closest ancestor that exists."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    return here
+
+
+def dir_to_write(op: str, flag: str, path: str, *, what: str = "a checkpoint directory") -> None:
+    """A directory a command may write into: an existing directory, or a path that
+    can be created as one (its nearest existing ancestor is a directory). Checked
+    without creating anything.
+
+    Args:
+      op: the command (``"spmdkit train"``).
+      flag: the flag or argument that gave the path (``"--ckpt"``, ``"OUT"``).
+      path: the path given.
+      what: what the directory is for, for the message.
+
+    Raises:
+      UsageError: the path, or a parent of it, is a file.
+    """
+    if os.path.isdir(path):
+        return
+    found = _nearest_existing(path)
+    if not os.path.isdir(found):
+        where = "is a file" if found == os.path.abspath(path) else f"is under the file {found}"
+        raise UsageError(
+            op=f"{op} {flag}",
+            must=f"{flag} names {what} (an existing one, or one to create)",
+            given=f"{path}, which {where}",
+            fix=f"pass a directory path to {flag}, or move the file away",
+        )
+
+
+def existing_dir(op: str, name: str, path: str, *, what: str, fix: str) -> None:
+    """``path`` must be an existing directory (an input the command reads).
+
+    Args:
+      op: the command (``"spmdkit export"``).
+      name: the argument or flag (``"CKPT"``, ``"--ckpt"``).
+      path: the path given.
+      what: what the directory holds, for the message (``"a checkpoint"``).
+      fix: how to get one.
+
+    Raises:
+      UsageError: the path does not exist or is not a directory.
+    """
+    if os.path.isdir(path):
+        return
+    state = "is a file" if os.path.exists(path) else "does not exist"
+    raise UsageError(
+        op=f"{op} {name}",
+        must=f"{name} is a directory holding {what}",
+        given=f"{path}, which {state}",
+        fix=fix,
+    )
+
+
+def model_help() -> str:
+    """The reference models and their config names, for ``--help``:
+    ``gpt (configs: tiny, 124m, ...); llama (...)``."""
+    from spmdkit.models import MODELS
+
+    return "; ".join(f"{n} (configs: {', '.join(m.configs)})" for n, m in MODELS.items())
+
+
+def check_model(op: str, model: str, config: str) -> Any:
+    """The :class:`~spmdkit.models.ModelSpec` called ``model``, after checking that
+    it has a config called ``config`` (a dataclass is made; no model is built).
+
+    Raises:
+      UnknownModelError: no such model (naming ``MODEL``) or config (naming
+        ``--config``), with the known names and a near match.
+    """
+    from spmdkit.models import UnknownModelError, get_model
+
+    where = f"{op} MODEL"
+    try:
+        spec = get_model(model)
+        where = f"{op} --config"
+        spec.config(config)
+    except UnknownModelError as e:
+        raise UnknownModelError(op=where, must=e.must, given=e.given, fix=e.fix) from None
+    return spec

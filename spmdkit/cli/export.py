@@ -18,17 +18,69 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from spmdkit.cli.command import Command
-from spmdkit.errors import SpmdError
+from spmdkit.cli.command import (
+    Command,
+    check_model,
+    dir_to_write,
+    existing_dir,
+    model_help,
+    non_negative_int,
+    parse_mesh,
+    positive_int,
+    report_error,
+)
+from spmdkit.errors import SpmdError, UsageError
 
-__all__ = ["COMMANDS"]
+__all__ = ["COMMANDS", "check_export_args", "check_import_args"]
 
 
 def _configure_export(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ckpt", help="checkpoint directory (spmdkit.runtime.checkpoint)")
-    parser.add_argument("out", help="directory to write the safetensors files into")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+    parser.add_argument(
+        "ckpt", metavar="CKPT", help="checkpoint directory (spmdkit.runtime.checkpoint)"
+    )
+    parser.add_argument("out", metavar="OUT", help="directory to write the safetensors files into")
+    parser.add_argument(
+        "--step", type=non_negative_int, default=None, help="checkpoint step (default: latest)"
+    )
     parser.add_argument("--max-file-gb", type=float, default=4.0, help="split files above this")
+
+
+def check_export_args(args: argparse.Namespace) -> None:
+    """``spmdkit export``'s arguments, checked before anything is opened or
+    written: CKPT an existing directory, OUT a directory or a path to create one.
+
+    Raises:
+      UsageError: naming the argument.
+    """
+    existing_dir(
+        "spmdkit export",
+        "CKPT",
+        args.ckpt,
+        what="a checkpoint",
+        fix="pass the --ckpt directory of a `spmdkit train` run (or of "
+        "spmdkit.runtime.checkpoint.Manager)",
+    )
+    dir_to_write("spmdkit export", "OUT", args.out, what="the export's directory")
+
+
+def _checkpoint_step(mgr: Any, args: argparse.Namespace) -> int:
+    """The step to export: ``--step`` if the checkpoint has it, else the latest."""
+    steps = mgr.all_steps()
+    if not steps:
+        raise UsageError(
+            op="spmdkit export CKPT",
+            must="CKPT holds at least one complete checkpoint",
+            given=f"{args.ckpt}, which holds none",
+            fix="pass the --ckpt directory of a `spmdkit train` run that saved a step",
+        )
+    if args.step is not None and args.step not in steps:
+        raise UsageError(
+            op="spmdkit export --step",
+            must="--step is a step CKPT holds",
+            given=f"--step {args.step}; {args.ckpt} holds steps {steps}",
+            fix=f"pass one of {steps}, or drop --step for the latest ({steps[-1]})",
+        )
+    return steps[-1] if args.step is None else args.step
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -47,18 +99,24 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
     try:
         return _export(args, out)
     except SpmdError as e:
-        sys.stderr.write(f"spmdkit export: {e}\n")
-        return 2
+        return report_error("export", e, sys.stderr)
 
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.runtime.checkpoint import Manager
+
+    check_export_args(args)
+    # closed before returning: orbax's cleanup thread must not outlive the interpreter
+    with Manager(args.ckpt) as mgr:
+        return _export_from(mgr, args, out)
+
+
+def _export_from(mgr: Any, args: argparse.Namespace, out: TextIO) -> int:
     import jax
 
-    from spmdkit.runtime.checkpoint import Manager
     from spmdkit.runtime.export import export_params
 
-    mgr = Manager(args.ckpt)
-    step = args.step if args.step is not None else mgr.latest_step()
+    step = _checkpoint_step(mgr, args)
     shapes = mgr.saved_shapes(step)
     params = {p[len("params/") :]: s for p, s in shapes.items() if p.startswith("params/")}
     if not params:
@@ -93,19 +151,43 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _configure_import(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("export", help="directory written by `spmdkit export`")
-    parser.add_argument("model", help="a reference model name (spmdkit.models)")
-    parser.add_argument("--config", default="tiny", help="model config name (default tiny)")
-    parser.add_argument("--mesh", default="data=2,model=4", help="axes, e.g. data=4,model=2")
+    parser.add_argument("export", metavar="EXPORT", help="directory written by `spmdkit export`")
+    parser.add_argument("model", help=f"a reference model: {model_help()}")
+    parser.add_argument("--config", default="tiny", help="model config name (listed under model)")
+    parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes NAME=SIZE,...")
     parser.add_argument("--strategy", default="fsdp", help="plan strategy or preset name")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch size (planning)")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=8, help="global batch size (planning)"
+    )
     parser.add_argument("--ckpt", default=None, help="write a params-only checkpoint here")
+
+
+def check_import_args(args: argparse.Namespace) -> dict[str, int]:
+    """``spmdkit import``'s arguments, checked before jax starts: the mesh, EXPORT
+    an existing directory, the model and config, ``--ckpt`` a directory to write.
+    Returns the mesh axes.
+
+    Raises:
+      UsageError: naming the argument; UnknownModelError: no such model or config.
+    """
+    axes = parse_mesh(args.mesh)
+    existing_dir(
+        "spmdkit import",
+        "EXPORT",
+        args.export,
+        what="a safetensors export",
+        fix="pass the OUT directory of `spmdkit export CKPT OUT`",
+    )
+    check_model("spmdkit import", args.model, args.config)
+    if args.ckpt:
+        dir_to_write("spmdkit import", "--ckpt", args.ckpt)
+    return axes
 
 
 def _run_import(args: argparse.Namespace, out: TextIO) -> int:
     from spmdkit.cli.train import run_on_mesh
 
-    return run_on_mesh("import", _import, args, out)
+    return run_on_mesh("import", _import, args, out, check=check_import_args)
 
 
 def _import(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:

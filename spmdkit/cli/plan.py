@@ -17,21 +17,33 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Any, TextIO
 
-from spmdkit.cli.command import Command, parse_mesh
-from spmdkit.errors import SpmdError
+from spmdkit.cli.command import (
+    Command,
+    check_model,
+    model_help,
+    parse_mesh,
+    positive_int,
+    report_error,
+)
+from spmdkit.errors import SpmdError, UsageError
 
-__all__ = ["PLAN_COMMANDS", "parse_mesh"]
+__all__ = ["PLAN_COMMANDS", "check_plan_args", "parse_mesh"]
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="reference model: gpt, llama, moe, convnet, gpt_linen")
-    parser.add_argument("--mesh", default="data=2,model=4", help="axes, e.g. data=2,model=4")
-    parser.add_argument("--strategy", default="auto", help="auto or a preset (dp, fsdp, ...)")
-    parser.add_argument("--config", default="tiny", help="model config name (default: tiny)")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch size")
+    from spmdkit.planner.logical import PRESETS
+
+    parser.add_argument("model", help=f"a reference model: {model_help()}")
+    parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes NAME=SIZE,...")
+    parser.add_argument(
+        "--strategy", default="auto", help=f"auto or a preset ({', '.join(PRESETS)})"
+    )
+    parser.add_argument("--config", default="tiny", help="model config name (listed under model)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="global batch size")
 
 
 def _configure_plan(parser: argparse.ArgumentParser) -> None:
@@ -43,9 +55,33 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_plan_args(verb: str, args: argparse.Namespace) -> dict[str, int]:
+    """``spmdkit VERB`` (``plan``, ``report``) flags checked before planning: the mesh, the
+    model and config, and ``--json`` a file path whose directory exists. Returns
+    the mesh axes.
+
+    Raises:
+      UsageError: naming the flag; UnknownModelError: no such model or config.
+    """
+    axes = parse_mesh(args.mesh)
+    check_model(f"spmdkit {verb}", args.model, args.config)
+    path = getattr(args, "json", None)
+    if path:
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(folder):
+            raise UsageError(
+                op=f"spmdkit {verb} --json",
+                must="--json names a file in an existing directory",
+                given=f"{path}, "
+                + ("a directory" if os.path.isdir(path) else f"and {folder} is no directory"),
+                fix="pass a file path, e.g. --json plan.json",
+            )
+    return axes
+
+
 def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     try:
-        axes = parse_mesh(args.mesh)
+        axes = check_plan_args("plan", args)
         import spmdkit as sk
         from spmdkit.models import get_model
         from spmdkit.planner import plan
@@ -64,8 +100,7 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
             estimator=args.estimator,
         )
     except SpmdError as e:
-        sys.stderr.write(f"spmdkit plan: {e}\n")
-        return 2
+        return report_error("plan", e, sys.stderr)
     out.write(p.table() + "\n")
     if args.json:
         with open(args.json, "w") as f:
@@ -80,7 +115,7 @@ def _configure_report(parser: argparse.ArgumentParser) -> None:
 
 def _run_report(args: argparse.Namespace, out: TextIO) -> int:
     try:
-        axes = parse_mesh(args.mesh)
+        axes = check_plan_args("report", args)
         import spmdkit as sk
 
         sk.use_virtual_cpu_devices(max(8, math.prod(axes.values())))
@@ -104,8 +139,7 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
         # costed without propagation has none, so the compiled program's are listed
         ops = "" if getattr(p.cost, "ops", None) else _op_strategies(step, params, batch)
     except SpmdError as e:
-        sys.stderr.write(f"spmdkit report: {e}\n")
-        return 2
+        return report_error("report", e, sys.stderr)
     out.write(p.table() + "\n" + ops + "\n" + str(result) + "\n")
     return 0 if result.ok else 1
 

@@ -22,30 +22,48 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
-from spmdkit.cli.command import Command, parse_mesh
-from spmdkit.errors import SpmdError
+from spmdkit.cli.command import (
+    Command,
+    check_model,
+    dir_to_write,
+    model_help,
+    non_negative_int,
+    parse_mesh,
+    positive_int,
+    report_error,
+)
+from spmdkit.errors import SpmdError, UsageError
+from spmdkit.pipeline.schedule import SCHEDULES
 
-__all__ = ["COMMANDS", "parse_mesh", "pipeline_of", "start_devices"]
+__all__ = ["COMMANDS", "check_train_args", "parse_mesh", "pipeline_of", "start_devices"]
 
 
 # -- train ----------------------------------------------------------------------
 
 
 def _configure_train(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a reference model name (spmdkit.models)")
-    parser.add_argument("--mesh", default="data=2,model=4", help="axes, e.g. data=2,model=4")
-    parser.add_argument("--config", default="tiny", help="model config name (default tiny)")
+    parser.add_argument("model", help=f"a reference model: {model_help()}")
+    parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes NAME=SIZE,...")
+    parser.add_argument("--config", default="tiny", help="model config name (listed under model)")
     parser.add_argument("--strategy", default="auto", help="plan strategy or preset name")
-    parser.add_argument("--steps", type=int, default=10, help="total steps to reach")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch size")
-    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--steps", type=non_negative_int, default=10, help="total steps to reach")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="global batch size")
+    parser.add_argument(
+        "--accum-steps", type=positive_int, default=1, help="micro-batches per step"
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="adam learning rate")
-    parser.add_argument("--ckpt", default=None, help="checkpoint directory")
-    parser.add_argument("--save-every", type=int, default=50, help="checkpoint interval")
-    parser.add_argument("--resume", action="store_true", help="continue from --ckpt's latest")
-    parser.add_argument("--log-every", type=int, default=1, help="steps between log lines")
+    parser.add_argument("--ckpt", default=None, help="checkpoint directory (created if missing)")
+    parser.add_argument(
+        "--save-every", type=positive_int, default=50, help="steps between checkpoints"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --ckpt (a fresh start when it has none)",
+    )
+    parser.add_argument("--log-every", type=positive_int, default=1, help="steps between logs")
     parser.add_argument("--seed", type=int, default=0, help="model init and per-step key seed")
     parser.add_argument(
         "--verify",
@@ -55,20 +73,49 @@ def _configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedule",
         default=None,
-        help="pipeline schedule when the mesh has a 'pipe' axis: gpipe, fthenb, 1f1b "
-        "(default) or interleaved (default with --virtual > 1)",
+        choices=SCHEDULES,
+        help="pipeline schedule when the mesh has a 'pipe' axis (default 1f1b, or "
+        "interleaved with --virtual > 1)",
     )
     parser.add_argument(
-        "--microbatches", type=int, default=None, help="pipeline micro-batches (default: 2 x pipe)"
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="pipeline micro-batches (default: 2 x pipe)",
     )
     parser.add_argument(
-        "--virtual", type=int, default=1, help="pipeline chunks per device (interleaved)"
+        "--virtual", type=positive_int, default=1, help="pipeline chunks per device (interleaved)"
     )
     parser.add_argument(
         "--local-statistics",
         action="store_true",
         help="pipeline: layers that combine rows (MoE routing statistics) use each device's rows",
     )
+
+
+def check_train_args(args: argparse.Namespace) -> dict[str, int]:
+    """Everything about ``spmdkit train``'s flags that can be checked before jax
+    starts or anything is planned or written: the mesh, the model and config,
+    ``--resume`` with ``--ckpt``, ``--ckpt`` a directory (or creatable as one),
+    the pipeline flags against the mesh. Returns the mesh axes.
+
+    Raises:
+      UsageError: a flag that cannot work (the message names it);
+      UnknownModelError: no such model or config.
+    """
+    axes = parse_mesh(args.mesh)
+    check_model("spmdkit train", args.model, args.config)
+    if args.resume and not args.ckpt:
+        raise UsageError(
+            op="spmdkit train --resume",
+            must="--resume comes with --ckpt DIR, the checkpoint directory to continue from",
+            given="--resume without --ckpt",
+            fix="add --ckpt DIR (the directory the earlier run saved to), or drop --resume",
+        )
+    if args.ckpt:
+        dir_to_write("spmdkit train", "--ckpt", args.ckpt)
+    pipeline_of(args, axes)
+    return axes
 
 
 def start_devices(axes: dict[str, int]) -> None:
@@ -88,25 +135,25 @@ def run_on_mesh(
     body: Callable[[argparse.Namespace, dict[str, int], TextIO], int],
     args: argparse.Namespace,
     out: TextIO,
+    check: Callable[[argparse.Namespace], dict[str, int]] | None = None,
 ) -> int:
-    """Parse ``--mesh``, start its devices, run ``body(args, axes, out)``; a typed
+    """Check the flags (``check(args)``, returning the mesh axes; default: parse
+    ``--mesh``), start the mesh's devices, run ``body(args, axes, out)``; a typed
     error is printed as ``spmdkit VERB: ...`` with exit status 2."""
     try:
-        axes = parse_mesh(args.mesh)
+        axes = check(args) if check is not None else parse_mesh(args.mesh)
         start_devices(axes)
         return body(args, axes, out)
     except SpmdError as e:
-        sys.stderr.write(f"spmdkit {verb}: {e}\n")
-        return 2
+        return report_error(verb, e, sys.stderr)
 
 
 def _run_train(args: argparse.Namespace, out: TextIO) -> int:
-    return run_on_mesh("train", _train, args, out)
+    return run_on_mesh("train", _train, args, out, check=check_train_args)
 
 
 def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     import jax
-    import numpy as np
     import optax
     from flax import nnx
 
@@ -114,7 +161,6 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     from spmdkit.models import get_model
     from spmdkit.planner import plan as make_plan
     from spmdkit.runtime.checkpoint import Manager
-    from spmdkit.runtime.data import ShardedLoader
     from spmdkit.runtime.train import train
 
     spec = get_model(args.model)
@@ -136,51 +182,61 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
         out.write(f"{plan}\n")
     with nnx.use_eager_sharding(False):
         model = spec.build(config, nnx.Rngs(args.seed))
-
-    nproc, pid = jax.process_count(), jax.process_index()
-    if args.batch_size % nproc:
-        raise SpmdError(
-            op="spmdkit train",
-            must="the global batch size divides over the processes",
-            given=f"--batch-size {args.batch_size}, {nproc} processes",
-            fix=f"use a multiple of {nproc}",
-        )
-    local = args.batch_size // nproc
-    abstract_batch = spec.batch(config, args.batch_size, None)
-    sharding = plan.batch_sharding(abstract_batch)
-
-    def batches():
-        # step i's global batch from seed (seed, i); this process keeps its rows
-        for i in range(args.steps):
-            full = spec.batch(config, args.batch_size, np.random.default_rng((args.seed, i)))
-            yield {k: np.asarray(v)[pid * local : (pid + 1) * local] for k, v in full.items()}
-
-    data = ShardedLoader(batches, sharding, batch_size=local)
+    data = _loader(args, spec, config, plan)
     ckpt = Manager(args.ckpt, save_interval_steps=args.save_every) if args.ckpt else None
-    result = train(
-        spec.loss,
-        model,
-        optimizer,
-        data,
-        steps=args.steps,
-        plan=plan,
-        accum_steps=args.accum_steps,
-        ckpt=ckpt,
-        config=config,
-        resume=args.resume,
-        rng=args.seed,
-        verify=args.verify,
-        log_every=args.log_every,
-        out=out,
-    )
-    if ckpt is not None:
-        ckpt.close()
-    if pid == 0:
+    try:
+        result = train(
+            spec.loss,
+            model,
+            optimizer,
+            data,
+            steps=args.steps,
+            plan=plan,
+            accum_steps=args.accum_steps,
+            ckpt=ckpt,
+            config=config,
+            resume=args.resume,
+            rng=args.seed,
+            verify=args.verify,
+            log_every=args.log_every,
+            out=out,
+        )
+    finally:  # orbax's threads end with the manager, not at interpreter exit
+        if ckpt is not None:
+            ckpt.close()
+    if jax.process_index() == 0:
         out.write(
             f"trained steps {result.start_step + 1}..{result.step} on mesh {args.mesh}; "
             f"losses {', '.join(f'{v:.4f}' for v in result.losses)}\n"
         )
     return 0
+
+
+def _loader(args: argparse.Namespace, spec: Any, config: Any, plan: Any) -> Any:
+    """The model's synthetic batches, step ``i``'s from seed ``(seed, i)``, each
+    process keeping its rows, placed with the plan's batch sharding."""
+    import jax
+    import numpy as np
+
+    from spmdkit.runtime.data import ShardedLoader
+
+    nproc, pid = jax.process_count(), jax.process_index()
+    if args.batch_size % nproc:
+        raise UsageError(
+            op="spmdkit train --batch-size",
+            must="the global batch size divides over the processes",
+            given=f"--batch-size {args.batch_size}, {nproc} processes",
+            fix=f"use a multiple of {nproc}",
+        )
+    local = args.batch_size // nproc
+    sharding = plan.batch_sharding(spec.batch(config, args.batch_size, None))
+
+    def batches() -> Any:
+        for i in range(args.steps):
+            full = spec.batch(config, args.batch_size, np.random.default_rng((args.seed, i)))
+            yield {k: np.asarray(v)[pid * local : (pid + 1) * local] for k, v in full.items()}
+
+    return ShardedLoader(batches, sharding, batch_size=local)
 
 
 def pipeline_of(args: argparse.Namespace, axes: dict[str, int]) -> object:

@@ -64,3 +64,40 @@ def test_import_loads_an_export_onto_a_plan_and_saves_a_checkpoint(tmp_path):
     back = tree_paths(import_params(tmp_path / "again", target))
     for p, x in tree_paths(params).items():
         np.testing.assert_array_equal(np.asarray(back[p]), np.asarray(x), err_msg=p)
+
+
+def test_export_of_a_missing_checkpoint_creates_nothing(tmp_path, capsys):
+    code, _ = _run("export", [str(tmp_path / "missing"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "spmdkit export CKPT: CKPT is a directory holding a checkpoint" in err
+    assert "does not exist" in err and "start without resume" not in err
+    assert sorted(tmp_path.iterdir()) == []
+    (tmp_path / "empty").mkdir()
+    code, _ = _run("export", [str(tmp_path / "empty"), str(tmp_path / "out")])
+    assert code == 2 and "CKPT holds at least one complete checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_export_in_a_fresh_process_prints_no_traceback(tmp_path):
+    """An empty CKPT directory: orbax's manager is opened (and must be closed
+    before the process exits, or its cleanup thread prints a traceback)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]  # this checkout's spmdkit
+    (tmp_path / "empty").mkdir()
+    res = subprocess.run(
+        [sys.executable, "-m", "spmdkit", "export", str(tmp_path / "empty"), str(tmp_path / "o")],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "spmdkit export CKPT: CKPT holds" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["empty"]

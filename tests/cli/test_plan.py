@@ -54,3 +54,11 @@ def test_report_names_the_strategy_of_each_composite_op():
     assert re.search(r"softmax_cross_entropy +vocab_parallel +1 +1", text), text
     assert text.count("vocab_parallel") == 1 and "ops (strategy): " not in text
     assert status == 0, text
+
+
+def test_plan_command_checks_json_and_config_before_planning(tmp_path, capsys):
+    status, _ = _run("plan", ["gpt", "--abstract", "--json", str(tmp_path)])
+    assert status == 2 and "spmdkit plan --json: --json names a file" in capsys.readouterr().err
+    status, _ = _run("plan", ["gpt", "--abstract", "--config", "8x"])
+    assert status == 2 and "spmdkit plan --config" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -78,3 +78,49 @@ def test_launch_runs_the_command_in_n_processes(tmp_path, capfd):
     assert cmd.run(args, sys.stdout) == 4
     args = parser.parse_args(["--nproc", "0", "--", "true"])
     assert cmd.run(args, sys.stdout) == 2
+
+
+@pytest.fixture
+def no_devices(monkeypatch):
+    """Fail the test if the command gets as far as starting devices (planning and
+    training come after that)."""
+    import spmdkit.cli.train as train_cli
+
+    def refuse(axes):
+        raise AssertionError("flags were not checked before the devices started")
+
+    monkeypatch.setattr(train_cli, "start_devices", refuse)
+
+
+def test_train_resume_without_ckpt_fails_before_planning(no_devices, capsys):
+    from spmdkit.cli import main
+
+    assert main(["train", "gpt", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spmdkit train --resume: --resume comes with --ckpt")
+    assert "Traceback" not in err and "Manager(" not in err
+
+
+def test_train_ckpt_that_is_a_file_fails_before_planning(no_devices, tmp_path, capsys):
+    from spmdkit.cli import main
+
+    f = tmp_path / "ckpt.txt"
+    f.write_text("not a directory")
+    assert main(["train", "gpt", "--ckpt", str(f)]) == 2
+    assert "spmdkit train --ckpt: --ckpt names a checkpoint directory" in capsys.readouterr().err
+    assert main(["train", "gpt", "--config", "tiniest"]) == 2
+    assert "spmdkit train --config: the config be one of" in capsys.readouterr().err
+    assert f.read_text() == "not a directory"
+
+
+def test_train_help_shows_defaults_and_model_configs(capsys):
+    from spmdkit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default: data=2,model=4)" in text and "(default: tiny)" in text
+    assert "gpt (configs: tiny, tiny_pipe" in text and "124m" in text
+    with pytest.raises(SystemExit):
+        main(["train", "gpt", "--steps", "-1"])
+    assert "argument --steps: must be an integer >= 0, given '-1'" in capsys.readouterr().err
