@@ -371,6 +371,8 @@ def unplaced(plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, R
     it is called only when some parameter of rank ≥ 2 has no model axis."""
     sizes = axis_sizes(plan.mesh)
     model = {a for a in axis_roles(plan.mesh)["model"] if sizes[a] > 1}
+    if plan.pipeline is not None:  # the pipe axis splits the layers, not a matmul
+        model.discard(plan.pipeline.axis)
     if plan.strategy not in TP_PRESETS or not model:
         return []
     suspects = []

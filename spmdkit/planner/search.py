@@ -85,11 +85,7 @@ from spmdkit.planner.logical import (
     UnknownLogicalAxisError,
 )
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
-from spmdkit.planner.pipeline.plan import (
-    layer_rules,
-    pipeline_submesh,
-    pipelined_plan,
-)
+from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
 from spmdkit.planner.pipeline.search import PipelinePlanning
 from spmdkit.planner.plans import Cost, Plan, PyTree, dims_spec
 from spmdkit.planner.trace import trace_step
@@ -218,15 +214,14 @@ def plan(
         axis_names=axis_names,
     )
     if pipeline is not None and strategy != "auto":
-        sub = pipeline_submesh(mesh, pipeline, info, recipe)
-        kw = {"optimizer": optimizer, "rules": layer_rules(rules), "memory_budget": memory_budget}
-        # the layouts only: the cost is the pipeline's (below)
-        kw |= {"topology": topology, "peak_flops": peak_flops, "estimator": "analytic"}
-        base = plan(info, sub, strategy, recipe=recipe, names=names, strict=strict, **kw)
-        out = pipelined_plan(info, mesh, pipeline, base)
-        named, _ = apply_names(info, names, lambda: infer_names(info))
+        pipeline_submesh(mesh, pipeline, info, recipe)
+        named, names_from = apply_names(info, names, lambda: infer_names(info))
         planner = _planner(named, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
-        return replace(out, cost=planner.pipelined_plan_cost(strategy, rules, recipe, pipeline))
+        name, c, cost = planner.pipelined_strategy(strategy, rules, recipe, pipeline)
+        out = replace(planner.make_plan(name, c, cost), names_from=names_from)
+        check_pipelined(named, out)
+        check_placement(out, lambda: infer_names(info), strict=strict)
+        return out
     if recipe is not None and not isinstance(recipe, Recipe):
         raise PlanError(
             op="plan",

@@ -1,31 +1,31 @@
 """Pipelined plans: a strategy on the other mesh axes, the stacked layers over the pipe axis.
 
-``sk.plan(model, mesh, "<preset>", pipeline=Pipeline(...))`` plans in two steps:
+``sk.plan(model, mesh, "<preset>", pipeline=Pipeline(...))`` is one computation:
 
 1. :func:`pipeline_submesh` checks the request (the mesh has the pipeline's
    axis with ``stages`` devices; the model has stacked layers, a leading
    ``layers`` dim that ``stages · virtual`` divides; no recipe micro-batches:
    the pipeline has its own) and returns the mesh without the pipe axis.
-2. The strategy is planned on that smaller mesh as usual (data, fsdp, tensor,
-   sequence, expert layouts), then :func:`pipelined_plan` puts it back on the
-   whole mesh: every parameter whose first logical dim is ``layers`` gets the
-   pipe axis on that dim (its optimizer state and gradient too), so device
-   ``d`` of the pipe axis holds layers ``[d·L/p, (d+1)·L/p)``; everything else
-   is replicated over the pipe axis (the embedding and the head run outside the
-   layer stack); the batch is laid out as on the smaller mesh, replicated over
-   the pipe axis; :attr:`~spmdkit.planner.plans.Plan.pipeline` is set. With the
-   batch over other axes, a layer that combines a micro-batch's rows (a MoE
-   router's statistics) is a typed error here, before anything compiles,
-   unless the pipeline asks for ``local_statistics``.
+2. The planner, on the whole mesh, lays the strategy's rule tables out on that
+   smaller mesh (data, fsdp, tensor, sequence, expert layouts) with the ``layers``
+   dim kept off its axes (:func:`layer_rules`), then puts every parameter whose
+   first logical dim is ``layers`` on the pipe axis on that dim (its optimizer
+   state and gradient too), so device ``d`` of the pipe axis holds layers
+   ``[d·L/p, (d+1)·L/p)``; everything else is replicated over the pipe axis (the
+   embedding and the head run outside the layer stack); the batch is laid out as
+   on the smaller mesh, replicated over the pipe axis. The same candidate is
+   costed as a pipeline (:mod:`spmdkit.planner.pipeline.cost`, calibrated by
+   propagation under the default estimator) and becomes the plan, with
+   :attr:`~spmdkit.planner.plans.Plan.pipeline` set
+   (``PipelinePlanning.pipelined_strategy`` in :mod:`spmdkit.planner.pipeline.search`).
+   :func:`check_pipeline_batch` runs first: with the batch over other axes, a
+   layer that combines a micro-batch's rows (a MoE router's statistics) is a
+   typed error, before anything compiles, unless the pipeline asks for
+   ``local_statistics``.
 
 With ``virtual > 1`` chunk ``c`` runs on device ``c mod p`` (round-robin);
 the executor (:mod:`spmdkit.pipeline.execute`) regroups the stored layers into
 that order inside the step.
-
-The plan's :class:`~spmdkit.planner.plans.Cost` is the pipeline's: ``sk.plan``
-re-costs the layouts pipelined (:mod:`spmdkit.planner.pipeline.cost`, calibrated by
-propagation under the default estimator: ``_Planner.pipelined_plan_cost`` in
-:mod:`spmdkit.planner.search`).
 
 Example::
 
@@ -39,11 +39,9 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import jax
 from jax.sharding import AbstractMesh
-from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo
 from spmdkit.mesh import abstract_mesh
@@ -58,8 +56,9 @@ __all__ = [
     "LAYER_NAME",
     "PLACEHOLDER_AXIS",
     "layer_rules",
+    "check_pipeline_batch",
+    "check_pipelined",
     "pipeline_submesh",
-    "pipelined_plan",
     "stacked_paths",
 ]
 
@@ -192,29 +191,6 @@ def layer_rules(rules: RulesLike | None) -> LogicalRules:
     return table if rules is None else LogicalRules.coerce(rules).prepend(table)
 
 
-def _entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
-    out: list[tuple[str, ...]] = []
-    for e in tuple(spec):
-        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-        out.append(tuple(a for a in axes if a != PLACEHOLDER_AXIS))
-    return out + [()] * (ndim - len(out))
-
-
-def _spec(entries: list[tuple[str, ...]]) -> P:
-    parts: list = [None if not e else e[0] if len(e) == 1 else e for e in entries]
-    while parts and parts[-1] is None:
-        parts.pop()
-    return P(*parts)
-
-
-def _with_pipe(spec: P, ndim: int, axis: str | None) -> P:
-    """``spec`` with the placeholder axis dropped and ``axis`` first on dim 0."""
-    entries = _entries(spec, ndim)
-    if axis is not None and ndim:
-        entries[0] = (axis, *entries[0])
-    return _spec(entries)
-
-
 def model_rows_combined(info: ModelInfo) -> str:
     """The model's first layer equation that combines a batch's rows, else ``""``
     (:func:`~spmdkit.pipeline.facts.rows_combined`; once per model): what a
@@ -225,55 +201,46 @@ def model_rows_combined(info: ModelInfo) -> str:
     )
 
 
-def pipelined_plan(info: ModelInfo, mesh: MeshLike, pipe: Pipeline, base: Plan) -> Plan:
-    """``base`` (planned on :func:`pipeline_submesh`) put back on ``mesh`` with the
-    stacked layers over the pipe axis (module docstring).
+def check_pipeline_batch(
+    info: ModelInfo, mesh: MeshLike, pipe: Pipeline, batch_axes: tuple[str, ...]
+) -> None:
+    """Check what a pipelined layout with the batch over ``batch_axes`` asks of the
+    model (module docstring): each device's rows divide into the micro-batches, and
+    no layer combines a micro-batch's rows across the batch axes unless the pipeline
+    computes its statistics per device.
 
-    Example::
-
-        >>> sub = pipeline_submesh(mesh, pipe, info, None)
-        >>> p = pipelined_plan(info, mesh, pipe, sk.plan(info, sub, "fsdp"))
-        >>> p.pipeline.short()
-        'pp2 1f1b m4'
+    Raises:
+      PipelineError: either does not hold.
     """
-    stacked = stacked_paths(info)
-    ndims = {p.path: len(p.shape) for p in info.params}
     sizes = axis_sizes(mesh)
-    for path in stacked:
-        axes = _entries(base.params[path], ndims[path])[0]
-        if stacked[path] % (pipe.stages * math.prod(sizes[a] for a in axes)):
+    shards = math.prod(sizes[a] for a in batch_axes)
+    _check_local_batch(info, pipe, shards)
+    if shards > 1 and not pipe.local_statistics:
+        mixed = model_rows_combined(info)
+        if mixed:
+            raise rows_error(mixed, batch_axes, "plan(pipeline=...)")
+
+
+def check_pipelined(info: ModelInfo, plan: Plan) -> None:
+    """Check that a pipelined plan's stacked parameters split their ``layers`` dim
+    over the pipe axis and only where it divides (a user rule table could put the
+    dim on other axes too).
+
+    Raises:
+      PipelineError: a ``layers`` dim that does not split over its axes.
+    """
+    pipe = plan.pipeline
+    assert pipe is not None
+    sizes = axis_sizes(plan.mesh)
+    for path, layers in stacked_paths(info).items():
+        spec = tuple(plan.params[path])
+        first = spec[0] if spec else None
+        axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+        if pipe.axis not in axes or layers % math.prod(sizes[a] for a in axes):
             raise PipelineError(
                 op="plan(pipeline=...)",
                 must=f"the {LAYER_NAME!r} dim splits over the pipe axis and the axes the "
                 "strategy put on it",
-                given=f"{path}: {stacked[path]} layers over {pipe.axis}={pipe.stages} x {axes}",
+                given=f"{path}: {layers} layers over {axes or 'no axis'}",
                 fix=f"keep {LAYER_NAME!r} off the other axes (rules=[('layers', None)])",
             )
-
-    def table(specs: dict[str, P]) -> dict[str, P]:
-        return {
-            path: _with_pipe(
-                spec, ndims.get(path, len(spec)), pipe.axis if path in stacked else None
-            )
-            for path, spec in specs.items()
-        }
-
-    activation = {
-        name: tuple(a for a in axes if a != PLACEHOLDER_AXIS)
-        for name, axes in base.activation.items()
-    }
-    batch = activation.get("batch", ())
-    _check_local_batch(info, pipe, math.prod(sizes[a] for a in batch))
-    if math.prod(sizes[a] for a in batch) > 1 and not pipe.local_statistics:
-        mixed = model_rows_combined(info)
-        if mixed:
-            raise rows_error(mixed, batch, "plan(pipeline=...)")
-    return replace(
-        base,
-        mesh=mesh,
-        params=table(dict(base.params)),
-        opt=table(dict(base.opt)),
-        grads=table(dict(base.grads)),
-        activation=activation,
-        pipeline=pipe,
-    )

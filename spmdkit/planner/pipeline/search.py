@@ -60,6 +60,7 @@ from spmdkit.planner.logical import (
 from spmdkit.planner.pipeline.cost import StageSplit, param_stages, pipeline_cost, stage_groups
 from spmdkit.planner.pipeline.plan import (
     PLACEHOLDER_AXIS,
+    check_pipeline_batch,
     layer_rules,
     model_rows_combined,
 )
@@ -510,27 +511,39 @@ class PipelinePlanning:
         batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
         return pipeline_cost(pctx, groups, choice, batch, seq, split, calibration=calibration)
 
-    def pipelined_plan_cost(
+    def pipelined_strategy(
         self,
         strategy: str | RulesLike,
         extra: RulesLike | None,
         recipe: Recipe | None,
         pipe: Pipeline,
-    ) -> Cost:
-        """The cost of a preset or rule table pipelined with ``pipe`` over this
-        planner's mesh (:meth:`pipelined_table`), calibrated by propagation
-        (:meth:`calibrated`) under the propagate estimator."""
+    ) -> tuple[str, Candidate, Cost]:
+        """A preset or rule table pipelined with ``pipe`` over this planner's mesh:
+        its candidate (:meth:`pipelined_table`) and that candidate's cost, calibrated
+        by propagation (:meth:`calibrated`) under the propagate estimator. What
+        ``sk.plan(..., "<preset>", pipeline=pipe)`` returns is this candidate's plan:
+        the layouts and the cost are one computation.
+
+        Raises:
+          PipelineError: each device's rows do not divide into the micro-batches, or
+            a layer combines the rows the batch axes split
+            (:func:`~spmdkit.planner.pipeline.plan.check_pipeline_batch`).
+        """
+        sub = _mesh_without(self.ctx.sizes, (pipe.axis,))
         if isinstance(strategy, str):
-            sub = _mesh_without(self.ctx.sizes, (pipe.axis,))
             tables = preset_tables(strategy, extra, sub)
         else:
             table = LogicalRules.coerce(strategy)
             table = table if extra is None else table.prepend(extra)
             tables = (table, table)
+        batch = activation_layout(layer_rules(tables[0]), sub, self.ctx.trace).get("batch", ())
+        check_pipeline_batch(
+            self.info, self.mesh, pipe, tuple(a for a in batch if a != PLACEHOLDER_AXIS)
+        )
         name = strategy if isinstance(strategy, str) else "rules"
         c = self.pipelined_table(name, tables, self.mesh, recipe or PLAIN, pipe)
-        assert c is not None  # pipelined_plan checked the batch and the rows
-        return self.calibrated(c).cost if self.estimator == "propagate" else c.cost
+        assert c is not None  # check_pipeline_batch refused what pipelined_table drops
+        return name, c, self.calibrated(c).cost if self.estimator == "propagate" else c.cost
 
     def pipelined_table(
         self,
