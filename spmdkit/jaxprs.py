@@ -25,11 +25,18 @@ equation            jax 0.10                             jax 0.11 and 0.12
 
 Everything here works on what the running jax hands out; nothing converts a jaxpr
 from one release's form to another's.
+
+A primitive that holds no body in its parameters (spmdkit's op regions, a user's
+own primitive) can still say what it computes: ``sk.register_primitive(name,
+body=fn)`` registers ``fn(eqn) -> jaxpr`` (the registry in
+:mod:`spmdkit.engine.registry` is the only writer; this module stores it so the
+readers below the rule engine, the pipeline's row check and FLOP counts, reach it
+through :func:`computed_body`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +49,18 @@ __all__ = [
     "WhileLoop",
     "call_body",
     "closed",
+    "computed_body",
     "cond_branches",
     "manual_axes",
     "open_jaxpr",
+    "primitive_body_fn",
+    "registered_body",
     "scan",
     "scan_length",
     "shard_map_body",
     "shard_map_mesh",
     "shard_map_specs",
+    "set_primitive_body",
     "sub_jaxprs",
     "body_params",
     "walk_eqns",
@@ -199,6 +210,46 @@ def call_body(eqn: Any) -> Any | None:
     key = CALL_PRIMITIVES.get(eqn.primitive.name)
     body = eqn.params.get(key) if key else None
     return body if body is not None and _has_eqns(body) else None
+
+
+#: primitive name → ``fn(eqn) -> jaxpr``: what a primitive with no body in its params
+#: computes (written by the registry only: :func:`set_primitive_body`).
+_PRIMITIVE_BODIES: dict[str, Callable[[Any], Any]] = {}
+
+
+def set_primitive_body(name: str, fn: Callable[[Any], Any] | None) -> None:
+    """Store (``None``: remove) the body function of primitive ``name``. Called by
+    :func:`spmdkit.engine.registry.register_primitive` and ``unregister_primitive``
+    alone: register bodies there (``sk.register_primitive(name, body=fn)``)."""
+    if fn is None:
+        _PRIMITIVE_BODIES.pop(name, None)
+    else:
+        _PRIMITIVE_BODIES[name] = fn
+
+
+def primitive_body_fn(name: str) -> Callable[[Any], Any] | None:
+    """The body function registered for primitive ``name``, None when there is none."""
+    return _PRIMITIVE_BODIES.get(name)
+
+
+def computed_body(eqn: Any) -> Any | None:
+    """The computation an equation runs, as a jaxpr whose invars line up with its
+    operands: a call's body (:func:`call_body`), a ``shard_map``'s per-device body, or
+    the body registered for its primitive (``sk.register_primitive(name, body=fn)``);
+    None for a primitive with none of these."""
+    body = call_body(eqn)
+    if body is not None:
+        return body
+    if eqn.primitive.name == "shard_map":
+        return shard_map_body(eqn)
+    return registered_body(eqn)
+
+
+def registered_body(eqn: Any) -> Any | None:
+    """The body registered for the equation's primitive
+    (``sk.register_primitive(name, body=fn)``), None when there is none."""
+    fn = primitive_body_fn(eqn.primitive.name)
+    return None if fn is None else fn(eqn)
 
 
 def shard_map_body(eqn: Any) -> Any:

@@ -40,9 +40,8 @@ from jax.interpreters import batching, mlir
 
 from spmdkit.engine.inference import InferenceResult, infer_forward, infer_grad
 from spmdkit.engine.local import resolve_partials, shard_program
-from spmdkit.engine.registry import get_rule
+from spmdkit.engine.registry import get_rule, register_primitive
 from spmdkit.engine.rule import LocalContext, without_strategy
-from spmdkit.pipeline.rows import register_body
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import as_unreduced, freeze
 
@@ -162,8 +161,8 @@ def _region_body(eqn: Any) -> Any:
     return jax.make_jaxpr(fn)(*args)
 
 
-register_body(FORWARD, _region_body)
-register_body(GRAD, _region_body)
+register_primitive(FORWARD, body=_region_body)
+register_primitive(GRAD, body=_region_body)
 batching.primitive_batchers[_forward_p] = _forward_batch
 batching.primitive_batchers[_grad_p] = _grad_batch
 

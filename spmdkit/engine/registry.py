@@ -1,5 +1,7 @@
-"""The rule registry: op name → rule, and jax primitive → the rule it runs as; the
-only global state in spmdkit.
+"""The rule registry: op name → rule, and jax primitive → the rule it runs as and
+the computation it stands for; the only global state in spmdkit (the bodies are
+stored in :mod:`spmdkit.jaxprs`, which the stages below this one read, and written
+only from here).
 
 Built-in rules live in ``spmdkit.rules`` (the repository's ``rules/`` folder),
 one module per op family, each exposing a ``RULES`` tuple. They are registered
@@ -19,6 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from spmdkit import jaxprs
 from spmdkit.engine.rule import Rule
 from spmdkit.errors import NoRuleError, RegistrationError
 
@@ -35,6 +38,9 @@ __all__ = [
 
 #: ``fn(eqn) -> (op name, attrs)``, or None: the equation has no rule.
 Converter = Callable[[Any], "tuple[str, dict] | None"]
+
+#: ``fn(eqn) -> jaxpr``: what an equation of a primitive with no body in its params computes.
+BodyFn = Callable[[Any], Any]
 
 _RULES: dict[str, Rule] = {}
 _CONVERTERS: dict[str, Converter] = {}
@@ -156,57 +162,70 @@ def registered_ops() -> tuple[str, ...]:
 # -- primitives ------------------------------------------------------------------
 
 
-def register_primitive(name: str, to_rule: Converter) -> None:
-    """Map a jax primitive to a registered rule: propagation runs an equation of
-    primitive ``name`` as the rule ``to_rule(eqn)`` names.
+def register_primitive(
+    name: str, to_rule: Converter | None = None, *, body: BodyFn | None = None
+) -> None:
+    """Register a jax primitive with spmdkit: propagation runs an equation of
+    primitive ``name`` as the rule ``to_rule(eqn)`` names, and the readers that look
+    inside computations (the pipeline's row check, the layer scan's FLOP count) see
+    ``body(eqn)``. One place holds both: a primitive is registered here once.
 
     Args:
       name: the primitive's name (``eqn.primitive.name``).
-      to_rule: ``fn(eqn) -> (op name, attrs)``, or None to treat the equation as
-        having no rule (replicated fallback).
+      to_rule: ``fn(eqn) -> (op name, attrs)``, or a function returning None to
+        treat the equation as having no rule (replicated fallback).
+      body: ``fn(eqn) -> jaxpr``: what the equation computes, as a (closed) jaxpr of
+        its operands, for a primitive that holds no body in its parameters.
 
     Raises:
-      RegistrationError: ``name`` is not a string, ``to_rule`` not callable, or the
-        primitive already has a converter (unregister it first).
+      RegistrationError: ``name`` is not a string, neither ``to_rule`` nor ``body``
+        is given or one is not callable, or the primitive is already registered
+        (unregister it first).
 
     Example::
 
         >>> sk.register_primitive("my_gelu", lambda eqn: ("tanh", {}))
     """
-    if not isinstance(name, str) or not callable(to_rule):
+    given = [f for f in (to_rule, body) if f is not None]
+    if not isinstance(name, str) or not given or not all(callable(f) for f in given):
         raise RegistrationError(
             op="register_primitive",
-            must="name is a primitive name and to_rule a callable",
-            given=f"{name!r}, {type(to_rule).__name__}",
-            fix="register_primitive('prim', lambda eqn: ('op', {...}))",
+            must="name is a primitive name, and to_rule and/or body are callables",
+            given=f"{name!r}, to_rule={type(to_rule).__name__}, body={type(body).__name__}",
+            fix="register_primitive('prim', lambda eqn: ('op', {...}), body=lambda eqn: jaxpr)",
         )
     with _LOCK:
-        if name in _CONVERTERS:
+        if name in _CONVERTERS or jaxprs.primitive_body_fn(name) is not None:
             raise RegistrationError(
                 op="register_primitive",
                 must="a primitive is registered once",
-                given=f"{name!r} already has a converter",
+                given=f"{name!r} is already registered",
                 fix=f"sk.unregister_primitive({name!r}) first",
             )
-        _CONVERTERS[name] = to_rule
+        if to_rule is not None:
+            _CONVERTERS[name] = to_rule
+        if body is not None:  # stored where the readers below the rule engine see it
+            jaxprs.set_primitive_body(name, body)
         _changed()
 
 
-def unregister_primitive(name: str) -> Converter:
-    """Remove and return the converter registered for primitive ``name``.
+def unregister_primitive(name: str) -> Converter | None:
+    """Remove primitive ``name``'s registration (converter and body); return its
+    converter (None when it registered only a body).
 
     Raises:
-      NoRuleError: no converter is registered for ``name``.
+      NoRuleError: ``name`` is not registered.
     """
     with _LOCK:
-        if name not in _CONVERTERS:
+        if name not in _CONVERTERS and jaxprs.primitive_body_fn(name) is None:
             raise NoRuleError(
                 op=name,
-                must="the primitive has a registered converter",
-                given=f"none for {name!r}",
+                must="the primitive is registered",
+                given=f"nothing registered for {name!r}",
                 fix="see sk.register_primitive",
             )
-        conv = _CONVERTERS.pop(name)
+        conv = _CONVERTERS.pop(name, None)
+        jaxprs.set_primitive_body(name, None)
         _changed()
     return conv
 

@@ -8,7 +8,7 @@ all ask :func:`find_layer_scan`, so they cannot pick different scans.
 The rule: among the scans at the loss's top level or inside calls (``jit``,
 ``closed_call``, ``custom_jvp``/``custom_vjp``, ``remat``), not inside another
 loop, the one whose iterations run the most contraction FLOPs (an op region
-counts its computation's, :data:`~spmdkit.pipeline.rows.BODIES`), with more than
+counts its computation's, :func:`spmdkit.jaxprs.registered_body`), with more than
 one iteration, or exactly ``layers`` when the layer count is known. A short scan
 beside the layers (a few steps of a recurrent head, a loop over two sequences)
 loses to the stack; on equal FLOPs the first in program order wins.
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmdkit import jaxprs
-from spmdkit.pipeline.rows import BODIES
 from spmdkit.util import contraction_flops
 
 __all__ = ["LayerScan", "body_flops", "find_layer_scan", "scans"]
@@ -72,8 +71,8 @@ def body_flops(jaxpr: Any) -> float:
             lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
             out = eqn.outvars[0].aval.shape
             total += times * contraction_flops(name, eqn.params, lhs, rhs, out)
-        elif name in BODIES:
-            total += times * body_flops(BODIES[name](eqn))
+        elif (body := jaxprs.registered_body(eqn)) is not None:
+            total += times * body_flops(body)
     return total
 
 

@@ -28,7 +28,7 @@ import jax.extend.core as jex
 
 from spmdkit import jaxprs
 
-__all__ = ["BODIES", "mixed_rows", "register_body"]
+__all__ = ["mixed_rows"]
 
 #: primitives applied entry by entry (operands of the result's shape, or scalars)
 # fmt: off
@@ -205,11 +205,7 @@ def _rule(eqn: Any, states: list[State]) -> list[int | None]:
     rule = _RULES.get(name)
     if rule is not None:
         return rule(e)
-    body = jaxprs.call_body(eqn)
-    if body is None and name == "shard_map":
-        body = jaxprs.shard_map_body(eqn)
-    if body is None and name in BODIES:
-        body = BODIES[name](eqn)
+    body = jaxprs.computed_body(eqn)
     if body is not None and len(_open(body).invars) == len(ins):
         return [_rows(x) for x in _walk(_open(body), states)]
     raise e.mixed("no row rule for this primitive, given a value with rows", e.src)
@@ -429,13 +425,3 @@ _RULES: dict[str, Callable[[_Eqn], list[int | None]]] = {
     "while": _while,
     "cond": _cond,
 }
-
-#: primitive name → ``f(eqn) -> jaxpr``: the computation of a primitive that holds
-#: no body in its params (spmdkit's op regions register theirs, :mod:`spmdkit.engine.region`)
-BODIES: dict[str, Callable[[Any], Any]] = {}
-
-
-def register_body(name: str, fn: Callable[[Any], Any]) -> None:
-    """Let :func:`mixed_rows` look inside primitive ``name``: ``fn(eqn)`` returns
-    the (closed) jaxpr it computes, with the equation's operands as inputs."""
-    BODIES[name] = fn

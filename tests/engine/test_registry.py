@@ -97,3 +97,40 @@ def test_primitive_converters_are_held_by_the_registry_once():
     assert generation() == before + 2  # cached answers keyed on it see the change
     with pytest.raises(sk.NoRuleError):
         sk.unregister_primitive("t_prim")
+
+
+def test_a_primitive_body_is_registered_with_the_registry():
+    """``register_primitive(name, body=fn)``: the row check and the layer scan's FLOP
+    count look inside a primitive that holds no body, through the registry alone."""
+    import jax
+    import jax.numpy as jnp
+    from jax.extend.core import Primitive
+
+    from spmdkit.pipeline.layer_scan import body_flops
+    from spmdkit.pipeline.rows import mixed_rows
+
+    prim = Primitive("t_opaque_matmul")
+    prim.def_abstract_eval(lambda x, w: jax.core.ShapedArray((x.shape[0], w.shape[1]), x.dtype))
+
+    def compute(x, w):
+        return x @ w
+
+    def body(eqn):
+        args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        return jax.make_jaxpr(compute)(*args)
+
+    x, w = jnp.ones((8, 4)), jnp.ones((4, 16))
+    closed = jax.make_jaxpr(lambda x, w: jnp.tanh(prim.bind(x, w)))(x, w)
+    assert body_flops(closed) == 0  # opaque: nothing known inside
+    assert mixed_rows(closed, [0, None])  # conservative: may combine rows
+    sk.register_primitive("t_opaque_matmul", body=body)
+    try:
+        with pytest.raises(sk.RegistrationError, match="once"):
+            sk.register_primitive("t_opaque_matmul", lambda eqn: ("tanh", {}))
+        assert body_flops(closed) == 2 * 8 * 4 * 16
+        assert not mixed_rows(closed, [0, None])  # a matmul keeps the rows apart
+    finally:
+        assert sk.unregister_primitive("t_opaque_matmul") is None
+    assert body_flops(closed) == 0
+    with pytest.raises(sk.RegistrationError, match="callable"):
+        sk.register_primitive("t_nothing")
