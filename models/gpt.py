@@ -124,8 +124,10 @@ class GPTAttention(nnx.Module):
         q = jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt)) + self.bq[...].astype(dt)
         k = jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt)) + self.bk[...].astype(dt)
         v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt)) + self.bv[...].astype(dt)
+        q, k, v = lyr.tag(q, "query_proj"), lyr.tag(k, "key_proj"), lyr.tag(v, "value_proj")
         o = lyr.attention(q, k, v, causal=True, implementation=self.implementation)
-        return jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
+        out = jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
+        return lyr.tag(out, "out_proj")
 
 
 def _layer_norm(cfg: GPTConfig) -> sknn.LayerNorm:
@@ -155,8 +157,8 @@ class GPTBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self._drop(self.attn(self.ln1(x)))
-        h = jax.nn.gelu(self.fc(self.ln2(x)), approximate=True)
-        return x + self._drop(self.proj(h))
+        h = jax.nn.gelu(lyr.tag(self.fc(self.ln2(x)), "mlpwi"), approximate=True)
+        return x + self._drop(lyr.tag(self.proj(h), "mlpwo"))
 
 
 class GPT(nnx.Module):

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from spmdkit import nn as sknn
 from spmdkit import ops
@@ -54,6 +55,8 @@ __all__ = [
     "softmax_cross_entropy",
     "batch_stats",
     "rope",
+    "CHECKPOINT_NAMES",
+    "tag",
     "param",
     "fan_in_init",
     "token_embed",
@@ -266,6 +269,29 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross-entropy of ``logits [..., classes]`` against integer ``labels [...]``,
     in float32: :func:`spmdkit.nn.cross_entropy` (the models' losses call it)."""
     return sknn.cross_entropy(logits, labels)
+
+
+#: The ``jax.ad_checkpoint.checkpoint_name`` tags the reference decoders put on
+#: their projections, MaxText's names (``layers.py`` of MaxText's decoders):
+#: Q/K/V/out projections; the MLP's input projections (``mlpwi``, or the gated
+#: pair ``mlpwi_0``/``mlpwi_1``) and its output projection. The recompute
+#: policies of :mod:`spmdkit.recipe` select values by these names.
+CHECKPOINT_NAMES = (
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "out_proj",
+    "mlpwi",
+    "mlpwi_0",
+    "mlpwi_1",
+    "mlpwo",
+)
+
+
+def tag(x: jax.Array, name: str) -> jax.Array:
+    """``x`` tagged for the recompute policies (``jax.ad_checkpoint.checkpoint_name``):
+    an identity that plans as one (the ``name`` rule), one of :data:`CHECKPOINT_NAMES`."""
+    return checkpoint_name(x, name)
 
 
 def rope(x: jax.Array, *, theta: float) -> jax.Array:

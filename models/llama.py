@@ -113,11 +113,12 @@ class GQAttention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        q = lyr.rope(jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt)), theta=self.theta)
-        k = lyr.rope(jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt)), theta=self.theta)
-        v = jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt))
+        q = lyr.tag(jnp.einsum("bsd,dhk->bshk", x, self.wq[...].astype(dt)), "query_proj")
+        k = lyr.tag(jnp.einsum("bsd,dhk->bshk", x, self.wk[...].astype(dt)), "key_proj")
+        v = lyr.tag(jnp.einsum("bsd,dhk->bshk", x, self.wv[...].astype(dt)), "value_proj")
+        q, k = lyr.rope(q, theta=self.theta), lyr.rope(k, theta=self.theta)
         o = lyr.attention(q, k, v, causal=True, implementation=self.implementation)
-        return jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt))
+        return lyr.tag(jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt)), "out_proj")
 
 
 class SwiGLU(nnx.Module):
@@ -131,8 +132,9 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        h = jax.nn.silu(x @ self.gate[...].astype(dt)) * (x @ self.up[...].astype(dt))
-        return h @ self.down[...].astype(dt)
+        gate = lyr.tag(x @ self.gate[...].astype(dt), "mlpwi_0")
+        h = jax.nn.silu(gate) * lyr.tag(x @ self.up[...].astype(dt), "mlpwi_1")
+        return lyr.tag(h @ self.down[...].astype(dt), "mlpwo")
 
 
 def rms_norm(cfg: LlamaConfig) -> sknn.RMSNorm:

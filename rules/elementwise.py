@@ -11,8 +11,11 @@ operand separately: one sum-partial operand times replicated ones stays
 sum-partial. ``fmax``/``fmin`` are ``max``/``min`` that skip NaN operands: as
 associative as max and min, so they pass max (min) partials. ``gelu``,
 ``atan2`` and ``reciprocal`` are not monotone on the whole line (``1/x`` jumps
-at 0), so they pass nothing. Comparisons and logic ops pass nothing. The policies are listed in
-:mod:`spmdkit.engine.rule`.
+at 0), so they pass nothing. ``name`` (the primitive
+``jax.ad_checkpoint.checkpoint_name`` emits) is the identity that tags a value
+for a recompute policy: every layout and every partial passes, so a tagged
+projection plans as the untagged one. Comparisons and logic ops pass nothing.
+The policies are listed in :mod:`spmdkit.engine.rule`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from spmdkit.engine.factor import BROADCAST
 from spmdkit.engine.factor_rule import FactorRule
@@ -115,6 +119,10 @@ def _integer_pow(x: jax.Array, *, y: int) -> jax.Array:
 
 def _gelu(x: jax.Array, *, approximate: bool = True) -> jax.Array:
     return jax.nn.gelu(x, approximate=approximate)
+
+
+def _name(x: jax.Array, *, name: str) -> jax.Array:
+    return checkpoint_name(x, name)
 
 
 def _reciprocal(x: jax.Array) -> jax.Array:
@@ -231,6 +239,15 @@ RULES = tuple(
             _binary("max", jnp.maximum, "MAX"),
             _binary("min", jnp.minimum, "MIN"),
             _binary("mul", jnp.multiply, "MULTIPLICATIVE"),
+            FactorRule(
+                "name",
+                broadcast_notation,
+                impl=_name,
+                partial="LINEAR",
+                examples=(Example(((8, 8),), attrs={"name": "query_proj"}),),
+                doc="jax.ad_checkpoint.checkpoint_name(x, name): the identity that tags a "
+                "value for a recompute policy; every layout and partial passes unchanged",
+            ),
             _binary("ne", jnp.not_equal, "NONE", examples=_CMP_EX, dtype=_bool_dtype),
             _unary("neg", jnp.negative, "NEGATE"),
             FactorRule(

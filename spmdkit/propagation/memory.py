@@ -111,6 +111,7 @@ _ELEMENTWISE = frozenset(
         "max",
         "min",
         "mul",
+        "name",
         "ne",
         "neg",
         "not",
