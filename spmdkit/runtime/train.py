@@ -405,7 +405,11 @@ class _Layout:
 
 
 def _layout(plan: Plan, parts: _Parts, optimizer: optax.GradientTransformation) -> _Layout:
-    abstract_params = jax.eval_shape(lambda p: p, parts.params)
+    # shapes and dtypes only: parameters made on an Explicit mesh (sk.init_sharded on
+    # sk.make_mesh's default axes) carry shardings that the step's Auto mesh rejects
+    abstract_params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), parts.params
+    )
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     state = None
     if parts.state is not None:

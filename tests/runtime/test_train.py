@@ -281,6 +281,26 @@ def test_plain_params_and_aux_metrics(mesh):
     assert len(res.params["w"].sharding.device_set) == 8
 
 
+def test_params_made_on_an_explicit_mesh_train_under_the_plan(mesh2d):
+    """sk.init_sharded on sk.make_mesh's Explicit axes gives parameters typed with that
+    mesh; the step runs under the plan's Auto axes, and train takes them as they are
+    (an optimizer with state, adam, builds it from their shapes)."""
+    info = sk.describe(lambda: MLP(nnx.Rngs(0)), loss=plain_loss, batch={"x": X[:16], "y": Y[:16]})
+    plan = sk.plan(info, mesh2d, "fsdp", estimator="analytic")
+    params = sk.init_sharded(info, plan)
+    assert params["l1"]["kernel"].sharding.mesh.axis_types[0] == jax.sharding.AxisType.Explicit
+    res = train(
+        info.loss_fn,
+        params,
+        optax.adam(0.1),
+        loader(mesh2d, "a"),
+        steps=1,
+        plan=plan,
+        progress=False,
+    )
+    assert res.step == 1 and np.isfinite(res.losses[0])
+
+
 def test_bad_configurations_raise(mesh):
     with pytest.raises(TrainError, match="resume=True comes with a checkpoint manager"):
         run(mesh, 1, resume=True)
