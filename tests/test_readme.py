@@ -1,9 +1,15 @@
-"""README.md's Python examples run as written and print what the README says.
+"""The Python examples of README.md and of every docs/ page run as written and print
+what the page says.
 
-Every ```python block runs in order in one fresh process (later blocks use
-earlier names, as a reader pasting them would). The ``# ...`` comment lines right
-under a ``print`` are its expected output; a line ``# ...`` alone stands for any
-number of lines (a long table shortened).
+Per page, every ```python block runs in order in one fresh process on 8 virtual CPU
+devices (later blocks use earlier names, as a reader pasting them would). The
+``# ...`` comment lines right under a ``print`` are its expected output; a line
+``# ...`` alone stands for any number of lines (a long table shortened).
+
+A block that cannot run on 8 CPU devices starts with a line ``# requires: gpu``
+(an NVIDIA GPU) or ``# requires: hosts`` (several processes or machines): the
+reader sees why, and the test leaves it out. Any other ``# requires:`` is an
+error, so a typo cannot skip a block.
 """
 
 import os
@@ -14,13 +20,32 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 WILDCARD = "..."
+#: What a block may require instead of 8 CPU devices (its first line says which).
+REQUIREMENTS = ("gpu", "hosts")
+REQUIRES = re.compile(r"\A# requires: *(\S*)")
 
 
 def python_blocks(text: str) -> list[str]:
     """The bodies of the ```python fenced blocks, in order."""
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def requirement(block: str) -> str | None:
+    """What a block needs beyond 8 CPU devices (its ``# requires:`` line), or None."""
+    m = REQUIRES.match(block)
+    if m is None:
+        return None
+    assert m.group(1) in REQUIREMENTS, f"unknown requirement {m.group(1)!r} in:\n{block}"
+    return m.group(1)
+
+
+def runnable_blocks(page: pathlib.Path) -> list[str]:
+    """The page's python blocks that run on 8 CPU devices, in order."""
+    return [b for b in python_blocks(page.read_text()) if requirement(b) is None]
 
 
 def expected_output(block: str) -> list[str]:
@@ -57,14 +82,34 @@ def test_expected_output_reads_prints_only():
     assert not matches(["a", "b"], ["a", "c"])
 
 
+def test_requirements_are_read_from_the_first_line():
+    assert requirement("# requires: gpu\nx = 1\n") == "gpu"
+    assert requirement("x = 1\n# requires: gpu\n") is None
+    with pytest.raises(AssertionError, match="unknown requirement"):
+        requirement("# requires: tpu\n")
+
+
+def test_every_block_states_a_known_requirement_or_none():
+    for page in PAGES:
+        for block in python_blocks(page.read_text()):
+            requirement(block)
+    assert runnable_blocks(README), "README.md lost its example"
+
+
 @pytest.mark.slow
-def test_readme_examples_print_what_the_readme_says(tmp_path):
-    blocks = python_blocks(README.read_text())
-    assert len(blocks) >= 6
-    script = tmp_path / "readme.py"
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if runnable_blocks(p)],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_examples_print_what_the_page_says(page, tmp_path):
+    blocks = runnable_blocks(page)
+    script = tmp_path / "page.py"
     script.write_text("\n".join(blocks))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # this checkout's spmdkit, whichever one the interpreter has installed
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     run = subprocess.run(
         [sys.executable, str(script)],
         check=False,

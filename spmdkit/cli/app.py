@@ -55,7 +55,7 @@ def _configure_rules(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--markdown",
         action="store_true",
-        help="print the Markdown rule reference (the source of docs/rules.md)",
+        help="print the Markdown rule reference (the source of docs/rule-reference.md)",
     )
 
 

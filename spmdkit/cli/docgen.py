@@ -1,8 +1,8 @@
-"""Generate ``docs/rules.md`` from the registry: every op, its notation, strategies
+"""Generate ``docs/rule-reference.md`` from the registry: every op, its notation, strategies
 and semantics.
 
 The page is generated, never edited by hand: ``python -m spmdkit rules --markdown
-> docs/rules.md`` rewrites it, and a test fails when the committed page differs
+> docs/rule-reference.md`` rewrites it, and a test fails when the committed page differs
 from what the registry says.
 """
 

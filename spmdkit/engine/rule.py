@@ -358,7 +358,7 @@ class MustDivide:
     A dim that its axes do not divide is padded on the devices (ceil blocks). A
     rule keeps every such dim sharded, masking the padding in its local
     computation, except where the op's math needs whole blocks; each of those
-    cases is one ``MustDivide``. ``docs/rules.md`` prints ``dims`` and ``why``; the
+    cases is one ``MustDivide``. ``docs/rule-reference.md`` prints ``dims`` and ``why``; the
     numeric sweep checks with ``where`` that every uneven dim a rule replicates is
     declared here (an undeclared one fails the sweep).
 

@@ -1,11 +1,11 @@
-"""docs/rules.md is generated from the registry and must be current."""
+"""docs/rule-reference.md is generated from the registry and must be current."""
 
 import pathlib
 
 import spmdkit as sk
 from spmdkit.cli.docgen import rules_markdown
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "rules.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "rule-reference.md"
 
 
 def test_every_op_is_documented():
@@ -16,5 +16,6 @@ def test_every_op_is_documented():
 
 def test_committed_page_is_current():
     assert DOC.read_text() == rules_markdown(), (
-        "docs/rules.md is stale: run `python -m spmdkit rules --markdown > docs/rules.md`"
+        "docs/rule-reference.md is stale: "
+        "run `python -m spmdkit rules --markdown > docs/rule-reference.md`"
     )
