@@ -106,8 +106,8 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     from spmdkit.runtime.checkpoint import Manager
 
     check_export_args(args)
-    # closed before returning: orbax's cleanup thread must not outlive the interpreter
-    with Manager(args.ckpt) as mgr:
+    # read-only: nothing written, and no cleanup thread left to outlive the process
+    with Manager(args.ckpt, read_only=True) as mgr:
         return _export_from(mgr, args, out)
 
 

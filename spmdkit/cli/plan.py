@@ -31,7 +31,7 @@ from spmdkit.cli.command import (
 )
 from spmdkit.errors import SpmdError, UsageError
 
-__all__ = ["PLAN_COMMANDS", "check_plan_args", "parse_mesh"]
+__all__ = ["PLAN_COMMANDS", "check_plan_args", "parse_mesh", "throughput_line"]
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -91,22 +91,71 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
         else:
             sk.use_virtual_cpu_devices(max(8, math.prod(axes.values())))
             mesh = sk.make_mesh(**axes)
-        p = plan(
-            get_model(args.model),
-            mesh,
-            args.strategy,
-            config=args.config,
-            batch_size=args.batch_size,
-            estimator=args.estimator,
-        )
+        info = sk.describe(get_model(args.model), config=args.config, batch_size=args.batch_size)
+        p = plan(info, mesh, args.strategy, estimator=args.estimator)
     except SpmdError as e:
         return report_error("plan", e, sys.stderr)
-    out.write(p.table() + "\n")
+    out.write(throughput_line(p, info) + "\n" + p.table() + "\n")
     if args.json:
         with open(args.json, "w") as f:
             f.write(p.to_json())
         out.write(f"saved {args.json}\n")
     return 0
+
+
+def throughput_line(plan: Any, info: Any, optimizer: Any = None) -> str:
+    """One line for the top of a plan's printout: the global batch, the sequence
+    length and tokens per step, and from the plan's estimated step time the
+    throughput per device and the MFU, as the README's tables quote them.
+
+    tok/s/GPU is ``batch × seq / step time / devices`` (samples/s/GPU for a model
+    without a sequence dim). MFU is the model's FLOPs per step (the traced train
+    step's matmuls and attention, recomputation not counted: attention at three
+    times its forward) / (step time × devices × the device's dense peak for the
+    plan's compute dtype) on :data:`spmdkit.DEFAULT_TOPOLOGY` (H100 SXM).
+
+    Args:
+      plan: the plan (costed: its ``cost`` gives the step time).
+      info: the described model it was planned for (``sk.describe``).
+      optimizer: the optimizer it was planned with (default ``optax.adam``).
+
+    Example::
+
+        >>> throughput_line(p, info)  # doctest: +SKIP
+        'global batch 16, sequence 8192 (131,072 tokens/step): est. 5,743 tok/s/GPU, MFU 34%
+        (bf16 peak 989 TFLOP/s), step 2.85 s'
+    """
+    from spmdkit.planner.trace import trace_step
+    from spmdkit.spec import axis_sizes
+    from spmdkit.topology import DEFAULT_TOPOLOGY
+    from spmdkit.util import fmt_time
+
+    t = trace_step(info, optimizer)
+    text = f"global batch {t.batch_size}"
+    if t.seq_len > 1:
+        text += f", sequence {t.seq_len} ({t.batch_size * t.seq_len:,} tokens/step)"
+    if plan.cost is None or plan.cost.step_time_s <= 0:
+        return text
+    step = plan.cost.step_time_s
+    devices = math.prod(axis_sizes(plan.mesh).values())
+    if t.seq_len > 1:
+        rate = f"{t.batch_size * t.seq_len / step / devices:,.0f} tok/s/GPU"
+    else:
+        rate = f"{t.batch_size / step / devices:,.0f} samples/s/GPU"
+    dtype = plan.recipe.compute_dtype or (str(info.params[0].dtype) if info.params else "float32")
+    dtype = "tfloat32" if dtype == "float32" else dtype
+    try:
+        peak = DEFAULT_TOPOLOGY.peak(dtype)
+    except SpmdError:  # a dtype without a datasheet peak: no MFU
+        return f"{text}: est. {rate}, step {fmt_time(step)}"
+    model_flops = t.flops - max(t.attn_flops - 3 * t.attn_fwd_flops, 0.0)
+    mfu = model_flops / (step * devices * peak)
+    mfu_text = f"{mfu:.1%}" if mfu >= 1e-3 else "<0.1%"
+    short = {"bfloat16": "bf16", "float16": "fp16", "tfloat32": "tf32"}.get(dtype, dtype)
+    return (
+        f"{text}: est. {rate}, MFU {mfu_text} ({short} peak {peak / 1e12:,.0f} TFLOP/s), "
+        f"step {fmt_time(step)}"
+    )
 
 
 def _configure_report(parser: argparse.ArgumentParser) -> None:
@@ -140,7 +189,7 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
         ops = "" if getattr(p.cost, "ops", None) else _op_strategies(step, params, batch)
     except SpmdError as e:
         return report_error("report", e, sys.stderr)
-    out.write(p.table() + "\n" + ops + "\n" + str(result) + "\n")
+    out.write(throughput_line(p, info) + "\n" + p.table() + "\n" + ops + "\n" + str(result) + "\n")
     return 0 if result.ok else 1
 
 

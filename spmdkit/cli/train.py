@@ -157,6 +157,8 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     import optax
     from flax import nnx
 
+    from spmdkit.cli.plan import throughput_line
+    from spmdkit.flax import describe
     from spmdkit.mesh import make_mesh
     from spmdkit.models import get_model
     from spmdkit.planner import plan as make_plan
@@ -169,17 +171,12 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     # process has only its own share), so make_mesh does not ask for more
     mesh = make_mesh(devices=jax.devices(), **axes)
     optimizer = optax.adam(args.lr)
+    info = describe(spec, config=config, batch_size=args.batch_size)
     plan = make_plan(
-        spec,
-        mesh,
-        args.strategy,
-        config=args.config,
-        batch_size=args.batch_size,
-        optimizer=optimizer,
-        pipeline=pipeline_of(args, axes),
+        info, mesh, args.strategy, optimizer=optimizer, pipeline=pipeline_of(args, axes)
     )
     if jax.process_index() == 0:
-        out.write(f"{plan}\n")
+        out.write(f"{throughput_line(plan, info, optimizer)}\n{plan}\n")
     with nnx.use_eager_sharding(False):
         model = spec.build(config, nnx.Rngs(args.seed))
     data = _loader(args, spec, config, plan)

@@ -34,6 +34,7 @@ followed. Names are a proposal the plan table shows (``(inferred)``); give
 from __future__ import annotations
 
 import fnmatch
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -367,8 +368,16 @@ TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp")
 def unplaced(plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, Role]]) -> list[str]:
     """Weights a tensor-parallel preset leaves off every ``model`` axis (a matmul,
     lookup or conv weight of rank ≥ 2 not named unplaced on purpose), one line
-    each: path, names, spec and the roles' names. ``roles`` may be a function:
-    it is called only when some parameter of rank ≥ 2 has no model axis."""
+    each: path, names, spec, why (a dim whose name goes on the model axes but
+    whose size does not divide by them) and the roles' names. ``roles`` may be a
+    function: it is called only when some parameter of rank ≥ 2 has no model axis."""
+    return [line for line, _ in _unplaced(plan, roles)]
+
+
+def _unplaced(
+    plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, Role]]
+) -> list[tuple[str, str]]:
+    """``(line, fix)`` per weight :func:`unplaced` reports; the fix names its path."""
     sizes = axis_sizes(plan.mesh)
     model = {a for a in axis_roles(plan.mesh)["model"] if sizes[a] > 1}
     if plan.pipeline is not None:  # the pipe axis splits the layers, not a matmul
@@ -382,7 +391,7 @@ def unplaced(plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, R
             continue  # a vector, or names={glob: None}: replicated on purpose
         used = {a for d in spec for a in ((d,) if isinstance(d, str) else d or ())}
         if not used & model:
-            suspects.append((path, spec, shape, logical))
+            suspects.append((path, spec, tuple(shape), logical))
     if not suspects:
         return []
     known = roles() if callable(roles) else roles
@@ -392,30 +401,81 @@ def unplaced(plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, R
         if role is None or not role.is_weight:
             continue
         hint = role.names if role.names != logical else None
-        out.append(
-            f"{path} {tuple(shape)} named {logical} → {spec}"
-            + (f"; its role in the step says {hint}" if hint else "")
-        )
+        why, fix = _why_unplaced(plan, model, path, shape, logical)
+        line = f"{path} {shape} named {logical} → {spec}" + (f": {why}" if why else "")
+        out.append((line + (f"; its role in the step says {hint}" if hint else ""), fix))
     return out
+
+
+def _model_axes_of(plan: Plan, name: str | None, model: set[str]) -> tuple[str, ...]:
+    """The model axes the plan's rule table gives logical ``name`` first, or ()."""
+    if name is None or plan.rules is None:
+        return ()
+    for key, axes in plan.rules.entries:
+        if key == name and axes and model.intersection(axes):
+            return tuple(a for a in axes if a in model)
+    return ()
+
+
+def _why_unplaced(
+    plan: Plan, model: set[str], path: str, shape: tuple[int, ...], logical: tuple | None
+) -> tuple[str, str]:
+    """Why a weight got no model axis, and a fix that names its path: a dim whose
+    name goes on the model axes but does not divide by them gets "make it a
+    multiple" or "shard dim j instead" (a dim that divides, given that name)."""
+    sizes = axis_sizes(plan.mesh)
+    names = tuple(logical or ()) + (None,) * (len(shape) - len(logical or ()))
+    replicate = f"names={{{path!r}: None}} to replicate it on purpose"
+    for i, name in enumerate(names):
+        axes = _model_axes_of(plan, name, model)
+        n = math.prod(sizes[a] for a in axes) if axes else 1
+        if not axes or shape[i] % n == 0:
+            continue
+        axes_text = " × ".join(f"{a}={sizes[a]}" for a in axes)
+        why = (
+            f"dim {i} ({name!r}, size {shape[i]}) goes on {axes_text} but {shape[i]} "
+            f"does not divide by {n}"
+        )
+        fixes = [f"make dim {i} of {path} a multiple of {n} (e.g. {-(-shape[i] // n) * n})"]
+        other = [j for j in range(len(shape)) if j != i and shape[j] % n == 0]
+        if other:
+            moved = tuple(name if j == other[0] else None for j in range(len(shape)))
+            fixes.append(f"shard dim {other[0]} instead: sk.plan(..., names={{{path!r}: {moved}}})")
+        return why, "; ".join([*fixes, f"or pass {replicate}"])
+    sharded = sorted(_names_on(plan, model))
+    example = sharded[0] if sharded else "mlp"
+    return "", (
+        f"name a dim of {path} with a logical name the preset puts on the model axes "
+        f"({', '.join(sharded) or 'none'}): sk.plan(..., names={{{path!r}: "
+        f"{tuple(example if j == len(shape) - 1 else None for j in range(len(shape)))}}}), "
+        f"map its names with rules=[(name, 'model')], or pass {replicate}"
+    )
+
+
+def _names_on(plan: Plan, model: set[str]) -> set[str]:
+    """Logical names the plan's rule table puts on a model axis."""
+    if plan.rules is None:
+        return set()
+    return {k for k, axes in plan.rules.entries if axes and model.intersection(axes)}
 
 
 def check_placement(
     plan: Plan, roles: Mapping[str, Role] | Callable[[], Mapping[str, Role]], *, strict: bool
 ) -> None:
     """Warn (``strict=True``: raise :class:`PlanError`) when a tensor-parallel
-    preset replicates weights over its ``model`` axes (:func:`unplaced`).
+    preset replicates weights over its ``model`` axes (:func:`unplaced`); the
+    message says why for each (a dim that does not divide by the model axes) and
+    the fix names the weight's path.
 
     Raises:
       PlanError: with ``strict=True``, a weight left off the ``model`` axes.
     """
-    lines = unplaced(plan, roles)
-    if not lines:
+    found = _unplaced(plan, roles)
+    if not found:
         return
-    fix = (
-        "give names by path: sk.plan(..., names={'*/attn/*/kernel': ('embed', 'heads', "
-        "'head_dim')}), map the names with rules=[(name, 'model')], or pass names={glob: "
-        "None} to replicate on purpose"
-    )
+    lines = [line for line, _ in found]
+    fixes = list(dict.fromkeys(fix for _, fix in found))
+    fix = " | ".join(fixes[:3]) + (f" | ... {len(fixes) - 3} more" if len(fixes) > 3 else "")
     head = (
         f"plan(strategy={plan.strategy!r}): {len(lines)} weight(s) get no "
         f"'model' axis and are replicated over it"

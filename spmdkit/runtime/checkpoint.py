@@ -435,6 +435,7 @@ class Manager:
         restore_concurrent_gb: int | None = None,
         verify: bool = True,
         compress: bool = False,
+        read_only: bool = False,
     ) -> None:
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise CheckpointError(
@@ -453,12 +454,24 @@ class Manager:
             ),
             "meta": ocp.JsonCheckpointHandler(),
         }
+        self.read_only = read_only
+        if read_only and not os.path.isdir(self.directory):
+            state = "a file" if os.path.exists(self.directory) else "missing"
+            raise CheckpointNotFoundError(
+                op="checkpoint.Manager(read_only=True)",
+                must="the checkpoint directory exists",
+                given=f"{self.directory} is {state}",
+                fix="pass the directory a run saved its checkpoints to",
+            )
+        # read_only: orbax neither creates the directory nor starts its tmp-directory
+        # cleanup (a thread close() does not wait for); save() refuses (below).
+        # (orbax's own read_only option logs a warning on every open.)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None if read_only else max_to_keep,
             save_interval_steps=save_interval_steps,
-            enable_async_checkpointing=async_,
-            cleanup_tmp_directories=True,
-            create=True,
+            enable_async_checkpointing=async_ and not read_only,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
         )
         self._mgr = ocp.CheckpointManager(
             self.directory, item_handlers=self._handlers, options=options
@@ -607,9 +620,16 @@ class Manager:
           Whether a save was started.
 
         Raises:
-          CheckpointError: ``items`` names keys the state lacks, or the metadata
-            is not JSON-serialisable.
+          CheckpointError: ``items`` names keys the state lacks, the metadata
+            is not JSON-serialisable, or the manager is read-only.
         """
+        if self.read_only:
+            raise CheckpointError(
+                op="checkpoint.save",
+                must="the manager was opened to write",
+                given=f"Manager({self.directory!r}, read_only=True)",
+                fix="open it without read_only=True to save",
+            )
         if not force and not self._mgr.should_save(step):
             return False
         state = _select_items("checkpoint.save", state, items)

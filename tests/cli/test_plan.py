@@ -2,6 +2,7 @@
 
 import io
 import json
+import math
 import re
 
 import pytest
@@ -36,6 +37,7 @@ def test_plan_command_prints_table_and_saves_json(tmp_path):
     )  # fmt: skip
     assert status == 0
     assert "Plan 'megatron'" in text and "bytes/dev" in text
+    assert text.startswith("global batch 16, sequence 16 (256 tokens/step): est. ")
     assert json.loads(path.read_text())["strategy"] == "megatron"
 
 
@@ -62,3 +64,25 @@ def test_plan_command_checks_json_and_config_before_planning(tmp_path, capsys):
     status, _ = _run("plan", ["gpt", "--abstract", "--config", "8x"])
     assert status == 2 and "spmdkit plan --config" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_throughput_line_quotes_tok_s_and_mfu_as_the_readme_tables():
+    """tok/s/GPU = batch × seq / step time / devices (benchmarks/planner.py's
+    formula); MFU = model FLOPs / (step × devices × bf16 peak), within 1% of the
+    textbook count for Llama-3 8B: 6 N T (N without the embedding table, a lookup)
+    + 12 L d S T (attention, the full square)."""
+    import spmdkit as sk
+    from spmdkit.cli.plan import throughput_line
+    from spmdkit.models import get_model
+
+    info = sk.describe(get_model("llama"), config="8b", batch_size=16)
+    recipe = sk.Recipe(remat="dots", compute_dtype="bfloat16", microbatches=2)
+    p = sk.plan(info, sk.abstract_mesh(data=8), "fsdp", recipe=recipe, estimator="analytic")
+    line = throughput_line(p, info)
+    assert line.startswith("global batch 16, sequence 8192 (131,072 tokens/step): est. ")
+    tok = float(re.search(r"est\. ([\d,]+) tok/s/GPU", line).group(1).replace(",", ""))
+    assert abs(tok - 16 * 8192 / p.cost.step_time_s / 8) <= 1
+    mfu = float(re.search(r"MFU ([\d.]+)% \(bf16 peak 989 TFLOP/s\)", line).group(1))
+    n = sum(math.prod(q.shape) for q in info.params) - 128256 * 4096
+    textbook = (6 * n + 12 * 32 * 4096 * 8192) * 16 * 8192 / (p.cost.step_time_s * 8 * 989e12)
+    assert abs(mfu / 100 - textbook) < 0.01 * textbook, (mfu, textbook)

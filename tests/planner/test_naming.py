@@ -182,3 +182,39 @@ def test_scanned_layers_get_a_layers_dim_and_match_the_models_own_names():
     for p in info.params:
         own = tuple("heads" if n == "kv_heads" else n for n in p.logical)
         assert roles[p.path].names == own, p.path
+
+
+def _head_only():
+    """One Linear(32, 5): its inferred names put the 5 outputs on the model axis."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Head(nnx.Module):
+        def __init__(self, rngs):
+            self.head = nnx.Linear(32, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(x)
+
+    batch = {"x": jnp.ones((8, 32)), "y": jnp.ones((8, 5))}
+    return sk.describe(
+        lambda: Head(nnx.Rngs(0)),
+        loss=lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+        batch=batch,
+    )
+
+
+def test_megatron_says_which_dim_does_not_divide_and_fixes_that_weight():
+    info = _head_only()
+    mesh = sk.abstract_mesh(data=2, model=4)
+    with pytest.warns(UserWarning) as rec:
+        sk.plan(info, mesh, "megatron", estimator="analytic")
+    text = str(rec[0].message)
+    assert "head/kernel (32, 5)" in text
+    assert "dim 1 ('mlp', size 5) goes on model=4 but 5 does not divide by 4" in text
+    assert "names={'head/kernel': ('mlp', None)}" in text and "*/attn/*" not in text
+    # the fix it names works: dim 0 on the model axis, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = sk.plan(info, mesh, "megatron", estimator="analytic", names={"head/kernel": ("mlp",)})
+    assert p.params["head/kernel"] == P("model")

@@ -576,3 +576,17 @@ def test_a_table_moved_into_a_module_restores_with_rename(tmp_path, mesh2d):
     r = mgr.restore(target=target, items=("params",), rename={"embed": "embed/embedding"})
     assert set(r.state) == {"params"}
     _equal(r.state["params"], new_params)
+
+
+def test_read_only_manager_creates_and_writes_nothing(tmp_path, mesh2d):
+    with pytest.raises(CheckpointNotFoundError, match="read_only=True"):
+        Manager(tmp_path / "missing", read_only=True)
+    assert not (tmp_path / "missing").exists()
+    w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh2d, P("a")))
+    with Manager(tmp_path / "run", async_=False) as mgr:
+        mgr.save(3, {"w": w})
+    with Manager(tmp_path / "run", read_only=True) as mgr:
+        assert mgr.all_steps() == [3] and mgr.saved_shapes()["w"].shape == (8, 4)
+        with pytest.raises(CheckpointError, match="opened to write"):
+            mgr.save(4, {"w": w}, force=True)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["3"]
