@@ -219,23 +219,41 @@ class ModelInfo:
         return train_loss(self.run, stateful=self.has_state, rng=self.rng, aux=aux, name=self.name)
 
     def trace_args(self) -> tuple[Any, ...]:
-        """The abstract arguments of the step's loss: ``(params, batch)``, or
-        ``(params, batch, state)`` for a model with state (:attr:`state_loss_fn`)."""
+        """The abstract arguments of the step's loss, in :attr:`train_loss`'s order:
+        ``(params, batch)``, then the model's state when it has some, then the
+        step's key (an abstract typed PRNG key) when it draws random numbers. The
+        planner traces the loss on these, so a key is an input of what it plans,
+        as of what runs."""
+        args: tuple[Any, ...] = (self.abstract_params, self.batch)
         if self.has_state:
-            return self.abstract_params, self.batch, self.abstract_state
-        return self.abstract_params, self.batch
+            args += (self.abstract_state,)
+        key = self.abstract_key
+        return args if key is None else (*args, key)
 
-    def scalar_loss(self, params: Any, batch: Any, *state: Any) -> Any:
-        """The loss value alone (the new state dropped), for traces that only need
-        the loss's dataflow: ``scalar_loss(*info.trace_args())``.
+    @property
+    def abstract_key(self) -> Any:
+        """The step's key as the planner traces it (an abstract typed PRNG key),
+        None when the step takes none (no random numbers, or no loss to run)."""
+        return jax.eval_shape(jax.random.key, 0) if self.rng and self.run is not None else None
+
+    def scalar_loss(self, params: Any, batch: Any, *rest: Any) -> Any:
+        """The loss value alone (new state and aux dropped) of :attr:`train_loss`,
+        for traces that only need the loss's dataflow: ``scalar_loss(*info.trace_args())``.
+        A ModelInfo built by hand (no loss to run) uses :attr:`loss_fn` /
+        :attr:`state_loss_fn`.
 
         Example::
 
             >>> jax.make_jaxpr(info.scalar_loss)(*info.trace_args())
         """
-        if self.state_loss_fn is not None and state:
-            return self.state_loss_fn(params, batch, *state)[0]
-        return self.loss_fn(params, batch)
+        if self.run is None:
+            if self.state_loss_fn is not None and rest:
+                return self.state_loss_fn(params, batch, *rest)[0]
+            return self.loss_fn(params, batch)
+        out = self.train_loss(params, batch, *rest)
+        if self.has_state:
+            out = out[0]
+        return out[0] if self.train_loss.has_aux else out
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, run once per model and key; later calls with the same key

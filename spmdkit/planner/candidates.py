@@ -131,16 +131,19 @@ def propagate_cost(
             candidate.grad_specs(info.abstract_params),
             is_leaf=lambda x: isinstance(x, P),
         )
+    # the step's key (a model drawing random numbers): an input, replicated
+    key = () if info.abstract_key is None else (info.abstract_key,)
     prop = propagate(
         train_step(info, optimizer, candidate.recipe, grad_specs),
         *args,
         info.batch,
-        in_specs=in_specs,
+        *key,
+        in_specs=(*in_specs, *(P() for _ in key)),
         out_specs=out_specs,
         mesh=ctx.mesh,
         topology=ctx.topology,
         donate_argnums=tuple(range(len(args))),
-        arg_roles=(*roles, "batch"),
+        arg_roles=(*roles, "batch", *("key" for _ in key)),
     )
     # Compute time is the analytic model's (the traced FLOPs split by the layout,
     # at achievable rates, recomputation included); communication is the

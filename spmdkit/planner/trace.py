@@ -285,18 +285,22 @@ def train_step(
     recipe: Recipe = PLAIN,
     grad_specs: PyTree = None,
 ) -> Callable:
-    """``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` with
-    the optimizer (default ``optax.adam``) and the recipe applied: the very
-    function ``sk.train_step`` builds and ``sk.jit``/``train`` run
-    (:func:`spmdkit.recipe.train_step`), so what is planned is what runs. A model
-    with mutable state gets ``train_step(params, opt_state, state, batch) ->
-    (params, opt_state, state, loss)``.
+    """``train_step(params, opt_state, batch[, key]) -> (params, opt_state, value)``
+    with the optimizer (default ``optax.adam``) and the recipe applied: the very
+    function ``sk.train_step(info, ...)`` builds and ``sk.jit``/``train`` run
+    (:func:`spmdkit.recipe.train_step` of the model's ``train_loss``: its key an
+    input when the model draws random numbers, its aux kept), so what is planned is
+    what runs. A model with mutable state gets ``train_step(params, opt_state,
+    state, batch[, key]) -> (params, opt_state, state, value)``.
     ``grad_specs``: the gradients' shardings when the plan shards them (ZeRO-2).
     One function per model, optimizer and recipe (``ModelInfo.memo``), so
-    propagations of it share jax's trace cache."""
+    propagations of it share jax's trace cache. A ModelInfo built by hand (no loss
+    to run) steps its ``loss_fn``."""
     from spmdkit.recipe import train_step as recipe_step
 
     def make() -> Callable:
+        if info.run is not None:
+            return recipe_step(info, _optimizer(optimizer), recipe, grad_specs=grad_specs)
         return recipe_step(
             info.state_loss_fn if info.has_state else info.loss_fn,
             _optimizer(optimizer),

@@ -1,0 +1,101 @@
+"""The planner's trace of the step: the program it plans is the one that runs, key included."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import spmdkit as sk
+from spmdkit.loss import placeholder_keys
+from spmdkit.planner.trace import train_step
+
+
+class Dropped(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jnp.tanh(self.l1(x))))
+
+
+def dropout_loss(model, batch):  # dropout as users write it, with aux
+    y = model(batch["x"])
+    return jnp.mean((y - batch["y"]) ** 2), {"y0": y[0, 0]}
+
+
+BATCH = {"x": jnp.ones((16, 8)), "y": jnp.zeros((16, 8))}
+
+
+def test_the_planner_traces_the_step_key_as_an_input():
+    """A model drawing random numbers is planned on the step sk.train_step builds:
+    its key an input (not a placeholder constant), its aux kept."""
+    info = sk.describe(Dropped(nnx.Rngs(0)), loss=dropout_loss, batch=BATCH)
+    assert jax.dtypes.issubdtype(info.trace_args()[-1].dtype, jax.dtypes.prng_key)
+    opt = optax.adam(1e-3)
+    with placeholder_keys() as seen:
+        p = sk.plan(info, sk.abstract_mesh(data=4, model=2), "fsdp", optimizer=opt)
+    assert p.cost.estimator == "propagate"
+    assert seen == []  # nothing the planner traced drew from a fixed key
+    step = train_step(info, opt)
+    abstract_opt = jax.eval_shape(opt.init, info.abstract_params)
+    jaxpr = jax.make_jaxpr(step)(info.abstract_params, abstract_opt, *info.trace_args()[1:])
+    dtypes = [v.aval.dtype for v in jaxpr.jaxpr.invars]
+    assert sum(jax.dtypes.issubdtype(d, jax.dtypes.prng_key) for d in dtypes) == 1
+    out = jax.eval_shape(step, info.abstract_params, abstract_opt, *info.trace_args()[1:])
+    assert set(out[-1][1]) == {"y0"}  # (loss, aux)
+
+
+class Wide(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(64, 1024, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(1024, 64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jnp.tanh(self.l1(x))))
+
+
+def wide_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+WIDE = {"x": jnp.ones((64, 64)), "y": jnp.zeros((64, 64))}
+
+#: fsdp splits the batch 8 ways, but the compiled step makes the dropout mask's random
+#: bits whole on every device (u32[64,1024] in its HLO, jax 0.10.2 and 0.12, XLA:CPU)
+#: and slices them: peak predicted 1.22 MB, compiled 1.71 MB. Without dropout the same
+#: model verifies (0.99 vs 0.93 MB). An open prediction gap, not hidden.
+_WHOLE_BITS = "XLA makes threefry's random bits whole per device; propagation slices them"
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "dp",
+        pytest.param(
+            "fsdp",
+            marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=_WHOLE_BITS)],
+        ),
+    ],
+)
+def test_a_dropout_step_verifies_against_its_plan(strategy):
+    """The plan's prediction, propagated through the step with its key, holds for the
+    compiled step train runs, and the key is live in it."""
+    info = sk.describe(lambda: Wide(nnx.Rngs(0)), loss=wide_loss, batch=WIDE)
+    mesh = sk.make_mesh(data=4, model=2)
+    opt = optax.adam(1e-3)
+    p = sk.plan(info, mesh, strategy, optimizer=opt)
+    params = sk.init_sharded(info, p)
+    abstract_opt = jax.eval_shape(opt.init, params)
+    opt_state = jax.jit(opt.init, out_shardings=p.opt_shardings(abstract_opt))(params)
+    step = sk.jit(sk.train_step(info, opt, p), p)
+    a = step(params, opt_state, WIDE, jax.random.key(1))[-1]
+    b = step(params, opt_state, WIDE, jax.random.key(2))[-1]
+    assert a != b  # the key is live in the compiled step
+    report = p.verify(step, params, opt_state, WIDE, jax.random.key(3))
+    assert report.ok, report
