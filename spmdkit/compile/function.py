@@ -182,8 +182,13 @@ class PlannedFunction:
     Args:
       fn: the step.
       plan: the plan.
-      in_roles, out_roles, donate_argnums, mesh, axis_types, constrain, enforce:
-        as for :func:`jit`.
+      in_roles: as for :func:`jit`.
+      out_roles: as for :func:`jit`.
+      donate_argnums: as for :func:`jit`.
+      mesh: as for :func:`jit`.
+      axis_types: as for :func:`jit`.
+      constrain: as for :func:`jit`.
+      enforce: as for :func:`jit`.
       donate_state: also donate every argument whose role is ``params``,
         ``opt_state`` or ``state`` (:data:`STATE_ROLES`); :attr:`donate_argnums` includes them
         once the roles are known (first call, :meth:`program` or :meth:`lower`).

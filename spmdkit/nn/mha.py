@@ -44,11 +44,19 @@ def attention_fn(
 
     Args:
       query: ``[batch..., q_len, heads, head_dim]`` (one batch dim for the op).
-      key, value: ``[batch..., kv_len, kv_heads, head_dim]``.
-      bias, mask, dropout_rate, deterministic, module, is_causal, **kwargs: flax's.
-      implementation, block_size: the op's local kernel (see
-        :func:`spmdkit.ops.attention`; ``None``: the op's own). Bind them with
-        ``functools.partial`` to pass them through flax's module.
+      key: ``[batch..., kv_len, kv_heads, head_dim]``.
+      value: ``[batch..., kv_len, kv_heads, head_dim]``.
+      bias: flax's.
+      mask: flax's.
+      dropout_rate: flax's.
+      deterministic: flax's.
+      module: flax's.
+      is_causal: flax's.
+      implementation: the op's local kernel (see :func:`spmdkit.ops.attention`;
+        ``None``: the op's own). Bind it with ``functools.partial`` to pass it
+        through flax's module.
+      block_size: the blockwise kernel's block size, likewise.
+      **kwargs: flax's.
 
     Raises:
       ShardingConflictError: ``implementation``/``block_size`` given where the call
@@ -101,9 +109,15 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     """``flax.nnx.MultiHeadAttention`` with :func:`attention_fn` and logical names.
 
     Args:
-      num_heads, in_features, qkv_features, out_features, num_kv_heads: as flax.
-      kernel_metadata, out_kernel_metadata, bias_metadata, out_bias_metadata:
-        default ``embed``/``heads``/``head_dim`` logical names.
+      num_heads: as flax.
+      in_features: as flax.
+      qkv_features: as flax.
+      out_features: as flax.
+      num_kv_heads: as flax.
+      kernel_metadata: default ``embed``/``heads``/``head_dim`` logical names.
+      out_kernel_metadata: likewise.
+      bias_metadata: likewise.
+      out_bias_metadata: likewise.
       **kwargs: flax's other arguments (``attention_fn`` defaults to :func:`attention_fn`).
 
     Example::

@@ -242,7 +242,8 @@ class LayerNorm(nnx.LayerNorm):
     Args:
       num_features: the size of the normalized (trailing) dims, as flax.
       strategy: the op's strategy (``None``: the planner's choice in a planned step).
-      scale_metadata, bias_metadata: default ``out_sharding=("norm",)``.
+      scale_metadata: default ``out_sharding=("norm",)``.
+      bias_metadata: likewise.
       **kwargs: flax's other arguments (``epsilon``, ``dtype``, ``param_dtype``,
         ``use_bias``, ``use_scale``, initializers, ``reduction_axes``, ``rngs``...).
 
@@ -308,8 +309,11 @@ class GroupNorm(nnx.GroupNorm):
     """``flax.nnx.GroupNorm`` (channels last) computed by :func:`spmdkit.ops.group_norm`.
 
     Args:
-      num_features, num_groups, group_size: as flax.
-      scale_metadata, bias_metadata: default ``out_sharding=("norm",)``.
+      num_features: as flax.
+      num_groups: as flax.
+      group_size: as flax.
+      scale_metadata: default ``out_sharding=("norm",)``.
+      bias_metadata: likewise.
       **kwargs: flax's other arguments.
 
     Example::
@@ -354,8 +358,9 @@ class BatchNorm(nnx.BatchNorm):
     Args:
       num_features: as flax; ``axis`` is the channel dim (``-1``: NHWC, ``1``: NCHW).
       sync: global statistics over sharded batches (default True).
-      scale_metadata, bias_metadata: default ``out_sharding=("norm",)``; the running
-        statistics take the same names.
+      scale_metadata: default ``out_sharding=("norm",)``; the running statistics
+        take the same names.
+      bias_metadata: likewise.
       **kwargs: flax's other arguments (``use_running_average``, ``momentum``...).
 
     Example::

@@ -85,7 +85,7 @@ def held_residual_sets(pipe: Pipeline) -> int:
     """Residual sets every device allocates for held micro-batches: GPipe's forward
     ticks, else the stash's slots (the busiest device's in-flight micro-batches).
 
-    Example:
+    Example::
         >>> held_residual_sets(Pipeline(stages=4, microbatches=8, schedule="gpipe"))
         11
         >>> held_residual_sets(Pipeline(stages=4, microbatches=8, schedule="1f1b"))
@@ -102,7 +102,7 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
       pipe: the pipeline.
       sizes: ``R``, ``H``, ``C``, ``W`` on one device.
 
-    Example:
+    Example::
         >>> stage_buffers(Pipeline(stages=2, microbatches=4, schedule="1f1b"),
         ...               StageSizes(residual=10.0, head=1.0, carry=2.0))
         {'stash': 20.0, 'inboxes': 8.0, 'tick': 20.0, 'grads': 0.0}
@@ -154,7 +154,7 @@ def saved_bytes(pipe: Pipeline, than: Pipeline, sizes: StageSizes) -> float:
     """How much less ``pipe`` holds at its peak than ``than`` (e.g. 1F1B than GPipe);
     negative when it holds more.
 
-    Example:
+    Example::
         >>> gp = Pipeline(stages=4, microbatches=8, schedule="gpipe")
         >>> saved_bytes(Pipeline(stages=4, microbatches=8, schedule="1f1b"), gp, StageSizes(1.0))
         6.0

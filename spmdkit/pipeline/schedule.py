@@ -28,7 +28,7 @@ earlier tick. The table is what the executor runs, what the cost model counts
 (bubble, held micro-batches, point-to-point sends) and what the layout explorer
 draws.
 
-Example:
+Example::
     >>> s = build_schedule(Pipeline(stages=4, microbatches=8, schedule="1f1b"))
     >>> round(s.bubble_fraction, 4), s.peak_in_flight
     (0.2727, (4, 3, 2, 1))
@@ -309,7 +309,7 @@ def device_orders(pipe: Pipeline) -> tuple[tuple[Action, ...], ...]:
     without its idle ticks): enough for what depends only on the order, such as
     the held micro-batches and the sends, without timing the whole table.
 
-    Example:
+    Example::
         >>> [str(a) for a in device_orders(Pipeline(2, 2, "1f1b"))[1]]
         ['F0.1', 'B0.1', 'F1.1', 'B1.1']
     """

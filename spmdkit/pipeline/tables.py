@@ -124,7 +124,7 @@ def _consume(t: int, d: int, a: object, f: dict, pools: dict, where: dict, last:
 def build_tables(schedule: Schedule, *, ticks: int | None = None) -> Tables:
     """The executor's tables for the first ``ticks`` ticks of ``schedule`` (all by default).
 
-    Example:
+    Example::
         >>> from spmdkit.pipeline import Pipeline, build_schedule
         >>> t = build_tables(build_schedule(Pipeline(stages=2, microbatches=4)))
         >>> t.n_stash, t.n_inbox_f
