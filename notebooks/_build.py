@@ -1,12 +1,22 @@
-"""Write the three notebooks of this folder (without outputs) from the cells below.
+"""Write the three notebooks of this folder (without outputs) from the cells below,
+and execute them for the docs.
 
-Run ``python notebooks/_build.py`` after editing a cell; commit the ``.ipynb`` files.
-The notebooks are executed by ``tests/test_notebooks.py``.
+Run ``python notebooks/_build.py`` after editing a cell; commit the ``.ipynb`` files
+(they store no outputs). ``tests/test_notebooks.py`` executes them (:func:`execute`)
+and, with ``SPMDKIT_EXECUTED_NOTEBOOKS=DIR`` set (``.ci/run`` sets it), keeps the
+executed copies there; the docs build renders those copies with their outputs, and
+executes a notebook itself when its copy is missing or was made from another source
+(``docs/_hooks.py``). ``python notebooks/_build.py --execute DIR`` executes all three.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import pathlib
+import sys
+import tempfile
 
 import nbformat
 
@@ -742,6 +752,76 @@ NOTEBOOKS = {
     "checkpoint_reshard": CKPT,
 }
 
+#: Where an executed copy records the source it was made from.
+SOURCE_KEY = "spmdkit_source_sha256"
+
+
+def source_digest(path: pathlib.Path) -> str:
+    """The sha256 of a committed notebook (the cells an executed copy came from)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def executed_copy(name: str, out_dir: pathlib.Path) -> pathlib.Path | None:
+    """``out_dir/name.ipynb`` when it was executed from the committed notebook as it
+    is now, else None."""
+    path = out_dir / f"{name}.ipynb"
+    if not path.exists():
+        return None
+    nb = nbformat.read(path, as_version=4)
+    return path if nb.metadata.get(SOURCE_KEY) == source_digest(HERE / f"{name}.ipynb") else None
+
+
+def execute(name: str, workdir: pathlib.Path, keep: pathlib.Path | None = None):
+    """Execute notebook ``name`` in a fresh kernel of this interpreter, in ``workdir``
+    (its plots go there), and return it with its outputs; with ``keep``, also write it
+    there as ``name.ipynb``, stamped with its source's digest.
+
+    Raises:
+      nbclient.exceptions.CellExecutionError: a cell raised (names the cell).
+    """
+    import nbclient
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    source = HERE / f"{name}.ipynb"
+    nb = nbformat.read(source, as_version=4)
+    with tempfile.TemporaryDirectory() as kernels:
+        spec_dir = pathlib.Path(kernels) / "spmdkit-nb"
+        spec_dir.mkdir()
+        spec = {
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "spmdkit notebooks",
+            "language": "python",
+            "env": {
+                "SPMDKIT_NB_OUT": str(workdir),
+                "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])
+                ),
+            },
+        }
+        (spec_dir / "kernel.json").write_text(json.dumps(spec))
+        km = KernelManager(
+            kernel_name="spmdkit-nb", kernel_spec_manager=KernelSpecManager(kernel_dirs=[kernels])
+        )
+        client = nbclient.NotebookClient(
+            nb, km=km, timeout=300, resources={"metadata": {"path": str(workdir)}}
+        )
+        client.execute()
+    if keep is not None:
+        nb.metadata[SOURCE_KEY] = source_digest(source)
+        keep.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, keep / f"{name}.ipynb")
+    return nb
+
+
 if __name__ == "__main__":
-    for name, cells in NOTEBOOKS.items():
-        print(write(name, cells))
+    if sys.argv[1:2] == ["--execute"]:
+        out = pathlib.Path(sys.argv[2])
+        for name in NOTEBOOKS:
+            with tempfile.TemporaryDirectory() as work:
+                execute(name, pathlib.Path(work), keep=out)
+            print(out / f"{name}.ipynb")
+    else:
+        for name, cells in NOTEBOOKS.items():
+            print(write(name, cells))
