@@ -315,8 +315,8 @@ show(bwd)"""
     ),
     md(
         "## Compile the plan and verify the prediction\n\n"
-        "`spmdkit.compile.function` compiles a train step (Adam) with the plan's in/out "
-        "shardings and donation; `plan.verify` propagates the plan through the same step "
+        "`sk.jit` (`spmdkit.compile.jit`) compiles a train step (Adam) with the plan's "
+        "in/out shardings and donation; `plan.verify` propagates the plan through the same step "
         "and compares predicted collective bytes (per kind) and peak memory with the "
         "compiled HLO. On CPU, XLA may pick other collectives than a GPU would (e.g. an "
         "all-reduce for a reduce-scatter), so read the rows as a comparison, not a verdict."

@@ -46,7 +46,7 @@ assumption: fused attention's forward + backward on H100 at head_dim 128, betwee
 FlashAttention-2's and cuDNN's published rates) and collectives hidden under 90%
 of compute. torchtitan's 128-GPU figure (5,605) is the hold-out check.
 ``benchmarks/planner.py`` refits the constant and prints both estimates beside
-the published figures (README, "How the step-time model is calibrated").
+the published figures (docs/recipes.md, "Real sizes and the step-time model").
 """
 
 from __future__ import annotations

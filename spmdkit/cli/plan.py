@@ -106,7 +106,7 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
 def throughput_line(plan: Any, info: Any, optimizer: Any = None) -> str:
     """One line for the top of a plan's printout: the global batch, the sequence
     length and tokens per step, and from the plan's estimated step time the
-    throughput per device and the MFU, as the README's tables quote them.
+    throughput per device and the MFU, as ``benchmarks/planner.py`` quotes them.
 
     tok/s/GPU is ``batch × seq / step time / devices`` (samples/s/GPU for a model
     without a sequence dim). MFU is the model's FLOPs per step (the traced train
