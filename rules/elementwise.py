@@ -20,6 +20,7 @@ The policies are listed in :mod:`spmdkit.engine.rule`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -28,11 +29,12 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from spmdkit.engine.factor import BROADCAST
+from spmdkit.engine.factor import BROADCAST, Notation, parse_notation
 from spmdkit.engine.factor_rule import FactorRule
-from spmdkit.engine.rule import Example
+from spmdkit.engine.rule import Example, InferredGrad, RuleContext
+from spmdkit.spec import TensorSpec
 
-__all__ = ["RULES", "broadcast_notation"]
+__all__ = ["PRIMITIVE_RULES", "RULES", "broadcast_notation", "identity_notation"]
 
 
 def broadcast_notation(shapes: tuple[tuple[int, ...], ...], **_: Any) -> str:
@@ -59,6 +61,22 @@ def broadcast_notation(shapes: tuple[tuple[int, ...], ...], **_: Any) -> str:
         ]
         operands.append(" ".join(dims))
     return ", ".join(operands) + " -> " + " ".join(names)
+
+
+def identity_notation(shapes: tuple[tuple[int, ...], ...], **_: Any) -> str:
+    """Notation of an op that returns its one operand unchanged (``copy``,
+    ``device_put``). A call on several operands does not fit: the factor notation
+    would make every result depend on every operand (their grads sum-partial over
+    each other's axes).
+
+    Example::
+
+        >>> identity_notation(((8, 4),))
+        'd0 d1 -> d0 d1'
+    """
+    if len(shapes) != 1:
+        raise ValueError(f"one operand, given {len(shapes)}")
+    return broadcast_notation(shapes)
 
 
 def _bool_dtype(dtypes: tuple[Any, ...], **_: Any) -> np.dtype:
@@ -170,9 +188,230 @@ _SELECT_EX = (
     ),
 )
 
+# -- primitives the library has no op of its own for ---------------------------------
+#
+# jax primitives a traced step may hold (``jnp.floor``, ``jnp.round``, ``x % y``,
+# ``jnp.isfinite``, ``jax.device_put``…): each its own rule, named after the primitive,
+# so propagation uses a checked rule for it. Monotone policies only where the function
+# is monotone on every real input (a max-partial piece may lie anywhere below the
+# value): asin, atanh, acosh, erf_inv increase but only on part of the line, so they
+# pass nothing.
+
+_UNIT_EX = tuple(Example(e.shapes, domain="unit") for e in _UNARY_EX)
+_ABOVE_ONE_EX = tuple(Example(e.shapes, domain="above_one") for e in _UNARY_EX)
+_INT = ("int32", "int32")
+# lax's binary primitives take operands of one shape (jnp broadcasts before them)
+_INT_EX = (
+    Example(((8, 8), (8, 8)), dtypes=_INT, differentiable=(False, False)),
+    Example(((4, 8, 2), (4, 8, 2)), dtypes=_INT, differentiable=(False, False)),
+)
+_SAME_EX = (Example(((8, 8), (8, 8))), Example(((4, 8, 2), (4, 8, 2))))
+_POS_SAME_EX = tuple(Example(e.shapes, domain="positive") for e in _SAME_EX)
+_FLAG_EX = (Example(((8, 8),), differentiable=(False,)),)
+_COMPLEX_EX = (Example(((8, 8),), dtypes=("complex64",), differentiable=(False,)),)
+
+
+def _real_dtype(dtypes: tuple[Any, ...], **_: Any) -> Any:
+    return None if dtypes[0] is None else np.dtype(np.finfo(dtypes[0]).dtype)
+
+
+def _same_dtype(dtypes: tuple[Any, ...], **_: Any) -> Any:
+    return dtypes[0]
+
+
+def _new_dtype(dtypes: tuple[Any, ...], *, new_dtype: Any, **_: Any) -> np.dtype:
+    return np.dtype(new_dtype)
+
+
+def _accurate(fn: Any) -> Any:
+    """``fn(x)`` taking the equation's ``accuracy`` parameter (jax >= 0.6)."""
+
+    def impl(x: jax.Array, *, accuracy: Any = None) -> jax.Array:
+        return fn(x, accuracy=accuracy)
+
+    impl.__name__ = fn.__name__
+    return impl
+
+
+def _round(x: jax.Array, *, rounding_method: Any = 0) -> jax.Array:
+    return lax.round(x, rounding_method)
+
+
+def _reduce_precision(x: jax.Array, *, exponent_bits: int, mantissa_bits: int) -> jax.Array:
+    return lax.reduce_precision(x, exponent_bits, mantissa_bits)
+
+
+def _bitcast(x: jax.Array, *, new_dtype: Any) -> jax.Array:
+    return lax.bitcast_convert_type(x, new_dtype)
+
+
+def _conj(x: jax.Array, **_: Any) -> jax.Array:
+    return lax.conj(x)
+
+
+def _device_put(x: jax.Array, **_: Any) -> jax.Array:
+    return jax.device_put(x)
+
+
+def _identity(name: str, impl: Any, doc: str, examples: Any = _UNARY_EX) -> FactorRule:
+    return FactorRule(
+        name, identity_notation, impl=impl, partial="LINEAR", examples=examples, doc=doc
+    )
+
+
+def _whole_notation(shapes: tuple[tuple[int, ...], ...], **_: Any) -> Notation:
+    nt = parse_notation(broadcast_notation(shapes), tuple(len(s) for s in shapes))
+    return dataclasses.replace(nt, need_replication=frozenset(nt.factors))
+
+
+class _RoundingRule(FactorRule):
+    """reduce_precision: its VJP rounds the cotangent as well, so unlike a linear
+    op's a sum-partial cotangent does not pass (each piece would be rounded)."""
+
+    def grad(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], out_grads: tuple[TensorSpec, ...]
+    ) -> InferredGrad:
+        """The factor rule's grad, on the cotangents with their partials resolved."""
+        return super().grad(ctx, inputs, tuple(g.without_partial() for g in out_grads))
+
+
+#: The rules of primitives the library has no op of its own for (listed by
+#: ``spmdkit rules``, swept like the others; see tests/conftest.py for their sample).
+PRIMITIVE_RULES = (
+    _unary("acos", lax.acos, "NONE", _UNIT_EX),
+    _unary("acosh", lax.acosh, "NONE", _ABOVE_ONE_EX),
+    _unary("asin", lax.asin, "NONE", _UNIT_EX),
+    _unary("asinh", lax.asinh, "MONOTONE"),
+    _unary("atan", lax.atan, "MONOTONE"),
+    _unary("atanh", lax.atanh, "NONE", _UNIT_EX),
+    FactorRule(
+        "bitcast_convert_type",
+        broadcast_notation,
+        impl=_bitcast,
+        partial="NONE",
+        dtype=_new_dtype,
+        examples=(Example(((8, 8),), attrs={"new_dtype": "int32"}, differentiable=(False,)),),
+        doc="the bits reread as new_dtype (same width): nothing passes",
+    ),
+    _unary("cbrt", _accurate(lax.cbrt), "MONOTONE", _POS_EX),
+    _unary("ceil", lax.ceil, "MONOTONE"),
+    _binary(
+        "clamp",
+        lax.clamp,
+        "NONE",
+        examples=(
+            Example(((), (8, 8), ()), differentiable=(False, True, False)),
+            Example(((8, 8), (8, 8), (8, 8))),
+        ),
+        doc="clamp(lo, x, hi)",
+    ),
+    FactorRule(
+        "conj",
+        broadcast_notation,
+        impl=_conj,
+        partial="NONE",
+        dtype=_same_dtype,
+        examples=_COMPLEX_EX,
+        doc="complex conjugate",
+    ),
+    _identity("copy", jnp.copy, "a copy of its operand"),
+    _unary("cosh", lax.cosh, "NONE"),
+    _identity(
+        "device_put",
+        _device_put,
+        "a move inside a step (between memory kinds: optimizer offload) keeps the layout",
+    ),
+    _unary("digamma", lax.digamma, "NONE", _POS_EX),
+    _unary("erf_inv", lax.erf_inv, "NONE", _UNIT_EX),
+    _unary("erfc", lax.erfc, "ANTITONE", doc="1 - erf(x): decreasing, so max and min swap"),
+    _unary("exp2", _accurate(lax.exp2), "MONOTONE"),
+    _unary("floor", lax.floor, "MONOTONE"),
+    FactorRule(
+        "igamma",
+        _whole_notation,
+        impl=lax.igamma,
+        partial="NONE",
+        examples=_POS_SAME_EX,
+        doc="regularized lower incomplete gamma P(a, x); every dim unsharded: XLA runs a "
+        "series loop over the whole array, and sharded it all-reduces the loop's test",
+    ),
+    FactorRule(
+        "imag",
+        broadcast_notation,
+        impl=lax.imag,
+        partial="NONE",
+        dtype=_real_dtype,
+        examples=_COMPLEX_EX,
+        doc="imaginary part",
+    ),
+    FactorRule(
+        "is_finite",
+        broadcast_notation,
+        impl=lax.is_finite,
+        partial="NONE",
+        dtype=_bool_dtype,
+        examples=_FLAG_EX,
+    ),
+    _unary("lgamma", lax.lgamma, "NONE", _POS_EX),
+    _binary(
+        "nextafter",
+        lax.nextafter,
+        "NONE",
+        examples=tuple(dataclasses.replace(e, differentiable=(False, False)) for e in _SAME_EX),
+        doc="the next float after x towards y (no derivative)",
+    ),
+    _identity(
+        "optimization_barrier",
+        lax.optimization_barrier,
+        "its operands unchanged, kept from being moved across the barrier",
+        (Example(((8, 8),)),),
+    ),
+    FactorRule(
+        "population_count",
+        broadcast_notation,
+        impl=lax.population_count,
+        partial="NONE",
+        examples=(Example(((8, 8),), dtypes=("int32",), differentiable=(False,)),),
+        doc="set bits of each integer",
+    ),
+    FactorRule(
+        "real",
+        broadcast_notation,
+        impl=lax.real,
+        partial="NONE",
+        dtype=_real_dtype,
+        examples=_COMPLEX_EX,
+        doc="real part",
+    ),
+    _RoundingRule(
+        "reduce_precision",
+        broadcast_notation,
+        impl=_reduce_precision,
+        partial="MONOTONE",
+        examples=(Example(((8, 8),), attrs={"exponent_bits": 5, "mantissa_bits": 10}),),
+        doc="rounds to a narrower float: monotone, so max/min pass; a sum rounded piece "
+        "by piece is not the sum rounded, so sum/avg are resolved first",
+    ),
+    _binary("rem", lax.rem, "NONE", examples=_POS_SAME_EX, doc="x - y * trunc(x / y)"),
+    _unary("round", _round, "MONOTONE"),
+    _binary("shift_left", lax.shift_left, "NONE", examples=_INT_EX),
+    _binary("shift_right_arithmetic", lax.shift_right_arithmetic, "NONE", examples=_INT_EX),
+    _binary("shift_right_logical", lax.shift_right_logical, "NONE", examples=_INT_EX),
+    _unary("sinh", lax.sinh, "MONOTONE"),
+    _identity(
+        "stop_gradient",
+        lax.stop_gradient,
+        "its operand unchanged, with a zero gradient",
+        (Example(((8, 8),)),),
+    ),
+    _unary("tan", _accurate(lax.tan), "NONE", _UNIT_EX),
+    _binary("xor", lax.bitwise_xor, "NONE", examples=(*_BOOL_EX, _INT_EX[0]), dtype=_same_dtype),
+)
+
 RULES = tuple(
     sorted(
         (
+            *PRIMITIVE_RULES,
             _unary("abs", jnp.abs, "NONE"),
             _binary("add", jnp.add, "ADDITIVE"),
             FactorRule(

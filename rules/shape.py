@@ -1,5 +1,6 @@
 """Shape ops: reshape, transpose, broadcast_in_dim, squeeze, expand_dims, concatenate,
-stack, split, slice, dynamic_slice, dynamic_update_slice, gather, take_along_axis, pad.
+stack, split, slice, dynamic_slice, dynamic_update_slice, gather, take_along_axis, pad,
+rev.
 
 Op names and attributes are those of the ``jax.lax`` primitives (what a jaxpr
 equation carries in ``eqn.params``), so a planner can map an equation to its rule
@@ -67,7 +68,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from spmdkit.engine.factor_rule import assign_factors
+from spmdkit.engine.factor import Notation
+from spmdkit.engine.factor_rule import FactorRule, assign_factors
 from spmdkit.engine.rule import (
     Example,
     Inferred,
@@ -79,9 +81,18 @@ from spmdkit.engine.rule import (
     without_strategy,
 )
 from spmdkit.errors import ShardingConflictError
+from spmdkit.rules.reduction import along_notation
 from spmdkit.spec import TensorSpec
 
-__all__ = ["RULES", "DimMap", "LocalMapRule", "MapRule", "ReshapeRule", "reshape_layout"]
+__all__ = [
+    "PRIMITIVE_RULES",
+    "RULES",
+    "DimMap",
+    "LocalMapRule",
+    "MapRule",
+    "ReshapeRule",
+    "reshape_layout",
+]
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -1169,7 +1180,32 @@ def _example(shapes: Any, **kw: Any) -> Example:
     return Example(shapes, uneven=True, **kw)
 
 
+def _rev_notation(shapes: tuple[tuple[int, ...], ...], *, dimensions: Any) -> Notation:
+    return along_notation(shapes, along=tuple(dimensions))
+
+
+def _rev(x: jax.Array, *, dimensions: Any) -> jax.Array:
+    return lax.rev(x, tuple(dimensions))
+
+
+#: The rules of primitives the library has no op of its own for (``jnp.flip``).
+PRIMITIVE_RULES = (
+    FactorRule(
+        "rev",
+        _rev_notation,
+        impl=_rev,
+        partial="LINEAR",
+        examples=(
+            Example(((8, 8),), attrs={"dimensions": (0,)}),
+            Example(((4, 8, 2),), attrs={"dimensions": (1, 2)}),
+        ),
+        doc="reverses the dims listed (jnp.flip); they stay unsharded, the rest pass, "
+        "every pending reduction passes (a permutation of elements)",
+    ),
+)
+
 RULES = (
+    *PRIMITIVE_RULES,
     LocalMapRule(
         "broadcast_in_dim",
         _broadcast_map,

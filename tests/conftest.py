@@ -72,15 +72,67 @@ def sweep_ops() -> frozenset[str]:
     """The ops whose slow rule sweeps CI runs (:data:`SWEEP_EVERY`)."""
     import spmdkit as sk
 
-    return every_kth(sk.registered_ops(), lambda op: sk.get_rule(op).family, SWEEP_EVERY)
+    library = [op for op in sk.registered_ops() if op not in primitive_ops()]
+    return every_kth(library, lambda op: sk.get_rule(op).family, SWEEP_EVERY)
+
+
+#: The rules of jax primitives the library has no op of its own for (each rule family's
+#: ``PRIMITIVE_RULES``: ``cumsum``, ``floor``, ``top_k``, ``conv_general_dilated``…) are
+#: many and alike, so their sweeps are sampled further: the sample sweeps of every
+#: twelfth of each family (by name, the first included) run in CI's slow step, the
+#: rest of their sweeps only with ``SPMDKIT_FULL_SWEEP=1``. The default run checks
+#: their policies' corner cases in tests/rules/test_reduction.py and friends.
+PRIMITIVE_EVERY = 12
+
+
+@functools.cache
+def primitive_ops() -> frozenset[str]:
+    """The ops of every family's ``PRIMITIVE_RULES``."""
+    import importlib
+
+    from spmdkit.rules import FAMILIES
+
+    return frozenset(
+        rule.name
+        for family in FAMILIES
+        for rule in getattr(
+            importlib.import_module(f"spmdkit.rules.{family}"), "PRIMITIVE_RULES", ()
+        )
+    )
+
+
+@functools.cache
+def primitive_sample() -> frozenset[str]:
+    """The primitive rules whose sample sweeps CI's slow step runs (:data:`PRIMITIVE_EVERY`)."""
+    import spmdkit as sk
+
+    return every_kth(primitive_ops(), lambda op: sk.get_rule(op).family, PRIMITIVE_EVERY)
+
+
+def _swept_op(item) -> str | None:
+    """The op a rule sweep (tests/rules/test_all_rules.py) checks; None for other tests."""
+    if not item.nodeid.startswith("tests/rules/test_all_rules.py"):
+        return None
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("op") if callspec is not None else None
+
+
+def _sample_primitive_sweep(item) -> None:
+    """A primitive rule's sweeps: the sample ones into the slow step (those outside
+    :func:`primitive_sample` and every full one only with ``SPMDKIT_FULL_SWEEP=1``)."""
+    op = _swept_op(item)
+    if op is None or op not in primitive_ops():
+        return
+    if item.get_closest_marker("slow") or op not in primitive_sample():
+        item.add_marker(pytest.mark.full)
+    item.add_marker(pytest.mark.slow)
 
 
 def _left_to_full_sweep(item) -> bool:
-    if not item.nodeid.startswith("tests/rules/test_all_rules.py"):
+    op = _swept_op(item)
+    if op is None or op in primitive_ops():  # sampled by _sample_primitive_sweep
         return False
-    callspec = getattr(item, "callspec", None)
-    op = callspec.params.get("op") if callspec is not None else None
-    return bool(item.get_closest_marker("slow")) and op is not None and op not in sweep_ops()
+    return bool(item.get_closest_marker("slow")) and op not in sweep_ops()
 
 
 def pytest_addoption(parser):
@@ -105,6 +157,7 @@ def _is_quick(item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before -m reads the markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        _sample_primitive_sweep(item)
         if _is_quick(item):
             item.add_marker(pytest.mark.quick)
         if _left_to_full_sweep(item):

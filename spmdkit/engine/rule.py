@@ -390,7 +390,7 @@ class Example:
       attrs: op attributes.
       dtypes: one dtype name per input (default float32).
       domain: ``"real"``, ``"positive"`` (logs, roots), ``"near_one"`` (long
-        products) or ``"unit"`` (|x| < 1).
+        products), ``"unit"`` (|x| < 1) or ``"above_one"`` (acosh).
       differentiable: per input, whether grads flow to it (ints/bools do not).
       rtol: relative tolerance of the numeric check (low-precision casts).
       values: ``fn(rng) -> list of arrays``: the inputs, when random values in

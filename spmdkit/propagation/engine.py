@@ -35,6 +35,7 @@ from spmdkit.propagation.control import cond, scan, while_loop
 from spmdkit.propagation.graph import FlatProgram, Graph, Node
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import (
+    BUILTIN,
     GENERATORS,
     RULE_ERRORS,
     builtin_forward,
@@ -47,7 +48,24 @@ from spmdkit.propagation.steps import Step
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import Topology
 
-__all__ = ["Engine"]
+__all__ = ["STRUCTURAL_OPS", "Engine"]
+
+#: The ops a step may name that are not registered rules: layouts the engine gives
+#: by construction (fresh values, sharding constraints, a ``shard_map``'s own specs,
+#: an optimization barrier over several operands) and the built-in scatter
+#: (:data:`~spmdkit.propagation.primitives.BUILTIN`). Every other op a step names is a
+#: registered rule (``spmdkit rules`` lists it; tests/propagation/test_primitives.py).
+STRUCTURAL_OPS = frozenset(
+    {
+        *GENERATORS,
+        *BUILTIN,
+        "sharding_constraint",
+        "reshard",
+        "mesh_cast",
+        "shard_map",
+        "optimization_barrier",
+    }
+)
 
 _WARNED: set[str] = set()
 _Specs = tuple[TensorSpec, ...]

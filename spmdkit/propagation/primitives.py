@@ -2,15 +2,13 @@
 
 :func:`to_rule` maps an equation to a registered rule's name and attributes
 (``dot_general``, ``add``, ``reduce_sum``…; ``sk.register_primitive`` adds a
-mapping, held by the registry). Where the registry has no rule of that name, :func:`builtin_forward`
-has small built-in fallbacks: identity-like primitives, elementwise primitives
-the library does not register, cumulative ops, argmax/argmin, sort, top_k, rev,
-``conv_general_dilated`` and scatter / scatter-add. :func:`index_parallel` and
-:func:`with_masked_lookup` make a gather from a table sharded over the indexed
-dim the masked local lookup XLA emits.
-
-A registered rule always wins over a built-in of the same name: the engine asks
-the registry first, and there are no built-ins for registered names.
+mapping, held by the registry). Every primitive the propagator lays out goes
+through the registered rule of its name (``cumsum``, ``floor``, ``top_k``,
+``conv_general_dilated``…: ``spmdkit rules`` lists them, the rule sweep checks
+them), except scatter / scatter-add (:data:`BUILTIN`), laid out by
+:func:`builtin_forward`. :func:`index_parallel` and :func:`with_masked_lookup`
+make a gather from a table sharded over the indexed dim the masked local lookup
+XLA emits.
 """
 
 from __future__ import annotations
@@ -21,14 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.engine.factor import Notation
-from spmdkit.engine.factor_rule import FactorRule
 from spmdkit.engine.registry import primitive_converter
-from spmdkit.engine.rule import RuleContext
 from spmdkit.errors import SpmdError
-from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.spec import MeshLike, TensorSpec
 
 __all__ = [
+    "BUILTIN",
     "GENERATORS",
     "REDUCERS",
     "RULE_ERRORS",
@@ -43,6 +39,10 @@ __all__ = [
 #: equation then falls back to replicated, warned and counted, never a crash.
 #: Anything else raised inside a rule is a bug in the rule and surfaces.
 RULE_ERRORS = (SpmdError, NotImplementedError)
+
+#: Primitives the propagator lays out by a built-in layout rather than a registered
+#: rule (every other primitive is propagated by the registered rule of its name).
+BUILTIN = frozenset({"scatter", "scatter-add"})
 
 #: Reduction primitives: their ``axes`` parameter is the rules' ``axis``.
 REDUCERS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
@@ -108,148 +108,7 @@ def _to_rule_unchecked(eqn: Any) -> tuple[str, dict] | None:
     return _RENAMES.get(name, name), attrs
 
 
-# -- built-in rules for primitives the library does not cover ---------------------
-
-
-def _dummy(*xs: Any, **_: Any) -> Any:
-    return xs[0]
-
-
-def _eltwise_notation(shapes: Any, **_: Any) -> str:
-    from spmdkit.rules.elementwise import broadcast_notation  # the rule library loads late
-
-    return broadcast_notation(shapes)
-
-
-def _keep_notation(
-    shapes: Any,
-    *,
-    replicate: tuple[int, ...] = (),
-    drop: tuple[int, ...] = (),
-    reduce: str | None = None,
-    **_: Any,
-) -> Notation:
-    """All operands share one factor per dim; ``replicate`` dims unsharded; ``drop``
-    dims vanish from the (single) output."""
-    ranks = {len(s) for s in shapes}
-    if len(ranks) != 1:
-        raise NotImplementedError(f"operands of different ranks {sorted(ranks)}")
-    (rank,) = ranks
-    fs = tuple(f"d{i}" for i in range(rank))
-    outs = tuple(f for i, f in enumerate(fs) if i not in drop)
-    need = frozenset(fs[i] for i in (*replicate, *drop))
-    return Notation(tuple(fs for _ in shapes), (outs,), need, reduce)
-
-
-def _builtin(name: str, notation: Any, policy: str, **kw: Any) -> FactorRule:
-    return FactorRule(name, notation, impl=_dummy, partial=policy, **kw)
-
-
-# Elementwise primitives no registered rule covers (the registered ones, ``add``,
-# ``exp``, ``select_n``…, propagate with their own rules): treated as nonlinear.
-_ELTWISE_NONE = frozenset(
-    {
-        "acos",
-        "acosh",
-        "asin",
-        "asinh",
-        "atan",
-        "atanh",
-        "bitcast_convert_type",
-        "cbrt",
-        "ceil",
-        "clamp",
-        "conj",
-        "cosh",
-        "digamma",
-        "erf_inv",
-        "erfc",
-        "exp2",
-        "floor",
-        "igamma",
-        "imag",
-        "is_finite",
-        "lgamma",
-        "nextafter",
-        "population_count",
-        "real",
-        "rem",
-        "round",
-        "shift_left",
-        "shift_right_arithmetic",
-        "shift_right_logical",
-        "sinh",
-        "tan",
-        "threefry2x32",
-        "xor",
-    }
-)
-# device_put: a move between memory kinds inside a step (optimizer offload) keeps
-# the layout (one operand per equation, as spmdkit.recipe.to_memory binds it)
-_IDENTITY = frozenset(
-    {
-        "copy",
-        "copy_p",
-        "device_put",
-        "stop_gradient",
-        "reduce_precision",
-        "pvary",
-        "optimization_barrier",
-    }
-)
-_ELTWISE_RULE = _builtin("elementwise", _eltwise_notation, "NONE")
-_IDENTITY_RULE = _builtin("identity", _eltwise_notation, "LINEAR")
-_KEEP_RULE = _builtin("keep", _keep_notation, "NONE")
-_KEEP_LINEAR_RULE = _builtin("keep_linear", _keep_notation, "LINEAR")
-_REDUCE_RULE = _builtin("reduce", _keep_notation, "NONE", reduce=None)
-
-
-def _builtin_for(name: str, eqn: Any, n_in: int) -> tuple[FactorRule, dict] | None:
-    p = eqn.params
-    if name in _IDENTITY and n_in == 1:
-        return _IDENTITY_RULE, {}
-    if name in _ELTWISE_NONE and len(eqn.outvars) == 1:
-        return _ELTWISE_RULE, {}
-    if name in ("cumsum", "cumlogsumexp", "cummax", "cummin", "cumprod"):
-        rule = _KEEP_LINEAR_RULE if name == "cumsum" else _KEEP_RULE
-        return rule, {"replicate": (int(p["axis"]),)}
-    if name in ("argmax", "argmin"):
-        return _REDUCE_RULE, {"drop": tuple(int(a) for a in p["axes"])}
-    if name == "sort" and len(eqn.outvars) == n_in:
-        return _KEEP_RULE, {"replicate": (int(p["dimension"]),), "_multi": True}
-    if name == "top_k" and n_in == 1:
-        # XLA partitions its TopK custom call by gathering the whole operand (even a
-        # batch dim sharded elsewhere): predict exactly that
-        rank = len(eqn.invars[0].aval.shape)
-        return _KEEP_RULE, {"replicate": tuple(range(rank)), "_fan": True}
-    if name == "rev" and n_in == 1:  # a reversed dim moves whole: keep it unsharded
-        return _KEEP_LINEAR_RULE, {"replicate": tuple(int(d) for d in p["dimensions"])}
-    return None
-
-
-def _factor_forward(
-    rule: FactorRule,
-    attrs: dict,
-    specs: tuple[TensorSpec, ...],
-    mesh: MeshLike,
-    out_dtypes: Sequence[Any],
-    out_shapes: Sequence[tuple[int, ...]],
-) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """``_multi``: output i takes input i's layout (sort); ``_fan``: every output
-    takes the single input's layout with its own shape (top_k)."""
-    attrs = dict(attrs)
-    multi = attrs.pop("_multi", False)
-    fan = attrs.pop("_fan", False)
-    ctx = RuleContext(op=rule.name, axis_sizes=axis_sizes(mesh), attrs=attrs)
-    ans = rule.forward(ctx, specs)
-    outs = ans.outputs
-    if multi:
-        outs = tuple(s.without_partial() for s in ans.inputs)
-    if fan:
-        base = ans.inputs[0].without_partial()
-        outs = tuple(base.replace(shape=tuple(shape)) for shape in out_shapes)
-    outs = tuple(o.replace(dtype=d) for o, d in zip(outs, out_dtypes, strict=True))
-    return ans.inputs, outs
+# -- the one built-in left: scatter ------------------------------------------------
 
 
 def builtin_forward(
@@ -259,26 +118,18 @@ def builtin_forward(
     out_dtypes: Sequence[Any],
     mesh: MeshLike,
 ) -> tuple[str, dict, tuple[TensorSpec, ...], tuple[TensorSpec, ...]] | None:
-    """(op, attrs, required inputs, outputs) from a built-in fallback; None when
-    there is none for the primitive or it does not fit the equation."""
+    """(op, attrs, required inputs, outputs) from the built-in scatter / scatter-add
+    layout; None when the equation is not one or it does not fit."""
     name = eqn.primitive.name
+    if name not in BUILTIN or len(specs) != 3:
+        return None
     try:
-        if name == "conv_general_dilated" and len(specs) == 2:
-            req, outs = _conv(eqn.params, specs, out_shapes[0], out_dtypes[0])
-            return name, {}, req, outs
-        if name in ("scatter-add", "scatter") and len(specs) == 3:
-            req, outs = _scatter(name, eqn.params, specs, out_dtypes[0])
-            return name, {}, req, outs
-        built = _builtin_for(name, eqn, len(specs))
-        if built is None:
-            return None
-        rule, attrs = built
-        req, outs = _factor_forward(rule, attrs, specs, mesh, out_dtypes, out_shapes)
+        req, outs = _scatter(name, eqn.params, specs, out_dtypes[0])
     except RULE_ERRORS:
         return None
     if [o.shape for o in outs] != list(out_shapes):
         return None
-    return rule.name, {k: v for k, v in attrs.items() if k[0] != "_"}, req, outs
+    return name, {}, req, outs
 
 
 def _scatter(
@@ -347,42 +198,6 @@ def _scatter(
         TensorSpec(u.shape, u_dims, dtype=u.dtype),
     )
     out = TensorSpec(o.shape, out_dims, partial=partial, dtype=out_dtype)
-    return req, (out,)
-
-
-def _conv(
-    p: Mapping, specs: tuple[TensorSpec, ...], out_shape: tuple, out_dtype: Any
-) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """conv_general_dilated like a matmul: the lhs batch dim and the rhs output-feature
-    dim pass to the output, the input-feature dims contract (sum-partial when both
-    operands shard them alike); spatial dims replicated (halos are not modelled);
-    grouped convolutions keep features replicated."""
-    lhs, rhs = specs
-    dn = p["dimension_numbers"]
-    lb, lf = dn.lhs_spec[:2]
-    ro, ri = dn.rhs_spec[:2]
-    ob, of = dn.out_spec[:2]
-    grouped = p.get("feature_group_count", 1) != 1 or p.get("batch_group_count", 1) != 1
-    used: set[str] = set()
-
-    def take(axes: tuple[str, ...]) -> tuple[str, ...]:
-        got = tuple(a for a in axes if a not in used)
-        used.update(got)
-        return got
-
-    b = take(lhs.dims[lb])
-    k = () if grouped else take(lhs.dims[lf] or rhs.dims[ri])
-    o = () if grouped else take(rhs.dims[ro])
-    ld = [() for _ in lhs.shape]
-    rd = [() for _ in rhs.shape]
-    od = [() for _ in out_shape]
-    ld[lb], ld[lf], rd[ri], rd[ro] = b, k, k, o
-    od[ob], od[of] = b, o
-    req = (
-        TensorSpec(lhs.shape, ld, dtype=lhs.dtype),
-        TensorSpec(rhs.shape, rd, dtype=rhs.dtype),
-    )
-    out = TensorSpec(out_shape, od, partial={a: "sum" for a in k}, dtype=out_dtype)
     return req, (out,)
 
 

@@ -54,6 +54,8 @@ def random_value(
         return rng.uniform(0.8, 1.25, size=shape).astype(dt)
     if domain == "unit":
         return rng.uniform(-0.9, 0.9, size=shape).astype(dt)
+    if domain == "above_one":
+        return rng.uniform(1.25, 3.0, size=shape).astype(dt)
     return rng.standard_normal(shape).astype(dt)
 
 

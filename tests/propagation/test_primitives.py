@@ -285,3 +285,46 @@ def test_device_put_between_memory_kinds_keeps_each_layout(mesh2d):
     outs = [r for r in prop.records if r.op != "device_put"][-2:]
     assert [o.outputs[0].dims for o in outs] == [(("a",), ("b",)), (("b",),)]
     assert prop.comm_bytes == 0
+
+
+def _every_former_builtin(x, w, i):
+    """One step through each primitive the propagator once laid out with an unchecked
+    built-in (now each a registered rule of its own name)."""
+    lax = jax.lax
+    y = jnp.cumsum(x, 0) + jnp.cumprod(x, 1) + lax.cummax(x, 0) + lax.cummin(x, 1)
+    y = y + lax.cumlogsumexp(x, 0) + jnp.flip(x, 1) + jnp.sort(x, 0)
+    y = y + jnp.floor(x) + jnp.ceil(x) + jnp.round(x) + jnp.clip(x, 0.0, 1.0)
+    y = y + jnp.exp2(x) + jnp.sinh(x) + jnp.cosh(x) + jnp.tan(x) + jnp.arcsinh(x)
+    y = y + jnp.arctan(x) + jnp.cbrt(x) + jnp.fmod(x, 3.0) + lax.clamp(0.0, x, 1.0)
+    y = y + lax.erf_inv(jnp.tanh(x)) + lax.erfc(x) + lax.lgamma(x) + lax.digamma(x)
+    y = y + lax.reduce_precision(x, 5, 10) + lax.stop_gradient(x) + jnp.copy(x)
+    y = y + jnp.where(jnp.isfinite(x), x, 0.0) + lax.nextafter(x, y)
+    y = y + (lax.shift_left(i, i) ^ lax.population_count(i)).astype(F32)
+    y = y + lax.argmax(x, 1, "int32")[:, None] + lax.argmin(x, 0, "int32")[None, :]
+    y = y + jnp.argsort(x, 1) + lax.top_k(x, 2)[0].sum() + jax.device_put(x)
+    img = lax.conv_general_dilated(
+        y[None, None], w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW")
+    )
+    return lax.optimization_barrier(img)
+
+
+def test_every_op_the_propagator_applies_is_a_registered_rule(mesh1d):
+    """What the propagator can apply: a registered rule of the primitive's name, or
+    one of the engine's structural layouts (STRUCTURAL_OPS: constraints, generators,
+    shard_map, the built-in scatter). Traced through every primitive that used to have
+    an unchecked built-in fallback, no step names anything else and none is unknown."""
+    from spmdkit.propagation.engine import STRUCTURAL_OPS
+
+    ops = set(sk.registered_ops())
+    assert not (STRUCTURAL_OPS - {"optimization_barrier"}) & ops  # no shadowed rule
+    args = (S((16, 8), F32), S((4, 1, 3, 3), F32), S((16, 8), "int32"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no rule registered" warning
+        prop = propagate(_every_former_builtin, *args, in_specs=(P("x"), None, P("x")), mesh=mesh1d)
+    assert not prop.unknown
+    used = {r.op for r in prop.records if r.op is not None}
+    assert used <= ops | STRUCTURAL_OPS, sorted(used - ops - STRUCTURAL_OPS)
+    former = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "rev", "sort"}
+    former |= {"top_k", "argmax", "argmin", "conv_general_dilated", "reduce_precision"}
+    former |= {"floor", "ceil", "round", "clamp", "rem", "is_finite", "population_count"}
+    assert former <= used & ops, sorted(former - used)

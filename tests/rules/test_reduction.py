@@ -31,3 +31,45 @@ def test_full_reduction_of_a_2d_sharded_tensor():
 def test_bad_axis_is_a_conflict():
     with pytest.raises(sk.ShardingConflictError):
         sk.infer_forward("reduce_sum", T((8, 4)), mesh=sk.abstract_mesh(x=2), axis=5)
+
+
+@pytest.mark.parametrize(
+    ("op", "passes"),
+    [
+        ("cumsum", {"sum", "avg"}),
+        ("cummax", {"max"}),
+        ("cummin", {"min"}),
+        ("cumprod", set()),
+        ("cumlogsumexp", set()),
+    ],
+)
+def test_a_pending_reduction_passes_a_scan_of_its_own_op(op, passes):
+    mesh = sk.abstract_mesh(x=4)
+    for pending in ("sum", "avg", "max", "min"):
+        r = sk.infer_forward(op, T((8, 4), partial={"x": pending}), mesh=mesh, axis=0)
+        assert dict(r.outputs[0].partial) == ({"x": pending} if pending in passes else {})
+
+
+def _cumsum_example():
+    return [sk.Example(((8, 4),), attrs={"axis": 0}), sk.Example(((4, 8),), attrs={"axis": 1})]
+
+
+def test_cumsum_passes_check_rule_with_max_and_min_partial_inputs(mesh1d):
+    """Every input layout of each example (max- and min-partial ones included), and
+    the same sweep refuses the policy cumsum had as a built-in (LINEAR: a pending max
+    passed through, so a running sum of the devices' pieces was maxed afterwards)."""
+    from spmdkit.testing import check_rule, enumerate_specs
+
+    partials = {p for s in enumerate_specs((8, 4), mesh1d) for _, p in s.partial}
+    assert {"max", "min"} <= partials  # the sweep below runs them all (max_cases=None)
+    report = check_rule(
+        "cumsum", mesh=mesh1d, examples=_cumsum_example(), max_cases=None, grads=False
+    )
+    assert report.ok, str(report)
+    rule = sk.get_rule("cumsum")
+    linear = sk.FactorRule("cumsum_linear", rule.notation, impl=rule.impl, partial="LINEAR")
+    wrong = check_rule(
+        linear, mesh=mesh1d, examples=_cumsum_example(), max_cases=None, grads=False, missing=False
+    )
+    given = {p for case in wrong.wrong for s in case.given for _, p in s.partial}
+    assert given == {"max", "min"}, str(wrong)
