@@ -1,4 +1,6 @@
-"""index_put: write (``accumulate=False``) or add (``accumulate=True``) values at
+"""index_put and the scatter primitives.
+
+index_put: write (``accumulate=False``) or add (``accumulate=True``) values at
 index positions — what ``x.at[idx].set(v)`` / ``.add(v)`` and scatters lower to.
 
 Operands: ``x`` of shape ``[n_0, …, n_{k-1}, *t]``, then ``k`` integer index
@@ -32,6 +34,18 @@ Algebra:
 * Grad: ``d x = g`` with the written positions zeroed (``set``) or ``g``
   (``add``), laid out as ``x``; ``d value = g[idx]``, laid out as ``value``.
   Both are linear in ``g``, so a sum/avg-partial cotangent passes through.
+
+``scatter`` and ``scatter-add`` are the jax primitives (``lax.scatter``,
+``lax.scatter_add``, with their dimension numbers: what a jaxpr holds for
+``x.at[i].set/add`` and for the grads of a gather or ``take_along_axis``). The
+indexed operand dims stay unsharded; window dims and batching dims are shared by
+operand and updates (and indices) and keep their sharding, the operand's first.
+``scatter-add`` keeps the updates' scatter dims sharded too: each device adds its
+own updates, so the result is sum-partial over those axes (the operand joins as
+a free local split); plain ``scatter`` gathers them. Pending reductions on the
+inputs are resolved. The grad takes the cotangent laid out like the result
+(partials resolved): ``d operand`` is laid out like the operand, ``d updates``
+like the updates.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from spmdkit.engine.rule import (
     Example,
@@ -55,7 +70,14 @@ from spmdkit.engine.rule import (
 from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import TensorSpec
 
-__all__ = ["RULES", "IndexPutRule", "index_put_reference"]
+__all__ = [
+    "PRIMITIVE_RULES",
+    "RULES",
+    "IndexPutRule",
+    "ScatterRule",
+    "index_put_reference",
+    "scatter_layout",
+]
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -379,4 +401,255 @@ _EXAMPLES = (
     ),
 )
 
-RULES = (IndexPutRule(_EXAMPLES),)
+# ---------------------------------------------------------------------------
+# The scatter primitives
+# ---------------------------------------------------------------------------
+
+
+def scatter_layout(
+    name: str, dn: Any, specs: Sequence[TensorSpec]
+) -> tuple[tuple[TensorSpec, ...], TensorSpec]:
+    """scatter / scatter-add (operand, indices, updates): the indexed operand dims
+    replicated; window dims and batching dims (``take_along_axis``) shared by
+    operand, updates (and indices), taking the operand's axes, else the updates',
+    else (batching dims) the indices'; the updates' other scatter dims keep their
+    axes — for scatter-add each device adds its own updates, so the result is
+    sum-partial over those axes (the operand joins as partial for free); plain
+    scatter gathers them instead."""
+    o, idx, u = specs
+    indexed = set(dn.scatter_dims_to_operand_dims)
+    o_batch = tuple(getattr(dn, "operand_batching_dims", ()))
+    i_batch = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+    windowed = [
+        d for d in range(o.ndim) if d not in set(dn.inserted_window_dims) and d not in o_batch
+    ]
+    link = dict(zip(windowed, dn.update_window_dims, strict=True))  # operand dim -> update dim
+    scatter_dims = [k for k in range(u.ndim) if k not in set(dn.update_window_dims)]
+    idx_dims = list(range(idx.ndim - 1))  # the last indices dim holds the index vectors
+    upd_of_idx = dict(zip(idx_dims, scatter_dims, strict=True))
+    idx_of_upd = {k: i for i, k in upd_of_idx.items()}
+    idx_of_batch = dict(zip(o_batch, i_batch, strict=True))
+    for od, idim in idx_of_batch.items():
+        link[od] = upd_of_idx[idim]
+    out_dims: list[tuple[str, ...]] = []
+    used: set[str] = set()
+    for d in range(o.ndim):
+        axes: tuple[str, ...] = ()
+        w = link.get(d)
+        if d not in indexed:
+            if o.dims[d]:
+                axes = o.dims[d]
+            elif w is not None and u.shape[w] == o.shape[d] and u.dims[w]:
+                axes = u.dims[w]
+            elif d in idx_of_batch and idx.shape[idx_of_batch[d]] == o.shape[d]:
+                axes = idx.dims[idx_of_batch[d]]  # sharded labels: scatter locally
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out_dims.append(axes)
+    u_dims: list[tuple[str, ...]] = [() for _ in range(u.ndim)]
+    i_dims: list[tuple[str, ...]] = [() for _ in range(idx.ndim)]
+    for d, w in link.items():
+        if u.shape[w] == o.shape[d]:
+            u_dims[w] = out_dims[d]
+            if w in idx_of_upd:
+                i_dims[idx_of_upd[w]] = out_dims[d]
+    partial: dict[str, str] = {}
+    if name == "scatter-add":
+        linked = set(link.values())
+        for k in scatter_dims:
+            if k in linked:
+                continue
+            axes = tuple(a for a in u.dims[k] if a not in used)
+            used.update(axes)
+            u_dims[k] = axes
+            if k in idx_of_upd:
+                i_dims[idx_of_upd[k]] = axes
+            partial.update({a: "sum" for a in axes})
+    req = (
+        TensorSpec(o.shape, out_dims, partial=partial, dtype=o.dtype),
+        TensorSpec(idx.shape, i_dims, dtype=idx.dtype),
+        TensorSpec(u.shape, u_dims, dtype=u.dtype),
+    )
+    out = TensorSpec(o.shape, out_dims, partial=partial, dtype=o.dtype)
+    return req, out
+
+
+def _scatter_dn(attrs: Any) -> lax.ScatterDimensionNumbers:
+    """The dimension numbers of a call (a plain tuple once the attributes were hashed)."""
+    dn = attrs["dimension_numbers"]
+    return dn if isinstance(dn, lax.ScatterDimensionNumbers) else lax.ScatterDimensionNumbers(*dn)
+
+
+def _scatter_impl(add: bool) -> Callable[..., jax.Array]:
+    fn = lax.scatter_add if add else lax.scatter
+
+    def impl(
+        operand: jax.Array,
+        indices: jax.Array,
+        updates: jax.Array,
+        *,
+        dimension_numbers: Any,
+        indices_are_sorted: bool = False,
+        unique_indices: bool = False,
+        mode: Any = None,
+        **_: Any,
+    ) -> jax.Array:
+        dn = _scatter_dn({"dimension_numbers": dimension_numbers})
+        return fn(
+            operand,
+            indices,
+            updates,
+            dn,
+            indices_are_sorted=indices_are_sorted,
+            unique_indices=unique_indices,
+            mode=mode,
+        )
+
+    return impl
+
+
+class ScatterRule(Rule):
+    """``scatter`` / ``scatter-add``, the jax primitives (see the module docstring).
+    Not ``searched``: XLA partitions them as this layout says (the updates stay
+    where they are), so propagation predicts that rather than a cheaper layout."""
+
+    searched = False
+
+    def __init__(self, name: str, examples: Sequence[Example]) -> None:
+        self.name = name
+        self.impl = _scatter_impl(name == "scatter-add")
+        self.examples = tuple(examples)
+        self.doc = (
+            "lax.scatter_add: window and batching dims pass; the updates' scatter dims stay "
+            "sharded, the result sum-partial over them"
+            if name == "scatter-add"
+            else "lax.scatter: window and batching dims pass; indexed dims and the updates' "
+            "scatter dims unsharded"
+        )
+
+    def describe(self, shapes: Sequence[tuple[int, ...]] | None = None, **attrs: Any) -> str:
+        """The layout in one line."""
+        return self.doc
+
+    def _check(self, ctx: RuleContext, inputs: Sequence[TensorSpec]) -> lax.ScatterDimensionNumbers:
+        if len(inputs) != 3:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must="three operands: operand, indices, updates",
+                given=f"{len(inputs)} operands",
+                fix=f"call {ctx.op} as lax.{self.impl.__name__} does",
+            )
+        return _scatter_dn(ctx.attrs)
+
+    def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
+        """:func:`scatter_layout`."""
+        req, out = scatter_layout(self.name, self._check(ctx, inputs), inputs)
+        return Inferred(req, (out,))
+
+    def grad(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], out_grads: tuple[TensorSpec, ...]
+    ) -> InferredGrad:
+        """The forward layout; the cotangent laid out like the result, partials
+        resolved; each input's grad laid out like the input (a device's updates'
+        grad is the cotangent read at its own indices; the operand's is the
+        cotangent, whole on every device that holds a partial piece)."""
+        dn = self._check(ctx, inputs)
+        (g,) = out_grads
+        if g.shape != inputs[0].shape:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must=f"out_grads have the operand's shape {inputs[0].shape}",
+                given=str(g.shape),
+                fix="pass the cotangent of the op's output",
+            )
+        plain = tuple(s.without_partial() for s in inputs)
+        req, out = scatter_layout(self.name, dn, plain)
+        req_g = TensorSpec(g.shape, out.dims, dtype=g.dtype)
+        grads = tuple(s.without_partial() for s in req)
+        return InferredGrad(req, (req_g,), grads, (out,))
+
+    def padding_fills(self, lctx: LocalContext) -> tuple[Any, ...] | None:
+        """Padded indices point at 0 and padded updates are 0: added or written, they
+        reach only padding (a batching dim's padded row) or add nothing."""
+        specs = (*lctx.inputs, *lctx.outputs)
+        if all(
+            not s.dims[d] or n % lctx.shards(s, d) == 0
+            for s in specs
+            for d, n in enumerate(s.shape)
+        ):
+            return None
+        return (None, 0, 0)
+
+
+def _scatter_values(
+    shapes: tuple[tuple[int, ...], ...], indexed: int, *, unique: bool
+) -> Callable[[np.random.Generator], list[np.ndarray]]:
+    """Operand and updates random, indices in ``[0, indexed)`` (distinct per batch
+    row for a plain scatter: duplicate writes are order-dependent)."""
+    o, i, u = shapes
+
+    def make(rng: np.random.Generator) -> list[np.ndarray]:
+        rows = math.prod(i[:-1]) // (i[0] if len(i) > 2 else 1)
+        batch = i[0] if len(i) > 2 else 1
+        idx = np.stack(
+            [
+                rng.choice(indexed, size=rows, replace=False)
+                if unique
+                else rng.integers(0, indexed, size=rows)
+                for _ in range(batch)
+            ]
+        )
+        return [
+            rng.standard_normal(o).astype(np.float32),
+            idx.reshape(i).astype(np.int32),
+            rng.standard_normal(u).astype(np.float32),
+        ]
+
+    return make
+
+
+_ROWS_DN = lax.ScatterDimensionNumbers(
+    update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+)
+_BATCHED_DN = lax.ScatterDimensionNumbers(
+    update_window_dims=(),
+    inserted_window_dims=(1,),
+    scatter_dims_to_operand_dims=(1,),
+    operand_batching_dims=(0,),
+    scatter_indices_batching_dims=(0,),
+)
+_SCATTER_IO = {"dtypes": ("float32", "int32", "float32"), "differentiable": (True, False, True)}
+
+
+def scatter_example(
+    shapes: tuple[tuple[int, ...], ...], dn: Any, *, unique: bool, uneven: bool = False
+) -> Example:
+    """An example of scatter / scatter-add: rows (``x.at[i].add(v)``) or a batched
+    scatter (``take_along_axis``'s grad) by ``dn``; indices in range."""
+    o = shapes[0]
+    indexed = o[dn.scatter_dims_to_operand_dims[0]]
+    attrs = {"dimension_numbers": dn, "mode": lax.GatherScatterMode.FILL_OR_DROP}
+    return Example(
+        shapes,
+        attrs=attrs,
+        values=_scatter_values(shapes, indexed, unique=unique),
+        uneven=uneven,
+        **_SCATTER_IO,
+    )
+
+
+def _scatter_examples(unique: bool) -> tuple[Example, ...]:
+    return (
+        scatter_example(((8, 4), (6, 1), (6, 4)), _ROWS_DN, unique=unique),
+        scatter_example(((4, 8), (4, 2, 1), (4, 2)), _BATCHED_DN, unique=unique),
+        scatter_example(((8, 6), (3, 1), (3, 6)), _ROWS_DN, unique=unique, uneven=True),
+    )
+
+
+#: The rules of primitives the library has no op of its own for.
+PRIMITIVE_RULES = (
+    ScatterRule("scatter", _scatter_examples(unique=True)),
+    ScatterRule("scatter-add", _scatter_examples(unique=False)),
+)
+
+RULES = (IndexPutRule(_EXAMPLES), *PRIMITIVE_RULES)

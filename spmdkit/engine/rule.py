@@ -426,6 +426,11 @@ class Rule:
         buffers XLA cannot fuse away (matmul outputs, a loop's per-iteration
         values: attention's scores), so the memory estimate counts them in its
         lower bound too, not only in the materialized one.
+      searched: whether propagation may try the rule on other operand layouts
+        for a cheaper answer (it does where the answer communicates or leaves a
+        new pending sum). False where XLA partitions the primitive exactly as the
+        rule's first answer says (scatter-add: each device adds its own updates
+        and the sum is reduced after), so the prediction stays XLA's.
     """
 
     name: str
@@ -435,6 +440,7 @@ class Rule:
     doc: str = ""
     strategies: tuple[str, ...] = ("default",)
     scratch_materializes: bool = False
+    searched: bool = True
 
     def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
         """Input specs → required input specs and output specs."""

@@ -67,7 +67,8 @@ class Chooser:
         """The rule's answer; where that costs communication, also the answers led
         by each sharded operand alone and the one with the operands' backward hints
         (the layouts later equations want); the cheapest whose outputs are no bigger
-        per device wins (ties keep the rule's own answer)."""
+        per device wins (ties keep the rule's own answer). A rule that is not
+        ``searched`` gives its own answer only."""
         hinted = None
         if self.hints and ins:
             hinted = tuple(
@@ -99,6 +100,8 @@ class Chooser:
         still: tuple[bool, ...],
     ) -> InferenceResult:
         res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
+        if not get_rule(op).searched:
+            return res
         if len(res.outputs) > 1 and any(s.partial for s in specs):
             # a pending sum split into several results (the cotangent of a
             # concatenation) is resolved first, where the replay can pin it: XLA

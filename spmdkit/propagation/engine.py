@@ -1,8 +1,8 @@
 """The propagation engine: one forward sweep of specs over a flattened program.
 
 :class:`Engine` walks a :class:`~spmdkit.propagation.graph.Graph` node by node:
-each equation's operand specs go to its rule (registered, via
-:func:`~spmdkit.propagation.primitives.to_rule`, else a built-in fallback), the
+each equation's operand specs go to its registered rule (via
+:func:`~spmdkit.propagation.primitives.to_rule`), the
 :class:`~spmdkit.propagation.choose.Chooser` picks among the rule's answers and
 the hints, and the node's result specs are recorded; loops and branches go to
 :mod:`spmdkit.propagation.control`. Every decision is appended as a
@@ -35,10 +35,8 @@ from spmdkit.propagation.control import cond, scan, while_loop
 from spmdkit.propagation.graph import FlatProgram, Graph, Node
 from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import (
-    BUILTIN,
     GENERATORS,
     RULE_ERRORS,
-    builtin_forward,
     index_parallel,
     to_rule,
     with_masked_lookup,
@@ -52,13 +50,11 @@ __all__ = ["STRUCTURAL_OPS", "Engine"]
 
 #: The ops a step may name that are not registered rules: layouts the engine gives
 #: by construction (fresh values, sharding constraints, a ``shard_map``'s own specs,
-#: an optimization barrier over several operands) and the built-in scatter
-#: (:data:`~spmdkit.propagation.primitives.BUILTIN`). Every other op a step names is a
+#: an optimization barrier over several operands). Every other op a step names is a
 #: registered rule (``spmdkit rules`` lists it; tests/propagation/test_primitives.py).
 STRUCTURAL_OPS = frozenset(
     {
         *GENERATORS,
-        *BUILTIN,
         "sharding_constraint",
         "reshard",
         "mesh_cast",
@@ -222,11 +218,6 @@ class Engine:
         conv = to_rule(node.eqn)
         if conv is not None and conv[0] in self.ops:
             return self._by_rule(node, specs, *conv)
-        out_shapes = [self.prog.shapes[o] for o in node.outs]
-        out_dtypes = [self.prog.dtypes[o] for o in node.outs]
-        built = builtin_forward(node.eqn, specs, out_shapes, out_dtypes, self.mesh)
-        if built is not None:
-            return built
         self.warn(name, "no rule registered")
         return self._unknown(node, specs)
 

@@ -4,31 +4,28 @@
 (``dot_general``, ``add``, ``reduce_sum``…; ``sk.register_primitive`` adds a
 mapping, held by the registry). Every primitive the propagator lays out goes
 through the registered rule of its name (``cumsum``, ``floor``, ``top_k``,
-``conv_general_dilated``…: ``spmdkit rules`` lists them, the rule sweep checks
-them), except scatter / scatter-add (:data:`BUILTIN`), laid out by
-:func:`builtin_forward`. :func:`index_parallel` and :func:`with_masked_lookup`
-make a gather from a table sharded over the indexed dim the masked local lookup
-XLA emits.
+``conv_general_dilated``, ``scatter-add``…: ``spmdkit rules`` lists them, the rule
+sweep checks them); there are no built-in layouts. :func:`index_parallel` and
+:func:`with_masked_lookup` make a gather from a table sharded over the indexed
+dim the masked local lookup XLA emits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from spmdkit.engine.registry import primitive_converter
 from spmdkit.errors import SpmdError
-from spmdkit.spec import MeshLike, TensorSpec
+from spmdkit.spec import TensorSpec
 
 __all__ = [
-    "BUILTIN",
     "GENERATORS",
     "REDUCERS",
     "RULE_ERRORS",
-    "builtin_forward",
     "drop_axes",
     "index_parallel",
     "to_rule",
@@ -39,10 +36,6 @@ __all__ = [
 #: equation then falls back to replicated, warned and counted, never a crash.
 #: Anything else raised inside a rule is a bug in the rule and surfaces.
 RULE_ERRORS = (SpmdError, NotImplementedError)
-
-#: Primitives the propagator lays out by a built-in layout rather than a registered
-#: rule (every other primitive is propagated by the registered rule of its name).
-BUILTIN = frozenset({"scatter", "scatter-add"})
 
 #: Reduction primitives: their ``axes`` parameter is the rules' ``axis``.
 REDUCERS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
@@ -74,6 +67,8 @@ _IGNORED_PARAMS = frozenset(
         "algorithm",
         "transpose_algorithm",
         "weak_type",
+        "update_jaxpr",
+        "update_consts",
     }
 )
 _RENAMES = {"add_any": "add"}
@@ -106,99 +101,6 @@ def _to_rule_unchecked(eqn: Any) -> tuple[str, dict] | None:
         return name, {"y": int(params["y"])}
     attrs = {k: v for k, v in params.items() if k not in _IGNORED_PARAMS}
     return _RENAMES.get(name, name), attrs
-
-
-# -- the one built-in left: scatter ------------------------------------------------
-
-
-def builtin_forward(
-    eqn: Any,
-    specs: tuple[TensorSpec, ...],
-    out_shapes: Sequence[tuple[int, ...]],
-    out_dtypes: Sequence[Any],
-    mesh: MeshLike,
-) -> tuple[str, dict, tuple[TensorSpec, ...], tuple[TensorSpec, ...]] | None:
-    """(op, attrs, required inputs, outputs) from the built-in scatter / scatter-add
-    layout; None when the equation is not one or it does not fit."""
-    name = eqn.primitive.name
-    if name not in BUILTIN or len(specs) != 3:
-        return None
-    try:
-        req, outs = _scatter(name, eqn.params, specs, out_dtypes[0])
-    except RULE_ERRORS:
-        return None
-    if [o.shape for o in outs] != list(out_shapes):
-        return None
-    return name, {}, req, outs
-
-
-def _scatter(
-    name: str, p: Mapping, specs: tuple[TensorSpec, ...], out_dtype: Any
-) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """scatter / scatter-add (operand, indices, updates): the indexed operand dims
-    replicated; window dims and batching dims (``take_along_axis``) shared by
-    operand, updates (and indices), taking the operand's axes, else the updates',
-    else (batching dims) the indices'; the updates' other scatter dims keep their
-    axes — for scatter-add each device adds its own updates, so the result is
-    sum-partial over those axes (the operand joins as partial for free); plain
-    scatter gathers them instead."""
-    dn = p["dimension_numbers"]
-    o, idx, u = specs
-    indexed = set(dn.scatter_dims_to_operand_dims)
-    o_batch = tuple(getattr(dn, "operand_batching_dims", ()))
-    i_batch = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
-    windowed = [
-        d for d in range(o.ndim) if d not in set(dn.inserted_window_dims) and d not in o_batch
-    ]
-    link = dict(zip(windowed, dn.update_window_dims, strict=True))  # operand dim -> update dim
-    scatter_dims = [k for k in range(u.ndim) if k not in set(dn.update_window_dims)]
-    idx_dims = list(range(idx.ndim - 1))  # the last indices dim holds the index vectors
-    upd_of_idx = dict(zip(idx_dims, scatter_dims, strict=True))
-    idx_of_upd = {k: i for i, k in upd_of_idx.items()}
-    idx_of_batch = dict(zip(o_batch, i_batch, strict=True))
-    for od, idim in idx_of_batch.items():
-        link[od] = upd_of_idx[idim]
-    out_dims: list[tuple[str, ...]] = []
-    used: set[str] = set()
-    for d in range(o.ndim):
-        axes: tuple[str, ...] = ()
-        w = link.get(d)
-        if d not in indexed:
-            if o.dims[d]:
-                axes = o.dims[d]
-            elif w is not None and u.shape[w] == o.shape[d] and u.dims[w]:
-                axes = u.dims[w]
-            elif d in idx_of_batch and idx.shape[idx_of_batch[d]] == o.shape[d]:
-                axes = idx.dims[idx_of_batch[d]]  # sharded labels: scatter locally
-        axes = tuple(a for a in axes if a not in used)
-        used.update(axes)
-        out_dims.append(axes)
-    u_dims: list[tuple[str, ...]] = [() for _ in range(u.ndim)]
-    i_dims: list[tuple[str, ...]] = [() for _ in range(idx.ndim)]
-    for d, w in link.items():
-        if u.shape[w] == o.shape[d]:
-            u_dims[w] = out_dims[d]
-            if w in idx_of_upd:
-                i_dims[idx_of_upd[w]] = out_dims[d]
-    partial: dict[str, str] = {}
-    if name == "scatter-add":
-        linked = set(link.values())
-        for k in scatter_dims:
-            if k in linked:
-                continue
-            axes = tuple(a for a in u.dims[k] if a not in used)
-            used.update(axes)
-            u_dims[k] = axes
-            if k in idx_of_upd:
-                i_dims[idx_of_upd[k]] = axes
-            partial.update({a: "sum" for a in axes})
-    req = (
-        TensorSpec(o.shape, out_dims, partial=partial, dtype=o.dtype),
-        TensorSpec(idx.shape, i_dims, dtype=idx.dtype),
-        TensorSpec(u.shape, u_dims, dtype=u.dtype),
-    )
-    out = TensorSpec(o.shape, out_dims, partial=partial, dtype=out_dtype)
-    return req, (out,)
 
 
 # -- a gather from a table sharded over the indexed dim ------------------------------

@@ -21,6 +21,7 @@ import pytest
 from jax import lax
 
 import spmdkit as sk
+from spmdkit.rules.index_put import scatter_example
 from spmdkit.rules.pooling import window_map
 from spmdkit.testing import check_jit, check_rule
 
@@ -215,6 +216,16 @@ _ROWS = {
     "slice_sizes": (1, 32),
     "mode": lax.GatherScatterMode.CLIP,
 }
+_ROWS_DN = lax.ScatterDimensionNumbers(
+    update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+)
+_BATCHED_DN = lax.ScatterDimensionNumbers(
+    update_window_dims=(),
+    inserted_window_dims=(1,),
+    scatter_dims_to_operand_dims=(1,),
+    operand_batching_dims=(0,),
+    scatter_indices_batching_dims=(0,),
+)
 _IDX = {"dtypes": (_F, _I, _I), "differentiable": (True, False, False)}
 _IDX_LOOKUP = {"dtypes": (_F, _I), "differentiable": (True, False)}
 _WRITE = {"dtypes": (_F, _I, _F), "differentiable": (True, False, True)}
@@ -279,6 +290,11 @@ _AT_32_64 = {
         _ex(((32, 2),), {"new_sizes": (64,), "dimensions": None}),
         _ex(((32, 64),), {"new_sizes": (32, 2, 32), "dimensions": None}),
         _ex(((64, 32),), {"new_sizes": (2048,), "dimensions": None}),
+    ],
+    "scatter": [scatter_example(((64, 32), (32, 1), (32, 32)), _ROWS_DN, unique=True, uneven=True)],
+    "scatter-add": [
+        scatter_example(((64, 32), (32, 1), (32, 32)), _ROWS_DN, unique=False, uneven=True),
+        scatter_example(((32, 64), (32, 16, 1), (32, 16)), _BATCHED_DN, unique=False, uneven=True),
     ],
     "select_and_scatter_add": [dataclasses.replace(_scatter((2, 6, 6, 64), _POOL2D), uneven=True)],
     "slice": [
