@@ -7,7 +7,11 @@
 Each check runs twice over: a sample in the default run (``[<op>-sample]``) and the
 full sample in the slow step (``[<op>-full]``, ``python -m pytest -m slow``), where CI
 runs the full sweeps (and the 2 x 3 mesh's) of every fourth op of each family
-(tests/conftest.py, ``SWEEP_EVERY``; ``SPMDKIT_FULL_SWEEP=1`` runs every op's). The sweeps
+(tests/conftest.py, ``SWEEP_EVERY``; ``SPMDKIT_FULL_SWEEP=1`` runs every op's). The
+rules of jax primitives the library has no op for (each family's ``PRIMITIVE_RULES``:
+``cumsum``, ``floor``, ``scatter-add``…) are sampled further: the sample sweeps of
+every sixteenth of each family run in the slow step, the rest only under
+``SPMDKIT_FULL_SWEEP=1`` (``PRIMITIVE_EVERY``). The sweeps
 spend their time compiling: the unsharded reference per example (shared by an op's
 sweeps, which run one after another) and one program per example and sweep whose
 size grows with the sample.
