@@ -151,7 +151,7 @@ def conv_notation(
 
         >>> dn = lax.ConvDimensionNumbers((0, 1, 2), (0, 1, 2), (0, 1, 2))
         >>> str(conv_notation(((8, 4, 6), (8, 4, 3)), dimension_numbers=dn))
-        'b f s0, o f k0 -> b o t0  [replicated: k0, s0, t0]  [reduce f, k0, s0: sum]'
+        'b f s0, o f k0 -> b o t0  [reduce f,s0,k0: sum]  [replicated: k0,s0,t0]'
     """
     lhs, rhs = shapes
     lspec, rspec, ospec = dimension_numbers
