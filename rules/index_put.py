@@ -539,12 +539,68 @@ class ScatterRule(Rule):
                 given=f"{len(inputs)} operands",
                 fix=f"call {ctx.op} as lax.{self.impl.__name__} does",
             )
-        return _scatter_dn(ctx.attrs)
+        try:
+            return _scatter_dn(ctx.attrs)
+        except (KeyError, TypeError) as e:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must="dimension_numbers is a lax.ScatterDimensionNumbers",
+                given=repr(ctx.attrs.get("dimension_numbers")),
+                fix="pass the dimension_numbers of the lax call",
+            ) from e
+
+    def _layout(
+        self, ctx: RuleContext, specs: Sequence[TensorSpec]
+    ) -> tuple[tuple[TensorSpec, ...], TensorSpec]:
+        """:func:`scatter_layout`, its failures on operands that do not fit the
+        dimension numbers as a typed error."""
+        dn = self._check(ctx, specs)
+        try:
+            return scatter_layout(self.name, dn, specs)
+        except (IndexError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must="operand, indices and updates fit the dimension numbers",
+                given=f"shapes {[s.shape for s in specs]}, {dn} ({type(e).__name__}: {e})",
+                fix="pass the operands and dimension_numbers of the lax call",
+            ) from e
 
     def forward(self, ctx: RuleContext, inputs: tuple[TensorSpec, ...]) -> Inferred:
         """:func:`scatter_layout`."""
-        req, out = scatter_layout(self.name, self._check(ctx, inputs), inputs)
+        req, out = self._layout(ctx, inputs)
         return Inferred(req, (out,))
+
+    def backward(
+        self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]
+    ) -> Inferred:
+        """The layout whose result has the output's dims: the operand laid out as the
+        output, indices and updates following it (no pending sums asked of them)."""
+        (out,) = self._one_output(ctx, inputs, outputs, "outputs")
+        o, idx, u = inputs
+        want = (
+            TensorSpec(o.shape, out.dims, dtype=o.dtype),
+            TensorSpec(idx.shape, dtype=idx.dtype),
+            TensorSpec(u.shape, dtype=u.dtype),
+        )
+        req, res = self._layout(ctx, want)
+        return Inferred(req, (res,))
+
+    def _one_output(
+        self,
+        ctx: RuleContext,
+        inputs: Sequence[TensorSpec],
+        given: Sequence[TensorSpec],
+        what: str,
+    ) -> Sequence[TensorSpec]:
+        self._check(ctx, inputs)
+        if len(given) != 1 or given[0].shape != inputs[0].shape:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must=f"one of {what}, of the operand's shape {inputs[0].shape}",
+                given=str([g.shape for g in given]),
+                fix=f"pass the {what} of the op's result",
+            )
+        return given
 
     def grad(
         self, ctx: RuleContext, inputs: tuple[TensorSpec, ...], out_grads: tuple[TensorSpec, ...]
@@ -553,17 +609,9 @@ class ScatterRule(Rule):
         resolved; each input's grad laid out like the input (a device's updates'
         grad is the cotangent read at its own indices; the operand's is the
         cotangent, whole on every device that holds a partial piece)."""
-        dn = self._check(ctx, inputs)
-        (g,) = out_grads
-        if g.shape != inputs[0].shape:
-            raise ShardingConflictError(
-                op=ctx.op,
-                must=f"out_grads have the operand's shape {inputs[0].shape}",
-                given=str(g.shape),
-                fix="pass the cotangent of the op's output",
-            )
+        (g,) = self._one_output(ctx, inputs, out_grads, "out_grads")
         plain = tuple(s.without_partial() for s in inputs)
-        req, out = scatter_layout(self.name, dn, plain)
+        req, out = self._layout(ctx, plain)
         req_g = TensorSpec(g.shape, out.dims, dtype=g.dtype)
         grads = tuple(s.without_partial() for s in req)
         return InferredGrad(req, (req_g,), grads, (out,))

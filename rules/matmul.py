@@ -180,17 +180,25 @@ class _ConvRule(FactorRule):
         sizes = super()._sizes(ctx, nt, shapes)
         a = ctx.attrs
         lhs, rhs = shapes
-        lspec, rspec, _ = a["dimension_numbers"]
-        n = len(lspec) - 2
-        strides = a.get("window_strides") or (1,) * n
-        ldil = a.get("lhs_dilation") or (1,) * n
-        rdil = a.get("rhs_dilation") or (1,) * n
-        for i in range(n):
-            lo, hi = a["padding"][i]
-            size = (lhs[lspec[2 + i]] - 1) * ldil[i] + 1 + lo + hi
-            window = (rhs[rspec[2 + i]] - 1) * rdil[i] + 1
-            sizes[f"t{i}"] = max(0, (size - window) // strides[i] + 1)
-        sizes["bo"] = lhs[lspec[0]] // a.get("batch_group_count", 1)
+        try:
+            lspec, rspec, _ = a["dimension_numbers"]
+            n = len(lspec) - 2
+            strides = a.get("window_strides") or (1,) * n
+            ldil = a.get("lhs_dilation") or (1,) * n
+            rdil = a.get("rhs_dilation") or (1,) * n
+            for i in range(n):
+                lo, hi = a["padding"][i]
+                size = (lhs[lspec[2 + i]] - 1) * ldil[i] + 1 + lo + hi
+                window = (rhs[rspec[2 + i]] - 1) * rdil[i] + 1
+                sizes[f"t{i}"] = max(0, (size - window) // strides[i] + 1)
+            sizes["bo"] = lhs[lspec[0]] // a.get("batch_group_count", 1)
+        except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as e:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must="explicit padding pairs, strides and dilations, one per spatial dim",
+                given=f"attrs {dict(a)} ({type(e).__name__}: {e})",
+                fix="pass the attributes of the lax.conv_general_dilated equation",
+            ) from e
         return sizes
 
 
