@@ -48,6 +48,9 @@ def random_value(
         return rng.random(shape) < 0.5
     if np.issubdtype(dt, np.integer):
         return rng.integers(-4, 5, size=shape).astype(dt)
+    if np.issubdtype(dt, np.complexfloating):
+        parts = rng.standard_normal((2, *shape))
+        return (parts[0] + 1j * parts[1]).astype(dt)
     if domain == "positive":
         return rng.uniform(0.5, 2.0, size=shape).astype(dt)
     if domain == "near_one":
@@ -181,11 +184,15 @@ def enumerate_specs(
 def values_close(a: np.ndarray, b: np.ndarray, rtol: float) -> bool:
     """Whether a checked value ``a`` matches the reference ``b``: exactly for ints and
     bools, else within ``rtol`` relative to ``b``'s largest finite magnitude (NaNs
-    match NaNs: the padding of uneven blocks)."""
+    match NaNs: the padding of uneven blocks); complex values part by part."""
     if a.shape != b.shape:
         return False
     if a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer):
         return bool(np.array_equal(a, b))
+    if np.iscomplexobj(a) or np.iscomplexobj(b):
+        return values_close(np.real(a), np.real(b), rtol) and values_close(
+            np.imag(a), np.imag(b), rtol
+        )
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     finite = np.abs(b64[np.isfinite(b64)])
     scale = max(1.0, float(np.max(finite, initial=0.0)))
