@@ -1,5 +1,25 @@
-"""Runtime overhead of spmdkit: a step compiled by ``sk.jit(step, plan)`` vs the
-same step written by hand with ``jax.jit(..., in_shardings=..., out_shardings=...)``.
+"""Overhead of spmdkit against the same work written by hand with ``jax.jit``:
+start-up (three ratios, issue 35's targets) and the step time.
+
+**Start-up** (``startup`` in the JSON; the first table), per small model on 8
+devices, mesh data=2 × model=4, every side timed from cold jax caches
+(``jax.clear_caches()`` before each timing) and the sides alternated (A B B A …,
+``--repeats`` pairs; medians and the median of per-pair ratios), after one
+untimed warm-up of both sides so that neither pays Python's first-use costs:
+
+- ``init``: ``sk.init_sharded(info, plan)`` / ``jax.jit(init, out_shardings=...)``
+  where ``init`` builds the module and returns ``nnx.state(model, nnx.Param)``
+  and the shardings are ``plan.param_shardings`` (target ≤ 1.5);
+- ``first call``: the first ``sk.jit(jax.value_and_grad(loss), plan)(params,
+  batch)`` (trace, propagate, pin, compile, run) / the first call of
+  ``jax.jit(jax.value_and_grad(loss), in_shardings=..., out_shardings=...)``
+  with the same shardings (target ≤ 1.3);
+- ``auto``: ``sk.plan(model, mesh, "auto")`` on a freshly described model
+  (tracing included) in seconds / the 3 s target (target ≤ 1.0; models under
+  10M parameters), with a preset's planning time beside it.
+
+**Step time** (``rows``): a step compiled by ``sk.jit(step, plan)`` vs the same
+step written by hand with ``jax.jit(..., in_shardings=..., out_shardings=...)``.
 
 Both sides compile ``jax.value_and_grad(info.loss_fn)`` of a reference model
 (``spmdkit.models``) with the same shardings, taken from the plan
@@ -18,7 +38,7 @@ set before jax is imported), mesh data=2 × model=4, tiny GPT and tiny Llama.
 and records the device name and, where the peak FLOP/s of the device is known,
 the MFU of the step.
 
-Run: ``python benchmarks/overhead.py [--quick] [--gpu] [--out PATH]``.
+Run: ``python benchmarks/overhead.py [--quick] [--gpu] [--startup-only] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -48,7 +68,199 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--strategy", default="megatron", help="plan preset (default megatron)")
     ap.add_argument("--iters", type=int, default=None, help="timed pairs per case")
     ap.add_argument("--out", default=str(RESULTS / "overhead.json"), help="JSON path")
+    ap.add_argument(
+        "--startup-models",
+        default="convnet,gpt,llama",
+        help="models (tiny configs) whose start-up is timed",
+    )
+    ap.add_argument("--repeats", type=int, default=None, help="start-up timing pairs")
+    ap.add_argument("--startup-only", action="store_true", help="skip the step-time table")
     return ap.parse_args(argv)
+
+
+#: Issue 35's start-up targets: ratio (or seconds / 3 s for auto) at most this.
+TARGETS = {"init": 1.5, "first_call": 1.3, "auto": 1.0}
+AUTO_TARGET_S = 3.0
+
+
+def _startup_case(name: str) -> dict[str, Any]:
+    """Everything one model's start-up timings need: the described model, its
+    plan on data=2 × model=4, the batch placed with the plan's shardings, and
+    the hand-written jax.jit sides (fresh functions each call, so jax's caches
+    cannot carry a compiled side over)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import spmdkit as sk
+    from spmdkit.models import get_model
+
+    spec = get_model(name)
+    cfg = spec.config("tiny")
+    batch = spec.batch(cfg, 8, np.random.default_rng(0))
+    info = sk.describe(spec, config=cfg, batch=batch)
+    mesh = sk.make_mesh(data=2, model=4)
+    plan = sk.plan(info, mesh, "fsdp", estimator="analytic")
+    p_sh = plan.param_shardings(info.abstract_params)
+    b_sh = jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        plan.batch_specs(batch),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    batch = jax.device_put(batch, b_sh)
+
+    def hand_init() -> Any:
+        def init() -> Any:
+            with nnx.use_eager_sharding(False):
+                return nnx.state(spec.build(cfg, nnx.Rngs(0)), nnx.Param)
+
+        return jax.jit(init, out_shardings=p_sh)()
+
+    # the hand-written step on the same devices with Auto axes (as sk.jit runs),
+    # its arguments placed there once, outside the timings
+    auto = Mesh(mesh.devices, mesh.axis_names)
+    a_p = jax.tree.map(
+        lambda s: NamedSharding(auto, s.spec), p_sh, is_leaf=lambda x: isinstance(x, NamedSharding)
+    )
+    a_b = jax.tree.map(
+        lambda s: NamedSharding(auto, s.spec), b_sh, is_leaf=lambda x: isinstance(x, NamedSharding)
+    )
+    a_batch = jax.device_put(batch, a_b)
+
+    def hand_first(params: Any) -> Any:
+        step = jax.jit(
+            jax.value_and_grad(info.loss_fn),
+            in_shardings=(a_p, a_b),
+            out_shardings=(NamedSharding(auto, P()), a_p),
+        )
+        with jax.set_mesh(auto):
+            return step(jax.device_put(params, a_p), a_batch)
+
+    def sk_first(params: Any) -> Any:
+        return sk.jit(jax.value_and_grad(info.loss_fn), plan)(params, batch)
+
+    n = int(sum(np.prod(p.shape) for p in info.params))
+    return {
+        "spec": spec,
+        "info": info,
+        "plan": plan,
+        "mesh": mesh,
+        "params": n,
+        "sk_init": lambda: sk.init_sharded(info, plan),
+        "hand_init": hand_init,
+        "sk_first": sk_first,
+        "hand_first": hand_first,
+    }
+
+
+def clear_spmdkit_caches() -> int:
+    """Empty every ``functools`` cache of spmdkit's modules (rule lookups, region
+    programs, reshard plans), so a timed side starts as cold as in a fresh
+    process; returns how many were cleared."""
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("spmdkit") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            if callable(getattr(obj, "cache_clear", None)):
+                obj.cache_clear()
+                n += 1
+    return n
+
+
+def _cold(fn: Any, *args: Any) -> float:
+    """Seconds of ``fn(*args)`` (blocked on) from cold jax and spmdkit caches."""
+    import jax
+
+    jax.clear_caches()
+    clear_spmdkit_caches()
+    return _timed(fn, *args)
+
+
+def _pairs(a: Any, b: Any, repeats: int, *args: Any) -> tuple[list[float], list[float]]:
+    """``repeats`` cold timings of each side, alternating which goes first."""
+    ta: list[float] = []
+    tb: list[float] = []
+    for i in range(repeats):
+        order = ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta))
+        for fn, out in order:
+            out.append(_cold(fn, *args))
+    return ta, tb
+
+
+def _auto_seconds(c: dict[str, Any], strategy: str) -> float:
+    """``sk.plan(..., strategy)`` on a freshly described model (its step traced
+    again, jax's and spmdkit's caches cold), in seconds."""
+    import jax
+
+    import spmdkit as sk
+
+    info = sk.describe(c["spec"], config="tiny", batch_size=8)
+    jax.clear_caches()
+    clear_spmdkit_caches()
+    t0 = time.perf_counter()
+    sk.plan(info, c["mesh"], strategy)
+    return time.perf_counter() - t0
+
+
+def measure_startup(name: str, repeats: int) -> dict[str, Any]:
+    """One model's three start-up ratios (module docstring)."""
+    import jax
+
+    c = _startup_case(name)
+    params = c["sk_init"]()
+    jax.block_until_ready((c["hand_init"](), c["sk_first"](params), c["hand_first"](params)))
+    ti, hi = _pairs(c["sk_init"], c["hand_init"], repeats)
+    tf, hf = _pairs(c["sk_first"], c["hand_first"], repeats, params)
+    auto = [_auto_seconds(c, "auto") for _ in range(repeats)]
+    preset = [_auto_seconds(c, "fsdp") for _ in range(repeats)]
+    med = statistics.median
+    return {
+        "model": name,
+        "config": "tiny",
+        "params": c["params"],
+        "mesh": {"data": 2, "model": 4},
+        "repeats": repeats,
+        "init_sharded_s": med(ti),
+        "jax_init_s": med(hi),
+        "init_ratio": med([a / b for a, b in zip(ti, hi, strict=True)]),
+        "skjit_first_s": med(tf),
+        "jaxjit_first_s": med(hf),
+        "first_call_ratio": med([a / b for a, b in zip(tf, hf, strict=True)]),
+        "auto_s": med(auto),
+        "auto_max_s": max(auto),
+        "preset_s": med(preset),
+        "auto_ratio": med(auto) / AUTO_TARGET_S,
+    }
+
+
+def _startup_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'model':<8}{'params':>8}  {'init_sharded':>12} {'jax.jit':>8} {'ratio':>6}  "
+        f"{'1st sk.jit':>10} {'jax.jit':>8} {'ratio':>6}  {'auto':>6} {'/3 s':>5} {'preset':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<8}{r['params']:>8}  {r['init_sharded_s']:>11.2f}s "
+            f"{r['jax_init_s']:>7.2f}s {r['init_ratio']:>6.2f}  {r['skjit_first_s']:>9.2f}s "
+            f"{r['jaxjit_first_s']:>7.2f}s {r['first_call_ratio']:>6.2f}  {r['auto_s']:>5.2f}s "
+            f"{r['auto_ratio']:>5.2f} {r['preset_s']:>6.2f}s",
+            flush=True,
+        )
+    worst = {
+        "init": max(r["init_ratio"] for r in rows),
+        "first_call": max(r["first_call_ratio"] for r in rows),
+        "auto": max(r["auto_ratio"] for r in rows),
+    }
+    print(
+        "worst ratios (target): "
+        + ", ".join(
+            f"{k} {v:.2f} (<= {TARGETS[k]}) {'ok' if v <= TARGETS[k] else 'OVER'}"
+            for k, v in worst.items()
+        )
+    )
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -204,7 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu and jax.default_backend() != "gpu":
         print("overhead.py --gpu: no GPU backend here; nothing run", file=sys.stderr)
         return 2
-    models = [m for m in args.models.split(",") if m]
+    startup = []
+    for name in [] if args.gpu else [m for m in args.startup_models.split(",") if m]:
+        startup.append(measure_startup(name, args.repeats or (1 if args.quick else 3)))
+    if startup:
+        _startup_table(startup)
+    models = [] if args.startup_only else [m for m in args.models.split(",") if m]
     larger = {"gpt": ["124m", "350m"], "llama": ["small"]}
     cases = [(m, "tiny") for m in models]
     if args.gpu:
@@ -235,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = {
         "meta": machine(args.gpu) | {"quick": args.quick},
+        "targets": TARGETS,
+        "startup": startup,
         "definitions": {
+            "init_ratio": "sk.init_sharded / jax.jit(init, out_shardings=plan's), cold caches",
+            "first_call_ratio": "first sk.jit call / first jax.jit call, same shardings, cold",
+            "auto_ratio": f"sk.plan(strategy='auto') seconds / {AUTO_TARGET_S} s",
             "ratio": "per-pair step time sk.jit / jax.jit, measured alternately; median and "
             "25th-75th percentile",
             "ratio_unenforced": "sk.jit(enforce=False) / jax.jit: sk.jit's own per-call work",

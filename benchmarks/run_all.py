@@ -685,6 +685,40 @@ def _overhead_table(d: dict[str, Any]) -> str:
     )
 
 
+def _startup_table(d: dict[str, Any]) -> str:
+    """The start-up ratios (issue 35's targets: init ≤ 1.5, first call ≤ 1.3, auto ≤ 3 s)."""
+    rows = [
+        [
+            r["model"],
+            r["params"],
+            r["init_sharded_s"],
+            r["jax_init_s"],
+            r["init_ratio"],
+            r["skjit_first_s"],
+            r["jaxjit_first_s"],
+            r["first_call_ratio"],
+            r["auto_s"],
+            r["preset_s"],
+        ]
+        for r in d.get("startup", [])
+    ]
+    return _table(
+        [
+            "model (tiny)",
+            "params",
+            "sk.init_sharded s",
+            "jax.jit(init) s",
+            "init ratio (≤ 1.5)",
+            "first sk.jit s",
+            "first jax.jit s",
+            "first-call ratio (≤ 1.3)",
+            "auto s (≤ 3)",
+            "fsdp preset s",
+        ],
+        rows,
+    )
+
+
 def sec_overhead(results: Path, out: Path, gpu_note: str) -> str:
     d = _load(results, "overhead.json")
     parts = []
@@ -704,6 +738,16 @@ def sec_overhead(results: Path, out: Path, gpu_note: str) -> str:
             "",
             _overhead_table(d),
         ]
+        if d.get("startup"):
+            parts += [
+                "",
+                "Start-up on 8 CPU devices (data=2 × model=4), each side from cold jax and "
+                "spmdkit caches, sides alternated: `sk.init_sharded` vs `jax.jit(init, "
+                "out_shardings=...)`, the first `sk.jit` call vs the first `jax.jit` call with "
+                "the same shardings, `sk.plan(..., 'auto')` on a freshly described model.",
+                "",
+                _startup_table(d),
+            ]
     g = _load(results, "overhead_gpu.json")
     parts += ["", "### GPU", ""]
     if g is not None:

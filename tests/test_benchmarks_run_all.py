@@ -63,7 +63,7 @@ def test_no_run_reports_missing_json(tmp_path):
 
 @pytest.mark.slow
 def test_overhead_quick_run(tmp_path):
-    """benchmarks/overhead.py end to end in a fresh process (about 15 s). Slow step:
+    """benchmarks/overhead.py end to end in a fresh process (about 40 s). Slow step:
     sk.jit's steps and losses are the default run's tests; this checks the script."""
     out = tmp_path / "overhead.json"
     env = dict(os.environ)
@@ -77,6 +77,8 @@ def test_overhead_quick_run(tmp_path):
             "gpt",
             "--iters",
             "2",
+            "--startup-models",
+            "convnet",
             "--out",
             str(out),
         ],
@@ -95,3 +97,7 @@ def test_overhead_quick_run(tmp_path):
     assert row["same_loss"]
     assert row["ratio_median"] > 0 and row["first_ratio"] > 0
     assert row["skjit_step_ms"] > 0 and row["jaxjit_step_ms"] > 0
+    (start,) = d["startup"]  # the three start-up ratios of issue 35
+    assert start["model"] == "convnet" and start["params"] < 10_000_000
+    assert start["init_ratio"] > 0 and start["first_call_ratio"] > 0 and start["auto_s"] > 0
+    assert "worst ratios (target): init" in proc.stdout

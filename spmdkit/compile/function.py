@@ -221,6 +221,8 @@ class PlannedFunction:
         self._compiled: dict[Hashable, _Jitted] = {}
         self._out_role_cache: dict[Hashable, tuple[str, ...] | str] = {}
         self._programs: dict[Hashable, tuple[Callable, Propagation]] = {}
+        # argument signature → shardings() (one trace of the step per signature)
+        self._shardings: dict[Hashable, tuple[tuple, Any, tuple[str, ...]]] = {}
         self._executables: dict[Hashable, jax.stages.Compiled] = {}
         # pytree structure → (executable, (shape, dtype, sharding) of each placed leaf)
         self._fast: dict[Any, tuple[jax.stages.Compiled, tuple]] = {}
@@ -253,6 +255,17 @@ class PlannedFunction:
     def shardings(self, *args: Any) -> tuple[tuple, Any, tuple[str, ...]]:
         """``(in_specs, out_specs, in_roles)`` for these arguments (abstract ones suffice)."""
         args = _abstract(_traced(args))
+        key = self._key(args)
+        hit = self._shardings.get(key)
+        if hit is None:
+            roles, in_specs = self._in_specs(args)
+            with recipes_used() as seen, placeholder_keys() as fixed:
+                out_shape = jax.eval_shape(self._body(roles, in_specs), *args)
+            hit = self._outs(key, roles, in_specs, out_shape, seen, fixed)
+        return hit
+
+    def _in_specs(self, args: tuple) -> tuple[tuple[str, ...], tuple]:
+        """The arguments' roles and in specs."""
         roles = self._roles(args)
         for r in roles:
             if r not in ROLES:
@@ -262,9 +275,19 @@ class PlannedFunction:
                     given=repr(r),
                     fix="fix in_roles",
                 )
-        in_specs = tuple(_specs(self.plan, r, a) for r, a in zip(roles, args, strict=True))
-        with recipes_used() as seen, placeholder_keys() as fixed:
-            out_shape = jax.eval_shape(self._body(roles, in_specs), *args)
+        return roles, tuple(_specs(self.plan, r, a) for r, a in zip(roles, args, strict=True))
+
+    def _outs(
+        self,
+        key: Hashable,
+        roles: tuple[str, ...],
+        in_specs: tuple,
+        out_shape: Any,
+        seen: list,
+        fixed: list,
+    ) -> tuple[tuple, Any, tuple[str, ...]]:
+        """The checks on one trace of the step (its recipe, its keys), then
+        :meth:`shardings`' answer from its outputs, remembered per signature."""
         self._check_recipe(seen)
         if fixed:
             raise LossError(
@@ -275,9 +298,10 @@ class PlannedFunction:
                 fix="build the step from the described model: sk.train_step(info, optimizer, "
                 "plan) (or sk.value_and_grad(info, plan)) and pass a key per step",
             )
-        self._out_role_cache[self._key(args)] = self._out_role_list(out_shape)
-        out_specs = self._out_specs(out_shape)
-        return in_specs, out_specs, roles
+        self._out_role_cache[key] = self._out_role_list(out_shape)
+        hit = (in_specs, self._out_specs(out_shape), roles)
+        self._shardings[key] = hit
+        return hit
 
     def _check_recipe(self, seen: list) -> None:
         """The step runs the plan's recipe (module docstring)."""
@@ -366,12 +390,21 @@ class PlannedFunction:
         key = self._key(args)
         hit = self._programs.get(key)
         if hit is None:
+            # one trace of the step gives the output shapes (so the out specs) and
+            # the jaxpr propagated (jax.jit traces once too; this used to trace it
+            # for eval_shape, then for propagate, then eval_shape again in _jitted)
             with jax.set_mesh(self.mesh):
-                in_specs, out_specs, roles = self.shardings(*args)
+                roles, in_specs = self._in_specs(args)
             body = self._body(roles, in_specs)
+            with recipes_used() as seen, placeholder_keys() as fixed:
+                closed, out_shape = jax.make_jaxpr(body, return_shape=True)(
+                    *jax.tree.map(_unweak, args)  # as propagate traces a function
+                )
+            in_specs, out_specs, roles = self._outs(key, roles, in_specs, out_shape, seen, fixed)
             prop = propagate(
-                body,
+                closed,
                 *args,
+                out_tree=jax.tree.structure(out_shape),
                 in_specs=in_specs,
                 mesh=self.mesh,
                 out_specs=out_specs,
@@ -387,10 +420,12 @@ class PlannedFunction:
         key = self._key(args)
         hit = self._compiled.get(key)
         if hit is None:
+            # the program first: its trace of the step also gives the shardings
+            program = self.program(*args)[0] if self.enforce else None
             with jax.set_mesh(self.mesh):
                 in_specs, out_specs, roles = self.shardings(*args)
             donate = self._donation(roles)
-            body = self.program(*args)[0] if self.enforce else self._body(roles, in_specs)
+            body = program if program is not None else self._body(roles, in_specs)
             with jax.set_mesh(self.mesh):
                 out_roles = self._out_role_cache[key]
                 in_sh = self._placed(in_specs, roles)
@@ -510,6 +545,13 @@ def _traced(args: tuple) -> tuple:
     leaves (ids, strings) as one :class:`spmdkit.batch.Batch` node, whose static
     part never enters the cache key by value (the body hands the step the tree)."""
     return tuple(as_traced(a) for a in args)
+
+
+def _unweak(x: Any) -> Any:
+    """An array leaf as a plain ``ShapeDtypeStruct`` (no weak type, no sharding)."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return x
 
 
 def _abstract(args: tuple) -> tuple:

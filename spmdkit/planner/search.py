@@ -294,6 +294,9 @@ class _Planner(PipelinePlanning):
     budget: float
     estimator: str
     pipe_memos: dict = field(default_factory=dict)
+    #: :meth:`propagated` per layout and recipe: candidates that lay every array
+    #: out alike (``dp`` and ``ep`` on a model without experts) propagate once
+    recost_memo: dict = field(default_factory=dict)
 
     def at(self, recipe: Recipe) -> CostContext:
         """The cost context under ``recipe`` (sharing the memo)."""
@@ -386,9 +389,17 @@ class _Planner(PipelinePlanning):
         if c.pipeline is not None:
             return c
         p = self.make_plan(c.name, c, None)
-        return c._replace(
-            cost=propagate_cost(self.info, self.optimizer, p, self.at(c.recipe), c.cost)
+        a = c.cost
+        key = (
+            *(tuple(t.items()) for t in (p.params, p.opt, p.activation, p.grads, p.state)),
+            c.recipe,
+            (a.compute_time_s, a.comm_time_s, a.hidden_comm_s, a.comm_bytes.get("host_offload")),
         )
+        cost = self.recost_memo.get(key)
+        if cost is None:
+            cost = propagate_cost(self.info, self.optimizer, p, self.at(c.recipe), a)
+            self.recost_memo[key] = cost
+        return c._replace(cost=cost)
 
     def final(self, strategy: str, c: Candidate) -> Plan:
         """The plan of one candidate, re-costed by the chosen estimator."""
