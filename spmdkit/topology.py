@@ -27,31 +27,49 @@ explicit per-axis numbers.
 
 Compute and overlap
 -------------------
-A topology also says how fast a device computes: peak FLOP/s per compute dtype
-(``peak_flops``; H100 SXM and A100 SXM datasheet figures, dense, no sparsity),
-the fraction of that peak that matmuls and attention reach in a real training
-step (``matmul_efficiency``, ``attention_efficiency``), how much of the compute
-time XLA's latency-hiding scheduler can hide collectives under (``overlap``:
-the next layer's FSDP all-gather and the gradient reduce-scatters and
-all-reduces run while the current layer computes; tensor-parallel all-reduces
-and expert all-to-alls sit on the critical path and are never hidden), and the
-host link that optimizer-state offload uses (``host_bandwidth``).
+A topology also says how fast a device computes, each constant with its source
+(``docs/recipes.md``, "Step-time model and calibration"):
 
-The matmul efficiency is calibrated, not measured here: with torchtitan's
-recipe (FSDP, selective recompute keeping matmul outputs, bf16 compute on fp32
-master weights), the step-time model reproduces its published Llama-3 8B
-throughput on 8 H100s (5,762 tokens/s/GPU at seq 8192, 2 sequences per GPU)
-when weight matmuls run at 43% of the bf16 peak, given attention at 35% (an
-assumption: fused attention's forward + backward on H100 at head_dim 128, between
-FlashAttention-2's and cuDNN's published rates) and collectives hidden under 90%
-of compute. torchtitan's 128-GPU figure (5,605) is the hold-out check.
-``benchmarks/planner.py`` refits the constant and prints both estimates beside
-the published figures (docs/recipes.md, "Real sizes and the step-time model").
+- ``peak_flops``: dense peak FLOP/s per compute dtype (H100 SXM and A100 SXM
+  datasheets, no sparsity).
+- Weight matmuls (:meth:`Topology.matmul_time`) run as GEMMs of a shape: an
+  ``m × k`` activation times a ``k × n`` weight. Their rate is a roofline: the
+  tensor cores at ``matmul_efficiency`` of the peak (what a large, well-tiled
+  GEMM reaches in a training step, fitted) times the tile and wave
+  quantization of the output over ``gemm_tile`` tiles and ``sm_count``
+  multiprocessors (a GEMM of fewer tiles than multiprocessors splits ``k``
+  over them; few rows take a tile of 64), times ``k / (k + k_ramp)`` (the
+  main loop's prologue and epilogue: small-k GEMMs lose more), unless the GEMM's operands take longer
+  to stream through HBM (``hbm_bandwidth``) than its FLOPs take: small
+  ``m`` (few tokens per device) makes a GEMM memory bound.
+- Memory-bound work (elementwise chains as XLA fuses them, norms, softmax,
+  casts, the optimizer update) is priced by the bytes crossing fusion
+  boundaries over ``hbm_bandwidth`` (:meth:`Topology.memory_time`);
+  ``fusion_traffic`` scales them for a stack that fuses less (1 for XLA).
+- Attention in a fused kernel (cuDNN's flash attention, what the models'
+  ``"auto"`` attention runs on a GPU) runs at ``attention_efficiency`` of the
+  peak and, causal, skips the key blocks above the diagonal
+  (``attention_block`` keys a block); the blockwise fallback and plain XLA
+  attention compute every block.
+- ``overlap``: how much of the compute time XLA's latency-hiding scheduler can
+  hide collectives under (the next layer's FSDP all-gather and the gradient
+  reduce-scatters and all-reduces run while the current layer computes;
+  tensor-parallel all-reduces and expert all-to-alls sit on the critical path
+  and are never hidden).
+- ``host_bandwidth``: the host link optimizer-state offload uses.
+
+The free constants (``matmul_efficiency``, ``attention_efficiency``) are
+fitted on published JAX/XLA runs (MaxText's Llama 2 70B on 64 H100s);
+``Topology.h100(stack="pytorch")`` holds the ones fitted on torchtitan's
+PyTorch runs (eager PyTorch, FlashAttention-2, unfused elementwise ops), the
+cross-check. ``benchmarks/calibration.py`` refits both and prints every
+published row beside its prediction.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -61,6 +79,7 @@ from spmdkit.util import H100_BF16_PEAK_FLOPS
 
 __all__ = [
     "A100_PEAK_FLOPS",
+    "STACKS",
     "COLLECTIVE_KINDS",
     "DEFAULT_TOPOLOGY",
     "H100_PEAK_FLOPS",
@@ -100,10 +119,44 @@ A100_PEAK_FLOPS = {
     "float32": 19.5e12,
 }
 
-# Calibrated on torchtitan's Llama-3 8B / 8 H100 measurement (module docstring).
-_MATMUL_EFFICIENCY = 0.43
-_ATTENTION_EFFICIENCY = 0.35
+# HBM bandwidth (datasheets): H100 SXM5 80 GB HBM3 3.35 TB/s; A100 SXM4 80 GB HBM2e 2.0 TB/s.
+_H100_HBM = 3.35e12
+_A100_HBM = 2.0e12
+# Streaming multiprocessors: H100 SXM5 132, A100 108 (NVIDIA architecture whitepapers).
+_H100_SMS = 132
+_A100_SMS = 108
+# Output tile of the bf16 GEMM kernels cuBLAS/XLA pick for large training GEMMs:
+# 128 x 256 on Hopper (wgmma), 128 x 128 on Ampere (CUTLASS defaults).
+_H100_TILE = (128, 256)
+_A100_TILE = (128, 128)
+# Main-loop ramp in elements of k: about four 64-wide k-tiles of prologue and
+# epilogue per output tile (the software pipeline's depth).
+_K_RAMP = 256
+# Key block of the fused causal attention kernels (cuDNN, FlashAttention): 128.
+_ATTENTION_BLOCK = 128
+
+# Fitted on JAX/XLA's published runs (benchmarks/calibration.py, docs/recipes.md).
+_MATMUL_EFFICIENCY = 0.77
+_ATTENTION_EFFICIENCY = 0.50
 _OVERLAP = 0.9
+
+#: The constants of each software stack the model is calibrated for: ``"xla"``
+#: (JAX/XLA: fused elementwise chains, cuDNN flash attention; fitted on
+#: MaxText's Llama 2 70B) and ``"pytorch"`` (torchtitan's eager PyTorch:
+#: FlashAttention-2, every elementwise op its own kernel; fitted on its Llama 3.1
+#: 8B / 8 H100 run, the cross-check).
+STACKS: dict[str, dict[str, float]] = {
+    "xla": {
+        "matmul_efficiency": _MATMUL_EFFICIENCY,
+        "attention_efficiency": _ATTENTION_EFFICIENCY,
+        "fusion_traffic": 1.0,
+    },
+    "pytorch": {
+        "matmul_efficiency": 0.43,
+        "attention_efficiency": 0.35,
+        "fusion_traffic": 3.0,
+    },
+}
 
 
 def _table(
@@ -145,11 +198,20 @@ class Topology:
       node_latency: latency of intra-node axes under the node heuristic.
       peak_flops: compute dtype (``"bfloat16"``, ``"float8"``, ``"tfloat32"``,
         ``"float32"``, ...) → dense peak FLOP/s per device.
-      matmul_efficiency: fraction of the peak weight matmuls reach in a step.
+      matmul_efficiency: fraction of the peak a large, well-tiled GEMM reaches
+        in a step (the roofline's ceiling, :meth:`matmul_time`).
       attention_efficiency: fraction of the peak attention (score and value
         matmuls, batched dots) reaches.
       overlap: fraction of compute time under which overlappable collectives hide.
       host_bandwidth: device↔host bytes/s per device per direction (offload).
+      hbm_bandwidth: device memory bytes/s (memory-bound work, the roofline).
+      sm_count: streaming multiprocessors (GEMM wave quantization).
+      gemm_tile: ``(rows, cols)`` of a GEMM's output tile (tile quantization).
+      k_ramp: elements of ``k`` a GEMM's main loop loses to its prologue and
+        epilogue (small-k loss).
+      attention_block: keys per block of the fused causal attention kernel.
+      fusion_traffic: factor on the bytes at fusion boundaries (1: XLA's fusion;
+        more for a stack that runs elementwise ops one kernel each).
 
     Example::
 
@@ -170,8 +232,15 @@ class Topology:
     attention_efficiency: float = _ATTENTION_EFFICIENCY
     overlap: float = _OVERLAP
     host_bandwidth: float = _PCIE5_BANDWIDTH
+    hbm_bandwidth: float = _H100_HBM
+    sm_count: int = _H100_SMS
+    gemm_tile: tuple[int, int] = _H100_TILE
+    k_ramp: int = _K_RAMP
+    attention_block: int = _ATTENTION_BLOCK
+    fusion_traffic: float = 1.0
 
     def __post_init__(self) -> None:
+        self._check_device_constants()
         object.__setattr__(self, "bandwidth", _table(self.bandwidth, "bandwidth"))
         object.__setattr__(self, "latency", _table(self.latency, "latency"))
         object.__setattr__(self, "peak_flops", _table(self.peak_flops, "peak_flops"))
@@ -224,8 +293,34 @@ class Topology:
                 fix="pass e.g. gpus_per_node=8",
             )
 
+    def _check_device_constants(self) -> None:
+        for name in ("hbm_bandwidth", "fusion_traffic"):
+            value = float(getattr(self, name))
+            if not value > 0:
+                raise SpmdError(
+                    op="Topology",
+                    must=f"{name} is > 0",
+                    given=str(value),
+                    fix="pass e.g. hbm_bandwidth=3.35e12 (bytes/s), fusion_traffic=1.0",
+                )
+            object.__setattr__(self, name, value)
+        tile = tuple(self.gemm_tile)
+        ints = {"sm_count": self.sm_count, "attention_block": self.attention_block}
+        ints.update({f"gemm_tile[{i}]": t for i, t in enumerate(tile)})
+        ints["k_ramp + 1"] = self.k_ramp + 1 if isinstance(self.k_ramp, int) else self.k_ramp
+        for name, value in ints.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or len(tile) != 2:
+                raise SpmdError(
+                    op="Topology",
+                    must="sm_count, attention_block and both gemm_tile sizes are positive "
+                    "ints, k_ramp an int >= 0",
+                    given=f"{name} = {value!r}, gemm_tile = {self.gemm_tile!r}",
+                    fix="pass e.g. sm_count=132, gemm_tile=(128, 256), k_ramp=256",
+                )
+        object.__setattr__(self, "gemm_tile", tile)
+
     @classmethod
-    def h100(cls, gpus_per_node: int = 8) -> Topology:
+    def h100(cls, gpus_per_node: int = 8, stack: str = "xla") -> Topology:
         """A cluster of H100 SXM nodes.
 
         Inside a node NVLink 4 gives ≈ 450 GB/s per direction per GPU with ≈ 5 µs
@@ -235,6 +330,8 @@ class Topology:
 
         Args:
           gpus_per_node: GPUs per node (8 on a DGX/HGX H100).
+          stack: whose fitted compute constants (:data:`STACKS`): ``"xla"``
+            (JAX/XLA, the default) or ``"pytorch"`` (torchtitan's eager PyTorch).
 
         Example::
 
@@ -247,14 +344,20 @@ class Topology:
             gpus_per_node=gpus_per_node,
             node_bandwidth=_NVLINK4_BANDWIDTH,
             node_latency=_NVLINK4_LATENCY,
+            **_stack(stack),
         )
 
     @classmethod
-    def a100(cls, gpus_per_node: int = 8) -> Topology:
+    def a100(cls, gpus_per_node: int = 8, stack: str = "xla") -> Topology:
         """A cluster of A100 SXM nodes: NVLink 3 (≈ 300 GB/s per direction) inside
         a node, HDR InfiniBand (200 Gb/s, ≈ 25 GB/s per GPU) across, PCIe Gen4
-        host links, A100 peaks (no float8)."""
+        host links, A100 peaks (no float8), 2.0 TB/s HBM2e, 108 SMs, 128 × 128
+        GEMM tiles; ``stack`` as for :meth:`h100` (fitted on H100 runs)."""
         return cls(
+            hbm_bandwidth=_A100_HBM,
+            sm_count=_A100_SMS,
+            gemm_tile=_A100_TILE,
+            **_stack(stack),
             default_bandwidth=25e9,
             default_latency=_IB_NDR_LATENCY,
             gpus_per_node=gpus_per_node,
@@ -291,12 +394,67 @@ class Topology:
         return table[name]
 
     def compute_time(self, matmul_flops: float, attention_flops: float, dtype: str) -> float:
-        """Seconds to run ``matmul_flops`` of weight matmuls and ``attention_flops``
-        of attention in ``dtype`` at this device's achievable rates."""
+        """Seconds to run ``matmul_flops`` of weight matmuls (at the large-GEMM
+        ceiling) and ``attention_flops`` of attention in ``dtype``."""
         peak = self.peak(dtype)
         return matmul_flops / (peak * self.matmul_efficiency) + attention_flops / (
             peak * self.attention_efficiency
         )
+
+    def gemm_efficiency(self, m: float, k: float, n: float) -> float:
+        """Fraction of the peak an ``m × k`` by ``k × n`` GEMM reaches when
+        compute bound: ``matmul_efficiency`` × tile and wave quantization of the
+        ``m × n`` output × ``k / (k + k_ramp)`` (module docstring).
+
+        Example::
+
+            >>> round(Topology.h100().gemm_efficiency(8192, 8192, 8192), 3)
+            0.755
+        """
+        tm, tn = self.gemm_tile
+        m, n, k = max(m, 1.0), max(n, 1.0), max(k, 1.0)
+        # few rows: the kernel takes a shorter tile, down to the 64 rows of an MMA
+        tm = min(tm, max(64, 2 ** math.ceil(math.log2(m))))
+        rows, cols = math.ceil(m / tm), math.ceil(n / tn)
+        tiles = rows * cols
+        quant = (m * n) / (rows * tm * cols * tn)
+        if tiles >= self.sm_count:  # fewer tiles than SMs: split-k spreads them
+            quant *= tiles / (math.ceil(tiles / self.sm_count) * self.sm_count)
+        return self.matmul_efficiency * quant * k / (k + self.k_ramp)
+
+    def matmul_time(
+        self, flops: float, m: float, k: float, n: float, dtype: str, itemsize: int = 2
+    ) -> float:
+        """Seconds for ``flops`` FLOPs of GEMMs shaped ``m × k`` by ``k × n``
+        (``flops / (2 m k n)`` of them) in ``dtype``: the roofline of
+        :meth:`gemm_efficiency` against streaming each GEMM's operands and
+        output (``itemsize`` bytes an element) through HBM.
+
+        Example::
+
+            >>> t = Topology.h100()
+            >>> t.matmul_time(2 * 16 * 8192 * 8192, 16, 8192, 8192, "bfloat16") > (
+            ...     2 * 16 * 8192 * 8192 / t.peak("bfloat16"))  # 16 tokens: memory bound
+            True
+        """
+        if flops <= 0:
+            return 0.0
+        compute = flops / (self.peak(dtype) * self.gemm_efficiency(m, k, n))
+        gemms = flops / (2.0 * max(m, 1.0) * max(k, 1.0) * max(n, 1.0))
+        traffic = gemms * itemsize * (m * k + k * n + m * n) / self.hbm_bandwidth
+        return max(compute, traffic)
+
+    def memory_time(self, nbytes: float) -> float:
+        """Seconds of memory-bound work moving ``nbytes`` through HBM at fusion
+        boundaries (× ``fusion_traffic``)."""
+        return nbytes * self.fusion_traffic / self.hbm_bandwidth
+
+    def causal_share(self, seq: int) -> float:
+        """Fraction of a causal attention's blocks a fused kernel computes at
+        sequence length ``seq`` (it skips the blocks above the diagonal):
+        ``(b + 1) / 2b`` for ``b`` key blocks of ``attention_block``."""
+        blocks = max(math.ceil(seq / self.attention_block), 1)
+        return (blocks + 1) / (2 * blocks)
 
     def exposed_comm(self, hidden_s: float, exposed_s: float, compute_s: float) -> float:
         """Communication time left on the critical path: ``exposed_s`` (collectives
@@ -427,8 +585,15 @@ class Topology:
         return [(n, bw, lat) for (bw, lat), n in sorted(by_link.items(), key=lambda kv: -kv[0][0])]
 
 
-#: The topology plans use when none is given: H100 nodes of 8 GPUs.
-DEFAULT_TOPOLOGY = Topology.h100()
+def _stack(stack: str) -> dict[str, float]:
+    if stack not in STACKS:
+        raise SpmdError(
+            op="Topology",
+            must=f"stack is one of {sorted(STACKS)}",
+            given=repr(stack),
+            fix='pass stack="xla" (JAX/XLA) or "pytorch" (the torchtitan cross-check)',
+        )
+    return dict(STACKS[stack])
 
 
 class _SizesOnly:
@@ -444,3 +609,7 @@ def _link(
     topology: Topology, axes: tuple[str, ...], sizes_items: tuple[tuple[str, int], ...]
 ) -> tuple[float, float]:
     return topology._link_uncached(axes, sizes_items)
+
+
+#: The topology plans use when none is given: H100 nodes of 8 GPUs.
+DEFAULT_TOPOLOGY = Topology.h100()

@@ -161,8 +161,58 @@ def test_overlappable_collectives_hide_under_compute_up_to_the_overlap_share():
         {"overlap": -0.1},
         {"host_bandwidth": 0},
         {"peak_flops": {"bfloat16": -1.0}},
+        {"hbm_bandwidth": 0.0},
+        {"fusion_traffic": -1.0},
+        {"sm_count": 0},
+        {"gemm_tile": (128,)},
+        {"k_ramp": -1},
+        {"attention_block": 1.5},
     ],
 )
 def test_compute_numbers_are_checked(kwargs):
     with pytest.raises(SpmdError):
         Topology(**kwargs)
+
+
+def test_gemm_efficiency_loses_to_tiles_waves_and_small_k():
+    topo = Topology.h100()
+    big = topo.gemm_efficiency(8192, 8192, 8192)
+    assert 0.9 * topo.matmul_efficiency < big < topo.matmul_efficiency
+    # 133 output tiles on 132 SMs: a second wave for one tile
+    assert topo.gemm_efficiency(128, 8192, 256 * 133) < 0.6 * big
+    # a k of 256 spends half its main loop ramping
+    ramp = topo.gemm_efficiency(8192, 256, 8192)
+    assert ramp == pytest.approx(big * 0.5 * (8192 + 256) / 8192)
+    # tile quantization: one row more than a tile multiple pays for a whole row of tiles
+    assert topo.gemm_efficiency(8192 + 1, 8192, 8192) < topo.gemm_efficiency(8192 + 128, 8192, 8192)
+
+
+def test_matmul_time_is_a_roofline_of_compute_against_hbm():
+    topo = Topology.h100()
+    peak = topo.peak("bfloat16")
+    flops = 2.0 * 8192**3
+    t = topo.matmul_time(flops, 8192, 8192, 8192, "bfloat16")
+    assert t == pytest.approx(flops / (peak * topo.gemm_efficiency(8192, 8192, 8192)))
+    # 8 tokens against an 8192 x 8192 weight: streaming the weight dominates
+    small = 2.0 * 8 * 8192 * 8192
+    bytes_ = 2 * (8 * 8192 + 8192 * 8192 + 8 * 8192)
+    assert topo.matmul_time(small, 8, 8192, 8192, "bfloat16") == pytest.approx(
+        bytes_ / topo.hbm_bandwidth
+    )
+
+
+def test_device_constants_and_stacks():
+    h100, a100 = Topology.h100(), Topology.a100()
+    assert (h100.hbm_bandwidth, a100.hbm_bandwidth) == (3.35e12, 2.0e12)
+    assert h100.memory_time(3.35e12) == pytest.approx(1.0)
+    torch = Topology.h100(stack="pytorch")
+    assert torch.fusion_traffic > 1 and torch.memory_time(3.35e12) > 1.0
+    assert torch.matmul_efficiency < h100.matmul_efficiency
+    with pytest.raises(SpmdError, match="stack"):
+        Topology.h100(stack="jax")
+
+
+def test_a_fused_causal_kernel_computes_about_half_the_blocks():
+    topo = Topology.h100()
+    assert topo.causal_share(128) == 1.0
+    assert topo.causal_share(8192) == pytest.approx(65 / 128)

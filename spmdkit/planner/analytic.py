@@ -80,6 +80,11 @@ __all__ = [
     "total_cost",
 ]
 
+#: A fused attention kernel's train FLOPs over the region's (forward 2 matmuls +
+#: backward 5 with the scores recomputed inside, vs the region's VJP that reruns
+#: the 2-matmul forward first): 7 / 9.
+_FUSED_BACKWARD = 7.0 / 9.0
+
 #: Logical dims that are not the activation width a tensor-parallel param moves.
 _SKIP_OTHER = {"head_dim", "conv_window", "layers", "expert"}
 
@@ -108,6 +113,10 @@ class StepTrace:
       layer_named: ``checkpoint_name`` tag → bytes per layer.
       layer_fwd_flops: forward FLOPs of all layers together.
       attn_fwd_flops: forward FLOPs of the batched dots.
+      attn_fused_fwd_flops: of ``attn_fwd_flops``, those in attention regions
+        that run a fused kernel on a GPU (the models' ``"auto"`` attention).
+      attn_causal_fwd_flops: of those, the causal ones (a fused kernel skips
+        the masked blocks).
       resid_peak: the largest single residual (the logits), live again as its
         gradient in the backward pass.
       state_bytes: the model's mutable state (batch statistics), global; counted
@@ -132,6 +141,8 @@ class StepTrace:
     layer_named: dict[str, float] = field(default_factory=dict)
     layer_fwd_flops: float = 0.0
     attn_fwd_flops: float = 0.0
+    attn_fused_fwd_flops: float = 0.0
+    attn_causal_fwd_flops: float = 0.0
     resid_peak: float = 0.0
     state_bytes: int = 0
 
@@ -150,6 +161,38 @@ class StepTrace:
             kept = self.layer_carry + sum(self.layer_named.get(n, 0.0) for n in recipe.save_names)
         kept = min(kept, self.layer_resid)
         return other + self.layers * kept + self.layer_resid + self.resid_peak
+
+    def attention_flops(self, recipe: Recipe, topology: Topology) -> float:
+        """Attention FLOPs of the step as the kernel that runs computes them
+        (global, recompute included): a fused kernel's backward recomputes the
+        scores inside (:data:`_FUSED_BACKWARD` of what the region's VJP, which
+        reruns the forward, does), and causal it computes only
+        :meth:`~spmdkit.topology.Topology.causal_share` of the blocks; the
+        blockwise fallback and plain attention compute what was traced."""
+        recompute = self.recompute_flops(recipe)[1]
+        if self.attn_fwd_flops <= 0 or self.attn_fused_fwd_flops <= 0:
+            return self.attn_flops + recompute
+        fused = min(self.attn_fused_fwd_flops / self.attn_fwd_flops, 1.0)
+        causal = min(self.attn_causal_fwd_flops / self.attn_fused_fwd_flops, 1.0)
+        kept = 1.0 - causal * (1.0 - topology.causal_share(self.seq_len))
+        train = self.attn_flops * (1.0 - fused + fused * kept * _FUSED_BACKWARD)
+        return train + recompute * (1.0 - fused + fused * kept)
+
+    def elementwise_bytes(self, recipe: Recipe) -> float:
+        """Bytes memory-bound work moves through device memory in a step (global,
+        traced dtype): the residuals saved for the backward pass other than the
+        weight-matmul outputs are the outputs of XLA's fusions (norms, rotary
+        embedding, activation functions, softmax, casts); each is written and
+        read in the forward pass, read again with its gradient written and read
+        in the backward pass (5 passes), and written and read once more when the
+        remat policy recomputes the layer; the logits (``resid_peak``) take
+        three passes (softmax, its gradient, the cast)."""
+        if not self.layers:
+            return 5.0 * max(self.resid_bytes - self.resid_peak, 0.0) + 3.0 * self.resid_peak
+        per_layer = max(self.layer_resid - self.layer_dots, 0.0)
+        passes = 5.0 if recipe.remat == "none" else 7.0
+        other = max(self.resid_bytes - self.layers * self.layer_resid - self.resid_peak, 0.0)
+        return passes * self.layers * per_layer + 5.0 * other + 3.0 * self.resid_peak
 
     def recompute_flops(self, recipe: Recipe) -> tuple[float, float]:
         """``(weight-matmul, attention)`` FLOPs the remat policy adds (global)."""
@@ -260,6 +303,15 @@ class CostContext:
         if self.peak_flops is not None:
             return (matmul_flops + attention_flops) / self.peak_flops
         return self.topology.compute_time(matmul_flops, attention_flops, dtype)
+
+    def matmul_time(self, flops: float, m: float, k: float, n: float, dtype: str) -> float:
+        """Seconds for ``flops`` of GEMMs shaped ``m × k`` by ``k × n``: at
+        ``peak_flops`` when overridden, else the topology's roofline
+        (:meth:`~spmdkit.topology.Topology.matmul_time`)."""
+        if self.peak_flops is not None:
+            return flops / self.peak_flops
+        itemsize = 4 if dtype == "tfloat32" else np.dtype(dtype).itemsize
+        return self.topology.matmul_time(flops, m, k, n, dtype, itemsize)
 
     def accumulator_ratio(self, param_dtype: str) -> float:
         """Bytes of a pipelined stage's gradient accumulator per byte of the param
@@ -399,6 +451,33 @@ def _tp_collectives(
     return [_coll(ctx, "all_reduce", payload, tp)]
 
 
+def _gemm_dims(
+    g: ParamGroup, dims: Dims, tp: tuple[str, ...], sizes: dict[str, int]
+) -> tuple[float, float, float]:
+    """``(k, n, routed)`` of the GEMM one member of ``g`` runs on a device: its
+    local weight as ``k`` inputs by ``n`` outputs (the ``embed`` dim is the
+    input unless it is last: ``wo``, ``down``; the layers and expert dims are
+    not GEMM dims), and the share of the tokens it sees (top-2 of the experts)."""
+    logical = g.logical or (None,) * len(g.shape)
+    local = []
+    routed = 1.0
+    for size, name, d in zip(g.shape, logical, dims, strict=True):
+        if name == "expert":
+            routed = min(2.0 / max(size, 1), 1.0)
+            continue
+        if name == "layers":
+            continue
+        local.append((name, size / math.prod(sizes[a] for a in d if a in tp)))
+    if len(local) < 2:
+        width = math.prod(v for _, v in local) if local else 1.0
+        return width, 1.0, routed
+    names = [nm for nm, _ in local]
+    split = len(local) - 1 if names[-1] == "embed" else 1
+    k = math.prod(v for _, v in local[:split])
+    n = math.prod(v for _, v in local[split:])
+    return k, n, routed
+
+
 class _Split(NamedTuple):
     """How one group's layout splits the mesh: param shards, FSDP vs tensor axes."""
 
@@ -514,7 +593,9 @@ def group_cost(
         by_kind["host_offload"] = by_kind.get("host_offload", 0.0) + 2 * opt
     flops = param_flops(g, ctx.trace.tokens) * ctx.flops_scale * g.count
     splits = math.prod(sizes[a] for a in {*batch_axes, *sp.tp, *sp.context})
-    compute_s = ctx.compute_time(flops / splits, 0.0, ctx.compute_dtype(g.dtype))
+    k, n, routed = _gemm_dims(g, layout.params, sp.tp, sizes)
+    m = sp.tokens_local * routed / recipe.microbatches
+    compute_s = ctx.matmul_time(flops / splits, m, k, n, ctx.compute_dtype(g.dtype))
     n_tp = math.prod(sizes[a] for a in sp.tp)
     n_extra = math.prod(sizes[a] for a in sp.extra)
     logical = g.logical or ()
@@ -585,8 +666,8 @@ def total_cost(
     dtype = ctx.compute_dtype(min((g.dtype for g in groups), default="float32", key=_itemsize))
     attn_split = batch_shards * _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
     attn_split *= heads_tp
-    recompute_mm, recompute_attn = trace.recompute_flops(recipe)
-    attn_s = ctx.compute_time(0.0, (trace.attn_flops + recompute_attn) / attn_split, dtype)
+    recompute_mm = trace.recompute_flops(recipe)[0]
+    attn_s = ctx.compute_time(0.0, trace.attention_flops(recipe, ctx.topology) / attn_split, dtype)
     if recompute_mm:
         # Recomputing a layer's forward repeats a third of its train-step matmuls.
         compute_s += layer_s / 3
@@ -595,6 +676,10 @@ def total_cost(
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
     tp_frac = tp_weight / total_flops if total_flops else 0.0
     acts = _activations(ctx, batch_shards * seq_shards, tp_frac, bool(seq_axes))
+    if ctx.peak_flops is None:
+        update = 3 * params + grads + 2 * (opt + offloaded) + cast
+        shards = batch_shards * seq_shards
+        compute_s += _memory_bound_s(ctx, shards, tp_frac, bool(seq_axes), update)
     exposed = comm_s - hidden_s
     step = compute_s + ctx.topology.exposed_comm(hidden_s, exposed, compute_s)
     hidden = comm_s - (step - compute_s)
@@ -655,6 +740,20 @@ def _activations(ctx: CostContext, shards: int, tp_frac: float, seq_sharded: boo
     tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
     scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
     return trace.activation_bytes(recipe) * scale / shards / recipe.microbatches * tp_split
+
+
+def _memory_bound_s(
+    ctx: CostContext, shards: int, tp_frac: float, seq_sharded: bool, update: float
+) -> float:
+    """Seconds of memory-bound work per device: the fusions' bytes
+    (:meth:`StepTrace.elementwise_bytes`, at the compute itemsize, split like the
+    activations) and the optimizer update's ``update`` bytes (it reads params,
+    grads and state and writes params, state and the compute-dtype copy)."""
+    trace, recipe = ctx.trace, ctx.recipe
+    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
+    tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
+    elementwise = trace.elementwise_bytes(recipe) * scale * tp_split / shards
+    return ctx.topology.memory_time(elementwise + update)
 
 
 def _itemsize(dtype: str) -> int:

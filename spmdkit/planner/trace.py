@@ -208,6 +208,31 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
     return best, attn_total
 
 
+#: Attention implementations that run a fused kernel on a GPU (cuDNN's flash
+#: attention; "auto" picks it where cuDNN accepts the inputs).
+_FUSED = ("auto", "cudnn", None)
+
+
+def _fused_attention(jaxpr: Jaxpr, mult: float = 1.0) -> tuple[float, float]:
+    """Forward FLOPs (full square) of the attention regions that run a fused
+    kernel on a GPU, and of those that are causal (scans unrolled)."""
+    fused = causal = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == FORWARD:
+            attrs = dict(eqn.params["attrs"])
+            if eqn.params["op"] == "attention" and attrs.get("implementation") in _FUSED:
+                sub = list(_eqn_subs(eqn))[-1]  # the region's unsharded computation
+                flops = mult * _jaxpr_flops(sub, batched_only=True)
+                fused += flops
+                causal += flops if attrs.get("causal") else 0.0
+                continue
+        n = jaxprs.scan_length(eqn)
+        for sub in jaxprs.sub_jaxprs(eqn):
+            f, c = _fused_attention(jaxprs.open_jaxpr(sub)[0], mult * n)
+            fused, causal = fused + f, causal + c
+    return fused, causal
+
+
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
     opt = _optimizer(optimizer)
     args = info.trace_args()
@@ -249,6 +274,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
             default=0,
         )
     attn_train = _jaxpr_flops(closed.jaxpr, batched_only=True)
+    fused, causal = _fused_attention(forward.jaxpr)
     return StepTrace(
         flops=_jaxpr_flops(closed.jaxpr),
         resid_bytes=int(max(resid_bytes - param_bytes - batch_bytes, 0)),
@@ -267,6 +293,8 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         layer_named=scan.named if scan else {},
         layer_fwd_flops=scan.fwd_flops if scan else 0.0,
         attn_fwd_flops=attn_fwd,
+        attn_fused_fwd_flops=fused,
+        attn_causal_fwd_flops=causal,
         resid_peak=float(peak),
         state_bytes=sum(p.nbytes for p in info.state),
     )

@@ -178,8 +178,9 @@ def test_bf16_compute_halves_activations_and_gathers_and_runs_faster(llama):
     assert bf16.memory["activations"] == pytest.approx(fp32.memory["activations"] / 2, rel=1e-6)
     assert bf16.comm_bytes["all_gather"] == pytest.approx(fp32.comm_bytes["all_gather"] / 2, 1e-6)
     assert bf16.memory["compute_copy"] == pytest.approx(fp32.memory["params"] / 2, rel=1e-6)
-    # fp32 matmuls run as TF32: half the bf16 peak
-    assert bf16.compute_time_s == pytest.approx(fp32.compute_time_s / 2, rel=1e-3)
+    # fp32 matmuls run as TF32 (half the bf16 peak); memory-bound work moves half
+    # the bytes (the fp32 master weights' update does not shrink)
+    assert 0.5 * fp32.compute_time_s < bf16.compute_time_s < 0.6 * fp32.compute_time_s
 
 
 def test_microbatches_split_activations_and_repeat_fsdp_collectives(llama):
@@ -188,7 +189,8 @@ def test_microbatches_split_activations_and_repeat_fsdp_collectives(llama):
     one, two = _cost(llama, Recipe()), _cost(llama, Recipe(microbatches=2))
     assert two.memory["activations"] == pytest.approx(one.memory["activations"] / 2, rel=1e-6)
     assert two.comm_bytes["all_gather"] == pytest.approx(2 * one.comm_bytes["all_gather"], 1e-6)
-    assert two.compute_time_s == pytest.approx(one.compute_time_s)
+    # smaller GEMMs re-read the weights: never faster (tiny shapes: memory bound)
+    assert two.compute_time_s >= one.compute_time_s
 
 
 def test_offload_moves_optimizer_state_over_the_host_link(llama):
@@ -229,6 +231,50 @@ def test_sequence_parallel_attention_is_split_once_by_the_model_axis():
         s: sk.plan(info, mesh, s, estimator="analytic").cost.compute_time_s
         for s in ("megatron", "megatron_sp")
     }
-    # within 0.5%: the sequence split still divides the work of the norms on their
-    # local tokens (splitting attention again took 3.3% off on this model)
-    assert times["megatron_sp"] == pytest.approx(times["megatron"], rel=5e-3)
+    # the sequence split also divides the memory-bound work of the norms and
+    # elementwise chains on their local tokens (a few %), not attention again
+    assert 0.93 * times["megatron"] < times["megatron_sp"] <= times["megatron"]
+
+
+def test_attention_is_priced_as_the_kernel_that_runs(llama):
+    """The models' "auto" attention runs cuDNN's fused kernel on a GPU: causal, it
+    skips the masked blocks, and its backward does not rerun the forward."""
+    from dataclasses import replace
+
+    from spmdkit.recipe import Recipe
+    from spmdkit.topology import Topology
+
+    _, ctx = llama
+    t = ctx.trace
+    assert t.attn_fused_fwd_flops == t.attn_causal_fwd_flops == t.attn_fwd_flops > 0
+    topo = Topology.h100()
+    fused = t.attention_flops(Recipe(), topo)
+    share = topo.causal_share(t.seq_len)
+    assert fused == pytest.approx(t.attn_flops * share * 7 / 9)
+    # the blockwise fallback computes every block the trace counted
+    fallback = replace(t, attn_fused_fwd_flops=0.0, attn_causal_fwd_flops=0.0)
+    assert fallback.attention_flops(Recipe(), topo) == t.attn_flops
+    # recompute adds the forward once more, as the same kernel runs it
+    full = t.attention_flops(Recipe(remat="full"), topo)
+    assert full == pytest.approx(fused + t.attn_fwd_flops * share)
+
+
+def test_memory_bound_work_is_priced_by_bytes_over_hbm(llama):
+    """The fusions' bytes and the optimizer update take time at HBM bandwidth;
+    a stack that fuses less (eager PyTorch) moves more of them."""
+    from dataclasses import replace
+
+    from spmdkit.recipe import Recipe
+    from spmdkit.topology import Topology
+
+    groups, ctx = llama
+    t = ctx.trace
+    assert t.elementwise_bytes(Recipe(remat="full")) > t.elementwise_bytes(Recipe()) > 0
+    slow = replace(ctx, topology=Topology.h100(stack="xla"), memo={})
+    fast = replace(slow, topology=replace(slow.topology, fusion_traffic=1e-12), memo={})
+    args = (groups, _fsdp(groups), ("data", "model"), ())
+    t_slow, t_fast = total_cost(slow, *args), total_cost(fast, *args)
+    assert t_slow.compute_time_s > t_fast.compute_time_s
+    eager = replace(slow, topology=replace(slow.topology, fusion_traffic=3.0), memo={})
+    extra = total_cost(eager, *args).compute_time_s - t_slow.compute_time_s
+    assert extra == pytest.approx(2 * (t_slow.compute_time_s - t_fast.compute_time_s), rel=0.05)
