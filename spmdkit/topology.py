@@ -39,8 +39,8 @@ A topology also says how fast a device computes, each constant with its source
   quantization of the output over ``gemm_tile`` tiles and ``sm_count``
   multiprocessors (a GEMM of fewer tiles than multiprocessors splits ``k``
   over them; few rows take a tile of 64), times ``k / (k + k_ramp)`` (the
-  main loop's prologue and epilogue: small-k GEMMs lose more), unless the GEMM's operands take longer
-  to stream through HBM (``hbm_bandwidth``) than its FLOPs take: small
+  main loop's prologue and epilogue: small-k GEMMs lose more), unless the
+  GEMM's operands take longer to stream through HBM (``hbm_bandwidth``) than its FLOPs take: small
   ``m`` (few tokens per device) makes a GEMM memory bound.
 - Memory-bound work (elementwise chains as XLA fuses them, norms, softmax,
   casts, the optimizer update) is priced by the bytes crossing fusion
