@@ -104,8 +104,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "resharding": frozenset({"base"}),
     "rule": frozenset({"base", "resharding"}),
     "rules": frozenset({"base", "rule"}),
-    # the built-in fallbacks reuse the rule library's notation builders
-    "propagation": frozenset({"base", "resharding", "rule", "rules"}),
+    "propagation": frozenset({"base", "resharding", "rule"}),
     "describe": frozenset({"base"}),
     "planner": frozenset({"base", "resharding", "rule", "propagation", "describe"}),
     "verification": frozenset({"base", "rule", "resharding", "propagation", "planner"}),

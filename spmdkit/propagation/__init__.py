@@ -8,7 +8,7 @@ program the enforced replay runs.
 
 Modules, in import order (each imports only those above it):
 ``graph`` (tracing, the flattened program IR), ``steps`` (the engine's
-per-equation hand-off), ``primitives`` (primitive → rule, built-in fallbacks),
+per-equation hand-off), ``primitives`` (primitive → registered rule),
 ``pricing`` (reshard and FLOP costs), ``control`` (scan / while / cond),
 ``choose`` (alternatives and hints), ``engine`` (the forward sweep),
 ``pinning`` (what the enforced replay pins), ``memory`` (liveness),

@@ -32,7 +32,7 @@ __all__ = [
     "with_masked_lookup",
 ]
 
-#: What a rule (or a built-in) raises on an equation it does not fit: the
+#: What a rule (or a converter) raises on an equation it does not fit: the
 #: equation then falls back to replicated, warned and counted, never a crash.
 #: Anything else raised inside a rule is a bug in the rule and surfaces.
 RULE_ERRORS = (SpmdError, NotImplementedError)

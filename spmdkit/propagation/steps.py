@@ -39,7 +39,8 @@ class Step(NamedTuple):
 
     Attributes:
       node: the node.
-      op: the rule (or built-in) used; None when the node had none (replicated).
+      op: the registered rule used, or a structural op (``engine.STRUCTURAL_OPS``);
+        None when the node had none (replicated).
       attrs: the attributes the rule got.
       given: the operands' specs as they arrived.
       required: the specs the rule needs its operands in (the difference from
