@@ -10,6 +10,10 @@ A block that cannot run on 8 CPU devices starts with a line ``# requires: gpu``
 (an NVIDIA GPU) or ``# requires: hosts`` (several processes or machines): the
 reader sees why, and the test leaves it out. Any other ``# requires:`` is an
 error, so a typo cannot skip a block.
+
+The printed figures are checked on the oldest tested jax (CI's first venv, where the
+slow step runs); on jax 0.12 the memory estimates of a verify table differ in their
+last digits.
 """
 
 import os
