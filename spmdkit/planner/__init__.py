@@ -11,6 +11,7 @@ traced loss; the tensor-parallel placement check), ``plans`` (``Plan`` and
 ``Cost`` as plain data: shardings, JSON, the printed table), ``analytic`` (the
 per-parameter cost model), ``trace`` (the train step traced once per model),
 ``candidates`` (the layouts considered and their cost by propagation),
+``notes`` (what a plan does that nobody asked for, as ``PlanNote`` s),
 ``search`` (:func:`plan` and the search), ``pipeline`` (pipelined plans: the
 pipe meshes and configurations searched, their cost, the plan).
 """
@@ -25,6 +26,7 @@ from spmdkit.planner.logical import (
     axis_roles,
     preset_rules,
 )
+from spmdkit.planner.notes import PlanNote, PlanNoteError
 from spmdkit.planner.plans import Cost, Plan, PlannedStep
 from spmdkit.planner.search import plan
 
@@ -36,6 +38,8 @@ __all__ = [
     "LogicalRules",
     "Plan",
     "PlanError",
+    "PlanNote",
+    "PlanNoteError",
     "PlannedStep",
     "UnknownLogicalAxisError",
     "axis_roles",

@@ -69,6 +69,7 @@ __all__ = [
     "Entry",
     "LogicalRules",
     "PlanError",
+    "ROLE_NAMES",
     "RulesLike",
     "UnknownLogicalAxisError",
     "axis_roles",
@@ -292,7 +293,8 @@ class LogicalRules:
 
 # -- roles and presets -------------------------------------------------------------
 
-_ROLE_NAMES = {
+#: Mesh axis names that give an axis a role in the presets (module docstring).
+ROLE_NAMES = {
     "data": {"data", "dp", "batch", "replica"},
     "fsdp": {"fsdp", "zero"},
     "model": {"model", "tensor", "tp", "mp"},
@@ -309,7 +311,7 @@ def axis_roles(mesh: MeshLike) -> dict[str, tuple[str, ...]]:
         {'data': ('a',), 'fsdp': ('a',), 'model': ('b',), 'expert': ('b',)}
     """
     names = tuple(mesh.axis_names)
-    by_name = {role: tuple(a for a in names if a in keys) for role, keys in _ROLE_NAMES.items()}
+    by_name = {role: tuple(a for a in names if a in keys) for role, keys in ROLE_NAMES.items()}
     if any(by_name.values()):
         roles = dict(by_name)
         if not roles["fsdp"]:
@@ -320,7 +322,7 @@ def axis_roles(mesh: MeshLike) -> dict[str, tuple[str, ...]]:
             roles["expert"] = roles["model"] or names[-1:]
         return roles
     if len(names) == 1:
-        return {r: names for r in _ROLE_NAMES}
+        return {r: names for r in ROLE_NAMES}
     if len(names) == 2:
         return {
             "data": names[:1],

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.mesh import auto_mesh
 from spmdkit.pipeline import Pipeline
 from spmdkit.planner.logical import LogicalRules, PlanError
+from spmdkit.planner.notes import PlanNote
 from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.util import fmt_bytes, fmt_time, path_str
@@ -257,6 +258,13 @@ class Plan:
       state_from: state path → where its layout came from (``"like <param
         path>"``: the parameter of its module with its shape, ``"rules"``: its
         own logical names, ``"replicated"``: neither); the table shows it.
+      notes: what the plan does that nobody asked for (an idle mesh axis, a
+        batch off the axes its rule asks for, a recipe auto chose, ...): one
+        :class:`~spmdkit.planner.notes.PlanNote` each, printed under the table.
+      batch_size: the global batch size the plan was made for (None: unknown);
+        ``train`` refuses batches of another size.
+      memory_budget: the per-device memory budget the plan was made under (the
+        table marks runner-ups over it); None: not recorded.
 
     Example::
 
@@ -282,6 +290,9 @@ class Plan:
     pipeline: Pipeline | None = None
     state: Mapping[str, P] = field(default_factory=dict)
     state_from: Mapping[str, str] = field(default_factory=dict)
+    notes: tuple[PlanNote, ...] = ()
+    batch_size: int | None = None
+    memory_budget: float | None = None
 
     # -- shardings ------------------------------------------------------------------
     def _lookup(self, table: Mapping[str, P], path: str, shape: tuple[int, ...]) -> P | None:
@@ -508,6 +519,9 @@ class Plan:
                 "pipeline": None if self.pipeline is None else self.pipeline.to_json(),
                 "state": {k: _spec_json(v) for k, v in self.state.items()},
                 "state_from": dict(self.state_from),
+                "notes": [n.to_json() for n in self.notes],
+                "batch_size": self.batch_size,
+                "memory_budget": self.memory_budget,
             },
             indent=1,
         )
@@ -553,6 +567,9 @@ class Plan:
             pipeline=Pipeline.from_json(d.get("pipeline")),
             state={k: _spec_from_json(v) for k, v in d.get("state", {}).items()},
             state_from=d.get("state_from", {}),
+            notes=tuple(PlanNote.from_json(n) for n in d.get("notes", ())),
+            batch_size=d.get("batch_size"),
+            memory_budget=d.get("memory_budget"),
         )
         return out if mesh is None else out.on(mesh)
 
@@ -643,11 +660,24 @@ class Plan:
                 f"({c.estimator})"
             )
             lines += _ops_lines(c.ops)
+        lines += self._tail_lines()
+        return "\n".join(lines)
+
+    def _tail_lines(self) -> list[str]:
+        """The table's last sections: the runner-ups (those over the memory
+        budget marked) and the notes."""
+        lines = []
         if self.alternatives:
             lines.append("runner-up plans:")
+            budget = self.memory_budget
             for name, cost in self.alternatives:
-                lines.append(f"  {name:<12} {cost.summary()}")
-        return "\n".join(lines)
+                over = budget is not None and cost.peak_bytes > budget
+                mark = f"  OVER BUDGET ({fmt_bytes(budget)})" if over else ""
+                lines.append(f"  {name:<12} {cost.summary()}{mark}")
+        if self.notes:
+            lines.append("notes:")
+            lines += [f"  - {n}" for n in self.notes]
+        return lines
 
     def __str__(self) -> str:
         return self.table()

@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -82,9 +83,19 @@ from spmdkit.planner.logical import (
     LogicalRules,
     PlanError,
     RulesLike,
-    UnknownLogicalAxisError,
 )
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
+from spmdkit.planner.notes import (
+    PlanNote,
+    asked_batch_axes,
+    batch_field_notes,
+    batch_notes,
+    dropped_note,
+    idle_axis_notes,
+    no_batch_rule_note,
+    raise_if_strict,
+    recipe_note,
+)
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
 from spmdkit.planner.pipeline.search import PipelinePlanning
 from spmdkit.planner.plans import Cost, Plan, PyTree, dims_spec
@@ -92,7 +103,7 @@ from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
-from spmdkit.util import fmt_bytes
+from spmdkit.util import fmt_bytes, path_str
 
 if TYPE_CHECKING:
     from optax import GradientTransformation
@@ -171,7 +182,10 @@ def plan(
         dims: the trailing dims unnamed, as flax pads); parameters without names
         get names inferred from their role in the traced step
         (:mod:`spmdkit.planner.naming`).
-      strict: a tensor-parallel preset that leaves a weight off the model axes
+      strict: a plan with notes (``plan.notes``: an idle mesh axis, a batch off
+        the axes its rule asks for, a recipe auto chose, ...) raises
+        :class:`~spmdkit.planner.notes.PlanNoteError` instead of being returned,
+        and a tensor-parallel preset that leaves a weight off the model axes
         raises instead of warning.
       axis_names: collective axis names the model uses as if under ``pmap``
         (``nn.BatchNorm(axis_name="batch")``), bound around the loss
@@ -191,9 +205,9 @@ def plan(
 
     Raises:
       PlanError: unknown strategy, a ``names`` glob matching nothing, or (``strict``)
-        a weight a tensor-parallel preset replicates; UnknownLogicalAxisError: a
-        logical name has no rule; PipelineError: a pipeline the mesh or model
-        cannot run.
+        a weight a tensor-parallel preset replicates; PlanNoteError (``strict``): the
+        plan has notes; UnknownLogicalAxisError: a logical name has no rule (auto
+        included); PipelineError: a pipeline the mesh or model cannot run.
 
     Example::
 
@@ -221,7 +235,7 @@ def plan(
         out = replace(planner.make_plan(name, c, cost), names_from=names_from)
         check_pipelined(named, out)
         check_placement(out, lambda: infer_names(info), strict=strict)
-        return out
+        return _noted(out, [], strict=strict)
     if recipe is not None and not isinstance(recipe, Recipe):
         raise PlanError(
             op="plan",
@@ -237,12 +251,13 @@ def plan(
             planner.final(strategy, planner.preset(strategy, rules, fixed)), names_from=names_from
         )
         check_placement(out, lambda: infer_names(info), strict=strict)
-        return out
+        return _noted(out, [], strict=strict)
     if not isinstance(strategy, str):
         table = LogicalRules.coerce(strategy)
         if rules is not None:
             table = table.prepend(rules)
-        return replace(planner.final("rules", planner.table(table, fixed)), names_from=names_from)
+        out = planner.final("rules", planner.table(table, fixed))
+        return _noted(replace(out, names_from=names_from), [], strict=strict)
     if pipeline is not None and not (pipeline == "auto" or isinstance(pipeline, Pipeline)):
         raise PlanError(
             op="plan",
@@ -250,7 +265,37 @@ def plan(
             given=repr(pipeline),
             fix="pass pipeline='auto' or Pipeline(stages=..., microbatches=...)",
         )
-    return replace(planner.auto_plan(rules, recipe, pipeline), names_from=names_from)
+    out = replace(planner.auto_plan(rules, recipe, pipeline), names_from=names_from)
+    return _noted(out, list(out.notes), strict=strict)
+
+
+def _noted(out: Plan, notes: list[PlanNote], *, strict: bool) -> Plan:
+    """The plan with its notes (``notes`` and its layout's,
+    :func:`_layout_notes`); ``strict``: raise instead."""
+    notes = [*notes, *_layout_notes(out)]
+    raise_if_strict(notes, out.strategy, strict=strict)
+    return replace(out, notes=tuple(notes))
+
+
+def _layout_notes(plan: Plan) -> list[PlanNote]:
+    """The notes a finished plan's layout calls for (:mod:`spmdkit.planner.notes`):
+    idle mesh axes, a batch off the axes its rule asks for, a batch no rule places."""
+    name = plan.chosen or plan.strategy
+    specs = [s for table in (plan.params, plan.opt, plan.grads, plan.state) for s in table.values()]
+    activation = dict(plan.activation)
+    if plan.pipeline is not None:
+        activation["<pipeline>"] = (plan.pipeline.axis,)
+    out = idle_axis_notes(plan.mesh, specs, activation, by_role=name in PRESETS)
+    asked, who = asked_batch_axes(plan.rules, plan.mesh)
+    if plan.rules is not None:
+        who = f"the {name!r} rule table" if name in PRESETS else "the rule table"
+    chosen = plan.activation.get("batch", ())
+    out += batch_notes(plan.mesh, plan.batch_size, chosen, asked, who)
+    if not chosen:
+        out += no_batch_rule_note(plan.rules, plan.batch_size)
+    if plan.activation:
+        out += batch_field_notes(plan.batch_axes, plan.activation)
+    return out
 
 
 def _check_mesh(mesh: object) -> MeshLike:
@@ -297,6 +342,18 @@ class _Planner(PipelinePlanning):
     #: :meth:`propagated` per layout and recipe: candidates that lay every array
     #: out alike (``dp`` and ``ep`` on a model without experts) propagate once
     recost_memo: dict = field(default_factory=dict)
+    #: auto: preset → why it has no candidate left after costing (:meth:`auto`)
+    dropped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int | None:
+        """The global batch size: the ``batch`` dim of the first batch field that
+        names one (None: no field does)."""
+        for kp, leaf in jax.tree_util.tree_flatten_with_path(self.info.batch)[0]:
+            names = tuple(self.info.batch_axes.get(path_str(kp)) or ())
+            if "batch" in names and names.index("batch") < len(leaf.shape):
+                return int(leaf.shape[names.index("batch")])
+        return None
 
     def at(self, recipe: Recipe) -> CostContext:
         """The cost context under ``recipe`` (sharing the memo)."""
@@ -381,6 +438,8 @@ class _Planner(PipelinePlanning):
             pipeline=c.pipeline,
             state=state,
             state_from=state_from,
+            batch_size=self.batch_size,
+            memory_budget=self.budget,
         )
 
     def propagated(self, c: Candidate) -> Candidate:
@@ -448,10 +507,9 @@ class _Planner(PipelinePlanning):
         """Every preset and searched candidate under one recipe."""
         out: list[Candidate] = []
         for name in PRESETS:
-            try:
-                c = self.preset(name, extra, recipe)
-            except UnknownLogicalAxisError:
-                continue
+            # a logical name without a rule raises here, as in the presets: the
+            # searched layouts never read names, so auto would replicate it silently
+            c = self.preset(name, extra, recipe)
             if self.fits_batch(recipe, c.activation.get("batch", ())):
                 out.append(c)
         return out + self.searched(recipe)
@@ -494,6 +552,11 @@ class _Planner(PipelinePlanning):
         if isinstance(pipeline, Pipeline):
             return self.ranked(self.recosted_pipelines(self.pipelined(pipeline, fixed, extra)))
         candidates = self.analytic_candidates(extra, fixed)
+        self.dropped = {
+            n: "its batch layout splits into none of the micro-batch counts tried"
+            for n in PRESETS
+            if all(c.name != n for c in candidates)
+        }
         if self.estimator == "propagate":
             # The three best candidates and the presets (plain recipe, or the fixed
             # one), re-costed on the traced step; a preset the analytic model puts
@@ -508,7 +571,9 @@ class _Planner(PipelinePlanning):
                 and not c.name.startswith("searched")
                 and c.cost.peak_bytes <= _RECOST_OVER_BUDGET * self.budget
             }
+            before = candidates
             candidates = self.recosted(candidates, keep)
+            self.dropped |= _not_recosted(before, candidates, self.budget, base)
         if pipeline is not None:
             candidates += self.recosted_pipelines(self.pipelined(pipeline, fixed, extra))
         return self.ranked(candidates)
@@ -583,8 +648,46 @@ class _Planner(PipelinePlanning):
                 stacklevel=3,  # the caller of plan()
             )
         out = self.make_plan("auto", best, best.cost)
-        alternatives = tuple((c.label, c.cost) for c in others[:12])
-        return replace(out, alternatives=alternatives, chosen=best.name)
+        shown = others[:12]
+        alternatives = tuple((c.label, c.cost) for c in shown)
+        notes: list[PlanNote] = []
+        if fixed is None:
+            plain = [
+                c.cost.step_time_s
+                for c in (best, *others)
+                if c.recipe.is_default and c.pipeline is None and c.cost.peak_bytes <= self.budget
+            ]
+            notes += recipe_note(best.recipe, best.cost.step_time_s, min(plain, default=None))
+        if not isinstance(pipeline, Pipeline):
+            names = {c.name for c in (best, *shown)}
+            cut = {c.name for c in others[12:]} - names
+            reasons = {n: "ranked below the 12 runner-ups shown" for n in PRESETS if n in cut}
+            reasons |= {n: why for n, why in self.dropped.items() if n not in names}
+            notes += dropped_note({n: reasons[n] for n in PRESETS if n in reasons})
+        return replace(out, alternatives=alternatives, chosen=best.name, notes=tuple(notes))
+
+
+def _not_recosted(
+    before: list[Candidate], after: list[Candidate], budget: float, base: Recipe
+) -> dict[str, str]:
+    """Presets auto's analytic pass costed but did not re-cost by propagation
+    (so they leave the runner-up list), and why (``base``: the recipe the presets
+    are re-costed with)."""
+    kept = {c.name for c in after}
+    out = {}
+    for name in PRESETS:
+        peaks = [c.cost.peak_bytes for c in before if c.name == name and c.recipe == base]
+        if name in kept or not any(c.name == name for c in before):
+            continue
+        if peaks and min(peaks) > _RECOST_OVER_BUDGET * budget:
+            out[name] = (
+                f"the analytic estimate puts it at {fmt_bytes(min(peaks))} per device with "
+                f"the '{base.short()}' step, over {_RECOST_OVER_BUDGET:g}× the budget, and "
+                "none of its other recipes ranked among the best, so it was not re-costed"
+            )
+        else:
+            out[name] = "its recipes ranked below the candidates re-costed by propagation"
+    return out
 
 
 def _planner(

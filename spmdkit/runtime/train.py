@@ -180,8 +180,9 @@ def train(
       :class:`TrainResult`.
 
     Raises:
-      TrainError: inconsistent options, an empty data source, or a one-shot
-        iterator to resume.
+      TrainError: inconsistent options, an empty data source, a one-shot
+        iterator to resume, or a batch whose size is not the plan's
+        (``plan.batch_size``).
 
     Example::
 
@@ -198,6 +199,8 @@ def train(
     plan = _run_plan(
         parts.info, plan, shardings, accum_steps, source, optimizer, out if show else None
     )
+    check_batch = functools.partial(_check_batch_size, plan)
+    check_batch(source.example)
     step_fn = jit(train_step(parts.info, optimizer, plan), plan, donate_state=True)
     with jax.set_mesh(step_fn.mesh):
         key = _base_key(rng, step_fn.mesh) if parts.info.rng else None
@@ -209,6 +212,7 @@ def train(
         batches, where = source.batches(start, restored.data_state if restored else None)
         if resume and show:
             out.write(_restore_line(ckpt, restored, where))
+        batches = map(check_batch, batches)
         loop = _Loop(step_fn, batches, state, start=start, show=show, out=out)
         items = None if save_opt_state else tuple(k for k in state if k != "opt_state")
         save = _saver(ckpt, plan, data, config=config, items=items)
@@ -338,6 +342,31 @@ def _run_plan(
             f"mesh ({axes}) (pass plan= to choose):\n{made.table()}\n"
         )
     return made
+
+
+def _check_batch_size(plan: Plan, batch: Any) -> Any:
+    """``batch``, when its ``batch`` dims have the size the plan was made for
+    (a plan without a recorded size takes any)."""
+    want = plan.batch_size
+    if want is None:
+        return batch
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if not is_tensor(leaf) or not np.ndim(leaf):
+            continue
+        path = path_str(kp)
+        names = tuple(plan.batch_axes.get(path) or ("batch",))
+        if "batch" not in names or names.index("batch") >= np.ndim(leaf):
+            continue
+        got = np.shape(leaf)[names.index("batch")]
+        if got != want:
+            raise TrainError(
+                op="train",
+                must=f"every batch has the global batch size the plan was made for ({want})",
+                given=f"field {path!r} of shape {tuple(np.shape(leaf))}: a batch of {got}",
+                fix=f"feed batches of {want} (a loader's last_batch='drop' or 'pad' keeps "
+                f"the size), or plan for batches of {got}: sk.plan(..., batch=<one of them>)",
+            )
+    return batch
 
 
 def _with_microbatches(plan: Plan, accum_steps: int) -> Plan:

@@ -319,6 +319,22 @@ def test_bad_configurations_raise(mesh):
         run(mesh, 1, rng=None)
 
 
+def test_a_batch_of_another_size_than_the_plans_is_refused(mesh):
+    """A plan made for batches of 16, fed batches of 8: refused before anything runs."""
+    batch = {"x": X[:16], "y": Y[:16]}
+    p = sk.plan(lambda: MLP(nnx.Rngs(0)), mesh, "dp", loss=plain_loss, batch=batch,
+                estimator="analytic")  # fmt: skip
+    assert p.batch_size == 16
+    with pytest.raises(TrainError, match=r"plan was made for \(16\).*a batch of 8") as e:
+        train(plain_loss, MLP(nnx.Rngs(0)), optax.sgd(0.1), loader(mesh, ("a", "b"), 8),
+              steps=1, plan=p, progress=False)  # fmt: skip
+    assert "feed batches of 16" in e.value.fix
+    # the second batch of a list is checked as it comes
+    with pytest.raises(TrainError, match="a batch of 8"):
+        train(plain_loss, MLP(nnx.Rngs(0)), optax.sgd(0.1), [batch, {"x": X[:8], "y": Y[:8]}],
+              steps=2, plan=p, progress=False)  # fmt: skip
+
+
 # -- checkpoints and resume ---------------------------------------------------------------------
 
 

@@ -1,0 +1,308 @@
+"""Plan notes: what a plan does that nobody asked for, said in words.
+
+A plan can be valid and still waste devices or differ from what its author
+wrote: a mesh axis whose devices all compute the same thing, a batch that went
+to other axes than the rules ask for because its size does not divide them, a
+recipe auto chose instead of the plain step, candidates auto dropped. Each such
+choice is a :class:`PlanNote` (kind, message, fix) in ``plan.notes``, printed
+under the plan's table and saved in its JSON; ``sk.plan(..., strict=True)``
+raises :class:`PlanNoteError` instead.
+
+======================  =============================================================
+kind                    when
+======================  =============================================================
+``idle_axis``           a mesh axis (size > 1) carries neither the batch, nor any
+                        parameter, optimizer state or activation dim
+``batch_axes``          the batch's size does not divide the axes its rule asks for;
+                        it went to other axes (or none)
+``batch_replicated``    a rule table with no ``batch`` entry, or a batch field dim
+                        named with a name no activation rule covers
+``recipe``              auto chose a recipe other than the plain step
+``dropped``             auto left presets out of its runner-up list
+``absent_axes``         a rule table names mesh axes the mesh lacks (dropped)
+======================  =============================================================
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from spmdkit.planner.logical import BATCH_NAMES, ROLE_NAMES, PlanError, axis_roles
+from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.util import fmt_time
+
+if TYPE_CHECKING:
+    from spmdkit.recipe import Recipe
+
+__all__ = [
+    "NOTE_KINDS",
+    "PlanNote",
+    "PlanNoteError",
+    "asked_batch_axes",
+    "batch_field_notes",
+    "batch_notes",
+    "dropped_note",
+    "idle_axis_notes",
+    "no_batch_rule_note",
+    "raise_if_strict",
+    "recipe_note",
+]
+
+#: The kinds of :class:`PlanNote` (module docstring).
+NOTE_KINDS = ("idle_axis", "batch_axes", "batch_replicated", "recipe", "dropped", "absent_axes")
+
+
+class PlanNoteError(PlanError):
+    """``sk.plan(..., strict=True)`` made a plan with notes.
+
+    Broken example: ``sk.plan(model, sk.abstract_mesh(dat=2, model=4), "megatron",
+    strict=True)``: the typo'd axis ``dat`` carries nothing.
+    """
+
+
+@dataclass(frozen=True)
+class PlanNote:
+    """One thing a plan does that its author did not ask for (module docstring).
+
+    Attributes:
+      kind: one of :data:`NOTE_KINDS`.
+      message: what the plan does, with the sizes involved.
+      fix: how to get what was probably meant.
+
+    Example::
+
+        >>> str(PlanNote("idle_axis", "mesh axis 'dat' (2 devices) carries nothing.",
+        ...              "rename it 'data'"))
+        "[idle_axis] mesh axis 'dat' (2 devices) carries nothing. Fix: rename it 'data'"
+    """
+
+    kind: str
+    message: str
+    fix: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in NOTE_KINDS:
+            raise PlanError(
+                op="PlanNote",
+                must=f"kind is one of {NOTE_KINDS}",
+                given=repr(self.kind),
+                fix="use a listed kind",
+            )
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.message} Fix: {self.fix}"
+
+    def to_json(self) -> dict:
+        """JSON-able dict."""
+        return {"kind": self.kind, "message": self.message, "fix": self.fix}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> PlanNote:
+        """Inverse of :meth:`to_json`."""
+        return cls(str(d["kind"]), str(d["message"]), str(d["fix"]))
+
+
+def raise_if_strict(notes: Sequence[PlanNote], strategy: str, *, strict: bool) -> None:
+    """With ``strict``, a plan with notes raises instead of being returned.
+
+    Raises:
+      PlanNoteError: ``strict`` and ``notes`` is not empty.
+    """
+    if not strict or not notes:
+        return
+    raise PlanNoteError(
+        op=f"plan(strategy={strategy!r}, strict=True)",
+        must="the plan makes no choice it would only note (strict turns notes into errors)",
+        given=" ".join(f"[{n.kind}] {n.message}" for n in notes),
+        fix=" / ".join(dict.fromkeys(n.fix for n in notes)),
+    )
+
+
+# -- layout notes ---------------------------------------------------------------------------
+
+
+def _axes_text(axes: Sequence[str], sizes: Mapping[str, int]) -> str:
+    if not axes:
+        return "no axis"
+    n = math.prod(sizes[a] for a in axes)
+    return "×".join(axes) + f" ({n} device{'s' if n != 1 else ''})"
+
+
+def _used_axes(specs: Iterable, activation: Mapping[str, Sequence[str]]) -> set[str]:
+    used: set[str] = set()
+    for spec in specs:
+        for e in tuple(spec):
+            if e is not None:
+                used.update((e,) if isinstance(e, str) else e)
+    for axes in activation.values():
+        used.update(axes)
+    return used
+
+
+def _idle_fix(axis: str, mesh: MeshLike, by_role: bool) -> str:
+    """The fix for an idle axis: a typo'd role name, or the generic choices."""
+    if by_role:
+        known = sorted(set().union(*ROLE_NAMES.values()))
+        if axis not in known:
+            near = difflib.get_close_matches(axis, known, n=1)
+            return (
+                (f"did you mean {near[0]!r}? " if near else "")
+                + "the presets give mesh axes roles by name (data/dp/batch, fsdp, "
+                f"model/tensor/tp, expert/ep) and {axis!r} is none of them: rename it, "
+                "or build the mesh without it"
+            )
+    return (
+        f"shard something over {axis!r} (a batch size it divides, a rule naming it, "
+        "another strategy), or build the mesh without it"
+    )
+
+
+def idle_axis_notes(
+    mesh: MeshLike,
+    specs: Iterable,
+    activation: Mapping[str, Sequence[str]],
+    *,
+    by_role: bool,
+) -> list[PlanNote]:
+    """An ``idle_axis`` note per mesh axis (size > 1) that nothing in ``specs``
+    (params, optimizer state, gradients, model state) or ``activation`` uses.
+    ``by_role``: the layout came from a preset (roles by axis name)."""
+    sizes = axis_sizes(mesh)
+    used = _used_axes(specs, activation)
+    out = []
+    for a, n in sizes.items():
+        if n > 1 and a not in used:
+            out.append(
+                PlanNote(
+                    "idle_axis",
+                    f"mesh axis {a!r} ({n} devices) carries neither the batch nor any "
+                    f"parameter: its {n} slices of the mesh all compute the same thing.",
+                    _idle_fix(a, mesh, by_role),
+                )
+            )
+    return out
+
+
+def asked_batch_axes(rules: object, mesh: MeshLike) -> tuple[tuple[str, ...] | None, str]:
+    """The mesh axes the batch is asked to go on, and who asks: a rule table's
+    first ``batch`` entry (None when its first entry replicates on purpose), or,
+    with no table (auto's searched layouts), the mesh's data axes."""
+    entries = getattr(rules, "entries", None)
+    if entries is not None:
+        for key, axes in entries:
+            if key == "batch":
+                return axes, "its rule"
+        return None, ""
+    roles = axis_roles(mesh)
+    data = tuple(a for a in mesh.axis_names if a in roles["data"] and a not in roles["model"])
+    return (data or None), "the mesh's data axes"
+
+
+def batch_notes(
+    mesh: MeshLike,
+    batch_size: int | None,
+    chosen: Sequence[str],
+    asked: Sequence[str] | None,
+    who: str,
+) -> list[PlanNote]:
+    """A ``batch_axes`` note when the batch's size does not divide the axes it is
+    asked to go on (``asked``, by ``who``) and went to ``chosen`` instead."""
+    sizes = axis_sizes(mesh)
+    if not asked or batch_size is None or tuple(chosen) == tuple(asked):
+        return []
+    n = math.prod(sizes[a] for a in asked)
+    if batch_size % n == 0:
+        return []
+    left = [a for a in asked if a not in chosen and sizes[a] > 1]
+    copies = f"; {_axes_text(left, sizes)} hold{'s' if len(left) == 1 else ''} copies of it"
+    return [
+        PlanNote(
+            "batch_axes",
+            f"the batch of {batch_size} does not divide {_axes_text(asked, sizes)}, the axes "
+            f"{who} asks for; it went on {_axes_text(tuple(chosen), sizes)} instead"
+            + (copies if left else "")
+            + ".",
+            f"use a global batch that is a multiple of {n} (e.g. "
+            f"{-(-batch_size // n) * n}), or a mesh whose batch axes divide {batch_size}",
+        )
+    ]
+
+
+def batch_field_notes(
+    batch_axes: Mapping[str, Sequence[str | None]], activation: Mapping[str, Sequence[str]]
+) -> list[PlanNote]:
+    """A ``batch_replicated`` note per batch-field dim whose logical name no
+    activation rule covers (its dim would be replicated)."""
+    out = []
+    for path, names in batch_axes.items():
+        for i, name in enumerate(names):
+            if name is not None and name not in activation:
+                out.append(
+                    PlanNote(
+                        "batch_replicated",
+                        f"batch field {path!r} names dim {i} {name!r}, which no activation "
+                        f"rule covers (known: {', '.join(BATCH_NAMES)}): that dim is "
+                        "replicated.",
+                        f"name it as the planner does (batch_axes={{{path!r}: ('batch', "
+                        f"...)}}), or alias it: sk.plan(..., aliases={{{name!r}: 'batch'}})",
+                    )
+                )
+    return out
+
+
+def no_batch_rule_note(rules: object, batch_size: int | None) -> list[PlanNote]:
+    """A ``batch_replicated`` note for a rule table that never mentions the batch."""
+    entries = getattr(rules, "entries", None)
+    if entries is None or batch_size is None or any(k == "batch" for k, _ in entries):
+        return []
+    return [
+        PlanNote(
+            "batch_replicated",
+            "the rule table has no 'batch' entry (nor an activation-batch name such as "
+            "'activation_batch'): the batch is replicated on every device.",
+            "add a batch rule (rules=[('batch', 'data')]) or alias the table's batch name "
+            "(sk.plan(..., aliases={'my_batch': 'batch'}))",
+        )
+    ]
+
+
+def recipe_note(chosen: Recipe, step_s: float, plain_step_s: float | None) -> list[PlanNote]:
+    """A ``recipe`` note when auto chose ``chosen`` over the plain step (whose
+    best plan takes ``plain_step_s``, None when none could run)."""
+    if chosen.is_default:
+        return []
+    gain = (
+        f" (estimated step {fmt_time(step_s)}; the best plain-step plan: {fmt_time(plain_step_s)})"
+        if plain_step_s is not None
+        else " (no plain-step plan fits)"
+    )
+    return [
+        PlanNote(
+            "recipe",
+            f"auto chose the recipe '{chosen.short()}' instead of the plain step{gain}: a "
+            "step written by hand (jax.value_and_grad) runs the plain step, and sk.jit "
+            "refuses it for this plan.",
+            "build the step from the plan (sk.train_step(info, optimizer, plan) or "
+            "sk.value_and_grad(loss, plan)), or fix the recipe: "
+            "sk.plan(..., recipe=sk.Recipe())",
+        )
+    ]
+
+
+def dropped_note(reasons: Mapping[str, str]) -> list[PlanNote]:
+    """A ``dropped`` note naming each preset auto left out of its runner-up list
+    and why (``reasons``: preset → why)."""
+    if not reasons:
+        return []
+    text = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+    return [
+        PlanNote(
+            "dropped",
+            f"auto left {len(reasons)} preset(s) out of its runner-up list ({text}).",
+            "plan a preset by name to see its table and cost (sk.plan(..., strategy=name))",
+        )
+    ]

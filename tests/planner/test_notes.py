@@ -1,0 +1,152 @@
+"""spmdkit.planner.notes: every choice a plan makes without being asked is a note
+(and, with ``strict=True``, an error)."""
+
+import functools
+import json
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import spmdkit as sk
+from spmdkit.flax import describe
+from spmdkit.models import get_model
+from spmdkit.planner import Plan, UnknownLogicalAxisError, plan
+from spmdkit.planner.notes import PlanNote, PlanNoteError
+from tests.plan_model import toy_batch, toy_init, toy_loss
+
+
+@functools.cache
+def toy_info(b):
+    """The toy model described once per batch size (its traced step is memoized on it)."""
+    return describe(toy_init, loss=toy_loss, batch=toy_batch(b=b))
+
+
+def toy_plan(mesh, strategy, b=8, **kw):
+    kw.setdefault("estimator", "analytic")
+    return plan(toy_info(b), mesh, strategy, **kw)
+
+
+def kinds(p):
+    return [n.kind for n in p.notes]
+
+
+@pytest.fixture(scope="module")
+def llama_8b_b12():
+    """What ``spmdkit plan llama --config 8b --mesh data=8,model=8 --batch-size 12``
+    plans (on an abstract mesh: nothing compiled)."""
+    return describe(get_model("llama"), config="8b", batch_size=12)
+
+
+def test_a_typod_axis_is_an_idle_axis_note_and_a_strict_error():
+    mesh = sk.abstract_mesh(dat=2, model=4)
+    p = toy_plan(mesh, "megatron")
+    idle = [n for n in p.notes if n.kind == "idle_axis"]
+    assert len(idle) == 1 and "'dat' (2 devices)" in idle[0].message
+    assert "did you mean 'data'?" in idle[0].fix
+    assert "notes:\n  - [idle_axis] mesh axis 'dat'" in p.table()
+    with pytest.raises(PlanNoteError, match="'dat'"):
+        toy_plan(mesh, "megatron", strict=True)
+
+
+def test_a_batch_that_does_not_divide_its_axes_says_where_it_went():
+    mesh = sk.abstract_mesh(data=4, model=2)
+    p = toy_plan(mesh, "dp", b=6)
+    (note,) = [n for n in p.notes if n.kind == "batch_axes"]
+    assert "batch of 6 does not divide data×model (8 devices)" in note.message
+    assert "went on model (2 devices)" in note.message
+    assert "data (4 devices) holds copies" in note.message
+    assert "multiple of 8" in note.fix
+    assert "idle_axis" in kinds(p)  # data carries nothing else under dp
+    with pytest.raises(PlanNoteError, match="batch of 6"):
+        toy_plan(mesh, "dp", b=6, strict=True)
+
+
+def test_a_plan_that_uses_every_axis_has_no_notes_and_passes_strict():
+    p = toy_plan(sk.abstract_mesh(data=2, model=4), "fsdp", strict=True)
+    assert p.notes == () and "notes:" not in p.table()
+
+
+def test_batch_12_on_data_8_is_noted_by_auto(llama_8b_b12):
+    mesh = sk.abstract_mesh(data=8, model=8)
+    p = plan(llama_8b_b12, mesh, estimator="analytic")
+    (note,) = [n for n in p.notes if n.kind == "batch_axes"]
+    assert "batch of 12 does not divide data (8 devices)" in note.message
+    assert "multiple of 8 (e.g. 16)" in note.fix
+    with pytest.raises(PlanNoteError, match="batch of 12"):
+        plan(llama_8b_b12, mesh, estimator="analytic", strict=True)
+
+
+@pytest.mark.slow
+def test_batch_12_on_data_8_as_the_cli_plans_it(llama_8b_b12):
+    """The default estimator (the CLI's): megatron_sp with the data axis idle, the
+    presets auto dropped named, runner-ups over the budget marked."""
+    p = plan(llama_8b_b12, sk.abstract_mesh(data=8, model=8))
+    assert {"batch_axes", "idle_axis", "dropped"} <= set(kinds(p))
+    (dropped,) = [n for n in p.notes if n.kind == "dropped"]
+    assert "dp: the analytic estimate puts it at" in dropped.message
+    over = [a for a in p.table().splitlines() if "OVER BUDGET (80.0 GiB)" in a]
+    assert over and all(c.peak_bytes > 80 * 2**30 for _, c in p.alternatives[-len(over) :])
+    assert len({name for name, _ in p.alternatives}) == len(p.alternatives)
+
+
+def test_auto_notes_the_recipe_it_chose_unless_one_was_given(plans, amesh):
+    auto = plans["auto"]
+    assert not auto.recipe.is_default
+    (note,) = [n for n in auto.notes if n.kind == "recipe"]
+    assert auto.recipe.short() in note.message and "jax.value_and_grad" in note.message
+    assert "recipe=sk.Recipe()" in note.fix
+    fixed = toy_plan(amesh, "auto", recipe=sk.Recipe())
+    assert "recipe" not in kinds(fixed)
+
+
+def test_runner_ups_show_their_recipe_and_are_marked_over_the_budget(amesh):
+    p = toy_plan(amesh, "auto", memory_budget=130 * 2**10)
+    names = [name for name, _ in p.alternatives]
+    assert len(set(names)) == len(names)
+    lines = p.table().splitlines()
+    for name, cost in p.alternatives:
+        (line,) = [ln for ln in lines if ln.startswith(f"  {name} ")]
+        assert ("OVER BUDGET" in line) == (cost.peak_bytes > 130 * 2**10)
+    assert any("OVER BUDGET" in ln for ln in lines)
+    assert not all("OVER BUDGET" in ln for ln in lines if ln.startswith("  searched"))
+
+
+def test_notes_round_trip_through_json(amesh):
+    p = toy_plan(sk.abstract_mesh(data=4, model=2), "dp", b=6)
+    back = Plan.from_json(p.to_json())
+    assert back.notes == p.notes and back.batch_size == 6
+    assert json.loads(p.to_json())["notes"][0]["kind"] == p.notes[0].kind
+
+
+def test_a_note_kind_is_checked():
+    with pytest.raises(sk.PlanError, match="kind is one of"):
+        PlanNote("idle", "x", "y")
+
+
+class Unnamed(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.ones((16, 32)), out_sharding=("my_dim", "embed"))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+def test_auto_refuses_a_logical_name_without_a_rule(amesh):
+    batch = {"x": jnp.ones((8, 16))}
+
+    def loss(m, b):
+        return jnp.mean(m(b["x"]) ** 2)
+
+    with pytest.raises(UnknownLogicalAxisError, match="'my_dim'"):
+        plan(lambda: Unnamed(nnx.Rngs(0)), amesh, loss=loss, batch=batch, estimator="analytic")
+    given = plan(
+        lambda: Unnamed(nnx.Rngs(0)),
+        amesh,
+        loss=loss,
+        batch=batch,
+        estimator="analytic",
+        rules=[("my_dim", "model")],
+    )
+    costed = {given.chosen} | {name.split("+")[0] for name, _ in given.alternatives}
+    assert "megatron" in costed  # the presets are costed again, not dropped
