@@ -301,16 +301,22 @@ def activation_layout(rules: LogicalRules, mesh: MeshLike, trace: StepTrace) -> 
 
 
 def preset_tables(
-    name: str, extra: RulesLike | None, mesh: MeshLike
+    name: str,
+    extra: RulesLike | None,
+    mesh: MeshLike,
+    aliases: Mapping[str, str] | None = None,
 ) -> tuple[LogicalRules, LogicalRules]:
     """A preset's rule tables for the parameters and for their optimizer state
-    (ZeRO-1/2: the fsdp table), ``extra`` rules first."""
+    (ZeRO-1/2: the fsdp table), ``extra`` rules first, ``aliases`` applied
+    (:meth:`~spmdkit.planner.logical.LogicalRules.aliased`)."""
     rules = preset_rules(name, mesh)
     if extra is not None:
         rules = rules.prepend(extra)
     opt_rules = preset_rules("fsdp", mesh) if name in ("zero1", "zero2") else rules
     if extra is not None and name in ("zero1", "zero2"):
         opt_rules = opt_rules.prepend(extra)
+    if aliases:
+        rules, opt_rules = rules.aliased(aliases), opt_rules.aliased(aliases)
     return rules, opt_rules
 
 

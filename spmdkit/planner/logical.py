@@ -62,6 +62,7 @@ from spmdkit.errors import SpmdError
 from spmdkit.spec import MeshLike, axis_sizes
 
 __all__ = [
+    "ACTIVATION_ALIASES",
     "BATCH_NAMES",
     "PARAM_NAMES",
     "PRESETS",
@@ -73,6 +74,7 @@ __all__ = [
     "RulesLike",
     "UnknownLogicalAxisError",
     "axis_roles",
+    "check_aliases",
     "preset_rules",
 ]
 
@@ -97,6 +99,10 @@ PARAM_NAMES = (
 )
 #: Logical names of batch / activation dims that every preset table covers.
 BATCH_NAMES = ("batch", "seq", "height", "width", "channels")
+
+#: Activation names of other projects' rule tables (MaxText) treated as the
+#: planner's own batch dims (:meth:`LogicalRules.aliased`).
+ACTIVATION_ALIASES = {"activation_batch": "batch", "activation_length": "seq"}
 
 #: Preset strategies, in the order the planner tries them.
 PRESETS = ("dp", "fsdp", "zero1", "zero2", "megatron", "megatron_sp", "tp_fsdp", "ep")
@@ -258,7 +264,8 @@ class LogicalRules:
                     must=f"every logical name has a rule (known: {', '.join(known)})",
                     given=f"{name!r} at {where or '?'}",
                     fix=(f"did you mean {near[0]!r}? " if near else "")
-                    + f"add a rule, e.g. rules=[({name!r}, None)] to replicate it on purpose",
+                    + f"add a rule, e.g. rules=[({name!r}, None)] to replicate it on purpose, "
+                    f"or treat it like a known name: sk.plan(..., aliases={{{name!r}: 'embed'}})",
                 )
             chosen: tuple[str, ...] = ()
             for key, axes in self.entries:
@@ -286,9 +293,79 @@ class LogicalRules:
             out.pop()
         return P(*out)
 
+    def on_mesh(self, mesh: MeshLike) -> tuple[LogicalRules, dict[str, tuple[str, ...]]]:
+        """The table with the mesh axes ``mesh`` lacks dropped from every entry, and
+        each dropped axis → the logical names whose entries named it.
+
+        An entry left with no axis shards nothing but still wins over later
+        fallbacks, as if the mesh had the axis with size 1 (MaxText builds every
+        mesh with all of its axes, unused ones of size 1).
+
+        Example::
+
+            >>> t, dropped = LogicalRules((("embed", ("fsdp", "data")),)).on_mesh(
+            ...     abstract_mesh(data=2, model=4))
+            >>> t.entries, dropped
+            ((('embed', ('data',)),), {'fsdp': ('embed',)})
+        """
+        have = set(mesh.axis_names)
+        dropped: dict[str, list[str]] = {}
+        entries = []
+        for name, axes in self.entries:
+            for a in axes or ():
+                if a not in have and name not in dropped.setdefault(a, []):
+                    dropped[a].append(name)
+            entries.append((name, None if axes is None else tuple(a for a in axes if a in have)))
+        return LogicalRules(tuple(entries)), {a: tuple(n) for a, n in dropped.items()}
+
+    def aliased(self, aliases: Mapping[str, str]) -> LogicalRules:
+        """The table where each pair of ``aliases`` (logical name → logical name)
+        is treated alike: a name of the pair with no entry takes the other's
+        entries (a name with entries of its own keeps them).
+
+        Example::
+
+            >>> t = LogicalRules((("heads", "model"),)).aliased({"q_heads": "heads"})
+            >>> t.resolve(("q_heads",), (8,), abstract_mesh(data=2, model=4))
+            PartitionSpec('model',)
+        """
+        entries = list(self.entries)
+        for _ in range(len(aliases)):  # chains (a → b → c) settle in len(aliases) rounds
+            names = {k for k, _ in entries}
+            added = False
+            for a, b in aliases.items():
+                for new, old in ((a, b), (b, a)):
+                    if new not in names and old in names:
+                        entries += [(new, axes) for k, axes in entries if k == old]
+                        names.add(new)
+                        added = True
+            if not added:
+                break
+        return LogicalRules(tuple(entries))
+
     def to_json(self) -> list:
         """JSON-able list of ``[name, axes or null]``."""
         return [[k, None if v is None else list(v)] for k, v in self.entries]
+
+
+def check_aliases(aliases: object) -> dict[str, str]:
+    """``aliases`` as a dict of logical name → logical name (None: empty).
+
+    Raises:
+      PlanError: not a mapping of names to names.
+    """
+    if aliases is None:
+        return {}
+    if isinstance(aliases, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
+    ):
+        return dict(aliases)
+    raise PlanError(
+        op="plan",
+        must="aliases map logical names to logical names",
+        given=repr(aliases),
+        fix='pass e.g. aliases={"q_heads": "heads", "embed_vocab": "vocab"}',
+    )
 
 
 # -- roles and presets -------------------------------------------------------------

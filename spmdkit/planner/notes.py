@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NOTE_KINDS",
+    "absent_axes_note",
     "PlanNote",
     "PlanNoteError",
     "asked_batch_axes",
@@ -212,7 +213,9 @@ def batch_notes(
     """A ``batch_axes`` note when the batch's size does not divide the axes it is
     asked to go on (``asked``, by ``who``) and went to ``chosen`` instead."""
     sizes = axis_sizes(mesh)
-    if not asked or batch_size is None or tuple(chosen) == tuple(asked):
+    # a pipelined plan's table was made on the mesh without the pipe axis
+    asked = tuple(a for a in asked or () if a in sizes)
+    if not asked or batch_size is None or tuple(chosen) == asked:
         return []
     n = math.prod(sizes[a] for a in asked)
     if batch_size % n == 0:
@@ -304,5 +307,30 @@ def dropped_note(reasons: Mapping[str, str]) -> list[PlanNote]:
             "dropped",
             f"auto left {len(reasons)} preset(s) out of its runner-up list ({text}).",
             "plan a preset by name to see its table and cost (sk.plan(..., strategy=name))",
+        )
+    ]
+
+
+def absent_axes_note(dropped: Mapping[str, Sequence[str]], mesh: MeshLike) -> list[PlanNote]:
+    """An ``absent_axes`` note for the mesh axes a rule table names that ``mesh``
+    lacks (``dropped``: axis → the logical names whose rules named it)."""
+    if not dropped:
+        return []
+    have = list(mesh.axis_names)
+    parts, near = [], []
+    for axis, names in dropped.items():
+        parts.append(f"{axis!r} (in the rules for {', '.join(names)})")
+        close = difflib.get_close_matches(axis, have, n=1)
+        if close:
+            near.append(f"{axis!r} → {close[0]!r}?")
+    return [
+        PlanNote(
+            "absent_axes",
+            f"the rule table names mesh axes the mesh ({', '.join(have)}) does not have: "
+            f"{'; '.join(parts)}. They are dropped from its rules, as if the mesh had "
+            "them with size 1 (as MaxText builds every mesh with all of its axes).",
+            (f"did you mean {' '.join(near)} " if near else "")
+            + "build the mesh with those axes, or rename them in the table to this "
+            "mesh's axes",
         )
     ]

@@ -78,15 +78,18 @@ from spmdkit.planner.candidates import (
     state_layout,
 )
 from spmdkit.planner.logical import (
+    ACTIVATION_ALIASES,
     BATCH_NAMES,
     PRESETS,
     LogicalRules,
     PlanError,
     RulesLike,
+    check_aliases,
 )
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
 from spmdkit.planner.notes import (
     PlanNote,
+    absent_axes_note,
     asked_batch_axes,
     batch_field_notes,
     batch_notes,
@@ -140,6 +143,7 @@ def plan(
     strict: bool = False,
     axis_names: tuple[str, ...] = (),
     pipeline: Pipeline | str | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -199,6 +203,14 @@ def plan(
         axis has its data axis split into ``pipe × data``,
         :mod:`spmdkit.planner.pipeline.search`), a ``Pipeline`` searches layouts and
         recipes for that pipeline. ``None`` (default): no pipelines.
+      aliases: logical name → logical name treated alike, so that another
+        project's names meet the presets' (``{"q_heads": "heads"}``) or a rule
+        table's: in every rule table, a name of a pair with no entry takes the
+        other's (:meth:`~spmdkit.planner.logical.LogicalRules.aliased`). MaxText's
+        ``activation_batch`` / ``activation_length`` are always aliases of
+        ``batch`` / ``seq`` (:data:`~spmdkit.planner.logical.ACTIVATION_ALIASES`).
+        A rule table's (or ``rules``') mesh axes that ``mesh`` lacks are dropped,
+        with a plan note (:meth:`~spmdkit.planner.logical.LogicalRules.on_mesh`).
 
     Returns:
       The :class:`Plan`.
@@ -227,37 +239,34 @@ def plan(
         init_args=init_args,
         axis_names=axis_names,
     )
+    aliases = {**ACTIVATION_ALIASES, **check_aliases(aliases)}
+    info = _batch_names(info, aliases)
+    strategy, rules, absent = _foreign_tables(strategy, rules, mesh, aliases)
     if pipeline is not None and strategy != "auto":
         pipeline_submesh(mesh, pipeline, info, recipe)
         named, names_from = apply_names(info, names, lambda: infer_names(info))
         planner = _planner(named, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
+        planner.aliases = aliases
         name, c, cost = planner.pipelined_strategy(strategy, rules, recipe, pipeline)
         out = replace(planner.make_plan(name, c, cost), names_from=names_from)
         check_pipelined(named, out)
         check_placement(out, lambda: infer_names(info), strict=strict)
-        return _noted(out, [], strict=strict)
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise PlanError(
-            op="plan",
-            must="recipe is a spmdkit.Recipe or None",
-            given=type(recipe).__name__,
-            fix="pass recipe=sk.Recipe(remat='full', compute_dtype='bfloat16', ...)",
-        )
+        return _noted(out, absent, strict=strict)
+    _check_recipe(recipe)
     info, names_from = apply_names(info, names, lambda: infer_names(info))
     planner = _planner(info, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
+    planner.aliases = aliases
     fixed = recipe or PLAIN
     if isinstance(strategy, str) and strategy != "auto":
         out = replace(
             planner.final(strategy, planner.preset(strategy, rules, fixed)), names_from=names_from
         )
         check_placement(out, lambda: infer_names(info), strict=strict)
-        return _noted(out, [], strict=strict)
+        return _noted(out, absent, strict=strict)
     if not isinstance(strategy, str):
-        table = LogicalRules.coerce(strategy)
-        if rules is not None:
-            table = table.prepend(rules)
-        out = planner.final("rules", planner.table(table, fixed))
-        return _noted(replace(out, names_from=names_from), [], strict=strict)
+        table = strategy if rules is None else strategy.prepend(rules)
+        out = planner.final("rules", planner.table(table.aliased(aliases), fixed))
+        return _noted(replace(out, names_from=names_from), absent, strict=strict)
     if pipeline is not None and not (pipeline == "auto" or isinstance(pipeline, Pipeline)):
         raise PlanError(
             op="plan",
@@ -266,7 +275,42 @@ def plan(
             fix="pass pipeline='auto' or Pipeline(stages=..., microbatches=...)",
         )
     out = replace(planner.auto_plan(rules, recipe, pipeline), names_from=names_from)
-    return _noted(out, list(out.notes), strict=strict)
+    return _noted(out, [*absent, *out.notes], strict=strict)
+
+
+def _foreign_tables(
+    strategy: str | RulesLike, rules: RulesLike | None, mesh: MeshLike, aliases: dict[str, str]
+) -> tuple[str | LogicalRules, LogicalRules | None, list[PlanNote]]:
+    """The strategy (a rule table coerced) and the extra ``rules`` with the mesh
+    axes ``mesh`` lacks dropped and aliased, and an ``absent_axes`` note for what
+    was dropped (rule tables from other projects name axes this mesh lacks)."""
+    dropped: dict[str, tuple[str, ...]] = {}
+
+    def fit(table: RulesLike) -> LogicalRules:
+        out, gone = LogicalRules.coerce(table).on_mesh(mesh)
+        for axis, names in gone.items():
+            dropped[axis] = tuple(dict.fromkeys((*dropped.get(axis, ()), *names)))
+        return out.aliased(aliases)
+
+    if not isinstance(strategy, str):
+        strategy = fit(strategy)
+    rules = None if rules is None else fit(rules)
+    return strategy, rules, absent_axes_note(dropped, mesh)
+
+
+def _batch_names(info: ModelInfo, aliases: Mapping[str, str]) -> ModelInfo:
+    """``info`` with its batch fields' dim names that alias a planner batch name
+    (``activation_batch`` → ``batch``) given that name."""
+    canon = {a: b for a, b in aliases.items() if b in BATCH_NAMES and a not in BATCH_NAMES}
+    canon |= {b: a for a, b in aliases.items() if a in BATCH_NAMES and b not in BATCH_NAMES}
+    renamed = {
+        path: tuple(canon.get(n, n) if n is not None else None for n in names)
+        for path, names in info.batch_axes.items()
+    }
+    if renamed == dict(info.batch_axes):
+        return info
+    # a fresh memo: the traced step reads the batch size off these names
+    return replace(info, batch_axes=renamed, _memo={})
 
 
 def _noted(out: Plan, notes: list[PlanNote], *, strict: bool) -> Plan:
@@ -296,6 +340,16 @@ def _layout_notes(plan: Plan) -> list[PlanNote]:
     if plan.activation:
         out += batch_field_notes(plan.batch_axes, plan.activation)
     return out
+
+
+def _check_recipe(recipe: object) -> None:
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise PlanError(
+            op="plan",
+            must="recipe is a spmdkit.Recipe or None",
+            given=type(recipe).__name__,
+            fix="pass recipe=sk.Recipe(remat='full', compute_dtype='bfloat16', ...)",
+        )
 
 
 def _check_mesh(mesh: object) -> MeshLike:
@@ -344,6 +398,8 @@ class _Planner(PipelinePlanning):
     recost_memo: dict = field(default_factory=dict)
     #: auto: preset → why it has no candidate left after costing (:meth:`auto`)
     dropped: dict[str, str] = field(default_factory=dict)
+    #: logical names treated alike in every rule table (``plan(aliases=)``)
+    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int | None:
@@ -381,7 +437,7 @@ class _Planner(PipelinePlanning):
 
     def preset(self, name: str, extra: RulesLike | None, recipe: Recipe = PLAIN) -> Candidate:
         """A preset's candidate (``extra`` rules take priority)."""
-        rules, opt_rules = preset_tables(name, extra, self.mesh)
+        rules, opt_rules = preset_tables(name, extra, self.mesh, self.aliases)
         return self.costed(
             name, rules_choice(rules, opt_rules, self.groups, self.mesh, name), rules, recipe
         )

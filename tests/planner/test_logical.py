@@ -56,3 +56,26 @@ def test_axis_roles_by_name_and_position():
 def test_unknown_preset_names_near_match(amesh):
     with pytest.raises(PlanError, match="fsdp"):
         preset_rules("fdsp", amesh)
+
+
+def test_on_mesh_drops_the_axes_the_mesh_lacks_and_keeps_the_entry():
+    mesh = sk.abstract_mesh(data=2, model=4)
+    table = LogicalRules(
+        (("embed", ("fsdp", "expert")), ("embed", "model"), ("mlp", ("data", "tensor")))
+    )
+    fitted, dropped = table.on_mesh(mesh)
+    assert dropped == {"fsdp": ("embed",), "expert": ("embed",), "tensor": ("mlp",)}
+    # the emptied entry still wins over its fallback, as a size-1 axis would
+    assert fitted.resolve(("embed", "mlp"), (64, 64), mesh) == P(None, "data")
+    with pytest.raises(sk.PlanError, match="rule axes are mesh axes"):
+        table.resolve(("embed",), (64,), mesh)
+
+
+def test_aliased_names_take_the_entries_of_their_partner_either_way():
+    mesh = sk.abstract_mesh(data=2, model=4)
+    table = LogicalRules((("heads", "model"), ("q_heads", "data"), ("vocab", "model")))
+    both = table.aliased({"q_heads": "heads", "embed_vocab": "vocab", "x": "y"})
+    assert both.resolve(("q_heads", "embed_vocab"), (8, 64), mesh) == P("data", "model")
+    assert "x" not in both.names and "y" not in both.names
+    chained = LogicalRules((("vocab", "model"),)).aliased({"a": "b", "b": "vocab"})
+    assert chained.resolve(("a",), (8,), mesh) == P("model")

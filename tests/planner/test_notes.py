@@ -4,16 +4,18 @@
 import functools
 import json
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.flax import describe
 from spmdkit.models import get_model
 from spmdkit.planner import Plan, UnknownLogicalAxisError, plan
 from spmdkit.planner.notes import PlanNote, PlanNoteError
-from tests.plan_model import toy_batch, toy_init, toy_loss
+from tests.plan_model import _param, toy_batch, toy_init, toy_loss
 
 
 @functools.cache
@@ -150,3 +152,68 @@ def test_auto_refuses_a_logical_name_without_a_rule(amesh):
     )
     costed = {given.chosen} | {name.split("+")[0] for name, _ in given.alternatives}
     assert "megatron" in costed  # the presets are costed again, not dropped
+
+
+# -- rule tables from other projects ----------------------------------------------------------
+
+
+class Foreign(nnx.Module):
+    """A model named as a MaxText-style codebase names its dims."""
+
+    def __init__(self, vocab=64, d=32, h=4, hd=8, f=64, *, rngs):
+        self.table = _param(rngs, ("embed_vocab", "embed"), (vocab, d))
+        self.q = _param(rngs, ("embed", "q_heads", "kv_head_dim"), (d, h, hd))
+        self.o = _param(rngs, ("q_heads", "kv_head_dim", "embed"), (h, hd, d))
+        self.up = _param(rngs, ("embed", "mlp"), (d, f))
+        self.down = _param(rngs, ("mlp", "embed"), (f, d))
+
+    def __call__(self, tokens):
+        x = jnp.take(self.table[...], tokens, axis=0)
+        v = jnp.tanh(jnp.einsum("bsd,dhk->bshk", x, self.q[...]))
+        x = x + jnp.einsum("bshk,hkd->bsd", v, self.o[...])
+        x = x + jax.nn.gelu(x @ self.up[...]) @ self.down[...]
+        return x @ self.table[...].T
+
+
+#: Its rule table: its own names, mesh axes a data × model mesh lacks, no "batch".
+MAXTEXT_RULES = [
+    ("activation_batch", ("data", "fsdp", "expert")),
+    ("activation_length", ("sequence",)),
+    ("embed_vocab", ("tensor",)),
+    ("q_heads", ("tensor",)),
+    ("kv_head_dim", None),
+    ("mlp", ("fsdp_transpose", "tensor")),
+    ("embed", ("fsdp", "expert")),
+    ("embed", None),
+]
+
+
+@functools.cache
+def foreign_info():
+    batch = toy_batch()
+    axes = {k: ("activation_batch", "activation_length") for k in batch}
+    return describe(lambda: Foreign(rngs=nnx.Rngs(0)), loss=toy_loss, batch=batch, batch_axes=axes)
+
+
+def test_a_foreign_table_drops_the_axes_the_mesh_lacks_and_finds_the_batch(amesh):
+    p = plan(foreign_info(), amesh, MAXTEXT_RULES, estimator="analytic")
+    assert p.activation["batch"] == ("data",)
+    assert p.batch_specs(toy_batch())["tokens"] == P("data")
+    (absent,) = [n for n in p.notes if n.kind == "absent_axes"]
+    for axis in ("fsdp", "expert", "tensor", "sequence", "fsdp_transpose"):
+        assert repr(axis) in absent.message
+    assert "'tensor' (in the rules for embed_vocab, q_heads, mlp)" in absent.message
+    assert "batch_replicated" not in kinds(p)
+    with pytest.raises(PlanNoteError, match="does not have"):
+        plan(foreign_info(), amesh, MAXTEXT_RULES, estimator="analytic", strict=True)
+
+
+def test_aliases_put_a_foreign_model_on_the_presets_without_names(amesh):
+    with pytest.raises(UnknownLogicalAxisError, match="aliases="):
+        plan(foreign_info(), amesh, "megatron", estimator="analytic")
+    aliases = {"q_heads": "heads", "kv_head_dim": "head_dim", "embed_vocab": "vocab"}
+    p = plan(foreign_info(), amesh, "megatron", estimator="analytic", aliases=aliases)
+    assert p.params["q"] == P(None, "model") and p.params["o"] == P("model")
+    assert p.params["table"] == P("model") and p.params["up"] == P(None, "model")
+    assert p.activation["batch"] == ("data",) and p.notes == ()
+    assert p.info["q"][2] == ("embed", "q_heads", "kv_head_dim")  # the model's own names

@@ -395,7 +395,7 @@ class PipelinePlanning:
         sub = _mesh_without(sizes, (PIPE_AXIS,))
         for name in _TP_PRESETS:
             try:
-                tables = preset_tables(name, extra, sub)
+                tables = preset_tables(name, extra, sub, self.aliases)
                 c = self.pipelined_table(name, tables, mesh, recipe, request)
             except UnknownLogicalAxisError:
                 continue
@@ -531,7 +531,7 @@ class PipelinePlanning:
         """
         sub = _mesh_without(self.ctx.sizes, (pipe.axis,))
         if isinstance(strategy, str):
-            tables = preset_tables(strategy, extra, sub)
+            tables = preset_tables(strategy, extra, sub, self.aliases)
         else:
             table = LogicalRules.coerce(strategy)
             table = table if extra is None else table.prepend(extra)
