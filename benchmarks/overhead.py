@@ -67,7 +67,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--models", default="gpt,llama", help="comma-separated model names")
     ap.add_argument("--strategy", default="megatron", help="plan preset (default megatron)")
     ap.add_argument("--iters", type=int, default=None, help="timed pairs per case")
-    ap.add_argument("--out", default=str(RESULTS / "overhead.json"), help="JSON path")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default results/overhead.json; with --startup-only "
+        "results/overhead_startup.json, so the step-time figures stay)",
+    )
     ap.add_argument(
         "--startup-models",
         default="convnet,gpt,llama",
@@ -416,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu and jax.default_backend() != "gpu":
         print("overhead.py --gpu: no GPU backend here; nothing run", file=sys.stderr)
         return 2
+    load_start = os.getloadavg()[0]
+    if args.out is None:
+        args.out = str(
+            RESULTS / ("overhead_startup.json" if args.startup_only else "overhead.json")
+        )
     startup = []
     for name in [] if args.gpu else [m for m in args.startup_models.split(",") if m]:
         startup.append(measure_startup(name, args.repeats or (1 if args.quick else 3)))
@@ -451,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     out = {
-        "meta": machine(args.gpu) | {"quick": args.quick},
+        "meta": machine(args.gpu) | {"quick": args.quick, "load_average_1m_start": load_start},
         "targets": TARGETS,
         "startup": startup,
         "definitions": {

@@ -738,7 +738,11 @@ def sec_overhead(results: Path, out: Path, gpu_note: str) -> str:
             "",
             _overhead_table(d),
         ]
-        if d.get("startup"):
+        # a --startup-only run writes overhead_startup.json (the step times stay)
+        start = _load(results, "overhead_startup.json") if not d.get("startup") else d
+        if start and start.get("startup"):
+            if start is not d:
+                parts += ["", _machine(start, results / "overhead_startup.json")]
             parts += [
                 "",
                 "Start-up on 8 CPU devices (data=2 × model=4), each side from cold jax and "
@@ -746,7 +750,7 @@ def sec_overhead(results: Path, out: Path, gpu_note: str) -> str:
                 "out_shardings=...)`, the first `sk.jit` call vs the first `jax.jit` call with "
                 "the same shardings, `sk.plan(..., 'auto')` on a freshly described model.",
                 "",
-                _startup_table(d),
+                _startup_table(start),
             ]
     g = _load(results, "overhead_gpu.json")
     parts += ["", "### GPU", ""]
