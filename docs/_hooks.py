@@ -64,7 +64,12 @@ API: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "api/planner.md": (
         "Planner",
         "Logical rules, presets, plans and the search ([planning.md](../planning.md)).",
-        ("spmdkit.planner.logical", "spmdkit.planner.plans", "spmdkit.planner.search"),
+        (
+            "spmdkit.planner.logical",
+            "spmdkit.planner.plans",
+            "spmdkit.planner.notes",
+            "spmdkit.planner.search",
+        ),
     ),
     "api/recipe.md": (
         "Recipes",

@@ -91,6 +91,17 @@ def test_relative_links_resolve(page):
             assert anchor in {_slug(h) for h in headings}, f"{page.name}: no #{anchor}"
 
 
+def test_the_api_reference_covers_every_package():
+    """docs/_hooks.py's API pages render each of spmdkit's packages (the package or
+    modules of it; the command line is documented in docs/cli.md)."""
+    source = (DOCS / "_hooks.py").read_text()
+    rendered = set(re.findall(r'"(spmdkit(?:\.\w+)*)"', source))
+    for init in sorted((ROOT / "spmdkit").glob("*/__init__.py")):
+        package = f"spmdkit.{init.parent.name}"
+        if package != "spmdkit.cli":
+            assert any(m == package or m.startswith(f"{package}.") for m in rendered), package
+
+
 def test_slugs_follow_the_renderers():
     assert _slug("Teaching the planner a primitive: `register_primitive`") == (
         "teaching-the-planner-a-primitive-register_primitive"
