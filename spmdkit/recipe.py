@@ -76,6 +76,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmdkit import jaxprs
 from spmdkit.batch import as_traced, as_tree, microbatches
 from spmdkit.errors import SpmdError
+from spmdkit.fp8 import fp8_loss
 from spmdkit.loss import Loss, as_loss
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import LayerScan, find_layer_scan
@@ -100,7 +101,8 @@ __all__ = [
 REMAT_POLICIES = ("none", "full", "dots", "names")
 
 #: Compute dtypes a recipe may ask for (``None``: the parameters' own dtype).
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+#: ``"float8"``: weight matmuls on float8 operands, the rest in bfloat16 (:mod:`spmdkit.fp8`).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 
 
 class RecipeError(SpmdError, ValueError):
@@ -156,13 +158,16 @@ class Recipe:
                 fix="pass remat='names' or drop save_names",
             )
         if self.compute_dtype is not None:
-            name = jnp.dtype(self.compute_dtype).name if _is_dtype(self.compute_dtype) else None
+            name = "float8" if self.compute_dtype == "float8" else None
+            if name is None and _is_dtype(self.compute_dtype):
+                name = jnp.dtype(self.compute_dtype).name
             if name not in COMPUTE_DTYPES:
                 raise RecipeError(
                     op="Recipe",
                     must=f"compute_dtype is None or one of {COMPUTE_DTYPES}",
                     given=repr(self.compute_dtype),
-                    fix="pass compute_dtype='bfloat16' for bf16 compute with fp32 master weights",
+                    fix="pass compute_dtype='bfloat16' for bf16 compute with fp32 master weights "
+                    "('float8' for float8 weight matmuls)",
                 )
             object.__setattr__(self, "compute_dtype", name)
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int):
@@ -186,11 +191,23 @@ class Recipe:
         """True when the recipe changes nothing (plain step)."""
         return self == Recipe()
 
+    @property
+    def activation_dtype(self) -> str | None:
+        """The dtype the step computes in besides weight matmuls: the compute dtype,
+        bfloat16 under ``"float8"``, None for the parameters' own."""
+        return "bfloat16" if self.compute_dtype == "float8" else self.compute_dtype
+
     def compute_itemsize(self, param_itemsize: int) -> int:
-        """Bytes per activation element: the compute dtype's, else the params'."""
-        if self.compute_dtype is None:
+        """Bytes per activation element: the compute dtype's (bfloat16's under
+        float8), else the params'."""
+        if self.activation_dtype is None:
             return param_itemsize
-        return jnp.dtype(self.compute_dtype).itemsize
+        return jnp.dtype(self.activation_dtype).itemsize
+
+    def weight_itemsize(self, param_itemsize: int) -> int:
+        """Bytes per element of the copy of a weight the matmuls read (and an FSDP
+        all-gather moves): 1 under float8, else :meth:`compute_itemsize`."""
+        return 1 if self.compute_dtype == "float8" else self.compute_itemsize(param_itemsize)
 
     def short(self) -> str:
         """Compact text, e.g. ``remat=full, bf16, microbatches=2`` (``plain`` when default)."""
@@ -237,7 +254,7 @@ class Recipe:
 #: The recipe that changes nothing: the plain step.
 PLAIN = Recipe()
 
-_DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8": "fp8"}
 
 
 def _is_dtype(x: object) -> bool:
@@ -477,10 +494,10 @@ def value_and_grad(
     def user_loss(params: Any, batch: Any, *rest: Any) -> Any:
         return loss.fn(params, as_tree(batch), *rest)
 
-    inner = remat_loss(user_loss, rcp)
+    inner = remat_loss(fp8_loss(user_loss) if rcp.compute_dtype == "float8" else user_loss, rcp)
 
     def cast_loss(params: Any, batch: Any, *rest: Any) -> Any:
-        return inner(_cast(params, rcp.compute_dtype), batch, *rest)
+        return inner(_cast(params, rcp.activation_dtype), batch, *rest)
 
     if loss.has_state:
         vg = _state_value_and_grad(cast_loss, loss.has_aux)

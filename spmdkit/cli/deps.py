@@ -62,6 +62,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.pipeline",
         "spmdkit.versions",
         "spmdkit.jaxprs",
+        "spmdkit.fp8",
         "spmdkit.batch",
         "spmdkit.loss",
     ),

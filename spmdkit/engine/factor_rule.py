@@ -291,7 +291,10 @@ class FactorRule(Rule):
             return self._dtype(tuple(dts), **without_strategy(ctx.attrs))
         if any(d is None for d in dts):
             return None
-        return np.result_type(*dts)
+        try:
+            return np.result_type(*dts)
+        except TypeError:  # no common type (float8 e4m3 x e5m2: the caller's own dtype)
+            return None
 
     # -- the factor assignment -------------------------------------------
     @staticmethod

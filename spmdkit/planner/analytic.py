@@ -317,14 +317,14 @@ class CostContext:
         """Bytes of a pipelined stage's gradient accumulator per byte of the param
         (:func:`spmdkit.pipeline.layouts.accumulator_dtype` of the compute dtype:
         float32 under bf16 compute)."""
-        compute = np.dtype(self.recipe.compute_dtype or param_dtype)
+        compute = np.dtype(self.recipe.activation_dtype or param_dtype)
         return accumulator_dtype(compute).itemsize / np.dtype(param_dtype).itemsize
 
     def cast_ratio(self, param_dtype: str) -> float:
         """Bytes of the compute-dtype copy of a param per byte of the param."""
         if self.recipe.compute_dtype is None:
             return 1.0
-        return self.recipe.compute_itemsize(4) / np.dtype(param_dtype).itemsize
+        return self.recipe.weight_itemsize(4) / np.dtype(param_dtype).itemsize
 
 
 def param_flops(g: ParamGroup, tokens: int) -> float:
@@ -667,7 +667,11 @@ def total_cost(
     attn_split = batch_shards * _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
     attn_split *= heads_tp
     recompute_mm = trace.recompute_flops(recipe)[0]
-    attn_s = ctx.compute_time(0.0, trace.attention_flops(recipe, ctx.topology) / attn_split, dtype)
+    # attention's batched matmuls stay in bfloat16 under float8 (spmdkit.fp8)
+    attn_dtype = "bfloat16" if dtype == "float8" else dtype
+    attn_s = ctx.compute_time(
+        0.0, trace.attention_flops(recipe, ctx.topology) / attn_split, attn_dtype
+    )
     if recompute_mm:
         # Recomputing a layer's forward repeats a third of its train-step matmuls.
         compute_s += layer_s / 3

@@ -78,7 +78,8 @@ def chunk_weight_bytes(
             for axis in (entry,) if isinstance(entry, str) else entry or ():
                 shards *= 1 if axis in gathered else sizes[axis]
         cast = computed and plan.recipe.compute_dtype and np.issubdtype(dtype, np.floating)
-        item = np.dtype(plan.recipe.compute_dtype if cast else dtype).itemsize
+        item = np.dtype(dtype).itemsize
+        item = plan.recipe.weight_itemsize(item) if cast else item
         total += math.prod(shape) * item / shards
     return total / pipe.virtual
 

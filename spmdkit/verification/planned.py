@@ -36,6 +36,7 @@ from spmdkit.verification.pipelined import counted_by_schedule, pipelined_predic
 __all__ = [
     "PlannedProgram",
     "CPU_PROMOTED",
+    "CPU_WIDENED_COLLECTIVES",
     "as_on_cpu",
     "held_on_cpu",
     "promoted_on_cpu",
@@ -156,10 +157,16 @@ def as_on_cpu(prop: Propagation) -> Propagation:
 #: ``_promoted``), so the compiled collective moves twice the predicted bytes.
 CPU_PROMOTED = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
 
+#: Float dtypes whose collectives XLA's CPU backend runs at twice their width: the
+#: 16-bit floats in float32 (:data:`CPU_PROMOTED`), float8 in float16 (its float
+#: normalization widens f8 before an all-gather: ``spmdkit.fp8``'s FSDP gathers).
+CPU_WIDENED_COLLECTIVES = CPU_PROMOTED | {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
+
 
 def promoted_on_cpu(prop: Propagation, on_cpu: Propagation | None = None) -> Propagation:
-    """The prediction with 16-bit float collectives moved in float32, as XLA's
-    CPU backend runs them (:data:`CPU_PROMOTED`); GPUs and TPUs move them as is.
+    """The prediction with 16-bit float collectives moved in float32 and float8 ones
+    in float16, as XLA's CPU backend runs them (:data:`CPU_WIDENED_COLLECTIVES`); GPUs
+    and TPUs move them as is.
 
     Args:
       prop: the propagation (its records say which reshards move 16-bit floats).
@@ -176,7 +183,7 @@ def promoted_on_cpu(prop: Propagation, on_cpu: Propagation | None = None) -> Pro
     def walk(records: Iterable[EqnRecord], repeat: int) -> None:
         for r in records:
             for a in r.reshards:
-                if a.src.dtype not in CPU_PROMOTED:
+                if a.src.dtype not in CPU_WIDENED_COLLECTIVES:
                     continue
                 for c in a.plan.collectives:
                     extra[c.kind] = extra.get(c.kind, 0) + repeat * c.payload_bytes

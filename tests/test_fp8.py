@@ -1,0 +1,103 @@
+"""spmdkit.fp8: float8 weight matmuls, their gradients, and the loss rewrite."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from spmdkit.fp8 import E4M3, E5M2, fp8_dot, fp8_loss, quantize
+
+# (lhs shape, rhs shape, dimension numbers): x @ W, einsum('bsd,dhk->bshk'),
+# einsum('bshk,hkd->bsd') (two contracting dims), W^T-style contraction on dim 0
+CASES = [
+    ((8, 16), (16, 4), (((1,), (0,)), ((), ()))),
+    ((2, 3, 16), (16, 2, 4), (((2,), (0,)), ((), ()))),
+    ((2, 3, 2, 4), (2, 4, 16), (((2, 3), (0, 1)), ((), ()))),
+    ((16, 8), (16, 4), (((0,), (0,)), ((), ()))),
+    ((2, 3, 4, 5), (5, 3, 6), (((1, 3), (1, 0)), ((), ()))),
+]
+
+
+def _dequantized(x, dtype):
+    q, s = quantize(x, dtype)
+    return q.astype(jnp.float32) * s
+
+
+@pytest.mark.parametrize(("ls", "rs", "dn"), CASES)
+def test_fp8_dot_and_its_gradients_are_the_quantized_matmuls(ls, rs, dn):
+    """Forward: the matmul of the e4m3-quantized operands; backward: the transposed
+    matmuls of the e5m2-quantized gradient with them (checked against jax's own
+    transpose of dot_general on the dequantized values), in the operands' dtypes."""
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, ls, jnp.float32)
+    w = jax.random.normal(kw, rs, jnp.float32)
+
+    def ref(a, b):
+        return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+
+    y, vjp = jax.vjp(lambda a, b: fp8_dot(a, b, dn), x, w)
+    xq, wq = _dequantized(x, E4M3), _dequantized(w, E4M3)
+    np.testing.assert_allclose(y, ref(xq, wq), rtol=1e-5, atol=1e-5)
+    g = jax.random.normal(kg, y.shape, jnp.float32)
+    dx, dw = vjp(g)
+    _, ref_vjp = jax.vjp(ref, xq, wq)
+    want_dx, want_dw = ref_vjp(_dequantized(g, E5M2))
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
+    # and close to the exact product (fp8's error: a few per cent)
+    exact = ref(x, w)
+    assert float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)) < 0.08
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+
+
+def test_fp8_dot_runs_on_float8_operands_in_the_compiled_program():
+    x, w = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 4), jnp.float32)
+    dn = (((1,), (0,)), ((), ()))
+    step = jax.value_and_grad(lambda x, w: fp8_dot(x, w, dn).sum(), (0, 1))
+    hlo = jax.jit(step).lower(x, w).as_text()
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert len(dots) == 3  # forward and the two gradient matmuls
+    assert all("f8E4M3FN" in d or "f8E5M2" in d for d in dots)
+    assert sum("f8E5M2" in d for d in dots) == 2  # the gradients' matmuls
+
+
+def test_zero_operands_scale_to_zero_not_nan():
+    z = jnp.zeros((4, 4))
+    y = fp8_dot(z, z, (((1,), (0,)), ((), ())))
+    assert not jnp.isnan(y).any() and not y.any()
+
+
+def test_fp8_loss_rewrites_weight_matmuls_inside_scans_calls_and_remat():
+    """Weight matmuls inside the layer scan, a jit call and a jax.checkpoint run in
+    float8; the attention-style batched matmul stays as it was."""
+    ws = jax.random.normal(jax.random.key(1), (3, 16, 16)) * 0.3
+
+    @jax.jit
+    def head(h, w):
+        return h @ w
+
+    def loss(ws, x):
+        def layer(h, w):
+            h = jax.checkpoint(lambda h: jnp.tanh(h @ w))(h)
+            scores = jnp.einsum("bqd,bkd->bqk", h, h)  # batched: stays
+            return jax.nn.softmax(scores) @ h, None
+
+        h, _ = lax.scan(layer, x, ws)
+        return jnp.mean(head(h, ws[0]) ** 2)
+
+    x = jax.random.normal(jax.random.key(2), (2, 4, 16))
+    jaxpr = jax.make_jaxpr(jax.grad(fp8_loss(loss)))(ws, x)
+    text = str(jaxpr)
+    assert "f8_e4m3fn" in text and "f8_e5m2" in text
+    hlo = jax.jit(jax.grad(fp8_loss(loss))).lower(ws, x).as_text()
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    f8 = [d for d in dots if "f8E" in d]
+    batched = [d for d in dots if "batching_dims" in d]
+    assert batched and not any("f8E" in d for d in batched)
+    assert len(f8) == len(dots) - len(batched)  # every weight matmul, forward and backward
+    g8, g = jax.grad(fp8_loss(loss))(ws, x), jax.grad(loss)(ws, x)
+    assert float(jnp.linalg.norm(g8 - g) / jnp.linalg.norm(g)) < 0.25  # e5m2: 2 mantissa bits
+    assert fp8_loss(loss)(ws, x) == pytest.approx(float(loss(ws, x)), rel=0.05)
