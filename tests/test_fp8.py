@@ -12,11 +12,12 @@ from spmdkit.fp8 import E4M3, E5M2, fp8_dot, fp8_loss, quantize
 
 # (lhs shape, rhs shape, dimension numbers): x @ W, einsum('bsd,dhk->bshk'),
 # einsum('bshk,hkd->bsd') (two contracting dims), W^T-style contraction on dim 0
+# (the default run takes the first and the last; the slow step all five)
 CASES = [
     ((8, 16), (16, 4), (((1,), (0,)), ((), ()))),
-    ((2, 3, 16), (16, 2, 4), (((2,), (0,)), ((), ()))),
-    ((2, 3, 2, 4), (2, 4, 16), (((2, 3), (0, 1)), ((), ()))),
-    ((16, 8), (16, 4), (((0,), (0,)), ((), ()))),
+    pytest.param((2, 3, 16), (16, 2, 4), (((2,), (0,)), ((), ())), marks=pytest.mark.slow),
+    pytest.param((2, 3, 2, 4), (2, 4, 16), (((2, 3), (0, 1)), ((), ())), marks=pytest.mark.slow),
+    pytest.param((16, 8), (16, 4), (((0,), (0,)), ((), ())), marks=pytest.mark.slow),
     ((2, 3, 4, 5), (5, 3, 6), (((1, 3), (1, 0)), ((), ()))),
 ]
 
@@ -70,6 +71,7 @@ def test_zero_operands_scale_to_zero_not_nan():
     assert not jnp.isnan(y).any() and not y.any()
 
 
+@pytest.mark.slow
 def test_fp8_loss_rewrites_weight_matmuls_inside_scans_calls_and_remat():
     """Weight matmuls inside the layer scan, a jit call and a jax.checkpoint run in
     float8; the attention-style batched matmul stays as it was."""

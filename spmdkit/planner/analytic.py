@@ -320,6 +320,13 @@ class CostContext:
         compute = np.dtype(self.recipe.activation_dtype or param_dtype)
         return accumulator_dtype(compute).itemsize / np.dtype(param_dtype).itemsize
 
+    def grad_ratio(self, param_dtype: str) -> float:
+        """Bytes of a weight's gradient, as the collectives reduce it (the compute
+        dtype's, bf16 under float8), per byte of the param."""
+        if self.recipe.compute_dtype is None:
+            return 1.0
+        return self.recipe.compute_itemsize(4) / np.dtype(param_dtype).itemsize
+
     def cast_ratio(self, param_dtype: str) -> float:
         """Bytes of the compute-dtype copy of a param per byte of the param."""
         if self.recipe.compute_dtype is None:
@@ -532,6 +539,8 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
     # their gradients reduced before the cast back: collectives of params and
     # grads move compute-dtype bytes.
     wire = sp.local * ctx.cast_ratio(g.dtype)
+    # under float8 the weights travel quantized (1 byte), their gradients in bf16
+    grad_wire = sp.local * ctx.grad_ratio(g.dtype)
     m = ctx.recipe.microbatches
     n_fsdp = math.prod(ctx.sizes[a] for a in sp.fsdp)
     colls: list[_Coll] = []
@@ -542,16 +551,18 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
         colls.append(_coll(ctx, "reduce_scatter", acc * n_fsdp, sp.fsdp))
     elif sp.fsdp:
         colls.append(_coll(ctx, "all_gather", wire * n_fsdp, sp.fsdp, hidden=True, times=m))
-        colls.append(_coll(ctx, "reduce_scatter", wire * n_fsdp, sp.fsdp, hidden=True, times=m))
+        colls.append(
+            _coll(ctx, "reduce_scatter", grad_wire * n_fsdp, sp.fsdp, hidden=True, times=m)
+        )
     if layout.grads_sharded and sp.extra:
         # ZeRO-2: reduce-scatter into the optimizer's shard, all-reduce the rest.
-        colls.append(_coll(ctx, "reduce_scatter", wire, sp.extra, hidden=True))
+        colls.append(_coll(ctx, "reduce_scatter", grad_wire, sp.extra, hidden=True))
         rest = tuple(a for a in sp.grad_sync if a not in sp.extra)
         if rest:
             n_extra = math.prod(ctx.sizes[a] for a in sp.extra)
-            colls.append(_coll(ctx, "all_reduce", wire / n_extra, rest, hidden=True))
+            colls.append(_coll(ctx, "all_reduce", grad_wire / n_extra, rest, hidden=True))
     elif sp.grad_sync:
-        colls.append(_coll(ctx, "all_reduce", wire, sp.grad_sync, hidden=True))
+        colls.append(_coll(ctx, "all_reduce", grad_wire, sp.grad_sync, hidden=True))
     if sp.tp:
         colls.extend(_tp_collectives(ctx, g, layout.params, sp.tp, sp.local, sp.tokens_local))
     if sp.extra:

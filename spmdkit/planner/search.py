@@ -144,6 +144,7 @@ def plan(
     axis_names: tuple[str, ...] = (),
     pipeline: Pipeline | str | None = None,
     aliases: Mapping[str, str] | None = None,
+    allow_fp8: bool = False,
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -211,6 +212,10 @@ def plan(
         ``batch`` / ``seq`` (:data:`~spmdkit.planner.logical.ACTIVATION_ALIASES`).
         A rule table's (or ``rules``') mesh axes that ``mesh`` lacks are dropped,
         with a plan note (:meth:`~spmdkit.planner.logical.LogicalRules.on_mesh`).
+      allow_fp8: with ``"auto"``, also try ``Recipe(compute_dtype="float8")``
+        (weight matmuls on float8 operands, :mod:`spmdkit.fp8`). Off by default:
+        float8 changes numerics, so auto never picks it unasked. A fixed
+        ``recipe=Recipe(compute_dtype="float8")`` needs no flag.
 
     Returns:
       The :class:`Plan`.
@@ -219,7 +224,8 @@ def plan(
       PlanError: unknown strategy, a ``names`` glob matching nothing, or (``strict``)
         a weight a tensor-parallel preset replicates; PlanNoteError (``strict``): the
         plan has notes; UnknownLogicalAxisError: a logical name has no rule (auto
-        included); PipelineError: a pipeline the mesh or model cannot run.
+        included); PipelineError: a pipeline the mesh or model cannot run;
+        PlanError: ``allow_fp8`` on a device without float8 matmuls.
 
     Example::
 
@@ -274,6 +280,7 @@ def plan(
             given=repr(pipeline),
             fix="pass pipeline='auto' or Pipeline(stages=..., microbatches=...)",
         )
+    planner.allow_fp8 = allow_fp8
     out = replace(planner.auto_plan(rules, recipe, pipeline), names_from=names_from)
     return _noted(out, [*absent, *out.notes], strict=strict)
 
@@ -400,6 +407,7 @@ class _Planner(PipelinePlanning):
     dropped: dict[str, str] = field(default_factory=dict)
     #: logical names treated alike in every rule table (``plan(aliases=)``)
     aliases: dict[str, str] = field(default_factory=dict)
+    allow_fp8: bool = False
 
     @property
     def batch_size(self) -> int | None:
@@ -545,6 +553,9 @@ class _Planner(PipelinePlanning):
         dtypes: list[str | None] = [None]
         if any(np.dtype(g.dtype) == np.float32 for g in self.groups):
             dtypes.append("bfloat16")
+        if self.allow_fp8:
+            self.check_fp8()
+            dtypes.append("float8")
         remats = ("none", "dots", "full") if self.ctx.trace.layers else ("none",)
         rounds = []
         for offload in (False, True):
@@ -558,6 +569,23 @@ class _Planner(PipelinePlanning):
                 ]
             )
         return rounds
+
+    def check_fp8(self) -> None:
+        """Raise when the device has no float8 matmuls (``allow_fp8`` on an A100).
+
+        Raises:
+          PlanError: the topology has no float8 peak.
+        """
+        peaks = dict(self.ctx.topology.peak_flops)
+        if "float8" not in peaks and self.ctx.peak_flops is None:
+            raise PlanError(
+                op="plan(allow_fp8=True)",
+                must="the device computes in float8 (H100 and later: the topology has a "
+                "float8 peak)",
+                given=f"a topology with peaks for {sorted(peaks)}",
+                fix="plan without allow_fp8 (bf16 compute), or for a device with float8 "
+                "tensor cores (sk.Topology.h100())",
+            )
 
     def candidates(self, recipe: Recipe, extra: RulesLike | None) -> list[Candidate]:
         """Every preset and searched candidate under one recipe."""
