@@ -310,7 +310,7 @@ class CostContext:
         (:meth:`~spmdkit.topology.Topology.matmul_time`)."""
         if self.peak_flops is not None:
             return flops / self.peak_flops
-        itemsize = 4 if dtype == "tfloat32" else np.dtype(dtype).itemsize
+        itemsize = {"tfloat32": 4, "float8": 1}.get(dtype) or np.dtype(dtype).itemsize
         return self.topology.matmul_time(flops, m, k, n, dtype, itemsize)
 
     def accumulator_ratio(self, param_dtype: str) -> float:
@@ -332,6 +332,12 @@ class CostContext:
         if self.recipe.compute_dtype is None:
             return 1.0
         return self.recipe.weight_itemsize(4) / np.dtype(param_dtype).itemsize
+
+
+def _attention_dtype(dtype: str) -> str:
+    """The dtype attention's batched matmuls run in: bf16 under float8 (spmdkit.fp8
+    quantizes weight matmuls only), else the compute dtype."""
+    return "bfloat16" if dtype == "float8" else dtype
 
 
 def param_flops(g: ParamGroup, tokens: int) -> float:
@@ -678,10 +684,8 @@ def total_cost(
     attn_split = batch_shards * _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
     attn_split *= heads_tp
     recompute_mm = trace.recompute_flops(recipe)[0]
-    # attention's batched matmuls stay in bfloat16 under float8 (spmdkit.fp8)
-    attn_dtype = "bfloat16" if dtype == "float8" else dtype
     attn_s = ctx.compute_time(
-        0.0, trace.attention_flops(recipe, ctx.topology) / attn_split, attn_dtype
+        0.0, trace.attention_flops(recipe, ctx.topology) / attn_split, _attention_dtype(dtype)
     )
     if recompute_mm:
         # Recomputing a layer's forward repeats a third of its train-step matmuls.
