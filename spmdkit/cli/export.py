@@ -103,9 +103,9 @@ def _run_export(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:
+    check_export_args(args)  # before importing orbax (about a second)
     from spmdkit.runtime.checkpoint import Manager
 
-    check_export_args(args)
     # read-only: nothing written, and no cleanup thread left to outlive the process
     with Manager(args.ckpt, read_only=True) as mgr:
         return _export_from(mgr, args, out)
