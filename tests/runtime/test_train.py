@@ -329,7 +329,14 @@ def test_a_batch_of_another_size_than_the_plans_is_refused(mesh):
         train(plain_loss, MLP(nnx.Rngs(0)), optax.sgd(0.1), loader(mesh, ("a", "b"), 8),
               steps=1, plan=p, progress=False)  # fmt: skip
     assert "feed batches of 16" in e.value.fix
-    # the second batch of a list is checked as it comes
+
+
+@pytest.mark.slow
+def test_every_batch_is_checked_as_it_comes(mesh):
+    """The second batch of a list, after a step has run."""
+    batch = {"x": X[:16], "y": Y[:16]}
+    p = sk.plan(lambda: MLP(nnx.Rngs(0)), mesh, "dp", loss=plain_loss, batch=batch,
+                estimator="analytic")  # fmt: skip
     with pytest.raises(TrainError, match="a batch of 8"):
         train(plain_loss, MLP(nnx.Rngs(0)), optax.sgd(0.1), [batch, {"x": X[:8], "y": Y[:8]}],
               steps=2, plan=p, progress=False)  # fmt: skip
