@@ -296,16 +296,20 @@ def recipe_note(chosen: Recipe, step_s: float, plain_step_s: float | None) -> li
     ]
 
 
-def dropped_note(reasons: Mapping[str, str]) -> list[PlanNote]:
+def dropped_note(reasons: Mapping[str, tuple[str, str]]) -> list[PlanNote]:
     """A ``dropped`` note naming each preset auto left out of its runner-up list
-    and why (``reasons``: preset → why)."""
+    and why (``reasons``: preset → (why, a figure for it or "")), presets that
+    share a reason together."""
     if not reasons:
         return []
-    text = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+    by_why: dict[str, list[str]] = {}
+    for name, (why, figure) in reasons.items():
+        by_why.setdefault(why, []).append(f"{name} ({figure})" if figure else name)
+    text = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items())
     return [
         PlanNote(
             "dropped",
-            f"auto left {len(reasons)} preset(s) out of its runner-up list ({text}).",
+            f"auto left {len(reasons)} preset(s) out of its runner-up list: {text}.",
             "plan a preset by name to see its table and cost (sk.plan(..., strategy=name))",
         )
     ]

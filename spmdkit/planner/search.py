@@ -403,8 +403,9 @@ class _Planner(PipelinePlanning):
     #: :meth:`propagated` per layout and recipe: candidates that lay every array
     #: out alike (``dp`` and ``ep`` on a model without experts) propagate once
     recost_memo: dict = field(default_factory=dict)
-    #: auto: preset → why it has no candidate left after costing (:meth:`auto`)
-    dropped: dict[str, str] = field(default_factory=dict)
+    #: auto: preset → (why, its figure) it has no candidate left after costing
+    #: (:meth:`auto`)
+    dropped: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: logical names treated alike in every rule table (``plan(aliases=)``)
     aliases: dict[str, str] = field(default_factory=dict)
     allow_fp8: bool = False
@@ -637,7 +638,7 @@ class _Planner(PipelinePlanning):
             return self.ranked(self.recosted_pipelines(self.pipelined(pipeline, fixed, extra)))
         candidates = self.analytic_candidates(extra, fixed)
         self.dropped = {
-            n: "its batch layout splits into none of the micro-batch counts tried"
+            n: ("their batch layouts split into none of the micro-batch counts tried", "")
             for n in PRESETS
             if all(c.name != n for c in candidates)
         }
@@ -745,7 +746,7 @@ class _Planner(PipelinePlanning):
         if not isinstance(pipeline, Pipeline):
             names = {c.name for c in (best, *shown)}
             cut = {c.name for c in others[12:]} - names
-            reasons = {n: "ranked below the 12 runner-ups shown" for n in PRESETS if n in cut}
+            reasons = {n: ("ranked below the 12 runner-ups shown", "") for n in PRESETS if n in cut}
             reasons |= {n: why for n, why in self.dropped.items() if n not in names}
             notes += dropped_note({n: reasons[n] for n in PRESETS if n in reasons})
         return replace(out, alternatives=alternatives, chosen=best.name, notes=tuple(notes))
@@ -753,10 +754,10 @@ class _Planner(PipelinePlanning):
 
 def _not_recosted(
     before: list[Candidate], after: list[Candidate], budget: float, base: Recipe
-) -> dict[str, str]:
+) -> dict[str, tuple[str, str]]:
     """Presets auto's analytic pass costed but did not re-cost by propagation
-    (so they leave the runner-up list), and why (``base``: the recipe the presets
-    are re-costed with)."""
+    (so they leave the runner-up list): preset → (why, its figure); ``base``: the
+    recipe the presets are re-costed with."""
     kept = {c.name for c in after}
     out = {}
     for name in PRESETS:
@@ -765,12 +766,13 @@ def _not_recosted(
             continue
         if peaks and min(peaks) > _RECOST_OVER_BUDGET * budget:
             out[name] = (
-                f"the analytic estimate puts it at {fmt_bytes(min(peaks))} per device with "
-                f"the '{base.short()}' step, over {_RECOST_OVER_BUDGET:g}× the budget, and "
-                "none of its other recipes ranked among the best, so it was not re-costed"
+                f"by the analytic estimate with the '{base.short()}' step they need over "
+                f"{_RECOST_OVER_BUDGET:g}× the memory budget per device, and none of their "
+                "other recipes ranked among the best, so they were not re-costed",
+                fmt_bytes(min(peaks)),
             )
         else:
-            out[name] = "its recipes ranked below the candidates re-costed by propagation"
+            out[name] = ("their recipes ranked below the candidates re-costed by propagation", "")
     return out
 
 

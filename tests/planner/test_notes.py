@@ -86,7 +86,7 @@ def test_batch_12_on_data_8_as_the_cli_plans_it(llama_8b_b12):
     p = plan(llama_8b_b12, sk.abstract_mesh(data=8, model=8))
     assert {"batch_axes", "idle_axis", "dropped"} <= set(kinds(p))
     (dropped,) = [n for n in p.notes if n.kind == "dropped"]
-    assert "dp: the analytic estimate puts it at" in dropped.message
+    assert "dp (" in dropped.message and "over 2× the memory budget" in dropped.message
     over = [a for a in p.table().splitlines() if "OVER BUDGET (80.0 GiB)" in a]
     assert over and all(c.peak_bytes > 80 * 2**30 for _, c in p.alternatives[-len(over) :])
     assert len({name for name, _ in p.alternatives}) == len(p.alternatives)
