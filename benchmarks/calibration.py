@@ -15,8 +15,10 @@ Procedure (``docs/recipes.md``, "Step-time model and calibration"):
    torchtitan's Llama 3.1 8B on 8 H100s is. Every other row is a hold-out.
 3. Rows whose recipe lies outside the planner's search space are priced at the
    nearest recipe in it and marked (``in_space: false``, with the reason).
-4. For the in-space rows, ``sk.plan(..., "auto", pipeline="auto")`` says
-   whether the planner would pipeline; the published recipe's choice is beside it.
+4. ``auto``: for a flat row, ``sk.plan(..., "auto", pipeline="auto")`` on its
+   devices says whether the planner would pipeline (the published recipe did
+   not); for a pipelined row, auto with its pipeline fixed searches layouts and
+   recipe within 80 GiB (its tokens/s and memory printed beside).
 
 Run: ``python benchmarks/calibration.py [--no-auto]``; saves
 ``benchmarks/results/calibration.json``.
@@ -63,7 +65,7 @@ ROWS = [
         "source": "NVIDIA dgxc-benchmarking maxtext/README_70b.md (commit 143b90d)",
         "config": {"vocab": 32000, "seq_len": 4096},
         "devices": 64,
-        "mesh": {"data": 64},
+        "mesh": {"data": 8, "model": 8},
         "published_mesh": "FSDP 64 (ici 8 x dcn 8)",
         "strategy": "fsdp",
         "batch": 128,
@@ -168,24 +170,24 @@ def fit(row: dict, base: sk.Topology) -> float:
 
 
 def auto_choice(row: dict, topology: sk.Topology) -> dict:
-    """What ``sk.plan(..., "auto", pipeline="auto")`` picks on the row's devices."""
-    mesh = sk.abstract_mesh(**{k: v for k, v in row["mesh"].items() if k != "pipe"})
-    if "pipe" in row["mesh"]:
-        mesh = sk.abstract_mesh(data=row["devices"] // 8, model=8)
+    """What ``sk.plan(..., "auto")`` picks for the row: on its devices with
+    pipelines searched (``pipeline="auto"``) for a flat row, with the row's
+    pipeline fixed for a pipelined one (layouts and recipe searched)."""
     t0 = time.perf_counter()
     p = sk.plan(
         get_model("llama"),
-        mesh,
+        sk.abstract_mesh(**row["mesh"]),
         "auto",
         config=_llama(**row["config"]),
         batch_size=row["batch"],
         topology=topology,
-        pipeline="auto",
+        pipeline=row.get("pipeline") or "auto",
     )
     return {
         "chosen": f"{p.chosen}+{p.recipe.short()}"
         + (f"+{p.pipeline.short()}" if p.pipeline else ""),
         "pipelined": p.pipeline is not None,
+        "consistent": (p.pipeline is not None) == row["pipelined"],
         "tok_s_gpu": tok_s(row, p.cost),
         "memory_gib": p.cost.peak_bytes / GIB,
         "plan_s": time.perf_counter() - t0,
@@ -230,12 +232,13 @@ def main() -> None:
             comm_s=cost.comm_time_s,
             hidden_comm_s=cost.hidden_comm_s,
         )
-        if not args.no_auto and "outside" not in row:
+        if not args.no_auto:
             rec["auto"] = auto_choice(row, topo)
         out.append(rec)
         pub_mem = f"{row['memory_gib']:>6.1f}" if row["memory_gib"] else f"{'-':>6}"
         mem_ratio = f"{rec['memory_ratio']:>6.2f}" if rec["memory_ratio"] else f"{'-':>6}"
-        auto = rec.get("auto", {}).get("chosen", "outside the space" if "outside" in row else "")
+        auto = rec.get("auto", {})
+        auto = f"{auto['chosen']} {auto['tok_s_gpu']:.0f} {auto['memory_gib']:.0f}G" if auto else ""
         print(
             f"{row['name']:<24}{row['devices']:>5}  {row['published_mesh']:<34.34}"
             f"{row['stack']:<8}{row['published']:>7.0f}{pred:>7.0f}{rec['ratio']:>6.2f}"

@@ -152,8 +152,8 @@ STACKS: dict[str, dict[str, float]] = {
         "fusion_traffic": 1.0,
     },
     "pytorch": {
-        "matmul_efficiency": 0.43,
-        "attention_efficiency": 0.35,
+        "matmul_efficiency": 0.44,
+        "attention_efficiency": 0.32,
         "fusion_traffic": 3.0,
     },
 }

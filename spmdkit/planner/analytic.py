@@ -74,9 +74,11 @@ __all__ = [
     "GroupLayout",
     "ParamGroup",
     "StepTrace",
+    "column_siblings",
     "group_cost",
     "param_flops",
     "param_groups",
+    "tensor_parallel_bytes",
     "total_cost",
 ]
 
@@ -279,6 +281,8 @@ class CostContext:
         Neither collective overlaps the ticks. False: gathered and
         reduce-scattered once per micro-batch, overlapped (the unpipelined step).
       memo: ``(group, layout, batch axes, seq axes, recipe levers)`` → :class:`GroupCost`.
+      siblings: group key → column-parallel groups sharing its input
+        (:func:`column_siblings`; missing: 1).
     """
 
     mesh: MeshLike
@@ -290,6 +294,7 @@ class CostContext:
     recipe: Recipe = field(default_factory=Recipe)
     gather_once: bool = False
     memo: dict[tuple, GroupCost] = field(default_factory=dict)
+    siblings: dict[str, int] = field(default_factory=dict)
 
     def compute_dtype(self, param_dtype: str) -> str:
         """The dtype matmuls run in: the recipe's, else the params' (fp32 matmuls
@@ -399,6 +404,7 @@ class GroupCost:
         :attr:`CostContext.gather_once`).
       offload_opt: optimizer-state bytes per device kept on the host.
       tp_shards: devices tensor parallelism splits this group's FLOPs over.
+      tp_bytes: payload bytes of its tensor-parallel collectives per step.
     """
 
     comm_s: float
@@ -415,6 +421,7 @@ class GroupCost:
     accumulators: float = 0.0
     offload_opt: float = 0.0
     tp_shards: int = 1
+    tp_bytes: float = 0.0
 
     @property
     def time(self) -> float:
@@ -443,7 +450,7 @@ def _tp_collectives(
     if "layers" in logical and not dims[logical.index("layers")]:
         layers = g.shape[logical.index("layers")]
     tp_dims = [i for i, d in enumerate(dims) if any(a in tp for a in d)]
-    itemsize = ctx.trace.act_itemsize
+    itemsize = ctx.recipe.compute_itemsize(ctx.trace.act_itemsize)
     if len(g.shape) < 2:
         gather = _coll(ctx, "all_gather", local * n_tp, tp)
         return [gather, gather]
@@ -461,7 +468,38 @@ def _tp_collectives(
     else:  # every dim sharded (2-D TP): one activation per sharded dim moves
         other = sum(g.shape[i] for i in tp_dims if logical[i] not in _SKIP_OTHER)
     payload = tokens_local * other * itemsize * layers
-    return [_coll(ctx, "all_reduce", payload, tp)]
+    return [_coll(ctx, "all_reduce", payload, tp, times=t) for t in _tp_times(ctx, g) if t]
+
+
+def _tp_times(ctx: CostContext, g: ParamGroup) -> tuple[float, ...]:
+    """How many activation all-reduces one tensor-parallel member of ``g`` is
+    charged per step, as Megatron-LM counts them (Narayanan et al. 2021, §3): a
+    block of column-parallel weights (``embed`` in, sharded out: q/k/v, gate/up)
+    closed by a row-parallel one (sharded in, ``embed`` out: wo, down) all-reduces
+    its output once forward and its input's gradient once backward. The
+    row-parallel weight is charged the forward one, again when remat reruns the
+    layer's forward (``full``, ``names``); the column-parallel weights share the
+    backward one (:attr:`CostContext.siblings`). A weight of neither role (no
+    ``embed`` dim) is charged one."""
+    logical = [n for n in (g.logical or ()) if n not in ("layers", "expert")]
+    if "embed" not in logical or len(logical) < 2:
+        return (1.0,)
+    if logical[-1] == "embed":
+        layered = g.count > 1 or "layers" in (g.logical or ())
+        rerun = layered and ctx.recipe.remat in ("full", "names")
+        return (1.0, 1.0 if rerun else 0.0)
+    return (1.0 / ctx.siblings.get(g.key, 1),)
+
+
+def column_siblings(groups: Sequence[ParamGroup]) -> dict[str, int]:
+    """Group key → how many column-parallel groups (``embed`` in first, more
+    dims out) share its module and hence its input (q/k/v: 3, gate/up: 2)."""
+    parent: dict[str, list[str]] = {}
+    for g in groups:
+        logical = [n for n in (g.logical or ()) if n not in ("layers", "expert")]
+        if len(logical) >= 2 and logical[0] == "embed" and logical[-1] != "embed":
+            parent.setdefault(g.key.rsplit("/", 1)[0], []).append(g.key)
+    return {k: len(keys) for keys in parent.values() for k in keys}
 
 
 def _gemm_dims(
@@ -502,6 +540,12 @@ class _Split(NamedTuple):
     grad_sync: tuple[str, ...]
     local: float
     tokens_local: float
+
+
+def _tp_colls(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Split) -> list[_Coll]:
+    if not sp.tp:
+        return []
+    return _tp_collectives(ctx, g, layout.params, sp.tp, sp.local, sp.tokens_local)
 
 
 def _split(
@@ -569,8 +613,7 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
             colls.append(_coll(ctx, "all_reduce", grad_wire / n_extra, rest, hidden=True))
     elif sp.grad_sync:
         colls.append(_coll(ctx, "all_reduce", grad_wire, sp.grad_sync, hidden=True))
-    if sp.tp:
-        colls.extend(_tp_collectives(ctx, g, layout.params, sp.tp, sp.local, sp.tokens_local))
+    colls.extend(_tp_colls(ctx, g, layout, sp))
     if sp.extra:
         colls.append(_coll(ctx, "all_gather", sp.local, sp.extra))
     return colls
@@ -587,9 +630,11 @@ def group_cost(
     ``batch_axes`` and the sequence over ``seq_axes`` under ``ctx.recipe``
     (module docstring); memoized in ``ctx``."""
     recipe = ctx.recipe
-    # The remat policy does not change a group's cost: recipes that differ only
-    # in it share the entry.
-    levers = (recipe.compute_dtype, recipe.microbatches, recipe.offload_opt, ctx.gather_once)
+    # The remat policy changes a group's cost only by whether the forward (and
+    # its tensor-parallel all-reduces) reruns: recipes that differ only
+    # otherwise share the entry.
+    rerun = recipe.remat in ("full", "names")
+    levers = (recipe.compute_dtype, recipe.microbatches, recipe.offload_opt, ctx.gather_once, rerun)
     key = (g.key, g.shape, layout, batch_axes, seq_axes, levers)
     hit = ctx.memo.get(key)
     if hit is not None:
@@ -639,9 +684,26 @@ def group_cost(
         ),
         offload_opt=opt if recipe.offload_opt else 0.0,
         tp_shards=n_tp if any(n in ("heads", "kv_heads") for n in logical) else 1,
+        tp_bytes=sum(c.payload for c in _tp_colls(ctx, g, layout, sp)) * g.count,
     )
     ctx.memo[key] = out
     return out
+
+
+def tensor_parallel_bytes(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> float:
+    """Payload bytes per device per step of the tensor-parallel collectives of
+    ``groups`` laid out as ``choice`` (the activation all-reduces Megatron-LM
+    counts, :func:`_tp_times`)."""
+    return sum(
+        group_cost(ctx, g, layout, batch_axes, seq_axes).tp_bytes
+        for g, layout in zip(groups, choice, strict=True)
+    )
 
 
 def total_cost(
@@ -758,7 +820,13 @@ def _activations(ctx: CostContext, shards: int, tp_frac: float, seq_sharded: boo
     trace, recipe = ctx.trace, ctx.recipe
     tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
     scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
-    return trace.activation_bytes(recipe) * scale / shards / recipe.microbatches * tp_split
+    # The logits and their gradient (twice the largest residual) stay float32
+    # under a narrower compute dtype: the loss computes in float32 (the models'
+    # cross-entropy, torchtitan's and MaxText's losses all upcast).
+    logits = 2.0 * trace.resid_peak
+    logit_scale = 1.0 if recipe.compute_dtype is None else max(scale, 4.0 / trace.act_itemsize)
+    total = (trace.activation_bytes(recipe) - logits) * scale + logits * logit_scale
+    return total / shards / recipe.microbatches * tp_split
 
 
 def _memory_bound_s(

@@ -63,6 +63,7 @@ from spmdkit.planner.analytic import (
     CostContext,
     GroupLayout,
     ParamGroup,
+    column_siblings,
     param_flops,
     param_groups,
     total_cost,
@@ -803,6 +804,7 @@ def _planner(
         trace=trace,
         peak_flops=None if peak_flops is None else float(peak_flops),
         flops_scale=(matmul / raw) if raw and matmul > 0 else 1.0,
+        siblings=column_siblings(groups),
     )
     budget = float(memory_budget) if memory_budget is not None else float(H100_MEMORY)
     return _Planner(mesh, info, optimizer, groups, ctx, budget, estimator)

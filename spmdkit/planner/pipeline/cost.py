@@ -236,12 +236,16 @@ def stage_groups(groups: Sequence[ParamGroup], where: Sequence[str], stages: int
 
 def _stage_trace(trace: StepTrace, stages: int) -> StepTrace:
     """The trace of one stage's layers (FLOPs and per-layer facts of ``L / p`` layers)."""
+    held = trace.layers // stages
     return replace(
         trace,
-        layers=trace.layers // stages,
+        layers=held,
+        resid_bytes=int(max(trace.resid_bytes - (trace.layers - held) * trace.layer_resid, 0)),
         attn_flops=trace.attn_flops / stages,
         layer_fwd_flops=trace.layer_fwd_flops / stages,
         attn_fwd_flops=trace.attn_fwd_flops / stages,
+        attn_fused_fwd_flops=trace.attn_fused_fwd_flops / stages,
+        attn_causal_fwd_flops=trace.attn_causal_fwd_flops / stages,
     )
 
 
