@@ -1,0 +1,42 @@
+"""benchmarks/calibration.py: every published run is predicted within ±15% of its
+tokens/s/GPU and ±10% of its memory where published, by the constants in use
+(analytic estimator on abstract meshes; slow step: about a minute on 2 cores)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+import spmdkit as sk
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmarks_calibration", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.slow
+def test_every_published_row_is_predicted_within_its_tolerance(bench):
+    for row in bench.ROWS:
+        cost = bench.predict(row, sk.Topology.h100(stack=row["stack"]))
+        ratio = bench.tok_s(row, cost) / row["published"]
+        assert 0.85 <= ratio <= 1.15, (row["name"], row["devices"], ratio)
+        if row["memory_gib"] and "outside" not in row:
+            memory = cost.peak_bytes / 2**30 / row["memory_gib"]
+            assert 0.9 <= memory <= 1.1, (row["name"], row["devices"], memory)
+
+
+def test_the_rows_name_their_source_and_the_fit_rows_one_per_stack(bench):
+    fits = [r["stack"] for r in bench.ROWS if r["fit"]]
+    assert sorted(fits) == sorted(set(fits)) == sorted(sk.topology.STACKS)
+    for row in bench.ROWS:
+        assert row["source"] and row["published"] > 0
+        assert row["stack"] in sk.topology.STACKS
