@@ -1,0 +1,67 @@
+"""benchmarks/measure.py: a quick CPU run times the tiny GPT's train step under dp,
+fsdp, megatron and auto and writes predicted beside measured in the documented JSON
+schema, with the CPU topology it measured and its table printed as CPU figures."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "measure.py"
+TOP = {"benchmark", "date", "jax", "platform", "device_kind", "devices", "host_cpus", "quick",
+       "topology", "cases"}  # fmt: skip
+CASE = {
+    "model", "config", "strategy", "chosen", "mesh", "batch", "steps", "predicted_step_s",
+    "measured_step_s", "measured_step_s_p25", "measured_step_s_p75", "step_ratio",
+    "planned_peak_bytes", "predicted_peak_bytes", "predicted_peak_low", "predicted_peak_high",
+    "compiled_peak_bytes", "memory_ratio", "collective_bytes", "verify_ok", "compile_s",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmarks_measure", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.slow
+def test_quick_run_writes_the_documented_schema(bench, tmp_path, capsys):
+    out = tmp_path / "measure.json"
+    assert bench.main(["--quick", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result) == TOP
+    assert result["platform"] == "cpu" and result["devices"] == 8 and result["quick"]
+    topo = result["topology"]
+    assert topo["name"].startswith("cpu") and topo["peak_flops"] > 0 and topo["link_bandwidth"] > 0
+    cases = result["cases"]
+    assert [c["strategy"] for c in cases] == ["dp", "fsdp", "megatron", "auto"]
+    for c in cases:
+        assert set(c) == CASE, c.get("error")
+        assert c["model"] == "gpt" and c["config"] == "tiny" and c["mesh"] == "2x4"
+        assert c["steps"] == 2 and c["measured_step_s_p25"] <= c["measured_step_s_p75"]
+        assert c["step_ratio"] == pytest.approx(c["predicted_step_s"] / c["measured_step_s"])
+        assert c["memory_ratio"] == pytest.approx(
+            c["predicted_peak_bytes"] / c["compiled_peak_bytes"]
+        )
+        low, high = c["predicted_peak_low"], c["predicted_peak_high"]
+        assert 0 < low <= c["predicted_peak_bytes"] <= high
+        assert c["verify_ok"], c  # the reference models verify (tests/verification)
+        for kind, row in c["collective_bytes"].items():
+            assert set(row) == {"predicted", "compiled"}, kind
+    assert cases[0]["collective_bytes"].keys() == {"all_reduce"}  # dp: the gradients' sum
+    assert "all_reduce" in cases[2]["collective_bytes"]  # megatron's activations
+    printed = capsys.readouterr().out
+    assert "CPU figures, not a GPU's" in printed
+    assert printed.count("\ngpt     tiny") == 4
+
+
+def test_mesh_shapes(bench):
+    assert [bench._mesh_shape(n) for n in (1, 2, 4, 8, 16)] == [
+        (1, 1), (2, 1), (2, 2), (2, 4), (4, 4)
+    ]  # fmt: skip
