@@ -16,7 +16,10 @@ from identical operands required in the same layouts, producing the same layouts
 in the same *scope*. A scope is the step's top level, or the body of a loop that
 runs more than once (XLA does not merge across a loop's boundary), or a
 differentiated remat region with ``prevent_cse`` (JAX lowers its recomputation
-behind an optimization barrier, so it is never merged with the forward's). A scan of length one
+behind an optimization barrier, so it is never merged with the forward's). An
+equation XLA simplifies away (a ``rev`` of size-1 dims, the identity ``transpose``)
+is its operand, in the operand's layout: the backward of a 1x1 convolution reads
+the kernel the forward gathered, not a reversed copy gathered again. A scan of length one
 is its caller's scope: its body's operands are the caller's values (the ``xs``
 sliced at 0) and its results the body's (``ys`` stacked). Small constants are
 identical when their values are.
@@ -51,6 +54,19 @@ def _hashable(x: Any) -> Hashable:
         raise TypeError("array parameter")
     hash(x)
     return x
+
+
+def _no_op(node: Node) -> bool:
+    """True for an equation XLA's algebraic simplifier removes, its result its
+    operand: a ``rev`` of size-1 dims only (a 1x1 convolution's transposed
+    kernel in its backward pass) or a ``transpose`` by the identity permutation."""
+    params = node.eqn.params
+    if node.prim == "rev":
+        shape = node.eqn.invars[0].aval.shape
+        return all(shape[d] == 1 for d in params["dimensions"])
+    if node.prim == "transpose":
+        return tuple(params["permutation"]) == tuple(range(len(params["permutation"])))
+    return False
 
 
 class ValueNumbers:
@@ -119,6 +135,9 @@ class ValueNumbers:
         results are then the earlier node's values), False otherwise."""
         if node.kind != "eqn" or node.prim in _NEVER or getattr(node.eqn, "effects", None):
             return False
+        if _no_op(node) and required[:1] == outputs[:1]:
+            self.alias(node.outs[0], node.ins[0])
+            return True
         try:
             params = _hashable(dict(node.eqn.params))
             key = (

@@ -89,3 +89,28 @@ def test_loops_and_barriered_remat_are_scopes_of_their_own():
     assert not numbers.merge(n, [spec], [spec], scope=numbers.scope(n, None))
     n = node(15, Group(remat, [10]))  # not differentiated: no barrier, merged
     assert numbers.merge(n, [spec], [spec], scope=numbers.scope(n, None))
+
+
+def test_a_1x1_convolutions_backward_reads_the_kernel_the_forward_gathered():
+    """The input gradient of a 1x1 convolution reads ``rev(kernel)`` over its size-1
+    window dims, which XLA simplifies to the kernel itself: the fully sharded kernel
+    is gathered once for both passes, in the compiled program and in the prediction.
+    A 3x3 kernel's ``rev`` is a real one: gathered again for the backward, in both."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def loss(x, w):
+        y = jax.lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    x = jax.ShapeDtypeStruct((8, 8, 8, 16), jnp.float32)
+    step = jax.grad(loss, argnums=(0, 1))
+    for window, gathers in ((1, 1), (3, 2)):
+        w = jax.ShapeDtypeStruct((window, window, 16, 32), jnp.float32)
+        prop = propagate(
+            step, x, w, mesh=mesh, in_specs=(P("data"), P(None, None, None, ("data", "model")))
+        )
+        compiled = _compiled_by_kind(prop, mesh, x, w)
+        assert prop.comm_bytes_by_kind["all_gather"] == compiled["all_gather"]
+        assert compiled["all_gather"] == gathers * window * window * 16 * 32 * 4
