@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     result = {
         "benchmark": "measure",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
         "platform": platform,
         "device_kind": devices[0].device_kind,
