@@ -12,19 +12,20 @@ same executable adds the collective bytes and verify's verdict.
 What the prediction is for:
   GPU      the device's own :class:`~spmdkit.topology.Topology` (H100 SXM figures
            for an H100 or H200, A100 SXM for an A100); the batch doubles until dp's
-           predicted peak fills about half the device's memory (the model's
-           ``--gpu-config`` size), so the step is compute-bound as in training.
+           predicted peak fills about half the device's memory (at the model's
+           :data:`GPU_CONFIG` size), so the step is compute-bound as in training.
   CPU      a CPU topology measured here before the cases: the f32 matmul FLOP/s one
-           virtual device gets while all run at once (``peak_flops``, efficiencies 1)
-           and the bus bandwidth of an all-reduce over all of them (every mesh axis's
-           link). The CPU numbers are printed as such: they check the model's terms
-           on this host, not a GPU's step time. Tiny configs, a small batch.
+           virtual device gets while all run at once (``peak_flops``, efficiencies 1,
+           no GEMM tiles), the bus bandwidth of an all-reduce over all of them (every
+           mesh axis's link) and an elementwise pass's bytes/s (``hbm_bandwidth``).
+           The CPU numbers are printed as such: they check the model's terms on
+           this host, not a GPU's step time. Tiny configs, a small batch.
 
 Saved as JSON (``benchmarks/results/measure.json``, or ``--out``)::
 
     {"benchmark": "measure", "date", "jax", "platform": "cpu"|"gpu"|...,
      "device_kind", "devices", "host_cpus", "quick": bool,
-     "topology": {"name", "peak_flops", "link_bandwidth", "source"},
+     "topology": {"name", "peak_flops", "link_bandwidth", "memory_bandwidth", "source"},
      "cases": [{"model", "config", "strategy", "chosen", "mesh", "batch",
                 "steps", "predicted_step_s", "measured_step_s",
                 "measured_step_s_p25", "measured_step_s_p75", "step_ratio",
@@ -136,6 +137,8 @@ def cpu_topology(mesh: jax.sharding.Mesh, quick: bool) -> tuple[Topology, dict]:
     )
     seconds = _timed(lambda: reduce(x), 3 if quick else 5)
     bandwidth = 2 * (n - 1) / n * elems * 4 / seconds
+    scale = jax.jit(lambda v: v * 1.5 + 1.0, out_shardings=row)
+    memory = 2 * elems * 4 / _timed(lambda: scale(x), 3 if quick else 5)  # read + write
     topo = Topology(
         default_bandwidth=bandwidth,
         default_latency=0.0,
@@ -143,13 +146,18 @@ def cpu_topology(mesh: jax.sharding.Mesh, quick: bool) -> tuple[Topology, dict]:
         peak_flops={"float32": flops, "tfloat32": flops, "bfloat16": flops},
         matmul_efficiency=1.0,
         attention_efficiency=1.0,
+        hbm_bandwidth=memory,
+        sm_count=1,  # a core runs a GEMM: no waves, no tiles to quantize
+        gemm_tile=(1, 1),
+        k_ramp=0,
     )
     facts = {
         "name": "cpu (measured here)",
         "peak_flops": flops,
         "link_bandwidth": bandwidth,
+        "memory_bandwidth": memory,
         "source": f"{size}^3 f32 matmul per device, all {n} at once; all-reduce of "
-        f"{elems * 4 >> 10} KiB per device",
+        f"{elems * 4 >> 10} KiB per device; an elementwise pass over it",
     }
     return topo, facts
 
