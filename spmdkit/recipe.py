@@ -8,9 +8,17 @@ uses memory and time around it, as the published large-model recipes do
   ``"none"``; ``"full"`` (keep each layer's input, recompute the layer in the
   backward pass); ``"dots"`` (selective: keep only the outputs of weight
   matmuls, ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``; the
-  attention scores and elementwise temporaries are recomputed); ``"names"``
-  (keep only the values tagged with ``jax.ad_checkpoint.checkpoint_name`` in
-  :attr:`Recipe.save_names`).
+  attention scores and elementwise temporaries are recomputed); MaxText's
+  named policies (:data:`NAMED_POLICIES`: ``"minimal"``,
+  ``"save_dot_except_mlpwi"``, ``"save_dot_except_mlp"``, ``"save_qkv_proj"``,
+  ``"save_out_proj"``), which keep the projections tagged with
+  ``jax.ad_checkpoint.checkpoint_name`` under MaxText's names (the reference
+  models tag them); ``"names"`` (keep the tags in :attr:`Recipe.save_names`).
+- ``remat_offload``: what the policy keeps goes to host memory
+  (``pinned_host``) in the forward pass and comes back for the backward,
+  instead of staying on the device
+  (``jax.checkpoint_policies.save_and_offload_only_these_names``,
+  ``offload_dot_with_no_batch_dims``).
 - ``compute_dtype``: mixed precision. ``None`` computes in the parameters'
   dtype; ``"bfloat16"`` casts the (fp32 master) parameters to bf16 inside the
   step, so matmuls and activations run in bf16 while parameters, gradients and
@@ -83,11 +91,13 @@ from spmdkit.pipeline.layer_scan import LayerScan, find_layer_scan
 from spmdkit.pipeline.split import CALLS, call_body
 
 __all__ = [
+    "NAMED_POLICIES",
     "PLAIN",
     "REMAT_POLICIES",
     "Recipe",
     "RecipeError",
     "check_offload",
+    "checkpoint_policy",
     "host_memory_kinds",
     "recipe_of",
     "recipes_used",
@@ -97,8 +107,22 @@ __all__ = [
     "value_and_grad",
 ]
 
-#: The per-layer recomputation policies (module docstring).
-REMAT_POLICIES = ("none", "full", "dots", "names")
+_QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
+
+#: MaxText's recompute policies by name (its ``remat_policy``): the
+#: ``checkpoint_name`` tags each keeps, most kept first. ``minimal`` is MaxText's
+#: *minimal recomputation*: every projection kept, only attention's inner
+#: products and the elementwise work recomputed.
+NAMED_POLICIES: dict[str, tuple[str, ...]] = {
+    "minimal": (*_QKV, "out_proj", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo"),
+    "save_dot_except_mlpwi": (*_QKV, "out_proj", "mlpwo"),
+    "save_dot_except_mlp": (*_QKV, "out_proj"),
+    "save_qkv_proj": _QKV,
+    "save_out_proj": ("out_proj",),
+}
+
+#: The per-layer recomputation policies (module docstring), most kept first.
+REMAT_POLICIES = ("none", "dots", *NAMED_POLICIES, "full", "names")
 
 #: Compute dtypes a recipe may ask for (``None``: the parameters' own dtype).
 #: ``"float8"``: weight matmuls on float8 operands, the rest in bfloat16 (:mod:`spmdkit.fp8`).
@@ -114,8 +138,10 @@ class Recipe:
     """The levers of a train step besides layouts (module docstring).
 
     Attributes:
-      remat: ``"none"``, ``"full"``, ``"dots"`` or ``"names"``.
+      remat: one of :data:`REMAT_POLICIES`.
       save_names: for ``remat="names"``, the ``checkpoint_name`` tags to keep.
+      remat_offload: what the remat policy keeps lives in host memory
+        (``pinned_host``) between the forward and the backward pass.
       compute_dtype: ``None`` (the parameters' dtype) or a floating dtype name;
         parameters stay in their own dtype (fp32 master weights).
       microbatches: gradient-accumulation steps per train step (>= 1).
@@ -129,6 +155,7 @@ class Recipe:
 
     remat: str = "none"
     save_names: tuple[str, ...] = ()
+    remat_offload: bool = False
     compute_dtype: str | None = None
     microbatches: int = 1
     offload_opt: bool = False
@@ -140,7 +167,8 @@ class Recipe:
                 must=f"remat is one of {REMAT_POLICIES}",
                 given=repr(self.remat),
                 fix="pass remat='full' (keep layer inputs), 'dots' (keep weight-matmul "
-                "outputs) or 'names' with save_names=",
+                "outputs), a MaxText policy (" + ", ".join(NAMED_POLICIES) + ") or 'names' "
+                "with save_names=",
             )
         object.__setattr__(self, "save_names", tuple(self.save_names))
         if self.remat == "names" and not self.save_names:
@@ -156,6 +184,16 @@ class Recipe:
                 must="save_names is given only with remat='names'",
                 given=f"remat={self.remat!r}, save_names={self.save_names}",
                 fix="pass remat='names' or drop save_names",
+            )
+        object.__setattr__(self, "remat_offload", bool(self.remat_offload))
+        if self.remat_offload and self.remat in ("none", "full"):
+            raise RecipeError(
+                op="Recipe",
+                must="remat_offload is given with a policy that keeps values besides the "
+                "layer input (remat='full' keeps only the input, 'none' recomputes nothing)",
+                given=f"remat={self.remat!r}, remat_offload=True",
+                fix="pass remat='save_qkv_proj' (or another of REMAT_POLICIES) with "
+                "remat_offload=True, or drop remat_offload",
             )
         if self.compute_dtype is not None:
             name = "float8" if self.compute_dtype == "float8" else None
@@ -187,6 +225,12 @@ class Recipe:
         object.__setattr__(self, "offload_opt", bool(self.offload_opt))
 
     @property
+    def saved_names(self) -> tuple[str, ...]:
+        """The ``checkpoint_name`` tags the remat policy keeps (empty for
+        ``none``, ``full`` and ``dots``, which select by primitive)."""
+        return NAMED_POLICIES.get(self.remat, self.save_names)
+
+    @property
     def is_default(self) -> bool:
         """True when the recipe changes nothing (plain step)."""
         return self == Recipe()
@@ -213,7 +257,7 @@ class Recipe:
         """Compact text, e.g. ``remat=full, bf16, microbatches=2`` (``plain`` when default)."""
         parts = []
         if self.remat != "none":
-            parts.append(f"remat={self.remat}")
+            parts.append(f"remat={self.remat}" + ("→host" if self.remat_offload else ""))
             if self.save_names:
                 parts.append("save=" + "+".join(self.save_names))
         if self.compute_dtype is not None:
@@ -232,6 +276,7 @@ class Recipe:
         return {
             "remat": self.remat,
             "save_names": list(self.save_names),
+            "remat_offload": self.remat_offload,
             "compute_dtype": self.compute_dtype,
             "microbatches": self.microbatches,
             "offload_opt": self.offload_opt,
@@ -245,6 +290,7 @@ class Recipe:
         return cls(
             remat=d.get("remat", "none"),
             save_names=tuple(d.get("save_names", ())),
+            remat_offload=bool(d.get("remat_offload", False)),
             compute_dtype=d.get("compute_dtype"),
             microbatches=int(d.get("microbatches", 1)),
             offload_opt=bool(d.get("offload_opt", False)),
@@ -267,13 +313,36 @@ def _is_dtype(x: object) -> bool:
 
 # -- running a recipe ---------------------------------------------------------------
 
-#: The ``jax.checkpoint`` policy of each recompute policy (``names`` is built from
-#: the recipe's ``save_names``).
-_POLICIES: dict[str, Callable[[Recipe], Any]] = {
-    "full": lambda r: jax.checkpoint_policies.nothing_saveable,
-    "dots": lambda r: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "names": lambda r: jax.checkpoint_policies.save_only_these_names(*r.save_names),
-}
+
+def checkpoint_policy(recipe: Recipe) -> Any:
+    """The ``jax.checkpoint`` policy of the recipe's remat policy (None for ``none``);
+    with ``remat_offload`` the kept values are offloaded from ``device`` to
+    ``pinned_host`` memory instead of kept.
+
+    Example::
+
+        >>> checkpoint_policy(Recipe(remat="save_qkv_proj", remat_offload=True))
+        <function save_and_offload_only_these_names.<locals>.policy at ...>
+    """
+    cp = jax.checkpoint_policies
+    if recipe.remat == "none":
+        return None
+    if recipe.remat == "full":
+        return cp.nothing_saveable
+    if recipe.remat == "dots":
+        if recipe.remat_offload:
+            return cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+        return cp.dots_with_no_batch_dims_saveable
+    names = list(recipe.saved_names)
+    if recipe.remat_offload:
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=names,
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    return cp.save_only_these_names(*names)
+
 
 # the recipes of the sk.value_and_grad calls traced while a step is being checked
 _SEEN: contextvars.ContextVar[list[Recipe] | None] = contextvars.ContextVar(
@@ -357,7 +426,8 @@ def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
     Raises:
       RecipeError: the loss has no layer scan (its layers are a python loop), or
         runs it inside a ``jax.checkpoint``/``custom_vjp``: there is no layer
-        boundary to recompute at.
+        boundary to recompute at; ``remat_offload`` on a backend without a
+        ``pinned_host`` memory kind.
 
     Example::
 
@@ -366,10 +436,11 @@ def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
     """
     if recipe.remat == "none":
         return loss_fn
-    policy = _POLICIES[recipe.remat](recipe)
+    policy = checkpoint_policy(recipe)
 
     @functools.wraps(loss_fn)
     def rematted(*args: Any) -> Any:
+        check_offload(recipe)
         closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
         layer = find_layer_scan(closed.jaxpr)
         if layer is None or any(c.primitive.name not in CALLS for c in layer.calls):
@@ -677,24 +748,26 @@ def host_memory_kinds(device: Any = None) -> frozenset[str]:
 
 
 def check_offload(recipe: Recipe, device: Any = None) -> None:
-    """Raise when the recipe offloads optimizer state and the backend cannot.
+    """Raise when the recipe offloads optimizer state or saved activations and
+    the backend cannot.
 
     Raises:
-      RecipeError: ``offload_opt`` on a backend whose devices have no
-        ``pinned_host`` memory kind.
+      RecipeError: ``offload_opt`` or ``remat_offload`` on a backend whose
+        devices have no ``pinned_host`` memory kind.
     """
-    if not recipe.offload_opt:
-        return
-    kinds = host_memory_kinds(device)
-    if "pinned_host" not in kinds:
-        dev = device if device is not None else jax.devices()[0]
-        raise RecipeError(
-            op="offload_opt",
-            must="the devices expose a 'pinned_host' memory kind (JAX memory kinds)",
-            given=f"{getattr(dev, 'platform', dev)} device with memory kinds {sorted(kinds)}",
-            fix="use offload_opt=False on this backend (or a backend with host memory "
-            "spaces: GPU, TPU, CPU)",
-        )
+    for lever, on in (("offload_opt", recipe.offload_opt), ("remat_offload", recipe.remat_offload)):
+        if not on:
+            continue
+        kinds = host_memory_kinds(device)
+        if "pinned_host" not in kinds:
+            dev = device if device is not None else jax.devices()[0]
+            raise RecipeError(
+                op=lever,
+                must="the devices expose a 'pinned_host' memory kind (JAX memory kinds)",
+                given=f"{getattr(dev, 'platform', dev)} device with memory kinds {sorted(kinds)}",
+                fix=f"use {lever}=False on this backend (or a backend with host memory "
+                "spaces: GPU, TPU, CPU)",
+            )
 
 
 def to_memory(tree: Any, space: Any) -> Any:

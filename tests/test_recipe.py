@@ -85,9 +85,24 @@ def test_recipe_validates_and_round_trips():
         {"save_names": ("a",)},
         {"compute_dtype": "int8"},
         {"microbatches": 0},
+        {"remat": "full", "remat_offload": True},
+        {"remat_offload": True},
     ):
         with pytest.raises(RecipeError):
             Recipe(**bad)
+
+
+def test_named_policies_are_maxtexts_and_round_trip():
+    r = Recipe(remat="save_qkv_proj", remat_offload=True, compute_dtype="bfloat16")
+    assert r.short() == "remat=save_qkv_proj→host, bf16"
+    assert Recipe.from_json(r.to_json()) == r
+    assert r.saved_names == ("query_proj", "key_proj", "value_proj", "qkv_proj")
+    assert (
+        set(rc.NAMED_POLICIES["save_dot_except_mlp"])
+        < set(rc.NAMED_POLICIES["save_dot_except_mlpwi"])
+        < set(rc.NAMED_POLICIES["minimal"])
+    )
+    assert Recipe(remat="dots").saved_names == () and Recipe(remat="full").saved_names == ()
 
 
 # -- sk.value_and_grad ----------------------------------------------------------------
@@ -95,7 +110,13 @@ def test_recipe_validates_and_round_trips():
 
 @pytest.mark.parametrize(
     "recipe",
-    [Recipe(remat="full"), Recipe(remat="dots"), Recipe(remat="names", save_names=("proj",))],
+    [
+        Recipe(remat="full"),
+        Recipe(remat="dots"),
+        Recipe(remat="names", save_names=("proj",)),
+        Recipe(remat="save_qkv_proj"),
+        Recipe(remat="save_qkv_proj", remat_offload=True),
+    ],
     ids=str,
 )
 def test_remat_policies_recompute_each_layer_and_keep_the_gradients(reference, recipe):
@@ -110,6 +131,39 @@ def test_remat_policies_recompute_each_layer_and_keep_the_gradients(reference, r
     loss, grads = jax.jit(fn)(init(), batch())
     np.testing.assert_allclose(loss, reference[0], rtol=1e-5)
     assert_tree_close(grads, reference[1], rtol=1e-5)
+
+
+def tagged_loss(params, batch):
+    """``scanned_loss`` with its projection tagged ``query_proj`` (MaxText's name)."""
+
+    def layer(h, wb):
+        w, b = wb
+        return jnp.tanh(checkpoint_name(h @ w, "query_proj") + b), None
+
+    h, _ = jax.lax.scan(layer, batch["x"], (params["w"], params["b"]))
+    return jnp.mean((h @ params["out"] - batch["y"]) ** 2)
+
+
+def test_named_policy_keeps_its_tags_on_the_device_or_the_host():
+    """save_qkv_proj keeps the tagged projection per layer besides the layer input
+    (full keeps the input only); its offload form keeps it in host memory
+    (``pinned_host``: CPU devices have it), and the gradients are the plain ones."""
+
+    def stacks(recipe):
+        _, vjp = jax.vjp(rc.remat_loss(tagged_loss, recipe), init(), batch())
+        return [x for x in jax.tree.leaves(vjp) if x.shape == (L, B, D)]
+
+    assert len(stacks(Recipe(remat="full"))) == 1
+    assert len(stacks(Recipe(remat="save_qkv_proj"))) == 2
+    offload = rc.remat_loss(tagged_loss, Recipe(remat="save_qkv_proj", remat_offload=True))
+    _, vjp = jax.vjp(offload, init(), batch())
+    kept = [x for x in jax.tree.leaves(vjp) if x.shape == (L, B, D)]
+    assert [x.sharding.memory_kind for x in kept].count("pinned_host") == 1
+    want = jax.jit(jax.value_and_grad(tagged_loss))(init(), batch())
+    recipe = Recipe(remat="save_qkv_proj", remat_offload=True)
+    got = jax.jit(sk.value_and_grad(tagged_loss, recipe))(init(), batch())
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert_tree_close(got[1], want[1], rtol=1e-6)
 
 
 def test_full_remat_saves_only_the_layer_inputs():
@@ -253,6 +307,14 @@ def test_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
     with pytest.raises(RecipeError, match="pinned_host"):
         rc.check_offload(Recipe(offload_opt=True))
     rc.check_offload(Recipe())  # nothing offloaded, nothing checked
+
+
+def test_remat_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
+    recipe = Recipe(remat="save_qkv_proj", remat_offload=True)
+    rc.check_offload(recipe)  # CPU here: pinned_host exists
+    monkeypatch.setattr(rc, "host_memory_kinds", lambda device=None: frozenset({"device"}))
+    with pytest.raises(RecipeError, match=r"remat_offload.*pinned_host"):
+        sk.value_and_grad(tagged_loss, recipe)(init(), batch())
 
 
 def test_train_step_is_what_the_planner_can_trace():

@@ -32,10 +32,14 @@ The recipe (:class:`~spmdkit.recipe.Recipe`) changes these terms:
 
 - ``remat``: the activations kept per layer: all residuals (``none``), the
   layer input (``full``), the layer input and the weight-matmul outputs
-  (``dots``), the input and the named values (``names``); with remat, one
-  layer's residuals live again while it is recomputed; recomputation costs the
-  layers' forward FLOPs (``full``, ``names``) or the attention forward
-  (``dots``: the scores are not saved);
+  (``dots``), the input and the values with the policy's ``checkpoint_name``
+  tags (the named policies, ``names``); with remat, one layer's residuals live
+  again while it is recomputed; recomputation costs the layers' forward FLOPs
+  less the matmuls whose outputs are kept (``dots``: the attention forward
+  only, the scores are not saved);
+- ``remat_offload``: the kept values (less the layer input) live on the host:
+  not device memory, but they cross the host link twice per step (out in the
+  forward, back in the backward), overlapped with compute;
 - ``compute_dtype``: activations at its itemsize; compute at its peak;
   FSDP/gradient collectives move the cast (bf16) weights and gradients; the
   cast copy of the local parameters is live during the step;
@@ -54,7 +58,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -64,7 +68,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.flax.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner.plans import Cost, Dims, PyTree
-from spmdkit.recipe import Recipe
+from spmdkit.recipe import NAMED_POLICIES, Recipe
 from spmdkit.spec import MeshLike
 from spmdkit.topology import Topology
 
@@ -73,11 +77,13 @@ __all__ = [
     "GroupCost",
     "GroupLayout",
     "ParamGroup",
+    "PolicyFacts",
     "StepTrace",
     "column_siblings",
     "group_cost",
     "param_flops",
     "param_groups",
+    "remat_choices",
     "tensor_parallel_bytes",
     "total_cost",
 ]
@@ -89,6 +95,24 @@ _FUSED_BACKWARD = 7.0 / 9.0
 
 #: Logical dims that are not the activation width a tensor-parallel param moves.
 _SKIP_OTHER = {"head_dim", "conv_window", "layers", "expert"}
+
+
+class PolicyFacts(NamedTuple):
+    """One layer under a remat policy, as jax runs it (global batch): the bytes
+    it keeps for the backward pass besides its inputs, on the device and on the
+    host (offloaded), and the FLOPs its backward pass recomputes (weight
+    matmuls, attention's batched products)."""
+
+    device_bytes: float
+    host_bytes: float
+    recompute_mm: float
+    recompute_attn: float
+
+
+def _traced_policy(recipe: Recipe) -> bool:
+    """Priced from the layer traced under its policy (:attr:`StepTrace.layer_policy`);
+    ``dots`` and ``full`` on the device keep their closed forms."""
+    return recipe.remat not in ("none", "full", "dots") or recipe.remat_offload
 
 
 @dataclass
@@ -113,6 +137,8 @@ class StepTrace:
       layer_carry: bytes of one layer's input (the scan carry).
       layer_dots: bytes of one layer's weight-matmul outputs.
       layer_named: ``checkpoint_name`` tag → bytes per layer.
+      layer_named_flops: ``checkpoint_name`` tag → FLOPs per layer of the
+        matmul whose output the tag names (what keeping it saves recomputing).
       layer_fwd_flops: forward FLOPs of all layers together.
       attn_fwd_flops: forward FLOPs of the batched dots.
       attn_fused_fwd_flops: of ``attn_fwd_flops``, those in attention regions
@@ -124,6 +150,10 @@ class StepTrace:
       state_bytes: the model's mutable state (batch statistics), global; counted
         replicated (it is per-channel and small), twice (the step's input and
         its updated output).
+      layer_policy: recipe → :class:`PolicyFacts` of one layer, from the layer
+        scan's body differentiated under the recipe's ``jax.checkpoint`` policy
+        (memoized; what the named policies and the offload forms are priced by:
+        a tag whose value the backward pass does not read is not kept).
     """
 
     flops: float
@@ -141,12 +171,14 @@ class StepTrace:
     layer_carry: float = 0.0
     layer_dots: float = 0.0
     layer_named: dict[str, float] = field(default_factory=dict)
+    layer_named_flops: dict[str, float] = field(default_factory=dict)
     layer_fwd_flops: float = 0.0
     attn_fwd_flops: float = 0.0
     attn_fused_fwd_flops: float = 0.0
     attn_causal_fwd_flops: float = 0.0
     resid_peak: float = 0.0
     state_bytes: int = 0
+    layer_policy: Callable[[Recipe], PolicyFacts] | None = field(default=None, repr=False)
 
     def activation_bytes(self, recipe: Recipe) -> float:
         """Global activation bytes the backward pass needs under ``recipe``'s
@@ -155,13 +187,7 @@ class StepTrace:
         other = max(self.resid_bytes - layer_total, 0.0)
         if recipe.remat == "none" or not self.layers:
             return self.resid_bytes + self.resid_peak
-        if recipe.remat == "full":
-            kept = self.layer_carry
-        elif recipe.remat == "dots":
-            kept = self.layer_carry + self.layer_dots
-        else:
-            kept = self.layer_carry + sum(self.layer_named.get(n, 0.0) for n in recipe.save_names)
-        kept = min(kept, self.layer_resid)
+        kept = min(self.layer_carry + self.saved_bytes(recipe)[0], self.layer_resid)
         return other + self.layers * kept + self.layer_resid + self.resid_peak
 
     def attention_flops(self, recipe: Recipe, topology: Topology) -> float:
@@ -196,13 +222,58 @@ class StepTrace:
         other = max(self.resid_bytes - self.layers * self.layer_resid - self.resid_peak, 0.0)
         return passes * self.layers * per_layer + 5.0 * other + 3.0 * self.resid_peak
 
+    def saved_bytes(self, recipe: Recipe) -> tuple[float, float]:
+        """``(device, host)`` bytes per layer (global batch) the remat policy
+        keeps besides the layer input: the weight-matmul outputs (``dots``),
+        nothing (``full``), what the layer traced under the policy keeps (the
+        named policies, ``names``, the offload forms: :attr:`layer_policy`;
+        without it, the tagged values' bytes)."""
+        if recipe.remat in ("none", "full"):
+            return 0.0, 0.0
+        if _traced_policy(recipe) and self.layer_policy is not None:
+            facts = self.layer_policy(recipe)
+            return facts.device_bytes, facts.host_bytes
+        if recipe.remat == "dots":
+            kept = self.layer_dots
+        else:
+            kept = sum(self.layer_named.get(n, 0.0) for n in recipe.saved_names)
+        return (0.0, kept) if recipe.remat_offload else (kept, 0.0)
+
     def recompute_flops(self, recipe: Recipe) -> tuple[float, float]:
         """``(weight-matmul, attention)`` FLOPs the remat policy adds (global)."""
         if recipe.remat == "none" or not self.layers:
             return 0.0, 0.0
+        if _traced_policy(recipe) and self.layer_policy is not None:
+            facts = self.layer_policy(recipe)
+            return self.layers * facts.recompute_mm, self.layers * facts.recompute_attn
         if recipe.remat == "dots":
             return 0.0, self.attn_fwd_flops
-        return max(self.layer_fwd_flops - self.attn_fwd_flops, 0.0), self.attn_fwd_flops
+        kept = sum(self.layer_named_flops.get(n, 0.0) for n in recipe.saved_names)
+        matmuls = self.layer_fwd_flops - self.attn_fwd_flops - self.layers * kept
+        return max(matmuls, 0.0), self.attn_fwd_flops
+
+
+def remat_choices(trace: StepTrace) -> list[tuple[str, bool]]:
+    """The ``(remat, remat_offload)`` levers auto searches for a model: ``none``,
+    ``dots`` and ``full``, and each named policy (:data:`~spmdkit.recipe.NAMED_POLICIES`)
+    that keeps something of its own on this model (a model that tags nothing keeps
+    the layer input only: ``full``; ``minimal`` keeps what ``dots`` does on the
+    reference models); then the offload form of each that keeps something.
+    Nothing without a layer scan."""
+    if not trace.layers:
+        return [("none", False)]
+    out = [("none", False), ("dots", False)]
+    seen = {(trace.saved_bytes(Recipe(remat="dots")), 0.0)}
+    seen.add((0.0, trace.recompute_flops(Recipe(remat="full"))[0]))
+    for name in NAMED_POLICIES:
+        r = Recipe(remat=name)
+        key = (trace.saved_bytes(r)[0], trace.recompute_flops(r)[0])
+        if key[0] and key not in seen and (key[0], 0.0) not in seen:
+            seen.add(key)
+            out.append((name, False))
+    out.append(("full", False))
+    offloaded = [(r, True) for r, _ in out if r not in ("none", "full")]
+    return out + offloaded
 
 
 @dataclass(frozen=True)
@@ -745,14 +816,9 @@ def total_cost(
     dtype = ctx.compute_dtype(min((g.dtype for g in groups), default="float32", key=_itemsize))
     attn_split = batch_shards * _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
     attn_split *= heads_tp
-    recompute_mm = trace.recompute_flops(recipe)[0]
-    attn_s = ctx.compute_time(
-        0.0, trace.attention_flops(recipe, ctx.topology) / attn_split, _attention_dtype(dtype)
-    )
-    if recompute_mm:
-        # Recomputing a layer's forward repeats a third of its train-step matmuls.
-        compute_s += layer_s / 3
-    compute_s += attn_s
+    flops = trace.attention_flops(recipe, ctx.topology) / attn_split
+    attn_s = ctx.compute_time(0.0, flops, _attention_dtype(dtype))
+    compute_s += attn_s + _recompute_s(ctx, layer_s)
     if not total_flops and trace.flops:
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
     tp_frac = tp_weight / total_flops if total_flops else 0.0
@@ -761,6 +827,10 @@ def total_cost(
         update = 3 * params + grads + 2 * (opt + offloaded) + cast
         shards = batch_shards * seq_shards
         compute_s += _memory_bound_s(ctx, shards, tp_frac, bool(seq_axes), update)
+    moved, host_s = _offload_traffic(ctx, batch_shards * seq_shards, tp_frac, bool(seq_axes))
+    if moved:  # overlapped with the layers' compute
+        comm["host_activations"] = moved
+        comm_s, hidden_s = comm_s + host_s, hidden_s + host_s
     exposed = comm_s - hidden_s
     step = compute_s + ctx.topology.exposed_comm(hidden_s, exposed, compute_s)
     hidden = comm_s - (step - compute_s)
@@ -841,6 +911,33 @@ def _memory_bound_s(
     tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
     elementwise = trace.elementwise_bytes(recipe) * scale * tp_split / shards
     return ctx.topology.memory_time(elementwise + update)
+
+
+def _recompute_s(ctx: CostContext, layer_s: float) -> float:
+    """Time the remat policy spends recomputing weight matmuls: a layer's forward
+    is a third of its train-step matmul time (``layer_s``), less the matmuls whose
+    outputs the policy keeps."""
+    trace = ctx.trace
+    recompute = trace.recompute_flops(ctx.recipe)[0]
+    if not recompute:
+        return 0.0
+    return layer_s / 3 * recompute / max(trace.layer_fwd_flops - trace.attn_fwd_flops, recompute)
+
+
+def _offload_traffic(
+    ctx: CostContext, shards: int, tp_frac: float, seq_sharded: bool
+) -> tuple[float, float]:
+    """``(bytes, seconds)`` per device a ``remat_offload`` step moves over the host
+    link: what the policy keeps, all micro-batches together (split as
+    :func:`_activations` splits them), out in the forward pass and back in the
+    backward; ``(0, 0)`` without offload."""
+    trace, recipe = ctx.trace, ctx.recipe
+    if not recipe.remat_offload:
+        return 0.0, 0.0
+    tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
+    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
+    moved = 2 * trace.layers * trace.saved_bytes(recipe)[1] * scale / shards * tp_split
+    return moved, moved / ctx.topology.host_bandwidth
 
 
 def _itemsize(dtype: str) -> int:

@@ -153,12 +153,16 @@ def propagate_cost(
     share = analytic.hidden_comm_s / analytic.comm_time_s if analytic.comm_time_s else 0.0
     hidden = prop.comm_time_s * share
     host = analytic.comm_bytes.get("host_offload", 0) / ctx.topology.host_bandwidth
-    comm_s = prop.comm_time_s + host
+    # offloaded activations move while the layers compute (the analytic model's)
+    host_acts = analytic.comm_bytes.get("host_activations", 0) / ctx.topology.host_bandwidth
+    hidden += host_acts
+    comm_s = prop.comm_time_s + host + host_acts
     step = compute + ctx.topology.exposed_comm(hidden, comm_s - hidden, compute)
     mem = prop.memory
     comm_bytes = {k: int(v) for k, v in sorted(prop.comm_bytes_by_kind.items())}
-    if host:
-        comm_bytes["host_offload"] = int(analytic.comm_bytes["host_offload"])
+    for kind in ("host_offload", "host_activations"):
+        if analytic.comm_bytes.get(kind):
+            comm_bytes[kind] = int(analytic.comm_bytes[kind])
     return Cost(
         step_time_s=step,
         compute_time_s=compute,

@@ -35,7 +35,9 @@ Recipes
 -------
 Each candidate is a layout *and* a :class:`~spmdkit.recipe.Recipe`. Unless
 ``recipe=`` fixes one, auto costs every preset and searched layout under each
-remat policy (``none``, ``dots``, ``full`` when the model has a layer scan) and
+remat policy (``none``, ``dots``, ``full`` and MaxText's named policies that keep
+something of their own, :func:`~spmdkit.planner.analytic.remat_choices`, when the
+model has a layer scan; their offload forms with the optimizer's) and
 compute dtype (the parameters', or bf16 on fp32 master weights), growing the
 micro-batch count only until some plan fits within :data:`_FLAT_HEADROOM` of
 the budget; optimizer offload is tried only when nothing fits without it. The
@@ -66,6 +68,7 @@ from spmdkit.planner.analytic import (
     column_siblings,
     param_flops,
     param_groups,
+    remat_choices,
     total_cost,
 )
 from spmdkit.planner.candidates import (
@@ -558,13 +561,20 @@ class _Planner(PipelinePlanning):
         if self.allow_fp8:
             self.check_fp8()
             dtypes.append("float8")
-        remats = ("none", "dots", "full") if self.ctx.trace.layers else ("none",)
+        remats = remat_choices(self.ctx.trace)
         rounds = []
-        for offload in (False, True):
+        for offload in (False, True):  # activations go to the host with the optimizer
             rounds.append(
                 [
-                    Recipe(remat=r, compute_dtype=d, microbatches=m, offload_opt=offload)
-                    for r in remats
+                    Recipe(
+                        remat=r,
+                        remat_offload=o,
+                        compute_dtype=d,
+                        microbatches=m,
+                        offload_opt=offload,
+                    )
+                    for r, o in remats
+                    if offload or not o
                     for d in dtypes
                     for m in _MICROBATCHES
                     if self.ctx.trace.batch_size % m == 0
@@ -609,7 +619,7 @@ class _Planner(PipelinePlanning):
             fits = False
             done: set[tuple] = set()
             for r in recipes:
-                key = (r.remat, r.compute_dtype)
+                key = (r.remat, r.remat_offload, r.compute_dtype)
                 if key in done:
                     continue
                 cands = self.candidates(r, extra)

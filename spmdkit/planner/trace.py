@@ -25,10 +25,11 @@ from spmdkit.engine.region import FORWARD, REGIONS, forward_fn, grad_fn
 from spmdkit.flax.model import ModelInfo, unbound_axis_error
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.planner.analytic import (
+    PolicyFacts,
     StepTrace,
 )
 from spmdkit.planner.plans import PyTree
-from spmdkit.recipe import PLAIN, Recipe
+from spmdkit.recipe import PLAIN, Recipe, checkpoint_policy
 from spmdkit.util import contraction_flops, path_str
 
 if TYPE_CHECKING:
@@ -143,7 +144,17 @@ class _LayerScan(NamedTuple):
     carry: float
     dots: float
     named: dict[str, float]
+    named_flops: dict[str, float]
     fwd_flops: float
+
+
+class _Body(NamedTuple):
+    """One scan body's facts (:func:`_body_facts`)."""
+
+    dots: float
+    named: dict[str, float]
+    named_flops: dict[str, float]
+    attn: float
 
 
 def _aval_bytes(v: Any) -> float:
@@ -156,11 +167,32 @@ def _is_batched_dot(eqn: JaxprEqn) -> bool:
     return bool(lhs_batch)
 
 
-def _body_facts(jaxpr: Jaxpr) -> tuple[float, dict[str, float], float]:
-    """Weight-matmul output bytes, ``checkpoint_name`` bytes and batched-dot
-    FLOPs of one scan body (nested calls and scans included)."""
+#: What may stand between a projection's matmul and its ``checkpoint_name`` tag
+#: (a bias, a cast, a head split): keeping the tagged value saves the matmul.
+_TO_TAG = frozenset({"add", "convert_element_type", "reshape", "transpose", "broadcast_in_dim"})
+
+
+def _tagged_matmul_flops(made: dict[Any, JaxprEqn], v: Any, depth: int = 4) -> float:
+    """FLOPs of the weight matmul a tagged value comes from (0: none found
+    within ``depth`` equations of :data:`_TO_TAG`)."""
+    eqn = made.get(v)
+    if eqn is None or depth == 0:
+        return 0.0
+    if eqn.primitive.name == "dot_general" and not _is_batched_dot(eqn):
+        return _eqn_flops(eqn)
+    if eqn.primitive.name not in _TO_TAG:
+        return 0.0
+    return max((_tagged_matmul_flops(made, u, depth - 1) for u in eqn.invars), default=0.0)
+
+
+def _body_facts(jaxpr: Jaxpr) -> _Body:
+    """Weight-matmul output bytes, ``checkpoint_name`` bytes and the FLOPs of the
+    matmuls the tags name, and batched-dot FLOPs of one scan body (nested calls
+    and scans included)."""
     dots = attn = 0.0
     named: dict[str, float] = {}
+    named_flops: dict[str, float] = {}
+    made = {o: e for e in jaxpr.eqns for o in e.outvars}
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "dot_general":
@@ -171,14 +203,17 @@ def _body_facts(jaxpr: Jaxpr) -> tuple[float, dict[str, float], float]:
         elif name == "name" and "name" in eqn.params:
             tag = str(eqn.params["name"])
             named[tag] = named.get(tag, 0.0) + _aval_bytes(eqn.outvars[0])
+            flops = _tagged_matmul_flops(made, eqn.invars[0])
+            named_flops[tag] = named_flops.get(tag, 0.0) + flops
         mult = jaxprs.scan_length(eqn)
         for sub in _eqn_subs(eqn):
-            d, n, a = _body_facts(sub)
-            dots += mult * d
-            attn += mult * a
-            for k, v in n.items():
-                named[k] = named.get(k, 0.0) + mult * v
-    return dots, named, attn
+            inner = _body_facts(sub)
+            dots += mult * inner.dots
+            attn += mult * inner.attn
+            for into, got in ((named, inner.named), (named_flops, inner.named_flops)):
+                for k, v in got.items():
+                    into[k] = into.get(k, 0.0) + mult * v
+    return _Body(dots, named, named_flops, attn)
 
 
 def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
@@ -200,11 +235,11 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
             sc = jaxprs.scan(eqn)
             body, length = sc.jaxpr, sc.length
             flops = length * _jaxpr_flops(body)
-            dots, named, attn = _body_facts(body)
-            attn_total += length * attn
+            facts = _body_facts(body)
+            attn_total += length * facts.attn
             carry = sum(_aval_bytes(v) for v in body.invars[sc.num_consts : sc.first_xs])
             if layer is not None and eqn is layer.eqn:
-                best = _LayerScan(length, carry, dots, named, flops)
+                best = _LayerScan(length, carry, facts.dots, facts.named, facts.named_flops, flops)
     return best, attn_total
 
 
@@ -231,6 +266,61 @@ def _fused_attention(jaxpr: Jaxpr, mult: float = 1.0) -> tuple[float, float]:
             f, c = _fused_attention(jaxprs.open_jaxpr(sub)[0], mult * n)
             fused, causal = fused + f, causal + c
     return fused, causal
+
+
+def _layer_policy(body: Any) -> Callable[[Recipe], PolicyFacts]:
+    """``recipe -> PolicyFacts`` of one layer (the layer scan's ``body``), memoized:
+    the body under ``jax.checkpoint`` with the recipe's policy, differentiated
+    abstractly. What its forward hands the backward, less its own inputs, is
+    what the policy keeps (an offloaded value is ``f32<host>``); the backward's
+    contraction FLOPs beyond the plain layer's are what it recomputes."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals]
+    memo: dict[tuple, PolicyFacts] = {}
+
+    def backward_flops(policy: Any) -> tuple[float, float]:
+        fn = jax.extend.core.jaxpr_as_fun(body)
+        if policy is not None:
+            fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+        def step(*args: Any) -> Any:
+            out, pull = jax.vjp(fn, *args)
+            return pull(jax.tree.map(jax.numpy.zeros_like, out))
+
+        jaxpr = jax.make_jaxpr(step)(*avals).jaxpr
+        return _jaxpr_flops(jaxpr), _jaxpr_flops(jaxpr, batched_only=True)
+
+    def kept(policy: Any) -> tuple[float, float]:
+        fn = jax.checkpoint(jax.extend.core.jaxpr_as_fun(body), policy=policy, prevent_cse=False)
+        jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*avals).jaxpr
+        inputs = set(jaxpr.invars)
+        device = host = 0.0
+        for v in jaxpr.outvars:
+            if isinstance(v, jax.extend.core.Literal) or v in inputs:
+                continue
+            if "host" in str(getattr(v.aval, "memory_space", "")).lower():
+                host += _aval_bytes(v)
+            else:
+                device += _aval_bytes(v)
+        return device, host
+
+    def facts(recipe: Recipe) -> PolicyFacts:
+        key = (recipe.remat, recipe.saved_names, recipe.remat_offload)  # not dtype, ...
+        hit = memo.get(key)
+        if hit is None:
+            policy = checkpoint_policy(recipe)
+            plain_mm, plain_attn = memo_plain()
+            mm, attn = backward_flops(policy)
+            hit = memo[key] = PolicyFacts(
+                *kept(policy), max(mm - attn - plain_mm, 0.0), max(attn - plain_attn, 0.0)
+            )
+        return hit
+
+    @functools.cache
+    def memo_plain() -> tuple[float, float]:
+        mm, attn = backward_flops(None)
+        return mm - attn, attn
+
+    return facts
 
 
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
@@ -291,7 +381,9 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         layer_carry=scan.carry if scan else 0.0,
         layer_dots=scan.dots if scan else 0.0,
         layer_named=scan.named if scan else {},
+        layer_named_flops=scan.named_flops if scan else {},
         layer_fwd_flops=scan.fwd_flops if scan else 0.0,
+        layer_policy=_layer_policy(find_layer_scan(forward.jaxpr).scan.body) if scan else None,
         attn_fwd_flops=attn_fwd,
         attn_fused_fwd_flops=fused,
         attn_causal_fwd_flops=causal,

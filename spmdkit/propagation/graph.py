@@ -126,6 +126,7 @@ class FlatProgram:
         self.dtypes: list[np.dtype] = []
         self.const: list[bool] = []
         self.values: dict[int, Any] = {}  # constant id -> its value
+        self.host: set[int] = set()  # ids of values in host memory (offloaded)
 
     def new(self, aval: Any, const: bool = False) -> int:
         """A new value id for ``aval``."""
@@ -137,6 +138,8 @@ class FlatProgram:
             dtype = np.dtype("uint32")
         self.dtypes.append(dtype)
         self.const.append(const)
+        if "host" in str(getattr(aval, "memory_space", "")).lower():
+            self.host.add(len(self.shapes) - 1)
         return len(self.shapes) - 1
 
     def const_ids(self) -> set[int]:

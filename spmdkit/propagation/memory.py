@@ -43,6 +43,10 @@ gradient, so on a stack of plain convolutions the estimate is one activation
 under XLA's live peak (3 stacked: 5 activations, XLA's live peak 6, its temp
 7 with heap packing).
 
+Host memory: values in host memory (a recompute policy's offloaded residuals,
+``f32<host>[...]`` in the jaxpr) take no device memory; XLA:CPU keeps them in its
+one memory and counts them in the temp allocation (``cpu=True``), as measured.
+
 Workspace on XLA:CPU only (``cpu=True``; :func:`select_and_scatter_workspace`):
 XLA:CPU has no kernel for a max-pool's gradient (``select_and_scatter``); it
 expands it into a variadic reduce-window over the padded operand and one int32
@@ -541,7 +545,8 @@ def _temp_peak(
     def nbytes(v: int) -> int:
         b = cache.get(v)
         if b is None:
-            b = cache[v] = layout(v).local_bytes(mesh)
+            on_host = v in prog.host and not cpu
+            b = cache[v] = 0 if on_host else layout(v).local_bytes(mesh)
         return b
 
     frees: dict[int, list[int]] = {}

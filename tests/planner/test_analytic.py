@@ -334,3 +334,37 @@ def test_tensor_parallel_bytes_match_megatron_lm(axes, remat):
     per_layer = (4 + (2 if remat == "full" else 0)) * b * cfg.seq_len * cfg.d_model * 2
     megatron = cfg.n_layers // p * m * per_layer
     assert planner == pytest.approx(megatron, rel=0.05)
+
+
+def test_named_policies_are_priced_by_what_the_layer_keeps(llama):
+    """Tiny Llama's layer under each named policy, as jax differentiates it: the
+    saved bytes are the tagged projections the backward reads (save_qkv_proj: q, k,
+    v; mlpwo is never read, so save_dot_except_mlpwi keeps what save_dot_except_mlp
+    does), fewer kept means more recomputed, and the offload form keeps the same
+    bytes on the host and moves them over the host link twice per step."""
+    from spmdkit.planner.analytic import remat_choices
+    from spmdkit.recipe import Recipe
+
+    t = llama[1].trace
+    named = t.layer_named
+    saved = {r: t.saved_bytes(Recipe(remat=r)) for r in ("save_qkv_proj", "save_out_proj")}
+    assert saved["save_qkv_proj"] == (
+        named["query_proj"] + named["key_proj"] + named["value_proj"],
+        0,
+    )
+    assert saved["save_out_proj"] == (named["out_proj"], 0)
+    mlp = t.saved_bytes(Recipe(remat="save_dot_except_mlp"))
+    assert t.saved_bytes(Recipe(remat="save_dot_except_mlpwi")) == mlp
+    order = ("minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "full")
+    recomputed = [t.recompute_flops(Recipe(remat=r))[0] for r in order]
+    assert recomputed == sorted(recomputed) and recomputed[0] < recomputed[-1]
+    host = Recipe(remat="save_qkv_proj", remat_offload=True)
+    assert t.saved_bytes(host) == (0, saved["save_qkv_proj"][0])
+    on_device, offloaded = _cost(llama, Recipe(remat="save_qkv_proj")), _cost(llama, host)
+    assert offloaded.memory["activations"] < on_device.memory["activations"]
+    assert offloaded.comm_bytes["host_activations"] > 0
+    assert offloaded.step_time_s >= on_device.step_time_s
+    choices = remat_choices(t)
+    assert ("save_dot_except_mlpwi", False) in choices  # its own saving
+    assert ("save_dot_except_mlp", False) not in choices  # the same as save_dot_except_mlpwi
+    assert ("save_qkv_proj", True) in choices and ("full", True) not in choices

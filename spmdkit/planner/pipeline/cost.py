@@ -78,6 +78,7 @@ from spmdkit.planner.analytic import (
     total_cost,
 )
 from spmdkit.planner.plans import Cost, PyTree
+from spmdkit.recipe import Recipe
 from spmdkit.util import path_str
 
 __all__ = [
@@ -272,15 +273,12 @@ def _per_microbatch(
     return base * tp_split, base
 
 
-def _kept_per_layer(trace: StepTrace, remat: str, save_names: tuple[str, ...]) -> float:
-    if remat == "none":
+def _kept_per_layer(trace: StepTrace, recipe: Recipe) -> float:
+    """Device bytes per layer the recipe's remat policy keeps (offloaded values
+    are on the host)."""
+    if recipe.remat == "none":
         return trace.layer_resid
-    kept = trace.layer_carry
-    if remat == "dots":
-        kept += trace.layer_dots
-    elif remat == "names":
-        kept += sum(trace.layer_named.get(n, 0.0) for n in save_names)
-    return min(kept, trace.layer_resid)
+    return min(trace.layer_carry + trace.saved_bytes(recipe)[0], trace.layer_resid)
 
 
 @functools.lru_cache(maxsize=512)
@@ -365,7 +363,8 @@ def activation_bytes(
     recomputed and a 1 MiB logits' gradient: 21 MiB on every device.
     """
     p, v = pipe.stages, pipe.virtual
-    per_chunk = trace.layers / (p * v) * _kept_per_layer(trace, remat, save_names) * act_scale
+    kept = _kept_per_layer(trace, Recipe(remat=remat, save_names=save_names))
+    per_chunk = trace.layers / (p * v) * kept * act_scale
     recompute = trace.layer_resid * act_scale if remat != "none" else 0.0
     head = max(trace.resid_bytes - trace.layers * trace.layer_resid, 0.0) * act_scale
     sizes = StageSizes(
