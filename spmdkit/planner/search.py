@@ -684,28 +684,33 @@ class _Planner(PipelinePlanning):
         """The candidates ``first`` re-costed (``recost``, default
         :meth:`propagated`), then, while the best of all is one not re-costed yet
         (ranked as if the largest re-costed/analytic factors of step time and
-        memory seen so far applied to it), that one too (at most ``limit`` more);
-        only the re-costed ones are kept. Where every analytic favourite turns out
-        over the budget once propagated, this goes on to the candidates that fit
-        (e.g. full recompute) instead of returning the smallest plan that cannot
-        run."""
+        memory seen so far at its micro-batch count applied to it), that one too
+        (at most ``limit`` more); only the re-costed ones are kept. Where every
+        analytic favourite turns out over the budget once propagated, this goes on
+        to the candidates that fit (e.g. full recompute) instead of returning the
+        smallest plan that cannot run."""
         recost = recost or self.propagated
         done = {i: recost(candidates[i]) for i in sorted(first)}
-        scale = (1.0, 1.0)
+        # per micro-batch count: FSDP's per-micro-batch collectives move the
+        # propagated/analytic ratio, which says nothing of another count's
+        scales: dict[int, tuple[float, float]] = {}
 
-        def grow(scale: tuple[float, float], i: int) -> tuple[float, float]:
+        def grow(i: int) -> None:
             before, after = candidates[i].cost, done[i].cost
-            return (
-                max(scale[0], after.step_time_s / max(before.step_time_s, 1e-30)),
-                max(scale[1], after.peak_bytes / max(before.peak_bytes, 1)),
+            m = candidates[i].recipe.microbatches
+            old = scales.get(m, (1.0, 1.0))
+            scales[m] = (
+                max(old[0], after.step_time_s / max(before.step_time_s, 1e-30)),
+                max(old[1], after.peak_bytes / max(before.peak_bytes, 1)),
             )
 
         for i in done:
-            scale = grow(scale, i)
+            grow(i)
 
         def key(i: int) -> tuple:
             if i in done:
                 return (*self.rank(done[i]), i)
+            scale = scales.get(candidates[i].recipe.microbatches, (1.0, 1.0))
             return (*self.rank_cost(candidates[i].cost, scale=scale), i)
 
         for _ in range(limit):
@@ -713,7 +718,7 @@ class _Planner(PipelinePlanning):
             if top in done:
                 break
             done[top] = recost(candidates[top])
-            scale = grow(scale, top)
+            grow(top)
         return [done[i] for i in sorted(done)]
 
     def ranked(self, candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:
