@@ -55,6 +55,7 @@ from spmdkit.pipeline.tables import build_tables, forward_ticks
 
 __all__ = [
     "StageSizes",
+    "buffer_slots",
     "held_residual_sets",
     "peak_bytes",
     "residual_outputs",
@@ -119,11 +120,51 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
     }
 
 
+def buffer_slots(pipe: Pipeline) -> tuple[int, int, int] | None:
+    """``(stash, forward inbox, backward inbox)`` slots (the inboxes' trash slots
+    not counted) of the schedules the planner searches, in closed form; None for
+    the others (GPipe, circular F-then-B).
+
+    - 1F1B (``m ≥ p``): ``p`` stash slots (device 0's warm-up and its first
+      forward), one slot per inbox: each value is consumed the tick after it
+      arrives.
+    - Interleaved 1F1B (``m`` a multiple of ``p``): with one group of ``p``
+      micro-batches every forward runs before the first backward, ``v·p`` slots;
+      with more, device 0's warm-up ``2(p − 1) + (v − 1)·p`` and one more,
+      ``(v + 1)·p − 1``; two forward inbox slots (one for ``p = 2, m = 2``) and
+      ``⌊p/2⌋ + 1`` backward ones.
+    - F-then-B without virtual stages: every micro-batch's set is held until its
+      backward (``m``), one forward inbox slot, and the last device's backward
+      inbox holds every loss cotangent (``m``).
+
+    They equal :func:`~spmdkit.pipeline.tables.build_tables`' counts
+    (``tests/pipeline/test_memory.py`` compares them for ``p ≤ 12``; checked to
+    ``p = 32`` when written), which replay the tick table: a second for the
+    hundreds of micro-batches over tens of stages the planner costs.
+
+    Example:
+        >>> buffer_slots(Pipeline(stages=4, microbatches=8, schedule="interleaved", virtual=2))
+        (11, 2, 3)
+    """
+    p, v, m = pipe.stages, pipe.virtual, pipe.microbatches
+    if pipe.schedule == "1f1b":
+        return p, 1, 1
+    if pipe.schedule == "interleaved":
+        stash = v * p if m == p else (v + 1) * p - 1
+        return stash, 1 if p == 2 and m == p else 2, p // 2 + 1
+    if pipe.schedule == "fthenb" and v == 1:
+        return m, 1, m
+    return None
+
+
 @functools.lru_cache(maxsize=512)
 def _slots(pipe: Pipeline) -> tuple[int, int]:
     """``(held residual sets, inbox slots)`` every device allocates (GPipe: its
     forward ticks and forward inbox; else the stash's slots and both inboxes'
     slots, their trash slots included)."""
+    known = buffer_slots(pipe)
+    if known is not None:
+        return known[0], known[1] + 1 + known[2] + 1
     sched = build_schedule(pipe)
     if pipe.schedule == "gpipe":
         t = forward_ticks(sched)

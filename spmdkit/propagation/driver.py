@@ -424,8 +424,8 @@ class _Totals(NamedTuple):
 def _totals(records: Sequence[EqnRecord], peak: float) -> _Totals:
     by_kind: dict[str, int] = {}
     for r in records:
-        for c in r.collectives():
-            by_kind[c.kind] = by_kind.get(c.kind, 0) + c.payload_bytes
+        for kind, n in r.bytes_by_kind().items():
+            by_kind[kind] = by_kind.get(kind, 0) + n
     flops = sum(r.flops for r in records)
     return _Totals(
         by_kind=dict(sorted(by_kind.items())),

@@ -86,6 +86,22 @@ class EqnRecord:
         inner = [c for r in self.body for c in r.collectives()]
         return steps + inner * self.repeat
 
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Payload bytes of :meth:`collectives` per kind, summed without listing
+        them (a loop body's once, times ``repeat``: nested scans of many layers
+        list millions)."""
+        out: dict[str, int] = {}
+        for r in self.reshards:
+            for c in r.plan.collectives:
+                out[c.kind] = out.get(c.kind, 0) + c.payload_bytes
+        inner: dict[str, int] = {}
+        for b in self.body if self.repeat else ():
+            for k, v in b.bytes_by_kind().items():
+                inner[k] = inner.get(k, 0) + v
+        for k, v in inner.items():
+            out[k] = out.get(k, 0) + v * self.repeat
+        return out
+
 
 @dataclass
 class Propagation:

@@ -13,6 +13,7 @@ from spmdkit.pipeline import Pipeline, build_schedule
 from spmdkit.pipeline.facts import chunk_residuals, pipelines_traced
 from spmdkit.pipeline.memory import (
     StageSizes,
+    buffer_slots,
     held_residual_sets,
     peak_bytes,
     residual_outputs,
@@ -93,3 +94,20 @@ def test_fthenb_and_1f1b_peaks_against_gpipe_by_the_predicted_amount(stages):
         predicted = saved_bytes(pipes[schedule], pipes["gpipe"], sizes)
         assert measured > 0, (schedule, measured)
         assert abs(measured - predicted) <= 0.2 * predicted, (schedule, measured, predicted)
+
+
+def test_closed_form_slots_equal_the_tables():
+    """The planner's closed-form buffer counts are the executor's tables' for
+    every schedule it searches (1F1B, interleaved, F-then-B below ``p``)."""
+    pipes = []
+    for p in range(2, 11):
+        pipes += [Pipeline(p, m, "1f1b") for m in (p, p + 1, 2 * p + 1)]
+        pipes += [Pipeline(p, m, "fthenb") for m in range(1, p)]
+        pipes += [
+            Pipeline(p, k * p, "interleaved", virtual=v) for v in (2, 3, 5) for k in (1, 2, 3)
+        ]
+    for pipe in pipes:
+        t = build_tables(build_schedule(pipe))
+        assert buffer_slots(pipe) == (t.n_stash, t.n_inbox_f, t.n_inbox_b), pipe
+    assert buffer_slots(Pipeline(4, 8, "gpipe")) is None
+    assert buffer_slots(Pipeline(2, 4, "fthenb", virtual=2)) is None

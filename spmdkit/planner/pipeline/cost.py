@@ -317,15 +317,14 @@ def held_activations(pipe: Pipeline) -> tuple[tuple[int, ...], int]:
     return tuple(held), peak_last
 
 
-@functools.lru_cache(maxsize=512)
 def most_sends(pipe: Pipeline) -> int:
     """The most point-to-point sends one device makes per step (as
-    :attr:`~spmdkit.pipeline.Schedule.sends`, counted on the action orders)."""
-    last = pipe.chunks - 1
-    return max(
-        sum((a.kind == "F" and a.chunk < last) or (a.kind == "B" and a.chunk > 0) for a in order)
-        for order in _orders(pipe)
-    )
+    :attr:`~spmdkit.pipeline.Schedule.sends`): every micro-batch passes every
+    chunk once each way, and each pass sends but the last chunk's forward and the
+    first chunk's backward (device ``p − 1``'s and device 0's), so device ``d``
+    makes ``m · (2v − [d = 0] − [d = p − 1])`` of them, whatever the schedule."""
+    p, v, m = pipe.stages, pipe.virtual, pipe.microbatches
+    return max(m * (2 * v - (d == 0) - (d == p - 1)) for d in {0, min(1, p - 1), p - 1})
 
 
 def activation_bytes(
