@@ -39,12 +39,15 @@ remat policy (``none``, ``dots``, ``full`` and MaxText's named policies that kee
 something of their own, :func:`~spmdkit.planner.analytic.remat_choices`, when the
 model has a layer scan; their offload forms with the optimizer's) and
 compute dtype (the parameters', or bf16 on fp32 master weights), growing the
-micro-batch count only until some plan fits within :data:`_FLAT_HEADROOM` of
-the budget; optimizer offload is tried only when nothing fits without it. The
-three best candidates and the presets within twice the budget are re-costed by
-propagating :func:`train_step` for their recipe (the step ``sk.train_step``
-builds and ``train`` runs), then more while the best is one not re-costed yet
-(:meth:`_Planner.recosted`).
+micro-batch count (every divisor of the batch up to 16) only until some plan
+fits within :data:`_FLAT_HEADROOM` of the budget; optimizer offload is tried
+only when nothing fits without it. The three best candidates and the presets
+within twice the budget are re-costed by propagating :func:`train_step` for
+their recipe (the step ``sk.train_step`` builds and ``train`` runs), then
+more while the best is one not re-costed yet (:meth:`_Planner.recosted`). With
+pipelines searched, when a pipelined plan fits and every unpipelined one needs
+over twice the budget, those keep their analytic cost (re-costing makes none
+of them fit).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ from spmdkit.planner.notes import (
     recipe_note,
 )
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
-from spmdkit.planner.pipeline.search import PipelinePlanning
+from spmdkit.planner.pipeline.search import PipelinePlanning, divisors
 from spmdkit.planner.plans import Cost, Plan, PyTree, dims_spec
 from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
@@ -387,8 +390,10 @@ _FLAT_HEADROOM = 0.85
 _RECOST_MORE = 6
 
 
-#: Micro-batch counts auto tries, smallest first (more only adds collectives).
-_MICROBATCHES = (1, 2, 4, 8, 16)
+#: The most micro-batches (gradient accumulation steps) auto tries without a
+#: pipeline: every divisor of the batch up to it, smallest first (more only adds
+#: collectives; 16 sequences of 8,192 tokens per device already fit Llama-3 70B).
+_MAX_MICROBATCHES = 16
 
 
 @dataclass
@@ -576,8 +581,8 @@ class _Planner(PipelinePlanning):
                     for r, o in remats
                     if offload or not o
                     for d in dtypes
-                    for m in _MICROBATCHES
-                    if self.ctx.trace.batch_size % m == 0
+                    for m in divisors(self.ctx.trace.batch_size)
+                    if m <= _MAX_MICROBATCHES
                 ]
             )
         return rounds
@@ -653,6 +658,17 @@ class _Planner(PipelinePlanning):
             for n in PRESETS
             if all(c.name != n for c in candidates)
         }
+        piped = self.pipelined(pipeline, fixed, extra) if pipeline is not None else []
+        far = _RECOST_OVER_BUDGET * self.budget
+        if (
+            self.estimator == "propagate"
+            and any(c.cost.peak_bytes <= self.budget for c in piped)
+            and all(c.cost.peak_bytes > far for c in candidates)
+        ):
+            # No unpipelined plan comes near the budget and a pipelined one fits:
+            # they keep their analytic cost (a propagation takes seconds at the
+            # sizes that need pipelines, and re-costing makes none fit).
+            return self.ranked(self.recosted_pipelines(piped) + candidates)
         if self.estimator == "propagate":
             # The three best candidates and the presets (plain recipe, or the fixed
             # one), re-costed on the traced step; a preset the analytic model puts
@@ -671,7 +687,7 @@ class _Planner(PipelinePlanning):
             candidates = self.recosted(candidates, keep)
             self.dropped |= _not_recosted(before, candidates, self.budget, base)
         if pipeline is not None:
-            candidates += self.recosted_pipelines(self.pipelined(pipeline, fixed, extra))
+            candidates += self.recosted_pipelines(piped)
         return self.ranked(candidates)
 
     def recosted(

@@ -59,7 +59,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 from jax.extend.core import Jaxpr, Var
@@ -415,30 +415,11 @@ def pipeline_cost(
     """
     pipe = split.pipe
     recipe = replace(ctx.recipe, microbatches=pipe.microbatches)
-    sctx = replace(ctx, recipe=recipe, trace=_stage_trace(ctx.trace, pipe.stages), gather_once=True)
     p = pipe.stages
-
-    def view(d: int) -> int:  # devices other than the two ends hold the same
-        return d if d in (0, p - 1) else 1
-
-    views = {view(d): split.on_device(view(d)) for d in range(p)}
-    costs = {
-        d: total_cost(sctx, [groups[i] for i in ix], [choice[i] for i in ix], batch_axes, seq_axes)
-        for d, ix in views.items()
-    }
-    # Parameters outside the stack are replicated over the pipe axis (the plan's
-    # specs leave it off them): every device holds them, and their gradients
-    # (non-zero only on the stage that used them) are all-reduced over it.
-    held = total_cost(sctx, groups, choice, batch_axes, seq_axes)
-    ends = [i for i, w in enumerate(split.where) if w != "layers"]
-    ends_cost = total_cost(sctx, [groups[i] for i in ends], [choice[i] for i in ends], (), ())
-    # reduced as accumulated: in float32 under bf16 compute
-    wire = sctx.accumulator_ratio(groups[ends[0]].dtype) if ends else 1.0
-    sync_bytes = ends_cost.memory["grads"] * wire
-    act_scale, carry_scale = _per_microbatch(sctx, groups, choice, batch_axes, seq_axes)
-    stack = [i for i, w in enumerate(split.where) if w == "layers"]
-    chunk_weights = _chunk_weights(sctx, groups, choice, stack, batch_axes, seq_axes)
-    chunk_weights /= pipe.virtual
+    stage = _stage_part(ctx, groups, choice, batch_axes, seq_axes, split)
+    held, slow, sync_bytes = stage.held, stage.slow, stage.sync_bytes
+    act_scale, carry_scale = stage.act_scale, stage.carry_scale
+    chunk_weights = stage.chunk_weights / pipe.virtual
     acts = activation_bytes(
         ctx.trace,
         pipe,
@@ -450,7 +431,6 @@ def pipeline_cost(
     )
     stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))
-    slow = max(costs.values(), key=lambda c: c.compute_time_s)
     ticks = pipe.virtual * pipe.microbatches
     bubble_s = slow.compute_time_s * (p - 1) / ticks
     compute = slow.compute_time_s + bubble_s
@@ -480,6 +460,69 @@ def pipeline_cost(
         stage_memory=tuple(int(v * mem_k) for v in stage_memory),
         bubble_s=bubble_s,
     )
+
+
+class _StagePart(NamedTuple):
+    """What a pipelined candidate's cost shares with every schedule and virtual
+    stage count of its micro-batch count (:func:`_stage_part`)."""
+
+    held: Cost
+    slow: Cost
+    sync_bytes: float
+    act_scale: float
+    carry_scale: float
+    chunk_weights: float
+
+
+def _stage_part(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    split: StageSplit,
+) -> _StagePart:
+    """The stages' costs at ``split``'s micro-batch count (the schedule and the
+    virtual stages only change the bubble, the held buffers and the sends),
+    memoized in ``ctx.memo``: the planner costs many schedules per count."""
+    pipe = split.pipe
+    recipe = replace(ctx.recipe, microbatches=pipe.microbatches)
+    key = ("pipeline_stage", tuple(choice), batch_axes, seq_axes, split.where, pipe.stages, recipe)
+    key += (tuple(g.key for g in groups), tuple(g.shape for g in groups), tuple(ctx.sizes.items()))
+    hit = ctx.memo.get(key)
+    if hit is not None:
+        return hit
+    sctx = replace(ctx, recipe=recipe, trace=_stage_trace(ctx.trace, pipe.stages), gather_once=True)
+    p = pipe.stages
+
+    def view(d: int) -> int:  # devices other than the two ends hold the same
+        return d if d in (0, p - 1) else 1
+
+    views = {view(d): split.on_device(view(d)) for d in range(p)}
+    costs = {
+        d: total_cost(sctx, [groups[i] for i in ix], [choice[i] for i in ix], batch_axes, seq_axes)
+        for d, ix in views.items()
+    }
+    # Parameters outside the stack are replicated over the pipe axis (the plan's
+    # specs leave it off them): every device holds them, and their gradients
+    # (non-zero only on the stage that used them) are all-reduced over it.
+    held = total_cost(sctx, groups, choice, batch_axes, seq_axes)
+    ends = [i for i, w in enumerate(split.where) if w != "layers"]
+    ends_cost = total_cost(sctx, [groups[i] for i in ends], [choice[i] for i in ends], (), ())
+    # reduced as accumulated: in float32 under bf16 compute
+    wire = sctx.accumulator_ratio(groups[ends[0]].dtype) if ends else 1.0
+    act_scale, carry_scale = _per_microbatch(sctx, groups, choice, batch_axes, seq_axes)
+    stack = [i for i, w in enumerate(split.where) if w == "layers"]
+    out = _StagePart(
+        held=held,
+        slow=max(costs.values(), key=lambda c: c.compute_time_s),
+        sync_bytes=ends_cost.memory["grads"] * wire,
+        act_scale=act_scale,
+        carry_scale=carry_scale,
+        chunk_weights=_chunk_weights(sctx, groups, choice, stack, batch_axes, seq_axes),
+    )
+    ctx.memo[key] = out
+    return out
 
 
 def _chunk_weights(

@@ -14,11 +14,11 @@ beside the usual ones (:mod:`spmdkit.planner.search`); this module says which:
   axis: build the devices' mesh the same way, ``sk.make_mesh(pipe=8, data=8,
   model=8)`` (the same devices in the same order as ``data=64, model=8``),
   or take it from ``plan.mesh``'s axis names and sizes.
-- **Configurations** (:func:`pipeline_configs`): micro-batch counts ``m`` that
-  divide each data-parallel replica's batch (the five largest powers of two); for ``m ≥ p``
-  1F1B and, where ``p · v`` divides the layers and ``p`` divides ``m``,
-  interleaved 1F1B with ``v ∈ {2, 4}`` virtual stages; for ``m < p``
-  (1F1B needs ``m ≥ p``) F-then-B with input release. GPipe is never proposed:
+- **Configurations** (:func:`pipeline_configs`): every micro-batch count ``m``
+  that divides each data-parallel replica's batch (63 sequences over 9 stages:
+  1, 3, 7, 9, 21 and 63); for ``m ≥ p`` 1F1B and, where ``p`` divides ``m``,
+  interleaved 1F1B with any ``v ≥ 2`` virtual stages that divides the layers per
+  stage; for ``m < p`` (1F1B needs ``m ≥ p``) F-then-B with input release. GPipe is never proposed:
   it has F-then-B's bubble and holds more (:mod:`spmdkit.planner.pipeline.cost`),
   and F-then-B has 1F1B's bubble and holds more where 1F1B runs.
 """
@@ -26,7 +26,7 @@ beside the usual ones (:mod:`spmdkit.planner.search`); this module says which:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -74,10 +74,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PipelinePlanning",
-    "MICROBATCH_COUNTS",
     "PIPE_AXIS",
-    "VIRTUAL",
     "data_axis",
+    "divisors",
     "pipe_meshes",
     "pipeline_configs",
     "reference",
@@ -99,14 +98,6 @@ _TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp")
 
 #: The mesh axis pipelined plans put their stages on.
 PIPE_AXIS = "pipe"
-
-#: Virtual stages per device auto tries with the interleaved schedule.
-VIRTUAL = (2, 4)
-
-#: How many micro-batch counts auto tries per pipe degree: the largest powers
-#: of two that divide a replica's batch (more micro-batches: a smaller bubble and
-#: fewer activations held; fewer: less per-micro-batch communication).
-MICROBATCH_COUNTS = 5
 
 
 def data_axis(mesh: MeshLike) -> str | None:
@@ -191,6 +182,17 @@ def pipe_meshes(mesh: MeshLike, layers: int, stages: int | None = None) -> list[
     ]
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (``[]`` for ``n < 1``).
+
+    Example:
+        >>> divisors(63)
+        [1, 3, 7, 9, 21, 63]
+    """
+    small = [d for d in range(1, math.isqrt(max(n, 0)) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
 def pipeline_configs(
     stages: int, layers: int, local_batch: int, request: Pipeline | None = None
 ) -> list[Pipeline]:
@@ -203,7 +205,11 @@ def pipeline_configs(
         request: a fixed configuration: just it, when it fits these.
 
     Returns:
-        Valid configurations, fewest micro-batches first.
+        Valid configurations, fewest micro-batches first (then fewest virtual stages).
+
+    Example:
+        >>> [c.short() for c in pipeline_configs(9, 126, 63)][:4]
+        ['pp9 fthenb m1', 'pp9 fthenb m3', 'pp9 fthenb m7', 'pp9 1f1b m9']
     """
     if request is not None:
         ok = (
@@ -212,19 +218,17 @@ def pipeline_configs(
             and local_batch % request.microbatches == 0
         )
         return [request] if ok else []
+    if layers % stages:
+        return []
+    virtual = [v for v in divisors(layers // stages) if v > 1]
     out: list[Pipeline] = []
-    counts = [2**k for k in range(int(math.log2(max(local_batch, 1))) + 1)]
-    counts = [c for c in counts if local_batch % c == 0][-MICROBATCH_COUNTS:]
-    for m in counts:
-        if layers % stages:
-            break
+    for m in divisors(local_batch):
         if m < stages:
             out.append(Pipeline(stages, m, "fthenb"))
             continue
         out.append(Pipeline(stages, m, "1f1b"))
-        for v in VIRTUAL:
-            if layers % (stages * v) == 0 and m % stages == 0:
-                out.append(Pipeline(stages, m, "interleaved", virtual=v))
+        if m % stages == 0:
+            out += [Pipeline(stages, m, "interleaved", virtual=v) for v in virtual]
     return out
 
 
@@ -434,12 +438,45 @@ class PipelinePlanning:
             total=lambda _c, _g, ch, _b, _s: cost_of(ref, ch),
             sizes=inner,
         )
-        costed = [(cost_of(pipe, choice), i, pipe) for i, pipe in enumerate(configs)]
+        costed = self.costed_configs(configs, lambda pipe: cost_of(pipe, choice))
         cost, i, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
         tight = self.budget * _PIPE_HEADROOM
         cost2, i2, pipe2 = min(costed, key=lambda x: (*self.rank_cost(x[0], tight), x[1]))
         out = [(choice, cost, pipe)]
         return out if i2 == i else [*out, (choice, cost2, pipe2)]
+
+    def costed_configs(
+        self, configs: Sequence[Pipeline], cost_of: Callable[[Pipeline], Cost]
+    ) -> list[tuple[Cost, int, Pipeline]]:
+        """``(cost, index, pipeline)`` of the configurations worth costing, by a
+        cost-guided pruning of the micro-batch counts.
+
+        The counts are costed from the most down, every schedule and virtual stage
+        count of a count together. Fewer micro-batches hold more per device (each
+        is larger; 1F1B holds ``p`` of them whatever ``m``), and the step time
+        falls then rises as ``m`` shrinks (the bubble ``(p − 1)/(v·m)`` grows, the
+        per-micro-batch latencies shrink). So once a count's best step time is
+        above the count before's, a smaller count can rank first (:meth:`rank`,
+        against the budget or :data:`_PIPE_HEADROOM` of it) neither by fitting
+        faster than what fits already nor, where nothing fits, by holding less:
+        the rest are not costed."""
+        by_count: dict[int, list[tuple[int, Pipeline]]] = {}
+        for i, pipe in enumerate(configs):
+            by_count.setdefault(pipe.microbatches, []).append((i, pipe))
+        budgets = (self.budget, self.budget * _PIPE_HEADROOM)
+        out: list[tuple[Cost, int, Pipeline]] = []
+        fits = [math.inf for _ in budgets]  # the fastest step that fits each budget
+        above = math.inf
+        for m in sorted(by_count, reverse=True):
+            row = [(cost_of(pipe), i, pipe) for i, pipe in by_count[m]]
+            out += row
+            for k, b in enumerate(budgets):
+                fits[k] = min([fits[k], *(c.step_time_s for c, _, _ in row if c.peak_bytes <= b)])
+            step = min(c.step_time_s for c, _, _ in row)
+            if step > above and all(f == math.inf or f <= step for f in fits):
+                break
+            above = step
+        return sorted(out, key=lambda x: x[1])
 
     def pipe_memo(self, mesh: MeshLike) -> dict:
         """The group-cost memo of one pipe mesh (shared by its recipes)."""
@@ -587,10 +624,13 @@ class PipelinePlanning:
             _on_pipe(g, lay, axis) if w == "layers" else lay
             for g, lay, w in zip(self.groups, choice, where, strict=True)
         ]
-        best: Candidate | None = None
-        for pipe in configs:
+        if not configs:
+            return None
+
+        def cost_of(pipe: Pipeline) -> Cost:
             c = Candidate(name, full, act, rules, _NO_COST, recipe, pipe, mesh)
-            c = c._replace(cost=self.pipelined_cost(c, choice))
-            if best is None or self.rank(c) < self.rank(best):
-                best = c
-        return best
+            return self.pipelined_cost(c, choice)
+
+        costed = self.costed_configs(configs, cost_of)
+        cost, _, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
+        return Candidate(name, full, act, rules, cost, recipe, pipe, mesh)

@@ -11,9 +11,10 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.flax import describe
 from spmdkit.models import get_model
+from spmdkit.models.llama import LlamaConfig
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.planner import Plan, PlanError, plan
-from spmdkit.planner.pipeline.search import pipe_meshes, pipeline_configs, split_mesh
+from spmdkit.planner.pipeline.search import divisors, pipe_meshes, pipeline_configs, split_mesh
 
 
 def test_split_mesh_keeps_the_device_order() -> None:
@@ -32,6 +33,47 @@ def test_pipe_degrees_divide_the_data_axis_and_the_layers() -> None:
     assert degrees == [2, 4]
     given = sk.abstract_mesh(pipe=4, data=2)
     assert pipe_meshes(given, 8) == [given]
+
+
+def test_pipe_degrees_of_a_126_layer_model() -> None:
+    def degrees(**axes: int) -> list[int]:
+        return [dict(m.shape)["pipe"] for m in pipe_meshes(sk.abstract_mesh(**axes), 126)]
+
+    assert {2, 3, 6, 7, 9, 14, 18} <= set(degrees(data=252, model=2))
+    assert degrees(data=72, model=8) == [2, 3, 6, 9, 18]  # 7 and 14 do not split 72
+
+
+def test_every_micro_batch_count_that_divides_the_replica_batch() -> None:
+    """63 sequences per replica over 9 stages: every divisor, not only m = 1."""
+    configs = pipeline_configs(9, 126, 63)
+    assert sorted({c.microbatches for c in configs}) == [1, 3, 7, 9, 21, 63]
+    assert {c.schedule for c in configs if c.microbatches < 9} == {"fthenb"}
+    # interleaved with any divisor of the 14 layers per stage, where 9 divides m
+    virtual = {(c.microbatches, c.virtual) for c in configs if c.schedule == "interleaved"}
+    assert virtual == {(m, v) for m in (9, 63) for v in (2, 7, 14)}
+    assert divisors(126) == [1, 2, 3, 6, 7, 9, 14, 18, 21, 42, 63, 126]
+
+
+def test_auto_pipelines_63_sequences_in_more_than_one_micro_batch() -> None:
+    """63 sequences over 9 stages used to get one micro-batch (an 89% bubble, and
+    every sequence's activations held at once); under an 8 GB budget that only a
+    9-stage pipeline meets, auto now runs them one sequence per micro-batch."""
+    cfg = LlamaConfig(
+        n_layers=9, d_model=2048, d_mlp=8192, n_heads=16, n_kv_heads=4, head_dim=128,
+        seq_len=2048, vocab=1024, scan_layers=True,
+    )  # fmt: skip
+    info = describe(get_model("llama"), config=cfg, batch_size=63)
+    p = plan(
+        info,
+        sk.abstract_mesh(data=9),
+        "auto",
+        estimator="analytic",
+        recipe=sk.Recipe(),
+        pipeline="auto",
+        memory_budget=8e9,
+    )
+    assert p.pipeline == Pipeline(9, 63, "1f1b")
+    assert p.cost.peak_bytes <= 8e9
 
 
 def test_configurations() -> None:
