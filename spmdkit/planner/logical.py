@@ -69,6 +69,7 @@ __all__ = [
     "AxesLike",
     "Entry",
     "LogicalRules",
+    "OverBudgetError",
     "PlanError",
     "ROLE_NAMES",
     "RulesLike",
@@ -113,6 +114,23 @@ class PlanError(SpmdError, ValueError):
 
     Broken example: ``sk.plan(spec, mesh, strategy="fdsp")`` (unknown preset).
     """
+
+
+class OverBudgetError(PlanError):
+    """No plan ``sk.plan(..., "auto")`` considered fits the per-device memory budget.
+
+    The message names the closest candidates and their memory, and what would
+    make one fit; ``candidates`` holds them as ``(label, Cost)`` pairs, closest
+    first. Pass ``allow_over_budget=True`` to get the closest plan instead.
+
+    Broken example: ``sk.plan(get_model("llama"), sk.abstract_mesh(data=8), "auto",
+    config="70b", batch_size=64)``: 70B parameters with Adam need about 140 GB per
+    device over 8 devices, before activations.
+    """
+
+    def __init__(self, *, op: str, must: str, given: str, fix: str, candidates: tuple = ()) -> None:
+        super().__init__(op=op, must=must, given=given, fix=fix)
+        self.candidates = tuple(candidates)
 
 
 class UnknownLogicalAxisError(PlanError, LookupError):

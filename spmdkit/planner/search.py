@@ -29,7 +29,11 @@ step time; if the total exceeds the per-device memory budget, it trades time for
 memory group by group (best Δtime/Δbytes first, including ZeRO-1 and ZeRO-2
 optimizer/gradient sharding). The fastest of the presets and these searched plans that fit the
 budget wins; ties keep the earlier candidate, so the search is deterministic.
-When none fits, the one needing the least memory is chosen, with a warning.
+When none fits, :func:`plan` raises an
+:class:`~spmdkit.planner.logical.OverBudgetError` naming the closest candidates
+and what would make one fit (:mod:`spmdkit.planner.budget`); with
+``allow_over_budget=True`` the one needing the least memory is chosen, with a
+warning.
 
 Recipes
 -------
@@ -74,6 +78,7 @@ from spmdkit.planner.analytic import (
     remat_choices,
     total_cost,
 )
+from spmdkit.planner.budget import Budget, over_budget_error
 from spmdkit.planner.candidates import (
     Candidate,
     activation_layout,
@@ -152,6 +157,7 @@ def plan(
     pipeline: Pipeline | str | None = None,
     aliases: Mapping[str, str] | None = None,
     allow_fp8: bool = False,
+    allow_over_budget: bool = False,
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -223,6 +229,9 @@ def plan(
         (weight matmuls on float8 operands, :mod:`spmdkit.fp8`). Off by default:
         float8 changes numerics, so auto never picks it unasked. A fixed
         ``recipe=Recipe(compute_dtype="float8")`` needs no flag.
+      allow_over_budget: with ``"auto"``, when no candidate fits
+        ``memory_budget``, return the closest (with a warning) instead of
+        raising :class:`~spmdkit.planner.logical.OverBudgetError`.
 
     Returns:
       The :class:`Plan`.
@@ -230,9 +239,11 @@ def plan(
     Raises:
       PlanError: unknown strategy, a ``names`` glob matching nothing, or (``strict``)
         a weight a tensor-parallel preset replicates; PlanNoteError (``strict``): the
-        plan has notes; UnknownLogicalAxisError: a logical name has no rule (auto
-        included); PipelineError: a pipeline the mesh or model cannot run;
-        PlanError: ``allow_fp8`` on a device without float8 matmuls.
+        plan has notes; OverBudgetError (a PlanError): ``"auto"`` found no candidate
+        within the memory budget (it names the closest and what would make one fit);
+        UnknownLogicalAxisError: a logical name has no rule (auto included);
+        PipelineError: a pipeline the mesh or model cannot run; PlanError:
+        ``allow_fp8`` on a device without float8 matmuls.
 
     Example::
 
@@ -288,7 +299,9 @@ def plan(
             fix="pass pipeline='auto' or Pipeline(stages=..., microbatches=...)",
         )
     planner.allow_fp8 = allow_fp8
-    out = replace(planner.auto_plan(rules, recipe, pipeline), names_from=names_from)
+    out = replace(
+        planner.auto_plan(rules, recipe, pipeline, allow_over_budget), names_from=names_from
+    )
     return _noted(out, [*absent, *out.notes], strict=strict)
 
 
@@ -750,12 +763,27 @@ class _Planner(PipelinePlanning):
         return best, others
 
     def auto_plan(
-        self, extra: RulesLike | None, fixed: Recipe | None, pipeline: Pipeline | str | None = None
+        self,
+        extra: RulesLike | None,
+        fixed: Recipe | None,
+        pipeline: Pipeline | str | None = None,
+        allow_over_budget: bool = False,
     ) -> Plan:
         """``strategy="auto"``'s plan: the best candidate, the others as
-        alternatives; warns when none fits the budget."""
+        alternatives. When none fits the budget, an :class:`OverBudgetError`
+        (:mod:`spmdkit.planner.budget`), or with ``allow_over_budget`` the closest,
+        with a warning."""
         best, others = self.auto(extra, fixed, pipeline)
         if best.cost.peak_bytes > self.budget:
+            if not allow_over_budget:
+                budget = Budget(
+                    bytes=self.budget,
+                    devices=math.prod(self.ctx.sizes.values()),
+                    batch_size=self.ctx.trace.batch_size,
+                    analytic=self.analytic_cost,
+                    pipelines=pipeline is None and self.stages() is not None,
+                )
+                raise over_budget_error(budget, [best, *others])
             warnings.warn(
                 f"plan(strategy='auto'): no candidate fits the memory budget of "
                 f"{fmt_bytes(self.budget)} per device; chose {best.label!r}, the smallest "

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.flax import describe
-from spmdkit.planner.logical import PRESETS, PlanError
+from spmdkit.planner.logical import PRESETS, OverBudgetError, PlanError
 from spmdkit.planner.search import plan
 from spmdkit.planner.trace import trace_step, train_step
 from tests.plan_model import toy_batch, toy_init, toy_loss
@@ -49,11 +49,24 @@ def test_auto_respects_memory_budget(amesh):
     assert tight.cost.step_time_s >= free.cost.step_time_s
 
 
-def test_auto_without_a_fitting_plan_takes_the_smallest_and_warns(amesh):
+def test_auto_without_a_fitting_plan_names_the_closest(amesh):
     kw = {"loss": toy_loss, "batch": toy_batch(), "estimator": "analytic"}
+    with pytest.raises(OverBudgetError, match=r"none of \d+ candidates does") as raised:
+        plan(toy_init, amesh, "auto", memory_budget=2**15, **kw)
+    err = raised.value
+    assert isinstance(err, PlanError) and err.op == "plan(strategy='auto')"
+    labels = [label for label, _ in err.candidates]
+    peaks = [c.peak_bytes for _, c in err.candidates]
+    assert len(labels) == 3 and peaks == sorted(peaks) and peaks[0] > 2**15
+    assert all(label in err.given for label in labels) and "32.0 KiB" in err.must
+    # the closest (42 KiB) holds 22 KiB of activations and 20 KiB of state
+    assert "fewer sequences per device" in err.fix and "more devices" in err.fix
+    assert "allow_over_budget=True" in err.fix
+    # allowed: the closest plan, with a warning blamed on the caller of plan()
     with pytest.warns(UserWarning, match="no candidate fits the memory budget") as caught:
-        p = plan(toy_init, amesh, "auto", memory_budget=1, **kw)
-    assert caught[0].filename == __file__  # blamed on the caller of plan()
+        p = plan(toy_init, amesh, "auto", memory_budget=2**15, allow_over_budget=True, **kw)
+    assert caught[0].filename == __file__
+    assert (p.chosen, p.cost.peak_bytes) == (labels[0].split("+")[0], peaks[0])
     others = [c for _, c in p.alternatives]
     assert others and all(p.cost.peak_bytes <= c.peak_bytes for c in others)
     assert p.cost.peak_bytes < max(c.peak_bytes for c in others)  # not merely a tie

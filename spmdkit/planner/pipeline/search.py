@@ -478,6 +478,14 @@ class PipelinePlanning:
             above = step
         return sorted(out, key=lambda x: x[1])
 
+    def analytic_cost(self, c: Candidate) -> Cost:
+        """A candidate's analytic cost (its memory by kind), whatever re-costed it:
+        a pipelined one's by :meth:`pipelined_cost`, another's by ``total_cost``."""
+        if c.pipeline is not None:
+            return self.pipelined_cost(c, [_without(lay, (c.pipeline.axis,)) for lay in c.choice])
+        batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
+        return total_cost(self.at(c.recipe), self.groups, c.choice, batch, seq)
+
     def pipe_memo(self, mesh: MeshLike) -> dict:
         """The group-cost memo of one pipe mesh (shared by its recipes)."""
         return self.pipe_memos.setdefault(tuple(axis_sizes(mesh).items()), {})
