@@ -649,6 +649,11 @@ class _Planner(PipelinePlanning):
                 # 8 GPUs: +12%), and auto re-costs the favourites (:meth:`recosted`)
                 if any(c.cost.peak_bytes <= _FLAT_HEADROOM * self.budget for c in cands):
                     done.add(key)
+                # more micro-batches shrink the activations only (and what they
+                # hide, opt_update): where the rest of every candidate is over the
+                # budget, no count fits (a 1T model on 3,072 devices: 8 counts saved)
+                if cands and all(_rest(c.cost) > self.budget for c in cands):
+                    done.add(key)
             if fits:
                 break
         return out
@@ -834,6 +839,13 @@ def _not_recosted(
         else:
             out[name] = ("their recipes ranked below the candidates re-costed by propagation", "")
     return out
+
+
+def _rest(cost: Cost) -> float:
+    """A cost's memory less what more micro-batches change (activations, and the
+    offloaded optimizer update they hide)."""
+    memory = cost.memory
+    return cost.peak_bytes - memory.get("activations", 0) - memory.get("opt_update", 0)
 
 
 def _planner(
