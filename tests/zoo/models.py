@@ -10,6 +10,9 @@ average pooling and transposed convolutions; an NNX conv net with
 ``nnx.BatchNorm`` (its running statistics are state, updated in place).
 
 Each model comes as a :class:`ZooCase`: how to build it, a loss, a batch.
+:data:`OUTSIDE` adds the models of ``tests/zoo/outside.py``: transformers with their
+own attention (GPT-2, BERT, Llama), an MLP-Mixer and conv nets with batch norm or
+depthwise convolutions, as their authors write them outside spmdkit.
 """
 
 from __future__ import annotations
@@ -365,3 +368,58 @@ ZOO = {
         lambda: (jnp.zeros((8, 16, 16, 3)),),
     ),
 }
+
+
+def _outside() -> dict:
+    """The models of tests/zoo/outside.py as cases."""
+    from tests.zoo import outside as o
+
+    img = lambda: (jnp.zeros((8, 16, 16, 3)),)  # noqa: E731
+    tok = lambda: (jnp.zeros((8, 16), jnp.int32),)  # noqa: E731
+    cases = [
+        ZooCase(
+            "gpt2_nnx",
+            "nnx",
+            lambda: lambda: o.Gpt2(rngs=nnx.Rngs(0)),
+            o.gpt2_loss,
+            lambda: _tokens(8, 16, 64, 6),
+        ),
+        ZooCase(
+            "bert_linen",
+            "linen",
+            o.Bert,
+            o.bert_loss,
+            lambda: o.bert_batch(8, 16, 64, 7),
+            lambda: (*tok(), *tok(), *tok()),
+        ),
+        ZooCase("llama_linen", "linen", o.Llama, o.llama_loss, lambda: _tokens(8, 16, 64, 8), tok),
+        ZooCase(
+            "mixer_nnx",
+            "nnx",
+            lambda: lambda: o.Mixer(rngs=nnx.Rngs(0)),
+            o.mixer_loss,
+            lambda: _images(8, 16, 16, 9),
+        ),
+        ZooCase("vgg_linen", "linen", o.Vgg, o.vgg_loss, lambda: _images(8, 16, 16, 10), img),
+        ZooCase(
+            "resnet_nnx",
+            "nnx",
+            lambda: lambda: o.NnxResNet(rngs=nnx.Rngs(0)),
+            o.nnx_resnet_loss,
+            lambda: _images(8, 16, 16, 11),
+        ),
+        ZooCase(
+            "convnext_linen",
+            "linen",
+            o.ConvNeXt,
+            o.convnext_loss,
+            lambda: _images(8, 16, 16, 12),
+            img,
+        ),
+    ]
+    return {c.name: c for c in cases}
+
+
+#: The models written outside spmdkit's habits (tests/zoo/outside.py).
+OUTSIDE = _outside()
+ZOO.update(OUTSIDE)

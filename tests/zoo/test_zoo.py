@@ -16,7 +16,7 @@ import pytest
 import spmdkit as sk
 from spmdkit.flax import describe
 from tests.sampling import latin, sampled
-from tests.zoo.models import ZOO
+from tests.zoo.models import OUTSIDE, ZOO
 
 # The user's glue per model, as written: keyword arguments of sk.plan beyond
 # model/loss/batch (counted in lines).
@@ -32,6 +32,14 @@ GLUE_SOURCE = {
     "vit": "",
     # the output conv has 3 channels, which no model axis divides: replicated on purpose
     "unet": 'names={"params/Conv_5/kernel": None}',
+    "gpt2_nnx": "",
+    # two segment ids: a (2, 32) table no model axis divides, replicated on purpose
+    "bert_linen": 'names={"params/token_type_embeddings/embedding": None}',
+    "llama_linen": "",
+    "mixer_nnx": "",
+    "vgg_linen": "",
+    "resnet_nnx": "",
+    "convnext_linen": "",
 }
 GLUE = {name: eval(f"dict({src})") for name, src in GLUE_SOURCE.items()}
 #: Per-device FLOP/s auto plans for: a CPU-class device, what the zoo's sizes run on
@@ -43,7 +51,19 @@ MESHES = ((2, 4), (4, 2))
 
 #: Cases whose plan.verify is outside ±10% bytes / ±20% memory today. The test
 #: asserts they still miss, so a fix shows up as a failure here to remove the entry.
-KNOWN_VERIFY_MISSES: frozenset = frozenset()
+#: megatron_sp's position-embedding lookup (rows ``arange(seq)`` of a table sharded
+#: over ``model``, the result sequence-sharded): XLA slices the table and moves the
+#: rows with a 512 B collective-permute the prediction does not have. VGG under dp:
+#: peak predicted 809-906 KiB, compiled 625 KiB; at the peak the prediction holds
+#: the 128 KiB dense kernel gradient's partial sum and its all-reduced copy side by
+#: side, where XLA all-reduces the buffer in place.
+KNOWN_VERIFY_MISSES: frozenset = frozenset(
+    {
+        ("gpt2_nnx", "megatron_sp", (2, 4)),
+        ("bert_linen", "megatron_sp", (2, 4)),
+        ("vgg_linen", "dp", (2, 4)),
+    }
+)
 
 
 def glue_lines(name):
@@ -130,6 +150,13 @@ def test_glue_is_at_most_ten_lines():
         "nnx_cnn": 0,
         "vit": 0,
         "unet": 1,
+        "gpt2_nnx": 0,
+        "bert_linen": 1,
+        "llama_linen": 0,
+        "mixer_nnx": 0,
+        "vgg_linen": 0,
+        "resnet_nnx": 0,
+        "convnext_linen": 0,
     }
     assert max(glue_lines(name) for name in ZOO) <= 10
 
@@ -184,15 +211,21 @@ def _mesh_id(shape):
     return "x".join(map(str, shape))
 
 
-#: Every zoo model x strategy x mesh; CI's sample runs each model with each strategy
-#: on one of the two meshes, alternating (tests/sampling.py).
+#: Every zoo model x strategy x mesh. CI's sample (tests/sampling.py) runs each of
+#: the first models with each strategy on one of the two meshes, alternating, and
+#: each strategy on each mesh once with one of the outside models
+#: (tests/zoo/outside.py), rotating: every outside model runs, at a third the cost.
 _MATRIX = [(n, s, shape) for n in sorted(ZOO) for s in STRATEGIES for shape in MESHES]
+_FIRST = sorted(set(ZOO) - set(OUTSIDE))
+_SAMPLE = latin(_FIRST, STRATEGIES, MESHES) | {
+    (n, s, shape) for s, shape, n in latin(STRATEGIES, MESHES, sorted(OUTSIDE))
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "strategy", "shape"),
-    sampled(_MATRIX, latin(sorted(ZOO), STRATEGIES, MESHES)),
+    sampled(_MATRIX, _SAMPLE),
     ids=[f"{n}-{s}-{_mesh_id(shape)}" for n, s, shape in _MATRIX],
 )
 def test_zoo_matrix(name, strategy, shape):
@@ -202,7 +235,10 @@ def test_zoo_matrix(name, strategy, shape):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "shape"),
-    sampled([(n, shape) for n in sorted(ZOO) for shape in MESHES], latin(sorted(ZOO), MESHES)),
+    sampled(
+        [(n, shape) for n in sorted(ZOO) for shape in MESHES],
+        latin(_FIRST, MESHES) | {(n, s) for s, n in latin(MESHES, sorted(OUTSIDE))},
+    ),
     ids=[f"{n}-{_mesh_id(shape)}" for n in sorted(ZOO) for shape in MESHES],
 )
 def test_auto_shards_and_is_at_most_the_best_preset(name, shape):
