@@ -45,6 +45,13 @@ SAVE_DOT_EXCEPT_MLPWI = sk.Recipe(
     save_names=("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
     compute_dtype="bfloat16",
 )
+#: MaxText's FP8 recipe: ``quantization=fp8`` with ``remat_policy=custom`` keeping
+#: the query/key/value and output projections on the device.
+SAVE_QKV_OUT_FP8 = sk.Recipe(
+    remat="names",
+    save_names=("query_proj", "key_proj", "value_proj", "out_proj"),
+    compute_dtype="float8",
+)
 #: torchtitan's selective (op) activation checkpointing, nearest in the space:
 #: keep the weight matmuls' outputs (torchtitan keeps every other one and the
 #: attention output).
@@ -75,6 +82,24 @@ ROWS = [
         "published": 1170.5,
         "memory_gib": None,
         "fit": True,
+        "pipelined": False,
+    },
+    {
+        "name": "MaxText Llama 2 70B FP8",
+        "source": "NVIDIA dgxc-benchmarking maxtext/README_70b.md (commit 143b90d)",
+        "config": {"vocab": 32000, "seq_len": 4096},
+        "devices": 64,
+        "mesh": {"data": 8, "model": 8},
+        "published_mesh": "FSDP 64 (ici 8 x dcn 8)",
+        "strategy": "fsdp",
+        "batch": 128,
+        "recipe": SAVE_QKV_OUT_FP8,
+        "published_recipe": "quantization=fp8, remat custom (q/k/v/qkv/out projections on "
+        "device), cuDNN flash attention",
+        "stack": "xla",
+        "published": 1894.5,
+        "memory_gib": None,
+        "fit": False,
         "pipelined": False,
     },
     {
@@ -110,6 +135,24 @@ ROWS = [
         "memory_gib": 67.0,
         "fit": False,
         "pipelined": False,
+    },
+    {
+        "name": "Megatron-Bridge Llama 3 70B FP8",
+        "source": "Megatron-Bridge 26.02 docs/performance-summary.md",
+        "config": {"seq_len": 8192},
+        "devices": 64,
+        "mesh": {"pipe": 8, "data": 2, "model": 4},
+        "published_mesh": "TP 4 x PP 8 x VP 5 (DP 2)",
+        "strategy": "megatron_sp",
+        "batch": 256,
+        "pipeline": Pipeline(stages=8, microbatches=128, schedule="interleaved", virtual=5),
+        "recipe": sk.Recipe(compute_dtype="float8"),
+        "published_recipe": "FP8, GBS 256, MBS 1, TE fused kernels",
+        "stack": "xla",
+        "published": 1621,
+        "memory_gib": None,
+        "fit": False,
+        "pipelined": True,
     },
     {
         "name": "NeMo Llama 3.1 70B",
@@ -170,18 +213,26 @@ def fit(row: dict, base: sk.Topology) -> float:
 
 
 def auto_choice(row: dict, topology: sk.Topology) -> dict:
-    """What ``sk.plan(..., "auto")`` picks for the row: on its devices with
-    pipelines searched (``pipeline="auto"``) for a flat row, with the row's
-    pipeline fixed for a pipelined one (layouts and recipe searched)."""
+    """What ``sk.plan(..., "auto")`` picks for the row's devices within 80 GiB: with
+    pipelines searched (``pipeline="auto"``, on ``data × model`` for a pipelined
+    row) when the row is in the search space, else with the row's pipeline fixed
+    (layouts and recipe searched: the nearest plan that fits)."""
+    mesh = dict(row["mesh"])
+    if "outside" in row:
+        pipeline = row.get("pipeline")
+    else:
+        pipeline = "auto"
+        if "pipe" in mesh:
+            mesh = {"data": row["devices"] // 8, "model": 8}
     t0 = time.perf_counter()
     p = sk.plan(
         get_model("llama"),
-        sk.abstract_mesh(**row["mesh"]),
+        sk.abstract_mesh(**mesh),
         "auto",
         config=_llama(**row["config"]),
         batch_size=row["batch"],
         topology=topology,
-        pipeline=row.get("pipeline") or "auto",
+        pipeline=pipeline,
     )
     return {
         "chosen": f"{p.chosen}+{p.recipe.short()}"
@@ -204,7 +255,7 @@ def main() -> None:
             fitted[row["stack"]] = fit(row, sk.Topology.h100(stack=row["stack"]))
     out = []
     print(
-        f"{'run':<24}{'GPUs':>5}  {'mesh (published)':<34}{'stack':<8}{'publ.':>7}"
+        f"{'run':<32}{'GPUs':>5}  {'mesh (published)':<34}{'stack':<8}{'publ.':>7}"
         f"{'pred.':>7}{'ratio':>6}{'mem':>6}{'pred':>6}{'ratio':>6}  auto"
     )
     for row in ROWS:
@@ -240,7 +291,7 @@ def main() -> None:
         auto = rec.get("auto", {})
         auto = f"{auto['chosen']} {auto['tok_s_gpu']:.0f} {auto['memory_gib']:.0f}G" if auto else ""
         print(
-            f"{row['name']:<24}{row['devices']:>5}  {row['published_mesh']:<34.34}"
+            f"{row['name']:<32}{row['devices']:>5}  {row['published_mesh']:<34.34}"
             f"{row['stack']:<8}{row['published']:>7.0f}{pred:>7.0f}{rec['ratio']:>6.2f}"
             f"{pub_mem}{mem:>6.1f}{mem_ratio}  {auto}",
             flush=True,
