@@ -39,12 +39,8 @@ from spmdkit.pipeline import Pipeline
 GIB = 2**30
 
 #: MaxText's ``save_dot_except_mlpwi``: keep every weight matmul's output but the
-#: MLP's two input projections (the models tag them ``mlpwi_0``, ``mlpwi_1``).
-SAVE_DOT_EXCEPT_MLPWI = sk.Recipe(
-    remat="names",
-    save_names=("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
-    compute_dtype="bfloat16",
-)
+#: MLP's two input projections (a named policy of :mod:`spmdkit.recipe`).
+SAVE_DOT_EXCEPT_MLPWI = sk.Recipe(remat="save_dot_except_mlpwi", compute_dtype="bfloat16")
 #: MaxText's FP8 recipe: ``quantization=fp8`` with ``remat_policy=custom`` keeping
 #: the query/key/value and output projections on the device.
 SAVE_QKV_OUT_FP8 = sk.Recipe(
