@@ -24,7 +24,8 @@ What the prediction is for:
 Saved as JSON (``benchmarks/results/measure.json``, or ``--out``)::
 
     {"benchmark": "measure", "date", "jax", "platform": "cpu"|"gpu"|...,
-     "device_kind", "devices", "host_cpus", "quick": bool,
+     "device_kind", "devices", "cpu_count", "machine", "load_average_1m",
+     "quick": bool,
      "topology": {"name", "peak_flops", "link_bandwidth", "memory_bandwidth", "source"},
      "cases": [{"model", "config", "strategy", "chosen", "mesh", "batch",
                 "steps", "predicted_step_s", "measured_step_s",
@@ -52,6 +53,7 @@ import argparse
 import datetime
 import json
 import os
+import platform as platform_module
 import statistics
 import time
 from pathlib import Path
@@ -330,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform,
         "device_kind": devices[0].device_kind,
         "devices": len(devices),
-        "host_cpus": os.cpu_count(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform_module.machine(),
+        "load_average_1m": os.getloadavg()[0],
         "quick": bool(args.quick),
         "topology": facts,
         "cases": cases,

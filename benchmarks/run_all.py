@@ -48,6 +48,7 @@ def _scripts(results: Path, quick: bool) -> list[tuple[str, list[str]]]:
         ("propagate.py", []),
         ("planner.py", q),
         ("prediction.py", [*q, "--out", str(results / "prediction.json")]),
+        ("measure.py", [*q, "--out", str(results / "measure.json")]),
         ("checkpoint.py", [*ckpt, "--out", str(results / "checkpoint.json")]),
         ("overhead.py", [*q, "--out", str(results / "overhead.json")]),
     ]
@@ -474,6 +475,59 @@ def sec_quality(results: Path, out: Path) -> str:
     )
 
 
+def sec_measure(results: Path, out: Path) -> str:
+    """benchmarks/measure.py: predicted vs measured step time and peak memory."""
+    d = _load(results, "measure.json")
+    if d is None:
+        return MISSING
+    rows = [
+        [c["model"], c["config"], c["strategy"], "error", "-", "-", "-", "-", "-", "-"]
+        if "error" in c
+        else [
+            c["model"],
+            c["config"],
+            c["strategy"],
+            c["chosen"],
+            f"{c['predicted_step_s'] * 1e3:.2f}",
+            f"{c['measured_step_s'] * 1e3:.2f}",
+            f"{c['step_ratio']:.2f}",
+            f"{c['predicted_peak_bytes'] / 2**20:.2f}",
+            f"{c['compiled_peak_bytes'] / 2**20:.2f}",
+            "ok" if c["verify_ok"] else "off",
+        ]
+        for c in d["cases"]
+    ]
+    cpu = " CPU figures (a CPU topology measured on the host), not a GPU's." * (
+        d["platform"] == "cpu"
+    )
+    return "\n".join(
+        [
+            _machine(d, results / "measure.json") + f" {d['device_kind']} x{d['devices']}.",
+            "",
+            "Train steps (adam, plain recipe) compiled and timed on the devices present; "
+            f"predicted with the {d['topology']['name']} topology.{cpu} Ratios are "
+            "predicted / measured; memory per device (verify's range point vs "
+            "`memory_analysis()`).",
+            "",
+            _table(
+                [
+                    "model",
+                    "config",
+                    "strategy",
+                    "chosen",
+                    "predicted ms",
+                    "measured ms",
+                    "ratio",
+                    "predicted MiB",
+                    "compiled MiB",
+                    "verify",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 def sec_prediction(results: Path, out: Path) -> str:
     d = _load(results, "prediction.json")
     if d is None:
@@ -769,6 +823,7 @@ SECTIONS = [
     ("Pipelines: best pipelined vs best non-pipelined plan", "pipelines"),
     ("Plan quality: auto vs presets", "quality"),
     ("Prediction accuracy: predicted vs compiled", "prediction"),
+    ("Measured beside predicted: step time and peak memory", "measure"),
     ("Checkpoint throughput vs raw orbax and the disk", "checkpoint"),
     ("Runtime overhead: sk.jit vs jax.jit", "overhead"),
 ]
@@ -787,6 +842,7 @@ def write_report(
         "pipelines": sec_pipelines,
         "quality": sec_quality,
         "prediction": sec_prediction,
+        "measure": sec_measure,
         "checkpoint": sec_checkpoint,
     }
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "measure.py"
-TOP = {"benchmark", "date", "jax", "platform", "device_kind", "devices", "host_cpus", "quick",
-       "topology", "cases"}  # fmt: skip
+TOP = {"benchmark", "date", "jax", "platform", "device_kind", "devices", "cpu_count", "machine",
+       "load_average_1m", "quick", "topology", "cases"}  # fmt: skip
 CASE = {
     "model", "config", "strategy", "chosen", "mesh", "batch", "steps", "predicted_step_s",
     "measured_step_s", "measured_step_s_p25", "measured_step_s_p75", "step_ratio",

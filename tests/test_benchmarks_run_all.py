@@ -19,6 +19,7 @@ SECTIONS = [
     "## Propagation and planner time vs model and mesh size",
     "## Plan quality: auto vs presets",
     "## Prediction accuracy: predicted vs compiled",
+    "## Measured beside predicted: step time and peak memory",
     "## Checkpoint throughput vs raw orbax and the disk",
     "## Runtime overhead: sk.jit vs jax.jit",
     "### GPU",
