@@ -53,15 +53,18 @@ MESHES = ((2, 4), (4, 2))
 #: asserts they still miss, so a fix shows up as a failure here to remove the entry.
 #: megatron_sp's position-embedding lookup (rows ``arange(seq)`` of a table sharded
 #: over ``model``, the result sequence-sharded): XLA slices the table and moves the
-#: rows with a 512 B collective-permute the prediction does not have. VGG under dp:
+#: rows with a 0.5-1 KiB collective-permute the prediction lacks. VGG, dp and zero1:
 #: peak predicted 809-906 KiB, compiled 625 KiB; at the peak the prediction holds
 #: the 128 KiB dense kernel gradient's partial sum and its all-reduced copy side by
 #: side, where XLA all-reduces the buffer in place.
 KNOWN_VERIFY_MISSES: frozenset = frozenset(
     {
         ("gpt2_nnx", "megatron_sp", (2, 4)),
+        ("gpt2_nnx", "megatron_sp", (4, 2)),
         ("bert_linen", "megatron_sp", (2, 4)),
+        ("bert_linen", "megatron_sp", (4, 2)),
         ("vgg_linen", "dp", (2, 4)),
+        ("vgg_linen", "zero1", (2, 4)),
     }
 )
 
@@ -118,16 +121,23 @@ def run_case(name, strategy, shape):
     return p, report, [str(w.message) for w in caught]
 
 
+#: auto's memory budget as a share of data parallelism's peak (70% unless named):
+#: the NNX bottleneck ResNet's activations dominate, and no layout saves 30% of its
+#: peak (fsdp needs 82% of dp's), so auto would rightly raise OverBudgetError.
+AUTO_BUDGET = {"resnet_nnx": 0.85}
+
+
 def _auto_kw(info, mesh, name):
     """auto's settings here: a CPU-class device, the plain step (its recipe search is
     tested with the recipes; here the numbers are compared with one device in fp32),
-    and a memory budget of 70% of data parallelism's, so that auto must shard (with
-    collectives hidden under compute, replicated parameters win at these sizes)."""
+    and a memory budget of 70% of data parallelism's (:data:`AUTO_BUDGET`), so that
+    auto must shard (with collectives hidden under compute, replicated parameters win
+    at these sizes)."""
     kw = {"estimator": "propagate", "peak_flops": CPU_FLOPS, "recipe": sk.Recipe()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dp = sk.plan(info, mesh, "dp", estimator="propagate", peak_flops=CPU_FLOPS, **GLUE[name])
-    return {**kw, "memory_budget": int(0.7 * dp.cost.peak_bytes)}
+    return {**kw, "memory_budget": int(AUTO_BUDGET.get(name, 0.7) * dp.cost.peak_bytes)}
 
 
 def _check(name, strategy, shape):
