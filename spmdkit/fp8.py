@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from spmdkit import jaxprs
+from spmdkit.errors import SpmdError
 
 __all__ = ["E4M3", "E5M2", "fp8_dot", "fp8_loss", "is_weight_matmul", "quantize"]
 
@@ -110,7 +111,13 @@ def fp8_dot(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtype: Any
 
 def _forward(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtype: Any) -> tuple:
     if dn[1][0] or dn[1][1]:
-        raise ValueError(f"fp8_dot takes dot_generals without batch dims, got {dn}")
+        raise SpmdError(
+            op="fp8_dot",
+            must="the dot_general has no batch dimensions (a weight matmul)",
+            given=f"dimension numbers {dn}",
+            fix="run batched matmuls (attention) with lax.dot_general in bf16; fp8_loss "
+            "leaves them alone",
+        )
     ql, sl = quantize(lhs, E4M3)
     qr, sr = quantize(rhs, E4M3)
     out = lax.dot_general(ql, qr, dn, preferred_element_type=jnp.float32) * (sl * sr)

@@ -65,6 +65,14 @@ def test_fp8_dot_runs_on_float8_operands_in_the_compiled_program():
     assert sum("f8E5M2" in d for d in dots) == 2  # the gradients' matmuls
 
 
+def test_a_batched_matmul_is_refused_with_a_typed_error():
+    from spmdkit.errors import SpmdError
+
+    x = jnp.ones((2, 4, 8))
+    with pytest.raises(SpmdError, match="no batch dimensions"):
+        fp8_dot(x, x, (((2,), (2,)), ((0,), (0,))))
+
+
 def test_zero_operands_scale_to_zero_not_nan():
     z = jnp.zeros((4, 4))
     y = fp8_dot(z, z, (((1,), (0,)), ((), ())))
