@@ -2,25 +2,16 @@
 tokens/s/GPU and ±10% of its memory where published, by the constants in use
 (analytic estimator on abstract meshes; slow step: about a minute on 2 cores)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 import spmdkit as sk
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration.py"
+from tests.scripts import loaded_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmarks_calibration", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with loaded_script("benchmarks/calibration.py") as module:
+        yield module
 
 
 @pytest.mark.slow

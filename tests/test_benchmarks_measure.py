@@ -5,14 +5,12 @@ The presets verify; auto's searched layout of the tiny GPT on 2x4 does not yet (
 moves part of it with collective-permutes the prediction has as all-gathers and
 all-to-alls), so its verdict is recorded, not asserted."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "measure.py"
+from tests.scripts import loaded_script
+
 TOP = {"benchmark", "date", "jax", "platform", "device_kind", "devices", "cpu_count", "machine",
        "load_average_1m", "quick", "topology", "cases"}  # fmt: skip
 CASE = {
@@ -25,12 +23,8 @@ CASE = {
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmarks_measure", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with loaded_script("benchmarks/measure.py") as module:
+        yield module
 
 
 @pytest.mark.slow

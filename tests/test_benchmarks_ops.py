@@ -2,26 +2,20 @@
 vocab-parallel cross-entropy backward moves nothing, a missing op is reported as
 n/a instead of stopping the run, and the agreement check tells equal from unequal."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "ops.py"
+from tests.scripts import loaded_script
+
 SIDE_KEYS = {"bytes", "collectives", "peak_bytes", "memory", "compile_s"}
 PASSES = ("forward", "forward+backward", "backward")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmarks_ops", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with loaded_script("benchmarks/ops.py") as module:
+        yield module
 
 
 def _check_side(side):
