@@ -36,7 +36,7 @@ from spmdkit.engine.registry import get_rule
 from spmdkit.propagation.control import stack
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, vids
 from spmdkit.propagation.pricing import Pricer
-from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes, to_rule
+from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes, no_op_reshard, to_rule
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import TensorSpec
 
@@ -233,6 +233,11 @@ class Chooser:
                 continue
             want = [hints.get(o) for o in node.outs]
             if all(w is None for w in want):
+                continue
+            if no_op_reshard(node.eqn):  # the identity: its operand is wanted alike
+                v, w = node.ins[0], want[0]
+                if not (v in fixed or self.prog.const[v] or v in hints):
+                    hints[v] = w.replace(dtype=spec[v].dtype)
                 continue
             conv = to_rule(node.eqn)
             if conv is None or conv[0] not in self.ops:

@@ -38,6 +38,8 @@ from spmdkit.propagation.primitives import (
     GENERATORS,
     RULE_ERRORS,
     index_parallel,
+    no_op_reshard,
+    sharded_bits,
     to_rule,
     with_masked_lookup,
 )
@@ -202,13 +204,15 @@ class Engine:
         if not node.ins and name not in GENERATORS:
             return None, {}, (), tuple(self.replicated(o) for o in node.outs)
         if name in GENERATORS:  # fresh values: replicated, or the layout consumers want
-            hints = self.chooser.hints
+            hints = self.chooser.hints if sharded_bits(node.eqn) else {}
             outs = tuple(
                 h if (h := hints.get(o)) is not None else self.replicated(o) for o in node.outs
             )
             return name, {}, tuple(s.without_partial().replace(dims=()) for s in specs), outs
         if name == "optimization_barrier" and len(specs) == len(node.outs):
             return name, {}, specs, specs  # identity on every operand, layouts kept
+        if no_op_reshard(node.eqn):  # lowered to nothing: the layout passes through
+            return name, {}, specs, specs
         if name in ("sharding_constraint", "reshard", "mesh_cast"):
             got = self._constraint(node, specs[0])
             if got is not None:

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from spmdkit.engine.registry import primitive_converter
@@ -28,6 +29,8 @@ __all__ = [
     "RULE_ERRORS",
     "drop_axes",
     "index_parallel",
+    "no_op_reshard",
+    "sharded_bits",
     "to_rule",
     "with_masked_lookup",
 ]
@@ -72,6 +75,34 @@ _IGNORED_PARAMS = frozenset(
     }
 )
 _RENAMES = {"add_any": "add"}
+
+
+def no_op_reshard(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``reshard`` to a mesh whose axes are all Auto: jax
+    lowers it to nothing (no sharding constraint), so XLA lays the value out as
+    its neighbours want. ``jax.random``'s samplers end in one (``out_sharding=``
+    the input's type's sharding, flax's ``Dropout``); propagation passes the
+    layout through it rather than pinning it replicated."""
+    if eqn.primitive.name != "reshard":
+        return False
+    mesh = getattr(eqn.params.get("dst_sharding"), "mesh", None)
+    return bool(getattr(mesh, "are_all_axes_auto", False))
+
+
+def sharded_bits(eqn: Any) -> bool:
+    """Whether a generator equation may make its result in any layout at no cost.
+
+    True but for ``random_bits`` from a key that is not threefry with
+    ``jax_threefry_partitionable`` on (its default from jax 0.5): there each bit is a
+    function of the key and its own index, so XLA computes a device's block of
+    bits alone, and the values do not depend on the layout. The older threefry
+    (and ``rbg`` keys) make the bits as a whole: laid out sharded, XLA moves them
+    with all-gathers and permutes, so propagation makes them replicated and the
+    consumer slices."""
+    if eqn.primitive.name != "random_bits":
+        return True
+    impl = getattr(getattr(eqn.invars[0].aval.dtype, "_impl", None), "name", None)
+    return impl == "threefry2x32" and bool(jax.config.jax_threefry_partitionable)
 
 
 def to_rule(eqn: Any) -> tuple[str, dict] | None:

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.compile.enforce import enforced
 from spmdkit.engine.registry import register_primitive
 from spmdkit.propagation import propagate
 from tests.propagation.programs import (
@@ -117,6 +118,40 @@ def test_random_generators_need_no_rule(mesh1d):
     assert not prop.unknown
     assert prop.out_specs[0].dims == (("x",), ())
     assert prop.comm_bytes == 0
+
+
+def _flax_dropout(x, key):
+    """Dropout as flax writes it: the mask drawn with ``out_sharding=`` the input's
+    type's sharding (for an input typed on an Auto mesh, as ``sk.jit`` traces: a
+    ``reshard`` to ``P(None, None)`` that lowers to nothing)."""
+    keep = jax.random.bernoulli(key, 0.5, x.shape, out_sharding=jax.typeof(x).sharding)
+    return jnp.where(keep, x / 0.5, 0.0)
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_dropout_bits_are_made_where_the_compiled_step_makes_them(mesh1d, partitionable):
+    """With partitionable threefry the mask's random bits are made sharded like the
+    activations (XLA computes each device's block alone, no collective, no whole
+    copy), without it replicated and sliced (sharded, XLA would move them); the
+    ``reshard`` before the consumer passes the layout through. The values do not
+    depend on the layout."""
+    auto = as_auto(mesh1d)
+    x = S((64, 32), F32, sharding=NamedSharding(auto, P("x")))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    with jax.threefry_partitionable(partitionable):
+        closed = jax.make_jaxpr(_flax_dropout)(x, key)  # traced as sk.jit traces
+        prop = propagate(closed, x, key, in_specs=(P("x"), None), mesh=auto)
+        assert any(r.primitive == "reshard" for r in prop.records)
+        bits = next(r for r in prop.records if r.primitive == "random_bits")
+        assert bits.outputs[0].dims == ((("x",), ()) if partitionable else ((), ()))
+        assert prop.comm_bytes == 0
+        fn = jax.jit(enforced(prop))
+        xs = jnp.arange(64 * 32, dtype=F32).reshape(64, 32)
+        (got,) = fn(jax.device_put(xs, x.sharding), jax.random.key(3))
+        assert (got == jax.jit(_flax_dropout)(xs, jax.random.key(3))).all()
+        text = fn.lower(x, key).compile().as_text()
+    assert ("u32[64,32]" not in text) == partitionable  # made whole only when it must be
+    assert not [line for line in text.splitlines() if "all-gather(" in line]
 
 
 @pytest.mark.parametrize(
