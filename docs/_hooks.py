@@ -69,6 +69,7 @@ API: dict[str, tuple[str, str, tuple[str, ...]]] = {
             "spmdkit.planner.plans",
             "spmdkit.planner.notes",
             "spmdkit.planner.search",
+            "spmdkit.planner.context",
         ),
     ),
     "api/recipe.md": (

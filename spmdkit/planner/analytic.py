@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
+from spmdkit.planner.context import ContextAttention, context_attention
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.recipe import NAMED_POLICIES, Recipe
 from spmdkit.spec import MeshLike
@@ -145,6 +146,8 @@ class StepTrace:
         that run a fused kernel on a GPU (the models' ``"auto"`` attention).
       attn_causal_fwd_flops: of those, the causal ones (a fused kernel skips
         the masked blocks).
+      attn_kv_bytes: bytes of the keys and values attention reads in one
+        forward pass (global, all layers): what context parallelism exchanges.
       resid_peak: the largest single residual (the logits), live again as its
         gradient in the backward pass.
       state_bytes: the model's mutable state (batch statistics), global; counted
@@ -176,6 +179,7 @@ class StepTrace:
     attn_fwd_flops: float = 0.0
     attn_fused_fwd_flops: float = 0.0
     attn_causal_fwd_flops: float = 0.0
+    attn_kv_bytes: float = 0.0
     resid_peak: float = 0.0
     state_bytes: int = 0
     layer_policy: Callable[[Recipe], PolicyFacts] | None = field(default=None, repr=False)
@@ -351,6 +355,8 @@ class CostContext:
         reduce-scattered over those axes once, at the end.
         Neither collective overlaps the ticks. False: gathered and
         reduce-scattered once per micro-batch, overlapped (the unpipelined step).
+      context: the context-parallel axes (:mod:`spmdkit.planner.context`): weights
+        sharded over them are gathered like FSDP's; attention exchanges K/V over them.
       memo: ``(group, layout, batch axes, seq axes, recipe levers)`` → :class:`GroupCost`.
       siblings: group key → column-parallel groups sharing its input
         (:func:`column_siblings`; missing: 1).
@@ -364,6 +370,7 @@ class CostContext:
     flops_scale: float
     recipe: Recipe = field(default_factory=Recipe)
     gather_once: bool = False
+    context: tuple[str, ...] = ()
     memo: dict[tuple, GroupCost] = field(default_factory=dict)
     siblings: dict[str, int] = field(default_factory=dict)
 
@@ -633,7 +640,7 @@ def _split(
     # Axes on a stacked-layers dim: each scan step gathers its layer's weights,
     # like FSDP, and they split no compute.
     layer_axes = tuple(a for d, n in zip(dims, logical, strict=True) if n == "layers" for a in d)
-    fsdp = tuple(a for a in used if a in batch_axes or a in layer_axes)
+    fsdp = tuple(a for a in used if a in batch_axes or a in ctx.context or a in layer_axes)
     tp = tuple(a for a in used if a not in fsdp)
     # Sequence sharding over the tensor axes (Megatron-SP) turns each all-reduce
     # into a reduce-scatter + all-gather of the same bytes; over other axes it
@@ -705,7 +712,14 @@ def group_cost(
     # its tensor-parallel all-reduces) reruns: recipes that differ only
     # otherwise share the entry.
     rerun = recipe.remat in ("full", "names")
-    levers = (recipe.compute_dtype, recipe.microbatches, recipe.offload_opt, ctx.gather_once, rerun)
+    levers = (
+        recipe.compute_dtype,
+        recipe.microbatches,
+        recipe.offload_opt,
+        ctx.gather_once,
+        rerun,
+        ctx.context,
+    )
     key = (g.key, g.shape, layout, batch_axes, seq_axes, levers)
     hit = ctx.memo.get(key)
     if hit is not None:
@@ -821,35 +835,27 @@ def total_cost(
     compute_s += attn_s + _recompute_s(ctx, layer_s)
     if not total_flops and trace.flops:
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
+    cp = _context(ctx, batch_shards * heads_tp, attn_s)
+    comm_s, hidden_s = comm_s + cp.comm_s, hidden_s + cp.hidden_s
+    for k, v in cp.payload.items():
+        comm[k] = comm.get(k, 0.0) + v
     tp_frac = tp_weight / total_flops if total_flops else 0.0
-    acts = _activations(ctx, batch_shards * seq_shards, tp_frac, bool(seq_axes))
+    # the sequence split over tensor axes (Megatron-SP) splits every activation
+    sp = any(a not in ctx.context for a in seq_axes)
+    acts = _activations(ctx, batch_shards * seq_shards, tp_frac, sp)
     if ctx.peak_flops is None:
         update = 3 * params + grads + 2 * (opt + offloaded) + cast
         shards = batch_shards * seq_shards
-        compute_s += _memory_bound_s(ctx, shards, tp_frac, bool(seq_axes), update)
-    moved, host_s = _offload_traffic(ctx, batch_shards * seq_shards, tp_frac, bool(seq_axes))
+        compute_s += _memory_bound_s(ctx, shards, tp_frac, sp, update)
+    moved, host_s = _offload_traffic(ctx, batch_shards * seq_shards, tp_frac, sp)
     if moved:  # overlapped with the layers' compute
         comm["host_activations"] = moved
         comm_s, hidden_s = comm_s + host_s, hidden_s + host_s
     exposed = comm_s - hidden_s
     step = compute_s + ctx.topology.exposed_comm(hidden_s, exposed, compute_s)
     hidden = comm_s - (step - compute_s)
-    memory = {
-        "params": int(params),
-        "grads": int(grads),
-        "opt_state": int(opt + (0 if recipe.offload_opt else trace.opt_other_bytes)),
-        "activations": int(acts),
-    }
-    if cast:
-        memory["compute_copy"] = int(cast)
-    if gathered:
-        memory["gathered_stage"] = int(gathered)
-    if trace.state_bytes:
-        memory["state"] = 2 * int(trace.state_bytes)
-    if recipe.offload_opt:
-        # The offloaded state is on the device only for the update, after the
-        # activations are freed: the peak grows only where it exceeds them.
-        memory["opt_update"] = int(max(offloaded - acts, 0.0))
+    held = {"compute_copy": cast, "gathered_stage": gathered, "context_kv": cp.memory}
+    memory = _memory(ctx, params, grads, opt, acts, offloaded, held)
     return Cost(
         step_time_s=step,
         compute_time_s=compute_s,
@@ -857,6 +863,53 @@ def total_cost(
         comm_bytes={k: int(v) for k, v in sorted(comm.items())},
         memory=memory,
         hidden_comm_s=hidden,
+        ops={"attention": {cp.strategy: max(trace.layers, 1)}} if ctx.context else {},
+    )
+
+
+def _memory(
+    ctx: CostContext,
+    params: float,
+    grads: float,
+    opt: float,
+    acts: float,
+    offloaded: float,
+    held: dict[str, float],
+) -> dict[str, int]:
+    """:func:`total_cost`'s memory by kind: ``held`` adds its nonzero entries."""
+    trace, recipe = ctx.trace, ctx.recipe
+    memory = {
+        "params": int(params),
+        "grads": int(grads),
+        "opt_state": int(opt + (0 if recipe.offload_opt else trace.opt_other_bytes)),
+        "activations": int(acts),
+    }
+    memory |= {k: int(v) for k, v in held.items() if v}
+    if trace.state_bytes:
+        memory["state"] = 2 * int(trace.state_bytes)
+    if recipe.offload_opt:
+        # The offloaded state is on the device only for the update, after the
+        # activations are freed: the peak grows only where it exceeds them.
+        memory["opt_update"] = int(max(offloaded - acts, 0.0))
+    return memory
+
+
+def _context(ctx: CostContext, shards: int, attention_s: float) -> ContextAttention:
+    """Attention's K/V exchange over the context axes (:func:`context_attention`):
+    the device's K/V are the traced ones at the compute itemsize over ``shards``
+    (the batch and head shards)."""
+    trace, recipe = ctx.trace, ctx.recipe
+    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
+    return context_attention(
+        ctx.topology,
+        ctx.mesh,
+        ctx.context,
+        trace.attn_kv_bytes * scale / shards,
+        trace.layers,
+        attention_s,
+        rerun=trace.recompute_flops(recipe)[1] > 0,
+        keep_all=recipe.remat == "none",
+        microbatches=recipe.microbatches,
     )
 
 

@@ -75,7 +75,10 @@ class Candidate(NamedTuple):
       recipe: the recipe it is costed with.
       pipeline: pipelined candidates: the pipeline (``choice`` then puts the
         layer dim of the stacked params on its axis).
-      mesh: pipelined candidates: the mesh with the pipe axis (None: the plan's).
+      mesh: pipelined candidates: the mesh with the pipe axis; context-parallel
+        ones: the mesh with the context axis (None: the plan's).
+      context: context-parallel candidates: the axes the sequence is split over
+        (:mod:`spmdkit.planner.context`); empty otherwise.
     """
 
     name: str
@@ -86,6 +89,7 @@ class Candidate(NamedTuple):
     recipe: Recipe = PLAIN
     pipeline: Pipeline | None = None
     mesh: MeshLike | None = None
+    context: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:

@@ -148,6 +148,12 @@ def _idle_fix(axis: str, mesh: MeshLike, by_role: bool) -> str:
     """The fix for an idle axis: a typo'd role name, or the generic choices."""
     if by_role:
         known = sorted(set().union(*ROLE_NAMES.values()))
+        if axis == "context":
+            return (
+                "the presets leave a 'context' axis to context parallelism, which only "
+                "auto plans: plan with strategy='auto' (the sequence split over it), "
+                "or build the mesh without it"
+            )
         if axis not in known:
             near = difflib.get_close_matches(axis, known, n=1)
             return (

@@ -34,7 +34,16 @@ from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.util import fmt_bytes, fmt_time, path_str
 
-__all__ = ["Cost", "Dims", "Plan", "PlannedStep", "PyTree", "dims_spec", "spec_dims"]
+__all__ = [
+    "ContextParallel",
+    "Cost",
+    "Dims",
+    "Plan",
+    "PlannedStep",
+    "PyTree",
+    "dims_spec",
+    "spec_dims",
+]
 
 #: A pytree (params, optimizer state, batch) whose structure the caller chooses.
 PyTree = Any
@@ -193,6 +202,53 @@ def _ops_lines(ops: Mapping[str, Mapping[str, int]]) -> list[str]:
     return out
 
 
+# -- context parallelism ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A plan's context parallelism (:mod:`spmdkit.planner.context`): the ``seq``
+    dim of the activations split over ``axes`` (``degree`` devices that hold
+    different tokens of the same sequences).
+
+    Attributes:
+      axes: the mesh axes the sequence is split over (``plan.activation["seq"]``).
+      degree: the devices one sequence is split over (the axes' sizes' product).
+      attention: how attention gets every earlier key: ``"ring"`` (K/V blocks
+        passed around the context axes, overlapped with the blocks' compute) or
+        ``"gather_kv"`` (K/V all-gathered), as the plan's cost priced it.
+      load_balanced: the sequence is cut into ``2 × degree`` chunks and device
+        ``i`` holds chunks ``i`` and ``2 × degree − 1 − i``, so causal attention's
+        unmasked work is even across the devices.
+    """
+
+    axes: tuple[str, ...]
+    degree: int
+    attention: str = "ring"
+    load_balanced: bool = True
+
+    def short(self) -> str:
+        """E.g. ``context: 4 (ring, load-balanced)``."""
+        balance = ", load-balanced" if self.load_balanced else ""
+        return f"{_axes_text(self.axes)}: {self.degree} ({self.attention}{balance})"
+
+    def to_json(self) -> dict:
+        """JSON-able dict."""
+        return {
+            "axes": list(self.axes),
+            "degree": self.degree,
+            "attention": self.attention,
+            "load_balanced": self.load_balanced,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping | None) -> ContextParallel | None:
+        """Inverse of :meth:`to_json` (None stays None)."""
+        if d is None:
+            return None
+        return cls(tuple(d["axes"]), int(d["degree"]), d["attention"], bool(d["load_balanced"]))
+
+
 # -- the plan ---------------------------------------------------------------------------
 
 
@@ -265,6 +321,9 @@ class Plan:
         ``train`` refuses batches of another size.
       memory_budget: the per-device memory budget the plan was made under (the
         table marks runner-ups over it); None: not recorded.
+      context: the plan's context parallelism (:class:`ContextParallel`: the
+        sequence split over ``activation["seq"]``, the attention strategy, the
+        load-balanced chunks); None: none.
 
     Example::
 
@@ -293,6 +352,7 @@ class Plan:
     notes: tuple[PlanNote, ...] = ()
     batch_size: int | None = None
     memory_budget: float | None = None
+    context: ContextParallel | None = None
 
     # -- shardings ------------------------------------------------------------------
     def _lookup(self, table: Mapping[str, P], path: str, shape: tuple[int, ...]) -> P | None:
@@ -522,6 +582,7 @@ class Plan:
                 "notes": [n.to_json() for n in self.notes],
                 "batch_size": self.batch_size,
                 "memory_budget": self.memory_budget,
+                "context": None if self.context is None else self.context.to_json(),
             },
             indent=1,
         )
@@ -570,6 +631,7 @@ class Plan:
             notes=tuple(PlanNote.from_json(n) for n in d.get("notes", ())),
             batch_size=d.get("batch_size"),
             memory_budget=d.get("memory_budget"),
+            context=ContextParallel.from_json(d.get("context")),
         )
         return out if mesh is None else out.on(mesh)
 
@@ -634,6 +696,8 @@ class Plan:
         if self.activation:
             acts = ", ".join(f"{k}→{_axes_text(v)}" for k, v in self.activation.items() if v)
             lines.append(f"activations: {acts or 'replicated'}")
+        if self.context is not None:
+            lines.append(f"context parallel: {self.context.short()}")
         if self.grads or not self.recipe.is_default:
             grads = " (gradients sharded like the optimizer state)" if self.grads else ""
             lines.append(f"recipe: {self.recipe.short()}{grads}")

@@ -89,6 +89,7 @@ from spmdkit.planner.candidates import (
     search_layouts,
     state_layout,
 )
+from spmdkit.planner.context import CONTEXT_AXIS, context_axes, context_meshes
 from spmdkit.planner.logical import (
     ACTIVATION_ALIASES,
     BATCH_NAMES,
@@ -113,7 +114,7 @@ from spmdkit.planner.notes import (
 )
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
 from spmdkit.planner.pipeline.search import PipelinePlanning, divisors
-from spmdkit.planner.plans import Cost, Plan, PyTree, dims_spec
+from spmdkit.planner.plans import ContextParallel, Cost, Plan, PyTree, dims_spec
 from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
@@ -461,10 +462,10 @@ class _Planner(PipelinePlanning):
     ) -> Candidate:
         """A rule table's candidate, costed analytically under ``recipe``."""
         act = activation_layout(rules, self.mesh, self.ctx.trace)
-        cost = total_cost(
-            self.at(recipe), self.groups, choice, act.get("batch", ()), act.get("seq", ())
-        )
-        return Candidate(name, choice, act, rules, cost, recipe)
+        cp = context_axes(act.get("seq", ()))
+        ctx = self.context_ctx(self.mesh, recipe, cp) if cp else self.at(recipe)
+        cost = total_cost(ctx, self.groups, choice, act.get("batch", ()), act.get("seq", ()))
+        return Candidate(name, choice, act, rules, cost, recipe, context=cp)
 
     def preset(self, name: str, extra: RulesLike | None, recipe: Recipe = PLAIN) -> Candidate:
         """A preset's candidate (``extra`` rules take priority)."""
@@ -481,7 +482,10 @@ class _Planner(PipelinePlanning):
 
     def searched(self, recipe: Recipe = PLAIN) -> list[Candidate]:
         """The searched candidate for each choice of batch axes."""
-        out = []
+        out: list[Candidate] = []
+        if self.ctx.sizes.get(CONTEXT_AXIS, 1) > 1:
+            # the user's context axis holds the sequence (:meth:`context_searched`)
+            return out
         ctx = self.at(recipe)
         for batch_ax in batch_axis_choices(self.ctx.sizes, self.ctx.trace.batch_size):
             if not self.fits_batch(recipe, batch_ax):
@@ -492,6 +496,50 @@ class _Planner(PipelinePlanning):
             name = f"searched[batch={','.join(batch_ax) or '-'}]"
             out.append(Candidate(name, choice, act, None, cost, recipe))
         return out
+
+    def context_ctx(
+        self, mesh: MeshLike, recipe: Recipe, axes: tuple[str, ...] = (CONTEXT_AXIS,)
+    ) -> CostContext:
+        """The cost context of context-parallel candidates on ``mesh`` with the
+        sequence split over ``axes`` (its own memo per mesh) under ``recipe``."""
+        memo = self.pipe_memos.setdefault(("context", tuple(axis_sizes(mesh).items())), {})
+        return replace(
+            self.ctx, mesh=mesh, sizes=axis_sizes(mesh), recipe=recipe, context=axes, memo=memo
+        )
+
+    def context_searched(self, recipe: Recipe = PLAIN) -> list[Candidate]:
+        """The searched context-parallel candidates (:mod:`spmdkit.planner.context`):
+        per mesh with a context axis (the plan's, or its data axis split) and
+        choice of batch axes among the others, the layouts searched with the
+        sequence on the context axis."""
+        out = []
+        trace = self.ctx.trace
+        for mesh in self.context_meshes():
+            ctx = self.context_ctx(mesh, recipe)
+            degree = ctx.sizes[CONTEXT_AXIS]
+            others = {a: s for a, s in ctx.sizes.items() if a != CONTEXT_AXIS}
+            for batch_ax in batch_axis_choices(others, trace.batch_size):
+                local = trace.batch_size // math.prod(ctx.sizes[a] for a in batch_ax)
+                if local % recipe.microbatches or local < recipe.microbatches:
+                    continue
+                choice, cost = search_layouts(
+                    ctx, self.groups, batch_ax, (CONTEXT_AXIS,), self.budget
+                )
+                act = {n: () for n in BATCH_NAMES}
+                act["batch"], act["seq"] = batch_ax, (CONTEXT_AXIS,)
+                name = f"searched[batch={','.join(batch_ax) or '-'},{CONTEXT_AXIS}={degree}]"
+                at = None if mesh is self.mesh else mesh
+                cp = (CONTEXT_AXIS,)
+                out.append(Candidate(name, choice, act, None, cost, recipe, mesh=at, context=cp))
+        return out
+
+    def context_meshes(self) -> list[MeshLike]:
+        """The meshes auto tries context parallelism on (memoized per plan)."""
+        key = ("context", "meshes")
+        if key not in self.pipe_memos:
+            trace = self.ctx.trace
+            self.pipe_memos[key] = context_meshes(self.mesh, trace.batch_size, trace.seq_len)
+        return self.pipe_memos[key]
 
     def make_plan(self, strategy: str, c: Candidate, cost: Cost | None) -> Plan:
         """The :class:`Plan` of a candidate (every member of each group laid out alike)."""
@@ -527,6 +575,7 @@ class _Planner(PipelinePlanning):
             state_from=state_from,
             batch_size=self.batch_size,
             memory_budget=self.budget,
+            context=_context_plan(c, cost, self.mesh if c.mesh is None else c.mesh),
         )
 
     def propagated(self, c: Candidate) -> Candidate:
@@ -543,7 +592,10 @@ class _Planner(PipelinePlanning):
         )
         cost = self.recost_memo.get(key)
         if cost is None:
-            cost = propagate_cost(self.info, self.optimizer, p, self.at(c.recipe), a)
+            at = self.at(c.recipe)
+            if c.context:
+                at = self.context_ctx(p.mesh, c.recipe, c.context)
+            cost = propagate_cost(self.info, self.optimizer, p, at, a)
             self.recost_memo[key] = cost
         return c._replace(cost=cost)
 
@@ -626,7 +678,7 @@ class _Planner(PipelinePlanning):
             c = self.preset(name, extra, recipe)
             if self.fits_batch(recipe, c.activation.get("batch", ())):
                 out.append(c)
-        return out + self.searched(recipe)
+        return out + self.searched(recipe) + self.context_searched(recipe)
 
     def analytic_candidates(self, extra: RulesLike | None, fixed: Recipe | None) -> list[Candidate]:
         """Candidates over the recipes (:meth:`recipes`): per remat policy and
@@ -840,6 +892,19 @@ def _not_recosted(
         else:
             out[name] = ("their recipes ranked below the candidates re-costed by propagation", "")
     return out
+
+
+def _context_plan(c: Candidate, cost: Cost | None, mesh: MeshLike) -> ContextParallel | None:
+    """A candidate's :class:`~spmdkit.planner.plans.ContextParallel`: its context
+    axes, and the attention strategy its cost priced (the propagate estimator's
+    choice for the forward regions, else the analytic model's)."""
+    if not c.context:
+        return None
+    sizes = axis_sizes(mesh)
+    ops = (cost or c.cost).ops.get("attention") or c.cost.ops.get("attention") or {}
+    seq = [s for s in ops if s != "default"] or ["ring"]
+    strategy = max(seq, key=lambda s: ops.get(s, 0))
+    return ContextParallel(c.context, math.prod(sizes[a] for a in c.context), strategy)
 
 
 def _rest(cost: Cost) -> float:

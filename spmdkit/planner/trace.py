@@ -248,24 +248,26 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
 _FUSED = ("auto", "cudnn", None)
 
 
-def _fused_attention(jaxpr: Jaxpr, mult: float = 1.0) -> tuple[float, float]:
+def _fused_attention(jaxpr: Jaxpr, mult: float = 1.0) -> tuple[float, float, float]:
     """Forward FLOPs (full square) of the attention regions that run a fused
-    kernel on a GPU, and of those that are causal (scans unrolled)."""
-    fused = causal = 0.0
+    kernel on a GPU, and of those that are causal, and the bytes of every
+    attention region's keys and values (scans unrolled)."""
+    fused = causal = kv = 0.0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == FORWARD:
+        if eqn.primitive.name == FORWARD and eqn.params["op"] == "attention":
             attrs = dict(eqn.params["attrs"])
-            if eqn.params["op"] == "attention" and attrs.get("implementation") in _FUSED:
+            kv += mult * sum(_aval_bytes(v) for v in eqn.invars[1:3])
+            if attrs.get("implementation") in _FUSED:
                 sub = list(_eqn_subs(eqn))[-1]  # the region's unsharded computation
                 flops = mult * _jaxpr_flops(sub, batched_only=True)
                 fused += flops
                 causal += flops if attrs.get("causal") else 0.0
-                continue
+            continue
         n = jaxprs.scan_length(eqn)
         for sub in jaxprs.sub_jaxprs(eqn):
-            f, c = _fused_attention(jaxprs.open_jaxpr(sub)[0], mult * n)
-            fused, causal = fused + f, causal + c
-    return fused, causal
+            f, c, b = _fused_attention(jaxprs.open_jaxpr(sub)[0], mult * n)
+            fused, causal, kv = fused + f, causal + c, kv + b
+    return fused, causal, kv
 
 
 def _layer_policy(body: Any) -> Callable[[Recipe], PolicyFacts]:
@@ -364,7 +366,11 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
             default=0,
         )
     attn_train = _jaxpr_flops(closed.jaxpr, batched_only=True)
-    fused, causal = _fused_attention(forward.jaxpr)
+    fused, causal, kv = _fused_attention(forward.jaxpr)
+    if not kv and seq > 1:
+        # attention written as plain batched dots: its forward is two of them,
+        # 4·b·s²·h·d FLOPs, over keys and values of 2·b·s·h·d elements
+        kv = attn_fwd / (2.0 * seq) * (min(dtypes) if dtypes else 4)
     return StepTrace(
         flops=_jaxpr_flops(closed.jaxpr),
         resid_bytes=int(max(resid_bytes - param_bytes - batch_bytes, 0)),
@@ -387,6 +393,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         attn_fwd_flops=attn_fwd,
         attn_fused_fwd_flops=fused,
         attn_causal_fwd_flops=causal,
+        attn_kv_bytes=kv,
         resid_peak=float(peak),
         state_bytes=sum(p.nbytes for p in info.state),
     )

@@ -69,14 +69,20 @@ def test_a_plan_that_uses_every_axis_has_no_notes_and_passes_strict():
     assert p.notes == () and "notes:" not in p.table()
 
 
-def test_batch_12_on_data_8_is_noted_by_auto(llama_8b_b12):
+def test_batch_12_on_data_8_is_noted_by_a_preset_and_split_by_auto(llama_8b_b12):
     mesh = sk.abstract_mesh(data=8, model=8)
-    p = plan(llama_8b_b12, mesh, estimator="analytic")
+    p = plan(llama_8b_b12, mesh, "megatron", estimator="analytic")
     (note,) = [n for n in p.notes if n.kind == "batch_axes"]
     assert "batch of 12 does not divide data (8 devices)" in note.message
     assert "multiple of 8 (e.g. 16)" in note.fix
     with pytest.raises(PlanNoteError, match="batch of 12"):
-        plan(llama_8b_b12, mesh, estimator="analytic", strict=True)
+        plan(llama_8b_b12, mesh, "megatron", estimator="analytic", strict=True)
+    # auto splits the data axis into data × context: the batch on data=4, each
+    # sequence over context=2, no device holding a copy of another's work
+    p = plan(llama_8b_b12, mesh, estimator="analytic")
+    assert p.context is not None and p.context.degree == 2
+    assert p.activation["batch"] == ("data",)
+    assert not [n for n in p.notes if n.kind == "batch_axes"]
 
 
 @pytest.mark.slow

@@ -446,7 +446,8 @@ def pipeline_cost(
     if sync_bytes:
         comm_bytes["all_reduce"] = comm_bytes.get("all_reduce", 0) + int(sync_bytes)
     if p2p_bytes:
-        comm_bytes["collective_permute"] = int(p2p_bytes)
+        # the stage sends, beside context parallelism's K/V ring
+        comm_bytes["collective_permute"] = comm_bytes.get("collective_permute", 0) + int(p2p_bytes)
     memory = dict(held.memory)
     memory["activations"] = int(acts[peak_dev])
     return Cost(
@@ -459,6 +460,7 @@ def pipeline_cost(
         hidden_comm_s=colls + p2p_s - (step - compute),
         stage_memory=tuple(int(v * mem_k) for v in stage_memory),
         bubble_s=bubble_s,
+        ops=slow.ops,
     )
 
 

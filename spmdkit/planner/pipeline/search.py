@@ -50,6 +50,7 @@ from spmdkit.planner.candidates import (
     rules_choice,
     search_layouts,
 )
+from spmdkit.planner.context import context_axes
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     PRESETS,
@@ -484,7 +485,11 @@ class PipelinePlanning:
         if c.pipeline is not None:
             return self.pipelined_cost(c, [_without(lay, (c.pipeline.axis,)) for lay in c.choice])
         batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
-        return total_cost(self.at(c.recipe), self.groups, c.choice, batch, seq)
+        ctx = self.at(c.recipe)
+        if c.context:
+            ctx = replace(ctx, mesh=c.mesh or ctx.mesh, sizes=axis_sizes(c.mesh or ctx.mesh),
+                          context=c.context, memo={})  # fmt: skip
+        return total_cost(ctx, self.groups, c.choice, batch, seq)
 
     def pipe_memo(self, mesh: MeshLike) -> dict:
         """The group-cost memo of one pipe mesh (shared by its recipes)."""
@@ -523,7 +528,12 @@ class PipelinePlanning:
         shards = math.prod(sizes[a] for a in batch)
         recipe = replace(c.recipe, microbatches=c.pipeline.microbatches * shards)
         ctx = replace(
-            self.ctx, mesh=mesh, sizes=axis_sizes(mesh), recipe=recipe, memo=self.pipe_memo(mesh)
+            self.ctx,
+            mesh=mesh,
+            sizes=axis_sizes(mesh),
+            recipe=recipe,
+            memo=self.pipe_memo(mesh),
+            context=context_axes(seq),
         )
         stage = [_without(lay, batch) for lay in choice]
         analytic = total_cost(ctx, self.groups, stage, (), seq)
@@ -549,7 +559,12 @@ class PipelinePlanning:
         assert where is not None
         sizes = axis_sizes(c.mesh)
         pctx = replace(
-            self.ctx, mesh=c.mesh, sizes=sizes, recipe=c.recipe, memo=self.pipe_memo(c.mesh)
+            self.ctx,
+            mesh=c.mesh,
+            sizes=sizes,
+            recipe=c.recipe,
+            memo=self.pipe_memo(c.mesh),
+            context=context_axes(c.activation.get("seq", ())),
         )
         split = StageSplit(c.pipeline, where, self.ctx.trace.layers)
         groups = stage_groups(self.groups, where, c.pipeline.stages)
@@ -641,4 +656,5 @@ class PipelinePlanning:
 
         costed = self.costed_configs(configs, cost_of)
         cost, _, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
-        return Candidate(name, full, act, rules, cost, recipe, pipe, mesh)
+        cp = context_axes(act.get("seq", ()))
+        return Candidate(name, full, act, rules, cost, recipe, pipe, mesh, context=cp)
