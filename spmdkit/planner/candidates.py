@@ -31,6 +31,7 @@ from spmdkit.planner.analytic import (
     group_cost,
     total_cost,
 )
+from spmdkit.planner.context import context_axes
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     LogicalRules,
@@ -288,23 +289,31 @@ def _zero1(
 
 
 def activation_layout(rules: LogicalRules, mesh: MeshLike, trace: StepTrace) -> Activation:
+    """The mesh axes of each batch dim under ``rules``: per name, its first rule
+    entry whose axes divide the dim and no earlier name took. A context axis the
+    sequence's rule asks for is kept for the sequence (:mod:`spmdkit.planner.context`):
+    the batch never takes it."""
     sizes = axis_sizes(mesh)
-    out: Activation = {}
     dims = {"batch": trace.batch_size, "seq": trace.seq_len if trace.seq_len > 1 else None}
-    for name in BATCH_NAMES:
-        chosen: tuple[str, ...] = ()
+
+    def first(name: str, taken: set[str]) -> tuple[str, ...]:
         for key, axes in rules.entries:
             if key != name:
                 continue
             if axes is None:
                 break
-            if any(a in v for v in out.values() for a in axes):
+            if taken.intersection(axes):
                 continue
             if dims.get(name) and dims[name] % math.prod(sizes[a] for a in axes):
                 continue
-            chosen = axes
-            break
-        out[name] = chosen
+            return axes
+        return ()
+
+    out: Activation = {}
+    reserved = set(context_axes(first("seq", set())))
+    for name in BATCH_NAMES:
+        taken = {a for v in out.values() for a in v}
+        out[name] = first(name, taken | reserved if name == "batch" else taken)
     return out
 
 

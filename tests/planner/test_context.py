@@ -127,6 +127,19 @@ def test_auto_uses_the_users_context_axis(small_long):
     assert p.activation["batch"] == ("data",) and p.activation["seq"] == (CONTEXT_AXIS,)
 
 
+def test_a_rule_table_with_seq_on_the_context_axis_is_context_parallel(small_long):
+    # batch 2 does not divide data=4: the batch does not take the context axis
+    # the sequence's rule asks for (it would leave the sequence whole)
+    mesh = sk.abstract_mesh(data=4, context=2)
+    p = sk.plan(small_long, mesh, "dp", rules={"seq": "context"}, estimator="analytic")
+    assert p.activation["seq"] == (CONTEXT_AXIS,) and p.activation["batch"] == ()
+    assert p.context == ContextParallel((CONTEXT_AXIS,), 2, p.context.attention)
+    # a sequence over a tensor axis (Megatron-SP) is not context parallelism
+    sp = sk.plan(small_long, sk.abstract_mesh(data=2, model=4), "megatron_sp",
+                 estimator="analytic")  # fmt: skip
+    assert sp.activation["seq"] == ("model",) and sp.context is None
+
+
 def test_auto_keeps_short_sequences_with_plenty_of_batch_data_parallel():
     spec = get_model("llama")
     p = sk.plan(spec, sk.abstract_mesh(data=8), "auto", config="small", batch_size=64,
