@@ -27,10 +27,16 @@
    on 3,072, one sequence per device: the plan, wall and CPU seconds, and the
    machine's load average (the goal, 10 s on two cores, assumes them free).
 
+6. Long sequences: Llama-3 8B at 65,536 and 131,072 tokens, 4 and 2 sequences on
+   8 H100s (``abstract_mesh(data=8)``, 80 GiB): ``auto``'s plan with context
+   parallelism (the context degree, the attention strategy, the mesh it split),
+   its memory, estimated tokens/s/GPU and planning time.
+
 Prints the tables and saves ``benchmarks/results/planner.json``.
 
-Run: ``python benchmarks/planner.py [--quick] [--pipelines-only]`` (``--quick``: 8B
-only, two meshes; ``--pipelines-only``: section 4 only, merged into the saved JSON).
+Run: ``python benchmarks/planner.py [--quick] [--pipelines-only] [--context-only]``
+(``--quick``: 8B only, two meshes; ``--pipelines-only``: sections 4 and 5 only,
+``--context-only``: section 6 only, merged into the saved JSON).
 """
 
 from __future__ import annotations
@@ -390,12 +396,61 @@ def scale(cases: list) -> list[dict]:
     return rows
 
 
+#: Section 6: (sequence length, sequences) of Llama-3 8B on 8 devices.
+CONTEXT_CASES = [(65536, 4), (65536, 2), (131072, 4), (131072, 2)]
+
+
+def long_sequences(cases: list) -> list[dict]:
+    """auto on Llama-3 8B with long sequences on ``data=8`` (context parallelism)."""
+    rows = []
+    for seq, batch in cases:
+        config = dataclasses.replace(get_model("llama").configs["8b"](), seq_len=seq)
+        t0 = time.perf_counter()
+        info = describe(get_model("llama"), config=config, batch_size=batch)
+        p = plan(info, sk.abstract_mesh(data=8), "auto")
+        seconds = time.perf_counter() - t0
+        cp = p.context.short() if p.context else "none"
+        row = {
+            "seq_len": seq,
+            "batch": batch,
+            "chosen": f"{p.chosen}+{p.recipe.short()}",
+            "plan_mesh": dict(p.mesh.shape),
+            "context": None if p.context is None else p.context.to_json(),
+            "memory_bytes": p.cost.peak_bytes,
+            "tok_s_gpu": batch * seq / p.cost.step_time_s / 8,
+            "plan_s": seconds,
+        }
+        rows.append(row)
+        print(
+            f"{seq:>8}{batch:>4}  {row['chosen'][:58]:<58}{cp:<30}"
+            f"{_gib(p.cost.peak_bytes):>8}{row['tok_s_gpu']:>8.0f}{seconds:>8.1f}",
+            flush=True,
+        )
+    return rows
+
+
+def _context_only(out: Path) -> None:
+    """Section 6 alone, merged into the saved JSON."""
+    print("== long sequences: Llama-3 8B on data=8 (context parallelism, 80 GiB) ==")
+    print(
+        f"{'seq':>8}{'seqs':>4}  {'plan':<58}{'context':<30}{'mem GiB':>8}{'tok/s':>8}{'plan s':>8}"
+    )
+    saved = json.loads(out.read_text()) if out.exists() else {}
+    saved["context"] = long_sequences(CONTEXT_CASES)
+    out.write_text(json.dumps(saved, indent=1))
+    print(f"\nsaved {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--pipelines-only", action="store_true")
+    parser.add_argument("--context-only", action="store_true")
     args = parser.parse_args()
     out = Path(__file__).parent / "results" / "planner.json"
+    if args.context_only:
+        _context_only(out)
+        return
     print("== pipelines: best pipelined vs best non-pipelined (seq 8192, 80 GiB) ==")
     print(f"{'model':<10}{'dev':>5}  {'':<19}{'plan':<58}{'mem GiB':>8}{'bubble':>8}{'tok/s':>8}")
     p_rows = pipelines(PIPELINE_CASES[:1] if args.quick else PIPELINE_CASES)
@@ -422,6 +477,8 @@ def main() -> None:
     r_rows = real_size()
     print("\n== calibration on torchtitan's recipe ==")
     cal = calibration()
+    print("\n== long sequences: Llama-3 8B on data=8 (context parallelism, 80 GiB) ==")
+    c_rows = long_sequences(CONTEXT_CASES[:1] if args.quick else CONTEXT_CASES)
     print("\n== planning time (describe + trace + auto search) ==")
     t_rows = timing(models, meshes)
     print("\n== plan quality (estimated, per device; 80 GiB budget) ==")
@@ -444,6 +501,7 @@ def main() -> None:
                 "quality": q_rows,
                 "pipelines": p_rows,
                 "scale": s_rows,
+                "context": c_rows,
             },
             indent=1,
         )
