@@ -38,7 +38,12 @@ Three cases need more than a constraint on each side:
     transpose maps the readers' layout back to. So is a ``reduce_sum`` whose
     partial result only the step's outputs read (a bias's gradient summed over
     a sharded batch), whose output layout XLA would otherwise reach by reducing,
-    slicing and permuting where the plan gathers and reduce-scatters.
+    slicing and permuting where the plan gathers and reduce-scatters. And so is a
+    ``gather`` from a table sharded over the dims it indexes (each device looks
+    its own rows up with a mask, the result partial over those axes): left
+    alone, XLA splits the indices over the table's idle axes, all-reduces the
+    smaller block and permutes it into the readers' layout (megatron_sp's
+    position embedding).
 
 Composite ops of :mod:`spmdkit.ops` traced as regions (:mod:`spmdkit.engine.region`) run
 as their rule's ``shard_map`` program with the planned layouts and strategy, so their
@@ -74,12 +79,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from spmdkit import jaxprs
 from spmdkit.engine.region import REGIONS, region_program
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pinning import Program
+from spmdkit.propagation.primitives import lookup_dims
 from spmdkit.propagation.records import Propagation
 from spmdkit.resharding import ReshardPlan, run_plan, step_fn
 from spmdkit.spec import TensorSpec
@@ -141,6 +148,55 @@ def _bind(eqn: Any, vals: Sequence[Any], *, local: bool = False) -> list[Any]:
         with ctx:
             out = eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _masked_lookup(eqn: Any, table: Any, indices: Any, spec: TensorSpec) -> Any:
+    """A gather's per-device part when ``spec`` shards the table over dims it
+    indexes point-wise: each device looks its rows up in its own block, zero for
+    rows another device holds, so the sum over those axes is the gather. The
+    gather's mode is kept for the whole table: indices clamped to it (``clip``),
+    or a row outside it the fill value, counted once (on the first device)."""
+    p = eqn.params
+    dn, sizes, mode = p["dimension_numbers"], p["slice_sizes"], p["mode"]
+    dims = lookup_dims(eqn, spec)
+    fill = mode == jax.lax.GatherScatterMode.FILL_OR_DROP
+    mine = jnp.ones(indices.shape[:-1], bool)  # the row is in this device's block
+    outside = jnp.zeros(indices.shape[:-1], bool)  # the row is outside the table
+    first = True  # this device counts the fill value
+    cols = []
+    for k, d in enumerate(dn.start_index_map):
+        c = indices[..., k]
+        last = spec.shape[d] - sizes[d]
+        if fill:
+            outside |= (c < 0) | (c > last)
+        elif mode == jax.lax.GatherScatterMode.CLIP:
+            c = jnp.clip(c, 0, last)
+        if d in dims:
+            block = table.shape[d]
+            at = jax.lax.axis_index(dims[d])
+            c = c - (at * block).astype(c.dtype)
+            mine &= (c >= 0) & (c < block)
+            c = jnp.clip(c, 0, block - 1)
+            first = first & (at == 0)
+        cols.append(c)
+    y = jax.lax.gather(
+        table,
+        jnp.stack(cols, axis=-1),
+        dn,
+        tuple(sizes),
+        indices_are_sorted=p["indices_are_sorted"],
+        unique_indices=p["unique_indices"],
+        mode=jax.lax.GatherScatterMode.CLIP,
+    )
+    batch = [i for i in range(y.ndim) if i not in dn.offset_dims]
+
+    def spread(mask: Any) -> Any:
+        return jax.lax.broadcast_in_dim(mask, y.shape, batch)
+
+    y = jnp.where(spread(mine & ~outside), y, jnp.zeros((), y.dtype))
+    if fill:
+        y = jnp.where(spread(outside & first), jnp.asarray(p["fill_value"], y.dtype), y)
+    return y
 
 
 class _Replay:
@@ -257,13 +313,16 @@ class _Replay:
     def reduced(
         self, eqn: Any, vals: list[Any], req: Sequence[TensorSpec | None], plan: ReshardPlan
     ) -> Any:
-        """A contraction with a sum-partial result, run per device under
-        ``shard_map`` and reduced there with the plan's own collectives (a
-        partial value cannot be pinned; left alone XLA may compute the
-        contraction in another layout and move operands the plan does not)."""
+        """A contraction (or a masked lookup) with a sum-partial result, run per
+        device under ``shard_map`` and reduced there with the plan's own
+        collectives (a partial value cannot be pinned; left alone XLA may compute
+        the contraction in another layout and move operands the plan does not)."""
 
         def local(*blocks: Any) -> Any:
-            y = _bind(eqn, blocks, local=True)[0]
+            if eqn.primitive.name == "gather":
+                y = _masked_lookup(eqn, *blocks, req[0])
+            else:
+                y = _bind(eqn, blocks, local=True)[0]
             for step in plan.steps:
                 y = step_fn(step)(y)
             return y

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from spmdkit import jaxprs
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pricing import Pricer
+from spmdkit.propagation.primitives import LOOKUP_MODES, lookup_dims
 from spmdkit.propagation.steps import Step
 from spmdkit.resharding import ReshardPlan
 from spmdkit.spec import MeshLike, TensorSpec
@@ -153,7 +154,7 @@ def _node_pins(
         )
         fused = None
         if (
-            (node.prim in _FUSED_REDUCE or node.prim in _REDUCED_FOR_OUTPUT)
+            (node.prim in _FUSED_REDUCE or node.prim in _REDUCED_FOR_OUTPUT or _lookup(node, req))
             and len(outs) == 1
             and outs[0] is not None
             and outs[0].partial
@@ -167,6 +168,20 @@ def _node_pins(
             ys = _scan_ys(node, outs)
             inner = blocked - set(ys) if ys else blocked
             _node_pins(step.loop.steps, pricer, ys, inner, out, runs * step.loop.trips)
+
+
+def _lookup(node: Node, req: Sequence[TensorSpec | None]) -> bool:
+    """A gather looked up with a mask in a table sharded over the dims it indexes
+    (:func:`~spmdkit.propagation.primitives.lookup_dims`): its partial result is
+    reduced by the replay like a contraction's. Left alone, XLA splits the indices
+    over the table's idle axes, all-reduces the smaller block and permutes it into
+    the readers' layout, where the plan reduce-scatters."""
+    return (
+        node.prim == "gather"
+        and req[0] is not None
+        and node.eqn.params["mode"] in LOOKUP_MODES
+        and bool(lookup_dims(node.eqn, req[0]))
+    )
 
 
 def _scan_ys(node: Node, outs: Sequence[TensorSpec | None]) -> dict[int, TensorSpec | None]:

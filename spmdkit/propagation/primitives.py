@@ -25,10 +25,12 @@ from spmdkit.spec import TensorSpec
 
 __all__ = [
     "GENERATORS",
+    "LOOKUP_MODES",
     "REDUCERS",
     "RULE_ERRORS",
     "drop_axes",
     "index_parallel",
+    "lookup_dims",
     "no_op_reshard",
     "sharded_bits",
     "to_rule",
@@ -144,6 +146,30 @@ def drop_axes(s: TensorSpec, axes: set[str] | None) -> TensorSpec:
     return s.replace(dims=tuple(tuple(a for a in d if a not in axes) for d in s.dims))
 
 
+#: Gather modes whose masked lookup the replay runs per device (every mode jax has
+#: but one-hot, which is not a lookup of rows).
+LOOKUP_MODES = frozenset(
+    {
+        jax.lax.GatherScatterMode.CLIP,
+        jax.lax.GatherScatterMode.FILL_OR_DROP,
+        jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    }
+)
+
+
+def lookup_dims(eqn: Any, operand: TensorSpec) -> dict[int, tuple[str, ...]]:
+    """A gather's operand dims it indexes point-wise (slice size 1) that ``operand``
+    shards → their axes: where a device looks up its own block of rows with a
+    mask, its result a partial sum over those axes (empty: none)."""
+    dn = eqn.params["dimension_numbers"]
+    sizes = eqn.params["slice_sizes"]
+    return {
+        d: tuple(operand.dims[d])
+        for d in dn.start_index_map
+        if sizes[d] == 1 and d < len(operand.dims) and operand.dims[d]
+    }
+
+
 def index_parallel(
     eqn: Any, specs: Sequence[TensorSpec]
 ) -> tuple[tuple[TensorSpec, ...], set[str]] | None:
@@ -154,12 +180,7 @@ def index_parallel(
     if len(specs) != 2:
         return None
     x = specs[0]
-    dn = eqn.params["dimension_numbers"]
-    sizes = eqn.params["slice_sizes"]
-    axes: set[str] = set()
-    for d in dn.start_index_map:
-        if sizes[d] == 1 and d < len(x.dims):
-            axes.update(x.dims[d])
+    axes = {a for d in lookup_dims(eqn, x).values() for a in d}
     if not axes or any(a in specs[1].sharding_axes for a in axes):
         return None
     return (drop_axes(x, axes), specs[1]), axes

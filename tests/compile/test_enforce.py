@@ -214,6 +214,35 @@ def test_a_partial_contraction_is_reduced_as_planned():
     )
 
 
+@pytest.mark.parametrize("mode", ["fill", "clip", "promise_in_bounds"])
+def test_a_masked_lookup_is_reduced_as_planned(mode):
+    """Rows of a table sharded over ``model`` by rows, looked up and wanted
+    sequence-sharded over ``model`` (megatron_sp's position embedding): the plan
+    looks up each device's own rows with a mask and reduce-scatters the partial
+    rows. Left alone XLA splits the indices over the idle ``data`` axis,
+    all-reduces the half and permutes it into place (a collective-permute the plan
+    lacks); the replay runs the masked lookup per device and reduce-scatters it
+    itself. The gather's mode holds for the whole table (rows outside it: the
+    fill value once, or clamped)."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(t, i):
+        return jnp.tanh(t.at[i].get(mode=mode))
+
+    t = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    i = jax.ShapeDtypeStruct((16,), jnp.int32)
+    prop = propagate(f, t, i, mesh=mesh, in_specs=(P("model"), P()), out_specs=P("model"))
+    assert [c.kind for c in prop.collectives()] == ["reduce_scatter"], prop.collectives()
+    compiled, got = _compiled(prop, mesh, t, i)
+    assert [(c.kind, c.payload_bytes) for c in got] == [("reduce_scatter", 16 * 32 * 4)]
+    rows = np.arange(16) * 4 + 1
+    if mode != "promise_in_bounds":
+        rows[[2, 9]] = [64, 70]  # outside the table
+    tv = np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32)
+    got = compiled(jax.device_put(tv, NamedSharding(mesh, P("model"))), jnp.asarray(rows))
+    np.testing.assert_allclose(got, f(jnp.asarray(tv), rows), rtol=1e-6)
+
+
 def test_a_partial_contraction_replays_under_the_users_mesh_context():
     """A step traced under ``jax.set_mesh`` records that (Auto) mesh on its
     equations; the per-device contraction must not rebind it inside the

@@ -51,18 +51,11 @@ MESHES = ((2, 4), (4, 2))
 
 #: Cases whose plan.verify is outside ±10% bytes / ±20% memory today. The test
 #: asserts they still miss, so a fix shows up as a failure here to remove the entry.
-#: megatron_sp's position-embedding lookup (rows ``arange(seq)`` of a table sharded
-#: over ``model``, the result sequence-sharded): XLA slices the table and moves the
-#: rows with a 0.5-1 KiB collective-permute the prediction lacks. VGG, dp and zero1:
-#: peak predicted 809-906 KiB, compiled 625 KiB; at the peak the prediction holds
-#: the 128 KiB dense kernel gradient's partial sum and its all-reduced copy side by
-#: side, where XLA all-reduces the buffer in place.
+#: VGG, dp and zero1: peak predicted 809-906 KiB, compiled 625 KiB; at the peak the
+#: prediction holds the 128 KiB dense kernel gradient's partial sum and its
+#: all-reduced copy side by side, where XLA all-reduces the buffer in place.
 KNOWN_VERIFY_MISSES: frozenset = frozenset(
     {
-        ("gpt2_nnx", "megatron_sp", (2, 4)),
-        ("gpt2_nnx", "megatron_sp", (4, 2)),
-        ("bert_linen", "megatron_sp", (2, 4)),
-        ("bert_linen", "megatron_sp", (4, 2)),
         ("vgg_linen", "dp", (2, 4)),
         ("vgg_linen", "zero1", (2, 4)),
     }
