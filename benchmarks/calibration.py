@@ -155,11 +155,14 @@ ROWS = [
         "source": "NVIDIA dgxc-benchmarking llama3.1/README_70b.md",
         "config": {"seq_len": 8192},
         "devices": 64,
-        "mesh": {"pipe": 4, "data": 4, "model": 4},
+        "mesh": {"pipe": 4, "data": 2, "context": 2, "model": 4},
         "published_mesh": "TP 4 x PP 4 x CP 2 x VP 5 (DP 2)",
         "strategy": "megatron_sp",
+        # each sequence over the context axis (CP 2) and, within a tensor group,
+        # over the model axis (Megatron's sequence parallelism)
+        "rules": [("seq", ("context", "model"))],
         "batch": 128,
-        "pipeline": Pipeline(stages=4, microbatches=32, schedule="interleaved", virtual=5),
+        "pipeline": Pipeline(stages=4, microbatches=64, schedule="interleaved", virtual=5),
         "recipe": sk.Recipe(compute_dtype="bfloat16"),
         "published_recipe": "bf16, GBS 128, MBS 1, TE fused kernels",
         "stack": "xla",
@@ -167,8 +170,6 @@ ROWS = [
         "memory_gib": None,
         "fit": False,
         "pipelined": True,
-        "outside": "context parallelism (CP 2) is not in the planner's space: priced as "
-        "TP 4 x PP 4 x VP 5 x DP 4 (same micro-batch of 1 sequence, 32 per replica)",
     },
 ]
 
@@ -182,6 +183,7 @@ def predict(row: dict, topology: sk.Topology) -> sk.Cost:
         config=_llama(**row["config"]),
         batch_size=row["batch"],
         recipe=row["recipe"],
+        rules=row.get("rules"),
         topology=topology,
         pipeline=row.get("pipeline"),
         estimator="analytic",
@@ -262,7 +264,7 @@ def main() -> None:
         rec = {
             k: v
             for k, v in row.items()
-            if k not in ("recipe", "pipeline", "config", "fit") and not callable(v)
+            if k not in ("recipe", "pipeline", "config", "fit", "rules") and not callable(v)
         }
         rec.update(
             config=row["config"],
