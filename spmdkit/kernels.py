@@ -37,9 +37,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +58,9 @@ __all__ = [
     "on_gpu",
     "plain_attention",
     "plain_attention_lse",
+    "record_visits",
     "resolve_implementation",
+    "Visit",
 ]
 
 ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "blockwise", "cudnn")
@@ -440,6 +445,94 @@ def _block_scores(
     return jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
 
 
+class Visit(NamedTuple):
+    """One key block a blockwise kernel computed (:func:`record_visits`).
+
+    Attributes:
+      kind: ``"forward"`` or ``"backward"``.
+      q_offset: global position of the call's first query row.
+      q_len: the call's query rows.
+      k_offset: global position of the block's first key.
+      k_len: the block's keys.
+      flops: the block's matmul FLOPs (forward: ``q·k`` and ``p·v``; backward:
+        ``dv``, ``dp``, ``dk``, ``dq``).
+    """
+
+    kind: str
+    q_offset: int
+    q_len: int
+    k_offset: int
+    k_len: int
+    flops: int
+
+
+_VISITS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "spmdkit_kernel_visits", default=None
+)
+
+
+@contextlib.contextmanager
+def record_visits() -> Iterator[list[Visit]]:
+    """Record every key block the blockwise kernels compute at run time, per device.
+
+    Functions traced inside the ``with`` get a host callback in the branch that
+    computes a block (not in the one that skips it), so the list fills when the
+    compiled program runs, once per device and block: the work each device did,
+    read off the program, not from a formula. Trace a fresh function inside (a
+    cached trace has no callbacks). Only for measuring: the callbacks cost time.
+
+    Example::
+
+        >>> with record_visits() as visits:
+        ...     jax.block_until_ready(jax.jit(f)(q, k, v))
+        >>> sum(v.flops for v in visits if v.kind == "forward")
+    """
+    sink: list[Visit] = []
+    token = _VISITS.set(sink)
+    try:
+        yield sink
+    finally:
+        _VISITS.reset(token)
+
+
+def _record(qg: jax.Array, offsets: Any, j: Any, pos: _Pos, kind: str) -> None:
+    sink = _VISITS.get()
+    if sink is None:
+        return
+    b, s, kv, g, d = qg.shape
+    block = pos[1]
+    flops = (4 if kind == "forward" else 8) * b * kv * g * s * block * d
+    q_offset, k_offset = offsets
+    q0 = jnp.asarray(0 if q_offset is None else q_offset)
+    k0 = j * block + (0 if k_offset is None else k_offset)
+
+    def append(q0: Any, k0: Any) -> None:
+        sink.append(Visit(kind, int(q0), s, int(k0), block, flops))
+
+    jax.debug.callback(append, q0, k0)
+
+
+def _skipping(
+    visit: Any, skip: Any, carry: Any, xs: Any, offsets: Any, s: int, sk: int, pos: _Pos
+) -> Any:
+    """``visit(carry, xs)`` for key block ``xs[2]`` where some query row can see a key
+    of it, else ``skip(carry, xs)`` (a ``lax.cond``: a skipped block costs nothing at
+    run time). Only on a block of a longer sequence (offsets or a key limit): the
+    whole-sequence kernel sees key 0 from every row and keeps its plain scan."""
+    causal, block, _, k_limit, _ = pos
+    q_offset, k_offset = offsets
+    if not (k_limit is not None or (causal and (q_offset, k_offset) != (None, None))):
+        return visit(carry, xs)
+    j = xs[2]
+    k0 = j * block + (0 if k_offset is None else k_offset)
+    keep = j * block < sk
+    if k_limit is not None:
+        keep = keep & (k0 < k_limit)
+    if causal:
+        keep = keep & (k0 <= (0 if q_offset is None else q_offset) + s - 1)
+    return jax.lax.cond(keep, visit, skip, carry, xs)
+
+
 def _exact_sqrt(d: int, scale: float) -> bool:
     """Whether ``scale`` is the default ``1/sqrt(d)`` (then divide by ``sqrt(d)``,
     bit for bit the reference models' attention)."""
@@ -462,9 +555,10 @@ def _flash_forward(q, k, v, offsets, pos):
     f32 = jnp.float32
     sk = k.shape[1]
 
-    def step(carry, xs):
+    def visit(carry, xs):
         acc, m, total = carry
         kj, vj, j = xs
+        _record(qg, offsets, j, pos, "forward")
         scores = _block_scores(qg, kj, j, sk, offsets, pos)
         # with no offsets key 0 is in block 0 and visible to every row, so m_new is a
         # real score from the first step on and masked entries get exp(min - m_new) = 0
@@ -473,7 +567,10 @@ def _flash_forward(q, k, v, offsets, pos):
         corr = jnp.exp(m - m_new)
         total = total * corr + jnp.sum(p, axis=-1)
         pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vj, preferred_element_type=f32)
-        return (acc * corr[..., None] + pv, m_new, total), None
+        return (acc * corr[..., None] + pv, m_new, total)
+
+    def step(carry, xs):
+        return _skipping(visit, lambda c, _: c, carry, xs, offsets, s, sk, pos), None
 
     stats = (b, kv, h // kv, s)
     low = jnp.finfo(f32).min
@@ -481,9 +578,11 @@ def _flash_forward(q, k, v, offsets, pos):
     init = tuple(_varying(x, q, k, v, offsets) for x in init)
     kb, vb = _to_blocks(k, pos[1]), _to_blocks(v, pos[1])
     (acc, m, total), _ = jax.lax.scan(step, init, (kb, vb, jnp.arange(kb.shape[0])))
-    out = (acc / total[..., None]).astype(q.dtype)  # [b, kv, g, s, d]
+    # a row whose every block was skipped has total 0: output 0, log-sum-exp lowest
+    seen = total > 0
+    out = (acc / jnp.where(seen, total, 1.0)[..., None]).astype(q.dtype)  # [b, kv, g, s, d]
     out = jnp.moveaxis(out, 3, 1).reshape(b, s, h, d)
-    return out, m + jnp.log(total)
+    return out, jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), low)
 
 
 def _flash_backward(offsets, pos, res, d_out, d_lse=None):
@@ -502,8 +601,9 @@ def _flash_backward(offsets, pos, res, d_out, d_lse=None):
     if d_lse is not None:
         delta = delta - d_lse
 
-    def step(dq, xs):
+    def visit(dq, xs):
         kj, vj, j = xs
+        _record(qg, offsets, j, pos, "backward")
         p = jnp.exp(_block_scores(qg, kj, j, sk, offsets, pos) - lse[..., None])
         dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(v.dtype), dog, preferred_element_type=f32)
         dp = jnp.einsum("bqkgd,bskd->bkgqs", dog, vj, preferred_element_type=f32)
@@ -511,6 +611,13 @@ def _flash_backward(offsets, pos, res, d_out, d_lse=None):
         dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg, preferred_element_type=f32)
         dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=f32)
         return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+
+    def skip(dq, xs):
+        kj, vj, _ = xs
+        return dq, (jnp.zeros_like(kj), jnp.zeros_like(vj))
+
+    def step(dq, xs):
+        return _skipping(visit, skip, dq, xs, offsets, s, sk, pos)
 
     kb, vb = _to_blocks(k, pos[1]), _to_blocks(v, pos[1])
     dq0 = _varying(jnp.zeros(qg.shape, f32), q, k, v, d_out, lse, offsets)

@@ -1,0 +1,159 @@
+"""The load-balanced sequence order of context parallelism.
+
+A causal mask gives query ``i`` the keys ``0..i``, so with the sequence split into
+``n`` contiguous shards the last shard does most of the attention work (shard ``i``
+of ``n`` attends to ``i + 1`` shards of keys). The balanced order splits the
+sequence into ``2n`` chunks of ``C = S / 2n`` tokens and puts chunks ``i`` and
+``2n - 1 - i`` on shard ``i``: in the permuted array, slots ``2i`` and ``2i + 1``
+hold natural chunks ``i`` and ``2n - 1 - i``. Every shard then does the same masked
+work (``2n + 1`` chunk-pairs' worth, the diagonal halves included).
+
+:class:`BalancedOrder` is the permutation. A context-parallel step applies it once,
+to the batch (tokens and targets alike, so a token-mean loss is unchanged), and
+traces its loss under :func:`balanced_order`: the reference models' RoPE reads
+:func:`current_order` for the tokens' positions, and the causal ``attention`` op
+(:func:`spmdkit.ops.attention`) masks by the natural positions of its rows.
+
+Example::
+
+    >>> BalancedOrder(2).permutation(8).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from spmdkit.errors import SpmdError
+
+__all__ = [
+    "BalancedOrder",
+    "SequenceOrderError",
+    "balanced_order",
+    "current_order",
+]
+
+
+class SequenceOrderError(SpmdError, ValueError):
+    """A sequence does not split into the balanced order's chunks.
+
+    Broken example: ``BalancedOrder(4).permutation(100)`` (100 tokens in 8 chunks).
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancedOrder:
+    """The load-balanced order of a sequence split over ``shards`` devices
+    (module docstring): ``2 · shards`` chunks, shard ``i`` holding natural chunks
+    ``i`` and ``2 · shards - 1 - i``.
+
+    Attributes:
+      shards: the number of devices the sequence is split over (>= 1; 1 is the
+        natural order).
+    """
+
+    shards: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shards, int) or isinstance(self.shards, bool) or self.shards < 1:
+            raise SequenceOrderError(
+                op="BalancedOrder",
+                must="shards be a positive int",
+                given=repr(self.shards),
+                fix="pass the size of the mesh axes the sequence is split over",
+            )
+
+    @property
+    def chunks(self) -> int:
+        """The number of chunks, ``2 · shards``."""
+        return 2 * self.shards
+
+    def chunk_size(self, seq_len: int, *, op: str = "BalancedOrder") -> int:
+        """Tokens per chunk, ``seq_len / (2 · shards)``.
+
+        Raises:
+          SequenceOrderError: ``2 · shards`` does not divide ``seq_len``.
+        """
+        if seq_len % self.chunks:
+            raise SequenceOrderError(
+                op=op,
+                must=f"the sequence length divide into 2 · {self.shards} = {self.chunks} chunks",
+                given=f"sequence length {seq_len}",
+                fix=f"use a sequence length that is a multiple of {self.chunks}, or fewer "
+                "context shards",
+            )
+        return seq_len // self.chunks
+
+    def natural_chunk(self, slot: Any) -> Any:
+        """The natural chunk at balanced chunk ``slot`` (an int or a traced int):
+        slot ``2i`` holds chunk ``i``, slot ``2i + 1`` chunk ``2n - 1 - i``."""
+        half = slot // 2
+        return jnp.where(slot % 2 == 0, half, self.chunks - 1 - half) if _traced(slot) else (
+            half if slot % 2 == 0 else self.chunks - 1 - half
+        )
+
+    def permutation(self, seq_len: int) -> np.ndarray:
+        """``perm[p]``: the natural position of the token at balanced position ``p``."""
+        c = self.chunk_size(seq_len)
+        slots = [self.natural_chunk(s) for s in range(self.chunks)]
+        return np.concatenate([np.arange(k * c, (k + 1) * c) for k in slots]).astype(np.int32)
+
+    def positions(self, seq_len: int) -> jnp.ndarray:
+        """The natural positions of the balanced order's tokens (RoPE's positions),
+        ``int32 [seq_len]``."""
+        return jnp.asarray(self.permutation(seq_len))
+
+    def apply(self, x: Any, axis: int = 1) -> Any:
+        """``x`` with its ``axis`` put in the balanced order (a numpy array stays numpy)."""
+        perm = self.permutation(x.shape[axis])
+        return np.take(x, perm, axis) if isinstance(x, np.ndarray) else jnp.take(x, perm, axis)
+
+    def restore(self, x: Any, axis: int = 1) -> Any:
+        """The inverse of :meth:`apply`: ``axis`` back in natural order."""
+        inv = np.argsort(self.permutation(x.shape[axis])).astype(np.int32)
+        return np.take(x, inv, axis) if isinstance(x, np.ndarray) else jnp.take(x, inv, axis)
+
+
+def _traced(x: Any) -> bool:
+    return not isinstance(x, int | np.integer)
+
+
+_ORDER: contextvars.ContextVar[BalancedOrder | None] = contextvars.ContextVar(
+    "spmdkit_sequence_order", default=None
+)
+
+
+@contextlib.contextmanager
+def balanced_order(order: BalancedOrder | int | None) -> Iterator[BalancedOrder | None]:
+    """Trace a loss whose batch is in ``order`` (a :class:`BalancedOrder`, its shard
+    count, or ``None``/1 for the natural order): inside, :func:`current_order`
+    returns it.
+
+    Example::
+
+        >>> with balanced_order(4):
+        ...     current_order()
+        BalancedOrder(shards=4)
+    """
+    if isinstance(order, int) and not isinstance(order, bool):
+        order = BalancedOrder(order)
+    if order is not None and order.shards == 1:
+        order = None
+    token = _ORDER.set(order)
+    try:
+        yield order
+    finally:
+        _ORDER.reset(token)
+
+
+def current_order() -> BalancedOrder | None:
+    """The sequence order the loss being traced runs in (:func:`balanced_order`);
+    ``None``: natural."""
+    return _ORDER.get()
