@@ -186,7 +186,8 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
         s = tokens.shape[1]
-        x = self.embed(tokens) + self.pos[:s]
+        at = lyr.positions(s)  # a context-parallel batch's natural positions
+        x = self.embed(tokens) + (self.pos[:s] if at is None else jnp.take(self.pos[...], at, 0))
         x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         if self.dropout is not None:
             x = self.dropout(x)

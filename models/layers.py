@@ -37,6 +37,7 @@ from spmdkit.kernels import (
 )
 from spmdkit.nn.calls import call_op
 from spmdkit.planner import BATCH_NAMES, PARAM_NAMES
+from spmdkit.sequence import current_order
 
 __all__ = [
     "ModelConfigError",
@@ -55,6 +56,7 @@ __all__ = [
     "softmax_cross_entropy",
     "batch_stats",
     "rope",
+    "positions",
     "CHECKPOINT_NAMES",
     "tag",
     "param",
@@ -294,11 +296,22 @@ def tag(x: jax.Array, name: str) -> jax.Array:
     return checkpoint_name(x, name)
 
 
+def positions(seq_len: int) -> jax.Array | None:
+    """The natural positions of the tokens of the loss being traced, ``int32
+    [seq_len]``, when its batch is in a context-parallel plan's balanced order
+    (:func:`spmdkit.sequence.current_order`); ``None`` in the natural order."""
+    order = current_order()
+    return None if order is None else order.positions(seq_len)
+
+
 def rope(x: jax.Array, *, theta: float) -> jax.Array:
-    """Rotary position embedding of ``x [batch, seq, heads, head_dim]`` (half-split pairs)."""
+    """Rotary position embedding of ``x [batch, seq, heads, head_dim]`` (half-split
+    pairs), at the tokens' natural positions (:func:`positions`)."""
     s, d = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    pos = positions(s)
+    pos = jnp.arange(s, dtype=jnp.float32) if pos is None else pos.astype(jnp.float32)
+    angles = pos[:, None] * inv_freq[None, :]
     cos = jnp.cos(angles)[None, :, None, :]
     sin = jnp.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

@@ -86,6 +86,7 @@ from spmdkit.kernels import (
     blockwise_attention_lse,
     plain_attention_lse,
 )
+from spmdkit.sequence import BalancedOrder
 from spmdkit.spec import TensorSpec
 
 __all__ = ["RULES", "AttentionRule", "attention_reference"]
@@ -106,10 +107,27 @@ def attention_reference(
     scale: float | None = None,
     implementation: str | None = None,
     block_size: int = _BLOCK,
+    balanced: int | None = None,
 ) -> jax.Array:
     """The unsharded op: ``jax.nn.dot_product_attention`` (XLA implementation), or,
     with ``implementation``, :func:`spmdkit.kernels.attention_kernel` (the reference
-    models' attention: ``"xla"``, ``"blockwise"``, ``"cudnn"``, ``"auto"``)."""
+    models' attention: ``"xla"``, ``"blockwise"``, ``"cudnn"``, ``"auto"``). With
+    ``balanced=n`` and ``causal``, the sequence dims are in
+    :class:`~spmdkit.sequence.BalancedOrder` ``(n)``: the op is the natural-order op on
+    the restored operands, its output put back in the balanced order."""
+    if causal and balanced and balanced > 1:
+        order = BalancedOrder(balanced)
+        q, k, v = (order.restore(t, 1) for t in (q, k, v))
+        out = attention_reference(
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            implementation=implementation,
+            block_size=block_size,
+        )
+        return order.apply(out, 1)
     if implementation is None:
         return jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=causal, implementation="xla"
@@ -173,6 +191,7 @@ def _check(ctx: RuleContext, inputs: Sequence[TensorSpec]) -> None:
             fix="cast the operands to a float dtype",
         )
     _check_implementation(ctx)
+    _check_balanced(ctx, q, k)
 
 
 def _check_implementation(ctx: RuleContext) -> None:
@@ -194,9 +213,51 @@ def _check_implementation(ctx: RuleContext) -> None:
         )
 
 
-def _check_sequence(ctx: RuleContext, lay: _Layout) -> None:
+def _balanced(attrs: Any) -> BalancedOrder | None:
+    """The balanced order the operands' sequence dims are in (``balanced=n`` under a
+    causal mask; the order does not matter without one), or None."""
+    n = attrs.get("balanced")
+    return BalancedOrder(n) if attrs.get("causal") and n and n > 1 else None
+
+
+def _check_balanced(ctx: RuleContext, q: TensorSpec, k: TensorSpec) -> None:
+    n = ctx.attrs.get("balanced")
+    if n is None:
+        return
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ShardingConflictError(
+            op=ctx.op,
+            must="balanced is a positive int (the shards of the balanced sequence order)",
+            given=repr(n),
+            fix="pass balanced=<the context axes' size>, or leave it unset",
+        )
+    order = _balanced(ctx.attrs)
+    if order is not None and (q.shape[1] != k.shape[1] or q.shape[1] % order.chunks):
+        raise ShardingConflictError(
+            op=ctx.op,
+            must=f"with balanced={n}, q and k have one sequence length, a multiple of {2 * n}",
+            given=f"q {q.shape}, k {k.shape}",
+            fix="pad the sequence to a multiple of 2 · balanced, or drop balanced",
+        )
+
+
+def _check_sequence(ctx: RuleContext, lay: _Layout, q: TensorSpec | None = None) -> None:
     """cuDNN's fused kernel masks causally from position 0 of its query block: it
-    cannot run on a sequence-sharded query block, so those strategies refuse it."""
+    cannot run on a sequence-sharded query block, so those strategies refuse it.
+    In the balanced order a sequence shard must hold whole chunks (its shard count
+    divides ``2n``), so the kernels see runs of consecutive positions."""
+    order = _balanced(ctx.attrs)
+    if order is not None and q is not None and lay.sq:
+        m = _size(ctx, lay.sq)
+        if order.chunks % m:
+            raise ShardingConflictError(
+                op=ctx.op,
+                must=f"the sequence shards ({m}) divide the balanced order's {order.chunks} "
+                "chunks",
+                given=f"balanced={order.shards} with the sequence over {lay.sq} ({m} shards)",
+                fix=f"pass balanced={m} (the size of the sequence's axes), or shard the "
+                "sequence over fewer devices",
+            )
     if ctx.attrs.get("implementation") == "cudnn" and ctx.attrs.get("causal") and lay.sq:
         raise ShardingConflictError(
             op=ctx.op,
@@ -365,7 +426,7 @@ class AttentionRule(Rule):
         _check(ctx, inputs)
         q, k, v = inputs
         lay = self._layout(ctx, q, k, v)
-        _check_sequence(ctx, lay)
+        _check_sequence(ctx, lay, q)
         rq, rk, rv, out = lay.specs(q, k, v)
         part = {}
         if not q.partial and not k.partial:
@@ -390,7 +451,7 @@ class AttentionRule(Rule):
                 fix="pass the op's output spec",
             )
         lay = self._layout(ctx, q, k, v, extra=(o,))
-        _check_sequence(ctx, lay)
+        _check_sequence(ctx, lay, q)
         rq, rk, rv, out = lay.specs(q, k, v)
         part = {a: op for a, op in o.partial if op in ("sum", "avg") and a not in lay.used}
         rv = rv.replace(partial=part)
@@ -416,7 +477,7 @@ class AttentionRule(Rule):
             )
         fwd = self._layout(ctx, q, k, v)
         lay = self._layout(ctx, q, k, v, extra=(g,), start=fwd)
-        _check_sequence(ctx, lay)
+        _check_sequence(ctx, lay, q)
         rq, rk, rv, out = lay.specs(q, k, v)
         gp = {a: op for a, op in g.partial if op in ("sum", "avg") and a not in lay.used}
         missing = {a: "sum" for a in lay.h if a not in lay.hkv}
@@ -504,14 +565,16 @@ def _own_local(
     n_sk = math.prod(lctx.axis_sizes[a] for a in sk_axes)
     b, s, hl, d = q.shape
     q5 = q.reshape(b, s, hl // g, g, d) * scale
+    order = _balanced(lctx.attrs)
     if strategy == "ring" and n_sk > 1:
-        out = _ring(lctx, ks, q5, k, v, view, q_pos, causal, n_sk)
+        out = _ring(lctx, ks, q5, k, v, view, q_pos, causal, n_sk, order)
     else:
         if sk_axes:  # gather_kv: K/V sequence-sharded, gathered here
             k = jax.lax.all_gather(k, sk_axes, axis=1, tiled=True)[:, :n_k]
             v = jax.lax.all_gather(v, sk_axes, axis=1, tiled=True)[:, :n_k]
         k_pos = jnp.arange(k.shape[1])
-        _, total, acc = _block(q5, view(k), view(v), _mask(q_pos, k_pos, n_k, causal))
+        mask = _mask(q_pos, k_pos, n_k, causal, order)
+        _, total, acc = _block(q5, view(k), view(v), mask)
         out = acc / total[..., None]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, hl, d)
 
@@ -533,6 +596,9 @@ def _kernel_local(
     causal = bool(attrs.get("causal", False))
     impl, block = attrs.get("implementation"), int(attrs.get("block_size", _BLOCK))
     q_off = lctx.offset(qs, 1) if qs.dims[1] else None
+    order = _balanced(attrs)
+    if order is not None:  # chunk-sized key blocks: whole blocks skip (even work)
+        block = _chunk_block(block, order.chunk_size(qs.shape[1]))
     if strategy == "ring" and n_sk > 1:
         if impl == "xla":
             part = functools.partial(plain_attention_lse, causal=causal, scale=attrs.get("scale"))
@@ -545,6 +611,15 @@ def _kernel_local(
     if sk_axes:  # gather_kv: K/V sequence-sharded, gathered here
         k = jax.lax.all_gather(k, sk_axes, axis=1, tiled=True)[:, :n_k]
         v = jax.lax.all_gather(v, sk_axes, axis=1, tiled=True)[:, :n_k]
+    if order is not None:
+        kernel = functools.partial(
+            attention_kernel,
+            causal=causal,
+            implementation=impl,
+            block_size=block,
+            scale=attrs.get("scale"),
+        )
+        return _balanced_gathered(lctx, kernel, q, k, v, view, order)
     return attention_kernel(
         q,
         view(k),
@@ -581,8 +656,12 @@ def _kernel_ring(
     def rows(w: jax.Array) -> jax.Array:  # [b, kv, g, s] -> [b, s, h, 1]
         return jnp.moveaxis(w, 3, 1).reshape(b, s, h)[..., None]
 
+    order = _balanced(lctx.attrs)
+
     def visit(step: Any, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
         k_off = ((me - step) % n) * blk  # the block that arrived
+        if order is not None:
+            return _balanced_part(lctx, part, q, view(k), view(v), k_off, order)
         return part(q, view(k), view(v), q_offset=q_off, k_offset=k_off, k_limit=sk)
 
     def body(carry: tuple, step: jax.Array) -> tuple[tuple, None]:
@@ -603,10 +682,103 @@ def _kernel_ring(
     return out
 
 
-def _mask(q_pos: jax.Array, k_pos: jax.Array, sk: int, causal: bool) -> jax.Array:
-    """[Sq_local, Sk_block] visibility: real keys, and keys ≤ query when causal."""
+def _chunk_block(block: int, chunk: int) -> int:
+    """The largest key block ``<= block`` that divides a chunk of the balanced order
+    (a block never straddles two chunks, so the kernel skips whole masked chunks)."""
+    return max(b for b in range(1, min(block, chunk) + 1) if chunk % b == 0)
+
+
+def _chunks(start: Any, length: int, chunk: int, order: BalancedOrder) -> list[tuple[int, Any]]:
+    """The balanced order's chunks in the ``length`` indices from global index
+    ``start`` (traced): ``(local start, natural position of its first token)``."""
+    first = start // chunk
+    return [(i * chunk, order.natural_chunk(first + i) * chunk) for i in range(length // chunk)]
+
+
+def _merge(acc: Any, o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two partial attentions (output ``[b, s, h, d]``, log-sum-exp ``[b, kv, g, s]``)
+    of disjoint key sets merged into one, float32."""
+    if acc is None:
+        return o.astype(jnp.float32), lse
+    out, old = acc
+    b, s, h, _ = out.shape
+    new = jnp.logaddexp(old, lse)
+
+    def rows(w: jax.Array) -> jax.Array:  # [b, kv, g, s] -> [b, s, h, 1]
+        return jnp.moveaxis(w, 3, 1).reshape(b, s, h)[..., None]
+
+    return out * rows(jnp.exp(old - new)) + o.astype(jnp.float32) * rows(jnp.exp(lse - new)), new
+
+
+def _balanced_part(
+    lctx: LocalContext,
+    part: Callable[..., tuple[jax.Array, jax.Array]],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_start: Any,
+    order: BalancedOrder,
+) -> tuple[jax.Array, jax.Array]:
+    """The ring's partial attention of the local queries to one arrived K/V block,
+    both in the balanced order: one kernel call per (query chunk, key chunk), each
+    a run of consecutive positions (a chunk after the query chunk is skipped whole
+    by the kernel), merged per query chunk."""
+    qs = lctx.inputs[0]
+    c = order.chunk_size(qs.shape[1])
+    outs, lses = [], []
+    for qa, q_off in _chunks(lctx.offset(qs, 1), q.shape[1], c, order):
+        acc = None
+        for ka, k_off in _chunks(k_start, k.shape[1], c, order):
+            o, lse = part(
+                q[:, qa : qa + c],
+                k[:, ka : ka + c],
+                v[:, ka : ka + c],
+                q_offset=q_off,
+                k_offset=k_off,
+                k_limit=None,
+            )
+            acc = _merge(acc, o, lse)
+        outs.append(acc[0])
+        lses.append(acc[1])
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=3)
+
+
+def _balanced_gathered(
+    lctx: LocalContext,
+    kernel: Callable[..., jax.Array],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    view: Callable[[jax.Array], jax.Array],
+    order: BalancedOrder,
+) -> jax.Array:
+    """The kernel on whole (gathered) K/V in the balanced order: K/V restored to
+    the natural order, then one call per local query chunk at its natural offset
+    (the kernel skips the key blocks after the chunk); a whole query sequence is
+    restored too and its output put back."""
+    qs = lctx.inputs[0]
+    k, v = view(order.restore(k, 1)), view(order.restore(v, 1))
+    if not qs.dims[1]:
+        return order.apply(kernel(order.restore(q, 1), k, v), 1)
+    c = order.chunk_size(qs.shape[1])
+    parts = [
+        kernel(q[:, qa : qa + c], k, v, q_offset=q_off)
+        for qa, q_off in _chunks(lctx.offset(qs, 1), q.shape[1], c, order)
+    ]
+    return jnp.concatenate(parts, axis=1)
+
+
+def _mask(
+    q_pos: jax.Array, k_pos: jax.Array, sk: int, causal: bool, order: BalancedOrder | None = None
+) -> jax.Array:
+    """[Sq_local, Sk_block] visibility: real keys, and keys ≤ query when causal.
+    ``q_pos``/``k_pos`` are global indices; in a balanced ``order`` the causal mask
+    compares the natural positions at those indices."""
     mask = (k_pos < sk)[None, :]
     if causal:
+        if order is not None:
+            table = order.positions(sk)
+            q_pos, k_pos = (jnp.take(table, jnp.clip(p, 0, sk - 1)) for p in (q_pos, k_pos))
         mask = mask & (k_pos[None, :] <= q_pos[:, None])
     return mask
 
@@ -636,6 +808,7 @@ def _ring(
     q_pos: jax.Array,
     causal: bool,
     n: int,
+    order: BalancedOrder | None = None,
 ) -> jax.Array:
     """Online softmax over the key blocks as they pass around the ring of ``ks``'s
     sequence axes; each step sends this device's current block to the next device.
@@ -650,7 +823,7 @@ def _ring(
 
     def visit(step: Any, k: jax.Array, v: jax.Array):
         k_pos = ((me - step) % n) * blk + jnp.arange(blk)  # the block that arrived
-        return _block(q5, view(k), view(v), _mask(q_pos, k_pos, sk, causal))
+        return _block(q5, view(k), view(v), _mask(q_pos, k_pos, sk, causal, order))
 
     def body(carry: tuple, step: jax.Array) -> tuple[tuple, None]:
         m, total, acc, k, v = carry

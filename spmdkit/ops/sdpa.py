@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from spmdkit.ops.base import apply_rule
+from spmdkit.sequence import current_order
 from spmdkit.spec import MeshLike
 
 __all__ = ["attention"]
@@ -36,6 +37,7 @@ def attention(
     block_size: int | None = None,
     mesh: MeshLike | None = None,
     in_specs: Sequence[Any] | None = None,
+    balanced: int | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention governed by the ``attention`` rule.
 
@@ -62,6 +64,12 @@ def attention(
       mesh: the mesh (default: the arrays' mesh or the ``jax.set_mesh`` context).
       in_specs: per argument a ``PartitionSpec``/``TensorSpec`` or ``None``;
         needed for traced arguments under Auto mesh axes.
+      balanced: with ``causal``, the sequence dims of q, k, v are in the
+        load-balanced order for this many context shards
+        (:class:`spmdkit.sequence.BalancedOrder`): the mask compares natural
+        positions. ``None``: the order the loss is traced in
+        (:func:`spmdkit.sequence.current_order`, set by a context-parallel plan's
+        step); ``1``: natural.
 
     Returns:
       ``[B, Sq, H, D]`` in q's dtype, laid out as the rule claims (batch, heads
@@ -90,4 +98,9 @@ def attention(
         attrs["implementation"] = implementation
     if block_size is not None:
         attrs["block_size"] = block_size
+    if balanced is None and causal:
+        order = current_order()
+        balanced = None if order is None else order.shards
+    if causal and balanced is not None and balanced != 1:
+        attrs["balanced"] = balanced
     return apply_rule("attention", q, k, v, mesh=mesh, in_specs=in_specs, **attrs)
