@@ -89,6 +89,7 @@ from spmdkit.loss import Loss, as_loss
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import LayerScan, find_layer_scan
 from spmdkit.pipeline.split import CALLS, call_body
+from spmdkit.sequence import BalancedOrder, balance_batch, context_parallel, plan_context
 
 __all__ = [
     "NAMED_POLICIES",
@@ -562,8 +563,7 @@ def value_and_grad(
     rcp = recipe_of(recipe)
     loss = as_loss(loss_fn, has_state=has_state, has_aux=has_aux)
 
-    def user_loss(params: Any, batch: Any, *rest: Any) -> Any:
-        return loss.fn(params, as_tree(batch), *rest)
+    user_loss = _context_parallel_loss(loss, recipe)
 
     inner = remat_loss(fp8_loss(user_loss) if rcp.compute_dtype == "float8" else user_loss, rcp)
 
@@ -597,6 +597,41 @@ def value_and_grad(
 
     grad_fn.recipe = rcp  # type: ignore[attr-defined]
     return functools.wraps(loss.fn)(grad_fn)
+
+
+def _context_parallel_loss(loss: Loss, plan: Any) -> Callable[..., Any]:
+    """The user's loss on the batch as a tree; under a plan with context parallelism
+    (``plan.context``) the batch's ``seq`` dims put in the balanced order first
+    (:func:`spmdkit.sequence.balance_batch`, once per step: a token-mean loss is
+    unchanged) and the loss traced under :func:`spmdkit.sequence.context_parallel`
+    (RoPE's positions, the causal mask's order, the planned attention strategy)."""
+    cp = plan_context(plan)
+    if cp is None:
+        return lambda params, batch, *rest: loss.fn(params, as_tree(batch), *rest)
+    order = BalancedOrder(cp.degree) if cp.load_balanced else None
+    axes = dict(getattr(plan, "batch_axes", {}))
+
+    def user_loss(params: Any, batch: Any, *rest: Any) -> Any:
+        tree = as_tree(batch)
+        if order is not None:
+            tree = _keep_layout(plan, balance_batch(tree, axes, order))
+        with context_parallel(order, attention=cp.attention):
+            return loss.fn(params, tree, *rest)
+
+    return user_loss
+
+
+def _keep_layout(plan: Any, batch: Any) -> Any:
+    """The permuted batch constrained to the plan's batch layout (a gather along a
+    sharded dim would otherwise leave it replicated, and the model's activations
+    with it)."""
+    specs = plan.batch_specs(batch)
+    return jax.tree.map(
+        lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(plan.sharding_mesh, spec)),
+        batch,
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def _check_pipelined(loss: Loss, pipe: Any) -> None:

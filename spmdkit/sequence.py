@@ -10,7 +10,7 @@ work (``2n + 1`` chunk-pairs' worth, the diagonal halves included).
 
 :class:`BalancedOrder` is the permutation. A context-parallel step applies it once,
 to the batch (tokens and targets alike, so a token-mean loss is unchanged), and
-traces its loss under :func:`balanced_order`: the reference models' RoPE reads
+traces its loss under :func:`context_parallel`: the reference models' RoPE reads
 :func:`current_order` for the tokens' positions, and the causal ``attention`` op
 (:func:`spmdkit.ops.attention`) masks by the natural positions of its rows.
 
@@ -25,19 +25,24 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from spmdkit.errors import SpmdError
+from spmdkit.util import path_str
 
 __all__ = [
     "BalancedOrder",
     "SequenceOrderError",
-    "balanced_order",
+    "balance_batch",
+    "context_parallel",
+    "current_attention",
     "current_order",
+    "plan_context",
 ]
 
 
@@ -125,35 +130,75 @@ def _traced(x: Any) -> bool:
     return not isinstance(x, int | np.integer)
 
 
-_ORDER: contextvars.ContextVar[BalancedOrder | None] = contextvars.ContextVar(
-    "spmdkit_sequence_order", default=None
+_CONTEXT: contextvars.ContextVar[tuple[BalancedOrder | None, str | None]] = (
+    contextvars.ContextVar("spmdkit_sequence_context", default=(None, None))
 )
 
 
 @contextlib.contextmanager
-def balanced_order(order: BalancedOrder | int | None) -> Iterator[BalancedOrder | None]:
+def context_parallel(
+    order: BalancedOrder | int | None, *, attention: str | None = None
+) -> Iterator[BalancedOrder | None]:
     """Trace a loss whose batch is in ``order`` (a :class:`BalancedOrder`, its shard
-    count, or ``None``/1 for the natural order): inside, :func:`current_order`
-    returns it.
+    count, or ``None``/1 for the natural order) and whose attention ops run
+    ``attention`` (``"ring"``, ``"gather_kv"``; ``None``: as planned): inside,
+    :func:`current_order` and :func:`current_attention` return them.
 
     Example::
 
-        >>> with balanced_order(4):
-        ...     current_order()
-        BalancedOrder(shards=4)
+        >>> with context_parallel(4, attention="ring"):
+        ...     current_order(), current_attention()
+        (BalancedOrder(shards=4), 'ring')
     """
     if isinstance(order, int) and not isinstance(order, bool):
         order = BalancedOrder(order)
     if order is not None and order.shards == 1:
         order = None
-    token = _ORDER.set(order)
+    token = _CONTEXT.set((order, attention))
     try:
         yield order
     finally:
-        _ORDER.reset(token)
+        _CONTEXT.reset(token)
 
 
 def current_order() -> BalancedOrder | None:
-    """The sequence order the loss being traced runs in (:func:`balanced_order`);
+    """The sequence order the loss being traced runs in (:func:`context_parallel`);
     ``None``: natural."""
-    return _ORDER.get()
+    return _CONTEXT.get()[0]
+
+
+def current_attention() -> str | None:
+    """The attention strategy a context-parallel step pins (:func:`context_parallel`);
+    ``None``: the planner's choice per op."""
+    return _CONTEXT.get()[1]
+
+
+def plan_context(plan: Any) -> Any:
+    """A plan's context parallelism (its ``context``: axes, degree, attention,
+    load_balanced), or ``None`` for a plan without one or a recipe."""
+    ctx = getattr(plan, "context", None)
+    return ctx if ctx is not None and getattr(ctx, "degree", 1) > 1 else None
+
+
+def balance_batch(batch: Any, batch_axes: Mapping[str, tuple], order: BalancedOrder) -> Any:
+    """``batch`` with every field whose dims ``batch_axes`` names ``seq`` (the plan's
+    :attr:`~spmdkit.planner.plans.Plan.batch_axes`, keyed by field path) put in the
+    balanced ``order`` along those dims. Fields without a ``seq`` dim pass.
+
+    Example::
+
+        >>> balance_batch({"tokens": np.arange(8)[None]}, {"tokens": ("batch", "seq")},
+        ...               BalancedOrder(2))["tokens"].tolist()
+        [[0, 1, 6, 7, 2, 3, 4, 5]]
+    """
+
+    def one(path: tuple, x: Any) -> Any:
+        names = batch_axes.get(path_str(path))
+        if names is None or len(names) != np.ndim(x):
+            return x
+        for dim, name in enumerate(names):
+            if name == "seq":
+                x = order.apply(x, dim)
+        return x
+
+    return jax.tree_util.tree_map_with_path(one, batch)

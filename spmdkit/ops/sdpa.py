@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from spmdkit.ops.base import apply_rule
-from spmdkit.sequence import current_order
+from spmdkit.sequence import current_attention, current_order
 from spmdkit.spec import MeshLike
 
 __all__ = ["attention"]
@@ -52,7 +52,9 @@ def attention(
       strategy: ``"default"`` (the reference semantics: batch and heads parallel, sequences
         replicated), ``"gather_kv"`` (queries stay sequence-sharded, K/V
         all-gathered) or ``"ring"`` (queries and K/V sequence-sharded alike, K/V
-        blocks passed around the ring).
+        blocks passed around the ring). ``None``: the one a context-parallel
+        plan's step pins (:func:`spmdkit.sequence.current_attention`), else the
+        planner's choice.
       implementation: the local computation. ``None``: the op's own (float32
         scores of all keys at once; the ring's online softmax). Else a kernel of
         :mod:`spmdkit.kernels` on each device's blocks, under every strategy:
@@ -92,6 +94,7 @@ def attention(
         attrs["causal"] = True
     if scale is not None:
         attrs["scale"] = float(scale)
+    strategy = current_attention() if strategy is None else strategy
     if strategy is not None:
         attrs["strategy"] = strategy
     if implementation is not None:
