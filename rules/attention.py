@@ -252,8 +252,7 @@ def _check_sequence(ctx: RuleContext, lay: _Layout, q: TensorSpec | None = None)
         if order.chunks % m:
             raise ShardingConflictError(
                 op=ctx.op,
-                must=f"the sequence shards ({m}) divide the balanced order's {order.chunks} "
-                "chunks",
+                must=f"the sequence shards ({m}) divide the balanced order's {order.chunks} chunks",
                 given=f"balanced={order.shards} with the sequence over {lay.sq} ({m} shards)",
                 fix=f"pass balanced={m} (the size of the sequence's axes), or shard the "
                 "sequence over fewer devices",
@@ -777,8 +776,7 @@ def _mask(
     mask = (k_pos < sk)[None, :]
     if causal:
         if order is not None:
-            table = order.positions(sk)
-            q_pos, k_pos = (jnp.take(table, jnp.clip(p, 0, sk - 1)) for p in (q_pos, k_pos))
+            q_pos, k_pos = (order.position_of(jnp.clip(p, 0, sk - 1), sk) for p in (q_pos, k_pos))
         mask = mask & (k_pos[None, :] <= q_pos[:, None])
     return mask
 

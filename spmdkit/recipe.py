@@ -627,7 +627,9 @@ def _keep_layout(plan: Any, batch: Any) -> Any:
     with it)."""
     specs = plan.batch_specs(batch)
     return jax.tree.map(
-        lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(plan.sharding_mesh, spec)),
+        lambda x, spec: jax.lax.with_sharding_constraint(
+            x, NamedSharding(plan.sharding_mesh, spec)
+        ),
         batch,
         specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),

@@ -100,8 +100,10 @@ class BalancedOrder:
         """The natural chunk at balanced chunk ``slot`` (an int or a traced int):
         slot ``2i`` holds chunk ``i``, slot ``2i + 1`` chunk ``2n - 1 - i``."""
         half = slot // 2
-        return jnp.where(slot % 2 == 0, half, self.chunks - 1 - half) if _traced(slot) else (
-            half if slot % 2 == 0 else self.chunks - 1 - half
+        return (
+            jnp.where(slot % 2 == 0, half, self.chunks - 1 - half)
+            if _traced(slot)
+            else (half if slot % 2 == 0 else self.chunks - 1 - half)
         )
 
     def permutation(self, seq_len: int) -> np.ndarray:
@@ -110,28 +112,48 @@ class BalancedOrder:
         slots = [self.natural_chunk(s) for s in range(self.chunks)]
         return np.concatenate([np.arange(k * c, (k + 1) * c) for k in slots]).astype(np.int32)
 
-    def positions(self, seq_len: int) -> jnp.ndarray:
+    def positions(self, seq_len: int) -> jax.Array:
         """The natural positions of the balanced order's tokens (RoPE's positions),
-        ``int32 [seq_len]``."""
-        return jnp.asarray(self.permutation(seq_len))
+        ``int32 [seq_len]`` (computed from an iota, no constant array)."""
+        return self.position_of(jnp.arange(seq_len, dtype=jnp.int32), seq_len)
+
+    def position_of(self, index: Any, seq_len: int) -> Any:
+        """The natural position of the token at balanced ``index`` (traced ints)."""
+        c = self.chunk_size(seq_len)
+        return self.natural_chunk(index // c) * c + index % c
 
     def apply(self, x: Any, axis: int = 1) -> Any:
-        """``x`` with its ``axis`` put in the balanced order (a numpy array stays numpy)."""
-        perm = self.permutation(x.shape[axis])
-        return np.take(x, perm, axis) if isinstance(x, np.ndarray) else jnp.take(x, perm, axis)
+        """``x`` with its ``axis`` put in the balanced order (a numpy array stays
+        numpy; a jax array is cut into its chunks and concatenated in the new order:
+        static slices, no gather)."""
+        n = x.shape[axis]
+        if isinstance(x, np.ndarray):
+            return np.take(x, self.permutation(n), axis)
+        return _reorder(
+            x, axis, self.chunk_size(n), [self.natural_chunk(s) for s in range(self.chunks)]
+        )
 
     def restore(self, x: Any, axis: int = 1) -> Any:
         """The inverse of :meth:`apply`: ``axis`` back in natural order."""
-        inv = np.argsort(self.permutation(x.shape[axis])).astype(np.int32)
-        return np.take(x, inv, axis) if isinstance(x, np.ndarray) else jnp.take(x, inv, axis)
+        n = x.shape[axis]
+        if isinstance(x, np.ndarray):
+            return np.take(x, np.argsort(self.permutation(n)), axis)
+        slot = {self.natural_chunk(s): s for s in range(self.chunks)}
+        return _reorder(x, axis, self.chunk_size(n), [slot[c] for c in range(self.chunks)])
+
+
+def _reorder(x: jax.Array, axis: int, chunk: int, take: list[int]) -> jax.Array:
+    """The chunks of ``x`` along ``axis`` in the order ``take`` lists them."""
+    parts = [jax.lax.slice_in_dim(x, i * chunk, (i + 1) * chunk, axis=axis) for i in take]
+    return jnp.concatenate(parts, axis=axis)
 
 
 def _traced(x: Any) -> bool:
     return not isinstance(x, int | np.integer)
 
 
-_CONTEXT: contextvars.ContextVar[tuple[BalancedOrder | None, str | None]] = (
-    contextvars.ContextVar("spmdkit_sequence_context", default=(None, None))
+_CONTEXT: contextvars.ContextVar[tuple[BalancedOrder | None, str | None]] = contextvars.ContextVar(
+    "spmdkit_sequence_context", default=(None, None)
 )
 
 
@@ -197,8 +219,9 @@ def balance_batch(batch: Any, batch_axes: Mapping[str, tuple], order: BalancedOr
         if names is None or len(names) != np.ndim(x):
             return x
         for dim, name in enumerate(names):
-            if name == "seq":
-                x = order.apply(x, dim)
+            if name == "seq":  # one gather of the (small) field, as XLA partitions it
+                perm = order.permutation(np.shape(x)[dim])
+                x = np.take(x, perm, dim) if isinstance(x, np.ndarray) else jnp.take(x, perm, dim)
         return x
 
     return jax.tree_util.tree_map_with_path(one, batch)

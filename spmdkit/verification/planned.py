@@ -296,12 +296,13 @@ def manual_scatter_bytes(
     records: Iterable[EqnRecord], repeat: int = 1, *, promoted: bool = False
 ) -> int:
     """The reduce-scatter bytes of the ``psum_scatter`` calls that ``shard_map`` bodies
-    call (a pipeline's gradients: XLA runs them as written, on CPU too; loops
-    repeated). ``promoted``: only those of 16-bit floats (:data:`CPU_PROMOTED`)."""
+    call (a pipeline's gradients; a region's own, e.g. ``gather_kv`` attention's K/V
+    gradients: XLA runs them as written, on CPU too; loops repeated). ``promoted``:
+    only those of 16-bit floats (:data:`CPU_PROMOTED`)."""
     total = 0
     for r in records:
         for a in r.reshards:
-            if not a.arg.endswith(" in shard_map"):
+            if not a.arg.endswith((" in shard_map", " (region)")):
                 continue
             if promoted and a.src.dtype not in CPU_PROMOTED:
                 continue

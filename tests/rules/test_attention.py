@@ -10,6 +10,7 @@ import spmdkit as sk
 from spmdkit.engine.local import shard_program
 from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError
+from spmdkit.sequence import BalancedOrder
 from spmdkit.testing import check_forward_case, check_grad_case
 from spmdkit.verification.hlo import check_plan, compiled_collectives
 from tests.sampling import latin, sampled
@@ -384,3 +385,58 @@ def test_implementation_errors_are_typed():
             )
     r = sk.infer_forward("attention", q, k, k, mesh=mesh, causal=True, implementation="cudnn")
     assert str(r.inputs[0]) == "f32[4,8,4,8]"  # the default strategy gathers the sequence
+
+
+def test_balanced_order_needs_whole_chunks_per_shard():
+    mesh = sk.abstract_mesh(x=4)
+    q, k = q_spec((2, 24, 4, 8), P(None, "x")), kv_spec((2, 24, 2, 8))
+    with pytest.raises(ShardingConflictError, match="divide the balanced order's 6 chunks"):
+        sk.infer_forward("attention", q, k, k, mesh=mesh, strategy="ring", causal=True, balanced=3)
+    q, k = q_spec((2, 12, 4, 8), P(None, "x")), kv_spec((2, 12, 2, 8))
+    with pytest.raises(ShardingConflictError, match="a multiple of 8"):
+        sk.infer_forward("attention", q, k, k, mesh=mesh, strategy="ring", causal=True, balanced=4)
+    # layouts and collectives do not depend on the order
+    q, k = q_spec((2, 16, 4, 8), P(None, "x")), kv_spec((2, 16, 2, 8))
+    plain = sk.infer_forward("attention", q, k, k, mesh=mesh, strategy="ring", causal=True)
+    bal = sk.infer_forward(
+        "attention", q, k, k, mesh=mesh, strategy="ring", causal=True, balanced=4
+    )
+    assert (bal.inputs, bal.outputs, bal.collectives) == (
+        plain.inputs,
+        plain.outputs,
+        plain.collectives,
+    )
+
+
+_BALANCED = [(s, k) for s in ("ring", "gather_kv") for k in (None, "blockwise", "xla")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "implementation"),
+    sampled(_BALANCED, {("ring", "blockwise"), ("gather_kv", "blockwise"), ("ring", None)}),
+    ids=[f"{s}-{k}" for s, k in _BALANCED],
+)
+def test_balanced_order_equals_the_reference(strategy, implementation):
+    """Operands in the balanced order for 4 shards (chunks i and 7 - i on shard i),
+    sequence over x=4: forward and grad equal the reference (the natural-order op
+    on the restored operands), GQA heads, causal."""
+    rng = np.random.default_rng(0)
+    mesh = sk.make_mesh(x=4, y=2)
+    shapes = ((2, 16, 4, 4), (2, 16, 2, 4), (2, 16, 2, 4))
+    specs = tuple(T(s, P("y", "x"), dtype=F32) for s in shapes)
+    attrs = {"causal": True, "strategy": strategy, "balanced": 4, "block_size": 2}
+    if implementation is not None:
+        attrs["implementation"] = implementation
+    vals = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    fail, _ = check_forward_case("attention", specs, mesh, values=vals, attrs=attrs)
+    assert fail is None, str(fail)
+    cot = [rng.standard_normal(shapes[0]).astype(np.float32)]
+    fail, _ = check_grad_case(
+        "attention", specs, (specs[0],), mesh, values=vals, cotangents=cot, attrs=attrs
+    )
+    assert fail is None, str(fail)
+    ref = get_rule("attention").impl
+    natural = BalancedOrder(4).restore(ref(*vals, causal=True, balanced=4), 1)
+    want = ref(*(BalancedOrder(4).restore(v, 1) for v in vals), causal=True)
+    np.testing.assert_allclose(natural, want, rtol=1e-6, atol=1e-6)
