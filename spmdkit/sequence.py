@@ -204,7 +204,7 @@ def plan_context(plan: Any) -> Any:
 
 def balance_batch(batch: Any, batch_axes: Mapping[str, tuple], order: BalancedOrder) -> Any:
     """``batch`` with every field whose dims ``batch_axes`` names ``seq`` (the plan's
-    :attr:`~spmdkit.planner.plans.Plan.batch_axes`, keyed by field path) put in the
+    ``batch_axes``, keyed by field path) put in the
     balanced ``order`` along those dims. Fields without a ``seq`` dim pass.
 
     Example::

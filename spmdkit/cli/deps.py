@@ -64,6 +64,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.jaxprs",
         "spmdkit.fp8",
         "spmdkit.batch",
+        "spmdkit.sequence",
         "spmdkit.loss",
     ),
     "rule": ("spmdkit.engine",),
