@@ -422,7 +422,7 @@ def long_sequences(cases: list) -> list[dict]:
         }
         rows.append(row)
         print(
-            f"{seq:>8}{batch:>4}  {row['chosen'][:58]:<58}{cp:<30}"
+            f"{seq:>8}{batch:>6}  {row['chosen'][:66]:<66}  {cp:<32}"
             f"{_gib(p.cost.peak_bytes):>8}{row['tok_s_gpu']:>8.0f}{seconds:>8.1f}",
             flush=True,
         )
