@@ -18,6 +18,12 @@ untimed warm-up of both sides so that neither pays Python's first-use costs:
   (tracing included) in seconds / the 3 s target (target ≤ 1.0; models under
   10M parameters), with a preset's planning time beside it.
 
+**Command line** (``cli`` in the JSON): seconds from starting a fresh
+``python -m spmdkit`` process to its exit on flags that cannot work
+(``train gpt --resume`` without ``--ckpt``, ``--ckpt`` naming a file, ``export``
+of a missing checkpoint), each the median of ``--repeats`` runs, with
+``python -c "import spmdkit"`` beside them (target: each case under 2 s).
+
 **Step time** (``rows``): a step compiled by ``sk.jit(step, plan)`` vs the same
 step written by hand with ``jax.jit(..., in_shardings=..., out_shardings=...)``.
 
@@ -83,9 +89,68 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-#: Issue 35's start-up targets: ratio (or seconds / 3 s for auto) at most this.
-TARGETS = {"init": 1.5, "first_call": 1.3, "auto": 1.0}
+#: Issue 35's start-up targets: ratio (or seconds / 3 s for auto, seconds / 2 s for
+#: a bad command line) at most this.
+TARGETS = {"init": 1.5, "first_call": 1.3, "auto": 1.0, "cli": 1.0}
 AUTO_TARGET_S = 3.0
+CLI_TARGET_S = 2.0
+
+#: Command lines that must fail on their flags (``spmdkit`` arguments; FILE and
+#: MISSING are filled in with a file and a path that does not exist).
+CLI_CASES = {
+    "train --resume, no --ckpt": ["train", "gpt", "--resume"],
+    "train --ckpt FILE": ["train", "gpt", "--ckpt", "FILE"],
+    "export MISSING OUT": ["export", "MISSING", "OUT"],
+}
+
+
+def measure_cli(repeats: int) -> dict[str, Any]:
+    """Fresh-process wall seconds of each :data:`CLI_CASES` command (exit status 2
+    checked) and of ``import spmdkit``, medians of ``repeats`` runs."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+
+    def run(args: list[str], want: int) -> float:
+        t0 = time.perf_counter()
+        res = subprocess.run(
+            [sys.executable, *args],
+            check=False,
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        dt = time.perf_counter() - t0
+        if res.returncode != want:
+            raise RuntimeError(f"{args}: exit {res.returncode}, expected {want}: {res.stderr}")
+        return dt
+
+    out: dict[str, Any] = {"cases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "file").write_text("not a directory")
+        fill = {
+            "FILE": str(Path(tmp, "file")),
+            "MISSING": str(Path(tmp, "missing")),
+            "OUT": str(Path(tmp, "out")),
+        }
+        for name, argv in CLI_CASES.items():
+            args = ["-m", "spmdkit", *(fill.get(a, a) for a in argv)]
+            out["cases"][name] = statistics.median(run(args, 2) for _ in range(repeats))
+        out["import_spmdkit_s"] = statistics.median(
+            run(["-c", "import spmdkit"], 0) for _ in range(repeats)
+        )
+    out["worst_s"] = max(out["cases"].values())
+    out["cli_ratio"] = out["worst_s"] / CLI_TARGET_S
+    return out
+
+
+def _cli_table(cli: dict[str, Any]) -> None:
+    for name, t in cli["cases"].items():
+        print(f"fresh process: spmdkit {name:<28} {t:5.2f}s (target < {CLI_TARGET_S:g} s)")
+    print(f"fresh process: import spmdkit{'':<22}{cli['import_spmdkit_s']:5.2f}s")
 
 
 def _startup_case(name: str) -> dict[str, Any]:
@@ -241,7 +306,7 @@ def measure_startup(name: str, repeats: int) -> dict[str, Any]:
     }
 
 
-def _startup_table(rows: list[dict[str, Any]]) -> None:
+def _startup_table(rows: list[dict[str, Any]], cli: dict[str, Any] | None) -> None:
     print(
         f"{'model':<8}{'params':>8}  {'init_sharded':>12} {'jax.jit':>8} {'ratio':>6}  "
         f"{'1st sk.jit':>10} {'jax.jit':>8} {'ratio':>6}  {'auto':>6} {'/3 s':>5} {'preset':>7}"
@@ -259,6 +324,9 @@ def _startup_table(rows: list[dict[str, Any]]) -> None:
         "first_call": max(r["first_call_ratio"] for r in rows),
         "auto": max(r["auto_ratio"] for r in rows),
     }
+    if cli is not None:
+        _cli_table(cli)
+        worst["cli"] = cli["cli_ratio"]
     print(
         "worst ratios (target): "
         + ", ".join(
@@ -427,10 +495,12 @@ def main(argv: list[str] | None = None) -> int:
             RESULTS / ("overhead_startup.json" if args.startup_only else "overhead.json")
         )
     startup = []
+    repeats = args.repeats or (1 if args.quick else 3)
     for name in [] if args.gpu else [m for m in args.startup_models.split(",") if m]:
-        startup.append(measure_startup(name, args.repeats or (1 if args.quick else 3)))
+        startup.append(measure_startup(name, repeats))
+    cli = None if args.gpu else measure_cli(repeats)
     if startup:
-        _startup_table(startup)
+        _startup_table(startup, cli)
     models = [] if args.startup_only else [m for m in args.models.split(",") if m]
     larger = {"gpt": ["124m", "350m"], "llama": ["small"]}
     cases = [(m, "tiny") for m in models]
@@ -464,10 +534,13 @@ def main(argv: list[str] | None = None) -> int:
         "meta": machine(args.gpu) | {"quick": args.quick, "load_average_1m_start": load_start},
         "targets": TARGETS,
         "startup": startup,
+        "cli": cli,
         "definitions": {
             "init_ratio": "sk.init_sharded / jax.jit(init, out_shardings=plan's), cold caches",
             "first_call_ratio": "first sk.jit call / first jax.jit call, same shardings, cold",
             "auto_ratio": f"sk.plan(strategy='auto') seconds / {AUTO_TARGET_S} s",
+            "cli_ratio": "slowest bad-flag command line, fresh process, seconds / "
+            f"{CLI_TARGET_S} s",
             "ratio": "per-pair step time sk.jit / jax.jit, measured alternately; median and "
             "25th-75th percentile",
             "ratio_unenforced": "sk.jit(enforce=False) / jax.jit: sk.jit's own per-call work",

@@ -1,69 +1,202 @@
-"""spmdkit: explicit, predictable, testable SPMD sharding for JAX and flax."""
+"""spmdkit: explicit, predictable, testable SPMD sharding for JAX and flax.
+
+Every public name is imported on first use (PEP 562): ``import spmdkit`` loads
+no JAX, so the command line checks its flags in a fraction of a second before
+anything heavy is imported. ``sk.plan`` imports :mod:`spmdkit.planner` the
+first time it is read, and so on (:data:`_EXPORTS`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 # Package names never repeat a function name exported here (``sk.plan`` is a
 # function; its module is ``spmdkit.planner``), so ``import spmdkit.X as m``
 # always gives a module.
-from spmdkit.compile import PlannedFunction, jit
-from spmdkit.compile.annotate import init_sharded, shard
-from spmdkit.engine.factor import Notation, parse_notation
-from spmdkit.engine.factor_rule import FactorRule
-from spmdkit.engine.inference import (
-    ArgReshard,
-    InferenceResult,
-    infer_backward,
-    infer_forward,
-    infer_grad,
-)
-from spmdkit.engine.registry import (
-    get_rule,
-    register_primitive,
-    register_rule,
-    registered_ops,
-    unregister_primitive,
-    unregister_rule,
-)
-from spmdkit.engine.rule import POLICIES, Example, MustDivide, Rule, RuleContext
-from spmdkit.errors import (
-    DuplicateAxisError,
-    NoRuleError,
-    PartialConflictError,
-    RegistrationError,
-    ReshardError,
-    ShardingConflictError,
-    SpecError,
-    SpmdError,
-    UnknownAxisError,
-)
-from spmdkit.flax import ModelInfo, describe
-from spmdkit.mesh import abstract_mesh, make_mesh, use_virtual_cpu_devices
-from spmdkit.pipeline import Pipeline
-from spmdkit.planner import (
-    PRESETS,
-    Cost,
-    LogicalRules,
-    OverBudgetError,
-    Plan,
-    PlanError,
-    UnknownLogicalAxisError,
-    axis_roles,
-    plan,
-    preset_rules,
-)
-from spmdkit.propagation import EqnRecord, Propagation, propagate, trace
-from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
-from spmdkit.recipe import Recipe, RecipeError, train_step, value_and_grad
-from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
-from spmdkit.spec import REDUCE_OPS, TensorSpec
-from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
-from spmdkit.verification.compiled import CompiledReport, VerifyReport, report, verify
-from spmdkit.verification.hlo import (
-    HloCollective,
-    check_plan,
-    compiled_collectives,
-    parse_collectives,
-    parse_replica_groups,
-    summarize,
-)
+if TYPE_CHECKING:
+    from spmdkit.compile import PlannedFunction, jit
+    from spmdkit.compile.annotate import init_sharded, shard
+    from spmdkit.engine.factor import Notation, parse_notation
+    from spmdkit.engine.factor_rule import FactorRule
+    from spmdkit.engine.inference import (
+        ArgReshard,
+        InferenceResult,
+        infer_backward,
+        infer_forward,
+        infer_grad,
+    )
+    from spmdkit.engine.registry import (
+        get_rule,
+        register_primitive,
+        register_rule,
+        registered_ops,
+        unregister_primitive,
+        unregister_rule,
+    )
+    from spmdkit.engine.rule import POLICIES, Example, MustDivide, Rule, RuleContext
+    from spmdkit.errors import (
+        DuplicateAxisError,
+        NoRuleError,
+        PartialConflictError,
+        RegistrationError,
+        ReshardError,
+        ShardingConflictError,
+        SpecError,
+        SpmdError,
+        UnknownAxisError,
+    )
+    from spmdkit.flax import ModelInfo, describe
+    from spmdkit.mesh import abstract_mesh, make_mesh, use_virtual_cpu_devices
+    from spmdkit.pipeline import Pipeline
+    from spmdkit.planner import (
+        PRESETS,
+        Cost,
+        LogicalRules,
+        OverBudgetError,
+        Plan,
+        PlanError,
+        UnknownLogicalAxisError,
+        axis_roles,
+        plan,
+        preset_rules,
+    )
+    from spmdkit.propagation import EqnRecord, Propagation, propagate, trace
+    from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
+    from spmdkit.recipe import Recipe, RecipeError, train_step, value_and_grad
+    from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
+    from spmdkit.spec import REDUCE_OPS, TensorSpec
+    from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
+    from spmdkit.verification.compiled import CompiledReport, VerifyReport, report, verify
+    from spmdkit.verification.hlo import (
+        HloCollective,
+        check_plan,
+        compiled_collectives,
+        parse_collectives,
+        parse_replica_groups,
+        summarize,
+    )
+
+#: Public name → the module it is imported from on first use.
+_EXPORTS: dict[str, str] = {
+    name: module
+    for module, names in {
+        "spmdkit.compile": (
+            "PlannedFunction",
+            "jit",
+        ),
+        "spmdkit.compile.annotate": (
+            "init_sharded",
+            "shard",
+        ),
+        "spmdkit.engine.factor": (
+            "Notation",
+            "parse_notation",
+        ),
+        "spmdkit.engine.factor_rule": ("FactorRule",),
+        "spmdkit.engine.inference": (
+            "ArgReshard",
+            "InferenceResult",
+            "infer_backward",
+            "infer_forward",
+            "infer_grad",
+        ),
+        "spmdkit.engine.registry": (
+            "get_rule",
+            "register_primitive",
+            "register_rule",
+            "registered_ops",
+            "unregister_primitive",
+            "unregister_rule",
+        ),
+        "spmdkit.engine.rule": (
+            "POLICIES",
+            "Example",
+            "MustDivide",
+            "Rule",
+            "RuleContext",
+        ),
+        "spmdkit.errors": (
+            "DuplicateAxisError",
+            "NoRuleError",
+            "PartialConflictError",
+            "RegistrationError",
+            "ReshardError",
+            "ShardingConflictError",
+            "SpecError",
+            "SpmdError",
+            "UnknownAxisError",
+        ),
+        "spmdkit.flax": (
+            "ModelInfo",
+            "describe",
+        ),
+        "spmdkit.mesh": (
+            "abstract_mesh",
+            "make_mesh",
+            "use_virtual_cpu_devices",
+        ),
+        "spmdkit.pipeline": ("Pipeline",),
+        "spmdkit.planner": (
+            "PRESETS",
+            "Cost",
+            "LogicalRules",
+            "OverBudgetError",
+            "Plan",
+            "PlanError",
+            "UnknownLogicalAxisError",
+            "axis_roles",
+            "plan",
+            "preset_rules",
+        ),
+        "spmdkit.propagation": (
+            "EqnRecord",
+            "Propagation",
+            "propagate",
+            "trace",
+        ),
+        "spmdkit.propagation.memory": (
+            "MemoryEstimate",
+            "estimate_memory",
+        ),
+        "spmdkit.recipe": (
+            "Recipe",
+            "RecipeError",
+            "train_step",
+            "value_and_grad",
+        ),
+        "spmdkit.resharding": (
+            "Collective",
+            "ReshardPlan",
+            "plan_reshard",
+            "reshard",
+        ),
+        "spmdkit.spec": (
+            "REDUCE_OPS",
+            "TensorSpec",
+        ),
+        "spmdkit.topology": (
+            "DEFAULT_TOPOLOGY",
+            "Topology",
+        ),
+        "spmdkit.verification.compiled": (
+            "CompiledReport",
+            "VerifyReport",
+            "report",
+            "verify",
+        ),
+        "spmdkit.verification.hlo": (
+            "HloCollective",
+            "check_plan",
+            "compiled_collectives",
+            "parse_collectives",
+            "parse_replica_groups",
+            "summarize",
+        ),
+    }.items()
+    for name in names
+}
 
 #: Submodules loaded on first use (they import orbax, optax or run-time machinery),
 #: by the name ``spmdkit`` gives them.
@@ -80,12 +213,21 @@ _LAZY_MODULES = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later reads skip this hook
+        return value
     if name in _LAZY_MODULES:
-        import importlib
-
         return importlib.import_module(_LAZY_MODULES[name])
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # a subpackage (``sk.topology``), as when the imports above were eager
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'spmdkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_LAZY_MODULES})
 
 
 __all__ = [

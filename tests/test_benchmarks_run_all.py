@@ -102,3 +102,6 @@ def test_overhead_quick_run(tmp_path):
     assert start["model"] == "convnet" and start["params"] < 10_000_000
     assert start["init_ratio"] > 0 and start["first_call_ratio"] > 0 and start["auto_s"] > 0
     assert "worst ratios (target): init" in proc.stdout
+    cli = d["cli"]  # bad command lines, each timed in a fresh process
+    assert len(cli["cases"]) == 3 and all(t > 0 for t in cli["cases"].values())
+    assert cli["import_spmdkit_s"] > 0 and "fresh process: spmdkit train" in proc.stdout

@@ -15,13 +15,13 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from spmdkit.cli.command import Command
-from spmdkit.engine.factor_rule import FactorRule
-from spmdkit.engine.registry import get_rule, registered_ops
-from spmdkit.engine.rule import Example, Rule
-from spmdkit.errors import NoRuleError, SpmdError
+from spmdkit.cli.command import Command, expand_help
+from spmdkit.errors import SpmdError
+
+if TYPE_CHECKING:
+    from spmdkit.engine.rule import Example, Rule
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
@@ -61,6 +61,8 @@ def _configure_rules(parser: argparse.ArgumentParser) -> None:
 
 def _summary(rule: Rule) -> str:
     """``rule.describe()``, expanded for the first example when it depends on shapes."""
+    from spmdkit.engine.factor_rule import FactorRule
+
     text = rule.describe()
     if isinstance(rule, FactorRule) and callable(rule.notation) and rule.examples:
         ex = rule.examples[0]
@@ -74,6 +76,9 @@ def _call(ex: Example) -> str:
 
 
 def _run_rules(args: argparse.Namespace, out: TextIO) -> int:
+    from spmdkit.engine.registry import get_rule, registered_ops
+    from spmdkit.errors import NoRuleError
+
     if args.markdown:
         from spmdkit.cli.docgen import rules_markdown
 
@@ -136,12 +141,16 @@ COMMANDS.extend(_more_commands())
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` names each option's default (options without one, and on/off
-    flags, stay as written)."""
+    flags, stay as written) and lists the reference models and presets where a
+    help text says :data:`~spmdkit.cli.command.MODELS_HELP` or
+    :data:`~spmdkit.cli.command.PRESETS_HELP`."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
+        text = action.help
+        if action.default not in (None, False) and action.default is not argparse.SUPPRESS:
+            text = super()._get_help_string(action)
+        # the model list imports the models (jax, flax): only when help is printed
+        return expand_help(text) if text else text
 
 
 def build_parser() -> argparse.ArgumentParser:

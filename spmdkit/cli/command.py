@@ -11,9 +11,12 @@ from typing import Any, NamedTuple, TextIO
 from spmdkit.errors import UsageError
 
 __all__ = [
+    "MODELS_HELP",
+    "PRESETS_HELP",
     "Command",
     "check_model",
     "dir_to_write",
+    "expand_help",
     "existing_dir",
     "model_help",
     "non_negative_int",
@@ -170,6 +173,29 @@ def existing_dir(op: str, name: str, path: str, *, what: str, fix: str) -> None:
         given=f"{path}, which {state}",
         fix=fix,
     )
+
+
+#: Written in a help text where ``--help`` lists the reference models and their
+#: configs (:func:`model_help`): listing them imports the models (jax, flax), so
+#: it happens only when help is printed (:func:`expand_help`), not on every
+#: command line.
+MODELS_HELP = "<the reference models>"
+
+#: Written in a help text where ``--help`` lists the plan presets (importing them
+#: imports the planner).
+PRESETS_HELP = "<the presets>"
+
+
+def expand_help(text: str) -> str:
+    """``text`` with :data:`MODELS_HELP` and :data:`PRESETS_HELP` replaced by the
+    lists they stand for (imported only here, when help is printed)."""
+    if MODELS_HELP in text:
+        text = text.replace(MODELS_HELP, model_help())
+    if PRESETS_HELP in text:
+        from spmdkit.planner.logical import PRESETS
+
+        text = text.replace(PRESETS_HELP, ", ".join(PRESETS))
+    return text
 
 
 def model_help() -> str:

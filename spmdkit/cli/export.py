@@ -19,11 +19,11 @@ import sys
 from typing import Any, TextIO
 
 from spmdkit.cli.command import (
+    MODELS_HELP,
     Command,
     check_model,
     dir_to_write,
     existing_dir,
-    model_help,
     non_negative_int,
     parse_mesh,
     positive_int,
@@ -152,7 +152,7 @@ def _export_from(mgr: Any, args: argparse.Namespace, out: TextIO) -> int:
 
 def _configure_import(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("export", metavar="EXPORT", help="directory written by `spmdkit export`")
-    parser.add_argument("model", help=f"a reference model: {model_help()}")
+    parser.add_argument("model", help=f"a reference model: {MODELS_HELP}")
     parser.add_argument("--config", default="tiny", help="model config name (listed under model)")
     parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes NAME=SIZE,...")
     parser.add_argument("--strategy", default="fsdp", help="plan strategy or preset name")
@@ -178,9 +178,9 @@ def check_import_args(args: argparse.Namespace) -> dict[str, int]:
         what="a safetensors export",
         fix="pass the OUT directory of `spmdkit export CKPT OUT`",
     )
-    check_model("spmdkit import", args.model, args.config)
     if args.ckpt:
         dir_to_write("spmdkit import", "--ckpt", args.ckpt)
+    check_model("spmdkit import", args.model, args.config)  # imports the models: last
     return axes
 
 

@@ -22,9 +22,10 @@ import sys
 from typing import Any, TextIO
 
 from spmdkit.cli.command import (
+    MODELS_HELP,
+    PRESETS_HELP,
     Command,
     check_model,
-    model_help,
     parse_mesh,
     positive_int,
     report_error,
@@ -35,13 +36,9 @@ __all__ = ["PLAN_COMMANDS", "check_plan_args", "parse_mesh", "throughput_line"]
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    from spmdkit.planner.logical import PRESETS
-
-    parser.add_argument("model", help=f"a reference model: {model_help()}")
+    parser.add_argument("model", help=f"a reference model: {MODELS_HELP}")
     parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes NAME=SIZE,...")
-    parser.add_argument(
-        "--strategy", default="auto", help=f"auto or a preset ({', '.join(PRESETS)})"
-    )
+    parser.add_argument("--strategy", default="auto", help=f"auto or a preset ({PRESETS_HELP})")
     parser.add_argument("--config", default="tiny", help="model config name (listed under model)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="global batch size")
 
@@ -64,7 +61,6 @@ def check_plan_args(verb: str, args: argparse.Namespace) -> dict[str, int]:
       UsageError: naming the flag; UnknownModelError: no such model or config.
     """
     axes = parse_mesh(args.mesh)
-    check_model(f"spmdkit {verb}", args.model, args.config)
     path = getattr(args, "json", None)
     if path:
         folder = os.path.dirname(os.path.abspath(path))
@@ -76,6 +72,7 @@ def check_plan_args(verb: str, args: argparse.Namespace) -> dict[str, int]:
                 + ("a directory" if os.path.isdir(path) else f"and {folder} is no directory"),
                 fix="pass a file path, e.g. --json plan.json",
             )
+    check_model(f"spmdkit {verb}", args.model, args.config)  # imports the models: last
     return axes
 
 

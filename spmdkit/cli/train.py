@@ -25,10 +25,10 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from spmdkit.cli.command import (
+    MODELS_HELP,
     Command,
     check_model,
     dir_to_write,
-    model_help,
     non_negative_int,
     parse_mesh,
     positive_int,
@@ -44,7 +44,7 @@ __all__ = ["COMMANDS", "check_train_args", "parse_mesh", "pipeline_of", "start_d
 
 
 def _configure_train(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help=f"a reference model: {model_help()}")
+    parser.add_argument("model", help=f"a reference model: {MODELS_HELP}")
     parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes NAME=SIZE,...")
     parser.add_argument("--config", default="tiny", help="model config name (listed under model)")
     parser.add_argument("--strategy", default="auto", help="plan strategy or preset name")
@@ -104,7 +104,6 @@ def check_train_args(args: argparse.Namespace) -> dict[str, int]:
       UnknownModelError: no such model or config.
     """
     axes = parse_mesh(args.mesh)
-    check_model("spmdkit train", args.model, args.config)
     if args.resume and not args.ckpt:
         raise UsageError(
             op="spmdkit train --resume",
@@ -115,6 +114,7 @@ def check_train_args(args: argparse.Namespace) -> dict[str, int]:
     if args.ckpt:
         dir_to_write("spmdkit train", "--ckpt", args.ckpt)
     pipeline_of(args, axes)
+    check_model("spmdkit train", args.model, args.config)  # imports the models: last
     return axes
 
 

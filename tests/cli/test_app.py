@@ -1,7 +1,9 @@
 """The command line: ``spmdkit rules [OP]``, the parser, ``python -m spmdkit``."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +69,43 @@ def test_python_dash_m_spmdkit_runs_the_cli(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("reduce_sum  (family: reduction)")
     assert "[reduce r1: sum]" in res.stdout
+
+
+def test_bad_flags_fail_before_jax_is_imported(tmp_path):
+    """Command lines whose flags cannot work fail with their typed message without
+    importing jax (or flax, optax, orbax): ``import spmdkit`` loads its names on
+    first use, and the commands check flags before importing the models. One
+    fresh process runs them all."""
+    (tmp_path / "file").write_text("not a directory")
+    cases = [
+        ["train", "gpt", "--resume"],
+        ["train", "gpt", "--ckpt", str(tmp_path / "file")],
+        ["export", str(tmp_path / "missing"), str(tmp_path / "out")],
+        ["plan", "gpt", "--json", str(tmp_path / "missing" / "plan.json")],
+    ]
+    code = (
+        "import json, sys; from spmdkit.cli import main; "
+        "rcs = [main(argv) for argv in json.loads(sys.argv[1])]; "
+        "heavy = sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules); "
+        "print(json.dumps([rcs, heavy]))"
+    )
+    root = Path(sk.__file__).resolve().parents[1]
+    res = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cases)],
+        cwd=root,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    rcs, heavy = json.loads(res.stdout)
+    assert rcs == [2] * len(cases) and heavy == []
+    errors = res.stderr.splitlines()
+    assert [e.split(":")[0] for e in errors] == [
+        "spmdkit train --resume",
+        "spmdkit train --ckpt",
+        "spmdkit export CKPT",
+        "spmdkit plan --json",
+    ]
+    assert not (tmp_path / "out").exists()
