@@ -51,8 +51,24 @@ _DTYPE_SHORT = {
 
 
 def axis_sizes(mesh: MeshLike) -> dict[str, int]:
-    """Mesh axis name → size, in mesh order, for a ``Mesh`` or ``AbstractMesh``."""
-    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    """Mesh axis name → size, in mesh order, for a ``Mesh`` or ``AbstractMesh``
+    (a fresh dict; the pairs are kept per mesh: propagation asks for them
+    hundreds of thousands of times)."""
+    try:
+        return dict(_SIZES[mesh])
+    except (KeyError, TypeError):  # new, or not hashable
+        pairs = tuple(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    try:
+        if len(_SIZES) >= 64:
+            _SIZES.clear()
+        _SIZES[mesh] = pairs
+    except TypeError:
+        pass
+    return dict(pairs)
+
+
+#: :func:`axis_sizes`' pairs per mesh (meshes are immutable).
+_SIZES: dict[Any, tuple[tuple[str, int], ...]] = {}
 
 
 def _normalize_entry(entry: Any, where: str) -> tuple[str, ...]:

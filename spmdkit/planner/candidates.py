@@ -41,8 +41,10 @@ from spmdkit.planner.logical import (
 from spmdkit.planner.plans import Cost, Dims, Plan, spec_dims
 from spmdkit.planner.trace import train_step
 from spmdkit.propagation import propagate
+from spmdkit.propagation.graph import trace_with_tree
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.topology import Topology
 
 if TYPE_CHECKING:
     from optax import GradientTransformation
@@ -57,6 +59,7 @@ __all__ = [
     "rules_choice",
     "search_layouts",
     "state_layout",
+    "step_floor",
 ]
 
 
@@ -138,11 +141,20 @@ def propagate_cost(
         )
     # the step's key (a model drawing random numbers): an input, replicated
     key = () if info.abstract_key is None else (info.abstract_key,)
+    step = train_step(info, optimizer, candidate.recipe, grad_specs)
+    if grad_specs is None:
+        # one trace per model, optimizer and recipe: the candidates of one recipe
+        # propagate the same program
+        memo_key = ("planner.step_jaxpr", id(optimizer), candidate.recipe)
+        closed, tree = info.memo(memo_key, lambda: trace_with_tree(step, *args, info.batch, *key))
+    else:
+        closed, tree = trace_with_tree(step, *args, info.batch, *key)
     prop = propagate(
-        train_step(info, optimizer, candidate.recipe, grad_specs),
+        closed,
         *args,
         info.batch,
         *key,
+        out_tree=tree,
         in_specs=(*in_specs, *(P() for _ in key)),
         out_specs=out_specs,
         mesh=ctx.mesh,
@@ -155,14 +167,7 @@ def propagate_cost(
     # propagated collectives, of which the analytic model's overlappable share
     # hides under compute; host offload traffic as the analytic model prices it.
     compute = analytic.compute_time_s
-    share = analytic.hidden_comm_s / analytic.comm_time_s if analytic.comm_time_s else 0.0
-    hidden = prop.comm_time_s * share
-    host = analytic.comm_bytes.get("host_offload", 0) / ctx.topology.host_bandwidth
-    # offloaded activations move while the layers compute (the analytic model's)
-    host_acts = analytic.comm_bytes.get("host_activations", 0) / ctx.topology.host_bandwidth
-    hidden += host_acts
-    comm_s = prop.comm_time_s + host + host_acts
-    step = compute + ctx.topology.exposed_comm(hidden, comm_s - hidden, compute)
+    step, comm_s = _recost_step(analytic, prop.comm_time_s, ctx.topology)
     mem = prop.memory
     comm_bytes = {k: int(v) for k, v in sorted(prop.comm_bytes_by_kind.items())}
     for kind in ("host_offload", "host_activations"):
@@ -182,6 +187,44 @@ def propagate_cost(
         estimator="propagate",
         ops=prop.region_strategies(),
     )
+
+
+def _recost_step(analytic: Cost, collectives_s: float, topology: Topology) -> tuple[float, float]:
+    """(step time, communication time) of a plan whose propagated collectives take
+    ``collectives_s``: the analytic model's compute time, and of the collectives
+    the analytic model's overlappable share hides under it; host offload traffic
+    as the analytic model prices it. Never decreases as ``collectives_s`` grows
+    while the hidden share is at most 1."""
+    compute = analytic.compute_time_s
+    share = _share(analytic)
+    host = analytic.comm_bytes.get("host_offload", 0) / topology.host_bandwidth
+    # offloaded activations move while the layers compute (the analytic model's)
+    host_acts = analytic.comm_bytes.get("host_activations", 0) / topology.host_bandwidth
+    hidden = collectives_s * share + host_acts
+    comm_s = collectives_s + host + host_acts
+    return compute + topology.exposed_comm(hidden, comm_s - hidden, compute), comm_s
+
+
+def _share(analytic: Cost) -> float:
+    """The share of communication the analytic model hides under compute."""
+    return analytic.hidden_comm_s / analytic.comm_time_s if analytic.comm_time_s else 0.0
+
+
+def step_floor(candidate: Candidate, mesh: MeshLike, topology: Topology) -> float:
+    """A lower bound on the step time :func:`propagate_cost` gives ``candidate``,
+    without propagating: its compute time is the analytic model's, and where its
+    batch is split over devices the step communicates at least once (the loss,
+    replicated, reads every device's rows), so its collectives take at least one
+    latency of the fastest mesh axis (an alpha-beta collective over two or more
+    devices takes one latency or more, :meth:`~spmdkit.topology.Topology.collective_time`).
+    Auto skips propagating a candidate whose floor is above a plan it has already
+    propagated (:meth:`spmdkit.planner.search._Planner.recosted`)."""
+    if _share(candidate.cost) > 1.0:  # not monotone in the collectives' time: no floor
+        return 0.0
+    sizes = axis_sizes(mesh)
+    split = any(sizes[a] > 1 for a in candidate.activation.get("batch", ()))
+    latency = min((topology.link((a,), mesh)[1] for a, n in sizes.items() if n > 1), default=0.0)
+    return _recost_step(candidate.cost, latency if split else 0.0, topology)[0]
 
 
 # -- the model's mutable state ----------------------------------------------------------------

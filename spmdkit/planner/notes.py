@@ -279,16 +279,27 @@ def no_batch_rule_note(rules: object, batch_size: int | None) -> list[PlanNote]:
     ]
 
 
-def recipe_note(chosen: Recipe, step_s: float, plain_step_s: float | None) -> list[PlanNote]:
+def recipe_note(
+    chosen: Recipe, step_s: float, plain_step_s: float | None, plain_floor_s: float | None = None
+) -> list[PlanNote]:
     """A ``recipe`` note when auto chose ``chosen`` over the plain step (whose
-    best plan takes ``plain_step_s``, None when none could run)."""
+    best plan takes ``plain_step_s``, None when none could run or none was
+    propagated; ``plain_floor_s``: the least step the plain-step plans auto did
+    not propagate can take, :func:`~spmdkit.planner.candidates.step_floor`)."""
     if chosen.is_default:
         return []
-    gain = (
-        f" (estimated step {fmt_time(step_s)}; the best plain-step plan: {fmt_time(plain_step_s)})"
-        if plain_step_s is not None
-        else " (no plain-step plan fits)"
-    )
+    if plain_step_s is not None:
+        gain = (
+            f" (estimated step {fmt_time(step_s)}; the best plain-step plan: "
+            f"{fmt_time(plain_step_s)})"
+        )
+    elif plain_floor_s is not None:
+        gain = (
+            f" (estimated step {fmt_time(step_s)}; the plain-step plans auto did not "
+            f"propagate take {fmt_time(plain_floor_s)} or more)"
+        )
+    else:
+        gain = " (no plain-step plan fits)"
     return [
         PlanNote(
             "recipe",

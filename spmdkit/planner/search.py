@@ -88,6 +88,7 @@ from spmdkit.planner.candidates import (
     rules_choice,
     search_layouts,
     state_layout,
+    step_floor,
 )
 from spmdkit.planner.context import CONTEXT_AXIS, context_axes, context_meshes
 from spmdkit.planner.logical import (
@@ -119,7 +120,7 @@ from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
-from spmdkit.util import fmt_bytes, path_str
+from spmdkit.util import fmt_bytes, fmt_time, path_str
 
 if TYPE_CHECKING:
     from optax import GradientTransformation
@@ -432,6 +433,9 @@ class _Planner(PipelinePlanning):
     #: logical names treated alike in every rule table (``plan(aliases=)``)
     aliases: dict[str, str] = field(default_factory=dict)
     allow_fp8: bool = False
+    #: auto: label → candidate not propagated because its step floor is above a
+    #: plan already re-costed (:meth:`recosted`)
+    floored: dict[str, Candidate] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int | None:
@@ -757,6 +761,7 @@ class _Planner(PipelinePlanning):
             before = candidates
             candidates = self.recosted(candidates, keep)
             self.dropped |= _not_recosted(before, candidates, self.budget, base)
+            self.dropped |= self.floored_reasons(base)
         if pipeline is not None:
             candidates += self.recosted_pipelines(piped)
         return self.ranked(candidates)
@@ -775,9 +780,34 @@ class _Planner(PipelinePlanning):
         (at most ``limit`` more); only the re-costed ones are kept. Where every
         analytic favourite turns out over the budget once propagated, this goes on
         to the candidates that fit (e.g. full recompute) instead of returning the
-        smallest plan that cannot run."""
+        smallest plan that cannot run.
+
+        With propagation (``recost`` None), ``first`` goes best-first and a
+        candidate whose :func:`~spmdkit.planner.candidates.step_floor` is above the
+        step of a re-costed plan that fits is not propagated (:attr:`floored`): it
+        would rank below that plan whatever propagation said (small models, where
+        one collective's latency outweighs the step's compute, skip most presets)."""
+        floors = recost is None  # a floor bounds what propagation gives, nothing else
         recost = recost or self.propagated
-        done = {i: recost(candidates[i]) for i in sorted(first)}
+        done: dict[int, Candidate] = {}
+        skipped: set[int] = set()
+
+        def can_win(i: int) -> bool:
+            """False where :func:`step_floor` proves ``i`` slower than a plan that fits
+            and is re-costed already (so it would rank below it, fitting or not)."""
+            if not floors:
+                return True
+            fit = [c.cost.step_time_s for c in done.values() if c.cost.peak_bytes <= self.budget]
+            if not fit or step_floor(candidates[i], self.mesh, self.ctx.topology) <= min(fit):
+                return True
+            skipped.add(i)
+            self.floored[candidates[i].label] = candidates[i]
+            return False
+
+        # the analytic favourites first: the floors of the others then prune most
+        for i in sorted(first, key=lambda i: (*self.rank(candidates[i]), i)):
+            if can_win(i):
+                done[i] = recost(candidates[i])
         # per micro-batch count: FSDP's per-micro-batch collectives move the
         # propagated/analytic ratio, which says nothing of another count's
         scales: dict[int, tuple[float, float]] = {}
@@ -797,16 +827,35 @@ class _Planner(PipelinePlanning):
         def key(i: int) -> tuple:
             if i in done:
                 return (*self.rank(done[i]), i)
+            if i in skipped:
+                return (True, math.inf, math.inf, i)
             scale = scales.get(candidates[i].recipe.microbatches, (1.0, 1.0))
             return (*self.rank_cost(candidates[i].cost, scale=scale), i)
 
         for _ in range(limit):
             top = min(range(len(candidates)), key=key)
-            if top in done:
+            if top in done or top in skipped:
                 break
-            done[top] = recost(candidates[top])
-            grow(top)
+            if can_win(top):  # a pruned one uses up its turn, as its propagation would
+                done[top] = recost(candidates[top])
+                grow(top)
         return [done[i] for i in sorted(done)]
+
+    def floored_reasons(self, base: Recipe) -> dict[str, tuple[str, str]]:
+        """Presets whose ``base``-recipe candidate :meth:`recosted` did not propagate
+        (its step floor above a plan re-costed already) and that left no other
+        candidate in the list: preset → (why, its floor)."""
+        out = {}
+        for c in self.floored.values():
+            if c.recipe == base and c.name in self.dropped and c.name in PRESETS:
+                floor = step_floor(c, self.mesh, self.ctx.topology)
+                out[c.name] = (
+                    "their step takes at least its compute time plus one collective (the "
+                    "batch is split over devices), above a plan re-costed by propagation, "
+                    "so they were not re-costed",
+                    f"≥ {fmt_time(floor)}",
+                )
+        return out
 
     def ranked(self, candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:
         """The best candidate and the runner-ups (one per label), by :meth:`rank`."""
@@ -860,7 +909,17 @@ class _Planner(PipelinePlanning):
                 for c in (best, *others)
                 if c.recipe.is_default and c.pipeline is None and c.cost.peak_bytes <= self.budget
             ]
-            notes += recipe_note(best.recipe, best.cost.step_time_s, min(plain, default=None))
+            floors = [
+                step_floor(c, self.mesh, self.ctx.topology)
+                for c in self.floored.values()
+                if c.recipe.is_default and c.pipeline is None
+            ]
+            notes += recipe_note(
+                best.recipe,
+                best.cost.step_time_s,
+                min(plain, default=None),
+                min(floors, default=None),
+            )
         if not isinstance(pipeline, Pipeline):
             names = {c.name for c in (best, *shown)}
             cut = {c.name for c in others[12:]} - names
