@@ -30,12 +30,14 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import batching, mlir
 
 from spmdkit.engine.inference import InferenceResult, infer_forward, infer_grad
@@ -107,17 +109,39 @@ def grad_fn(
     return run
 
 
-def _shapes(fn: Callable[..., Any], avals: Sequence[Any]) -> list[Any]:
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    return [jax.core.ShapedArray(o.shape, o.dtype) for o in jax.eval_shape(fn, *args)]
+@functools.lru_cache(maxsize=1024)
+def _shapes(
+    op: str,
+    attrs: Any,
+    diff: tuple[bool, ...] | None,
+    sig: tuple[tuple[Any, Any], ...],
+    rule_id: int,
+) -> tuple[tuple[Any, Any], ...]:
+    """(shape, dtype) of each result of the forward (``diff`` None) or grad region
+    of ``op`` (its rule's ``id``: a rule registered again under the name asks
+    again) on operands of shapes and dtypes ``sig``. Memoized: every bind of a
+    region while a step is traced asks (each layer's attention alike), and the
+    answer is ``jax.eval_shape`` of the op's implementation (of its VJP for a
+    grad region), a trace of its own."""
+    fn = forward_fn(op, dict(attrs)) if diff is None else grad_fn(op, dict(attrs), diff)
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in sig]
+    return tuple((o.shape, o.dtype) for o in jax.eval_shape(fn, *args))
+
+
+def _abstract(
+    avals: Sequence[Any], op: str, attrs: Any, diff: tuple[bool, ...] | None
+) -> list[Any]:
+    sig = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in avals)
+    out = _shapes(op, attrs, diff, sig, id(get_rule(op)))
+    return [jax.core.ShapedArray(shape, dtype) for shape, dtype in out]
 
 
 def _forward_abstract(*avals: Any, op: str, attrs: Any) -> list[Any]:
-    return _shapes(forward_fn(op, dict(attrs)), avals)
+    return _abstract(avals, op, attrs, None)
 
 
 def _grad_abstract(*avals: Any, op: str, attrs: Any, diff: tuple[bool, ...]) -> list[Any]:
-    return _shapes(grad_fn(op, dict(attrs), diff), avals)
+    return _abstract(avals, op, attrs, tuple(diff))
 
 
 def _forward_impl(*xs: Any, op: str, attrs: Any) -> list[Any]:
