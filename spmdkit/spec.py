@@ -52,23 +52,21 @@ _DTYPE_SHORT = {
 
 def axis_sizes(mesh: MeshLike) -> dict[str, int]:
     """Mesh axis name → size, in mesh order, for a ``Mesh`` or ``AbstractMesh``
-    (a fresh dict; the pairs are kept per mesh: propagation asks for them
+    (a fresh dict; the pairs are kept per mesh object: propagation asks for them
     hundreds of thousands of times)."""
-    try:
-        return dict(_SIZES[mesh])
-    except (KeyError, TypeError):  # new, or not hashable
-        pairs = tuple(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    try:
-        if len(_SIZES) >= 64:
-            _SIZES.clear()
-        _SIZES[mesh] = pairs
-    except TypeError:
-        pass
+    hit = _SIZES.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return dict(hit[1])
+    pairs = tuple(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    if len(_SIZES) >= 64:
+        _SIZES.clear()
+    _SIZES[id(mesh)] = (mesh, pairs)  # the mesh held: its id is not reused meanwhile
     return dict(pairs)
 
 
-#: :func:`axis_sizes`' pairs per mesh (meshes are immutable).
-_SIZES: dict[Any, tuple[tuple[str, int], ...]] = {}
+#: :func:`axis_sizes`' pairs per mesh object (meshes are immutable), by ``id``:
+#: comparing two equal meshes compares their devices.
+_SIZES: dict[int, tuple[Any, tuple[tuple[str, int], ...]]] = {}
 
 
 def _normalize_entry(entry: Any, where: str) -> tuple[str, ...]:
