@@ -141,14 +141,9 @@ def propagate_cost(
         )
     # the step's key (a model drawing random numbers): an input, replicated
     key = () if info.abstract_key is None else (info.abstract_key,)
-    step = train_step(info, optimizer, candidate.recipe, grad_specs)
-    if grad_specs is None:
-        # one trace per model, optimizer and recipe: the candidates of one recipe
-        # propagate the same program
-        memo_key = ("planner.step_jaxpr", id(optimizer), candidate.recipe)
-        closed, tree = info.memo(memo_key, lambda: trace_with_tree(step, *args, info.batch, *key))
-    else:
-        closed, tree = trace_with_tree(step, *args, info.batch, *key)
+    closed, tree = _step_program(
+        info, optimizer, candidate.recipe, grad_specs, (*args, info.batch, *key)
+    )
     prop = propagate(
         closed,
         *args,
@@ -189,6 +184,26 @@ def propagate_cost(
     )
 
 
+def _step_program(
+    info: ModelInfo,
+    optimizer: GradientTransformation | None,
+    recipe: Recipe,
+    grad_specs: object,
+    args: tuple,
+) -> tuple[object, object]:
+    """The train step's jaxpr and output tree on ``args`` (:func:`trace_with_tree`),
+    traced once per model, optimizer, recipe and argument shapes (the candidates
+    of one recipe propagate the same program) unless gradient shardings constrain
+    it."""
+    step = train_step(info, optimizer, recipe, grad_specs)
+    if grad_specs is not None:
+        return trace_with_tree(step, *args)
+    leaves, treedef = jax.tree.flatten(args)
+    shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    key = ("planner.step_jaxpr", id(optimizer), recipe, treedef, shapes)
+    return info.memo(key, lambda: trace_with_tree(step, *args))
+
+
 def _recost_step(analytic: Cost, collectives_s: float, topology: Topology) -> tuple[float, float]:
     """(step time, communication time) of a plan whose propagated collectives take
     ``collectives_s``: the analytic model's compute time, and of the collectives
@@ -210,21 +225,24 @@ def _share(analytic: Cost) -> float:
     return analytic.hidden_comm_s / analytic.comm_time_s if analytic.comm_time_s else 0.0
 
 
-def step_floor(candidate: Candidate, mesh: MeshLike, topology: Topology) -> float:
-    """A lower bound on the step time :func:`propagate_cost` gives ``candidate``,
-    without propagating: its compute time is the analytic model's, and where its
-    batch is split over devices the step communicates at least once (the loss,
-    replicated, reads every device's rows), so its collectives take at least one
-    latency of the fastest mesh axis (an alpha-beta collective over two or more
-    devices takes one latency or more, :meth:`~spmdkit.topology.Topology.collective_time`).
-    Auto skips propagating a candidate whose floor is above a plan it has already
-    propagated (:meth:`spmdkit.planner.search._Planner.recosted`)."""
-    if _share(candidate.cost) > 1.0:  # not monotone in the collectives' time: no floor
+def step_floor(
+    analytic: Cost, batch_axes: tuple[str, ...], mesh: MeshLike, topology: Topology
+) -> float:
+    """A lower bound on the step time :func:`propagate_cost` gives a candidate
+    whose analytic cost is ``analytic`` and whose batch is split over
+    ``batch_axes``, without propagating: its compute time is the analytic
+    model's, and where the batch is split over devices the step communicates at
+    least once (the loss, replicated, reads every device's rows), so its
+    collectives take at least one latency of the fastest mesh axis (an
+    alpha-beta collective over two or more devices takes one latency or more,
+    :meth:`~spmdkit.topology.Topology.collective_time`). Auto skips propagating a
+    candidate whose floor is above a plan it has already propagated."""
+    if _share(analytic) > 1.0:  # not monotone in the collectives' time: no floor
         return 0.0
     sizes = axis_sizes(mesh)
-    split = any(sizes[a] > 1 for a in candidate.activation.get("batch", ()))
+    split = any(sizes[a] > 1 for a in batch_axes)
     latency = min((topology.link((a,), mesh)[1] for a, n in sizes.items() if n > 1), default=0.0)
-    return _recost_step(candidate.cost, latency if split else 0.0, topology)[0]
+    return _recost_step(analytic, latency if split else 0.0, topology)[0]
 
 
 # -- the model's mutable state ----------------------------------------------------------------

@@ -29,17 +29,18 @@ import difflib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from spmdkit.planner.logical import BATCH_NAMES, ROLE_NAMES, PlanError, axis_roles
+from spmdkit.planner.logical import BATCH_NAMES, PRESETS, ROLE_NAMES, PlanError, axis_roles
 from spmdkit.spec import MeshLike, axis_sizes
-from spmdkit.util import fmt_time
+from spmdkit.util import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:
     from spmdkit.recipe import Recipe
 
 __all__ = [
     "NOTE_KINDS",
+    "RECOST_OVER_BUDGET",
     "absent_axes_note",
     "PlanNote",
     "PlanNoteError",
@@ -47,8 +48,10 @@ __all__ = [
     "batch_field_notes",
     "batch_notes",
     "dropped_note",
+    "floored_reasons",
     "idle_axis_notes",
     "no_batch_rule_note",
+    "not_recosted",
     "raise_if_strict",
     "recipe_note",
 ]
@@ -355,3 +358,46 @@ def absent_axes_note(dropped: Mapping[str, Sequence[str]], mesh: MeshLike) -> li
             "mesh's axes",
         )
     ]
+
+
+#: A preset whose analytic peak is over this many budgets is not re-costed by
+#: propagation in auto (the two estimates differ by far less than that).
+RECOST_OVER_BUDGET = 2.0
+
+
+def not_recosted(
+    before: Sequence[Any], after: Sequence[Any], budget: float, base: Recipe
+) -> dict[str, tuple[str, str]]:
+    """Presets auto's analytic pass costed but did not re-cost by propagation
+    (so they leave the runner-up list): preset → (why, its figure). ``before``
+    and ``after``: the candidates (:class:`~spmdkit.planner.candidates.Candidate`)
+    before and after re-costing; ``base``: the recipe the presets are re-costed
+    with."""
+    kept = {c.name for c in after}
+    out = {}
+    for name in PRESETS:
+        peaks = [c.cost.peak_bytes for c in before if c.name == name and c.recipe == base]
+        if name in kept or not any(c.name == name for c in before):
+            continue
+        if peaks and min(peaks) > RECOST_OVER_BUDGET * budget:
+            out[name] = (
+                f"by the analytic estimate with the '{base.short()}' step they need over "
+                f"{RECOST_OVER_BUDGET:g}× the memory budget per device, and none of their "
+                "other recipes ranked among the best, so they were not re-costed",
+                fmt_bytes(min(peaks)),
+            )
+        else:
+            out[name] = ("their recipes ranked below the candidates re-costed by propagation", "")
+    return out
+
+
+def floored_reasons(floors: Mapping[str, float]) -> dict[str, tuple[str, str]]:
+    """Reasons for the ``dropped`` note of presets auto did not propagate because
+    their step floor (preset → seconds, :func:`~spmdkit.planner.candidates.step_floor`)
+    was above a plan it had re-costed: preset → (why, the floor)."""
+    why = (
+        "their step takes at least its compute time plus one collective (the batch is "
+        "split over devices), above a plan re-costed by propagation, so they were not "
+        "re-costed"
+    )
+    return {name: (why, f"≥ {fmt_time(floor)}") for name, floor in floors.items()}

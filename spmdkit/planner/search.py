@@ -102,14 +102,17 @@ from spmdkit.planner.logical import (
 )
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
 from spmdkit.planner.notes import (
+    RECOST_OVER_BUDGET,
     PlanNote,
     absent_axes_note,
     asked_batch_axes,
     batch_field_notes,
     batch_notes,
     dropped_note,
+    floored_reasons,
     idle_axis_notes,
     no_batch_rule_note,
+    not_recosted,
     raise_if_strict,
     recipe_note,
 )
@@ -120,7 +123,7 @@ from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
-from spmdkit.util import fmt_bytes, fmt_time, path_str
+from spmdkit.util import fmt_bytes, path_str
 
 if TYPE_CHECKING:
     from optax import GradientTransformation
@@ -394,7 +397,7 @@ def _check_mesh(mesh: object) -> MeshLike:
 
 #: A preset whose analytic peak is over this many budgets is not re-costed by
 #: propagation in auto (the two estimates differ by far less than that).
-_RECOST_OVER_BUDGET = 2.0
+_RECOST_OVER_BUDGET = RECOST_OVER_BUDGET
 
 #: Auto adds micro-batches to a recipe until a plan fits within this share of the
 #: budget (:meth:`_Planner.analytic_candidates`).
@@ -609,6 +612,10 @@ class _Planner(PipelinePlanning):
             return self.make_plan(strategy, c, c.cost)
         return self.make_plan(strategy, c, self.propagated(c).cost)
 
+    def floor(self, c: Candidate) -> float:
+        """:func:`~spmdkit.planner.candidates.step_floor` of a candidate."""
+        return step_floor(c.cost, c.activation.get("batch", ()), self.mesh, self.ctx.topology)
+
     def rank(self, c: Candidate) -> tuple[bool, float, float]:
         """Plans that fit: fastest first; none fits: the one nearest to fitting (the
         fastest of plans that cannot run is no answer)."""
@@ -760,8 +767,13 @@ class _Planner(PipelinePlanning):
             }
             before = candidates
             candidates = self.recosted(candidates, keep)
-            self.dropped |= _not_recosted(before, candidates, self.budget, base)
-            self.dropped |= self.floored_reasons(base)
+            self.dropped |= not_recosted(before, candidates, self.budget, base)
+            floors = {
+                c.name: self.floor(c)
+                for c in self.floored.values()
+                if c.recipe == base and c.name in self.dropped and c.name in PRESETS
+            }
+            self.dropped |= floored_reasons(floors)
         if pipeline is not None:
             candidates += self.recosted_pipelines(piped)
         return self.ranked(candidates)
@@ -798,7 +810,7 @@ class _Planner(PipelinePlanning):
             if not floors:
                 return True
             fit = [c.cost.step_time_s for c in done.values() if c.cost.peak_bytes <= self.budget]
-            if not fit or step_floor(candidates[i], self.mesh, self.ctx.topology) <= min(fit):
+            if not fit or self.floor(candidates[i]) <= min(fit):
                 return True
             skipped.add(i)
             self.floored[candidates[i].label] = candidates[i]
@@ -840,22 +852,6 @@ class _Planner(PipelinePlanning):
                 done[top] = recost(candidates[top])
                 grow(top)
         return [done[i] for i in sorted(done)]
-
-    def floored_reasons(self, base: Recipe) -> dict[str, tuple[str, str]]:
-        """Presets whose ``base``-recipe candidate :meth:`recosted` did not propagate
-        (its step floor above a plan re-costed already) and that left no other
-        candidate in the list: preset → (why, its floor)."""
-        out = {}
-        for c in self.floored.values():
-            if c.recipe == base and c.name in self.dropped and c.name in PRESETS:
-                floor = step_floor(c, self.mesh, self.ctx.topology)
-                out[c.name] = (
-                    "their step takes at least its compute time plus one collective (the "
-                    "batch is split over devices), above a plan re-costed by propagation, "
-                    "so they were not re-costed",
-                    f"≥ {fmt_time(floor)}",
-                )
-        return out
 
     def ranked(self, candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:
         """The best candidate and the runner-ups (one per label), by :meth:`rank`."""
@@ -910,7 +906,7 @@ class _Planner(PipelinePlanning):
                 if c.recipe.is_default and c.pipeline is None and c.cost.peak_bytes <= self.budget
             ]
             floors = [
-                step_floor(c, self.mesh, self.ctx.topology)
+                self.floor(c)
                 for c in self.floored.values()
                 if c.recipe.is_default and c.pipeline is None
             ]
@@ -927,30 +923,6 @@ class _Planner(PipelinePlanning):
             reasons |= {n: why for n, why in self.dropped.items() if n not in names}
             notes += dropped_note({n: reasons[n] for n in PRESETS if n in reasons})
         return replace(out, alternatives=alternatives, chosen=best.name, notes=tuple(notes))
-
-
-def _not_recosted(
-    before: list[Candidate], after: list[Candidate], budget: float, base: Recipe
-) -> dict[str, tuple[str, str]]:
-    """Presets auto's analytic pass costed but did not re-cost by propagation
-    (so they leave the runner-up list): preset → (why, its figure); ``base``: the
-    recipe the presets are re-costed with."""
-    kept = {c.name for c in after}
-    out = {}
-    for name in PRESETS:
-        peaks = [c.cost.peak_bytes for c in before if c.name == name and c.recipe == base]
-        if name in kept or not any(c.name == name for c in before):
-            continue
-        if peaks and min(peaks) > _RECOST_OVER_BUDGET * budget:
-            out[name] = (
-                f"by the analytic estimate with the '{base.short()}' step they need over "
-                f"{_RECOST_OVER_BUDGET:g}× the memory budget per device, and none of their "
-                "other recipes ranked among the best, so they were not re-costed",
-                fmt_bytes(min(peaks)),
-            )
-        else:
-            out[name] = ("their recipes ranked below the candidates re-costed by propagation", "")
-    return out
 
 
 def _context_plan(c: Candidate, cost: Cost | None, mesh: MeshLike) -> ContextParallel | None:
