@@ -179,11 +179,13 @@ def _masked_lookup(eqn: Any, table: Any, indices: Any, spec: TensorSpec) -> Any:
             c = jnp.clip(c, 0, block - 1)
             first = first & (at == 0)
         cols.append(c)
+    # a dim taken whole (not indexed) may be sharded too (a batch's rows): its local block
+    local = [t if n == g else n for n, g, t in zip(sizes, spec.shape, table.shape, strict=True)]
     y = jax.lax.gather(
         table,
         jnp.stack(cols, axis=-1),
         dn,
-        tuple(sizes),
+        tuple(local),
         indices_are_sorted=p["indices_are_sorted"],
         unique_indices=p["unique_indices"],
         mode=jax.lax.GatherScatterMode.CLIP,
