@@ -735,13 +735,15 @@ def _output_roots(graph: Graph, outputs: set[int], aliases: Mapping[int, int]) -
 def _narrowed(graph: Graph, prog: FlatProgram, widen: Mapping[np.dtype, np.dtype]) -> set[int]:
     """Values cast down to a dtype the backend holds wider, from that wider dtype:
     the backend drops the round trip (excess precision) and reads the source, so
-    the cast copy takes no buffer of its own."""
+    the cast copy takes no buffer of its own. Not a cast to float8: its rounding
+    is the quantization (``spmdkit.fp8``), kept, so the quantized copy is a
+    buffer (held wide)."""
     out = set()
     for node in graph.nodes:
         if node.prim != "convert_element_type" or len(node.ins) != 1:
             continue
         src, dst = prog.dtypes[node.ins[0]], prog.dtypes[node.outs[0]]
-        if widen.get(dst) == src:
+        if widen.get(dst) == src and not dst.name.startswith("float8"):
             out.add(node.outs[0])
     return out
 
