@@ -61,6 +61,16 @@ def _llama(**over: int) -> object:
     return dataclasses.replace(base, **over)
 
 
+def _model(row: dict) -> tuple[object, object]:
+    """The row's model spec and config: Llama (70B, or 8B with ``big: 0``) unless
+    the row names another reference model and size (``"model": ("gpt", "gpt3_175b")``)."""
+    if "model" not in row:
+        return get_model("llama"), _llama(**row["config"])
+    name, size = row["model"]
+    spec = get_model(name)
+    return spec, dataclasses.replace(spec.configs[size](), **row["config"])
+
+
 #: One published run per row. ``fit``: the row that fits its stack's constant.
 ROWS = [
     {
@@ -151,6 +161,26 @@ ROWS = [
         "pipelined": True,
     },
     {
+        "name": "NeMo GPT-3 175B FP8",
+        "source": "NVIDIA NeMo 24.07 performance summary (GPT-3 175B, H100)",
+        "model": ("gpt", "gpt3_175b"),
+        # Megatron pads the vocabulary to a multiple of 128 x TP (50,257 -> 50,304)
+        "config": {"vocab": 50304},
+        "devices": 128,
+        "mesh": {"pipe": 8, "data": 4, "model": 4},
+        "published_mesh": "TP 4 x PP 8 x VP 6 (DP 4)",
+        "strategy": "megatron_sp",
+        "batch": 256,
+        "pipeline": Pipeline(stages=8, microbatches=64, schedule="interleaved", virtual=6),
+        "recipe": sk.Recipe(compute_dtype="float8"),
+        "published_recipe": "FP8, GBS 256, MBS 1, seq 2048, TE fused kernels",
+        "stack": "xla",
+        "published": 726,
+        "memory_gib": None,
+        "fit": False,
+        "pipelined": True,
+    },
+    {
         "name": "NeMo Llama 3.1 70B",
         "source": "NVIDIA dgxc-benchmarking llama3.1/README_70b.md",
         "config": {"seq_len": 8192},
@@ -176,11 +206,12 @@ ROWS = [
 
 def predict(row: dict, topology: sk.Topology) -> sk.Cost:
     """The analytic cost of ``row``'s layout and recipe on its abstract mesh."""
+    spec, config = _model(row)
     return sk.plan(
-        get_model("llama"),
+        spec,
         sk.abstract_mesh(**row["mesh"]),
         row["strategy"],
-        config=_llama(**row["config"]),
+        config=config,
         batch_size=row["batch"],
         recipe=row["recipe"],
         rules=row.get("rules"),
@@ -192,7 +223,7 @@ def predict(row: dict, topology: sk.Topology) -> sk.Cost:
 
 def tok_s(row: dict, cost: sk.Cost) -> float:
     """Tokens per second per GPU of a step of ``cost``."""
-    seq = _llama(**row["config"]).seq_len
+    seq = _model(row)[1].seq_len
     return row["batch"] * seq / cost.step_time_s / row["devices"]
 
 
@@ -223,11 +254,12 @@ def auto_choice(row: dict, topology: sk.Topology) -> dict:
         if "pipe" in mesh:
             mesh = {"data": row["devices"] // 8, "model": 8}
     t0 = time.perf_counter()
+    spec, config = _model(row)
     p = sk.plan(
-        get_model("llama"),
+        spec,
         sk.abstract_mesh(**mesh),
         "auto",
-        config=_llama(**row["config"]),
+        config=config,
         batch_size=row["batch"],
         topology=topology,
         pipeline=pipeline,

@@ -213,10 +213,22 @@ CONFIGS: dict[str, Any] = {
     "1.5b": lambda: GPTConfig(
         vocab=50257, d_model=1600, n_layers=48, n_heads=25, d_mlp=6400, max_seq=1024, seq_len=1024
     ),
+    "gpt3_175b": lambda: GPTConfig(
+        vocab=50257,
+        d_model=12288,
+        n_layers=96,
+        n_heads=96,
+        d_mlp=49152,
+        max_seq=2048,
+        seq_len=2048,
+        scan_layers=True,
+    ),
 }
 """GPT-2 sizes: ``tiny`` compiles in seconds on CPU (``tiny_pipe``: 4 stacked, scanned
 layers, what pipelined tests split into 2 or 4 stages); ``124m`` … ``1.5b`` are the
-published ones."""
+published ones; ``gpt3_175b`` is GPT-3 175B as the GPT-3 paper sizes it (96 layers,
+width 12,288, 96 heads, 2,048 tokens; GPT-2's 50,257-token vocabulary), scanned,
+for abstract planning (the calibration table's NeMo row)."""
 
 
 LM_BATCH_AXES: dict[str, tuple[str | None, ...]] = {
