@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -49,7 +49,19 @@ from jax import lax
 from spmdkit import jaxprs
 from spmdkit.errors import SpmdError
 
-__all__ = ["E4M3", "E5M2", "fp8_dot", "fp8_loss", "is_weight_matmul", "quantize"]
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "HISTORY",
+    "SCALINGS",
+    "STATE_PREFIX",
+    "fp8_dot",
+    "fp8_dot_delayed",
+    "fp8_loss",
+    "fp8_state",
+    "is_weight_matmul",
+    "quantize",
+]
 
 #: The forward operands' float8 type (3 mantissa bits, max 448).
 E4M3 = jnp.float8_e4m3fn
@@ -69,6 +81,26 @@ def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     amax = jnp.max(jnp.abs(x32))
     scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
     return (x32 / scale).astype(dtype), scale
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+def _saturated(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``x / scale`` clipped to ``dtype``'s range and cast: a value past the range a
+    delayed scale allows saturates at the largest float8 (float8_e4m3fn has no
+    infinity: an unclipped cast would make it NaN)."""
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
+
+
+def _delayed_scale(history: jax.Array, amax: jax.Array, dtype: Any) -> jax.Array:
+    """The scale from an amax history (its maximum over the window); while the
+    history is empty (all zero: the first step) the current ``amax``."""
+    past = jnp.max(history)
+    amax = jnp.where(past > 0, past, amax)
+    return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
 
 
 def _dims(dn: DimensionNumbers, ndim_l: int, ndim_r: int) -> tuple[list, list, list, list]:
@@ -109,7 +141,7 @@ def fp8_dot(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtype: Any
     return _forward(lhs, rhs, dn, out_dtype)[0]
 
 
-def _forward(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtype: Any) -> tuple:
+def _check_unbatched(dn: DimensionNumbers) -> None:
     if dn[1][0] or dn[1][1]:
         raise SpmdError(
             op="fp8_dot",
@@ -118,6 +150,10 @@ def _forward(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtype: An
             fix="run batched matmuls (attention) with lax.dot_general in bf16; fp8_loss "
             "leaves them alone",
         )
+
+
+def _forward(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtype: Any) -> tuple:
+    _check_unbatched(dn)
     ql, sl = quantize(lhs, E4M3)
     qr, sr = quantize(rhs, E4M3)
     out = lax.dot_general(ql, qr, dn, preferred_element_type=jnp.float32) * (sl * sr)
@@ -134,6 +170,64 @@ def _backward(dn: DimensionNumbers, out_dtype: Any, res: tuple, g: jax.Array) ->
 
 
 fp8_dot.defvjp(_forward, _backward)
+
+#: The scalings :func:`fp8_loss` runs: ``"current"`` (each tensor by its own amax)
+#: and ``"delayed"`` (by the amax history of previous steps).
+SCALINGS = ("current", "delayed")
+
+#: The keys of delayed scaling's state start with this (:func:`fp8_state`).
+STATE_PREFIX = "fp8_amax_"
+
+#: Steps of amax history delayed scaling keeps per operand (the window its scale
+#: is the maximum over).
+HISTORY = 16
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fp8_dot_delayed(
+    lhs: jax.Array, rhs: jax.Array, history: jax.Array, dn: DimensionNumbers, out_dtype: Any = None
+) -> Any:
+    """:func:`fp8_dot` with *delayed* scaling: each operand (and, backward, the
+    output gradient) is scaled by the maximum of its amax ``history``
+    (``float32[3, H]``: rows lhs, rhs, output gradient; newest first) instead of
+    its own amax, and clipped (saturated) to the float8 range; while a row is all
+    zero (the first step) the current amax is used, so the first step is
+    :func:`fp8_dot`'s.
+
+    The gradient with respect to ``history`` is not a derivative: it is the
+    updated history (this step's three amaxes pushed in front, the oldest
+    dropped), which the backward pass alone can produce (the output gradient's
+    amax is known only there); :func:`fp8_loss` hands it back as the new state
+    (Transformer Engine's and flax's fp8 ops keep the same state)."""
+    return _delayed_forward(lhs, rhs, history, dn, out_dtype)[0]
+
+
+def _delayed_forward(
+    lhs: jax.Array, rhs: jax.Array, history: jax.Array, dn: DimensionNumbers, out_dtype: Any
+) -> tuple:
+    _check_unbatched(dn)
+    al, ar = _amax(lhs), _amax(rhs)
+    sl, sr = _delayed_scale(history[0], al, E4M3), _delayed_scale(history[1], ar, E4M3)
+    ql, qr = _saturated(lhs, sl, E4M3), _saturated(rhs, sr, E4M3)
+    out = lax.dot_general(ql, qr, dn, preferred_element_type=jnp.float32) * (sl * sr)
+    res = (ql, sl, qr, sr, jnp.stack([al, ar]), history)
+    likes = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
+    return out.astype(out_dtype or lhs.dtype), (res, *likes)
+
+
+def _delayed_backward(dn: DimensionNumbers, out_dtype: Any, saved: tuple, g: jax.Array) -> tuple:
+    (ql, sl, qr, sr, amaxes, history), lhs_like, rhs_like = saved
+    ag = _amax(g)
+    sg = _delayed_scale(history[2], ag, E5M2)
+    qg = _saturated(g, sg, E5M2)
+    d_lhs = _lhs_grad(qg, qr, dn, ql.ndim) * (sg * sr)
+    d_rhs = _rhs_grad(ql, qg, dn, qr.ndim) * (sg * sl)
+    newest = jnp.concatenate([amaxes, ag[None]])[:, None].astype(history.dtype)
+    updated = jnp.concatenate([newest, history[:, :-1]], axis=1)
+    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype), updated
+
+
+fp8_dot_delayed.defvjp(_delayed_forward, _delayed_backward)
 
 
 def is_weight_matmul(eqn: Any) -> bool:
@@ -175,8 +269,81 @@ def _with_fp8_body(eqn: Any) -> Any:
     return jaxprs.with_body(eqn, _rewritten(body))
 
 
-def _run(jaxpr: Any, consts: list, *args: Any) -> list:
-    """Evaluate ``jaxpr`` on ``args`` with every weight matmul run by :func:`fp8_dot`."""
+def _sites(eqn: Any) -> list[tuple[int, ...]]:
+    """The weight matmuls delayed scaling keeps a history for, in the order
+    :func:`_run` meets them, each as the scan lengths it runs under (``()``: once
+    per step; ``(L,)``: in an ``L``-step layer scan, one history per layer): the
+    equation itself, or those in the body of a scan or a call (not a custom_vjp/jvp:
+    the model's own backward)."""
+    if is_weight_matmul(eqn):
+        return [()]
+    name = eqn.primitive.name
+    if name == "scan":
+        sc = jaxprs.scan(eqn)
+        return [(sc.length, *s) for s in _jaxpr_sites(sc.jaxpr)]
+    body = jaxprs.call_body(eqn)
+    if body is None or name.startswith("custom_"):
+        return []
+    return _jaxpr_sites(jaxprs.open_jaxpr(body)[0])
+
+
+def _jaxpr_sites(jaxpr: Any) -> list[tuple[int, ...]]:
+    return [s for eqn in jaxpr.eqns for s in _sites(eqn)]
+
+
+def _delayed_eqn(eqn: Any, ins: list, histories: Iterator) -> list | None:
+    """``eqn`` run with delayed scaling on the next of ``histories`` for each of
+    its weight matmuls; None when it has none (run it as it is)."""
+    if is_weight_matmul(eqn):
+        dn = eqn.params["dimension_numbers"]
+        return [fp8_dot_delayed(*ins, next(histories), dn, eqn.outvars[0].aval.dtype)]
+    hs = [next(histories) for _ in _sites(eqn)]
+    if not hs:
+        return None
+    if eqn.primitive.name == "scan":
+        return _delayed_scan(jaxprs.scan(eqn), ins, hs)
+    jaxpr, consts = jaxprs.open_jaxpr(jaxprs.call_body(eqn))
+
+    def body(hs: list, *args: Any) -> list:
+        return _run(jaxpr, consts, *args, histories=iter(hs))
+
+    if eqn.primitive.name in jaxprs.REMAT_PRIMITIVES:
+        return jax.checkpoint(body, **jaxprs.remat_options(eqn))(hs, *ins)
+    return body(hs, *ins)  # a jit / closed call: inlined
+
+
+def _delayed_scan(sc: Any, ins: list, hs: list) -> list:
+    """A scan with delayed scaling: each layer's histories ride as extra scanned
+    inputs (one slice per step)."""
+    consts, init = ins[: sc.num_consts], ins[sc.num_consts : sc.num_consts + sc.num_carry]
+    xs = ins[sc.num_consts + sc.num_carry :]
+
+    def step(carry: list, x: tuple) -> tuple[list, list]:
+        outs = _run(sc.jaxpr, list(sc.consts), *consts, *carry, *x[0], histories=iter(x[1]))
+        return outs[: sc.num_carry], outs[sc.num_carry :]
+
+    carry, ys = lax.scan(
+        step, init, (xs, hs), length=sc.length, reverse=sc.reverse, unroll=sc.unroll
+    )
+    return [*carry, *ys]
+
+
+def _current_eqn(eqn: Any, ins: list, rewrite: bool) -> list:
+    """``eqn`` run with its weight matmuls (its own, its body's) by :func:`fp8_dot`;
+    with ``rewrite`` False (delayed scaling found none in it) as it is."""
+    if rewrite and is_weight_matmul(eqn):
+        return [fp8_dot(*ins, eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype)]
+    new = _with_fp8_body(eqn) if rewrite else eqn
+    ctx = getattr(eqn, "ctx", None)
+    with ctx.manager if ctx is not None else contextlib.nullcontext():
+        outs = new.primitive.bind(*ins, **new.primitive.get_bind_params(new.params))
+    return outs if new.primitive.multiple_results else [outs]
+
+
+def _run(jaxpr: Any, consts: list, *args: Any, histories: Iterator | None = None) -> list:
+    """Evaluate ``jaxpr`` on ``args`` with every weight matmul run by :func:`fp8_dot`
+    (with ``histories``, the amax histories in :func:`_sites` order: by
+    :func:`fp8_dot_delayed`)."""
     env: dict = {}
 
     def read(v: Any) -> Any:
@@ -188,28 +355,44 @@ def _run(jaxpr: Any, consts: list, *args: Any) -> list:
         env[v] = x
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        if is_weight_matmul(eqn):
-            outs = [fp8_dot(*ins, eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype)]
-        else:
-            new = _with_fp8_body(eqn)
-            ctx = getattr(eqn, "ctx", None)
-            with ctx.manager if ctx is not None else contextlib.nullcontext():
-                outs = new.primitive.bind(*ins, **new.primitive.get_bind_params(new.params))
-            outs = outs if new.primitive.multiple_results else [outs]
+        outs = _delayed_eqn(eqn, ins, histories) if histories is not None else None
+        if outs is None:
+            outs = _current_eqn(eqn, ins, rewrite=histories is None)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
 
-def fp8_loss(loss_fn: Callable) -> Callable:
-    """``loss_fn`` with every weight matmul run by :func:`fp8_dot` (module docstring):
-    traced for the arguments of each call and re-run equation by equation; the
-    model is not edited.
+def fp8_loss(loss_fn: Callable, scaling: str = "current") -> Callable:
+    """``loss_fn`` with every weight matmul run in float8 (module docstring): traced
+    for the arguments of each call and re-run equation by equation; the model is
+    not edited.
+
+    Args:
+      loss_fn: ``loss_fn(*args)``.
+      scaling: ``"current"``: by :func:`fp8_dot` (each operand by its own amax);
+        the result takes ``loss_fn``'s arguments. ``"delayed"``: by
+        :func:`fp8_dot_delayed`; the result takes the amax histories first,
+        ``f(state, *args)`` with ``state`` from :func:`fp8_state`, and the
+        gradient of ``f`` with respect to ``state`` is the next step's state.
+
+    Raises:
+      SpmdError: ``scaling`` is neither; a delayed ``state`` that is not
+        :func:`fp8_state`'s for these arguments.
 
     Example::
 
         >>> jax.grad(fp8_loss(loss))(params, batch)  # float8 matmuls, grads in params' dtype
+        >>> f = fp8_loss(loss, "delayed"); state = fp8_state(loss, params, batch)
+        >>> grads, state = jax.grad(f, argnums=(1, 0))(state, params, batch)
     """
+    if scaling not in SCALINGS:
+        raise SpmdError(
+            op="fp8_loss",
+            must=f"scaling is one of {SCALINGS}",
+            given=repr(scaling),
+            fix="pass scaling='current' or 'delayed'",
+        )
 
     @functools.wraps(loss_fn)
     def wrapped(*args: Any) -> Any:
@@ -217,4 +400,55 @@ def fp8_loss(loss_fn: Callable) -> Callable:
         flat = _run(closed.jaxpr, list(closed.consts), *jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(shape), flat)
 
-    return wrapped
+    @functools.wraps(loss_fn)
+    def delayed(state: Any, *args: Any) -> Any:
+        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+        want = _state_shapes(closed.jaxpr, _history_length(state))
+        got = {k: tuple(jnp.shape(v)) for k, v in dict(state).items()}
+        if got != want:
+            raise SpmdError(
+                op="fp8_loss(scaling='delayed')",
+                must="the state holds one amax history per weight matmul of the loss "
+                "(fp8_state's for these arguments)",
+                given=f"{len(got)} histories for {len(want)} weight matmuls",
+                fix="make the state with spmdkit.fp8.fp8_state(loss_fn, *args)",
+            )
+        hs = iter([state[k] for k in sorted(want)])
+        flat = _run(closed.jaxpr, list(closed.consts), *jax.tree.leaves(args), histories=hs)
+        return jax.tree.unflatten(jax.tree.structure(shape), flat)
+
+    return delayed if scaling == "delayed" else wrapped
+
+
+def _history_length(state: Any) -> int:
+    shapes = [jnp.shape(v) for v in dict(state).values()]
+    return shapes[0][-1] if shapes else HISTORY
+
+
+def _state_shapes(jaxpr: Any, history: int) -> dict[str, tuple[int, ...]]:
+    return {f"{STATE_PREFIX}{i:04d}": (*s, 3, history) for i, s in enumerate(_jaxpr_sites(jaxpr))}
+
+
+def _unsharded(x: Any) -> Any:
+    """An array leaf as a shape struct with no sharding (the matmuls a loss runs do
+    not depend on layouts; tracing sharded arrays could trip explicit axes)."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+def fp8_state(loss_fn: Callable, *args: Any, history: int = HISTORY) -> dict[str, jax.Array]:
+    """The initial state of ``fp8_loss(loss_fn, "delayed")`` for ``args`` (arrays or
+    ``jax.ShapeDtypeStruct``): per weight matmul, in the order the loss runs them, a
+    ``float32[..., 3, history]`` amax history of zeros (rows lhs, rhs, output
+    gradient; a leading dim per layer scan it runs in), keyed ``"fp8_amax_0000"``,
+    ``"fp8_amax_0001"``, ... (:data:`STATE_PREFIX`). A float32 array per history:
+    it is replicated under every layout (a few KiB) and checkpoints as any other
+    state.
+
+    Example::
+
+        >>> state = fp8_state(loss, params, batch)  # {"fp8_amax_0000": zeros((L, 3, 16)), ...}
+    """
+    jaxpr = jax.make_jaxpr(loss_fn)(*jax.tree.map(_unsharded, args)).jaxpr
+    return {k: jnp.zeros(s, jnp.float32) for k, s in _state_shapes(jaxpr, history).items()}

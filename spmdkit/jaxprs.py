@@ -212,6 +212,12 @@ def call_body(eqn: Any) -> Any | None:
     return body if body is not None and _has_eqns(body) else None
 
 
+def remat_options(eqn: Any) -> dict:
+    """``jax.checkpoint``'s keyword arguments a remat equation was made with
+    (``policy``, ``prevent_cse``), to make the same region again."""
+    return {"policy": eqn.params.get("policy"), "prevent_cse": eqn.params.get("prevent_cse", True)}
+
+
 #: primitive name → ``fn(eqn) -> jaxpr``: what a primitive with no body in its params
 #: computes (written by the registry only: :func:`set_primitive_body`).
 _PRIMITIVE_BODIES: dict[str, Callable[[Any], Any]] = {}

@@ -84,7 +84,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmdkit import jaxprs
 from spmdkit.batch import as_traced, as_tree, microbatches
 from spmdkit.errors import SpmdError
-from spmdkit.fp8 import fp8_loss
+from spmdkit.fp8 import HISTORY, SCALINGS, fp8_loss, fp8_state
 from spmdkit.loss import Loss, as_loss
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import LayerScan, find_layer_scan
@@ -100,6 +100,7 @@ __all__ = [
     "check_offload",
     "checkpoint_policy",
     "host_memory_kinds",
+    "init_fp8_state",
     "recipe_of",
     "recipes_used",
     "remat_loss",
@@ -145,6 +146,10 @@ class Recipe:
         (``pinned_host``) between the forward and the backward pass.
       compute_dtype: ``None`` (the parameters' dtype) or a floating dtype name;
         parameters stay in their own dtype (fp32 master weights).
+      fp8_scaling: under ``compute_dtype="float8"``, how operands are scaled:
+        ``"current"`` (each by its own amax) or ``"delayed"`` (by the amax
+        history of previous steps, kept as state the step carries:
+        :func:`init_fp8_state`).
       microbatches: gradient-accumulation steps per train step (>= 1).
       offload_opt: keep optimizer state in host memory (``pinned_host``).
 
@@ -158,6 +163,7 @@ class Recipe:
     save_names: tuple[str, ...] = ()
     remat_offload: bool = False
     compute_dtype: str | None = None
+    fp8_scaling: str = "current"
     microbatches: int = 1
     offload_opt: bool = False
 
@@ -209,6 +215,16 @@ class Recipe:
                     "('float8' for float8 weight matmuls)",
                 )
             object.__setattr__(self, "compute_dtype", name)
+        if self.fp8_scaling not in SCALINGS or (
+            self.fp8_scaling != "current" and self.compute_dtype != "float8"
+        ):
+            raise RecipeError(
+                op="Recipe",
+                must=f"fp8_scaling is one of {SCALINGS}, and other than 'current' only "
+                "with compute_dtype='float8'",
+                given=f"fp8_scaling={self.fp8_scaling!r}, compute_dtype={self.compute_dtype!r}",
+                fix="pass compute_dtype='float8', fp8_scaling='delayed' (or drop fp8_scaling)",
+            )
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int):
             raise RecipeError(
                 op="Recipe",
@@ -263,6 +279,8 @@ class Recipe:
                 parts.append("save=" + "+".join(self.save_names))
         if self.compute_dtype is not None:
             parts.append(_DTYPE_SHORT.get(self.compute_dtype, self.compute_dtype))
+            if self.fp8_scaling == "delayed":
+                parts[-1] += "(delayed)"
         if self.microbatches > 1:
             parts.append(f"microbatches={self.microbatches}")
         if self.offload_opt:
@@ -279,6 +297,7 @@ class Recipe:
             "save_names": list(self.save_names),
             "remat_offload": self.remat_offload,
             "compute_dtype": self.compute_dtype,
+            "fp8_scaling": self.fp8_scaling,
             "microbatches": self.microbatches,
             "offload_opt": self.offload_opt,
         }
@@ -293,6 +312,7 @@ class Recipe:
             save_names=tuple(d.get("save_names", ())),
             remat_offload=bool(d.get("remat_offload", False)),
             compute_dtype=d.get("compute_dtype"),
+            fp8_scaling=d.get("fp8_scaling", "current"),
             microbatches=int(d.get("microbatches", 1)),
             offload_opt=bool(d.get("offload_opt", False)),
         )
@@ -565,16 +585,24 @@ def value_and_grad(
 
     user_loss = _context_parallel_loss(loss, recipe)
 
-    inner = remat_loss(fp8_loss(user_loss) if rcp.compute_dtype == "float8" else user_loss, rcp)
+    delayed = rcp.fp8_scaling == "delayed"
+    pipe = getattr(recipe, "pipeline", None)
+    if delayed:
+        _check_delayed(loss, pipe)
+        f8 = fp8_loss(user_loss, "delayed")
+        inner = remat_loss(lambda p, b, state, *r: f8(state, p, b, *r), rcp)
+    else:
+        inner = remat_loss(fp8_loss(user_loss) if rcp.compute_dtype == "float8" else user_loss, rcp)
 
     def cast_loss(params: Any, batch: Any, *rest: Any) -> Any:
         return inner(_cast(params, rcp.activation_dtype), batch, *rest)
 
     if loss.has_state:
         vg = _state_value_and_grad(cast_loss, loss.has_aux)
+    elif delayed:
+        vg = _delayed_value_and_grad(cast_loss, loss.has_aux)
     else:
         vg = jax.value_and_grad(cast_loss, has_aux=loss.has_aux)
-    pipe = getattr(recipe, "pipeline", None)
     if pipe is not None:
         _check_pipelined(loss, pipe)
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
@@ -591,7 +619,7 @@ def value_and_grad(
         if rcp.microbatches == 1:
             out, grads = vg(params, as_traced(batch), *rest)
             return out, _constrain(grads, specs)
-        if loss.has_state:
+        if loss.has_state or delayed:
             return _accumulate_state(vg, rcp.microbatches, specs, params, batch, rest)
         return _accumulate(vg, rcp.microbatches, specs, params, batch, rest)
 
@@ -633,6 +661,59 @@ def _keep_layout(plan: Any, batch: Any) -> Any:
         batch,
         specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def _check_delayed(loss: Loss, pipe: Any) -> None:
+    """Delayed float8 scaling's state is the step's only state, and the step is
+    not pipelined."""
+    if loss.has_state or pipe is not None:
+        what = "mutable model state" if loss.has_state else f"a pipeline ({pipe!r})"
+        raise RecipeError(
+            op="sk.value_and_grad",
+            must="with fp8_scaling='delayed' the loss carries no mutable model state of "
+            "its own and the plan has no pipeline (the amax histories are the step's state)",
+            given=f"{loss!r} with {what}",
+            fix="use Recipe(compute_dtype='float8') (current scaling), which needs no state",
+        )
+
+
+def _delayed_value_and_grad(loss: Callable, has_aux: bool) -> Callable:
+    """``f(params, batch, state, *rest) -> ((value, new_state), grads)`` for delayed
+    float8 scaling: ``state`` holds the amax histories (:func:`init_fp8_state`),
+    and its gradient is the updated histories (``spmdkit.fp8.fp8_dot_delayed``)."""
+    vg = jax.value_and_grad(loss, argnums=(0, 2), has_aux=has_aux)
+
+    def f(params: Any, batch: Any, state: Any, *rest: Any) -> tuple[tuple[Any, Any], Any]:
+        value, (grads, new_state) = vg(params, batch, state, *rest)
+        return (value, new_state), grads
+
+    return f
+
+
+def init_fp8_state(
+    loss_fn: Callable[..., Any] | Loss, params: Any, batch: Any, *rest: Any, history: int = HISTORY
+) -> dict[str, jax.Array]:
+    """The amax histories a step with ``Recipe(compute_dtype="float8",
+    fp8_scaling="delayed")`` carries, initially empty (zeros: the first step scales
+    as current scaling does): one ``float32[..., 3, history]`` per weight matmul
+    of the loss (``spmdkit.fp8.fp8_state``). The step takes and returns it as
+    state: ``step(params, opt_state, fp8_state, batch) -> (params, opt_state,
+    fp8_state, loss)``.
+
+    Args:
+      loss_fn: as for :func:`value_and_grad` (a loss without state of its own).
+      params, batch, rest: the step's arguments (arrays or shape structs).
+      history: amax steps kept per operand (the scale's window).
+
+    Example::
+
+        >>> state = init_fp8_state(info, params, batch)
+        >>> params, opt_state, state, loss = step(params, opt_state, state, batch)
+    """
+    loss = as_loss(loss_fn)
+    return fp8_state(
+        lambda p, b, *r: loss.fn(p, as_tree(b), *r), params, batch, *rest, history=history
     )
 
 
@@ -832,7 +913,9 @@ def train_step(
     With state (``has_state=True``, or a described model with batch statistics,
     module docstring): ``step(params, opt_state, state, batch, *rest) ->
     (params, opt_state, state, value)``; the state is updated by the loss, not by
-    the optimizer. ``rest`` reaches the loss after the batch (and state): a loss
+    the optimizer. Delayed float8 scaling (``Recipe(compute_dtype="float8",
+    fp8_scaling="delayed")``) makes the amax histories that state
+    (:func:`init_fp8_state`). ``rest`` reaches the loss after the batch (and state): a loss
     that draws random numbers takes the step's key there (micro-batch ``i``
     gets it folded with ``i``). ``value`` is the loss, or ``(loss, aux)`` for a
     loss with aux.
@@ -874,7 +957,8 @@ def train_step(
             "or plan the step with Pipeline(..., return_output=False)",
         )
     grad_fn = value_and_grad(loss, recipe, grad_specs=grad_specs)
-    call = "step(params, opt_state, " + ("state, " if loss.has_state else "") + "batch, key)"
+    stateful = loss.has_state or rcp.fp8_scaling == "delayed"
+    call = "step(params, opt_state, " + ("state, " if stateful else "") + "batch, key)"
 
     def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
         if rcp.offload_opt:
@@ -899,7 +983,7 @@ def train_step(
         params, opt_state = update(params, opt_state, grads)
         return params, opt_state, state, value
 
-    out = state_step if loss.has_state else step
+    out = state_step if stateful else step
     out.recipe = rcp  # type: ignore[attr-defined]
     out.loss = loss  # type: ignore[attr-defined]
     return out

@@ -360,3 +360,31 @@ def test_state_is_threaded_through_micro_batches_and_not_differentiated():
     assert jax.tree.structure(o2) == jax.tree.structure(opt.init(params))
     assert float(s2["seen"]) == float(batch["x"].sum())
     assert jax.tree.structure(p2) == jax.tree.structure(params)
+
+
+def test_delayed_fp8_scaling_is_a_float8_option_that_round_trips():
+    rcp = Recipe(compute_dtype="float8", fp8_scaling="delayed")
+    assert Recipe.from_json(rcp.to_json()) == rcp and rcp.short() == "fp8(delayed)"
+    assert Recipe.from_json({"compute_dtype": "float8"}).fp8_scaling == "current"
+    with pytest.raises(RecipeError, match="only with compute_dtype='float8'"):
+        Recipe(compute_dtype="bfloat16", fp8_scaling="delayed")
+    with pytest.raises(RecipeError, match="fp8_scaling is one of"):
+        Recipe(compute_dtype="float8", fp8_scaling="late")
+
+
+def test_delayed_fp8_step_carries_the_histories_and_refuses_model_state():
+    """The delayed step takes and returns the amax histories after the optimizer
+    state; a loss with state of its own is refused (one state per step)."""
+
+    def loss(w, batch):
+        return jnp.mean((batch["x"] @ w) ** 2)
+
+    rcp = Recipe(compute_dtype="float8", fp8_scaling="delayed")
+    w, batch = jnp.full((4, 2), 0.5), {"x": jnp.ones((8, 4))}
+    state = rc.init_fp8_state(loss, w, batch)
+    opt = optax.sgd(0.1)
+    w2, _, state2, value = jax.jit(rc.train_step(loss, opt, rcp))(w, opt.init(w), state, batch)
+    np.testing.assert_allclose(state2["fp8_amax_0000"][:2, 0], [1.0, 0.5])
+    assert value > 0 and w2.shape == w.shape
+    with pytest.raises(RecipeError, match="no mutable model state of its own"):
+        rc.value_and_grad(lambda w, b, s: (loss(w, b), s), rcp, has_state=True)

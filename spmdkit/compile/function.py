@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.batch import as_traced, as_tree
 from spmdkit.compile.enforce import enforced
 from spmdkit.errors import SpmdError
+from spmdkit.fp8 import STATE_PREFIX
 from spmdkit.loss import LossError, placeholder_keys
 from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan
@@ -112,6 +113,8 @@ def infer_role(plan: Plan, tree: Any) -> str:
         )
     if any(any(p.endswith("/" + q) for q in params) for p, _ in leaves):
         return "opt_state"
+    if all(p.startswith(STATE_PREFIX) for p, _ in leaves):
+        return "replicated"  # delayed float8 scaling's amax histories (spmdkit.fp8)
     return "batch"
 
 

@@ -102,6 +102,35 @@ class Candidate(NamedTuple):
         return out if self.pipeline is None else f"{out}+{self.pipeline.short()}"
 
 
+def _fp8_state(info: ModelInfo) -> dict:
+    """The abstract amax histories of delayed float8 scaling for ``info``'s step."""
+    from spmdkit.recipe import init_fp8_state
+
+    key = () if info.abstract_key is None else (info.abstract_key,)
+    return jax.eval_shape(
+        lambda p, b, *k: init_fp8_state(info, p, b, *k), info.abstract_params, info.batch, *key
+    )
+
+
+def _carried(info: ModelInfo, candidate: Plan, trace: StepTrace) -> tuple[tuple, tuple, tuple]:
+    """The step's carried arguments before the batch: ``(specs, abstract values,
+    roles)`` of the params, the optimizer state, and the model's state (batch
+    statistics) or delayed float8 scaling's amax histories (replicated)."""
+    carried = (candidate.param_specs(info.abstract_params), candidate.opt_specs(trace.abstract_opt))
+    args = (info.abstract_params, trace.abstract_opt)
+    roles: tuple[str, ...] = ("params", "opt_state")
+    if info.has_state:  # the model's batch statistics: in and out of the step, no grads
+        carried += (candidate.state_specs(info.abstract_state),)
+        args += (info.abstract_state,)
+        roles += ("state",)
+    elif candidate.recipe.fp8_scaling == "delayed":
+        abstract = _fp8_state(info)
+        carried += (jax.tree.map(lambda _: P(), abstract),)
+        args += (abstract,)
+        roles += ("state",)
+    return carried, args, roles
+
+
 def propagate_cost(
     info: ModelInfo,
     optimizer: GradientTransformation | None,
@@ -113,14 +142,7 @@ def propagate_cost(
     (forward, backward, optimizer update; params and optimizer state donated),
     with its recipe applied; ``analytic`` is the same plan's analytic cost, whose
     compute time and overlappable share of communication it keeps."""
-    trace = ctx.trace
-    carried = (candidate.param_specs(info.abstract_params), candidate.opt_specs(trace.abstract_opt))
-    args = (info.abstract_params, trace.abstract_opt)
-    roles: tuple[str, ...] = ("params", "opt_state")
-    if info.has_state:  # the model's batch statistics: in and out of the step, no grads
-        carried += (candidate.state_specs(info.abstract_state),)
-        args += (info.abstract_state,)
-        roles += ("state",)
+    carried, args, roles = _carried(info, candidate, ctx.trace)
     in_specs = (*carried, candidate.batch_specs(info.batch))
     # The step hands back parameters, optimizer state (and model state) in the
     # layouts it took them in (the next step's inputs, and what sk.jit's

@@ -68,7 +68,7 @@ from spmdkit.loss import is_key
 from spmdkit.mesh import make_mesh
 from spmdkit.planner import Plan
 from spmdkit.planner import plan as make_plan
-from spmdkit.recipe import Recipe, train_step
+from spmdkit.recipe import Recipe, init_fp8_state, train_step
 from spmdkit.runtime.checkpoint import Manager, Restored, abstract_target
 from spmdkit.util import path_str
 
@@ -201,6 +201,7 @@ def train(
     )
     check_batch = functools.partial(_check_batch_size, plan)
     check_batch(source.example)
+    parts = _with_fp8_state(parts, plan, source.example)
     step_fn = jit(train_step(parts.info, optimizer, plan), plan, donate_state=True)
     with jax.set_mesh(step_fn.mesh):
         key = _base_key(rng, step_fn.mesh) if parts.info.rng else None
@@ -308,6 +309,29 @@ def _model_parts(loss_fn: Callable, model: Any, example: Any) -> _Parts:
         state = {k: v for k, v in model.items() if k != "params"}
         return _Parts(info, {"params": model["params"]}, state, lambda p, s: {**p, **s})
     return _Parts(info, model, None, lambda p, s: p)
+
+
+def _with_fp8_state(parts: _Parts, plan: Plan, example: Any) -> _Parts:
+    """Under delayed float8 scaling (``plan.recipe.fp8_scaling == "delayed"``) the
+    step's state is the amax histories (``spmdkit.recipe.init_fp8_state``, empty:
+    the first step scales as current scaling does): carried, checkpointed and
+    restored as ``model_state``, returned in :attr:`TrainResult.model_state`,
+    not written into the model."""
+    if plan.recipe.fp8_scaling != "delayed":
+        return parts
+    if parts.state is not None:
+        raise TrainError(
+            op="train",
+            must="with fp8_scaling='delayed' the model has no mutable state of its own "
+            "(the amax histories are the step's state)",
+            given=f"a model with state {sorted(s.path for s in parts.info.state)[:3]}",
+            fix="plan with sk.Recipe(compute_dtype='float8') (current scaling)",
+        )
+    info = parts.info
+    key = () if info.abstract_key is None else (info.abstract_key,)
+    state = init_fp8_state(info, info.abstract_params, example, *key)
+    write_back = parts.write_back
+    return dataclasses.replace(parts, state=state, write_back=lambda p, s: write_back(p, None))
 
 
 # -- the plan ----------------------------------------------------------------------------
@@ -441,7 +465,10 @@ def _layout(plan: Plan, parts: _Parts, optimizer: optax.GradientTransformation) 
     )
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     state = None
-    if parts.state is not None:
+    if parts.state is not None and plan.recipe.fp8_scaling == "delayed":
+        replicated = NamedSharding(plan.sharding_mesh, PartitionSpec())
+        state = jax.tree.map(lambda _: replicated, parts.state)
+    elif parts.state is not None:
         state = plan.state_sharding(jax.eval_shape(lambda s: s, parts.state))
     return _Layout(
         plan.param_shardings(abstract_params),

@@ -122,7 +122,7 @@ def test_cpu_holds_float8_values_in_float32():
     fused with the widening to its float32 dot): held as the CPU backend holds
     them, a float8 MLP's gradient counts more temporaries than at float8 sizes,
     the arguments unchanged. (Against compiled programs: tiny GPT's fsdp step,
-    ``test_fsdp_float8_step_memory_verifies_on_cpu``.)"""
+    ``tests/test_fp8.py``'s training test.)"""
     from spmdkit.fp8 import fp8_loss
     from spmdkit.verification.planned import held_on_cpu
 
@@ -139,26 +139,3 @@ def test_cpu_holds_float8_values_in_float32():
     held = held_on_cpu(prop)
     assert held.memory.argument_bytes == prop.memory.argument_bytes
     assert held.memory.temp_bytes > prop.memory.temp_bytes
-
-
-@pytest.mark.slow
-def test_fsdp_float8_step_memory_verifies_on_cpu():
-    """Tiny GPT's float8 train step under fsdp on 8 CPU devices: at float8 sizes
-    the peak is predicted 642-778 KiB against 1,018 KiB compiled (more than 20%
-    under); held in float32 as XLA:CPU holds float8 values, every row of
-    ``plan.verify`` holds, peak memory included."""
-    import numpy as np
-    import optax
-
-    from spmdkit.models import get_model
-
-    info = sk.describe(get_model("gpt"), config="tiny", batch_size=8)
-    p = sk.plan(info, sk.make_mesh(data=8), "fsdp", recipe=sk.Recipe(compute_dtype="float8"))
-    opt = optax.adam(1e-3)
-    params = sk.init_sharded(info, p)
-    opt_state = jax.jit(opt.init, out_shardings=p.opt_shardings(jax.eval_shape(opt.init, params)))(
-        params
-    )
-    batch = {k: np.zeros((8, 16), np.int32) for k in ("tokens", "targets")}
-    report = p.verify(sk.jit(sk.train_step(info, opt, p), p), params, opt_state, batch)
-    assert report.ok, str(report)
