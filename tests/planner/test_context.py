@@ -153,20 +153,47 @@ def test_auto_keeps_short_sequences_with_plenty_of_batch_data_parallel():
 @pytest.mark.parametrize("seq,batch", [(65536, 4), (65536, 2), (131072, 4), (131072, 2)])
 def test_llama3_8b_long_sequences_fit_with_context_parallelism(seq, batch):
     """Issue 34's acceptance: Llama-3 8B at 64K and 128K tokens on 8 devices with
-    4 and 2 sequences fits 80 GiB by splitting the sequences (the propagate
-    estimator for the longest, the analytic one for the rest)."""
+    4 and 2 sequences fits 80 GiB by splitting the sequences (analytic estimator;
+    the propagate estimator's figures, which agree, are in benchmarks/planner.py)."""
     spec = get_model("llama")
     cfg = dataclasses.replace(spec.configs["8b"](), seq_len=seq)
-    est = "propagate" if (seq, batch) == (131072, 2) else "analytic"
     p = sk.plan(spec, sk.abstract_mesh(data=8), "auto", config=cfg, batch_size=batch,
-                estimator=est)  # fmt: skip
+                estimator="analytic")  # fmt: skip
     assert p.cost.peak_bytes <= 80 * GIB
     assert p.context is not None and p.context.degree >= 2
     text = str(p)
     assert "activations: " in text and "seq→context" in text
     assert f"context parallel: context: {p.context.degree} ({p.context.attention}" in text
-    if est == "propagate":  # the rule's strategy, as propagation chose it
-        assert p.cost.ops["attention"].get(p.context.attention)
+    assert p.cost.ops["attention"].get(p.context.attention)
+
+
+@pytest.mark.slow
+def test_autos_context_parallel_plan_runs_on_8_devices_and_verifies():
+    """auto on ``make_mesh(data=8)`` with 2 sequences splits the devices' mesh into
+    ``data × context`` (a real ``Mesh``, the devices in order); the planned step
+    (propagate estimator: the attention strategy propagation chose) equals the
+    one-device step and ``plan.verify`` agrees with the compiled HLO."""
+    from models.llama import LlamaConfig
+
+    cfg = LlamaConfig(seq_len=1024, n_layers=1)  # GQA: 4 query heads, 2 kv heads
+    info = describe(get_model("llama"), config=cfg, batch_size=2)
+    seq = np.random.default_rng(0).integers(0, cfg.vocab, (2, 1025)).astype(np.int32)
+    batch = {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+    params = info.init_fn()
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+    plan = sk.plan(info, sk.make_mesh(data=8), "auto", memory_budget=6 * 2**20,
+                   recipe=sk.Recipe())  # fmt: skip
+    assert isinstance(plan.mesh, jax.sharding.Mesh) and CONTEXT_AXIS in plan.mesh.axis_names
+    assert plan.context is not None and plan.activation["seq"] == (CONTEXT_AXIS,)
+    assert plan.cost.ops["attention"].get(plan.context.attention)
+    step = sk.jit(sk.value_and_grad(info.train_loss, plan), plan)
+    placed = jax.device_put(params, plan.param_shardings(info.abstract_params))
+    loss, grads = step(placed, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=2e-6)
+    report = plan.verify(step, placed, batch)
+    assert report.ok, str(report)
 
 
 def test_plan_without_context_round_trips():
