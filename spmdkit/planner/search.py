@@ -490,7 +490,7 @@ class _Planner(PipelinePlanning):
     def searched(self, recipe: Recipe = PLAIN) -> list[Candidate]:
         """The searched candidate for each choice of batch axes."""
         out: list[Candidate] = []
-        if self.ctx.sizes.get(CONTEXT_AXIS, 1) > 1:
+        if self.ctx.sizes.get(CONTEXT_AXIS, 1) > 1 and self.context_meshes():
             # the user's context axis holds the sequence (:meth:`context_searched`)
             return out
         ctx = self.at(recipe)

@@ -127,6 +127,13 @@ def test_auto_uses_the_users_context_axis(small_long):
     assert p.activation["batch"] == ("data",) and p.activation["seq"] == (CONTEXT_AXIS,)
 
 
+def test_a_preset_leaving_the_context_axis_idle_says_auto_uses_it(small_long):
+    p = sk.plan(small_long, sk.abstract_mesh(data=2, context=4), "dp", estimator="analytic")
+    (note,) = [n for n in p.notes if n.kind == "idle_axis"]
+    assert "'context'" in note.message and "strategy='auto'" in note.fix
+    assert p.context is None
+
+
 def test_a_rule_table_with_seq_on_the_context_axis_is_context_parallel(small_long):
     # batch 2 does not divide data=4: the batch does not take the context axis
     # the sequence's rule asks for (it would leave the sequence whole)
