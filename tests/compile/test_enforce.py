@@ -214,8 +214,11 @@ def test_a_partial_contraction_is_reduced_as_planned():
     )
 
 
-@pytest.mark.parametrize("mode", ["fill", "clip", "promise_in_bounds"])
-def test_a_masked_lookup_is_reduced_as_planned(mode):
+@pytest.mark.parametrize(
+    ("mode", "table"),
+    [("fill", P("model")), ("clip", P("model")), ("promise_in_bounds", P("model", "data"))],
+)
+def test_a_masked_lookup_is_reduced_as_planned(mode, table):
     """Rows of a table sharded over ``model`` by rows, looked up and wanted
     sequence-sharded over ``model`` (megatron_sp's position embedding): the plan
     looks up each device's own rows with a mask and reduce-scatters the partial
@@ -223,7 +226,8 @@ def test_a_masked_lookup_is_reduced_as_planned(mode):
     all-reduces the half and permutes it into place (a collective-permute the plan
     lacks); the replay runs the masked lookup per device and reduce-scatters it
     itself. The gather's mode holds for the whole table (rows outside it: the
-    fill value once, or clamped)."""
+    fill value once, or clamped); a table also split by columns gives each device
+    its block of columns."""
     mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
 
     def f(t, i):
@@ -231,15 +235,16 @@ def test_a_masked_lookup_is_reduced_as_planned(mode):
 
     t = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     i = jax.ShapeDtypeStruct((16,), jnp.int32)
-    prop = propagate(f, t, i, mesh=mesh, in_specs=(P("model"), P()), out_specs=P("model"))
+    prop = propagate(f, t, i, mesh=mesh, in_specs=(table, P()), out_specs=table)
     assert [c.kind for c in prop.collectives()] == ["reduce_scatter"], prop.collectives()
     compiled, got = _compiled(prop, mesh, t, i)
-    assert [(c.kind, c.payload_bytes) for c in got] == [("reduce_scatter", 16 * 32 * 4)]
+    block = 16 * 32 * 4 // (2 if table == P("model", "data") else 1)  # columns over data
+    assert [(c.kind, c.payload_bytes) for c in got] == [("reduce_scatter", block)]
     rows = np.arange(16) * 4 + 1
     if mode != "promise_in_bounds":
         rows[[2, 9]] = [64, 70]  # outside the table
     tv = np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32)
-    got = compiled(jax.device_put(tv, NamedSharding(mesh, P("model"))), jnp.asarray(rows))
+    got = compiled(jax.device_put(tv, NamedSharding(mesh, table)), jnp.asarray(rows))
     np.testing.assert_allclose(got, f(jnp.asarray(tv), rows), rtol=1e-6)
 
 
