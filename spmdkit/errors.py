@@ -18,6 +18,7 @@ __all__ = [
     "RegistrationError",
     "ShardingConflictError",
     "ReshardError",
+    "RecipeError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointMismatchError",
@@ -114,6 +115,11 @@ class ReshardError(SpmdError, ValueError):
     Broken example: ``sk.reshard(jnp.ones(6), TensorSpec((6,), P("x")))`` on a
     4-device ``x`` axis.
     """
+
+
+class RecipeError(SpmdError, ValueError):
+    """A recipe option is invalid, or cannot run on this model or backend
+    (``spmdkit.recipe``)."""
 
 
 class CheckpointError(SpmdError, RuntimeError):

@@ -14,6 +14,9 @@ uses memory and time around it, as the published large-model recipes do
   ``"save_out_proj"``), which keep the projections tagged with
   ``jax.ad_checkpoint.checkpoint_name`` under MaxText's names (the reference
   models tag them); ``"names"`` (keep the tags in :attr:`Recipe.save_names`).
+- ``remat_every``: recompute one layer in ``k`` only (the first ``L/k``
+  layers of the stack run under the policy, the others keep everything):
+  memory and recompute time between the policy's and ``none``'s.
 - ``remat_offload``: what the policy keeps goes to host memory
   (``pinned_host``) in the forward pass and comes back for the backward,
   instead of staying on the device
@@ -83,12 +86,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit import jaxprs
 from spmdkit.batch import as_traced, as_tree, microbatches
-from spmdkit.errors import SpmdError
+from spmdkit.errors import RecipeError
 from spmdkit.fp8 import HISTORY, SCALINGS, fp8_loss, fp8_state
 from spmdkit.loss import Loss, as_loss
 from spmdkit.pipeline.execute import pipelined_value_and_grad
-from spmdkit.pipeline.layer_scan import LayerScan, find_layer_scan
-from spmdkit.pipeline.split import CALLS, call_body
+from spmdkit.pipeline.layer_scan import find_layer_scan
+from spmdkit.pipeline.split import CALLS
+from spmdkit.remat_scan import rematted_scan, rewrite
 from spmdkit.sequence import BalancedOrder, balance_batch, context_parallel, plan_context
 
 __all__ = [
@@ -131,10 +135,6 @@ REMAT_POLICIES = ("none", "dots", *NAMED_POLICIES, "full", "names")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 
 
-class RecipeError(SpmdError, ValueError):
-    """A recipe option is invalid, or cannot run on this model or backend."""
-
-
 @dataclass(frozen=True)
 class Recipe:
     """The levers of a train step besides layouts (module docstring).
@@ -144,6 +144,8 @@ class Recipe:
       save_names: for ``remat="names"``, the ``checkpoint_name`` tags to keep.
       remat_offload: what the remat policy keeps lives in host memory
         (``pinned_host``) between the forward and the backward pass.
+      remat_every: recompute one layer in this many only (1: every layer); the
+        layer count must divide by it, leaving two or more recomputed layers.
       compute_dtype: ``None`` (the parameters' dtype) or a floating dtype name;
         parameters stay in their own dtype (fp32 master weights).
       fp8_scaling: under ``compute_dtype="float8"``, how operands are scaled:
@@ -162,6 +164,7 @@ class Recipe:
     remat: str = "none"
     save_names: tuple[str, ...] = ()
     remat_offload: bool = False
+    remat_every: int = 1
     compute_dtype: str | None = None
     fp8_scaling: str = "current"
     microbatches: int = 1
@@ -202,6 +205,7 @@ class Recipe:
                 fix="pass remat='save_qkv_proj' (or another of REMAT_POLICIES) with "
                 "remat_offload=True, or drop remat_offload",
             )
+        _check_every(self.remat, self.remat_every)
         if self.compute_dtype is not None:
             name = "float8" if self.compute_dtype == "float8" else None
             if name is None and _is_dtype(self.compute_dtype):
@@ -275,6 +279,8 @@ class Recipe:
         parts = []
         if self.remat != "none":
             parts.append(f"remat={self.remat}" + ("→host" if self.remat_offload else ""))
+            if self.remat_every > 1:
+                parts.append(f"1 in {self.remat_every} layers")
             if self.save_names:
                 parts.append("save=" + "+".join(self.save_names))
         if self.compute_dtype is not None:
@@ -296,6 +302,7 @@ class Recipe:
             "remat": self.remat,
             "save_names": list(self.save_names),
             "remat_offload": self.remat_offload,
+            "remat_every": self.remat_every,
             "compute_dtype": self.compute_dtype,
             "fp8_scaling": self.fp8_scaling,
             "microbatches": self.microbatches,
@@ -311,10 +318,28 @@ class Recipe:
             remat=d.get("remat", "none"),
             save_names=tuple(d.get("save_names", ())),
             remat_offload=bool(d.get("remat_offload", False)),
+            remat_every=int(d.get("remat_every", 1)),
             compute_dtype=d.get("compute_dtype"),
             fp8_scaling=d.get("fp8_scaling", "current"),
             microbatches=int(d.get("microbatches", 1)),
             offload_opt=bool(d.get("offload_opt", False)),
+        )
+
+
+def _check_every(remat: str, every: Any) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise RecipeError(
+            op="Recipe",
+            must="remat_every is an int >= 1",
+            given=repr(every),
+            fix="pass remat_every=1 (every layer) or 2 (one layer in two), ...",
+        )
+    if every > 1 and remat == "none":
+        raise RecipeError(
+            op="Recipe",
+            must="remat_every > 1 is given with a remat policy",
+            given=f"remat='none', remat_every={every}",
+            fix="pass remat='full' (or another policy) with remat_every, or drop it",
         )
 
 
@@ -409,32 +434,6 @@ def recipes_used() -> Iterator[list[Recipe]]:
         _SEEN.reset(token)
 
 
-def _checkpointed(body: Any, policy: Any) -> Any:
-    """A scan body that runs under ``jax.checkpoint(policy)`` (same signature)."""
-    fn = jax.checkpoint(jex.jaxpr_as_fun(body), policy=policy, prevent_cse=False)
-    avals = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-        for a in body.in_avals
-    ]
-    return jax.make_jaxpr(fn)(*avals)
-
-
-def _rewrite(jaxpr: Any, layer: LayerScan, policy: Any) -> Any:
-    """``jaxpr`` with the layer scan's body checkpointed (through the plain calls
-    it sits inside)."""
-    eqns = []
-    for old in jaxpr.eqns:
-        eqn = old
-        if old is layer.eqn:
-            eqn = jaxprs.with_body(old, _checkpointed(layer.scan.body, policy))
-        elif any(old is c for c in layer.calls):
-            inner = call_body(old)
-            body = _rewrite(inner.jaxpr, layer, policy)
-            eqn = jaxprs.with_body(old, jaxprs.closed(body, inner.consts))
-        eqns.append(eqn)
-    return jaxpr.replace(eqns=eqns)
-
-
 def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
     """``loss_fn`` with each scanned layer recomputed per the recipe's policy.
 
@@ -448,7 +447,8 @@ def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
       RecipeError: the loss has no layer scan (its layers are a python loop), or
         runs it inside a ``jax.checkpoint``/``custom_vjp``: there is no layer
         boundary to recompute at; ``remat_offload`` on a backend without a
-        ``pinned_host`` memory kind.
+        ``pinned_host`` memory kind; ``remat_every`` that does not divide the
+        layer count or leaves fewer than two recomputed layers.
 
     Example::
 
@@ -457,7 +457,6 @@ def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
     """
     if recipe.remat == "none":
         return loss_fn
-    policy = checkpoint_policy(recipe)
 
     @functools.wraps(loss_fn)
     def rematted(*args: Any) -> Any:
@@ -473,7 +472,10 @@ def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
                 "jax.lax.scan over stacked layer params, not wrapped in jax.checkpoint), or "
                 "use remat='none'",
             )
-        jaxpr = _rewrite(closed.jaxpr, layer, policy)
+        new = rematted_scan(
+            layer, checkpoint_policy(recipe), recipe.remat_every, recipe.saved_names
+        )
+        jaxpr = rewrite(closed.jaxpr, layer, new)
         flat = jex.jaxpr_as_fun(jaxprs.closed(jaxpr, closed.consts))(*jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(shape), flat)
 
@@ -604,7 +606,7 @@ def value_and_grad(
     else:
         vg = jax.value_and_grad(cast_loss, has_aux=loss.has_aux)
     if pipe is not None:
-        _check_pipelined(loss, pipe)
+        _check_pipelined(loss, pipe, rcp)
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
         batch_axes = tuple(getattr(recipe, "activation", {}).get("batch", ()))
         where = (recipe.sharding_mesh, batch_axes, _plan_layouts(recipe))
@@ -717,9 +719,16 @@ def init_fp8_state(
     )
 
 
-def _check_pipelined(loss: Loss, pipe: Any) -> None:
+def _check_pipelined(loss: Loss, pipe: Any, recipe: Recipe) -> None:
     """A pipelined plan's loss carries no model state and draws no random numbers
-    (its micro-batches would share one key)."""
+    (its micro-batches would share one key); its stages recompute every layer alike."""
+    if recipe.remat_every != 1:
+        raise RecipeError(
+            op="sk.value_and_grad",
+            must="a pipelined plan recomputes every layer of its stages alike",
+            given=f"remat_every={recipe.remat_every} with {pipe!r}",
+            fix="pass remat_every=1 with a pipeline, or plan without one",
+        )
     if loss.has_state or loss.rng:
         what = "mutable model state" if loss.has_state else "random numbers (a key)"
         raise RecipeError(

@@ -87,6 +87,8 @@ def test_recipe_validates_and_round_trips():
         {"microbatches": 0},
         {"remat": "full", "remat_offload": True},
         {"remat_offload": True},
+        {"remat_every": 2},
+        {"remat": "full", "remat_every": 0},
     ):
         with pytest.raises(RecipeError):
             Recipe(**bad)
@@ -164,6 +166,46 @@ def test_named_policy_keeps_its_tags_on_the_device_or_the_host():
     got = jax.jit(sk.value_and_grad(tagged_loss, recipe))(init(), batch())
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     assert_tree_close(got[1], want[1], rtol=1e-6)
+
+
+def test_every_kth_layer_recomputes_only_those_layers():
+    """remat_every=2 on four layers: the first two (in the order they run: the
+    last two of a reverse scan) recomputed, keeping their inputs, the other two
+    keeping their residuals; the gradients are the plain ones. A count that does
+    not divide, or leaves one recomputed layer, is a typed error."""
+    params = dict(init(), w=jnp.concatenate([init()["w"], init(1)["w"]])[:4])
+    params["b"] = jnp.concatenate([init()["b"], init(1)["b"]])[:4]
+
+    def reversed_loss(params, batch):
+        flipped = {k: v[::-1] if k in ("w", "b") else v for k, v in params.items()}
+        h = batch["x"]
+        h, _ = jax.lax.scan(
+            lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), h),
+            h,
+            (params["w"], params["b"]),
+            reverse=True,
+        )
+        return scanned_loss(flipped, batch) + jnp.mean(h)
+
+    def stacks(loss, recipe):
+        _, vjp = jax.vjp(rc.remat_loss(loss, recipe), params, batch())
+        return sorted(
+            x.shape for x in jax.tree.leaves(vjp) if x.ndim == 3 and x.shape[1:] == (B, D)
+        )
+
+    every2 = Recipe(remat="full", remat_every=2)
+    assert stacks(scanned_loss, Recipe(remat="full")) == [(4, B, D)]
+    got = stacks(scanned_loss, every2)
+    assert len(got) > 2 and all(s[0] == 2 for s in got)
+    for loss in (scanned_loss, reversed_loss):
+        want = jax.jit(jax.value_and_grad(loss))(params, batch())
+        value, grads = jax.jit(sk.value_and_grad(loss, every2))(params, batch())
+        np.testing.assert_allclose(value, want[0], rtol=1e-6)
+        assert_tree_close(grads, want[1], rtol=1e-6)
+    with pytest.raises(RecipeError, match="remat_every divides"):
+        sk.value_and_grad(scanned_loss, every2)(init(), batch())  # 3 layers
+    with pytest.raises(RecipeError, match="two or more recomputed layers"):
+        sk.value_and_grad(scanned_loss, Recipe(remat="full", remat_every=4))(params, batch())
 
 
 def test_full_remat_saves_only_the_layer_inputs():

@@ -63,6 +63,8 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.versions",
         "spmdkit.jaxprs",
         "spmdkit.fp8",
+        "spmdkit.roles",
+        "spmdkit.remat_scan",
         "spmdkit.batch",
         "spmdkit.sequence",
         "spmdkit.loss",

@@ -192,7 +192,9 @@ class StepTrace:
         if recipe.remat == "none" or not self.layers:
             return self.resid_bytes + self.resid_peak
         kept = min(self.layer_carry + self.saved_bytes(recipe)[0], self.layer_resid)
-        return other + self.layers * kept + self.layer_resid + self.resid_peak
+        k = recipe.remat_every  # one layer in k recomputed, the others keep everything
+        per_layer = (kept + (k - 1) * self.layer_resid) / k
+        return other + self.layers * per_layer + self.layer_resid + self.resid_peak
 
     def attention_flops(self, recipe: Recipe, topology: Topology) -> float:
         """Attention FLOPs of the step as the kernel that runs computes them
@@ -222,7 +224,7 @@ class StepTrace:
         if not self.layers:
             return 5.0 * max(self.resid_bytes - self.resid_peak, 0.0) + 3.0 * self.resid_peak
         per_layer = max(self.layer_resid - self.layer_dots, 0.0)
-        passes = 5.0 if recipe.remat == "none" else 7.0
+        passes = 5.0 if recipe.remat == "none" else 5.0 + 2.0 / recipe.remat_every
         other = max(self.resid_bytes - self.layers * self.layer_resid - self.resid_peak, 0.0)
         return passes * self.layers * per_layer + 5.0 * other + 3.0 * self.resid_peak
 
@@ -247,25 +249,25 @@ class StepTrace:
         """``(weight-matmul, attention)`` FLOPs the remat policy adds (global)."""
         if recipe.remat == "none" or not self.layers:
             return 0.0, 0.0
+        k = recipe.remat_every  # one layer in k is recomputed
         if _traced_policy(recipe) and self.layer_policy is not None:
             facts = self.layer_policy(recipe)
-            return self.layers * facts.recompute_mm, self.layers * facts.recompute_attn
+            return self.layers * facts.recompute_mm / k, self.layers * facts.recompute_attn / k
         if recipe.remat == "dots":
-            return 0.0, self.attn_fwd_flops
+            return 0.0, self.attn_fwd_flops / k
         kept = sum(self.layer_named_flops.get(n, 0.0) for n in recipe.saved_names)
         matmuls = self.layer_fwd_flops - self.attn_fwd_flops - self.layers * kept
-        return max(matmuls, 0.0), self.attn_fwd_flops
+        return max(matmuls, 0.0) / k, self.attn_fwd_flops / k
 
 
-def remat_choices(trace: StepTrace) -> list[tuple[str, bool]]:
-    """The ``(remat, remat_offload)`` levers auto searches for a model: ``none``,
-    ``dots`` and ``full``, and each named policy (:data:`~spmdkit.recipe.NAMED_POLICIES`)
-    that keeps something of its own on this model (a model that tags nothing keeps
-    the layer input only: ``full``; ``minimal`` keeps what ``dots`` does on the
-    reference models); then the offload form of each that keeps something.
-    Nothing without a layer scan."""
+def remat_choices(trace: StepTrace) -> list[tuple[str, bool, int]]:
+    """The ``(remat, remat_offload, remat_every)`` levers auto searches: ``none``, ``dots``,
+    each named policy that keeps something of its own on this model (an untagged
+    model's matmuls tagged by role, :mod:`spmdkit.roles`), ``full``, ``full`` on one
+    layer in two (4 or more layers, an even count); then the offload form of each
+    that keeps something. Nothing without a layer scan."""
     if not trace.layers:
-        return [("none", False)]
+        return [("none", False, 1)]
     out = [("none", False), ("dots", False)]
     seen = {(trace.saved_bytes(Recipe(remat="dots")), 0.0)}
     seen.add((0.0, trace.recompute_flops(Recipe(remat="full"))[0]))
@@ -277,7 +279,8 @@ def remat_choices(trace: StepTrace) -> list[tuple[str, bool]]:
             out.append((name, False))
     out.append(("full", False))
     offloaded = [(r, True) for r, _ in out if r not in ("none", "full")]
-    return out + offloaded
+    halves = [("full", False, 2)] if trace.layers >= 4 and trace.layers % 2 == 0 else []
+    return [(r, o, 1) for r, o in out] + halves + [(r, o, 1) for r, o in offloaded]
 
 
 @dataclass(frozen=True)
@@ -988,7 +991,7 @@ def _offload_traffic(
     if not recipe.remat_offload:
         return 0.0, 0.0
     tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
-    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
+    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize / recipe.remat_every
     moved = 2 * trace.layers * trace.saved_bytes(recipe)[1] * scale / shards * tp_split
     return moved, moved / ctx.topology.host_bandwidth
 

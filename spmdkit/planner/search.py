@@ -121,6 +121,7 @@ from spmdkit.planner.pipeline.search import PipelinePlanning, divisors
 from spmdkit.planner.plans import ContextParallel, Cost, Plan, PyTree, dims_spec
 from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
+from spmdkit.remat_scan import check_remat_every
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
 from spmdkit.util import fmt_bytes, path_str
@@ -635,6 +636,7 @@ class _Planner(PipelinePlanning):
         tried smallest first and the next round (optimizer offload) only when no
         plan of the earlier ones fits."""
         if fixed is not None:
+            check_remat_every(fixed.remat_every, self.ctx.trace.layers, op="plan")
             return [[fixed]]
         dtypes: list[str | None] = [None]
         if any(np.dtype(g.dtype) == np.float32 for g in self.groups):
@@ -650,11 +652,12 @@ class _Planner(PipelinePlanning):
                     Recipe(
                         remat=r,
                         remat_offload=o,
+                        remat_every=k,
                         compute_dtype=d,
                         microbatches=m,
                         offload_opt=offload,
                     )
-                    for r, o in remats
+                    for r, o, k in remats
                     if offload or not o
                     for d in dtypes
                     for m in divisors(self.ctx.trace.batch_size)
@@ -700,7 +703,7 @@ class _Planner(PipelinePlanning):
             fits = False
             done: set[tuple] = set()
             for r in recipes:
-                key = (r.remat, r.remat_offload, r.compute_dtype)
+                key = (r.remat, r.remat_offload, r.remat_every, r.compute_dtype)
                 if key in done:
                     continue
                 cands = self.candidates(r, extra)

@@ -30,6 +30,7 @@ from spmdkit.planner.analytic import (
 )
 from spmdkit.planner.plans import PyTree
 from spmdkit.recipe import PLAIN, Recipe, checkpoint_policy
+from spmdkit.roles import with_roles
 from spmdkit.util import contraction_flops, path_str
 
 if TYPE_CHECKING:
@@ -270,16 +271,17 @@ def _fused_attention(jaxpr: Jaxpr, mult: float = 1.0) -> tuple[float, float, flo
     return fused, causal, kv
 
 
-def _layer_policy(body: Any) -> Callable[[Recipe], PolicyFacts]:
+def _layer_policy(scan: jaxprs.Scan) -> Callable[[Recipe], PolicyFacts]:
     """``recipe -> PolicyFacts`` of one layer (the layer scan's ``body``), memoized:
     the body under ``jax.checkpoint`` with the recipe's policy, differentiated
     abstractly. What its forward hands the backward, less its own inputs, is
     what the policy keeps (an offloaded value is ``f32<host>``); the backward's
     contraction FLOPs beyond the plain layer's are what it recomputes."""
+    body = scan.body
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals]
     memo: dict[tuple, PolicyFacts] = {}
 
-    def backward_flops(policy: Any) -> tuple[float, float]:
+    def backward_flops(policy: Any, body: Any = body) -> tuple[float, float]:
         fn = jax.extend.core.jaxpr_as_fun(body)
         if policy is not None:
             fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
@@ -291,7 +293,7 @@ def _layer_policy(body: Any) -> Callable[[Recipe], PolicyFacts]:
         jaxpr = jax.make_jaxpr(step)(*avals).jaxpr
         return _jaxpr_flops(jaxpr), _jaxpr_flops(jaxpr, batched_only=True)
 
-    def kept(policy: Any) -> tuple[float, float]:
+    def kept(policy: Any, body: Any) -> tuple[float, float]:
         fn = jax.checkpoint(jax.extend.core.jaxpr_as_fun(body), policy=policy, prevent_cse=False)
         jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*avals).jaxpr
         inputs = set(jaxpr.invars)
@@ -310,10 +312,13 @@ def _layer_policy(body: Any) -> Callable[[Recipe], PolicyFacts]:
         hit = memo.get(key)
         if hit is None:
             policy = checkpoint_policy(recipe)
+            # names on a model that tags nothing: its matmuls tagged by role, as
+            # the step runs them (spmdkit.recipe.remat_loss)
+            tagged = with_roles(scan) if recipe.saved_names else body
             plain_mm, plain_attn = memo_plain()
-            mm, attn = backward_flops(policy)
+            mm, attn = backward_flops(policy, tagged)
             hit = memo[key] = PolicyFacts(
-                *kept(policy), max(mm - attn - plain_mm, 0.0), max(attn - plain_attn, 0.0)
+                *kept(policy, tagged), max(mm - attn - plain_mm, 0.0), max(attn - plain_attn, 0.0)
             )
         return hit
 
@@ -389,7 +394,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         layer_named=scan.named if scan else {},
         layer_named_flops=scan.named_flops if scan else {},
         layer_fwd_flops=scan.fwd_flops if scan else 0.0,
-        layer_policy=_layer_policy(find_layer_scan(forward.jaxpr).scan.body) if scan else None,
+        layer_policy=_layer_policy(find_layer_scan(forward.jaxpr).scan) if scan else None,
         attn_fwd_flops=attn_fwd,
         attn_fused_fwd_flops=fused,
         attn_causal_fwd_flops=causal,

@@ -352,17 +352,20 @@ RECIPES = {
     "all": sk.Recipe(remat="full", compute_dtype="bfloat16", microbatches=2),
     **{name: sk.Recipe(remat=name) for name in NAMED_POLICIES},
     "save_qkv_proj→host": sk.Recipe(remat="save_qkv_proj", remat_offload=True),
+    "full/2": sk.Recipe(remat="full", remat_every=2),
 }
 
 
 @functools.cache
-def _scanned_reference(model):
-    """The scanned tiny model (GPT gets ``scan_layers=True``), batch, params, and
-    the single-device loss and grads."""
+def _scanned_reference(model, layers=None):
+    """The scanned tiny model (GPT gets ``scan_layers=True``; ``layers``: its layer
+    count, else the tiny config's), batch, params, and the single-device loss and
+    grads."""
     from spmdkit.models import get_model
 
     spec = get_model(model)
     cfg = dataclasses.replace(spec.config("tiny"), scan_layers=True)
+    cfg = dataclasses.replace(cfg, n_layers=layers or cfg.n_layers)
     batch = spec.batch(cfg, 8, np.random.default_rng(0))
     info = describe(spec, config=cfg, batch=batch)
     params = info.init_fn()
@@ -413,8 +416,10 @@ def test_recipes_match_single_device_and_verify(model, name):
     CPU backend runs it (collectives and temporaries in float32:
     ``spmdkit.verification.planned.held_on_cpu``).
     """
-    info, batch, params, ref_loss, ref_grads = _scanned_reference(model)
     recipe = RECIPES[name]
+    # one layer in two recomputed needs two recomputed layers: four
+    layers = 4 if recipe.remat_every > 1 else None
+    info, batch, params, ref_loss, ref_grads = _scanned_reference(model, layers)
     if name == "zero2":
         base = plan(info, sk.make_mesh(data=8), "zero1", estimator="analytic")
         p = dataclasses.replace(base, recipe=recipe, grads=dict(base.opt))
@@ -468,6 +473,8 @@ _SAVINGS = {
     "save_qkv_proj": sk.Recipe(remat="save_qkv_proj"),
     "save_out_proj": sk.Recipe(remat="save_out_proj"),
     "save_qkv_proj→host": sk.Recipe(remat="save_qkv_proj", remat_offload=True),
+    "full, 1 in 2": sk.Recipe(remat="full", remat_every=2),
+    "save_qkv_proj, 1 in 2": sk.Recipe(remat="save_qkv_proj", remat_every=2),
 }
 
 

@@ -365,6 +365,21 @@ def test_named_policies_are_priced_by_what_the_layer_keeps(llama):
     assert offloaded.comm_bytes["host_activations"] > 0
     assert offloaded.step_time_s >= on_device.step_time_s
     choices = remat_choices(t)
-    assert ("save_dot_except_mlpwi", False) in choices  # its own saving
-    assert ("save_dot_except_mlp", False) not in choices  # the same as save_dot_except_mlpwi
-    assert ("save_qkv_proj", True) in choices and ("full", True) not in choices
+    assert ("save_dot_except_mlpwi", False, 1) in choices  # its own saving
+    assert ("save_dot_except_mlp", False, 1) not in choices  # as save_dot_except_mlpwi
+    assert ("save_qkv_proj", True, 1) in choices and ("full", True, 1) not in choices
+    assert ("full", False, 2) not in choices  # two layers: every second is one of two
+
+
+def test_every_kth_layer_recomputes_a_kth_of_the_layers(llama):
+    """remat_every=2: half the layers keep what full keeps, the others all their
+    residuals; half the recompute."""
+    from spmdkit.recipe import Recipe
+
+    t = llama[1].trace
+    full, half = (t.activation_bytes(Recipe(remat="full", remat_every=k)) for k in (1, 2))
+    per_layer = t.layer_resid - min(t.layer_carry, t.layer_resid)
+    assert half - full == pytest.approx(t.layers / 2 * per_layer)
+    assert full < half
+    mm = t.recompute_flops(Recipe(remat="full"))[0]
+    assert t.recompute_flops(Recipe(remat="full", remat_every=2))[0] == pytest.approx(mm / 2)

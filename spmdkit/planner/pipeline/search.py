@@ -335,7 +335,19 @@ class PipelinePlanning:
                 given=f"recipe microbatches={fixed.microbatches}",
                 fix="pass microbatches=1 in the recipe and Pipeline(microbatches=...)",
             )
-        recipes = {(r.remat, r.compute_dtype, r.save_names): r for r in self.recipes(fixed)[0]}
+        if fixed is not None and fixed.remat_every != 1:
+            raise PipelineError(
+                op="plan",
+                must="a pipelined plan recomputes every layer of its stages alike",
+                given=f"recipe remat_every={fixed.remat_every}",
+                fix="pass remat_every=1 with pipeline=, or plan without a pipeline",
+            )
+        # the stage cost model prices remat per layer, on the device
+        recipes = {
+            (r.remat, r.compute_dtype, r.save_names): r
+            for r in self.recipes(fixed)[0]
+            if fixed is not None or (r.remat_every == 1 and not r.remat_offload)
+        }
         base = [replace(r, microbatches=1) for r in recipes.values()]
         layers = self.ctx.trace.layers
         stages = fixed_pipe.stages if fixed_pipe is not None else None
