@@ -8,6 +8,7 @@ import collections
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -76,6 +77,55 @@ def test_named_policies_are_priced_alike_untagged(monkeypatch):
     assert len({m for m, _ in untagged.values()}) == len(untagged) - 1  # two keep alike
 
 
+def _hand_layer_loss(params, x):
+    """Four untagged layers written out: batched-dot attention (no kernel), a
+    gated MLP."""
+
+    def layer(h, w):
+        q, k, v = h @ w["q"], h @ w["k"], h @ w["v"]
+        p = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k), axis=-1)
+        h = h + jnp.einsum("bqk,bkd->bqd", p, v) @ w["o"]
+        return h + (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"], None
+
+    h, _ = jax.lax.scan(layer, x, params)
+    return jnp.mean(h**2)
+
+
+def test_a_hand_written_layer_is_tagged_and_keeps_its_gradients():
+    """Batched-dot attention and a gated MLP written out, tagging nothing: the
+    roles are MaxText's names, save_qkv_proj keeps Q, K and V (more residuals
+    than full, fewer than none) and the gradients are the plain ones."""
+    from spmdkit import recipe as rc
+
+    L, B, S, D = 4, 2, 8, 16
+    keys = iter(jax.random.split(jax.random.key(0), 8))
+    params = {n: jax.random.normal(next(keys), (L, D, D)) / 4 for n in
+              ("q", "k", "v", "o", "gate", "up", "down")}  # fmt: skip
+    x = jax.random.normal(next(keys), (B, S, D))
+    sc = _layer_scan_of(_hand_layer_loss, params, x)
+    roles = matmul_roles(sc.jaxpr, range(sc.num_consts, sc.first_xs))
+    assert sorted(roles.values()) == sorted(
+        ["query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo"]
+    )
+
+    def residual_bytes(recipe):
+        _, vjp = jax.vjp(rc.remat_loss(_hand_layer_loss, recipe), params, x)
+        return sum(a.nbytes for a in jax.tree.leaves(vjp))
+
+    full, qkv = residual_bytes(Recipe(remat="full")), residual_bytes(Recipe(remat="save_qkv_proj"))
+    assert qkv - full == 3 * L * B * S * D * 4  # Q, K and V of every layer
+    want = jax.value_and_grad(_hand_layer_loss)(params, x)
+    got = jax.jit(sk.value_and_grad(_hand_layer_loss, Recipe(remat="save_qkv_proj")))(params, x)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def _layer_scan_of(loss, *args):
+    return find_layer_scan(jax.make_jaxpr(loss)(*args).jaxpr).scan
+
+
+@pytest.mark.slow
 def test_a_named_policy_on_an_untagged_model_keeps_the_gradients(monkeypatch):
     """The untagged tiny Llama's loss and gradients under save_qkv_proj are the
     plain ones (fp32, rtol 1e-5)."""
