@@ -614,8 +614,13 @@ class _Planner(PipelinePlanning):
         return self.make_plan(strategy, c, self.propagated(c).cost)
 
     def floor(self, c: Candidate) -> float:
-        """:func:`~spmdkit.planner.candidates.step_floor` of a candidate."""
-        return step_floor(c.cost, c.activation.get("batch", ()), self.mesh, self.ctx.topology)
+        """:func:`~spmdkit.planner.candidates.step_floor` of a candidate on its mesh
+        (a context-parallel one's has the context axis); 0 for a pipelined one,
+        which keeps its analytic cost (:meth:`propagated`)."""
+        if c.pipeline is not None:
+            return 0.0
+        mesh = self.mesh if c.mesh is None else c.mesh
+        return step_floor(c.cost, c.activation.get("batch", ()), mesh, self.ctx.topology)
 
     def rank(self, c: Candidate) -> tuple[bool, float, float]:
         """Plans that fit: fastest first; none fits: the one nearest to fitting (the
