@@ -94,6 +94,7 @@ from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.split import CALLS
 from spmdkit.remat_scan import rematted_scan, rewrite
 from spmdkit.sequence import BalancedOrder, balance_batch, context_parallel, plan_context
+from spmdkit.util import path_str
 
 __all__ = [
     "NAMED_POLICIES",
@@ -644,26 +645,29 @@ def _context_parallel_loss(loss: Loss, plan: Any) -> Callable[..., Any]:
     def user_loss(params: Any, batch: Any, *rest: Any) -> Any:
         tree = as_tree(batch)
         if order is not None:
-            tree = _keep_layout(plan, balance_batch(tree, axes, order))
+            tree = balance_batch(tree, axes, order)
+            if getattr(plan, "pipeline", None) is None:
+                tree = _keep_layout(plan, tree, axes)
         with context_parallel(order, attention=cp.attention):
             return loss.fn(params, tree, *rest)
 
     return user_loss
 
 
-def _keep_layout(plan: Any, batch: Any) -> Any:
-    """The permuted batch constrained to the plan's batch layout (a gather along a
-    sharded dim would otherwise leave it replicated, and the model's activations
-    with it)."""
-    specs = plan.batch_specs(batch)
-    return jax.tree.map(
-        lambda x, spec: jax.lax.with_sharding_constraint(
-            x, NamedSharding(plan.sharding_mesh, spec)
-        ),
-        batch,
-        specs,
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
+def _keep_layout(plan: Any, batch: Any, axes: Mapping[str, tuple]) -> Any:
+    """The permuted batch's fields with a ``seq`` dim constrained back to the plan's
+    batch layout (a gather along a sharded dim would otherwise leave them
+    replicated, and the model's activations with them)."""
+    mesh = plan.sharding_mesh
+
+    def one(path: tuple, x: Any) -> Any:
+        names = axes.get(path_str(path))
+        if names is None or len(names) != x.ndim or "seq" not in names:
+            return x
+        spec = plan.batch_spec(path_str(path), x.shape)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, batch)
 
 
 def _check_delayed(loss: Loss, pipe: Any) -> None:
