@@ -288,3 +288,27 @@ def test_auto_tries_float8_only_when_allowed():
     assert plain.recipe.compute_dtype != "float8"
     assert fp8.recipe.compute_dtype == "float8"
     assert fp8.cost.step_time_s < plain.cost.step_time_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_auto_chooses_as_it_would_propagating_every_favourite(name, monkeypatch):
+    """The step floor only skips propagations that cannot change the choice: with
+    every floor 0 (nothing skipped, each favourite propagated) auto picks the same
+    plan at the same cost, and lists every preset it skipped among its runner-ups,
+    each slower than the floor it was skipped by."""
+    from spmdkit.models import get_model
+    from spmdkit.planner import search
+
+    mesh = sk.abstract_mesh(data=2, model=4)
+    info = describe(get_model(name), config="tiny", batch_size=8)
+    fast = plan(info, mesh, "auto")
+    (dropped,) = [n.message for n in fast.notes if n.kind == "dropped"]
+    monkeypatch.setattr(search, "step_floor", lambda *args: 0.0)
+    full = plan(info, mesh, "auto")
+    keys = ("chosen", "recipe", "params", "opt", "grads", "activation", "cost")
+    assert all(getattr(fast, k) == getattr(full, k) for k in keys)
+    listed = dict(full.alternatives)
+    skipped = [n for n in PRESETS if f"{n} (≥ " in dropped]
+    assert skipped and all(n in listed for n in skipped)
+    assert all(listed[n].step_time_s > fast.cost.step_time_s for n in skipped)
