@@ -262,6 +262,8 @@ class _Replay:
         """One equation run with its operands and results pinned."""
         vals = [read(v) for v in node.ins]
         pins = self.program.specs.get(id(node))
+        if pins is not None and pins.ran:  # computed in a contraction's chain
+            return vals
         if pins is None or _partly_manual(node, self.mesh):
             # dead code (XLA drops it), not propagated, or a shard_map manual over
             # some axes only (the pipeline): its specs say nothing of the other
@@ -275,7 +277,7 @@ class _Replay:
             ]
             produced = pins.produced
             if pins.fused is not None:
-                outs = [self.reduced(node.eqn, vals, pins.required, pins.fused)]
+                outs = [self.reduced(node.eqn, vals, pins.required, pins.fused, pins.chain)]
                 produced = (pins.fused.dst,)
             elif node.kind == "scan":
                 outs = self.scan(node, vals, produced)
@@ -313,18 +315,30 @@ class _Replay:
         return hit[1]
 
     def reduced(
-        self, eqn: Any, vals: list[Any], req: Sequence[TensorSpec | None], plan: ReshardPlan
+        self,
+        eqn: Any,
+        vals: list[Any],
+        req: Sequence[TensorSpec | None],
+        plan: ReshardPlan,
+        chain: Sequence[tuple[Any, TensorSpec]] = (),
     ) -> Any:
         """A contraction (or a masked lookup) with a sum-partial result, run per
-        device under ``shard_map`` and reduced there with the plan's own
-        collectives (a partial value cannot be pinned; left alone XLA may compute
-        the contraction in another layout and move operands the plan does not)."""
+        device under ``shard_map`` with the ``chain`` of nodes its partial passes
+        (:attr:`~spmdkit.propagation.pinning.NodePins.chain`), and reduced there
+        with the plan's own collectives (a partial value cannot be pinned; left
+        alone XLA may compute the contraction in another layout and move operands
+        the plan does not, or reduce the larger value before a sum)."""
 
         def local(*blocks: Any) -> Any:
             if eqn.primitive.name == "gather":
                 y = _masked_lookup(eqn, *blocks, req[0])
             else:
                 y = _bind(eqn, blocks, local=True)[0]
+            for link, spec in chain:
+                if link.primitive.name in ("reshape", "broadcast_in_dim"):
+                    y = jnp.reshape(y, spec.local_shape(self.mesh))  # sizes are global
+                else:
+                    y = _bind(link, [y], local=True)[0]
             for step in plan.steps:
                 y = step_fn(step)(y)
             return y

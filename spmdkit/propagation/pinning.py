@@ -46,6 +46,13 @@ class NodePins(NamedTuple):
         it passes on the way carry reduced layouts.
       runs: how many times the node runs per step (loop trip counts).
       attrs: the op attributes propagation chose (a region's ``strategy``).
+      chain: with ``fused``, the nodes the partial passes on its way to its
+        readers when one of them shrinks it (a ``reduce_sum``: grouped-query
+        attention's key and value gradients summed over each group's heads), each
+        with its result's layout: the replay runs them per device after the
+        contraction and reduces the last one's result (``fused`` starts there),
+        so the plan's smaller sum is what is moved.
+      ran: the node is one of another node's ``chain``: its result is that node's.
     """
 
     required: tuple[TensorSpec | None, ...]
@@ -54,6 +61,8 @@ class NodePins(NamedTuple):
     fused: ReshardPlan | None
     runs: int
     attrs: Mapping[str, Any] | None = None
+    chain: tuple[tuple[Any, TensorSpec], ...] = ()
+    ran: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,6 +97,11 @@ _REDUCED_FOR_OUTPUT = frozenset({"reduce_sum"})
 _PARTIAL_PASS = frozenset(
     {"transpose", "reshape", "convert_element_type", "copy", "squeeze", "expand_dims"}
 )
+
+#: Ops a pending sum passes through that shrink it (a sum over dims it does not
+#: shard): the replay runs the path to its readers per device and reduces the
+#: smaller result, as the plan does (:attr:`NodePins.chain`).
+_PARTIAL_SHRINK = frozenset({"reduce_sum"})
 
 _Readers = Mapping[int, list[tuple[Node | None, TensorSpec | None]]]
 
@@ -140,19 +154,23 @@ def _node_pins(
         for v, r in zip(step.node.ins, step.required, strict=True):
             readers[v].append((step.node, r))
         made.update(zip(step.node.outs, step.outputs, strict=True))
-    settled: dict[int, tuple[TensorSpec, TensorSpec]] = {}  # reduced before they run
+    settled: dict[int, tuple[TensorSpec, TensorSpec] | None] = {}  # None: in a chain
     avail: dict[int, list[TensorSpec]] = {}  # value → layouts it has (the records' copies)
     for step in steps:
         node, req, outs = step.node, step.required, step.outputs
         if id(node) in settled:
-            before, after = settled[id(node)]
+            layouts = settled[id(node)]
+            if layouts is None:  # run inside the contraction's shard_map
+                out[id(node)] = NodePins((None,), tuple(outs), ((),), None, runs, ran=True)
+                continue
+            before, after = layouts
             out[id(node)] = NodePins((before,), (after,), ((),), None, runs)
             continue
         chains = tuple(
             _moves(pricer, v, s, r, avail)
             for v, s, r in zip(node.ins, step.given, req, strict=True)
         )
-        fused = None
+        fused, chain = None, ()
         if (
             (node.prim in _FUSED_REDUCE or node.prim in _REDUCED_FOR_OUTPUT or _lookup(node, req))
             and len(outs) == 1
@@ -161,9 +179,13 @@ def _node_pins(
             and all(r is not None and not r.partial for r in req)
             and node.outs[0] not in blocked
         ):
-            fused, layouts = _fused_reduction(node, outs[0], req, pricer, readers, made, blocked)
+            fused, layouts, chain = _fused_reduction(
+                node, outs[0], req, pricer, readers, made, blocked
+            )
             settled.update(layouts)
-        out[id(node)] = NodePins(tuple(req), tuple(outs), chains, fused, runs, step.attrs)
+        out[id(node)] = NodePins(
+            tuple(req), tuple(outs), chains, fused, runs, step.attrs, chain=chain
+        )
         if step.loop is not None:
             ys = _scan_ys(node, outs)
             inner = blocked - set(ys) if ys else blocked
@@ -285,13 +307,15 @@ def _partial_path(
     blocked: set[int],
 ) -> tuple[int, list[tuple[Node, TensorSpec, TensorSpec]]]:
     """The value a contraction's partial result reaches through single-reader
-    layout-only nodes (:data:`_PARTIAL_PASS`), and those nodes with their
-    (input, output) specs."""
+    layout-only nodes (:data:`_PARTIAL_PASS`) and sums that keep its pending sum
+    (:data:`_PARTIAL_SHRINK`), and those nodes with their (input, output) specs."""
     v, passed = node.outs[0], []
     while True:
         nxt = readers.get(v, [])
         n = nxt[0][0] if len(nxt) == 1 else None
-        if n is None or not (n.prim in _PARTIAL_PASS or _adds_unit_dims(n)):
+        if n is None or not (
+            n.prim in _PARTIAL_PASS or n.prim in _PARTIAL_SHRINK or _adds_unit_dims(n)
+        ):
             break
         s = made.get(n.outs[0]) if len(n.outs) == 1 and len(n.ins) == 1 else None
         if s is None or s.partial != spec.partial or n.outs[0] in blocked:
@@ -309,26 +333,31 @@ def _fused_reduction(
     readers: _Readers,
     made: Mapping[int, TensorSpec | None],
     blocked: set[int],
-) -> tuple[ReshardPlan | None, dict[int, tuple[TensorSpec, TensorSpec]]]:
+) -> tuple[ReshardPlan | None, dict[int, Any], tuple[tuple[Any, TensorSpec], ...]]:
     """The plan by which the replay reduces a contraction's sum-partial result
-    right where it is computed (None: leave it to XLA), and the layouts (input,
-    output) of the layout-only nodes the partial passes through on its way to
-    its readers, which then move reduced values.
+    (None: leave it to XLA), the layouts (input, output) of the nodes the
+    partial passes through on its way to its readers (None for a node run in
+    the chain), and that chain (:attr:`NodePins.chain`).
 
     The readers (or the step's output) must all want non-partial layouts that
     slice (locally) from one of them, the layout it is reduced to. A partial may
     pass transposes (the target is permuted back) and, when its readers keep its
-    layout (an all-reduce), reshapes and casts.
+    layout (an all-reduce), reshapes and casts: it is then reduced right where
+    it is computed, and those nodes move reduced values. When it passes a sum
+    that shrinks it, the path runs per device and its end is reduced
+    (:func:`_chain_reduction`).
     """
     if any(op != "sum" for _, op in spec.partial):
-        return None, {}
+        return None, {}, ()
     v, passed = _partial_path(node, spec, readers, made, blocked)
     if node.prim in _REDUCED_FOR_OUTPUT and not _only_returned(v, readers):
-        return None, {}
+        return None, {}, ()
     target = _coarsest([r for _, r in readers.get(v, [])])
     if target is None:
-        return None, {}
-    layouts: dict[int, tuple[TensorSpec, TensorSpec]] = {}
+        return None, {}, ()
+    if any(n.prim in _PARTIAL_SHRINK and not _adds_unit_dims(n) for n, _, _ in passed):
+        return _chain_reduction(v, passed, target, req, pricer)
+    layouts: dict[int, Any] = {}
     for n, before, after in reversed(passed):
         if n.prim == "transpose":
             dims: list[tuple[str, ...]] = [()] * len(target.dims)
@@ -338,15 +367,39 @@ def _fused_reduction(
         elif target.dims == after.without_partial().dims:
             back = before.without_partial()
         elif (back := _unit_dims_back(before, target)) is None:
-            return None, {}
+            return None, {}, ()
         layouts[id(n)] = (back, target)
         target = back
     a = pricer.reshard("input", spec, target, node.outs[0])
     # shard_map takes even blocks only
     specs = (*req, *a.plan.specs, *(x for pair in layouts.values() for x in pair)) if a else ()
     if a is None or not all(x.is_even(pricer.mesh) for x in specs):
-        return None, {}
-    return a.plan, layouts
+        return None, {}, ()
+    return a.plan, layouts, ()
+
+
+def _chain_reduction(
+    v: int,
+    passed: Sequence[tuple[Node, TensorSpec, TensorSpec]],
+    target: TensorSpec,
+    req: Sequence[TensorSpec],
+    pricer: Pricer,
+) -> tuple[ReshardPlan | None, dict[int, Any], tuple[tuple[Any, TensorSpec], ...]]:
+    """A partial that a sum shrinks on its way to its readers (a grouped-query
+    attention's key gradient, summed over each group's heads): reducing it where
+    it is computed would move the larger value, and left to XLA it is reduced
+    there. The replay runs the contraction and the path per device and reduces
+    the path's end (value ``v``) to ``target``, as the plan does. None when a
+    reshape regroups dims (its per-device program is not a local reshape) or a
+    block would be uneven."""
+    if any(n.prim == "reshape" and n.eqn.params.get("dimensions") for n, _, _ in passed):
+        return None, {}, ()
+    end = passed[-1][2]
+    a = pricer.reshard("input", end, target, v)
+    specs = (*req, *a.plan.specs, *(x for _, b, e in passed for x in (b, e))) if a else ()
+    if a is None or not all(x.is_even(pricer.mesh) for x in specs):
+        return None, {}, ()
+    return a.plan, {id(n): None for n, _, _ in passed}, tuple((n.eqn, e) for n, _, e in passed)
 
 
 def _only_returned(v: int, readers: _Readers) -> bool:

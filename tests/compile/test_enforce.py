@@ -248,6 +248,35 @@ def test_a_masked_lookup_is_reduced_as_planned(mode, table):
     np.testing.assert_allclose(got, f(jnp.asarray(tv), rows), rtol=1e-6)
 
 
+def test_a_partial_summed_on_its_way_is_reduced_after_the_sum():
+    """Grouped-query attention's value gradient under megatron_sp: ``probs^T @ dout``
+    contracts the ``model``-sharded queries, and the partial product is transposed,
+    regrouped and summed over each group's heads before its reader wants it
+    sequence-sharded. The plan reduce-scatters the summed half (8 KiB); left to
+    XLA, the product was all-reduced whole right after the contraction (16 KiB;
+    the Llama of tests/zoo/outside.py under megatron_sp, 32 KiB per layer). The
+    replay runs the path per device and reduce-scatters its end."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(a, b):
+        y = jnp.einsum("bqhk,bqhd->bhdk", a, b)  # partial over model
+        y = jnp.transpose(y, (0, 3, 1, 2)).reshape(8, 16, 4, 2, 8).sum(3)
+        return jnp.tanh(y)
+
+    a = jax.ShapeDtypeStruct((8, 16, 8, 16), jnp.float32)
+    b = jax.ShapeDtypeStruct((8, 16, 8, 8), jnp.float32)
+    spec = P("data", "model")
+    prop = propagate(f, a, b, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    assert [(c.kind, c.payload_bytes) for c in prop.collectives()] == [("reduce_scatter", 8192)]
+    compiled, got = _compiled(prop, mesh, a, b)
+    assert [(c.kind, c.payload_bytes) for c in got] == [("reduce_scatter", 8192)]
+    rng = np.random.default_rng(0)
+    av, bv = (rng.normal(size=x.shape).astype(np.float32) for x in (a, b))
+    put = NamedSharding(mesh, spec)
+    got = compiled(jax.device_put(av, put), jax.device_put(bv, put))
+    np.testing.assert_allclose(got, f(av, bv), rtol=1e-5, atol=1e-5)
+
+
 def test_a_partial_contraction_replays_under_the_users_mesh_context():
     """A step traced under ``jax.set_mesh`` records that (Auto) mesh on its
     equations; the per-device contraction must not rebind it inside the
