@@ -35,7 +35,11 @@ Three cases need more than a constraint on each side:
     or reduce-scatter and then gather where the plan all-reduces. When the
     partial passes a transpose (or, kept in its layout, a reshape or cast) on
     its way to the readers, it is reduced before it, in the layout the
-    transpose maps the readers' layout back to. So is a ``reduce_sum`` whose
+    transpose maps the readers' layout back to. When a sum shrinks it on the
+    way (grouped-query attention's key gradient, summed over each group's
+    heads), the path runs per device inside the ``shard_map`` and its end is
+    reduced, as the plan counts it (left alone, XLA all-reduced the product
+    whole). So is a ``reduce_sum`` whose
     partial result only the step's outputs read (a bias's gradient summed over
     a sharded batch), whose output layout XLA would otherwise reach by reducing,
     slicing and permuting where the plan gathers and reduce-scatters. And so is a
