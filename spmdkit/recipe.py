@@ -93,8 +93,7 @@ from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.split import CALLS
 from spmdkit.remat_scan import rematted_scan, rewrite
-from spmdkit.sequence import BalancedOrder, balance_batch, context_parallel, plan_context
-from spmdkit.util import path_str
+from spmdkit.sequence import context_parallel_loss
 
 __all__ = [
     "NAMED_POLICIES",
@@ -586,7 +585,10 @@ def value_and_grad(
     rcp = recipe_of(recipe)
     loss = as_loss(loss_fn, has_state=has_state, has_aux=has_aux)
 
-    user_loss = _context_parallel_loss(loss, recipe)
+    on_tree = context_parallel_loss(loss.fn, recipe)  # a CP plan's balanced order
+
+    def user_loss(params: Any, batch: Any, *rest: Any) -> Any:
+        return on_tree(params, as_tree(batch), *rest)
 
     delayed = rcp.fp8_scaling == "delayed"
     pipe = getattr(recipe, "pipeline", None)
@@ -628,46 +630,6 @@ def value_and_grad(
 
     grad_fn.recipe = rcp  # type: ignore[attr-defined]
     return functools.wraps(loss.fn)(grad_fn)
-
-
-def _context_parallel_loss(loss: Loss, plan: Any) -> Callable[..., Any]:
-    """The user's loss on the batch as a tree; under a plan with context parallelism
-    (``plan.context``) the batch's ``seq`` dims put in the balanced order first
-    (:func:`spmdkit.sequence.balance_batch`, once per step: a token-mean loss is
-    unchanged) and the loss traced under :func:`spmdkit.sequence.context_parallel`
-    (RoPE's positions, the causal mask's order, the planned attention strategy)."""
-    cp = plan_context(plan)
-    if cp is None:
-        return lambda params, batch, *rest: loss.fn(params, as_tree(batch), *rest)
-    order = BalancedOrder(cp.degree) if cp.load_balanced else None
-    axes = dict(getattr(plan, "batch_axes", {}))
-
-    def user_loss(params: Any, batch: Any, *rest: Any) -> Any:
-        tree = as_tree(batch)
-        if order is not None:
-            tree = balance_batch(tree, axes, order)
-            if getattr(plan, "pipeline", None) is None:
-                tree = _keep_layout(plan, tree, axes)
-        with context_parallel(order, attention=cp.attention):
-            return loss.fn(params, tree, *rest)
-
-    return user_loss
-
-
-def _keep_layout(plan: Any, batch: Any, axes: Mapping[str, tuple]) -> Any:
-    """The permuted batch's fields with a ``seq`` dim constrained back to the plan's
-    batch layout (a gather along a sharded dim would otherwise leave them
-    replicated, and the model's activations with them)."""
-    mesh = plan.sharding_mesh
-
-    def one(path: tuple, x: Any) -> Any:
-        names = axes.get(path_str(path))
-        if names is None or len(names) != x.ndim or "seq" not in names:
-            return x
-        spec = plan.batch_spec(path_str(path), x.shape)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(one, batch)
 
 
 def _check_delayed(loss: Loss, pipe: Any) -> None:

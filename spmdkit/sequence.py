@@ -25,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from spmdkit.errors import SpmdError
 from spmdkit.util import path_str
@@ -40,6 +41,7 @@ __all__ = [
     "SequenceOrderError",
     "balance_batch",
     "context_parallel",
+    "context_parallel_loss",
     "current_attention",
     "current_order",
     "plan_context",
@@ -223,5 +225,48 @@ def balance_batch(batch: Any, batch_axes: Mapping[str, tuple], order: BalancedOr
                 perm = order.permutation(np.shape(x)[dim])
                 x = np.take(x, perm, dim) if isinstance(x, np.ndarray) else jnp.take(x, perm, dim)
         return x
+
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def context_parallel_loss(loss_fn: Callable[..., Any], plan: Any) -> Callable[..., Any]:
+    """``loss_fn(params, batch, *rest)`` as a plan with context parallelism
+    (``plan.context``) runs it: the batch's ``seq`` dims put in the balanced order
+    first (:func:`balance_batch`, once per step; a token-mean loss is unchanged)
+    and constrained back to the plan's batch layout, and the loss traced under
+    :func:`context_parallel` (RoPE's positions, the causal mask's order, the
+    planned attention strategy). Without ``plan.context``: ``loss_fn`` itself.
+    ``sk.value_and_grad`` applies it, so ``sk.jit``, ``sk.train_step`` and
+    ``train()`` do."""
+    cp = plan_context(plan)
+    if cp is None:
+        return loss_fn
+    order = BalancedOrder(cp.degree) if cp.load_balanced else None
+    axes = dict(getattr(plan, "batch_axes", {}))
+
+    def balanced_loss(params: Any, batch: Any, *rest: Any) -> Any:
+        if order is not None:
+            batch = balance_batch(batch, axes, order)
+            # a pipeline traces the loss on one micro-batch's rows: no batch layout there
+            if getattr(plan, "pipeline", None) is None:
+                batch = _keep_layout(plan, batch, axes)
+        with context_parallel(order, attention=cp.attention):
+            return loss_fn(params, batch, *rest)
+
+    return balanced_loss
+
+
+def _keep_layout(plan: Any, batch: Any, axes: Mapping[str, tuple]) -> Any:
+    """The permuted fields with a ``seq`` dim constrained back to the plan's batch
+    layout (a gather along a sharded dim would otherwise leave them replicated,
+    and the model's activations with them)."""
+    mesh = plan.sharding_mesh
+
+    def one(path: tuple, x: Any) -> Any:
+        names = axes.get(path_str(path))
+        if names is None or len(names) != np.ndim(x) or "seq" not in names:
+            return x
+        spec = plan.batch_spec(path_str(path), np.shape(x))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(one, batch)
