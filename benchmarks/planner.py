@@ -433,7 +433,8 @@ def _context_only(out: Path) -> None:
     """Section 6 alone, merged into the saved JSON."""
     print("== long sequences: Llama-3 8B on data=8 (context parallelism, 80 GiB) ==")
     print(
-        f"{'seq':>8}{'seqs':>4}  {'plan':<58}{'context':<30}{'mem GiB':>8}{'tok/s':>8}{'plan s':>8}"
+        f"{'seq':>8}{'seqs':>6}  {'plan':<66}  {'context':<32}"
+        f"{'mem GiB':>8}{'tok/s':>8}{'plan s':>8}"
     )
     saved = json.loads(out.read_text()) if out.exists() else {}
     saved["context"] = long_sequences(CONTEXT_CASES)
