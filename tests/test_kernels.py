@@ -51,36 +51,28 @@ def test_blockwise_grads_with_a_replicated_kv_and_a_sharded_query(lse):
 def test_blockwise_skips_the_key_blocks_after_its_queries_and_records_the_rest():
     """Queries at positions 8..11, keys 0..15 in blocks of 4: the kernel visits
     blocks 0-2 (forward and backward) and skips block 3 at run time; the result is
-    the plain kernel's. A call whose keys all follow its queries visits nothing and
-    returns zeros at the lowest log-sum-exp (weight 0 in a merge), grads zero."""
+    the plain kernel's. A call whose keys all follow its queries (queries 0..3,
+    keys 4..19) visits nothing, forward or backward, and returns zeros at the lowest
+    log-sum-exp (weight 0 in a merge). One compiled program runs both."""
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 4, 2, 4)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((1, 16, 1, 4)), jnp.float32) for _ in range(2))
 
-    def loss(q, k, v, q_offset):
-        out, lse = blockwise_attention_lse(q, k, v, block_size=4, q_offset=q_offset, k_offset=0)
-        return jnp.sum(out * out) + jnp.sum(jnp.where(lse > -1e30, lse, 0.0)), (out, lse)
+    def both(q, k, v):
+        seen = blockwise_attention_lse(q, k, v, block_size=4, q_offset=8, k_offset=0)
+        late = blockwise_attention_lse(q, k, v, block_size=4, q_offset=0, k_offset=4)
+        return jnp.sum(seen[0] ** 2) + jnp.sum(late[0] ** 2), (seen, late)
 
     with record_visits() as visits:
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-        (_, (out, lse)), grads = step(q, k, v, 8)
-        jax.block_until_ready(grads)
-    assert sorted((x.kind, x.k_offset) for x in visits) == [
-        (kind, off) for kind in ("backward", "forward") for off in (0, 4, 8)
-    ]
-    want, want_lse = plain_attention_lse(q, k, v, q_offset=8)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
-
-    def later(q, k, v):  # queries at 0..3, keys at 4..19: every block masked
-        out, lse = blockwise_attention_lse(q, k, v, block_size=4, q_offset=0, k_offset=4)
-        return jnp.sum(out * out), (out, lse)
-
-    with record_visits() as none:
-        (_, (out, lse)), grads = jax.jit(
-            jax.value_and_grad(later, argnums=(0, 1, 2), has_aux=True)
+        (_, (seen, late)), grads = jax.jit(  # the late call's visits would be q_offset 0
+            jax.value_and_grad(both, argnums=(0, 1, 2), has_aux=True)
         )(q, k, v)
         jax.block_until_ready(grads)
-    assert none == []
+    assert sorted((x.kind, x.q_offset, x.k_offset) for x in visits) == [
+        (kind, 8, off) for kind in ("backward", "forward") for off in (0, 4, 8)
+    ]
+    want = plain_attention_lse(q, k, v, q_offset=8)
+    for got, ref in zip(seen, want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    out, lse = late
     assert not np.any(np.asarray(out)) and np.all(np.asarray(lse) == np.finfo(np.float32).min)
-    assert not any(np.any(np.asarray(g)) for g in grads)
