@@ -263,3 +263,47 @@ def mesh2d():
     import spmdkit as sk
 
     return sk.make_mesh(a=2, b=4)
+
+
+# -- CPU time per test: ``SPMDKIT_CPU_DURATIONS=path`` ------------------------------------
+#: When set, each test's CPU seconds (setup + call: the process's, whose threads run
+#: XLA's compiles, plus those of the child processes it waited for, a demo or a
+#: notebook kernel) go to ``path`` as JSON, one file per xdist worker (``path.gw0``…).
+#: Wall time on a shared machine is noise; this is not.
+_CPU_DURATIONS = os.environ.get("SPMDKIT_CPU_DURATIONS", "")
+_cpu_seconds: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _cpu_timed(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _cpu_timed(item)
+
+
+def _cpu_timed(item):
+    if not _CPU_DURATIONS:
+        yield
+        return
+    start = _cpu_now()
+    yield
+    _cpu_seconds[item.nodeid] = _cpu_seconds.get(item.nodeid, 0.0) + _cpu_now() - start
+
+
+def _cpu_now() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def pytest_sessionfinish(session):
+    if not _CPU_DURATIONS or not _cpu_seconds:
+        return
+    import json
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    path = f"{_CPU_DURATIONS}.{worker}" if worker else _CPU_DURATIONS
+    with open(path, "w") as f:
+        json.dump(dict(sorted(_cpu_seconds.items(), key=lambda kv: -kv[1])), f, indent=1)

@@ -111,7 +111,10 @@ def test_examples_print_what_the_page_says(page, tmp_path):
     script = tmp_path / "page.py"
     script.write_text("\n".join(blocks))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # a page's own process starts JAX afresh: 8 devices, and the suite's codegen level
+    # (tests/conftest.py: LLVM -O0, half XLA:CPU's compile time, the same HLO, so the
+    # same collectives, bytes and memory the pages print)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     # this checkout's spmdkit, whichever one the interpreter has installed
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     run = subprocess.run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 
@@ -23,6 +24,10 @@ from spmdkit.verification.hlo import parse_collectives
 from tests.sampling import full, latin, sampled
 
 
+# The tests below compile the same programs more than once (the one-device reference of
+# a model and batch, a plan's unenforced step): each is built and compiled once per
+# process and shared (jax arrays and compiled executables are immutable).
+@functools.cache
 def _model(name: str, batch_size: int):
     info = describe(get_model(name), config="tiny_pipe", batch_size=batch_size)
     rng = np.random.default_rng(0)
@@ -39,10 +44,29 @@ def _check(
     enforce: bool = False,
 ) -> sk.PlannedFunction:
     info, params, batch = _model(name, rows)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+    ref_loss, ref_grads = _reference(name, rows)
     plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=enforce)
     _assert_equal(step(params, batch), (ref_loss, ref_grads))
+    return step
+
+
+@functools.cache
+def _reference(name: str, rows: int) -> tuple:
+    """The one-device loss and grads of :func:`_model`'s model and batch."""
+    info, params, batch = _model(name, rows)
+    return jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+
+
+@functools.cache
+def _fsdp_step(schedule: str) -> sk.PlannedFunction:
+    """llama (16 rows) on pipe=2 x data=2 x model=2, fsdp, 4 micro-batches: the
+    unenforced step, compiled (two tests read its executable)."""
+    info, params, batch = _model("llama", 16)
+    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
+    plan = sk.plan(info, sk.make_mesh(pipe=2, data=2, model=2), "fsdp", pipeline=pipe)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    step.compile(params, batch)
     return step
 
 
@@ -69,6 +93,7 @@ def test_1f1b_on_two_stages_equals_one_device():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipe_fsdp_llama")  # shares _fsdp_step (.ci/run: --dist loadgroup)
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_the_enforced_step_runs_the_stages_sharded_like_the_plain_one(schedule):
     """sk.jit's default enforced replay on pipe × data × model (fsdp): equal to one
@@ -82,8 +107,10 @@ def test_the_enforced_step_runs_the_stages_sharded_like_the_plain_one(schedule):
     step = _check("llama", axes, pipe, "fsdp", enforce=True)
     assert step.enforce
     _, params, batch = _model("llama", 16)
-    loose = sk.jit(step.fn, step.plan, enforce=False)
-    flops = [f.lower(params, batch).compile().cost_analysis()["flops"] for f in (step, loose)]
+    loose = _fsdp_step(schedule)  # sk.jit(step.fn, step.plan, enforce=False)
+    assert loose.plan.pipeline == step.plan.pipeline and not loose.enforce
+    # step.compile: the executable the call above ran (compiled once, not again)
+    flops = [f.compile(params, batch).cost_analysis()["flops"] for f in (step, loose)]
     assert flops[0] == pytest.approx(flops[1], rel=0.05)
 
 
@@ -227,11 +254,16 @@ def test_return_output_is_refused_by_the_training_step():
 def _moe_reference(info, params, batch, groups):
     """The mean over ``groups`` (row index arrays) of the loss on those rows, and its
     gradient: what a pipeline computes when every micro-batch (or every device's
-    rows of one) runs the whole loss, its load-balancing statistics included."""
+    rows of one) runs the whole loss, its load-balancing statistics included. The
+    groups are of one size: a scan over them compiles the loss once, not once per
+    group (the parameters ride in its carry, unchanged: flax modules are not closed
+    over across trace levels)."""
+    rows = np.stack(groups)
 
     def loss(p, b):
-        values = [info.loss_fn(p, jax.tree.map(lambda x, g=g: x[g], b)) for g in groups]
-        return sum(values) / len(values)
+        grouped = jax.tree.map(lambda x: x[rows], b)  # (groups, rows of one, ...)
+        _, values = jax.lax.scan(lambda q, g: (q, info.loss_fn(q, g)), p, grouped)
+        return jnp.mean(values)
 
     return jax.jit(jax.value_and_grad(loss))(params, batch)
 
@@ -365,6 +397,7 @@ def _lines(comps: dict, names: set[str], op: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipe_fsdp_llama")  # shares _fsdp_step (.ci/run: --dist loadgroup)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_tick_runs_only_its_own_branch_on_a_mesh_with_other_axes(schedule):
     """pipe=2 × data=2 × model=2, fsdp: each tick is a conditional on the tick
@@ -374,12 +407,8 @@ def test_a_tick_runs_only_its_own_branch_on_a_mesh_with_other_axes(schedule):
     collectives inside the branches stay within one pipe stage (every device of a
     stage takes the same branch) and none is a collective permute (XLA:CPU's
     permute meets all devices: inside a branch it would deadlock)."""
-    mesh = sk.make_mesh(pipe=2, data=2, model=2)
-    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
-    info, params, batch = _model("llama", 16)
-    plan = sk.plan(info, mesh, "fsdp", pipeline=pipe)
-    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
-    text = step.lower(params, batch).compile().as_text()
+    _, params, batch = _model("llama", 16)
+    text = _fsdp_step(schedule).compile(params, batch).as_text()
     comps = _computations(text)
     conds = [line for lines in comps.values() for line in lines if " conditional(" in line]
     ticks = [_branches(line) for line in conds]
@@ -452,7 +481,7 @@ def _stage_gradient_bytes(strategy: str, schedule: str) -> tuple[dict, float]:
     """Compiled collective bytes by kind of a pipelined llama step on pipe=2 x
     data=4, and the stacked layer weights' bytes on one device of a stage."""
     info, params, batch = _model("llama", 8)
-    ref = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+    ref = _reference("llama", 8)
     pipe = Pipeline(stages=2, microbatches=2, schedule=schedule)
     plan = sk.plan(info, sk.make_mesh(pipe=2, data=4), strategy, pipeline=pipe)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
