@@ -20,6 +20,9 @@ kind                    when
 ``recipe``              auto chose a recipe other than the plain step
 ``dropped``             auto left presets out of its runner-up list
 ``absent_axes``         a rule table names mesh axes the mesh lacks (dropped)
+``mesh_split``          auto split a mesh axis into two (``data`` into ``pipe × data``
+                        for a pipeline, or into ``data × context`` for context
+                        parallelism): the plan runs on ``plan.mesh``, not the mesh given
 ======================  =============================================================
 """
 
@@ -50,6 +53,7 @@ __all__ = [
     "dropped_note",
     "floored_reasons",
     "idle_axis_notes",
+    "mesh_split_note",
     "no_batch_rule_note",
     "not_recosted",
     "raise_if_strict",
@@ -57,7 +61,15 @@ __all__ = [
 ]
 
 #: The kinds of :class:`PlanNote` (module docstring).
-NOTE_KINDS = ("idle_axis", "batch_axes", "batch_replicated", "recipe", "dropped", "absent_axes")
+NOTE_KINDS = (
+    "idle_axis",
+    "batch_axes",
+    "batch_replicated",
+    "recipe",
+    "dropped",
+    "absent_axes",
+    "mesh_split",
+)
 
 
 class PlanNoteError(PlanError):
@@ -331,6 +343,29 @@ def dropped_note(reasons: Mapping[str, tuple[str, str]]) -> list[PlanNote]:
             "dropped",
             f"auto left {len(reasons)} preset(s) out of its runner-up list: {text}.",
             "plan a preset by name to see its table and cost (sk.plan(..., strategy=name))",
+        )
+    ]
+
+
+def mesh_split_note(given: MeshLike, planned: MeshLike) -> list[PlanNote]:
+    """A ``mesh_split`` note when the plan's mesh ``planned`` has other axes than
+    the mesh ``given`` to :func:`sk.plan <spmdkit.plan>` (auto split an axis for a
+    pipeline or for context parallelism); none when they are the same."""
+    before, after = axis_sizes(given), axis_sizes(planned)
+    if before == after:
+        return []
+    new = [a for a in after if a not in before]
+    split = [a for a in before if after.get(a) != before[a]]
+    old = ", ".join(f"{a}={before[a]}" for a in split) or "the mesh"
+    into = " × ".join(f"{a}={n}" for a, n in after.items() if a in new or a in split)
+    return [
+        PlanNote(
+            "mesh_split",
+            f"auto split {old} into {into}: the plan runs on its own mesh, not the "
+            "one given; sk.jit, sk.init_sharded and train use plan.mesh.",
+            "to keep the mesh as given, plan a preset or a rule table on it; to plan "
+            "on the split mesh yourself, pass it: "
+            f"sk.make_mesh({', '.join(f'{a}={n}' for a, n in after.items())})",
         )
     ]
 

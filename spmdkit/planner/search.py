@@ -111,6 +111,7 @@ from spmdkit.planner.notes import (
     dropped_note,
     floored_reasons,
     idle_axis_notes,
+    mesh_split_note,
     no_batch_rule_note,
     not_recosted,
     raise_if_strict,
@@ -906,7 +907,7 @@ class _Planner(PipelinePlanning):
         out = self.make_plan("auto", best, best.cost)
         shown = others[:12]
         alternatives = tuple((c.label, c.cost) for c in shown)
-        notes: list[PlanNote] = []
+        notes: list[PlanNote] = mesh_split_note(self.mesh, out.mesh)
         if fixed is None:
             plain = [
                 c.cost.step_time_s

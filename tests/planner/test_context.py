@@ -18,6 +18,7 @@ from spmdkit.planner.context import (
     context_meshes,
     split_context,
 )
+from spmdkit.planner.notes import PlanNoteError
 from spmdkit.planner.plans import ContextParallel, Plan
 from spmdkit.versions import parse_version
 
@@ -115,6 +116,12 @@ def test_auto_splits_the_sequence_when_sequences_are_fewer_than_devices(small_lo
     assert sizes[CONTEXT_AXIS] == p.context.degree and np.prod(list(sizes.values())) == 8
     assert p.cost.peak_bytes <= 0.25 * GIB
     assert f"context parallel: context: {p.context.degree} ({p.context.attention}, " in str(p)
+    (split,) = [n for n in p.notes if n.kind == "mesh_split"]
+    assert f"data=8 into data={8 // p.context.degree} × context={p.context.degree}" in split.message
+    assert "plan.mesh" in split.message and "sk.make_mesh(" in split.fix
+    with pytest.raises(PlanNoteError, match="mesh_split"):
+        sk.plan(small_long, sk.abstract_mesh(data=8), "auto", estimator="analytic",
+                memory_budget=0.25 * GIB, recipe=BF16, strict=True)  # fmt: skip
     back = Plan.from_json(p.to_json())
     assert back.context == p.context and back == p
 
@@ -124,6 +131,7 @@ def test_auto_uses_the_users_context_axis(small_long):
     p = sk.plan(small_long, mesh, "auto", estimator="analytic", memory_budget=0.1 * GIB,
                 recipe=BF16)  # fmt: skip
     assert p.mesh is mesh
+    assert not [n for n in p.notes if n.kind == "mesh_split"]  # the mesh as given
     assert p.context is not None and p.context.axes == (CONTEXT_AXIS,) and p.context.degree == 4
     assert p.activation["batch"] == ("data",) and p.activation["seq"] == (CONTEXT_AXIS,)
 
