@@ -25,15 +25,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
+from spmdkit.spec import axis_sizes
 from spmdkit.util import path_str
 
 __all__ = [
@@ -259,14 +261,22 @@ def context_parallel_loss(loss_fn: Callable[..., Any], plan: Any) -> Callable[..
 def _keep_layout(plan: Any, batch: Any, axes: Mapping[str, tuple]) -> Any:
     """The permuted fields with a ``seq`` dim constrained back to the plan's batch
     layout (a gather along a sharded dim would otherwise leave them replicated,
-    and the model's activations with them)."""
+    and the model's activations with them). A dim its axes do not divide (one
+    micro-batch's rows) keeps the axes that do, as many as divide it."""
     mesh = plan.sharding_mesh
+    sizes = axis_sizes(mesh)
 
     def one(path: tuple, x: Any) -> Any:
         names = axes.get(path_str(path))
         if names is None or len(names) != np.ndim(x) or "seq" not in names:
             return x
-        spec = plan.batch_spec(path_str(path), np.shape(x))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        dims, used = [], set()
+        for name, n in zip(names, np.shape(x), strict=True):
+            on = tuple(a for a in plan.activation.get(name, ()) if a not in used) if name else ()
+            while on and n % math.prod(sizes[a] for a in on):
+                on = on[:-1]
+            used.update(on)
+            dims.append(on or None)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*dims)))
 
     return jax.tree_util.tree_map_with_path(one, batch)

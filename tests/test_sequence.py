@@ -88,13 +88,14 @@ def _llama(seq_len, batch_size):
     return info, {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
 
 
-def _cp_plan(info, context, attention, balanced=True):
-    """``seq`` on a ``context`` axis by a rule (``data × context``), its attention
-    and load balancing as asked."""
+def _cp_plan(info, context, attention, balanced=True, microbatches=1):
+    """``seq`` on a ``context`` axis by a rule (``data × context``), its attention,
+    load balancing and micro-batches as asked."""
     import spmdkit as sk
 
     mesh = sk.make_mesh(data=8 // context, context=context, axis_types="auto")
-    plan = sk.plan(info, mesh, "dp", rules={"seq": "context"})
+    recipe = sk.Recipe(microbatches=microbatches)
+    plan = sk.plan(info, mesh, "dp", rules={"seq": "context"}, recipe=recipe)
     assert plan.context is not None and plan.context.degree == context
     cp = dataclasses.replace(plan.context, attention=attention, load_balanced=balanced)
     return dataclasses.replace(plan, context=cp)
@@ -121,7 +122,8 @@ _CP_CASES = [(1024, 4, "ring"), (1024, 2, "gather_kv"), (2048, 2, "ring"), (4096
 )
 def test_context_parallel_llama_equals_one_device_and_verifies(seq_len, context, attention):
     """A Llama step (GQA, causal) with its sequence over ``context`` in the balanced
-    order: loss and grads equal the one-device step (fp32), every context shard's
+    order (context 2: in 2 micro-batches, each balanced and constrained on its own
+    rows): loss and grads equal the one-device step (fp32), every context shard's
     attention FLOPs (the key blocks its kernels computed, forward and backward)
     within 5% of the others', and ``plan.verify`` within ±10% bytes per kind,
     ±20% peak memory."""
@@ -132,7 +134,7 @@ def test_context_parallel_llama_equals_one_device_and_verifies(seq_len, context,
     info, batch = _llama(seq_len, 8 // context)
     params = info.init_fn()
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
-    plan = _cp_plan(info, context, attention)
+    plan = _cp_plan(info, context, attention, microbatches=2 if context == 2 else 1)
     step = sk.jit(sk.value_and_grad(info.train_loss, plan), plan)
     placed = jax.device_put(params, plan.param_shardings(info.abstract_params))
     with record_visits() as visits:
