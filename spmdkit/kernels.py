@@ -512,6 +512,13 @@ def _record(qg: jax.Array, offsets: Any, j: Any, pos: _Pos, kind: str) -> None:
     jax.debug.callback(append, q0, k0)
 
 
+def _may_skip(offsets: Any, pos: _Pos) -> bool:
+    """Whether a blockwise call may skip key blocks (:func:`_skipping`): only a call
+    on a block of a longer sequence (offsets or a key limit)."""
+    causal, _, _, k_limit, _ = pos
+    return k_limit is not None or (causal and tuple(offsets) != (None, None))
+
+
 def _skipping(
     visit: Any, skip: Any, carry: Any, xs: Any, offsets: Any, s: int, sk: int, pos: _Pos
 ) -> Any:
@@ -521,7 +528,7 @@ def _skipping(
     whole-sequence kernel sees key 0 from every row and keeps its plain scan."""
     causal, block, _, k_limit, _ = pos
     q_offset, k_offset = offsets
-    if not (k_limit is not None or (causal and (q_offset, k_offset) != (None, None))):
+    if not _may_skip(offsets, pos):
         return visit(carry, xs)
     j = xs[2]
     k0 = j * block + (0 if k_offset is None else k_offset)
@@ -578,6 +585,9 @@ def _flash_forward(q, k, v, offsets, pos):
     init = tuple(_varying(x, q, k, v, offsets) for x in init)
     kb, vb = _to_blocks(k, pos[1]), _to_blocks(v, pos[1])
     (acc, m, total), _ = jax.lax.scan(step, init, (kb, vb, jnp.arange(kb.shape[0])))
+    if not _may_skip(offsets, pos):  # the whole sequence: every row sees key 0
+        out = (acc / total[..., None]).astype(q.dtype)  # [b, kv, g, s, d]
+        return jnp.moveaxis(out, 3, 1).reshape(b, s, h, d), m + jnp.log(total)
     # a row whose every block was skipped has total 0: output 0, log-sum-exp lowest
     seen = total > 0
     out = (acc / jnp.where(seen, total, 1.0)[..., None]).astype(q.dtype)  # [b, kv, g, s, d]
