@@ -265,10 +265,14 @@ def _memory_fn(
     batch-independent values at the start (:func:`_transient`)."""
 
     reads = _copy_reads(collect, recorder)
+    slices = _early_slices(collect, reads, mesh)
 
     def memory(duplicate: bool, widen: Mapping | None = None, cpu: bool = False) -> Any:
         early = _batch_free(graph, roles) if cpu else None
         transient = _transient(recorder.held, len(graph.nodes), mesh, widen, early)
+        for c in slices.values():
+            for i in range(c.made, min(c.last, len(transient) - 1) + 1):
+                transient[i] += c.spec.local_bytes(mesh)
         return _memory(
             graph,
             spec,
@@ -334,7 +338,8 @@ def _copy_reads(steps: Sequence[Step], recorder: Recorder) -> dict[int, dict[int
     """Top-level node index → {value id: the resharded copy (``recorder.held``)
     the node reads in its place}, for the operands a node reads only through such
     a copy (an operand it also reads as it is, or resharded without a
-    collective, a slice, is read itself)."""
+    collective, a slice, is read itself; a backward contraction's slice of a
+    forward value is added by :func:`_early_slices`)."""
     made = {
         (num, layout.dims, layout.partial): CopyRead(first, last, layout)
         for (num, layout), (first, last, _) in recorder.held.items()
@@ -353,6 +358,49 @@ def _copy_reads(steps: Sequence[Step], recorder: Recorder) -> dict[int, dict[int
         if via:
             out[i] = via
     return out
+
+
+def _early_slices(
+    steps: Sequence[Step], reads: dict[int, dict[int, CopyRead]], mesh: MeshLike
+) -> dict[tuple, CopyRead]:
+    """Slices of forward values that backward contractions read (a head-sharded
+    gradient's local heads of attention computed whole in the forward pass): XLA
+    cuts each slice as soon as its value exists and keeps the slice, not the
+    value, for the backward pass (measured: GPT-2 megatron's queries, keys and
+    probabilities, gathered whole for the forward pass, held as their local heads).
+    Added to ``reads`` (node index → value → the slice it reads); returns the
+    slices by (value, layout)."""
+    made: dict[int, int] = {}
+    out: dict[tuple, CopyRead] = {}
+    for i, step in enumerate(steps):
+        node = step.node
+        if node.backward and node.prim in _SLICE_READERS:
+            for v, s, r in zip(node.ins, step.given, step.required, strict=True):
+                if v not in made or v in reads.get(i, {}) or not _finer(s, r, mesh):
+                    continue
+                key = (v, r.dims)
+                out[key] = CopyRead(made[v], i, r.without_partial())
+                reads.setdefault(i, {})[v] = out[key]
+        if not node.backward:
+            made.update(dict.fromkeys(node.outs, i))
+    for via in reads.values():  # one slice per value and layout, to its last reader
+        for v, c in via.items():
+            if c.spec is not None and (v, c.spec.dims) in out:
+                via[v] = out[(v, c.spec.dims)]
+    return out
+
+
+#: Backward readers that take a forward value's slice as a buffer of its own
+#: (elementwise readers fuse the slice and read the value itself).
+_SLICE_READERS = frozenset({"dot_general"})
+
+
+def _finer(given: TensorSpec | None, want: TensorSpec | None, mesh: MeshLike) -> bool:
+    """``want`` is a strictly smaller local slice of ``given`` (no collective)."""
+    if given is None or want is None or given.partial or want.partial:
+        return False
+    slices = all(w[: len(g)] == g for g, w in zip(given.dims, want.dims, strict=True))
+    return slices and want.local_bytes(mesh) < given.local_bytes(mesh)
 
 
 def _with_residuals(

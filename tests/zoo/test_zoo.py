@@ -62,12 +62,10 @@ MESHES = ((2, 4), (4, 2))
 #: (tests/propagation/test_memory.py: an Adam step's 768 KiB of partial gradients);
 #: XLA assigns one value per buffer at a time, largest first, so the model needs
 #: that assignment, not a pool of bytes.
-#: gpt2_nnx megatron 2x4: temporaries predicted 286-383 KiB, compiled 210 KiB.
 KNOWN_VERIFY_MISSES: frozenset = frozenset(
     {
         ("vgg_linen", "dp", (2, 4)),
         ("vgg_linen", "zero1", (2, 4)),
-        ("gpt2_nnx", "megatron", (2, 4)),
     }
 )
 
