@@ -13,7 +13,7 @@ Used by :mod:`spmdkit.ops` (the rule-enforcing ops) and by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -70,6 +70,7 @@ def shard_program(
     res: InferenceResult,
     attrs: Mapping[str, Any],
     mesh: MeshLike,
+    scattered: Sequence[TensorSpec] | None = None,
 ) -> Callable[..., Any]:
     """``shard_map`` of the rule's local computation for one inference result.
 
@@ -79,11 +80,15 @@ def shard_program(
         claimed outputs).
       attrs: the op attributes (``strategy`` included).
       mesh: the mesh the arrays live on.
+      scattered: the outputs' layouts where a pending sum is reduce-scattered
+        onto a dim instead of all-reduced (each such axis sharding a dim here,
+        partial in ``res.outputs``); None: ``res.outputs`` resolved.
 
     Returns:
       A function of the (global) input arrays returning a tuple of outputs,
       laid out as ``res.outputs`` with their pending reductions resolved (the
-      all-reduce the rule's partial output implies runs inside the program).
+      all-reduce the rule's partial output implies runs inside the program), or
+      as ``scattered``.
 
     Raises:
       ShardingConflictError: a required input is partial (shard_map cannot take a
@@ -107,15 +112,31 @@ def shard_program(
             )
     lctx = local_context(rule, res, attrs, mesh)
     outs = tuple(res.outputs)
+    final = tuple(scattered) if scattered is not None else outs
 
     def body(*xs: jax.Array) -> tuple[jax.Array, ...]:
         ys = rule.local_fn(lctx)(*xs)
         ys = tuple(ys) if isinstance(ys, (tuple, list)) else (ys,)
-        return tuple(resolve_partials(y, o) for y, o in zip(ys, outs, strict=True))
+        return tuple(_resolve_onto(y, o, f) for y, o, f in zip(ys, outs, final, strict=True))
 
     return jax.shard_map(
         body,
         mesh=mesh,
         in_specs=tuple(_pspec(s) for s in res.inputs),
-        out_specs=tuple(_pspec(o) for o in outs),
+        out_specs=tuple(_pspec(o) for o in final),
     )
+
+
+def _resolve_onto(y: jax.Array, spec: TensorSpec, final: TensorSpec) -> jax.Array:
+    """Resolve a local value's pending reductions: a sum over an axis ``final``
+    shards a dim over (and ``spec`` does not) reduce-scattered onto that dim, the
+    rest as :func:`resolve_partials`."""
+    pending = dict(spec.partial)
+    done: set[str] = set()
+    for j, d in enumerate(final.dims):
+        new = tuple(a for a in d if pending.get(a) == "sum" and a not in spec.sharding_axes)
+        if new:
+            y = jax.lax.psum_scatter(y, new, scatter_dimension=j, tiled=True)
+            done.update(new)
+    rest = spec.replace(partial={a: r for a, r in spec.partial if a not in done})
+    return resolve_partials(y, rest)

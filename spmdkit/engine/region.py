@@ -57,6 +57,7 @@ __all__ = [
     "region_attrs",
     "region_call",
     "region_program",
+    "scatters",
 ]
 
 #: Primitive names of the forward and the grad region.
@@ -277,7 +278,10 @@ def region_program(
         res = infer_forward(op, *required, mesh=mesh, **attrs)
         if tuple(res.inputs) != tuple(required):
             return None
-        return shard_program(rule, res, attrs, mesh)
+        # a pending sum planned reduce-scattered onto a dim (the sequence split
+        # kept after a vocab-parallel lookup: spmdkit.propagation.contest)
+        onto = produced if scatters(res.outputs, produced) else None
+        return shard_program(rule, res, attrs, mesh, onto)
     diff = tuple(params["diff"])
     n = len(diff)
     g = infer_grad(op, *required[:n], out_grads=tuple(required[n:]), mesh=mesh, **attrs)
@@ -326,3 +330,19 @@ def _grad_program(
         in_specs=tuple(s.to_partition_spec() for s in required),
         out_specs=tuple(s.to_partition_spec() for s in produced),
     )
+
+
+def scatters(outs: Sequence[TensorSpec], produced: Sequence[TensorSpec]) -> bool:
+    """Whether ``produced`` is ``outs`` with some pending sums reduce-scattered:
+    each dim keeps its axes, followed by sum-partial axes of the output only."""
+    if len(outs) != len(produced):
+        return False
+    moved = False
+    for o, p in zip(outs, produced, strict=True):
+        sums = {a for a, r in o.partial if r == "sum"} - set(o.sharding_axes)
+        dims = o.dims + ((),) * (len(p.dims) - len(o.dims))
+        for d, q in zip(dims, p.dims, strict=True):
+            if tuple(q[: len(d)]) != tuple(d) or not set(q[len(d) :]) <= sums:
+                return False
+            moved = moved or len(q) > len(d)
+    return moved

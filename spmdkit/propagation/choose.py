@@ -33,6 +33,7 @@ from typing import Any
 from spmdkit import jaxprs
 from spmdkit.engine.inference import InferenceResult, infer_backward, infer_forward
 from spmdkit.engine.registry import get_rule
+from spmdkit.propagation.contest import contested, settled, stays, stays_one
 from spmdkit.propagation.control import stack
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, vids
 from spmdkit.propagation.pricing import Pricer
@@ -60,6 +61,8 @@ class Chooser:
         self.ops = ops
         self.hints: dict[int, TensorSpec] = {}
         self.stationary: frozenset[int] = frozenset()
+        self.seq_axes: frozenset[str] = frozenset()
+        self.weights: frozenset[int] = frozenset()
 
     def forward(
         self, op: str, attrs: dict, specs: tuple[TensorSpec, ...], ins: Sequence[int] = ()
@@ -76,15 +79,16 @@ class Chooser:
                 for v, x in zip(ins, specs, strict=True)
             )
         still = tuple(v in self.stationary for v in ins) if ins else ()
+        heavy = tuple(v in self.weights for v in ins) if ins and self.seq_axes else ()
         try:
             attr_key = tuple(sorted(attrs.items()))
-            key = (self.pricer.key, op, id(get_rule(op)), attr_key, specs, hinted, still)
+            key = (self.pricer.key, op, id(get_rule(op)), attr_key, specs, hinted, still, heavy)
             hit = _CHEAPEST.get(key)
         except TypeError:  # unhashable attributes: no caching
             key, hit = None, None
         if hit is not None:
             return hit
-        best = self._cheapest(op, attrs, specs, hinted, still)
+        best = self._cheapest(op, attrs, specs, hinted, still, heavy)
         if key is not None:
             if len(_CHEAPEST) > 65536:
                 _CHEAPEST.clear()
@@ -98,6 +102,7 @@ class Chooser:
         specs: tuple[TensorSpec, ...],
         hinted: tuple[TensorSpec, ...] | None,
         still: tuple[bool, ...],
+        heavy: tuple[bool, ...] = (),
     ) -> InferenceResult:
         res = infer_forward(op, *specs, mesh=self.mesh, **attrs)
         if not get_rule(op).searched:
@@ -119,17 +124,20 @@ class Chooser:
             and not _joins_partial(specs, res.inputs)
         ):
             return res
-        # activations stay put: where an activation (a value computed from the batch)
-        # and a weight contest a mesh axis, the weight gives it up (it is all-gathered,
-        # as in FSDP) rather than the activation being moved or left sum-partial
+        # where an activation (a value computed from the batch) and a weight contest a
+        # mesh axis, the weight gives it up (it is all-gathered, as in FSDP) rather than
+        # the activation being moved or left sum-partial; on a sequence axis the
+        # weight keeps it and the activation is gathered (:mod:`.contest`)
         act = [i for i, m in enumerate(still) if m]
-        keeps = functools.partial(_keeps, specs, act)
+        axes = contested(specs, still, self.seq_axes, heavy)
+        keeps = functools.partial(_keeps, specs, still, axes, heavy)
         if act and len(act) < len(specs) and not keeps(res):
-            axes = {a for i in act for d in specs[i].dims for a in d}
-            alt = tuple(x if still[j] else drop_axes(x, axes) for j, x in enumerate(specs))
-            cand = self._try_forward(op, attrs, alt)
+            cand = self._try_forward(op, attrs, settled(specs, still, axes, heavy))
             if cand is not None and keeps(cand):
                 return cand
+        # the alternatives: none moves an activation off an axis it keeps (the
+        # weights' part of the rule is the settled answer's, above)
+        keeps = functools.partial(_keeps, specs, still, axes, ())
         kept = bool(act) and keeps(res)
         best, best_t = res, self.pricer.price(specs, res.inputs, res.outputs)
         size = sum(o.local_bytes(self.mesh) for o in res.outputs)
@@ -190,16 +198,30 @@ class Chooser:
             # forward cannot recreate it (dims new in the output): backward's own answer
             cand_in, cand_out = res.inputs, res.outputs
         cand_out = tuple(o.replace(dtype=w.dtype) for o, w in zip(cand_out, want, strict=True))
-        act = [i for i, v in enumerate(node.ins) if v in self.stationary]
-        moved = [i for i in act if not _kept(specs[i], cand_in[i])]
+        still = [v in self.stationary for v in node.ins]
+        heavy = [v in self.weights for v in node.ins]
+        axes = contested(specs, still, self.seq_axes, heavy)
+        moved = [
+            i for i, a in enumerate(still) if not stays_one(specs[i], cand_in[i], a, axes, heavy[i])
+        ]
         # a broadcast that only gathers its (small) operand: the activation that stays
         # put is its result, and bytes come first (as in _cheapest: at small sizes the
         # latency term would rather move the broadcast result than gather the operand)
         spread = node.prim == "broadcast_in_dim" and all(
             _kept(c, s) for c, s in zip(cand_in, specs, strict=True)
         )
-        if moved and not spread and all(_kept(specs[i], req[i]) for i in moved):
-            return req, outs  # activations stay put (see _cheapest)
+        # activations stay put (see _cheapest); the forward answer may itself have
+        # moved one over a sequence axis (two activations contesting it)
+        loose = axes | self.seq_axes
+        if (
+            moved
+            and not spread
+            and all(
+                stays_one(specs[i], req[i], still[i], loose if still[i] else axes, heavy[i])
+                for i in moved
+            )
+        ):
+            return req, outs
 
         def cost(required: Sequence[TensorSpec], produced: Sequence[TensorSpec]) -> tuple:
             ins = zip(specs, required, strict=True)
@@ -348,10 +370,17 @@ def _joins_partial(given: Sequence[TensorSpec], required: Sequence[TensorSpec]) 
     )
 
 
-def _keeps(specs: Sequence[TensorSpec], which: Sequence[int], res: Any) -> bool:
-    """Whether a rule's answer leaves the listed operands' dim shardings in place
-    (further sharding, a free slice, is fine)."""
-    return all(_kept(specs[i], res.inputs[i]) for i in which)
+def _keeps(
+    specs: Sequence[TensorSpec],
+    still: Sequence[bool],
+    axes: frozenset[str],
+    heavy: Sequence[bool],
+    res: Any,
+) -> bool:
+    """Whether a rule's answer leaves the activations' dim shardings in place off
+    the contested sequence ``axes`` and the weights' (``heavy``) on them
+    (:func:`.contest.stays`)."""
+    return stays(specs, still, axes, res.inputs, heavy)
 
 
 def _kept(given: TensorSpec, required: TensorSpec) -> bool:

@@ -37,6 +37,7 @@ from spmdkit.engine.region import GRAD, REGIONS
 from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError, SpecError
 from spmdkit.propagation.choose import consumer_hints
+from spmdkit.propagation.contest import sequence_axes
 from spmdkit.propagation.engine import Engine
 from spmdkit.propagation.graph import (
     FlatProgram,
@@ -125,6 +126,11 @@ def propagate(
     engine.pricer.producer = producers(graph)
     batch = {v for v, r in roles.items() if r == "batch"}
     engine.chooser.stationary = frozenset(stationary(graph, batch))
+    at = dict(zip(graph.invars, flat_in, strict=True))
+    engine.chooser.seq_axes = sequence_axes([at[v] for v in batch if v in at])
+    if engine.chooser.seq_axes:  # values of the parameters alone: the weights
+        params = {v for v, r in roles.items() if r == "params"}
+        engine.chooser.weights = frozenset(stationary(graph, params)) - engine.chooser.stationary
     peak = topology.peak("bfloat16") if hasattr(topology, "peak") else H100_BF16_PEAK_FLOPS
     spec, collect = _sweeps(engine, graph, flat_in, out_req, peak)
 

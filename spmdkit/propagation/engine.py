@@ -259,7 +259,16 @@ class Engine:
         searched (:mod:`spmdkit.propagation.regions`)."""
         p = node.eqn.params
         still = tuple(v in self.chooser.stationary for v in node.ins)
-        ans = region_answer(node.prim, p, specs, self.pricer, self.strategies.get(p["op"]), still)
+        ans = region_answer(
+            node.prim,
+            p,
+            specs,
+            self.pricer,
+            self.strategies.get(p["op"]),
+            still,
+            self.chooser.seq_axes,
+            tuple(v in self.chooser.weights for v in node.ins),
+        )
         if ans is None:
             self.warn(node.prim, f"rule {p['op']!r} does not fit the region")
             return self._unknown(node, specs)

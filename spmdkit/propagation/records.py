@@ -305,7 +305,7 @@ class Recorder:
             body = jaxprs.open_jaxpr(jaxprs.shard_map_body(node.eqn))[0]
             reshards += tuple(self._manual_collectives(body, layouts))
         if node.prim in REGIONS:
-            reshards += tuple(self._region_collectives(node, attrs, req))
+            reshards += tuple(self._region_collectives(node, attrs, req, outs))
         else:
             reshards += tuple(self._own_collectives(op, attrs, req))
         comm = sum(a.payload_bytes for a in reshards)
@@ -459,13 +459,17 @@ class Recorder:
         )
 
     def _region_collectives(
-        self, node: Any, attrs: dict, req: Sequence[TensorSpec]
+        self,
+        node: Any,
+        attrs: dict,
+        req: Sequence[TensorSpec],
+        produced: Sequence[TensorSpec] | None = None,
     ) -> list[ArgReshard]:
         """A region's own collectives under its chosen strategy (see
         :mod:`spmdkit.propagation.regions`)."""
         p = node.eqn.params
         try:
-            ans = region_layouts(node.prim, p, attrs, req, self.mesh)
+            ans = region_layouts(node.prim, p, attrs, req, self.mesh, produced=produced)
         except RULE_ERRORS:
             return []
         own = list(ans.collectives)

@@ -27,13 +27,21 @@ import numpy as np
 
 from spmdkit import jaxprs
 from spmdkit.engine.inference import infer_forward
-from spmdkit.engine.region import FORWARD, GRAD, grad_inference, region_attrs, region_program
+from spmdkit.engine.region import (
+    FORWARD,
+    GRAD,
+    grad_inference,
+    region_attrs,
+    region_program,
+    scatters,
+)
 from spmdkit.engine.registry import get_rule
 from spmdkit.engine.rule import RuleContext, op_collective
+from spmdkit.propagation.contest import contested, settled, stays
 from spmdkit.propagation.graph import FlatProgram
 from spmdkit.propagation.memory import fused_values, program_temp_bytes
 from spmdkit.propagation.pricing import Pricer
-from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes
+from spmdkit.propagation.primitives import RULE_ERRORS
 from spmdkit.resharding import Collective
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import freeze
@@ -81,21 +89,58 @@ class RegionAnswer(NamedTuple):
 
 
 def _resolves(
-    outs: Sequence[TensorSpec], mesh: MeshLike, op: str
+    outs: Sequence[TensorSpec],
+    mesh: MeshLike,
+    op: str,
+    onto: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[list[TensorSpec], list[Collective]]:
     """The outputs with their pending reductions resolved inside the region, and
-    those all-reduces (one per output and reduce op)."""
+    those collectives: a pending sum over an axis of ``onto`` (axis → (dim, size):
+    the sequence dim an activation gave the axis up from) reduce-scattered onto
+    that dim of the output where it has that size (:func:`scattered_onto`), the
+    others all-reduced (one per output and reduce op)."""
     ctx = RuleContext(op=op, axis_sizes=axis_sizes(mesh), attrs={})
     whole, coll = [], []
     for o in outs:
+        target = scattered_onto(o, onto or {}, mesh)
+        spread = [a for a in target.sharding_axes if a not in o.sharding_axes]
+        if spread:
+            coll.append(
+                op_collective(ctx, "reduce_scatter", spread, o.local_bytes(mesh), reduce_op="sum")
+            )
+        rest = o.replace(dims=target.dims, partial={a: r for a, r in o.partial if a not in spread})
         by_op: dict[str, list[str]] = {}
-        for a, r in o.partial:
+        for a, r in rest.partial:
             by_op.setdefault(r, []).append(a)
         for r, axes in by_op.items():
-            payload = o.local_bytes(mesh)
+            payload = rest.local_bytes(mesh)
             coll.append(op_collective(ctx, "all_reduce", axes, payload, reduce_op=r))
-        whole.append(o.without_partial())
+        whole.append(target)
     return whole, coll
+
+
+def scattered_onto(
+    out: TensorSpec, onto: Mapping[str, tuple[int, int]], mesh: MeshLike
+) -> TensorSpec:
+    """``out`` with its pending sums resolved, each over an axis of ``onto`` (axis →
+    (dim, size)) laid onto that dim where the output's dim has that size, the axis
+    shards no other dim and the dim divides (a reduce-scatter: Megatron-LM's
+    sequence parallelism after a vocab-parallel lookup); the rest replicated."""
+    sizes = axis_sizes(mesh)
+    dims = [tuple(d) for d in out.dims] + [()] * (len(out.shape) - len(out.dims))
+    used = set(out.sharding_axes)
+    for a, r in out.partial:
+        if r != "sum" or a not in onto or a in used:
+            continue
+        j, n = onto[a]
+        if j >= len(out.shape) or out.shape[j] != n:
+            continue
+        block = math.prod(sizes[x] for x in dims[j]) * sizes[a]
+        if out.shape[j] % block:
+            continue
+        dims[j] = (*dims[j], a)
+        used.add(a)
+    return TensorSpec(out.shape, [d or None for d in dims], dtype=out.dtype)
 
 
 def region_layouts(
@@ -104,8 +149,12 @@ def region_layouts(
     attrs: Mapping[str, Any],
     specs: Sequence[TensorSpec],
     mesh: MeshLike,
+    onto: Mapping[str, tuple[int, int]] | None = None,
+    produced: Sequence[TensorSpec] | None = None,
 ) -> RegionAnswer:
-    """The layouts of one region equation for operand ``specs`` and ``attrs``.
+    """The layouts of one region equation for operand ``specs`` and ``attrs``
+    (``onto``: a forward region's pending sums to reduce-scatter, :func:`_resolves`;
+    or ``produced``: the results as planned, where they reduce-scatter some).
 
     Raises:
       SpmdError: the rule does not fit the operands.
@@ -114,7 +163,15 @@ def region_layouts(
     plain = tuple(s.without_partial() for s in specs)
     if prim == FORWARD:
         res = infer_forward(op, *plain, mesh=mesh, **attrs)
-        outs, coll = _resolves(res.outputs, mesh, op)
+        if produced is not None and scatters(res.outputs, produced):
+            onto = {
+                a: (j, o.shape[j])
+                for o, q in zip(res.outputs, produced, strict=True)
+                for j, d in enumerate(q.dims)
+                for a in d
+                if a not in o.sharding_axes
+            }
+        outs, coll = _resolves(res.outputs, mesh, op, onto)
         return RegionAnswer(dict(attrs), tuple(res.inputs), tuple(outs), (*res.collectives, *coll))
     diff = tuple(params["diff"])
     g, f = grad_inference(op, attrs, plain, diff, mesh)
@@ -151,6 +208,8 @@ def region_answer(
     pricer: Pricer,
     fixed: str | None = None,
     still: Sequence[bool] = (),
+    seq_axes: frozenset[str] = frozenset(),
+    weight: Sequence[bool] = (),
 ) -> RegionAnswer | None:
     """The cheapest way to lay out a region equation; None when no strategy fits.
 
@@ -163,10 +222,13 @@ def region_answer(
     batch). As for any equation (:mod:`spmdkit.propagation.choose`), activations
     stay put: where some answer keeps every activation's sharding, only those
     compete (a weight is all-gathered, as in FSDP, rather than the batch
-    gathered). Ties go to the operands as given, then to the rule's first
-    strategy. The chosen strategy is named by what it does
-    (:meth:`~spmdkit.engine.rule.Rule.named_strategy`) where the strategy of that name
-    lays the region out identically.
+    gathered; on the sequence axes ``seq_axes`` a weight (``weight``: computed
+    from the parameters alone) holds, the weight stays and the activations are
+    gathered, :mod:`spmdkit.propagation.contest`; where no answer keeps the
+    weights', those that keep the activations' compete). Ties go to the operands
+    as given, then to the rule's first strategy. The chosen strategy is named by
+    what it does (:meth:`~spmdkit.engine.rule.Rule.named_strategy`) where the
+    strategy of that name lays the region out identically.
     """
     if prim not in (FORWARD, GRAD):
         raise ValueError(f"{prim!r} is not a region primitive")
@@ -174,39 +236,72 @@ def region_answer(
     chosen = attrs.get("strategy") or fixed
     names = (chosen,) if chosen else get_rule(params["op"]).strategies
     act = [i for i, m in enumerate(still) if m and any(specs[i].dims)]
-    found: list[tuple[tuple[int, float], bool, RegionAnswer, tuple[TensorSpec, ...]]] = []
-    for given in _candidates(specs, act):
+    flags = [i in act for i in range(len(specs))]
+    heavy = tuple(weight) + (False,) * (len(specs) - len(weight))
+    axes = contested(specs, flags, seq_axes, heavy)
+    found: list[tuple[tuple[int, float], int, RegionAnswer, tuple[TensorSpec, ...]]] = []
+    for given in _candidates(specs, flags, axes, heavy):
+        onto = _given_up(specs, flags, axes, given) if prim == FORWARD else {}
         for name in names:
             try:
-                ans = region_layouts(prim, params, {**attrs, "strategy": name}, given, pricer.mesh)
+                ans = region_layouts(
+                    prim, params, {**attrs, "strategy": name}, given, pricer.mesh, onto
+                )
             except RULE_ERRORS:
                 continue
-            kept = all(_kept(specs[i], ans.required[i]) for i in act)
+            # 2: activations and weights keep theirs; 1: the activations do
+            kept = stays(specs, flags, axes, ans.required, heavy) + stays(
+                specs, flags, axes, ans.required
+            )
             found.append((_cost(pricer, specs, ans), kept, ans, given))
-    if any(kept for _, kept, _, _ in found):
-        found = [f for f in found if f[1]]
+    best_kept = max((kept for _, kept, _, _ in found), default=0)
+    if best_kept:
+        found = [f for f in found if f[1] == best_kept]
     if not found:
         return None
     _, _, ans, given = min(found, key=lambda f: f[0])  # the first of equal costs
     return ans if chosen else _named(prim, params, ans, given, pricer.mesh)
 
 
-def _candidates(specs: Sequence[TensorSpec], act: Sequence[int]) -> list[tuple[TensorSpec, ...]]:
+def _given_up(
+    specs: Sequence[TensorSpec],
+    act: Sequence[bool],
+    axes: frozenset[str],
+    given: Sequence[TensorSpec],
+) -> dict[str, tuple[int, int]]:
+    """The contested sequence ``axes`` the activations (``act``) give up in
+    ``given``: axis → (the dim it sharded, that dim's size). A forward region lays
+    its results back onto them (a reduce-scatter, where the result is sum-partial
+    over the axis), so the sequence split holds between tensor-parallel ops."""
+    out: dict[str, tuple[int, int]] = {}
+    for s, g, a in zip(specs, given, act, strict=True):
+        if not a:
+            continue
+        for j, d in enumerate(s.dims):
+            kept = g.dims[j] if j < len(g.dims) else ()
+            for x in d:
+                if x in axes and x not in kept:
+                    out.setdefault(x, (j, s.shape[j]))
+    return out
+
+
+def _candidates(
+    specs: Sequence[TensorSpec],
+    act: Sequence[bool],
+    axes: frozenset[str],
+    heavy: Sequence[bool],
+) -> list[tuple[TensorSpec, ...]]:
     """The operands as given, with each laid-out operand replicated, and with the
-    others giving up the axes of the activations ``act``."""
+    contests between activations (``act``) and weights settled (the weights giving
+    up the activations' axes but the contested sequence ``axes``, which the
+    activations give up: :func:`~spmdkit.propagation.contest.settled`)."""
     out = [tuple(specs)]
     for i, s in enumerate(specs):
         if any(s.dims) or s.partial:
             out.append((*specs[:i], TensorSpec(s.shape, dtype=s.dtype), *specs[i + 1 :]))
-    if act and len(act) < len(specs):
-        axes = {a for i in act for d in specs[i].dims for a in d}
-        out.append(tuple(x if i in act else drop_axes(x, axes) for i, x in enumerate(specs)))
+    if any(act) and not all(act):
+        out.append(settled(specs, act, axes, heavy))
     return out
-
-
-def _kept(given: TensorSpec, required: TensorSpec) -> bool:
-    """Whether ``required`` still shards each dim of ``given`` over its axes."""
-    return all(set(d) <= set(r) for d, r in zip(given.dims, required.dims, strict=False))
 
 
 def _named(
@@ -222,7 +317,9 @@ def _named(
     if name == ans.attrs["strategy"]:
         return ans
     try:
-        other = region_layouts(prim, params, {**ans.attrs, "strategy": name}, given, mesh)
+        other = region_layouts(
+            prim, params, {**ans.attrs, "strategy": name}, given, mesh, produced=ans.outputs
+        )
     except RULE_ERRORS:
         return ans
     same = (other.required, other.outputs, other.collectives) == (

@@ -317,8 +317,9 @@ def manual_scatter_bytes(
 ) -> int:
     """The reduce-scatter bytes of the ``psum_scatter`` calls that ``shard_map`` bodies
     call (a pipeline's gradients; a region's own, e.g. ``gather_kv`` attention's K/V
-    gradients: XLA runs them as written, on CPU too; loops repeated). ``promoted``:
-    only those of 16-bit floats (:data:`CPU_PROMOTED`)."""
+    gradients, or its result reduce-scattered onto the sequence: XLA runs them as
+    written, on CPU too; loops repeated). ``promoted``: only those of 16-bit floats
+    (:data:`CPU_PROMOTED`)."""
     total = 0
     for r in records:
         for a in r.reshards:

@@ -299,7 +299,10 @@ def test_a_partial_contraction_replays_under_the_users_mesh_context():
 
 
 def test_a_partial_attention_output_is_reduced_before_its_transpose(monkeypatch):
-    """GPT megatron_sp on (2, 4): ``probs @ v`` contracts the sequence-sharded
+    """GPT with its sequence over ``model`` on (2, 4) and no weight there (under
+    ``megatron_sp`` the tensor-parallel weights keep ``model`` and the
+    activations are gathered over the sequence before them:
+    ``spmdkit.propagation.contest``): ``probs @ v`` contracts the sequence-sharded
     keys, so the attention output is partial over ``model``, and it is transposed
     and reshaped before its readers (the output projection, and its weight
     gradient in the backward pass) reduce it. The replay reduces it right where it
@@ -326,7 +329,9 @@ def test_a_partial_attention_output_is_reduced_before_its_transpose(monkeypatch)
     cfg = dataclasses.replace(spec.config("tiny"), attention="xla")
     batch = spec.batch(cfg, 8, np.random.default_rng(0))
     info = describe(spec, config=cfg, batch=batch)
-    p = plan(info, sk.make_mesh(data=2, model=4), "megatron_sp")
+    mesh = sk.make_mesh(data=2, model=4)
+    p = plan(info, mesh, "dp", rules=[("batch", "data"), ("seq", "model")])
+    assert (p.activation["batch"], p.activation["seq"]) == (("data",), ("model",))
     _, prop = jit(jax.value_and_grad(info.loss_fn), p).program(info.abstract_params, batch)
     program = prop.program
     nodes = program.graph.all_nodes or program.graph.nodes

@@ -1,6 +1,5 @@
 """sk.jit with a plan: one train step's loss and grads equal the single-device run."""
 
-import contextlib
 import dataclasses
 import functools
 
@@ -526,15 +525,17 @@ def test_each_policy_keeps_what_is_predicted_over_full():
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_sequence_parallel_attention_is_a_planned_ring_and_verifies(model):
-    """megatron_sp lays the activations out sequence-sharded over ``model``: the
-    planner lays the reference models' attention region out with a sequence
+    """The sequence split over ``model`` with no weight there (context parallelism:
+    data parallelism plus ``seq`` over ``model``; under ``megatron_sp`` the
+    tensor-parallel weights keep ``model`` and q, k, v come out head-sharded):
+    the planner lays the reference models' attention region out with a sequence
     strategy (the ring keeps q, k, v where they are), the plan table names it, the
     step equals one device, and plan.verify finds the ring's collective-permutes
     (forward and grad, each K/V block once per step) at the predicted bytes."""
     info, batch, params, ref_loss, ref_grads = _reference(model)
     mesh = sk.make_mesh(data=2, model=4)
-    with pytest.warns(UserWarning) if model == "llama" else contextlib.nullcontext():
-        p = plan(info, mesh, "megatron_sp", estimator="propagate")  # llama: kv heads warn
+    sequence = [("batch", "data"), ("seq", "model")]
+    p = plan(info, mesh, "dp", rules=sequence, estimator="propagate")
     chosen = {**p.cost.ops["attention"], **p.cost.ops["attention:grad"]}
     assert set(chosen) <= {"ring", "gather_kv"} and chosen, p.cost.ops
     table = str(p)
