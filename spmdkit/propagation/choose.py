@@ -79,7 +79,7 @@ class Chooser:
                 for v, x in zip(ins, specs, strict=True)
             )
         still = tuple(v in self.stationary for v in ins) if ins else ()
-        heavy = tuple(v in self.weights for v in ins) if ins and self.seq_axes else ()
+        heavy = self.tensor_parallel(op, attrs, specs, ins)
         try:
             attr_key = tuple(sorted(attrs.items()))
             key = (self.pricer.key, op, id(get_rule(op)), attr_key, specs, hinted, still, heavy)
@@ -94,6 +94,29 @@ class Chooser:
                 _CHEAPEST.clear()
             _CHEAPEST[key] = best
         return best
+
+    def tensor_parallel(
+        self, op: str | None, attrs: dict, specs: Sequence[TensorSpec], ins: Sequence[int]
+    ) -> tuple[bool, ...]:
+        """Which operands are tensor-parallel weights that keep a sequence axis
+        (:mod:`.contest`): weights (values of the parameters alone) a matmul reads
+        sharded over a sequence axis on a dim it does not contract (column-parallel),
+        and a lookup's vocab-parallel table. A weight split over a contracted dim is
+        FSDP's (gathered where it meets the activations); so is any other."""
+        if not self.seq_axes or not ins or not any(v in self.weights for v in ins):
+            return ()
+        if op == "embedding":
+            return tuple(v in self.weights for v in ins)
+        if op != "dot_general" or len(specs) != 2:
+            return ()
+        (lc, rc), _ = attrs["dimension_numbers"]
+        out = []
+        for v, s, contracted in zip(ins, specs, (lc, rc), strict=True):
+            free = {a for j, d in enumerate(s.dims) if j not in contracted for a in d}
+            held = {a for j, d in enumerate(s.dims) if j in contracted for a in d}
+            seq = self.seq_axes
+            out.append(v in self.weights and bool(free & seq) and not held & seq)
+        return tuple(out)
 
     def _cheapest(
         self,
@@ -199,7 +222,8 @@ class Chooser:
             cand_in, cand_out = res.inputs, res.outputs
         cand_out = tuple(o.replace(dtype=w.dtype) for o, w in zip(cand_out, want, strict=True))
         still = [v in self.stationary for v in node.ins]
-        heavy = [v in self.weights for v in node.ins]
+        tp = self.tensor_parallel(op, attrs, specs, node.ins)
+        heavy = [*tp, *[False] * (len(specs) - len(tp))]
         axes = contested(specs, still, self.seq_axes, heavy)
         moved = [
             i for i, a in enumerate(still) if not stays_one(specs[i], cand_in[i], a, axes, heavy[i])

@@ -267,7 +267,7 @@ class Engine:
             self.strategies.get(p["op"]),
             still,
             self.chooser.seq_axes,
-            tuple(v in self.chooser.weights for v in node.ins),
+            self.chooser.tensor_parallel(p["op"], {}, specs, node.ins),
         )
         if ans is None:
             self.warn(node.prim, f"rule {p['op']!r} does not fit the region")
