@@ -8,7 +8,10 @@ propagator settles it without pricing, by what the axis is for:
   FSDP; moving the batch instead would give up data parallelism for every
   equation after it, which a per-equation price does not see;
 - a **sequence axis** (one the batch inputs shard a dim other than their
-  leading one over: ``megatron_sp``'s ``seq`` on ``model``) that a weight holds:
+  leading one over: ``megatron_sp``'s ``seq`` on ``model``) that a
+  tensor-parallel weight holds (which operands are is the caller's:
+  ``Chooser.tensor_parallel`` names a matmul's column-parallel weight and a
+  lookup's vocab-parallel table, not FSDP's weights split over a contracted dim):
   the weight stays put and the activation is all-gathered over the sequence, as
   Megatron-LM's sequence parallelism does before a tensor-parallel matmul. A
   weight gathered instead would be gathered again for every micro-batch (and its
