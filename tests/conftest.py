@@ -247,6 +247,20 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+    _group_shared_steps(items)
+
+
+def _group_shared_steps(items) -> None:
+    """Tests that read one compiled step (an ``xdist_group`` mark: tests/pipeline/steps.py)
+    next to each other, at the first one's place. xdist's default scheduling sends runs
+    of consecutive tests to one worker, so such a group mostly compiles its step once
+    (``--dist loadgroup`` would place them exactly, but xdist 3.8 sets a node id
+    attribute pytest 9 no longer reads: every test is then its own group)."""
+    groups: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        groups.setdefault(mark.args[0] if mark else item.nodeid, []).append(item)
+    items[:] = [item for group in groups.values() for item in group]
 
 
 @pytest.fixture(scope="session")

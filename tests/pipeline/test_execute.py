@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import re
 from collections import Counter
 
@@ -21,18 +20,9 @@ from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.recipe import RecipeError
 from spmdkit.verification.compiled import report
 from spmdkit.verification.hlo import parse_collectives
+from tests.pipeline.steps import model as _model
+from tests.pipeline.steps import reference, shared, unenforced_step
 from tests.sampling import full, latin, sampled
-
-
-# The tests below compile the same programs more than once (the one-device reference of
-# a model and batch, a plan's unenforced step): each is built and compiled once per
-# process and shared (jax arrays and compiled executables are immutable).
-@functools.cache
-def _model(name: str, batch_size: int):
-    info = describe(get_model(name), config="tiny_pipe", batch_size=batch_size)
-    rng = np.random.default_rng(0)
-    batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, 200, s.shape), s.dtype), info.batch)
-    return info, info.init_fn(), batch
 
 
 def _check(
@@ -43,31 +33,25 @@ def _check(
     rows: int = 16,
     enforce: bool = False,
 ) -> sk.PlannedFunction:
+    """The pipelined step's loss and grads equal one device's (the unenforced step
+    built once per process: tests/pipeline/steps.py)."""
     info, params, batch = _model(name, rows)
-    ref_loss, ref_grads = _reference(name, rows)
-    plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
-    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=enforce)
-    _assert_equal(step(params, batch), (ref_loss, ref_grads))
+    if enforce:
+        plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
+        step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
+    else:
+        step = unenforced_step(name, axes, strategy, pipe, rows)
+    _assert_equal(step(params, batch), reference(name, rows))
     return step
 
 
-@functools.cache
-def _reference(name: str, rows: int) -> tuple:
-    """The one-device loss and grads of :func:`_model`'s model and batch."""
-    info, params, batch = _model(name, rows)
-    return jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+#: llama (16 rows) on pipe=2 x data=2 x model=2, fsdp, 4 micro-batches: the enforced-step
+#: and tick-branch tests and the schedule matrix's cases there read one compiled step
+_FSDP_AXES = {"pipe": 2, "data": 2, "model": 2}
 
 
-@functools.cache
-def _fsdp_step(schedule: str) -> sk.PlannedFunction:
-    """llama (16 rows) on pipe=2 x data=2 x model=2, fsdp, 4 micro-batches: the
-    unenforced step, compiled (two tests read its executable)."""
-    info, params, batch = _model("llama", 16)
-    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
-    plan = sk.plan(info, sk.make_mesh(pipe=2, data=2, model=2), "fsdp", pipeline=pipe)
-    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
-    step.compile(params, batch)
-    return step
+def _fsdp_pipe(schedule: str) -> Pipeline:
+    return Pipeline(stages=2, microbatches=4, schedule=schedule)
 
 
 def _assert_equal(got, want) -> None:
@@ -93,8 +77,13 @@ def test_1f1b_on_two_stages_equals_one_device():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("pipe_fsdp_llama")  # shares _fsdp_step (.ci/run: --dist loadgroup)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(s, marks=shared("llama", _FSDP_AXES, "fsdp", _fsdp_pipe(s)))
+        for s in ("1f1b", "gpipe")
+    ],
+)
 def test_the_enforced_step_runs_the_stages_sharded_like_the_plain_one(schedule):
     """sk.jit's default enforced replay on pipe × data × model (fsdp): equal to one
     device, and the compiled step computes what the unenforced one does (the
@@ -102,12 +91,11 @@ def test_the_enforced_step_runs_the_stages_sharded_like_the_plain_one(schedule):
     taking the shard_map's specs for every axis, and every device computed the
     whole micro-batch: 4x the flops; then GPipe's residuals, the forward
     shard_map's outputs, stayed pinned replicated: 2.9x)."""
-    axes = {"pipe": 2, "data": 2, "model": 2}
-    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule)
-    step = _check("llama", axes, pipe, "fsdp", enforce=True)
+    step = _check("llama", _FSDP_AXES, _fsdp_pipe(schedule), "fsdp", enforce=True)
     assert step.enforce
     _, params, batch = _model("llama", 16)
-    loose = _fsdp_step(schedule)  # sk.jit(step.fn, step.plan, enforce=False)
+    # sk.jit(step.fn, step.plan, enforce=False)
+    loose = unenforced_step("llama", _FSDP_AXES, "fsdp", _fsdp_pipe(schedule))
     assert loose.plan.pipeline == step.plan.pipeline and not loose.enforce
     # step.compile: the executable the call above ran (compiled once, not again)
     flops = [f.compile(params, batch).cost_analysis()["flops"] for f in (step, loose)]
@@ -127,27 +115,44 @@ _SCHEDULES = ["gpipe", "fthenb", "1f1b", "interleaved"]
 _NAMES = ["gpt", "llama"]
 #: Every schedule x mesh x model. CI's sample runs each schedule on each mesh with one
 #: of the two models, alternating (tests/sampling.py); the models' layers differ, their
-#: pipelines do not.
+#: pipelines do not. Of the two alternations it is the one whose steps the fsdp tests
+#: above and tests/verification/test_pipelined.py's peak cases compile too (each case
+#: is marked with the step it shares: tests/pipeline/steps.py).
 _SCHEDULE_CASES = [
     (schedule, i, name) for schedule in _SCHEDULES for i in range(len(_MESHES)) for name in _NAMES
 ]
 
 
+def _schedule_pipe(schedule: str, mesh: int) -> Pipeline | None:
+    """The pipeline of a matrix case; None where its stages do not divide 4 layers."""
+    axes, virtual, _ = _MESHES[mesh]
+    p = axes["pipe"]
+    v = 1 if schedule == "1f1b" else max(virtual, 2) if schedule == "interleaved" else virtual
+    return None if 4 % (p * v) else Pipeline(p, microbatches=4, schedule=schedule, virtual=v)
+
+
+def _schedule_params() -> list:
+    cases = sampled(_SCHEDULE_CASES, latin(_SCHEDULES, range(len(_MESHES)), _NAMES[::-1]))
+    for k, (schedule, i, name) in enumerate(_SCHEDULE_CASES):
+        pipe = _schedule_pipe(schedule, i)
+        if pipe is not None:
+            mark = shared(name, _MESHES[i][0], _MESHES[i][2], pipe)
+            cases[k] = pytest.param(*cases[k].values, marks=[*cases[k].marks, mark])
+    return cases
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("schedule", "mesh", "name"),
-    sampled(_SCHEDULE_CASES, latin(_SCHEDULES, range(len(_MESHES)), _NAMES)),
+    _schedule_params(),
     ids=[f"{s}-axes{i}-{_MESHES[i][1]}-{_MESHES[i][2]}-{n}" for s, i, n in _SCHEDULE_CASES],
 )
 def test_every_schedule_equals_one_device(schedule, mesh, name):
-    axes, virtual, strategy = _MESHES[mesh]
-    p = axes["pipe"]
-    v = max(virtual, 2) if schedule == "interleaved" else virtual
-    if schedule == "1f1b":
-        v = 1
-    if 4 % (p * v):
-        pytest.skip(f"{p} stages x {v} chunks do not divide 4 layers")
-    _check(name, axes, Pipeline(stages=p, microbatches=4, schedule=schedule, virtual=v), strategy)
+    axes, _, strategy = _MESHES[mesh]
+    pipe = _schedule_pipe(schedule, mesh)
+    if pipe is None:
+        pytest.skip(f"{axes['pipe']} stages x 2 chunks do not divide 4 layers")
+    _check(name, axes, pipe, strategy)
 
 
 @pytest.mark.slow
@@ -397,8 +402,13 @@ def _lines(comps: dict, names: set[str], op: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("pipe_fsdp_llama")  # shares _fsdp_step (.ci/run: --dist loadgroup)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(s, marks=shared("llama", _FSDP_AXES, "fsdp", _fsdp_pipe(s)))
+        for s in ("gpipe", "1f1b")
+    ],
+)
 def test_a_tick_runs_only_its_own_branch_on_a_mesh_with_other_axes(schedule):
     """pipe=2 × data=2 × model=2, fsdp: each tick is a conditional on the tick
     table's action whose idle branch computes nothing, whose forward and backward
@@ -408,7 +418,8 @@ def test_a_tick_runs_only_its_own_branch_on_a_mesh_with_other_axes(schedule):
     stage takes the same branch) and none is a collective permute (XLA:CPU's
     permute meets all devices: inside a branch it would deadlock)."""
     _, params, batch = _model("llama", 16)
-    text = _fsdp_step(schedule).compile(params, batch).as_text()
+    step = unenforced_step("llama", _FSDP_AXES, "fsdp", _fsdp_pipe(schedule))
+    text = step.compile(params, batch).as_text()
     comps = _computations(text)
     conds = [line for lines in comps.values() for line in lines if " conditional(" in line]
     ticks = [_branches(line) for line in conds]
@@ -481,7 +492,7 @@ def _stage_gradient_bytes(strategy: str, schedule: str) -> tuple[dict, float]:
     """Compiled collective bytes by kind of a pipelined llama step on pipe=2 x
     data=4, and the stacked layer weights' bytes on one device of a stage."""
     info, params, batch = _model("llama", 8)
-    ref = _reference("llama", 8)
+    ref = reference("llama", 8)
     pipe = Pipeline(stages=2, microbatches=2, schedule=schedule)
     plan = sk.plan(info, sk.make_mesh(pipe=2, data=4), strategy, pipeline=pipe)
     step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)

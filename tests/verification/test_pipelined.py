@@ -14,6 +14,7 @@ from spmdkit.pipeline.facts import FORWARD_SCOPE, HEAD_SCOPE, branch_runs, permu
 from spmdkit.verification.compiled import CompiledReport, report
 from spmdkit.verification.hlo import HloCollective
 from spmdkit.verification.pipelined import counted_by_schedule
+from tests.pipeline.steps import model, shared, unenforced_step
 
 
 @pytest.mark.slow
@@ -34,7 +35,9 @@ def test_verify_predicts_the_pipeline_permutes(schedule):
 
 
 #: (model, mesh, strategy, schedule, virtual stages): the acceptance meshes, one
-#: schedule each (the whole matrix's figures are in the issue notes).
+#: schedule each (the whole matrix's figures are in the issue notes). Each is a case of
+#: CI's sample of tests/pipeline/test_execute.py's schedule matrix, whose compiled step
+#: it reads (tests/pipeline/steps.py).
 _MEMORY_CASES = [
     ("llama", {"pipe": 4, "data": 2}, "dp", "fthenb", 1),
     ("gpt", {"pipe": 2}, "dp", "interleaved", 2),
@@ -45,13 +48,23 @@ _MEMORY_CASES = [
 ]
 
 
+def _pipe(schedule: str, stages: int, virtual: int) -> Pipeline:
+    return Pipeline(stages=stages, microbatches=4, schedule=schedule, virtual=virtual)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "axes", "strategy", "schedule", "virtual"), _MEMORY_CASES)
+@pytest.mark.parametrize(
+    ("name", "axes", "strategy", "schedule", "virtual"),
+    [
+        pytest.param(*case, marks=shared(*case[:3], _pipe(case[3], case[1]["pipe"], case[4])))
+        for case in _MEMORY_CASES
+    ],
+)
 def test_verify_predicts_the_pipelined_peak(name, axes, strategy, schedule, virtual):
-    info = describe(get_model(name), config="tiny_pipe", batch_size=16)
-    pipe = Pipeline(stages=axes["pipe"], microbatches=4, schedule=schedule, virtual=virtual)
-    plan = sk.plan(info, sk.make_mesh(**axes), strategy, pipeline=pipe)
-    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    info = model(name, 16)[0]
+    pipe = _pipe(schedule, axes["pipe"], virtual)
+    step = unenforced_step(name, axes, strategy, pipe)  # sk.jit(..., enforce=False)
+    plan = step.plan
     rows = {r[0]: r for r in plan.verify(step, info.abstract_params, info.batch).rows}
     _, predicted, compiled, ok = rows["peak memory"]
     assert ok, (predicted, compiled)
