@@ -23,6 +23,7 @@ __all__ = [
     "accelerator_plugins",
     "check",
     "check_all",
+    "cse_merges_through_barriers",
     "installed_version",
     "parse_version",
     "plugin_advice",
@@ -165,6 +166,43 @@ class VersionCheck:
             f"{self.dist} {self.version} is outside the tested range {self.tested}: "
             f"{fix} (or run untested at your own risk)"
         )
+
+
+#: The first jaxlib whose XLA:CPU keeps an ``optimization_barrier`` through common
+#: subexpression elimination (:func:`cse_merges_through_barriers`).
+CPU_BARRIER_KEPT_JAXLIB = "0.11"
+
+
+def cse_merges_through_barriers(backend: str | None, jaxlib: str | None = None) -> bool:
+    """Whether XLA merges a collective with the same collective run on an
+    ``optimization_barrier`` of the same operand (computes it once).
+
+    XLA:CPU up to jaxlib 0.10 removes optimization barriers before its common
+    subexpression elimination, so the two collectives are one; from jaxlib 0.11
+    (:data:`CPU_BARRIER_KEPT_JAXLIB`) it keeps the barrier through it and runs
+    both. Measured: ``all_gather(x)`` and ``all_gather(optimization_barrier(x))``
+    (likewise ``ppermute``) in one ``shard_map`` on 8 CPU devices compile to one
+    all-gather on jaxlib 0.10.2, two on 0.11.2 and 0.12.0. A grad region's
+    recomputed forward enters through such a barrier
+    (:func:`spmdkit.engine.region.region_program`), so this says whether its
+    collectives on the operands are the forward region's, already run. Other
+    backends are taken to keep the barrier, as ``jax.checkpoint``'s remat relies on
+    (not measured here): False.
+
+    Args:
+      backend: the devices' platform (``"cpu"``, ``"gpu"``…); None: unknown,
+        taken as not CPU.
+      jaxlib: the jaxlib version (default: the installed one).
+
+    Example::
+
+        >>> cse_merges_through_barriers("cpu", "0.10.2"), cse_merges_through_barriers("cpu", "0.12.0")
+        (True, False)
+    """  # noqa: E501 - a doctest line
+    if backend != "cpu":
+        return False
+    version = jaxlib if jaxlib is not None else installed_version("jaxlib")
+    return version is not None and parse_version(version) < parse_version(CPU_BARRIER_KEPT_JAXLIB)
 
 
 def python_minors() -> list[str]:

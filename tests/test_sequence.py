@@ -17,7 +17,6 @@ from spmdkit.sequence import (
     current_order,
     plan_context,
 )
-from spmdkit.versions import parse_version
 from tests.sampling import sampled
 
 
@@ -101,6 +100,14 @@ def _cp_plan(info, context, attention, balanced=True, microbatches=1):
     return dataclasses.replace(plan, context=cp)
 
 
+def _jax_at_least(*release):
+    import jax
+
+    from spmdkit.versions import parse_version
+
+    return parse_version(jax.__version__) >= release
+
+
 def _per_device_flops(visits, seq_len, n):
     """Attention FLOPs per context shard, from the blocks the kernels computed."""
     c = seq_len // (2 * n)
@@ -145,17 +152,19 @@ def test_context_parallel_llama_equals_one_device_and_verifies(seq_len, context,
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
     per = _per_device_flops(visits, seq_len, context)
     assert len(per) == context and max(per.values()) <= 1.05 * min(per.values()), per
-    if parse_version(jax.__version__) >= (0, 11):
-        pytest.xfail(
-            "XLA:CPU in jax 0.11+ does not compute the attention grad region's recomputed "
-            "K/V collectives once with the forward region's (the prediction shares them, "
-            "as jax 0.10's XLA does): ring 576 vs 512 KiB permuted, gather_kv 1.0 MiB vs "
-            "512 KiB gathered, contiguous or balanced alike; loss, grads and FLOPs checked"
-        )
     report = plan.verify(step, placed, batch)
-    assert report.ok, str(report)
     compiled = {what: c for what, _, c, _ in report.rows}
     assert compiled.get("collective_permute" if attention == "ring" else "all_gather"), report
+    wrong = [what for what, _, _, ok in report.rows if not ok]
+    if wrong == ["peak memory"] and attention == "gather_kv" and _jax_at_least(0, 12):
+        pytest.xfail(
+            "gather_kv's compiled peak is 17-30% over the upper estimate (1024, context "
+            "2: 13.0 MiB vs 9.8-10.8 on jax 0.10.2, 12.7 vs 9.8-10.8 on 0.11.2, 12.7 vs "
+            "9.8-10.0 on 0.12); up to 0.11 the kernel traces pvary(broadcast(mask fill)), "
+            "held at full size in the upper estimate, and it passes by the margin; 0.12 "
+            "traces broadcast(pvary(fill)), fused; collectives checked"
+        )
+    assert report.ok, str(report)
 
 
 @pytest.mark.slow

@@ -99,3 +99,26 @@ def test_plugins_must_be_jaxlibs_release():
     # this environment's plugins (none on a CPU machine) are all jaxlib's
     installed = versions.accelerator_plugins()
     assert versions.plugin_advice(installed, versions.installed_version("jaxlib")) == {}
+
+
+def test_cse_through_barriers_is_what_the_installed_xla_cpu_compiles():
+    """The gate the prediction reads, against the compiled program: one
+    all-gather where XLA:CPU merges ``all_gather(x)`` with
+    ``all_gather(optimization_barrier(x))``, two where it keeps them apart."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("c",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def body(x):
+        a = jax.lax.all_gather(x, "c", tiled=True)
+        b = jax.lax.all_gather(jax.lax.optimization_barrier(x), "c", tiled=True)
+        return a[:2] + 2 * b[:2]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("c"), out_specs=P("c")))
+    hlo = f.lower(jax.ShapeDtypeStruct((16,), "float32")).compile().as_text()
+    gathers = len(re.findall(r"= \S+ all-gather(?:-start)?\(", hlo))
+    assert gathers == (1 if versions.cse_merges_through_barriers("cpu") else 2), hlo
+    assert not versions.cse_merges_through_barriers("gpu")
+    assert versions.cse_merges_through_barriers("cpu", "0.10.2")
+    assert not versions.cse_merges_through_barriers("cpu", "0.11.0")

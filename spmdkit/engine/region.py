@@ -305,7 +305,9 @@ def _grad_program(
         # the barrier keeps XLA from merging the recomputed forward's collectives
         # with the forward region's: the grad region's collectives are the same
         # whether or not the forward ran in the same program (a scanned or remat
-        # model recomputes them anyway)
+        # model recomputes them anyway). XLA:CPU up to jaxlib 0.10 drops the
+        # barrier before its CSE and merges them all the same
+        # (spmdkit.versions.cse_merges_through_barriers, which the prediction reads)
         xs = tuple(jax.lax.optimization_barrier(x) for x in args[:n])
         cts = args[n:]
 

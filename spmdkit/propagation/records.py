@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
 from spmdkit import jaxprs
@@ -36,6 +37,7 @@ from spmdkit.propagation.steps import Step
 from spmdkit.resharding import Collective, ReshardPlan
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import fmt_bytes
+from spmdkit.versions import cse_merges_through_barriers
 
 __all__ = ["EqnRecord", "Propagation", "Recorder"]
 
@@ -260,10 +262,13 @@ class Recorder:
     :func:`~spmdkit.propagation.pricing.reshard_once`). Values are priced by
     their number (:class:`~spmdkit.propagation.cse.ValueNumbers`): a value XLA's
     CSE merges with an earlier identical one is that value, already moved, and
-    its equation's FLOPs are not counted again. Likewise a grad region does not
-    count again a collective its recomputed forward runs on an operand
-    exactly as the forward region of the same op did on the same value (XLA
-    computes the identical collective once; ``shared``).
+    its equation's FLOPs are not counted again. Likewise, where XLA merges
+    collectives through an optimization barrier (XLA:CPU up to jaxlib 0.10:
+    :func:`~spmdkit.versions.cse_merges_through_barriers`), a grad region does not
+    count again a collective its recomputed forward runs on an operand (through
+    the barrier the replay puts there) exactly as the forward region of the same
+    op did on the same value: XLA computes the identical collective once
+    (``shared``). Elsewhere the barrier keeps them apart and both are counted.
     """
 
     def __init__(
@@ -276,6 +281,7 @@ class Recorder:
         self.held: dict = {}
         self.numbers = ValueNumbers(values)
         self.shared: collections.Counter = collections.Counter()
+        self.merges = cse_merges_through_barriers(_backend(self.mesh))
         # partially manual shard_maps' operand layouts on their automatic axes, by
         # manual axes (:meth:`_operand_layouts`)
         self.manual_layouts: dict[frozenset, dict[tuple, int]] = {}
@@ -483,7 +489,7 @@ class Recorder:
                 (c for c in own if (c.kind, c.axes, c.payload_bytes) == (kind, axes, nbytes)),
                 None,
             )
-            if self.shared[key] and same is not None:
+            if self.merges and self.shared[key] and same is not None:
                 own.remove(same)
         spec = ans.outputs[0] if ans.outputs else req[0]
         return [_wrap_own(f"{p['op']} (region)", spec, c) for c in own]
@@ -504,6 +510,15 @@ class Recorder:
             spec = res.outputs[0] if res.outputs else req[0]
             out.append(ArgReshard(f"{op} (own)", spec, spec, ReshardPlan(spec, spec, (c,))))
         return out
+
+
+def _backend(mesh: MeshLike) -> str:
+    """The platform a mesh's devices are (an abstract mesh: jax's default backend,
+    where the plan is made and, as a rule, run)."""
+    try:
+        return mesh.devices.flat[0].platform
+    except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
+        return jax.default_backend()
 
 
 def _wrap_own(name: str, spec: TensorSpec, c: Collective) -> ArgReshard:
