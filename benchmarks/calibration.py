@@ -11,8 +11,12 @@ Procedure (``docs/recipes.md``, "Step-time model and calibration"):
    (``matmul_efficiency``); the rest (peaks, HBM bandwidth, tiles, links) are
    datasheet figures and the attention kernels' published rates.
 2. The JAX/XLA stack's ceiling is fitted (bisection) so that MaxText's Llama 2
-   70B on 64 H100s is predicted exactly; the PyTorch stack's so that
-   torchtitan's Llama 3.1 8B on 8 H100s is. Every other row is a hold-out.
+   70B on 64 H100s is predicted exactly; the eager PyTorch stack's so that
+   torchtitan's Llama 3.1 8B on 8 H100s is, and the compiled PyTorch stack's
+   (``torch.compile``: elementwise chains fused, the same attention kernel) so
+   that the compiled run of the same is. Every other row is a hold-out. A row
+   outside its tolerance stays in the table as a miss, with the reason
+   (``miss``), rather than moving a constant.
 3. Rows whose recipe lies outside the planner's search space are priced at the
    nearest recipe in it and marked (``in_space: false``, with the reason).
 4. ``auto``: for a flat row, ``sk.plan(..., "auto", pipeline="auto")`` on its
@@ -52,6 +56,20 @@ SAVE_QKV_OUT_FP8 = sk.Recipe(
 #: keep the weight matmuls' outputs (torchtitan keeps every other one and the
 #: attention output).
 SELECTIVE = sk.Recipe(remat="dots", compute_dtype="bfloat16")
+#: torchtitan's Float8 (torchao ``Float8Linear``, dynamic per-tensor scaling, FSDP
+#: weights all-gathered in float8) with the same selective AC.
+SELECTIVE_FP8 = sk.Recipe(remat="dots", compute_dtype="float8")
+TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+#: Why the torchtitan Float8 rows miss: what the model leaves unpriced there.
+FLOAT8_MISS = (
+    "over-predicted, by what the priced recipe lacks: the model prices no "
+    "quantization work, where torchao's dynamic scaling adds an amax reduction and "
+    "a cast per matmul operand (inputs forward, output gradients backward) and "
+    "transposed float8 copies for the weight gradients, memory-bound passes "
+    "Inductor does not fuse into the GEMMs; and spmdkit's float8 recipe also "
+    "quantizes the output projection (7% of the matmul FLOPs at vocab 128,256), "
+    "which torchtitan keeps in bf16"
+)
 
 
 def _llama(**over: int) -> object:
@@ -110,7 +128,7 @@ ROWS = [
     },
     {
         "name": "torchtitan Llama 3.1 8B",
-        "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
+        "source": TORCHTITAN,
         "config": {"big": 0},
         "devices": 8,
         "mesh": {"data": 8},
@@ -127,7 +145,7 @@ ROWS = [
     },
     {
         "name": "torchtitan Llama 3.1 8B",
-        "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
+        "source": TORCHTITAN,
         "config": {"big": 0},
         "devices": 128,
         "mesh": {"data": 16, "model": 8},
@@ -201,6 +219,97 @@ ROWS = [
         "fit": False,
         "pipelined": True,
     },
+    {
+        "name": "NeMo Llama 3.1 70B FP8",
+        "source": "NVIDIA dgxc-benchmarking llama3.1/README_70b.md",
+        "config": {"seq_len": 8192},
+        "devices": 64,
+        "mesh": {"pipe": 4, "data": 2, "context": 2, "model": 4},
+        "published_mesh": "TP 4 x PP 4 x CP 2 x VP 5 (DP 2)",
+        "strategy": "megatron_sp",
+        "rules": [("seq", ("context", "model"))],
+        "batch": 128,
+        "pipeline": Pipeline(stages=4, microbatches=64, schedule="interleaved", virtual=5),
+        "recipe": sk.Recipe(compute_dtype="float8"),
+        "published_recipe": "FP8, GBS 128, MBS 1, TE fused kernels",
+        "stack": "xla",
+        "published": 1567,
+        "memory_gib": None,
+        "fit": False,
+        "pipelined": True,
+    },
+    {
+        "name": "torchtitan Llama 3.1 8B compile",
+        "source": TORCHTITAN,
+        "config": {"big": 0},
+        "devices": 8,
+        "mesh": {"data": 8},
+        "published_mesh": "FSDP 8",
+        "strategy": "fsdp",
+        "batch": 16,
+        "recipe": SELECTIVE,
+        "published_recipe": "bf16 / fp32 master, selective op AC, torch.compile",
+        "stack": "pytorch_compile",
+        "published": 6667,
+        "memory_gib": 77.0,
+        "fit": True,
+        "pipelined": False,
+    },
+    {
+        "name": "torchtitan Llama 3.1 8B Float8",
+        "source": TORCHTITAN,
+        "config": {"big": 0},
+        "devices": 8,
+        "mesh": {"data": 8},
+        "published_mesh": "FSDP 8",
+        "strategy": "fsdp",
+        "batch": 16,
+        "recipe": SELECTIVE_FP8,
+        "published_recipe": "Float8 (torchao, dynamic scaling, FP8 all-gather), selective "
+        "op AC, torch.compile",
+        "stack": "pytorch_compile",
+        "published": 8532,
+        "memory_gib": 76.8,
+        "fit": False,
+        "pipelined": False,
+        "miss": FLOAT8_MISS,
+    },
+    {
+        "name": "torchtitan Llama 3.1 8B compile",
+        "source": TORCHTITAN,
+        "config": {"big": 0},
+        "devices": 128,
+        "mesh": {"data": 16, "model": 8},
+        "published_mesh": "FSDP 128",
+        "strategy": "fsdp",
+        "batch": 256,
+        "recipe": SELECTIVE,
+        "published_recipe": "bf16 / fp32 master, selective op AC, torch.compile",
+        "stack": "pytorch_compile",
+        "published": 6514,
+        "memory_gib": None,
+        "fit": False,
+        "pipelined": False,
+    },
+    {
+        "name": "torchtitan Llama 3.1 8B Float8",
+        "source": TORCHTITAN,
+        "config": {"big": 0},
+        "devices": 128,
+        "mesh": {"data": 16, "model": 8},
+        "published_mesh": "FSDP 128",
+        "strategy": "fsdp",
+        "batch": 256,
+        "recipe": SELECTIVE_FP8,
+        "published_recipe": "Float8 (torchao, dynamic scaling, FP8 all-gather), selective "
+        "op AC, torch.compile",
+        "stack": "pytorch_compile",
+        "published": 8380,
+        "memory_gib": None,
+        "fit": False,
+        "pipelined": False,
+        "miss": FLOAT8_MISS,
+    },
 ]
 
 
@@ -225,6 +334,12 @@ def tok_s(row: dict, cost: sk.Cost) -> float:
     """Tokens per second per GPU of a step of ``cost``."""
     seq = _model(row)[1].seq_len
     return row["batch"] * seq / cost.step_time_s / row["devices"]
+
+
+def tolerance(row: dict) -> float:
+    """The relative error a row's tokens/s/GPU must stay within: ±15% (issue 33's
+    table), ±20% for a float8 row (issue 34's)."""
+    return 0.2 if row["recipe"].compute_dtype == "float8" else 0.15
 
 
 def fit(row: dict, base: sk.Topology) -> float:
@@ -285,7 +400,7 @@ def main() -> None:
             fitted[row["stack"]] = fit(row, sk.Topology.h100(stack=row["stack"]))
     out = []
     print(
-        f"{'run':<32}{'GPUs':>5}  {'mesh (published)':<34}{'stack':<8}{'publ.':>7}"
+        f"{'run':<32}{'GPUs':>5}  {'mesh (published)':<34}{'stack':<16}{'publ.':>7}"
         f"{'pred.':>7}{'ratio':>6}{'mem':>6}{'pred':>6}{'ratio':>6}  auto"
     )
     for row in ROWS:
@@ -303,6 +418,7 @@ def main() -> None:
             recipe=row["recipe"].short(),
             pipeline=row["pipeline"].short() if row.get("pipeline") else None,
             role="fit" if row["fit"] else "hold-out",
+            tolerance=tolerance(row),
             in_space="outside" not in row,
             predicted=pred,
             ratio=pred / row["published"],
@@ -322,8 +438,8 @@ def main() -> None:
         auto = f"{auto['chosen']} {auto['tok_s_gpu']:.0f} {auto['memory_gib']:.0f}G" if auto else ""
         print(
             f"{row['name']:<32}{row['devices']:>5}  {row['published_mesh']:<34.34}"
-            f"{row['stack']:<8}{row['published']:>7.0f}{pred:>7.0f}{rec['ratio']:>6.2f}"
-            f"{pub_mem}{mem:>6.1f}{mem_ratio}  {auto}",
+            f"{row['stack']:<16}{row['published']:>7.0f}{pred:>7.0f}{rec['ratio']:>6.2f}"
+            f"{pub_mem}{mem:>6.1f}{mem_ratio}  {'MISS ' if 'miss' in row else ''}{auto}",
             flush=True,
         )
     constants = {

@@ -62,7 +62,8 @@ The free constants (``matmul_efficiency``, ``attention_efficiency``) are
 fitted on published JAX/XLA runs (MaxText's Llama 2 70B on 64 H100s);
 ``Topology.h100(stack="pytorch")`` holds the ones fitted on torchtitan's
 PyTorch runs (eager PyTorch, FlashAttention-2, unfused elementwise ops), the
-cross-check. ``benchmarks/calibration.py`` refits both and prints every
+cross-check, and ``stack="pytorch_compile"`` those of its ``torch.compile`` runs
+(elementwise chains fused). ``benchmarks/calibration.py`` refits each and prints every
 published row beside its prediction.
 """
 
@@ -142,9 +143,12 @@ _OVERLAP = 0.9
 
 #: The constants of each software stack the model is calibrated for: ``"xla"``
 #: (JAX/XLA: fused elementwise chains, cuDNN flash attention; fitted on
-#: MaxText's Llama 2 70B) and ``"pytorch"`` (torchtitan's eager PyTorch:
+#: MaxText's Llama 2 70B), ``"pytorch"`` (torchtitan's eager PyTorch:
 #: FlashAttention-2, every elementwise op its own kernel; fitted on its Llama 3.1
-#: 8B / 8 H100 run, the cross-check).
+#: 8B / 8 H100 run, the cross-check) and ``"pytorch_compile"`` (torchtitan under
+#: ``torch.compile``: the same FlashAttention-2 kernel, elementwise chains fused
+#: by Inductor as XLA fuses them; fitted on the compiled Llama 3.1 8B / 8 H100
+#: run).
 STACKS: dict[str, dict[str, float]] = {
     "xla": {
         "matmul_efficiency": _MATMUL_EFFICIENCY,
@@ -155,6 +159,11 @@ STACKS: dict[str, dict[str, float]] = {
         "matmul_efficiency": 0.44,
         "attention_efficiency": 0.32,
         "fusion_traffic": 3.0,
+    },
+    "pytorch_compile": {
+        "matmul_efficiency": 0.45,
+        "attention_efficiency": 0.32,
+        "fusion_traffic": 1.0,
     },
 }
 
@@ -331,7 +340,8 @@ class Topology:
         Args:
           gpus_per_node: GPUs per node (8 on a DGX/HGX H100).
           stack: whose fitted compute constants (:data:`STACKS`): ``"xla"``
-            (JAX/XLA, the default) or ``"pytorch"`` (torchtitan's eager PyTorch).
+            (JAX/XLA, the default), ``"pytorch"`` (torchtitan's eager PyTorch) or
+            ``"pytorch_compile"`` (torchtitan under ``torch.compile``).
 
         Example::
 
@@ -591,7 +601,8 @@ def _stack(stack: str) -> dict[str, float]:
             op="Topology",
             must=f"stack is one of {sorted(STACKS)}",
             given=repr(stack),
-            fix='pass stack="xla" (JAX/XLA) or "pytorch" (the torchtitan cross-check)',
+            fix='pass stack="xla" (JAX/XLA), "pytorch" or "pytorch_compile" (the '
+            "torchtitan cross-checks, eager and compiled)",
         )
     return dict(STACKS[stack])
 

@@ -1,6 +1,8 @@
-"""benchmarks/calibration.py: every published run is predicted within ±15% of its
-tokens/s/GPU and ±10% of its memory where published, by the constants in use
-(analytic estimator on abstract meshes; slow step: about a minute on 2 cores)."""
+"""benchmarks/calibration.py: every published run is predicted within its tolerance
+(±15% of its tokens/s/GPU, ±20% for a float8 row) and ±10% of its memory where
+published, by the constants in use; a row marked as a miss is outside its
+tolerance (analytic estimator on abstract meshes; slow step: about a minute on 2
+cores)."""
 
 import pytest
 
@@ -19,7 +21,9 @@ def test_every_published_row_is_predicted_within_its_tolerance(bench):
     for row in bench.ROWS:
         cost = bench.predict(row, sk.Topology.h100(stack=row["stack"]))
         ratio = bench.tok_s(row, cost) / row["published"]
-        assert 0.85 <= ratio <= 1.15, (row["name"], row["devices"], ratio)
+        within = abs(ratio - 1) <= bench.tolerance(row)
+        # a miss stays marked only while it misses: fixed, it must be unmarked
+        assert within != ("miss" in row), (row["name"], row["devices"], ratio)
         if row["memory_gib"] and "outside" not in row:
             memory = cost.peak_bytes / 2**30 / row["memory_gib"]
             assert 0.9 <= memory <= 1.1, (row["name"], row["devices"], memory)
@@ -31,3 +35,8 @@ def test_the_rows_name_their_source_and_the_fit_rows_one_per_stack(bench):
     for row in bench.ROWS:
         assert row["source"] and row["published"] > 0
         assert row["stack"] in sk.topology.STACKS
+        assert bench.tolerance(row) == (0.2 if row["recipe"].compute_dtype == "float8" else 0.15)
+    # the published float8 rows the calibration covers (issue 34)
+    fp8 = {(r["name"], r["devices"]) for r in bench.ROWS if r["recipe"].compute_dtype == "float8"}
+    assert len(fp8) == 6
+    assert all(r["miss"] for r in bench.ROWS if "miss" in r)

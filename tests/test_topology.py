@@ -208,6 +208,10 @@ def test_device_constants_and_stacks():
     torch = Topology.h100(stack="pytorch")
     assert torch.fusion_traffic > 1 and torch.memory_time(3.35e12) > 1.0
     assert torch.matmul_efficiency < h100.matmul_efficiency
+    # compiled PyTorch fuses like XLA and keeps eager's attention kernel
+    compiled = Topology.h100(stack="pytorch_compile")
+    assert compiled.fusion_traffic == h100.fusion_traffic
+    assert compiled.attention_efficiency == torch.attention_efficiency
     with pytest.raises(SpmdError, match="stack"):
         Topology.h100(stack="jax")
 
