@@ -671,7 +671,9 @@ def init_fp8_state(
 
     Args:
       loss_fn: as for :func:`value_and_grad` (a loss without state of its own).
-      params, batch, rest: the step's arguments (arrays or shape structs).
+      params: the step's parameters (arrays or shape structs).
+      batch: the step's batch (arrays or shape structs).
+      *rest: the loss's other arguments, if any.
       history: amax steps kept per operand (the scale's window).
 
     Example::
