@@ -19,7 +19,14 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from spmdkit.errors import SpmdError
 
-__all__ = ["abstract_mesh", "auto_mesh", "make_mesh", "use_virtual_cpu_devices"]
+__all__ = [
+    "abstract_mesh",
+    "auto_mesh",
+    "data_axis",
+    "make_mesh",
+    "split_axis",
+    "use_virtual_cpu_devices",
+]
 
 AxisTypes = Literal["explicit", "auto"] | Sequence[Literal["explicit", "auto"]]
 
@@ -150,3 +157,49 @@ def auto_mesh(mesh: Mesh) -> Mesh:
             mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
         )
     return mesh
+
+
+def data_axis(mesh: Mesh | AbstractMesh) -> str | None:
+    """The axis a pipeline or context parallelism is carved out of: ``data`` if the
+    mesh has one with more than one device, else its first such axis (None: none).
+
+    Example::
+
+        >>> data_axis(abstract_mesh(model=1, batch=4))
+        'batch'
+    """
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    if sizes.get("data", 1) > 1:
+        return "data"
+    return next((a for a, n in sizes.items() if n > 1), None)
+
+
+def split_axis(
+    mesh: Mesh | AbstractMesh, axis: str, new: str, size: int, *, major: bool
+) -> Mesh | AbstractMesh:
+    """``mesh`` with ``axis`` split in two: ``new`` of ``size`` devices and ``axis``
+    of the rest, ``new`` the major (``major=True``: ``new × axis``) or the minor
+    (``axis × new``) part. The new axis takes ``axis``'s type, and a ``Mesh``'s
+    devices keep their order (its device array is reshaped), so a minor part holds
+    neighbouring devices. The caller checks that ``size`` divides ``axis``.
+
+    Example::
+
+        >>> split_axis(abstract_mesh(data=8, model=2), "data", "pipe", 2, major=True).axis_names
+        ('pipe', 'data', 'model')
+    """
+    names: list[str] = []
+    shape: list[int] = []
+    types: list = []
+    kinds = tuple(getattr(mesh, "axis_types", ()) or ()) or (None,) * len(mesh.axis_names)
+    for a, n, t in zip(mesh.axis_names, mesh.axis_sizes, kinds, strict=True):
+        parts = [(a, n)] if a != axis else [(a, n // size), (new, size)]
+        for name, m in parts[::-1] if a == axis and major else parts:
+            names.append(name)
+            shape.append(m)
+            types.append(t)
+    kept = tuple(types) if kinds[0] is not None else None
+    if isinstance(mesh, Mesh):
+        devices = mesh.devices.reshape(shape)
+        return Mesh(devices, tuple(names), axis_types=kept)
+    return AbstractMesh(tuple(shape), tuple(names), axis_types=kept)

@@ -39,8 +39,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh
 
+from spmdkit.mesh import data_axis, split_axis
 from spmdkit.planner.logical import PlanError
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import Topology
@@ -71,13 +71,6 @@ def context_axes(seq_axes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(a for a in seq_axes if a == CONTEXT_AXIS)
 
 
-def _data_axis(mesh: MeshLike) -> str | None:
-    sizes = axis_sizes(mesh)
-    if sizes.get("data", 1) > 1:
-        return "data"
-    return next((a for a, s in sizes.items() if s > 1), None)
-
-
 def split_context(mesh: MeshLike, degree: int, axis: str = CONTEXT_AXIS) -> MeshLike:
     """``mesh`` with its data axis (``data``, else its first axis with more than
     one device) split into ``data × axis``, ``axis`` of size ``degree`` and minor
@@ -94,7 +87,7 @@ def split_context(mesh: MeshLike, degree: int, axis: str = CONTEXT_AXIS) -> Mesh
         ('data', 'context')
     """
     sizes = axis_sizes(mesh)
-    data = _data_axis(mesh)
+    data = data_axis(mesh)
     if data is None or sizes[data] % degree or axis in sizes:
         raise PlanError(
             op="plan",
@@ -102,22 +95,7 @@ def split_context(mesh: MeshLike, degree: int, axis: str = CONTEXT_AXIS) -> Mesh
             given=str(sizes),
             fix=f"add a '{axis}' axis to the mesh (sk.abstract_mesh(data=..., {axis}={degree}))",
         )
-    names: list[str] = []
-    shape: list[int] = []
-    for a, s in sizes.items():
-        names.append(a)
-        shape.append(s // degree if a == data else s)
-        if a == data:
-            names.append(axis)
-            shape.append(degree)
-    types = tuple(getattr(mesh, "axis_types", ()) or ())
-    if types:
-        i = list(sizes).index(data)
-        types = (*types[: i + 1], types[i], *types[i + 1 :])
-    if isinstance(mesh, Mesh):
-        devices = np.asarray(mesh.devices).reshape(shape)
-        return Mesh(devices, tuple(names), axis_types=types or None)
-    return AbstractMesh(tuple(shape), tuple(names), axis_types=types or None)
+    return split_axis(mesh, data, axis, degree, major=False)
 
 
 def context_meshes(mesh: MeshLike, batch_size: int, seq_len: int) -> list[MeshLike]:
@@ -132,7 +110,7 @@ def context_meshes(mesh: MeshLike, batch_size: int, seq_len: int) -> list[MeshLi
     if CONTEXT_AXIS in sizes:
         n = sizes[CONTEXT_AXIS]
         return [mesh] if n > 1 and seq_len % (2 * n) == 0 else []
-    data = _data_axis(mesh)
+    data = data_axis(mesh)
     if data is None:
         return []
     n = sizes[data]

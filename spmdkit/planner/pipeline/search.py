@@ -30,10 +30,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import numpy as np
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh
 
-from spmdkit.mesh import abstract_mesh
+from spmdkit.mesh import abstract_mesh, data_axis, split_axis
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.planner.analytic import (
     CostContext,
@@ -101,15 +100,6 @@ _TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp")
 PIPE_AXIS = "pipe"
 
 
-def data_axis(mesh: MeshLike) -> str | None:
-    """The axis a mesh without a pipe axis gives its stages from: ``data`` if it
-    has one, else its first axis with more than one device (None: no such axis)."""
-    sizes = axis_sizes(mesh)
-    if sizes.get("data", 1) > 1:
-        return "data"
-    return next((a for a, s in sizes.items() if s > 1), None)
-
-
 def split_mesh(mesh: MeshLike, stages: int, axis: str = PIPE_AXIS) -> MeshLike:
     """``mesh`` with its data axis (:func:`data_axis`) split into ``axis × data``.
 
@@ -140,23 +130,7 @@ def split_mesh(mesh: MeshLike, stages: int, axis: str = PIPE_AXIS) -> MeshLike:
             fix=f"add a '{axis}' axis to the mesh (sk.make_mesh({axis}={stages}, ...)) "
             "or pick stages that divide the data axis",
         )
-    names: list[str] = []
-    shape: list[int] = []
-    for a, s in sizes.items():
-        if a == data:
-            names += [axis, a]
-            shape += [stages, s // stages]
-        else:
-            names.append(a)
-            shape.append(s)
-    types = tuple(getattr(mesh, "axis_types", ()) or ())
-    if types:
-        i = list(sizes).index(data)
-        types = (*types[:i], types[i], *types[i:])
-    if isinstance(mesh, Mesh):
-        devices = np.asarray(mesh.devices).reshape(shape)
-        return Mesh(devices, tuple(names), axis_types=types or None)
-    return AbstractMesh(tuple(shape), tuple(names), axis_types=types or None)
+    return split_axis(mesh, data, axis, stages, major=True)
 
 
 def pipe_meshes(mesh: MeshLike, layers: int, stages: int | None = None) -> list[MeshLike]:
