@@ -48,11 +48,15 @@ from spmdkit.propagation.graph import (
     trace_with_tree,
     uses,
 )
-from spmdkit.propagation.memory import CopyRead, liveness
+from spmdkit.propagation.memory import CopyRead, RegionHold, liveness
 from spmdkit.propagation.pinning import Program, pins
 from spmdkit.propagation.pricing import steps_flops
 from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
-from spmdkit.propagation.regions import region_residual_bytes, region_temp_bytes
+from spmdkit.propagation.regions import (
+    region_loop_buffer_bytes,
+    region_residual_bytes,
+    region_temp_bytes,
+)
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
@@ -322,7 +326,6 @@ def _memory(
     models: from none of it, a toy megatron step, to most of it, ConvNet's group
     norms under FSDP). The exception: a rule whose temporaries materialize
     (attention's scores) counts them in the lower estimate too."""
-    held = transient if duplicate else _with_residuals(transient, collect, graph, mesh)
     return liveness(
         graph,
         spec,
@@ -331,12 +334,13 @@ def _memory(
         prog,
         donated=donated,
         roles=roles,
-        transient=held,
+        transient=transient,
         duplicate=duplicate,
         widen=widen,
         inner=_region_temps(collect, mesh, duplicate=duplicate),
         cpu=cpu,
         copy_reads=copy_reads,
+        held=None if duplicate else _region_holds(collect, mesh),
     )
 
 
@@ -409,25 +413,26 @@ def _finer(given: TensorSpec | None, want: TensorSpec | None, mesh: MeshLike) ->
     return slices and want.local_bytes(mesh) < given.local_bytes(mesh)
 
 
-def _with_residuals(
-    transient: list[int], steps: Sequence[Step], graph: Graph, mesh: Any
-) -> list[int]:
-    """``transient`` plus what each top-level grad region holds from the forward
-    pass (:func:`~spmdkit.propagation.regions.region_residual_bytes`): from the
-    node that makes the last of its primal inputs to the region itself."""
-    out = list(transient)
-    made = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
-    for g, step in enumerate(steps):
+def _region_holds(steps: Sequence[Step], mesh: MeshLike) -> dict[int, RegionHold]:
+    """``id(node)`` → what each grad region holds before it runs, loop bodies
+    included (a micro-batch loop's): its forward-pass part
+    (:func:`~spmdkit.propagation.regions.region_residual_bytes`), from the node
+    that makes the last of its primal inputs, and its zero-filled loop buffers
+    (:func:`~spmdkit.propagation.regions.region_loop_buffer_bytes`), from the
+    start of the program or body it is in."""
+    out: dict[int, RegionHold] = {}
+    for step in steps:
         node = step.node
-        if node.prim != GRAD:
-            continue
-        p = node.eqn.params
-        nbytes = region_residual_bytes(
-            node.prim, p, step.attrs, step.required, step.outputs, mesh, duplicate=False
-        )
-        start = max((made.get(v, 0) for v in node.ins[: len(p["diff"])]), default=0)
-        for i in range(start + 1, g):
-            out[i] += nbytes
+        if node.prim == GRAD:
+            p = node.eqn.params
+            args = (node.prim, p, step.attrs, step.required, step.outputs, mesh)
+            out[id(node)] = RegionHold(
+                len(p["diff"]),
+                region_residual_bytes(*args, duplicate=False),
+                region_loop_buffer_bytes(*args),
+            )
+        if step.loop is not None:
+            out.update(_region_holds(step.loop.steps, mesh))
     return out
 
 

@@ -38,6 +38,7 @@ from spmdkit.engine.region import (
 from spmdkit.engine.registry import get_rule
 from spmdkit.engine.rule import RuleContext, op_collective
 from spmdkit.propagation.contest import contested, settled, stays
+from spmdkit.propagation.cse import ValueNumbers
 from spmdkit.propagation.graph import FlatProgram
 from spmdkit.propagation.memory import fused_values, program_temp_bytes
 from spmdkit.propagation.pricing import Pricer
@@ -52,6 +53,7 @@ __all__ = [
     "region_answer",
     "region_input_collectives",
     "region_layouts",
+    "region_loop_buffer_bytes",
     "region_residual_bytes",
     "region_temp_bytes",
     "region_unread_inputs",
@@ -340,6 +342,7 @@ class _Facts(NamedTuple):
     residual_bytes: int = 0
     residual_bytes_materialized: int = 0
     unread: frozenset[int] = frozenset()
+    loop_buffer_bytes: int = 0
 
 
 def region_temp_bytes(
@@ -419,21 +422,29 @@ def _traced(
         program_temp_bytes(body, duplicate=False),
         tuple(_on_inputs(graph, mesh)),
         *(
-            _residual_bytes(graph, len(diff), fused_values(graph, prog, duplicate=d))
+            _residual_bytes(graph, len(diff), fused_values(graph, prog, duplicate=d), prog)
             if prim == GRAD
             else 0
             for d in (True, False)
         ),
         unread,
+        _loop_buffer_bytes(graph, len(diff), prog) if prim == GRAD else 0,
     )
 
 
-def _residual_bytes(graph: Any, n: int, fused: set[int]) -> int:
+def _residual_bytes(graph: Any, n: int, fused: set[int], prog: FlatProgram) -> int:
     """Bytes of the values a grad region's program computes from its primal
     inputs alone (its first ``n`` operands) that the cotangent's side reads: XLA
     schedules that part as soon as the inputs exist, in the forward pass, and
     holds those values until the backward reaches the region (residuals in all
-    but name). Values XLA fuses into their readers are recomputed there, not held."""
+    but name). Values XLA fuses into their readers are recomputed there, not held;
+    values it computes twice (two backward loops' copies of the gathered K/V laid
+    out alike) are held once (:class:`~spmdkit.propagation.cse.ValueNumbers`);
+    broadcast constants are loop buffers (:func:`_loop_buffer_bytes`)."""
+    numbers = ValueNumbers(prog.values)
+    for node in graph.nodes:
+        numbers.merge(node, [None] * len(node.ins), [None] * len(node.outs), None)
+    const = _constants(graph, prog)
     late = set(graph.invars[n:])
     early: dict[int, int] = {}
     passed = set(graph.invars[:n])
@@ -448,7 +459,47 @@ def _residual_bytes(graph: Any, n: int, fused: set[int]) -> int:
             else:
                 early[o] = _nbytes(o, node)
     read = {v for node in graph.nodes if any(o in late for o in node.outs) for v in node.ins}
-    return sum(b for v, b in early.items() if v in read and v not in fused)
+    held = {
+        numbers.of(v): b
+        for v, b in early.items()
+        if v in read and v not in fused and v not in const
+    }
+    return sum(held.values())
+
+
+def _constants(graph: Any, prog: FlatProgram) -> set[int]:
+    """Ids of the constants of ``graph`` and of the values made from them alone
+    (a broadcast zero fill, varying or not)."""
+    const = prog.const_ids()
+    for node in graph.nodes:
+        if node.ins and not node.subs and all(v in const for v in node.ins):
+            const.update(node.outs)
+    return const
+
+
+def _loop_buffer_bytes(graph: Any, n: int, prog: FlatProgram) -> int:
+    """Bytes of the buffers a grad region's backward loops (the scans that read the
+    cotangent, past its first ``n`` operands) start from constants: the stacked
+    results of each (XLA fills its while loop's output buffer from zeros) and
+    the carries it starts from a broadcast constant (a kernel's zeroed
+    gradient accumulators). XLA copies each into a buffer of the loop's own,
+    and its scheduler makes those copies, which wait for nothing, at the start
+    of the program around the region."""
+    late = set(graph.invars[n:])
+    const = _constants(graph, prog)
+    total = 0
+    for node in graph.nodes:
+        if not any(v in late for v in node.ins):
+            continue
+        late.update(node.outs)
+        if node.prim != "scan":
+            continue
+        loop = jaxprs.scan(node.eqn)
+        carry = node.ins[loop.num_consts : loop.num_consts + loop.num_carry]
+        made = [o for o, v in zip(node.outs[: loop.num_carry], carry, strict=True) if v in const]
+        for o in made + node.outs[loop.num_carry :]:
+            total += _nbytes(o, node)
+    return total
 
 
 def _nbytes(vid: int, node: Any) -> int:
@@ -469,6 +520,25 @@ def _on_inputs(graph: Any, mesh: MeshLike) -> list[tuple[int, str, tuple[str, ..
             for kind, axes, _, nbytes in _collectives([node], mesh):
                 out.append((origin[node.ins[0]], kind, axes, nbytes))
     return out
+
+
+def region_loop_buffer_bytes(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> int:
+    """Per device, the bytes of a grad region's zero-filled loop buffers (its
+    backward loops' stacked results and constant-started carries: ``gather_kv``
+    attention's K/V gradient blocks and query-gradient accumulators), which XLA
+    makes at the start of the program around the region and holds until the
+    region runs (measured on XLA:CPU, in a micro-batch loop's body and at the
+    top level). 0 for a forward region, or where the replay binds the region
+    unsharded."""
+    facts = _program(prim, params, attrs, required, produced, mesh)
+    return 0 if facts is None else facts.loop_buffer_bytes
 
 
 def region_input_collectives(
