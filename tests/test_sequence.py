@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from spmdkit.kernels import record_visits
+from spmdkit.planner.context import causal_shares
 from spmdkit.sequence import (
     BalancedOrder,
     SequenceOrderError,
@@ -87,16 +88,16 @@ def _llama(seq_len, batch_size):
     return info, {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
 
 
-def _cp_plan(info, context, attention, balanced=True, microbatches=1):
-    """``seq`` on a ``context`` axis by a rule (``data × context``), its attention,
-    load balancing and micro-batches as asked."""
+def _cp_plan(info, context, attention, microbatches=1):
+    """``seq`` on a ``context`` axis by a rule (``data × context``), its attention
+    and micro-batches as asked (load-balanced: a plan cannot hold contiguous shards)."""
     import spmdkit as sk
 
     mesh = sk.make_mesh(data=8 // context, context=context, axis_types="auto")
     recipe = sk.Recipe(microbatches=microbatches)
     plan = sk.plan(info, mesh, "dp", rules={"seq": "context"}, recipe=recipe)
     assert plan.context is not None and plan.context.degree == context
-    cp = dataclasses.replace(plan.context, attention=attention, load_balanced=balanced)
+    cp = dataclasses.replace(plan.context, attention=attention)
     return dataclasses.replace(plan, context=cp)
 
 
@@ -155,7 +156,8 @@ def test_context_parallel_llama_equals_one_device_and_verifies(seq_len, context,
 def test_balanced_order_evens_the_causal_work_and_contiguous_does_not(strategy):
     """The attention op alone, sequence over 4 devices, forward and backward: the
     blocks the kernels computed give every shard the same FLOPs in the balanced
-    order; contiguous shards do 1 : 2 : 3 : 4."""
+    order; contiguous shards do 1 : 2 : 3 : 4, as ``causal_shares`` counts them with
+    shard-sized blocks (the kernels compute a diagonal shard pair whole)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -186,6 +188,10 @@ def test_balanced_order_evens_the_causal_work_and_contiguous_does_not(strategy):
             per = collections.Counter()
             for v in visits:
                 per[v.q_offset // (s // n)] += v.flops
+            # the kernels compute a diagonal shard pair whole: shard-sized blocks
+            total = sum(per.values())
+            want = causal_shares(n, balanced=False, blocks=1)
+            np.testing.assert_allclose([per[i] / total for i in range(n)], want, rtol=1e-6)
         assert len(per) == n
         spread[balanced] = max(per.values()) / min(per.values())
     assert spread[n] <= 1.05 and spread[1] >= 3.5, spread

@@ -23,7 +23,12 @@ travel, either
 The planner prices both and takes the faster (:func:`context_attention`). The
 causal mask's work is priced as evenly split: the sequence is cut into ``2n``
 chunks and device ``i`` holds chunks ``i`` and ``2n − 1 − i`` (load-balanced),
-so every device computes the same share of the unmasked blocks.
+so every device computes the same share of the unmasked blocks
+(:func:`causal_shares`). Contiguous shards (device ``i`` holds the ``i``-th
+``1/n`` of the sequence) leave the last device ``(2n − 1)/n²`` of the causal
+work, ``(2n − 1)/n`` times a balanced device's, and the step waits for it; the
+planner never plans them and a plan cannot hold them
+(``ContextParallel(load_balanced=False)`` is refused).
 
 ``auto`` considers context parallelism on a mesh axis named ``context``
 (:data:`CONTEXT_AXIS`) when the mesh has one, and otherwise splits the data axis
@@ -49,6 +54,7 @@ __all__ = [
     "CONTEXT_AXIS",
     "LONG_SEQUENCE",
     "ContextAttention",
+    "causal_shares",
     "context_attention",
     "context_axes",
     "context_meshes",
@@ -119,6 +125,48 @@ def context_meshes(mesh: MeshLike, batch_size: int, seq_len: int) -> list[MeshLi
     return [
         split_context(mesh, c) for c in range(2, n + 1) if n % c == 0 and seq_len % (2 * c) == 0
     ]
+
+
+def causal_shares(
+    degree: int, *, balanced: bool = True, blocks: int | None = None
+) -> tuple[float, ...]:
+    """Each context shard's fraction of a causal attention's work, exactly.
+
+    The kernel skips whole blocks above the diagonal and computes a diagonal
+    block whole: a query block computes every key block up to its own, so of a
+    sequence of ``B`` blocks, block ``q`` computes ``q + 1`` of the ``B(B + 1)/2``.
+    Contiguous shards of ``k = B / degree`` blocks: shard ``i`` computes
+    ``k(k(2i + 1) + 1) / (B(B + 1))``, which tends to ``(2i + 1) / degree²`` as
+    the blocks get finer (``blocks=None``: that limit). Load-balanced (shard ``i``
+    holds chunks ``i`` and ``2·degree − 1 − i`` of ``B / (2·degree)`` blocks):
+    ``1 / degree`` each, at every block size.
+
+    Args:
+      degree: the context shards.
+      balanced: the load-balanced order (else contiguous shards).
+      blocks: the kernel's blocks per contiguous shard (``B / degree``); None:
+        the fine-block limit.
+
+    Example::
+
+        >>> causal_shares(4, balanced=False, blocks=1)  # shard-sized blocks: 1 : 2 : 3 : 4
+        (0.1, 0.2, 0.3, 0.4)
+        >>> causal_shares(4, balanced=False)  # fine blocks: 1 : 3 : 5 : 7
+        (0.0625, 0.1875, 0.3125, 0.4375)
+    """
+    if not isinstance(degree, int) or degree < 1 or (blocks is not None and blocks < 1):
+        raise PlanError(
+            op="causal_shares",
+            must="degree and blocks are positive ints",
+            given=f"degree={degree!r}, blocks={blocks!r}",
+            fix="pass the context degree (plan.context.degree) and the blocks per shard",
+        )
+    if balanced:
+        return (1.0 / degree,) * degree
+    if blocks is None:
+        return tuple((2 * i + 1) / degree**2 for i in range(degree))
+    k, total = blocks, blocks * degree
+    return tuple(k * (k * (2 * i + 1) + 1) / (total * (total + 1)) for i in range(degree))
 
 
 class ContextAttention(NamedTuple):

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.mesh import auto_mesh
 from spmdkit.pipeline import Pipeline
+from spmdkit.planner.context import causal_shares
 from spmdkit.planner.logical import LogicalRules, PlanError
 from spmdkit.planner.notes import PlanNote
 from spmdkit.recipe import Recipe
@@ -219,13 +220,37 @@ class ContextParallel:
         ``"gather_kv"`` (K/V all-gathered), as the plan's cost priced it.
       load_balanced: the sequence is cut into ``2 × degree`` chunks and device
         ``i`` holds chunks ``i`` and ``2 × degree − 1 − i``, so causal attention's
-        unmasked work is even across the devices.
+        unmasked work is even across the devices. Always True: the planner prices
+        that order, and contiguous shards (False) leave the last device
+        ``(2 × degree − 1) / degree²`` of the causal work
+        (:func:`~spmdkit.planner.context.causal_shares`), a step the plan's cost
+        does not describe, so they are refused.
+
+    Raises:
+      PlanError: ``load_balanced=False`` with a degree above 1 (constructed,
+        set by ``dataclasses.replace`` or read from JSON).
     """
 
     axes: tuple[str, ...]
     degree: int
     attention: str = "ring"
     load_balanced: bool = True
+
+    def __post_init__(self) -> None:
+        if self.load_balanced or self.degree <= 1:
+            return
+        n = self.degree
+        last = causal_shares(n, balanced=False)[-1]
+        raise PlanError(
+            op="ContextParallel",
+            must="load_balanced=True: plans price causal attention evenly split over the "
+            "context shards (each holds chunks i and 2n-1-i)",
+            given=f"load_balanced=False on {n} shards: the last holds {last:.1%} of the "
+            f"causal work, {n * last:.2f}x a balanced shard's, and the step waits for it",
+            fix="keep load_balanced=True (the step puts the batch in the balanced order "
+            "itself); to measure contiguous shards, call sk.ops.attention(..., balanced=1) "
+            "outside a plan",
+        )
 
     def short(self) -> str:
         """E.g. ``context: 4 (ring, load-balanced)``."""

@@ -2,6 +2,7 @@
 price, the plan's ``context`` field, and auto choosing it for long sequences."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -14,12 +15,14 @@ from spmdkit.planner import PlanError
 from spmdkit.planner.context import (
     CONTEXT_AXIS,
     LONG_SEQUENCE,
+    causal_shares,
     context_attention,
     context_meshes,
     split_context,
 )
 from spmdkit.planner.notes import PlanNoteError
 from spmdkit.planner.plans import ContextParallel, Plan
+from spmdkit.sequence import BalancedOrder
 
 GIB = 2**30
 
@@ -153,6 +156,57 @@ def test_a_rule_table_with_seq_on_the_context_axis_is_context_parallel(small_lon
     sp = sk.plan(small_long, sk.abstract_mesh(data=2, model=4), "megatron_sp",
                  estimator="analytic")  # fmt: skip
     assert sp.activation["seq"] == ("model",) and sp.context is None
+
+
+def _block_work(shard_of_block, n):
+    """Each shard's count of the (query block, key block) pairs a causal kernel
+    computes (key block <= query block), from each block's shard."""
+    work = [0] * n
+    for q, shard in enumerate(shard_of_block):
+        work[shard] += q + 1
+    return work
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("blocks", [1, 2, 3, 16])
+def test_causal_shares_count_the_blocks_each_shard_computes(n, blocks):
+    total_blocks = n * blocks
+    pairs = total_blocks * (total_blocks + 1) // 2
+    contiguous = _block_work([q // blocks for q in range(total_blocks)], n)
+    got = causal_shares(n, balanced=False, blocks=blocks)
+    np.testing.assert_allclose(got, [w / pairs for w in contiguous], rtol=1e-12)
+    if blocks % 2 == 0:  # the balanced order: 2n chunks of blocks/2, shard i has i and 2n-1-i
+        order = BalancedOrder(n).permutation(total_blocks)  # block at each position
+        shard = {int(b): pos // blocks for pos, b in enumerate(order)}
+        balanced = _block_work([shard[q] for q in range(total_blocks)], n)
+        np.testing.assert_allclose(causal_shares(n), [w / pairs for w in balanced], rtol=1e-12)
+    # fine blocks: the last contiguous shard does (2n - 1) / n² of the work
+    limit = causal_shares(n, balanced=False)
+    assert limit[-1] == pytest.approx((2 * n - 1) / n**2) and sum(limit) == pytest.approx(1.0)
+    assert 1 / n < got[-1] < limit[-1]  # whole diagonal blocks add work to every shard
+
+
+def test_causal_shares_refuses_bad_degrees():
+    with pytest.raises(PlanError, match="positive ints"):
+        causal_shares(0)
+    with pytest.raises(PlanError, match="positive ints"):
+        causal_shares(4, balanced=False, blocks=0)
+
+
+def test_a_plan_cannot_hold_contiguous_context_shards(small_long):
+    """Nothing plans contiguous shards (a rule table's context is load-balanced),
+    and a plan edited to hold them is refused: its cost priced the balanced order,
+    and the last contiguous shard does (2n - 1)/n² of the causal work."""
+    p = sk.plan(small_long, sk.abstract_mesh(data=4, context=2), "dp", rules={"seq": "context"},
+                estimator="analytic")  # fmt: skip
+    assert p.context.load_balanced
+    with pytest.raises(PlanError, match=r"last holds 75\.0% of the causal work, 1\.50x"):
+        dataclasses.replace(p.context, load_balanced=False)
+    data = json.loads(p.to_json())
+    data["context"]["load_balanced"] = False
+    with pytest.raises(PlanError, match="load_balanced=True"):
+        Plan.from_json(json.dumps(data))
+    assert ContextParallel((CONTEXT_AXIS,), 1, "ring", load_balanced=False).degree == 1
 
 
 def test_auto_keeps_short_sequences_with_plenty_of_batch_data_parallel():
