@@ -93,7 +93,8 @@ from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.split import CALLS
 from spmdkit.remat_scan import rematted_scan, rewrite
-from spmdkit.sequence import context_parallel_loss
+from spmdkit.sequence import ContextShard, context_parallel_loss, plan_context
+from spmdkit.spec import axis_sizes
 
 __all__ = [
     "NAMED_POLICIES",
@@ -613,7 +614,7 @@ def value_and_grad(
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
         batch_axes = tuple(getattr(recipe, "activation", {}).get("batch", ()))
         where = (recipe.sharding_mesh, batch_axes, _plan_layouts(recipe))
-        vg = _pipelined(cast_loss, pipe, where, loss.has_aux)
+        vg = _pipelined(cast_loss, pipe, where, loss.has_aux, _pipelined_context(recipe))
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
         seen = _SEEN.get()
@@ -713,12 +714,29 @@ def _plan_layouts(plan: Any) -> Callable[[Any], tuple[Any, Any]]:
     return lambda params: (plan.param_specs(params), plan.grad_specs(params))
 
 
-def _pipelined(loss: Callable, pipe: Any, where: tuple, has_aux: bool) -> Callable:
-    """The pipelined gradient (``where``: the mesh and the batch's axes); with
-    ``has_aux``, an aux with no arrays (train's empty metrics) passes through, any
-    other is a :class:`RecipeError`."""
+def _pipelined_context(plan: Any) -> dict[str, Any]:
+    """A pipelined plan's context parallelism, as the executor takes it: its axes,
+    strategy and order, and per batch field the dim named ``seq``."""
+    cp = plan_context(plan)
+    if cp is None:
+        return {}
+    sizes = axis_sizes(plan.sharding_mesh)
+    shard = ContextShard(
+        tuple(cp.axes), tuple(sizes[a] for a in cp.axes), cp.load_balanced, cp.attention
+    )
+    names = dict(getattr(plan, "batch_axes", {}))
+    seq = {k: tuple(v).index("seq") for k, v in names.items() if "seq" in tuple(v)}
+    return {"context": shard, "seq_dims": seq}
+
+
+def _pipelined(
+    loss: Callable, pipe: Any, where: tuple, has_aux: bool, context: dict[str, Any]
+) -> Callable:
+    """The pipelined gradient (``where``: the mesh and the batch's axes;
+    ``context``: its context parallelism); with ``has_aux``, an aux with no arrays
+    (train's empty metrics) passes through, any other is a :class:`RecipeError`."""
     if not has_aux:
-        return pipelined_value_and_grad(loss, pipe, *where)
+        return pipelined_value_and_grad(loss, pipe, *where, **context)
     if pipe.return_output:
         raise RecipeError(
             op="sk.value_and_grad",
@@ -726,7 +744,7 @@ def _pipelined(loss: Callable, pipe: Any, where: tuple, has_aux: bool) -> Callab
             given=f"has_aux=True with {pipe!r}",
             fix="drop has_aux (the value is then (loss, outputs)) or pass return_output=False",
         )
-    vg = pipelined_value_and_grad(lambda *a: loss(*a)[0], pipe, *where)
+    vg = pipelined_value_and_grad(lambda *a: loss(*a)[0], pipe, *where, **context)
 
     def f(*args: Any) -> tuple:
         aux = jax.eval_shape(loss, *args)[1]

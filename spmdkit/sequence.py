@@ -40,12 +40,15 @@ from spmdkit.util import path_str
 
 __all__ = [
     "BalancedOrder",
+    "ContextShard",
     "SequenceOrderError",
     "balance_batch",
     "context_parallel",
     "context_parallel_loss",
+    "context_shard",
     "current_attention",
     "current_order",
+    "current_shard",
     "plan_context",
 ]
 
@@ -187,16 +190,84 @@ def context_parallel(
         _CONTEXT.reset(token)
 
 
-def current_order() -> BalancedOrder | None:
+def current_order() -> BalancedOrder | ContextShard | None:
     """The sequence order the loss being traced runs in (:func:`context_parallel`);
-    ``None``: natural."""
-    return _CONTEXT.get()[0]
+    ``None``: natural. Inside :func:`context_shard` (one device's tokens of the
+    sequence), the :class:`ContextShard`, whose ``positions`` are that device's."""
+    shard = _SHARD.get()
+    return shard if shard is not None else _CONTEXT.get()[0]
 
 
 def current_attention() -> str | None:
     """The attention strategy a context-parallel step pins (:func:`context_parallel`);
     ``None``: the planner's choice per op."""
     return _CONTEXT.get()[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextShard:
+    """One device's tokens of sequences split over the manual mesh ``axes`` (of
+    ``sizes`` devices each), in the balanced order when ``balanced``, else
+    contiguous: what a pipelined context-parallel stage traces its layers on
+    (:func:`context_shard`). The shard's index is ``jax.lax.axis_index`` over
+    ``axes``, so its methods trace inside ``shard_map`` (or under
+    ``jax.make_jaxpr(..., axis_env=...)``).
+
+    Attributes:
+      axes: the context axes (manual where the layers run), major first.
+      sizes: their sizes.
+      balanced: the sequence is in the :class:`BalancedOrder` of ``shards``.
+      attention: the strategy attention runs (``"ring"`` or ``"gather_kv"``).
+    """
+
+    axes: tuple[str, ...]
+    sizes: tuple[int, ...]
+    balanced: bool = True
+    attention: str = "ring"
+
+    @property
+    def shards(self) -> int:
+        """The devices one sequence is split over."""
+        return math.prod(self.sizes)
+
+    def index(self) -> Any:
+        """This device's shard index (traced), major axis first."""
+        idx: Any = 0
+        for a, n in zip(self.axes, self.sizes, strict=True):
+            idx = idx * n + jax.lax.axis_index(a)
+        return idx
+
+    def positions(self, seq_len: int) -> jax.Array:
+        """The natural positions of this device's ``seq_len`` tokens, ``int32 [seq_len]``."""
+        index = self.index() * seq_len + jnp.arange(seq_len, dtype=jnp.int32)
+        if not self.balanced:
+            return index
+        return BalancedOrder(self.shards).position_of(index, seq_len * self.shards)
+
+
+_SHARD: contextvars.ContextVar[ContextShard | None] = contextvars.ContextVar(
+    "spmdkit_context_shard", default=None
+)
+
+
+@contextlib.contextmanager
+def context_shard(shard: ContextShard | None) -> Iterator[ContextShard | None]:
+    """Trace layers on one device's tokens (``shard``; ``None``: no effect): inside,
+    :func:`current_order` returns ``shard`` (RoPE reads its positions),
+    :func:`current_shard` too, the attention op runs its ``shard.attention``
+    strategy's per-device computation directly over ``shard.axes``
+    (:func:`spmdkit.ops.attention`), and :func:`context_parallel_loss` passes the
+    loss through (its batch is already the shard's tokens)."""
+    token = _SHARD.set(shard)
+    try:
+        yield shard
+    finally:
+        _SHARD.reset(token)
+
+
+def current_shard() -> ContextShard | None:
+    """The :class:`ContextShard` layers are traced on (:func:`context_shard`), or ``None``."""
+    return _SHARD.get()
 
 
 def plan_context(plan: Any) -> Any:
@@ -247,6 +318,8 @@ def context_parallel_loss(loss_fn: Callable[..., Any], plan: Any) -> Callable[..
     axes = dict(getattr(plan, "batch_axes", {}))
 
     def balanced_loss(params: Any, batch: Any, *rest: Any) -> Any:
+        if current_shard() is not None:  # a pipelined stage's tokens (already placed)
+            return loss_fn(params, batch, *rest)
         if order is not None:
             batch = balance_batch(batch, axes, order)
             # a pipeline traces the loss on one micro-batch's rows: no batch layout there

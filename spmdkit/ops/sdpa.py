@@ -17,10 +17,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
+from spmdkit.engine.inference import infer_forward
+from spmdkit.engine.local import local_context, resolve_partials
+from spmdkit.engine.registry import get_rule
+from spmdkit.errors import ShardingConflictError
+from spmdkit.mesh import abstract_mesh
 from spmdkit.ops.base import apply_rule
-from spmdkit.sequence import current_attention, current_order
-from spmdkit.spec import MeshLike
+from spmdkit.sequence import ContextShard, current_attention, current_order, current_shard
+from spmdkit.spec import MeshLike, TensorSpec
 
 __all__ = ["attention"]
 
@@ -90,6 +96,7 @@ def attention(
         >>> out = attention(q, k, v, causal=True, strategy="ring")   # [B@data, S@seq, H, D]
     """
     attrs: dict[str, Any] = {}
+    shard = current_shard()
     if causal:
         attrs["causal"] = True
     if scale is not None:
@@ -101,9 +108,40 @@ def attention(
         attrs["implementation"] = implementation
     if block_size is not None:
         attrs["block_size"] = block_size
+    if shard is not None:  # a pipelined stage on one device's tokens
+        return _on_shard(q, k, v, attrs, shard)
     if balanced is None and causal:
         order = current_order()
         balanced = None if order is None else order.shards
     if causal and balanced is not None and balanced != 1:
         attrs["balanced"] = balanced
     return apply_rule("attention", q, k, v, mesh=mesh, in_specs=in_specs, **attrs)
+
+
+def _on_shard(q: Any, k: Any, v: Any, attrs: dict[str, Any], shard: ContextShard) -> Any:
+    """Attention on one device's tokens of sequences split over ``shard.axes``,
+    traced where those axes are manual (a pipelined stage,
+    :func:`spmdkit.sequence.context_shard`): the rule's per-device computation
+    of ``shard.attention`` (the ring's permutes, or ``gather_kv``'s gathers)
+    for operands whose sequence dims are split over the axes, called directly."""
+    attrs = {**attrs, "strategy": shard.attention}
+    if attrs.get("causal") and shard.balanced:
+        attrs["balanced"] = shard.shards
+    mesh = abstract_mesh(**dict(zip(shard.axes, shard.sizes, strict=True)))
+    specs = [
+        TensorSpec((x.shape[0], x.shape[1] * shard.shards, *x.shape[2:]), P(None, shard.axes),
+                   dtype=x.dtype)
+        for x in (q, k, v)
+    ]  # fmt: skip
+    res = infer_forward("attention", *specs, mesh=mesh, **attrs)
+    if tuple(res.inputs) != tuple(specs):
+        raise ShardingConflictError(
+            op="attention",
+            must=f"strategy {shard.attention!r} takes q, k, v with their sequence split "
+            f"over {shard.axes} as they are (a pipelined context-parallel stage)",
+            given=f"the rule asks for {[str(s) for s in res.inputs]}",
+            fix="plan the context axis with strategy 'ring' or 'gather_kv'",
+        )
+    rule = get_rule("attention")
+    out = rule.local_fn(local_context(rule, res, attrs, mesh))(q, k, v)
+    return resolve_partials(out, res.outputs[0])

@@ -55,7 +55,7 @@ it), :mod:`~spmdkit.pipeline.chunk` (one chunk's forward and its stash) and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -72,8 +72,10 @@ from spmdkit.pipeline.layouts import (
     differentiable,
     gpipe_wide_params,
     local_rows,
+    local_tokens,
     param_sources,
     per_mb_rows_split,
+    per_mb_seq_split,
     replicated_splits,
     route_wide_gradients,
     split_microbatches,
@@ -85,6 +87,8 @@ from spmdkit.pipeline.schedule import Pipeline, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.ticks import explicit_tick_loop, gpipe_forward_loop
+from spmdkit.sequence import ContextShard, context_shard
+from spmdkit.util import path_str
 
 __all__ = ["pipelined_value_and_grad"]
 
@@ -95,6 +99,9 @@ def pipelined_value_and_grad(
     mesh: Any,
     batch_axes: tuple[str, ...] = (),
     layouts: Callable[[Any], tuple[Any, Any]] | None = None,
+    *,
+    context: ContextShard | None = None,
+    seq_dims: Mapping[str, int] | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
     """``jax.value_and_grad(loss_fn)`` with the layer stack pipelined (module docstring).
 
@@ -120,6 +127,17 @@ def pipelined_value_and_grad(
         over them once per step, and its gradient leaves reduce-scattered to
         its grad spec (rather than all-reduced and sliced: half the bytes).
         ``None``: their gradients are all-reduced over the batch axes.
+      context: context parallelism (a plan's ``context``): the micro-batches'
+        sequences split over ``context.axes``, manual inside the pipeline like
+        the batch axes. The layers are traced on a device's tokens
+        (:func:`spmdkit.sequence.context_shard`: RoPE at their natural
+        positions, attention as ``context.attention``'s per-device computation,
+        its K/V permuted or gathered over those axes) and every gradient is
+        summed over them once, with the batch axes'. The loss must be a mean
+        over tokens, as over rows.
+      seq_dims: with ``context``, per batch leaf (its path, as
+        :func:`spmdkit.util.path_str` writes it) the dim holding the sequence;
+        leaves not named keep theirs whole.
 
     The loss is the mean of the micro-batches' losses, each micro-batch running
     the whole loss, as ``sk.value_and_grad``'s micro-batches do: a value the
@@ -153,8 +171,16 @@ def pipelined_value_and_grad(
         pipe.check_layers(sp.layers, op="pipeline")
         run_mesh = _run_mesh(mesh, pipe.axis)
         axes, shards = _batch_axes(run_mesh, pipe, batch_axes)
-        local = sp if shards == 1 else split_loss(loss_fn, params, local_rows(one, shards), rest)
-        p_specs, g_specs = layouts(params) if layouts and axes else (None, None)
+        shard = _context_on(run_mesh, pipe, context, axes)
+        if shard is not None:
+            local = _split_on_tokens(loss_fn, (params, one, rest), shards, shard, seq_dims)
+            rows, seq = per_mb_seq_split(sp, local, shards, shard.shards)
+        else:
+            local = sp if shards == 1 else split_loss(loss_fn, params, local_rows(one, shards), rest)
+            rows, seq = per_mb_rows_split(sp, local, shards), ()
+        cp_axes = shard.axes if shard is not None else ()
+        data = (*axes, *cp_axes)
+        p_specs, g_specs = layouts(params) if layouts and data else (None, None)
         on = dict(run_mesh.shape)
         leaves = jax.tree.leaves
         # GPipe's gradients are autodiff's transpose of its shard_map: its stacked
@@ -163,18 +189,19 @@ def pipelined_value_and_grad(
         # themselves and take the weights gathered at the input (gathered
         # inside, XLA keeps a second copy for the tick loops: +W on the peak)
         split_in = p_specs if pipe.schedule == "gpipe" else None
-        xs_in, _ = weight_splits(sp, split_in and leaves(split_in, _is_spec), axes, on)
-        xs_out, sh_out = weight_splits(sp, g_specs and leaves(g_specs, _is_spec), axes, on)
+        xs_in, _ = weight_splits(sp, split_in and leaves(split_in, _is_spec), data, on)
+        xs_out, sh_out = weight_splits(sp, g_specs and leaves(g_specs, _is_spec), data, on)
         lay = ManualAxes(
-            pipe.axis, axes, shards, per_mb_rows_split(sp, local, shards), xs_in, xs_out, sh_out
-        )
+            pipe.axis, axes, shards, rows, xs_in, xs_out, sh_out,
+            cp_axes, shard.shards if shard is not None else 1, seq,
+        )  # fmt: skip
         mixed = split_rows_combined(sp, lay)
         if mixed and not pipe.local_statistics:
             raise rows_error(mixed, axes, "pipeline")
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
         pre_all = _pre_for_microbatches(sp, micro, r_leaves)
-        record_traced(loss_fn, pipe, sp, lay.batch, (params, batch, *rest))
+        record_traced(loss_fn, pipe, sp, lay.data_axes, (params, batch, *rest))
         sources = param_sources(sp)
         if not _every_value_on_rows(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
@@ -216,6 +243,38 @@ def _run_mesh(plan_mesh: Any, axis: str) -> Any:
     return plan_mesh
 
 
+def _context_on(
+    mesh: Any, pipe: Pipeline, context: ContextShard | None, batch: tuple[str, ...]
+) -> ContextShard | None:
+    """``context`` on the mesh the pipeline runs on: its axes there with more than
+    one device (not the pipe or a batch axis), or None when none is left."""
+    if context is None:
+        return None
+    sizes = dict(mesh.shape)
+    axes = tuple(
+        a for a in context.axes if a != pipe.axis and a not in batch and sizes.get(a, 1) > 1
+    )
+    if not axes:
+        return None
+    return ContextShard(axes, tuple(sizes[a] for a in axes), context.balanced, context.attention)
+
+
+def _split_on_tokens(
+    loss_fn: Callable, args: tuple, shards: int, shard: ContextShard, seq_dims: Any
+) -> SplitLoss:
+    """The loss split on a device's rows and tokens of one micro-batch (``args``:
+    params, its shapes, rest), traced under :func:`spmdkit.sequence.context_shard`
+    with the context axes bound."""
+    params, one, rest = args
+    dims = jax.tree_util.tree_map_with_path(
+        lambda path, x: (seq_dims or {}).get(path_str(path)), one
+    )
+    cut = local_tokens(local_rows(one, shards), dims, shard.shards)
+    env = list(zip(shard.axes, shard.sizes, strict=True))
+    with context_shard(shard):
+        return split_loss(loss_fn, params, cut, rest, axis_env=env)
+
+
 def _batch_axes(mesh: Any, pipe: Pipeline, batch_axes: tuple[str, ...]) -> tuple[tuple, int]:
     """The batch axes of ``mesh`` (size > 1, not the pipe axis) and their device count."""
     sizes = dict(mesh.shape)
@@ -246,7 +305,7 @@ def _pre_for_microbatches(sp: SplitLoss, micro: Any, r_leaves: list) -> Callable
 def _every_value_on_rows(sp: SplitLoss, lay: ManualAxes) -> bool:
     """Does the pre part's gradient run on each device's rows (:func:`_pre_grad_on_rows`)?
     With batch axes, when every floating per-micro-batch value is split over them."""
-    return bool(lay.batch) and all(
+    return bool(lay.batch) and not lay.context and all(
         r for v, r in zip(sp.per_mb, lay.rows, strict=True) if differentiable(v.aval.dtype)
     )
 
@@ -266,7 +325,7 @@ def _run_layer_stack(
     shared value, the wider value it is a cast of (its fp32 parameter) or None;
     GPipe runs with those and returns their gradients at that dtype."""
     carry_specs = [
-        lay.per_spec(next(r for u, r in zip(sp.per_mb, lay.rows, strict=True) if u is v))
+        lay.value_spec(next(k for k, u in enumerate(sp.per_mb) if u is v))
         for v in (sp.carry if pipe.return_output else ())
     ]
     xs, shared, per = vals
@@ -304,7 +363,7 @@ def _run_layer_stack(
         )
     tables = build_tables(sched)
     xs_floating = [differentiable(x) for x in xs]
-    mb_specs = [lay.per_spec(r) for r, x in zip(lay.rows, per, strict=True) if differentiable(x)]
+    mb_specs = [lay.value_spec(k) for k, x in enumerate(per) if differentiable(x)]
     xs_out = [
         lay.xs_spec(s)
         for s, f in zip(lay.xs_out or replicated_splits(xs), xs_floating, strict=True)
@@ -341,7 +400,7 @@ def _pipeline_shard_map(
     in_specs = (
         [lay.xs_spec(s) for s in lay.xs_in or ((),) * n[0]],
         [P()] * n[1],
-        [lay.per_spec(r) for r in lay.rows],
+        [lay.value_spec(k) for k in range(len(lay.rows))],
     )
     return jax.shard_map(
         body,

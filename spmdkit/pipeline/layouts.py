@@ -43,8 +43,10 @@ __all__ = [
     "gather_split",
     "gpipe_wide_params",
     "local_rows",
+    "local_tokens",
     "param_sources",
     "per_mb_rows_split",
+    "per_mb_seq_split",
     "replicated_splits",
     "route_wide_gradients",
     "split_microbatches",
@@ -149,13 +151,50 @@ class ManualAxes:
     xs_in: tuple[BatchSplit, ...] = ()
     xs_out: tuple[BatchSplit, ...] = ()
     sh_out: tuple[BatchSplit, ...] = ()
+    #: context parallelism: the axes the micro-batches' sequences are split over,
+    #: their device count, and per per-micro-batch value the dim split (or None)
+    context: tuple[str, ...] = ()
+    context_size: int = 1
+    seq: tuple[int | None, ...] = ()
 
     @property
     def all_axes(self) -> tuple[str, ...]:
-        return (self.axis, *self.batch)
+        return (self.axis, *self.batch, *self.context)
 
-    def per_spec(self, row: bool) -> P:
-        return P(None, self.batch) if row and self.batch else P()
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes gradients are summed over: the batch's and the context's."""
+        return (*self.batch, *self.context)
+
+    @property
+    def parts(self) -> int:
+        """The devices one micro-batch is split over (rows × sequence)."""
+        return self.shards * self.context_size
+
+    def per_spec(self, row: bool, seq: int | None = None) -> P:
+        """A per-micro-batch value's spec, ``[m, ...]``: rows over the batch axes
+        (``row``), dim ``seq`` of the value over the context axes."""
+        entries: list = [None, self.batch if row and self.batch else None]
+        if seq is not None and self.context:
+            entries += [None] * max(0, seq + 2 - len(entries))
+            entries[seq + 1] = self.context
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    def value_spec(self, k: int) -> P:
+        """The spec of per-micro-batch value ``k``."""
+        return self.per_spec(self.rows[k], self.seq[k] if self.seq else None)
+
+    def value_sum_axes(self, k: int) -> tuple[str, ...]:
+        """The axes a per-micro-batch value ``k``'s cotangent is summed over: the
+        pipe axis, and the data axes that do not split it."""
+        seq = self.seq[k] if self.seq else None
+        return (
+            self.axis,
+            *(() if self.rows[k] else self.batch),
+            *(() if seq is not None else self.context),
+        )
 
     def xs_spec(self, split: BatchSplit) -> P:
         """A stacked weight's spec, regrouped ``[p, v, L/(p·v), ...]``."""
@@ -168,7 +207,7 @@ class ManualAxes:
         for d, axes in split:
             g = jax.lax.psum_scatter(g, axes, scatter_dimension=d + offset, tiled=True)
         done = {a for _, axes in split for a in axes}
-        rest = (*extra, *(a for a in self.batch if a not in done))
+        rest = (*extra, *(a for a in self.data_axes if a not in done))
         return jax.lax.psum(g, rest) if rest else g
 
 
@@ -222,6 +261,73 @@ def local_rows(one: Any, shards: int) -> Any:
         return jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype)
 
     return jax.tree.map(cut, one)
+
+
+def local_tokens(one: Any, seq_dims: Any, parts: int) -> Any:
+    """One micro-batch's leaves with a device's share of their sequence dims
+    (``seq_dims``: per leaf, the dim split over the context axes, or None)."""
+
+    def cut(x: Any, d: int | None) -> jax.ShapeDtypeStruct:
+        if d is None:
+            return x
+        if x.shape[d] % parts:
+            raise PipelineError(
+                op="pipeline",
+                must="a micro-batch's sequences split evenly over the context axes' devices",
+                given=f"a micro-batch leaf of shape {tuple(x.shape)}, dim {d} over {parts} "
+                "devices",
+                fix=f"use a sequence length that is a multiple of {parts}",
+            )
+        shape = list(x.shape)
+        shape[d] //= parts
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+    return jax.tree.map(cut, one, seq_dims, is_leaf=lambda x: x is None)
+
+
+def per_mb_seq_split(
+    sp: SplitLoss, local: SplitLoss, shards: int, parts: int
+) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:
+    """Per value of ``sp.per_mb``: is it split over the batch rows (dim 0), and
+    which of its dims is split over the context axes (the first that shrinks
+    ``parts`` times), or None. ``local`` is the loss split on a device's rows and
+    tokens.
+
+    Raises:
+      PipelineError: the layer stack's weights or shared values change with the
+        tokens (a position table computed before the layers), or a value changes
+        otherwise."""
+    same = all(
+        [v.aval for v in getattr(sp, k)] == [v.aval for v in getattr(local, k)]
+        for k in ("xs", "shared")
+    )
+    rows, seq = [], []
+    for g, lo in zip(sp.per_mb, local.per_mb, strict=False):
+        gs, ls = list(g.aval.shape), list(lo.aval.shape)
+        row = bool(ls) and len(gs) == len(ls) and gs[0] == ls[0] * shards and shards > 1
+        if row:
+            ls[0] = gs[0]
+        dim = next(
+            (d for d in range(len(ls)) if len(gs) == len(ls) and gs[d] == ls[d] * parts
+             and gs[:d] + gs[d + 1:] == ls[:d] + ls[d + 1:]),
+            None,
+        )  # fmt: skip
+        same = same and (gs == ls or dim is not None) and g.aval.dtype == lo.aval.dtype
+        rows.append(row)
+        seq.append(dim)
+    if not same or len(sp.per_mb) != len(local.per_mb):
+        raise PipelineError(
+            op="pipeline",
+            must="the loss traced on a device's rows and tokens of a micro-batch has the "
+            "same structure, its per-micro-batch values split on their row and sequence "
+            "dims, the layer stack's weights and shared values unchanged",
+            given="a loss whose values change otherwise with the tokens (a position or "
+            "mask table computed before the layer stack, a reshape that mixes the "
+            "sequence with other dims)",
+            fix="compute position-dependent values inside the layers (from "
+            "spmdkit.sequence.current_order), or plan without a context axis",
+        )
+    return tuple(rows), tuple(seq)
 
 
 def per_mb_rows_split(sp: SplitLoss, local: SplitLoss, shards: int) -> tuple[bool, ...]:

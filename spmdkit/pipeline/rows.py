@@ -122,6 +122,8 @@ def _free_rule(eqn: Any, ins: list[State]) -> list[State]:
     """The states of an equation's results when no operand has rows: the dims
     they are constant along, where a broadcast or an entrywise op makes that known."""
     name = eqn.primitive.name
+    if not eqn.outvars:  # an effect (a debug callback)
+        return []
     out_shape = _shape(eqn.outvars[0])
     if name == "broadcast_in_dim":
         bd = eqn.params["broadcast_dimensions"]

@@ -242,7 +242,13 @@ def _check_scan(eqn: Any, post_eqns: Sequence[Any], outvars: Sequence[Any]) -> N
 
 
 def split_loss(
-    loss_fn: Callable, params: Any, batch: Any, rest: tuple = (), *, layers: int | None = None
+    loss_fn: Callable,
+    params: Any,
+    batch: Any,
+    rest: tuple = (),
+    *,
+    layers: int | None = None,
+    axis_env: Sequence[tuple[str, int]] = (),
 ) -> SplitLoss:
     """Trace ``loss_fn(params, batch, *rest)`` (one micro-batch's shapes) and cut it
     at its layer scan (module docstring).
@@ -251,6 +257,9 @@ def split_loss(
       loss_fn: the loss; its first output is the scalar loss.
       params, batch, rest: arguments (concrete or abstract) with one micro-batch's shapes.
       layers: the stacked layer count (picks the scan of that length).
+      axis_env: mesh axes (name, size) the loss may name in collectives (it is
+        traced for a ``shard_map`` manual over them: a context-parallel stage's
+        attention permutes K/V over its context axes).
 
     Raises:
       PipelineError: no scan over the layers; a reversed scan; per-layer outputs
@@ -270,7 +279,9 @@ def split_loss(
     plain = [jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or jnp.result_type(x))
              for x in leaves]  # fmt: skip
     with jax.sharding.use_abstract_mesh(AbstractMesh((), ())):
-        closed = jax.make_jaxpr(_inlined(jax.make_jaxpr(flat)(*plain)))(*plain)
+        env = list(axis_env)
+        closed = jax.make_jaxpr(_inlined(jax.make_jaxpr(flat, axis_env=env)(*plain)),
+                                axis_env=env)(*plain)  # fmt: skip
     jaxpr = closed.jaxpr
     index = _find_scan(jaxpr, layers)
     eqn = jaxpr.eqns[index]

@@ -64,7 +64,7 @@ def gpipe_forward_loop(
     def body(xs_local: list, shared_in: list, per: list) -> Any:
         # the carry's shapes and the outputs' buffers; a tick builds its own with
         # the shared values cast
-        ctx = BoundLoss(sp, pipe, shared_in, per, lay.shards)
+        ctx = BoundLoss(sp, pipe, shared_in, per, lay.parts)
         d = jax.lax.axis_index(axis)
         # the stacked weights gathered over the batch axes (their gradients,
         # autodiff's transpose of it: reduce-scattered)
@@ -76,7 +76,7 @@ def gpipe_forward_loop(
         @_in_named_scope(FORWARD_SCOPE)
         def fwd(row: dict, inbox: list) -> tuple:
             # the shared values cast where a tick reads them (see the docstring)
-            ctx = BoundLoss(sp, pipe, cast(shared_in, dtypes[1]), per, lay.shards)
+            ctx = BoundLoss(sp, pipe, cast(shared_in, dtypes[1]), per, lay.parts)
             i = row["mb"]
             x_in = [
                 jnp.where(row["first"] > 0, ctx.per[v][i], b[row["f_in"]])
@@ -140,7 +140,7 @@ def explicit_tick_loop(
     axis = lay.axis
 
     def body(xs_local: list, shared: list, per: list) -> tuple:
-        ctx = BoundLoss(sp, pipe, shared, per, lay.shards)
+        ctx = BoundLoss(sp, pipe, shared, per, lay.parts)
         d = jax.lax.axis_index(axis)
         xs_l = _gathered_weights(xs_local, lay)
         vjp_stash = VjpStash()
@@ -394,11 +394,11 @@ def _reduced_results(ctx: BoundLoss, lay: ManualAxes, state: dict, xs_l: list) -
         s for s, v in zip(lay.sh_out or replicated_splits(sp.shared), sp.shared, strict=True)
         if v in ctx.dshared
     ]  # fmt: skip
-    rows = [r for r, v in zip(lay.rows, sp.per_mb, strict=True) if v in ctx.dper]
+    dper = [k for k, v in enumerate(sp.per_mb) if v in ctx.dper]
     return (
         psum(state["loss"]),
         g_xs,
         [lay.reduce(g, s, 0, (axis,)) for g, s in zip(state["g_sh"], sh_out, strict=True)],
-        [psum(g, (axis,) if r else lay.all_axes) for g, r in zip(state["g_mb"], rows, strict=True)],
+        [psum(g, lay.value_sum_axes(k)) for g, k in zip(state["g_mb"], dper, strict=True)],
         [psum(o, (axis,)) for o in state["outs"]],
     )
