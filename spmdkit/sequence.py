@@ -41,6 +41,7 @@ from spmdkit.util import path_str
 __all__ = [
     "BalancedOrder",
     "ContextShard",
+    "PIPELINED_STRATEGIES",
     "SequenceOrderError",
     "balance_batch",
     "context_parallel",
@@ -244,6 +245,14 @@ class ContextShard:
             return index
         return BalancedOrder(self.shards).position_of(index, seq_len * self.shards)
 
+
+#: The attention strategies a pipelined stage runs under context parallelism:
+#: K/V all-gathered. The ring's collective-permutes would run inside the
+#: schedule's per-device branches (a forward on one stage while the next runs a
+#: backward), and XLA:CPU rendezvouses a collective-permute over every device of
+#: the program, so the ring's blocks meet the wrong peers (or wait forever); the
+#: pipeline executor refuses it and the planner prices only these.
+PIPELINED_STRATEGIES = ("gather_kv",)
 
 _SHARD: contextvars.ContextVar[ContextShard | None] = contextvars.ContextVar(
     "spmdkit_context_shard", default=None

@@ -83,11 +83,11 @@ from spmdkit.pipeline.layouts import (
     weight_splits,
     zero_cotangent,
 )
-from spmdkit.pipeline.schedule import Pipeline, build_schedule
+from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.ticks import explicit_tick_loop, gpipe_forward_loop
-from spmdkit.sequence import ContextShard, context_shard
+from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard, context_shard
 from spmdkit.util import path_str
 
 __all__ = ["pipelined_value_and_grad"]
@@ -172,12 +172,7 @@ def pipelined_value_and_grad(
         run_mesh = _run_mesh(mesh, pipe.axis)
         axes, shards = _batch_axes(run_mesh, pipe, batch_axes)
         shard = _context_on(run_mesh, pipe, context, axes)
-        if shard is not None:
-            local = _split_on_tokens(loss_fn, (params, one, rest), shards, shard, seq_dims)
-            rows, seq = per_mb_seq_split(sp, local, shards, shard.shards)
-        else:
-            local = sp if shards == 1 else split_loss(loss_fn, params, local_rows(one, shards), rest)
-            rows, seq = per_mb_rows_split(sp, local, shards), ()
+        local, rows, seq = _local_split(loss_fn, sp, (params, one, rest), shards, shard, seq_dims)
         cp_axes = shard.axes if shard is not None else ()
         data = (*axes, *cp_axes)
         p_specs, g_specs = layouts(params) if layouts and data else (None, None)
@@ -256,7 +251,32 @@ def _context_on(
     )
     if not axes:
         return None
+    if context.attention not in PIPELINED_STRATEGIES:
+        raise PipelineError(
+            op="pipeline",
+            must=f"a pipelined stage's context-parallel attention is one of "
+            f"{PIPELINED_STRATEGIES} (the ring's permutes would run inside the "
+            "schedule's per-device branches, where XLA:CPU pairs them with other "
+            "devices' permutes)",
+            given=f"attention {context.attention!r} over {axes}",
+            fix="plan it again (the planner gives pipelined plans 'gather_kv'), or "
+            "dataclasses.replace(plan.context, attention='gather_kv')",
+        )
     return ContextShard(axes, tuple(sizes[a] for a in axes), context.balanced, context.attention)
+
+
+def _local_split(
+    loss_fn: Callable, sp: SplitLoss, args: tuple, shards: int, shard: Any, seq_dims: Any
+) -> tuple[SplitLoss, tuple, tuple]:
+    """The loss split on a device's rows (and, with ``shard``, tokens) of one
+    micro-batch, and per per-micro-batch value whether its rows are split and
+    which dim the context axes split."""
+    if shard is not None:
+        local = _split_on_tokens(loss_fn, args, shards, shard, seq_dims)
+        return local, *per_mb_seq_split(sp, local, shards, shard.shards)
+    params, one, rest = args
+    local = sp if shards == 1 else split_loss(loss_fn, params, local_rows(one, shards), rest)
+    return local, per_mb_rows_split(sp, local, shards), ()
 
 
 def _split_on_tokens(
@@ -305,8 +325,10 @@ def _pre_for_microbatches(sp: SplitLoss, micro: Any, r_leaves: list) -> Callable
 def _every_value_on_rows(sp: SplitLoss, lay: ManualAxes) -> bool:
     """Does the pre part's gradient run on each device's rows (:func:`_pre_grad_on_rows`)?
     With batch axes, when every floating per-micro-batch value is split over them."""
-    return bool(lay.batch) and not lay.context and all(
-        r for v, r in zip(sp.per_mb, lay.rows, strict=True) if differentiable(v.aval.dtype)
+    return (
+        bool(lay.batch)
+        and not lay.context
+        and all(r for v, r in zip(sp.per_mb, lay.rows, strict=True) if differentiable(v.aval.dtype))
     )
 
 

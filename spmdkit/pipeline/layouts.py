@@ -274,8 +274,7 @@ def local_tokens(one: Any, seq_dims: Any, parts: int) -> Any:
             raise PipelineError(
                 op="pipeline",
                 must="a micro-batch's sequences split evenly over the context axes' devices",
-                given=f"a micro-batch leaf of shape {tuple(x.shape)}, dim {d} over {parts} "
-                "devices",
+                given=f"a micro-batch leaf of shape {tuple(x.shape)}, dim {d} over {parts} devices",
                 fix=f"use a sequence length that is a multiple of {parts}",
             )
         shape = list(x.shape)

@@ -67,7 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
-from spmdkit.planner.context import ContextAttention, context_attention
+from spmdkit.planner.context import PIPELINED_STRATEGIES, ContextAttention, context_attention
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.recipe import NAMED_POLICIES, Recipe
 from spmdkit.spec import MeshLike
@@ -898,9 +898,8 @@ def _memory(
 
 
 def _context(ctx: CostContext, shards: int, attention_s: float) -> ContextAttention:
-    """Attention's K/V exchange over the context axes (:func:`context_attention`):
-    the device's K/V are the traced ones at the compute itemsize over ``shards``
-    (the batch and head shards)."""
+    """Attention's K/V exchange over the context axes (:func:`context_attention`) of
+    the device's K/V: the traced ones at the compute itemsize over ``shards``."""
     trace, recipe = ctx.trace, ctx.recipe
     scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
     return context_attention(
@@ -913,6 +912,7 @@ def _context(ctx: CostContext, shards: int, attention_s: float) -> ContextAttent
         rerun=trace.recompute_flops(recipe)[1] > 0,
         keep_all=recipe.remat == "none",
         microbatches=recipe.microbatches,
+        strategies=PIPELINED_STRATEGIES if ctx.gather_once else ("ring", "gather_kv"),
     )
 
 

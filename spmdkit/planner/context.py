@@ -47,12 +47,14 @@ import numpy as np
 
 from spmdkit.mesh import data_axis, split_axis
 from spmdkit.planner.logical import PlanError
+from spmdkit.sequence import PIPELINED_STRATEGIES
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import Topology
 
 __all__ = [
     "CONTEXT_AXIS",
     "LONG_SEQUENCE",
+    "PIPELINED_STRATEGIES",
     "ContextAttention",
     "causal_shares",
     "context_attention",
@@ -193,8 +195,10 @@ def context_attention(
     rerun: bool,
     keep_all: bool,
     microbatches: int = 1,
+    strategies: tuple[str, ...] = ("ring", "gather_kv"),
 ) -> ContextAttention:
-    """The cheaper of the ring and the K/V all-gather (module docstring).
+    """The cheaper of the ring and the K/V all-gather (module docstring), among
+    ``strategies``.
 
     Args:
       topology: the link model.
@@ -208,6 +212,8 @@ def context_attention(
       keep_all: nothing is recomputed: ``gather_kv`` keeps every layer's gathered K/V.
       microbatches: the step's micro-batches (gradient accumulation or a
         pipeline's): each exchanges its own K/V, and one's are live at a time.
+      strategies: the strategies that can run (a pipelined stage's:
+        :data:`PIPELINED_STRATEGIES`).
     """
     sizes = axis_sizes(mesh)
     n = int(np.prod([sizes[a] for a in axes])) if axes else 1
@@ -244,5 +250,9 @@ def context_attention(
         },
         held,
     )
+    if "ring" not in strategies:
+        return gather
+    if "gather_kv" not in strategies:
+        return ring
     exposed = (ring.comm_s - ring.hidden_s, gather.comm_s)
     return ring if exposed[0] <= exposed[1] else gather

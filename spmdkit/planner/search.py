@@ -90,7 +90,12 @@ from spmdkit.planner.candidates import (
     state_layout,
     step_floor,
 )
-from spmdkit.planner.context import CONTEXT_AXIS, context_axes, context_meshes
+from spmdkit.planner.context import (
+    CONTEXT_AXIS,
+    PIPELINED_STRATEGIES,
+    context_axes,
+    context_meshes,
+)
 from spmdkit.planner.logical import (
     ACTIVATION_ALIASES,
     BATCH_NAMES,
@@ -944,6 +949,8 @@ def _context_plan(c: Candidate, cost: Cost | None, mesh: MeshLike) -> ContextPar
     ops = (cost or c.cost).ops.get("attention") or c.cost.ops.get("attention") or {}
     seq = [s for s in ops if s != "default"] or ["ring"]
     strategy = max(seq, key=lambda s: ops.get(s, 0))
+    if c.pipeline is not None and strategy not in PIPELINED_STRATEGIES:
+        strategy = PIPELINED_STRATEGIES[0]  # what a pipelined stage runs (and was priced)
     return ContextParallel(c.context, math.prod(sizes[a] for a in c.context), strategy)
 
 
