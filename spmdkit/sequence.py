@@ -50,6 +50,7 @@ __all__ = [
     "current_attention",
     "current_order",
     "current_shard",
+    "note_exchange",
     "plan_context",
 ]
 
@@ -259,19 +260,36 @@ _SHARD: contextvars.ContextVar[ContextShard | None] = contextvars.ContextVar(
 )
 
 
+_EXCHANGES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "spmdkit_context_exchanges", default=None
+)
+
+
 @contextlib.contextmanager
-def context_shard(shard: ContextShard | None) -> Iterator[ContextShard | None]:
+def context_shard(shard: ContextShard | None) -> Iterator[list[tuple[str, float]]]:
     """Trace layers on one device's tokens (``shard``; ``None``: no effect): inside,
     :func:`current_order` returns ``shard`` (RoPE reads its positions),
     :func:`current_shard` too, the attention op runs its ``shard.attention``
     strategy's per-device computation directly over ``shard.axes``
     (:func:`spmdkit.ops.attention`), and :func:`context_parallel_loss` passes the
-    loss through (its batch is already the shard's tokens)."""
-    token = _SHARD.set(shard)
+    loss through (its batch is already the shard's tokens). Yields a list that
+    the attention ops traced inside add their forward collectives to, ``(kind,
+    payload bytes per device)`` (:func:`note_exchange`)."""
+    seen: list[tuple[str, float]] = []
+    tokens = (_SHARD.set(shard), _EXCHANGES.set(seen))
     try:
-        yield shard
+        yield seen
     finally:
-        _SHARD.reset(token)
+        _EXCHANGES.reset(tokens[1])
+        _SHARD.reset(tokens[0])
+
+
+def note_exchange(collectives: Any) -> None:
+    """Add collectives (``kind``, ``payload_bytes``) an op traced under
+    :func:`context_shard` runs to its list."""
+    seen = _EXCHANGES.get()
+    if seen is not None:
+        seen.extend((c.kind, float(c.payload_bytes)) for c in collectives)
 
 
 def current_shard() -> ContextShard | None:

@@ -25,7 +25,13 @@ from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError
 from spmdkit.mesh import abstract_mesh
 from spmdkit.ops.base import apply_rule
-from spmdkit.sequence import ContextShard, current_attention, current_order, current_shard
+from spmdkit.sequence import (
+    ContextShard,
+    current_attention,
+    current_order,
+    current_shard,
+    note_exchange,
+)
 from spmdkit.spec import MeshLike, TensorSpec
 
 __all__ = ["attention"]
@@ -142,6 +148,7 @@ def _on_shard(q: Any, k: Any, v: Any, attrs: dict[str, Any], shard: ContextShard
             given=f"the rule asks for {[str(s) for s in res.inputs]}",
             fix="plan the context axis with strategy 'ring' or 'gather_kv'",
         )
+    note_exchange(res.collectives)  # what plan.verify predicts the stages to run
     rule = get_rule("attention")
     out = rule.local_fn(local_context(rule, res, attrs, mesh))(q, k, v)
     return resolve_partials(out, res.outputs[0])

@@ -172,7 +172,9 @@ def pipelined_value_and_grad(
         run_mesh = _run_mesh(mesh, pipe.axis)
         axes, shards = _batch_axes(run_mesh, pipe, batch_axes)
         shard = _context_on(run_mesh, pipe, context, axes)
-        local, rows, seq = _local_split(loss_fn, sp, (params, one, rest), shards, shard, seq_dims)
+        local, rows, seq, exch = _local_split(
+            loss_fn, sp, (params, one, rest), shards, shard, seq_dims
+        )
         cp_axes = shard.axes if shard is not None else ()
         data = (*axes, *cp_axes)
         p_specs, g_specs = layouts(params) if layouts and data else (None, None)
@@ -196,7 +198,7 @@ def pipelined_value_and_grad(
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
         pre_all = _pre_for_microbatches(sp, micro, r_leaves)
-        record_traced(loss_fn, pipe, sp, lay.data_axes, (params, batch, *rest))
+        record_traced(loss_fn, pipe, sp, lay.data_axes, (params, batch, *rest), exch)
         sources = param_sources(sp)
         if not _every_value_on_rows(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
@@ -267,32 +269,34 @@ def _context_on(
 
 def _local_split(
     loss_fn: Callable, sp: SplitLoss, args: tuple, shards: int, shard: Any, seq_dims: Any
-) -> tuple[SplitLoss, tuple, tuple]:
+) -> tuple[SplitLoss, tuple, tuple, tuple]:
     """The loss split on a device's rows (and, with ``shard``, tokens) of one
-    micro-batch, and per per-micro-batch value whether its rows are split and
-    which dim the context axes split."""
+    micro-batch, per per-micro-batch value whether its rows are split and which
+    dim the context axes split, and the context collectives one layer traced
+    (:attr:`~spmdkit.pipeline.facts.PipelineFacts.context_bytes`)."""
     if shard is not None:
-        local = _split_on_tokens(loss_fn, args, shards, shard, seq_dims)
-        return local, *per_mb_seq_split(sp, local, shards, shard.shards)
+        local, exchanges = _split_on_tokens(loss_fn, args, shards, shard, seq_dims)
+        return local, *per_mb_seq_split(sp, local, shards, shard.shards), exchanges
     params, one, rest = args
     local = sp if shards == 1 else split_loss(loss_fn, params, local_rows(one, shards), rest)
-    return local, per_mb_rows_split(sp, local, shards), ()
+    return local, per_mb_rows_split(sp, local, shards), (), ()
 
 
 def _split_on_tokens(
     loss_fn: Callable, args: tuple, shards: int, shard: ContextShard, seq_dims: Any
-) -> SplitLoss:
+) -> tuple[SplitLoss, tuple]:
     """The loss split on a device's rows and tokens of one micro-batch (``args``:
     params, its shapes, rest), traced under :func:`spmdkit.sequence.context_shard`
-    with the context axes bound."""
+    with the context axes bound, and the collectives its attention noted."""
     params, one, rest = args
     dims = jax.tree_util.tree_map_with_path(
         lambda path, x: (seq_dims or {}).get(path_str(path)), one
     )
     cut = local_tokens(local_rows(one, shards), dims, shard.shards)
     env = list(zip(shard.axes, shard.sizes, strict=True))
-    with context_shard(shard):
-        return split_loss(loss_fn, params, cut, rest, axis_env=env)
+    with context_shard(shard) as exchanges:
+        local = split_loss(loss_fn, params, cut, rest, axis_env=env)
+    return local, tuple(exchanges)
 
 
 def _batch_axes(mesh: Any, pipe: Pipeline, batch_axes: tuple[str, ...]) -> tuple[tuple, int]:

@@ -74,6 +74,10 @@ class PipelineFacts:
         (params, batch, rest): the unpipelined step, whose layer scans
         ``plan.verify`` prices the stages' collectives from.
       layers: the stacked layer count.
+      context_bytes: with context parallelism, one layer's forward collectives
+        over the context axes for one micro-batch on one device, ``((kind,
+        payload bytes), ...)``, as its stage traced them (attention's K/V
+        gathers: :func:`spmdkit.sequence.context_shard`).
     """
 
     pipe: Pipeline
@@ -84,6 +88,7 @@ class PipelineFacts:
     loss_fn: Callable | None = field(default=None, compare=False)
     args: tuple = field(default=(), compare=False)
     layers: int = 0
+    context_bytes: tuple[tuple[str, float], ...] = ()
 
 
 _TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = contextvars.ContextVar(
@@ -117,6 +122,7 @@ def record_traced(
     sp: SplitLoss,
     batch_axes: tuple[str, ...],
     args: tuple,
+    context_bytes: tuple[tuple[str, float], ...] = (),
 ) -> None:
     """Hand a pipelined gradient being traced (``sp``: its loss split; ``args``:
     its params, batch and the rest) to the :func:`pipelines_traced` around it, if
@@ -132,7 +138,7 @@ def record_traced(
     seen.append(
         PipelineFacts(
             pipe, *sizes, batch_axes=batch_axes, loss_fn=loss_fn,
-            args=tuple(shapes), layers=sp.layers,
+            args=tuple(shapes), layers=sp.layers, context_bytes=context_bytes,
         )
     )  # fmt: skip
 

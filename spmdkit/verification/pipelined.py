@@ -51,6 +51,7 @@ from spmdkit.verification.compiled import CompiledReport
 
 __all__ = [
     "chunk_weight_bytes",
+    "context_exchange",
     "counted_by_schedule",
     "pipelined_prediction",
     "stage_collectives",
@@ -103,7 +104,9 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
     if not seen:
         return prop
     mesh_sizes = axis_sizes(plan.mesh)
+    # a device's share of a micro-batch: its rows, and its tokens under context parallelism
     shards = math.prod(mesh_sizes[a] for a in plan.activation.get("batch", ()))
+    shards *= math.prod(mesh_sizes[a] for a in _context_axes(plan, seen[0]))
     counted = _propagated_outputs(traced.jaxpr, seen[0].pipe.axis, mesh_sizes)
     comm = dict(prop.comm_bytes_by_kind)
     # propagation prices a shard_map body's ppermutes once each, not per tick:
@@ -134,6 +137,8 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         # results at their out_specs' size)
         extra += _scattered_outputs(traced.jaxpr, pipe.axis, mesh_sizes, facts.batch_axes)
         for kind, b in stage_collectives(plan, facts).items():
+            comm[kind] = comm.get(kind, 0) + int(b)
+        for kind, b in context_exchange(plan, facts).items():
             comm[kind] = comm.get(kind, 0) + int(b)
         if residual_outputs(pipe):
             extra -= counted.pop(0) if counted else 0.0
@@ -272,6 +277,13 @@ def counted_by_schedule(compiled: CompiledReport, pipe: Pipeline) -> CompiledRep
     return dataclasses.replace(compiled, executions=out)
 
 
+def _context_axes(plan: Plan, facts: PipelineFacts) -> tuple[str, ...]:
+    """The plan's context axes the pipeline's ``shard_map`` makes manual (its
+    stages run on a device's tokens of each micro-batch)."""
+    axes = plan.context.axes if plan.context is not None else ()
+    return tuple(a for a in axes if a in facts.batch_axes)
+
+
 def _auto_axes(plan: Plan, facts: PipelineFacts) -> set[str]:
     """The mesh axes (size > 1) the pipeline's ``shard_map`` leaves automatic."""
     sizes = axis_sizes(plan.mesh)
@@ -363,4 +375,27 @@ def stage_collectives(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
 
     add([prop.records[scans[0]], prop.records[scans[-1]]], 1 / pipe.stages)
     add(prop.records[scans[0] + 1 : scans[-1]], 1.0)
+    return out
+
+
+#: The collective that transposes each kind (a stage's backward pass of
+#: attention's K/V exchange is autodiff's transpose of its forward).
+_TRANSPOSE = {"all_gather": "reduce_scatter", "collective_permute": "collective_permute"}
+
+
+def context_exchange(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
+    """Attention's K/V exchange in a context-parallel pipeline's stages, per
+    device and kind: each layer's forward collectives as its stage traced them
+    (:attr:`~spmdkit.pipeline.facts.PipelineFacts.context_bytes`: one micro-batch's,
+    a device's rows), their transposes in the backward, and the forward's again
+    where the recipe recomputes the layer, for the ``L / p`` layers a device
+    runs of each of the ``m`` micro-batches."""
+    pipe = facts.pipe
+    runs = pipe.microbatches * facts.layers / pipe.stages
+    rerun = 2 if plan.recipe.remat != "none" else 1
+    out: dict[str, float] = {}
+    for kind, nbytes in facts.context_bytes:
+        out[kind] = out.get(kind, 0.0) + nbytes * runs * rerun
+        back = _TRANSPOSE.get(kind, kind)
+        out[back] = out.get(back, 0.0) + nbytes * runs
     return out
