@@ -15,6 +15,7 @@ from spmdkit.planner import PlanError
 from spmdkit.planner.context import (
     CONTEXT_AXIS,
     LONG_SEQUENCE,
+    PIPELINED_STRATEGIES,
     causal_shares,
     context_attention,
     context_meshes,
@@ -78,6 +79,10 @@ def test_context_attention_ring_hides_under_long_attention():
         topo, mesh, ("context",), kv, layers, 10.0, rerun=True, keep_all=False
     )
     assert rerun.payload["collective_permute"] == pytest.approx(4 * 3 * kv / 4)
+    # a pipelined stage runs only what PIPELINED_STRATEGIES lists: priced so
+    staged = context_attention(topo, mesh, ("context",), kv, layers, 10.0, rerun=False,
+                               keep_all=True, strategies=PIPELINED_STRATEGIES)  # fmt: skip
+    assert PIPELINED_STRATEGIES == ("gather_kv",) and staged.strategy == "gather_kv"
 
 
 def test_context_attention_gathers_when_attention_is_short():
