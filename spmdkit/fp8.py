@@ -22,6 +22,13 @@ dots_with_no_batch_dims_saveable`` calls a weight matmul too. Batched matmuls (t
 attention scores and their weighted sum) stay in bfloat16, as in the published
 recipes.
 
+``exclude=("lm_head",)`` (the recipe's default, :data:`LM_HEAD`) also keeps the
+*LM head* in bfloat16, as Transformer Engine / NeMo, torchao (torchtitan's
+float8 converter skips its ``output`` linear) and MaxText keep the final
+projection: the weight matmuls whose results reach the loss through no other
+weight matmul (:func:`lm_heads`; the vocabulary projection of a language model,
+a classifier's head), outside the layer scan.
+
 :func:`fp8_loss` applies this to any loss without editing the model: the loss is
 traced to a jaxpr, and re-run equation by equation with every weight matmul
 replaced by :func:`fp8_dot`, inside the layer scan, ``jit`` calls and
@@ -52,14 +59,19 @@ from spmdkit.errors import SpmdError
 __all__ = [
     "E4M3",
     "E5M2",
+    "EXCLUDABLE",
     "HISTORY",
+    "LM_HEAD",
     "SCALINGS",
     "STATE_PREFIX",
+    "check_exclude",
     "fp8_dot",
     "fp8_dot_delayed",
     "fp8_loss",
     "fp8_state",
     "is_weight_matmul",
+    "lm_head_operands",
+    "lm_heads",
     "quantize",
 ]
 
@@ -247,79 +259,216 @@ def _avals(avals: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     ]
 
 
-def _rewritten(closed: Any) -> Any:
-    """A closed jaxpr computing what ``closed`` does with its weight matmuls in fp8."""
+#: Where a weight matmul sits in a jaxpr: its equation's index, preceded by the
+#: indices of the call equations (``jit``, ``jax.checkpoint``) it is nested in.
+Site = tuple[int, ...]
+
+#: The name :func:`fp8_loss`'s ``exclude`` gives the LM head (:func:`lm_heads`).
+LM_HEAD = "lm_head"
+#: What ``exclude`` may name: the matmuls that can stay in bfloat16.
+EXCLUDABLE = (LM_HEAD,)
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, jex.Literal)
+
+
+def _holds_matmul(eqn: Any) -> bool:
+    return any(
+        is_weight_matmul(e) for sub in jaxprs.sub_jaxprs(eqn) for e, _ in jaxprs.walk_eqns(sub)
+    )
+
+
+def _final(jaxpr: Any, live_out: Sequence[bool]) -> tuple[set[Site], list[bool]]:
+    """The weight matmuls of ``jaxpr`` whose results reach an outvar marked in
+    ``live_out`` through no other weight matmul, and which invars reach one so.
+    Calls are followed (their sites count unless the call is a custom_vjp/jvp,
+    whose body :func:`fp8_loss` leaves alone); a scan, loop or other body holding
+    a weight matmul stops the flow (the layer stack: the head is after it)."""
+    live = {v for v, on in zip(jaxpr.outvars, live_out, strict=True) if on and _is_var(v)}
+    sites: set[Site] = set()
+    for i in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[i]
+        outs = [v in live for v in eqn.outvars]
+        if not any(outs):
+            continue
+        if is_weight_matmul(eqn):
+            sites.add((i,))
+            continue
+        body = jaxprs.call_body(eqn)
+        if body is not None:
+            inner, ins = _final(jaxprs.open_jaxpr(body)[0], outs)
+            if not eqn.primitive.name.startswith("custom_"):
+                sites.update((i, *s) for s in inner)
+        elif _holds_matmul(eqn):
+            continue
+        else:
+            ins = [True] * len(eqn.invars)
+        live.update(v for v, on in zip(eqn.invars, ins, strict=True) if on and _is_var(v))
+    return sites, [v in live for v in jaxpr.invars]
+
+
+def lm_heads(jaxpr: Any) -> frozenset[Site]:
+    """The LM head(s) of a loss's (forward) jaxpr: its weight matmuls whose results
+    reach the loss through no other weight matmul (outside the layer scan: a body
+    holding weight matmuls is a stop), each as a :data:`Site`. A language model's
+    vocabulary projection (tied to the embedding or not), a classifier's head.
+
+    Example::
+
+        >>> lm_heads(jax.make_jaxpr(loss)(params, batch).jaxpr)
+        frozenset({(41,)})
+    """
+    jaxpr = jaxprs.open_jaxpr(jaxpr)[0]
+    return frozenset(_final(jaxpr, [True] * len(jaxpr.outvars))[0])
+
+
+#: Primitives that move a weight without computing on it (followed back to it).
+_RELAYOUTS = frozenset({"convert_element_type", "transpose", "reshape", "copy", "copy_p"})
+
+
+def lm_head_operands(jaxpr: Any, sites: frozenset[Site]) -> set[int]:
+    """Indices of ``jaxpr``'s invars that are operands of the matmuls at ``sites``
+    (:func:`lm_heads`), through casts, transposes and reshapes and into calls:
+    the parameters an LM head reads.
+
+    Example::
+
+        >>> lm_head_operands(jaxpr, lm_heads(jaxpr))  # the flattened params' index
+        {3}
+    """
+    jaxpr = jaxprs.open_jaxpr(jaxpr)[0]
+    origin = {v: i for i, v in enumerate(jaxpr.invars)}
+    return _operands(jaxpr, sites, origin)
+
+
+def _operands(jaxpr: Any, sites: frozenset[Site], origin: dict) -> set[int]:
+    found: set[int] = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [origin.get(v) if _is_var(v) else None for v in eqn.invars]
+        if (i,) in sites:
+            found.update(o for o in ins if o is not None)
+        elif eqn.primitive.name in _RELAYOUTS and ins[0] is not None:
+            origin[eqn.outvars[0]] = ins[0]
+        elif _below(sites, i) and jaxprs.call_body(eqn) is not None:
+            body = jaxprs.open_jaxpr(jaxprs.call_body(eqn))[0]
+            inner = {b: o for b, o in zip(body.invars, ins, strict=True) if o is not None}
+            found |= _operands(body, _below(sites, i), inner)
+    return found
+
+
+def _below(sites: frozenset[Site], i: int) -> frozenset[Site]:
+    """The sites nested in equation ``i``'s body, relative to it."""
+    return frozenset(s[1:] for s in sites if s[0] == i and len(s) > 1)
+
+
+def check_exclude(
+    exclude: Sequence[str], op: str, error: type[SpmdError] = SpmdError
+) -> tuple[str, ...]:
+    """``exclude`` as a tuple of :data:`EXCLUDABLE` names.
+
+    Raises:
+      SpmdError: (``error``) a name that is not one of them, or a bare string."""
+    if isinstance(exclude, str) or any(n not in EXCLUDABLE for n in exclude):
+        raise error(
+            op=op,
+            must="the matmuls kept out of float8 (exclude, Recipe.fp8_exclude) are a tuple "
+            f"of names, each one of {EXCLUDABLE}",
+            given=repr(exclude),
+            fix="pass fp8_exclude=('lm_head',) (the default: the LM head in bfloat16) or "
+            "fp8_exclude=() (every weight matmul in float8)",
+        )
+    return tuple(dict.fromkeys(exclude))
+
+
+def _kept(jaxpr: Any, exclude: Sequence[str]) -> frozenset[Site]:
+    """The sites of ``jaxpr`` that ``exclude`` keeps out of float8."""
+    return lm_heads(jaxpr) if LM_HEAD in exclude else frozenset()
+
+
+def _rewritten(closed: Any, keep: frozenset[Site] = frozenset()) -> Any:
+    """A closed jaxpr computing what ``closed`` does with its weight matmuls in fp8
+    (but those at ``keep``)."""
     jaxpr, consts = jaxprs.open_jaxpr(closed)
-    fn = functools.partial(_run, jaxpr, list(consts))
+    fn = functools.partial(_run, jaxpr, list(consts), keep=keep)
     return jax.make_jaxpr(fn)(*_avals([v.aval for v in jaxpr.invars]))
 
 
-def _with_fp8_body(eqn: Any) -> Any:
+def _with_fp8_body(eqn: Any, keep: frozenset[Site]) -> Any:
     """``eqn`` with the body it runs rewritten (a scan's, a plain call's, a
-    ``jax.checkpoint`` region's), or ``eqn`` itself (no body, or a custom_vjp/jvp)."""
+    ``jax.checkpoint`` region's; ``keep``: sites in it left alone), or ``eqn``
+    itself (no body, or a custom_vjp/jvp)."""
     name = eqn.primitive.name
     if name == "scan":
-        return jaxprs.with_body(eqn, _rewritten(jaxprs.scan(eqn).body))
+        return jaxprs.with_body(eqn, _rewritten(jaxprs.scan(eqn).body, keep))
     body = jaxprs.call_body(eqn)
     if body is None or name.startswith("custom_"):
         return eqn
     if name in jaxprs.REMAT_PRIMITIVES:  # an open jaxpr: it cannot take new constants
-        new = _rewritten(jaxprs.closed(body))
+        new = _rewritten(jaxprs.closed(body), keep)
         return eqn if new.consts else jaxprs.with_body(eqn, new.jaxpr)
-    return jaxprs.with_body(eqn, _rewritten(body))
+    return jaxprs.with_body(eqn, _rewritten(body, keep))
 
 
-def _sites(eqn: Any) -> list[tuple[int, ...]]:
+def _sites(eqn: Any, keep: frozenset[Site] = frozenset()) -> list[tuple[int, ...]]:
     """The weight matmuls delayed scaling keeps a history for, in the order
     :func:`_run` meets them, each as the scan lengths it runs under (``()``: once
     per step; ``(L,)``: in an ``L``-step layer scan, one history per layer): the
     equation itself, or those in the body of a scan or a call (not a custom_vjp/jvp:
-    the model's own backward)."""
+    the model's own backward), but those at ``keep`` (relative to ``eqn``'s body;
+    ``()``: the equation itself)."""
     if is_weight_matmul(eqn):
-        return [()]
+        return [] if () in keep else [()]
     name = eqn.primitive.name
     if name == "scan":
         sc = jaxprs.scan(eqn)
-        return [(sc.length, *s) for s in _jaxpr_sites(sc.jaxpr)]
+        return [(sc.length, *s) for s in _jaxpr_sites(sc.jaxpr, keep)]
     body = jaxprs.call_body(eqn)
     if body is None or name.startswith("custom_"):
         return []
-    return _jaxpr_sites(jaxprs.open_jaxpr(body)[0])
+    return _jaxpr_sites(jaxprs.open_jaxpr(body)[0], keep)
 
 
-def _jaxpr_sites(jaxpr: Any) -> list[tuple[int, ...]]:
-    return [s for eqn in jaxpr.eqns for s in _sites(eqn)]
+def _jaxpr_sites(jaxpr: Any, keep: frozenset[Site] = frozenset()) -> list[tuple[int, ...]]:
+    return [s for i, eqn in enumerate(jaxpr.eqns) for s in _sites(eqn, _at(keep, i))]
 
 
-def _delayed_eqn(eqn: Any, ins: list, histories: Iterator) -> list | None:
+def _at(keep: frozenset[Site], i: int) -> frozenset[Site]:
+    """``keep`` relative to equation ``i``: ``()`` when it is the equation itself."""
+    return frozenset(s[1:] for s in keep if s[0] == i)
+
+
+def _delayed_eqn(eqn: Any, ins: list, histories: Iterator, keep: frozenset[Site]) -> list | None:
     """``eqn`` run with delayed scaling on the next of ``histories`` for each of
-    its weight matmuls; None when it has none (run it as it is)."""
-    if is_weight_matmul(eqn):
+    its weight matmuls (but those at ``keep``, :func:`_sites`); None when it has
+    none (run it as it is)."""
+    if is_weight_matmul(eqn) and () not in keep:
         dn = eqn.params["dimension_numbers"]
         return [fp8_dot_delayed(*ins, next(histories), dn, eqn.outvars[0].aval.dtype)]
-    hs = [next(histories) for _ in _sites(eqn)]
+    hs = [next(histories) for _ in _sites(eqn, keep)]
     if not hs:
         return None
     if eqn.primitive.name == "scan":
-        return _delayed_scan(jaxprs.scan(eqn), ins, hs)
+        return _delayed_scan(jaxprs.scan(eqn), ins, hs, keep)
     jaxpr, consts = jaxprs.open_jaxpr(jaxprs.call_body(eqn))
 
     def body(hs: list, *args: Any) -> list:
-        return _run(jaxpr, consts, *args, histories=iter(hs))
+        return _run(jaxpr, consts, *args, histories=iter(hs), keep=keep)
 
     if eqn.primitive.name in jaxprs.REMAT_PRIMITIVES:
         return jax.checkpoint(body, **jaxprs.remat_options(eqn))(hs, *ins)
     return body(hs, *ins)  # a jit / closed call: inlined
 
 
-def _delayed_scan(sc: Any, ins: list, hs: list) -> list:
+def _delayed_scan(sc: Any, ins: list, hs: list, keep: frozenset[Site]) -> list:
     """A scan with delayed scaling: each layer's histories ride as extra scanned
     inputs (one slice per step)."""
     consts, init = ins[: sc.num_consts], ins[sc.num_consts : sc.num_consts + sc.num_carry]
     xs = ins[sc.num_consts + sc.num_carry :]
 
     def step(carry: list, x: tuple) -> tuple[list, list]:
-        outs = _run(sc.jaxpr, list(sc.consts), *consts, *carry, *x[0], histories=iter(x[1]))
+        args = (*consts, *carry, *x[0])
+        outs = _run(sc.jaxpr, list(sc.consts), *args, histories=iter(x[1]), keep=keep)
         return outs[: sc.num_carry], outs[sc.num_carry :]
 
     carry, ys = lax.scan(
@@ -328,22 +477,29 @@ def _delayed_scan(sc: Any, ins: list, hs: list) -> list:
     return [*carry, *ys]
 
 
-def _current_eqn(eqn: Any, ins: list, rewrite: bool) -> list:
-    """``eqn`` run with its weight matmuls (its own, its body's) by :func:`fp8_dot`;
-    with ``rewrite`` False (delayed scaling found none in it) as it is."""
-    if rewrite and is_weight_matmul(eqn):
+def _current_eqn(eqn: Any, ins: list, rewrite: bool, keep: frozenset[Site]) -> list:
+    """``eqn`` run with its weight matmuls (its own, its body's; but those at
+    ``keep``) by :func:`fp8_dot`; with ``rewrite`` False (delayed scaling found
+    none in it) as it is."""
+    if rewrite and is_weight_matmul(eqn) and () not in keep:
         return [fp8_dot(*ins, eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype)]
-    new = _with_fp8_body(eqn) if rewrite else eqn
+    new = _with_fp8_body(eqn, keep) if rewrite else eqn
     ctx = getattr(eqn, "ctx", None)
     with ctx.manager if ctx is not None else contextlib.nullcontext():
         outs = new.primitive.bind(*ins, **new.primitive.get_bind_params(new.params))
     return outs if new.primitive.multiple_results else [outs]
 
 
-def _run(jaxpr: Any, consts: list, *args: Any, histories: Iterator | None = None) -> list:
-    """Evaluate ``jaxpr`` on ``args`` with every weight matmul run by :func:`fp8_dot`
-    (with ``histories``, the amax histories in :func:`_sites` order: by
-    :func:`fp8_dot_delayed`)."""
+def _run(
+    jaxpr: Any,
+    consts: list,
+    *args: Any,
+    histories: Iterator | None = None,
+    keep: frozenset[Site] = frozenset(),
+) -> list:
+    """Evaluate ``jaxpr`` on ``args`` with every weight matmul but those at ``keep``
+    run by :func:`fp8_dot` (with ``histories``, the amax histories in :func:`_sites`
+    order: by :func:`fp8_dot_delayed`)."""
     env: dict = {}
 
     def read(v: Any) -> Any:
@@ -353,17 +509,18 @@ def _run(jaxpr: Any, consts: list, *args: Any, histories: Iterator | None = None
         env[v] = x
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
-    for eqn in jaxpr.eqns:
+    for i, eqn in enumerate(jaxpr.eqns):
         ins = [read(v) for v in eqn.invars]
-        outs = _delayed_eqn(eqn, ins, histories) if histories is not None else None
+        at = _at(keep, i)
+        outs = _delayed_eqn(eqn, ins, histories, at) if histories is not None else None
         if outs is None:
-            outs = _current_eqn(eqn, ins, rewrite=histories is None)
+            outs = _current_eqn(eqn, ins, rewrite=histories is None, keep=at)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
 
-def fp8_loss(loss_fn: Callable, scaling: str = "current") -> Callable:
+def fp8_loss(loss_fn: Callable, scaling: str = "current", exclude: Sequence[str] = ()) -> Callable:
     """``loss_fn`` with every weight matmul run in float8 (module docstring): traced
     for the arguments of each call and re-run equation by equation; the model is
     not edited.
@@ -375,10 +532,14 @@ def fp8_loss(loss_fn: Callable, scaling: str = "current") -> Callable:
         :func:`fp8_dot_delayed`; the result takes the amax histories first,
         ``f(state, *args)`` with ``state`` from :func:`fp8_state`, and the
         gradient of ``f`` with respect to ``state`` is the next step's state.
+      exclude: weight matmuls left in the loss's own dtype, by name
+        (:data:`EXCLUDABLE`): ``("lm_head",)`` keeps :func:`lm_heads` out of
+        float8 (what ``Recipe(compute_dtype="float8")`` passes by default).
 
     Raises:
-      SpmdError: ``scaling`` is neither; a delayed ``state`` that is not
-        :func:`fp8_state`'s for these arguments.
+      SpmdError: ``scaling`` is neither; a name in ``exclude`` that is not
+        excludable; a delayed ``state`` that is not :func:`fp8_state`'s for these
+        arguments (and ``exclude``).
 
     Example::
 
@@ -393,17 +554,20 @@ def fp8_loss(loss_fn: Callable, scaling: str = "current") -> Callable:
             given=repr(scaling),
             fix="pass scaling='current' or 'delayed'",
         )
+    exclude = check_exclude(exclude, "fp8_loss")
 
     @functools.wraps(loss_fn)
     def wrapped(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
-        flat = _run(closed.jaxpr, list(closed.consts), *jax.tree.leaves(args))
+        keep = _kept(closed.jaxpr, exclude)
+        flat = _run(closed.jaxpr, list(closed.consts), *jax.tree.leaves(args), keep=keep)
         return jax.tree.unflatten(jax.tree.structure(shape), flat)
 
     @functools.wraps(loss_fn)
     def delayed(state: Any, *args: Any) -> Any:
         closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
-        want = _state_shapes(closed.jaxpr, _history_length(state))
+        keep = _kept(closed.jaxpr, exclude)
+        want = _state_shapes(closed.jaxpr, _history_length(state), keep)
         got = {k: tuple(jnp.shape(v)) for k, v in dict(state).items()}
         if got != want:
             raise SpmdError(
@@ -411,10 +575,12 @@ def fp8_loss(loss_fn: Callable, scaling: str = "current") -> Callable:
                 must="the state holds one amax history per weight matmul of the loss "
                 "(fp8_state's for these arguments)",
                 given=f"{len(got)} histories for {len(want)} weight matmuls",
-                fix="make the state with spmdkit.fp8.fp8_state(loss_fn, *args)",
+                fix="make the state with spmdkit.fp8.fp8_state(loss_fn, *args, "
+                "exclude=...) with the exclude of the loss",
             )
         hs = iter([state[k] for k in sorted(want)])
-        flat = _run(closed.jaxpr, list(closed.consts), *jax.tree.leaves(args), histories=hs)
+        leaves = jax.tree.leaves(args)
+        flat = _run(closed.jaxpr, list(closed.consts), *leaves, histories=hs, keep=keep)
         return jax.tree.unflatten(jax.tree.structure(shape), flat)
 
     return delayed if scaling == "delayed" else wrapped
@@ -425,8 +591,11 @@ def _history_length(state: Any) -> int:
     return shapes[0][-1] if shapes else HISTORY
 
 
-def _state_shapes(jaxpr: Any, history: int) -> dict[str, tuple[int, ...]]:
-    return {f"{STATE_PREFIX}{i:04d}": (*s, 3, history) for i, s in enumerate(_jaxpr_sites(jaxpr))}
+def _state_shapes(
+    jaxpr: Any, history: int, keep: frozenset[Site] = frozenset()
+) -> dict[str, tuple[int, ...]]:
+    sites = _jaxpr_sites(jaxpr, keep)
+    return {f"{STATE_PREFIX}{i:04d}": (*s, 3, history) for i, s in enumerate(sites)}
 
 
 def _unsharded(x: Any) -> Any:
@@ -437,9 +606,12 @@ def _unsharded(x: Any) -> Any:
     return x
 
 
-def fp8_state(loss_fn: Callable, *args: Any, history: int = HISTORY) -> dict[str, jax.Array]:
-    """The initial state of ``fp8_loss(loss_fn, "delayed")`` for ``args`` (arrays or
-    ``jax.ShapeDtypeStruct``): per weight matmul, in the order the loss runs them, a
+def fp8_state(
+    loss_fn: Callable, *args: Any, history: int = HISTORY, exclude: Sequence[str] = ()
+) -> dict[str, jax.Array]:
+    """The initial state of ``fp8_loss(loss_fn, "delayed", exclude)`` for ``args``
+    (arrays or ``jax.ShapeDtypeStruct``): per float8 weight matmul (those
+    ``exclude`` leaves out have none), in the order the loss runs them, a
     ``float32[..., 3, history]`` amax history of zeros (rows lhs, rhs, output
     gradient; a leading dim per layer scan it runs in), keyed ``"fp8_amax_0000"``,
     ``"fp8_amax_0001"``, ... (:data:`STATE_PREFIX`). A float32 array per history:
@@ -450,5 +622,7 @@ def fp8_state(loss_fn: Callable, *args: Any, history: int = HISTORY) -> dict[str
 
         >>> state = fp8_state(loss, params, batch)  # {"fp8_amax_0000": zeros((L, 3, 16)), ...}
     """
+    exclude = check_exclude(exclude, "fp8_state")
     jaxpr = jax.make_jaxpr(loss_fn)(*jax.tree.map(_unsharded, args)).jaxpr
-    return {k: jnp.zeros(s, jnp.float32) for k, s in _state_shapes(jaxpr, history).items()}
+    shapes = _state_shapes(jaxpr, history, _kept(jaxpr, exclude))
+    return {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}

@@ -75,7 +75,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +87,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmdkit import jaxprs
 from spmdkit.batch import as_traced, as_tree, microbatches
 from spmdkit.errors import RecipeError
-from spmdkit.fp8 import HISTORY, SCALINGS, fp8_loss, fp8_state
+from spmdkit.fp8 import HISTORY, LM_HEAD, SCALINGS, check_exclude, fp8_loss, fp8_state
 from spmdkit.loss import Loss, as_loss
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import find_layer_scan
@@ -97,6 +97,7 @@ from spmdkit.sequence import ContextShard, context_parallel_loss, plan_context
 from spmdkit.spec import axis_sizes
 
 __all__ = [
+    "FP8_EXCLUDE",
     "NAMED_POLICIES",
     "PLAIN",
     "REMAT_POLICIES",
@@ -134,6 +135,9 @@ REMAT_POLICIES = ("none", "dots", *NAMED_POLICIES, "full", "names")
 #: Compute dtypes a recipe may ask for (``None``: the parameters' own dtype).
 #: ``"float8"``: weight matmuls on float8 operands, the rest in bfloat16 (:mod:`spmdkit.fp8`).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
+#: The weight matmuls a float8 recipe keeps in bfloat16 by default: the LM head
+#: (``spmdkit.fp8.lm_heads``), as Transformer Engine, torchao and MaxText do.
+FP8_EXCLUDE = (LM_HEAD,)
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,11 @@ class Recipe:
         :func:`init_fp8_state`).
       microbatches: gradient-accumulation steps per train step (>= 1).
       offload_opt: keep optimizer state in host memory (``pinned_host``).
+      fp8_exclude: under ``compute_dtype="float8"``, the weight matmuls kept in
+        bfloat16, by name (``spmdkit.fp8.EXCLUDABLE``): the default
+        ``("lm_head",)`` keeps the LM head (the final vocabulary projection,
+        ``spmdkit.fp8.lm_heads``) in bfloat16, as Transformer Engine, torchao
+        and MaxText do; ``()`` runs it in float8 too.
 
     Example::
 
@@ -170,6 +179,7 @@ class Recipe:
     fp8_scaling: str = "current"
     microbatches: int = 1
     offload_opt: bool = False
+    fp8_exclude: tuple[str, ...] = FP8_EXCLUDE
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
@@ -230,6 +240,7 @@ class Recipe:
                 given=f"fp8_scaling={self.fp8_scaling!r}, compute_dtype={self.compute_dtype!r}",
                 fix="pass compute_dtype='float8', fp8_scaling='delayed' (or drop fp8_scaling)",
             )
+        self._check_fp8_exclude()
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int):
             raise RecipeError(
                 op="Recipe",
@@ -245,6 +256,17 @@ class Recipe:
                 fix="pass microbatches=1 (no accumulation) or more",
             )
         object.__setattr__(self, "offload_opt", bool(self.offload_opt))
+
+    def _check_fp8_exclude(self) -> None:
+        exclude = check_exclude(self.fp8_exclude, "Recipe", RecipeError)
+        if exclude != FP8_EXCLUDE and self.compute_dtype != "float8":
+            raise RecipeError(
+                op="Recipe",
+                must="fp8_exclude other than the default only with compute_dtype='float8'",
+                given=f"fp8_exclude={exclude!r}, compute_dtype={self.compute_dtype!r}",
+                fix="pass compute_dtype='float8' with fp8_exclude, or drop fp8_exclude",
+            )
+        object.__setattr__(self, "fp8_exclude", exclude)
 
     @property
     def saved_names(self) -> tuple[str, ...]:
@@ -288,6 +310,8 @@ class Recipe:
             parts.append(_DTYPE_SHORT.get(self.compute_dtype, self.compute_dtype))
             if self.fp8_scaling == "delayed":
                 parts[-1] += "(delayed)"
+            if self.compute_dtype == "float8" and LM_HEAD not in self.fp8_exclude:
+                parts[-1] += "(lm_head too)"
         if self.microbatches > 1:
             parts.append(f"microbatches={self.microbatches}")
         if self.offload_opt:
@@ -308,6 +332,7 @@ class Recipe:
             "fp8_scaling": self.fp8_scaling,
             "microbatches": self.microbatches,
             "offload_opt": self.offload_opt,
+            "fp8_exclude": list(self.fp8_exclude),
         }
 
     @classmethod
@@ -324,6 +349,7 @@ class Recipe:
             fp8_scaling=d.get("fp8_scaling", "current"),
             microbatches=int(d.get("microbatches", 1)),
             offload_opt=bool(d.get("offload_opt", False)),
+            fp8_exclude=tuple(d.get("fp8_exclude", FP8_EXCLUDE)),
         )
 
 
@@ -595,10 +621,11 @@ def value_and_grad(
     pipe = getattr(recipe, "pipeline", None)
     if delayed:
         _check_delayed(loss, pipe)
-        f8 = fp8_loss(user_loss, "delayed")
+        f8 = fp8_loss(user_loss, "delayed", rcp.fp8_exclude)
         inner = remat_loss(lambda p, b, state, *r: f8(state, p, b, *r), rcp)
     else:
-        inner = remat_loss(fp8_loss(user_loss) if rcp.compute_dtype == "float8" else user_loss, rcp)
+        f8 = fp8_loss(user_loss, exclude=rcp.fp8_exclude)
+        inner = remat_loss(f8 if rcp.compute_dtype == "float8" else user_loss, rcp)
 
     def cast_loss(params: Any, batch: Any, *rest: Any) -> Any:
         return inner(_cast(params, rcp.activation_dtype), batch, *rest)
@@ -661,7 +688,12 @@ def _delayed_value_and_grad(loss: Callable, has_aux: bool) -> Callable:
 
 
 def init_fp8_state(
-    loss_fn: Callable[..., Any] | Loss, params: Any, batch: Any, *rest: Any, history: int = HISTORY
+    loss_fn: Callable[..., Any] | Loss,
+    params: Any,
+    batch: Any,
+    *rest: Any,
+    history: int = HISTORY,
+    exclude: Sequence[str] = FP8_EXCLUDE,
 ) -> dict[str, jax.Array]:
     """The amax histories a step with ``Recipe(compute_dtype="float8",
     fp8_scaling="delayed")`` carries, initially empty (zeros: the first step scales
@@ -676,6 +708,8 @@ def init_fp8_state(
       batch: the step's batch (arrays or shape structs).
       *rest: the loss's other arguments, if any.
       history: amax steps kept per operand (the scale's window).
+      exclude: the recipe's ``fp8_exclude`` (the matmuls kept in bfloat16 have
+        no history).
 
     Example::
 
@@ -684,7 +718,12 @@ def init_fp8_state(
     """
     loss = as_loss(loss_fn)
     return fp8_state(
-        lambda p, b, *r: loss.fn(p, as_tree(b), *r), params, batch, *rest, history=history
+        lambda p, b, *r: loss.fn(p, as_tree(b), *r),
+        params,
+        batch,
+        *rest,
+        history=history,
+        exclude=exclude,
     )
 
 

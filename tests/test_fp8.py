@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +114,68 @@ def test_fp8_loss_rewrites_weight_matmuls_inside_scans_calls_and_remat():
     g8, g = jax.grad(fp8_loss(loss))(ws, x), jax.grad(loss)(ws, x)
     assert float(jnp.linalg.norm(g8 - g) / jnp.linalg.norm(g)) < 0.25  # e5m2: 2 mantissa bits
     assert fp8_loss(loss)(ws, x) == pytest.approx(float(loss(ws, x)), rel=0.05)
+
+
+VOCAB = 40  # no other dim of _lm_loss is 40: a dot naming it is the head's
+
+
+def _lm_loss(p, tokens, tied=False):
+    """A tiny language model: embedding lookup, a scan of 3 layers, the LM head
+    inside a jit call (or tied to the embedding), a log-softmax loss."""
+    h = p["embed"][tokens]
+    h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, p["layers"])
+    w = p["embed"].T if tied else p["head"]
+    logits = jax.jit(lambda h, w: h @ w)(h, w)
+    return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+
+def _lm_args():
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    p = {
+        "embed": jax.random.normal(k1, (VOCAB, 16)),
+        "head": jax.random.normal(k2, (16, VOCAB)) * 0.3,
+        "layers": jax.random.normal(k3, (3, 16, 16)) * 0.3,
+    }
+    return p, jax.random.randint(jax.random.key(4), (2, 4), 0, VOCAB)
+
+
+def _head_and_other_dots(hlo):
+    """The lowered step's dot_generals: (the LM head's, the other weight matmuls')."""
+    dots = [line for line in hlo.splitlines() if "dot_general" in line and "batching" not in line]
+    head = [d for d in dots if re.search(rf"[<x]{VOCAB}x", d)]
+    return head, [d for d in dots if d not in head]
+
+
+def test_the_lm_head_stays_in_bf16_and_every_other_weight_matmul_runs_in_float8():
+    """``exclude=("lm_head",)`` (the recipe's default): the matmul producing the
+    logits, found inside its jit call, tied to the embedding or not, runs its
+    forward and both gradient matmuls on non-float8 operands and has no amax
+    history; the layers' matmuls still read float8. ``exclude=()`` quantizes it
+    too; an unknown name is a typed error."""
+    from spmdkit import recipe as rc
+    from spmdkit.fp8 import lm_head_operands, lm_heads
+
+    p, tokens = _lm_args()
+    for tied in (False, True):
+        jaxpr = jax.make_jaxpr(lambda p, t, tied=tied: _lm_loss(p, t, tied))(p, tokens).jaxpr
+        (site,) = lm_heads(jaxpr)
+        assert len(site) == 2  # in the jit call
+        assert lm_head_operands(jaxpr, {site}) == {0 if tied else 1}  # embed, head, layers
+    grad = jax.grad(fp8_loss(_lm_loss, exclude=("lm_head",)))
+    head, other = _head_and_other_dots(jax.jit(grad).lower(p, tokens).as_text())
+    assert len(head) == 3 and not any("f8E" in d for d in head)  # forward, dgrad, wgrad
+    assert len(other) == 3 and all("f8E" in d for d in other)  # the scan body's three
+    step = rc.value_and_grad(_lm_loss, rc.Recipe(compute_dtype="float8"))  # the default
+    head, other = _head_and_other_dots(jax.jit(step).lower(p, tokens).as_text())
+    assert len(head) == 3 and not any("f8E" in d for d in head)
+    assert len(other) == 3 and all("f8E" in d for d in other)
+    every = jax.jit(jax.grad(fp8_loss(_lm_loss))).lower(p, tokens).as_text()
+    head, other = _head_and_other_dots(every)
+    assert all("f8E" in d for d in head + other)
+    assert len(fp8_state(_lm_loss, p, tokens)) == 2
+    assert list(fp8_state(_lm_loss, p, tokens, exclude=("lm_head",))) == ["fp8_amax_0000"]
+    with pytest.raises(SpmdError, match="each one of"):
+        fp8_loss(_lm_loss, exclude=("output",))
 
 
 def _counting_batches(cfg, n, batch_size, seed=0):

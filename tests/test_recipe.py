@@ -414,6 +414,25 @@ def test_delayed_fp8_scaling_is_a_float8_option_that_round_trips():
         Recipe(compute_dtype="float8", fp8_scaling="late")
 
 
+def test_float8_keeps_the_lm_head_in_bf16_unless_told_and_refuses_other_names():
+    """``fp8_exclude``: ("lm_head",) by default (as TE, torchao and MaxText), ()
+    for every weight matmul in float8; it round-trips; a name other than
+    "lm_head", a bare string, or a non-default value without float8 is a typed
+    error."""
+    rcp = Recipe(compute_dtype="float8")
+    assert rcp.fp8_exclude == ("lm_head",) and rcp.short() == "fp8"
+    every = Recipe(compute_dtype="float8", fp8_exclude=[])
+    assert every.fp8_exclude == () and every.short() == "fp8(lm_head too)"
+    for r in (rcp, every):
+        assert Recipe.from_json(r.to_json()) == r
+    assert Recipe.from_json({"compute_dtype": "float8"}) == rcp
+    for bad in (("output",), "lm_head"):
+        with pytest.raises(RecipeError, match=r"each one of \('lm_head',\)"):
+            Recipe(compute_dtype="float8", fp8_exclude=bad)
+    with pytest.raises(RecipeError, match="only with compute_dtype='float8'"):
+        Recipe(compute_dtype="bfloat16", fp8_exclude=())
+
+
 def test_delayed_fp8_step_carries_the_histories_and_refuses_model_state():
     """The delayed step takes and returns the amax histories after the optimizer
     state; a loss with state of its own is refused (one state per step)."""
@@ -421,9 +440,11 @@ def test_delayed_fp8_step_carries_the_histories_and_refuses_model_state():
     def loss(w, batch):
         return jnp.mean((batch["x"] @ w) ** 2)
 
-    rcp = Recipe(compute_dtype="float8", fp8_scaling="delayed")
+    # the loss's one matmul is its head: fp8_exclude=() runs it in float8 too
+    rcp = Recipe(compute_dtype="float8", fp8_scaling="delayed", fp8_exclude=())
     w, batch = jnp.full((4, 2), 0.5), {"x": jnp.ones((8, 4))}
-    state = rc.init_fp8_state(loss, w, batch)
+    assert rc.init_fp8_state(loss, w, batch) == {}  # the default keeps it in bf16
+    state = rc.init_fp8_state(loss, w, batch, exclude=())
     opt = optax.sgd(0.1)
     w2, _, state2, value = jax.jit(rc.train_step(loss, opt, rcp))(w, opt.init(w), state, batch)
     np.testing.assert_allclose(state2["fp8_amax_0000"][:2, 0], [1.0, 0.5])

@@ -42,7 +42,8 @@ The recipe (:class:`~spmdkit.recipe.Recipe`) changes these terms:
   forward, back in the backward), overlapped with compute;
 - ``compute_dtype``: activations at its itemsize; compute at its peak;
   FSDP/gradient collectives move the cast (bf16) weights and gradients; the
-  cast copy of the local parameters is live during the step;
+  cast copy of the local parameters is live during the step; ``"float8"``:
+  as :mod:`spmdkit.planner.float8` prices it (LM head in bf16, quantization);
 - ``microbatches``: activations of one micro-batch; FSDP gathers and
   reduce-scatters once per micro-batch; the gradient all-reduce once;
 - ``offload_opt``: optimizer state lives on the host and crosses the host link
@@ -68,6 +69,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.flax.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner.context import PIPELINED_STRATEGIES, ContextAttention, context_attention
+from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.recipe import NAMED_POLICIES, Recipe
 from spmdkit.spec import MeshLike
@@ -157,6 +159,8 @@ class StepTrace:
         scan's body differentiated under the recipe's ``jax.checkpoint`` policy
         (memoized; what the named policies and the offload forms are priced by:
         a tag whose value the backward pass does not read is not kept).
+      lm_head_params: paths of the params the loss's LM head reads
+        (``spmdkit.fp8.lm_heads``): a float8 recipe keeps them in bf16.
     """
 
     flops: float
@@ -182,6 +186,7 @@ class StepTrace:
     attn_kv_bytes: float = 0.0
     resid_peak: float = 0.0
     state_bytes: int = 0
+    lm_head_params: frozenset[str] = frozenset()
     layer_policy: Callable[[Recipe], PolicyFacts] | None = field(default=None, repr=False)
 
     def activation_bytes(self, recipe: Recipe) -> float:
@@ -412,18 +417,6 @@ class CostContext:
         if self.recipe.compute_dtype is None:
             return 1.0
         return self.recipe.compute_itemsize(4) / np.dtype(param_dtype).itemsize
-
-    def cast_ratio(self, param_dtype: str) -> float:
-        """Bytes of the compute-dtype copy of a param per byte of the param."""
-        if self.recipe.compute_dtype is None:
-            return 1.0
-        return self.recipe.weight_itemsize(4) / np.dtype(param_dtype).itemsize
-
-
-def _attention_dtype(dtype: str) -> str:
-    """The dtype attention's batched matmuls run in: bf16 under float8 (spmdkit.fp8
-    quantizes weight matmuls only), else the compute dtype."""
-    return "bfloat16" if dtype == "float8" else dtype
 
 
 def param_flops(g: ParamGroup, tokens: int) -> float:
@@ -669,7 +662,7 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
     # Under mixed precision the weights are cast before they are gathered, and
     # their gradients reduced before the cast back: collectives of params and
     # grads move compute-dtype bytes.
-    wire = sp.local * ctx.cast_ratio(g.dtype)
+    wire = sp.local * cast_ratio(ctx, g)
     # under float8 the weights travel quantized (1 byte), their gradients in bf16
     grad_wire = sp.local * ctx.grad_ratio(g.dtype)
     m = ctx.recipe.microbatches
@@ -716,7 +709,7 @@ def group_cost(
     # otherwise share the entry.
     rerun = recipe.remat in ("full", "names")
     levers = (
-        recipe.compute_dtype,
+        (recipe.compute_dtype, recipe.fp8_scaling, recipe.fp8_exclude),
         recipe.microbatches,
         recipe.offload_opt,
         ctx.gather_once,
@@ -745,7 +738,8 @@ def group_cost(
     splits = math.prod(sizes[a] for a in {*batch_axes, *sp.tp, *sp.context})
     k, n, routed = _gemm_dims(g, layout.params, sp.tp, sizes)
     m = sp.tokens_local * routed / recipe.microbatches
-    compute_s = ctx.matmul_time(flops / splits, m, k, n, ctx.compute_dtype(g.dtype))
+    compute_s = ctx.matmul_time(flops / splits, m, k, n, matmul_dtype(ctx, g))
+    compute_s += quantize_s(ctx, g, flops / splits, m, k, n, n_fsdp)
     n_tp = math.prod(sizes[a] for a in sp.tp)
     n_extra = math.prod(sizes[a] for a in sp.extra)
     logical = g.logical or ()
@@ -759,9 +753,9 @@ def group_cost(
         tp_weight=flops * (1 - 1 / n_tp),
         hidden_s=hidden_s,
         layer_compute_s=compute_s if g.count > 1 or "layers" in logical else 0.0,
-        cast=sp.local * g.count * ctx.cast_ratio(g.dtype) if recipe.compute_dtype else 0.0,
+        cast=sp.local * g.count * cast_ratio(ctx, g) if recipe.compute_dtype else 0.0,
         gathered=(
-            ((n_fsdp - 1) * ctx.cast_ratio(g.dtype) + n_fsdp * ctx.accumulator_ratio(g.dtype) - 1)
+            ((n_fsdp - 1) * cast_ratio(ctx, g) + n_fsdp * ctx.accumulator_ratio(g.dtype) - 1)
             * sp.local
             * g.count
             if ctx.gather_once
@@ -834,7 +828,7 @@ def total_cost(
     attn_split = batch_shards * _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
     attn_split *= heads_tp
     flops = trace.attention_flops(recipe, ctx.topology) / attn_split
-    attn_s = ctx.compute_time(0.0, flops, _attention_dtype(dtype))
+    attn_s = ctx.compute_time(0.0, flops, attention_dtype(dtype))
     compute_s += attn_s + _recompute_s(ctx, layer_s)
     if not total_flops and trace.flops:
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)

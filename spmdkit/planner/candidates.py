@@ -102,13 +102,17 @@ class Candidate(NamedTuple):
         return out if self.pipeline is None else f"{out}+{self.pipeline.short()}"
 
 
-def _fp8_state(info: ModelInfo) -> dict:
-    """The abstract amax histories of delayed float8 scaling for ``info``'s step."""
+def _fp8_state(info: ModelInfo, exclude: tuple[str, ...]) -> dict:
+    """The abstract amax histories of delayed float8 scaling for ``info``'s step
+    (none for the matmuls ``exclude`` keeps in bfloat16)."""
     from spmdkit.recipe import init_fp8_state
 
     key = () if info.abstract_key is None else (info.abstract_key,)
     return jax.eval_shape(
-        lambda p, b, *k: init_fp8_state(info, p, b, *k), info.abstract_params, info.batch, *key
+        lambda p, b, *k: init_fp8_state(info, p, b, *k, exclude=exclude),
+        info.abstract_params,
+        info.batch,
+        *key,
     )
 
 
@@ -124,7 +128,7 @@ def _carried(info: ModelInfo, candidate: Plan, trace: StepTrace) -> tuple[tuple,
         args += (info.abstract_state,)
         roles += ("state",)
     elif candidate.recipe.fp8_scaling == "delayed":
-        abstract = _fp8_state(info)
+        abstract = _fp8_state(info, candidate.recipe.fp8_exclude)
         carried += (jax.tree.map(lambda _: P(), abstract),)
         args += (abstract,)
         roles += ("state",)

@@ -23,6 +23,7 @@ from jax.extend.core import Jaxpr, JaxprEqn
 from spmdkit import jaxprs
 from spmdkit.engine.region import FORWARD, REGIONS, forward_fn, grad_fn
 from spmdkit.flax.model import ModelInfo, unbound_axis_error
+from spmdkit.fp8 import lm_head_operands, lm_heads
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.planner.analytic import (
     PolicyFacts,
@@ -401,7 +402,17 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         attn_kv_bytes=kv,
         resid_peak=float(peak),
         state_bytes=sum(p.nbytes for p in info.state),
+        lm_head_params=_lm_head_params(forward.jaxpr, args[0]),
     )
+
+
+def _lm_head_params(jaxpr: Jaxpr, params: PyTree) -> frozenset[str]:
+    """Paths of the params the loss's LM head reads (``spmdkit.fp8.lm_heads``:
+    what a float8 recipe keeps in bf16 by default); the params lead the
+    jaxpr's invars."""
+    paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    found = lm_head_operands(jaxpr, lm_heads(jaxpr))
+    return frozenset(paths[i] for i in found if i < len(paths))
 
 
 def trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:

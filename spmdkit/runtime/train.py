@@ -329,7 +329,8 @@ def _with_fp8_state(parts: _Parts, plan: Plan, example: Any) -> _Parts:
         )
     info = parts.info
     key = () if info.abstract_key is None else (info.abstract_key,)
-    state = init_fp8_state(info, info.abstract_params, example, *key)
+    exclude = plan.recipe.fp8_exclude
+    state = init_fp8_state(info, info.abstract_params, example, *key, exclude=exclude)
     write_back = parts.write_back
     return dataclasses.replace(parts, state=state, write_back=lambda p, s: write_back(p, None))
 

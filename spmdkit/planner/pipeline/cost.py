@@ -77,6 +77,7 @@ from spmdkit.planner.analytic import (
     param_flops,
     total_cost,
 )
+from spmdkit.planner.float8 import cast_ratio
 from spmdkit.planner.plans import Cost, PyTree
 from spmdkit.recipe import Recipe
 from spmdkit.util import path_str
@@ -540,7 +541,7 @@ def _chunk_weights(
     return sum(
         group_cost(ctx, groups[i], choice[i], batch_axes, seq_axes).accumulators
         / ctx.accumulator_ratio(groups[i].dtype)
-        * ctx.cast_ratio(groups[i].dtype)
+        * cast_ratio(ctx, groups[i])
         for i in stack
     )
 
