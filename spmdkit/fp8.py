@@ -23,11 +23,11 @@ attention scores and their weighted sum) stay in bfloat16, as in the published
 recipes.
 
 ``exclude=("lm_head",)`` (the recipe's default, :data:`LM_HEAD`) also keeps the
-*LM head* in bfloat16, as Transformer Engine / NeMo, torchao (torchtitan's
-float8 converter skips its ``output`` linear) and MaxText keep the final
-projection: the weight matmuls whose results reach the loss through no other
-weight matmul (:func:`lm_heads`; the vocabulary projection of a language model,
-a classifier's head), outside the layer scan.
+*LM head* in bfloat16, as NeMo / Megatron-LM (its output layer is not a
+Transformer Engine layer) and torchtitan (torchao's float8 converter skips its
+``output`` linear) keep the final projection: the weight matmuls whose results
+reach the loss through no other weight matmul (:func:`lm_heads`; the vocabulary
+projection of a language model, a classifier's head), outside the layer scan.
 
 :func:`fp8_loss` applies this to any loss without editing the model: the loss is
 traced to a jaxpr, and re-run equation by equation with every weight matmul
@@ -164,13 +164,23 @@ def _check_unbatched(dn: DimensionNumbers) -> None:
         )
 
 
+def _product(ql: jax.Array, qr: jax.Array, dn: DimensionNumbers, scale: Any, dtype: Any) -> Any:
+    """The float8 operands' product scaled back, in ``dtype``: the dot writes
+    ``dtype`` when it is narrower than float32 (a float8 GEMM accumulates in fp32
+    and writes the activations' dtype), so a remat policy that saves matmul
+    outputs (``dots``) keeps it at that size, not at fp32's."""
+    wide = jnp.dtype(dtype).itemsize >= 4
+    out = lax.dot_general(ql, qr, dn, preferred_element_type=jnp.float32 if wide else dtype)
+    return (out.astype(jnp.float32) * scale).astype(dtype)
+
+
 def _forward(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtype: Any) -> tuple:
     _check_unbatched(dn)
     ql, sl = quantize(lhs, E4M3)
     qr, sr = quantize(rhs, E4M3)
-    out = lax.dot_general(ql, qr, dn, preferred_element_type=jnp.float32) * (sl * sr)
+    out = _product(ql, qr, dn, sl * sr, out_dtype or lhs.dtype)
     res = (ql, sl, qr, sr, jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
-    return out.astype(out_dtype or lhs.dtype), res
+    return out, res
 
 
 def _backward(dn: DimensionNumbers, out_dtype: Any, res: tuple, g: jax.Array) -> tuple:
@@ -221,10 +231,10 @@ def _delayed_forward(
     al, ar = _amax(lhs), _amax(rhs)
     sl, sr = _delayed_scale(history[0], al, E4M3), _delayed_scale(history[1], ar, E4M3)
     ql, qr = _saturated(lhs, sl, E4M3), _saturated(rhs, sr, E4M3)
-    out = lax.dot_general(ql, qr, dn, preferred_element_type=jnp.float32) * (sl * sr)
+    out = _product(ql, qr, dn, sl * sr, out_dtype or lhs.dtype)
     res = (ql, sl, qr, sr, jnp.stack([al, ar]), history)
     likes = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
-    return out.astype(out_dtype or lhs.dtype), (res, *likes)
+    return out, (res, *likes)
 
 
 def _delayed_backward(dn: DimensionNumbers, out_dtype: Any, saved: tuple, g: jax.Array) -> tuple:

@@ -135,8 +135,7 @@ REMAT_POLICIES = ("none", "dots", *NAMED_POLICIES, "full", "names")
 #: Compute dtypes a recipe may ask for (``None``: the parameters' own dtype).
 #: ``"float8"``: weight matmuls on float8 operands, the rest in bfloat16 (:mod:`spmdkit.fp8`).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
-#: The weight matmuls a float8 recipe keeps in bfloat16 by default: the LM head
-#: (``spmdkit.fp8.lm_heads``), as Transformer Engine, torchao and MaxText do.
+#: The matmuls a float8 recipe keeps in bfloat16 by default: the LM head.
 FP8_EXCLUDE = (LM_HEAD,)
 
 
@@ -162,8 +161,9 @@ class Recipe:
       fp8_exclude: under ``compute_dtype="float8"``, the weight matmuls kept in
         bfloat16, by name (``spmdkit.fp8.EXCLUDABLE``): the default
         ``("lm_head",)`` keeps the LM head (the final vocabulary projection,
-        ``spmdkit.fp8.lm_heads``) in bfloat16, as Transformer Engine, torchao
-        and MaxText do; ``()`` runs it in float8 too.
+        ``spmdkit.fp8.lm_heads``) in bfloat16, as NeMo / Megatron-LM (its output
+        layer is no Transformer Engine layer) and torchtitan (torchao's float8
+        converter skips ``output``) do; ``()`` runs it in float8 too.
 
     Example::
 
@@ -708,8 +708,7 @@ def init_fp8_state(
       batch: the step's batch (arrays or shape structs).
       *rest: the loss's other arguments, if any.
       history: amax steps kept per operand (the scale's window).
-      exclude: the recipe's ``fp8_exclude`` (the matmuls kept in bfloat16 have
-        no history).
+      exclude: the recipe's ``fp8_exclude`` (what it keeps in bf16 has no history).
 
     Example::
 
@@ -717,14 +716,8 @@ def init_fp8_state(
         >>> params, opt_state, state, loss = step(params, opt_state, state, batch)
     """
     loss = as_loss(loss_fn)
-    return fp8_state(
-        lambda p, b, *r: loss.fn(p, as_tree(b), *r),
-        params,
-        batch,
-        *rest,
-        history=history,
-        exclude=exclude,
-    )
+    kw = {"history": history, "exclude": exclude}
+    return fp8_state(lambda p, b, *r: loss.fn(p, as_tree(b), *r), params, batch, *rest, **kw)
 
 
 def _check_pipelined(loss: Loss, pipe: Any, recipe: Recipe) -> None:

@@ -43,14 +43,17 @@ kernels are its ``fusion_traffic``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from spmdkit.fp8 import LM_HEAD
 
-if TYPE_CHECKING:
-    from spmdkit.planner.analytic import CostContext, ParamGroup
+#: A :class:`spmdkit.planner.analytic.CostContext` (not imported: analytic imports
+#: this module).
+CostContext = Any
+#: A :class:`spmdkit.planner.analytic.ParamGroup`.
+ParamGroup = Any
 
 __all__ = [
     "TRANSPOSE_BYTES",

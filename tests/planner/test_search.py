@@ -259,8 +259,9 @@ def test_auto_recosts_on_when_the_favourites_no_longer_fit(amesh, monkeypatch):
 
 
 def test_float8_prices_quantized_gathers_and_is_refused_without_float8_matmuls():
-    """Recipe(compute_dtype='float8'): FSDP gathers the quantized weights (1 byte each)
-    and reduces bf16 gradients; auto with allow_fp8 on an A100 is a typed error."""
+    """Recipe(compute_dtype='float8'): FSDP gathers the quantized weights (1 byte each;
+    the LM head, kept in bf16, 2) and reduces bf16 gradients; auto with allow_fp8 on
+    an A100 is a typed error."""
     from spmdkit.models import get_model
 
     mesh = sk.abstract_mesh(data=8)
@@ -268,7 +269,8 @@ def test_float8_prices_quantized_gathers_and_is_refused_without_float8_matmuls()
     r8, r16 = (sk.Recipe(remat="full", compute_dtype=d) for d in ("float8", "bfloat16"))
     p8 = sk.plan(get_model("llama"), mesh, "fsdp", recipe=r8, **kw)
     p16 = sk.plan(get_model("llama"), mesh, "fsdp", recipe=r16, **kw)
-    assert p8.cost.comm_bytes["all_gather"] * 2 == p16.cost.comm_bytes["all_gather"]
+    head = 4096 * 128256  # the output projection's weights, gathered in bf16
+    assert p8.cost.comm_bytes["all_gather"] == p16.cost.comm_bytes["all_gather"] // 2 + head
     assert p8.cost.comm_bytes["reduce_scatter"] == p16.cost.comm_bytes["reduce_scatter"]
     assert p8.cost.compute_time_s < p16.cost.compute_time_s  # at the float8 peak
     with pytest.raises(PlanError, match="float8"):
