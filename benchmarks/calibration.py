@@ -22,7 +22,8 @@ Procedure (``docs/recipes.md``, "Step-time model and calibration"):
 4. ``auto``: for a flat row, ``sk.plan(..., "auto", pipeline="auto")`` on its
    devices says whether the planner would pipeline (the published recipe did
    not); for a pipelined row, auto with its pipeline fixed searches layouts and
-   recipe within 80 GiB (its tokens/s and memory printed beside).
+   recipe within 80 GiB (its tokens/s and memory printed beside). A float8 row's
+   auto may pick float8 (``allow_fp8=True``: the published run chose it).
 
 Run: ``python benchmarks/calibration.py [--no-auto]``; saves
 ``benchmarks/results/calibration.json``.
@@ -57,19 +58,10 @@ SAVE_QKV_OUT_FP8 = sk.Recipe(
 #: attention output).
 SELECTIVE = sk.Recipe(remat="dots", compute_dtype="bfloat16")
 #: torchtitan's Float8 (torchao ``Float8Linear``, dynamic per-tensor scaling, FSDP
-#: weights all-gathered in float8) with the same selective AC.
+#: weights all-gathered in float8, the ``output`` projection left in bf16: the
+#: recipe's default ``fp8_exclude=("lm_head",)``) with the same selective AC.
 SELECTIVE_FP8 = sk.Recipe(remat="dots", compute_dtype="float8")
 TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-#: Why the torchtitan Float8 rows miss: what the model leaves unpriced there.
-FLOAT8_MISS = (
-    "over-predicted, by what the priced recipe lacks: the model prices no "
-    "quantization work, where torchao's dynamic scaling adds an amax reduction and "
-    "a cast per matmul operand (inputs forward, output gradients backward) and "
-    "transposed float8 copies for the weight gradients, memory-bound passes "
-    "Inductor does not fuse into the GEMMs; and spmdkit's float8 recipe also "
-    "quantizes the output projection (7% of the matmul FLOPs at vocab 128,256), "
-    "which torchtitan keeps in bf16"
-)
 
 
 def _llama(**over: int) -> object:
@@ -154,7 +146,6 @@ TORCHTITAN_FLOAT8 = _twin(
     "op AC, torch.compile",
     published=8532,
     memory_gib=76.8,
-    miss=FLOAT8_MISS,
 )
 NEMO_70B = {
     "name": "NeMo Llama 3.1 70B",
@@ -309,6 +300,7 @@ def auto_choice(row: dict, topology: sk.Topology) -> dict:
         batch_size=row["batch"],
         topology=topology,
         pipeline=pipeline,
+        allow_fp8=row["recipe"].compute_dtype == "float8",
     )
     return {
         "chosen": f"{p.chosen}+{p.recipe.short()}"
