@@ -60,6 +60,7 @@ __all__ = [
     "E4M3",
     "E5M2",
     "EXCLUDABLE",
+    "FP8_EXCLUDE",
     "HISTORY",
     "LM_HEAD",
     "SCALINGS",
@@ -277,6 +278,10 @@ Site = tuple[int, ...]
 LM_HEAD = "lm_head"
 #: What ``exclude`` may name: the matmuls that can stay in bfloat16.
 EXCLUDABLE = (LM_HEAD,)
+#: What ``Recipe(compute_dtype="float8")`` keeps in bfloat16 by default: the LM
+#: head, as NeMo / Megatron-LM (its output layer is no Transformer Engine layer)
+#: and torchtitan (torchao's float8 converter skips ``output``) do.
+FP8_EXCLUDE = (LM_HEAD,)
 
 
 def _is_var(v: Any) -> bool:
@@ -373,12 +378,14 @@ def _below(sites: frozenset[Site], i: int) -> frozenset[Site]:
 
 
 def check_exclude(
-    exclude: Sequence[str], op: str, error: type[SpmdError] = SpmdError
+    exclude: Sequence[str], op: str, error: type[SpmdError] = SpmdError, float8: bool = True
 ) -> tuple[str, ...]:
-    """``exclude`` as a tuple of :data:`EXCLUDABLE` names.
+    """``exclude`` as a tuple of :data:`EXCLUDABLE` names (``float8``: the recipe
+    computes in float8; without, only the default :data:`FP8_EXCLUDE` is allowed).
 
     Raises:
-      SpmdError: (``error``) a name that is not one of them, or a bare string."""
+      SpmdError: (``error``) a name that is not one of them, a bare string, or
+        another value than the default without float8."""
     if isinstance(exclude, str) or any(n not in EXCLUDABLE for n in exclude):
         raise error(
             op=op,
@@ -388,7 +395,15 @@ def check_exclude(
             fix="pass fp8_exclude=('lm_head',) (the default: the LM head in bfloat16) or "
             "fp8_exclude=() (every weight matmul in float8)",
         )
-    return tuple(dict.fromkeys(exclude))
+    exclude = tuple(dict.fromkeys(exclude))
+    if exclude != FP8_EXCLUDE and not float8:
+        raise error(
+            op=op,
+            must="fp8_exclude other than the default only with compute_dtype='float8'",
+            given=f"fp8_exclude={exclude!r} without float8",
+            fix="pass compute_dtype='float8' with fp8_exclude, or drop fp8_exclude",
+        )
+    return exclude
 
 
 def _kept(jaxpr: Any, exclude: Sequence[str]) -> frozenset[Site]:

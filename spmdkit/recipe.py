@@ -87,7 +87,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmdkit import jaxprs
 from spmdkit.batch import as_traced, as_tree, microbatches
 from spmdkit.errors import RecipeError
-from spmdkit.fp8 import HISTORY, LM_HEAD, SCALINGS, check_exclude, fp8_loss, fp8_state
+from spmdkit.fp8 import FP8_EXCLUDE, HISTORY, SCALINGS, check_exclude, fp8_loss, fp8_state
 from spmdkit.loss import Loss, as_loss
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import find_layer_scan
@@ -97,7 +97,6 @@ from spmdkit.sequence import ContextShard, context_parallel_loss, plan_context
 from spmdkit.spec import axis_sizes
 
 __all__ = [
-    "FP8_EXCLUDE",
     "NAMED_POLICIES",
     "PLAIN",
     "REMAT_POLICIES",
@@ -135,8 +134,6 @@ REMAT_POLICIES = ("none", "dots", *NAMED_POLICIES, "full", "names")
 #: Compute dtypes a recipe may ask for (``None``: the parameters' own dtype).
 #: ``"float8"``: weight matmuls on float8 operands, the rest in bfloat16 (:mod:`spmdkit.fp8`).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
-#: The matmuls a float8 recipe keeps in bfloat16 by default: the LM head.
-FP8_EXCLUDE = (LM_HEAD,)
 
 
 @dataclass(frozen=True)
@@ -159,11 +156,8 @@ class Recipe:
       microbatches: gradient-accumulation steps per train step (>= 1).
       offload_opt: keep optimizer state in host memory (``pinned_host``).
       fp8_exclude: under ``compute_dtype="float8"``, the weight matmuls kept in
-        bfloat16, by name (``spmdkit.fp8.EXCLUDABLE``): the default
-        ``("lm_head",)`` keeps the LM head (the final vocabulary projection,
-        ``spmdkit.fp8.lm_heads``) in bfloat16, as NeMo / Megatron-LM (its output
-        layer is no Transformer Engine layer) and torchtitan (torchao's float8
-        converter skips ``output``) do; ``()`` runs it in float8 too.
+        bfloat16 (``spmdkit.fp8.EXCLUDABLE``): by default the LM head
+        (``spmdkit.fp8.lm_heads``), as published recipes do; ``()``: none.
 
     Example::
 
@@ -240,7 +234,9 @@ class Recipe:
                 given=f"fp8_scaling={self.fp8_scaling!r}, compute_dtype={self.compute_dtype!r}",
                 fix="pass compute_dtype='float8', fp8_scaling='delayed' (or drop fp8_scaling)",
             )
-        self._check_fp8_exclude()
+        float8 = self.compute_dtype == "float8"
+        exclude = check_exclude(self.fp8_exclude, "Recipe", RecipeError, float8=float8)
+        object.__setattr__(self, "fp8_exclude", exclude)
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int):
             raise RecipeError(
                 op="Recipe",
@@ -256,17 +252,6 @@ class Recipe:
                 fix="pass microbatches=1 (no accumulation) or more",
             )
         object.__setattr__(self, "offload_opt", bool(self.offload_opt))
-
-    def _check_fp8_exclude(self) -> None:
-        exclude = check_exclude(self.fp8_exclude, "Recipe", RecipeError)
-        if exclude != FP8_EXCLUDE and self.compute_dtype != "float8":
-            raise RecipeError(
-                op="Recipe",
-                must="fp8_exclude other than the default only with compute_dtype='float8'",
-                given=f"fp8_exclude={exclude!r}, compute_dtype={self.compute_dtype!r}",
-                fix="pass compute_dtype='float8' with fp8_exclude, or drop fp8_exclude",
-            )
-        object.__setattr__(self, "fp8_exclude", exclude)
 
     @property
     def saved_names(self) -> tuple[str, ...]:
@@ -310,7 +295,7 @@ class Recipe:
             parts.append(_DTYPE_SHORT.get(self.compute_dtype, self.compute_dtype))
             if self.fp8_scaling == "delayed":
                 parts[-1] += "(delayed)"
-            if self.compute_dtype == "float8" and LM_HEAD not in self.fp8_exclude:
+            if self.compute_dtype == "float8" and not self.fp8_exclude:
                 parts[-1] += "(lm_head too)"
         if self.microbatches > 1:
             parts.append(f"microbatches={self.microbatches}")
@@ -619,12 +604,11 @@ def value_and_grad(
 
     delayed = rcp.fp8_scaling == "delayed"
     pipe = getattr(recipe, "pipeline", None)
+    f8 = fp8_loss(user_loss, rcp.fp8_scaling, rcp.fp8_exclude)
     if delayed:
         _check_delayed(loss, pipe)
-        f8 = fp8_loss(user_loss, "delayed", rcp.fp8_exclude)
         inner = remat_loss(lambda p, b, state, *r: f8(state, p, b, *r), rcp)
     else:
-        f8 = fp8_loss(user_loss, exclude=rcp.fp8_exclude)
         inner = remat_loss(f8 if rcp.compute_dtype == "float8" else user_loss, rcp)
 
     def cast_loss(params: Any, batch: Any, *rest: Any) -> Any:
