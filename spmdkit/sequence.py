@@ -349,9 +349,9 @@ def context_parallel_loss(loss_fn: Callable[..., Any], plan: Any) -> Callable[..
             return loss_fn(params, batch, *rest)
         if order is not None:
             batch = balance_batch(batch, axes, order)
-            # a pipeline traces the loss on one micro-batch's rows: no batch layout there
-            if getattr(plan, "pipeline", None) is None:
-                batch = _keep_layout(plan, batch, axes)
+            # (a pipeline's micro-batch too: its embedding runs on the rows and
+            # tokens its devices hold, and plan.verify propagates the step so)
+            batch = _keep_layout(plan, batch, axes)
         with context_parallel(order, attention=cp.attention):
             return loss_fn(params, batch, *rest)
 
