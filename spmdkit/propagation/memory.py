@@ -302,12 +302,14 @@ def _lifetimes(
         else set()
     )
     # broadcasts of constants (masks, fill values) are fused into their users or
-    # sunk into loop bodies by XLA: never materialized at full size
+    # sunk into loop bodies by XLA: never materialized at full size; a pvary of
+    # one is the same broadcast (pvary lowers to nothing; jax up to 0.11 traces
+    # a kernel's fill as pvary(broadcast(c)), 0.12 as broadcast(pvary(c)))
     const = {v for v in consumers if prog.const[v]}
     for node in graph.nodes:
         if node.kind == "eqn" and all(v in const for v in node.ins):
             const.update(node.outs)
-            if node.prim == "broadcast_in_dim" and fuse:
+            if node.prim in ("broadcast_in_dim", "pvary") and fuse:
                 fused.update(o for o in node.outs if o not in graph.outvars)
     end = len(graph.nodes)
     for v in graph.outvars:
