@@ -124,22 +124,27 @@ def _dims(dn: DimensionNumbers, ndim_l: int, ndim_r: int) -> tuple[list, list, l
     return cl, cr, free_l, free_r
 
 
-def _lhs_grad(g: jax.Array, rhs: jax.Array, dn: DimensionNumbers, ndim_l: int) -> jax.Array:
+def _lhs_grad(
+    g: jax.Array, rhs: jax.Array, dn: DimensionNumbers, ndim_l: int, dtype: Any
+) -> jax.Array:
     """d(lhs) of ``dot_general(lhs, rhs, dn)`` (no batch dims) for output gradient ``g``,
-    on ``g``'s and ``rhs``'s dtypes, accumulated in fp32."""
+    on ``g``'s and ``rhs``'s dtypes, accumulated in fp32 and written in ``dtype``."""
     cl, cr, free_l, free_r = _dims(dn, ndim_l, rhs.ndim)
     g_r = [len(free_l) + j for j in range(len(free_r))]
-    out = lax.dot_general(g, rhs, ((g_r, free_r), ((), ())), preferred_element_type=jnp.float32)
+    out = lax.dot_general(g, rhs, ((g_r, free_r), ((), ())), preferred_element_type=dtype)
     # out's dims: lhs's free dims in order, then rhs's contracting dims in rhs order
     src = free_l + [cl[cr.index(r)] for r in sorted(cr)]
     return jnp.transpose(out, [src.index(d) for d in range(ndim_l)])
 
 
-def _rhs_grad(lhs: jax.Array, g: jax.Array, dn: DimensionNumbers, ndim_r: int) -> jax.Array:
-    """d(rhs) of ``dot_general(lhs, rhs, dn)`` (no batch dims) for output gradient ``g``."""
+def _rhs_grad(
+    lhs: jax.Array, g: jax.Array, dn: DimensionNumbers, ndim_r: int, dtype: Any
+) -> jax.Array:
+    """d(rhs) of ``dot_general(lhs, rhs, dn)`` (no batch dims) for output gradient ``g``,
+    written in ``dtype``."""
     cl, cr, free_l, free_r = _dims(dn, lhs.ndim, ndim_r)
     g_l = list(range(len(free_l)))
-    out = lax.dot_general(lhs, g, ((free_l, g_l), ((), ())), preferred_element_type=jnp.float32)
+    out = lax.dot_general(lhs, g, ((free_l, g_l), ((), ())), preferred_element_type=dtype)
     # out's dims: lhs's contracting dims in lhs order (→ rhs dims), then rhs's free dims
     src = [cr[cl.index(d)] for d in sorted(cl)] + free_r
     return jnp.transpose(out, [src.index(d) for d in range(ndim_r)])
@@ -166,13 +171,23 @@ def _check_unbatched(dn: DimensionNumbers) -> None:
 
 
 def _product(ql: jax.Array, qr: jax.Array, dn: DimensionNumbers, scale: Any, dtype: Any) -> Any:
-    """The float8 operands' product scaled back, in ``dtype``: the dot writes
-    ``dtype`` when it is narrower than float32 (a float8 GEMM accumulates in fp32
-    and writes the activations' dtype), so a remat policy that saves matmul
-    outputs (``dots``) keeps it at that size, not at fp32's."""
-    wide = jnp.dtype(dtype).itemsize >= 4
-    out = lax.dot_general(ql, qr, dn, preferred_element_type=jnp.float32 if wide else dtype)
-    return (out.astype(jnp.float32) * scale).astype(dtype)
+    """The float8 operands' product scaled back, in ``dtype`` (:func:`_scaled`)."""
+    return _scaled(lax.dot_general(ql, qr, dn, preferred_element_type=dtype), scale)
+
+
+def _scaled(out: jax.Array, scale: jax.Array) -> jax.Array:
+    """A float8 GEMM's result ``out`` (accumulated in fp32, written in the
+    result's dtype, as a float8 GEMM writes the activations' dtype) times its
+    per-tensor ``scale``, in ``out``'s dtype: no narrowing cast follows the
+    GEMM, so a result left sum-partial by a sharded contraction (the weight
+    gradient's, over the batch under FSDP) is reduced as a bfloat16 GEMM's
+    would be, reduce-scattered to the weight's shards, not all-reduced at a
+    cast (a cast to a narrower dtype rounds each partial piece, so a pending
+    sum is resolved before it). Under bfloat16 the scale rounds to 8 bits
+    (at most 2^-9 relative, far below e4m3's 2^-4 step); a ``dtype`` of
+    float32 or wider keeps it exact. A remat policy saving matmul outputs
+    (``dots``) keeps the result at ``dtype``'s size."""
+    return out * scale.astype(out.dtype)
 
 
 def _forward(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtype: Any) -> tuple:
@@ -187,9 +202,9 @@ def _forward(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtype: An
 def _backward(dn: DimensionNumbers, out_dtype: Any, res: tuple, g: jax.Array) -> tuple:
     ql, sl, qr, sr, lhs_like, rhs_like = res
     qg, sg = quantize(g, E5M2)
-    d_lhs = _lhs_grad(qg, qr, dn, ql.ndim) * (sg * sr)
-    d_rhs = _rhs_grad(ql, qg, dn, qr.ndim) * (sg * sl)
-    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype)
+    d_lhs = _scaled(_lhs_grad(qg, qr, dn, ql.ndim, lhs_like.dtype), sg * sr)
+    d_rhs = _scaled(_rhs_grad(ql, qg, dn, qr.ndim, rhs_like.dtype), sg * sl)
+    return d_lhs, d_rhs
 
 
 fp8_dot.defvjp(_forward, _backward)
@@ -243,11 +258,11 @@ def _delayed_backward(dn: DimensionNumbers, out_dtype: Any, saved: tuple, g: jax
     ag = _amax(g)
     sg = _delayed_scale(history[2], ag, E5M2)
     qg = _saturated(g, sg, E5M2)
-    d_lhs = _lhs_grad(qg, qr, dn, ql.ndim) * (sg * sr)
-    d_rhs = _rhs_grad(ql, qg, dn, qr.ndim) * (sg * sl)
+    d_lhs = _scaled(_lhs_grad(qg, qr, dn, ql.ndim, lhs_like.dtype), sg * sr)
+    d_rhs = _scaled(_rhs_grad(ql, qg, dn, qr.ndim, rhs_like.dtype), sg * sl)
     newest = jnp.concatenate([amaxes, ag[None]])[:, None].astype(history.dtype)
     updated = jnp.concatenate([newest, history[:, :-1]], axis=1)
-    return d_lhs.astype(lhs_like.dtype), d_rhs.astype(rhs_like.dtype), updated
+    return d_lhs, d_rhs, updated
 
 
 fp8_dot_delayed.defvjp(_delayed_forward, _delayed_backward)
