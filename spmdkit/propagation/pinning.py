@@ -164,7 +164,8 @@ def _node_pins(
                 out[id(node)] = NodePins((None,), tuple(outs), ((),), None, runs, ran=True)
                 continue
             before, after = layouts
-            out[id(node)] = NodePins((before,), (after,), ((),), None, runs)
+            req = tuple(before if r is not None and r.partial else r for r in step.given)
+            out[id(node)] = NodePins(req, (after,), ((),) * len(req), None, runs)
             continue
         chains = tuple(
             _moves(pricer, v, s, r, avail)
@@ -314,15 +315,29 @@ def _partial_path(
         nxt = readers.get(v, [])
         n = nxt[0][0] if len(nxt) == 1 else None
         if n is None or not (
-            n.prim in _PARTIAL_PASS or n.prim in _PARTIAL_SHRINK or _adds_unit_dims(n)
+            n.prim in _PARTIAL_PASS
+            or n.prim in _PARTIAL_SHRINK
+            or _adds_unit_dims(n)
+            or _scaled_by(n, v, made)
         ):
             break
-        s = made.get(n.outs[0]) if len(n.outs) == 1 and len(n.ins) == 1 else None
+        one = len(n.ins) == 1 or _scaled_by(n, v, made)
+        s = made.get(n.outs[0]) if len(n.outs) == 1 and one else None
         if s is None or s.partial != spec.partial or n.outs[0] in blocked:
             break
         passed.append((n, made[v], s))
         v = n.outs[0]
     return v, passed
+
+
+def _scaled_by(node: Node, v: int, made: Mapping[int, TensorSpec | None]) -> bool:
+    """Whether ``node`` multiplies ``v`` by a replicated scalar (a float8 GEMM's
+    per-tensor scale, :func:`spmdkit.fp8.fp8_dot`): a pending sum passes it
+    unchanged in size, and the reduced value is scaled alike."""
+    if node.prim != "mul" or len(node.ins) != 2 or list(node.ins).count(v) != 1:
+        return False
+    other = made.get(node.ins[1 - list(node.ins).index(v)])
+    return other is not None and other.shape == () and not other.partial
 
 
 def _fused_reduction(
@@ -356,6 +371,8 @@ def _fused_reduction(
     if target is None:
         return None, {}, ()
     if any(n.prim in _PARTIAL_SHRINK and not _adds_unit_dims(n) for n, _, _ in passed):
+        if any(len(n.ins) > 1 for n, _, _ in passed):  # a chain runs one-operand nodes
+            return None, {}, ()
         return _chain_reduction(v, passed, target, req, pricer)
     layouts: dict[int, Any] = {}
     for n, before, after in reversed(passed):
