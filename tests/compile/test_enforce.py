@@ -13,6 +13,7 @@ import spmdkit as sk
 from spmdkit.compile import jit, verify_plan
 from spmdkit.compile.enforce import enforced, replay
 from spmdkit.flax import describe
+from spmdkit.fp8 import fp8_dot
 from spmdkit.planner import plan
 from spmdkit.propagation import propagate
 from spmdkit.verification.hlo import parse_collectives
@@ -212,6 +213,40 @@ def test_a_partial_contraction_is_reduced_as_planned():
     np.testing.assert_allclose(
         compiled(xv, wv), f(np.asarray(xv), np.asarray(wv)), rtol=1e-5, atol=1e-5
     )
+
+
+def test_a_scaled_partial_contraction_is_reduced_as_planned():
+    """A float8 GEMM's result times its per-tensor scale: the weight gradient of
+    ``spmdkit.fp8.fp8_dot`` under FSDP contracts the sharded batch, and the
+    pending sum passes the multiply by a replicated scalar on its way to the
+    gradient's shards. The replay runs the contraction per device and
+    reduce-scatters it as planned; left to XLA, the product was all-reduced
+    whole and sliced (the CPU's emission), where the plan reduce-scatters."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+    dn = (((1,), (0,)), ((), ()))
+
+    def grad(w, x):
+        def loss(w):
+            return jnp.mean(fp8_dot(x, w.astype(jnp.bfloat16), dn).astype(jnp.float32) ** 2)
+
+        return jax.grad(loss)(w)
+
+    w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    x = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16)
+    fsdp = P(("data", "model"))
+    prop = propagate(grad, w, x, mesh=mesh, in_specs=(fsdp, fsdp), out_specs=fsdp)
+    big = [(c.kind, c.payload_bytes) for c in prop.collectives() if c.payload_bytes > 8]
+    assert big == [("all_gather", 2048), ("reduce_scatter", 4096)], big  # float8 gathered
+    compiled, got = _compiled(prop, mesh, w, x)
+    # XLA:CPU reduces bf16 in f32: twice the planned bytes, as verify_plan counts
+    assert [c.kind for c in got if c.payload_bytes > 8] == ["all_gather", "reduce_scatter"]
+    rng = np.random.default_rng(0)
+    wv = rng.normal(size=(64, 32)).astype(np.float32)
+    xv = rng.normal(size=(16, 64)).astype(jnp.bfloat16)
+    put = NamedSharding(mesh, fsdp)
+    got = compiled(jax.device_put(wv, put), jax.device_put(xv, put))
+    # each device's bf16 share of the sum rounds before the reduction
+    np.testing.assert_allclose(got, jax.jit(grad)(wv, xv), rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize(
