@@ -8,7 +8,10 @@ matmul runs on float8 operands:
 
 - forward: both operands scaled per tensor by their absolute maximum ("current
   scaling": ``scale = amax / 448``) and cast to ``float8_e4m3fn``; the product is
-  accumulated in fp32 (``preferred_element_type``) and scaled back;
+  accumulated in fp32 and written in the activations' dtype, as a float8 GEMM
+  writes it, then scaled back in that dtype (:func:`_scaled`: no cast follows
+  the GEMM, so under FSDP its sum-partial weight gradient is reduce-scattered
+  to the weight's shards, as bf16's is);
 - backward: the output gradient is scaled and cast to ``float8_e5m2`` (more range,
   less precision, as gradients need) and multiplied with the saved e4m3 operands,
   so the two gradient matmuls run on float8 operands too;
