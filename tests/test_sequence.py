@@ -261,16 +261,15 @@ _PIPE_CP_CASES = [
     # 49.5 on pipe 2 x data 4)
     ({"pipe": 2, "data": 2, "context": 2}, "gpipe", 1, "dp", ("peak memory",)),
     # tensor-parallel stages: XLA gathers the K/V heads over the automatic model
-    # axis before the manual context gather (5.1 MiB compiled, 2.1 predicted)
-    ({"pipe": 2, "context": 2, "model": 2}, "1f1b", 1, "megatron",
-     ("all_gather", "collectives total")),
+    # axis around the manual context exchange, priced so (5.1 MiB of all-gathers)
+    ({"pipe": 2, "context": 2, "model": 2}, "1f1b", 1, "megatron", ()),
 ]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("axes", "schedule", "virtual", "strategy", "misses"),
-    sampled(_PIPE_CP_CASES, lambda case: case[1] == "1f1b" and case[3] == "dp"),
+    sampled(_PIPE_CP_CASES, lambda case: case[1] == "1f1b"),
     ids=["pp2-dp2-cp2-1f1b", "pp2-cp4-interleaved-v2", "pp2-dp2-cp2-gpipe", "pp2-cp2-tp2-1f1b"],
 )
 def test_pipelined_context_parallel_llama_equals_one_device_and_verifies(

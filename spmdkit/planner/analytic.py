@@ -68,7 +68,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
-from spmdkit.planner.context import PIPELINED_STRATEGIES, ContextAttention, context_attention
+from spmdkit.planner.context import stage_context_attention
 from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.recipe import NAMED_POLICIES, Recipe
@@ -832,7 +832,12 @@ def total_cost(
     compute_s += attn_s + _recompute_s(ctx, layer_s)
     if not total_flops and trace.flops:
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
-    cp = _context(ctx, batch_shards * heads_tp, attn_s)
+    # a pipelined stage gathers K/V over its tensor axes around the exchange
+    heads = ()
+    if ctx.gather_once and ctx.context:
+        heads = tuple(a for a in _head_axes(ctx, groups, choice, batch_axes, seq_axes)
+                      if a not in ctx.context)  # fmt: skip
+    cp = stage_context_attention(ctx, batch_shards * heads_tp, attn_s, heads)
     comm_s, hidden_s = comm_s + cp.comm_s, hidden_s + cp.hidden_s
     for k, v in cp.payload.items():
         comm[k] = comm.get(k, 0.0) + v
@@ -891,23 +896,21 @@ def _memory(
     return memory
 
 
-def _context(ctx: CostContext, shards: int, attention_s: float) -> ContextAttention:
-    """Attention's K/V exchange over the context axes (:func:`context_attention`) of
-    the device's K/V: the traced ones at the compute itemsize over ``shards``."""
-    trace, recipe = ctx.trace, ctx.recipe
-    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
-    return context_attention(
-        ctx.topology,
-        ctx.mesh,
-        ctx.context,
-        trace.attn_kv_bytes * scale / shards,
-        trace.layers,
-        attention_s,
-        rerun=trace.recompute_flops(recipe)[1] > 0,
-        keep_all=recipe.remat == "none",
-        microbatches=recipe.microbatches,
-        strategies=PIPELINED_STRATEGIES if ctx.gather_once else ("ring", "gather_kv"),
-    )
+def _head_axes(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> tuple[str, ...]:
+    """The tensor axes that split the attention heads (size > 1, in mesh order)."""
+    axes = {
+        a
+        for g, layout in zip(groups, choice, strict=True)
+        if g.logical and any(n in ("heads", "kv_heads") for n in g.logical)
+        for a in _split(ctx, g, layout, batch_axes, seq_axes).tp
+    }
+    return tuple(a for a in ctx.sizes if a in axes and ctx.sizes[a] > 1)
 
 
 def _attention_seq_shards(
@@ -923,12 +926,7 @@ def _attention_seq_shards(
     which runs on the local heads) splits it once, not twice."""
     if not seq_axes:  # the common case, on the search's hot path
         return 1
-    head_axes = {
-        a
-        for g, layout in zip(groups, choice, strict=True)
-        if g.logical and any(n in ("heads", "kv_heads") for n in g.logical)
-        for a in _split(ctx, g, layout, batch_axes, seq_axes).tp
-    }
+    head_axes = _head_axes(ctx, groups, choice, batch_axes, seq_axes)
     return math.prod(ctx.sizes[a] for a in seq_axes if a not in head_axes)
 
 

@@ -41,7 +41,7 @@ sequence into ``2 ×`` degree chunks, when the sequences are long
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -60,6 +60,7 @@ __all__ = [
     "context_attention",
     "context_axes",
     "context_meshes",
+    "stage_context_attention",
     "split_context",
 ]
 
@@ -196,6 +197,7 @@ def context_attention(
     keep_all: bool,
     microbatches: int = 1,
     strategies: tuple[str, ...] = ("ring", "gather_kv"),
+    head_axes: tuple[str, ...] = (),
 ) -> ContextAttention:
     """The cheaper of the ring and the K/V all-gather (module docstring), among
     ``strategies``.
@@ -214,6 +216,13 @@ def context_attention(
         pipeline's): each exchanges its own K/V, and one's are live at a time.
       strategies: the strategies that can run (a pipelined stage's:
         :data:`PIPELINED_STRATEGIES`).
+      head_axes: the automatic axes that split ``kv_bytes``'s heads in a
+        pipelined stage (tensor parallelism), where ``gather_kv`` runs on K/V
+        whole over them: XLA gathers a device's tokens of K and V over these
+        axes before the exchange over the (manual) context axes, and the
+        gathered K/V's gradients before their reduce-scatter, so the exchange
+        moves and holds all the heads (priced here: the gathers as
+        ``all_gather`` payload, the exchange at ``h`` times ``kv_bytes``).
     """
     sizes = axis_sizes(mesh)
     n = int(np.prod([sizes[a] for a in axes])) if axes else 1
@@ -230,7 +239,9 @@ def context_attention(
     ring_hidden = min(ring_s, attention_s)
     ring = ContextAttention("ring", ring_s, ring_hidden, {"collective_permute": sends * block}, 0.0)
     # gather_kv: all-gather per forward, reduce-scatter of the gradients
-    wire = per_layer * (n - 1) / n
+    h = int(np.prod([sizes[a] for a in head_axes])) if head_axes else 1
+    whole = per_layer * h  # K/V on every head (gathered over the head axes first)
+    wire = whole * (n - 1) / n
     gather_s = (
         m
         * layers
@@ -239,14 +250,22 @@ def context_attention(
             + topology.collective_time("reduce_scatter", int(wire), n, axes, mesh)
         )
     )
-    held = layers * per_layer * (n - 1) / n if keep_all else per_layer
+    heads_moved = 0.0
+    if h > 1:  # a device's tokens per forward, every token's gradients once
+        heads_moved = m * layers * (forwards / n + 1) * whole
+        for nbytes, count in ((whole / n, forwards), (whole, 1)):
+            t = topology.collective_time(
+                "all_gather", int(nbytes * (h - 1) / h), h, head_axes, mesh
+            )
+            gather_s += m * layers * count * t
+    held = layers * whole * (n - 1) / n if keep_all else whole
     gather = ContextAttention(
         "gather_kv",
         gather_s,
         0.0,
         {
-            "all_gather": m * layers * forwards * per_layer,
-            "reduce_scatter": m * layers * per_layer,
+            "all_gather": m * layers * forwards * whole + heads_moved,
+            "reduce_scatter": m * layers * whole,
         },
         held,
     )
@@ -256,3 +275,28 @@ def context_attention(
         return ring
     exposed = (ring.comm_s - ring.hidden_s, gather.comm_s)
     return ring if exposed[0] <= exposed[1] else gather
+
+
+def stage_context_attention(
+    ctx: Any, shards: int, attention_s: float, head_axes: tuple[str, ...] = ()
+) -> ContextAttention:
+    """Attention's K/V exchange over ``ctx.context`` (:func:`context_attention`)
+    for the analytic cost model's context (``ctx``: a
+    :class:`spmdkit.planner.analytic.CostContext`): the traced K/V at the compute
+    itemsize over ``shards``; in a pipelined stage (``ctx.gather_once``), gathered
+    over the ``head_axes`` that split their heads first."""
+    trace, recipe = ctx.trace, ctx.recipe
+    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
+    return context_attention(
+        ctx.topology,
+        ctx.mesh,
+        ctx.context,
+        trace.attn_kv_bytes * scale / shards,
+        trace.layers,
+        attention_s,
+        rerun=trace.recompute_flops(recipe)[1] > 0,
+        keep_all=recipe.remat == "none",
+        microbatches=recipe.microbatches,
+        strategies=PIPELINED_STRATEGIES if ctx.gather_once else ("ring", "gather_kv"),
+        head_axes=head_axes,
+    )

@@ -371,11 +371,40 @@ def stage_collectives(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
                         grown *= c.group_size
                     elif c.axes and set(c.axes) <= auto:
                         out[c.kind] = out.get(c.kind, 0.0) + c.payload_bytes * share / grown
+            gathered = _kv_gathered_over_auto(r, auto, _context_axes(plan, facts), plan.mesh)
+            if gathered:
+                out["all_gather"] = out.get("all_gather", 0.0) + gathered * share
             add(r.body, share * r.repeat)
 
     add([prop.records[scans[0]], prop.records[scans[-1]]], 1 / pipe.stages)
     add(prop.records[scans[0] + 1 : scans[-1]], 1.0)
     return out
+
+
+def _kv_gathered_over_auto(r: Any, auto: set[str], context: tuple[str, ...], mesh: Any) -> float:
+    """The bytes XLA all-gathers over the stage's automatic axes around a
+    ``gather_kv`` attention's K/V exchange over the manual context axes
+    (``r``: the op's record in the unpipelined step, or its gradient's).
+
+    The exchange lowers to collectives replicated over the automatic axes, so
+    XLA first gathers K and V whole over them (a tensor-parallel stage's K/V
+    heads): in the forward, a device's tokens of them; in the backward, the
+    gradients of the gathered K and V (every token) before their reduce-scatter
+    over the context axes. Per call, the gathered arrays' bytes on a device."""
+    if r.op != "attention" or r.attrs.get("strategy") != "gather_kv" or len(r.inputs) < 3:
+        return 0.0
+    total = 0.0
+    for kv in r.inputs[1:3]:
+        if not set(context) & set(kv.dims[1]):
+            continue
+        if not any(set(d) & auto for d in kv.dims):
+            continue
+        dims = []
+        for i, d in enumerate(kv.dims):
+            drop = auto | (set(context) if r.backward and i == 1 else set())
+            dims.append(tuple(a for a in d if a not in drop))
+        total += kv.replace(dims=tuple(dims)).local_bytes(mesh)
+    return total
 
 
 #: The collective that transposes each kind (a stage's backward pass of

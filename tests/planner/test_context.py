@@ -102,6 +102,23 @@ def test_context_attention_gathers_when_attention_is_short():
     assert none.comm_s == 0.0 and not none.payload
 
 
+def test_a_tensor_parallel_stage_gathers_its_kv_heads_around_the_exchange():
+    # a pipelined stage's K/V, heads split over the automatic model axis, are
+    # gathered whole over it first (a device's tokens per forward, every token's
+    # gradients in the backward): the exchange moves and holds all the heads
+    topo = sk.Topology.h100()
+    mesh = sk.abstract_mesh(context=2, model=4)
+    kv, layers = 2**30, 8  # the device's share: heads split 4 ways
+    flat = context_attention(topo, mesh, ("context",), kv, layers, 0.0, rerun=False,
+                             keep_all=False, strategies=PIPELINED_STRATEGIES)  # fmt: skip
+    tp = context_attention(topo, mesh, ("context",), kv, layers, 0.0, rerun=False,
+                           keep_all=False, strategies=PIPELINED_STRATEGIES,
+                           head_axes=("model",))  # fmt: skip
+    assert tp.payload["reduce_scatter"] == pytest.approx(4 * kv)
+    assert tp.payload["all_gather"] == pytest.approx(4 * kv * (1 + 1 / 2 + 1))
+    assert tp.memory == pytest.approx(4 * flat.memory) and tp.comm_s > 4 * flat.comm_s
+
+
 BF16 = sk.Recipe(compute_dtype="bfloat16")
 
 

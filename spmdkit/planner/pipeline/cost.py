@@ -248,6 +248,7 @@ def _stage_trace(trace: StepTrace, stages: int) -> StepTrace:
         attn_fwd_flops=trace.attn_fwd_flops / stages,
         attn_fused_fwd_flops=trace.attn_fused_fwd_flops / stages,
         attn_causal_fwd_flops=trace.attn_causal_fwd_flops / stages,
+        attn_kv_bytes=trace.attn_kv_bytes / stages,
     )
 
 
