@@ -48,6 +48,7 @@ __all__ = [
     "Scan",
     "WhileLoop",
     "call_body",
+    "call_name",
     "closed",
     "computed_body",
     "cond_branches",
@@ -210,6 +211,15 @@ def call_body(eqn: Any) -> Any | None:
     key = CALL_PRIMITIVES.get(eqn.primitive.name)
     body = eqn.params.get(key) if key else None
     return body if body is not None and _has_eqns(body) else None
+
+
+def call_name(eqn: Any) -> str | None:
+    """The name a ``jit`` call was made under (its function's ``__name__``), None
+    for other equations."""
+    if eqn.primitive.name not in ("pjit", "jit"):
+        return None
+    name = eqn.params.get("name")
+    return None if name is None else str(name)
 
 
 def remat_options(eqn: Any) -> dict:

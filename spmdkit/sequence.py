@@ -40,6 +40,7 @@ from spmdkit.util import path_str
 
 __all__ = [
     "BalancedOrder",
+    "CONTEXT_ATTENTION",
     "ContextShard",
     "PIPELINED_STRATEGIES",
     "SequenceOrderError",
@@ -246,6 +247,12 @@ class ContextShard:
             return index
         return BalancedOrder(self.shards).position_of(index, seq_len * self.shards)
 
+
+#: The name of the call a pipelined stage's attention runs its per-device
+#: computation in (:func:`spmdkit.ops.attention` under :func:`context_shard`): the
+#: one op that may mix a device's tokens with others' (its K/V gathered over the
+#: context axes), as :mod:`spmdkit.pipeline.tokens` checks.
+CONTEXT_ATTENTION = "spmdkit_context_attention"
 
 #: The attention strategies a pipelined stage runs under context parallelism:
 #: K/V all-gathered. The ring's collective-permutes would run inside the

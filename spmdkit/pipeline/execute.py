@@ -87,6 +87,7 @@ from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.ticks import explicit_tick_loop, gpipe_forward_loop
+from spmdkit.pipeline.tokens import tokens_combined, tokens_error
 from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard, context_shard
 from spmdkit.util import path_str
 
@@ -195,6 +196,9 @@ def pipelined_value_and_grad(
         mixed = split_rows_combined(sp, lay)
         if mixed and not pipe.local_statistics:
             raise rows_error(mixed, axes, "pipeline")
+        problem = tokens_combined(sp, local, lay)
+        if problem:
+            raise tokens_error(problem, cp_axes, "pipeline")
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
         pre_all = _pre_for_microbatches(sp, micro, r_leaves)

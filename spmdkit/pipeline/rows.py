@@ -15,20 +15,30 @@ equation, into nested calls, scans, loops and conditionals. It is
 conservative: a primitive it has no rule for, given a value with rows, counts
 as combining them (running with automatic batch axes is correct for any
 layer, only slower).
+
+The same walk checks a pipelined context-parallel stage's *tokens*
+(:mod:`spmdkit.pipeline.tokens`): the "rows" are then a device's tokens on
+their sequence dim, traced where the context axes are bound (``aware``). A
+value computed from ``axis_index`` over those axes (the tokens' natural
+positions) or gathered over them whole (attention's K/V) holds what the
+global computation holds, so it may meet the tokens entry by entry.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax.extend.core as jex
 
 from spmdkit import jaxprs
+from spmdkit.sequence import CONTEXT_ATTENTION
 
-__all__ = ["mixed_rows"]
+__all__ = ["AWARE", "aware_of", "mixed_rows"]
 
 #: primitives applied entry by entry (operands of the result's shape, or scalars)
 # fmt: off
@@ -54,6 +64,40 @@ _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"
 
 class _Mixed(Exception):
     """An equation combines rows (its description is the message)."""
+
+
+#: in a free value's state: it is computed from the device's index over the
+#: ``aware`` axes (:func:`aware_of`), so it may vary along the rows
+AWARE = -1
+
+_AWARE_AXES: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "spmdkit_rows_aware", default=frozenset()
+)
+
+
+@contextlib.contextmanager
+def aware_of(axes: Sequence[str]) -> Iterator[None]:
+    """Inside, the walk knows the rows are split over the manual ``axes``: an
+    ``axis_index`` over them, and an ``all_gather`` of the rows over them along
+    their dim, are values that hold the global computation's entries
+    (module docstring)."""
+    token = _AWARE_AXES.set(frozenset(axes))
+    try:
+        yield
+    finally:
+        _AWARE_AXES.reset(token)
+
+
+def _axis_names(eqn: Any) -> frozenset:
+    names = eqn.params.get("axis_name", eqn.params.get("axes", ()))
+    return frozenset(names if isinstance(names, (tuple, list)) else (names,))
+
+
+def _over_aware(eqn: Any) -> bool:
+    """A collective or ``axis_index`` over the aware axes only."""
+    aware = _AWARE_AXES.get()
+    names = _axis_names(eqn)
+    return bool(aware) and bool(names) and names <= aware
 
 
 def mixed_rows(body: Any, dims: Sequence[int | None]) -> str | None:
@@ -94,7 +138,7 @@ _FREE: frozenset = frozenset()
 
 
 def _state(d: int | None) -> State:
-    return _FREE if d is None else d
+    return _FREE if d is None else int(d)  # a numpy integer from a primitive's params
 
 
 def _rows(s: State) -> int | None:
@@ -112,6 +156,8 @@ def _walk(jaxpr: Any, states: list[State]) -> list[State]:
         ins = [read(v) for v in eqn.invars]
         if all(_rows(s) is None for s in ins):
             outs = _free_rule(eqn, ins)
+        elif eqn.primitive.name == "all_gather" and _over_aware(eqn):
+            outs = [_gathered(eqn, ins)]
         else:
             outs = [_state(d) for d in _rule(eqn, ins)]
         env.update(zip(eqn.outvars, outs, strict=True))
@@ -124,6 +170,10 @@ def _free_rule(eqn: Any, ins: list[State]) -> list[State]:
     name = eqn.primitive.name
     if not eqn.outvars:  # an effect (a debug callback)
         return []
+    if (name == "axis_index" and _over_aware(eqn)) or any(
+        AWARE in s for s in ins if isinstance(s, frozenset)
+    ):
+        return [frozenset({AWARE})] * len(eqn.outvars)
     out_shape = _shape(eqn.outvars[0])
     if name == "broadcast_in_dim":
         bd = eqn.params["broadcast_dimensions"]
@@ -138,6 +188,28 @@ def _free_rule(eqn: Any, ins: list[State]) -> list[State]:
                 same &= s | {j for j, n in enumerate(_shape(v)) if n == 1}
         return [frozenset(same)] * len(eqn.outvars)
     return [_FREE] * len(eqn.outvars)
+
+
+def _gathered(eqn: Any, ins: list[State]) -> State:
+    """An ``all_gather`` over the aware axes of a value with rows: tiled along its
+    row dim, it is the whole of them on every device (attention's K/V)."""
+    d = ins[0]
+    if (
+        len(ins) != 1
+        or not isinstance(d, int)
+        or not eqn.params.get("tiled", False)
+        or eqn.params.get("all_gather_dimension") != d
+    ):
+        raise _mixed(eqn, "a gather of the rows that does not join them whole", eqn.invars[0])
+    return frozenset({AWARE})
+
+
+def _context_attention(e: _Eqn) -> list[int | None]:
+    """Attention on a device's tokens (``[B, S, H, D]`` q, k, v, their tokens on dim
+    1), its K/V exchanged over the aware axes: its result's tokens are q's."""
+    if len(e.ins) != 3 or any(d not in (None, 1) for d in e.ins) or e.ins[0] != 1:
+        raise e.mixed("with q, k, v not split on their sequence dim (1)")
+    return [1] * e.n_out
 
 
 def _shape(v: Any) -> tuple[int, ...]:
@@ -163,7 +235,7 @@ def _constant_along(eqn: Any, v: Any, s: State, dim: int) -> None:
     """A value without rows meeting rows entry by entry must be the same for
     every row (broadcast along ``dim``), else row ``i`` would meet entry ``i`` of
     something else (an ``iota`` over the batch, whose entries differ on a device's rows)."""
-    if not isinstance(s, int) and _shape(v) and _shape(v)[dim] > 1 and dim not in s:
+    if not isinstance(s, int) and _shape(v) and _shape(v)[dim] > 1 and not s & {dim, AWARE}:
         raise _mixed(eqn, "rows meeting a value that varies along them", v, dim=dim)
 
 
@@ -208,6 +280,8 @@ def _rule(eqn: Any, states: list[State]) -> list[int | None]:
     rule = _RULES.get(name)
     if rule is not None:
         return rule(e)
+    if _AWARE_AXES.get() and jaxprs.call_name(eqn) == CONTEXT_ATTENTION:
+        return _context_attention(e)
     body = jaxprs.computed_body(eqn)
     if body is not None and len(_open(body).invars) == len(ins):
         return [_rows(x) for x in _walk(_open(body), states)]
@@ -379,7 +453,7 @@ def _fixed_point(body: Any, consts: list, carry: list, rest: list) -> list[State
                 if a != b:
                     raise _Mixed(f"a loop carry whose rows move from dim {a} to {_rows(b)}")
             else:
-                new[k] = b if isinstance(b, int) else a & b
+                new[k] = b if isinstance(b, int) else (a & b) | ((a | b) & {AWARE})
         if new == carry:
             return outs
         carry = new
@@ -394,7 +468,7 @@ def _scan(e: _Eqn) -> list[int | None]:
     for s in states[nc + ncarry :]:
         if s == 0:
             raise _mixed(eqn, "scanned over the rows")
-        inner.append(s - 1 if isinstance(s, int) else frozenset(a - 1 for a in s if a > 0))
+        inner.append(s - 1 if isinstance(s, int) else frozenset(a - (a > 0) for a in s if a != 0))
     outs = _fixed_point(sc.jaxpr, states[:nc], list(states[nc : nc + ncarry]), inner)
     ys = [None if _rows(s) is None else _rows(s) + 1 for s in outs[ncarry:]]  # type: ignore[operator]
     return [*(_rows(s) for s in outs[:ncarry]), *ys]
