@@ -43,6 +43,7 @@ from jax.sharding import AbstractMesh
 from spmdkit import jaxprs
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.schedule import PipelineError
+from spmdkit.sequence import CONTEXT_ATTENTION
 
 __all__ = ["CALLS", "SplitLoss", "call_body", "has_scan", "split_loss"]
 
@@ -73,14 +74,20 @@ def _read(env: dict, v: Any) -> Any:
 
 def _run(eqns: Sequence[Any], env: dict, *, inline: bool = False) -> None:
     """Evaluate ``eqns`` into ``env`` (``inline``: calls holding a scan are
-    evaluated equation by equation, so their scans are traced at this level)."""
+    evaluated equation by equation, so their scans are traced at this level;
+    a pipelined stage's context attention always is)."""
     for eqn in eqns:
         invals = [_read(env, v) for v in eqn.invars]
-        body = call_body(eqn) if inline else None
-        if body is not None and has_scan(body.jaxpr):
+        body = call_body(eqn)
+        # a stage's context attention is a call for the token check to find
+        # (spmdkit.pipeline.tokens) and runs inline, as it was written: a nested
+        # jit of its axis_index under automatic axes needs a context mesh to lower
+        if body is not None and (
+            (inline and has_scan(body.jaxpr)) or jaxprs.call_name(eqn) == CONTEXT_ATTENTION
+        ):
             inner = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
             inner.update(zip(body.jaxpr.invars, invals, strict=True))
-            _run(body.jaxpr.eqns, inner, inline=True)
+            _run(body.jaxpr.eqns, inner, inline=inline)
             outs = [_read(inner, v) for v in body.jaxpr.outvars]
         else:
             params = eqn.primitive.get_bind_params(eqn.params)
