@@ -17,6 +17,9 @@ Procedure (``docs/recipes.md``, "Step-time model and calibration"):
    that the compiled run of the same is. Every other row is a hold-out. A row
    outside its tolerance stays in the table as a miss, with the reason
    (``miss``), rather than moving a constant.
+   The pipelined rows (NeMo, Megatron-Bridge) run Megatron-LM's distributed
+   optimizer: ``megatron_sp+zero1`` (optimizer state sharded over the data and
+   context axes, :data:`spmdkit.planner.logical.SHARDED_OPT_PRESETS`).
 3. Rows whose recipe lies outside the planner's search space are priced at the
    nearest recipe in it and marked (``in_space: false``, with the reason).
 4. ``auto``: for a flat row, ``sk.plan(..., "auto", pipeline="auto")`` on its
@@ -154,14 +157,14 @@ NEMO_70B = {
     "devices": 64,
     "mesh": {"pipe": 4, "data": 2, "context": 2, "model": 4},
     "published_mesh": "TP 4 x PP 4 x CP 2 x VP 5 (DP 2)",
-    "strategy": "megatron_sp",
+    "strategy": "megatron_sp+zero1",
     # each sequence over the context axis (CP 2) and, within a tensor group,
     # over the model axis (Megatron's sequence parallelism)
     "rules": [("seq", ("context", "model"))],
     "batch": 128,
     "pipeline": Pipeline(stages=4, microbatches=64, schedule="interleaved", virtual=5),
     "recipe": sk.Recipe(compute_dtype="bfloat16"),
-    "published_recipe": "bf16, GBS 128, MBS 1, TE fused kernels",
+    "published_recipe": "bf16, GBS 128, MBS 1, TE fused kernels, distributed optimizer",
     "stack": "xla",
     "published": 1121,
     "memory_gib": None,
@@ -189,11 +192,11 @@ ROWS = [
         "devices": 64,
         "mesh": {"pipe": 8, "data": 2, "model": 4},
         "published_mesh": "TP 4 x PP 8 x VP 5 (DP 2)",
-        "strategy": "megatron_sp",
+        "strategy": "megatron_sp+zero1",
         "batch": 256,
         "pipeline": Pipeline(stages=8, microbatches=128, schedule="interleaved", virtual=5),
         "recipe": sk.Recipe(compute_dtype="float8"),
-        "published_recipe": "FP8, GBS 256, MBS 1, TE fused kernels",
+        "published_recipe": "FP8, GBS 256, MBS 1, TE fused kernels, distributed optimizer",
         "stack": "xla",
         "published": 1621,
         "memory_gib": None,
@@ -209,11 +212,12 @@ ROWS = [
         "devices": 128,
         "mesh": {"pipe": 8, "data": 4, "model": 4},
         "published_mesh": "TP 4 x PP 8 x VP 6 (DP 4)",
-        "strategy": "megatron_sp",
+        "strategy": "megatron_sp+zero1",
         "batch": 256,
         "pipeline": Pipeline(stages=8, microbatches=64, schedule="interleaved", virtual=6),
         "recipe": sk.Recipe(compute_dtype="float8"),
-        "published_recipe": "FP8, GBS 256, MBS 1, seq 2048, TE fused kernels",
+        "published_recipe": "FP8, GBS 256, MBS 1, seq 2048, TE fused kernels, "
+        "distributed optimizer",
         "stack": "xla",
         "published": 726,
         "memory_gib": None,
@@ -225,7 +229,7 @@ ROWS = [
         NEMO_70B,
         name="NeMo Llama 3.1 70B FP8",
         recipe=sk.Recipe(compute_dtype="float8"),
-        published_recipe="FP8, GBS 128, MBS 1, TE fused kernels",
+        published_recipe="FP8, GBS 128, MBS 1, TE fused kernels, distributed optimizer",
         published=1567,
     ),
     TORCHTITAN_COMPILE,

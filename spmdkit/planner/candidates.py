@@ -34,6 +34,7 @@ from spmdkit.planner.analytic import (
 from spmdkit.planner.context import context_axes
 from spmdkit.planner.logical import (
     BATCH_NAMES,
+    SHARDED_OPT_PRESETS,
     LogicalRules,
     RulesLike,
     preset_rules,
@@ -404,6 +405,11 @@ def activation_layout(rules: LogicalRules, mesh: MeshLike, trace: StepTrace) -> 
     return out
 
 
+#: Strategies whose optimizer state is sharded as fsdp shards it, on the axes the
+#: parameter leaves free (ZeRO-1/2; a tensor-parallel preset's distributed optimizer).
+_ZERO = ("zero1", "zero2", *SHARDED_OPT_PRESETS)
+
+
 def preset_tables(
     name: str,
     extra: RulesLike | None,
@@ -411,13 +417,14 @@ def preset_tables(
     aliases: Mapping[str, str] | None = None,
 ) -> tuple[LogicalRules, LogicalRules]:
     """A preset's rule tables for the parameters and for their optimizer state
-    (ZeRO-1/2: the fsdp table), ``extra`` rules first, ``aliases`` applied
+    (ZeRO-1/2 and :data:`~spmdkit.planner.logical.SHARDED_OPT_PRESETS`: the fsdp
+    table), ``extra`` rules first, ``aliases`` applied
     (:meth:`~spmdkit.planner.logical.LogicalRules.aliased`)."""
     rules = preset_rules(name, mesh)
     if extra is not None:
         rules = rules.prepend(extra)
-    opt_rules = preset_rules("fsdp", mesh) if name in ("zero1", "zero2") else rules
-    if extra is not None and name in ("zero1", "zero2"):
+    opt_rules = preset_rules("fsdp", mesh) if name in _ZERO else rules
+    if extra is not None and name in _ZERO:
         opt_rules = opt_rules.prepend(extra)
     if aliases:
         rules, opt_rules = rules.aliased(aliases), opt_rules.aliased(aliases)
@@ -451,7 +458,7 @@ def rules_choice(
             odims = spec_dims(
                 opt_rules.resolve(g.logical, g.shape, mesh, where=g.paths[0]), len(g.shape)
             )
-            if preset in ("zero1", "zero2"):
+            if preset in _ZERO:
                 odims = _merge(dims, odims)
         out.append(GroupLayout(dims, odims, grads_sharded=preset == "zero2" and odims != dims))
     return out

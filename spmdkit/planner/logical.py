@@ -46,6 +46,12 @@ megatron_sp  megatron plus the sequence dim of activations over the model axes
 tp_fsdp  megatron over the model axes + fsdp (embed dim) over the data axes
 ep       batch over every axis; experts over the expert axes
 ======== ===================================================================
+
+``megatron+zero1`` and ``megatron_sp+zero1`` (:data:`SHARDED_OPT_PRESETS`, not
+in :data:`PRESETS`): the tensor-parallel preset's parameters, their optimizer
+state also sharded over the axes the parameter leaves free (the data and
+context axes), as ``zero1`` shards it: Megatron-LM's distributed optimizer,
+which the published NeMo and Megatron-Bridge pipelined runs use.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ __all__ = [
     "BATCH_NAMES",
     "PARAM_NAMES",
     "PRESETS",
+    "SHARDED_OPT_PRESETS",
     "AxesLike",
     "Entry",
     "LogicalRules",
@@ -107,6 +114,11 @@ ACTIVATION_ALIASES = {"activation_batch": "batch", "activation_length": "seq"}
 
 #: Preset strategies, in the order the planner tries them.
 PRESETS = ("dp", "fsdp", "zero1", "zero2", "megatron", "megatron_sp", "tp_fsdp", "ep")
+
+#: Tensor-parallel presets with their optimizer state sharded as ``zero1`` shards
+#: it (Megatron-LM's distributed optimizer; module docstring). Named as strategies
+#: and searched with pipelines; the flat auto's preset list stays :data:`PRESETS`.
+SHARDED_OPT_PRESETS = ("megatron+zero1", "megatron_sp+zero1")
 
 
 class PlanError(SpmdError, ValueError):
@@ -469,6 +481,8 @@ def preset_rules(name: str, mesh: MeshLike) -> LogicalRules:
         ...     ("embed", "mlp"), (64, 256), abstract_mesh(data=2, model=4))
         PartitionSpec(None, 'model')
     """
+    if name in SHARDED_OPT_PRESETS:  # the parameters' table; zero1's for the state
+        return preset_rules(name.removesuffix("+zero1"), mesh)
     roles = axis_roles(mesh)
     every = tuple(mesh.axis_names)
     model = roles["model"]
@@ -497,10 +511,10 @@ def preset_rules(name: str, mesh: MeshLike) -> LogicalRules:
         table["batch"] = _fallbacks(every)
         table["expert"] = _fallbacks(roles["expert"])
     else:
-        near = difflib.get_close_matches(name, PRESETS, n=1)
+        near = difflib.get_close_matches(name, (*PRESETS, *SHARDED_OPT_PRESETS), n=1)
         raise PlanError(
             op="preset_rules",
-            must=f"strategy is 'auto', one of {PRESETS}, or a rule table",
+            must=f"strategy is 'auto', one of {(*PRESETS, *SHARDED_OPT_PRESETS)}, or a rule table",
             given=repr(name),
             fix=(f"did you mean {near[0]!r}? " if near else "") + "pick a listed preset",
         )

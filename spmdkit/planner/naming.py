@@ -382,7 +382,7 @@ def _unplaced(
     model = {a for a in axis_roles(plan.mesh)["model"] if sizes[a] > 1}
     if plan.pipeline is not None:  # the pipe axis splits the layers, not a matmul
         model.discard(plan.pipeline.axis)
-    if plan.strategy not in TP_PRESETS or not model:
+    if plan.strategy.removesuffix("+zero1") not in TP_PRESETS or not model:
         return []
     suspects = []
     for path, spec in plan.params.items():

@@ -100,6 +100,7 @@ from spmdkit.planner.logical import (
     ACTIVATION_ALIASES,
     BATCH_NAMES,
     PRESETS,
+    SHARDED_OPT_PRESETS,
     LogicalRules,
     PlanError,
     RulesLike,
@@ -368,10 +369,11 @@ def _layout_notes(plan: Plan) -> list[PlanNote]:
     activation = dict(plan.activation)
     if plan.pipeline is not None:
         activation["<pipeline>"] = (plan.pipeline.axis,)
-    out = idle_axis_notes(plan.mesh, specs, activation, by_role=name in PRESETS)
+    preset = name in PRESETS or name in SHARDED_OPT_PRESETS
+    out = idle_axis_notes(plan.mesh, specs, activation, by_role=preset)
     asked, who = asked_batch_axes(plan.rules, plan.mesh)
     if plan.rules is not None:
-        who = f"the {name!r} rule table" if name in PRESETS else "the rule table"
+        who = f"the {name!r} rule table" if preset else "the rule table"
     chosen = plan.activation.get("batch", ())
     out += batch_notes(plan.mesh, plan.batch_size, chosen, asked, who)
     if not chosen:

@@ -78,3 +78,39 @@ def test_train_pipelined_then_restore_on_pp1_and_pp4(tmp_path, monkeypatch):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         layer = restored["blocks"]["fc"]["kernel"]
         assert ("pipe" in str(layer.sharding.spec)) == (other is not None)
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_pipelined_trains_as_dp():
+    """``megatron_sp+zero1`` pipelined (Megatron-LM's distributed optimizer): the
+    optimizer state sharded over the data axis beside the model axis, the losses
+    those of a data-parallel step."""
+    info = describe(get_model("llama"), config="tiny_pipe", batch_size=8)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (16, 17)).astype(np.int32)
+    source = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    losses = []
+    for axes, strategy, pipe in (
+        (
+            {"pipe": 2, "data": 2, "model": 2},
+            "megatron_sp+zero1",
+            Pipeline(stages=2, microbatches=2, schedule="1f1b"),
+        ),
+        ({"data": 8}, "dp", None),
+    ):
+        mesh = sk.make_mesh(**axes, axis_types="auto")
+        plan = sk.plan(info, mesh, strategy, pipeline=pipe)
+        params = jax.device_put(info.init_fn(), plan.param_shardings(info.abstract_params))
+        loader = ShardedLoader(
+            source, NamedSharding(mesh, P(plan.activation["batch"])), batch_size=8
+        )
+        res = train(
+            info.loss_fn, params, optax.adam(1e-3), loader, steps=2, plan=plan, out=io.StringIO()
+        )
+        losses.append(res.losses)
+        if pipe is not None:
+            assert plan.params["layers/attn/wq"] == P("pipe", None, "model")
+            assert plan.opt["layers/attn/wq"] == P("pipe", "data", "model")
+            mu = res.opt_state[0].mu["layers"]["attn"]["wq"]
+            assert mu.sharding.spec == P("pipe", "data", "model")
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)

@@ -53,6 +53,7 @@ from spmdkit.planner.context import context_axes
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     PRESETS,
+    SHARDED_OPT_PRESETS,
     LogicalRules,
     RulesLike,
     UnknownLogicalAxisError,
@@ -93,8 +94,10 @@ _PIPE_HEADROOM = 0.7
 #: At most this many pipelined candidates are calibrated by propagation per plan.
 _RECOST_PIPELINES = 4
 
-#: The presets auto also pipelines (:meth:`_Planner.pipelined_on`).
-_TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp")
+#: The presets auto also pipelines (:meth:`_Planner.pipelined_on`): the tensor-
+#: parallel ones, and Megatron's with the distributed optimizer (its state sharded
+#: over the data and context axes, as the published Megatron-LM pipelines run).
+_TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp", *SHARDED_OPT_PRESETS)
 
 #: The mesh axis pipelined plans put their stages on.
 PIPE_AXIS = "pipe"
@@ -613,7 +616,7 @@ class PipelinePlanning:
         inner = {a: s for a, s in sizes.items() if a != axis}
         sub = _mesh_without(sizes, (axis,))
         rules, opt_rules = (layer_rules(t) for t in tables)
-        preset = name if name in PRESETS else None
+        preset = name if name in PRESETS or name in SHARDED_OPT_PRESETS else None
         choice = [
             _without(lay, (PLACEHOLDER_AXIS,))
             for lay in rules_choice(rules, opt_rules, self.groups, sub, preset)
