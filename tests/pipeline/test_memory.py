@@ -111,3 +111,21 @@ def test_closed_form_slots_equal_the_tables():
         assert buffer_slots(pipe) == (t.n_stash, t.n_inbox_f, t.n_inbox_b), pipe
     assert buffer_slots(Pipeline(4, 8, "gpipe")) is None
     assert buffer_slots(Pipeline(2, 4, "fthenb", virtual=2)) is None
+
+
+def test_held_layers_are_megatrons_first_stage_count():
+    """Korthikanti et al. 2022 (§4.2.3): under 1F1B the first stage holds ``p``
+    micro-batches of its ``L/p`` layers, ``L`` layers' activations; interleaved
+    over ``v`` chunks, ``L·(1 + (p − 1)/(p·v))`` (``m`` a multiple of ``p``, over
+    ``p``). The executor's stash (its tick tables) holds as many chunk sets of
+    ``L/(p·v)`` layers: e.g. NeMo's Llama 3.1 70B, p 4, v 5, 80 layers: 23 sets
+    of 4 layers, 92 layers (4.6 micro-batches of a stage's 20)."""
+    for p in range(2, 9):
+        layers = p * 60  # divisible by p·v for every v below
+        held = build_tables(build_schedule(Pipeline(p, 2 * p, "1f1b"))).n_stash
+        assert held * layers // p == layers
+        for v in (2, 3, 5):
+            pipe = Pipeline(p, 2 * p, "interleaved", virtual=v)
+            held = build_tables(build_schedule(pipe)).n_stash
+            assert held * layers / (p * v) == pytest.approx(layers * (1 + (p - 1) / (p * v)))
+    assert held_residual_sets(Pipeline(4, 64, "interleaved", virtual=5)) * 80 / 20 == 92
