@@ -221,3 +221,7 @@ def test_auto_pipelines_the_tensor_parallel_presets(tiny) -> None:
     names = {n.split("+")[0] for n, _ in p.alternatives} | {p.chosen}
     assert {"megatron", "megatron_sp", "tp_fsdp"} <= names
     assert all(c.stage_memory for _, c in p.alternatives)
+    # and with the distributed optimizer: the state also over the data axis (pipe 2 × data 2)
+    opt = {n.split("+pp")[0]: c.memory["opt_state"] for n, c in p.alternatives}
+    assert opt["megatron_sp+zero1"] == pytest.approx(opt["megatron_sp"] / 2, rel=0.05)
+    assert opt["megatron+zero1"] == pytest.approx(opt["megatron"] / 2, rel=0.05)
