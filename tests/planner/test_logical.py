@@ -4,6 +4,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.planner.candidates import preset_tables
 from spmdkit.planner.logical import (
     LogicalRules,
     PlanError,
@@ -79,3 +80,14 @@ def test_aliased_names_take_the_entries_of_their_partner_either_way():
     assert "x" not in both.names and "y" not in both.names
     chained = LogicalRules((("vocab", "model"),)).aliased({"a": "b", "b": "vocab"})
     assert chained.resolve(("a",), (8,), mesh) == P("model")
+
+
+def test_distributed_optimizer_presets_take_zero1s_state_table(amesh):
+    """``megatron_sp+zero1``: the preset's parameter table, fsdp's for the optimizer
+    state (merged on the axes a parameter leaves free, as zero1's)."""
+    rules, opt = preset_tables("megatron_sp+zero1", None, amesh)
+    assert rules == preset_rules("megatron_sp", amesh)
+    assert opt == preset_rules("fsdp", amesh)
+    assert preset_tables("megatron_sp", None, amesh)[1] == preset_rules("megatron_sp", amesh)
+    with pytest.raises(PlanError, match=r"megatron\+zero1"):
+        preset_rules("megatron+zer01", amesh)
