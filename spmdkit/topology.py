@@ -221,6 +221,9 @@ class Topology:
       attention_block: keys per block of the fused causal attention kernel.
       fusion_traffic: factor on the bytes at fusion boundaries (1: XLA's fusion;
         more for a stack that runs elementwise ops one kernel each).
+      platform: the XLA backend the devices run (``"gpu"``, ``"cpu"``, ...): which
+        compiler passes the prediction follows on an abstract mesh
+        (:meth:`target`); None: jax's default backend.
 
     Example::
 
@@ -247,9 +250,17 @@ class Topology:
     k_ramp: int = _K_RAMP
     attention_block: int = _ATTENTION_BLOCK
     fusion_traffic: float = 1.0
+    platform: str | None = "gpu"
 
     def __post_init__(self) -> None:
         self._check_device_constants()
+        if self.platform is not None and not (isinstance(self.platform, str) and self.platform):
+            raise SpmdError(
+                op="Topology",
+                must="platform is a backend name (a non-empty str) or None",
+                given=repr(self.platform),
+                fix='pass e.g. platform="gpu" (or None: jax\'s default backend)',
+            )
         object.__setattr__(self, "bandwidth", _table(self.bandwidth, "bandwidth"))
         object.__setattr__(self, "latency", _table(self.latency, "latency"))
         object.__setattr__(self, "peak_flops", _table(self.peak_flops, "peak_flops"))
@@ -465,6 +476,28 @@ class Topology:
         ``(b + 1) / 2b`` for ``b`` key blocks of ``attention_block``."""
         blocks = max(math.ceil(seq / self.attention_block), 1)
         return (blocks + 1) / (2 * blocks)
+
+    def target(self, mesh: MeshLike) -> str:
+        """The XLA backend a plan on ``mesh`` is compiled by: the platform of the
+        mesh's devices when it has devices (what runs), else :attr:`platform` (an
+        abstract mesh: the cluster this topology describes, so an H100 plan made
+        on a CPU-only machine predicts what XLA:GPU emits), else jax's default
+        backend.
+
+        Example::
+
+            >>> Topology.h100().target(abstract_mesh(data=2, model=4))
+            'gpu'
+        """
+        try:
+            return str(mesh.devices.flat[0].platform)
+        except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
+            pass
+        if self.platform is not None:
+            return self.platform
+        import jax
+
+        return jax.default_backend()
 
     def exposed_comm(self, hidden_s: float, exposed_s: float, compute_s: float) -> float:
         """Communication time left on the critical path: ``exposed_s`` (collectives

@@ -220,3 +220,21 @@ def test_a_fused_causal_kernel_computes_about_half_the_blocks():
     topo = Topology.h100()
     assert topo.causal_share(128) == 1.0
     assert topo.causal_share(8192) == pytest.approx(65 / 128)
+
+
+def test_the_target_backend_is_the_devices_else_the_topologys():
+    """An abstract mesh compiles for the topology's platform (an H100 plan made on
+    a CPU machine predicts XLA:GPU), a mesh of devices for its devices'."""
+    from dataclasses import replace
+
+    import jax
+
+    import spmdkit as sk
+
+    assert Topology.h100().target(abstract_mesh(data=2, model=4)) == "gpu"
+    assert replace(DEFAULT_TOPOLOGY, platform="cpu").target(abstract_mesh(x=2)) == "cpu"
+    on_default = replace(DEFAULT_TOPOLOGY, platform=None).target(abstract_mesh(x=2))
+    assert on_default == jax.default_backend()
+    assert Topology.h100().target(sk.make_mesh(x=2)) == jax.devices()[0].platform
+    with pytest.raises(SpmdError, match="platform"):
+        Topology(platform="")

@@ -47,6 +47,7 @@ from spmdkit.propagation.graph import (
     stationary,
     trace_with_tree,
     uses,
+    widened,
 )
 from spmdkit.propagation.memory import CopyRead, RegionHold, liveness
 from spmdkit.propagation.pinning import Program, pins
@@ -128,6 +129,7 @@ def propagate(
     roles = _roles(arg_roles, args, graph.invars)
     engine.uses = uses(graph)
     engine.pricer.producer = producers(graph)
+    engine.pricer.widened = widened(graph, prog)
     batch = {v for v, r in roles.items() if r == "batch"}
     engine.chooser.stationary = frozenset(stationary(graph, batch))
     at = dict(zip(graph.invars, flat_in, strict=True))

@@ -33,7 +33,7 @@ from spmdkit.errors import SpmdError
 from spmdkit.propagation.choose import Chooser
 from spmdkit.propagation.control import cond, scan, while_loop
 from spmdkit.propagation.graph import FlatProgram, Graph, Node
-from spmdkit.propagation.pricing import Pricer
+from spmdkit.propagation.pricing import Pricer, target_backend
 from spmdkit.propagation.primitives import (
     GENERATORS,
     RULE_ERRORS,
@@ -47,6 +47,7 @@ from spmdkit.propagation.regions import region_answer
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import Topology
+from spmdkit.versions import reassociates_all_reduces
 
 __all__ = ["STRUCTURAL_OPS", "Engine"]
 
@@ -86,6 +87,9 @@ class Engine:
       chooser: picks among a rule's answers; holds ``hints`` and ``stationary``.
       uses: value id → number of readers (a pending reduction read several
         times is reduced once, where it is made).
+      reassociates: whether the target backend's XLA sums pending reductions that
+        meet at an add before reducing once
+        (:func:`~spmdkit.versions.reassociates_all_reduces`).
       unknown: primitive → number of equations propagated without a rule.
     """
 
@@ -100,6 +104,7 @@ class Engine:
         self.chooser = Chooser(prog, self.pricer, self.ops)
         self.uses: dict[int, int] = {}
         self.unknown: collections.Counter = collections.Counter()
+        self.reassociates = reassociates_all_reduces(target_backend(mesh, topology))
 
     def replicated(self, vid: int) -> TensorSpec:
         """The replicated spec of value ``vid``."""
@@ -177,16 +182,33 @@ class Engine:
         """The operands with the pending reductions that are resolved before the
         equation runs made non-partial: one read by several equations is reduced
         once, where it is made (XLA all-reduces a dot's result), not once per
-        reader; so are pending reductions that meet (XLA reduces each one) and
-        one a broadcast would enlarge (reducing first moves fewer bytes, and XLA
-        does so)."""
-        meet = sum(1 for s in specs if s.partial) > 1
+        reader; so are pending reductions that meet (XLA reduces each one, unless
+        the target sums them first: :meth:`_summed_first`) and one a broadcast
+        would enlarge (reducing first moves fewer bytes, and XLA does so)."""
+        meet = sum(1 for s in specs if s.partial) > 1 and not self._summed_first(node, specs)
         grows = node.prim == "broadcast_in_dim" and math.prod(
             self.prog.shapes[node.outs[0]]
         ) > math.prod(self.prog.shapes[node.ins[0]])
         return tuple(
             s.without_partial() if s.partial and (meet or grows or self.uses.get(v, 0) > 1) else s
             for v, s in zip(node.ins, specs, strict=True)
+        )
+
+    def _summed_first(self, node: Node, specs: _Specs) -> bool:
+        """Whether XLA on the target adds these pending sums before reducing once
+        (``AllReduceReassociate``, :func:`~spmdkit.versions.reassociates_all_reduces`):
+        an add of operands that are all sum-partial over the same axes (the same
+        replica groups), each read by the add alone. Summed first, the add's
+        result is the one pending sum: a layer's q, k and v input gradients
+        reduce once, as Megatron-LM's fused QKV does."""
+        if not self.reassociates or node.prim not in ("add", "add_any"):
+            return False
+        first = specs[0].partial
+        return (
+            bool(first)
+            and all(op == "sum" for _, op in first)
+            and all(s.partial == first and s.dtype == specs[0].dtype for s in specs)
+            and all(self.uses.get(v, 0) == 1 for v in node.ins)
         )
 
     # -- one equation -----------------------------------------------------------------

@@ -39,6 +39,7 @@ __all__ = [
     "trace_with_tree",
     "uses",
     "vids",
+    "widened",
 ]
 
 # -- tracing --------------------------------------------------------------------
@@ -293,6 +294,24 @@ def producers(graph: Graph, out: dict[int, str] | None = None) -> dict[int, str]
             out[o] = node.prim
         for sub in node.subs:
             producers(sub, out)
+    return out
+
+
+def widened(graph: Graph, prog: FlatProgram, out: dict[int, Any] | None = None) -> dict[int, Any]:
+    """Value id → the narrower float dtype of the operand a cast widened it from
+    (``convert_element_type`` bf16 → f32, say), bodies included."""
+    out = {} if out is None else out
+    for node in graph.nodes:
+        if node.prim == "convert_element_type" and len(node.ins) == 1 and len(node.outs) == 1:
+            src, dst = prog.dtypes[node.ins[0]], prog.dtypes[node.outs[0]]
+            if (
+                jax.numpy.issubdtype(src, jax.numpy.floating)
+                and jax.numpy.issubdtype(dst, jax.numpy.floating)
+                and np.dtype(src).itemsize < np.dtype(dst).itemsize
+            ):
+                out[node.outs[0]] = out.get(node.ins[0], src)
+        for sub in node.subs:
+            widened(sub, prog, out)
     return out
 
 

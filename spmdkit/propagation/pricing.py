@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from spmdkit.engine.inference import ArgReshard
 from spmdkit.propagation.graph import Node
@@ -23,7 +26,7 @@ from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.topology import Topology
 from spmdkit.util import contraction_flops
 
-__all__ = ["Pricer", "node_flops", "reshard_once", "steps_flops"]
+__all__ = ["Pricer", "node_flops", "reshard_once", "steps_flops", "target_backend"]
 
 # Producers of sum-partial values that XLA reduces at the layout they were made in:
 # it computes a dot's or a reduction's result directly in a sliced layout, but
@@ -31,17 +34,35 @@ __all__ = ["Pricer", "node_flops", "reshard_once", "steps_flops"]
 _REDUCE_IN_PLACE = frozenset({"scatter-add", "scatter_add", "scatter", "gather"})
 
 
+def target_backend(mesh: MeshLike, topology: object) -> str:
+    """The XLA backend whose passes the prediction follows: the mesh's devices'
+    platform, else the topology's (:meth:`spmdkit.topology.Topology.target`), else
+    jax's default backend."""
+    target = getattr(topology, "target", None)
+    if target is not None:
+        return target(mesh)
+    try:
+        return str(mesh.devices.flat[0].platform)
+    except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
+        import jax
+
+        return jax.default_backend()
+
+
 class Pricer:
     """Reshard plans and their costs on one mesh and topology, cached.
 
     ``producer`` (value id → the primitive that makes it) says which values are
-    reduced in place (see :meth:`reshard`); the engine fills it in.
+    reduced in place (see :meth:`reshard`); ``widened`` (value id → the narrower
+    dtype a cast widened it from) the dtype a pending sum carried through a
+    widening cast is reduced in. The driver fills both in.
     """
 
     def __init__(self, mesh: MeshLike, topology: Topology) -> None:
         self.mesh = mesh
         self.topology = topology
         self.producer: dict[int, str] = {}
+        self.widened: dict[int, Any] = {}
         self.key = (tuple(axis_sizes(mesh).items()), topology)
         self._plans: dict[tuple, ArgReshard | None] = {}
 
@@ -55,14 +76,19 @@ class Pricer:
         if src.dims == dst.dims and src.partial == dst.partial:
             return None
         strict = vid is not None and self.producer.get(vid) in _REDUCE_IN_PLACE
-        key = (label, src, dst, strict)
+        # a pending sum carried through a widening cast: XLA reduces the producer's
+        # result in its own (narrower) dtype, before the cast
+        narrow = self.widened.get(vid) if vid is not None and src.partial else None
+        key = (label, src, dst, strict, narrow)
         hit = self._plans.get(key, 0)
         if hit != 0:
             return hit
-        src_t = src if src.dtype == dst.dtype else src.replace(dtype=dst.dtype)
-        plan = plan_reshard(src_t, dst, self.mesh, topology=self.topology)
+        dtype = dst.dtype if narrow is None else np.dtype(narrow)
+        src_t = src if src.dtype == dtype else src.replace(dtype=dtype)
+        dst_t = dst if dst.dtype == dtype else dst.replace(dtype=dtype)
+        plan = plan_reshard(src_t, dst_t, self.mesh, topology=self.topology)
         if strict and not _reduces_first(plan):
-            plan = self._reduce_then_move(src_t, dst)
+            plan = self._reduce_then_move(src_t, dst_t)
         plan = self._one_group(plan)
         out = ArgReshard(label, src, dst, plan, in_place=strict)
         self._plans[key] = out

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import numpy as np
 
 from spmdkit import jaxprs
@@ -25,7 +24,7 @@ from spmdkit.engine.region import GRAD, REGIONS
 from spmdkit.propagation.cse import ValueNumbers
 from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
-from spmdkit.propagation.pricing import Pricer, node_flops, reshard_once
+from spmdkit.propagation.pricing import Pricer, node_flops, reshard_once, target_backend
 from spmdkit.propagation.primitives import RULE_ERRORS
 from spmdkit.propagation.regions import (
     MANUAL_COLLECTIVES,
@@ -281,7 +280,7 @@ class Recorder:
         self.held: dict = {}
         self.numbers = ValueNumbers(values)
         self.shared: collections.Counter = collections.Counter()
-        self.merges = cse_merges_through_barriers(_backend(self.mesh))
+        self.merges = cse_merges_through_barriers(target_backend(self.mesh, pricer.topology))
         # partially manual shard_maps' operand layouts on their automatic axes, by
         # manual axes (:meth:`_operand_layouts`)
         self.manual_layouts: dict[frozenset, dict[tuple, int]] = {}
@@ -510,15 +509,6 @@ class Recorder:
             spec = res.outputs[0] if res.outputs else req[0]
             out.append(ArgReshard(f"{op} (own)", spec, spec, ReshardPlan(spec, spec, (c,))))
         return out
-
-
-def _backend(mesh: MeshLike) -> str:
-    """The platform a mesh's devices are (an abstract mesh: jax's default backend,
-    where the plan is made and, as a rule, run)."""
-    try:
-        return mesh.devices.flat[0].platform
-    except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
-        return jax.default_backend()
 
 
 def _wrap_own(name: str, spec: TensorSpec, c: Collective) -> ArgReshard:

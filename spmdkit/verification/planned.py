@@ -189,7 +189,9 @@ def promoted_on_cpu(prop: Propagation, on_cpu: Propagation | None = None) -> Pro
     def walk(records: Iterable[EqnRecord], repeat: int) -> None:
         for r in records:
             for a in r.reshards:
-                if a.src.dtype not in CPU_WIDENED_COLLECTIVES:
+                # the dtype the collectives move (a pending sum carried through a
+                # widening cast is reduced in the narrower one)
+                if a.plan.src.dtype not in CPU_WIDENED_COLLECTIVES:
                     continue
                 for c in a.plan.collectives:
                     extra[c.kind] = extra.get(c.kind, 0) + repeat * c.payload_bytes

@@ -70,3 +70,47 @@ def test_optimization_barrier_keeps_layouts(mesh1d):
     assert not prop.unknown
     assert prop.out_specs[0].dims == (("x",), ())
     assert prop.comm_bytes == 0
+
+
+def _qkv_input_grad():
+    """The input gradient of three column-parallel projections of one bf16 input (a
+    layer's q, k and v): three partial sums over the weights' axis, added."""
+    bf16 = jnp.bfloat16
+
+    def loss(x, wq, wk, wv):
+        h = x.astype(bf16)
+        q, k, v = (h @ w.astype(bf16) for w in (wq, wk, wv))
+        return jnp.sum((jnp.tanh(q) * k + v).astype(jnp.float32))
+
+    w = S((64, 128), F32)
+    return jax.grad(loss), (S((16, 64), F32), w, w, w), (P("data"), *(P(None, "model"),) * 3)
+
+
+def test_partial_sums_meeting_at_an_add_reduce_as_the_target_does():
+    """XLA:GPU sums the q, k, v input gradients before one all-reduce
+    (``AllReduceReassociate``); XLA:CPU reduces each (one tuple all-reduce of three
+    operands): on an abstract mesh the topology's platform decides, on devices the
+    devices'. Each reduces in bf16, at its dot, before the cast to the f32 input."""
+    from dataclasses import replace
+
+    import spmdkit as sk
+    from spmdkit.verification.planned import promoted_on_cpu
+
+    step, args, specs = _qkv_input_grad()
+    local = 8 * 64 * 2  # the input's gradient on one device, bf16
+    gpu = sk.Topology.h100()
+    cpu = replace(gpu, platform="cpu")
+    abstract = sk.abstract_mesh(data=2, model=4)
+    for topology, n in ((gpu, 1), (cpu, 3)):
+        prop = propagate(step, *args, in_specs=specs, out_specs=P("data"), mesh=abstract,
+                         topology=topology)  # fmt: skip
+        assert prop.comm_bytes_by_kind == {"all_reduce": n * local}, topology.platform
+    mesh = as_auto(sk.make_mesh(data=2, model=4))
+    prop = propagate(step, *args, in_specs=specs, out_specs=P("data"), mesh=mesh, topology=gpu)
+    assert prop.comm_bytes_by_kind == {"all_reduce": 3 * local}  # CPU devices: CPU's passes
+    placed = [
+        S(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
+        for a, s in zip(args, specs, strict=True)
+    ]
+    rep = compiled_report(step, placed)
+    assert rep.bytes_by_kind() == promoted_on_cpu(prop).comm_bytes_by_kind  # moved in f32

@@ -225,3 +225,51 @@ def test_auto_pipelines_the_tensor_parallel_presets(tiny) -> None:
     opt = {n.split("+pp")[0]: c.memory["opt_state"] for n, c in p.alternatives}
     assert opt["megatron_sp+zero1"] == pytest.approx(opt["megatron_sp"] / 2, rel=0.05)
     assert opt["megatron+zero1"] == pytest.approx(opt["megatron"] / 2, rel=0.05)
+
+
+def _layer_bytes(records, layers: int, axis: str, inside: bool = False) -> int:
+    """Payload bytes of the collectives over ``axis`` in the layer loops (scans of
+    ``layers`` steps) of ``records``, each body × its trip count."""
+    total = 0
+    for r in records:
+        here = inside or (r.primitive == "scan" and r.repeat == layers)
+        if here:
+            for a in r.reshards:
+                total += sum(c.payload_bytes for c in a.plan.collectives if axis in c.axes)
+        total += r.repeat * _layer_bytes(r.body, layers, axis, here)
+    return total
+
+
+@pytest.mark.parametrize(("remat", "reruns"), [("none", 0), ("full", 1)])
+def test_propagated_tensor_parallel_bytes_match_megatron_lm(remat, reruns, monkeypatch) -> None:
+    """The propagate estimator's twin of a Megatron plan (TP 8, pipe and data
+    across; an H100 target, whose XLA sums a layer's q, k, v and its gate and up
+    input gradients before one all-reduce) moves Narayanan et al. 2021 §3's
+    tensor-parallel bytes: per layer and micro-batch, 2 all-reduces of b·s·h
+    activations forward and 2 backward. Under full recompute the formula adds the
+    rerun forward's 2, of which XLA runs 1: the layer's output (after the MLP's
+    all-reduce) is not read by its own backward, so jax's recompute leaves that
+    reduction out (PyTorch's checkpoint reruns it). The analytic count:
+    tests/planner/test_analytic.py."""
+    import spmdkit.planner.candidates as candidates
+
+    cfg = LlamaConfig(
+        vocab=1024, d_model=256, n_layers=6, n_heads=8, n_kv_heads=8, head_dim=32,
+        d_mlp=768, seq_len=128, scan_layers=True,
+    )  # fmt: skip
+    batch, m = 16, 2
+    info = describe(get_model("llama"), config=cfg, batch_size=batch)
+    twins = []
+    propagate = candidates.propagate
+    monkeypatch.setattr(
+        candidates, "propagate", lambda *a, **k: twins.append(propagate(*a, **k)) or twins[-1]
+    )
+    recipe = sk.Recipe(remat=remat, compute_dtype="bfloat16")
+    mesh = sk.abstract_mesh(pipe=2, data=2, model=8)
+    plan(info, mesh, "megatron", pipeline=Pipeline(stages=2, microbatches=m), recipe=recipe)
+    (twin,) = twins  # one stage's work on the model axis, every micro-batch of the step
+    activation = batch // 2 // m * cfg.seq_len * cfg.d_model * 2  # b·s·h, bf16
+    micro = cfg.n_layers * 2 * m  # the twin: every layer, m × data shards micro-batches
+    megatron = micro * (4 + 2 * reruns) * activation  # no recompute: what XLA runs
+    xla = megatron - micro * reruns * activation
+    assert _layer_bytes(twin.records, cfg.n_layers, "model") == pytest.approx(xla, rel=0.05)
