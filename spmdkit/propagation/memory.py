@@ -12,6 +12,8 @@ XLA's ``compiled.memory_analysis()``:
 - **temporaries** are the values that are neither: each is born at the equation
   that makes it and dies after its last use; the temp figure is the peak of
   their sum over the program. A loop body's own peak is added while the loop runs.
+  One that XLA places in an output's (or a donated argument's) buffer before
+  the output is made is not counted (:mod:`spmdkit.propagation.buffers`).
 
 ``peak_bytes = argument_bytes + output_bytes - alias_bytes + temp_bytes``.
 
@@ -38,20 +40,21 @@ is the loop's loss backward with both live (1.25 MiB of loop buffers, 0.75 MiB
 of laid-out K/V and query chunks).
 
 Workspace: a convolution whose input is not laid out batch-major and
-feature-minor (the filter gradient's, which contracts over the batch) is run by
-XLA:CPU on a transposed copy of that input, which XLA makes as soon as the input
-exists (in the forward pass, right after the op that makes it, whose own
+feature-minor (the filter gradient's, which contracts over the batch), or whose
+kernel is not spatial-major, input- then output-feature (the filter gradient's
+cotangent, as its kernel), is run by XLA:CPU on a transposed copy of it, which
+XLA makes as soon as the operand exists (in the forward pass for an input,
+right after the op that makes it, whose own
 operands are then freed) and keeps until the convolution in the backward
 pass, which reads the copy: the input itself is freed after its forward
 readers. Measured: a single convolution's compiled temp is the liveness figure
 plus exactly its input's bytes (3x3/1x1/5x5 windows, strides 1 and 2, 3 to 64
 channels); in XLA's live ranges of stacked convolutions and of the zoo's U-Net
 each convolution output dies once its transposed copy and the next forward
-convolution have read it. Not modelled: XLA also transposes the filter
-gradient's cotangent, and runs a layer's input gradient before its filter
-gradient, so on a stack of plain convolutions the estimate is one activation
-under XLA's live peak (3 stacked: 5 activations, XLA's live peak 6, its temp
-7 with heap packing).
+convolution have read it. Not modelled: XLA runs a layer's input gradient
+before its filter gradient (modelled only where the input gradient is an
+output), so on a stack of plain convolutions the estimate can be an activation
+under XLA's live peak.
 
 Host memory: values in host memory (a recompute policy's offloaded residuals,
 ``f32<host>[...]`` in the jaxpr) take no device memory; XLA:CPU keeps them in its
@@ -87,6 +90,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from spmdkit.propagation.buffers import ELEMENTWISE as _ELEMENTWISE
+from spmdkit.propagation.buffers import Span, heap_temps, peak
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, dce
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
@@ -105,53 +110,6 @@ __all__ = [
 ]
 
 
-_ELEMENTWISE = frozenset(
-    {
-        "abs",
-        "add",
-        "add_any",
-        "and",
-        "clamp",
-        "convert_element_type",
-        "cos",
-        "div",
-        "eq",
-        "erf",
-        "exp",
-        "exp2",
-        "expm1",
-        "ge",
-        "gt",
-        "integer_pow",
-        "is_finite",
-        "le",
-        "log",
-        "log1p",
-        "logistic",
-        "lt",
-        "max",
-        "min",
-        "mul",
-        "name",
-        "ne",
-        "neg",
-        "not",
-        "one_minus_square",
-        "or",
-        "pow",
-        "rsqrt",
-        "select_n",
-        "sign",
-        "sin",
-        "sqrt",
-        "square",
-        "sub",
-        "tanh",
-        "xor",
-        "stop_gradient",
-        "copy",
-    }
-)
 # Values made by these and read only by those are fused by XLA, never materialized.
 _FUSIBLE = _ELEMENTWISE | {"broadcast_in_dim", "iota", "transpose", "reshape", "squeeze"}
 _FUSES_INTO = _ELEMENTWISE | {
@@ -345,18 +303,18 @@ def _lifetimes(
 
 @dataclass
 class _Copies:
-    """Bytes of backend buffers that are none of the program's values: born at a
-    node index (live from its start), freed after a node index, or live during
-    one node only."""
+    """Backend buffers that are none of the program's values: held from the start
+    of one node to the end of another (``spans``: first node, last node, bytes,
+    the node of the op that makes or reads it), or live while one node runs
+    (``during``)."""
 
-    born: dict[int, int] = field(default_factory=dict)
-    freed: dict[int, int] = field(default_factory=dict)
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     during: dict[int, int] = field(default_factory=dict)
 
-    def hold(self, first: int, last: int, nbytes: int) -> None:
-        """``nbytes`` live from the start of node ``first`` to the end of node ``last``."""
-        self.born[first] = self.born.get(first, 0) + nbytes
-        self.freed[last] = self.freed.get(last, 0) + nbytes
+    def hold(self, first: int, last: int, nbytes: int, at: int | None = None) -> None:
+        """``nbytes`` live from the start of node ``first`` to the end of node ``last``,
+        made or read by the op of node ``at`` (default: ``last``, an operand of it)."""
+        self.spans.append((first, last, nbytes, last if at is None else at))
 
     def at(self, i: int, nbytes: int) -> None:
         """``nbytes`` live while node ``i`` runs."""
@@ -405,12 +363,13 @@ def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> dict[int, dic
     producer = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
     reads: dict[int, dict[int, CopyRead]] = {}
     for i, node in enumerate(graph.nodes):
-        if _transposes_input(node):
-            v = node.ins[0]
-            first = min(producer[v] + 1, i) if v in producer else 0
+        for k in _transposed_operands(node):
+            v = node.ins[k]
+            # an argument's kernel is copied where it is read
+            first = min(producer[v] + 1, i) if v in producer else (0 if k == 0 else i)
             out.hold(first, i, nbytes(v))
             if node.ins.count(v) == 1:
-                reads[i] = {v: CopyRead(first, i)}
+                reads.setdefault(i, {})[v] = CopyRead(first, i)
     return reads
 
 
@@ -497,7 +456,7 @@ def _scatter_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: _Copies)
         k = first[node.ins[1]]
         out.hold(0, k, ws.iotas)
         out.at(k, ws.forward)
-        out.hold(k, i, ws.indices)
+        out.hold(k, i, ws.indices, at=k)
         if i > 0:
             out.hold(0, i - 1, ws.zeros)
 
@@ -538,13 +497,23 @@ def _batch_group_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: _Cop
         out.at(i, batch_group_workspace(spec.local_bytes(mesh), max(1, groups), operands))
 
 
-def _transposes_input(node: Any) -> bool:
-    """Whether XLA:CPU runs this equation on a transposed copy of its first operand
-    (module docstring: a convolution whose input is not batch-major, feature-minor)."""
+def _transposed_operands(node: Any) -> tuple[int, ...]:
+    """The operands XLA:CPU runs this equation on transposed copies of (module
+    docstring): a convolution's input when it is not batch-major and
+    feature-minor, its kernel when it is not spatial-major, input-feature then
+    output-feature (the filter gradient's cotangent, as its kernel)."""
     if node.prim != "conv_general_dilated" or node.eqn is None:
-        return False
-    lhs = node.eqn.params["dimension_numbers"].lhs_spec
-    return tuple(lhs[:2]) != (0, len(lhs) - 1)
+        return ()
+    dims = node.eqn.params["dimension_numbers"]
+    lhs, rhs = tuple(dims.lhs_spec), tuple(dims.rhs_spec)
+    n = len(rhs)
+    return tuple(
+        k
+        for k, moved in enumerate(
+            (lhs[:2] != (0, n - 1), rhs[:2] != (n - 1, n - 2) or rhs[2:] != tuple(range(n - 2)))
+        )
+        if moved
+    )
 
 
 def _temp_peak(
@@ -561,6 +530,7 @@ def _temp_peak(
     cpu: bool = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
+    outputs: Sequence[tuple[int | None, int, int | None]] = (),
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
@@ -573,6 +543,10 @@ def _temp_peak(
     ``copy_reads``: node index → {value id: the resharded copy the node reads in
     its place} (:func:`_lifetimes`). ``held``: ``id(node)`` → what a grad region
     holds before it runs (:class:`RegionHold`), in this graph or a nested body.
+    ``outputs``: per output of the program, its value (None: made at the end),
+    bytes and the donated argument it reuses (or None): temporaries XLA places in
+    their buffers are not counted
+    (:func:`~spmdkit.propagation.buffers.output_allocations`).
 
     A node that reshards an operand runs in two steps: its collectives (the
     operand and its new copy both live, the node's results not yet made), then
@@ -594,23 +568,70 @@ def _temp_peak(
             b = cache[v] = 0 if on_host else layout(v).local_bytes(mesh)
         return b
 
-    frees: dict[int, list[int]] = {}
     copies, copy_reads = _workspaces(graph, layout, nbytes, mesh, cpu, copy_reads)
     _region_holds(graph, held or {}, copies)
     aliases = _aliases(graph, spec, prog, nbytes, copy_reads)
     last, fused, extended, applied = _lifetimes(graph, prog, fuse, duplicate, copy_reads, aliases)
     fused |= _output_roots(graph, exclude & set(graph.outvars), applied)
     _extend_copies(extended, mesh, widen, copies)
-    live = peak = 0
+    # three steps per node: 3i its collectives (operands and new copies), 3i + 1
+    # the node itself (results and copies; an operand only the collective read is
+    # gone), 3i + 2 after it (what is made as soon as the node's results exist:
+    # copies of them, outputs that read them)
+    temps = [Span(max(0, 3 * first - 1), 3 * end + 1, n, at) for first, end, n, at in copies.spans]
+    temp_of: dict[int, int] = {}
     for i, node in enumerate(graph.nodes):
-        live += copies.born.get(i, 0)
-        born = 0
         for o in node.outs:
             if o in exclude or o in fused:
                 continue
-            born += nbytes(o)
-            frees.setdefault(last.get(o, i), []).append(o)
-        body = max(
+            j = last.get(o, i)
+            c = copy_reads.get(j, {}).get(o)
+            temp_of[o] = len(temps)
+            temps.append(Span(3 * i + 1, 3 * j + (c is None or c.made != j), nbytes(o), i))
+    bodies = _body_peaks(graph, spec, mesh, prog, fuse, duplicate, widen, inner, cpu, held)
+    # per node, bytes live while it runs (a region's temporaries too)
+    extras = [
+        (transient[i] if transient is not None and i < len(transient) else 0)
+        + copies.during.get(i, 0)
+        + (inner.get(id(node), 0) if inner else 0)
+        for i, node in enumerate(graph.nodes)
+    ]
+    if outputs:
+        temps = heap_temps(
+            graph,
+            outputs,
+            spec,
+            mesh,
+            widen,
+            copy_reads,
+            temps,
+            temp_of,
+            extras,
+            last,
+            fused,
+            applied,
+        )
+    bodies = [max(0, b - e) for b, e in zip(bodies, extras, strict=True)]
+    fixed = [Span(3 * i, 3 * i + 1, e) for i, e in enumerate(extras) if e]
+    fixed += [Span(3 * i + 1, 3 * i + 1, b) for i, b in enumerate(bodies) if b]
+    return peak(temps + fixed)
+
+
+def _body_peaks(
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    mesh: MeshLike,
+    prog: FlatProgram,
+    fuse: bool,
+    duplicate: bool,
+    widen: Mapping[np.dtype, np.dtype] | None,
+    inner: Mapping[int, int] | None,
+    cpu: bool,
+    held: Mapping[int, RegionHold] | None,
+) -> list[int]:
+    """Per node, the peak of its loop bodies' own temporaries (0 for none)."""
+    return [
+        max(
             (
                 _temp_peak(
                     sub,
@@ -629,19 +650,8 @@ def _temp_peak(
             ),
             default=0,
         )
-        extra = transient[i] if transient is not None and i < len(transient) else 0
-        extra += copies.during.get(i, 0)
-        if inner:
-            # a region's temporaries live beside its resharded operands
-            extra += inner.get(id(node), 0)
-        gone = frees.pop(i, [])
-        via = copy_reads.get(i, {})
-        collected = sum(nbytes(v) for v in gone if v in via and via[v].made == i)
-        # the collectives (operands and new copies), then the node (results, copies)
-        peak = max(peak, live + extra, live - collected + born + max(body, extra))
-        live += born - sum(nbytes(v) for v in gone)
-        live -= copies.freed.get(i, 0)
-    return peak
+        for node in graph.nodes
+    ]
 
 
 def _workspaces(
@@ -680,7 +690,7 @@ def _extend_copies(
         s = c.spec
         if widen and s.dtype in widen:
             s = s.replace(dtype=widen[s.dtype])
-        out.hold(c.last + 1, j, s.local_bytes(mesh))
+        out.hold(c.last + 1, j, s.local_bytes(mesh), at=c.made)
 
 
 #: Primitives that only move elements: fused into a collective that reads them.
@@ -795,6 +805,33 @@ def _narrowed(graph: Graph, prog: FlatProgram, widen: Mapping[np.dtype, np.dtype
     return out
 
 
+def _outputs(
+    graph: Graph,
+    out_specs: Sequence[TensorSpec],
+    mesh: MeshLike,
+    args: set[int],
+    donated: set[int],
+    donated_args: list[tuple[int, int]],
+    pending: set[int],
+) -> list[tuple[int | None, int, int | None]]:
+    """Per distinct output: its value (None: made at the end), bytes, and the
+    donated argument it reuses (the first of its size in ``donated_args``, taken)."""
+    out, seen = [], set()
+    for v, s in zip(graph.outvars, out_specs, strict=True):
+        if v in seen:
+            continue
+        seen.add(v)
+        b = s.local_bytes(mesh)
+        if v in args:  # an input returned as is: XLA copies unless donated
+            b = b if v not in donated else 0
+        reused = next((a for a in donated_args if a[0] == b), None) if b else None
+        if reused is not None:
+            donated_args.remove(reused)
+        made = None if v in args or v in pending else v
+        out.append((made, b, None if reused is None else reused[1]))
+    return out
+
+
 def liveness(
     graph: Graph,
     spec: Mapping[int, TensorSpec],
@@ -844,7 +881,7 @@ def liveness(
     by_role: dict[str, int] = {}
     arg_bytes = 0
     seen_args: set[int] = set()
-    donated_sizes: list[int] = []
+    donated_args: list[tuple[int, int]] = []  # (bytes, value id)
     for v in graph.invars:
         if v in seen_args:
             continue
@@ -855,27 +892,17 @@ def liveness(
         role = roles.get(v, "other")
         by_role[role] = by_role.get(role, 0) + b
         if v in donated:
-            donated_sizes.append(b)
-    out_bytes = 0
-    alias = 0
-    seen_out: set[int] = set()
-    for v, s in zip(graph.outvars, out_specs, strict=True):
-        if v in seen_out:
-            continue
-        seen_out.add(v)
-        b = s.local_bytes(mesh)
-        if v in seen_args:  # an input returned as is: XLA copies unless donated
-            b = b if v not in donated else 0
-        out_bytes += b
-        if b and b in donated_sizes:
-            donated_sizes.remove(b)
-            alias += b
+            donated_args.append((b, v))
     # an output that still needs a reduction is a temporary; its reduced copy is the output
     pending = {
         v
         for v, s in zip(graph.outvars, out_specs, strict=True)
         if v in spec and (spec[v].dims, spec[v].partial) != (s.dims, s.partial)
     }
+    allocations = _outputs(graph, out_specs, mesh, seen_args, donated, donated_args, pending)
+    out_bytes = sum(b for _, b, _ in allocations)
+    alias = sum(b for _, b, arg in allocations if arg is not None)
+    seen_out = set(graph.outvars)
     temp = _temp_peak(
         graph,
         spec,
@@ -889,6 +916,7 @@ def liveness(
         cpu=cpu,
         copy_reads=copy_reads,
         held=held,
+        outputs=allocations,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias

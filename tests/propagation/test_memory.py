@@ -117,7 +117,12 @@ def test_roles_break_arguments_down(mesh2d):
     assert "peak" in str(prop.memory)
 
 
-def test_sharding_shrinks_the_estimate(mesh2d):
+def test_the_specs_set_the_estimate(mesh2d):
+    """The same program under its specs and replicated. Data parallelism shrinks
+    the batch, not the peak: its partial gradients stay until the all-reduce at
+    the end, where one device's step makes each gradient into its update's
+    output buffer, which holds activations until then (XLA: 2,390,064 B per
+    device on 8, 2,363,416 B on one)."""
     prop = propagate(_sgd_step, PARAMS, X, Y, in_specs=(None, DP, DP), mesh=mesh2d)
     closed = prop.closed_jaxpr
     replicated = estimate_memory(closed, {}, mesh2d)
@@ -126,7 +131,9 @@ def test_sharding_shrinks_the_estimate(mesh2d):
     n_param = sum(a.size for a in jax.tree.leaves(PARAMS)) * 4
     assert replicated.argument_bytes == n_param + (X.size + Y.size) * 4
     assert sharded.argument_bytes == n_param + (X.size + Y.size) * 4 // 8
-    assert sharded.peak_bytes == prop.memory.peak_bytes < replicated.peak_bytes
+    assert sharded.peak_bytes == prop.memory.peak_bytes
+    one = report(_sgd_step, PARAMS, X, Y)
+    assert abs(replicated.peak_bytes - one.peak_bytes) <= 0.05 * one.peak_bytes
 
 
 def _scan_sum(x):

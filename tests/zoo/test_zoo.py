@@ -51,23 +51,7 @@ MESHES = ((2, 4), (4, 2))
 
 #: Cases whose plan.verify is outside ±10% bytes / ±20% memory today. The test
 #: asserts they still miss, so a fix shows up as a failure here to remove the entry.
-#: VGG, dp and zero1 on 2x4: peak predicted 809-906 KiB, compiled 625 KiB. XLA's
-#: buffer assignment (its dump, jax 0.10.2 XLA:CPU) puts temporaries in the
-#: outputs' buffers before the outputs are made: the 128 KiB dense kernel
-#: gradient's output buffer first holds the forward activations, one at a time,
-#: and the partial kernel gradient; the prediction counts outputs for the whole
-#: step. (The partial gradients are not all-reduced in place: they are temporaries
-#: of their own.) Letting temporaries fill the unmade outputs' bytes fits VGG
-#: (615-712 KiB) but under-predicts cases where XLA keeps them in its temp heap
-#: (tests/propagation/test_memory.py: an Adam step's 768 KiB of partial gradients);
-#: XLA assigns one value per buffer at a time, largest first, so the model needs
-#: that assignment, not a pool of bytes.
-KNOWN_VERIFY_MISSES: frozenset = frozenset(
-    {
-        ("vgg_linen", "dp", (2, 4)),
-        ("vgg_linen", "zero1", (2, 4)),
-    }
-)
+KNOWN_VERIFY_MISSES: frozenset = frozenset()
 
 
 def glue_lines(name):
