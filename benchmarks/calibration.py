@@ -29,7 +29,8 @@ Procedure (``docs/recipes.md``, "Step-time model and calibration"):
    auto may pick float8 (``allow_fp8=True``: the published run chose it).
 
 Run: ``python benchmarks/calibration.py [--no-auto]``; saves
-``benchmarks/results/calibration.json``.
+``benchmarks/results/calibration.json``. ``--markdown`` prints the saved table as
+``docs/recipes.md`` shows it (a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -317,10 +318,64 @@ def auto_choice(row: dict, topology: sk.Topology) -> dict:
     }
 
 
+MARKDOWN_HEADER = (
+    "| run | GPUs | mesh (published) | recipe priced | stack | role | published tok/s/GPU "
+    "| predicted | ratio | published GiB | predicted GiB | auto's choice within 80 GiB "
+    "(flat/pipelined as published?) |"
+)
+
+
+def markdown(saved: dict) -> str:
+    """The saved table (``calibration.json``'s contents) as ``docs/recipes.md``
+    shows it: one line per row, the header first."""
+    lines = [MARKDOWN_HEADER, "|---" * MARKDOWN_HEADER.count(" | ") + "|---|"]
+    for r in saved["rows"]:
+        priced = ", ".join(
+            x
+            for x in (
+                r["strategy"]
+                + "".join(f" with {n} over {'×'.join(a)}*" for n, a in r.get("rules", {}).items()),
+                r["recipe"],
+                r["pipeline"],
+            )
+            if x
+        )
+        auto = r.get("auto")
+        auto_cell = (
+            f"{auto['chosen']}, {auto['tok_s_gpu']:,.0f} tok/s at "
+            f"{auto['memory_gib']:.0f} GiB ({'yes' if auto['consistent'] else 'no'})"
+            if auto
+            else "-"
+        )
+        cells = (
+            r["name"],
+            str(r["devices"]),
+            r["published_mesh"],
+            priced,
+            r["stack"],
+            r["role"],
+            f"{r['published']:,}",
+            f"{r['predicted']:,.0f}",
+            f"{r['ratio']:.2f}" + (" (miss)" if r.get("miss") else ""),
+            f"{r['memory_gib']:.1f}" if r["memory_gib"] else "-",
+            f"{r['predicted_memory_gib']:.1f}",
+            auto_cell,
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-auto", action="store_true", help="skip the auto-choice column")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the saved table for docs/recipes.md"
+    )
     args = parser.parse_args()
+    path = Path(__file__).parent / "results" / "calibration.json"
+    if args.markdown:
+        print(markdown(json.loads(path.read_text())))
+        return
     fitted = {}
     for row in ROWS:
         if row["fit"]:
@@ -340,6 +395,8 @@ def main() -> None:
             for k, v in row.items()
             if k not in ("recipe", "pipeline", "config", "fit", "rules") and not callable(v)
         }
+        if row.get("rules"):
+            rec["rules"] = {name: list(axes) for name, axes in row["rules"]}
         rec.update(
             config=row["config"],
             recipe=row["recipe"].short(),
@@ -383,7 +440,6 @@ def main() -> None:
             f"{c['fitted_matmul_efficiency']:.3f} fits its row exactly; attention "
             f"{c['attention_efficiency']:.2f}, fusion traffic {c['fusion_traffic']:.1f}"
         )
-    path = Path(__file__).parent / "results" / "calibration.json"
     path.write_text(json.dumps({"rows": out, "constants": constants}, indent=1))
     print(f"saved {path}")
 

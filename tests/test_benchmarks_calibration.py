@@ -40,3 +40,21 @@ def test_the_rows_name_their_source_and_the_fit_rows_one_per_stack(bench):
     fp8 = {(r["name"], r["devices"]) for r in bench.ROWS if r["recipe"].compute_dtype == "float8"}
     assert len(fp8) == 6
     assert all(r["miss"] for r in bench.ROWS if "miss" in r)
+
+
+def test_the_docs_table_is_the_saved_one(bench):
+    """docs/recipes.md shows the table benchmarks/results/calibration.json holds
+    (``calibration.py --markdown``), so a rerun that moves a figure moves the page
+    too; every row of the script is in it."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    saved = json.loads((root / "benchmarks/results/calibration.json").read_text())
+    table = bench.markdown(saved)
+    assert table in (root / "docs/recipes.md").read_text(), (
+        "docs/recipes.md's calibration table differs from the saved results: paste "
+        "`python benchmarks/calibration.py --markdown` into it"
+    )
+    names = [(r["name"], r["devices"]) for r in saved["rows"]]
+    assert names == [(r["name"], r["devices"]) for r in bench.ROWS]
