@@ -116,6 +116,29 @@ def _per_device_flops(visits, seq_len, n):
 _CP_CASES = [(1024, 4, "ring"), (1024, 2, "gather_kv"), (2048, 2, "ring"), (4096, 4, "gather_kv")]
 
 
+def _run_equal_and_balanced(info, batch, plan, seq_len, n):
+    """Run ``plan``'s step on ``batch``: its loss and grads equal the one-device
+    step's (fp32) and every context shard's attention FLOPs are within 5% of the
+    others'. Returns the step and the placed parameters, for ``plan.verify``."""
+    import jax
+
+    import spmdkit as sk
+
+    params = info.init_fn()
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+    step = sk.jit(sk.value_and_grad(info.train_loss, plan), plan)
+    placed = jax.device_put(params, plan.param_shardings(info.abstract_params))
+    with record_visits() as visits:
+        loss, grads = step(placed, batch)
+        jax.block_until_ready(grads)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+    per = _per_device_flops(visits, seq_len, n)
+    assert len(per) == n and max(per.values()) <= 1.05 * min(per.values()), per
+    return step, placed
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("seq_len", "context", "attention"),
@@ -129,24 +152,9 @@ def test_context_parallel_llama_equals_one_device_and_verifies(seq_len, context,
     attention FLOPs (the key blocks its kernels computed, forward and backward)
     within 5% of the others', and ``plan.verify`` within ±10% bytes per kind,
     ±20% peak memory."""
-    import jax
-
-    import spmdkit as sk
-
     info, batch = _llama(seq_len, 8 // context)
-    params = info.init_fn()
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
     plan = _cp_plan(info, context, attention, microbatches=2 if context == 2 else 1)
-    step = sk.jit(sk.value_and_grad(info.train_loss, plan), plan)
-    placed = jax.device_put(params, plan.param_shardings(info.abstract_params))
-    with record_visits() as visits:
-        loss, grads = step(placed, batch)
-        jax.block_until_ready(grads)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
-    per = _per_device_flops(visits, seq_len, context)
-    assert len(per) == context and max(per.values()) <= 1.05 * min(per.values()), per
+    step, placed = _run_equal_and_balanced(info, batch, plan, seq_len, context)
     report = plan.verify(step, placed, batch)
     compiled = {what: c for what, _, c, _ in report.rows}
     assert compiled.get("collective_permute" if attention == "ring" else "all_gather"), report
@@ -281,26 +289,11 @@ def test_pipelined_context_parallel_llama_equals_one_device_and_verifies(
     shard's attention FLOPs equal, and ``plan.verify`` within ±10% bytes per
     kind (the stages' K/V gathers and their gradients' reduce-scatters among
     them), ±20% peak memory, but for the rows a case lists as known misses."""
-    import jax
-
-    import spmdkit as sk
-
-    seq_len, n = 512, axes["context"]
+    seq_len = 512
     info, batch = _llama(seq_len, 8, layers=4)
-    params = info.init_fn()
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
     plan = _pipelined_cp_plan(info, axes, schedule, virtual, strategy)
     assert plan.context.attention == "gather_kv"
-    step = sk.jit(sk.value_and_grad(info.train_loss, plan), plan)
-    placed = jax.device_put(params, plan.param_shardings(info.abstract_params))
-    with record_visits() as visits:
-        loss, grads = step(placed, batch)
-        jax.block_until_ready(grads)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
-    per = _per_device_flops(visits, seq_len, n)
-    assert len(per) == n and max(per.values()) <= 1.05 * min(per.values()), per
+    step, placed = _run_equal_and_balanced(info, batch, plan, seq_len, axes["context"])
     rows = {r[0]: r for r in plan.verify(step, placed, batch).rows}
     assert rows["all_gather"][2] > 0 and rows["reduce_scatter"][2] > 0, rows
     wrong = [what for what, _, _, ok in rows.values() if not ok]
