@@ -54,7 +54,7 @@ ELEMENTWISE = frozenset({
     "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square",
     "stop_gradient", "sub", "tan", "tanh", "xor", "sharding_constraint", "mesh_cast", "reshard",
 })
-_REDUCE = frozenset({
+REDUCE = frozenset({
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
     "reduce_xor", "argmax", "argmin",
 })
@@ -62,7 +62,7 @@ _REDUCE = frozenset({
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 
 
-class _Mixed(Exception):
+class Mixed(Exception):
     """An equation combines rows (its description is the message)."""
 
 
@@ -120,8 +120,8 @@ def mixed_rows(body: Any, dims: Sequence[int | None]) -> str | None:
     """
     jaxpr = _open(body)
     try:
-        _walk(jaxpr, [_state(d) for d in dims])
-    except _Mixed as e:
+        _walk(jaxpr, [state_of(d) for d in dims])
+    except Mixed as e:
         return str(e)
     return None
 
@@ -134,37 +134,39 @@ def _open(j: Any) -> Any:
 #: the rows, the dims along which it is known to be constant (a frozenset)
 State = int | frozenset
 
-_FREE: frozenset = frozenset()
+FREE: frozenset = frozenset()
 
 
-def _state(d: int | None) -> State:
-    return _FREE if d is None else int(d)  # a numpy integer from a primitive's params
+def state_of(d: int | None) -> State:
+    """A value's state from its row dim: ``FREE`` for ``None``."""
+    return FREE if d is None else int(d)  # a numpy integer from a primitive's params
 
 
-def _rows(s: State) -> int | None:
+def row_dim(s: State) -> int | None:
+    """A state's row dim, or ``None`` for a value without rows."""
     return s if isinstance(s, int) else None
 
 
 def _walk(jaxpr: Any, states: list[State]) -> list[State]:
-    """The outputs' states of ``jaxpr`` given its inputs' (raises :class:`_Mixed`)."""
+    """The outputs' states of ``jaxpr`` given its inputs' (raises :class:`Mixed`)."""
     env: dict = dict(zip(jaxpr.invars, states, strict=True))
 
     def read(v: Any) -> State:
-        return _FREE if isinstance(v, jex.Literal) else env.get(v, _FREE)
+        return FREE if isinstance(v, jex.Literal) else env.get(v, FREE)
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        if all(_rows(s) is None for s in ins):
-            outs = _free_rule(eqn, ins)
+        if all(row_dim(s) is None for s in ins):
+            outs = free_rule(eqn, ins)
         elif eqn.primitive.name == "all_gather" and _over_aware(eqn):
             outs = [_gathered(eqn, ins)]
         else:
-            outs = [_state(d) for d in _rule(eqn, ins)]
+            outs = [state_of(d) for d in row_rule(eqn, ins)]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _free_rule(eqn: Any, ins: list[State]) -> list[State]:
+def free_rule(eqn: Any, ins: list[State]) -> list[State]:
     """The states of an equation's results when no operand has rows: the dims
     they are constant along, where a broadcast or an entrywise op makes that known."""
     name = eqn.primitive.name
@@ -174,20 +176,20 @@ def _free_rule(eqn: Any, ins: list[State]) -> list[State]:
         AWARE in s for s in ins if isinstance(s, frozenset)
     ):
         return [frozenset({AWARE})] * len(eqn.outvars)
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = shape_of(eqn.outvars[0])
     if name == "broadcast_in_dim":
         bd = eqn.params["broadcast_dimensions"]
-        src = _shape(eqn.invars[0])
+        src = shape_of(eqn.invars[0])
         same = {j for j in range(len(out_shape)) if j not in bd}
         same |= {bd[i] for i in ins[0]} | {bd[i] for i, n in enumerate(src) if n == 1}
         return [frozenset(same)]
     if name in ELEMENTWISE:
         same = set(range(len(out_shape)))
         for v, s in zip(eqn.invars, ins, strict=True):
-            if len(_shape(v)) == len(out_shape):
-                same &= s | {j for j, n in enumerate(_shape(v)) if n == 1}
+            if len(shape_of(v)) == len(out_shape):
+                same &= s | {j for j, n in enumerate(shape_of(v)) if n == 1}
         return [frozenset(same)] * len(eqn.outvars)
-    return [_FREE] * len(eqn.outvars)
+    return [FREE] * len(eqn.outvars)
 
 
 def _gathered(eqn: Any, ins: list[State]) -> State:
@@ -200,7 +202,7 @@ def _gathered(eqn: Any, ins: list[State]) -> State:
         or not eqn.params.get("tiled", False)
         or eqn.params.get("all_gather_dimension") != d
     ):
-        raise _mixed(eqn, "a gather of the rows that does not join them whole", eqn.invars[0])
+        raise mixed(eqn, "a gather of the rows that does not join them whole", eqn.invars[0])
     return frozenset({AWARE})
 
 
@@ -212,22 +214,23 @@ def _context_attention(e: _Eqn) -> list[int | None]:
     return [1] * e.n_out
 
 
-def _shape(v: Any) -> tuple[int, ...]:
+def shape_of(v: Any) -> tuple[int, ...]:
+    """A jaxpr variable's shape (``()`` for a literal without one)."""
     return tuple(getattr(v.aval, "shape", ()))
 
 
-def _mixed(eqn: Any, what: str, v: Any = None, dim: int | None = None) -> _Mixed:
+def mixed(eqn: Any, what: str, v: Any = None, dim: int | None = None) -> Mixed:
     """``"<primitive> <what> (dim <dim> of <operand>)"``."""
     at = "" if dim is None else f"dim {dim} of "
     where = "" if v is None else f" ({at}{v.aval.str_short()})"
-    return _Mixed(f"{eqn.primitive.name} {what}{where}")
+    return Mixed(f"{eqn.primitive.name} {what}{where}")
 
 
 def _same(eqn: Any, ins: list[int | None]) -> int:
     """The one row dim of the operands that have rows (they must agree)."""
     have = {d for d in ins if d is not None}
     if len(have) != 1:
-        raise _mixed(eqn, f"operands with rows on different dims {sorted(have)}")
+        raise mixed(eqn, f"operands with rows on different dims {sorted(have)}")
     return have.pop()
 
 
@@ -235,8 +238,8 @@ def _constant_along(eqn: Any, v: Any, s: State, dim: int) -> None:
     """A value without rows meeting rows entry by entry must be the same for
     every row (broadcast along ``dim``), else row ``i`` would meet entry ``i`` of
     something else (an ``iota`` over the batch, whose entries differ on a device's rows)."""
-    if not isinstance(s, int) and _shape(v) and _shape(v)[dim] > 1 and not s & {dim, AWARE}:
-        raise _mixed(eqn, "rows meeting a value that varies along them", v, dim=dim)
+    if not isinstance(s, int) and shape_of(v) and shape_of(v)[dim] > 1 and not s & {dim, AWARE}:
+        raise mixed(eqn, "rows meeting a value that varies along them", v, dim=dim)
 
 
 @dataclass(frozen=True)
@@ -265,12 +268,14 @@ class _Eqn:
     def n_out(self) -> int:
         return len(self.eqn.outvars)
 
-    def mixed(self, what: str, v: Any = None, dim: int | None = None) -> _Mixed:
-        return _mixed(self.eqn, what, v, dim)
+    def mixed(self, what: str, v: Any = None, dim: int | None = None) -> Mixed:
+        return mixed(self.eqn, what, v, dim)
 
 
-def _rule(eqn: Any, states: list[State]) -> list[int | None]:
-    ins = [_rows(s) for s in states]
+def row_rule(eqn: Any, states: list[State]) -> list[int | None]:
+    """The row dims of an equation's results given its operands' states, at least
+    one with rows; raises :class:`Mixed` where the equation combines rows."""
+    ins = [row_dim(s) for s in states]
     e = _Eqn(eqn, states, ins, next(i for i, d in enumerate(ins) if d is not None))
     name = eqn.primitive.name
     if name in ELEMENTWISE:
@@ -284,18 +289,20 @@ def _rule(eqn: Any, states: list[State]) -> list[int | None]:
         return _context_attention(e)
     body = jaxprs.computed_body(eqn)
     if body is not None and len(_open(body).invars) == len(ins):
-        return [_rows(x) for x in _walk(_open(body), states)]
+        return [row_dim(x) for x in _walk(_open(body), states)]
     raise e.mixed("no row rule for this primitive, given a value with rows", e.src)
 
 
 def _elementwise(e: _Eqn) -> list[int | None]:
     d = _same(e.eqn, e.ins)
-    out_shape = _shape(e.eqn.outvars[0])
+    out_shape = shape_of(e.eqn.outvars[0])
     for v, di, s in zip(e.eqn.invars, e.ins, e.states, strict=True):
         # operands of the result's rank broadcast their size-1 dims
-        if di is not None and (len(_shape(v)) != len(out_shape) or _shape(v)[d] != out_shape[d]):
+        if di is not None and (
+            len(shape_of(v)) != len(out_shape) or shape_of(v)[d] != out_shape[d]
+        ):
             raise e.mixed("an operand with rows broadcast", v)
-        if di is None and len(_shape(v)) == len(out_shape):
+        if di is None and len(shape_of(v)) == len(out_shape):
             _constant_along(e.eqn, v, s, d)
     return [d] * e.n_out
 
@@ -303,13 +310,13 @@ def _elementwise(e: _Eqn) -> list[int | None]:
 def _along(e: _Eqn) -> list[int | None]:
     """Reductions (the rows' dim goes if reduced over) and ops along one axis."""
     name, p, d = e.eqn.primitive.name, e.p, e.d
-    if name in _REDUCE:
+    if name in REDUCE:
         axes = set(p["axes"])
         if d in axes:
             raise e.mixed("over the rows", e.src, dim=d)
         return [d - sum(1 for a in axes if a < d)] * e.n_out
     if name == "top_k":
-        along = {p.get("axis", -1) % len(_shape(e.src))}
+        along = {p.get("axis", -1) % len(shape_of(e.src))}
     else:
         found = p.get("axis", p.get("dimension", p.get("dimensions")))
         along = set(found) if isinstance(found, (tuple, list)) else {found}
@@ -322,7 +329,7 @@ def _along(e: _Eqn) -> list[int | None]:
 
 def _broadcast(e: _Eqn) -> list[int | None]:
     bd = e.p["broadcast_dimensions"]
-    if _shape(e.src)[e.d] != _shape(e.eqn.outvars[0])[bd[e.d]]:
+    if shape_of(e.src)[e.d] != shape_of(e.eqn.outvars[0])[bd[e.d]]:
         raise e.mixed("the rows broadcast", e.src)
     return [bd[e.d]]
 
@@ -344,7 +351,7 @@ def _expand(e: _Eqn) -> list[int | None]:
 def _slice(e: _Eqn) -> list[int | None]:
     d, p = e.d, e.p
     strides = p.get("strides")
-    if (p["start_indices"][d], p["limit_indices"][d]) != (0, _shape(e.src)[d]) or (
+    if (p["start_indices"][d], p["limit_indices"][d]) != (0, shape_of(e.src)[d]) or (
         strides and strides[d] != 1
     ):
         raise e.mixed("part of the rows", e.src, dim=d)
@@ -354,7 +361,7 @@ def _slice(e: _Eqn) -> list[int | None]:
 def _dynamic_slice(e: _Eqn) -> list[int | None]:
     if e.first != 0 or any(x is not None for x in e.ins[1:]):
         raise e.mixed("a start index computed from the rows")
-    if e.p["slice_sizes"][e.d] != _shape(e.src)[e.d]:
+    if e.p["slice_sizes"][e.d] != shape_of(e.src)[e.d]:
         raise e.mixed("part of the rows", e.src, dim=e.d)
     return [e.d]
 
@@ -364,7 +371,7 @@ def _update_slice(e: _Eqn) -> list[int | None]:
         raise e.mixed("a start index computed from the rows")
     d = _same(e.eqn, e.ins[:2])
     update = e.eqn.invars[1]
-    if _shape(update)[d] != _shape(e.eqn.invars[0])[d]:
+    if shape_of(update)[d] != shape_of(e.eqn.invars[0])[d]:
         raise e.mixed("an update to part of the rows", update, dim=d)
     return [d]
 
@@ -393,7 +400,7 @@ def _cond(e: _Eqn) -> list[int | None]:
     if e.ins[0] is not None:
         raise e.mixed("a branch index computed from the rows")
     branches = [
-        [_rows(x) for x in _walk(_open(b), e.states[1:])] for b in jaxprs.cond_branches(e.eqn)
+        [row_dim(x) for x in _walk(_open(b), e.states[1:])] for b in jaxprs.cond_branches(e.eqn)
     ]
     if any(b != branches[0] for b in branches):
         raise e.mixed("branches that put the rows on different dims")
@@ -402,14 +409,14 @@ def _cond(e: _Eqn) -> list[int | None]:
 
 def _reshaped(eqn: Any, shape: tuple, out: tuple, d: int) -> int:
     """The output dim holding exactly the input's rows (same size, same
-    elements before it), or :class:`_Mixed`."""
+    elements before it), or :class:`Mixed`."""
     before = math.prod(shape[:d])
     acc = 1
     for j, n in enumerate(out):
         if acc == before and n == shape[d]:
             return j
         acc *= n
-    raise _mixed(eqn, f"the rows (dim {d}) merged or split with other dims", eqn.invars[0])
+    raise mixed(eqn, f"the rows (dim {d}) merged or split with other dims", eqn.invars[0])
 
 
 def _dot(e: _Eqn) -> list[int | None]:
@@ -421,23 +428,23 @@ def _dot_dim(eqn: Any, ins: list[int | None], states: list[State]) -> int:
     lhs, rhs = eqn.invars[:2]
     dl, dr = ins[0], ins[1]
     if dl in lc or dr in rc:
-        raise _mixed(eqn, "the rows contracted")
+        raise mixed(eqn, "the rows contracted")
     if dl is not None and dr is not None:
         if dl not in lb or dr not in rb or lb.index(dl) != rb.index(dr):
-            raise _mixed(eqn, "both operands' rows not one batch dim")
+            raise mixed(eqn, "both operands' rows not one batch dim")
         return lb.index(dl)
     if dl is not None:
         if dl in lb:
             _constant_along(eqn, rhs, states[1], rb[lb.index(dl)])
             return lb.index(dl)
-        free = [a for a in range(len(_shape(lhs))) if a not in lc and a not in lb]
+        free = [a for a in range(len(shape_of(lhs))) if a not in lc and a not in lb]
         return len(lb) + free.index(dl)
     assert dr is not None
     if dr in rb:
         _constant_along(eqn, lhs, states[0], lb[rb.index(dr)])
         return rb.index(dr)
-    lfree = len(_shape(lhs)) - len(lc) - len(lb)
-    free = [a for a in range(len(_shape(rhs))) if a not in rc and a not in rb]
+    lfree = len(shape_of(lhs)) - len(lc) - len(lb)
+    free = [a for a in range(len(shape_of(rhs))) if a not in rc and a not in rb]
     return len(lb) + lfree + free.index(dr)
 
 
@@ -451,13 +458,13 @@ def _fixed_point(body: Any, consts: list, carry: list, rest: list) -> list[State
         for k, (a, b) in enumerate(zip(carry, outs[: len(carry)], strict=True)):
             if isinstance(a, int):
                 if a != b:
-                    raise _Mixed(f"a loop carry whose rows move from dim {a} to {_rows(b)}")
+                    raise Mixed(f"a loop carry whose rows move from dim {a} to {row_dim(b)}")
             else:
                 new[k] = b if isinstance(b, int) else (a & b) | ((a | b) & {AWARE})
         if new == carry:
             return outs
         carry = new
-    raise _Mixed("a loop carry whose rows do not settle")  # pragma: no cover
+    raise Mixed("a loop carry whose rows do not settle")  # pragma: no cover
 
 
 def _scan(e: _Eqn) -> list[int | None]:
@@ -467,11 +474,11 @@ def _scan(e: _Eqn) -> list[int | None]:
     inner = []
     for s in states[nc + ncarry :]:
         if s == 0:
-            raise _mixed(eqn, "scanned over the rows")
+            raise mixed(eqn, "scanned over the rows")
         inner.append(s - 1 if isinstance(s, int) else frozenset(a - (a > 0) for a in s if a != 0))
     outs = _fixed_point(sc.jaxpr, states[:nc], list(states[nc : nc + ncarry]), inner)
-    ys = [None if _rows(s) is None else _rows(s) + 1 for s in outs[ncarry:]]  # type: ignore[operator]
-    return [*(_rows(s) for s in outs[:ncarry]), *ys]
+    ys = [None if row_dim(s) is None else row_dim(s) + 1 for s in outs[ncarry:]]  # type: ignore[operator]
+    return [*(row_dim(s) for s in outs[:ncarry]), *ys]
 
 
 def _while(e: _Eqn) -> list[int | None]:
@@ -480,15 +487,15 @@ def _while(e: _Eqn) -> list[int | None]:
     cn, bn = loop.cond_nconsts, loop.body_nconsts
     outs = _fixed_point(_open(loop.body), states[cn : cn + bn], list(states[cn + bn :]), [])
     _walk(_open(loop.cond), [*states[:cn], *outs])
-    return [_rows(s) for s in outs]
+    return [row_dim(s) for s in outs]
 
 
-_AXIS_OPS = _REDUCE | _CUMULATIVE | {"sort", "rev", "split", "top_k"}
+_AXIS_OPS = REDUCE | _CUMULATIVE | {"sort", "rev", "split", "top_k"}
 _RULES: dict[str, Callable[[_Eqn], list[int | None]]] = {
     "optimization_barrier": lambda e: list(e.ins),
     "broadcast_in_dim": _broadcast,
     "transpose": lambda e: [list(e.p["permutation"]).index(e.d)],
-    "reshape": lambda e: [_reshaped(e.eqn, _shape(e.src), _shape(e.eqn.outvars[0]), e.d)],
+    "reshape": lambda e: [_reshaped(e.eqn, shape_of(e.src), shape_of(e.eqn.outvars[0]), e.d)],
     "squeeze": _squeeze,
     "expand_dims": _expand,
     "dot_general": _dot,

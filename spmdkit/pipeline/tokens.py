@@ -95,20 +95,20 @@ def tokens_combined(sp: SplitLoss, local: SplitLoss, lay: ManualAxes) -> str:
     """
     if not lay.context:
         return ""
-    seq = [rw._state(d) for d in lay.seq]
+    seq = [rw.state_of(d) for d in lay.seq]
     with rw.aware_of(lay.context):
         env = dict(zip(local.per_mb, seq, strict=False))
         ins = [_read(env, v) for v in local.scan.invars]
-        if all(rw._rows(s) is None for s in ins):
+        if all(rw.row_dim(s) is None for s in ins):
             return ""
         try:
-            outs = [rw._state(d) for d in rw._rule(local.scan, ins)]
-        except rw._Mixed as e:
+            outs = [rw.state_of(d) for d in rw.row_rule(local.scan, ins)]
+        except rw.Mixed as e:
             return f"a layer's `{e}`"
         try:
             mine = _loss_terms(local, seq, outs)
             whole = _loss_terms(sp, seq, outs)
-        except rw._Mixed as e:
+        except rw.Mixed as e:
             return f"the loss: `{e}`"
     if len(mine) != len(whole) or not np.allclose(mine, whole, rtol=1e-6, atol=0.0):
         return (
@@ -136,13 +136,13 @@ def tokens_error(problem: str, axes: tuple[str, ...], op: str) -> PipelineError:
 
 
 def _read(env: dict, v: Any) -> rw.State:
-    return rw._FREE if isinstance(v, jex.Literal) else env.get(v, rw._FREE)
+    return rw.FREE if isinstance(v, jex.Literal) else env.get(v, rw.FREE)
 
 
 def _loss_terms(split: SplitLoss, seq: Sequence[rw.State], carry: Sequence[Any]) -> tuple:
     """The weights of the sums over the tokens in ``split``'s loss (the part after
     the layer scan), given the per-micro-batch values' sequence dims and the
-    scan's results' (:class:`_Sum`); raises ``rows._Mixed`` where it is not affine
+    scan's results' (:class:`_Sum`); raises ``rows.Mixed`` where it is not affine
     in such sums."""
     jaxpr = split.closed.jaxpr
     env: dict = dict(zip(split.per_mb, seq, strict=False))
@@ -155,8 +155,8 @@ def _loss_terms(split: SplitLoss, seq: Sequence[rw.State], carry: Sequence[Any])
     (out,) = _walk(jaxpr.eqns[split.index + 1 :], env, known, jaxpr.outvars[:1])
     if isinstance(out, _Sum):
         return out.terms
-    if rw._rows(out) is not None:  # pragma: no cover - a scalar loss has no dims
-        raise rw._Mixed("a loss that keeps the tokens' dim")
+    if rw.row_dim(out) is not None:  # pragma: no cover - a scalar loss has no dims
+        raise rw.Mixed("a loss that keeps the tokens' dim")
     return ()
 
 
@@ -188,7 +188,7 @@ def _fold(eqn: Any, vals: list) -> float | None:
     if len(eqn.outvars) != 1 or not vals or any(x is None for x in vals):
         return None
     if name == "reduce_sum":
-        shape = rw._shape(eqn.invars[0])
+        shape = rw.shape_of(eqn.invars[0])
         return vals[0] * math.prod(shape[a] for a in eqn.params["axes"])
     fold = _FOLD.get(name)
     return None if fold is None else float(fold(*vals))
@@ -199,18 +199,18 @@ def _step(eqn: Any, ins: list, vals: list, known: dict) -> list:
     name = eqn.primitive.name
     if any(isinstance(s, _Sum) for s in ins):
         return _on_sum(eqn, ins, vals, known)
-    if all(rw._rows(s) is None for s in ins):
-        return rw._free_rule(eqn, ins)
+    if all(rw.row_dim(s) is None for s in ins):
+        return rw.free_rule(eqn, ins)
     body = jaxprs.computed_body(eqn) if name not in _LOOPS else None
     if body is not None:
         return _nested(body, ins, vals)
-    d = next(rw._rows(s) for s in ins if rw._rows(s) is not None)
-    if name in rw._REDUCE and d in eqn.params["axes"]:
+    d = next(rw.row_dim(s) for s in ins if rw.row_dim(s) is not None)
+    if name in rw.REDUCE and d in eqn.params["axes"]:
         if name != "reduce_sum" or len(ins) != 1:
-            raise rw._mixed(eqn, "over the tokens", eqn.invars[0], dim=d)
-        shape = rw._shape(eqn.invars[0])
+            raise rw.mixed(eqn, "over the tokens", eqn.invars[0], dim=d)
+        shape = rw.shape_of(eqn.invars[0])
         return [_Sum((float(math.prod(shape[a] for a in eqn.params["axes"])),))]
-    return [rw._state(x) for x in rw._rule(eqn, ins)]
+    return [rw.state_of(x) for x in rw.row_rule(eqn, ins)]
 
 
 def _nested(body: Any, ins: list, vals: list) -> list:
@@ -231,8 +231,8 @@ def _on_sum(eqn: Any, ins: list, vals: list, known: dict) -> list:
     mean over them."""
     name = eqn.primitive.name
     sums = [s for s in ins if isinstance(s, _Sum)]
-    if any(rw._rows(s) is not None for s in ins):
-        raise rw._mixed(eqn, "of a sum over the tokens and the tokens themselves")
+    if any(rw.row_dim(s) is not None for s in ins):
+        raise rw.mixed(eqn, "of a sum over the tokens and the tokens themselves")
     if name in _SAME and len(sums) == 1:
         return [sums[0]] * len(eqn.outvars)
     if name == "neg":
@@ -243,7 +243,7 @@ def _on_sum(eqn: Any, ins: list, vals: list, known: dict) -> list:
                  for t in s.terms]  # fmt: skip
         return [_Sum(tuple(terms))]
     if name == "reduce_sum":
-        shape = rw._shape(eqn.invars[0])
+        shape = rw.shape_of(eqn.invars[0])
         return [sums[0].scaled(float(math.prod(shape[a] for a in eqn.params["axes"])))]
     if name == "mul" and len(sums) == 1:
         other = vals[1] if isinstance(ins[0], _Sum) else vals[0]
@@ -251,10 +251,8 @@ def _on_sum(eqn: Any, ins: list, vals: list, known: dict) -> list:
     if name == "div" and isinstance(ins[0], _Sum) and not isinstance(ins[1], _Sum):
         return [sums[0].scaled(None if vals[1] is None else 1.0 / vals[1])]
     if name == "div":
-        raise rw._mixed(eqn, "by a sum over the tokens (a masked mean is one)")
+        raise rw.mixed(eqn, "by a sum over the tokens (a masked mean is one)")
     body = jaxprs.computed_body(eqn) if name not in _LOOPS else None
     if body is not None:
         return _nested(body, ins, vals)
-    raise rw._mixed(
-        eqn, "of a sum over the tokens (not affine in it: a masked mean's count is one)"
-    )
+    raise rw.mixed(eqn, "of a sum over the tokens (not affine in it: a masked mean's count is one)")
