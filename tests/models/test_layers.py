@@ -210,7 +210,10 @@ def test_planner_propagates_blockwise_like_plain_with_less_memory():
     # (the lookup region's cheapest layout at seq 1024: 64 KiB, not the rows' all-reduce)
     assert set(costs["auto"].comm_bytes) == {"all_reduce", "all_gather"}
     assert costs["auto"].comm_bytes["all_gather"] == 256 * 64 * 4
-    assert costs["auto"].memory["temporaries"] < costs["xla"].memory["temporaries"] / 2
+    # two key blocks halve the score-sized temporaries (scores, probabilities and
+    # their gradients: 16 MiB each per device here), not the rest of the layer's
+    temps = {impl: c.memory["temporaries"] for impl, c in costs.items()}
+    assert temps["xla"] - temps["auto"] > 16 * 2**20 and temps["auto"] < 0.55 * temps["xla"]
 
 
 def _scan_outputs(jaxpr):
