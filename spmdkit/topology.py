@@ -86,6 +86,7 @@ __all__ = [
     "H100_PEAK_FLOPS",
     "LOCAL_KINDS",
     "Topology",
+    "mesh_platform",
 ]
 
 #: Reshard steps that move no data between devices.
@@ -186,6 +187,21 @@ def _table(
             )
         out.append((str(axis), number))
     return tuple(sorted(out))
+
+
+def mesh_platform(mesh: MeshLike) -> str | None:
+    """The platform of ``mesh``'s devices (``"cpu"``, ``"gpu"``...), None for an
+    abstract mesh (no devices)."""
+    try:
+        return str(mesh.devices.flat[0].platform)
+    except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
+        return None
+
+
+def _default_backend() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 @dataclass(frozen=True)
@@ -489,15 +505,7 @@ class Topology:
             >>> Topology.h100().target(abstract_mesh(data=2, model=4))
             'gpu'
         """
-        try:
-            return str(mesh.devices.flat[0].platform)
-        except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
-            pass
-        if self.platform is not None:
-            return self.platform
-        import jax
-
-        return jax.default_backend()
+        return mesh_platform(mesh) or self.platform or _default_backend()
 
     def exposed_comm(self, hidden_s: float, exposed_s: float, compute_s: float) -> float:
         """Communication time left on the critical path: ``exposed_s`` (collectives

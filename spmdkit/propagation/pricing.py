@@ -23,7 +23,7 @@ from spmdkit.propagation.primitives import REDUCERS
 from spmdkit.propagation.steps import Step
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
-from spmdkit.topology import Topology
+from spmdkit.topology import Topology, mesh_platform
 from spmdkit.util import contraction_flops
 
 __all__ = ["Pricer", "node_flops", "reshard_once", "steps_flops", "target_backend"]
@@ -41,12 +41,9 @@ def target_backend(mesh: MeshLike, topology: object) -> str:
     target = getattr(topology, "target", None)
     if target is not None:
         return target(mesh)
-    try:
-        return str(mesh.devices.flat[0].platform)
-    except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
-        import jax
+    import jax
 
-        return jax.default_backend()
+    return mesh_platform(mesh) or jax.default_backend()
 
 
 class Pricer:
