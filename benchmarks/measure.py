@@ -11,9 +11,11 @@ same executable adds the collective bytes and verify's verdict.
 
 What the prediction is for:
   GPU      the device's own :class:`~spmdkit.topology.Topology` (H100 SXM figures
-           for an H100 or H200, A100 SXM for an A100); the batch doubles until dp's
-           predicted peak fills about half the device's memory (at the model's
-           :data:`GPU_CONFIG` size), so the step is compute-bound as in training.
+           for an H100 or H200, A100 SXM for an A100), bf16 compute with fp32
+           master weights; the batch doubles until dp's predicted peak fills about
+           half the device's memory (``--batch`` sets it instead), at the model's
+           :data:`GPU_CONFIG` size with :data:`GPU_OVERRIDES` (Llama 3 8B's layer
+           and vocabulary, two layers), so the step is compute-bound as in training.
   CPU      a CPU topology measured here before the cases: the f32 matmul FLOP/s one
            virtual device gets while all run at once (``peak_flops``, efficiencies 1,
            no GEMM tiles), the bus bandwidth of an all-reduce over all of them (every
@@ -27,7 +29,7 @@ Saved as JSON (``benchmarks/results/measure.json``, or ``--out``)::
      "device_kind", "devices", "cpu_count", "machine", "load_average_1m",
      "quick": bool,
      "topology": {"name", "peak_flops", "link_bandwidth", "memory_bandwidth", "source"},
-     "cases": [{"model", "config", "strategy", "chosen", "mesh", "batch",
+     "cases": [{"model", "config", "strategy", "recipe", "chosen", "mesh", "batch",
                 "steps", "predicted_step_s", "measured_step_s",
                 "measured_step_s_p25", "measured_step_s_p75", "step_ratio",
                 "planned_peak_bytes", "predicted_peak_bytes", "predicted_peak_low",
@@ -43,13 +45,14 @@ allocates there), ``predicted_peak_bytes`` its point nearest the compiled peak, 
 otherwise). A case that fails records ``"error"`` instead of the figures.
 
 Run: ``python benchmarks/measure.py [--quick] [--models gpt,llama]
-[--strategies dp,fsdp,megatron,auto] [--steps N] [--out PATH]``
+[--strategies dp,fsdp,megatron,auto] [--steps N] [--batch gpt=16,llama=2] [--out PATH]``
 (``--quick``: tiny GPT only, 3 timed steps; a smoke run of the slow test step).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -76,7 +79,10 @@ from spmdkit.topology import Topology
 RESULTS = Path(__file__).resolve().parent / "results"
 STRATEGIES = ("dp", "fsdp", "megatron", "auto")
 #: Config per model on a GPU (the batch then fills the device) and on CPU.
-GPU_CONFIG = {"gpt": "350m", "llama": "small", "moe": "tiny", "convnet": "tiny"}
+GPU_CONFIG = {"gpt": "350m", "llama": "8b", "moe": "tiny", "convnet": "tiny"}
+#: Config fields replaced on a GPU: Llama 3 8B's layer and vocabulary, two layers (the
+#: step of one device fits; the shapes are the real model's).
+GPU_OVERRIDES: dict[str, dict[str, Any]] = {"llama": {"n_layers": 2}}
 CPU_CONFIG = {"gpt": "tiny", "llama": "tiny", "moe": "tiny", "convnet": "tiny"}
 CPU_BATCH = 16
 
@@ -89,6 +95,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per case")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     ap.add_argument("--out", default=str(RESULTS / "measure.json"), help="JSON path")
+    ap.add_argument(
+        "--batch",
+        default="",
+        help="model=N,... batch sizes on an accelerator instead of filling half the memory",
+    )
     return ap.parse_args(argv)
 
 
@@ -176,28 +187,39 @@ def gpu_topology(kind: str) -> tuple[Topology, dict]:
     }
 
 
-def _setup(model: str, config: str, batch_size: int) -> tuple[Any, dict]:
+def _setup(
+    model: str, config: str, batch_size: int, overrides: dict | None = None
+) -> tuple[Any, dict]:
     spec = sk.models.get_model(model)
-    cfg = spec.configs[config]()
+    cfg = dataclasses.replace(spec.configs[config](), **(overrides or {}))
     batch = spec.batch(cfg, batch_size, np.random.default_rng(0))
     return sk.describe(spec, config=cfg, batch=batch), batch
 
 
+def _recipe(platform: str) -> Any:
+    """The plain step on CPU; bf16 compute (fp32 master weights) on an accelerator,
+    as training runs there."""
+    return sk.Recipe() if platform == "cpu" else sk.Recipe(compute_dtype="bfloat16")
+
+
 def _plan(info: Any, mesh: Any, strategy: str, topo: Topology, opt: Any) -> Any:
     kw: dict[str, Any] = {"topology": topo, "optimizer": opt}
-    if strategy == "auto":
-        kw["recipe"] = sk.Recipe()  # the plain step, like the presets
+    recipe = _recipe(jax.devices()[0].platform)
+    if strategy == "auto" or not recipe.is_default:
+        kw["recipe"] = recipe  # auto searches the layout only, for the same step
     return sk.plan(info, mesh, strategy, **kw)
 
 
-def _fill_batch(model: str, config: str, mesh: Any, topo: Topology, opt: Any) -> int:
+def _fill_batch(
+    model: str, config: str, mesh: Any, topo: Topology, opt: Any, overrides: dict | None = None
+) -> int:
     """The largest power-of-two batch whose dp plan's predicted peak is at most half
     the device's memory (at least the data axis; at most 256)."""
     limit = jax.devices()[0].memory_stats() or {}
     budget = 0.5 * limit.get("bytes_limit", 16 << 30)
     batch = mesh.shape["data"]
     while batch < 256:
-        info, _ = _setup(model, config, 2 * batch)
+        info, _ = _setup(model, config, 2 * batch, overrides)
         if _plan(info, mesh, "dp", topo, opt).cost.peak_bytes > budget:
             break
         batch *= 2
@@ -205,10 +227,17 @@ def _fill_batch(model: str, config: str, mesh: Any, topo: Topology, opt: Any) ->
 
 
 def measure_case(
-    model: str, config: str, batch_size: int, strategy: str, mesh: Any, topo: Topology, args: Any
+    model: str,
+    config: str,
+    batch_size: int,
+    strategy: str,
+    mesh: Any,
+    topo: Topology,
+    args: Any,
+    overrides: dict | None = None,
 ) -> dict:
     """Plan, compile, run and time one case; the figures as a JSON-ready dict."""
-    info, batch = _setup(model, config, batch_size)
+    info, batch = _setup(model, config, batch_size, overrides)
     opt = optax.adam(1e-3)
     p = _plan(info, mesh, strategy, topo, opt)
     params = sk.init_sharded(info, p)
@@ -236,8 +265,9 @@ def measure_case(
     compiled_peak = rows["peak memory"][1]
     return {
         "model": model,
-        "config": config,
+        "config": config + "".join(f",{k}={v}" for k, v in (overrides or {}).items()),
         "strategy": strategy,
+        "recipe": p.recipe.short(),
         "chosen": getattr(p, "chosen", None) or strategy,
         "mesh": "x".join(str(s) for s in mesh.shape.values()),
         "batch": batch_size,
@@ -313,14 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     for name in models:
         config = (CPU_CONFIG if platform == "cpu" else GPU_CONFIG)[name]
-        batch = (
-            CPU_BATCH
-            if platform == "cpu"
-            else _fill_batch(name, config, mesh, topo, optax.adam(1e-3))
-        )
+        over = None if platform == "cpu" else GPU_OVERRIDES.get(name)
+        fixed = dict(kv.split("=") for kv in args.batch.split(",") if kv)
+        if platform == "cpu":
+            batch = CPU_BATCH
+        elif name in fixed:
+            batch = int(fixed[name])
+        else:
+            batch = _fill_batch(name, config, mesh, topo, optax.adam(1e-3), over)
         for strategy in strategies:
             try:
-                cases.append(measure_case(name, config, batch, strategy, mesh, topo, args))
+                cases.append(measure_case(name, config, batch, strategy, mesh, topo, args, over))
             except Exception as e:  # a failing case is recorded, the others still run
                 cases.append(
                     {"model": name, "config": config, "strategy": strategy, "error": repr(e)}

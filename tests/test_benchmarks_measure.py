@@ -14,7 +14,7 @@ from tests.scripts import loaded_script
 TOP = {"benchmark", "date", "jax", "platform", "device_kind", "devices", "cpu_count", "machine",
        "load_average_1m", "quick", "topology", "cases"}  # fmt: skip
 CASE = {
-    "model", "config", "strategy", "chosen", "mesh", "batch", "steps", "predicted_step_s",
+    "model", "config", "strategy", "recipe", "chosen", "mesh", "batch", "steps", "predicted_step_s",
     "measured_step_s", "measured_step_s_p25", "measured_step_s_p75", "step_ratio",
     "planned_peak_bytes", "predicted_peak_bytes", "predicted_peak_low", "predicted_peak_high",
     "compiled_peak_bytes", "memory_ratio", "collective_bytes", "verify_ok", "compile_s",
