@@ -64,7 +64,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.pipeline.facts import record_traced, rows_error, split_rows_combined
+from spmdkit.pipeline.facts import (
+    record_traced,
+    rows_error,
+    split_on_tokens,
+    split_rows_combined,
+)
 from spmdkit.pipeline.layouts import (
     ManualAxes,
     add_routed_gradients,
@@ -72,7 +77,6 @@ from spmdkit.pipeline.layouts import (
     differentiable,
     gpipe_wide_params,
     local_rows,
-    local_tokens,
     param_sources,
     per_mb_rows_split,
     per_mb_seq_split,
@@ -88,8 +92,7 @@ from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.ticks import explicit_tick_loop, gpipe_forward_loop
 from spmdkit.pipeline.tokens import tokens_combined, tokens_error
-from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard, context_shard
-from spmdkit.util import path_str
+from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard
 
 __all__ = ["pipelined_value_and_grad"]
 
@@ -279,28 +282,11 @@ def _local_split(
     dim the context axes split, and the context collectives one layer traced
     (:attr:`~spmdkit.pipeline.facts.PipelineFacts.context_bytes`)."""
     if shard is not None:
-        local, exchanges = _split_on_tokens(loss_fn, args, shards, shard, seq_dims)
+        local, exchanges = split_on_tokens(loss_fn, args, shards, shard, seq_dims)
         return local, *per_mb_seq_split(sp, local, shards, shard.shards), exchanges
     params, one, rest = args
     local = sp if shards == 1 else split_loss(loss_fn, params, local_rows(one, shards), rest)
     return local, per_mb_rows_split(sp, local, shards), (), ()
-
-
-def _split_on_tokens(
-    loss_fn: Callable, args: tuple, shards: int, shard: ContextShard, seq_dims: Any
-) -> tuple[SplitLoss, tuple]:
-    """The loss split on a device's rows and tokens of one micro-batch (``args``:
-    params, its shapes, rest), traced under :func:`spmdkit.sequence.context_shard`
-    with the context axes bound, and the collectives its attention noted."""
-    params, one, rest = args
-    dims = jax.tree_util.tree_map_with_path(
-        lambda path, x: (seq_dims or {}).get(path_str(path)), one
-    )
-    cut = local_tokens(local_rows(one, shards), dims, shard.shards)
-    env = list(zip(shard.axes, shard.sizes, strict=True))
-    with context_shard(shard) as exchanges:
-        local = split_loss(loss_fn, params, cut, rest, axis_env=env)
-    return local, tuple(exchanges)
 
 
 def _batch_axes(mesh: Any, pipe: Pipeline, batch_axes: tuple[str, ...]) -> tuple[tuple, int]:

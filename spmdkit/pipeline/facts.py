@@ -10,14 +10,16 @@
 - From the loss: :func:`chunk_residuals` / :func:`residual_probe`, what one
   forward of one chunk stashes for one micro-batch; :func:`rows_combined`, a
   layer that combines a micro-batch's rows, which a pipeline with batch axes
-  refuses (:func:`rows_error`) and the planner asks about before it plans one.
+  refuses (:func:`rows_error`) and the planner asks about before it plans one;
+  :func:`tokens_refused`, what a pipelined context-parallel step refuses
+  (:mod:`spmdkit.pipeline.tokens`), asked by the planner the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +32,18 @@ from spmdkit.pipeline.chunk import BoundLoss, VjpStash
 from spmdkit.pipeline.layouts import (
     ManualAxes,
     local_rows,
+    local_tokens,
     per_mb_rows_split,
+    per_mb_seq_split,
     split_microbatches,
 )
 from spmdkit.pipeline.rows import mixed_rows
 from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
+from spmdkit.pipeline.tokens import tokens_combined
+from spmdkit.sequence import ContextShard, context_shard
+from spmdkit.util import path_str
 
 __all__ = [
     "BACKWARD_SCOPE",
@@ -51,7 +58,9 @@ __all__ = [
     "residual_probe",
     "rows_combined",
     "rows_error",
+    "split_on_tokens",
     "split_rows_combined",
+    "tokens_refused",
 ]
 
 # -- collected while a pipelined gradient is traced ----------------------------------
@@ -315,3 +324,71 @@ def split_rows_combined(sp: SplitLoss, lay: ManualAxes) -> str:
     dims = [0 if not hasattr(v, "val") and row.get(v) else None for v in inputs]
     dims += [None] * (len(eqn.invars) - sc.first_xs)
     return mixed_rows(sc.body, dims) or ""
+
+
+# -- the token check, before a pipelined context-parallel step is traced -------------
+
+
+def split_on_tokens(
+    loss_fn: Callable, args: tuple, shards: int, shard: ContextShard, seq_dims: Any
+) -> tuple[SplitLoss, tuple]:
+    """The loss split on a device's rows and tokens of one micro-batch (``args``:
+    params, its shapes, rest), traced under :func:`spmdkit.sequence.context_shard`
+    with the context axes bound, and the collectives its attention noted."""
+    params, one, rest = args
+    dims = jax.tree_util.tree_map_with_path(
+        lambda path, x: (seq_dims or {}).get(path_str(path)), one
+    )
+    cut = local_tokens(local_rows(one, shards), dims, shard.shards)
+    env = list(zip(shard.axes, shard.sizes, strict=True))
+    with context_shard(shard) as exchanges:
+        local = split_loss(loss_fn, params, cut, rest, axis_env=env)
+    return local, tuple(exchanges)
+
+
+def tokens_refused(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    pipe: Pipeline,
+    batch_axes: tuple[tuple[str, ...], int],
+    shard: ContextShard,
+    seq_dims: Mapping[str, int],
+) -> str:
+    """What makes a pipelined context-parallel step differ from the global one
+    (:func:`~spmdkit.pipeline.tokens.tokens_combined`, on the loss traced as the
+    executor traces it), else ``""``: the planner asks before it plans one, as
+    the executor refuses it when the step is traced.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)``, its layers a scan.
+      params, batch: concrete or abstract (the whole step's batch).
+      pipe: the pipeline (its micro-batch count splits the batch's rows).
+      batch_axes: the batch axes beside the pipe axis and their device count.
+      shard: the context axes, their sizes, order and attention.
+      seq_dims: per batch leaf (its path) the dim holding the sequence.
+
+    Raises:
+      PipelineError: the loss has no layer scan, or the batch does not divide
+        into the micro-batches and devices.
+
+    Example::
+
+        >>> tokens_refused(loss, params, batch, pipe, (("data",), 2), shard, {"tokens": 1})
+        'the loss: `div by a sum over the tokens (a masked mean is one)`'
+    """
+    axes, shards = batch_axes
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                       _abstract_microbatches(batch, pipe.microbatches))  # fmt: skip
+    sp = split_loss(loss_fn, params, one, ())
+    local, _ = split_on_tokens(loss_fn, (params, one, ()), shards, shard, seq_dims)
+    rows, seq = per_mb_seq_split(sp, local, shards, shard.shards)
+    lay = ManualAxes(pipe.axis, axes, shards, rows, context=shard.axes,
+                     context_size=shard.shards, seq=seq)  # fmt: skip
+    return tokens_combined(sp, local, lay)
+
+
+def _abstract_microbatches(batch: Any, m: int) -> Any:
+    """``split_microbatches``'s shapes: ``[m, rows / m, ...]`` per leaf."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+    return jax.eval_shape(lambda b: split_microbatches(b, m), shapes)

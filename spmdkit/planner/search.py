@@ -914,7 +914,7 @@ class _Planner(PipelinePlanning):
         out = self.make_plan("auto", best, best.cost)
         shown = others[:12]
         alternatives = tuple((c.label, c.cost) for c in shown)
-        notes: list[PlanNote] = mesh_split_note(self.mesh, out.mesh)
+        notes: list[PlanNote] = mesh_split_note(self.mesh, out.mesh) + self.refused_notes()
         if fixed is None:
             plain = [
                 c.cost.step_time_s

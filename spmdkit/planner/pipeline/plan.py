@@ -21,7 +21,11 @@
    :func:`check_pipeline_batch` runs first: with the batch over other axes, a
    layer that combines a micro-batch's rows (a MoE router's statistics) is a
    typed error, before anything compiles, unless the pipeline asks for
-   ``local_statistics``.
+   ``local_statistics``. With the sequence over context axes too, the model's
+   layers may mix tokens only through attention and its loss must be a mean over
+   the tokens (:func:`model_tokens_refused`, what the executor refuses: the
+   typed error at plan time; auto leaves such pipelined candidates out, with a
+   ``dropped`` note).
 
 With ``virtual > 1`` chunk ``c`` runs on device ``c mod p`` (round-robin);
 the executor (:mod:`spmdkit.pipeline.execute`) regroups the stored layers into
@@ -46,10 +50,11 @@ from jax.sharding import AbstractMesh
 from spmdkit.flax.model import ModelInfo
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
-from spmdkit.pipeline.facts import rows_combined, rows_error
+from spmdkit.pipeline.facts import rows_combined, rows_error, tokens_refused
 from spmdkit.planner.logical import LogicalRules, RulesLike
 from spmdkit.planner.plans import Plan
 from spmdkit.recipe import Recipe
+from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard
 from spmdkit.spec import MeshLike, axis_sizes
 
 __all__ = [
@@ -58,6 +63,7 @@ __all__ = [
     "layer_rules",
     "check_pipeline_batch",
     "check_pipelined",
+    "model_tokens_refused",
     "pipeline_submesh",
     "stacked_paths",
 ]
@@ -198,6 +204,42 @@ def model_rows_combined(info: ModelInfo) -> str:
     return info.memo(
         ("pipeline.rows_combined",),
         lambda: rows_combined(info.loss_fn, info.abstract_params, info.batch),
+    )
+
+
+def model_tokens_refused(
+    info: ModelInfo,
+    mesh: MeshLike,
+    pipe: Pipeline,
+    batch_axes: tuple[str, ...],
+    context: tuple[str, ...],
+) -> str:
+    """What a pipelined plan with the sequence over the ``context`` axes would have
+    its step refuse (:func:`~spmdkit.pipeline.facts.tokens_refused`: a layer that
+    mixes tokens other than through attention, or a loss that is not a mean over
+    the tokens), else ``""``; once per model and layout. The stages run
+    ``gather_kv`` on the balanced order, as the plan's context says.
+
+    Raises:
+      PipelineError: the batch does not divide into the micro-batches, devices and
+        context shards.
+    """
+    sizes = axis_sizes(mesh)
+    batch_axes = tuple(a for a in batch_axes if a != pipe.axis)
+    context = tuple(
+        a for a in context if a != pipe.axis and a not in batch_axes and sizes.get(a, 1) > 1
+    )
+    if not context:
+        return ""
+    shards = math.prod(sizes[a] for a in batch_axes)
+    shard = ContextShard(context, tuple(sizes[a] for a in context), True, PIPELINED_STRATEGIES[0])
+    seq = {k: tuple(v).index("seq") for k, v in info.batch_axes.items() if "seq" in tuple(v or ())}
+    key = ("pipeline.tokens_refused", pipe.microbatches, batch_axes, shards, context, shard.sizes)
+    return info.memo(
+        key,
+        lambda: tokens_refused(
+            info.loss_fn, info.abstract_params, info.batch, pipe, (batch_axes, shards), shard, seq
+        ),
     )
 
 

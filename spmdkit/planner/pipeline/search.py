@@ -34,6 +34,7 @@ from jax.sharding import AbstractMesh
 
 from spmdkit.mesh import abstract_mesh, data_axis, split_axis
 from spmdkit.pipeline import Pipeline, PipelineError
+from spmdkit.pipeline.tokens import tokens_error
 from spmdkit.planner.analytic import (
     CostContext,
     GroupLayout,
@@ -58,12 +59,14 @@ from spmdkit.planner.logical import (
     RulesLike,
     UnknownLogicalAxisError,
 )
+from spmdkit.planner.notes import PlanNote
 from spmdkit.planner.pipeline.cost import StageSplit, param_stages, pipeline_cost, stage_groups
 from spmdkit.planner.pipeline.plan import (
     PLACEHOLDER_AXIS,
     check_pipeline_batch,
     layer_rules,
     model_rows_combined,
+    model_tokens_refused,
 )
 from spmdkit.planner.plans import Cost, Dims
 from spmdkit.recipe import PLAIN, Recipe
@@ -98,6 +101,10 @@ _RECOST_PIPELINES = 4
 #: parallel ones, and Megatron's with the distributed optimizer (its state sharded
 #: over the data and context axes, as the published Megatron-LM pipelines run).
 _TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp", *SHARDED_OPT_PRESETS)
+
+#: ``pipe_memos`` key: label → (context axes, problem) of the pipelined candidates
+#: auto left out because their step would be refused (:meth:`PipelinePlanning.refused`)
+_REFUSED = ("pipeline", "tokens_refused")
 
 #: The mesh axis pipelined plans put their stages on.
 PIPE_AXIS = "pipe"
@@ -334,7 +341,51 @@ class PipelinePlanning:
         for mesh in pipe_meshes(self.mesh, layers, stages):
             for r in base:
                 out += self.pipelined_on(mesh, where, r, fixed_pipe, extra)
+        refused = self.pipe_memos.get(_REFUSED, {})
+        if fixed_pipe is not None and not out and refused:
+            axes, problem = next(iter(refused.values()))
+            raise tokens_error(problem, axes, "plan(pipeline=...)")
         return out
+
+    def tokens_problem(self, c: Candidate) -> str:
+        """What the step of ``c``, a pipelined candidate, would refuse for its
+        context axes (:func:`~spmdkit.planner.pipeline.plan.model_tokens_refused`)."""
+        if not c.context or c.pipeline is None or c.mesh is None:
+            return ""
+        batch = tuple(c.activation.get("batch", ()))
+        return model_tokens_refused(self.info, c.mesh, c.pipeline, batch, c.context)
+
+    def refused(self, c: Candidate) -> bool:
+        """auto: ``c`` is a pipelined context-parallel candidate whose step would be
+        refused (:meth:`tokens_problem`); recorded for :meth:`refused_notes`."""
+        try:
+            problem = self.tokens_problem(c)
+        except PipelineError as e:  # its shards do not divide the batch: cannot run
+            problem = e.given
+        if problem:
+            self.pipe_memos.setdefault(_REFUSED, {})[c.label] = (c.context, problem)
+        return bool(problem)
+
+    def refused_notes(self) -> list[PlanNote]:
+        """A ``dropped`` note for the pipelined candidates auto left out because
+        their step would be refused (:meth:`refused`)."""
+        refused = self.pipe_memos.get(_REFUSED, {})
+        if not refused:
+            return []
+        problem = next(iter(refused.values()))[1]
+        shown = ", ".join(list(refused)[:3]) + (", ..." if len(refused) > 3 else "")
+        return [
+            PlanNote(
+                "dropped",
+                f"auto left {len(refused)} pipelined context-parallel candidate(s) out "
+                f"({shown}): a pipelined stage runs on each device's tokens, "
+                "so no layer may mix tokens but through attention and the loss must be "
+                f"a mean over the tokens; given {problem}.",
+                "keep the flat plans (context parallelism as global SPMD, correct for any "
+                "layer and loss), or make the loss a mean over the tokens "
+                "(docs/context-parallel.md) to have pipelines with context axes costed",
+            )
+        ]
 
     def pipelined_on(
         self,
@@ -393,7 +444,7 @@ class PipelinePlanning:
                 c = self.pipelined_table(name, tables, mesh, recipe, request)
             except UnknownLogicalAxisError:
                 continue
-            if c is not None:
+            if c is not None and not self.refused(c):
                 out.append(c)
         return out
 
@@ -592,6 +643,9 @@ class PipelinePlanning:
         name = strategy if isinstance(strategy, str) else "rules"
         c = self.pipelined_table(name, tables, self.mesh, recipe or PLAIN, pipe)
         assert c is not None  # check_pipeline_batch refused what pipelined_table drops
+        problem = self.tokens_problem(c)
+        if problem:
+            raise tokens_error(problem, c.context, "plan(pipeline=...)")
         return name, c, self.calibrated(c).cost if self.estimator == "propagate" else c.cost
 
     def pipelined_table(

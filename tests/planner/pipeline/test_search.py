@@ -273,3 +273,58 @@ def test_propagated_tensor_parallel_bytes_match_megatron_lm(remat, reruns, monke
     megatron = micro * (4 + 2 * reruns) * activation  # no recompute: what XLA runs
     xla = megatron - micro * reruns * activation
     assert _layer_bytes(twin.records, cfg.n_layers, "model") == pytest.approx(xla, rel=0.05)
+
+
+# -- context axes inside a pipeline: the token check at plan time --------------------
+
+
+@pytest.fixture(scope="module")
+def cp_llamas() -> tuple:
+    """A 2-layer Llama (64 tokens, 8 sequences) with its mean loss, and the same
+    with a masked mean (``ignore_index``: the devices' masked means averaged are not
+    the global one, so a pipelined context-parallel step refuses it)."""
+    import dataclasses
+
+    import spmdkit.nn as sknn
+
+    def masked(model, batch):
+        return sknn.cross_entropy(model(batch["tokens"]), batch["targets"], ignore_index=0)
+
+    cfg = LlamaConfig(seq_len=64, n_layers=2, scan_layers=True)
+    spec = get_model("llama")
+    mean = describe(spec, config=cfg, batch_size=8)
+    return mean, describe(dataclasses.replace(spec, loss=masked), config=cfg, batch_size=8)
+
+
+_CP_MESH = {"pipe": 2, "data": 2, "context": 2}
+
+
+def test_a_pipelined_context_plan_the_step_would_refuse_raises_when_planned(cp_llamas) -> None:
+    """The executor's token check (spmdkit.pipeline.tokens) runs at sk.plan: a
+    masked-mean loss asked for a pipeline with the sequence over a context axis is
+    the typed error before anything compiles; the mean loss plans as before."""
+    mean, masked = cp_llamas
+    mesh = sk.abstract_mesh(**_CP_MESH)
+    kw = {"rules": {"seq": "context"}, "pipeline": Pipeline(2, 2), "estimator": "analytic"}
+    with pytest.raises(PipelineError, match=r"(?s)plan\(pipeline=\.\.\.\).*masked mean.*flat plan"):
+        plan(masked, mesh, "dp", **kw)
+    ok = plan(mean, mesh, "dp", **kw)
+    assert ok.pipeline == Pipeline(2, 2) and ok.context.axes == ("context",)
+
+
+def test_auto_leaves_refused_pipelined_context_plans_out_with_a_note(cp_llamas) -> None:
+    """auto costs no pipelined candidate whose step would refuse its context axes
+    and says so in a ``dropped`` note; for the mean loss it costs them (the same
+    presets pipelined with the context axis are among its runner-ups)."""
+    mean, masked = cp_llamas
+    mesh = sk.abstract_mesh(**_CP_MESH)
+    kw = {"rules": {"seq": "context"}, "pipeline": "auto", "estimator": "analytic",
+          "recipe": sk.Recipe()}  # fmt: skip
+    got = plan(masked, mesh, "auto", **kw)
+    assert got.pipeline is None or got.context is None
+    (note,) = [n for n in got.notes if "pipelined context-parallel" in n.message]
+    assert note.kind == "dropped" and "masked mean" in note.message
+    assert not [n for n, _ in got.alternatives if n.startswith("megatron+pp")]
+    fine = plan(mean, mesh, "auto", **kw)
+    assert not [n for n in fine.notes if "pipelined context-parallel" in n.message]
+    assert [n for n, _ in fine.alternatives if n.startswith("megatron+pp")]
