@@ -18,7 +18,8 @@ kind                    when
 ``batch_replicated``    a rule table with no ``batch`` entry, or a batch field dim
                         named with a name no activation rule covers
 ``recipe``              auto chose a recipe other than the plain step
-``dropped``             auto left presets out of its runner-up list
+``dropped``             auto left presets out of its runner-up list; asked for
+                        pipelines, it costed none or left refused ones out
 ``absent_axes``         a rule table names mesh axes the mesh lacks (dropped)
 ``mesh_split``          auto split a mesh axis into two (``data`` into ``pipe × data``
                         for a pipeline, or into ``data × context`` for context

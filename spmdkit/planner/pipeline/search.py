@@ -105,6 +105,8 @@ _TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp", *SHARDED_OPT_PRESETS)
 #: ``pipe_memos`` key: label → (context axes, problem) of the pipelined candidates
 #: auto left out because their step would be refused (:meth:`PipelinePlanning.refused`)
 _REFUSED = ("pipeline", "tokens_refused")
+#: ``pipe_memos`` key: why ``pipeline="auto"`` costed no pipelined candidate at all
+_NONE = ("pipeline", "none")
 
 #: The mesh axis pipelined plans put their stages on.
 PIPE_AXIS = "pipe"
@@ -295,6 +297,10 @@ class PipelinePlanning:
         where = self.stages()
         if where is None:
             if fixed_pipe is None:
+                self.pipe_memos[_NONE] = (
+                    f"{self.info.name} has no layer stack to split into stages (no layer "
+                    "scan whose stacked parameters lead with the layer count)"
+                )
                 return []
             raise PipelineError(
                 op="plan",
@@ -338,7 +344,13 @@ class PipelinePlanning:
         if fixed_pipe is not None:
             fixed_pipe.check_layers(layers, op="plan")
         out: list[Candidate] = []
-        for mesh in pipe_meshes(self.mesh, layers, stages):
+        meshes = pipe_meshes(self.mesh, layers, stages)
+        if not meshes:
+            self.pipe_memos[_NONE] = (
+                f"no pipe degree of 2 or more divides both the mesh's data axis "
+                f"({axis_sizes(self.mesh)}) and the {layers} layers"
+            )
+        for mesh in meshes:
             for r in base:
                 out += self.pipelined_on(mesh, where, r, fixed_pipe, extra)
         refused = self.pipe_memos.get(_REFUSED, {})
@@ -367,8 +379,21 @@ class PipelinePlanning:
         return bool(problem)
 
     def refused_notes(self) -> list[PlanNote]:
-        """A ``dropped`` note for the pipelined candidates auto left out because
-        their step would be refused (:meth:`refused`)."""
+        """``dropped`` notes: auto was asked for pipelines and costed none (the
+        model has no layer stack, no pipe degree divides the mesh and the layers),
+        or left pipelined candidates out because their step would be refused
+        (:meth:`refused`)."""
+        none = self.pipe_memos.get(_NONE)
+        if none is not None:
+            return [
+                PlanNote(
+                    "dropped",
+                    f"pipeline='auto' costed no pipelined plan: {none}; the plan is flat.",
+                    "scan the layers over stacked parameters (nnx.scan, flax.linen.scan, "
+                    "jax.lax.scan; scan_layers=True in the reference models), or plan "
+                    "without pipeline=",
+                )
+            ]
         refused = self.pipe_memos.get(_REFUSED, {})
         if not refused:
             return []

@@ -146,7 +146,26 @@ def test_bad_pipeline_requests(tiny) -> None:
     looped = describe(get_model("llama"), config="tiny", batch_size=16)
     with pytest.raises(PipelineError, match="stacked in one scan"):
         _plan(looped, pipeline=Pipeline(2, 2, "1f1b"))
-    assert _plan(looped, pipeline="auto").pipeline is None  # nothing to pipeline
+    flat = _plan(looped, pipeline="auto")  # nothing to pipeline: flat, and said so
+    assert flat.pipeline is None
+    assert [n for n in flat.notes if n.kind == "dropped" and "no layer stack" in n.message]
+
+
+def test_a_batch_norm_cnn_asked_for_pipelines() -> None:
+    """The zoo's linen ResNet (BatchNorm, no layer stack): a pipelined preset is the
+    typed error at sk.plan; auto with pipeline='auto' returns a flat plan and a
+    note that says why none was costed."""
+    from tests.zoo.models import ZOO
+
+    case = ZOO["resnet"]
+    info = describe(case.model(), loss=case.loss, batch=case.batch(), init_args=case.init_args())
+    kw = {"estimator": "analytic", "recipe": sk.Recipe()}
+    with pytest.raises(PipelineError, match="stack and scan the layers"):
+        plan(info, sk.abstract_mesh(pipe=2, data=4), "fsdp", pipeline=Pipeline(2, 2), **kw)
+    p = plan(info, sk.abstract_mesh(data=8), "auto", pipeline="auto", **kw)
+    assert p.pipeline is None and "pipe" not in p.mesh.axis_names
+    (note,) = [n for n in p.notes if "pipeline='auto' costed no pipelined plan" in n.message]
+    assert note.kind == "dropped" and "ResNet has no layer stack" in note.message
 
 
 @pytest.mark.slow
