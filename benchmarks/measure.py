@@ -45,7 +45,8 @@ allocates there), ``predicted_peak_bytes`` its point nearest the compiled peak, 
 otherwise). A case that fails records ``"error"`` instead of the figures.
 
 Run: ``python benchmarks/measure.py [--quick] [--models gpt,llama]
-[--strategies dp,fsdp,megatron,auto] [--steps N] [--batch gpt=16,llama=2] [--out PATH]``
+[--strategies dp,fsdp,megatron,auto] [--steps N] [--batch gpt=16,llama=2]
+[--remat POLICY] [--out PATH]``
 (``--quick``: tiny GPT only, 3 timed steps; a smoke run of the slow test step).
 """
 
@@ -95,6 +96,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per case")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     ap.add_argument("--out", default=str(RESULTS / "measure.json"), help="JSON path")
+    ap.add_argument("--remat", default="none", help="recompute policy on an accelerator")
     ap.add_argument(
         "--batch",
         default="",
@@ -196,10 +198,16 @@ def _setup(
     return sk.describe(spec, config=cfg, batch=batch), batch
 
 
+#: Recompute policy of the accelerator's recipe (``--remat``).
+REMAT = {"policy": "none"}
+
+
 def _recipe(platform: str) -> Any:
     """The plain step on CPU; bf16 compute (fp32 master weights) on an accelerator,
-    as training runs there."""
-    return sk.Recipe() if platform == "cpu" else sk.Recipe(compute_dtype="bfloat16")
+    as training runs there, with ``--remat``'s policy."""
+    if platform == "cpu":
+        return sk.Recipe()
+    return sk.Recipe(compute_dtype="bfloat16", remat=REMAT["policy"])
 
 
 def _plan(info: Any, mesh: Any, strategy: str, topo: Topology, opt: Any) -> Any:
@@ -329,6 +337,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the cases, print the table, write the JSON; 1 if a case failed."""
     args = _parse(argv)
+    REMAT["policy"] = args.remat
     models = ["gpt"] if args.quick else args.models.split(",")
     strategies = args.strategies.split(",")
     args.steps = args.steps or (3 if args.quick else 10)
