@@ -28,10 +28,6 @@ from spmdkit.util import path_str
 
 __all__ = ["init_sharded", "shard"]
 
-#: XLA options for compiling initialisers (which take no arguments): no constant
-#: folding, so the random draws run on the devices rather than in the compiler.
-INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "constant_folding"}
-
 
 def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> PyTree:
     """Initialise a model's params directly into the plan's shardings.
@@ -73,12 +69,7 @@ def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> P
         plan.param_shardings(info.abstract_params),
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    # The initialisers take no arguments, so every value in them is a constant to
-    # XLA: XLA:GPU's constant folding then evaluates the random number generator
-    # over whole weight matrices on the host while compiling (minutes at real sizes,
-    # jax-ml/jax#10596). The initialisers run on the devices instead.
-    lowered = jax.jit(info.init_fn, out_shardings=shardings).lower()
-    return lowered.compile(INIT_COMPILER_OPTIONS)()
+    return jax.jit(info.init_fn, out_shardings=shardings)()
 
 
 def shard(

@@ -65,28 +65,3 @@ def test_shard_decorator_creates_sharded_instances():
 def test_shard_needs_mesh_for_rules():
     with pytest.raises(ModelError, match="mesh"):
         shard("fsdp")
-
-
-def test_init_sharded_compiles_without_constant_folding(monkeypatch):
-    """The initialisers take no arguments: init_sharded compiles them with XLA's
-    constant folding off, so XLA:GPU does not draw the random weights in the compiler
-    (on an H200, jax 0.11.2, Llama 3 8B's embedding and two layers did not compile
-    in 300 s with it on)."""
-    import jax.stages
-
-    from spmdkit.compile import annotate
-
-    seen = []
-    compile_ = jax.stages.Lowered.compile
-
-    def spy(self, compiler_options=None, **kw):
-        seen.append(compiler_options)
-        return compile_(self, compiler_options, **kw)
-
-    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
-    info = sk.describe(sk.models.get_model("gpt"), config="tiny")
-    plan = sk.plan(info, sk.make_mesh(data=2, model=4), "fsdp")
-    params = annotate.init_sharded(info, plan)
-    assert seen == [annotate.INIT_COMPILER_OPTIONS]
-    assert "constant_folding" in annotate.INIT_COMPILER_OPTIONS["xla_disable_hlo_passes"]
-    assert jax.tree.leaves(params)[0].sharding.mesh.shape == {"data": 2, "model": 4}
