@@ -528,6 +528,103 @@ def sec_measure(results: Path, out: Path) -> str:
     )
 
 
+def sec_measure_gpu(results: Path, out: Path) -> str:
+    """measure.py on a lent GPU (``measure_gpu.json``): the device named, each case's
+    recipe and batch, predicted beside measured."""
+    d = _load(results, "measure_gpu.json")
+    if d is None:
+        return "_Not run: no GPU has produced measure_gpu.json._"
+    rows = [
+        [
+            f"{c['model']} {c['config']}",
+            c["recipe"],
+            c["batch"],
+            f"{c['predicted_step_s'] * 1e3:.1f}",
+            f"{c['measured_step_s'] * 1e3:.1f} "
+            f"({c['measured_step_s_p25'] * 1e3:.1f}-{c['measured_step_s_p75'] * 1e3:.1f})",
+            f"{c['step_ratio']:.2f}",
+            f"{c['planned_peak_bytes'] / 2**30:.1f}",
+            f"{c['predicted_peak_bytes'] / 2**30:.1f}",
+            f"{c['compiled_peak_bytes'] / 2**30:.1f}",
+            "ok" if c["verify_ok"] else "off",
+        ]
+        for c in d["cases"]
+        if "error" not in c
+    ]
+    return "\n".join(
+        [
+            f"_Ran on: {d['device_kind']} x{d['devices']} ({d['platform']}), jax {d['jax']}, "
+            f"{', '.join(r['date'] for r in d.get('runs', [{'date': d['date']}]))}._",
+            "",
+            f"One device; predicted with the {d['topology']['name']} topology "
+            f"({d['topology']['source']}): an H200 has an H100's compute and 4.8 TB/s of "
+            "HBM against 3.35, so memory-bound work runs faster here than priced. Step: "
+            "median of the timed steps (p25-p75); memory in GiB per device: the plan's "
+            "peak, verify's point for the compiling platform, and `memory_analysis()`.",
+            "",
+            _table(
+                [
+                    "model",
+                    "recipe",
+                    "batch",
+                    "predicted ms",
+                    "measured ms",
+                    "ratio",
+                    "planned GiB",
+                    "verify GiB",
+                    "compiled GiB",
+                    "verify",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
+def sec_kernels_gpu(results: Path, out: Path) -> str:
+    """kernels.py on a lent GPU (``kernels_gpu.json``): each kernel's price beside its
+    timing."""
+    d = _load(results, "kernels_gpu.json")
+    if d is None:
+        return "_Not run: no GPU has produced kernels_gpu.json._"
+    rows = [
+        [
+            c["kind"],
+            c["label"],
+            f"{c['predicted_s'] * 1e3:.3f}",
+            f"{c['measured_s'] * 1e3:.3f}",
+            f"{c['ratio']:.2f}",
+            f"{c['efficiency_predicted']:.3f}",
+            f"{c['efficiency_measured']:.3f}",
+        ]
+        for c in d["cases"]
+        if "error" not in c
+    ]
+    return "\n".join(
+        [
+            f"_Ran on: {d['device_kind']} ({d['platform']}), jax {d['jax']}, {d['date']}._",
+            "",
+            f"Each kernel alone, priced with the {d['topology']} topology: GEMMs by "
+            "`Topology.matmul_time`, the elementwise pass by `memory_time`, causal attention "
+            "(forward + backward, cuDNN) by its FLOPs over the peak x `attention_efficiency`. "
+            "Efficiency: FLOP/s over the bf16 peak, or bytes/s over `hbm_bandwidth`.",
+            "",
+            _table(
+                [
+                    "kind",
+                    "case",
+                    "predicted ms",
+                    "measured ms",
+                    "ratio",
+                    "eff. priced",
+                    "eff. measured",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 def sec_prediction(results: Path, out: Path) -> str:
     d = _load(results, "prediction.json")
     if d is None:
@@ -824,6 +921,8 @@ SECTIONS = [
     ("Plan quality: auto vs presets", "quality"),
     ("Prediction accuracy: predicted vs compiled", "prediction"),
     ("Measured beside predicted: step time and peak memory", "measure"),
+    ("Measured on a GPU: step time and peak memory", "measure_gpu"),
+    ("Kernels on a GPU: prices beside timings", "kernels_gpu"),
     ("Checkpoint throughput vs raw orbax and the disk", "checkpoint"),
     ("Runtime overhead: sk.jit vs jax.jit", "overhead"),
 ]
@@ -843,6 +942,8 @@ def write_report(
         "quality": sec_quality,
         "prediction": sec_prediction,
         "measure": sec_measure,
+        "measure_gpu": sec_measure_gpu,
+        "kernels_gpu": sec_kernels_gpu,
         "checkpoint": sec_checkpoint,
     }
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
