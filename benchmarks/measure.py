@@ -2,11 +2,13 @@
 
 For each reference model (``spmdkit.models.get_model``) and strategy (dp, fsdp,
 megatron, auto) on a ``data x model`` mesh of the devices present: plan the step
-(adam, the plain recipe), compile it with ``sk.jit(sk.train_step(...), plan)``, run
-warm-up steps, then time ``--steps`` steps by wall clock (each ended with
-``jax.block_until_ready``), and print the plan's predicted step time and peak memory
-beside the measured median step and the compiled peak (``memory_analysis()``:
-arguments + outputs - aliased + temporaries, per device). ``plan.verify`` on the
+(adam, the plain recipe), compile it with ``sk.jit(sk.train_step(...), plan,
+donate_state=True)`` (the step ``sk.train`` runs: parameters and optimizer state are
+updated in their own buffers, as the plan's peak assumes), run warm-up steps, then
+time ``--steps`` steps by wall clock (each ended with ``jax.block_until_ready``),
+and print the plan's predicted step time and peak memory beside the measured median
+step and the compiled peak (``memory_analysis()``: arguments + outputs - aliased +
+temporaries, per device). ``plan.verify`` on the
 same executable adds the collective bytes and verify's verdict.
 
 What the prediction is for:
@@ -32,17 +34,20 @@ Saved as JSON (``benchmarks/results/measure.json``, or ``--out``)::
      "cases": [{"model", "config", "strategy", "recipe", "chosen", "mesh", "batch",
                 "steps", "predicted_step_s", "measured_step_s",
                 "measured_step_s_p25", "measured_step_s_p75", "step_ratio",
-                "planned_peak_bytes", "predicted_peak_bytes", "predicted_peak_low",
-                "predicted_peak_high",
-                "compiled_peak_bytes", "memory_ratio", "collective_bytes":
+                "planned_peak_bytes", "planned_ratio", "predicted_peak_bytes",
+                "predicted_peak_low", "predicted_peak_high",
+                "compiled_peak_bytes", "memory_ratio", "compiled_memory": {"arguments",
+                "outputs", "aliased", "temporaries"}, "collective_bytes":
                 {kind: {"predicted", "compiled"}}, "verify_ok", "compile_s"}]}
 
 ``step_ratio`` is predicted / measured. ``planned_peak_bytes`` is the plan's
 ``cost.peak_bytes`` (for the planned device); ``predicted_peak_low``/``high`` is
 ``plan.verify``'s range for the platform that compiled (on CPU it adds what XLA:CPU
 allocates there), ``predicted_peak_bytes`` its point nearest the compiled peak, and
-``memory_ratio`` that point / compiled. ``chosen`` is what auto picked (the preset's name
-otherwise). A case that fails records ``"error"`` instead of the figures.
+``memory_ratio`` that point / compiled; ``planned_ratio`` is ``planned_peak_bytes`` /
+compiled, and ``compiled_memory`` ``memory_analysis()``'s parts (per device).
+``chosen`` is what auto picked (the preset's name otherwise). A case that fails
+records ``"error"`` instead of the figures.
 
 Run: ``python benchmarks/measure.py [--quick] [--models gpt,llama]
 [--strategies dp,fsdp,megatron,auto] [--steps N] [--batch gpt=16,llama=2]
@@ -252,9 +257,12 @@ def measure_case(
     opt_state = jax.jit(opt.init, out_shardings=p.opt_shardings(jax.eval_shape(opt.init, params)))(
         params
     )
-    step = sk.jit(sk.train_step(info, opt, p), p)
+    # the state donated, as sk.train runs it: the plan's peak reuses the parameters'
+    # and optimizer state's buffers for their updates (cost.memory's outputs are
+    # the loss alone), so an undonated step would hold both copies beside it
+    step = sk.jit(sk.train_step(info, opt, p), p, donate_state=True)
     t0 = time.perf_counter()
-    step.compile(params, opt_state, batch)
+    mem = step.compile(params, opt_state, batch).memory_analysis()
     compile_s = time.perf_counter() - t0
     report = p.verify(step, params, opt_state, batch)
     carried = [params, opt_state]
@@ -286,11 +294,18 @@ def measure_case(
         "measured_step_s_p75": _pct(times, 0.75),
         "step_ratio": p.cost.step_time_s / measured,
         "planned_peak_bytes": int(p.cost.peak_bytes),
+        "planned_ratio": p.cost.peak_bytes / compiled_peak,
         "predicted_peak_bytes": rows["peak memory"][0],
         "predicted_peak_low": int(low),
         "predicted_peak_high": int(high),
         "compiled_peak_bytes": compiled_peak,
         "memory_ratio": rows["peak memory"][0] / compiled_peak,
+        "compiled_memory": {
+            "arguments": int(mem.argument_size_in_bytes),
+            "outputs": int(mem.output_size_in_bytes),
+            "aliased": int(mem.alias_size_in_bytes),
+            "temporaries": int(mem.temp_size_in_bytes),
+        },
         "collective_bytes": {
             what: {"predicted": pred, "compiled": comp}
             for what, (pred, comp) in rows.items()
@@ -315,8 +330,8 @@ def table(result: dict) -> str:
     )
     cols = (
         f"{'model':<8}{'config':<8}{'strategy':<10}{'chosen':<12}{'mesh':<6}{'batch':>6}"
-        f"{'pred ms':>10}{'meas ms':>10}{'ratio':>7}{'pred MiB':>10}{'comp MiB':>10}"
-        f"{'ratio':>7}  verify"
+        f"{'pred ms':>10}{'meas ms':>10}{'ratio':>7}{'plan MiB':>10}{'pred MiB':>10}"
+        f"{'comp MiB':>10}{'ratio':>7}  verify"
     )
     lines = [head, cols]
     for c in result["cases"]:
@@ -327,7 +342,8 @@ def table(result: dict) -> str:
         lines.append(
             f"{who}{str(c['chosen'])[:11]:<12}{c['mesh']:<6}{c['batch']:>6}"
             f"{_ms(c['predicted_step_s']):>10}{_ms(c['measured_step_s']):>10}"
-            f"{c['step_ratio']:7.2f}{c['predicted_peak_bytes'] / 2**20:10.2f}"
+            f"{c['step_ratio']:7.2f}{c['planned_peak_bytes'] / 2**20:10.2f}"
+            f"{c['predicted_peak_bytes'] / 2**20:10.2f}"
             f"{c['compiled_peak_bytes'] / 2**20:10.2f}{c['memory_ratio']:7.2f}  "
             + ("ok" if c["verify_ok"] else "MISMATCH")
         )

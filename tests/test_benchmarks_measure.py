@@ -16,8 +16,9 @@ TOP = {"benchmark", "date", "jax", "platform", "device_kind", "devices", "cpu_co
 CASE = {
     "model", "config", "strategy", "recipe", "chosen", "mesh", "batch", "steps", "predicted_step_s",
     "measured_step_s", "measured_step_s_p25", "measured_step_s_p75", "step_ratio",
-    "planned_peak_bytes", "predicted_peak_bytes", "predicted_peak_low", "predicted_peak_high",
-    "compiled_peak_bytes", "memory_ratio", "collective_bytes", "verify_ok", "compile_s",
+    "planned_peak_bytes", "planned_ratio", "predicted_peak_bytes", "predicted_peak_low",
+    "predicted_peak_high", "compiled_peak_bytes", "memory_ratio", "compiled_memory",
+    "collective_bytes", "verify_ok", "compile_s",
 }  # fmt: skip
 
 
@@ -47,6 +48,16 @@ def test_quick_run_writes_the_documented_schema(bench, tmp_path, capsys):
         assert c["memory_ratio"] == pytest.approx(
             c["predicted_peak_bytes"] / c["compiled_peak_bytes"]
         )
+        assert c["planned_ratio"] == pytest.approx(
+            c["planned_peak_bytes"] / c["compiled_peak_bytes"]
+        )
+        parts = c["compiled_memory"]
+        assert set(parts) == {"arguments", "outputs", "aliased", "temporaries"}
+        assert c["compiled_peak_bytes"] == (
+            parts["arguments"] + parts["outputs"] - parts["aliased"] + parts["temporaries"]
+        )
+        # the state is donated (as sk.fit trains): its updates reuse its buffers
+        assert parts["aliased"] > 0.9 * parts["outputs"] > 0
         low, high = c["predicted_peak_low"], c["predicted_peak_high"]
         assert 0 < low <= c["predicted_peak_bytes"] <= high
         if c["strategy"] != "auto":  # the presets verify (tests/compile/test_function.py)
