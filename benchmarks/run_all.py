@@ -528,6 +528,20 @@ def sec_measure(results: Path, out: Path) -> str:
     )
 
 
+def _undonated_note(cases: list[dict]) -> str:
+    """What a run recorded before measure.py donated the state (its cases have no
+    ``compiled_memory``) compared; empty for a donated run."""
+    if all("compiled_memory" in c for c in cases if "error" not in c):
+        return ""
+    return (
+        " These cases compiled the step undonated (measure.py before it donated the "
+        "state): the compiled peak and verify's point (the propagation of that step) "
+        "hold the updated parameters and optimizer state beside the state, while the "
+        "plan's peak is for the donated step `sk.train` runs; planned and compiled "
+        "compare only on a donated run."
+    )
+
+
 def sec_measure_gpu(results: Path, out: Path) -> str:
     """measure.py on a lent GPU (``measure_gpu.json``): the device named, each case's
     recipe and batch, predicted beside measured."""
@@ -560,7 +574,8 @@ def sec_measure_gpu(results: Path, out: Path) -> str:
             f"({d['topology']['source']}): an H200 has an H100's compute and 4.8 TB/s of "
             "HBM against 3.35, so memory-bound work runs faster here than priced. Step: "
             "median of the timed steps (p25-p75); memory in GiB per device: the plan's "
-            "peak, verify's point for the compiling platform, and `memory_analysis()`.",
+            "peak, verify's point for the compiling platform, and `memory_analysis()`."
+            + _undonated_note(d["cases"]),
             "",
             _table(
                 [
