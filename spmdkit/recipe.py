@@ -27,6 +27,10 @@ uses memory and time around it, as the published large-model recipes do
   step, so matmuls and activations run in bf16 while parameters, gradients and
   optimizer state stay fp32 (torchtitan's ``MixedPrecisionPolicy``, MaxText's
   ``weight_dtype`` vs ``dtype``).
+- ``master_weights``: where the fp32 master copy lives: ``"params"`` (the
+  parameters are it) or ``"optimizer"`` (parameters stored in bf16, the master
+  in the optimizer state, sharded with it: Megatron's distributed optimizer;
+  :mod:`spmdkit.master`).
 - ``microbatches``: gradient accumulation: the batch is split along its batch
   dim into this many micro-batches, run one after another, gradients summed;
   activation memory is that of one micro-batch.
@@ -89,6 +93,8 @@ from spmdkit.batch import as_traced, as_tree, microbatches
 from spmdkit.errors import RecipeError
 from spmdkit.fp8 import FP8_EXCLUDE, HISTORY, SCALINGS, check_exclude, fp8_loss, fp8_state
 from spmdkit.loss import Loss, as_loss
+from spmdkit.master import check_master_weights, check_stored, master_update
+from spmdkit.offload import check_offload, host_memory_kinds, to_memory
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.split import CALLS
@@ -158,6 +164,9 @@ class Recipe:
       fp8_exclude: under ``compute_dtype="float8"``, the weight matmuls kept in
         bfloat16 (``spmdkit.fp8.EXCLUDABLE``): by default the LM head
         (``spmdkit.fp8.lm_heads``), as published recipes do; ``()``: none.
+      master_weights: ``"params"`` (fp32 parameters are the master) or
+        ``"optimizer"`` (parameters in bf16, the fp32 master in the optimizer
+        state: :mod:`spmdkit.master`).
 
     Example::
 
@@ -174,6 +183,7 @@ class Recipe:
     microbatches: int = 1
     offload_opt: bool = False
     fp8_exclude: tuple[str, ...] = FP8_EXCLUDE
+    master_weights: str = "params"
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
@@ -252,6 +262,7 @@ class Recipe:
                 fix="pass microbatches=1 (no accumulation) or more",
             )
         object.__setattr__(self, "offload_opt", bool(self.offload_opt))
+        check_master_weights(self.master_weights, self.compute_dtype)
 
     @property
     def saved_names(self) -> tuple[str, ...]:
@@ -297,6 +308,8 @@ class Recipe:
                 parts[-1] += "(delayed)"
             if self.compute_dtype == "float8" and not self.fp8_exclude:
                 parts[-1] += "(lm_head too)"
+            if self.master_weights == "optimizer":
+                parts.append("master→opt")
         if self.microbatches > 1:
             parts.append(f"microbatches={self.microbatches}")
         if self.offload_opt:
@@ -318,6 +331,7 @@ class Recipe:
             "microbatches": self.microbatches,
             "offload_opt": self.offload_opt,
             "fp8_exclude": list(self.fp8_exclude),
+            "master_weights": self.master_weights,
         }
 
     @classmethod
@@ -335,6 +349,7 @@ class Recipe:
             microbatches=int(d.get("microbatches", 1)),
             offload_opt=bool(d.get("offload_opt", False)),
             fp8_exclude=tuple(d.get("fp8_exclude", FP8_EXCLUDE)),
+            master_weights=d.get("master_weights", "params"),
         )
 
 
@@ -861,56 +876,6 @@ def _accumulate(
     return out, _constrain(grads, specs)
 
 
-def host_memory_kinds(device: Any = None) -> frozenset[str]:
-    """The memory kinds a device exposes (``device``, ``pinned_host``, ...).
-
-    Example::
-
-        >>> "pinned_host" in host_memory_kinds()
-        True
-    """
-    device = device if device is not None else jax.devices()[0]
-    try:
-        return frozenset(m.kind for m in device.addressable_memories())
-    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
-        return frozenset()
-
-
-def check_offload(recipe: Recipe, device: Any = None) -> None:
-    """Raise when the recipe offloads optimizer state or saved activations and
-    the backend cannot.
-
-    Raises:
-      RecipeError: ``offload_opt`` or ``remat_offload`` on a backend whose
-        devices have no ``pinned_host`` memory kind.
-    """
-    for lever, on in (("offload_opt", recipe.offload_opt), ("remat_offload", recipe.remat_offload)):
-        if not on:
-            continue
-        kinds = host_memory_kinds(device)
-        if "pinned_host" not in kinds:
-            dev = device if device is not None else jax.devices()[0]
-            raise RecipeError(
-                op=lever,
-                must="the devices expose a 'pinned_host' memory kind (JAX memory kinds)",
-                given=f"{getattr(dev, 'platform', dev)} device with memory kinds {sorted(kinds)}",
-                fix=f"use {lever}=False on this backend (or a backend with host memory "
-                "spaces: GPU, TPU, CPU)",
-            )
-
-
-def to_memory(tree: Any, space: Any) -> Any:
-    """Every array leaf of ``tree`` moved to a memory space inside a jitted step
-    (``jax.memory.Space.Device`` / ``Host``), its sharding kept: how an offloaded
-    optimizer state reaches the device for the update and goes back.
-
-    Example::
-
-        >>> opt_state = to_memory(opt_state, jax.memory.Space.Device)
-    """
-    return jax.tree.map(lambda x: jax.device_put(x, space) if hasattr(x, "shape") else x, tree)
-
-
 def train_step(
     loss_fn: Callable[..., Any] | Loss,
     optimizer: Any,
@@ -974,14 +939,18 @@ def train_step(
     def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
         if rcp.offload_opt:
             opt_state = to_memory(opt_state, jax.memory.Space.Device)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        if rcp.master_weights == "optimizer":  # fp32 master updated, then cast down
+            params, opt_state = master_update(optimizer, grads, opt_state, params)
+        else:
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
         if rcp.offload_opt:
             opt_state = to_memory(opt_state, jax.memory.Space.Host)
-        params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
         return params, opt_state
 
     def step(params: Any, opt_state: Any, batch: Any, *rest: Any) -> tuple[Any, Any, Any]:
         loss.check_key(rest, op="sk.train_step", call=call)
+        check_stored(params, rcp, op="sk.train_step")
         value, grads = grad_fn(params, batch, *rest)
         params, opt_state = update(params, opt_state, grads)
         return params, opt_state, value
@@ -990,6 +959,7 @@ def train_step(
         params: Any, opt_state: Any, state: Any, batch: Any, *rest: Any
     ) -> tuple[Any, Any, Any, Any]:
         loss.check_key(rest, op="sk.train_step", call=call)
+        check_stored(params, rcp, op="sk.train_step")
         (value, state), grads = grad_fn(params, batch, state, *rest)
         params, opt_state = update(params, opt_state, grads)
         return params, opt_state, state, value

@@ -345,7 +345,11 @@ def test_train_step_with_offloaded_optimizer_state_on_cpu():
 
 def test_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
     rc.check_offload(Recipe(offload_opt=True))  # CPU here: pinned_host exists
-    monkeypatch.setattr(rc, "host_memory_kinds", lambda device=None: frozenset({"device"}))
+    import spmdkit.offload
+
+    monkeypatch.setattr(
+        spmdkit.offload, "host_memory_kinds", lambda device=None: frozenset({"device"})
+    )
     with pytest.raises(RecipeError, match="pinned_host"):
         rc.check_offload(Recipe(offload_opt=True))
     rc.check_offload(Recipe())  # nothing offloaded, nothing checked
@@ -354,7 +358,11 @@ def test_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
 def test_remat_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
     recipe = Recipe(remat="save_qkv_proj", remat_offload=True)
     rc.check_offload(recipe)  # CPU here: pinned_host exists
-    monkeypatch.setattr(rc, "host_memory_kinds", lambda device=None: frozenset({"device"}))
+    import spmdkit.offload
+
+    monkeypatch.setattr(
+        spmdkit.offload, "host_memory_kinds", lambda device=None: frozenset({"device"})
+    )
     with pytest.raises(RecipeError, match=r"remat_offload.*pinned_host"):
         sk.value_and_grad(tagged_loss, recipe)(init(), batch())
 

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelError, describe, variable_names, variable_value
+from spmdkit.master import stored_dtype, stored_params
 from spmdkit.planner.logical import LogicalRules, RulesLike, preset_rules
 from spmdkit.planner.plans import Plan, PyTree
 from spmdkit.util import path_str
@@ -45,7 +46,9 @@ def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> P
       **describe_kwargs: passed to :func:`~spmdkit.flax.model` when a model is given.
 
     Returns:
-      The params pytree (NNX ``State`` or linen dict) of sharded ``jax.Array``.
+      The params pytree (NNX ``State`` or linen dict) of sharded ``jax.Array``;
+      floating leaves in bf16 when the plan's recipe keeps the fp32 master in the
+      optimizer state (``master_weights="optimizer"``, :mod:`spmdkit.master`).
 
     Example::
 
@@ -69,7 +72,11 @@ def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> P
         plan.param_shardings(info.abstract_params),
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    return jax.jit(info.init_fn, out_shardings=shardings)()
+    recipe = getattr(plan, "recipe", None)
+    if stored_dtype(recipe) is None:
+        return jax.jit(info.init_fn, out_shardings=shardings)()
+    # bf16 parameters (the fp32 master is made from them: spmdkit.master.opt_init)
+    return jax.jit(lambda: stored_params(info.init_fn(), recipe), out_shardings=shardings)()
 
 
 def shard(

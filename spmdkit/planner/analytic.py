@@ -46,6 +46,9 @@ The recipe (:class:`~spmdkit.recipe.Recipe`) changes these terms:
   as :mod:`spmdkit.planner.float8` prices it (LM head in bf16, quantization);
 - ``microbatches``: activations of one micro-batch; FSDP gathers and
   reduce-scatters once per micro-batch; the gradient all-reduce once;
+- ``master_weights="optimizer"``: each floating group stored in bf16 (params,
+  gradients, their collectives) with its fp32 master added to its optimizer
+  state, sharded with it (:func:`stored_group`); no compute copy;
 - ``offload_opt``: optimizer state lives on the host and crosses the host link
   twice per step (exposed); on the device it is live only during the update,
   after the activations are freed.
@@ -60,13 +63,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
+from spmdkit.master import master_bytes, stored_dtype
 from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner.context import stage_context_attention
 from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
@@ -87,6 +91,7 @@ __all__ = [
     "param_flops",
     "param_groups",
     "remat_choices",
+    "stored_group",
     "tensor_parallel_bytes",
     "total_cost",
 ]
@@ -298,6 +303,8 @@ class ParamGroup:
       paths: the member params' paths.
       shape, dtype, logical, pinned: as in :class:`~spmdkit.flax.ParamInfo`.
       opt_bytes: optimizer-state bytes of one member.
+      master: of :attr:`opt_bytes`, the fp32 master copy's (a group as a step with
+        ``master_weights="optimizer"`` stores it: :func:`stored_group`).
     """
 
     key: str
@@ -307,6 +314,7 @@ class ParamGroup:
     logical: tuple[str | None, ...] | None
     pinned: P | None
     opt_bytes: int
+    master: int = 0
 
     @property
     def count(self) -> int:
@@ -317,6 +325,17 @@ class ParamGroup:
     def nbytes(self) -> int:
         """Global bytes of one member."""
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def stored_group(recipe: Recipe, g: ParamGroup) -> ParamGroup:
+    """``g`` as the recipe's step stores it: under ``master_weights="optimizer"``
+    a floating group in bf16 (:func:`spmdkit.master.stored_dtype`) with its fp32
+    master in the optimizer state (sharded with it); else ``g``. Idempotent."""
+    dtype = stored_dtype(recipe)
+    if dtype is None or g.master or not np.issubdtype(np.dtype(g.dtype), np.floating):
+        return g
+    extra = master_bytes(g.shape, g.dtype)
+    return replace(g, dtype=dtype, opt_bytes=g.opt_bytes + extra, master=extra)
 
 
 class GroupLayout(NamedTuple):
@@ -704,12 +723,13 @@ def group_cost(
     ``batch_axes`` and the sequence over ``seq_axes`` under ``ctx.recipe``
     (module docstring); memoized in ``ctx``."""
     recipe = ctx.recipe
+    g = stored_group(recipe, g)
     # The remat policy changes a group's cost only by whether the forward (and
     # its tensor-parallel all-reduces) reruns: recipes that differ only
     # otherwise share the entry.
     rerun = recipe.remat in ("full", "names")
     levers = (
-        (recipe.compute_dtype, recipe.fp8_scaling, recipe.fp8_exclude),
+        (recipe.compute_dtype, recipe.fp8_scaling, recipe.fp8_exclude, recipe.master_weights),
         recipe.microbatches,
         recipe.offload_opt,
         ctx.gather_once,
@@ -753,7 +773,8 @@ def group_cost(
         tp_weight=flops * (1 - 1 / n_tp),
         hidden_s=hidden_s,
         layer_compute_s=compute_s if g.count > 1 or "layers" in logical else 0.0,
-        cast=sp.local * g.count * cast_ratio(ctx, g) if recipe.compute_dtype else 0.0,
+        # the compute-dtype copy (none where the stored params are in that dtype)
+        cast=sp.local * g.count * cast_ratio(ctx, g) if cast_ratio(ctx, g) != 1.0 else 0.0,
         gathered=(
             ((n_fsdp - 1) * cast_ratio(ctx, g) + n_fsdp * ctx.accumulator_ratio(g.dtype) - 1)
             * sp.local

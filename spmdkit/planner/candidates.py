@@ -40,7 +40,7 @@ from spmdkit.planner.logical import (
     preset_rules,
 )
 from spmdkit.planner.plans import Cost, Dims, Plan, spec_dims
-from spmdkit.planner.trace import train_step
+from spmdkit.planner.trace import step_arguments, train_step
 from spmdkit.propagation import propagate
 from spmdkit.propagation.graph import trace_with_tree
 from spmdkit.recipe import PLAIN, Recipe
@@ -117,12 +117,16 @@ def _fp8_state(info: ModelInfo, exclude: tuple[str, ...]) -> dict:
     )
 
 
-def _carried(info: ModelInfo, candidate: Plan, trace: StepTrace) -> tuple[tuple, tuple, tuple]:
+def _carried(
+    info: ModelInfo, candidate: Plan, optimizer: GradientTransformation | None
+) -> tuple[tuple, tuple, tuple]:
     """The step's carried arguments before the batch: ``(specs, abstract values,
-    roles)`` of the params, the optimizer state, and the model's state (batch
-    statistics) or delayed float8 scaling's amax histories (replicated)."""
-    carried = (candidate.param_specs(info.abstract_params), candidate.opt_specs(trace.abstract_opt))
-    args = (info.abstract_params, trace.abstract_opt)
+    roles)`` of the params, the optimizer state (bf16 params and their fp32
+    master in it under ``master_weights="optimizer"``), and the model's state
+    (batch statistics) or delayed float8 scaling's amax histories (replicated)."""
+    params, opt = step_arguments(info, optimizer, candidate.recipe)
+    carried = (candidate.param_specs(params), candidate.opt_specs(opt))
+    args = (params, opt)
     roles: tuple[str, ...] = ("params", "opt_state")
     if info.has_state:  # the model's batch statistics: in and out of the step, no grads
         carried += (candidate.state_specs(info.abstract_state),)
@@ -147,7 +151,7 @@ def propagate_cost(
     (forward, backward, optimizer update; params and optimizer state donated),
     with its recipe applied; ``analytic`` is the same plan's analytic cost, whose
     compute time and overlappable share of communication it keeps."""
-    carried, args, roles = _carried(info, candidate, ctx.trace)
+    carried, args, roles = _carried(info, candidate, optimizer)
     in_specs = (*carried, candidate.batch_specs(info.batch))
     # The step hands back parameters, optimizer state (and model state) in the
     # layouts it took them in (the next step's inputs, and what sk.jit's

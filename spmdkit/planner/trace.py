@@ -24,6 +24,7 @@ from spmdkit import jaxprs
 from spmdkit.engine.region import FORWARD, REGIONS, forward_fn, grad_fn
 from spmdkit.flax.model import ModelInfo, unbound_axis_error
 from spmdkit.fp8 import lm_head_operands, lm_heads
+from spmdkit.master import opt_init, stored_dtype, stored_params
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.planner.analytic import (
     PolicyFacts,
@@ -420,6 +421,22 @@ def trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> Ste
     FLOPs, residual bytes, optimizer state. Once per model and optimizer
     (``ModelInfo.memo``)."""
     return info.memo(("planner.trace", id(optimizer)), lambda: _trace_step(info, optimizer))
+
+
+def step_arguments(
+    info: ModelInfo, optimizer: GradientTransformation | None, recipe: Recipe
+) -> tuple[PyTree, PyTree]:
+    """The abstract ``(params, opt_state)`` the recipe's step takes: the model's,
+    or under ``master_weights="optimizer"`` the params in bf16 and the optimizer
+    state with their fp32 master in it (:func:`spmdkit.master.opt_init`)."""
+    if stored_dtype(recipe) is None:
+        return info.abstract_params, trace_step(info, optimizer).abstract_opt
+
+    def make() -> tuple[PyTree, PyTree]:
+        params = stored_params(info.abstract_params, recipe)
+        return params, jax.eval_shape(opt_init(_optimizer(optimizer), recipe), params)
+
+    return info.memo(("planner.stored", id(optimizer), stored_dtype(recipe)), make)
 
 
 def train_step(

@@ -65,6 +65,7 @@ from spmdkit.errors import SpmdError
 from spmdkit.flax import ModelInfo, describe
 from spmdkit.flax.losses import STATE_FILTER
 from spmdkit.loss import is_key
+from spmdkit.master import opt_init, stored_dtype, stored_params
 from spmdkit.mesh import make_mesh
 from spmdkit.planner import Plan
 from spmdkit.planner import plan as make_plan
@@ -456,6 +457,20 @@ class _Layout:
     opt: Any
     abstract: tuple[Any, Any]
     model_state: Any = None
+    recipe: Recipe = dataclasses.field(default_factory=Recipe)
+
+    def stored(self, params: Any) -> Any:
+        """The model's parameters placed as the step takes them (in bf16 under
+        ``master_weights="optimizer"``: :func:`spmdkit.master.stored_params`)."""
+        if stored_dtype(self.recipe) is None:
+            return jax.device_put(params, self.params)
+        cast = functools.partial(stored_params, recipe=self.recipe)
+        return jax.jit(cast, out_shardings=self.params)(params)
+
+    def init_opt(self, optimizer: optax.GradientTransformation, params: Any) -> Any:
+        """The optimizer state of ``params`` at the plan's layout (the fp32 master
+        in it under ``master_weights="optimizer"``)."""
+        return jax.jit(opt_init(optimizer, self.recipe), out_shardings=self.opt)(params)
 
 
 def _layout(plan: Plan, parts: _Parts, optimizer: optax.GradientTransformation) -> _Layout:
@@ -464,7 +479,8 @@ def _layout(plan: Plan, parts: _Parts, optimizer: optax.GradientTransformation) 
     abstract_params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), parts.params
     )
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    abstract_params = stored_params(abstract_params, plan.recipe)
+    abstract_opt = jax.eval_shape(opt_init(optimizer, plan.recipe), abstract_params)
     state = None
     if parts.state is not None and plan.recipe.fp8_scaling == "delayed":
         replicated = NamedSharding(plan.sharding_mesh, PartitionSpec())
@@ -476,6 +492,7 @@ def _layout(plan: Plan, parts: _Parts, optimizer: optax.GradientTransformation) 
         plan.opt_shardings(abstract_opt),
         (abstract_params, abstract_opt),
         state,
+        plan.recipe,
     )
 
 
@@ -627,11 +644,8 @@ def _initial_state(
     optimizer state as ``restore_opt`` says). Otherwise the given values placed
     and the optimizer state initialised."""
     if ckpt is None:
-        params = jax.device_put(parts.params, layout.params)
-        state = {
-            "params": params,
-            "opt_state": jax.jit(optimizer.init, out_shardings=layout.opt)(params),
-        }
+        params = layout.stored(parts.params)
+        state = {"params": params, "opt_state": layout.init_opt(optimizer, params)}
         if parts.state is not None:
             state["model_state"] = jax.device_put(parts.state, layout.model_state)
         if key is not None:
@@ -654,7 +668,7 @@ def _initial_state(
     restored = ckpt.restore(target=target, items=items)
     state = dict(restored.state)
     if not restore_opt:  # the restored parameters go into a fresh optimizer state
-        state["opt_state"] = jax.jit(optimizer.init, out_shardings=layout.opt)(state["params"])
+        state["opt_state"] = layout.init_opt(optimizer, state["params"])
     return state, restored
 
 

@@ -75,6 +75,7 @@ from spmdkit.planner.analytic import (
     StepTrace,
     group_cost,
     param_flops,
+    stored_group,
     total_cost,
 )
 from spmdkit.planner.float8 import cast_ratio
@@ -497,6 +498,7 @@ def _stage_part(
     if hit is not None:
         return hit
     sctx = replace(ctx, recipe=recipe, trace=_stage_trace(ctx.trace, pipe.stages), gather_once=True)
+    groups = [stored_group(recipe, g) for g in groups]  # bf16 params, master in opt state
     p = pipe.stages
 
     def view(d: int) -> int:  # devices other than the two ends hold the same
