@@ -59,6 +59,8 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.kernels",
         "spmdkit.engine.factor",
         "spmdkit.recipe",
+        "spmdkit.master",
+        "spmdkit.offload",
         "spmdkit.pipeline",
         "spmdkit.versions",
         "spmdkit.jaxprs",

@@ -46,9 +46,7 @@ The recipe (:class:`~spmdkit.recipe.Recipe`) changes these terms:
   as :mod:`spmdkit.planner.float8` prices it (LM head in bf16, quantization);
 - ``microbatches``: activations of one micro-batch; FSDP gathers and
   reduce-scatters once per micro-batch; the gradient all-reduce once;
-- ``master_weights="optimizer"``: each floating group stored in bf16 (params,
-  gradients, their collectives) with its fp32 master added to its optimizer
-  state, sharded with it (:func:`stored_group`); no compute copy;
+- ``master_weights="optimizer"``: groups as :mod:`spmdkit.planner.stored` stores them;
 - ``offload_opt``: optimizer state lives on the host and crosses the host link
   twice per step (exposed); on the device it is live only during the update,
   after the activations are freed.
@@ -63,18 +61,18 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
-from spmdkit.master import master_bytes, stored_dtype
 from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner.context import stage_context_attention
 from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
 from spmdkit.planner.plans import Cost, Dims, PyTree
+from spmdkit.planner.stored import stored_group
 from spmdkit.recipe import NAMED_POLICIES, Recipe
 from spmdkit.spec import MeshLike
 from spmdkit.topology import Topology
@@ -91,7 +89,6 @@ __all__ = [
     "param_flops",
     "param_groups",
     "remat_choices",
-    "stored_group",
     "tensor_parallel_bytes",
     "total_cost",
 ]
@@ -303,8 +300,7 @@ class ParamGroup:
       paths: the member params' paths.
       shape, dtype, logical, pinned: as in :class:`~spmdkit.flax.ParamInfo`.
       opt_bytes: optimizer-state bytes of one member.
-      master: of :attr:`opt_bytes`, the fp32 master copy's (a group as a step with
-        ``master_weights="optimizer"`` stores it: :func:`stored_group`).
+      master: of :attr:`opt_bytes`, the fp32 master's (:mod:`spmdkit.planner.stored`).
     """
 
     key: str
@@ -325,17 +321,6 @@ class ParamGroup:
     def nbytes(self) -> int:
         """Global bytes of one member."""
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-
-def stored_group(recipe: Recipe, g: ParamGroup) -> ParamGroup:
-    """``g`` as the recipe's step stores it: under ``master_weights="optimizer"``
-    a floating group in bf16 (:func:`spmdkit.master.stored_dtype`) with its fp32
-    master in the optimizer state (sharded with it); else ``g``. Idempotent."""
-    dtype = stored_dtype(recipe)
-    if dtype is None or g.master or not np.issubdtype(np.dtype(g.dtype), np.floating):
-        return g
-    extra = master_bytes(g.shape, g.dtype)
-    return replace(g, dtype=dtype, opt_bytes=g.opt_bytes + extra, master=extra)
 
 
 class GroupLayout(NamedTuple):

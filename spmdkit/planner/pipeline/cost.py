@@ -75,11 +75,11 @@ from spmdkit.planner.analytic import (
     StepTrace,
     group_cost,
     param_flops,
-    stored_group,
     total_cost,
 )
 from spmdkit.planner.float8 import cast_ratio
 from spmdkit.planner.plans import Cost, PyTree
+from spmdkit.planner.stored import stored_group
 from spmdkit.recipe import Recipe
 from spmdkit.util import path_str
 
