@@ -203,12 +203,17 @@ class ManualAxes:
     def reduce(self, g: Any, split: BatchSplit, offset: int, extra: tuple[str, ...] = ()) -> Any:
         """A gradient summed over the batch axes (and ``extra``): reduce-scattered
         over the axes of ``split`` (its dims shifted by ``offset``), all-reduced
-        over the others."""
+        over the others. A narrower float (a bf16 parameter's gradient, under
+        ``master_weights="optimizer"``) is reduced in :func:`accumulator_dtype`, as
+        the planner prices it (and XLA:CPU cannot promote a bf16 all-reduce whose
+        reducer it has copied)."""
+        dtype = jnp.result_type(g)
+        g = g.astype(accumulator_dtype(dtype))
         for d, axes in split:
             g = jax.lax.psum_scatter(g, axes, scatter_dimension=d + offset, tiled=True)
         done = {a for _, axes in split for a in axes}
         rest = (*extra, *(a for a in self.data_axes if a not in done))
-        return jax.lax.psum(g, rest) if rest else g
+        return (jax.lax.psum(g, rest) if rest else g).astype(dtype)
 
 
 def split_to_spec(lead: tuple, split: BatchSplit, skip: int = 0) -> P:
