@@ -91,7 +91,12 @@ from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.ticks import explicit_tick_loop, gpipe_forward_loop
-from spmdkit.pipeline.tokens import tokens_combined, tokens_error
+from spmdkit.pipeline.tokens import (
+    rows_loss_combined,
+    rows_loss_error,
+    tokens_combined,
+    tokens_error,
+)
 from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard
 
 __all__ = ["pipelined_value_and_grad"]
@@ -121,8 +126,9 @@ def pipelined_value_and_grad(
         stage's weights gathered over them once per step (at the ``shard_map``'s
         input), accumulates its weight gradients locally over the micro-batches
         and sums them over these axes once, at the end of the step. The loss must
-        be a mean over rows (as for micro-batches), and a layer that combines
-        rows needs ``pipe.local_statistics``. Other axes stay automatic (a
+        be a mean over rows (:func:`~spmdkit.pipeline.tokens.rows_loss_combined`
+        checks it), and a layer that combines rows needs
+        ``pipe.local_statistics``. Other axes stay automatic (a
         tensor-parallel ``model`` axis, an expert axis: XLA partitions the
         stage over it).
       layouts: ``layouts(params) -> (param specs, grad specs)``, trees like the
@@ -160,7 +166,9 @@ def pipelined_value_and_grad(
       PipelineError: the loss has no layer scan of ``stages · virtual``-divisible
         length, the batch does not divide into the micro-batches, a value the
         scan carries is not floating, or (with batch axes) a layer combines a
-        micro-batch's rows and ``pipe.local_statistics`` is off.
+        micro-batch's rows and ``pipe.local_statistics`` is off, or the loss is
+        not a mean over the rows; with context axes, what
+        :func:`~spmdkit.pipeline.tokens.tokens_combined` finds.
 
     Example::
 
@@ -196,12 +204,7 @@ def pipelined_value_and_grad(
             pipe.axis, axes, shards, rows, xs_in, xs_out, sh_out,
             cp_axes, shard.shards if shard is not None else 1, seq,
         )  # fmt: skip
-        mixed = split_rows_combined(sp, lay)
-        if mixed and not pipe.local_statistics:
-            raise rows_error(mixed, axes, "pipeline")
-        problem = tokens_combined(sp, local, lay)
-        if problem:
-            raise tokens_error(problem, cp_axes, "pipeline")
+        _check_rows_and_tokens(sp, local, lay, pipe)
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
         pre_all = _pre_for_microbatches(sp, micro, r_leaves)
@@ -245,6 +248,24 @@ def _run_mesh(plan_mesh: Any, axis: str) -> Any:
     if not ctx.empty and axis in ctx.axis_names:
         return ctx
     return plan_mesh
+
+
+def _check_rows_and_tokens(
+    sp: SplitLoss, local: SplitLoss, lay: ManualAxes, pipe: Pipeline
+) -> None:
+    """Refuse a step whose stages would not compute the micro-batches' loss: a layer
+    combining the rows the batch axes split (unless ``local_statistics``), a layer
+    mixing the tokens the context axes split or a loss not a mean over them, a
+    loss not a mean over the rows."""
+    mixed = split_rows_combined(sp, lay)
+    if mixed and not pipe.local_statistics:
+        raise rows_error(mixed, lay.batch, "pipeline")
+    problem = tokens_combined(sp, local, lay)
+    if problem:
+        raise tokens_error(problem, lay.context, "pipeline")
+    problem = "" if lay.context else rows_loss_combined(sp, local, lay)
+    if problem:
+        raise rows_loss_error(problem, lay.batch, "pipeline")
 
 
 def _context_on(

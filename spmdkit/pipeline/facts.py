@@ -10,7 +10,8 @@
 - From the loss: :func:`chunk_residuals` / :func:`residual_probe`, what one
   forward of one chunk stashes for one micro-batch; :func:`rows_combined`, a
   layer that combines a micro-batch's rows, which a pipeline with batch axes
-  refuses (:func:`rows_error`) and the planner asks about before it plans one;
+  refuses (:func:`rows_error`) and the planner asks about before it plans one,
+  and :func:`rows_loss_refused`, a loss that is not a mean over the rows;
   :func:`tokens_refused`, what a pipelined context-parallel step refuses
   (:mod:`spmdkit.pipeline.tokens`), asked by the planner the same way.
 """
@@ -41,7 +42,7 @@ from spmdkit.pipeline.rows import mixed_rows
 from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
-from spmdkit.pipeline.tokens import tokens_combined
+from spmdkit.pipeline.tokens import rows_loss_combined, tokens_combined
 from spmdkit.sequence import ContextShard, context_shard
 from spmdkit.util import path_str
 
@@ -58,6 +59,8 @@ __all__ = [
     "residual_probe",
     "rows_combined",
     "rows_error",
+    "rows_loss_refused",
+    "rows_split",
     "split_on_tokens",
     "split_rows_combined",
     "tokens_refused",
@@ -269,6 +272,27 @@ def residual_probe(
 # -- the row-combining layer check ---------------------------------------------------
 
 
+def rows_split(
+    loss_fn: Callable[..., Any], params: Any, batch: Any, *rest: Any
+) -> tuple[SplitLoss, SplitLoss, ManualAxes] | None:
+    """The loss split on ``batch`` and on one of two devices' rows of it, and those
+    two devices as manual batch axes: what :func:`rows_combined` and
+    :func:`rows_loss_refused` read (the planner traces it once per model). None
+    when ``batch`` (concrete or abstract) has no even number of rows.
+
+    Raises:
+      PipelineError: the loss has no layer scan, or its structure changes with
+        its rows (:func:`~spmdkit.pipeline.execute.pipelined_value_and_grad`).
+    """
+    first = jax.tree.leaves(batch)
+    rows = first[0].shape[0] if first and np.ndim(first[0]) else 0
+    if rows < 2 or rows % 2:
+        return None
+    sp = split_loss(loss_fn, params, batch, rest)
+    local = split_loss(loss_fn, params, local_rows(batch, 2), rest)
+    return sp, local, ManualAxes("", ("rows",), 2, per_mb_rows_split(sp, local, 2))
+
+
 def rows_combined(loss_fn: Callable[..., Any], params: Any, batch: Any, *rest: Any) -> str:
     """The first equation of the loss's layer stack that combines a batch's rows
     (:func:`~spmdkit.pipeline.rows.mixed_rows`), else ``""``: what a pipeline
@@ -277,22 +301,33 @@ def rows_combined(loss_fn: Callable[..., Any], params: Any, batch: Any, *rest: A
     with an even number of rows (else ``""``: its rows cannot be split).
 
     Raises:
-      PipelineError: the loss has no layer scan, or its structure changes with
-        its rows (:func:`~spmdkit.pipeline.execute.pipelined_value_and_grad`).
+      PipelineError: as :func:`rows_split`.
 
     Example::
 
         >>> rows_combined(moe.loss_fn, moe.abstract_params, moe.batch)
         'reduce_sum over the rows'
     """
-    first = jax.tree.leaves(batch)
-    rows = first[0].shape[0] if first and np.ndim(first[0]) else 0
-    if rows < 2 or rows % 2:
-        return ""
-    sp = split_loss(loss_fn, params, batch, rest)
-    local = split_loss(loss_fn, params, local_rows(batch, 2), rest)
-    lay = ManualAxes("", ("rows",), 2, per_mb_rows_split(sp, local, 2))
-    return split_rows_combined(sp, lay)
+    split = rows_split(loss_fn, params, batch, *rest)
+    return "" if split is None else split_rows_combined(split[0], split[2])
+
+
+def rows_loss_refused(loss_fn: Callable[..., Any], params: Any, batch: Any, *rest: Any) -> str:
+    """What makes the loss not a mean over a batch's rows
+    (:func:`~spmdkit.pipeline.tokens.rows_loss_combined`, on two devices' rows),
+    else ``""``: what a pipeline with the batch over other mesh axes refuses (the
+    planner asks before it plans one). ``batch``: as for :func:`rows_combined`.
+
+    Raises:
+      PipelineError: as :func:`rows_split`.
+
+    Example::
+
+        >>> rows_loss_refused(masked_mean_loss, params, batch)
+        'the loss: `div by a sum over the rows (a masked mean is one)`'
+    """
+    split = rows_split(loss_fn, params, batch, *rest)
+    return "" if split is None else rows_loss_combined(*split)
 
 
 def rows_error(equation: str, axes: tuple[str, ...], op: str) -> PipelineError:

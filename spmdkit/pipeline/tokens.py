@@ -22,10 +22,17 @@ after it, where every sum over the tokens is followed to the loss with its
 weight: a device's weights times the tokens each sum covers must equal those of
 the loss traced on the whole micro-batch. The executor refuses the step
 otherwise (:func:`tokens_error`), when the step is traced, before anything runs.
+
+With batch axes the same holds of a device's rows: its loss on its rows of a
+micro-batch, averaged over the devices, is the micro-batch's loss only for a
+mean over the rows. :func:`rows_loss_combined` weighs the loss's sums over the
+rows as above (:func:`rows_loss_error`); the planner asks both before it plans
+a pipeline (:mod:`spmdkit.planner.pipeline.plan`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +47,10 @@ from spmdkit.pipeline.layouts import ManualAxes
 from spmdkit.pipeline.schedule import PipelineError
 from spmdkit.pipeline.split import SplitLoss
 
-__all__ = ["tokens_combined", "tokens_error"]
+__all__ = ["rows_loss_combined", "rows_loss_error", "tokens_combined", "tokens_error"]
+
+#: what the walk's messages call the split entries: a device's tokens, or its rows
+_UNIT: contextvars.ContextVar[str] = contextvars.ContextVar("spmdkit_tokens_unit", default="tokens")
 
 
 @dataclass(frozen=True)
@@ -135,6 +145,68 @@ def tokens_error(problem: str, axes: tuple[str, ...], op: str) -> PipelineError:
     )
 
 
+def rows_loss_combined(sp: SplitLoss, local: SplitLoss, lay: ManualAxes) -> str:
+    """With batch axes: what makes the devices' losses on their rows of a
+    micro-batch, averaged, differ from the micro-batch's loss (a loss that is not
+    a mean over the rows: a masked mean, a sum), else ``""``. The same weighing
+    of sums as :func:`tokens_combined`'s, on the rows' dim; a layer that combines
+    rows is :func:`~spmdkit.pipeline.facts.split_rows_combined`'s to refuse (or
+    ``local_statistics``'s to allow), so the loss is not checked past it.
+
+    Args:
+      sp: the loss split on one whole micro-batch.
+      local: the loss split on a device's rows of it (``lay.shards`` devices).
+      lay: the pipeline's manual axes (``lay.rows``: per per-micro-batch value,
+        whether its rows are split).
+
+    Example::
+
+        >>> rows_loss_combined(sp, local, lay)   # nll.sum() over data=2
+        'the loss weighs its sums over the rows by [8.0] ... not a mean over the rows'
+    """
+    if not lay.batch or lay.shards == 1:
+        return ""
+    rows = [rw.state_of(0 if r else None) for r in lay.rows]
+    token = _UNIT.set("rows")
+    try:
+        env = dict(zip(local.per_mb, rows, strict=False))
+        ins = [_read(env, v) for v in local.scan.invars]
+        try:
+            outs = [rw.state_of(d) for d in rw.row_rule(local.scan, ins)]
+        except rw.Mixed:
+            return ""
+        try:
+            mine = _loss_terms(local, rows, outs)
+            whole = _loss_terms(sp, rows, outs)
+        except rw.Mixed as e:
+            return f"the loss: `{e}`"
+    finally:
+        _UNIT.reset(token)
+    if len(mine) != len(whole) or not np.allclose(mine, whole, rtol=1e-6, atol=0.0):
+        return (
+            f"the loss weighs its sums over the rows by {list(mine)} on a device's rows "
+            f"and {list(whole)} on the whole micro-batch (each weight times the entries "
+            "it sums): not a mean over the rows"
+        )
+    return ""
+
+
+def rows_loss_error(problem: str, axes: tuple[str, ...], op: str) -> PipelineError:
+    """The typed error for a pipeline with batch axes whose loss is not a mean over
+    a micro-batch's rows (``problem``: :func:`rows_loss_combined`'s)."""
+    return PipelineError(
+        op=op,
+        must="with the batch split over other mesh axes inside the pipeline, each "
+        "device runs the loss on its own rows of a micro-batch and the step's loss "
+        "is the mean of the devices': the loss must be a mean over the rows",
+        given=f"{problem} (the batch over {axes})",
+        fix="keep the batch off the axes beside the pipe axis (a plan whose batch "
+        "rule names none of them), or plan without pipelining (a flat plan with "
+        "micro-batches computes each micro-batch's loss whole); for a masked mean, "
+        "weigh the tokens by a mask normalized over the whole batch before the step",
+    )
+
+
 def _read(env: dict, v: Any) -> rw.State:
     return rw.FREE if isinstance(v, jex.Literal) else env.get(v, rw.FREE)
 
@@ -156,7 +228,7 @@ def _loss_terms(split: SplitLoss, seq: Sequence[rw.State], carry: Sequence[Any])
     if isinstance(out, _Sum):
         return out.terms
     if rw.row_dim(out) is not None:  # pragma: no cover - a scalar loss has no dims
-        raise rw.Mixed("a loss that keeps the tokens' dim")
+        raise rw.Mixed(f"a loss that keeps the {_UNIT.get()}' dim")
     return ()
 
 
@@ -207,7 +279,7 @@ def _step(eqn: Any, ins: list, vals: list, known: dict) -> list:
     d = next(rw.row_dim(s) for s in ins if rw.row_dim(s) is not None)
     if name in rw.REDUCE and d in eqn.params["axes"]:
         if name != "reduce_sum" or len(ins) != 1:
-            raise rw.mixed(eqn, "over the tokens", eqn.invars[0], dim=d)
+            raise rw.mixed(eqn, f"over the {_UNIT.get()}", eqn.invars[0], dim=d)
         shape = rw.shape_of(eqn.invars[0])
         return [_Sum((float(math.prod(shape[a] for a in eqn.params["axes"])),))]
     return [rw.state_of(x) for x in rw.row_rule(eqn, ins)]
@@ -232,7 +304,8 @@ def _on_sum(eqn: Any, ins: list, vals: list, known: dict) -> list:
     name = eqn.primitive.name
     sums = [s for s in ins if isinstance(s, _Sum)]
     if any(rw.row_dim(s) is not None for s in ins):
-        raise rw.mixed(eqn, "of a sum over the tokens and the tokens themselves")
+        unit = _UNIT.get()
+        raise rw.mixed(eqn, f"of a sum over the {unit} and the {unit} themselves")
     if name in _SAME and len(sums) == 1:
         return [sums[0]] * len(eqn.outvars)
     if name == "neg":
@@ -251,8 +324,10 @@ def _on_sum(eqn: Any, ins: list, vals: list, known: dict) -> list:
     if name == "div" and isinstance(ins[0], _Sum) and not isinstance(ins[1], _Sum):
         return [sums[0].scaled(None if vals[1] is None else 1.0 / vals[1])]
     if name == "div":
-        raise rw.mixed(eqn, "by a sum over the tokens (a masked mean is one)")
+        raise rw.mixed(eqn, f"by a sum over the {_UNIT.get()} (a masked mean is one)")
     body = jaxprs.computed_body(eqn) if name not in _LOOPS else None
     if body is not None:
         return _nested(body, ins, vals)
-    raise rw.mixed(eqn, "of a sum over the tokens (not affine in it: a masked mean's count is one)")
+    raise rw.mixed(
+        eqn, f"of a sum over the {_UNIT.get()} (not affine in it: a masked mean's count is one)"
+    )

@@ -124,3 +124,28 @@ def test_a_layer_that_mixes_tokens_is_refused(mix, match):
     device's first token would be wrong, so each is a typed error."""
     with pytest.raises(PipelineError, match=f"a layer's .*{match}"):
         _step(_loss(mix=mix))()
+
+
+def _rows_step(loss):
+    """The step pipelined over ``pipe=2`` with the batch over ``data=2`` (no context)."""
+    devices = np.array(jax.devices()[:4]).reshape(2, 2)
+    mesh = jax.sharding.Mesh(devices, ("pipe", "data"))
+    f = pipelined_value_and_grad(loss, Pipeline(stages=2, microbatches=2), mesh, ("data",))
+    return lambda: jax.eval_shape(f, _params(), _batch())
+
+
+@pytest.mark.parametrize(
+    ("reduce", "match"),
+    [
+        ("ignore_index", "masked mean's count"),
+        (lambda nll, t: nll.sum(), "not a mean over the rows"),
+    ],
+    ids=["ignore-index", "sum"],
+)  # fmt: skip
+def test_with_batch_axes_the_loss_must_be_a_mean_over_the_rows(reduce, match):
+    """Each device runs the loss on its rows of a micro-batch and the devices'
+    losses are averaged: a masked mean or a sum is a typed error when the step is
+    traced (spmdkit.pipeline.tokens.rows_loss_combined), before the stages are. A
+    mean traces: every pipelined test with batch axes (tests/pipeline/test_execute.py)."""
+    with pytest.raises(PipelineError, match=f"(?s)mean over the rows.*{match}"):
+        _rows_step(_loss(reduce=reduce))()

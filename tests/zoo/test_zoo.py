@@ -53,6 +53,20 @@ MESHES = ((2, 4), (4, 2))
 #: asserts they still miss, so a fix shows up as a failure here to remove the entry.
 KNOWN_VERIFY_MISSES: frozenset = frozenset()
 
+#: Misses on jax >= 0.12 only (the full sweep; CI's sample has neither). The VGG's
+#: peak under megatron and megatron_sp on 2x4: 633.4 KiB compiled (582.1 on 0.10.2)
+#: against 411.6-491.7 predicted on both. XLA's buffer assignment on 0.12 packs the
+#: same live set worse: temp heap 518.5 KiB for a live peak of 465.3 (0.10.2: 467.1
+#: for 449.6), and it schedules three weight transposes (15.7 KiB) before the peak.
+#: On both, XLA gathers the activation its filter gradient reads (f32[8,16,16,16],
+#: over data then model) as soon as the forward makes it and keeps its transposed
+#: copy (128 KiB) until the backward, where propagation prices the gather at the
+#: filter gradient only.
+KNOWN_VERIFY_MISSES_JAX_012: frozenset = frozenset({
+    ("vgg_linen", "megatron", (2, 4)),
+    ("vgg_linen", "megatron_sp", (2, 4)),
+})  # fmt: skip
+
 
 def glue_lines(name):
     """Lines of user glue for a zoo model."""
@@ -131,8 +145,11 @@ def _check(name, strategy, shape):
     assert not [m for m in messages if "get no 'model' axis" in m], messages
     if strategy in ("megatron", "megatron_sp", "tp_fsdp", "auto"):
         assert any(s != jax.sharding.PartitionSpec() for s in p.params.values())
-    if (name, strategy, shape) in KNOWN_VERIFY_MISSES:
-        assert not report.ok, f"fixed: remove {(name, strategy, shape)} from KNOWN_VERIFY_MISSES"
+    known = KNOWN_VERIFY_MISSES
+    if jax.__version_info__ >= (0, 12):
+        known = known | KNOWN_VERIFY_MISSES_JAX_012
+    if (name, strategy, shape) in known:
+        assert not report.ok, f"fixed: remove {(name, strategy, shape)} from the known misses"
     else:
         assert report.ok, str(report)
 

@@ -21,7 +21,8 @@
    :func:`check_pipeline_batch` runs first: with the batch over other axes, a
    layer that combines a micro-batch's rows (a MoE router's statistics) is a
    typed error, before anything compiles, unless the pipeline asks for
-   ``local_statistics``. With the sequence over context axes too, the model's
+   ``local_statistics``, and a loss that is not a mean over the rows
+   (:func:`model_rows_loss`) is one too. With the sequence over context axes too, the model's
    layers may mix tokens only through attention and its loss must be a mean over
    the tokens (:func:`model_tokens_refused`, what the executor refuses: the
    typed error at plan time; auto leaves such pipelined candidates out, with a
@@ -50,7 +51,8 @@ from jax.sharding import AbstractMesh
 from spmdkit.flax.model import ModelInfo
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
-from spmdkit.pipeline.facts import rows_combined, rows_error, tokens_refused
+from spmdkit.pipeline.facts import rows_error, rows_split, split_rows_combined, tokens_refused
+from spmdkit.pipeline.tokens import rows_loss_combined, rows_loss_error
 from spmdkit.planner.logical import LogicalRules, RulesLike
 from spmdkit.planner.plans import Plan
 from spmdkit.recipe import Recipe
@@ -63,6 +65,7 @@ __all__ = [
     "layer_rules",
     "check_pipeline_batch",
     "check_pipelined",
+    "model_rows_loss",
     "model_tokens_refused",
     "pipeline_submesh",
     "stacked_paths",
@@ -201,9 +204,31 @@ def model_rows_combined(info: ModelInfo) -> str:
     """The model's first layer equation that combines a batch's rows, else ``""``
     (:func:`~spmdkit.pipeline.facts.rows_combined`; once per model): what a
     pipeline with batch axes refuses unless ``local_statistics``."""
+
+    def find() -> str:
+        split = _rows_split(info)
+        return "" if split is None else split_rows_combined(split[0], split[2])
+
+    return info.memo(("pipeline.rows_combined",), find)
+
+
+def model_rows_loss(info: ModelInfo) -> str:
+    """What makes the model's loss not a mean over the batch's rows, else ``""``
+    (:func:`~spmdkit.pipeline.facts.rows_loss_refused`; once per model): what a
+    pipeline with batch axes refuses."""
+
+    def find() -> str:
+        split = _rows_split(info)
+        return "" if split is None else rows_loss_combined(*split)
+
+    return info.memo(("pipeline.rows_loss",), find)
+
+
+def _rows_split(info: ModelInfo) -> tuple | None:
+    """:func:`~spmdkit.pipeline.facts.rows_split` of the model, traced once."""
     return info.memo(
-        ("pipeline.rows_combined",),
-        lambda: rows_combined(info.loss_fn, info.abstract_params, info.batch),
+        ("pipeline.rows_split",),
+        lambda: rows_split(info.loss_fn, info.abstract_params, info.batch),
     )
 
 
@@ -247,12 +272,12 @@ def check_pipeline_batch(
     info: ModelInfo, mesh: MeshLike, pipe: Pipeline, batch_axes: tuple[str, ...]
 ) -> None:
     """Check what a pipelined layout with the batch over ``batch_axes`` asks of the
-    model (module docstring): each device's rows divide into the micro-batches, and
-    no layer combines a micro-batch's rows across the batch axes unless the pipeline
-    computes its statistics per device.
+    model (module docstring): each device's rows divide into the micro-batches, no
+    layer combines a micro-batch's rows across the batch axes unless the pipeline
+    computes its statistics per device, and the loss is a mean over the rows.
 
     Raises:
-      PipelineError: either does not hold.
+      PipelineError: one does not hold.
     """
     sizes = axis_sizes(mesh)
     shards = math.prod(sizes[a] for a in batch_axes)
@@ -261,6 +286,9 @@ def check_pipeline_batch(
         mixed = model_rows_combined(info)
         if mixed:
             raise rows_error(mixed, batch_axes, "plan(pipeline=...)")
+    problem = model_rows_loss(info) if shards > 1 else ""
+    if problem:
+        raise rows_loss_error(problem, batch_axes, "plan(pipeline=...)")
 
 
 def check_pipelined(info: ModelInfo, plan: Plan) -> None:

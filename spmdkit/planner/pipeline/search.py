@@ -66,6 +66,7 @@ from spmdkit.planner.pipeline.plan import (
     check_pipeline_batch,
     layer_rules,
     model_rows_combined,
+    model_rows_loss,
     model_tokens_refused,
 )
 from spmdkit.planner.plans import Cost, Dims
@@ -105,6 +106,9 @@ _TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp", *SHARDED_OPT_PRESETS)
 #: ``pipe_memos`` key: label → (context axes, problem) of the pipelined candidates
 #: auto left out because their step would be refused (:meth:`PipelinePlanning.refused`)
 _REFUSED = ("pipeline", "tokens_refused")
+#: ``pipe_memos`` key: batch axes → why no pipelined candidate splits the batch over
+#: them (the loss is not a mean over the rows, :meth:`PipelinePlanning.loss_refused`)
+_LOSS = ("pipeline", "rows_loss")
 #: ``pipe_memos`` key: why ``pipeline="auto"`` costed no pipelined candidate at all
 _NONE = ("pipeline", "none")
 
@@ -378,6 +382,16 @@ class PipelinePlanning:
             self.pipe_memos.setdefault(_REFUSED, {})[c.label] = (c.context, problem)
         return bool(problem)
 
+    def loss_refused(self, batch_axes: tuple[str, ...]) -> bool:
+        """auto: the model's loss is not a mean over the rows
+        (:func:`~spmdkit.planner.pipeline.plan.model_rows_loss`), so no pipelined
+        candidate may split its batch over ``batch_axes``; recorded for
+        :meth:`refused_notes`."""
+        problem = model_rows_loss(self.info)
+        if problem:
+            self.pipe_memos.setdefault(_LOSS, {})[batch_axes] = problem
+        return bool(problem)
+
     def refused_notes(self) -> list[PlanNote]:
         """``dropped`` notes: auto was asked for pipelines and costed none (the
         model has no layer stack, no pipe degree divides the mesh and the layers),
@@ -394,12 +408,28 @@ class PipelinePlanning:
                     "without pipeline=",
                 )
             ]
+        notes = []
+        loss = self.pipe_memos.get(_LOSS, {})
+        if loss:
+            axes = sorted({a for ax in loss for a in ax})
+            notes.append(
+                PlanNote(
+                    "dropped",
+                    f"auto costed pipelined plans only without the batch over {axes}: "
+                    "each device would run the loss on its own rows of a micro-batch, "
+                    "and the devices' losses averaged are the micro-batch's only for a "
+                    f"mean over the rows; given {next(iter(loss.values()))}.",
+                    "make the loss a mean over the rows (a mask normalized over the whole "
+                    "batch before the step), or keep the flat plans",
+                )
+            )
         refused = self.pipe_memos.get(_REFUSED, {})
         if not refused:
-            return []
+            return notes
         problem = next(iter(refused.values()))[1]
         shown = ", ".join(list(refused)[:3]) + (", ..." if len(refused) > 3 else "")
         return [
+            *notes,
             PlanNote(
                 "dropped",
                 f"auto left {len(refused)} pipelined context-parallel candidate(s) out "
@@ -409,7 +439,7 @@ class PipelinePlanning:
                 "keep the flat plans (context parallelism as global SPMD, correct for any "
                 "layer and loss), or make the loss a mean over the tokens "
                 "(docs/context-parallel.md) to have pipelines with context axes costed",
-            )
+            ),
         ]
 
     def pipelined_on(
@@ -442,7 +472,8 @@ class PipelinePlanning:
         local_stats = request is not None and request.local_statistics
         rows_apart = local_stats or not model_rows_combined(self.info)
         for batch_ax in batch_axis_choices(inner, trace.batch_size):
-            if math.prod(inner[a] for a in batch_ax) > 1 and not rows_apart:
+            shards = math.prod(inner[a] for a in batch_ax)
+            if shards > 1 and (not rows_apart or self.loss_refused(batch_ax)):
                 continue
             local = trace.batch_size // math.prod(inner[a] for a in batch_ax)
             configs = pipeline_configs(p, trace.layers, local, request)
@@ -707,6 +738,8 @@ class PipelinePlanning:
         shards = math.prod(inner[a] for a in act.get("batch", ()))
         local_stats = request is not None and request.local_statistics
         if shards > 1 and not local_stats and model_rows_combined(self.info):
+            return None
+        if shards > 1 and self.loss_refused(act.get("batch", ())):
             return None
         configs = pipeline_configs(
             sizes[axis], self.ctx.trace.layers, self.ctx.trace.batch_size // shards, request

@@ -301,7 +301,8 @@ def test_propagated_tensor_parallel_bytes_match_megatron_lm(remat, reruns, monke
 def cp_llamas() -> tuple:
     """A 2-layer Llama (64 tokens, 8 sequences) with its mean loss, and the same
     with a masked mean (``ignore_index``: the devices' masked means averaged are not
-    the global one, so a pipelined context-parallel step refuses it)."""
+    the global one, so a pipelined step refuses it with the sequence or the batch
+    split over other axes)."""
     import dataclasses
 
     import spmdkit.nn as sknn
@@ -315,7 +316,7 @@ def cp_llamas() -> tuple:
     return mean, describe(dataclasses.replace(spec, loss=masked), config=cfg, batch_size=8)
 
 
-_CP_MESH = {"pipe": 2, "data": 2, "context": 2}
+_CP_MESH = {"pipe": 2, "context": 4}
 
 
 def test_a_pipelined_context_plan_the_step_would_refuse_raises_when_planned(cp_llamas) -> None:
@@ -347,3 +348,21 @@ def test_auto_leaves_refused_pipelined_context_plans_out_with_a_note(cp_llamas) 
     fine = plan(mean, mesh, "auto", **kw)
     assert not [n for n in fine.notes if "pipelined context-parallel" in n.message]
     assert [n for n, _ in fine.alternatives if n.startswith("megatron+pp")]
+
+
+def test_a_loss_that_is_not_a_mean_over_the_rows_keeps_pipelines_off_batch_axes(cp_llamas):
+    """With the batch over an axis beside the pipe axis, each device's loss is on its
+    rows of a micro-batch: a masked mean is the typed error at sk.plan, planned
+    without batch axes it runs; auto keeps its pipelined candidates off batch axes
+    and says why."""
+    mean, masked = cp_llamas
+    kw = {"pipeline": Pipeline(2, 2), "estimator": "analytic"}
+    with pytest.raises(PipelineError, match=r"(?s)mean over the rows.*masked mean"):
+        plan(masked, sk.abstract_mesh(pipe=2, data=4), "dp", **kw)
+    assert plan(masked, sk.abstract_mesh(pipe=2, model=2), "megatron", **kw).pipeline
+    assert plan(mean, sk.abstract_mesh(pipe=2, data=4), "dp", **kw).activation["batch"]
+    got = _plan(masked, pipeline="auto", recipe=sk.Recipe())
+    piped = [n for n, _ in got.alternatives if "+pp" in n]
+    assert piped and all("batch=-" in n or n.startswith("megatron") for n in piped), piped
+    (note,) = [n for n in got.notes if "only without the batch" in n.message]
+    assert note.kind == "dropped" and "masked mean" in note.message
