@@ -107,8 +107,13 @@ _TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp", *SHARDED_OPT_PRESETS)
 #: auto left out because their step would be refused (:meth:`PipelinePlanning.refused`)
 _REFUSED = ("pipeline", "tokens_refused")
 #: ``pipe_memos`` key: batch axes → why no pipelined candidate splits the batch over
-#: them (the loss is not a mean over the rows, :meth:`PipelinePlanning.loss_refused`)
+#: them (a layer combines rows, or the loss is not a mean over them:
+#: :meth:`PipelinePlanning.batch_refused`), and the texts of the two reasons
 _LOSS = ("pipeline", "rows_loss")
+_LAYER_WHY = "a layer would combine a device's rows alone (`{}`)"
+_LOSS_WHY = (
+    "the devices' losses averaged are the micro-batch's only for a mean over the rows (given {})"
+)
 #: ``pipe_memos`` key: why ``pipeline="auto"`` costed no pipelined candidate at all
 _NONE = ("pipeline", "none")
 
@@ -382,15 +387,19 @@ class PipelinePlanning:
             self.pipe_memos.setdefault(_REFUSED, {})[c.label] = (c.context, problem)
         return bool(problem)
 
-    def loss_refused(self, batch_axes: tuple[str, ...]) -> bool:
-        """auto: the model's loss is not a mean over the rows
-        (:func:`~spmdkit.planner.pipeline.plan.model_rows_loss`), so no pipelined
-        candidate may split its batch over ``batch_axes``; recorded for
-        :meth:`refused_notes`."""
+    def batch_refused(self, batch_axes: tuple[str, ...], local_stats: bool) -> bool:
+        """auto: no pipelined candidate may split its batch over ``batch_axes``: a
+        layer combines a micro-batch's rows (unless ``local_stats``,
+        :func:`~spmdkit.planner.pipeline.plan.model_rows_combined`) or the loss is
+        not a mean over the rows (:func:`~spmdkit.planner.pipeline.plan.model_rows_loss`);
+        recorded for :meth:`refused_notes`."""
+        mixed = "" if local_stats else model_rows_combined(self.info)
         problem = model_rows_loss(self.info)
-        if problem:
-            self.pipe_memos.setdefault(_LOSS, {})[batch_axes] = problem
-        return bool(problem)
+        why = [_LAYER_WHY.format(mixed)] if mixed else []
+        why += [_LOSS_WHY.format(problem)] if problem else []
+        if why:
+            self.pipe_memos.setdefault(_LOSS, {})[batch_axes] = "; ".join(why)
+        return bool(why)
 
     def refused_notes(self) -> list[PlanNote]:
         """``dropped`` notes: auto was asked for pipelines and costed none (the
@@ -416,11 +425,12 @@ class PipelinePlanning:
                 PlanNote(
                     "dropped",
                     f"auto costed pipelined plans only without the batch over {axes}: "
-                    "each device would run the loss on its own rows of a micro-batch, "
-                    "and the devices' losses averaged are the micro-batch's only for a "
-                    f"mean over the rows; given {next(iter(loss.values()))}.",
-                    "make the loss a mean over the rows (a mask normalized over the whole "
-                    "batch before the step), or keep the flat plans",
+                    "each device would run its stages and the loss on its own rows of "
+                    f"a micro-batch, and {next(iter(loss.values()))}.",
+                    "for a layer's statistics, pass pipeline=Pipeline(..., "
+                    "local_statistics=True) to have them computed per device's rows; for "
+                    "the loss, make it a mean over the rows (a mask normalized over the "
+                    "whole batch before the step); or keep the plans without batch axes",
                 )
             )
         refused = self.pipe_memos.get(_REFUSED, {})
@@ -470,10 +480,9 @@ class PipelinePlanning:
         # pipelined only without batch axes, unless the request computes it per
         # device's rows (the executor refuses it otherwise)
         local_stats = request is not None and request.local_statistics
-        rows_apart = local_stats or not model_rows_combined(self.info)
         for batch_ax in batch_axis_choices(inner, trace.batch_size):
             shards = math.prod(inner[a] for a in batch_ax)
-            if shards > 1 and (not rows_apart or self.loss_refused(batch_ax)):
+            if shards > 1 and self.batch_refused(batch_ax, local_stats):
                 continue
             local = trace.batch_size // math.prod(inner[a] for a in batch_ax)
             configs = pipeline_configs(p, trace.layers, local, request)
@@ -737,9 +746,7 @@ class PipelinePlanning:
         }
         shards = math.prod(inner[a] for a in act.get("batch", ()))
         local_stats = request is not None and request.local_statistics
-        if shards > 1 and not local_stats and model_rows_combined(self.info):
-            return None
-        if shards > 1 and self.loss_refused(act.get("batch", ())):
+        if shards > 1 and self.batch_refused(act.get("batch", ()), local_stats):
             return None
         configs = pipeline_configs(
             sizes[axis], self.ctx.trace.layers, self.ctx.trace.batch_size // shards, request

@@ -217,8 +217,11 @@ def test_auto_pipelines_a_layer_combining_rows_only_without_batch_axes() -> None
     requested pipeline computes them per device's rows (the executor refuses
     them otherwise, and the plan would not run)."""
     moe = describe(get_model("moe"), config="tiny_pipe", batch_size=16)
-    piped = [n for n, _ in _plan(moe, pipeline="auto").alternatives if "+pp" in n]
+    got = _plan(moe, pipeline="auto")
+    piped = [n for n, _ in got.alternatives if "+pp" in n]
     assert piped and all("batch=-" in n for n in piped), piped
+    (note,) = [n for n in got.notes if "only without the batch" in n.message]
+    assert "reduce_sum over the rows" in note.message and "local_statistics" in note.fix
     asked = Pipeline(2, 4, "1f1b", local_statistics=True)
     batched = [n for n, _ in _plan(moe, pipeline=asked).alternatives if "batch=-" not in n]
     assert any("+pp" in n for n in batched)
@@ -366,3 +369,4 @@ def test_a_loss_that_is_not_a_mean_over_the_rows_keeps_pipelines_off_batch_axes(
     assert piped and all("batch=-" in n or n.startswith("megatron") for n in piped), piped
     (note,) = [n for n in got.notes if "only without the batch" in n.message]
     assert note.kind == "dropped" and "masked mean" in note.message
+    assert "combine" not in note.message  # its layers keep the rows apart
