@@ -19,7 +19,8 @@ Procedure (``docs/recipes.md``, "Step-time model and calibration"):
    (``miss``), rather than moving a constant.
    The pipelined rows (NeMo, Megatron-Bridge) run Megatron-LM's distributed
    optimizer: ``megatron_sp+zero1`` (optimizer state sharded over the data and
-   context axes, :data:`spmdkit.planner.logical.SHARDED_OPT_PRESETS`).
+   context axes, :data:`spmdkit.planner.logical.SHARDED_OPT_PRESETS`), with bf16
+   parameters and the fp32 master in that state (``master_weights="optimizer"``).
 3. Rows whose recipe lies outside the planner's search space are priced at the
    nearest recipe in it and marked (``in_space: false``, with the reason).
 4. ``auto``: for a flat row, ``sk.plan(..., "auto", pipeline="auto")`` on its
@@ -66,6 +67,12 @@ SELECTIVE = sk.Recipe(remat="dots", compute_dtype="bfloat16")
 #: recipe's default ``fp8_exclude=("lm_head",)``) with the same selective AC.
 SELECTIVE_FP8 = sk.Recipe(remat="dots", compute_dtype="float8")
 TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+#: Megatron-LM's bf16 training as NeMo and Megatron-Bridge run it: bf16 parameters,
+#: the fp32 master copy in the distributed optimizer's state (sharded with it over
+#: the data-parallel ranks): :mod:`spmdkit.master`.
+MEGATRON_BF16 = sk.Recipe(compute_dtype="bfloat16", master_weights="optimizer")
+#: The same with Transformer Engine's FP8 GEMMs (bf16 parameters quantized per GEMM).
+MEGATRON_FP8 = sk.Recipe(compute_dtype="float8", master_weights="optimizer")
 
 
 def _llama(**over: int) -> object:
@@ -164,7 +171,7 @@ NEMO_70B = {
     "rules": [("seq", ("context", "model"))],
     "batch": 128,
     "pipeline": Pipeline(stages=4, microbatches=64, schedule="interleaved", virtual=5),
-    "recipe": sk.Recipe(compute_dtype="bfloat16"),
+    "recipe": MEGATRON_BF16,
     "published_recipe": "bf16, GBS 128, MBS 1, TE fused kernels, distributed optimizer",
     "stack": "xla",
     "published": 1121,
@@ -196,7 +203,7 @@ ROWS = [
         "strategy": "megatron_sp+zero1",
         "batch": 256,
         "pipeline": Pipeline(stages=8, microbatches=128, schedule="interleaved", virtual=5),
-        "recipe": sk.Recipe(compute_dtype="float8"),
+        "recipe": MEGATRON_FP8,
         "published_recipe": "FP8, GBS 256, MBS 1, TE fused kernels, distributed optimizer",
         "stack": "xla",
         "published": 1621,
@@ -216,7 +223,7 @@ ROWS = [
         "strategy": "megatron_sp+zero1",
         "batch": 256,
         "pipeline": Pipeline(stages=8, microbatches=64, schedule="interleaved", virtual=6),
-        "recipe": sk.Recipe(compute_dtype="float8"),
+        "recipe": MEGATRON_FP8,
         "published_recipe": "FP8, GBS 256, MBS 1, seq 2048, TE fused kernels, "
         "distributed optimizer",
         "stack": "xla",
@@ -229,7 +236,7 @@ ROWS = [
     _twin(
         NEMO_70B,
         name="NeMo Llama 3.1 70B FP8",
-        recipe=sk.Recipe(compute_dtype="float8"),
+        recipe=MEGATRON_FP8,
         published_recipe="FP8, GBS 128, MBS 1, TE fused kernels, distributed optimizer",
         published=1567,
     ),
