@@ -563,6 +563,7 @@ def value_and_grad(
     grad_specs: Any = None,
     has_aux: bool = False,
     has_state: bool = False,
+    _for_update: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
     """``jax.value_and_grad(loss_fn)`` with a recipe applied (module docstring).
 
@@ -639,7 +640,7 @@ def value_and_grad(
         _check_pipelined(loss, pipe, rcp)
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
         batch_axes = tuple(getattr(recipe, "activation", {}).get("batch", ()))
-        where = (recipe.sharding_mesh, batch_axes, _plan_layouts(recipe))
+        where = (recipe.sharding_mesh, batch_axes, _plan_layouts(recipe, _for_update))
         vg = _pipelined(cast_loss, pipe, where, loss.has_aux, _pipelined_context(recipe))
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
@@ -739,10 +740,39 @@ def _check_pipelined(loss: Loss, pipe: Any, recipe: Recipe) -> None:
         )
 
 
-def _plan_layouts(plan: Any) -> Callable[[Any], tuple[Any, Any]]:
+def _plan_layouts(plan: Any, update: bool = False) -> Callable[[Any], tuple[Any, Any]]:
     """``params -> (param specs, grad specs)`` of a plan (what the pipeline takes
-    as given at its inputs and reduce-scatters its gradients to)."""
+    as given at its inputs and reduce-scatters its gradients to). ``update``: the
+    gradients feed the optimizer update (:func:`train_step`): see
+    :func:`_update_specs`."""
+    if update and getattr(plan, "opt", None):
+        return lambda params: (plan.param_specs(params), _update_specs(plan, params))
     return lambda params: (plan.param_specs(params), plan.grad_specs(params))
+
+
+def _update_specs(plan: Any, params: Any) -> Any:
+    """The layouts a pipelined plan's gradients leave the pipeline in for the
+    update: its optimizer state's where the plan shards the state over batch axes
+    its parameter is not on (ZeRO-1, the distributed optimizer) and the parameter
+    is split over no other axis than the pipe and batch axes, so the gradient's sum
+    over the batch axes is a reduce-scatter into the shard each device updates
+    rather than an all-reduce the update slices; the plan's gradient layout
+    otherwise. (A tensor-parallel weight's keeps the all-reduce: XLA partitions a
+    reduce-scatter inside the pipeline's ``shard_map``, whose tensor axes are
+    automatic, by gathering the weight's tensor-parallel dims first, twice the
+    bytes and an all-gather.)"""
+    manual = {plan.pipeline.axis, *plan.activation.get("batch", ())}
+
+    def one(grad: PartitionSpec, opt: PartitionSpec) -> PartitionSpec:
+        used = {a for e in grad for a in ((e,) if isinstance(e, str) else tuple(e or ()))}
+        return opt if used <= manual else grad
+
+    return jax.tree.map(
+        one,
+        plan.grad_specs(params),
+        plan.opt_specs(params),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def _pipelined_context(plan: Any) -> dict[str, Any]:
@@ -932,7 +962,9 @@ def train_step(
             fix="use sk.value_and_grad(loss, plan), which returns ((loss, outputs), grads), "
             "or plan the step with Pipeline(..., return_output=False)",
         )
-    grad_fn = value_and_grad(loss, recipe, grad_specs=grad_specs)
+    # a pipelined plan's gradients leave the pipeline at the optimizer state's
+    # layout (ZeRO-1: reduce-scattered into the shard each device updates)
+    grad_fn = value_and_grad(loss, recipe, grad_specs=grad_specs, _for_update=True)
     stateful = loss.has_state or rcp.fp8_scaling == "delayed"
     call = "step(params, opt_state, " + ("state, " if stateful else "") + "batch, key)"
 

@@ -13,17 +13,22 @@ makes the search fast:
   parallelism) pays one all-reduce of an activation ``tokens × other dim``
   (Megatron's pair of all-reduces per column/row block); a sharded expert dim pays
   four all-to-alls of the tokens;
-- optimizer state sharded over more axes than its param costs an all-gather of
-  the updated param over the extra axes (ZeRO-1);
-- ZeRO-2 (``GroupLayout.grads_sharded``): the grad is reduce-scattered over the
-  optimizer state's extra axes instead of all-reduced, and kept at that shard;
+- optimizer state sharded over more axes than its param (ZeRO-1, ZeRO-2, the
+  tensor-parallel presets' distributed optimizer): the grad is reduce-scattered
+  over those extra axes instead of all-reduced (its only consumer is the update
+  at the state's shard; a pipeline all-reduces a tensor-parallel weight's), and
+  the updated param is all-gathered over them;
+- ZeRO-2 (``GroupLayout.grads_sharded``): the grad is also kept at that shard
+  (its memory, and the micro-batches' accumulator);
 - compute is the param's share of the traced weight-matmul FLOPs divided by the
   batch and tensor shards, plus the attention FLOPs, at the topology's achievable
   rate for the compute dtype (:meth:`~spmdkit.topology.Topology.compute_time`);
 - communication that XLA's latency-hiding scheduler overlaps with compute (FSDP
-  all-gathers and reduce-scatters, gradient all-reduces) hides under
-  ``overlap × compute``; tensor-parallel all-reduces, expert all-to-alls and
-  ZeRO's parameter all-gather after the update stay exposed;
+  all-gathers and reduce-scatters, gradient all-reduces, ZeRO's gradient
+  reduce-scatters) hides under ``overlap × compute``; tensor-parallel
+  all-reduces, expert all-to-alls and ZeRO's parameter all-gather stay exposed
+  (the gather follows the update, which follows the backward's last gradient:
+  no compute of the step is left to hide it under);
 - memory per device = params + grads + optimizer state at their shards +
   residual activations divided by the batch (and sequence) shards, and by the
   tensor shards for the fraction of activations tensor parallelism splits.
@@ -682,13 +687,24 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
         colls.append(
             _coll(ctx, "reduce_scatter", grad_wire * n_fsdp, sp.fsdp, hidden=True, times=m)
         )
-    if layout.grads_sharded and sp.extra:
-        # ZeRO-2: reduce-scatter into the optimizer's shard, all-reduce the rest.
-        colls.append(_coll(ctx, "reduce_scatter", grad_wire, sp.extra, hidden=True))
+    if sp.extra and (layout.grads_sharded or not (ctx.gather_once and sp.tp)):
+        # ZeRO-1/2 and the distributed optimizer: the gradient's only consumer is
+        # the update at the optimizer state's shard, so it is reduce-scattered into
+        # that shard over the axes it is summed over (sliced over the others) and
+        # all-reduced at that shard over the rest. Like FSDP's, the scatters overlap
+        # the backward, one per micro-batch (the accumulator is kept at the shard);
+        # a pipeline's once, at its end. A pipeline all-reduces a ZeRO-1
+        # tensor-parallel weight's gradient (``spmdkit.recipe._update_specs``).
+        n_extra = math.prod(ctx.sizes[a] for a in sp.extra)
+        scatter = tuple(a for a in sp.extra if a in sp.grad_sync)
+        n_scatter = math.prod(ctx.sizes[a] for a in scatter)
+        k = 1 if ctx.gather_once else m
+        shard = grad_wire * n_scatter / n_extra
+        if scatter:
+            colls.append(_coll(ctx, "reduce_scatter", shard, scatter, hidden=True, times=k))
         rest = tuple(a for a in sp.grad_sync if a not in sp.extra)
         if rest:
-            n_extra = math.prod(ctx.sizes[a] for a in sp.extra)
-            colls.append(_coll(ctx, "all_reduce", grad_wire / n_extra, rest, hidden=True))
+            colls.append(_coll(ctx, "all_reduce", grad_wire / n_extra, rest, hidden=True, times=k))
     elif sp.grad_sync:
         colls.append(_coll(ctx, "all_reduce", grad_wire, sp.grad_sync, hidden=True))
     colls.extend(_tp_colls(ctx, g, layout, sp))

@@ -463,14 +463,26 @@ def rules_choice(
                 opt_rules.resolve(g.logical, g.shape, mesh, where=g.paths[0]), len(g.shape)
             )
             if preset in _ZERO:
-                odims = _merge(dims, odims)
+                odims = _merge(dims, odims, g.shape, sizes)
         out.append(GroupLayout(dims, odims, grads_sharded=preset == "zero2" and odims != dims))
     return out
 
 
-def _merge(dims: Dims, odims: Dims) -> Dims:
+def _merge(dims: Dims, odims: Dims, shape: tuple[int, ...], sizes: dict[str, int]) -> Dims:
+    """The parameter's dims plus the axes the optimizer's table adds (``odims``'
+    axes the parameter leaves free), each on the dim the table puts it where the
+    dim still divides, else on the largest dim that does (:func:`_zero1`), else
+    left off (a tensor-parallel head dim of 4 over ``model=4`` takes no ``data=2``)."""
     used = {a for d in dims for a in d}
-    return tuple(d + tuple(a for a in o if a not in used) for d, o in zip(dims, odims, strict=True))
+    out = list(dims)
+    left: list[str] = []
+    for i, o in enumerate(odims):
+        add = tuple(a for a in o if a not in used)
+        if add and shape[i] % math.prod(sizes[a] for a in (*out[i], *add)) == 0:
+            out[i] = (*out[i], *add)
+        else:
+            left.extend(add)
+    return _zero1(tuple(out), shape, tuple(left), sizes) if left else tuple(out)
 
 
 def _unannotated(shape: tuple[int, ...], axes: tuple[str, ...], sizes: dict[str, int]) -> Dims:

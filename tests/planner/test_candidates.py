@@ -2,6 +2,7 @@
 the propagated peak a plan budgets with is the one verify holds to the compiled step."""
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -86,3 +87,26 @@ def test_planned_peak_is_verifys_for_the_donated_step_of_a_vocabulary_heavy_mode
     # what XLA:CPU holds beyond the plan: the gradient's transposed copy, a few
     # parameter-sized buffers
     assert low <= compiled <= p.cost.peak_bytes + 1.5 * logits
+
+
+def test_the_distributed_optimizer_shards_only_where_the_dims_divide():
+    """``megatron+zero1`` on ``data=2 × model=4``: a weight whose head dim (4)
+    the model axis fills takes the data axis on another dim that divides, and
+    every optimizer spec divides its shape (the state is placed, not refused by
+    jax when the step compiles)."""
+    from jax.sharding import PartitionSpec as P
+
+    from spmdkit.flax import describe
+    from spmdkit.models import get_model
+
+    info = describe(get_model("gpt"), config="tiny", batch_size=8)
+    mesh = sk.abstract_mesh(data=2, model=4)
+    p = plan(info, mesh, "megatron+zero1", estimator="analytic")
+    sizes = dict(mesh.shape)
+    for path, spec in p.opt.items():
+        shape = p.info[path][0]
+        for d, entry in enumerate(spec):
+            axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            assert shape[d] % math.prod(sizes[a] for a in axes) == 0, (path, spec, shape)
+    assert p.params["blocks/0/attn/bq"] == P("model")  # 4 heads × 16
+    assert p.opt["blocks/0/attn/bq"] == P("model", "data")
