@@ -121,6 +121,13 @@ def test_zero1_scatters_the_grads_and_gathers_the_updated_params(model):
     once = group_cost(replace(mb, gather_once=True), up, layout, ("data", "model"), ())
     assert dict(per_mb.comm_bytes)["reduce_scatter"] == 4 * 2 * up.nbytes
     assert dict(once.comm_bytes)["reduce_scatter"] == 2 * up.nbytes
+    # a tensor-parallel weight's: reduce-scattered flat, all-reduced by a pipeline
+    tp = GroupLayout(((), ("model",)), (("data",), ("model",)))
+    flat = group_cost(ctx, up, tp, ("data",), ())
+    piped = group_cost(replace(ctx, gather_once=True, memo={}), up, tp, ("data",), ())
+    assert dict(flat.comm_bytes)["reduce_scatter"] == 2 * up.nbytes / 4
+    assert "reduce_scatter" not in dict(piped.comm_bytes)
+    assert dict(piped.comm_bytes)["all_reduce"] > dict(flat.comm_bytes)["all_reduce"]
 
 
 def test_total_adds_the_groups(model):

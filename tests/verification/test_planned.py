@@ -23,6 +23,7 @@ from spmdkit.verification.planned import (
     verify_plan,
 )
 from spmdkit.versions import parse_version
+from tests.sampling import sampled
 
 S = jax.ShapeDtypeStruct
 
@@ -141,3 +142,84 @@ def test_cpu_holds_float8_values_in_float32():
     held = held_on_cpu(prop)
     assert held.memory.argument_bytes == prop.memory.argument_bytes
     assert held.memory.temp_bytes > prop.memory.temp_bytes
+
+
+#: (strategy, mesh, model): the sharded-optimizer presets' train steps; CI runs one
+#: case per strategy (tests/sampling.py), ``SPMDKIT_FULL_SWEEP=1`` all twelve.
+_SHARDED_OPT = [
+    (s, m, name)
+    for s in ("zero1", "megatron+zero1", "megatron_sp+zero1")
+    for m in ((2, 4), (4, 2))
+    for name in ("gpt", "llama")
+]
+#: Cases whose plan.verify misses today, asserted to still miss (a fix shows up
+#: here): tiny GPT's learned position table under megatron_sp+zero1, whose gradient
+#: is split over ``model`` by the sequence and whose state is split over
+#: ``(data, model)``: XLA moves it with a 1 KiB collective-permute (devices in
+#: the other order) the reshard planner does not predict.
+_SHARDED_OPT_MISSES = {
+    ("megatron_sp+zero1", (2, 4), "gpt"): {"collective_permute"},
+    ("megatron_sp+zero1", (4, 2), "gpt"): {"collective_permute"},
+}
+_SHARDED_OPT_CI = {
+    ("zero1", (2, 4), "gpt"),
+    ("megatron+zero1", (4, 2), "llama"),
+    ("megatron_sp+zero1", (2, 4), "llama"),
+}
+
+
+def scattered_grad_bytes(plan) -> float:
+    """Bytes per device of the weight matrices' gradients a plan's optimizer
+    state shards over more axes than their parameters (each reduce-scattered from
+    the parameter's local block): the floor of the step's reduce-scatter payload.
+    Left out: vectors (the norms' scales, biases: summed inside their ops'
+    regions) and the embedding table (a scatter-add's gradient, summed in place),
+    which are all-reduced."""
+    import math
+
+    sizes = dict(plan.mesh.shape)
+
+    def shards(spec) -> int:
+        axes = [a for e in spec for a in ((e,) if isinstance(e, str) else tuple(e or ()))]
+        return math.prod(sizes[a] for a in axes)
+
+    total = 0.0
+    for path, spec in plan.params.items():
+        shape, dtype, logical = plan.info[path]
+        table = bool(logical) and logical[0] == "vocab"
+        if len(shape) > 1 and not table and shards(plan.opt[path]) > shards(spec):
+            total += math.prod(shape) * jnp.dtype(dtype).itemsize / shards(spec)
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:plan.strategy=:UserWarning")  # llama's 2 KV heads on model=4
+@pytest.mark.parametrize(
+    ("strategy", "shape", "name"),
+    sampled(_SHARDED_OPT, _SHARDED_OPT_CI),
+    ids=[f"{s}-{m[0]}x{m[1]}-{n}" for s, m, n in _SHARDED_OPT],
+)
+def test_sharded_optimizer_steps_reduce_scatter_their_gradients(strategy, shape, name):
+    """ZeRO-1 and the distributed optimizer (``megatron+zero1``,
+    ``megatron_sp+zero1``) on 2×4 and 4×2: the train step's collectives and peak
+    verify (±10% per kind, ±20%), and every gradient the optimizer state shards
+    further than its parameter is reduce-scattered into that shard (the compiled
+    reduce-scatters carry at least 90% of the weight matrices' among them:
+    :func:`scattered_grad_bytes`), not all-reduced and sliced."""
+    import optax
+
+    from spmdkit.flax import describe
+    from spmdkit.models import get_model
+    from spmdkit.verification.compiled import report
+
+    info = describe(get_model(name), config="tiny", batch_size=16)
+    mesh = sk.make_mesh(data=shape[0], model=shape[1])
+    opt = optax.adam(1e-3)
+    p = sk.plan(info, mesh, strategy, optimizer=opt)
+    step = sk.jit(sk.train_step(info, opt, p), p)
+    args = (info.abstract_params, jax.eval_shape(opt.init, info.abstract_params), info.batch)
+    verified = p.verify(step, *args)
+    missed = {r[0] for r in verified.rows if not r[3]}
+    assert missed == _SHARDED_OPT_MISSES.get((strategy, shape, name), set()), str(verified)
+    compiled = report(step.compile(*args)).bytes_by_kind()
+    assert compiled["reduce_scatter"] >= 0.9 * scattered_grad_bytes(p) > 0
