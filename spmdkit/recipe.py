@@ -97,6 +97,7 @@ from spmdkit.master import check_master_weights, check_stored, master_update
 from spmdkit.offload import check_offload, host_memory_kinds, to_memory
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import find_layer_scan
+from spmdkit.pipeline.layouts import update_specs
 from spmdkit.pipeline.split import CALLS
 from spmdkit.remat_scan import rematted_scan, rewrite
 from spmdkit.sequence import ContextShard, context_parallel_loss, plan_context
@@ -525,21 +526,17 @@ def _constrain(grads: Any, grad_specs: Any) -> Any:
     if grad_specs is None:
         return grads
 
-    def one(g: Any, spec: Any) -> Any:
-        return jax.lax.with_sharding_constraint(g, spec)
-
-    return jax.tree.map(
-        one, grads, grad_specs, is_leaf=lambda x: isinstance(x, (PartitionSpec, NamedSharding))
-    )
+    specs = (PartitionSpec, NamedSharding)
+    is_spec = lambda x: isinstance(x, specs)  # noqa: E731
+    return jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs, is_leaf=is_spec)
 
 
 def _fold_keys(rest: tuple, i: Any) -> tuple:
     """PRNG key leaves of ``rest`` folded with the micro-batch index."""
 
     def one(x: Any) -> Any:
-        if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.fold_in(x, i)
-        return x
+        key = hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        return jax.random.fold_in(x, i) if key else x
 
     return jax.tree.map(one, rest)
 
@@ -741,38 +738,11 @@ def _check_pipelined(loss: Loss, pipe: Any, recipe: Recipe) -> None:
 
 
 def _plan_layouts(plan: Any, update: bool = False) -> Callable[[Any], tuple[Any, Any]]:
-    """``params -> (param specs, grad specs)`` of a plan (what the pipeline takes
-    as given at its inputs and reduce-scatters its gradients to). ``update``: the
-    gradients feed the optimizer update (:func:`train_step`): see
-    :func:`_update_specs`."""
-    if update and getattr(plan, "opt", None):
-        return lambda params: (plan.param_specs(params), _update_specs(plan, params))
-    return lambda params: (plan.param_specs(params), plan.grad_specs(params))
-
-
-def _update_specs(plan: Any, params: Any) -> Any:
-    """The layouts a pipelined plan's gradients leave the pipeline in for the
-    update: its optimizer state's where the plan shards the state over batch axes
-    its parameter is not on (ZeRO-1, the distributed optimizer) and the parameter
-    is split over no other axis than the pipe and batch axes, so the gradient's sum
-    over the batch axes is a reduce-scatter into the shard each device updates
-    rather than an all-reduce the update slices; the plan's gradient layout
-    otherwise. (A tensor-parallel weight's keeps the all-reduce: XLA partitions a
-    reduce-scatter inside the pipeline's ``shard_map``, whose tensor axes are
-    automatic, by gathering the weight's tensor-parallel dims first, twice the
-    bytes and an all-gather.)"""
-    manual = {plan.pipeline.axis, *plan.activation.get("batch", ())}
-
-    def one(grad: PartitionSpec, opt: PartitionSpec) -> PartitionSpec:
-        used = {a for e in grad for a in ((e,) if isinstance(e, str) else tuple(e or ()))}
-        return opt if used <= manual else grad
-
-    return jax.tree.map(
-        one,
-        plan.grad_specs(params),
-        plan.opt_specs(params),
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
+    """``params -> (param specs, grad specs)`` of a plan (what the pipeline takes as
+    given at its inputs and reduce-scatters its gradients to); ``update``: for the
+    optimizer update (:func:`spmdkit.pipeline.layouts.update_specs`)."""
+    grads = functools.partial(update_specs, plan) if update else plan.grad_specs
+    return lambda params: (plan.param_specs(params), grads(params))
 
 
 def _pipelined_context(plan: Any) -> dict[str, Any]:
@@ -962,8 +932,6 @@ def train_step(
             fix="use sk.value_and_grad(loss, plan), which returns ((loss, outputs), grads), "
             "or plan the step with Pipeline(..., return_output=False)",
         )
-    # a pipelined plan's gradients leave the pipeline at the optimizer state's
-    # layout (ZeRO-1: reduce-scattered into the shard each device updates)
     grad_fn = value_and_grad(loss, recipe, grad_specs=grad_specs, _for_update=True)
     stateful = loss.has_state or rcp.fp8_scaling == "delayed"
     call = "step(params, opt_state, " + ("state, " if stateful else "") + "batch, key)"

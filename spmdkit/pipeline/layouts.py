@@ -51,6 +51,7 @@ __all__ = [
     "route_wide_gradients",
     "split_microbatches",
     "split_to_spec",
+    "update_specs",
     "weight_splits",
     "zero_cotangent",
 ]
@@ -214,6 +215,28 @@ class ManualAxes:
         done = {a for _, axes in split for a in axes}
         rest = (*extra, *(a for a in self.data_axes if a not in done))
         return (jax.lax.psum(g, rest) if rest else g).astype(dtype)
+
+
+def update_specs(plan: Any, params: Any) -> Any:
+    """The layouts a pipelined plan's gradients leave the pipeline in when they feed
+    the optimizer update (``sk.train_step``): a weight's optimizer state's where the
+    plan shards the state over batch axes the weight is not on (ZeRO-1, the
+    distributed optimizer) and the weight is split over no axis besides the pipe
+    and batch axes, so its sum over the batch axes is a reduce-scatter into the
+    shard each device updates, not an all-reduce the update slices; the plan's
+    gradient layout otherwise. (A tensor-parallel weight's stays all-reduced: XLA
+    partitions a reduce-scatter under the pipeline's automatic tensor axes by
+    gathering the weight's tensor-parallel dims first, twice the bytes.)"""
+    grads = plan.grad_specs(params)
+    if not getattr(plan, "opt", None):
+        return grads
+    manual = {plan.pipeline.axis, *plan.activation.get("batch", ())}
+
+    def one(grad: P, opt: P) -> P:
+        used = {a for e in grad for a in ((e,) if isinstance(e, str) else tuple(e or ()))}
+        return opt if used <= manual else grad
+
+    return jax.tree.map(one, grads, plan.opt_specs(params), is_leaf=lambda x: isinstance(x, P))
 
 
 def split_to_spec(lead: tuple, split: BatchSplit, skip: int = 0) -> P:

@@ -13,22 +13,18 @@ makes the search fast:
   parallelism) pays one all-reduce of an activation ``tokens × other dim``
   (Megatron's pair of all-reduces per column/row block); a sharded expert dim pays
   four all-to-alls of the tokens;
-- optimizer state sharded over more axes than its param (ZeRO-1, ZeRO-2, the
-  tensor-parallel presets' distributed optimizer): the grad is reduce-scattered
-  over those extra axes instead of all-reduced (its only consumer is the update
-  at the state's shard; a pipeline all-reduces a tensor-parallel weight's), and
-  the updated param is all-gathered over them;
-- ZeRO-2 (``GroupLayout.grads_sharded``): the grad is also kept at that shard
-  (its memory, and the micro-batches' accumulator);
+- optimizer state sharded over more axes than its param (ZeRO-1/2, the
+  distributed optimizer): the grad is reduce-scattered over those axes into the
+  update's shard, the updated param all-gathered over them; ZeRO-2
+  (``GroupLayout.grads_sharded``) keeps the grad at that shard;
 - compute is the param's share of the traced weight-matmul FLOPs divided by the
   batch and tensor shards, plus the attention FLOPs, at the topology's achievable
   rate for the compute dtype (:meth:`~spmdkit.topology.Topology.compute_time`);
 - communication that XLA's latency-hiding scheduler overlaps with compute (FSDP
   all-gathers and reduce-scatters, gradient all-reduces, ZeRO's gradient
   reduce-scatters) hides under ``overlap × compute``; tensor-parallel
-  all-reduces, expert all-to-alls and ZeRO's parameter all-gather stay exposed
-  (the gather follows the update, which follows the backward's last gradient:
-  no compute of the step is left to hide it under);
+  all-reduces, expert all-to-alls and ZeRO's parameter all-gather (after the
+  update: no compute is left to hide it) stay exposed;
 - memory per device = params + grads + optimizer state at their shards +
   residual activations divided by the batch (and sequence) shards, and by the
   tensor shards for the fraction of activations tensor parallelism splits.
@@ -688,13 +684,9 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
             _coll(ctx, "reduce_scatter", grad_wire * n_fsdp, sp.fsdp, hidden=True, times=m)
         )
     if sp.extra and (layout.grads_sharded or not (ctx.gather_once and sp.tp)):
-        # ZeRO-1/2 and the distributed optimizer: the gradient's only consumer is
-        # the update at the optimizer state's shard, so it is reduce-scattered into
-        # that shard over the axes it is summed over (sliced over the others) and
-        # all-reduced at that shard over the rest. Like FSDP's, the scatters overlap
-        # the backward, one per micro-batch (the accumulator is kept at the shard);
-        # a pipeline's once, at its end. A pipeline all-reduces a ZeRO-1
-        # tensor-parallel weight's gradient (``spmdkit.recipe._update_specs``).
+        # ZeRO: reduce-scattered into the state's shard over the axes it is summed
+        # over, all-reduced over the rest; hidden as FSDP's, once per micro-batch (a
+        # pipeline's once; its tensor-parallel ZeRO-1 grads: pipeline.layouts.update_specs)
         n_extra = math.prod(ctx.sizes[a] for a in sp.extra)
         scatter = tuple(a for a in sp.extra if a in sp.grad_sync)
         n_scatter = math.prod(ctx.sizes[a] for a in scatter)
