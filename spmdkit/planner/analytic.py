@@ -13,18 +13,16 @@ makes the search fast:
   parallelism) pays one all-reduce of an activation ``tokens × other dim``
   (Megatron's pair of all-reduces per column/row block); a sharded expert dim pays
   four all-to-alls of the tokens;
-- optimizer state sharded over more axes than its param (ZeRO-1/2, the
-  distributed optimizer): the grad is reduce-scattered over those axes into the
-  update's shard, the updated param all-gathered over them; ZeRO-2
-  (``GroupLayout.grads_sharded``) keeps the grad at that shard;
+- optimizer state sharded over more axes than its param (ZeRO-1/2, the distributed
+  optimizer): the grad reduce-scattered into the update's shard, the updated param
+  all-gathered; ZeRO-2 (``GroupLayout.grads_sharded``) keeps the grad there;
 - compute is the param's share of the traced weight-matmul FLOPs divided by the
   batch and tensor shards, plus the attention FLOPs, at the topology's achievable
   rate for the compute dtype (:meth:`~spmdkit.topology.Topology.compute_time`);
 - communication that XLA's latency-hiding scheduler overlaps with compute (FSDP
-  all-gathers and reduce-scatters, gradient all-reduces, ZeRO's gradient
-  reduce-scatters) hides under ``overlap × compute``; tensor-parallel
-  all-reduces, expert all-to-alls and ZeRO's parameter all-gather (after the
-  update: no compute is left to hide it) stay exposed;
+  all-gathers and reduce-scatters, gradient all-reduces and ZeRO's reduce-scatters)
+  hides under ``overlap × compute``; tensor-parallel all-reduces, expert all-to-alls
+  and ZeRO's parameter all-gather (after the update: nothing left to hide it) don't;
 - memory per device = params + grads + optimizer state at their shards +
   residual activations divided by the batch (and sequence) shards, and by the
   tensor shards for the fraction of activations tensor parallelism splits.
@@ -684,19 +682,15 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
             _coll(ctx, "reduce_scatter", grad_wire * n_fsdp, sp.fsdp, hidden=True, times=m)
         )
     if sp.extra and (layout.grads_sharded or not (ctx.gather_once and sp.tp)):
-        # ZeRO: reduce-scattered into the state's shard over the axes it is summed
-        # over, all-reduced over the rest; hidden as FSDP's, once per micro-batch (a
-        # pipeline's once; its tensor-parallel ZeRO-1 grads: pipeline.layouts.update_specs)
-        n_extra = math.prod(ctx.sizes[a] for a in sp.extra)
+        # ZeRO: reduce-scattered into the state's shard, all-reduced over the rest; once per
+        # micro-batch (a pipeline's once; its ZeRO-1 TP weights': layouts.update_specs)
+        n_extra, k = math.prod(ctx.sizes[a] for a in sp.extra), 1 if ctx.gather_once else m
         scatter = tuple(a for a in sp.extra if a in sp.grad_sync)
-        n_scatter = math.prod(ctx.sizes[a] for a in scatter)
-        k = 1 if ctx.gather_once else m
-        shard = grad_wire * n_scatter / n_extra
-        if scatter:
-            colls.append(_coll(ctx, "reduce_scatter", shard, scatter, hidden=True, times=k))
+        shard = grad_wire * math.prod(ctx.sizes[a] for a in scatter) / n_extra
         rest = tuple(a for a in sp.grad_sync if a not in sp.extra)
-        if rest:
-            colls.append(_coll(ctx, "all_reduce", grad_wire / n_extra, rest, hidden=True, times=k))
+        rs = _coll(ctx, "reduce_scatter", shard, scatter, hidden=True, times=k)
+        ar = _coll(ctx, "all_reduce", grad_wire / n_extra, rest, hidden=True, times=k)
+        colls.extend(c for c in (rs, ar) if c.payload)
     elif sp.grad_sync:
         colls.append(_coll(ctx, "all_reduce", grad_wire, sp.grad_sync, hidden=True))
     colls.extend(_tp_colls(ctx, g, layout, sp))
