@@ -51,7 +51,7 @@ records ``"error"`` instead of the figures.
 
 Run: ``python benchmarks/measure.py [--quick] [--models gpt,llama]
 [--strategies dp,fsdp,megatron,auto] [--steps N] [--batch gpt=16,llama=2]
-[--remat POLICY] [--out PATH]``
+[--remat POLICY] [--master optimizer] [--out PATH]``
 (``--quick``: tiny GPT only, 3 timed steps; a smoke run of the slow test step).
 """
 
@@ -80,6 +80,7 @@ import numpy as np
 import optax
 
 import spmdkit as sk
+from spmdkit.master import opt_init
 from spmdkit.topology import Topology
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -102,6 +103,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     ap.add_argument("--out", default=str(RESULTS / "measure.json"), help="JSON path")
     ap.add_argument("--remat", default="none", help="recompute policy on an accelerator")
+    ap.add_argument(
+        "--master",
+        default="params",
+        choices=("params", "optimizer"),
+        help="where the fp32 master weights live on an accelerator (Recipe.master_weights)",
+    )
     ap.add_argument(
         "--batch",
         default="",
@@ -203,16 +210,20 @@ def _setup(
     return sk.describe(spec, config=cfg, batch=batch), batch
 
 
-#: Recompute policy of the accelerator's recipe (``--remat``).
-REMAT = {"policy": "none"}
+#: Recompute policy of the accelerator's recipe (``--remat``) and where its fp32
+#: master weights live (``--master``: ``"params"`` or ``"optimizer"``).
+REMAT = {"policy": "none", "master": "params"}
 
 
 def _recipe(platform: str) -> Any:
-    """The plain step on CPU; bf16 compute (fp32 master weights) on an accelerator,
-    as training runs there, with ``--remat``'s policy."""
+    """The plain step on CPU; bf16 compute (fp32 master weights: in the parameters,
+    or with ``--master optimizer`` in the optimizer state beside bf16 parameters)
+    on an accelerator, as training runs there, with ``--remat``'s policy."""
     if platform == "cpu":
         return sk.Recipe()
-    return sk.Recipe(compute_dtype="bfloat16", remat=REMAT["policy"])
+    return sk.Recipe(
+        compute_dtype="bfloat16", remat=REMAT["policy"], master_weights=REMAT["master"]
+    )
 
 
 def _plan(info: Any, mesh: Any, strategy: str, topo: Topology, opt: Any) -> Any:
@@ -254,9 +265,8 @@ def measure_case(
     opt = optax.adam(1e-3)
     p = _plan(info, mesh, strategy, topo, opt)
     params = sk.init_sharded(info, p)
-    opt_state = jax.jit(opt.init, out_shardings=p.opt_shardings(jax.eval_shape(opt.init, params)))(
-        params
-    )
+    init = opt_init(opt, p.recipe)  # the fp32 master inside under --master optimizer
+    opt_state = jax.jit(init, out_shardings=p.opt_shardings(jax.eval_shape(init, params)))(params)
     # the state donated, as sk.train runs it: the plan's peak reuses the parameters'
     # and optimizer state's buffers for their updates (cost.memory's outputs are
     # the loss alone), so an undonated step would hold both copies beside it
@@ -354,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the cases, print the table, write the JSON; 1 if a case failed."""
     args = _parse(argv)
     REMAT["policy"] = args.remat
+    REMAT["master"] = args.master
     models = ["gpt"] if args.quick else args.models.split(",")
     strategies = args.strategies.split(",")
     args.steps = args.steps or (3 if args.quick else 10)
