@@ -132,7 +132,18 @@ def test_tensor_parallel_stages_verify(name, axes, schedule):
 _SHARDED_OPT_CASES = [
     ("zero1", {"pipe": 2, "data": 4}),
     pytest.param("megatron+zero1", {"pipe": 2, "data": 2, "model": 2}, marks=pytest.mark.full),
+    pytest.param("megatron_sp+zero1", {"pipe": 2, "data": 2, "model": 2}, marks=pytest.mark.full),
 ]
+
+#: What plan.verify misses today, asserted so a fix shows up here: megatron_sp's
+#: stages, pipelined, run collectives the prediction does not carry (the plain
+#: megatron_sp pipeline's value_and_grad misses alike on main: all_gather 512 B
+#: predicted vs 293.5 KiB compiled, all_to_all 0 vs 56 KiB, permutes 32 vs 24
+#: KiB): inside the pipeline's shard_map the model axis is automatic and XLA lays
+#: the stage's sequence-parallel activations out itself.
+_SHARDED_OPT_PIPE_MISSES = {
+    "megatron_sp+zero1": {"all_gather", "all_to_all", "collective_permute", "collectives total"}
+}
 
 
 @pytest.mark.slow
@@ -156,7 +167,8 @@ def test_sharded_optimizer_pipelines_verify(strategy, axes):
     step = sk.jit(sk.train_step(info, opt, plan), plan)
     args = (info.abstract_params, jax.eval_shape(opt.init, info.abstract_params), info.batch)
     verified = plan.verify(step, *args)
-    assert verified.ok, str(verified)
+    missed = {r[0] for r in verified.rows if not r[3]}
+    assert missed == _SHARDED_OPT_PIPE_MISSES.get(strategy, set()), str(verified)
     scattered = report(step.compile(*args)).bytes_by_kind().get("reduce_scatter", 0)
     if strategy == "zero1":
         assert scattered >= 0.9 * scattered_grad_bytes(plan) > 0
