@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.master import stored_dtype
 from spmdkit.mesh import auto_mesh
 from spmdkit.pipeline import Pipeline
 from spmdkit.planner.context import causal_shares
@@ -689,6 +690,8 @@ class Plan:
             if key in rows:
                 rows[key][0] += 1
                 continue
+            if ospec is not None and np.issubdtype(np.dtype(dtype), np.floating):
+                dtype = stored_dtype(self.recipe) or dtype  # bf16 under master_weights
             nbytes = math.prod(shape) * np.dtype(dtype).itemsize
             shards = math.prod(sizes[a] for a in _flat(spec))
             text = "-" if logical is None else ",".join(n or "_" for n in logical)

@@ -53,3 +53,23 @@ def test_state_and_batch_shardings(plans):
 def test_batch_not_dividing_raises(plans):
     with pytest.raises(PlanError, match="multiple"):
         plans["dp"].batch_spec("tokens", (6, 16))
+
+
+def test_the_table_shows_params_as_the_recipe_stores_them():
+    """Under master_weights='optimizer' a float32 parameter is held in bf16: its
+    bytes per device halve in the table."""
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    import spmdkit as sk
+
+    mesh = AbstractMesh((2,), ("data",))
+    info = {"w": ((8, 16), "float32", ("embed", "mlp"))}
+    rows = []
+    for master in ("params", "optimizer"):
+        recipe = sk.Recipe(compute_dtype="bfloat16", master_weights=master)
+        plan = sk.Plan(mesh, {"w": P()}, {"w": P("data")}, {}, info=info, recipe=recipe)
+        rows.append(
+            next(line for line in plan.table().splitlines() if line.strip().startswith("w "))
+        )
+    assert rows[0].rstrip().endswith("512 B") and rows[1].rstrip().endswith("256 B")
