@@ -16,15 +16,19 @@ Why it matters: a layout that replicates parameters over the data axis
 (tensor or pipeline parallelism with a sharded optimizer, ``megatron+zero1``)
 holds every parameter and its gradient once per data rank. In bf16 both halve,
 while the fp32 master lives in the optimizer state and is sharded exactly as the
-moments are (``+zero1``, ``fsdp``): on Llama 3 70B at TP 4 × PP 8 that is about
-15 GB per GPU.
+moments are (``+zero1``, ``fsdp``): on NeMo's Llama 3.1 70B layout (TP 4 × PP 4
+× CP 2, the optimizer state over data × context) the planner's peak goes from
+98.5 to 85.1 GiB per GPU (``benchmarks/calibration.py``).
 
 What one step does (:func:`master_update`):
 
 1. the loss is differentiated at the bf16 parameters, so the gradients are bf16
    and every gradient collective reduces bf16 (Megatron-Core's default,
    ``DistributedDataParallelConfig.grad_reduce_in_fp32=False``; NeMo's bf16
-   DDP config turns it on, which spmdkit does not model);
+   DDP config turns it on, which spmdkit does not model); micro-batches
+   accumulate them in bf16 too (Megatron-Core's ``main_grad`` has the
+   parameters' dtype then), while a pipelined step accumulates and reduces a
+   stage's gradients in fp32 (:func:`spmdkit.pipeline.layouts.accumulator_dtype`);
 2. the gradients are cast to fp32 and the optimizer updates the fp32 master
    (its moments were made from the master, so they are fp32 too);
 3. the new parameters are the new master cast down. Never ``bf16_param +
