@@ -122,7 +122,8 @@ class GQAttention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """``down(silu(x @ gate) * (x @ up))``."""
+    """``down(silu(x @ gate) * (x @ up))``, the gating by :func:`~models.layers.swiglu`
+    (its backward keeps only the two projections' outputs)."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         d, m, pd = cfg.d_model, cfg.d_mlp, cfg.param_dtype
@@ -133,7 +134,7 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
         gate = lyr.tag(x @ self.gate[...].astype(dt), "mlpwi_0")
-        h = jax.nn.silu(gate) * lyr.tag(x @ self.up[...].astype(dt), "mlpwi_1")
+        h = lyr.swiglu(gate, lyr.tag(x @ self.up[...].astype(dt), "mlpwi_1"))
         return lyr.tag(h @ self.down[...].astype(dt), "mlpwo")
 
 
