@@ -73,6 +73,16 @@ TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 MEGATRON_BF16 = sk.Recipe(compute_dtype="bfloat16", master_weights="optimizer")
 #: The same with Transformer Engine's FP8 GEMMs (bf16 parameters quantized per GEMM).
 MEGATRON_FP8 = sk.Recipe(compute_dtype="float8", master_weights="optimizer")
+#: Why torchtitan's 128-GPU rows miss since the reference Llama gates with
+#: ``models.layers.swiglu``: its backward keeps two ``[tokens, ffn]`` values where
+#: autodiff of ``jax.nn.silu`` kept about six, so the memory-bound work priced
+#: per layer fell, and the PyTorch stacks' ceilings were fitted before (their
+#: fit rows now at 1.11 and 1.04; the bisection's refit is in the saved
+#: constants). Eager PyTorch's ``F.silu(w1(x)) * w3(x)`` keeps three.
+SWIGLU_MISS = (
+    "priced with the two-residual SwiGLU under the PyTorch ceilings fitted with "
+    "autodiff's six: the memory-bound work per layer fell, the constants did not move"
+)
 
 
 def _llama(**over: int) -> object:
@@ -192,7 +202,7 @@ ROWS = [
         published=1894.5,
     ),
     TORCHTITAN_8B,
-    _twin(TORCHTITAN_8B, **AT_128, published=5605, memory_gib=67.0),
+    _twin(TORCHTITAN_8B, **AT_128, published=5605, memory_gib=67.0, miss=SWIGLU_MISS),
     {
         "name": "Megatron-Bridge Llama 3 70B FP8",
         "source": "Megatron-Bridge 26.02 docs/performance-summary.md",
@@ -243,7 +253,7 @@ ROWS = [
     TORCHTITAN_COMPILE,
     TORCHTITAN_FLOAT8,
     _twin(TORCHTITAN_COMPILE, **AT_128, published=6514, memory_gib=None),
-    _twin(TORCHTITAN_FLOAT8, **AT_128, published=8380, memory_gib=None),
+    _twin(TORCHTITAN_FLOAT8, **AT_128, published=8380, memory_gib=None, miss=SWIGLU_MISS),
 ]
 
 
