@@ -51,9 +51,10 @@ _MEMORY_CASES = [
 
 #: Known misses of the pipelined peak (model, strategy, schedule) -> the least
 #: predicted/compiled ratio it must keep, so a regression still fails. FSDP + TP
-#: stages, GPipe: the prediction sits a constant 1.1 MiB under the compiled peak
-#: (4.66 MB against 5.80 with autodiff's SiLU, 0.80; 4.22 against 5.37 with
-#: ``models.layers.swiglu``, which lowers both by the same 0.43 MB, 0.785).
+#: stages, GPipe: XLA's heap gaps (1.1 MiB, above) over a smaller peak since
+#: Llama gates with ``models.layers.swiglu``, which lowers prediction and
+#: compiled peak by the same 0.43 MB (jax 0.10.2: 4.66 MB against 5.80, 0.80,
+#: with autodiff's SiLU; 4.22 against 5.37, 0.785, with it).
 _PEAK_MISSES = {("llama", "fsdp", "gpipe"): 0.77}
 
 
@@ -79,8 +80,8 @@ def test_verify_predicts_the_pipelined_peak(name, axes, strategy, schedule, virt
     floor = _PEAK_MISSES.get((name, strategy, schedule))
     if floor is None:
         assert ok, (predicted, compiled)
-    else:  # marked only while it misses
-        assert not ok and floor <= predicted / compiled, (predicted, compiled)
+    else:  # within tolerance on some jax versions (0.12's heap packs tighter)
+        assert ok or floor <= predicted / compiled, (predicted, compiled)
 
 
 def test_branch_collectives_count_as_the_schedule_runs_them():
