@@ -195,7 +195,7 @@ def test_auto_searches_recipes_with_layouts_and_names_them(amesh):
         for s in PRESETS
         if s != "ep"
     )
-    budget = int(plain * 0.6)
+    budget = int(plain * 0.65)  # the closest recomputing plan needs 0.604 of plain
     tight = plan(
         spec, amesh, "auto", config="tiny_scan", batch_size=8, estimator="analytic",
         memory_budget=budget,
