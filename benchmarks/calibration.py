@@ -73,6 +73,8 @@ TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 MEGATRON_BF16 = sk.Recipe(compute_dtype="bfloat16", master_weights="optimizer")
 #: The same with Transformer Engine's FP8 GEMMs (bf16 parameters quantized per GEMM).
 MEGATRON_FP8 = sk.Recipe(compute_dtype="float8", master_weights="optimizer")
+
+
 #: Why torchtitan's 128-GPU rows miss since the reference Llama gates with
 #: ``models.layers.swiglu``: its backward keeps two ``[tokens, ffn]`` values where
 #: autodiff of ``jax.nn.silu`` kept about six, so the memory-bound work priced
