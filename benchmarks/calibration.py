@@ -75,12 +75,6 @@ MEGATRON_BF16 = sk.Recipe(compute_dtype="bfloat16", master_weights="optimizer")
 MEGATRON_FP8 = sk.Recipe(compute_dtype="float8", master_weights="optimizer")
 
 
-#: Why torchtitan's 128-GPU rows miss since the reference Llama gates with
-#: ``models.layers.swiglu``: its backward keeps two ``[tokens, ffn]`` values where
-#: autodiff of ``jax.nn.silu`` kept about six, so the memory-bound work priced
-#: per layer fell, and the PyTorch stacks' ceilings were fitted before (their
-#: fit rows now at 1.11 and 1.04; the bisection's refit is in the saved
-#: constants). Eager PyTorch's ``F.silu(w1(x)) * w3(x)`` keeps three.
 def _llama(**over: int) -> object:
     from models.llama import CONFIGS
 
