@@ -115,16 +115,25 @@ def tokens_combined(sp: SplitLoss, local: SplitLoss, lay: ManualAxes) -> str:
             outs = [rw.state_of(d) for d in rw.row_rule(local.scan, ins)]
         except rw.Mixed as e:
             return f"a layer's `{e}`"
-        try:
-            mine = _loss_terms(local, seq, outs)
-            whole = _loss_terms(sp, seq, outs)
-        except rw.Mixed as e:
-            return f"the loss: `{e}`"
-    if len(mine) != len(whole) or not np.allclose(mine, whole, rtol=1e-6, atol=0.0):
+        return _not_a_mean(sp, local, seq, outs, "tokens", "the whole sequence")
+
+
+def _not_a_mean(
+    sp: SplitLoss, local: SplitLoss, states: list, outs: list, unit: str, whole: str
+) -> str:
+    """How the loss weighs its sums over ``unit`` (tokens or rows) on a device's
+    share (``local``) against on ``whole`` (``sp``), when the two differ: then the
+    devices' losses, averaged, are not the loss. ``""`` when they agree."""
+    try:
+        mine = _loss_terms(local, states, outs)
+        theirs = _loss_terms(sp, states, outs)
+    except rw.Mixed as e:
+        return f"the loss: `{e}`"
+    if len(mine) != len(theirs) or not np.allclose(mine, theirs, rtol=1e-6, atol=0.0):
         return (
-            f"the loss weighs its sums over the tokens by {list(mine)} on a device's "
-            f"tokens and {list(whole)} on the whole sequence (each weight times the "
-            "entries it sums): not a mean over the tokens"
+            f"the loss weighs its sums over the {unit} by {list(mine)} on a device's "
+            f"{unit} and {list(theirs)} on {whole} (each weight times the entries it "
+            f"sums): not a mean over the {unit}"
         )
     return ""
 
@@ -175,20 +184,9 @@ def rows_loss_combined(sp: SplitLoss, local: SplitLoss, lay: ManualAxes) -> str:
             outs = [rw.state_of(d) for d in rw.row_rule(local.scan, ins)]
         except rw.Mixed:
             return ""
-        try:
-            mine = _loss_terms(local, rows, outs)
-            whole = _loss_terms(sp, rows, outs)
-        except rw.Mixed as e:
-            return f"the loss: `{e}`"
+        return _not_a_mean(sp, local, rows, outs, "rows", "the whole micro-batch")
     finally:
         _UNIT.reset(token)
-    if len(mine) != len(whole) or not np.allclose(mine, whole, rtol=1e-6, atol=0.0):
-        return (
-            f"the loss weighs its sums over the rows by {list(mine)} on a device's rows "
-            f"and {list(whole)} on the whole micro-batch (each weight times the entries "
-            "it sums): not a mean over the rows"
-        )
-    return ""
 
 
 def rows_loss_error(problem: str, axes: tuple[str, ...], op: str) -> PipelineError:
