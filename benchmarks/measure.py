@@ -210,32 +210,30 @@ def _setup(
     return sk.describe(spec, config=cfg, batch=batch), batch
 
 
-#: Recompute policy of the accelerator's recipe (``--remat``) and where its fp32
-#: master weights live (``--master``: ``"params"`` or ``"optimizer"``).
-REMAT = {"policy": "none", "master": "params"}
-
-
-def _recipe(platform: str) -> Any:
+def _recipe(platform: str, remat: str, master: str) -> Any:
     """The plain step on CPU; bf16 compute (fp32 master weights: in the parameters,
     or with ``--master optimizer`` in the optimizer state beside bf16 parameters)
     on an accelerator, as training runs there, with ``--remat``'s policy."""
     if platform == "cpu":
         return sk.Recipe()
-    return sk.Recipe(
-        compute_dtype="bfloat16", remat=REMAT["policy"], master_weights=REMAT["master"]
-    )
+    return sk.Recipe(compute_dtype="bfloat16", remat=remat, master_weights=master)
 
 
-def _plan(info: Any, mesh: Any, strategy: str, topo: Topology, opt: Any) -> Any:
+def _plan(info: Any, mesh: Any, strategy: str, topo: Topology, opt: Any, recipe: Any) -> Any:
     kw: dict[str, Any] = {"topology": topo, "optimizer": opt}
-    recipe = _recipe(jax.devices()[0].platform)
     if strategy == "auto" or not recipe.is_default:
         kw["recipe"] = recipe  # auto searches the layout only, for the same step
     return sk.plan(info, mesh, strategy, **kw)
 
 
 def _fill_batch(
-    model: str, config: str, mesh: Any, topo: Topology, opt: Any, overrides: dict | None = None
+    model: str,
+    config: str,
+    mesh: Any,
+    topo: Topology,
+    opt: Any,
+    recipe: Any,
+    overrides: dict | None = None,
 ) -> int:
     """The largest power-of-two batch whose dp plan's predicted peak is at most half
     the device's memory (at least the data axis; at most 256)."""
@@ -244,7 +242,7 @@ def _fill_batch(
     batch = mesh.shape["data"]
     while batch < 256:
         info, _ = _setup(model, config, 2 * batch, overrides)
-        if _plan(info, mesh, "dp", topo, opt).cost.peak_bytes > budget:
+        if _plan(info, mesh, "dp", topo, opt, recipe).cost.peak_bytes > budget:
             break
         batch *= 2
     return batch
@@ -263,7 +261,7 @@ def measure_case(
     """Plan, compile, run and time one case; the figures as a JSON-ready dict."""
     info, batch = _setup(model, config, batch_size, overrides)
     opt = optax.adam(1e-3)
-    p = _plan(info, mesh, strategy, topo, opt)
+    p = _plan(info, mesh, strategy, topo, opt, args.recipe)
     params = sk.init_sharded(info, p)
     init = opt_init(opt, p.recipe)  # the fp32 master inside under --master optimizer
     opt_state = jax.jit(init, out_shardings=p.opt_shardings(jax.eval_shape(init, params)))(params)
@@ -363,13 +361,12 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the cases, print the table, write the JSON; 1 if a case failed."""
     args = _parse(argv)
-    REMAT["policy"] = args.remat
-    REMAT["master"] = args.master
     models = ["gpt"] if args.quick else args.models.split(",")
     strategies = args.strategies.split(",")
     args.steps = args.steps or (3 if args.quick else 10)
     devices = jax.devices()
     platform = devices[0].platform
+    args.recipe = _recipe(platform, args.remat, args.master)
     data, model_axis = _mesh_shape(len(devices))
     mesh = sk.make_mesh(data=data, model=model_axis)
     if platform == "cpu":
@@ -386,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name in fixed:
             batch = int(fixed[name])
         else:
-            batch = _fill_batch(name, config, mesh, topo, optax.adam(1e-3), over)
+            batch = _fill_batch(name, config, mesh, topo, optax.adam(1e-3), args.recipe, over)
         for strategy in strategies:
             try:
                 cases.append(measure_case(name, config, batch, strategy, mesh, topo, args, over))
