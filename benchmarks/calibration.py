@@ -23,11 +23,14 @@ Procedure (``docs/recipes.md``, "Step-time model and calibration"):
    parameters and the fp32 master in that state (``master_weights="optimizer"``).
 3. Rows whose recipe lies outside the planner's search space are priced at the
    nearest recipe in it and marked (``in_space: false``, with the reason).
-4. ``auto``: for a flat row, ``sk.plan(..., "auto", pipeline="auto")`` on its
-   devices says whether the planner would pipeline (the published recipe did
-   not); for a pipelined row, auto with its pipeline fixed searches layouts and
-   recipe within 80 GiB (its tokens/s and memory printed beside). A float8 row's
-   auto may pick float8 (``allow_fp8=True``: the published run chose it).
+4. ``auto``: ``sk.plan(..., "auto", pipeline="auto")`` within 80 GiB on the
+   row's published mesh with its pipe axis folded into the data axis
+   (:func:`auto_mesh`: auto splits it out again, so the published pipelined
+   layout, context axis included, is among the candidates it costs) says whether
+   the planner would pipeline, and what it picks instead, priced beside the
+   published layout's prediction. The levers the published recipe chose that
+   auto takes only when asked are allowed: float8 (``allow_fp8``) and the fp32
+   master in the optimizer state (``allow_master_weights``).
 
 Run: ``python benchmarks/calibration.py [--no-auto]``; saves
 ``benchmarks/results/calibration.json``. ``--markdown`` prints the saved table as
@@ -290,18 +293,25 @@ def fit(row: dict, base: sk.Topology) -> float:
     return (lo + hi) / 2
 
 
-def auto_choice(row: dict, topology: sk.Topology) -> dict:
-    """What ``sk.plan(..., "auto")`` picks for the row's devices within 80 GiB: with
-    pipelines searched (``pipeline="auto"``, on ``data × model`` for a pipelined
-    row) when the row is in the search space, else with the row's pipeline fixed
-    (layouts and recipe searched: the nearest plan that fits)."""
+def auto_mesh(row: dict) -> dict[str, int]:
+    """The mesh auto plans a row on: the published one, its pipe axis folded into
+    the data axis (``pipeline="auto"`` splits it out again, the published degree
+    among the others), so the published layout is one auto costs."""
     mesh = dict(row["mesh"])
-    if "outside" in row:
-        pipeline = row.get("pipeline")
-    else:
-        pipeline = "auto"
-        if "pipe" in mesh:
-            mesh = {"data": row["devices"] // 8, "model": 8}
+    pipe = mesh.pop("pipe", 1)
+    mesh["data"] = mesh.get("data", 1) * pipe
+    return {"data": mesh.pop("data"), **mesh}
+
+
+def auto_choice(row: dict, topology: sk.Topology) -> dict:
+    """What ``sk.plan(..., "auto")`` picks for the row's devices within 80 GiB: on
+    :func:`auto_mesh` with pipelines searched (``pipeline="auto"``) when the row is
+    in the search space, else with the row's pipeline fixed (layouts and recipe
+    searched: the nearest plan that fits). The levers the published recipe chose
+    that auto tries only when asked are allowed: float8, and the fp32 master in
+    the optimizer state (``allow_master_weights``)."""
+    mesh = dict(row["mesh"]) if "outside" in row else auto_mesh(row)
+    pipeline = row.get("pipeline") if "outside" in row else "auto"
     t0 = time.perf_counter()
     spec, config = _model(row)
     p = sk.plan(
@@ -313,8 +323,10 @@ def auto_choice(row: dict, topology: sk.Topology) -> dict:
         topology=topology,
         pipeline=pipeline,
         allow_fp8=row["recipe"].compute_dtype == "float8",
+        allow_master_weights=row["recipe"].master_weights == "optimizer",
     )
     return {
+        "mesh": mesh,
         "chosen": f"{p.chosen}+{p.recipe.short()}"
         + (f"+{p.pipeline.short()}" if p.pipeline else ""),
         "pipelined": p.pipeline is not None,

@@ -42,7 +42,9 @@ Each candidate is a layout *and* a :class:`~spmdkit.recipe.Recipe`. Unless
 remat policy (``none``, ``dots``, ``full`` and MaxText's named policies that keep
 something of their own, :func:`~spmdkit.planner.analytic.remat_choices`, when the
 model has a layer scan; their offload forms with the optimizer's) and
-compute dtype (the parameters', or bf16 on fp32 master weights), growing the
+compute dtype (the parameters', or bf16 on fp32 master weights; float8 and bf16
+parameters with the fp32 master in the optimizer state only when allowed,
+:mod:`spmdkit.planner.levers`), growing the
 micro-batch count (every divisor of the batch up to 16) only until some plan
 fits within :data:`_FLAT_HEADROOM` of the budget; optimizer offload is tried
 only when nothing fits without it. The three best candidates and the presets
@@ -63,7 +65,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, describe
@@ -75,7 +76,6 @@ from spmdkit.planner.analytic import (
     column_siblings,
     param_flops,
     param_groups,
-    remat_choices,
     total_cost,
 )
 from spmdkit.planner.budget import Budget, over_budget_error
@@ -96,6 +96,7 @@ from spmdkit.planner.context import (
     context_axes,
     context_meshes,
 )
+from spmdkit.planner.levers import auto_recipes, check_fp8
 from spmdkit.planner.logical import (
     ACTIVATION_ALIASES,
     BATCH_NAMES,
@@ -124,7 +125,7 @@ from spmdkit.planner.notes import (
     recipe_note,
 )
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
-from spmdkit.planner.pipeline.search import PipelinePlanning, divisors
+from spmdkit.planner.pipeline.search import PipelinePlanning
 from spmdkit.planner.plans import ContextParallel, Cost, Plan, PyTree, dims_spec
 from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
@@ -140,6 +141,7 @@ if TYPE_CHECKING:
 __all__ = [
     "H100_MEMORY",
     "plan",
+    "planner_for",
 ]
 
 #: Per-device memory of one H100 (bytes); the default memory budget.
@@ -170,6 +172,7 @@ def plan(
     pipeline: Pipeline | str | None = None,
     aliases: Mapping[str, str] | None = None,
     allow_fp8: bool = False,
+    allow_master_weights: bool = False,
     allow_over_budget: bool = False,
 ) -> Plan:
     """Plan a model's train step on a mesh.
@@ -242,6 +245,11 @@ def plan(
         (weight matmuls on float8 operands, :mod:`spmdkit.fp8`). Off by default:
         float8 changes numerics, so auto never picks it unasked. A fixed
         ``recipe=Recipe(compute_dtype="float8")`` needs no flag.
+      allow_master_weights: with ``"auto"``, also try each narrower compute
+        dtype with ``master_weights="optimizer"`` (bf16 parameters, the fp32
+        master in the optimizer state, :mod:`spmdkit.master`). Off by default:
+        the plan's step then takes bf16 parameters, not the caller's fp32 ones
+        (:mod:`spmdkit.planner.levers`).
       allow_over_budget: with ``"auto"``, when no candidate fits
         ``memory_budget``, return the closest (with a warning) instead of
         raising :class:`~spmdkit.planner.logical.OverBudgetError`.
@@ -282,7 +290,9 @@ def plan(
     if pipeline is not None and strategy != "auto":
         pipeline_submesh(mesh, pipeline, info, recipe)
         named, names_from = apply_names(info, names, lambda: infer_names(info))
-        planner = _planner(named, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
+        planner = planner_for(
+            named, mesh, optimizer, topology, peak_flops, memory_budget, estimator
+        )
         planner.aliases = aliases
         name, c, cost = planner.pipelined_strategy(strategy, rules, recipe, pipeline)
         out = replace(planner.make_plan(name, c, cost), names_from=names_from)
@@ -291,7 +301,7 @@ def plan(
         return _noted(out, absent, strict=strict)
     _check_recipe(recipe)
     info, names_from = apply_names(info, names, lambda: infer_names(info))
-    planner = _planner(info, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
+    planner = planner_for(info, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
     planner.aliases = aliases
     fixed = recipe or PLAIN
     if isinstance(strategy, str) and strategy != "auto":
@@ -311,7 +321,7 @@ def plan(
             given=repr(pipeline),
             fix="pass pipeline='auto' or Pipeline(stages=..., microbatches=...)",
         )
-    planner.allow_fp8 = allow_fp8
+    planner.allow_fp8, planner.allow_master_weights = allow_fp8, allow_master_weights
     out = replace(
         planner.auto_plan(rules, recipe, pipeline, allow_over_budget), names_from=names_from
     )
@@ -417,12 +427,6 @@ _FLAT_HEADROOM = 0.85
 _RECOST_MORE = 6
 
 
-#: The most micro-batches (gradient accumulation steps) auto tries without a
-#: pipeline: every divisor of the batch up to it, smallest first (more only adds
-#: collectives; 16 sequences of 8,192 tokens per device already fit Llama-3 70B).
-_MAX_MICROBATCHES = 16
-
-
 @dataclass
 class _Planner(PipelinePlanning):
     """One :func:`plan` call: the model, its parameter groups, the mesh and the
@@ -445,6 +449,7 @@ class _Planner(PipelinePlanning):
     #: logical names treated alike in every rule table (``plan(aliases=)``)
     aliases: dict[str, str] = field(default_factory=dict)
     allow_fp8: bool = False
+    allow_master_weights: bool = False
     #: auto: label → candidate not propagated because its step floor is above a
     #: plan already re-costed (:meth:`recosted`)
     floored: dict[str, Candidate] = field(default_factory=dict)
@@ -645,56 +650,19 @@ class _Planner(PipelinePlanning):
         return (over, peak if over else step, step)
 
     def recipes(self, fixed: Recipe | None) -> list[list[Recipe]]:
-        """The recipes auto tries, in rounds: each round's micro-batch counts are
-        tried smallest first and the next round (optimizer offload) only when no
-        plan of the earlier ones fits."""
+        """The recipes auto tries, in rounds (:func:`~spmdkit.planner.levers.auto_recipes`),
+        or the fixed one."""
         if fixed is not None:
             check_remat_every(fixed.remat_every, self.ctx.trace.layers, op="plan")
             return [[fixed]]
-        dtypes: list[str | None] = [None]
-        if any(np.dtype(g.dtype) == np.float32 for g in self.groups):
-            dtypes.append("bfloat16")
         if self.allow_fp8:
-            self.check_fp8()
-            dtypes.append("float8")
-        remats = remat_choices(self.ctx.trace)
-        rounds = []
-        for offload in (False, True):  # activations go to the host with the optimizer
-            rounds.append(
-                [
-                    Recipe(
-                        remat=r,
-                        remat_offload=o,
-                        remat_every=k,
-                        compute_dtype=d,
-                        microbatches=m,
-                        offload_opt=offload,
-                    )
-                    for r, o, k in remats
-                    if offload or not o
-                    for d in dtypes
-                    for m in divisors(self.ctx.trace.batch_size)
-                    if m <= _MAX_MICROBATCHES
-                ]
-            )
-        return rounds
-
-    def check_fp8(self) -> None:
-        """Raise when the device has no float8 matmuls (``allow_fp8`` on an A100).
-
-        Raises:
-          PlanError: the topology has no float8 peak.
-        """
-        peaks = dict(self.ctx.topology.peak_flops)
-        if "float8" not in peaks and self.ctx.peak_flops is None:
-            raise PlanError(
-                op="plan(allow_fp8=True)",
-                must="the device computes in float8 (H100 and later: the topology has a "
-                "float8 peak)",
-                given=f"a topology with peaks for {sorted(peaks)}",
-                fix="plan without allow_fp8 (bf16 compute), or for a device with float8 "
-                "tensor cores (sk.Topology.h100())",
-            )
+            check_fp8(self.ctx.topology, self.ctx.peak_flops)
+        return auto_recipes(
+            self.ctx.trace,
+            self.groups,
+            allow_fp8=self.allow_fp8,
+            allow_master_weights=self.allow_master_weights,
+        )
 
     def candidates(self, recipe: Recipe, extra: RulesLike | None) -> list[Candidate]:
         """Every preset and searched candidate under one recipe."""
@@ -716,7 +684,7 @@ class _Planner(PipelinePlanning):
             fits = False
             done: set[tuple] = set()
             for r in recipes:
-                key = (r.remat, r.remat_offload, r.remat_every, r.compute_dtype)
+                key = (r.remat, r.remat_offload, r.remat_every, r.compute_dtype, r.master_weights)
                 if key in done:
                     continue
                 cands = self.candidates(r, extra)
@@ -963,7 +931,7 @@ def _rest(cost: Cost) -> float:
     return cost.peak_bytes - memory.get("activations", 0) - memory.get("opt_update", 0)
 
 
-def _planner(
+def planner_for(
     info: ModelInfo,
     mesh: MeshLike,
     optimizer: GradientTransformation | None,
@@ -972,6 +940,13 @@ def _planner(
     memory_budget: float | None,
     estimator: str,
 ) -> _Planner:
+    """The planner one :func:`plan` call builds (the model traced once, its
+    parameter groups, the cost context on ``mesh``); tests and benchmarks call its
+    methods to see the candidates a search costs (``pipelined_on``, ``pipelined``).
+
+    Raises:
+      PlanError: an unknown ``estimator``.
+    """
     if estimator not in ("propagate", "analytic"):
         raise PlanError(
             op="plan",

@@ -14,6 +14,15 @@ beside the usual ones (:mod:`spmdkit.planner.search`); this module says which:
   axis: build the devices' mesh the same way, ``sk.make_mesh(pipe=8, data=8,
   model=8)`` (the same devices in the same order as ``data=64, model=8``),
   or take it from ``plan.mesh``'s axis names and sizes.
+- **Context axes in the stages**: on a pipe mesh with a ``context`` axis (the
+  one given, or its data axis split where auto tries context parallelism
+  unpipelined: :func:`~spmdkit.planner.context.context_meshes`), each stage's
+  layouts are costed both with the sequence on it (two load-balanced chunks per
+  device; under ``megatron_sp`` on the tensor axes too, as Megatron-LM's
+  ``--context-parallel-size`` with sequence parallelism runs) and with it as
+  one more data axis. So NeMo's Llama 3.1 70B layout (TP 4 × PP 4 × CP 2) is
+  among what ``sk.plan(..., "auto", pipeline="auto")`` costs on
+  ``data=8, context=2, model=4``.
 - **Configurations** (:func:`pipeline_configs`): every micro-batch count ``m``
   that divides each data-parallel replica's batch (63 sequences over 9 stages:
   1, 3, 7, 9, 21 and 63); for ``m ≥ p`` 1F1B and, where ``p`` divides ``m``,
@@ -50,7 +59,7 @@ from spmdkit.planner.candidates import (
     rules_choice,
     search_layouts,
 )
-from spmdkit.planner.context import context_axes
+from spmdkit.planner.context import CONTEXT_AXIS, context_axes, context_meshes
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     PRESETS,
@@ -58,6 +67,7 @@ from spmdkit.planner.logical import (
     LogicalRules,
     RulesLike,
     UnknownLogicalAxisError,
+    preset_rules,
 )
 from spmdkit.planner.notes import PlanNote
 from spmdkit.planner.pipeline.cost import StageSplit, param_stages, pipeline_cost, stage_groups
@@ -176,6 +186,15 @@ def pipe_meshes(mesh: MeshLike, layers: int, stages: int | None = None) -> list[
         for p in range(2, sizes[data] + 1)
         if sizes[data] % p == 0 and layers % p == 0
     ]
+
+
+def _seq_choices(inner: Mapping[str, int], seq_len: int) -> list[tuple[str, ...]]:
+    """The sequence's axes a pipelined stage is costed with: none, and the context
+    axis (:data:`~spmdkit.planner.context.CONTEXT_AXIS`) when the mesh has one of
+    more than one device whose chunks (two per device, load-balanced) split the
+    sequence."""
+    n = inner.get(CONTEXT_AXIS, 1)
+    return [()] + ([(CONTEXT_AXIS,)] if n > 1 and seq_len % (2 * n) == 0 else [])
 
 
 def divisors(n: int) -> list[int]:
@@ -343,7 +362,7 @@ class PipelinePlanning:
             )
         # the stage cost model prices remat per layer, on the device
         recipes = {
-            (r.remat, r.compute_dtype, r.save_names): r
+            (r.remat, r.compute_dtype, r.master_weights, r.save_names): r
             for r in self.recipes(fixed)[0]
             if fixed is not None or (r.remat_every == 1 and not r.remat_offload)
         }
@@ -359,6 +378,15 @@ class PipelinePlanning:
                 f"no pipe degree of 2 or more divides both the mesh's data axis "
                 f"({axis_sizes(self.mesh)}) and the {layers} layers"
             )
+        # and each with its data axis split for context parallelism where auto
+        # tries it unpipelined (long sequences, a batch short of the data axis)
+        trace = self.ctx.trace
+        meshes = [
+            m
+            for pm in meshes
+            for m in (pm, *([] if CONTEXT_AXIS in axis_sizes(pm) else
+                            context_meshes(pm, trace.batch_size, trace.seq_len)))
+        ]  # fmt: skip
         for mesh in meshes:
             for r in base:
                 out += self.pipelined_on(mesh, where, r, fixed_pipe, extra)
@@ -480,37 +508,68 @@ class PipelinePlanning:
         # pipelined only without batch axes, unless the request computes it per
         # device's rows (the executor refuses it otherwise)
         local_stats = request is not None and request.local_statistics
-        for batch_ax in batch_axis_choices(inner, trace.batch_size):
-            shards = math.prod(inner[a] for a in batch_ax)
-            if shards > 1 and self.batch_refused(batch_ax, local_stats):
-                continue
-            local = trace.batch_size // math.prod(inner[a] for a in batch_ax)
-            configs = pipeline_configs(p, trace.layers, local, request)
-            if not configs:
-                continue
-            found = self.pipe_search(ctx, groups, where, batch_ax, configs, inner)
-            for choice, cost, pipe in found:
-                full = [
-                    _on_pipe(g, lay) if w == "layers" else lay
-                    for g, lay, w in zip(self.groups, choice, where, strict=True)
-                ]
-                act = {n: () for n in BATCH_NAMES}
-                act["batch"] = batch_ax
-                name = f"searched[batch={','.join(batch_ax) or '-'}]"
-                out.append(Candidate(name, full, act, None, cost, recipe, pipe, mesh))
-        # the tensor-parallel presets' layouts on the other axes too: Megatron-LM's
-        # pipelines keep tensor parallelism inside the node, which the per-group
-        # search (each group's layout on its own) can miss; it covers the
-        # data-parallel and FSDP layouts itself
+        for seq_ax in _seq_choices(inner, trace.seq_len):
+            others = {a: s for a, s in inner.items() if a not in seq_ax}
+            sctx = replace(ctx, context=seq_ax) if seq_ax else ctx
+            for batch_ax in batch_axis_choices(others, trace.batch_size):
+                shards = math.prod(inner[a] for a in batch_ax)
+                if shards > 1 and self.batch_refused(batch_ax, local_stats):
+                    continue
+                configs = pipeline_configs(p, trace.layers, trace.batch_size // shards, request)
+                if not configs:
+                    continue
+                found = self.pipe_search(sctx, groups, where, (batch_ax, seq_ax), configs, inner)
+                for choice, cost, pipe in found:
+                    full = [
+                        _on_pipe(g, lay) if w == "layers" else lay
+                        for g, lay, w in zip(self.groups, choice, where, strict=True)
+                    ]
+                    act = {n: () for n in BATCH_NAMES}
+                    act["batch"], act["seq"] = batch_ax, seq_ax
+                    name = f"searched[batch={','.join(batch_ax) or '-'}" + "".join(
+                        f",{a}={inner[a]}" for a in seq_ax
+                    )
+                    c = Candidate(name + "]", full, act, None, cost, recipe, pipe, mesh)
+                    if not seq_ax or not self.refused(c._replace(context=seq_ax)):
+                        out.append(c._replace(context=seq_ax))
+        return out + self.pipelined_presets(mesh, recipe, request, extra)
+
+    def pipelined_presets(
+        self,
+        mesh: MeshLike,
+        recipe: Recipe,
+        request: Pipeline | None,
+        extra: RulesLike | None,
+    ) -> list[Candidate]:
+        """The tensor-parallel presets' layouts (``extra`` rules first) on the axes of
+        ``mesh`` other than the pipe axis, pipelined: Megatron-LM's pipelines keep
+        tensor parallelism inside the node, which the per-group search (each group's
+        layout on its own) can miss; it covers the data-parallel and FSDP layouts
+        itself. With a context axis, each also with Megatron-LM's context
+        parallelism: the sequence over the context axis (and the tensor axes under
+        sequence parallelism), unless ``extra`` places the sequence."""
+        sizes = axis_sizes(mesh)
+        inner = {a: s for a, s in sizes.items() if a != PIPE_AXIS}
         sub = _mesh_without(sizes, (PIPE_AXIS,))
+        seq_len = self.ctx.trace.seq_len
+        given = extra is not None and any(n == "seq" for n, _ in LogicalRules.coerce(extra).entries)
+        out = []
         for name in _TP_PRESETS:
-            try:
-                tables = preset_tables(name, extra, sub, self.aliases)
-                c = self.pipelined_table(name, tables, mesh, recipe, request)
-            except UnknownLogicalAxisError:
-                continue
-            if c is not None and not self.refused(c):
-                out.append(c)
+            for cp in [()] if given else _seq_choices(inner, seq_len):
+                rules = extra
+                if cp:
+                    spec = preset_rules(name, sub).resolve(("seq",), (seq_len,), sub)
+                    sp = spec[0] if len(spec) else None
+                    sp = (sp,) if isinstance(sp, str) else tuple(sp or ())
+                    rules = LogicalRules((("seq", (*cp, *(a for a in sp if a not in cp))),))
+                    rules = rules if extra is None else LogicalRules.coerce(extra).prepend(rules)
+                try:
+                    tables = preset_tables(name, rules, sub, self.aliases)
+                    c = self.pipelined_table(name, tables, mesh, recipe, request)
+                except UnknownLogicalAxisError:
+                    continue
+                if c is not None and not self.refused(c):
+                    out.append(c)
         return out
 
     def pipe_search(
@@ -518,7 +577,7 @@ class PipelinePlanning:
         ctx: CostContext,
         groups: list[ParamGroup],
         where: tuple[str, ...],
-        batch_ax: tuple[str, ...],
+        axes: tuple[tuple[str, ...], tuple[str, ...]],
         configs: list[Pipeline],
         inner: dict[str, int],
     ) -> list[tuple[list[GroupLayout], Cost, Pipeline]]:
@@ -526,20 +585,22 @@ class PipelinePlanning:
         (:func:`~spmdkit.planner.pipeline.search.reference`, honouring the budget), then
         the best configuration with them, ``(choice, cost, pipeline)``, and the best
         within :data:`_PIPE_HEADROOM` of the budget when that is another one (the
-        analytic model's memory is calibrated upwards later, :meth:`calibrated`)."""
+        analytic model's memory is calibrated upwards later, :meth:`calibrated`).
+        ``axes``: the batch axes and the context axes the sequence is split over."""
         layers = ctx.trace.layers
+        batch_ax, seq_ax = axes
         ref = reference(configs)
         rctx = replace(ctx, recipe=replace(ctx.recipe, microbatches=ref.microbatches))
 
         def cost_of(pipe: Pipeline, choice: Sequence[GroupLayout]) -> Cost:
             split = StageSplit(pipe, where, layers)
-            return pipeline_cost(rctx, groups, choice, batch_ax, (), split)
+            return pipeline_cost(rctx, groups, choice, batch_ax, seq_ax, split)
 
         choice, _ = search_layouts(
             rctx,
             groups,
             batch_ax,
-            (),
+            seq_ax,
             self.budget,
             total=lambda _c, _g, ch, _b, _s: cost_of(ref, ch),
             sizes=inner,

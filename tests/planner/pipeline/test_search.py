@@ -370,3 +370,50 @@ def test_a_loss_that_is_not_a_mean_over_the_rows_keeps_pipelines_off_batch_axes(
     (note,) = [n for n in got.notes if "only without the batch" in n.message]
     assert note.kind == "dropped" and "masked mean" in note.message
     assert "combine" not in note.message  # its layers keep the rows apart
+
+
+def test_auto_pipelines_with_the_sequence_on_a_context_axis(cp_llamas) -> None:
+    """On a pipe mesh with a context axis, auto costs each stage with the sequence
+    on it as well as with it as one more data axis: the searched layouts, and the
+    tensor-parallel presets with Megatron-LM's context parallelism (under
+    megatron_sp the sequence over the context and the tensor axes), priced as the
+    explicit pipelined plan with that rule is."""
+    from spmdkit.planner.search import planner_for
+
+    mean, _ = cp_llamas
+    mesh = sk.abstract_mesh(pipe=2, context=2, model=2)
+    planner = planner_for(mean, mesh, None, sk.Topology.h100(), None, None, "analytic")
+    got = planner.pipelined_on(mesh, planner.stages(), sk.Recipe(), None)
+    cp = {(c.name, c.activation["seq"]): c for c in got if c.context}
+    assert all(c.context == ("context",) for c in cp.values())
+    assert ("megatron_sp", ("context", "model")) in cp and ("megatron", ("context",)) in cp
+    assert any(name.startswith("searched[") and "context=2" in name for name, _ in cp)
+    assert any(not c.context and c.name == "megatron_sp" for c in got)  # the plain one too
+    c = cp[("megatron_sp", ("context", "model"))]
+    explicit = plan(
+        mean, mesh, "megatron_sp", rules={"seq": ("context", "model")}, pipeline=c.pipeline,
+        estimator="analytic",
+    )  # fmt: skip
+    assert explicit.context.axes == ("context",)
+    assert c.cost.step_time_s == pytest.approx(explicit.cost.step_time_s, rel=1e-6)
+    assert c.cost.peak_bytes == pytest.approx(explicit.cost.peak_bytes, rel=1e-6)
+
+
+def test_auto_splits_a_pipe_meshs_data_axis_for_context_where_it_would_unpipelined() -> None:
+    """Two sequences on eight devices: pipe=2 leaves data=4, which the batch does not
+    fill, so auto also costs the stages on pipe × data × context meshes (as it
+    splits the data axis for context parallelism without pipelines)."""
+    from spmdkit.planner.search import planner_for
+
+    cfg = LlamaConfig(seq_len=64, n_layers=2, scan_layers=True)
+    info = describe(get_model("llama"), config=cfg, batch_size=2)
+    planner = planner_for(
+        info, sk.abstract_mesh(data=8), None, sk.Topology.h100(), None, None, "analytic"
+    )
+    got = planner.pipelined("auto", sk.Recipe(), None)
+    meshes = {tuple(dict(c.mesh.shape).items()) for c in got if c.context}
+    assert meshes == {
+        (("pipe", 2), ("data", 2), ("context", 2)),
+        (("pipe", 2), ("data", 1), ("context", 4)),
+    }
+    assert any(c.context and c.name.startswith("searched[batch=-,context=4]") for c in got)
