@@ -626,14 +626,12 @@ class Topology:
             piece /= n
         return time
 
-    def _levels(self, axes: tuple[str, ...], mesh: MeshLike) -> list[tuple[int, float, float]]:
-        """The group's axes merged by link, fastest first: ``(devices, bw, latency)``."""
-        sizes = axis_sizes(mesh)
-        by_link: dict[tuple[float, float], int] = {}
-        for a in axes:
-            link = self.link((a,), mesh)
-            by_link[link] = by_link.get(link, 1) * sizes[a]
-        return [(n, bw, lat) for (bw, lat), n in sorted(by_link.items(), key=lambda kv: -kv[0][0])]
+    def _levels(
+        self, axes: tuple[str, ...], mesh: MeshLike
+    ) -> tuple[tuple[int, float, float], ...]:
+        """The group's axes merged by link, fastest first: ``(devices, bw, latency)``
+        (memoized per topology, axes and axis sizes: the planner asks millions of times)."""
+        return _levels(self, axes, tuple(axis_sizes(mesh).items()))
 
 
 def _stack(stack: str) -> dict[str, float]:
@@ -661,6 +659,18 @@ def _link(
     topology: Topology, axes: tuple[str, ...], sizes_items: tuple[tuple[str, int], ...]
 ) -> tuple[float, float]:
     return topology._link_uncached(axes, sizes_items)
+
+
+@functools.lru_cache(maxsize=4096)
+def _levels(
+    topology: Topology, axes: tuple[str, ...], sizes_items: tuple[tuple[str, int], ...]
+) -> tuple[tuple[int, float, float], ...]:
+    sizes = dict(sizes_items)
+    by_link: dict[tuple[float, float], int] = {}
+    for a in axes:
+        link = _link(topology, (a,), sizes_items)
+        by_link[link] = by_link.get(link, 1) * sizes[a]
+    return tuple((n, bw, lat) for (bw, lat), n in sorted(by_link.items(), key=lambda kv: -kv[0][0]))
 
 
 #: The topology plans use when none is given: H100 nodes of 8 GPUs.

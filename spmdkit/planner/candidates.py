@@ -535,14 +535,18 @@ def search_layouts(
                 opts.append(GroupLayout(dims, z, grads_sharded=True))
         options.append(opts)
 
-    def gcost(i: int, o: GroupLayout) -> GroupCost:
-        return group_cost(ctx, groups[i], o, batch_axes, seq_axes)
+    # each option's cost once per call (the memo in ``ctx`` is keyed by far more)
+    known: dict[tuple[int, int], GroupCost] = {}
+
+    def gcost(i: int, j: int) -> GroupCost:
+        hit = known.get((i, j))
+        if hit is None:
+            hit = known[i, j] = group_cost(ctx, groups[i], options[i][j], batch_axes, seq_axes)
+        return hit
 
     pick = []
     for i, opts in enumerate(options):
-        best = min(
-            range(len(opts)), key=lambda j: (gcost(i, opts[j]).time, gcost(i, opts[j]).memory, j)
-        )
+        best = min(range(len(opts)), key=lambda j: (gcost(i, j).time, gcost(i, j).memory, j))
         pick.append(best)
     choice = [options[i][j] for i, j in enumerate(pick)]
     cost = total(ctx, groups, choice, batch_axes, seq_axes)
@@ -552,9 +556,9 @@ def search_layouts(
             break
         best_move = None
         for i, opts in enumerate(options):
-            cur = gcost(i, opts[pick[i]])
-            for j, o in enumerate(opts):
-                c = gcost(i, o)
+            cur = gcost(i, pick[i])
+            for j in range(len(opts)):
+                c = gcost(i, j)
                 saved = cur.memory - c.memory
                 if saved <= 0:
                     continue
