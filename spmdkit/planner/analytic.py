@@ -1,10 +1,9 @@
 """The analytic cost model: a layout's step time and memory, priced per parameter group.
 
-``estimator="analytic"`` (and the inner loop of ``strategy="auto"``). The train
-step is traced once per model (:func:`spmdkit.planner.trace.trace_step`, a
-:class:`StepTrace`): total FLOPs and the bytes of the residuals saved for the
-backward pass. A candidate layout is then costed per parameter, which is what
-makes the search fast:
+``estimator="analytic"`` (and the inner loop of ``strategy="auto"``). The train step is
+traced once per model (:func:`spmdkit.planner.trace.trace_step`, a :class:`StepTrace`):
+total FLOPs and the bytes of the residuals saved for the backward pass. A candidate layout
+is then costed per parameter, which is what makes the search fast:
 
 - a param sharded over an axis that also splits the batch (FSDP) pays one
   all-gather and one reduce-scatter of its grad over that axis;
@@ -23,26 +22,25 @@ makes the search fast:
   all-gathers and reduce-scatters, gradient all-reduces and ZeRO's reduce-scatters)
   hides under ``overlap × compute``; tensor-parallel all-reduces, expert all-to-alls
   and ZeRO's parameter all-gather (after the update: nothing left to hide it) don't;
-- memory per device = params + grads + optimizer state at their shards +
-  residual activations divided by the batch (and sequence) shards, and by the
-  tensor shards for the fraction of activations tensor parallelism splits.
+- memory per device = params + grads + optimizer state at their shards + residual
+  activations divided by the batch (and sequence) shards, and by the tensor shards for the
+  fraction of activations tensor parallelism splits.
 
 The recipe (:class:`~spmdkit.recipe.Recipe`) changes these terms:
 
-- ``remat``: the activations kept per layer: all residuals (``none``), the
-  layer input (``full``), the layer input and the weight-matmul outputs
-  (``dots``), the input and the values with the policy's ``checkpoint_name``
-  tags (the named policies, ``names``); with remat, one layer's residuals live
-  again while it is recomputed; recomputation costs the layers' forward FLOPs
-  less the matmuls whose outputs are kept (``dots``: the attention forward
-  only, the scores are not saved);
-- ``remat_offload``: the kept values (less the layer input) live on the host:
-  not device memory, but they cross the host link twice per step (out in the
-  forward, back in the backward), overlapped with compute;
+- ``remat``: the activations kept per layer: all residuals (``none``), the layer input
+  (``full``), the layer input and the weight-matmul outputs (``dots``), the input and the
+  values with the policy's ``checkpoint_name`` tags (the named policies, ``names``); with
+  remat, one layer's residuals live again while it is recomputed; recomputation costs the
+  layers' forward FLOPs less the matmuls whose outputs are kept (``dots``: the attention
+  forward only, the scores are not saved);
+- ``remat_offload``: the kept values (less the layer input) live on the host: not device
+  memory, but they cross the host link twice per step (out in the forward, back in the
+  backward), overlapped with compute;
 - ``compute_dtype``: activations at its itemsize; compute at its peak;
   FSDP/gradient collectives move the cast (bf16) weights and gradients; the
-  cast copy of the local parameters is live during the step; ``"float8"``:
-  as :mod:`spmdkit.planner.float8` prices it (LM head in bf16, quantization);
+  cast copy of the local parameters is live during the step; ``"float8"``: as
+  :mod:`spmdkit.planner.float8` prices it (LM head in bf16, quantization, residuals);
 - ``microbatches``: activations of one micro-batch; FSDP gathers and
   reduce-scatters once per micro-batch; the gradient all-reduce once;
 - ``master_weights="optimizer"``: groups as :mod:`spmdkit.planner.stored` stores them;
@@ -68,6 +66,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
+from spmdkit.planner import float8
 from spmdkit.planner.context import stage_context_attention
 from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
 from spmdkit.planner.plans import Cost, Dims, PyTree
@@ -162,6 +161,7 @@ class StepTrace:
         a tag whose value the backward pass does not read is not kept).
       lm_head_params: paths of the params the loss's LM head reads
         (``spmdkit.fp8.lm_heads``): a float8 recipe keeps them in bf16.
+      layer_float8: share of ``layer_resid`` a float8 step keeps (:mod:`spmdkit.planner.float8`).
     """
 
     flops: float
@@ -189,18 +189,18 @@ class StepTrace:
     state_bytes: int = 0
     lm_head_params: frozenset[str] = frozenset()
     layer_policy: Callable[[Recipe], PolicyFacts] | None = field(default=None, repr=False)
+    layer_float8: Callable[[], float] | None = field(default=None, repr=False)
 
     def activation_bytes(self, recipe: Recipe) -> float:
         """Global activation bytes the backward pass needs under ``recipe``'s
         remat policy, in the traced dtype (module docstring)."""
-        layer_total = self.layers * self.layer_resid
-        other = max(self.resid_bytes - layer_total, 0.0)
+        other = max(self.resid_bytes - self.layers * self.layer_resid, 0.0)
+        full = float8.layer_residuals(self, recipe)  # a layer's, as the recipe's step keeps it
         if recipe.remat == "none" or not self.layers:
-            return self.resid_bytes + self.resid_peak
-        kept = min(self.layer_carry + self.saved_bytes(recipe)[0], self.layer_resid)
+            return other + self.layers * full + self.resid_peak
+        kept = min(self.layer_carry + self.saved_bytes(recipe)[0], full)
         k = recipe.remat_every  # one layer in k recomputed, the others keep everything
-        per_layer = (kept + (k - 1) * self.layer_resid) / k
-        return other + self.layers * per_layer + self.layer_resid + self.resid_peak
+        return other + self.layers * (kept + (k - 1) * full) / k + full + self.resid_peak
 
     def attention_flops(self, recipe: Recipe, topology: Topology) -> float:
         """Attention FLOPs of the step as the kernel that runs computes them

@@ -36,6 +36,15 @@ prices each group's weight matmuls at the float8 peak, except:
   plan; Transformer Engine casts the weights on a step's first micro-batch
   and reuses the float8 copies).
 
+- the layers' residuals (:func:`layer_residuals`): a float8 step that recomputes
+  nothing keeps each weight matmul's float8 input (1 byte an element) for the
+  backward's GEMMs instead of the bfloat16 one, so a layer keeps the share of
+  its bfloat16 bytes measured on its traced body (``StepTrace.layer_float8``,
+  :mod:`spmdkit.planner.trace`); under a remat policy it keeps what bfloat16's
+  step keeps (the policy saves bfloat16 values: the GEMMs' outputs, the named
+  ones, the layer input; the float8 inputs are recomputed), but the layer
+  being recomputed holds its float8 set.
+
 The byte counts are the same on every stack (the hardware's layout rule and the
 amax-before-cast dependence are the stack's too); eager PyTorch's unfused
 kernels are its ``fusion_traffic``.
@@ -54,12 +63,17 @@ from spmdkit.fp8 import LM_HEAD
 CostContext = Any
 #: A :class:`spmdkit.planner.analytic.ParamGroup`.
 ParamGroup = Any
+#: A :class:`spmdkit.planner.analytic.StepTrace`.
+StepTrace = Any
+#: A :class:`spmdkit.recipe.Recipe`.
+Recipe = Any
 
 __all__ = [
     "TRANSPOSE_BYTES",
     "attention_dtype",
     "cast_ratio",
     "kept_in_bf16",
+    "layer_residuals",
     "matmul_dtype",
     "quantize_bytes",
     "quantize_s",
@@ -138,3 +152,21 @@ def quantize_s(
     per = quantize_bytes(ctx.recipe.fp8_scaling, ctx.recipe.compute_itemsize(2))
     acts = gemms * (per + TRANSPOSE_BYTES) * (x + grad)
     return ctx.topology.memory_time(acts + weights * (per / max(n_fsdp, 1) + TRANSPOSE_BYTES) * w)
+
+
+def layer_residuals(trace: StepTrace, recipe: Recipe) -> float:
+    """The bytes one layer keeps for its backward pass when none of it is
+    recomputed (global batch, in the traced dtype, as ``layer_resid``): the
+    traced ``layer_resid``, times the share a float8 step keeps
+    (``trace.layer_float8``: measured on the layer's body as ``spmdkit.fp8``
+    rewrites it, module docstring) under ``compute_dtype="float8"``.
+
+    Example::
+
+        >>> layer_residuals(trace, Recipe(compute_dtype="float8")) / trace.layer_resid
+        0.906...  # Llama 3 70B's layer
+    """
+    share = getattr(trace, "layer_float8", None)
+    if recipe.compute_dtype != "float8" or share is None:
+        return trace.layer_resid
+    return trace.layer_resid * share()

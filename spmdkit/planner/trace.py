@@ -23,7 +23,7 @@ from jax.extend.core import Jaxpr, JaxprEqn
 from spmdkit import jaxprs
 from spmdkit.engine.region import FORWARD, REGIONS, forward_fn, grad_fn
 from spmdkit.flax.model import ModelInfo, unbound_axis_error
-from spmdkit.fp8 import lm_head_operands, lm_heads
+from spmdkit.fp8 import fp8_loss, lm_head_operands, lm_heads
 from spmdkit.master import opt_init, stored_dtype, stored_params
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.planner.analytic import (
@@ -332,6 +332,60 @@ def _layer_policy(scan: jaxprs.Scan) -> Callable[[Recipe], PolicyFacts]:
     return facts
 
 
+def _activation_residuals(fn: Callable, scan: jaxprs.Scan) -> float:
+    """Bytes of what the layer ``fn`` (a scan body, ``scan``'s operand layout)
+    hands its backward pass (``jax.vjp``) that are computed from its input, the
+    scan carry: its activations, not its weights nor their float8 copies (those
+    are priced as the compute-dtype copy of the parameters)."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in scan.body.in_avals]
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*avals).jaxpr
+    live = set(jaxpr.invars[scan.num_consts : scan.first_xs])
+    for eqn in jaxpr.eqns:
+        if any(_is_var(v) and v in live for v in eqn.invars):
+            live.update(eqn.outvars)
+    outs = dict.fromkeys(v for v in jaxpr.outvars if _is_var(v))
+    return sum(_aval_bytes(v) for v in outs if v in live and v not in jaxpr.invars)
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, jax.extend.core.Literal)
+
+
+def _bf16(x: Any) -> Any:
+    floating = jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+    return x.astype(jax.numpy.bfloat16) if floating else x
+
+
+def _float8_share(info: ModelInfo) -> Callable[[], float]:
+    """``() -> share`` (memoized): the bytes one layer keeps for its backward pass
+    with no recompute under ``Recipe(compute_dtype="float8")``, over those it keeps
+    in bfloat16. Measured on the layer scan's body of the loss traced on bfloat16
+    parameters (as the step casts them), as it runs and as ``spmdkit.fp8``
+    rewrites it: each weight matmul keeps its float8 (e4m3) input, 1 byte an
+    element, for the backward's two GEMMs, so a bfloat16 value only matmuls read
+    is not kept (a norm's output, attention's output, the MLP's gated product);
+    values other backward ops read stay (Llama 3 70B: 0.91 of the bfloat16
+    bytes, q/k/v and gate/up each keeping their own copy of their shared input).
+    Under a remat policy the float8 step keeps what bfloat16's does (the policy
+    saves the GEMMs' bfloat16 outputs or the named values, and the float8 inputs
+    are recomputed): the share prices a layer's full residual set only
+    (:func:`spmdkit.planner.float8.layer_residuals`)."""
+
+    @functools.cache
+    def share() -> float:
+        args = info.trace_args()
+        cast = jax.make_jaxpr(lambda p, *r: info.scalar_loss(jax.tree.map(_bf16, p), *r))
+        layer = find_layer_scan(cast(*args).jaxpr)
+        if layer is None:
+            return 1.0
+        body = jax.extend.core.jaxpr_as_fun(layer.scan.body)
+        bf16 = _activation_residuals(body, layer.scan)
+        fp8 = _activation_residuals(fp8_loss(body), layer.scan)
+        return fp8 / bf16 if bf16 > 0 else 1.0
+
+    return share
+
+
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
     opt = _optimizer(optimizer)
     args = info.trace_args()
@@ -397,6 +451,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         layer_named_flops=scan.named_flops if scan else {},
         layer_fwd_flops=scan.fwd_flops if scan else 0.0,
         layer_policy=_layer_policy(find_layer_scan(forward.jaxpr).scan) if scan else None,
+        layer_float8=_float8_share(info) if scan else None,
         attn_fwd_flops=attn_fwd,
         attn_fused_fwd_flops=fused,
         attn_causal_fwd_flops=causal,

@@ -77,7 +77,7 @@ from spmdkit.planner.analytic import (
     param_flops,
     total_cost,
 )
-from spmdkit.planner.float8 import cast_ratio
+from spmdkit.planner.float8 import cast_ratio, layer_residuals
 from spmdkit.planner.plans import Cost, PyTree
 from spmdkit.planner.stored import stored_group
 from spmdkit.recipe import Recipe
@@ -279,9 +279,10 @@ def _per_microbatch(
 def _kept_per_layer(trace: StepTrace, recipe: Recipe) -> float:
     """Device bytes per layer the recipe's remat policy keeps (offloaded values
     are on the host)."""
+    full = layer_residuals(trace, recipe)
     if recipe.remat == "none":
-        return trace.layer_resid
-    return min(trace.layer_carry + trace.saved_bytes(recipe)[0], trace.layer_resid)
+        return full
+    return min(trace.layer_carry + trace.saved_bytes(recipe)[0], full)
 
 
 @functools.lru_cache(maxsize=512)
@@ -339,6 +340,7 @@ def activation_bytes(
     carry_scale: float,
     *,
     chunk_weights: float = 0.0,
+    compute_dtype: str | None = None,
 ) -> tuple[float, ...]:
     """Activation bytes per pipe-axis device under ``pipe``'s schedule (module docstring).
 
@@ -358,6 +360,8 @@ def activation_bytes(
         chunk_weights: one chunk's stacked weights on one device, in the compute
             dtype (GPipe keeps them per forward tick; the other schedules hold one
             chunk's gradients from a backward).
+        compute_dtype: the recipe's (``"float8"``: a layer's residual set is the
+            float8 step's, :func:`~spmdkit.planner.float8.layer_residuals`).
 
     Example: 8 layers whose input is 1 MiB and residuals 4 MiB per micro-batch
     and device, full remat, 1F1B over 4 stages: 4 stash slots of 2 layers × 1 MiB
@@ -365,9 +369,9 @@ def activation_bytes(
     recomputed and a 1 MiB logits' gradient: 21 MiB on every device.
     """
     p, v = pipe.stages, pipe.virtual
-    kept = _kept_per_layer(trace, Recipe(remat=remat, save_names=save_names))
-    per_chunk = trace.layers / (p * v) * kept * act_scale
-    recompute = trace.layer_resid * act_scale if remat != "none" else 0.0
+    recipe = Recipe(remat=remat, save_names=save_names, compute_dtype=compute_dtype)
+    per_chunk = trace.layers / (p * v) * _kept_per_layer(trace, recipe) * act_scale
+    recompute = layer_residuals(trace, recipe) * act_scale if remat != "none" else 0.0
     head = max(trace.resid_bytes - trace.layers * trace.layer_resid, 0.0) * act_scale
     sizes = StageSizes(
         residual=per_chunk,
@@ -431,6 +435,7 @@ def pipeline_cost(
         act_scale,
         carry_scale,
         chunk_weights=chunk_weights,
+        compute_dtype=recipe.compute_dtype,
     )
     stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))
