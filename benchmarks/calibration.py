@@ -333,14 +333,23 @@ def auto_choice(row: dict, topology: sk.Topology) -> dict:
         "consistent": (p.pipeline is not None) == row["pipelined"],
         "tok_s_gpu": tok_s(row, p.cost),
         "memory_gib": p.cost.peak_bytes / GIB,
+        # the best of the other kind among auto's runner-ups (None: not among them)
+        "best_other": next(
+            (
+                {"chosen": n, "tok_s_gpu": tok_s(row, c), "memory_gib": c.peak_bytes / GIB}
+                for n, c in p.alternatives
+                if ("+pp" in n) != (p.pipeline is not None) and c.peak_bytes <= 80 * GIB
+            ),
+            None,
+        ),
         "plan_s": time.perf_counter() - t0,
     }
 
 
 MARKDOWN_HEADER = (
     "| run | GPUs | mesh (published) | recipe priced | stack | role | published tok/s/GPU "
-    "| predicted | ratio | published GiB | predicted GiB | auto's choice within 80 GiB "
-    "(flat/pipelined as published?) |"
+    "| predicted | ratio | published GiB | predicted GiB | auto's choice within 80 GiB on the "
+    "published mesh, pipe folded into data (flat/pipelined as published?) |"
 )
 
 
@@ -361,8 +370,9 @@ def markdown(saved: dict) -> str:
         )
         auto = r.get("auto")
         auto_cell = (
-            f"{auto['chosen']}, {auto['tok_s_gpu']:,.0f} tok/s at "
-            f"{auto['memory_gib']:.0f} GiB ({'yes' if auto['consistent'] else 'no'})"
+            f"{auto['chosen']} on {'×'.join(f'{a}={n}' for a, n in auto['mesh'].items())}, "
+            f"{auto['tok_s_gpu']:,.0f} tok/s at {auto['memory_gib']:.0f} GiB "
+            f"({'yes' if auto['consistent'] else 'no'})"
             if auto
             else "-"
         )
