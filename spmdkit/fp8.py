@@ -16,8 +16,11 @@ matmul runs on float8 operands:
   less precision, as gradients need) and multiplied with the saved e4m3 operands,
   so the two gradient matmuls run on float8 operands too;
 - the float8 operands are the residuals the backward keeps (half the bytes of
-  bf16), and under FSDP the cast happens on each device's shard, before XLA
-  gathers the weight for the matmul, so the all-gather moves float8 bytes.
+  bf16); an input several weight matmuls share (q/k/v's, gate/up's) is
+  quantized once and kept once, as Transformer Engine's fused GEMMs keep it
+  (current scaling; delayed scaling keeps a history, and a copy, per matmul);
+  under FSDP the cast happens on each device's shard, before XLA gathers the
+  weight for the matmul, so the all-gather moves float8 bytes.
 
 A *weight matmul* is a ``dot_general`` with no batch dimensions (``x @ W``,
 ``einsum('bsd,dhk->bshk')``): what ``jax.checkpoint_policies.
@@ -211,6 +214,43 @@ def _backward(dn: DimensionNumbers, out_dtype: Any, res: tuple, g: jax.Array) ->
 
 
 fp8_dot.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_dot_shared(
+    lhs: jax.Array,
+    ql: jax.Array,
+    sl: jax.Array,
+    rhs: jax.Array,
+    dn: DimensionNumbers,
+    out_dtype: Any,
+) -> Any:
+    """:func:`fp8_dot` of an ``lhs`` already quantized, ``(ql, sl) = quantize(lhs)``
+    (an input several weight matmuls share: quantized once, kept once for their
+    backward passes); the gradient reaches ``lhs``, none ``ql`` or ``sl``."""
+    return _shared_forward(lhs, ql, sl, rhs, dn, out_dtype)[0]
+
+
+def _shared_forward(
+    lhs: jax.Array,
+    ql: jax.Array,
+    sl: jax.Array,
+    rhs: jax.Array,
+    dn: DimensionNumbers,
+    out_dtype: Any,
+) -> tuple:
+    _check_unbatched(dn)
+    qr, sr = quantize(rhs, E4M3)
+    out = _product(ql, qr, dn, sl * sr, out_dtype or lhs.dtype)
+    return out, (ql, sl, qr, sr, jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
+
+
+def _shared_backward(dn: DimensionNumbers, out_dtype: Any, res: tuple, g: jax.Array) -> tuple:
+    d_lhs, d_rhs = _backward(dn, out_dtype, res, g)
+    return d_lhs, jnp.zeros_like(res[0]), jnp.zeros_like(res[1]), d_rhs
+
+
+_fp8_dot_shared.defvjp(_shared_forward, _shared_backward)
 
 #: The scalings :func:`fp8_loss` runs: ``"current"`` (each tensor by its own amax)
 #: and ``"delayed"`` (by the amax history of previous steps).
@@ -533,6 +573,28 @@ def _current_eqn(eqn: Any, ins: list, rewrite: bool, keep: frozenset[Site]) -> l
     return outs if new.primitive.multiple_results else [outs]
 
 
+def _shared_inputs(jaxpr: Any, keep: frozenset[Site]) -> set:
+    """The vars of ``jaxpr`` that two or more of its float8 weight matmuls (not
+    those at ``keep``) take as their input (``lhs``): q/k/v's, gate/up's."""
+    seen: set = set()
+    shared: set = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if is_weight_matmul(eqn) and (i,) not in keep and _is_var(eqn.invars[0]):
+            (shared if eqn.invars[0] in seen else seen).add(eqn.invars[0])
+    return shared
+
+
+def _shared_dot(eqn: Any, ins: list, quantized: dict) -> jax.Array:
+    """A weight matmul whose input others share, on that input quantized once
+    (``quantized``: var → ``(q, scale)``, filled on first use)."""
+    v = eqn.invars[0]
+    if v not in quantized:
+        quantized[v] = tuple(lax.stop_gradient(q) for q in quantize(ins[0], E4M3))
+    ql, sl = quantized[v]
+    dn, dtype = eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype
+    return _fp8_dot_shared(ins[0], ql, sl, ins[1], dn, dtype)
+
+
 def _run(
     jaxpr: Any,
     consts: list,
@@ -552,10 +614,14 @@ def _run(
         env[v] = x
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
+    shared = _shared_inputs(jaxpr, keep) if histories is None else set()
+    quantized: dict = {}
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [read(v) for v in eqn.invars]
         at = _at(keep, i)
         outs = _delayed_eqn(eqn, ins, histories, at) if histories is not None else None
+        if outs is None and is_weight_matmul(eqn) and eqn.invars[0] in shared and () not in at:
+            outs = [_shared_dot(eqn, ins, quantized)]
         if outs is None:
             outs = _current_eqn(eqn, ins, rewrite=histories is None, keep=at)
         for v, x in zip(eqn.outvars, outs, strict=True):

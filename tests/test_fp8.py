@@ -116,6 +116,37 @@ def test_fp8_loss_rewrites_weight_matmuls_inside_scans_calls_and_remat():
     assert fp8_loss(loss)(ws, x) == pytest.approx(float(loss(ws, x)), rel=0.05)
 
 
+def test_an_input_weight_matmuls_share_is_quantized_and_kept_once():
+    """q/k/v-style matmuls of one input (and a lone one after them): the input is
+    quantized once and the backward keeps one float8 copy of it (one e4m3
+    residual of its shape, where one ``fp8_dot`` per matmul keeps three); loss
+    and gradients are those of the per-matmul ``fp8_dot``s, to the bit (the
+    same per-tensor quantization)."""
+    dn = (((1,), (0,)), ((), ()))
+    k = jax.random.split(jax.random.key(3), 5)
+    shapes = {"q": (16, 12), "k": (16, 12), "v": (16, 12), "o": (12, 16)}
+    w = {n: jax.random.normal(k[i], shapes[n]) * 0.3 for i, n in enumerate("qkvo")}
+    x = jax.random.normal(k[4], (8, 16))
+
+    def loss(w, x):
+        h = jnp.tanh(x @ w["q"]) * (x @ w["k"]) + x @ w["v"]
+        return jnp.mean((h @ w["o"]) ** 2)
+
+    def separate(w, x):
+        h = jnp.tanh(fp8_dot(x, w["q"], dn)) * fp8_dot(x, w["k"], dn) + fp8_dot(x, w["v"], dn)
+        return jnp.mean(fp8_dot(h, w["o"], dn) ** 2)
+
+    def kept(f):
+        resid = jax.eval_shape(lambda w, x: jax.vjp(f, w, x)[1], w, x)
+        return [r.shape for r in jax.tree.leaves(resid) if r.dtype == E4M3 and r.shape == x.shape]
+
+    assert len(kept(fp8_loss(loss))) == 1 and len(kept(separate)) == 3
+    (l8, g8), (ls, gs) = (jax.value_and_grad(f, (0, 1))(w, x) for f in (fp8_loss(loss), separate))
+    assert float(l8) == float(ls)
+    for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(gs), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 VOCAB = 40  # no other dim of _lm_loss is 40: a dot naming it is the head's
 
 

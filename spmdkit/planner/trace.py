@@ -364,8 +364,8 @@ def _float8_share(info: ModelInfo) -> Callable[[], float]:
     rewrites it: each weight matmul keeps its float8 (e4m3) input, 1 byte an
     element, for the backward's two GEMMs, so a bfloat16 value only matmuls read
     is not kept (a norm's output, attention's output, the MLP's gated product);
-    values other backward ops read stay (Llama 3 70B: 0.91 of the bfloat16
-    bytes, q/k/v and gate/up each keeping their own copy of their shared input).
+    values other backward ops read stay (Llama 3 70B: 0.83 of the bfloat16
+    bytes; q/k/v's and gate/up's shared inputs are quantized and kept once).
     Under a remat policy the float8 step keeps what bfloat16's does (the policy
     saves the GEMMs' bfloat16 outputs or the named values, and the float8 inputs
     are recomputed): the share prices a layer's full residual set only
