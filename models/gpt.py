@@ -157,7 +157,7 @@ class GPTBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self._drop(self.attn(self.ln1(x)))
-        h = jax.nn.gelu(lyr.tag(self.fc(self.ln2(x)), "mlpwi"), approximate=True)
+        h = lyr.gelu(lyr.tag(self.fc(self.ln2(x)), "mlpwi"), approximate=True)
         return x + self._drop(lyr.tag(self.proj(h), "mlpwo"))
 
 

@@ -95,7 +95,7 @@ class _Block(nn.Module):
         b1 = _p(self, "fc_bias", zeros, (m,), ("mlp",), pd)
         w2 = _p(self, "proj_kernel", _fan_in(m), (m, d), ("mlp", "embed"), pd)
         b2 = _p(self, "proj_bias", zeros, (d,), ("embed",), pd)
-        return x + jax.nn.gelu(y @ w1 + b1, approximate=True) @ w2 + b2
+        return x + lyr.gelu(y @ w1 + b1, approximate=True) @ w2 + b2
 
 
 class GPTLinen(nn.Module):

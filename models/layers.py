@@ -16,12 +16,14 @@ standard ``out_sharding`` metadata and never mention a mesh.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -55,6 +57,7 @@ __all__ = [
     "embedding_lookup",
     "softmax_cross_entropy",
     "swiglu",
+    "gelu",
     "batch_stats",
     "rope",
     "positions",
@@ -325,6 +328,69 @@ def _swiglu_bwd(res: tuple[jax.Array, jax.Array], dy: jax.Array) -> tuple[jax.Ar
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def gelu(x: jax.Array, approximate: bool = True) -> jax.Array:
+    """``jax.nn.gelu(x, approximate)`` saving only ``x`` for the backward pass.
+
+    Autodiff of the tanh form keeps five ``x``-shaped values per call for the
+    backward (``x``, ``3·x²``, ``tanh(·)``, ``1 - tanh(·)`` and the CDF), the
+    erf form three; this keeps ``x`` and recomputes the derivative in the
+    backward, as Megatron-LM's and Transformer Engine's fused bias-GELU do. The
+    forward is ``jax.nn.gelu`` itself (the same values, bit for bit) and the
+    backward is autodiff's pullback of it, recomputed from ``x`` (the same
+    operations, so the same gradient to rounding). It holds no matmul: the
+    projection feeding it (and its ``checkpoint_name`` tag, ``mlpwi``) stays
+    outside, so the named recompute policies and :func:`spmdkit.fp8.fp8_loss`
+    (which leaves a ``custom_vjp``'s body alone) find it. The planner lays it
+    out elementwise (its body, inlined).
+
+    Args:
+      x: the MLP's input projection, any shape, a floating dtype.
+      approximate: the tanh approximation (GPT-2's and GPT-3's; ``True``) or the
+        exact erf form (``False``), as in ``jax.nn.gelu``.
+
+    Raises:
+      ModelConfigError: ``x`` is not floating, or ``approximate`` is not a bool.
+
+    Example::
+
+        >>> h = gelu(tag(x @ w_in, "mlpwi"))  # jax.nn.gelu(..., approximate=True)
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ModelConfigError(
+            op="gelu",
+            must="x be a floating-point array",
+            given=f"{type(x).__name__} of dtype {dtype}",
+            fix="cast the projection to its compute dtype (e.g. x.astype(jnp.float32))",
+        )
+    if not isinstance(approximate, (bool, np.bool_)):
+        raise ModelConfigError(
+            op="gelu",
+            must="approximate be a Python bool (it picks the formula when tracing)",
+            given=repr(approximate),
+            fix="pass approximate=True (tanh form) or approximate=False (erf form)",
+        )
+    return _gelu(x, bool(approximate))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gelu(x: jax.Array, approximate: bool) -> jax.Array:
+    return jax.nn.gelu(x, approximate=approximate)
+
+
+def _gelu_fwd(x: jax.Array, approximate: bool) -> tuple[jax.Array, jax.Array]:
+    return jax.nn.gelu(x, approximate=approximate), x
+
+
+def _gelu_bwd(approximate: bool, x: jax.Array, dy: jax.Array) -> tuple[jax.Array]:
+    # autodiff's pullback, recomputed: its residuals live only inside the backward
+    _, pullback = jax.vjp(functools.partial(jax.nn.gelu, approximate=approximate), x)
+    return pullback(dy)
+
+
+_gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 #: The ``jax.ad_checkpoint.checkpoint_name`` tags the reference decoders put on

@@ -1,7 +1,8 @@
 """models.layers attention: the blockwise (flash-style) version equals the plain one,
 values and grads, never builds an S×S value, keeps O(S) residuals; implementation
 selection and the configs' ``attention`` field. ``swiglu``: autodiff's values and
-gradients, two residuals, less compiled memory."""
+gradients, two residuals, less compiled memory. ``gelu``: ``jax.nn.gelu``'s values
+and gradients, one residual, under the transforms, fp8 and the planner."""
 
 import functools
 
@@ -377,3 +378,213 @@ def test_planner_lays_swiglu_out_elementwise_as_the_compiled_step_runs():
         compiled = compiled_report(make(lyr.swiglu), sharded(args, specs, mesh))
         assert got["lean"] == got["plain"] == compiled.bytes_by_kind(), (make, got)
         assert set(got["lean"]) == {"all_reduce"}
+
+
+# -- gelu --------------------------------------------------------------------------
+
+_INT = {2: np.int16, 4: np.int32}
+
+
+def _ulps(a, b):
+    """Units in the last place between two arrays of one float dtype, elementwise
+    (the bit patterns mapped to a monotone integer line)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype
+    it = _INT[a.dtype.itemsize]
+    ia, ib = (x.view(it).astype(np.int64) for x in (a, b))
+    ia, ib = (np.where(i < 0, np.iinfo(it).min - i, i) for i in (ia, ib))
+    return np.abs(ia - ib)
+
+
+def _plain_gelu(approximate):
+    return functools.partial(jax.nn.gelu, approximate=approximate)
+
+
+def _lean_gelu(approximate):
+    return functools.partial(lyr.gelu, approximate=approximate)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _unary_value_and_pullback(fn, x, d_out):
+    out, pull = jax.vjp(fn, x)
+    return out, pull(d_out)[0]
+
+
+def _gelu_inputs(shape, dtype, seed):
+    """x over both tails and the middle of GELU (its derivative dips below 0 near -0.75),
+    and an output cotangent."""
+    kx, kd = jax.random.split(jax.random.key(seed))
+    x = 4.0 * jax.random.normal(kx, shape, jnp.float32)
+    return x.astype(dtype), jax.random.normal(kd, shape, jnp.float32).astype(dtype)
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+@pytest.mark.parametrize(("dtype", "seed"), [(jnp.float32, 21), (jnp.bfloat16, 22)])
+def test_gelu_equals_jax_nn_gelu_values_and_grads(approximate, dtype, seed):
+    """Values equal ``jax.nn.gelu``'s bit for bit (it is the forward); gradients
+    autodiff's within one ulp, float32 and bfloat16, both forms."""
+    x, d_out = _gelu_inputs((3, 40, 96), dtype, seed)
+    y, dx = _unary_value_and_pullback(_lean_gelu(approximate), x, d_out)
+    y0, dx0 = _unary_value_and_pullback(_plain_gelu(approximate), x, d_out)
+    assert y.dtype == dx.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    assert _ulps(dx, dx0).max() <= 1
+    # the two forms differ, so the flag reaches the formula
+    assert not np.array_equal(np.asarray(y), np.asarray(jax.nn.gelu(x, not approximate)))
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+def test_gelu_keeps_only_its_input_for_the_backward(approximate):
+    """What the forward hands the backward: ``x`` itself (autodiff of the tanh
+    form keeps five x-shaped values, of the erf form three)."""
+    x, _ = _gelu_inputs((64, 96), jnp.bfloat16, 23)
+
+    def residuals(fn):
+        leaves = jax.tree.leaves(jax.eval_shape(lambda x: jax.vjp(fn, x)[1], x))
+        return sum(a.size for a in leaves) / x.size
+
+    assert residuals(_lean_gelu(approximate)) == 1
+    assert residuals(_plain_gelu(approximate)) >= 3
+
+
+def test_gelu_bad_inputs_are_typed_errors():
+    with pytest.raises(ModelConfigError, match="floating-point"):
+        lyr.gelu(jnp.ones((4, 8), jnp.int32))
+    with pytest.raises(ModelConfigError, match="approximate be a Python bool"):
+        lyr.gelu(jnp.ones((4, 8)), approximate="tanh")
+
+
+def _mlp_layer(act):
+    """A GELU MLP layer as the GPT block writes it: the ``mlpwi`` tag on the matmul,
+    outside the activation."""
+
+    def layer(h, w):
+        return h + act(lyr.tag(h @ w[0], "mlpwi")) @ w[1].T, None
+
+    return layer
+
+
+def test_gelu_under_vmap_scan_and_named_remat():
+    """Scanned layers, vmapped over a batch, each under ``jax.checkpoint`` saving only
+    ``mlpwi``: the gradient is autodiff's (to rounding); the policy finds the tag
+    (each layer keeps exactly its [tokens, mlp] input projection, which the
+    ``custom_vjp``'s backward reads)."""
+    from jax.ad_checkpoint import checkpoint_policies as cp
+
+    x = jax.random.normal(jax.random.key(24), (2, 16, 32), jnp.float32)
+    w = jax.random.normal(jax.random.key(25), (3, 2, 32, 64), jnp.float32) / 8
+
+    def loss(act, policy, x, w):
+        layer = jax.checkpoint(_mlp_layer(act), policy=policy)
+
+        def one(xs):
+            return jax.lax.scan(layer, xs, w)[0]
+
+        return jnp.sum(jax.vmap(one)(x) ** 2)
+
+    mlpwi = cp.save_only_these_names("mlpwi")
+    grads = [
+        jax.jit(jax.grad(functools.partial(loss, act, mlpwi), argnums=(0, 1)))(x, w)
+        for act in (lyr.gelu, jax.nn.gelu)
+    ]
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+    def kept(policy):
+        res = jax.eval_shape(
+            lambda x, w: jax.vjp(functools.partial(loss, lyr.gelu, policy), x, w)[1], x, w
+        )
+        return sorted(a.shape for a in jax.tree.leaves(res))
+
+    # per layer (3) and sequence (2): the saved mlpwi [16, 64], and nothing else
+    saved = kept(mlpwi)
+    for shape in kept(cp.nothing_saveable):
+        saved.remove(shape)
+    assert saved == [(3, 2, 16, 64)]
+
+
+def test_gelu_is_left_alone_by_fp8_loss_and_the_matmuls_are_not():
+    """``fp8_loss`` rewrites the weight matmuls around the ``custom_vjp`` (it has
+    none inside): every matmul of the compiled float8 step, forward and backward,
+    reads float8 operands, as with ``jax.nn.gelu``, and the loss and gradients
+    equal that one's to an ulp."""
+    from spmdkit.fp8 import fp8_loss
+
+    x = jax.random.normal(jax.random.key(26), (64, 32), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(27), (2, 2, 32, 64), jnp.float32) / 8).astype(
+        jnp.bfloat16
+    )
+
+    def loss(act):
+        def fn(w, x):
+            return jnp.sum(jax.lax.scan(_mlp_layer(act), x, w)[0].astype(jnp.float32) ** 2)
+
+        return jax.value_and_grad(fp8_loss(fn))
+
+    def f8_dots(step):
+        dots = [ln for ln in step.lower(w, x).as_text().splitlines() if "dot_general" in ln]
+        return len(dots), sum("f8E" in ln for ln in dots)
+
+    lean, plain = jax.jit(loss(lyr.gelu)), jax.jit(loss(jax.nn.gelu))
+    # the scan bodies: 2 matmuls forward, their 4 operand gradients backward
+    assert f8_dots(lean) == f8_dots(plain) == (6, 6)
+    for a, b in zip(jax.tree.leaves(lean(w, x)), jax.tree.leaves(plain(w, x)), strict=True):
+        assert _ulps(a, b).max() <= 1
+
+
+def test_planner_lays_gelu_out_elementwise_as_the_compiled_step_runs():
+    """Propagation walks the ``custom_vjp`` (its forward call, its backward's
+    equations) as elementwise work: a tensor-parallel GELU MLP (column-parallel
+    fc, row-parallel proj) moves the bytes autodiff of ``jax.nn.gelu`` does, the
+    compiled HLO's, with nothing left unknown."""
+    from jax.sharding import PartitionSpec as P
+
+    import spmdkit as sk
+    from spmdkit.propagation import propagate
+    from tests.propagation.programs import as_auto, compiled_report, sharded
+
+    mesh = as_auto(sk.make_mesh(x=4))
+    args = (
+        jax.ShapeDtypeStruct((32, 64), jnp.float32),
+        jax.ShapeDtypeStruct((64, 128), jnp.float32),
+        jax.ShapeDtypeStruct((128, 64), jnp.float32),
+    )
+    specs = (P(), P(None, "x"), P("x", None))
+
+    def mlp(act):
+        return lambda x, w1, w2: act(x @ w1) @ w2
+
+    def loss(act):
+        return jax.grad(lambda *a: jnp.sum(mlp(act)(*a) ** 2), argnums=(1, 2))
+
+    assert "custom_vjp_call" in str(jax.make_jaxpr(mlp(lyr.gelu))(*args))
+    for make in (mlp, loss):
+        got = {}
+        for name, act in (("lean", lyr.gelu), ("plain", jax.nn.gelu)):
+            prop = propagate(make(act), *args, in_specs=specs, mesh=mesh)
+            assert not prop.unknown, prop.unknown
+            got[name] = prop.comm_bytes_by_kind
+        compiled = compiled_report(make(lyr.gelu), sharded(args, specs, mesh))
+        assert got["lean"] == got["plain"] == compiled.bytes_by_kind(), (make, got)
+        assert set(got["lean"]) == {"all_reduce"}
+
+
+@pytest.mark.slow
+def test_scanned_gelu_layers_hold_less_when_compiled():
+    """XLA:CPU's compiled gradient of four scanned GELU MLP layers holds less with
+    :func:`gelu` than with autodiff of ``jax.nn.gelu`` (``memory_analysis``), and
+    computes the same gradient."""
+    x = jax.random.normal(jax.random.key(28), (256, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(29), (4, 2, 64, 256), jnp.float32) / 16
+
+    def loss(act, x, w):
+        return jnp.sum(jax.lax.scan(_mlp_layer(act), x, w)[0] ** 2)
+
+    grads, temps = [], []
+    for act in (lyr.gelu, jax.nn.gelu):
+        step = jax.jit(jax.grad(functools.partial(loss, act), argnums=1))
+        temps.append(step.lower(x, w).compile().memory_analysis().temp_size_in_bytes)
+        grads.append(step(x, w))
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5 * np.abs(grads[1]).max())
+    # four layers' [256, 256] float32 values fewer at least (256 KiB each)
+    assert temps[1] - temps[0] >= 4 * 2 * 256 * 256 * 4, temps
