@@ -507,12 +507,21 @@ def _bucket(local: Any, sizes: tuple[int, ...], dims: dict[str, tuple]) -> Any:
 def _pad_examples(
     name: str, value: Any, sizes: tuple[int, ...], dims: tuple[int, ...]
 ) -> tuple[np.ndarray, np.ndarray]:
-    examples = [np.asarray(e) for e in value]
+    must = f"a bucketed field holds numeric examples with more than {max(dims)} dims"
+    try:
+        examples = [np.asarray(e) for e in value]
+    except TypeError:  # not a sequence of examples: None, a scalar
+        raise DataError(
+            op="data.ShardedLoader",
+            must=must,
+            given=f"{name!r}: {type(value).__name__} {value!r:.60}, not one array per example",
+            fix="give one numeric array per example, or fix bucket_dims",
+        ) from None
     bad = [e for e in examples if e.dtype.kind not in "biufc" or e.ndim <= max(dims)]
     if not examples or bad:
         raise DataError(
             op="data.ShardedLoader",
-            must=f"a bucketed field holds numeric examples with more than {max(dims)} dims",
+            must=must,
             given=f"{name!r}: {len(examples)} examples"
             + (f", e.g. {bad[0].dtype} of shape {bad[0].shape}" if bad else ""),
             fix="give one numeric array per example, or fix bucket_dims",

@@ -209,6 +209,10 @@ def test_bucketing_pads_to_the_smallest_fitting_bucket(batch_sharding):
         )
     with pytest.raises(DataError, match="bucket_dims"):
         ShardedLoader({"t": tokens}, batch_sharding, batch_size=4, bucket_sizes=(4,))
+    # a bucketed field that is not one array per example (found by tests/test_fuzz.py)
+    gen = lambda: iter([{"x": None}])  # noqa: E731
+    with pytest.raises(DataError, match="'x': NoneType None, not one array per example"):
+        list(ShardedLoader(gen, batch_sharding, bucket_sizes=(2, 4), bucket_dims={"x": 0}))
 
 
 def test_malformed_sources_are_typed_errors(batch_sharding):
