@@ -69,6 +69,7 @@ from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner import float8
 from spmdkit.planner.context import stage_context_attention
 from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
+from spmdkit.planner.group_roles import column_siblings, gemm_dims, rerun_charged, tp_times
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.planner.stored import stored_group
 from spmdkit.recipe import NAMED_POLICIES, Recipe
@@ -83,6 +84,7 @@ __all__ = [
     "PolicyFacts",
     "StepTrace",
     "column_siblings",
+    "cost_levers",
     "group_cost",
     "param_flops",
     "param_groups",
@@ -368,7 +370,9 @@ class CostContext:
         reduce-scattered once per micro-batch, overlapped (the unpipelined step).
       context: the context-parallel axes (:mod:`spmdkit.planner.context`): weights
         sharded over them are gathered like FSDP's; attention exchanges K/V over them.
-      memo: ``(group, layout, batch axes, seq axes, recipe levers)`` → :class:`GroupCost`.
+      memo: ``(group, layout, batch axes, seq axes, recipe levers)`` → :class:`GroupCost`,
+        and a collective's time by kind, bytes and axes: contexts share one only
+        where their mesh shape and topology are the same.
       siblings: group key → column-parallel groups sharing its input
         (:func:`column_siblings`; missing: 1).
     """
@@ -435,6 +439,13 @@ def param_flops(g: ParamGroup, tokens: int) -> float:
     return 6.0 * tokens * n
 
 
+#: ``CostContext.memo`` key prefix of a collective's time (:func:`_coll`).
+_COLL_KEY = ("analytic", "collective_time")
+#: ``CostContext.memo`` key prefix of what a group's cost takes from its parameters'
+#: layout alone (:func:`_params_part`).
+_PARAMS_KEY = ("analytic", "params_part")
+
+
 class _Coll(NamedTuple):
     time_s: float
     kind: str
@@ -454,8 +465,12 @@ def _coll(
     n = math.prod(ctx.sizes[a] for a in axes)
     if n <= 1 or payload <= 0:
         return _Coll(0.0, kind, 0.0, hidden)
-    wire = payload * (n - 1) / n * (2 if kind == "all_reduce" else 1)
-    t = ctx.topology.collective_time(kind, int(wire), n, axes, ctx.mesh)
+    wire = int(payload * (n - 1) / n * (2 if kind == "all_reduce" else 1))
+    # the memo is shared only by contexts of one mesh shape and topology
+    key = (_COLL_KEY, kind, wire, axes)
+    t = ctx.memo.get(key)
+    if t is None:
+        t = ctx.memo[key] = ctx.topology.collective_time(kind, wire, n, axes, ctx.mesh)
     return _Coll(t * times, kind, payload * times, hidden)
 
 
@@ -545,65 +560,7 @@ def _tp_collectives(
     else:  # every dim sharded (2-D TP): one activation per sharded dim moves
         other = sum(g.shape[i] for i in tp_dims if logical[i] not in _SKIP_OTHER)
     payload = tokens_local * other * itemsize * layers
-    return [_coll(ctx, "all_reduce", payload, tp, times=t) for t in _tp_times(ctx, g) if t]
-
-
-def _tp_times(ctx: CostContext, g: ParamGroup) -> tuple[float, ...]:
-    """How many activation all-reduces one tensor-parallel member of ``g`` is
-    charged per step, as Megatron-LM counts them (Narayanan et al. 2021, §3): a
-    block of column-parallel weights (``embed`` in, sharded out: q/k/v, gate/up)
-    closed by a row-parallel one (sharded in, ``embed`` out: wo, down) all-reduces
-    its output once forward and its input's gradient once backward. The
-    row-parallel weight is charged the forward one, again when remat reruns the
-    layer's forward (``full``, ``names``); the column-parallel weights share the
-    backward one (:attr:`CostContext.siblings`). A weight of neither role (no
-    ``embed`` dim) is charged one."""
-    logical = [n for n in (g.logical or ()) if n not in ("layers", "expert")]
-    if "embed" not in logical or len(logical) < 2:
-        return (1.0,)
-    if logical[-1] == "embed":
-        layered = g.count > 1 or "layers" in (g.logical or ())
-        rerun = layered and ctx.recipe.remat in ("full", "names")
-        return (1.0, 1.0 if rerun else 0.0)
-    return (1.0 / ctx.siblings.get(g.key, 1),)
-
-
-def column_siblings(groups: Sequence[ParamGroup]) -> dict[str, int]:
-    """Group key → how many column-parallel groups (``embed`` in first, more
-    dims out) share its module and hence its input (q/k/v: 3, gate/up: 2)."""
-    parent: dict[str, list[str]] = {}
-    for g in groups:
-        logical = [n for n in (g.logical or ()) if n not in ("layers", "expert")]
-        if len(logical) >= 2 and logical[0] == "embed" and logical[-1] != "embed":
-            parent.setdefault(g.key.rsplit("/", 1)[0], []).append(g.key)
-    return {k: len(keys) for keys in parent.values() for k in keys}
-
-
-def _gemm_dims(
-    g: ParamGroup, dims: Dims, tp: tuple[str, ...], sizes: dict[str, int]
-) -> tuple[float, float, float]:
-    """``(k, n, routed)`` of the GEMM one member of ``g`` runs on a device: its
-    local weight as ``k`` inputs by ``n`` outputs (the ``embed`` dim is the
-    input unless it is last: ``wo``, ``down``; the layers and expert dims are
-    not GEMM dims), and the share of the tokens it sees (top-2 of the experts)."""
-    logical = g.logical or (None,) * len(g.shape)
-    local = []
-    routed = 1.0
-    for size, name, d in zip(g.shape, logical, dims, strict=True):
-        if name == "expert":
-            routed = min(2.0 / max(size, 1), 1.0)
-            continue
-        if name == "layers":
-            continue
-        local.append((name, size / math.prod(sizes[a] for a in d if a in tp)))
-    if len(local) < 2:
-        width = math.prod(v for _, v in local) if local else 1.0
-        return width, 1.0, routed
-    names = [nm for nm, _ in local]
-    split = len(local) - 1 if names[-1] == "embed" else 1
-    k = math.prod(v for _, v in local[:split])
-    n = math.prod(v for _, v in local[split:])
-    return k, n, routed
+    return [_coll(ctx, "all_reduce", payload, tp, times=t) for t in tp_times(ctx, g) if t]
 
 
 class _Split(NamedTuple):
@@ -617,12 +574,6 @@ class _Split(NamedTuple):
     grad_sync: tuple[str, ...]
     local: float
     tokens_local: float
-
-
-def _tp_colls(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Split) -> list[_Coll]:
-    if not sp.tp:
-        return []
-    return _tp_collectives(ctx, g, layout.params, sp.tp, sp.local, sp.tokens_local)
 
 
 def _split(
@@ -660,8 +611,11 @@ def _split(
     )
 
 
-def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Split) -> list[_Coll]:
-    """What one member of ``g`` moves per step under ``layout`` and ``ctx.recipe``."""
+def _collectives(
+    ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Split, tp: list[_Coll]
+) -> list[_Coll]:
+    """What one member of ``g`` moves per step under ``layout`` and ``ctx.recipe``
+    (``tp``: its tensor-parallel collectives, :func:`_params_part`)."""
     # Under mixed precision the weights are cast before they are gathered, and
     # their gradients reduced before the cast back: collectives of params and
     # grads move compute-dtype bytes.
@@ -693,10 +647,29 @@ def _collectives(ctx: CostContext, g: ParamGroup, layout: GroupLayout, sp: _Spli
         colls.extend(c for c in (rs, ar) if c.payload)
     elif sp.grad_sync:
         colls.append(_coll(ctx, "all_reduce", grad_wire, sp.grad_sync, hidden=True))
-    colls.extend(_tp_colls(ctx, g, layout, sp))
+    colls.extend(tp)
     if sp.extra:
         colls.append(_coll(ctx, "all_gather", sp.local, sp.extra))
     return colls
+
+
+def cost_levers(ctx: CostContext, g: ParamGroup) -> tuple:
+    """What :func:`group_cost` of ``g`` depends on in ``ctx`` besides the mesh, the
+    topology and the trace (which contexts sharing a memo share): the recipe's
+    levers and how the step runs."""
+    recipe = ctx.recipe
+    # The remat policy changes a group's cost only by whether the forward (and
+    # its tensor-parallel all-reduces) reruns, and that only for a layered
+    # row-parallel weight: recipes that differ only otherwise share the entry.
+    rerun = recipe.remat in ("full", "names") and rerun_charged(g)
+    return (
+        (recipe.compute_dtype, recipe.fp8_scaling, recipe.fp8_exclude, recipe.master_weights),
+        recipe.microbatches,
+        recipe.offload_opt,
+        ctx.gather_once,
+        rerun,
+        ctx.context,
+    )
 
 
 def group_cost(
@@ -710,29 +683,18 @@ def group_cost(
     ``batch_axes`` and the sequence over ``seq_axes`` under ``ctx.recipe``
     (module docstring); memoized in ``ctx``."""
     recipe = ctx.recipe
-    g = stored_group(recipe, g)
-    # The remat policy changes a group's cost only by whether the forward (and
-    # its tensor-parallel all-reduces) reruns: recipes that differ only
-    # otherwise share the entry.
-    rerun = recipe.remat in ("full", "names")
-    levers = (
-        (recipe.compute_dtype, recipe.fp8_scaling, recipe.fp8_exclude, recipe.master_weights),
-        recipe.microbatches,
-        recipe.offload_opt,
-        ctx.gather_once,
-        rerun,
-        ctx.context,
-    )
-    key = (g.key, g.shape, layout, batch_axes, seq_axes, levers)
+    # (the stored group has the same key and shape: looked up before it is made)
+    key = (g.key, g.shape, layout, batch_axes, seq_axes, cost_levers(ctx, g))
     hit = ctx.memo.get(key)
     if hit is not None:
         return hit
+    g = stored_group(recipe, g)
     sizes = ctx.sizes
-    sp = _split(ctx, g, layout, batch_axes, seq_axes)
+    sp, tp, flops, compute_s = _params_part(ctx, g, layout, key)
     n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     by_kind: dict[str, float] = {}
     comm_s = hidden_s = 0.0
-    for c in _collectives(ctx, g, layout, sp):
+    for c in _collectives(ctx, g, layout, sp, tp):
         comm_s += c.time_s * g.count
         hidden_s += c.time_s * g.count if c.hidden else 0.0
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.payload * g.count
@@ -741,12 +703,6 @@ def group_cost(
     if recipe.offload_opt and opt:
         comm_s += 2 * opt / ctx.topology.host_bandwidth  # to the device for the update, and back
         by_kind["host_offload"] = by_kind.get("host_offload", 0.0) + 2 * opt
-    flops = param_flops(g, ctx.trace.tokens) * ctx.flops_scale * g.count
-    splits = math.prod(sizes[a] for a in {*batch_axes, *sp.tp, *sp.context})
-    k, n, routed = _gemm_dims(g, layout.params, sp.tp, sizes)
-    m = sp.tokens_local * routed / recipe.microbatches
-    compute_s = ctx.matmul_time(flops / splits, m, k, n, matmul_dtype(ctx, g))
-    compute_s += quantize_s(ctx, g, flops / splits, m, k, n, n_fsdp)
     n_tp = math.prod(sizes[a] for a in sp.tp)
     n_extra = math.prod(sizes[a] for a in sp.extra)
     logical = g.logical or ()
@@ -774,10 +730,39 @@ def group_cost(
         ),
         offload_opt=opt if recipe.offload_opt else 0.0,
         tp_shards=n_tp if any(n in ("heads", "kv_heads") for n in logical) else 1,
-        tp_bytes=sum(c.payload for c in _tp_colls(ctx, g, layout, sp)) * g.count,
+        tp_bytes=sum(c.payload for c in tp) * g.count,
     )
     ctx.memo[key] = out
     return out
+
+
+def _params_part(
+    ctx: CostContext, g: ParamGroup, layout: GroupLayout, key: tuple
+) -> tuple[_Split, list[_Coll], float, float]:
+    """What :func:`group_cost` of ``g`` laid out as ``layout`` (memo ``key``) takes
+    from its parameters' layout alone, with what it takes from its optimizer
+    state's added: its split (:func:`_split`), tensor-parallel collectives, FLOPs
+    and compute time; memoized in ``ctx`` (a layout and its ZeRO variants share it)."""
+    g_key, shape, _, batch_axes, seq_axes, levers = key
+    dims = layout.params
+    pkey = (_PARAMS_KEY, g_key, shape, dims, batch_axes, seq_axes, levers)
+    hit = ctx.memo.get(pkey)
+    if hit is not None:
+        sp, tp, flops, compute_s = hit
+        oused = tuple(a for d in layout.opt for a in d)
+        return sp._replace(extra=tuple(a for a in oused if a not in sp.used)), tp, flops, compute_s
+    sp = _split(ctx, g, layout, batch_axes, seq_axes)
+    sizes = ctx.sizes
+    tp = _tp_collectives(ctx, g, dims, sp.tp, sp.local, sp.tokens_local) if sp.tp else []
+    flops = param_flops(g, ctx.trace.tokens) * ctx.flops_scale * g.count
+    splits = math.prod(sizes[a] for a in {*batch_axes, *sp.tp, *sp.context})
+    k, n, routed = gemm_dims(g, dims, sp.tp, sizes)
+    m = sp.tokens_local * routed / ctx.recipe.microbatches
+    n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
+    compute_s = ctx.matmul_time(flops / splits, m, k, n, matmul_dtype(ctx, g))
+    compute_s += quantize_s(ctx, g, flops / splits, m, k, n, n_fsdp)
+    ctx.memo[pkey] = (sp, tp, flops, compute_s)
+    return sp, tp, flops, compute_s
 
 
 def tensor_parallel_bytes(
@@ -789,7 +774,7 @@ def tensor_parallel_bytes(
 ) -> float:
     """Payload bytes per device per step of the tensor-parallel collectives of
     ``groups`` laid out as ``choice`` (the activation all-reduces Megatron-LM
-    counts, :func:`_tp_times`)."""
+    counts, :func:`~spmdkit.planner.group_roles.tp_times`)."""
     return sum(
         group_cost(ctx, g, layout, batch_axes, seq_axes).tp_bytes
         for g, layout in zip(groups, choice, strict=True)

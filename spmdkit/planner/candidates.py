@@ -28,6 +28,7 @@ from spmdkit.planner.analytic import (
     GroupLayout,
     ParamGroup,
     StepTrace,
+    cost_levers,
     group_cost,
     total_cost,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "Candidate",
     "activation_layout",
     "batch_axis_choices",
+    "budget_moves",
     "preset_tables",
     "propagate_cost",
     "rules_choice",
@@ -509,6 +511,10 @@ def batch_axis_choices(sizes: dict[str, int], batch_size: int) -> list[tuple[str
     return out
 
 
+#: ``CostContext.memo`` key prefix of a group's layouts and their costs (:func:`_options`).
+_OPTIONS_KEY = ("candidates", "layout_options")
+
+
 def search_layouts(
     ctx: CostContext,
     groups: list[ParamGroup],
@@ -524,25 +530,11 @@ def search_layouts(
     choice (a pipelined one's for pipelines); ``sizes``: the mesh axes layouts
     may use (default: all)."""
     sizes = ctx.sizes if sizes is None else sizes
-    options: list[list[GroupLayout]] = []
-    for g in groups:
-        opts = []
-        for dims in _layouts(g, sizes):
-            opts.append(GroupLayout(dims, dims))
-            z = _zero1(dims, g.shape, batch_axes, sizes)
-            if z != dims:
-                opts.append(GroupLayout(dims, z))
-                opts.append(GroupLayout(dims, z, grads_sharded=True))
-        options.append(opts)
-
-    # each option's cost once per call (the memo in ``ctx`` is keyed by far more)
-    known: dict[tuple[int, int], GroupCost] = {}
+    found = [_options(ctx, g, batch_axes, seq_axes, sizes) for g in groups]
+    options = [opts for opts, _ in found]
 
     def gcost(i: int, j: int) -> GroupCost:
-        hit = known.get((i, j))
-        if hit is None:
-            hit = known[i, j] = group_cost(ctx, groups[i], options[i][j], batch_axes, seq_axes)
-        return hit
+        return found[i][1][j]
 
     pick = []
     for i, opts in enumerate(options):
@@ -551,24 +543,79 @@ def search_layouts(
     choice = [options[i][j] for i, j in enumerate(pick)]
     cost = total(ctx, groups, choice, batch_axes, seq_axes)
     # Over budget: trade time for memory, best Δtime per byte saved first.
+    moves: list[list[tuple[float, int]] | None] = [None] * len(options)
     for _ in range(4 * len(groups) * 8):
         if cost.peak_bytes <= budget:
             break
         best_move = None
-        for i, opts in enumerate(options):
-            cur = gcost(i, pick[i])
-            for j in range(len(opts)):
-                c = gcost(i, j)
-                saved = cur.memory - c.memory
-                if saved <= 0:
-                    continue
-                ratio = (c.time - cur.time) / saved
+        for i in range(len(options)):
+            if moves[i] is None:  # only the group moved last changes its moves
+                moves[i] = budget_moves(gcost, i, pick[i], len(options[i]))
+            for ratio, j in moves[i]:
                 if best_move is None or ratio < best_move[0]:
                     best_move = (ratio, i, j)
         if best_move is None:
             break
         _, i, j = best_move
         pick[i] = j
+        moves[i] = None
         choice[i] = options[i][j]
         cost = total(ctx, groups, choice, batch_axes, seq_axes)
     return choice, cost
+
+
+def _options(
+    ctx: CostContext,
+    g: ParamGroup,
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    sizes: dict[str, int],
+) -> tuple[list[GroupLayout], list[GroupCost]]:
+    """The layouts :func:`search_layouts` tries for ``g`` on the axes ``sizes`` and
+    their costs, memoized in ``ctx`` (the planner searches the same group under
+    many recipes that share its costs, :func:`~spmdkit.planner.analytic.cost_levers`)."""
+    key = (_OPTIONS_KEY, tuple(sizes.items()), g.key, g.shape, batch_axes, seq_axes)
+    key += (cost_levers(ctx, g),)
+    hit = ctx.memo.get(key)
+    if hit is not None:
+        return hit
+    opts = []
+    for dims in _layouts(g, sizes):
+        opts.append(GroupLayout(dims, dims))
+        z = _zero1(dims, g.shape, batch_axes, sizes)
+        if z != dims:
+            opts.append(GroupLayout(dims, z))
+            opts.append(GroupLayout(dims, z, grads_sharded=True))
+    out = ctx.memo[key] = (opts, [group_cost(ctx, g, o, batch_axes, seq_axes) for o in opts])
+    return out
+
+
+def budget_moves(
+    gcost: Callable[[int, int], GroupCost], i: int, cur_j: int, n: int
+) -> list[tuple[float, int]]:
+    """The moves of group ``i`` from its option ``cur_j`` that save memory, as
+    ``(Δtime per byte saved, option)`` in option order; of a run of them, only
+    those that could be picked (:func:`search_layouts` takes the first strictly
+    smallest ratio): each one smaller than every one before it, or all of them
+    where a ratio is not a number.
+
+    Args:
+      gcost: ``gcost(i, j)``, the cost of group ``i``'s option ``j``.
+      i: the group.
+      cur_j: its option now.
+      n: its option count.
+    """
+    cur = gcost(i, cur_j)
+    out = []
+    for j in range(n):
+        c = gcost(i, j)
+        saved = cur.memory - c.memory
+        if saved > 0:
+            out.append(((c.time - cur.time) / saved, j))
+    if any(math.isnan(r) for r, _ in out):
+        return out
+    kept: list[tuple[float, int]] = []
+    for r, j in out:
+        if not kept or r < kept[-1][0]:
+            kept.append((r, j))
+    return kept

@@ -419,3 +419,55 @@ def test_every_kth_layer_recomputes_a_kth_of_the_layers(llama):
     assert full < half
     mm = t.recompute_flops(Recipe(remat="full"))[0]
     assert t.recompute_flops(Recipe(remat="full", remat_every=2))[0] == pytest.approx(mm / 2)
+
+
+def _tp_layouts(g, sizes):
+    """A group's layout with the model axis on its last dim that takes it, and its
+    ZeRO variants (state, then state and grads, over the data axis too)."""
+    ndim = len(g.shape)
+    dims = [()] * ndim
+    for i in reversed(range(ndim)):
+        if g.shape[i] % sizes["model"] == 0:
+            dims[i] = ("model",)
+            break
+    opt = list(dims)
+    for i in range(ndim):
+        if g.shape[i] % (sizes["data"] * (sizes["model"] if dims[i] else 1)) == 0:
+            opt[i] = (*dims[i], "data")
+            break
+    dims, opt = tuple(dims), tuple(opt)
+    return [GroupLayout(dims, dims), GroupLayout(dims, opt), GroupLayout(dims, opt, True)]
+
+
+def test_a_memo_shared_by_recipes_gives_each_its_own_cost(llama):
+    """Recipes (remat policies, dtypes, master weights) and a layout's ZeRO variants
+    share the memo's entries where their costs agree: every cost looked up in the
+    shared memo equals the one computed alone, and remat's rerun forward still
+    changes a row-parallel weight's."""
+    from dataclasses import replace
+
+    from spmdkit.planner.analytic import column_siblings
+    from spmdkit.recipe import Recipe
+
+    groups, ctx = llama
+    ctx = replace(ctx, siblings=column_siblings(groups))
+    recipes = [
+        Recipe(),
+        Recipe(remat="full"),
+        Recipe(remat="dots", compute_dtype="bfloat16"),
+        Recipe(remat="full", compute_dtype="bfloat16"),
+        Recipe(compute_dtype="bfloat16", master_weights="optimizer"),
+    ]
+    shared: dict = {}
+    costs = {}
+    for r in recipes:
+        for g in groups:
+            for lay in _tp_layouts(g, ctx.sizes):
+                warm = group_cost(replace(ctx, recipe=r, memo=shared), g, lay, ("data",), ())
+                alone = group_cost(replace(ctx, recipe=r, memo={}), g, lay, ("data",), ())
+                assert warm == alone, (r, g.key, lay)
+                costs[r, g.key, lay] = warm
+    rows = [g for g in groups if g.logical and g.logical[-1] == "embed" and "layers" in g.logical]
+    lay = _tp_layouts(rows[0], ctx.sizes)[0]
+    plain, full = (costs[r, rows[0].key, lay] for r in recipes[:2])
+    assert full.tp_bytes > plain.tp_bytes and full.comm_s > plain.comm_s

@@ -110,3 +110,41 @@ def test_the_distributed_optimizer_shards_only_where_the_dims_divide():
             assert shape[d] % math.prod(sizes[a] for a in axes) == 0, (path, spec, shape)
     assert p.params["blocks/0/attn/bq"] == P("model")  # 4 heads × 16
     assert p.opt["blocks/0/attn/bq"] == P("model", "data")
+
+
+def test_the_budget_move_is_the_one_a_full_scan_picks():
+    """Over budget, search_layouts takes the first move with the strictly smallest
+    Δtime per byte saved; the moves it keeps per group pick the same one as
+    scanning every option of every group, ties and not-a-number ratios too."""
+    import random
+
+    from spmdkit.planner.analytic import GroupCost
+    from spmdkit.planner.candidates import budget_moves
+
+    rng = random.Random(0)
+    times = [1.0, 2.0, 3.0, math.inf]  # inf - inf: a ratio that is not a number
+    for _ in range(300):
+        costs = [
+            [
+                GroupCost(0.0, rng.choice(times), (), rng.choice([1, 2, 4]), 0, 0, 0)
+                for _ in range(rng.randint(1, 5))
+            ]
+            for _ in range(rng.randint(1, 4))
+        ]
+        pick = [rng.randrange(len(row)) for row in costs]
+        full = None
+        for i, row in enumerate(costs):
+            cur = row[pick[i]]
+            for j, c in enumerate(row):
+                saved = cur.memory - c.memory
+                if saved > 0:
+                    ratio = (c.time - cur.time) / saved
+                    if full is None or ratio < full[0]:
+                        full = (ratio, i, j)
+        kept = None
+        for i, row in enumerate(costs):
+            for ratio, j in budget_moves(lambda i, j, c=costs: c[i][j], i, pick[i], len(row)):
+                if kept is None or ratio < kept[0]:
+                    kept = (ratio, i, j)
+        assert (full is None) == (kept is None)
+        assert full is None or full[1:] == kept[1:]
