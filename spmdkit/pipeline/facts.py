@@ -51,6 +51,7 @@ __all__ = [
     "FORWARD_SCOPE",
     "HEAD_SCOPE",
     "PipelineFacts",
+    "backward_probe",
     "branch_runs",
     "chunk_residuals",
     "permute_count",
@@ -241,24 +242,15 @@ def residual_probe(
     """``f(params, batch) -> residuals``: :func:`chunk_residuals`'s leaves as a
     function of the step's arguments, for micro-batch 0 and chunk 0 (what
     ``plan.verify`` propagates with the plan's layouts to size them per device)."""
-    m, chunks = pipe.microbatches, pipe.chunks
 
     def probe_fn(params: Any, batch: Any) -> list:
-        micro = split_microbatches(batch, m)
-        one = jax.tree.map(lambda x: x[0], micro)
-        sp = split_loss(loss_fn, params, one, rest)
-        pipe.check_layers(sp.layers, op="pipeline")
-        xs, shared, per = sp.pre(jax.tree.leaves((params, one, rest)))
-        ctx = BoundLoss(sp, pipe, shared, [x[None] for x in per])
-        w = [x[: sp.layers // chunks] for x in xs]
-        cd = [({**ctx.sv, **ctx.microbatch(0)})[v] for v in ctx.dconsts]
-        carry = [ctx.per[v][0] for v in ctx.carry]
+        ctx, w, cd, carry = _chunk_zero(loss_fn, pipe, rest, params, batch)
         if head:
             post = [ctx.sv[v] if v in ctx.sv else ctx.microbatch(0)[v] for v in ctx.dpost]
 
             def f(c: list, dv: list) -> Any:
                 vals = {**ctx.sv, **ctx.microbatch(0), **dict(zip(ctx.dpost, dv, strict=True))}
-                return sp.post(vals, c)
+                return ctx.sp.post(vals, c)
 
             _, vjp = jax.vjp(f, carry, post)
             shared = [v in ctx.sv for v in ctx.dpost]
@@ -267,6 +259,40 @@ def residual_probe(
         return VjpStash().record(jax.tree.leaves(vjp), w, cd, [v in ctx.sv for v in ctx.dconsts])
 
     return probe_fn
+
+
+def backward_probe(loss_fn: Callable[..., Any], pipe: Pipeline, *rest: Any) -> Callable[..., Any]:
+    """``f(params, batch) -> gradients``: chunk 0's forward and backward for
+    micro-batch 0 (its ``jax.vjp`` and the pullback of a cotangent of ones), as a
+    function of the step's arguments. Propagated with the plan's layouts, its
+    temporaries' peak is the residual set the backward reads plus its working
+    set (the cotangents it makes, the chunk's weights as it slices them): what
+    ``plan.verify`` sizes a backward tick's working set from
+    (:attr:`~spmdkit.pipeline.memory.StageSizes.working`)."""
+
+    def probe_fn(params: Any, batch: Any) -> Any:
+        ctx, w, cd, carry = _chunk_zero(loss_fn, pipe, rest, params, batch)
+        out, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0), w, cd, carry)
+        return vjp(jax.tree.map(jnp.ones_like, out))
+
+    return probe_fn
+
+
+def _chunk_zero(
+    loss_fn: Callable[..., Any], pipe: Pipeline, rest: tuple, params: Any, batch: Any
+) -> tuple[BoundLoss, list, list, list]:
+    """Chunk 0 and micro-batch 0 of the loss split for ``pipe``: the bound loss,
+    the chunk's stacked weights, its differentiated constants and its input."""
+    micro = split_microbatches(batch, pipe.microbatches)
+    one = jax.tree.map(lambda x: x[0], micro)
+    sp = split_loss(loss_fn, params, one, rest)
+    pipe.check_layers(sp.layers, op="pipeline")
+    xs, shared, per = sp.pre(jax.tree.leaves((params, one, rest)))
+    ctx = BoundLoss(sp, pipe, shared, [x[None] for x in per])
+    w = [x[: sp.layers // pipe.chunks] for x in xs]
+    cd = [({**ctx.sv, **ctx.microbatch(0)})[v] for v in ctx.dconsts]
+    carry = [ctx.per[v][0] for v in ctx.carry]
+    return ctx, w, cd, carry
 
 
 # -- the row-combining layer check ---------------------------------------------------

@@ -19,10 +19,20 @@ batch axes). :func:`stage_buffers` counts them from the tick tables
     there is no trash slot (ticks that stash nothing write out of bounds,
     dropped);
   - ``inboxes``: ``(n_inbox_f + 1 + n_inbox_b + 1) · C`` (with their trash slots);
-  - ``tick``: two residual sets around the tick's ``lax.switch``: the branch's
-    result (a forward's fresh set until it is written to its slot, or the slot
-    a backward read) and the backward's working set (``2·R``; measured on
-    XLA:CPU, tiny Llama, pipe=2 and 4);
+  - ``tick``: two residual sets around the tick's ``lax.switch`` and a
+    backward's working set: the switch's result (a forward's fresh set until it
+    is written to its slot; a backward branch returns a zero-filled one) and the
+    slot a backward reads (``2·R``; measured on XLA:CPU, tiny Llama, pipe=2 and
+    4), plus what the backward makes beyond the set it reads
+    (:attr:`StageSizes.working`: its layers' cotangents, the chunk's weights as
+    it slices them, the operands it transposes; ``plan.verify`` sizes it by
+    propagating one chunk's forward and backward). Measured on XLA:CPU, tiny GPT
+    (pipe 2, 4 micro-batches, GELU keeping only its input): megatron 1F1B's
+    peak holds the slot read (229.4 KB), the zero-filled result (229.4 KB) and
+    about 0.2 MB of cotangents and weight-gradient stacks; dp interleaved (v 2)
+    holds the slot read (262.1 KB), the chunk's weights it sliced (262.1 KB) and
+    0.25 MB of cotangents and head gradients, its peak falling before the
+    zero-filled result is made;
   - ``grads``: ``W``, a backward's chunk gradients: the tick's ``lax.switch``
     result, added to the accumulators after it. (Added inside the
     branch, the accumulators were the switch's result instead, and XLA copied
@@ -74,12 +84,16 @@ class StageSizes:
       carry: ``C``, one micro-batch's stage input (what one permute sends).
       weights: ``W``, one chunk's stacked weights as its stage computes with
         them (compute dtype, gathered over the batch axes).
+      working: a backward's working set beyond the residual set it reads: the
+        cotangents its layers make, the chunk's weights as it slices them, the
+        operands it transposes (0: not sized, the planner's count).
     """
 
     residual: float
     head: float = 0.0
     carry: float = 0.0
     weights: float = 0.0
+    working: float = 0.0
 
 
 def held_residual_sets(pipe: Pipeline) -> int:
@@ -115,7 +129,7 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
     return {
         "stash": held * r,
         "inboxes": inbox * c,
-        "tick": 2 * r,
+        "tick": 2 * r + sizes.working,
         "grads": w,
     }
 

@@ -13,7 +13,9 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.facts.pipelines_trace
   gathers are the reshards of the ``shard_map``'s operands;
 - memory: the pipeline's buffers (:func:`spmdkit.pipeline.memory.stage_buffers`),
   sized from the traced facts and the plan (a chunk's weights: the stacked
-  parameters' bytes on one device over ``v``), on top of the propagated step.
+  parameters' bytes on one device over ``v``; a backward's working set: chunk
+  0's forward and backward propagated, less its residual set), on top of the
+  propagated step.
   Propagation takes a ``shard_map``'s out_specs as given, so it counts GPipe's
   residuals (the forward ``shard_map``'s outputs,
   :func:`~spmdkit.pipeline.memory.residual_outputs`) unsharded over the axes
@@ -37,6 +39,7 @@ from spmdkit.pipeline.facts import (
     FORWARD_SCOPE,
     HEAD_SCOPE,
     PipelineFacts,
+    backward_probe,
     branch_runs,
     permute_count,
     pipelines_traced,
@@ -124,7 +127,10 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         gathered = chunk_weight_bytes(plan, facts.batch_axes)
         computed = chunk_weight_bytes(plan, facts.batch_axes, computed=True)
         residual, head = _residuals_per_device(plan, facts, shards)
-        sizes = StageSizes(residual=residual, head=head, carry=carry, weights=computed)
+        working = _backward_working_set(plan, facts, residual)
+        sizes = StageSizes(
+            residual=residual, head=head, carry=carry, weights=computed, working=working
+        )
         held = stage_buffers(pipe, sizes)
         extra += sum(held.values())
         # the device's chunks' weights, gathered over the batch axes at the
@@ -326,6 +332,30 @@ def _residuals_per_device(plan: Plan, facts: PipelineFacts, shards: int) -> tupl
         )
         sizes.append(float(sum(s.local_bytes(plan.mesh) for s in prop.out_specs)))
     return sizes[0], sizes[1]
+
+
+def _backward_working_set(plan: Plan, facts: PipelineFacts, residual: float) -> float:
+    """A backward's working set on one device beyond the residual set it reads
+    (:attr:`~spmdkit.pipeline.memory.StageSizes.working`): chunk 0's forward and
+    backward for micro-batch 0 (:func:`~spmdkit.pipeline.facts.backward_probe`)
+    propagated with the plan's layouts less the pipe axis, its temporaries' peak
+    less ``residual``. The probe slices its chunk's weights out of the whole
+    stack; the executor does too with virtual stages (a device's ``v`` chunks
+    are one stack), but without them a stage's weights are its own shard,
+    read in place: that slice is taken off. GPipe's ticks do not count it
+    (:func:`~spmdkit.pipeline.memory.stage_buffers`): not sized."""
+    if facts.loss_fn is None or facts.pipe.schedule == "gpipe":
+        return 0.0
+    sliced = chunk_weight_bytes(plan) if facts.pipe.virtual == 1 else 0.0
+    params, batch, *rest = facts.args
+    prop = propagate(
+        backward_probe(facts.loss_fn, facts.pipe, *rest),
+        params,
+        batch,
+        in_specs=_unpipelined_specs(plan, facts)[:2],
+        mesh=plan.mesh,
+    )
+    return max(float(prop.memory.temp_bytes) - residual - sliced, 0.0)
 
 
 def stage_collectives(plan: Plan, facts: PipelineFacts) -> dict[str, float]:

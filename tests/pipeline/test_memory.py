@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -45,6 +47,9 @@ def test_held_sets_per_schedule():
     }
     il = Pipeline(stages=2, microbatches=4, schedule="interleaved", virtual=2)
     assert stage_buffers(il, sizes)["grads"] == 3.0
+    # a backward's working set beyond the set it reads joins the tick's two sets
+    working = dataclasses.replace(sizes, working=5.0)
+    assert stage_buffers(ob, working) == {**stage_buffers(ob, sizes), "tick": 25.0}
     # GPipe: per forward tick R + H + W, and its inbox
     gpipe = stage_buffers(gp, sizes)
     assert gpipe["stash"] == 11 * (10 + 1 + 3) and gpipe["tick"] == 10.0
