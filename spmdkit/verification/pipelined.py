@@ -342,9 +342,9 @@ def _backward_working_set(plan: Plan, facts: PipelineFacts, residual: float) -> 
     less ``residual``. The probe slices its chunk's weights out of the whole
     stack; the executor does too with virtual stages (a device's ``v`` chunks
     are one stack), but without them a stage's weights are its own shard,
-    read in place: that slice is taken off. GPipe's ticks do not count it
-    (:func:`~spmdkit.pipeline.memory.stage_buffers`): not sized."""
-    if facts.loss_fn is None or facts.pipe.schedule == "gpipe":
+    read in place: that slice is taken off (GPipe's stash holds the sliced
+    weights per forward tick already)."""
+    if facts.loss_fn is None:
         return 0.0
     sliced = chunk_weight_bytes(plan) if facts.pipe.virtual == 1 else 0.0
     params, batch, *rest = facts.args
