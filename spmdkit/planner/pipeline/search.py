@@ -529,9 +529,9 @@ class PipelinePlanning:
                     name = f"searched[batch={','.join(batch_ax) or '-'}" + "".join(
                         f",{a}={inner[a]}" for a in seq_ax
                     )
-                    c = Candidate(name + "]", full, act, None, cost, recipe, pipe, mesh)
-                    if not seq_ax or not self.refused(c._replace(context=seq_ax)):
-                        out.append(c._replace(context=seq_ax))
+                    c = Candidate(name + "]", full, act, None, cost, recipe, pipe, mesh, seq_ax)
+                    if not self.refused(c):  # only a context-parallel one can be
+                        out.append(c)
         return out + self.pipelined_presets(mesh, recipe, request, extra)
 
     def pipelined_presets(
@@ -552,7 +552,8 @@ class PipelinePlanning:
         inner = {a: s for a, s in sizes.items() if a != PIPE_AXIS}
         sub = _mesh_without(sizes, (PIPE_AXIS,))
         seq_len = self.ctx.trace.seq_len
-        given = extra is not None and any(n == "seq" for n, _ in LogicalRules.coerce(extra).entries)
+        extra = None if extra is None else LogicalRules.coerce(extra)
+        given = extra is not None and any(n == "seq" for n, _ in extra.entries)
         out = []
         for name in _TP_PRESETS:
             for cp in [()] if given else _seq_choices(inner, seq_len):
@@ -562,7 +563,7 @@ class PipelinePlanning:
                     sp = spec[0] if len(spec) else None
                     sp = (sp,) if isinstance(sp, str) else tuple(sp or ())
                     rules = LogicalRules((("seq", (*cp, *(a for a in sp if a not in cp))),))
-                    rules = rules if extra is None else LogicalRules.coerce(extra).prepend(rules)
+                    rules = rules if extra is None else extra.prepend(rules)
                 try:
                     tables = preset_tables(name, rules, sub, self.aliases)
                     c = self.pipelined_table(name, tables, mesh, recipe, request)
