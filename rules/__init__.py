@@ -16,4 +16,5 @@ FAMILIES = (
     "shape",
     "attention",
     "pooling",
+    "ragged",
 )

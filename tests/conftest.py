@@ -125,7 +125,17 @@ NOT_QUICK = (
 #: The ops whose rule sweeps (tests/rules/test_all_rules.py) the quick loop runs: one
 #: per rule family, the factor-notation rules and hand-written ones.
 QUICK_OPS = frozenset(
-    ["add", "matmul", "reduce_sum", "softmax", "layer_norm", "embedding", "index_put", "reshape"]
+    [
+        "add",
+        "matmul",
+        "reduce_sum",
+        "softmax",
+        "layer_norm",
+        "embedding",
+        "index_put",
+        "reshape",
+        "ragged_dot_general",
+    ]
 )
 
 
