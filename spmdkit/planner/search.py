@@ -288,8 +288,8 @@ def plan(
     info = _batch_names(info, aliases)
     strategy, rules, absent = _foreign_tables(strategy, rules, mesh, aliases)
     if pipeline is not None and strategy != "auto":
-        pipeline_submesh(mesh, pipeline, info, recipe)
         named, names_from = apply_names(info, names, lambda: infer_names(info))
+        pipeline_submesh(mesh, pipeline, named, recipe)
         planner = planner_for(
             named, mesh, optimizer, topology, peak_flops, memory_budget, estimator
         )

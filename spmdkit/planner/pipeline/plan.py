@@ -54,6 +54,7 @@ from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.pipeline.facts import rows_error, rows_split, split_rows_combined, tokens_refused
 from spmdkit.pipeline.tokens import rows_loss_combined, rows_loss_error
 from spmdkit.planner.logical import LogicalRules, RulesLike
+from spmdkit.planner.naming import infer_names
 from spmdkit.planner.plans import Plan
 from spmdkit.recipe import Recipe
 from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard
@@ -95,10 +96,11 @@ def _check_model(info: ModelInfo, pipe: Pipeline) -> None:
             op="plan(pipeline=...)",
             must=f"the model's layers are stacked on a leading {LAYER_NAME!r} dim "
             f"(the pipe axis {pipe.axis!r} splits that dim)",
-            given=f"{info.name}: no parameter has a {LAYER_NAME!r} dim (layers unstacked, "
-            "e.g. a python list of blocks)",
+            given=f"{info.name}: {_why_unstacked(info)}",
             fix="stack and scan the layers (scan_layers=True in the reference models, "
-            "nnx.scan / jax.lax.scan over stacked params), or plan without pipeline=",
+            "nnx.vmap + nnx.scan / jax.lax.scan over stacked params), name the stacked dim "
+            f"{LAYER_NAME!r} where the model names it otherwise (sk.plan(..., names="
+            f"{{'<path glob>': ({LAYER_NAME!r}, ...)}})), or plan without pipeline=",
         )
     counts = sorted(set(stacked.values()))
     if len(counts) > 1:
@@ -109,6 +111,31 @@ def _check_model(info: ModelInfo, pipe: Pipeline) -> None:
             fix="pipeline one layer stack; name other stacked dims otherwise",
         )
     pipe.check_layers(counts[0], op="plan(pipeline=...)")
+
+
+def _why_unstacked(info: ModelInfo) -> str:
+    """Why no parameter has a leading ``layers`` dim: names (the model's or
+    ``names=``) that call a dim the layer scan runs over something else, or no
+    parameter that a scan in the loss runs over at all."""
+    roles = infer_names(info)  # a scan's sliced dim is inferred as 'layers'
+    named_otherwise = [
+        f"{p.path} {tuple(p.shape)} named {p.logical}"
+        for p in info.params
+        if p.path in roles and roles[p.path].names[:1] == (LAYER_NAME,)
+    ]
+    if named_otherwise:
+        shown = "; ".join(named_otherwise[:3])
+        more = f" and {len(named_otherwise) - 3} more" if len(named_otherwise) > 3 else ""
+        return (
+            f"a scan in the loss runs over the leading dim of {len(named_otherwise)} "
+            f"parameter(s), but their names (the model's, or names=) call that dim "
+            f"otherwise: {shown}{more}"
+        )
+    return (
+        f"no parameter is stacked: none is named {LAYER_NAME!r} and no scan in the loss "
+        "runs over a parameter's leading dim (layers unstacked, e.g. a python list of "
+        "blocks called in a for loop)"
+    )
 
 
 def _check_batch(info: ModelInfo, pipe: Pipeline) -> None:
@@ -143,6 +170,8 @@ def pipeline_submesh(
     mesh: MeshLike, pipe: object, info: ModelInfo, recipe: Recipe | None
 ) -> AbstractMesh:
     """The mesh without the pipe axis, after checking the request (module docstring).
+    ``info`` comes with every parameter named (``naming.apply_names``): an
+    unannotated model's stacked dim is ``layers`` only once its names are inferred.
 
     Raises:
       PipelineError: ``pipe`` is not a :class:`~spmdkit.pipeline.Pipeline`; the mesh

@@ -134,3 +134,124 @@ def test_every_preset_pipelined_is_costed_per_stage(strategy, axes):
     kw = {"config": "tiny_pipe", "batch_size": 16, "estimator": "analytic"}
     p = sk.plan(get_model("llama"), mesh, strategy, pipeline=pipe, **kw)
     assert len(p.cost.stage_memory) == 2 and p.cost.bubble_s > 0
+
+
+# -- flax's documented layer stack, without sharding names ------------------------------
+
+_D, _LAYERS = 16, 4
+
+
+def _scanned_mlp(metadata: bool):
+    """Flax's scan-over-layers pattern (blocks made by ``nnx.vmap``, run by
+    ``nnx.scan``), no sharding names; ``metadata``: both transforms given
+    ``transform_metadata={nnx.PARTITION_NAME: "layers"}`` as flax's guide shows."""
+    from flax import nnx
+
+    kw = {"transform_metadata": {nnx.PARTITION_NAME: "layers"}} if metadata else {}
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.up = nnx.Linear(_D, 2 * _D, rngs=rngs)
+            self.down = nnx.Linear(2 * _D, _D, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(nnx.gelu(self.up(x), approximate=False))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(32, _D, rngs=rngs)
+
+            @nnx.split_rngs(splits=_LAYERS)
+            @nnx.vmap(in_axes=(0,), out_axes=0, **kw)
+            def blocks(rngs: nnx.Rngs) -> Block:
+                return Block(rngs)
+
+            self.blocks = blocks(rngs)
+            self.head = nnx.Linear(_D, 32, rngs=rngs)
+
+        def __call__(self, tokens):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, **kw)
+            def layer(x, block: Block):
+                return block(x)
+
+            return self.head(layer(self.embed(tokens), self.blocks))
+
+    return lambda: Model(nnx.Rngs(0))
+
+
+def _lm_loss(model, batch):
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(model(batch["tokens"]))
+    return -jnp.mean(jnp.sum(jax.nn.one_hot(batch["labels"], 32) * logp, -1))
+
+
+def _lm_batch(rows: int = 16) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return {"tokens": rng.integers(0, 32, (rows, 8)), "labels": rng.integers(0, 32, (rows, 8))}
+
+
+def _scanned_plan(metadata: bool):
+    info = sk.describe(_scanned_mlp(metadata), loss=_lm_loss, batch=_lm_batch())
+    pipe = Pipeline(stages=2, microbatches=4)
+    return info, sk.plan(info, sk.make_mesh(pipe=2, data=4), "fsdp", pipeline=pipe)
+
+
+@pytest.mark.parametrize("metadata", [False, True])
+def test_an_unannotated_nnx_scan_stack_is_pipelined_on_its_inferred_layers_dim(metadata):
+    """No sharding names: the dim nnx.scan runs over is inferred as 'layers', so a
+    preset pipelines it (it was checked before names were inferred, and refused
+    as 'a python list of blocks')."""
+    info, plan = _scanned_plan(metadata)
+    assert all(p.logical is None for p in info.params)
+    assert plan.params["blocks/up/kernel"][0] == "pipe"
+    assert plan.names_from["blocks/up/kernel"] == "inferred"
+    assert "pipe" not in str(plan.params["embed/embedding"])
+
+
+@pytest.mark.slow
+def test_an_unannotated_nnx_scan_stack_runs_pipelined_as_on_one_device():
+    """The plan above compiled and run on pipe=2 x data=4: one device's loss and grads."""
+    import jax
+    import numpy as np
+
+    info, plan = _scanned_plan(False)
+    params, batch = info.init_fn(), _lm_batch()
+    want, ref = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+    loss, grads = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)(params, batch)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
+
+
+def test_no_stacked_dim_names_its_cause():
+    """A python list of blocks: the error says no scan runs over a parameter; a
+    stack the model names without 'layers': the error names those parameters."""
+    from flax import nnx
+
+    class Listed(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(32, _D, rngs=rngs)
+            self.blocks = nnx.List([nnx.Linear(_D, _D, rngs=rngs) for _ in range(2)])
+            self.head = nnx.Linear(_D, 32, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    mesh, pipe = sk.abstract_mesh(pipe=2), Pipeline(stages=2, microbatches=4)
+    info = sk.describe(lambda: Listed(nnx.Rngs(0)), loss=_lm_loss, batch=_lm_batch())
+    with pytest.raises(PipelineError, match="no scan in the loss runs over") as e:
+        sk.plan(info, mesh, "dp", pipeline=pipe)
+    assert "python list of blocks" in str(e.value)
+    stacked = sk.describe(_scanned_mlp(False), loss=_lm_loss, batch=_lm_batch())
+    names = {"blocks/*": (None,)}
+    with pytest.raises(PipelineError, match="call that dim otherwise") as e:
+        sk.plan(stacked, mesh, "dp", pipeline=pipe, names=names)
+    assert "blocks/down/bias (4, 16) named (None, None)" in str(e.value)
+    assert "python list" not in str(e.value).split("Fix:")[0]
