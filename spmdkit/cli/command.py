@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple, TextIO
+from typing import NamedTuple, TextIO
 
 from spmdkit.errors import UsageError
 
@@ -14,7 +14,6 @@ __all__ = [
     "MODELS_HELP",
     "PRESETS_HELP",
     "Command",
-    "check_model",
     "dir_to_write",
     "expand_help",
     "existing_dir",
@@ -23,6 +22,7 @@ __all__ = [
     "parse_mesh",
     "positive_int",
     "report_error",
+    "strategy_name",
 ]
 
 
@@ -116,6 +116,25 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def strategy_name(text: str) -> str:
+    """An ``argparse`` type for ``--strategy``: ``auto`` or a preset name, checked
+    when the command line is parsed (nothing imported: :mod:`spmdkit.strategies`).
+
+    Example::
+
+        >>> strategy_name("fsdp")
+        'fsdp'
+    """
+    from spmdkit.strategies import STRATEGIES, unknown_strategy
+
+    fix = unknown_strategy(text)
+    if fix is not None:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(STRATEGIES)}; given {text!r}: {fix}"
+        )
+    return text
+
+
 def _nearest_existing(path: str) -> str:
     """``path`` or its closest ancestor that exists."""
     here = os.path.abspath(path)
@@ -192,9 +211,9 @@ def expand_help(text: str) -> str:
     if MODELS_HELP in text:
         text = text.replace(MODELS_HELP, model_help())
     if PRESETS_HELP in text:
-        from spmdkit.planner.logical import PRESETS
+        from spmdkit.strategies import PRESETS, SHARDED_OPT_PRESETS
 
-        text = text.replace(PRESETS_HELP, ", ".join(PRESETS))
+        text = text.replace(PRESETS_HELP, ", ".join((*PRESETS, *SHARDED_OPT_PRESETS)))
     return text
 
 
@@ -204,23 +223,3 @@ def model_help() -> str:
     from spmdkit.models import MODELS
 
     return "; ".join(f"{n} (configs: {', '.join(m.configs)})" for n, m in MODELS.items())
-
-
-def check_model(op: str, model: str, config: str) -> Any:
-    """The :class:`~spmdkit.models.ModelSpec` called ``model``, after checking that
-    it has a config called ``config`` (a dataclass is made; no model is built).
-
-    Raises:
-      UnknownModelError: no such model (naming ``MODEL``) or config (naming
-        ``--config``), with the known names and a near match.
-    """
-    from spmdkit.models import UnknownModelError, get_model
-
-    where = f"{op} MODEL"
-    try:
-        spec = get_model(model)
-        where = f"{op} --config"
-        spec.config(config)
-    except UnknownModelError as e:
-        raise UnknownModelError(op=where, must=e.must, given=e.given, fix=e.fix) from None
-    return spec

@@ -70,6 +70,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.batch",
         "spmdkit.sequence",
         "spmdkit.loss",
+        "spmdkit.strategies",
     ),
     "rule": ("spmdkit.engine",),
     "rules": ("spmdkit.rules",),

@@ -19,16 +19,15 @@ import sys
 from typing import Any, TextIO
 
 from spmdkit.cli.command import (
-    MODELS_HELP,
     Command,
-    check_model,
     dir_to_write,
     existing_dir,
     non_negative_int,
     parse_mesh,
-    positive_int,
     report_error,
+    strategy_name,
 )
+from spmdkit.cli.model_arg import add_model_arguments, check_model_arg, resolve_model
 from spmdkit.errors import SpmdError, UsageError
 
 __all__ = ["COMMANDS", "check_export_args", "check_import_args"]
@@ -152,12 +151,10 @@ def _export_from(mgr: Any, args: argparse.Namespace, out: TextIO) -> int:
 
 def _configure_import(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("export", metavar="EXPORT", help="directory written by `spmdkit export`")
-    parser.add_argument("model", help=f"a reference model: {MODELS_HELP}")
-    parser.add_argument("--config", default="tiny", help="model config name (listed under model)")
+    add_model_arguments(parser, batch_help=" (planning)")
     parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes NAME=SIZE,...")
-    parser.add_argument("--strategy", default="fsdp", help="plan strategy or preset name")
     parser.add_argument(
-        "--batch-size", type=positive_int, default=8, help="global batch size (planning)"
+        "--strategy", default="fsdp", type=strategy_name, help="auto or a preset name"
     )
     parser.add_argument("--ckpt", default=None, help="write a params-only checkpoint here")
 
@@ -180,7 +177,7 @@ def check_import_args(args: argparse.Namespace) -> dict[str, int]:
     )
     if args.ckpt:
         dir_to_write("spmdkit import", "--ckpt", args.ckpt)
-    check_model("spmdkit import", args.model, args.config)  # imports the models: last
+    check_model_arg("spmdkit import", args.model, args.config)  # imports the models: last
     return axes
 
 
@@ -195,15 +192,18 @@ def _import(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     from flax import nnx
 
     from spmdkit.mesh import make_mesh
-    from spmdkit.models import abstract_model, get_model
+    from spmdkit.models import abstract_model
     from spmdkit.planner import plan as make_plan
     from spmdkit.runtime.checkpoint import Manager, abstract_target, tree_paths
     from spmdkit.runtime.export import exported_config, import_params
 
-    spec = get_model(args.model)
+    model = resolve_model(
+        "spmdkit import", args.model, config=args.config, batch_size=args.batch_size
+    )
+    spec, config = model.require_spec("spmdkit import"), model.config
     mesh = make_mesh(devices=jax.devices(), **axes)
-    plan = make_plan(spec, mesh, args.strategy, config=args.config, batch_size=args.batch_size)
-    abstract = nnx.to_pure_dict(nnx.state(abstract_model(spec, args.config), nnx.Param))
+    plan = make_plan(spec, mesh, args.strategy, config=config, batch_size=model.batch_size)
+    abstract = nnx.to_pure_dict(nnx.state(abstract_model(spec, config), nnx.Param))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
     params = import_params(args.export, abstract_target(abstract, plan.param_shardings(abstract)))
     flat = tree_paths(params)

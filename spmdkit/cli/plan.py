@@ -2,7 +2,8 @@
 
 ``spmdkit plan MODEL --mesh data=2,model=4 [--strategy auto] [--config tiny]
 [--batch-size 8] [--abstract] [--json PATH]`` prints the plan table for a
-reference model (``spmdkit.models``); ``--abstract`` plans on an abstract mesh (no
+reference model (``spmdkit.models``) or the user's (``pkg.module:factory``,
+:mod:`spmdkit.cli.model_arg`); ``--abstract`` plans on an abstract mesh (no
 devices, any size), otherwise on virtual CPU devices.
 
 ``spmdkit report MODEL --mesh data=2,model=4 [--strategy ...] [--config tiny]``
@@ -21,26 +22,22 @@ import os
 import sys
 from typing import Any, TextIO
 
-from spmdkit.cli.command import (
-    MODELS_HELP,
-    PRESETS_HELP,
-    Command,
-    check_model,
-    parse_mesh,
-    positive_int,
-    report_error,
-)
+from spmdkit.cli.command import PRESETS_HELP, Command, parse_mesh, report_error, strategy_name
+from spmdkit.cli.model_arg import add_model_arguments, check_model_arg, resolve_model
 from spmdkit.errors import SpmdError, UsageError
 
 __all__ = ["PLAN_COMMANDS", "check_plan_args", "parse_mesh", "throughput_line"]
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help=f"a reference model: {MODELS_HELP}")
+    add_model_arguments(parser)
     parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes NAME=SIZE,...")
-    parser.add_argument("--strategy", default="auto", help=f"auto or a preset ({PRESETS_HELP})")
-    parser.add_argument("--config", default="tiny", help="model config name (listed under model)")
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="global batch size")
+    parser.add_argument(
+        "--strategy",
+        default="auto",
+        type=strategy_name,
+        help=f"auto or a preset ({PRESETS_HELP})",
+    )
 
 
 def _configure_plan(parser: argparse.ArgumentParser) -> None:
@@ -53,9 +50,10 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
 
 
 def check_plan_args(verb: str, args: argparse.Namespace) -> dict[str, int]:
-    """``spmdkit VERB`` (``plan``, ``report``) flags checked before planning: the mesh, the
-    model and config, and ``--json`` a file path whose directory exists. Returns
-    the mesh axes.
+    """``spmdkit VERB`` (``plan``, ``report``) flags checked before planning: the mesh,
+    ``--json`` a file path whose directory exists, then MODEL and ``--config``
+    (a reference model's name and config; a factory path's syntax, the factory is
+    imported later). ``--strategy`` was checked when parsed. Returns the mesh axes.
 
     Raises:
       UsageError: naming the flag; UnknownModelError: no such model or config.
@@ -72,7 +70,7 @@ def check_plan_args(verb: str, args: argparse.Namespace) -> dict[str, int]:
                 + ("a directory" if os.path.isdir(path) else f"and {folder} is no directory"),
                 fix="pass a file path, e.g. --json plan.json",
             )
-    check_model(f"spmdkit {verb}", args.model, args.config)  # imports the models: last
+    check_model_arg(f"spmdkit {verb}", args.model, args.config)  # imports the models: last
     return axes
 
 
@@ -80,7 +78,6 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     try:
         axes = check_plan_args("plan", args)
         import spmdkit as sk
-        from spmdkit.models import get_model
         from spmdkit.planner import plan
 
         if args.abstract:
@@ -88,7 +85,10 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
         else:
             sk.use_virtual_cpu_devices(max(8, math.prod(axes.values())))
             mesh = sk.make_mesh(**axes)
-        info = sk.describe(get_model(args.model), config=args.config, batch_size=args.batch_size)
+        model = resolve_model(
+            "spmdkit plan", args.model, config=args.config, batch_size=args.batch_size
+        )
+        info = model.describe()
         p = plan(info, mesh, args.strategy, estimator=args.estimator)
     except SpmdError as e:
         return report_error("plan", e, sys.stderr)
@@ -169,12 +169,13 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
 
         from spmdkit.compile import init_sharded, jit
         from spmdkit.flax import describe
-        from spmdkit.models import get_model
         from spmdkit.planner import plan
 
-        spec = get_model(args.model)
-        cfg = spec.config(args.config)
-        batch = spec.batch(cfg, args.batch_size, np.random.default_rng(0))
+        model = resolve_model(
+            "spmdkit report", args.model, config=args.config, batch_size=args.batch_size
+        )
+        spec, cfg = model.require_spec("spmdkit report"), model.config
+        batch = spec.batch(cfg, model.batch_size, np.random.default_rng(0))
         info = describe(spec, config=cfg, batch=batch)
         mesh = sk.make_mesh(**axes)
         p = plan(info, mesh, args.strategy)
@@ -207,7 +208,10 @@ def _op_strategies(step: Any, params: Any, batch: Any) -> str:
 #: Commands for ``spmdkit.cli.COMMANDS``.
 PLAN_COMMANDS = [
     Command(
-        "plan", "plan a reference model on a mesh and print the plan", _configure_plan, _run_plan
+        "plan",
+        "plan a reference model or your own (module:factory) on a mesh and print the plan",
+        _configure_plan,
+        _run_plan,
     ),
     Command(
         "report",

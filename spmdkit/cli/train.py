@@ -25,15 +25,15 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from spmdkit.cli.command import (
-    MODELS_HELP,
     Command,
-    check_model,
     dir_to_write,
     non_negative_int,
     parse_mesh,
     positive_int,
     report_error,
+    strategy_name,
 )
+from spmdkit.cli.model_arg import add_model_arguments, check_model_arg, resolve_model
 from spmdkit.errors import SpmdError, UsageError
 from spmdkit.pipeline.schedule import SCHEDULES
 
@@ -44,12 +44,12 @@ __all__ = ["COMMANDS", "check_train_args", "parse_mesh", "pipeline_of", "start_d
 
 
 def _configure_train(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help=f"a reference model: {MODELS_HELP}")
+    add_model_arguments(parser)
     parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes NAME=SIZE,...")
-    parser.add_argument("--config", default="tiny", help="model config name (listed under model)")
-    parser.add_argument("--strategy", default="auto", help="plan strategy or preset name")
+    parser.add_argument(
+        "--strategy", default="auto", type=strategy_name, help="auto or a preset name"
+    )
     parser.add_argument("--steps", type=non_negative_int, default=10, help="total steps to reach")
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="global batch size")
     parser.add_argument(
         "--accum-steps", type=positive_int, default=1, help="micro-batches per step"
     )
@@ -114,7 +114,7 @@ def check_train_args(args: argparse.Namespace) -> dict[str, int]:
     if args.ckpt:
         dir_to_write("spmdkit train", "--ckpt", args.ckpt)
     pipeline_of(args, axes)
-    check_model("spmdkit train", args.model, args.config)  # imports the models: last
+    check_model_arg("spmdkit train", args.model, args.config)  # imports the models: last
     return axes
 
 
@@ -160,18 +160,20 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     from spmdkit.cli.plan import throughput_line
     from spmdkit.flax import describe
     from spmdkit.mesh import make_mesh
-    from spmdkit.models import get_model
     from spmdkit.planner import plan as make_plan
     from spmdkit.runtime.checkpoint import Manager
     from spmdkit.runtime.train import train
 
-    spec = get_model(args.model)
-    config = spec.config(args.config)
+    model_arg = resolve_model(
+        "spmdkit train", args.model, config=args.config, batch_size=args.batch_size
+    )
+    spec = model_arg.require_spec("spmdkit train")
+    config, batch_size = model_arg.config, model_arg.batch_size
     # jax.devices() starts the backends with the device count chosen above (a launched
     # process has only its own share), so make_mesh does not ask for more
     mesh = make_mesh(devices=jax.devices(), **axes)
     optimizer = optax.adam(args.lr)
-    info = describe(spec, config=config, batch_size=args.batch_size)
+    info = describe(spec, config=config, batch_size=batch_size)
     plan = make_plan(
         info, mesh, args.strategy, optimizer=optimizer, pipeline=pipeline_of(args, axes)
     )
@@ -179,7 +181,7 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
         out.write(f"{throughput_line(plan, info, optimizer)}\n{plan}\n")
     with nnx.use_eager_sharding(False):
         model = spec.build(config, nnx.Rngs(args.seed))
-    data = _loader(args, spec, config, plan)
+    data = _loader(args, batch_size, spec, config, plan)
     ckpt = Manager(args.ckpt, save_interval_steps=args.save_every) if args.ckpt else None
     try:
         result = train(
@@ -209,7 +211,7 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     return 0
 
 
-def _loader(args: argparse.Namespace, spec: Any, config: Any, plan: Any) -> Any:
+def _loader(args: argparse.Namespace, batch_size: int, spec: Any, config: Any, plan: Any) -> Any:
     """The model's synthetic batches, step ``i``'s from seed ``(seed, i)``, each
     process keeping its rows, placed with the plan's batch sharding."""
     import jax
@@ -218,19 +220,19 @@ def _loader(args: argparse.Namespace, spec: Any, config: Any, plan: Any) -> Any:
     from spmdkit.runtime.data import ShardedLoader
 
     nproc, pid = jax.process_count(), jax.process_index()
-    if args.batch_size % nproc:
+    if batch_size % nproc:
         raise UsageError(
             op="spmdkit train --batch-size",
             must="the global batch size divides over the processes",
-            given=f"--batch-size {args.batch_size}, {nproc} processes",
+            given=f"--batch-size {batch_size}, {nproc} processes",
             fix=f"use a multiple of {nproc}",
         )
-    local = args.batch_size // nproc
-    sharding = plan.batch_sharding(spec.batch(config, args.batch_size, None))
+    local = batch_size // nproc
+    sharding = plan.batch_sharding(spec.batch(config, batch_size, None))
 
     def batches() -> Any:
         for i in range(args.steps):
-            full = spec.batch(config, args.batch_size, np.random.default_rng((args.seed, i)))
+            full = spec.batch(config, batch_size, np.random.default_rng((args.seed, i)))
             yield {k: np.asarray(v)[pid * local : (pid + 1) * local] for k, v in full.items()}
 
     return ShardedLoader(batches, sharding, batch_size=local)
@@ -307,7 +309,8 @@ def _run_launch(args: argparse.Namespace, out: TextIO) -> int:
 COMMANDS: list[Command] = [
     Command(
         "train",
-        "plan a reference model on a mesh, train it, checkpoint, resume on any mesh",
+        "plan a reference model or your own (module:factory) on a mesh, train it, "
+        "checkpoint, resume on any mesh",
         _configure_train,
         _run_train,
     ),

@@ -66,6 +66,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import SpmdError
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.strategies import PRESETS, SHARDED_OPT_PRESETS, STRATEGIES, unknown_strategy
 
 __all__ = [
     "ACTIVATION_ALIASES",
@@ -111,14 +112,6 @@ BATCH_NAMES = ("batch", "seq", "height", "width", "channels")
 #: Activation names of other projects' rule tables (MaxText) treated as the
 #: planner's own batch dims (:meth:`LogicalRules.aliased`).
 ACTIVATION_ALIASES = {"activation_batch": "batch", "activation_length": "seq"}
-
-#: Preset strategies, in the order the planner tries them.
-PRESETS = ("dp", "fsdp", "zero1", "zero2", "megatron", "megatron_sp", "tp_fsdp", "ep")
-
-#: Tensor-parallel presets with their optimizer state sharded as ``zero1`` shards
-#: it (Megatron-LM's distributed optimizer; module docstring). Named as strategies
-#: and searched with pipelines; the flat auto's preset list stays :data:`PRESETS`.
-SHARDED_OPT_PRESETS = ("megatron+zero1", "megatron_sp+zero1")
 
 
 class PlanError(SpmdError, ValueError):
@@ -511,11 +504,10 @@ def preset_rules(name: str, mesh: MeshLike) -> LogicalRules:
         table["batch"] = _fallbacks(every)
         table["expert"] = _fallbacks(roles["expert"])
     else:
-        near = difflib.get_close_matches(name, (*PRESETS, *SHARDED_OPT_PRESETS), n=1)
         raise PlanError(
-            op="preset_rules",
-            must=f"strategy is 'auto', one of {(*PRESETS, *SHARDED_OPT_PRESETS)}, or a rule table",
+            op="plan(strategy=...)",
+            must=f"strategy is one of {STRATEGIES}, or a rule table",
             given=repr(name),
-            fix=(f"did you mean {near[0]!r}? " if near else "") + "pick a listed preset",
+            fix=unknown_strategy(name) or "pick a listed strategy",
         )
     return _table(table)

@@ -6,7 +6,6 @@ import argparse
 import pytest
 
 from spmdkit.cli.command import (
-    check_model,
     dir_to_write,
     existing_dir,
     model_help,
@@ -14,7 +13,6 @@ from spmdkit.cli.command import (
     positive_int,
 )
 from spmdkit.errors import UsageError
-from spmdkit.models import UnknownModelError
 
 
 def test_int_types_name_what_they_got():
@@ -45,11 +43,5 @@ def test_existing_dir_names_the_argument(tmp_path):
     assert not (tmp_path / "no").exists()
 
 
-def test_check_model_names_model_or_config():
-    assert check_model("spmdkit plan", "gpt", "tiny").name == "gpt"
-    with pytest.raises(UnknownModelError, match=r"spmdkit plan MODEL: .*did you mean 'gpt'"):
-        check_model("spmdkit plan", "gtp", "tiny")
-    config = r"spmdkit plan --config: the config be one of tiny, .*'tiniest'"
-    with pytest.raises(UnknownModelError, match=config):
-        check_model("spmdkit plan", "gpt", "tiniest")
+def test_model_help_lists_the_reference_models_and_configs():
     assert "gpt (configs: tiny" in model_help() and "llama (configs:" in model_help()

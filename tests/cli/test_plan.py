@@ -42,9 +42,10 @@ def test_plan_command_prints_table_and_saves_json(tmp_path):
 
 
 def test_plan_command_bad_strategy_exits_2(capsys):
-    status, _ = _run("plan", ["gpt", "--abstract", "--strategy", "fdsp"])
-    assert status == 2
-    assert "fsdp" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        _run("plan", ["gpt", "--abstract", "--strategy", "fdsp"])
+    assert e.value.code == 2
+    assert "argument --strategy: must be one of auto, dp" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -119,7 +119,8 @@ def test_train_help_shows_defaults_and_model_configs(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert "(default: data=2,model=4)" in text and "(default: tiny)" in text
+    assert "(default: data=2,model=4)" in text and "(default: tiny, or a model spec" in text
+    assert "pkg.module:factory" in text
     assert "gpt (configs: tiny, tiny_pipe" in text and "124m" in text
     with pytest.raises(SystemExit):
         main(["train", "gpt", "--steps", "-1"])
