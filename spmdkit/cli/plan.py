@@ -1,4 +1,5 @@
-"""CLI subcommands ``spmdkit plan`` and ``spmdkit report`` (appended to ``cli.COMMANDS``).
+"""CLI subcommands ``spmdkit plan`` and ``spmdkit report`` (alias ``spmdkit verify``),
+appended to ``cli.COMMANDS``.
 
 ``spmdkit plan MODEL --mesh data=2,model=4 [--strategy auto] [--config tiny]
 [--batch-size 8] [--abstract] [--json PATH]`` prints the plan table for a
@@ -160,8 +161,17 @@ def _configure_report(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_report(args: argparse.Namespace, out: TextIO) -> int:
+    return _compile_and_verify("report", args, out)
+
+
+def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
+    return _compile_and_verify("verify", args, out)
+
+
+def _compile_and_verify(verb: str, args: argparse.Namespace, out: TextIO) -> int:
+    """``spmdkit report`` and its alias ``spmdkit verify``: errors name ``verb``."""
     try:
-        axes = check_plan_args("report", args)
+        axes = check_plan_args(verb, args)
         import spmdkit as sk
 
         sk.use_virtual_cpu_devices(max(8, math.prod(axes.values())))
@@ -172,9 +182,9 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
         from spmdkit.planner import plan
 
         model = resolve_model(
-            "spmdkit report", args.model, config=args.config, batch_size=args.batch_size
+            f"spmdkit {verb}", args.model, config=args.config, batch_size=args.batch_size
         )
-        spec, cfg = model.require_spec("spmdkit report"), model.config
+        spec, cfg = model.require_spec(f"spmdkit {verb}"), model.config
         batch = spec.batch(cfg, model.batch_size, np.random.default_rng(0))
         info = describe(spec, config=cfg, batch=batch)
         mesh = sk.make_mesh(**axes)
@@ -186,7 +196,7 @@ def _run_report(args: argparse.Namespace, out: TextIO) -> int:
         # costed without propagation has none, so the compiled program's are listed
         ops = "" if getattr(p.cost, "ops", None) else _op_strategies(step, params, batch)
     except SpmdError as e:
-        return report_error("report", e, sys.stderr)
+        return report_error(verb, e, sys.stderr)
     out.write(throughput_line(p, info) + "\n" + p.table() + "\n" + ops + "\n" + str(result) + "\n")
     return 0 if result.ok else 1
 
@@ -218,5 +228,11 @@ PLAN_COMMANDS = [
         "compile a planned train step on virtual CPU devices: predicted vs compiled",
         _configure_report,
         _run_report,
+    ),
+    Command(
+        "verify",
+        "the same as report: plan, compile on virtual CPU devices, check the prediction",
+        _configure_report,
+        _run_verify,
     ),
 ]

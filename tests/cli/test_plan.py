@@ -59,6 +59,15 @@ def test_report_names_the_strategy_of_each_composite_op():
     assert status == 0, text
 
 
+def test_verify_is_report_under_its_own_name(capsys):
+    """``spmdkit verify`` runs report's check; its errors name ``verify``."""
+    verify = next(c for c in PLAN_COMMANDS if c.name == "verify")
+    report = next(c for c in PLAN_COMMANDS if c.name == "report")
+    assert verify.configure is report.configure
+    status, _ = _run("verify", ["gpt", "--config", "8x"])
+    assert status == 2 and "spmdkit verify --config" in capsys.readouterr().err
+
+
 def test_plan_command_checks_json_and_config_before_planning(tmp_path, capsys):
     status, _ = _run("plan", ["gpt", "--abstract", "--json", str(tmp_path)])
     assert status == 2 and "spmdkit plan --json: --json names a file" in capsys.readouterr().err
