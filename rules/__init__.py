@@ -15,6 +15,7 @@ FAMILIES = (
     "index_put",
     "shape",
     "attention",
+    "moe",
     "pooling",
     "ragged",
 )
