@@ -19,6 +19,7 @@ BatchNorm          ``sync_batch_norm`` / ``batch_norm``    global statistics by 
 Embed              ``embedding``                           ``attend``: one matmul
 MultiHeadAttention ``attention`` (no mask, no dropout)     else flax's attention
 cross_entropy      ``softmax_cross_entropy``               integer labels, mean
+MoE                ``moe_experts``                         routing, losses: jnp
 ================== ======================================= =============================
 
 :mod:`spmdkit.nn.linen` has the flax linen counterparts (``LayerNorm``, ``RMSNorm``,
@@ -30,13 +31,16 @@ from spmdkit.nn import linen
 from spmdkit.nn.embedding import Embed
 from spmdkit.nn.losses import cross_entropy, softmax_cross_entropy_with_integer_labels
 from spmdkit.nn.mha import MultiHeadAttention, attention_fn
+from spmdkit.nn.moe import ExpertBias, MoE
 from spmdkit.nn.norms import BatchNorm, GroupNorm, LayerNorm, RMSNorm
 
 __all__ = [
     "BatchNorm",
     "Embed",
+    "ExpertBias",
     "GroupNorm",
     "LayerNorm",
+    "MoE",
     "MultiHeadAttention",
     "RMSNorm",
     "attention_fn",

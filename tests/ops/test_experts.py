@@ -68,7 +68,13 @@ def _sharded(layout, vals):
     )
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(k, marks=pytest.mark.slow) if k.startswith(("ep4_tp2", "ep_joins")) else k
+        for k in sorted(LAYOUTS)
+    ],
+)
 def test_forward_and_grads_equal_one_device(layout):
     vals = _values()
     (ref_loss, ref_y), ref_g = _reference(vals)
