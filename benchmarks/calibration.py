@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import json
 import time
+import warnings
 from pathlib import Path
 
 import spmdkit as sk
@@ -401,6 +402,8 @@ def main() -> None:
         "--markdown", action="store_true", help="print the saved table for docs/recipes.md"
     )
     args = parser.parse_args()
+    # many plans, whose notes are no figure: sk.plan's PlanNoteWarnings would bury the table
+    warnings.filterwarnings("ignore", category=sk.PlanNoteWarning)
     path = Path(__file__).parent / "results" / "calibration.json"
     if args.markdown:
         print(markdown(json.loads(path.read_text())))

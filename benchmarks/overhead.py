@@ -58,6 +58,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -491,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
+    import spmdkit as sk
+
+    # many plans, whose notes are no figure: sk.plan's PlanNoteWarnings would bury the table
+    warnings.filterwarnings("ignore", category=sk.PlanNoteWarning)
     if args.gpu and jax.default_backend() != "gpu":
         print("overhead.py --gpu: no GPU backend here; nothing run", file=sys.stderr)
         return 2

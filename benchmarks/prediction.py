@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -180,6 +181,8 @@ def main() -> None:
         default=str(Path(__file__).parent / "results" / "prediction.json"),
     )
     args = parser.parse_args()
+    # many plans, whose notes are no figure: sk.plan's PlanNoteWarnings would bury the table
+    warnings.filterwarnings("ignore", category=sk.PlanNoteWarning)
     meshes = ((2, 4),) if args.quick else MESHES
     cases = []
     t_start = time.perf_counter()

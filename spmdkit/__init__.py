@@ -3,13 +3,18 @@
 Every public name is imported on first use (PEP 562): ``import spmdkit`` loads
 no JAX, so the command line checks its flags in a fraction of a second before
 anything heavy is imported. ``sk.plan`` imports :mod:`spmdkit.planner` the
-first time it is read, and so on (:data:`_EXPORTS`).
+first time it is read, and so on (:data:`_EXPORTS`). The run-time modules keep
+short names (:data:`_LAZY_MODULES`): ``sk.checkpoint`` is
+:mod:`spmdkit.runtime.checkpoint`, and ``from spmdkit.checkpoint import Manager``
+imports it under that name too (:class:`_ShortNames`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 # Package names never repeat a function name exported here (``sk.plan`` is a
@@ -57,6 +62,7 @@ if TYPE_CHECKING:
         OverBudgetError,
         Plan,
         PlanError,
+        PlanNoteWarning,
         UnknownLogicalAxisError,
         axis_roles,
         plan,
@@ -145,6 +151,7 @@ _EXPORTS: dict[str, str] = {
             "OverBudgetError",
             "Plan",
             "PlanError",
+            "PlanNoteWarning",
             "UnknownLogicalAxisError",
             "axis_roles",
             "plan",
@@ -213,6 +220,44 @@ _LAZY_MODULES = {
 }
 
 
+class _ShortNames:
+    """An import finder for ``spmdkit.<short name>`` of :data:`_LAZY_MODULES` whose
+    module lives elsewhere (``spmdkit.checkpoint`` → ``spmdkit.runtime.checkpoint``):
+    ``import spmdkit.checkpoint`` and ``from spmdkit.checkpoint import Manager`` give
+    that module itself, one module under two names (``sk.checkpoint`` is the same
+    object), imported on first use."""
+
+    @staticmethod
+    def find_spec(fullname: str, path: object = None, target: object = None) -> Any:
+        parent, _, short = fullname.rpartition(".")
+        real = _LAZY_MODULES.get(short) if parent == __name__ else None
+        if real is None or real == fullname:  # not ours, or a package of its own
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _Alias(real))
+
+
+class _Alias:
+    """The loader :class:`_ShortNames` gives: the real module, imported under its
+    own name, returned as is."""
+
+    def __init__(self, real: str) -> None:
+        self.real = real
+        self.spec: Any = None
+
+    def create_module(self, spec: Any) -> Any:
+        module = importlib.import_module(self.real)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = self.spec  # the import system set the short name's spec
+
+
+# once per process, a reload of this module included
+if not any(getattr(f, "__qualname__", "") == "_ShortNames" for f in sys.meta_path):
+    sys.meta_path.append(_ShortNames)
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
@@ -242,6 +287,7 @@ __all__ = [
     "OverBudgetError",
     "Plan",
     "PlanError",
+    "PlanNoteWarning",
     "Pipeline",
     "PlannedFunction",
     "Propagation",

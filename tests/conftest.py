@@ -217,6 +217,13 @@ def _left_to_full_sweep(item) -> bool:
     return bool(item.get_closest_marker("slow")) and op not in sweep_ops()
 
 
+def pytest_configure(config):
+    # the suite plans hundreds of plans with notes on purpose (idle axes of small
+    # meshes, auto's recipes): their PlanNoteWarnings would fill the summary. A test
+    # about them records them (pytest.warns, catch_warnings), which this does not hide.
+    config.addinivalue_line("filterwarnings", "ignore::spmdkit.planner.notes.PlanNoteWarning")
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--quick",

@@ -257,6 +257,7 @@ def _part_train(out: _Out, devices: list[jax.Device], *, steps: int = 3) -> None
 
     from spmdkit.models import get_model
     from spmdkit.planner import plan as make_plan
+    from spmdkit.planner.notes import quiet_notes
     from spmdkit.runtime.checkpoint import Manager
     from spmdkit.runtime.data import ShardedLoader
     from spmdkit.runtime.train import train
@@ -268,9 +269,10 @@ def _part_train(out: _Out, devices: list[jax.Device], *, steps: int = 3) -> None
     def run(axes: dict[str, int], strategy: str, total: int, ckpt_dir: str | None, resume: bool):
         mesh = make_mesh(devices=devices, **axes)
         optimizer = optax.adam(1e-3)
-        p = make_plan(
-            spec, mesh, strategy, config="tiny", batch_size=batch_size, optimizer=optimizer
-        )
+        with quiet_notes():  # a fixed demo: its plans are the point, not their notes
+            p = make_plan(
+                spec, mesh, strategy, config="tiny", batch_size=batch_size, optimizer=optimizer
+            )
         with nnx.use_eager_sharding(False):
             model = spec.build(config, nnx.Rngs(0))
         sharding = p.batch_sharding(spec.batch(config, batch_size, None))

@@ -194,6 +194,7 @@ def _import(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     from spmdkit.mesh import make_mesh
     from spmdkit.models import abstract_model
     from spmdkit.planner import plan as make_plan
+    from spmdkit.planner.notes import quiet_notes
     from spmdkit.runtime.checkpoint import Manager, abstract_target, tree_paths
     from spmdkit.runtime.export import exported_config, import_params
 
@@ -202,7 +203,8 @@ def _import(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     )
     spec, config = model.require_spec("spmdkit import"), model.config
     mesh = make_mesh(devices=jax.devices(), **axes)
-    plan = make_plan(spec, mesh, args.strategy, config=config, batch_size=model.batch_size)
+    with quiet_notes():  # printed below, as the other commands print them
+        plan = make_plan(spec, mesh, args.strategy, config=config, batch_size=model.batch_size)
     abstract = nnx.to_pure_dict(nnx.state(abstract_model(spec, config), nnx.Param))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
     params = import_params(args.export, abstract_target(abstract, plan.param_shardings(abstract)))
@@ -210,7 +212,7 @@ def _import(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     sharded = sum(1 for x in flat.values() if any(e is not None for e in x.sharding.spec))
     out.write(
         f"imported {len(flat)} tensors onto plan {plan.strategy!r} on mesh {args.mesh} "
-        f"({sharded} sharded)\n"
+        f"({sharded} sharded)\n" + "".join(f"  note: {n}\n" for n in plan.notes)
     )
     if args.ckpt:
         with Manager(args.ckpt, async_=False) as mgr:

@@ -80,6 +80,7 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
         axes = check_plan_args("plan", args)
         import spmdkit as sk
         from spmdkit.planner import plan
+        from spmdkit.planner.notes import quiet_notes
 
         if args.abstract:
             mesh = sk.abstract_mesh(**axes)
@@ -90,7 +91,8 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
             "spmdkit plan", args.model, config=args.config, batch_size=args.batch_size
         )
         info = model.describe()
-        p = plan(info, mesh, args.strategy, estimator=args.estimator)
+        with quiet_notes():  # the table below lists them
+            p = plan(info, mesh, args.strategy, estimator=args.estimator)
     except SpmdError as e:
         return report_error("plan", e, sys.stderr)
     out.write(throughput_line(p, info) + "\n" + p.table() + "\n")
@@ -180,6 +182,7 @@ def _compile_and_verify(verb: str, args: argparse.Namespace, out: TextIO) -> int
         from spmdkit.compile import init_sharded, jit
         from spmdkit.flax import describe
         from spmdkit.planner import plan
+        from spmdkit.planner.notes import quiet_notes
 
         model = resolve_model(
             f"spmdkit {verb}", args.model, config=args.config, batch_size=args.batch_size
@@ -188,7 +191,8 @@ def _compile_and_verify(verb: str, args: argparse.Namespace, out: TextIO) -> int
         batch = spec.batch(cfg, model.batch_size, np.random.default_rng(0))
         info = describe(spec, config=cfg, batch=batch)
         mesh = sk.make_mesh(**axes)
-        p = plan(info, mesh, args.strategy)
+        with quiet_notes():  # the table below lists them
+            p = plan(info, mesh, args.strategy)
         params = init_sharded(info, p)
         step = jit(sk.value_and_grad(info.loss_fn, p), p)  # the plan's recipe applied
         result = p.verify(step, params, batch)

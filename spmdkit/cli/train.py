@@ -161,6 +161,7 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     from spmdkit.flax import describe
     from spmdkit.mesh import make_mesh
     from spmdkit.planner import plan as make_plan
+    from spmdkit.planner.notes import quiet_notes
     from spmdkit.runtime.checkpoint import Manager
     from spmdkit.runtime.train import train
 
@@ -174,11 +175,12 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     mesh = make_mesh(devices=jax.devices(), **axes)
     optimizer = optax.adam(args.lr)
     info = describe(spec, config=config, batch_size=batch_size)
-    plan = make_plan(
-        info, mesh, args.strategy, optimizer=optimizer, pipeline=pipeline_of(args, axes)
-    )
+    with quiet_notes():  # train prints them before the first step
+        plan = make_plan(
+            info, mesh, args.strategy, optimizer=optimizer, pipeline=pipeline_of(args, axes)
+        )
     if jax.process_index() == 0:
-        out.write(f"{throughput_line(plan, info, optimizer)}\n{plan}\n")
+        out.write(f"{throughput_line(plan, info, optimizer)}\n{plan.table(notes=False)}\n")
     with nnx.use_eager_sharding(False):
         model = spec.build(config, nnx.Rngs(args.seed))
     data = _loader(args, batch_size, spec, config, plan)

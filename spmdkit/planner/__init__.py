@@ -27,7 +27,7 @@ from spmdkit.planner.logical import (
     axis_roles,
     preset_rules,
 )
-from spmdkit.planner.notes import PlanNote, PlanNoteError
+from spmdkit.planner.notes import PlanNote, PlanNoteError, PlanNoteWarning
 from spmdkit.planner.plans import Cost, Plan, PlannedStep
 from spmdkit.planner.search import plan
 
@@ -42,6 +42,7 @@ __all__ = [
     "PlanError",
     "PlanNote",
     "PlanNoteError",
+    "PlanNoteWarning",
     "PlannedStep",
     "UnknownLogicalAxisError",
     "axis_roles",

@@ -5,8 +5,19 @@ wrote: a mesh axis whose devices all compute the same thing, a batch that went
 to other axes than the rules ask for because its size does not divide them, a
 recipe auto chose instead of the plain step, candidates auto dropped. Each such
 choice is a :class:`PlanNote` (kind, message, fix) in ``plan.notes``, printed
-under the plan's table and saved in its JSON; ``sk.plan(..., strict=True)``
-raises :class:`PlanNoteError` instead.
+under the plan's table and saved in its JSON. ``sk.plan`` also warns each note
+of the plan it returns as a :class:`PlanNoteWarning` (once, blamed on the
+caller's line), so a script sees it without printing the plan: filter the
+category to silence notes, or turn it into errors; ``sk.plan(..., strict=True)``
+raises :class:`PlanNoteError` instead. Callers that print the plan themselves
+(the command line, ``train`` planning for itself) plan under
+:func:`quiet_notes`.
+
+A rule table's mesh axis the mesh lacks is dropped with an ``absent_axes`` note
+(another project's table names axes this mesh does without), unless it is a
+near miss of an axis the mesh has (``"modle"`` on a mesh with ``"model"``): a
+typo would silently replicate what its rules shard, so
+:func:`refuse_typod_axes` raises :class:`~spmdkit.errors.UnknownAxisError`.
 
 ======================  =============================================================
 kind                    when
@@ -29,12 +40,15 @@ kind                    when
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from spmdkit.errors import UnknownAxisError
 from spmdkit.planner.logical import BATCH_NAMES, PRESETS, ROLE_NAMES, PlanError, axis_roles
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.util import fmt_bytes, fmt_time
@@ -43,11 +57,14 @@ if TYPE_CHECKING:
     from spmdkit.recipe import Recipe
 
 __all__ = [
+    "FOREIGN_AXES",
+    "NEAR_MISS",
     "NOTE_KINDS",
     "RECOST_OVER_BUDGET",
     "absent_axes_note",
     "PlanNote",
     "PlanNoteError",
+    "PlanNoteWarning",
     "asked_batch_axes",
     "batch_field_notes",
     "batch_notes",
@@ -57,8 +74,11 @@ __all__ = [
     "mesh_split_note",
     "no_batch_rule_note",
     "not_recosted",
+    "quiet_notes",
     "raise_if_strict",
     "recipe_note",
+    "refuse_typod_axes",
+    "warn_notes",
 ]
 
 #: The kinds of :class:`PlanNote` (module docstring).
@@ -78,6 +98,20 @@ class PlanNoteError(PlanError):
 
     Broken example: ``sk.plan(model, sk.abstract_mesh(dat=2, model=4), "megatron",
     strict=True)``: the typo'd axis ``dat`` carries nothing.
+    """
+
+
+class PlanNoteWarning(UserWarning):
+    """A plan note (:class:`PlanNote`), warned by ``sk.plan`` as it returns the plan.
+
+    One warning per note of the returned plan, its text the note's
+    (``[kind] message Fix: fix``), blamed on the line that called ``sk.plan``.
+    ``warnings.filterwarnings("ignore", category=sk.PlanNoteWarning)`` silences
+    them (the notes stay in ``plan.notes``); ``"error"`` makes the first one
+    raise (``strict=True`` raises :class:`PlanNoteError` with all of them).
+
+    Broken example: ``sk.plan(model, sk.abstract_mesh(dat=2, model=4), "megatron")``
+    warns that the typo'd axis ``dat`` carries nothing.
     """
 
 
@@ -137,6 +171,30 @@ def raise_if_strict(notes: Sequence[PlanNote], strategy: str, *, strict: bool) -
         given=" ".join(f"[{n.kind}] {n.message}" for n in notes),
         fix=" / ".join(dict.fromkeys(n.fix for n in notes)),
     )
+
+
+def warn_notes(notes: Sequence[PlanNote], *, stacklevel: int) -> None:
+    """Warn each note as a :class:`PlanNoteWarning` (``stacklevel`` as
+    ``warnings.warn`` counts it from the caller of this function)."""
+    for note in notes:
+        warnings.warn(str(note), PlanNoteWarning, stacklevel=stacklevel + 1)
+
+
+@contextlib.contextmanager
+def quiet_notes() -> Iterator[None]:
+    """Plans made inside warn no notes: for callers that print the plan's notes
+    themselves (the command line, ``train`` when it plans), so that none is
+    said twice. Other warnings pass as before.
+
+    Example::
+
+        >>> with quiet_notes():
+        ...     p = sk.plan(model, sk.abstract_mesh(dat=2, model=4), "megatron")
+        >>> print(p)  # the notes under the table
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanNoteWarning)
+        yield
 
 
 # -- layout notes ---------------------------------------------------------------------------
@@ -394,6 +452,66 @@ def absent_axes_note(dropped: Mapping[str, Sequence[str]], mesh: MeshLike) -> li
             "mesh's axes",
         )
     ]
+
+
+#: Mesh axis names other projects' rule tables use (MaxText's mesh axes, the role
+#: names the presets know): one the mesh lacks is dropped, never taken for a typo.
+FOREIGN_AXES = frozenset(
+    {
+        "data",
+        "stage",
+        "pipe",
+        "fsdp",
+        "fsdp_transpose",
+        "sequence",
+        "context",
+        "context_autoregressive",
+        "tensor",
+        "tensor_transpose",
+        "tensor_sequence",
+        "expert",
+        "autoregressive",
+    }
+).union(*ROLE_NAMES.values())
+
+#: How alike (``difflib``'s ratio) a rule's absent axis and a mesh axis must be for
+#: the one to be taken for a typo of the other (``modle``/``model`` are, ``fsdp``/
+#: ``dp`` are not).
+NEAR_MISS = 0.75
+
+
+def refuse_typod_axes(dropped: Mapping[str, Sequence[str]], mesh: MeshLike) -> None:
+    """Refuse a rule table's mesh axis that ``mesh`` lacks (``dropped``: axis → the
+    logical names whose rules named it) when it is a near miss of an axis the mesh
+    has and no axis name other projects use (:data:`FOREIGN_AXES`): dropping a
+    typo would replicate what its rules shard.
+
+    Raises:
+      UnknownAxisError: a dropped axis is a near miss of one of ``mesh``'s axes.
+
+    Example::
+
+        >>> refuse_typod_axes({"modle": ("mlp",)}, sk.abstract_mesh(data=2, model=4))
+        Traceback (most recent call last):
+        UnknownAxisError: plan: ...; given the rule for 'mlp' names mesh axis 'modle' ...
+    """
+    have = list(mesh.axis_names)
+    for axis, names in dropped.items():
+        close = difflib.get_close_matches(axis, have, n=1, cutoff=NEAR_MISS)
+        if axis in FOREIGN_AXES or not close:
+            continue
+        rules = ", ".join(repr(n) for n in names)
+        raise UnknownAxisError(
+            op="plan",
+            must="the mesh axes a rule table names are axes of the mesh (one it lacks is "
+            "dropped, as flax drops it, unless it looks like a typo of one it has: "
+            "dropping a typo would replicate what its rules shard)",
+            given=f"the rule{'s' if len(names) > 1 else ''} for {rules} name"
+            f"{'' if len(names) > 1 else 's'} mesh axis {axis!r}; the mesh's axes are "
+            f"{', '.join(map(repr, have))}",
+            fix=f"did you mean {close[0]!r}? rename it in the rule table "
+            f"(({names[0]!r}, {close[0]!r})), or build the mesh with an axis {axis!r}",
+        )
 
 
 #: A preset whose analytic peak is over this many budgets is not re-costed by

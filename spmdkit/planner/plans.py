@@ -669,11 +669,12 @@ class Plan:
     __hash__ = None  # type: ignore[assignment]
 
     # -- printing -------------------------------------------------------------------
-    def table(self, *, max_rows: int = 60) -> str:
+    def table(self, *, max_rows: int = 60, notes: bool = True) -> str:
         """A readable table (what ``print(plan)`` shows).
 
         Params of the same role in different layers (paths that differ only in layer
-        numbers) share a row, with their count.
+        numbers) share a row, with their count. ``notes=False`` leaves the notes
+        out (for a caller that says them elsewhere: ``train`` prints a given plan's).
         """
         sizes = axis_sizes(self.mesh)
         mesh_text = " × ".join(f"{k}={v}" for k, v in sizes.items())
@@ -752,10 +753,10 @@ class Plan:
                 f"({c.estimator})"
             )
             lines += _ops_lines(c.ops)
-        lines += self._tail_lines()
+        lines += self._tail_lines(notes)
         return "\n".join(lines)
 
-    def _tail_lines(self) -> list[str]:
+    def _tail_lines(self, notes: bool) -> list[str]:
         """The table's last sections: the runner-ups (those over the memory
         budget marked) and the notes."""
         lines = []
@@ -766,7 +767,7 @@ class Plan:
                 over = budget is not None and cost.peak_bytes > budget
                 mark = f"  OVER BUDGET ({fmt_bytes(budget)})" if over else ""
                 lines.append(f"  {name:<12} {cost.summary()}{mark}")
-        if self.notes:
+        if self.notes and notes:
             lines.append("notes:")
             lines += [f"  - {n}" for n in self.notes]
         return lines

@@ -123,6 +123,8 @@ from spmdkit.planner.notes import (
     not_recosted,
     raise_if_strict,
     recipe_note,
+    refuse_typod_axes,
+    warn_notes,
 )
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
 from spmdkit.planner.pipeline.search import PipelinePlanning
@@ -218,9 +220,10 @@ def plan(
         (:mod:`spmdkit.planner.naming`).
       strict: a plan with notes (``plan.notes``: an idle mesh axis, a batch off
         the axes its rule asks for, a recipe auto chose, ...) raises
-        :class:`~spmdkit.planner.notes.PlanNoteError` instead of being returned,
-        and a tensor-parallel preset that leaves a weight off the model axes
-        raises instead of warning.
+        :class:`~spmdkit.planner.notes.PlanNoteError` instead of being returned
+        (without it, each note is warned once as a
+        :class:`~spmdkit.planner.notes.PlanNoteWarning`), and a tensor-parallel
+        preset that leaves a weight off the model axes raises instead of warning.
       axis_names: collective axis names the model uses as if under ``pmap``
         (``nn.BatchNorm(axis_name="batch")``), bound around the loss
         (:func:`spmdkit.flax.model.bind_axis_names`).
@@ -240,7 +243,8 @@ def plan(
         ``activation_batch`` / ``activation_length`` are always aliases of
         ``batch`` / ``seq`` (:data:`~spmdkit.planner.logical.ACTIVATION_ALIASES`).
         A rule table's (or ``rules``') mesh axes that ``mesh`` lacks are dropped,
-        with a plan note (:meth:`~spmdkit.planner.logical.LogicalRules.on_mesh`).
+        with a plan note (:meth:`~spmdkit.planner.logical.LogicalRules.on_mesh`),
+        unless one is a near miss of a mesh axis (a typo: ``"modle"``).
       allow_fp8: with ``"auto"``, also try ``Recipe(compute_dtype="float8")``
         (weight matmuls on float8 operands, :mod:`spmdkit.fp8`). Off by default:
         float8 changes numerics, so auto never picks it unasked. A fixed
@@ -264,7 +268,8 @@ def plan(
         within the memory budget (it names the closest and what would make one fit);
         UnknownLogicalAxisError: a logical name has no rule (auto included);
         PipelineError: a pipeline the mesh or model cannot run; PlanError:
-        ``allow_fp8`` on a device without float8 matmuls.
+        ``allow_fp8`` on a device without float8 matmuls; UnknownAxisError: a rule
+        table names a near miss of a mesh axis (it says which).
 
     Example::
 
@@ -345,6 +350,7 @@ def _foreign_tables(
     if not isinstance(strategy, str):
         strategy = fit(strategy)
     rules = None if rules is None else fit(rules)
+    refuse_typod_axes(dropped, mesh)
     return strategy, rules, absent_axes_note(dropped, mesh)
 
 
@@ -365,9 +371,11 @@ def _batch_names(info: ModelInfo, aliases: Mapping[str, str]) -> ModelInfo:
 
 def _noted(out: Plan, notes: list[PlanNote], *, strict: bool) -> Plan:
     """The plan with its notes (``notes`` and its layout's,
-    :func:`_layout_notes`); ``strict``: raise instead."""
+    :func:`_layout_notes`), each warned on the caller of :func:`plan`;
+    ``strict``: raise instead."""
     notes = [*notes, *_layout_notes(out)]
     raise_if_strict(notes, out.strategy, strict=strict)
+    warn_notes(notes, stacklevel=3)  # _noted, plan, its caller
     return replace(out, notes=tuple(notes))
 
 

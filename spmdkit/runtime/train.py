@@ -23,7 +23,8 @@ step's key as ``rng=``.
 The plan is given (``plan=``), built from given shardings (``shardings=``), or,
 with neither, planned here over every device and printed once: ``auto`` on the
 mesh of the data's sharding, data parallel over all devices when the data has no
-mesh. ``accum_steps`` is the plan's micro-batch count.
+mesh. A given plan's notes (``plan.notes``: what it does that nobody asked for)
+are printed before the first step. ``accum_steps`` is the plan's micro-batch count.
 
 Randomness is a step input: step ``t`` gets ``fold_in(key(rng), t)`` (micro-batch
 ``i`` folds in ``i`` inside the step); the seed is checkpointed, so a resumed run
@@ -69,6 +70,7 @@ from spmdkit.master import opt_init, stored_dtype, stored_params
 from spmdkit.mesh import make_mesh
 from spmdkit.planner import Plan
 from spmdkit.planner import plan as make_plan
+from spmdkit.planner.notes import quiet_notes
 from spmdkit.recipe import Recipe, init_fp8_state, train_step
 from spmdkit.runtime.checkpoint import Manager, Restored, abstract_target
 from spmdkit.util import path_str
@@ -173,8 +175,8 @@ def train(
       config: the model config (dataclass or dict), saved in every checkpoint.
       verify: print the step's verify table (``plan.verify``) before it runs.
       log_every: steps between progress lines (and metric fetches).
-      progress: print the plan made here, the restore line and progress lines
-        (process 0 only).
+      progress: print the plan made here (or a given plan's notes, before the
+        first step), the restore line and progress lines (process 0 only).
       out: stream for those lines (default stderr).
 
     Returns:
@@ -351,6 +353,8 @@ def _run_plan(
     """The plan the step runs: given (with ``accum_steps`` micro-batches), made
     from given shardings, or planned here over every device (module docstring)."""
     if plan is not None:
+        if out is not None and plan.notes:
+            out.write(_notes_text(plan))
         return _with_microbatches(plan, accum_steps)
     if shardings is not None:
         return _given_plan(info, shardings, source.batch_axes(), accum_steps)
@@ -358,9 +362,10 @@ def _run_plan(
     strategy = "auto" if mesh is not None else "dp"
     if mesh is None:
         mesh = make_mesh(data=jax.device_count())
-    made = make_plan(
-        info, mesh, strategy, optimizer=optimizer, recipe=Recipe(microbatches=accum_steps)
-    )
+    with quiet_notes():  # printed with the table below, not warned too
+        made = make_plan(
+            info, mesh, strategy, optimizer=optimizer, recipe=Recipe(microbatches=accum_steps)
+        )
     if out is not None:
         axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
         out.write(
@@ -368,6 +373,12 @@ def _run_plan(
             f"mesh ({axes}) (pass plan= to choose):\n{made.table()}\n"
         )
     return made
+
+
+def _notes_text(plan: Plan) -> str:
+    """The given plan's notes (``plan.notes``), as the plan's table lists them."""
+    lines = [f"  - {n}" for n in plan.notes]
+    return f"train: the plan has {len(lines)} note(s):\n" + "\n".join(lines) + "\n"
 
 
 def _check_batch_size(plan: Plan, batch: Any) -> Any:

@@ -4,10 +4,11 @@ import io
 import json
 import math
 import re
+import warnings
 
 import pytest
 
-import spmdkit.cli  # noqa: F401  - cli imports _cli_plan; importing _cli_plan first is circular
+import spmdkit.cli  # first: cli imports _cli_plan; importing _cli_plan first is circular
 from spmdkit.cli.plan import PLAN_COMMANDS, parse_mesh
 from spmdkit.errors import SpmdError
 
@@ -39,6 +40,15 @@ def test_plan_command_prints_table_and_saves_json(tmp_path):
     assert "Plan 'megatron'" in text and "bytes/dev" in text
     assert text.startswith("global batch 16, sequence 16 (256 tokens/step): est. ")
     assert json.loads(path.read_text())["strategy"] == "megatron"
+
+
+def test_plan_command_prints_each_note_once_and_warns_none():
+    """The table lists the notes; a PlanNoteWarning on top would say them twice."""
+    argv = ["gpt", "--mesh", "dat=2,model=4", "--abstract", "--strategy", "megatron"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spmdkit.PlanNoteWarning)
+        status, text = _run("plan", [*argv, "--estimator", "analytic"])
+    assert status == 0 and text.count("[idle_axis] mesh axis 'dat'") == 1, text
 
 
 def test_plan_command_bad_strategy_exits_2(capsys):

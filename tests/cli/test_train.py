@@ -62,6 +62,19 @@ def test_train_cli_pipelines_over_a_pipe_axis(capsys):
     assert "the step about to run, verified" in out and "collectives total" in out
 
 
+@pytest.mark.slow
+def test_train_cli_says_each_plan_note_once(capsys):
+    """The plan's table leaves its notes to train, which prints them before step 1."""
+    from spmdkit.cli import main
+
+    argv = ["train", "gpt", "--mesh", "dat=2,model=4", "--strategy", "megatron"]
+    assert main([*argv, "--batch-size", "8", "--steps", "1", "--log-every", "1"]) == 0
+    captured = capsys.readouterr()
+    note = "[idle_axis] mesh axis 'dat'"
+    assert captured.out.count(note) == 1 and note not in captured.err, captured
+    assert captured.out.index(note) < captured.out.index("step 1/1")
+
+
 def test_launch_runs_the_command_in_n_processes(tmp_path, capfd):
     parser, cmd = _parser("launch")
     code = (

@@ -3,6 +3,7 @@
 
 import functools
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,13 @@ import spmdkit as sk
 from spmdkit.flax import describe
 from spmdkit.models import get_model
 from spmdkit.planner import Plan, UnknownLogicalAxisError, plan
-from spmdkit.planner.notes import PlanNote, PlanNoteError
+from spmdkit.planner.notes import (
+    PlanNote,
+    PlanNoteError,
+    PlanNoteWarning,
+    quiet_notes,
+    refuse_typod_axes,
+)
 from tests.plan_model import _param, toy_batch, toy_init, toy_loss
 
 
@@ -206,7 +213,8 @@ def foreign_info():
 
 
 def test_a_foreign_table_drops_the_axes_the_mesh_lacks_and_finds_the_batch(amesh):
-    p = plan(foreign_info(), amesh, MAXTEXT_RULES, estimator="analytic")
+    with pytest.warns(sk.PlanNoteWarning, match=r"\[absent_axes\]"):
+        p = plan(foreign_info(), amesh, MAXTEXT_RULES, estimator="analytic")
     assert p.activation["batch"] == ("data",)
     assert p.batch_specs(toy_batch())["tokens"] == P("data")
     (absent,) = [n for n in p.notes if n.kind == "absent_axes"]
@@ -227,3 +235,96 @@ def test_aliases_put_a_foreign_model_on_the_presets_without_names(amesh):
     assert p.params["table"] == P("model") and p.params["up"] == P(None, "model")
     assert p.activation["batch"] == ("data",) and p.notes == ()
     assert p.info["q"][2] == ("embed", "q_heads", "kv_head_dim")  # the model's own names
+
+
+# -- notes reach the user as warnings ---------------------------------------------------------
+
+
+def planned_and_warned(make):
+    """The plan ``make()`` returns and the PlanNoteWarnings it warned (as recorded)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = make()
+    return p, [w for w in caught if issubclass(w.category, PlanNoteWarning)]
+
+
+#: The issue's three cases: a typo'd mesh axis, a batch of 6 on data=4, auto's
+#: own recipe (with the toy model on 2×4: everything replicated, bf16).
+CASES = {
+    "typo": (lambda: toy_plan(sk.abstract_mesh(dat=2, model=4), "megatron"), "idle_axis"),
+    "batch": (lambda: toy_plan(sk.abstract_mesh(data=4, model=2), "dp", b=6), "batch_axes"),
+    "auto": (lambda: toy_plan(sk.abstract_mesh(data=2, model=4), "auto"), "recipe"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_note_is_warned_once_on_the_line_that_called_plan(case):
+    make, kind = CASES[case]
+    p, warned = planned_and_warned(make)
+    assert kind in kinds(p)
+    # once per note of the returned plan, nothing for what auto costed and dropped
+    assert [str(w.message) for w in warned] == [str(n) for n in p.notes]
+    assert all(w.category is sk.PlanNoteWarning for w in warned)
+    assert {(w.filename, w.lineno) for w in warned} == {(__file__, LINE_OF_PLAN)}
+
+
+LINE_OF_PLAN = toy_plan.__code__.co_firstlineno + 2  # its ``return plan(...)``
+
+
+def test_plan_note_warning_is_public_filterable_and_can_be_an_error():
+    assert issubclass(sk.PlanNoteWarning, UserWarning) and "PlanNoteWarning" in sk.__all__
+    mesh = sk.abstract_mesh(dat=2, model=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sk.PlanNoteWarning)
+        with pytest.raises(sk.PlanNoteWarning, match=r"\[idle_axis\] mesh axis 'dat'"):
+            toy_plan(mesh, "megatron")
+        warnings.filterwarnings("ignore", category=sk.PlanNoteWarning)
+        assert "idle_axis" in kinds(toy_plan(mesh, "megatron"))  # quiet, still noted
+
+
+def test_strict_raises_before_warning_and_quiet_notes_warn_nothing():
+    mesh = sk.abstract_mesh(dat=2, model=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sk.PlanNoteWarning)
+        with pytest.raises(PlanNoteError, match="'dat'"):
+            toy_plan(mesh, "megatron", strict=True)
+    p, warned = planned_and_warned(lambda: _quietly(mesh))
+    assert warned == [] and "idle_axis" in kinds(p)
+    with pytest.warns(sk.PlanNoteWarning):  # the filter is back as it was
+        toy_plan(mesh, "megatron")
+
+
+def _quietly(mesh):
+    with quiet_notes():
+        return toy_plan(mesh, "megatron")
+
+
+# -- a rule table's typo'd mesh axis ------------------------------------------------------------
+
+
+def test_a_typod_axis_in_a_rule_table_is_an_error_that_names_the_axis_meant(amesh):
+    table = [("batch", "data"), ("mlp", "modle"), ("heads", "model"), ("vocab", "model")]
+    table += [("embed", None), ("head_dim", None), ("norm", None)]
+    with pytest.raises(sk.UnknownAxisError) as raised:
+        toy_plan(amesh, table)
+    e = raised.value
+    assert isinstance(e, sk.SpmdError) and e.op == "plan"
+    assert "the rule for 'mlp' names mesh axis 'modle'" in e.given
+    assert "the mesh's axes are 'data', 'model'" in e.given
+    assert e.fix.startswith("did you mean 'model'?") and "('mlp', 'model')" in e.fix
+    # the same typo in extra rules on top of a preset
+    with pytest.raises(sk.UnknownAxisError, match="did you mean 'model'"):
+        toy_plan(amesh, "megatron", rules=[("mlp", "modle")])
+    fixed = toy_plan(amesh, [("mlp", "model"), *table[:1], *table[2:]])
+    assert fixed.params["mixers/0/up"] == P(None, "model")
+
+
+def test_only_near_misses_are_refused_other_absent_axes_are_dropped():
+    mesh = sk.abstract_mesh(data=2, model=4)
+    for typo, meant in (("dat", "data"), ("modle", "model"), ("mdoel", "model")):
+        with pytest.raises(sk.UnknownAxisError, match=f"did you mean {meant!r}"):
+            refuse_typod_axes({typo: ("embed",)}, mesh)
+    # other projects' axes, absent here, are not typos (MaxText's, the role names)
+    refuse_typod_axes({a: ("embed",) for a in ("fsdp", "tensor", "expert", "sequence")}, mesh)
+    refuse_typod_axes({"fsdp": ("embed",), "data": ("batch",)}, sk.abstract_mesh(dp=2, tp=4))
+    refuse_typod_axes({"pipeline": ("layers",)}, mesh)  # far from both

@@ -253,6 +253,7 @@ def test_auto_recosts_on_when_the_favourites_no_longer_fit(amesh, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # "no candidate fits" fails the test
         warnings.filterwarnings("ignore", message=".*replicated over it.*")
+        warnings.filterwarnings("ignore", category=sk.PlanNoteWarning)  # auto's recipe
         p = plan(spec, amesh, "auto", memory_budget=budget, **kw)
     assert p.cost.peak_bytes <= budget
     assert seen - first and key(p) not in first

@@ -5,6 +5,7 @@ import io
 import itertools
 import json
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +201,49 @@ def test_without_a_mesh_train_runs_data_parallel_on_all_devices():
     res = train(plain_loss, MLP(nnx.Rngs(0)), optax.sgd(0.1), batches, steps=3, progress=False)
     assert res.plan.strategy == "dp" and dict(res.plan.mesh.shape) == {"data": 8}
     assert len(res.params.l2.kernel[...].sharding.device_set) == 8
+
+
+# -- a given plan's notes ----------------------------------------------------------------------
+
+#: The three plans of issue 43 that say more than was asked: a typo'd mesh axis, a
+#: batch of 6 on data=4, and auto's own choice (for this MLP: replicated, bf16).
+NOTED = {
+    "typo": ({"dat": 2, "model": 4}, "megatron", 16, "idle_axis"),
+    "batch": ({"data": 4, "model": 2}, "dp", 6, "batch_axes"),
+    "auto": ({"data": 2, "model": 4}, "auto", 16, "recipe"),
+}
+
+
+def make_mlp():
+    return MLP(nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("case", NOTED)
+def test_a_given_plans_notes_are_warned_by_plan_and_printed_once_by_train(case):
+    axes, strategy, size, kind = NOTED[case]
+    batch = {"x": X[:size], "y": Y[:size]}
+    with pytest.warns(sk.PlanNoteWarning) as caught:
+        p = sk.plan(make_mlp, sk.make_mesh(**axes), strategy, loss=plain_loss, batch=batch)
+    assert kind in [n.kind for n in p.notes]
+    assert [str(w.message) for w in caught] == [str(n) for n in p.notes]
+    out = io.StringIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sk.PlanNoteWarning)  # train prints, not warns
+        train(plain_loss, MLP(nnx.Rngs(0)), optax.sgd(0.1), [batch], steps=1, plan=p, out=out)
+    text = out.getvalue()
+    assert text.index(f"train: the plan has {len(p.notes)} note(s):") < text.index("step 1")
+    for note in p.notes:
+        assert text.count(str(note)) == 1, text
+
+
+def test_a_plan_made_by_train_prints_its_notes_with_its_table_only():
+    batches = [{"x": X[:6], "y": Y[:6]}]  # a batch of 6 on 8 devices: noted
+    out = io.StringIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sk.PlanNoteWarning)
+        res = train(plain_loss, MLP(nnx.Rngs(0)), optax.sgd(0.1), batches, steps=1, out=out)
+    (note,) = [n for n in res.plan.notes if n.kind == "batch_axes"]
+    assert out.getvalue().count(str(note)) == 1 and "the plan has" not in out.getvalue()
 
 
 # -- accumulation and plans ------------------------------------------------------------------
