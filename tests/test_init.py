@@ -11,12 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import pathlib
-import re
 import sys
-import types
-
-import pytest
 
 import spmdkit
 
@@ -47,36 +42,7 @@ def test_all_names_every_export_and_each_resolves():
         assert getattr(spmdkit, name).__name__ == module
 
 
-# -- every dotted name the docs give imports as written --------------------------------
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-#: ``spmdkit.a.b.C`` in prose or code; not a file name (``api/spmdkit.md``).
-DOTTED = re.compile(r"(?<![\w/.])spmdkit(?:\.[A-Za-z_]\w*)+")
-
-
-def _documented_names() -> list[str]:
-    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    found = {m.group(0) for page in pages for m in DOTTED.finditer(page.read_text())}
-    return sorted(found)
-
-
-def test_the_docs_name_dotted_paths_and_the_run_time_modules():
-    names = _documented_names()
-    assert len(names) > 50
-    assert "spmdkit.checkpoint.Manager" in names and "spmdkit.data.ShardedLoader" in names
-
-
-@pytest.mark.parametrize("dotted", _documented_names())
-def test_a_documented_dotted_name_imports_as_written(dotted):
-    """``spmdkit.checkpoint.Manager`` in the docs: ``from spmdkit.checkpoint import
-    Manager`` works, and gives ``sk.checkpoint.Manager``. Every module on the way is
-    importable under the name the docs give it, as the same module object."""
-    obj, name = spmdkit, "spmdkit"
-    for part in dotted.split(".")[1:]:
-        name += "." + part
-        obj = getattr(obj, part)
-        if isinstance(obj, types.ModuleType):
-            assert importlib.import_module(name) is obj, name
+# -- the run-time modules by their short names -----------------------------------------
 
 
 def test_the_run_time_modules_import_by_their_short_names():

@@ -7,9 +7,10 @@ attribute docstrings) of the modules under spmdkit/, rules/ and models/, and the
 constant text of every ``op=``, ``must=`` and ``fix=`` keyword (what an error
 names and tells the user to do). It resolves when the longest importable module
 prefix, then ``getattr`` for the rest, finds an object, as ``import spmdkit as
-sk; sk.X.Y`` would. An import shown (``from spmdkit.a import b``, ``import
-spmdkit.a``) must work as written: ``sk.train`` is an attribute of ``spmdkit``,
-so ``import spmdkit.train`` fails.
+sk; sk.X.Y`` would, and every module on the way imports under the name written
+(``spmdkit.checkpoint.Manager`` is ``from spmdkit.checkpoint import Manager``). An
+import shown (``from spmdkit.a import b``, ``import spmdkit.a``) must work as
+written: ``sk.plan`` is a function, so ``import spmdkit.plan`` fails.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib
 import json
 import pathlib
 import re
+import types
 from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -86,8 +88,10 @@ def _imports(module: str) -> object | None:
 
 def resolves(name: str) -> bool:
     """Whether ``name`` resolves: ``spmdkit.a.b`` is an importable module or an
-    attribute path under the longest importable module prefix; ``module:`` is an
-    importable module and ``module:b`` one with an attribute or submodule ``b``."""
+    attribute path under the longest importable module prefix, each module on it
+    importable by its path (``spmdkit.checkpoint`` as ``sk.checkpoint``);
+    ``module:`` is an importable module and ``module:b`` one with an attribute or
+    submodule ``b``."""
     if ":" in name:
         module, attr = name.split(":")
         obj = _imports(module)
@@ -99,10 +103,12 @@ def resolves(name: str) -> bool:
         obj = _imports(".".join(parts[:i]))
         if obj is None:
             continue
-        for attr in parts[i:]:
-            if not hasattr(obj, attr):
+        for k in range(i + 1, len(parts) + 1):
+            if not hasattr(obj, parts[k - 1]):
                 return False
-            obj = getattr(obj, attr)
+            obj = getattr(obj, parts[k - 1])
+            if isinstance(obj, types.ModuleType) and _imports(".".join(parts[:k])) is not obj:
+                return False
         return True
     return False
 
@@ -191,7 +197,7 @@ def test_a_planted_bad_name_is_reported_where_it_was_found(tmp_path):
     )
     texts = [
         ("README.md", 1, "ok: spmdkit.planner.search.plan\nbad: `spmdkit.planner.nope.thing`"),
-        ("nb cell 0", 1, "import spmdkit as sk\nimport spmdkit.train\nsk.train.train"),
+        ("nb cell 0", 1, "import spmdkit as sk\nimport spmdkit.plan\nsk.train.train"),
         (
             "nb cell 1",
             1,
@@ -201,7 +207,7 @@ def test_a_planted_bad_name_is_reported_where_it_was_found(tmp_path):
     ]
     assert unresolved(iter(texts)) == [
         "spmdkit.planner.nope.thing  (README.md line 2)",
-        "spmdkit.train:  (nb cell 0 line 2)",
+        "spmdkit.plan:  (nb cell 0 line 2)",
         "spmdkit.runtime:nothing  (nb cell 1 line 1)",
         "spmdkit.no_such_name  (mod.py line 1)",
         "spmdkit.jitt  (mod.py op= line 3)",
@@ -212,3 +218,15 @@ def test_a_planted_bad_name_is_reported_where_it_was_found(tmp_path):
 def test_every_documented_name_resolves():
     bad = unresolved(sources())
     assert not bad, f"{len(bad)} names do not resolve:\n" + "\n".join(bad)
+
+
+def test_a_module_reached_only_as_an_attribute_does_not_resolve(monkeypatch):
+    """``sk.X`` a module that ``import spmdkit.X`` cannot find: ``spmdkit.X.Y`` in a
+    doc would fail as ``from spmdkit.X import Y``."""
+    import spmdkit
+
+    elsewhere = types.ModuleType("spmdkit.runtime.elsewhere")
+    elsewhere.Thing = object()
+    monkeypatch.setattr(spmdkit, "elsewhere", elsewhere, raising=False)
+    assert not resolves("spmdkit.elsewhere.Thing")
+    assert resolves("spmdkit.checkpoint.Manager") and resolves("spmdkit.train.train")
