@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "CONTRACTIONS",
     "as_unreduced",
     "H100_BF16_PEAK_FLOPS",
     "contraction_flops",
@@ -24,6 +25,10 @@ __all__ = [
 #: Dense bf16 peak of one H100 SXM (FLOP/s): the default compute speed of the
 #: cost models (``Topology.peak_flops`` overrides it).
 H100_BF16_PEAK_FLOPS = 989e12
+
+#: The primitives :func:`contraction_flops` counts: matmuls, convolutions and
+#: grouped GEMMs (``lax.ragged_dot``).
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
 
 def fmt_bytes(n: float) -> str:
@@ -65,21 +70,38 @@ def contraction_flops(
     rhs_shape: Sequence[int],
     out_shape: Sequence[int],
 ) -> float:
-    """FLOPs (two per multiply-add) of a ``dot_general`` or ``conv_general_dilated``.
+    """FLOPs (two per multiply-add) of a ``dot_general``, ``conv_general_dilated`` or
+    ``ragged_dot_general`` (a grouped GEMM).
 
-    Shapes may be global or per-device; the count is for the shapes given. Any
-    other primitive counts 0 here (callers price elementwise work themselves).
+    Shapes may be global or per-device; the count is for the shapes given. A
+    grouped GEMM multiplies each row by one group's weights, so it counts as the
+    dense matmul of one group: ``2·m·k·n`` for ``lhs [m, k]``, ``rhs [g, k, n]``
+    (the forward and the lhs cotangent), and ``2·m·k·n`` for its rhs cotangent
+    ``[m, k] × [m, n] -> [g, k, n]`` too (each row's outer product is added to one
+    group's): the group dim of the output is not multiplied. Any other primitive
+    counts 0 here (callers price elementwise work themselves).
 
     Example::
 
         >>> dn = (((1,), (0,)), ((), ()))
         >>> contraction_flops("dot_general", {"dimension_numbers": dn}, (4, 8), (8, 2), (4, 2))
         128.0
+        >>> rdn = jax.lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,))
+        >>> params = {"ragged_dot_dimension_numbers": rdn}
+        >>> contraction_flops("ragged_dot_general", params, (4, 8), (3, 8, 2), (4, 2))
+        128.0
     """
     if prim == "dot_general":
         (lhs_contract, _), _ = params["dimension_numbers"]
         k = math.prod(lhs_shape[d] for d in lhs_contract)
         return 2.0 * math.prod(out_shape) * k
+    if prim == "ragged_dot_general":
+        dn = params["ragged_dot_dimension_numbers"]
+        (lhs_contract, _), _ = dn.dot_dimension_numbers
+        k = math.prod(lhs_shape[d] for d in lhs_contract)
+        # ragged contracting dim: the output leads with the group dim, one group per row
+        grouped = any(d in lhs_contract for d in dn.lhs_ragged_dimensions)
+        return 2.0 * math.prod(out_shape[1:] if grouped else out_shape) * k
     if prim == "conv_general_dilated":
         rhs_spec = params["dimension_numbers"].rhs_spec
         per_output = math.prod(rhs_shape[d] for d in rhs_spec[1:])  # in-features x window

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmdkit import jaxprs
-from spmdkit.util import contraction_flops
+from spmdkit.util import CONTRACTIONS, contraction_flops
 
 __all__ = ["LayerScan", "body_flops", "find_layer_scan", "scans"]
-
-_CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,7 +65,7 @@ def body_flops(jaxpr: Any) -> float:
     total = 0.0
     for eqn, times in jaxprs.walk_eqns(jaxpr):
         name = eqn.primitive.name
-        if name in _CONTRACTIONS:
+        if name in CONTRACTIONS:
             lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
             out = eqn.outvars[0].aval.shape
             total += times * contraction_flops(name, eqn.params, lhs, rhs, out)

@@ -69,7 +69,13 @@ from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner import float8
 from spmdkit.planner.context import stage_context_attention
 from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
-from spmdkit.planner.group_roles import column_siblings, gemm_dims, rerun_charged, tp_times
+from spmdkit.planner.group_roles import (
+    column_siblings,
+    gemm_dims,
+    rerun_charged,
+    routed_share,
+    tp_times,
+)
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.planner.stored import stored_group
 from spmdkit.recipe import NAMED_POLICIES, Recipe
@@ -164,6 +170,10 @@ class StepTrace:
       lm_head_params: paths of the params the loss's LM head reads
         (``spmdkit.fp8.lm_heads``): a float8 recipe keeps them in bf16.
       layer_float8: share of ``layer_resid`` a float8 step keeps (:mod:`spmdkit.planner.float8`).
+      expert_top_k: expert count → how many experts the step routes each token
+        to: the ``k`` of its ``top_k`` over that many experts (the router's
+        choice), else the rows per token of a grouped GEMM over that many groups
+        (:func:`spmdkit.planner.trace.trace_step` reads both from the step).
     """
 
     flops: float
@@ -192,6 +202,14 @@ class StepTrace:
     lm_head_params: frozenset[str] = frozenset()
     layer_policy: Callable[[Recipe], PolicyFacts] | None = field(default=None, repr=False)
     layer_float8: Callable[[], float] | None = field(default=None, repr=False)
+    expert_top_k: dict[int, float] = field(default_factory=dict)
+
+    def routed_share(self, experts: int) -> float:
+        """The share of the tokens one of ``experts`` experts sees: ``top_k / experts``
+        (:attr:`expert_top_k`); every token where the step routes none (each
+        token then meets every expert, as in a dense mixture)."""
+        experts = max(experts, 1)
+        return min(self.expert_top_k.get(experts, experts) / experts, 1.0)
 
     def activation_bytes(self, recipe: Recipe) -> float:
         """Global activation bytes the backward pass needs under ``recipe``'s
@@ -426,17 +444,12 @@ class CostContext:
         return self.recipe.compute_itemsize(4) / np.dtype(param_dtype).itemsize
 
 
-def param_flops(g: ParamGroup, tokens: int) -> float:
-    """FLOPs one member of ``g`` adds to a train step (6 per weight per token;
-    an expert weight sees the tokens routed to it, top-2)."""
+def param_flops(g: ParamGroup, trace: StepTrace) -> float:
+    """FLOPs one member of ``g`` adds to a train step: 6 per weight per token it
+    sees (an expert weight: those routed to it, :func:`routed_share`)."""
     if len(g.shape) < 2:
         return 0.0
-    n = math.prod(g.shape)
-    logical = g.logical or ()
-    if "expert" in logical:
-        e = g.shape[logical.index("expert")]
-        n = n * 2 / max(e, 1)  # top-2 routing: two experts' weights touch each token
-    return 6.0 * tokens * n
+    return 6.0 * trace.tokens * math.prod(g.shape) * routed_share(g, trace)
 
 
 #: ``CostContext.memo`` key prefix of a collective's time (:func:`_coll`).
@@ -754,10 +767,10 @@ def _params_part(
     sp = _split(ctx, g, layout, batch_axes, seq_axes)
     sizes = ctx.sizes
     tp = _tp_collectives(ctx, g, dims, sp.tp, sp.local, sp.tokens_local) if sp.tp else []
-    flops = param_flops(g, ctx.trace.tokens) * ctx.flops_scale * g.count
+    flops = param_flops(g, ctx.trace) * ctx.flops_scale * g.count
     splits = math.prod(sizes[a] for a in {*batch_axes, *sp.tp, *sp.context})
-    k, n, routed = gemm_dims(g, dims, sp.tp, sizes)
-    m = sp.tokens_local * routed / ctx.recipe.microbatches
+    k, n = gemm_dims(g, dims, sp.tp, sizes)
+    m = sp.tokens_local * routed_share(g, ctx.trace) / ctx.recipe.microbatches
     n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     compute_s = ctx.matmul_time(flops / splits, m, k, n, matmul_dtype(ctx, g))
     compute_s += quantize_s(ctx, g, flops / splits, m, k, n, n_fsdp)
@@ -815,7 +828,7 @@ def total_cost(
         offloaded += c.offload_opt
         tp_weight += c.tp_weight
         heads_tp = max(heads_tp, c.tp_shards)
-        total_flops += param_flops(g, trace.tokens) * ctx.flops_scale * g.count
+        total_flops += param_flops(g, trace) * ctx.flops_scale * g.count
     batch_shards = math.prod(sizes[a] for a in batch_axes)
     dtype = ctx.compute_dtype(min((g.dtype for g in groups), default="float32", key=_itemsize))
     attn_split = batch_shards * _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)

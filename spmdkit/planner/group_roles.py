@@ -1,7 +1,8 @@
 """What a parameter group's names say about how it runs: the GEMM one member runs
-on a device, and its tensor-parallel role as Megatron-LM counts it (which
-column-parallel weights share an input, what a row-parallel one is charged, and
-whether remat's rerun forward is). The analytic cost model
+on a device and the share of the tokens it sees (an expert's: the step's top-k),
+and its tensor-parallel role as Megatron-LM counts it (which column-parallel
+weights share an input, what a row-parallel one is charged, and whether remat's
+rerun forward is). The analytic cost model
 (:mod:`spmdkit.planner.analytic`) prices groups with these.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from spmdkit.planner.plans import Dims
 
-__all__ = ["column_siblings", "gemm_dims", "rerun_charged", "tp_times"]
+__all__ = ["column_siblings", "gemm_dims", "rerun_charged", "routed_share", "tp_times"]
 
 #: A :class:`spmdkit.planner.analytic.ParamGroup` (not imported: analytic imports
 #: this module).
@@ -59,28 +60,35 @@ def column_siblings(groups: Sequence[ParamGroup]) -> dict[str, int]:
     return {k: len(keys) for keys in parent.values() for k in keys}
 
 
+def routed_share(g: ParamGroup, trace: Any) -> float:
+    """The share of the step's tokens one weight of ``g`` sees: 1, or for an expert
+    weight (an ``expert`` logical dim of ``e`` experts) the step's top-k over ``e``
+    (:meth:`~spmdkit.planner.analytic.StepTrace.routed_share`)."""
+    logical = g.logical or ()
+    if "expert" not in logical:
+        return 1.0
+    return trace.routed_share(g.shape[logical.index("expert")])
+
+
 def gemm_dims(
     g: ParamGroup, dims: Dims, tp: tuple[str, ...], sizes: dict[str, int]
-) -> tuple[float, float, float]:
-    """``(k, n, routed)`` of the GEMM one member of ``g`` runs on a device: its
-    local weight as ``k`` inputs by ``n`` outputs (the ``embed`` dim is the
-    input unless it is last: ``wo``, ``down``; the layers and expert dims are
-    not GEMM dims), and the share of the tokens it sees (top-2 of the experts)."""
+) -> tuple[float, float]:
+    """``(k, n)`` of the GEMM one member of ``g`` runs on a device: its local
+    weight as ``k`` inputs by ``n`` outputs (the ``embed`` dim is the input unless
+    it is last: ``wo``, ``down``; the layers and expert dims are not GEMM dims;
+    the rows an expert's GEMM sees are
+    :func:`routed_share` of the tokens)."""
     logical = g.logical or (None,) * len(g.shape)
     local = []
-    routed = 1.0
     for size, name, d in zip(g.shape, logical, dims, strict=True):
-        if name == "expert":
-            routed = min(2.0 / max(size, 1), 1.0)
-            continue
-        if name == "layers":
+        if name in ("expert", "layers"):
             continue
         local.append((name, size / math.prod(sizes[a] for a in d if a in tp)))
     if len(local) < 2:
         width = math.prod(v for _, v in local) if local else 1.0
-        return width, 1.0, routed
+        return width, 1.0
     names = [nm for nm, _ in local]
     split = len(local) - 1 if names[-1] == "embed" else 1
     k = math.prod(v for _, v in local[:split])
     n = math.prod(v for _, v in local[split:])
-    return k, n, routed
+    return k, n

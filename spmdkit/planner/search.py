@@ -964,7 +964,7 @@ def planner_for(
         )
     trace = trace_step(info, optimizer)
     groups = param_groups(info, trace)
-    raw = sum(param_flops(g, trace.tokens) * g.count for g in groups)
+    raw = sum(param_flops(g, trace) * g.count for g in groups)
     matmul = trace.flops - trace.attn_flops
     ctx = CostContext(
         mesh=mesh,

@@ -33,7 +33,7 @@ from spmdkit.planner.analytic import (
 from spmdkit.planner.plans import PyTree
 from spmdkit.recipe import PLAIN, Recipe, checkpoint_policy
 from spmdkit.roles import with_roles
-from spmdkit.util import contraction_flops, path_str
+from spmdkit.util import CONTRACTIONS, contraction_flops, path_str
 
 if TYPE_CHECKING:
     from optax import GradientTransformation
@@ -46,12 +46,10 @@ __all__ = [
 
 # -- tracing (once per model) -------------------------------------------------------------
 
-_CONTRACTIONS = ("dot_general", "conv_general_dilated")
-
 
 def _eqn_flops(eqn: JaxprEqn) -> float:
     name = eqn.primitive.name
-    if name not in _CONTRACTIONS:
+    if name not in CONTRACTIONS:
         return 0.0
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
     return contraction_flops(name, eqn.params, lhs, rhs, eqn.outvars[0].aval.shape)
@@ -87,6 +85,35 @@ def _eqn_subs(eqn: JaxprEqn) -> Iterable[Jaxpr]:
 def _region_jaxpr(prim: str, op: str, attrs: Any, diff: Any, avals: tuple) -> Jaxpr:
     fn = forward_fn(op, dict(attrs)) if prim == FORWARD else grad_fn(op, dict(attrs), diff)
     return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d) for s, d in avals)).jaxpr
+
+
+def _expert_top_k(jaxpr: Jaxpr, tokens: int) -> dict[int, float]:
+    """Expert count → experts each token is routed to, read from the traced forward:
+    the ``k`` of a ``top_k`` over that many entries (a router choosing its experts),
+    else the rows per token a grouped GEMM (``ragged_dot_general``) over that many
+    groups multiplies (a dropless MoE sends ``tokens · k`` rows into its experts).
+    Scans, calls and op regions are looked into; the largest ``k`` of each count is
+    kept."""
+    top: dict[int, float] = {}
+    rows: dict[int, float] = {}
+    stack = [jaxpr]
+    while stack:
+        for eqn in stack.pop().eqns:
+            name = eqn.primitive.name
+            if name == "top_k":
+                shape = eqn.invars[0].aval.shape
+                e = int(shape[eqn.params.get("axis", len(shape) - 1)])
+                top[e] = max(top.get(e, 0.0), float(eqn.params["k"]))
+            elif name == "ragged_dot_general" and tokens > 0:
+                dn = eqn.params["ragged_dot_dimension_numbers"]
+                if len(dn.rhs_group_dimensions) == 1:  # the forward (or the lhs cotangent)
+                    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+                    (contract, _), _ = dn.dot_dimension_numbers
+                    g = int(rhs[dn.rhs_group_dimensions[0]])
+                    per = math.prod(lhs) / max(math.prod(lhs[d] for d in contract), 1) / tokens
+                    rows[g] = max(rows.get(g, 0.0), per)
+            stack.extend(_eqn_subs(eqn))
+    return {**rows, **top}
 
 
 def _optimizer(optimizer: GradientTransformation | None) -> GradientTransformation:
@@ -459,6 +486,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         resid_peak=float(peak),
         state_bytes=sum(p.nbytes for p in info.state),
         lm_head_params=_lm_head_params(forward.jaxpr, args[0]),
+        expert_top_k=_expert_top_k(forward.jaxpr, tokens),
     )
 
 

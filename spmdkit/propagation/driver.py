@@ -17,8 +17,8 @@ consumer wanting the same layout.
 
 **Costs.** ``comm_bytes`` are per-device payload bytes as XLA's HLO shows them
 (:mod:`spmdkit.resharding` conventions). ``flops`` are per device: the local
-blocks' multiply-adds for ``dot_general`` and ``conv_general_dilated``
-(:func:`spmdkit.util.contraction_flops`), one per output element elsewhere;
+blocks' multiply-adds for ``dot_general``, ``conv_general_dilated`` and
+``ragged_dot_general`` (:func:`spmdkit.util.contraction_flops`), one per output element elsewhere;
 compute time is the ideal one, at the bf16 peak (``topology.peak("bfloat16")``, else
 :data:`spmdkit.util.H100_BF16_PEAK_FLOPS`.
 """

@@ -24,7 +24,7 @@ from spmdkit.propagation.steps import Step
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.topology import Topology, mesh_platform
-from spmdkit.util import contraction_flops
+from spmdkit.util import CONTRACTIONS, contraction_flops
 
 __all__ = ["Pricer", "node_flops", "reshard_once", "steps_flops", "target_backend"]
 
@@ -233,9 +233,15 @@ def node_flops(
 ) -> float:
     """Per-device FLOPs of a node in the given layouts: a contraction's multiply-adds
     of the local blocks, a reduction's operand elements, one per output element
-    elsewhere (loops and branches: 0, their bodies count)."""
-    if node.prim in ("dot_general", "conv_general_dilated") and len(req) == 2:
-        lhs, rhs = (r.local_shape(mesh) for r in req)
+    elsewhere (loops and branches: 0, their bodies count).
+
+    A grouped GEMM (``ragged_dot_general``) counts its local rows times one group's
+    local weights whatever shards the groups: with the experts sharded each device
+    still runs every row it holds (those of other devices' experts meet a zero
+    group, :mod:`spmdkit.rules.ragged`), so expert parallelism over replicated
+    tokens divides the weights, not the FLOPs."""
+    if node.prim in CONTRACTIONS and len(req) >= 2 and outs:
+        lhs, rhs = (r.local_shape(mesh) for r in req[:2])
         return contraction_flops(node.prim, node.eqn.params, lhs, rhs, outs[0].local_shape(mesh))
     if node.prim in REDUCERS or node.prim in ("argmax", "argmin"):
         return float(math.prod(req[0].local_shape(mesh))) if req else 0.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +12,9 @@ import pytest
 from flax import nnx
 
 import spmdkit as sk
+from spmdkit.flax import describe
 from spmdkit.loss import placeholder_keys
-from spmdkit.planner.trace import train_step
+from spmdkit.planner.trace import trace_step, train_step
 
 
 class Dropped(nnx.Module):
@@ -91,3 +94,65 @@ def test_a_dropout_step_verifies_against_its_plan(strategy):
         one = jax.jit(sk.train_step(info, opt, sk.Recipe()))  # the numbers on one device
         host = jax.device_get((params, opt_state))
         np.testing.assert_allclose(a, one(*host, WIDE, jax.random.key(1))[-1], rtol=1e-6)
+
+
+# -- mixture of experts: the step's top-k ---------------------------------------------------
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_the_trace_reads_top_k_from_the_router_and_prices_experts_by_it(top_k):
+    from models.moe import MoEConfig
+    from spmdkit.models import get_model
+    from spmdkit.planner.analytic import param_flops, param_groups
+
+    info = describe(get_model("moe"), config=MoEConfig(top_k=top_k))
+    trace = trace_step(info, None)
+    assert trace.expert_top_k == {4: top_k}  # lax.top_k over the 4 experts' router scores
+    groups = {g.key.rsplit("/", 1)[-1]: g for g in param_groups(info, trace)}
+    up = groups["w_up"]
+    assert up.logical[0] == "expert"
+    # 6 FLOPs per weight per token it sees: top_k of the 4 experts see each token
+    assert param_flops(up, trace) == 6.0 * trace.tokens * math.prod(up.shape) * top_k / 4
+
+
+def _param(rngs, names, shape):
+    init = nnx.with_partitioning(nnx.initializers.normal(0.1), names)
+    return nnx.Param(init(rngs.params(), shape))
+
+
+class SortedMoE(nnx.Module):
+    """A dropless MoE that routes with no ``top_k``: each token's 3 best experts from a
+    sort of its scores, the rows sorted by expert into one grouped GEMM."""
+
+    def __init__(self, rngs, d=8, f=16, experts=4):
+        self.router = _param(rngs, ("embed", None), (d, experts))
+        self.up = _param(rngs, ("expert", "embed", "mlp"), (experts, d, f))
+        self.down = _param(rngs, ("expert", "mlp", "embed"), (experts, f, d))
+        self.experts = experts
+
+    def __call__(self, x):
+        chosen = jnp.argsort(-(x @ self.router[...]), axis=-1)[:, :3].reshape(-1)
+        order = jnp.argsort(chosen)
+        sizes = jnp.bincount(chosen, length=self.experts).astype(jnp.int32)
+        h = jax.nn.relu(jax.lax.ragged_dot(x[order // 3], self.up[...], sizes))
+        y = jax.lax.ragged_dot(h, self.down[...], sizes)[jnp.argsort(order)]
+        return x + y.reshape(x.shape[0], 3, -1).sum(1)
+
+
+def test_with_no_router_top_k_the_grouped_gemms_rows_per_token_are_the_top_k():
+    from spmdkit.planner.analytic import param_groups
+    from spmdkit.planner.group_roles import routed_share
+
+    def loss(model, batch):
+        return jnp.mean(model(batch["x"]) ** 2)
+
+    batch = {"x": jnp.ones((16, 8))}
+    info = describe(lambda: SortedMoE(nnx.Rngs(0)), loss=loss, batch=batch)
+    trace = trace_step(info, None)
+    assert trace.expert_top_k == {4: 3.0}  # 48 rows into the experts for 16 tokens
+    up = next(g for g in param_groups(info, trace) if g.key == "up")
+    assert routed_share(up, trace) == 3 / 4
+    # each grouped GEMM multiplies its 48 rows by one expert's 8 x 16 weights: up's
+    # value and weight grad, down's value and both grads (the batch needs no grad);
+    # the router's forward (its sort has no gradient)
+    assert trace.flops == 5 * (2.0 * 48 * 8 * 16) + 2.0 * 16 * 8 * 4

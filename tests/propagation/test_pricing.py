@@ -1,5 +1,8 @@
 """Reshard and FLOP costs of propagated steps."""
 
+import jax
+import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
@@ -28,3 +31,38 @@ def test_staged_gathers_of_one_dim_are_one_collective():
     assert [(c.kind, c.group_size, c.payload_bytes) for c in a.plan.collectives] == [
         ("all_gather", 8, 64 * 32 * 4)
     ]
+
+
+def _ragged_records(in_specs, mesh):
+    """The propagated records of a grouped GEMM's value and both grads: 16 rows of 8
+    features, 4 groups of 8 x 12 weights."""
+
+    def loss(x, w, sizes):
+        return jnp.sum(jax.lax.ragged_dot(x, w, sizes) ** 2)
+
+    args = (S((16, 8), F32), S((4, 8, 12), F32), S((4,), "int32"))
+    step = jax.grad(loss, argnums=(0, 1))
+    prop = propagate(step, *args, in_specs=in_specs, mesh=mesh)
+    return [r for r in prop.records if r.primitive == "ragged_dot_general"]
+
+
+@pytest.mark.parametrize(
+    ("in_specs", "per_device"),
+    [
+        # every record multiplies 16 rows by one group's 8 x 12 weights: 2·16·8·12
+        ((P(), P(), P()), (3072, 3072, 3072)),
+        # tokens over data: half the rows on each device
+        ((P("data"), P(), P()), (1536, 1536, 1536)),
+        # experts over model: each device still runs every row it holds (rows of
+        # other devices' experts meet a zero group), so no FLOP is saved
+        ((P(), P("model"), P()), (3072, 3072, 3072)),
+        # the contracted features over model: a quarter of each row's products
+        ((P(None, "model"), P(None, "model"), P()), (768, 768, 768)),
+    ],
+)
+def test_a_grouped_gemm_counts_each_row_times_one_groups_weights(in_specs, per_device):
+    mesh = sk.abstract_mesh(data=2, model=4)
+    recs = _ragged_records(in_specs, mesh)
+    modes = sorted(len(r.outputs[0].shape) for r in recs)
+    assert modes == [2, 2, 3]  # the forward, the lhs cotangent, the rhs cotangent
+    assert tuple(r.flops for r in recs) == per_device

@@ -270,7 +270,7 @@ def _per_microbatch(
     tp_weight = flops = 0.0
     for g, layout in zip(groups, choice, strict=True):
         tp_weight += group_cost(ctx, g, layout, batch_axes, seq_axes).tp_weight
-        flops += param_flops(g, trace.tokens) * ctx.flops_scale * g.count
+        flops += param_flops(g, trace) * ctx.flops_scale * g.count
     tp_frac = tp_weight / flops if flops else 0.0
     tp_split = 1.0 if seq_axes else 1 - 0.5 * tp_frac
     return base * tp_split, base
