@@ -45,7 +45,19 @@ set before jax is imported), mesh data=2 × model=4, tiny GPT and tiny Llama.
 and records the device name and, where the peak FLOP/s of the device is known,
 the MFU of the step.
 
-Run: ``python benchmarks/overhead.py [--quick] [--gpu] [--startup-only] [--out PATH]``.
+**Auto vs the presets** (``auto_vs_presets``; issue 43): on 8 virtual CPU devices,
+meshes data=2 × model=4 and data=8, for the reference models' ``tiny`` and
+``small`` configs (:data:`AUTO_CASES`), ``sk.plan(..., "auto")`` (priced on the
+mesh's own topology, ``Topology.cpu``) against every preset: each distinct plan's
+train step (``sk.jit(sk.train_step(info, adam, plan), plan)``) compiled and timed
+in rounds, every plan once a round with the order rotated; per preset the median
+of the per-round ratios auto / preset, and auto against the fastest preset
+(target ≤ 1.1). The CPU topology's per-core constants measured on this host
+(``measure_cpu_constants``) are saved beside the table (``cpu_constants``).
+``--auto-only`` runs just this section and replaces it in the JSON.
+
+Run: ``python benchmarks/overhead.py [--quick] [--gpu] [--startup-only] [--auto-only]
+[--out PATH]``.
 """
 
 from __future__ import annotations
@@ -88,6 +100,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--repeats", type=int, default=None, help="start-up timing pairs")
     ap.add_argument("--startup-only", action="store_true", help="skip the step-time table")
+    ap.add_argument(
+        "--auto-only",
+        action="store_true",
+        help="only auto vs the presets (its section of the JSON replaced, the rest kept)",
+    )
+    ap.add_argument("--skip-auto", action="store_true", help="skip auto vs the presets")
+    ap.add_argument(
+        "--auto-models",
+        default=",".join(dict.fromkeys(m for m, _ in AUTO_CASES)),
+        help="models (or model:config) whose auto plan is timed against the presets",
+    )
     return ap.parse_args(argv)
 
 
@@ -460,6 +483,258 @@ def measure(
     return row
 
 
+# -- auto vs the presets on 8 CPU devices (issue 43) ----------------------------------
+
+#: The reference models' CPU-sized configs auto is measured on (``--auto-models``).
+AUTO_CASES = (
+    ("gpt", "tiny"),
+    ("gpt", "small"),
+    ("llama", "tiny"),
+    ("llama", "small"),
+    ("moe", "tiny"),
+    ("moe", "small"),
+    ("convnet", "tiny"),
+    ("convnet", "small"),
+    ("gpt_linen", "tiny"),
+    ("gpt_linen", "small"),
+)
+#: Acceptance: auto's measured step at most this many times the fastest preset's.
+AUTO_TARGET = 1.1
+
+
+def _auto_plans(info: Any, mesh: Any, opt: Any) -> dict[str, Any]:
+    """Auto's plan and every preset's on ``mesh`` (the default topology for the
+    mesh: a CPU mesh is priced on the CPU topology), keyed by name; a preset's
+    layout does not depend on the estimator, so those are costed analytically."""
+    import warnings
+
+    import spmdkit as sk
+    from spmdkit.planner.logical import PRESETS
+
+    plans = {"auto": sk.plan(info, mesh, "auto", optimizer=opt)}
+    with warnings.catch_warnings():  # tensor-parallel presets on tiny widths: said once
+        warnings.simplefilter("ignore", UserWarning)
+        for name in PRESETS:
+            plans[name] = sk.plan(info, mesh, name, optimizer=opt, estimator="analytic")
+    return plans
+
+
+def _layout_key(plan: Any) -> str:
+    """What a step compiled for ``plan`` depends on (two presets that lay every
+    array out alike, dp and ep on a model without experts, compile one program)."""
+    import json as _json
+
+    d = _json.loads(plan.to_json())
+    keep = ("params", "opt", "grads", "state", "activation", "recipe", "pipeline", "context")
+    return _json.dumps({k: d.get(k) for k in keep}, sort_keys=True)
+
+
+def _train_call(info: Any, plan: Any, opt: Any, batch: Any) -> Any:
+    """A no-argument call of ``sk.jit(sk.train_step(info, opt, plan), plan)`` on
+    arrays placed with the plan's shardings (state, when the model has some),
+    compiled by a first call."""
+    import jax
+
+    import spmdkit as sk
+    from spmdkit.master import opt_init
+
+    params = sk.init_sharded(info, plan)
+    init = opt_init(opt, plan.recipe)
+    opt_state = jax.jit(init, out_shardings=plan.opt_shardings(jax.eval_shape(init, params)))(
+        params
+    )
+    args = [params, opt_state]
+    if info.has_state:
+        state = info.init_state_fn()
+        args.append(jax.device_put(state, plan.state_sharding(jax.eval_shape(lambda s: s, state))))
+    args.append(jax.device_put(batch, plan.batch_sharding(batch)))
+    step = sk.jit(sk.train_step(info, opt, plan), plan)
+    jax.block_until_ready(step(*args))
+    return lambda: step(*args)
+
+
+def measure_auto(
+    name: str, size: str, mesh_shape: dict[str, int], *, budget_s: float, batch_size: int = 8
+) -> dict[str, Any]:
+    """Auto's plan against every preset on one model and mesh: each distinct plan's
+    train step compiled with ``sk.jit`` and timed in rounds (every plan once a
+    round, the order rotated), so machine noise hits all alike; per preset the
+    median of the per-round ratios auto / preset."""
+    import numpy as np
+    import optax
+
+    import spmdkit as sk
+    from spmdkit.models import get_model
+
+    spec = get_model(name)
+    cfg = spec.config(size)
+    batch = spec.batch(cfg, batch_size, np.random.default_rng(0))
+    info = sk.describe(spec, config=cfg, batch=batch)
+    mesh = sk.make_mesh(**mesh_shape)
+    opt = optax.adam(1e-3)
+    t0 = time.perf_counter()
+    plans = _auto_plans(info, mesh, opt)
+    plan_s = time.perf_counter() - t0
+    keys = {n: _layout_key(p) for n, p in plans.items()}
+    calls: dict[str, Any] = {}
+    for n, p in plans.items():
+        if keys[n] not in calls:
+            calls[keys[n]] = _train_call(info, p, opt, batch)
+    order = list(calls)
+    first = [_timed(calls[k]) for k in order]
+    rounds = max(3, min(25, int(budget_s / max(sum(first), 1e-9))))
+    times: dict[str, list[float]] = {k: [] for k in order}
+    for r in range(rounds):
+        for j in range(len(order)):
+            k = order[(r + j) % len(order)]
+            times[k].append(_timed(calls[k]))
+    med = statistics.median
+    auto_t = times[keys["auto"]]
+    presets = {}
+    for n in plans:
+        if n == "auto":
+            continue
+        t = times[keys[n]]
+        presets[n] = {
+            "step_ms": 1e3 * med(t),
+            "auto_ratio": med([a / b for a, b in zip(auto_t, t, strict=True)]),
+            "predicted_step_s": plans[n].cost.step_time_s,
+            "same_as_auto": keys[n] == keys["auto"],
+        }
+    fastest = min(presets, key=lambda n: presets[n]["step_ms"])
+    a = plans["auto"]
+    return {
+        "model": name,
+        "config": size,
+        "mesh": mesh_shape,
+        "batch": batch_size,
+        "params": int(sum(np.prod(p.shape) for p in info.params)),
+        "rounds": rounds,
+        "topology": a.topology,
+        "auto_chose": f"{a.chosen}" + ("" if a.recipe.is_default else f"+{a.recipe.short()}"),
+        "auto_sharded": _sharded(a),
+        "auto_step_ms": 1e3 * med(auto_t),
+        "auto_predicted_step_s": a.cost.step_time_s,
+        "auto_notes": [n.kind for n in a.notes],
+        "fastest_preset": fastest,
+        "ratio_to_fastest": presets[fastest]["auto_ratio"],
+        "ratio_to_fastest_p25": _pct(
+            [x / y for x, y in zip(auto_t, times[keys[fastest]], strict=True)], 0.25
+        ),
+        "ratio_to_fastest_p75": _pct(
+            [x / y for x, y in zip(auto_t, times[keys[fastest]], strict=True)], 0.75
+        ),
+        "presets": presets,
+        "plan_s": plan_s,
+    }
+
+
+def _sharded(plan: Any) -> bool:
+    """Whether the plan splits anything (the batch or a parameter) over a mesh axis."""
+    specs = [*plan.params.values(), *plan.opt.values()]
+    return any(plan.activation.get("batch")) or any(any(e for e in tuple(s)) for s in specs)
+
+
+def _auto_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'model':<10}{'config':<7}{'mesh':<9}{'auto chose':<30}{'auto':>9} "
+        f"{'fastest preset':<15}{'preset':>9} {'auto/preset':>11}  [p25, p75]"
+    )
+    for r in rows:
+        mesh = "x".join(str(v) for v in r["mesh"].values())
+        f = r["fastest_preset"]
+        ok = "ok" if r["ratio_to_fastest"] <= AUTO_TARGET else "OVER"
+        print(
+            f"{r['model']:<10}{r['config']:<7}{mesh:<9}{r['auto_chose'][:29]:<30}"
+            f"{r['auto_step_ms']:>7.2f}ms {f:<15}{r['presets'][f]['step_ms']:>7.2f}ms "
+            f"{r['ratio_to_fastest']:>11.3f}  [{r['ratio_to_fastest_p25']:.3f}, "
+            f"{r['ratio_to_fastest_p75']:.3f}] {ok}",
+            flush=True,
+        )
+    if rows:
+        worst = max(r["ratio_to_fastest"] for r in rows)
+        print(
+            f"worst auto/fastest preset: {worst:.3f} (target <= {AUTO_TARGET}), "
+            f"priced on {rows[0]['topology']}"
+        )
+
+
+def measure_cpu_constants(repeats: int = 7) -> dict[str, float]:
+    """What ``Topology.cpu``'s declared constants stand for, measured on this host's
+    virtual devices, all running at once (as a step's do): the f32 and bf16 matmul
+    FLOP/s and the elementwise bytes/s per core, and a collective's latency per
+    ring hop (a chain of 21 small all-reduces against a chain of 1, over all
+    devices) and bytes/s per core (a 1 MiB all-reduce per device)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from spmdkit.topology import host_cores
+
+    devices = jax.devices()
+    n, cores = len(devices), host_cores()
+    mesh = jax.make_mesh((n,), ("d",))
+    rows = NamedSharding(mesh, P("d"))
+
+    def best(fn: Any, *a: Any) -> float:
+        jax.block_until_ready(fn(*a))
+        return statistics.median(_timed(fn, *a) for _ in range(repeats))
+
+    size = 256
+    out: dict[str, float] = {"devices": n, "cores": cores}
+    mm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x), out_shardings=rows)
+    for dtype in ("float32", "bfloat16"):
+        a = jax.device_put(jnp.ones((n, size, size), dtype), rows)
+        out[f"{dtype}_flops_per_core"] = n * 2 * size**3 / best(mm, a) / cores
+    elems = 1 << 20
+    x = jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)
+    scale = jax.jit(lambda v: v * 1.5 + 1.0, out_shardings=rows)
+    out["memory_bytes_per_core"] = n * 2 * elems * 4 / best(scale, x) / cores
+
+    def chain(k: int) -> Any:
+        def body(v: Any) -> Any:
+            for _ in range(k):
+                v = jax.lax.psum(v, "d") * 0.5
+            return v
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    small = jax.device_put(jnp.ones((n,), jnp.float32), rows)
+    hops = 2 * (n - 1)
+    out["latency_per_hop_s"] = (best(chain(21), small) - best(chain(1), small)) / (20 * hops)
+    big = jax.device_put(jnp.ones((n * (1 << 18),), jnp.float32), rows)
+    wire = 2 * (n - 1) / n * (1 << 20)
+    ar = best(chain(1), big) - hops * out["latency_per_hop_s"]
+    out["link_bytes_per_core"] = n * wire / max(ar, 1e-9) / cores
+    return out
+
+
+def run_auto_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``auto_vs_presets`` section: :func:`measure_auto` per case and mesh."""
+    wanted = [c for c in args.auto_models.split(",") if c]
+    cases = [(m, s) for m, s in AUTO_CASES if m in wanted or f"{m}:{s}" in wanted]
+    meshes = [{"data": 2, "model": 4}, {"data": 8}][: 1 if args.quick else 2]
+    budget = 5.0 if args.quick else 30.0
+    rows = []
+    for name, size in cases:
+        for shape in meshes:
+            rows.append(measure_auto(name, size, shape, budget_s=budget))
+            _auto_table(rows[-1:])
+    _auto_table(rows)
+    constants = measure_cpu_constants()
+    print("CPU constants measured here (per core):", constants, flush=True)
+    return {
+        "target": AUTO_TARGET,
+        "cpu_constants": constants,
+        "definition": "per-round step time of sk.jit(sk.train_step(info, adam, plan), plan), "
+        "auto's plan / each preset's, timed in rounds (every distinct plan once a round, "
+        "order rotated); median of the per-round ratios; the fastest preset is the one of "
+        "least median step time",
+        "rows": rows,
+    }
+
+
 def machine(gpu: bool) -> dict[str, Any]:
     """Versions, devices, CPU count, load and date."""
     import jax
@@ -482,6 +757,19 @@ def machine(gpu: bool) -> dict[str, Any]:
     }
 
 
+def _auto_main(args: argparse.Namespace, load_start: float) -> int:
+    """``--auto-only``: run the auto section and replace it in the JSON, keeping the rest."""
+    path = Path(args.out or RESULTS / "overhead.json")
+    out = json.loads(path.read_text()) if path.exists() else {}
+    section = run_auto_section(args)
+    section["meta"] = machine(False) | {"quick": args.quick, "load_average_1m_start": load_start}
+    out["auto_vs_presets"] = section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print the table and write the JSON."""
     args = _parse(argv)
@@ -500,6 +788,8 @@ def main(argv: list[str] | None = None) -> int:
         print("overhead.py --gpu: no GPU backend here; nothing run", file=sys.stderr)
         return 2
     load_start = os.getloadavg()[0]
+    if args.auto_only:
+        return _auto_main(args, load_start)
     if args.out is None:
         args.out = str(
             RESULTS / ("overhead_startup.json" if args.startup_only else "overhead.json")
@@ -540,8 +830,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['jaxjit_first_s']:.2f}s = {r['first_ratio']:.2f}",
             flush=True,
         )
+    auto = None if args.gpu or args.skip_auto or args.startup_only else run_auto_section(args)
     out = {
         "meta": machine(args.gpu) | {"quick": args.quick, "load_average_1m_start": load_start},
+        "auto_vs_presets": auto,
         "targets": TARGETS,
         "startup": startup,
         "cli": cli,

@@ -80,13 +80,16 @@ from spmdkit.util import H100_BF16_PEAK_FLOPS
 
 __all__ = [
     "A100_PEAK_FLOPS",
+    "CPU_CONSTANTS",
     "STACKS",
     "COLLECTIVE_KINDS",
     "DEFAULT_TOPOLOGY",
     "H100_PEAK_FLOPS",
     "LOCAL_KINDS",
     "Topology",
+    "host_cores",
     "mesh_platform",
+    "topology_for",
 ]
 
 #: Reshard steps that move no data between devices.
@@ -169,6 +172,21 @@ STACKS: dict[str, dict[str, float]] = {
 }
 
 
+#: Per-core constants of :meth:`Topology.cpu`, measured on a 2-core x86 host (AMD
+#: EPYC) with 8 virtual devices all running at once (``benchmarks/overhead.py``,
+#: ``measure_cpu_constants``; the figures are saved in
+#: ``benchmarks/results/overhead.json``, ``auto_vs_presets.cpu_constants``): a
+#: batched 256^3 matmul per device (f32 and bf16 ran at the same rate), an
+#: elementwise pass, chains of small all-reduces (latency per ring hop at 8
+#: devices on 2 cores, divided by that oversubscription) and a 1 MiB all-reduce.
+CPU_CONSTANTS: dict[str, float] = {
+    "flops_per_core": 35e9,
+    "memory_bytes_per_core": 4e9,
+    "latency_per_hop_s": 5e-6,
+    "link_bytes_per_core": 2e9,
+}
+
+
 def _table(
     value: Mapping[str, float] | Iterable[tuple[str, float]], name: str
 ) -> tuple[tuple[str, float], ...]:
@@ -240,6 +258,8 @@ class Topology:
       platform: the XLA backend the devices run (``"gpu"``, ``"cpu"``, ...): which
         compiler passes the prediction follows on an abstract mesh
         (:meth:`target`); None: jax's default backend.
+      name: what the plan table says its step was priced on (``"h100"``,
+        ``"cpu: 8 devices on 2 cores"``, ``"custom"``).
 
     Example::
 
@@ -267,9 +287,17 @@ class Topology:
     attention_block: int = _ATTENTION_BLOCK
     fusion_traffic: float = 1.0
     platform: str | None = "gpu"
+    name: str = "custom"
 
     def __post_init__(self) -> None:
         self._check_device_constants()
+        if not isinstance(self.name, str) or not self.name:
+            raise SpmdError(
+                op="Topology",
+                must="name is a non-empty str",
+                given=repr(self.name),
+                fix='pass e.g. name="my cluster"',
+            )
         if self.platform is not None and not (isinstance(self.platform, str) and self.platform):
             raise SpmdError(
                 op="Topology",
@@ -382,6 +410,7 @@ class Topology:
             node_bandwidth=_NVLINK4_BANDWIDTH,
             node_latency=_NVLINK4_LATENCY,
             **_stack(stack),
+            name=_gpu_name("h100", gpus_per_node, stack),
         )
 
     @classmethod
@@ -402,6 +431,62 @@ class Topology:
             node_latency=_NVLINK4_LATENCY,
             peak_flops=A100_PEAK_FLOPS,
             host_bandwidth=_PCIE4_BANDWIDTH,
+            name=_gpu_name("a100", gpus_per_node, stack),
+        )
+
+    @classmethod
+    def cpu(cls, devices: int, cores: int | None = None) -> Topology:
+        """``devices`` virtual CPU devices sharing one host's ``cores``
+        (``--xla_force_host_platform_device_count``, ``sk.use_virtual_cpu_devices``).
+
+        The devices are threads of one process: while a step runs on all of them,
+        each gets ``cores / devices`` of the host's matmul rate and memory
+        bandwidth, so a replicated step costs ``devices`` times the host's work
+        and a sharded one the host's work once. A collective is a rendezvous of
+        device threads and copies through host memory: each ring hop costs
+        :data:`CPU_CONSTANTS`'s latency, stretched by ``devices / cores`` when the
+        threads outnumber the cores (they wait for each other to be scheduled).
+        XLA:CPU runs collectives synchronously: nothing overlaps (``overlap=0``).
+        The per-core constants (:data:`CPU_CONSTANTS`) were measured on a 2-core
+        x86 host with 8 virtual devices (``benchmarks/overhead.py``'s
+        ``measure_cpu_constants``, saved beside its auto-vs-presets table).
+
+        Args:
+          devices: the mesh's devices (all running the step).
+          cores: the host's cores (default: those this process may run on).
+
+        Example::
+
+            >>> Topology.cpu(8, cores=2).name
+            'cpu: 8 devices on 2 cores'
+        """
+        cores = host_cores() if cores is None else cores
+        for what, value in (("devices", devices), ("cores", cores)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpmdError(
+                    op="Topology.cpu",
+                    must=f"{what} is a positive int",
+                    given=repr(value),
+                    fix="pass the mesh's device count and the host's cores, e.g. cpu(8, cores=2)",
+                )
+        share = cores / devices
+        rate = CPU_CONSTANTS["flops_per_core"] * share
+        memory = CPU_CONSTANTS["memory_bytes_per_core"] * share
+        return cls(
+            default_bandwidth=CPU_CONSTANTS["link_bytes_per_core"] * share,
+            default_latency=CPU_CONSTANTS["latency_per_hop_s"] * max(1.0, devices / cores),
+            gpus_per_node=None,
+            peak_flops={d: rate for d in ("float32", "tfloat32", "bfloat16", "float16")},
+            matmul_efficiency=1.0,  # the constant is the rate a step's GEMMs reach
+            attention_efficiency=1.0,
+            overlap=0.0,
+            host_bandwidth=memory,  # "host" memory is the same memory
+            hbm_bandwidth=memory,
+            sm_count=1,  # a core's GEMM: no waves, no tiles to quantize
+            gemm_tile=(1, 1),
+            k_ramp=0,
+            platform="cpu",
+            name=f"cpu: {devices} devices on {cores} cores",
         )
 
     def peak(self, dtype: str) -> float:
@@ -634,6 +719,11 @@ class Topology:
         return _levels(self, axes, tuple(axis_sizes(mesh).items()))
 
 
+def _gpu_name(kind: str, gpus_per_node: int, stack: str) -> str:
+    extra = "" if stack == "xla" else f", {stack} constants"
+    return f"{kind} ({gpus_per_node} GPUs a node{extra})"
+
+
 def _stack(stack: str) -> dict[str, float]:
     if stack not in STACKS:
         raise SpmdError(
@@ -675,3 +765,43 @@ def _levels(
 
 #: The topology plans use when none is given: H100 nodes of 8 GPUs.
 DEFAULT_TOPOLOGY = Topology.h100()
+
+
+def host_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the count)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def topology_for(mesh: MeshLike) -> Topology:
+    """The topology a plan on ``mesh`` is priced on when none is given.
+
+    ===================  ======================================================
+    mesh                 topology
+    ===================  ======================================================
+    abstract (no         :data:`DEFAULT_TOPOLOGY` (H100 nodes): the cluster a
+    devices)             plan made ahead of time is for
+    CPU devices          :meth:`Topology.cpu` of the mesh's devices on this
+                         host's cores
+    GPU devices          by device kind: an A100 (or A800) :meth:`Topology.a100`,
+                         else :meth:`Topology.h100` (H100, H200, H800 and GPUs
+                         without a topology of their own), 8 GPUs a node
+    other devices (TPU)  :data:`DEFAULT_TOPOLOGY` (no topology of their own yet)
+    ===================  ======================================================
+
+    Example::
+
+        >>> topology_for(abstract_mesh(data=8)) is DEFAULT_TOPOLOGY
+        True
+    """
+    platform = mesh_platform(mesh)
+    if platform == "cpu":
+        return Topology.cpu(int(math.prod(axis_sizes(mesh).values())))
+    if platform in ("gpu", "cuda", "rocm"):
+        kind = str(getattr(mesh.devices.flat[0], "device_kind", ""))
+        return Topology.a100() if ("A100" in kind or "A800" in kind) else DEFAULT_TOPOLOGY
+    return DEFAULT_TOPOLOGY

@@ -238,3 +238,43 @@ def test_the_target_backend_is_the_devices_else_the_topologys():
     assert Topology.h100().target(sk.make_mesh(x=2)) == jax.devices()[0].platform
     with pytest.raises(SpmdError, match="platform"):
         Topology(platform="")
+
+
+def test_cpu_topology_gives_each_device_its_share_of_the_host():
+    from spmdkit.topology import CPU_CONSTANTS
+
+    eight, two = Topology.cpu(8, cores=2), Topology.cpu(2, cores=2)
+    # 8 devices on 2 cores: a quarter of a core each; 2 devices: a core each
+    assert eight.peak("float32") == pytest.approx(CPU_CONSTANTS["flops_per_core"] / 4)
+    assert two.peak("float32") == pytest.approx(CPU_CONSTANTS["flops_per_core"])
+    assert eight.peak("bfloat16") == eight.peak("float32")  # no faster bf16 units
+    # oversubscribed device threads wait to be scheduled: each hop 4x slower
+    assert eight.link(("d",), abstract_mesh(d=8))[1] == pytest.approx(
+        4 * two.link(("d",), abstract_mesh(d=2))[1]
+    )
+    assert eight.overlap == 0.0 and eight.platform == "cpu"
+    assert eight.name == "cpu: 8 devices on 2 cores"
+    with pytest.raises(SpmdError, match="positive int"):
+        Topology.cpu(0)
+
+
+def test_topology_for_follows_the_mesh_devices():
+    from types import SimpleNamespace
+
+    import jax
+    import numpy as np
+
+    import spmdkit as sk
+    from spmdkit.topology import host_cores, topology_for
+
+    assert topology_for(abstract_mesh(data=2, model=4)) is DEFAULT_TOPOLOGY
+    cpu = topology_for(sk.make_mesh(data=2, model=4, devices=jax.devices("cpu")[:8]))
+    assert cpu == Topology.cpu(8, cores=host_cores())
+
+    def gpus(kind: str) -> SimpleNamespace:
+        dev = SimpleNamespace(platform="gpu", device_kind=kind)
+        return SimpleNamespace(devices=np.array([dev] * 8), axis_names=("d",), axis_sizes=(8,))
+
+    assert topology_for(gpus("NVIDIA A100-SXM4-80GB")) == Topology.a100()
+    assert topology_for(gpus("NVIDIA H100 80GB HBM3")) is DEFAULT_TOPOLOGY
+    assert DEFAULT_TOPOLOGY.name == "h100 (8 GPUs a node)"

@@ -63,6 +63,7 @@ __all__ = [
     "search_layouts",
     "state_layout",
     "step_floor",
+    "with_sharded",
 ]
 
 
@@ -103,6 +104,15 @@ class Candidate(NamedTuple):
         """The name with the recipe (and pipeline), e.g. ``fsdp+remat=full, bf16``."""
         out = self.name if self.recipe.is_default else f"{self.name}+{self.recipe.short()}"
         return out if self.pipeline is None else f"{out}+{self.pipeline.short()}"
+
+    @property
+    def sharded(self) -> bool:
+        """Whether it splits anything over a mesh axis: the batch or sequence, a
+        parameter, its optimizer state, or pipeline stages (else every device
+        computes the same step)."""
+        if self.pipeline is not None or self.context or any(self.activation.values()):
+            return True
+        return any(any(layout.params) or any(layout.opt) for layout in self.choice)
 
 
 def _fp8_state(info: ModelInfo, exclude: tuple[str, ...]) -> dict:
@@ -619,3 +629,26 @@ def budget_moves(
         if not kept or r < kept[-1][0]:
             kept.append((r, j))
     return kept
+
+
+def with_sharded(
+    best: Candidate,
+    others: list[Candidate],
+    analytic: list[Candidate],
+    rank: Callable[[Candidate], tuple],
+    budget: float,
+    recost: Callable[[Candidate], Candidate] | None,
+) -> list[Candidate]:
+    """Auto's runner-ups (``others``, ranked by ``rank``), with the best sharded
+    candidate of ``analytic`` (all it costed; those within ``budget`` first)
+    among them, re-costed by ``recost`` and in its ranked place, when ``best``
+    replicates everything and no runner-up is sharded: the plan then shows what
+    splitting the step would cost."""
+    if best.sharded or any(c.sharded for c in others):
+        return others
+    pool = [c for c in analytic if c.sharded and c.cost.peak_bytes <= budget]
+    pool = pool or [c for c in analytic if c.sharded]
+    if not pool:
+        return others
+    pick = min(pool, key=rank)
+    return sorted([*others, pick if recost is None else recost(pick)], key=rank)

@@ -35,6 +35,8 @@ kind                    when
 ``mesh_split``          auto split a mesh axis into two (``data`` into ``pipe × data``
                         for a pipeline, or into ``data × context`` for context
                         parallelism): the plan runs on ``plan.mesh``, not the mesh given
+``replicated``          auto kept every parameter and the batch replicated on a mesh
+                        of several devices: its step beside the best sharded plan's
 ======================  =============================================================
 """
 
@@ -79,6 +81,7 @@ __all__ = [
     "recipe_note",
     "refuse_typod_axes",
     "warn_notes",
+    "replicated_note",
 ]
 
 #: The kinds of :class:`PlanNote` (module docstring).
@@ -90,6 +93,7 @@ NOTE_KINDS = (
     "dropped",
     "absent_axes",
     "mesh_split",
+    "replicated",
 )
 
 
@@ -383,6 +387,41 @@ def recipe_note(
             "build the step from the plan (sk.train_step(info, optimizer, plan) or "
             "sk.value_and_grad(loss, plan)), or fix the recipe: "
             "sk.plan(..., recipe=sk.Recipe())",
+        )
+    ]
+
+
+def replicated_note(
+    devices: int,
+    step_s: float,
+    sharded: tuple[str, float] | None,
+    topology: str,
+) -> list[PlanNote]:
+    """A ``replicated`` note: auto's plan replicates everything on ``devices``
+    devices, its step ``step_s`` against the best sharded plan's ``(label,
+    step)`` (None: no sharded plan could be costed), priced on ``topology``."""
+    if devices <= 1:
+        return []
+    preset = "dp"
+    if sharded is None:
+        versus = "no sharded plan could be costed (no layout divides the mesh)"
+    else:
+        preset = sharded[0].split("+")[0] if sharded[0].split("+")[0] in PRESETS else preset
+        label, sharded_s = sharded
+        versus = (
+            f"on {topology} the replicated step ({fmt_time(step_s)}) is estimated faster "
+            f"than the best sharded plan, {label!r} ({fmt_time(sharded_s)})"
+        )
+    return [
+        PlanNote(
+            "replicated",
+            f"auto keeps every parameter and the batch replicated: all {devices} devices "
+            f"compute the same step; {versus}, so splitting this step's work over "
+            f"{devices} devices does not pay for its collectives.",
+            "run the step on fewer devices (one device does the same work: "
+            "sk.make_mesh(data=1)), or give each device more work (a larger batch or "
+            f"model); to run sharded anyway, plan a preset by name "
+            f"(sk.plan(..., strategy={preset!r}))",
         )
     ]
 

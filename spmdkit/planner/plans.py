@@ -350,6 +350,9 @@ class Plan:
       context: the plan's context parallelism (:class:`ContextParallel`: the
         sequence split over ``activation["seq"]``, the attention strategy, the
         load-balanced chunks); None: none.
+      topology: the name of the :class:`~spmdkit.topology.Topology` its cost was
+        priced on (``"h100 (8 GPUs a node)"``, ``"cpu: 8 devices on 2 cores"``);
+        None: not recorded.
 
     Example::
 
@@ -379,6 +382,7 @@ class Plan:
     batch_size: int | None = None
     memory_budget: float | None = None
     context: ContextParallel | None = None
+    topology: str | None = None
 
     # -- shardings ------------------------------------------------------------------
     def _lookup(self, table: Mapping[str, P], path: str, shape: tuple[int, ...]) -> P | None:
@@ -609,6 +613,7 @@ class Plan:
                 "batch_size": self.batch_size,
                 "memory_budget": self.memory_budget,
                 "context": None if self.context is None else self.context.to_json(),
+                "topology": self.topology,
             },
             indent=1,
         )
@@ -658,6 +663,7 @@ class Plan:
             batch_size=d.get("batch_size"),
             memory_budget=d.get("memory_budget"),
             context=ContextParallel.from_json(d.get("context")),
+            topology=d.get("topology"),
         )
         return out if mesh is None else out.on(mesh)
 
@@ -750,7 +756,7 @@ class Plan:
             lines.append(
                 f"estimated step: {fmt_time(c.step_time_s)} = compute "
                 f"{fmt_time(c.compute_time_s)} + comm {fmt_time(c.comm_time_s)}{hidden} "
-                f"({c.estimator})"
+                f"({c.estimator}" + (f", priced on {self.topology})" if self.topology else ")")
             )
             lines += _ops_lines(c.ops)
         lines += self._tail_lines(notes)

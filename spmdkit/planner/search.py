@@ -89,6 +89,7 @@ from spmdkit.planner.candidates import (
     search_layouts,
     state_layout,
     step_floor,
+    with_sharded,
 )
 from spmdkit.planner.context import (
     CONTEXT_AXIS,
@@ -124,6 +125,7 @@ from spmdkit.planner.notes import (
     raise_if_strict,
     recipe_note,
     refuse_typod_axes,
+    replicated_note,
     warn_notes,
 )
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
@@ -133,7 +135,7 @@ from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.remat_scan import check_remat_every
 from spmdkit.spec import MeshLike, axis_sizes
-from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
+from spmdkit.topology import Topology, topology_for
 from spmdkit.util import fmt_bytes, path_str
 
 if TYPE_CHECKING:
@@ -163,7 +165,7 @@ def plan(
     optimizer: GradientTransformation | None = None,
     rules: RulesLike | None = None,
     memory_budget: float | None = None,
-    topology: Topology = DEFAULT_TOPOLOGY,
+    topology: Topology | None = None,
     peak_flops: float | None = None,
     init_args: tuple = (),
     estimator: str = "propagate",
@@ -200,6 +202,9 @@ def plan(
       memory_budget: per-device bytes (default: 80 GiB, one H100).
       topology: link model for collectives, and the device's peak FLOP/s per
         dtype, achievable efficiencies and overlap (the calibrated step-time model).
+        Default: :func:`~spmdkit.topology.topology_for` the mesh (a mesh of CPU
+        devices is priced as CPU devices, of GPUs by their kind, an abstract
+        mesh on H100 nodes); the plan table names it (``plan.topology``).
       peak_flops: per-device FLOP/s for the compute term, overriding the
         topology's per-dtype achievable rates (ideal-peak accounting).
       init_args: linen only, ``module.init`` arguments after the rng.
@@ -461,6 +466,8 @@ class _Planner(PipelinePlanning):
     #: auto: label → candidate not propagated because its step floor is above a
     #: plan already re-costed (:meth:`recosted`)
     floored: dict[str, Candidate] = field(default_factory=dict)
+    #: auto: every candidate as the analytic model costed it (:meth:`auto`)
+    analytic: list[Candidate] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int | None:
@@ -605,6 +612,7 @@ class _Planner(PipelinePlanning):
             batch_size=self.batch_size,
             memory_budget=self.budget,
             context=_context_plan(c, cost, self.mesh if c.mesh is None else c.mesh),
+            topology=self.ctx.topology.name,
         )
 
     def propagated(self, c: Candidate) -> Candidate:
@@ -726,7 +734,7 @@ class _Planner(PipelinePlanning):
         candidates with it."""
         if isinstance(pipeline, Pipeline):
             return self.ranked(self.recosted_pipelines(self.pipelined(pipeline, fixed, extra)))
-        candidates = self.analytic_candidates(extra, fixed)
+        candidates = self.analytic = self.analytic_candidates(extra, fixed)
         self.dropped = {
             n: ("their batch layouts split into none of the micro-batch counts tried", "")
             for n in PRESETS
@@ -869,6 +877,8 @@ class _Planner(PipelinePlanning):
         (:mod:`spmdkit.planner.budget`), or with ``allow_over_budget`` the closest,
         with a warning."""
         best, others = self.auto(extra, fixed, pipeline)
+        recost = self.propagated if self.estimator == "propagate" else None
+        others = with_sharded(best, others, self.analytic, self.rank, self.budget, recost)
         if best.cost.peak_bytes > self.budget:
             if not allow_over_budget:
                 budget = Budget(
@@ -889,8 +899,15 @@ class _Planner(PipelinePlanning):
             )
         out = self.make_plan("auto", best, best.cost)
         shown = others[:12]
+        sharded = next((c for c in others if c.sharded), None)
+        if not best.sharded and sharded is not None and sharded not in shown:
+            shown = [*others[:11], sharded]  # the runner-ups always show a sharded plan
         alternatives = tuple((c.label, c.cost) for c in shown)
         notes: list[PlanNote] = mesh_split_note(self.mesh, out.mesh) + self.refused_notes()
+        if not best.sharded:
+            versus = None if sharded is None else (sharded.label, sharded.cost.step_time_s)
+            devices, name = math.prod(self.ctx.sizes.values()), self.ctx.topology.name
+            notes += replicated_note(devices, best.cost.step_time_s, versus, name)
         if fixed is None:
             plain = [
                 c.cost.step_time_s
@@ -943,7 +960,7 @@ def planner_for(
     info: ModelInfo,
     mesh: MeshLike,
     optimizer: GradientTransformation | None,
-    topology: Topology,
+    topology: Topology | None,
     peak_flops: float | None,
     memory_budget: float | None,
     estimator: str,
@@ -951,6 +968,7 @@ def planner_for(
     """The planner one :func:`plan` call builds (the model traced once, its
     parameter groups, the cost context on ``mesh``); tests and benchmarks call its
     methods to see the candidates a search costs (``pipelined_on``, ``pipelined``).
+    ``topology`` None: :func:`~spmdkit.topology.topology_for` the mesh.
 
     Raises:
       PlanError: an unknown ``estimator``.
@@ -962,6 +980,7 @@ def planner_for(
             given=repr(estimator),
             fix="pass estimator='propagate' (default) or 'analytic'",
         )
+    topology = topology_for(mesh) if topology is None else topology
     trace = trace_step(info, optimizer)
     groups = param_groups(info, trace)
     raw = sum(param_flops(g, trace) * g.count for g in groups)

@@ -315,3 +315,59 @@ def test_auto_chooses_as_it_would_propagating_every_favourite(name, monkeypatch)
     skipped = [n for n in PRESETS if f"{n} (≥ " in dropped]
     assert skipped and all(n in listed for n in skipped)
     assert all(listed[n].step_time_s > fast.cost.step_time_s for n in skipped)
+
+
+def _sharded_runner_ups(p) -> list[str]:
+    """Runner-ups that split something: a replicated plan has no collectives."""
+    return [name for name, cost in p.alternatives if sum(cost.comm_bytes.values()) > 0]
+
+
+def test_auto_on_cpu_devices_is_priced_on_cpu_and_shows_a_sharded_plan():
+    from spmdkit.models import get_model
+
+    mesh = sk.make_mesh(data=2, model=4)
+    p = plan(get_model("gpt"), mesh, "auto", config="tiny", estimator="analytic")
+    assert p.topology.startswith("cpu: 8 devices on ")
+    assert f"priced on {p.topology}" in str(p)
+    notes = [n for n in p.notes if n.kind == "replicated"]
+    replicated = not p.activation.get("batch") and all(s == P() for s in p.params.values())
+    # replicated only with both figures said (issue 43: a silent "don't shard")
+    assert not replicated or (
+        notes and notes[0].message.count(" ms") + notes[0].message.count(" µs") >= 2
+    )
+    assert _sharded_runner_ups(p)
+    # an abstract mesh of the same shape keeps the H100 default
+    assert (
+        plan(
+            toy_init,
+            sk.abstract_mesh(data=2, model=4),
+            "dp",
+            loss=toy_loss,
+            batch=toy_batch(),
+            estimator="analytic",
+        ).topology
+        == sk.DEFAULT_TOPOLOGY.name
+    )
+
+
+def test_auto_says_when_replicating_wins_and_still_shows_the_best_sharded_plan():
+    from dataclasses import replace
+
+    # collectives that take a second each: nothing pays for splitting the toy step
+    slow = replace(sk.Topology.cpu(8, cores=2), default_latency=1.0)
+    mesh = sk.make_mesh(data=2, model=4)
+    p = plan(
+        toy_init,
+        mesh,
+        "auto",
+        loss=toy_loss,
+        batch=toy_batch(),
+        topology=slow,
+        estimator="analytic",
+    )
+    assert not p.activation.get("batch") and all(s == P() for s in p.params.values())
+    (note,) = [n for n in p.notes if n.kind == "replicated"]
+    sharded = _sharded_runner_ups(p)
+    assert sharded and repr(sharded[0]) in note.message
+    assert "all 8 devices compute the same step" in note.message
+    assert "fewer devices" in note.fix
