@@ -179,8 +179,13 @@ STACKS: dict[str, dict[str, float]] = {
 #: batched 256^3 matmul per device (f32 and bf16 ran at the same rate), an
 #: elementwise pass, chains of small all-reduces (latency per ring hop at 8
 #: devices on 2 cores, divided by that oversubscription) and a 1 MiB all-reduce.
+#: ``bf16_rate``: a bf16 or f16 step's rate against f32's, calibrated on the
+#: step: the same layout (gpt tiny, tp_fsdp, data=2 x model=4) ran about 1.5x
+#: slower with bf16 compute (XLA:CPU widens bf16 elementwise work to f32 and
+#: back around each fusion), though a lone bf16 matmul ran at the f32 rate.
 CPU_CONSTANTS: dict[str, float] = {
     "flops_per_core": 35e9,
+    "bf16_rate": 0.5,
     "memory_bytes_per_core": 4e9,
     "latency_per_hop_s": 5e-6,
     "link_bytes_per_core": 2e9,
@@ -476,7 +481,12 @@ class Topology:
             default_bandwidth=CPU_CONSTANTS["link_bytes_per_core"] * share,
             default_latency=CPU_CONSTANTS["latency_per_hop_s"] * max(1.0, devices / cores),
             gpus_per_node=None,
-            peak_flops={d: rate for d in ("float32", "tfloat32", "bfloat16", "float16")},
+            peak_flops={
+                "float32": rate,
+                "tfloat32": rate,
+                "bfloat16": rate * CPU_CONSTANTS["bf16_rate"],
+                "float16": rate * CPU_CONSTANTS["bf16_rate"],
+            },
             matmul_efficiency=1.0,  # the constant is the rate a step's GEMMs reach
             attention_efficiency=1.0,
             overlap=0.0,

@@ -247,7 +247,7 @@ def test_cpu_topology_gives_each_device_its_share_of_the_host():
     # 8 devices on 2 cores: a quarter of a core each; 2 devices: a core each
     assert eight.peak("float32") == pytest.approx(CPU_CONSTANTS["flops_per_core"] / 4)
     assert two.peak("float32") == pytest.approx(CPU_CONSTANTS["flops_per_core"])
-    assert eight.peak("bfloat16") == eight.peak("float32")  # no faster bf16 units
+    assert eight.peak("bfloat16") < eight.peak("float32")  # no bf16 units: casts
     # oversubscribed device threads wait to be scheduled: each hop 4x slower
     assert eight.link(("d",), abstract_mesh(d=8))[1] == pytest.approx(
         4 * two.link(("d",), abstract_mesh(d=2))[1]

@@ -53,10 +53,15 @@ def check_fp8(topology: Topology, peak_flops: float | None) -> None:
 
 
 def compute_choices(
-    groups: Sequence[ParamGroup], *, allow_fp8: bool, allow_master_weights: bool
+    groups: Sequence[ParamGroup],
+    *,
+    allow_fp8: bool,
+    allow_master_weights: bool,
+    topology: Topology | None = None,
 ) -> list[tuple[str | None, str]]:
     """``(compute_dtype, master_weights)`` pairs auto tries: the parameters' own
-    dtype; bf16 compute when some parameter is fp32; float8 when allowed; each
+    dtype; bf16 compute when some parameter is fp32 and the device (``topology``,
+    None: any) computes bf16 faster than fp32 (a CPU does not); float8 when allowed; each
     narrower compute dtype with the fp32 master in the optimizer state too when
     ``allow_master_weights`` (and some parameter is fp32: a bf16 model has no
     master to move).
@@ -69,6 +74,8 @@ def compute_choices(
         [(None, 'params'), ('bfloat16', 'params'), ('bfloat16', 'optimizer')]
     """
     fp32 = any(np.dtype(g.dtype) == np.float32 for g in groups)
+    peaks = {} if topology is None else dict(topology.peak_flops)
+    fp32 = fp32 and peaks.get("bfloat16", 1.0) > peaks.get("float32", 0.0)
     dtypes: list[str | None] = [None, *(["bfloat16"] if fp32 else [])]
     if allow_fp8:
         dtypes.append("float8")
@@ -86,14 +93,15 @@ def auto_recipes(
     *,
     allow_fp8: bool = False,
     allow_master_weights: bool = False,
+    topology: Topology | None = None,
 ) -> list[list[Recipe]]:
     """The recipes auto tries, in rounds: each round's micro-batch counts are
     tried smallest first, and the second round (the optimizer state offloaded,
     with the activations' offload forms) only when no plan of the first fits
-    (``spmdkit.planner.search``)."""
+    (``spmdkit.planner.search``); ``topology``: as for :func:`compute_choices`."""
     remats = remat_choices(trace)
     choices = compute_choices(
-        groups, allow_fp8=allow_fp8, allow_master_weights=allow_master_weights
+        groups, allow_fp8=allow_fp8, allow_master_weights=allow_master_weights, topology=topology
     )
     rounds = []
     for offload in (False, True):  # activations go to the host with the optimizer

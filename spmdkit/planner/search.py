@@ -678,6 +678,7 @@ class _Planner(PipelinePlanning):
             self.groups,
             allow_fp8=self.allow_fp8,
             allow_master_weights=self.allow_master_weights,
+            topology=self.ctx.topology,
         )
 
     def candidates(self, recipe: Recipe, extra: RulesLike | None) -> list[Candidate]:
