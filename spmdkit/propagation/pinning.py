@@ -84,6 +84,11 @@ class Program:
 
 
 #: Contractions whose sum-partial result the replay reduces itself (see NodePins).
+#: Not ``ragged_dot_general``: the replay binds the primitive on each device's
+#: blocks as they are, but a grouped GEMM with its groups or rows sharded needs
+#: the group sizes shifted to the device's own (:mod:`spmdkit.rules.ragged`'s
+#: local computation). Left to XLA, which partitions the primitive itself, the
+#: expert-parallel partial is all-reduced where the plan says (tests/rules/test_ragged.py).
 _FUSED_REDUCE = frozenset({"dot_general", "conv_general_dilated"})
 
 #: Reductions whose sum-partial result the replay reduces itself when the step

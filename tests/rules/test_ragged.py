@@ -26,6 +26,7 @@ from spmdkit.rules.ragged import (
 )
 from spmdkit.spec import TensorSpec
 from spmdkit.testing import check_jit, check_rule
+from spmdkit.verification.hlo import parse_collectives
 
 OP = "ragged_dot_general"
 F, INT = "float32", "int32"
@@ -273,7 +274,28 @@ def test_a_plain_jnp_moe_plans_with_the_rule_and_matches_one_device(
     if strategy == "ep":  # the experts' weight grads are computed expert-sharded
         assert all(r.outputs[0].dims[0] == ("model",) for r in ragged if r.outputs[0].ndim == 3)
     loss, grads = step(params, _batch())
+    if strategy == "ep":
+        _the_compiled_collectives_are_the_predicted_ones(p, step, params)
     ref_loss, ref_grads = moe_reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def _the_compiled_collectives_are_the_predicted_ones(p, step, params):
+    """The experts' sum-partial rows are all-reduced over the expert axis where the
+    plan says, to the byte (XLA partitions the primitive; the replay pins its
+    operands and result). The one extra, on CPU under jax 0.10 (none under 0.12):
+    a grouped GEMM's lowering all-gathers its group ends (4 int32s, 16 B over the 4
+    expert shards; 8 of them in this step)."""
+    report = p.verify(step, params, _batch())
+    assert report.ok, str(report)
+    rows = {what: (pred, got) for what, pred, got, _ in report.rows}
+    assert rows["all_reduce"][0] == rows["all_reduce"][1]
+    extra = [
+        c
+        for c in parse_collectives(step.compile(params, _batch()).as_text())
+        if c.kind == "all_gather" and c.payload_bytes == 16 and tuple(c.dtypes) == ("s32",)
+    ]
+    assert all(c.group_size == 4 for c in extra)
+    assert rows["all_gather"][1] - rows["all_gather"][0] == 16 * len(extra)
