@@ -19,6 +19,9 @@ to the first equation that uses it as a weight:
   matmul of the step when its size is an embedding table's vocabulary; several
   kept dims ``heads, head_dim...``) or
   *row* (contracted ``mlp`` or ``heads, head_dim...``; kept ``embed``);
+- a ``ragged_dot_general`` (a grouped GEMM, ``lax.ragged_dot``) whose grouped
+  operand is a parameter: its group dim ``expert`` (the stacked experts of a
+  mixture), the others named as a ``dot_general`` weight's;
 - a ``gather`` (an embedding table): the indexed dim ``vocab``, the others ``embed``;
   so for an ``embedding`` region (``spmdkit.ops.embedding_lookup``);
 - a ``conv_general_dilated`` kernel: ``conv_window...``, ``conv_in``, ``conv_out``
@@ -137,8 +140,11 @@ class _Walk:
         tainted outvars' positions."""
         for eqn in jaxpr.eqns:
             ins = [v for v in eqn.invars if _is_var(v)]
-            hot = any(v in tainted for v in ins)
             name = eqn.primitive.name
+            # a gather's rows carry its operand's features, not its indices' (a
+            # mixture's tokens picked by routes computed from the router's output)
+            feeds = ins[:1] if name == "gather" else ins
+            hot = any(v in tainted for v in feeds)
             params = [v for v in ins if v in tracked and tracked[v][0] not in self.roles]
             if name in _CASTS and params:
                 path, dims = tracked[params[0]]
@@ -148,6 +154,8 @@ class _Walk:
                 tracked[eqn.outvars[0]] = (path, tuple(dims[i] for i in eqn.params["permutation"]))
             elif name == "dot_general" and params:
                 hot = self.dot(eqn, tracked, tainted)
+            elif name == "ragged_dot_general" and _grouped_weight(eqn, params):
+                hot = self.ragged(eqn, tracked, tainted)
             elif name == "gather" and eqn.invars[0] in params:
                 self.gather(eqn, tracked)
                 hot = False
@@ -185,6 +193,30 @@ class _Walk:
         side = 1 if _is_var(rhs) and rhs in tracked else 0
         w, x = (rhs, lhs) if side else (lhs, rhs)
         contract, batch = (rc, rb) if side else (lc, lb)
+        return self.weight(w, x, contract, batch, tracked, tainted)
+
+    def ragged(self, eqn: Any, tracked: dict, tainted: set) -> bool:
+        """A grouped GEMM's weights (``lax.ragged_dot``'s ``rhs [g, in, out]``): the
+        group dim ``expert``, the others named as a matmul weight's."""
+        dn = eqn.params["ragged_dot_dimension_numbers"]
+        (_, rc), (_, rb) = dn.dot_dimension_numbers
+        groups = tuple(dn.rhs_group_dimensions)
+        lhs, rhs = eqn.invars[:2]
+        return self.weight(rhs, lhs, rc, (*rb, *groups), tracked, tainted, experts=groups)
+
+    def weight(
+        self,
+        w: Any,
+        x: Any,
+        contract: Sequence[int],
+        batch: Sequence[int],
+        tracked: dict,
+        tainted: set,
+        *,
+        experts: Sequence[int] = (),
+    ) -> bool:
+        """Name the weight ``w`` of a contraction with the activation ``x`` (its
+        ``experts`` dims ``expert``); whether the result carries a feature dim."""
         path, dims = tracked[w]
         row = _is_var(x) and x in tainted
         shape = w.aval.shape
@@ -208,6 +240,8 @@ class _Walk:
                 names[d] = n
             if len(kept) == 1 and shape[kept[0]] in self.vocab:
                 self.head = (path, dims[kept[0]])
+        for d in experts:
+            names[d] = "expert"
         if path not in self.roles:
             self.last_dot = path
         self.set(path, dims, Role("dot", tuple(names)))
@@ -249,6 +283,14 @@ class _Walk:
         for cur, pd in enumerate(dims):
             names[pd] = role.names[cur]
         self.roles.setdefault(path, Role(role.kind, tuple(names)))
+
+
+def _grouped_weight(eqn: Any, params: Sequence[Any]) -> bool:
+    """A ``ragged_dot_general`` whose grouped operand (rhs, with a group dim) is a
+    parameter."""
+    return bool(eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions) and (
+        eqn.invars[1] in params
+    )
 
 
 def _sliced(entry: tuple[str, tuple], eqn: Any, i: int) -> tuple[str, tuple]:

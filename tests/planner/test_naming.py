@@ -2,7 +2,10 @@
 
 import warnings
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
@@ -218,3 +221,44 @@ def test_megatron_says_which_dim_does_not_divide_and_fixes_that_weight():
         warnings.simplefilter("error")
         p = sk.plan(info, mesh, "megatron", estimator="analytic", names={"head/kernel": ("mlp",)})
     assert p.params["head/kernel"] == P("model")
+
+
+class _UnnamedMoE(nnx.Module):
+    """A plain-jnp top-2 MoE with no logical names: tokens sorted by expert, one
+    grouped GEMM (``lax.ragged_dot``) per projection."""
+
+    def __init__(self, rngs, vocab=32, d=16, f=32, experts=4):
+        def param(*shape):
+            return nnx.Param(nnx.initializers.normal(0.1)(rngs.params(), shape))
+
+        self.table, self.router = param(vocab, d), param(d, experts)
+        self.up, self.down = param(experts, d, f), param(experts, f, d)
+        self.unembed, self.experts = param(d, vocab), experts
+
+    def __call__(self, tokens):
+        x = jnp.take(self.table[...], tokens.reshape(-1), axis=0)
+        weights, chosen = jax.lax.top_k(jax.nn.softmax(x @ self.router[...]), 2)
+        order = jnp.argsort(chosen.reshape(-1))
+        sizes = jnp.bincount(chosen.reshape(-1), length=self.experts).astype(jnp.int32)
+        h = jax.nn.gelu(jax.lax.ragged_dot(x[order // 2], self.up[...], sizes))
+        y = jax.lax.ragged_dot(h, self.down[...], sizes)[jnp.argsort(order)]
+        return (x + jnp.sum(y.reshape(-1, 2, x.shape[-1]) * weights[..., None], 1)) @ self.unembed[
+            ...
+        ]
+
+
+def test_grouped_gemm_weights_are_named_expert_and_ep_shards_them():
+    def loss(model, batch):
+        return jnp.mean(model(batch["tokens"]) ** 2)
+
+    batch = {"tokens": jnp.zeros((8, 8), jnp.int32)}
+    info = describe(lambda: _UnnamedMoE(nnx.Rngs(0)), loss=loss, batch=batch)
+    names = {path: role.names for path, role in infer_names(info).items()}
+    assert names["up"] == ("expert", "embed", "mlp")
+    assert names["down"] == ("expert", "mlp", "embed")  # its input came from up's features
+    assert names["table"] == ("vocab", "embed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = sk.plan(info, MESH, "ep", estimator="analytic")
+    assert p.params["up"] == P("model") and p.params["down"] == P("model")
+    assert p.names_from["up"] == "inferred"
