@@ -63,6 +63,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.offload",
         "spmdkit.pipeline",
         "spmdkit.versions",
+        "spmdkit.vma",
         "spmdkit.jaxprs",
         "spmdkit.fp8",
         "spmdkit.roles",

@@ -94,6 +94,7 @@ from spmdkit.propagation.primitives import lookup_dims
 from spmdkit.propagation.records import Propagation
 from spmdkit.resharding import ReshardPlan, run_plan, step_fn
 from spmdkit.spec import TensorSpec
+from spmdkit.vma import shard_map
 
 try:  # name stacks keep forward/backward labels in the compiled HLO's metadata
     from jax._src import source_info_util as _siu
@@ -347,7 +348,7 @@ class _Replay:
                 y = step_fn(step)(y)
             return y
 
-        return jax.shard_map(
+        return shard_map(
             local,
             mesh=self.mesh,
             in_specs=tuple(s.to_partition_spec() for s in req),

@@ -23,6 +23,7 @@ from spmdkit.engine.inference import InferenceResult
 from spmdkit.engine.rule import LocalContext, Rule
 from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.vma import shard_map
 
 __all__ = ["local_context", "resolve_partials", "shard_program"]
 
@@ -119,7 +120,7 @@ def shard_program(
         ys = tuple(ys) if isinstance(ys, (tuple, list)) else (ys,)
         return tuple(_resolve_onto(y, o, f) for y, o, f in zip(ys, outs, final, strict=True))
 
-    return jax.shard_map(
+    return shard_map(
         body,
         mesh=mesh,
         in_specs=tuple(_pspec(s) for s in res.inputs),

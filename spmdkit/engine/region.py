@@ -46,6 +46,7 @@ from spmdkit.engine.registry import get_rule, register_primitive
 from spmdkit.engine.rule import LocalContext, without_strategy
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import as_unreduced, freeze
+from spmdkit.vma import shard_map
 
 __all__ = [
     "FORWARD",
@@ -326,7 +327,7 @@ def _grad_program(
         grads = vjp(tuple(cts))
         return tuple(as_unreduced(g, s) for g, s in zip(grads, produced, strict=True))
 
-    return jax.shard_map(
+    return shard_map(
         body,
         mesh=mesh,
         in_specs=tuple(s.to_partition_spec() for s in required),

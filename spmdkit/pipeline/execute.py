@@ -98,6 +98,7 @@ from spmdkit.pipeline.tokens import (
     tokens_error,
 )
 from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard
+from spmdkit.vma import shard_map
 
 __all__ = ["pipelined_value_and_grad"]
 
@@ -439,7 +440,7 @@ def _pipeline_shard_map(
         [P()] * n[1],
         [lay.value_spec(k) for k in range(len(lay.rows))],
     )
-    return jax.shard_map(
+    return shard_map(
         body,
         mesh=mesh,
         in_specs=in_specs,
@@ -498,7 +499,7 @@ def _pre_grad_on_rows(
         return [lay.reduce(x, g_out[i], 0) for i, x in zip(dp, g, strict=True)]
 
     rows = P(None, lay.batch)
-    fn = jax.shard_map(
+    fn = shard_map(
         body,
         mesh=mesh,
         in_specs=([P()] * len(read), [rows] * len(b_leaves),

@@ -29,6 +29,7 @@ from spmdkit.errors import ReshardError
 from spmdkit.resharding.plan import Collective, ReshardPlan, plan_reshard
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import as_unreduced
+from spmdkit.vma import shard_map
 
 __all__ = ["empty_array", "reshard", "run_plan", "step_fn"]
 
@@ -243,7 +244,7 @@ def run_plan(x: jax.Array, plan: ReshardPlan, mesh: MeshLike) -> jax.Array:
     """
     specs = plan.specs
     for step, before, after in zip(plan.steps, specs[:-1], specs[1:], strict=True):
-        x = jax.shard_map(
+        x = shard_map(
             step_fn(step),
             mesh=mesh,
             in_specs=before.to_partition_spec(),
@@ -337,7 +338,7 @@ def empty_array(
     dims = zip(spec.shape, spec.dims, strict=True)
     block = tuple(s // math.prod(sizes[a] for a in axes) for s, axes in dims)
     x, x_spec = like if like is not None else (jnp.zeros(()), TensorSpec(()))
-    make = jax.shard_map(
+    make = shard_map(
         # the block depends on x (a sum over its empty block, 0): a program whose
         # outputs use no input loses its devices when jit lowers it
         # (typed unreduced where the target is sum-partial: jax 0.11+ compiles no

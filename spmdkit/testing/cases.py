@@ -33,6 +33,7 @@ from spmdkit.errors import NoRuleError, RegistrationError, SpmdError
 from spmdkit.spec import TensorSpec, axis_sizes
 from spmdkit.testing.pieces import assemble, enumerate_specs, local_pieces, values_close
 from spmdkit.util import freeze
+from spmdkit.vma import shard_map
 
 __all__ = [
     "Case",
@@ -516,7 +517,7 @@ def _on_every_device(local: Callable[..., Any], mesh: Mesh) -> Callable[..., Any
     """``local`` jitted under ``shard_map``: each argument and result is stacked, one
     leading dim per mesh axis, each device holding its own entry."""
     names = mesh.axis_names
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(*names), out_specs=P(*names)))
+    return jax.jit(shard_map(local, mesh=mesh, in_specs=P(*names), out_specs=P(*names)))
 
 
 @functools.lru_cache(maxsize=512)
