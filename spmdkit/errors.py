@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointCorruptedError",
     "UsageError",
+    "TrainError",
 ]
 
 
@@ -159,4 +160,14 @@ class UsageError(SpmdError, ValueError):
     or compiling, with nothing written to disk.
 
     Broken example: ``spmdkit train gpt --resume`` (no ``--ckpt`` to resume from).
+    """
+
+
+class TrainError(SpmdError, ValueError):
+    """The training loop (``spmdkit.runtime.train.train``) was configured
+    inconsistently, or given a model, loss or data it cannot run.
+
+    Broken example: ``train(info.loss_fn, params, ...)`` for a model with
+    ``nnx.Dropout`` (that loss is the planner's trace, on a placeholder key):
+    ``train(info, params, ...)`` runs the described model's train loss.
     """

@@ -205,7 +205,9 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     finally:  # orbax's threads end with the manager, not at interpreter exit
         if ckpt is not None:
             ckpt.close()
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and not result.history:  # train said why
+        out.write(f"nothing to train: at step {result.step} >= steps {args.steps}\n")
+    elif jax.process_index() == 0:
         out.write(
             f"trained steps {result.start_step + 1}..{result.step} on mesh {args.mesh}; "
             f"losses {', '.join(f'{v:.4f}' for v in result.losses)}\n"

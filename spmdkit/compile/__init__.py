@@ -10,13 +10,21 @@ re-exported from there for callers of its old place.
 """
 
 from spmdkit.compile.annotate import init_sharded, shard
-from spmdkit.compile.function import ROLES, STATE_ROLES, PlannedFunction, infer_role, jit
+from spmdkit.compile.function import (
+    ROLES,
+    STATE_ROLES,
+    PlannedFunction,
+    UnplannedBatchWarning,
+    infer_role,
+    jit,
+)
 from spmdkit.verification.planned import verify_plan
 
 __all__ = [
     "ROLES",
     "STATE_ROLES",
     "PlannedFunction",
+    "UnplannedBatchWarning",
     "infer_role",
     "init_sharded",
     "jit",

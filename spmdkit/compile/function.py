@@ -49,6 +49,7 @@ predicts (``plan.verify``, which runs :meth:`PlannedFunction.verify`:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -70,7 +71,7 @@ from spmdkit.util import path_str
 from spmdkit.verification.compiled import VerifyReport
 from spmdkit.verification.planned import verify_plan
 
-__all__ = ["ROLES", "STATE_ROLES", "PlannedFunction", "infer_role", "jit"]
+__all__ = ["ROLES", "STATE_ROLES", "PlannedFunction", "UnplannedBatchWarning", "infer_role", "jit"]
 
 #: Argument roles, each with its own shardings (module docstring).
 ROLES = ("params", "opt_state", "state", "grads", "batch", "replicated")
@@ -229,6 +230,7 @@ class PlannedFunction:
         self._executables: dict[Hashable, jax.stages.Compiled] = {}
         # pytree structure → (executable, (shape, dtype, sharding) of each placed leaf)
         self._fast: dict[Any, tuple[jax.stages.Compiled, tuple]] = {}
+        self._warned_sizes: set[int] = set()  # batch sizes warned as unplanned
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -440,7 +442,29 @@ class PlannedFunction:
                 )
             hit = _Jitted(jitted, in_specs, out_specs, roles, in_sh)
             self._compiled[key] = hit
+            self._warn_unplanned(args, roles)
         return hit
+
+    def _warn_unplanned(self, args: tuple, roles: tuple[str, ...]) -> None:
+        """Warn (once per size) when compiling for a batch size the plan was not
+        made for: its shardings still apply, but its costs, memory and verify
+        table are for ``plan.batch_size``."""
+        want = self.plan.batch_size
+        sizes = {n for a, r in zip(args, roles, strict=True) if r == "batch"
+                 for n in _batch_dims(self.plan, a)}  # fmt: skip
+        for got in sorted(sizes - {want} - self._warned_sizes) if want is not None else ():
+            self._warned_sizes.add(got)
+            warnings.warn(
+                UnplannedBatchWarning(
+                    f"sk.jit({self.__name__}): compiling another executable for a batch of "
+                    f"{got}; the plan was made for batches of {want}, so this one runs the "
+                    "plan's shardings at a size whose memory and collectives were not "
+                    "costed or verified. A final short batch is fine (one extra compile); "
+                    f"for many, plan with a batch of {got} (sk.plan(..., batch=...)) or keep "
+                    f"the size ({want}: a loader's last_batch='drop' or 'pad')"
+                ),
+                stacklevel=4,
+            )
 
     @property
     def in_specs(self) -> tuple | None:
@@ -541,6 +565,27 @@ class PlannedFunction:
         if current is not None and _same_place(current, target, np.ndim(x)):
             return x
         return jax.device_put(x, target)
+
+
+class UnplannedBatchWarning(UserWarning):
+    """``sk.jit`` compiled a step for a batch size the plan was not made for
+    (``plan.batch_size``): one more executable, whose memory and collectives the
+    plan did not cost.
+
+    Broken example: a plan made for batches of 8, a step called on a batch of 5.
+    """
+
+
+def _batch_dims(plan: Plan, batch: Any) -> set[int]:
+    """The sizes of the ``batch`` dims of a batch argument's arrays (by the
+    plan's batch axes; a field it does not name has the batch dim first)."""
+    sizes = set()
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(as_tree(batch))[0]:
+        shape = tuple(getattr(leaf, "shape", ()))
+        names = tuple(plan.batch_axes.get(path_str(kp)) or ("batch",))
+        if shape and "batch" in names and names.index("batch") < len(shape):
+            sizes.add(int(shape[names.index("batch")]))
+    return sizes
 
 
 def _traced(args: tuple) -> tuple:

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import errors as flax_errors
 from flax import nnx
 
 from spmdkit.batch import as_tree
@@ -50,6 +51,7 @@ __all__ = [
     "model_losses",
     "nnx_run",
     "placeholders",
+    "planner_stand_in",
     "split_value",
     "train_loss",
 ]
@@ -167,7 +169,10 @@ def dict_run(loss: Callable, collections: tuple[str, ...], name: str) -> Run:
 
     def run(params: Any, batch: Any, state: Any, key: Any) -> tuple[Any, Any]:
         variables = {**params, **state} if collections else params
-        out = loss(variables, as_tree(batch), **({"rng": key} if rng_kw else {}))
+        try:
+            out = loss(variables, as_tree(batch), **({"rng": key} if rng_kw else {}))
+        except flax_errors.InvalidRngError as e:
+            raise _no_rng_error(name, rng_kw, e) from e
         if not collections:
             return out, None
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
@@ -185,6 +190,24 @@ def dict_run(loss: Callable, collections: tuple[str, ...], name: str) -> Run:
         return value, _updated_state(state, dict(updates), name)
 
     return run
+
+
+def _no_rng_error(name: str, rng_kw: bool, e: Exception) -> ModelError:
+    """The error for a linen loss whose ``apply`` draws from an RNG stream it was
+    not given (flax's ``InvalidRngError``)."""
+    given = (
+        "a loss with rng= whose apply does not pass it for every stream"
+        if rng_kw
+        else "a loss without an rng argument"
+    )
+    return ModelError(
+        op=f"describe({name})",
+        must="a linen loss that draws random numbers (nn.Dropout) takes the step's key as "
+        "rng= and hands it to apply",
+        given=f"{given}: {str(e).splitlines()[0]}",
+        fix="def loss(variables, batch, rng): ... module.apply(variables, x, "
+        "rngs={'dropout': rng}) (train and sk.train_step pass a fresh key each step)",
+    )
 
 
 def _updated_state(state: dict, updates: dict, name: str) -> dict:
@@ -236,13 +259,41 @@ def model_losses(
         return split_value(run(params, batch, state, key())[0])[0]
 
     if abstract_state is None:
-        return loss_fn, None
+        return _stands_in(loss_fn, f"{name}: info.loss_fn", rng=rng, state=False), None
 
     def state_loss_fn(params: Any, batch: Any, state: Any) -> tuple[Any, Any]:
         out, new_state = run(params, batch, state, key())
         return split_value(out)[0], new_state
 
-    return loss_fn, state_loss_fn
+    return (
+        _stands_in(loss_fn, f"{name}: info.loss_fn", rng=rng, state=True),
+        _stands_in(state_loss_fn, f"{name}: info.state_loss_fn", rng=rng, state=True),
+    )
+
+
+_STAND_IN = "_spmdkit_stands_in"
+
+
+def _stands_in(fn: Callable, where: str, *, rng: bool, state: bool) -> Callable:
+    """Mark a planner's loss that stands in for the train loss (placeholder keys
+    or state), so the training loop can refuse it by name."""
+    if rng or state:
+        setattr(fn, _STAND_IN, where)
+    return fn
+
+
+def planner_stand_in(fn: Any) -> str | None:
+    """Where ``fn`` comes from when it is a planner's loss (``info.loss_fn``,
+    ``info.state_loss_fn``) of a model with state or RNG: a trace on
+    placeholders that a training loop must not run; None for any other function.
+
+    Example::
+
+        >>> planner_stand_in(info.loss_fn)  # a model with nnx.Dropout
+        'MLP: info.loss_fn'
+    """
+    where = getattr(fn, _STAND_IN, None)
+    return where if isinstance(where, str) else None
 
 
 def train_loss(run: Run, *, stateful: bool, rng: bool, aux: bool, name: str) -> Loss:

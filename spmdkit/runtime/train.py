@@ -48,41 +48,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TextIO
 
 import jax
 import numpy as np
 import optax
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdkit.batch import is_tensor
 from spmdkit.compile import PlannedFunction, jit
-from spmdkit.errors import SpmdError
-from spmdkit.flax import ModelInfo, describe
-from spmdkit.flax.losses import STATE_FILTER
+from spmdkit.errors import CheckpointMismatchError, TrainError
+from spmdkit.flax import ModelInfo
 from spmdkit.loss import is_key
 from spmdkit.master import opt_init, stored_dtype, stored_params
 from spmdkit.mesh import make_mesh
 from spmdkit.planner import Plan
 from spmdkit.planner import plan as make_plan
 from spmdkit.planner.notes import quiet_notes
-from spmdkit.recipe import Recipe, init_fp8_state, train_step
-from spmdkit.runtime.checkpoint import Manager, Restored, abstract_target
+from spmdkit.recipe import Recipe, train_step
+from spmdkit.runtime.checkpoint import Manager, Restored, abstract_target, tree_paths
+from spmdkit.runtime.train_data import Source
+from spmdkit.runtime.train_model import Parts, model_parts, with_fp8_state
 from spmdkit.util import path_str
 
 __all__ = ["TrainError", "TrainResult", "train"]
-
-
-class TrainError(SpmdError, ValueError):
-    """The training loop was configured inconsistently.
-
-    Broken example: ``train(..., resume=True)`` without ``ckpt=``.
-    """
 
 
 @dataclasses.dataclass
@@ -121,7 +113,7 @@ class TrainResult:
 
 
 def train(
-    loss_fn: Callable[..., Any],
+    loss_fn: ModelInfo | Callable[..., Any],
     model: Any,
     optimizer: optax.GradientTransformation,
     data: Any,
@@ -135,6 +127,7 @@ def train(
     resume: bool = False,
     save_opt_state: bool = True,
     restore_opt_state: bool | None = None,
+    repeat: bool = False,
     config: Any | None = None,
     verify: bool = False,
     log_every: int = 10,
@@ -144,15 +137,20 @@ def train(
     """Train for ``steps`` optimizer steps (in total, counting restored ones).
 
     Args:
-      loss_fn: the model's loss, one per model kind (module docstring):
-        ``loss(model, batch)``, ``loss(variables, batch)`` or ``loss(params,
-        batch)``; may return ``(loss, aux)`` and take the step's key as ``rng=``.
-      model: an ``nnx.Module``, a linen variables dict, or a params pytree.
-        Arrays are donated: use the result.
+      loss_fn: the described model (``sk.describe``; its ``train_loss`` runs,
+        state and RNG included), or the model's loss, one per model kind (module
+        docstring): ``loss(model, batch)``, ``loss(variables, batch)`` or
+        ``loss(params, batch)``; may return ``(loss, aux)`` and take the step's
+        key as ``rng=``.
+      model: with a described model, its values: ``sk.init_sharded(info,
+        plan)``'s parameters (the state from ``info.init_state_fn()``), a linen
+        variables dict, or an NNX module; with a loss, an ``nnx.Module``, a
+        linen variables dict, or a params pytree. Arrays are donated: use the
+        result.
       optimizer: an optax transformation.
       data: a :class:`spmdkit.runtime.data.ShardedLoader` (its position is
-        checkpointed), a sequence or re-iterable of global batches, or an
-        iterator (not resumable).
+        checkpointed; epoch after epoch), a sequence or re-iterable of global
+        batches (each once unless ``repeat``), or an iterator (not resumable).
       steps: the total number of optimizer steps to reach.
       plan: the plan (``sk.plan``); ``plan.mesh`` and ``plan.to_json()`` are
         saved in checkpoints.
@@ -172,6 +170,8 @@ def train(
       restore_opt_state: on resume, restore the optimizer state (``True``: it must
         be there), start a fresh one from the restored parameters (``False``), or
         restore it when the checkpoint has one (``None``, the default).
+      repeat: start a sequence or re-iterable of batches over when it runs out
+        (``False``: a sequence shorter than ``steps`` is refused up front).
       config: the model config (dataclass or dict), saved in every checkpoint.
       verify: print the step's verify table (``plan.verify``) before it runs.
       log_every: steps between progress lines (and metric fetches).
@@ -183,13 +183,17 @@ def train(
       :class:`TrainResult`.
 
     Raises:
-      TrainError: inconsistent options, an empty data source, a one-shot
-        iterator to resume, or a batch whose size is not the plan's
-        (``plan.batch_size``).
+      TrainError: inconsistent options, an empty data source or one too short
+        for ``steps``, a one-shot iterator to resume, a batch whose size is not
+        the plan's (``plan.batch_size``), or a loss and model that cannot train
+        together (``info.loss_fn`` of a model with dropout or state: pass
+        ``info``).
 
     Example::
 
-        >>> res = train(loss, model, optax.adam(1e-3), loader, steps=100, plan=plan,
+        >>> info = sk.describe(build, loss=loss, batch=batch)
+        >>> params = sk.init_sharded(info, plan)
+        >>> res = train(info, params, optax.adam(1e-3), loader, steps=100, plan=plan,
         ...             ckpt=Manager("/tmp/run", save_interval_steps=50), resume=True)
         >>> res.losses[-1]
     """
@@ -197,14 +201,15 @@ def train(
     out = out if out is not None else sys.stderr
     show = progress and jax.process_index() == 0
     resume_from = ckpt if resume and ckpt.latest_step() is not None else None
-    source = _Source(data, resuming=resume_from is not None)
-    parts = _model_parts(loss_fn, model, source.example)
+    source = Source(data, resuming=resume_from is not None, repeat=repeat)
+    source.check_length(resume_from.latest_step() if resume_from else 0, steps)
+    parts = model_parts(loss_fn, model, source.example)
     plan = _run_plan(
         parts.info, plan, shardings, accum_steps, source, optimizer, out if show else None
     )
     check_batch = functools.partial(_check_batch_size, plan)
     check_batch(source.example)
-    parts = _with_fp8_state(parts, plan, source.example)
+    parts = with_fp8_state(parts, plan, source.example)
     step_fn = jit(train_step(parts.info, optimizer, plan), plan, donate_state=True)
     with jax.set_mesh(step_fn.mesh):
         key = _base_key(rng, step_fn.mesh) if parts.info.rng else None
@@ -216,15 +221,19 @@ def train(
         batches, where = source.batches(start, restored.data_state if restored else None)
         if resume and show:
             out.write(_restore_line(ckpt, restored, where))
+            if start >= steps:
+                out.write(f"train: nothing to train: checkpoint at step {start} >= steps {steps}\n")
         batches = map(check_batch, batches)
         loop = _Loop(step_fn, batches, state, start=start, show=show, out=out)
         items = None if save_opt_state else tuple(k for k in state if k != "opt_state")
         save = _saver(ckpt, plan, data, config=config, items=items)
         loop.run(steps, log_every=log_every, ckpt=ckpt, save=save, verify=verify)
-    params, final_state = loop.state["params"], loop.state.get("model_state")
+    # on the mesh as the user made it (as sk.init_sharded hands them out)
+    final = _on_mesh(loop.state, plan.mesh)
+    params, final_state = final["params"], final.get("model_state")
     return TrainResult(
         params=parts.write_back(params, final_state),
-        opt_state=loop.state["opt_state"],
+        opt_state=final["opt_state"],
         step=loop.step,
         history=loop.history,
         start_step=loop.start,
@@ -268,76 +277,6 @@ def _check_args(
         )
 
 
-# -- the model ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Parts:
-    """The described model, its concrete parameters and state, and how to hand
-    the trained values back in the form they were given."""
-
-    info: ModelInfo
-    params: Any
-    state: Any
-    write_back: Callable[[Any, Any], Any]
-
-
-def _model_parts(loss_fn: Callable, model: Any, example: Any) -> _Parts:
-    """Describe ``model`` with its loss (the one ``describe`` and ``sk.plan``
-    take) and split out its parameters and state (module docstring)."""
-    if isinstance(model, ModelInfo):
-        raise TrainError(
-            op="train",
-            must="the model is given with its values (an NNX module, a variables dict or "
-            "a params pytree)",
-            given="a ModelInfo (abstract: it holds no values)",
-            fix="pass the module, or info.init_fn() (and the loss you described it with)",
-        )
-    info = describe(model, loss=loss_fn, batch=example)
-    if isinstance(model, nnx.Module):
-        # pure dicts: checkpoints name a parameter by its path ("l1/kernel")
-        _, params, state, _ = nnx.split(model, nnx.Param, STATE_FILTER, ...)
-
-        def into_module(p: Any, s: Any) -> nnx.Module:
-            for template, values in ((params, p), (state, s)):
-                if values is not None:
-                    filled = jax.tree.map(lambda x: x, template)
-                    nnx.replace_by_pure_dict(filled, values)
-                    nnx.update(model, filled)
-            return model
-
-        pure_state = nnx.to_pure_dict(state) if info.has_state else None
-        return _Parts(info, nnx.to_pure_dict(params), pure_state, into_module)
-    if info.has_state:  # a linen variables dict: params trained, collections carried
-        state = {k: v for k, v in model.items() if k != "params"}
-        return _Parts(info, {"params": model["params"]}, state, lambda p, s: {**p, **s})
-    return _Parts(info, model, None, lambda p, s: p)
-
-
-def _with_fp8_state(parts: _Parts, plan: Plan, example: Any) -> _Parts:
-    """Under delayed float8 scaling (``plan.recipe.fp8_scaling == "delayed"``) the
-    step's state is the amax histories (``spmdkit.recipe.init_fp8_state``, empty:
-    the first step scales as current scaling does): carried, checkpointed and
-    restored as ``model_state``, returned in :attr:`TrainResult.model_state`,
-    not written into the model."""
-    if plan.recipe.fp8_scaling != "delayed":
-        return parts
-    if parts.state is not None:
-        raise TrainError(
-            op="train",
-            must="with fp8_scaling='delayed' the model has no mutable state of its own "
-            "(the amax histories are the step's state)",
-            given=f"a model with state {sorted(s.path for s in parts.info.state)[:3]}",
-            fix="plan with sk.Recipe(compute_dtype='float8') (current scaling)",
-        )
-    info = parts.info
-    key = () if info.abstract_key is None else (info.abstract_key,)
-    exclude = plan.recipe.fp8_exclude
-    state = init_fp8_state(info, info.abstract_params, example, *key, exclude=exclude)
-    write_back = parts.write_back
-    return dataclasses.replace(parts, state=state, write_back=lambda p, s: write_back(p, None))
-
-
 # -- the plan ----------------------------------------------------------------------------
 
 
@@ -346,7 +285,7 @@ def _run_plan(
     plan: Plan | None,
     shardings: Any,
     accum_steps: int,
-    source: _Source,
+    source: Source,
     optimizer: optax.GradientTransformation,
     out: TextIO | None,
 ) -> Plan:
@@ -484,7 +423,7 @@ class _Layout:
         return jax.jit(opt_init(optimizer, self.recipe), out_shardings=self.opt)(params)
 
 
-def _layout(plan: Plan, parts: _Parts, optimizer: optax.GradientTransformation) -> _Layout:
+def _layout(plan: Plan, parts: Parts, optimizer: optax.GradientTransformation) -> _Layout:
     # shapes and dtypes only: parameters made on an Explicit mesh (sk.init_sharded on
     # sk.make_mesh's default axes) carry shardings that the step's Auto mesh rejects
     abstract_params = jax.tree.map(
@@ -507,121 +446,6 @@ def _layout(plan: Plan, parts: _Parts, optimizer: optax.GradientTransformation) 
     )
 
 
-# -- the data ----------------------------------------------------------------------------
-
-
-class _Source:
-    """The data: the example batch planning reads, and the batches from a step on
-    (module docstring: how each kind resumes)."""
-
-    def __init__(self, data: Any, *, resuming: bool) -> None:
-        self.data = data
-        self.loader = hasattr(data, "set_state") and hasattr(data, "state")
-        try:
-            self.one_shot = iter(data) is data
-        except TypeError as e:
-            raise TrainError(
-                op="train",
-                must="data is an iterable of batches",
-                given=f"{type(data).__name__}: {e}",
-                fix="pass a ShardedLoader, a list of batches, or an iterable "
-                "(wrap a generator function as ShardedLoader(fn, sharding))",
-            ) from e
-        if self.one_shot and resuming:
-            raise TrainError(
-                op="train",
-                must="resumed data starts where the checkpointed run stopped",
-                given=f"a one-shot iterator ({type(data).__name__}): its position is unknown",
-                fix="pass a ShardedLoader (its position is checkpointed), a list of batches, "
-                "or a callable source wrapped in ShardedLoader",
-            )
-        self.pending: list[Any] = []
-        self.example = self._peek()
-
-    def _peek(self) -> Any:
-        data = self.data
-        if self.one_shot:
-            self.pending = [next(data, None)]
-            first = self.pending[0]
-        elif self.loader:
-            position = data.state()
-            first = next(iter(data), None)
-            data.set_state(position)
-        elif isinstance(data, Sequence):
-            first = data[0] if len(data) else None
-        else:
-            first = next(iter(data), None)
-        if first is None:
-            raise TrainError(
-                op="train",
-                must="the data yields at least one batch",
-                given=f"an empty {type(data).__name__}",
-                fix="pass batches (a ShardedLoader, a list of batch dicts, an iterable)",
-            )
-        return first
-
-    def mesh(self) -> Any:
-        """The mesh of the data's sharding (the loader's, or the example's arrays'), if any."""
-        found = [s for s in _shardings(getattr(self.data, "sharding", None))]
-        found += [getattr(x, "sharding", None) for x in jax.tree.leaves(self.example)]
-        meshes = [s.mesh for s in found if isinstance(s, NamedSharding)]
-        return meshes[0] if meshes else None
-
-    def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes splitting the data's leading (batch) dim."""
-        found = [s for s in _shardings(getattr(self.data, "sharding", None))]
-        found += [getattr(x, "sharding", None) for x in jax.tree.leaves(self.example)]
-        for s in found:
-            if isinstance(s, NamedSharding) and len(s.spec):
-                head = s.spec[0]
-                return () if head is None else (head,) if isinstance(head, str) else tuple(head)
-        return ()
-
-    def batches(self, start: int, saved: Any) -> tuple[Iterator[Any], str]:
-        """Endless batches from step ``start`` on (``saved``: the loader position
-        the checkpoint recorded) and where they start, in words."""
-        data = self.data
-        if self.loader:
-            if saved is not None:
-                data.set_state(saved)
-            return _endless(data), f"data at {data.state()}"
-        if self.one_shot:
-            return itertools.chain(self.pending, data), "data from its first batch"
-        if isinstance(data, Sequence):
-            n = len(data)
-            first = itertools.islice(data, start % n, None)
-            return itertools.chain(first, _endless(data)), f"data at batch {start % n} of {n}"
-        it = _endless(data)
-        for _ in range(start):
-            next(it)
-        return it, f"data replayed past {start} batches"
-
-
-def _shardings(sharding: Any) -> list[Any]:
-    if isinstance(sharding, Mapping):
-        return [s for v in sharding.values() for s in _shardings(v)]
-    return [sharding] if sharding is not None else []
-
-
-def _endless(data: Any) -> Iterator[Any]:
-    """Endless batches: iterate the data again (next epoch) whenever it runs out.
-    One empty pass is allowed (a position restored at the very end of an epoch)."""
-    empties = 0
-    while True:
-        empty = True
-        for batch in data:
-            empty = False
-            yield batch
-        empties = empties + 1 if empty else 0
-        if empties == 2:
-            raise TrainError(
-                op="train",
-                must="the data yields at least one batch per epoch",
-                given="an empty epoch",
-                fix="use a smaller batch_size or last_batch='pad'",
-            )
-
-
 # -- state, checkpoints ----------------------------------------------------------------------
 
 
@@ -640,7 +464,7 @@ def _base_key(rng: Any, mesh: Any) -> jax.Array:
 
 
 def _initial_state(
-    parts: _Parts,
+    parts: Parts,
     optimizer: optax.GradientTransformation,
     key: jax.Array | None,
     ckpt: Manager | None,
@@ -672,15 +496,47 @@ def _initial_state(
         target["model_state"] = abstract_target(abstract, layout.model_state)
     if key is not None:
         target["rng"] = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=key.sharding)
+    saved = ckpt.saved_shapes()
     if restore_opt is None:
-        saved = ckpt.saved_shapes()
         restore_opt = any(p.startswith("opt_state/") or p == "opt_state" for p in saved)
+    if restore_opt:
+        _check_opt_state(ckpt, saved, target["opt_state"], optimizer)
     items = tuple(k for k in target if restore_opt or k != "opt_state")
     restored = ckpt.restore(target=target, items=items)
     state = dict(restored.state)
     if not restore_opt:  # the restored parameters go into a fresh optimizer state
         state["opt_state"] = layout.init_opt(optimizer, state["params"])
     return state, restored
+
+
+def _check_opt_state(ckpt: Manager, saved: Mapping[str, Any], target: Any, optimizer: Any) -> None:
+    """Raise, in one line, when the checkpoint's optimizer state is not this
+    optimizer's (another optax transformation, or another parameter set)."""
+    want = {"opt_state/" + k: tuple(np.shape(v)) for k, v in tree_paths(target).items()}
+    have = {k: tuple(v.shape) for k, v in saved.items() if k.startswith("opt_state/")}
+    if want == have:
+        return
+    only_saved = sorted(set(have) - set(want))
+    only_here = sorted(set(want) - set(have))
+    shapes = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+    diff = "; ".join(
+        f"{what} {len(ks)} (e.g. {ks[0]})"
+        for what, ks in (
+            ("only in the checkpoint:", only_saved),
+            ("only in this optimizer's:", only_here),
+            ("other shapes:", shapes),
+        )
+        if ks
+    )
+    raise CheckpointMismatchError(
+        op="train(resume=True)",
+        must="the checkpoint's optimizer state is this optimizer's (same transformation, "
+        "same parameters)",
+        given=f"a checkpoint in {ckpt.directory} with {len(have)} optimizer-state arrays, "
+        f"this optimizer ({type(optimizer).__name__}) has {len(want)}: {diff}",
+        fix="train(..., resume=True, restore_opt_state=False) restores the parameters into "
+        "a fresh optimizer state; or resume with the optimizer the checkpoint was saved with",
+    )
 
 
 def _restore_line(ckpt: Manager, restored: Restored | None, where: str) -> str:
@@ -802,6 +658,25 @@ class _Loop:
             if self.saved != self.step:
                 save(self.step, dict(self.state), force=True)
             ckpt.wait()
+
+
+def _on_mesh(state: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """The step's outputs (on its Auto view of the plan's mesh) relabelled onto
+    ``mesh`` itself, so an Explicit mesh's arrays run under ``jax.set_mesh(mesh)``
+    as ``sk.init_sharded``'s do; the same devices and specs (no data moves)."""
+    if not isinstance(mesh, Mesh):
+        return state
+
+    def one(x: Any) -> Any:
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh == mesh:
+            return x
+        if sharding.mesh.axis_names != mesh.axis_names:
+            return x
+        target = NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+        return jax.device_put(x, target)
+
+    return {k: jax.tree.map(one, v) if k != "rng" else v for k, v in state.items()}
 
 
 def _host(v: Any) -> Any:

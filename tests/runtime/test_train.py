@@ -198,7 +198,8 @@ def test_without_a_plan_train_plans_over_every_device():
 
 def test_without_a_mesh_train_runs_data_parallel_on_all_devices():
     batches = [{"x": X[:16], "y": Y[:16]}, {"x": X[16:32], "y": Y[16:32]}]
-    res = train(plain_loss, MLP(nnx.Rngs(0)), optax.sgd(0.1), batches, steps=3, progress=False)
+    res = train(plain_loss, MLP(nnx.Rngs(0)), optax.sgd(0.1), batches, steps=3, repeat=True,
+                progress=False)  # fmt: skip
     assert res.plan.strategy == "dp" and dict(res.plan.mesh.shape) == {"data": 8}
     assert len(res.params.l2.kernel[...].sharding.device_set) == 8
 
@@ -430,7 +431,9 @@ def test_a_list_of_batches_resumes_where_it_stopped(tmp_path, mesh):
 
     said = go(3, resume=True)
     assert f"nothing to restore in {tmp_path}; starting at step 0" in said
-    said = go(7, resume=True)
+    with pytest.raises(TrainError, match=r"a list of 5 batches.*repeat=True"):
+        go(7, resume=True)  # refused before anything runs: no silent second epoch
+    said = go(7, resume=True, repeat=True)
     assert "restored step 3" in said and "batch 3 of 5" in said
     assert firsts == [[0, 8, 16], [24, 32, 0, 8]]  # the second epoch starts over
     with pytest.raises(TrainError, match="one-shot iterator"):
