@@ -132,7 +132,7 @@ def test_the_executable_train_runs_is_the_one_sk_jit_compiles(mesh2d):
     opt = optax.adam(1e-2)
     model = MLP(nnx.Rngs(0))
     info = sk.describe(model, loss=plain_loss, batch=batch)
-    res = train(plain_loss, model, opt, [batch], steps=2, plan=plan, progress=False)
+    res = train(plain_loss, model, opt, [batch], steps=2, plan=plan, repeat=True, progress=False)
     (ran,) = res.planned.executables.values()
     step = sk.jit(sk.train_step(info, opt, plan), plan, donate_state=True)
     args = (info.abstract_params, jax.eval_shape(opt.init, info.abstract_params), info.batch)
@@ -621,7 +621,7 @@ def test_dropout_draws_a_new_mask_every_step_and_resumes_its_stream(tmp_path):
     def go(steps, **kw):
         kw.setdefault("rng", 7)
         return train(dropout_loss, Dropped(nnx.Rngs(0)), optax.sgd(0.1), batches, steps=steps,
-                     plan=plan, progress=False, **kw)  # fmt: skip
+                     plan=plan, repeat=True, progress=False, **kw)  # fmt: skip
 
     whole = go(4)
     plan = whole.plan
