@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from spmdkit.recipe import Recipe, RecipeError, train_step, value_and_grad
     from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
     from spmdkit.spec import REDUCE_OPS, TensorSpec
+    from spmdkit.state import clear_caches
     from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
     from spmdkit.verification.compiled import CompiledReport, VerifyReport, report, verify
     from spmdkit.verification.hlo import (
@@ -183,6 +184,7 @@ _EXPORTS: dict[str, str] = {
             "REDUCE_OPS",
             "TensorSpec",
         ),
+        "spmdkit.state": ("clear_caches",),
         "spmdkit.topology": (
             "DEFAULT_TOPOLOGY",
             "Topology",
@@ -350,6 +352,7 @@ __all__ = [
     "SpmdError",
     "TensorSpec",
     "UnknownAxisError",
+    "clear_caches",
     "abstract_mesh",
     "make_mesh",
     "use_virtual_cpu_devices",

@@ -42,6 +42,8 @@ from typing import Any
 
 import jax.extend.core as jex
 
+from spmdkit.state import register_registry
+
 __all__ = [
     "CALL_PRIMITIVES",
     "REMAT_PRIMITIVES",
@@ -231,6 +233,9 @@ def remat_options(eqn: Any) -> dict:
 #: primitive name → ``fn(eqn) -> jaxpr``: what a primitive with no body in its params
 #: computes (written by the registry only: :func:`set_primitive_body`).
 _PRIMITIVE_BODIES: dict[str, Callable[[Any], Any]] = {}
+register_registry(
+    __name__, ("_PRIMITIVE_BODIES",), why="the rule registry's bodies of registered primitives."
+)
 
 
 def set_primitive_body(name: str, fn: Callable[[Any], Any] | None) -> None:

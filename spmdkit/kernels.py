@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from spmdkit.errors import SpmdError
+from spmdkit.state import register_context
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
@@ -466,8 +467,14 @@ class Visit(NamedTuple):
     flops: int
 
 
-_VISITS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "spmdkit_kernel_visits", default=None
+_VISITS: contextvars.ContextVar[list | None] = register_context(
+    contextvars.ContextVar("spmdkit_kernel_visits", default=None),
+    module=__name__,
+    name="_VISITS",
+    set_by="`record_visits()`",
+    read_by="the attention kernels' debug callbacks",
+    why="the list the blockwise kernels' visits are recorded into while a program runs "
+    "(measuring only).",
 )
 
 

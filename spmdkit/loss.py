@@ -32,6 +32,7 @@ from typing import Any
 import jax
 
 from spmdkit.errors import SpmdError
+from spmdkit.state import register_context
 
 __all__ = [
     "Loss",
@@ -157,8 +158,13 @@ def _name(fn: Any) -> str:
 
 # -- placeholder keys -----------------------------------------------------------------
 
-_PLACEHOLDER: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "spmdkit_placeholder_keys", default=None
+_PLACEHOLDER: contextvars.ContextVar[list[str] | None] = register_context(
+    contextvars.ContextVar("spmdkit_placeholder_keys", default=None),
+    module=__name__,
+    name="_PLACEHOLDER",
+    set_by="`placeholder_keys()` (`sk.jit`'s check)",
+    read_by="`note_placeholder_key()` (the losses), which appends",
+    why="the losses traced inside the block that drew from a placeholder key.",
 )
 
 

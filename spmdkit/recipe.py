@@ -102,6 +102,7 @@ from spmdkit.pipeline.split import CALLS
 from spmdkit.remat_scan import rematted_scan, rewrite
 from spmdkit.sequence import ContextShard, context_parallel_loss, plan_context
 from spmdkit.spec import axis_sizes
+from spmdkit.state import register_context
 
 __all__ = [
     "NAMED_POLICIES",
@@ -419,8 +420,13 @@ def checkpoint_policy(recipe: Recipe) -> Any:
 
 
 # the recipes of the sk.value_and_grad calls traced while a step is being checked
-_SEEN: contextvars.ContextVar[list[Recipe] | None] = contextvars.ContextVar(
-    "spmdkit_recipes_seen", default=None
+_SEEN: contextvars.ContextVar[list[Recipe] | None] = register_context(
+    contextvars.ContextVar("spmdkit_recipes_seen", default=None),
+    module=__name__,
+    name="_SEEN",
+    set_by="`recipes_used()` (`sk.jit`'s check)",
+    read_by="`sk.value_and_grad`'s `grad_fn`, which appends its recipe",
+    why="the recipes of the gradients traced inside the block.",
 )
 
 

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
 from spmdkit.spec import axis_sizes
+from spmdkit.state import register_context
 from spmdkit.util import path_str
 
 __all__ = [
@@ -162,8 +163,13 @@ def _traced(x: Any) -> bool:
     return not isinstance(x, int | np.integer)
 
 
-_CONTEXT: contextvars.ContextVar[tuple[BalancedOrder | None, str | None]] = contextvars.ContextVar(
-    "spmdkit_sequence_context", default=(None, None)
+_CONTEXT: contextvars.ContextVar[tuple[BalancedOrder | None, str | None]] = register_context(
+    contextvars.ContextVar("spmdkit_sequence_context", default=(None, None)),
+    module=__name__,
+    name="_CONTEXT",
+    set_by="`context_parallel()`",
+    read_by="`current_order()`, `current_attention()` (RoPE, the attention op)",
+    why="the sequence order and attention strategy a context-parallel loss is traced with.",
 )
 
 
@@ -262,13 +268,23 @@ CONTEXT_ATTENTION = "spmdkit_context_attention"
 #: pipeline executor refuses it and the planner prices only these.
 PIPELINED_STRATEGIES = ("gather_kv",)
 
-_SHARD: contextvars.ContextVar[ContextShard | None] = contextvars.ContextVar(
-    "spmdkit_context_shard", default=None
+_SHARD: contextvars.ContextVar[ContextShard | None] = register_context(
+    contextvars.ContextVar("spmdkit_context_shard", default=None),
+    module=__name__,
+    name="_SHARD",
+    set_by="`context_shard()`",
+    read_by="`current_order()`, `current_shard()` (the attention op, RoPE)",
+    why="the one device's tokens layers are traced on.",
 )
 
 
-_EXCHANGES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "spmdkit_context_exchanges", default=None
+_EXCHANGES: contextvars.ContextVar[list | None] = register_context(
+    contextvars.ContextVar("spmdkit_context_exchanges", default=None),
+    module=__name__,
+    name="_EXCHANGES",
+    set_by="`context_shard()`",
+    read_by="`note_exchange()` (the attention op), which appends",
+    why="the collectives the attention ops traced on one device's tokens run.",
 )
 
 

@@ -27,6 +27,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.errors import DuplicateAxisError, PartialConflictError, SpecError, UnknownAxisError
+from spmdkit.state import register_cache
 
 __all__ = ["REDUCE_OPS", "TensorSpec", "MeshLike", "axis_sizes"]
 
@@ -66,7 +67,9 @@ def axis_sizes(mesh: MeshLike) -> dict[str, int]:
 
 #: :func:`axis_sizes`' pairs per mesh object (meshes are immutable), by ``id``:
 #: comparing two equal meshes compares their devices.
-_SIZES: dict[int, tuple[Any, tuple[tuple[str, int], ...]]] = {}
+_SIZES: dict[int, tuple[Any, tuple[tuple[str, int], ...]]] = register_cache(
+    {}, module=__name__, name="_SIZES", why="a mesh's axis sizes, by mesh object."
+)
 
 
 def _normalize_entry(entry: Any, where: str) -> tuple[str, ...]:

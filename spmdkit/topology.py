@@ -69,13 +69,13 @@ published row beside its prediction.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from spmdkit.errors import SpmdError
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.state import cached
 from spmdkit.util import H100_BF16_PEAK_FLOPS
 
 __all__ = [
@@ -754,14 +754,16 @@ class _SizesOnly:
         self.axis_sizes = tuple(sizes.values())
 
 
-@functools.lru_cache(maxsize=4096)
+@cached(
+    maxsize=4096, why="the link an axis group's collectives cross, per topology and mesh sizes."
+)
 def _link(
     topology: Topology, axes: tuple[str, ...], sizes_items: tuple[tuple[str, int], ...]
 ) -> tuple[float, float]:
     return topology._link_uncached(axes, sizes_items)
 
 
-@functools.lru_cache(maxsize=4096)
+@cached(maxsize=4096, why="the network levels an axis group spans, per topology and mesh sizes.")
 def _levels(
     topology: Topology, axes: tuple[str, ...], sizes_items: tuple[tuple[str, int], ...]
 ) -> tuple[tuple[int, float, float], ...]:

@@ -72,6 +72,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.sequence",
         "spmdkit.loss",
         "spmdkit.strategies",
+        "spmdkit.state",
     ),
     "rule": ("spmdkit.engine",),
     "rules": ("spmdkit.rules",),

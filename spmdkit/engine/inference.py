@@ -19,6 +19,7 @@ from spmdkit.engine.registry import generation, get_rule
 from spmdkit.engine.rule import RuleContext
 from spmdkit.errors import ShardingConflictError, SpecError, SpmdError
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.state import register_cache
 from spmdkit.util import freeze
 
 if TYPE_CHECKING:
@@ -35,7 +36,12 @@ __all__ = [
 ]
 
 _CACHE_SIZE = 65536
-_CACHE: OrderedDict[Any, InferenceResult] = OrderedDict()
+_CACHE: OrderedDict[Any, InferenceResult] = register_cache(
+    OrderedDict(),
+    module=__name__,
+    name="_CACHE",
+    why="rule answers by (op, attrs, specs, mesh, registry generation).",
+)
 _STATS = {"hits": 0, "misses": 0}
 
 

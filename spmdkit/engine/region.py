@@ -30,7 +30,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -45,6 +44,7 @@ from spmdkit.engine.local import resolve_partials, shard_program
 from spmdkit.engine.registry import get_rule, register_primitive
 from spmdkit.engine.rule import LocalContext, without_strategy
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.state import cached
 from spmdkit.util import as_unreduced, freeze
 from spmdkit.vma import shard_map
 
@@ -111,7 +111,7 @@ def grad_fn(
     return run
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(maxsize=1024, why="the shapes a region's rule is traced at.")
 def _shapes(
     op: str,
     attrs: Any,

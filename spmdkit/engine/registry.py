@@ -24,6 +24,7 @@ from typing import Any
 from spmdkit import jaxprs
 from spmdkit.engine.rule import Rule
 from spmdkit.errors import NoRuleError, RegistrationError
+from spmdkit.state import register_registry
 
 __all__ = [
     "generation",
@@ -47,6 +48,12 @@ _CONVERTERS: dict[str, Converter] = {}
 _BUILTIN_LOADED = False
 _GENERATION = 0
 _LOCK = threading.RLock()
+register_registry(
+    __name__,
+    ("_RULES", "_CONVERTERS", "_BUILTIN_LOADED", "_GENERATION"),
+    why="the rule registry: rules by op name, primitive converters, built-ins loaded, "
+    "its generation.",
+)
 
 
 def _load_builtin() -> None:

@@ -27,7 +27,6 @@ than autodiff would gives its local function a ``jax.custom_vjp``.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +44,7 @@ from spmdkit.engine.rule import without_strategy
 from spmdkit.errors import SpecError
 from spmdkit.resharding import empty_array, reshard
 from spmdkit.spec import MeshLike, TensorSpec
+from spmdkit.state import cached
 from spmdkit.util import freeze
 
 __all__ = ["apply_rule", "input_spec", "find_mesh"]
@@ -272,6 +272,6 @@ def _zero_size_outputs(
     return tuple(_place(jnp.asarray(v), o, mesh) for v, o in zip(values, outs, strict=True))
 
 
-@functools.lru_cache(maxsize=256)
+@cached(maxsize=256, why="the jitted shard_map program of one rule answer on one mesh.")
 def _jitted(rule: Any, res: InferenceResult, attrs: Any, mesh: MeshLike) -> Any:
     return jax.jit(shard_program(rule, res, dict(attrs), mesh))

@@ -44,6 +44,7 @@ from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.tokens import rows_loss_combined, tokens_combined
 from spmdkit.sequence import ContextShard, context_shard
+from spmdkit.state import register_context
 from spmdkit.util import path_str
 
 __all__ = [
@@ -104,8 +105,15 @@ class PipelineFacts:
     context_bytes: tuple[tuple[str, float], ...] = ()
 
 
-_TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = contextvars.ContextVar(
-    "spmdkit_pipelines_traced", default=None
+_TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = register_context(
+    contextvars.ContextVar("spmdkit_pipelines_traced", default=None),
+    module=__name__,
+    name="_TRACED",
+    set_by="`pipelines_traced()` (`plan.verify`'s pipelined prediction)",
+    read_by="the executor's `record_traced`, which appends",
+    why="the facts of the pipelined gradients traced inside the block (a step is the "
+    "user's function and the executor runs inside it, so what the executor computes "
+    "cannot be returned through it).",
 )
 
 

@@ -59,11 +59,11 @@ the buffers propagation does not see or lays out otherwise
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from spmdkit.pipeline.schedule import Pipeline, build_schedule
 from spmdkit.pipeline.tables import build_tables, forward_ticks
+from spmdkit.state import cached
 
 __all__ = [
     "StageSizes",
@@ -177,7 +177,7 @@ def buffer_slots(pipe: Pipeline) -> tuple[int, int, int] | None:
     return None
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512, why="a schedule's buffer slot counts in closed form.")
 def _slots(pipe: Pipeline) -> tuple[int, int]:
     """``(held residual sets, inbox slots)`` every device allocates (GPipe: its
     forward ticks and forward inbox; else the stash's slots and both inboxes'

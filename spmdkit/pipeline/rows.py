@@ -37,6 +37,7 @@ import jax.extend.core as jex
 
 from spmdkit import jaxprs
 from spmdkit.sequence import CONTEXT_ATTENTION
+from spmdkit.state import register_context
 
 __all__ = ["AWARE", "aware_of", "mixed_rows"]
 
@@ -70,8 +71,13 @@ class Mixed(Exception):
 #: ``aware`` axes (:func:`aware_of`), so it may vary along the rows
 AWARE = -1
 
-_AWARE_AXES: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
-    "spmdkit_rows_aware", default=frozenset()
+_AWARE_AXES: contextvars.ContextVar[frozenset] = register_context(
+    contextvars.ContextVar("spmdkit_rows_aware", default=frozenset()),
+    module=__name__,
+    name="_AWARE_AXES",
+    set_by="`aware_of()`",
+    read_by="the row walk (`mixed_rows`)",
+    why="the manual axes the rows are split over while a layer's body is walked.",
 )
 
 

@@ -46,11 +46,19 @@ from spmdkit.pipeline import rows as rw
 from spmdkit.pipeline.layouts import ManualAxes
 from spmdkit.pipeline.schedule import PipelineError
 from spmdkit.pipeline.split import SplitLoss
+from spmdkit.state import register_context
 
 __all__ = ["rows_loss_combined", "rows_loss_error", "tokens_combined", "tokens_error"]
 
 #: what the walk's messages call the split entries: a device's tokens, or its rows
-_UNIT: contextvars.ContextVar[str] = contextvars.ContextVar("spmdkit_tokens_unit", default="tokens")
+_UNIT: contextvars.ContextVar[str] = register_context(
+    contextvars.ContextVar("spmdkit_tokens_unit", default="tokens"),
+    module=__name__,
+    name="_UNIT",
+    set_by="`rows_loss_combined()`",
+    read_by="the same walk's messages",
+    why="what a row-combining check's messages call a device's share: its tokens or its rows.",
+)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from spmdkit.planner.analytic import (
 from spmdkit.planner.plans import PyTree
 from spmdkit.recipe import PLAIN, Recipe, checkpoint_policy
 from spmdkit.roles import with_roles
+from spmdkit.state import cached
 from spmdkit.util import CONTRACTIONS, contraction_flops, path_str
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def _eqn_subs(eqn: JaxprEqn) -> Iterable[Jaxpr]:
         yield _region_jaxpr(eqn.primitive.name, p["op"], p["attrs"], p.get("diff"), avals)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(maxsize=256, why="a region traced abstractly for the planner's FLOP and residual counts.")
 def _region_jaxpr(prim: str, op: str, attrs: Any, diff: Any, avals: tuple) -> Jaxpr:
     fn = forward_fn(op, dict(attrs)) if prim == FORWARD else grad_fn(op, dict(attrs), diff)
     return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d) for s, d in avals)).jaxpr

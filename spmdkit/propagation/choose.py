@@ -40,11 +40,17 @@ from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import RULE_ERRORS, drop_axes, no_op_reshard, to_rule
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import TensorSpec
+from spmdkit.state import register_cache
 
 __all__ = ["Chooser", "consumer_hints"]
 
 # (mesh, topology, op, attrs, specs, hints, stationary) -> chosen forward answer
-_CHEAPEST: dict[tuple, Any] = {}
+_CHEAPEST: dict[tuple, Any] = register_cache(
+    {},
+    module=__name__,
+    name="_CHEAPEST",
+    why="the cheapest forward answer per (mesh, op, specs, hints).",
+)
 
 
 class Chooser:

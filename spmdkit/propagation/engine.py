@@ -46,6 +46,7 @@ from spmdkit.propagation.primitives import (
 from spmdkit.propagation.regions import region_answer
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import MeshLike, TensorSpec
+from spmdkit.state import register_cache
 from spmdkit.topology import Topology
 from spmdkit.versions import reassociates_all_reduces
 
@@ -66,7 +67,12 @@ STRUCTURAL_OPS = frozenset(
     }
 )
 
-_WARNED: set[str] = set()
+_WARNED: set[str] = register_cache(
+    set(),
+    module=__name__,
+    name="_WARNED",
+    why="primitives already warned about having no rule (cleared: they warn again).",
+)
 _Specs = tuple[TensorSpec, ...]
 _Answer = tuple[str | None, dict, _Specs, _Specs]  # (op, attrs, required inputs, outputs)
 

@@ -17,7 +17,6 @@ so its own collectives are the forward's plus the grad's.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -45,6 +44,7 @@ from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import RULE_ERRORS
 from spmdkit.resharding import Collective
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.state import cached
 from spmdkit.util import freeze
 
 __all__ = [
@@ -380,7 +380,9 @@ def _program(
     return _traced(key, tuple(required), tuple(produced), mesh)
 
 
-@functools.lru_cache(maxsize=512)
+@cached(
+    maxsize=512, why="a region's shard_map program traced at one layout (jaxprs of pure functions)."
+)
 def _traced(
     key: tuple,
     required: tuple[TensorSpec, ...],

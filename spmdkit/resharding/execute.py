@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.errors import ReshardError
 from spmdkit.resharding.plan import Collective, ReshardPlan, plan_reshard
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.state import cached
 from spmdkit.util import as_unreduced
 from spmdkit.vma import shard_map
 
@@ -254,7 +255,7 @@ def run_plan(x: jax.Array, plan: ReshardPlan, mesh: MeshLike) -> jax.Array:
     return x
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512, why="the compiled runner of one reshard plan on one mesh.")
 def _compiled_runner(plan: ReshardPlan, mesh: Mesh):
     return jax.jit(functools.partial(run_plan, plan=plan, mesh=mesh))
 

@@ -61,7 +61,6 @@ with ring algorithms: ``(n-1)/n × payload``, twice that for all-reduce.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import math
@@ -72,6 +71,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from spmdkit.errors import ReshardError, SpmdError
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
+from spmdkit.state import cached
 from spmdkit.topology import COLLECTIVE_KINDS, DEFAULT_TOPOLOGY, LOCAL_KINDS, Topology
 from spmdkit.util import fmt_bytes, fmt_time
 
@@ -481,7 +481,7 @@ def _canonical(moves: list[_Move], start: _State, ctx: _Ctx) -> list[_Move]:
     return moves
 
 
-@functools.lru_cache(maxsize=4096)
+@cached(maxsize=4096, why="reshard plans by (source, target, mesh sizes, topology).")
 def _plan_cached(
     src: TensorSpec,
     dst: TensorSpec,

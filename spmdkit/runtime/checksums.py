@@ -10,7 +10,6 @@ elsewhere a jitted reduction runs on the devices. Both give the same numbers.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdkit.errors import CheckpointError
+from spmdkit.state import cached
 
 __all__ = ["EVALUATORS", "checksummable", "checksums"]
 
@@ -154,7 +154,9 @@ _BLOCK_BYTES = 1 << 20  # a block's two sums share one read from memory (L2-size
 _JOB_BYTES = 8 << 20  # rows per thread job; smaller shards run inline
 
 
-@functools.cache
+@cached(
+    maxsize=None, why="the checksum thread pool, made on first use (cleared: a new one is made)."
+)
 def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1)), "spmdkit-checksum")
 

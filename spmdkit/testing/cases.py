@@ -31,6 +31,7 @@ from spmdkit.engine.registry import get_rule, register_rule, unregister_rule
 from spmdkit.engine.rule import LocalContext, Rule, without_strategy
 from spmdkit.errors import NoRuleError, RegistrationError, SpmdError
 from spmdkit.spec import TensorSpec, axis_sizes
+from spmdkit.state import cached, register_cache
 from spmdkit.testing.pieces import assemble, enumerate_specs, local_pieces, values_close
 from spmdkit.util import freeze
 from spmdkit.vma import shard_map
@@ -399,7 +400,12 @@ def _vjp_wrt(fn: Callable[..., Any], xs: Sequence[Any], diff: Sequence[bool]) ->
 
 
 #: Jitted unsharded ops, by (rule, frozen attributes without strategy, differentiable).
-_JITTED_UNSHARDED: dict[tuple, Callable[..., Any]] = {}
+_JITTED_UNSHARDED: dict[tuple, Callable[..., Any]] = register_cache(
+    {},
+    module=__name__,
+    name="_JITTED_UNSHARDED",
+    why="jitted unsharded ops a rule is checked against.",
+)
 
 
 def _jitted_unsharded(
@@ -520,12 +526,12 @@ def _on_every_device(local: Callable[..., Any], mesh: Mesh) -> Callable[..., Any
     return jax.jit(shard_map(local, mesh=mesh, in_specs=P(*names), out_specs=P(*names)))
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512, why="the compiled program that checks many forward cases of a rule at once.")
 def _forward_runner(key: tuple, mesh: Mesh) -> Callable[..., Any]:
     return _on_every_device(_forward_body(key, mesh), mesh)
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512, why="the compiled program that checks many grad cases of a rule at once.")
 def _grad_runner(
     key: tuple,
     mesh: Mesh,

@@ -55,7 +55,6 @@ lists each device's).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -81,6 +80,7 @@ from spmdkit.planner.float8 import cast_ratio, layer_residuals
 from spmdkit.planner.plans import Cost, PyTree
 from spmdkit.planner.stored import stored_group
 from spmdkit.recipe import Recipe
+from spmdkit.state import cached
 from spmdkit.util import path_str
 
 __all__ = [
@@ -100,7 +100,7 @@ __all__ = [
 Where = Literal["layers", "first", "last", "both"]
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512, why="a pipeline configuration's tick table.")
 def schedule_of(pipe: Pipeline) -> Schedule:
     """:func:`~spmdkit.pipeline.build_schedule`, memoized per configuration."""
     return build_schedule(pipe)
@@ -285,12 +285,14 @@ def _kept_per_layer(trace: StepTrace, recipe: Recipe) -> float:
     return min(trace.layer_carry + trace.saved_bytes(recipe)[0], full)
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512, why="each device's order of actions under a pipeline configuration.")
 def _orders(pipe: Pipeline) -> tuple[tuple[Action, ...], ...]:
     return device_orders(pipe)
 
 
-@functools.lru_cache(maxsize=512)
+@cached(
+    maxsize=512, why="the activations each device holds at its peak per pipeline configuration."
+)
 def held_activations(pipe: Pipeline) -> tuple[tuple[int, ...], int]:
     """Per device, the (micro-batch, chunk) activations it holds at its peak
     (``"gpipe"``: every forward tick, bubbles included), and how many of the
