@@ -68,6 +68,7 @@ def test_no_package_exports_a_name_that_hides_a_submodule(files):
     assert shadowed_submodules(files) == []
 
 
+@pytest.mark.slow
 def test_no_module_uses_another_modules_private_names(files):
     assert [str(u) for u in private_imports(files)] == []
 

@@ -30,6 +30,7 @@ def _check_side(side):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_quick_run(bench, tmp_path, monkeypatch, capsys):
     real_cases = bench._cases
 
@@ -85,6 +86,7 @@ def test_quick_run(bench, tmp_path, monkeypatch, capsys):
     assert "no_such_op_in_spmdkit" in printed and "broken on purpose" in printed
 
 
+@pytest.mark.slow
 def test_agreement_cross_entropy(bench):
     """The two sides of the cross-entropy row compute the same loss and gradient."""
     import jax

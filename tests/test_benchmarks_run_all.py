@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# fresh processes that run the benchmark scripts: left out of ``--quick``
+pytestmark = pytest.mark.heavy
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 

@@ -340,6 +340,8 @@ def _check_restore(data, saved_checkpoint):
 # -- the tests ----------------------------------------------------------------------
 
 test_tensor_spec, test_tensor_spec_slow = _tests("tensor_spec", check_tensor_spec)
+# its default-size run is among the suite's costliest: it runs in the slow step too
+test_tensor_spec = pytest.mark.slow(test_tensor_spec)
 test_inference, test_inference_slow = _tests("inference", check_inference)
 test_plan_reshard, test_plan_reshard_slow = _tests("plan_reshard", check_plan_reshard)
 test_reshard, test_reshard_slow = _tests("reshard", check_reshard)

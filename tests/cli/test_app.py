@@ -57,6 +57,7 @@ def test_parser_has_the_commands_and_needs_one(capsys):
         assert cmd.name in helptext
 
 
+@pytest.mark.heavy
 def test_python_dash_m_spmdkit_runs_the_cli(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "spmdkit", "rules", "reduce_sum"],

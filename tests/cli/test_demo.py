@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# a fresh process that compiles the demo's model: left out of ``--quick``
+pytestmark = pytest.mark.heavy
+
 
 def _clean_env() -> dict[str, str]:
     # conftest.py sets these for the test process; the demo must set up its devices
@@ -68,6 +71,7 @@ def test_demo_runs_and_its_checks_pass(tmp_path):
     assert out.rstrip().splitlines()[-1].startswith("demo OK: ")
 
 
+@pytest.mark.slow
 def test_console_script_is_installed_and_dispatches(tmp_path):
     """The ``spmdkit`` entry point runs a command (the demo itself is run above, through
     ``python -m spmdkit``; both go through the same ``spmdkit.cli.app``)."""

@@ -72,6 +72,7 @@ def test_a_backend_that_does_not_start_exits_1(monkeypatch, capsys):
     assert captured.err.startswith("spmdkit doctor: jax could not start a backend")
 
 
+@pytest.mark.heavy
 def test_python_dash_m_spmdkit_doctor():
     res = subprocess.run(
         [sys.executable, "-m", "spmdkit", "doctor"],

@@ -21,6 +21,7 @@ def test_init_sharded_places_every_param_as_planned():
     assert params["table"][...].sharding.spec == P("model")
 
 
+@pytest.mark.slow
 def test_init_sharded_arrays_live_on_the_users_explicit_mesh():
     """sk.make_mesh makes Explicit axes; the params stay on that mesh, so plain
     jax.jit under jax.set_mesh(mesh) runs on them, and sk.jit takes them too."""

@@ -94,6 +94,7 @@ def test_without_a_program_replay_says_why():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("enforce", [True, False])
+@pytest.mark.heavy
 def test_enforced_step_moves_what_was_predicted(enforce):
     """GPT, FSDP on 8 devices: left to itself XLA moves activations with
     all-to-alls the plan does not have; pinned, it moves exactly the plan's
@@ -428,6 +429,7 @@ def ops_reference():
     return info, jax.jit(jax.value_and_grad(info.loss_fn))(params, toy_batch())
 
 
+@pytest.mark.slow
 def test_megatron_with_ops_compiles_the_plans_collectives(ops_reference):
     """The ops toy (spmdkit.ops with no in_specs, Auto axes) under sk.jit: values equal
     the single-device run, the compiled collectives equal the propagation's, and the

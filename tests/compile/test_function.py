@@ -39,6 +39,7 @@ def reference(info):
     ("strategy", "shape"),
     [("fsdp", (2, 4)), ("megatron", (4, 2)), ("auto", (8,))],
 )
+@pytest.mark.slow
 def test_loss_and_grads_match_single_device(info, reference, strategy, shape):
     axes = dict(zip(("data", "model"), shape, strict=False))
     mesh = sk.make_mesh(**axes)
@@ -72,6 +73,7 @@ def test_loss_and_grads_match_single_device(info, reference, strategy, shape):
     assert in_specs[1]["tokens"] == p.batch_spec("tokens", (8, 16))
 
 
+@pytest.mark.heavy
 def test_train_step_with_optimizer_state_and_donation(info):
     mesh = sk.make_mesh(data=2, model=4)
     p = plan(info, mesh, "zero1", estimator="analytic")
@@ -249,8 +251,14 @@ def test_donate_state_is_a_constructor_option(info):
 
 
 @pytest.mark.parametrize(
-    ("strategy", "shape"), [("fsdp", (2, 4)), ("megatron", (4, 2)), ("megatron_sp", (2, 4))]
+    ("strategy", "shape"),
+    [
+        ("fsdp", (2, 4)),
+        ("megatron", (4, 2)),
+        pytest.param("megatron_sp", (2, 4), marks=pytest.mark.slow),
+    ],
 )
+@pytest.mark.heavy
 def test_verify_ok_on_a_2d_mesh(info, strategy, shape):
     """Collective bytes per kind within 10% and peak memory within 20% of the
     compiled step (FSDP: the forward's gathered weights are reused, and live, until
@@ -323,6 +331,7 @@ def test_reference_models_match_single_device_and_verify(model, strategy, shape)
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_auto_compiled_collectives_at_most_best_preset(info):
     """The auto plan's compiled collective bytes are within 1.1x of the best preset's."""
     from spmdkit.planner import PRESETS

@@ -12,6 +12,7 @@ from spmdkit.models.layers import ModelConfigError
 _forward = nnx.jit(lambda model, tokens: model(tokens))
 
 
+@pytest.mark.slow
 def test_tied_embeddings_are_the_output_projection(tiny):
     _, _, model = tiny("gpt")
     names = {p[-1] for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}

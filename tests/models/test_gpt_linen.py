@@ -21,6 +21,7 @@ def test_linen_init_gives_logically_partitioned_boxes():
     assert tuple(specs["block_0"]["wq"]) == ("embed", "heads", "head_dim")
 
 
+@pytest.mark.slow
 def test_bridge_keeps_names_and_matches_linen_apply(tiny):
     _, cfg, model = tiny("gpt_linen")
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))

@@ -69,6 +69,7 @@ def test_blockwise_equals_plain_values_and_grads(shape, causal, block):
         np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_blockwise_bf16_is_as_accurate_as_plain():
     """bf16 inputs: both versions are compared with the float32 computation on the
     same (bf16-rounded) inputs. bf16 keeps 8 significant bits (unit roundoff 2^-9),
@@ -192,6 +193,7 @@ def test_configs_choose_the_implementation():
         gpt.GPTConfig(attention="flash")
 
 
+@pytest.mark.slow
 def test_planner_propagates_blockwise_like_plain_with_less_memory():
     """The planner's propagation walks the blockwise attention (custom_vjp, scans with
     carries) without a fallback warning, and batch/head sharding stays sharded: the

@@ -22,6 +22,7 @@ def test_grouped_query_shapes_and_names(tiny):
     assert model.lm_head.get_metadata()["out_sharding"] == ("embed", "vocab")
 
 
+@pytest.mark.slow
 def test_scanned_and_looped_agree_for_the_same_weights(tiny):
     _, cfg, looped = tiny("llama")
     with nnx.use_eager_sharding(False):

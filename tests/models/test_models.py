@@ -14,6 +14,20 @@ def built(request, tiny):
     return tiny(request.param)
 
 
+#: The models whose tiny loss-and-grad check runs in the slow step (its cost is the
+#: model's compile); the others' runs in the default run.
+SLOW_LOSS_AND_GRAD = frozenset({"convnet", "gpt", "llama", "moe"})
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "built",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LOSS_AND_GRAD else name
+        for name in sorted(zoo.MODELS)
+    ],
+    indirect=True,
+)
 def test_tiny_loss_and_grad(built):
     spec, cfg, model = built
     batch = spec.batch(cfg, 2, np.random.default_rng(0))

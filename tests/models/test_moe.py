@@ -55,6 +55,7 @@ def test_aux_loss_is_one_when_balanced_and_large_when_collapsed():
     assert float(collapsed.aux_loss) > 3.9  # -> n_experts
 
 
+@pytest.mark.slow
 def test_experts_are_one_stacked_param_with_expert_axis(tiny):
     _, cfg, model = tiny("moe")
     layer = model.layers[0].moe
@@ -76,6 +77,7 @@ def test_dropped_tokens_get_zero_expert_output():
     assert np.isfinite(float(aux))
 
 
+@pytest.mark.slow
 def test_scanned_loss_adds_weighted_aux():
     cfg = moe.MoEConfig(scan_layers=True)
     with nnx.use_eager_sharding(False):

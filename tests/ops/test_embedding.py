@@ -64,6 +64,7 @@ def _combos(data, mesh2d):
 
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
+@pytest.mark.heavy
 def test_values_and_grads_equal_the_unsharded_lookup(mesh2d, data, mode):
     combos = _combos(data, mesh2d)
     pick = sorted(np.random.default_rng(3).choice(np.arange(1, len(combos)), 4, replace=False))

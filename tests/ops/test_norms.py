@@ -218,6 +218,7 @@ class _Case:
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.heavy
 def test_values_and_grads_equal_the_unsharded_computation(mesh2d, mode, config):
     case = _Case(config)
     for specs in _sample(case.shapes, mesh2d, 2, seed=len(config) + (mode == "auto")):
@@ -271,9 +272,10 @@ def test_bad_arguments_raise_typed_errors(mesh1d):
     ("spec", "strategy", "out"),
     [
         (P("a", None), "default", "a"),
-        pytest.param(P(None, "b"), "sharded_stats", None, marks=pytest.mark.slow),
+        (P(None, "b"), "sharded_stats", None),
     ],
 )
+@pytest.mark.slow
 def test_fused_add_rms_norm_equals_add_then_rms_norm(mesh2d, spec, strategy, out):
     rng = np.random.default_rng(3)
     x, r = (rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2))

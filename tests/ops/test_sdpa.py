@@ -95,6 +95,7 @@ class _Case:
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.heavy
 def test_values_and_grads_equal_the_unsharded_op(mesh2d, mode, config):
     case = _Case(config)
     cases = [_seq_sharded()]

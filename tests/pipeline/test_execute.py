@@ -216,12 +216,13 @@ def _scanned_loss(params: dict, batch: dict) -> jax.Array:
 @pytest.mark.parametrize(
     ("schedule", "virtual", "axes"),
     [
-        pytest.param("gpipe", 1, {"pipe": 2}, marks=pytest.mark.slow),
+        ("gpipe", 1, {"pipe": 2}),
         ("1f1b", 1, {"pipe": 2}),
-        pytest.param("interleaved", 2, {"pipe": 2}, marks=pytest.mark.slow),
-        pytest.param("fthenb", 1, {"pipe": 2, "data": 2}, marks=pytest.mark.slow),
+        ("interleaved", 2, {"pipe": 2}),
+        ("fthenb", 1, {"pipe": 2, "data": 2}),
     ],
 )
+@pytest.mark.slow
 def test_tuple_stage_inputs_and_the_last_stages_outputs_in_row_order(schedule, virtual, axes):
     """A tuple stage input (hidden state and a per-row gate), and
     ``Pipeline(return_output=True)``: ``((loss, outputs), grads)``, the outputs
@@ -331,6 +332,7 @@ def test_moe_on_one_pipe_axis_equals_the_micro_batched_loss():
     _assert_equal(jax.jit(f)(params, batch), jax.jit(micro)(params, batch))
 
 
+@pytest.mark.slow
 def test_a_layer_that_combines_rows_needs_local_statistics():
     """With a batch axis beside the pipe axis each device runs its stages on its own
     rows: MoE's router statistics (a mean over the micro-batch's tokens) would be
@@ -596,6 +598,7 @@ def _switches(jaxpr) -> list:
 
 
 @pytest.mark.parametrize(("schedule", "virtual"), [("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.slow
 def test_the_switch_returns_one_chunks_gradients_and_reads_the_accumulators(schedule, virtual):
     """A backward's chunk gradients are the tick's ``lax.switch`` result and are
     added to the accumulators after it: were the accumulators the result, XLA

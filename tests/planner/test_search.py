@@ -98,6 +98,7 @@ def test_the_step_is_traced_once_per_model(amesh):
     assert trace_step(info, None) is first
 
 
+@pytest.mark.slow
 def test_auto_with_propagation_beats_every_preset():
     """Auto's plan is at least as fast as each preset planned alone: those in its
     runner-up list by their listed (propagated) cost, those it left unpropagated
@@ -182,6 +183,7 @@ def test_a_preset_takes_a_fixed_recipe(amesh):
         plan(toy_init, amesh, "fsdp", recipe={"remat": "full"}, **kw)
 
 
+@pytest.mark.slow
 def test_auto_searches_recipes_with_layouts_and_names_them(amesh):
     from spmdkit.models import get_model
 

@@ -31,19 +31,71 @@ from spmdkit.testing import check_jit, check_rule
 
 OPS = sk.registered_ops()
 
+#: The ops whose sweeps the quick loop (``python -m pytest --quick``) runs: one per rule
+#: family, the factor-notation rules and hand-written ones. The others' are ``heavy``.
+QUICK_OPS = frozenset(
+    [
+        "add",
+        "matmul",
+        "reduce_sum",
+        "softmax",
+        "layer_norm",
+        "embedding",
+        "index_put",
+        "reshape",
+        "ragged_dot_general",
+    ]
+)
 
-@pytest.fixture(scope="module", params=OPS)
-def op(request):
-    """The op under test: a module-scoped parameter, so pytest runs each op's checks
-    one after another (on one xdist worker, mostly), reusing its compiled reference."""
-    return request.param
+#: The default run's costliest sample sweeps, by test and op: they run in the slow
+#: step, which also runs the op's full sweep; the op's other sample sweeps stay.
+SLOW_SAMPLES = {
+    "test_numeric_sweep_1d": frozenset(
+        {"log_softmax", "reduce_mean", "reduce_min", "reduce_prod", "reduce_window_min", "softmax"}
+    ),
+    "test_numeric_sweep_2d": frozenset({"add_n", "log_softmax", "sync_batch_norm"}),
+    "test_uneven_sweep_1d": frozenset(
+        {"log_softmax", "reduce_prod", "relu", "softmax", "softmax_cross_entropy"}
+    ),
+    "test_uneven_sweep_2d": frozenset({"sync_batch_norm"}),
+}
+
+
+def pytest_generate_tests(metafunc):
+    """``op``: every registered op, a module-scoped parameter, so pytest runs each op's
+    checks one after another (on one xdist worker, mostly), reusing its compiled
+    reference; marked ``heavy`` outside :data:`QUICK_OPS` and ``slow`` where the test's
+    sample sweep of it is in :data:`SLOW_SAMPLES`."""
+    if "op" not in metafunc.fixturenames:
+        return
+    slow = SLOW_SAMPLES.get(metafunc.function.__name__, frozenset())
+    params = []
+    for op in OPS:
+        marks = [] if op in QUICK_OPS else [pytest.mark.heavy]
+        if op in slow:
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(op, marks=marks))
+    metafunc.parametrize("op", params, scope="module")
+
+
+def test_the_tier_data_names_tests_and_ops_that_exist():
+    """:data:`SLOW_SAMPLES` and :data:`QUICK_OPS` name this module's tests and registered
+    ops: a renamed test or op would otherwise change tier silently."""
+    tests = {name for name in globals() if name.startswith("test_")}
+    assert set(SLOW_SAMPLES) <= tests, set(SLOW_SAMPLES) - tests
+    named = QUICK_OPS.union(*SLOW_SAMPLES.values())
+    assert named <= set(OPS), named - set(OPS)
 
 
 def _sizes(sample, full):
-    """The sweep's sample sizes: ``sample`` in the default run, ``full`` under ``slow``."""
+    """The sweep's sample sizes: ``sample`` in the default run, ``full`` under ``slow``
+    (a ``full_sweep``: tests/conftest.py runs a sample of them in CI)."""
     return pytest.mark.parametrize(
         "size",
-        [pytest.param(sample, id="sample"), pytest.param(full, id="full", marks=pytest.mark.slow)],
+        [
+            pytest.param(sample, id="sample"),
+            pytest.param(full, id="full", marks=[pytest.mark.slow, pytest.mark.full_sweep]),
+        ],
     )
 
 
@@ -351,6 +403,7 @@ def mesh2x3():
 
 
 @pytest.mark.slow
+@pytest.mark.full_sweep
 def test_numeric_sweep_2x3(op, mesh2x3):
     """Every rule on an axis of 3 with dims of 32 and 64: numerically right, and no
     uneven dim replicated unless the rule declares it must divide

@@ -246,6 +246,7 @@ def _ring_case(mesh, shapes, specs, *, grad=True, **attrs):
     return res
 
 
+@pytest.mark.slow
 def test_ring_uneven_blocks_and_query_heads_over_another_axis(mesh2d):
     # Sq = 6 and Sk = 5 over b=4: padded query rows and keys never leak; the 2 query
     # heads over a=2 read the one (replicated) kv head

@@ -248,6 +248,7 @@ LN_REF = (Example(((4, 8), (8,), (8,)), attrs={"strategy": "default"}, rtol=1e-4
     [("layer_norm", LN_FAST), ("rms_norm", RMS_FAST), ("layer_norm", LN_REF)],
     ids=["layer_norm-sharded_stats", "rms_norm-sharded_stats", "layer_norm-default"],
 )
+@pytest.mark.slow
 def test_sweep_per_strategy(op, examples, mesh1d, mesh2d):
     for mesh, seed in ((mesh1d, 0), (mesh2d, 1)):
         report = check_rule(

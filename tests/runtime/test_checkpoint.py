@@ -392,6 +392,7 @@ _ZYGOTE = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_sigkill_during_async_save_never_leaves_a_partial_latest(tmp_path):
     script = tmp_path / "zygote.py"
     script.write_text(_ZYGOTE)

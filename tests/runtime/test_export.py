@@ -55,6 +55,7 @@ def _same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=p)
 
 
+@pytest.mark.slow
 def test_export_writes_one_tensor_per_parameter_path(exported):
     d, params, _, _ = exported
     index = json.loads((d / INDEX_FILE).read_text())

@@ -87,6 +87,7 @@ def _env():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_two_processes_train_then_one_process_restores_on_another_mesh(tmp_path):
     ns: dict = {}
     exec(_COMMON, ns)
@@ -144,6 +145,7 @@ _DIES = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_a_killed_process_stops_the_others_with_a_clear_error(tmp_path):
     script = tmp_path / "dies.py"
     script.write_text(_DIES)

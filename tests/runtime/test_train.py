@@ -122,6 +122,7 @@ def test_train_updates_the_module_and_keeps_shardings(mesh, reference):
     assert reference.plan.strategy == "given" and reference.plan.activation["batch"] == ("a",)
 
 
+@pytest.mark.slow
 def test_the_executable_train_runs_is_the_one_sk_jit_compiles(mesh2d):
     """train is a loop around sk.jit(sk.train_step(...), plan): the same HLO, for a
     plain plan and for a recipe plan (recompute, bf16 compute, micro-batches)."""
@@ -269,6 +270,7 @@ def zero1_plan(mesh, **kw):
     return sk.Plan(mesh, {p: P() for p in shapes}, opt, {"batch": ("a",)}, **kw)
 
 
+@pytest.mark.slow
 def test_plan_gives_param_and_optimizer_shardings(tmp_path, mesh, reference):
     out = io.StringIO()
     res = train(
@@ -391,6 +393,7 @@ def test_every_batch_is_checked_as_it_comes(mesh):
 # -- checkpoints and resume ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_on_the_same_mesh(tmp_path, mesh, reference):
     first = run(mesh, 3, ckpt=Manager(tmp_path, save_interval_steps=100), rng=1)
     assert first.losses == reference.losses[:3]
@@ -406,6 +409,7 @@ def test_resume_is_bit_identical_on_the_same_mesh(tmp_path, mesh, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_resume_on_another_mesh_matches_within_tolerance(tmp_path, mesh, reference):
     run(mesh, 3, ckpt=Manager(tmp_path), rng=1)
     other = Mesh(np.array(jax.devices()).reshape(4, 2), ("d", "m"))
@@ -442,6 +446,7 @@ def test_a_list_of_batches_resumes_where_it_stopped(tmp_path, mesh):
               ckpt=Manager(tmp_path), resume=True)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_params_only_checkpoint_restores_into_a_fresh_optimizer(tmp_path, mesh):
     config = {"hidden": 16, "name": "mlp"}
     first = run(mesh, 3, ckpt=Manager(tmp_path), save_opt_state=False, config=config)
@@ -554,6 +559,7 @@ def run_bn(mesh, steps, **kw):
                  shardings=(sh, None), progress=False, **kw)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_batch_stats_are_carried_not_optimized_and_checkpointed(tmp_path, mesh):
     """An NNX module's BatchStats: updated every step (not by the optimizer, which
     has no state for them), written back into the module, saved as model_state and
@@ -613,6 +619,7 @@ def dropout_loss(model, batch):  # dropout as users write it: the module holds i
     return jnp.mean((y - batch["y"]) ** 2), {"kept": (h[0] != 0).astype(jnp.float32)}
 
 
+@pytest.mark.slow
 def test_dropout_draws_a_new_mask_every_step_and_resumes_its_stream(tmp_path):
     """The per-step key reaches nnx.Dropout: consecutive steps drop different units,
     one seed gives bit-identical runs, and stopped + resumed equals uninterrupted."""

@@ -178,7 +178,8 @@ def test_unnamed_nnx_decoder_megatron_shards_matches_and_verifies():
     _check("nnx_decoder", "megatron", (2, 4))
 
 
-@pytest.mark.parametrize("name", [pytest.param("resnet", marks=pytest.mark.slow), "nnx_cnn"])
+@pytest.mark.parametrize("name", ["resnet", "nnx_cnn"])
+@pytest.mark.slow
 def test_batch_statistics_are_state_and_train_like_one_device(name):
     """linen batch_stats and NNX BatchStat: planned as state (laid out like their
     norm's scale, no optimizer state, shown as state in the plan), updated by three

@@ -91,6 +91,7 @@ def test_not_a_pipeline_is_typed():
                 pipeline={"stages": 2})  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_layer_combining_rows_is_refused_when_planned():
     """A MoE router's statistics over a micro-batch's rows, with the batch over a
     data axis beside the pipe axis: a typed error at plan time (not at sk.jit),
@@ -103,6 +104,7 @@ def test_a_layer_combining_rows_is_refused_when_planned():
     assert p.activation["batch"] == ()
 
 
+@pytest.mark.slow
 def test_a_pipelined_preset_is_costed_as_a_pipeline():
     """The plan's cost is the pipeline's (stages, bubble, sends), not the smaller
     mesh's cost of the whole stack on every device."""

@@ -211,6 +211,7 @@ def test_an_auto_pipelined_plan_runs_and_equals_one_device() -> None:
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
 
 
+@pytest.mark.slow
 def test_auto_pipelines_a_layer_combining_rows_only_without_batch_axes() -> None:
     """MoE's router statistics combine a micro-batch's rows: auto costs its
     pipelined candidates only with the batch off the other axes, unless the
