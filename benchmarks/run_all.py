@@ -1,8 +1,7 @@
 """Run every benchmark and write ``benchmarks/results/REPORT.md`` with plots.
 
 Each benchmark script runs as a subprocess, with its full settings by default
-(the whole run stays under 15 minutes on a 2-core machine; ``--quick`` passes each
-script's smoke-run flags instead, about 2 minutes); its JSON goes to
+(``--quick`` passes each script's smoke-run flags instead); its JSON goes to
 ``benchmarks/results/``. A failing script does not stop the others: the report
 shows its error tail and this script exits non-zero at the end. Then every JSON
 in the results folder is read and the report is written: one section per

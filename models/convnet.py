@@ -215,13 +215,22 @@ def convnet_loss(model: nnx.Module, batch: dict) -> jax.Array:
 CONFIGS: dict[str, Any] = {
     "tiny": ConvNetConfig,
     "small": lambda: ConvNetConfig(
-        image_size=32, stem=32, widths=(32, 64, 128), blocks=(2, 2, 2),
-        norms=("group", "batch", "batch"), groups=8,
+        image_size=32,
+        stem=32,
+        widths=(32, 64, 128),
+        blocks=(2, 2, 2),
+        norms=("group", "batch", "batch"),
+        groups=8,
     ),
     "resnet18ish": lambda: ConvNetConfig(
-        image_size=224, stem=64, widths=(64, 128, 256, 512), blocks=(2, 2, 2, 2),
-        norms=("batch", "group", "batch", "group"), groups=32, classes=1000,
+        image_size=224,
+        stem=64,
+        widths=(64, 128, 256, 512),
+        blocks=(2, 2, 2, 2),
+        norms=("batch", "group", "batch", "group"),
+        groups=32,
+        classes=1000,
     ),
-}  # fmt: skip
+}
 """ConvNet sizes: ``tiny`` compiles in seconds on CPU; ``resnet18ish`` has ResNet-18's
 widths and depth on 224x224 images with 1000 classes (3x3 stem, no max-pool)."""

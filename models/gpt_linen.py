@@ -120,9 +120,13 @@ class GPTLinen(nn.Module):
         pd = cfg.param_dtype
         embed = _token_embed(self, cfg)
         pos = _p(
-            self, "pos", nn.initializers.normal(0.01), (cfg.max_seq, cfg.d_model),
-            ("pos", "embed"), pd,
-        )  # fmt: skip
+            self,
+            "pos",
+            nn.initializers.normal(0.01),
+            (cfg.max_seq, cfg.d_model),
+            ("pos", "embed"),
+            pd,
+        )
         x = embed(tokens) + pos[: tokens.shape[1]]
         x = x.astype(cfg.dtype) if cfg.dtype is not None else x
         for i in range(cfg.n_layers):

@@ -231,18 +231,39 @@ CONFIGS: dict[str, Any] = {
     "tiny_scan": lambda: LlamaConfig(scan_layers=True),
     "tiny_pipe": lambda: LlamaConfig(n_layers=4, scan_layers=True),
     "small": lambda: LlamaConfig(
-        vocab=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, d_mlp=768,
-        seq_len=128, scan_layers=True,
+        vocab=1024,
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=32,
+        d_mlp=768,
+        seq_len=128,
+        scan_layers=True,
     ),
     "8b": lambda: LlamaConfig(
-        vocab=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-        d_mlp=14336, seq_len=8192, scan_layers=True,
+        vocab=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_mlp=14336,
+        seq_len=8192,
+        scan_layers=True,
     ),
     "70b": lambda: LlamaConfig(
-        vocab=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
-        d_mlp=28672, seq_len=8192, scan_layers=True,
+        vocab=128256,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=128,
+        d_mlp=28672,
+        seq_len=8192,
+        scan_layers=True,
     ),
-}  # fmt: skip
+}
 """Llama sizes: ``tiny`` (looped), ``tiny_scan`` and ``tiny_pipe`` (4 stacked layers, for
 pipelined tests) compile in seconds on CPU; ``8b``
 and ``70b`` are Llama-3's published dims (stacked layers)."""

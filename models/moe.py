@@ -244,15 +244,32 @@ CONFIGS: dict[str, Any] = {
     "tiny_scan": lambda: MoEConfig(scan_layers=True),
     "tiny_pipe": lambda: MoEConfig(n_layers=4, scan_layers=True),
     "small": lambda: MoEConfig(
-        vocab=1024, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, d_mlp=512,
-        seq_len=128, n_experts=8, scan_layers=True,
-    ),
-    "mixtral_8x7b": lambda: MoEConfig(
-        vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-        d_mlp=14336, seq_len=4096, rope_theta=1_000_000.0, n_experts=8, top_k=2,
+        vocab=1024,
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=32,
+        d_mlp=512,
+        seq_len=128,
+        n_experts=8,
         scan_layers=True,
     ),
-}  # fmt: skip
+    "mixtral_8x7b": lambda: MoEConfig(
+        vocab=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_mlp=14336,
+        seq_len=4096,
+        rope_theta=1_000_000.0,
+        n_experts=8,
+        top_k=2,
+        scan_layers=True,
+    ),
+}
 """MoE sizes: ``tiny``/``tiny_scan`` and ``tiny_pipe`` (4 stacked layers, for pipelined
 tests) compile in seconds on CPU; ``mixtral_8x7b`` has
 Mixtral 8x7B's published dims (8 experts, top-2)."""

@@ -83,8 +83,11 @@ class Loss:
         return self.fn(*args)
 
     def __repr__(self) -> str:
-        flags = [n for n, on in (("state", self.has_state), ("rng", self.rng),
-                                  ("aux", self.has_aux)) if on]  # fmt: skip
+        flags = [
+            n
+            for n, on in (("state", self.has_state), ("rng", self.rng), ("aux", self.has_aux))
+            if on
+        ]
         return f"Loss({self.name}{': ' + ', '.join(flags) if flags else ''})"
 
     def check_key(self, rest: tuple, *, op: str, call: str) -> None:

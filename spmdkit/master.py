@@ -17,8 +17,8 @@ Why it matters: a layout that replicates parameters over the data axis
 holds every parameter and its gradient once per data rank. In bf16 both halve,
 while the fp32 master lives in the optimizer state and is sharded exactly as the
 moments are (``+zero1``, ``fsdp``): on NeMo's Llama 3.1 70B layout (TP 4 × PP 4
-× CP 2, the optimizer state over data × context) the planner's peak goes from
-82.1 to 68.7 GiB per GPU (``benchmarks/calibration.py``).
+× CP 2, the optimizer state over data × context) the planner's peak per GPU drops
+by the halved parameters and gradients (``benchmarks/calibration.py``).
 
 What one step does (:func:`master_update`):
 

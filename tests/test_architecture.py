@@ -4,6 +4,7 @@ functions stay short, and docs/architecture.md's diagram is the code's."""
 
 import ast
 import pathlib
+import re
 import textwrap
 
 import pytest
@@ -165,3 +166,94 @@ def test_the_layer_check_catches_an_upward_import():
     ]
     assert stage_of("spmdkit.compile.annotate") == "compile"
     assert stage_of("spmdkit.flax.model") == "describe"
+
+
+# -- formatting and docstrings: no squeezing, no measurement logs ---------------------
+
+#: A ``# fmt: skip`` (or ``# fmt: off``) keeps its place only with a reason, on a
+#: comment line right above its statement: ``# unformatted: <why>`` (an aligned table).
+UNFORMATTED_REASON = "# unformatted:"
+
+
+def _unformatted_without_reason(path: pathlib.Path) -> list[int]:
+    text = path.read_text()
+    lines = text.splitlines()
+    marked = [
+        i + 1 for i, line in enumerate(lines) if "# fmt: skip" in line or "# fmt: off" in line
+    ]
+    if not marked:
+        return []
+    statements = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.stmt)]
+    bad = []
+    for line in marked:
+        around = [n for n in statements if n.lineno <= line <= n.end_lineno]
+        first = min(
+            (
+                min([n.lineno, *(d.lineno for d in getattr(n, "decorator_list", ()))])
+                for n in around
+                if n.end_lineno == max(m.end_lineno for m in around if m.lineno <= line)
+            ),
+            default=line,
+        )
+        if not lines[first - 2].strip().startswith(UNFORMATTED_REASON):
+            bad.append(line)
+    return bad
+
+
+def test_no_formatter_skip_without_a_reason(files):
+    """Modules are held under :data:`MAX_MODULE_LINES` by splitting them, never by
+    squeezing lines past the formatter."""
+    found = {m: bad for m, p in files.items() if (bad := _unformatted_without_reason(p))}
+    assert found == {}, f"remove the `# fmt: skip`, or say why above it ({UNFORMATTED_REASON})"
+
+
+def test_the_skip_check_wants_a_reason(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "x = [\n    1,  2,\n]  # fmt: skip\n\n# unformatted: aligned\ny = {1:  2}  # fmt: skip\n"
+    )
+    assert _unformatted_without_reason(path) == [3]
+
+
+#: A figure with a unit of time, size, share or speed: a measurement, which belongs to
+#: ``benchmarks/results`` and commit bodies, not to a module docstring that outlives it.
+MEASURED = re.compile(
+    r"(?<![\w.])\d[\d,_]*(?:\.\d+)?(?:\s?(?:ms|µs|us|ns|s|sec|seconds|min|minutes|GiB|MiB"
+    r"|KiB|GB|MB|KB|TB|%|tok/s|tokens/s|[TGP]FLOP/s|[TGP]FLOPS|[TG]B/s)|[x×](?!\s*\d))(?![\w/])"
+)
+#: Figures in module docstrings that are not measurements: (file, figure) -> what it is.
+NOT_MEASURED = {
+    ("benchmarks/calibration.py", "80 GiB"): "an H100's memory, a hardware constant",
+    ("benchmarks/planner.py", "80 GiB"): "an H100's memory, a hardware constant",
+    ("benchmarks/planner.py", "10 s"): "the planner's time goal",
+    ("benchmarks/checkpoint.py", "512 MB"): "the size of the state it saves, a setting",
+    ("benchmarks/checkpoint.py", "5 ms"): "its memory sampling interval, a setting",
+    ("benchmarks/overhead.py", "3 s"): "the target it reports against",
+    ("benchmarks/overhead.py", "2 s"): "the target it reports against",
+    ("benchmarks/prediction.py", "10%"): "plan.verify's tolerance",
+    ("benchmarks/prediction.py", "20%"): "plan.verify's tolerance",
+    ("benchmarks/rules.py", "5 µs"): "the target it reports against",
+    ("benchmarks/rules.py", "200 µs"): "the target it reports against",
+}
+
+
+def _measured_figures(path: pathlib.Path) -> list[str]:
+    doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+    return [m.group(0) for m in MEASURED.finditer(doc)]
+
+
+def test_no_measured_figures_in_module_docstrings(files):
+    paths = [*files.values(), *sorted((REPO / "benchmarks").glob("*.py"))]
+    found = []
+    for path in paths:
+        rel = path.resolve().relative_to(REPO).as_posix()
+        found += [f"{rel}: {f!r}" for f in _measured_figures(path) if (rel, f) not in NOT_MEASURED]
+    assert found == [], "move measurements to benchmarks/results and commit bodies"
+
+
+def test_the_figure_check_tells_a_measurement_from_a_shape(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        '"""Took 2.5 s and 1.2 GiB, 3× faster (30%) on a 2 x 4 mesh, 8x7B, 2 × rows."""\n'
+    )
+    assert _measured_figures(path) == ["2.5 s", "1.2 GiB", "3×", "30%"]

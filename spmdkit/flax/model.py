@@ -626,9 +626,15 @@ def _describe_linen(
         return nn.unbox({k: v for k, v in init_boxed().items() if k != "params"})
 
     info = _dict_info(
-        loss, _abstract(plain), _abstract(state_plain) if state_infos else None, batch,
-        batch_axes, type(module).__name__, params=infos, state=state_infos,
-    )  # fmt: skip
+        loss,
+        _abstract(plain),
+        _abstract(state_plain) if state_infos else None,
+        batch,
+        batch_axes,
+        type(module).__name__,
+        params=infos,
+        state=state_infos,
+    )
     info.kind = "linen"
     info.init_fn = init_fn
     info.init_state_fn = init_state_fn if state_infos else None
@@ -651,10 +657,15 @@ def _describe_tree(
     params = {"params": abstract["params"]} if is_variables else abstract
     state = {k: v for k, v in abstract.items() if k != "params"} if is_variables else None
     info = _dict_info(
-        loss, params, state, batch, batch_axes, getattr(loss, "__name__", "loss"),
+        loss,
+        params,
+        state,
+        batch,
+        batch_axes,
+        getattr(loss, "__name__", "loss"),
         params=_params_from_nnx_state(params),
         state=_params_from_nnx_state(state) if state else [],
-    )  # fmt: skip
+    )
     info.kind = "tree"
     return info
 

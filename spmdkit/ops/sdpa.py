@@ -135,10 +135,13 @@ def _on_shard(q: Any, k: Any, v: Any, attrs: dict[str, Any], shard: ContextShard
         attrs["balanced"] = shard.shards
     mesh = abstract_mesh(**dict(zip(shard.axes, shard.sizes, strict=True)))
     specs = [
-        TensorSpec((x.shape[0], x.shape[1] * shard.shards, *x.shape[2:]), P(None, shard.axes),
-                   dtype=x.dtype)
+        TensorSpec(
+            (x.shape[0], x.shape[1] * shard.shards, *x.shape[2:]),
+            P(None, shard.axes),
+            dtype=x.dtype,
+        )
         for x in (q, k, v)
-    ]  # fmt: skip
+    ]
     res = infer_forward("attention", *specs, mesh=mesh, **attrs)
     if tuple(res.inputs) != tuple(specs):
         raise ShardingConflictError(

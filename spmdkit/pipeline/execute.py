@@ -188,8 +188,8 @@ def pipelined_value_and_grad(
         local, rows, seq, exch = _local_split(
             loss_fn, sp, (params, one, rest), shards, shard, seq_dims
         )
-        cp_axes = shard.axes if shard is not None else ()
-        data = (*axes, *cp_axes)
+        cp = (shard.axes, shard.shards) if shard is not None else ((), 1)
+        data = (*axes, *cp[0])
         p_specs, g_specs = layouts(params) if layouts and data else (None, None)
         on = dict(run_mesh.shape)
         leaves = jax.tree.leaves
@@ -201,10 +201,7 @@ def pipelined_value_and_grad(
         split_in = p_specs if pipe.schedule == "gpipe" else None
         xs_in, _ = weight_splits(sp, split_in and leaves(split_in, _is_spec), data, on)
         xs_out, sh_out = weight_splits(sp, g_specs and leaves(g_specs, _is_spec), data, on)
-        lay = ManualAxes(
-            pipe.axis, axes, shards, rows, xs_in, xs_out, sh_out,
-            cp_axes, shard.shards if shard is not None else 1, seq,
-        )  # fmt: skip
+        lay = ManualAxes(pipe.axis, axes, shards, rows, xs_in, xs_out, sh_out, *cp, seq)
         _check_rows_and_tokens(sp, local, lay, pipe)
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
@@ -232,10 +229,13 @@ def pipelined_value_and_grad(
         (ct_xs, ct_sh), direct = route_wide_gradients((ct_xs, ct_sh), (xs, shared), sources)
         g = add_routed_gradients(pre_vjp((ct_xs, ct_sh))[0], direct)
         g_out = (
-            [batch_split(s, np.shape(x), axes, on, 0)
-             for s, x in zip(leaves(g_specs, _is_spec), p_leaves, strict=True)]
-            if g_specs else replicated_splits(p_leaves)
-        )  # fmt: skip
+            [
+                batch_split(s, np.shape(x), axes, on, 0)
+                for s, x in zip(leaves(g_specs, _is_spec), p_leaves, strict=True)
+            ]
+            if g_specs
+            else replicated_splits(p_leaves)
+        )
         g_rows = _pre_grad_on_rows(local, lay, run_mesh, (p_leaves, micro, r_leaves), ct_per, g_out)
         g = [a + b if differentiable(a) else a for a, b in zip(g, g_rows, strict=True)]
         return _loss_and_outputs(loss, outs), jax.tree.unflatten(p_tree, g)
@@ -502,12 +502,16 @@ def _pre_grad_on_rows(
     fn = shard_map(
         body,
         mesh=mesh,
-        in_specs=([P()] * len(read), [rows] * len(b_leaves),
-                  [P()] * len(r_leaves), [rows] * len(dper)),
+        in_specs=(
+            [P()] * len(read),
+            [rows] * len(b_leaves),
+            [P()] * len(r_leaves),
+            [rows] * len(dper),
+        ),
         out_specs=[split_to_spec((), g_out[i]) for i in dp],
         axis_names=frozenset(lay.batch),
         check_vma=False,
-    )  # fmt: skip
+    )
     g = fn([p_leaves[i] for i in read], b_leaves, r_leaves, [ct_per[i] for i in dper])
     out = [zero_cotangent(x) for x in p_leaves]
     for i, x in zip(dp, g, strict=True):

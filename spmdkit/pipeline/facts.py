@@ -158,10 +158,15 @@ def record_traced(
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), args)
     seen.append(
         PipelineFacts(
-            pipe, *sizes, batch_axes=batch_axes, loss_fn=loss_fn,
-            args=tuple(shapes), layers=sp.layers, context_bytes=context_bytes,
+            pipe,
+            *sizes,
+            batch_axes=batch_axes,
+            loss_fn=loss_fn,
+            args=tuple(shapes),
+            layers=sp.layers,
+            context_bytes=context_bytes,
         )
-    )  # fmt: skip
+    )
 
 
 def _tree_bytes(shapes: Any) -> int:
@@ -447,13 +452,16 @@ def tokens_refused(
         'the loss: `div by a sum over the tokens (a masked mean is one)`'
     """
     axes, shards = batch_axes
-    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                       _abstract_microbatches(batch, pipe.microbatches))  # fmt: skip
+    one = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+        _abstract_microbatches(batch, pipe.microbatches),
+    )
     sp = split_loss(loss_fn, params, one, ())
     local, _ = split_on_tokens(loss_fn, (params, one, ()), shards, shard, seq_dims)
     rows, seq = per_mb_seq_split(sp, local, shards, shard.shards)
-    lay = ManualAxes(pipe.axis, axes, shards, rows, context=shard.axes,
-                     context_size=shard.shards, seq=seq)  # fmt: skip
+    lay = ManualAxes(
+        pipe.axis, axes, shards, rows, context=shard.axes, context_size=shard.shards, seq=seq
+    )
     return tokens_combined(sp, local, lay)
 
 

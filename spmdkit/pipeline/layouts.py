@@ -335,10 +335,15 @@ def per_mb_seq_split(
         if row:
             ls[0] = gs[0]
         dim = next(
-            (d for d in range(len(ls)) if len(gs) == len(ls) and gs[d] == ls[d] * parts
-             and gs[:d] + gs[d + 1:] == ls[:d] + ls[d + 1:]),
+            (
+                d
+                for d in range(len(ls))
+                if len(gs) == len(ls)
+                and gs[d] == ls[d] * parts
+                and gs[:d] + gs[d + 1 :] == ls[:d] + ls[d + 1 :]
+            ),
             None,
-        )  # fmt: skip
+        )
         same = same and (gs == ls or dim is not None) and g.aval.dtype == lo.aval.dtype
         rows.append(row)
         seq.append(dim)

@@ -28,11 +28,11 @@ batch axes). :func:`stage_buffers` counts them from the tick tables
     it slices them, the operands it transposes; ``plan.verify`` sizes it by
     propagating one chunk's forward and backward). Measured on XLA:CPU, tiny GPT
     (pipe 2, 4 micro-batches, GELU keeping only its input): megatron 1F1B's
-    peak holds the slot read (229.4 KB), the zero-filled result (229.4 KB) and
-    about 0.2 MB of cotangents and weight-gradient stacks; dp interleaved (v 2)
-    holds the slot read (262.1 KB), the chunk's weights it sliced (262.1 KB) and
-    0.25 MB of cotangents and head gradients, its peak falling before the
-    zero-filled result is made;
+    peak holds the slot read, the zero-filled result (one ``R`` each) and
+    somewhat less than an ``R`` of cotangents and weight-gradient stacks; dp
+    interleaved (v 2) holds the slot read, the chunk's weights it sliced (as
+    large, there) and about an ``R`` of cotangents and head gradients, its peak
+    falling before the zero-filled result is made;
   - ``grads``: ``W``, a backward's chunk gradients: the tick's ``lax.switch``
     result, added to the accumulators after it. (Added inside the
     branch, the accumulators were the switch's result instead, and XLA copied

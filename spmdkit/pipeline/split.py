@@ -283,12 +283,15 @@ def split_loss(
 
     # traced on plain shapes with no context mesh: the parts run again under other
     # meshes (the layers inside the pipeline's shard_map, where the pipe axis is manual)
-    plain = [jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or jnp.result_type(x))
-             for x in leaves]  # fmt: skip
+    plain = [
+        jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or jnp.result_type(x))
+        for x in leaves
+    ]
     with jax.sharding.use_abstract_mesh(AbstractMesh((), ())):
         env = list(axis_env)
-        closed = jax.make_jaxpr(_inlined(jax.make_jaxpr(flat, axis_env=env)(*plain)),
-                                axis_env=env)(*plain)  # fmt: skip
+        closed = jax.make_jaxpr(_inlined(jax.make_jaxpr(flat, axis_env=env)(*plain)), axis_env=env)(
+            *plain
+        )
     jaxpr = closed.jaxpr
     index = _find_scan(jaxpr, layers)
     eqn = jaxpr.eqns[index]

@@ -173,11 +173,13 @@ def explicit_tick_loop(
                 f, b = _tick_actions(ctx, vjp_stash, xs_l, st, read_slot=read_slot)
                 eff = jax.lax.switch(
                     row["kind"],
-                    [lambda r: _with_zero_effects(shapes, {}),
-                     lambda r: _with_zero_effects(shapes, f(r)),
-                     lambda r: _with_zero_effects(shapes, b(r))],
+                    [
+                        lambda r: _with_zero_effects(shapes, {}),
+                        lambda r: _with_zero_effects(shapes, f(r)),
+                        lambda r: _with_zero_effects(shapes, b(r)),
+                    ],
                     row,
-                )  # fmt: skip
+                )
                 st = _write_effects(st, eff, row)
                 st["outs"] = _keep_output(st["outs"], row, eff["send_f"])
                 if send_f:
@@ -391,9 +393,10 @@ def _reduced_results(ctx: BoundLoss, lay: ManualAxes, state: dict, xs_l: list) -
     ]
     g_xs = [lay.reduce(g, s, 1)[None] for g, s in zip(state["g_xs"], xs_out, strict=True)]
     sh_out = [
-        s for s, v in zip(lay.sh_out or replicated_splits(sp.shared), sp.shared, strict=True)
+        s
+        for s, v in zip(lay.sh_out or replicated_splits(sp.shared), sp.shared, strict=True)
         if v in ctx.dshared
-    ]  # fmt: skip
+    ]
     dper = [k for k, v in enumerate(sp.per_mb) if v in ctx.dper]
     return (
         psum(state["loss"]),

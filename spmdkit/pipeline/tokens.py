@@ -73,11 +73,24 @@ class _Sum:
 
 
 #: operations that pass a sum over the tokens on unchanged
-_SAME = frozenset({
-    "convert_element_type", "copy", "copy_p", "reduce_precision", "broadcast_in_dim",
-    "reshape", "squeeze", "expand_dims", "name", "sharding_constraint", "mesh_cast",
-    "reshard", "optimization_barrier", "stop_gradient",
-})  # fmt: skip
+_SAME = frozenset(
+    {
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "reduce_precision",
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "name",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+        "optimization_barrier",
+        "stop_gradient",
+    }
+)
 _FOLD = {
     "neg": lambda a: -a,
     "add": lambda a, b: a + b,
@@ -87,11 +100,19 @@ _FOLD = {
     "max": max,
     "min": min,
     **dict.fromkeys(
-        ("convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-         "copy", "reduce_max", "reduce_min"),
+        (
+            "convert_element_type",
+            "broadcast_in_dim",
+            "reshape",
+            "squeeze",
+            "expand_dims",
+            "copy",
+            "reduce_max",
+            "reduce_min",
+        ),
         lambda a: a,
     ),
-}  # fmt: skip
+}
 _LOOPS = frozenset({"scan", "while", "cond"})
 
 
@@ -318,8 +339,9 @@ def _on_sum(eqn: Any, ins: list, vals: list, known: dict) -> list:
         return [sums[0].scaled(-1.0)]
     if name in {"add", "sub"}:
         sign = [1.0, -1.0 if name == "sub" else 1.0]
-        terms = [t * k for s, k in zip(ins, sign, strict=True) if isinstance(s, _Sum)
-                 for t in s.terms]  # fmt: skip
+        terms = [
+            t * k for s, k in zip(ins, sign, strict=True) if isinstance(s, _Sum) for t in s.terms
+        ]
         return [_Sum(tuple(terms))]
     if name == "reduce_sum":
         shape = rw.shape_of(eqn.invars[0])

@@ -841,8 +841,9 @@ def total_cost(
     # a pipelined stage gathers K/V over its tensor axes around the exchange
     heads = ()
     if ctx.gather_once and ctx.context:
-        heads = tuple(a for a in _head_axes(ctx, groups, choice, batch_axes, seq_axes)
-                      if a not in ctx.context)  # fmt: skip
+        heads = tuple(
+            a for a in _head_axes(ctx, groups, choice, batch_axes, seq_axes) if a not in ctx.context
+        )
     cp = stage_context_attention(ctx, batch_shards * heads_tp, attn_s, heads)
     comm_s, hidden_s = comm_s + cp.comm_s, hidden_s + cp.hidden_s
     for k, v in cp.payload.items():

@@ -36,8 +36,8 @@ its backward loops (from the start of the program or loop body it is in: XLA's
 scheduler makes those copies, which wait for nothing, first), at the top level
 and inside loop bodies alike (:class:`RegionHold`). Measured on ``gather_kv``
 attention in a 2-micro-batch loop (XLA:CPU, jax 0.10.2-0.12): the compiled peak
-is the loop's loss backward with both live (1.25 MiB of loop buffers, 0.75 MiB
-of laid-out K/V and query chunks).
+is the loop's loss backward with both live (the loop buffers, and the laid-out
+K/V and query chunks).
 
 Workspace: a convolution whose input is not laid out batch-major and
 feature-minor (the filter gradient's, which contracts over the batch), or whose

@@ -382,8 +382,9 @@ def stage_collectives(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
         in_specs=_unpipelined_specs(plan, facts),
         mesh=plan.mesh,
     )
-    scans = [i for i, r in enumerate(prop.records) if r.primitive == "scan"
-             and r.repeat == facts.layers]  # fmt: skip
+    scans = [
+        i for i, r in enumerate(prop.records) if r.primitive == "scan" and r.repeat == facts.layers
+    ]
     if len(scans) < 2:
         return {}
     out: dict[str, float] = {}

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jax.sharding import AbstractMesh
 
@@ -286,6 +286,14 @@ def _without(layout: GroupLayout, axes: tuple[str, ...]) -> GroupLayout:
     return GroupLayout(drop(layout.params), drop(layout.opt), layout.grads_sharded)
 
 
+def _with_context_meshes(mesh: Any, trace: Any) -> list[Any]:
+    """``mesh``, and unless it has a context axis already, each of its meshes with the
+    data axis split for context parallelism (:func:`context_meshes`)."""
+    if CONTEXT_AXIS in axis_sizes(mesh):
+        return [mesh]
+    return [mesh, *context_meshes(mesh, trace.batch_size, trace.seq_len)]
+
+
 class PipelinePlanning:
     """The pipeline half of one :func:`~spmdkit.planner.plan` call: which groups
     live on which stage, the pipelined candidates per pipe degree, recipe and
@@ -380,13 +388,7 @@ class PipelinePlanning:
             )
         # and each with its data axis split for context parallelism where auto
         # tries it unpipelined (long sequences, a batch short of the data axis)
-        trace = self.ctx.trace
-        meshes = [
-            m
-            for pm in meshes
-            for m in (pm, *([] if CONTEXT_AXIS in axis_sizes(pm) else
-                            context_meshes(pm, trace.batch_size, trace.seq_len)))
-        ]  # fmt: skip
+        meshes = [m for pm in meshes for m in _with_context_meshes(pm, self.ctx.trace)]
         for mesh in meshes:
             for r in base:
                 out += self.pipelined_on(mesh, where, r, fixed_pipe, extra)
@@ -654,8 +656,13 @@ class PipelinePlanning:
         batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
         ctx = self.at(c.recipe)
         if c.context:
-            ctx = replace(ctx, mesh=c.mesh or ctx.mesh, sizes=axis_sizes(c.mesh or ctx.mesh),
-                          context=c.context, memo={})  # fmt: skip
+            ctx = replace(
+                ctx,
+                mesh=c.mesh or ctx.mesh,
+                sizes=axis_sizes(c.mesh or ctx.mesh),
+                context=c.context,
+                memo={},
+            )
         return total_cost(ctx, self.groups, c.choice, batch, seq)
 
     def pipe_memo(self, mesh: MeshLike) -> dict:
