@@ -450,8 +450,12 @@ class PlannedFunction:
         made for: its shardings still apply, but its costs, memory and verify
         table are for ``plan.batch_size``."""
         want = self.plan.batch_size
-        sizes = {n for a, r in zip(args, roles, strict=True) if r == "batch"
-                 for n in _batch_dims(self.plan, a)}  # fmt: skip
+        sizes = {
+            n
+            for a, r in zip(args, roles, strict=True)
+            if r == "batch"
+            for n in _batch_dims(self.plan, a)
+        }
         for got in sorted(sizes - {want} - self._warned_sizes) if want is not None else ():
             self._warned_sizes.add(got)
             warnings.warn(
