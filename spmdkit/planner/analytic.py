@@ -66,8 +66,9 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.flax.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
-from spmdkit.planner import float8
+from spmdkit.planner import experts, float8
 from spmdkit.planner.context import stage_context_attention
+from spmdkit.planner.experts import MoeCall
 from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
 from spmdkit.planner.group_roles import (
     column_siblings,
@@ -77,6 +78,13 @@ from spmdkit.planner.group_roles import (
     tp_times,
 )
 from spmdkit.planner.plans import Cost, Dims, PyTree
+from spmdkit.planner.step_terms import (
+    activations,
+    memory_bound_s,
+    memory_by_kind,
+    offload_traffic,
+    recompute_s,
+)
 from spmdkit.planner.stored import stored_group
 from spmdkit.recipe import NAMED_POLICIES, Recipe
 from spmdkit.spec import MeshLike
@@ -174,6 +182,8 @@ class StepTrace:
         to: the ``k`` of its ``top_k`` over that many experts (the router's
         choice), else the rows per token of a grouped GEMM over that many groups
         (:func:`spmdkit.planner.trace.trace_step` reads both from the step).
+      moe_calls: expert count → the step's ``moe_experts`` call of that many
+        experts (:mod:`spmdkit.planner.experts`).
     """
 
     flops: float
@@ -203,6 +213,7 @@ class StepTrace:
     layer_policy: Callable[[Recipe], PolicyFacts] | None = field(default=None, repr=False)
     layer_float8: Callable[[], float] | None = field(default=None, repr=False)
     expert_top_k: dict[int, float] = field(default_factory=dict)
+    moe_calls: dict[int, MoeCall] = field(default_factory=dict)
 
     def routed_share(self, experts: int) -> float:
         """The share of the tokens one of ``experts`` experts sees: ``top_k / experts``
@@ -510,6 +521,8 @@ class GroupCost:
       offload_opt: optimizer-state bytes per device kept on the host.
       tp_shards: devices tensor parallelism splits this group's FLOPs over.
       tp_bytes: payload bytes of its tensor-parallel collectives per step.
+      buffers: bytes a call of its ``moe_experts`` op holds while it runs
+        (:func:`spmdkit.planner.experts.dispatch_buffer_bytes`; one call at a time).
     """
 
     comm_s: float
@@ -527,6 +540,7 @@ class GroupCost:
     offload_opt: float = 0.0
     tp_shards: int = 1
     tp_bytes: float = 0.0
+    buffers: float = 0.0
 
     @property
     def time(self) -> float:
@@ -587,6 +601,7 @@ class _Split(NamedTuple):
     grad_sync: tuple[str, ...]
     local: float
     tokens_local: float
+    ep: tuple[str, ...] = ()
 
 
 def _split(
@@ -603,8 +618,12 @@ def _split(
     # Axes on a stacked-layers dim: each scan step gathers its layer's weights,
     # like FSDP, and they split no compute.
     layer_axes = tuple(a for d, n in zip(dims, logical, strict=True) if n == "layers" for a in d)
-    fsdp = tuple(a for a in used if a in batch_axes or a in ctx.context or a in layer_axes)
-    tp = tuple(a for a in used if a not in fsdp)
+    # an expert-parallel moe_experts weight: its EP axes split experts, not FSDP or TP
+    ep = experts.ep_axes(g, dims, sizes) if experts.moe_call(g, ctx.trace) else ()
+    fsdp = tuple(
+        a for a in used if a not in ep and (a in batch_axes or a in ctx.context or a in layer_axes)
+    )
+    tp = tuple(a for a in used if a not in fsdp and a not in ep)
     # Sequence sharding over the tensor axes (Megatron-SP) turns each all-reduce
     # into a reduce-scatter + all-gather of the same bytes; over other axes it
     # splits the tokens (context parallelism).
@@ -621,6 +640,7 @@ def _split(
         grad_sync=tuple(a for a in (*batch_axes, *context) if a not in used),
         local=g.nbytes / math.prod(sizes[a] for a in used),
         tokens_local=ctx.trace.tokens / batch_shards / math.prod(sizes[a] for a in context),
+        ep=ep,
     )
 
 
@@ -744,6 +764,7 @@ def group_cost(
         offload_opt=opt if recipe.offload_opt else 0.0,
         tp_shards=n_tp if any(n in ("heads", "kv_heads") for n in logical) else 1,
         tp_bytes=sum(c.payload for c in tp) * g.count,
+        buffers=experts.dispatch_buffer_bytes(ctx, g, sp, (*batch_axes, *sp.context)),
     )
     ctx.memo[key] = out
     return out
@@ -768,11 +789,17 @@ def _params_part(
     sizes = ctx.sizes
     tp = _tp_collectives(ctx, g, dims, sp.tp, sp.local, sp.tokens_local) if sp.tp else []
     flops = param_flops(g, ctx.trace) * ctx.flops_scale * g.count
-    splits = math.prod(sizes[a] for a in {*batch_axes, *sp.tp, *sp.context})
+    splits = math.prod(sizes[a] for a in {*batch_axes, *sp.tp, *sp.context, *sp.ep})
     k, n = gemm_dims(g, dims, sp.tp, sizes)
     m = sp.tokens_local * routed_share(g, ctx.trace) / ctx.recipe.microbatches
+    call = experts.moe_call(g, ctx.trace)
+    if call is not None:
+        tp += experts.dispatch_collectives(ctx, g, call, sp, (*batch_axes, *sp.context), _coll)
+        m = experts.rows_per_expert(ctx, g, call, sp, (*batch_axes, *sp.context))
     n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     compute_s = ctx.matmul_time(flops / splits, m, k, n, matmul_dtype(ctx, g))
+    if call is not None:
+        compute_s *= experts.LOAD_IMBALANCE
     compute_s += quantize_s(ctx, g, flops / splits, m, k, n, n_fsdp)
     ctx.memo[pkey] = (sp, tp, flops, compute_s)
     return sp, tp, flops, compute_s
@@ -809,7 +836,7 @@ def total_cost(
     seq_shards = math.prod(sizes[a] for a in seq_axes)
     comm_s = compute_s = hidden_s = layer_s = 0.0
     comm: dict[str, float] = {}
-    params = grads = opt = tp_weight = cast = offloaded = gathered = 0.0
+    params = grads = opt = tp_weight = cast = offloaded = gathered = buffers = 0.0
     total_flops = 0.0
     heads_tp = 1
     for g, layout in zip(groups, choice, strict=True):
@@ -825,6 +852,7 @@ def total_cost(
         opt += c.opt
         cast += c.cast
         gathered += c.gathered
+        buffers = max(buffers, c.buffers)
         offloaded += c.offload_opt
         tp_weight += c.tp_weight
         heads_tp = max(heads_tp, c.tp_shards)
@@ -835,7 +863,7 @@ def total_cost(
     attn_split *= heads_tp
     flops = trace.attention_flops(recipe, ctx.topology) / attn_split
     attn_s = ctx.compute_time(0.0, flops, attention_dtype(dtype))
-    compute_s += attn_s + _recompute_s(ctx, layer_s)
+    compute_s += attn_s + recompute_s(ctx, layer_s)
     if not total_flops and trace.flops:
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
     # a pipelined stage gathers K/V over its tensor axes around the exchange
@@ -851,12 +879,12 @@ def total_cost(
     tp_frac = tp_weight / total_flops if total_flops else 0.0
     # the sequence split over tensor axes (Megatron-SP) splits every activation
     sp = any(a not in ctx.context for a in seq_axes)
-    acts = _activations(ctx, batch_shards * seq_shards, tp_frac, sp)
+    acts = activations(ctx, batch_shards * seq_shards, tp_frac, sp)
     if ctx.peak_flops is None:
         update = 3 * params + grads + 2 * (opt + offloaded) + cast
         shards = batch_shards * seq_shards
-        compute_s += _memory_bound_s(ctx, shards, tp_frac, sp, update)
-    moved, host_s = _offload_traffic(ctx, batch_shards * seq_shards, tp_frac, sp)
+        compute_s += memory_bound_s(ctx, shards, tp_frac, sp, update)
+    moved, host_s = offload_traffic(ctx, batch_shards * seq_shards, tp_frac, sp)
     if moved:  # overlapped with the layers' compute
         comm["host_activations"] = moved
         comm_s, hidden_s = comm_s + host_s, hidden_s + host_s
@@ -864,7 +892,8 @@ def total_cost(
     step = compute_s + ctx.topology.exposed_comm(hidden_s, exposed, compute_s)
     hidden = comm_s - (step - compute_s)
     held = {"compute_copy": cast, "gathered_stage": gathered, "context_kv": cp.memory}
-    memory = _memory(ctx, params, grads, opt, acts, offloaded, held)
+    held["moe_buffers"] = buffers
+    memory = memory_by_kind(ctx, params, grads, opt, acts, offloaded, held)
     return Cost(
         step_time_s=step,
         compute_time_s=compute_s,
@@ -874,33 +903,6 @@ def total_cost(
         hidden_comm_s=hidden,
         ops={"attention": {cp.strategy: max(trace.layers, 1)}} if ctx.context else {},
     )
-
-
-def _memory(
-    ctx: CostContext,
-    params: float,
-    grads: float,
-    opt: float,
-    acts: float,
-    offloaded: float,
-    held: dict[str, float],
-) -> dict[str, int]:
-    """:func:`total_cost`'s memory by kind: ``held`` adds its nonzero entries."""
-    trace, recipe = ctx.trace, ctx.recipe
-    memory = {
-        "params": int(params),
-        "grads": int(grads),
-        "opt_state": int(opt + (0 if recipe.offload_opt else trace.opt_other_bytes)),
-        "activations": int(acts),
-    }
-    memory |= {k: int(v) for k, v in held.items() if v}
-    if trace.state_bytes:
-        memory["state"] = 2 * int(trace.state_bytes)
-    if recipe.offload_opt:
-        # The offloaded state is on the device only for the update, after the
-        # activations are freed: the peak grows only where it exceeds them.
-        memory["opt_update"] = int(max(offloaded - acts, 0.0))
-    return memory
 
 
 def _head_axes(
@@ -935,64 +937,6 @@ def _attention_seq_shards(
         return 1
     head_axes = _head_axes(ctx, groups, choice, batch_axes, seq_axes)
     return math.prod(ctx.sizes[a] for a in seq_axes if a not in head_axes)
-
-
-def _activations(ctx: CostContext, shards: int, tp_frac: float, seq_sharded: bool) -> float:
-    """Activation bytes per device: residuals under the remat policy at the
-    compute itemsize, split by the batch/sequence shards and micro-batches;
-    tensor parallelism splits about half of them (the mlp/heads-wide ones), in
-    proportion to the FLOPs it splits (sequence parallelism the rest as well)."""
-    trace, recipe = ctx.trace, ctx.recipe
-    tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
-    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
-    # The logits and their gradient (twice the largest residual) stay float32
-    # under a narrower compute dtype: the loss computes in float32 (the models'
-    # cross-entropy, torchtitan's and MaxText's losses all upcast).
-    logits = 2.0 * trace.resid_peak
-    logit_scale = 1.0 if recipe.compute_dtype is None else max(scale, 4.0 / trace.act_itemsize)
-    total = (trace.activation_bytes(recipe) - logits) * scale + logits * logit_scale
-    return total / shards / recipe.microbatches * tp_split
-
-
-def _memory_bound_s(
-    ctx: CostContext, shards: int, tp_frac: float, seq_sharded: bool, update: float
-) -> float:
-    """Seconds of memory-bound work per device: the fusions' bytes
-    (:meth:`StepTrace.elementwise_bytes`, at the compute itemsize, split like the
-    activations) and the optimizer update's ``update`` bytes (it reads params,
-    grads and state and writes params, state and the compute-dtype copy)."""
-    trace, recipe = ctx.trace, ctx.recipe
-    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize
-    tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
-    elementwise = trace.elementwise_bytes(recipe) * scale * tp_split / shards
-    return ctx.topology.memory_time(elementwise + update)
-
-
-def _recompute_s(ctx: CostContext, layer_s: float) -> float:
-    """Time the remat policy spends recomputing weight matmuls: a layer's forward
-    is a third of its train-step matmul time (``layer_s``), less the matmuls whose
-    outputs the policy keeps."""
-    trace = ctx.trace
-    recompute = trace.recompute_flops(ctx.recipe)[0]
-    if not recompute:
-        return 0.0
-    return layer_s / 3 * recompute / max(trace.layer_fwd_flops - trace.attn_fwd_flops, recompute)
-
-
-def _offload_traffic(
-    ctx: CostContext, shards: int, tp_frac: float, seq_sharded: bool
-) -> tuple[float, float]:
-    """``(bytes, seconds)`` per device a ``remat_offload`` step moves over the host
-    link: what the policy keeps, all micro-batches together (split as
-    :func:`_activations` splits them), out in the forward pass and back in the
-    backward; ``(0, 0)`` without offload."""
-    trace, recipe = ctx.trace, ctx.recipe
-    if not recipe.remat_offload:
-        return 0.0, 0.0
-    tp_split = 1.0 if seq_sharded else 1 - 0.5 * tp_frac
-    scale = recipe.compute_itemsize(trace.act_itemsize) / trace.act_itemsize / recipe.remat_every
-    moved = 2 * trace.layers * trace.saved_bytes(recipe)[1] * scale / shards * tp_split
-    return moved, moved / ctx.topology.host_bandwidth
 
 
 def _itemsize(dtype: str) -> int:

@@ -30,6 +30,7 @@ from spmdkit.planner.analytic import (
     PolicyFacts,
     StepTrace,
 )
+from spmdkit.planner.experts import MoeCall
 from spmdkit.planner.plans import PyTree
 from spmdkit.recipe import PLAIN, Recipe, checkpoint_policy
 from spmdkit.roles import with_roles
@@ -414,6 +415,33 @@ def _float8_share(info: ModelInfo) -> Callable[[], float]:
     return share
 
 
+def _moe_calls(jaxpr: Jaxpr) -> dict[int, MoeCall]:
+    """Expert count → its ``moe_experts`` call (:class:`~spmdkit.planner.experts.MoeCall`),
+    read from the traced forward's regions (scans' trip counts multiply the calls)."""
+    out: dict[int, MoeCall] = {}
+    stack = [(jaxpr, 1.0)]
+    while stack:
+        sub, mult = stack.pop()
+        for eqn in sub.eqns:
+            if eqn.primitive.name == FORWARD and eqn.params["op"] == "moe_experts":
+                x, idx, _, wg = (v.aval for v in eqn.invars[:4])
+                e, d, f = (int(n) for n in wg.shape)
+                seen = out.get(e)
+                out[e] = MoeCall(
+                    e,
+                    int(x.shape[0]),
+                    int(idx.shape[1]),
+                    d,
+                    f,
+                    np.dtype(x.dtype).itemsize,
+                    mult + (seen.calls if seen else 0.0),
+                    dict(eqn.params["attrs"]).get("strategy"),
+                )
+                continue
+            stack.extend((j, mult * jaxprs.scan_length(eqn)) for j in _eqn_subs(eqn))
+    return out
+
+
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
     opt = _optimizer(optimizer)
     args = info.trace_args()
@@ -488,6 +516,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         state_bytes=sum(p.nbytes for p in info.state),
         lm_head_params=_lm_head_params(forward.jaxpr, args[0]),
         expert_top_k=_expert_top_k(forward.jaxpr, tokens),
+        moe_calls=_moe_calls(forward.jaxpr),
     )
 
 

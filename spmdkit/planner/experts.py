@@ -1,0 +1,192 @@
+"""Routed experts (:func:`spmdkit.ops.moe_experts`) as the analytic cost model prices them.
+
+A step that calls the ``moe_experts`` op (``spmdkit.nn.MoE``) has its calls read from
+the traced forward (:func:`moe_regions`: per expert count, the tokens, top-k, model
+and hidden widths of one call and how many calls a step makes). A parameter group
+with an ``expert`` logical dim of that count is one of the op's weights, and its
+layout is priced as the op's ``all_to_all`` strategy runs it
+(:mod:`spmdkit.rules.moe`):
+
+- **expert parallelism** (EP): the mesh axes on the expert dim. The op's tokens are
+  sharded over the batch axes and the EP axes together, so an EP axis that also
+  splits the batch (the data axis split ``data × expert``, as context parallelism
+  splits it) is not FSDP for these weights: they are never gathered over it
+  (:func:`ep_axes`), the tokens travel instead. Per call each device sends its
+  ``T_local · k`` assignments to the devices holding their experts in a padded
+  all-to-all, ``T_local · min(k, E_local)`` rows of ``D`` per peer, and gets the
+  results back the same way; with the per-expert counts (``E_local`` int32 per
+  peer) that is three all-to-alls forward, and the grad region's four (the
+  forward's two rerun, and their transposes) plus its counts: per call
+  :data:`EXCHANGES` buffers of ``n_ep · T_local · min(k, E_local) · D`` bytes
+  (:func:`dispatch_collectives`), on the topology's link for the EP axes (NVLink
+  inside a node, the network across: :meth:`~spmdkit.topology.Topology.collective_time`).
+  Charged to the down projection (the group whose last GEMM dim is ``embed``), once
+  per call, as Megatron-LM's row-parallel weight carries a layer's all-reduce.
+- **grouped GEMMs**: each device runs its ``E_local`` experts on what arrived:
+  ``n_ep · T_local · k / E`` rows per local expert (all devices of the EP group send
+  to it), the ``m`` of the topology's GEMM roofline, so the efficiency falls as the
+  tokens per local expert fall (:func:`rows_per_expert`).
+- **expert tensor parallelism** (the hidden ``F`` on a non-batch axis) and **FSDP**
+  of ``D`` over the batch axes are priced as the dense weights' (an all-reduce of the
+  sum-partial output; the weights gathered inside the op).
+- **memory**: the exchange buffers live while a call runs (send, receive, the
+  experts' output, the results back: four of ``n_ep · T_local · min(k, E_local) · D``)
+  and the grouped GEMMs' gate, up and hidden outputs (``F_local`` wide each); the
+  backward's working set holds them and their cotangents, for one layer at a time
+  (:func:`dispatch_buffer_bytes`).
+- **load imbalance**: :data:`LOAD_IMBALANCE` multiplies the grouped GEMMs' time:
+  the busiest device's assignments over the mean. 1.0 by default: balanced routing
+  (the published rows force it, e.g. DeepSeek-V3's aux-loss-free bias keeps the
+  loads level); the padded buffers are sized for the worst case whatever it is.
+
+A group of a step without ``moe_experts`` calls (experts as one-hot einsums or plain
+``ragged_dot``) keeps the analytic model's own pricing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+__all__ = [
+    "COUNT_EXCHANGES",
+    "EXCHANGES",
+    "LOAD_IMBALANCE",
+    "MoeCall",
+    "dispatch_buffer_bytes",
+    "dispatch_collectives",
+    "ep_axes",
+    "moe_call",
+    "region_tokens",
+    "rows_per_expert",
+]
+
+#: The busiest device's routed assignments over the mean (module docstring): the
+#: grouped GEMMs' time scales by it. 1.0: balanced routing.
+LOAD_IMBALANCE = 1.0
+
+#: Token buffers one call's train step exchanges: the forward's dispatch and
+#: combine, and the grad region's four (:mod:`spmdkit.rules.moe`: ``_own``).
+EXCHANGES = 6
+
+#: Per-expert count exchanges per call (the forward's and the grad region's).
+COUNT_EXCHANGES = 2
+
+
+class MoeCall(NamedTuple):
+    """One ``moe_experts`` call of the traced step (global shapes).
+
+    Attributes:
+      experts: ``E``.
+      tokens: ``T``, the rows of ``x``.
+      top_k: ``k``.
+      d_model: ``D``.
+      d_ff: ``F``.
+      itemsize: bytes of one element of ``x``.
+      calls: how many calls one forward makes (a layer scan's trip count included).
+      strategy: the op's ``strategy`` attribute (``None``: the planner's choice).
+    """
+
+    experts: int
+    tokens: int
+    top_k: int
+    d_model: int
+    d_ff: int
+    itemsize: int
+    calls: float
+    strategy: str | None = None
+
+
+def moe_call(g: Any, trace: Any) -> MoeCall | None:
+    """The ``moe_experts`` call whose weight ``g`` is (an ``expert`` logical dim of
+    its expert count), else None."""
+    calls = getattr(trace, "moe_calls", None)
+    logical = g.logical or ()
+    if not calls or "expert" not in logical:
+        return None
+    call = calls.get(g.shape[logical.index("expert")])
+    return None if call is None or call.strategy == "local" else call
+
+
+def ep_axes(g: Any, dims: Sequence[Sequence[str]], sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes expert-parallel ``g`` is split over: those on its expert dim,
+    when the experts divide them (the op replicates experts that do not)."""
+    i = (g.logical or ()).index("expert")
+    axes = tuple(dims[i])
+    if axes and g.shape[i] % math.prod(sizes[a] for a in axes):
+        return ()
+    return axes
+
+
+def _is_down(g: Any) -> bool:
+    """Whether ``g`` is the experts' down projection (its last GEMM dim ``embed``):
+    the group a call's exchanges are charged to."""
+    logical = [n for n in (g.logical or ()) if n not in ("layers", "expert")]
+    return bool(logical) and logical[-1] == "embed"
+
+
+def _layers(g: Any) -> int:
+    """Calls one member of ``g`` serves: its stacked-layers dim's length, else 1."""
+    logical = g.logical or ()
+    return int(g.shape[logical.index("layers")]) if "layers" in logical else 1
+
+
+def region_tokens(ctx: Any, call: MoeCall, sp: Any, token_axes: Sequence[str]) -> tuple[int, float]:
+    """``(n_ep, tokens)``: the EP degree and the tokens one device holds inside one
+    micro-batch's call: the layer's (``sp.tokens_local`` of the step's tokens) split
+    further over the EP axes that do not already split them (``token_axes``: the
+    batch and context axes)."""
+    sizes = ctx.sizes
+    n_ep = math.prod(sizes[a] for a in sp.ep)
+    share = sp.tokens_local / max(ctx.trace.tokens, 1)
+    extra = math.prod(sizes[a] for a in sp.ep if a not in token_axes)
+    return n_ep, call.tokens * share / extra / ctx.recipe.microbatches
+
+
+def _per_peer(call: MoeCall, t_local: float, n_ep: int) -> float:
+    """Rows of the exchange buffer per peer (the rule's ``_buffer_rows``)."""
+    return math.ceil(t_local) * min(call.top_k, call.experts // n_ep)
+
+
+def dispatch_collectives(
+    ctx: Any, g: Any, call: MoeCall, sp: Any, token_axes: Sequence[str], coll: Any
+) -> list[Any]:
+    """The all-to-alls one member of ``g`` is charged per step (module docstring):
+    per call and micro-batch :data:`EXCHANGES` token buffers and
+    :data:`COUNT_EXCHANGES` count exchanges over its EP axes; none unless ``g`` is
+    the down projection. ``coll(ctx, kind, payload, axes, times=)`` builds one
+    collective (the analytic model's)."""
+    n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
+    if n_ep <= 1 or not _is_down(g):
+        return []
+    times = _layers(g) * ctx.recipe.microbatches
+    itemsize = ctx.recipe.compute_itemsize(call.itemsize)
+    buf = n_ep * _per_peer(call, t_local, n_ep) * call.d_model * itemsize
+    counts = n_ep * (call.experts // n_ep) * 4
+    return [
+        coll(ctx, "all_to_all", buf, sp.ep, times=EXCHANGES * times),
+        coll(ctx, "all_to_all", counts, sp.ep, times=COUNT_EXCHANGES * times),
+    ]
+
+
+def rows_per_expert(ctx: Any, g: Any, call: MoeCall, sp: Any, token_axes: Sequence[str]) -> float:
+    """Rows one local expert's grouped GEMM multiplies per call and micro-batch:
+    every device of the EP group sends it its share, ``n_ep · T_local · k / E``
+    (balanced routing)."""
+    n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
+    return n_ep * t_local * call.top_k / call.experts
+
+
+def dispatch_buffer_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:
+    """Bytes one call's backward holds while it runs (module docstring): four
+    exchange buffers and three grouped-GEMM outputs ``F_local`` wide, twice (the
+    values and their cotangents); 0 for a group that is no ``moe_experts`` weight."""
+    call = moe_call(g, ctx.trace)
+    if call is None:
+        return 0.0
+    n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
+    f_local = call.d_ff / math.prod(ctx.sizes[a] for a in sp.tp)
+    itemsize = ctx.recipe.compute_itemsize(call.itemsize)
+    rows = n_ep * _per_peer(call, t_local, n_ep) if n_ep > 1 else t_local * call.top_k
+    return 2.0 * rows * (4 * call.d_model + 3 * f_local) * itemsize

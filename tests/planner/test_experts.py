@@ -1,0 +1,89 @@
+"""spmdkit.planner.experts: the analytic model prices a moe_experts call's exchanges as the
+rule states them (and as propagation counts them), its experts unsplit by FSDP over the
+expert-parallel axes, its buffers in memory."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import spmdkit as sk
+from spmdkit.flax import describe
+from spmdkit.planner import experts
+from spmdkit.planner.trace import trace_step
+
+V, S, B = 32, 8, 8
+T, D_MODEL, E, K = B * S, 16, 8, 2  # the decoder's tokens, width, experts, top-k
+
+
+class MoEDecoder(nnx.Module):
+    def __init__(self, rngs):
+        init = jax.nn.initializers.normal(0.5)
+        self.embed = nnx.Param(init(rngs.params(), (V, D_MODEL)), out_sharding=("vocab", "embed"))
+        self.moe = sk.nn.MoE(D_MODEL, n_experts=E, top_k=K, d_ff_expert=16, rngs=rngs)
+        self.head = nnx.Param(init(rngs.params(), (D_MODEL, V)), out_sharding=("embed", "vocab"))
+
+    def __call__(self, tokens):
+        x = self.embed[...][tokens]
+        y, aux = self.moe(x)
+        return (x + y) @ self.head[...], aux
+
+
+def decoder_loss(model, batch):
+    logits, aux = model(batch["tokens"])
+    return sk.nn.cross_entropy(logits, batch["targets"]) + aux
+
+
+@pytest.fixture(scope="module")
+def info():
+    toks = np.random.default_rng(0).integers(0, V, (B, S + 1)).astype(np.int32)
+    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
+    with nnx.use_eager_sharding(False):
+        return describe(lambda: MoEDecoder(nnx.Rngs(0)), loss=decoder_loss, batch=batch)
+
+
+def _rule_bytes(n_ep: int, t_axes: int) -> int:
+    """The rule's own all-to-alls (rules/moe.py ``_own``) of one call's train step:
+    forward counts + two token buffers, grad counts + four."""
+    t_local = T // t_axes
+    buf = n_ep * t_local * min(K, E // n_ep) * D_MODEL * 4
+    counts = n_ep * (E // n_ep) * 4
+    return 6 * buf + 2 * counts
+
+
+def test_the_trace_reads_the_call(info):
+    call = trace_step(info, None).moe_calls[E]
+    assert (call.tokens, call.top_k, call.d_model, call.d_ff, call.calls) == (T, K, D_MODEL, 16, 1)
+    assert experts.LOAD_IMBALANCE == 1.0
+
+
+@pytest.mark.parametrize(
+    ("shape", "n_ep", "t_axes"), [({"data": 8}, 8, 8), ({"data": 2, "expert": 4}, 4, 8)]
+)
+def test_the_exchanges_are_the_rules_and_propagations(info, shape, n_ep, t_axes):
+    mesh = sk.abstract_mesh(**shape)
+    analytic = sk.plan(info, mesh, "ep", estimator="analytic")
+    propagated = sk.plan(info, mesh, "ep", estimator="propagate")
+    assert analytic.params["moe/w_down"][0] in ("data", "expert")
+    want = _rule_bytes(n_ep, t_axes)
+    assert analytic.cost.comm_bytes["all_to_all"] == want
+    assert propagated.cost.comm_bytes["all_to_all"] == want
+    # experts split over a batch axis are expert parallel, not FSDP: nothing gathered
+    assert "all_gather" not in analytic.cost.comm_bytes
+    assert analytic.cost.memory["moe_buffers"] > 0
+
+
+def test_the_buffers_and_rows_follow_the_ep_degree(info):
+    plans = {
+        n: sk.plan(info, sk.abstract_mesh(data=8 // n, expert=n), "ep", estimator="analytic")
+        for n in (2, 4, 8)
+    }
+    # the padded buffers: n_ep * T_local * min(k, E_local) rows, T_local = T / 8
+    rows = {n: n * (T // 8) * min(K, E // n) for n in plans}
+    mem = {n: p.cost.memory["moe_buffers"] for n, p in plans.items()}
+    for n in plans:
+        f_local = 16
+        assert mem[n] == pytest.approx(2 * rows[n] * (4 * D_MODEL + 3 * f_local) * 4)
+    assert math.isclose(mem[2] / mem[8], rows[2] / rows[8])
