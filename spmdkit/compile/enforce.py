@@ -8,8 +8,10 @@ plan gathers a weight, or keep a result sharded where the plan replicates it).
 
 :func:`replay` re-emits the traced equations one by one and wraps each operand in
 ``with_sharding_constraint`` to the layout the rule asked for, and each result to
-the layout the rule produced. XLA then has nothing left to choose but *how* to move
-between two given layouts, so the compiled program does what the plan predicted.
+the layout the rule produced (an operand already pinned to the layout its reader
+asks for is read as it is: one constraint, not two). XLA then has nothing left to
+choose but *how* to move between two given layouts, so the compiled program does
+what the plan predicted.
 ``sk.jit`` does this by default under Auto axes (``enforce=True``).
 
 Three cases need more than a constraint on each side:
@@ -83,11 +85,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from spmdkit import jaxprs
-from spmdkit.engine.region import REGIONS, region_program
+from spmdkit.engine.region import REGIONS, region_jaxpr
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.primitives import lookup_dims
@@ -113,15 +116,6 @@ def _pin(x: Any, spec: TensorSpec | None, mesh: Any) -> Any:
     if tuple(getattr(x, "shape", ())) != tuple(spec.shape):
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_partition_spec()))
-
-
-def _through(x: Any, chain: Sequence[TensorSpec], mesh: Any) -> Any:
-    """Pin ``x`` to each layout of a multi-step reshard in turn, so that XLA takes
-    the plan's steps in the plan's order (left alone it may gather the larger
-    dim first, moving more bytes than planned)."""
-    for spec in chain:
-        x = _pin(x, spec, mesh)
-    return x
 
 
 def _partly_manual(node: Node, mesh: Any) -> bool:
@@ -218,6 +212,31 @@ class _Replay:
         # (value, layout) → (the value, its copy in that layout) for moves that
         # start from a copy made for an earlier reader (as the records count them)
         self.copies: dict[tuple, tuple[Any, Any]] = {}
+        # id of a pinned value → (the value, its layout): a reader that wants the
+        # layout its value was produced in reads it as is, not pinned a second time
+        self.pinned: dict[int, tuple[Any, TensorSpec]] = {}
+
+    def pin(self, x: Any, spec: TensorSpec | None) -> Any:
+        """``x`` pinned to ``spec`` (as :func:`_pin`), unless it already is: an
+        identical constraint on a constrained value changes nothing but makes the
+        program XLA compiles longer."""
+        if spec is None:
+            return x
+        hit = self.pinned.get(id(x))
+        if hit is not None and hit[0] is x and hit[1].dims == spec.dims:
+            return x  # (the same value: the same shape)
+        y = _pin(x, spec, self.mesh)
+        if y is not x:
+            self.pinned[id(y)] = (y, spec)
+        return y
+
+    def through(self, x: Any, chain: Sequence[TensorSpec]) -> Any:
+        """Pin ``x`` to each layout of a multi-step reshard in turn, so that XLA
+        takes the plan's steps in the plan's order (left alone it may gather the
+        larger dim first, moving more bytes than planned)."""
+        for spec in chain:
+            x = self.pin(x, spec)
+        return x
 
     def graph(self, graph: Graph, ins: Sequence[Any]) -> list[Any]:
         env: dict[int, Any] = dict(zip(graph.invars, ins, strict=True))
@@ -290,7 +309,7 @@ class _Replay:
                 outs = self.region(node, vals, pins)
             else:
                 outs = _bind(node.eqn, vals)
-            outs = [_pin(x, s, self.mesh) for x, s in zip(outs, produced, strict=True)]
+            outs = [self.pin(x, s) for x, s in zip(outs, produced, strict=True)]
         return outs
 
     def moved(
@@ -302,7 +321,7 @@ class _Replay:
         intermediate layout of ``chain``."""
         if not chain:
             copy = self.copies.get((vid, spec))
-            return copy[1] if copy is not None and copy[0] is x else _pin(x, spec, self.mesh)
+            return copy[1] if copy is not None and copy[0] is x else self.pin(x, spec)
         explicit = isinstance(chain, ReshardPlan)
         key = (vid, spec, chain if explicit else tuple(chain))
         hit = self.memo.get(key)
@@ -310,10 +329,10 @@ class _Replay:
             if explicit:
                 copy = self.copies.get((vid, chain.src))
                 start = copy[1] if copy is not None and copy[0] is x else x
-                moved = run_plan(_pin(start, chain.src, self.mesh), chain, self.mesh)
+                moved = run_plan(self.pin(start, chain.src), chain, self.mesh)
             else:
-                moved = _through(x, chain, self.mesh)
-            hit = (x, _pin(moved, spec, self.mesh))
+                moved = self.through(x, chain)
+            hit = (x, self.pin(moved, spec))
             self.memo[key] = hit
             if spec is not None:
                 self.copies[(vid, spec)] = hit
@@ -360,12 +379,13 @@ class _Replay:
         """A composite op's region: the rule's ``shard_map`` program with the planned
         layouts and strategy; bound as traced (XLA partitions the op's unsharded
         computation) when those layouts cannot run so (uneven, partial)."""
-        run = region_program(
+        # traced once per layout (propagation has traced most already), bound per call
+        closed = region_jaxpr(
             node.prim, node.eqn.params, pins.attrs or {}, pins.required, pins.produced, self.mesh
         )
-        if run is None:
+        if closed is None:
             return _bind(node.eqn, vals)
-        return list(run(*vals))
+        return list(jax.extend.core.jaxpr_as_fun(closed)(*vals))
 
     def scan(self, node: Node, vals: list[Any], produced: Sequence[TensorSpec | None]) -> list[Any]:
         """A ``scan`` whose body is replayed pinned; each ``ys`` result is pinned,
@@ -384,7 +404,7 @@ class _Replay:
 
         def step(carry: list, x: list) -> tuple[list, list]:
             outs = self.graph(body, [*consts, *carry, *x])
-            ys = [_pin(y, s, self.mesh) for y, s in zip(outs[nk:], slices, strict=True)]
+            ys = [self.pin(y, s) for y, s in zip(outs[nk:], slices, strict=True)]
             return outs[:nk], ys
 
         carry, ys = jax.lax.scan(

@@ -57,6 +57,7 @@ __all__ = [
     "grad_inference",
     "region_attrs",
     "region_call",
+    "region_jaxpr",
     "region_program",
     "scatters",
 ]
@@ -290,6 +291,63 @@ def region_program(
         return None
     lctx = LocalContext(op, dict(attrs), g.inputs, g.forward_outputs, axis_sizes(mesh))
     return _grad_program(rule.local_fn(lctx), lctx.outputs, diff, required, produced, mesh)
+
+
+def region_jaxpr(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec | None],
+    produced: Sequence[TensorSpec | None],
+    mesh: MeshLike,
+) -> jax.extend.core.ClosedJaxpr | None:
+    """:func:`region_program` traced at its planned layouts on ``mesh``'s axes made
+    Auto (a jaxpr of one ``shard_map`` equation), or None where it returns None.
+
+    Memoized per op, attributes, layouts and mesh: propagation reads a program's
+    collectives and memory from it, and ``sk.jit``'s enforced replay binds the
+    same jaxpr (:func:`jax.extend.core.jaxpr_as_fun`), so each program is traced
+    from Python once, not again in the replay and once more per layer that runs it.
+
+    Raises:
+      SpmdError: the rule does not fit the layouts (as :func:`region_program`).
+    """
+    try:
+        frozen = freeze(dict(attrs))
+    except TypeError:  # an unhashable attribute: traced each time
+        return _region_jaxpr.__wrapped__(
+            (prim, params["op"], params.get("diff"), tuple(dict(attrs).items())),
+            tuple(required),
+            tuple(produced),
+            mesh,
+        )
+    key = (prim, params["op"], params.get("diff"), frozen)
+    return _region_jaxpr(key, tuple(required), tuple(produced), mesh)
+
+
+@functools.lru_cache(maxsize=512)
+def _region_jaxpr(
+    key: tuple,
+    required: tuple[TensorSpec | None, ...],
+    produced: tuple[TensorSpec | None, ...],
+    mesh: MeshLike,
+) -> jax.extend.core.ClosedJaxpr | None:
+    prim, op, diff, attrs = key
+    # the device kind kept, so the jaxpr's mesh is the one a replay on ``mesh``
+    # (Auto axes, set with jax.set_mesh) runs under
+    device = getattr(getattr(mesh, "abstract_mesh", mesh), "abstract_device", None)
+    auto = jax.sharding.AbstractMesh(
+        tuple(mesh.axis_sizes),
+        tuple(mesh.axis_names),
+        axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
+        abstract_device=device,
+    )
+    run = region_program(prim, {"op": op, "diff": diff}, dict(attrs), required, produced, auto)
+    if run is None:
+        return None
+    args = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in required]
+    with jax.sharding.use_abstract_mesh(auto):  # whatever mesh the caller set
+        return jax.make_jaxpr(run)(*args)
 
 
 def _grad_program(

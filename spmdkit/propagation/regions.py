@@ -21,7 +21,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from spmdkit import jaxprs
@@ -31,7 +30,7 @@ from spmdkit.engine.region import (
     GRAD,
     grad_inference,
     region_attrs,
-    region_program,
+    region_jaxpr,
     scatters,
 )
 from spmdkit.engine.registry import get_rule
@@ -396,20 +395,12 @@ def _traced(
     prim, op, frozen, diff, attrs = key
     params = {"op": op, "attrs": frozen, "diff": diff}
     # traced on Auto axes: only the body's local shapes and collectives are read
-    auto = jax.sharding.AbstractMesh(
-        tuple(mesh.axis_sizes),
-        tuple(mesh.axis_names),
-        axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
-    )
     try:
-        run = region_program(prim, params, dict(attrs), required, produced, auto)
+        outer = region_jaxpr(prim, params, dict(attrs), required, produced, mesh)
     except RULE_ERRORS:
         return None
-    if run is None:
+    if outer is None:
         return None
-    args = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in required]
-    with jax.sharding.use_abstract_mesh(auto):  # whatever mesh the caller set
-        outer = jax.make_jaxpr(run)(*args)
     body = _shard_map_body(outer.jaxpr)
     if body is None:
         return None
