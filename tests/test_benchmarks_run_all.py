@@ -83,6 +83,8 @@ def test_overhead_quick_run(tmp_path):
             "2",
             "--startup-models",
             "convnet",
+            "--compile-configs",
+            "tiny",
             "--out",
             str(out),
         ],
@@ -105,6 +107,10 @@ def test_overhead_quick_run(tmp_path):
     assert start["model"] == "convnet" and start["params"] < 10_000_000
     assert start["init_ratio"] > 0 and start["first_call_ratio"] > 0 and start["auto_s"] > 0
     assert "worst ratios (target): init" in proc.stdout
+    (first,) = d["first_compile"]  # issue 43: sk.jit's first call vs jax.jit's
+    assert (first["model"], first["config"]) == ("gpt", "tiny")
+    assert first["ratio"] > 0 and first["cpu_ratio"] > 0 and first["skjit_first_s"] > 0
+    assert "first compile, worst ratio" in proc.stdout
     cli = d["cli"]  # bad command lines, each timed in a fresh process
     assert len(cli["cases"]) == 3 and all(t > 0 for t in cli["cases"].values())
     assert cli["import_spmdkit_s"] > 0 and "fresh process: spmdkit train" in proc.stdout
