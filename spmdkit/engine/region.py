@@ -325,7 +325,11 @@ def region_jaxpr(
     return _region_jaxpr(key, tuple(required), tuple(produced), mesh)
 
 
-@functools.lru_cache(maxsize=512)
+@cached(
+    maxsize=512,
+    why="regions' shard_map programs traced at planned layouts (propagation reads "
+    "them, the enforced replay binds them).",
+)
 def _region_jaxpr(
     key: tuple,
     required: tuple[TensorSpec | None, ...],
