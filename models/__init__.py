@@ -2,13 +2,17 @@
 
 Every model is described by a :class:`ModelSpec` in :data:`MODELS`: ``"gpt"``
 (GPT-2), ``"llama"`` (Llama-3 style, GQA, optional stacked/scanned layers),
-``"moe"`` (Mixtral style, top-k routed experts stacked on an ``expert`` axis),
+``"moe"`` (Mixtral style, top-k routed experts stacked on an ``expert`` axis,
+GShard's capacity form), ``"deepseek"`` (DeepSeek-V2/V3 style: MLA attention, dense
+first layers, dropless routed + shared experts), ``"qwen3_moe"`` (GQA with qk-norm,
+dropless routed experts; also GPT-OSS 120B's and Mixtral 8x7B's dims),
 ``"convnet"`` (ResNet style, GroupNorm and BatchNorm) and ``"gpt_linen"`` (GPT-2 in
 flax linen, wrapped as NNX).
 
 Logical axis names
     Parameters name their dims with :data:`PARAM_AXES` (``vocab``, ``embed``,
-    ``mlp``, ``heads``, ``kv_heads``, ``head_dim``, ``expert``, ``layers``,
+    ``mlp``, ``heads``, ``kv_heads``, ``head_dim``, ``q_lora``, ``kv_lora``,
+    ``expert``, ``layers``,
     ``norm``, ``pos``, ``conv_window``, ``conv_in``, ``conv_out``, ``classes``);
     batch fields name theirs with :data:`BATCH_AXES` (``batch``, ``seq``,
     ``height``, ``width``, ``channels``), listed per field in
@@ -53,8 +57,9 @@ from flax import nnx
 
 from spmdkit.errors import SpmdError
 
-from . import convnet, gpt, gpt_linen, llama, moe
+from . import convnet, deepseek, gpt, gpt_linen, llama, moe, qwen3_moe
 from .layers import BATCH_AXES, PARAM_AXES, ModelConfigError, count_params
+from .routed import count_active_params
 
 __all__ = [
     "ModelSpec",
@@ -63,6 +68,7 @@ __all__ = [
     "abstract_model",
     "param_axes",
     "count_params",
+    "count_active_params",
     "PARAM_AXES",
     "BATCH_AXES",
     "UnknownModelError",
@@ -141,6 +147,22 @@ MODELS: dict[str, ModelSpec] = {
         configs=moe.CONFIGS,
         build=_nnx_build(moe.MoE),
         loss=moe.moe_loss,
+        batch=gpt.lm_batch,
+        batch_axes=gpt.LM_BATCH_AXES,
+    ),
+    "deepseek": ModelSpec(
+        name="deepseek",
+        configs=deepseek.CONFIGS,
+        build=_nnx_build(deepseek.DeepSeek),
+        loss=deepseek.deepseek_loss,
+        batch=gpt.lm_batch,
+        batch_axes=gpt.LM_BATCH_AXES,
+    ),
+    "qwen3_moe": ModelSpec(
+        name="qwen3_moe",
+        configs=qwen3_moe.CONFIGS,
+        build=_nnx_build(qwen3_moe.Qwen3MoE),
+        loss=qwen3_moe.qwen3_moe_loss,
         batch=gpt.lm_batch,
         batch_axes=gpt.LM_BATCH_AXES,
     ),

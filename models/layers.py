@@ -540,12 +540,16 @@ def count_params(model: nnx.Module) -> int:
 _LAYERS_META = {nnx.PARTITION_NAME: "layers"}
 
 
-def make_layers(cfg: Any, rngs: nnx.Rngs, block_cls: type, **kwargs) -> nnx.Module:
-    """``cfg.n_layers`` blocks: an ``nnx.List``, or one block stacked on ``layers``."""
+def make_layers(
+    cfg: Any, rngs: nnx.Rngs, block_cls: type, *, n_layers: int | None = None, **kwargs
+) -> nnx.Module:
+    """``n_layers`` blocks (default ``cfg.n_layers``): an ``nnx.List``, or one block
+    stacked on ``layers``."""
+    n = cfg.n_layers if n_layers is None else n_layers
     if not cfg.scan_layers:
-        return nnx.List([block_cls(cfg, rngs=rngs, **kwargs) for _ in range(cfg.n_layers)])
+        return nnx.List([block_cls(cfg, rngs=rngs, **kwargs) for _ in range(n)])
 
-    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYERS_META)
     def create(r: nnx.Rngs) -> nnx.Module:
         return block_cls(cfg, rngs=r, **kwargs)

@@ -87,7 +87,10 @@ __all__ = [
     "preset_rules",
 ]
 
-#: Logical names of parameter dims that every preset table covers.
+#: Logical names of parameter dims that every preset table covers. ``q_lora`` and
+#: ``kv_lora`` are the low-rank dims of MLA attention's down-projections: only
+#: ``fsdp`` shards them (tensor parallelism keeps the down-projections whole and
+#: splits the heads of the up-projections, as Megatron-LM's MLA does).
 PARAM_NAMES = (
     "vocab",
     "embed",
@@ -97,6 +100,8 @@ PARAM_NAMES = (
     "head_dim",
     "kv",
     "joined_kv",
+    "q_lora",
+    "kv_lora",
     "expert",
     "layers",
     "norm",

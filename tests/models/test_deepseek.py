@@ -1,0 +1,87 @@
+"""DeepSeek style model: MLA against a plain reference, published shapes and names,
+the two layer stacks, the config's checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from spmdkit import models as zoo
+from spmdkit.models import deepseek
+from spmdkit.models import layers as lyr
+from spmdkit.models.layers import ModelConfigError
+
+
+def _mla_reference(attn, cfg, x):
+    """MLA written out: the published fused matrices (``wkv_a`` with the rotated key's
+    columns, ``wkv_b`` with the values'), one softmax over the causal scores, the
+    values at their own width (no padding)."""
+    nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    q = jnp.einsum("bsr,rhk->bshk", attn.q_norm(x @ attn.wq_a[...]), attn.wq_b[...])
+    latent = x @ jnp.concatenate([attn.wkv_a[...], attn.wk_rope[...]], axis=1)
+    wkv_b = jnp.concatenate([attn.wk_b[...], attn.wv_b[...]], axis=2)
+    kv = jnp.einsum("bsr,rhk->bshk", attn.kv_norm(latent[..., :r]), wkv_b)
+    k_rope = lyr.rope(latent[:, :, None, r:], theta=cfg.rope_theta)
+    k_rope = jnp.broadcast_to(k_rope, (*kv.shape[:3], k_rope.shape[-1]))
+    q = jnp.concatenate([q[..., :nope], lyr.rope(q[..., nope:], theta=cfg.rope_theta)], -1)
+    k = jnp.concatenate([kv[..., :nope], k_rope], -1)
+    s = x.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(nope + cfg.qk_rope_head_dim)
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), kv[..., nope:])
+    return jnp.einsum("bshk,hkd->bsd", o, attn.wo[...])
+
+
+def test_mla_equals_the_written_out_attention():
+    # values narrower than queries (padded); the plain kernel compiles fastest
+    cfg = deepseek.DeepSeekConfig(v_head_dim=12, attention="xla")
+    with nnx.use_eager_sharding(False):
+        attn = deepseek.MLAttention(cfg, rngs=nnx.Rngs(jax.random.key(0, impl="rbg")))
+    x = jax.random.normal(jax.random.key(1), (2, 8, cfg.d_model))
+    got = nnx.jit(lambda m, x: m(x))(attn, x)
+    np.testing.assert_allclose(got, _mla_reference(attn, cfg, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_tiny_v3_loss_is_finite_and_names_every_dim():
+    spec = zoo.get_model("deepseek")
+    cfg = spec.config("tiny_v3")
+    with nnx.use_eager_sharding(False):
+        model = spec.build(cfg, nnx.Rngs(jax.random.key(0, impl="rbg")))
+    batch = spec.batch(cfg, 2, np.random.default_rng(0))
+    loss = nnx.jit(spec.loss)(model, batch)
+    assert loss.shape == () and np.isfinite(float(loss)) and float(loss) > 0
+    # the aux-loss-free bias is state, moved by the load (one row per MoE layer)
+    bias = model.moe_layers.moe.expert_bias[...]
+    assert bias.shape == (cfg.n_layers - cfg.n_dense_layers, cfg.n_experts)
+    assert np.any(np.asarray(bias) != 0)
+    axes = zoo.param_axes(model)
+    assert axes[("dense_layers", "attn", "wq_a")] == ("layers", "embed", "q_lora")
+    assert axes[("moe_layers", "attn", "wk_b")] == ("layers", "kv_lora", "heads", "head_dim")
+    assert axes[("moe_layers", "moe", "shared_gate")] == ("layers", "embed", "mlp")
+
+
+def test_published_shapes_abstractly():
+    v3 = zoo.abstract_model("deepseek", "v3_671b")
+    assert v3.dense_layers.mlp.gate.shape == (3, 7168, 18432)
+    attn = v3.moe_layers.attn
+    assert attn.wq_a.shape == (58, 7168, 1536) and attn.wq_b.shape == (58, 1536, 128, 192)
+    assert attn.wkv_a.shape == (58, 7168, 512) and attn.wk_rope.shape == (58, 7168, 64)
+    assert attn.wk_b.shape == (58, 512, 128, 128) and attn.wv_b.shape == (58, 512, 128, 128)
+    moe = v3.moe_layers.moe
+    assert moe.w_gate.shape == (58, 256, 7168, 2048)
+    assert moe.shared_gate.shape == (58, 7168, 2048) and moe.expert_bias.shape == (58, 256)
+    lite = zoo.abstract_model("deepseek", "16b")  # no query compression
+    assert lite.moe_layers.attn.wq.shape == (26, 2048, 16, 192)
+    assert lite.moe_layers.attn.wq_a is None and lite.moe_layers.moe.expert_bias is None
+    assert lite.moe_layers.moe.shared_gate.shape == (26, 2048, 2 * 1408)
+
+
+def test_config_validates_itself():
+    with pytest.raises(ModelConfigError, match="n_dense_layers"):
+        deepseek.DeepSeekConfig(n_layers=2, n_dense_layers=3)
+    with pytest.raises(ModelConfigError, match="v_head_dim"):
+        deepseek.DeepSeekConfig(v_head_dim=64)
+    with pytest.raises(ModelConfigError, match="top_k"):
+        deepseek.DeepSeekConfig(n_experts=4, top_k=5)

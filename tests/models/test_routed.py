@@ -1,0 +1,87 @@
+"""The dropless MoE decoders: published parameter counts (abstract models), and one
+step of each tiny model under expert parallelism (EP 8, EP 4 x expert TP 2, EP 4 x
+FSDP 2) with the loss and grads of one device and the compiled all-to-alls as
+predicted."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import spmdkit as sk
+from spmdkit import models as zoo
+from spmdkit.flax import describe
+
+#: (model, size, published total, published active, the publisher counts the token
+#: table in the active parameters). Totals and active counts as the model cards give
+#: them: DeepSeek-V3 671B/37B, DeepSeek-V2-Lite 15.7B/2.4B, Qwen3 30.5B/3.3B and
+#: 235B/22B, GPT-OSS 120B 116.8B/5.1B (its card counts the unembedding only), Mixtral
+#: 8x7B 46.7B/12.9B.
+PUBLISHED = [
+    ("deepseek", "v3_671b", 671e9, 37e9, False),
+    ("deepseek", "16b", 15.7e9, 2.4e9, False),
+    ("qwen3_moe", "30b_a3b", 30.5e9, 3.3e9, True),
+    ("qwen3_moe", "235b_a22b", 235e9, 22e9, True),
+    ("qwen3_moe", "gpt_oss_120b", 116.8e9, 5.1e9, False),
+    ("qwen3_moe", "mixtral_8x7b", 46.7e9, 12.9e9, True),
+]
+
+
+@pytest.mark.parametrize(("name", "size", "total", "active", "table"), PUBLISHED)
+def test_published_sizes_count_their_parameters(name, size, total, active, table):
+    model = zoo.abstract_model(name, size)
+    assert abs(zoo.count_params(model) - total) <= 0.02 * total, zoo.count_params(model)
+    n_active = zoo.count_active_params(model, input_embedding=table)
+    assert abs(n_active - active) <= 0.03 * active, n_active
+
+
+#: mesh axes, extra logical rules over the ``ep`` preset, and what the experts become.
+LAYOUTS = {
+    # one axis: the preset puts the experts and the tokens on it
+    "ep8": ({"data": 8}, None, ("data", None, None)),
+    # tokens and experts over `expert`, each expert's hidden units over `model`
+    "ep4_tp2": (
+        {"expert": 4, "model": 2},
+        {"batch": "expert", "mlp": "model"},
+        ("expert", None, "model"),
+    ),
+    # tokens over both axes, experts over `expert`, the model dim stored over `data`
+    "ep4_fsdp2": ({"data": 2, "expert": 4}, {"embed": "data"}, ("expert", "data", None)),
+}
+
+
+@functools.cache
+def _reference(name, size):
+    spec = zoo.get_model(name)
+    # experts wider than the tiny default: with 32 hidden units gathering every
+    # expert's weights moves fewer bytes than exchanging the tokens, and the step
+    # (rightly) does that instead of expert parallelism
+    cfg = dataclasses.replace(spec.config(size), moe_strategy="all_to_all", d_ff_expert=128)
+    batch = spec.batch(cfg, 8, np.random.default_rng(0))
+    info = describe(spec, config=cfg, batch=batch)
+    params = info.init_fn()
+    loss, grads = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+    return info, batch, params, loss, grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(("name", "size"), [("deepseek", "tiny_v3"), ("qwen3_moe", "tiny")])
+def test_expert_parallel_step_equals_one_device(name, size, layout):
+    info, batch, params, ref_loss, ref_grads = _reference(name, size)
+    axes, rules, experts = LAYOUTS[layout]
+    plan = sk.plan(info, sk.make_mesh(**axes), "ep", rules=rules, estimator="analytic")
+    stack = "moe_layers" if name == "deepseek" else "layers"
+    w_gate = tuple(plan.params[f"{stack}/moe/w_gate"])  # [layers, E, D, F]
+    assert (w_gate + (None,) * (4 - len(w_gate)))[1:] == experts
+    step = sk.jit(jax.value_and_grad(info.loss_fn), plan)
+    loss, grads = step(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    scale = max(float(np.max(np.abs(r))) for r in jax.tree.leaves(ref_grads))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * scale)
+    rows = {kind: (p, c) for kind, p, c, _ in plan.verify(step, params, batch).rows}
+    predicted, compiled = rows.get("all_to_all", (0, 0))
+    assert predicted == compiled > 0  # the token exchange, exactly as predicted
