@@ -10,8 +10,8 @@ block (no dense blocks, no shared expert in Qwen3).
 The same decoder with ``qk_norm=False`` holds the dropless forms of two other
 published models: Mixtral 8x7B (8 experts top-2) and GPT-OSS 120B (128 experts
 top-4; its attention sinks, alternating sliding-window layers, the biases of its
-projections and experts and its clamped SwiGLU are left out: its parameter
-count differs by the biases, about 0.1%). The GShard form of Mixtral, with an
+projections and experts and its clamped SwiGLU are left out; the biases
+are a tiny share of its parameters). The GShard form of Mixtral, with an
 expert capacity, stays :mod:`spmdkit.models.moe`.
 
 Parameters carry logical axis names only: ``vocab``, ``embed``, ``heads``,
