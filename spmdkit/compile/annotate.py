@@ -21,8 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.compile.place import place_state, state_layout
 from spmdkit.flax.model import ModelError, describe, variable_names, variable_value
-from spmdkit.master import stored_dtype, stored_params
 from spmdkit.planner.logical import LogicalRules, RulesLike, preset_rules
 from spmdkit.planner.plans import Plan, PyTree
 from spmdkit.util import path_str
@@ -66,17 +66,10 @@ def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> P
             "or jax.device_put(state, plan.param_shardings(state))",
         )
     # on the plan's own mesh (Explicit axes stay Explicit: jax.jit under
-    # jax.set_mesh(plan.mesh) takes them); sk.jit relabels them, without a copy
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(plan.mesh, s.spec, memory_kind=s.memory_kind),
-        plan.param_shardings(info.abstract_params),
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-    recipe = getattr(plan, "recipe", None)
-    if stored_dtype(recipe) is None:
-        return jax.jit(info.init_fn, out_shardings=shardings)()
-    # bf16 parameters (the fp32 master is made from them: spmdkit.master.opt_init)
-    return jax.jit(lambda: stored_params(info.init_fn(), recipe), out_shardings=shardings)()
+    # jax.set_mesh(plan.mesh) takes them); sk.jit relabels them, without a copy;
+    # bf16 under master_weights="optimizer" (the fp32 master is made from them)
+    layout = state_layout(plan, info.abstract_params, mesh=plan.mesh)
+    return place_state(plan, info.init_fn, layout=layout)["params"]
 
 
 def shard(

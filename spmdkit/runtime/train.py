@@ -60,16 +60,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdkit.batch import is_tensor
 from spmdkit.compile import PlannedFunction, jit
+from spmdkit.compile.place import StateLayout, place_state, state_layout
 from spmdkit.errors import CheckpointMismatchError, TrainError
 from spmdkit.flax import ModelInfo
 from spmdkit.loss import is_key
-from spmdkit.master import opt_init, stored_dtype, stored_params
 from spmdkit.mesh import make_mesh
 from spmdkit.planner import Plan
 from spmdkit.planner import plan as make_plan
 from spmdkit.planner.notes import quiet_notes
 from spmdkit.recipe import Recipe, train_step
-from spmdkit.runtime.checkpoint import Manager, Restored, abstract_target, tree_paths
+from spmdkit.runtime.checkpoint import Manager, Restored, tree_paths
 from spmdkit.runtime.train_data import Source
 from spmdkit.runtime.train_model import Parts, model_parts, with_fp8_state
 from spmdkit.util import path_str
@@ -213,9 +213,9 @@ def train(
     step_fn = jit(train_step(parts.info, optimizer, plan), plan, donate_state=True)
     with jax.set_mesh(step_fn.mesh):
         key = _base_key(rng, step_fn.mesh) if parts.info.rng else None
-        layout = _layout(plan, parts, optimizer)
+        layout = state_layout(plan, parts.params, optimizer, model_state=parts.state)
         state, restored = _initial_state(
-            parts, optimizer, key, resume_from, layout, restore_opt=restore_opt_state
+            parts, optimizer, key, resume_from, (plan, layout), restore_opt=restore_opt_state
         )
         start = restored.step if restored is not None else 0
         batches, where = source.batches(start, restored.data_state if restored else None)
@@ -399,53 +399,6 @@ def _given_plan(
     )
 
 
-@dataclasses.dataclass
-class _Layout:
-    """Where the step's state lives: the plan's shardings of each part."""
-
-    params: Any
-    opt: Any
-    abstract: tuple[Any, Any]
-    model_state: Any = None
-    recipe: Recipe = dataclasses.field(default_factory=Recipe)
-
-    def stored(self, params: Any) -> Any:
-        """The model's parameters placed as the step takes them (in bf16 under
-        ``master_weights="optimizer"``: :func:`spmdkit.master.stored_params`)."""
-        if stored_dtype(self.recipe) is None:
-            return jax.device_put(params, self.params)
-        cast = functools.partial(stored_params, recipe=self.recipe)
-        return jax.jit(cast, out_shardings=self.params)(params)
-
-    def init_opt(self, optimizer: optax.GradientTransformation, params: Any) -> Any:
-        """The optimizer state of ``params`` at the plan's layout (the fp32 master
-        in it under ``master_weights="optimizer"``)."""
-        return jax.jit(opt_init(optimizer, self.recipe), out_shardings=self.opt)(params)
-
-
-def _layout(plan: Plan, parts: Parts, optimizer: optax.GradientTransformation) -> _Layout:
-    # shapes and dtypes only: parameters made on an Explicit mesh (sk.init_sharded on
-    # sk.make_mesh's default axes) carry shardings that the step's Auto mesh rejects
-    abstract_params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), parts.params
-    )
-    abstract_params = stored_params(abstract_params, plan.recipe)
-    abstract_opt = jax.eval_shape(opt_init(optimizer, plan.recipe), abstract_params)
-    state = None
-    if parts.state is not None and plan.recipe.fp8_scaling == "delayed":
-        replicated = NamedSharding(plan.sharding_mesh, PartitionSpec())
-        state = jax.tree.map(lambda _: replicated, parts.state)
-    elif parts.state is not None:
-        state = plan.state_sharding(jax.eval_shape(lambda s: s, parts.state))
-    return _Layout(
-        plan.param_shardings(abstract_params),
-        plan.opt_shardings(abstract_opt),
-        (abstract_params, abstract_opt),
-        state,
-        plan.recipe,
-    )
-
-
 # -- state, checkpoints ----------------------------------------------------------------------
 
 
@@ -468,32 +421,24 @@ def _initial_state(
     optimizer: optax.GradientTransformation,
     key: jax.Array | None,
     ckpt: Manager | None,
-    layout: _Layout,
+    where: tuple[Plan, StateLayout],
     *,
     restore_opt: bool | None = None,
 ) -> tuple[dict[str, Any], Restored | None]:
     """The state to start from (params, opt_state, model_state, rng) and the
     checkpoint it was restored from (None when fresh).
 
-    With ``ckpt``: its latest checkpoint, placed as the plan shards it (the
+    With ``ckpt``: its latest checkpoint, restored onto the plan's layout
+    (``where``: the plan and its :func:`~spmdkit.compile.place.state_layout`; the
     optimizer state as ``restore_opt`` says). Otherwise the given values placed
-    and the optimizer state initialised."""
+    and the optimizer state initialised (:func:`~spmdkit.compile.place.place_state`)."""
+    plan, layout = where
     if ckpt is None:
-        params = layout.stored(parts.params)
-        state = {"params": params, "opt_state": layout.init_opt(optimizer, params)}
-        if parts.state is not None:
-            state["model_state"] = jax.device_put(parts.state, layout.model_state)
+        state = place_state(plan, parts.params, optimizer, model_state=parts.state, layout=layout)
         if key is not None:
             state["rng"] = key
         return state, None
-    abstract_params, abstract_opt = layout.abstract
-    target = {
-        "params": abstract_target(abstract_params, layout.params),
-        "opt_state": abstract_target(abstract_opt, layout.opt),
-    }
-    if parts.state is not None:
-        abstract = jax.eval_shape(lambda s: s, parts.state)
-        target["model_state"] = abstract_target(abstract, layout.model_state)
+    target = layout.target()
     if key is not None:
         target["rng"] = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=key.sharding)
     saved = ckpt.saved_shapes()
@@ -505,7 +450,7 @@ def _initial_state(
     restored = ckpt.restore(target=target, items=items)
     state = dict(restored.state)
     if not restore_opt:  # the restored parameters go into a fresh optimizer state
-        state["opt_state"] = layout.init_opt(optimizer, state["params"])
+        state.update(place_state(plan, state["params"], optimizer, layout=layout))
     return state, restored
 
 
