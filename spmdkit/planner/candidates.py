@@ -32,7 +32,7 @@ from spmdkit.planner.analytic import (
     group_cost,
     total_cost,
 )
-from spmdkit.planner.context import context_axes
+from spmdkit.planner.context import PIPELINED_STRATEGIES, context_axes
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     SHARDED_OPT_PRESETS,
@@ -40,7 +40,7 @@ from spmdkit.planner.logical import (
     RulesLike,
     preset_rules,
 )
-from spmdkit.planner.plans import Cost, Dims, Plan, spec_dims
+from spmdkit.planner.plans import ContextParallel, Cost, Dims, Plan, spec_dims
 from spmdkit.planner.trace import step_arguments, train_step
 from spmdkit.propagation import propagate
 from spmdkit.propagation.graph import trace_with_tree
@@ -57,6 +57,7 @@ __all__ = [
     "activation_layout",
     "batch_axis_choices",
     "budget_moves",
+    "context_record",
     "preset_tables",
     "propagate_cost",
     "rules_choice",
@@ -652,3 +653,18 @@ def with_sharded(
         return others
     pick = min(pool, key=rank)
     return sorted([*others, pick if recost is None else recost(pick)], key=rank)
+
+
+def context_record(c: Candidate, cost: Cost | None, mesh: MeshLike) -> ContextParallel | None:
+    """A candidate's :class:`~spmdkit.planner.plans.ContextParallel`: its context
+    axes, and the attention strategy its cost priced (the propagate estimator's
+    choice for the forward regions, else the analytic model's)."""
+    if not c.context:
+        return None
+    sizes = axis_sizes(mesh)
+    ops = (cost or c.cost).ops.get("attention") or c.cost.ops.get("attention") or {}
+    seq = [s for s in ops if s != "default"] or ["ring"]
+    strategy = max(seq, key=lambda s: ops.get(s, 0))
+    if c.pipeline is not None and strategy not in PIPELINED_STRATEGIES:
+        strategy = PIPELINED_STRATEGIES[0]  # what a pipelined stage runs (and was priced)
+    return ContextParallel(c.context, math.prod(sizes[a] for a in c.context), strategy)

@@ -32,9 +32,10 @@ kind                    when
 ``dropped``             auto left presets out of its runner-up list; asked for
                         pipelines, it costed none or left refused ones out
 ``absent_axes``         a rule table names mesh axes the mesh lacks (dropped)
-``mesh_split``          auto split a mesh axis into two (``data`` into ``pipe × data``
-                        for a pipeline, or into ``data × context`` for context
-                        parallelism): the plan runs on ``plan.mesh``, not the mesh given
+``mesh_split``          the planner split a mesh axis into two (``data`` into ``pipe × data``
+                        for a pipeline, ``data × context`` for context parallelism,
+                        or ``data × expert`` for expert parallelism): the plan runs
+                        on ``plan.mesh``, not the mesh given
 ``replicated``          auto kept every parameter and the batch replicated on a mesh
                         of several devices: its step beside the best sharded plan's
 ======================  =============================================================
@@ -445,10 +446,18 @@ def dropped_note(reasons: Mapping[str, tuple[str, str]]) -> list[PlanNote]:
     ]
 
 
+#: Why a new mesh axis was split off (:func:`mesh_split_note`).
+_SPLIT_FOR = {
+    "pipe": " for a pipeline",
+    "context": " for context parallelism",
+    "expert": " for expert parallelism",
+}
+
+
 def mesh_split_note(given: MeshLike, planned: MeshLike) -> list[PlanNote]:
     """A ``mesh_split`` note when the plan's mesh ``planned`` has other axes than
-    the mesh ``given`` to :func:`sk.plan <spmdkit.plan>` (auto split an axis for a
-    pipeline or for context parallelism); none when they are the same."""
+    the mesh ``given`` to :func:`sk.plan <spmdkit.plan>` (split an axis for a
+    pipeline, context or expert parallelism); none when they are the same."""
     before, after = axis_sizes(given), axis_sizes(planned)
     if before == after:
         return []
@@ -456,12 +465,14 @@ def mesh_split_note(given: MeshLike, planned: MeshLike) -> list[PlanNote]:
     split = [a for a in before if after.get(a) != before[a]]
     old = ", ".join(f"{a}={before[a]}" for a in split) or "the mesh"
     into = " × ".join(f"{a}={n}" for a, n in after.items() if a in new or a in split)
+    reason = "".join(_SPLIT_FOR.get(a, "") for a in new)
     return [
         PlanNote(
             "mesh_split",
-            f"auto split {old} into {into}: the plan runs on its own mesh, not the "
-            "one given; sk.jit, sk.init_sharded and train use plan.mesh.",
-            "to keep the mesh as given, plan a preset or a rule table on it; to plan "
+            f"the planner split {old} into {into}{reason}: the plan runs on its own "
+            "mesh, not the one given; sk.jit, sk.init_sharded and train use plan.mesh.",
+            "to keep the mesh as given, plan a rule table on it (or a preset: ep "
+            "splits it only where the experts would be replicated); to plan "
             "on the split mesh yourself, pass it: "
             f"sk.make_mesh({', '.join(f'{a}={n}' for a, n in after.items())})",
         )

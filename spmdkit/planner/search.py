@@ -27,8 +27,10 @@ picks per parameter group (parameters of the same role in different layers) the
 layout — any assignment of mesh axes to its dims that divides — with the lowest
 step time; if the total exceeds the per-device memory budget, it trades time for
 memory group by group (best Δtime/Δbytes first, including ZeRO-1 and ZeRO-2
-optimizer/gradient sharding). The fastest of the presets and these searched plans that fit the
-budget wins; ties keep the earlier candidate, so the search is deterministic.
+optimizer/gradient sharding); a step with ``moe_experts`` calls on a mesh without an expert
+axis is also searched with its data axis split ``data × expert``
+(:mod:`spmdkit.planner.expert_mesh`). The fastest of the presets and these searched plans
+that fit the budget wins; ties keep the earlier candidate, so the search is deterministic.
 When none fits, :func:`plan` raises an
 :class:`~spmdkit.planner.logical.OverBudgetError` naming the closest candidates
 and what would make one fit (:mod:`spmdkit.planner.budget`); with
@@ -83,6 +85,7 @@ from spmdkit.planner.candidates import (
     Candidate,
     activation_layout,
     batch_axis_choices,
+    context_record,
     preset_tables,
     propagate_cost,
     rules_choice,
@@ -91,12 +94,8 @@ from spmdkit.planner.candidates import (
     step_floor,
     with_sharded,
 )
-from spmdkit.planner.context import (
-    CONTEXT_AXIS,
-    PIPELINED_STRATEGIES,
-    context_axes,
-    context_meshes,
-)
+from spmdkit.planner.context import CONTEXT_AXIS, context_axes, context_meshes
+from spmdkit.planner.expert_mesh import ExpertPlanning
 from spmdkit.planner.levers import auto_recipes, check_fp8
 from spmdkit.planner.logical import (
     ACTIVATION_ALIASES,
@@ -130,7 +129,7 @@ from spmdkit.planner.notes import (
 )
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
 from spmdkit.planner.pipeline.search import PipelinePlanning
-from spmdkit.planner.plans import ContextParallel, Cost, Plan, PyTree, dims_spec
+from spmdkit.planner.plans import Cost, Plan, PyTree, dims_spec
 from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.remat_scan import check_remat_every
@@ -319,7 +318,7 @@ def plan(
             planner.final(strategy, planner.preset(strategy, rules, fixed)), names_from=names_from
         )
         check_placement(out, lambda: infer_names(info), strict=strict)
-        return _noted(out, absent, strict=strict)
+        return _noted(out, [*absent, *mesh_split_note(mesh, out.mesh)], strict=strict)
     if not isinstance(strategy, str):
         table = strategy if rules is None else strategy.prepend(rules)
         out = planner.final("rules", planner.table(table.aliased(aliases), fixed))
@@ -441,7 +440,7 @@ _RECOST_MORE = 6
 
 
 @dataclass
-class _Planner(PipelinePlanning):
+class _Planner(PipelinePlanning, ExpertPlanning):
     """One :func:`plan` call: the model, its parameter groups, the mesh and the
     cost context every candidate is costed in."""
 
@@ -483,9 +482,11 @@ class _Planner(PipelinePlanning):
         """The cost context under ``recipe`` (sharing the memo)."""
         return self.ctx if recipe == self.ctx.recipe else replace(self.ctx, recipe=recipe)
 
-    def fits_batch(self, recipe: Recipe, batch_axes: tuple[str, ...]) -> bool:
-        """Whether each data-parallel replica's batch splits into the micro-batches."""
-        shards = math.prod(self.ctx.sizes[a] for a in batch_axes)
+    def fits_batch(self, recipe: Recipe, batch_axes: tuple[str, ...], mesh: object = None) -> bool:
+        """Whether each data-parallel replica's batch (on ``mesh``, default the
+        plan's) splits into the micro-batches."""
+        sizes = self.ctx.sizes if mesh is None else axis_sizes(mesh)
+        shards = math.prod(sizes[a] for a in batch_axes)
         local = self.ctx.trace.batch_size // max(shards, 1)
         return local % recipe.microbatches == 0 and local >= recipe.microbatches
 
@@ -504,7 +505,10 @@ class _Planner(PipelinePlanning):
         return Candidate(name, choice, act, rules, cost, recipe, context=cp)
 
     def preset(self, name: str, extra: RulesLike | None, recipe: Recipe = PLAIN) -> Candidate:
-        """A preset's candidate (``extra`` rules take priority)."""
+        """A preset's candidate (``extra`` rules take priority); ``ep`` on a split
+        mesh where the experts would be replicated (:mod:`~spmdkit.planner.expert_mesh`)."""
+        if name == "ep" and (split := self.ep_mesh()) is not None:
+            return self.split_ep(split, extra, recipe)
         rules, opt_rules = preset_tables(name, extra, self.mesh, self.aliases)
         return self.costed(
             name, rules_choice(rules, opt_rules, self.groups, self.mesh, name), rules, recipe
@@ -611,7 +615,7 @@ class _Planner(PipelinePlanning):
             state_from=state_from,
             batch_size=self.batch_size,
             memory_budget=self.budget,
-            context=_context_plan(c, cost, self.mesh if c.mesh is None else c.mesh),
+            context=context_record(c, cost, self.mesh if c.mesh is None else c.mesh),
             topology=self.ctx.topology.name,
         )
 
@@ -630,7 +634,7 @@ class _Planner(PipelinePlanning):
         cost = self.recost_memo.get(key)
         if cost is None:
             at = self.at(c.recipe)
-            if c.context:
+            if c.context or c.mesh is not None:
                 at = self.context_ctx(p.mesh, c.recipe, c.context)
             cost = propagate_cost(self.info, self.optimizer, p, at, a)
             self.recost_memo[key] = cost
@@ -688,9 +692,10 @@ class _Planner(PipelinePlanning):
             # a logical name without a rule raises here, as in the presets: the
             # searched layouts never read names, so auto would replicate it silently
             c = self.preset(name, extra, recipe)
-            if self.fits_batch(recipe, c.activation.get("batch", ())):
+            if self.fits_batch(recipe, c.activation.get("batch", ()), c.mesh):
                 out.append(c)
-        return out + self.searched(recipe) + self.context_searched(recipe)
+        out += self.searched(recipe) + self.expert_searched(recipe)
+        return out + self.context_searched(recipe)
 
     def analytic_candidates(self, extra: RulesLike | None, fixed: Recipe | None) -> list[Candidate]:
         """Candidates over the recipes (:meth:`recipes`): per remat policy and
@@ -933,21 +938,6 @@ class _Planner(PipelinePlanning):
             reasons |= {n: why for n, why in self.dropped.items() if n not in names}
             notes += dropped_note({n: reasons[n] for n in PRESETS if n in reasons})
         return replace(out, alternatives=alternatives, chosen=best.name, notes=tuple(notes))
-
-
-def _context_plan(c: Candidate, cost: Cost | None, mesh: MeshLike) -> ContextParallel | None:
-    """A candidate's :class:`~spmdkit.planner.plans.ContextParallel`: its context
-    axes, and the attention strategy its cost priced (the propagate estimator's
-    choice for the forward regions, else the analytic model's)."""
-    if not c.context:
-        return None
-    sizes = axis_sizes(mesh)
-    ops = (cost or c.cost).ops.get("attention") or c.cost.ops.get("attention") or {}
-    seq = [s for s in ops if s != "default"] or ["ring"]
-    strategy = max(seq, key=lambda s: ops.get(s, 0))
-    if c.pipeline is not None and strategy not in PIPELINED_STRATEGIES:
-        strategy = PIPELINED_STRATEGIES[0]  # what a pipelined stage runs (and was priced)
-    return ContextParallel(c.context, math.prod(sizes[a] for a in c.context), strategy)
 
 
 def _rest(cost: Cost) -> float:

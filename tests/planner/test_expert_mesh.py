@@ -1,0 +1,201 @@
+"""spmdkit.planner.expert_mesh: auto (and the ep preset) plan expert parallelism on a
+mesh without an expert axis by splitting its data axis into data × expert."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import spmdkit as sk
+from spmdkit.flax import describe
+from spmdkit.planner.expert_mesh import EXPERT_AXIS, expert_counts, expert_meshes
+from spmdkit.planner.trace import trace_step
+
+GIB = 2**30
+V, D, F, E, K = 256, 1024, 4096, 8, 2  # experts large beside the tokens: EP wins
+B, S = 64, 64
+
+
+class Decoder(nnx.Module):
+    def __init__(self, rngs, *, experts=E):
+        init = jax.nn.initializers.normal(0.5)
+        self.embed = nnx.Param(init(rngs.params(), (V, D)), out_sharding=("vocab", "embed"))
+        self.moe = sk.nn.MoE(D, n_experts=experts, top_k=K, d_ff_expert=F, rngs=rngs)
+        self.head = nnx.Param(init(rngs.params(), (D, V)), out_sharding=("embed", "vocab"))
+
+    def __call__(self, tokens):
+        x = self.embed[...][tokens]
+        y, aux = self.moe(x)
+        return (x + y) @ self.head[...], aux
+
+
+def decoder_loss(model, batch):
+    logits, aux = model(batch["tokens"])
+    return sk.nn.cross_entropy(logits, batch["targets"]) + aux
+
+
+@pytest.fixture(scope="module")
+def info():
+    batch = {k: jax.ShapeDtypeStruct((B, S), jnp.int32) for k in ("tokens", "targets")}
+    with nnx.use_eager_sharding(False):
+        return describe(lambda: Decoder(nnx.Rngs(0)), loss=decoder_loss, batch=batch)
+
+
+def _sizes(mesh):
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def test_the_split_meshes(info):
+    assert expert_counts(trace_step(info, None)) == (E,)
+    got = [_sizes(m) for m in expert_meshes(sk.abstract_mesh(data=64), (8,))]
+    assert got == [{"data": 32, "expert": 2}, {"data": 16, "expert": 4}, {"data": 8, "expert": 8}]
+    # the degree divides every call's experts; the other axes are kept
+    got = [_sizes(m) for m in expert_meshes(sk.abstract_mesh(data=12, model=2), (8, 4))]
+    assert got == [{"data": 6, "expert": 2, "model": 2}, {"data": 3, "expert": 4, "model": 2}]
+    # a mesh with an expert-role axis, or a step without moe_experts, is not split
+    assert expert_meshes(sk.abstract_mesh(data=8, ep=2), (8,)) == []
+    assert expert_meshes(sk.abstract_mesh(data=16), ()) == []
+    assert expert_meshes(sk.abstract_mesh(data=7), (8,)) == []
+
+
+def test_auto_splits_the_data_axis_where_ep_wins(info):
+    mesh = sk.abstract_mesh(data=16)  # 8 experts do not divide 16 devices
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = sk.plan(info, mesh, "auto")
+    sizes = _sizes(p.mesh)
+    assert EXPERT_AXIS in sizes and sizes["data"] * sizes[EXPERT_AXIS] == 16
+    assert set(p.activation["batch"]) == {"data", EXPERT_AXIS}  # the batch over all 16
+    (note,) = [n for n in p.notes if n.kind == "mesh_split"]
+    assert "for expert parallelism" in note.message and "data=16 into data=" in note.message
+    assert p.cost.peak_bytes <= 80 * GIB
+    # every candidate on the mesh as given is slower
+    unsplit = [c.step_time_s for name, c in p.alternatives if "expert" not in name and name != "ep"]
+    assert unsplit and p.cost.step_time_s < min(unsplit)
+    assert p == sk.Plan.from_json(p.to_json())
+
+
+def test_the_ep_preset_splits_where_the_experts_would_be_replicated(info):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = sk.plan(info, sk.abstract_mesh(data=16), "ep", estimator="analytic")
+        kept = sk.plan(info, sk.abstract_mesh(data=8), "ep", estimator="analytic")
+    assert _sizes(p.mesh) == {"data": 2, "expert": 8}
+    assert p.params["moe/w_down"][0] == EXPERT_AXIS
+    assert p.activation["batch"] == ("data", EXPERT_AXIS)
+    assert [n.kind for n in p.notes].count("mesh_split") == 1
+    assert p.cost.comm_bytes["all_to_all"] > 0
+    # 8 experts on data=8: one each, the mesh as given
+    assert _sizes(kept.mesh) == {"data": 8} and kept.params["moe/w_down"][0] == "data"
+    assert not [n for n in kept.notes if n.kind == "mesh_split"]
+
+
+def test_a_dense_model_is_not_split():
+    batch = {"x": jax.ShapeDtypeStruct((16, 64), jnp.float32)}
+
+    class Dense(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jnp.zeros((64, 64)), out_sharding=("embed", "mlp"))
+
+        def __call__(self, x):
+            return x @ self.w[...]
+
+    with nnx.use_eager_sharding(False):
+        dense = describe(lambda: Dense(nnx.Rngs(0)), loss=lambda m, b: m(b["x"]).sum(), batch=batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = sk.plan(dense, sk.abstract_mesh(data=16), "auto", estimator="analytic")
+    assert _sizes(p.mesh) == {"data": 16}
+    assert not [n for n in p.notes if n.kind == "mesh_split"]
+
+
+@pytest.mark.slow
+def test_the_split_ep_plan_runs_on_8_devices():
+    """The ep preset on ``make_mesh(data=8)`` with 4 experts splits the devices'
+    mesh into data=2 × expert=4 (a real ``Mesh``); the planned step equals the
+    one-device step."""
+    v, d, f, b, s = 32, 16, 32, 8, 8
+
+    class Small(nnx.Module):
+        def __init__(self, rngs):
+            init = jax.nn.initializers.normal(0.5)
+            self.embed = nnx.Param(init(rngs.params(), (v, d)), out_sharding=("vocab", "embed"))
+            self.moe = sk.nn.MoE(d, n_experts=4, top_k=K, d_ff_expert=f, rngs=rngs)
+            self.head = nnx.Param(init(rngs.params(), (d, v)), out_sharding=("embed", "vocab"))
+
+        def __call__(self, tokens):
+            x = self.embed[...][tokens]
+            y, aux = self.moe(x)
+            return (x + y) @ self.head[...], aux
+
+    toks = np.random.default_rng(0).integers(0, v, (b, s + 1)).astype(np.int32)
+    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
+    with nnx.use_eager_sharding(False):
+        small = describe(lambda: Small(nnx.Rngs(0)), loss=decoder_loss, batch=batch)
+    params = small.init_fn()
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(small.loss_fn))(params, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = sk.plan(small, sk.make_mesh(data=8), "ep")
+    assert isinstance(plan.mesh, jax.sharding.Mesh)
+    assert _sizes(plan.mesh) == {"data": 2, "expert": 4}
+    assert plan.params["moe/w_down"][0] == EXPERT_AXIS
+    step = sk.jit(sk.value_and_grad(small.train_loss, plan), plan)
+    placed = jax.device_put(params, plan.param_shardings(small.abstract_params))
+    loss, grads = step(placed, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_mixtral_8x7b_dropless_on_64_devices_fits_with_the_data_axis_split():
+    """Issue 44's acceptance: a Mixtral 8x7B-shaped dropless model (the zoo's config,
+    its MLP an ``sk.nn.MoE``) on ``abstract_mesh(data=64)``, batch 256 of 4,096
+    tokens: auto fits 80 GiB by splitting data=64 into data × expert (8 experts do
+    not divide 64 devices: on the mesh as given they are replicated)."""
+    from models import moe as zoo
+    from models.gpt import lm_batch
+    from models.layers import make_layers
+    from models.llama import GQAttention, rms_norm
+
+    class Block(nnx.Module):
+        def __init__(self, cfg, *, rngs):
+            self.attn_norm, self.attn = rms_norm(cfg), GQAttention(cfg, rngs=rngs)
+            self.mlp_norm = rms_norm(cfg)
+            self.moe = sk.nn.MoE(
+                cfg.d_model,
+                n_experts=cfg.n_experts,
+                top_k=cfg.top_k,
+                d_ff_expert=cfg.d_mlp,
+                rngs=rngs,
+                param_dtype=cfg.param_dtype,
+            )
+
+        def __call__(self, x):
+            x = x + self.attn(self.attn_norm(x))
+            y, aux = self.moe(self.mlp_norm(x))
+            return x + y, aux
+
+    class Dropless(zoo.MoE):
+        def __init__(self, cfg, *, rngs):
+            super().__init__(cfg, rngs=rngs)
+            self.layers = make_layers(cfg, rngs, Block)
+
+    cfg = zoo.CONFIGS["mixtral_8x7b"]()
+    with nnx.use_eager_sharding(False):
+        mixtral = describe(
+            lambda: Dropless(cfg, rngs=nnx.Rngs(0)),
+            loss=zoo.moe_loss,
+            batch=lm_batch(cfg, 256, None),
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = sk.plan(mixtral, sk.abstract_mesh(data=64), "auto")
+    assert p.cost.peak_bytes <= 80 * GIB
+    sizes = _sizes(p.mesh)
+    assert sizes.get(EXPERT_AXIS, 1) > 1 and sizes["data"] * sizes[EXPERT_AXIS] == 64
+    assert [n.kind for n in p.notes].count("mesh_split") == 1
