@@ -11,6 +11,7 @@ from flax import nnx
 
 import spmdkit as sk
 from spmdkit.flax import describe
+from spmdkit.models import get_model
 from spmdkit.planner.expert_mesh import EXPERT_AXIS, expert_counts, expert_meshes
 from spmdkit.planner.trace import trace_step
 
@@ -153,45 +154,11 @@ def test_the_split_ep_plan_runs_on_8_devices():
 
 @pytest.mark.slow
 def test_mixtral_8x7b_dropless_on_64_devices_fits_with_the_data_axis_split():
-    """Issue 44's acceptance: a Mixtral 8x7B-shaped dropless model (the zoo's config,
-    its MLP an ``sk.nn.MoE``) on ``abstract_mesh(data=64)``, batch 256 of 4,096
-    tokens: auto fits 80 GiB by splitting data=64 into data × expert (8 experts do
-    not divide 64 devices: on the mesh as given they are replicated)."""
-    from models import moe as zoo
-    from models.gpt import lm_batch
-    from models.layers import make_layers
-    from models.llama import GQAttention, rms_norm
-
-    class Block(nnx.Module):
-        def __init__(self, cfg, *, rngs):
-            self.attn_norm, self.attn = rms_norm(cfg), GQAttention(cfg, rngs=rngs)
-            self.mlp_norm = rms_norm(cfg)
-            self.moe = sk.nn.MoE(
-                cfg.d_model,
-                n_experts=cfg.n_experts,
-                top_k=cfg.top_k,
-                d_ff_expert=cfg.d_mlp,
-                rngs=rngs,
-                param_dtype=cfg.param_dtype,
-            )
-
-        def __call__(self, x):
-            x = x + self.attn(self.attn_norm(x))
-            y, aux = self.moe(self.mlp_norm(x))
-            return x + y, aux
-
-    class Dropless(zoo.MoE):
-        def __init__(self, cfg, *, rngs):
-            super().__init__(cfg, rngs=rngs)
-            self.layers = make_layers(cfg, rngs, Block)
-
-    cfg = zoo.CONFIGS["mixtral_8x7b"]()
-    with nnx.use_eager_sharding(False):
-        mixtral = describe(
-            lambda: Dropless(cfg, rngs=nnx.Rngs(0)),
-            loss=zoo.moe_loss,
-            batch=lm_batch(cfg, 256, None),
-        )
+    """Issue 44's acceptance: Mixtral 8x7B dropless (the zoo's ``qwen3_moe`` decoder
+    at ``mixtral_8x7b``: 8 experts top-2, ``sk.nn.MoE``) on ``abstract_mesh(data=64)``,
+    batch 256 of 4,096 tokens: auto fits 80 GiB by splitting data=64 into data × expert
+    (8 experts do not divide 64 devices: on the mesh as given they are replicated)."""
+    mixtral = describe(get_model("qwen3_moe"), config="mixtral_8x7b", batch_size=256)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = sk.plan(mixtral, sk.abstract_mesh(data=64), "auto")
