@@ -12,7 +12,9 @@ average pooling and transposed convolutions; an NNX conv net with
 Each model comes as a :class:`ZooCase`: how to build it, a loss, a batch.
 :data:`OUTSIDE` adds the models of ``tests/zoo/outside.py``: transformers with their
 own attention (GPT-2, BERT, Llama), an MLP-Mixer and conv nets with batch norm or
-depthwise convolutions, as their authors write them outside spmdkit.
+depthwise convolutions, as their authors write them outside spmdkit. :data:`MOE`
+holds a mixture-of-experts decoder of ``tests/zoo/moe.py`` (``jnp.argsort`` and
+``jax.lax.ragged_dot``), planned with every preset, not only the zoo's.
 """
 
 from __future__ import annotations
@@ -423,3 +425,23 @@ def _outside() -> dict:
 #: The models written outside spmdkit's habits (tests/zoo/outside.py).
 OUTSIDE = _outside()
 ZOO.update(OUTSIDE)
+
+
+def _moe() -> dict:
+    """The user's own MoE decoder of tests/zoo/moe.py as a case."""
+    from tests.zoo import moe
+
+    return {
+        "moe_ragged": ZooCase(
+            "moe_ragged",
+            "linen",
+            moe.MoeDecoder,
+            moe.moe_loss,
+            lambda: _tokens(8, 16, 64, 13),
+            lambda: (jnp.zeros((8, 16), jnp.int32),),
+        )
+    }
+
+
+#: Models planned with every preset and auto, outside the zoo's sampled matrix.
+MOE = _moe()

@@ -4,6 +4,9 @@ Each case's glue (what the user writes besides the model, loss and batch) is the
 keyword arguments of ``sk.plan`` below, counted in lines. The full matrix is
 slow; the default suite runs the glue count, the unnamed NNX decoder end to end, and
 three train steps of the two models with batch statistics (state, not parameters).
+A user's own mixture-of-experts decoder (``jnp.argsort`` and ``jax.lax.ragged_dot``,
+tests/zoo/moe.py) runs with every preset and auto; its one default-tier case is
+expert parallelism on 2x4.
 """
 
 import warnings
@@ -15,8 +18,9 @@ import pytest
 
 import spmdkit as sk
 from spmdkit.flax import describe
+from spmdkit.strategies import PRESETS
 from tests.sampling import latin, sampled
-from tests.zoo.models import OUTSIDE, ZOO
+from tests.zoo.models import MOE, OUTSIDE, ZOO
 
 # The user's glue per model, as written: keyword arguments of sk.plan beyond
 # model/loss/batch (counted in lines).
@@ -40,6 +44,7 @@ GLUE_SOURCE = {
     "vgg_linen": "",
     "resnet_nnx": "",
     "convnext_linen": "",
+    "moe_ragged": "",
 }
 GLUE = {name: eval(f"dict({src})") for name, src in GLUE_SOURCE.items()}
 #: Per-device FLOP/s auto plans for: a CPU-class device, what the zoo's sizes run on
@@ -68,6 +73,31 @@ KNOWN_VERIFY_MISSES_JAX_012: frozenset = frozenset({
 })  # fmt: skip
 
 
+#: Rows of plan.verify the user's MoE (tests/zoo/moe.py) misses today, per model,
+#: strategy and mesh; the test asserts exactly these miss, so a fix (or a new miss)
+#: fails it. The peak memory is not compared: on CPU it misses in all cases but one
+#: (megatron_sp on 2x4 under jax 0.12), above the plan: XLA:CPU lowers
+#: ``ragged_dot`` by masking the rows of each group and contracting them densely, an
+#: f32[4, 256, 64] (groups x sorted rows x hidden) buffer per grouped GEMM that a GPU's
+#: grouped GEMM never makes and the plan does not count (one device's step: 2.6 MB of
+#: temporaries). The collectives below miss on jax 0.10.2 and 0.12 alike: XLA
+#: all-reduces more of the sorted rows' gradients (f32[256, 32], 32 KiB each) than
+#: propagation prices: 192 KiB more under fsdp (both meshes) and auto on 2x4, 152 and
+#: 144 KiB under tp_fsdp (2x4, 4x2) with 16 and 8 KiB more all-gathered; megatron
+#: all-gathers 24 and 12 KiB more. Not diagnosed further yet.
+KNOWN_ROW_MISSES: dict = {
+    "moe_ragged": {
+        ("fsdp", (2, 4)): frozenset({"all_reduce", "collectives total"}),
+        ("fsdp", (4, 2)): frozenset({"all_reduce", "collectives total"}),
+        ("megatron", (2, 4)): frozenset({"all_gather"}),
+        ("megatron", (4, 2)): frozenset({"all_gather"}),
+        ("tp_fsdp", (2, 4)): frozenset({"all_gather", "all_reduce", "collectives total"}),
+        ("tp_fsdp", (4, 2)): frozenset({"all_gather", "all_reduce", "collectives total"}),
+        ("auto", (2, 4)): frozenset({"all_reduce", "collectives total"}),
+    }
+}
+
+
 def glue_lines(name):
     """Lines of user glue for a zoo model."""
     return len(GLUE_SOURCE[name].splitlines())
@@ -92,7 +122,7 @@ def _grad_fn(info):
 
 def _reference(name):
     if name not in _CACHE:
-        case = ZOO[name]
+        case = {**ZOO, **MOE}[name]
         batch = case.batch()
         info = describe(case.model(), loss=case.loss, batch=batch, init_args=case.init_args())
         args = (info.init_fn(), batch) + ((info.init_state_fn(),) if info.has_state else ())
@@ -150,12 +180,17 @@ def _check(name, strategy, shape):
         known = known | KNOWN_VERIFY_MISSES_JAX_012
     if (name, strategy, shape) in known:
         assert not report.ok, f"fixed: remove {(name, strategy, shape)} from the known misses"
+    elif name in KNOWN_ROW_MISSES:
+        missed = {what for what, _, _, ok in report.rows if not ok} - {"peak memory"}
+        want = KNOWN_ROW_MISSES[name].get((strategy, shape), frozenset())
+        assert missed == want, f"known misses {sorted(want)}, now {sorted(missed)}:\n{report}"
     else:
         assert report.ok, str(report)
+    return p
 
 
 def test_glue_is_at_most_ten_lines():
-    assert {name: glue_lines(name) for name in ZOO} == {
+    assert {name: glue_lines(name) for name in {**ZOO, **MOE}} == {
         "nnx_decoder": 0,
         "linen_decoder": 4,
         "resnet": 0,
@@ -169,8 +204,9 @@ def test_glue_is_at_most_ten_lines():
         "vgg_linen": 0,
         "resnet_nnx": 0,
         "convnext_linen": 0,
+        "moe_ragged": 0,
     }
-    assert max(glue_lines(name) for name in ZOO) <= 10
+    assert max(glue_lines(name) for name in GLUE) <= 10
 
 
 @pytest.mark.slow
@@ -272,3 +308,34 @@ def test_auto_shards_and_is_at_most_the_best_preset(name, shape):
         costs = [sk.plan(info, mesh, n, **kw).cost for n in STRATEGIES[:-1]]
     fitting = [c.step_time_s for c in costs if c.peak_bytes <= kw["memory_budget"]]
     assert fitting and auto.cost.step_time_s <= min(fitting) * (1 + 1e-9), fitting
+
+
+#: The user's MoE under every preset and auto on both meshes. CI's slow step runs
+#: each strategy on one mesh, alternating (tests/sampling.py); the default tier runs
+#: expert parallelism on 2x4.
+MOE_STRATEGIES = (*PRESETS, "auto")
+_MOE_CHEAP = ("ep", (2, 4))
+_MOE_SAMPLE = latin(MOE_STRATEGIES, MESHES)
+
+
+def _moe_case(strategy, shape):
+    marks = []
+    if (strategy, shape) != _MOE_CHEAP:
+        marks.append(pytest.mark.slow)
+        if (strategy, shape) not in _MOE_SAMPLE:
+            marks.append(pytest.mark.full)
+    return pytest.param(strategy, shape, marks=marks, id=f"{strategy}-{_mesh_id(shape)}")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shape"),
+    [_moe_case(s, shape) for s in MOE_STRATEGIES for shape in MESHES],
+)
+def test_a_users_argsort_ragged_dot_moe_plans_matches_and_verifies(strategy, shape):
+    """tests/zoo/moe.py: no spmdkit layer, no sharding names. Every preset and auto
+    plan it (rules for argsort, bincount and ragged_dot_general: no replication
+    warning), the step's loss and grads are one device's, and plan.verify holds but
+    for :data:`KNOWN_ROW_MISSES`."""
+    p = _check("moe_ragged", strategy, shape)
+    if strategy == "ep":  # the experts over the model axis: expert parallelism
+        assert p.params["params/moe_0/w_gate"] == jax.sharding.PartitionSpec("model")
