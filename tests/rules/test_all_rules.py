@@ -51,9 +51,17 @@ QUICK_OPS = frozenset(
 #: step, which also runs the op's full sweep; the op's other sample sweeps stay.
 SLOW_SAMPLES = {
     "test_numeric_sweep_1d": frozenset(
-        {"log_softmax", "reduce_mean", "reduce_min", "reduce_prod", "reduce_window_min", "softmax"}
+        {
+            "log_softmax",
+            "moe_experts",
+            "reduce_mean",
+            "reduce_min",
+            "reduce_prod",
+            "reduce_window_min",
+            "softmax",
+        }
     ),
-    "test_numeric_sweep_2d": frozenset({"add_n", "log_softmax", "sync_batch_norm"}),
+    "test_numeric_sweep_2d": frozenset({"add_n", "log_softmax", "moe_experts", "sync_batch_norm"}),
     "test_uneven_sweep_1d": frozenset(
         {"log_softmax", "reduce_prod", "relu", "softmax", "softmax_cross_entropy"}
     ),
