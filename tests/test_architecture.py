@@ -257,3 +257,93 @@ def test_the_figure_check_tells_a_measurement_from_a_shape(tmp_path):
         '"""Took 2.5 s and 1.2 GiB, 3× faster (30%) on a 2 x 4 mesh, 8x7B, 2 × rows."""\n'
     )
     assert _measured_figures(path) == ["2.5 s", "1.2 GiB", "3×", "30%"]
+
+
+# -- collaborators are built whole (STYLE.md 17) -------------------------------------------
+
+#: The packages whose objects get every field from their constructor.
+BUILT_WHOLE = ("spmdkit/planner", "spmdkit/engine", "spmdkit/propagation")
+#: ``path: target`` assignments allowed from outside an object's own methods, and why.
+SET_OUTSIDE = {
+    # a jax primitive is declared by setting its attributes (jax's own API)
+    "spmdkit/engine/region.py: _forward_p.multiple_results",
+    "spmdkit/engine/region.py: _grad_p.multiple_results",
+    # the registry stamps a rule with the family it was registered from
+    "spmdkit/engine/registry.py: rule.family",
+    # the flattened program is an IR that its build and dead-code passes rewrite
+    "spmdkit/propagation/graph.py: node.kind",
+    "spmdkit/propagation/graph.py: node.subs",
+    "spmdkit/propagation/graph.py: g.outs",
+    "spmdkit/propagation/graph.py: graph.all_nodes",
+    "spmdkit/propagation/graph.py: graph.nodes",
+    "spmdkit/propagation/graph.py: graph._vids",
+    "spmdkit/propagation/regions.py: graph.nodes",
+}
+
+
+def fields_set_outside(root: pathlib.Path, packages: tuple[str, ...]) -> set[str]:
+    """``path: target`` of every attribute assignment (plain, augmented, annotated,
+    unpacked) whose object is not ``self`` or ``cls``, in ``packages`` under ``root``."""
+    found = set()
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Assign):
+                    targets = list(node.targets)
+                elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                    targets = [node.target]
+                else:
+                    continue
+                while targets:
+                    t = targets.pop()
+                    if isinstance(t, ast.Tuple | ast.List | ast.Starred):
+                        targets += t.elts if not isinstance(t, ast.Starred) else [t.value]
+                    elif isinstance(t, ast.Attribute) and not (
+                        isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")
+                    ):
+                        found.add(f"{path.relative_to(root).as_posix()}: {ast.unparse(t)}")
+    return found
+
+
+def test_no_planner_engine_or_propagation_field_is_set_from_outside():
+    """A planner, engine or propagation object gets its fields when built
+    (``planner_for``, ``Engine(..., GraphFacts)``), never set by whoever built it;
+    :data:`SET_OUTSIDE` lists the exceptions, each still present."""
+    found = fields_set_outside(REPO, BUILT_WHOLE)
+    assert sorted(found - SET_OUTSIDE) == []
+    assert sorted(SET_OUTSIDE - found) == []  # a fixed exception leaves the list
+
+
+def test_the_field_check_catches_a_collaborator_set_after_building(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        textwrap.dedent(
+            """
+            class A:
+                def __init__(self):
+                    self.x = 1
+            def build():
+                a = A()
+                a.x, (a.y, b) = 2, (3, 4)
+                a.engine.z += 1
+                return a
+            """
+        )
+    )
+    assert fields_set_outside(tmp_path, ("pkg",)) == {
+        "pkg/m.py: a.x",
+        "pkg/m.py: a.y",
+        "pkg/m.py: a.engine.z",
+    }
+
+
+#: ``sk.plan``'s body (docstring excluded) stays a page: the options are values
+#: (``CostModel``, ``SearchOptions``) and each mode a call.
+MAX_PLAN_BODY_LINES = 40
+
+
+def test_plan_body_stays_short():
+    tree = ast.parse((REPO / "spmdkit/planner/search.py").read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "plan"]
+    first = fn.body[1] if ast.get_docstring(fn) is not None else fn.body[0]
+    assert fn.end_lineno - first.lineno + 1 <= MAX_PLAN_BODY_LINES

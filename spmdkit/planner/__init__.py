@@ -12,6 +12,7 @@ traced loss; the tensor-parallel placement check), ``plans`` (``Plan`` and
 per-parameter cost model), ``trace`` (the train step traced once per model),
 ``candidates`` (the layouts considered and their cost by propagation),
 ``notes`` (what a plan does that nobody asked for, as ``PlanNote`` s),
+``options`` (``CostModel`` and ``SearchOptions``: what ``plan`` is asked),
 ``search`` (:func:`plan` and the search), ``pipeline`` (pipelined plans: the
 pipe meshes and configurations searched, their cost, the plan).
 """
@@ -28,6 +29,7 @@ from spmdkit.planner.logical import (
     preset_rules,
 )
 from spmdkit.planner.notes import PlanNote, PlanNoteError, PlanNoteWarning
+from spmdkit.planner.options import CostModel, SearchOptions
 from spmdkit.planner.plans import Cost, Plan, PlannedStep
 from spmdkit.planner.search import plan
 
@@ -36,6 +38,7 @@ __all__ = [
     "PARAM_NAMES",
     "PRESETS",
     "Cost",
+    "CostModel",
     "LogicalRules",
     "OverBudgetError",
     "Plan",
@@ -44,6 +47,7 @@ __all__ = [
     "PlanNoteError",
     "PlanNoteWarning",
     "PlannedStep",
+    "SearchOptions",
     "UnknownLogicalAxisError",
     "axis_roles",
     "plan",

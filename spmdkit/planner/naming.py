@@ -116,9 +116,10 @@ def _sub_jaxpr(eqn: Any) -> Any:
 class _Walk:
     """One pass over the loss's forward jaxpr (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: dict[str, int]) -> None:
         self.roles: dict[str, Role] = {}
-        self.ranks: dict[str, int] = {}
+        #: parameter path → its rank
+        self.ranks = ranks
         self.vocab: set[int] = set()
         self.head: tuple[str, int] | None = None
         self.last_dot: str | None = None
@@ -332,8 +333,7 @@ def _infer(info: ModelInfo) -> dict[str, Role]:
         v: (path_str(kp), tuple(range(len(leaf.shape))))
         for (kp, leaf), v in zip(leaves, closed.jaxpr.invars, strict=False)
     }
-    walk = _Walk()
-    walk.ranks = {p.path: len(p.shape) for p in info.params}
+    walk = _Walk({p.path: len(p.shape) for p in info.params})
     walk.run(closed.jaxpr, dict(tracked), set())
     walk.name_head()
     for p in info.params:

@@ -30,8 +30,17 @@ from spmdkit.master import stored_dtype
 from spmdkit.mesh import auto_mesh
 from spmdkit.pipeline import Pipeline
 from spmdkit.planner.context import causal_shares
-from spmdkit.planner.logical import LogicalRules, PlanError
-from spmdkit.planner.notes import PlanNote
+from spmdkit.planner.logical import PRESETS, SHARDED_OPT_PRESETS, LogicalRules, PlanError
+from spmdkit.planner.notes import (
+    PlanNote,
+    asked_batch_axes,
+    batch_field_notes,
+    batch_notes,
+    idle_axis_notes,
+    no_batch_rule_note,
+    raise_if_strict,
+    warn_notes,
+)
 from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.util import fmt_bytes, fmt_time, path_str
@@ -44,6 +53,8 @@ __all__ = [
     "PlannedStep",
     "PyTree",
     "dims_spec",
+    "layout_notes",
+    "noted",
     "spec_dims",
 ]
 
@@ -852,3 +863,38 @@ def _spec_text(spec: P) -> str:
     for e in tuple(spec):
         parts.append("_" if e is None else e if isinstance(e, str) else "(" + ",".join(e) + ")")
     return "[" + ",".join(parts) + "]" if parts else "[]"
+
+
+# -- a finished plan's notes ----------------------------------------------------------
+
+
+def noted(out: Plan, notes: list[PlanNote], *, strict: bool) -> Plan:
+    """The plan with its notes (``notes`` and its layout's,
+    :func:`layout_notes`), each warned on the caller of :func:`plan`;
+    ``strict``: raise instead."""
+    notes = [*notes, *layout_notes(out)]
+    raise_if_strict(notes, out.strategy, strict=strict)
+    warn_notes(notes, stacklevel=3)  # noted, plan, its caller
+    return replace(out, notes=tuple(notes))
+
+
+def layout_notes(plan: Plan) -> list[PlanNote]:
+    """The notes a finished plan's layout calls for (:mod:`spmdkit.planner.notes`):
+    idle mesh axes, a batch off the axes its rule asks for, a batch no rule places."""
+    name = plan.chosen or plan.strategy
+    specs = [s for table in (plan.params, plan.opt, plan.grads, plan.state) for s in table.values()]
+    activation = dict(plan.activation)
+    if plan.pipeline is not None:
+        activation["<pipeline>"] = (plan.pipeline.axis,)
+    preset = name in PRESETS or name in SHARDED_OPT_PRESETS
+    out = idle_axis_notes(plan.mesh, specs, activation, by_role=preset)
+    asked, who = asked_batch_axes(plan.rules, plan.mesh)
+    if plan.rules is not None:
+        who = f"the {name!r} rule table" if preset else "the rule table"
+    chosen = plan.activation.get("batch", ())
+    out += batch_notes(plan.mesh, plan.batch_size, chosen, asked, who)
+    if not chosen:
+        out += no_batch_rule_note(plan.rules, plan.batch_size)
+    if plan.activation:
+        out += batch_field_notes(plan.batch_axes, plan.activation)
+    return out

@@ -98,38 +98,29 @@ from spmdkit.planner.context import CONTEXT_AXIS, context_axes, context_meshes
 from spmdkit.planner.expert_mesh import ExpertPlanning
 from spmdkit.planner.levers import auto_recipes, check_fp8
 from spmdkit.planner.logical import (
-    ACTIVATION_ALIASES,
     BATCH_NAMES,
     PRESETS,
-    SHARDED_OPT_PRESETS,
     LogicalRules,
     PlanError,
     RulesLike,
-    check_aliases,
 )
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
 from spmdkit.planner.notes import (
     RECOST_OVER_BUDGET,
     PlanNote,
     absent_axes_note,
-    asked_batch_axes,
-    batch_field_notes,
-    batch_notes,
     dropped_note,
     floored_reasons,
-    idle_axis_notes,
     mesh_split_note,
-    no_batch_rule_note,
     not_recosted,
-    raise_if_strict,
     recipe_note,
     refuse_typod_axes,
     replicated_note,
-    warn_notes,
 )
+from spmdkit.planner.options import CostModel, SearchOptions, given
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
 from spmdkit.planner.pipeline.search import PipelinePlanning
-from spmdkit.planner.plans import Cost, Plan, PyTree, dims_spec
+from spmdkit.planner.plans import Cost, Plan, PyTree, dims_spec, noted
 from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.remat_scan import check_remat_every
@@ -177,6 +168,8 @@ def plan(
     allow_fp8: bool = False,
     allow_master_weights: bool = False,
     allow_over_budget: bool = False,
+    cost_model: CostModel | None = None,
+    options: SearchOptions | None = None,
 ) -> Plan:
     """Plan a model's train step on a mesh.
 
@@ -261,6 +254,13 @@ def plan(
       allow_over_budget: with ``"auto"``, when no candidate fits
         ``memory_budget``, return the closest (with a warning) instead of
         raising :class:`~spmdkit.planner.logical.OverBudgetError`.
+      cost_model: ``topology``, ``estimator``, ``memory_budget`` and
+        ``peak_flops`` as one value (:class:`~spmdkit.planner.options.CostModel`),
+        instead of those keywords.
+      options: ``pipeline``, ``aliases``, ``allow_fp8``,
+        ``allow_master_weights``, ``allow_over_budget`` and ``strict`` as one
+        value (:class:`~spmdkit.planner.options.SearchOptions`), instead of those
+        keywords.
 
     Returns:
       The :class:`Plan`.
@@ -273,7 +273,9 @@ def plan(
         UnknownLogicalAxisError: a logical name has no rule (auto included);
         PipelineError: a pipeline the mesh or model cannot run; PlanError:
         ``allow_fp8`` on a device without float8 matmuls; UnknownAxisError: a rule
-        table names a near miss of a mesh axis (it says which).
+        table names a near miss of a mesh axis (it says which); PlanError: an
+        option out of range, or given both in ``cost_model``/``options`` and as a
+        keyword.
 
     Example::
 
@@ -282,6 +284,13 @@ def plan(
         >>> p = sk.plan(get_model("llama"), mesh, config="8b", batch_size=512)
         >>> print(p)  # doctest: +SKIP
     """
+    costs = given(cost_model, CostModel(topology, estimator, memory_budget, peak_flops))
+    opts = given(
+        options,
+        SearchOptions(
+            pipeline, aliases, allow_fp8, allow_master_weights, allow_over_budget, strict
+        ),
+    )
     mesh = _check_mesh(mesh)
     info = describe(
         model,
@@ -293,48 +302,49 @@ def plan(
         init_args=init_args,
         axis_names=axis_names,
     )
-    aliases = {**ACTIVATION_ALIASES, **check_aliases(aliases)}
-    info = _batch_names(info, aliases)
-    strategy, rules, absent = _foreign_tables(strategy, rules, mesh, aliases)
-    if pipeline is not None and strategy != "auto":
-        named, names_from = apply_names(info, names, lambda: infer_names(info))
-        pipeline_submesh(mesh, pipeline, named, recipe)
-        planner = planner_for(
-            named, mesh, optimizer, topology, peak_flops, memory_budget, estimator
-        )
-        planner.aliases = aliases
-        name, c, cost = planner.pipelined_strategy(strategy, rules, recipe, pipeline)
-        out = replace(planner.make_plan(name, c, cost), names_from=names_from)
-        check_pipelined(named, out)
-        check_placement(out, lambda: infer_names(info), strict=strict)
-        return _noted(out, absent, strict=strict)
+    info = _batch_names(info, opts.alias_map)
+    strategy, rules, absent = _foreign_tables(strategy, rules, mesh, opts.alias_map)
+    if opts.pipeline is not None and strategy != "auto":
+        out = _pipelined_preset(info, mesh, strategy, rules, recipe, names, optimizer, costs, opts)
+        return noted(out, absent, strict=opts.strict)
     _check_recipe(recipe)
-    info, names_from = apply_names(info, names, lambda: infer_names(info))
-    planner = planner_for(info, mesh, optimizer, topology, peak_flops, memory_budget, estimator)
-    planner.aliases = aliases
-    fixed = recipe or PLAIN
-    if isinstance(strategy, str) and strategy != "auto":
-        out = replace(
-            planner.final(strategy, planner.preset(strategy, rules, fixed)), names_from=names_from
-        )
-        check_placement(out, lambda: infer_names(info), strict=strict)
-        return _noted(out, [*absent, *mesh_split_note(mesh, out.mesh)], strict=strict)
-    if not isinstance(strategy, str):
+    named, names_from = apply_names(info, names, lambda: infer_names(info))
+    planner = planner_for(named, mesh, optimizer, costs, opts)
+    if strategy == "auto":
+        out = planner.auto_plan(rules, recipe, opts.pipeline, opts.allow_over_budget)
+    elif isinstance(strategy, str):
+        out = planner.final(strategy, planner.preset(strategy, rules, recipe or PLAIN))
+        out = replace(out, notes=tuple(mesh_split_note(mesh, out.mesh)))
+    else:
         table = strategy if rules is None else strategy.prepend(rules)
-        out = planner.final("rules", planner.table(table.aliased(aliases), fixed))
-        return _noted(replace(out, names_from=names_from), absent, strict=strict)
-    if pipeline is not None and not (pipeline == "auto" or isinstance(pipeline, Pipeline)):
-        raise PlanError(
-            op="plan",
-            must="pipeline is None, 'auto' or a spmdkit.pipeline.Pipeline",
-            given=repr(pipeline),
-            fix="pass pipeline='auto' or Pipeline(stages=..., microbatches=...)",
-        )
-    planner.allow_fp8, planner.allow_master_weights = allow_fp8, allow_master_weights
-    out = replace(
-        planner.auto_plan(rules, recipe, pipeline, allow_over_budget), names_from=names_from
-    )
-    return _noted(out, [*absent, *out.notes], strict=strict)
+        out = planner.final("rules", planner.table(table.aliased(opts.alias_map), recipe or PLAIN))
+    out = replace(out, names_from=names_from)
+    if isinstance(strategy, str) and strategy != "auto":
+        check_placement(out, lambda: infer_names(info), strict=opts.strict)
+    return noted(out, [*absent, *out.notes], strict=opts.strict)
+
+
+def _pipelined_preset(
+    info: ModelInfo,
+    mesh: MeshLike,
+    strategy: str | LogicalRules,
+    rules: LogicalRules | None,
+    recipe: Recipe | None,
+    names: Mapping[str, tuple | None] | None,
+    optimizer: GradientTransformation | None,
+    costs: CostModel,
+    opts: SearchOptions,
+) -> Plan:
+    """A preset or rule table pipelined with ``opts.pipeline`` (a
+    :class:`~spmdkit.pipeline.Pipeline`), checked as it will run."""
+    named, names_from = apply_names(info, names, lambda: infer_names(info))
+    pipeline_submesh(mesh, opts.pipeline, named, recipe)
+    planner = planner_for(named, mesh, optimizer, costs, opts)
+    name, c, cost = planner.pipelined_strategy(strategy, rules, recipe, opts.pipeline)
+    out = replace(planner.make_plan(name, c, cost), names_from=names_from)
+    check_pipelined(named, out)
+    check_placement(out, lambda: infer_names(info), strict=opts.strict)
+    return out
 
 
 def _foreign_tables(
@@ -371,38 +381,6 @@ def _batch_names(info: ModelInfo, aliases: Mapping[str, str]) -> ModelInfo:
         return info
     # a fresh memo: the traced step reads the batch size off these names
     return replace(info, batch_axes=renamed, _memo={})
-
-
-def _noted(out: Plan, notes: list[PlanNote], *, strict: bool) -> Plan:
-    """The plan with its notes (``notes`` and its layout's,
-    :func:`_layout_notes`), each warned on the caller of :func:`plan`;
-    ``strict``: raise instead."""
-    notes = [*notes, *_layout_notes(out)]
-    raise_if_strict(notes, out.strategy, strict=strict)
-    warn_notes(notes, stacklevel=3)  # _noted, plan, its caller
-    return replace(out, notes=tuple(notes))
-
-
-def _layout_notes(plan: Plan) -> list[PlanNote]:
-    """The notes a finished plan's layout calls for (:mod:`spmdkit.planner.notes`):
-    idle mesh axes, a batch off the axes its rule asks for, a batch no rule places."""
-    name = plan.chosen or plan.strategy
-    specs = [s for table in (plan.params, plan.opt, plan.grads, plan.state) for s in table.values()]
-    activation = dict(plan.activation)
-    if plan.pipeline is not None:
-        activation["<pipeline>"] = (plan.pipeline.axis,)
-    preset = name in PRESETS or name in SHARDED_OPT_PRESETS
-    out = idle_axis_notes(plan.mesh, specs, activation, by_role=preset)
-    asked, who = asked_batch_axes(plan.rules, plan.mesh)
-    if plan.rules is not None:
-        who = f"the {name!r} rule table" if preset else "the rule table"
-    chosen = plan.activation.get("batch", ())
-    out += batch_notes(plan.mesh, plan.batch_size, chosen, asked, who)
-    if not chosen:
-        out += no_batch_rule_note(plan.rules, plan.batch_size)
-    if plan.activation:
-        out += batch_field_notes(plan.batch_axes, plan.activation)
-    return out
 
 
 def _check_recipe(recipe: object) -> None:
@@ -458,10 +436,10 @@ class _Planner(PipelinePlanning, ExpertPlanning):
     #: auto: preset → (why, its figure) it has no candidate left after costing
     #: (:meth:`auto`)
     dropped: dict[str, tuple[str, str]] = field(default_factory=dict)
-    #: logical names treated alike in every rule table (``plan(aliases=)``)
+    #: logical names treated alike in every rule table (``SearchOptions.alias_map``)
     aliases: dict[str, str] = field(default_factory=dict)
-    allow_fp8: bool = False
-    allow_master_weights: bool = False
+    #: the levers auto may pull (``allow_fp8``, ``allow_master_weights``)
+    options: SearchOptions = field(default_factory=SearchOptions)
     #: auto: label → candidate not propagated because its step floor is above a
     #: plan already re-costed (:meth:`recosted`)
     floored: dict[str, Candidate] = field(default_factory=dict)
@@ -675,13 +653,13 @@ class _Planner(PipelinePlanning, ExpertPlanning):
         if fixed is not None:
             check_remat_every(fixed.remat_every, self.ctx.trace.layers, op="plan")
             return [[fixed]]
-        if self.allow_fp8:
+        if self.options.allow_fp8:
             check_fp8(self.ctx.topology, self.ctx.peak_flops)
         return auto_recipes(
             self.ctx.trace,
             self.groups,
-            allow_fp8=self.allow_fp8,
-            allow_master_weights=self.allow_master_weights,
+            allow_fp8=self.options.allow_fp8,
+            allow_master_weights=self.options.allow_master_weights,
             topology=self.ctx.topology,
         )
 
@@ -950,32 +928,25 @@ def _rest(cost: Cost) -> float:
 def planner_for(
     info: ModelInfo,
     mesh: MeshLike,
-    optimizer: GradientTransformation | None,
-    topology: Topology | None,
-    peak_flops: float | None,
-    memory_budget: float | None,
-    estimator: str,
+    optimizer: GradientTransformation | None = None,
+    cost_model: CostModel | None = None,
+    options: SearchOptions | None = None,
 ) -> _Planner:
     """The planner one :func:`plan` call builds (the model traced once, its
     parameter groups, the cost context on ``mesh``); tests and benchmarks call its
     methods to see the candidates a search costs (``pipelined_on``, ``pipelined``).
-    ``topology`` None: :func:`~spmdkit.topology.topology_for` the mesh.
-
-    Raises:
-      PlanError: an unknown ``estimator``.
+    ``cost_model`` None: ``CostModel()`` (the topology
+    :func:`~spmdkit.topology.topology_for` the mesh); ``options`` None:
+    ``SearchOptions()``.
     """
-    if estimator not in ("propagate", "analytic"):
-        raise PlanError(
-            op="plan",
-            must="estimator is 'propagate' or 'analytic'",
-            given=repr(estimator),
-            fix="pass estimator='propagate' (default) or 'analytic'",
-        )
-    topology = topology_for(mesh) if topology is None else topology
+    costs = CostModel() if cost_model is None else cost_model
+    options = SearchOptions() if options is None else options
+    topology = topology_for(mesh) if costs.topology is None else costs.topology
     trace = trace_step(info, optimizer)
     groups = param_groups(info, trace)
     raw = sum(param_flops(g, trace) * g.count for g in groups)
     matmul = trace.flops - trace.attn_flops
+    peak_flops = costs.peak_flops
     ctx = CostContext(
         mesh=mesh,
         sizes=axis_sizes(mesh),
@@ -985,5 +956,15 @@ def planner_for(
         flops_scale=(matmul / raw) if raw and matmul > 0 else 1.0,
         siblings=column_siblings(groups),
     )
-    budget = float(memory_budget) if memory_budget is not None else float(H100_MEMORY)
-    return _Planner(mesh, info, optimizer, groups, ctx, budget, estimator)
+    budget = float(H100_MEMORY if costs.memory_budget is None else costs.memory_budget)
+    return _Planner(
+        mesh,
+        info,
+        optimizer,
+        groups,
+        ctx,
+        budget,
+        costs.estimator,
+        aliases=options.alias_map,
+        options=options,
+    )

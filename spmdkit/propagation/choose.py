@@ -56,19 +56,35 @@ _CHEAPEST: dict[tuple, Any] = register_cache(
 class Chooser:
     """Picks each equation's answer among the rule's alternatives and the hints.
 
-    ``hints`` (value id → wanted layout) and ``stationary`` (ids of activations)
-    are set by the engine; ``ops`` are the registered rule names.
+    ``hints`` (value id → wanted layout) are set between the driver's sweeps;
+    ``stationary`` (ids of activations), ``seq_axes`` and ``weights`` come with it
+    (:class:`~spmdkit.propagation.engine.GraphFacts`); ``ops`` are the registered
+    rule names.
     """
 
-    def __init__(self, prog: FlatProgram, pricer: Pricer, ops: frozenset[str]) -> None:
+    def __init__(
+        self,
+        prog: FlatProgram,
+        pricer: Pricer,
+        ops: frozenset[str],
+        *,
+        stationary: frozenset[int] = frozenset(),
+        seq_axes: frozenset[str] = frozenset(),
+        weights: frozenset[int] = frozenset(),
+    ) -> None:
         self.prog = prog
         self.pricer = pricer
         self.mesh = pricer.mesh
         self.ops = ops
         self.hints: dict[int, TensorSpec] = {}
-        self.stationary: frozenset[int] = frozenset()
-        self.seq_axes: frozenset[str] = frozenset()
-        self.weights: frozenset[int] = frozenset()
+        self.stationary = frozenset(stationary)
+        self.seq_axes = frozenset(seq_axes)
+        self.weights = frozenset(weights)
+
+    def use_hints(self, hints: dict[int, TensorSpec]) -> None:
+        """Answer the next sweep with ``hints`` (value id → the layout later
+        equations want), the driver's backward sweep from the last one."""
+        self.hints = hints
 
     def forward(
         self, op: str, attrs: dict, specs: tuple[TensorSpec, ...], ins: Sequence[int] = ()

@@ -38,7 +38,7 @@ from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError, SpecError
 from spmdkit.propagation.choose import consumer_hints
 from spmdkit.propagation.contest import sequence_axes
-from spmdkit.propagation.engine import Engine
+from spmdkit.propagation.engine import Engine, GraphFacts
 from spmdkit.propagation.graph import (
     FlatProgram,
     Graph,
@@ -125,20 +125,11 @@ def propagate(
     _check_inputs(flat_in, graph, prog)
     out_req = _flat_out_specs(out_specs, out_treedef, graph, prog, mesh)
     _check_strategies(strategies or {})
-    engine = Engine(prog, mesh, topology, strategies or {})
     roles = _roles(arg_roles, args, graph.invars)
-    engine.uses = uses(graph)
-    engine.pricer.producer = producers(graph)
-    engine.pricer.widened = widened(graph, prog)
-    batch = {v for v, r in roles.items() if r == "batch"}
-    engine.chooser.stationary = frozenset(stationary(graph, batch))
-    at = dict(zip(graph.invars, flat_in, strict=True))
-    engine.chooser.seq_axes = sequence_axes([at[v] for v in batch if v in at])
-    if engine.chooser.seq_axes:  # values of the parameters alone: the weights
-        params = {v for v, r in roles.items() if r == "params"}
-        engine.chooser.weights = frozenset(stationary(graph, params)) - engine.chooser.stationary
+    facts = _facts(graph, prog, roles, flat_in)
+    engine = Engine(prog, mesh, topology, strategies or {}, facts)
     peak = topology.peak("bfloat16") if hasattr(topology, "peak") else H100_BF16_PEAK_FLOPS
-    spec, collect = _sweeps(engine, graph, flat_in, out_req, peak)
+    spec, collect, unknown = _sweeps(engine, graph, flat_in, out_req, peak)
 
     recorder = Recorder(engine.pricer, engine.ops, prog.values)
     records, final_out = _records(recorder, engine, graph, spec, collect, out_req)
@@ -156,7 +147,7 @@ def propagate(
         in_specs=list(flat_in),
         out_specs=final_out,
         records=records,
-        unknown=engine.unknown,
+        unknown=unknown,
         comm_bytes_by_kind=totals.by_kind,
         comm_bytes=totals.comm_bytes,
         comm_time_s=totals.comm_time_s,
@@ -197,16 +188,31 @@ def _records(
     return records, final_out
 
 
+def _facts(
+    graph: Graph, prog: FlatProgram, roles: Mapping[int, str], flat_in: Sequence[TensorSpec]
+) -> GraphFacts:
+    """What the engine and its collaborators read off the graph (:class:`GraphFacts`)."""
+    batch = {v for v, r in roles.items() if r == "batch"}
+    still = frozenset(stationary(graph, batch))
+    at = dict(zip(graph.invars, flat_in, strict=True))
+    seq_axes = sequence_axes([at[v] for v in batch if v in at])
+    weights: frozenset[int] = frozenset()
+    if seq_axes:  # values of the parameters alone: the weights
+        params = {v for v, r in roles.items() if r == "params"}
+        weights = frozenset(stationary(graph, params)) - still
+    return GraphFacts(uses(graph), producers(graph), widened(graph, prog), still, seq_axes, weights)
+
+
 def _sweeps(
     engine: Engine,
     graph: Graph,
     flat_in: list[TensorSpec],
     out_req: list[TensorSpec | None],
     peak: float,
-) -> tuple[dict[int, TensorSpec], list[Step]]:
+) -> tuple[dict[int, TensorSpec], list[Step], collections.Counter]:
     """Forward sweeps, each after a backward sweep from the last one's hints (four
-    rounds at most); the specs and steps of the round with the lowest modelled
-    step time (hints are heuristics). Leaves that round's ``unknown`` on the engine."""
+    rounds at most); the specs, steps and equations without a rule (``unknown``)
+    of the round with the lowest modelled step time (hints are heuristics)."""
     wanted = {v: r for v, r in zip(graph.outvars, out_req, strict=True) if r is not None}
     fixed = set(graph.invars)
     pricer = engine.pricer
@@ -214,8 +220,7 @@ def _sweeps(
     for _ in range(4):
         spec: dict[int, TensorSpec] = {}
         collect: list[Step] = []
-        engine.unknown = collections.Counter()
-        engine.run(graph, flat_in, spec, collect)
+        engine.sweep(graph, flat_in, spec, collect)
         t = pricer.steps_time(collect) + steps_flops(collect, engine.mesh) / peak
         for v, r in zip(graph.outvars, out_req, strict=True):
             have = spec.get(v) or engine.replicated(v)
@@ -228,9 +233,9 @@ def _sweeps(
         hints = engine.chooser.backward_hints(graph, spec, asked, fixed)
         if hints == engine.chooser.hints:
             break
-        engine.chooser.hints = hints
-    _, spec, collect, engine.unknown = best
-    return spec, collect
+        engine.chooser.use_hints(hints)
+    _, spec, collect, unknown = best
+    return spec, collect, unknown
 
 
 def _region_temps(

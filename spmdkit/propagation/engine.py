@@ -22,6 +22,7 @@ import collections
 import math
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from jax.sharding import PartitionSpec as P
@@ -77,6 +78,28 @@ _Specs = tuple[TensorSpec, ...]
 _Answer = tuple[str | None, dict, _Specs, _Specs]  # (op, attrs, required inputs, outputs)
 
 
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the driver reads off the program's graph before propagating it, handed
+    to the :class:`Engine` (and by it to its pricer and chooser) when built.
+
+    Attributes:
+      uses: value id → number of readers (:attr:`Engine.uses`).
+      producer: value id → the primitive that makes it (``Pricer.producer``).
+      widened: value id → the narrower dtype a cast widened it from (``Pricer.widened``).
+      stationary: ids of the activations (``Chooser.stationary``).
+      seq_axes: the mesh axes the batch's sequence dim is split over (``Chooser.seq_axes``).
+      weights: ids of values of the parameters alone (``Chooser.weights``).
+    """
+
+    uses: Mapping[int, int] = field(default_factory=dict)
+    producer: Mapping[int, str] = field(default_factory=dict)
+    widened: Mapping[int, Any] = field(default_factory=dict)
+    stationary: frozenset[int] = frozenset()
+    seq_axes: frozenset[str] = frozenset()
+    weights: frozenset[int] = frozenset()
+
+
 class Engine:
     """Propagates specs forward through a flattened program, one node at a time.
 
@@ -89,7 +112,7 @@ class Engine:
     Attributes:
       prog: the flattened program (shapes, dtypes, constants).
       mesh: the mesh.
-      pricer: reshard plans and costs (its ``producer`` map is set by the caller).
+      pricer: reshard plans and costs (its ``producer`` map from ``facts``).
       chooser: picks among a rule's answers; holds ``hints`` and ``stationary``.
       uses: value id → number of readers (a pending reduction read several
         times is reduced once, where it is made).
@@ -100,15 +123,28 @@ class Engine:
     """
 
     def __init__(
-        self, prog: FlatProgram, mesh: MeshLike, topology: Topology, strategies: Mapping
+        self,
+        prog: FlatProgram,
+        mesh: MeshLike,
+        topology: Topology,
+        strategies: Mapping,
+        facts: GraphFacts | None = None,
     ) -> None:
+        facts = GraphFacts() if facts is None else facts
         self.prog = prog
         self.mesh = mesh
         self.strategies = dict(strategies or {})
         self.ops = frozenset(registered_ops())
-        self.pricer = Pricer(mesh, topology)
-        self.chooser = Chooser(prog, self.pricer, self.ops)
-        self.uses: dict[int, int] = {}
+        self.pricer = Pricer(mesh, topology, producer=facts.producer, widened=facts.widened)
+        self.chooser = Chooser(
+            prog,
+            self.pricer,
+            self.ops,
+            stationary=facts.stationary,
+            seq_axes=facts.seq_axes,
+            weights=facts.weights,
+        )
+        self.uses: dict[int, int] = dict(facts.uses)
         self.unknown: collections.Counter = collections.Counter()
         self.reassociates = reassociates_all_reduces(target_backend(mesh, topology))
 
@@ -134,6 +170,18 @@ class Engine:
             )
 
     # -- whole graphs ---------------------------------------------------------------
+
+    def sweep(
+        self,
+        graph: Graph,
+        in_specs: Sequence[TensorSpec],
+        spec: dict[int, TensorSpec],
+        collect: list[Step],
+    ) -> None:
+        """One forward sweep of the whole program (:meth:`run`) from the chooser's
+        current hints; :attr:`unknown` then counts this sweep's equations only."""
+        self.unknown = collections.Counter()
+        self.run(graph, in_specs, spec, collect)
 
     def run(
         self,

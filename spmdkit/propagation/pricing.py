@@ -12,7 +12,7 @@ sums the reshard time and the per-device FLOPs of the engine's steps, and
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,14 +52,21 @@ class Pricer:
     ``producer`` (value id → the primitive that makes it) says which values are
     reduced in place (see :meth:`reshard`); ``widened`` (value id → the narrower
     dtype a cast widened it from) the dtype a pending sum carried through a
-    widening cast is reduced in. The driver fills both in.
+    widening cast is reduced in. The driver reads both off the graph.
     """
 
-    def __init__(self, mesh: MeshLike, topology: Topology) -> None:
+    def __init__(
+        self,
+        mesh: MeshLike,
+        topology: Topology,
+        *,
+        producer: Mapping[int, str] | None = None,
+        widened: Mapping[int, Any] | None = None,
+    ) -> None:
         self.mesh = mesh
         self.topology = topology
-        self.producer: dict[int, str] = {}
-        self.widened: dict[int, Any] = {}
+        self.producer: dict[int, str] = dict(producer or {})
+        self.widened: dict[int, Any] = dict(widened or {})
         self.key = (tuple(axis_sizes(mesh).items()), topology)
         self._plans: dict[tuple, ArgReshard | None] = {}
 

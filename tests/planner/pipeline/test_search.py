@@ -383,7 +383,8 @@ def test_auto_pipelines_with_the_sequence_on_a_context_axis(cp_llamas) -> None:
 
     mean, _ = cp_llamas
     mesh = sk.abstract_mesh(pipe=2, context=2, model=2)
-    planner = planner_for(mean, mesh, None, sk.Topology.h100(), None, None, "analytic")
+    costs = sk.CostModel(topology=sk.Topology.h100(), estimator="analytic")
+    planner = planner_for(mean, mesh, None, costs)
     got = planner.pipelined_on(mesh, planner.stages(), sk.Recipe(), None)
     cp = {(c.name, c.activation["seq"]): c for c in got if c.context}
     assert all(c.context == ("context",) for c in cp.values())
@@ -408,9 +409,8 @@ def test_auto_splits_a_pipe_meshs_data_axis_for_context_where_it_would_unpipelin
 
     cfg = LlamaConfig(seq_len=64, n_layers=2, scan_layers=True)
     info = describe(get_model("llama"), config=cfg, batch_size=2)
-    planner = planner_for(
-        info, sk.abstract_mesh(data=8), None, sk.Topology.h100(), None, None, "analytic"
-    )
+    costs = sk.CostModel(topology=sk.Topology.h100(), estimator="analytic")
+    planner = planner_for(info, sk.abstract_mesh(data=8), None, costs)
     got = planner.pipelined("auto", sk.Recipe(), None)
     meshes = {tuple(dict(c.mesh.shape).items()) for c in got if c.context}
     assert meshes == {
