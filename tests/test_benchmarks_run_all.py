@@ -68,6 +68,7 @@ def test_no_run_reports_missing_json(tmp_path):
 @pytest.mark.xfail(
     reason="regressed in the stop of 2026-12-02 (issue 43-45 work); see that stop's note",
     strict=False,
+    run=False,  # 227 CPU s of the slow step; its first-compile part fails
 )
 @pytest.mark.slow
 def test_overhead_quick_run(tmp_path):
