@@ -44,7 +44,7 @@ from . import layers as lyr
 from .gpt import LM_BATCH_AXES, lm_batch
 from .layers import make_layers, run_layers
 from .llama import SwiGLU, rms_norm
-from .routed import ExpertSettings, expert_layer, routed_loss, run_moe_layers
+from .routed import ExpertSettings, RoutedBlock, routed_loss, run_moe_layers
 
 __all__ = [
     "DeepSeekConfig",
@@ -211,19 +211,10 @@ class DenseBlock(nnx.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class MoEBlock(nnx.Module):
+class MoEBlock(RoutedBlock):
     """Pre-norm block with MLA and routed + shared experts; ``block(x) -> (x, aux)``."""
 
-    def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = rms_norm(cfg)
-        self.attn = MLAttention(cfg, rngs=rngs)
-        self.mlp_norm = rms_norm(cfg)
-        self.moe = expert_layer(cfg, rngs)
-
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(self.attn_norm(x))
-        y, aux = self.moe(self.mlp_norm(x))
-        return x + y, aux
+    attention = MLAttention
 
 
 class DeepSeek(nnx.Module):

@@ -33,7 +33,7 @@ from . import layers as lyr
 from .gpt import LM_BATCH_AXES, lm_batch
 from .layers import make_layers
 from .llama import GQAttention, LlamaConfig, rms_norm
-from .routed import ExpertSettings, expert_layer, routed_loss, run_moe_layers
+from .routed import ExpertSettings, RoutedBlock, routed_loss, run_moe_layers
 
 __all__ = [
     "Qwen3MoEConfig",
@@ -97,19 +97,10 @@ class QKNormAttention(GQAttention):
         return lyr.tag(jnp.einsum("bshk,hkd->bsd", o, self.wo[...].astype(dt)), "out_proj")
 
 
-class Qwen3MoEBlock(nnx.Module):
+class Qwen3MoEBlock(RoutedBlock):
     """Pre-norm block with qk-norm GQA and routed experts; ``block(x) -> (x, aux)``."""
 
-    def __init__(self, cfg: Qwen3MoEConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = rms_norm(cfg)
-        self.attn = QKNormAttention(cfg, rngs=rngs)
-        self.mlp_norm = rms_norm(cfg)
-        self.moe = expert_layer(cfg, rngs)
-
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(self.attn_norm(x))
-        y, aux = self.moe(self.mlp_norm(x))
-        return x + y, aux
+    attention = QKNormAttention
 
 
 class Qwen3MoE(nnx.Module):

@@ -23,10 +23,12 @@ from flax import nnx
 from spmdkit import nn as sknn
 
 from . import layers as lyr
+from .llama import rms_norm
 
 __all__ = [
     "ExpertSettings",
     "expert_layer",
+    "RoutedBlock",
     "run_moe_layers",
     "routed_loss",
     "count_active_params",
@@ -153,3 +155,21 @@ def count_active_params(model: nnx.Module, *, input_embedding: bool = True) -> i
             n = 0
         total += n
     return round(total)
+
+
+class RoutedBlock(nnx.Module):
+    """Pre-norm block with a model's attention (the subclass's ``attention``) and
+    routed experts (:func:`expert_layer`); ``block(x) -> (x, aux)``."""
+
+    attention: Any = None  # an attention module class taking (cfg, rngs=)
+
+    def __init__(self, cfg: Any, *, rngs: nnx.Rngs):
+        self.attn_norm = rms_norm(cfg)
+        self.attn = self.attention(cfg, rngs=rngs)
+        self.mlp_norm = rms_norm(cfg)
+        self.moe = expert_layer(cfg, rngs)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = x + self.attn(self.attn_norm(x))
+        y, aux = self.moe(self.mlp_norm(x))
+        return x + y, aux
