@@ -183,9 +183,14 @@ STACKS: dict[str, dict[str, float]] = {
 #: step: the same layout (gpt tiny, tp_fsdp, data=2 x model=4) ran about 1.5x
 #: slower with bf16 compute (XLA:CPU widens bf16 elementwise work to f32 and
 #: back around each fusion), though a lone bf16 matmul ran at the f32 rate.
+#: ``float8_rate``: a float8 step's rate against f32's. XLA:CPU has no float8
+#: matmul: it widens each float8 operand to f32 and runs the f32 dot, after the
+#: recipe's scale-and-cast of each operand, so a float8 step (gpt tiny, tp_fsdp
+#: and fsdp on data=2 x model=4) ran slower than the f32 one, as a bf16 step does.
 CPU_CONSTANTS: dict[str, float] = {
     "flops_per_core": 35e9,
     "bf16_rate": 0.5,
+    "float8_rate": 0.5,
     "memory_bytes_per_core": 4e9,
     "latency_per_hop_s": 5e-6,
     "link_bytes_per_core": 2e9,
@@ -452,6 +457,9 @@ class Topology:
         :data:`CPU_CONSTANTS`'s latency, stretched by ``devices / cores`` when the
         threads outnumber the cores (they wait for each other to be scheduled).
         XLA:CPU runs collectives synchronously: nothing overlaps (``overlap=0``).
+        It has no bf16 or float8 matmul units (it widens those operands to f32),
+        so both are priced below the f32 rate, float8 included so a float8 recipe
+        plans and verifies on CPU devices as on an H100.
         The per-core constants (:data:`CPU_CONSTANTS`) were measured on a 2-core
         x86 host with 8 virtual devices (``benchmarks/overhead.py``'s
         ``measure_cpu_constants``, saved beside its auto-vs-presets table).
@@ -486,6 +494,7 @@ class Topology:
                 "tfloat32": rate,
                 "bfloat16": rate * CPU_CONSTANTS["bf16_rate"],
                 "float16": rate * CPU_CONSTANTS["bf16_rate"],
+                "float8": rate * CPU_CONSTANTS["float8_rate"],
             },
             matmul_efficiency=1.0,  # the constant is the rate a step's GEMMs reach
             attention_efficiency=1.0,

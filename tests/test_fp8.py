@@ -222,7 +222,9 @@ def _counting_batches(cfg, n, batch_size, seed=0):
 
 
 @pytest.mark.xfail(
-    reason="regressed in the stop of 2026-12-02 (issue 43-45 work); see that stop's note",
+    jax.__version_info__ >= (0, 12),
+    reason="jax 0.12's XLA:CPU holds the float8 step in 720 KiB, under the 934-982 KiB "
+    "predicted (failed before the stop of 2026-12-02 too)",
     strict=False,
 )
 @pytest.mark.slow
@@ -347,10 +349,6 @@ def test_delayed_state_of_another_loss_is_refused():
         fp8_loss(_scanned_loss, "late")
 
 
-@pytest.mark.xfail(
-    reason="regressed in the stop of 2026-12-02 (issue 43-45 work); see that stop's note",
-    strict=False,
-)
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "remat"), [("fsdp", "full"), ("megatron_sp", "dots")])
 def test_float8_step_on_a_2d_mesh_verifies(strategy, remat):

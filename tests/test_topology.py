@@ -248,6 +248,8 @@ def test_cpu_topology_gives_each_device_its_share_of_the_host():
     assert eight.peak("float32") == pytest.approx(CPU_CONSTANTS["flops_per_core"] / 4)
     assert two.peak("float32") == pytest.approx(CPU_CONSTANTS["flops_per_core"])
     assert eight.peak("bfloat16") < eight.peak("float32")  # no bf16 units: casts
+    # no float8 units either (XLA:CPU widens float8 operands to f32), but priced
+    assert eight.peak("float8_e4m3fn") < eight.peak("float32")
     # oversubscribed device threads wait to be scheduled: each hop 4x slower
     assert eight.link(("d",), abstract_mesh(d=8))[1] == pytest.approx(
         4 * two.link(("d",), abstract_mesh(d=2))[1]
@@ -256,6 +258,21 @@ def test_cpu_topology_gives_each_device_its_share_of_the_host():
     assert eight.name == "cpu: 8 devices on 2 cores"
     with pytest.raises(SpmdError, match="positive int"):
         Topology.cpu(0)
+
+
+def test_a_float8_recipe_plans_on_cpu_devices():
+    """A mesh of CPU devices is priced on ``Topology.cpu``: a float8 recipe (the
+    recipe the float8 tests verify on CPU) is priced there, not refused."""
+    import jax
+
+    import spmdkit as sk
+    from spmdkit.models import get_model
+
+    info = sk.describe(get_model("gpt"), config="tiny", batch_size=8)
+    mesh = sk.make_mesh(data=2, model=4, devices=jax.devices("cpu")[:8])
+    p = sk.plan(info, mesh, "fsdp", recipe=sk.Recipe(compute_dtype="float8"))
+    assert p.recipe.compute_dtype == "float8"
+    assert p.topology.startswith("cpu: 8 devices")
 
 
 def test_topology_for_follows_the_mesh_devices():

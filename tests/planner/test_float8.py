@@ -229,10 +229,6 @@ def _forward_loop_bytes(compiled, layers: int) -> dict[str, int]:
     return min(loops, key=lambda st: sum(st.values()))
 
 
-@pytest.mark.xfail(
-    reason="regressed in the stop of 2026-12-02 (issue 43-45 work); see that stop's note",
-    strict=False,
-)
 @pytest.mark.slow
 def test_the_compiled_float8_step_keeps_the_priced_residuals(monkeypatch):
     """Tiny scanned Llama, the step ``sk.value_and_grad`` builds, compiled by XLA:CPU:

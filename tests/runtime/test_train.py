@@ -686,10 +686,6 @@ def test_a_linen_cnn_with_batch_norm_and_dropout_resumes_on_another_mesh(tmp_pat
     np.testing.assert_allclose(resumed.losses, whole.losses[2:], rtol=1e-5)
 
 
-@pytest.mark.xfail(
-    reason="regressed in the stop of 2026-12-02 (issue 43-45 work); see that stop's note",
-    strict=False,
-)
 @pytest.mark.slow
 def test_delayed_fp8_histories_are_carried_checkpointed_and_restored(tmp_path, mesh):
     """``Recipe(compute_dtype="float8", fp8_scaling="delayed")``: the amax histories
