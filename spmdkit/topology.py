@@ -21,7 +21,11 @@ maximum latency) when its axes share one link. A group spanning links of differe
 speeds runs hierarchically, as NCCL's multi-node collectives and the classic 2-D
 all-reduce do: the fastest link first on the whole buffer, each slower link on the
 piece the faster levels leave, so an all-reduce over (nodes, GPUs in a node) sends
-only 1/8 of the buffer over InfiniBand. All-to-alls stay flat at the slowest link.
+only 1/8 of the buffer over InfiniBand. An all-to-all over such a group sends each
+peer its piece directly: the pieces for peers one fast level away go over that
+level's link while those for farther peers cross the slower ones, all at once, so
+it takes as long as its slowest level's share (over (2 nodes, 8 GPUs) 8 of 15
+pieces cross InfiniBand, not all of them).
 This is a heuristic: a device order that interleaves nodes differently needs
 explicit per-axis numbers.
 
@@ -715,10 +719,18 @@ class Topology:
             bandwidth, latency = self.link(axes, mesh)
             return latency + wire_bytes / bandwidth
         levels = self._levels(tuple(axes), mesh)
-        if len(levels) <= 1 or kind == "all_to_all":
+        if len(levels) <= 1:
             bandwidth, latency = self.link(axes, mesh)
             steps = 2 * (group_size - 1) if kind == "all_reduce" else group_size - 1
             return latency * steps + wire_bytes / bandwidth
+        if kind == "all_to_all":
+            # each level's peers get their pieces over its link, the levels at once
+            piece, near, time = wire_bytes / (group_size - 1), 1, 0.0
+            for n, bandwidth, latency in levels:
+                peers = near * n - near
+                time = max(time, peers * (latency + piece / bandwidth))
+                near *= n
+            return time
         # Hierarchical: the fastest level first on the whole buffer, each slower level
         # on the 1/n piece the faster ones leave (reduce-scatter down the levels; an
         # all-reduce climbs back up with the mirror all-gathers, doubling the time).

@@ -121,9 +121,12 @@ def test_groups_over_two_links_run_hierarchically():
     assert one.collective_time("all_reduce", rs_wire, n, ("data", "model"), mesh) == (
         pytest.approx(2 * (n - 1) * 1e-6 + rs_wire / 1e9)
     )
-    # all-to-alls stay flat at the slowest link
+    # an all-to-all sends each peer its piece directly: the 7 peers in the node over
+    # NVLink while the 24 in other nodes get theirs over InfiniBand
     a2a = topo.collective_time("all_to_all", rs_wire, n, ("data", "model"), mesh)
-    assert a2a == pytest.approx((n - 1) * ib_lat + rs_wire / ib)
+    piece = rs_wire / (n - 1)
+    assert a2a == pytest.approx(max(7 * (nv_lat + piece / nv), 24 * (ib_lat + piece / ib)))
+    assert a2a < (n - 1) * ib_lat + rs_wire / ib  # below the flat slowest-link price
 
 
 # -- compute and overlap -----------------------------------------------------------------

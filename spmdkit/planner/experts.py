@@ -20,6 +20,12 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   :data:`EXCHANGES` buffers of ``n_ep · T_local · min(k, E_local) · D`` bytes
   (:func:`dispatch_collectives`), on the topology's link for the EP axes (NVLink
   inside a node, the network across: :meth:`~spmdkit.topology.Topology.collective_time`).
+  That buffer is the payload; what crosses the link depends on the backend: XLA's
+  padded all-to-all (CPU) sends all of it, a ragged all-to-all
+  (``jax.lax.ragged_all_to_all``: GPU, TPU; :data:`RAGGED_BACKENDS`) only the rows
+  routed, ``T_local · k`` of ``D`` per exchange (times :data:`LOAD_IMBALANCE`: the
+  busiest device's), which is what the link time charges there
+  (:func:`ragged_exchange`).
   Charged to the down projection (the group whose last GEMM dim is ``embed``), once
   per call, as Megatron-LM's row-parallel weight carries a layer's all-reduce.
 - **grouped GEMMs**: each device runs its ``E_local`` experts on what arrived:
@@ -54,10 +60,12 @@ __all__ = [
     "EXCHANGES",
     "LOAD_IMBALANCE",
     "MoeCall",
+    "RAGGED_BACKENDS",
     "dispatch_buffer_bytes",
     "dispatch_collectives",
     "ep_axes",
     "moe_call",
+    "ragged_exchange",
     "region_tokens",
     "rows_per_expert",
 ]
@@ -72,6 +80,10 @@ EXCHANGES = 6
 
 #: Per-expert count exchanges per call (the forward's and the grad region's).
 COUNT_EXCHANGES = 2
+
+#: Backends whose XLA has a ragged all-to-all (``jax.lax.ragged_all_to_all``):
+#: an exchange there sends each peer only the rows routed to it (module docstring).
+RAGGED_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
 
 
 class MoeCall(NamedTuple):
@@ -164,10 +176,18 @@ def dispatch_collectives(
     itemsize = ctx.recipe.compute_itemsize(call.itemsize)
     buf = n_ep * _per_peer(call, t_local, n_ep) * call.d_model * itemsize
     counts = n_ep * (call.experts // n_ep) * 4
-    return [
-        coll(ctx, "all_to_all", buf, sp.ep, times=EXCHANGES * times),
-        coll(ctx, "all_to_all", counts, sp.ep, times=COUNT_EXCHANGES * times),
-    ]
+    tokens = coll(ctx, "all_to_all", buf, sp.ep, times=EXCHANGES * times)
+    if ragged_exchange(ctx):  # the link carries the routed rows; the buffer is the payload
+        routed = t_local * call.top_k * call.d_model * itemsize * LOAD_IMBALANCE
+        sent = coll(ctx, "all_to_all", routed, sp.ep, times=EXCHANGES * times)
+        tokens = tokens._replace(time_s=sent.time_s)
+    return [tokens, coll(ctx, "all_to_all", counts, sp.ep, times=COUNT_EXCHANGES * times)]
+
+
+def ragged_exchange(ctx: Any) -> bool:
+    """Whether the plan's target backend sends only the routed rows (module
+    docstring): one of :data:`RAGGED_BACKENDS`."""
+    return ctx.topology.target(ctx.mesh) in RAGGED_BACKENDS
 
 
 def rows_per_expert(ctx: Any, g: Any, call: MoeCall, sp: Any, token_axes: Sequence[str]) -> float:

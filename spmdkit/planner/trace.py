@@ -59,15 +59,30 @@ def _eqn_flops(eqn: JaxprEqn) -> float:
 
 def _jaxpr_flops(jaxpr: Jaxpr, *, batched_only: bool = False) -> float:
     """Contraction FLOPs of a jaxpr, scans unrolled (``batched_only``: only dots
-    with batch dims, i.e. attention's scores and values)."""
+    with batch dims, i.e. attention's scores and values, outside the regions of
+    :data:`_WEIGHT_REGIONS`)."""
     total = 0.0
     for eqn in jaxpr.eqns:
         if not batched_only or (eqn.primitive.name == "dot_general" and _is_batched_dot(eqn)):
             total += _eqn_flops(eqn)
+        if batched_only and _weight_region(eqn):
+            continue
         mult = jaxprs.scan_length(eqn)
         for sub in _eqn_subs(eqn):
             total += mult * _jaxpr_flops(sub, batched_only=batched_only)
     return total
+
+
+#: Composite ops whose unsharded computation contracts weights with batched dots
+#: (``moe_experts``' reference gathers each assignment's expert weights, a dot
+#: batched over the tokens): their FLOPs are the weights' (priced per parameter
+#: group, as grouped GEMMs), not attention's.
+_WEIGHT_REGIONS = frozenset({"moe_experts"})
+
+
+def _weight_region(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` is a region of one of :data:`_WEIGHT_REGIONS`."""
+    return eqn.primitive.name in REGIONS and eqn.params["op"] in _WEIGHT_REGIONS
 
 
 def _eqn_subs(eqn: JaxprEqn) -> Iterable[Jaxpr]:
@@ -241,7 +256,7 @@ def _body_facts(jaxpr: Jaxpr) -> _Body:
         for sub in _eqn_subs(eqn):
             inner = _body_facts(sub)
             dots += mult * inner.dots
-            attn += mult * inner.attn
+            attn += 0.0 if _weight_region(eqn) else mult * inner.attn
             for into, got in ((named, inner.named), (named_flops, inner.named_flops)):
                 for k, v in got.items():
                     into[k] = into.get(k, 0.0) + mult * v
@@ -262,7 +277,7 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
             if eqn.primitive.name == "dot_general" and _is_batched_dot(eqn):
                 attn_total += _eqn_flops(eqn)
             if eqn.primitive.name != "scan":
-                stack.extend(_eqn_subs(eqn))
+                stack.extend(() if _weight_region(eqn) else _eqn_subs(eqn))
                 continue
             sc = jaxprs.scan(eqn)
             body, length = sc.jaxpr, sc.length

@@ -87,3 +87,38 @@ def test_the_buffers_and_rows_follow_the_ep_degree(info):
         f_local = 16
         assert mem[n] == pytest.approx(2 * rows[n] * (4 * D_MODEL + 3 * f_local) * 4)
     assert math.isclose(mem[2] / mem[8], rows[2] / rows[8])
+
+
+def test_the_experts_batched_dots_are_no_attention(info):
+    """moe_experts' unsharded computation contracts each assignment with its
+    expert's weights in a dot batched over the tokens: those FLOPs are the
+    experts' (priced per weight), not attention's, which this decoder has none of."""
+    trace = trace_step(info, None)
+    assert trace.moe_calls[E].calls == 1
+    assert trace.attn_fwd_flops == 0.0
+    assert trace.attn_flops == 0.0
+
+
+def test_a_ragged_backend_sends_the_routed_rows_over_the_link(info):
+    """On a backend with a ragged all-to-all (a GPU) the exchange's link time is the
+    routed rows' (``T_local * k`` of ``D``), while the padded buffer stays its
+    payload; a CPU's padded all-to-all sends the whole buffer."""
+    import dataclasses
+
+    mesh = sk.abstract_mesh(data=2, expert=4)
+    gpu = sk.Topology.h100()
+    cpu = dataclasses.replace(gpu, platform="cpu")
+    plans = {
+        t.platform: sk.plan(info, mesh, "ep", estimator="analytic", topology=t) for t in (gpu, cpu)
+    }
+    assert {"gpu", "tpu"} <= experts.RAGGED_BACKENDS and "cpu" not in experts.RAGGED_BACKENDS
+    assert plans["gpu"].cost.comm_bytes == plans["cpu"].cost.comm_bytes
+    t_local, n_ep = T // 8, 4
+    buf = n_ep * t_local * min(K, E // n_ep) * D_MODEL * 4
+    routed = t_local * K * D_MODEL * 4
+    per = {
+        b: gpu.collective_time("all_to_all", b * 3 // 4, 4, ("expert",), mesh)
+        for b in (buf, routed)
+    }
+    saved = plans["cpu"].cost.comm_time_s - plans["gpu"].cost.comm_time_s
+    assert saved == pytest.approx(6 * (per[buf] - per[routed]))
