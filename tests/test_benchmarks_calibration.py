@@ -36,9 +36,12 @@ def test_the_rows_name_their_source_and_the_fit_rows_one_per_stack(bench):
         assert row["source"] and row["published"] > 0
         assert row["stack"] in sk.topology.STACKS
         assert bench.tolerance(row) == (0.2 if row["recipe"].compute_dtype == "float8" else 0.15)
-    # the published float8 rows the calibration covers (issue 34)
+    # the published float8 rows the calibration covers (issue 34's six, issue 44's one)
     fp8 = {(r["name"], r["devices"]) for r in bench.ROWS if r["recipe"].compute_dtype == "float8"}
-    assert len(fp8) == 6
+    assert len(fp8) == 7
+    # the published MoE rows (issue 44), each a model of the zoo at its published size
+    moe = {r["model"] for r in bench.ROWS if "model" in r and r["model"][0] != "gpt"}
+    assert moe == {("qwen3_moe", "30b_a3b"), ("qwen3_moe", "gpt_oss_120b")}
     assert all(r["miss"] for r in bench.ROWS if "miss" in r)
 
 
