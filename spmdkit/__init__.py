@@ -67,6 +67,7 @@ if TYPE_CHECKING:
         SearchOptions,
         UnknownLogicalAxisError,
         axis_roles,
+        diff,
         plan,
         preset_rules,
     )
@@ -159,6 +160,7 @@ _EXPORTS: dict[str, str] = {
             "SearchOptions",
             "UnknownLogicalAxisError",
             "axis_roles",
+            "diff",
             "plan",
             "preset_rules",
         ),
@@ -303,6 +305,7 @@ __all__ = [
     "VerifyReport",
     "axis_roles",
     "describe",
+    "diff",
     "estimate_memory",
     "init_sharded",
     "jit",

@@ -1,4 +1,4 @@
-"""The ``spmdkit`` command line: ``demo``, ``rules [OP]``, ``plan``, ``report``,
+"""The ``spmdkit`` command line: ``demo``, ``rules [OP]``, ``plan``, ``diff``, ``report``,
 ``train``, ``launch``, ``export``, ``import``, ``deps``, ``doctor``.
 
 Each subcommand is one :class:`Command`: a name, a help line, a function that
@@ -127,13 +127,21 @@ COMMANDS: list[Command] = [
 def _more_commands() -> list[Command]:
     """``plan``/``report`` (planner) and ``train``/``launch`` (training), defined in
     their own modules; imported after :class:`Command` exists."""
+    from spmdkit.cli.compare import COMMANDS as DIFF_COMMANDS
     from spmdkit.cli.deps import COMMANDS as DEPS_COMMANDS
     from spmdkit.cli.doctor import COMMANDS as DOCTOR_COMMANDS
     from spmdkit.cli.export import COMMANDS as EXPORT_COMMANDS
     from spmdkit.cli.plan import PLAN_COMMANDS
     from spmdkit.cli.train import COMMANDS as TRAIN_COMMANDS
 
-    return [*PLAN_COMMANDS, *TRAIN_COMMANDS, *EXPORT_COMMANDS, *DEPS_COMMANDS, *DOCTOR_COMMANDS]
+    return [
+        *PLAN_COMMANDS,
+        *DIFF_COMMANDS,
+        *TRAIN_COMMANDS,
+        *EXPORT_COMMANDS,
+        *DEPS_COMMANDS,
+        *DOCTOR_COMMANDS,
+    ]
 
 
 COMMANDS.extend(_more_commands())

@@ -13,10 +13,13 @@ per-parameter cost model), ``trace`` (the train step traced once per model),
 ``candidates`` (the layouts considered and their cost by propagation),
 ``notes`` (what a plan does that nobody asked for, as ``PlanNote`` s),
 ``options`` (``CostModel`` and ``SearchOptions``: what ``plan`` is asked),
+``provenance`` (what a plan's layouts and cost are made of, per group),
+``explain`` (``plan.explain``), ``compare`` (:func:`diff`: two plans compared),
 ``search`` (:func:`plan` and the search), ``pipeline`` (pipelined plans: the
 pipe meshes and configurations searched, their cost, the plan).
 """
 
+from spmdkit.planner.compare import PlanDiff, diff
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     PARAM_NAMES,
@@ -45,11 +48,13 @@ __all__ = [
     "PlanError",
     "PlanNote",
     "PlanNoteError",
+    "PlanDiff",
     "PlanNoteWarning",
     "PlannedStep",
     "SearchOptions",
     "UnknownLogicalAxisError",
     "axis_roles",
+    "diff",
     "plan",
     "preset_rules",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -41,6 +41,13 @@ from spmdkit.planner.logical import (
     preset_rules,
 )
 from spmdkit.planner.plans import ContextParallel, Cost, Dims, Plan, spec_dims
+from spmdkit.planner.provenance import (
+    MAX_OPTIONS,
+    GroupChoice,
+    LayoutOption,
+    Provenance,
+    from_propagation,
+)
 from spmdkit.planner.trace import step_arguments, train_step
 from spmdkit.propagation import propagate
 from spmdkit.propagation.graph import trace_with_tree
@@ -58,8 +65,11 @@ __all__ = [
     "batch_axis_choices",
     "budget_moves",
     "context_record",
+    "group_choices",
+    "layout_options",
     "preset_tables",
     "propagate_cost",
+    "propagate_costed",
     "rules_choice",
     "search_layouts",
     "state_layout",
@@ -88,6 +98,8 @@ class Candidate(NamedTuple):
         ones: the mesh with the context axis (None: the plan's).
       context: context-parallel candidates: the axes the sequence is split over
         (:mod:`spmdkit.planner.context`); empty otherwise.
+      provenance: where its propagated cost comes from, tensor by tensor
+        (:mod:`spmdkit.planner.provenance`); None until propagated.
     """
 
     name: str
@@ -99,6 +111,7 @@ class Candidate(NamedTuple):
     pipeline: Pipeline | None = None
     mesh: MeshLike | None = None
     context: tuple[str, ...] = ()
+    provenance: Provenance | None = None
 
     @property
     def label(self) -> str:
@@ -164,6 +177,18 @@ def propagate_cost(
     (forward, backward, optimizer update; params and optimizer state donated),
     with its recipe applied; ``analytic`` is the same plan's analytic cost, whose
     compute time and overlappable share of communication it keeps."""
+    return propagate_costed(info, optimizer, candidate, ctx, analytic)[0]
+
+
+def propagate_costed(
+    info: ModelInfo,
+    optimizer: GradientTransformation | None,
+    candidate: Plan,
+    ctx: CostContext,
+    analytic: Cost,
+) -> tuple[Cost, Provenance]:
+    """:func:`propagate_cost`, and the plan's
+    :class:`~spmdkit.planner.provenance.Provenance` read off the same propagation."""
     carried, args, roles = _carried(info, candidate, optimizer)
     in_specs = (*carried, candidate.batch_specs(info.batch))
     # The step hands back parameters, optimizer state (and model state) in the
@@ -212,7 +237,7 @@ def propagate_cost(
     for kind in ("host_offload", "host_activations"):
         if analytic.comm_bytes.get(kind):
             comm_bytes[kind] = int(analytic.comm_bytes[kind])
-    return Cost(
+    cost = Cost(
         step_time_s=step,
         compute_time_s=compute,
         comm_time_s=comm_s,
@@ -226,6 +251,8 @@ def propagate_cost(
         estimator="propagate",
         ops=prop.region_strategies(),
     )
+    n_params = len(jax.tree.leaves(args[0]))
+    return cost, from_propagation(prop, args[0], args[1], opt_position=n_params)
 
 
 def _step_program(
@@ -522,7 +549,7 @@ def batch_axis_choices(sizes: dict[str, int], batch_size: int) -> list[tuple[str
     return out
 
 
-#: ``CostContext.memo`` key prefix of a group's layouts and their costs (:func:`_options`).
+#: ``CostContext.memo`` key prefix of a group's layouts and their costs (:func:`layout_options`).
 _OPTIONS_KEY = ("candidates", "layout_options")
 
 
@@ -541,7 +568,7 @@ def search_layouts(
     choice (a pipelined one's for pipelines); ``sizes``: the mesh axes layouts
     may use (default: all)."""
     sizes = ctx.sizes if sizes is None else sizes
-    found = [_options(ctx, g, batch_axes, seq_axes, sizes) for g in groups]
+    found = [layout_options(ctx, g, batch_axes, seq_axes, sizes) for g in groups]
     options = [opts for opts, _ in found]
 
     def gcost(i: int, j: int) -> GroupCost:
@@ -575,7 +602,7 @@ def search_layouts(
     return choice, cost
 
 
-def _options(
+def layout_options(
     ctx: CostContext,
     g: ParamGroup,
     batch_axes: tuple[str, ...],
@@ -668,3 +695,43 @@ def context_record(c: Candidate, cost: Cost | None, mesh: MeshLike) -> ContextPa
     if c.pipeline is not None and strategy not in PIPELINED_STRATEGIES:
         strategy = PIPELINED_STRATEGIES[0]  # what a pipelined stage runs (and was priced)
     return ContextParallel(c.context, math.prod(sizes[a] for a in c.context), strategy)
+
+
+def _layout_option(layout: GroupLayout, cost: GroupCost) -> LayoutOption:
+    return LayoutOption(
+        layout.params,
+        layout.opt,
+        layout.grads_sharded,
+        float(cost.time),
+        int(sum(n for _, n in cost.comm_bytes)),
+        int(cost.memory),
+    )
+
+
+def group_choices(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> dict[str, GroupChoice]:
+    """Per group, the layouts :func:`search_layouts` costs for it at these batch
+    and sequence axes (memoized in ``ctx``, so after a search this costs nothing
+    new), the chosen one and the fastest others."""
+    out: dict[str, GroupChoice] = {}
+    for g, chosen in zip(groups, choice, strict=True):
+        options, costs = layout_options(ctx, g, batch_axes, seq_axes, ctx.sizes)
+        picked = next((c for o, c in zip(options, costs, strict=True) if o == chosen), None)
+        if picked is None:  # a rule table's layout the search does not enumerate
+            picked = group_cost(ctx, g, chosen, batch_axes, seq_axes)
+        ranked = sorted(
+            (
+                (c.time, c.memory, j)
+                for j, (o, c) in enumerate(zip(options, costs, strict=True))
+                if o != chosen
+            )
+        )
+        others = tuple(_layout_option(options[j], costs[j]) for _, _, j in ranked[:MAX_OPTIONS])
+        chosen_option = _layout_option(chosen, picked)
+        out[g.key] = GroupChoice(chosen_option, others, len(options), tuple(batch_axes))
+    return out

@@ -30,6 +30,7 @@ from spmdkit.master import stored_dtype
 from spmdkit.mesh import auto_mesh
 from spmdkit.pipeline import Pipeline
 from spmdkit.planner.context import causal_shares
+from spmdkit.planner.explain import Explanation, explain
 from spmdkit.planner.logical import PRESETS, SHARDED_OPT_PRESETS, LogicalRules, PlanError
 from spmdkit.planner.notes import (
     PlanNote,
@@ -41,6 +42,7 @@ from spmdkit.planner.notes import (
     raise_if_strict,
     warn_notes,
 )
+from spmdkit.planner.provenance import Provenance
 from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.util import fmt_bytes, fmt_time, path_str
@@ -364,6 +366,11 @@ class Plan:
       topology: the name of the :class:`~spmdkit.topology.Topology` its cost was
         priced on (``"h100 (8 GPUs a node)"``, ``"cpu: 8 devices on 2 cores"``);
         None: not recorded.
+      provenance: where its layouts and cost come from, per parameter group (the
+        equations that read and moved each, the bytes and time of the
+        collectives per group, the layouts auto's search costed):
+        :class:`~spmdkit.planner.provenance.Provenance`, read by :meth:`explain`
+        and ``sk.diff``; None: not recorded (a plan from older JSON).
 
     Example::
 
@@ -394,6 +401,7 @@ class Plan:
     memory_budget: float | None = None
     context: ContextParallel | None = None
     topology: str | None = None
+    provenance: Provenance | None = None
 
     # -- shardings ------------------------------------------------------------------
     def _lookup(self, table: Mapping[str, P], path: str, shape: tuple[int, ...]) -> P | None:
@@ -625,6 +633,7 @@ class Plan:
                 "memory_budget": self.memory_budget,
                 "context": None if self.context is None else self.context.to_json(),
                 "topology": self.topology,
+                "provenance": None if self.provenance is None else self.provenance.to_json(),
             },
             indent=1,
         )
@@ -675,6 +684,7 @@ class Plan:
             memory_budget=d.get("memory_budget"),
             context=ContextParallel.from_json(d.get("context")),
             topology=d.get("topology"),
+            provenance=Provenance.from_json(d.get("provenance")),
         )
         return out if mesh is None else out.on(mesh)
 
@@ -795,6 +805,23 @@ class Plan:
     def __repr__(self) -> str:
         sizes = axis_sizes(self.mesh)
         return f"Plan({self.strategy!r}, mesh={sizes}, params={len(self.params)})"
+
+    def explain(self, name: str) -> Explanation:
+        """Why a tensor has its layout: a parameter (path or group, ``layers/*/mlp/up``),
+        a logical name (``"embed"``, ``"batch"``) or a ``checkpoint_name`` of an
+        activation. Returns its spec, the chain that decided it (a constraint, a
+        rule-table entry or the search's choice, then the equations that read,
+        moved and updated it), the layouts the search costed instead, and the
+        collectives it causes (:mod:`spmdkit.planner.explain`); ``print`` it.
+
+        Raises:
+          PlanError: ``name`` names no parameter, logical name or activation.
+
+        Example::
+
+            >>> print(plan.explain("layers/*/mlp/up"))  # doctest: +SKIP
+        """
+        return explain(self, name)
 
     # -- verification -----------------------------------------------------------------
     def verify(

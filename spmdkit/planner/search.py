@@ -86,8 +86,9 @@ from spmdkit.planner.candidates import (
     activation_layout,
     batch_axis_choices,
     context_record,
+    group_choices,
     preset_tables,
-    propagate_cost,
+    propagate_costed,
     rules_choice,
     search_layouts,
     state_layout,
@@ -121,6 +122,7 @@ from spmdkit.planner.options import CostModel, SearchOptions, given
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
 from spmdkit.planner.pipeline.search import PipelinePlanning
 from spmdkit.planner.plans import Cost, Plan, PyTree, dims_spec, noted
+from spmdkit.planner.provenance import Provenance
 from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.remat_scan import check_remat_every
@@ -595,7 +597,24 @@ class _Planner(PipelinePlanning, ExpertPlanning):
             memory_budget=self.budget,
             context=context_record(c, cost, self.mesh if c.mesh is None else c.mesh),
             topology=self.ctx.topology.name,
+            provenance=replace(
+                c.provenance or Provenance(),
+                pinned=tuple(g.key for g in self.groups if g.pinned is not None),
+            ),
         )
+
+    def with_choices(self, out: Plan, c: Candidate) -> Plan:
+        """``out`` with the layouts the search costed per group for candidate ``c``
+        (at its batch and sequence axes) in its provenance; a pipelined one as is."""
+        if c.pipeline is not None:
+            return out
+        ctx = self.at(c.recipe)
+        if c.context or c.mesh is not None:
+            ctx = self.context_ctx(out.mesh, c.recipe, c.context)
+        batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
+        choices = group_choices(ctx, self.groups, c.choice, batch, seq)
+        have = out.provenance if out.provenance is not None else Provenance()
+        return replace(out, provenance=have.with_groups(choices))
 
     def propagated(self, c: Candidate) -> Candidate:
         """The candidate with its cost from propagating it through the train step
@@ -609,20 +628,20 @@ class _Planner(PipelinePlanning, ExpertPlanning):
             c.recipe,
             (a.compute_time_s, a.comm_time_s, a.hidden_comm_s, a.comm_bytes.get("host_offload")),
         )
-        cost = self.recost_memo.get(key)
-        if cost is None:
+        hit = self.recost_memo.get(key)
+        if hit is None:
             at = self.at(c.recipe)
             if c.context or c.mesh is not None:
                 at = self.context_ctx(p.mesh, c.recipe, c.context)
-            cost = propagate_cost(self.info, self.optimizer, p, at, a)
-            self.recost_memo[key] = cost
-        return c._replace(cost=cost)
+            hit = self.recost_memo[key] = propagate_costed(self.info, self.optimizer, p, at, a)
+        return c._replace(cost=hit[0], provenance=hit[1])
 
     def final(self, strategy: str, c: Candidate) -> Plan:
         """The plan of one candidate, re-costed by the chosen estimator."""
         if self.estimator == "analytic":
             return self.make_plan(strategy, c, c.cost)
-        return self.make_plan(strategy, c, self.propagated(c).cost)
+        done = self.propagated(c)
+        return self.make_plan(strategy, done, done.cost)
 
     def floor(self, c: Candidate) -> float:
         """:func:`~spmdkit.planner.candidates.step_floor` of a candidate on its mesh
@@ -881,7 +900,7 @@ class _Planner(PipelinePlanning, ExpertPlanning):
                 "split over devices).",
                 stacklevel=3,  # the caller of plan()
             )
-        out = self.make_plan("auto", best, best.cost)
+        out = self.with_choices(self.make_plan("auto", best, best.cost), best)
         shown = others[:12]
         sharded = next((c for c in others if c.sharded), None)
         if not best.sharded and sharded is not None and sharded not in shown:

@@ -156,6 +156,7 @@ def propagate(
         step_time_s=totals.compute_time_s + totals.comm_time_s,
         memory=memory(True),
         var_specs={v: spec[vid] for v, vid in env.items() if vid in spec},
+        steps=collect,
         program=program,
         memory_materialized=memory(False),
         memory_as=lambda widen=None, cpu=False: (

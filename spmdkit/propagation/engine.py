@@ -220,17 +220,17 @@ class Engine:
         if node.kind == "eqn" and any(s.partial for s in specs):
             eff = self._reduced_first(node, specs)
             if eff != specs:
-                op, attrs, req, outs = self._equation(node, eff)
-                return Step(node, op, attrs, specs, req, outs)
+                op, attrs, req, outs, hinted = self._equation(node, eff)
+                return Step(node, op, attrs, specs, req, outs, hinted=hinted)
         if node.kind in ("scan", "while", "cond"):
             run = {"scan": scan, "while": while_loop, "cond": cond}
             req, outs, loop = run[node.kind](self, node, specs, spec)
             return Step(node, node.prim, _loop_attrs(node), specs, req, outs, loop)
         if node.kind == "shard_map":
             op, attrs, req, outs = self._shard_map(node, specs)
-        else:
-            op, attrs, req, outs = self._equation(node, specs)
-        return Step(node, op, attrs, specs, req, outs)
+            return Step(node, op, attrs, specs, req, outs)
+        op, attrs, req, outs, hinted = self._equation(node, specs)
+        return Step(node, op, attrs, specs, req, outs, hinted=hinted)
 
     def _reduced_first(self, node: Node, specs: _Specs) -> _Specs:
         """The operands with the pending reductions that are resolved before the
@@ -267,12 +267,15 @@ class Engine:
 
     # -- one equation -----------------------------------------------------------------
 
-    def _equation(self, node: Node, specs: _Specs) -> _Answer:
-        """:meth:`infer`, then the backward hint on the outputs where it is cheaper."""
+    def _equation(self, node: Node, specs: _Specs) -> tuple[Any, ...]:
+        """:meth:`infer`, then the backward hint on the outputs where it is cheaper;
+        its answer and whether the hint was taken."""
         op, attrs, req, outs = self.infer(node, specs)
-        if self.chooser.hints:
-            req, outs = self.chooser.take_hint(node, specs, op, attrs, req, outs)
-        return op, attrs, req, outs
+        if not self.chooser.hints:
+            return op, attrs, req, outs, False
+        forward = outs
+        req, outs = self.chooser.take_hint(node, specs, op, attrs, req, outs)
+        return op, attrs, req, outs, outs != forward
 
     def infer(self, node: Node, specs: _Specs) -> _Answer:
         """(op, attrs, required inputs, outputs) for a plain equation."""

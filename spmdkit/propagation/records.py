@@ -141,6 +141,9 @@ class Propagation:
         them (see ``spmdkit.verification.planned.held_on_cpu``); None when not
         propagated.
       var_specs: top-level jaxpr variable → spec.
+      steps: the engine's decided steps, one per top-level record in order (a
+        loop's body steps in its ``loop``): which value each equation read and
+        made, and how its layouts were decided (:mod:`spmdkit.propagation.provenance`).
       program: what :func:`spmdkit.compile.enforce.replay` needs to run the traced
         program with every equation pinned to its propagated layouts.
     """
@@ -159,6 +162,7 @@ class Propagation:
     step_time_s: float
     memory: MemoryEstimate
     var_specs: dict = field(default_factory=dict, repr=False)
+    steps: list[Step] = field(default_factory=list, repr=False, compare=False)
     program: Program | None = field(default=None, repr=False, compare=False)
     memory_materialized: MemoryEstimate | None = field(default=None, repr=False)
     memory_as: Callable[..., tuple[MemoryEstimate, MemoryEstimate]] | None = field(

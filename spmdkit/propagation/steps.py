@@ -47,6 +47,9 @@ class Step(NamedTuple):
         ``given`` is a reshard).
       outputs: the results' specs.
       loop: the body of a loop or branch node, else None.
+      hinted: the results' layouts are the ones later equations asked for (a
+        backward hint, :meth:`~spmdkit.propagation.choose.Chooser.take_hint`),
+        not the rule's forward answer.
     """
 
     node: Node
@@ -56,3 +59,4 @@ class Step(NamedTuple):
     required: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     loop: LoopBody | None = None
+    hinted: bool = False
