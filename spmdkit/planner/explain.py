@@ -141,6 +141,8 @@ class Explanation:
             widths = [max(len(r[i]) for r in rows) for i in range(4)]
             for r in rows:
                 lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+        elif self.kind == "parameter":
+            lines.append("  alternatives: none costed (strategy fixed; 'auto' costs them)")
         if self.kind in ("parameter", "logical"):
             moved = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(self.collectives.items()))
             lines.append(

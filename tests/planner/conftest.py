@@ -21,3 +21,18 @@ def plans(amesh):
         s: plan(toy_init, amesh, s, loss=toy_loss, batch=batch, estimator="analytic")
         for s in (*PRESETS, "auto")
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_infos():
+    """The reference GPT's and Llama's tiny configs, described once (batch 8)."""
+    from models import get_model
+    from spmdkit.flax.model import describe
+
+    return {m: describe(get_model(m), config="tiny", batch_size=8) for m in ("gpt", "llama")}
+
+
+@pytest.fixture(scope="session")
+def llama_fsdp(tiny_infos, amesh):
+    """Tiny Llama's fsdp plan on :func:`amesh`, costed by propagation (provenance recorded)."""
+    return plan(tiny_infos["llama"], amesh, "fsdp")

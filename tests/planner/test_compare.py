@@ -15,13 +15,13 @@ from spmdkit.recipe import Recipe
 
 
 @pytest.fixture(scope="module")
-def llama():
-    return describe(get_model("llama"), config="tiny", batch_size=8)
+def llama(tiny_infos):
+    return tiny_infos["llama"]
 
 
 @pytest.fixture(scope="module")
-def pair(llama, amesh):
-    return plan(llama, amesh, "fsdp"), plan(llama, amesh, "megatron")
+def pair(llama, llama_fsdp, amesh):
+    return llama_fsdp, plan(llama, amesh, "megatron")
 
 
 def _check_sums(d: PlanDiff) -> None:

@@ -2,8 +2,6 @@
 
 import pytest
 
-from models import get_model
-from spmdkit.flax.model import describe
 from spmdkit.planner import PRESETS, plan
 from spmdkit.planner.explain import DECIDERS, Explanation
 from spmdkit.planner.logical import PlanError
@@ -14,14 +12,14 @@ STRATEGIES = (*PRESETS, "auto")
 
 
 @pytest.fixture(scope="module")
-def infos():
-    return {m: describe(get_model(m), config="tiny", batch_size=8) for m in ("gpt", "llama")}
+def infos(tiny_infos):
+    return tiny_infos
 
 
 @pytest.fixture(scope="module")
-def fsdp(infos, amesh):
+def fsdp(llama_fsdp):
     """Llama's fsdp plan, costed by propagation (equations recorded)."""
-    return plan(infos["llama"], amesh, "fsdp")
+    return llama_fsdp
 
 
 def _check_chains(p: Plan) -> None:
@@ -34,6 +32,7 @@ def _check_chains(p: Plan) -> None:
         assert e.spec.startswith("[") and path in e.tensors
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_every_parameter_under_every_strategy_names_its_decider(infos, amesh, model):
     for strategy in STRATEGIES:
@@ -103,3 +102,25 @@ def test_explain_survives_json(fsdp):
 def test_an_unknown_name_says_what_is_near(fsdp):
     with pytest.raises(PlanError, match="did you mean 'embed/embedding'"):
         fsdp.explain("embed/embeding")
+
+
+def test_a_pinned_weight_is_explained_by_its_constraint(amesh):
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Lin(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            names = ("embed", "mlp")
+            w = self.param("w", nn.with_logical_partitioning(nn.initializers.ones, names), (4, 8))
+            b = self.param("b", nn.with_partitioning(nn.initializers.zeros, ("model",)), (8,))
+            return x @ w + b
+
+    def loss(variables, batch):
+        return Lin().apply(variables, batch["x"]).sum()
+
+    x = jnp.ones((8, 4))
+    p = plan(Lin(), amesh, "megatron", loss=loss, batch={"x": x}, init_args=(x,))
+    assert p.explain("params/b").decided_by.kind == "constraint"
+    e = p.explain("params/w")
+    assert e.decided_by.kind == "rule" and "('mlp', model) → model" in str(e)
