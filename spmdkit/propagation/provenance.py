@@ -27,6 +27,7 @@ nothing for it:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -67,6 +68,10 @@ _VIEWS = frozenset(
 
 #: Most uses kept per label (those that move it first).
 MAX_USES = 16
+
+#: spmdkit's own source: a use's source line is the first frame outside it (the
+#: model line that called an ``spmdkit.ops`` function, not the region that ran it).
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @dataclass(frozen=True)
@@ -376,8 +381,8 @@ class _Walk:
                 continue
             seen.add(label)
             spec = _text(rec.inputs[i]) if i < len(rec.inputs) else ""
-            kind = phase
-            use = Use(node.prim, rec.op, rec.strategy, kind, decided, rec.source, spec, runs=runs)
+            source = _caller(node.eqn, rec.source)
+            use = Use(node.prim, rec.op, rec.strategy, phase, decided, source, spec, runs=runs)
             self.use(label, _with_moves(use, by.get(label, ()), runs))
 
     def _named(self, rec: EqnRecord, step: Step, runs: int) -> None:
@@ -385,9 +390,9 @@ class _Walk:
         if not name or not rec.outputs:
             return
         phase = "backward" if step.node.backward else "forward"
-        use = Use(
-            "name", rec.op, rec.strategy, phase, decided_by(step), rec.source, _text(rec.outputs[0])
-        )
+        source = _caller(step.node.eqn, rec.source)
+        spec = _text(rec.outputs[0])
+        use = Use("name", rec.op, rec.strategy, phase, decided_by(step), source, spec)
         self.named.setdefault(name, []).append(use)
 
     def result(self) -> Trails:
@@ -407,6 +412,21 @@ def _kept(uses: list[Use]) -> Iterator[Use]:
             seen.add(key)
             out.append(u)
     return iter(out[:MAX_USES])
+
+
+def _caller(eqn: object, fallback: str) -> str:
+    """``file:line:column (function)`` of the first frame of ``eqn``'s user
+    traceback outside spmdkit (``fallback``: none, or no traceback)."""
+    try:
+        from jax._src import source_info_util  # no public equivalent
+
+        frames = source_info_util.user_frames(eqn.source_info.traceback)
+        for f in frames:
+            if f is not None and not os.path.abspath(f.file_name).startswith(_OWN):
+                return f"{f.file_name}:{f.start_line}:{f.start_column} ({f.function_name})"
+    except Exception:  # a jax without these internals: the record's own source
+        return fallback
+    return fallback
 
 
 def _moves(reshards: Sequence) -> bool:
