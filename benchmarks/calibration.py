@@ -246,6 +246,88 @@ GPT_OSS_120B = {
     "1,024 rows per local expert, head_dim 64 attention) is not known",
 }
 
+#: Published runs the planner cannot price as published, each with why: saved
+#: beside the rows (``unpriced``), with the figures of what it can price instead.
+UNPRICED = [
+    {
+        "name": "Megatron-Bridge DeepSeek-V3 671B FP8",
+        "source": "Megatron-Bridge performance summary (H100), 25.09; its DeepSeek-V3 "
+        "H100 workload config (scripts/performance/configs/deepseek)",
+        "model": ("deepseek", "v3_671b"),
+        "devices": 1024,
+        "published_mesh": "TP 2 x PP 8 x VP 4 x EP 64 (DP 64, ETP 1)",
+        "published_recipe": "FP8, GBS 8192, MBS 1, seq 4096, dropless, recompute "
+        "mla_up_proj and mlp, DeepEP dispatch, all-to-all overlapped",
+        "batch": 8192,
+        "published": 1297,
+        "why": "the model's 3 dense and 58 MoE layers are two layer stacks, which Megatron "
+        "splits unevenly over PP 8 x VP 4 (32 chunks); a pipelined plan here pipelines "
+        "one stack split evenly (58 layers: 2 stages at most below 29)",
+    },
+]
+
+#: DeepSeek-V3 671B's layouts on 1,024 H100s (global batch 8,192), priced
+#: analytically: MaxText's (pure FSDP, bf16, full recompute) and Megatron-Bridge's
+#: without its pipeline (TP 2 x EP 64 over the 1,024, FP8, MBS 1), at the
+#: micro-batch counts named.
+DEEPSEEK_LAYOUTS = [
+    {
+        "name": "MaxText pure FSDP 1024",
+        "mesh": {"data": 1024},
+        "strategy": "fsdp",
+        "rules": None,
+        "recipes": [
+            sk.Recipe(compute_dtype="bfloat16", remat="full", microbatches=m) for m in (1, 2, 4)
+        ],
+    },
+    {
+        "name": "Megatron TP 2 x EP 64, no PP",
+        "mesh": {"data": 16, "expert": 32, "model": 2},
+        "strategy": "megatron_sp+zero1",
+        "rules": _experts_over("expert", "model"),
+        "recipes": [dataclasses.replace(MEGATRON_FP8, remat="full", microbatches=16)],
+    },
+]
+
+
+def deepseek_layouts() -> list[dict]:
+    """Each of :data:`DEEPSEEK_LAYOUTS` priced (analytic, abstract H100 mesh)."""
+    spec = get_model("deepseek")
+    config = spec.configs["v3_671b"]()
+    out = []
+    for layout in DEEPSEEK_LAYOUTS:
+        for recipe in layout["recipes"]:
+            p = sk.plan(
+                spec,
+                sk.abstract_mesh(**layout["mesh"]),
+                layout["strategy"],
+                config=config,
+                batch_size=8192,
+                recipe=recipe,
+                rules=layout["rules"],
+                topology=sk.Topology.h100(),
+                estimator="analytic",
+            )
+            c = p.cost
+            out.append(
+                {
+                    "name": layout["name"],
+                    "mesh": layout["mesh"],
+                    "strategy": layout["strategy"],
+                    "recipe": recipe.short(),
+                    "experts": str(p.params["moe_layers/moe/w_gate"]),
+                    "tok_s_gpu": 8192 * config.seq_len / c.step_time_s / 1024,
+                    "memory_gib": c.peak_bytes / GIB,
+                    "memory": {k: v / GIB for k, v in c.memory.items()},
+                    "step_time_s": c.step_time_s,
+                    "compute_s": c.compute_time_s,
+                    "comm_s": c.comm_time_s,
+                    "comm_tib": {k: v / 2**40 for k, v in c.comm_bytes.items()},
+                }
+            )
+    return out
+
+
 #: One published run per row. ``fit``: the row that fits its stack's constant.
 ROWS = [
     MAXTEXT_70B,
@@ -554,7 +636,27 @@ def main() -> None:
             f"{c['fitted_matmul_efficiency']:.3f} fits its row exactly; attention "
             f"{c['attention_efficiency']:.2f}, fusion traffic {c['fusion_traffic']:.1f}"
         )
-    path.write_text(json.dumps({"rows": out, "constants": constants}, indent=1))
+    unpriced = [dict(r) for r in UNPRICED]
+    if chosen({"name": "DeepSeek-V3 layouts"}):
+        layouts = deepseek_layouts()
+        for r in layouts:
+            print(
+                f"DeepSeek-V3 {r['name']}, {r['recipe']}: {r['tok_s_gpu']:.0f} tok/s/GPU "
+                f"at {r['memory_gib']:.0f} GiB"
+            )
+    else:
+        layouts = saved.get("deepseek_v3_layouts", [])
+    path.write_text(
+        json.dumps(
+            {
+                "rows": out,
+                "constants": constants,
+                "unpriced": unpriced,
+                "deepseek_v3_layouts": layouts,
+            },
+            indent=1,
+        )
+    )
     print(f"saved {path}")
 
 

@@ -61,3 +61,8 @@ def test_the_docs_table_is_the_saved_one(bench):
     )
     names = [(r["name"], r["devices"]) for r in saved["rows"]]
     assert names == [(r["name"], r["devices"]) for r in bench.ROWS]
+    # the runs priced otherwise are saved with why, and DeepSeek-V3's layouts with them
+    assert [r["name"] for r in saved["unpriced"]] == [r["name"] for r in bench.UNPRICED]
+    assert all(r["why"] and r["published"] > 0 for r in saved["unpriced"])
+    layouts = {r["name"] for r in saved["deepseek_v3_layouts"]}
+    assert layouts == {r["name"] for r in bench.DEEPSEEK_LAYOUTS}
