@@ -6,7 +6,9 @@ them); expert ``e`` computes the SwiGLU ``(silu(x W_gate[e]) * (x W_up[e])) W_do
 and the token's output is the sum of its experts' outputs weighted by
 ``weights[t, :]``. Dropless unless ``capacity_factor`` is set: then each expert
 takes at most ``C = ceil(capacity_factor * T * k / E)`` assignments, the first
-ones in token order (row-major over ``[T, k]``), and the rest contribute nothing.
+ones in token order (row-major over ``[T, k]``), and the rest contribute nothing;
+a token shard ranks its assignments after those of the shards before it, so the
+per-expert counts ``[E]`` (int32) are all-gathered over the token axes.
 The unsharded reference gathers each token's experts' weights (dense, per token).
 
 Algebra, factor by factor:
@@ -74,7 +76,7 @@ from spmdkit.engine.rule import (
 from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import TensorSpec
 
-__all__ = ["RULES", "MoeExpertsRule", "expert_capacity", "moe_experts_reference"]
+__all__ = ["RULES", "MoeExpertsRule", "expert_capacity", "experts_example", "moe_experts_reference"]
 
 
 def expert_capacity(tokens: int, top_k: int, n_experts: int, factor: float) -> int:
@@ -298,10 +300,15 @@ class MoeExpertsRule(Rule):
 
     def _own(self, ctx: RuleContext, lay: _Layout, inputs: Sequence[TensorSpec], *, grad: bool):
         """The op's own collectives: the weights' FSDP gathers (and, in the grad,
-        their reduce-scatters) and the token exchange's all-to-alls."""
+        their reduce-scatters), the token exchange's all-to-alls, and in token-dropping
+        mode the per-expert counts gathered over the token axes (``_kept_here``: an
+        integer gather, with no transpose in the grad)."""
         x, idx, _, wg, wu, wd = inputs
         sizes = ctx.axis_sizes
         out = []
+        if ctx.attrs.get("capacity_factor") is not None and _size(sizes, lay.t) > 1:
+            counts = _size(sizes, lay.t) * wg.shape[0] * 4  # int32 [shards, E]
+            out.append(op_collective(ctx, "all_gather", lay.t, counts, dim=0))
         if lay.fs:
             n_fs = _size(sizes, lay.fs)
             for w, dim in ((wg, 1), (wu, 1), (wd, 2)):
@@ -582,7 +589,14 @@ def _routing(shape_x: tuple[int, int], k: int, n_experts: int, shape_w: tuple[in
     return values
 
 
-def _example(t: int, d: int, k: int, e: int, f: int, **kw: Any) -> Example:
+def experts_example(t: int, d: int, k: int, e: int, f: int, **kw: Any) -> Example:
+    """An example of ``moe_experts``: ``t`` tokens of ``d``, top-``k`` of ``e`` experts
+    (distinct per token) with hidden ``f``; ``kw`` passed to :class:`Example`.
+
+    Example::
+
+        >>> experts_example(32, 64, 2, 6, 32, attrs={"strategy": "local"}, uneven=True)
+    """
     shapes = ((t, d), (t, k), (t, k), (e, d, f), (e, d, f), (e, f, d))
     return Example(
         shapes,
@@ -594,10 +608,10 @@ def _example(t: int, d: int, k: int, e: int, f: int, **kw: Any) -> Example:
 
 
 _EXAMPLES = (
-    _example(16, 8, 2, 8, 8),
-    _example(16, 8, 2, 8, 8, attrs={"strategy": "local", "capacity_factor": 1.0}),
+    experts_example(16, 8, 2, 8, 8),
+    experts_example(16, 8, 2, 8, 8, attrs={"strategy": "local", "capacity_factor": 1.0}),
     # Uneven: 6 tokens, 6 hidden units (padded blocks on 4 and 8 devices)
-    _example(6, 4, 2, 4, 6, attrs={"capacity_factor": 1.5}, uneven=True),
+    experts_example(6, 4, 2, 4, 6, attrs={"capacity_factor": 1.5}, uneven=True),
 )
 
 RULES = (MoeExpertsRule(_EXAMPLES),)

@@ -130,6 +130,23 @@ def test_the_ep_step_compiles_the_predicted_all_to_alls():
     assert sorted(c.payload_bytes for c in predicted) == [32, tokens, tokens]
 
 
+def test_token_dropping_gathers_the_counts_it_predicts():
+    """Capacity mode ranks a token shard after the shards before it: the per-expert
+    counts are all-gathered over the token axes, and the rule predicts that gather."""
+    mesh, args, _ = _sharded("ep8", _values(1))
+    fwd = lambda *a: sk.ops.moe_experts(*a, capacity_factor=0.75)  # noqa: E731
+    found = summarize(c for c in compiled_collectives(fwd, *args) if c.kind == "all_gather")
+    counts = 8 * E * 4  # int32 [token shards, E]
+    assert found == {"all_gather": {"count": 1, "payload_bytes": counts}}
+    predicted = sk.infer_forward(
+        "moe_experts",
+        *(sk.TensorSpec.from_sharding(a.shape, a.sharding, dtype=a.dtype) for a in args),
+        mesh=mesh,
+        capacity_factor=0.75,
+    ).collectives
+    assert [c.payload_bytes for c in predicted if c.kind == "all_gather"] == [counts]
+
+
 def test_bad_inputs_raise_typed_errors():
     x, idx, w, wg, wu, wd = _values()
     mesh = sk.make_mesh(ep=8)

@@ -26,6 +26,7 @@ from jax import lax
 
 import spmdkit as sk
 from spmdkit.rules.index_put import scatter_example
+from spmdkit.rules.moe import experts_example
 from spmdkit.rules.pooling import window_map
 from spmdkit.testing import check_jit, check_rule
 
@@ -69,15 +70,6 @@ SLOW_SAMPLES = {
 }
 
 
-#: moe_experts' full-size sweeps that fail since this stop's later MoE commits
-#: (the sample sweeps pass); see the stop note of 2026-12-02.
-FULL_SWEEP_XFAIL = {
-    "test_jit_collectives_match_prediction": frozenset({"moe_experts"}),
-    "test_numeric_sweep_2x3": frozenset({"moe_experts"}),
-}
-FULL_SWEEP_XFAIL_WHY = "moe_experts' full-size sweep regressed in the stop of 2026-12-02"
-
-
 def pytest_generate_tests(metafunc):
     """``op``: every registered op, a module-scoped parameter, so pytest runs each op's
     checks one after another (on one xdist worker, mostly), reusing its compiled
@@ -91,8 +83,6 @@ def pytest_generate_tests(metafunc):
         marks = [] if op in QUICK_OPS else [pytest.mark.heavy]
         if op in slow:
             marks.append(pytest.mark.slow)
-        if op in FULL_SWEEP_XFAIL.get(metafunc.function.__name__, ()):
-            marks.append(pytest.mark.xfail(reason=FULL_SWEEP_XFAIL_WHY, strict=False))
         params.append(pytest.param(op, marks=marks))
     metafunc.parametrize("op", params, scope="module")
 
@@ -352,6 +342,13 @@ _AT_32_64 = {
             {"accumulate": True, "strategy": "local_update"},
             **_WRITE,
             values=_writes((64, 32), 8),
+        ),
+    ],
+    # 6 experts divide both axes; tokens of 64 and 32 are uneven over the axis of 3
+    "moe_experts": [
+        experts_example(64, 32, 2, 6, 64, uneven=True),
+        experts_example(
+            32, 64, 2, 6, 32, attrs={"strategy": "local", "capacity_factor": 1.25}, uneven=True
         ),
     ],
     "pad": [_ex(((32, 64), ()), {"padding_config": ((0, 0, 0), (1, 2, 1))}, rtol=1e-4)],
