@@ -1,9 +1,11 @@
 """Packaging: ``rules/`` and ``models/`` ship as ``spmdkit.rules`` and ``spmdkit.models``.
 
 The repository keeps them as top-level folders; ``pyproject.toml`` maps them
-into the ``spmdkit`` distribution (``package-dir``). Checked twice: in a wheel
-installed into a fresh virtual environment, and in the editable install the
-tests run from. Neither may install a generic top-level ``rules`` or ``models``.
+into the ``spmdkit`` distribution (``package-dir``), so its ``packages`` is a list
+that every package folder must be on (checked in the default run). The slow step
+checks the result twice: in a wheel installed into a fresh virtual environment, and
+in the editable install the tests run from. Neither may install a generic top-level
+``rules`` or ``models``.
 """
 
 import importlib.metadata
@@ -12,6 +14,7 @@ import shutil
 import site
 import subprocess
 import sys
+import tomllib
 import venv
 import zipfile
 from pathlib import Path
@@ -20,8 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "spmdkit", "rules", "models")
-
-pytestmark = pytest.mark.slow
+SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 _PROBE = """
 import importlib.util, json, spmdkit, spmdkit.models, spmdkit.rules
@@ -35,6 +37,33 @@ print(json.dumps({
     "ops": list(registered_ops()),
 }))
 """
+
+
+def _package_folders() -> dict[str, Path]:
+    """Every folder of modules under pyproject's ``package-dir`` roots, by the package
+    name it installs as (``models/`` -> ``spmdkit.models``), ``__init__.py`` or not."""
+    found = {}
+    for name, root in SETUPTOOLS["package-dir"].items():
+        for module in (REPO / root).rglob("*.py"):
+            rel = module.parent.relative_to(REPO / root)
+            if "__pycache__" not in rel.parts:
+                found[".".join((name, *rel.parts))] = module.parent
+    return found
+
+
+def test_pyproject_lists_every_package_folder():
+    """The mapped layout (top-level ``rules/`` and ``models/`` installed inside
+    ``spmdkit``) rules out setuptools' package discovery, so ``packages`` is a list:
+    a new subpackage missing from it would be left out of the wheel, and only the
+    slow step's wheel install would notice. This catches it in the default run."""
+    folders = _package_folders()
+    listed = set(SETUPTOOLS["packages"])
+    missing = sorted(set(folders) - listed)
+    assert not missing, f"add {missing} to [tool.setuptools] packages in pyproject.toml"
+    stale = sorted(listed - set(folders))
+    assert not stale, f"remove {stale} from [tool.setuptools] packages in pyproject.toml"
+    no_init = sorted(n for n, d in folders.items() if not (d / "__init__.py").exists())
+    assert not no_init, f"give {no_init} an __init__.py (a package, not a namespace)"
 
 
 def _version(dist: str) -> tuple[int, ...] | None:
@@ -80,6 +109,15 @@ def _probe(python: Path | str, cwd: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _site_dirs() -> list[str]:
+    """The folders this interpreter imports installed packages from: its own
+    site-packages and any another's it reaches by a ``.pth`` path line (a venv that
+    shares an older one's packages), which ``site.getsitepackages()`` does not list."""
+    own = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    shared = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    return list(dict.fromkeys(p for p in [*own, *shared] if Path(p).is_dir()))
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """A wheel built from a copy of the sources (the work tree stays clean)."""
@@ -99,8 +137,15 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+@pytest.mark.slow
 def test_wheel_holds_rules_and_models_inside_spmdkit(wheel):
     names = zipfile.ZipFile(wheel).namelist()
+    shipped = {
+        "/".join((*package.split("."), module.name))
+        for package, folder in _package_folders().items()
+        for module in folder.glob("*.py")
+    }
+    assert shipped <= set(names), sorted(shipped - set(names))
     assert "spmdkit/rules/__init__.py" in names
     assert "spmdkit/rules/matmul.py" in names
     assert "spmdkit/models/__init__.py" in names
@@ -111,10 +156,7 @@ def test_wheel_holds_rules_and_models_inside_spmdkit(wheel):
     assert "spmdkit = spmdkit.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
-@pytest.mark.xfail(
-    reason="regressed in the stop of 2026-12-02 (issue 43-45 work); see that stop's note",
-    strict=False,
-)
+@pytest.mark.slow
 def test_wheel_install_imports_from_the_venv(wheel, tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False, system_site_packages=True)
@@ -129,7 +171,7 @@ def test_wheel_install_imports_from_the_venv(wheel, tmp_path):
         text=True,
         check=True,
     ).stdout.strip()
-    deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    deps = _site_dirs()
     (Path(purelib) / "_outer_deps.pth").write_text("\n".join(deps) + "\n")
 
     cwd = tmp_path / "elsewhere"
@@ -170,6 +212,7 @@ def _is_editable_here() -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_editable_install_maps_the_repository_folders(tmp_path):
     if not _is_editable_here():
         pytest.skip("spmdkit is not installed editable from this repository")
