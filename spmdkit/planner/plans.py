@@ -768,18 +768,7 @@ class Plan:
             if self.cost is not None and self.cost.stage_memory:
                 lines.append(_stages_line(self.cost))
         if self.cost is not None:
-            c = self.cost
-            mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items())
-            lines.append(f"memory/device: {fmt_bytes(c.peak_bytes)} ({mem})")
-            comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(c.comm_bytes.items()) if v)
-            lines.append(f"comm/step/device: {comm or 'none'}")
-            hidden = f", {fmt_time(c.hidden_comm_s)} of it hidden" if c.hidden_comm_s else ""
-            lines.append(
-                f"estimated step: {fmt_time(c.step_time_s)} = compute "
-                f"{fmt_time(c.compute_time_s)} + comm {fmt_time(c.comm_time_s)}{hidden} "
-                f"({c.estimator}" + (f", priced on {self.topology})" if self.topology else ")")
-            )
-            lines += _ops_lines(c.ops)
+            lines += _cost_lines(self.cost, self.topology)
         lines += self._tail_lines(notes)
         return "\n".join(lines)
 
@@ -856,6 +845,23 @@ class Plan:
                 "plan.verify(sk.jit(step, plan), *args)",
             )
         return step.verify(*args, bytes_tol=bytes_tol, mem_tol=mem_tol)
+
+
+def _cost_lines(c: Cost, topology: str | None) -> list[str]:
+    """The table's cost section: memory, bytes moved, the estimated step, the ops."""
+    mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items())
+    comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(c.comm_bytes.items()) if v)
+    # hidden = comm - (step - compute): rounding leaves ±1 ulp where nothing overlaps
+    shown = c.hidden_comm_s > 1e-9 * c.comm_time_s
+    hidden = f", {fmt_time(c.hidden_comm_s)} of it hidden" if shown else ""
+    return [
+        f"memory/device: {fmt_bytes(c.peak_bytes)} ({mem})",
+        f"comm/step/device: {comm or 'none'}",
+        f"estimated step: {fmt_time(c.step_time_s)} = compute "
+        f"{fmt_time(c.compute_time_s)} + comm {fmt_time(c.comm_time_s)}{hidden} "
+        f"({c.estimator}" + (f", priced on {topology})" if topology else ")"),
+        *_ops_lines(c.ops),
+    ]
 
 
 def _stages_line(cost: Cost) -> str:

@@ -1,5 +1,7 @@
 """Plans and costs as plain data: JSON, printing, shardings of params, state and batch."""
 
+import dataclasses
+
 import jax
 import optax
 import pytest
@@ -29,6 +31,21 @@ def test_cost_prints_with_the_shared_units():
     assert cost.summary() == (
         "step 1.50 ms (compute 1.50 ms, comm 0.0 µs), comm 3.0 TiB, memory 8.0 KiB"
     )
+
+
+def test_the_table_says_what_is_hidden_only_when_something_is(plans):
+    """``hidden_comm_s`` is ``comm - (step - compute)``: where nothing overlaps (a CPU
+    topology) rounding leaves ±1 ulp, which the table must not print as hidden."""
+    p = plans["dp"]
+    comm, compute = 3.77e-3, 4.6e-3
+    nothing = comm - ((compute + comm) - compute)
+    assert nothing != 0.0  # the rounding this guards against
+    cost = Cost(
+        compute + comm, compute, comm, {"all_reduce": 1}, {"params": 8}, hidden_comm_s=nothing
+    )
+    assert "hidden" not in str(dataclasses.replace(p, cost=cost))
+    cost = dataclasses.replace(cost, hidden_comm_s=1e-3)
+    assert ", 1.00 ms of it hidden (" in str(dataclasses.replace(p, cost=cost))
 
 
 def test_dims_and_specs_round_trip():
