@@ -349,7 +349,7 @@ def _rule_links(
     return out
 
 
-def _equation_link(u: Use) -> Link:
+def _equation_link(u: Use, verb: str = "reads") -> Link:
     what = u.op or u.primitive
     strategy = f", {u.strategy}" if u.strategy != "default" else ""
     runs = f" ×{u.runs}" if u.runs > 1 else ""
@@ -359,7 +359,7 @@ def _equation_link(u: Use) -> Link:
             f"{m.kind}({','.join(m.axes)}) {fmt_bytes(m.payload_bytes)}" for m in u.moves
         )
     where = f" at {_short(u.source)}" if u.source else ""
-    text = f"{u.phase} pass: {what} by its {u.decided}{strategy}{where}, reads {u.spec}"
+    text = f"{u.phase} pass: {what} by its {u.decided}{strategy}{where}, {verb} {u.spec}"
     text += runs + moves
     return Link("equation", text, u)
 
@@ -408,8 +408,9 @@ def _logical(plan: Any, prov: Provenance, name: str) -> Explanation:
         dim = list(logical).index(name)
         dims = _dims(plan.params[path], len(shape))
         groups.setdefault(group_key(path), _axes(dims[dim]) if dims[dim] else "replicated")
+    kind = "rule" if plan.rules is not None else "search"
     for key, got in groups.items():
-        chain.append(Link("rule", f"{key}: its {name!r} dim over {got}"))
+        chain.append(Link(kind, f"{key}: its {name!r} dim over {got}"))
     kinds: dict[str, int] = {}
     time = 0.0
     for key in groups:
@@ -444,7 +445,7 @@ def _batch_field(plan: Any, path: str) -> Explanation:
 
 def _activation(name: str, uses: Sequence[Use]) -> Explanation:
     made = next((u for u in uses if u.phase == "forward"), uses[0])
-    chain = tuple(_equation_link(u) for u in uses)
+    chain = tuple(_equation_link(u, "makes it as") for u in uses)
     return Explanation(name, "activation", (name,), made.spec, None, chain)
 
 

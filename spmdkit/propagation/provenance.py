@@ -189,10 +189,11 @@ def trails(
     owner: dict[int, str] = {}
     for i, label in inputs.items():
         owner[graph.invars[i]] = label
+    _forward_owners(prop.steps, owner)
+    forward = frozenset(owner)  # the tensors and their views: the update stops there
     for i, label in (outputs or {}).items():
         owner.setdefault(graph.outvars[i], label)
-    updated = _backward_owners(graph, prop.steps, owner)
-    _forward_owners(prop.steps, owner)
+    updated = _backward_owners(graph, prop.steps, owner, forward)
     walk = _Walk(owner, updated)
     walk.records(prop.records[: len(prop.steps)], prop.steps, 1)
     for rec in prop.records[len(prop.steps) :]:  # the outputs' reshards
@@ -231,10 +232,13 @@ def _forward_owners(steps: Sequence[Step], owner: dict[int, str]) -> None:
                 owner.setdefault(o, label)
 
 
-def _backward_owners(graph: Graph, steps: Sequence[Step], owner: dict[int, str]) -> set[int]:
+def _backward_owners(
+    graph: Graph, steps: Sequence[Step], owner: dict[int, str], forward: frozenset[int]
+) -> set[int]:
     """Labels spread from the labelled outputs back through the values of the same
     shape they are computed from (the update, the moments, the gradient), into
-    scan bodies through their stacked results; the ids of those values."""
+    scan bodies through their stacked results, never into the ``forward`` values
+    (the tensors and their views); the ids of those values."""
     made: dict[int, Step] = {}
     for step in steps:
         for o in step.node.outs:
@@ -244,7 +248,7 @@ def _backward_owners(graph: Graph, steps: Sequence[Step], owner: dict[int, str])
     while todo:
         v = todo.pop()
         step = made.get(v)
-        if step is None or v in updated:
+        if step is None or v in updated or v in forward:
             continue
         updated.add(v)
         label, node = owner[v], step.node
@@ -253,7 +257,10 @@ def _backward_owners(graph: Graph, steps: Sequence[Step], owner: dict[int, str])
             inner = _scan_result(node, v)
             if inner is not None:
                 owner.setdefault(inner, label)
-                updated |= _backward_owners_in(node.subs[0], step.loop.steps, inner, owner)
+                body = node.subs[0]
+                updated |= _backward_owners(
+                    Graph(body.invars, [inner], body.nodes), step.loop.steps, owner, forward
+                )
             continue
         view = node.prim in _VIEWS and node.prim != "broadcast_in_dim" and len(node.ins) == 1
         for u, given in zip(node.ins, step.given, strict=True):
@@ -261,11 +268,6 @@ def _backward_owners(graph: Graph, steps: Sequence[Step], owner: dict[int, str])
             if same and owner.setdefault(u, label) == label:
                 todo.append(u)
     return updated
-
-
-def _backward_owners_in(body: Graph, steps: Sequence[Step], v: int, owner: dict[int, str]) -> set:
-    """:func:`_backward_owners` inside a loop body from its result ``v``."""
-    return _backward_owners(Graph(body.invars, [v], body.nodes), steps, owner)
 
 
 def _scan_result(node: Node, v: int) -> int | None:
@@ -301,6 +303,8 @@ class _Walk:
         # pending sums a labelled weight made (a row-parallel matmul's result):
         # their reduction is that weight's
         self.partial: dict[int, str] = {}
+        # value id → the record and step that made it (a named activation's producer)
+        self.made: dict[int, tuple[EqnRecord, Step]] = {}
         self.named: dict[str, list[Use]] = {}
 
     def add(self, label: str, reshards: Sequence, runs: int) -> None:
@@ -327,7 +331,9 @@ class _Walk:
         for label, moved in by.items():
             self.add(label, moved, runs)
         if node.prim == "name":
-            self._named(rec, step, runs)
+            self._named(rec, step)
+        for o in node.outs:
+            self.made[o] = (rec, step)
         self._uses(rec, step, by, runs)
         if rec.body and step.loop is not None:
             inner = runs * rec.repeat
@@ -385,15 +391,21 @@ class _Walk:
             use = Use(node.prim, rec.op, rec.strategy, phase, decided, source, spec, runs=runs)
             self.use(label, _with_moves(use, by.get(label, ()), runs))
 
-    def _named(self, rec: EqnRecord, step: Step, runs: int) -> None:
+    def _named(self, rec: EqnRecord, step: Step) -> None:
+        """A ``checkpoint_name``: the equation that made the named value (its rule,
+        how its layout was decided, its line), once per source line and layout."""
         name = str(step.node.eqn.params.get("name", ""))
         if not name or not rec.outputs:
             return
-        phase = "backward" if step.node.backward else "forward"
-        source = _caller(step.node.eqn, rec.source)
-        spec = _text(rec.outputs[0])
-        use = Use("name", rec.op, rec.strategy, phase, decided_by(step), source, spec)
-        self.named.setdefault(name, []).append(use)
+        rec, step = self.made.get(step.node.ins[0], (rec, step)) if step.node.ins else (rec, step)
+        node = step.node
+        phase = "backward" if node.backward or node.prim == GRAD else "forward"
+        source = _caller(node.eqn, rec.source)
+        spec = _text(rec.outputs[0]) if rec.outputs else ""
+        use = Use(node.prim, rec.op, rec.strategy, phase, decided_by(step), source, spec)
+        have = self.named.setdefault(name, [])
+        if use not in have:
+            have.append(use)
 
     def result(self) -> Trails:
         uses = {k: tuple(_kept(v)) for k, v in self.uses.items()}

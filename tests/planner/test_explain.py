@@ -1,5 +1,7 @@
 """plan.explain: every parameter's chain names what decided it; equations, alternatives, text."""
 
+import itertools
+
 import pytest
 
 from spmdkit.planner import PRESETS, plan
@@ -7,8 +9,10 @@ from spmdkit.planner.explain import DECIDERS, Explanation
 from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan
 from spmdkit.planner.provenance import ACTIVATIONS, group_key
+from tests.sampling import latin, sampled
 
 STRATEGIES = (*PRESETS, "auto")
+MODELS = ("gpt", "llama")
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +37,20 @@ def _check_chains(p: Plan) -> None:
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", MODELS)
 def test_every_parameter_under_every_strategy_names_its_decider(infos, amesh, model):
     for strategy in STRATEGIES:
         _check_chains(plan(infos[model], amesh, strategy, estimator="analytic"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["gpt", "llama"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_propagated_plans_name_deciders_and_equations(infos, amesh, model, strategy):
+#: Each strategy with one model in CI's slow step, every pair with SPMDKIT_FULL_SWEEP=1.
+PROPAGATED = sampled(
+    list(itertools.product(STRATEGIES, MODELS)), latin(STRATEGIES, MODELS), marks=[pytest.mark.slow]
+)
+
+
+@pytest.mark.parametrize("strategy, model", PROPAGATED)
+def test_propagated_plans_name_deciders_and_equations(infos, amesh, strategy, model):
     p = plan(infos[model], amesh, strategy)
     _check_chains(p)
     # every group read by a matmul or lookup names an equation with a source line
