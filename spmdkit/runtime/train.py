@@ -84,7 +84,10 @@ class TrainResult:
     Attributes:
       params: the trained model as it was given: the NNX module (updated in
         place), the linen variables dict (state included), or the params pytree.
-      opt_state: the final optimizer state.
+      opt_state: the final optimizer state, its parameter-shaped parts (moments,
+        master) in the form the parameters were given in (an ``nnx.State``'s for
+        ``sk.init_sharded``'s; pure dicts for a module), as ``optimizer.init``
+        makes it: the step ``planned`` takes ``params`` and ``opt_state`` together.
       step: the number of optimizer steps done in total (including restored ones).
       history: one dict per step run here: ``{"step", "loss", ...aux}``.
       start_step: the step training started from (the restored step, or 0).
@@ -233,7 +236,7 @@ def train(
     params, final_state = final["params"], final.get("model_state")
     return TrainResult(
         params=parts.write_back(params, final_state),
-        opt_state=final["opt_state"],
+        opt_state=parts.opt_back(final["opt_state"]),
         step=loop.step,
         history=loop.history,
         start_step=loop.start,

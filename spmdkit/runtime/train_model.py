@@ -44,12 +44,16 @@ _RIGHT_CALL = "train(info, params, optimizer, data, steps=..., plan=plan)"
 @dataclasses.dataclass
 class Parts:
     """The described model, its concrete parameters and state, and how to hand
-    the trained values back in the form they were given."""
+    the trained values back in the form they were given: ``write_back(params,
+    state)`` the model's, ``opt_back(opt_state)`` the optimizer state's (each
+    subtree shaped as the parameters in their given form, as
+    ``optimizer.init(given)`` makes it)."""
 
     info: ModelInfo
     params: Any
     state: Any
     write_back: Callable[[Any, Any], Any]
+    opt_back: Callable[[Any], Any] = lambda opt_state: opt_state
 
 
 def model_parts(loss: Any, model: Any, example: Any) -> Parts:
@@ -167,7 +171,14 @@ def _described(info: ModelInfo, values: Any) -> Parts:
             nnx.replace_by_pure_dict(filled, p)
             return filled
 
-        return Parts(info, pure, state, into_state)
+        structure = jax.tree.structure(pure)
+        return Parts(
+            info,
+            pure,
+            state,
+            into_state,
+            lambda opt_state: _params_form(opt_state, structure, lambda p: into_state(p, None)),
+        )
     if given_state is not None:
         return Parts(info, pure, state, lambda p, s: {**p, **s})
     return Parts(info, pure, state, lambda p, s: p)
@@ -190,6 +201,18 @@ def _state(info: ModelInfo, given: Any) -> Any:
         )
     state = info.init_state_fn()
     return nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
+
+
+def _params_form(opt_state: Any, structure: Any, into: Callable[[Any], Any]) -> Any:
+    """``opt_state`` with each subtree of the (pure) parameters' ``structure``
+    (Adam's moments, the fp32 master) put into the form the parameters were given
+    in by ``into``: the optimizer state ``optimizer.init`` makes of the given form,
+    so ``result.planned`` takes ``result.params`` and ``result.opt_state`` together."""
+
+    def shaped(x: Any) -> bool:
+        return jax.tree.structure(x) == structure
+
+    return jax.tree.map(lambda x: into(x) if shaped(x) else x, opt_state, is_leaf=shaped)
 
 
 def _module_parts(info: ModelInfo, model: nnx.Module) -> Parts:

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.runtime.train import TrainError, train
@@ -87,6 +88,40 @@ def test_nnx_dropout_trains_from_init_sharded_params(tagger):
     again = train(info, sk.init_sharded(info, plan), optax.adam(1e-2), batches, steps=3,
                   plan=plan, rng=1, progress=False)  # fmt: skip
     assert again.losses[0] != res.losses[0]
+
+
+class Mlp(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 256, rngs=rngs)
+        self.down = nnx.Linear(256, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def mlp_loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def test_the_step_that_ran_verifies_on_the_trained_state_as_handed_back():
+    """README's path: ``train(info, sk.init_sharded(info, plan), ...)`` hands the
+    parameters back as the nnx.State given and the optimizer state in the same
+    form (what ``opt.init(params)`` makes of it), so ``result.planned`` takes the
+    two together (before, the moments came back as pure dicts: a pytree
+    structure error in ``verify``)."""
+    batches = net_batches(1)
+    info = sk.describe(lambda: Mlp(nnx.Rngs(0)), loss=mlp_loss, batch=batches[0])
+    plan = sk.plan(info, sk.make_mesh(data=2, model=4), "megatron", estimator="analytic")
+    opt = optax.adam(1e-2)
+    params = sk.init_sharded(info, plan)
+    made = jax.eval_shape(opt.init, params)  # before train: it donates the arrays
+    res = train(info, params, opt, batches, steps=1, plan=plan, progress=False)
+    assert isinstance(res.params, nnx.State)
+    assert jax.tree.structure(res.opt_state) == jax.tree.structure(made)
+    mu = res.opt_state[0].mu["up"]["kernel"][...]
+    assert mu.sharding.spec == plan.opt_shardings(made)[0].mu["up"]["kernel"].spec != P()
+    report = res.planned.verify(res.params, res.opt_state, batches[0])
+    assert report.ok and {kind for kind, *_ in report.rows} >= {"all_reduce"}, str(report)
 
 
 @pytest.mark.slow
