@@ -122,3 +122,29 @@ def test_a_ragged_backend_sends_the_routed_rows_over_the_link(info):
     }
     saved = plans["cpu"].cost.comm_time_s - plans["gpu"].cost.comm_time_s
     assert saved == pytest.approx(6 * (per[buf] - per[routed]))
+
+
+@pytest.mark.slow
+def test_deepseek_v3_671b_plans_on_1024_h100s_within_80_gib():
+    """Issue 44's acceptance: DeepSeek-V3 671B (the zoo's ``deepseek`` at ``v3_671b``:
+    MLA, 3 dense layers, 256 experts top-8 and a shared one) on 1,024 abstract H100s
+    as TP 2 x EP 32 x DP 16 would lay them out, global batch 8,192 of 4,096 tokens,
+    ``pipeline="auto"``, ``allow_fp8``: auto fits 80 GiB within a minute of the
+    process's CPU time (the analytic estimator; the machine's load does not count)."""
+    import time
+
+    from spmdkit.models import get_model
+
+    v3 = describe(get_model("deepseek"), config="v3_671b", batch_size=8192)
+    start = time.process_time()
+    p = sk.plan(
+        v3,
+        sk.abstract_mesh(data=16, expert=32, model=2),
+        "auto",
+        pipeline="auto",
+        allow_fp8=True,
+        estimator="analytic",
+    )
+    took = time.process_time() - start
+    assert p.cost.peak_bytes <= 80 * 2**30
+    assert took <= 60, took
