@@ -67,6 +67,7 @@ from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
 from spmdkit.recipe import RecipeError, check_offload, recipes_used
+from spmdkit.topology import topology_for
 from spmdkit.util import path_str
 from spmdkit.verification.compiled import VerifyReport
 from spmdkit.verification.planned import verify_plan
@@ -413,6 +414,8 @@ class PlannedFunction:
                 in_specs=in_specs,
                 mesh=self.mesh,
                 out_specs=out_specs,
+                # priced on the devices it runs on, as sk.plan prices a plan for them
+                topology=topology_for(self.mesh),
                 donate_argnums=self._donation(roles),
                 arg_roles=tuple(r if r in (*STATE_ROLES, "batch") else "other" for r in roles),
             )
