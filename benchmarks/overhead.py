@@ -65,7 +65,10 @@ mesh's own topology, ``Topology.cpu``) against every preset: each distinct plan'
 train step (``sk.jit(sk.train_step(info, adam, plan), plan)``) compiled and timed
 in rounds, every plan once a round with the order rotated; per preset the median
 of the per-round ratios auto / preset, and auto against the fastest preset
-(target ≤ 1.1). The CPU topology's per-core constants measured on this host
+(target ≤ 1.1), in wall-clock time and in the process's CPU seconds per step
+(``cpu_ratio_to_fastest``: the steps' own work, which a loaded, shared host
+inflates least; wall-clock differences between layouts there also hold the
+threads' waits at each collective). The CPU topology's per-core constants measured on this host
 (``measure_cpu_constants``) are saved beside the table (``cpu_constants``).
 ``--auto-only`` runs just this section and replaces it in the JSON.
 
@@ -706,12 +709,15 @@ def measure_auto(
     first = [_timed(calls[k]) for k in order]
     rounds = max(3, min(25, int(budget_s / max(sum(first), 1e-9))))
     times: dict[str, list[float]] = {k: [] for k in order}
+    cpu: dict[str, list[float]] = {k: [] for k in order}
     for r in range(rounds):
         for j in range(len(order)):
             k = order[(r + j) % len(order)]
+            c0 = time.process_time()
             times[k].append(_timed(calls[k]))
+            cpu[k].append(time.process_time() - c0)
     med = statistics.median
-    auto_t = times[keys["auto"]]
+    auto_t, auto_c = times[keys["auto"]], cpu[keys["auto"]]
     presets = {}
     for n in plans:
         if n == "auto":
@@ -719,7 +725,9 @@ def measure_auto(
         t = times[keys[n]]
         presets[n] = {
             "step_ms": 1e3 * med(t),
+            "step_cpu_ms": 1e3 * med(cpu[keys[n]]),
             "auto_ratio": med([a / b for a, b in zip(auto_t, t, strict=True)]),
+            "auto_cpu_ratio": med([a / b for a, b in zip(auto_c, cpu[keys[n]], strict=True)]),
             "predicted_step_s": plans[n].cost.step_time_s,
             "same_as_auto": keys[n] == keys["auto"],
         }
@@ -736,10 +744,12 @@ def measure_auto(
         "auto_chose": f"{a.chosen}" + ("" if a.recipe.is_default else f"+{a.recipe.short()}"),
         "auto_sharded": _sharded(a),
         "auto_step_ms": 1e3 * med(auto_t),
+        "auto_step_cpu_ms": 1e3 * med(auto_c),
         "auto_predicted_step_s": a.cost.step_time_s,
         "auto_notes": [n.kind for n in a.notes],
         "fastest_preset": fastest,
         "ratio_to_fastest": presets[fastest]["auto_ratio"],
+        "cpu_ratio_to_fastest": presets[fastest]["auto_cpu_ratio"],
         "ratio_to_fastest_p25": _pct(
             [x / y for x, y in zip(auto_t, times[keys[fastest]], strict=True)], 0.25
         ),
@@ -760,7 +770,7 @@ def _sharded(plan: Any) -> bool:
 def _auto_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'model':<10}{'config':<7}{'mesh':<9}{'auto chose':<30}{'auto':>9} "
-        f"{'fastest preset':<15}{'preset':>9} {'auto/preset':>11}  [p25, p75]"
+        f"{'fastest preset':<15}{'preset':>9} {'auto/preset':>11}  [p25, p75]   cpu ratio"
     )
     for r in rows:
         mesh = "x".join(str(v) for v in r["mesh"].values())
@@ -770,7 +780,7 @@ def _auto_table(rows: list[dict[str, Any]]) -> None:
             f"{r['model']:<10}{r['config']:<7}{mesh:<9}{r['auto_chose'][:29]:<30}"
             f"{r['auto_step_ms']:>7.2f}ms {f:<15}{r['presets'][f]['step_ms']:>7.2f}ms "
             f"{r['ratio_to_fastest']:>11.3f}  [{r['ratio_to_fastest_p25']:.3f}, "
-            f"{r['ratio_to_fastest_p75']:.3f}] {ok}",
+            f"{r['ratio_to_fastest_p75']:.3f}] {r['cpu_ratio_to_fastest']:>6.3f} {ok}",
             flush=True,
         )
     if rows:
@@ -852,7 +862,8 @@ def run_auto_section(args: argparse.Namespace) -> dict[str, Any]:
         "definition": "per-round step time of sk.jit(sk.train_step(info, adam, plan), plan), "
         "auto's plan / each preset's, timed in rounds (every distinct plan once a round, "
         "order rotated); median of the per-round ratios; the fastest preset is the one of "
-        "least median step time",
+        "least median step time; cpu_ratio_to_fastest: the same of the process's CPU seconds "
+        "per step (the step's own work, what a loaded, shared host inflates least)",
         "rows": rows,
     }
 

@@ -884,6 +884,40 @@ def _startup_table(d: dict[str, Any]) -> str:
     )
 
 
+def _auto_vs_presets_table(section: dict[str, Any]) -> str:
+    """Auto's measured train step against every preset's on 8 CPU devices (issue 43)."""
+    rows = [
+        [
+            r["model"],
+            r["config"],
+            " × ".join(f"{k}={v}" for k, v in r["mesh"].items()),
+            r["auto_chose"],
+            r["auto_step_ms"],
+            r["fastest_preset"],
+            r["presets"][r["fastest_preset"]]["step_ms"],
+            r["ratio_to_fastest"],
+            f"{r['ratio_to_fastest_p25']:.3f}–{r['ratio_to_fastest_p75']:.3f}",
+            r.get("cpu_ratio_to_fastest"),
+        ]
+        for r in section.get("rows", [])
+    ]
+    return _table(
+        [
+            "model",
+            "config",
+            "mesh",
+            "auto chose",
+            "auto ms",
+            "fastest preset",
+            "preset ms",
+            f"auto / fastest (≤ {section.get('target')})",
+            "p25–p75",
+            "CPU-seconds ratio",
+        ],
+        rows,
+    )
+
+
 def sec_overhead(results: Path, out: Path, gpu_note: str) -> str:
     d = _load(results, "overhead.json")
     parts = []
@@ -917,6 +951,19 @@ def sec_overhead(results: Path, out: Path, gpu_note: str) -> str:
                 "",
                 _startup_table(start),
             ]
+    auto = d.get("auto_vs_presets") if d is not None else None
+    if auto and auto.get("rows"):
+        parts += [
+            "",
+            _machine(auto, results / "overhead.json"),
+            "",
+            "Auto's plan against every preset on 8 CPU devices: each distinct plan's "
+            "`sk.jit(sk.train_step(...))` step timed in rounds (every plan once a round, the "
+            "order rotated); ratio = median of the per-round ratios auto / the fastest preset "
+            "(wall clock), and the same of the process's CPU seconds.",
+            "",
+            _auto_vs_presets_table(auto),
+        ]
     g = _load(results, "overhead_gpu.json")
     parts += ["", "### GPU", ""]
     if g is not None:
