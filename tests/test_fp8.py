@@ -117,6 +117,7 @@ def test_fp8_loss_rewrites_weight_matmuls_inside_scans_calls_and_remat():
     assert fp8_loss(loss)(ws, x) == pytest.approx(float(loss(ws, x)), rel=0.05)
 
 
+@pytest.mark.slow  # the README command's budget
 def test_an_input_weight_matmuls_share_is_quantized_and_kept_once():
     """q/k/v-style matmuls of one input (and a lone one after them): the input is
     quantized once and the backward keeps one float8 copy of it (one e4m3

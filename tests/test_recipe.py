@@ -241,6 +241,7 @@ def test_remat_of_an_unrolled_loss_is_a_typed_error():
         sk.value_and_grad(looped_loss, Recipe(remat="full"))(init(), batch())
 
 
+@pytest.mark.slow  # the README command's budget
 def test_micro_batches_give_the_full_batch_gradient(reference):
     for n in (2, 4):
         loss, grads = jax.jit(sk.value_and_grad(scanned_loss, Recipe(microbatches=n)))(

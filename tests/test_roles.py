@@ -91,6 +91,7 @@ def _hand_layer_loss(params, x):
     return jnp.mean(h**2)
 
 
+@pytest.mark.slow  # the README command's budget
 def test_a_hand_written_layer_is_tagged_and_keeps_its_gradients():
     """Batched-dot attention and a gated MLP written out, tagging nothing: the
     roles are MaxText's names, save_qkv_proj keeps Q, K and V (more residuals

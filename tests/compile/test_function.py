@@ -73,7 +73,7 @@ def test_loss_and_grads_match_single_device(info, reference, strategy, shape):
     assert in_specs[1]["tokens"] == p.batch_spec("tokens", (8, 16))
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # the README command's budget
 def test_train_step_with_optimizer_state_and_donation(info):
     mesh = sk.make_mesh(data=2, model=4)
     p = plan(info, mesh, "zero1", estimator="analytic")
@@ -277,9 +277,11 @@ MESHES = ((8,), (2, 4), (4, 2))
 
 
 def _cases():
-    """Every reference model x strategy x mesh (ep: MoE's only); CI's sample runs each
-    strategy on each mesh once, with one of the models, rotating (tests/sampling.py),
-    ep on the 4 x 2 mesh: 19 of 93, every model with three or four strategies."""
+    """Every reference model x strategy x mesh (ep: MoE's only); CI's sample
+    (tests/sampling.py) runs each strategy on every other mesh (strategy and mesh
+    positions of even sum), the models taking those 9 pairs in turn, and ep on the
+    4 x 2 mesh: 10 of 93, each strategy on one or two meshes, each mesh with three
+    strategies, every model once or twice."""
     every = [
         (model, strategy, shape)
         for model in MODELS
@@ -288,7 +290,13 @@ def _cases():
         if strategy != "ep" or model == "moe"
     ]
     dense = [s for s in STRATEGIES if s != "ep"]
-    sample = {(m, s, shape) for s, shape, m in latin(dense, MESHES, MODELS)}
+    pairs = [
+        (s, shape)
+        for i, s in enumerate(dense)
+        for j, shape in enumerate(MESHES)
+        if (i + j) % 2 == 0
+    ]
+    sample = {(MODELS[k % len(MODELS)], s, shape) for k, (s, shape) in enumerate(pairs)}
     return sampled(every, sample | {("moe", "ep", (4, 2))})
 
 
@@ -406,9 +414,16 @@ def _assert_grads_close(grads, ref_grads, rtol):
 
 
 #: Both models under every recipe; CI's sample runs each recipe on one of them,
-#: alternating (tests/sampling.py).
+#: alternating (tests/sampling.py), of MaxText's named policies only save_qkv_proj
+#: (the one the offload form saves): they differ from it only in what they keep, the
+#: same numbers recomputed, and test_each_policy_keeps_what_is_predicted_over_full
+#: compiles each against its prediction (9 of 26).
 _RECIPE_CASES = [(model, name) for model in ("gpt", "llama") for name in RECIPES]
-_RECIPE_SAMPLE = {(m, n) for n, m in latin(list(RECIPES), ["gpt", "llama"])}
+_RECIPE_SAMPLE = {
+    (m, n)
+    for n, m in latin(list(RECIPES), ["gpt", "llama"])
+    if n not in NAMED_POLICIES or n == "save_qkv_proj"
+}
 
 
 @pytest.mark.slow

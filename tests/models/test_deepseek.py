@@ -33,6 +33,7 @@ def _mla_reference(attn, cfg, x):
     return jnp.einsum("bshk,hkd->bsd", o, attn.wo[...])
 
 
+@pytest.mark.slow  # the README command's budget
 def test_mla_equals_the_written_out_attention():
     # values narrower than queries (padded); the plain kernel compiles fastest
     cfg = deepseek.DeepSeekConfig(v_head_dim=12, attention="xla")

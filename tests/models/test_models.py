@@ -16,7 +16,9 @@ def built(request, tiny):
 
 #: The models whose tiny loss-and-grad check runs in the slow step (its cost is the
 #: model's compile); the others' runs in the default run.
-SLOW_LOSS_AND_GRAD = frozenset({"convnet", "deepseek", "gpt", "llama", "moe", "qwen3_moe"})
+SLOW_LOSS_AND_GRAD = frozenset(
+    {"convnet", "deepseek", "gpt", "gpt_linen", "llama", "moe", "qwen3_moe"}
+)
 
 
 @pytest.mark.heavy

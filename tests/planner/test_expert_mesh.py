@@ -62,6 +62,7 @@ def test_the_split_meshes(info):
     assert expert_meshes(sk.abstract_mesh(data=7), (8,)) == []
 
 
+@pytest.mark.slow  # the README command's budget
 def test_auto_splits_the_data_axis_where_ep_wins(info):
     mesh = sk.abstract_mesh(data=16)  # 8 experts do not divide 16 devices
     with warnings.catch_warnings():

@@ -55,6 +55,7 @@ SLOW_SAMPLES = {
         {
             "log_softmax",
             "moe_experts",
+            "ragged_dot_general",
             "reduce_mean",
             "reduce_min",
             "reduce_prod",
@@ -62,9 +63,11 @@ SLOW_SAMPLES = {
             "softmax",
         }
     ),
-    "test_numeric_sweep_2d": frozenset({"add_n", "log_softmax", "moe_experts", "sync_batch_norm"}),
+    "test_numeric_sweep_2d": frozenset(
+        {"add_n", "log_softmax", "moe_experts", "ragged_dot_general", "sync_batch_norm"}
+    ),
     "test_uneven_sweep_1d": frozenset(
-        {"log_softmax", "reduce_prod", "relu", "softmax", "softmax_cross_entropy"}
+        {"log_softmax", "moe_experts", "reduce_prod", "relu", "softmax", "softmax_cross_entropy"}
     ),
     "test_uneven_sweep_2d": frozenset({"sync_batch_norm"}),
 }

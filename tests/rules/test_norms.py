@@ -419,6 +419,7 @@ FUSED_FAST = (
 )
 
 
+@pytest.mark.slow  # the README command's budget
 def test_fused_add_rms_norm_sharded_stats_sweep(mesh2d):
     report = check_rule(
         "fused_add_rms_norm",

@@ -245,7 +245,7 @@ def moe_reference(moe_info):
     "strategy",
     [
         pytest.param("fsdp", marks=pytest.mark.slow),
-        "ep",
+        pytest.param("ep", marks=pytest.mark.slow),  # the README command's budget
         pytest.param("auto", marks=pytest.mark.slow),
     ],
 )
