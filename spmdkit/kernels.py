@@ -60,6 +60,7 @@ __all__ = [
     "plain_attention",
     "plain_attention_lse",
     "record_visits",
+    "recording_visits",
     "resolve_implementation",
     "Visit",
 ]
@@ -500,6 +501,14 @@ def record_visits() -> Iterator[list[Visit]]:
         yield sink
     finally:
         _VISITS.reset(token)
+
+
+def recording_visits() -> bool:
+    """Whether a :func:`record_visits` block is open here: a program traced now
+    holds callbacks into that block's list, so a cache of traced programs must
+    neither serve it one traced before nor keep the one traced in it
+    (:func:`spmdkit.engine.region.region_jaxpr`)."""
+    return _VISITS.get() is not None
 
 
 def _record(qg: jax.Array, offsets: Any, j: Any, pos: _Pos, kind: str) -> None:

@@ -145,10 +145,6 @@ def _run_equal_and_balanced(info, batch, plan, seq_len, n):
     sampled(_CP_CASES, set(_CP_CASES[:2])),
     ids=[f"{s}-context{c}-{a}" for s, c, a in _CP_CASES],
 )
-@pytest.mark.xfail(
-    reason="regressed in the stop of 2026-12-02 (issue 43-45 work); see that stop's note",
-    strict=False,
-)
 def test_context_parallel_llama_equals_one_device_and_verifies(seq_len, context, attention):
     """A Llama step (GQA, causal) with its sequence over ``context`` in the balanced
     order (context 2: in 2 micro-batches, each balanced and constrained on its own

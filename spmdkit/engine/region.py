@@ -43,6 +43,7 @@ from spmdkit.engine.inference import InferenceResult, infer_forward, infer_grad
 from spmdkit.engine.local import resolve_partials, shard_program
 from spmdkit.engine.registry import get_rule, register_primitive
 from spmdkit.engine.rule import LocalContext, without_strategy
+from spmdkit.kernels import recording_visits
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.state import cached
 from spmdkit.util import as_unreduced, freeze
@@ -309,18 +310,21 @@ def region_jaxpr(
     same jaxpr (:func:`jax.extend.core.jaxpr_as_fun`), so each program is traced
     from Python once, not again in the replay and once more per layer that runs it.
 
+    Traced each time, and not kept, for an unhashable attribute and inside
+    :func:`~spmdkit.kernels.record_visits` (the attention kernels' callbacks
+    append to that block's list: a program traced before has none, or another
+    block's).
+
     Raises:
       SpmdError: the rule does not fit the layouts (as :func:`region_program`).
     """
     try:
         frozen = freeze(dict(attrs))
-    except TypeError:  # an unhashable attribute: traced each time
-        return _region_jaxpr.__wrapped__(
-            (prim, params["op"], params.get("diff"), tuple(dict(attrs).items())),
-            tuple(required),
-            tuple(produced),
-            mesh,
-        )
+    except TypeError:
+        frozen = None
+    if frozen is None or recording_visits():
+        key = (prim, params["op"], params.get("diff"), tuple(dict(attrs).items()))
+        return _region_jaxpr.__wrapped__(key, tuple(required), tuple(produced), mesh)
     key = (prim, params["op"], params.get("diff"), frozen)
     return _region_jaxpr(key, tuple(required), tuple(produced), mesh)
 

@@ -104,3 +104,36 @@ def test_region_program_runs_the_rule_with_its_collectives(mesh2d):
     # uneven or partial layouts cannot run under shard_map: the caller binds the region
     odd = sk.TensorSpec((6, 16), P("b"), dtype="float32")
     assert region_program(FORWARD, params, attrs, (odd, ws), (odd,), mesh) is None
+
+
+def test_a_program_traced_while_recording_visits_is_traced_for_that_block():
+    """``region_jaxpr`` memoizes a region's program, but inside ``record_visits``
+    the attention kernels' callbacks append to that block's list: each block gets
+    a program traced for it (before, the second block ran the first's and
+    recorded nothing: the ring context-parallel Llama test when another test had
+    traced its attention first); outside, the program is traced once."""
+    from jax.extend.core import jaxpr_as_fun
+
+    from spmdkit.engine.region import region_jaxpr
+    from spmdkit.kernels import record_visits
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("c",))
+    qs = sk.TensorSpec((1, 32, 2, 8), P(None, "c"), dtype="float32")
+    kv = sk.TensorSpec((1, 32, 1, 8), P(None, "c"), dtype="float32")
+    attrs = {"causal": True, "strategy": "ring", "implementation": "blockwise", "block_size": 4}
+    params = {"op": "attention", "attrs": tuple(attrs.items())}
+    rng = np.random.default_rng(3)
+    q, k = (
+        jax.device_put(rng.standard_normal(s.shape).astype(np.float32), NamedSharding(mesh, spec))
+        for s, spec in ((qs, P(None, "c")), (kv, P(None, "c")))
+    )
+    counts = []
+    for _ in range(2):
+        with record_visits() as visits:
+            closed = region_jaxpr(FORWARD, params, attrs, (qs, kv, kv), (qs,), mesh)
+            with jax.set_mesh(mesh):
+                jax.block_until_ready(jax.jit(jaxpr_as_fun(closed))(q, k, k))
+        counts.append(len(visits))
+    assert counts[0] == counts[1] > 0, counts
+    once = region_jaxpr(FORWARD, params, attrs, (qs, kv, kv), (qs,), mesh)
+    assert once is region_jaxpr(FORWARD, params, attrs, (qs, kv, kv), (qs,), mesh)
