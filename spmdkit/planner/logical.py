@@ -64,7 +64,7 @@ from typing import Any, Union
 
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.errors import SpmdError
+from spmdkit.errors import DuplicateAxisError, SpmdError
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.strategies import PRESETS, SHARDED_OPT_PRESETS, STRATEGIES, unknown_strategy
 
@@ -170,7 +170,18 @@ def _axes(value: AxesLike, name: Any = "?") -> Entry:
     if isinstance(value, str):
         return (value,)
     if isinstance(value, Iterable) and all(isinstance(a, str) for a in value):
-        return tuple(value)
+        axes = tuple(value)
+        twice = sorted({a for a in axes if axes.count(a) > 1})
+        if twice:
+            once = tuple(dict.fromkeys(axes))
+            raise DuplicateAxisError(
+                op="LogicalRules",
+                must="an entry names each mesh axis at most once (a dim split over an "
+                "axis twice would count its size twice)",
+                given=f"{name!r}: {value!r} names {', '.join(map(repr, twice))} twice",
+                fix=f"write each axis once: ({name!r}, {once!r})",
+            )
+        return axes
     raise PlanError(
         op="LogicalRules",
         must="an entry's mesh axes are an axis name, a tuple of names, or None",

@@ -91,3 +91,12 @@ def test_distributed_optimizer_presets_take_zero1s_state_table(amesh):
     assert preset_tables("megatron_sp", None, amesh)[1] == preset_rules("megatron_sp", amesh)
     with pytest.raises(PlanError, match=r"megatron\+zero1"):
         preset_rules("megatron+zer01", amesh)
+
+
+def test_an_entry_naming_one_axis_twice_is_refused():
+    from spmdkit.errors import DuplicateAxisError
+
+    with pytest.raises(DuplicateAxisError, match=r"'data' twice.*'batch', \('data', 'expert'\)"):
+        LogicalRules((("batch", ("data", "data", "expert")),))
+    with pytest.raises(DuplicateAxisError, match="once"):
+        LogicalRules.coerce({"embed": ["model", ("fsdp", "fsdp")]})
