@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,8 @@ from spmdkit.planner.notes import (
     warn_notes,
 )
 from spmdkit.planner.provenance import Provenance
+from spmdkit.planner.rule_export import RuleTable, to_rules
+from spmdkit.planner.snapshot import write_snapshot
 from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.util import fmt_bytes, fmt_time, path_str
@@ -811,6 +814,21 @@ class Plan:
             >>> print(plan.explain("layers/*/mlp/up"))  # doctest: +SKIP
         """
         return explain(self, name)
+
+    # -- export -----------------------------------------------------------------------
+    def to_rules(self) -> RuleTable:
+        """The plan as a logical-axis rule table in flax's ``logical_axis_rules``
+        form (``.rules``) and MaxText's YAML (``.to_yaml()``), with per-parameter
+        ``.overrides`` (and the tensors in conflict) where one table cannot give
+        every layout (:mod:`spmdkit.planner.rule_export`); ``print`` it."""
+        return to_rules(self)
+
+    def snapshot(self, path: str | os.PathLike) -> None:
+        """Write the plan's shardings as JSON to ``path`` (per tensor path its
+        logical axes, ``PartitionSpec``, shape and the mesh; MaxText's golden
+        sharding dump), for :func:`spmdkit.testing.assert_plan_matches`
+        (:mod:`spmdkit.planner.snapshot`)."""
+        write_snapshot(self, path)
 
     # -- verification -----------------------------------------------------------------
     def verify(

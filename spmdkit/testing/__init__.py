@@ -33,6 +33,10 @@ The modules, in the order a check uses them:
   :func:`undeclared_replications`.
 * ``collectives``: :func:`check_jit` and its :class:`JitReport`.
 
+And for a user's own tests, :func:`assert_plan_matches` (from
+``spmdkit.verification.snapshots``): a plan's shardings against a stored
+``plan.snapshot``, with a readable diff per tensor.
+
 Example::
 
     >>> report = check_rule("matmul", mesh=sk.make_mesh(a=2, b=4))
@@ -49,6 +53,7 @@ from spmdkit.testing.sweep import (
     check_rule,
     undeclared_replications,
 )
+from spmdkit.verification.snapshots import assert_plan_matches
 
 __all__ = [
     "CaseFailure",
@@ -56,6 +61,7 @@ __all__ = [
     "RuleReport",
     "JitReport",
     "assemble",
+    "assert_plan_matches",
     "check_rule",
     "check_jit",
     "check_forward_case",

@@ -4,7 +4,8 @@ Stage 5 of the pipeline (trace → propagate → plan → enforce/compile → **
 → run). ``hlo`` parses collectives out of compiled HLO text, ``report``
 summarizes a compiled step (collectives, bytes, memory) and compares it with a
 :class:`~spmdkit.propagation.Propagation`; ``planned`` runs that comparison for a
-step compiled by ``sk.jit`` (what ``plan.verify`` does).
+step compiled by ``sk.jit`` (what ``plan.verify`` does); ``snapshots`` checks a
+plan against a stored ``plan.snapshot`` (``spmdkit.testing.assert_plan_matches``).
 """
 
 from spmdkit.verification.compiled import CompiledReport, VerifyReport, executions, report, verify

@@ -1,0 +1,179 @@
+"""plan.to_rules(): the exported table read by flax gives the plan's layouts, and a
+plain jax.jit step with it compiles to sk.jit's shardings and collectives."""
+
+from collections import Counter
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.planner import PRESETS, plan
+from spmdkit.planner.rule_export import RuleTable, flax_resolve
+from spmdkit.util import path_str
+from spmdkit.verification.hlo import parse_collectives
+
+STRATEGIES = (*PRESETS, "auto")
+ENFORCE = False
+
+
+def _flax_spec(table: RuleTable, names, ndim: int, *, opt: bool = False) -> P:
+    rules = table.opt_rules if opt and table.opt_rules is not None else table.rules
+    spec = nn.logical_to_mesh_axes(None if names is None else tuple(names), rules)
+    return P() if spec is None else spec
+
+
+def _norm(spec: P, ndim: int) -> tuple:
+    dims = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    return tuple((dims + [()] * ndim)[:ndim])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_flax_reads_every_layout_from_the_table_or_an_override(plans, strategy):
+    p = plans[strategy]
+    table = p.to_rules()
+    assert isinstance(table.rules, tuple) and all(len(e) == 2 for e in table.rules)
+    for kind, specs, overrides in (
+        ("params", p.params, table.overrides),
+        ("opt", p.opt, table.opt_overrides),
+    ):
+        for path, spec in specs.items():
+            shape, _, names = p.info[path]
+            got = overrides.get(path) or _flax_spec(table, names, len(shape), opt=kind == "opt")
+            assert _norm(got, len(shape)) == _norm(spec, len(shape)), (strategy, kind, path)
+    # an override is only written where the table alone gives another layout
+    for path, spec in table.overrides.items():
+        shape, _, names = p.info[path]
+        assert _norm(_flax_spec(table, names, len(shape)), len(shape)) != _norm(spec, len(shape))
+    for name, axes in p.activation.items():
+        assert _norm(_flax_spec(table, (name,), 1), 1) == (tuple(axes),)
+
+
+def test_flax_resolve_is_flaxs_reading():
+    rules = (("batch", ("data", "model")), ("embed", "data"), ("mlp", "model"), ("mlp", None))
+    for names in (("embed", "mlp"), ("mlp", "embed"), ("batch", "embed"), ("mlp",), (None, "mlp")):
+        want = _norm(nn.logical_to_mesh_axes(names, rules), len(names))
+        assert flax_resolve(rules, names, len(names)) == want, names
+    assert flax_resolve(rules, ("embed", "embed"), 2) is None  # flax refuses repeats
+
+
+def test_a_table_that_cannot_hold_the_plan_names_tensors_and_overrides(plans):
+    """Two tensors with one logical name laid out differently: the export says
+    which, and overrides them."""
+    mesh = sk.abstract_mesh(data=2, model=4)
+    info = {
+        "a": ((8, 16), "float32", ("embed", "mlp")),
+        "b": ((16, 8), "float32", ("mlp", "embed")),
+    }
+    params = {"a": P("data", "model"), "b": P("data", "model")}  # embed: data in a, model in b
+    p = sk.Plan(mesh, params, dict(params), {"batch": ("data",)}, info=info)
+    table = p.to_rules()
+    assert len(table.overrides) == 1 and not table.exact
+    names = {c.name for c in table.conflicts}
+    assert names == {"embed", "mlp"}, table.conflicts
+    text = str(table)
+    assert "conflict: 'embed'" in text and "override:" in text
+    yaml = table.to_yaml()
+    assert yaml.splitlines()[1] == "mesh_axes: ['data', 'model']"
+    assert "  ['batch', ['data']]," in yaml and "logical_axis_rules: [" in yaml
+    assert "# parameter overrides" in yaml
+
+
+def _logical_shardings(tree, names_of, table: RuleTable, mesh, overrides, *, opt=False):
+    """NamedShardings from flax's logical_to_mesh_sharding on each leaf's names,
+    the table's overrides by path."""
+    rules = table.opt_rules if opt and table.opt_rules is not None else table.rules
+
+    def one(kp, x):
+        path = path_str(kp)
+        for p, spec in overrides.items():
+            if path == p or path.endswith("/" + p):
+                return NamedSharding(mesh, spec)
+        names = names_of(path, np.shape(x))
+        logical = P() if names is None else P(*names)
+        return nn.logical_to_mesh_sharding(logical, mesh, rules)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _collectives(compiled) -> Counter:
+    return Counter((c.kind, c.payload_bytes) for c in parse_collectives(compiled.as_text()))
+
+
+def _round_trip(info, strategy, mesh):
+    opt = optax.adam(1e-3)
+    kw = {"recipe": sk.Recipe()} if strategy == "auto" else {}
+    p = plan(info, mesh, strategy, estimator="analytic", **kw)
+    table = p.to_rules()
+    abstract_opt = jax.eval_shape(opt.init, info.abstract_params)
+    by_path = {q.path: q for q in info.params}
+
+    def param_names(path, shape):
+        return by_path[path].logical if path in by_path else None
+
+    def opt_names(path, shape):
+        hits = [q for q in by_path if path.endswith("/" + q) and by_path[q].shape == shape]
+        return by_path[max(hits, key=len)].logical if hits else None
+
+    # sk.jit: the plan's own step
+    params, opt_state = p.abstract(info.abstract_params, abstract_opt)
+    batch = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        info.batch,
+        p.batch_sharding(info.batch),
+    )
+    ours = sk.jit(sk.train_step(info, opt, p), p, enforce=ENFORCE).compile(params, opt_state, batch)
+
+    # plain flax + jax.jit: shardings from the exported table only
+    pm = _logical_shardings(info.abstract_params, param_names, table, mesh, table.overrides)
+    om = _logical_shardings(abstract_opt, opt_names, table, mesh, table.opt_overrides, opt=True)
+    bm = {
+        k: nn.logical_to_mesh_sharding(P(*info.batch_axes[k]), mesh, table.rules)
+        for k in info.batch
+    }
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(info.loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    plain = jax.jit(step, in_shardings=(pm, om, bm), out_shardings=(pm, om, None))
+    theirs = plain.lower(info.abstract_params, abstract_opt, info.batch).compile()
+
+    for what in ("input_shardings", "output_shardings"):
+        a = jax.tree.leaves(getattr(ours, what))
+        b = jax.tree.leaves(getattr(theirs, what))
+        shapes = [np.shape(x) for x in jax.tree.leaves((params, opt_state, batch))]
+        assert len(a) == len(b), what
+        if what == "input_shardings":
+            for sa, sb, shape in zip(a, b, shapes, strict=True):
+                assert sa.is_equivalent_to(sb, len(shape)), (strategy, what, sa, sb)
+        else:
+            out_shapes = [np.shape(x) for x in jax.tree.leaves((params, opt_state))] + [()]
+            for sa, sb, shape in zip(a, b, out_shapes, strict=True):
+                assert sa.is_equivalent_to(sb, len(shape)), (strategy, what, sa, sb)
+    assert _collectives(ours) == _collectives(theirs), strategy
+    return table
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    from spmdkit.flax import describe
+    from spmdkit.models import get_model
+
+    return describe(get_model("gpt"), config="tiny", batch_size=8)
+
+
+def test_a_plain_jit_step_with_the_exported_table_compiles_as_sk_jit(gpt):
+    table = _round_trip(gpt, "fsdp", sk.make_mesh(data=2, model=4, axis_types="auto"))
+    assert table.overrides  # fsdp's table needs overrides on tiny GPT (wo, proj)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_round_trip_every_strategy_on_tiny_gpt(gpt, strategy):
+    _round_trip(gpt, strategy, sk.make_mesh(data=2, model=4, axis_types="auto"))
