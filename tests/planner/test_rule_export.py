@@ -168,6 +168,7 @@ def gpt():
     return describe(get_model("gpt"), config="tiny", batch_size=8)
 
 
+@pytest.mark.heavy
 def test_a_plain_jit_step_with_the_exported_table_compiles_as_sk_jit(gpt):
     table = _round_trip(gpt, "fsdp", sk.make_mesh(data=2, model=4, axis_types="auto"))
     assert table.overrides  # fsdp's table needs overrides on tiny GPT (wo, proj)
