@@ -52,7 +52,7 @@ import warnings
 from pathlib import Path
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.models import get_model
 from spmdkit.models.llama import LlamaConfig
 from spmdkit.pipeline import Pipeline

@@ -37,7 +37,7 @@ import numpy as np
 
 import spmdkit as sk
 from spmdkit.compile import jit
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.models import get_model
 from spmdkit.planner import plan
 

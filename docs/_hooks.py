@@ -104,7 +104,11 @@ API: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Rule-enforcing ops and flax modules.",
         ("spmdkit.ops", "spmdkit.nn"),
     ),
-    "api/flax.md": ("flax models", "Describing flax NNX and linen models.", ("spmdkit.flax",)),
+    "api/introspect.md": (
+        "Describing models",
+        "Reading NNX and linen models abstractly (`sk.describe`).",
+        ("spmdkit.introspect",),
+    ),
     "api/testing.md": (
         "Testing rules",
         "The rule-validation toolkit ([writing-rules.md](../writing-rules.md)).",

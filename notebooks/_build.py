@@ -134,7 +134,7 @@ import treescope
 import spmdkit as sk
 from spmdkit.compile import jit
 from spmdkit.compile import init_sharded
-from spmdkit.flax import describe, path_str
+from spmdkit.introspect import describe, path_str
 from spmdkit.models import get_model
 from spmdkit.planner import PRESETS, plan
 from spmdkit.propagation import propagate

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
         SpmdError,
         UnknownAxisError,
     )
-    from spmdkit.flax import ModelInfo, describe
+    from spmdkit.introspect import ModelInfo, describe
     from spmdkit.mesh import abstract_mesh, make_mesh, use_virtual_cpu_devices
     from spmdkit.pipeline import Pipeline
     from spmdkit.planner import (
@@ -138,7 +138,7 @@ _EXPORTS: dict[str, str] = {
             "SpmdError",
             "UnknownAxisError",
         ),
-        "spmdkit.flax": (
+        "spmdkit.introspect": (
             "ModelInfo",
             "describe",
         ),

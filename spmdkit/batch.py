@@ -6,7 +6,7 @@ numbers, ``jax.ShapeDtypeStruct`` s) are what a compiled step computes with;
 every other leaf (strings, bytes, ``None``, python objects, lists of those,
 numpy arrays of strings) is *non-tensor*.
 
-At a step's boundary (``sk.jit``, :func:`spmdkit.flax.describe`, ``train``) a
+At a step's boundary (``sk.jit``, :func:`spmdkit.introspect.describe`, ``train``) a
 batch with non-tensor leaves travels as one :class:`Batch` node: its tensor
 leaves are the node's children, keyed by their path (``"inp/x"``, so plans
 find their fields by name), and everything else is the node's static part, a

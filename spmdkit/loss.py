@@ -1,6 +1,6 @@
 """The loss a train step runs: its calling convention, and randomness as a step input.
 
-A user writes one loss per model kind (:func:`spmdkit.flax.describe`): NNX
+A user writes one loss per model kind (:func:`spmdkit.introspect.describe`): NNX
 ``loss(model, batch)``, linen ``loss(variables, batch)``, a function of a params
 pytree ``loss(params, batch)``; each may return ``(loss, aux)`` and take a PRNG
 key as ``rng=``. Describing the model turns it into a :class:`Loss`: a pure

@@ -165,7 +165,7 @@ def test_the_layer_check_catches_an_upward_import():
         "spmdkit.spec (base) imports spmdkit.planner.plans (planner)"
     ]
     assert stage_of("spmdkit.compile.annotate") == "compile"
-    assert stage_of("spmdkit.flax.model") == "describe"
+    assert stage_of("spmdkit.introspect.model") == "describe"
 
 
 # -- formatting and docstrings: no squeezing, no measurement logs ---------------------

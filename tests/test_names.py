@@ -175,7 +175,7 @@ def test_references_are_whole_words_and_not_paths():
         "`spmdkit.planner.search` and x.sk.foo, spmdkit.egg-info, spmdkit.checkpoint/1, "
         "spmdkit.cli.docgen/x, import spmdkit.X.Y as m; spmdkit.cli.docgen.py. See sk.jit.\n"
         ">>> from spmdkit.runtime import (data,\n...     train as t)  # from spmdkit.x import _h\n"
-        "imported from spmdkit.flax (describe)"
+        "imported from spmdkit.introspect (describe)"
     )
     assert references(text) == [
         (0, "spmdkit.plan"),
@@ -184,7 +184,7 @@ def test_references_are_whole_words_and_not_paths():
         (2, "spmdkit.runtime"),
         (2, "spmdkit.runtime:data"),
         (2, "spmdkit.runtime:train"),
-        (4, "spmdkit.flax"),
+        (4, "spmdkit.introspect"),
     ]
 
 

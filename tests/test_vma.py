@@ -83,7 +83,7 @@ def _exact_gelu_gpt(monkeypatch):
     GELU as spmdkit's ``gelu`` op: a region the planner lays out and ``sk.jit``'s
     replay runs as the rule's ``shard_map`` programs (forward and grad)."""
     import spmdkit.models.layers as lyr
-    from spmdkit.flax.model import describe
+    from spmdkit.introspect.model import describe
     from spmdkit.models import get_model
 
     monkeypatch.setattr(

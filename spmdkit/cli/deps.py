@@ -78,7 +78,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "rules": ("spmdkit.rules",),
     "resharding": ("spmdkit.resharding",),
     "propagation": ("spmdkit.propagation",),
-    "describe": ("spmdkit.flax",),
+    "describe": ("spmdkit.introspect",),
     "planner": ("spmdkit.planner",),
     "compile": ("spmdkit.compile",),
     "verification": ("spmdkit.verification",),
@@ -346,7 +346,7 @@ def stage_of(module: str) -> str:
 
     Example::
 
-        >>> stage_of("spmdkit.compile.annotate"), stage_of("spmdkit.flax.model")
+        >>> stage_of("spmdkit.compile.annotate"), stage_of("spmdkit.introspect.model")
         ('compile', 'describe')
     """
     best, best_len = "api", 0

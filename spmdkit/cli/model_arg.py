@@ -101,7 +101,7 @@ class ModelArg:
 
     def describe(self) -> Any:
         """The model as ``sk.describe`` reads it (a spec with its config and batch size)."""
-        from spmdkit.flax import describe
+        from spmdkit.introspect import describe
 
         if self.info is not None:
             return self.info
@@ -360,7 +360,7 @@ def resolve_model(
 
 
 def _is_model(obj: Any) -> bool:
-    from spmdkit.flax.model import ModelInfo
+    from spmdkit.introspect.model import ModelInfo
 
     return isinstance(obj, ModelInfo) or _is_spec(obj)
 
@@ -380,7 +380,7 @@ def _model_arg(
     config: str | None,
     batch_size: int | None,
 ) -> ModelArg:
-    from spmdkit.flax.model import ModelInfo
+    from spmdkit.introspect.model import ModelInfo
 
     if _is_spec(obj):
         return ModelArg(text, obj, _spec_config(op, obj, config), None, batch_size or 8)

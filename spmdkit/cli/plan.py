@@ -180,7 +180,7 @@ def _compile_and_verify(verb: str, args: argparse.Namespace, out: TextIO) -> int
         import numpy as np
 
         from spmdkit.compile import init_sharded, jit
-        from spmdkit.flax import describe
+        from spmdkit.introspect import describe
         from spmdkit.planner import plan
         from spmdkit.planner.notes import quiet_notes
 

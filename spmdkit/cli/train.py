@@ -158,7 +158,7 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     from flax import nnx
 
     from spmdkit.cli.plan import throughput_line
-    from spmdkit.flax import describe
+    from spmdkit.introspect import describe
     from spmdkit.mesh import make_mesh
     from spmdkit.planner import plan as make_plan
     from spmdkit.planner.notes import quiet_notes

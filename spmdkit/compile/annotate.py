@@ -6,7 +6,7 @@ holds a whole parameter the plan shards. :func:`shard` makes an NNX module class
 do that on construction, from a plan, a preset name or a logical-rule table.
 
 It lives beside ``sk.jit`` because both turn a plan into JAX shardings; the
-:mod:`spmdkit.flax` package, which the planner itself reads models through,
+:mod:`spmdkit.introspect` package, which the planner itself reads models through,
 never imports the planner.
 """
 
@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.compile.place import place_state, state_layout
-from spmdkit.flax.model import ModelError, describe, variable_names, variable_value
+from spmdkit.introspect.model import ModelError, describe, variable_names, variable_value
 from spmdkit.planner.logical import LogicalRules, RulesLike, preset_rules
 from spmdkit.planner.plans import Plan, PyTree
 from spmdkit.util import path_str
@@ -40,10 +40,10 @@ def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> P
     takes them as they are (it relabels them onto its Auto view without a copy).
 
     Args:
-      info_or_model: a :class:`~spmdkit.flax.ModelInfo`, or anything
-        :func:`~spmdkit.flax.model` accepts.
+      info_or_model: a :class:`~spmdkit.introspect.ModelInfo`, or anything
+        :func:`~spmdkit.introspect.model` accepts.
       plan: a :class:`spmdkit.planner.Plan` whose mesh has devices.
-      **describe_kwargs: passed to :func:`~spmdkit.flax.model` when a model is given.
+      **describe_kwargs: passed to :func:`~spmdkit.introspect.model` when a model is given.
 
     Returns:
       The params pytree (NNX ``State`` or linen dict) of sharded ``jax.Array``;

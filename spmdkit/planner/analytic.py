@@ -64,7 +64,7 @@ from typing import NamedTuple
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.model import ModelInfo, ParamInfo
+from spmdkit.introspect.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner import experts, float8
 from spmdkit.planner.context import stage_context_attention
@@ -328,7 +328,7 @@ class ParamGroup:
     Attributes:
       key: the path with layer numbers replaced by ``*``.
       paths: the member params' paths.
-      shape, dtype, logical, pinned: as in :class:`~spmdkit.flax.ParamInfo`.
+      shape, dtype, logical, pinned: as in :class:`~spmdkit.introspect.ParamInfo`.
       opt_bytes: optimizer-state bytes of one member.
       master: of :attr:`opt_bytes`, the fp32 master's (:mod:`spmdkit.planner.stored`).
     """

@@ -20,7 +20,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.model import ModelInfo, ParamInfo
+from spmdkit.introspect.model import ModelInfo, ParamInfo
 from spmdkit.pipeline import Pipeline
 from spmdkit.planner.analytic import (
     CostContext,

@@ -47,7 +47,7 @@ import jax
 
 from spmdkit import jaxprs
 from spmdkit.engine.region import FORWARD
-from spmdkit.flax.model import ModelInfo, ParamInfo, unbound_axis_error
+from spmdkit.introspect.model import ModelInfo, ParamInfo, unbound_axis_error
 from spmdkit.planner.logical import PlanError, axis_roles
 from spmdkit.planner.plans import Plan
 from spmdkit.spec import axis_sizes

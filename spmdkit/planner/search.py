@@ -4,7 +4,7 @@ The step is traced once per model (:mod:`spmdkit.planner.trace`), the candidate
 layouts are built and costed by :mod:`spmdkit.planner.candidates`, pipelined
 candidates by :mod:`spmdkit.planner.pipeline` (mixed into the planner).
 
-:func:`plan` turns a model (anything :func:`spmdkit.flax.model` reads) and a
+:func:`plan` turns a model (anything :func:`spmdkit.introspect.model` reads) and a
 mesh into a :class:`~spmdkit.planner.plans.Plan`.
 
 Estimators
@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING
 import jax
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.model import ModelInfo, describe
+from spmdkit.introspect.model import ModelInfo, describe
 from spmdkit.pipeline import Pipeline
 from spmdkit.planner.analytic import (
     CostContext,
@@ -225,7 +225,7 @@ def plan(
         preset that leaves a weight off the model axes raises instead of warning.
       axis_names: collective axis names the model uses as if under ``pmap``
         (``nn.BatchNorm(axis_name="batch")``), bound around the loss
-        (:func:`spmdkit.flax.model.bind_axis_names`).
+        (:func:`spmdkit.introspect.model.bind_axis_names`).
       pipeline: with a preset or rule table, a :class:`~spmdkit.pipeline.Pipeline`
         pipelines the stacked layers over ``pipeline.axis``: the strategy is
         planned on the other axes and the ``layers`` dim goes on the pipe axis

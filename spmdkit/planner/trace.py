@@ -22,8 +22,8 @@ from jax.extend.core import Jaxpr, JaxprEqn
 
 from spmdkit import jaxprs
 from spmdkit.engine.region import FORWARD, REGIONS, forward_fn, grad_fn
-from spmdkit.flax.model import ModelInfo, unbound_axis_error
 from spmdkit.fp8 import fp8_loss, lm_head_operands, lm_heads
+from spmdkit.introspect.model import ModelInfo, unbound_axis_error
 from spmdkit.master import opt_init, stored_dtype, stored_params
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.planner.analytic import (

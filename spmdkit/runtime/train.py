@@ -6,7 +6,7 @@ checks: ``sk.jit(sk.train_step(info, optimizer, plan), plan, donate_state=True)`
 recipe's recompute, compute dtype and micro-batches inside the step).
 ``verify=True`` prints that step's verify table before it first runs.
 
-One loss per model kind (:mod:`spmdkit.flax.losses`), the same one ``describe``
+One loss per model kind (:mod:`spmdkit.introspect.losses`), the same one ``describe``
 and ``sk.plan`` take:
 
 - an NNX module with ``loss(model, batch)``: its ``nnx.Param`` s are trained, its
@@ -62,7 +62,7 @@ from spmdkit.batch import is_tensor
 from spmdkit.compile import PlannedFunction, jit
 from spmdkit.compile.place import StateLayout, place_state, state_layout
 from spmdkit.errors import CheckpointMismatchError, TrainError
-from spmdkit.flax import ModelInfo
+from spmdkit.introspect import ModelInfo
 from spmdkit.loss import is_key
 from spmdkit.mesh import make_mesh
 from spmdkit.planner import Plan

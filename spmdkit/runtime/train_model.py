@@ -2,7 +2,7 @@
 and how the trained values go back to the user in the form given.
 
 Two ways in, one step (``sk.train_step(info, optimizer, plan)``, whose loss is
-:attr:`~spmdkit.flax.ModelInfo.train_loss`: state, RNG and aux as the model has them):
+:attr:`~spmdkit.introspect.ModelInfo.train_loss`: state, RNG and aux as the model has them):
 
 - ``train(loss, model, ...)``: the user's loss and the model's values (an NNX
   module, a linen variables dict, a params pytree), described here;
@@ -30,8 +30,8 @@ import jax
 from flax import nnx
 
 from spmdkit.errors import SpmdError, TrainError
-from spmdkit.flax import ModelInfo, describe
-from spmdkit.flax.losses import STATE_FILTER, planner_stand_in
+from spmdkit.introspect import ModelInfo, describe
+from spmdkit.introspect.losses import STATE_FILTER, planner_stand_in
 from spmdkit.loss import Loss
 from spmdkit.planner import Plan
 from spmdkit.recipe import init_fp8_state

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.compile import init_sharded, shard
-from spmdkit.flax import ModelError, describe
+from spmdkit.introspect import ModelError, describe
 from spmdkit.planner import plan
 from tests.plan_model import Toy, toy_batch, toy_init, toy_loss
 

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.compile import jit, verify_plan
 from spmdkit.compile.enforce import enforced, replay
-from spmdkit.flax import describe
 from spmdkit.fp8 import fp8_dot
+from spmdkit.introspect import describe
 from spmdkit.planner import plan
 from spmdkit.propagation import propagate
 from spmdkit.verification.hlo import parse_collectives

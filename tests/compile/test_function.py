@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.compile import infer_role, init_sharded, jit
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.planner import plan
 from spmdkit.recipe import NAMED_POLICIES
 from tests.plan_model import toy_batch, toy_init, toy_loss

@@ -65,7 +65,7 @@ def test_an_initialiser_is_run_born_sharded_with_the_same_result(plan):
 
 
 def test_init_sharded_is_place_state_on_the_users_mesh():
-    from spmdkit.flax import describe
+    from spmdkit.introspect import describe
     from tests.plan_model import toy_batch, toy_init, toy_loss
 
     mesh = sk.make_mesh(data=2, model=4)

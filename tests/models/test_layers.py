@@ -242,7 +242,7 @@ def test_the_causal_mask_is_not_stacked_out_of_the_layer_scan():
     (else a [blocks, b, kv, g, S, block] residual appears: 32 GiB at Llama-3 8B). The
     blockwise kernel under a layer scan, and the scanned Llama, whose attention is a
     region (its residuals q, k, v) inside the layer scan."""
-    from spmdkit.flax import describe
+    from spmdkit.introspect import describe
     from spmdkit.models import get_model
 
     q, k, v, _ = _qkv(2, 64, 4, 2, 8)

@@ -12,7 +12,7 @@ import pytest
 
 import spmdkit as sk
 from spmdkit import models as zoo
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 
 #: (model, size, published total, published active, the publisher counts the token
 #: table in the active parameters). Totals and active counts as the model cards give

@@ -10,7 +10,7 @@ from flax import nnx
 
 import spmdkit as sk
 from spmdkit.errors import ShardingConflictError
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.rules.moe import moe_experts_reference
 
 V, D, S, B = 32, 16, 8, 8

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import spmdkit as sk
-from spmdkit.flax.model import describe
+from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline
 

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import spmdkit as sk
-from spmdkit.flax.model import describe
+from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.execute import pipelined_value_and_grad

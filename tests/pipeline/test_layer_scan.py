@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from spmdkit import jaxprs
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.split import split_loss
 from spmdkit.planner.pipeline.cost import param_stages

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax.model import describe
+from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline.layouts import batch_split, weight_splits
 from spmdkit.pipeline.split import split_loss

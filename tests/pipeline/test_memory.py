@@ -8,7 +8,7 @@ import jax
 import pytest
 
 import spmdkit as sk
-from spmdkit.flax.model import describe
+from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.models.llama import LlamaConfig
 from spmdkit.pipeline import Pipeline, build_schedule

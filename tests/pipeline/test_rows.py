@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import spmdkit as sk
-from spmdkit.flax.model import describe
+from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline.rows import mixed_rows
 from spmdkit.pipeline.split import split_loss

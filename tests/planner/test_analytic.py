@@ -2,7 +2,7 @@
 
 import pytest
 
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.planner.analytic import CostContext, GroupLayout, group_cost, param_groups, total_cost
 from spmdkit.planner.trace import trace_step
 from spmdkit.spec import axis_sizes

@@ -96,7 +96,7 @@ def test_the_distributed_optimizer_shards_only_where_the_dims_divide():
     jax when the step compiles)."""
     from jax.sharding import PartitionSpec as P
 
-    from spmdkit.flax import describe
+    from spmdkit.introspect import describe
     from spmdkit.models import get_model
 
     info = describe(get_model("gpt"), config="tiny", batch_size=8)

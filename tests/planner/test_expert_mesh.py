@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.models import get_model
 from spmdkit.planner.expert_mesh import EXPERT_AXIS, expert_counts, expert_meshes
 from spmdkit.planner.trace import trace_step

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.planner import experts
 from spmdkit.planner.trace import trace_step
 

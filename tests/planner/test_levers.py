@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.models import get_model
 from spmdkit.planner.analytic import ParamGroup
 from spmdkit.planner.levers import MAX_MICROBATCHES, auto_recipes, compute_choices

@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.planner import LogicalRules, PlanError, preset_rules
 from spmdkit.planner.naming import infer_names
 from tests.zoo.models import ZOO

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.models import get_model
 from spmdkit.planner import Plan, UnknownLogicalAxisError, plan
 from spmdkit.planner.notes import (

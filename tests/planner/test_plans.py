@@ -7,7 +7,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Cost, Plan, dims_spec, spec_dims
 from tests.plan_model import toy_batch, toy_init, toy_loss

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.planner.logical import PRESETS, OverBudgetError, PlanError
 from spmdkit.planner.search import plan
 from spmdkit.planner.trace import trace_step, train_step

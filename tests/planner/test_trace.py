@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.loss import placeholder_keys
 from spmdkit.planner.trace import trace_step, train_step
 

@@ -173,7 +173,7 @@ def test_tiny_scan_llama_fsdp_step_verifies():
     prediction (before: the stacked partial gradients were all-reduced after
     the loop in the prediction, 834 KiB of all-reduce against 545 KiB compiled)."""
     from spmdkit.compile import jit
-    from spmdkit.flax import describe
+    from spmdkit.introspect import describe
     from spmdkit.models import get_model
     from spmdkit.planner import plan
 

@@ -143,7 +143,7 @@ def test_reference_megatron_plans_choose_vocab_parallel_cross_entropy(model):
     the megatron preset the logits arrive vocab-sharded and the loss region keeps
     them so; the plan's cost (the propagate estimator) and its table name the
     strategy chosen per composite op."""
-    from spmdkit.flax import describe
+    from spmdkit.introspect import describe
     from spmdkit.models import get_model
     from spmdkit.planner import plan
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.compile import init_sharded, jit
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.planner import plan
 from spmdkit.rules.ragged import (
     FORWARD,

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 import spmdkit.recipe as recipe_module
-from spmdkit.flax.model import describe
+from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline
 from spmdkit.runtime.checkpoint import Manager, abstract_target

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import spmdkit as sk
-from spmdkit.flax.model import describe
+from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline
 from spmdkit.pipeline.facts import FORWARD_SCOPE, HEAD_SCOPE, branch_runs, permute_count

@@ -208,7 +208,7 @@ def test_sharded_optimizer_steps_reduce_scatter_their_gradients(strategy, shape,
     :func:`scattered_grad_bytes`), not all-reduced and sliced."""
     import optax
 
-    from spmdkit.flax import describe
+    from spmdkit.introspect import describe
     from spmdkit.models import get_model
     from spmdkit.verification.compiled import report
 

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.strategies import PRESETS
 from tests.sampling import latin, sampled
 from tests.zoo.models import MOE, OUTSIDE, ZOO

@@ -48,7 +48,7 @@ import math
 import jax
 from jax.sharding import AbstractMesh
 
-from spmdkit.flax.model import ModelInfo
+from spmdkit.introspect.model import ModelInfo
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.pipeline.facts import rows_error, rows_split, split_rows_combined, tokens_refused

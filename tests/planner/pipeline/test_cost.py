@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, build_schedule
 from spmdkit.planner.analytic import CostContext, GroupLayout, StepTrace, param_groups

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.models import get_model
 from spmdkit.models.llama import LlamaConfig
 from spmdkit.pipeline import Pipeline, PipelineError

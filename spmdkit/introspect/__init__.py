@@ -1,4 +1,4 @@
-"""flax: describe an NNX or linen model abstractly.
+"""introspect: describe a model (NNX, linen, or a params pytree) abstractly.
 
 ``describe`` reads a model's parameters, logical axis names and loss without
 allocating anything. Nothing in this package imports the planner: the planner
@@ -6,7 +6,7 @@ reads models through it. Placing a model's parameters with a plan's shardings
 (``init_sharded``, ``shard``) is :mod:`spmdkit.compile.annotate`'s job.
 """
 
-from spmdkit.flax.model import (
+from spmdkit.introspect.model import (
     ModelError,
     ModelInfo,
     ParamInfo,

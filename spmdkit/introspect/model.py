@@ -32,7 +32,7 @@ variable type except the RNG streams), linen's other collections
 the optimizer; the planner lays it out (:mod:`spmdkit.planner.search`) and the
 step returns it updated.
 
-The user writes one loss per model kind (:mod:`spmdkit.flax.losses`): NNX
+The user writes one loss per model kind (:mod:`spmdkit.introspect.losses`): NNX
 ``loss(model, batch)`` (batch statistics read back from the module, its RNG
 streams drawn from the step's key), linen ``loss(variables, batch)`` returning
 the loss or ``(loss, updates)`` as ``module.apply(..., mutable=[...])`` gives
@@ -65,7 +65,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.batch import as_traced
-from spmdkit.flax.losses import (
+from spmdkit.introspect.losses import (
     STATE_FILTER,
     ModelError,
     Run,
@@ -154,7 +154,7 @@ class ModelInfo:
       rng: the loss draws random numbers (NNX RNG streams, a loss taking
         ``rng=``): its train step takes a key (:attr:`train_loss`).
       run: ``run(params, batch, state, key) -> (out, new_state)``, the user's
-        loss on pure arrays (:mod:`spmdkit.flax.losses`); None for a ModelInfo
+        loss on pure arrays (:mod:`spmdkit.introspect.losses`); None for a ModelInfo
         built by hand.
     """
 

@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.flax import ModelError, describe, path_str
+from spmdkit.introspect import ModelError, describe, path_str
 from spmdkit.planner import plan
 from tests.plan_model import Toy, toy_batch, toy_loss
 
@@ -71,7 +71,7 @@ def test_describe_never_imports_the_planner():
     import ast
     import inspect
 
-    import spmdkit.flax.model as module
+    import spmdkit.introspect.model as module
 
     tree = ast.parse(inspect.getsource(module))
     imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

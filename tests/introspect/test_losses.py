@@ -1,4 +1,4 @@
-"""spmdkit.flax.losses: one loss per model kind; aux, keys and state as the step runs them."""
+"""spmdkit.introspect.losses: one loss per model kind; aux, keys and state as the step runs them."""
 
 import flax.linen as nn
 import jax
@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.introspect import describe
 from spmdkit.loss import LossError
 
 
