@@ -69,7 +69,7 @@ API: dict[str, tuple[str, str, tuple[str, ...]]] = {
             "spmdkit.planner.plans",
             "spmdkit.planner.notes",
             "spmdkit.planner.search",
-            "spmdkit.planner.context",
+            "spmdkit.planner.context_parallel",
         ),
     ),
     "api/recipe.md": (

@@ -29,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdkit import nn as sknn
 from spmdkit import ops
+from spmdkit.context_parallel import current_order
 from spmdkit.errors import SpmdError
 from spmdkit.kernels import (
     ATTENTION_IMPLEMENTATIONS,
@@ -39,7 +40,6 @@ from spmdkit.kernels import (
 )
 from spmdkit.nn.calls import call_op
 from spmdkit.planner import BATCH_NAMES, PARAM_NAMES
-from spmdkit.sequence import current_order
 
 __all__ = [
     "ModelConfigError",
@@ -419,7 +419,7 @@ def tag(x: jax.Array, name: str) -> jax.Array:
 def positions(seq_len: int) -> jax.Array | None:
     """The natural positions of the tokens of the loss being traced, ``int32
     [seq_len]``, when its batch is in a context-parallel plan's balanced order
-    (:func:`spmdkit.sequence.current_order`); ``None`` in the natural order."""
+    (:func:`spmdkit.context_parallel.current_order`); ``None`` in the natural order."""
     order = current_order()
     return None if order is None else order.positions(seq_len)
 

@@ -69,6 +69,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from spmdkit.context_parallel import BalancedOrder
 from spmdkit.engine.rule import (
     Example,
     Inferred,
@@ -86,7 +87,6 @@ from spmdkit.kernels import (
     blockwise_attention_lse,
     plain_attention_lse,
 )
-from spmdkit.sequence import BalancedOrder
 from spmdkit.spec import TensorSpec
 
 __all__ = ["RULES", "AttentionRule", "attention_reference"]
@@ -113,7 +113,7 @@ def attention_reference(
     with ``implementation``, :func:`spmdkit.kernels.attention_kernel` (the reference
     models' attention: ``"xla"``, ``"blockwise"``, ``"cudnn"``, ``"auto"``). With
     ``balanced=n`` and ``causal``, the sequence dims are in
-    :class:`~spmdkit.sequence.BalancedOrder` ``(n)``: the op is the natural-order op on
+    :class:`~spmdkit.context_parallel.BalancedOrder` ``(n)``: the op is the natural-order op on
     the restored operands, its output put back in the balanced order."""
     if causal and balanced and balanced > 1:
         order = BalancedOrder(balanced)

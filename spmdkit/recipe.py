@@ -90,6 +90,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit import jaxprs
 from spmdkit.batch import as_traced, as_tree, microbatches
+from spmdkit.context_parallel import ContextShard, context_parallel_loss, plan_context
 from spmdkit.errors import RecipeError
 from spmdkit.fp8 import FP8_EXCLUDE, HISTORY, SCALINGS, check_exclude, fp8_loss, fp8_state
 from spmdkit.loss import Loss, as_loss
@@ -100,7 +101,6 @@ from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.layouts import update_specs
 from spmdkit.pipeline.split import CALLS
 from spmdkit.remat_scan import rematted_scan, rewrite
-from spmdkit.sequence import ContextShard, context_parallel_loss, plan_context
 from spmdkit.spec import axis_sizes
 from spmdkit.state import register_context
 

@@ -307,7 +307,7 @@ def fields_set_outside(root: pathlib.Path, packages: tuple[str, ...]) -> set[str
 
 def test_no_planner_engine_or_propagation_field_is_set_from_outside():
     """A planner, engine or propagation object gets its fields when built
-    (``planner_for``, ``Engine(..., GraphFacts)``), never set by whoever built it;
+    (``planner_for``, ``Propagator(..., GraphFacts)``), never set by whoever built it;
     :data:`SET_OUTSIDE` lists the exceptions, each still present."""
     found = fields_set_outside(REPO, BUILT_WHOLE)
     assert sorted(found - SET_OUTSIDE) == []

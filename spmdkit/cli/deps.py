@@ -69,7 +69,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.roles",
         "spmdkit.remat_scan",
         "spmdkit.batch",
-        "spmdkit.sequence",
+        "spmdkit.context_parallel",
         "spmdkit.loss",
         "spmdkit.strategies",
         "spmdkit.state",

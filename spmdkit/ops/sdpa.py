@@ -19,19 +19,19 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.engine.inference import infer_forward
-from spmdkit.engine.local import local_context, resolve_partials
-from spmdkit.engine.registry import get_rule
-from spmdkit.errors import ShardingConflictError
-from spmdkit.mesh import abstract_mesh
-from spmdkit.ops.base import apply_rule
-from spmdkit.sequence import (
+from spmdkit.context_parallel import (
     ContextShard,
     current_attention,
     current_order,
     current_shard,
     note_exchange,
 )
+from spmdkit.engine.inference import infer_forward
+from spmdkit.engine.local import local_context, resolve_partials
+from spmdkit.engine.registry import get_rule
+from spmdkit.errors import ShardingConflictError
+from spmdkit.mesh import abstract_mesh
+from spmdkit.ops.base import apply_rule
 from spmdkit.spec import MeshLike, TensorSpec
 
 __all__ = ["attention"]
@@ -65,7 +65,7 @@ def attention(
         replicated), ``"gather_kv"`` (queries stay sequence-sharded, K/V
         all-gathered) or ``"ring"`` (queries and K/V sequence-sharded alike, K/V
         blocks passed around the ring). ``None``: the one a context-parallel
-        plan's step pins (:func:`spmdkit.sequence.current_attention`), else the
+        plan's step pins (:func:`spmdkit.context_parallel.current_attention`), else the
         planner's choice.
       implementation: the local computation. ``None``: the op's own (float32
         scores of all keys at once; the ring's online softmax). Else a kernel of
@@ -80,9 +80,9 @@ def attention(
         needed for traced arguments under Auto mesh axes.
       balanced: with ``causal``, the sequence dims of q, k, v are in the
         load-balanced order for this many context shards
-        (:class:`spmdkit.sequence.BalancedOrder`): the mask compares natural
+        (:class:`spmdkit.context_parallel.BalancedOrder`): the mask compares natural
         positions. ``None``: the order the loss is traced in
-        (:func:`spmdkit.sequence.current_order`, set by a context-parallel plan's
+        (:func:`spmdkit.context_parallel.current_order`, set by a context-parallel plan's
         step); ``1``: natural.
 
     Returns:
@@ -127,7 +127,7 @@ def attention(
 def _on_shard(q: Any, k: Any, v: Any, attrs: dict[str, Any], shard: ContextShard) -> Any:
     """Attention on one device's tokens of sequences split over ``shard.axes``,
     traced where those axes are manual (a pipelined stage,
-    :func:`spmdkit.sequence.context_shard`): the rule's per-device computation
+    :func:`spmdkit.context_parallel.context_shard`): the rule's per-device computation
     of ``shard.attention`` (the ring's permutes, or ``gather_kv``'s gathers)
     for operands whose sequence dims are split over the axes, called directly."""
     attrs = {**attrs, "strategy": shard.attention}

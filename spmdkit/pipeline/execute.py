@@ -64,6 +64,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from spmdkit.context_parallel import PIPELINED_STRATEGIES, ContextShard
+from spmdkit.pipeline.context_parallel import (
+    rows_loss_combined,
+    rows_loss_error,
+    tokens_combined,
+    tokens_error,
+)
 from spmdkit.pipeline.facts import (
     record_traced,
     rows_error,
@@ -91,13 +98,6 @@ from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.ticks import explicit_tick_loop, gpipe_forward_loop
-from spmdkit.pipeline.tokens import (
-    rows_loss_combined,
-    rows_loss_error,
-    tokens_combined,
-    tokens_error,
-)
-from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard
 from spmdkit.vma import shard_map
 
 __all__ = ["pipelined_value_and_grad"]
@@ -127,7 +127,7 @@ def pipelined_value_and_grad(
         stage's weights gathered over them once per step (at the ``shard_map``'s
         input), accumulates its weight gradients locally over the micro-batches
         and sums them over these axes once, at the end of the step. The loss must
-        be a mean over rows (:func:`~spmdkit.pipeline.tokens.rows_loss_combined`
+        be a mean over rows (:func:`~spmdkit.pipeline.context_parallel.rows_loss_combined`
         checks it), and a layer that combines rows needs
         ``pipe.local_statistics``. Other axes stay automatic (a
         tensor-parallel ``model`` axis, an expert axis: XLA partitions the
@@ -141,7 +141,7 @@ def pipelined_value_and_grad(
       context: context parallelism (a plan's ``context``): the micro-batches'
         sequences split over ``context.axes``, manual inside the pipeline like
         the batch axes. The layers are traced on a device's tokens
-        (:func:`spmdkit.sequence.context_shard`: RoPE at their natural
+        (:func:`spmdkit.context_parallel.context_shard`: RoPE at their natural
         positions, attention as ``context.attention``'s per-device computation,
         its K/V permuted or gathered over those axes) and every gradient is
         summed over them once, with the batch axes'. The loss must be a mean
@@ -169,7 +169,7 @@ def pipelined_value_and_grad(
         scan carries is not floating, or (with batch axes) a layer combines a
         micro-batch's rows and ``pipe.local_statistics`` is off, or the loss is
         not a mean over the rows; with context axes, what
-        :func:`~spmdkit.pipeline.tokens.tokens_combined` finds.
+        :func:`~spmdkit.pipeline.context_parallel.tokens_combined` finds.
 
     Example::
 

@@ -13,7 +13,7 @@
   refuses (:func:`rows_error`) and the planner asks about before it plans one,
   and :func:`rows_loss_refused`, a loss that is not a mean over the rows;
   :func:`tokens_refused`, what a pipelined context-parallel step refuses
-  (:mod:`spmdkit.pipeline.tokens`), asked by the planner the same way.
+  (:mod:`spmdkit.pipeline.context_parallel`), asked by the planner the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdkit import jaxprs
+from spmdkit.context_parallel import ContextShard, context_shard
 from spmdkit.pipeline.chunk import BoundLoss, VjpStash
+from spmdkit.pipeline.context_parallel import rows_loss_combined, tokens_combined
 from spmdkit.pipeline.layouts import (
     ManualAxes,
     local_rows,
@@ -42,8 +44,6 @@ from spmdkit.pipeline.rows import mixed_rows
 from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
-from spmdkit.pipeline.tokens import rows_loss_combined, tokens_combined
-from spmdkit.sequence import ContextShard, context_shard
 from spmdkit.state import register_context
 from spmdkit.util import path_str
 
@@ -91,7 +91,7 @@ class PipelineFacts:
       context_bytes: with context parallelism, one layer's forward collectives
         over the context axes for one micro-batch on one device, ``((kind,
         payload bytes), ...)``, as its stage traced them (attention's K/V
-        gathers: :func:`spmdkit.sequence.context_shard`).
+        gathers: :func:`spmdkit.context_parallel.context_shard`).
     """
 
     pipe: Pipeline
@@ -353,7 +353,7 @@ def rows_combined(loss_fn: Callable[..., Any], params: Any, batch: Any, *rest: A
 
 def rows_loss_refused(loss_fn: Callable[..., Any], params: Any, batch: Any, *rest: Any) -> str:
     """What makes the loss not a mean over a batch's rows
-    (:func:`~spmdkit.pipeline.tokens.rows_loss_combined`, on two devices' rows),
+    (:func:`~spmdkit.pipeline.context_parallel.rows_loss_combined`, on two devices' rows),
     else ``""``: what a pipeline with the batch over other mesh axes refuses (the
     planner asks before it plans one). ``batch``: as for :func:`rows_combined`.
 
@@ -407,7 +407,7 @@ def split_on_tokens(
     loss_fn: Callable, args: tuple, shards: int, shard: ContextShard, seq_dims: Any
 ) -> tuple[SplitLoss, tuple]:
     """The loss split on a device's rows and tokens of one micro-batch (``args``:
-    params, its shapes, rest), traced under :func:`spmdkit.sequence.context_shard`
+    params, its shapes, rest), traced under :func:`spmdkit.context_parallel.context_shard`
     with the context axes bound, and the collectives its attention noted."""
     params, one, rest = args
     dims = jax.tree_util.tree_map_with_path(
@@ -430,7 +430,7 @@ def tokens_refused(
     seq_dims: Mapping[str, int],
 ) -> str:
     """What makes a pipelined context-parallel step differ from the global one
-    (:func:`~spmdkit.pipeline.tokens.tokens_combined`, on the loss traced as the
+    (:func:`~spmdkit.pipeline.context_parallel.tokens_combined`, on the loss traced as the
     executor traces it), else ``""``: the planner asks before it plans one, as
     the executor refuses it when the step is traced.
 

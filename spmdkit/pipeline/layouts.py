@@ -357,7 +357,7 @@ def per_mb_seq_split(
             "mask table computed before the layer stack, a reshape that mixes the "
             "sequence with other dims)",
             fix="compute position-dependent values inside the layers (from "
-            "spmdkit.sequence.current_order), or plan without a context axis",
+            "spmdkit.context_parallel.current_order), or plan without a context axis",
         )
     return tuple(rows), tuple(seq)
 

@@ -17,7 +17,7 @@ as combining them (running with automatic batch axes is correct for any
 layer, only slower).
 
 The same walk checks a pipelined context-parallel stage's *tokens*
-(:mod:`spmdkit.pipeline.tokens`): the "rows" are then a device's tokens on
+(:mod:`spmdkit.pipeline.context_parallel`): the "rows" are then a device's tokens on
 their sequence dim, traced where the context axes are bound (``aware``). A
 value computed from ``axis_index`` over those axes (the tokens' natural
 positions) or gathered over them whole (attention's K/V) holds what the
@@ -36,7 +36,7 @@ from typing import Any
 import jax.extend.core as jex
 
 from spmdkit import jaxprs
-from spmdkit.sequence import CONTEXT_ATTENTION
+from spmdkit.context_parallel import CONTEXT_ATTENTION
 from spmdkit.state import register_context
 
 __all__ = ["AWARE", "aware_of", "mixed_rows"]

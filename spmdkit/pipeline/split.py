@@ -41,9 +41,9 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from spmdkit import jaxprs
+from spmdkit.context_parallel import CONTEXT_ATTENTION
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.schedule import PipelineError
-from spmdkit.sequence import CONTEXT_ATTENTION
 
 __all__ = ["CALLS", "SplitLoss", "call_body", "has_scan", "split_loss"]
 
@@ -80,7 +80,7 @@ def _run(eqns: Sequence[Any], env: dict, *, inline: bool = False) -> None:
         invals = [_read(env, v) for v in eqn.invars]
         body = call_body(eqn)
         # a stage's context attention is a call for the token check to find
-        # (spmdkit.pipeline.tokens) and runs inline, as it was written: a nested
+        # (spmdkit.pipeline.context_parallel) and runs inline, as it was written: a nested
         # jit of its axis_index under automatic axes needs a context mesh to lower
         if body is not None and (
             (inline and has_scan(body.jaxpr)) or jaxprs.call_name(eqn) == CONTEXT_ATTENTION

@@ -67,10 +67,10 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.introspect.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner import experts, float8
-from spmdkit.planner.context import stage_context_attention
+from spmdkit.planner.context_parallel import stage_context_attention
 from spmdkit.planner.experts import MoeCall
 from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
-from spmdkit.planner.group_roles import (
+from spmdkit.planner.group_gemms import (
     column_siblings,
     gemm_dims,
     rerun_charged,
@@ -397,7 +397,7 @@ class CostContext:
         reduce-scattered over those axes once, at the end.
         Neither collective overlaps the ticks. False: gathered and
         reduce-scattered once per micro-batch, overlapped (the unpipelined step).
-      context: the context-parallel axes (:mod:`spmdkit.planner.context`): weights
+      context: the context-parallel axes (:mod:`spmdkit.planner.context_parallel`): weights
         sharded over them are gathered like FSDP's; attention exchanges K/V over them.
       memo: ``(group, layout, batch axes, seq axes, recipe levers)`` → :class:`GroupCost`,
         and a collective's time by kind, bytes and axes: contexts share one only
@@ -814,7 +814,7 @@ def tensor_parallel_bytes(
 ) -> float:
     """Payload bytes per device per step of the tensor-parallel collectives of
     ``groups`` laid out as ``choice`` (the activation all-reduces Megatron-LM
-    counts, :func:`~spmdkit.planner.group_roles.tp_times`)."""
+    counts, :func:`~spmdkit.planner.group_gemms.tp_times`)."""
     return sum(
         group_cost(ctx, g, layout, batch_axes, seq_axes).tp_bytes
         for g, layout in zip(groups, choice, strict=True)

@@ -32,7 +32,7 @@ from spmdkit.planner.analytic import (
     group_cost,
     total_cost,
 )
-from spmdkit.planner.context import PIPELINED_STRATEGIES, context_axes
+from spmdkit.planner.context_parallel import PIPELINED_STRATEGIES, context_axes
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     SHARDED_OPT_PRESETS,
@@ -97,7 +97,7 @@ class Candidate(NamedTuple):
       mesh: pipelined candidates: the mesh with the pipe axis; context-parallel
         ones: the mesh with the context axis (None: the plan's).
       context: context-parallel candidates: the axes the sequence is split over
-        (:mod:`spmdkit.planner.context`); empty otherwise.
+        (:mod:`spmdkit.planner.context_parallel`); empty otherwise.
       provenance: where its propagated cost comes from, tensor by tensor
         (:mod:`spmdkit.planner.provenance`); None until propagated.
     """
@@ -423,7 +423,7 @@ def _zero1(
 def activation_layout(rules: LogicalRules, mesh: MeshLike, trace: StepTrace) -> Activation:
     """The mesh axes of each batch dim under ``rules``: per name, its first rule
     entry whose axes divide the dim and no earlier name took. A context axis the
-    sequence's rule asks for is kept for the sequence (:mod:`spmdkit.planner.context`):
+    sequence's rule asks for is kept for the sequence (:mod:`spmdkit.planner.context_parallel`):
     the batch never takes it."""
     sizes = axis_sizes(mesh)
     dims = {"batch": trace.batch_size, "seq": trace.seq_len if trace.seq_len > 1 else None}

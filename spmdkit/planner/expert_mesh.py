@@ -6,7 +6,7 @@ mesh with an axis named ``expert`` (or ``ep``, ``experts``) offers that axis; a
 mesh with only a data axis (``data=64``) offers the whole axis, whose size the
 expert count (8) need not divide, and the op then replicates the experts on
 every device. As context parallelism splits the data axis into
-``data × context`` (:mod:`spmdkit.planner.context`), auto here splits it into
+``data × context`` (:mod:`spmdkit.planner.context_parallel`), auto here splits it into
 ``data × expert`` (:func:`expert_meshes`; the ``expert`` part minor, so the
 all-to-alls stay inside a node where it can), for every degree ``e ≥ 2`` that
 divides both the data axis and every ``moe_experts`` call's expert count
@@ -42,7 +42,7 @@ from spmdkit.planner.candidates import (
     rules_choice,
     search_layouts,
 )
-from spmdkit.planner.context import split_context
+from spmdkit.planner.context_parallel import split_context
 from spmdkit.planner.logical import BATCH_NAMES, ROLE_NAMES, RulesLike, axis_roles
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes

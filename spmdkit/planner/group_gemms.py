@@ -1,6 +1,6 @@
 """What a parameter group's names say about how it runs: the GEMM one member runs
 on a device and the share of the tokens it sees (an expert's: the step's top-k),
-and its tensor-parallel role as Megatron-LM counts it (which column-parallel
+and its tensor-parallel kind as Megatron-LM counts it (which column-parallel
 weights share an input, what a row-parallel one is charged, and whether remat's
 rerun forward is). The analytic cost model
 (:mod:`spmdkit.planner.analytic`) prices groups with these.
@@ -30,7 +30,7 @@ def tp_times(ctx: Any, g: ParamGroup) -> tuple[float, ...]:
     row-parallel weight is charged the forward one, again when remat reruns the
     layer's forward (``full``, ``names``); the column-parallel weights share the
     backward one (:func:`column_siblings`, ``ctx.siblings``). A weight of neither
-    role (no ``embed`` dim) is charged one. ``ctx``: a
+    kind (no ``embed`` dim) is charged one. ``ctx``: a
     :class:`~spmdkit.planner.analytic.CostContext`."""
     logical = [n for n in (g.logical or ()) if n not in ("layers", "expert")]
     if "embed" not in logical or len(logical) < 2:

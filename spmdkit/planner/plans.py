@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.master import stored_dtype
 from spmdkit.mesh import auto_mesh
 from spmdkit.pipeline import Pipeline
-from spmdkit.planner.context import causal_shares
+from spmdkit.planner.context_parallel import causal_shares
 from spmdkit.planner.explain import Explanation, explain
 from spmdkit.planner.logical import PRESETS, SHARDED_OPT_PRESETS, LogicalRules, PlanError
 from spmdkit.planner.notes import (
@@ -225,7 +225,7 @@ def _ops_lines(ops: Mapping[str, Mapping[str, int]]) -> list[str]:
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """A plan's context parallelism (:mod:`spmdkit.planner.context`): the ``seq``
+    """A plan's context parallelism (:mod:`spmdkit.planner.context_parallel`): the ``seq``
     dim of the activations split over ``axes`` (``degree`` devices that hold
     different tokens of the same sequences).
 
@@ -240,7 +240,7 @@ class ContextParallel:
         unmasked work is even across the devices. Always True: the planner prices
         that order, and contiguous shards (False) leave the last device
         ``(2 × degree − 1) / degree²`` of the causal work
-        (:func:`~spmdkit.planner.context.causal_shares`), a step the plan's cost
+        (:func:`~spmdkit.planner.context_parallel.causal_shares`), a step the plan's cost
         does not describe, so they are refused.
 
     Raises:

@@ -95,7 +95,7 @@ from spmdkit.planner.candidates import (
     step_floor,
     with_sharded,
 )
-from spmdkit.planner.context import CONTEXT_AXIS, context_axes, context_meshes
+from spmdkit.planner.context_parallel import CONTEXT_AXIS, context_axes, context_meshes
 from spmdkit.planner.expert_mesh import ExpertPlanning
 from spmdkit.planner.levers import auto_recipes, check_fp8
 from spmdkit.planner.logical import (
@@ -528,7 +528,7 @@ class _Planner(PipelinePlanning, ExpertPlanning):
         )
 
     def context_searched(self, recipe: Recipe = PLAIN) -> list[Candidate]:
-        """The searched context-parallel candidates (:mod:`spmdkit.planner.context`):
+        """The searched context-parallel candidates (:mod:`spmdkit.planner.context_parallel`):
         per mesh with a context axis (the plan's, or its data axis split) and
         choice of batch axes among the others, the layouts searched with the
         sequence on the context axis."""

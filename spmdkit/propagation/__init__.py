@@ -7,10 +7,10 @@ equation's rule, chooses layouts and the reshards between them, and returns a
 program the enforced replay runs.
 
 Modules, in import order (each imports only those above it):
-``graph`` (tracing, the flattened program IR), ``steps`` (the engine's
+``graph`` (tracing, the flattened program IR), ``steps`` (the propagator's
 per-equation hand-off), ``primitives`` (primitive → registered rule),
 ``pricing`` (reshard and FLOP costs), ``control`` (scan / while / cond),
-``choose`` (alternatives and hints), ``engine`` (the forward sweep),
+``choose`` (alternatives and hints), ``propagator`` (the forward sweep),
 ``pinning`` (what the enforced replay pins), ``memory`` (liveness),
 ``cse`` (which values XLA computes once), ``records`` (EqnRecord, Propagation),
 ``driver`` (:func:`propagate`).

@@ -58,7 +58,7 @@ class Chooser:
 
     ``hints`` (value id → wanted layout) are set between the driver's sweeps;
     ``stationary`` (ids of activations), ``seq_axes`` and ``weights`` come with it
-    (:class:`~spmdkit.propagation.engine.GraphFacts`); ``ops`` are the registered
+    (:class:`~spmdkit.propagation.propagator.GraphFacts`); ``ops`` are the registered
     rule names.
     """
 

@@ -1,6 +1,6 @@
 """Loops and branches: how ``scan``, ``while`` and ``cond`` nodes propagate.
 
-Each stays one node whose body is propagated as a sub-graph by the engine
+Each stays one node whose body is propagated as a sub-graph by the propagator
 (anything with the :class:`BodyRunner` methods). ``scan`` counts its body's
 costs ``length`` times; the carry keeps its entry layout or takes the fixed
 point the body reaches from it, whichever costs less over the loop (the stacked
@@ -35,7 +35,7 @@ _REDUCE = frozenset({"all_reduce", "reduce_scatter"})
 
 
 class BodyRunner(Protocol):
-    """What the control-flow nodes need of the engine."""
+    """What the control-flow nodes need of the propagator."""
 
     pricer: Pricer
 

@@ -2,7 +2,7 @@
 :class:`~spmdkit.propagation.records.Propagation`.
 
 It traces (or takes) the step's jaxpr, flattens it, checks the input and output
-specs, runs the engine's sweeps, prices the chosen layouts into records, and
+specs, runs the propagator's sweeps, prices the chosen layouts into records, and
 adds the memory estimate and the program the enforced replay runs.
 
 **Both directions.** A backward sweep (the rules' backward inference) carries
@@ -38,7 +38,6 @@ from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError, SpecError
 from spmdkit.propagation.choose import consumer_hints
 from spmdkit.propagation.contest import sequence_axes
-from spmdkit.propagation.engine import Engine, GraphFacts
 from spmdkit.propagation.graph import (
     FlatProgram,
     Graph,
@@ -52,6 +51,7 @@ from spmdkit.propagation.graph import (
 from spmdkit.propagation.memory import CopyRead, RegionHold, liveness
 from spmdkit.propagation.pinning import Program, pins
 from spmdkit.propagation.pricing import steps_flops
+from spmdkit.propagation.propagator import GraphFacts, Propagator
 from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
 from spmdkit.propagation.regions import (
     region_loop_buffer_bytes,
@@ -127,14 +127,14 @@ def propagate(
     _check_strategies(strategies or {})
     roles = _roles(arg_roles, args, graph.invars)
     facts = _facts(graph, prog, roles, flat_in)
-    engine = Engine(prog, mesh, topology, strategies or {}, facts)
+    propagator = Propagator(prog, mesh, topology, strategies or {}, facts)
     peak = topology.peak("bfloat16") if hasattr(topology, "peak") else H100_BF16_PEAK_FLOPS
-    spec, collect, unknown = _sweeps(engine, graph, flat_in, out_req, peak)
+    spec, collect, unknown = _sweeps(propagator, graph, flat_in, out_req, peak)
 
-    recorder = Recorder(engine.pricer, engine.ops, prog.values)
-    records, final_out = _records(recorder, engine, graph, spec, collect, out_req)
+    recorder = Recorder(propagator.pricer, propagator.ops, prog.values)
+    records, final_out = _records(recorder, propagator, graph, spec, collect, out_req)
     program = Program(
-        graph, prog.values, pins(collect, engine.pricer, graph, final_out), out_treedef
+        graph, prog.values, pins(collect, propagator.pricer, graph, final_out), out_treedef
     )
     totals = _totals(records, peak)
     donated = _donated_ids(donate_argnums, args, graph.invars)
@@ -168,7 +168,7 @@ def propagate(
 
 def _records(
     recorder: Recorder,
-    engine: Engine,
+    propagator: Propagator,
     graph: Graph,
     spec: Mapping[int, TensorSpec],
     collect: list[Step],
@@ -180,7 +180,7 @@ def _records(
     records = [recorder.record(step, i) for i, step in enumerate(collect)]
     final_out = []
     for i, (v, r) in enumerate(zip(graph.outvars, out_req, strict=True)):
-        have = spec.get(v) or engine.replicated(v)
+        have = spec.get(v) or propagator.replicated(v)
         want = r if r is not None else have.without_partial()
         final_out.append(want)
         rec = recorder.output(len(records), i, v, have, want)
@@ -192,7 +192,7 @@ def _records(
 def _facts(
     graph: Graph, prog: FlatProgram, roles: Mapping[int, str], flat_in: Sequence[TensorSpec]
 ) -> GraphFacts:
-    """What the engine and its collaborators read off the graph (:class:`GraphFacts`)."""
+    """What the propagator and its collaborators read off the graph (:class:`GraphFacts`)."""
     batch = {v for v, r in roles.items() if r == "batch"}
     still = frozenset(stationary(graph, batch))
     at = dict(zip(graph.invars, flat_in, strict=True))
@@ -205,7 +205,7 @@ def _facts(
 
 
 def _sweeps(
-    engine: Engine,
+    propagator: Propagator,
     graph: Graph,
     flat_in: list[TensorSpec],
     out_req: list[TensorSpec | None],
@@ -216,25 +216,25 @@ def _sweeps(
     of the round with the lowest modelled step time (hints are heuristics)."""
     wanted = {v: r for v, r in zip(graph.outvars, out_req, strict=True) if r is not None}
     fixed = set(graph.invars)
-    pricer = engine.pricer
+    pricer = propagator.pricer
     best: tuple | None = None
     for _ in range(4):
         spec: dict[int, TensorSpec] = {}
         collect: list[Step] = []
-        engine.sweep(graph, flat_in, spec, collect)
-        t = pricer.steps_time(collect) + steps_flops(collect, engine.mesh) / peak
+        propagator.sweep(graph, flat_in, spec, collect)
+        t = pricer.steps_time(collect) + steps_flops(collect, propagator.mesh) / peak
         for v, r in zip(graph.outvars, out_req, strict=True):
-            have = spec.get(v) or engine.replicated(v)
+            have = spec.get(v) or propagator.replicated(v)
             t += pricer.time("output", have, r if r is not None else have.without_partial())
         if best is None or t < best[0]:
-            best = (t, spec, collect, engine.unknown)
-        asked = {**consumer_hints(pricer, collect, fixed | engine.prog.const_ids()), **wanted}
+            best = (t, spec, collect, propagator.unknown)
+        asked = {**consumer_hints(pricer, collect, fixed | propagator.prog.const_ids()), **wanted}
         if not asked:
             break
-        hints = engine.chooser.backward_hints(graph, spec, asked, fixed)
-        if hints == engine.chooser.hints:
+        hints = propagator.chooser.backward_hints(graph, spec, asked, fixed)
+        if hints == propagator.chooser.hints:
             break
-        engine.chooser.use_hints(hints)
+        propagator.chooser.use_hints(hints)
     _, spec, collect, unknown = best
     return spec, collect, unknown
 

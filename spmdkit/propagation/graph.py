@@ -1,4 +1,4 @@
-"""Tracing and the flattened program IR the engine walks.
+"""Tracing and the flattened program IR the propagator walks.
 
 :func:`trace` turns a function (a whole train step: forward, ``jax.grad`` and the
 optimizer update) into a jaxpr from abstract inputs; nothing is computed.

@@ -5,7 +5,7 @@
 two conventions of XLA's: a pending reduction made by a scatter or gather is
 reduced at the layout it was made in before it moves, and staged gathers (or
 reduce-scatters) of one dim are one collective over all their axes. It also
-sums the reshard time and the per-device FLOPs of the engine's steps, and
+sums the reshard time and the per-device FLOPs of the propagator's steps, and
 :func:`reshard_once` reuses a layout a value was already moved to.
 """
 

@@ -1,6 +1,6 @@
-"""The propagation engine: one forward sweep of specs over a flattened program.
+"""The propagator: one forward sweep of specs over a flattened program.
 
-:class:`Engine` walks a :class:`~spmdkit.propagation.graph.Graph` node by node:
+:class:`Propagator` walks a :class:`~spmdkit.propagation.graph.Graph` node by node:
 each equation's operand specs go to its registered rule (via
 :func:`~spmdkit.propagation.primitives.to_rule`), the
 :class:`~spmdkit.propagation.choose.Chooser` picks among the rule's answers and
@@ -10,7 +10,7 @@ the hints, and the node's result specs are recorded; loops and branches go to
 
 **Unknown primitives.** A primitive with no rule is never an error: its inputs
 are made replicated (that reshard is priced), its outputs are replicated, one
-warning is issued per primitive and the count is kept in :attr:`Engine.unknown`.
+warning is issued per primitive and the count is kept in :attr:`Propagator.unknown`.
 A rule that does not fit an equation (it raises :class:`~spmdkit.SpmdError` or
 ``NotImplementedError``) is treated the same way; any other exception from a
 rule is a bug and surfaces.
@@ -51,9 +51,9 @@ from spmdkit.state import register_cache
 from spmdkit.topology import Topology
 from spmdkit.versions import reassociates_all_reduces
 
-__all__ = ["STRUCTURAL_OPS", "Engine"]
+__all__ = ["STRUCTURAL_OPS", "Propagator"]
 
-#: The ops a step may name that are not registered rules: layouts the engine gives
+#: The ops a step may name that are not registered rules: layouts the propagator gives
 #: by construction (fresh values, sharding constraints, a ``shard_map``'s own specs,
 #: an optimization barrier over several operands). Every other op a step names is a
 #: registered rule (``spmdkit rules`` lists it; tests/propagation/test_primitives.py).
@@ -81,10 +81,10 @@ _Answer = tuple[str | None, dict, _Specs, _Specs]  # (op, attrs, required inputs
 @dataclass(frozen=True)
 class GraphFacts:
     """What the driver reads off the program's graph before propagating it, handed
-    to the :class:`Engine` (and by it to its pricer and chooser) when built.
+    to the :class:`Propagator` (and by it to its pricer and chooser) when built.
 
     Attributes:
-      uses: value id → number of readers (:attr:`Engine.uses`).
+      uses: value id → number of readers (:attr:`Propagator.uses`).
       producer: value id → the primitive that makes it (``Pricer.producer``).
       widened: value id → the narrower dtype a cast widened it from (``Pricer.widened``).
       stationary: ids of the activations (``Chooser.stationary``).
@@ -100,7 +100,7 @@ class GraphFacts:
     weights: frozenset[int] = frozenset()
 
 
-class Engine:
+class Propagator:
     """Propagates specs forward through a flattened program, one node at a time.
 
     Its job: for every node, the layouts its operands must have and the layouts

@@ -1,5 +1,5 @@
 """What propagation reports: :class:`EqnRecord` per equation, :class:`Propagation`
-for the whole step, and how the engine's steps become records (:func:`record`).
+for the whole step, and how the propagator's steps become records (:func:`record`).
 
 A record prices a step's operand reshards (a value moved once is not moved
 again for the next reader wanting the same layout), the collectives a
@@ -257,7 +257,7 @@ def _source(eqn: Any) -> str:
 
 
 class Recorder:
-    """Prices the engine's steps into :class:`EqnRecord` s, in program order.
+    """Prices the propagator's steps into :class:`EqnRecord` s, in program order.
 
     A value resharded once is not resharded again for a later reader wanting the
     same layout (``avail``: value id → layouts it has); ``held`` collects the
@@ -404,7 +404,7 @@ class Recorder:
     def _operand_layouts(self, manual: frozenset, req: Sequence[TensorSpec]) -> dict[tuple, int]:
         """A partially manual ``shard_map``'s operands, by their shape inside the
         body (leading 1s dropped): how many devices of the axes left automatic
-        split each (its layout there is the outer one, see the engine); then
+        split each (its layout there is the outer one, see the propagator); then
         those of the earlier ``shard_map``s manual over the same axes (a
         forward's, for its transpose, whose operands are residuals)."""
         sizes = axis_sizes(self.mesh)

@@ -1,7 +1,7 @@
-"""The engine's hand-off: one decided equation (:class:`Step`) and a loop's body
+"""The propagator's hand-off: one decided equation (:class:`Step`) and a loop's body
 (:class:`LoopBody`).
 
-The engine appends one :class:`Step` per equation it propagates; choosing,
+The propagator appends one :class:`Step` per equation it propagates; choosing,
 pricing, the records and what the replay pins read them by field name.
 """
 
@@ -35,7 +35,7 @@ class LoopBody(NamedTuple):
 
 
 class Step(NamedTuple):
-    """What the engine decided for one node.
+    """What the propagator decided for one node.
 
     Attributes:
       node: the node.

@@ -27,7 +27,7 @@ def plans(amesh):
 def tiny_infos():
     """The reference GPT's and Llama's tiny configs, described once (batch 8)."""
     from models import get_model
-    from spmdkit.flax.model import describe
+    from spmdkit.introspect.model import describe
 
     return {m: describe(get_model(m), config="tiny", batch_size=8) for m in ("gpt", "llama")}
 

@@ -7,7 +7,7 @@ import pytest
 
 import spmdkit as sk
 from models import get_model
-from spmdkit.flax.model import describe
+from spmdkit.introspect.model import describe
 from spmdkit.planner import PlanDiff, diff, plan
 from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan

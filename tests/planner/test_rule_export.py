@@ -162,7 +162,7 @@ def _round_trip(info, strategy, mesh):
 
 @pytest.fixture(scope="module")
 def gpt():
-    from spmdkit.flax import describe
+    from spmdkit.introspect import describe
     from spmdkit.models import get_model
 
     return describe(get_model("gpt"), config="tiny", batch_size=8)

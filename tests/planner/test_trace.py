@@ -141,7 +141,7 @@ class SortedMoE(nnx.Module):
 
 def test_with_no_router_top_k_the_grouped_gemms_rows_per_token_are_the_top_k():
     from spmdkit.planner.analytic import param_groups
-    from spmdkit.planner.group_roles import routed_share
+    from spmdkit.planner.group_gemms import routed_share
 
     def loss(model, batch):
         return jnp.mean(model(batch["x"]) ** 2)

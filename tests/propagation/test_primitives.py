@@ -345,10 +345,10 @@ def _every_former_builtin(x, w, i):
 
 def test_every_op_the_propagator_applies_is_a_registered_rule(mesh1d):
     """What the propagator can apply: a registered rule of the primitive's name, or
-    one of the engine's structural layouts (STRUCTURAL_OPS: constraints, generators,
+    one of the propagator's structural layouts (STRUCTURAL_OPS: constraints, generators,
     shard_map, the built-in scatter). Traced through every primitive that used to have
     an unchecked built-in fallback, no step names anything else and none is unknown."""
-    from spmdkit.propagation.engine import STRUCTURAL_OPS
+    from spmdkit.propagation.propagator import STRUCTURAL_OPS
 
     ops = set(sk.registered_ops())
     assert not (STRUCTURAL_OPS - {"optimization_barrier"}) & ops  # no shadowed rule

@@ -1,4 +1,4 @@
-"""The engine's handling of shard_map, sharding constraints and optimization barriers."""
+"""The propagator's handling of shard_map, sharding constraints and optimization barriers."""
 
 import jax
 import jax.extend.core

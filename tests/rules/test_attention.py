@@ -7,10 +7,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.context_parallel import BalancedOrder
 from spmdkit.engine.local import shard_program
 from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError
-from spmdkit.sequence import BalancedOrder
 from spmdkit.testing import check_forward_case, check_grad_case
 from spmdkit.verification.hlo import check_plan, compiled_collectives
 from tests.sampling import latin, sampled

@@ -48,16 +48,16 @@ import math
 import jax
 from jax.sharding import AbstractMesh
 
+from spmdkit.context_parallel import PIPELINED_STRATEGIES, ContextShard
 from spmdkit.introspect.model import ModelInfo
 from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
+from spmdkit.pipeline.context_parallel import rows_loss_combined, rows_loss_error
 from spmdkit.pipeline.facts import rows_error, rows_split, split_rows_combined, tokens_refused
-from spmdkit.pipeline.tokens import rows_loss_combined, rows_loss_error
 from spmdkit.planner.logical import LogicalRules, RulesLike
 from spmdkit.planner.naming import infer_names
 from spmdkit.planner.plans import Plan
 from spmdkit.recipe import Recipe
-from spmdkit.sequence import PIPELINED_STRATEGIES, ContextShard
 from spmdkit.spec import MeshLike, axis_sizes
 
 __all__ = [

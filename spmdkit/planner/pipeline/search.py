@@ -16,7 +16,7 @@ beside the usual ones (:mod:`spmdkit.planner.search`); this module says which:
   or take it from ``plan.mesh``'s axis names and sizes.
 - **Context axes in the stages**: on a pipe mesh with a ``context`` axis (the
   one given, or its data axis split where auto tries context parallelism
-  unpipelined: :func:`~spmdkit.planner.context.context_meshes`), each stage's
+  unpipelined: :func:`~spmdkit.planner.context_parallel.context_meshes`), each stage's
   layouts are costed both with the sequence on it (two load-balanced chunks per
   device; under ``megatron_sp`` on the tensor axes too, as Megatron-LM's
   ``--context-parallel-size`` with sequence parallelism runs) and with it as
@@ -43,7 +43,7 @@ from jax.sharding import AbstractMesh
 
 from spmdkit.mesh import abstract_mesh, data_axis, split_axis
 from spmdkit.pipeline import Pipeline, PipelineError
-from spmdkit.pipeline.tokens import tokens_error
+from spmdkit.pipeline.context_parallel import tokens_error
 from spmdkit.planner.analytic import (
     CostContext,
     GroupLayout,
@@ -59,7 +59,7 @@ from spmdkit.planner.candidates import (
     rules_choice,
     search_layouts,
 )
-from spmdkit.planner.context import CONTEXT_AXIS, context_axes, context_meshes
+from spmdkit.planner.context_parallel import CONTEXT_AXIS, context_axes, context_meshes
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     PRESETS,
@@ -190,7 +190,7 @@ def pipe_meshes(mesh: MeshLike, layers: int, stages: int | None = None) -> list[
 
 def _seq_choices(inner: Mapping[str, int], seq_len: int) -> list[tuple[str, ...]]:
     """The sequence's axes a pipelined stage is costed with: none, and the context
-    axis (:data:`~spmdkit.planner.context.CONTEXT_AXIS`) when the mesh has one of
+    axis (:data:`~spmdkit.planner.context_parallel.CONTEXT_AXIS`) when the mesh has one of
     more than one device whose chunks (two per device, load-balanced) split the
     sequence."""
     n = inner.get(CONTEXT_AXIS, 1)

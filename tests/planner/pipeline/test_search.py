@@ -324,7 +324,7 @@ _CP_MESH = {"pipe": 2, "context": 4}
 
 
 def test_a_pipelined_context_plan_the_step_would_refuse_raises_when_planned(cp_llamas) -> None:
-    """The executor's token check (spmdkit.pipeline.tokens) runs at sk.plan: a
+    """The executor's token check (spmdkit.pipeline.context_parallel) runs at sk.plan: a
     masked-mean loss asked for a pipeline with the sequence over a context axis is
     the typed error before anything compiles; the mean loss plans as before."""
     mean, masked = cp_llamas

@@ -1,4 +1,4 @@
-"""Does a pipelined context-parallel stage compute what the global step does?
+"""Context parallelism in a pipeline: does a stage on a device's tokens compute the global step?
 
 With context axes (:func:`~spmdkit.pipeline.execute.pipelined_value_and_grad`'s
 ``context``) each device runs its stages on its own tokens of a micro-batch's
@@ -123,7 +123,7 @@ def tokens_combined(sp: SplitLoss, local: SplitLoss, lay: ManualAxes) -> str:
     Args:
       sp: the loss split on one whole micro-batch.
       local: the loss split on a device's rows and tokens of it, traced where the
-        context axes are bound (:func:`spmdkit.sequence.context_shard`).
+        context axes are bound (:func:`spmdkit.context_parallel.context_shard`).
       lay: the pipeline's manual axes (``lay.seq``: per per-micro-batch value,
         the dim the context axes split).
 

@@ -45,9 +45,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from spmdkit.context_parallel import PIPELINED_STRATEGIES
 from spmdkit.mesh import data_axis, split_axis
 from spmdkit.planner.logical import PlanError
-from spmdkit.sequence import PIPELINED_STRATEGIES
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import Topology
 

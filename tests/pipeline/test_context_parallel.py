@@ -1,4 +1,4 @@
-"""The token check of a pipelined context-parallel step (spmdkit/pipeline/tokens.py):
+"""The token check of a pipelined context-parallel step (spmdkit/pipeline/context_parallel.py):
 a layer that mixes tokens other than through attention, or a loss that is not a
 mean over the tokens, is a typed error when the step is traced; the ordinary
 step traces. Cheap: abstract evaluation of a tiny per-token stack on
@@ -13,9 +13,9 @@ import pytest
 
 import spmdkit as sk
 import spmdkit.nn as sknn
+from spmdkit.context_parallel import ContextShard
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.pipeline.execute import pipelined_value_and_grad
-from spmdkit.sequence import ContextShard
 
 V, D, B, S = 11, 8, 8, 16
 
@@ -145,7 +145,7 @@ def _rows_step(loss):
 def test_with_batch_axes_the_loss_must_be_a_mean_over_the_rows(reduce, match):
     """Each device runs the loss on its rows of a micro-batch and the devices'
     losses are averaged: a masked mean or a sum is a typed error when the step is
-    traced (spmdkit.pipeline.tokens.rows_loss_combined), before the stages are. A
+    traced (spmdkit.pipeline.context_parallel.rows_loss_combined), before the stages are. A
     mean traces: every pipelined test with batch axes (tests/pipeline/test_execute.py)."""
     with pytest.raises(PipelineError, match=f"(?s)mean over the rows.*{match}"):
         _rows_step(_loss(reduce=reduce))()

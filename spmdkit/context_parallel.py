@@ -1,4 +1,4 @@
-"""The load-balanced sequence order of context parallelism.
+"""Context parallelism in the step: the load-balanced sequence order and its trace context.
 
 A causal mask gives query ``i`` the keys ``0..i``, so with the sequence split into
 ``n`` contiguous shards the last shard does most of the attention work (shard ``i``
@@ -257,7 +257,7 @@ class ContextShard:
 #: The name of the call a pipelined stage's attention runs its per-device
 #: computation in (:func:`spmdkit.ops.attention` under :func:`context_shard`): the
 #: one op that may mix a device's tokens with others' (its K/V gathered over the
-#: context axes), as :mod:`spmdkit.pipeline.tokens` checks.
+#: context axes), as :mod:`spmdkit.pipeline.context_parallel` checks.
 CONTEXT_ATTENTION = "spmdkit_context_attention"
 
 #: The attention strategies a pipelined stage runs under context parallelism:

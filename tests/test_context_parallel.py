@@ -1,4 +1,4 @@
-"""The balanced sequence order of context parallelism (:mod:`spmdkit.sequence`)."""
+"""The balanced sequence order of context parallelism (:mod:`spmdkit.context_parallel`)."""
 
 import collections
 import dataclasses
@@ -7,9 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmdkit.kernels import record_visits
-from spmdkit.planner.context import causal_shares
-from spmdkit.sequence import (
+from spmdkit.context_parallel import (
     BalancedOrder,
     SequenceOrderError,
     balance_batch,
@@ -18,6 +16,8 @@ from spmdkit.sequence import (
     current_order,
     plan_context,
 )
+from spmdkit.kernels import record_visits
+from spmdkit.planner.context_parallel import causal_shares
 from tests.sampling import sampled
 
 
@@ -78,7 +78,7 @@ def test_the_trace_context_sets_and_resets():
 
 def _llama(seq_len, batch_size, layers=None):
     from models.llama import LlamaConfig
-    from spmdkit.flax.model import describe
+    from spmdkit.introspect.model import describe
     from spmdkit.models import get_model
 
     # GQA: 4 query heads, 2 kv heads; stacked layers to pipeline
@@ -217,7 +217,7 @@ def test_a_context_shard_reads_its_own_tokens_positions():
     from jax.sharding import PartitionSpec as P
 
     import spmdkit as sk
-    from spmdkit.sequence import ContextShard, context_shard
+    from spmdkit.context_parallel import ContextShard, context_shard
 
     mesh = sk.make_mesh(context=4, axis_types="auto")
     for balanced in (True, False):

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import spmdkit as sk
-from spmdkit.flax import describe
+from spmdkit.context_parallel import BalancedOrder
+from spmdkit.introspect import describe
 from spmdkit.models import get_model
 from spmdkit.planner import PlanError
-from spmdkit.planner.context import (
+from spmdkit.planner.context_parallel import (
     CONTEXT_AXIS,
     LONG_SEQUENCE,
     PIPELINED_STRATEGIES,
@@ -23,7 +24,6 @@ from spmdkit.planner.context import (
 )
 from spmdkit.planner.notes import PlanNoteError
 from spmdkit.planner.plans import ContextParallel, Plan
-from spmdkit.sequence import BalancedOrder
 
 GIB = 2**30
 
