@@ -1,7 +1,8 @@
 """The rule registry: op name → rule, and jax primitive → the rule it runs as and
-the computation it stands for; the only global state in spmdkit (the bodies are
+the computation it stands for; the one global registry in spmdkit (the bodies are
 stored in :mod:`spmdkit.jaxprs`, which the stages below this one read, and written
-only from here).
+only from here). Every other piece of state, caches and context variables, is
+listed in :mod:`spmdkit.state`.
 
 Built-in rules live in ``spmdkit.rules`` (the repository's ``rules/`` folder),
 one module per op family, each exposing a ``RULES`` tuple. They are registered
