@@ -16,6 +16,7 @@ __all__ = [
     "as_unreduced",
     "H100_BF16_PEAK_FLOPS",
     "contraction_flops",
+    "divisors",
     "fmt_bytes",
     "fmt_time",
     "freeze",
@@ -167,3 +168,14 @@ def as_unreduced(y: Any, spec: Any) -> Any:
     if same:
         y = jax.lax.pcast(y, same, to="varying")
     return jax.lax.pcast(y, axes, to="unreduced")
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (``[]`` for ``n < 1``).
+
+    Example:
+        >>> divisors(63)
+        [1, 3, 7, 9, 21, 63]
+    """
+    small = [d for d in range(1, math.isqrt(max(n, 0)) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})

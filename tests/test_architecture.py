@@ -337,6 +337,80 @@ def test_the_field_check_catches_a_collaborator_set_after_building(tmp_path):
     }
 
 
+def _declared(cls: ast.ClassDef) -> set[str]:
+    """What a class declares for itself: its methods, fields and class attributes
+    (annotated or assigned in its body), its ``__slots__``, and what its methods
+    assign to ``self``."""
+    out = set()
+    for n in cls.body:
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef):
+            out.add(n.name)
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            out.add(n.target.id)
+        elif isinstance(n, ast.Assign):
+            for t in n.targets:
+                if isinstance(t, ast.Name):
+                    out.add(t.id)
+                    if t.id == "__slots__":
+                        out |= {c.value for c in ast.walk(n.value) if isinstance(c, ast.Constant)}
+    for n in ast.walk(cls):
+        stored = isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+        if stored and isinstance(n.value, ast.Name) and n.value.id == "self":
+            out.add(n.attr)
+    return out
+
+
+def undeclared_reads(root: pathlib.Path, packages: tuple[str, ...]) -> set[str]:
+    """``path: Class.name`` of every ``self.name`` a class without bases reads but
+    never declares (:func:`_declared`): a mixin reading its host's fields."""
+    found = set()
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            for cls in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(cls, ast.ClassDef) or cls.bases:
+                    continue
+                declared = _declared(cls)
+                for n in ast.walk(cls):
+                    if (
+                        isinstance(n, ast.Attribute)
+                        and isinstance(n.value, ast.Name)
+                        and n.value.id == "self"
+                        and n.attr not in declared
+                        and not n.attr.startswith("__")
+                    ):
+                        found.add(f"{path.relative_to(root).as_posix()}: {cls.name}.{n.attr}")
+    return found
+
+
+def test_no_class_reads_fields_it_does_not_declare():
+    """The planner's collaborators (the pipeline and expert-mesh planners) read what
+    they are built with (a :class:`~spmdkit.planner.problem.Problem`), never a
+    host's fields as a mixin would."""
+    assert sorted(undeclared_reads(REPO, ("spmdkit",))) == []
+
+
+def test_the_declared_check_catches_a_mixin(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        textwrap.dedent(
+            """
+            from dataclasses import dataclass
+            class Mixin:
+                budget: float
+                def fits(self, c):
+                    return c.bytes <= self.budget and self.mesh and self.at(c)
+            @dataclass
+            class Built:
+                budget: float
+                def fits(self, c):
+                    self.seen = c
+                    return c.bytes <= self.budget and self.seen
+            """
+        )
+    )
+    assert undeclared_reads(tmp_path, ("pkg",)) == {"pkg/m.py: Mixin.at", "pkg/m.py: Mixin.mesh"}
+
+
 #: ``sk.plan``'s body (docstring excluded) stays a page: the options are values
 #: (``CostModel``, ``SearchOptions``) and each mode a call.
 MAX_PLAN_BODY_LINES = 40

@@ -12,12 +12,12 @@ all-to-alls stay inside a node where it can), for every degree ``e ≥ 2`` that
 divides both the data axis and every ``moe_experts`` call's expert count
 (``data=64`` with 8 experts: ``e`` of 2, 4 and 8):
 
-- **searched** (:meth:`ExpertPlanning.expert_searched`): per split mesh, the
+- **searched** (:meth:`ExpertPlanner.searched`): per split mesh, the
   layouts are searched with the batch over every axis the data axis was (``data ×
   expert``) and over any other batch axes chosen; the experts go on the
   ``expert`` part where the search finds that fastest, and the dense layers are
   searched as on the mesh given (the ``expert`` part is one more data axis for them).
-- **the ep preset** (:meth:`ExpertPlanning.split_ep`): ``ep`` puts the experts on
+- **the ep preset** (:meth:`ExpertPlanner.split_ep`): ``ep`` puts the experts on
   the mesh's expert-role axes; where there is no axis of that role name and the
   expert count is not divided by them (the experts would be replicated), the
   preset runs on the mesh split at the largest degree instead.
@@ -30,7 +30,8 @@ and ``train`` run on it, as for a context-parallel or pipelined plan) and a
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from spmdkit.mesh import data_axis
 from spmdkit.planner.analytic import total_cost
@@ -44,13 +45,11 @@ from spmdkit.planner.candidates import (
 )
 from spmdkit.planner.context_parallel import split_context
 from spmdkit.planner.logical import BATCH_NAMES, ROLE_NAMES, RulesLike, axis_roles
+from spmdkit.planner.problem import Problem
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
 
-if TYPE_CHECKING:
-    from spmdkit.planner.analytic import CostContext
-
-__all__ = ["EXPERT_AXIS", "ExpertPlanning", "expert_counts", "expert_meshes"]
+__all__ = ["EXPERT_AXIS", "ExpertPlanner", "expert_counts", "expert_meshes"]
 
 #: The mesh axis a split data axis gives the experts.
 EXPERT_AXIS = "expert"
@@ -81,40 +80,42 @@ def expert_meshes(mesh: MeshLike, counts: tuple[int, ...]) -> list[MeshLike]:
     return [split_context(mesh, e, EXPERT_AXIS) for e in range(2, g + 1) if g % e == 0]
 
 
-class ExpertPlanning:
-    """The planner's expert-parallel candidates on split meshes (mixed into
-    :class:`spmdkit.planner.search._Planner`, whose attributes it reads)."""
+@dataclass(frozen=True, eq=False)
+class ExpertPlanner:
+    """The planner's expert-parallel candidates on split meshes (module docstring):
+    a collaborator of :class:`spmdkit.planner.search._Planner`, which calls
+    :meth:`searched` and, for the ``ep`` preset, :meth:`ep_mesh` and :meth:`split_ep`.
 
-    mesh: MeshLike
-    ctx: CostContext
-    groups: list
-    budget: float
-    aliases: dict[str, str]
-    pipe_memos: dict
-    context_ctx: Any  # the planner's: the cost context on a mesh
+    Attributes:
+      problem: what the plan call plans (it reads the mesh, the traced step, the
+        groups, the budget and the aliases).
+      meshes: :func:`expert_meshes` of the plan's mesh and traced step.
+    """
 
-    def expert_meshes(self) -> list[MeshLike]:
-        """:func:`expert_meshes` of the plan's mesh and traced step (memoized)."""
-        key = ("expert", "meshes")
-        if key not in self.pipe_memos:
-            counts = expert_counts(self.ctx.trace)
-            self.pipe_memos[key] = expert_meshes(self.mesh, counts)
-        return self.pipe_memos[key]
+    problem: Problem
+    meshes: tuple[MeshLike, ...]
 
-    def expert_searched(self, recipe: Recipe = PLAIN) -> list[Candidate]:
+    @classmethod
+    def of(cls, problem: Problem) -> ExpertPlanner:
+        """The expert-mesh planner of ``problem``."""
+        counts = expert_counts(problem.ctx.trace)
+        return cls(problem, tuple(expert_meshes(problem.mesh, counts)))
+
+    def searched(self, recipe: Recipe = PLAIN) -> list[Candidate]:
         """The searched candidates on each split mesh: the batch over the data axis's
         parts (and any other batch axes chosen), the layouts searched."""
+        problem = self.problem
         out: list[Candidate] = []
-        data = data_axis(self.mesh)
-        for mesh in self.expert_meshes():
-            ctx = self.context_ctx(mesh, recipe, ())
+        data = data_axis(problem.mesh)
+        for mesh in self.meshes:
+            ctx = problem.context_ctx(mesh, recipe, ())
             degree = ctx.sizes[EXPERT_AXIS]
             need = {EXPERT_AXIS} | ({data} if ctx.sizes[data] > 1 else set())
             for batch_ax in batch_axis_choices(ctx.sizes, ctx.trace.batch_size):
                 local = ctx.trace.batch_size // math.prod(ctx.sizes[a] for a in batch_ax)
                 if not need <= set(batch_ax) or local % recipe.microbatches:
                     continue
-                choice, cost = search_layouts(ctx, self.groups, batch_ax, (), self.budget)
+                choice, cost = search_layouts(ctx, problem.groups, batch_ax, (), problem.budget)
                 act = {n: () for n in BATCH_NAMES}
                 act["batch"] = batch_ax
                 name = f"searched[batch={','.join(batch_ax)},{EXPERT_AXIS}={degree}]"
@@ -124,20 +125,20 @@ class ExpertPlanning:
     def ep_mesh(self) -> MeshLike | None:
         """The split mesh the ``ep`` preset runs on (module docstring), or None
         where it runs on the plan's."""
-        meshes = self.expert_meshes()
-        if not meshes:
+        if not self.meshes:
             return None
-        axes = axis_roles(self.mesh)["expert"]
-        n = math.prod(self.ctx.sizes[a] for a in axes)
-        if all(e % n == 0 for e in expert_counts(self.ctx.trace)):
+        ctx = self.problem.ctx
+        n = math.prod(ctx.sizes[a] for a in axis_roles(self.problem.mesh)["expert"])
+        if all(e % n == 0 for e in expert_counts(ctx.trace)):
             return None
-        return meshes[-1]
+        return self.meshes[-1]
 
     def split_ep(self, mesh: MeshLike, extra: RulesLike | None, recipe: Recipe) -> Candidate:
         """The ``ep`` preset's candidate on the split ``mesh``."""
-        rules, opt_rules = preset_tables("ep", extra, mesh, self.aliases)
-        choice = rules_choice(rules, opt_rules, self.groups, mesh, "ep")
-        act = activation_layout(rules, mesh, self.ctx.trace)
-        ctx = self.context_ctx(mesh, recipe, ())
-        cost = total_cost(ctx, self.groups, choice, act.get("batch", ()), act.get("seq", ()))
+        problem = self.problem
+        rules, opt_rules = preset_tables("ep", extra, mesh, problem.aliases)
+        choice = rules_choice(rules, opt_rules, problem.groups, mesh, "ep")
+        act = activation_layout(rules, mesh, problem.ctx.trace)
+        ctx = problem.context_ctx(mesh, recipe, ())
+        cost = total_cost(ctx, problem.groups, choice, act.get("batch", ()), act.get("seq", ()))
         return Candidate("ep", choice, act, rules, cost, recipe, mesh=mesh)

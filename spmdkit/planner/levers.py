@@ -23,9 +23,9 @@ import numpy as np
 
 from spmdkit.planner.analytic import ParamGroup, StepTrace, remat_choices
 from spmdkit.planner.logical import PlanError
-from spmdkit.planner.pipeline.search import divisors
 from spmdkit.recipe import Recipe
 from spmdkit.topology import Topology
+from spmdkit.util import divisors
 
 __all__ = ["MAX_MICROBATCHES", "auto_recipes", "check_fp8", "compute_choices"]
 

@@ -66,15 +66,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import jax
-from jax.sharding import PartitionSpec as P
-
 from spmdkit.introspect.model import ModelInfo, describe
 from spmdkit.pipeline import Pipeline
 from spmdkit.planner.analytic import (
     CostContext,
     GroupLayout,
-    ParamGroup,
     column_siblings,
     param_flops,
     param_groups,
@@ -85,19 +81,15 @@ from spmdkit.planner.candidates import (
     Candidate,
     activation_layout,
     batch_axis_choices,
-    context_record,
     group_choices,
     preset_tables,
     propagate_costed,
     rules_choice,
     search_layouts,
-    state_layout,
-    step_floor,
     with_sharded,
 )
 from spmdkit.planner.context_parallel import CONTEXT_AXIS, context_axes, context_meshes
-from spmdkit.planner.expert_mesh import ExpertPlanning
-from spmdkit.planner.levers import auto_recipes, check_fp8
+from spmdkit.planner.expert_mesh import ExpertPlanner
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     PRESETS,
@@ -120,15 +112,15 @@ from spmdkit.planner.notes import (
 )
 from spmdkit.planner.options import CostModel, SearchOptions, given
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
-from spmdkit.planner.pipeline.search import PipelinePlanning
-from spmdkit.planner.plans import Cost, Plan, PyTree, dims_spec, noted
+from spmdkit.planner.pipeline.search import PipelinePlanner
+from spmdkit.planner.plans import Cost, Plan, PyTree, noted
+from spmdkit.planner.problem import Problem
 from spmdkit.planner.provenance import Provenance
 from spmdkit.planner.trace import trace_step
 from spmdkit.recipe import PLAIN, Recipe
-from spmdkit.remat_scan import check_remat_every
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.topology import Topology, topology_for
-from spmdkit.util import fmt_bytes, path_str
+from spmdkit.util import fmt_bytes
 
 if TYPE_CHECKING:
     from optax import GradientTransformation
@@ -342,8 +334,8 @@ def _pipelined_preset(
     named, names_from = apply_names(info, names, lambda: infer_names(info))
     pipeline_submesh(mesh, opts.pipeline, named, recipe)
     planner = planner_for(named, mesh, optimizer, costs, opts)
-    name, c, cost = planner.pipelined_strategy(strategy, rules, recipe, opts.pipeline)
-    out = replace(planner.make_plan(name, c, cost), names_from=names_from)
+    name, c, cost = planner.pipes.pipelined_strategy(strategy, rules, recipe, opts.pipeline)
+    out = replace(planner.problem.make_plan(name, c, cost), names_from=names_from)
     check_pipelined(named, out)
     check_placement(out, lambda: infer_names(info), strict=opts.strict)
     return out
@@ -414,61 +406,39 @@ _RECOST_OVER_BUDGET = RECOST_OVER_BUDGET
 #: budget (:meth:`_Planner.analytic_candidates`).
 _FLAT_HEADROOM = 0.85
 
+#: At most this many pipelined candidates are calibrated by propagation per plan
+#: (:meth:`_Planner.recosted_pipelines`).
+_RECOST_PIPELINES = 4
+
 #: At most this many more candidates are re-costed by propagation in auto when
 #: the best so far is one the analytic model alone priced (:meth:`recosted`).
 _RECOST_MORE = 6
 
 
 @dataclass
-class _Planner(PipelinePlanning, ExpertPlanning):
-    """One :func:`plan` call: the model, its parameter groups, the mesh and the
-    cost context every candidate is costed in."""
+class _Planner:
+    """One :func:`plan` call's search: the candidates of every preset, rule table and
+    searched layout costed and ranked. What it plans is one :class:`Problem` value,
+    read by it and by its two collaborators, each called for its candidates: the
+    pipeline planner (:class:`PipelinePlanner`) and the expert-mesh planner
+    (:class:`ExpertPlanner`). The rest of its fields are the search's own state."""
 
-    mesh: MeshLike
-    info: ModelInfo
-    optimizer: GradientTransformation | None
-    groups: list[ParamGroup]
-    ctx: CostContext
-    budget: float
-    estimator: str
-    pipe_memos: dict = field(default_factory=dict)
+    problem: Problem
+    pipes: PipelinePlanner
+    experts: ExpertPlanner
+    #: the meshes auto tries context parallelism on (:meth:`context_meshes`)
+    memos: dict = field(default_factory=dict)
     #: :meth:`propagated` per layout and recipe: candidates that lay every array
     #: out alike (``dp`` and ``ep`` on a model without experts) propagate once
     recost_memo: dict = field(default_factory=dict)
     #: auto: preset → (why, its figure) it has no candidate left after costing
     #: (:meth:`auto`)
     dropped: dict[str, tuple[str, str]] = field(default_factory=dict)
-    #: logical names treated alike in every rule table (``SearchOptions.alias_map``)
-    aliases: dict[str, str] = field(default_factory=dict)
-    #: the levers auto may pull (``allow_fp8``, ``allow_master_weights``)
-    options: SearchOptions = field(default_factory=SearchOptions)
     #: auto: label → candidate not propagated because its step floor is above a
     #: plan already re-costed (:meth:`recosted`)
     floored: dict[str, Candidate] = field(default_factory=dict)
     #: auto: every candidate as the analytic model costed it (:meth:`auto`)
     analytic: list[Candidate] = field(default_factory=list)
-
-    @property
-    def batch_size(self) -> int | None:
-        """The global batch size: the ``batch`` dim of the first batch field that
-        names one (None: no field does)."""
-        for kp, leaf in jax.tree_util.tree_flatten_with_path(self.info.batch)[0]:
-            names = tuple(self.info.batch_axes.get(path_str(kp)) or ())
-            if "batch" in names and names.index("batch") < len(leaf.shape):
-                return int(leaf.shape[names.index("batch")])
-        return None
-
-    def at(self, recipe: Recipe) -> CostContext:
-        """The cost context under ``recipe`` (sharing the memo)."""
-        return self.ctx if recipe == self.ctx.recipe else replace(self.ctx, recipe=recipe)
-
-    def fits_batch(self, recipe: Recipe, batch_axes: tuple[str, ...], mesh: object = None) -> bool:
-        """Whether each data-parallel replica's batch (on ``mesh``, default the
-        plan's) splits into the micro-batches."""
-        sizes = self.ctx.sizes if mesh is None else axis_sizes(mesh)
-        shards = math.prod(sizes[a] for a in batch_axes)
-        local = self.ctx.trace.batch_size // max(shards, 1)
-        return local % recipe.microbatches == 0 and local >= recipe.microbatches
 
     def costed(
         self,
@@ -478,54 +448,60 @@ class _Planner(PipelinePlanning, ExpertPlanning):
         recipe: Recipe = PLAIN,
     ) -> Candidate:
         """A rule table's candidate, costed analytically under ``recipe``."""
-        act = activation_layout(rules, self.mesh, self.ctx.trace)
+        act = activation_layout(rules, self.problem.mesh, self.problem.ctx.trace)
         cp = context_axes(act.get("seq", ()))
-        ctx = self.context_ctx(self.mesh, recipe, cp) if cp else self.at(recipe)
-        cost = total_cost(ctx, self.groups, choice, act.get("batch", ()), act.get("seq", ()))
+        ctx = (
+            self.problem.context_ctx(self.problem.mesh, recipe, cp)
+            if cp
+            else self.problem.at(recipe)
+        )
+        cost = total_cost(
+            ctx, self.problem.groups, choice, act.get("batch", ()), act.get("seq", ())
+        )
         return Candidate(name, choice, act, rules, cost, recipe, context=cp)
 
     def preset(self, name: str, extra: RulesLike | None, recipe: Recipe = PLAIN) -> Candidate:
         """A preset's candidate (``extra`` rules take priority); ``ep`` on a split
         mesh where the experts would be replicated (:mod:`~spmdkit.planner.expert_mesh`)."""
-        if name == "ep" and (split := self.ep_mesh()) is not None:
-            return self.split_ep(split, extra, recipe)
-        rules, opt_rules = preset_tables(name, extra, self.mesh, self.aliases)
+        if name == "ep" and (split := self.experts.ep_mesh()) is not None:
+            return self.experts.split_ep(split, extra, recipe)
+        rules, opt_rules = preset_tables(name, extra, self.problem.mesh, self.problem.aliases)
         return self.costed(
-            name, rules_choice(rules, opt_rules, self.groups, self.mesh, name), rules, recipe
+            name,
+            rules_choice(rules, opt_rules, self.problem.groups, self.problem.mesh, name),
+            rules,
+            recipe,
         )
 
     def table(self, table: LogicalRules, recipe: Recipe = PLAIN) -> Candidate:
         """A user rule table's candidate."""
         return self.costed(
-            "rules", rules_choice(table, table, self.groups, self.mesh, None), table, recipe
+            "rules",
+            rules_choice(table, table, self.problem.groups, self.problem.mesh, None),
+            table,
+            recipe,
         )
 
     def searched(self, recipe: Recipe = PLAIN) -> list[Candidate]:
         """The searched candidate for each choice of batch axes."""
         out: list[Candidate] = []
-        if self.ctx.sizes.get(CONTEXT_AXIS, 1) > 1 and self.context_meshes():
+        if self.problem.ctx.sizes.get(CONTEXT_AXIS, 1) > 1 and self.context_meshes():
             # the user's context axis holds the sequence (:meth:`context_searched`)
             return out
-        ctx = self.at(recipe)
-        for batch_ax in batch_axis_choices(self.ctx.sizes, self.ctx.trace.batch_size):
-            if not self.fits_batch(recipe, batch_ax):
+        ctx = self.problem.at(recipe)
+        for batch_ax in batch_axis_choices(
+            self.problem.ctx.sizes, self.problem.ctx.trace.batch_size
+        ):
+            if not self.problem.fits_batch(recipe, batch_ax):
                 continue
-            choice, cost = search_layouts(ctx, self.groups, batch_ax, (), self.budget)
+            choice, cost = search_layouts(
+                ctx, self.problem.groups, batch_ax, (), self.problem.budget
+            )
             act = {n: () for n in BATCH_NAMES}
             act["batch"] = batch_ax
             name = f"searched[batch={','.join(batch_ax) or '-'}]"
             out.append(Candidate(name, choice, act, None, cost, recipe))
         return out
-
-    def context_ctx(
-        self, mesh: MeshLike, recipe: Recipe, axes: tuple[str, ...] = (CONTEXT_AXIS,)
-    ) -> CostContext:
-        """The cost context of context-parallel candidates on ``mesh`` with the
-        sequence split over ``axes`` (its own memo per mesh) under ``recipe``."""
-        memo = self.pipe_memos.setdefault(("context", tuple(axis_sizes(mesh).items())), {})
-        return replace(
-            self.ctx, mesh=mesh, sizes=axis_sizes(mesh), recipe=recipe, context=axes, memo=memo
-        )
 
     def context_searched(self, recipe: Recipe = PLAIN) -> list[Candidate]:
         """The searched context-parallel candidates (:mod:`spmdkit.planner.context_parallel`):
@@ -533,9 +509,9 @@ class _Planner(PipelinePlanning, ExpertPlanning):
         choice of batch axes among the others, the layouts searched with the
         sequence on the context axis."""
         out = []
-        trace = self.ctx.trace
+        trace = self.problem.ctx.trace
         for mesh in self.context_meshes():
-            ctx = self.context_ctx(mesh, recipe)
+            ctx = self.problem.context_ctx(mesh, recipe)
             degree = ctx.sizes[CONTEXT_AXIS]
             others = {a: s for a, s in ctx.sizes.items() if a != CONTEXT_AXIS}
             for batch_ax in batch_axis_choices(others, trace.batch_size):
@@ -543,12 +519,12 @@ class _Planner(PipelinePlanning, ExpertPlanning):
                 if local % recipe.microbatches or local < recipe.microbatches:
                     continue
                 choice, cost = search_layouts(
-                    ctx, self.groups, batch_ax, (CONTEXT_AXIS,), self.budget
+                    ctx, self.problem.groups, batch_ax, (CONTEXT_AXIS,), self.problem.budget
                 )
                 act = {n: () for n in BATCH_NAMES}
                 act["batch"], act["seq"] = batch_ax, (CONTEXT_AXIS,)
                 name = f"searched[batch={','.join(batch_ax) or '-'},{CONTEXT_AXIS}={degree}]"
-                at = None if mesh is self.mesh else mesh
+                at = None if mesh is self.problem.mesh else mesh
                 cp = (CONTEXT_AXIS,)
                 out.append(Candidate(name, choice, act, None, cost, recipe, mesh=at, context=cp))
         return out
@@ -556,63 +532,21 @@ class _Planner(PipelinePlanning, ExpertPlanning):
     def context_meshes(self) -> list[MeshLike]:
         """The meshes auto tries context parallelism on (memoized per plan)."""
         key = ("context", "meshes")
-        if key not in self.pipe_memos:
-            trace = self.ctx.trace
-            self.pipe_memos[key] = context_meshes(self.mesh, trace.batch_size, trace.seq_len)
-        return self.pipe_memos[key]
-
-    def make_plan(self, strategy: str, c: Candidate, cost: Cost | None) -> Plan:
-        """The :class:`Plan` of a candidate (every member of each group laid out alike)."""
-        params: dict[str, P] = {}
-        opt: dict[str, P] = {}
-        grads: dict[str, P] = {}
-        for g, layout in zip(self.groups, c.choice, strict=True):
-            for path in g.paths:
-                params[path] = dims_spec(layout.params)
-                opt[path] = dims_spec(layout.opt)
-                if layout.grads_sharded:
-                    grads[path] = dims_spec(layout.opt)
-        order = [p.path for p in self.info.params]
-        state, state_from = state_layout(
-            self.info, params, c.rules, self.mesh if c.mesh is None else c.mesh
-        )
-        return Plan(
-            mesh=self.mesh if c.mesh is None else c.mesh,
-            params={p: params[p] for p in order},
-            opt={p: opt[p] for p in order},
-            activation=c.activation,
-            strategy=strategy,
-            rules=c.rules,
-            info={
-                p.path: (p.shape, p.dtype, p.logical) for p in (*self.info.params, *self.info.state)
-            },
-            batch_axes=dict(self.info.batch_axes),
-            cost=cost,
-            recipe=c.recipe,
-            grads={p: grads[p] for p in order if p in grads},
-            pipeline=c.pipeline,
-            state=state,
-            state_from=state_from,
-            batch_size=self.batch_size,
-            memory_budget=self.budget,
-            context=context_record(c, cost, self.mesh if c.mesh is None else c.mesh),
-            topology=self.ctx.topology.name,
-            provenance=replace(
-                c.provenance or Provenance(),
-                pinned=tuple(g.key for g in self.groups if g.pinned is not None),
-            ),
-        )
+        if key not in self.memos:
+            trace = self.problem.ctx.trace
+            self.memos[key] = context_meshes(self.problem.mesh, trace.batch_size, trace.seq_len)
+        return self.memos[key]
 
     def with_choices(self, out: Plan, c: Candidate) -> Plan:
         """``out`` with the layouts the search costed per group for candidate ``c``
         (at its batch and sequence axes) in its provenance; a pipelined one as is."""
         if c.pipeline is not None:
             return out
-        ctx = self.at(c.recipe)
+        ctx = self.problem.at(c.recipe)
         if c.context or c.mesh is not None:
-            ctx = self.context_ctx(out.mesh, c.recipe, c.context)
+            ctx = self.problem.context_ctx(out.mesh, c.recipe, c.context)
         batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
-        choices = group_choices(ctx, self.groups, c.choice, batch, seq)
+        choices = group_choices(ctx, self.problem.groups, c.choice, batch, seq)
         have = out.provenance if out.provenance is not None else Provenance()
         return replace(out, provenance=have.with_groups(choices))
 
@@ -621,7 +555,7 @@ class _Planner(PipelinePlanning, ExpertPlanning):
         (a pipelined one keeps its analytic cost: the stage program is not traced)."""
         if c.pipeline is not None:
             return c
-        p = self.make_plan(c.name, c, None)
+        p = self.problem.make_plan(c.name, c, None)
         a = c.cost
         key = (
             *(tuple(t.items()) for t in (p.params, p.opt, p.activation, p.grads, p.state)),
@@ -630,57 +564,20 @@ class _Planner(PipelinePlanning, ExpertPlanning):
         )
         hit = self.recost_memo.get(key)
         if hit is None:
-            at = self.at(c.recipe)
+            at = self.problem.at(c.recipe)
             if c.context or c.mesh is not None:
-                at = self.context_ctx(p.mesh, c.recipe, c.context)
-            hit = self.recost_memo[key] = propagate_costed(self.info, self.optimizer, p, at, a)
+                at = self.problem.context_ctx(p.mesh, c.recipe, c.context)
+            hit = self.recost_memo[key] = propagate_costed(
+                self.problem.info, self.problem.optimizer, p, at, a
+            )
         return c._replace(cost=hit[0], provenance=hit[1])
 
     def final(self, strategy: str, c: Candidate) -> Plan:
         """The plan of one candidate, re-costed by the chosen estimator."""
-        if self.estimator == "analytic":
-            return self.make_plan(strategy, c, c.cost)
+        if self.problem.estimator == "analytic":
+            return self.problem.make_plan(strategy, c, c.cost)
         done = self.propagated(c)
-        return self.make_plan(strategy, done, done.cost)
-
-    def floor(self, c: Candidate) -> float:
-        """:func:`~spmdkit.planner.candidates.step_floor` of a candidate on its mesh
-        (a context-parallel one's has the context axis); 0 for a pipelined one,
-        which keeps its analytic cost (:meth:`propagated`)."""
-        if c.pipeline is not None:
-            return 0.0
-        mesh = self.mesh if c.mesh is None else c.mesh
-        return step_floor(c.cost, c.activation.get("batch", ()), mesh, self.ctx.topology)
-
-    def rank(self, c: Candidate) -> tuple[bool, float, float]:
-        """Plans that fit: fastest first; none fits: the one nearest to fitting (the
-        fastest of plans that cannot run is no answer)."""
-        return self.rank_cost(c.cost)
-
-    def rank_cost(
-        self, cost: Cost, budget: float | None = None, scale: tuple[float, float] = (1.0, 1.0)
-    ) -> tuple[bool, float, float]:
-        """:meth:`rank` of a cost (against ``budget``, default the plan's), its step
-        time and memory multiplied by ``scale``."""
-        step, peak = cost.step_time_s * scale[0], cost.peak_bytes * scale[1]
-        over = peak > (self.budget if budget is None else budget)
-        return (over, peak if over else step, step)
-
-    def recipes(self, fixed: Recipe | None) -> list[list[Recipe]]:
-        """The recipes auto tries, in rounds (:func:`~spmdkit.planner.levers.auto_recipes`),
-        or the fixed one."""
-        if fixed is not None:
-            check_remat_every(fixed.remat_every, self.ctx.trace.layers, op="plan")
-            return [[fixed]]
-        if self.options.allow_fp8:
-            check_fp8(self.ctx.topology, self.ctx.peak_flops)
-        return auto_recipes(
-            self.ctx.trace,
-            self.groups,
-            allow_fp8=self.options.allow_fp8,
-            allow_master_weights=self.options.allow_master_weights,
-            topology=self.ctx.topology,
-        )
+        return self.problem.make_plan(strategy, done, done.cost)
 
     def candidates(self, recipe: Recipe, extra: RulesLike | None) -> list[Candidate]:
         """Every preset and searched candidate under one recipe."""
@@ -689,9 +586,9 @@ class _Planner(PipelinePlanning, ExpertPlanning):
             # a logical name without a rule raises here, as in the presets: the
             # searched layouts never read names, so auto would replicate it silently
             c = self.preset(name, extra, recipe)
-            if self.fits_batch(recipe, c.activation.get("batch", ()), c.mesh):
+            if self.problem.fits_batch(recipe, c.activation.get("batch", ()), c.mesh):
                 out.append(c)
-        out += self.searched(recipe) + self.expert_searched(recipe)
+        out += self.searched(recipe) + self.experts.searched(recipe)
         return out + self.context_searched(recipe)
 
     def analytic_candidates(self, extra: RulesLike | None, fixed: Recipe | None) -> list[Candidate]:
@@ -699,7 +596,7 @@ class _Planner(PipelinePlanning, ExpertPlanning):
         compute dtype, micro-batch counts grow only until some plan fits within
         :data:`_FLAT_HEADROOM` of the budget."""
         out: list[Candidate] = []
-        for recipes in self.recipes(fixed):
+        for recipes in self.problem.recipes(fixed):
             fits = False
             done: set[tuple] = set()
             for r in recipes:
@@ -708,18 +605,18 @@ class _Planner(PipelinePlanning, ExpertPlanning):
                     continue
                 cands = self.candidates(r, extra)
                 out += cands
-                if any(c.cost.peak_bytes <= self.budget for c in cands):
+                if any(c.cost.peak_bytes <= self.problem.budget for c in cands):
                     fits = True
                 # more micro-batches until one fits with headroom: propagation
                 # prices the step's memory above the analytic model (Llama-3 8B on
                 # 8 GPUs: +12%), and auto re-costs the favourites (:meth:`recosted`)
-                if any(c.cost.peak_bytes <= _FLAT_HEADROOM * self.budget for c in cands):
+                if any(c.cost.peak_bytes <= _FLAT_HEADROOM * self.problem.budget for c in cands):
                     done.add(key)
                 # more micro-batches shrink the activations only (and what they
                 # hide, opt_update): where the rest of every candidate is over the
                 # budget, no count fits (a 1T model on 3,072 devices: 8 counts saved;
                 # when nothing fits, the closest is then among the counts costed)
-                if cands and all(_rest(c.cost) > self.budget for c in cands):
+                if cands and all(_rest(c.cost) > self.problem.budget for c in cands):
                     done.add(key)
             if fits:
                 break
@@ -736,43 +633,47 @@ class _Planner(PipelinePlanning, ExpertPlanning):
         pipelined candidates, a :class:`~spmdkit.pipeline.Pipeline` costs only
         candidates with it."""
         if isinstance(pipeline, Pipeline):
-            return self.ranked(self.recosted_pipelines(self.pipelined(pipeline, fixed, extra)))
+            return self.ranked(
+                self.recosted_pipelines(self.pipes.pipelined(pipeline, fixed, extra))
+            )
         candidates = self.analytic = self.analytic_candidates(extra, fixed)
         self.dropped = {
             n: ("their batch layouts split into none of the micro-batch counts tried", "")
             for n in PRESETS
             if all(c.name != n for c in candidates)
         }
-        piped = self.pipelined(pipeline, fixed, extra) if pipeline is not None else []
-        far = _RECOST_OVER_BUDGET * self.budget
+        piped = self.pipes.pipelined(pipeline, fixed, extra) if pipeline is not None else []
+        far = _RECOST_OVER_BUDGET * self.problem.budget
         if (
-            self.estimator == "propagate"
-            and any(c.cost.peak_bytes <= self.budget for c in piped)
+            self.problem.estimator == "propagate"
+            and any(c.cost.peak_bytes <= self.problem.budget for c in piped)
             and all(c.cost.peak_bytes > far for c in candidates)
         ):
             # No unpipelined plan comes near the budget and a pipelined one fits:
             # they keep their analytic cost (a propagation takes seconds at the
             # sizes that need pipelines, and re-costing makes none fit).
             return self.ranked(self.recosted_pipelines(piped) + candidates)
-        if self.estimator == "propagate":
+        if self.problem.estimator == "propagate":
             # The three best candidates and the presets (plain recipe, or the fixed
             # one), re-costed on the traced step; a preset the analytic model puts
             # far over the budget is left out (no re-costing makes it fit).
             base = fixed or PLAIN
-            ranked = sorted(range(len(candidates)), key=lambda i: (*self.rank(candidates[i]), i))
+            ranked = sorted(
+                range(len(candidates)), key=lambda i: (*self.problem.rank(candidates[i]), i)
+            )
             keep = set(ranked[:3])
             keep |= {
                 i
                 for i, c in enumerate(candidates)
                 if c.recipe == base
                 and not c.name.startswith("searched")
-                and c.cost.peak_bytes <= _RECOST_OVER_BUDGET * self.budget
+                and c.cost.peak_bytes <= _RECOST_OVER_BUDGET * self.problem.budget
             }
             before = candidates
             candidates = self.recosted(candidates, keep)
-            self.dropped |= not_recosted(before, candidates, self.budget, base)
+            self.dropped |= not_recosted(before, candidates, self.problem.budget, base)
             floors = {
-                c.name: self.floor(c)
+                c.name: self.problem.floor(c)
                 for c in self.floored.values()
                 if c.recipe == base and c.name in self.dropped and c.name in PRESETS
             }
@@ -812,15 +713,19 @@ class _Planner(PipelinePlanning, ExpertPlanning):
             and is re-costed already (so it would rank below it, fitting or not)."""
             if not floors:
                 return True
-            fit = [c.cost.step_time_s for c in done.values() if c.cost.peak_bytes <= self.budget]
-            if not fit or self.floor(candidates[i]) <= min(fit):
+            fit = [
+                c.cost.step_time_s
+                for c in done.values()
+                if c.cost.peak_bytes <= self.problem.budget
+            ]
+            if not fit or self.problem.floor(candidates[i]) <= min(fit):
                 return True
             skipped.add(i)
             self.floored[candidates[i].label] = candidates[i]
             return False
 
         # the analytic favourites first: the floors of the others then prune most
-        for i in sorted(first, key=lambda i: (*self.rank(candidates[i]), i)):
+        for i in sorted(first, key=lambda i: (*self.problem.rank(candidates[i]), i)):
             if can_win(i):
                 done[i] = recost(candidates[i])
         # per micro-batch count: FSDP's per-micro-batch collectives move the
@@ -841,11 +746,11 @@ class _Planner(PipelinePlanning, ExpertPlanning):
 
         def key(i: int) -> tuple:
             if i in done:
-                return (*self.rank(done[i]), i)
+                return (*self.problem.rank(done[i]), i)
             if i in skipped:
                 return (True, math.inf, math.inf, i)
             scale = scales.get(candidates[i].recipe.microbatches, (1.0, 1.0))
-            return (*self.rank_cost(candidates[i].cost, scale=scale), i)
+            return (*self.problem.rank_cost(candidates[i].cost, scale=scale), i)
 
         for _ in range(limit):
             top = min(range(len(candidates)), key=key)
@@ -856,9 +761,21 @@ class _Planner(PipelinePlanning, ExpertPlanning):
                 grow(top)
         return [done[i] for i in sorted(done)]
 
+    def recosted_pipelines(self, candidates: list[Candidate]) -> list[Candidate]:
+        """With the propagate estimator, pipelined candidates calibrated by
+        propagation (:meth:`PipelinePlanner.calibrated`), best first, until the best
+        of them is a calibrated one (at most :data:`_RECOST_PIPELINES`,
+        :meth:`recosted`); only the calibrated ones are kept, so they compete with
+        propagated candidates on the same footing."""
+        if self.problem.estimator != "propagate" or not candidates:
+            return candidates
+        return self.recosted(list(candidates), set(), self.pipes.calibrated, _RECOST_PIPELINES)
+
     def ranked(self, candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:
         """The best candidate and the runner-ups (one per label), by :meth:`rank`."""
-        ranked = sorted(range(len(candidates)), key=lambda i: (*self.rank(candidates[i]), i))
+        ranked = sorted(
+            range(len(candidates)), key=lambda i: (*self.problem.rank(candidates[i]), i)
+        )
         best = candidates[ranked[0]]
         seen = {best.label}
         others = []
@@ -880,45 +797,54 @@ class _Planner(PipelinePlanning, ExpertPlanning):
         (:mod:`spmdkit.planner.budget`), or with ``allow_over_budget`` the closest,
         with a warning."""
         best, others = self.auto(extra, fixed, pipeline)
-        recost = self.propagated if self.estimator == "propagate" else None
-        others = with_sharded(best, others, self.analytic, self.rank, self.budget, recost)
-        if best.cost.peak_bytes > self.budget:
+        recost = self.propagated if self.problem.estimator == "propagate" else None
+        others = with_sharded(
+            best, others, self.analytic, self.problem.rank, self.problem.budget, recost
+        )
+        if best.cost.peak_bytes > self.problem.budget:
             if not allow_over_budget:
                 budget = Budget(
-                    bytes=self.budget,
-                    devices=math.prod(self.ctx.sizes.values()),
-                    batch_size=self.ctx.trace.batch_size,
-                    analytic=self.analytic_cost,
-                    pipelines=pipeline is None and self.stages() is not None,
+                    bytes=self.problem.budget,
+                    devices=math.prod(self.problem.ctx.sizes.values()),
+                    batch_size=self.problem.ctx.trace.batch_size,
+                    analytic=self.pipes.analytic_cost,
+                    pipelines=pipeline is None and self.pipes.stages() is not None,
                 )
                 raise over_budget_error(budget, [best, *others])
             warnings.warn(
                 f"plan(strategy='auto'): no candidate fits the memory budget of "
-                f"{fmt_bytes(self.budget)} per device; chose {best.label!r}, the smallest "
+                f"{fmt_bytes(self.problem.budget)} per device; chose {best.label!r}, the smallest "
                 f"({fmt_bytes(best.cost.peak_bytes)}). Add devices, shard more axes, or lower "
                 "the activation memory (a smaller batch per device, longer sequences "
                 "split over devices).",
                 stacklevel=3,  # the caller of plan()
             )
-        out = self.with_choices(self.make_plan("auto", best, best.cost), best)
+        out = self.with_choices(self.problem.make_plan("auto", best, best.cost), best)
         shown = others[:12]
         sharded = next((c for c in others if c.sharded), None)
         if not best.sharded and sharded is not None and sharded not in shown:
             shown = [*others[:11], sharded]  # the runner-ups always show a sharded plan
         alternatives = tuple((c.label, c.cost) for c in shown)
-        notes: list[PlanNote] = mesh_split_note(self.mesh, out.mesh) + self.refused_notes()
+        notes: list[PlanNote] = (
+            mesh_split_note(self.problem.mesh, out.mesh) + self.pipes.refused_notes()
+        )
         if not best.sharded:
             versus = None if sharded is None else (sharded.label, sharded.cost.step_time_s)
-            devices, name = math.prod(self.ctx.sizes.values()), self.ctx.topology.name
+            devices, name = (
+                math.prod(self.problem.ctx.sizes.values()),
+                self.problem.ctx.topology.name,
+            )
             notes += replicated_note(devices, best.cost.step_time_s, versus, name)
         if fixed is None:
             plain = [
                 c.cost.step_time_s
                 for c in (best, *others)
-                if c.recipe.is_default and c.pipeline is None and c.cost.peak_bytes <= self.budget
+                if c.recipe.is_default
+                and c.pipeline is None
+                and c.cost.peak_bytes <= self.problem.budget
             ]
             floors = [
-                self.floor(c)
+                self.problem.floor(c)
                 for c in self.floored.values()
                 if c.recipe.is_default and c.pipeline is None
             ]
@@ -952,8 +878,9 @@ def planner_for(
     options: SearchOptions | None = None,
 ) -> _Planner:
     """The planner one :func:`plan` call builds (the model traced once, its
-    parameter groups, the cost context on ``mesh``); tests and benchmarks call its
-    methods to see the candidates a search costs (``pipelined_on``, ``pipelined``).
+    parameter groups, the cost context on ``mesh``, as one :class:`Problem`) with its
+    collaborators; tests and benchmarks call them to see the candidates a search
+    costs (``planner.pipes.pipelined_on``, ``planner.pipes.pipelined``).
     ``cost_model`` None: ``CostModel()`` (the topology
     :func:`~spmdkit.topology.topology_for` the mesh); ``options`` None:
     ``SearchOptions()``.
@@ -976,14 +903,5 @@ def planner_for(
         siblings=column_siblings(groups),
     )
     budget = float(H100_MEMORY if costs.memory_budget is None else costs.memory_budget)
-    return _Planner(
-        mesh,
-        info,
-        optimizer,
-        groups,
-        ctx,
-        budget,
-        costs.estimator,
-        aliases=options.alias_map,
-        options=options,
-    )
+    problem = Problem(mesh, info, optimizer, groups, ctx, budget, costs.estimator, options)
+    return _Planner(problem, PipelinePlanner(problem), ExpertPlanner.of(problem))

@@ -17,7 +17,7 @@
    costed as a pipeline (:mod:`spmdkit.planner.pipeline.cost`, calibrated by
    propagation under the default estimator) and becomes the plan, with
    :attr:`~spmdkit.planner.plans.Plan.pipeline` set
-   (``PipelinePlanning.pipelined_strategy`` in :mod:`spmdkit.planner.pipeline.search`).
+   (``PipelinePlanner.pipelined_strategy`` in :mod:`spmdkit.planner.pipeline.search`).
    :func:`check_pipeline_batch` runs first: with the batch over other axes, a
    layer that combines a micro-batch's rows (a MoE router's statistics) is a
    typed error, before anything compiles, unless the pipeline asks for

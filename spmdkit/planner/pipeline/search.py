@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from jax.sharding import AbstractMesh
 
@@ -80,18 +80,15 @@ from spmdkit.planner.pipeline.plan import (
     model_tokens_refused,
 )
 from spmdkit.planner.plans import Cost, Dims
+from spmdkit.planner.problem import Problem
 from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
-
-if TYPE_CHECKING:
-    pass
-
+from spmdkit.util import divisors
 
 __all__ = [
-    "PipelinePlanning",
+    "PipelinePlanner",
     "PIPE_AXIS",
     "data_axis",
-    "divisors",
     "pipe_meshes",
     "pipeline_configs",
     "reference",
@@ -105,27 +102,17 @@ _NO_COST = Cost(0.0, 0.0, 0.0, {}, {})
 #: budget (their analytic memory is calibrated upwards by propagation).
 _PIPE_HEADROOM = 0.7
 
-#: At most this many pipelined candidates are calibrated by propagation per plan.
-_RECOST_PIPELINES = 4
-
-#: The presets auto also pipelines (:meth:`_Planner.pipelined_on`): the tensor-
+#: The presets auto also pipelines (:meth:`PipelinePlanner.pipelined_on`): the tensor-
 #: parallel ones, and Megatron's with the distributed optimizer (its state sharded
 #: over the data and context axes, as the published Megatron-LM pipelines run).
 _TP_PRESETS = ("megatron", "megatron_sp", "tp_fsdp", *SHARDED_OPT_PRESETS)
 
-#: ``pipe_memos`` key: label → (context axes, problem) of the pipelined candidates
-#: auto left out because their step would be refused (:meth:`PipelinePlanning.refused`)
-_REFUSED = ("pipeline", "tokens_refused")
-#: ``pipe_memos`` key: batch axes → why no pipelined candidate splits the batch over
-#: them (a layer combines rows, or the loss is not a mean over them:
-#: :meth:`PipelinePlanning.batch_refused`), and the texts of the two reasons
-_LOSS = ("pipeline", "rows_loss")
+#: The texts of the two reasons a pipelined candidate may not split its batch
+#: (:meth:`PipelinePlanner.batch_refused`).
 _LAYER_WHY = "a layer would combine a device's rows alone (`{}`)"
 _LOSS_WHY = (
     "the devices' losses averaged are the micro-batch's only for a mean over the rows (given {})"
 )
-#: ``pipe_memos`` key: why ``pipeline="auto"`` costed no pipelined candidate at all
-_NONE = ("pipeline", "none")
 
 #: The mesh axis pipelined plans put their stages on.
 PIPE_AXIS = "pipe"
@@ -195,17 +182,6 @@ def _seq_choices(inner: Mapping[str, int], seq_len: int) -> list[tuple[str, ...]
     sequence."""
     n = inner.get(CONTEXT_AXIS, 1)
     return [()] + ([(CONTEXT_AXIS,)] if n > 1 and seq_len % (2 * n) == 0 else [])
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, ascending (``[]`` for ``n < 1``).
-
-    Example:
-        >>> divisors(63)
-        [1, 3, 7, 9, 21, 63]
-    """
-    small = [d for d in range(1, math.isqrt(max(n, 0)) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
 
 
 def pipeline_configs(
@@ -294,30 +270,53 @@ def _with_context_meshes(mesh: Any, trace: Any) -> list[Any]:
     return [mesh, *context_meshes(mesh, trace.batch_size, trace.seq_len)]
 
 
-class PipelinePlanning:
+@dataclass(frozen=True, eq=False)
+class PipelinePlanner:
     """The pipeline half of one :func:`~spmdkit.planner.plan` call: which groups
     live on which stage, the pipelined candidates per pipe degree, recipe and
     batch axes (searched under the reference configuration, then every
     configuration costed with their layouts), and their costs calibrated by
-    propagating a twin that runs one stage's work. Mixed into the planner, whose
-    fields (``mesh``, ``info``, ``groups``, ``ctx``...) and candidate methods it
-    uses."""
+    propagating a twin that runs one stage's work. A collaborator of
+    :class:`spmdkit.planner.search._Planner`, which calls :meth:`pipelined`,
+    :meth:`pipelined_strategy`, :meth:`calibrated`, :meth:`analytic_cost`,
+    :meth:`stages` and :meth:`refused_notes`.
+
+    Attributes:
+      problem: what the plan call plans (the only thing it reads of the planner).
+      memos: group-cost memos per pipe mesh, shared by its recipes (a cache).
+      refused_steps: label → (context axes, problem) of the pipelined candidates
+        auto left out because their step would be refused (:meth:`refused`).
+      refused_batches: batch axes → why no pipelined candidate splits the batch
+        over them (a layer combines rows, or the loss is not a mean over them:
+        :meth:`batch_refused`).
+      why_none: why ``pipeline="auto"`` costed no pipelined candidate at all
+        (the last reason counts; empty: it costed some).
+    """
+
+    problem: Problem
+    memos: dict = field(default_factory=dict)
+    refused_steps: dict = field(default_factory=dict)
+    refused_batches: dict = field(default_factory=dict)
+    why_none: list[str] = field(default_factory=list)
 
     def stages(self) -> tuple[str, ...] | None:
         """Per group, where it lives in a pipeline
         (:func:`~spmdkit.planner.pipeline.cost.param_stages`); None when the model
         has no stacked layers to pipeline."""
-        trace = self.ctx.trace
+        trace = self.problem.ctx.trace
         if trace.layers < 2:
             return None
-        found = self.info.memo(
+        found = self.problem.info.memo(
             ("planner.stages", trace.layers),
             lambda: param_stages(
-                self.info.loss_fn, self.info.abstract_params, self.info.batch, trace.layers
+                self.problem.info.loss_fn,
+                self.problem.info.abstract_params,
+                self.problem.info.batch,
+                trace.layers,
             ),
         )
-        where = tuple(found.get(g.paths[0], "first") for g in self.groups)
-        for g, w in zip(self.groups, where, strict=True):
+        where = tuple(found.get(g.paths[0], "first") for g in self.problem.groups)
+        for g, w in zip(self.problem.groups, where, strict=True):
             dim = g.logical.index("layers") if g.logical and "layers" in g.logical else 0
             if w == "layers" and (not g.shape or g.shape[dim] != trace.layers):
                 return None
@@ -333,8 +332,8 @@ class PipelinePlanning:
         where = self.stages()
         if where is None:
             if fixed_pipe is None:
-                self.pipe_memos[_NONE] = (
-                    f"{self.info.name} has no layer stack to split into stages (no layer "
+                self.why_none.append(
+                    f"{self.problem.info.name} has no layer stack to split into stages (no layer "
                     "scan whose stacked parameters lead with the layer count)"
                 )
                 return []
@@ -342,7 +341,7 @@ class PipelinePlanning:
                 op="plan",
                 must="a pipelined model has its layers stacked in one scan (nnx.scan, "
                 "flax.linen.scan or jax.lax.scan over a params stack)",
-                given=f"{self.info.name}: no layer scan whose stacked "
+                given=f"{self.problem.info.name}: no layer scan whose stacked "
                 "parameters lead with the layer count",
                 fix="scan the layers (e.g. scan_layers=True in the reference models), or "
                 "plan without pipeline=",
@@ -371,28 +370,28 @@ class PipelinePlanning:
         # the stage cost model prices remat per layer, on the device
         recipes = {
             (r.remat, r.compute_dtype, r.master_weights, r.save_names): r
-            for r in self.recipes(fixed)[0]
+            for r in self.problem.recipes(fixed)[0]
             if fixed is not None or (r.remat_every == 1 and not r.remat_offload)
         }
         base = [replace(r, microbatches=1) for r in recipes.values()]
-        layers = self.ctx.trace.layers
+        layers = self.problem.ctx.trace.layers
         stages = fixed_pipe.stages if fixed_pipe is not None else None
         if fixed_pipe is not None:
             fixed_pipe.check_layers(layers, op="plan")
         out: list[Candidate] = []
-        meshes = pipe_meshes(self.mesh, layers, stages)
+        meshes = pipe_meshes(self.problem.mesh, layers, stages)
         if not meshes:
-            self.pipe_memos[_NONE] = (
+            self.why_none.append(
                 f"no pipe degree of 2 or more divides both the mesh's data axis "
-                f"({axis_sizes(self.mesh)}) and the {layers} layers"
+                f"({axis_sizes(self.problem.mesh)}) and the {layers} layers"
             )
         # and each with its data axis split for context parallelism where auto
         # tries it unpipelined (long sequences, a batch short of the data axis)
-        meshes = [m for pm in meshes for m in _with_context_meshes(pm, self.ctx.trace)]
+        meshes = [m for pm in meshes for m in _with_context_meshes(pm, self.problem.ctx.trace)]
         for mesh in meshes:
             for r in base:
                 out += self.pipelined_on(mesh, where, r, fixed_pipe, extra)
-        refused = self.pipe_memos.get(_REFUSED, {})
+        refused = self.refused_steps
         if fixed_pipe is not None and not out and refused:
             axes, problem = next(iter(refused.values()))
             raise tokens_error(problem, axes, "plan(pipeline=...)")
@@ -404,7 +403,7 @@ class PipelinePlanning:
         if not c.context or c.pipeline is None or c.mesh is None:
             return ""
         batch = tuple(c.activation.get("batch", ()))
-        return model_tokens_refused(self.info, c.mesh, c.pipeline, batch, c.context)
+        return model_tokens_refused(self.problem.info, c.mesh, c.pipeline, batch, c.context)
 
     def refused(self, c: Candidate) -> bool:
         """auto: ``c`` is a pipelined context-parallel candidate whose step would be
@@ -414,7 +413,7 @@ class PipelinePlanning:
         except PipelineError as e:  # its shards do not divide the batch: cannot run
             problem = e.given
         if problem:
-            self.pipe_memos.setdefault(_REFUSED, {})[c.label] = (c.context, problem)
+            self.refused_steps[c.label] = (c.context, problem)
         return bool(problem)
 
     def batch_refused(self, batch_axes: tuple[str, ...], local_stats: bool) -> bool:
@@ -423,12 +422,12 @@ class PipelinePlanning:
         :func:`~spmdkit.planner.pipeline.plan.model_rows_combined`) or the loss is
         not a mean over the rows (:func:`~spmdkit.planner.pipeline.plan.model_rows_loss`);
         recorded for :meth:`refused_notes`."""
-        mixed = "" if local_stats else model_rows_combined(self.info)
-        problem = model_rows_loss(self.info)
+        mixed = "" if local_stats else model_rows_combined(self.problem.info)
+        problem = model_rows_loss(self.problem.info)
         why = [_LAYER_WHY.format(mixed)] if mixed else []
         why += [_LOSS_WHY.format(problem)] if problem else []
         if why:
-            self.pipe_memos.setdefault(_LOSS, {})[batch_axes] = "; ".join(why)
+            self.refused_batches[batch_axes] = "; ".join(why)
         return bool(why)
 
     def refused_notes(self) -> list[PlanNote]:
@@ -436,8 +435,8 @@ class PipelinePlanning:
         model has no layer stack, no pipe degree divides the mesh and the layers),
         or left pipelined candidates out because their step would be refused
         (:meth:`refused`)."""
-        none = self.pipe_memos.get(_NONE)
-        if none is not None:
+        if self.why_none:
+            none = self.why_none[-1]
             return [
                 PlanNote(
                     "dropped",
@@ -448,7 +447,7 @@ class PipelinePlanning:
                 )
             ]
         notes = []
-        loss = self.pipe_memos.get(_LOSS, {})
+        loss = self.refused_batches
         if loss:
             axes = sorted({a for ax in loss for a in ax})
             notes.append(
@@ -463,7 +462,7 @@ class PipelinePlanning:
                     "whole batch before the step); or keep the plans without batch axes",
                 )
             )
-        refused = self.pipe_memos.get(_REFUSED, {})
+        refused = self.refused_steps
         if not refused:
             return notes
         problem = next(iter(refused.values()))[1]
@@ -501,10 +500,12 @@ class PipelinePlanning:
                 given=f"stages={request.stages}, {PIPE_AXIS}={p}",
                 fix=f"pass Pipeline(stages={p}, ...) or a mesh with {PIPE_AXIS}={request.stages}",
             )
-        trace = self.ctx.trace
+        trace = self.problem.ctx.trace
         inner = {a: s for a, s in sizes.items() if a != PIPE_AXIS}
-        ctx = replace(self.ctx, mesh=mesh, sizes=sizes, recipe=recipe, memo=self.pipe_memo(mesh))
-        groups = stage_groups(self.groups, where, p)
+        ctx = replace(
+            self.problem.ctx, mesh=mesh, sizes=sizes, recipe=recipe, memo=self.pipe_memo(mesh)
+        )
+        groups = stage_groups(self.problem.groups, where, p)
         out = []
         # a layer combining a micro-batch's rows (MoE's router statistics) runs
         # pipelined only without batch axes, unless the request computes it per
@@ -524,7 +525,7 @@ class PipelinePlanning:
                 for choice, cost, pipe in found:
                     full = [
                         _on_pipe(g, lay) if w == "layers" else lay
-                        for g, lay, w in zip(self.groups, choice, where, strict=True)
+                        for g, lay, w in zip(self.problem.groups, choice, where, strict=True)
                     ]
                     act = {n: () for n in BATCH_NAMES}
                     act["batch"], act["seq"] = batch_ax, seq_ax
@@ -553,7 +554,7 @@ class PipelinePlanning:
         sizes = axis_sizes(mesh)
         inner = {a: s for a, s in sizes.items() if a != PIPE_AXIS}
         sub = _mesh_without(sizes, (PIPE_AXIS,))
-        seq_len = self.ctx.trace.seq_len
+        seq_len = self.problem.ctx.trace.seq_len
         extra = None if extra is None else LogicalRules.coerce(extra)
         given = extra is not None and any(n == "seq" for n, _ in extra.entries)
         out = []
@@ -567,7 +568,7 @@ class PipelinePlanning:
                     rules = LogicalRules((("seq", (*cp, *(a for a in sp if a not in cp))),))
                     rules = rules if extra is None else extra.prepend(rules)
                 try:
-                    tables = preset_tables(name, rules, sub, self.aliases)
+                    tables = preset_tables(name, rules, sub, self.problem.aliases)
                     c = self.pipelined_table(name, tables, mesh, recipe, request)
                 except UnknownLogicalAxisError:
                     continue
@@ -604,14 +605,14 @@ class PipelinePlanning:
             groups,
             batch_ax,
             seq_ax,
-            self.budget,
+            self.problem.budget,
             total=lambda _c, _g, ch, _b, _s: cost_of(ref, ch),
             sizes=inner,
         )
         costed = self.costed_configs(configs, lambda pipe: cost_of(pipe, choice))
-        cost, i, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
-        tight = self.budget * _PIPE_HEADROOM
-        cost2, i2, pipe2 = min(costed, key=lambda x: (*self.rank_cost(x[0], tight), x[1]))
+        cost, i, pipe = min(costed, key=lambda x: (*self.problem.rank_cost(x[0]), x[1]))
+        tight = self.problem.budget * _PIPE_HEADROOM
+        cost2, i2, pipe2 = min(costed, key=lambda x: (*self.problem.rank_cost(x[0], tight), x[1]))
         out = [(choice, cost, pipe)]
         return out if i2 == i else [*out, (choice, cost2, pipe2)]
 
@@ -633,7 +634,7 @@ class PipelinePlanning:
         by_count: dict[int, list[tuple[int, Pipeline]]] = {}
         for i, pipe in enumerate(configs):
             by_count.setdefault(pipe.microbatches, []).append((i, pipe))
-        budgets = (self.budget, self.budget * _PIPE_HEADROOM)
+        budgets = (self.problem.budget, self.problem.budget * _PIPE_HEADROOM)
         out: list[tuple[Cost, int, Pipeline]] = []
         fits = [math.inf for _ in budgets]  # the fastest step that fits each budget
         above = math.inf
@@ -654,7 +655,7 @@ class PipelinePlanning:
         if c.pipeline is not None:
             return self.pipelined_cost(c, [_without(lay, (c.pipeline.axis,)) for lay in c.choice])
         batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
-        ctx = self.at(c.recipe)
+        ctx = self.problem.at(c.recipe)
         if c.context:
             ctx = replace(
                 ctx,
@@ -663,21 +664,11 @@ class PipelinePlanning:
                 context=c.context,
                 memo={},
             )
-        return total_cost(ctx, self.groups, c.choice, batch, seq)
+        return total_cost(ctx, self.problem.groups, c.choice, batch, seq)
 
     def pipe_memo(self, mesh: MeshLike) -> dict:
         """The group-cost memo of one pipe mesh (shared by its recipes)."""
-        return self.pipe_memos.setdefault(tuple(axis_sizes(mesh).items()), {})
-
-    def recosted_pipelines(self, candidates: list[Candidate]) -> list[Candidate]:
-        """With the propagate estimator, pipelined candidates calibrated by
-        propagation (:meth:`calibrated`), best first, until the best of them is a
-        calibrated one (at most :data:`_RECOST_PIPELINES`, :meth:`recosted`); only
-        the calibrated ones are kept, so they compete with propagated candidates on
-        the same footing."""
-        if self.estimator != "propagate" or not candidates:
-            return candidates
-        return self.recosted(list(candidates), set(), self.calibrated, _RECOST_PIPELINES)
+        return self.memos.setdefault(tuple(axis_sizes(mesh).items()), {})
 
     def calibrated(self, c: Candidate) -> Candidate:
         """A pipelined candidate whose analytic communication and memory are scaled by
@@ -702,7 +693,7 @@ class PipelinePlanning:
         shards = math.prod(sizes[a] for a in batch)
         recipe = replace(c.recipe, microbatches=c.pipeline.microbatches * shards)
         ctx = replace(
-            self.ctx,
+            self.problem.ctx,
             mesh=mesh,
             sizes=axis_sizes(mesh),
             recipe=recipe,
@@ -710,11 +701,15 @@ class PipelinePlanning:
             context=context_axes(seq),
         )
         stage = [_without(lay, batch) for lay in choice]
-        analytic = total_cost(ctx, self.groups, stage, (), seq)
+        analytic = total_cost(ctx, self.problem.groups, stage, (), seq)
         act = {n: () if n == "batch" else v for n, v in c.activation.items()}
         twin = Candidate(c.name, stage, act, None, analytic, recipe, mesh=mesh)
         prop = propagate_cost(
-            self.info, self.optimizer, self.make_plan(c.name, twin, None), ctx, analytic
+            self.problem.info,
+            self.problem.optimizer,
+            self.problem.make_plan(c.name, twin, None),
+            ctx,
+            analytic,
         )
         comm = prop.comm_time_s / analytic.comm_time_s if analytic.comm_time_s else 1.0
         mem = prop.peak_bytes / analytic.peak_bytes if analytic.peak_bytes else 1.0
@@ -733,15 +728,15 @@ class PipelinePlanning:
         assert where is not None
         sizes = axis_sizes(c.mesh)
         pctx = replace(
-            self.ctx,
+            self.problem.ctx,
             mesh=c.mesh,
             sizes=sizes,
             recipe=c.recipe,
             memo=self.pipe_memo(c.mesh),
             context=context_axes(c.activation.get("seq", ())),
         )
-        split = StageSplit(c.pipeline, where, self.ctx.trace.layers)
-        groups = stage_groups(self.groups, where, c.pipeline.stages)
+        split = StageSplit(c.pipeline, where, self.problem.ctx.trace.layers)
+        groups = stage_groups(self.problem.groups, where, c.pipeline.stages)
         batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
         return pipeline_cost(pctx, groups, choice, batch, seq, split, calibration=calibration)
 
@@ -763,24 +758,29 @@ class PipelinePlanning:
             a layer combines the rows the batch axes split
             (:func:`~spmdkit.planner.pipeline.plan.check_pipeline_batch`).
         """
-        sub = _mesh_without(self.ctx.sizes, (pipe.axis,))
+        sub = _mesh_without(self.problem.ctx.sizes, (pipe.axis,))
         if isinstance(strategy, str):
-            tables = preset_tables(strategy, extra, sub, self.aliases)
+            tables = preset_tables(strategy, extra, sub, self.problem.aliases)
         else:
             table = LogicalRules.coerce(strategy)
             table = table if extra is None else table.prepend(extra)
             tables = (table, table)
-        batch = activation_layout(layer_rules(tables[0]), sub, self.ctx.trace).get("batch", ())
+        batch = activation_layout(layer_rules(tables[0]), sub, self.problem.ctx.trace).get(
+            "batch", ()
+        )
         check_pipeline_batch(
-            self.info, self.mesh, pipe, tuple(a for a in batch if a != PLACEHOLDER_AXIS)
+            self.problem.info,
+            self.problem.mesh,
+            pipe,
+            tuple(a for a in batch if a != PLACEHOLDER_AXIS),
         )
         name = strategy if isinstance(strategy, str) else "rules"
-        c = self.pipelined_table(name, tables, self.mesh, recipe or PLAIN, pipe)
+        c = self.pipelined_table(name, tables, self.problem.mesh, recipe or PLAIN, pipe)
         assert c is not None  # check_pipeline_batch refused what pipelined_table drops
         problem = self.tokens_problem(c)
         if problem:
             raise tokens_error(problem, c.context, "plan(pipeline=...)")
-        return name, c, self.calibrated(c).cost if self.estimator == "propagate" else c.cost
+        return name, c, self.calibrated(c).cost if self.problem.estimator == "propagate" else c.cost
 
     def pipelined_table(
         self,
@@ -807,22 +807,25 @@ class PipelinePlanning:
         preset = name if name in PRESETS or name in SHARDED_OPT_PRESETS else None
         choice = [
             _without(lay, (PLACEHOLDER_AXIS,))
-            for lay in rules_choice(rules, opt_rules, self.groups, sub, preset)
+            for lay in rules_choice(rules, opt_rules, self.problem.groups, sub, preset)
         ]
         act = {
             n: tuple(a for a in v if a in inner)
-            for n, v in activation_layout(rules, sub, self.ctx.trace).items()
+            for n, v in activation_layout(rules, sub, self.problem.ctx.trace).items()
         }
         shards = math.prod(inner[a] for a in act.get("batch", ()))
         local_stats = request is not None and request.local_statistics
         if shards > 1 and self.batch_refused(act.get("batch", ()), local_stats):
             return None
         configs = pipeline_configs(
-            sizes[axis], self.ctx.trace.layers, self.ctx.trace.batch_size // shards, request
+            sizes[axis],
+            self.problem.ctx.trace.layers,
+            self.problem.ctx.trace.batch_size // shards,
+            request,
         )
         full = [
             _on_pipe(g, lay, axis) if w == "layers" else lay
-            for g, lay, w in zip(self.groups, choice, where, strict=True)
+            for g, lay, w in zip(self.problem.groups, choice, where, strict=True)
         ]
         if not configs:
             return None
@@ -832,6 +835,6 @@ class PipelinePlanning:
             return self.pipelined_cost(c, choice)
 
         costed = self.costed_configs(configs, cost_of)
-        cost, _, pipe = min(costed, key=lambda x: (*self.rank_cost(x[0]), x[1]))
+        cost, _, pipe = min(costed, key=lambda x: (*self.problem.rank_cost(x[0]), x[1]))
         cp = context_axes(act.get("seq", ()))
         return Candidate(name, full, act, rules, cost, recipe, pipe, mesh, context=cp)

@@ -14,7 +14,8 @@ from spmdkit.models import get_model
 from spmdkit.models.llama import LlamaConfig
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.planner import Plan, PlanError, plan
-from spmdkit.planner.pipeline.search import divisors, pipe_meshes, pipeline_configs, split_mesh
+from spmdkit.planner.pipeline.search import pipe_meshes, pipeline_configs, split_mesh
+from spmdkit.util import divisors
 
 
 def test_split_mesh_keeps_the_device_order() -> None:
@@ -385,7 +386,7 @@ def test_auto_pipelines_with_the_sequence_on_a_context_axis(cp_llamas) -> None:
     mesh = sk.abstract_mesh(pipe=2, context=2, model=2)
     costs = sk.CostModel(topology=sk.Topology.h100(), estimator="analytic")
     planner = planner_for(mean, mesh, None, costs)
-    got = planner.pipelined_on(mesh, planner.stages(), sk.Recipe(), None)
+    got = planner.pipes.pipelined_on(mesh, planner.pipes.stages(), sk.Recipe(), None)
     cp = {(c.name, c.activation["seq"]): c for c in got if c.context}
     assert all(c.context == ("context",) for c in cp.values())
     assert ("megatron_sp", ("context", "model")) in cp and ("megatron", ("context",)) in cp
@@ -411,7 +412,7 @@ def test_auto_splits_a_pipe_meshs_data_axis_for_context_where_it_would_unpipelin
     info = describe(get_model("llama"), config=cfg, batch_size=2)
     costs = sk.CostModel(topology=sk.Topology.h100(), estimator="analytic")
     planner = planner_for(info, sk.abstract_mesh(data=8), None, costs)
-    got = planner.pipelined("auto", sk.Recipe(), None)
+    got = planner.pipes.pipelined("auto", sk.Recipe(), None)
     meshes = {tuple(dict(c.mesh.shape).items()) for c in got if c.context}
     assert meshes == {
         (("pipe", 2), ("data", 2), ("context", 2)),
