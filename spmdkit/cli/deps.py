@@ -16,13 +16,15 @@ imported) and answers three questions the test suite asks on every run:
   function)?
 
 ``spmdkit deps`` prints the package graph; ``--mermaid`` prints the diagram that
-``docs/architecture.md`` embeds.
+``docs/architecture.md`` embeds, ``--map`` its map of the modules
+(:func:`module_map`: one line per module, the first line of its docstring).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ __all__ = [
     "layer_violations",
     "mermaid",
     "module_graph",
+    "module_map",
     "package_graph",
     "private_imports",
     "shadowed_submodules",
@@ -423,14 +426,56 @@ def mermaid(stages: Mapping[str, Iterable[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _repo_path(module: str, path: Path) -> str:
+    """Where a module's source sits in the repository (``spmdkit.rules.matmul``:
+    ``rules/matmul.py``, its ``package-dir``)."""
+    parts = module.split(".")
+    top, rest = ("spmdkit", parts[1:])
+    if len(parts) > 1 and parts[1] in ("rules", "models"):
+        top, rest = parts[1], parts[2:]
+    tail = "/__init__.py" if path.name == "__init__.py" else ".py"
+    return "/".join([top, *rest]) + tail if rest else f"{top}/__init__.py"
+
+
+def module_map(files: Mapping[str, Path]) -> str:
+    """The map of the code ``docs/architecture.md`` embeds: per stage (in
+    :data:`STAGES`' order), one table row per module, its file and the first line
+    sentence of its docstring (every module has one: its job).
+
+    Example::
+
+        >>> print(module_map(source_files()).splitlines()[2])
+        | module | its job |
+    """
+    by_stage: dict[str, list[tuple[str, str]]] = {s: [] for s in STAGES}
+    for module, path in sorted(files.items(), key=lambda kv: _repo_path(*kv)):
+        doc = (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
+        para = " ".join(line.strip() for line in doc.split("\n\n")[0].splitlines())
+        first = re.split(r"(?<=[.?!])\s", para, maxsplit=1)[0]
+        by_stage[stage_of(module)].append((_repo_path(module, path), first.replace("|", "\\|")))
+    out = []
+    for stage, rows in by_stage.items():
+        if rows:
+            out += [f"### {stage}", "", "| module | its job |", "|---|---|"]
+            out += [f"| `{where}` | {job} |" for where, job in rows]
+            out.append("")
+    return "\n".join(out)
+
+
 def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mermaid", action="store_true", help="print a Mermaid diagram")
+    parser.add_argument(
+        "--map", action="store_true", help="print the module map docs/architecture.md embeds"
+    )
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:
     graph = module_graph(source_files())
     if args.mermaid:
         out.write(mermaid(package_graph(graph)))
+        return 0
+    if args.map:
+        out.write(module_map(source_files()))
         return 0
     for stage, deps in sorted(package_graph(graph).items(), key=lambda kv: _ORDER.index(kv[0])):
         out.write(f"{stage:<13} -> {', '.join(sorted(deps, key=_ORDER.index)) or '-'}\n")
