@@ -72,9 +72,10 @@ from spmdkit.recipe import Recipe, train_step
 from spmdkit.runtime.checkpoint import Manager, Restored, tree_paths
 from spmdkit.runtime.train_data import Source
 from spmdkit.runtime.train_model import Parts, model_parts, with_fp8_state
+from spmdkit.runtime.train_options import Checkpointing, Reporting, given
 from spmdkit.util import path_str
 
-__all__ = ["TrainError", "TrainResult", "train"]
+__all__ = ["Checkpointing", "Reporting", "TrainError", "TrainResult", "train"]
 
 
 @dataclasses.dataclass
@@ -136,6 +137,8 @@ def train(
     log_every: int = 10,
     progress: bool = True,
     out: TextIO | None = None,
+    checkpointing: Checkpointing | None = None,
+    reporting: Reporting | None = None,
 ) -> TrainResult:
     """Train for ``steps`` optimizer steps (in total, counting restored ones).
 
@@ -181,12 +184,20 @@ def train(
       progress: print the plan made here (or a given plan's notes, before the
         first step), the restore line and progress lines (process 0 only).
       out: stream for those lines (default stderr).
+      checkpointing: ``ckpt``, ``resume``, ``save_opt_state``,
+        ``restore_opt_state`` and ``config`` as one value
+        (:class:`~spmdkit.runtime.train_options.Checkpointing`), instead of those
+        keywords.
+      reporting: ``verify``, ``log_every``, ``progress`` and ``out`` as one value
+        (:class:`~spmdkit.runtime.train_options.Reporting`), instead of those
+        keywords.
 
     Returns:
       :class:`TrainResult`.
 
     Raises:
-      TrainError: inconsistent options, an empty data source or one too short
+      TrainError: inconsistent options (one given both in ``checkpointing`` or
+        ``reporting`` and as a keyword), an empty data source or one too short
         for ``steps``, a one-shot iterator to resume, a batch whose size is not
         the plan's (``plan.batch_size``), or a loss and model that cannot train
         together (``info.loss_fn`` of a model with dropout or state: pass
@@ -200,10 +211,15 @@ def train(
         ...             ckpt=Manager("/tmp/run", save_interval_steps=50), resume=True)
         >>> res.losses[-1]
     """
-    _check_args(steps, accum_steps, resume=resume, ckpt=ckpt, plan=plan, shardings=shardings)
-    out = out if out is not None else sys.stderr
-    show = progress and jax.process_index() == 0
-    resume_from = ckpt if resume and ckpt.latest_step() is not None else None
+    ck = given(
+        checkpointing, Checkpointing(ckpt, resume, save_opt_state, restore_opt_state, config)
+    )
+    report = given(reporting, Reporting(verify, log_every, progress, out))
+    _check_args(steps, accum_steps, plan=plan, shardings=shardings)
+    ckpt = ck.ckpt
+    out = report.out if report.out is not None else sys.stderr
+    show = report.progress and jax.process_index() == 0
+    resume_from = ckpt if ck.resume and ckpt.latest_step() is not None else None
     source = Source(data, resuming=resume_from is not None, repeat=repeat)
     source.check_length(resume_from.latest_step() if resume_from else 0, steps)
     parts = model_parts(loss_fn, model, source.example)
@@ -218,19 +234,19 @@ def train(
         key = _base_key(rng, step_fn.mesh) if parts.info.rng else None
         layout = state_layout(plan, parts.params, optimizer, model_state=parts.state)
         state, restored = _initial_state(
-            parts, optimizer, key, resume_from, (plan, layout), restore_opt=restore_opt_state
+            parts, optimizer, key, resume_from, (plan, layout), restore_opt=ck.restore_opt_state
         )
         start = restored.step if restored is not None else 0
         batches, where = source.batches(start, restored.data_state if restored else None)
-        if resume and show:
+        if ck.resume and show:
             out.write(_restore_line(ckpt, restored, where))
             if start >= steps:
                 out.write(f"train: nothing to train: checkpoint at step {start} >= steps {steps}\n")
         batches = map(check_batch, batches)
         loop = _Loop(step_fn, batches, state, start=start, show=show, out=out)
-        items = None if save_opt_state else tuple(k for k in state if k != "opt_state")
-        save = _saver(ckpt, plan, data, config=config, items=items)
-        loop.run(steps, log_every=log_every, ckpt=ckpt, save=save, verify=verify)
+        items = None if ck.save_opt_state else tuple(k for k in state if k != "opt_state")
+        save = _saver(ckpt, plan, data, config=ck.config, items=items)
+        loop.run(steps, log_every=report.log_every, ckpt=ckpt, save=save, verify=report.verify)
     # on the mesh as the user made it (as sk.init_sharded hands them out)
     final = _on_mesh(loop.state, plan.mesh)
     params, final_state = final["params"], final.get("model_state")
@@ -247,22 +263,13 @@ def train(
     )
 
 
-def _check_args(
-    steps: Any, accum_steps: Any, *, resume: bool, ckpt: Any, plan: Any, shardings: Any
-) -> None:
+def _check_args(steps: Any, accum_steps: Any, *, plan: Any, shardings: Any) -> None:
     op = "train"
     if not isinstance(steps, int) or steps < 0:
         raise TrainError(op=op, must="steps is an int >= 0", given=repr(steps), fix="steps=100")
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise TrainError(
             op=op, must="accum_steps is a positive int", given=repr(accum_steps), fix="1 or more"
-        )
-    if resume and ckpt is None:
-        raise TrainError(
-            op=op,
-            must="resume=True comes with a checkpoint manager",
-            given="ckpt=None",
-            fix="pass ckpt=spmdkit.runtime.checkpoint.Manager(directory)",
         )
     if plan is not None and shardings is not None:
         raise TrainError(
