@@ -2,7 +2,7 @@
 appended to ``cli.COMMANDS``.
 
 ``spmdkit plan MODEL --mesh data=2,model=4 [--strategy auto] [--config tiny]
-[--batch-size 8] [--abstract] [--json PATH]`` prints the plan table for a
+[--batch-size 8] [--abstract] [--json PATH] [--html PATH]`` prints the plan table for a
 reference model (``spmdkit.models``) or the user's (``pkg.module:factory``,
 :mod:`spmdkit.cli.model_arg`); ``--abstract`` plans on an abstract mesh (no
 devices, any size), otherwise on virtual CPU devices.
@@ -12,7 +12,8 @@ compiles one train step on virtual CPU devices with the plan (params born
 sharded, ``sk.jit``) and prints the strategy chosen per composite op (the
 ``spmdkit.ops`` regions: ``softmax_cross_entropy vocab_parallel``...) and
 predicted vs compiled collectives and memory (``plan.verify``). Exit status 1
-when they disagree beyond the tolerances.
+when they disagree beyond the tolerances. ``--html PATH`` draws the plan with
+the compiled figures (``plan.to_html(path, report=...)``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     parser.add_argument("--abstract", action="store_true", help="plan on an abstract mesh")
     parser.add_argument("--json", help="also write the plan as JSON to this path")
+    parser.add_argument("--html", help="also draw the plan as one HTML page at this path")
     parser.add_argument(
         "--estimator", default="propagate", choices=("propagate", "analytic"), help="cost model"
     )
@@ -52,7 +54,7 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
 
 def check_plan_args(verb: str, args: argparse.Namespace) -> dict[str, int]:
     """``spmdkit VERB`` (``plan``, ``report``) flags checked before planning: the mesh,
-    ``--json`` a file path whose directory exists, then MODEL and ``--config``
+    ``--json`` and ``--html`` file paths whose directory exists, then MODEL and ``--config``
     (a reference model's name and config; a factory path's syntax, the factory is
     imported later). ``--strategy`` was checked when parsed. Returns the mesh axes.
 
@@ -60,16 +62,18 @@ def check_plan_args(verb: str, args: argparse.Namespace) -> dict[str, int]:
       UsageError: naming the flag; UnknownModelError: no such model or config.
     """
     axes = parse_mesh(args.mesh)
-    path = getattr(args, "json", None)
-    if path:
+    for flag in ("json", "html"):
+        path = getattr(args, flag, None)
+        if not path:
+            continue
         folder = os.path.dirname(os.path.abspath(path))
         if os.path.isdir(path) or not os.path.isdir(folder):
             raise UsageError(
-                op=f"spmdkit {verb} --json",
-                must="--json names a file in an existing directory",
+                op=f"spmdkit {verb} --{flag}",
+                must=f"--{flag} names a file in an existing directory",
                 given=f"{path}, "
                 + ("a directory" if os.path.isdir(path) else f"and {folder} is no directory"),
-                fix="pass a file path, e.g. --json plan.json",
+                fix=f"pass a file path, e.g. --{flag} plan.{flag}",
             )
     check_model_arg(f"spmdkit {verb}", args.model, args.config)  # imports the models: last
     return axes
@@ -100,6 +104,9 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
         with open(args.json, "w") as f:
             f.write(p.to_json())
         out.write(f"saved {args.json}\n")
+    if args.html:
+        p.to_html(args.html)
+        out.write(f"drew {args.html}\n")
     return 0
 
 
@@ -160,6 +167,9 @@ def throughput_line(plan: Any, info: Any, optimizer: Any = None) -> str:
 
 def _configure_report(parser: argparse.ArgumentParser) -> None:
     _common(parser)
+    parser.add_argument(
+        "--html", help="also draw the plan with the compiled figures as an HTML page here"
+    )
 
 
 def _run_report(args: argparse.Namespace, out: TextIO) -> int:
@@ -202,6 +212,9 @@ def _compile_and_verify(verb: str, args: argparse.Namespace, out: TextIO) -> int
     except SpmdError as e:
         return report_error(verb, e, sys.stderr)
     out.write(throughput_line(p, info) + "\n" + p.table() + "\n" + ops + "\n" + str(result) + "\n")
+    if args.html:
+        p.to_html(args.html, report=result)
+        out.write(f"drew {args.html}\n")
     return 0 if result.ok else 1
 
 

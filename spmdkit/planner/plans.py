@@ -43,6 +43,7 @@ from spmdkit.planner.notes import (
     raise_if_strict,
     warn_notes,
 )
+from spmdkit.planner.picture import to_html
 from spmdkit.planner.provenance import Provenance
 from spmdkit.planner.rule_export import RuleTable, to_rules
 from spmdkit.planner.snapshot import write_snapshot
@@ -829,6 +830,17 @@ class Plan:
         sharding dump), for :func:`spmdkit.testing.assert_plan_matches`
         (:mod:`spmdkit.planner.snapshot`)."""
         write_snapshot(self, path)
+
+    def to_html(self, path: str | os.PathLike | None = None, *, report: Any = None) -> str:
+        """The plan as one self-contained HTML page (each tensor's layout over the
+        mesh, memory per device by kind, the collectives of one step on a timeline;
+        a verify ``report``'s compiled figures beside them), written to ``path``
+        when given and returned (:mod:`spmdkit.planner.picture`).
+
+        Raises:
+          PlanError: ``path`` is a directory or in no existing directory.
+        """
+        return to_html(self, path, report=report)
 
     # -- verification -----------------------------------------------------------------
     def verify(

@@ -29,17 +29,19 @@ def _run(name, argv):
     return cmd.run(parser.parse_args(argv), out), out.getvalue()
 
 
-def test_plan_command_prints_table_and_saves_json(tmp_path):
-    path = tmp_path / "plan.json"
+def test_plan_command_prints_table_and_saves_json_and_html(tmp_path):
+    path, page = tmp_path / "plan.json", tmp_path / "plan.html"
     status, text = _run(
         "plan",
         ["gpt", "--mesh", "data=16,model=4", "--abstract", "--strategy", "megatron",
-         "--estimator", "analytic", "--batch-size", "16", "--json", str(path)],
+         "--estimator", "analytic", "--batch-size", "16", "--json", str(path),
+         "--html", str(page)],
     )  # fmt: skip
     assert status == 0
     assert "Plan 'megatron'" in text and "bytes/dev" in text
     assert text.startswith("global batch 16, sequence 16 (256 tokens/step): est. ")
     assert json.loads(path.read_text())["strategy"] == "megatron"
+    assert f"drew {page}" in text and "embed/embedding" in page.read_text()
 
 
 def test_plan_command_prints_each_note_once_and_warns_none():
@@ -81,6 +83,8 @@ def test_verify_is_report_under_its_own_name(capsys):
 def test_plan_command_checks_json_and_config_before_planning(tmp_path, capsys):
     status, _ = _run("plan", ["gpt", "--abstract", "--json", str(tmp_path)])
     assert status == 2 and "spmdkit plan --json: --json names a file" in capsys.readouterr().err
+    status, _ = _run("plan", ["gpt", "--abstract", "--html", str(tmp_path / "no" / "p.html")])
+    assert status == 2 and "spmdkit plan --html: --html names a file" in capsys.readouterr().err
     status, _ = _run("plan", ["gpt", "--abstract", "--config", "8x"])
     assert status == 2 and "spmdkit plan --config" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
