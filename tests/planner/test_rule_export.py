@@ -1,6 +1,7 @@
 """plan.to_rules(): the exported table read by flax gives the plan's layouts, and a
 plain jax.jit step with it compiles to sk.jit's shardings and collectives."""
 
+import itertools
 from collections import Counter
 
 import flax.linen as nn
@@ -16,6 +17,7 @@ from spmdkit.planner import PRESETS, plan
 from spmdkit.planner.rule_export import RuleTable, flax_resolve
 from spmdkit.util import path_str
 from spmdkit.verification.hlo import parse_collectives
+from tests.sampling import latin, sampled
 
 STRATEGIES = (*PRESETS, "auto")
 ENFORCE = False
@@ -178,3 +180,21 @@ def test_a_plain_jit_step_with_the_exported_table_compiles_as_sk_jit(gpt):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_round_trip_every_strategy_on_tiny_gpt(gpt, strategy):
     _round_trip(gpt, strategy, sk.make_mesh(data=2, model=4, axis_types="auto"))
+
+
+#: Llama and the MoE model: each strategy once in the slow step (a latin sample),
+#: every pair with SPMDKIT_FULL_SWEEP=1.
+OTHERS = sampled(
+    list(itertools.product(STRATEGIES, ("llama", "moe"))),
+    latin(STRATEGIES, ("llama", "moe")),
+    marks=[pytest.mark.slow],
+)
+
+
+@pytest.mark.parametrize("strategy, model", OTHERS)
+def test_round_trip_on_llama_and_moe(strategy, model):
+    from spmdkit.flax import describe
+    from spmdkit.models import get_model
+
+    info = describe(get_model(model), config="tiny", batch_size=8)
+    _round_trip(info, strategy, sk.make_mesh(data=2, model=4, axis_types="auto"))
