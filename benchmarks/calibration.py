@@ -54,7 +54,7 @@ from spmdkit.pipeline import Pipeline
 GIB = 2**30
 
 #: MaxText's ``save_dot_except_mlpwi``: keep every weight matmul's output but the
-#: MLP's two input projections (a named policy of :mod:`spmdkit.recipe`).
+#: MLP's two input projections (a named policy of :mod:`spmdkit.step.recipe`).
 SAVE_DOT_EXCEPT_MLPWI = sk.Recipe(remat="save_dot_except_mlpwi", compute_dtype="bfloat16")
 #: MaxText's FP8 recipe: ``quantization=fp8`` with ``remat_policy=custom`` keeping
 #: the query/key/value and output projections on the device.
@@ -74,7 +74,7 @@ SELECTIVE_FP8 = sk.Recipe(remat="dots", compute_dtype="float8")
 TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 #: Megatron-LM's bf16 training as NeMo and Megatron-Bridge run it: bf16 parameters,
 #: the fp32 master copy in the distributed optimizer's state (sharded with it over
-#: the data-parallel ranks): :mod:`spmdkit.master`.
+#: the data-parallel ranks): :mod:`spmdkit.step.master`.
 MEGATRON_BF16 = sk.Recipe(compute_dtype="bfloat16", master_weights="optimizer")
 #: The same with Transformer Engine's FP8 GEMMs (bf16 parameters quantized per GEMM).
 MEGATRON_FP8 = sk.Recipe(compute_dtype="float8", master_weights="optimizer")

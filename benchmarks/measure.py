@@ -81,7 +81,7 @@ import numpy as np
 import optax
 
 import spmdkit as sk
-from spmdkit.master import opt_init
+from spmdkit.step.master import opt_init
 from spmdkit.topology import Topology
 
 RESULTS = Path(__file__).resolve().parent / "results"

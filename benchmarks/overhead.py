@@ -661,7 +661,7 @@ def _train_call(info: Any, plan: Any, opt: Any, batch: Any) -> Any:
     import jax
 
     import spmdkit as sk
-    from spmdkit.master import opt_init
+    from spmdkit.step.master import opt_init
 
     params = sk.init_sharded(info, plan)
     init = opt_init(opt, plan.recipe)

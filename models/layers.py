@@ -341,7 +341,7 @@ def gelu(x: jax.Array, approximate: bool = True) -> jax.Array:
     backward is autodiff's pullback of it, recomputed from ``x`` (the same
     operations, so the same gradient to rounding). It holds no matmul: the
     projection feeding it (and its ``checkpoint_name`` tag, ``mlpwi``) stays
-    outside, so the named recompute policies and :func:`spmdkit.fp8.fp8_loss`
+    outside, so the named recompute policies and :func:`spmdkit.step.fp8.fp8_loss`
     (which leaves a ``custom_vjp``'s body alone) find it. The planner lays it
     out elementwise (its body, inlined).
 
@@ -397,7 +397,7 @@ _gelu.defvjp(_gelu_fwd, _gelu_bwd)
 #: their projections, MaxText's names (``layers.py`` of MaxText's decoders):
 #: Q/K/V/out projections; the MLP's input projections (``mlpwi``, or the gated
 #: pair ``mlpwi_0``/``mlpwi_1``) and its output projection. The recompute
-#: policies of :mod:`spmdkit.recipe` select values by these names.
+#: policies of :mod:`spmdkit.step.recipe` select values by these names.
 CHECKPOINT_NAMES = (
     "query_proj",
     "key_proj",

@@ -73,10 +73,10 @@ if TYPE_CHECKING:
     )
     from spmdkit.propagation import EqnRecord, Propagation, propagate, trace
     from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
-    from spmdkit.recipe import Recipe, RecipeError, train_step, value_and_grad
     from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
     from spmdkit.spec import REDUCE_OPS, TensorSpec
     from spmdkit.state import clear_caches
+    from spmdkit.step.recipe import Recipe, RecipeError, train_step, value_and_grad
     from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
     from spmdkit.verification.compiled import CompiledReport, VerifyReport, report, verify
     from spmdkit.verification.hlo import (
@@ -174,7 +174,7 @@ _EXPORTS: dict[str, str] = {
             "MemoryEstimate",
             "estimate_memory",
         ),
-        "spmdkit.recipe": (
+        "spmdkit.step.recipe": (
             "Recipe",
             "RecipeError",
             "train_step",

@@ -120,7 +120,7 @@ class ReshardError(SpmdError, ValueError):
 
 class RecipeError(SpmdError, ValueError):
     """A recipe option is invalid, or cannot run on this model or backend
-    (``spmdkit.recipe``)."""
+    (``spmdkit.step.recipe``)."""
 
 
 class CheckpointError(SpmdError, RuntimeError):

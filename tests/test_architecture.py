@@ -180,6 +180,8 @@ def test_the_layer_check_catches_an_upward_import():
     ]
     assert stage_of("spmdkit.compile.annotate") == "compile"
     assert stage_of("spmdkit.introspect.model") == "describe"
+    assert stage_of("spmdkit.step.fp8") == "step"
+    assert stage_of("spmdkit.pipeline.execute") == "base"
 
 
 # -- formatting and docstrings: no squeezing, no measurement logs ---------------------

@@ -61,22 +61,16 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.util",
         "spmdkit.kernels",
         "spmdkit.engine.factor",
-        "spmdkit.recipe",
-        "spmdkit.master",
-        "spmdkit.offload",
         "spmdkit.pipeline",
         "spmdkit.versions",
         "spmdkit.vma",
         "spmdkit.jaxprs",
-        "spmdkit.fp8",
-        "spmdkit.roles",
-        "spmdkit.remat_scan",
         "spmdkit.batch",
         "spmdkit.context_parallel",
-        "spmdkit.loss",
         "spmdkit.strategies",
         "spmdkit.state",
     ),
+    "step": ("spmdkit.step",),
     "rule": ("spmdkit.engine",),
     "rules": ("spmdkit.rules",),
     "resharding": ("spmdkit.resharding",),
@@ -97,6 +91,7 @@ STAGES: dict[str, tuple[str, ...]] = {
 _BELOW_API = frozenset(
     {
         "base",
+        "step",
         "rule",
         "rules",
         "resharding",
@@ -113,15 +108,26 @@ _BELOW_API = frozenset(
 #: (ops, testing, models, cli) may use it.
 LAYERS: dict[str, frozenset[str]] = {
     "base": frozenset(),
+    # the training step: the recipe and its levers, over the pipeline executor
+    "step": frozenset({"base"}),
     "resharding": frozenset({"base"}),
     "rule": frozenset({"base", "resharding"}),
     "rules": frozenset({"base", "rule"}),
     "propagation": frozenset({"base", "resharding", "rule"}),
-    "describe": frozenset({"base"}),
-    "planner": frozenset({"base", "resharding", "rule", "propagation", "describe"}),
+    "describe": frozenset({"base", "step"}),
+    "planner": frozenset({"base", "step", "resharding", "rule", "propagation", "describe"}),
     "verification": frozenset({"base", "rule", "resharding", "propagation", "planner"}),
     "compile": frozenset(
-        {"base", "resharding", "rule", "propagation", "describe", "planner", "verification"}
+        {
+            "base",
+            "step",
+            "resharding",
+            "rule",
+            "propagation",
+            "describe",
+            "planner",
+            "verification",
+        }
     ),
     "runtime": _BELOW_API,
     "api": _BELOW_API,
@@ -399,6 +405,7 @@ _ORDER = (
     "rules",
     "rule",
     "resharding",
+    "step",
     "base",
 )
 

@@ -48,7 +48,7 @@ def init_sharded(info_or_model: object, plan: Plan, **describe_kwargs: Any) -> P
     Returns:
       The params pytree (NNX ``State`` or linen dict) of sharded ``jax.Array``;
       floating leaves in bf16 when the plan's recipe keeps the fp32 master in the
-      optimizer state (``master_weights="optimizer"``, :mod:`spmdkit.master`).
+      optimizer state (``master_weights="optimizer"``, :mod:`spmdkit.step.master`).
 
     Example::
 

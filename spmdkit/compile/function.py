@@ -25,11 +25,11 @@ optimizer state: optimizer specs; scalars replicated).
 
 By default the step is compiled on the plan's mesh with **Auto** axes: Shardy
 propagates shardings between the annotated boundaries, so any model compiles.
-A plan whose recipe is not the default (:class:`spmdkit.recipe.Recipe`:
+A plan whose recipe is not the default (:class:`spmdkit.step.recipe.Recipe`:
 recompute, compute dtype, micro-batches, optimizer offload) is never silently
 ignored: the step is traced once to collect the recipes of the
-:func:`spmdkit.recipe.value_and_grad` gradients it takes, and a step that takes
-none, or takes them with another recipe, is a :class:`~spmdkit.recipe.RecipeError`
+:func:`spmdkit.step.recipe.value_and_grad` gradients it takes, and a step that takes
+none, or takes them with another recipe, is a :class:`~spmdkit.step.recipe.RecipeError`
 telling to build the gradient with ``sk.value_and_grad(loss, plan)`` (or the
 whole step with ``sk.train_step(loss, optimizer, plan)``). With
 ``offload_opt`` the ``opt_state`` arguments and outputs live in host memory
@@ -61,12 +61,12 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.batch import as_traced, as_tree
 from spmdkit.compile.enforce import enforced
 from spmdkit.errors import SpmdError
-from spmdkit.fp8 import STATE_PREFIX
-from spmdkit.loss import LossError, placeholder_keys
 from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
-from spmdkit.recipe import RecipeError, check_offload, recipes_used
+from spmdkit.step.fp8 import STATE_PREFIX
+from spmdkit.step.loss import LossError, placeholder_keys
+from spmdkit.step.recipe import RecipeError, check_offload, recipes_used
 from spmdkit.topology import topology_for
 from spmdkit.util import path_str
 from spmdkit.verification.compiled import VerifyReport
@@ -116,7 +116,7 @@ def infer_role(plan: Plan, tree: Any) -> str:
     if any(any(p.endswith("/" + q) for q in params) for p, _ in leaves):
         return "opt_state"
     if all(p.startswith(STATE_PREFIX) for p, _ in leaves):
-        return "replicated"  # delayed float8 scaling's amax histories (spmdkit.fp8)
+        return "replicated"  # delayed float8 scaling's amax histories (spmdkit.step.fp8)
     return "batch"
 
 

@@ -5,7 +5,7 @@ model's mutable state (batch statistics, float8 scaling histories). Where each
 lives is the plan's to say, with two recipe rules on top:
 
 * ``master_weights="optimizer"``: the parameters are stored in bfloat16 and the
-  optimizer state holds their fp32 master (:mod:`spmdkit.master`);
+  optimizer state holds their fp32 master (:mod:`spmdkit.step.master`);
 * ``offload_opt``: the optimizer state lives in host memory (``pinned_host``)
   between steps, where ``sk.jit`` takes and returns it.
 
@@ -28,8 +28,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmdkit.master import opt_init, stored_dtype, stored_params
 from spmdkit.planner.plans import Plan, PyTree
+from spmdkit.step.master import opt_init, stored_dtype, stored_params
 
 __all__ = ["StateLayout", "place_state", "state_layout"]
 

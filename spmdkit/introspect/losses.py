@@ -21,7 +21,7 @@ new_state)`` (``state``/``key`` ``None`` when the model has none, ``out`` the
 loss's value with any updates taken out), from which :func:`model_losses` builds
 the planner's scalar losses (``loss_fn``, ``state_loss_fn``: state and RNG
 streams at placeholders, aux dropped) and :func:`train_loss` the
-:class:`~spmdkit.loss.Loss` a train step runs (state, key and aux as they are).
+:class:`~spmdkit.step.loss.Loss` a train step runs (state, key and aux as they are).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from flax import nnx
 
 from spmdkit.batch import as_tree
 from spmdkit.errors import SpmdError
-from spmdkit.loss import Loss, note_placeholder_key, takes_rng
+from spmdkit.step.loss import Loss, note_placeholder_key, takes_rng
 from spmdkit.util import path_str
 
 __all__ = [
@@ -245,7 +245,7 @@ def model_losses(
     ``loss_fn(params, batch) -> loss`` on placeholder state, and, for a model
     with state, ``state_loss_fn(params, batch, state) -> (loss, new_state)``.
     Both drop aux and draw from placeholder keys (noted:
-    :func:`spmdkit.loss.note_placeholder_key`, so ``sk.jit`` refuses a step that
+    :func:`spmdkit.step.loss.note_placeholder_key`, so ``sk.jit`` refuses a step that
     would run them)."""
 
     def key() -> Any:
@@ -297,7 +297,7 @@ def planner_stand_in(fn: Any) -> str | None:
 
 
 def train_loss(run: Run, *, stateful: bool, rng: bool, aux: bool, name: str) -> Loss:
-    """The :class:`~spmdkit.loss.Loss` a train step runs: ``fn(params, batch[,
+    """The :class:`~spmdkit.step.loss.Loss` a train step runs: ``fn(params, batch[,
     state][, key])`` with the loss's aux and the new state as they are."""
 
     def fn(params: Any, batch: Any, *rest: Any) -> Any:

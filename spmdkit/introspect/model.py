@@ -39,7 +39,7 @@ the loss or ``(loss, updates)`` as ``module.apply(..., mutable=[...])`` gives
 them, a params pytree's ``loss(params, batch)``; any may return ``(loss, aux)``
 and take the step's key as ``rng=``. A described model hands on:
 
-- :attr:`ModelInfo.train_loss`: the :class:`~spmdkit.loss.Loss` a train step
+- :attr:`ModelInfo.train_loss`: the :class:`~spmdkit.step.loss.Loss` a train step
   runs (``sk.train_step(info, ...)``, ``train``): state, key and aux as they are;
 - ``loss_fn(params, batch) -> loss`` and, with state, ``state_loss_fn(params,
   batch, state) -> (loss, new_state)``: the planner's traces of the loss alone,
@@ -75,7 +75,7 @@ from spmdkit.introspect.losses import (
     nnx_run,
     train_loss,
 )
-from spmdkit.loss import Loss, is_key, takes_rng
+from spmdkit.step.loss import Loss, is_key, takes_rng
 from spmdkit.util import path_str
 
 __all__ = [
@@ -191,7 +191,7 @@ class ModelInfo:
 
     @property
     def train_loss(self) -> Loss:
-        """The loss a train step runs (:class:`spmdkit.loss.Loss`):
+        """The loss a train step runs (:class:`spmdkit.step.loss.Loss`):
         ``fn(params, batch[, state][, key])``, the model's state and the step's
         key as it has them, the loss's aux kept; what ``sk.train_step(info, ...)``
         and ``train`` run.

@@ -48,7 +48,7 @@ from spmdkit.pipeline.schedule import PipelineError
 __all__ = ["CALLS", "SplitLoss", "call_body", "has_scan", "split_loss"]
 
 #: Call-like primitives whose body may hold the layer scan (inlined to find it);
-#: shared with :mod:`spmdkit.recipe`'s recompute rewrite.
+#: shared with :mod:`spmdkit.step.recipe`'s recompute rewrite.
 CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "eval_jaxpr"})
 
 

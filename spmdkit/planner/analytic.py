@@ -26,7 +26,7 @@ is then costed per parameter, which is what makes the search fast:
   activations divided by the batch (and sequence) shards, and by the tensor shards for the
   fraction of activations tensor parallelism splits.
 
-The recipe (:class:`~spmdkit.recipe.Recipe`) changes these terms:
+The recipe (:class:`~spmdkit.step.recipe.Recipe`) changes these terms:
 
 - ``remat``: the activations kept per layer: all residuals (``none``), the layer input
   (``full``), the layer input and the weight-matmul outputs (``dots``), the input and the
@@ -86,8 +86,8 @@ from spmdkit.planner.step_terms import (
     recompute_s,
 )
 from spmdkit.planner.stored import stored_group
-from spmdkit.recipe import NAMED_POLICIES, Recipe
 from spmdkit.spec import MeshLike
+from spmdkit.step.recipe import NAMED_POLICIES, Recipe
 from spmdkit.topology import Topology
 
 __all__ = [
@@ -176,7 +176,7 @@ class StepTrace:
         (memoized; what the named policies and the offload forms are priced by:
         a tag whose value the backward pass does not read is not kept).
       lm_head_params: paths of the params the loss's LM head reads
-        (``spmdkit.fp8.lm_heads``): a float8 recipe keeps them in bf16.
+        (``spmdkit.step.fp8.lm_heads``): a float8 recipe keeps them in bf16.
       layer_float8: share of ``layer_resid`` a float8 step keeps (:mod:`spmdkit.planner.float8`).
       expert_top_k: expert count → how many experts the step routes each token
         to: the ``k`` of its ``top_k`` over that many experts (the router's
@@ -300,7 +300,7 @@ class StepTrace:
 def remat_choices(trace: StepTrace) -> list[tuple[str, bool, int]]:
     """The ``(remat, remat_offload, remat_every)`` levers auto searches: ``none``, ``dots``,
     each named policy that keeps something of its own on this model (an untagged
-    model's matmuls tagged by role, :mod:`spmdkit.roles`), ``full``, ``full`` on one
+    model's matmuls tagged by role, :mod:`spmdkit.step.roles`), ``full``, ``full`` on one
     layer in two (4 or more layers, an even count); then the offload form of each
     that keeps something. Nothing without a layer scan."""
     if not trace.layers:

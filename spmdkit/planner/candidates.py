@@ -51,8 +51,8 @@ from spmdkit.planner.provenance import (
 from spmdkit.planner.trace import step_arguments, train_step
 from spmdkit.propagation import propagate
 from spmdkit.propagation.graph import trace_with_tree
-from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.step.recipe import PLAIN, Recipe
 from spmdkit.topology import Topology
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class Candidate(NamedTuple):
 def _fp8_state(info: ModelInfo, exclude: tuple[str, ...]) -> dict:
     """The abstract amax histories of delayed float8 scaling for ``info``'s step
     (none for the matmuls ``exclude`` keeps in bfloat16)."""
-    from spmdkit.recipe import init_fp8_state
+    from spmdkit.step.recipe import init_fp8_state
 
     key = () if info.abstract_key is None else (info.abstract_key,)
     return jax.eval_shape(

@@ -46,8 +46,8 @@ from spmdkit.planner.candidates import (
 from spmdkit.planner.context_parallel import split_context
 from spmdkit.planner.logical import BATCH_NAMES, ROLE_NAMES, RulesLike, axis_roles
 from spmdkit.planner.problem import Problem
-from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.step.recipe import PLAIN, Recipe
 
 __all__ = ["EXPERT_AXIS", "ExpertPlanner", "expert_counts", "expert_meshes"]
 

@@ -1,11 +1,11 @@
 """What a float8 recipe costs besides its matmuls' FLOPs, per parameter group.
 
-Under ``Recipe(compute_dtype="float8")`` (:mod:`spmdkit.fp8`) the analytic model
+Under ``Recipe(compute_dtype="float8")`` (:mod:`spmdkit.step.fp8`) the analytic model
 prices each group's weight matmuls at the float8 peak, except:
 
 - the LM head (``Recipe.fp8_exclude``, default ``("lm_head",)``): the groups
   whose parameters the step's LM head reads (:attr:`StepTrace.lm_head_params
-  <spmdkit.planner.analytic.StepTrace>`, found by ``spmdkit.fp8.lm_heads`` in
+  <spmdkit.planner.analytic.StepTrace>`, found by ``spmdkit.step.fp8.lm_heads`` in
   the traced loss) run in bfloat16, and their FSDP all-gathers move bfloat16;
 - the quantization passes (:func:`quantize_s`), memory-bound work priced as
   bytes over HBM bandwidth like the model's other fusions
@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.fp8 import LM_HEAD
+from spmdkit.step.fp8 import LM_HEAD
 
 #: A :class:`spmdkit.planner.analytic.CostContext` (not imported: analytic imports
 #: this module).
@@ -65,7 +65,7 @@ CostContext = Any
 ParamGroup = Any
 #: A :class:`spmdkit.planner.analytic.StepTrace`.
 StepTrace = Any
-#: A :class:`spmdkit.recipe.Recipe`.
+#: A :class:`spmdkit.step.recipe.Recipe`.
 Recipe = Any
 
 __all__ = [
@@ -111,7 +111,7 @@ def cast_ratio(ctx: CostContext, g: ParamGroup) -> float:
 
 
 def attention_dtype(dtype: str) -> str:
-    """The dtype attention's batched matmuls run in: bf16 under float8 (spmdkit.fp8
+    """The dtype attention's batched matmuls run in: bf16 under float8 (spmdkit.step.fp8
     quantizes weight matmuls only), else the compute dtype."""
     return "bfloat16" if dtype == "float8" else dtype
 
@@ -124,7 +124,7 @@ def quantize_bytes(scaling: str, itemsize: int) -> int:
 
 
 def _is_matmul_weight(g: ParamGroup) -> bool:
-    """A weight ``spmdkit.fp8`` quantizes: two dims or more, not an embedding
+    """A weight ``spmdkit.step.fp8`` quantizes: two dims or more, not an embedding
     table (``vocab`` first: a lookup) or a convolution kernel."""
     logical = g.logical or ()
     if len(g.shape) < 2 or (logical and logical[0] == "vocab"):
@@ -158,7 +158,7 @@ def layer_residuals(trace: StepTrace, recipe: Recipe) -> float:
     """The bytes one layer keeps for its backward pass when none of it is
     recomputed (global batch, in the traced dtype, as ``layer_resid``): the
     traced ``layer_resid``, times the share a float8 step keeps
-    (``trace.layer_float8``: measured on the layer's body as ``spmdkit.fp8``
+    (``trace.layer_float8``: measured on the layer's body as ``spmdkit.step.fp8``
     rewrites it, module docstring) under ``compute_dtype="float8"``.
 
     Example::

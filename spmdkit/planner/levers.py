@@ -5,10 +5,10 @@ offloaded to the host, only when nothing in the first fits). The levers that
 change the numerics or the caller's parameters are searched only when asked:
 
 - ``allow_fp8``: ``compute_dtype="float8"`` (weight matmuls on float8 operands,
-  :mod:`spmdkit.fp8`);
+  :mod:`spmdkit.step.fp8`);
 - ``allow_master_weights``: ``master_weights="optimizer"`` beside each
   narrower compute dtype: bf16 parameters, the fp32 master in the optimizer
-  state (:mod:`spmdkit.master`). The parameters a plan's step takes are then
+  state (:mod:`spmdkit.step.master`). The parameters a plan's step takes are then
   bf16, so a caller holding fp32 parameters must let auto change them. It is
   the lever Megatron-LM's pipelines with a distributed optimizer rely on: a
   layout that keeps the parameters whole over the data axis (``megatron+zero1``)
@@ -23,7 +23,7 @@ import numpy as np
 
 from spmdkit.planner.analytic import ParamGroup, StepTrace, remat_choices
 from spmdkit.planner.logical import PlanError
-from spmdkit.recipe import Recipe
+from spmdkit.step.recipe import Recipe
 from spmdkit.topology import Topology
 from spmdkit.util import divisors
 

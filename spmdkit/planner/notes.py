@@ -57,7 +57,7 @@ from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.util import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
 __all__ = [
     "FOREIGN_AXES",

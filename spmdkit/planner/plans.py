@@ -27,7 +27,6 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdkit.master import stored_dtype
 from spmdkit.mesh import auto_mesh
 from spmdkit.pipeline import Pipeline
 from spmdkit.planner.context_parallel import causal_shares
@@ -47,8 +46,9 @@ from spmdkit.planner.picture import to_html
 from spmdkit.planner.provenance import Provenance
 from spmdkit.planner.rule_export import RuleTable, to_rules
 from spmdkit.planner.snapshot import write_snapshot
-from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.step.master import stored_dtype
+from spmdkit.step.recipe import Recipe
 from spmdkit.util import fmt_bytes, fmt_time, path_str
 
 __all__ = [
@@ -342,7 +342,7 @@ class Plan:
       alternatives: ``(strategy, Cost)`` of the other candidates, best first.
       chosen: for auto, the candidate that won (``"auto"`` or a preset name).
       recipe: the step's levers besides layouts: recompute, compute dtype,
-        micro-batches, optimizer offload (:class:`~spmdkit.recipe.Recipe`).
+        micro-batches, optimizer offload (:class:`~spmdkit.step.recipe.Recipe`).
       grads: param path → PartitionSpec of its gradient where it differs from the
         param's (ZeRO-2: gradients sharded like the optimizer state); empty: as params.
       names_from: param path → where its logical names came from (``"model"``,

@@ -30,9 +30,9 @@ from spmdkit.planner.levers import auto_recipes, check_fp8
 from spmdkit.planner.options import SearchOptions
 from spmdkit.planner.plans import Cost, Plan, dims_spec
 from spmdkit.planner.provenance import Provenance
-from spmdkit.recipe import Recipe
-from spmdkit.remat_scan import check_remat_every
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.step.recipe import Recipe
+from spmdkit.step.remat_scan import check_remat_every
 from spmdkit.util import path_str
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ warning.
 
 Recipes
 -------
-Each candidate is a layout *and* a :class:`~spmdkit.recipe.Recipe`. Unless
+Each candidate is a layout *and* a :class:`~spmdkit.step.recipe.Recipe`. Unless
 ``recipe=`` fixes one, auto costs every preset and searched layout under each
 remat policy (``none``, ``dots``, ``full`` and MaxText's named policies that keep
 something of their own, :func:`~spmdkit.planner.analytic.remat_choices`, when the
@@ -117,8 +117,8 @@ from spmdkit.planner.plans import Cost, Plan, PyTree, noted
 from spmdkit.planner.problem import Problem
 from spmdkit.planner.provenance import Provenance
 from spmdkit.planner.trace import trace_step
-from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.step.recipe import PLAIN, Recipe
 from spmdkit.topology import Topology, topology_for
 from spmdkit.util import fmt_bytes
 
@@ -199,7 +199,7 @@ def plan(
         propagating the specs through the traced train step
         (``spmdkit.propagation``); ``"analytic"``: the per-parameter model only
         (:mod:`spmdkit.planner.analytic`), fastest.
-      recipe: the step's levers (:class:`~spmdkit.recipe.Recipe`: remat,
+      recipe: the step's levers (:class:`~spmdkit.step.recipe.Recipe`: remat,
         compute dtype, micro-batches, optimizer offload). For a preset or rule
         table, default: the plain step. For ``"auto"``, default: searched with
         the layouts (remat none/dots/full, the params' dtype or bf16 compute,
@@ -237,12 +237,12 @@ def plan(
         with a plan note (:meth:`~spmdkit.planner.logical.LogicalRules.on_mesh`),
         unless one is a near miss of a mesh axis (a typo: ``"modle"``).
       allow_fp8: with ``"auto"``, also try ``Recipe(compute_dtype="float8")``
-        (weight matmuls on float8 operands, :mod:`spmdkit.fp8`). Off by default:
+        (weight matmuls on float8 operands, :mod:`spmdkit.step.fp8`). Off by default:
         float8 changes numerics, so auto never picks it unasked. A fixed
         ``recipe=Recipe(compute_dtype="float8")`` needs no flag.
       allow_master_weights: with ``"auto"``, also try each narrower compute
         dtype with ``master_weights="optimizer"`` (bf16 parameters, the fp32
-        master in the optimizer state, :mod:`spmdkit.master`). Off by default:
+        master in the optimizer state, :mod:`spmdkit.step.master`). Off by default:
         the plan's step then takes bf16 parameters, not the caller's fp32 ones
         (:mod:`spmdkit.planner.levers`).
       allow_over_budget: with ``"auto"``, when no candidate fits

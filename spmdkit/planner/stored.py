@@ -1,6 +1,6 @@
 """Parameter groups as a recipe's step stores them (``Recipe.master_weights``).
 
-Under ``master_weights="optimizer"`` (:mod:`spmdkit.master`) the analytic model
+Under ``master_weights="optimizer"`` (:mod:`spmdkit.step.master`) the analytic model
 prices each floating group stored in bf16: its parameters, gradients and their
 collectives at 2 bytes per element, no compute-dtype copy (the parameters are
 already in it), and its fp32 master (4 bytes per element) added to its
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.master import master_bytes, stored_dtype
+from spmdkit.step.master import master_bytes, stored_dtype
 
 __all__ = ["stored_group"]
 
@@ -25,7 +25,7 @@ ParamGroup = Any
 
 def stored_group(recipe: Any, g: ParamGroup) -> ParamGroup:
     """``g`` as the recipe's step stores it: under ``master_weights="optimizer"``
-    a floating group in :func:`~spmdkit.master.stored_dtype` with its fp32 master
+    a floating group in :func:`~spmdkit.step.master.stored_dtype` with its fp32 master
     in :attr:`opt_bytes <spmdkit.planner.analytic.ParamGroup>` (and in ``master``);
     else ``g``. Idempotent (a stored group has ``master`` set)."""
     dtype = stored_dtype(recipe)

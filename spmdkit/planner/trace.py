@@ -22,9 +22,7 @@ from jax.extend.core import Jaxpr, JaxprEqn
 
 from spmdkit import jaxprs
 from spmdkit.engine.region import FORWARD, REGIONS, forward_fn, grad_fn
-from spmdkit.fp8 import fp8_loss, lm_head_operands, lm_heads
 from spmdkit.introspect.model import ModelInfo, unbound_axis_error
-from spmdkit.master import opt_init, stored_dtype, stored_params
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.planner.analytic import (
     PolicyFacts,
@@ -32,9 +30,11 @@ from spmdkit.planner.analytic import (
 )
 from spmdkit.planner.experts import MoeCall
 from spmdkit.planner.plans import PyTree
-from spmdkit.recipe import PLAIN, Recipe, checkpoint_policy
-from spmdkit.roles import with_roles
 from spmdkit.state import cached
+from spmdkit.step.fp8 import fp8_loss, lm_head_operands, lm_heads
+from spmdkit.step.master import opt_init, stored_dtype, stored_params
+from spmdkit.step.recipe import PLAIN, Recipe, checkpoint_policy
+from spmdkit.step.roles import with_roles
 from spmdkit.util import CONTRACTIONS, contraction_flops, path_str
 
 if TYPE_CHECKING:
@@ -359,7 +359,7 @@ def _layer_policy(scan: jaxprs.Scan) -> Callable[[Recipe], PolicyFacts]:
         if hit is None:
             policy = checkpoint_policy(recipe)
             # names on a model that tags nothing: its matmuls tagged by role, as
-            # the step runs them (spmdkit.recipe.remat_loss)
+            # the step runs them (spmdkit.step.recipe.remat_loss)
             tagged = with_roles(scan) if recipe.saved_names else body
             plain_mm, plain_attn = memo_plain()
             mm, attn = backward_flops(policy, tagged)
@@ -404,7 +404,7 @@ def _float8_share(info: ModelInfo) -> Callable[[], float]:
     """``() -> share`` (memoized): the bytes one layer keeps for its backward pass
     with no recompute under ``Recipe(compute_dtype="float8")``, over those it keeps
     in bfloat16. Measured on the layer scan's body of the loss traced on bfloat16
-    parameters (as the step casts them), as it runs and as ``spmdkit.fp8``
+    parameters (as the step casts them), as it runs and as ``spmdkit.step.fp8``
     rewrites it: each weight matmul keeps its float8 (e4m3) input, 1 byte an
     element, for the backward's two GEMMs, so a bfloat16 value only matmuls read
     is not kept (a norm's output, attention's output, the MLP's gated product);
@@ -536,7 +536,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
 
 
 def _lm_head_params(jaxpr: Jaxpr, params: PyTree) -> frozenset[str]:
-    """Paths of the params the loss's LM head reads (``spmdkit.fp8.lm_heads``:
+    """Paths of the params the loss's LM head reads (``spmdkit.step.fp8.lm_heads``:
     what a float8 recipe keeps in bf16 by default); the params lead the
     jaxpr's invars."""
     paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -556,7 +556,7 @@ def step_arguments(
 ) -> tuple[PyTree, PyTree]:
     """The abstract ``(params, opt_state)`` the recipe's step takes: the model's,
     or under ``master_weights="optimizer"`` the params in bf16 and the optimizer
-    state with their fp32 master in it (:func:`spmdkit.master.opt_init`)."""
+    state with their fp32 master in it (:func:`spmdkit.step.master.opt_init`)."""
     if stored_dtype(recipe) is None:
         return info.abstract_params, trace_step(info, optimizer).abstract_opt
 
@@ -576,7 +576,7 @@ def train_step(
     """``train_step(params, opt_state, batch[, key]) -> (params, opt_state, value)``
     with the optimizer (default ``optax.adam``) and the recipe applied: the very
     function ``sk.train_step(info, ...)`` builds and ``sk.jit``/``train`` run
-    (:func:`spmdkit.recipe.train_step` of the model's ``train_loss``: its key an
+    (:func:`spmdkit.step.recipe.train_step` of the model's ``train_loss``: its key an
     input when the model draws random numbers, its aux kept), so what is planned is
     what runs. A model with mutable state gets ``train_step(params, opt_state,
     state, batch[, key]) -> (params, opt_state, state, value)``.
@@ -584,7 +584,7 @@ def train_step(
     One function per model, optimizer and recipe (``ModelInfo.memo``), so
     propagations of it share jax's trace cache. A ModelInfo built by hand (no loss
     to run) steps its ``loss_fn``."""
-    from spmdkit.recipe import train_step as recipe_step
+    from spmdkit.step.recipe import train_step as recipe_step
 
     def make() -> Callable:
         if info.run is not None:

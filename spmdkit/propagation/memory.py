@@ -793,7 +793,7 @@ def _narrowed(graph: Graph, prog: FlatProgram, widen: Mapping[np.dtype, np.dtype
     """Values cast down to a dtype the backend holds wider, from that wider dtype:
     the backend drops the round trip (excess precision) and reads the source, so
     the cast copy takes no buffer of its own. Not a cast to float8: its rounding
-    is the quantization (``spmdkit.fp8``), kept, so the quantized copy is a
+    is the quantization (``spmdkit.step.fp8``), kept, so the quantized copy is a
     buffer (held wide)."""
     out = set()
     for node in graph.nodes:

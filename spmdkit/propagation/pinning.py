@@ -337,7 +337,7 @@ def _partial_path(
 
 def _scaled_by(node: Node, v: int, made: Mapping[int, TensorSpec | None]) -> bool:
     """Whether ``node`` multiplies ``v`` by a replicated scalar (a float8 GEMM's
-    per-tensor scale, :func:`spmdkit.fp8.fp8_dot`): a pending sum passes it
+    per-tensor scale, :func:`spmdkit.step.fp8.fp8_dot`): a pending sum passes it
     unchanged in size, and the reduced value is scaled alike."""
     if node.prim != "mul" or len(node.ins) != 2 or list(node.ins).count(v) != 1:
         return False

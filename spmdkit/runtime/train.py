@@ -63,16 +63,16 @@ from spmdkit.compile import PlannedFunction, jit
 from spmdkit.compile.place import StateLayout, place_state, state_layout
 from spmdkit.errors import CheckpointMismatchError, TrainError
 from spmdkit.introspect import ModelInfo
-from spmdkit.loss import is_key
 from spmdkit.mesh import make_mesh
 from spmdkit.planner import Plan
 from spmdkit.planner import plan as make_plan
 from spmdkit.planner.notes import quiet_notes
-from spmdkit.recipe import Recipe, train_step
 from spmdkit.runtime.checkpoint import Manager, Restored, tree_paths
 from spmdkit.runtime.train_data import Source
 from spmdkit.runtime.train_model import Parts, model_parts, with_fp8_state
 from spmdkit.runtime.train_options import Checkpointing, Reporting, given
+from spmdkit.step.loss import is_key
+from spmdkit.step.recipe import Recipe, train_step
 from spmdkit.util import path_str
 
 __all__ = ["Checkpointing", "Reporting", "TrainError", "TrainResult", "train"]

@@ -16,7 +16,7 @@ Two ways in, one step (``sk.train_step(info, optimizer, plan)``, whose loss is
 The calls that cannot work are refused with the call that does:
 ``train(info.loss_fn, ...)`` for a model with state or RNG (that loss is the
 planner's trace on placeholder state and keys), ``train(info.train_loss, ...)``
-(a :class:`~spmdkit.loss.Loss` without the model it came from), and an NNX loss
+(a :class:`~spmdkit.step.loss.Loss` without the model it came from), and an NNX loss
 ``loss(model, batch)`` given an ``nnx.State`` where it expects a module.
 """
 
@@ -32,9 +32,9 @@ from flax import nnx
 from spmdkit.errors import SpmdError, TrainError
 from spmdkit.introspect import ModelInfo, describe
 from spmdkit.introspect.losses import STATE_FILTER, planner_stand_in
-from spmdkit.loss import Loss
 from spmdkit.planner import Plan
-from spmdkit.recipe import init_fp8_state
+from spmdkit.step.loss import Loss
+from spmdkit.step.recipe import init_fp8_state
 
 __all__ = ["Parts", "model_parts", "with_fp8_state"]
 
@@ -233,7 +233,7 @@ def _module_parts(info: ModelInfo, model: nnx.Module) -> Parts:
 
 def with_fp8_state(parts: Parts, plan: Plan, example: Any) -> Parts:
     """Under delayed float8 scaling (``plan.recipe.fp8_scaling == "delayed"``) the
-    step's state is the amax histories (``spmdkit.recipe.init_fp8_state``, empty:
+    step's state is the amax histories (``spmdkit.step.recipe.init_fp8_state``, empty:
     the first step scales as current scaling does): carried, checkpointed and
     restored as ``model_state``, returned in ``TrainResult.model_state``, not
     written into the model."""

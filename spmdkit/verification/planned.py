@@ -157,7 +157,7 @@ def as_on_cpu(prop: Propagation) -> Propagation:
 #: ``_promoted``), so the compiled collective moves twice the predicted bytes.
 CPU_PROMOTED = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
 
-#: The float8 dtypes (``spmdkit.fp8``'s operands), which XLA's CPU backend keeps
+#: The float8 dtypes (``spmdkit.step.fp8``'s operands), which XLA's CPU backend keeps
 #: in no buffer of their own: each cast to float8 is fused into the fusion that
 #: widens it back, so a quantized value is held in float32 (the dot's operand),
 #: or in float16 where a collective moves it (:data:`CPU_WIDENED_COLLECTIVES`).
@@ -165,7 +165,7 @@ CPU_FLOAT8 = frozenset({np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)})
 
 #: Float dtypes whose collectives XLA's CPU backend runs at twice their width: the
 #: 16-bit floats in float32 (:data:`CPU_PROMOTED`), float8 in float16 (its float
-#: normalization widens f8 before an all-gather: ``spmdkit.fp8``'s FSDP gathers).
+#: normalization widens f8 before an all-gather: ``spmdkit.step.fp8``'s FSDP gathers).
 CPU_WIDENED_COLLECTIVES = CPU_PROMOTED | CPU_FLOAT8
 
 
@@ -254,7 +254,7 @@ def held_on_cpu(prop: Propagation) -> Propagation:
     recompute and 2 micro-batches) the estimate is 9% under to 4% over the
     compiled peak, where native bf16 sizes put it 13-29% under.
 
-    Float8 (:data:`CPU_FLOAT8`): the compiled CPU program of an ``spmdkit.fp8``
+    Float8 (:data:`CPU_FLOAT8`): the compiled CPU program of an ``spmdkit.step.fp8``
     step holds no float8 buffer: each quantizing cast is fused with the convert
     that feeds the (float32) dot, so the quantized activations the backward keeps
     are float32 buffers, and only the FSDP-gathered weights are narrower

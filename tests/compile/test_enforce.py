@@ -12,10 +12,10 @@ from jax.sharding import PartitionSpec as P
 import spmdkit as sk
 from spmdkit.compile import jit, verify_plan
 from spmdkit.compile.enforce import enforced, replay
-from spmdkit.fp8 import fp8_dot
 from spmdkit.introspect import describe
 from spmdkit.planner import plan
 from spmdkit.propagation import propagate
+from spmdkit.step.fp8 import fp8_dot
 from spmdkit.verification.hlo import parse_collectives
 from spmdkit.verification.planned import as_on_cpu
 from tests.plan_model import ops_toy_init, ops_toy_loss, toy_batch, toy_init, toy_loss
@@ -218,7 +218,7 @@ def test_a_partial_contraction_is_reduced_as_planned():
 
 def test_a_scaled_partial_contraction_is_reduced_as_planned():
     """A float8 GEMM's result times its per-tensor scale: the weight gradient of
-    ``spmdkit.fp8.fp8_dot`` under FSDP contracts the sharded batch, and the
+    ``spmdkit.step.fp8.fp8_dot`` under FSDP contracts the sharded batch, and the
     pending sum passes the multiply by a replicated scalar on its way to the
     gradient's shards. The replay runs the contraction per device and
     reduce-scatters it as planned; left to XLA, the product was all-reduced

@@ -15,7 +15,7 @@ import spmdkit as sk
 from spmdkit.compile import infer_role, init_sharded, jit
 from spmdkit.introspect import describe
 from spmdkit.planner import plan
-from spmdkit.recipe import NAMED_POLICIES
+from spmdkit.step.recipe import NAMED_POLICIES
 from tests.plan_model import toy_batch, toy_init, toy_loss
 from tests.sampling import latin, sampled
 
@@ -44,7 +44,7 @@ def test_loss_and_grads_match_single_device(info, reference, strategy, shape):
     axes = dict(zip(("data", "model"), shape, strict=False))
     mesh = sk.make_mesh(**axes)
     # auto's layout search with the plain step (fp32 numerics checked here; auto's
-    # recipe search runs in tests/test_recipe.py and the recipe matrix below)
+    # recipe search runs in tests/step/test_recipe.py and the recipe matrix below)
     p = plan(
         info,
         mesh,

@@ -10,8 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.compile.place import place_state, state_layout
-from spmdkit.master import MasterState
 from spmdkit.runtime.checkpoint import Manager
+from spmdkit.step.master import MasterState
 
 SHAPES = {"w": (8, 16), "b": (16,)}
 

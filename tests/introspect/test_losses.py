@@ -10,7 +10,7 @@ from flax import nnx
 
 import spmdkit as sk
 from spmdkit.introspect import describe
-from spmdkit.loss import LossError
+from spmdkit.step.loss import LossError
 
 
 class Dropped(nnx.Module):

@@ -510,7 +510,7 @@ def test_gelu_is_left_alone_by_fp8_loss_and_the_matmuls_are_not():
     none inside): every matmul of the compiled float8 step, forward and backward,
     reads float8 operands, as with ``jax.nn.gelu``, and the loss and gradients
     equal that one's to an ulp."""
-    from spmdkit.fp8 import fp8_loss
+    from spmdkit.step.fp8 import fp8_loss
 
     x = jax.random.normal(jax.random.key(26), (64, 32), jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(27), (2, 2, 32, 64), jnp.float32) / 8).astype(

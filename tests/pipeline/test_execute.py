@@ -17,7 +17,7 @@ from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.tables import build_tables, forward_ticks
-from spmdkit.recipe import RecipeError
+from spmdkit.step.recipe import RecipeError
 from spmdkit.verification.compiled import report
 from spmdkit.verification.hlo import parse_collectives
 from tests.pipeline.steps import model as _model

@@ -51,7 +51,7 @@ def test_fsdp_gathers_and_scatters_the_same_bytes(model):
 def test_fsdp_gathered_once_and_held_as_the_pipeline_runs_it(model):
     from dataclasses import replace
 
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     groups, ctx = model
     up = groups["mixers/*/up"]
@@ -100,7 +100,7 @@ def test_zero1_scatters_the_grads_and_gathers_the_updated_params(model):
     accumulator is kept at the shard), once in a pipeline."""
     from dataclasses import replace
 
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     groups, ctx = model
     up = groups["mixers/*/up"]
@@ -193,7 +193,7 @@ def test_remat_keeps_less_and_recomputes_more(amesh):
     layer's whole set besides, so on 2 layers ``dots`` (69% of a layer's residuals
     with the two-residual SwiGLU) holds more than ``none``."""
     from spmdkit.models import get_model
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     info = describe(get_model("llama"), config="tiny_pipe", batch_size=8)
     trace = trace_step(info, None)
@@ -206,7 +206,7 @@ def test_remat_keeps_less_and_recomputes_more(amesh):
 
 
 def test_bf16_compute_halves_activations_and_gathers_and_runs_faster(llama):
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     fp32, bf16 = _cost(llama, Recipe()), _cost(llama, Recipe(compute_dtype="bfloat16"))
     # the logits and their gradient stay float32 (the loss upcasts); the rest halves
@@ -221,7 +221,7 @@ def test_bf16_compute_halves_activations_and_gathers_and_runs_faster(llama):
 
 
 def test_microbatches_split_activations_and_repeat_fsdp_collectives(llama):
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     one, two = _cost(llama, Recipe()), _cost(llama, Recipe(microbatches=2))
     assert two.memory["activations"] == pytest.approx(one.memory["activations"] / 2, rel=1e-6)
@@ -231,7 +231,7 @@ def test_microbatches_split_activations_and_repeat_fsdp_collectives(llama):
 
 
 def test_offload_moves_optimizer_state_over_the_host_link(llama):
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     dev, host = _cost(llama, Recipe()), _cost(llama, Recipe(offload_opt=True))
     opt = dev.memory["opt_state"] - llama[1].trace.opt_other_bytes
@@ -242,7 +242,7 @@ def test_offload_moves_optimizer_state_over_the_host_link(llama):
 
 
 def test_zero2_reduce_scatters_and_shards_the_grads(llama):
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     groups, _ = llama
     rep = [((),) * len(g.shape) for g in groups]
@@ -280,7 +280,7 @@ def test_attention_is_priced_as_the_kernel_that_runs(llama):
     skips the masked blocks, and its backward does not rerun the forward."""
     from dataclasses import replace
 
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
     from spmdkit.topology import Topology
 
     _, ctx = llama
@@ -303,7 +303,7 @@ def test_memory_bound_work_is_priced_by_bytes_over_hbm(llama):
     a stack that fuses less (eager PyTorch) moves more of them."""
     from dataclasses import replace
 
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
     from spmdkit.topology import Topology
 
     groups, ctx = llama
@@ -335,7 +335,7 @@ def test_tensor_parallel_bytes_match_megatron_lm(axes, remat):
     from spmdkit.models import get_model
     from spmdkit.pipeline import Pipeline
     from spmdkit.planner.analytic import column_siblings, tensor_parallel_bytes
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     cfg = LlamaConfig(
         vocab=1024, d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, head_dim=64,
@@ -379,7 +379,7 @@ def test_named_policies_are_priced_by_what_the_layer_keeps(llama):
     does), fewer kept means more recomputed, and the offload form keeps the same
     bytes on the host and moves them over the host link twice per step."""
     from spmdkit.planner.analytic import remat_choices
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     t = llama[1].trace
     named = t.layer_named
@@ -410,7 +410,7 @@ def test_named_policies_are_priced_by_what_the_layer_keeps(llama):
 def test_every_kth_layer_recomputes_a_kth_of_the_layers(llama):
     """remat_every=2: half the layers keep what full keeps, the others all their
     residuals; half the recompute."""
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     t = llama[1].trace
     full, half = (t.activation_bytes(Recipe(remat="full", remat_every=k)) for k in (1, 2))
@@ -447,7 +447,7 @@ def test_a_memo_shared_by_recipes_gives_each_its_own_cost(llama):
     from dataclasses import replace
 
     from spmdkit.planner.analytic import column_siblings
-    from spmdkit.recipe import Recipe
+    from spmdkit.step.recipe import Recipe
 
     groups, ctx = llama
     ctx = replace(ctx, siblings=column_siblings(groups))

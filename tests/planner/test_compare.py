@@ -11,7 +11,7 @@ from spmdkit.introspect.model import describe
 from spmdkit.planner import PlanDiff, diff, plan
 from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan
-from spmdkit.recipe import Recipe
+from spmdkit.step.recipe import Recipe
 
 
 @pytest.fixture(scope="module")

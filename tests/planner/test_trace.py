@@ -13,8 +13,8 @@ from flax import nnx
 
 import spmdkit as sk
 from spmdkit.introspect import describe
-from spmdkit.loss import placeholder_keys
 from spmdkit.planner.trace import trace_step, train_step
+from spmdkit.step.loss import placeholder_keys
 
 
 class Dropped(nnx.Module):

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-import spmdkit.recipe as recipe_module
+import spmdkit.step.recipe as recipe_module
 from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline

@@ -17,10 +17,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit.recipe import Recipe
 from spmdkit.runtime.checkpoint import CheckpointMismatchError, Manager
 from spmdkit.runtime.data import ShardedLoader
 from spmdkit.runtime.train import TrainError, train
+from spmdkit.step.recipe import Recipe
 
 
 class MLP(nnx.Module):

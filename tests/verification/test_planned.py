@@ -121,12 +121,12 @@ def test_cpu_holds_bf16_temporaries_in_float32():
 
 
 def test_cpu_holds_float8_values_in_float32():
-    """XLA:CPU keeps no float8 buffer (each quantizing cast of ``spmdkit.fp8`` is
+    """XLA:CPU keeps no float8 buffer (each quantizing cast of ``spmdkit.step.fp8`` is
     fused with the widening to its float32 dot): held as the CPU backend holds
     them, a float8 MLP's gradient counts more temporaries than at float8 sizes,
     the arguments unchanged. (Against compiled programs: tiny GPT's fsdp step,
-    ``tests/test_fp8.py``'s training test.)"""
-    from spmdkit.fp8 import fp8_loss
+    ``tests/step/test_fp8.py``'s training test.)"""
+    from spmdkit.step.fp8 import fp8_loss
     from spmdkit.verification.planned import held_on_cpu
 
     mesh = sk.make_mesh(data=8, axis_types="auto")

@@ -79,8 +79,8 @@ from spmdkit.planner.analytic import (
 from spmdkit.planner.float8 import cast_ratio, layer_residuals
 from spmdkit.planner.plans import Cost, PyTree
 from spmdkit.planner.stored import stored_group
-from spmdkit.recipe import Recipe
 from spmdkit.state import cached
+from spmdkit.step.recipe import Recipe
 from spmdkit.util import path_str
 
 __all__ = [

@@ -57,8 +57,8 @@ from spmdkit.pipeline.facts import rows_error, rows_split, split_rows_combined, 
 from spmdkit.planner.logical import LogicalRules, RulesLike
 from spmdkit.planner.naming import infer_names
 from spmdkit.planner.plans import Plan
-from spmdkit.recipe import Recipe
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.step.recipe import Recipe
 
 __all__ = [
     "LAYER_NAME",

@@ -81,8 +81,8 @@ from spmdkit.planner.pipeline.plan import (
 )
 from spmdkit.planner.plans import Cost, Dims
 from spmdkit.planner.problem import Problem
-from spmdkit.recipe import PLAIN, Recipe
 from spmdkit.spec import MeshLike, axis_sizes
+from spmdkit.step.recipe import PLAIN, Recipe
 from spmdkit.util import divisors
 
 __all__ = [

@@ -30,7 +30,7 @@ uses memory and time around it, as the published large-model recipes do
 - ``master_weights``: where the fp32 master copy lives: ``"params"`` (the
   parameters are it) or ``"optimizer"`` (parameters stored in bf16, the master
   in the optimizer state, sharded with it: Megatron's distributed optimizer;
-  :mod:`spmdkit.master`).
+  :mod:`spmdkit.step.master`).
 - ``microbatches``: gradient accumulation: the batch is split along its batch
   dim into this many micro-batches, run one after another, gradients summed;
   activation memory is that of one micro-batch.
@@ -63,7 +63,7 @@ user's loss with the levers applied to it, without editing the model:
 :func:`train_step` builds the whole step (gradients and optimizer update); the
 planner traces it, ``sk.jit`` compiles it and ``train`` runs what ``sk.jit``
 compiled, so what is planned is what runs. Both take a described model
-(``sk.describe``) or its :class:`~spmdkit.loss.Loss`, which says whether the
+(``sk.describe``) or its :class:`~spmdkit.step.loss.Loss`, which says whether the
 loss carries state, returns aux or draws random numbers (then the step takes a
 key last: ``step(params, opt_state, batch, key)``), or a plain function.
 
@@ -92,17 +92,17 @@ from spmdkit import jaxprs
 from spmdkit.batch import as_traced, as_tree, microbatches
 from spmdkit.context_parallel import ContextShard, context_parallel_loss, plan_context
 from spmdkit.errors import RecipeError
-from spmdkit.fp8 import FP8_EXCLUDE, HISTORY, SCALINGS, check_exclude, fp8_loss, fp8_state
-from spmdkit.loss import Loss, as_loss
-from spmdkit.master import check_master_weights, check_stored, master_update
-from spmdkit.offload import check_offload, host_memory_kinds, to_memory
 from spmdkit.pipeline.execute import pipelined_value_and_grad
 from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.layouts import update_specs
 from spmdkit.pipeline.split import CALLS
-from spmdkit.remat_scan import rematted_scan, rewrite
 from spmdkit.spec import axis_sizes
 from spmdkit.state import register_context
+from spmdkit.step.fp8 import FP8_EXCLUDE, HISTORY, SCALINGS, check_exclude, fp8_loss, fp8_state
+from spmdkit.step.loss import Loss, as_loss
+from spmdkit.step.master import check_master_weights, check_stored, master_update
+from spmdkit.step.offload import check_offload, host_memory_kinds, to_memory
+from spmdkit.step.remat_scan import rematted_scan, rewrite
 
 __all__ = [
     "NAMED_POLICIES",
@@ -140,7 +140,7 @@ NAMED_POLICIES: dict[str, tuple[str, ...]] = {
 REMAT_POLICIES = ("none", "dots", *NAMED_POLICIES, "full", "names")
 
 #: Compute dtypes a recipe may ask for (``None``: the parameters' own dtype).
-#: ``"float8"``: weight matmuls on float8 operands, the rest in bfloat16 (:mod:`spmdkit.fp8`).
+#: ``"float8"``: weight matmuls on float8 operands, the rest in bfloat16 (:mod:`spmdkit.step.fp8`).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8")
 
 
@@ -164,11 +164,11 @@ class Recipe:
       microbatches: gradient-accumulation steps per train step (>= 1).
       offload_opt: keep optimizer state in host memory (``pinned_host``).
       fp8_exclude: under ``compute_dtype="float8"``, the weight matmuls kept in
-        bfloat16 (``spmdkit.fp8.EXCLUDABLE``): by default the LM head
-        (``spmdkit.fp8.lm_heads``), as published recipes do; ``()``: none.
+        bfloat16 (``spmdkit.step.fp8.EXCLUDABLE``): by default the LM head
+        (``spmdkit.step.fp8.lm_heads``), as published recipes do; ``()``: none.
       master_weights: ``"params"`` (fp32 parameters are the master) or
         ``"optimizer"`` (parameters in bf16, the fp32 master in the optimizer
-        state: :mod:`spmdkit.master`).
+        state: :mod:`spmdkit.step.master`).
 
     Example::
 
@@ -575,7 +575,7 @@ def value_and_grad(
         batch's examples), or ``(loss, aux)`` with ``has_aux=True``; with
         ``has_state=True``, ``loss_fn(params, batch, state, *rest)`` →
         ``(value, new_state)`` where ``value`` is as above. Or a
-        :class:`~spmdkit.loss.Loss` (a described model's ``info.train_loss``, or
+        :class:`~spmdkit.step.loss.Loss` (a described model's ``info.train_loss``, or
         the model itself), which carries these flags and whether it takes a key.
       recipe: a :class:`Recipe`, or a plan (its ``recipe``; its gradient specs
         when it shards gradients, ZeRO-2).
@@ -680,7 +680,7 @@ def _check_delayed(loss: Loss, pipe: Any) -> None:
 def _delayed_value_and_grad(loss: Callable, has_aux: bool) -> Callable:
     """``f(params, batch, state, *rest) -> ((value, new_state), grads)`` for delayed
     float8 scaling: ``state`` holds the amax histories (:func:`init_fp8_state`),
-    and its gradient is the updated histories (``spmdkit.fp8.fp8_dot_delayed``)."""
+    and its gradient is the updated histories (``spmdkit.step.fp8.fp8_dot_delayed``)."""
     vg = jax.value_and_grad(loss, argnums=(0, 2), has_aux=has_aux)
 
     def f(params: Any, batch: Any, state: Any, *rest: Any) -> tuple[tuple[Any, Any], Any]:
@@ -701,7 +701,7 @@ def init_fp8_state(
     """The amax histories a step with ``Recipe(compute_dtype="float8",
     fp8_scaling="delayed")`` carries, initially empty (zeros: the first step scales
     as current scaling does): one ``float32[..., 3, history]`` per weight matmul
-    of the loss (``spmdkit.fp8.fp8_state``). The step takes and returns it as
+    of the loss (``spmdkit.step.fp8.fp8_state``). The step takes and returns it as
     state: ``step(params, opt_state, fp8_state, batch) -> (params, opt_state,
     fp8_state, loss)``.
 
@@ -910,7 +910,7 @@ def train_step(
 
     Args:
       loss_fn: a described model (``sk.describe(...)``; its ``train_loss``), a
-        :class:`~spmdkit.loss.Loss`, or ``loss_fn(params, batch, *rest)`` →
+        :class:`~spmdkit.step.loss.Loss`, or ``loss_fn(params, batch, *rest)`` →
         scalar mean loss (with ``has_state``: ``loss_fn(params, batch, state,
         *rest) -> (loss, new_state)``).
       optimizer: an optax ``GradientTransformation``.

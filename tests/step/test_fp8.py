@@ -1,4 +1,4 @@
-"""spmdkit.fp8: float8 weight matmuls, their gradients, and the loss rewrite."""
+"""spmdkit.step.fp8: float8 weight matmuls, their gradients, and the loss rewrite."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 from spmdkit.errors import SpmdError
-from spmdkit.fp8 import E4M3, E5M2, fp8_dot, fp8_dot_delayed, fp8_loss, fp8_state, quantize
+from spmdkit.step.fp8 import E4M3, E5M2, fp8_dot, fp8_dot_delayed, fp8_loss, fp8_state, quantize
 
 # (lhs shape, rhs shape, dimension numbers): x @ W, einsum('bsd,dhk->bshk'),
 # einsum('bshk,hkd->bsd') (two contracting dims), W^T-style contraction on dim 0
@@ -185,8 +185,8 @@ def test_the_lm_head_stays_in_bf16_and_every_other_weight_matmul_runs_in_float8(
     forward and both gradient matmuls on non-float8 operands and has no amax
     history; the layers' matmuls still read float8. ``exclude=()`` quantizes it
     too; an unknown name is a typed error."""
-    from spmdkit import recipe as rc
-    from spmdkit.fp8 import lm_head_operands, lm_heads
+    from spmdkit.step import recipe as rc
+    from spmdkit.step.fp8 import lm_head_operands, lm_heads
 
     p, tokens = _lm_args()
     for tied in (False, True):
@@ -240,7 +240,7 @@ def test_tiny_gpt_trains_in_float8_as_in_bfloat16():
 
     import spmdkit as sk
     from spmdkit.models import get_model
-    from spmdkit.recipe import init_fp8_state
+    from spmdkit.step.recipe import init_fp8_state
 
     spec = get_model("gpt")
     info = sk.describe(spec, config="tiny", batch_size=8)

@@ -684,7 +684,7 @@ def fp8_loss(loss_fn: Callable, scaling: str = "current", exclude: Sequence[str]
                 must="the state holds one amax history per weight matmul of the loss "
                 "(fp8_state's for these arguments)",
                 given=f"{len(got)} histories for {len(want)} weight matmuls",
-                fix="make the state with spmdkit.fp8.fp8_state(loss_fn, *args, "
+                fix="make the state with spmdkit.step.fp8.fp8_state(loss_fn, *args, "
                 "exclude=...) with the exclude of the loss",
             )
         hs = iter([state[k] for k in sorted(want)])

@@ -17,8 +17,8 @@ import spmdkit.models.layers as lyr
 from spmdkit import describe, jit, plan
 from spmdkit.models import get_model
 from spmdkit.pipeline.layer_scan import find_layer_scan
-from spmdkit.recipe import NAMED_POLICIES, Recipe
-from spmdkit.roles import matmul_roles
+from spmdkit.step.recipe import NAMED_POLICIES, Recipe
+from spmdkit.step.roles import matmul_roles
 
 
 def _untag(monkeypatch):
@@ -96,7 +96,7 @@ def test_a_hand_written_layer_is_tagged_and_keeps_its_gradients():
     """Batched-dot attention and a gated MLP written out, tagging nothing: the
     roles are MaxText's names, save_qkv_proj keeps Q, K and V (more residuals
     than full, fewer than none) and the gradients are the plain ones."""
-    from spmdkit import recipe as rc
+    from spmdkit.step import recipe as rc
 
     L, B, S, D = 4, 2, 8, 16
     keys = iter(jax.random.split(jax.random.key(0), 8))

@@ -1,10 +1,10 @@
-"""The layer scan rewritten for a recompute policy (``spmdkit.recipe.remat_loss``).
+"""The layer scan rewritten for a recompute policy (``spmdkit.step.recipe.remat_loss``).
 
 The loss is traced and its layer scan's equation replaced, through the plain
 calls it sits inside (:func:`rewrite`), by one whose body runs under
 ``jax.checkpoint(policy)`` (:func:`rematted_scan`); a policy that keeps names on
 a model that tags nothing gets the layer's matmuls tagged by role first
-(:func:`spmdkit.roles.with_roles`).
+(:func:`spmdkit.step.roles.with_roles`).
 
 ``Recipe(remat_every=k)`` recomputes one layer in ``k``. The layer scan becomes
 two scans: the first ``L/k`` layers (in the order they run) under
@@ -30,7 +30,7 @@ from spmdkit import jaxprs
 from spmdkit.errors import RecipeError
 from spmdkit.pipeline.layer_scan import LayerScan
 from spmdkit.pipeline.split import call_body
-from spmdkit.roles import with_roles
+from spmdkit.step.roles import with_roles
 
 __all__ = ["check_remat_every", "first_layers_checkpointed", "rematted_scan", "rewrite"]
 
@@ -148,7 +148,7 @@ def rematted_scan(layer: LayerScan, policy: Any, every: int, names: tuple[str, .
     """The layer scan's equation under ``policy``: its body checkpointed (one layer
     in ``every`` only: :func:`first_layers_checkpointed`), the layer's weight
     matmuls tagged by role first when the policy keeps ``names`` and the model tags
-    nothing (:func:`spmdkit.roles.with_roles`).
+    nothing (:func:`spmdkit.step.roles.with_roles`).
 
     Raises:
       RecipeError: ``every`` does not fit the layer count (:func:`check_remat_every`),

@@ -1,10 +1,10 @@
-"""spmdkit.loss: the Loss a train step runs, keys as step inputs, placeholder keys refused."""
+"""spmdkit.step.loss: the Loss a train step runs, keys as step inputs, placeholder keys refused."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from spmdkit.loss import (
+from spmdkit.step.loss import (
     Loss,
     LossError,
     as_loss,

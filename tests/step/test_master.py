@@ -1,4 +1,4 @@
-"""Master weights in the optimizer state (spmdkit/master.py): bf16 parameters, an
+"""Master weights in the optimizer state (spmdkit/step/master.py): bf16 parameters, an
 fp32 master updated in fp32 and cast down, checked against the fp32-master
 reference and against naive bf16 parameters."""
 
@@ -13,11 +13,11 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.errors import RecipeError
-from spmdkit.master import MasterState, master_update, opt_init, stored_params
-from spmdkit.recipe import Recipe, train_step
 from spmdkit.runtime.checkpoint import Manager
 from spmdkit.runtime.data import ShardedLoader
 from spmdkit.runtime.train import train
+from spmdkit.step.master import MasterState, master_update, opt_init, stored_params
+from spmdkit.step.recipe import Recipe, train_step
 
 MASTER = Recipe(compute_dtype="bfloat16", master_weights="optimizer")
 

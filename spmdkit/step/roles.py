@@ -1,13 +1,13 @@
 """The roles of a layer's weight matmuls, for models that tag nothing.
 
-MaxText's recompute policies (:data:`spmdkit.recipe.NAMED_POLICIES`) keep
+MaxText's recompute policies (:data:`spmdkit.step.recipe.NAMED_POLICIES`) keep
 values by their ``jax.ad_checkpoint.checkpoint_name`` tags (``query_proj``,
 ``out_proj``, ``mlpwo``, ...); the reference models tag them. A layer that tags
 nothing gets the same names from what its traced body computes, so
 ``save_qkv_proj`` keeps the same values on it as on a tagged copy:
 
 - a *weight matmul* is a ``dot_general`` of floating operands with no batch
-  dimensions (a projection: :func:`spmdkit.fp8.is_weight_matmul`);
+  dimensions (a projection: :func:`spmdkit.step.fp8.is_weight_matmul`);
 - *attention* is an equation whose body holds a batched ``dot_general`` (a
   ``custom_vjp`` kernel, an spmdkit attention region, a call); without one, the
   batched dots of two activations (values computed from the layer's carry). A
@@ -40,7 +40,7 @@ import jax.extend.core as jex
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdkit import jaxprs
-from spmdkit.fp8 import is_weight_matmul
+from spmdkit.step.fp8 import is_weight_matmul
 
 __all__ = ["matmul_roles", "with_roles"]
 

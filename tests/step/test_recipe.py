@@ -1,4 +1,4 @@
-"""spmdkit.recipe: recipes as data, and sk.value_and_grad / train_step running them.
+"""spmdkit.step.recipe: recipes as data, and sk.value_and_grad / train_step running them.
 
 The model here is a stack of dense layers scanned over stacked weights (what
 ``nnx.scan`` / ``scan_layers=True`` trace to), small enough that every test
@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-from spmdkit import recipe as rc
-from spmdkit.recipe import Recipe, RecipeError
+from spmdkit.step import recipe as rc
+from spmdkit.step.recipe import Recipe, RecipeError
 
 L, D, B = 3, 16, 8
 
@@ -346,10 +346,10 @@ def test_train_step_with_offloaded_optimizer_state_on_cpu():
 
 def test_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
     rc.check_offload(Recipe(offload_opt=True))  # CPU here: pinned_host exists
-    import spmdkit.offload
+    import spmdkit.step.offload
 
     monkeypatch.setattr(
-        spmdkit.offload, "host_memory_kinds", lambda device=None: frozenset({"device"})
+        spmdkit.step.offload, "host_memory_kinds", lambda device=None: frozenset({"device"})
     )
     with pytest.raises(RecipeError, match="pinned_host"):
         rc.check_offload(Recipe(offload_opt=True))
@@ -359,10 +359,10 @@ def test_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
 def test_remat_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
     recipe = Recipe(remat="save_qkv_proj", remat_offload=True)
     rc.check_offload(recipe)  # CPU here: pinned_host exists
-    import spmdkit.offload
+    import spmdkit.step.offload
 
     monkeypatch.setattr(
-        spmdkit.offload, "host_memory_kinds", lambda device=None: frozenset({"device"})
+        spmdkit.step.offload, "host_memory_kinds", lambda device=None: frozenset({"device"})
     )
     with pytest.raises(RecipeError, match=r"remat_offload.*pinned_host"):
         sk.value_and_grad(tagged_loss, recipe)(init(), batch())

@@ -169,7 +169,7 @@ def check_stored(params: Any, recipe: Any, *, op: str) -> None:
             "(the fp32 master lives in the optimizer state)",
             given=f"parameters in {', '.join(wrong)}",
             fix="make them with sk.init_sharded(model, plan), or cast them with "
-            "spmdkit.master.stored_params(params, recipe) before opt_init",
+            "spmdkit.step.master.stored_params(params, recipe) before opt_init",
         )
 
 
@@ -207,9 +207,9 @@ def master_update(optimizer: Any, grads: Any, state: MasterState, params: Any) -
         raise RecipeError(
             op="sk.train_step",
             must="with master_weights='optimizer' the optimizer state holds the fp32 master "
-            "(a spmdkit.master.MasterState)",
+            "(a spmdkit.step.master.MasterState)",
             given=f"an optimizer state of type {type(state).__name__}",
-            fix="make it with spmdkit.master.opt_init(optimizer, recipe)(params) "
+            fix="make it with spmdkit.step.master.opt_init(optimizer, recipe)(params) "
             "(sk.train does), not optimizer.init(params)",
         )
     wide = _cast_tree(grads, _MASTER_DTYPE)
