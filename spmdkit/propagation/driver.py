@@ -240,13 +240,13 @@ def _sweeps(
 
 
 def _region_temps(
-    steps: Sequence[Step], mesh: MeshLike, *, duplicate: bool = False
+    steps: Sequence[Step], mesh: MeshLike, *, duplicate: bool = False, cpu: bool = False
 ) -> dict[int, int]:
     """``id(node)`` → a region node's own temporaries at its planned layouts (see
     :func:`~spmdkit.propagation.regions.region_temp_bytes`), loop bodies included.
     ``duplicate`` (the lower estimate): only the regions whose rule says their
     temporaries materialize (:attr:`~spmdkit.engine.rule.Rule.scratch_materializes`),
-    at their program's own lower estimate."""
+    at their program's own lower estimate. ``cpu``: with XLA:CPU's workspaces."""
     out: dict[int, int] = {}
     for step in steps:
         node = step.node
@@ -261,9 +261,10 @@ def _region_temps(
                 step.outputs,
                 mesh,
                 duplicate=duplicate,
+                cpu=cpu,
             )
         if step.loop is not None:
-            out.update(_region_temps(step.loop.steps, mesh, duplicate=duplicate))
+            out.update(_region_temps(step.loop.steps, mesh, duplicate=duplicate, cpu=cpu))
     return out
 
 
@@ -345,7 +346,7 @@ def _memory(
         transient=transient,
         duplicate=duplicate,
         widen=widen,
-        inner=_region_temps(collect, mesh, duplicate=duplicate),
+        inner=_region_temps(collect, mesh, duplicate=duplicate, cpu=cpu),
         cpu=cpu,
         copy_reads=copy_reads,
         held=None if duplicate else _region_holds(collect, mesh),

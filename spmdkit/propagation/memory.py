@@ -60,20 +60,9 @@ Host memory: values in host memory (a recompute policy's offloaded residuals,
 ``f32<host>[...]`` in the jaxpr) take no device memory; XLA:CPU keeps them in its
 one memory and counts them in the temp allocation (``cpu=True``), as measured.
 
-Workspace on XLA:CPU only (``cpu=True``; :func:`select_and_scatter_workspace`):
-XLA:CPU has no kernel for a max-pool's gradient (``select_and_scatter``); it
-expands it into a variadic reduce-window over the padded operand and one int32
-iota per dimension, which finds each window's argmax position, and a scatter-add
-of the source into a zero-filled padded buffer at those positions. The
-reduce-window runs as soon as the operand exists (with the forward pool) and
-the positions stay alive until the gradient; XLA's scheduler makes the
-operand-less iotas and zero-filled buffer at the start of the program. GPUs run
-``select_and_scatter`` natively. Likewise a convolution with batch groups (the
-filter gradient of a grouped or depthwise convolution) runs on XLA:CPU as one
-dense convolution ``groups`` times the result's size, masked to its diagonal
-groups and reduced (:func:`batch_group_workspace`: two such buffers while it runs;
-measured on a 7x7 depthwise convolution's gradient, 16 and 32 channels: XLA's
-temp is exactly those two).
+Workspace on XLA:CPU only (``cpu=True``): the buffers of the ops XLA:CPU has no
+kernel for and expands (a max pool's gradient, a convolution with batch groups,
+``ragged_dot``), in :mod:`spmdkit.propagation.workspaces`.
 
 What it does not model: XLA fuses chains of elementwise ops (their
 intermediates are never materialized) and may schedule differently, so the
@@ -93,20 +82,18 @@ import numpy as np
 from spmdkit.propagation.buffers import ELEMENTWISE as _ELEMENTWISE
 from spmdkit.propagation.buffers import Span, heap_temps, peak
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, dce
+from spmdkit.propagation.workspaces import cpu_workspaces
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
 
 __all__ = [
     "CopyRead",
-    "batch_group_workspace",
     "MemoryEstimate",
     "RegionHold",
-    "ScatterWorkspace",
     "estimate_memory",
     "fused_values",
     "liveness",
     "program_temp_bytes",
-    "select_and_scatter_workspace",
 ]
 
 
@@ -373,130 +360,6 @@ def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> dict[int, dic
     return reads
 
 
-@dataclass(frozen=True)
-class ScatterWorkspace:
-    """Bytes XLA:CPU's expansion of one ``select_and_scatter`` takes besides the
-    operand, the source and the gradient (module docstring).
-
-    Attributes:
-      iotas: one int32 per padded element and operand dimension (each element's
-        position): XLA:CPU's scheduler makes these operand-less buffers at the
-        start of the program; they live until the positions are computed.
-      zeros: the zero-filled padded buffer the source is scattered into: made at
-        the start too, alive until it becomes the gradient (a padded one is
-        sliced as its consumer reads it).
-      indices: each window's argmax position, one int32 per window and operand
-        dimension: from the forward pool (when the operand exists) to the gradient.
-      forward: the padded operand (when there is padding) and each window's
-        maximum: while the positions are computed.
-    """
-
-    iotas: int
-    zeros: int
-    indices: int
-    forward: int
-
-
-def select_and_scatter_workspace(
-    shape: Sequence[int],
-    operand_itemsize: int,
-    source_itemsize: int,
-    window_dimensions: Sequence[int],
-    window_strides: Sequence[int],
-    padding: Sequence[tuple[int, int]],
-) -> ScatterWorkspace:
-    """The workspace of XLA:CPU's ``select_and_scatter`` on an operand of ``shape``
-    (per device), from the equation's window (see :class:`ScatterWorkspace`).
-
-    Example::
-
-        >>> # a 3x3/2 SAME max pool's gradient on f32[8,16,16,32]
-        >>> w = select_and_scatter_workspace(
-        ...     (8, 16, 16, 32), 4, 4, (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (0, 1), (0, 1), (0, 0)))
-        >>> w.iotas, w.zeros, w.indices, w.forward  # padded: 8*17*17*32; windows: 8*8*8*32
-        (1183744, 295936, 262144, 361472)
-    """
-    rank = len(shape)
-    padded = [n + lo + hi for n, (lo, hi) in zip(shape, padding, strict=True)]
-    windows = [
-        max(0, (p - w) // s + 1)
-        for p, w, s in zip(padded, window_dimensions, window_strides, strict=True)
-    ]
-    n_padded, n_windows = int(np.prod(padded)), int(np.prod(windows))
-    pad_copy = n_padded * operand_itemsize if any(lo or hi for lo, hi in padding) else 0
-    return ScatterWorkspace(
-        iotas=rank * n_padded * 4,
-        zeros=n_padded * source_itemsize,
-        indices=rank * n_windows * 4,
-        forward=pad_copy + n_windows * operand_itemsize,
-    )
-
-
-def _scatter_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: _Copies) -> None:
-    """The workspaces of the ``select_and_scatter_add`` equations (XLA:CPU): the
-    positions are computed at the operand's first reader (the forward pool, or
-    the equation itself); iotas and zeros are made at the start."""
-    first: dict[int, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for v in node.ins:
-            first.setdefault(v, i)
-    for i, node in enumerate(graph.nodes):
-        if node.prim != "select_and_scatter_add" or node.eqn is None:
-            continue
-        source, operand = layout(node.ins[0]), layout(node.ins[1])
-        p = node.eqn.params
-        ws = select_and_scatter_workspace(
-            operand.local_shape(mesh),
-            operand.itemsize,
-            source.itemsize,
-            p["window_dimensions"],
-            p["window_strides"],
-            p["padding"],
-        )
-        k = first[node.ins[1]]
-        out.hold(0, k, ws.iotas)
-        out.at(k, ws.forward)
-        out.hold(k, i, ws.indices, at=k)
-        if i > 0:
-            out.hold(0, i - 1, ws.zeros)
-
-
-def batch_group_workspace(local_bytes: int, groups: int, operand_bytes: int = 0) -> int:
-    """XLA:CPU's workspace for a convolution with ``batch_group_count`` ``groups``
-    (per device), a result of ``local_bytes`` and operands of ``operand_bytes``:
-    its group converter runs it as one dense convolution whose result is
-    ``groups`` times as large (alive with the operands), then masks that to the
-    diagonal groups (a second buffer of the same size, alive with the first once
-    the operands are freed) and reduces it to the result. This is the filter
-    gradient of a grouped (depthwise) convolution.
-
-    Example::
-
-        >>> batch_group_workspace(7 * 7 * 16 * 4, 16)  # a 7x7 depthwise kernel, 16 channels
-        100352
-    """
-    if groups <= 1:
-        return 0
-    dense = groups * local_bytes
-    return dense + max(0, dense - operand_bytes)
-
-
-def _batch_group_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: _Copies) -> None:
-    """The workspaces of convolutions with batch groups (XLA:CPU), while each runs."""
-    for i, node in enumerate(graph.nodes):
-        if node.prim != "conv_general_dilated" or node.eqn is None:
-            continue
-        p = node.eqn.params
-        if p.get("batch_group_count", 1) <= 1:
-            continue
-        spec = layout(node.outs[0])
-        feature = p["dimension_numbers"].out_spec[1]
-        shape = spec.local_shape(mesh)
-        groups = p["batch_group_count"] * shape[feature] // spec.shape[feature]
-        operands = sum(layout(v).local_bytes(mesh) for v in node.ins)
-        out.at(i, batch_group_workspace(spec.local_bytes(mesh), max(1, groups), operands))
-
-
 def _transposed_operands(node: Any) -> tuple[int, ...]:
     """The operands XLA:CPU runs this equation on transposed copies of (module
     docstring): a convolution's input when it is not batch-major and
@@ -539,7 +402,7 @@ def _temp_peak(
     materialized once. ``widen``: dtype → the dtype its values are held in.
     ``inner``: ``id(node)`` → the temporaries a node holds
     while it runs (a region's own program), in this graph or a nested body.
-    ``cpu``: add XLA:CPU's workspaces (:func:`select_and_scatter_workspace`).
+    ``cpu``: add XLA:CPU's workspaces (:mod:`spmdkit.propagation.workspaces`).
     ``copy_reads``: node index → {value id: the resharded copy the node reads in
     its place} (:func:`_lifetimes`). ``held``: ``id(node)`` → what a grad region
     holds before it runs (:class:`RegionHold`), in this graph or a nested body.
@@ -667,8 +530,7 @@ def _workspaces(
     copies = _Copies()
     transposed = _transposed_copies(graph, nbytes, copies)
     if cpu:
-        _scatter_workspaces(graph, layout, mesh, copies)
-        _batch_group_workspaces(graph, layout, mesh, copies)
+        cpu_workspaces(graph, layout, mesh, copies)
     reads = {
         i: {**transposed.get(i, {}), **(copy_reads or {}).get(i, {})}
         for i in set(transposed) | set(copy_reads or {})
@@ -869,7 +731,7 @@ def liveness(
       inner: ``id(node)`` → temporaries a node holds while it runs besides its
         results (a region's own program: :func:`program_temp_bytes`).
       cpu: add the workspaces XLA's CPU backend takes where it expands an op
-        (a max pool's gradient: :func:`select_and_scatter_workspace`).
+        (:mod:`spmdkit.propagation.workspaces`).
       copy_reads: node index → {value id: the resharded copy of it that the
         node reads (:class:`CopyRead`)}: the value is materialized for the
         collective, freed once no node reads it in its own layout (its copies
@@ -974,9 +836,10 @@ def estimate_memory(
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def program_temp_bytes(closed_jaxpr: Any, *, duplicate: bool = True) -> int:
+def program_temp_bytes(closed_jaxpr: Any, *, duplicate: bool = True, cpu: bool = False) -> int:
     """Peak bytes of a program's temporaries: the values it makes that are
-    neither its inputs nor its outputs, by liveness with the fusion model above.
+    neither its inputs nor its outputs, by liveness with the fusion model above
+    (``cpu``: with XLA:CPU's workspaces).
 
     Every value is taken at its own (per-device) shape: pass the body of a
     ``shard_map`` to get what one device holds while the body runs.
@@ -991,7 +854,7 @@ def program_temp_bytes(closed_jaxpr: Any, *, duplicate: bool = True) -> int:
     graph, _ = prog.graph(closed_jaxpr)
     dce(graph)
     ends = set(graph.invars) | set(graph.outvars)
-    return _temp_peak(graph, {}, _NO_MESH, prog, ends, duplicate=duplicate)
+    return _temp_peak(graph, {}, _NO_MESH, prog, ends, duplicate=duplicate, cpu=cpu)
 
 
 def fused_values(graph: Graph, prog: FlatProgram, *, duplicate: bool = True) -> set[int]:

@@ -337,6 +337,7 @@ class _Facts(NamedTuple):
     collectives: tuple[tuple[str, tuple[str, ...], str | None, int], ...]
     temp_bytes: int
     temp_bytes_materialized: int
+    cpu_temp_bytes: tuple[int, int]
     on_inputs: tuple[tuple[int, str, tuple[str, ...], int], ...] = ()
     residual_bytes: int = 0
     residual_bytes_materialized: int = 0
@@ -353,17 +354,20 @@ def region_temp_bytes(
     mesh: MeshLike,
     *,
     duplicate: bool = True,
+    cpu: bool = False,
 ) -> int:
     """Bytes one device holds inside a region while it runs, besides its operands
     and results: the temporaries of the ``shard_map`` program the replay runs
     (:func:`spmdkit.engine.region.region_program`) at the planned layouts, a grad
-    region's recomputed forward included (``duplicate``: as
+    region's recomputed forward included (``duplicate``, ``cpu``: as
     :func:`~spmdkit.propagation.memory.liveness`). 0 where the replay binds the
     region unsharded instead (an uneven or partial layout: XLA partitions it).
     """
     facts = _program(prim, params, attrs, required, produced, mesh)
     if facts is None:
         return 0
+    if cpu:
+        return facts.cpu_temp_bytes[0 if duplicate else 1]
     return facts.temp_bytes if duplicate else facts.temp_bytes_materialized
 
 
@@ -413,6 +417,7 @@ def _traced(
         tuple(_collectives(graph.nodes, mesh)),
         program_temp_bytes(body, duplicate=True),
         program_temp_bytes(body, duplicate=False),
+        (program_temp_bytes(body, cpu=True), program_temp_bytes(body, duplicate=False, cpu=True)),
         tuple(_on_inputs(graph, mesh)),
         *(
             _residual_bytes(graph, len(diff), fused_values(graph, prog, duplicate=d), prog)

@@ -16,12 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.propagation import propagate
-from spmdkit.propagation.memory import (
-    MemoryEstimate,
-    batch_group_workspace,
-    estimate_memory,
-    select_and_scatter_workspace,
-)
+from spmdkit.propagation.memory import MemoryEstimate, estimate_memory
 from spmdkit.verification.compiled import report
 
 S = jax.ShapeDtypeStruct
@@ -194,91 +189,3 @@ def test_scan_body_peak_counts_while_the_loop_runs():
     w, h = S((3, 64, 1024), F32), S((16, 64), F32)
     prop = propagate(f, w, h, in_specs=(None, P("x")), mesh=mesh)
     assert prop.memory.temp_bytes >= 16 // 4 * 1024 * 4
-
-
-def test_select_and_scatter_workspace_follows_the_window():
-    """XLA:CPU's expansion of a max pool's gradient, from the equation's shapes:
-    one int32 iota per operand dim over the padded operand, the zero-filled padded
-    scatter target, one int32 position per window and dim, the padded copy."""
-    same = select_and_scatter_workspace(
-        (8, 16, 16, 32), 4, 4, (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (0, 1), (0, 1), (0, 0))
-    )
-    padded, windows = 8 * 17 * 17 * 32, 8 * 8 * 8 * 32
-    assert same.iotas == 4 * padded * 4 and same.zeros == padded * 4
-    assert same.indices == 4 * windows * 4
-    assert same.forward == padded * 4 + windows * 4  # the padded operand, the maxima
-    valid = select_and_scatter_workspace(
-        (2, 24, 16), 2, 4, (1, 3, 1), (1, 2, 1), ((0, 0), (0, 0), (0, 0))
-    )
-    assert valid.zeros == 2 * 24 * 16 * 4 and valid.forward == 2 * 11 * 16 * 2  # no pad copy
-
-
-def _max_pool(x, window, strides, padding):
-    dims, steps = (1, *window, 1), (1, *strides, 1)
-    if isinstance(padding, str):
-        padding = jax.lax.padtype_to_pads(x.shape, dims, steps, padding)
-    else:
-        padding = ((0, 0), *padding, (0, 0))
-    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, steps, padding)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "shape, window, strides, padding",
-    [
-        ((8, 16, 16, 32), (3, 3), (2, 2), "SAME"),
-        ((8, 16, 16, 32), (2, 2), (2, 2), "VALID"),
-        ((8, 16, 16, 32), (3, 3), (1, 1), "SAME"),
-        ((4, 32, 32, 8), (5, 5), (3, 3), "SAME"),
-        ((4, 32, 32, 8), (3, 3), (2, 2), ((1, 1), (1, 1))),
-        ((8, 24, 16), (3,), (2,), "SAME"),
-        ((2, 8, 8, 8, 16), (2, 2, 2), (2, 2, 2), "VALID"),
-    ],
-)
-def test_max_pool_gradient_workspace_matches_xla_cpu(shape, window, strides, padding):
-    """A max pool's gradient on one CPU device: liveness alone counts a fifth to a
-    third of XLA:CPU's temporaries; with the expansion's workspace (cpu=True) it
-    matches memory_analysis to the byte (up to XLA's 40-byte tuple table), over
-    1-D, 2-D and 3-D windows, strides 1 to 3, VALID, SAME and explicit padding."""
-
-    def step(x):
-        grad = jax.grad(lambda x: jnp.sum(jnp.sin(_max_pool(x, window, strides, padding))))(x)
-        return jnp.sum(jnp.cos(grad))  # the gradient is a temporary, not an output
-
-    x = S(shape, F32)
-    closed = jax.make_jaxpr(step)(x)
-    mesh = jax.sharding.AbstractMesh((), ())
-    compiled = jax.jit(step).lower(x).compile().memory_analysis().temp_size_in_bytes
-    assert estimate_memory(closed, {}, mesh).temp_bytes < 0.4 * compiled  # GPU: no workspace
-    assert estimate_memory(closed, {}, mesh, cpu=True).temp_bytes == pytest.approx(compiled, abs=64)
-
-
-@pytest.mark.parametrize(("channels", "window", "size"), [(16, 7, 4), (32, 5, 8), (16, 3, 16)])
-def test_depthwise_filter_gradient_workspace_matches_xla_cpu(channels, window, size):
-    """A depthwise convolution's gradient (its filter gradient has batch groups =
-    channels) on one CPU device: XLA:CPU runs the filter gradient dense, channels
-    times the kernel, masked and reduced. With that workspace (cpu=True) the
-    estimate is XLA's temp to the byte, whether the dense buffers set the peak
-    (large kernels on small images: liveness alone counts a quarter of it or less)
-    or the activations do."""
-
-    def step(x, w):
-        def loss(x, w):
-            y = jax.lax.conv_general_dilated(
-                x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                feature_group_count=channels,
-            )  # fmt: skip
-            return jnp.sum(y**2)
-
-        return jax.grad(loss, argnums=(0, 1))(x, w)
-
-    x, w = S((8, size, size, channels), F32), S((window, window, 1, channels), F32)
-    closed = jax.make_jaxpr(step)(x, w)
-    mesh = jax.sharding.AbstractMesh((), ())
-    compiled = jax.jit(step).lower(x, w).compile().memory_analysis().temp_size_in_bytes
-    assert estimate_memory(closed, {}, mesh, cpu=True).temp_bytes == pytest.approx(compiled, abs=64)
-    if window == 7:
-        assert estimate_memory(closed, {}, mesh).temp_bytes < 0.25 * compiled
-    dense = channels * window * window * channels * 4  # the dense result
-    assert batch_group_workspace(dense // channels, channels) == 2 * dense  # operands freed
-    assert batch_group_workspace(dense // channels, channels, dense) == dense
