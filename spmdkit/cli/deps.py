@@ -67,6 +67,7 @@ STAGES: dict[str, tuple[str, ...]] = {
         "spmdkit.jaxprs",
         "spmdkit.batch",
         "spmdkit.context_parallel",
+        "spmdkit.expert_shard",
         "spmdkit.strategies",
         "spmdkit.state",
     ),

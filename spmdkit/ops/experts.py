@@ -12,8 +12,10 @@ sharded) leaves the output sum-partial, FSDP storage of the weights' model dim
 is all-gathered inside. ``jax.grad`` differentiates the per-device program
 (the transposes of the all-to-alls and gathers are the backward's collectives).
 Called inside a traced step on a mesh with Auto axes, the op is a region the
-planner lays out whole and prices per strategy. Semantics and costs:
-:mod:`spmdkit.rules.moe`.
+planner lays out whole and prices per strategy. Traced on one device's tokens and
+experts (a pipelined stage under :func:`spmdkit.expert_shard.expert_shard`), it
+runs the ``all_to_all`` program directly over the manual axes. Semantics and
+costs: :mod:`spmdkit.rules.moe`.
 """
 
 from __future__ import annotations
@@ -22,9 +24,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
+from spmdkit.engine.inference import infer_forward
+from spmdkit.engine.local import local_context
+from spmdkit.engine.registry import get_rule
+from spmdkit.errors import ShardingConflictError
+from spmdkit.expert_shard import ExpertShard, current_expert_shard, note_expert_exchange
+from spmdkit.mesh import abstract_mesh
 from spmdkit.ops.base import apply_rule
-from spmdkit.spec import MeshLike
+from spmdkit.spec import MeshLike, TensorSpec
 
 __all__ = ["moe_experts"]
 
@@ -86,6 +95,9 @@ def moe_experts(
         attrs["capacity_factor"] = float(capacity_factor)
     if strategy is not None:
         attrs["strategy"] = strategy
+    shard = current_expert_shard()
+    if shard is not None:  # a pipelined stage on one device's tokens and experts
+        return _on_shard((x, expert_idx, weights, w_gate, w_up, w_down), attrs, shard)
     return apply_rule(
         "moe_experts",
         x,
@@ -98,3 +110,58 @@ def moe_experts(
         in_specs=in_specs,
         **attrs,
     )
+
+
+#: The name of the call a pipelined stage's routed experts run their per-device
+#: program in (:func:`moe_experts` under :func:`~spmdkit.expert_shard.expert_shard`).
+EXPERT_EXCHANGE = "spmdkit_expert_exchange"
+
+
+def _on_shard(args: tuple, attrs: dict[str, Any], shard: ExpertShard) -> jax.Array:
+    """The op on one device's tokens (``x`` and the routing: rows split over
+    ``shard.tokens``) and experts (the weights: dim 0 split over ``shard.experts``),
+    traced where those axes are manual: the rule's ``all_to_all`` program, called
+    directly."""
+    x, idx, w, wg, wu, wd = args
+    if attrs.get("strategy", "all_to_all") != "all_to_all":
+        raise ShardingConflictError(
+            op="moe_experts",
+            must="the experts of a pipelined stage split over its batch axes run the "
+            "'all_to_all' strategy",
+            given=f"strategy {attrs['strategy']!r} with the experts over {shard.experts}",
+            fix="leave strategy=None, or plan the experts off the batch axes",
+        )
+    attrs = {**attrs, "strategy": "all_to_all"}
+    mesh = abstract_mesh(**dict(shard.sizes))
+    n_tok, n_ep = shard.token_shards, shard.expert_shards
+    specs = [
+        TensorSpec((a.shape[0] * n_tok, *a.shape[1:]), P(shard.tokens), dtype=a.dtype)
+        for a in (x, idx, w)
+    ]
+    specs += [
+        TensorSpec((a.shape[0] * n_ep, *a.shape[1:]), P(shard.experts), dtype=a.dtype)
+        for a in (wg, wu, wd)
+    ]
+    res = infer_forward("moe_experts", *specs, mesh=mesh, **attrs)
+    if tuple(res.inputs) != tuple(specs) or any(o.partial for o in res.outputs):
+        raise ShardingConflictError(
+            op="moe_experts",
+            must=f"the tokens over {shard.tokens} and the experts over {shard.experts} "
+            "are a layout the all_to_all strategy takes as it is (a pipelined stage)",
+            given=f"the rule asks for {[str(s) for s in res.inputs]}",
+            fix="plan the experts over batch axes that divide them and the tokens",
+        )
+    # what plan.verify predicts the stages to run: the rule's collectives here are
+    # integer counts (token dropping's gather, the per-expert counts' all-to-all:
+    # no cotangent), then the tokens' all-to-alls out and back (transposed in the
+    # backward)
+    kinds = [c.kind for c in res.collectives]
+    first = kinds.index("all_to_all") if "all_to_all" in kinds else len(kinds)
+    note_expert_exchange(res.collectives, [i > first for i in range(len(kinds))])
+    rule = get_rule("moe_experts")
+    local = rule.local_fn(local_context(rule, res, attrs, mesh))
+
+    def spmdkit_expert_exchange(*a: jax.Array) -> jax.Array:
+        return local(*a)
+
+    return jax.jit(spmdkit_expert_exchange)(*args)

@@ -65,6 +65,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.context_parallel import PIPELINED_STRATEGIES, ContextShard
+from spmdkit.expert_shard import ExpertShard, expert_shard
 from spmdkit.pipeline.context_parallel import (
     rows_loss_combined,
     rows_loss_error,
@@ -82,7 +83,9 @@ from spmdkit.pipeline.layouts import (
     add_routed_gradients,
     batch_split,
     differentiable,
+    expert_splits,
     gpipe_wide_params,
+    local_experts,
     local_rows,
     param_sources,
     per_mb_rows_split,
@@ -112,6 +115,7 @@ def pipelined_value_and_grad(
     *,
     context: ContextShard | None = None,
     seq_dims: Mapping[str, int] | None = None,
+    experts: Callable[[Any], Any] | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
     """``jax.value_and_grad(loss_fn)`` with the layer stack pipelined (module docstring).
 
@@ -149,6 +153,14 @@ def pipelined_value_and_grad(
       seq_dims: with ``context``, per batch leaf (its path, as
         :func:`spmdkit.util.path_str` writes it) the dim holding the sequence;
         leaves not named keep theirs whole.
+      experts: ``experts(params)``, a tree like the params of, per leaf, its
+        routed experts' dim (the ``expert`` logical dim of a ``moe_experts``
+        weight) or None. Where ``layouts`` splits that dim over batch axes (expert
+        parallelism), the weight enters split on it and stays so, the layers are
+        traced on a device's experts too (:func:`spmdkit.expert_shard.expert_shard`:
+        the tokens exchanged with the experts' devices by all-to-all over those
+        axes) and its gradient, its devices' own, is summed over the other batch
+        axes only.
 
     The loss is the mean of the micro-batches' losses, each micro-batch running
     the whole loss, as ``sk.value_and_grad``'s micro-batches do: a value the
@@ -169,7 +181,8 @@ def pipelined_value_and_grad(
         scan carries is not floating, or (with batch axes) a layer combines a
         micro-batch's rows and ``pipe.local_statistics`` is off, or the loss is
         not a mean over the rows; with context axes, what
-        :func:`~spmdkit.pipeline.context_parallel.tokens_combined` finds.
+        :func:`~spmdkit.pipeline.context_parallel.tokens_combined` finds; routed experts
+        split over different batch axes, or over batch axes with context axes.
 
     Example::
 
@@ -185,28 +198,23 @@ def pipelined_value_and_grad(
         run_mesh = _run_mesh(mesh, pipe.axis)
         axes, shards = _batch_axes(run_mesh, pipe, batch_axes)
         shard = _context_on(run_mesh, pipe, context, axes)
-        local, rows, seq, exch = _local_split(
-            loss_fn, sp, (params, one, rest), shards, shard, seq_dims
-        )
         cp = (shard.axes, shard.shards) if shard is not None else ((), 1)
         data = (*axes, *cp[0])
         p_specs, g_specs = layouts(params) if layouts and data else (None, None)
         on = dict(run_mesh.shape)
-        leaves = jax.tree.leaves
-        # GPipe's gradients are autodiff's transpose of its shard_map: its stacked
-        # weights enter split and are gathered inside, so theirs are reduce-
-        # scattered. The explicit schedules reduce-scatter their accumulators
-        # themselves and take the weights gathered at the input (gathered
-        # inside, XLA keeps a second copy for the tick loops: +W on the peak)
-        split_in = p_specs if pipe.schedule == "gpipe" else None
-        xs_in, _ = weight_splits(sp, split_in and leaves(split_in, _is_spec), data, on)
-        xs_out, sh_out = weight_splits(sp, g_specs and leaves(g_specs, _is_spec), data, on)
-        lay = ManualAxes(pipe.axis, axes, shards, rows, xs_in, xs_out, sh_out, *cp, seq)
+        ep, owner = _experts_on(experts, params, p_specs, axes, on)
+        local, rows, seq, exch, ep_exch = _local_split(
+            loss_fn, sp, (params, one, rest), shards, shard, seq_dims, (ep, owner)
+        )
+        xs_in, xs_out, sh_out, xs_ep = _weight_layouts(sp, pipe, (p_specs, g_specs), data, on, ep)
+        lay = ManualAxes(
+            pipe.axis, axes, shards, rows, xs_in, xs_out, sh_out, *cp, seq, xs_ep=xs_ep
+        )
         _check_rows_and_tokens(sp, local, lay, pipe)
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
         pre_all = _pre_for_microbatches(sp, micro, r_leaves)
-        record_traced(loss_fn, pipe, sp, lay.data_axes, (params, batch, *rest), exch)
+        record_traced(loss_fn, pipe, sp, lay.data_axes, (params, batch, *rest), exch, ep_exch)
         sources = param_sources(sp)
         if not _every_value_on_rows(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
@@ -231,7 +239,7 @@ def pipelined_value_and_grad(
         g_out = (
             [
                 batch_split(s, np.shape(x), axes, on, 0)
-                for s, x in zip(leaves(g_specs, _is_spec), p_leaves, strict=True)
+                for s, x in zip(jax.tree.leaves(g_specs, _is_spec), p_leaves, strict=True)
             ]
             if g_specs
             else replicated_splits(p_leaves)
@@ -241,6 +249,31 @@ def pipelined_value_and_grad(
         return _loss_and_outputs(loss, outs), jax.tree.unflatten(p_tree, g)
 
     return grad_fn
+
+
+def _weight_layouts(
+    sp: SplitLoss, pipe: Pipeline, specs: tuple, data: tuple[str, ...], on: dict, ep: tuple
+) -> tuple[tuple, tuple, tuple, tuple]:
+    """How the stacked weights enter the pipeline's ``shard_map`` and how theirs and
+    the shared weights' gradients leave it (:class:`ManualAxes`' ``xs_in``,
+    ``xs_out``, ``sh_out``), and the stacked weights' expert-parallel splits
+    (``xs_ep``), from the plan's ``specs`` (params', grads') and the parameters'
+    expert splits ``ep``."""
+    p_specs, g_specs = specs
+    leaves = jax.tree.leaves
+    # GPipe's gradients are autodiff's transpose of its shard_map: its stacked
+    # weights enter split and are gathered inside, so theirs are reduce-
+    # scattered. The explicit schedules reduce-scatter their accumulators
+    # themselves and take the weights gathered at the input (gathered
+    # inside, XLA keeps a second copy for the tick loops: +W on the peak),
+    # but for expert-parallel ones, which enter split on their experts
+    split_in = p_specs if pipe.schedule == "gpipe" else None
+    xs_in, _ = weight_splits(sp, split_in and leaves(split_in, _is_spec), data, on)
+    xs_out, sh_out = weight_splits(sp, g_specs and leaves(g_specs, _is_spec), data, on)
+    xs_ep = _stacked(sp, ep)
+    if pipe.schedule != "gpipe" and any(xs_ep):
+        xs_in = xs_ep
+    return xs_in, xs_out, sh_out, xs_ep
 
 
 def _run_mesh(plan_mesh: Any, axis: str) -> Any:
@@ -297,18 +330,85 @@ def _context_on(
 
 
 def _local_split(
-    loss_fn: Callable, sp: SplitLoss, args: tuple, shards: int, shard: Any, seq_dims: Any
-) -> tuple[SplitLoss, tuple, tuple, tuple]:
-    """The loss split on a device's rows (and, with ``shard``, tokens) of one
-    micro-batch, per per-micro-batch value whether its rows are split and which
-    dim the context axes split, and the context collectives one layer traced
-    (:attr:`~spmdkit.pipeline.facts.PipelineFacts.context_bytes`)."""
+    loss_fn: Callable,
+    sp: SplitLoss,
+    args: tuple,
+    shards: int,
+    shard: Any,
+    seq_dims: Any,
+    experts: tuple[tuple, ExpertShard | None] = ((), None),
+) -> tuple[SplitLoss, tuple, tuple, tuple, tuple]:
+    """The loss split on a device's rows (and, with ``shard``, tokens; with an
+    :class:`~spmdkit.expert_shard.ExpertShard`, experts: ``experts`` is the
+    parameters' expert splits and it) of one micro-batch, per per-micro-batch
+    value whether its rows are split and which dim the context axes split, and
+    the collectives one layer traced over the context axes
+    (:attr:`~spmdkit.pipeline.facts.PipelineFacts.context_bytes`) or the experts'
+    (:attr:`~spmdkit.pipeline.facts.PipelineFacts.expert_bytes`)."""
+    splits, owner = experts
+    if shard is not None and owner is not None:
+        raise PipelineError(
+            op="pipeline",
+            must="a pipelined stage splits the sequence (context axes) or the routed "
+            "experts over batch axes, not both",
+            given=f"context axes {shard.axes} and experts over {owner.experts}",
+            fix="plan the experts off the batch axes, or without context parallelism",
+        )
     if shard is not None:
         local, exchanges = split_on_tokens(loss_fn, args, shards, shard, seq_dims)
-        return local, *per_mb_seq_split(sp, local, shards, shard.shards), exchanges
+        return local, *per_mb_seq_split(sp, local, shards, shard.shards), exchanges, ()
     params, one, rest = args
-    local = sp if shards == 1 else split_loss(loss_fn, params, local_rows(one, shards), rest)
-    return local, per_mb_rows_split(sp, local, shards), (), ()
+    if owner is None:
+        local = sp if shards == 1 else split_loss(loss_fn, params, local_rows(one, shards), rest)
+        return local, per_mb_rows_split(sp, local, shards), (), (), ()
+    leaves, tree = jax.tree.flatten(params)
+    mine = jax.tree.unflatten(tree, local_experts(leaves, splits, dict(owner.sizes)))
+    with expert_shard(owner) as exchanges:
+        local = split_loss(loss_fn, mine, local_rows(one, shards), rest, axis_env=list(owner.sizes))
+    rows = per_mb_rows_split(sp, local, shards, _stacked(sp, splits))
+    return local, rows, (), (), tuple(exchanges)
+
+
+def _experts_on(
+    experts: Callable[[Any], Any] | None,
+    params: Any,
+    specs: Any,
+    batch: tuple[str, ...],
+    sizes: dict,
+) -> tuple[tuple, ExpertShard | None]:
+    """Per parameter leaf its expert-parallel split over the batch axes
+    (:func:`~spmdkit.pipeline.layouts.expert_splits`), and the
+    :class:`~spmdkit.expert_shard.ExpertShard` the layers are traced on (None
+    without expert parallelism).
+
+    Raises:
+      PipelineError: the experts are split over different batch axes."""
+    leaves = jax.tree.leaves(params)
+    if experts is None or specs is None or not batch:
+        return ((),) * len(leaves), None
+    dims = jax.tree.leaves(experts(params), is_leaf=lambda x: x is None)
+    splits = expert_splits(dims, jax.tree.leaves(specs, _is_spec), batch, sizes)
+    axes = {tuple(a for _, part in split for a in part) for split in splits if split}
+    if not axes:
+        return splits, None
+    if len(axes) > 1:
+        raise PipelineError(
+            op="pipeline",
+            must="the routed experts of the layer stack are split over one set of batch axes",
+            given=f"experts split over {sorted(axes)}",
+            fix="plan every expert weight's `expert` dim on the same mesh axes",
+        )
+    (ep,) = axes
+    return splits, ExpertShard(batch, ep, tuple((a, sizes[a]) for a in batch))
+
+
+def _stacked(sp: SplitLoss, splits: tuple) -> tuple:
+    """Per stacked weight of ``sp``, the expert-parallel split of the parameter it
+    is (or is a cast of); ``()`` when none is."""
+    if not any(splits):
+        return ()
+    xs_src, _ = param_sources(sp)
+    return tuple(() if i is None else splits[i] for i in xs_src)
 
 
 def _batch_axes(mesh: Any, pipe: Pipeline, batch_axes: tuple[str, ...]) -> tuple[tuple, int]:

@@ -92,6 +92,11 @@ class PipelineFacts:
         over the context axes for one micro-batch on one device, ``((kind,
         payload bytes), ...)``, as its stage traced them (attention's K/V
         gathers: :func:`spmdkit.context_parallel.context_shard`).
+      expert_bytes: with expert parallelism over batch axes, one layer's forward
+        collectives over them for one micro-batch on one device, ``((kind,
+        payload bytes, whether the backward runs its transpose), ...)``, as its
+        stage traced them (the routed experts' all-to-alls:
+        :func:`spmdkit.expert_shard.expert_shard`).
     """
 
     pipe: Pipeline
@@ -103,6 +108,7 @@ class PipelineFacts:
     args: tuple = field(default=(), compare=False)
     layers: int = 0
     context_bytes: tuple[tuple[str, float], ...] = ()
+    expert_bytes: tuple[tuple[str, float, bool], ...] = ()
 
 
 _TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = register_context(
@@ -144,6 +150,7 @@ def record_traced(
     batch_axes: tuple[str, ...],
     args: tuple,
     context_bytes: tuple[tuple[str, float], ...] = (),
+    expert_bytes: tuple[tuple[str, float, bool], ...] = (),
 ) -> None:
     """Hand a pipelined gradient being traced (``sp``: its loss split; ``args``:
     its params, batch and the rest) to the :func:`pipelines_traced` around it, if
@@ -165,6 +172,7 @@ def record_traced(
             args=tuple(shapes),
             layers=sp.layers,
             context_bytes=context_bytes,
+            expert_bytes=expert_bytes,
         )
     )
 

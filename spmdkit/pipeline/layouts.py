@@ -40,6 +40,8 @@ __all__ = [
     "add_routed_gradients",
     "batch_split",
     "differentiable",
+    "expert_splits",
+    "local_experts",
     "gather_split",
     "gpipe_wide_params",
     "local_rows",
@@ -51,6 +53,7 @@ __all__ = [
     "route_wide_gradients",
     "split_microbatches",
     "split_to_spec",
+    "unowned",
     "update_specs",
     "weight_splits",
     "zero_cotangent",
@@ -157,6 +160,10 @@ class ManualAxes:
     context: tuple[str, ...] = ()
     context_size: int = 1
     seq: tuple[int | None, ...] = ()
+    #: expert parallelism: per stacked weight, the dims split over batch axes that
+    #: it enters and leaves split on, never gathered nor summed over
+    #: (:func:`expert_splits`)
+    xs_ep: tuple[BatchSplit, ...] = ()
 
     @property
     def all_axes(self) -> tuple[str, ...]:
@@ -201,16 +208,25 @@ class ManualAxes:
         """A stacked weight's spec, regrouped ``[p, v, L/(p·v), ...]``."""
         return split_to_spec((self.axis, None, None), split, skip=1)
 
-    def reduce(self, g: Any, split: BatchSplit, offset: int, extra: tuple[str, ...] = ()) -> Any:
+    def reduce(
+        self,
+        g: Any,
+        split: BatchSplit,
+        offset: int,
+        extra: tuple[str, ...] = (),
+        owned: BatchSplit = (),
+    ) -> Any:
         """A gradient summed over the batch axes (and ``extra``): reduce-scattered
         over the axes of ``split`` (its dims shifted by ``offset``), all-reduced
-        over the others. A narrower float (a bf16 parameter's gradient, under
+        over the others, except the axes of ``owned`` (an expert-parallel weight's
+        gradient is its own device's: :func:`expert_splits`). A narrower float (a
+        bf16 parameter's gradient, under
         ``master_weights="optimizer"``) is reduced in :func:`accumulator_dtype`, as
         the planner prices it (and XLA:CPU cannot promote a bf16 all-reduce whose
         reducer it has copied)."""
         dtype = jnp.result_type(g)
         g = g.astype(accumulator_dtype(dtype))
-        for d, axes in split:
+        for d, axes in unowned(split, owned):
             g = jax.lax.psum_scatter(g, axes, scatter_dimension=d + offset, tiled=True)
         done = {a for _, axes in split for a in axes}
         rest = (*extra, *(a for a in self.data_axes if a not in done))
@@ -247,6 +263,47 @@ def split_to_spec(lead: tuple, split: BatchSplit, skip: int = 0) -> P:
     for d, axes in split:
         entries[d] = axes
     return P(*lead, *entries[skip:])
+
+
+def unowned(split: BatchSplit, owned: BatchSplit) -> BatchSplit:
+    """``split`` without the dims of ``owned`` (an expert-parallel weight's)."""
+    return tuple(entry for entry in split if entry not in owned)
+
+
+def expert_splits(
+    dims: list[int | None], specs: list | None, batch: tuple[str, ...], sizes: dict
+) -> tuple[BatchSplit, ...]:
+    """Per parameter leaf, its expert-parallel split: the batch axes its ``specs``
+    split its routed experts' dim over (``dims``: per leaf that dim, or None), where
+    they divide it; ``()`` for the others.
+
+    Example::
+
+        >>> expert_splits([None, 1], [P("pipe"), P("pipe", "data")], ("data",), sizes)
+        ((), ((1, ('data',)),))
+    """
+    if not specs or not batch:
+        return ((),) * len(dims)
+    out = []
+    for (
+        d,
+        spec,
+    ) in zip(dims, specs, strict=True):
+        split = () if d is None else batch_split(spec, (0,) * (d + 1), batch, sizes, 0)
+        out.append(tuple(entry for entry in split if entry[0] == d))
+    return tuple(out)
+
+
+def local_experts(leaves: list, splits: tuple[BatchSplit, ...], sizes: dict) -> list:
+    """The parameter leaves as a device holds its experts: each expert-parallel dim
+    (``splits``: :func:`expert_splits`) divided by its axes' size."""
+    out = []
+    for x, split in zip(leaves, splits, strict=True):
+        shape = list(np.shape(x))
+        for d, axes in split:
+            shape[d] //= int(np.prod([sizes[a] for a in axes]))
+        out.append(jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x)) if split else x)
+    return out
 
 
 def gather_split(x: Any, split: BatchSplit, offset: int) -> Any:
@@ -362,13 +419,23 @@ def per_mb_seq_split(
     return tuple(rows), tuple(seq)
 
 
-def per_mb_rows_split(sp: SplitLoss, local: SplitLoss, shards: int) -> tuple[bool, ...]:
+def per_mb_rows_split(
+    sp: SplitLoss, local: SplitLoss, shards: int, xs_ep: tuple[BatchSplit, ...] = ()
+) -> tuple[bool, ...]:
     """Per value of ``sp.per_mb``: is it split over the batch rows (its leading dim
-    scales with them)? ``local`` is the loss split on a device's rows."""
-    same = all(
-        [v.aval for v in getattr(sp, k)] == [v.aval for v in getattr(local, k)]
-        for k in ("xs", "shared")
+    scales with them)? ``local`` is the loss split on a device's rows (and its
+    experts: per stacked weight ``xs_ep``, the dims it holds a part of)."""
+    ep = [{d for d, _ in split} for split in xs_ep] or [set()] * len(sp.xs)
+    same = len(sp.xs) == len(local.xs) and all(
+        g.aval.dtype == lo.aval.dtype
+        and len(g.aval.shape) == len(lo.aval.shape)
+        and all(
+            a == b or (d in owned and b and a % b == 0)
+            for d, (a, b) in enumerate(zip(g.aval.shape, lo.aval.shape, strict=True))
+        )
+        for g, lo, owned in zip(sp.xs, local.xs, ep, strict=False)
     )
+    same = same and [v.aval for v in sp.shared] == [v.aval for v in local.shared]
     rows = []
     for g, lo in zip(sp.per_mb, local.per_mb, strict=False):
         gs, ls = tuple(g.aval.shape), tuple(lo.aval.shape)

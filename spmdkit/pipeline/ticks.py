@@ -36,6 +36,7 @@ from spmdkit.pipeline.layouts import (
     differentiable,
     gather_split,
     replicated_splits,
+    unowned,
 )
 from spmdkit.pipeline.schedule import Pipeline
 from spmdkit.pipeline.split import SplitLoss
@@ -229,9 +230,14 @@ def _in_named_scope(name: str) -> Callable:
 def _gathered_weights(xs_local: list, lay: ManualAxes) -> list:
     """A device's stacked weights (``[1, v, L/(p·v), ...]``: its row of the pipe
     axis) as its chunks run them, ``[v, L/(p·v), ...]``, gathered over the batch
-    axes that split them (where they enter split: ``lay.xs_in``)."""
+    axes that split them (where they enter split: ``lay.xs_in``), but for the
+    expert-parallel dims (``lay.xs_ep``: a device runs its own experts)."""
     splits = lay.xs_in or replicated_splits(xs_local)
-    return [gather_split(x[0], s, 1) for x, s in zip(xs_local, splits, strict=True)]
+    owned = lay.xs_ep or replicated_splits(xs_local)
+    return [
+        gather_split(x[0], unowned(s, o), 1)
+        for x, s, o in zip(xs_local, splits, owned, strict=True)
+    ]
 
 
 def _chunk_weights(xs_l: list, j: Any, v: int) -> list:
@@ -386,12 +392,15 @@ def _reduced_results(ctx: BoundLoss, lay: ManualAxes, state: dict, xs_l: list) -
     micro-batches until now), reduce-scattered to the plan's split of them."""
     sp, axis = ctx.sp, lay.axis
     psum = lambda x, axes=lay.all_axes: jax.lax.psum(x, axes)  # noqa: E731
+    owned = lay.xs_ep or replicated_splits(xs_l)
     xs_out = [
-        s
-        for s, x in zip(lay.xs_out or replicated_splits(xs_l), xs_l, strict=True)
+        (s, o)
+        for s, o, x in zip(lay.xs_out or replicated_splits(xs_l), owned, xs_l, strict=True)
         if differentiable(x)
     ]
-    g_xs = [lay.reduce(g, s, 1)[None] for g, s in zip(state["g_xs"], xs_out, strict=True)]
+    g_xs = [
+        lay.reduce(g, s, 1, owned=o)[None] for g, (s, o) in zip(state["g_xs"], xs_out, strict=True)
+    ]
     sh_out = [
         s
         for s, v in zip(lay.sh_out or replicated_splits(sp.shared), sp.shared, strict=True)

@@ -103,6 +103,7 @@ from spmdkit.step.loss import Loss, as_loss
 from spmdkit.step.master import check_master_weights, check_stored, master_update
 from spmdkit.step.offload import check_offload, host_memory_kinds, to_memory
 from spmdkit.step.remat_scan import rematted_scan, rewrite
+from spmdkit.util import path_str
 
 __all__ = [
     "NAMED_POLICIES",
@@ -644,7 +645,8 @@ def value_and_grad(
         # the plan pipelines its layer stack over its pipe axis (spmdkit.pipeline.execute)
         batch_axes = tuple(getattr(recipe, "activation", {}).get("batch", ()))
         where = (recipe.sharding_mesh, batch_axes, _plan_layouts(recipe, _for_update))
-        vg = _pipelined(cast_loss, pipe, where, loss.has_aux, _pipelined_context(recipe))
+        context = {**_pipelined_context(recipe), **_pipelined_experts(recipe)}
+        vg = _pipelined(cast_loss, pipe, where, loss.has_aux, context)
 
     def grad_fn(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
         seen = _SEEN.get()
@@ -764,6 +766,26 @@ def _pipelined_context(plan: Any) -> dict[str, Any]:
     names = dict(getattr(plan, "batch_axes", {}))
     seq = {k: tuple(v).index("seq") for k, v in names.items() if "seq" in tuple(v)}
     return {"context": shard, "seq_dims": seq}
+
+
+def _pipelined_experts(plan: Any) -> dict[str, Any]:
+    """A pipelined plan's routed experts, as the executor takes them: per parameter,
+    the dim its logical names call ``expert`` (None for the others)."""
+    info = getattr(plan, "info", None) or {}
+    if not any("expert" in tuple(names or ()) for _, _, names in info.values()):
+        return {}
+
+    def dims(params: Any) -> Any:
+        def one(kp: tuple, x: Any) -> int | None:
+            path = path_str(kp)  # the plan's path, or the longest one it ends with
+            ends = (p for p in info if path.endswith("/" + p))
+            key = path if path in info else max(ends, key=len, default=None)
+            names = tuple(info[key][2] or ()) if key is not None else ()
+            return names.index("expert") if "expert" in names else None
+
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    return {"experts": dims}
 
 
 def _pipelined(

@@ -56,6 +56,7 @@ __all__ = [
     "chunk_weight_bytes",
     "context_exchange",
     "counted_by_schedule",
+    "expert_exchange",
     "pipelined_prediction",
     "stage_collectives",
 ]
@@ -145,6 +146,8 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         for kind, b in stage_collectives(plan, facts).items():
             comm[kind] = comm.get(kind, 0) + int(b)
         for kind, b in context_exchange(plan, facts).items():
+            comm[kind] = comm.get(kind, 0) + int(b)
+        for kind, b in expert_exchange(plan, facts).items():
             comm[kind] = comm.get(kind, 0) + int(b)
         if residual_outputs(pipe):
             extra -= counted.pop(0) if counted else 0.0
@@ -458,4 +461,21 @@ def context_exchange(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
         out[kind] = out.get(kind, 0.0) + nbytes * runs * rerun
         back = _TRANSPOSE.get(kind, kind)
         out[back] = out.get(back, 0.0) + nbytes * runs
+    return out
+
+
+def expert_exchange(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
+    """The routed experts' token exchange in an expert-parallel pipeline's stages,
+    per device and kind: each layer's forward all-to-alls as its stage traced them
+    (:attr:`~spmdkit.pipeline.facts.PipelineFacts.expert_bytes`: one micro-batch's,
+    a device's rows), the transposes of the tokens' two in the backward (the
+    per-expert counts have no cotangent), and the forward's again where the recipe
+    recomputes the layer, for the ``L / p`` layers a device runs of each of the
+    ``m`` micro-batches."""
+    pipe = facts.pipe
+    runs = pipe.microbatches * facts.layers / pipe.stages
+    rerun = 2 if plan.recipe.remat != "none" else 1
+    out: dict[str, float] = {}
+    for kind, nbytes, transposed in facts.expert_bytes:
+        out[kind] = out.get(kind, 0.0) + nbytes * runs * (rerun + transposed)
     return out

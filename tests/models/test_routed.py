@@ -1,7 +1,8 @@
 """The dropless MoE decoders: published parameter counts (abstract models), and one
 step of each tiny model under expert parallelism (EP 8, EP 4 x expert TP 2, EP 4 x
-FSDP 2) with the loss and grads of one device and the compiled all-to-alls as
-predicted."""
+FSDP 2, and pipelined on pipe 2 x data 4 with EP 4 over the data axis) with the loss
+and grads of one device, the compiled all-to-alls as predicted and the peak memory
+within plan.verify's tolerance."""
 
 import dataclasses
 import functools
@@ -53,12 +54,14 @@ LAYOUTS = {
 
 
 @functools.cache
-def _reference(name, size):
+def _reference(name, size, **changes):
     spec = zoo.get_model(name)
     # experts wider than the tiny default: with 32 hidden units gathering every
     # expert's weights moves fewer bytes than exchanging the tokens, and the step
     # (rightly) does that instead of expert parallelism
-    cfg = dataclasses.replace(spec.config(size), moe_strategy="all_to_all", d_ff_expert=128)
+    cfg = dataclasses.replace(
+        spec.config(size), moe_strategy="all_to_all", d_ff_expert=128, **changes
+    )
     batch = spec.batch(cfg, 8, np.random.default_rng(0))
     info = describe(spec, config=cfg, batch=batch)
     params = info.init_fn()
@@ -77,11 +80,49 @@ def test_expert_parallel_step_equals_one_device(name, size, layout):
     w_gate = tuple(plan.params[f"{stack}/moe/w_gate"])  # [layers, E, D, F]
     assert (w_gate + (None,) * (4 - len(w_gate)))[1:] == experts
     step = sk.jit(jax.value_and_grad(info.loss_fn), plan)
-    loss, grads = step(params, batch)
+    _assert_equal(step(params, batch), ref_loss, ref_grads)
+    report = plan.verify(step, params, batch)
+    rows = {kind: (p, c) for kind, p, c, _ in report.rows}
+    predicted, compiled = rows.get("all_to_all", (0, 0))
+    assert predicted == compiled > 0  # the token exchange, exactly as predicted
+    assert report.ok, str(report)  # the other collectives, and the peak memory
+
+
+def _assert_equal(got, ref_loss, ref_grads):
+    loss, grads = got
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     scale = max(float(np.max(np.abs(r))) for r in jax.tree.leaves(ref_grads))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * scale)
-    rows = {kind: (p, c) for kind, p, c, _ in plan.verify(step, params, batch).rows}
+
+
+#: One layer stack to pipeline: DeepSeek-style (MLA, shared experts) without its
+#: dense first layers (a pipeline splits one stack).
+PIPELINED = {"deepseek": {"n_layers": 2, "n_dense_layers": 0}, "qwen3_moe": {}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "size"), [("deepseek", "tiny"), ("qwen3_moe", "tiny")])
+def test_pipelined_expert_parallel_step_equals_one_device(name, size):
+    """pipe 2 x data 4, the ``ep`` preset: the MoE layers' experts over the data axis,
+    which the pipeline's shard_map makes manual. Each device keeps its two experts
+    (never gathered), the stages exchange the tokens by all-to-all over the data
+    axis, and the experts' gradients stay on their devices. The load-balancing loss
+    is per sequence (a statistic of each device's rows that is the batch's too), so
+    the step's loss and grads are one device's."""
+    info, batch, params, ref_loss, ref_grads = _reference(
+        name, size, load_balance="sequence", **PIPELINED[name]
+    )
+    pipe = sk.Pipeline(stages=2, microbatches=2, schedule="1f1b", local_statistics=True)
+    mesh = sk.make_mesh(pipe=2, data=4)
+    plan = sk.plan(info, mesh, "ep", pipeline=pipe, estimator="analytic")
+    stack = "moe_layers" if name == "deepseek" else "layers"
+    assert tuple(plan.params[f"{stack}/moe/w_gate"]) == ("pipe", "data")
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
+    _assert_equal(step(params, batch), ref_loss, ref_grads)
+    report = plan.verify(step, params, batch)
+    rows = {kind: (p, c) for kind, p, c, _ in report.rows}
     predicted, compiled = rows.get("all_to_all", (0, 0))
-    assert predicted == compiled > 0  # the token exchange, exactly as predicted
+    assert predicted == compiled > 0
+    assert "all_gather" not in rows  # the experts stay split: nothing gathers them
+    assert report.ok, str(report)
