@@ -268,6 +268,23 @@ fig.savefig(os.path.join(OUT, "layout_params.png"), dpi=80)
 plt.show()"""
     ),
     md(
+        "## The whole plan as a picture\n\n"
+        "`plan.to_html(path)` writes one self-contained page (no script, no network): "
+        "each parameter group's layout as a grid of the mesh's devices coloured by the "
+        "shard each holds, memory per device by kind, and the predicted collectives of "
+        "one step on a timeline, one lane per pass. `plan.plot()` draws the same as "
+        "matplotlib figures. The timeline needs the propagate estimator (it records "
+        "which equation moves what)."
+    ),
+    code(
+        """\
+pictured = plan(tiny, mesh, "megatron")  # propagate: the timeline's equations recorded
+pictured.to_html(os.path.join(OUT, "layout_picture.html"))
+figs = pictured.plot(max_groups=8)
+figs.collectives.savefig(os.path.join(OUT, "layout_picture.png"), dpi=80)
+plt.show()"""
+    ),
+    md(
         "## Drill into one layer\n\n"
         "`spmdkit.propagation.propagate` runs the rule registry over the traced step "
         "(forward and backward) with the megatron plan's input specs. The summary lists "

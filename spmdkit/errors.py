@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointCorruptedError",
     "UsageError",
     "TrainError",
+    "MissingDependencyError",
 ]
 
 
@@ -170,4 +171,12 @@ class TrainError(SpmdError, ValueError):
     Broken example: ``train(info.loss_fn, params, ...)`` for a model with
     ``nnx.Dropout`` (that loss is the planner's trace, on a placeholder key):
     ``train(info, params, ...)`` runs the described model's train loss.
+    """
+
+
+class MissingDependencyError(SpmdError, ImportError):
+    """An optional package a function needs is not installed.
+
+    Broken example: ``plan.plot()`` where matplotlib is not installed
+    (``pip install "spmdkit[plot]"``).
     """

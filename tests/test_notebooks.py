@@ -29,6 +29,7 @@ PLOTS = {
     "layout_explorer": [
         "layout_compare.png",
         "layout_params.png",
+        "layout_picture.png",
         "layout_verify.png",
         "layout_pipeline.png",
     ],

@@ -43,6 +43,7 @@ from spmdkit.planner.notes import (
     warn_notes,
 )
 from spmdkit.planner.picture import to_html
+from spmdkit.planner.plot import PlanFigures, plot
 from spmdkit.planner.provenance import Provenance
 from spmdkit.planner.rule_export import RuleTable, to_rules
 from spmdkit.planner.snapshot import write_snapshot
@@ -841,6 +842,15 @@ class Plan:
           PlanError: ``path`` is a directory or in no existing directory.
         """
         return to_html(self, path, report=report)
+
+    def plot(self, *, max_groups: int = 24) -> PlanFigures:
+        """The page of :meth:`to_html` as matplotlib figures (``.memory``,
+        ``.collectives``, ``.layouts``; :mod:`spmdkit.planner.plot`).
+
+        Raises:
+          MissingDependencyError: matplotlib is not installed.
+        """
+        return plot(self, max_groups=max_groups)
 
     # -- verification -----------------------------------------------------------------
     def verify(

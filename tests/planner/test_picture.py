@@ -122,3 +122,35 @@ def test_page_shows_a_verify_report_and_refuses_a_directory(gpt_fsdp, tmp_path):
         gpt_fsdp.to_html(str(tmp_path))
     with pytest.raises(PlanError, match="existing directory"):
         gpt_fsdp.to_html(str(tmp_path / "no" / "plan.html"))
+
+
+def test_plot_draws_the_three_figures(gpt_fsdp):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = gpt_fsdp.plot(max_groups=6)
+    try:
+        layout_axes = [ax for ax in figs.layouts.axes if ax.get_title()]
+        assert len(layout_axes) == 6 and "groups not drawn" in figs.layouts._suptitle.get_text()
+        lanes = [t.get_text() for t in figs.collectives.axes[0].get_yticklabels()]
+        assert "forward" in lanes and ACTIVATIONS in lanes
+        bars = figs.collectives.axes[0].patches
+        assert len(bars) == len(timeline(gpt_fsdp))
+        assert len(figs.memory.axes[0].patches) == sum(
+            1 for n in gpt_fsdp.cost.memory.values() if n
+        )
+    finally:
+        for f in (figs.memory, figs.collectives, figs.layouts):
+            plt.close(f)
+
+
+def test_plot_without_matplotlib_says_what_to_install(gpt_fsdp, monkeypatch):
+    import sys
+
+    from spmdkit.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # import raises ImportError
+    with pytest.raises(MissingDependencyError, match=r"spmdkit\[plot\]") as e:
+        gpt_fsdp.plot()
+    assert isinstance(e.value, ImportError) and isinstance(e.value, sk.SpmdError)
