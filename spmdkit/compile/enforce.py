@@ -91,7 +91,7 @@ from jax.sharding import NamedSharding
 
 from spmdkit import jaxprs
 from spmdkit.engine.region import REGIONS, region_jaxpr
-from spmdkit.propagation.graph import Graph, Node
+from spmdkit.propagation.graph import Graph, Node, node_tags
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.primitives import lookup_dims
 from spmdkit.propagation.records import Propagation
@@ -215,6 +215,9 @@ class _Replay:
         # id of a pinned value → (the value, its layout): a reader that wants the
         # layout its value was produced in reads it as is, not pinned a second time
         self.pinned: dict[int, tuple[Any, TensorSpec]] = {}
+        # each node runs under its own name scope, so the compiled HLO's op_name
+        # names the equation every collective came from (plan.verify's blame)
+        self.tags = node_tags(program.graph)
 
     def pin(self, x: Any, spec: TensorSpec | None) -> Any:
         """``x`` pinned to ``spec`` (as :func:`_pin`), unless it already is: an
@@ -283,7 +286,15 @@ class _Replay:
         return list(group.eqn.primitive.bind(*closed.consts, *ins, **params))
 
     def node(self, node: Node, read: Callable[[int], Any]) -> list[Any]:
-        """One equation run with its operands and results pinned."""
+        """One equation run with its operands and results pinned, under its name
+        scope (:func:`~spmdkit.propagation.graph.node_tags`)."""
+        tag = self.tags.get(id(node))
+        if _siu is None or tag is None:  # pragma: no cover
+            return self._node(node, read)
+        with _siu.extend_name_stack(tag):
+            return self._node(node, read)
+
+    def _node(self, node: Node, read: Callable[[int], Any]) -> list[Any]:
         vals = [read(v) for v in node.ins]
         pins = self.program.specs.get(id(node))
         if pins is not None and pins.ran:  # computed in a contraction's chain

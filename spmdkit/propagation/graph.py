@@ -32,7 +32,9 @@ __all__ = [
     "Graph",
     "Group",
     "Node",
+    "TAG_PREFIX",
     "dce",
+    "node_tags",
     "producers",
     "stationary",
     "trace",
@@ -239,6 +241,36 @@ class FlatProgram:
             env[v] = self._read(sub_env, o)
         if g is not None and g is not group:
             g.outs = [env[v] for v in eqn.outvars]
+
+
+#: The name scope the replay runs each node under (``sk_eq`` and the node's number,
+#: :func:`node_tags`): the compiled HLO's ``op_name`` metadata then names the
+#: equation each collective came from.
+TAG_PREFIX = "sk_eq"
+
+
+def node_tags(graph: Graph) -> dict[int, str]:
+    """``id(node)`` → its name scope (:data:`TAG_PREFIX` and a number), for every
+    node of ``graph`` and of its bodies, numbered in program order (the same
+    numbers for the same graph: the replay and ``plan.verify`` both read them).
+
+    Example::
+
+        >>> tags = node_tags(prop.program.graph)
+        >>> tags[id(prop.steps[0].node)]
+        'sk_eq0'
+    """
+    tags: dict[int, str] = {}
+
+    def walk(g: Graph) -> None:
+        for node in g.all_nodes or g.nodes:
+            if id(node) not in tags:
+                tags[id(node)] = f"{TAG_PREFIX}{len(tags)}"
+            for sub in node.subs:
+                walk(sub)
+
+    walk(graph)
+    return tags
 
 
 def dce(graph: Graph) -> None:

@@ -38,7 +38,7 @@ from spmdkit.propagation.records import EqnRecord, Propagation
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import TensorSpec
 
-__all__ = ["ACTIVATIONS", "Move", "Trails", "Use", "decided_by", "trails"]
+__all__ = ["ACTIVATIONS", "Move", "Trails", "Use", "caller", "decided_by", "trails"]
 
 #: The bucket of collectives that move no labelled tensor: activations, their
 #: gradients, a loop's carries.
@@ -439,6 +439,13 @@ def _caller(eqn: object, fallback: str) -> str:
     except Exception:  # a jax without these internals: the record's own source
         return fallback
     return fallback
+
+
+def caller(eqn: object, fallback: str) -> str:
+    """``file:line:column (function)`` of the first frame of an equation's user
+    traceback outside spmdkit (the model line that called an ``spmdkit.ops``
+    function); ``fallback`` when there is none."""
+    return _caller(eqn, fallback)
 
 
 def _moves(reshards: Sequence) -> bool:

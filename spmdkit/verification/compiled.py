@@ -34,6 +34,7 @@ from spmdkit.verification.hlo import HloCollective, parse_collectives
 
 if TYPE_CHECKING:
     from spmdkit.propagation.records import Propagation
+    from spmdkit.verification.blame import Attribution
 
 __all__ = ["CompiledReport", "VerifyReport", "executions", "report", "verify"]
 
@@ -215,11 +216,16 @@ class VerifyReport:
         range nearest the compiled value.
       mismatches: one sentence per quantity outside its tolerance.
       ranges: ``what`` → ``(low, high)`` for quantities predicted as a range.
+      attribution: each compiled collective with its origin and the predicted
+        ones it runs, and the predictions no compiled one runs
+        (:class:`~spmdkit.verification.blame.Attribution`; None when the step was
+        not replayed by ``sk.jit``).
     """
 
     rows: list[tuple[str, int, int, bool]]
     mismatches: list[str]
     ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+    attribution: Attribution | None = None
 
     @property
     def ok(self) -> bool:
@@ -235,6 +241,8 @@ class VerifyReport:
         lines.append(
             "verified: ok" if self.ok else "mismatches:\n  " + "\n  ".join(self.mismatches)
         )
+        if self.attribution is not None:
+            lines.extend(self.attribution.lines())
         return "\n".join(lines)
 
 

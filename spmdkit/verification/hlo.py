@@ -23,8 +23,10 @@ will run. This module finds its collectives and normalizes them:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ __all__ = [
     "parse_collectives",
     "parse_replica_groups",
     "compiled_collectives",
+    "dtype_bytes",
     "summarize",
     "check_plan",
 ]
@@ -100,6 +103,10 @@ _ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[\d,\s]*)\](?:\{[^}]*\
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _ROOT = re.compile(r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*\S+\s+(?P<op>[\w\-]+)\(")
 _NUM_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+_TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
 _REPLICA_COUNT = re.compile(r"replica_count=(\d+)")
 
 
@@ -122,6 +129,10 @@ class HloCollective:
         reduce-scatter when the ``to_apply`` computation is recognized, else None.
       name: the instruction name.
       source_target_pairs: collective-permute ``(source, target)`` pairs.
+      frames: the Python frames that made it, innermost first, as
+        ``file:line (function)``: from the metadata's ``source_file`` and
+        ``source_line``, or its ``stack_frame_id`` in the module's stack-frame
+        tables (``()`` when the metadata has neither).
     """
 
     kind: str
@@ -135,6 +146,16 @@ class HloCollective:
     reduce_op: str | None = None
     name: str = ""
     source_target_pairs: tuple[tuple[int, int], ...] = ()
+    frames: tuple[str, ...] = ()
+
+    @property
+    def source(self) -> str:
+        """The innermost of :attr:`frames` outside spmdkit (the user's line; the
+        innermost frame when all are spmdkit's; ``""`` when none)."""
+        for f in self.frames:
+            if not f.startswith(_OWN):
+                return f
+        return self.frames[0] if self.frames else ""
 
     @property
     def dtype(self) -> str:
@@ -365,6 +386,11 @@ def _leaves(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
     return [leaf for item in tree for leaf in _leaves(item)]
 
 
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of an HLO element type (``"bf16"`` → 2; 4 when unknown)."""
+    return _DTYPE_BYTES.get(dtype, 4)
+
+
 def _nbytes(leaf: tuple[str, tuple[int, ...]]) -> int:
     dtype, dims = leaf
     return math.prod(dims) * _DTYPE_BYTES.get(dtype, 4)
@@ -428,14 +454,71 @@ def parse_collectives(hlo_text: str) -> list[HloCollective]:
     lines = hlo_text.splitlines()
     num_devices = _num_devices(lines)
     reducers = _reducers(lines)
+    frames: dict[int, tuple[str, ...]] | None = None
     out = []
     for line in lines:
         m = _INSTR.match(line)
         if m is None:
             continue
         collective = _collective(m, num_devices, reducers)
-        if collective is not None:
-            out.append(collective)
+        if collective is None:
+            continue
+        src = _SOURCE.search(line)
+        fid = _FRAME_ID.search(line)
+        if src is not None:
+            where = (f"{src.group(1)}:{src.group(2)}",)
+            collective = dataclasses.replace(collective, frames=where)
+        elif fid is not None:
+            frames = stack_frames(lines) if frames is None else frames
+            collective = dataclasses.replace(collective, frames=frames.get(int(fid.group(1)), ()))
+        out.append(collective)
+    return out
+
+
+def stack_frames(lines: list[str]) -> dict[int, tuple[str, ...]]:
+    """``stack_frame_id`` → its frames, innermost first (``file:line (function)``),
+    from the ``FileNames``, ``FunctionNames``, ``FileLocations`` and ``StackFrames``
+    tables XLA prints after the computations."""
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in lines:
+        name = line.strip()
+        if name in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(name, {})
+            continue
+        m = _TABLE_ROW.match(name) if current is not None else None
+        if m is None:
+            current = None if not name or name.startswith(("%", "ROOT", "ENTRY")) else current
+            continue
+        current[int(m.group(1))] = m.group(2)
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    locs: dict[int, str] = {}
+    for k, v in tables.get("FileLocations", {}).items():
+        f = re.search(r"file_name_id=(\d+)", v)
+        fn = re.search(r"function_name_id=(\d+)", v)
+        ln = re.search(r"\bline=(\d+)", v)
+        if f and ln:
+            func = funcs.get(int(fn.group(1)), "") if fn else ""
+            locs[k] = f"{files.get(int(f.group(1)), '?')}:{ln.group(1)}" + (
+                f" ({func})" if func else ""
+            )
+    parent: dict[int, tuple[int, int]] = {}
+    for k, v in tables.get("StackFrames", {}).items():
+        loc = re.search(r"file_location_id=(\d+)", v)
+        up = re.search(r"parent_frame_id=(\d+)", v)
+        if loc:
+            parent[k] = (int(loc.group(1)), int(up.group(1)) if up else 0)
+    out: dict[int, tuple[str, ...]] = {}
+    for k in parent:
+        chain, seen, at = [], set(), k
+        while at in parent and at not in seen:
+            seen.add(at)
+            loc, up = parent[at]
+            if loc in locs:
+                chain.append(locs[loc])
+            at = up
+        out[k] = tuple(chain)
     return out
 
 

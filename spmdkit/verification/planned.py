@@ -30,6 +30,7 @@ from spmdkit.planner.plans import Plan
 from spmdkit.propagation import EqnRecord, Propagation
 from spmdkit.resharding import ReshardPlan
 from spmdkit.spec import MeshLike
+from spmdkit.verification.blame import attribute
 from spmdkit.verification.compiled import VerifyReport, report, verify
 from spmdkit.verification.pipelined import counted_by_schedule, pipelined_prediction
 
@@ -79,7 +80,9 @@ def verify_plan(
       mem_tol: relative tolerance on peak memory.
 
     Returns:
-      The :class:`~spmdkit.verification.compiled.VerifyReport` (``.ok``, ``.mismatches``).
+      The :class:`~spmdkit.verification.compiled.VerifyReport` (``.ok``, ``.mismatches``;
+      ``.attribution``: every compiled collective traced to its equation and
+      matched to the predicted ones, :mod:`spmdkit.verification.blame`).
 
     Raises:
       SpmdError: ``step`` is not a step compiled for a plan (a plain function).
@@ -98,6 +101,7 @@ def verify_plan(
             fix=f"wrap with sk.jit(step, plan) (plan: {plan!r}) and pass what it returns",
         )
     _, prop = step.program(*args)
+    traced = prop
     if platform(step.mesh) == "cpu":
         prop = held_on_cpu(promoted_on_cpu(prop, as_on_cpu(prop)))
     if plan.pipeline is not None:
@@ -107,7 +111,9 @@ def verify_plan(
     compiled = report(step.compile(*args))
     if plan.pipeline is not None:
         compiled = counted_by_schedule(compiled, plan.pipeline)
-    return verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
+    rep = verify(prop, compiled, bytes_tol=bytes_tol, mem_tol=mem_tol)
+    rep.attribution = attribute(traced, compiled.collectives, compiled.executions)
+    return rep
 
 
 def platform(mesh: MeshLike) -> str | None:
