@@ -300,8 +300,8 @@ def _refined(origin: Origin | None, c: HloCollective, found: Sequence[Predicted]
     """``origin`` with the pass of the predictions it runs when they all reduce a
     gradient, and the user's line from the HLO's frames when the equation's own
     traceback stops inside spmdkit (an op's region)."""
-    if origin is None:
-        return None
+    if origin is None:  # no metadata (the step outputs' reshards): the prediction's
+        return found[0].origin if found else None
     grads = all(p.origin.phase == "gradient" for p in found)
     if found and grads and origin.phase in ("backward", "optimizer"):
         origin = replace(origin, phase="gradient")
