@@ -75,7 +75,7 @@ API: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "api/recipe.md": (
         "Recipes",
         "Recompute, compute dtype, micro-batches, offload ([recipes.md](../recipes.md)).",
-        ("spmdkit.step.recipe",),
+        ("spmdkit.step", "spmdkit.step.recipe", "spmdkit.step.grad", "spmdkit.step.passes"),
     ),
     "api/pipeline.md": (
         "Pipelines",

@@ -76,7 +76,8 @@ if TYPE_CHECKING:
     from spmdkit.resharding import Collective, ReshardPlan, plan_reshard, reshard
     from spmdkit.spec import REDUCE_OPS, TensorSpec
     from spmdkit.state import clear_caches
-    from spmdkit.step.recipe import Recipe, RecipeError, train_step, value_and_grad
+    from spmdkit.step.grad import train_step, value_and_grad
+    from spmdkit.step.recipe import Recipe, RecipeError
     from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
     from spmdkit.verification.compiled import CompiledReport, VerifyReport, report, verify
     from spmdkit.verification.hlo import (
@@ -174,11 +175,13 @@ _EXPORTS: dict[str, str] = {
             "MemoryEstimate",
             "estimate_memory",
         ),
+        "spmdkit.step.grad": (
+            "train_step",
+            "value_and_grad",
+        ),
         "spmdkit.step.recipe": (
             "Recipe",
             "RecipeError",
-            "train_step",
-            "value_and_grad",
         ),
         "spmdkit.resharding": (
             "Collective",

@@ -184,6 +184,69 @@ def test_the_layer_check_catches_an_upward_import():
     assert stage_of("spmdkit.pipeline.execute") == "base"
 
 
+# -- the step: the plan reaches it typed, its levers one import from the order -------
+
+#: The most modules following ``train``'s plan into the step may enter (issue 45:
+#: it entered 12 when the levers were wired by hand in one hub function).
+PLAN_WALK_LIMIT = 7
+
+
+def _reads_the_plan(path: pathlib.Path) -> bool:
+    """The module names the plan's type or reads a step's or a value's ``.plan``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name) and node.id == "StepPlan":
+            return True
+        if isinstance(node, ast.Attribute) and node.attr in ("plan", "StepPlan"):
+            return True
+    return False
+
+
+def plan_walk(graph, files, start: str = "spmdkit.runtime.train") -> list[str]:
+    """The modules of the step stage a reader enters following ``start``'s plan:
+    from ``start`` along imports, into step modules that read the plan."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for target in sorted(graph[todo.pop()]):
+            step = stage_of(target) == "step"
+            if target not in seen and step and _reads_the_plan(files[target]):
+                seen.add(target)
+                todo.append(target)
+    return sorted(seen)
+
+
+def test_following_trains_plan_into_the_step_enters_few_modules(graph, files):
+    walked = plan_walk(graph, files)
+    assert "spmdkit.step.grad" in walked and "spmdkit.step.pipelined" in walked
+    assert len(walked) <= PLAN_WALK_LIMIT, walked
+
+
+def test_every_lever_is_one_import_from_the_order_train_runs(graph):
+    from spmdkit.step.grad import ORDER
+
+    levers = {p.apply.__module__ for p in ORDER}
+    assert "spmdkit.step.grad" in graph["spmdkit.runtime.train"]
+    assert levers - {"spmdkit.step.grad"} <= graph["spmdkit.step.grad"]
+    assert {stage_of(m) for m in levers} == {"step"}
+
+
+def test_the_plan_walk_counts_only_modules_that_read_the_plan(tmp_path):
+    fake = _write(
+        tmp_path,
+        {
+            "spmdkit/runtime/train.py": '"""t"""\nfrom spmdkit.step import grad\n',
+            "spmdkit/step/grad.py": (
+                '"""g"""\nfrom spmdkit.step import a, b\ndef f(s):\n    return s.plan\n'
+            ),
+            "spmdkit/step/a.py": '"""a"""\nfrom spmdkit.step import c\nStepPlan = None\n',
+            "spmdkit/step/b.py": '"""b"""\n',
+            "spmdkit/step/c.py": '"""c"""\ndef f(step):\n    return step.plan\n',
+        },
+    )
+    walked = plan_walk(module_graph(fake), fake)
+    assert walked == ["spmdkit.step.a", "spmdkit.step.c", "spmdkit.step.grad"]
+
+
 # -- formatting and docstrings: no squeezing, no measurement logs ---------------------
 
 #: A ``# fmt: skip`` (or ``# fmt: off``) keeps its place only with a reason, on a

@@ -28,7 +28,7 @@ propagates shardings between the annotated boundaries, so any model compiles.
 A plan whose recipe is not the default (:class:`spmdkit.step.recipe.Recipe`:
 recompute, compute dtype, micro-batches, optimizer offload) is never silently
 ignored: the step is traced once to collect the recipes of the
-:func:`spmdkit.step.recipe.value_and_grad` gradients it takes, and a step that takes
+:func:`spmdkit.step.grad.value_and_grad` gradients it takes, and a step that takes
 none, or takes them with another recipe, is a :class:`~spmdkit.step.recipe.RecipeError`
 telling to build the gradient with ``sk.value_and_grad(loss, plan)`` (or the
 whole step with ``sk.train_step(loss, optimizer, plan)``). With
@@ -65,8 +65,10 @@ from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
 from spmdkit.step.fp8 import STATE_PREFIX
+from spmdkit.step.grad import recipes_used
 from spmdkit.step.loss import LossError, placeholder_keys
-from spmdkit.step.recipe import RecipeError, check_offload, recipes_used
+from spmdkit.step.offload import check_offload
+from spmdkit.step.recipe import RecipeError
 from spmdkit.topology import topology_for
 from spmdkit.util import path_str
 from spmdkit.verification.compiled import VerifyReport

@@ -132,7 +132,7 @@ class Candidate(NamedTuple):
 def _fp8_state(info: ModelInfo, exclude: tuple[str, ...]) -> dict:
     """The abstract amax histories of delayed float8 scaling for ``info``'s step
     (none for the matmuls ``exclude`` keeps in bfloat16)."""
-    from spmdkit.step.recipe import init_fp8_state
+    from spmdkit.step.grad import init_fp8_state
 
     key = () if info.abstract_key is None else (info.abstract_key,)
     return jax.eval_shape(

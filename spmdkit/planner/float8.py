@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from spmdkit.step.fp8 import LM_HEAD
+from spmdkit.step.recipe import LM_HEAD
 
 #: A :class:`spmdkit.planner.analytic.CostContext` (not imported: analytic imports
 #: this module).

@@ -359,7 +359,7 @@ def _layer_policy(scan: jaxprs.Scan) -> Callable[[Recipe], PolicyFacts]:
         if hit is None:
             policy = checkpoint_policy(recipe)
             # names on a model that tags nothing: its matmuls tagged by role, as
-            # the step runs them (spmdkit.step.recipe.remat_loss)
+            # the step runs them (spmdkit.step.remat_scan.remat_loss)
             tagged = with_roles(scan) if recipe.saved_names else body
             plain_mm, plain_attn = memo_plain()
             mm, attn = backward_flops(policy, tagged)
@@ -576,7 +576,7 @@ def train_step(
     """``train_step(params, opt_state, batch[, key]) -> (params, opt_state, value)``
     with the optimizer (default ``optax.adam``) and the recipe applied: the very
     function ``sk.train_step(info, ...)`` builds and ``sk.jit``/``train`` run
-    (:func:`spmdkit.step.recipe.train_step` of the model's ``train_loss``: its key an
+    (:func:`spmdkit.step.grad.train_step` of the model's ``train_loss``: its key an
     input when the model draws random numbers, its aux kept), so what is planned is
     what runs. A model with mutable state gets ``train_step(params, opt_state,
     state, batch[, key]) -> (params, opt_state, state, value)``.
@@ -584,7 +584,7 @@ def train_step(
     One function per model, optimizer and recipe (``ModelInfo.memo``), so
     propagations of it share jax's trace cache. A ModelInfo built by hand (no loss
     to run) steps its ``loss_fn``."""
-    from spmdkit.step.recipe import train_step as recipe_step
+    from spmdkit.step.grad import train_step as recipe_step
 
     def make() -> Callable:
         if info.run is not None:

@@ -71,8 +71,9 @@ from spmdkit.runtime.checkpoint import Manager, Restored, tree_paths
 from spmdkit.runtime.train_data import Source
 from spmdkit.runtime.train_model import Parts, model_parts, with_fp8_state
 from spmdkit.runtime.train_options import Checkpointing, Reporting, given
+from spmdkit.step.grad import train_step
 from spmdkit.step.loss import is_key
-from spmdkit.step.recipe import Recipe, train_step
+from spmdkit.step.recipe import Recipe
 from spmdkit.util import path_str
 
 __all__ = ["Checkpointing", "Reporting", "TrainError", "TrainResult", "train"]

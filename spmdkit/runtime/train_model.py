@@ -33,8 +33,8 @@ from spmdkit.errors import SpmdError, TrainError
 from spmdkit.introspect import ModelInfo, describe
 from spmdkit.introspect.losses import STATE_FILTER, planner_stand_in
 from spmdkit.planner import Plan
+from spmdkit.step.grad import init_fp8_state
 from spmdkit.step.loss import Loss
-from spmdkit.step.recipe import init_fp8_state
 
 __all__ = ["Parts", "model_parts", "with_fp8_state"]
 
@@ -233,7 +233,7 @@ def _module_parts(info: ModelInfo, model: nnx.Module) -> Parts:
 
 def with_fp8_state(parts: Parts, plan: Plan, example: Any) -> Parts:
     """Under delayed float8 scaling (``plan.recipe.fp8_scaling == "delayed"``) the
-    step's state is the amax histories (``spmdkit.step.recipe.init_fp8_state``, empty:
+    step's state is the amax histories (``spmdkit.step.grad.init_fp8_state``, empty:
     the first step scales as current scaling does): carried, checkpointed and
     restored as ``model_state``, returned in ``TrainResult.model_state``, not
     written into the model."""

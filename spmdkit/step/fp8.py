@@ -28,7 +28,8 @@ dots_with_no_batch_dims_saveable`` calls a weight matmul too. Batched matmuls (t
 attention scores and their weighted sum) stay in bfloat16, as in the published
 recipes.
 
-``exclude=("lm_head",)`` (the recipe's default, :data:`LM_HEAD`) also keeps the
+``exclude=("lm_head",)`` (the recipe's default,
+:data:`~spmdkit.step.recipe.LM_HEAD`) also keeps the
 *LM head* in bfloat16, as NeMo / Megatron-LM (its output layer is not a
 Transformer Engine layer) and torchtitan (torchao's float8 converter skips its
 ``output`` linear) keep the final projection: the weight matmuls whose results
@@ -52,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -60,18 +62,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from spmdkit import jaxprs
-from spmdkit.errors import SpmdError
+from spmdkit.errors import RecipeError, SpmdError
+from spmdkit.pipeline import Pipeline
+from spmdkit.step.loss import Loss
+from spmdkit.step.passes import Step
+from spmdkit.step.recipe import LM_HEAD, SCALINGS, check_exclude
 
 __all__ = [
     "E4M3",
     "E5M2",
-    "EXCLUDABLE",
-    "FP8_EXCLUDE",
     "HISTORY",
-    "LM_HEAD",
-    "SCALINGS",
     "STATE_PREFIX",
-    "check_exclude",
+    "float8_matmuls",
     "fp8_dot",
     "fp8_dot_delayed",
     "fp8_loss",
@@ -252,10 +254,6 @@ def _shared_backward(dn: DimensionNumbers, out_dtype: Any, res: tuple, g: jax.Ar
 
 _fp8_dot_shared.defvjp(_shared_forward, _shared_backward)
 
-#: The scalings :func:`fp8_loss` runs: ``"current"`` (each tensor by its own amax)
-#: and ``"delayed"`` (by the amax history of previous steps).
-SCALINGS = ("current", "delayed")
-
 #: The keys of delayed scaling's state start with this (:func:`fp8_state`).
 STATE_PREFIX = "fp8_amax_"
 
@@ -331,15 +329,6 @@ def _avals(avals: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
 #: Where a weight matmul sits in a jaxpr: its equation's index, preceded by the
 #: indices of the call equations (``jit``, ``jax.checkpoint``) it is nested in.
 Site = tuple[int, ...]
-
-#: The name :func:`fp8_loss`'s ``exclude`` gives the LM head (:func:`lm_heads`).
-LM_HEAD = "lm_head"
-#: What ``exclude`` may name: the matmuls that can stay in bfloat16.
-EXCLUDABLE = (LM_HEAD,)
-#: What ``Recipe(compute_dtype="float8")`` keeps in bfloat16 by default: the LM
-#: head, as NeMo / Megatron-LM (its output layer is no Transformer Engine layer)
-#: and torchtitan (torchao's float8 converter skips ``output``) do.
-FP8_EXCLUDE = (LM_HEAD,)
 
 
 def _is_var(v: Any) -> bool:
@@ -433,35 +422,6 @@ def _operands(jaxpr: Any, sites: frozenset[Site], origin: dict) -> set[int]:
 def _below(sites: frozenset[Site], i: int) -> frozenset[Site]:
     """The sites nested in equation ``i``'s body, relative to it."""
     return frozenset(s[1:] for s in sites if s[0] == i and len(s) > 1)
-
-
-def check_exclude(
-    exclude: Sequence[str], op: str, error: type[SpmdError] = SpmdError, float8: bool = True
-) -> tuple[str, ...]:
-    """``exclude`` as a tuple of :data:`EXCLUDABLE` names (``float8``: the recipe
-    computes in float8; without, only the default :data:`FP8_EXCLUDE` is allowed).
-
-    Raises:
-      SpmdError: (``error``) a name that is not one of them, a bare string, or
-        another value than the default without float8."""
-    if isinstance(exclude, str) or any(n not in EXCLUDABLE for n in exclude):
-        raise error(
-            op=op,
-            must="the matmuls kept out of float8 (exclude, Recipe.fp8_exclude) are a tuple "
-            f"of names, each one of {EXCLUDABLE}",
-            given=repr(exclude),
-            fix="pass fp8_exclude=('lm_head',) (the default: the LM head in bfloat16) or "
-            "fp8_exclude=() (every weight matmul in float8)",
-        )
-    exclude = tuple(dict.fromkeys(exclude))
-    if exclude != FP8_EXCLUDE and not float8:
-        raise error(
-            op=op,
-            must="fp8_exclude other than the default only with compute_dtype='float8'",
-            given=f"fp8_exclude={exclude!r} without float8",
-            fix="pass compute_dtype='float8' with fp8_exclude, or drop fp8_exclude",
-        )
-    return exclude
 
 
 def _kept(jaxpr: Any, exclude: Sequence[str]) -> frozenset[Site]:
@@ -642,7 +602,7 @@ def fp8_loss(loss_fn: Callable, scaling: str = "current", exclude: Sequence[str]
         ``f(state, *args)`` with ``state`` from :func:`fp8_state`, and the
         gradient of ``f`` with respect to ``state`` is the next step's state.
       exclude: weight matmuls left in the loss's own dtype, by name
-        (:data:`EXCLUDABLE`): ``("lm_head",)`` keeps :func:`lm_heads` out of
+        (:data:`~spmdkit.step.recipe.EXCLUDABLE`): ``("lm_head",)`` keeps :func:`lm_heads` out of
         float8 (what ``Recipe(compute_dtype="float8")`` passes by default).
 
     Raises:
@@ -735,3 +695,40 @@ def fp8_state(
     jaxpr = jax.make_jaxpr(loss_fn)(*jax.tree.map(_unsharded, args)).jaxpr
     shapes = _state_shapes(jaxpr, history, _kept(jaxpr, exclude))
     return {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+
+
+# -- the pass -----------------------------------------------------------------------
+
+
+def float8_matmuls(step: Step) -> Step:
+    """The float8 pass: under ``Recipe(compute_dtype="float8")`` the loss with its
+    weight matmuls on float8 operands (:func:`fp8_loss`); with delayed scaling the
+    loss takes the amax histories after the batch, as state (``fn(params, batch,
+    histories, *rest)``). Other recipes leave the loss as it is.
+
+    Raises:
+      RecipeError: delayed scaling with a loss that carries state of its own, or
+        with a pipelined plan.
+    """
+    recipe = step.recipe
+    if recipe.fp8_scaling == "delayed":
+        f8 = fp8_loss(step.fn, recipe.fp8_scaling, recipe.fp8_exclude)
+        _check_delayed(step.loss, step.pipeline)
+        return replace(step, fn=lambda p, b, state, *r: f8(state, p, b, *r))
+    if recipe.compute_dtype == "float8":
+        return replace(step, fn=fp8_loss(step.fn, recipe.fp8_scaling, recipe.fp8_exclude))
+    return step
+
+
+def _check_delayed(loss: Loss, pipe: Pipeline | None) -> None:
+    """Delayed float8 scaling's state is the step's only state, and the step is
+    not pipelined."""
+    if loss.has_state or pipe is not None:
+        what = "mutable model state" if loss.has_state else f"a pipeline ({pipe!r})"
+        raise RecipeError(
+            op="sk.value_and_grad",
+            must="with fp8_scaling='delayed' the loss carries no mutable model state of "
+            "its own and the plan has no pipeline (the amax histories are the step's state)",
+            given=f"{loss!r} with {what}",
+            fix="use Recipe(compute_dtype='float8') (current scaling), which needs no state",
+        )

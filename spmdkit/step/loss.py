@@ -5,7 +5,7 @@ A user writes one loss per model kind (:func:`spmdkit.introspect.describe`): NNX
 pytree ``loss(params, batch)``; each may return ``(loss, aux)`` and take a PRNG
 key as ``rng=``. Describing the model turns it into a :class:`Loss`: a pure
 function of arrays with its calling convention written down, which
-:func:`spmdkit.step.recipe.train_step` and :func:`spmdkit.step.recipe.value_and_grad` run::
+:func:`spmdkit.step.grad.train_step` and :func:`spmdkit.step.grad.value_and_grad` run::
 
     fn(params, batch[, state][, key]) -> value              # value: loss, or (loss, aux)
     fn(params, batch, state[, key])   -> (value, new_state) # has_state

@@ -44,6 +44,7 @@ restoring onto another mesh reshards it like the moments.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import jax
@@ -51,11 +52,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdkit.errors import RecipeError
+from spmdkit.step.passes import Step
+from spmdkit.step.recipe import Recipe
 
 __all__ = [
-    "MASTER_WEIGHTS",
     "MasterState",
-    "check_master_weights",
     "check_stored",
     "master_bytes",
     "master_init",
@@ -63,12 +64,8 @@ __all__ = [
     "opt_init",
     "stored_dtype",
     "stored_params",
+    "update_master",
 ]
-
-#: Where the fp32 master copy of the parameters lives: ``"params"`` (the
-#: parameters are the master; the step casts a compute copy) or ``"optimizer"``
-#: (parameters in the compute dtype, the master in the optimizer state).
-MASTER_WEIGHTS = ("params", "optimizer")
 
 _MASTER_DTYPE = jnp.float32
 
@@ -86,38 +83,11 @@ class MasterState(NamedTuple):
     inner: Any
 
 
-def check_master_weights(master_weights: object, compute_dtype: str | None) -> str:
-    """Validate a recipe's ``master_weights`` against its compute dtype.
-
-    Raises:
-      RecipeError: a value outside :data:`MASTER_WEIGHTS`, or ``"optimizer"``
-        without a low-precision compute dtype (the parameters would be stored in
-        fp32 anyway).
-    """
-    if master_weights not in MASTER_WEIGHTS:
-        raise RecipeError(
-            op="Recipe",
-            must=f"master_weights is one of {MASTER_WEIGHTS}",
-            given=repr(master_weights),
-            fix="pass master_weights='optimizer' (bf16 parameters, fp32 master in the "
-            "optimizer state) or 'params' (fp32 parameters: the default)",
-        )
-    if master_weights == "optimizer" and compute_dtype in (None, "float32"):
-        raise RecipeError(
-            op="Recipe",
-            must="master_weights='optimizer' is given with a low-precision compute dtype "
-            "(the parameters are stored in it)",
-            given=f"compute_dtype={compute_dtype!r}",
-            fix="pass compute_dtype='bfloat16' (or 'float8') with master_weights='optimizer'",
-        )
-    return str(master_weights)
-
-
-def stored_dtype(recipe: Any) -> str | None:
+def stored_dtype(recipe: Recipe) -> str | None:
     """The dtype a recipe stores floating parameters in: its activation dtype
     (bfloat16 under bf16 and float8 compute) with ``master_weights="optimizer"``,
     else None (the parameters' own)."""
-    if getattr(recipe, "master_weights", "params") != "optimizer":
+    if recipe.master_weights != "optimizer":
         return None
     return recipe.activation_dtype
 
@@ -137,7 +107,7 @@ def _cast_tree(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def stored_params(params: Any, recipe: Any) -> Any:
+def stored_params(params: Any, recipe: Recipe) -> Any:
     """``params`` as a recipe's step takes them: floating leaves (arrays or
     ``ShapeDtypeStruct``) in :func:`stored_dtype`; unchanged under the default.
 
@@ -150,7 +120,7 @@ def stored_params(params: Any, recipe: Any) -> Any:
     return params if dtype is None else _cast_tree(params, dtype)
 
 
-def check_stored(params: Any, recipe: Any, *, op: str) -> None:
+def check_stored(params: Any, recipe: Recipe, *, op: str) -> None:
     """Raise when a step with the master in the optimizer state is given
     parameters in another dtype (they would be trained at that precision and
     priced wrongly, silently).
@@ -181,7 +151,7 @@ def master_init(optimizer: Any, params: Any) -> MasterState:
     return MasterState(master, optimizer.init(master))
 
 
-def opt_init(optimizer: Any, recipe: Any) -> Callable[[Any], Any]:
+def opt_init(optimizer: Any, recipe: Recipe) -> Callable[[Any], Any]:
     """``params -> opt_state`` for a recipe: ``optimizer.init``, or
     :func:`master_init` with ``master_weights="optimizer"`` (what ``sk.train``,
     the planner and checkpoint restores make the state with).
@@ -190,7 +160,7 @@ def opt_init(optimizer: Any, recipe: Any) -> Callable[[Any], Any]:
 
         >>> opt_state = jax.jit(opt_init(optax.adam(1e-3), plan.recipe))(params)
     """
-    if getattr(recipe, "master_weights", "params") != "optimizer":
+    if recipe.master_weights != "optimizer":
         return optimizer.init
     return lambda params: master_init(optimizer, params)
 
@@ -231,3 +201,17 @@ def master_bytes(shape: tuple[int, ...], dtype: Any) -> int:
     if not jnp.issubdtype(np.dtype(dtype), jnp.floating):
         return 0
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(_MASTER_DTYPE).itemsize
+
+
+def update_master(step: Step) -> Step:
+    """The master-weights pass: under ``master_weights="optimizer"`` the optimizer
+    updates the fp32 master in its state and the parameters are the new master
+    cast down (:func:`master_update`); else the update is left as it is."""
+    optimizer = step.optimizer
+    if optimizer is None or step.recipe.master_weights != "optimizer":
+        return step
+
+    def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+        return master_update(optimizer, grads, opt_state, params)
+
+    return replace(step, update=update)

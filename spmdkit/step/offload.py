@@ -1,16 +1,21 @@
 """Host memory for a recipe's offload levers: which memory kinds a device has,
-the check that the backend can offload, and moving a tree between memory spaces
-inside a jitted step (``offload_opt``, ``remat_offload``)."""
+the check that the backend can offload, moving a tree between memory spaces
+inside a jitted step (``offload_opt``, ``remat_offload``), and the offload pass
+(:func:`offload_opt_state`: the optimizer state kept in host memory between
+steps)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import jax
 
 from spmdkit.errors import RecipeError
+from spmdkit.step.passes import Step
+from spmdkit.step.recipe import Recipe
 
-__all__ = ["check_offload", "host_memory_kinds", "to_memory"]
+__all__ = ["check_offload", "host_memory_kinds", "offload_opt_state", "to_memory"]
 
 
 def host_memory_kinds(device: Any = None) -> frozenset[str]:
@@ -28,7 +33,7 @@ def host_memory_kinds(device: Any = None) -> frozenset[str]:
         return frozenset()
 
 
-def check_offload(recipe: Any, device: Any = None) -> None:
+def check_offload(recipe: Recipe, device: Any = None) -> None:
     """Raise when the recipe offloads optimizer state or saved activations and
     the backend cannot.
 
@@ -61,3 +66,19 @@ def to_memory(tree: Any, space: Any) -> Any:
         >>> opt_state = to_memory(opt_state, jax.memory.Space.Device)
     """
     return jax.tree.map(lambda x: jax.device_put(x, space) if hasattr(x, "shape") else x, tree)
+
+
+def offload_opt_state(step: Step) -> Step:
+    """The offload pass: under ``offload_opt`` the optimizer state arrives from host
+    memory, moves to the device for the update and goes back; else the update is
+    left as it is."""
+    inner = step.update
+    if inner is None or not step.recipe.offload_opt:
+        return step
+
+    def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+        opt_state = to_memory(opt_state, jax.memory.Space.Device)
+        params, opt_state = inner(params, opt_state, grads)
+        return params, to_memory(opt_state, jax.memory.Space.Host)
+
+    return replace(step, update=update)

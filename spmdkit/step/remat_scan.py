@@ -1,4 +1,5 @@
-"""The layer scan rewritten for a recompute policy (``spmdkit.step.recipe.remat_loss``).
+"""The recompute pass: each layer of the loss's layer scan recomputed in the
+backward pass under the recipe's policy (:func:`remat_loss`, :func:`recompute_layers`).
 
 The loss is traced and its layer scan's equation replaced, through the plain
 calls it sits inside (:func:`rewrite`), by one whose body runs under
@@ -19,7 +20,9 @@ the same effect (:func:`check_remat_every`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -28,11 +31,21 @@ import jax.numpy as jnp
 
 from spmdkit import jaxprs
 from spmdkit.errors import RecipeError
-from spmdkit.pipeline.layer_scan import LayerScan
-from spmdkit.pipeline.split import call_body
+from spmdkit.pipeline.layer_scan import LayerScan, find_layer_scan
+from spmdkit.pipeline.split import CALLS, call_body
+from spmdkit.step.offload import check_offload
+from spmdkit.step.passes import Step
+from spmdkit.step.recipe import Recipe, checkpoint_policy
 from spmdkit.step.roles import with_roles
 
-__all__ = ["check_remat_every", "first_layers_checkpointed", "rematted_scan", "rewrite"]
+__all__ = [
+    "check_remat_every",
+    "first_layers_checkpointed",
+    "recompute_layers",
+    "remat_loss",
+    "rematted_scan",
+    "rewrite",
+]
 
 
 def first_layers_checkpointed(
@@ -162,3 +175,63 @@ def rematted_scan(layer: LayerScan, policy: Any, every: int, names: tuple[str, .
     if every > 1:
         return _every_kth(layer, body, policy, every)
     return jaxprs.with_body(layer.eqn, _checkpointed(body, policy))
+
+
+# -- the pass -----------------------------------------------------------------------
+
+
+def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
+    """``loss_fn`` with each scanned layer recomputed per the recipe's policy.
+
+    The loss is traced (for the arguments of each call), the layer scan's body
+    (:func:`~spmdkit.pipeline.layer_scan.find_layer_scan`, the scan the planner
+    and the pipeline split take too) is wrapped in ``jax.checkpoint(policy=...)``,
+    and the rewritten jaxpr is evaluated; the model is not edited. ``remat="none"``
+    returns ``loss_fn`` itself.
+
+    Raises:
+      RecipeError: the loss has no layer scan (its layers are a python loop), or
+        runs it inside a ``jax.checkpoint``/``custom_vjp``: there is no layer
+        boundary to recompute at; ``remat_offload`` on a backend without a
+        ``pinned_host`` memory kind; ``remat_every`` that does not divide the
+        layer count or leaves fewer than two recomputed layers.
+
+    Example::
+
+        >>> loss = remat_loss(model_loss, Recipe(remat="full"))
+        >>> jax.grad(loss)(params, batch)  # each layer recomputed in the backward
+    """
+    if recipe.remat == "none":
+        return loss_fn
+
+    @functools.wraps(loss_fn)
+    def rematted(*args: Any) -> Any:
+        check_offload(recipe)
+        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+        layer = find_layer_scan(closed.jaxpr)
+        if layer is None or any(c.primitive.name not in CALLS for c in layer.calls):
+            raise RecipeError(
+                op="sk.value_and_grad",
+                must=f"remat={recipe.remat!r} finds the layers as a scan in the loss",
+                given="a loss with no scan (layers run as a python loop: unrolled)",
+                fix="scan the layers (scan_layers=True in the reference models, nnx.scan / "
+                "jax.lax.scan over stacked layer params, not wrapped in jax.checkpoint), or "
+                "use remat='none'",
+            )
+        new = rematted_scan(
+            layer, checkpoint_policy(recipe), recipe.remat_every, recipe.saved_names
+        )
+        jaxpr = rewrite(closed.jaxpr, layer, new)
+        flat = jex.jaxpr_as_fun(jaxprs.closed(jaxpr, closed.consts))(*jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shape), flat)
+
+    return rematted
+
+
+def recompute_layers(step: Step) -> Step:
+    """The recompute pass: the loss with each scanned layer recomputed in the
+    backward pass under the recipe's policy (:func:`remat_loss`; ``remat="none"``
+    leaves it as it is)."""
+    if step.recipe.remat == "none":
+        return step
+    return replace(step, fn=remat_loss(step.fn, step.recipe))

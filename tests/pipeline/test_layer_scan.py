@@ -13,7 +13,8 @@ from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.pipeline.split import split_loss
 from spmdkit.planner.pipeline.cost import param_stages
 from spmdkit.planner.trace import trace_step
-from spmdkit.step.recipe import Recipe, remat_loss
+from spmdkit.step.recipe import Recipe
+from spmdkit.step.remat_scan import remat_loss
 
 L, B, S, D, V = 4, 8, 4, 16, 32
 

@@ -119,7 +119,7 @@ def test_float8_holds_no_more_than_bf16_under_2d_fsdp():
 def _stacked_residuals(info, recipe):
     """Per layer, the bytes by dtype of what ``jax.vjp`` of the recipe's loss (params
     cast as the step casts them, float8 as ``spmdkit.step.fp8`` rewrites it, remat as
-    ``spmdkit.step.recipe.remat_loss``) stacks for the backward pass, the layer's
+    ``spmdkit.step.remat_scan.remat_loss``) stacks for the backward pass, the layer's
     weights (and their float8 copies) left out."""
     import math
 
@@ -127,7 +127,7 @@ def _stacked_residuals(info, recipe):
     import numpy as np
 
     from spmdkit.step.fp8 import fp8_loss
-    from spmdkit.step.recipe import remat_loss
+    from spmdkit.step.remat_scan import remat_loss
 
     layers = next(p.shape[0] for p in info.params if "layers" in (p.logical or ()))
     weights = {tuple(p.shape) for p in info.params if p.shape and p.shape[0] == layers}
@@ -253,7 +253,7 @@ def test_the_compiled_float8_step_keeps_the_priced_residuals(monkeypatch):
 
     from spmdkit.models import get_model
     from spmdkit.planner import float8
-    from spmdkit.step.recipe import value_and_grad
+    from spmdkit.step.grad import value_and_grad
 
     spec = get_model("llama")
     info = sk.describe(spec, config="tiny_scan", batch_size=8)

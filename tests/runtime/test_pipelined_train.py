@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
-import spmdkit.step.recipe as recipe_module
+import spmdkit.step.pipelined as pipelined_module
 from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.pipeline import Pipeline
@@ -25,13 +25,13 @@ from tests.runtime.test_train import fingerprint
 @pytest.mark.slow
 def test_train_pipelined_then_restore_on_pp1_and_pp4(tmp_path, monkeypatch):
     ran = []  # train() must run the plan's pipeline, not a plain step on its layouts
-    real = recipe_module.pipelined_value_and_grad
+    real = pipelined_module.pipelined_value_and_grad
 
     def spy(loss, pipe, *rest, **kw):
         ran.append(pipe)
         return real(loss, pipe, *rest, **kw)
 
-    monkeypatch.setattr(recipe_module, "pipelined_value_and_grad", spy)
+    monkeypatch.setattr(pipelined_module, "pipelined_value_and_grad", spy)
     info = describe(get_model("gpt"), config="tiny_pipe", batch_size=8)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (32, 17)).astype(np.int32)

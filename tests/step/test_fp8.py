@@ -187,6 +187,7 @@ def test_the_lm_head_stays_in_bf16_and_every_other_weight_matmul_runs_in_float8(
     too; an unknown name is a typed error."""
     from spmdkit.step import recipe as rc
     from spmdkit.step.fp8 import lm_head_operands, lm_heads
+    from spmdkit.step.grad import value_and_grad
 
     p, tokens = _lm_args()
     for tied in (False, True):
@@ -198,7 +199,7 @@ def test_the_lm_head_stays_in_bf16_and_every_other_weight_matmul_runs_in_float8(
     head, other = _head_and_other_dots(jax.jit(grad).lower(p, tokens).as_text())
     assert len(head) == 3 and not any("f8E" in d for d in head)  # forward, dgrad, wgrad
     assert len(other) == 3 and all("f8E" in d for d in other)  # the scan body's three
-    step = rc.value_and_grad(_lm_loss, rc.Recipe(compute_dtype="float8"))  # the default
+    step = value_and_grad(_lm_loss, rc.Recipe(compute_dtype="float8"))  # the default
     head, other = _head_and_other_dots(jax.jit(step).lower(p, tokens).as_text())
     assert len(head) == 3 and not any("f8E" in d for d in head)
     assert len(other) == 3 and all("f8E" in d for d in other)
@@ -240,7 +241,7 @@ def test_tiny_gpt_trains_in_float8_as_in_bfloat16():
 
     import spmdkit as sk
     from spmdkit.models import get_model
-    from spmdkit.step.recipe import init_fp8_state
+    from spmdkit.step.grad import init_fp8_state
 
     spec = get_model("gpt")
     info = sk.describe(spec, config="tiny", batch_size=8)

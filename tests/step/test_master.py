@@ -16,8 +16,9 @@ from spmdkit.errors import RecipeError
 from spmdkit.runtime.checkpoint import Manager
 from spmdkit.runtime.data import ShardedLoader
 from spmdkit.runtime.train import train
+from spmdkit.step.grad import train_step
 from spmdkit.step.master import MasterState, master_update, opt_init, stored_params
-from spmdkit.step.recipe import Recipe, train_step
+from spmdkit.step.recipe import Recipe
 
 MASTER = Recipe(compute_dtype="bfloat16", master_weights="optimizer")
 

@@ -18,7 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.step import grad, offload, remat_scan
 from spmdkit.step import recipe as rc
+from spmdkit.step.passes import StepPlan
 from spmdkit.step.recipe import Recipe, RecipeError
 
 L, D, B = 3, 16, 8
@@ -152,12 +154,12 @@ def test_named_policy_keeps_its_tags_on_the_device_or_the_host():
     (``pinned_host``: CPU devices have it), and the gradients are the plain ones."""
 
     def stacks(recipe):
-        _, vjp = jax.vjp(rc.remat_loss(tagged_loss, recipe), init(), batch())
+        _, vjp = jax.vjp(remat_scan.remat_loss(tagged_loss, recipe), init(), batch())
         return [x for x in jax.tree.leaves(vjp) if x.shape == (L, B, D)]
 
     assert len(stacks(Recipe(remat="full"))) == 1
     assert len(stacks(Recipe(remat="save_qkv_proj"))) == 2
-    offload = rc.remat_loss(tagged_loss, Recipe(remat="save_qkv_proj", remat_offload=True))
+    offload = remat_scan.remat_loss(tagged_loss, Recipe(remat="save_qkv_proj", remat_offload=True))
     _, vjp = jax.vjp(offload, init(), batch())
     kept = [x for x in jax.tree.leaves(vjp) if x.shape == (L, B, D)]
     assert [x.sharding.memory_kind for x in kept].count("pinned_host") == 1
@@ -188,7 +190,7 @@ def test_every_kth_layer_recomputes_only_those_layers():
         return scanned_loss(flipped, batch) + jnp.mean(h)
 
     def stacks(loss, recipe):
-        _, vjp = jax.vjp(rc.remat_loss(loss, recipe), params, batch())
+        _, vjp = jax.vjp(remat_scan.remat_loss(loss, recipe), params, batch())
         return sorted(
             x.shape for x in jax.tree.leaves(vjp) if x.ndim == 3 and x.shape[1:] == (B, D)
         )
@@ -219,14 +221,14 @@ def test_full_remat_saves_only_the_layer_inputs():
         return [x for x in jax.tree.leaves(vjp) if x.shape == (L, B, D)]
 
     plain = activation_stacks(scanned_loss)
-    full = activation_stacks(rc.remat_loss(scanned_loss, Recipe(remat="full")))
+    full = activation_stacks(remat_scan.remat_loss(scanned_loss, Recipe(remat="full")))
     assert len(full) == 1  # the layers' inputs
     assert len(plain) >= 2  # ... and what each layer computed
 
 
 def test_remat_finds_the_layer_scan_inside_a_jit(reference):
     jitted = jax.jit(scanned_loss)
-    rematted = rc.remat_loss(jitted, Recipe(remat="full"))
+    rematted = remat_scan.remat_loss(jitted, Recipe(remat="full"))
     closed = jax.make_jaxpr(rematted)(init(), batch())
     (call,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("pjit", "jit")]
     (scan,) = [e for e in call.params["jaxpr"].jaxpr.eqns if e.primitive.name == "scan"]
@@ -297,14 +299,24 @@ def test_grad_specs_constrain_the_accumulated_gradients():
 
 
 def test_a_plan_passes_its_recipe_and_gradient_specs():
-    class FakePlan:
+    class FakePlan:  # what the step reads of a plan (spmdkit.step.passes.StepPlan)
         recipe = Recipe(microbatches=2)
+        pipeline = None
         grads = types.MappingProxyType({"w": P(None, "data")})
+        opt = activation = batch_axes = info = types.MappingProxyType({})
+        context = None
         sharding_mesh = jax.sharding.Mesh(jax.devices(), ("data",))
+
+        def param_specs(self, params):
+            return {"w": P(), "b": P(), "out": P()}
 
         def grad_specs(self, params):
             return {"w": P(None, "data"), "b": P(), "out": P()}
 
+        def opt_specs(self, opt_state):
+            return jax.tree.map(lambda _: P(), opt_state)
+
+    assert isinstance(FakePlan(), StepPlan)
     fn = sk.value_and_grad(scanned_loss, FakePlan())
     assert fn.recipe == Recipe(microbatches=2)
     _, grads = jax.jit(fn)(init(), batch())
@@ -315,7 +327,7 @@ def test_a_plan_passes_its_recipe_and_gradient_specs():
 
 def test_recipes_used_collects_the_traced_recipes():
     r = Recipe(remat="full")
-    with rc.recipes_used() as seen:
+    with grad.recipes_used() as seen:
         jax.eval_shape(sk.value_and_grad(scanned_loss, r), init(), batch())
     assert seen == [r]
 
@@ -345,20 +357,20 @@ def test_train_step_with_offloaded_optimizer_state_on_cpu():
 
 
 def test_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
-    rc.check_offload(Recipe(offload_opt=True))  # CPU here: pinned_host exists
+    offload.check_offload(Recipe(offload_opt=True))  # CPU here: pinned_host exists
     import spmdkit.step.offload
 
     monkeypatch.setattr(
         spmdkit.step.offload, "host_memory_kinds", lambda device=None: frozenset({"device"})
     )
     with pytest.raises(RecipeError, match="pinned_host"):
-        rc.check_offload(Recipe(offload_opt=True))
-    rc.check_offload(Recipe())  # nothing offloaded, nothing checked
+        offload.check_offload(Recipe(offload_opt=True))
+    offload.check_offload(Recipe())  # nothing offloaded, nothing checked
 
 
 def test_remat_offload_without_a_host_memory_kind_is_a_typed_error(monkeypatch):
     recipe = Recipe(remat="save_qkv_proj", remat_offload=True)
-    rc.check_offload(recipe)  # CPU here: pinned_host exists
+    offload.check_offload(recipe)  # CPU here: pinned_host exists
     import spmdkit.step.offload
 
     monkeypatch.setattr(
@@ -452,11 +464,11 @@ def test_delayed_fp8_step_carries_the_histories_and_refuses_model_state():
     # the loss's one matmul is its head: fp8_exclude=() runs it in float8 too
     rcp = Recipe(compute_dtype="float8", fp8_scaling="delayed", fp8_exclude=())
     w, batch = jnp.full((4, 2), 0.5), {"x": jnp.ones((8, 4))}
-    assert rc.init_fp8_state(loss, w, batch) == {}  # the default keeps it in bf16
-    state = rc.init_fp8_state(loss, w, batch, exclude=())
+    assert grad.init_fp8_state(loss, w, batch) == {}  # the default keeps it in bf16
+    state = grad.init_fp8_state(loss, w, batch, exclude=())
     opt = optax.sgd(0.1)
-    w2, _, state2, value = jax.jit(rc.train_step(loss, opt, rcp))(w, opt.init(w), state, batch)
+    w2, _, state2, value = jax.jit(grad.train_step(loss, opt, rcp))(w, opt.init(w), state, batch)
     np.testing.assert_allclose(state2["fp8_amax_0000"][:2, 0], [1.0, 0.5])
     assert value > 0 and w2.shape == w.shape
     with pytest.raises(RecipeError, match="no mutable model state of its own"):
-        rc.value_and_grad(lambda w, b, s: (loss(w, b), s), rcp, has_state=True)
+        grad.value_and_grad(lambda w, b, s: (loss(w, b), s), rcp, has_state=True)

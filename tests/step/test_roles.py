@@ -96,7 +96,7 @@ def test_a_hand_written_layer_is_tagged_and_keeps_its_gradients():
     """Batched-dot attention and a gated MLP written out, tagging nothing: the
     roles are MaxText's names, save_qkv_proj keeps Q, K and V (more residuals
     than full, fewer than none) and the gradients are the plain ones."""
-    from spmdkit.step import recipe as rc
+    from spmdkit.step.remat_scan import remat_loss
 
     L, B, S, D = 4, 2, 8, 16
     keys = iter(jax.random.split(jax.random.key(0), 8))
@@ -110,7 +110,7 @@ def test_a_hand_written_layer_is_tagged_and_keeps_its_gradients():
     )
 
     def residual_bytes(recipe):
-        _, vjp = jax.vjp(rc.remat_loss(_hand_layer_loss, recipe), params, x)
+        _, vjp = jax.vjp(remat_loss(_hand_layer_loss, recipe), params, x)
         return sum(a.nbytes for a in jax.tree.leaves(vjp))
 
     full, qkv = residual_bytes(Recipe(remat="full")), residual_bytes(Recipe(remat="save_qkv_proj"))
