@@ -193,7 +193,7 @@ OTHERS = sampled(
 
 @pytest.mark.parametrize("strategy, model", OTHERS)
 def test_round_trip_on_llama_and_moe(strategy, model):
-    from spmdkit.flax import describe
+    from spmdkit.introspect.model import describe
     from spmdkit.models import get_model
 
     info = describe(get_model(model), config="tiny", batch_size=8)

@@ -228,7 +228,7 @@ def test_auto_recosts_on_when_the_favourites_no_longer_fit(amesh, monkeypatch):
 
     spec = get_model("llama")
     kw = dict(config="tiny_scan", batch_size=8)
-    real = search.propagate_cost
+    real = search.propagate_costed
 
     def key(p):
         return (p.strategy, p.recipe, tuple(p.params.items()))
@@ -239,19 +239,19 @@ def test_auto_recosts_on_when_the_favourites_no_longer_fit(amesh, monkeypatch):
         first.add(key(p))
         return real(info, optimizer, p, ctx, analytic)
 
-    monkeypatch.setattr(search, "propagate_cost", record)
+    monkeypatch.setattr(search, "propagate_costed", record)
     free = plan(spec, amesh, "auto", **kw)
     budget = int(free.cost.peak_bytes * 1.5)
     seen: set = set()
 
     def inflated(info, optimizer, p, ctx, analytic):
-        cost = real(info, optimizer, p, ctx, analytic)
+        cost, prov = real(info, optimizer, p, ctx, analytic)
         seen.add(key(p))
         if key(p) not in first:
-            return cost
-        return dataclasses.replace(cost, memory={k: v * 10 for k, v in cost.memory.items()})
+            return cost, prov
+        return dataclasses.replace(cost, memory={k: v * 10 for k, v in cost.memory.items()}), prov
 
-    monkeypatch.setattr(search, "propagate_cost", inflated)
+    monkeypatch.setattr(search, "propagate_costed", inflated)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # "no candidate fits" fails the test
         warnings.filterwarnings("ignore", message=".*replicated over it.*")
@@ -303,13 +303,13 @@ def test_auto_chooses_as_it_would_propagating_every_favourite(name, monkeypatch)
     plan at the same cost, and lists every preset it skipped among its runner-ups,
     each slower than the floor it was skipped by."""
     from spmdkit.models import get_model
-    from spmdkit.planner import search
+    from spmdkit.planner import problem
 
     mesh = sk.abstract_mesh(data=2, model=4)
     info = describe(get_model(name), config="tiny", batch_size=8)
     fast = plan(info, mesh, "auto")
     (dropped,) = [n.message for n in fast.notes if n.kind == "dropped"]
-    monkeypatch.setattr(search, "step_floor", lambda *args: 0.0)
+    monkeypatch.setattr(problem, "step_floor", lambda *args: 0.0)
     full = plan(info, mesh, "auto")
     keys = ("chosen", "recipe", "params", "opt", "grads", "activation", "cost")
     assert all(getattr(fast, k) == getattr(full, k) for k in keys)
