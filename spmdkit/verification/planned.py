@@ -234,7 +234,7 @@ def held_on_cpu(prop: Propagation) -> Propagation:
     """The prediction's memory as XLA's CPU backend holds the program: 16-bit float
     temporaries in float32 (:data:`CPU_PROMOTED`), the workspaces of the ops
     it expands (a max pool's gradient, ``select_and_scatter``: positions and
-    iotas, :func:`~spmdkit.propagation.memory.select_and_scatter_workspace`), and
+    iotas, :func:`~spmdkit.propagation.workspaces.select_and_scatter_workspace`), and
     the resharded copies of values that do not depend on the batch (a parameter's
     all-gathers, for the forward and for the backward pass) made at the start, as
     its scheduler runs those collectives before the forward pass (measured on
