@@ -219,7 +219,8 @@ class VerifyReport:
       attribution: each compiled collective with its origin and the predicted
         ones it runs, and the predictions no compiled one runs
         (:class:`~spmdkit.verification.blame.Attribution`; None when the step was
-        not replayed by ``sk.jit``).
+        not replayed by ``sk.jit``). ``str(report)`` prints it when a row misses
+        or a compiled collective is unpredicted or unplaced.
     """
 
     rows: list[tuple[str, int, int, bool]]
@@ -241,8 +242,13 @@ class VerifyReport:
         lines.append(
             "verified: ok" if self.ok else "mismatches:\n  " + "\n  ".join(self.mismatches)
         )
-        if self.attribution is not None:
-            lines.extend(self.attribution.lines())
+        # the attribution speaks when there is something to trace: a row that misses,
+        # or a compiled collective the plan did not predict or cannot place. A
+        # prediction XLA folded away (a scalar sum it merged) is in
+        # ``report.attribution``, not on every verified report.
+        a = self.attribution
+        if a is not None and (not self.ok or a.unmatched_compiled or a.unattributed):
+            lines.extend(a.lines())
         return "\n".join(lines)
 
 

@@ -106,8 +106,11 @@ def _check_attributed(report) -> Attribution:
         # the prediction's side too: every leftover names its equation
         for p in a.unmatched_predicted:
             assert p.origin.equation, p
+    assert f"attributed: {len(a.collectives)} of {len(a.collectives)}" in str(a)
+    # a verified report with nothing unpredicted keeps its table short
     text = str(report)
-    assert f"attributed: {len(a.collectives)} of {len(a.collectives)}" in text
+    quiet = report.ok and not a.unmatched_compiled
+    assert ("attributed:" not in text) == quiet, text
     data = a.to_json()
     assert len(data["collectives"]) == len(a.collectives)
     assert all(c["origin"] is not None for c in data["collectives"])

@@ -83,14 +83,18 @@ KNOWN_VERIFY_MISSES_JAX_012: frozenset = frozenset({
 #: temporaries). The collectives below miss on jax 0.10.2 and 0.12 alike: XLA
 #: all-reduces more of the sorted rows' gradients (f32[256, 32], 32 KiB each) than
 #: propagation prices: 192 KiB more under fsdp (both meshes) and auto on 2x4, 152 and
-#: 144 KiB under tp_fsdp (2x4, 4x2) with 16 and 8 KiB more all-gathered; megatron
-#: all-gathers 24 and 12 KiB more. Not diagnosed further yet.
+#: 144 KiB under tp_fsdp (2x4, 4x2) with 16 and 8 KiB more all-gathered. megatron
+#: puts the experts over ``model`` (expert parallelism, its all-to-alls priced and
+#: compiled alike) and misses where report.attribution points: the backward of the
+#: unpermute's scatter-add (moe.py:49) all-gathers the sorted rows (f32[128, 32],
+#: 16 KiB; f32[4, 16, 32], 8 KiB) and all-reduces their gradient (f32[256, 32],
+#: 32 KiB) where its rule predicts neither; on 4x2 the all-reduce misses too.
 KNOWN_ROW_MISSES: dict = {
     "moe_ragged": {
         ("fsdp", (2, 4)): frozenset({"all_reduce", "collectives total"}),
         ("fsdp", (4, 2)): frozenset({"all_reduce", "collectives total"}),
-        ("megatron", (2, 4)): frozenset({"all_gather"}),
-        ("megatron", (4, 2)): frozenset({"all_gather"}),
+        ("megatron", (2, 4)): frozenset({"all_gather", "collectives total"}),
+        ("megatron", (4, 2)): frozenset({"all_gather", "all_reduce", "collectives total"}),
         ("tp_fsdp", (2, 4)): frozenset({"all_gather", "all_reduce", "collectives total"}),
         ("tp_fsdp", (4, 2)): frozenset({"all_gather", "all_reduce", "collectives total"}),
         ("auto", (2, 4)): frozenset({"all_reduce", "collectives total"}),
@@ -173,8 +177,12 @@ def _check(name, strategy, shape):
     p, report, messages = run_case(name, strategy, shape)
     assert not [m for m in messages if "no sharding rule" in m], messages
     assert not [m for m in messages if "get no 'model' axis" in m], messages
-    if strategy in ("megatron", "megatron_sp", "tp_fsdp", "auto"):
+    if strategy in ("megatron", "megatron_sp", "tp_fsdp"):
         assert any(s != jax.sharding.PartitionSpec() for s in p.params.values())
+    if strategy == "auto":  # under its budget auto must split the weights' state somehow
+        # (ZeRO-2 keeps the parameters whole and splits the optimizer state: a plan)
+        tables = (p.params, p.opt, p.grads)
+        assert any(s != jax.sharding.PartitionSpec() for t in tables for s in t.values()), p
     known = KNOWN_VERIFY_MISSES
     if jax.__version_info__ >= (0, 12):
         known = known | KNOWN_VERIFY_MISSES_JAX_012
