@@ -27,7 +27,7 @@ import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,14 +35,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdkit.errors import SpmdError
-from spmdkit.spec import axis_sizes
+from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.state import register_context
 from spmdkit.util import path_str
 
 __all__ = [
     "BalancedOrder",
     "CONTEXT_ATTENTION",
+    "ContextPlan",
     "ContextShard",
+    "ContextSplit",
     "PIPELINED_STRATEGIES",
     "SequenceOrderError",
     "balance_batch",
@@ -320,11 +322,42 @@ def current_shard() -> ContextShard | None:
     return _SHARD.get()
 
 
-def plan_context(plan: Any) -> Any:
+class ContextSplit(Protocol):
+    """A plan's context parallelism as the step reads it
+    (:class:`spmdkit.planner.plans.ContextParallel` is one)."""
+
+    @property
+    def axes(self) -> tuple[str, ...]: ...
+    @property
+    def degree(self) -> int: ...
+    @property
+    def attention(self) -> str: ...
+    @property
+    def load_balanced(self) -> bool: ...
+
+
+class ContextPlan(Protocol):
+    """What :func:`context_parallel_loss` reads of a plan
+    (:class:`spmdkit.planner.plans.Plan` is one): its context parallelism, the
+    logical names of the batch's dims, the mesh axes of each logical dim and the
+    mesh it constrains the balanced batch on."""
+
+    @property
+    def context(self) -> ContextSplit | None: ...
+    @property
+    def batch_axes(self) -> Mapping[str, tuple]: ...
+    @property
+    def activation(self) -> Mapping[str, tuple[str, ...]]: ...
+    @property
+    def sharding_mesh(self) -> MeshLike: ...
+
+
+def plan_context(plan: ContextPlan | None) -> ContextSplit | None:
     """A plan's context parallelism (its ``context``: axes, degree, attention,
-    load_balanced), or ``None`` for a plan without one or a recipe."""
-    ctx = getattr(plan, "context", None)
-    return ctx if ctx is not None and getattr(ctx, "degree", 1) > 1 else None
+    load_balanced), or ``None`` for no plan or a plan without one (or one over a
+    single device)."""
+    ctx = None if plan is None else plan.context
+    return ctx if ctx is not None and ctx.degree > 1 else None
 
 
 def balance_batch(batch: Any, batch_axes: Mapping[str, tuple], order: BalancedOrder) -> Any:
@@ -352,7 +385,9 @@ def balance_batch(batch: Any, batch_axes: Mapping[str, tuple], order: BalancedOr
     return jax.tree_util.tree_map_with_path(one, batch)
 
 
-def context_parallel_loss(loss_fn: Callable[..., Any], plan: Any) -> Callable[..., Any]:
+def context_parallel_loss(
+    loss_fn: Callable[..., Any], plan: ContextPlan | None
+) -> Callable[..., Any]:
     """``loss_fn(params, batch, *rest)`` as a plan with context parallelism
     (``plan.context``) runs it: the batch's ``seq`` dims put in the balanced order
     first (:func:`balance_batch`, once per step; a token-mean loss is unchanged)
@@ -360,12 +395,12 @@ def context_parallel_loss(loss_fn: Callable[..., Any], plan: Any) -> Callable[..
     :func:`context_parallel` (RoPE's positions, the causal mask's order, the
     planned attention strategy). Without ``plan.context``: ``loss_fn`` itself.
     ``sk.value_and_grad`` applies it, so ``sk.jit``, ``sk.train_step`` and
-    ``train()`` do."""
+    ``train()`` do (``plan=None``: a bare recipe's loss, ``loss_fn`` itself)."""
     cp = plan_context(plan)
-    if cp is None:
+    if plan is None or cp is None:
         return loss_fn
     order = BalancedOrder(cp.degree) if cp.load_balanced else None
-    axes = dict(getattr(plan, "batch_axes", {}))
+    axes = dict(plan.batch_axes)
 
     def balanced_loss(params: Any, batch: Any, *rest: Any) -> Any:
         if current_shard() is not None:  # a pipelined stage's tokens (already placed)
@@ -381,7 +416,7 @@ def context_parallel_loss(loss_fn: Callable[..., Any], plan: Any) -> Callable[..
     return balanced_loss
 
 
-def _keep_layout(plan: Any, batch: Any, axes: Mapping[str, tuple]) -> Any:
+def _keep_layout(plan: ContextPlan, batch: Any, axes: Mapping[str, tuple]) -> Any:
     """The permuted fields with a ``seq`` dim constrained back to the plan's batch
     layout (a gather along a sharded dim would otherwise leave them replicated,
     and the model's activations with them). A dim its axes do not divide (one

@@ -70,7 +70,18 @@ def test_the_trace_context_sets_and_resets():
     with context_parallel(1):
         assert current_order() is None
     assert (current_order(), current_attention()) == (None, None)
-    assert plan_context(object()) is None
+
+
+def test_plan_context_is_the_plans_context_over_more_than_one_device():
+    from types import SimpleNamespace
+
+    from spmdkit.planner.plans import ContextParallel
+
+    assert plan_context(None) is None
+    assert plan_context(SimpleNamespace(context=None)) is None
+    two = ContextParallel(axes=("seq",), degree=2)
+    assert plan_context(SimpleNamespace(context=two)) is two
+    assert plan_context(SimpleNamespace(context=ContextParallel(axes=("seq",), degree=1))) is None
 
 
 # -- context parallelism end to end (slow: each case compiles a Llama step) ---------

@@ -20,8 +20,9 @@ The executor (:mod:`spmdkit.pipeline.execute`) runs the layer stack under a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.extend.core as jex
@@ -36,6 +37,7 @@ from spmdkit.pipeline.split import SplitLoss
 __all__ = [
     "BatchSplit",
     "ManualAxes",
+    "UpdatePlan",
     "accumulator_dtype",
     "add_routed_gradients",
     "batch_split",
@@ -233,7 +235,21 @@ class ManualAxes:
         return (jax.lax.psum(g, rest) if rest else g).astype(dtype)
 
 
-def update_specs(plan: Any, params: Any) -> Any:
+class UpdatePlan(Protocol):
+    """What :func:`update_specs` reads of a pipelined plan
+    (:class:`spmdkit.planner.plans.Plan` is one)."""
+
+    @property
+    def pipeline(self) -> Pipeline | None: ...
+    @property
+    def activation(self) -> Mapping[str, tuple[str, ...]]: ...
+    @property
+    def opt(self) -> Mapping[str, P]: ...
+    def grad_specs(self, abstract_params: Any) -> Any: ...
+    def opt_specs(self, abstract_opt_state: Any) -> Any: ...
+
+
+def update_specs(plan: UpdatePlan, params: Any) -> Any:
     """The layouts a pipelined plan's gradients leave the pipeline in when they feed
     the optimizer update (``sk.train_step``): a weight's optimizer state's where the
     plan shards the state over batch axes the weight is not on (ZeRO-1, the
@@ -244,7 +260,7 @@ def update_specs(plan: Any, params: Any) -> Any:
     partitions a reduce-scatter under the pipeline's automatic tensor axes by
     gathering the weight's tensor-parallel dims first, twice the bytes.)"""
     grads = plan.grad_specs(params)
-    if not getattr(plan, "opt", None):
+    if not plan.opt or plan.pipeline is None:
         return grads
     manual = {plan.pipeline.axis, *plan.activation.get("batch", ())}
 

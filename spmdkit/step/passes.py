@@ -17,26 +17,13 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from jax.sharding import PartitionSpec
 
+from spmdkit.context_parallel import ContextSplit
 from spmdkit.pipeline import Pipeline
 from spmdkit.spec import MeshLike
 from spmdkit.step.loss import Loss
 from spmdkit.step.recipe import Recipe
 
-__all__ = ["ContextSplit", "Pass", "Step", "StepPlan", "run"]
-
-
-class ContextSplit(Protocol):
-    """A plan's context parallelism as the step reads it
-    (:class:`spmdkit.planner.plans.ContextParallel` is one)."""
-
-    @property
-    def axes(self) -> tuple[str, ...]: ...
-    @property
-    def degree(self) -> int: ...
-    @property
-    def attention(self) -> str: ...
-    @property
-    def load_balanced(self) -> bool: ...
+__all__ = ["Pass", "Step", "StepPlan", "run"]
 
 
 @runtime_checkable
