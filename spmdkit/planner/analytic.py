@@ -300,7 +300,7 @@ class StepTrace:
 def remat_choices(trace: StepTrace) -> list[tuple[str, bool, int]]:
     """The ``(remat, remat_offload, remat_every)`` levers auto searches: ``none``, ``dots``,
     each named policy that keeps something of its own on this model (an untagged
-    model's matmuls tagged by role, :mod:`spmdkit.step.roles`), ``full``, ``full`` on one
+    model's matmuls tagged by role, :mod:`spmdkit.step.matmul_roles`), ``full``, ``full`` on one
     layer in two (4 or more layers, an even count); then the offload form of each
     that keeps something. Nothing without a layer scan."""
     if not trace.layers:

@@ -33,8 +33,8 @@ from spmdkit.planner.plans import PyTree
 from spmdkit.state import cached
 from spmdkit.step.fp8 import fp8_loss, lm_head_operands, lm_heads
 from spmdkit.step.master import opt_init, stored_dtype, stored_params
+from spmdkit.step.matmul_roles import with_roles
 from spmdkit.step.recipe import PLAIN, Recipe, checkpoint_policy
-from spmdkit.step.roles import with_roles
 from spmdkit.util import CONTRACTIONS, contraction_flops, path_str
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Who decided each layout, and whose tensor each predicted collective moves.
 
-A :class:`~spmdkit.propagation.records.Propagation` keeps the engine's steps
+A :class:`~spmdkit.propagation.records.Propagation` keeps propagation's steps
 beside its records (one step per record, a loop's body steps in its ``loop``).
 :func:`trails` reads them once, after propagating, so propagation itself pays
 nothing for it:

@@ -141,7 +141,7 @@ class Propagation:
         them (see ``spmdkit.verification.planned.held_on_cpu``); None when not
         propagated.
       var_specs: top-level jaxpr variable → spec.
-      steps: the engine's decided steps, one per top-level record in order (a
+      steps: propagation's decided steps, one per top-level record in order (a
         loop's body steps in its ``loop``): which value each equation read and
         made, and how its layouts were decided (:mod:`spmdkit.propagation.provenance`).
       program: what :func:`spmdkit.compile.enforce.replay` needs to run the traced

@@ -39,7 +39,8 @@ class Step(NamedTuple):
 
     Attributes:
       node: the node.
-      op: the registered rule used, or a structural op (``engine.STRUCTURAL_OPS``);
+      op: the registered rule used, or a structural op
+        (:data:`spmdkit.propagation.propagator.STRUCTURAL_OPS`);
         None when the node had none (replicated).
       attrs: the attributes the rule got.
       given: the operands' specs as they arrived.

@@ -19,7 +19,7 @@ the one step built here (``sk.value_and_grad``, ``sk.train_step``:
 - the levers, one module each: :mod:`~spmdkit.step.context` (a context-parallel
   plan's token order), :mod:`~spmdkit.step.fp8` (float8 weight matmuls),
   :mod:`~spmdkit.step.remat_scan` (each layer recomputed under a policy; the
-  matmul roles of :mod:`~spmdkit.step.roles` tag what named policies keep),
+  matmul roles of :mod:`~spmdkit.step.matmul_roles` tag what named policies keep),
   :mod:`~spmdkit.step.cast` (the compute dtype), :mod:`~spmdkit.step.pipelined`
   (a plan's pipeline), :mod:`~spmdkit.step.master` (the fp32 master in the
   optimizer state), :mod:`~spmdkit.step.offload` (the optimizer state in host

@@ -5,7 +5,7 @@ The loss is traced and its layer scan's equation replaced, through the plain
 calls it sits inside (:func:`rewrite`), by one whose body runs under
 ``jax.checkpoint(policy)`` (:func:`rematted_scan`); a policy that keeps names on
 a model that tags nothing gets the layer's matmuls tagged by role first
-(:func:`spmdkit.step.roles.with_roles`).
+(:func:`spmdkit.step.matmul_roles.with_roles`).
 
 ``Recipe(remat_every=k)`` recomputes one layer in ``k``. The layer scan becomes
 two scans: the first ``L/k`` layers (in the order they run) under
@@ -33,10 +33,10 @@ from spmdkit import jaxprs
 from spmdkit.errors import RecipeError
 from spmdkit.pipeline.layer_scan import LayerScan, find_layer_scan
 from spmdkit.pipeline.split import CALLS, call_body
+from spmdkit.step.matmul_roles import with_roles
 from spmdkit.step.offload import check_offload
 from spmdkit.step.passes import Step
 from spmdkit.step.recipe import Recipe, checkpoint_policy
-from spmdkit.step.roles import with_roles
 
 __all__ = [
     "check_remat_every",
@@ -161,7 +161,7 @@ def rematted_scan(layer: LayerScan, policy: Any, every: int, names: tuple[str, .
     """The layer scan's equation under ``policy``: its body checkpointed (one layer
     in ``every`` only: :func:`first_layers_checkpointed`), the layer's weight
     matmuls tagged by role first when the policy keeps ``names`` and the model tags
-    nothing (:func:`spmdkit.step.roles.with_roles`).
+    nothing (:func:`spmdkit.step.matmul_roles.with_roles`).
 
     Raises:
       RecipeError: ``every`` does not fit the layer count (:func:`check_remat_every`),

@@ -259,7 +259,7 @@ def attribute(prop: Propagation, compiled: Sequence[HloCollective], runs: dict) 
     docstring).
 
     Args:
-      prop: the step's propagation (its records and the engine's steps).
+      prop: the step's propagation (its records and decided steps).
       compiled: the compiled HLO's collectives.
       runs: collective name → runs per step (``CompiledReport.executions``).
 

@@ -17,8 +17,8 @@ import spmdkit.models.layers as lyr
 from spmdkit import describe, jit, plan
 from spmdkit.models import get_model
 from spmdkit.pipeline.layer_scan import find_layer_scan
+from spmdkit.step.matmul_roles import matmul_roles
 from spmdkit.step.recipe import NAMED_POLICIES, Recipe
-from spmdkit.step.roles import matmul_roles
 
 
 def _untag(monkeypatch):

@@ -28,6 +28,11 @@ nothing gets the same names from what its traced body computes, so
 
 Only the layer body's own equations are read (a matmul inside a nested call keeps
 no tag), and a body that tags anything is left as it is.
+
+A *matmul role* is what a weight matmul does in its layer; spmdkit's two other
+"roles" are an argument's part in a step (``params``, ``batch``...:
+:data:`spmdkit.compile.ROLES`, what ``sk.jit`` lays out by) and a mesh axis's part
+in a preset (``data``, ``fsdp``, ``model``, ``expert``: :mod:`spmdkit.planner.logical`).
 """
 
 from __future__ import annotations
