@@ -44,7 +44,7 @@ def test_loss_and_grads_match_single_device(info, reference, strategy, shape):
     axes = dict(zip(("data", "model"), shape, strict=False))
     mesh = sk.make_mesh(**axes)
     # auto's layout search with the plain step (fp32 numerics checked here; auto's
-    # recipe search runs in tests/step/test_recipe.py and the recipe matrix below)
+    # recipe search runs in tests/planner/test_levers.py and the recipe matrix below)
     p = plan(
         info,
         mesh,
