@@ -3,8 +3,10 @@ matched to the predicted ones; seeded faults named by the line that caused them.
 
 import inspect
 import itertools
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -13,7 +15,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
+from spmdkit.errors import UnknownAxisError
+from spmdkit.models.moe import route
 from spmdkit.planner import PRESETS
+from spmdkit.planner.notes import PlanNoteWarning
 from spmdkit.verification.blame import (
     PHASES,
     Attribution,
@@ -210,6 +215,138 @@ def test_a_batch_left_unsplit_is_named_by_its_line():
     a = _check_attributed(report)
     blamed = _blamed_on(a, _fault_line("unsplit batch"))
     assert any(b.collective.kind == "all_gather" for b in blamed), str(report)
+
+
+def _mlp_info():
+    batch = {
+        "x": np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32),
+        "y": np.zeros((64, 16), np.float32),
+    }
+    return sk.describe(lambda: Mlp(None, nnx.Rngs(0)), loss=_mlp_loss, batch=batch), batch
+
+
+def _mlp_table(axis):
+    """The MLP's rule table, its hidden dim over ``axis`` (megatron's layout on "model")."""
+    return [("batch", "data"), ("embed", None), ("mlp", axis)]
+
+
+def _gradient_reductions(a: Attribution) -> dict[str, int]:
+    """Bytes of the gradients' all-reduces per origin (equation and line)."""
+    out: dict[str, int] = {}
+    for b in a.collectives:
+        if b.collective.kind == "all_reduce" and b.origin.phase == "gradient":
+            key = f"{b.origin.equation} at {b.origin.source}"
+            out[key] = out.get(key, 0) + b.collective.payload_bytes
+    return out
+
+
+def test_a_typod_axis_that_looks_like_one_is_refused_naming_its_rule():
+    """A rule table's axis one edit from a mesh axis ("modle"): planning stops there
+    and names the rule, before anything compiles (issue 43)."""
+    info, _ = _mlp_info()
+    with pytest.raises(UnknownAxisError, match=r"the rule for 'mlp' names mesh axis 'modle'") as e:
+        sk.plan(info, MESH, _mlp_table("modle"), estimator="analytic")
+    assert "did you mean 'model'" in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_typod_axis_that_is_dropped_is_named_and_its_ops_reductions_grow():
+    """A rule table's axis that is no near miss of a mesh axis ("tensr", MaxText's
+    "tensor" mistyped) is dropped as flax drops it: the plan note names the axis and
+    its rule, the hidden dim is replicated, and the attribution puts the grown
+    gradient reductions on the weights' matmuls."""
+    info, batch = _mlp_info()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PlanNoteWarning)
+        faulty = _run(info, MESH, _mlp_table("tensr"), batch)
+    notes = [str(w.message) for w in caught if issubclass(w.category, PlanNoteWarning)]
+    assert any("'tensr' (in the rules for mlp)" in n for n in notes), notes
+    intended = _run(info, MESH, _mlp_table("model"), batch)
+    grown = _gradient_reductions(_check_attributed(faulty))
+    base = _gradient_reductions(_check_attributed(intended))
+    lines, start = inspect.getsourcelines(Mlp.__call__)
+    line = start + next(i for i, t in enumerate(lines) if "return" in t)  # the two matmuls
+    culprits = {k: v for k, v in grown.items() if f"test_blame.py:{line}" in k}
+    assert len(culprits) == 2 and all(k.startswith("dot_general at") for k in culprits), grown
+    # replicated over "model", each weight's gradient reduction moves 4x the bytes
+    assert all(culprits[k] == 4 * base[k] for k in culprits), (grown, base)
+
+
+class Experts(nnx.Module):
+    """GShard-style routed experts (models/moe.py's dispatch einsums) whose
+    dispatched tokens ``[expert, group, capacity, embed]`` a user's constraint lays out:
+    the experts over "model", the groups over "data"; ``twice`` maps "model" to the
+    groups as well (MaxText's ``activation_batch_moe`` holding the expert axis), so
+    the groups take it and the expert dim is left whole."""
+
+    def __init__(self, twice, rngs):
+        init = nnx.initializers.normal(0.02)
+        self.router = nnx.Param(init(rngs.params(), (16, 4)), out_sharding=("embed", "expert"))
+        up, down = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
+        self.w_up = nnx.Param(init(rngs.params(), (4, 16, 64)), out_sharding=up)
+        self.w_down = nnx.Param(init(rngs.params(), (4, 64, 16)), out_sharding=down)
+        self.twice = twice
+
+    def __call__(self, x):
+        r = route(jnp.einsum("bsd,de->bse", x, self.router[...]), top_k=2, capacity=4)
+        xe = jnp.einsum("bsec,bsd->ebcd", r.dispatch, x)
+        spec = P(None, ("data", "model")) if self.twice else P("model", "data")
+        xe = jax.lax.with_sharding_constraint(xe, NamedSharding(MESH, spec))  # the dispatch
+        h = jax.nn.relu(jnp.einsum("ebcd,edm->ebcm", xe, self.w_up[...]))  # expert matmuls
+        ye = jnp.einsum("ebcm,emd->ebcd", h, self.w_down[...])  # expert matmuls
+        return jnp.einsum("bsec,ebcd->bsd", r.combine, ye)
+
+
+def _experts(twice):
+    batch = {
+        "x": np.random.default_rng(0).normal(size=(8, 8, 16)).astype(np.float32),
+        "y": np.zeros((8, 8, 16), np.float32),
+    }
+    info = sk.describe(lambda: Experts(twice, nnx.Rngs(0)), loss=_mlp_loss, batch=batch)
+    return _check_attributed(_run(info, MESH, "ep", batch))
+
+
+def _experts_line(marker):
+    lines, start = inspect.getsourcelines(Experts.__call__)
+    return [start + i for i, line in enumerate(lines) if f"# {marker}" in line]
+
+
+@pytest.mark.slow
+def test_an_expert_axis_mapped_twice_is_named_by_the_expert_matmuls():
+    """The MaxText case: with "model" on both the groups and the experts of the
+    dispatched tokens, the groups take it, the dispatch's all-to-all is gone, and
+    the expert weights are all-gathered (their gradients reduce-scattered) by the
+    expert matmuls, which the attribution names; laid out once, the dispatch is
+    the all-to-all and no expert weight is gathered."""
+    (dispatch,) = _experts_line("the dispatch")
+    matmuls = {f"test_blame.py:{n}:" for n in _experts_line("expert matmuls")}
+
+    def at(b, lines):
+        return any(line in b.origin.source for line in lines)
+
+    def weights(b):  # a stacked expert weight [4, ...] (or its share)
+        return b.collective.shapes[0][1:] in ((16, 64), (64, 16))
+
+    clean = _experts(False)
+    swaps = [b for b in clean.collectives if at(b, [f"test_blame.py:{dispatch}:"])]
+    assert [b.collective.kind for b in swaps] == ["all_to_all"], str(clean)
+    assert swaps[0].origin.equation == "sharding_constraint", str(clean)
+    assert not any(
+        b.collective.kind == "all_gather" and b.origin.phase == "forward" and weights(b)
+        for b in clean.collectives
+    ), str(clean)
+
+    faulty = _experts(True)
+    assert not any(at(b, [f"test_blame.py:{dispatch}:"]) for b in faulty.collectives), str(faulty)
+    moved = [b for b in faulty.collectives if weights(b)]
+    gathers = [b for b in moved if b.collective.kind == "all_gather"]
+    scatters = [b for b in moved if b.collective.kind == "reduce_scatter"]
+    assert len(gathers) == 2 and len(scatters) == 2, str(faulty)
+    for b in gathers + scatters:
+        assert b.origin.equation == "dot_general" and b.origin.rule == "dot_general", b
+        assert at(b, matmuls), b
+    assert {b.origin.phase for b in gathers} == {"forward"}, str(faulty)
+    assert {b.origin.phase for b in scatters} == {"gradient"}, str(faulty)
 
 
 def test_origin_reads_as_a_sentence():
