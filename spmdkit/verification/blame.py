@@ -77,6 +77,10 @@ class Origin:
       decided: how the equation's layouts were decided (``"forward rule"``,
         ``"constraint"``…; ``""`` from the HLO metadata alone).
       tag: the equation's name scope in the compiled HLO (``""``: none).
+      reason: why a collective without metadata of its own is put on this
+        equation (the nearest instruction that has some,
+        :attr:`~spmdkit.verification.hlo.HloCollective.nearest`); ``""`` when its
+        own metadata names it.
     """
 
     equation: str
@@ -86,13 +90,15 @@ class Origin:
     source: str
     decided: str = ""
     tag: str = ""
+    reason: str = ""
 
     def __str__(self) -> str:
         rule = f" rule {self.rule}" + (f"/{self.strategy}" if self.strategy else "")
         rule = rule if self.rule else ""
         how = f", {self.decided}" if self.decided else ""
+        why = f"; {self.reason}" if self.reason else ""
         at = f" at {self.source}" if self.source else ""
-        return f"{self.equation}{rule} ({self.phase}{how}){at}"
+        return f"{self.equation}{rule} ({self.phase}{how}{why}){at}"
 
 
 @dataclass(frozen=True)
@@ -280,6 +286,8 @@ def attribute(prop: Propagation, compiled: Sequence[HloCollective], runs: dict) 
             origin = index.origins.get(tags[0]) if tags else None
             if origin is None:
                 origin = _from_metadata(c)
+            if origin is None and c.nearest:
+                origin = _from_nearest(c, index)
             own = [p for t in tags or [""] for p in index.predicted.get(t, ())]
             found = _take(c, own, taken)
             blamed.append(Blamed(c, runs.get(whole.name, 1), _refined(origin, c, found), found))
@@ -356,6 +364,28 @@ def _from_metadata(c: HloCollective) -> Origin | None:
         return None
     phase = "backward" if "transpose(" in c.op_name else "forward"
     return Origin(equation or "?", None, "", phase, c.source)
+
+
+#: What a collective without metadata does for the nearest equation, by
+#: :attr:`~spmdkit.verification.hlo.HloCollective.nearest_role`.
+_NEAREST = {
+    "result": "no metadata: XLA's reshard of this equation's result",
+    "output": "no metadata: XLA's reshard of this equation's result into a step output's layout",
+    "input": "no metadata: XLA's reshard of a step input this equation reads",
+}
+
+
+def _from_nearest(c: HloCollective, index: _Index) -> Origin | None:
+    """The origin of a collective whose instruction has no metadata (XLA's
+    partitioner made it between instructions: a reshard no equation asked for):
+    the nearest equation's, with the reason."""
+    tags = tags_in(c.nearest)
+    origin = index.origins.get(tags[0]) if tags else None
+    if origin is None:
+        origin = _from_metadata(replace(c, op_name=c.nearest))
+    if origin is None:
+        return None
+    return replace(origin, reason=_NEAREST.get(c.nearest_role, ""))
 
 
 def _compatible(c: HloCollective, p: Predicted) -> bool:

@@ -133,6 +133,13 @@ class HloCollective:
         ``file:line (function)``: from the metadata's ``source_file`` and
         ``source_line``, or its ``stack_frame_id`` in the module's stack-frame
         tables (``()`` when the metadata has neither).
+      nearest: for an instruction without metadata (one XLA's partitioner made
+        to reach a layout no equation asked for), the ``op_name`` of the nearest
+        instruction that has one (:func:`nearest_named`); ``""`` otherwise.
+      nearest_role: how that instruction relates to this one: ``"result"`` (this
+        reshards its result), ``"output"`` (reshards its result into a step
+        output's layout) or ``"input"`` (reshards a value it reads that no
+        instruction with metadata made, a step input); ``""`` with no ``nearest``.
     """
 
     kind: str
@@ -147,6 +154,8 @@ class HloCollective:
     name: str = ""
     source_target_pairs: tuple[tuple[int, int], ...] = ()
     frames: tuple[str, ...] = ()
+    nearest: str = ""
+    nearest_role: str = ""
 
     @property
     def source(self) -> str:
@@ -455,6 +464,7 @@ def parse_collectives(hlo_text: str) -> list[HloCollective]:
     num_devices = _num_devices(lines)
     reducers = _reducers(lines)
     frames: dict[int, tuple[str, ...]] | None = None
+    graph: _Graph | None = None
     out = []
     for line in lines:
         m = _INSTR.match(line)
@@ -471,8 +481,77 @@ def parse_collectives(hlo_text: str) -> list[HloCollective]:
         elif fid is not None:
             frames = stack_frames(lines) if frames is None else frames
             collective = dataclasses.replace(collective, frames=frames.get(int(fid.group(1)), ()))
+        if not collective.op_name and not collective.frames:
+            graph = _Graph.of(lines) if graph is None else graph
+            near, role = graph.nearest_named(collective.name)
+            collective = dataclasses.replace(collective, nearest=near, nearest_role=role)
         out.append(collective)
     return out
+
+
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+#: Instructions walked from an unnamed collective before giving up.
+_NEAREST_WALK = 256
+
+
+@dataclass
+class _Graph:
+    """A module's instructions: each one's ``op_name`` and operands, its users, and
+    the entry computation's root."""
+
+    op_names: dict[str, str]
+    operands: dict[str, tuple[str, ...]]
+    users: dict[str, list[str]]
+    root: str
+
+    @classmethod
+    def of(cls, lines: list[str]) -> _Graph:
+        op_names: dict[str, str] = {}
+        operands: dict[str, tuple[str, ...]] = {}
+        users: dict[str, list[str]] = {}
+        root, in_entry = "", False
+        for line in lines:
+            if line.startswith("ENTRY"):
+                in_entry = True
+            m = _INSTR.match(line)
+            if m is None:
+                continue
+            name, rest = m["name"], m["rest"]
+            if in_entry and not root and line.lstrip().startswith("ROOT"):
+                root = name
+            named = _OP_NAME.search(rest)
+            op_names[name] = named.group(1) if named else ""
+            args = tuple(_OPERAND.findall(rest.split(", metadata=", 1)[0]))
+            operands[name] = args
+            for a in args:
+                users.setdefault(a, []).append(name)
+        return cls(op_names, operands, users, root)
+
+    def _walk(self, start: str, step: dict) -> Iterable[str]:
+        """Instructions reached from ``start`` along ``step`` (operands or users),
+        nearest first, each once."""
+        seen, todo = {start}, list(step.get(start, ()))
+        while todo and len(seen) < _NEAREST_WALK:
+            name = todo.pop(0)
+            if name in seen or name not in self.op_names:
+                continue
+            seen.add(name)
+            yield name
+            if not self.op_names[name]:
+                todo.extend(step.get(name, ()))
+
+    def nearest_named(self, name: str) -> tuple[str, str]:
+        """``(op_name, role)`` of the instruction with metadata nearest ``name``
+        (:attr:`HloCollective.nearest`): its producers first, then its users."""
+        for near in self._walk(name, self.operands):
+            if self.op_names[near]:
+                to_root = any(u == self.root for u in self._walk(name, self.users))
+                return self.op_names[near], "output" if to_root else "result"
+        for near in self._walk(name, self.users):
+            if self.op_names[near]:
+                return self.op_names[near], "input"
+        return "", ""
 
 
 def stack_frames(lines: list[str]) -> dict[int, tuple[str, ...]]:

@@ -354,3 +354,6 @@ def test_origin_reads_as_a_sentence():
     assert str(o) == "dot_general rule dot_general/default (forward, forward rule) at m.py:3"
     c = HloCollective("all_gather", ((8,),), ("f32",), 32, 4, ((0, 1, 2, 3),), "jit(f)/x")
     assert "from nowhere: jit(f)/x" in str(Blamed(c, 1, None))
+    why = "no metadata: XLA's reshard of this equation's result"
+    o = Origin("add", "add", "default", "optimizer", "m.py:9", "forward rule", "sk_eq5", why)
+    assert str(o) == f"add rule add/default (optimizer, forward rule; {why}) at m.py:9"

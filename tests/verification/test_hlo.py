@@ -316,3 +316,32 @@ def test_xla_splits_all_reduces_by_the_dims_the_partial_axes_came_from():
     hlo = compiled_collectives(jnp.dot, v, v, out_shardings=replicated)
     assert check_plan(plan, hlo) == []
     assert check_plan(plan, hlo, all_reduce_per_axis=True) == []
+
+
+_UNNAMED = """HloModule m, num_partitions=4
+
+ENTRY %main (p: f32[8]) -> (f32[8], f32[32]) {
+  %p = f32[8]{0} parameter(0)
+  %add.1 = f32[8]{0} add(%p, %p), metadata={op_name="jit(f)/sk_eq5/add"}
+  %mid = f32[8]{0} collective-permute(%add.1), source_target_pairs={{0,1},{1,0}}
+  %in = f32[8]{0} collective-permute(%p), source_target_pairs={{0,1},{1,0}}
+  %mul = f32[8]{0} multiply(%in, %mid), metadata={op_name="jit(f)/sk_eq6/mul"}
+  %out = f32[8]{0} collective-permute(%add.1), source_target_pairs={{0,2},{2,0}}
+  %ag = f32[32]{0} all-gather(%out), replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %t = (f32[8]{0}, f32[32]{0}) tuple(%mul, %ag)
+}
+"""
+
+
+def test_a_collective_without_metadata_names_its_nearest_instruction_with_some():
+    """XLA's partitioner emits reshards with no metadata (no op_name, no frame):
+    each is put on the nearest instruction that has some, saying how it relates."""
+    found = {c.name: (c.nearest, c.nearest_role) for c in parse_collectives(_UNNAMED)}
+    assert found == {
+        "mid": ("jit(f)/sk_eq5/add", "result"),  # between two equations
+        "in": ("jit(f)/sk_eq6/mul", "input"),  # a step input its reader needs laid out
+        "out": ("jit(f)/sk_eq5/add", "output"),  # into the step output's layout
+        "ag": ("jit(f)/sk_eq5/add", "output"),  # through the permute before it
+    }
+    named = [c for c in parse_collectives(GPU_STYLE) if c.op_name]
+    assert named and all(c.nearest == "" and c.nearest_role == "" for c in named)
