@@ -17,7 +17,6 @@ import difflib
 import json
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -43,12 +42,12 @@ from spmdkit.planner.notes import (
     warn_notes,
 )
 from spmdkit.planner.picture import to_html
+from spmdkit.planner.plan_table import axes_text, plan_table
 from spmdkit.planner.plot import PlanFigures, plot
 from spmdkit.planner.provenance import Provenance
 from spmdkit.planner.rule_export import RuleTable, to_rules
 from spmdkit.planner.snapshot import write_snapshot
 from spmdkit.spec import MeshLike, axis_sizes
-from spmdkit.step.master import stored_dtype
 from spmdkit.step.recipe import Recipe
 from spmdkit.util import fmt_bytes, fmt_time, path_str
 
@@ -203,25 +202,6 @@ class Cost:
         )
 
 
-def _ops_lines(ops: Mapping[str, Mapping[str, int]]) -> list[str]:
-    """The table's ``ops`` section: one row per composite op and chosen strategy, with
-    its forward and grad regions' counts (``op:grad`` keys are the grad regions)."""
-    rows: dict[tuple[str, str], list[int]] = {}
-    for key, per in ops.items():
-        op, grad = key.removesuffix(":grad"), key.endswith(":grad")
-        for strategy, n in per.items():
-            rows.setdefault((op, strategy), [0, 0])[grad] += n
-    if not rows:
-        return []
-    body = [("op", "strategy", "fwd", "grad")]
-    body += [(op, name, str(f), str(g)) for (op, name), (f, g) in rows.items()]
-    widths = [max(len(r[i]) for r in body) for i in range(4)]
-    out = ["ops (strategy chosen per composite op; regions in the step):"]
-    for r in body:
-        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    return out
-
-
 # -- context parallelism ------------------------------------------------------------------
 
 
@@ -274,7 +254,7 @@ class ContextParallel:
     def short(self) -> str:
         """E.g. ``context: 4 (ring, load-balanced)``."""
         balance = ", load-balanced" if self.load_balanced else ""
-        return f"{_axes_text(self.axes)}: {self.degree} ({self.attention}{balance})"
+        return f"{axes_text(self.axes)}: {self.degree} ({self.attention}{balance})"
 
     def to_json(self) -> dict:
         """JSON-able dict."""
@@ -708,90 +688,7 @@ class Plan:
         numbers) share a row, with their count. ``notes=False`` leaves the notes
         out (for a caller that says them elsewhere: ``train`` prints a given plan's).
         """
-        sizes = axis_sizes(self.mesh)
-        mesh_text = " × ".join(f"{k}={v}" for k, v in sizes.items())
-        head = f"Plan {self.strategy!r}"
-        if self.chosen and self.chosen != self.strategy:
-            head += f" (chose {self.chosen})"
-        lines = [f"{head} on mesh {mesh_text} ({math.prod(sizes.values())} devices)"]
-        rows: dict[tuple, list] = {}
-        entries = [(path, spec, self.opt.get(path, spec)) for path, spec in self.params.items()]
-        entries += [(path, spec, None) for path, spec in self.state.items()]
-        for path, spec, ospec in entries:
-            shape, dtype, logical = self.info.get(path, ((), "float32", None))
-            key = (re.sub(r"(^|/)\d+(?=/|$)", r"\1*", path), spec, ospec)
-            if key in rows:
-                rows[key][0] += 1
-                continue
-            if ospec is not None and np.issubdtype(np.dtype(dtype), np.floating):
-                dtype = stored_dtype(self.recipe) or dtype  # bf16 under master_weights
-            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-            shards = math.prod(sizes[a] for a in _flat(spec))
-            text = "-" if logical is None else ",".join(n or "_" for n in logical)
-            source = self.names_from.get(path, "model")
-            if ospec is None:
-                text = f"state, {self.state_from.get(path, 'given')}"
-            elif source != "model":
-                text += f" ({source})"
-            rows[key] = [1, shape, text, nbytes // max(shards, 1)]
-        header = ("param", "n", "shape", "logical", "spec", "opt spec", "bytes/dev")
-        body = []
-        for (path, spec, ospec), (count, shape, logical, per_dev) in rows.items():
-            body.append(
-                (
-                    path,
-                    str(count),
-                    "×".join(map(str, shape)) or "scalar",
-                    logical,
-                    _spec_text(spec),
-                    "none" if ospec is None else "=" if ospec == spec else _spec_text(ospec),
-                    fmt_bytes(per_dev),
-                )
-            )
-        shown = body[:max_rows]
-        widths = [max(len(r[i]) for r in [header, *shown]) for i in range(len(header))]
-        for r in [header, *shown]:
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-        if len(body) > max_rows:
-            lines.append(f"  ... {len(body) - max_rows} more rows")
-        if self.activation:
-            acts = ", ".join(f"{k}→{_axes_text(v)}" for k, v in self.activation.items() if v)
-            lines.append(f"activations: {acts or 'replicated'}")
-        if self.context is not None:
-            lines.append(f"context parallel: {self.context.short()}")
-        if self.grads or not self.recipe.is_default:
-            grads = " (gradients sharded like the optimizer state)" if self.grads else ""
-            lines.append(f"recipe: {self.recipe.short()}{grads}")
-        if self.pipeline is not None:
-            pp = self.pipeline
-            lines.append(
-                f"pipeline: {pp.short()} over '{pp.axis}' ({pp.chunks} chunks, "
-                f"bubble {pp.bubble_fraction:.1%}"
-                + ("; row statistics per device" if pp.local_statistics else "")
-                + ")"
-            )
-            if self.cost is not None and self.cost.stage_memory:
-                lines.append(_stages_line(self.cost))
-        if self.cost is not None:
-            lines += _cost_lines(self.cost, self.topology)
-        lines += self._tail_lines(notes)
-        return "\n".join(lines)
-
-    def _tail_lines(self, notes: bool) -> list[str]:
-        """The table's last sections: the runner-ups (those over the memory
-        budget marked) and the notes."""
-        lines = []
-        if self.alternatives:
-            lines.append("runner-up plans:")
-            budget = self.memory_budget
-            for name, cost in self.alternatives:
-                over = budget is not None and cost.peak_bytes > budget
-                mark = f"  OVER BUDGET ({fmt_bytes(budget)})" if over else ""
-                lines.append(f"  {name:<12} {cost.summary()}{mark}")
-        if self.notes and notes:
-            lines.append("notes:")
-            lines += [f"  - {n}" for n in self.notes]
-        return lines
+        return plan_table(self, max_rows=max_rows, notes=notes)
 
     def __str__(self) -> str:
         return self.table()
@@ -885,57 +782,6 @@ class Plan:
                 "plan.verify(sk.jit(step, plan), *args)",
             )
         return step.verify(*args, bytes_tol=bytes_tol, mem_tol=mem_tol)
-
-
-def _cost_lines(c: Cost, topology: str | None) -> list[str]:
-    """The table's cost section: memory, bytes moved, the estimated step, the ops."""
-    mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items())
-    comm = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(c.comm_bytes.items()) if v)
-    # hidden = comm - (step - compute): rounding leaves ±1 ulp where nothing overlaps
-    shown = c.hidden_comm_s > 1e-9 * c.comm_time_s
-    hidden = f", {fmt_time(c.hidden_comm_s)} of it hidden" if shown else ""
-    return [
-        f"memory/device: {fmt_bytes(c.peak_bytes)} ({mem})",
-        f"comm/step/device: {comm or 'none'}",
-        f"estimated step: {fmt_time(c.step_time_s)} = compute "
-        f"{fmt_time(c.compute_time_s)} + comm {fmt_time(c.comm_time_s)}{hidden} "
-        f"({c.estimator}" + (f", priced on {topology})" if topology else ")"),
-        *_ops_lines(c.ops),
-    ]
-
-
-def _stages_line(cost: Cost) -> str:
-    """Per-stage memory and the bubble's time, e.g. ``stages: memory/device d0
-    70.1 GiB, d1 64.3 GiB; bubble 0.21 s``; past four stages, the first, the
-    fullest middle one and the last."""
-    mem = cost.stage_memory
-    if len(mem) <= 4:
-        parts = [f"d{d} {fmt_bytes(b)}" for d, b in enumerate(mem)]
-    else:
-        mid = max(range(1, len(mem) - 1), key=lambda d: (mem[d], -d))
-        parts = [f"d0 {fmt_bytes(mem[0])}", f"d{mid} {fmt_bytes(mem[mid])} (fullest middle)"]
-        parts.append(f"d{len(mem) - 1} {fmt_bytes(mem[-1])}")
-    return f"stages: memory/device {', '.join(parts)}; bubble {fmt_time(cost.bubble_s)}"
-
-
-def _flat(spec: P) -> tuple[str, ...]:
-    out: list[str] = []
-    for e in tuple(spec):
-        if e is None:
-            continue
-        out.extend((e,) if isinstance(e, str) else e)
-    return tuple(out)
-
-
-def _axes_text(axes: tuple[str, ...]) -> str:
-    return axes[0] if len(axes) == 1 else "(" + ",".join(axes) + ")"
-
-
-def _spec_text(spec: P) -> str:
-    parts = []
-    for e in tuple(spec):
-        parts.append("_" if e is None else e if isinstance(e, str) else "(" + ",".join(e) + ")")
-    return "[" + ",".join(parts) + "]" if parts else "[]"
 
 
 # -- a finished plan's notes ----------------------------------------------------------
