@@ -28,7 +28,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -490,6 +490,26 @@ def parse_collectives(hlo_text: str) -> list[HloCollective]:
 
 
 _OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+def _operands(rest: str) -> tuple[str, ...]:
+    """The instruction names in the operand list of ``TYPE opcode(operands), ...``
+    (not the computations its attributes name: ``calls=``, ``to_apply=``)."""
+    split = _split_type(rest)
+    if split is None:
+        return ()
+    remainder = split[1]
+    start, depth = remainder.find("("), 0
+    if start < 0:
+        return ()
+    for i in range(start, len(remainder)):
+        depth += remainder[i] == "("
+        depth -= remainder[i] == ")"
+        if depth == 0:
+            return tuple(_OPERAND.findall(remainder[start:i]))
+    return ()
+
+
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 #: Instructions walked from an unnamed collective before giving up.
 _NEAREST_WALK = 256
@@ -522,13 +542,13 @@ class _Graph:
                 root = name
             named = _OP_NAME.search(rest)
             op_names[name] = named.group(1) if named else ""
-            args = tuple(_OPERAND.findall(rest.split(", metadata=", 1)[0]))
+            args = _operands(rest)
             operands[name] = args
             for a in args:
                 users.setdefault(a, []).append(name)
         return cls(op_names, operands, users, root)
 
-    def _walk(self, start: str, step: dict) -> Iterable[str]:
+    def _walk(self, start: str, step: Mapping[str, Sequence[str]]) -> Iterable[str]:
         """Instructions reached from ``start`` along ``step`` (operands or users),
         nearest first, each once."""
         seen, todo = {start}, list(step.get(start, ()))
