@@ -695,6 +695,11 @@ def cost_levers(ctx: CostContext, g: ParamGroup) -> tuple:
     # its tensor-parallel all-reduces) reruns, and that only for a layered
     # row-parallel weight: recipes that differ only otherwise share the entry.
     rerun = recipe.remat in ("full", "names") and rerun_charged(g)
+    # a pipelined stage reruns a moe_experts call's forward exchanges under any
+    # recompute (experts.exchanges)
+    moe_rerun = (
+        ctx.gather_once and recipe.remat != "none" and experts.moe_call(g, ctx.trace) is not None
+    )
     return (
         (recipe.compute_dtype, recipe.fp8_scaling, recipe.fp8_exclude, recipe.master_weights),
         recipe.microbatches,
@@ -702,6 +707,7 @@ def cost_levers(ctx: CostContext, g: ParamGroup) -> tuple:
         ctx.gather_once,
         rerun,
         ctx.context,
+        moe_rerun,
     )
 
 

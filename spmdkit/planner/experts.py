@@ -18,7 +18,12 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   peer) that is three all-to-alls forward, and the grad region's four (the
   forward's two rerun, and their transposes) plus its counts: per call
   :data:`EXCHANGES` buffers of ``n_ep · T_local · min(k, E_local) · D`` bytes
-  (:func:`dispatch_collectives`), on the topology's link for the EP axes (NVLink
+  (:func:`dispatch_collectives`). A pipelined stage runs the op's per-device
+  program under plain autodiff (:mod:`spmdkit.expert_shard`: no grad region), so
+  its call exchanges the forward's two buffers and their transposes and one count
+  exchange, the forward's again where the recipe recomputes the layer
+  (:func:`exchanges`; what ``plan.verify`` predicts the stages to run). All on
+  the topology's link for the EP axes (NVLink
   inside a node, the network across: :meth:`~spmdkit.topology.Topology.collective_time`).
   That buffer is the payload; what crosses the link depends on the backend: XLA's
   padded all-to-all (CPU) sends all of it, a ragged all-to-all
@@ -64,6 +69,7 @@ __all__ = [
     "dispatch_buffer_bytes",
     "dispatch_collectives",
     "ep_axes",
+    "exchanges",
     "moe_call",
     "ragged_exchange",
     "region_tokens",
@@ -165,8 +171,8 @@ def dispatch_collectives(
     ctx: Any, g: Any, call: MoeCall, sp: Any, token_axes: Sequence[str], coll: Any
 ) -> list[Any]:
     """The all-to-alls one member of ``g`` is charged per step (module docstring):
-    per call and micro-batch :data:`EXCHANGES` token buffers and
-    :data:`COUNT_EXCHANGES` count exchanges over its EP axes; none unless ``g`` is
+    per call and micro-batch the token buffers and count exchanges of
+    :func:`exchanges` over its EP axes; none unless ``g`` is
     the down projection. ``coll(ctx, kind, payload, axes, times=)`` builds one
     collective (the analytic model's)."""
     n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
@@ -176,12 +182,26 @@ def dispatch_collectives(
     itemsize = ctx.recipe.compute_itemsize(call.itemsize)
     buf = n_ep * _per_peer(call, t_local, n_ep) * call.d_model * itemsize
     counts = n_ep * (call.experts // n_ep) * 4
-    tokens = coll(ctx, "all_to_all", buf, sp.ep, times=EXCHANGES * times)
+    buffers, count_exchanges = exchanges(ctx)
+    tokens = coll(ctx, "all_to_all", buf, sp.ep, times=buffers * times)
     if ragged_exchange(ctx):  # the link carries the routed rows; the buffer is the payload
         routed = t_local * call.top_k * call.d_model * itemsize * LOAD_IMBALANCE
-        sent = coll(ctx, "all_to_all", routed, sp.ep, times=EXCHANGES * times)
+        sent = coll(ctx, "all_to_all", routed, sp.ep, times=buffers * times)
         tokens = tokens._replace(time_s=sent.time_s)
-    return [tokens, coll(ctx, "all_to_all", counts, sp.ep, times=COUNT_EXCHANGES * times)]
+    return [tokens, coll(ctx, "all_to_all", counts, sp.ep, times=count_exchanges * times)]
+
+
+def exchanges(ctx: Any) -> tuple[int, int]:
+    """``(token buffers, count exchanges)`` one call runs per train step and
+    micro-batch (module docstring): the region's :data:`EXCHANGES` and
+    :data:`COUNT_EXCHANGES`; in a pipelined stage (``ctx.gather_once``: the cost of
+    a stage as the pipeline executor runs it) the forward's two and their
+    transposes and one count exchange, the forward's again where the recipe's
+    remat recomputes the layer (:func:`spmdkit.verification.pipelined.expert_exchange`)."""
+    if not ctx.gather_once:
+        return EXCHANGES, COUNT_EXCHANGES
+    forwards = 2 if ctx.recipe.remat != "none" else 1
+    return 2 * forwards + 2, forwards
 
 
 def ragged_exchange(ctx: Any) -> bool:

@@ -124,5 +124,8 @@ def test_pipelined_expert_parallel_step_equals_one_device(name, size):
     rows = {kind: (p, c) for kind, p, c, _ in report.rows}
     predicted, compiled = rows.get("all_to_all", (0, 0))
     assert predicted == compiled > 0
+    # the analytic price carries the exchanges the stages compile (four token
+    # buffers and one count exchange per call and micro-batch, no grad region)
+    assert plan.cost.comm_bytes["all_to_all"] == compiled
     assert "all_gather" not in rows  # the experts stay split: nothing gathers them
     assert report.ok, str(report)

@@ -148,3 +148,39 @@ def test_deepseek_v3_671b_plans_on_1024_h100s_within_80_gib():
     took = time.process_time() - start
     assert p.cost.peak_bytes <= 80 * 2**30
     assert took <= 60, took
+
+
+@pytest.mark.slow
+def test_a_pipelined_stage_runs_the_forwards_exchanges_and_their_transposes():
+    """In a pipelined stage the executor runs moe_experts' per-device program under
+    plain autodiff (spmdkit.expert_shard: no grad region rerunning the forward):
+    per call and micro-batch the two token buffers, their transposes and one count
+    exchange; the forward's three again where the recipe recomputes the layer."""
+    from spmdkit.models import get_model
+    from spmdkit.pipeline import Pipeline
+
+    spec = get_model("qwen3_moe")
+    cfg = spec.configs["tiny"]()
+    pipe = Pipeline(stages=2, microbatches=4, schedule="1f1b", local_statistics=True)
+    got = {
+        remat: sk.plan(
+            spec,
+            sk.abstract_mesh(pipe=2, data=4),
+            "fsdp",
+            config=cfg,
+            batch_size=16,
+            rules=[("expert", ("data",))],
+            recipe=sk.Recipe(remat=remat),
+            pipeline=pipe,
+            estimator="analytic",
+        )
+        for remat in ("none", "full")
+    }
+    assert got["none"].params["layers/moe/w_down"][1] == "data"
+    n_ep, e_local = 4, cfg.n_experts // 4
+    t_local = 16 * cfg.seq_len // 4 // pipe.microbatches  # a device's tokens of a micro-batch
+    buf = n_ep * t_local * min(cfg.top_k, e_local) * cfg.d_model * 4
+    counts = n_ep * e_local * 4
+    calls = cfg.n_layers // pipe.stages * pipe.microbatches
+    assert got["none"].cost.comm_bytes["all_to_all"] == calls * (4 * buf + counts)
+    assert got["full"].cost.comm_bytes["all_to_all"] == calls * (6 * buf + 2 * counts)
