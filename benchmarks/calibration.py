@@ -35,7 +35,9 @@ Procedure (``docs/recipes.md``, "Step-time model and calibration"):
 Run: ``python benchmarks/calibration.py [--no-auto] [--only NAME...]``; saves
 ``benchmarks/results/calibration.json`` (``--only``: the rows whose name holds one
 of the given strings recomputed, the others' saved figures kept). ``--markdown``
-prints the saved table as ``docs/recipes.md`` shows it (a test keeps the two equal).
+prints the saved table as ``docs/recipes.md`` shows it (a test keeps the two equal);
+``--breakdown NAME...`` prints the named rows' predicted step term by term beside
+what their published figures imply (:func:`breakdown`), and saves nothing.
 """
 
 from __future__ import annotations
@@ -493,6 +495,77 @@ def auto_choice(row: dict, topology: sk.Topology) -> dict:
     }
 
 
+def breakdown(row: dict, topology: sk.Topology) -> str:
+    """The terms of ``row``'s predicted step beside what the published run implies:
+    the published step time (tokens per step / published tok/s/GPU / GPUs) and
+    model FLOP/s per GPU at the published and predicted rates (6 FLOPs per token
+    and weight it meets, routed experts' by their top-k share, plus the traced
+    attention dots), then the prediction's compute (with a pipeline's bubble),
+    communication (exposed and hidden) and memory by kind, and each parameter
+    group's share as the analytic model priced it (compute, communication, bytes by
+    collective kind; a pipelined row's groups as a stage holds them)."""
+    from unittest import mock
+
+    from spmdkit.introspect import describe
+    from spmdkit.planner import analytic
+    from spmdkit.planner.trace import trace_step
+
+    seen: dict[str, tuple] = {}
+    price = analytic.group_cost
+
+    def recorded(
+        ctx: analytic.CostContext,
+        g: analytic.ParamGroup,
+        layout: analytic.GroupLayout,
+        batch_axes: tuple[str, ...],
+        seq_axes: tuple[str, ...],
+    ) -> analytic.GroupCost:
+        out = price(ctx, g, layout, batch_axes, seq_axes)
+        if batch_axes or not ctx.gather_once:  # not the pipe-axis gradient sync's pricing
+            seen[g.key] = (g, out)
+        return out
+
+    with mock.patch.object(analytic, "group_cost", recorded):
+        cost = predict(row, topology)
+    spec, config = _model(row)
+    info = describe(spec, config=config, batch_size=row["batch"])
+    trace = trace_step(info, None)
+    tokens = row["batch"] * config.seq_len
+    # 6 per weight and token it meets (routed experts': their top-k share; the
+    # embedding table's counted too) + attention's dots as the step traces them
+    weights = sum(
+        analytic.param_flops(g, trace) * g.count for g in analytic.param_groups(info, trace)
+    )
+    flops_token = (weights + trace.attn_flops) / trace.tokens
+    published_s = tokens / row["published"] / row["devices"]
+    lines = [
+        f"{row['name']} ({row['devices']} GPUs, {row['published_mesh']}, {row['recipe'].short()}"
+        + (f", {row['pipeline'].short()}" if row.get("pipeline") else "")
+        + ")",
+        f"  published: {row['published']:,} tok/s/GPU = step {published_s:.2f} s, "
+        f"{row['published'] * flops_token / 1e12:.0f} TFLOP/s/GPU at "
+        f"{flops_token / 1e9:.1f} GFLOP/token (6 x the weights a token meets, "
+        f"the embedding table's included, {weights / trace.tokens / 1e9:.1f}; attention's "
+        "dots as traced, recomputation included)",
+        f"  predicted: {tok_s(row, cost):,.0f} tok/s/GPU = step {cost.step_time_s:.2f} s, "
+        f"{tok_s(row, cost) * flops_token / 1e12:.0f} TFLOP/s/GPU",
+        f"    compute {cost.compute_time_s:.2f} s (pipeline bubble {cost.bubble_s:.2f} s); "
+        f"communication {cost.comm_time_s:.2f} s, hidden {cost.hidden_comm_s:.2f} s, "
+        f"exposed {cost.comm_time_s - cost.hidden_comm_s:.2f} s",
+        "    collectives GiB/step: "
+        + ", ".join(f"{k} {v / GIB:,.1f}" for k, v in cost.comm_bytes.items()),
+        "    memory GiB: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in cost.memory.items()),
+        f"  {'group':<28}{'shape':<28}{'compute s':>10}{'comm s':>8}{'hidden':>8}  GiB/step",
+    ]
+    for key, (g, c) in sorted(seen.items()):
+        moved = ", ".join(f"{k} {v / GIB:,.1f}" for k, v in c.comm_bytes if v >= GIB / 10)
+        lines.append(
+            f"  {key:<28.28}{tuple(g.shape)!s:<28}{c.compute_s:>10.3f}{c.comm_s:>8.3f}"
+            f"{c.hidden_s:>8.3f}  {moved}"
+        )
+    return "\n".join(lines)
+
+
 MARKDOWN_HEADER = (
     "| run | GPUs | mesh (published) | recipe priced | stack | role | published tok/s/GPU "
     "| predicted | ratio | published GiB | predicted GiB | auto's choice within 80 GiB on the "
@@ -548,6 +621,13 @@ def main() -> None:
         "--markdown", action="store_true", help="print the saved table for docs/recipes.md"
     )
     parser.add_argument(
+        "--breakdown",
+        nargs="+",
+        metavar="NAME",
+        help="print the terms of the rows whose name contains one of these beside what "
+        "their published figures imply, and save nothing",
+    )
+    parser.add_argument(
         "--only",
         nargs="+",
         metavar="NAME",
@@ -560,6 +640,11 @@ def main() -> None:
     path = Path(__file__).parent / "results" / "calibration.json"
     if args.markdown:
         print(markdown(json.loads(path.read_text())))
+        return
+    if args.breakdown:
+        for row in ROWS:
+            if any(n in row["name"] for n in args.breakdown):
+                print(breakdown(row, sk.Topology.h100(stack=row["stack"])), flush=True)
         return
     saved = json.loads(path.read_text()) if args.only else None
     kept = {(r["name"], r["devices"]): r for r in saved["rows"]} if saved else {}

@@ -66,3 +66,20 @@ def test_the_docs_table_is_the_saved_one(bench):
     assert all(r["why"] and r["published"] > 0 for r in saved["unpriced"])
     layouts = {r["name"] for r in saved["deepseek_v3_layouts"]}
     assert layouts == {r["name"] for r in bench.DEEPSEEK_LAYOUTS}
+
+
+@pytest.mark.slow
+def test_the_breakdown_prints_each_term_beside_the_published_step(bench):
+    """``--breakdown``: a row's predicted step beside the published one, its
+    compute, bubble and collectives, and each parameter group's share (the MoE
+    row's expert exchange among them)."""
+    row = next(r for r in bench.ROWS if "GPT-OSS" in r["name"])
+    topo = sk.Topology.h100(stack=row["stack"])
+    text = bench.breakdown(row, topo)
+    cost = bench.predict(row, topo)
+    published = row["batch"] * 4096 / row["published"] / row["devices"]
+    assert f"step {published:.2f} s" in text
+    assert f"step {cost.step_time_s:.2f} s" in text
+    assert f"pipeline bubble {cost.bubble_s:.2f} s" in text
+    down = next(line for line in text.splitlines() if "layers/moe/w_down" in line)
+    assert "all_to_all" in down
