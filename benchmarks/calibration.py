@@ -217,10 +217,12 @@ QWEN3_30B = {
     "memory_gib": None,
     "fit": False,
     "pipelined": False,
-    "miss": "priced as spmdkit's moe_experts runs the layout: six all-to-alls per layer "
-    "and micro-batch (its grad region reruns the forward's dispatch and combine "
-    "before their transposes), none overlapped; Megatron-LM runs four and overlaps "
-    "them with compute (moe_a2a_overlap). The exchanges are most of the predicted step",
+    "miss": "priced as spmdkit's moe_experts region runs the layout: six token buffers "
+    "per layer and micro-batch (its grad region reruns the forward's dispatch and "
+    "combine before their transposes), none overlapped, half of each crossing the "
+    "network between the two nodes. Megatron-LM runs four, not overlapped in this "
+    "recipe (moe_a2a_overlap=False), and its HybridEP dispatcher sends a token to each "
+    "other node once. The exchanges are most of the predicted step (--breakdown)",
 }
 GPT_OSS_120B = {
     "name": "Megatron-Bridge GPT-OSS 120B",
@@ -242,10 +244,15 @@ GPT_OSS_120B = {
     "memory_gib": None,
     "fit": False,
     "pipelined": True,
-    "miss": "predicted faster than published; the zoo's gpt_oss_120b leaves out GPT-OSS's "
-    "attention sinks, alternating sliding-window attention and biases, and which of "
-    "the published run's costs the model lacks (grouped-GEMM efficiency at its "
-    "1,024 rows per local expert, head_dim 64 attention) is not known",
+    "miss": "predicted faster than published. The zoo's gpt_oss_120b matches the published "
+    "dims that set the FLOPs (layers, width, heads, KV heads, head_dim, experts, top-k, "
+    "expert width, vocab); it leaves out the attention sinks, the alternating "
+    "sliding-window attention (which would lower the price) and the biases, and the "
+    "published recipe recomputes the norms and the experts' activation. By --breakdown "
+    "the slowest stage (its layers and the LM head) would have to compute at about half "
+    "the rate the dense rows calibrate; which of the published run's costs spmdkit's "
+    "program lacks is not known (candidates: the attention kernel for sinks at head_dim "
+    "64, the all-to-all dispatcher's host synchronisation per layer)",
 }
 
 #: Published runs the planner cannot price as published, each with why: saved
@@ -265,6 +272,12 @@ UNPRICED = [
         "why": "the model's 3 dense and 58 MoE layers are two layer stacks, which Megatron "
         "splits unevenly over PP 8 x VP 4 (32 chunks); a pipelined plan here pipelines "
         "one stack split evenly (58 layers: 2 stages at most below 29)",
+        "needs": "the dense stack named apart from the pipelined one and priced where it "
+        "runs, as a prefix of the first stage (the pipeline's cost already prices the "
+        "parameters used before the stack there; plan.py refuses two stacks and the "
+        "executor traces one scan), and stages of unequal layer counts (58 MoE layers "
+        "over 32 chunks: the stage cost, the tick table and the executor's stacked "
+        "weights each assume L / (p * v) layers a chunk)",
     },
 ]
 
