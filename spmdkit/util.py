@@ -8,6 +8,8 @@ every cost model counts a matmul the same way.
 from __future__ import annotations
 
 import math
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,11 +17,13 @@ __all__ = [
     "CONTRACTIONS",
     "as_unreduced",
     "H100_BF16_PEAK_FLOPS",
+    "USER_PACKAGES",
     "contraction_flops",
     "divisors",
     "fmt_bytes",
     "fmt_time",
     "freeze",
+    "is_own_source",
     "path_str",
 ]
 
@@ -179,3 +183,48 @@ def divisors(n: int) -> list[int]:
     """
     small = [d for d in range(1, math.isqrt(max(n, 0)) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
+
+
+#: spmdkit's packages whose code is an example, read as a user's: the reference
+#: models (``spmdkit.models``, the repository's ``models/``).
+USER_PACKAGES = ("spmdkit.models",)
+_own_dirs_cache: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _own_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The directories of spmdkit's own packages and of its user-like ones, from
+    the imported ``spmdkit`` packages' ``__path__`` (``spmdkit.rules`` lies in
+    the repository's ``rules/``, not under ``spmdkit/``)."""
+    mods = [(n, m) for n, m in list(sys.modules.items()) if n.split(".")[0] == "spmdkit"]
+    key = len(mods)
+    if key not in _own_dirs_cache:
+        own: set[str] = set()
+        user: set[str] = set()
+        for name, mod in mods:
+            users = any(name == u or name.startswith(u + ".") for u in USER_PACKAGES)
+            for d in getattr(mod, "__path__", None) or ():
+                (user if users else own).add(os.path.abspath(d) + os.sep)
+        _own_dirs_cache.clear()
+        _own_dirs_cache[key] = (tuple(sorted(own)), tuple(sorted(user)))
+    return _own_dirs_cache[key]
+
+
+def is_own_source(where: str) -> bool:
+    """Whether ``where`` (a file path, or a ``file:line (function)`` frame) is
+    spmdkit's own code: a module of an ``spmdkit`` package, decided by package
+    (``spmdkit.rules`` in ``rules/`` is spmdkit's; the reference models in
+    ``spmdkit.models`` are examples, read as a user's code).
+
+    Example::
+
+        >>> import spmdkit.rules.matmul as m
+        >>> is_own_source(m.__file__), is_own_source("/home/me/train.py:3 (main)")
+        (True, False)
+    """
+    if not where:
+        return False
+    path = where if os.path.isabs(where) else os.path.abspath(where)
+    own, user = _own_dirs()
+    if any(path.startswith(d) for d in user):
+        return False
+    return any(path.startswith(d) for d in own)

@@ -87,7 +87,12 @@ class Node:
     ``kind`` is ``"eqn"`` for a plain equation, else ``"scan"``, ``"while"``,
     ``"cond"`` (``subs``: the body graphs) or ``"shard_map"``; ``group`` is the
     remat equation the node was inlined from (the replay runs it whole);
-    ``backward`` marks equations of the backward pass (``transpose(jvp(...))``).
+    ``backward`` marks equations of the backward pass (``transpose(jvp(...))``);
+    ``outer`` holds the call-like equations (``custom_vjp_call``, ``jit``,
+    ``remat``…) and loops it was inlined from or lies in, outermost first: where
+    its source line is when its own traceback stops inside spmdkit (jax records
+    only the frames of the call's body for the equations of a ``custom_vjp``'s
+    forward, :func:`spmdkit.propagation.provenance.caller`).
     """
 
     prim: str
@@ -98,6 +103,7 @@ class Node:
     kind: str = "eqn"
     subs: list[Graph] = field(default_factory=list)
     group: Group | None = None
+    outer: tuple[Any, ...] = ()
 
 
 @dataclass(eq=False)
@@ -150,9 +156,14 @@ class FlatProgram:
         return {i for i, c in enumerate(self.const) if c}
 
     def graph(
-        self, closed: Any, ins: Sequence[int] | None = None, backward: bool = False
+        self,
+        closed: Any,
+        ins: Sequence[int] | None = None,
+        backward: bool = False,
+        outer: tuple[Any, ...] = (),
     ) -> tuple[Graph, dict[Any, int]]:
-        """The graph of a (closed) jaxpr, and its jaxpr variable → value id map."""
+        """The graph of a (closed) jaxpr, and its jaxpr variable → value id map
+        (``outer``: the equations it lies in, :attr:`Node.outer`)."""
         jaxpr, consts = jaxprs.open_jaxpr(closed)
         env: dict[Any, int] = {}
         self._bind_consts(jaxpr.constvars, consts, env)
@@ -162,7 +173,7 @@ class FlatProgram:
             env[v] = vid
             invars.append(vid)
         nodes: list[Node] = []
-        self._walk(jaxpr, env, nodes, backward)
+        self._walk(jaxpr, env, nodes, backward, outer=outer)
         outvars = [self._read(env, v) for v in jaxpr.outvars]
         return Graph(invars, outvars, nodes), env
 
@@ -187,6 +198,7 @@ class FlatProgram:
         nodes: list[Node],
         backward: bool,
         group: Group | None = None,
+        outer: tuple[Any, ...] = (),
     ) -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
@@ -194,25 +206,28 @@ class FlatProgram:
             ins = [self._read(env, v) for v in eqn.invars]
             body = jaxprs.call_body(eqn)
             if body is not None:
-                self._inline(eqn, body, ins, env, nodes, bwd, group)
+                self._inline(eqn, body, ins, env, nodes, bwd, group, outer)
                 continue
             outs = [self.new(v.aval) for v in eqn.outvars]
             for v, o in zip(eqn.outvars, outs, strict=True):
                 env[v] = o
-            node = Node(name, eqn, ins, outs, bwd, group=group)
+            node = Node(name, eqn, ins, outs, bwd, group=group, outer=outer)
+            inside = (*outer, eqn)
             if name == "scan":
                 node.kind = "scan"
-                node.subs = [self.graph(jaxprs.scan(eqn).body, backward=bwd)[0]]
+                node.subs = [self.graph(jaxprs.scan(eqn).body, backward=bwd, outer=inside)[0]]
             elif name == "while":
                 node.kind = "while"
                 loop = jaxprs.while_loop(eqn)
                 node.subs = [
-                    self.graph(loop.cond, backward=bwd)[0],
-                    self.graph(loop.body, backward=bwd)[0],
+                    self.graph(loop.cond, backward=bwd, outer=inside)[0],
+                    self.graph(loop.body, backward=bwd, outer=inside)[0],
                 ]
             elif name == "cond":
                 node.kind = "cond"
-                node.subs = [self.graph(b, backward=bwd)[0] for b in jaxprs.cond_branches(eqn)]
+                node.subs = [
+                    self.graph(b, backward=bwd, outer=inside)[0] for b in jaxprs.cond_branches(eqn)
+                ]
             elif name == "shard_map":
                 node.kind = "shard_map"
             nodes.append(node)
@@ -226,8 +241,10 @@ class FlatProgram:
         nodes: list[Node],
         backward: bool,
         group: Group | None,
+        outer: tuple[Any, ...] = (),
     ) -> None:
-        """Walk a call-like equation's body into ``nodes`` (a remat body as one group)."""
+        """Walk a call-like equation's body into ``nodes`` (a remat body as one group;
+        ``outer``: the equations ``eqn`` lies in)."""
         inner, consts = jaxprs.open_jaxpr(body)
         sub_env: dict[Any, int] = {}
         self._bind_consts(inner.constvars, consts, sub_env)
@@ -236,7 +253,7 @@ class FlatProgram:
         g = group
         if g is None and eqn.primitive.name in jaxprs.REMAT_PRIMITIVES:
             g = Group(eqn, ins)
-        self._walk(inner, sub_env, nodes, backward, g)
+        self._walk(inner, sub_env, nodes, backward, g, (*outer, eqn))
         for v, o in zip(eqn.outvars, inner.outvars, strict=True):
             env[v] = self._read(sub_env, o)
         if g is not None and g is not group:

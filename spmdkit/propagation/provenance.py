@@ -37,6 +37,7 @@ from spmdkit.propagation.primitives import GENERATORS
 from spmdkit.propagation.records import EqnRecord, Propagation
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import TensorSpec
+from spmdkit.util import is_own_source
 
 __all__ = ["ACTIVATIONS", "Move", "Trails", "Use", "caller", "decided_by", "trails"]
 
@@ -68,10 +69,6 @@ _VIEWS = frozenset(
 
 #: Most uses kept per label (those that move it first).
 MAX_USES = 16
-
-#: spmdkit's own source: a use's source line is the first frame outside it (the
-#: model line that called an ``spmdkit.ops`` function, not the region that ran it).
-_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @dataclass(frozen=True)
@@ -387,7 +384,7 @@ class _Walk:
                 continue
             seen.add(label)
             spec = _text(rec.inputs[i]) if i < len(rec.inputs) else ""
-            source = _caller(node.eqn, rec.source)
+            source = _caller(node.eqn, rec.source, node.outer)
             use = Use(node.prim, rec.op, rec.strategy, phase, decided, source, spec, runs=runs)
             self.use(label, _with_moves(use, by.get(label, ()), runs))
 
@@ -400,7 +397,7 @@ class _Walk:
         rec, step = self.made.get(step.node.ins[0], (rec, step)) if step.node.ins else (rec, step)
         node = step.node
         phase = "backward" if node.backward or node.prim == GRAD else "forward"
-        source = _caller(node.eqn, rec.source)
+        source = _caller(node.eqn, rec.source, node.outer)
         spec = _text(rec.outputs[0]) if rec.outputs else ""
         use = Use(node.prim, rec.op, rec.strategy, phase, decided_by(step), source, spec)
         have = self.named.setdefault(name, [])
@@ -426,26 +423,32 @@ def _kept(uses: list[Use]) -> Iterator[Use]:
     return iter(out[:MAX_USES])
 
 
-def _caller(eqn: object, fallback: str) -> str:
+def _caller(eqn: object, fallback: str, outer: Sequence[object] = ()) -> str:
     """``file:line:column (function)`` of the first frame of ``eqn``'s user
-    traceback outside spmdkit (``fallback``: none, or no traceback)."""
+    traceback outside spmdkit, else of the innermost of ``outer`` (the equations
+    it was inlined from) that has one (``fallback``: none, or no traceback)."""
     try:
         from jax._src import source_info_util  # no public equivalent
 
-        frames = source_info_util.user_frames(eqn.source_info.traceback)
-        for f in frames:
-            if f is not None and not os.path.abspath(f.file_name).startswith(_OWN):
-                return f"{f.file_name}:{f.start_line}:{f.start_column} ({f.function_name})"
+        for e in (eqn, *reversed(tuple(outer))):
+            frames = source_info_util.user_frames(e.source_info.traceback)
+            for f in frames:
+                if f is not None and not is_own_source(os.path.abspath(f.file_name)):
+                    return f"{f.file_name}:{f.start_line}:{f.start_column} ({f.function_name})"
     except Exception:  # a jax without these internals: the record's own source
         return fallback
     return fallback
 
 
-def caller(eqn: object, fallback: str) -> str:
+def caller(eqn: object, fallback: str, outer: Sequence[object] = ()) -> str:
     """``file:line:column (function)`` of the first frame of an equation's user
     traceback outside spmdkit (the model line that called an ``spmdkit.ops``
-    function); ``fallback`` when there is none."""
-    return _caller(eqn, fallback)
+    function). An equation whose traceback stops inside spmdkit (the forward
+    region of a ``custom_vjp``: jax keeps only the frames of the call's body)
+    takes the line of the innermost of ``outer``, the call-like equations it was
+    inlined from (:attr:`~spmdkit.propagation.graph.Node.outer`), that has one;
+    ``fallback`` when none has."""
+    return _caller(eqn, fallback, outer)
 
 
 def _moves(reshards: Sequence) -> bool:

@@ -28,7 +28,6 @@ each with its origin.
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,6 +37,7 @@ from spmdkit.propagation.provenance import caller, decided_by
 from spmdkit.propagation.records import EqnRecord, Propagation
 from spmdkit.propagation.steps import Step
 from spmdkit.util import fmt_bytes as _fmt
+from spmdkit.util import is_own_source
 from spmdkit.verification.hlo import HloCollective, dtype_bytes
 
 __all__ = [
@@ -56,7 +56,6 @@ PHASES = ("forward", "backward", "gradient", "optimizer")
 
 _TAG = re.compile(rf"{TAG_PREFIX}(\d+)")
 _REDUCTIONS = ("all_reduce", "reduce_scatter")
-_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: Most unmatched collectives printed per side (all are in the data).
 MAX_PRINTED = 12
 
@@ -313,8 +312,8 @@ def _refined(origin: Origin | None, c: HloCollective, found: Sequence[Predicted]
     grads = all(p.origin.phase == "gradient" for p in found)
     if found and grads and origin.phase in ("backward", "optimizer"):
         origin = replace(origin, phase="gradient")
-    own = origin.source.startswith(_OWN) or not origin.source
-    if own and c.source and not c.source.startswith(_OWN):
+    own = is_own_source(origin.source) or not origin.source
+    if own and c.source and not is_own_source(c.source):
         origin = replace(origin, source=c.source)
     return origin
 
@@ -322,7 +321,10 @@ def _refined(origin: Origin | None, c: HloCollective, found: Sequence[Predicted]
 def split_combined(c: HloCollective) -> list[HloCollective]:
     """A combined collective as the ones XLA combined: one per result, each with
     its own name from the combined ``op_name`` (``prefix/(a:b:c)``, one name per
-    result), its payload its result's share."""
+    result), its payload its result's share. The frames (``source_file``, the
+    stack-frame id) are the first combined instruction's, which XLA's combiner
+    keeps: the first part keeps them, the others have none (their origin is
+    their own equation's line, never the first one's)."""
     if not c.is_combined:
         return [c]
     names = c.op_name.split(":")
@@ -337,8 +339,11 @@ def split_combined(c: HloCollective) -> list[HloCollective]:
             dtypes=(dtype,),
             payload_bytes=round(c.payload_bytes * size / total),
             op_name=name,
+            frames=c.frames if i == 0 else (),
         )
-        for shape, dtype, size, name in zip(c.shapes, c.dtypes, sizes, names, strict=True)
+        for i, (shape, dtype, size, name) in enumerate(
+            zip(c.shapes, c.dtypes, sizes, names, strict=True)
+        )
     ]
 
 
@@ -451,7 +456,7 @@ def _add(
 ) -> None:
     tag = tags.get(id(step.node), "")
     phase = "backward" if rec.backward else "optimizer" if after else "forward"
-    source = caller(step.node.eqn, rec.source)
+    source = caller(step.node.eqn, rec.source, step.node.outer)
     origin = Origin(rec.primitive, rec.op, rec.strategy, phase, source, decided_by(step), tag)
     if tag:
         index.origins[tag] = origin

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import jax
 import numpy as np
 
 from spmdkit.errors import SpmdError
+from spmdkit.util import is_own_source
 
 if TYPE_CHECKING:
     from spmdkit.resharding.plan import ReshardPlan
@@ -103,7 +103,6 @@ _ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[\d,\s]*)\](?:\{[^}]*\
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _ROOT = re.compile(r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*\S+\s+(?P<op>[\w\-]+)\(")
 _NUM_PARTITIONS = re.compile(r"num_partitions=(\d+)")
-_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
 _TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
@@ -162,7 +161,7 @@ class HloCollective:
         """The innermost of :attr:`frames` outside spmdkit (the user's line; the
         innermost frame when all are spmdkit's; ``""`` when none)."""
         for f in self.frames:
-            if not f.startswith(_OWN):
+            if not is_own_source(f):
                 return f
         return self.frames[0] if self.frames else ""
 

@@ -98,3 +98,28 @@ def test_an_optax_update_attributes_the_moments_to_their_parameter():
     total = sum(n for per in t.bytes.values() for n in per.values())
     assert total == prop.comm_bytes
     assert sum(t.bytes["w"].values()) > 0
+
+
+def test_a_region_forward_is_put_on_the_line_that_called_the_op():
+    """jax keeps only the body's frames for the equations of a ``custom_vjp``'s
+    forward (an ``spmdkit.ops`` region: ``region.py``, then ``rules/``): the
+    source is the user's line that called the op, read from the call it was
+    inlined from, for the forward region as for its grad region."""
+    from spmdkit.engine.region import FORWARD, GRAD
+    from spmdkit.propagation.graph import FlatProgram
+    from spmdkit.propagation.provenance import caller
+
+    def loss(x, scale):
+        y = sk.ops.layer_norm(x, scale)  # THE LINE
+        return jnp.sum(y * y)
+
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(
+        jnp.ones((4, 8), jnp.float32), jnp.ones((8,), jnp.float32)
+    )
+    graph, _ = FlatProgram().graph(closed)
+    regions = [n for n in graph.nodes if n.prim in (FORWARD, GRAD)]
+    assert {n.prim for n in regions} == {FORWARD, GRAD}
+    with open(__file__) as f:
+        line = next(i for i, t in enumerate(f, 1) if "# THE LINE" in t and "layer_norm" in t)
+    for n in regions:
+        assert f"test_provenance.py:{line}:" in caller(n.eqn, "", n.outer), n.prim

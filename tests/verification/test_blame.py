@@ -79,6 +79,39 @@ def test_a_combined_collective_splits_into_its_results_each_with_its_name():
     assert split_combined(ag) == [ag] and tags_in(ag.op_name) == ["sk_eq12"]  # the innermost node
 
 
+def test_only_the_first_part_of_a_combined_collective_keeps_its_frames():
+    """XLA keeps the first combined instruction's frames: a later part (megatron
+    GPT's cross-entropy reductions combined behind an attention gradient's) must
+    not be put on the first part's line."""
+    ar, _ = parse_collectives(_HLO)
+    first, second = split_combined(ar)
+    assert first.source == "/u/model.py:31 (Block.__call__)"
+    assert second.frames == () and second.source == ""
+
+
+def test_a_frame_in_the_rules_package_is_spmdkits_own_not_the_users():
+    """``spmdkit.rules`` lives in the repository's ``rules/``: its frames are
+    skipped like ``spmdkit/``'s; the reference models (``models/``) are examples
+    and stay sources."""
+    import spmdkit.models.gpt
+    import spmdkit.rules.norms
+    from spmdkit.util import is_own_source
+
+    rules_file = spmdkit.rules.norms.__file__
+    assert is_own_source(f"{rules_file}:40 (impl)")
+    assert not is_own_source(f"{spmdkit.models.gpt.__file__}:124 (GPTAttention.__call__)")
+    c = HloCollective(
+        "all_reduce",
+        ((8,),),
+        ("f32",),
+        32,
+        4,
+        (),
+        frames=(f"{rules_file}:40 (impl)", "/u/model.py:3 (Block.__call__)"),
+    )
+    assert c.source == "/u/model.py:3 (Block.__call__)"
+
+
 # -- reference models -------------------------------------------------------------------
 
 
@@ -130,6 +163,15 @@ def test_every_compiled_collective_of_tiny_gpt_has_an_origin(strategy):
     # the plan's own collectives: each runs a predicted one, from gpt.py's lines
     assert len(a.matched) == len(a.collectives), str(report)
     assert sum("models/gpt.py" in b.origin.source for b in a.collectives) > len(a.collectives) / 2
+    # every origin is a line of the model: none stops in spmdkit's region or rules
+    # (an op's forward region), and the loss's reductions are on the loss's line,
+    # not on the attention line whose reduction XLA combined them with
+    from spmdkit.util import is_own_source
+
+    own = [str(b.origin) for b in a.collectives if is_own_source(b.origin.source)]
+    assert not own, own
+    loss = {b.origin.source for b in a.collectives if "cross_entropy" in (b.origin.rule or "")}
+    assert loss and all("(gpt_loss)" in s for s in loss), loss
     phases = {b.origin.phase for b in a.collectives}
     assert "gradient" in phases and ("forward" in phases), phases
 
