@@ -313,7 +313,9 @@ class RaggedDotRule(FactorRule):
         return (0.0, 0.0, 0)
 
     def local_fn(self, lctx: LocalContext) -> Callable[..., Any]:
-        """This device's rows and groups, with a zero group before and after them."""
+        """This device's rows and groups, with a zero group before and after them
+        (the equation's ``precision`` and ``preferred_element_type`` kept: the
+        enforced replay runs a traced equation so, :mod:`spmdkit.compile.enforce`)."""
         attrs = without_strategy(lctx.attrs)
         dn = attrs["ragged_dot_dimension_numbers"]
         lhs_s, rhs_s, gs_s = lctx.inputs
@@ -334,7 +336,11 @@ class RaggedDotRule(FactorRule):
                 groups=lctx.block(gspec, gdim) if gspec.dims[gdim] else g,
             )
             call = functools.partial(
-                lax.ragged_dot_general, ragged_dot_dimension_numbers=dn, group_sizes=local
+                lax.ragged_dot_general,
+                ragged_dot_dimension_numbers=dn,
+                group_sizes=local,
+                precision=attrs.get("precision"),
+                preferred_element_type=attrs.get("preferred_element_type"),
             )
             if mode == "free":
                 zero = _zero_group(rhs, gdim)

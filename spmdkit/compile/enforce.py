@@ -27,7 +27,10 @@ Three cases need more than a constraint on each side:
     partial layout (a bias gathered, then made partial to be added to a pending
     sum), they run under ``shard_map`` and only the local rest is left to XLA
     (left alone, XLA adds the bias after the sum and moves it by slice and
-    permute where the plan gathers);
+    permute where the plan gathers); a value that local steps alone make partial
+    (a scatter-add's zeros joining the sum of its sharded updates) is pinned to
+    the layout before it becomes partial (left with no constraint, XLA laid the
+    zeros out whole and gathered the updates);
   - a contraction (``dot_general``, ``conv_general_dilated``) whose result is
     sum-partial, and whose readers want non-partial layouts that all slice from
     one of them, runs per device under ``shard_map`` and is reduced there with
@@ -49,7 +52,9 @@ Three cases need more than a constraint on each side:
     its own rows up with a mask, the result partial over those axes): left
     alone, XLA splits the indices over the table's idle axes, all-reduces the
     smaller block and permutes it into the readers' layout (megatron_sp's
-    position embedding).
+    position embedding). So is a grouped GEMM (``ragged_dot_general``) whose
+    result is partial over its groups' axes and others, run per device by its
+    rule's local computation: left alone, XLA reduces it once per factor.
 
 Composite ops of :mod:`spmdkit.ops` traced as regions (:mod:`spmdkit.engine.region`) run
 as their rule's ``shard_map`` program with the planned layouts and strategy, so their
@@ -91,12 +96,14 @@ from jax.sharding import NamedSharding
 
 from spmdkit import jaxprs
 from spmdkit.engine.region import REGIONS, region_jaxpr
+from spmdkit.engine.registry import get_rule
+from spmdkit.engine.rule import LocalContext
 from spmdkit.propagation.graph import Graph, Node, node_tags
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.primitives import lookup_dims
 from spmdkit.propagation.records import Propagation
 from spmdkit.resharding import ReshardPlan, run_plan, step_fn
-from spmdkit.spec import TensorSpec
+from spmdkit.spec import TensorSpec, axis_sizes
 from spmdkit.vma import shard_map
 
 try:  # name stacks keep forward/backward labels in the compiled HLO's metadata
@@ -147,6 +154,20 @@ def _bind(eqn: Any, vals: Sequence[Any], *, local: bool = False) -> list[Any]:
         with ctx:
             out = eqn.primitive.bind(*subfuns, *vals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _grouped_gemm(
+    eqn: Any, req: Sequence[TensorSpec], out: TensorSpec, mesh: Any
+) -> Callable[..., Any] | None:
+    """A ``ragged_dot_general``'s per-device computation (its rule's: the group
+    sizes shifted to the device's own rows and groups, :mod:`spmdkit.rules.ragged`),
+    for operands laid out as ``req`` and the partial result ``out``; None for
+    another primitive (bound on its blocks as they are)."""
+    if eqn.primitive.name != "ragged_dot_general":
+        return None
+    rule = get_rule("ragged_dot_general")
+    lctx = LocalContext(rule.name, dict(eqn.params), tuple(req), (out,), axis_sizes(mesh))
+    return rule.local_fn(lctx)
 
 
 def _masked_lookup(eqn: Any, table: Any, indices: Any, spec: TensorSpec) -> Any:
@@ -312,7 +333,9 @@ class _Replay:
             ]
             produced = pins.produced
             if pins.fused is not None:
-                outs = [self.reduced(node.eqn, vals, pins.required, pins.fused, pins.chain)]
+                outs = [
+                    self.reduced(node.eqn, vals, pins.required, pins.fused, pins.chain, produced[0])
+                ]
                 produced = (pins.fused.dst,)
             elif node.kind == "scan":
                 outs = self.scan(node, vals, produced)
@@ -356,17 +379,23 @@ class _Replay:
         req: Sequence[TensorSpec | None],
         plan: ReshardPlan,
         chain: Sequence[tuple[Any, TensorSpec]] = (),
+        produced: TensorSpec | None = None,
     ) -> Any:
         """A contraction (or a masked lookup) with a sum-partial result, run per
         device under ``shard_map`` with the ``chain`` of nodes its partial passes
         (:attr:`~spmdkit.propagation.pinning.NodePins.chain`), and reduced there
         with the plan's own collectives (a partial value cannot be pinned; left
         alone XLA may compute the contraction in another layout and move operands
-        the plan does not, or reduce the larger value before a sum)."""
+        the plan does not, or reduce the larger value before a sum). ``produced``:
+        the node's own (partial) result layout, where the chain's end differs."""
+
+        grouped = _grouped_gemm(eqn, req, plan.src if produced is None else produced, self.mesh)
 
         def local(*blocks: Any) -> Any:
             if eqn.primitive.name == "gather":
                 y = _masked_lookup(eqn, *blocks, req[0])
+            elif grouped is not None:
+                y = grouped(*blocks)
             else:
                 y = _bind(eqn, blocks, local=True)[0]
             for link, spec in chain:

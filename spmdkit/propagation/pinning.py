@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from spmdkit import jaxprs
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pricing import Pricer
-from spmdkit.propagation.primitives import LOOKUP_MODES, lookup_dims
+from spmdkit.propagation.primitives import LOOKUP_MODES, grouped_partial_split, lookup_dims
 from spmdkit.propagation.steps import Step
 from spmdkit.resharding import ReshardPlan
 from spmdkit.spec import MeshLike, TensorSpec
@@ -84,11 +84,11 @@ class Program:
 
 
 #: Contractions whose sum-partial result the replay reduces itself (see NodePins).
-#: Not ``ragged_dot_general``: the replay binds the primitive on each device's
-#: blocks as they are, but a grouped GEMM with its groups or rows sharded needs
-#: the group sizes shifted to the device's own (:mod:`spmdkit.rules.ragged`'s
-#: local computation). Left to XLA, which partitions the primitive itself, the
-#: expert-parallel partial is all-reduced where the plan says (tests/rules/test_ragged.py).
+#: A grouped GEMM too when its result is partial over its groups' axes and others
+#: (:func:`~spmdkit.propagation.primitives.grouped_partial_split`): it runs its
+#: rule's local computation there (the group sizes shifted to the device's own
+#: rows and groups). Other grouped GEMMs are left to XLA, which reduces a partial
+#: over one factor where the plan does (tests/rules/test_ragged.py).
 _FUSED_REDUCE = frozenset({"dot_general", "conv_general_dilated"})
 
 #: Reductions whose sum-partial result the replay reduces itself when the step
@@ -178,7 +178,12 @@ def _node_pins(
         )
         fused, chain = None, ()
         if (
-            (node.prim in _FUSED_REDUCE or node.prim in _REDUCED_FOR_OUTPUT or _lookup(node, req))
+            (
+                node.prim in _FUSED_REDUCE
+                or node.prim in _REDUCED_FOR_OUTPUT
+                or _lookup(node, req)
+                or grouped_partial_split(node.eqn, req[1] if len(req) > 1 else None, outs[0])
+            )
             and len(outs) == 1
             and outs[0] is not None
             and outs[0].partial
@@ -271,8 +276,25 @@ def _moves(
     head = _explicit_head(a.plan, pricer.mesh) if a is not None else None
     if head is not None:
         return head
+    if a is not None and not a.plan.collectives and _made_partial(a.plan):
+        return (_made_partial(a.plan),)
     steps = a.plan.specs[1:-1] if a is not None and len(a.plan.collectives) > 1 else ()
     return tuple(x for x in steps if not x.partial)
+
+
+def _made_partial(plan: ReshardPlan) -> TensorSpec | None:
+    """The layout a value is split into before a local step makes it partial (a
+    scatter-add's zero operand joining the sum its sharded updates make), when the
+    plan moves no bytes and ends partial. The replay pins that layout: a partial
+    one cannot be pinned, and left with no constraint at all XLA lays the operand
+    out replicated and partitions the op around it (it gathered a scatter-add's
+    updates over the axes that split their window dims, scattered them whole and
+    all-reduced the whole result where the plan all-reduces its slice)."""
+    specs = plan.specs
+    if not specs[-1].partial or specs[0].partial:
+        return None
+    last = next(x for x in reversed(specs) if not x.partial)
+    return last if last.dims != specs[0].dims else None
 
 
 def _explicit_head(plan: ReshardPlan, mesh: MeshLike) -> ReshardPlan | None:

@@ -29,6 +29,7 @@ __all__ = [
     "REDUCERS",
     "RULE_ERRORS",
     "drop_axes",
+    "grouped_partial_split",
     "index_parallel",
     "lookup_dims",
     "no_op_reshard",
@@ -168,6 +169,24 @@ def lookup_dims(eqn: Any, operand: TensorSpec) -> dict[int, tuple[str, ...]]:
         for d in dn.start_index_map
         if sizes[d] == 1 and d < len(operand.dims) and operand.dims[d]
     }
+
+
+def grouped_partial_split(eqn: Any, rhs: TensorSpec | None, out: TensorSpec | None) -> bool:
+    """Whether a grouped GEMM (``ragged_dot_general`` with its rows ragged) leaves
+    its result sum-partial both over the axes that split its groups (expert
+    parallel) and over others (a contracted dim split: the experts' width). XLA's
+    partitioner reduces such a result once per factor, each time whole, where the
+    plan reduces it once over all the axes; the enforced replay runs it per device
+    with the rule's local computation instead (its groups padded by two empty
+    ones, :mod:`spmdkit.rules.ragged`)."""
+    if eqn is None or eqn.primitive.name != "ragged_dot_general" or rhs is None or out is None:
+        return False
+    group = tuple(eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions)
+    if len(group) != 1 or not out.partial:
+        return False
+    axes = {a for a, op in out.partial if op == "sum"}
+    split = set(rhs.dims[group[0]])
+    return bool(axes & split) and bool(axes - split)
 
 
 def index_parallel(

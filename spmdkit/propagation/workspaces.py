@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spmdkit.propagation.graph import Graph
+from spmdkit.propagation.primitives import grouped_partial_split
 from spmdkit.spec import MeshLike
 
 __all__ = [
@@ -218,7 +219,10 @@ def ragged_dot_workspace(
 def _ragged_dot_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: Any) -> None:
     """The workspaces of the ``ragged_dot_general`` equations (XLA:CPU): the number
     of groups is the local extent of the weight's group dim (ragged rows) or of the
-    result's leading dim (a ragged contraction makes ``[groups, ...]``)."""
+    result's leading dim (a ragged contraction makes ``[groups, ...]``), two more
+    (empty ones before and after the device's own) where the enforced replay runs
+    the rule's local computation
+    (:func:`~spmdkit.propagation.primitives.grouped_partial_split`)."""
     producer = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
     for i, node in enumerate(graph.nodes):
         if node.prim != "ragged_dot_general" or node.eqn is None:
@@ -233,8 +237,13 @@ def _ragged_dot_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: Any) 
         else:
             (g_dim,) = tuple(dims.rhs_group_dimensions)[:1] or (0,)
             groups = rhs.local_shape(mesh)[g_dim]
+        rhs_bytes = rhs.local_bytes(mesh)
+        if grouped_partial_split(node.eqn, rhs, layout(node.outs[0])):
+            # run per device by the rule's local computation: two empty groups more
+            rhs_bytes = rhs_bytes * (groups + 2) // max(groups, 1)
+            groups += 2
         ws = ragged_dot_workspace(
-            lhs.local_bytes(mesh), rhs.local_bytes(mesh), groups, ragged_contracting=contract
+            lhs.local_bytes(mesh), rhs_bytes, groups, ragged_contracting=contract
         )
         for v, nbytes in zip(node.ins[:2], ws.early, strict=True):
             if nbytes:

@@ -313,6 +313,65 @@ def test_a_partial_summed_on_its_way_is_reduced_after_the_sum():
     np.testing.assert_allclose(got, f(av, bv), rtol=1e-5, atol=1e-5)
 
 
+def test_a_grouped_gemms_partial_over_experts_and_width_is_reduced_once():
+    """``ragged_dot`` with the experts split over ``data`` and the contracted width
+    over ``model`` (fsdp's expert weights): each device's rows of its own experts,
+    summed over its slice of the width, are sum-partial over both axes, and the plan
+    all-reduces them once over the eight devices. Left to XLA the partial was
+    all-reduced twice, whole each time (over ``model``, then over ``data``); the
+    replay runs the rule's local grouped GEMM (the group sizes shifted to each
+    device's experts) and reduces it itself."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(x, w, sizes):
+        return jnp.tanh(jax.lax.ragged_dot(x, w, sizes))
+
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 32, 16), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    specs = (P(None, "model"), P("data", "model"), P())
+    prop = propagate(f, x, w, sizes, mesh=mesh, in_specs=specs)
+    assert [(c.kind, c.payload_bytes) for c in prop.collectives()] == [("all_reduce", 4096)]
+    compiled, got = _compiled(prop, mesh, x, w, sizes)
+    assert [(c.kind, c.group_size, c.payload_bytes) for c in got] == [("all_reduce", 8, 4096)]
+    rng = np.random.default_rng(0)
+    xv = rng.normal(size=(64, 32)).astype(np.float32)
+    wv = rng.normal(size=(4, 32, 16)).astype(np.float32)
+    sv = np.array([20, 0, 30, 10], np.int32)  # 4 trailing rows in no group
+    vals = (xv, wv, sv)
+    args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(vals, specs, strict=True)]
+    np.testing.assert_allclose(compiled(*args), f(xv, wv, sv), rtol=1e-5, atol=1e-5)
+
+
+def test_a_scatter_adds_operand_made_partial_keeps_its_planned_layout():
+    """The unpermute's backward in a user's MoE (tests/zoo/moe.py): rows
+    scatter-added into zeros, the updates split by rows over ``data`` and by width
+    over ``model``. The plan splits the zeros by width and makes them partial over
+    ``data`` (local), scatter-adds each device's rows and all-reduces its slice
+    of the width over ``data``. A partial layout cannot be pinned: left without a
+    constraint, XLA laid the zeros out whole, gathered the updates over ``model``
+    and all-reduced the whole result; the replay pins the zeros to the layout
+    before the local step that makes them partial."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(rows, order):
+        return jnp.tanh(jnp.zeros((64, 32)).at[order].add(rows))
+
+    rows = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    order = jax.ShapeDtypeStruct((64,), jnp.int32)
+    specs = (P("data", "model"), P("data"))
+    prop = propagate(f, rows, order, mesh=mesh, in_specs=specs, out_specs=P(None, "model"))
+    want = [("all_reduce", 64 * 8 * 4)]
+    assert [(c.kind, c.payload_bytes) for c in prop.collectives()] == want
+    compiled, got = _compiled(prop, mesh, rows, order)
+    assert [(c.kind, c.payload_bytes) for c in got] == want
+    rng = np.random.default_rng(0)
+    rv = rng.normal(size=(64, 32)).astype(np.float32)
+    ov = rng.permutation(64).astype(np.int32)
+    args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((rv, ov), specs, strict=True)]
+    np.testing.assert_allclose(compiled(*args), f(rv, ov), rtol=1e-6)
+
+
 def test_a_partial_contraction_replays_under_the_users_mesh_context():
     """A step traced under ``jax.set_mesh`` records that (Auto) mesh on its
     equations; the per-device contraction must not rebind it inside the

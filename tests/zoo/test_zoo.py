@@ -80,26 +80,11 @@ KNOWN_VERIFY_MISSES_JAX_012: frozenset = frozenset({
 #: ``ragged_dot`` by masking the rows of each group and contracting them densely, an
 #: f32[4, 256, 64] (groups x sorted rows x hidden) buffer per grouped GEMM that a GPU's
 #: grouped GEMM never makes and the plan does not count (one device's step: 2.6 MB of
-#: temporaries). The collectives below miss on jax 0.10.2 and 0.12 alike: XLA
-#: all-reduces more of the sorted rows' gradients (f32[256, 32], 32 KiB each) than
-#: propagation prices: 192 KiB more under fsdp (both meshes) and auto on 2x4, 152 and
-#: 144 KiB under tp_fsdp (2x4, 4x2) with 16 and 8 KiB more all-gathered. megatron
-#: puts the experts over ``model`` (expert parallelism, its all-to-alls priced and
-#: compiled alike) and misses where report.attribution points: the backward of the
-#: unpermute's scatter-add (moe.py:49) all-gathers the sorted rows (f32[128, 32],
-#: 16 KiB; f32[4, 16, 32], 8 KiB) and all-reduces their gradient (f32[256, 32],
-#: 32 KiB) where its rule predicts neither; on 4x2 the all-reduce misses too.
-KNOWN_ROW_MISSES: dict = {
-    "moe_ragged": {
-        ("fsdp", (2, 4)): frozenset({"all_reduce", "collectives total"}),
-        ("fsdp", (4, 2)): frozenset({"all_reduce", "collectives total"}),
-        ("megatron", (2, 4)): frozenset({"all_gather", "collectives total"}),
-        ("megatron", (4, 2)): frozenset({"all_gather", "all_reduce", "collectives total"}),
-        ("tp_fsdp", (2, 4)): frozenset({"all_gather", "all_reduce", "collectives total"}),
-        ("tp_fsdp", (4, 2)): frozenset({"all_gather", "all_reduce", "collectives total"}),
-        ("auto", (2, 4)): frozenset({"all_reduce", "collectives total"}),
-    }
-}
+#: temporaries). Its collectives all verify: the enforced replay reduces a grouped
+#: GEMM's partial result itself (XLA all-reduced one partial over experts and width
+#: once per axis) and pins the unpermute's scatter-add operand to its planned layout
+#: (XLA gathered the updates and all-reduced the whole result).
+KNOWN_ROW_MISSES: dict = {"moe_ragged": {}}
 
 
 def glue_lines(name):
