@@ -45,9 +45,13 @@ pass a partial axis when the data operands that carry it agree on its op: a
 replicated operand joins for free (sum: a local to_partial, one device keeps
 it and the others hold zero; avg/max/min: as it is, every device holds the
 value). An axis that shards a dim of the output is resolved (reduce-scattered)
-instead. Index operands must never be partial. A gather in ``fill`` mode with
-a finite, non-zero ``fill_value`` does not pass sum (each device would add its
-own fill). The grad of every op here is linear in the cotangent, so a sum/avg
+instead. Index operands must never be partial. A ``gather`` (the primitive)
+passes no sum: the enforced step cannot carry a pending sum into it (a partial
+value cannot be pinned, and one cannot cross a ``shard_map``), so XLA reduces
+the operand where it is made, whole, and the rule says so rather than price the
+smaller reduction of the gathered rows (a gather in ``fill`` mode with a finite,
+non-zero ``fill_value`` could not pass it anyway: each device would add its own
+fill). The grad of every op here is linear in the cotangent, so a sum/avg
 cotangent partial passes to the input grads; an input grad is sum-partial over
 the axes that shard a factor the input lacks (broadcast's new dims; a gather's
 index batch dims, where each device scatter-adds its own indices), uneven
@@ -1085,7 +1089,7 @@ def _gather_map(
         (tuple(out_f),),
         (tuple(out_s),),
         (True, False),
-        sum_ok=_sum_passes_fill(mode, fill_value),
+        sum_ok=False,  # XLA reduces the operand first (module docstring)
     )
 
 

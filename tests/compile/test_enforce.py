@@ -586,3 +586,36 @@ def test_a_bias_moves_as_planned_around_a_batch_over_model(case):
         kinds[c.kind] = kinds.get(c.kind, 0) + c.payload_bytes
     assert "collective_permute" not in kinds, got
     assert kinds == {k: n for k, n in as_on_cpu(prop).comm_bytes_by_kind.items() if n}
+
+
+def test_a_partial_gathered_by_rows_is_reduced_before_the_gather():
+    """A grouped GEMM with its experts over ``model`` (expert parallelism) leaves
+    its rows sum-partial over ``model``; the unpermute then gathers them by
+    indices split over ``data``. A pending sum cannot be pinned or carried into
+    the gather, so XLA all-reduces the rows whole where they are made; the gather
+    rule passes no sum, and the plan counts that all-reduce (the MoE of
+    tests/zoo/moe.py under megatron counted the gathered half)."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(x, w, sizes, order):
+        return jnp.tanh(jax.lax.ragged_dot(x, w, sizes)[order])
+
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 32, 16), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    order = jax.ShapeDtypeStruct((64,), jnp.int32)
+    specs = (P(), P("model"), P(), P("data"))
+    prop = propagate(f, x, w, sizes, order, mesh=mesh, in_specs=specs, out_specs=P("data"))
+    want = [("all_reduce", 64 * 16 * 4)]
+    assert [(c.kind, c.payload_bytes) for c in prop.collectives()] == want
+    compiled, got = _compiled(prop, mesh, x, w, sizes, order)
+    assert [(c.kind, c.payload_bytes) for c in got if c.dtypes != ("s32",)] == want
+    rng = np.random.default_rng(0)
+    vals = (
+        rng.normal(size=(64, 32)).astype(np.float32),
+        rng.normal(size=(4, 32, 16)).astype(np.float32),
+        np.array([20, 0, 30, 10], np.int32),
+        rng.permutation(64).astype(np.int32),
+    )
+    args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(vals, specs, strict=True)]
+    np.testing.assert_allclose(compiled(*args), f(*vals), rtol=1e-5, atol=1e-5)

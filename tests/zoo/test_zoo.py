@@ -83,7 +83,8 @@ KNOWN_VERIFY_MISSES_JAX_012: frozenset = frozenset({
 #: temporaries). Its collectives all verify: the enforced replay reduces a grouped
 #: GEMM's partial result itself (XLA all-reduced one partial over experts and width
 #: once per axis) and pins the unpermute's scatter-add operand to its planned layout
-#: (XLA gathered the updates and all-reduced the whole result).
+#: (XLA gathered the updates and all-reduced the whole result); under megatron the
+#: expert-parallel rows are reduced before the unpermute's gather, as XLA does.
 KNOWN_ROW_MISSES: dict = {"moe_ragged": {}}
 
 
