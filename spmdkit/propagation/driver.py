@@ -52,7 +52,7 @@ from spmdkit.propagation.memory import CopyRead, RegionHold, liveness
 from spmdkit.propagation.pinning import Program, pins
 from spmdkit.propagation.pricing import steps_flops
 from spmdkit.propagation.propagator import GraphFacts, Propagator
-from spmdkit.propagation.records import EqnRecord, Propagation, Recorder
+from spmdkit.propagation.records import LATER, REPORTED, EqnRecord, Propagation, Recorder
 from spmdkit.propagation.regions import (
     region_loop_buffer_bytes,
     region_residual_bytes,
@@ -131,39 +131,70 @@ def propagate(
     peak = topology.peak("bfloat16") if hasattr(topology, "peak") else H100_BF16_PEAK_FLOPS
     spec, collect, unknown = _sweeps(propagator, graph, flat_in, out_req, peak)
 
-    recorder = Recorder(propagator.pricer, propagator.ops, prog.values)
-    records, final_out = _records(recorder, propagator, graph, spec, collect, out_req)
+    final_out = _final_out(propagator, graph, spec, out_req)
     program = Program(
         graph, prog.values, pins(collect, propagator.pricer, graph, final_out), out_treedef
     )
-    totals = _totals(records, peak)
     donated = _donated_ids(donate_argnums, args, graph.invars)
+    # the records, their totals and the memory estimate wait for their first read
+    # (Propagation.report): running the step (sk.jit) needs only the program
+    reported: dict[str, Any] = {}
 
-    memory = _memory_fn(graph, spec, final_out, mesh, prog, collect, recorder, donated, roles)
+    def report() -> dict[str, Any]:
+        if not reported:
+            recorder = Recorder(propagator.pricer, propagator.ops, prog.values)
+            records = _records(recorder, propagator, graph, spec, collect, final_out)
+            totals = _totals(records, peak)
+            memory = _memory_fn(
+                graph, spec, final_out, mesh, prog, collect, recorder, donated, roles
+            )
+            reported["memory"] = memory
+            reported["fields"] = {
+                "records": records,
+                "comm_bytes_by_kind": totals.by_kind,
+                "comm_bytes": totals.comm_bytes,
+                "comm_time_s": totals.comm_time_s,
+                "flops": totals.flops,
+                "compute_time_s": totals.compute_time_s,
+                "step_time_s": totals.compute_time_s + totals.comm_time_s,
+                "memory": memory(True),
+                "memory_materialized": memory(False),
+            }
+        return reported["fields"]
+
+    def memory_as(widen: Mapping | None = None, cpu: bool = False) -> tuple[Any, Any]:
+        report()
+        memory = reported["memory"]
+        return memory(True, widen, cpu), memory(False, widen, cpu)
 
     return Propagation(
         mesh=mesh,
         closed_jaxpr=closed,
         in_specs=list(flat_in),
         out_specs=final_out,
-        records=records,
         unknown=unknown,
-        comm_bytes_by_kind=totals.by_kind,
-        comm_bytes=totals.comm_bytes,
-        comm_time_s=totals.comm_time_s,
-        flops=totals.flops,
-        compute_time_s=totals.compute_time_s,
-        step_time_s=totals.compute_time_s + totals.comm_time_s,
-        memory=memory(True),
         var_specs={v: spec[vid] for v, vid in env.items() if vid in spec},
         steps=collect,
         program=program,
-        memory_materialized=memory(False),
-        memory_as=lambda widen=None, cpu=False: (
-            memory(True, widen, cpu),
-            memory(False, widen, cpu),
-        ),
+        memory_as=memory_as,
+        report=report,
+        **dict.fromkeys(REPORTED, LATER),
     )
+
+
+def _final_out(
+    propagator: Propagator,
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    out_req: list[TensorSpec | None],
+) -> list[TensorSpec]:
+    """The layouts the outputs leave in: asked for, else as propagated with
+    pending reductions resolved (a jitted function returns reduced values)."""
+    out = []
+    for v, r in zip(graph.outvars, out_req, strict=True):
+        have = spec.get(v) or propagator.replicated(v)
+        out.append(r if r is not None else have.without_partial())
+    return out
 
 
 def _records(
@@ -172,21 +203,17 @@ def _records(
     graph: Graph,
     spec: Mapping[int, TensorSpec],
     collect: list[Step],
-    out_req: list[TensorSpec | None],
-) -> tuple[list[EqnRecord], list[TensorSpec]]:
-    """The records of the chosen steps, then of the reshards at the outputs, and
-    the layouts the outputs leave in (asked for, else with pending reductions
-    resolved)."""
+    final_out: list[TensorSpec],
+) -> list[EqnRecord]:
+    """The records of the chosen steps, then of the reshards at the outputs (to
+    ``final_out``, :func:`_final_out`)."""
     records = [recorder.record(step, i) for i, step in enumerate(collect)]
-    final_out = []
-    for i, (v, r) in enumerate(zip(graph.outvars, out_req, strict=True)):
+    for i, (v, want) in enumerate(zip(graph.outvars, final_out, strict=True)):
         have = spec.get(v) or propagator.replicated(v)
-        want = r if r is not None else have.without_partial()
-        final_out.append(want)
         rec = recorder.output(len(records), i, v, have, want)
         if rec is not None:
             records.append(rec)
-    return records, final_out
+    return records
 
 
 def _facts(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,23 @@ from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import fmt_bytes
 from spmdkit.versions import cse_merges_through_barriers
 
-__all__ = ["EqnRecord", "Propagation", "Recorder"]
+__all__ = ["LATER", "REPORTED", "EqnRecord", "Propagation", "Recorder"]
+
+#: The fields of :class:`Propagation` its ``report`` may compute on first read.
+REPORTED = (
+    "records",
+    "comm_bytes_by_kind",
+    "comm_bytes",
+    "comm_time_s",
+    "flops",
+    "compute_time_s",
+    "step_time_s",
+    "memory",
+    "memory_materialized",
+)
+#: The value :func:`~spmdkit.propagation.propagate` gives a :data:`REPORTED`
+#: field that its ``report`` computes when first read.
+LATER: Any = type("Later", (), {"__repr__": lambda self: "LATER"})()
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,11 @@ class Propagation:
         made, and how its layouts were decided (:mod:`spmdkit.propagation.provenance`).
       program: what :func:`spmdkit.compile.enforce.replay` needs to run the traced
         program with every equation pinned to its propagated layouts.
+      report: how :func:`~spmdkit.propagation.propagate` computes the fields of
+        :data:`REPORTED` (the records, their totals and the memory estimate) when
+        it leaves them :data:`LATER`: on the first read of any of them, all at
+        once, then kept (running the step needs only ``program``; a report,
+        ``plan.verify`` or the planner reads the rest).
     """
 
     mesh: MeshLike
@@ -161,13 +182,35 @@ class Propagation:
     compute_time_s: float
     step_time_s: float
     memory: MemoryEstimate
+    # no class-level default for a REPORTED field: __getattr__ finds those left LATER
+    memory_materialized: MemoryEstimate = field(repr=False)
     var_specs: dict = field(default_factory=dict, repr=False)
     steps: list[Step] = field(default_factory=list, repr=False, compare=False)
     program: Program | None = field(default=None, repr=False, compare=False)
-    memory_materialized: MemoryEstimate | None = field(default=None, repr=False)
     memory_as: Callable[..., tuple[MemoryEstimate, MemoryEstimate]] | None = field(
         default=None, repr=False, compare=False
     )
+    report: Callable[[], Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        later = [k for k in REPORTED if self.__dict__.get(k) is LATER]
+        if later and self.report is None:
+            raise ValueError(f"Propagation: {later} are LATER but no report computes them")
+        for k in later:  # read through __getattr__ until the report has run
+            del self.__dict__[k]
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for an attribute not set: a REPORTED field still LATER
+        report = self.__dict__.get("report")
+        if name not in REPORTED or report is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            fields = dict(report())
+        except AttributeError as e:  # not "no such attribute" to getattr's callers
+            raise RuntimeError(f"Propagation: computing {name!r} failed: {e}") from e
+        for k in REPORTED:
+            self.__dict__.setdefault(k, fields[k])
+        return self.__dict__[name]
 
     def collectives(self) -> list[Collective]:
         """Every predicted collective, in program order (loop bodies repeated)."""

@@ -212,12 +212,26 @@ def test_abstract_plan_needs_a_real_mesh(info):
         jit(lambda a: a, p)
 
 
-def test_verify_compares_prediction_with_compiled(info):
+def test_verify_compares_prediction_with_compiled(info, monkeypatch):
+    """The step's first call propagates and pins its program, but prices no
+    records and estimates no memory (running the step needs neither): plan.verify
+    reads them from the same propagation, then."""
+    from spmdkit.propagation.records import Recorder
+
+    priced = []
+    record = Recorder.record
+    monkeypatch.setattr(
+        Recorder, "record", lambda self, *a, **k: priced.append(1) or record(self, *a, **k)
+    )
     mesh = sk.make_mesh(data=8)
     p = plan(info, mesh, "dp", estimator="analytic")
     params = init_sharded(info, p)
     step = jit(jax.value_and_grad(info.loss_fn), p)
+    priced.clear()
+    loss, _ = step(params, toy_batch())
+    assert np.isfinite(float(loss)) and priced == []
     report = p.verify(step, params, toy_batch())
+    assert priced and len(step.executables) == 1  # verify read the executable that ran
     rows = {r[0]: r for r in report.rows}
     _, predicted, compiled, ok = rows["collectives total"]
     assert compiled > 0 and abs(predicted - compiled) <= 0.1 * compiled

@@ -112,3 +112,28 @@ def test_table_lists_costly_equations(mesh2d):
     text = prop.table(limit=2)
     assert len(text.splitlines()) == 3
     assert "all_reduce" in text
+
+
+def test_the_report_waits_for_its_first_read(mesh2d, monkeypatch):
+    """propagate() decides and pins every layout at once (what sk.jit's replay
+    runs), but prices the records, their totals and the memory estimate on the
+    first read of any of them, once; which is read first changes nothing."""
+    from spmdkit.propagation.records import REPORTED, Recorder
+
+    priced = []
+    record = Recorder.record
+    monkeypatch.setattr(
+        Recorder, "record", lambda self, *a, **k: priced.append(1) or record(self, *a, **k)
+    )
+    specs = ({"w1": P(None, "b"), "b1": P("b"), "w2": P("b", None)}, P("a"), P("a"))
+    prop = propagate(sgd_step, PARAMS, X, Y, in_specs=specs, mesh=mesh2d)
+    assert prop.program is not None and prop.out_specs and priced == []
+    memory = prop.memory
+    n = len(priced)
+    assert n >= len(prop.steps)
+    assert prop.comm_bytes == sum(r.comm_bytes for r in prop.records) > 0
+    assert len(priced) == n  # once for every field
+    other = propagate(sgd_step, PARAMS, X, Y, in_specs=specs, mesh=mesh2d)
+    assert other.records == prop.records and other.memory == memory
+    assert {k: getattr(other, k) for k in REPORTED} == {k: getattr(prop, k) for k in REPORTED}
+    assert prop.memory_as(cpu=True)[0].peak_bytes > 0
