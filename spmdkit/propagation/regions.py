@@ -17,8 +17,9 @@ so its own collectives are the forward's plus the grad's.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -109,7 +110,11 @@ def _resolves(
             coll.append(
                 op_collective(ctx, "reduce_scatter", spread, o.local_bytes(mesh), reduce_op="sum")
             )
-        rest = o.replace(dims=target.dims, partial={a: r for a, r in o.partial if a not in spread})
+        rest = (
+            o.replace(dims=target.dims, partial={a: r for a, r in o.partial if a not in spread})
+            if spread
+            else o
+        )
         by_op: dict[str, list[str]] = {}
         for a, r in rest.partial:
             by_op.setdefault(r, []).append(a)
@@ -127,6 +132,8 @@ def scattered_onto(
     (dim, size)) laid onto that dim where the output's dim has that size, the axis
     shards no other dim and the dim divides (a reduce-scatter: Megatron-LM's
     sequence parallelism after a vocab-parallel lookup); the rest replicated."""
+    if not any(r == "sum" and a in onto for a, r in out.partial):
+        return out.without_partial()  # nothing to lay onto a dim (most regions)
     sizes = axis_sizes(mesh)
     dims = [tuple(d) for d in out.dims] + [()] * (len(out.shape) - len(out.dims))
     used = set(out.sharding_axes)
@@ -142,6 +149,20 @@ def scattered_onto(
         dims[j] = (*dims[j], a)
         used.add(a)
     return TensorSpec(out.shape, [d or None for d in dims], dtype=out.dtype)
+
+
+class _Layout(NamedTuple):
+    """A region's layouts under one strategy, its own collectives found on asking
+    (a grad region's trace its replayed program: :func:`region_answer` asks only
+    for the strategies that can still win)."""
+
+    attrs: dict[str, Any]
+    required: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    own: Callable[[], tuple[Collective, ...]]
+
+    def answer(self) -> RegionAnswer:
+        return RegionAnswer(self.attrs, self.required, self.outputs, self.own())
 
 
 def region_layouts(
@@ -160,6 +181,19 @@ def region_layouts(
     Raises:
       SpmdError: the rule does not fit the operands.
     """
+    return _layout(prim, params, attrs, specs, mesh, onto, produced).answer()
+
+
+def _layout(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    specs: Sequence[TensorSpec],
+    mesh: MeshLike,
+    onto: Mapping[str, tuple[int, int]] | None = None,
+    produced: Sequence[TensorSpec] | None = None,
+) -> _Layout:
+    """:func:`region_layouts`' layouts, its collectives left to ask for."""
     op = params["op"]
     plain = tuple(s.without_partial() for s in specs)
     if prim == FORWARD:
@@ -173,33 +207,28 @@ def region_layouts(
                 if a not in o.sharding_axes
             }
         outs, coll = _resolves(res.outputs, mesh, op, onto)
-        return RegionAnswer(dict(attrs), tuple(res.inputs), tuple(outs), (*res.collectives, *coll))
+        own = (*res.collectives, *coll)
+        return _Layout(dict(attrs), tuple(res.inputs), tuple(outs), lambda: own)
     diff = tuple(params["diff"])
     g, f = grad_inference(op, attrs, plain, diff, mesh)
     grads = [o for o, on in zip(g.outputs, diff, strict=True) if on]
     outs, coll = _resolves(grads, mesh, op)
     req = (*g.inputs, *g.out_grads)
-    facts = _program(prim, params, attrs, req, tuple(outs), mesh)
-    if facts is not None:
+
+    def traced() -> tuple[Collective, ...]:
+        facts = _program(prim, params, attrs, req, tuple(outs), mesh)
+        if facts is None:
+            return (*f.collectives, *g.collectives, *coll)
         # what the replayed program runs: the recomputed forward's collectives
         # its backward reads, and the backward's (a grad rule may already count
         # the forward's, as attention's gathers of K/V)
         ctx = RuleContext(op=op, axis_sizes=axis_sizes(mesh), attrs={})
-        own = tuple(
+        return tuple(
             op_collective(ctx, kind, axes, nbytes, reduce_op=r)
             for kind, axes, r, nbytes in facts.collectives
         )
-    else:
-        own = (*f.collectives, *g.collectives, *coll)
-    return RegionAnswer(dict(attrs), req, tuple(outs), own)
 
-
-def _cost(pricer: Pricer, given: Sequence[TensorSpec], ans: RegionAnswer) -> tuple[int, float]:
-    nbytes, t = pricer.price(given, ans.required, ans.outputs)
-    return (
-        nbytes + sum(c.payload_bytes for c in ans.collectives),
-        t + sum(c.time_s for c in ans.collectives),
-    )
+    return _Layout(dict(attrs), req, tuple(outs), traced)
 
 
 def region_answer(
@@ -240,28 +269,55 @@ def region_answer(
     flags = [i in act for i in range(len(specs))]
     heavy = tuple(weight) + (False,) * (len(specs) - len(weight))
     axes = contested(specs, flags, seq_axes, heavy)
-    found: list[tuple[tuple[int, float], int, RegionAnswer, tuple[TensorSpec, ...]]] = []
+    found: list[tuple[tuple[int, float], int, _Layout, tuple[TensorSpec, ...]]] = []
     for given in _candidates(specs, flags, axes, heavy):
         onto = _given_up(specs, flags, axes, given) if prim == FORWARD else {}
         for name in names:
             try:
-                ans = region_layouts(
-                    prim, params, {**attrs, "strategy": name}, given, pricer.mesh, onto
-                )
+                lay = _layout(prim, params, {**attrs, "strategy": name}, given, pricer.mesh, onto)
             except RULE_ERRORS:
                 continue
             # 2: activations and weights keep theirs; 1: the activations do
-            kept = stays(specs, flags, axes, ans.required, heavy) + stays(
-                specs, flags, axes, ans.required
+            kept = stays(specs, flags, axes, lay.required, heavy) + stays(
+                specs, flags, axes, lay.required
             )
-            found.append((_cost(pricer, specs, ans), kept, ans, given))
+            # the operands' reshards (priced from the operands as given)
+            found.append((pricer.price(specs, lay.required, lay.outputs), kept, lay, given))
     best_kept = max((kept for _, kept, _, _ in found), default=0)
     if best_kept:
         found = [f for f in found if f[1] == best_kept]
-    if not found:
+    best = _cheapest([(moves, lay, given) for moves, _, lay, given in found])
+    if best is None:
         return None
-    _, _, ans, given = min(found, key=lambda f: f[0])  # the first of equal costs
+    ans, given = best
     return ans if chosen else _named(prim, params, ans, given, pricer.mesh)
+
+
+def _cheapest(
+    found: Sequence[tuple[tuple[int, float], _Layout, tuple[TensorSpec, ...]]],
+) -> tuple[RegionAnswer, tuple[TensorSpec, ...]] | None:
+    """The candidate of least cost, bytes first (its operands' reshards, then
+    its own collectives), the first of equal costs. Own collectives only add
+    to a cost, so candidates are asked for theirs in order of their reshards'
+    cost, and not at all once that alone is above the best so far: a losing
+    grad region's program is not traced."""
+    best: tuple[tuple[int, float], int, RegionAnswer, tuple[TensorSpec, ...]] | None = None
+    order = sorted(range(len(found)), key=lambda i: (found[i][0], i))
+    for i in order:
+        (nbytes, t), lay, given = found[i]
+        if best is not None and ((nbytes, t), i) > (best[0], best[1]):
+            break  # costs at least its reshards': neither it nor a later one wins
+        try:
+            own = lay.own()
+        except RULE_ERRORS:
+            continue
+        cost = (
+            nbytes + sum(c.payload_bytes for c in own),
+            t + sum(c.time_s for c in own),
+        )
+        if best is None or (cost, i) < (best[0], best[1]):
+            best = (cost, i, RegionAnswer(lay.attrs, lay.required, lay.outputs, own), given)
+    return None if best is None else (best[2], best[3])
 
 
 def _given_up(
@@ -318,31 +374,68 @@ def _named(
     if name == ans.attrs["strategy"]:
         return ans
     try:
-        other = region_layouts(
+        other = _layout(
             prim, params, {**ans.attrs, "strategy": name}, given, mesh, produced=ans.outputs
         )
+        # the collectives (a grad region's traced program) only where the layouts agree
+        if (other.required, other.outputs) != (ans.required, ans.outputs):
+            return ans
+        own = other.own()
     except RULE_ERRORS:
         return ans
-    same = (other.required, other.outputs, other.collectives) == (
-        ans.required,
-        ans.outputs,
-        ans.collectives,
-    )
-    return other if same else ans
+    same = own == ans.collectives
+    return RegionAnswer(other.attrs, other.required, other.outputs, own) if same else ans
 
 
-class _Facts(NamedTuple):
-    """What one device does inside a region's replayed program."""
+class _Facts:
+    """What one device does inside a region's replayed program (its dead values
+    dropped): the collectives it runs, on its operands too, and the operands it
+    never reads, read off the traced body at once (pricing a strategy needs
+    them); the memory it holds (temporaries, what a grad region holds from the
+    forward pass, its loop buffers) measured on first read and kept, since only a
+    memory estimate asks (``sk.jit`` runs a step without one)."""
 
-    collectives: tuple[tuple[str, tuple[str, ...], str | None, int], ...]
-    temp_bytes: int
-    temp_bytes_materialized: int
-    cpu_temp_bytes: tuple[int, int]
-    on_inputs: tuple[tuple[int, str, tuple[str, ...], int], ...] = ()
-    residual_bytes: int = 0
-    residual_bytes_materialized: int = 0
-    unread: frozenset[int] = frozenset()
-    loop_buffer_bytes: int = 0
+    def __init__(self, prim: str, n_diff: int, body: Any, mesh: MeshLike) -> None:
+        prog = FlatProgram()
+        graph = prog.graph(body)[0]
+        _drop_dead(graph)
+        read = set(graph.outvars).union(*(node.ins for node in graph.nodes))
+        self.collectives: tuple[tuple[str, tuple[str, ...], str | None, int], ...] = tuple(
+            _collectives(graph.nodes, mesh)
+        )
+        self.on_inputs: tuple[tuple[int, str, tuple[str, ...], int], ...] = tuple(
+            _on_inputs(graph, mesh)
+        )
+        self.unread = frozenset(i for i, v in enumerate(graph.invars) if v not in read)
+        self._grad = prim == GRAD
+        self._n = n_diff
+        self._body, self._graph, self._prog = body, graph, prog
+        self._temps: dict[tuple[bool, bool], int] = {}
+        self._residuals: dict[bool, int] = {}
+
+    def temp_bytes(self, *, duplicate: bool, cpu: bool) -> int:
+        """Peak bytes of the body's temporaries (as
+        :func:`~spmdkit.propagation.memory.program_temp_bytes`)."""
+        key = (duplicate, cpu)
+        if key not in self._temps:
+            self._temps[key] = program_temp_bytes(self._body, duplicate=duplicate, cpu=cpu)
+        return self._temps[key]
+
+    def residual_bytes(self, *, duplicate: bool) -> int:
+        """A grad region's bytes held from the forward pass (:func:`_residual_bytes`);
+        0 for a forward region."""
+        if not self._grad:
+            return 0
+        if duplicate not in self._residuals:
+            fused = fused_values(self._graph, self._prog, duplicate=duplicate)
+            self._residuals[duplicate] = _residual_bytes(self._graph, self._n, fused, self._prog)
+        return self._residuals[duplicate]
+
+    @functools.cached_property
+    def loop_buffer_bytes(self) -> int:
+        """A grad region's zero-filled loop buffers (:func:`_loop_buffer_bytes`); 0
+        for a forward region."""
+        return _loop_buffer_bytes(self._graph, self._n, self._prog) if self._grad else 0
 
 
 def region_temp_bytes(
@@ -366,9 +459,7 @@ def region_temp_bytes(
     facts = _program(prim, params, attrs, required, produced, mesh)
     if facts is None:
         return 0
-    if cpu:
-        return facts.cpu_temp_bytes[0 if duplicate else 1]
-    return facts.temp_bytes if duplicate else facts.temp_bytes_materialized
+    return facts.temp_bytes(duplicate=duplicate, cpu=cpu)
 
 
 def _program(
@@ -408,26 +499,7 @@ def _traced(
     body = _shard_map_body(outer.jaxpr)
     if body is None:
         return None
-    prog = FlatProgram()
-    graph = prog.graph(body)[0]
-    _drop_dead(graph)
-    read = set(graph.outvars).union(*(node.ins for node in graph.nodes))
-    unread = frozenset(i for i, v in enumerate(graph.invars) if v not in read)
-    return _Facts(
-        tuple(_collectives(graph.nodes, mesh)),
-        program_temp_bytes(body, duplicate=True),
-        program_temp_bytes(body, duplicate=False),
-        (program_temp_bytes(body, cpu=True), program_temp_bytes(body, duplicate=False, cpu=True)),
-        tuple(_on_inputs(graph, mesh)),
-        *(
-            _residual_bytes(graph, len(diff), fused_values(graph, prog, duplicate=d), prog)
-            if prim == GRAD
-            else 0
-            for d in (True, False)
-        ),
-        unread,
-        _loop_buffer_bytes(graph, len(diff), prog) if prim == GRAD else 0,
-    )
+    return _Facts(prim, len(diff or ()), body, mesh)
 
 
 def _residual_bytes(graph: Any, n: int, fused: set[int], prog: FlatProgram) -> int:
@@ -645,4 +717,4 @@ def region_residual_bytes(
     facts = _program(prim, params, attrs, required, produced, mesh)
     if facts is None:
         return 0
-    return facts.residual_bytes if duplicate else facts.residual_bytes_materialized
+    return facts.residual_bytes(duplicate=duplicate)

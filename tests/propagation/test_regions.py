@@ -1,6 +1,7 @@
 """propagation.regions: a composite op's region laid out whole by its rule, its
 strategies priced (reshards plus the op's own collectives) and the cheapest chosen."""
 
+import functools
 import re
 
 import jax
@@ -158,3 +159,80 @@ def test_reference_megatron_plans_choose_vocab_parallel_cross_entropy(model):
     rows = p.table().split("ops (strategy chosen per composite op; regions in the step):\n")[1]
     assert re.search(r"^  softmax_cross_entropy +vocab_parallel +1 +1$", rows, re.M), rows
     assert sk.Plan.from_json(p.to_json()).cost.ops == chosen
+
+
+def test_a_strategy_that_loses_on_its_reshards_is_not_traced(monkeypatch):
+    """A grad region's own collectives are read off its traced program, but a
+    strategy whose operand reshards alone cost more than the best found is never
+    traced (its collectives only add): with the normalized dim sharded, the
+    reference strategy's gather of it loses to sharded_stats untraced."""
+    from spmdkit.propagation import regions
+
+    asked = []
+    program = regions._program
+    monkeypatch.setattr(
+        regions,
+        "_program",
+        lambda prim, params, attrs, *a: (
+            asked.append((prim, attrs["strategy"])) or program(prim, params, attrs, *a)
+        ),
+    )
+    prop = propagate(_norm_grad(), X, W, in_specs=(P("a", "b"), P()), mesh=MESH)
+    assert asked and set(asked) == {("spmdkit_op_grad", "sharded_stats")}
+    assert prop.region_strategies()["rms_norm:grad"] == {"sharded_stats": 1}
+
+
+def test_the_cheapest_candidate_is_the_one_pricing_them_all_picks():
+    """_cheapest asks a candidate for its own collectives only while its reshards
+    alone do not exceed the best cost so far, and picks what pricing every
+    candidate whole would: least (bytes, time), the first of equal costs."""
+    from typing import NamedTuple
+
+    from spmdkit.propagation.regions import _cheapest, _Layout
+
+    class Own(NamedTuple):
+        payload_bytes: int
+        time_s: float
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 7))
+        asked: list[int] = []
+        found, costs = [], []
+        for i in range(n):
+            own = tuple(
+                Own(8 * int(rng.integers(0, 3)), float(rng.integers(0, 3)) * 1e-6)
+                for _ in range(int(rng.integers(0, 3)))
+            )
+            moves = (8 * int(rng.integers(0, 4)), float(rng.integers(0, 3)) * 1e-6)
+            ask = functools.partial(lambda log, i, own: log.append(i) or own, asked, i, own)
+            found.append((moves, _Layout({"strategy": i}, (), (), ask), ()))
+            costs.append(
+                (
+                    moves[0] + sum(c.payload_bytes for c in own),
+                    moves[1] + sum(c.time_s for c in own),
+                )
+            )
+        best = min(range(n), key=lambda i: (costs[i], i))
+        ans, _ = _cheapest(found)
+        assert ans.attrs["strategy"] == best
+        assert best in asked and len(set(asked)) == len(asked)
+        assert all((found[i][0], i) <= (costs[best], best) for i in asked)
+
+
+def test_region_memory_is_measured_only_when_asked(monkeypatch):
+    """Pricing a region's strategies traces its program for the collectives; its
+    memory (temporaries, what it holds from the forward pass) is measured when a
+    memory estimate asks, not before."""
+    from spmdkit.propagation import regions
+
+    measured = []
+    temp = regions.program_temp_bytes
+    monkeypatch.setattr(
+        regions, "program_temp_bytes", lambda *a, **k: measured.append(1) or temp(*a, **k)
+    )
+    x = jax.ShapeDtypeStruct((8, 24), "float32")  # a layout no other test traces
+    w = jax.ShapeDtypeStruct((24,), "float32")
+    prop = propagate(_norm_grad(), x, w, in_specs=(P("a", "b"), P()), mesh=MESH)
+    assert prop.program is not None and measured == []
+    assert prop.memory_materialized.temp_bytes > 0 and measured
