@@ -49,8 +49,10 @@ predicts (``plan.verify``, which runs :meth:`PlannedFunction.verify`:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -398,31 +400,37 @@ class PlannedFunction:
         key = self._key(args)
         hit = self._programs.get(key)
         if hit is None:
-            # one trace of the step gives the output shapes (so the out specs) and
-            # the jaxpr propagated (jax.jit traces once too; this used to trace it
-            # for eval_shape, then for propagate, then eval_shape again in _jitted)
-            with jax.set_mesh(self.mesh):
-                roles, in_specs = self._in_specs(args)
-            body = self._body(roles, in_specs)
-            with recipes_used() as seen, placeholder_keys() as fixed:
-                closed, out_shape = jax.make_jaxpr(body, return_shape=True)(
-                    *jax.tree.map(_unweak, args)  # as propagate traces a function
-                )
-            in_specs, out_specs, roles = self._outs(key, roles, in_specs, out_shape, seen, fixed)
-            prop = propagate(
-                closed,
-                *args,
-                out_tree=jax.tree.structure(out_shape),
-                in_specs=in_specs,
-                mesh=self.mesh,
-                out_specs=out_specs,
-                # priced on the devices it runs on, as sk.plan prices a plan for them
-                topology=topology_for(self.mesh),
-                donate_argnums=self._donation(roles),
-                arg_roles=tuple(r if r in (*STATE_ROLES, "batch") else "other" for r in roles),
+            with _building():
+                hit = self._program(key, args)
+        return hit
+
+    def _program(self, key: Hashable, args: tuple) -> tuple[Callable, Propagation]:
+        """:meth:`program` for arguments not seen yet (remembered under ``key``)."""
+        # one trace of the step gives the output shapes (so the out specs) and
+        # the jaxpr propagated (jax.jit traces once too; this used to trace it
+        # for eval_shape, then for propagate, then eval_shape again in _jitted)
+        with jax.set_mesh(self.mesh):
+            roles, in_specs = self._in_specs(args)
+        body = self._body(roles, in_specs)
+        with recipes_used() as seen, placeholder_keys() as fixed:
+            closed, out_shape = jax.make_jaxpr(body, return_shape=True)(
+                *jax.tree.map(_unweak, args)  # as propagate traces a function
             )
-            hit = (enforced(prop) if self.enforce else body, prop)
-            self._programs[key] = hit
+        in_specs, out_specs, roles = self._outs(key, roles, in_specs, out_shape, seen, fixed)
+        prop = propagate(
+            closed,
+            *args,
+            out_tree=jax.tree.structure(out_shape),
+            in_specs=in_specs,
+            mesh=self.mesh,
+            out_specs=out_specs,
+            # priced on the devices it runs on, as sk.plan prices a plan for them
+            topology=topology_for(self.mesh),
+            donate_argnums=self._donation(roles),
+            arg_roles=tuple(r if r in (*STATE_ROLES, "batch") else "other" for r in roles),
+        )
+        hit = (enforced(prop) if self.enforce else body, prop)
+        self._programs[key] = hit
         return hit
 
     def _jitted(self, args: tuple) -> _Jitted:
@@ -495,9 +503,10 @@ class PlannedFunction:
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for these (concrete or abstract) arguments."""
         args = _abstract(_traced(args))
-        jitted = self._jitted(args).jitted
-        with jax.set_mesh(self.mesh):
-            return jitted.lower(*args)
+        with _building():
+            jitted = self._jitted(args).jitted
+            with jax.set_mesh(self.mesh):
+                return jitted.lower(*args)
 
     def compile(self, *args: Any) -> jax.stages.Compiled:
         """The ``jax.stages.Compiled`` executable for these (concrete or abstract)
@@ -508,7 +517,8 @@ class PlannedFunction:
         key = self._key(args)
         hit = self._executables.get(key)
         if hit is None:
-            hit = self._executables[key] = self.lower(*args).compile()
+            with _building():
+                hit = self._executables[key] = self.lower(*args).compile()
         return hit
 
     def verify(self, *args: Any, bytes_tol: float = 0.1, mem_tol: float = 0.2) -> VerifyReport:
@@ -583,6 +593,25 @@ class UnplannedBatchWarning(UserWarning):
 
     Broken example: a plan made for batches of 8, a step called on a batch of 5.
     """
+
+
+@contextlib.contextmanager
+def _building() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a step's executable is built
+    (traced, propagated, replayed, lowered, compiled), and resumed after (left
+    as it was when the caller had paused it). A build allocates tens of
+    thousands of short-lived objects (tracers, jaxprs, specs) that reference
+    counting frees; their allocations alone set off full collections, each a
+    walk of every object of a jax process (hundreds of thousands), for a build
+    whose cycles the next collection after it frees anyway."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _batch_dims(plan: Plan, batch: Any) -> set[int]:

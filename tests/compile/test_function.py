@@ -612,3 +612,37 @@ def test_sequence_parallel_attention_is_a_planned_ring_and_verifies(model):
     if "ring" in chosen:
         permutes = [r for r in report.rows if r[0] == "collective_permute"]
         assert permutes and permutes[0][1] == permutes[0][2] > 0, str(report)
+
+
+def test_a_build_pauses_the_garbage_collector_and_resumes_it(info, monkeypatch):
+    """Tracing, propagating and lowering a step run with Python's cyclic collector
+    paused (its allocations would set off full collections of the whole heap);
+    it runs again after, also when the build fails, and stays paused where the
+    caller paused it."""
+    import gc
+
+    import spmdkit.compile.function as function
+
+    seen = []
+    real = function.propagate
+    monkeypatch.setattr(
+        function, "propagate", lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k)
+    )
+    p = plan(info, sk.make_mesh(data=2, model=4), "fsdp", estimator="analytic")
+    step = jit(jax.value_and_grad(info.loss_fn), p)
+    assert gc.isenabled()
+    step.lower(info.abstract_params, toy_batch())
+    assert seen == [False] and gc.isenabled()
+
+    def broken(params, batch):
+        raise ValueError("a step that fails to trace")
+
+    with pytest.raises(ValueError, match="fails to trace"):
+        jit(broken, p).program(info.abstract_params, toy_batch())
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        jit(jax.value_and_grad(info.loss_fn), p).program(info.abstract_params, toy_batch())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
