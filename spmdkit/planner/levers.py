@@ -27,12 +27,7 @@ from spmdkit.step.recipe import Recipe
 from spmdkit.topology import Topology
 from spmdkit.util import divisors
 
-__all__ = ["MAX_MICROBATCHES", "auto_recipes", "check_fp8", "compute_choices"]
-
-#: The most micro-batches (gradient accumulation steps) auto tries without a
-#: pipeline: every divisor of the batch up to it, smallest first (more only adds
-#: collectives; 16 sequences of 8,192 tokens per device already fit Llama-3 70B).
-MAX_MICROBATCHES = 16
+__all__ = ["auto_recipes", "check_fp8", "compute_choices"]
 
 
 def check_fp8(topology: Topology, peak_flops: float | None) -> None:
@@ -95,8 +90,11 @@ def auto_recipes(
     allow_master_weights: bool = False,
     topology: Topology | None = None,
 ) -> list[list[Recipe]]:
-    """The recipes auto tries, in rounds: each round's micro-batch counts are
-    tried smallest first, and the second round (the optimizer state offloaded,
+    """The recipes auto tries, in rounds: each round's micro-batch counts (every
+    divisor of the batch, no cap: the search stops adding them once a plan fits
+    or more cannot help, :meth:`spmdkit.planner.search._Planner.analytic_candidates`,
+    so the count follows the memory the step needs) are tried smallest first,
+    and the second round (the optimizer state offloaded,
     with the activations' offload forms) only when no plan of the first fits
     (``spmdkit.planner.search``); ``topology``: as for :func:`compute_choices`."""
     remats = remat_choices(trace)
@@ -120,7 +118,6 @@ def auto_recipes(
                 if offload or not o
                 for d, mw in choices
                 for m in divisors(trace.batch_size)
-                if m <= MAX_MICROBATCHES
             ]
         )
     return rounds

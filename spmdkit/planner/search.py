@@ -594,17 +594,33 @@ class _Planner:
     def analytic_candidates(self, extra: RulesLike | None, fixed: Recipe | None) -> list[Candidate]:
         """Candidates over the recipes (:meth:`recipes`): per remat policy and
         compute dtype, micro-batch counts grow only until some plan fits within
-        :data:`_FLAT_HEADROOM` of the budget."""
+        :data:`_FLAT_HEADROOM` of the budget, or more cannot help (what they
+        shrink leaves every plan over it, or the last count saved no memory)."""
         out: list[Candidate] = []
         for recipes in self.problem.recipes(fixed):
             fits = False
             done: set[tuple] = set()
+            # per recipe key, the smallest peak of the last count costed
+            smallest: dict[tuple, float] = {}
             for r in recipes:
                 key = (r.remat, r.remat_offload, r.remat_every, r.compute_dtype, r.master_weights)
                 if key in done:
                     continue
                 cands = self.candidates(r, extra)
                 out += cands
+                if not cands:
+                    # no layout splits its rows into this many micro-batches; a
+                    # larger count (one row a micro-batch per replica at most)
+                    # only where some replica's rows still outnumber it
+                    if r.microbatches >= self.problem.ctx.trace.batch_size:
+                        done.add(key)
+                    continue
+                least = min(c.cost.peak_bytes for c in cands)
+                # more micro-batches that saved no memory: none will (the
+                # count follows the memory need, with no fixed cap)
+                if least >= smallest.get(key, math.inf):
+                    done.add(key)
+                smallest[key] = least
                 if any(c.cost.peak_bytes <= self.problem.budget for c in cands):
                     fits = True
                 # more micro-batches until one fits with headroom: propagation
@@ -612,10 +628,11 @@ class _Planner:
                 # 8 GPUs: +12%), and auto re-costs the favourites (:meth:`recosted`)
                 if any(c.cost.peak_bytes <= _FLAT_HEADROOM * self.problem.budget for c in cands):
                     done.add(key)
-                # more micro-batches shrink the activations only (and what they
-                # hide, opt_update): where the rest of every candidate is over the
-                # budget, no count fits (a 1T model on 3,072 devices: 8 counts saved;
-                # when nothing fits, the closest is then among the counts costed)
+                # more micro-batches shrink the activations and the expert
+                # exchange's buffers only (and what they hide, opt_update): where
+                # the rest of every candidate is over the budget, no count fits
+                # (a 1T model on 3,072 devices: 8 counts saved; when nothing
+                # fits, the closest is then among the counts costed)
                 if cands and all(_rest(c.cost) > self.problem.budget for c in cands):
                     done.add(key)
             if fits:
@@ -864,10 +881,11 @@ class _Planner:
 
 
 def _rest(cost: Cost) -> float:
-    """A cost's memory less what more micro-batches change (activations, and the
-    offloaded optimizer update they hide)."""
+    """A cost's memory less what more micro-batches change (activations, the
+    expert exchange's token buffers, and the offloaded optimizer update they hide)."""
     memory = cost.memory
-    return cost.peak_bytes - memory.get("activations", 0) - memory.get("opt_update", 0)
+    shrinks = ("activations", "moe_buffers", "opt_update")
+    return cost.peak_bytes - sum(memory.get(k, 0) for k in shrinks)
 
 
 def planner_for(

@@ -373,3 +373,46 @@ def test_auto_says_when_replicating_wins_and_still_shows_the_best_sharded_plan()
     assert sharded and repr(sharded[0]) in note.message
     assert "all 8 devices compute the same step" in note.message
     assert "fewer devices" in note.fix
+
+
+def _grown_counts(monkeypatch, memory) -> tuple[dict, list]:
+    """The micro-batch counts auto's flat search costs per recipe key, each count's
+    candidate a stand-in whose memory by kind is ``memory(m)`` (budget 100 bytes)."""
+    from spmdkit.models import get_model
+    from spmdkit.planner.candidates import Candidate
+    from spmdkit.planner.plans import Cost
+    from spmdkit.planner.search import planner_for
+
+    info = describe(get_model("llama"), config="tiny_scan", batch_size=64)
+    costs = sk.CostModel(memory_budget=100, estimator="analytic")
+    planner = planner_for(info, sk.abstract_mesh(data=2), None, costs)
+    tried: dict[tuple, list[int]] = {}
+
+    def candidates(recipe, extra):
+        key = (recipe.remat, recipe.remat_offload, recipe.compute_dtype, recipe.offload_opt)
+        tried.setdefault(key, []).append(recipe.microbatches)
+        cost = Cost(1.0, 1.0, 0.0, {}, memory(recipe.microbatches))
+        return [Candidate("fsdp", [], {}, None, cost, recipe)]
+
+    monkeypatch.setattr(planner, "candidates", candidates)
+    return tried, planner.analytic_candidates(None, None)
+
+
+def test_auto_adds_micro_batches_past_sixteen_while_the_expert_buffers_shrink(monkeypatch):
+    """The expert exchange's buffers shrink with the micro-batches as the
+    activations do: a step whose buffers alone are over the budget at one
+    micro-batch still grows its count (no fixed cap) until it fits with
+    headroom, here at 32 (10 + 1280 / m <= 85)."""
+    tried, out = _grown_counts(
+        monkeypatch,
+        lambda m: {"params": 10, "moe_buffers": 640 // m, "activations": 640 // m},
+    )
+    assert tried and all(counts == [1, 2, 4, 8, 16, 32] for counts in tried.values())
+    assert any(c.cost.peak_bytes <= 100 for c in out)
+
+
+def test_auto_stops_adding_micro_batches_that_save_no_memory(monkeypatch):
+    """With no cap, a count that saved nothing ends the growth (a step whose
+    memory more micro-batches do not shrink tries two counts, not every divisor)."""
+    tried, _ = _grown_counts(monkeypatch, lambda m: {"activations": 200})
+    assert tried and all(counts == [1, 2] for counts in tried.values())
