@@ -65,6 +65,9 @@ def test_no_run_reports_missing_json(tmp_path):
     assert report.count("the JSON is missing") >= 4
 
 
+# CI's slow step leaves this out (SPMDKIT_FULL_SWEEP=1 runs it): overhead.py's quick run (a smoke
+# of every section); measure.py's quick run likewise
+@pytest.mark.full
 @pytest.mark.slow
 def test_overhead_quick_run(tmp_path):
     """benchmarks/overhead.py end to end in a fresh process (about 95 CPU s). Slow

@@ -565,6 +565,9 @@ def test_bf16_stage_gradients_accumulate_in_float32():
     assert (diff / norm) ** 0.5 < 1e-5
 
 
+# CI's slow step leaves this out (SPMDKIT_FULL_SWEEP=1 runs it): the stage gradients' float32
+# accumulation stays in CI's sample (test_bf16_stage_gradients_accumulate_in_float32)
+@pytest.mark.full
 @pytest.mark.slow
 def test_gpipe_accumulates_bf16_gradients_in_float32():
     """GPipe's gradients are autodiff's transpose of its forward ticks: it runs with

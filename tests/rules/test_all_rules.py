@@ -6,7 +6,7 @@
 
 Each check runs twice over: a sample in the default run (``[<op>-sample]``) and the
 full sample in the slow step (``[<op>-full]``, ``python -m pytest -m slow``), where CI
-runs the full sweeps (and the 2 x 3 mesh's) of every eighth op of each family
+runs the full sweeps (and the 2 x 3 mesh's) of every twelfth op of each family
 (tests/conftest.py, ``SWEEP_EVERY``; ``SPMDKIT_FULL_SWEEP=1`` runs every op's). The
 rules of jax primitives the library has no op for (each family's ``PRIMITIVE_RULES``:
 ``cumsum``, ``floor``, ``scatter-add``…) are sampled further: the sample sweeps of

@@ -229,6 +229,9 @@ def _counting_batches(cfg, n, batch_size, seed=0):
     "predicted (failed before the stop of 2026-12-02 too)",
     strict=False,
 )
+# CI's slow step leaves this out (SPMDKIT_FULL_SWEEP=1 runs it): training curves of float8 vs
+# bf16; the float8 steps' verify on a 2-D mesh stays in CI's sample
+@pytest.mark.full
 @pytest.mark.slow
 def test_tiny_gpt_trains_in_float8_as_in_bfloat16():
     """50 steps of tiny GPT under fsdp on 8 devices: the float8 recipe's loss, with

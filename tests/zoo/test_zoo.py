@@ -281,7 +281,9 @@ def test_zoo_matrix(name, strategy, shape):
     ("name", "shape"),
     sampled(
         [(n, shape) for n in sorted(ZOO) for shape in MESHES],
-        latin(_FIRST, MESHES) | {(n, s) for s, n in latin(MESHES, sorted(OUTSIDE))},
+        # CI: the zoo's own models on one mesh each; the outside models' auto runs in
+        # the matrix above and with SPMDKIT_FULL_SWEEP=1
+        latin(_FIRST, MESHES),
     ),
     ids=[f"{n}-{_mesh_id(shape)}" for n in sorted(ZOO) for shape in MESHES],
 )
