@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from spmdkit.state import register_cache
+
 __all__ = [
     "CONTRACTIONS",
     "as_unreduced",
@@ -188,7 +190,13 @@ def divisors(n: int) -> list[int]:
 #: spmdkit's packages whose code is an example, read as a user's: the reference
 #: models (``spmdkit.models``, the repository's ``models/``).
 USER_PACKAGES = ("spmdkit.models",)
-_own_dirs_cache: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+_own_dirs_cache: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = register_cache(
+    {},
+    module=__name__,
+    name="_own_dirs_cache",
+    why="the directories of spmdkit's imported packages, keyed by how many are "
+    "imported (is_own_source runs on every traced frame)",
+)
 
 
 def _own_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -26,7 +26,7 @@ compute time is the ideal one, at the bf16 peak (``topology.peak("bfloat16")``, 
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -138,6 +138,41 @@ def propagate(
     donated = _donated_ids(donate_argnums, args, graph.invars)
     # the records, their totals and the memory estimate wait for their first read
     # (Propagation.report): running the step (sk.jit) needs only the program
+    report, memory_as = _deferred_report(
+        propagator, graph, prog, spec, collect, final_out, peak, mesh, donated, roles
+    )
+
+    return Propagation(
+        mesh=mesh,
+        closed_jaxpr=closed,
+        in_specs=list(flat_in),
+        out_specs=final_out,
+        unknown=unknown,
+        var_specs={v: spec[vid] for v, vid in env.items() if vid in spec},
+        steps=collect,
+        program=program,
+        memory_as=memory_as,
+        report=report,
+        **dict.fromkeys(REPORTED, LATER),
+    )
+
+
+def _deferred_report(
+    propagator: Propagator,
+    graph: Graph,
+    prog: FlatProgram,
+    spec: Mapping[int, TensorSpec],
+    collect: Any,
+    final_out: list[TensorSpec],
+    peak: float,
+    mesh: MeshLike,
+    donated: Any,
+    roles: Any,
+) -> tuple[Callable[[], dict[str, Any]], Callable[..., tuple[Any, Any]]]:
+    """``(report, memory_as)`` for a :class:`Propagation`: ``report()`` prices the
+    records, sums them and builds the memory estimate on its first call (the same
+    values whichever field is read first); ``memory_as(widen, cpu)`` the memory
+    estimates in another form."""
     reported: dict[str, Any] = {}
 
     def report() -> dict[str, Any]:
@@ -167,19 +202,7 @@ def propagate(
         memory = reported["memory"]
         return memory(True, widen, cpu), memory(False, widen, cpu)
 
-    return Propagation(
-        mesh=mesh,
-        closed_jaxpr=closed,
-        in_specs=list(flat_in),
-        out_specs=final_out,
-        unknown=unknown,
-        var_specs={v: spec[vid] for v, vid in env.items() if vid in spec},
-        steps=collect,
-        program=program,
-        memory_as=memory_as,
-        report=report,
-        **dict.fromkeys(REPORTED, LATER),
-    )
+    return report, memory_as
 
 
 def _final_out(

@@ -49,11 +49,14 @@ from spmdkit.util import freeze
 
 __all__ = [
     "MANUAL_COLLECTIVES",
+    "CandidateLayout",
     "RegionAnswer",
     "region_answer",
     "region_input_collectives",
     "region_layouts",
+    "cheapest_candidate",
     "region_loop_buffer_bytes",
+    "region_program",
     "region_residual_bytes",
     "region_temp_bytes",
     "region_unread_inputs",
@@ -151,7 +154,7 @@ def scattered_onto(
     return TensorSpec(out.shape, [d or None for d in dims], dtype=out.dtype)
 
 
-class _Layout(NamedTuple):
+class CandidateLayout(NamedTuple):
     """A region's layouts under one strategy, its own collectives found on asking
     (a grad region's trace its replayed program: :func:`region_answer` asks only
     for the strategies that can still win)."""
@@ -192,7 +195,7 @@ def _layout(
     mesh: MeshLike,
     onto: Mapping[str, tuple[int, int]] | None = None,
     produced: Sequence[TensorSpec] | None = None,
-) -> _Layout:
+) -> CandidateLayout:
     """:func:`region_layouts`' layouts, its collectives left to ask for."""
     op = params["op"]
     plain = tuple(s.without_partial() for s in specs)
@@ -208,7 +211,7 @@ def _layout(
             }
         outs, coll = _resolves(res.outputs, mesh, op, onto)
         own = (*res.collectives, *coll)
-        return _Layout(dict(attrs), tuple(res.inputs), tuple(outs), lambda: own)
+        return CandidateLayout(dict(attrs), tuple(res.inputs), tuple(outs), lambda: own)
     diff = tuple(params["diff"])
     g, f = grad_inference(op, attrs, plain, diff, mesh)
     grads = [o for o, on in zip(g.outputs, diff, strict=True) if on]
@@ -216,7 +219,7 @@ def _layout(
     req = (*g.inputs, *g.out_grads)
 
     def traced() -> tuple[Collective, ...]:
-        facts = _program(prim, params, attrs, req, tuple(outs), mesh)
+        facts = region_program(prim, params, attrs, req, tuple(outs), mesh)
         if facts is None:
             return (*f.collectives, *g.collectives, *coll)
         # what the replayed program runs: the recomputed forward's collectives
@@ -228,7 +231,7 @@ def _layout(
             for kind, axes, r, nbytes in facts.collectives
         )
 
-    return _Layout(dict(attrs), req, tuple(outs), traced)
+    return CandidateLayout(dict(attrs), req, tuple(outs), traced)
 
 
 def region_answer(
@@ -269,7 +272,7 @@ def region_answer(
     flags = [i in act for i in range(len(specs))]
     heavy = tuple(weight) + (False,) * (len(specs) - len(weight))
     axes = contested(specs, flags, seq_axes, heavy)
-    found: list[tuple[tuple[int, float], int, _Layout, tuple[TensorSpec, ...]]] = []
+    found: list[tuple[tuple[int, float], int, CandidateLayout, tuple[TensorSpec, ...]]] = []
     for given in _candidates(specs, flags, axes, heavy):
         onto = _given_up(specs, flags, axes, given) if prim == FORWARD else {}
         for name in names:
@@ -286,15 +289,15 @@ def region_answer(
     best_kept = max((kept for _, kept, _, _ in found), default=0)
     if best_kept:
         found = [f for f in found if f[1] == best_kept]
-    best = _cheapest([(moves, lay, given) for moves, _, lay, given in found])
+    best = cheapest_candidate([(moves, lay, given) for moves, _, lay, given in found])
     if best is None:
         return None
     ans, given = best
     return ans if chosen else _named(prim, params, ans, given, pricer.mesh)
 
 
-def _cheapest(
-    found: Sequence[tuple[tuple[int, float], _Layout, tuple[TensorSpec, ...]]],
+def cheapest_candidate(
+    found: Sequence[tuple[tuple[int, float], CandidateLayout, tuple[TensorSpec, ...]]],
 ) -> tuple[RegionAnswer, tuple[TensorSpec, ...]] | None:
     """The candidate of least cost, bytes first (its operands' reshards, then
     its own collectives), the first of equal costs. Own collectives only add
@@ -456,13 +459,13 @@ def region_temp_bytes(
     :func:`~spmdkit.propagation.memory.liveness`). 0 where the replay binds the
     region unsharded instead (an uneven or partial layout: XLA partitions it).
     """
-    facts = _program(prim, params, attrs, required, produced, mesh)
+    facts = region_program(prim, params, attrs, required, produced, mesh)
     if facts is None:
         return 0
     return facts.temp_bytes(duplicate=duplicate, cpu=cpu)
 
 
-def _program(
+def region_program(
     prim: str,
     params: Mapping[str, Any],
     attrs: Mapping[str, Any],
@@ -470,6 +473,9 @@ def _program(
     produced: Sequence[TensorSpec],
     mesh: MeshLike,
 ) -> _Facts | None:
+    """The facts of a region's ``shard_map`` program at one layout (its own
+    collectives, temporaries, residuals), traced once per layout and memoized;
+    None where the strategy cannot run at that layout."""
     key = (prim, params["op"], params["attrs"], params.get("diff"), freeze(dict(attrs)))
     return _traced(key, tuple(required), tuple(produced), mesh)
 
@@ -607,7 +613,7 @@ def region_loop_buffer_bytes(
     region runs (measured on XLA:CPU, in a micro-batch loop's body and at the
     top level). 0 for a forward region, or where the replay binds the region
     unsharded."""
-    facts = _program(prim, params, attrs, required, produced, mesh)
+    facts = region_program(prim, params, attrs, required, produced, mesh)
     return 0 if facts is None else facts.loop_buffer_bytes
 
 
@@ -625,7 +631,7 @@ def region_input_collectives(
     the forward region's again on the same values; XLA computes such an
     identical collective once (see :class:`~spmdkit.propagation.records.Recorder`).
     """
-    facts = _program(prim, params, attrs, required, produced, mesh)
+    facts = region_program(prim, params, attrs, required, produced, mesh)
     return () if facts is None else facts.on_inputs
 
 
@@ -641,7 +647,7 @@ def region_unread_inputs(
     values are dropped (an embedding grad region's table: its gradient needs only
     the ids and the cotangent). XLA drops the move of such an operand with the
     program's unread input, so it is not priced."""
-    facts = _program(prim, params, attrs, required, produced, mesh)
+    facts = region_program(prim, params, attrs, required, produced, mesh)
     return frozenset() if facts is None else facts.unread
 
 
@@ -714,7 +720,7 @@ def region_residual_bytes(
     forward region, or where the replay binds the region unsharded. ``duplicate``:
     as :func:`~spmdkit.propagation.memory.liveness` (False: a cheap value read
     by several consumers is held, not recomputed in each)."""
-    facts = _program(prim, params, attrs, required, produced, mesh)
+    facts = region_program(prim, params, attrs, required, produced, mesh)
     if facts is None:
         return 0
     return facts.residual_bytes(duplicate=duplicate)

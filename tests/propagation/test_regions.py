@@ -169,10 +169,10 @@ def test_a_strategy_that_loses_on_its_reshards_is_not_traced(monkeypatch):
     from spmdkit.propagation import regions
 
     asked = []
-    program = regions._program
+    program = regions.region_program
     monkeypatch.setattr(
         regions,
-        "_program",
+        "region_program",
         lambda prim, params, attrs, *a: (
             asked.append((prim, attrs["strategy"])) or program(prim, params, attrs, *a)
         ),
@@ -183,12 +183,12 @@ def test_a_strategy_that_loses_on_its_reshards_is_not_traced(monkeypatch):
 
 
 def test_the_cheapest_candidate_is_the_one_pricing_them_all_picks():
-    """_cheapest asks a candidate for its own collectives only while its reshards
+    """cheapest_candidate asks a candidate for its own collectives only while its reshards
     alone do not exceed the best cost so far, and picks what pricing every
     candidate whole would: least (bytes, time), the first of equal costs."""
     from typing import NamedTuple
 
-    from spmdkit.propagation.regions import _cheapest, _Layout
+    from spmdkit.propagation.regions import CandidateLayout, cheapest_candidate
 
     class Own(NamedTuple):
         payload_bytes: int
@@ -206,7 +206,7 @@ def test_the_cheapest_candidate_is_the_one_pricing_them_all_picks():
             )
             moves = (8 * int(rng.integers(0, 4)), float(rng.integers(0, 3)) * 1e-6)
             ask = functools.partial(lambda log, i, own: log.append(i) or own, asked, i, own)
-            found.append((moves, _Layout({"strategy": i}, (), (), ask), ()))
+            found.append((moves, CandidateLayout({"strategy": i}, (), (), ask), ()))
             costs.append(
                 (
                     moves[0] + sum(c.payload_bytes for c in own),
@@ -214,7 +214,7 @@ def test_the_cheapest_candidate_is_the_one_pricing_them_all_picks():
                 )
             )
         best = min(range(n), key=lambda i: (costs[i], i))
-        ans, _ = _cheapest(found)
+        ans, _ = cheapest_candidate(found)
         assert ans.attrs["strategy"] == best
         assert best in asked and len(set(asked)) == len(asked)
         assert all((found[i][0], i) <= (costs[best], best) for i in asked)
