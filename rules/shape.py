@@ -45,11 +45,12 @@ pass a partial axis when the data operands that carry it agree on its op: a
 replicated operand joins for free (sum: a local to_partial, one device keeps
 it and the others hold zero; avg/max/min: as it is, every device holds the
 value). An axis that shards a dim of the output is resolved (reduce-scattered)
-instead. Index operands must never be partial. A ``gather`` (the primitive)
-passes no sum: the enforced step cannot carry a pending sum into it (a partial
-value cannot be pinned, and one cannot cross a ``shard_map``), so XLA reduces
-the operand where it is made, whole, and the rule says so rather than price the
-smaller reduction of the gathered rows (a gather in ``fill`` mode with a finite,
+instead. Index operands must never be partial. A ``gather`` (the primitive),
+and a ``slice`` or ``dynamic_slice`` that drops elements, pass no sum: the
+enforced step cannot carry a pending sum into them (a partial value cannot be
+pinned, and one cannot cross a ``shard_map``), so XLA reduces the operand where
+it is made, whole, and the rules say so rather than price the smaller reduction
+of the rows they keep (a gather in ``fill`` mode with a finite,
 non-zero ``fill_value`` could not pass it anyway: each device would add its own
 fill). The grad of every op here is linear in the cotangent, so a sum/avg
 cotangent partial passes to the input grads; an input grad is sum-partial over
@@ -114,8 +115,8 @@ class DimMap:
       out_shapes: the output shapes.
       data: per input, whether it is a data operand (partials may pass) rather
         than an index operand (never partial).
-      sum_ok: whether a sum partial passes (False: gather filling with a
-        finite non-zero value).
+      sum_ok: whether a sum partial passes (False where XLA reduces the operand
+        before the op: a gather, a slice or dynamic_slice that drops elements).
     """
 
     inputs: tuple[tuple[str | None, ...], ...]
@@ -889,7 +890,8 @@ def _slice_map(
     full = [_full_range(*z) for z in zip(shape, start, limit, step, strict=True)]
     f = [g if ok else None for g, ok in zip(f, full, strict=True)]
     out = tuple(-(-(b - a) // s) for a, b, s in zip(start, limit, step, strict=True))
-    return DimMap((tuple(f),), (tuple(f),), (out,), (True,))
+    # a slice that drops elements passes no sum: XLA reduces the operand first
+    return DimMap((tuple(f),), (tuple(f),), (out,), (True,), sum_ok=out == tuple(shape))
 
 
 def _slice(
@@ -928,7 +930,11 @@ def _dynamic_slice_map(shapes: Any, *, slice_sizes: Any, **_: Any) -> DimMap:
         )
     f = [g if s == n else None for g, s, n in zip(_names("d", shape), sizes, shape, strict=True)]
     return DimMap(
-        (tuple(f), *(() for _ in idx)), (tuple(f),), (sizes,), (True, *(False,) * len(idx))
+        (tuple(f), *(() for _ in idx)),
+        (tuple(f),),
+        (sizes,),
+        (True, *(False,) * len(idx)),
+        sum_ok=sizes == tuple(shape),  # as slice: XLA reduces the operand first
     )
 
 

@@ -619,3 +619,31 @@ def test_a_partial_gathered_by_rows_is_reduced_before_the_gather():
     )
     args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(vals, specs, strict=True)]
     np.testing.assert_allclose(compiled(*args), f(*vals), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cut", ["slice", "dynamic_slice"])
+def test_a_partial_is_reduced_before_a_slice(cut):
+    """A matmul with its contraction over ``model`` leaves a sum-partial; slicing
+    rows off it cannot carry the pending sum (as the gather above), so XLA
+    all-reduces the whole product and the slice and dynamic_slice rules count
+    that, not the kept rows' quarter."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(x, w):
+        y = x @ w
+        y = y[:16] if cut == "slice" else jax.lax.dynamic_slice_in_dim(y, 5, 16)
+        return jnp.tanh(y)
+
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    specs = (P(None, "model"), P("model"))
+    prop = propagate(f, x, w, mesh=mesh, in_specs=specs)
+    want = [("all_reduce", 64 * 16 * 4)]
+    assert [(c.kind, c.payload_bytes) for c in prop.collectives()] == want
+    compiled, got = _compiled(prop, mesh, x, w)
+    assert [(c.kind, c.payload_bytes) for c in got] == want
+    rng = np.random.default_rng(0)
+    vals = (rng.normal(size=(64, 32)).astype(np.float32), rng.normal(size=(32, 16)))
+    vals = (vals[0], vals[1].astype(np.float32))
+    args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(vals, specs, strict=True)]
+    np.testing.assert_allclose(compiled(*args), f(*vals), rtol=1e-5, atol=1e-5)

@@ -170,6 +170,36 @@ TABLE = [
         ["[8,6]", "[4,1]"],
         ["[4,6]"],
     ),
+    # a slice or dynamic_slice that drops elements passes no pending sum (as gather);
+    # a full-range one passes it
+    (
+        "slice",
+        [T((8, 6), partial={"b": "sum"})],
+        {"start_indices": (0, 0), "limit_indices": (4, 6)},
+        ["[8,6]"],
+        ["[4,6]"],
+    ),
+    (
+        "slice",
+        [T((8, 6), partial={"b": "sum"})],
+        {"start_indices": (0, 0), "limit_indices": (8, 6)},
+        ["[8,6]{sum:b}"],
+        ["[8,6]{sum:b}"],
+    ),
+    (
+        "dynamic_slice",
+        [T((8, 6), partial={"b": "sum"}), T((), dtype="int32"), T((), dtype="int32")],
+        {"slice_sizes": (4, 6)},
+        ["[8,6]", "i32[]", "i32[]"],
+        ["[4,6]"],
+    ),
+    (
+        "dynamic_slice",
+        [T((8, 6), partial={"b": "max"}), T((), dtype="int32"), T((), dtype="int32")],
+        {"slice_sizes": (4, 6)},
+        ["[8,6]{max:b}", "i32[]", "i32[]"],
+        ["[4,6]{max:b}"],
+    ),
     # a gather passes no pending sum: XLA reduces its operand first
     (
         "gather",
