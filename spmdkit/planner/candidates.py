@@ -37,6 +37,7 @@ from spmdkit.planner.logical import (
     BATCH_NAMES,
     SHARDED_OPT_PRESETS,
     LogicalRules,
+    PlanError,
     RulesLike,
     preset_rules,
 )
@@ -57,6 +58,8 @@ from spmdkit.topology import Topology
 
 if TYPE_CHECKING:
     from optax import GradientTransformation
+
+    from spmdkit.planner.rule_export import RuleTable
 
 __all__ = [
     "Activation",
@@ -505,6 +508,58 @@ def rules_choice(
             if preset in _ZERO:
                 odims = _merge(dims, odims, g.shape, sizes)
         out.append(GroupLayout(dims, odims, grads_sharded=preset == "zero2" and odims != dims))
+    return out
+
+
+def table_choice(table: RuleTable, groups: list[ParamGroup], mesh: MeshLike) -> list[GroupLayout]:
+    """The layouts an exported table (:meth:`Plan.to_rules`) gives each group, read
+    as flax reads it (:meth:`RuleTable.spec`), its per-parameter overrides applied:
+    the plan it was exported from, planned again (on another mesh with the same
+    axis names too, where its layouts divide). A group the model pins keeps its pin.
+
+    Raises:
+      PlanError: the table names a mesh axis ``mesh`` lacks, or a layout does not
+        divide a dim on ``mesh``; the fix is to pass ``table.rules`` as a plain rule
+        table, which spmdkit fits to the mesh.
+    """
+    sizes = axis_sizes(mesh)
+    missing = [a for a in table.mesh_axes if a not in sizes]
+    if missing:
+        raise PlanError(
+            op="plan(strategy=RuleTable)",
+            must="the mesh has every axis the exported table was made on",
+            given=f"table axes {table.mesh_axes}, mesh axes {tuple(mesh.axis_names)}",
+            fix="plan on a mesh with those axes, or pass table.rules as the strategy "
+            "(a plain rule table: absent axes are dropped, layouts fitted)",
+        )
+
+    def dims_of(g: ParamGroup, overrides: Mapping[str, P], opt: bool) -> Dims:
+        hit = next((overrides[p] for p in (g.key, *g.paths) if p in overrides), None)
+        if hit is not None:
+            dims = spec_dims(hit, len(g.shape))
+        else:
+            dims = spec_dims(table.spec(g.logical, opt=opt), len(g.shape))
+        for d, (axes, n) in enumerate(zip(dims, g.shape, strict=True)):
+            k = math.prod(sizes[a] for a in axes)
+            if n % k:
+                raise PlanError(
+                    op="plan(strategy=RuleTable)",
+                    must="each layout of the exported table divides its dims on this mesh",
+                    given=f"{g.key} dim {d} of size {n} over {axes} ({k} shards)",
+                    fix="pass table.rules as the strategy (a plain rule table: spmdkit "
+                    "leaves off the axes a dim does not divide by)",
+                )
+        return dims
+
+    out = []
+    for g in groups:
+        if g.pinned is not None:
+            d = spec_dims(g.pinned, len(g.shape))
+            out.append(GroupLayout(d, d))
+            continue
+        dims = dims_of(g, table.overrides, opt=False)
+        odims = dims_of(g, table.opt_overrides, opt=True)
+        out.append(GroupLayout(dims, odims, grads_sharded=table.grads_sharded and odims != dims))
     return out
 
 

@@ -77,6 +77,8 @@ class RuleTable:
         out differently, with which tensors.
       mesh_axes: the mesh's axis names, in order.
       strategy: the plan's strategy.
+      grads_sharded: the gradients are kept in the optimizer state's layout
+        (``zero2``) rather than the parameters'.
     """
 
     rules: FlaxRules
@@ -86,6 +88,7 @@ class RuleTable:
     conflicts: tuple[Conflict, ...] = ()
     mesh_axes: tuple[str, ...] = ()
     strategy: str = "rules"
+    grads_sharded: bool = False
 
     @property
     def exact(self) -> bool:
@@ -109,6 +112,8 @@ class RuleTable:
         if self.opt_rules is not None:
             lines.append("# the optimizer state's layouts differ from the parameters':")
             lines += _yaml_rules("opt_state_logical_axis_rules", self.opt_rules, comment=True)
+        if self.grads_sharded:
+            lines.append("# gradients kept in the optimizer state's layout (ZeRO-2)")
         for title, table in (("parameter", self.overrides), ("optimizer", self.opt_overrides)):
             if table:
                 lines.append(f"# {title} overrides (path: mesh axes per dim), not in one table:")
@@ -327,6 +332,7 @@ def to_rules(plan: Any) -> RuleTable:
         conflicts=tuple(dict.fromkeys(conflicts + _conflicts(opt_table, opt, opt_missed))),
         mesh_axes=tuple(plan.mesh.axis_names),
         strategy=plan.strategy,
+        grads_sharded=bool(plan.grads),
     )
 
 

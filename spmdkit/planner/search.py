@@ -86,6 +86,7 @@ from spmdkit.planner.candidates import (
     propagate_costed,
     rules_choice,
     search_layouts,
+    table_choice,
     with_sharded,
 )
 from spmdkit.planner.context_parallel import CONTEXT_AXIS, context_axes, context_meshes
@@ -116,6 +117,7 @@ from spmdkit.planner.pipeline.search import PipelinePlanner
 from spmdkit.planner.plans import Cost, Plan, PyTree, noted
 from spmdkit.planner.problem import Problem
 from spmdkit.planner.provenance import Provenance
+from spmdkit.planner.rule_export import RuleTable
 from spmdkit.planner.trace import trace_step
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.step.recipe import PLAIN, Recipe
@@ -174,8 +176,10 @@ def plan(
       model: a model spec (``spmdkit.models.get_model(name)``), an NNX module, a
         function returning one, a linen module, or a ``ModelInfo``.
       mesh: a ``Mesh`` (to run) or ``AbstractMesh`` (to plan).
-      strategy: ``"auto"``, a preset name (:data:`PRESETS`), or a logical-rule
-        table (``LogicalRules``, pairs, or a mapping).
+      strategy: ``"auto"``, a preset name (:data:`PRESETS`), a logical-rule
+        table (``LogicalRules``, pairs, or a mapping), or a table a plan exported
+        (:meth:`Plan.to_rules`: that plan's layouts, read as flax reads the table,
+        overrides included, so auto's choice can be kept and planned again).
       config: for a model spec, a size name in its ``configs`` (``"tiny"``,
         ``"8b"``) or a config object (default: the first config).
       batch: example or abstract batch (required unless ``model`` is a spec).
@@ -297,6 +301,8 @@ def plan(
         axis_names=axis_names,
     )
     info = _batch_names(info, opts.alias_map)
+    if isinstance(strategy, RuleTable):
+        return _exported(info, mesh, strategy, rules, recipe, names, optimizer, costs, opts)
     strategy, rules, absent = _foreign_tables(strategy, rules, mesh, opts.alias_map)
     if opts.pipeline is not None and strategy != "auto":
         out = _pipelined_preset(info, mesh, strategy, rules, recipe, names, optimizer, costs, opts)
@@ -316,6 +322,37 @@ def plan(
     if isinstance(strategy, str) and strategy != "auto":
         check_placement(out, lambda: infer_names(info), strict=opts.strict)
     return noted(out, [*absent, *out.notes], strict=opts.strict)
+
+
+def _exported(
+    info: ModelInfo,
+    mesh: MeshLike,
+    table: RuleTable,
+    rules: RulesLike | None,
+    recipe: Recipe | None,
+    names: Mapping[str, tuple | None] | None,
+    optimizer: GradientTransformation | None,
+    costs: CostModel,
+    opts: SearchOptions,
+) -> Plan:
+    """A plan from an exported table (:meth:`Plan.to_rules`): its layouts read as
+    flax reads the table, overrides applied (:func:`table_choice`)."""
+    if rules is not None or opts.pipeline is not None:
+        raise PlanError(
+            op="plan(strategy=RuleTable)",
+            must="an exported table is the whole layout: no extra rules=, no pipeline=",
+            given=f"rules={rules!r}, pipeline={opts.pipeline!r}",
+            fix="add the rules to the table (or pass table.rules with rules= as a plain "
+            "table); for a pipeline, pass table.rules with pipeline=",
+        )
+    _check_recipe(recipe)
+    named, names_from = apply_names(info, names, lambda: infer_names(info))
+    planner = planner_for(named, mesh, optimizer, costs, opts)
+    batch = LogicalRules(tuple((n, a) for n, a in table.rules if n in BATCH_NAMES))
+    choice = table_choice(table, planner.problem.groups, mesh)
+    cand = planner.costed("rules", choice, batch, recipe or PLAIN)
+    out = replace(planner.final("rules", cand), names_from=names_from)
+    return noted(out, list(out.notes), strict=opts.strict)
 
 
 def _pipelined_preset(

@@ -198,3 +198,56 @@ def test_round_trip_on_llama_and_moe(strategy, model):
 
     info = describe(get_model(model), config="tiny", batch_size=8)
     _round_trip(info, strategy, sk.make_mesh(data=2, model=4, axis_types="auto"))
+
+
+def _same_layouts(a, b):
+    for table in ("params", "opt", "grads", "state"):
+        assert getattr(a, table) == getattr(b, table), table
+    assert a.activation == b.activation
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_exported_table_plans_the_plan_again(plans, amesh, strategy):
+    """sk.plan(model, mesh, p.to_rules(), recipe=p.recipe) gives p's layouts
+    (parameters, optimizer state, ZeRO-2's gradients, activations) and its cost:
+    a user keeps auto's choice as a table and plans from it next time."""
+    from tests.plan_model import toy_batch, toy_init, toy_loss
+
+    p = plans[strategy]
+    q = plan(
+        toy_init,
+        amesh,
+        p.to_rules(),
+        loss=toy_loss,
+        batch=toy_batch(),
+        estimator="analytic",
+        recipe=p.recipe,
+    )
+    _same_layouts(p, q)
+    assert q.cost.step_time_s == pytest.approx(p.cost.step_time_s)
+    assert q.cost.peak_bytes == p.cost.peak_bytes
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "tp_fsdp", "auto"])
+def test_an_exported_table_plans_tiny_gpt_again(gpt, strategy):
+    mesh = sk.abstract_mesh(data=2, model=4)
+    p = plan(gpt, mesh, strategy, estimator="analytic")
+    table = p.to_rules()
+    q = plan(gpt, mesh, table, estimator="analytic", recipe=p.recipe)
+    _same_layouts(p, q)
+    assert q.cost.peak_bytes == p.cost.peak_bytes
+    assert table.grads_sharded == (strategy == "zero2")
+
+
+def test_an_exported_table_refuses_what_it_cannot_hold(gpt):
+    from spmdkit.planner.logical import PlanError
+
+    table = plan(gpt, sk.abstract_mesh(data=2, model=4), "megatron", estimator="analytic")
+    table = table.to_rules()
+    with pytest.raises(PlanError, match="every axis the exported table") as e:
+        plan(gpt, sk.abstract_mesh(data=8), table, estimator="analytic")
+    assert "table.rules" in str(e.value)
+    with pytest.raises(PlanError, match="divides its dims"):
+        plan(gpt, sk.abstract_mesh(data=1, model=3), table, estimator="analytic")
+    with pytest.raises(PlanError, match="no extra rules="):
+        plan(gpt, sk.abstract_mesh(data=2, model=4), table, rules=[("mlp", None)])
