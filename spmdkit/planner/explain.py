@@ -304,6 +304,8 @@ def _decision(plan: Any, prov: Provenance, path: str, key: str) -> list[Link]:
 def _why_differs(plan: Any) -> str:
     if plan.pipeline is not None:
         return f"the layers dim on the pipe axis {plan.pipeline.axis!r}"
+    if plan.strategy == "rules":
+        return "a per-parameter override of the table, or the table fitted to the mesh"
     return "the planner's layout for this preset"
 
 

@@ -348,9 +348,12 @@ def _exported(
     _check_recipe(recipe)
     named, names_from = apply_names(info, names, lambda: infer_names(info))
     planner = planner_for(named, mesh, optimizer, costs, opts)
-    batch = LogicalRules(tuple((n, a) for n, a in table.rules if n in BATCH_NAMES))
     choice = table_choice(table, planner.problem.groups, mesh)
-    cand = planner.costed("rules", choice, batch, recipe or PLAIN)
+    # flax replicates a name its table lacks; spmdkit's tables say so explicitly
+    named_here = {n for g in planner.problem.groups for n in g.logical or () if n}
+    absent = sorted(named_here - {n for n, _ in table.rules})
+    rules_read = LogicalRules((*table.rules, *((n, None) for n in absent)))
+    cand = planner.costed("rules", choice, rules_read, recipe or PLAIN)
     out = replace(planner.final("rules", cand), names_from=names_from)
     return noted(out, list(out.notes), strict=opts.strict)
 

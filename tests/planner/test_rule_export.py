@@ -237,6 +237,9 @@ def test_an_exported_table_plans_tiny_gpt_again(gpt, strategy):
     _same_layouts(p, q)
     assert q.cost.peak_bytes == p.cost.peak_bytes
     assert table.grads_sharded == (strategy == "zero2")
+    # a name the table lacks reads as flax reads it (replicated), explain included
+    for path in q.params:
+        assert q.explain(path).chain, path
 
 
 def test_an_exported_table_refuses_what_it_cannot_hold(gpt):
@@ -251,3 +254,20 @@ def test_an_exported_table_refuses_what_it_cannot_hold(gpt):
         plan(gpt, sk.abstract_mesh(data=1, model=3), table, estimator="analytic")
     with pytest.raises(PlanError, match="no extra rules="):
         plan(gpt, sk.abstract_mesh(data=2, model=4), table, rules=[("mlp", None)])
+
+
+def test_an_exported_table_without_the_stack_names_plans_and_explains():
+    """A scanned MoE's table names neither ``layers`` nor ``mlp`` (replicated, so
+    flax needs no rule): the plan from it reads them as flax does, and explain
+    walks every parameter."""
+    from spmdkit.models import get_model
+
+    spec = get_model("qwen3_moe")
+    mesh = sk.abstract_mesh(data=8)
+    p = plan(spec, mesh, "fsdp", config="tiny", batch_size=16, estimator="analytic")
+    table = p.to_rules()
+    assert "layers" not in dict(table.rules)
+    q = plan(spec, mesh, table, config="tiny", batch_size=16, estimator="analytic")
+    _same_layouts(p, q)
+    for path in q.params:
+        assert q.explain(path).chain, path
