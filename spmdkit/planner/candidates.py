@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.introspect.model import ModelInfo, ParamInfo
 from spmdkit.pipeline import Pipeline
+from spmdkit.planner import experts
 from spmdkit.planner.analytic import (
     CostContext,
     GroupCost,
@@ -673,7 +674,10 @@ def layout_options(
     if hit is not None:
         return hit
     opts = []
+    moe = experts.moe_call(g, ctx.trace) is not None
     for dims in _layouts(g, sizes):
+        if moe and not experts.runs_as_priced(g, dims, (*batch_axes, *seq_axes)):
+            continue
         opts.append(GroupLayout(dims, dims))
         z = _zero1(dims, g.shape, batch_axes, sizes)
         if z != dims:

@@ -39,7 +39,9 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   tokens per local expert fall (:func:`rows_per_expert`).
 - **expert tensor parallelism** (the hidden ``F`` on a non-batch axis) and **FSDP**
   of ``D`` over the batch axes are priced as the dense weights' (an all-reduce of the
-  sum-partial output; the weights gathered inside the op).
+  sum-partial output; the weights gathered inside the op). The search costs no
+  other layout of these weights (:func:`runs_as_priced`): the op would gather such
+  a weight whole before it runs and hand its gradient back whole per layer.
 - **memory**: the exchange buffers live while a call runs (send, receive, the
   experts' output, the results back: four of ``n_ep · T_local · min(k, E_local) · D``)
   and the grouped GEMMs' gate, up and hidden outputs (``F_local`` wide each); the
@@ -135,6 +137,24 @@ def ep_axes(g: Any, dims: Sequence[Sequence[str]], sizes: dict[str, int]) -> tup
     if axes and g.shape[i] % math.prod(sizes[a] for a in axes):
         return ()
     return axes
+
+
+def runs_as_priced(g: Any, dims: Sequence[Sequence[str]], token_axes: Sequence[str]) -> bool:
+    """Whether the op runs expert weight ``g`` laid out as ``dims`` the way the
+    analytic model prices it: its model dim ``D`` split only over the op's token
+    axes (FSDP: gathered inside the op, the gradient reduce-scattered back there)
+    and its hidden dim ``F`` over none of them (expert TP). The op gathers a weight
+    split any other way whole before it runs (:mod:`spmdkit.rules.moe`), and its
+    gradient leaves each layer whole: a stack of whole gradients the dense pricing
+    does not see, so the search leaves such layouts out."""
+    logical = list(g.logical or ())
+    tokens = set(token_axes) | set(dims[logical.index("expert")])
+    for name, d in zip(logical, dims, strict=False):
+        if name == "embed" and not set(d) <= tokens:
+            return False
+        if name == "mlp" and set(d) & tokens:
+            return False
+    return True
 
 
 def _is_down(g: Any) -> bool:

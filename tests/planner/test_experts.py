@@ -184,3 +184,41 @@ def test_a_pipelined_stage_runs_the_forwards_exchanges_and_their_transposes():
     calls = cfg.n_layers // pipe.stages * pipe.microbatches
     assert got["none"].cost.comm_bytes["all_to_all"] == calls * (4 * buf + counts)
     assert got["full"].cost.comm_bytes["all_to_all"] == calls * (6 * buf + 2 * counts)
+
+
+def test_the_search_costs_only_the_layouts_the_op_runs_as_priced(info):
+    """The op gathers an expert weight whole before it runs unless its ``D`` is split
+    over token axes only and its ``F`` over none; its gradient then leaves each layer
+    whole. The search leaves those layouts out rather than price them as FSDP."""
+    from spmdkit.planner.analytic import CostContext, param_groups
+    from spmdkit.planner.candidates import layout_options
+
+    mesh = sk.abstract_mesh(data=4, model=2)
+    trace = trace_step(info, None)
+    groups = [g for g in param_groups(info, trace) if experts.moe_call(g, trace)]
+    assert {g.logical[-1] for g in groups} == {"embed", "mlp"}
+    sizes = {"data": 4, "model": 2}
+    ctx = CostContext(mesh, sizes, sk.Topology.h100(), trace, None, 1.0)
+    for g in groups:
+        options, _ = layout_options(ctx, g, ("data",), (), sizes)
+        names = list(g.logical)
+        assert options
+        for o in options:
+            embed, mlp = o.params[names.index("embed")], o.params[names.index("mlp")]
+            ep = set(o.params[names.index("expert")])
+            assert set(embed) <= {"data"} | ep, (g.key, o.params)
+            assert not set(mlp) & ({"data"} | ep), (g.key, o.params)
+        assert any(o.params[names.index("embed")] == ("data",) for o in options), g.key
+
+
+def test_runs_as_priced_reads_the_weights_dims():
+    class G:
+        logical = ("layers", "expert", "embed", "mlp")
+
+    assert experts.runs_as_priced(G, ((), (), ("data",), ("model",)), ("data",))
+    assert experts.runs_as_priced(G, ((), ("expert",), (), ()), ("data",))
+    # D over a non-token axis, F over a token axis: gathered whole before the op
+    assert not experts.runs_as_priced(G, ((), (), ("model",), ()), ("data",))
+    assert not experts.runs_as_priced(G, ((), (), (), ("data",)), ("data",))
+    # EP x FSDP x expert TP
+    assert experts.runs_as_priced(G, ((), ("expert",), ("data",), ("model",)), ("data",))
