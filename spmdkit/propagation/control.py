@@ -169,6 +169,27 @@ def ys_layout(
     return have.without_partial()
 
 
+def _sliced_inside(
+    pricer: Pricer, have: TensorSpec, stacked: TensorSpec | None, what: str, value: int
+) -> tuple[TensorSpec, ArgReshard | None]:
+    """A whole body result whose stacked consumers want it split: taken apart in
+    the body, each iteration (a local slice, no collective), so the loop stacks
+    the slices rather than the whole values (a region's weight gradient, whole per
+    layer, would otherwise stack whole). ``(have, None)`` where no such slice is
+    wanted."""
+    if stacked is None or not stacked.dims or stacked.partial:
+        return have, None
+    base = TensorSpec(stacked.shape[1:], stacked.dims[1:], dtype=have.dtype)
+    if base.shape != have.shape or base == have:
+        return have, None
+    if base.local_bytes(pricer.mesh) >= have.local_bytes(pricer.mesh):
+        return have, None
+    a = pricer.reshard(what, have, base, value)
+    if a is None or a.plan.collectives:
+        return have, None
+    return base, a
+
+
 def _slice_wanted(have: TensorSpec, stacked: TensorSpec | None, mesh: MeshLike) -> list:
     """The slice layouts a hint on a scan's stacked result asks of a body result:
     its slice, with (when the consumers shard the stack over layers, as FSDP of a
@@ -237,6 +258,10 @@ def scan(
             want += _slice_wanted(o, runner.wanted(node.outs[nk + j]), runner.pricer.mesh)
             y = ys_layout(runner.pricer, o, want, given_xs)
             ys_back.append(runner.pricer.reshard(f"output {nk + j}", o, y, bo))
+        else:
+            wanted = runner.wanted(node.outs[nk + j])
+            y, moved = _sliced_inside(runner.pricer, o, wanted, f"output {nk + j}", bo)
+            ys_back.append(moved)
         ys.append(stack(y, length))
     # the carry coming back each iteration must have the carry-in layout
     back = _back(runner.pricer, outs[:nk], carry, "carry") + [a for a in ys_back if a]
