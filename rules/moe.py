@@ -67,6 +67,7 @@ from spmdkit.engine.rule import (
     Example,
     Inferred,
     InferredGrad,
+    KeptResiduals,
     LocalContext,
     MustDivide,
     Rule,
@@ -422,6 +423,16 @@ class MoeExpertsRule(Rule):
         """Sort, exchange, grouped GEMMs, exchange back, combine (module docstring)."""
         return _local_program(lctx, self.strategy_of(lctx))
 
+    def kept_dtypes(self, dtypes: Sequence[Any]) -> tuple[Any, ...]:
+        """The grad region reads the forward's exchanged buffers (:func:`residual_programs`):
+        the rows received (``x``'s dtype), their counts (int32), the results back
+        (``w_down``'s dtype)."""
+        return (dtypes[0], jnp.dtype("int32"), dtypes[5])
+
+    def kept_residuals(self, lctx: LocalContext) -> KeptResiduals | None:
+        """:func:`residual_programs` (None where the layout exchanges nothing)."""
+        return residual_programs(lctx)
+
     def strategy_of(self, lctx: LocalContext) -> str:
         """The strategy a per-device program runs."""
         return lctx.attrs.get("strategy", self.strategies[0])
@@ -677,9 +688,7 @@ def _exchange_keeping(
     return _collect(back, route), got, counts
 
 
-def residual_programs(
-    lctx: LocalContext,
-) -> tuple[Callable[..., tuple[jax.Array, ...]], Callable[..., tuple[jax.Array, ...]]] | None:
+def residual_programs(lctx: LocalContext) -> KeptResiduals | None:
     """The per-device forward that keeps its exchanged buffers, and the backward
     that reads them instead of exchanging again; None for a layout with no
     exchange (strategy ``local``, or the experts on one device group).
@@ -699,6 +708,13 @@ def residual_programs(
     if not prog.exchanged:
         return None
     ep, n_ep, e_local = prog.ep, prog.n_ep, prog.e_local
+    xs, idxs, _, wgs, _, wds = lctx.inputs
+    t_local, k, d = lctx.block(xs, 0), idxs.shape[1], xs.shape[1]
+    per_peer = t_local * min(k, e_local)
+    t_axes, tp = tuple(xs.dims[0]), tuple(a for a in wgs.dims[2] if a not in xs.dims[0])
+    shapes = ((n_ep, per_peer, d), (n_ep, e_local), (t_local * k, d))
+    dtypes = (xs.dtype, jnp.dtype("int32"), wds.dtype)
+    axes = (t_axes, t_axes, (*t_axes, *tp))
 
     def forward(x, idx, w, wg, wu, wd):
         wg, wu, wd = prog.weights(wg, wu, wd)
@@ -709,7 +725,12 @@ def residual_programs(
         y, got, counts = _exchange_keeping(
             rows, idx.reshape(t * k), wg, wu, wd, ep, n_ep, e_local, t * min(k, e_local)
         )
-        return prog.combine(y, w, real, dtype), got, counts, y
+        kept = (got, counts, y)
+        for v, want in zip(kept, axes, strict=True):
+            have = varying_axes(v)
+            if have and have != set(want):  # pragma: no cover - a typing change in jax
+                raise AssertionError(f"moe_experts residual varies over {have}, not {want}")
+        return (prog.combine(y, w, real, dtype), *kept)
 
     def backward(x, idx, w, wg, wu, wd, got, counts, y, ct):
         dtype = x.dtype
@@ -739,7 +760,7 @@ def residual_programs(
         d_x, d_w = tok_vjp((d_xm, d_wm))
         return d_x, d_w, d_wg, d_wu, d_wd
 
-    return forward, backward
+    return KeptResiduals(forward, backward, shapes, dtypes, axes)
 
 
 # ---------------------------------------------------------------------------

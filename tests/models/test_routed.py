@@ -85,6 +85,10 @@ def test_expert_parallel_step_equals_one_device(name, size, layout):
     rows = {kind: (p, c) for kind, p, c, _ in report.rows}
     predicted, compiled = rows.get("all_to_all", (0, 0))
     assert predicted == compiled > 0  # the token exchange, exactly as predicted
+    # the analytic price carries the exchanges the step compiles: per call the two
+    # token buffers, their transposes and one count exchange (the grad region
+    # reads the buffers the forward region kept)
+    assert plan.cost.comm_bytes["all_to_all"] == compiled
     assert report.ok, str(report)  # the other collectives, and the peak memory
 
 

@@ -62,7 +62,7 @@ def _programs(layout, t, attrs):
     whole = out.without_partial().to_partition_spec()
     kept = residual_programs(lctx)
     assert kept is not None
-    forward, backward = kept
+    forward, backward = kept.forward, kept.backward
 
     def with_residuals(*a):
         xs, ct = a[:6], a[6]
