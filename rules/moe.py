@@ -26,7 +26,8 @@ Algebra, factor by factor:
     exchange), runs its experts as grouped GEMMs (``jax.lax.ragged_dot``) on what
     arrived, and sends the results back the same way. Own collectives: the
     per-expert counts ``[n, E_local]`` (int32) and the tokens out and back, three
-    all-to-alls over the expert axes; their grads two more.
+    all-to-alls over the expert axes; their grads two more (the transposes of the
+    token exchanges: the grad keeps the forward's buffers, :func:`residual_programs`).
   - ``strategy="local"``: the tokens are replicated over the expert axes; each
     device runs its own experts on the assignments routed to them and the
     output is a sum over the expert axes (an all-reduce, resolved by the region,
@@ -309,7 +310,9 @@ class MoeExpertsRule(Rule):
 
     def _own(self, ctx: RuleContext, lay: _Layout, inputs: Sequence[TensorSpec], *, grad: bool):
         """The op's own collectives: the weights' FSDP gathers (and, in the grad,
-        their reduce-scatters), the token exchange's all-to-alls, and in token-dropping
+        their reduce-scatters), the token exchange's all-to-alls (in the grad the
+        transposes of the two token exchanges, whose buffers the grad reads from
+        the forward: :func:`residual_programs`), and in token-dropping
         mode the per-expert counts gathered over the token axes (``_kept_here``: an
         integer gather, with no transpose in the grad)."""
         x, idx, _, wg, wu, wd = inputs
@@ -336,8 +339,10 @@ class MoeExpertsRule(Rule):
             counts = n * (wg.shape[0] // n) * 4
             buf = n * _buffer_rows(x.shape[0], idx.shape[1], wg.shape[0], sizes, lay) * x.shape[1]
             buf *= x.itemsize
-            out.append(op_collective(ctx, "all_to_all", lay.ep, counts))
-            out += [op_collective(ctx, "all_to_all", lay.ep, buf) for _ in range(4 if grad else 2)]
+            if not grad:  # the grad reads the forward's counts (residual_programs)
+                out.append(op_collective(ctx, "all_to_all", lay.ep, counts))
+            # forward: the tokens out and the results back; grad: their transposes
+            out += [op_collective(ctx, "all_to_all", lay.ep, buf) for _ in range(2)]
         return tuple(out)
 
     # -- the three inferences ----------------------------------------------

@@ -18,7 +18,15 @@ it, so a model calling ``spmdkit.ops`` also runs without spmdkit's planner.
 The grad region recomputes the forward from its primal inputs (no residuals
 cross the region boundary, so nothing of unknown layout does): like a remat
 region, its cost is the forward's FLOPs and own collectives again plus the
-backward's, and :func:`grad_collectives` prices exactly that.
+backward's, and :func:`grad_collectives` prices exactly that. A rule whose
+forward's collectives are too dear to rerun (``moe_experts``' token exchanges)
+names residuals to keep instead (:meth:`~spmdkit.engine.rule.Rule.kept_dtypes`):
+the forward region returns them after its outputs, as empty stand-ins in the
+traced step (their size depends on the layout, unknown until planned), and the
+replayed forward program returns the real local pieces stacked over the axes
+they vary over, which the grad region's program reads
+(:class:`~spmdkit.engine.rule.KeptResiduals`). A layout that keeps nothing
+returns the stand-ins, and its grad region recomputes.
 
 Example::
 
