@@ -863,8 +863,7 @@ def total_cost(
         opt += c.opt
         cast += c.cast
         gathered += c.gathered
-        buffers = max(buffers, c.buffers)
-        kept += c.kept
+        buffers, kept = max(buffers, c.buffers), kept + c.kept
         offloaded += c.offload_opt
         tp_weight += c.tp_weight
         heads_tp = max(heads_tp, c.tp_shards)
@@ -904,8 +903,7 @@ def total_cost(
     step = compute_s + ctx.topology.exposed_comm(hidden_s, exposed, compute_s)
     hidden = comm_s - (step - compute_s)
     held = {"compute_copy": cast, "gathered_stage": gathered, "context_kv": cp.memory}
-    held["moe_buffers"] = buffers
-    held["moe_kept"] = kept
+    held |= {"moe_buffers": buffers, "moe_kept": kept}
     memory = memory_by_kind(ctx, params, grads, opt, acts, offloaded, held)
     return Cost(
         step_time_s=step,
