@@ -217,12 +217,6 @@ QWEN3_30B = {
     "memory_gib": None,
     "fit": False,
     "pipelined": False,
-    "miss": "priced as spmdkit's moe_experts region runs the layout: six token buffers "
-    "per layer and micro-batch (its grad region reruns the forward's dispatch and "
-    "combine before their transposes), none overlapped, half of each crossing the "
-    "network between the two nodes. Megatron-LM runs four, not overlapped in this "
-    "recipe (moe_a2a_overlap=False), and its HybridEP dispatcher sends a token to each "
-    "other node once. The exchanges are most of the predicted step (--breakdown)",
 }
 GPT_OSS_120B = {
     "name": "Megatron-Bridge GPT-OSS 120B",

@@ -26,7 +26,8 @@ Algebra, factor by factor:
     exchange), runs its experts as grouped GEMMs (``jax.lax.ragged_dot``) on what
     arrived, and sends the results back the same way. Own collectives: the
     per-expert counts ``[n, E_local]`` (int32) and the tokens out and back, three
-    all-to-alls over the expert axes; their grads two more.
+    all-to-alls over the expert axes; their grads two more (the transposes of the
+    token exchanges: the grad keeps the forward's buffers, :func:`residual_programs`).
   - ``strategy="local"``: the tokens are replicated over the expert axes; each
     device runs its own experts on the assignments routed to them and the
     output is a sum over the expert axes (an all-reduce, resolved by the region,
@@ -58,7 +59,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,7 @@ from spmdkit.engine.rule import (
     Example,
     Inferred,
     InferredGrad,
+    KeptResiduals,
     LocalContext,
     MustDivide,
     Rule,
@@ -75,8 +77,16 @@ from spmdkit.engine.rule import (
 )
 from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import TensorSpec
+from spmdkit.vma import varying_axes
 
-__all__ = ["RULES", "MoeExpertsRule", "expert_capacity", "experts_example", "moe_experts_reference"]
+__all__ = [
+    "RULES",
+    "MoeExpertsRule",
+    "expert_capacity",
+    "experts_example",
+    "moe_experts_reference",
+    "residual_programs",
+]
 
 
 def expert_capacity(tokens: int, top_k: int, n_experts: int, factor: float) -> int:
@@ -300,7 +310,9 @@ class MoeExpertsRule(Rule):
 
     def _own(self, ctx: RuleContext, lay: _Layout, inputs: Sequence[TensorSpec], *, grad: bool):
         """The op's own collectives: the weights' FSDP gathers (and, in the grad,
-        their reduce-scatters), the token exchange's all-to-alls, and in token-dropping
+        their reduce-scatters), the token exchange's all-to-alls (in the grad the
+        transposes of the two token exchanges, whose buffers the grad reads from
+        the forward: :func:`residual_programs`), and in token-dropping
         mode the per-expert counts gathered over the token axes (``_kept_here``: an
         integer gather, with no transpose in the grad)."""
         x, idx, _, wg, wu, wd = inputs
@@ -327,8 +339,10 @@ class MoeExpertsRule(Rule):
             counts = n * (wg.shape[0] // n) * 4
             buf = n * _buffer_rows(x.shape[0], idx.shape[1], wg.shape[0], sizes, lay) * x.shape[1]
             buf *= x.itemsize
-            out.append(op_collective(ctx, "all_to_all", lay.ep, counts))
-            out += [op_collective(ctx, "all_to_all", lay.ep, buf) for _ in range(4 if grad else 2)]
+            if not grad:  # the grad reads the forward's counts (residual_programs)
+                out.append(op_collective(ctx, "all_to_all", lay.ep, counts))
+            # forward: the tokens out and the results back; grad: their transposes
+            out += [op_collective(ctx, "all_to_all", lay.ep, buf) for _ in range(2)]
         return tuple(out)
 
     # -- the three inferences ----------------------------------------------
@@ -414,6 +428,16 @@ class MoeExpertsRule(Rule):
         """Sort, exchange, grouped GEMMs, exchange back, combine (module docstring)."""
         return _local_program(lctx, self.strategy_of(lctx))
 
+    def kept_dtypes(self, dtypes: Sequence[Any]) -> tuple[Any, ...]:
+        """The grad region reads the forward's exchanged buffers (:func:`residual_programs`):
+        the rows received (``x``'s dtype), their counts (int32), the results back
+        (``w_down``'s dtype)."""
+        return (dtypes[0], jnp.dtype("int32"), dtypes[5])
+
+    def kept_residuals(self, lctx: LocalContext) -> KeptResiduals | None:
+        """:func:`residual_programs` (None where the layout exchanges nothing)."""
+        return residual_programs(lctx)
+
     def strategy_of(self, lctx: LocalContext) -> str:
         """The strategy a per-device program runs."""
         return lctx.attrs.get("strategy", self.strategies[0])
@@ -452,11 +476,29 @@ def _grouped_swiglu(
     return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
 
 
-def _local_program(lctx: LocalContext, strategy: str) -> Callable[..., Any]:
+class _Program(NamedTuple):
+    """The per-device program of one layout, in the stages the forward and the
+    backward from residuals share (:func:`_program`)."""
+
+    weights: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+    tokens: Callable[..., tuple[jax.Array, jax.Array, jax.Array, Any]]
+    combine: Callable[..., jax.Array]
+    exchanged: bool
+    ep: tuple[str, ...]
+    n_ep: int
+    e_local: int
+    local_experts: Callable[..., jax.Array]
+
+
+def _program(lctx: LocalContext, strategy: str) -> _Program:
+    """The stages of the per-device program: the experts' weights gathered and
+    masked (``weights``), the tokens masked and the routing weights of dropped
+    assignments zeroed (``tokens``), the weighted combine (``combine``), and for a
+    layout with no exchange the experts run on the local assignments."""
     xs, idxs, _, wgs, _, _ = lctx.inputs
     n_tokens, d = xs.shape
     n_experts, _, f = wgs.shape
-    t_axes, ep, fs = xs.dims[0], wgs.dims[0], wgs.dims[1]
+    t_axes, ep, fs = xs.dims[0], tuple(wgs.dims[0]), wgs.dims[1]
     n_ep = math.prod(lctx.axis_sizes[a] for a in ep)
     e_local = n_experts // n_ep
     cf = lctx.attrs.get("capacity_factor")
@@ -464,7 +506,7 @@ def _local_program(lctx: LocalContext, strategy: str) -> Callable[..., Any]:
     uneven_t = n_tokens % lctx.shards(xs, 0) != 0
     uneven_f = f % lctx.shards(wgs, 2) != 0
 
-    def local(x, idx, w, wg, wu, wd):
+    def weights(wg, wu, wd):
         if fs:  # FSDP storage: gather the model dim (autodiff scatters the grads back)
             wg = jax.lax.all_gather(wg, fs, axis=1, tiled=True)[:, :d]
             wu = jax.lax.all_gather(wu, fs, axis=1, tiled=True)[:, :d]
@@ -474,6 +516,9 @@ def _local_program(lctx: LocalContext, strategy: str) -> Callable[..., Any]:
             wg = jnp.where(hid[None, None, :], wg, jnp.zeros_like(wg))
             wu = jnp.where(hid[None, None, :], wu, jnp.zeros_like(wu))
             wd = jnp.where(hid[None, :, None], wd, jnp.zeros_like(wd))
+        return wg, wu, wd
+
+    def tokens(x, idx, w):
         real = None
         if uneven_t:  # padded tokens route nowhere (expert id E)
             real = (lctx.offset(xs, 0) + jnp.arange(x.shape[0]) < n_tokens)[:, None]
@@ -482,21 +527,52 @@ def _local_program(lctx: LocalContext, strategy: str) -> Callable[..., Any]:
             w = jnp.where(real, w, jnp.zeros_like(w))
         if cap is not None:
             w = jnp.where(_kept_here(lctx, idx, t_axes, n_experts, cap), w, jnp.zeros_like(w))
-        t, k = idx.shape
-        flat = idx.reshape(t * k)
-        rows = jnp.repeat(x, k, axis=0)
-        if strategy == "all_to_all" and n_ep > 1:
-            y = _exchange(lctx, rows, flat, wg, wu, wd, ep, n_ep, e_local, t * min(k, e_local))
-        else:
-            first = lctx.index(ep) * e_local if ep else 0
-            rows = _varying(rows, ep)
-            mine = flat - first
-            mine = jnp.where((mine >= 0) & (mine < e_local), mine, e_local)
-            y = _grouped_swiglu(rows, mine, e_local, wg, wu, wd)
+        return x, idx, w, real
+
+    def combine(y, w, real, dtype):
+        t, k = w.shape
         out = jnp.einsum("tkd,tk->td", y.reshape(t, k, -1), w.astype(y.dtype))
         if real is not None:
             out = jnp.where(real, out, jnp.zeros_like(out))
-        return out.astype(x.dtype)
+        return out.astype(dtype)
+
+    def local_experts(rows, flat, wg, wu, wd):
+        first = lctx.index(ep) * e_local if ep else 0
+        rows = _varying(rows, ep)
+        mine = flat - first
+        mine = jnp.where((mine >= 0) & (mine < e_local), mine, e_local)
+        return _grouped_swiglu(rows, mine, e_local, wg, wu, wd)
+
+    exchanged = strategy == "all_to_all" and n_ep > 1
+    return _Program(weights, tokens, combine, exchanged, ep, n_ep, e_local, local_experts)
+
+
+def _local_program(lctx: LocalContext, strategy: str) -> Callable[..., Any]:
+    prog = _program(lctx, strategy)
+
+    def local(x, idx, w, wg, wu, wd):
+        wg, wu, wd = prog.weights(wg, wu, wd)
+        dtype = x.dtype
+        x, idx, w, real = prog.tokens(x, idx, w)
+        t, k = idx.shape
+        flat = idx.reshape(t * k)
+        rows = jnp.repeat(x, k, axis=0)
+        if prog.exchanged:
+            y = _exchange(
+                lctx,
+                rows,
+                flat,
+                wg,
+                wu,
+                wd,
+                prog.ep,
+                prog.n_ep,
+                prog.e_local,
+                t * min(k, prog.e_local),
+            )
+        else:
+            y = prog.local_experts(rows, flat, wg, wu, wd)
+        return prog.combine(y, w, real, dtype)
 
     return local
 
@@ -528,6 +604,55 @@ def _kept_here(
     return _kept(idx, n_experts, cap, before)
 
 
+class _Route(NamedTuple):
+    """Where a device's assignments go in its exchange buffer (:func:`_route`)."""
+
+    order: jax.Array  # the assignments sorted by expert
+    dest: jax.Array  # each sorted assignment's peer (``n_ep``: routed nowhere, dropped)
+    pos: jax.Array  # its row in the buffer to that peer
+    per_expert: jax.Array  # [n_ep, e_local] assignments to each expert
+
+
+def _route(flat: jax.Array, n_ep: int, e_local: int) -> _Route:
+    """The exchange layout of the assignments to experts ``flat`` (local: no collective)."""
+    n = flat.shape[0]
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    per_expert = jnp.sum(jax.nn.one_hot(flat, n_ep * e_local, dtype=jnp.int32), axis=0)
+    per_expert = per_expert.reshape(n_ep, e_local)
+    per_dest = jnp.sum(per_expert, axis=1)
+    dest = sorted_e // e_local  # n_ep (out of range) for routed-nowhere rows: dropped
+    start = jnp.cumsum(per_dest) - per_dest
+    pos = jnp.arange(n) - jnp.take(start, jnp.clip(dest, 0, n_ep - 1))
+    return _Route(order, dest, pos, per_expert)
+
+
+def _dispatch(rows: jax.Array, route: _Route, n_ep: int, per_peer: int) -> jax.Array:
+    """The send buffer ``[n_ep, per_peer, D]``: each assignment's row at its peer's slot."""
+    send = jnp.zeros((n_ep, per_peer, rows.shape[1]), rows.dtype)
+    return send.at[route.dest, route.pos].set(rows[route.order], mode="drop")
+
+
+def _expert_side(
+    got: jax.Array, counts: jax.Array, e_local: int, wg: jax.Array, wu: jax.Array, wd: jax.Array
+) -> jax.Array:
+    """The local experts on the rows received (``got [n_ep, per_peer, D]``, each
+    source's rows sorted by local expert, ``counts [n_ep, e_local]`` of them)."""
+    n_ep, per_peer, _ = got.shape
+    ends = jnp.cumsum(counts, axis=1)
+    slot = jnp.arange(per_peer)
+    group = jnp.sum(slot[None, :, None] >= ends[:, None, :], axis=-1)  # e_local: padding
+    done = _grouped_swiglu(got.reshape(n_ep * per_peer, -1), group.reshape(-1), e_local, wg, wu, wd)
+    return done.reshape(n_ep, per_peer, -1)
+
+
+def _collect(back: jax.Array, route: _Route) -> jax.Array:
+    """The results received back, ``[t*k, D]`` in assignment order (zero for an
+    assignment routed nowhere)."""
+    ys = back.at[route.dest, route.pos].get(mode="fill", fill_value=0)
+    return jnp.zeros_like(ys).at[route.order].set(ys, unique_indices=True)
+
+
 def _exchange(
     lctx: LocalContext,
     rows: jax.Array,
@@ -543,27 +668,104 @@ def _exchange(
     """Expert parallelism by a padded all-to-all: each assignment (``rows``, expert
     ``flat``) goes to its expert's device, the experts run there, the results come
     back; ``[t*k, D]`` in assignment order (zero for an expert id out of range)."""
-    ep = tuple(ep)
-    n = flat.shape[0]
-    order = jnp.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    per_expert = jnp.sum(jax.nn.one_hot(flat, n_ep * e_local, dtype=jnp.int32), axis=0)
-    per_expert = per_expert.reshape(n_ep, e_local)
-    per_dest = jnp.sum(per_expert, axis=1)
-    dest = sorted_e // e_local  # n_ep (out of range) for routed-nowhere rows: dropped
-    start = jnp.cumsum(per_dest) - per_dest
-    pos = jnp.arange(n) - jnp.take(start, jnp.clip(dest, 0, n_ep - 1))
-    send = jnp.zeros((n_ep, per_peer, rows.shape[1]), rows.dtype)
-    send = send.at[dest, pos].set(rows[order], mode="drop")
-    got = jax.lax.all_to_all(send, ep, 0, 0, tiled=True)
-    counts = jax.lax.all_to_all(per_expert, ep, 0, 0, tiled=True)  # [source, local expert]
-    ends = jnp.cumsum(counts, axis=1)
-    slot = jnp.arange(per_peer)
-    group = jnp.sum(slot[None, :, None] >= ends[:, None, :], axis=-1)  # e_local: padding
-    done = _grouped_swiglu(got.reshape(n_ep * per_peer, -1), group.reshape(-1), e_local, wg, wu, wd)
-    back = jax.lax.all_to_all(done.reshape(n_ep, per_peer, -1), ep, 0, 0, tiled=True)
-    ys = back.at[dest, pos].get(mode="fill", fill_value=0)
-    return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
+    y, _, _ = _exchange_keeping(rows, flat, wg, wu, wd, tuple(ep), n_ep, e_local, per_peer)
+    return y
+
+
+def _exchange_keeping(
+    rows: jax.Array,
+    flat: jax.Array,
+    wg: jax.Array,
+    wu: jax.Array,
+    wd: jax.Array,
+    ep: tuple[str, ...],
+    n_ep: int,
+    e_local: int,
+    per_peer: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`_exchange`'s results with the rows received and their per-expert
+    counts (what the backward reads: :func:`residual_programs`)."""
+    route = _route(flat, n_ep, e_local)
+    got = jax.lax.all_to_all(_dispatch(rows, route, n_ep, per_peer), ep, 0, 0, tiled=True)
+    counts = jax.lax.all_to_all(route.per_expert, ep, 0, 0, tiled=True)  # [source, expert]
+    done = _expert_side(got, counts, e_local, wg, wu, wd)
+    back = jax.lax.all_to_all(done, ep, 0, 0, tiled=True)
+    return _collect(back, route), got, counts
+
+
+def residual_programs(lctx: LocalContext) -> KeptResiduals | None:
+    """The per-device forward that keeps its exchanged buffers, and the backward
+    that reads them instead of exchanging again; None for a layout with no
+    exchange (strategy ``local``, or the experts on one device group).
+
+    ``forward(x, idx, w, w_gate, w_up, w_down)`` returns the output and the
+    residuals ``(got, counts, y)``: the rows the device received for its experts
+    ``[n_ep, per_peer, D]``, their per-expert counts ``[n_ep, E_local]`` (int32)
+    and each assignment's expert output received back ``[t*k, D]``.
+    ``backward(x, idx, w, w_gate, w_up, w_down, got, counts, y, ct)`` returns the
+    cotangents of ``x``, ``weights`` and the three expert weights, as ``jax.vjp``
+    of the rule's per-device program gives them, with two all-to-alls (the
+    transposes of the forward's token exchanges) and no count exchange: the
+    forward's exchanges are not run again. The experts' GEMMs and the local
+    routing (sort, masks, the FSDP gathers of the weights) are.
+    """
+    prog = _program(lctx, lctx.attrs.get("strategy", MoeExpertsRule.strategies[0]))
+    if not prog.exchanged:
+        return None
+    ep, n_ep, e_local = prog.ep, prog.n_ep, prog.e_local
+    xs, idxs, _, wgs, _, wds = lctx.inputs
+    t_local, k, d = lctx.block(xs, 0), idxs.shape[1], xs.shape[1]
+    per_peer = t_local * min(k, e_local)
+    t_axes, tp = tuple(xs.dims[0]), tuple(a for a in wgs.dims[2] if a not in xs.dims[0])
+    shapes = ((n_ep, per_peer, d), (n_ep, e_local), (t_local * k, d))
+    dtypes = (xs.dtype, jnp.dtype("int32"), wds.dtype)
+    axes = (t_axes, t_axes, (*t_axes, *tp))
+
+    def forward(x, idx, w, wg, wu, wd):
+        wg, wu, wd = prog.weights(wg, wu, wd)
+        dtype = x.dtype
+        x, idx, w, real = prog.tokens(x, idx, w)
+        t, k = idx.shape
+        rows = jnp.repeat(x, k, axis=0)
+        y, got, counts = _exchange_keeping(
+            rows, idx.reshape(t * k), wg, wu, wd, ep, n_ep, e_local, t * min(k, e_local)
+        )
+        kept = (got, counts, y)
+        for v, want in zip(kept, axes, strict=True):
+            have = varying_axes(v)
+            if have and have != set(want):  # pragma: no cover - a typing change in jax
+                raise AssertionError(f"moe_experts residual varies over {have}, not {want}")
+        return (prog.combine(y, w, real, dtype), *kept)
+
+    def backward(x, idx, w, wg, wu, wd, got, counts, y, ct):
+        dtype = x.dtype
+        _, idx_m, _, real = prog.tokens(x, idx, w)
+        t, k = idx_m.shape
+        route = _route(idx_m.reshape(t * k), n_ep, e_local)
+        masked, tok_vjp = jax.vjp(lambda x, w: prog.tokens(x, idx, w)[::2], x, w)
+        out, comb_vjp = jax.vjp(lambda y, w: prog.combine(y, w, real, dtype), y, masked[1])
+        d_y, d_wm = comb_vjp(_varying(ct, sorted(varying_axes(out), key=str)))
+        # the results came back varying as the experts' outputs (over the hidden axes too)
+        at = _varying(jnp.zeros_like(got), sorted(varying_axes(y), key=str))
+        _, collect_vjp = jax.vjp(lambda b: _collect(b, route), at)
+        (d_back,) = collect_vjp(d_y)
+        d_done = jax.lax.all_to_all(d_back, ep, 0, 0, tiled=True)
+
+        def experts(got, wg, wu, wd):
+            return _expert_side(got, counts, e_local, *prog.weights(wg, wu, wd))
+
+        _, exp_vjp = jax.vjp(experts, got, wg, wu, wd)
+        d_got, d_wg, d_wu, d_wd = exp_vjp(d_done)
+        d_send = jax.lax.all_to_all(d_got, ep, 0, 0, tiled=True)
+        per_peer = got.shape[1]
+        _, send_vjp = jax.vjp(
+            lambda xm: _dispatch(jnp.repeat(xm, k, axis=0), route, n_ep, per_peer), masked[0]
+        )
+        (d_xm,) = send_vjp(d_send)
+        d_x, d_w = tok_vjp((d_xm, d_wm))
+        return d_x, d_w, d_wg, d_wu, d_wd
+
+    return KeptResiduals(forward, backward, shapes, dtypes, axes)
 
 
 # ---------------------------------------------------------------------------

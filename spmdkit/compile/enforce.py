@@ -244,7 +244,9 @@ class _Replay:
         """``x`` pinned to ``spec`` (as :func:`_pin`), unless it already is: an
         identical constraint on a constrained value changes nothing but makes the
         program XLA compiles longer."""
-        if spec is None:
+        if spec is None or (0 in spec.shape and tuple(x.shape) != spec.shape):
+            # a region's kept residual: its stand-in in the traced step is empty,
+            # the value is the program's (its layout is its own, kept_spec)
             return x
         hit = self.pinned.get(id(x))
         if hit is not None and hit[0] is x and hit[1].dims == spec.dims:

@@ -23,9 +23,15 @@ from spmdkit.engine.inference import InferenceResult
 from spmdkit.engine.rule import LocalContext, Rule
 from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
-from spmdkit.vma import shard_map
+from spmdkit.vma import shard_map, varying_axes
 
-__all__ = ["local_context", "resolve_partials", "shard_program"]
+__all__ = [
+    "kept_forward_program",
+    "kept_spec",
+    "local_context",
+    "resolve_partials",
+    "shard_program",
+]
 
 _REDUCERS: dict[str, Callable[..., Any]] = {
     "sum": jax.lax.psum,
@@ -141,3 +147,48 @@ def _resolve_onto(y: jax.Array, spec: TensorSpec, final: TensorSpec) -> jax.Arra
             done.update(new)
     rest = spec.replace(partial={a: r for a, r in spec.partial if a not in done})
     return resolve_partials(y, rest)
+
+
+def kept_spec(axes: Sequence[str]) -> P:
+    """The ``PartitionSpec`` a kept residual travels in between a forward and a grad
+    region: its local pieces stacked on a leading dim split over ``axes`` (the
+    axes it varies over, :class:`~spmdkit.engine.rule.KeptResiduals`)."""
+    return P(tuple(axes) if axes else None)
+
+
+def kept_forward_program(
+    rule: Rule,
+    res: InferenceResult,
+    kept: Any,
+    mesh: MeshLike,
+    scattered: Sequence[TensorSpec] | None = None,
+) -> Callable[..., Any]:
+    """:func:`shard_program` of a rule's forward that keeps residuals for its grad
+    (``kept``: the rule's :class:`~spmdkit.engine.rule.KeptResiduals`): the outputs
+    as :func:`shard_program` returns them, then each residual as a global array of
+    its local pieces stacked on a leading dim (:func:`kept_spec`)."""
+    outs = tuple(res.outputs)
+    final = tuple(scattered) if scattered is not None else outs
+    m = len(outs)
+
+    def body(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        ys = kept.forward(*xs)
+        main = tuple(_resolve_onto(y, o, f) for y, o, f in zip(ys[:m], outs, final, strict=True))
+        extra = tuple(
+            _varying_over(v, axes)[None] for v, axes in zip(ys[m:], kept.axes, strict=True)
+        )
+        return (*main, *extra)
+
+    return shard_map(
+        body,
+        mesh=mesh,
+        in_specs=tuple(_pspec(s) for s in res.inputs),
+        out_specs=(*(_pspec(o) for o in final), *(kept_spec(a) for a in kept.axes)),
+    )
+
+
+def _varying_over(v: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """``v`` typed varying over ``axes`` (a no-op where it already is)."""
+    have = varying_axes(v)
+    missing = tuple(a for a in axes if a not in have)
+    return jax.lax.pcast(v, missing, to="varying") if missing else v

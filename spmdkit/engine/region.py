@@ -18,7 +18,15 @@ it, so a model calling ``spmdkit.ops`` also runs without spmdkit's planner.
 The grad region recomputes the forward from its primal inputs (no residuals
 cross the region boundary, so nothing of unknown layout does): like a remat
 region, its cost is the forward's FLOPs and own collectives again plus the
-backward's, and :func:`grad_collectives` prices exactly that.
+backward's, and :func:`grad_collectives` prices exactly that. A rule whose
+forward's collectives are too dear to rerun (``moe_experts``' token exchanges)
+names residuals to keep instead (:meth:`~spmdkit.engine.rule.Rule.kept_dtypes`):
+the forward region returns them after its outputs, as empty stand-ins in the
+traced step (their size depends on the layout, unknown until planned), and the
+replayed forward program returns the real local pieces stacked over the axes
+they vary over, which the grad region's program reads
+(:class:`~spmdkit.engine.rule.KeptResiduals`). A layout that keeps nothing
+returns the stand-ins, and its grad region recomputes.
 
 Example::
 
@@ -40,7 +48,13 @@ import numpy as np
 from jax.interpreters import batching, mlir
 
 from spmdkit.engine.inference import InferenceResult, infer_forward, infer_grad
-from spmdkit.engine.local import resolve_partials, shard_program
+from spmdkit.engine.local import (
+    kept_forward_program,
+    kept_spec,
+    local_context,
+    resolve_partials,
+    shard_program,
+)
 from spmdkit.engine.registry import get_rule, register_primitive
 from spmdkit.engine.rule import LocalContext, without_strategy
 from spmdkit.kernels import recording_visits
@@ -56,6 +70,8 @@ __all__ = [
     "forward_fn",
     "grad_fn",
     "grad_inference",
+    "kept_avals",
+    "kept_dtypes",
     "region_attrs",
     "region_call",
     "region_jaxpr",
@@ -80,8 +96,14 @@ def region_attrs(params: Mapping[str, Any]) -> dict[str, Any]:
     return dict(params["attrs"])
 
 
-def forward_fn(op: str, attrs: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:
-    """The op's unsharded computation as a function returning a tuple of outputs."""
+def kept_dtypes(op: str, dtypes: Sequence[Any]) -> tuple[Any, ...]:
+    """The dtypes of the residuals a forward region of ``op`` on operands of
+    ``dtypes`` passes its grad region (:meth:`~spmdkit.engine.rule.Rule.kept_dtypes`;
+    module docstring)."""
+    return tuple(np.dtype(d) for d in get_rule(op).kept_dtypes(tuple(dtypes)))
+
+
+def _outputs_fn(op: str, attrs: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:
     impl = get_rule(op).impl
     kw = without_strategy(attrs)
 
@@ -92,16 +114,30 @@ def forward_fn(op: str, attrs: Mapping[str, Any]) -> Callable[..., tuple[Any, ..
     return run
 
 
+def forward_fn(op: str, attrs: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:
+    """The op's unsharded computation as a function returning a tuple of outputs,
+    followed by its kept residuals' empty stand-ins (:func:`kept_dtypes`)."""
+    outputs = _outputs_fn(op, attrs)
+
+    def run(*xs: Any) -> tuple[Any, ...]:
+        kept = kept_dtypes(op, [x.dtype for x in xs])
+        return (*outputs(*xs), *(jnp.zeros((0,), d) for d in kept))
+
+    return run
+
+
 def grad_fn(
     op: str, attrs: Mapping[str, Any], diff: Sequence[bool]
 ) -> Callable[..., tuple[Any, ...]]:
-    """``(*primal inputs, *output cotangents) -> cotangents of the differentiable
-    inputs``, by autodiff of the unsharded computation."""
-    fwd = forward_fn(op, attrs)
+    """``(*primal inputs, *kept residuals, *output cotangents) -> cotangents of the
+    differentiable inputs``, by autodiff of the unsharded computation (which reads
+    no residual)."""
+    fwd = _outputs_fn(op, attrs)
     n = len(diff)
 
     def run(*args: Any) -> tuple[Any, ...]:
-        xs, cts = args[:n], args[n:]
+        xs = args[:n]
+        cts = args[n + len(kept_dtypes(op, [x.dtype for x in xs])) :]
 
         def f(*d: Any) -> tuple[Any, ...]:
             it = iter(d)
@@ -212,16 +248,24 @@ def region_call(op: str, args: Sequence[Any], attrs: Mapping[str, Any]) -> Any:
     """
     frozen = freeze(dict(attrs))
     diff = tuple(_differentiable(x) for x in args)
+    n_kept = len(kept_dtypes(op, [jnp.result_type(x) for x in args]))
+
+    def bound(xs: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        outs = tuple(_forward_p.bind(*xs, op=op, attrs=frozen))
+        cut = len(outs) - n_kept
+        return outs[:cut], outs[cut:]
 
     @jax.custom_vjp
     def region(*xs: Any) -> tuple[Any, ...]:
-        return tuple(_forward_p.bind(*xs, op=op, attrs=frozen))
+        return bound(xs)[0]
 
     def fwd(*xs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        return region(*xs), xs
+        outs, kept = bound(xs)
+        return outs, (xs, kept)
 
-    def bwd(xs: tuple[Any, ...], cts: tuple[Any, ...]) -> tuple[Any, ...]:
-        grads = iter(_grad_p.bind(*xs, *cts, op=op, attrs=frozen, diff=diff))
+    def bwd(res: tuple[Any, ...], cts: tuple[Any, ...]) -> tuple[Any, ...]:
+        xs, kept = res
+        grads = iter(_grad_p.bind(*xs, *kept, *cts, op=op, attrs=frozen, diff=diff))
         return tuple(next(grads) if on else None for on in diff)
 
     region.defvjp(fwd, bwd)
@@ -236,10 +280,12 @@ def grad_inference(
     diff: Sequence[bool],
     mesh: MeshLike,
 ) -> tuple[InferenceResult, InferenceResult]:
-    """The grad rule's answer for a grad region's operands ``(*inputs, *cotangents)``,
-    and the forward answer the region recomputes on the grad's required inputs."""
+    """The grad rule's answer for a grad region's operands ``(*inputs, *kept
+    residuals, *cotangents)``, and the forward answer the region recomputes on the
+    grad's required inputs."""
     n = len(diff)
-    g = infer_grad(op, *specs[:n], out_grads=tuple(specs[n:]), mesh=mesh, **attrs)
+    cts = specs[n + len(kept_dtypes(op, [s.dtype for s in specs[:n]])) :]
+    g = infer_grad(op, *specs[:n], out_grads=tuple(cts), mesh=mesh, **attrs)
     f = infer_forward(op, *g.inputs, mesh=mesh, **attrs)
     return g, f
 
@@ -281,17 +327,66 @@ def region_program(
         res = infer_forward(op, *required, mesh=mesh, **attrs)
         if tuple(res.inputs) != tuple(required):
             return None
+        m = len(res.outputs)
         # a pending sum planned reduce-scattered onto a dim (the sequence split
         # kept after a vocab-parallel lookup: spmdkit.propagation.contest)
-        onto = produced if scatters(res.outputs, produced) else None
-        return shard_program(rule, res, attrs, mesh, onto)
+        onto = produced[:m] if scatters(res.outputs, produced[:m]) else None
+        n_kept = len(kept_dtypes(op, [s.dtype for s in required]))
+        if not n_kept:
+            return shard_program(rule, res, attrs, mesh, onto)
+        kept = rule.kept_residuals(local_context(rule, res, attrs, mesh))
+        if kept is not None:
+            return kept_forward_program(rule, res, kept, mesh, onto)
+        program = shard_program(rule, res, attrs, mesh, onto)
+        empty = [s.dtype for s in produced[m:]]  # the layout keeps nothing: stand-ins
+
+        def run(*xs: Any) -> tuple[Any, ...]:
+            return (*program(*xs), *(jnp.zeros((0,), d) for d in empty))
+
+        return run
     diff = tuple(params["diff"])
     n = len(diff)
-    g = infer_grad(op, *required[:n], out_grads=tuple(required[n:]), mesh=mesh, **attrs)
-    if (*g.inputs, *g.out_grads) != tuple(required):
+    n_kept = len(kept_dtypes(op, [s.dtype for s in required[:n]]))
+    xs, cts = required[:n], required[n + n_kept :]
+    g = infer_grad(op, *xs, out_grads=tuple(cts), mesh=mesh, **attrs)
+    if (*g.inputs, *g.out_grads) != (*xs, *cts):
         return None
     lctx = LocalContext(op, dict(attrs), g.inputs, g.forward_outputs, axis_sizes(mesh))
-    return _grad_program(rule.local_fn(lctx), lctx.outputs, diff, required, produced, mesh)
+    kept = rule.kept_residuals(lctx) if n_kept else None
+    if kept is not None:
+        return _kept_grad_program(kept, diff, xs, cts, produced, mesh)
+    program = _grad_program(rule.local_fn(lctx), lctx.outputs, diff, (*xs, *cts), produced, mesh)
+    if not n_kept:
+        return program
+    return lambda *a: program(*a[:n], *a[n + n_kept :])  # the residuals unread
+
+
+def kept_avals(
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> list[jax.ShapeDtypeStruct] | None:
+    """The kept residuals a grad region's program reads at its planned layouts
+    (``required``: its operands'), as the forward region's program passes them:
+    each a global array of its local pieces stacked over the axes it varies over
+    (:func:`~spmdkit.engine.local.kept_spec`); None where the region keeps none
+    at that layout (its operands there are the empty stand-ins)."""
+    op, rule = params["op"], get_rule(params["op"])
+    n = len(params["diff"])
+    n_kept = len(kept_dtypes(op, [s.dtype for s in required[:n]]))
+    if not n_kept:
+        return None
+    sizes = axis_sizes(mesh)
+    g = infer_grad(op, *required[:n], out_grads=tuple(required[n + n_kept :]), mesh=mesh, **attrs)
+    lctx = LocalContext(op, dict(attrs), g.inputs, g.forward_outputs, sizes)
+    kept = rule.kept_residuals(lctx)
+    if kept is None:
+        return None
+    return [
+        jax.ShapeDtypeStruct((int(np.prod([sizes[a] for a in axes])), *shape), dtype)
+        for shape, dtype, axes in zip(kept.shapes, kept.dtypes, kept.axes, strict=True)
+    ]
 
 
 def region_jaxpr(
@@ -350,10 +445,15 @@ def _region_jaxpr(
         axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
         abstract_device=device,
     )
-    run = region_program(prim, {"op": op, "diff": diff}, dict(attrs), required, produced, auto)
+    params = {"op": op, "diff": diff}
+    run = region_program(prim, params, dict(attrs), required, produced, auto)
     if run is None:
         return None
     args = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in required]
+    kept = kept_avals(params, dict(attrs), required, auto) if prim == GRAD else None
+    if kept is not None:  # the residuals as the forward region's program passes them
+        n = len(diff)
+        args[n : n + len(kept)] = kept
     with jax.sharding.use_abstract_mesh(auto):  # whatever mesh the caller set
         return jax.make_jaxpr(run)(*args)
 
@@ -397,6 +497,39 @@ def _grad_program(
         body,
         mesh=mesh,
         in_specs=tuple(s.to_partition_spec() for s in required),
+        out_specs=tuple(s.to_partition_spec() for s in produced),
+    )
+
+
+def _kept_grad_program(
+    kept: Any,
+    diff: tuple[bool, ...],
+    xs: Sequence[TensorSpec],
+    cts: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+) -> Callable[..., tuple[Any, ...]]:
+    """A grad region's program that reads the residuals its forward region kept
+    (``kept``: the rule's :class:`~spmdkit.engine.rule.KeptResiduals`) instead of
+    recomputing the forward: ``(*inputs, *residuals, *cotangents)``."""
+    n, n_kept = len(diff), len(kept.axes)
+
+    def body(*args: Any) -> tuple[Any, ...]:
+        # the barrier as _grad_program's: what the backward recomputes from the
+        # inputs (a rule's gathers of the weights) is the grad region's own
+        ins = tuple(jax.lax.optimization_barrier(x) for x in args[:n])
+        res = tuple(r[0] for r in args[n : n + n_kept])
+        grads = kept.backward(*ins, *res, *args[n + n_kept :])
+        return tuple(as_unreduced(g, s) for g, s in zip(grads, produced, strict=True))
+
+    return shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(
+            *(s.to_partition_spec() for s in xs),
+            *(kept_spec(a) for a in kept.axes),
+            *(s.to_partition_spec() for s in cts),
+        ),
         out_specs=tuple(s.to_partition_spec() for s in produced),
     )
 

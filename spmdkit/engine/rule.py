@@ -61,6 +61,7 @@ __all__ = [
     "Example",
     "Inferred",
     "InferredGrad",
+    "KeptResiduals",
     "LocalContext",
     "MustDivide",
     "PartialPolicy",
@@ -271,6 +272,32 @@ class _Sizes:
 def without_strategy(attrs: Mapping[str, Any]) -> dict[str, Any]:
     """``attrs`` minus the reserved ``strategy`` attribute (what ``impl`` takes)."""
     return {k: v for k, v in attrs.items() if k != STRATEGY_ATTR}
+
+
+@dataclass(frozen=True)
+class KeptResiduals:
+    """A rule's per-device forward that keeps residuals for its grad, and the
+    backward that reads them (:meth:`Rule.kept_residuals`): a grad region that
+    runs it does not recompute the forward's collectives.
+
+    Attributes:
+      forward: ``(*inputs) -> (*outputs, *residuals)``, local pieces, as
+        :meth:`Rule.local_fn` with the residuals after the outputs.
+      backward: ``(*inputs, *residuals, *output cotangents) -> cotangents`` of the
+        differentiable inputs, as ``jax.vjp`` of the local computation gives them
+        (pending sums typed as its autodiff types them).
+      shapes: each residual's local shape.
+      dtypes: each residual's dtype.
+      axes: each residual's mesh axes it varies over (the others hold the same
+        value): the region passes it as a global array of shape
+        ``(prod(sizes of axes), *shape)`` split over them on dim 0.
+    """
+
+    forward: Callable[..., tuple[Any, ...]]
+    backward: Callable[..., tuple[Any, ...]]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+    axes: tuple[tuple[str, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -570,6 +597,19 @@ class Rule:
         local computation (``None``: left as is); ``None`` when nothing is padded or
         the rule needs no filling (the default). Outputs' padding is then zeroed, so
         no cotangent arriving on padding reaches an input."""
+        return None
+
+    def kept_dtypes(self, dtypes: Sequence[Any]) -> tuple[Any, ...]:
+        """The dtypes of the residuals a region of this op keeps from its forward
+        for its grad (:class:`KeptResiduals`), given its inputs' dtypes; ``()``
+        (the default): none, the grad region recomputes the forward."""
+        return ()
+
+    def kept_residuals(self, lctx: LocalContext) -> KeptResiduals | None:
+        """The per-device forward that keeps residuals and the backward that reads
+        them, for one case (:class:`KeptResiduals`); None where the case keeps
+        none (the grad region recomputes the forward). Only rules whose
+        :meth:`kept_dtypes` names residuals are asked."""
         return None
 
     @property

@@ -523,6 +523,8 @@ class GroupCost:
       tp_bytes: payload bytes of its tensor-parallel collectives per step.
       buffers: bytes a call of its ``moe_experts`` op holds while it runs
         (:func:`spmdkit.planner.experts.dispatch_buffer_bytes`; one call at a time).
+      kept: bytes its ``moe_experts`` calls hold from their forward to their
+        backward (:func:`spmdkit.planner.experts.kept_residual_bytes`).
     """
 
     comm_s: float
@@ -541,6 +543,7 @@ class GroupCost:
     tp_shards: int = 1
     tp_bytes: float = 0.0
     buffers: float = 0.0
+    kept: float = 0.0
 
     @property
     def time(self) -> float:
@@ -695,10 +698,11 @@ def cost_levers(ctx: CostContext, g: ParamGroup) -> tuple:
     # its tensor-parallel all-reduces) reruns, and that only for a layered
     # row-parallel weight: recipes that differ only otherwise share the entry.
     rerun = recipe.remat in ("full", "names") and rerun_charged(g)
-    # a pipelined stage reruns a moe_experts call's forward exchanges under any
-    # recompute (experts.exchanges)
+    # a moe_experts call reruns its forward exchanges under any recompute
+    # (experts.exchanges), and keeps its buffers for the layers it does not
+    # recompute (experts.kept_residual_bytes)
     moe_rerun = (
-        ctx.gather_once and recipe.remat != "none" and experts.moe_call(g, ctx.trace) is not None
+        (recipe.remat, recipe.remat_every) if experts.moe_call(g, ctx.trace) is not None else None
     )
     return (
         (recipe.compute_dtype, recipe.fp8_scaling, recipe.fp8_exclude, recipe.master_weights),
@@ -771,6 +775,7 @@ def group_cost(
         tp_shards=n_tp if any(n in ("heads", "kv_heads") for n in logical) else 1,
         tp_bytes=sum(c.payload for c in tp) * g.count,
         buffers=experts.dispatch_buffer_bytes(ctx, g, sp, (*batch_axes, *sp.context)),
+        kept=experts.kept_residual_bytes(ctx, g, sp, (*batch_axes, *sp.context)) * g.count,
     )
     ctx.memo[key] = out
     return out
@@ -842,7 +847,7 @@ def total_cost(
     seq_shards = math.prod(sizes[a] for a in seq_axes)
     comm_s = compute_s = hidden_s = layer_s = 0.0
     comm: dict[str, float] = {}
-    params = grads = opt = tp_weight = cast = offloaded = gathered = buffers = 0.0
+    params = grads = opt = tp_weight = cast = offloaded = gathered = buffers = kept = 0.0
     total_flops = 0.0
     heads_tp = 1
     for g, layout in zip(groups, choice, strict=True):
@@ -858,7 +863,7 @@ def total_cost(
         opt += c.opt
         cast += c.cast
         gathered += c.gathered
-        buffers = max(buffers, c.buffers)
+        buffers, kept = max(buffers, c.buffers), kept + c.kept
         offloaded += c.offload_opt
         tp_weight += c.tp_weight
         heads_tp = max(heads_tp, c.tp_shards)
@@ -898,7 +903,7 @@ def total_cost(
     step = compute_s + ctx.topology.exposed_comm(hidden_s, exposed, compute_s)
     hidden = comm_s - (step - compute_s)
     held = {"compute_copy": cast, "gathered_stage": gathered, "context_kv": cp.memory}
-    held["moe_buffers"] = buffers
+    held |= {"moe_buffers": buffers, "moe_kept": kept}
     memory = memory_by_kind(ctx, params, grads, opt, acts, offloaded, held)
     return Cost(
         step_time_s=step,

@@ -15,13 +15,13 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   ``T_local · k`` assignments to the devices holding their experts in a padded
   all-to-all, ``T_local · min(k, E_local)`` rows of ``D`` per peer, and gets the
   results back the same way; with the per-expert counts (``E_local`` int32 per
-  peer) that is three all-to-alls forward, and the grad region's four (the
-  forward's two rerun, and their transposes) plus its counts: per call
-  :data:`EXCHANGES` buffers of ``n_ep · T_local · min(k, E_local) · D`` bytes
-  (:func:`dispatch_collectives`). A pipelined stage runs the op's per-device
-  program under plain autodiff (:mod:`spmdkit.expert_shard`: no grad region), so
-  its call exchanges the forward's two buffers and their transposes and one count
-  exchange, the forward's again where the recipe recomputes the layer
+  peer) that is three all-to-alls forward. The grad region reads the buffers the
+  forward region kept (:func:`rules.moe.residual_programs`) and runs only their
+  transposes; a pipelined stage runs the op's per-device program under plain
+  autodiff (:mod:`spmdkit.expert_shard`), which exchanges the same. So per call and
+  micro-batch :data:`EXCHANGES` buffers of ``n_ep · T_local · min(k, E_local) · D``
+  bytes and :data:`COUNT_EXCHANGES` count exchange (:func:`dispatch_collectives`),
+  the forward's again where the recipe recomputes the layer
   (:func:`exchanges`; what ``plan.verify`` predicts the stages to run). All on
   the topology's link for the EP axes (NVLink
   inside a node, the network across: :meth:`~spmdkit.topology.Topology.collective_time`).
@@ -46,7 +46,10 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   experts' output, the results back: four of ``n_ep · T_local · min(k, E_local) · D``)
   and the grouped GEMMs' gate, up and hidden outputs (``F_local`` wide each); the
   backward's working set holds them and their cotangents, for one layer at a time
-  (:func:`dispatch_buffer_bytes`).
+  (:func:`dispatch_buffer_bytes`). What the grad reads is held from each call's
+  forward to its backward, for every layer the recipe does not recompute: the rows
+  received (one buffer), their counts and the results back (``T_local · k · D``)
+  (:func:`kept_residual_bytes`).
 - **load imbalance**: :data:`LOAD_IMBALANCE` multiplies the grouped GEMMs' time:
   the busiest device's assignments over the mean. 1.0 by default: balanced routing
   (the published rows force it, e.g. DeepSeek-V3's aux-loss-free bias keeps the
@@ -72,6 +75,7 @@ __all__ = [
     "dispatch_collectives",
     "ep_axes",
     "exchanges",
+    "kept_residual_bytes",
     "moe_call",
     "ragged_exchange",
     "region_tokens",
@@ -82,12 +86,12 @@ __all__ = [
 #: grouped GEMMs' time scales by it. 1.0: balanced routing.
 LOAD_IMBALANCE = 1.0
 
-#: Token buffers one call's train step exchanges: the forward's dispatch and
-#: combine, and the grad region's four (:mod:`spmdkit.rules.moe`: ``_own``).
-EXCHANGES = 6
+#: Token buffers one call's train step exchanges without recompute: the forward's
+#: dispatch and combine, and their transposes in the backward.
+EXCHANGES = 4
 
-#: Per-expert count exchanges per call (the forward's and the grad region's).
-COUNT_EXCHANGES = 2
+#: Per-expert count exchanges per call without recompute (the forward's).
+COUNT_EXCHANGES = 1
 
 #: Backends whose XLA has a ragged all-to-all (``jax.lax.ragged_all_to_all``):
 #: an exchange there sends each peer only the rows routed to it (module docstring).
@@ -213,15 +217,13 @@ def dispatch_collectives(
 
 def exchanges(ctx: Any) -> tuple[int, int]:
     """``(token buffers, count exchanges)`` one call runs per train step and
-    micro-batch (module docstring): the region's :data:`EXCHANGES` and
-    :data:`COUNT_EXCHANGES`; in a pipelined stage (``ctx.gather_once``: the cost of
-    a stage as the pipeline executor runs it) the forward's two and their
-    transposes and one count exchange, the forward's again where the recipe's
-    remat recomputes the layer (:func:`spmdkit.verification.pipelined.expert_exchange`)."""
-    if not ctx.gather_once:
-        return EXCHANGES, COUNT_EXCHANGES
+    micro-batch (module docstring): :data:`EXCHANGES` and :data:`COUNT_EXCHANGES`
+    (the forward's two and their transposes, one count exchange), and the
+    forward's three again where the recipe's remat recomputes the layer. A grad
+    region reads the forward region's kept buffers; a pipelined stage's plain
+    autodiff does the same (:func:`spmdkit.verification.pipelined.expert_exchange`)."""
     forwards = 2 if ctx.recipe.remat != "none" else 1
-    return 2 * forwards + 2, forwards
+    return EXCHANGES + 2 * (forwards - 1), COUNT_EXCHANGES * forwards
 
 
 def ragged_exchange(ctx: Any) -> bool:
@@ -236,6 +238,28 @@ def rows_per_expert(ctx: Any, g: Any, call: MoeCall, sp: Any, token_axes: Sequen
     (balanced routing)."""
     n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
     return n_ep * t_local * call.top_k / call.experts
+
+
+def kept_residual_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:
+    """Bytes one device holds from the forward to the backward of the calls one
+    member of ``g`` serves (module docstring): per call and micro-batch in flight,
+    the rows received, their counts and the results back, for the layers the
+    recipe does not recompute (:func:`rules.moe.residual_programs`); 0 unless ``g``
+    is the down projection of an expert-parallel call, or in a pipelined stage
+    (its residuals are the stage's: :mod:`spmdkit.pipeline.memory`)."""
+    call = moe_call(g, ctx.trace)
+    if call is None or ctx.gather_once or not _is_down(g):
+        return 0.0
+    n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
+    if n_ep <= 1:
+        return 0.0
+    recipe = ctx.recipe
+    kept = 1.0 if recipe.remat == "none" else (recipe.remat_every - 1) / recipe.remat_every
+    itemsize = recipe.compute_itemsize(call.itemsize)
+    got = n_ep * _per_peer(call, t_local, n_ep) * call.d_model * itemsize
+    back = math.ceil(t_local) * call.top_k * call.d_model * itemsize
+    counts = n_ep * (call.experts // n_ep) * 4
+    return kept * _layers(g) * (got + back + counts)
 
 
 def dispatch_buffer_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:

@@ -30,6 +30,8 @@ from spmdkit.engine.region import (
     FORWARD,
     GRAD,
     grad_inference,
+    kept_avals,
+    kept_dtypes,
     region_attrs,
     region_jaxpr,
     scatters,
@@ -201,6 +203,7 @@ def _layout(
     plain = tuple(s.without_partial() for s in specs)
     if prim == FORWARD:
         res = infer_forward(op, *plain, mesh=mesh, **attrs)
+        produced = None if produced is None else produced[: len(res.outputs)]
         if produced is not None and scatters(res.outputs, produced):
             onto = {
                 a: (j, o.shape[j])
@@ -211,12 +214,13 @@ def _layout(
             }
         outs, coll = _resolves(res.outputs, mesh, op, onto)
         own = (*res.collectives, *coll)
-        return CandidateLayout(dict(attrs), tuple(res.inputs), tuple(outs), lambda: own)
+        kept = _kept(op, [s.dtype for s in plain])
+        return CandidateLayout(dict(attrs), tuple(res.inputs), (*outs, *kept), lambda: own)
     diff = tuple(params["diff"])
     g, f = grad_inference(op, attrs, plain, diff, mesh)
     grads = [o for o, on in zip(g.outputs, diff, strict=True) if on]
     outs, coll = _resolves(grads, mesh, op)
-    req = (*g.inputs, *g.out_grads)
+    req = (*g.inputs, *_kept(op, [s.dtype for s in plain[: len(diff)]]), *g.out_grads)
 
     def traced() -> tuple[Collective, ...]:
         facts = region_program(prim, params, attrs, req, tuple(outs), mesh)
@@ -232,6 +236,14 @@ def _layout(
         )
 
     return CandidateLayout(dict(attrs), req, tuple(outs), traced)
+
+
+def _kept(op: str, dtypes: Sequence[Any]) -> tuple[TensorSpec, ...]:
+    """The layouts of the residuals a forward region of ``op`` keeps for its grad
+    region (:func:`~spmdkit.engine.region.kept_dtypes`): empty stand-ins, each held
+    whole (their size is the layout's, known only in the program:
+    :func:`region_residual_bytes` counts them)."""
+    return tuple(TensorSpec((0,), dtype=d) for d in kept_dtypes(op, dtypes))
 
 
 def region_answer(
@@ -398,7 +410,7 @@ class _Facts:
     forward pass, its loop buffers) measured on first read and kept, since only a
     memory estimate asks (``sk.jit`` runs a step without one)."""
 
-    def __init__(self, prim: str, n_diff: int, body: Any, mesh: MeshLike) -> None:
+    def __init__(self, prim: str, n_diff: int, body: Any, mesh: MeshLike, kept: int = 0) -> None:
         prog = FlatProgram()
         graph = prog.graph(body)[0]
         _drop_dead(graph)
@@ -415,6 +427,7 @@ class _Facts:
         self._body, self._graph, self._prog = body, graph, prog
         self._temps: dict[tuple[bool, bool], int] = {}
         self._residuals: dict[bool, int] = {}
+        self._kept = kept
 
     def temp_bytes(self, *, duplicate: bool, cpu: bool) -> int:
         """Peak bytes of the body's temporaries (as
@@ -425,13 +438,17 @@ class _Facts:
         return self._temps[key]
 
     def residual_bytes(self, *, duplicate: bool) -> int:
-        """A grad region's bytes held from the forward pass (:func:`_residual_bytes`);
-        0 for a forward region."""
+        """A grad region's bytes held from the forward pass: the residuals its forward
+        region kept (``kept``: their stand-ins in the traced step hold nothing) and
+        what XLA runs of it in the forward pass (:func:`_residual_bytes`); 0 for a
+        forward region."""
         if not self._grad:
             return 0
         if duplicate not in self._residuals:
             fused = fused_values(self._graph, self._prog, duplicate=duplicate)
-            self._residuals[duplicate] = _residual_bytes(self._graph, self._n, fused, self._prog)
+            self._residuals[duplicate] = self._kept + _residual_bytes(
+                self._graph, self._n, fused, self._prog
+            )
         return self._residuals[duplicate]
 
     @functools.cached_property
@@ -505,7 +522,9 @@ def _traced(
     body = _shard_map_body(outer.jaxpr)
     if body is None:
         return None
-    return _Facts(prim, len(diff or ()), body, mesh)
+    kept = kept_avals(params, dict(attrs), required, mesh) if prim == GRAD else None
+    held = sum(math.prod(a.shape[1:]) * np.dtype(a.dtype).itemsize for a in kept or ())
+    return _Facts(prim, len(diff or ()), body, mesh, held)
 
 
 def _residual_bytes(graph: Any, n: int, fused: set[int], prog: FlatProgram) -> int:

@@ -85,7 +85,39 @@ def test_expert_parallel_step_equals_one_device(name, size, layout):
     rows = {kind: (p, c) for kind, p, c, _ in report.rows}
     predicted, compiled = rows.get("all_to_all", (0, 0))
     assert predicted == compiled > 0  # the token exchange, exactly as predicted
+    # the analytic price carries the exchanges the step compiles: per call the two
+    # token buffers, their transposes and one count exchange (the grad region
+    # reads the buffers the forward region kept, and exchanges nothing again)
+    assert plan.cost.comm_bytes["all_to_all"] == compiled
+    cfg = zoo.get_model(name).config(size)
+    n_ep, token_shards = (8, 8) if layout == "ep8" else (4, 4 if layout == "ep4_tp2" else 8)
+    t_local = 8 * cfg.seq_len // token_shards
+    e_local = cfg.n_experts // n_ep
+    buf = n_ep * t_local * min(cfg.top_k, e_local) * cfg.d_model * 4
+    calls = cfg.n_layers - getattr(cfg, "n_dense_layers", 0)
+    assert compiled == calls * (4 * buf + n_ep * e_local * 4)
     assert report.ok, str(report)  # the other collectives, and the peak memory
+
+
+@pytest.mark.slow
+def test_a_recomputed_expert_parallel_step_exchanges_the_forward_again():
+    """Under full recompute the forward region reruns in the backward (its exchanges
+    and counts again, keeping its buffers afresh for the grad region): per call six
+    token buffers and two count exchanges, as the analytic model prices them."""
+    info, batch, params, ref_loss, ref_grads = _reference("qwen3_moe", "tiny")
+    recipe = sk.Recipe(remat="full")
+    plan = sk.plan(info, sk.make_mesh(data=8), "ep", estimator="analytic", recipe=recipe)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
+    _assert_equal(step(params, batch), ref_loss, ref_grads)
+    report = plan.verify(step, params, batch)
+    rows = {kind: (p, c) for kind, p, c, _ in report.rows}
+    predicted, compiled = rows["all_to_all"]
+    cfg = zoo.get_model("qwen3_moe").config("tiny")
+    e_local = cfg.n_experts // 8
+    buf = 8 * cfg.seq_len * min(cfg.top_k, e_local) * cfg.d_model * 4  # 8 peers, 8 tokens
+    assert predicted == compiled == plan.cost.comm_bytes["all_to_all"]
+    assert compiled == cfg.n_layers * (6 * buf + 2 * 8 * e_local * 4)
+    assert report.ok, str(report)
 
 
 def _assert_equal(got, ref_loss, ref_grads):
