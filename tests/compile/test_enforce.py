@@ -216,6 +216,38 @@ def test_a_partial_contraction_is_reduced_as_planned():
     )
 
 
+def test_a_partial_reduced_in_several_steps_is_not_moved_again_by_its_reader():
+    """A weight gradient ``x.T @ dy`` partial over ``data``, transposed into a layout
+    tiled over ``(data, model)``: the plan reduces it in two collectives, which the
+    replay runs where it is computed. Its reader reads the reduced value as it is;
+    pinned again at each intermediate layout of the reduction (as if still partial),
+    XLA undid the shard_map's slice and gathered the gradient a second time (tiny
+    GPT's fc and tied embedding gradients under auto on 2x4)."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(x, dy):
+        return (x.T @ dy).T
+
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    dy = jax.ShapeDtypeStruct((16, 256), jnp.float32)
+    specs = (P("data"), P("data", "model"))
+    prop = propagate(f, x, dy, mesh=mesh, in_specs=specs, out_specs=P(("data", "model")))
+    planned = [(c.kind, c.payload_bytes) for c in prop.collectives()]
+    assert len(planned) == 2, prop.collectives()
+    compiled, got = _compiled(prop, mesh, x, dy)
+    assert [(c.kind, c.payload_bytes) for c in got if c.group_size > 1] == planned
+    rng = np.random.default_rng(0)
+    xv = jax.device_put(
+        rng.normal(size=(16, 64)).astype(np.float32), NamedSharding(mesh, P("data"))
+    )
+    dv = jax.device_put(
+        rng.normal(size=(16, 256)).astype(np.float32), NamedSharding(mesh, P("data", "model"))
+    )
+    np.testing.assert_allclose(
+        compiled(xv, dv), f(np.asarray(xv), np.asarray(dv)), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_a_scaled_partial_contraction_is_reduced_as_planned():
     """A float8 GEMM's result times its per-tensor scale: the weight gradient of
     ``spmdkit.step.fp8.fp8_dot`` under FSDP contracts the sharded batch, and the
