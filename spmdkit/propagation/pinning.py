@@ -75,12 +75,20 @@ class Program:
       specs: ``id(node)`` → its :class:`NodePins`.
       out_tree: the output treedef (None when propagating a closed jaxpr
         without one).
+      outs: per step output, the :class:`~spmdkit.resharding.ReshardPlan` the
+        replay runs with its own collectives to move it into the layout the
+        step returns it in (None: returned as made, or moved by XLA to the
+        output sharding: a pending sum, an uneven block). Left to the output
+        sharding, XLA moved an optimizer's results from the gradient's layout
+        into the parameters' by a permute and a gather over part of an axis,
+        where the plan gathers the whole axis.
     """
 
     graph: Graph
     values: dict[int, Any]
     specs: dict[int, NodePins]
     out_tree: Any
+    outs: tuple[ReshardPlan | None, ...] = ()
 
 
 #: Contractions whose sum-partial result the replay reduces itself (see NodePins).
@@ -113,16 +121,25 @@ _Readers = Mapping[int, list[tuple[Node | None, TensorSpec | None]]]
 
 def pins(
     steps: list[Step], pricer: Pricer, graph: Graph, final_out: Sequence[TensorSpec | None]
-) -> dict[int, NodePins]:
+) -> tuple[dict[int, NodePins], tuple[ReshardPlan | None, ...]]:
     """``id(node)`` → :class:`NodePins` for the top-level ``steps`` of ``graph``
-    and, recursively, their loop bodies; ``final_out`` are the layouts the
-    step's outputs leave in."""
+    and, recursively, their loop bodies; and per output of ``graph`` the plan
+    the replay moves it by (:attr:`Program.outs`). ``final_out`` are the
+    layouts the step's outputs leave in."""
     returned: dict[int, TensorSpec | None] = {}
     for v, s in zip(graph.outvars, final_out, strict=True):
         returned[v] = None if v in returned else s  # returned twice: left alone
     out: dict[int, NodePins] = {}
-    _node_pins(steps, pricer, returned, _body_outvars(graph), out, 1)
-    return out
+    made, avail = _node_pins(steps, pricer, returned, _body_outvars(graph), out, 1)
+    moves = []
+    for v in graph.outvars:
+        have, want = made.get(v), returned.get(v)
+        plan = None
+        if have is not None and want is not None and not have.partial:
+            move = _moves(pricer, v, have, want, avail)
+            plan = move if isinstance(move, ReshardPlan) else None
+        moves.append(plan)
+    return out, tuple(moves)
 
 
 def _body_outvars(graph: Graph, out: set[int] | None = None) -> set[int]:
@@ -149,7 +166,10 @@ def _node_pins(
     blocked: set[int],
     out: dict[int, NodePins],
     runs: int,
-) -> None:
+) -> tuple[dict[int, TensorSpec | None], dict[int, list[TensorSpec]]]:
+    """Fill ``out`` for ``steps`` (and their loop bodies); returns each value's
+    layout as the replay leaves it (a fused reduction's result reduced) and the
+    layouts each value has copies in (the records' copies)."""
     # value → (reading node, None for the step's output; the layout it wants)
     readers: dict[int, list[tuple[Node | None, TensorSpec | None]]] = collections.defaultdict(list)
     made: dict[int, TensorSpec | None] = {}
@@ -208,6 +228,7 @@ def _node_pins(
             ys = _scan_ys(node, outs)
             inner = blocked - set(ys) if ys else blocked
             _node_pins(step.loop.steps, pricer, ys, inner, out, runs * step.loop.trips)
+    return {**made, **reduced}, avail
 
 
 def _lookup(node: Node, req: Sequence[TensorSpec | None]) -> bool:

@@ -153,10 +153,17 @@ def test_parse_collectives_sees_pinned_reduction(mesh):
     assert prop.comm_bytes_by_kind == {"all_reduce": 8 * 8 * 4}
 
 
-def _compiled(prop, mesh, *args):
+def _compiled(prop, mesh, *args, outs=False):
+    """``prop``'s replay compiled (with its output shardings, as sk.jit does, when
+    ``outs``) and the compiled collectives."""
     shardings = tuple(NamedSharding(mesh, s.to_partition_spec()) for s in prop.in_specs)
+    kw = {}
+    if outs:
+        kw["out_shardings"] = tuple(
+            NamedSharding(mesh, s.to_partition_spec()) for s in prop.out_specs
+        )
     with jax.set_mesh(mesh):
-        compiled = jax.jit(enforced(prop), in_shardings=shardings).lower(*args).compile()
+        compiled = jax.jit(enforced(prop), in_shardings=shardings, **kw).lower(*args).compile()
     return compiled, parse_collectives(compiled.as_text())
 
 
@@ -499,6 +506,34 @@ def test_a_reshard_runs_with_the_plans_own_collectives():
     out = compiled(x)
     assert out.sharding.spec == P("model")
     np.testing.assert_allclose(out, np.tanh(np.asarray(x)), rtol=1e-6)
+
+
+def test_an_output_moves_into_its_returned_layout_with_the_plans_collectives():
+    """A value made over ``model`` (4) that a reader keeps there, returned over
+    ``data`` (2), as an optimizer's results leave the gradient's layout for the
+    parameters' (tiny GPT under auto on 2x4): the plan gathers over ``model`` and
+    slices. The replay runs that itself; left to the output sharding, XLA
+    permuted the blocks and gathered over half of ``model`` (a collective-permute
+    the plan does not have)."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(m, g):
+        y = jnp.tanh(g)
+        return y, y * m
+
+    x = jax.ShapeDtypeStruct((64,), jnp.float32)
+    prop = propagate(
+        f, x, x, mesh=mesh, in_specs=(P("model"), P("model")), out_specs=(P("data"), P("model"))
+    )
+    planned = [(c.kind, c.payload_bytes) for c in prop.collectives()]
+    assert planned == [("all_gather", 64 * 4)], prop.collectives()
+    compiled, got = _compiled(prop, mesh, x, x, outs=True)
+    assert [(c.kind, c.payload_bytes) for c in got] == planned
+    v = jax.device_put(jnp.linspace(-2, 2, 64), NamedSharding(mesh, P("model")))
+    y, ym = compiled(v, v)
+    assert y.sharding.spec == P("data") and ym.sharding.spec == P("model")
+    np.testing.assert_allclose(y, np.tanh(np.asarray(v)), rtol=1e-6)
+    np.testing.assert_allclose(ym, np.tanh(np.asarray(v)) * np.asarray(v), rtol=1e-6)
 
 
 # -- composite ops traced as regions ------------------------------------------------
