@@ -56,6 +56,13 @@ Three cases need more than a constraint on each side:
     result is partial over its groups' axes and others, run per device by its
     rule's local computation: left alone, XLA reduces it once per factor.
 
+The step's outputs leave in the layouts it returns them in: an output made in
+another layout moves there with the plan's own collectives under ``shard_map``
+(:attr:`~spmdkit.propagation.pinning.Program.outs`), as an operand does. Left to
+the output sharding, XLA moved an optimizer's results from the gradient's layout
+into the parameters' by a collective-permute and a gather over part of an axis,
+where the plan gathers the whole axis.
+
 Composite ops of :mod:`spmdkit.ops` traced as regions (:mod:`spmdkit.engine.region`) run
 as their rule's ``shard_map`` program with the planned layouts and strategy, so their
 collectives are the rule's own.
@@ -486,7 +493,12 @@ def replay(prop: Propagation, *flat_args: Any) -> list[Any]:
             f"axes {explicit} are Explicit: propagate on a mesh made with "
             f"axis_types='auto' (sk.jit does this for you)"
         )
-    return _Replay(program, prop.mesh).graph(program.graph, flat_args)
+    rep = _Replay(program, prop.mesh)
+    outs = rep.graph(program.graph, flat_args)
+    for i, plan in enumerate(program.outs):
+        if plan is not None:
+            outs[i] = rep.moved(program.graph.outvars[i], outs[i], plan, plan.dst)
+    return outs
 
 
 def enforced(prop: Propagation) -> Callable[..., Any]:

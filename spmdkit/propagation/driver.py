@@ -132,9 +132,8 @@ def propagate(
     spec, collect, unknown = _sweeps(propagator, graph, flat_in, out_req, peak)
 
     final_out = _final_out(propagator, graph, spec, out_req)
-    program = Program(
-        graph, prog.values, pins(collect, propagator.pricer, graph, final_out), out_treedef
-    )
+    node_pins, out_moves = pins(collect, propagator.pricer, graph, final_out)
+    program = Program(graph, prog.values, node_pins, out_treedef, out_moves)
     donated = _donated_ids(donate_argnums, args, graph.invars)
     # the records, their totals and the memory estimate wait for their first read
     # (Propagation.report): running the step (sk.jit) needs only the program

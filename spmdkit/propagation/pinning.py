@@ -75,12 +75,20 @@ class Program:
       specs: ``id(node)`` → its :class:`NodePins`.
       out_tree: the output treedef (None when propagating a closed jaxpr
         without one).
+      outs: per step output, the :class:`~spmdkit.resharding.ReshardPlan` the
+        replay runs with its own collectives to move it into the layout the
+        step returns it in (None: returned as made, or moved by XLA to the
+        output sharding: a pending sum, an uneven block). Left to the output
+        sharding, XLA moved an optimizer's results from the gradient's layout
+        into the parameters' by a permute and a gather over part of an axis,
+        where the plan gathers the whole axis.
     """
 
     graph: Graph
     values: dict[int, Any]
     specs: dict[int, NodePins]
     out_tree: Any
+    outs: tuple[ReshardPlan | None, ...] = ()
 
 
 #: Contractions whose sum-partial result the replay reduces itself (see NodePins).
@@ -113,16 +121,25 @@ _Readers = Mapping[int, list[tuple[Node | None, TensorSpec | None]]]
 
 def pins(
     steps: list[Step], pricer: Pricer, graph: Graph, final_out: Sequence[TensorSpec | None]
-) -> dict[int, NodePins]:
+) -> tuple[dict[int, NodePins], tuple[ReshardPlan | None, ...]]:
     """``id(node)`` → :class:`NodePins` for the top-level ``steps`` of ``graph``
-    and, recursively, their loop bodies; ``final_out`` are the layouts the
-    step's outputs leave in."""
+    and, recursively, their loop bodies; and per output of ``graph`` the plan
+    the replay moves it by (:attr:`Program.outs`). ``final_out`` are the
+    layouts the step's outputs leave in."""
     returned: dict[int, TensorSpec | None] = {}
     for v, s in zip(graph.outvars, final_out, strict=True):
         returned[v] = None if v in returned else s  # returned twice: left alone
     out: dict[int, NodePins] = {}
-    _node_pins(steps, pricer, returned, _body_outvars(graph), out, 1)
-    return out
+    made, avail = _node_pins(steps, pricer, returned, _body_outvars(graph), out, 1)
+    moves = []
+    for v in graph.outvars:
+        have, want = made.get(v), returned.get(v)
+        plan = None
+        if have is not None and want is not None and not have.partial:
+            move = _moves(pricer, v, have, want, avail)
+            plan = move if isinstance(move, ReshardPlan) else None
+        moves.append(plan)
+    return out, tuple(moves)
 
 
 def _body_outvars(graph: Graph, out: set[int] | None = None) -> set[int]:
@@ -149,7 +166,10 @@ def _node_pins(
     blocked: set[int],
     out: dict[int, NodePins],
     runs: int,
-) -> None:
+) -> tuple[dict[int, TensorSpec | None], dict[int, list[TensorSpec]]]:
+    """Fill ``out`` for ``steps`` (and their loop bodies); returns each value's
+    layout as the replay leaves it (a fused reduction's result reduced) and the
+    layouts each value has copies in (the records' copies)."""
     # value → (reading node, None for the step's output; the layout it wants)
     readers: dict[int, list[tuple[Node | None, TensorSpec | None]]] = collections.defaultdict(list)
     made: dict[int, TensorSpec | None] = {}
@@ -161,6 +181,8 @@ def _node_pins(
         made.update(zip(step.node.outs, step.outputs, strict=True))
     settled: dict[int, tuple[TensorSpec, TensorSpec] | None] = {}  # None: in a chain
     avail: dict[int, list[TensorSpec]] = {}  # value → layouts it has (the records' copies)
+    # a fused reduction's end value → the layout the replay leaves it in (reduced)
+    reduced: dict[int, TensorSpec] = {}
     for step in steps:
         node, req, outs = step.node, step.required, step.outputs
         if id(node) in settled:
@@ -172,8 +194,12 @@ def _node_pins(
             req = tuple(before if r is not None and r.partial else r for r in step.given)
             out[id(node)] = NodePins(req, (after,), ((),) * len(req), None, runs)
             continue
+        # a pending sum the replay reduced where it was computed is read from the
+        # layout it was reduced to: moved from its partial layout again, the chain
+        # of a multi-step reduction (pinned at each of its layouts) would undo the
+        # shard_map's work and XLA would move it a second time
         chains = tuple(
-            _moves(pricer, v, s, r, avail)
+            _moves(pricer, v, reduced.get(v, s), r, avail)
             for v, s, r in zip(node.ins, step.given, req, strict=True)
         )
         fused, chain = None, ()
@@ -190,10 +216,11 @@ def _node_pins(
             and all(r is not None and not r.partial for r in req)
             and node.outs[0] not in blocked
         ):
-            fused, layouts, chain = _fused_reduction(
+            fused, layouts, chain, end = _fused_reduction(
                 node, outs[0], req, pricer, readers, made, blocked
             )
             settled.update(layouts)
+            reduced.update(end)
         out[id(node)] = NodePins(
             tuple(req), tuple(outs), chains, fused, runs, step.attrs, chain=chain
         )
@@ -201,6 +228,7 @@ def _node_pins(
             ys = _scan_ys(node, outs)
             inner = blocked - set(ys) if ys else blocked
             _node_pins(step.loop.steps, pricer, ys, inner, out, runs * step.loop.trips)
+    return {**made, **reduced}, avail
 
 
 def _lookup(node: Node, req: Sequence[TensorSpec | None]) -> bool:
@@ -375,11 +403,17 @@ def _fused_reduction(
     readers: _Readers,
     made: Mapping[int, TensorSpec | None],
     blocked: set[int],
-) -> tuple[ReshardPlan | None, dict[int, Any], tuple[tuple[Any, TensorSpec], ...]]:
+) -> tuple[
+    ReshardPlan | None,
+    dict[int, Any],
+    tuple[tuple[Any, TensorSpec], ...],
+    dict[int, TensorSpec],
+]:
     """The plan by which the replay reduces a contraction's sum-partial result
     (None: leave it to XLA), the layouts (input, output) of the nodes the
     partial passes through on its way to its readers (None for a node run in
-    the chain), and that chain (:attr:`NodePins.chain`).
+    the chain), that chain (:attr:`NodePins.chain`), and the value its readers
+    read (the path's end) with the reduced layout the replay leaves it in.
 
     The readers (or the step's output) must all want non-partial layouts that
     slice (locally) from one of them, the layout it is reduced to. A partial may
@@ -390,18 +424,20 @@ def _fused_reduction(
     (:func:`_chain_reduction`).
     """
     if any(op != "sum" for _, op in spec.partial):
-        return None, {}, ()
+        return None, {}, (), {}
     v, passed = _partial_path(node, spec, readers, made, blocked)
     if node.prim in _REDUCED_FOR_OUTPUT and not _only_returned(v, readers):
-        return None, {}, ()
+        return None, {}, (), {}
     target = _coarsest([r for _, r in readers.get(v, [])])
     if target is None:
-        return None, {}, ()
+        return None, {}, (), {}
     if any(n.prim in _PARTIAL_SHRINK and not _adds_unit_dims(n) for n, _, _ in passed):
         if any(len(n.ins) > 1 for n, _, _ in passed):  # a chain runs one-operand nodes
-            return None, {}, ()
-        return _chain_reduction(v, passed, target, req, pricer)
+            return None, {}, (), {}
+        plan, layouts, chain = _chain_reduction(v, passed, target, req, pricer)
+        return plan, layouts, chain, {v: target} if plan is not None else {}
     layouts: dict[int, Any] = {}
+    end = {v: target}
     for n, before, after in reversed(passed):
         if n.prim == "transpose":
             dims: list[tuple[str, ...]] = [()] * len(target.dims)
@@ -411,15 +447,15 @@ def _fused_reduction(
         elif target.dims == after.without_partial().dims:
             back = before.without_partial()
         elif (back := _unit_dims_back(before, target)) is None:
-            return None, {}, ()
+            return None, {}, (), {}
         layouts[id(n)] = (back, target)
         target = back
     a = pricer.reshard("input", spec, target, node.outs[0])
     # shard_map takes even blocks only
     specs = (*req, *a.plan.specs, *(x for pair in layouts.values() for x in pair)) if a else ()
     if a is None or not all(x.is_even(pricer.mesh) for x in specs):
-        return None, {}, ()
-    return a.plan, layouts, ()
+        return None, {}, (), {}
+    return a.plan, layouts, (), end
 
 
 def _chain_reduction(

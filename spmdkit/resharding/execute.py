@@ -15,6 +15,7 @@ value on one rank), so the compiled HLO has exactly the planned collectives;
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ from spmdkit.state import cached
 from spmdkit.util import as_unreduced
 from spmdkit.vma import shard_map
 
-__all__ = ["empty_array", "reshard", "run_plan", "step_fn"]
+__all__ = ["empty_array", "permute_pairs", "reshard", "run_plan", "step_fn"]
 
 
 def _is_tracer(x: Any) -> bool:
@@ -204,6 +205,8 @@ def step_fn(step: Collective) -> Callable[[jax.Array], jax.Array]:
     name = axes if len(axes) > 1 else axes[0]
     if step.group_size == 1:
         return lambda y: y
+    if kind == "collective_permute":
+        return _permute_fn(step)
     if kind == "all_gather":
         return lambda y: jax.lax.all_gather(y, name, axis=step.dim, tiled=True)
     if kind == "all_reduce":
@@ -228,6 +231,82 @@ def step_fn(step: Collective) -> Callable[[jax.Array], jax.Array]:
         return jnp.where(first, y, jnp.zeros_like(y))
 
     return keep_on_first
+
+
+def permute_pairs(
+    step: Collective, sizes: dict[str, int]
+) -> tuple[list[tuple[int, int]], list[tuple[int, ...]]]:
+    """A ``collective_permute`` step's ``(source, target)`` pairs over its group
+    (devices numbered row-major over ``step.axes``, as ``ppermute`` numbers
+    them), and per source the index of the target block it sends within its own
+    block, per dim. A device that holds the block it needs keeps it (sends it to
+    itself); the others take the holders of their block's source block in order.
+
+    Example::
+
+        >>> step = plan_reshard(TensorSpec((8,), P("a")), TensorSpec((8,), P("b")),
+        ...                     abstract_mesh(a=2, b=2)).steps[0]
+        >>> permute_pairs(step, {"a": 2, "b": 2})[0]
+        [(0, 0), (2, 1), (1, 2), (3, 3)]
+    """
+    before, after = step.layouts
+    axes = step.axes
+    coords = list(itertools.product(*(range(sizes[a]) for a in axes)))
+
+    def blocks(dims: tuple[tuple[str, ...], ...], c: tuple[int, ...]) -> tuple[int, ...]:
+        at = dict(zip(axes, c, strict=True))
+        out = []
+        for d in dims:
+            b = 0
+            for a in d:
+                b = b * sizes[a] + at[a]
+            out.append(b)
+        return tuple(out)
+
+    split = [
+        math.prod(sizes[a] for a in t) // math.prod(sizes[a] for a in b)
+        for b, t in zip(before, after, strict=True)
+    ]
+    held = [blocks(before, c) for c in coords]
+    need = [blocks(after, c) for c in coords]
+    src_of = [tuple(n // k for n, k in zip(w, split, strict=True)) for w in need]
+    source: dict[int, int] = {t: t for t in range(len(coords)) if held[t] == src_of[t]}
+    free: dict[tuple[int, ...], list[int]] = {}
+    for s in range(len(coords)):
+        if s not in source.values():
+            free.setdefault(held[s], []).append(s)
+    for t in range(len(coords)):
+        if t not in source:
+            source[t] = free[src_of[t]].pop(0)
+    piece: list[tuple[int, ...]] = [()] * len(coords)
+    for t, s in source.items():
+        piece[s] = tuple(n % k for n, k in zip(need[t], split, strict=True))
+    return sorted(((s, t) for t, s in source.items()), key=lambda p: p[1]), piece
+
+
+def _permute_fn(step: Collective) -> Callable[[jax.Array], jax.Array]:
+    """The per-device function of a ``collective_permute`` step: the piece of the
+    local block the device sends (:func:`permute_pairs`), passed to its target."""
+    axes = step.axes
+
+    def move(y: jax.Array) -> jax.Array:
+        sizes = {a: jax.lax.axis_size(a) for a in axes}
+        pairs, piece = permute_pairs(step, sizes)
+        before, after = step.layouts
+        split = [
+            math.prod(sizes[a] for a in t) // math.prod(sizes[a] for a in b)
+            for b, t in zip(before, after, strict=True)
+        ]
+        size = [n // k for n, k in zip(y.shape, split, strict=True)]
+        me = 0
+        for a in axes:
+            me = me * sizes[a] + jax.lax.axis_index(a)
+        table = jnp.asarray(np.asarray(piece, np.int32).reshape(len(piece), y.ndim))
+        starts = [table[me, d] * size[d] for d in range(y.ndim)]
+        block = jax.lax.dynamic_slice(y, starts, size)
+        return jax.lax.ppermute(block, axes if len(axes) > 1 else axes[0], perm=pairs)
+
+    return move
 
 
 def run_plan(x: jax.Array, plan: ReshardPlan, mesh: MeshLike) -> jax.Array:

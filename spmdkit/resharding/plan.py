@@ -5,6 +5,7 @@ Semantics follow PaddlePaddle's reshard functions, done one mesh axis at a time:
 ================  ==================  =========================================
 from              to                  step
 ================  ==================  =========================================
+sharded           finer, other order  ``collective_permute`` (one block each)
 replicated        sharded             ``slice`` (local, no communication)
 sharded           replicated          ``all_gather``
 partial           replicated          ``all_reduce`` with the partial's op
@@ -46,15 +47,27 @@ all their axes, as XLA emits them (staged all-reduces would send more bytes:
 two ops commute (equal ops, or sum with avg). Otherwise the blocking axis is
 reduced first and, if the target keeps it partial, made partial again.
 
-**Not modelled.** Plans have no device-permutation step: XLA moves a dim from
-axis ``a`` to axis ``b`` with a collective-permute, where a plan gathers then
-slices.
+**Device permutations.** A layout whose block on every device holds a block of
+the goal's (finer or equal in every dim, no pending sum on either side) reaches
+it in one ``collective_permute``: every device sends one block of the goal's size
+to the one device that needs it (the devices holding a source block and those
+needing the goal's blocks inside it are as many), as XLA moves it. So
+``P(('model', 'data')) -> P(('data', 'model'))`` is one permute of the block, and
+``P('data') -> P('model')`` on ``data=2, model=4`` a permute of half the block
+(XLA slices, then permutes). A permute is only ever the last step into the goal:
+XLA also permutes into layouts it then gathers (``P(('data', 'model')) ->
+P('model')``: a permute into ``P(('model', 'data'))``, a gather over ``data``;
+``P('model') -> P('data')``: a gather over half of ``model``), where a plan
+gathers first; offered to the propagator, the permute-then-gather made loop
+bodies pick layouts whose stacked results the step's outputs then gathered.
 
 **Bytes.** ``payload_bytes`` is the per-device buffer XLA's HLO shows for that
 collective: the all-gather output, the all-reduce operand, the reduce-scatter
-input, the all-to-all operand. Uneven dims are padded (ceil-divided local shapes,
+input, the all-to-all operand, the collective-permute operand (the target's
+block). Uneven dims are padded (ceil-divided local shapes,
 as XLA pads) and the padding is counted. ``wire_bytes`` is what each device sends
-with ring algorithms: ``(n-1)/n × payload``, twice that for all-reduce.
+with ring algorithms: ``(n-1)/n × payload``, twice that for all-reduce, the
+whole block for a collective-permute.
 
 :mod:`spmdkit.resharding.execute` runs a plan on a ``jax.Array``.
 """
@@ -85,7 +98,7 @@ KINDS = (
     "reduce_scatter",
     "all_to_all",
     "to_partial",
-    "collective_permute",  # an op's own (a ring's block passing), never a reshard step
+    "collective_permute",  # a block to another device (a reshard's, or a ring's)
 )
 
 _KIND_ORDER = {k: i for i, k in enumerate(KINDS)}
@@ -101,8 +114,8 @@ class Collective:
 
     Attributes:
       kind: ``"slice"``, ``"all_gather"``, ``"all_reduce"``, ``"reduce_scatter"``,
-        ``"all_to_all"`` or ``"to_partial"``; ``slice`` and ``to_partial`` are
-        local (no communication).
+        ``"all_to_all"``, ``"collective_permute"`` or ``"to_partial"``; ``slice``
+        and ``to_partial`` are local (no communication).
       axes: mesh axes of the group, major → minor.
       group_size: devices in the group (product of the axes' sizes).
       dim: tensor dim gathered / scattered / sliced (all-to-all: the source dim).
@@ -112,6 +125,8 @@ class Collective:
         all-reduce operand, reduce-scatter input, all-to-all operand); 0 if local.
       wire_bytes: bytes each device sends with ring algorithms.
       time_s: alpha-beta time from the plan's :class:`Topology`.
+      layouts: a ``collective_permute``'s dims before and after it (each dim's
+        mesh axes, major → minor); None for the other kinds.
 
     Example::
 
@@ -129,6 +144,7 @@ class Collective:
     payload_bytes: int = 0
     wire_bytes: int = 0
     time_s: float = 0.0
+    layouts: tuple[_Dims, _Dims] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -163,6 +179,8 @@ class Collective:
             text += f" dim{self.dim}→{self.dst_dim}"
         elif self.dim is not None:
             text += f" dim{self.dim}"
+        if self.layouts is not None:
+            text += f" →{_fmt_dims(self.layouts[1])}"
         cost = "local" if self.is_local else fmt_bytes(self.payload_bytes)
         return f"{text} {self.group_size}×: {cost}"
 
@@ -242,6 +260,7 @@ class _Move(NamedTuple):
     dim: int | None = None
     dst_dim: int | None = None
     reduce_op: str | None = None
+    to: _Dims | None = None  # a collective_permute's dims after it
 
 
 class _Ctx(NamedTuple):
@@ -263,13 +282,22 @@ def _spec(like: TensorSpec, state: _State) -> TensorSpec:
 
 
 def _move_of(step: Collective) -> _Move:
-    return _Move(step.kind, step.axes, step.dim, step.dst_dim, step.reduce_op)
+    to = step.layouts[1] if step.layouts is not None else None
+    return _Move(step.kind, step.axes, step.dim, step.dst_dim, step.reduce_op, to)
+
+
+def _fmt_dims(dims: _Dims) -> str:
+    """``(('data', 'model'), ())`` as ``[(data,model),-]``."""
+    one = [",".join(a) if len(a) == 1 else f"({','.join(a)})" if a else "-" for a in dims]
+    return f"[{','.join(one)}]"
 
 
 def _apply(move: _Move, state: _State) -> _State:
     dims = list(state[0])
     partial = dict(state[1])
     kind = move.kind
+    if kind == "collective_permute":
+        return move.to, state[1]
     if kind == "slice":
         dims[move.dim] += move.axes
     elif kind == "all_gather":
@@ -362,7 +390,26 @@ def _moves(state: _State, ctx: _Ctx) -> list[_Move]:
     for a, op in goal_partial_t:
         if partial.get(a) != op and a not in used:
             out.append(_Move("to_partial", (a,), reduce_op=op))
+    if not partial_t:
+        out.extend(_permutes(dims, goal_dims, ctx))
     return out
+
+
+def _permutes(dims: _Dims, goal: _Dims, ctx: _Ctx) -> list[_Move]:
+    """The ``collective_permute`` into the goal's dims from ``dims`` (no pending
+    sum), when every block is even, every dim's block divides into the goal's,
+    and some block changes device (not a slice: the dims are not all prefixes of
+    the goal's)."""
+    if dims == goal or all(t[: len(d)] == d for d, t in zip(dims, goal, strict=True)):
+        return []
+    for n, d, t in zip(ctx.shape, dims, goal, strict=True):
+        have = math.prod(ctx.sizes[a] for a in d)
+        want = math.prod(ctx.sizes[a] for a in t)
+        if want % have or n % want:
+            return []
+    names = {a for axes in (*dims, *goal) for a in axes}
+    axes = tuple(a for a in ctx.sizes if a in names)
+    return [_Move("collective_permute", axes, to=goal)]
 
 
 def _local_shape(ctx: _Ctx, dims: _Dims) -> list[int]:
@@ -375,6 +422,18 @@ def _local_shape(ctx: _Ctx, dims: _Dims) -> list[int]:
 def _price(move: _Move, state: _State, ctx: _Ctx) -> Collective:
     n = math.prod(ctx.sizes[a] for a in move.axes)
     payload = 0
+    if move.kind == "collective_permute":
+        payload = math.prod(_local_shape(ctx, move.to)) * ctx.itemsize
+        time = ctx.topology.collective_time(move.kind, payload, n, move.axes, ctx.mesh)
+        return Collective(
+            kind=move.kind,
+            axes=move.axes,
+            group_size=n,
+            payload_bytes=payload,
+            wire_bytes=payload,
+            time_s=time,
+            layouts=(state[0], move.to),
+        )
     if move.kind in COLLECTIVE_KINDS and n > 1:
         dims = state[0]
         local = _local_shape(ctx, dims)

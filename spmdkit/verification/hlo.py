@@ -794,7 +794,10 @@ def check_plan(
       ``all_reduce_per_axis=True`` to accept either.
     - On multi-axis moves XLA's partitioner also re-orders devices with
       collective-permutes (``P(('a','b')) -> P('b')`` = permute + 2-way
-      all-gather); plans have no permute step, so those programs do not match.
+      all-gather). A plan's ``collective_permute`` step, the last into a finer
+      goal, matches XLA's permute there (``P('a') -> P('b')`` on ``a=2, b=4``);
+      a permute XLA makes before a gather, or its gather over part of an axis
+      (``P('b') -> P('a')``), has no plan step.
 
     Args:
       plan: a :class:`spmdkit.resharding.ReshardPlan` (or any iterable of steps).

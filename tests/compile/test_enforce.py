@@ -153,10 +153,17 @@ def test_parse_collectives_sees_pinned_reduction(mesh):
     assert prop.comm_bytes_by_kind == {"all_reduce": 8 * 8 * 4}
 
 
-def _compiled(prop, mesh, *args):
+def _compiled(prop, mesh, *args, outs=False):
+    """``prop``'s replay compiled (with its output shardings, as sk.jit does, when
+    ``outs``) and the compiled collectives."""
     shardings = tuple(NamedSharding(mesh, s.to_partition_spec()) for s in prop.in_specs)
+    kw = {}
+    if outs:
+        kw["out_shardings"] = tuple(
+            NamedSharding(mesh, s.to_partition_spec()) for s in prop.out_specs
+        )
     with jax.set_mesh(mesh):
-        compiled = jax.jit(enforced(prop), in_shardings=shardings).lower(*args).compile()
+        compiled = jax.jit(enforced(prop), in_shardings=shardings, **kw).lower(*args).compile()
     return compiled, parse_collectives(compiled.as_text())
 
 
@@ -213,6 +220,40 @@ def test_a_partial_contraction_is_reduced_as_planned():
     )
     np.testing.assert_allclose(
         compiled(xv, wv), f(np.asarray(xv), np.asarray(wv)), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_partial_reduced_in_several_steps_is_not_moved_again_by_its_reader():
+    """A weight gradient ``x.T @ dy`` partial over ``data``, transposed into a layout
+    tiled over ``(data, model)``: the plan reduces it in two collectives (an
+    all-reduce over ``data``, a permute of the blocks into ``(data, model)``), which
+    the replay runs where it is computed. Its reader reads the reduced value as it
+    is; pinned again at each intermediate layout of the reduction (as if still
+    partial), XLA undid the shard_map's move and permuted and gathered the gradient
+    a second time (tiny GPT's fc and tied embedding gradients under auto on 2x4)."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(x, dy):
+        return (x.T @ dy).T
+
+    # a batch large enough that reducing the product beats gathering the operands
+    x = jax.ShapeDtypeStruct((512, 64), jnp.float32)
+    dy = jax.ShapeDtypeStruct((512, 256), jnp.float32)
+    specs = (P("data"), P("data", "model"))
+    prop = propagate(f, x, dy, mesh=mesh, in_specs=specs, out_specs=P(("data", "model")))
+    planned = [(c.kind, c.payload_bytes) for c in prop.collectives()]
+    assert planned == [("all_reduce", 64 * 64 * 4), ("collective_permute", 64 * 32 * 4)]
+    compiled, got = _compiled(prop, mesh, x, dy)
+    assert [(c.kind, c.payload_bytes) for c in got if c.group_size > 1] == planned
+    rng = np.random.default_rng(0)
+    xv = jax.device_put(
+        rng.normal(size=(512, 64)).astype(np.float32), NamedSharding(mesh, P("data"))
+    )
+    dv = jax.device_put(
+        rng.normal(size=(512, 256)).astype(np.float32), NamedSharding(mesh, P("data", "model"))
+    )
+    np.testing.assert_allclose(  # sums of 512 products, in another order
+        compiled(xv, dv), f(np.asarray(xv), np.asarray(dv)), rtol=1e-4, atol=1e-4
     )
 
 
@@ -445,11 +486,9 @@ def test_a_partial_attention_output_is_reduced_before_its_transpose(monkeypatch)
 
 
 def test_a_reshard_runs_with_the_plans_own_collectives():
-    """Rows over ``data`` (2) wanted over ``model`` (4): the plan gathers over
-    ``data`` and slices (1.25 KiB). The replay runs exactly that under
-    ``shard_map``; left to a constraint, XLA slices and permutes blocks instead
-    (a collective-permute the plan does not have), so the prediction would not
-    match the program."""
+    """Rows over ``data`` (2) wanted over ``model`` (4): the plan permutes half of
+    each device's block to the device that needs it (320 B), as XLA would. The
+    replay runs exactly that under ``shard_map`` (a ``ppermute``)."""
     mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
 
     def f(w):
@@ -459,7 +498,7 @@ def test_a_reshard_runs_with_the_plans_own_collectives():
     prop = propagate(f, w, mesh=mesh, in_specs=(P("data"),), out_specs=P("model"))
     compiled, got = _compiled(prop, mesh, w)
     planned = [(c.kind, c.payload_bytes) for c in prop.collectives()]
-    assert planned == [("all_gather", 32 * 10 * 4)], prop.collectives()
+    assert planned == [("collective_permute", 32 * 10 * 4 // 4)], prop.collectives()
     assert [(c.kind, c.payload_bytes) for c in got] == planned
     x = jax.device_put(
         jnp.arange(320, dtype=jnp.float32).reshape(32, 10) / 320, NamedSharding(mesh, P("data"))
@@ -467,6 +506,34 @@ def test_a_reshard_runs_with_the_plans_own_collectives():
     out = compiled(x)
     assert out.sharding.spec == P("model")
     np.testing.assert_allclose(out, np.tanh(np.asarray(x)), rtol=1e-6)
+
+
+def test_an_output_moves_into_its_returned_layout_with_the_plans_collectives():
+    """A value made over ``model`` (4) that a reader keeps there, returned over
+    ``data`` (2), as an optimizer's results leave the gradient's layout for the
+    parameters' (tiny GPT under auto on 2x4): the plan gathers over ``model`` and
+    slices. The replay runs that itself; left to the output sharding, XLA
+    permuted the blocks and gathered over half of ``model`` (a collective-permute
+    the plan does not have)."""
+    mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
+
+    def f(m, g):
+        y = jnp.tanh(g)
+        return y, y * m
+
+    x = jax.ShapeDtypeStruct((64,), jnp.float32)
+    prop = propagate(
+        f, x, x, mesh=mesh, in_specs=(P("model"), P("model")), out_specs=(P("data"), P("model"))
+    )
+    planned = [(c.kind, c.payload_bytes) for c in prop.collectives()]
+    assert planned == [("all_gather", 64 * 4)], prop.collectives()
+    compiled, got = _compiled(prop, mesh, x, x, outs=True)
+    assert [(c.kind, c.payload_bytes) for c in got] == planned
+    v = jax.device_put(jnp.linspace(-2, 2, 64), NamedSharding(mesh, P("model")))
+    y, ym = compiled(v, v)
+    assert y.sharding.spec == P("data") and ym.sharding.spec == P("model")
+    np.testing.assert_allclose(y, np.tanh(np.asarray(v)), rtol=1e-6)
+    np.testing.assert_allclose(ym, np.tanh(np.asarray(v)) * np.asarray(v), rtol=1e-6)
 
 
 # -- composite ops traced as regions ------------------------------------------------

@@ -95,7 +95,9 @@ def test_a_1x1_convolutions_backward_reads_the_kernel_the_forward_gathered():
     """The input gradient of a 1x1 convolution reads ``rev(kernel)`` over its size-1
     window dims, which XLA simplifies to the kernel itself: the fully sharded kernel
     is gathered once for both passes, in the compiled program and in the prediction.
-    A 3x3 kernel's ``rev`` is a real one: gathered again for the backward, in both."""
+    A 3x3 kernel's ``rev`` is a real one: gathered again for the backward, in both.
+    (Each time into its blocks over ``model``: gathered over ``model``, then its
+    blocks permuted.)"""
     mesh = sk.make_mesh(data=2, model=4, axis_types="auto")
 
     def loss(x, w):
@@ -113,4 +115,5 @@ def test_a_1x1_convolutions_backward_reads_the_kernel_the_forward_gathered():
         )
         compiled = _compiled_by_kind(prop, mesh, x, w)
         assert prop.comm_bytes_by_kind["all_gather"] == compiled["all_gather"]
-        assert compiled["all_gather"] == gathers * window * window * 16 * 32 * 4
+        assert compiled["all_gather"] == gathers * window * window * 16 * 32 * 4 // 2
+        assert prop.comm_bytes_by_kind["collective_permute"] == compiled["collective_permute"]

@@ -123,12 +123,20 @@ L = 8 * 16 * 4  # bytes of the global f32[8,16]
                 ("slice", ("a",), 1, None, None, 0),
             ],
         ),
-        # another axis on the same dim: gather, then slice (no permute step)
+        # another, larger axis on the same dim: one permute of the target's block
+        # (XLA: slice, then collective-permute); payload = the permuted block
         (
             spec((8, 16), P("a")),
             spec((8, 16), P("b")),
             M2,
-            [("all_gather", ("a",), 0, None, None, L), ("slice", ("b",), 0, None, None, 0)],
+            [("collective_permute", ("a", "b"), None, None, None, L // 4)],
+        ),
+        # a smaller one: gather, then slice (a permute is only the last step)
+        (
+            spec((8, 16), P("b")),
+            spec((8, 16), P("a")),
+            M2,
+            [("all_gather", ("b",), 0, None, None, L), ("slice", ("a",), 0, None, None, 0)],
         ),
         # partial and sharded: reduce while small, then gather
         (
@@ -207,12 +215,27 @@ def test_slices_that_save_nothing_run_last():
     got = steps(spec((8, 16), P("b")), spec((8, 16), P("a")))
     assert [k for k, *_ in got] == ["all_gather", "slice"]
     got = steps(spec((8, 16), P(("a", "b"))), spec((8, 16), P(("b", "a"))))
-    assert [(k, ax) for k, ax, *_ in got] == [
-        ("all_gather", ("b",)),
-        ("all_gather", ("a",)),
-        ("slice", ("b",)),
-        ("slice", ("a",)),
+    assert [(k, ax) for k, ax, *_ in got] == [("collective_permute", ("a", "b"))]
+
+
+def test_a_dims_axes_in_another_order_move_by_one_permute():
+    """The same blocks on other devices: one collective-permute of the block, as
+    XLA moves them (tests/resharding/test_execute.py checks the compiled HLO),
+    where the planner had to gather both axes and slice again."""
+    plan = plan_reshard(spec((8, 16), P(("a", "b"))), spec((8, 16), P(("b", "a"))), M2)
+    (step,) = plan.steps
+    assert (step.kind, step.payload_bytes, step.wire_bytes) == ("collective_permute", 64, 64)
+    assert step.layouts == ((("a", "b"), ()), (("b", "a"), ()))
+    assert str(plan).endswith("collective_permute(a,b) →[(b,a),-] 8×: 64 B")
+    # the last step into a finer goal: gathered first, then permuted
+    plan = plan_reshard(spec((64, 16), P(("a", "b"))), spec((64, 16), P("b")), M2)
+    assert [(s.kind, s.axes, s.payload_bytes) for s in plan.steps] == [
+        ("all_gather", ("b",), 64 * 16 * 4 // 2),
+        ("collective_permute", ("a", "b"), 64 * 16 * 4 // 4),
     ]
+    # never from or into a pending sum (a permute moves one block, not a sum)
+    plan = plan_reshard(spec((8, 16), P("a"), partial="b"), spec((8, 16), P("b")), M2)
+    assert "collective_permute" not in [s.kind for s in plan.steps]
 
 
 def test_big_tensors_choose_bandwidth_optimal_groups():
@@ -385,6 +408,16 @@ def simulate(src, plan):
             assert all(partial.pop(a) == step.reduce_op for a in step.axes)
             if step.kind == "reduce_scatter":
                 dims[step.dim] += step.axes
+        elif step.kind == "collective_permute":
+            # one block each: no pending sum, every dim's block split into the target's
+            before_dims, after_dims = step.layouts
+            assert not partial and before_dims == tuple(tuple(d) for d in dims)
+            assert set(step.axes) == {a for d in (*before_dims, *after_dims) for a in d}
+            for s, d, t in zip(src.shape, before_dims, after_dims, strict=True):
+                have, want = (math.prod(SIZES[a] for a in x) for x in (d, t))
+                assert want % have == 0 and s % want == 0
+            dims = [list(t) for t in after_dims]
+            assert step.payload_bytes == local_bytes()
         else:
             assert step.kind == "to_partial"
             assert not set(step.axes) & used()
