@@ -100,11 +100,13 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from spmdkit import jaxprs
 from spmdkit.engine.region import REGIONS, region_jaxpr
 from spmdkit.engine.registry import get_rule
 from spmdkit.engine.rule import LocalContext
+from spmdkit.errors import SpmdError
 from spmdkit.propagation.graph import Graph, Node, node_tags
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.primitives import lookup_dims
@@ -119,6 +121,11 @@ except ImportError:  # pragma: no cover - a jax without the private module
     _siu = None
 
 __all__ = ["replay", "enforced"]
+
+
+#: Primitives jax lowers to their operand (``checkpoint_name``'s ``name``): a
+#: constraint on the result would be a second one on the same value.
+_LOWERED_AWAY = frozenset({"name"})
 
 
 def _pin(x: Any, spec: TensorSpec | None, mesh: Any) -> Any:
@@ -263,6 +270,21 @@ class _Replay:
             self.pinned[id(y)] = (y, spec)
         return y
 
+    def placed(self, x: Any, spec: TensorSpec | None) -> None:
+        """Take ``x`` (an argument of the compiled step) as already laid out as
+        ``spec``: ``jax.jit``'s ``in_shardings`` put it there, so a constraint to
+        that layout would only lengthen the program XLA compiles."""
+        if spec is not None and not spec.partial:
+            self.pinned[id(x)] = (x, spec)
+
+    def alias(self, ins: Sequence[Any], outs: Sequence[Any]) -> None:
+        """Each of ``outs`` is the value of its operand in the lowered program (an
+        equation lowered to nothing): pinned where its operand is."""
+        for x, y in zip(ins, outs, strict=True):
+            hit = self.pinned.get(id(x))
+            if hit is not None and hit[0] is x:
+                self.pinned[id(y)] = (y, hit[1])
+
     def through(self, x: Any, chain: Sequence[TensorSpec]) -> Any:
         """Pin ``x`` to each layout of a multi-step reshard in turn, so that XLA
         takes the plan's steps in the plan's order (left alone it may gather the
@@ -341,6 +363,8 @@ class _Replay:
                 for v, x, s, chain in zip(node.ins, vals, pins.required, pins.steps, strict=True)
             ]
             produced = pins.produced
+            if self.same_constraint(node, pins):
+                return vals  # pinned to the constraint's own layout just above
             if pins.fused is not None:
                 outs = [
                     self.reduced(node.eqn, vals, pins.required, pins.fused, pins.chain, produced[0])
@@ -352,8 +376,33 @@ class _Replay:
                 outs = self.region(node, vals, pins)
             else:
                 outs = _bind(node.eqn, vals)
+                if node.prim in _LOWERED_AWAY:
+                    self.alias(vals, outs)
             outs = [self.pin(x, s) for x, s in zip(outs, produced, strict=True)]
         return outs
+
+    def same_constraint(self, node: Node, pins: Any) -> bool:
+        """Whether ``node`` is a sharding constraint that asks for exactly the layout
+        its operand was just pinned to (and its result is pinned to): the pin is
+        that constraint, so the equation adds nothing but a second and a third
+        copy of it (the batch constraint ``sk.jit`` puts at the top of a step)."""
+        if node.prim != "sharding_constraint" or len(node.ins) != 1 or pins.fused is not None:
+            return False
+        spec = pins.required[0]
+        if spec is None or spec.partial or not spec.dims or pins.produced[0] != spec:
+            return False
+        want = node.eqn.params.get("sharding")
+        if not isinstance(want, NamedSharding) or want.memory_kind not in (None, "device"):
+            return False
+        if dict(want.mesh.shape) != dict(self.mesh.shape):
+            return False
+        pspec = want.spec
+        if any(e is P.UNCONSTRAINED for e in pspec) or getattr(pspec, "unreduced", None):
+            return False
+        try:
+            return TensorSpec(spec.shape, pspec).dims == spec.dims
+        except SpmdError:
+            return False
 
     def moved(
         self, vid: int, x: Any, chain: Sequence[TensorSpec] | ReshardPlan, spec: TensorSpec | None
@@ -467,12 +516,15 @@ class _Replay:
         return [*carry, *ys]
 
 
-def replay(prop: Propagation, *flat_args: Any) -> list[Any]:
+def replay(prop: Propagation, *flat_args: Any, placed: Sequence[bool] | None = None) -> list[Any]:
     """Evaluate the program of ``prop`` (a :class:`~spmdkit.propagation.Propagation`)
     on flat arguments, pinning every equation to its propagated layouts.
 
     Call it inside ``jax.jit`` with a mesh set (``jax.set_mesh``); it returns the
-    flat outputs.
+    flat outputs. ``placed``: per flat argument, whether it arrives laid out as
+    ``prop.in_specs`` says (``jax.jit``'s ``in_shardings`` are those layouts, in
+    device memory): those are not constrained again where they are read in that
+    layout. None (default): every argument is pinned where it is read.
 
     Example::
 
@@ -494,6 +546,17 @@ def replay(prop: Propagation, *flat_args: Any) -> list[Any]:
             f"axis_types='auto' (sk.jit does this for you)"
         )
     rep = _Replay(program, prop.mesh)
+    if placed is not None:
+        if len(placed) != len(flat_args):
+            raise SpmdError(
+                op="replay",
+                must="placed has one entry per flat argument",
+                given=f"{len(placed)} entries for {len(flat_args)} arguments",
+                fix="pass placed=[True or False for each of jax.tree.leaves(args)], or None",
+            )
+        for x, spec, on in zip(flat_args, prop.in_specs, placed, strict=True):
+            if on:
+                rep.placed(x, spec)
     outs = rep.graph(program.graph, flat_args)
     for i, plan in enumerate(program.outs):
         if plan is not None:
@@ -501,13 +564,14 @@ def replay(prop: Propagation, *flat_args: Any) -> list[Any]:
     return outs
 
 
-def enforced(prop: Propagation) -> Callable[..., Any]:
+def enforced(prop: Propagation, placed: Sequence[bool] | None = None) -> Callable[..., Any]:
     """A function of the traced step's (pytree) arguments that runs
-    :func:`replay` and returns outputs with the step's output structure."""
+    :func:`replay` and returns outputs with the step's output structure
+    (``placed``: as for :func:`replay`, per flat argument)."""
     out_tree = prop.program.out_tree
 
     def run(*args: Any) -> Any:
-        outs = replay(prop, *jax.tree.leaves(args))
+        outs = replay(prop, *jax.tree.leaves(args), placed=placed)
         return jax.tree.unflatten(out_tree, outs) if out_tree is not None else outs
 
     return run

@@ -429,7 +429,14 @@ class PlannedFunction:
             donate_argnums=self._donation(roles),
             arg_roles=tuple(r if r in (*STATE_ROLES, "batch") else "other" for r in roles),
         )
-        hit = (enforced(prop) if self.enforce else body, prop)
+        # the arguments arrive in their in specs (in_shardings), but the optimizer
+        # state a recipe offloads, which is in host memory: that is pinned as before
+        placed = [
+            self._kind(r) is None
+            for r, a in zip(roles, args, strict=True)
+            for _ in jax.tree.leaves(a)
+        ]
+        hit = (enforced(prop, placed) if self.enforce else body, prop)
         self._programs[key] = hit
         return hit
 

@@ -83,6 +83,56 @@ def test_replay_pins_every_propagated_layout(mesh):
     assert pinned and any(s.sharding_axes for s in pinned)
 
 
+def _repeated_pins(text):
+    """The constraints of a lowered step that ask for the layout their operand
+    already has: an argument's ``in_shardings`` entry, or an identical constraint
+    right before."""
+    import re
+
+    sig = re.search(r"func.func public @main\((.*?)\) -> ", text, re.S).group(1)
+    held = dict(
+        re.findall(
+            r"(%arg\d+): tensor<[^>]*> \{[^}]*?sdy.sharding = #sdy.sharding<@mesh, (\[.*?\])>", sig
+        )
+    )
+    repeated, total = [], 0
+    for res, operand, layout in re.findall(
+        r"(%[\w#]+) = sdy.sharding_constraint (%[\w#]+) <@mesh, (\[.*?\])>", text
+    ):
+        total += 1
+        if held.get(operand) == layout:
+            repeated.append(f"{res} = {operand} {layout}")
+        held[res] = layout
+    return repeated, total
+
+
+def test_a_step_constrains_no_value_twice(mesh):
+    """The arguments arrive in their in specs and the batch constraint sk.jit
+    puts on a step is the replay's own pin: no constraint asks for the layout its
+    operand already has. Replayed without that knowledge, the same step does."""
+    info = describe(ops_toy_init, loss=ops_toy_loss, batch=toy_batch())
+    p = plan(info, mesh, "megatron", estimator="analytic")
+    step = jit(jax.value_and_grad(info.loss_fn), p)
+    params, batch = info.abstract_params, toy_batch()
+    repeated, total = _repeated_pins(step.lower(params, batch).as_text())
+    assert total > 0 and not repeated, repeated
+    _, prop = step.program(params, batch)
+    flat = jax.tree.leaves((params, batch))
+    specs = [NamedSharding(step.mesh, s.to_partition_spec()) for s in prop.in_specs]
+    with jax.set_mesh(step.mesh):
+        text = (
+            jax.jit(lambda *a: replay(prop, *a), in_shardings=tuple(specs)).lower(*flat).as_text()
+        )
+    assert _repeated_pins(text)[0]
+
+
+def test_a_replay_takes_one_placed_flag_per_argument(mesh):
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    prop = propagate(jnp.tanh, x, mesh=mesh, in_specs=(P("data"),))
+    with jax.set_mesh(mesh), pytest.raises(sk.SpmdError, match="one entry per flat argument"):
+        jax.jit(lambda x: replay(prop, x, placed=[True, True])).lower(x)
+
+
 def test_without_a_program_replay_says_why():
     class Bare:
         program = None
