@@ -793,15 +793,10 @@ def _auto_table(rows: list[dict[str, Any]]) -> None:
 
 def measure_cpu_constants(repeats: int = 7) -> dict[str, float]:
     """What ``Topology.cpu``'s declared constants stand for, measured on this host's
-    virtual devices, all running at once (as a step's do), per second of the
-    process's CPU time (what a loaded, shared host inflates least; a device thread
-    that waits at a collective's rendezvous uses none): the f32 and bf16 matmul
-    FLOP/s and the elementwise bytes/s per core (8 MiB a device: beyond the
-    caches, as a step's arrays), a collective's bytes/s per core (an all-gather
-    and a reduce-scatter of 14 MiB a device whose results are temporaries, as a
-    step's are: fresh pages the kernel zero-fills, less the same program without
-    the collective) and its cost per ring hop (a chain of 25 small all-reduces
-    against a chain of 1)."""
+    virtual devices, all running at once (as a step's do): the f32 and bf16 matmul
+    FLOP/s and the elementwise bytes/s per core, and a collective's latency per
+    ring hop (a chain of 21 small all-reduces against a chain of 1, over all
+    devices) and bytes/s per core (a 1 MiB all-reduce per device)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -814,44 +809,20 @@ def measure_cpu_constants(repeats: int = 7) -> dict[str, float]:
     mesh = jax.make_mesh((n,), ("d",))
     rows = NamedSharding(mesh, P("d"))
 
-    def cpu_s(fn: Any, *a: Any) -> float:
+    def best(fn: Any, *a: Any) -> float:
         jax.block_until_ready(fn(*a))
-        times = []
-        for _ in range(repeats):
-            c0 = time.process_time()
-            jax.block_until_ready(fn(*a))
-            times.append(time.process_time() - c0)
-        return statistics.median(times)
-
-    def per_device(body: Any) -> Any:
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        return statistics.median(_timed(fn, *a) for _ in range(repeats))
 
     size = 256
-    out: dict[str, float] = {"devices": n, "cores": cores, "clock": "process CPU seconds"}
+    out: dict[str, float] = {"devices": n, "cores": cores}
     mm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x), out_shardings=rows)
     for dtype in ("float32", "bfloat16"):
         a = jax.device_put(jnp.ones((n, size, size), dtype), rows)
-        out[f"{dtype}_flops_per_core"] = n * 2 * size**3 / cpu_s(mm, a)
-    elems = 1 << 21
+        out[f"{dtype}_flops_per_core"] = n * 2 * size**3 / best(mm, a) / cores
+    elems = 1 << 20
     x = jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)
     scale = jax.jit(lambda v: v * 1.5 + 1.0, out_shardings=rows)
-    out["memory_bytes_per_core"] = n * 2 * elems * 4 / cpu_s(scale, x)
-
-    # collectives whose results are temporaries of the program, as in a step
-    full = 14 * (1 << 20) // 4  # elements a device holds gathered / before the scatter
-    shard = jax.device_put(jnp.ones((full,), jnp.float32), rows)
-    whole = jax.device_put(jnp.ones((n * full,), jnp.float32), rows)
-    gather = per_device(lambda v: jax.lax.all_gather(v * 1.5, "d", tiled=True).sum(keepdims=True))
-    tiled = per_device(lambda v: jnp.tile(v * 1.5, n).sum(keepdims=True))
-    scatter = per_device(lambda v: jax.lax.psum_scatter(v * 1.5, "d", tiled=True))
-    local = per_device(lambda v: (v * 1.5)[: full // n] + (v * 1.5)[full // n : 2 * full // n])
-    wire = (n - 1) / n * full * 4
-    spent = (cpu_s(gather, shard) - cpu_s(tiled, shard)) + (
-        cpu_s(scatter, whole) - cpu_s(local, whole)
-    )
-    out["link_bytes_per_core"] = n * 2 * wire / max(spent, 1e-9)
-
-    small = jax.device_put(jnp.ones((n * 64,), jnp.float32), rows)
+    out["memory_bytes_per_core"] = n * 2 * elems * 4 / best(scale, x) / cores
 
     def chain(k: int) -> Any:
         def body(v: Any) -> Any:
@@ -859,13 +830,15 @@ def measure_cpu_constants(repeats: int = 7) -> dict[str, float]:
                 v = jax.lax.psum(v, "d") * 0.5
             return v
 
-        return per_device(body)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
-    each = max(cpu_s(chain(25), small) - cpu_s(chain(1), small), 0.0) / 24
-    # Topology.cpu stretches the hop by devices / cores and prices 2 (n - 1) hops an
-    # all-reduce on a device's share of the cores: back to the CPU seconds measured
-    out["collective_cpu_s"] = each
-    out["latency_per_hop_s"] = each / cores / (2 * (n - 1)) / max(1.0, n / cores)
+    small = jax.device_put(jnp.ones((n,), jnp.float32), rows)
+    hops = 2 * (n - 1)
+    out["latency_per_hop_s"] = (best(chain(21), small) - best(chain(1), small)) / (20 * hops)
+    big = jax.device_put(jnp.ones((n * (1 << 18),), jnp.float32), rows)
+    wire = 2 * (n - 1) / n * (1 << 20)
+    ar = best(chain(1), big) - hops * out["latency_per_hop_s"]
+    out["link_bytes_per_core"] = n * wire / max(ar, 1e-9) / cores
     return out
 
 
