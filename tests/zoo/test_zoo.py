@@ -85,18 +85,7 @@ KNOWN_VERIFY_MISSES_JAX_012: frozenset = frozenset({
 #: once per axis) and pins the unpermute's scatter-add operand to its planned layout
 #: (XLA gathered the updates and all-reduced the whole result); under megatron the
 #: expert-parallel rows are reduced before the unpermute's gather, as XLA does.
-#: What misses: under tp_fsdp (since tables resolve in flax's rule order,
-#: w_down is P('model', None, 'data')) the optimizer's update of an expert weight
-#: leaves in another layout than the step output's; the plan prices that reshard as
-#: an all-to-all over ``model`` (8 KiB on 2x4, 16 KiB on 4x2), XLA moves it as a
-#: 4 KiB collective-permute (report.attribution: "predicted, not compiled ...
-#: from output (optimizer)"). The totals agree within tolerance.
-KNOWN_ROW_MISSES: dict = {
-    "moe_ragged": {
-        ("tp_fsdp", (2, 4)): frozenset({"collective_permute"}),
-        ("tp_fsdp", (4, 2)): frozenset({"all_to_all", "collective_permute"}),
-    }
-}
+KNOWN_ROW_MISSES: dict = {"moe_ragged": {}}
 
 
 def glue_lines(name):
