@@ -425,32 +425,43 @@ def _zero1(
 
 
 def activation_layout(rules: LogicalRules, mesh: MeshLike, trace: StepTrace) -> Activation:
-    """The mesh axes of each batch dim under ``rules``: per name, its first rule
-    entry whose axes divide the dim and no earlier name took. A context axis the
-    sequence's rule asks for is kept for the sequence (:mod:`spmdkit.planner.context_parallel`):
-    the batch never takes it."""
+    """The mesh axes of each batch dim under ``rules``, read as flax reads a table
+    (:meth:`~spmdkit.planner.logical.LogicalRules.resolve`) for an array carrying
+    every batch name: the entries in table order, each giving its axes to its
+    name unless the name is decided, an axis is held by another batch name or
+    the axes do not divide the dim. A context axis the sequence's rule asks for
+    is kept for the sequence (:mod:`spmdkit.planner.context_parallel`): the
+    batch never takes it."""
     sizes = axis_sizes(mesh)
     dims = {"batch": trace.batch_size, "seq": trace.seq_len if trace.seq_len > 1 else None}
 
-    def first(name: str, taken: set[str]) -> tuple[str, ...]:
+    def first_seq() -> tuple[str, ...]:
         for key, axes in rules.entries:
-            if key != name:
+            if key != "seq":
                 continue
             if axes is None:
                 break
-            if taken.intersection(axes):
-                continue
-            if dims.get(name) and dims[name] % math.prod(sizes[a] for a in axes):
+            if dims["seq"] and dims["seq"] % math.prod(sizes[a] for a in axes):
                 continue
             return axes
         return ()
 
-    out: Activation = {}
-    reserved = set(context_axes(first("seq", set())))
-    for name in BATCH_NAMES:
-        taken = {a for v in out.values() for a in v}
-        out[name] = first(name, taken | reserved if name == "batch" else taken)
-    return out
+    reserved = set(context_axes(first_seq()))
+    got: dict[str, tuple[str, ...]] = {}
+    held: set[str] = set()
+    for key, axes in rules.entries:
+        if key not in BATCH_NAMES or key in got:
+            continue
+        if axes is None:
+            got[key] = ()
+            continue
+        if held.intersection(axes) or (key == "batch" and reserved.intersection(axes)):
+            continue
+        if dims.get(key) and dims[key] % math.prod(sizes[a] for a in axes):
+            continue
+        got[key] = axes
+        held.update(axes)
+    return {name: got.get(name, ()) for name in BATCH_NAMES}
 
 
 #: Strategies whose optimizer state is sharded as fsdp shards it, on the axes the

@@ -312,33 +312,32 @@ def _why_differs(plan: Any) -> str:
 def _rule_links(
     rules: LogicalRules, logical: tuple, shape: tuple, mesh: Any, *, table: str
 ) -> list[Link]:
-    """Per named dim, the entries tried in order and the one that matched (as
-    :meth:`~spmdkit.planner.logical.LogicalRules.resolve` decides)."""
+    """Per named dim, the entries tried for it in table order and the one that
+    decided it (as :meth:`~spmdkit.planner.logical.LogicalRules.resolve` decides,
+    flax's reading: an entry earlier in the table takes a mesh axis first)."""
     sizes = axis_sizes(mesh)
-    used: set[str] = set()
-    out = []
+    dims, steps = rules.resolve_steps(logical, shape, mesh)
     names = logical + (None,) * (len(shape) - len(logical))
+    out = []
     for d, (name, n) in enumerate(zip(names, shape, strict=False)):
         if name is None:
             continue
-        tried, got = [], None
-        for k, axes in rules.entries:
-            if k != name:
+        tried = []
+        for s in steps:
+            if s.dim != d or s.outcome == "taken":
                 continue
-            if axes is None:
+            if s.outcome == "replicated":
                 tried.append("None: replicated")
-                got = ()
-                break
-            if used.intersection(axes):
-                tried.append(f"{_axes(axes)} skipped: an earlier dim took {_axes(axes)}")
-                continue
-            if n % math.prod(sizes.get(a, 1) for a in axes):
-                devices = math.prod(sizes.get(a, 1) for a in axes)
-                tried.append(f"{_axes(axes)} skipped: {n} does not divide over {devices}")
-                continue
-            got = axes
-            break
-        used.update(got or ())
+            elif s.outcome == "held":
+                other = names[s.holder] if s.holder is not None else None
+                tried.append(
+                    f"{_axes(s.axes)} skipped: dim {s.holder} ({other!r}) took it by an "
+                    "earlier entry"
+                )
+            else:
+                devices = math.prod(sizes.get(a, 1) for a in s.axes or ())
+                tried.append(f"{_axes(s.axes)} skipped: {n} does not divide over {devices}")
+        got = dims[d]
         result = "replicated" if not got else _axes(got)
         detail = "; ".join(tried)
         out.append(

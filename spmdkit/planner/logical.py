@@ -3,12 +3,22 @@
 Logical-axis rules
 ------------------
 Models name dims logically (``"embed"``, ``"mlp"``, ``"heads"``); a
-:class:`LogicalRules` table maps names to mesh axes. Entries are ordered
-fallbacks, as in flax/MaxText tables: for each dim, the first entry for its name
-whose mesh axes are all still free in that array *and* divide the dim wins; an
-entry of ``None`` means replicated; if no entry fits, the dim is replicated. A
-name with no entry at all raises :class:`UnknownLogicalAxisError` (flax's
-``logical_to_mesh_sharding`` silently replicates it instead).
+:class:`LogicalRules` table maps names to mesh axes. A table means what it means
+to flax's ``logical_to_mesh_axes``: the entries are walked in order, and each
+goes to the dim carrying its name unless that dim is already assigned or one of
+its mesh axes is already held by another dim of the array; an entry of ``None``
+assigns "replicated"; a dim no entry assigns is replicated. So where two dims
+want one mesh axis, the name whose entry comes first in the table gets it, not
+the earlier dim. spmdkit adds to flax's reading, never contradicting it on a
+table that shards validly:
+
+- an entry whose mesh axes do not divide the dim is passed over (flax has no
+  shapes; jax would refuse the layout), so later entries are fallbacks;
+- a name with no entry raises :class:`UnknownLogicalAxisError` (flax silently
+  replicates it), a name that is not a string (``PartitionSpec.UNCONSTRAINED``)
+  and an entry naming one mesh axis twice raise too (spmdkit plans every dim);
+- a name repeated within one array (flax refuses it) goes entry by entry to the
+  first of its dims still unassigned.
 
 flax's tables and names
 -----------------------
@@ -80,6 +90,7 @@ __all__ = [
     "OverBudgetError",
     "PlanError",
     "ROLE_NAMES",
+    "RuleStep",
     "RulesLike",
     "UnknownLogicalAxisError",
     "axis_roles",
@@ -190,6 +201,31 @@ def _axes(value: AxesLike, name: Any = "?") -> Entry:
     )
 
 
+#: A dim no entry has assigned yet (``None`` in a result means "replicated").
+_UNSET: Any = type("Unassigned", (), {"__repr__": lambda self: "Unassigned"})()
+
+
+@dataclass(frozen=True)
+class RuleStep:
+    """One rule entry tried for one dim by :meth:`LogicalRules.resolve_steps`.
+
+    Attributes:
+      dim: the dim the entry went to (the first unassigned dim carrying its name).
+      name: the entry's logical name.
+      axes: the entry's mesh axes (None: the entry says replicated).
+      outcome: ``"taken"`` (the dim got the axes), ``"replicated"`` (a ``None``
+        entry), ``"held"`` (another dim already holds one of the axes) or
+        ``"indivisible"`` (the axes do not divide the dim).
+      holder: for ``"held"``, the dim that holds the axis.
+    """
+
+    dim: int
+    name: str
+    axes: Entry
+    outcome: str
+    holder: int | None = None
+
+
 @dataclass(frozen=True)
 class LogicalRules:
     """An ordered logical-name → mesh-axes table with fallbacks (module docstring).
@@ -260,7 +296,8 @@ class LogicalRules:
         *,
         where: str = "",
     ) -> P:
-        """The PartitionSpec for a tensor whose dims carry ``names``.
+        """The PartitionSpec for a tensor whose dims carry ``names``, read as flax's
+        ``logical_to_mesh_axes`` reads the table (module docstring).
 
         Args:
           names: logical name per dim (None: replicated dim); None: unannotated
@@ -273,11 +310,44 @@ class LogicalRules:
 
         Raises:
           UnknownLogicalAxisError: a name has no entry.
-          PlanError: an entry names an axis the mesh does not have, or there
-            are more names than dims.
+          PlanError: an entry names an axis the mesh does not have, a name is
+            neither a string nor None, or there are more names than dims.
+        """
+        dims, _ = self.resolve_steps(names, shape, mesh, where=where)
+        out: list[str | tuple[str, ...] | None] = [
+            None if not d else d[0] if len(d) == 1 else d for d in dims
+        ]
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
+    def resolve_steps(
+        self,
+        names: Sequence[str | None] | None,
+        shape: Sequence[int],
+        mesh: MeshLike,
+        *,
+        where: str = "",
+    ) -> tuple[tuple[tuple[str, ...], ...], tuple[RuleStep, ...]]:
+        """Per dim the mesh axes :meth:`resolve` gives it (``()``: replicated), and
+        the entries it tried, in table order (what ``plan.explain`` prints).
+
+        The entries are walked in order, as flax walks them: each entry goes to
+        the first dim carrying its name that no earlier entry assigned; it
+        assigns the dim its axes unless an axis is already held by another dim
+        of the tensor (or, spmdkit's addition, the axes do not divide the dim),
+        and ``None`` assigns "replicated". A dim no entry assigns is replicated.
+
+        Args and raises: as :meth:`resolve`.
+
+        Example::
+
+            >>> rules = LogicalRules((("expert", "model"), ("embed", "model")))
+            >>> rules.resolve_steps(("embed", "expert"), (8, 8), abstract_mesh(model=4))[0]
+            ((), ('model',))
         """
         if names is None:
-            return P()
+            return ((),) * len(shape), ()
         names = tuple(names)
         if len(names) > len(shape):
             raise PlanError(
@@ -288,14 +358,18 @@ class LogicalRules:
                 "(sk.plan(..., names={path_glob: names}))",
             )
         names = names + (None,) * (len(shape) - len(names))
-        sizes = axis_sizes(mesh)
         known = self.names
-        used: set[str] = set()
-        out: list[str | tuple[str, ...] | None] = []
-        for name, dim in zip(names, shape, strict=True):
+        for name in names:
             if name is None:
-                out.append(None)
                 continue
+            if not isinstance(name, str):
+                raise PlanError(
+                    op="LogicalRules.resolve",
+                    must="each dim's logical name is a string or None",
+                    given=f"{name!r} in {names} at {where or '?'}",
+                    fix="name the dim, or give None to replicate it (spmdkit plans every dim: "
+                    "it has no unconstrained dim)",
+                )
             if name not in known:
                 near = difflib.get_close_matches(name, known, n=1)
                 raise UnknownLogicalAxisError(
@@ -306,31 +380,38 @@ class LogicalRules:
                     + f"add a rule, e.g. rules=[({name!r}, None)] to replicate it on purpose, "
                     f"or treat it like a known name: sk.plan(..., aliases={{{name!r}: 'embed'}})",
                 )
-            chosen: tuple[str, ...] = ()
-            for key, axes in self.entries:
-                if key != name:
-                    continue
-                if axes is None:
-                    break
-                missing = [a for a in axes if a not in sizes]
-                if missing:
-                    raise PlanError(
-                        op="LogicalRules.resolve",
-                        must=f"rule axes are mesh axes of {tuple(sizes)}",
-                        given=f"{name!r} → {axes}",
-                        fix="rename the rule's axes or build the mesh with them",
-                    )
-                if used.intersection(axes):
-                    continue
-                if dim % math.prod(sizes[a] for a in axes):
-                    continue
-                chosen = axes
-                break
-            used.update(chosen)
-            out.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
-        while out and out[-1] is None:
-            out.pop()
-        return P(*out)
+        sizes = axis_sizes(mesh)
+        got: list[tuple[str, ...] | None] = [None if n is None else _UNSET for n in names]
+        holder: dict[str, int] = {}
+        steps: list[RuleStep] = []
+        for key, axes in self.entries:
+            dim = next((d for d, n in enumerate(names) if n == key and got[d] is _UNSET), None)
+            if dim is None:
+                continue
+            if axes is None:
+                got[dim] = ()
+                steps.append(RuleStep(dim, key, None, "replicated"))
+                continue
+            missing = [a for a in axes if a not in sizes]
+            if missing:
+                raise PlanError(
+                    op="LogicalRules.resolve",
+                    must=f"rule axes are mesh axes of {tuple(sizes)}",
+                    given=f"{key!r} → {axes}",
+                    fix="rename the rule's axes or build the mesh with them",
+                )
+            held = [holder[a] for a in axes if a in holder]
+            if held:
+                steps.append(RuleStep(dim, key, axes, "held", held[0]))
+                continue
+            if shape[dim] % math.prod(sizes[a] for a in axes):
+                steps.append(RuleStep(dim, key, axes, "indivisible"))
+                continue
+            got[dim] = axes
+            holder.update(dict.fromkeys(axes, dim))
+            steps.append(RuleStep(dim, key, axes, "taken"))
+        dims = tuple(() if g is None or g is _UNSET else g for g in got)
+        return dims, tuple(steps)
 
     def on_mesh(self, mesh: MeshLike) -> tuple[LogicalRules, dict[str, tuple[str, ...]]]:
         """The table with the mesh axes ``mesh`` lacks dropped from every entry, and
@@ -465,9 +546,24 @@ def _fallbacks(axes: tuple[str, ...]) -> list[Entry]:
     return out
 
 
+#: The order of the names in a preset's table, which decides (as in flax) which
+#: of two dims wanting one mesh axis gets it: :data:`PARAM_NAMES`' order with
+#: ``expert`` moved up to follow ``embed``, so an expert weight is split over its
+#: experts before within one (expert parallelism under ``megatron``) and ``fsdp``
+#: splits a weight's ``embed`` dim when it divides (as MaxText's ``embed → fsdp``);
+#: ``layers`` late (a scanned stack is split within a layer, not across layers);
+#: then the batch names.
+_TABLE_ORDER = (
+    *PARAM_NAMES[: PARAM_NAMES.index("embed") + 1],
+    "expert",
+    *(n for n in PARAM_NAMES[PARAM_NAMES.index("embed") + 1 :] if n != "expert"),
+    *BATCH_NAMES,
+)
+
+
 def _table(spec: Mapping[str, list[Entry]]) -> LogicalRules:
     pairs = []
-    for name in PARAM_NAMES + BATCH_NAMES:
+    for name in _TABLE_ORDER:
         for entry in spec.get(name, [None]):
             pairs.append((name, entry))
     return LogicalRules(tuple(pairs))

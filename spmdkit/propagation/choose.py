@@ -442,7 +442,9 @@ def consumer_hints(
 
     Values made from replicated operands (broadcast constants, masks) that a
     consumer slices (no communication) to a more sharded layout: their producer may
-    as well make that layout (less compute and memory). And values a
+    as well make that layout (less compute and memory); or that a consumer moves
+    with collectives (the producer took a backward hint its reader did not follow):
+    the producer makes the reader's layout for nothing. And values a
     ``broadcast_in_dim`` spreads from a small sharded operand that a consumer moves
     (a batch norm's statistic's cotangent, sharded like its channel-sharded scale,
     broadcast over the batch-sharded activations): moving the small operand
@@ -463,12 +465,14 @@ def consumer_hints(
             if v in spread and _gather_first(pricer, spread[v], s, r):
                 out[v] = r
                 continue
-            if v not in free:
-                continue
-            if len(r.sharding_axes) <= len(s.sharding_axes) or r.partial != s.partial:
+            if v not in free or r.partial != s.partial:
                 continue
             a = pricer.reshard("input", s, r)
-            if a is not None and not a.plan.collectives:
+            if a is None:
+                continue
+            if a.plan.collectives or len(r.sharding_axes) > len(s.sharding_axes):
+                # a slice to a finer layout, or a move its producer (which reads only
+                # replicated operands) avoids by making the reader's layout itself
                 out[v] = r
         if step.loop is not None:
             inner_free: frozenset[int] = frozenset()

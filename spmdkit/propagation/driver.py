@@ -262,11 +262,16 @@ def _sweeps(
 ) -> tuple[dict[int, TensorSpec], list[Step], collections.Counter]:
     """Forward sweeps, each after a backward sweep from the last one's hints (four
     rounds at most); the specs, steps and equations without a rule (``unknown``)
-    of the round with the lowest modelled step time (hints are heuristics)."""
+    of the round with the lowest modelled step time (hints are heuristics). The
+    consumers' hints (:func:`~spmdkit.propagation.choose.consumer_hints`) of every
+    round so far are kept, the latest winning: a round that no longer moves a free
+    value would otherwise drop its hint, and the next round take back the backward
+    hint that made it move."""
     wanted = {v: r for v, r in zip(graph.outvars, out_req, strict=True) if r is not None}
     fixed = set(graph.invars)
     pricer = propagator.pricer
     best: tuple | None = None
+    seen: dict[int, TensorSpec] = {}
     for _ in range(4):
         spec: dict[int, TensorSpec] = {}
         collect: list[Step] = []
@@ -277,7 +282,8 @@ def _sweeps(
             t += pricer.time("output", have, r if r is not None else have.without_partial())
         if best is None or t < best[0]:
             best = (t, spec, collect, propagator.unknown)
-        asked = {**consumer_hints(pricer, collect, fixed | propagator.prog.const_ids()), **wanted}
+        seen.update(consumer_hints(pricer, collect, fixed | propagator.prog.const_ids()))
+        asked = {**seen, **wanted}
         if not asked:
             break
         hints = propagator.chooser.backward_hints(graph, spec, asked, fixed)

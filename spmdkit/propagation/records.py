@@ -11,6 +11,7 @@ records and counts them ``repeat`` times.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -371,6 +372,11 @@ class Recorder:
             body = tuple(self.record(x, j, at, inner) for j, x in enumerate(step.loop.steps))
             if inner is scope:
                 self._leave(step, scope)
+            if repeat > 1 and node.kind == "scan":
+                hoisted, body = _hoist(step, body)
+                reshards += hoisted
+                comm += sum(a.payload_bytes for a in hoisted)
+                ctime += sum(a.plan.time_s for a in hoisted)
             if step.loop.back:
                 body += (_carry_record(len(body), step.loop.back, node.backward),)
             comm += repeat * sum(r.comm_bytes for r in body)
@@ -556,6 +562,56 @@ class Recorder:
             spec = res.outputs[0] if res.outputs else req[0]
             out.append(ArgReshard(f"{op} (own)", spec, spec, ReshardPlan(spec, spec, (c,))))
         return out
+
+
+def _hoist(
+    step: Step, body: tuple[EqnRecord, ...]
+) -> tuple[tuple[ArgReshard, ...], tuple[EqnRecord, ...]]:
+    """A scan body's operand reshards XLA runs once, before the loop, and the
+    body's records without them.
+
+    XLA's loop-invariant code motion hoists a collective whose operand does not
+    change from one iteration to the next out of the while loop (a weight the
+    body casts and moves in a micro-batch loop is moved once per step, not once
+    per micro-batch). An operand is invariant when it is a loop constant (one of
+    the scan's ``consts``) or made in the body from invariant values alone; its
+    reshard is named after the constant it is made from (``input k`` of the scan,
+    so a weight's move stays that weight's)."""
+    node = step.node
+    nc = jaxprs.scan(node.eqn).num_consts
+    sub = node.subs[0]
+    made = {o for x in step.loop.steps for o in x.node.outs} | set(sub.invars)
+    root: dict[int, int | None] = {b: k for k, b in enumerate(sub.invars[:nc])}
+    hoisted: list[ArgReshard] = []
+    out: list[EqnRecord] = []
+    for rec, x in zip(body, step.loop.steps, strict=False):
+        n = x.node
+        fixed = [v for v in n.ins if v in made]  # the others are literals
+        if n.kind == "eqn" and not n.eqn.effects and all(v in root for v in fixed):
+            first = next((root[v] for v in fixed if root[v] is not None), None)
+            root.update(dict.fromkeys(n.outs, first))
+        keep, gone = [], []
+        for a in rec.reshards:
+            i = int(a.arg.split()[1]) if a.arg.startswith("input ") else -1
+            k = root.get(n.ins[i]) if 0 <= i < len(n.ins) else None
+            if k is None or not a.plan.collectives:
+                keep.append(a)
+            else:
+                gone.append(a)
+                hoisted.append(dataclasses.replace(a, arg=f"input {k}"))
+        if not gone:
+            out.append(rec)
+            continue
+        out.append(
+            dataclasses.replace(
+                rec,
+                reshards=tuple(keep),
+                comm_bytes=rec.comm_bytes - sum(a.payload_bytes for a in gone),
+                comm_time_s=rec.comm_time_s - sum(a.plan.time_s for a in gone),
+            )
+        )
+    out.extend(body[len(out) :])  # the carries' record
+    return tuple(hoisted), tuple(out)
 
 
 def _wrap_own(name: str, spec: TensorSpec, c: Collective) -> ArgReshard:

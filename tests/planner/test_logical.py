@@ -1,6 +1,9 @@
 """Logical-rule tables, axis roles and presets (no model, no tracing)."""
 
+import flax.linen as nn
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
@@ -17,7 +20,19 @@ from spmdkit.planner.logical import (
 def test_rules_first_free_entry_wins(amesh):
     rules = LogicalRules((("embed", "model"), ("mlp", "model"), ("mlp", "data"), ("mlp", None)))
     assert rules.resolve(("embed", "mlp"), (64, 256), amesh) == P("model", "data")
-    assert rules.resolve(("mlp", "embed"), (256, 64), amesh) == P("model")
+    # the table's order decides, not the dims': embed's entry comes first either way
+    assert rules.resolve(("mlp", "embed"), (256, 64), amesh) == P("data", "model")
+
+
+def test_two_dims_wanting_one_axis_go_by_rule_order_as_in_flax(amesh):
+    """The colleague's case: ``expert`` is listed first, so it takes ``model`` even
+    though ``embed`` is the earlier dim (dim order gave ``P('model')``)."""
+    rules = LogicalRules((("expert", "model"), ("embed", "model")))
+    assert rules.resolve(("embed", "expert"), (8, 8), amesh) == P(None, "model")
+    assert nn.logical_to_mesh_axes(("embed", "expert"), rules.entries) == P(None, "model")
+    dims, steps = rules.resolve_steps(("embed", "expert"), (8, 8), amesh)
+    assert dims == ((), ("model",))
+    assert [(s.dim, s.outcome, s.holder) for s in steps] == [(1, "taken", None), (0, "held", 1)]
 
 
 def test_rules_skip_entries_that_do_not_divide(amesh):
@@ -100,3 +115,72 @@ def test_an_entry_naming_one_axis_twice_is_refused():
         LogicalRules((("batch", ("data", "data", "expert")),))
     with pytest.raises(DuplicateAxisError, match="once"):
         LogicalRules.coerce({"embed": ["model", ("fsdp", "fsdp")]})
+
+
+# -- spmdkit reads a table as flax does ------------------------------------------------
+
+_AXES = ("a", "b", "c")
+_NAMES = ("n0", "n1", "n2", "n3")
+
+
+def _flax_dims(spec: P, ndim: int) -> tuple:
+    dims = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in tuple(spec)]
+    return tuple(dims + [()] * (ndim - len(dims)))
+
+
+_entry_axes = st.one_of(
+    st.none(),
+    st.sampled_from(_AXES),
+    st.lists(st.sampled_from(_AXES), unique=True, max_size=3).map(tuple),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rules=st.lists(st.tuples(st.sampled_from(_NAMES), _entry_axes), max_size=10),
+    names=st.lists(st.one_of(st.none(), st.sampled_from(_NAMES)), max_size=4).filter(
+        lambda ns: len([n for n in ns if n]) == len({n for n in ns if n})
+    ),
+)
+def test_resolve_matches_flax_logical_to_mesh_axes(rules, names):
+    """Random tables (None entries, tuples of axes, fallbacks) and names: spmdkit's
+    resolve equals flax's ``logical_to_mesh_axes`` on every input spmdkit accepts.
+    Every dim is 8 over axes of size 2, so divisibility never passes an entry over;
+    the names spmdkit refuses (no entry: it raises, flax replicates) are left out
+    (:func:`test_where_spmdkit_deliberately_departs_from_flax`)."""
+    mesh = sk.abstract_mesh(a=2, b=2, c=2)
+    table = LogicalRules(tuple(rules))
+    assume(all(n is None or n in table.names for n in names))
+    shape = (8,) * len(names)
+    flax_spec = nn.logical_to_mesh_axes(tuple(names), tuple(rules))
+    ours = table.resolve(tuple(names), shape, mesh)
+    assert _flax_dims(ours, len(names)) == _flax_dims(flax_spec, len(names))
+
+
+def test_where_spmdkit_deliberately_departs_from_flax(amesh):
+    """What flax accepts and spmdkit refuses (or reads further), each on purpose."""
+    from spmdkit.errors import DuplicateAxisError
+
+    # a name with no entry: flax replicates the dim silently, spmdkit refuses
+    assert nn.logical_to_mesh_axes(("embed", "hidden"), (("embed", "model"),)) == P("model", None)
+    with pytest.raises(UnknownLogicalAxisError):
+        LogicalRules((("embed", "model"),)).resolve(("embed", "hidden"), (8, 8), amesh)
+    # one mesh axis twice in an entry: flax writes P(('data', 'data')), spmdkit refuses
+    twice = (("batch", ("data", "data")),)
+    assert nn.logical_to_mesh_axes(("batch",), twice) == P(("data", "data"))
+    with pytest.raises(DuplicateAxisError):
+        LogicalRules(twice)
+    # the unconstrained sentinel as a name: flax passes it through, spmdkit plans every dim
+    assert nn.logical_to_mesh_axes((P.UNCONSTRAINED,), ()) == P(P.UNCONSTRAINED)
+    with pytest.raises(PlanError, match="string or None"):
+        LogicalRules((("embed", "model"),)).resolve((P.UNCONSTRAINED,), (8,), amesh)
+    # an entry whose axes do not divide the dim: flax has no shapes, spmdkit falls back
+    rules = (("vocab", "model"), ("vocab", "data"))
+    assert nn.logical_to_mesh_axes(("vocab",), rules) == P("model")
+    assert LogicalRules(rules).resolve(("vocab",), (6,), amesh) == P("data")
+    # a name repeated within one array: flax refuses it, spmdkit gives each entry
+    # to the first of its dims still unassigned
+    with pytest.raises(ValueError, match="more than once"):
+        nn.logical_to_mesh_axes(("embed", "embed"), (("embed", "model"), ("embed", "data")))
+    both = LogicalRules((("embed", "model"), ("embed", "data")))
+    assert both.resolve(("embed", "embed"), (8, 8), amesh) == P("model", "data")

@@ -137,3 +137,20 @@ def test_the_report_waits_for_its_first_read(mesh2d, monkeypatch):
     assert other.records == prop.records and other.memory == memory
     assert {k: getattr(other, k) for k in REPORTED} == {k: getattr(prop, k) for k in REPORTED}
     assert prop.memory_as(cpu=True)[0].peak_bytes > 0
+
+
+def test_a_free_value_is_made_as_its_reader_wants():
+    """The user model of tests/cli under fsdp (its head split on ``vocab``): the
+    loss's cotangent ``broadcast(ct)`` is made from a replicated operand, so it
+    costs nothing in any layout. The head's gradient asks for it vocab-split
+    (a backward hint); its reader, ``onehot * ct``, keeps the batch-split one-hot
+    and wants it batch-split. The sweeps keep every reader's request for a free
+    value across rounds, so the broadcast makes the reader's layout and nothing
+    moves it (before, an all-gather and an all-to-all of f32[8,8,32] per device
+    that XLA ran as a 4 KiB all-to-all)."""
+    from tests.cli import mymodel
+
+    p = sk.plan(mymodel.make_info(), sk.abstract_mesh(data=2, model=4), "fsdp")
+    assert p.params["head/kernel"] == P(None, ("data", "model"))
+    # what is left are the scan's bias gradients moving to their layouts (48 B)
+    assert p.cost.comm_bytes.get("all_to_all", 0) < 1024, p.cost.comm_bytes
