@@ -258,6 +258,7 @@ def test_an_exported_table_refuses_what_it_cannot_hold(gpt):
         plan(gpt, sk.abstract_mesh(data=2, model=4), table, rules=[("mlp", None)])
 
 
+@pytest.mark.slow
 def test_an_exported_table_without_the_stack_names_plans_and_explains():
     """A scanned MoE's table names neither ``layers`` nor ``mlp`` (replicated, so
     flax needs no rule): the plan from it reads them as flax does, and explain
