@@ -502,8 +502,7 @@ def rules_choice(
     out = []
     for g in groups:
         if g.pinned is not None:
-            d = spec_dims(g.pinned, len(g.shape))
-            out.append(GroupLayout(d, d))
+            out.append(_pinned(g))
             continue
         if g.logical is None:
             dims = _unannotated(g.shape, every if preset == "fsdp" else (), sizes)
@@ -521,6 +520,13 @@ def rules_choice(
                 odims = _merge(dims, odims, g.shape, sizes)
         out.append(GroupLayout(dims, odims, grads_sharded=preset == "zero2" and odims != dims))
     return out
+
+
+def _pinned(g: ParamGroup) -> GroupLayout:
+    """A group the model pins in mesh axes: its pin, for the parameters and their
+    optimizer state alike."""
+    d = spec_dims(g.pinned, len(g.shape))
+    return GroupLayout(d, d)
 
 
 def table_choice(table: RuleTable, groups: list[ParamGroup], mesh: MeshLike) -> list[GroupLayout]:
@@ -566,8 +572,7 @@ def table_choice(table: RuleTable, groups: list[ParamGroup], mesh: MeshLike) -> 
     out = []
     for g in groups:
         if g.pinned is not None:
-            d = spec_dims(g.pinned, len(g.shape))
-            out.append(GroupLayout(d, d))
+            out.append(_pinned(g))
             continue
         dims = dims_of(g, table.overrides, opt=False)
         odims = dims_of(g, table.opt_overrides, opt=True)

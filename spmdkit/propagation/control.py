@@ -179,7 +179,7 @@ def _sliced_inside(
     wanted."""
     if stacked is None or not stacked.dims or stacked.partial:
         return have, None
-    base = TensorSpec(stacked.shape[1:], stacked.dims[1:], dtype=have.dtype)
+    base = unstack(stacked)[0].replace(dtype=have.dtype)
     if base.shape != have.shape or base == have:
         return have, None
     if base.local_bytes(pricer.mesh) >= have.local_bytes(pricer.mesh):
