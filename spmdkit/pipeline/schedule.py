@@ -90,6 +90,13 @@ class Pipeline:
             load balancing per data-parallel rank. Off (the default), such a
             layer is a :class:`PipelineError` that names it; without batch axes
             it is computed over the whole micro-batch either way.
+        layout: the stacked layers each chunk runs, in chunk order (``p · v``
+            counts summing to the layer count; a chunk may run none), as
+            Megatron-LM's ``--pipeline-model-parallel-layout`` places them;
+            None (the default): ``L / (p · v)`` each. The planner prices an
+            uneven layout (a device runs its chunks' layers; the bubble is
+            ``p − 1`` ticks of the largest chunk); the executor runs equal
+            chunks only and refuses an uneven one (:meth:`check_layers`).
     """
 
     stages: int
@@ -99,9 +106,12 @@ class Pipeline:
     axis: str = "pipe"
     return_output: bool = False
     local_statistics: bool = False
+    layout: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         op = "Pipeline"
+        if self.layout is not None:
+            self._check_layout(op)
         for name in ("stages", "microbatches", "virtual"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -147,6 +157,40 @@ class Pipeline:
                 fix=f"pass a multiple of {self.stages} micro-batches",
             )
 
+    def _check_layout(self, op: str) -> None:
+        layout = self.layout
+        ok = isinstance(layout, tuple) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in layout
+        )
+        if not ok or not sum(layout) or len(layout) != self.stages * self.virtual:
+            raise PipelineError(
+                op=op,
+                must="layout is a tuple of stages x virtual layer counts (ints >= 0, "
+                "summing to the stacked layers)",
+                given=f"layout={layout!r}, stages={self.stages}, virtual={self.virtual}",
+                fix=f"pass {self.stages * self.virtual} counts, e.g. layout=(2,) * "
+                f"{self.stages * self.virtual}, or layout=None for equal chunks",
+            )
+
+    @property
+    def uneven(self) -> bool:
+        """The layout gives chunks different layer counts (what the executor refuses)."""
+        return self.layout is not None and len(set(self.layout)) > 1
+
+    def chunk_layers(self, n_layers: int) -> tuple[int, ...]:
+        """The stacked layers each chunk runs, in chunk order: the layout's, else
+        ``L / (p · v)`` each."""
+        if self.layout is not None:
+            return self.layout
+        return (n_layers // self.chunks,) * self.chunks
+
+    def device_layers(self, n_layers: int) -> tuple[int, ...]:
+        """The stacked layers each pipe-axis device runs (its chunks' summed)."""
+        out = [0] * self.stages
+        for c, n in enumerate(self.chunk_layers(n_layers)):
+            out[self.chunk_device(c)] += n
+        return tuple(out)
+
     @property
     def chunks(self) -> int:
         """How many pieces the layer stack is cut into: ``stages · virtual``."""
@@ -158,13 +202,34 @@ class Pipeline:
         p, v, m = self.stages, self.virtual, self.microbatches
         return (p - 1) / (v * m + p - 1)
 
-    def check_layers(self, n_layers: int, *, op: str = "pipeline") -> int:
-        """Layers per chunk; a :class:`PipelineError` unless ``p · v`` divides them.
+    def check_layers(self, n_layers: int, *, op: str = "pipeline", priced: bool = False) -> int:
+        """Layers per chunk (the largest chunk's under a :attr:`layout`); a
+        :class:`PipelineError` unless ``p · v`` divides them, or the layout sums to them.
 
         Args:
             n_layers: the stacked (scanned) layer count.
             op: names the caller in the error.
+            priced: the layout is only priced (the planner): an uneven one is
+                accepted. The executor runs equal chunks only, and refuses it.
         """
+        if self.layout is not None:
+            if sum(self.layout) != n_layers:
+                raise PipelineError(
+                    op=op,
+                    must="the layout's chunks run every stacked layer once",
+                    given=f"layout summing to {sum(self.layout)}, {n_layers} layers",
+                    fix=f"pass a layout summing to {n_layers}",
+                )
+            if self.uneven and not priced:
+                raise PipelineError(
+                    op=op,
+                    must="the executor runs chunks of equal layer counts (each device's "
+                    "stacked weights are one array split evenly over the pipe axis)",
+                    given=f"layout={self.layout}",
+                    fix="run Pipeline(layout=None) with stages x virtual dividing the layers "
+                    "(the uneven layout is priced by sk.plan, not run)",
+                )
+            return max(self.layout)
         if n_layers < 1 or n_layers % self.chunks:
             raise PipelineError(
                 op=op,
@@ -181,7 +246,8 @@ class Pipeline:
     def short(self) -> str:
         """Compact label, e.g. ``pp4 1f1b m8`` or ``pp2x2 interleaved m4``."""
         v = f"x{self.virtual}" if self.virtual > 1 else ""
-        return f"pp{self.stages}{v} {self.schedule} m{self.microbatches}"
+        out = f"pp{self.stages}{v} {self.schedule} m{self.microbatches}"
+        return out + (f" layout {_runs(self.layout)}" if self.layout else "")
 
     def to_json(self) -> dict:
         """A JSON-able dict; :meth:`from_json` reads it back."""
@@ -193,12 +259,29 @@ class Pipeline:
             "axis": self.axis,
             "return_output": self.return_output,
             "local_statistics": self.local_statistics,
+            **({"layout": list(self.layout)} if self.layout is not None else {}),
         }
 
     @classmethod
     def from_json(cls, d: Mapping | None) -> Pipeline | None:
         """Inverse of :meth:`to_json` (``None`` stays ``None``)."""
-        return None if d is None else cls(**dict(d))
+        if d is None:
+            return None
+        d = dict(d)
+        if d.get("layout") is not None:
+            d["layout"] = tuple(d["layout"])
+        return cls(**d)
+
+
+def _runs(counts: tuple[int, ...]) -> str:
+    """``(0, 0, 2, 2, 2, 0)`` as ``0x2-2x3-0``: runs of equal counts."""
+    out: list[list[int]] = []
+    for n in counts:
+        if out and out[-1][0] == n:
+            out[-1][1] += 1
+        else:
+            out.append([n, 1])
+    return "-".join(f"{n}x{k}" if k > 1 else str(n) for n, k in out)
 
 
 @dataclass(frozen=True)

@@ -223,18 +223,45 @@ class StageSplit:
         return [i for i, w in enumerate(self.where) if w in keep]
 
 
-def stage_groups(groups: Sequence[ParamGroup], where: Sequence[str], stages: int) -> list:
+def stage_groups(
+    groups: Sequence[ParamGroup], where: Sequence[str], stages: int, held: int | None = None
+) -> list:
     """The groups as one pipe-axis device holds them: layer groups with ``L / p``
-    layers on their layer dim (and their optimizer state likewise), others whole."""
+    layers on their layer dim (``held`` of them when given: an uneven layout's
+    busiest device's), and their optimizer state likewise; others whole."""
     out = []
     for g, w in zip(groups, where, strict=True):
         if w != "layers":
             out.append(g)
             continue
         i = _layer_dim(g)
-        shape = (*g.shape[:i], g.shape[i] // stages, *g.shape[i + 1 :])
-        out.append(replace(g, shape=shape, opt_bytes=g.opt_bytes // stages))
+        n = g.shape[i] // stages if held is None else held
+        opt = g.opt_bytes // stages if held is None else g.opt_bytes * held // g.shape[i]
+        out.append(replace(g, shape=(*g.shape[:i], n, *g.shape[i + 1 :]), opt_bytes=opt))
     return out
+
+
+def _relayered(g: ParamGroup, n: int) -> ParamGroup:
+    """A stage group with ``n`` layers on its layer dim (optimizer state likewise)."""
+    i = _layer_dim(g)
+    opt = g.opt_bytes * n // g.shape[i] if g.shape[i] else 0
+    return replace(g, shape=(*g.shape[:i], n, *g.shape[i + 1 :]), opt_bytes=opt)
+
+
+def _layers_trace(trace: StepTrace, held: int) -> StepTrace:
+    """The trace of ``held`` of the stack's layers (an uneven layout's device)."""
+    k = held / trace.layers
+    return replace(
+        trace,
+        layers=held,
+        resid_bytes=int(max(trace.resid_bytes - (trace.layers - held) * trace.layer_resid, 0)),
+        attn_flops=trace.attn_flops * k,
+        layer_fwd_flops=trace.layer_fwd_flops * k,
+        attn_fwd_flops=trace.attn_fwd_flops * k,
+        attn_fused_fwd_flops=trace.attn_fused_fwd_flops * k,
+        attn_causal_fwd_flops=trace.attn_causal_fwd_flops * k,
+        attn_kv_bytes=trace.attn_kv_bytes * k,
+    )
 
 
 def _stage_trace(trace: StepTrace, stages: int) -> StepTrace:
@@ -372,7 +399,9 @@ def activation_bytes(
     """
     p, v = pipe.stages, pipe.virtual
     recipe = Recipe(remat=remat, save_names=save_names, compute_dtype=compute_dtype)
-    per_chunk = trace.layers / (p * v) * _kept_per_layer(trace, recipe) * act_scale
+    # an uneven layout's buffers are sized for its largest chunk
+    chunk = max(pipe.layout) if pipe.uneven else trace.layers / (p * v)
+    per_chunk = chunk * _kept_per_layer(trace, recipe) * act_scale
     recompute = layer_residuals(trace, recipe) * act_scale if remat != "none" else 0.0
     head = max(trace.resid_bytes - trace.layers * trace.layer_resid, 0.0) * act_scale
     sizes = StageSizes(
@@ -428,7 +457,9 @@ def pipeline_cost(
     stage = _stage_part(ctx, groups, choice, batch_axes, seq_axes, split)
     held, slow, sync_bytes = stage.held, stage.slow, stage.sync_bytes
     act_scale, carry_scale = stage.act_scale, stage.carry_scale
-    chunk_weights = stage.chunk_weights / pipe.virtual
+    chunk_weights = (
+        stage.chunk_weights / pipe.virtual if stage.chunk_s is None else stage.chunk_weights
+    )
     acts = activation_bytes(
         ctx.trace,
         pipe,
@@ -441,8 +472,10 @@ def pipeline_cost(
     )
     stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))
-    ticks = pipe.virtual * pipe.microbatches
-    bubble_s = slow.compute_time_s * (p - 1) / ticks
+    if stage.chunk_s is None:
+        bubble_s = slow.compute_time_s * (p - 1) / (pipe.virtual * pipe.microbatches)
+    else:  # an uneven layout: p − 1 ticks of its slowest chunk
+        bubble_s = stage.chunk_s * (p - 1) / pipe.microbatches
     compute = slow.compute_time_s + bubble_s
     p2p_s, p2p_bytes = _p2p(ctx, pipe, ctx.trace.layer_carry * carry_scale)
     sync_s = ctx.topology.collective_time(
@@ -484,6 +517,8 @@ class _StagePart(NamedTuple):
     act_scale: float
     carry_scale: float
     chunk_weights: float
+    #: an uneven layout's slowest chunk, all micro-batches (None: even chunks)
+    chunk_s: float | None = None
 
 
 def _stage_part(
@@ -501,9 +536,13 @@ def _stage_part(
     recipe = replace(ctx.recipe, microbatches=pipe.microbatches)
     key = ("pipeline_stage", tuple(choice), batch_axes, seq_axes, split.where, pipe.stages, recipe)
     key += (tuple(g.key for g in groups), tuple(g.shape for g in groups), tuple(ctx.sizes.items()))
+    key += (pipe.layout,) if pipe.uneven else ()
     hit = ctx.memo.get(key)
     if hit is not None:
         return hit
+    if pipe.uneven:
+        ctx.memo[key] = _uneven_part(ctx, groups, choice, batch_axes, seq_axes, split)
+        return ctx.memo[key]
     sctx = replace(ctx, recipe=recipe, trace=_stage_trace(ctx.trace, pipe.stages), gather_once=True)
     groups = [stored_group(recipe, g) for g in groups]  # bf16 params, master in opt state
     p = pipe.stages
@@ -536,6 +575,59 @@ def _stage_part(
     )
     ctx.memo[key] = out
     return out
+
+
+def _uneven_part(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    split: StageSplit,
+) -> _StagePart:
+    """:func:`_stage_part` of an uneven layout (``split.pipe.layout``): each device
+    computes its chunks' layers (the first also what runs before the stack, the
+    last what runs after), holds the busiest device's (one program runs on every
+    device); the slowest chunk, a layer's time by its count plus the end stages'
+    extra work on the first and last chunks, sets the bubble."""
+    pipe = split.pipe
+    p, recipe = pipe.stages, replace(ctx.recipe, microbatches=pipe.microbatches)
+    counts = pipe.device_layers(split.layers)
+    stored = [stored_group(recipe, g) for g in groups]
+
+    def at(n: int) -> tuple[CostContext, list[ParamGroup]]:
+        c = replace(ctx, recipe=recipe, trace=_layers_trace(ctx.trace, n), gather_once=True)
+        where = zip(stored, split.where, strict=True)
+        return c, [_relayered(g, n) if w == "layers" else g for g, w in where]
+
+    def cost(n: int, ix: Sequence[int]) -> Cost:
+        c, gs = at(n)
+        return total_cost(c, [gs[i] for i in ix], [choice[i] for i in ix], batch_axes, seq_axes)
+
+    stack = [i for i, w in enumerate(split.where) if w == "layers"]
+    layer_s = cost(1, stack).compute_time_s
+    devices = {d: cost(counts[d], split.on_device(d)) for d in {0, p - 1, *range(p)}}
+    extra = {d: max(devices[d].compute_time_s - counts[d] * layer_s, 0.0) for d in (0, p - 1)}
+    last = pipe.chunks - 1
+    chunk_s = max(
+        n * layer_s + (extra[0] if c == 0 else 0.0) + (extra[p - 1] if c == last else 0.0)
+        for c, n in enumerate(pipe.layout or ())
+    )
+    sctx, held_groups = at(max(counts))
+    ends = [i for i, w in enumerate(split.where) if w != "layers"]
+    ends_cost = total_cost(sctx, [held_groups[i] for i in ends], [choice[i] for i in ends], (), ())
+    wire = sctx.accumulator_ratio(held_groups[ends[0]].dtype) if ends else 1.0
+    act_scale, carry_scale = _per_microbatch(sctx, held_groups, choice, batch_axes, seq_axes)
+    weights = _chunk_weights(sctx, held_groups, choice, stack, batch_axes, seq_axes)
+    return _StagePart(
+        held=total_cost(sctx, held_groups, choice, batch_axes, seq_axes),
+        slow=max(devices.values(), key=lambda c: c.compute_time_s),
+        sync_bytes=ends_cost.memory["grads"] * wire,
+        act_scale=act_scale,
+        carry_scale=carry_scale,
+        chunk_weights=weights * max(pipe.layout or (1,)) / max(counts),
+        chunk_s=chunk_s,
+    )
 
 
 def _chunk_weights(

@@ -4,7 +4,9 @@
 
 1. :func:`pipeline_submesh` checks the request (the mesh has the pipeline's
    axis with ``stages`` devices; the model has stacked layers, a leading
-   ``layers`` dim that ``stages · virtual`` divides; no recipe micro-batches:
+   ``layers`` dim that ``stages · virtual`` divides, or that the pipeline's
+   ``layout`` sums to (the layer scan's stack, when the model has several: the
+   others run on the end stages); no recipe micro-batches:
    the pipeline has its own) and returns the mesh without the pipe axis.
 2. The planner, on the whole mesh, lays the strategy's rule tables out on that
    smaller mesh (data, fsdp, tensor, sequence, expert layouts) with the ``layers``
@@ -54,6 +56,7 @@ from spmdkit.mesh import abstract_mesh
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.pipeline.context_parallel import rows_loss_combined, rows_loss_error
 from spmdkit.pipeline.facts import rows_error, rows_split, split_rows_combined, tokens_refused
+from spmdkit.pipeline.layer_scan import find_layer_scan
 from spmdkit.planner.logical import LogicalRules, RulesLike
 from spmdkit.planner.naming import infer_names
 from spmdkit.planner.plans import Plan
@@ -69,6 +72,7 @@ __all__ = [
     "model_rows_loss",
     "model_tokens_refused",
     "pipeline_submesh",
+    "pipelined_stack",
     "stacked_paths",
 ]
 
@@ -89,6 +93,21 @@ def stacked_paths(info: ModelInfo) -> dict[str, int]:
     }
 
 
+def pipelined_stack(info: ModelInfo) -> int:
+    """The layer count of the stack the pipe axis splits: the layer scan's
+    (:func:`~spmdkit.pipeline.layer_scan.find_layer_scan`), 0 when the loss has
+    none; once per model. Other stacks (DeepSeek's dense layers before its MoE
+    stack) run where their parameters are used: before the scan on the first
+    stage, after it on the last."""
+
+    def find() -> int:
+        closed = jax.make_jaxpr(info.loss_fn)(info.abstract_params, info.batch)
+        scan = find_layer_scan(closed.jaxpr)
+        return scan.length if scan is not None else 0
+
+    return info.memo(("pipeline.stack",), find)
+
+
 def _check_model(info: ModelInfo, pipe: Pipeline) -> None:
     stacked = stacked_paths(info)
     if not stacked:
@@ -103,14 +122,16 @@ def _check_model(info: ModelInfo, pipe: Pipeline) -> None:
             f"{{'<path glob>': ({LAYER_NAME!r}, ...)}})), or plan without pipeline=",
         )
     counts = sorted(set(stacked.values()))
-    if len(counts) > 1:
+    layers = counts[0] if len(counts) == 1 else pipelined_stack(info)
+    if layers not in counts:
         raise PipelineError(
             op="plan(pipeline=...)",
-            must=f"every {LAYER_NAME!r} dim has the same length (one layer stack)",
-            given=f"layer dims of lengths {counts}",
-            fix="pipeline one layer stack; name other stacked dims otherwise",
+            must=f"one of the {LAYER_NAME!r} stacks is the layer scan the pipe axis splits",
+            given=f"layer dims of lengths {counts}, the loss's layer scan of {layers}",
+            fix="scan the stack to pipeline over its stacked parameters; name other "
+            "stacked dims otherwise",
         )
-    pipe.check_layers(counts[0], op="plan(pipeline=...)")
+    pipe.check_layers(layers, op="plan(pipeline=...)", priced=True)
 
 
 def _why_unstacked(info: ModelInfo) -> str:
@@ -331,11 +352,17 @@ def check_pipelined(info: ModelInfo, plan: Plan) -> None:
     pipe = plan.pipeline
     assert pipe is not None
     sizes = axis_sizes(plan.mesh)
-    for path, layers in stacked_paths(info).items():
+    stacks = stacked_paths(info)
+    split = pipelined_stack(info) if len(set(stacks.values())) > 1 else None
+    for path, layers in stacks.items():
+        if split is not None and layers != split:
+            continue  # a stack run before or after the pipelined one, on an end stage
         spec = tuple(plan.params[path])
         first = spec[0] if spec else None
         axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-        if pipe.axis not in axes or layers % math.prod(sizes[a] for a in axes):
+        # an uneven layout is priced only (the executor refuses it): no even split
+        uneven = pipe.uneven and axes == (pipe.axis,)
+        if pipe.axis not in axes or (layers % math.prod(sizes[a] for a in axes) and not uneven):
             raise PipelineError(
                 op="plan(pipeline=...)",
                 must=f"the {LAYER_NAME!r} dim splits over the pipe axis and the axes the "

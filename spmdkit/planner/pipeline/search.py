@@ -203,11 +203,8 @@ def pipeline_configs(
         ['pp9 fthenb m1', 'pp9 fthenb m3', 'pp9 fthenb m7', 'pp9 1f1b m9']
     """
     if request is not None:
-        ok = (
-            request.stages == stages
-            and layers % request.chunks == 0
-            and local_batch % request.microbatches == 0
-        )
+        fits = sum(request.layout) == layers if request.layout else layers % request.chunks == 0
+        ok = request.stages == stages and fits and local_batch % request.microbatches == 0
         return [request] if ok else []
     if layers % stages:
         return []
@@ -377,7 +374,7 @@ class PipelinePlanner:
         layers = self.problem.ctx.trace.layers
         stages = fixed_pipe.stages if fixed_pipe is not None else None
         if fixed_pipe is not None:
-            fixed_pipe.check_layers(layers, op="plan")
+            fixed_pipe.check_layers(layers, op="plan", priced=True)
         out: list[Candidate] = []
         meshes = pipe_meshes(self.problem.mesh, layers, stages)
         if not meshes:
@@ -735,8 +732,10 @@ class PipelinePlanner:
             memo=self.pipe_memo(c.mesh),
             context=context_axes(c.activation.get("seq", ())),
         )
-        split = StageSplit(c.pipeline, where, self.problem.ctx.trace.layers)
-        groups = stage_groups(self.problem.groups, where, c.pipeline.stages)
+        layers = self.problem.ctx.trace.layers
+        split = StageSplit(c.pipeline, where, layers)
+        held = max(c.pipeline.device_layers(layers)) if c.pipeline.uneven else None
+        groups = stage_groups(self.problem.groups, where, c.pipeline.stages, held)
         batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
         return pipeline_cost(pctx, groups, choice, batch, seq, split, calibration=calibration)
 
