@@ -86,3 +86,28 @@ def test_layers_must_divide_into_chunks_and_json_round_trip() -> None:
         pipe.check_layers(6)
     assert Pipeline.from_json(pipe.to_json()) == pipe
     assert set(SCHEDULES) == {"gpipe", "fthenb", "1f1b", "interleaved"}
+
+
+def test_a_layout_gives_chunks_their_layers_and_only_prices_uneven_ones() -> None:
+    layout = (0, 2, 3, 1)
+    pipe = Pipeline(stages=2, microbatches=4, schedule="interleaved", virtual=2, layout=layout)
+    assert pipe.uneven and pipe.chunk_layers(6) == (0, 2, 3, 1)
+    assert pipe.device_layers(6) == (3, 3)  # chunks 0, 2 on device 0; 1, 3 on device 1
+    assert pipe.check_layers(6, priced=True) == 3
+    with pytest.raises(PipelineError, match="equal layer counts") as e:
+        pipe.check_layers(6)  # the executor's check
+    assert "layout=None" in e.value.fix
+    with pytest.raises(PipelineError, match="summing to 6"):
+        pipe.check_layers(7, priced=True)
+    assert Pipeline.from_json(pipe.to_json()) == pipe
+    assert pipe.short() == "pp2x2 interleaved m4 layout 0-2-3-1"
+    even = Pipeline(stages=2, microbatches=4, layout=(2, 2))
+    assert not even.uneven and even.check_layers(4) == 2
+    assert "layout" not in Pipeline(stages=2, microbatches=4).to_json()
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 3), (1, -1), (0, 0), [1, 1]])
+def test_a_bad_layout_is_typed(layout: object) -> None:
+    with pytest.raises(PipelineError, match="layout is a tuple") as e:
+        Pipeline(stages=2, microbatches=2, layout=layout)
+    assert e.value.fix

@@ -257,3 +257,35 @@ def test_no_stacked_dim_names_its_cause():
         sk.plan(stacked, mesh, "dp", pipeline=pipe, names=names)
     assert "blocks/down/bias (4, 16) named (None, None)" in str(e.value)
     assert "python list" not in str(e.value).split("Fix:")[0]
+
+
+def _deepseek(pipe: Pipeline):
+    """DeepSeek's tiny config with 1 dense and 4 MoE layers: two layer stacks, the
+    MoE one the layer scan the pipe axis splits."""
+    import dataclasses
+
+    spec = get_model("deepseek")
+    config = dataclasses.replace(spec.configs["tiny"](), n_layers=5, n_dense_layers=1)
+    mesh = sk.abstract_mesh(pipe=2, model=2)
+    return sk.plan(spec, mesh, "megatron", config=config, pipeline=pipe, estimator="analytic")
+
+
+def test_a_dense_stack_before_the_pipelined_one_runs_on_the_first_stage():
+    p = _deepseek(Pipeline(stages=2, microbatches=4))
+    assert p.params["moe_layers/attn/wo"][0] == "pipe"
+    assert "pipe" not in str(p.params["dense_layers/attn/wo"])
+
+
+def test_an_uneven_layout_is_priced_by_its_busiest_device():
+    """Layer counts per chunk: an even layout given is the default's price; one
+    device running 3 of the 4 MoE layers computes longer and holds more."""
+    even = _deepseek(Pipeline(stages=2, microbatches=4)).cost
+    assert _deepseek(Pipeline(stages=2, microbatches=4, layout=(2, 2))).cost == even
+    p = _deepseek(Pipeline(stages=2, microbatches=4, layout=(1, 3)))
+    uneven = p.cost
+    assert p.pipeline.layout == (1, 3) and "layout 1-3" in p.table()
+    assert uneven.compute_time_s - uneven.bubble_s > even.compute_time_s - even.bubble_s
+    assert uneven.bubble_s > even.bubble_s  # p − 1 ticks of the 3-layer chunk
+    assert uneven.memory["activations"] > even.memory["activations"]
+    with pytest.raises(PipelineError, match="summing to 4"):
+        _deepseek(Pipeline(stages=2, microbatches=4, layout=(2, 3)))
