@@ -249,31 +249,59 @@ GPT_OSS_120B = {
     "64, the all-to-all dispatcher's host synchronisation per layer)",
 }
 
+#: Megatron-Bridge's DeepSeek-V3 layout on 1,024 H100s: TP 2 (sequence parallel) x
+#: PP 8 x VP 4, EP 64 over the tensor ranks and 32 of the 64 data-parallel ranks
+#: (ETP 1), its pipeline layout ``Et|(tt|)*30mL``: chunk 0 the embedding and dense
+#: layer 0, chunk 1 dense layers 1-2, chunks 2-30 two MoE layers each, chunk 31 the
+#: MTP layer and the loss. Priced with the dense stack on the first device (before
+#: the MoE stack it pipelines: the second device's two dense layers counted on the
+#: first) and the 58 MoE layers over chunks 2-30; the zoo's model has no MTP layer.
+#: The executor runs equal chunks only: this layout is priced, not run.
+DEEPSEEK_V3 = {
+    "name": "Megatron-Bridge DeepSeek-V3 671B FP8",
+    "source": "Megatron-Bridge performance summary (H100), 25.09; its DeepSeek-V3 "
+    "H100 workload config (scripts/performance/configs/deepseek)",
+    "model": ("deepseek", "v3_671b"),
+    "config": {},
+    "devices": 1024,
+    "mesh": {"pipe": 8, "data": 2, "expert": 32, "model": 2},
+    "published_mesh": "TP 2 x PP 8 x VP 4 x EP 64 (DP 64, ETP 1)",
+    "strategy": "megatron_sp+zero1",
+    "rules": [("expert", ("expert", "model")), ("batch", ("data", "expert"))],
+    "batch": 8192,
+    "pipeline": Pipeline(
+        stages=8,
+        microbatches=128,
+        schedule="interleaved",
+        virtual=4,
+        local_statistics=True,
+        layout=(0, 0) + (2,) * 29 + (0,),
+    ),
+    # recompute mla_up_proj and mlp: the nearest named policy keeps the attention's
+    # output projection and recomputes the rest (the routed experts too, which
+    # Megatron keeps)
+    "recipe": dataclasses.replace(MEGATRON_FP8, remat="save_out_proj"),
+    "published_recipe": "FP8, GBS 8192, MBS 1, seq 4096, dropless, recompute "
+    "mla_up_proj and mlp, DeepEP dispatch, layout Et|(tt|)*30mL",
+    "stack": "xla",
+    "published": 1297,
+    "memory_gib": None,
+    "fit": False,
+    "pipelined": True,
+    "runs": "priced only: the executor refuses the uneven layout (PipelineError)",
+    "miss": "predicted slower than published. By --breakdown the slowest device's compute "
+    "(its 8 MoE layers, FP8) is below the published step, and the experts' token exchange "
+    "(all-to-all over EP 64, 7 of its 8 nodes over InfiniBand) is priced exposed and larger "
+    "than the rest of the step. Candidates, not tuned: DeepEP's dispatch sends a token "
+    "once per destination node over InfiniBand and fans it out over NVLink (priced: once "
+    "per expert), in FP8 on the forward; Megatron overlaps the exchange with another "
+    "micro-batch's compute; the nearest remat policy reruns the routed experts and their "
+    "exchange, which the published recipe (mla_up_proj and mlp) keeps",
+}
+
 #: Published runs the planner cannot price as published, each with why: saved
 #: beside the rows (``unpriced``), with the figures of what it can price instead.
-UNPRICED = [
-    {
-        "name": "Megatron-Bridge DeepSeek-V3 671B FP8",
-        "source": "Megatron-Bridge performance summary (H100), 25.09; its DeepSeek-V3 "
-        "H100 workload config (scripts/performance/configs/deepseek)",
-        "model": ("deepseek", "v3_671b"),
-        "devices": 1024,
-        "published_mesh": "TP 2 x PP 8 x VP 4 x EP 64 (DP 64, ETP 1)",
-        "published_recipe": "FP8, GBS 8192, MBS 1, seq 4096, dropless, recompute "
-        "mla_up_proj and mlp, DeepEP dispatch, all-to-all overlapped",
-        "batch": 8192,
-        "published": 1297,
-        "why": "the model's 3 dense and 58 MoE layers are two layer stacks, which Megatron "
-        "splits unevenly over PP 8 x VP 4 (32 chunks); a pipelined plan here pipelines "
-        "one stack split evenly (58 layers: 2 stages at most below 29)",
-        "needs": "the dense stack named apart from the pipelined one and priced where it "
-        "runs, as a prefix of the first stage (the pipeline's cost already prices the "
-        "parameters used before the stack there; plan.py refuses two stacks and the "
-        "executor traces one scan), and stages of unequal layer counts (58 MoE layers "
-        "over 32 chunks: the stage cost, the tick table and the executor's stacked "
-        "weights each assume L / (p * v) layers a chunk)",
-    },
-]
+UNPRICED: list[dict] = []
 
 #: DeepSeek-V3 671B's layouts on 1,024 H100s (global batch 8,192), priced
 #: analytically: MaxText's (pure FSDP, bf16, full recompute) and Megatron-Bridge's
@@ -403,6 +431,7 @@ ROWS = [
     _twin(TORCHTITAN_FLOAT8, **AT_128, published=8380, memory_gib=None),
     QWEN3_30B,
     GPT_OSS_120B,
+    DEEPSEEK_V3,
 ]
 
 
