@@ -289,3 +289,36 @@ def test_an_uneven_layout_is_priced_by_its_busiest_device():
     assert uneven.memory["activations"] > even.memory["activations"]
     with pytest.raises(PipelineError, match="summing to 4"):
         _deepseek(Pipeline(stages=2, microbatches=4, layout=(2, 3)))
+
+
+@pytest.mark.slow
+def test_a_dense_stack_before_the_pipelined_one_runs_as_on_one_device():
+    """DeepSeek's two stacks pipelined on pipe=2 x model=2: the dense layer on the
+    first stage, the MoE stack split, one device's loss and grads; an uneven
+    layout of the same stack is priced but the executor refuses it."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from spmdkit.introspect import describe
+
+    spec = get_model("deepseek")
+    config = dataclasses.replace(spec.configs["tiny"](), n_layers=5, n_dense_layers=1)
+    mesh = sk.make_mesh(pipe=2, model=2)
+    info = describe(spec, config=config)
+    params = info.init_fn()
+    batch = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), info.batch)
+    want, ref = jax.jit(jax.value_and_grad(info.loss_fn))(params, batch)
+    for layout in (None, (1, 3)):
+        pipe = Pipeline(stages=2, microbatches=4, layout=layout)
+        plan = sk.plan(spec, mesh, "megatron", config=config, pipeline=pipe, estimator="analytic")
+        step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
+        if layout is not None:
+            with pytest.raises(PipelineError, match="equal layer counts"):
+                step(params, batch)
+            continue
+        loss, grads = step(params, batch)
+        np.testing.assert_allclose(loss, want, rtol=1e-5)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-5)
