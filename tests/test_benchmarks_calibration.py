@@ -87,7 +87,7 @@ def test_the_breakdown_prints_each_term_beside_the_published_step(bench):
 
 
 @pytest.mark.slow
-def test_deepseek_v3_is_priced_in_its_published_layout_and_auto_plans_it_in_time(bench):
+def test_deepseek_v3_is_priced_in_its_published_layout_and_auto_fits_80_gib(bench):
     """Issue 44: DeepSeek-V3 671B on 1,024 H100s, priced in Megatron-Bridge's uneven
     layout (58 MoE layers over 29 of 32 chunks, the dense stack on the first
     stage), which the executor refuses to run; ``auto`` (``pipeline="auto"``,
