@@ -284,6 +284,7 @@ def test_an_uneven_layout_is_priced_by_its_busiest_device():
     p = _deepseek(Pipeline(stages=2, microbatches=4, layout=(1, 3)))
     uneven = p.cost
     assert p.pipeline.layout == (1, 3) and "layout 1-3" in p.table()
+    assert Plan.from_json(p.to_json(), mesh=p.mesh).pipeline == p.pipeline
     assert uneven.compute_time_s - uneven.bubble_s > even.compute_time_s - even.bubble_s
     assert uneven.bubble_s > even.bubble_s  # p − 1 ticks of the 3-layer chunk
     assert uneven.memory["activations"] > even.memory["activations"]
