@@ -319,12 +319,48 @@ class Chooser:
                 res = infer_backward(op, *ins, outputs=outs, mesh=self.mesh, **attrs)
             except RULE_ERRORS:
                 continue
+            if self._reduced_to(node, spec, outs, res.inputs):
+                continue
             for v, s in zip(node.ins, res.inputs, strict=True):
                 if v in fixed or self.prog.const[v] or v in hints:
                     continue
                 if s.sharding_axes and s.dims != spec[v].dims:
                     hints[v] = s
         return hints
+
+    def _reduced_to(
+        self,
+        node: Node,
+        spec: Mapping[int, TensorSpec],
+        want: Sequence[TensorSpec],
+        ins: Sequence[TensorSpec],
+    ) -> bool:
+        """Whether the layouts ``want``ed of the sum-partial results ``node`` makes
+        (from operands without pending sums) are made by resolving those sums
+        there, a reduce-scatter (a weight's gradient contracted over the batch,
+        wanted split like its weight), for no more payload bytes than moving the
+        operands to the backward answer's layouts ``ins`` would: the hint then
+        stops at the node (carried upstream it moved the activations the
+        contraction reads: a cotangent split over the vocabulary where its reader
+        keeps it split over the batch)."""
+        made = [spec[o] for o in node.outs]
+        if not any(s.partial for s in made) or any(spec[v].partial for v in node.ins):
+            return False  # no pending sum, or one made upstream (the hint goes on to it)
+        out_bytes = 0
+        for s, w in zip(made, want, strict=True):
+            if s.dims == w.dims and s.partial == w.partial:
+                continue
+            if not s.partial:
+                return False
+            a = self.pricer.reshard("output", s, w)
+            if a is None or not all(c.kind == "reduce_scatter" for c in a.plan.collectives):
+                return False
+            out_bytes += a.payload_bytes
+        in_bytes = 0
+        for i, (v, r) in enumerate(zip(node.ins, ins, strict=True)):
+            a = self.pricer.reshard(f"input {i}", spec[v], r)
+            in_bytes += a.payload_bytes if a is not None else 0
+        return out_bytes <= in_bytes
 
     def _scan_hints(
         self, node: Node, spec: Mapping[int, TensorSpec], hints: dict, fixed: set[int]

@@ -477,18 +477,6 @@ def test_recipes_match_single_device_and_verify(model, name):
     CPU backend runs it (collectives and temporaries in float32:
     ``spmdkit.verification.planned.held_on_cpu``).
     """
-    if (model, name) == ("llama", "micro2"):
-        # since 9058e3f (sk.jit's propagation priced on the mesh's own topology): on
-        # the CPU topology the replay picks rms_norm's sharded_stats inside the
-        # microbatched layer scan (a microbatch of 4 rows does not split over 8
-        # devices); the plan reduce-scatters the norm's input and gathers the sum
-        # once per layer (4 x 16 KiB), XLA slices it instead and all-gathers
-        # f32[4,16,64] at each reader (10 x 16 KiB; report.attribution names the
-        # scan body). On the H100 topology the same step verifies.
-        pytest.xfail(
-            "all_gather predicted 65.0 KiB, compiled 225.0 KiB: the CPU-priced replay's "
-            "sharded rms_norm in a microbatched scan (comment above)"
-        )
     recipe = RECIPES[name]
     # one layer in two recomputed needs two recomputed layers: four
     layers = 4 if recipe.remat_every > 1 else None

@@ -139,14 +139,6 @@ def test_the_report_waits_for_its_first_read(mesh2d, monkeypatch):
     assert prop.memory_as(cpu=True)[0].peak_bytes > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on the integrated main (the reshard planner's collective-permute prices, the "
-    "kept expert buffers) the sweeps' cheapest round by the model moves the broadcast "
-    "cotangent again: all_to_all 8,432 B (8 KiB of it this move); the plan still "
-    "verifies (tests/cli, slow). Rounds with and without the move priced 1.05 and "
-    "1.29 ms: the free value's request does not survive into the cheapest round",
-)
 def test_a_free_value_is_made_as_its_reader_wants():
     """The user model of tests/cli under fsdp (its head split on ``vocab``): the
     loss's cotangent ``broadcast(ct)`` is made from a replicated operand, so it
