@@ -112,6 +112,22 @@ __all__ = [
 #: the 2-matmul forward first): 7 / 9.
 _FUSED_BACKWARD = 7.0 / 9.0
 
+#: Passes over its score matrices (``b·h·Sq·Sk`` elements each) that an attention
+#: region without a fused kernel (plain or blockwise attention under XLA) makes in
+#: device memory in a train step, in its batched dots: the forward's ``Q·Kᵀ``
+#: writes the scores and ``P·V`` reads the probabilities; the region's backward
+#: reruns ``Q·Kᵀ`` (a write), writes ``dP``, reads ``dS`` twice (``dQ``, ``dK``)
+#: and ``P`` once (``dV``). With ``head_dim`` contracted (64 to 128) these dots
+#: do about ``head_dim`` FLOPs per score byte, fewer than a GPU's FLOP/byte, so
+#: the traffic, not the FLOPs, bounds them.
+_PLAIN_DOT_PASSES = 7.0
+#: ... and in its softmax fusions: the forward and its rerun each read the scores
+#: and write the probabilities; the backward reads ``P`` and ``dP`` and writes ``dS``.
+_PLAIN_SOFTMAX_PASSES = 7.0
+#: A layer the remat policy recomputes runs the forward once more: ``Q·Kᵀ``
+#: written, ``P·V`` read; the softmax read and written.
+_PLAIN_RERUN_DOT, _PLAIN_RERUN_SOFTMAX = 2.0, 2.0
+
 #: Logical dims that are not the activation width a tensor-parallel param moves.
 _SKIP_OTHER = {"head_dim", "conv_window", "layers", "expert"}
 
@@ -164,6 +180,11 @@ class StepTrace:
         that run a fused kernel on a GPU (the models' ``"auto"`` attention).
       attn_causal_fwd_flops: of those, the causal ones (a fused kernel skips
         the masked blocks).
+      attn_plain_fwd_flops: of ``attn_fwd_flops``, those in attention regions
+        that run no fused kernel (``"xla"``, ``"blockwise"``).
+      attn_plain_scores: elements of those regions' score matrices
+        (``b·h·Sq·Sk`` each, global, all layers, one forward pass): what they
+        move through device memory (:meth:`StepTrace.plain_attention`).
       attn_kv_bytes: bytes of the keys and values attention reads in one
         forward pass (global, all layers): what context parallelism exchanges.
       resid_peak: the largest single residual (the logits), live again as its
@@ -206,6 +227,8 @@ class StepTrace:
     attn_fwd_flops: float = 0.0
     attn_fused_fwd_flops: float = 0.0
     attn_causal_fwd_flops: float = 0.0
+    attn_plain_fwd_flops: float = 0.0
+    attn_plain_scores: float = 0.0
     attn_kv_bytes: float = 0.0
     resid_peak: float = 0.0
     state_bytes: int = 0
@@ -248,6 +271,24 @@ class StepTrace:
         kept = 1.0 - causal * (1.0 - topology.causal_share(self.seq_len))
         train = self.attn_flops * (1.0 - fused + fused * kept * _FUSED_BACKWARD)
         return train + recompute * (1.0 - fused + fused * kept)
+
+    def plain_attention(self, recipe: Recipe) -> tuple[float, float, float]:
+        """``(FLOPs, dot elements, softmax elements)`` of the step's attention
+        regions that run no fused kernel (global, recompute included): their
+        share of :meth:`attention_flops`, and the score-matrix elements their
+        batched dots and their softmax fusions move through device memory
+        (:data:`_PLAIN_DOT_PASSES`, :data:`_PLAIN_SOFTMAX_PASSES`, and once more
+        per layer the remat policy recomputes). Plain attention materializes its
+        scores; the blockwise version, compiled by XLA, writes each key block's
+        scores too, so neither is priced by its FLOPs alone."""
+        if self.attn_plain_scores <= 0 or self.attn_fwd_flops <= 0:
+            return 0.0, 0.0, 0.0
+        share = min(self.attn_plain_fwd_flops / self.attn_fwd_flops, 1.0)
+        recompute = self.recompute_flops(recipe)[1]
+        reruns = recompute / self.attn_fwd_flops  # layer forwards recomputed, per layer
+        dots = self.attn_plain_scores * (_PLAIN_DOT_PASSES + reruns * _PLAIN_RERUN_DOT)
+        softmax = self.attn_plain_scores * (_PLAIN_SOFTMAX_PASSES + reruns * _PLAIN_RERUN_SOFTMAX)
+        return (self.attn_flops + recompute) * share, dots, softmax
 
     def elementwise_bytes(self, recipe: Recipe) -> float:
         """Bytes memory-bound work moves through device memory in a step (global,
@@ -874,6 +915,8 @@ def total_cost(
     attn_split *= heads_tp
     flops = trace.attention_flops(recipe, ctx.topology) / attn_split
     attn_s = ctx.compute_time(0.0, flops, attention_dtype(dtype))
+    if ctx.peak_flops is None:
+        attn_s += _score_traffic_s(ctx, attention_dtype(dtype), attn_split)
     compute_s += attn_s + recompute_s(ctx, layer_s)
     if not total_flops and trace.flops:
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
@@ -914,6 +957,23 @@ def total_cost(
         hidden_comm_s=hidden,
         ops={"attention": {cp.strategy: max(trace.layers, 1)}} if ctx.context else {},
     )
+
+
+def _score_traffic_s(ctx: CostContext, dtype: str, split: float) -> float:
+    """Seconds per device that attention without a fused kernel spends moving its
+    score matrices (:meth:`StepTrace.plain_attention`) beyond its FLOPs' time:
+    its batched dots take the longer of their FLOPs and their score traffic
+    (a roofline), its softmax fusions their traffic (:meth:`Topology.memory_time`).
+    The matrices are in ``dtype`` (float32 and TF32 4 bytes an element, else 2);
+    ``split``: the batch, sequence and head shards that divide attention."""
+    flops, dots, softmax = ctx.trace.plain_attention(ctx.recipe)
+    if not dots:
+        return 0.0
+    itemsize = 4 if dtype in ("float32", "tfloat32") else 2
+    topology = ctx.topology
+    dots_s = dots * itemsize / split / topology.hbm_bandwidth
+    excess = max(dots_s - ctx.compute_time(0.0, flops / split, dtype), 0.0)
+    return excess + topology.memory_time(softmax * itemsize / split)
 
 
 def _head_axes(

@@ -295,26 +295,44 @@ def _layer_scan(jaxpr: Jaxpr) -> tuple[_LayerScan | None, float]:
 _FUSED = ("auto", "cudnn", None)
 
 
-def _fused_attention(jaxpr: Jaxpr, mult: float = 1.0) -> tuple[float, float, float]:
-    """Forward FLOPs (full square) of the attention regions that run a fused
-    kernel on a GPU, and of those that are causal, and the bytes of every
-    attention region's keys and values (scans unrolled)."""
-    fused = causal = kv = 0.0
+class _Regions(NamedTuple):
+    """The traced forward's attention regions (scans unrolled): forward FLOPs (full
+    square) of those that run a fused kernel on a GPU and of the causal ones among
+    them, the bytes of every region's keys and values, and, of the regions that run
+    no fused kernel (plain and blockwise attention), their forward FLOPs and the
+    elements of their score matrices (``b·h·Sq·Sk``), which XLA writes to and reads
+    from device memory."""
+
+    fused: float = 0.0
+    causal: float = 0.0
+    kv: float = 0.0
+    plain: float = 0.0
+    scores: float = 0.0
+
+
+def _fused_attention(jaxpr: Jaxpr, mult: float = 1.0) -> _Regions:
+    """The attention regions of ``jaxpr`` (:class:`_Regions`), each ``mult`` times."""
+    fused = causal = kv = plain = scores = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == FORWARD and eqn.params["op"] == "attention":
             attrs = dict(eqn.params["attrs"])
             kv += mult * sum(_aval_bytes(v) for v in eqn.invars[1:3])
+            sub = list(_eqn_subs(eqn))[-1]  # the region's unsharded computation
+            flops = mult * _jaxpr_flops(sub, batched_only=True)
             if attrs.get("implementation") in _FUSED:
-                sub = list(_eqn_subs(eqn))[-1]  # the region's unsharded computation
-                flops = mult * _jaxpr_flops(sub, batched_only=True)
                 fused += flops
                 causal += flops if attrs.get("causal") else 0.0
+            else:
+                q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+                plain += flops
+                scores += mult * math.prod(q[:-1]) * k[1]
             continue
         n = jaxprs.scan_length(eqn)
         for sub in jaxprs.sub_jaxprs(eqn):
-            f, c, b = _fused_attention(jaxprs.open_jaxpr(sub)[0], mult * n)
-            fused, causal, kv = fused + f, causal + c, kv + b
-    return fused, causal, kv
+            r = _fused_attention(jaxprs.open_jaxpr(sub)[0], mult * n)
+            fused, causal, kv = fused + r.fused, causal + r.causal, kv + r.kv
+            plain, scores = plain + r.plain, scores + r.scores
+    return _Regions(fused, causal, kv, plain, scores)
 
 
 def _layer_policy(scan: jaxprs.Scan) -> Callable[[Recipe], PolicyFacts]:
@@ -498,7 +516,8 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
             default=0,
         )
     attn_train = _jaxpr_flops(closed.jaxpr, batched_only=True)
-    fused, causal, kv = _fused_attention(forward.jaxpr)
+    regions = _fused_attention(forward.jaxpr)
+    kv = regions.kv
     if not kv and seq > 1:
         # attention written as plain batched dots: its forward is two of them,
         # 4·b·s²·h·d FLOPs, over keys and values of 2·b·s·h·d elements
@@ -524,8 +543,10 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         layer_policy=_layer_policy(find_layer_scan(forward.jaxpr).scan) if scan else None,
         layer_float8=_float8_share(info) if scan else None,
         attn_fwd_flops=attn_fwd,
-        attn_fused_fwd_flops=fused,
-        attn_causal_fwd_flops=causal,
+        attn_fused_fwd_flops=regions.fused,
+        attn_causal_fwd_flops=regions.causal,
+        attn_plain_fwd_flops=regions.plain,
+        attn_plain_scores=regions.scores,
         attn_kv_bytes=kv,
         resid_peak=float(peak),
         state_bytes=sum(p.nbytes for p in info.state),

@@ -298,6 +298,51 @@ def test_attention_is_priced_as_the_kernel_that_runs(llama):
     assert full == pytest.approx(fused + t.attn_fwd_flops * share)
 
 
+def test_plain_attention_is_priced_by_its_score_traffic(amesh):
+    """Attention without a fused kernel writes and reads its ``b·h·S·S`` scores in
+    device memory: the trace counts them, and on an H100 the step pays their
+    traffic beyond the FLOPs' time (the batched dots by a roofline, the softmax
+    by its bytes); the fused kernel's trace counts none."""
+    from dataclasses import replace
+
+    from models.llama import LlamaConfig
+    from spmdkit.models import get_model
+    from spmdkit.step.recipe import Recipe
+    from spmdkit.topology import Topology
+
+    def trace(attention):
+        cfg = LlamaConfig(scan_layers=True, seq_len=512, attention=attention)
+        info = describe(get_model("llama"), config=cfg, batch_size=8)
+        return cfg, info, trace_step(info, None)
+
+    cfg, info, plain = trace("xla")
+    scores = 8 * cfg.n_heads * cfg.seq_len**2 * cfg.n_layers
+    assert plain.attn_plain_scores == scores
+    assert plain.attn_plain_fwd_flops == plain.attn_fwd_flops > 0
+    flops, dots, softmax = plain.plain_attention(Recipe())
+    assert (dots, softmax) == (7 * scores, 7 * scores)
+    assert flops == pytest.approx(plain.attention_flops(Recipe(), Topology.h100()))
+    # a layer recomputed runs the forward's two passes of each kind once more
+    assert plain.plain_attention(Recipe(remat="full"))[1:] == (9 * scores, 9 * scores)
+    fused = trace("auto")[2]
+    assert fused.attn_plain_scores == 0 and fused.plain_attention(Recipe()) == (0, 0, 0)
+
+    topo = Topology.h100(stack="xla")
+    groups = param_groups(info, plain)
+    ctx = CostContext(amesh, axis_sizes(amesh), topo, plain, None, 1.0)
+    args = (groups, _fsdp(groups), ("data", "model"), ())
+    priced = total_cost(ctx, *args).compute_time_s
+    flops_only = replace(ctx, trace=replace(plain, attn_plain_scores=0.0), memo={})
+    extra = priced - total_cost(flops_only, *args).compute_time_s
+    # float32 parameters: the matmuls run as TF32, the scores 4 bytes an element
+    split, itemsize = 8, 4
+    dots_s = dots * itemsize / split / topo.hbm_bandwidth
+    flops_s = topo.compute_time(0.0, flops / split, "tfloat32")
+    softmax_s = softmax * itemsize / split / topo.hbm_bandwidth
+    assert dots_s > flops_s  # the dots contract head_dim: bound by their traffic
+    assert extra == pytest.approx(dots_s - flops_s + softmax_s)
+
+
 def test_memory_bound_work_is_priced_by_bytes_over_hbm(llama):
     """The fusions' bytes and the optimizer update take time at HBM bandwidth;
     a stack that fuses less (eager PyTorch) moves more of them."""

@@ -282,6 +282,8 @@ def _stage_trace(trace: StepTrace, stages: int) -> StepTrace:
         attn_fwd_flops=trace.attn_fwd_flops / stages,
         attn_fused_fwd_flops=trace.attn_fused_fwd_flops / stages,
         attn_causal_fwd_flops=trace.attn_causal_fwd_flops / stages,
+        attn_plain_fwd_flops=trace.attn_plain_fwd_flops / stages,
+        attn_plain_scores=trace.attn_plain_scores / stages,
         attn_kv_bytes=trace.attn_kv_bytes / stages,
     )
 
