@@ -29,8 +29,9 @@ Procedure (``docs/recipes.md``, "Step-time model and calibration"):
    layout, context axis included, is among the candidates it costs) says whether
    the planner would pipeline, and what it picks instead, priced beside the
    published layout's prediction. The levers the published recipe chose that
-   auto takes only when asked are allowed: float8 (``allow_fp8``) and the fp32
-   master in the optimizer state (``allow_master_weights``).
+   auto takes only when asked are allowed: float8 (``allow_fp8``), the fp32
+   master in the optimizer state (``allow_master_weights``) and a pipeline's
+   router statistics per device's rows (``allow_local_statistics``).
 
 Run: ``python benchmarks/calibration.py [--no-auto] [--only NAME...]``; saves
 ``benchmarks/results/calibration.json`` (``--only``: the rows whose name holds one
@@ -493,12 +494,20 @@ def auto_choice(row: dict, topology: sk.Topology) -> dict:
     :func:`auto_mesh` with pipelines searched (``pipeline="auto"``) when the row is
     in the search space, else with the row's pipeline fixed (layouts and recipe
     searched: the nearest plan that fits). The levers the published recipe chose
-    that auto tries only when asked are allowed: float8, and the fp32 master in
-    the optimizer state (``allow_master_weights``)."""
+    that auto tries only when asked are allowed: float8, the fp32 master in the
+    optimizer state (``allow_master_weights``), and the router's statistics per
+    device's rows where the published pipeline computes them so
+    (``allow_local_statistics``)."""
     mesh = dict(row["mesh"]) if "outside" in row else auto_mesh(row)
     pipeline = row.get("pipeline") if "outside" in row else "auto"
     t0 = time.perf_counter()
     spec, config = _model(row)
+    options = sk.SearchOptions(
+        pipeline=pipeline,
+        allow_fp8=row["recipe"].compute_dtype == "float8",
+        allow_master_weights=row["recipe"].master_weights == "optimizer",
+        allow_local_statistics=getattr(row.get("pipeline"), "local_statistics", False),
+    )
     p = sk.plan(
         spec,
         sk.abstract_mesh(**mesh),
@@ -506,9 +515,7 @@ def auto_choice(row: dict, topology: sk.Topology) -> dict:
         config=config,
         batch_size=row["batch"],
         topology=topology,
-        pipeline=pipeline,
-        allow_fp8=row["recipe"].compute_dtype == "float8",
-        allow_master_weights=row["recipe"].master_weights == "optimizer",
+        options=options,
     )
     return {
         "mesh": mesh,

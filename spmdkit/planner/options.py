@@ -97,6 +97,14 @@ class SearchOptions:
       allow_over_budget: auto returns the closest plan, with a warning, when none
         fits the memory budget.
       strict: a plan with notes raises instead of warning.
+      allow_local_statistics: with ``pipeline="auto"``, a pipelined candidate may
+        split its batch over mesh axes although a layer combines a micro-batch's
+        rows (a mixture-of-experts router's load-balancing statistics): its
+        pipeline then computes them over each device's rows
+        (``Pipeline(local_statistics=True)``, as Megatron-LM computes MoE load
+        balancing per data-parallel rank). Off by default: the statistics, and so
+        the loss, then differ from the unsplit step's, so auto never picks it
+        unasked. Only through ``options`` (no ``plan`` keyword).
 
     Example::
 
@@ -110,6 +118,7 @@ class SearchOptions:
     allow_master_weights: bool = False
     allow_over_budget: bool = False
     strict: bool = False
+    allow_local_statistics: bool = False
 
     def __post_init__(self) -> None:
         pairs = self.aliases

@@ -30,6 +30,18 @@ beside the usual ones (:mod:`spmdkit.planner.search`); this module says which:
   stage; for ``m < p`` (1F1B needs ``m ≥ p``) F-then-B with input release. GPipe is never proposed:
   it has F-then-B's bubble and holds more (:mod:`spmdkit.planner.pipeline.cost`),
   and F-then-B has 1F1B's bubble and holds more where 1F1B runs.
+- **Expert parallelism in the stages**: for a step with expert-parallel
+  ``moe_experts`` calls on a mesh with an expert-role axis (``expert``, ``ep``)
+  whose size divides every expert count, the tensor-parallel presets are also
+  pipelined with the experts over that axis and the batch over it and the data
+  axes (:meth:`PipelinePlanner.expert_rules`): Megatron-LM's EP without expert
+  tensor parallelism, whose pipelined runs (GPT-OSS 120B: PP 4 × EP 8) keep each
+  stage's experts on their EP ranks rather than gathering them as FSDP weights.
+- **Row statistics**: a layer that combines a micro-batch's rows (an MoE
+  router's load-balancing statistics) keeps the batch of every pipelined
+  candidate unsplit, unless ``SearchOptions(allow_local_statistics=True)``: then
+  the pipelines that split it compute them per device's rows
+  (``Pipeline(local_statistics=True)``).
 """
 
 from __future__ import annotations
@@ -60,13 +72,16 @@ from spmdkit.planner.candidates import (
     search_layouts,
 )
 from spmdkit.planner.context_parallel import CONTEXT_AXIS, context_axes, context_meshes
+from spmdkit.planner.expert_mesh import expert_counts
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     PRESETS,
+    ROLE_NAMES,
     SHARDED_OPT_PRESETS,
     LogicalRules,
     RulesLike,
     UnknownLogicalAxisError,
+    axis_roles,
     preset_rules,
 )
 from spmdkit.planner.notes import PlanNote
@@ -507,7 +522,7 @@ class PipelinePlanner:
         # a layer combining a micro-batch's rows (MoE's router statistics) runs
         # pipelined only without batch axes, unless the request computes it per
         # device's rows (the executor refuses it otherwise)
-        local_stats = request is not None and request.local_statistics
+        local_stats = self.local_statistics(request)
         for seq_ax in _seq_choices(inner, trace.seq_len):
             others = {a: s for a, s in inner.items() if a not in seq_ax}
             sctx = replace(ctx, context=seq_ax) if seq_ax else ctx
@@ -516,6 +531,7 @@ class PipelinePlanner:
                 if shards > 1 and self.batch_refused(batch_ax, local_stats):
                     continue
                 configs = pipeline_configs(p, trace.layers, trace.batch_size // shards, request)
+                configs = self.with_statistics(configs, request, shards)
                 if not configs:
                     continue
                 found = self.pipe_search(sctx, groups, where, (batch_ax, seq_ax), configs, inner)
@@ -555,15 +571,16 @@ class PipelinePlanner:
         extra = None if extra is None else LogicalRules.coerce(extra)
         given = extra is not None and any(n == "seq" for n, _ in extra.entries)
         out = []
-        for name in _TP_PRESETS:
+        variants = [(n, ep) for ep in (None, *self.expert_rules(inner, extra)) for n in _TP_PRESETS]
+        for name, ep in variants:
             for cp in [()] if given else _seq_choices(inner, seq_len):
-                rules = extra
+                base = rules = extra if ep is None else ep
                 if cp:
                     spec = preset_rules(name, sub).resolve(("seq",), (seq_len,), sub)
                     sp = spec[0] if len(spec) else None
                     sp = (sp,) if isinstance(sp, str) else tuple(sp or ())
                     rules = LogicalRules((("seq", (*cp, *(a for a in sp if a not in cp))),))
-                    rules = rules if extra is None else extra.prepend(rules)
+                    rules = rules if base is None else base.prepend(rules)
                 try:
                     tables = preset_tables(name, rules, sub, self.problem.aliases)
                     c = self.pipelined_table(name, tables, mesh, recipe, request)
@@ -781,6 +798,50 @@ class PipelinePlanner:
             raise tokens_error(problem, c.context, "plan(pipeline=...)")
         return name, c, self.calibrated(c).cost if self.problem.estimator == "propagate" else c.cost
 
+    def local_statistics(self, request: Pipeline | None) -> bool:
+        """Whether a pipelined candidate may split the batch although a layer
+        combines a micro-batch's rows: the request says so, else auto when asked
+        (:attr:`~spmdkit.planner.options.SearchOptions.allow_local_statistics`)."""
+        if request is not None:
+            return request.local_statistics
+        return self.problem.options.allow_local_statistics
+
+    def with_statistics(
+        self, configs: list[Pipeline], request: Pipeline | None, shards: int
+    ) -> list[Pipeline]:
+        """``configs``, computing a layer's row statistics per device's rows where
+        auto was allowed to (:meth:`local_statistics`, no request) and the batch
+        is split over ``shards > 1`` devices of a model with such a layer."""
+        if request is not None or shards <= 1 or not self.local_statistics(None):
+            return configs
+        if not model_rows_combined(self.problem.info):
+            return configs
+        return [replace(c, local_statistics=True) for c in configs]
+
+    def expert_rules(
+        self, inner: Mapping[str, int], extra: LogicalRules | None
+    ) -> list[LogicalRules]:
+        """The rules that put the experts on the stage mesh's expert-role axes
+        (``inner``: the mesh's axes but the pipe axis) and the batch over them and
+        the data axes, ahead of ``extra``: one table, when the step has
+        expert-parallel ``moe_experts`` calls, those axes (more than one device)
+        divide every expert count, and ``extra`` places neither the experts nor
+        the batch; else none."""
+        counts = expert_counts(self.problem.ctx.trace)
+        placed = extra is not None and any(n in ("expert", "batch") for n, _ in extra.entries)
+        if not counts or placed:
+            return []
+        # axes named for the role only (a mesh of other names gives no axis the role)
+        ep = tuple(a for a in inner if a in ROLE_NAMES["expert"] and inner[a] > 1)
+        size = math.prod(inner[a] for a in ep)
+        if not ep or any(e % size for e in counts):
+            return []
+        roles = axis_roles(_mesh_without(dict(inner), ()))
+        data = {*roles["data"], *roles["fsdp"], *ep} - {*roles["model"], CONTEXT_AXIS} | set(ep)
+        batch = tuple(a for a in inner if a in data)
+        rules = LogicalRules((("expert", ep), ("batch", batch)))
+        return [rules if extra is None else extra.prepend(rules)]
+
     def pipelined_table(
         self,
         name: str,
@@ -813,8 +874,7 @@ class PipelinePlanner:
             for n, v in activation_layout(rules, sub, self.problem.ctx.trace).items()
         }
         shards = math.prod(inner[a] for a in act.get("batch", ()))
-        local_stats = request is not None and request.local_statistics
-        if shards > 1 and self.batch_refused(act.get("batch", ()), local_stats):
+        if shards > 1 and self.batch_refused(act.get("batch", ()), self.local_statistics(request)):
             return None
         configs = pipeline_configs(
             sizes[axis],
@@ -822,6 +882,7 @@ class PipelinePlanner:
             self.problem.ctx.trace.batch_size // shards,
             request,
         )
+        configs = self.with_statistics(configs, request, shards)
         full = [
             _on_pipe(g, lay, axis) if w == "layers" else lay
             for g, lay, w in zip(self.problem.groups, choice, where, strict=True)

@@ -229,6 +229,40 @@ def test_auto_pipelines_a_layer_combining_rows_only_without_batch_axes() -> None
     assert any("+pp" in n for n in batched)
 
 
+def test_auto_pipelines_experts_per_device_statistics_when_allowed() -> None:
+    """``SearchOptions(allow_local_statistics=True)``: auto's pipelined candidates
+    may split the batch of a step whose router combines a micro-batch's rows, their
+    pipelines computing the statistics per device's rows; and on a mesh with an
+    expert axis the tensor-parallel presets are also pipelined with the experts on
+    it and the batch over it and the data axis (Megatron-LM's pipelined EP)."""
+    from spmdkit.planner.options import CostModel, SearchOptions
+    from spmdkit.planner.search import planner_for
+
+    info = describe(get_model("qwen3_moe"), config="small", batch_size=16)
+    mesh = sk.abstract_mesh(data=4, expert=2)
+
+    def piped(allow: bool) -> tuple[list, list]:
+        opts = SearchOptions(pipeline="auto", allow_local_statistics=allow)
+        planner = planner_for(info, mesh, None, CostModel(estimator="analytic"), opts)
+        return planner.problem.groups, planner.pipes.pipelined("auto", None, None)
+
+    def shards(c) -> int:
+        return int(np.prod([dict(c.mesh.shape)[a] for a in c.activation["batch"]]))
+
+    _, off = piped(False)
+    assert off and not any(shards(c) > 1 for c in off)
+    assert not any(c.pipeline.local_statistics for c in off)
+    groups, on = piped(True)
+    split = [c for c in on if shards(c) > 1]
+    assert split and all(c.pipeline.local_statistics for c in split)
+    ep = [c for c in split if c.rules is not None and ("expert", ("expert",)) in c.rules.entries]
+    assert ep
+    i = next(i for i, g in enumerate(groups) if g.key.endswith("moe/w_gate"))
+    for c in ep:
+        assert c.activation["batch"] == ("data", "expert")
+        assert c.choice[i].params[1] == ("expert",)  # (layers, expert, embed, mlp)
+
+
 def test_auto_pipelines_the_tensor_parallel_presets(tiny) -> None:
     """Besides the searched layouts, auto costs megatron, megatron_sp and tp_fsdp
     pipelined (Megatron-LM's pipelines keep tensor parallelism in the node)."""
