@@ -247,7 +247,11 @@ GPT_OSS_120B = {
     "the slowest stage (its layers and the LM head) would have to compute at about half "
     "the rate the dense rows calibrate; which of the published run's costs spmdkit's "
     "program lacks is not known (candidates: the attention kernel for sinks at head_dim "
-    "64, the all-to-all dispatcher's host synchronisation per layer)",
+    "64, the all-to-all dispatcher's host synchronisation per layer). Not unfused "
+    "attention: TE runs sinks in cuDNN's fused kernel for its sbhd layout since TE 2.8 "
+    "(cuDNN 9.13.1; the 9.18 floor is the packed thd layout's), and the unfused path "
+    "keeps each layer's probabilities, 2 GiB a micro-batch here, 72 GiB for the first "
+    "stage's 9 layers and 4 micro-batches in flight: it would not fit 80 GiB",
 }
 
 #: Megatron-Bridge's DeepSeek-V3 layout on 1,024 H100s: TP 2 (sequence parallel) x
