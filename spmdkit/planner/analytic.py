@@ -24,7 +24,8 @@ is then costed per parameter, which is what makes the search fast:
   and ZeRO's parameter all-gather (after the update: nothing left to hide it) don't;
 - memory per device = params + grads + optimizer state at their shards + residual
   activations divided by the batch (and sequence) shards, and by the tensor shards for the
-  fraction of activations tensor parallelism splits.
+  fraction of activations tensor parallelism splits; attention without a fused kernel
+  adds one layer's score matrices for one micro-batch (``attention_scores``).
 
 The recipe (:class:`~spmdkit.step.recipe.Recipe`) changes these terms:
 
@@ -127,6 +128,9 @@ _PLAIN_SOFTMAX_PASSES = 7.0
 #: A layer the remat policy recomputes runs the forward once more: ``Q·Kᵀ``
 #: written, ``P·V`` read; the softmax read and written.
 _PLAIN_RERUN_DOT, _PLAIN_RERUN_SOFTMAX = 2.0, 2.0
+#: Score matrices of one layer live at once while its region's backward runs
+#: (the rerun ``P``, ``dP`` and ``dS``): the working set it adds to the step's peak.
+_PLAIN_LIVE = 3.0
 
 #: Logical dims that are not the activation width a tensor-parallel param moves.
 _SKIP_OTHER = {"head_dim", "conv_window", "layers", "expert"}
@@ -185,6 +189,8 @@ class StepTrace:
       attn_plain_scores: elements of those regions' score matrices
         (``b·h·Sq·Sk`` each, global, all layers, one forward pass): what they
         move through device memory (:meth:`StepTrace.plain_attention`).
+      attn_plain_live: of those elements, the ones the regions materialize at
+        once (plain attention: all; the blockwise version: one key block's).
       attn_kv_bytes: bytes of the keys and values attention reads in one
         forward pass (global, all layers): what context parallelism exchanges.
       resid_peak: the largest single residual (the logits), live again as its
@@ -229,6 +235,7 @@ class StepTrace:
     attn_causal_fwd_flops: float = 0.0
     attn_plain_fwd_flops: float = 0.0
     attn_plain_scores: float = 0.0
+    attn_plain_live: float = 0.0
     attn_kv_bytes: float = 0.0
     resid_peak: float = 0.0
     state_bytes: int = 0
@@ -947,6 +954,7 @@ def total_cost(
     hidden = comm_s - (step - compute_s)
     held = {"compute_copy": cast, "gathered_stage": gathered, "context_kv": cp.memory}
     held |= {"moe_buffers": buffers, "moe_kept": kept}
+    held["attention_scores"] = _score_bytes(ctx, attention_dtype(dtype), attn_split)
     memory = memory_by_kind(ctx, params, grads, opt, acts, offloaded, held)
     return Cost(
         step_time_s=step,
@@ -974,6 +982,20 @@ def _score_traffic_s(ctx: CostContext, dtype: str, split: float) -> float:
     dots_s = dots * itemsize / split / topology.hbm_bandwidth
     excess = max(dots_s - ctx.compute_time(0.0, flops / split, dtype), 0.0)
     return excess + topology.memory_time(softmax * itemsize / split)
+
+
+def _score_bytes(ctx: CostContext, dtype: str, split: float) -> float:
+    """Bytes per device of the score matrices one layer's attention without a fused
+    kernel holds at once for one micro-batch (:data:`_PLAIN_LIVE` of them, whole
+    or, blockwise, one key block's: :attr:`StepTrace.attn_plain_live`, in
+    ``dtype`` as :func:`_score_traffic_s` prices them): transient, but on top of
+    the residuals when its backward runs (0 for a fused kernel)."""
+    trace = ctx.trace
+    if trace.attn_plain_live <= 0:
+        return 0.0
+    itemsize = 4 if dtype in ("float32", "tfloat32") else 2
+    layer = trace.attn_plain_live / max(trace.layers, 1)
+    return _PLAIN_LIVE * layer * itemsize / split / ctx.recipe.microbatches
 
 
 def _head_axes(

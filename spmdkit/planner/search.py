@@ -922,10 +922,10 @@ class _Planner:
 
 def _rest(cost: Cost) -> float:
     """A cost's memory less what more micro-batches change (activations, the
-    expert exchange's token buffers and those its grad reads, and the offloaded
-    optimizer update they hide)."""
+    expert exchange's token buffers and those its grad reads, the offloaded
+    optimizer update they hide, and plain attention's score matrices)."""
     memory = cost.memory
-    shrinks = ("activations", "moe_buffers", "moe_kept", "opt_update")
+    shrinks = ("activations", "moe_buffers", "moe_kept", "opt_update", "attention_scores")
     return cost.peak_bytes - sum(memory.get(k, 0) for k in shrinks)
 
 

@@ -301,18 +301,20 @@ class _Regions(NamedTuple):
     them, the bytes of every region's keys and values, and, of the regions that run
     no fused kernel (plain and blockwise attention), their forward FLOPs and the
     elements of their score matrices (``b·h·Sq·Sk``), which XLA writes to and reads
-    from device memory."""
+    from device memory, and of those a region materializes at once (plain attention
+    its whole matrix, the blockwise version one key block's ``b·h·Sq·block``)."""
 
     fused: float = 0.0
     causal: float = 0.0
     kv: float = 0.0
     plain: float = 0.0
     scores: float = 0.0
+    live: float = 0.0
 
 
 def _fused_attention(jaxpr: Jaxpr, mult: float = 1.0) -> _Regions:
     """The attention regions of ``jaxpr`` (:class:`_Regions`), each ``mult`` times."""
-    fused = causal = kv = plain = scores = 0.0
+    fused = causal = kv = plain = scores = live = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == FORWARD and eqn.params["op"] == "attention":
             attrs = dict(eqn.params["attrs"])
@@ -326,13 +328,15 @@ def _fused_attention(jaxpr: Jaxpr, mult: float = 1.0) -> _Regions:
                 q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
                 plain += flops
                 scores += mult * math.prod(q[:-1]) * k[1]
+                block = k[1] if attrs.get("implementation") == "xla" else attrs.get("block_size")
+                live += mult * math.prod(q[:-1]) * min(k[1], block or k[1])
             continue
         n = jaxprs.scan_length(eqn)
         for sub in jaxprs.sub_jaxprs(eqn):
             r = _fused_attention(jaxprs.open_jaxpr(sub)[0], mult * n)
             fused, causal, kv = fused + r.fused, causal + r.causal, kv + r.kv
-            plain, scores = plain + r.plain, scores + r.scores
-    return _Regions(fused, causal, kv, plain, scores)
+            plain, scores, live = plain + r.plain, scores + r.scores, live + r.live
+    return _Regions(fused, causal, kv, plain, scores, live)
 
 
 def _layer_policy(scan: jaxprs.Scan) -> Callable[[Recipe], PolicyFacts]:
@@ -547,6 +551,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         attn_causal_fwd_flops=regions.causal,
         attn_plain_fwd_flops=regions.plain,
         attn_plain_scores=regions.scores,
+        attn_plain_live=regions.live,
         attn_kv_bytes=kv,
         resid_peak=float(peak),
         state_bytes=sum(p.nbytes for p in info.state),

@@ -311,13 +311,13 @@ def test_plain_attention_is_priced_by_its_score_traffic(amesh):
     from spmdkit.topology import Topology
 
     def trace(attention):
-        cfg = LlamaConfig(scan_layers=True, seq_len=512, attention=attention)
+        cfg = LlamaConfig(scan_layers=True, seq_len=1024, attention=attention)
         info = describe(get_model("llama"), config=cfg, batch_size=8)
         return cfg, info, trace_step(info, None)
 
     cfg, info, plain = trace("xla")
     scores = 8 * cfg.n_heads * cfg.seq_len**2 * cfg.n_layers
-    assert plain.attn_plain_scores == scores
+    assert plain.attn_plain_scores == plain.attn_plain_live == scores
     assert plain.attn_plain_fwd_flops == plain.attn_fwd_flops > 0
     flops, dots, softmax = plain.plain_attention(Recipe())
     assert (dots, softmax) == (7 * scores, 7 * scores)
@@ -341,6 +341,15 @@ def test_plain_attention_is_priced_by_its_score_traffic(amesh):
     softmax_s = softmax * itemsize / split / topo.hbm_bandwidth
     assert dots_s > flops_s  # the dots contract head_dim: bound by their traffic
     assert extra == pytest.approx(dots_s - flops_s + softmax_s)
+    # one layer's P, dP and dS live at once while its backward runs
+    held = total_cost(ctx, *args).memory["attention_scores"]
+    assert held == pytest.approx(3 * scores / cfg.n_layers * itemsize / split)
+    flops_only = replace(flops_only, trace=replace(flops_only.trace, attn_plain_live=0.0), memo={})
+    assert "attention_scores" not in total_cost(flops_only, *args).memory
+    # the blockwise version moves every block's scores but holds one key block's
+    blockwise = trace("blockwise")[2]
+    assert blockwise.attn_plain_scores == scores
+    assert blockwise.attn_plain_live == scores * 512 // cfg.seq_len
 
 
 def test_memory_bound_work_is_priced_by_bytes_over_hbm(llama):

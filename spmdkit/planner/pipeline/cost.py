@@ -284,6 +284,7 @@ def _stage_trace(trace: StepTrace, stages: int) -> StepTrace:
         attn_causal_fwd_flops=trace.attn_causal_fwd_flops / stages,
         attn_plain_fwd_flops=trace.attn_plain_fwd_flops / stages,
         attn_plain_scores=trace.attn_plain_scores / stages,
+        attn_plain_live=trace.attn_plain_live / stages,
         attn_kv_bytes=trace.attn_kv_bytes / stages,
     )
 
