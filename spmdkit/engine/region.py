@@ -355,7 +355,18 @@ def region_program(
     kept = rule.kept_residuals(lctx) if n_kept else None
     if kept is not None:
         return _kept_grad_program(kept, diff, xs, cts, produced, mesh)
-    program = _grad_program(rule.local_fn(lctx), lctx.outputs, diff, (*xs, *cts), produced, mesh)
+    # the forward's collectives: its rule's own, and the all-reduce of a pending sum
+    forward = infer_forward(op, *g.inputs, mesh=mesh, **attrs)
+    talks = bool(forward.collectives) or any(o.partial for o in lctx.outputs)
+    program = _grad_program(
+        rule.local_fn(lctx),
+        lctx.outputs,
+        diff,
+        (*xs, *cts),
+        produced,
+        mesh,
+        barrier=talks,
+    )
     if not n_kept:
         return program
     return lambda *a: program(*a[:n], *a[n + n_kept :])  # the residuals unread
@@ -465,27 +476,39 @@ def _grad_program(
     required: Sequence[TensorSpec],
     produced: Sequence[TensorSpec],
     mesh: MeshLike,
+    *,
+    barrier: bool,
 ) -> Callable[..., tuple[Any, ...]]:
+    """A grad region's program that recomputes the forward (``local``, whose
+    results are ``outputs``) from its inputs; ``barrier``: pass the inputs through
+    an optimization barrier first (a forward that runs collectives)."""
     n = len(diff)
 
+    def forward(*ins: Any) -> tuple[Any, ...]:
+        ys = local(*ins)
+        ys = tuple(ys) if isinstance(ys, (tuple, list)) else (ys,)
+        # the forward's pending reductions, resolved as the forward region does:
+        # their transposes route each cotangent to the pieces (XLA drops the
+        # forward all-reduce itself, whose value the backward does not read)
+        return tuple(resolve_partials(y, o) for y, o in zip(ys, outputs, strict=True))
+
     def body(*args: Any) -> tuple[Any, ...]:
+        xs, cts = args[:n], args[n:]
         # the barrier keeps XLA from merging the recomputed forward's collectives
         # with the forward region's: the grad region's collectives are the same
         # whether or not the forward ran in the same program (a scanned or remat
         # model recomputes them anyway). XLA:CPU up to jaxlib 0.10 drops the
         # barrier before its CSE and merges them all the same
-        # (spmdkit.versions.cse_merges_through_barriers, which the prediction reads)
-        xs = tuple(jax.lax.optimization_barrier(x) for x in args[:n])
-        cts = args[n:]
+        # (spmdkit.versions.cse_merges_through_barriers, which the prediction reads).
+        # A forward without collectives has nothing to keep apart: with no barrier
+        # XLA merges its recomputation with the forward region's computation, as
+        # it does in the unsharded region (a program XLA:CPU also builds faster)
+        if barrier:
+            xs = tuple(jax.lax.optimization_barrier(x) for x in xs)
 
         def f(*d: Any) -> tuple[Any, ...]:
             it = iter(d)
-            ys = local(*(next(it) if on else x for x, on in zip(xs, diff, strict=True)))
-            ys = tuple(ys) if isinstance(ys, (tuple, list)) else (ys,)
-            # the forward's pending reductions, resolved as the forward region does:
-            # their transposes route each cotangent to the pieces (XLA drops the
-            # forward all-reduce itself, whose value the backward does not read)
-            return tuple(resolve_partials(y, o) for y, o in zip(ys, outputs, strict=True))
+            return forward(*(next(it) if on else x for x, on in zip(xs, diff, strict=True)))
 
         # shard_map's autodiff sums the cotangent of an input over the axes it is
         # invariant on: that is the grad rule's partial sum over those axes

@@ -137,3 +137,41 @@ def test_a_program_traced_while_recording_visits_is_traced_for_that_block():
     assert counts[0] == counts[1] > 0, counts
     once = region_jaxpr(FORWARD, params, attrs, (qs, kv, kv), (qs,), mesh)
     assert once is region_jaxpr(FORWARD, params, attrs, (qs, kv, kv), (qs,), mesh)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "strategy", "barrier"), [(None, None, False), ("b", "sharded_stats", True)]
+)
+def test_a_grad_region_fences_its_recomputed_forward_only_where_it_talks(
+    mesh2d, hidden, strategy, barrier
+):
+    """A grad region recomputes the forward behind an optimization barrier only
+    where that forward runs collectives (the sharded statistic's all-reduce), so
+    XLA keeps them the grad region's own; a forward that runs none is left for XLA
+    to merge with the forward region's computation, as in the unsharded region,
+    and the gradients are the same either way."""
+    from spmdkit.engine.region import region_jaxpr
+    from spmdkit.jaxprs import walk_eqns
+
+    mesh = Mesh(mesh2d.devices, mesh2d.axis_names)
+    xs = sk.TensorSpec((8, 16), P(None, hidden), dtype="float32")
+    ws = sk.TensorSpec((16,), P(hidden), dtype="float32")
+    attrs = {} if strategy is None else {"strategy": strategy}
+    params = {"op": "rms_norm", "attrs": tuple(attrs.items()), "diff": (True, True)}
+    closed = region_jaxpr(GRAD, params, attrs, (xs, ws, xs), (xs, ws), mesh)
+    prims = {e.primitive.name for e, _ in walk_eqns(closed)}
+    assert ("optimization_barrier" in prims) is barrier, prims
+    assert ("psum" in prims or "psum_invariant" in prims) is barrier, prims
+    rng = np.random.default_rng(4)
+    x, ct = (rng.standard_normal((8, 16)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(16).astype(np.float32)
+
+    def ref(x, w):
+        return x / jnp.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w
+
+    want = jax.vjp(ref, x, w)[1](ct)
+    run = region_program(GRAD, params, attrs, (xs, ws, xs), (xs, ws), mesh)
+    with jax.set_mesh(mesh):
+        got = jax.jit(run)(x, w, ct)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
