@@ -118,7 +118,7 @@ from spmdkit.engine.rule import LocalContext
 from spmdkit.errors import SpmdError
 from spmdkit.propagation.graph import Graph, Node, node_tags
 from spmdkit.propagation.pinning import Program
-from spmdkit.propagation.primitives import lookup_dims
+from spmdkit.propagation.primitives import grouped_groups_split, lookup_dims
 from spmdkit.propagation.records import Propagation
 from spmdkit.resharding import ReshardPlan, run_plan, step_fn
 from spmdkit.spec import TensorSpec, axis_sizes
@@ -387,6 +387,8 @@ class _Replay:
                 outs = self.scan(node, vals, produced)
             elif node.prim in REGIONS:
                 outs = self.region(node, vals, pins)
+            elif (split := self.split_groups(node, pins)) is not None:
+                outs = [split(*vals)]
             else:
                 outs = _bind(node.eqn, vals)
                 if node.prim in _LOWERED_AWAY:
@@ -485,6 +487,29 @@ class _Replay:
             out_specs=plan.dst.to_partition_spec(),
             check_vma=False,
         )(*vals)
+
+    def split_groups(self, node: Node, pins: Any) -> Callable[..., Any] | None:
+        """A ragged contraction whose result the plan splits over its groups (a
+        grouped GEMM's weight cotangent, expert parallel), run per device under
+        ``shard_map`` with its rule's local computation (the group sizes shifted
+        to the device's own groups, computed from the replicated global ones);
+        None for any other node, or uneven blocks. Left to XLA, the partitioned
+        lowering all-gathers the group ends it splits with the groups, which no
+        plan predicts (:func:`~spmdkit.propagation.primitives.grouped_groups_split`)."""
+        out = pins.produced[0] if len(pins.produced) == 1 else None
+        if not grouped_groups_split(node.eqn, out):
+            return None
+        specs = (*pins.required, out)
+        if any(s is None or s.partial or not s.is_even(self.mesh) for s in specs):
+            return None
+        local = _grouped_gemm(node.eqn, pins.required, out, self.mesh)
+        return shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=tuple(s.to_partition_spec() for s in pins.required),
+            out_specs=out.to_partition_spec(),
+            check_vma=False,
+        )
 
     def region(self, node: Node, vals: list[Any], pins: Any) -> list[Any]:
         """A composite op's region: the rule's ``shard_map`` program with the planned

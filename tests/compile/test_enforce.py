@@ -438,6 +438,53 @@ def test_a_grouped_gemms_partial_over_experts_and_width_is_reduced_once():
     np.testing.assert_allclose(compiled(*args), f(xv, wv, sv), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("w_grad", [P(), P("x")])
+def test_an_expert_parallel_grouped_gemm_compiles_only_the_predicted_collectives(w_grad):
+    """``ragged_dot`` and its two cotangents with the experts over ``x`` (expert
+    parallel): the forward and the lhs cotangent are sum-partial over ``x`` alone,
+    and the weights' cotangent (a ragged contraction) is made whole or split over
+    the experts. The replay runs each with the rule's local computation (each
+    device's group sizes computed from the replicated global ones, no collective)
+    and all-reduces as the plan does, so every compiled collective is a predicted
+    one. Left to XLA, the partitioned lowering all-gathered the group ends it split
+    with the groups (an ``s32[4]``, 16 B, once per partial equation and twice per
+    split contraction on jaxlib 0.10 CPU), which no plan predicts."""
+    from spmdkit.verification.compiled import report
+
+    mesh = sk.make_mesh(x=4, axis_types="auto")
+
+    def f(x, w, sizes):
+        def loss(x, w):
+            return jnp.sum(jnp.tanh(jax.lax.ragged_dot(x, w, sizes)) ** 2)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 32, 16), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    specs = (P(), P("x"), P())
+    outs = (P(), (P(), w_grad))
+    prop = propagate(f, x, w, sizes, mesh=mesh, in_specs=specs, out_specs=outs)
+    ragged = [r for r in prop.records if r.primitive == "ragged_dot_general"]
+    assert ragged[0].outputs[0].partial == (("x", "sum"),)  # the forward's rows
+    (contraction,) = [r.outputs[0] for r in ragged if r.outputs[0].ndim == 3]
+    assert contraction.dims[0] == tuple(w_grad[:1]) and not contraction.partial
+    want = sorted((c.kind, c.payload_bytes) for c in prop.collectives())
+    compiled, got = _compiled(prop, mesh, x, w, sizes)
+    assert sorted((c.kind, c.payload_bytes) for c in got) == want
+    assert not [c for c in got if "s32" in tuple(c.dtypes)]
+    assert report(compiled).bytes_by_kind() == as_on_cpu(prop).comm_bytes_by_kind
+    rng = np.random.default_rng(0)
+    vals = (
+        rng.normal(size=(64, 32)).astype(np.float32),
+        rng.normal(size=(4, 32, 16)).astype(np.float32),
+        np.array([20, 0, 30, 10], np.int32),  # an empty group, 4 rows in none
+    )
+    args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(vals, specs, strict=True)]
+    for g, r in zip(jax.tree.leaves(compiled(*args)), jax.tree.leaves(f(*vals)), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
 def test_a_scatter_adds_operand_made_partial_keeps_its_planned_layout():
     """The unpermute's backward in a user's MoE (tests/zoo/moe.py): rows
     scatter-added into zeros, the updates split by rows over ``data`` and by width
