@@ -765,7 +765,13 @@ def residual_programs(lctx: LocalContext) -> KeptResiduals | None:
         d_x, d_w = tok_vjp((d_xm, d_wm))
         return d_x, d_w, d_wg, d_wu, d_wd
 
-    return KeptResiduals(forward, backward, shapes, dtypes, axes)
+    layout = (
+        ("strategy", "all_to_all"),
+        ("token axes", t_axes),
+        ("expert axes", tuple(ep)),
+        ("hidden axes", tp),
+    )
+    return KeptResiduals(forward, backward, shapes, dtypes, axes, layout)
 
 
 # ---------------------------------------------------------------------------

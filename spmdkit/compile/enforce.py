@@ -103,13 +103,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdkit import jaxprs
-from spmdkit.engine.region import REGIONS, region_jaxpr
+from spmdkit.engine.region import (
+    FORWARD,
+    KEPT_NOTHING,
+    REGIONS,
+    KeptLayout,
+    check_kept,
+    kept_dtypes,
+    kept_layout,
+    region_jaxpr,
+)
 from spmdkit.engine.registry import get_rule
 from spmdkit.engine.rule import LocalContext
 from spmdkit.errors import SpmdError
 from spmdkit.propagation.graph import Graph, Node, node_tags
 from spmdkit.propagation.pinning import Program
-from spmdkit.propagation.primitives import lookup_dims
+from spmdkit.propagation.primitives import grouped_groups_split, lookup_dims
 from spmdkit.propagation.records import Propagation
 from spmdkit.resharding import ReshardPlan, run_plan, step_fn
 from spmdkit.spec import TensorSpec, axis_sizes
@@ -253,6 +262,10 @@ class _Replay:
         # each node runs under its own name scope, so the compiled HLO's op_name
         # names the equation every collective came from (plan.verify's blame)
         self.tags = node_tags(program.graph)
+        # value id → the layout a forward region kept that residual under
+        # (KEPT_NOTHING: its stand-in), carried into and out of scan bodies, so
+        # each grad region checks it reads its forward's residuals on their layout
+        self.kept: dict[int, KeptLayout | str] = {}
 
     def pin(self, x: Any, spec: TensorSpec | None) -> Any:
         """``x`` pinned to ``spec`` (as :func:`_pin`), unless it already is: an
@@ -374,6 +387,8 @@ class _Replay:
                 outs = self.scan(node, vals, produced)
             elif node.prim in REGIONS:
                 outs = self.region(node, vals, pins)
+            elif (split := self.split_groups(node, pins)) is not None:
+                outs = [split(*vals)]
             else:
                 outs = _bind(node.eqn, vals)
                 if node.prim in _LOWERED_AWAY:
@@ -473,17 +488,69 @@ class _Replay:
             check_vma=False,
         )(*vals)
 
+    def split_groups(self, node: Node, pins: Any) -> Callable[..., Any] | None:
+        """A ragged contraction whose result the plan splits over its groups (a
+        grouped GEMM's weight cotangent, expert parallel), run per device under
+        ``shard_map`` with its rule's local computation (the group sizes shifted
+        to the device's own groups, computed from the replicated global ones);
+        None for any other node, or uneven blocks. Left to XLA, the partitioned
+        lowering all-gathers the group ends it splits with the groups, which no
+        plan predicts (:func:`~spmdkit.propagation.primitives.grouped_groups_split`)."""
+        out = pins.produced[0] if len(pins.produced) == 1 else None
+        if not grouped_groups_split(node.eqn, out):
+            return None
+        specs = (*pins.required, out)
+        if any(s is None or s.partial or not s.is_even(self.mesh) for s in specs):
+            return None
+        local = _grouped_gemm(node.eqn, pins.required, out, self.mesh)
+        return shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=tuple(s.to_partition_spec() for s in pins.required),
+            out_specs=out.to_partition_spec(),
+            check_vma=False,
+        )
+
     def region(self, node: Node, vals: list[Any], pins: Any) -> list[Any]:
         """A composite op's region: the rule's ``shard_map`` program with the planned
         layouts and strategy; bound as traced (XLA partitions the op's unsharded
         computation) when those layouts cannot run so (uneven, partial)."""
         # traced once per layout (propagation has traced most already), bound per call
-        closed = region_jaxpr(
-            node.prim, node.eqn.params, pins.attrs or {}, pins.required, pins.produced, self.mesh
-        )
+        params, attrs = node.eqn.params, pins.attrs or {}
+        closed = region_jaxpr(node.prim, params, attrs, pins.required, pins.produced, self.mesh)
+        self.check_residuals(node, vals, pins, closed is not None)
         if closed is None:
             return _bind(node.eqn, vals)
         return list(jax.extend.core.jaxpr_as_fun(closed)(*vals))
+
+    def check_residuals(self, node: Node, vals: list[Any], pins: Any, planned: bool) -> None:
+        """A forward region notes the layout its kept residuals are made under; a
+        grad region that reads kept residuals checks they were made under its own
+        (:func:`~spmdkit.engine.region.check_kept`). ``planned``: the region runs
+        its rule's program (else it runs unsharded: keeps and reads nothing)."""
+        params = node.eqn.params
+        op = params["op"]
+        n = len(params["diff"]) if node.prim != FORWARD else len(node.ins)
+        n_kept = len(kept_dtypes(op, [v.dtype for v in vals[:n]]))
+        if not n_kept:
+            return
+        args = (node.prim, params, pins.attrs or {}, pins.required, pins.produced, self.mesh)
+        layout = kept_layout(*args) if planned else None
+        if node.prim == FORWARD:
+            for vid in node.outs[len(node.outs) - n_kept :]:
+                self.kept[vid] = KEPT_NOTHING if layout is None else layout
+            return
+        made = {self.kept.get(vid) for vid in node.ins[n : n + n_kept]}
+        shapes = [tuple(v.shape) for v in vals[n : n + n_kept]]
+        check_kept(op, made.pop() if len(made) == 1 else None, layout, shapes)
+
+    def carry_kept(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Carry the kept residuals' layouts from values ``src`` to ``dst``
+        (position by position: a scan's operands into its body, and its body's
+        results out)."""
+        for a, b in zip(src, dst, strict=True):
+            if a in self.kept:
+                self.kept[b] = self.kept[a]
 
     def scan(self, node: Node, vals: list[Any], produced: Sequence[TensorSpec | None]) -> list[Any]:
         """A ``scan`` whose body is replayed pinned; each ``ys`` result is pinned,
@@ -500,8 +567,11 @@ class _Replay:
             for s in produced[nk:]
         ]
 
+        self.carry_kept(node.ins, body.invars)
+
         def step(carry: list, x: list) -> tuple[list, list]:
             outs = self.graph(body, [*consts, *carry, *x])
+            self.carry_kept(body.outvars, node.outs)
             ys = [self.pin(y, s) for y, s in zip(outs[nk:], slices, strict=True)]
             return outs[:nk], ys
 

@@ -28,6 +28,13 @@ they vary over, which the grad region's program reads
 (:class:`~spmdkit.engine.rule.KeptResiduals`). A layout that keeps nothing
 returns the stand-ins, and its grad region recomputes.
 
+The kept residuals are local pieces, right only on the layout they were made
+under: a grad region planned on another layout would read another device's
+buffers (equal shapes) or fail deep in tracing (unequal ones). The replay
+pairs each grad region with the forward region that kept its residuals (by
+dataflow, through the layer scans) and :func:`check_kept` refuses a pair whose
+layouts differ (:func:`kept_layout`).
+
 Example::
 
     >>> x = jax.ShapeDtypeStruct((8, 16), "float32")
@@ -39,6 +46,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -56,7 +64,8 @@ from spmdkit.engine.local import (
     shard_program,
 )
 from spmdkit.engine.registry import get_rule, register_primitive
-from spmdkit.engine.rule import LocalContext, without_strategy
+from spmdkit.engine.rule import KeptResiduals, LocalContext, without_strategy
+from spmdkit.errors import ShardingConflictError
 from spmdkit.kernels import recording_visits
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.state import cached
@@ -66,12 +75,16 @@ from spmdkit.vma import shard_map
 __all__ = [
     "FORWARD",
     "GRAD",
+    "KEPT_NOTHING",
     "REGIONS",
+    "KeptLayout",
+    "check_kept",
     "forward_fn",
     "grad_fn",
     "grad_inference",
     "kept_avals",
     "kept_dtypes",
+    "kept_layout",
     "region_attrs",
     "region_call",
     "region_jaxpr",
@@ -398,6 +411,152 @@ def kept_avals(
         jax.ShapeDtypeStruct((int(np.prod([sizes[a] for a in axes])), *shape), dtype)
         for shape, dtype, axes in zip(kept.shapes, kept.dtypes, kept.axes, strict=True)
     ]
+
+
+@dataclass(frozen=True)
+class KeptLayout:
+    """The layout kept residuals are made under (a forward region) or read under
+    (a grad region): two regions pass them right only when these are equal.
+
+    Attributes:
+      op: the op.
+      facts: the rule's :attr:`~spmdkit.engine.rule.KeptResiduals.layout` (the
+        mesh axes of its factors the residuals depend on, its strategy).
+      shapes: each residual's global shape as the regions pass it (its local
+        pieces stacked on dim 0, :func:`~spmdkit.engine.local.kept_spec`).
+      dtypes: each residual's dtype name.
+      axes: the mesh axes each residual varies over (dim 0's split).
+    """
+
+    op: str
+    facts: tuple[tuple[str, Any], ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    axes: tuple[tuple[str, ...], ...]
+
+    def describe(self) -> str:
+        """One line: the facts, then each residual's shape and axes."""
+        facts = ", ".join(f"{k} {v}" for k, v in self.facts)
+        kept = ", ".join(
+            f"{d}{list(s)} over {a}"
+            for s, d, a in zip(self.shapes, self.dtypes, self.axes, strict=True)
+        )
+        return f"{facts}; residuals {kept}"
+
+
+#: What a forward region that keeps no residuals at its layout passes (the empty
+#: stand-ins), for :func:`check_kept`.
+KEPT_NOTHING = "kept nothing"
+
+
+def _layout_of(op: str, kept: KeptResiduals, sizes: Mapping[str, int]) -> KeptLayout:
+    return KeptLayout(
+        op,
+        tuple(kept.layout),
+        tuple(
+            (int(np.prod([sizes[a] for a in axes])), *shape)
+            for shape, axes in zip(kept.shapes, kept.axes, strict=True)
+        ),
+        tuple(np.dtype(d).name for d in kept.dtypes),
+        tuple(tuple(a) for a in kept.axes),
+    )
+
+
+def kept_layout(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec | None],
+    produced: Sequence[TensorSpec | None],
+    mesh: MeshLike,
+) -> KeptLayout | None:
+    """The layout under which a region equation laid out as planned keeps its
+    residuals (:data:`FORWARD`) or reads them (:data:`GRAD`), as
+    :func:`region_program` builds its program; None where it keeps or reads none
+    (the op keeps nothing, the layout exchanges nothing, or the program is not
+    the rule's: the region runs unsharded, passing the stand-ins or ignoring them).
+    """
+    op, rule = params["op"], get_rule(params["op"])
+    if not _runnable((*required, *produced), mesh):
+        return None
+    sizes = axis_sizes(mesh)
+    if prim == FORWARD:
+        if not kept_dtypes(op, [s.dtype for s in required]):
+            return None
+        res = infer_forward(op, *required, mesh=mesh, **attrs)
+        if tuple(res.inputs) != tuple(required):
+            return None
+        kept = rule.kept_residuals(local_context(rule, res, attrs, mesh))
+        return None if kept is None else _layout_of(op, kept, sizes)
+    n = len(params["diff"])
+    n_kept = len(kept_dtypes(op, [s.dtype for s in required[:n]]))
+    if not n_kept:
+        return None
+    xs, cts = required[:n], required[n + n_kept :]
+    g = infer_grad(op, *xs, out_grads=tuple(cts), mesh=mesh, **attrs)
+    if (*g.inputs, *g.out_grads) != (*xs, *cts):
+        return None
+    kept = rule.kept_residuals(LocalContext(op, dict(attrs), g.inputs, g.forward_outputs, sizes))
+    return None if kept is None else _layout_of(op, kept, sizes)
+
+
+def check_kept(
+    op: str,
+    made: KeptLayout | str | None,
+    read: KeptLayout | None,
+    shapes: Sequence[tuple[int, ...]],
+) -> None:
+    """Refuse a grad region that would read kept residuals made under another layout.
+
+    Args:
+      op: the op.
+      made: the layout the forward region kept them under (:func:`kept_layout`),
+        :data:`KEPT_NOTHING` for a forward that passed the empty stand-ins, or
+        None where the pairing is not known (only the shapes are compared then).
+      read: the layout the grad region's program reads them under; None: it
+        reads none (it recomputes the forward), and any pairing is fine.
+      shapes: the shapes of the residual values the grad region is given.
+
+    Raises:
+      ShardingConflictError: the layouts differ: the grad would read another
+        device's buffers (equal shapes, other axes) or not fit them.
+    """
+    if read is None:
+        return
+    fix = (
+        "plan the grad region on its forward region's layout: pin the op's operands "
+        "(in_specs, or the same logical rules on both passes), or pass "
+        f"{op}(..., strategy=) so both passes run one strategy"
+    )
+    must = (
+        "a grad region reads the residuals its forward region kept on the layout they "
+        "were kept under"
+    )
+    if made == KEPT_NOTHING:
+        raise ShardingConflictError(
+            op=op,
+            must=must,
+            given=f"the forward region kept none (its layout keeps none, or it ran "
+            f"unsharded); the grad region reads {read.describe()}",
+            fix=fix,
+        )
+    if isinstance(made, KeptLayout):
+        if made != read:
+            raise ShardingConflictError(
+                op=op,
+                must=must,
+                given=f"kept under {made.describe()}; read under {read.describe()}",
+                fix=fix,
+            )
+        return
+    got = tuple(tuple(int(d) for d in s) for s in shapes)
+    if got != read.shapes:
+        raise ShardingConflictError(
+            op=op,
+            must=must + f" (the shapes {list(read.shapes)} its layout reads)",
+            given=f"residuals of shapes {list(got)}; the grad region reads {read.describe()}",
+            fix=fix,
+        )
 
 
 def region_jaxpr(

@@ -291,6 +291,13 @@ class KeptResiduals:
       axes: each residual's mesh axes it varies over (the others hold the same
         value): the region passes it as a global array of shape
         ``(prod(sizes of axes), *shape)`` split over them on dim 0.
+      layout: the facts of the case the residuals' values depend on, each a
+        ``(name, value)`` pair (``moe_experts``: the strategy and the mesh axes of
+        its tokens, experts and hidden units). The residuals are local pieces:
+        a backward reads them right only on the layout its forward kept them
+        under, so a grad region checks that its own case's ``layout``, shapes
+        and axes equal those of the forward that kept them
+        (:func:`~spmdkit.engine.region.check_kept`).
     """
 
     forward: Callable[..., tuple[Any, ...]]
@@ -298,6 +305,7 @@ class KeptResiduals:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[Any, ...]
     axes: tuple[tuple[str, ...], ...]
+    layout: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from spmdkit import jaxprs
 from spmdkit.propagation.graph import Graph, Node
 from spmdkit.propagation.pricing import Pricer
-from spmdkit.propagation.primitives import LOOKUP_MODES, grouped_partial_split, lookup_dims
+from spmdkit.propagation.primitives import LOOKUP_MODES, grouped_partial, lookup_dims
 from spmdkit.propagation.steps import Step
 from spmdkit.resharding import ReshardPlan
 from spmdkit.spec import MeshLike, TensorSpec
@@ -92,11 +92,12 @@ class Program:
 
 
 #: Contractions whose sum-partial result the replay reduces itself (see NodePins).
-#: A grouped GEMM too when its result is partial over its groups' axes and others
-#: (:func:`~spmdkit.propagation.primitives.grouped_partial_split`): it runs its
+#: A grouped GEMM too when its result is partial over its groups' axes
+#: (:func:`~spmdkit.propagation.primitives.grouped_partial`): it runs its
 #: rule's local computation there (the group sizes shifted to the device's own
-#: rows and groups). Other grouped GEMMs are left to XLA, which reduces a partial
-#: over one factor where the plan does (tests/rules/test_ragged.py).
+#: rows and groups, computed locally: XLA's partitioned lowering gathers them).
+#: Other grouped GEMMs are left to XLA, which reduces a partial over a
+#: contracted dim where the plan does (tests/rules/test_ragged.py).
 _FUSED_REDUCE = frozenset({"dot_general", "conv_general_dilated"})
 
 #: Reductions whose sum-partial result the replay reduces itself when the step
@@ -208,7 +209,7 @@ def _node_pins(
                 node.prim in _FUSED_REDUCE
                 or node.prim in _REDUCED_FOR_OUTPUT
                 or _lookup(node, req)
-                or grouped_partial_split(node.eqn, req[1] if len(req) > 1 else None, outs[0])
+                or grouped_partial(node.eqn, req[1] if len(req) > 1 else None, outs[0])
             )
             and len(outs) == 1
             and outs[0] is not None

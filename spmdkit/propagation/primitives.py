@@ -29,7 +29,8 @@ __all__ = [
     "REDUCERS",
     "RULE_ERRORS",
     "drop_axes",
-    "grouped_partial_split",
+    "grouped_groups_split",
+    "grouped_partial",
     "index_parallel",
     "lookup_dims",
     "no_op_reshard",
@@ -171,22 +172,42 @@ def lookup_dims(eqn: Any, operand: TensorSpec) -> dict[int, tuple[str, ...]]:
     }
 
 
-def grouped_partial_split(eqn: Any, rhs: TensorSpec | None, out: TensorSpec | None) -> bool:
+def grouped_partial(eqn: Any, rhs: TensorSpec | None, out: TensorSpec | None) -> bool:
     """Whether a grouped GEMM (``ragged_dot_general`` with its rows ragged) leaves
-    its result sum-partial both over the axes that split its groups (expert
-    parallel) and over others (a contracted dim split: the experts' width). XLA's
-    partitioner reduces such a result once per factor, each time whole, where the
-    plan reduces it once over all the axes; the enforced replay runs it per device
-    with the rule's local computation instead (its groups padded by two empty
-    ones, :mod:`spmdkit.rules.ragged`)."""
+    its result sum-partial over axes that split its groups (expert parallel), alone
+    or with others (a contracted dim split: the experts' width). The enforced
+    replay runs it per device with the rule's local computation (its groups
+    padded by two empty ones, the local group sizes computed on each device from
+    the replicated global ones, :mod:`spmdkit.rules.ragged`) and reduces the
+    result as the plan does. Left to XLA, the partitioned lowering of the
+    primitive gathers the group ends it splits with the groups (an ``s32[g]``
+    all-gather per equation on XLA:CPU up to jaxlib 0.10, which no plan
+    predicts), and a result partial over two factors is reduced once per factor,
+    each time whole, where the plan reduces it once over all the axes."""
     if eqn is None or eqn.primitive.name != "ragged_dot_general" or rhs is None or out is None:
         return False
     group = tuple(eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions)
     if len(group) != 1 or not out.partial:
         return False
     axes = {a for a, op in out.partial if op == "sum"}
-    split = set(rhs.dims[group[0]])
-    return bool(axes & split) and bool(axes - split)
+    return bool(axes & set(rhs.dims[group[0]]))
+
+
+def grouped_groups_split(eqn: Any, out: TensorSpec | None) -> bool:
+    """Whether a ragged contraction (``ragged_dot_general`` with a contracted dim
+    ragged: a grouped GEMM's weight cotangent ``[G, …]``) makes its result split
+    over its groups and whole otherwise (each device the products of its own
+    experts). The enforced replay runs it per device with the rule's local
+    computation, as :func:`grouped_partial`'s: left to XLA, the partitioned
+    lowering gathers the group ends it splits with the groups."""
+    if eqn is None or eqn.primitive.name != "ragged_dot_general" or out is None:
+        return False
+    dims = eqn.params["ragged_dot_dimension_numbers"]
+    if tuple(dims.rhs_group_dimensions) or out.partial or not out.dims:
+        return False
+    (contracting, _), _ = dims.dot_dimension_numbers
+    ragged = tuple(dims.lhs_ragged_dimensions)
+    return len(ragged) == 1 and ragged[0] in tuple(contracting) and bool(out.dims[0])
 
 
 def index_parallel(

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spmdkit.propagation.graph import Graph
-from spmdkit.propagation.primitives import grouped_partial_split
+from spmdkit.propagation.primitives import grouped_groups_split, grouped_partial
 from spmdkit.spec import MeshLike
 
 __all__ = [
@@ -221,8 +221,10 @@ def _ragged_dot_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: Any) 
     of groups is the local extent of the weight's group dim (ragged rows) or of the
     result's leading dim (a ragged contraction makes ``[groups, ...]``), two more
     (empty ones before and after the device's own) where the enforced replay runs
-    the rule's local computation
-    (:func:`~spmdkit.propagation.primitives.grouped_partial_split`)."""
+    the rule's local computation (a result partial over the groups' axes, or a
+    ragged contraction's split over them:
+    :func:`~spmdkit.propagation.primitives.grouped_partial`,
+    :func:`~spmdkit.propagation.primitives.grouped_groups_split`)."""
     producer = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
     for i, node in enumerate(graph.nodes):
         if node.prim != "ragged_dot_general" or node.eqn is None:
@@ -238,7 +240,8 @@ def _ragged_dot_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: Any) 
             (g_dim,) = tuple(dims.rhs_group_dimensions)[:1] or (0,)
             groups = rhs.local_shape(mesh)[g_dim]
         rhs_bytes = rhs.local_bytes(mesh)
-        if grouped_partial_split(node.eqn, rhs, layout(node.outs[0])):
+        out_layout = layout(node.outs[0])
+        if grouped_partial(node.eqn, rhs, out_layout) or grouped_groups_split(node.eqn, out_layout):
             # run per device by the rule's local computation: two empty groups more
             rhs_bytes = rhs_bytes * (groups + 2) // max(groups, 1)
             groups += 2

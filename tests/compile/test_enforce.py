@@ -438,6 +438,53 @@ def test_a_grouped_gemms_partial_over_experts_and_width_is_reduced_once():
     np.testing.assert_allclose(compiled(*args), f(xv, wv, sv), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("w_grad", [P(), P("x")])
+def test_an_expert_parallel_grouped_gemm_compiles_only_the_predicted_collectives(w_grad):
+    """``ragged_dot`` and its two cotangents with the experts over ``x`` (expert
+    parallel): the forward and the lhs cotangent are sum-partial over ``x`` alone,
+    and the weights' cotangent (a ragged contraction) is made whole or split over
+    the experts. The replay runs each with the rule's local computation (each
+    device's group sizes computed from the replicated global ones, no collective)
+    and all-reduces as the plan does, so every compiled collective is a predicted
+    one. Left to XLA, the partitioned lowering all-gathered the group ends it split
+    with the groups (an ``s32[4]``, 16 B, once per partial equation and twice per
+    split contraction on jaxlib 0.10 CPU), which no plan predicts."""
+    from spmdkit.verification.compiled import report
+
+    mesh = sk.make_mesh(x=4, axis_types="auto")
+
+    def f(x, w, sizes):
+        def loss(x, w):
+            return jnp.sum(jnp.tanh(jax.lax.ragged_dot(x, w, sizes)) ** 2)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 32, 16), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    specs = (P(), P("x"), P())
+    outs = (P(), (P(), w_grad))
+    prop = propagate(f, x, w, sizes, mesh=mesh, in_specs=specs, out_specs=outs)
+    ragged = [r for r in prop.records if r.primitive == "ragged_dot_general"]
+    assert ragged[0].outputs[0].partial == (("x", "sum"),)  # the forward's rows
+    (contraction,) = [r.outputs[0] for r in ragged if r.outputs[0].ndim == 3]
+    assert contraction.dims[0] == tuple(w_grad[:1]) and not contraction.partial
+    want = sorted((c.kind, c.payload_bytes) for c in prop.collectives())
+    compiled, got = _compiled(prop, mesh, x, w, sizes)
+    assert sorted((c.kind, c.payload_bytes) for c in got) == want
+    assert not [c for c in got if "s32" in tuple(c.dtypes)]
+    assert report(compiled).bytes_by_kind() == as_on_cpu(prop).comm_bytes_by_kind
+    rng = np.random.default_rng(0)
+    vals = (
+        rng.normal(size=(64, 32)).astype(np.float32),
+        rng.normal(size=(4, 32, 16)).astype(np.float32),
+        np.array([20, 0, 30, 10], np.int32),  # an empty group, 4 rows in none
+    )
+    args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(vals, specs, strict=True)]
+    for g, r in zip(jax.tree.leaves(compiled(*args)), jax.tree.leaves(f(*vals)), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
 def test_a_scatter_adds_operand_made_partial_keeps_its_planned_layout():
     """The unpermute's backward in a user's MoE (tests/zoo/moe.py): rows
     scatter-added into zeros, the updates split by rows over ``data`` and by width
@@ -795,3 +842,114 @@ def test_a_loop_invariant_move_runs_once_before_the_loop():
     assert not any(a.plan.collectives for b in scan.body[:-1] for a in b.reshards)
     compiled, _ = _compiled(prop, mesh, w, xs)
     assert report(compiled).bytes_by_kind() == as_on_cpu(prop).comm_bytes_by_kind
+
+
+# -- kept residuals: a grad region reads its forward's buffers on their layout ----------
+
+_T, _D, _K, _E, _F, _L = 32, 8, 2, 8, 8, 2
+
+
+def _moe_layers(x, idx, w, wg, wu, wd):
+    """Two routed-expert layers in a layer scan, differentiated: each grad region
+    (in the backward scan) reads the buffers its forward region (in the forward
+    scan) kept."""
+
+    def loss(x, w, wg, wu, wd):
+        def layer(h, ws):
+            return jnp.tanh(sk.ops.moe_experts(h, idx, w, *ws)), None
+
+        return jnp.sum(jax.lax.scan(layer, x, (wg, wu, wd))[0] ** 2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x, w, wg, wu, wd)
+
+
+def _moe_case():
+    mesh = sk.make_mesh(a=2, b=4, axis_types="auto")
+    tok, ex = P(("a", "b")), P(None, ("a", "b"))
+    shapes = [(_T, _D), (_T, _K), (_T, _K), (_L, _E, _D, _F), (_L, _E, _D, _F), (_L, _E, _F, _D)]
+    dtypes = [jnp.float32, jnp.int32, *[jnp.float32] * 4]
+    avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    specs = (tok, tok, tok, ex, ex, ex)
+    prop = propagate(_moe_layers, *avals, mesh=mesh, in_specs=specs)
+    rng = np.random.default_rng(0)
+    vals = [
+        rng.standard_normal((_T, _D)).astype(np.float32),
+        np.stack([rng.permutation(_E)[:_K] for _ in range(_T)]).astype(np.int32),
+        rng.random((_T, _K)).astype(np.float32),
+        *(rng.standard_normal(s).astype(np.float32) * 0.5 for s in shapes[3:]),
+    ]
+    args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(vals, specs, strict=True)]
+    return prop, mesh, args, jax.jit(_moe_layers)(*vals)
+
+
+def _regions(graph, prim):
+    for node in graph.nodes:
+        if node.prim == prim:
+            yield node
+        for sub in node.subs:
+            yield from _regions(sub, prim)
+
+
+def _run(prop, mesh, args):
+    with jax.set_mesh(mesh):
+        return jax.jit(enforced(prop))(*args)
+
+
+def _errors(got, want):
+    """Per output leaf, the largest difference relative to the leaf's scale."""
+    return [
+        float(np.max(np.abs(np.asarray(g) - np.asarray(w))) / np.max(np.abs(np.asarray(w))))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    ]
+
+
+def test_a_grad_region_reads_the_residuals_its_forward_kept_across_the_layer_scan():
+    """The planned step: each grad region reads its forward's buffers (paired through
+    the forward and backward layer scans), and the loss and grads are one device's."""
+    from spmdkit.engine.region import kept_layout
+
+    prop, mesh, args, want = _moe_case()
+    (fwd,) = _regions(prop.program.graph, "spmdkit_op")
+    (grad,) = _regions(prop.program.graph, "spmdkit_op_grad")
+    layouts = []
+    for node in (fwd, grad):
+        pins = prop.program.specs[id(node)]
+        args_k = (node.prim, node.eqn.params, pins.attrs, pins.required, pins.produced, mesh)
+        layouts.append(kept_layout(*args_k))
+    assert layouts[0] is not None and layouts[0] == layouts[1]
+    assert dict(layouts[0].facts)["expert axes"] == ("a", "b")
+    assert max(_errors(_run(prop, mesh, args), want)) < 1e-5
+
+
+def _experts_over(spec, axes):
+    """``spec`` with the experts' dim (dim 0 of the weights in a layer) over ``axes``."""
+    if spec is None or spec.ndim != 3:
+        return spec
+    return sk.TensorSpec(spec.shape, (axes, *spec.dims[1:]), dtype=spec.dtype)
+
+
+def test_a_grad_region_planned_on_another_layout_than_its_forward_is_refused(monkeypatch):
+    """The grad region's experts forced over ``(b, a)`` where its forward region's
+    are over ``(a, b)``: the kept buffers have the same shapes, and read there each
+    device would take another device's rows. The replay refuses it with a typed
+    error naming both layouts; with that check switched off the step runs and its
+    expert weights' gradients are silently wrong (the hazard is real)."""
+    import spmdkit.compile.enforce as enforce_mod
+
+    prop, mesh, args, want = _moe_case()
+    (grad,) = _regions(prop.program.graph, "spmdkit_op_grad")
+    pins = prop.program.specs[id(grad)]
+    prop.program.specs[id(grad)] = pins._replace(
+        required=tuple(_experts_over(s, ("b", "a")) for s in pins.required),
+        produced=tuple(_experts_over(s, ("b", "a")) for s in pins.produced),
+        steps=tuple(() for _ in pins.steps),
+    )
+    with pytest.raises(sk.ShardingConflictError) as err:
+        _run(prop, mesh, args)
+    message = str(err.value)
+    assert "expert axes ('a', 'b')" in message and "expert axes ('b', 'a')" in message
+    assert err.value.op == "moe_experts" and err.value.fix
+    monkeypatch.setattr(enforce_mod, "check_kept", lambda *a, **k: None)
+    errors = _errors(_run(prop, mesh, args), want)
+    assert errors[0] < 1e-5  # the loss: the forward
+    assert min(errors[1:]) > 0.1  # every grad: read from another device's buffers

@@ -175,3 +175,52 @@ def test_a_grad_region_fences_its_recomputed_forward_only_where_it_talks(
         got = jax.jit(run)(x, w, ct)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def _moe_layout(mesh, experts):
+    """kept_layout of a moe_experts grad region: tokens over ``(a, b)``, the experts
+    over ``experts``."""
+    from spmdkit.engine.region import kept_layout
+
+    t, d, k, e, f = 32, 8, 2, 8, 8
+    tok = P(("a", "b"))
+    shapes = ((t, d), (t, k), (t, k), (e, d, f), (e, d, f), (e, f, d))
+    specs = [
+        sk.TensorSpec(s, tok if i < 3 else P(experts), dtype="int32" if i == 1 else "float32")
+        for i, s in enumerate(shapes)
+    ]
+    stand_ins = [sk.TensorSpec((0,), dtype=dt) for dt in ("float32", "int32", "float32")]
+    ct = sk.TensorSpec((t, d), tok, dtype="float32")
+    required = (*specs, *stand_ins, ct)
+    params = {"op": "moe_experts", "diff": (True, False, True, True, True, True)}
+    g = sk.infer_grad("moe_experts", *specs, out_grads=(ct,), mesh=mesh, strategy="all_to_all")
+    diff = params["diff"]
+    produced = tuple(o.without_partial() for o, on in zip(g.outputs, diff, strict=True) if on)
+    attrs = {"strategy": "all_to_all"}
+    return kept_layout(GRAD, params, attrs, required, produced, mesh)
+
+
+def test_check_kept_refuses_residuals_made_under_another_layout():
+    """A grad region reads kept residuals only on the layout they were kept under:
+    another layout (equal shapes, other expert axes), a forward that kept none, or,
+    where the pairing is unknown, other shapes are typed errors; a grad region that
+    reads none takes anything."""
+    from spmdkit.engine.region import KEPT_NOTHING, check_kept
+
+    mesh = sk.make_mesh(a=2, b=4)
+    mine, other = _moe_layout(mesh, ("a", "b")), _moe_layout(mesh, ("b", "a"))
+    assert mine is not None and other is not None
+    assert mine.shapes == other.shapes and mine != other
+    check_kept("moe_experts", mine, mine, mine.shapes)
+    check_kept("moe_experts", None, mine, mine.shapes)  # unpaired: the shapes agree
+    check_kept("moe_experts", KEPT_NOTHING, None, [(0,)] * 3)  # reads none
+    with pytest.raises(sk.ShardingConflictError, match=r"expert axes \('b', 'a'\)"):
+        check_kept("moe_experts", other, mine, mine.shapes)
+    with pytest.raises(sk.ShardingConflictError, match="the forward region kept none"):
+        check_kept("moe_experts", KEPT_NOTHING, mine, [(0,)] * 3)
+    with pytest.raises(sk.ShardingConflictError, match=r"residuals of shapes \[\(0,\)"):
+        check_kept("moe_experts", None, mine, [(0,)] * 3)
+    narrow = _moe_layout(mesh, ("b",))  # four expert shards: other buffer shapes
+    assert narrow is not None and narrow.shapes != mine.shapes
+    with pytest.raises(sk.ShardingConflictError, match="kept under"):
+        check_kept("moe_experts", narrow, mine, narrow.shapes)

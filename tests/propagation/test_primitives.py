@@ -14,7 +14,7 @@ import spmdkit as sk
 from spmdkit.compile.enforce import enforced
 from spmdkit.engine.registry import register_primitive
 from spmdkit.propagation import propagate
-from spmdkit.propagation.primitives import grouped_partial_split
+from spmdkit.propagation.primitives import grouped_partial
 from spmdkit.spec import TensorSpec
 from tests.propagation.programs import (
     F32,
@@ -367,10 +367,11 @@ def test_every_op_the_propagator_applies_is_a_registered_rule(mesh1d):
     assert former <= used & ops, sorted(former - used)
 
 
-def test_a_grouped_gemm_partial_over_experts_and_width_is_told_apart():
-    """grouped_partial_split: a grouped GEMM's result partial over the axes that
-    split its groups and over others (the replay reduces it itself); partial over
-    one kind only, not partial, or another primitive: XLA's."""
+def test_a_grouped_gemm_partial_over_its_groups_axes_is_told_apart():
+    """grouped_partial: a grouped GEMM's result partial over the axes that split its
+    groups, alone or with others (the replay runs the rule's local computation and
+    reduces it itself); partial over a contracted dim only, not partial, or another
+    primitive: XLA's."""
     jaxpr = jax.make_jaxpr(jax.lax.ragged_dot)(
         S((64, 32), F32), S((4, 32, 16), F32), S((4,), jnp.int32)
     )
@@ -378,9 +379,9 @@ def test_a_grouped_gemm_partial_over_experts_and_width_is_told_apart():
     rhs = TensorSpec((4, 32, 16), ["data", "model", None])
     out = TensorSpec((64, 16), [None, None])
     both = out.replace(partial={"data": "sum", "model": "sum"})
-    assert grouped_partial_split(eqn, rhs, both)
-    assert not grouped_partial_split(eqn, rhs, out.replace(partial={"data": "sum"}))
-    assert not grouped_partial_split(eqn, rhs, out.replace(partial={"model": "sum"}))
-    assert not grouped_partial_split(eqn, rhs, out)
+    assert grouped_partial(eqn, rhs, both)
+    assert grouped_partial(eqn, rhs, out.replace(partial={"data": "sum"}))
+    assert not grouped_partial(eqn, rhs, out.replace(partial={"model": "sum"}))
+    assert not grouped_partial(eqn, rhs, out)
     (dot,) = jax.make_jaxpr(jnp.matmul)(S((64, 32), F32), S((32, 16), F32)).eqns
-    assert not grouped_partial_split(dot, rhs, both)
+    assert not grouped_partial(dot, rhs, both)

@@ -284,18 +284,15 @@ def test_a_plain_jnp_moe_plans_with_the_rule_and_matches_one_device(
 
 def _the_compiled_collectives_are_the_predicted_ones(p, step, params):
     """The experts' sum-partial rows are all-reduced over the expert axis where the
-    plan says, to the byte (XLA partitions the primitive; the replay pins its
-    operands and result). The one extra, on CPU under jax 0.10 (none under 0.12):
-    a grouped GEMM's lowering all-gathers its group ends (4 int32s, 16 B over the 4
-    expert shards; 8 of them in this step)."""
+    plan says, to the byte, and nothing else is compiled: the replay runs each
+    grouped GEMM partial over the experts' axis with the rule's local computation
+    (the group sizes shifted on each device, no collective), where XLA's
+    partitioned lowering all-gathered the group ends (4 int32s over the 4 expert
+    shards, 8 of them in this step, on CPU under jax 0.10)."""
     report = p.verify(step, params, _batch())
     assert report.ok, str(report)
     rows = {what: (pred, got) for what, pred, got, _ in report.rows}
     assert rows["all_reduce"][0] == rows["all_reduce"][1]
-    extra = [
-        c
-        for c in parse_collectives(step.compile(params, _batch()).as_text())
-        if c.kind == "all_gather" and c.payload_bytes == 16 and tuple(c.dtypes) == ("s32",)
-    ]
-    assert all(c.group_size == 4 for c in extra)
-    assert rows["all_gather"][1] - rows["all_gather"][0] == 16 * len(extra)
+    compiled = parse_collectives(step.compile(params, _batch()).as_text())
+    assert not [c for c in compiled if "s32" in tuple(c.dtypes)]
+    assert rows.get("all_gather", (0, 0))[0] == rows.get("all_gather", (0, 0))[1]
