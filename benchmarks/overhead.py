@@ -793,10 +793,15 @@ def _auto_table(rows: list[dict[str, Any]]) -> None:
 
 def measure_cpu_constants(repeats: int = 7) -> dict[str, float]:
     """What ``Topology.cpu``'s declared constants stand for, measured on this host's
-    virtual devices, all running at once (as a step's do): the f32 and bf16 matmul
-    FLOP/s and the elementwise bytes/s per core, and a collective's latency per
-    ring hop (a chain of 21 small all-reduces against a chain of 1, over all
-    devices) and bytes/s per core (a 1 MiB all-reduce per device)."""
+    virtual devices, all running at once (as a step's do), per second of the
+    process's CPU time (what a loaded, shared host inflates least; a device thread
+    that waits at a collective's rendezvous uses none): the f32 and bf16 matmul
+    FLOP/s and the elementwise bytes/s per core (8 MiB a device: beyond the
+    caches, as a step's arrays), a collective's bytes/s per core (an all-gather
+    and a reduce-scatter of 14 MiB a device whose results are temporaries, as a
+    step's are: fresh pages the kernel zero-fills, less the same program without
+    the collective) and its cost per ring hop (a chain of 25 small all-reduces
+    against a chain of 1)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -809,20 +814,44 @@ def measure_cpu_constants(repeats: int = 7) -> dict[str, float]:
     mesh = jax.make_mesh((n,), ("d",))
     rows = NamedSharding(mesh, P("d"))
 
-    def best(fn: Any, *a: Any) -> float:
+    def cpu_s(fn: Any, *a: Any) -> float:
         jax.block_until_ready(fn(*a))
-        return statistics.median(_timed(fn, *a) for _ in range(repeats))
+        times = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            jax.block_until_ready(fn(*a))
+            times.append(time.process_time() - c0)
+        return statistics.median(times)
+
+    def per_device(body: Any) -> Any:
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
     size = 256
-    out: dict[str, float] = {"devices": n, "cores": cores}
+    out: dict[str, float] = {"devices": n, "cores": cores, "clock": "process CPU seconds"}
     mm = jax.jit(lambda x: jnp.einsum("bij,bjk->bik", x, x), out_shardings=rows)
     for dtype in ("float32", "bfloat16"):
         a = jax.device_put(jnp.ones((n, size, size), dtype), rows)
-        out[f"{dtype}_flops_per_core"] = n * 2 * size**3 / best(mm, a) / cores
-    elems = 1 << 20
+        out[f"{dtype}_flops_per_core"] = n * 2 * size**3 / cpu_s(mm, a)
+    elems = 1 << 21
     x = jax.device_put(jnp.ones((n * elems,), jnp.float32), rows)
     scale = jax.jit(lambda v: v * 1.5 + 1.0, out_shardings=rows)
-    out["memory_bytes_per_core"] = n * 2 * elems * 4 / best(scale, x) / cores
+    out["memory_bytes_per_core"] = n * 2 * elems * 4 / cpu_s(scale, x)
+
+    # collectives whose results are temporaries of the program, as in a step
+    full = 14 * (1 << 20) // 4  # elements a device holds gathered / before the scatter
+    shard = jax.device_put(jnp.ones((full,), jnp.float32), rows)
+    whole = jax.device_put(jnp.ones((n * full,), jnp.float32), rows)
+    gather = per_device(lambda v: jax.lax.all_gather(v * 1.5, "d", tiled=True).sum(keepdims=True))
+    tiled = per_device(lambda v: jnp.tile(v * 1.5, n).sum(keepdims=True))
+    scatter = per_device(lambda v: jax.lax.psum_scatter(v * 1.5, "d", tiled=True))
+    local = per_device(lambda v: (v * 1.5)[: full // n] + (v * 1.5)[full // n : 2 * full // n])
+    wire = (n - 1) / n * full * 4
+    spent = (cpu_s(gather, shard) - cpu_s(tiled, shard)) + (
+        cpu_s(scatter, whole) - cpu_s(local, whole)
+    )
+    out["link_bytes_per_core"] = n * 2 * wire / max(spent, 1e-9)
+
+    small = jax.device_put(jnp.ones((n * 64,), jnp.float32), rows)
 
     def chain(k: int) -> Any:
         def body(v: Any) -> Any:
@@ -830,15 +859,81 @@ def measure_cpu_constants(repeats: int = 7) -> dict[str, float]:
                 v = jax.lax.psum(v, "d") * 0.5
             return v
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        return per_device(body)
 
-    small = jax.device_put(jnp.ones((n,), jnp.float32), rows)
-    hops = 2 * (n - 1)
-    out["latency_per_hop_s"] = (best(chain(21), small) - best(chain(1), small)) / (20 * hops)
-    big = jax.device_put(jnp.ones((n * (1 << 18),), jnp.float32), rows)
-    wire = 2 * (n - 1) / n * (1 << 20)
-    ar = best(chain(1), big) - hops * out["latency_per_hop_s"]
-    out["link_bytes_per_core"] = n * wire / max(ar, 1e-9) / cores
+    each = max(cpu_s(chain(25), small) - cpu_s(chain(1), small), 0.0) / 24
+    out["all_reduce_cpu_s"] = each
+    # the same over a group of half the devices (an all-gather on a 2 x n/2 mesh's
+    # minor axis): what a collective costs whatever its group and kind
+    half = jax.make_mesh((2, n // 2), ("a", "b"))
+
+    def gathers(k: int) -> Any:
+        def body(v: Any) -> Any:
+            for _ in range(k):
+                v = jax.lax.all_gather(v, "b", tiled=True)[: v.shape[0]] * 0.5
+            return v
+
+        spec = P(("a", "b"))
+        return jax.jit(jax.shard_map(body, mesh=half, in_specs=spec, out_specs=spec))
+
+    on_half = jax.device_put(small, NamedSharding(half, P(("a", "b"))))
+    out["all_gather_cpu_s"] = (
+        max(cpu_s(gathers(25), on_half) - cpu_s(gathers(1), on_half), 0.0) / 24
+    )
+    out["collective_cpu_s"] = (out["all_reduce_cpu_s"] + out["all_gather_cpu_s"]) / 2
+    out.update(measure_fresh_pages())
+    return out
+
+
+def measure_fresh_pages(repeats: int = 5) -> dict[str, float]:
+    """The kernel's CPU time for a step's temporaries on this host's virtual devices.
+
+    One program per size, whose per-device temporaries (XLA's
+    ``temp_size_in_bytes``: one allocation a device a call) are about 16 MiB and
+    48 MiB, each call measured in system CPU seconds and minor page faults
+    (``getrusage``), per 4 KiB page of temporaries over all devices. glibc serves
+    an allocation from its reused heap below its mmap threshold (at most 32 MiB on
+    64-bit) and maps fresh pages above it, which the kernel faults in and
+    zero-fills on every call: the large program pays per page, the small one
+    nothing (``Topology.cpu``'s ``fresh_page_s`` and ``fresh_pages_from``)."""
+    import resource
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("d",))
+    width = 256
+    w = jnp.full((width, width), 0.01, jnp.float32)
+
+    def body(v: Any) -> Any:
+        a = jnp.tanh(v @ w)
+        b = jnp.tanh(a @ w)
+        return b @ w + a
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    out: dict[str, float] = {}
+    for label, mib in (("small", 16), ("large", 48)):
+        rows = mib * (1 << 20) // (2 * 4 * width)  # two (rows, width) f32 temporaries
+        x = jax.device_put(
+            jnp.full((n * rows, width), 0.01, jnp.float32), NamedSharding(mesh, P("d"))
+        )
+        temp = fn.lower(x).compile().memory_analysis().temp_size_in_bytes
+        for _ in range(2):
+            jax.block_until_ready(fn(x))
+        sys_s, faults = [], []
+        for _ in range(repeats):
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            jax.block_until_ready(fn(x))
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            sys_s.append(r1.ru_stime - r0.ru_stime)
+            faults.append(r1.ru_minflt - r0.ru_minflt)
+        pages = n * temp / 4096
+        out[f"{label}_temp_bytes_per_device"] = float(temp)
+        out[f"{label}_faults_per_temp_page"] = statistics.median(faults) / pages
+        out[f"{label}_sys_cpu_s_per_temp_page"] = statistics.median(sys_s) / pages
     return out
 
 

@@ -179,10 +179,19 @@ STACKS: dict[str, dict[str, float]] = {
 #: Per-core constants of :meth:`Topology.cpu`, measured on a 2-core x86 host (AMD
 #: EPYC) with 8 virtual devices all running at once (``benchmarks/overhead.py``,
 #: ``measure_cpu_constants``; the figures are saved in
-#: ``benchmarks/results/overhead.json``, ``auto_vs_presets.cpu_constants``): a
-#: batched 256^3 matmul per device (f32 and bf16 ran at the same rate), an
-#: elementwise pass, chains of small all-reduces (latency per ring hop at 8
-#: devices on 2 cores, divided by that oversubscription) and a 1 MiB all-reduce.
+#: ``benchmarks/results/overhead.json``, ``auto_vs_presets.cpu_constants``), per
+#: second of the process's CPU time, not of the wall clock: on a shared host the
+#: wall clock holds the other processes' load, which scaled every rate down alike,
+#: while a device thread waiting at a collective's rendezvous spends no CPU time. So
+#: a plan's step time on ``Topology.cpu`` is its work spread over the host's cores,
+#: what the step takes on an idle host. Measured: a batched 256^3 matmul per
+#: device (f32 and bf16 ran at the same rate), an elementwise pass over 8 MiB a
+#: device (beyond the caches), an all-gather and a reduce-scatter of 14 MiB a device
+#: whose results are temporaries of the program (as a step's are: pages the kernel
+#: zero-fills, so a collective on CPU devices moves bytes at about the elementwise
+#: rate, not the rate of a copy into memory already mapped), and chains of small
+#: all-reduces (the CPU time of one, spread over the ring hops of an all-reduce on
+#: 8 devices on 2 cores).
 #: ``bf16_rate``: a bf16 or f16 step's rate against f32's, calibrated on the
 #: step: the same layout (gpt tiny, tp_fsdp, data=2 x model=4) ran about 1.5x
 #: slower with bf16 compute (XLA:CPU widens bf16 elementwise work to f32 and
@@ -191,13 +200,21 @@ STACKS: dict[str, dict[str, float]] = {
 #: matmul: it widens each float8 operand to f32 and runs the f32 dot, after the
 #: recipe's scale-and-cast of each operand, so a float8 step (gpt tiny, tp_fsdp
 #: and fsdp on data=2 x model=4) ran slower than the f32 one, as a bf16 step does.
+#: ``fresh_page_cpu_s``: the kernel's CPU seconds per 4 KiB page of a device's
+#: temporaries that are fresh pages each step (faulted in and zero-filled; measured
+#: by ``measure_fresh_pages`` on a program with 48 MiB of temporaries a device, one
+#: fault a page) and ``fresh_pages_from``: the temporaries' bytes a device from which
+#: they are (glibc's largest mmap threshold on 64-bit, 32 MiB: a program with 16 MiB
+#: of temporaries a device reused its pages).
 CPU_CONSTANTS: dict[str, float] = {
-    "flops_per_core": 35e9,
+    "flops_per_core": 115e9,
     "bf16_rate": 0.5,
     "float8_rate": 0.5,
-    "memory_bytes_per_core": 4e9,
-    "latency_per_hop_s": 5e-6,
-    "link_bytes_per_core": 2e9,
+    "memory_bytes_per_core": 9.5e9,
+    "latency_per_hop_s": 1.3e-6,
+    "link_bytes_per_core": 8.8e9,
+    "fresh_page_cpu_s": 2.2e-6,
+    "fresh_pages_from": float(32 << 20),
 }
 
 
@@ -269,6 +286,16 @@ class Topology:
       attention_block: keys per block of the fused causal attention kernel.
       fusion_traffic: factor on the bytes at fusion boundaries (1: XLA's fusion;
         more for a stack that runs elementwise ops one kernel each).
+      fresh_page_s: seconds a device's step spends per 4 KiB page of temporaries
+        that come back as fresh pages each step (0: the allocator reuses its
+        memory, as a GPU's does).
+      fresh_pages_from: a device's temporaries in bytes from which they are fresh
+        pages each step (XLA:CPU's temporaries are one allocation a device, which
+        glibc maps afresh above its largest mmap threshold); None: never.
+      combines_all_reduces: whether the step's propagated all-reduces of one
+        group of axes and one pass (forward, backward) pay one collective's
+        latency, not one each (XLA:CPU's all-reduce combiner merges them; the
+        GPU calibration prices each).
       platform: the XLA backend the devices run (``"gpu"``, ``"cpu"``, ...): which
         compiler passes the prediction follows on an abstract mesh
         (:meth:`target`); None: jax's default backend.
@@ -300,6 +327,9 @@ class Topology:
     k_ramp: int = _K_RAMP
     attention_block: int = _ATTENTION_BLOCK
     fusion_traffic: float = 1.0
+    fresh_page_s: float = 0.0
+    fresh_pages_from: float | None = None
+    combines_all_reduces: bool = False
     platform: str | None = "gpu"
     name: str = "custom"
 
@@ -372,6 +402,18 @@ class Topology:
             )
 
     def _check_device_constants(self) -> None:
+        page, start = float(self.fresh_page_s), self.fresh_pages_from
+        if page < 0 or (start is not None and not float(start) >= 0):
+            raise SpmdError(
+                op="Topology",
+                must="fresh_page_s is >= 0 s and fresh_pages_from >= 0 bytes (or None)",
+                given=f"fresh_page_s = {self.fresh_page_s!r}, "
+                f"fresh_pages_from = {self.fresh_pages_from!r}",
+                fix="pass e.g. fresh_page_s=2e-6, fresh_pages_from=32 * 2**20",
+            )
+        object.__setattr__(self, "fresh_page_s", page)
+        object.__setattr__(self, "fresh_pages_from", None if start is None else float(start))
+        object.__setattr__(self, "combines_all_reduces", bool(self.combines_all_reduces))
         for name in ("hbm_bandwidth", "fusion_traffic"):
             value = float(getattr(self, name))
             if not value > 0:
@@ -460,12 +502,18 @@ class Topology:
         device threads and copies through host memory: each ring hop costs
         :data:`CPU_CONSTANTS`'s latency, stretched by ``devices / cores`` when the
         threads outnumber the cores (they wait for each other to be scheduled).
-        XLA:CPU runs collectives synchronously: nothing overlaps (``overlap=0``).
+        XLA:CPU runs collectives synchronously: nothing overlaps (``overlap=0``),
+        and combines independent all-reduces into one (``combines_all_reduces``).
+        A device's temporaries at or above glibc's largest mmap threshold come back
+        as fresh pages each step, which the kernel faults in and zero-fills
+        (``fresh_page_s``, ``fresh_pages_from``; :meth:`fresh_pages_time`).
         It has no bf16 or float8 matmul units (it widens those operands to f32),
         so both are priced below the f32 rate, float8 included so a float8 recipe
         plans and verifies on CPU devices as on an H100.
-        The per-core constants (:data:`CPU_CONSTANTS`) were measured on a 2-core
-        x86 host with 8 virtual devices (``benchmarks/overhead.py``'s
+        The per-core constants (:data:`CPU_CONSTANTS`) are rates per second of the
+        process's CPU time (so the step time is the step's work spread over the
+        cores: what it takes on an idle host), measured on a 2-core x86 host with
+        8 virtual devices (``benchmarks/overhead.py``'s
         ``measure_cpu_constants``, saved beside its auto-vs-presets table).
 
         Args:
@@ -508,6 +556,10 @@ class Topology:
             sm_count=1,  # a core's GEMM: no waves, no tiles to quantize
             gemm_tile=(1, 1),
             k_ramp=0,
+            # a device's pages on its share of the cores, as its compute
+            fresh_page_s=CPU_CONSTANTS["fresh_page_cpu_s"] / share,
+            fresh_pages_from=CPU_CONSTANTS["fresh_pages_from"],
+            combines_all_reduces=True,
             platform="cpu",
             name=f"cpu: {devices} devices on {cores} cores",
         )
@@ -614,6 +666,21 @@ class Topology:
             'gpu'
         """
         return mesh_platform(mesh) or self.platform or _default_backend()
+
+    def fresh_pages_time(self, temp_bytes: float) -> float:
+        """Seconds a device's step spends on its ``temp_bytes`` of temporaries
+        coming back as fresh pages (the kernel faults each 4 KiB page in and
+        zero-fills it): 0 below :attr:`fresh_pages_from` or where none are fresh.
+
+        Example::
+
+            >>> Topology.h100().fresh_pages_time(64 * 2**20)
+            0.0
+        """
+        start = self.fresh_pages_from
+        if start is None or temp_bytes < start:
+            return 0.0
+        return temp_bytes / 4096 * self.fresh_page_s
 
     def exposed_comm(self, hidden_s: float, exposed_s: float, compute_s: float) -> float:
         """Communication time left on the critical path: ``exposed_s`` (collectives

@@ -234,9 +234,14 @@ def propagate_costed(
     # at achievable rates, recomputation included); communication is the
     # propagated collectives, of which the analytic model's overlappable share
     # hides under compute; host offload traffic as the analytic model prices it.
-    compute = analytic.compute_time_s
-    step, comm_s = _recost_step(analytic, prop.comm_time_s, ctx.topology)
     mem = prop.memory
+    topology = ctx.topology
+    combined = combined_latency(prop.records, topology, ctx.mesh)
+    step, comm_s = _recost_step(analytic, prop.comm_time_s - combined, topology)
+    # temporaries that come back as fresh pages each step (XLA:CPU): the kernel's
+    # work, on the device's share of the cores like its compute
+    pages_s = topology.fresh_pages_time(mem.temp_bytes)
+    step, compute = step + pages_s, analytic.compute_time_s + pages_s
     comm_bytes = {k: int(v) for k, v in sorted(prop.comm_bytes_by_kind.items())}
     for kind in ("host_offload", "host_activations"):
         if analytic.comm_bytes.get(kind):
@@ -257,6 +262,28 @@ def propagate_costed(
     )
     n_params = len(jax.tree.leaves(args[0]))
     return cost, from_propagation(prop, args[0], args[1], opt_position=n_params)
+
+
+def combined_latency(records: Sequence, topology: Topology, mesh: MeshLike) -> float:
+    """The latency of the propagated all-reduces that the compiler combines
+    (:attr:`~spmdkit.topology.Topology.combines_all_reduces`; 0 where it does
+    not): of the top-level all-reduces of one group of axes in one pass (forward,
+    backward), all but one, each priced its alpha (its latency, no bytes). A loop
+    body's are not combined (not across iterations)."""
+    if not topology.combines_all_reduces:
+        return 0.0
+    seen: set[tuple] = set()
+    saved = 0.0
+    for r in records:
+        for a in r.reshards:
+            for c in a.plan.collectives:
+                if c.kind != "all_reduce" or c.group_size <= 1:
+                    continue
+                key = (c.axes, r.backward)
+                if key in seen:
+                    saved += topology.collective_time("all_reduce", 0, c.group_size, c.axes, mesh)
+                seen.add(key)
+    return saved
 
 
 def _step_program(
