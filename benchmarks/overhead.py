@@ -68,8 +68,11 @@ of the per-round ratios auto / preset, and auto against the fastest preset
 (target ≤ 1.1), in wall-clock time and in the process's CPU seconds per step
 (``cpu_ratio_to_fastest``: the steps' own work, which a loaded, shared host
 inflates least; wall-clock differences between layouts there also hold the
-threads' waits at each collective). The CPU topology's per-core constants measured on this host
-(``measure_cpu_constants``) are saved beside the table (``cpu_constants``).
+threads' waits at each collective), with each step's system CPU seconds and
+minor page faults (``step_sys_ms``, ``step_page_faults``: the kernel zero-filling
+fresh pages). The CPU topology's per-core constants measured on this host
+(``measure_cpu_constants``, ``measure_fresh_pages``) are saved beside the table
+(``cpu_constants``).
 ``--auto-only`` runs just this section and replaces it in the JSON.
 
 Run: ``python benchmarks/overhead.py [--quick] [--gpu] [--startup-only] [--auto-only]
@@ -685,6 +688,8 @@ def measure_auto(
     train step compiled with ``sk.jit`` and timed in rounds (every plan once a
     round, the order rotated), so machine noise hits all alike; per preset the
     median of the per-round ratios auto / preset."""
+    import resource
+
     import numpy as np
     import optax
 
@@ -710,12 +715,17 @@ def measure_auto(
     rounds = max(3, min(25, int(budget_s / max(sum(first), 1e-9))))
     times: dict[str, list[float]] = {k: [] for k in order}
     cpu: dict[str, list[float]] = {k: [] for k in order}
+    # the kernel's share: system CPU seconds and minor page faults (fresh pages)
+    kernel: dict[str, list[tuple[float, int]]] = {k: [] for k in order}
     for r in range(rounds):
         for j in range(len(order)):
             k = order[(r + j) % len(order)]
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             c0 = time.process_time()
             times[k].append(_timed(calls[k]))
             cpu[k].append(time.process_time() - c0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            kernel[k].append((r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))
     med = statistics.median
     auto_t, auto_c = times[keys["auto"]], cpu[keys["auto"]]
     presets = {}
@@ -726,6 +736,8 @@ def measure_auto(
         presets[n] = {
             "step_ms": 1e3 * med(t),
             "step_cpu_ms": 1e3 * med(cpu[keys[n]]),
+            "step_sys_ms": 1e3 * med(x[0] for x in kernel[keys[n]]),
+            "step_page_faults": med(x[1] for x in kernel[keys[n]]),
             "auto_ratio": med([a / b for a, b in zip(auto_t, t, strict=True)]),
             "auto_cpu_ratio": med([a / b for a, b in zip(auto_c, cpu[keys[n]], strict=True)]),
             "predicted_step_s": plans[n].cost.step_time_s,
@@ -745,6 +757,8 @@ def measure_auto(
         "auto_sharded": _sharded(a),
         "auto_step_ms": 1e3 * med(auto_t),
         "auto_step_cpu_ms": 1e3 * med(auto_c),
+        "auto_step_sys_ms": 1e3 * med(x[0] for x in kernel[keys["auto"]]),
+        "auto_step_page_faults": med(x[1] for x in kernel[keys["auto"]]),
         "auto_predicted_step_s": a.cost.step_time_s,
         "auto_notes": [n.kind for n in a.notes],
         "fastest_preset": fastest,

@@ -263,6 +263,29 @@ def test_cpu_topology_gives_each_device_its_share_of_the_host():
         Topology.cpu(0)
 
 
+def test_fresh_pages_are_priced_on_cpu_devices_only_above_the_threshold():
+    from spmdkit.topology import CPU_CONSTANTS
+
+    eight, two = Topology.cpu(8, cores=2), Topology.cpu(2, cores=2)
+    start = CPU_CONSTANTS["fresh_pages_from"]
+    # below glibc's largest mmap threshold the heap reuses the pages: nothing
+    assert eight.fresh_pages_time(start - 4096) == 0.0
+    pages = 2 * start / 4096
+    # a page costs the kernel's CPU time, on the device's share of the cores
+    assert eight.fresh_pages_time(2 * start) == pytest.approx(
+        pages * CPU_CONSTANTS["fresh_page_cpu_s"] * 4
+    )
+    assert two.fresh_pages_time(2 * start) == pytest.approx(
+        pages * CPU_CONSTANTS["fresh_page_cpu_s"]
+    )
+    assert eight.combines_all_reduces and not Topology.h100().combines_all_reduces
+    # a GPU's allocator reuses its memory, whatever the size
+    assert Topology.h100().fresh_pages_time(1e12) == 0.0
+    for bad in ({"fresh_page_s": -1.0}, {"fresh_pages_from": -1.0}):
+        with pytest.raises(SpmdError, match="fresh_page"):
+            Topology(**bad)
+
+
 def test_a_float8_recipe_plans_on_cpu_devices():
     """A mesh of CPU devices is priced on ``Topology.cpu``: a float8 recipe (the
     recipe the float8 tests verify on CPU) is priced there, not refused."""

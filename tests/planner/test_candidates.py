@@ -48,6 +48,29 @@ def test_step_floor_has_no_floor_where_more_than_all_communication_hides():
     assert step_floor(odd, ("data", "model"), mesh, DEFAULT_TOPOLOGY) == 0.0
 
 
+def test_a_cpu_topology_prices_one_latency_per_combined_group_of_all_reduces():
+    """XLA:CPU combines the step's independent all-reduces: on a topology that
+    says so, the propagated all-reduces of one group of axes in one pass pay one
+    latency, so dp's step is cheaper by exactly the latencies of the others; a
+    topology that does not combine prices each."""
+    from spmdkit.planner.candidates import combined_latency
+
+    mesh = sk.make_mesh(data=8)
+    cpu = dataclasses.replace(sk.Topology.cpu(8, cores=2), fresh_page_s=0.0)
+    each = dataclasses.replace(cpu, combines_all_reduces=False)
+    kw = {"loss": toy_loss, "batch": toy_batch(), "strategy": "dp"}
+    combined = plan(toy_init, mesh, topology=cpu, **kw).cost
+    separate = plan(toy_init, mesh, topology=each, **kw).cost
+    latency = cpu.collective_time("all_reduce", 0, 8, ("data",), mesh)
+    saved = separate.comm_time_s - combined.comm_time_s
+    # the toy model's grads are several all-reduces over one axis in the backward
+    assert saved >= latency
+    assert saved / latency == pytest.approx(round(saved / latency))
+    assert separate.step_time_s - combined.step_time_s == pytest.approx(saved)
+    assert combined_latency([], cpu, mesh) == 0.0
+    assert combined_latency([object()], each, mesh) == 0.0  # never read: not combined
+
+
 @pytest.mark.slow
 def test_planned_peak_is_verifys_for_the_donated_step_of_a_vocabulary_heavy_model():
     """A Llama whose 16,384-token vocabulary dwarfs its 64-wide layers (the f32
