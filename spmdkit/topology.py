@@ -179,19 +179,10 @@ STACKS: dict[str, dict[str, float]] = {
 #: Per-core constants of :meth:`Topology.cpu`, measured on a 2-core x86 host (AMD
 #: EPYC) with 8 virtual devices all running at once (``benchmarks/overhead.py``,
 #: ``measure_cpu_constants``; the figures are saved in
-#: ``benchmarks/results/overhead.json``, ``auto_vs_presets.cpu_constants``), per
-#: second of the process's CPU time, not of the wall clock: on a shared host the
-#: wall clock holds the other processes' load, which scaled every rate down alike,
-#: while a device thread waiting at a collective's rendezvous spends no CPU time. So
-#: a plan's step time on ``Topology.cpu`` is its work spread over the host's cores,
-#: what the step takes on an idle host. Measured: a batched 256^3 matmul per
-#: device (f32 and bf16 ran at the same rate), an elementwise pass over 8 MiB a
-#: device (beyond the caches), an all-gather and a reduce-scatter of 14 MiB a device
-#: whose results are temporaries of the program (as a step's are: pages the kernel
-#: zero-fills, so a collective on CPU devices moves bytes at about the elementwise
-#: rate, not the rate of a copy into memory already mapped), and chains of small
-#: all-reduces (the CPU time of one, spread over the ring hops of an all-reduce on
-#: 8 devices on 2 cores).
+#: ``benchmarks/results/overhead.json``, ``auto_vs_presets.cpu_constants``): a
+#: batched 256^3 matmul per device (f32 and bf16 ran at the same rate), an
+#: elementwise pass, chains of small all-reduces (latency per ring hop at 8
+#: devices on 2 cores, divided by that oversubscription) and a 1 MiB all-reduce.
 #: ``bf16_rate``: a bf16 or f16 step's rate against f32's, calibrated on the
 #: step: the same layout (gpt tiny, tp_fsdp, data=2 x model=4) ran about 1.5x
 #: slower with bf16 compute (XLA:CPU widens bf16 elementwise work to f32 and
@@ -200,6 +191,12 @@ STACKS: dict[str, dict[str, float]] = {
 #: matmul: it widens each float8 operand to f32 and runs the f32 dot, after the
 #: recipe's scale-and-cast of each operand, so a float8 step (gpt tiny, tp_fsdp
 #: and fsdp on data=2 x model=4) ran slower than the f32 one, as a bf16 step does.
+#: These rates are over the wall clock of a loaded, shared host (below the same
+#: work's rates per second of CPU time); priced per CPU second
+#: (as ``measure_cpu_constants`` now measures them) they rank 8-way batch-split plans
+#: ahead of tensor-parallel ones on the small reference models where the measured
+#: step says otherwise (llama small on data=2 x model=4), so they stay until that
+#: is priced.
 #: ``fresh_page_cpu_s``: the kernel's CPU seconds per 4 KiB page of a device's
 #: temporaries that are fresh pages each step (faulted in and zero-filled; measured
 #: by ``measure_fresh_pages`` on a program with 48 MiB of temporaries a device, one
@@ -207,12 +204,12 @@ STACKS: dict[str, dict[str, float]] = {
 #: they are (glibc's largest mmap threshold on 64-bit, 32 MiB: a program with 16 MiB
 #: of temporaries a device reused its pages).
 CPU_CONSTANTS: dict[str, float] = {
-    "flops_per_core": 115e9,
+    "flops_per_core": 35e9,
     "bf16_rate": 0.5,
     "float8_rate": 0.5,
-    "memory_bytes_per_core": 9.5e9,
-    "latency_per_hop_s": 1.3e-6,
-    "link_bytes_per_core": 8.8e9,
+    "memory_bytes_per_core": 4e9,
+    "latency_per_hop_s": 5e-6,
+    "link_bytes_per_core": 2e9,
     "fresh_page_cpu_s": 2.2e-6,
     "fresh_pages_from": float(32 << 20),
 }
@@ -510,10 +507,8 @@ class Topology:
         It has no bf16 or float8 matmul units (it widens those operands to f32),
         so both are priced below the f32 rate, float8 included so a float8 recipe
         plans and verifies on CPU devices as on an H100.
-        The per-core constants (:data:`CPU_CONSTANTS`) are rates per second of the
-        process's CPU time (so the step time is the step's work spread over the
-        cores: what it takes on an idle host), measured on a 2-core x86 host with
-        8 virtual devices (``benchmarks/overhead.py``'s
+        The per-core constants (:data:`CPU_CONSTANTS`) were measured on a 2-core
+        x86 host with 8 virtual devices (``benchmarks/overhead.py``'s
         ``measure_cpu_constants``, saved beside its auto-vs-presets table).
 
         Args:

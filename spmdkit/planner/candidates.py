@@ -268,8 +268,10 @@ def combined_latency(records: Sequence, topology: Topology, mesh: MeshLike) -> f
     """The latency of the propagated all-reduces that the compiler combines
     (:attr:`~spmdkit.topology.Topology.combines_all_reduces`; 0 where it does
     not): of the top-level all-reduces of one group of axes in one pass (forward,
-    backward), all but one, each priced its alpha (its latency, no bytes). A loop
-    body's are not combined (not across iterations)."""
+    backward), all but one, each priced its alpha (its latency, no bytes), at
+    most what propagation priced it (an op's own collectives are priced on the
+    default topology, :func:`spmdkit.engine.rule.op_collective`). A loop body's
+    are not combined (not across iterations)."""
     if not topology.combines_all_reduces:
         return 0.0
     seen: set[tuple] = set()
@@ -281,7 +283,8 @@ def combined_latency(records: Sequence, topology: Topology, mesh: MeshLike) -> f
                     continue
                 key = (c.axes, r.backward)
                 if key in seen:
-                    saved += topology.collective_time("all_reduce", 0, c.group_size, c.axes, mesh)
+                    alpha = topology.collective_time("all_reduce", 0, c.group_size, c.axes, mesh)
+                    saved += min(alpha, c.time_s)
                 seen.add(key)
     return saved
 
