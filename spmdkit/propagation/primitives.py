@@ -145,7 +145,8 @@ def drop_axes(s: TensorSpec, axes: set[str] | None) -> TensorSpec:
     """``s`` without the given sharding axes (None: all of them); partials stay."""
     if axes is None:
         return s.replace(dims=())
-    return s.replace(dims=tuple(tuple(a for a in d if a not in axes) for d in s.dims))
+    dims = tuple(tuple(a for a in d if a not in axes) for d in s.dims)
+    return s if dims == s.dims else s.replace(dims=dims)
 
 
 #: Gather modes whose masked lookup the replay runs per device (every mode jax has

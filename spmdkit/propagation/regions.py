@@ -46,7 +46,7 @@ from spmdkit.propagation.pricing import Pricer
 from spmdkit.propagation.primitives import RULE_ERRORS
 from spmdkit.resharding import Collective
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
-from spmdkit.state import cached
+from spmdkit.state import cached, register_cache
 from spmdkit.util import freeze
 
 __all__ = [
@@ -246,6 +246,18 @@ def _kept(op: str, dtypes: Sequence[Any]) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec((0,), dtype=d) for d in kept_dtypes(op, dtypes))
 
 
+#: (mesh, topology, region, operand layouts, strategy, flags) -> region_answer's
+#: answer: the propagations of a plan's candidates ask about the same regions at
+#: the same layouts again and again.
+_ANSWERS: dict[tuple, Any] = register_cache(
+    {},
+    module=__name__,
+    name="_ANSWERS",
+    why="the cheapest layout of a region per (mesh, topology, op, operand layouts, flags).",
+)
+_MISS = object()
+
+
 def region_answer(
     prim: str,
     params: Mapping[str, Any],
@@ -277,6 +289,46 @@ def region_answer(
     """
     if prim not in (FORWARD, GRAD):
         raise ValueError(f"{prim!r} is not a region primitive")
+    specs, still, weight = tuple(specs), tuple(still), tuple(weight)
+    try:
+        key = (
+            pricer.key,
+            pricer.mesh,
+            prim,
+            params["op"],
+            id(get_rule(params["op"])),
+            params["attrs"],
+            params.get("diff"),
+            specs,
+            fixed,
+            still,
+            seq_axes,
+            weight,
+        )
+        hit = _ANSWERS.get(key, _MISS)
+    except TypeError:  # unhashable attributes: no caching
+        key, hit = None, _MISS
+    if hit is _MISS:
+        hit = _region_answer(prim, params, specs, pricer, fixed, still, seq_axes, weight)
+        if key is not None:
+            if len(_ANSWERS) > 16384:
+                _ANSWERS.clear()
+            _ANSWERS[key] = hit
+    # a copy of the attributes: the caller's answer is its own
+    return None if hit is None else hit._replace(attrs=dict(hit.attrs))
+
+
+def _region_answer(
+    prim: str,
+    params: Mapping[str, Any],
+    specs: tuple[TensorSpec, ...],
+    pricer: Pricer,
+    fixed: str | None,
+    still: tuple[bool, ...],
+    seq_axes: frozenset[str],
+    weight: tuple[bool, ...],
+) -> RegionAnswer | None:
+    """:func:`region_answer`, not memoized."""
     attrs = region_attrs(params)
     chosen = attrs.get("strategy") or fixed
     names = (chosen,) if chosen else get_rule(params["op"]).strategies

@@ -170,6 +170,7 @@ def test_a_strategy_that_loses_on_its_reshards_is_not_traced(monkeypatch):
 
     asked = []
     program = regions.region_program
+    monkeypatch.setattr(regions, "_ANSWERS", {})  # answers an earlier test memoized: asked anew
     monkeypatch.setattr(
         regions,
         "region_program",
@@ -236,3 +237,37 @@ def test_region_memory_is_measured_only_when_asked(monkeypatch):
     prop = propagate(_norm_grad(), x, w, in_specs=(P("a", "b"), P()), mesh=MESH)
     assert prop.program is not None and measured == []
     assert prop.memory_materialized.temp_bytes > 0 and measured
+
+
+def test_a_region_answer_is_memoized_and_each_caller_owns_its_attrs(monkeypatch):
+    """region_answer asks the rule once per (mesh, topology, region, operand
+    layouts, flags): a second propagation of the same step traces no strategy
+    again and gets the same answer; the answer's attributes are the caller's own."""
+    from spmdkit.propagation import regions
+
+    monkeypatch.setattr(regions, "_ANSWERS", {})
+    asked = []
+    layout = regions._layout
+    monkeypatch.setattr(
+        regions, "_layout", lambda prim, *a, **k: asked.append(prim) or layout(prim, *a, **k)
+    )
+    first = propagate(_norm_grad(), X, W, in_specs=(P("a", "b"), P()), mesh=MESH)
+    n = len(asked)
+    assert n and len(regions._ANSWERS) == 2  # the forward region and the grad region
+    again = propagate(_norm_grad(), X, W, in_specs=(P("a", "b"), P()), mesh=MESH)
+    assert len(asked) == n
+    assert again.region_strategies() == first.region_strategies()
+    assert [(c.kind, c.axes, c.payload_bytes) for c in again.collectives()] == [
+        (c.kind, c.axes, c.payload_bytes) for c in first.collectives()
+    ]
+    # another mesh is asked anew
+    propagate(_norm_grad(), X, W, in_specs=(P("a", "b"), P()), mesh=sk.abstract_mesh(a=2, b=2))
+    assert len(asked) > n
+    # asked directly with a memoized key's arguments: the stored answer, a copy
+    key, ans = next(iter(regions._ANSWERS.items()))
+    (_, topology), mesh, prim, op, _, attrs, diff, specs, *flags = key
+    params = {"op": op, "attrs": attrs, "diff": diff}
+    got = regions.region_answer(prim, params, specs, regions.Pricer(mesh, topology), *flags)
+    assert got == ans and got.attrs is not ans.attrs
+    got.attrs["strategy"] = "changed"
+    assert regions._ANSWERS[key].attrs == ans.attrs != got.attrs
