@@ -516,6 +516,8 @@ _COLL_KEY = ("analytic", "collective_time")
 #: ``CostContext.memo`` key prefix of what a group's cost takes from its parameters'
 #: layout alone (:func:`_params_part`).
 _PARAMS_KEY = ("analytic", "params_part")
+#: ``CostContext.memo`` key prefix of a group's :func:`_split` (recipes share it).
+_SPLIT_KEY = ("analytic", "split")
 
 
 class _Coll(NamedTuple):
@@ -844,7 +846,13 @@ def _params_part(
         sp, tp, flops, compute_s = hit
         oused = tuple(a for d in layout.opt for a in d)
         return sp._replace(extra=tuple(a for a in oused if a not in sp.used)), tp, flops, compute_s
-    sp = _split(ctx, g, layout, batch_axes, seq_axes)
+    # the split of the parameters' layout, whatever the recipe (the stored dtype aside)
+    skey = (_SPLIT_KEY, g_key, shape, g.dtype, g.logical, dims, batch_axes, seq_axes, ctx.context)
+    sp = ctx.memo.get(skey)
+    if sp is None:
+        sp = ctx.memo[skey] = _split(ctx, g, GroupLayout(dims, dims), batch_axes, seq_axes)
+    oused = tuple(a for d in layout.opt for a in d)
+    sp = sp._replace(extra=tuple(a for a in oused if a not in sp.used))
     sizes = ctx.sizes
     tp = _tp_collectives(ctx, g, dims, sp.tp, sp.local, sp.tokens_local) if sp.tp else []
     flops = param_flops(g, ctx.trace) * ctx.flops_scale * g.count

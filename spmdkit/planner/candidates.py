@@ -653,6 +653,8 @@ def batch_axis_choices(sizes: dict[str, int], batch_size: int) -> list[tuple[str
 
 #: ``CostContext.memo`` key prefix of a group's layouts and their costs (:func:`layout_options`).
 _OPTIONS_KEY = ("candidates", "layout_options")
+#: ``CostContext.memo`` key prefix of a group's layouts alone (shared by every recipe).
+_ENUMERATED_KEY = ("candidates", "layouts")
 
 
 def search_layouts(
@@ -714,11 +716,31 @@ def layout_options(
     """The layouts :func:`search_layouts` tries for ``g`` on the axes ``sizes`` and
     their costs, memoized in ``ctx`` (the planner searches the same group under
     many recipes that share its costs, :func:`~spmdkit.planner.analytic.cost_levers`)."""
-    key = (_OPTIONS_KEY, tuple(sizes.items()), g.key, g.shape, batch_axes, seq_axes)
-    key += (cost_levers(ctx, g),)
+    where = (tuple(sizes.items()), g.key, g.shape, batch_axes, seq_axes)
+    key = (_OPTIONS_KEY, *where, cost_levers(ctx, g))
     hit = ctx.memo.get(key)
     if hit is not None:
         return hit
+    # the layouts themselves do not depend on the recipe: enumerated once
+    enum_key = (_ENUMERATED_KEY, *where, g.logical, g.pinned)
+    opts = ctx.memo.get(enum_key)
+    if opts is None:
+        opts = ctx.memo[enum_key] = tuple(_enumerate(ctx, g, batch_axes, seq_axes, sizes))
+    out = ctx.memo[key] = (
+        list(opts),
+        [group_cost(ctx, g, o, batch_axes, seq_axes) for o in opts],
+    )
+    return out
+
+
+def _enumerate(
+    ctx: CostContext,
+    g: ParamGroup,
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    sizes: dict[str, int],
+) -> list[GroupLayout]:
+    """:func:`layout_options`' layouts of ``g``, in the order it costs them."""
     opts = []
     moe = experts.moe_call(g, ctx.trace) is not None
     for dims in _layouts(g, sizes):
@@ -729,8 +751,7 @@ def layout_options(
         if z != dims:
             opts.append(GroupLayout(dims, z))
             opts.append(GroupLayout(dims, z, grads_sharded=True))
-    out = ctx.memo[key] = (opts, [group_cost(ctx, g, o, batch_axes, seq_axes) for o in opts])
-    return out
+    return opts
 
 
 def budget_moves(
