@@ -782,17 +782,18 @@ def group_cost(
     if hit is not None:
         return hit
     g = stored_group(recipe, g)
+    count, cast = g.count, cast_ratio(ctx, g)
     sizes = ctx.sizes
     sp, tp, flops, compute_s = _params_part(ctx, g, layout, key)
     n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     by_kind: dict[str, float] = {}
     comm_s = hidden_s = 0.0
     for c in _collectives(ctx, g, layout, sp, tp):
-        comm_s += c.time_s * g.count
-        hidden_s += c.time_s * g.count if c.hidden else 0.0
-        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.payload * g.count
+        comm_s += c.time_s * count
+        hidden_s += c.time_s * count if c.hidden else 0.0
+        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.payload * count
     oshards = math.prod(sizes[a] for d in layout.opt for a in d)
-    opt = g.opt_bytes / oshards * g.count
+    opt = g.opt_bytes / oshards * count
     if recipe.offload_opt and opt:
         comm_s += 2 * opt / ctx.topology.host_bandwidth  # to the device for the update, and back
         by_kind["host_offload"] = by_kind.get("host_offload", 0.0) + 2 * opt
@@ -803,29 +804,27 @@ def group_cost(
         comm_s=comm_s,
         compute_s=compute_s,
         comm_bytes=tuple(sorted(by_kind.items())),
-        params=sp.local * g.count,
-        grads=sp.local * g.count / (n_extra if layout.grads_sharded else 1),
+        params=sp.local * count,
+        grads=sp.local * count / (n_extra if layout.grads_sharded else 1),
         opt=0.0 if recipe.offload_opt else opt,
         tp_weight=flops * (1 - 1 / n_tp),
         hidden_s=hidden_s,
-        layer_compute_s=compute_s if g.count > 1 or "layers" in logical else 0.0,
+        layer_compute_s=compute_s if count > 1 or "layers" in logical else 0.0,
         # the compute-dtype copy (none where the stored params are in that dtype)
-        cast=sp.local * g.count * cast_ratio(ctx, g) if cast_ratio(ctx, g) != 1.0 else 0.0,
+        cast=sp.local * count * cast if cast != 1.0 else 0.0,
         gathered=(
-            ((n_fsdp - 1) * cast_ratio(ctx, g) + n_fsdp * ctx.accumulator_ratio(g.dtype) - 1)
-            * sp.local
-            * g.count
+            ((n_fsdp - 1) * cast + n_fsdp * ctx.accumulator_ratio(g.dtype) - 1) * sp.local * count
             if ctx.gather_once
             else 0.0
         ),
         accumulators=(
-            n_fsdp * sp.local * g.count * ctx.accumulator_ratio(g.dtype) if ctx.gather_once else 0.0
+            n_fsdp * sp.local * count * ctx.accumulator_ratio(g.dtype) if ctx.gather_once else 0.0
         ),
         offload_opt=opt if recipe.offload_opt else 0.0,
         tp_shards=n_tp if any(n in ("heads", "kv_heads") for n in logical) else 1,
-        tp_bytes=sum(c.payload for c in tp) * g.count,
+        tp_bytes=sum(c.payload for c in tp) * count,
         buffers=experts.dispatch_buffer_bytes(ctx, g, sp, (*batch_axes, *sp.context)),
-        kept=experts.kept_residual_bytes(ctx, g, sp, (*batch_axes, *sp.context)) * g.count,
+        kept=experts.kept_residual_bytes(ctx, g, sp, (*batch_axes, *sp.context)) * count,
     )
     ctx.memo[key] = out
     return out
