@@ -26,6 +26,9 @@
    (126 layers) on 576 devices and a 1T dense model (128 layers, width 25,600)
    on 3,072, one sequence per device: the plan, wall and CPU seconds, and the
    machine's load average (the goal, 10 s on two cores, assumes them free).
+   Then mixture-of-experts models: DeepSeek-V3 671B (float8 allowed) on 1,024
+   H100s, over ``data`` alone and over Megatron-Bridge's ``data × expert ×
+   model`` without its pipe axis, and Mixtral 8x7B on 64 (batch 256, seq 4096).
 
 6. Long sequences: Llama-3 8B at 65,536 and 131,072 tokens, 4 and 2 sequences on
    8 H100s (``abstract_mesh(data=8)``, 80 GiB): ``auto``'s plan with context
@@ -397,6 +400,75 @@ def scale(cases: list) -> list[dict]:
     return rows
 
 
+#: (label, zoo model, config, mesh axes, batch size, plan options): planning time of
+#: mixture-of-experts models with pipelines searched (issue 44's goals: 60 s for
+#: DeepSeek-V3, 10 s for Mixtral, on two free cores).
+MOE_SCALE_CASES = [
+    (
+        "deepseek-v3-671b",
+        "deepseek",
+        "v3_671b",
+        {"data": 1024},
+        8192,
+        {"pipeline": "auto", "allow_fp8": True},
+    ),
+    (
+        "deepseek-v3-671b",
+        "deepseek",
+        "v3_671b",
+        {"data": 16, "expert": 32, "model": 2},
+        8192,
+        {"pipeline": "auto", "allow_fp8": True},
+    ),
+    ("mixtral-8x7b", "moe", "mixtral_8x7b", {"data": 64}, 256, {"pipeline": "auto"}),
+]
+
+
+def moe_scale(cases: list) -> list[dict]:
+    """Planning time of :data:`MOE_SCALE_CASES` (H100 topology, 80 GiB), wall and
+    CPU, beside the machine's load; rows as :func:`scale`'s."""
+    rows = []
+    for label, model, config, axes, batch, options in cases:
+        devices = math.prod(axes.values())
+        spec = get_model(model)
+        cfg = spec.configs[config]()
+        load = os.getloadavg()[0]
+        t0, c0 = time.perf_counter(), time.process_time()
+        p = plan(
+            spec,
+            sk.abstract_mesh(**axes),
+            "auto",
+            config=cfg,
+            batch_size=batch,
+            topology=sk.Topology.h100(),
+            **options,
+        )
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        chosen = f"{p.chosen}+{p.recipe.short()}" + (f"+{p.pipeline.short()}" if p.pipeline else "")
+        row = {
+            "model": label,
+            "devices": devices,
+            "mesh": axes,
+            "batch": batch,
+            "options": {k: v for k, v in options.items()},
+            "chosen": chosen,
+            "plan_mesh": dict(p.mesh.shape),
+            "memory_bytes": p.cost.peak_bytes,
+            "tok_s_gpu": batch * cfg.seq_len / p.cost.step_time_s / devices,
+            "plan_s": seconds,
+            "plan_cpu_s": cpu,
+            "load_1min": load,
+        }
+        rows.append(row)
+        mesh = "x".join(f"{a}={n}" for a, n in axes.items())
+        print(
+            f"{label:<17}{mesh:<28}{chosen[:56]:<56}{_gib(p.cost.peak_bytes):>8}"
+            f"{row['tok_s_gpu']:>8.0f}{seconds:>8.1f}{cpu:>8.1f}{load:>6.1f}",
+            flush=True,
+        )
+    return rows
+
+
 #: Section 6: (sequence length, sequences) of Llama-3 8B on 8 devices.
 CONTEXT_CASES = [(65536, 4), (65536, 2), (131072, 4), (131072, 2)]
 
@@ -464,10 +536,17 @@ def main() -> None:
         f"{'CPU s':>8}{'load':>6}"
     )
     s_rows = scale(SCALE_CASES)
+    print("\n== planning time of mixture-of-experts models, pipelines searched (80 GiB) ==")
+    print(
+        f"{'model':<17}{'mesh':<28}{'plan':<56}{'mem GiB':>8}{'tok/s':>8}{'wall s':>8}"
+        f"{'CPU s':>8}{'load':>6}"
+    )
+    m_rows = moe_scale(MOE_SCALE_CASES)
     if args.pipelines_only:
         saved = json.loads(out.read_text()) if out.exists() else {}
         saved["pipelines"] = p_rows
         saved["scale"] = s_rows
+        saved["moe_scale"] = m_rows
         out.write_text(json.dumps(saved, indent=1))
         print(f"\nsaved {out}")
         return
@@ -505,6 +584,7 @@ def main() -> None:
                 "quality": q_rows,
                 "pipelines": p_rows,
                 "scale": s_rows,
+                "moe_scale": m_rows,
                 "context": c_rows,
             },
             indent=1,
