@@ -170,7 +170,7 @@ def test_a_strategy_that_loses_on_its_reshards_is_not_traced(monkeypatch):
 
     asked = []
     program = regions.region_program
-    monkeypatch.setattr(regions, "_ANSWERS", {})  # answers an earlier test memoized: asked anew
+    sk.clear_caches()  # answers an earlier test memoized: asked anew
     monkeypatch.setattr(
         regions,
         "region_program",
@@ -240,34 +240,51 @@ def test_region_memory_is_measured_only_when_asked(monkeypatch):
 
 
 def test_a_region_answer_is_memoized_and_each_caller_owns_its_attrs(monkeypatch):
-    """region_answer asks the rule once per (mesh, topology, region, operand
-    layouts, flags): a second propagation of the same step traces no strategy
-    again and gets the same answer; the answer's attributes are the caller's own."""
+    """region_answer prices a region's strategies once per (mesh, topology, region,
+    operand layouts, flags): a second propagation of the same step traces no grad
+    region again and gets the same answer; another mesh is asked anew; each
+    caller's answer has attributes of its own."""
+    from spmdkit.engine.region import FORWARD
     from spmdkit.propagation import regions
+    from spmdkit.propagation.pricing import Pricer
+    from spmdkit.spec import TensorSpec
 
-    monkeypatch.setattr(regions, "_ANSWERS", {})
+    sk.clear_caches()
     asked = []
-    layout = regions._layout
+    program = regions.region_program
     monkeypatch.setattr(
-        regions, "_layout", lambda prim, *a, **k: asked.append(prim) or layout(prim, *a, **k)
+        regions,
+        "region_program",
+        lambda prim, *a: asked.append(prim) or program(prim, *a),
     )
     first = propagate(_norm_grad(), X, W, in_specs=(P("a", "b"), P()), mesh=MESH)
     n = len(asked)
-    assert n and len(regions._ANSWERS) == 2  # the forward region and the grad region
+    assert n
     again = propagate(_norm_grad(), X, W, in_specs=(P("a", "b"), P()), mesh=MESH)
     assert len(asked) == n
     assert again.region_strategies() == first.region_strategies()
-    assert [(c.kind, c.axes, c.payload_bytes) for c in again.collectives()] == [
-        (c.kind, c.axes, c.payload_bytes) for c in first.collectives()
-    ]
-    # another mesh is asked anew
-    propagate(_norm_grad(), X, W, in_specs=(P("a", "b"), P()), mesh=sk.abstract_mesh(a=2, b=2))
+    moved = [(c.kind, c.axes, c.payload_bytes) for c in first.collectives()]
+    assert [(c.kind, c.axes, c.payload_bytes) for c in again.collectives()] == moved
+    other = sk.abstract_mesh(a=2, b=2)
+    propagate(_norm_grad(), X, W, in_specs=(P("a", "b"), P()), mesh=other)
     assert len(asked) > n
-    # asked directly with a memoized key's arguments: the stored answer, a copy
-    key, ans = next(iter(regions._ANSWERS.items()))
-    (_, topology), mesh, prim, op, _, attrs, diff, specs, *flags = key
-    params = {"op": op, "attrs": attrs, "diff": diff}
-    got = regions.region_answer(prim, params, specs, regions.Pricer(mesh, topology), *flags)
-    assert got == ans and got.attrs is not ans.attrs
-    got.attrs["strategy"] = "changed"
-    assert regions._ANSWERS[key].attrs == ans.attrs != got.attrs
+
+    # asked directly: equal answers, attributes not shared
+    def regions_in(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == FORWARD:
+                yield e
+            for v in e.params.values():
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    yield from regions_in(inner)
+
+    closed = jax.make_jaxpr(lambda x, w: region_call("rms_norm", (x, w), {}))(X, W)
+    eqn = next(regions_in(closed.jaxpr))
+    specs = (TensorSpec(X.shape, P("a", "b"), dtype=X.dtype), TensorSpec(W.shape, dtype=W.dtype))
+    pricer = Pricer(MESH, sk.Topology.h100())
+    one = regions.region_answer(FORWARD, eqn.params, specs, pricer)
+    two = regions.region_answer(FORWARD, eqn.params, specs, pricer)
+    assert one is not None and one == two and one.attrs is not two.attrs
+    one.attrs["strategy"] = "changed"
+    assert regions.region_answer(FORWARD, eqn.params, specs, pricer) == two
