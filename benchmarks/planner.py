@@ -450,7 +450,7 @@ def moe_scale(cases: list) -> list[dict]:
             "devices": devices,
             "mesh": axes,
             "batch": batch,
-            "options": {k: v for k, v in options.items()},
+            "options": dict(options),
             "chosen": chosen,
             "plan_mesh": dict(p.mesh.shape),
             "memory_bytes": p.cost.peak_bytes,
