@@ -78,6 +78,14 @@ from spmdkit.planner.group_gemms import (
     routed_share,
     tp_times,
 )
+from spmdkit.planner.plain_attention import (
+    PLAIN_DOT_PASSES,
+    PLAIN_RERUN_DOT,
+    PLAIN_RERUN_SOFTMAX,
+    PLAIN_SOFTMAX_PASSES,
+    score_bytes,
+    score_traffic_s,
+)
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.planner.step_terms import (
     activations,
@@ -88,7 +96,7 @@ from spmdkit.planner.step_terms import (
 )
 from spmdkit.planner.stored import stored_group
 from spmdkit.spec import MeshLike
-from spmdkit.step.recipe import NAMED_POLICIES, Recipe
+from spmdkit.step.recipe import Recipe
 from spmdkit.topology import Topology
 
 __all__ = [
@@ -103,7 +111,6 @@ __all__ = [
     "group_cost",
     "param_flops",
     "param_groups",
-    "remat_choices",
     "tensor_parallel_bytes",
     "total_cost",
 ]
@@ -112,25 +119,6 @@ __all__ = [
 #: backward 5 with the scores recomputed inside, vs the region's VJP that reruns
 #: the 2-matmul forward first): 7 / 9.
 _FUSED_BACKWARD = 7.0 / 9.0
-
-#: Passes over its score matrices (``b·h·Sq·Sk`` elements each) that an attention
-#: region without a fused kernel (plain or blockwise attention under XLA) makes in
-#: device memory in a train step, in its batched dots: the forward's ``Q·Kᵀ``
-#: writes the scores and ``P·V`` reads the probabilities; the region's backward
-#: reruns ``Q·Kᵀ`` (a write), writes ``dP``, reads ``dS`` twice (``dQ``, ``dK``)
-#: and ``P`` once (``dV``). With ``head_dim`` contracted (64 to 128) these dots
-#: do about ``head_dim`` FLOPs per score byte, fewer than a GPU's FLOP/byte, so
-#: the traffic, not the FLOPs, bounds them.
-_PLAIN_DOT_PASSES = 7.0
-#: ... and in its softmax fusions: the forward and its rerun each read the scores
-#: and write the probabilities; the backward reads ``P`` and ``dP`` and writes ``dS``.
-_PLAIN_SOFTMAX_PASSES = 7.0
-#: A layer the remat policy recomputes runs the forward once more: ``Q·Kᵀ``
-#: written, ``P·V`` read; the softmax read and written.
-_PLAIN_RERUN_DOT, _PLAIN_RERUN_SOFTMAX = 2.0, 2.0
-#: Score matrices of one layer live at once while its region's backward runs
-#: (the rerun ``P``, ``dP`` and ``dS``): the working set it adds to the step's peak.
-_PLAIN_LIVE = 3.0
 
 #: Logical dims that are not the activation width a tensor-parallel param moves.
 _SKIP_OTHER = {"head_dim", "conv_window", "layers", "expert"}
@@ -284,17 +272,17 @@ class StepTrace:
         regions that run no fused kernel (global, recompute included): their
         share of :meth:`attention_flops`, and the score-matrix elements their
         batched dots and their softmax fusions move through device memory
-        (:data:`_PLAIN_DOT_PASSES`, :data:`_PLAIN_SOFTMAX_PASSES`, and once more
-        per layer the remat policy recomputes). Plain attention materializes its
-        scores; the blockwise version, compiled by XLA, writes each key block's
+        (:mod:`~spmdkit.planner.plain_attention`'s passes, and once more per
+        layer the remat policy recomputes). Plain attention materializes its scores;
+        the blockwise version, compiled by XLA, writes each key block's
         scores too, so neither is priced by its FLOPs alone."""
         if self.attn_plain_scores <= 0 or self.attn_fwd_flops <= 0:
             return 0.0, 0.0, 0.0
         share = min(self.attn_plain_fwd_flops / self.attn_fwd_flops, 1.0)
         recompute = self.recompute_flops(recipe)[1]
         reruns = recompute / self.attn_fwd_flops  # layer forwards recomputed, per layer
-        dots = self.attn_plain_scores * (_PLAIN_DOT_PASSES + reruns * _PLAIN_RERUN_DOT)
-        softmax = self.attn_plain_scores * (_PLAIN_SOFTMAX_PASSES + reruns * _PLAIN_RERUN_SOFTMAX)
+        dots = self.attn_plain_scores * (PLAIN_DOT_PASSES + reruns * PLAIN_RERUN_DOT)
+        softmax = self.attn_plain_scores * (PLAIN_SOFTMAX_PASSES + reruns * PLAIN_RERUN_SOFTMAX)
         return (self.attn_flops + recompute) * share, dots, softmax
 
     def elementwise_bytes(self, recipe: Recipe) -> float:
@@ -343,29 +331,6 @@ class StepTrace:
         kept = sum(self.layer_named_flops.get(n, 0.0) for n in recipe.saved_names)
         matmuls = self.layer_fwd_flops - self.attn_fwd_flops - self.layers * kept
         return max(matmuls, 0.0) / k, self.attn_fwd_flops / k
-
-
-def remat_choices(trace: StepTrace) -> list[tuple[str, bool, int]]:
-    """The ``(remat, remat_offload, remat_every)`` levers auto searches: ``none``, ``dots``,
-    each named policy that keeps something of its own on this model (an untagged
-    model's matmuls tagged by role, :mod:`spmdkit.step.matmul_roles`), ``full``, ``full`` on one
-    layer in two (4 or more layers, an even count); then the offload form of each
-    that keeps something. Nothing without a layer scan."""
-    if not trace.layers:
-        return [("none", False, 1)]
-    out = [("none", False), ("dots", False)]
-    seen = {(trace.saved_bytes(Recipe(remat="dots")), 0.0)}
-    seen.add((0.0, trace.recompute_flops(Recipe(remat="full"))[0]))
-    for name in NAMED_POLICIES:
-        r = Recipe(remat=name)
-        key = (trace.saved_bytes(r)[0], trace.recompute_flops(r)[0])
-        if key[0] and key not in seen and (key[0], 0.0) not in seen:
-            seen.add(key)
-            out.append((name, False))
-    out.append(("full", False))
-    offloaded = [(r, True) for r, _ in out if r not in ("none", "full")]
-    halves = [("full", False, 2)] if trace.layers >= 4 and trace.layers % 2 == 0 else []
-    return [(r, o, 1) for r, o in out] + halves + [(r, o, 1) for r, o in offloaded]
 
 
 @dataclass(frozen=True)
@@ -898,7 +863,6 @@ def total_cost(
     under ``ctx.recipe``."""
     sizes = ctx.sizes
     trace = ctx.trace
-    recipe = ctx.recipe
     seq_shards = math.prod(sizes[a] for a in seq_axes)
     comm_s = compute_s = hidden_s = layer_s = 0.0
     comm: dict[str, float] = {}
@@ -925,12 +889,9 @@ def total_cost(
         total_flops += param_flops(g, trace) * ctx.flops_scale * g.count
     batch_shards = math.prod(sizes[a] for a in batch_axes)
     dtype = ctx.compute_dtype(min((g.dtype for g in groups), default="float32", key=_itemsize))
-    attn_split = batch_shards * _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
-    attn_split *= heads_tp
-    flops = trace.attention_flops(recipe, ctx.topology) / attn_split
-    attn_s = ctx.compute_time(0.0, flops, attention_dtype(dtype))
-    if ctx.peak_flops is None:
-        attn_s += _score_traffic_s(ctx, attention_dtype(dtype), attn_split)
+    attn_split = batch_shards * heads_tp
+    attn_split *= _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
+    attn_s = _attention_s(ctx, attention_dtype(dtype), attn_split)
     compute_s += attn_s + recompute_s(ctx, layer_s)
     if not total_flops and trace.flops:
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
@@ -961,7 +922,7 @@ def total_cost(
     hidden = comm_s - (step - compute_s)
     held = {"compute_copy": cast, "gathered_stage": gathered, "context_kv": cp.memory}
     held |= {"moe_buffers": buffers, "moe_kept": kept}
-    held["attention_scores"] = _score_bytes(ctx, attention_dtype(dtype), attn_split)
+    held["attention_scores"] = score_bytes(ctx, attention_dtype(dtype), attn_split)
     memory = memory_by_kind(ctx, params, grads, opt, acts, offloaded, held)
     return Cost(
         step_time_s=step,
@@ -974,35 +935,15 @@ def total_cost(
     )
 
 
-def _score_traffic_s(ctx: CostContext, dtype: str, split: float) -> float:
-    """Seconds per device that attention without a fused kernel spends moving its
-    score matrices (:meth:`StepTrace.plain_attention`) beyond its FLOPs' time:
-    its batched dots take the longer of their FLOPs and their score traffic
-    (a roofline), its softmax fusions their traffic (:meth:`Topology.memory_time`).
-    The matrices are in ``dtype`` (float32 and TF32 4 bytes an element, else 2);
-    ``split``: the batch, sequence and head shards that divide attention."""
-    flops, dots, softmax = ctx.trace.plain_attention(ctx.recipe)
-    if not dots:
-        return 0.0
-    itemsize = 4 if dtype in ("float32", "tfloat32") else 2
-    topology = ctx.topology
-    dots_s = dots * itemsize / split / topology.hbm_bandwidth
-    excess = max(dots_s - ctx.compute_time(0.0, flops / split, dtype), 0.0)
-    return excess + topology.memory_time(softmax * itemsize / split)
-
-
-def _score_bytes(ctx: CostContext, dtype: str, split: float) -> float:
-    """Bytes per device of the score matrices one layer's attention without a fused
-    kernel holds at once for one micro-batch (:data:`_PLAIN_LIVE` of them, whole
-    or, blockwise, one key block's: :attr:`StepTrace.attn_plain_live`, in
-    ``dtype`` as :func:`_score_traffic_s` prices them): transient, but on top of
-    the residuals when its backward runs (0 for a fused kernel)."""
-    trace = ctx.trace
-    if trace.attn_plain_live <= 0:
-        return 0.0
-    itemsize = 4 if dtype in ("float32", "tfloat32") else 2
-    layer = trace.attn_plain_live / max(trace.layers, 1)
-    return _PLAIN_LIVE * layer * itemsize / split / ctx.recipe.microbatches
+def _attention_s(ctx: CostContext, dtype: str, split: float) -> float:
+    """Seconds per device of the step's attention regions in ``dtype``, split over
+    ``split`` batch, sequence and head shards: their FLOPs, and, without a fused
+    kernel, their score traffic (:func:`~spmdkit.planner.plain_attention.score_traffic_s`)."""
+    flops = ctx.trace.attention_flops(ctx.recipe, ctx.topology) / split
+    attn_s = ctx.compute_time(0.0, flops, dtype)
+    if ctx.peak_flops is None:
+        attn_s += score_traffic_s(ctx, dtype, split)
+    return attn_s
 
 
 def _head_axes(

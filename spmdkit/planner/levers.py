@@ -21,13 +21,36 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spmdkit.planner.analytic import ParamGroup, StepTrace, remat_choices
+from spmdkit.planner.analytic import ParamGroup, StepTrace
 from spmdkit.planner.logical import PlanError
-from spmdkit.step.recipe import Recipe
+from spmdkit.step.recipe import NAMED_POLICIES, Recipe
 from spmdkit.topology import Topology
 from spmdkit.util import divisors
 
 __all__ = ["auto_recipes", "check_fp8", "compute_choices"]
+
+
+def remat_choices(trace: StepTrace) -> list[tuple[str, bool, int]]:
+    """The ``(remat, remat_offload, remat_every)`` levers auto searches: ``none``, ``dots``,
+    each named policy that keeps something of its own on this model (an untagged
+    model's matmuls tagged by role, :mod:`spmdkit.step.matmul_roles`), ``full``, ``full`` on one
+    layer in two (4 or more layers, an even count); then the offload form of each
+    that keeps something. Nothing without a layer scan."""
+    if not trace.layers:
+        return [("none", False, 1)]
+    out = [("none", False), ("dots", False)]
+    seen = {(trace.saved_bytes(Recipe(remat="dots")), 0.0)}
+    seen.add((0.0, trace.recompute_flops(Recipe(remat="full"))[0]))
+    for name in NAMED_POLICIES:
+        r = Recipe(remat=name)
+        key = (trace.saved_bytes(r)[0], trace.recompute_flops(r)[0])
+        if key[0] and key not in seen and (key[0], 0.0) not in seen:
+            seen.add(key)
+            out.append((name, False))
+    out.append(("full", False))
+    offloaded = [(r, True) for r, _ in out if r not in ("none", "full")]
+    halves = [("full", False, 2)] if trace.layers >= 4 and trace.layers % 2 == 0 else []
+    return [(r, o, 1) for r, o in out] + halves + [(r, o, 1) for r, o in offloaded]
 
 
 def check_fp8(topology: Topology, peak_flops: float | None) -> None:

@@ -42,7 +42,7 @@ Recipes
 Each candidate is a layout *and* a :class:`~spmdkit.step.recipe.Recipe`. Unless
 ``recipe=`` fixes one, auto costs every preset and searched layout under each
 remat policy (``none``, ``dots``, ``full`` and MaxText's named policies that keep
-something of their own, :func:`~spmdkit.planner.analytic.remat_choices`, when the
+something of their own, :func:`~spmdkit.planner.levers.remat_choices`, when the
 model has a layer scan; their offload forms with the optimizer's) and
 compute dtype (the parameters', or bf16 on fp32 master weights; float8 and bf16
 parameters with the fp32 master in the optimizer state only when allowed,

@@ -432,7 +432,7 @@ def test_named_policies_are_priced_by_what_the_layer_keeps(llama):
     v; mlpwo is never read, so save_dot_except_mlpwi keeps what save_dot_except_mlp
     does), fewer kept means more recomputed, and the offload form keeps the same
     bytes on the host and moves them over the host link twice per step."""
-    from spmdkit.planner.analytic import remat_choices
+    from spmdkit.planner.levers import remat_choices
     from spmdkit.step.recipe import Recipe
 
     t = llama[1].trace
