@@ -62,9 +62,14 @@ the MFU of the step.
 meshes data=2 × model=4 and data=8, for the reference models' ``tiny`` and
 ``small`` configs (:data:`AUTO_CASES`), ``sk.plan(..., "auto")`` (priced on the
 mesh's own topology, ``Topology.cpu``) against every preset: each distinct plan's
-train step (``sk.jit(sk.train_step(info, adam, plan), plan)``) compiled and timed
-in rounds, every plan once a round with the order rotated; per preset the median
-of the per-round ratios auto / preset, and auto against the fastest preset
+train step (``sk.jit(sk.train_step(info, adam, plan), plan, donate_state=True)``,
+its outputs fed to the next step, as ``train`` runs it) compiled and timed in its
+own block with only its own arrays alive (built, two untimed steps, timed steps,
+then its arrays and compiled step dropped and collected before the next plan's:
+with every plan's arrays alive at once, a step's large temporaries would get fresh
+pages from the kernel, which training does not pay), auto's block first and every
+block as many steps as auto's; per preset the median of the ratios auto / preset
+of the i-th steps of the two blocks, and auto against the fastest preset
 (target ≤ 1.1), in wall-clock time and in the process's CPU seconds per step
 (``cpu_ratio_to_fastest``: the steps' own work, which a loaded, shared host
 inflates least; wall-clock differences between layouts there also hold the
@@ -657,10 +662,13 @@ def _layout_key(plan: Any) -> str:
     return _json.dumps({k: d.get(k) for k in keep}, sort_keys=True)
 
 
-def _train_call(info: Any, plan: Any, opt: Any, batch: Any) -> Any:
-    """A no-argument call of ``sk.jit(sk.train_step(info, opt, plan), plan)`` on
-    arrays placed with the plan's shardings (state, when the model has some),
-    compiled by a first call."""
+def _train_run(info: Any, plan: Any, opt: Any, batch: Any, *, donate: bool = True) -> Any:
+    """A one-step call of ``sk.jit(sk.train_step(info, opt, plan), plan,
+    donate_state=donate)``, as ``train`` runs it (which donates): the parameters, optimizer state
+    (and model state, when the model has some) placed with the plan's shardings,
+    donated to each step and replaced by its outputs; the batch placed once.
+    Compiled by a first call. Dropping the returned call (and collecting) frees
+    everything it holds: its arrays and its compiled step."""
     import jax
 
     import spmdkit as sk
@@ -671,25 +679,84 @@ def _train_call(info: Any, plan: Any, opt: Any, batch: Any) -> Any:
     opt_state = jax.jit(init, out_shardings=plan.opt_shardings(jax.eval_shape(init, params)))(
         params
     )
-    args = [params, opt_state]
+    carried = [params, opt_state]
     if info.has_state:
         state = info.init_state_fn()
-        args.append(jax.device_put(state, plan.state_sharding(jax.eval_shape(lambda s: s, state))))
-    args.append(jax.device_put(batch, plan.batch_sharding(batch)))
-    step = sk.jit(sk.train_step(info, opt, plan), plan)
-    jax.block_until_ready(step(*args))
-    return lambda: step(*args)
+        carried.append(
+            jax.device_put(state, plan.state_sharding(jax.eval_shape(lambda s: s, state)))
+        )
+    placed = jax.device_put(batch, plan.batch_sharding(batch))
+    del params, opt_state
+    step = sk.jit(sk.train_step(info, opt, plan), plan, donate_state=donate)
+
+    def call() -> Any:
+        out = step(*carried, placed)
+        carried[:] = out[:-1]  # the outputs carry on (donated inputs are gone)
+        return out
+
+    jax.block_until_ready(call())
+    return call
+
+
+def _time_plan(
+    info: Any,
+    plan: Any,
+    opt: Any,
+    batch: Any,
+    *,
+    steps: int | None,
+    budget_s: float,
+    warmup: int,
+    donate: bool = True,
+) -> dict[str, Any]:
+    """Build one plan's step and arrays, run ``warmup`` untimed steps, time
+    ``steps`` steps (or, with None, as many as ``budget_s`` holds: 3 to 25), then
+    drop its arrays and compiled step and collect, so that the next plan runs with
+    only its own arrays alive (as in training, where a step's large temporaries
+    reuse the pages the previous step freed). Per step: wall seconds, the
+    process's CPU seconds, system CPU seconds and minor page faults."""
+    import gc
+    import resource
+
+    import jax
+
+    call = _train_run(info, plan, opt, batch, donate=donate)
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    if steps is None:
+        steps = max(3, min(25, int(budget_s / max(_timed(call), 1e-9))))
+    out: dict[str, list[float]] = {"wall": [], "cpu": [], "sys": [], "faults": []}
+    for _ in range(steps):
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        c0 = time.process_time()
+        out["wall"].append(_timed(call))
+        out["cpu"].append(time.process_time() - c0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        out["sys"].append(r1.ru_stime - r0.ru_stime)
+        out["faults"].append(r1.ru_minflt - r0.ru_minflt)
+    del call
+    jax.clear_caches()  # the compiled step's executables, held by jax's caches too
+    gc.collect()
+    return out
 
 
 def measure_auto(
-    name: str, size: str, mesh_shape: dict[str, int], *, budget_s: float, batch_size: int = 8
+    name: str,
+    size: str,
+    mesh_shape: dict[str, int],
+    *,
+    budget_s: float,
+    batch_size: int = 8,
+    warmup: int = 2,
+    donate: bool = True,
 ) -> dict[str, Any]:
     """Auto's plan against every preset on one model and mesh: each distinct plan's
-    train step compiled with ``sk.jit`` and timed in rounds (every plan once a
-    round, the order rotated), so machine noise hits all alike; per preset the
-    median of the per-round ratios auto / preset."""
-    import resource
-
+    train step compiled with ``sk.jit`` (state donated, as ``train`` runs it, unless
+    ``donate`` is False) and
+    timed in its own block with only its own arrays alive (:func:`_time_plan`),
+    auto's first; every plan gets as many steps as auto's block (``rounds``: auto's
+    share of ``budget_s``, 3 to 25). Per preset the median of the ratios auto /
+    preset of the i-th steps of the two blocks."""
     import numpy as np
     import optax
 
@@ -706,44 +773,46 @@ def measure_auto(
     plans = _auto_plans(info, mesh, opt)
     plan_s = time.perf_counter() - t0
     keys = {n: _layout_key(p) for n, p in plans.items()}
-    calls: dict[str, Any] = {}
-    for n, p in plans.items():
-        if keys[n] not in calls:
-            calls[keys[n]] = _train_call(info, p, opt, batch)
-    order = list(calls)
-    first = [_timed(calls[k]) for k in order]
-    rounds = max(3, min(25, int(budget_s / max(sum(first), 1e-9))))
-    times: dict[str, list[float]] = {k: [] for k in order}
-    cpu: dict[str, list[float]] = {k: [] for k in order}
-    # the kernel's share: system CPU seconds and minor page faults (fresh pages)
-    kernel: dict[str, list[tuple[float, int]]] = {k: [] for k in order}
-    for r in range(rounds):
-        for j in range(len(order)):
-            k = order[(r + j) % len(order)]
-            r0 = resource.getrusage(resource.RUSAGE_SELF)
-            c0 = time.process_time()
-            times[k].append(_timed(calls[k]))
-            cpu[k].append(time.process_time() - c0)
-            r1 = resource.getrusage(resource.RUSAGE_SELF)
-            kernel[k].append((r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))
+    order = list(dict.fromkeys(keys.values()))  # auto's layout first
+    plan_of = {k: plans[next(n for n in plans if keys[n] == k)] for k in order}
+    share = budget_s / len(order)
+    blocks = {
+        order[0]: _time_plan(
+            info,
+            plan_of[order[0]],
+            opt,
+            batch,
+            steps=None,
+            budget_s=share,
+            warmup=warmup,
+            donate=donate,
+        )
+    }
+    rounds = len(blocks[order[0]]["wall"])
+    for k in order[1:]:
+        blocks[k] = _time_plan(
+            info, plan_of[k], opt, batch, steps=rounds, budget_s=share, warmup=warmup, donate=donate
+        )
     med = statistics.median
-    auto_t, auto_c = times[keys["auto"]], cpu[keys["auto"]]
+    auto_b = blocks[keys["auto"]]
+    auto_t, auto_c = auto_b["wall"], auto_b["cpu"]
     presets = {}
     for n in plans:
         if n == "auto":
             continue
-        t = times[keys[n]]
+        b = blocks[keys[n]]
         presets[n] = {
-            "step_ms": 1e3 * med(t),
-            "step_cpu_ms": 1e3 * med(cpu[keys[n]]),
-            "step_sys_ms": 1e3 * med(x[0] for x in kernel[keys[n]]),
-            "step_page_faults": med(x[1] for x in kernel[keys[n]]),
-            "auto_ratio": med([a / b for a, b in zip(auto_t, t, strict=True)]),
-            "auto_cpu_ratio": med([a / b for a, b in zip(auto_c, cpu[keys[n]], strict=True)]),
+            "step_ms": 1e3 * med(b["wall"]),
+            "step_cpu_ms": 1e3 * med(b["cpu"]),
+            "step_sys_ms": 1e3 * med(b["sys"]),
+            "step_page_faults": med(b["faults"]),
+            "auto_ratio": med([a / x for a, x in zip(auto_t, b["wall"], strict=True)]),
+            "auto_cpu_ratio": med([a / x for a, x in zip(auto_c, b["cpu"], strict=True)]),
             "predicted_step_s": plans[n].cost.step_time_s,
             "same_as_auto": keys[n] == keys["auto"],
         }
     fastest = min(presets, key=lambda n: presets[n]["step_ms"])
+    fast_t = blocks[keys[fastest]]["wall"]
     a = plans["auto"]
     return {
         "model": name,
@@ -752,24 +821,23 @@ def measure_auto(
         "batch": batch_size,
         "params": int(sum(np.prod(p.shape) for p in info.params)),
         "rounds": rounds,
+        "warmup": warmup,
+        "timing": "own_arrays_alone",
+        "donate": donate,
         "topology": a.topology,
         "auto_chose": f"{a.chosen}" + ("" if a.recipe.is_default else f"+{a.recipe.short()}"),
         "auto_sharded": _sharded(a),
         "auto_step_ms": 1e3 * med(auto_t),
         "auto_step_cpu_ms": 1e3 * med(auto_c),
-        "auto_step_sys_ms": 1e3 * med(x[0] for x in kernel[keys["auto"]]),
-        "auto_step_page_faults": med(x[1] for x in kernel[keys["auto"]]),
+        "auto_step_sys_ms": 1e3 * med(auto_b["sys"]),
+        "auto_step_page_faults": med(auto_b["faults"]),
         "auto_predicted_step_s": a.cost.step_time_s,
         "auto_notes": [n.kind for n in a.notes],
         "fastest_preset": fastest,
         "ratio_to_fastest": presets[fastest]["auto_ratio"],
         "cpu_ratio_to_fastest": presets[fastest]["auto_cpu_ratio"],
-        "ratio_to_fastest_p25": _pct(
-            [x / y for x, y in zip(auto_t, times[keys[fastest]], strict=True)], 0.25
-        ),
-        "ratio_to_fastest_p75": _pct(
-            [x / y for x, y in zip(auto_t, times[keys[fastest]], strict=True)], 0.75
-        ),
+        "ratio_to_fastest_p25": _pct([x / y for x, y in zip(auto_t, fast_t, strict=True)], 0.25),
+        "ratio_to_fastest_p75": _pct([x / y for x, y in zip(auto_t, fast_t, strict=True)], 0.75),
         "presets": presets,
         "plan_s": plan_s,
     }
@@ -968,9 +1036,11 @@ def run_auto_section(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "target": AUTO_TARGET,
         "cpu_constants": constants,
-        "definition": "per-round step time of sk.jit(sk.train_step(info, adam, plan), plan), "
-        "auto's plan / each preset's, timed in rounds (every distinct plan once a round, "
-        "order rotated); median of the per-round ratios; the fastest preset is the one of "
+        "definition": "step time of sk.jit(sk.train_step(info, adam, plan), plan, "
+        "donate_state=True), auto's plan / each preset's, each distinct plan timed in its own "
+        "block with only its own arrays alive (built, 2 untimed steps, timed steps, dropped "
+        "and collected), auto's first, every block as many steps as auto's; median of the "
+        "ratios of the i-th steps of the two blocks; the fastest preset is the one of "
         "least median step time; cpu_ratio_to_fastest: the same of the process's CPU seconds "
         "per step (the step's own work, what a loaded, shared host inflates least)",
         "rows": rows,

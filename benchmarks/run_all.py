@@ -953,14 +953,23 @@ def sec_overhead(results: Path, out: Path, gpu_note: str) -> str:
             ]
     auto = d.get("auto_vs_presets") if d is not None else None
     if auto and auto.get("rows"):
+        alone = all(r.get("timing") == "own_arrays_alone" for r in auto["rows"])
+        how = (
+            "timed in its own block with only its own arrays alive (state donated, as `train` "
+            "runs it); ratio = median of the ratios of the i-th steps of auto's block and the "
+            "fastest preset's"
+            if alone
+            else "timed in rounds (every plan once a round, the order rotated, every plan's "
+            "arrays alive at once); ratio = median of the per-round ratios auto / the fastest "
+            "preset"
+        )
         parts += [
             "",
             _machine(auto, results / "overhead.json"),
             "",
             "Auto's plan against every preset on 8 CPU devices: each distinct plan's "
-            "`sk.jit(sk.train_step(...))` step timed in rounds (every plan once a round, the "
-            "order rotated); ratio = median of the per-round ratios auto / the fastest preset "
-            "(wall clock), and the same of the process's CPU seconds.",
+            f"`sk.jit(sk.train_step(...))` step {how} (wall clock), and the same of the "
+            "process's CPU seconds.",
             "",
             _auto_vs_presets_table(auto),
         ]
