@@ -564,26 +564,41 @@ def _stage_part(
         d: total_cost(sctx, [groups[i] for i in ix], [choice[i] for i in ix], batch_axes, seq_axes)
         for d, ix in views.items()
     }
+    slow = max(costs.values(), key=lambda c: c.compute_time_s)
+    out = _held_part(sctx, groups, choice, batch_axes, seq_axes, split, slow)
+    ctx.memo[key] = out
+    return out
+
+
+def _held_part(
+    sctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    split: StageSplit,
+    slow: Cost,
+) -> _StagePart:
+    """The :class:`_StagePart` of the stage context ``sctx`` (``groups`` as a
+    device holds them) whose slowest device costs ``slow``: what it holds, the
+    end stages' gradient sync, the per-micro-batch scales and a chunk's weights."""
     # Parameters outside the stack are replicated over the pipe axis (the plan's
     # specs leave it off them): every device holds them, and their gradients
     # (non-zero only on the stage that used them) are all-reduced over it.
-    held = total_cost(sctx, groups, choice, batch_axes, seq_axes)
     ends = [i for i, w in enumerate(split.where) if w != "layers"]
     ends_cost = total_cost(sctx, [groups[i] for i in ends], [choice[i] for i in ends], (), ())
     # reduced as accumulated: in float32 under bf16 compute
     wire = sctx.accumulator_ratio(groups[ends[0]].dtype) if ends else 1.0
     act_scale, carry_scale = _per_microbatch(sctx, groups, choice, batch_axes, seq_axes)
     stack = [i for i, w in enumerate(split.where) if w == "layers"]
-    out = _StagePart(
-        held=held,
-        slow=max(costs.values(), key=lambda c: c.compute_time_s),
+    return _StagePart(
+        held=total_cost(sctx, groups, choice, batch_axes, seq_axes),
+        slow=slow,
         sync_bytes=ends_cost.memory["grads"] * wire,
         act_scale=act_scale,
         carry_scale=carry_scale,
         chunk_weights=_chunk_weights(sctx, groups, choice, stack, batch_axes, seq_axes),
     )
-    ctx.memo[key] = out
-    return out
 
 
 def _uneven_part(
@@ -622,21 +637,10 @@ def _uneven_part(
         n * layer_s + (extra[0] if c == 0 else 0.0) + (extra[p - 1] if c == last else 0.0)
         for c, n in enumerate(pipe.layout or ())
     )
-    sctx, held_groups = at(max(counts))
-    ends = [i for i, w in enumerate(split.where) if w != "layers"]
-    ends_cost = total_cost(sctx, [held_groups[i] for i in ends], [choice[i] for i in ends], (), ())
-    wire = sctx.accumulator_ratio(held_groups[ends[0]].dtype) if ends else 1.0
-    act_scale, carry_scale = _per_microbatch(sctx, held_groups, choice, batch_axes, seq_axes)
-    weights = _chunk_weights(sctx, held_groups, choice, stack, batch_axes, seq_axes)
-    return _StagePart(
-        held=total_cost(sctx, held_groups, choice, batch_axes, seq_axes),
-        slow=max(devices.values(), key=lambda c: c.compute_time_s),
-        sync_bytes=ends_cost.memory["grads"] * wire,
-        act_scale=act_scale,
-        carry_scale=carry_scale,
-        chunk_weights=weights * max(pipe.layout or (1,)) / max(counts),
-        chunk_s=chunk_s,
-    )
+    slow = max(devices.values(), key=lambda c: c.compute_time_s)
+    part = _held_part(*at(max(counts)), choice, batch_axes, seq_axes, split, slow)
+    weights = part.chunk_weights * max(pipe.layout or (1,)) / max(counts)
+    return part._replace(chunk_weights=weights, chunk_s=chunk_s)
 
 
 def _chunk_weights(
