@@ -10,10 +10,14 @@ wanted layouts upstream as hints: the ``out_specs`` constraints, and the layouts
 consumers slice free-made values to (a broadcast constant, a mask). The forward
 sweep takes a hint where it costs no more than following the operands; the
 sweeps repeat (four rounds at most) and the round with the lowest modelled
-step time is kept. Outputs without a constraint keep what the forward sweep
-gives them, with pending reductions resolved (a jitted function returns
-reduced values). A value resharded once is not resharded again for another
-consumer wanting the same layout.
+step time is kept: its reshards, its FLOPs at the bf16 peak, and the bytes its
+equations write through device memory (:meth:`~spmdkit.topology.Topology.memory_time`
+of :func:`~spmdkit.propagation.pricing.steps_bytes`; a value computed replicated
+that could be a free slice of its readers' split is written whole on every
+device). Outputs without a constraint keep what the forward sweep gives them,
+with pending reductions resolved (a jitted function returns reduced values). A
+value resharded once is not resharded again for another consumer wanting the
+same layout.
 
 **Costs.** ``comm_bytes`` are per-device payload bytes as XLA's HLO shows them
 (:mod:`spmdkit.resharding` conventions). ``flops`` are per device: the local
@@ -50,7 +54,7 @@ from spmdkit.propagation.graph import (
 )
 from spmdkit.propagation.memory import CopyRead, RegionHold, liveness
 from spmdkit.propagation.pinning import Program, pins
-from spmdkit.propagation.pricing import steps_flops
+from spmdkit.propagation.pricing import steps_bytes, steps_flops
 from spmdkit.propagation.propagator import GraphFacts, Propagator
 from spmdkit.propagation.records import LATER, REPORTED, EqnRecord, Propagation, Recorder
 from spmdkit.propagation.regions import (
@@ -262,7 +266,8 @@ def _sweeps(
 ) -> tuple[dict[int, TensorSpec], list[Step], collections.Counter]:
     """Forward sweeps, each after a backward sweep from the last one's hints (four
     rounds at most); the specs, steps and equations without a rule (``unknown``)
-    of the round with the lowest modelled step time (hints are heuristics). The
+    of the round with the lowest modelled step time (hints are heuristics): its
+    reshards, FLOPs and the bytes its equations write (module docstring). The
     consumers' hints (:func:`~spmdkit.propagation.choose.consumer_hints`) of every
     round so far are kept, the latest winning: a round that no longer moves a free
     value would otherwise drop its hint, and the next round take back the backward
@@ -270,6 +275,7 @@ def _sweeps(
     wanted = {v: r for v, r in zip(graph.outvars, out_req, strict=True) if r is not None}
     fixed = set(graph.invars)
     pricer = propagator.pricer
+    memory_time = getattr(pricer.topology, "memory_time", None)
     best: tuple | None = None
     seen: dict[int, TensorSpec] = {}
     for _ in range(4):
@@ -277,6 +283,8 @@ def _sweeps(
         collect: list[Step] = []
         propagator.sweep(graph, flat_in, spec, collect)
         t = pricer.steps_time(collect) + steps_flops(collect, propagator.mesh) / peak
+        if memory_time is not None:
+            t += memory_time(steps_bytes(collect, propagator.mesh))
         for v, r in zip(graph.outvars, out_req, strict=True):
             have = spec.get(v) or propagator.replicated(v)
             t += pricer.time("output", have, r if r is not None else have.without_partial())

@@ -26,7 +26,14 @@ from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.topology import Topology, mesh_platform
 from spmdkit.util import CONTRACTIONS, contraction_flops
 
-__all__ = ["Pricer", "node_flops", "reshard_once", "steps_flops", "target_backend"]
+__all__ = [
+    "Pricer",
+    "node_flops",
+    "reshard_once",
+    "steps_bytes",
+    "steps_flops",
+    "target_backend",
+]
 
 # Producers of sum-partial values that XLA reduces at the layout they were made in:
 # it computes a dot's or a reduction's result directly in a sliced layout, but
@@ -255,6 +262,27 @@ def node_flops(
     if node.kind != "eqn" or not outs:
         return 0.0
     return float(sum(math.prod(o.local_shape(mesh)) for o in outs))
+
+
+def steps_bytes(steps: Sequence[Step], mesh: MeshLike) -> float:
+    """Per-device bytes the steps' equations write: their results' local blocks
+    (loops: body × trip count; a loop's own results are its body's). A value
+    computed replicated where its readers hold it sharded is written whole on
+    every device: work that :func:`steps_flops` prices at the matmul peak, one
+    FLOP an element, though it streams through device memory.
+
+    Example::
+
+        >>> steps_bytes([], sk.abstract_mesh(data=2))
+        0.0
+    """
+    total = 0.0
+    for step in steps:
+        if step.loop is not None:
+            total += step.loop.trips * steps_bytes(step.loop.steps, mesh)
+        elif step.node.kind == "eqn":
+            total += float(sum(o.local_bytes(mesh) for o in step.outputs))
+    return total
 
 
 def steps_flops(steps: Sequence[Step], mesh: MeshLike) -> float:

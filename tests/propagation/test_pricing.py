@@ -7,7 +7,8 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.propagation import propagate
-from spmdkit.propagation.pricing import Pricer, node_flops
+from spmdkit.propagation.pricing import Pricer, node_flops, steps_bytes
+from spmdkit.propagation.steps import LoopBody, Step
 from spmdkit.util import H100_BF16_PEAK_FLOPS, contraction_flops
 from tests.propagation.programs import F32, S
 
@@ -21,6 +22,22 @@ def test_contraction_flops_are_the_local_blocks_and_default_peak_is_the_h100():
     assert prop.compute_time_s == rec.flops / H100_BF16_PEAK_FLOPS
     node = prop.program.graph.nodes[0]
     assert node_flops(node, rec.inputs, rec.outputs, mesh) == rec.flops
+
+
+def test_steps_bytes_are_the_results_local_blocks_loops_times_their_trips():
+    """What a round of sweeps writes per device: each equation's results at their
+    local size (replicated: whole on every device), a loop's body per trip."""
+    mesh = sk.abstract_mesh(data=8)
+    x, w = S((64, 32), F32), S((32, 16), F32)
+    prop = propagate(lambda x, w: x @ w, x, w, in_specs=(P("data"), None), mesh=mesh)
+    (rec,) = prop.records
+    node = prop.program.graph.nodes[0]
+    split = Step(node, "dot_general", rec.attrs, rec.inputs, rec.inputs, rec.outputs)
+    assert steps_bytes([split], mesh) == 64 * 16 * 4 / 8
+    whole = split._replace(outputs=tuple(o.replace(dims=()) for o in rec.outputs))
+    assert steps_bytes([whole], mesh) == 64 * 16 * 4
+    loop = whole._replace(loop=LoopBody([split, whole], [], 3), outputs=())
+    assert steps_bytes([loop], mesh) == 3 * (64 * 16 * 4 / 8 + 64 * 16 * 4)
 
 
 def test_staged_gathers_of_one_dim_are_one_collective():
