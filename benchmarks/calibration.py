@@ -286,22 +286,24 @@ DEEPSEEK_V3 = {
     # output projection and recomputes the rest (the routed experts too, which
     # Megatron keeps)
     "recipe": dataclasses.replace(MEGATRON_FP8, remat="save_out_proj"),
-    "published_recipe": "FP8, GBS 8192, MBS 1, seq 4096, dropless, recompute "
-    "mla_up_proj and mlp, DeepEP dispatch, layout Et|(tt|)*30mL",
+    "published_recipe": "FP8, GBS 8192, MBS 1, seq 4096, dropless (router forced to "
+    "balance), recompute mla_up_proj and mlp, DeepEP dispatch in bf16, 1F1B all-to-all "
+    "overlap, layout Et|(tt|)*30mL",
+    # the published run's expert exchange, priced only (spmdkit's executor runs an
+    # all-to-all per (token, expert) copy on each micro-batch's critical path):
+    # DeepEP (moe_token_dispatcher_type "flex", moe_enable_deepep) and the 1F1B
+    # all-to-all overlap (overlap_moe_expert_parallel_comm, delay_wgrad_compute)
+    "exchange": {"expert_exchange": "node_dedup", "expert_overlap": True},
     "stack": "xla",
     "published": 1297,
     "memory_gib": None,
     "fit": False,
     "pipelined": True,
-    "runs": "priced only: the executor refuses the uneven layout (PipelineError)",
-    "miss": "predicted slower than published. By --breakdown the slowest device's compute "
-    "(its 8 MoE layers, FP8) is below the published step, and the experts' token exchange "
-    "(all-to-all over EP 64, 7 of its 8 nodes over InfiniBand) is priced exposed and larger "
-    "than the rest of the step. Candidates, not tuned: DeepEP's dispatch sends a token "
-    "once per destination node over InfiniBand and fans it out over NVLink (priced: once "
-    "per expert), in FP8 on the forward; Megatron overlaps the exchange with another "
-    "micro-batch's compute; the nearest remat policy reruns the routed experts and their "
-    "exchange, which the published recipe (mla_up_proj and mlp) keeps",
+    "runs": "priced only: the executor refuses the uneven layout (PipelineError), and the "
+    "expert exchange is priced as the published run does it (row's exchange: DeepEP's "
+    "node-deduplicated dispatch, each token over InfiniBand once per node holding its "
+    "experts, and Megatron's 1F1B all-to-all overlap), which spmdkit's executor does not run "
+    "(it sends every (token, expert) copy, exposed): the plan's priced_only note",
 }
 
 #: Published runs the planner cannot price as published, each with why: saved
@@ -438,6 +440,14 @@ ROWS = [
     GPT_OSS_120B,
     DEEPSEEK_V3,
 ]
+
+
+def row_topology(row: dict) -> sk.Topology:
+    """The topology ``row`` is priced on: H100 nodes of 8 with its stack's constants,
+    and the priced-only expert exchange forms its published run uses (``exchange``:
+    :class:`~spmdkit.topology.Topology` fields, ``expert_exchange`` and
+    ``expert_overlap``), if any."""
+    return dataclasses.replace(sk.Topology.h100(stack=row["stack"]), **row.get("exchange", {}))
 
 
 def predict(row: dict, topology: sk.Topology) -> sk.Cost:
@@ -691,7 +701,7 @@ def main() -> None:
     if args.breakdown:
         for row in ROWS:
             if any(n in row["name"] for n in args.breakdown):
-                print(breakdown(row, sk.Topology.h100(stack=row["stack"])), flush=True)
+                print(breakdown(row, row_topology(row)), flush=True)
         return
     saved = json.loads(path.read_text()) if args.only else None
     kept = {(r["name"], r["devices"]): r for r in saved["rows"]} if saved else {}
@@ -702,7 +712,7 @@ def main() -> None:
     fitted = {}
     for row in ROWS:
         if row["fit"] and chosen(row):
-            fitted[row["stack"]] = fit(row, sk.Topology.h100(stack=row["stack"]))
+            fitted[row["stack"]] = fit(row, row_topology(row))
         elif row["fit"]:
             fitted[row["stack"]] = saved["constants"][row["stack"]]["fitted_matmul_efficiency"]
     out = []
@@ -714,7 +724,7 @@ def main() -> None:
         if not chosen(row):
             out.append(kept[(row["name"], row["devices"])])
             continue
-        topo = sk.Topology.h100(stack=row["stack"])
+        topo = row_topology(row)
         cost = predict(row, topo)
         pred = tok_s(row, cost)
         mem = cost.peak_bytes / GIB

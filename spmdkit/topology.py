@@ -88,6 +88,7 @@ __all__ = [
     "STACKS",
     "COLLECTIVE_KINDS",
     "DEFAULT_TOPOLOGY",
+    "EXPERT_EXCHANGES",
     "H100_PEAK_FLOPS",
     "LOCAL_KINDS",
     "Topology",
@@ -103,6 +104,13 @@ LOCAL_KINDS = frozenset({"slice", "to_partial"})
 COLLECTIVE_KINDS = frozenset(
     {"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute"}
 )
+
+#: How routed experts' token exchange is priced (:attr:`Topology.expert_exchange`):
+#: ``"all_to_all"`` (what spmdkit's ``moe_experts`` op runs: every (token, expert)
+#: copy sent to its expert's device) or ``"node_dedup"`` (priced only: each token
+#: crosses the network once per destination node and fans out inside it, as
+#: DeepEP's normal kernels do).
+EXPERT_EXCHANGES = ("all_to_all", "node_dedup")
 
 # Published link numbers behind Topology.h100 (per GPU, per direction).
 _NVLINK4_BANDWIDTH = 450e9  # H100 SXM NVLink 4: 900 GB/s bidirectional
@@ -293,6 +301,15 @@ class Topology:
         group of axes and one pass (forward, backward) pay one collective's
         latency, not one each (XLA:CPU's all-reduce combiner merges them; the
         GPU calibration prices each).
+      expert_exchange: one of :data:`EXPERT_EXCHANGES`: how routed experts' token
+        exchanges are priced. ``"node_dedup"`` prices a form spmdkit's executor does
+        not run (a plan priced with it carries a ``priced_only`` note;
+        :mod:`spmdkit.planner.experts`, docs/moe.md).
+      expert_overlap: price the experts' token exchanges as overlappable with
+        compute in a step of two or more micro-batches (another micro-batch's
+        compute hides them, as Megatron-LM's 1F1B all-to-all overlap runs them).
+        Priced only: spmdkit's executor runs each micro-batch's exchanges on its
+        own critical path (the ``priced_only`` note says so).
       platform: the XLA backend the devices run (``"gpu"``, ``"cpu"``, ...): which
         compiler passes the prediction follows on an abstract mesh
         (:meth:`target`); None: jax's default backend.
@@ -327,6 +344,8 @@ class Topology:
     fresh_page_s: float = 0.0
     fresh_pages_from: float | None = None
     combines_all_reduces: bool = False
+    expert_exchange: str = "all_to_all"
+    expert_overlap: bool = False
     platform: str | None = "gpu"
     name: str = "custom"
 
@@ -389,6 +408,21 @@ class Topology:
                     fix="pass seconds, e.g. 5e-6",
                 )
             object.__setattr__(self, name, value)
+        if self.expert_exchange not in EXPERT_EXCHANGES:
+            raise SpmdError(
+                op="Topology",
+                must=f"expert_exchange is one of {EXPERT_EXCHANGES}",
+                given=repr(self.expert_exchange),
+                fix="pass expert_exchange='all_to_all' (what spmdkit runs) or 'node_dedup' "
+                "(priced only: one network crossing a token per destination node)",
+            )
+        if not isinstance(self.expert_overlap, bool):
+            raise SpmdError(
+                op="Topology",
+                must="expert_overlap is a bool",
+                given=repr(self.expert_overlap),
+                fix="pass expert_overlap=True (priced only) or False",
+            )
         gpn = self.gpus_per_node
         if gpn is not None and (isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1):
             raise SpmdError(
@@ -695,6 +729,27 @@ class Topology:
                 break
             inside.add(name)
         return frozenset(inside)
+
+    def node_share(self, axes: Iterable[str], mesh: MeshLike) -> int:
+        """Devices of a group spanning ``axes`` that share one node: the mesh's axes
+        laid out major → minor over nodes of ``gpus_per_node`` devices (the node
+        heuristic), an axis larger than the room a node has left split over nodes
+        (its ``gcd`` with that room inside one). 1 when the heuristic is off.
+
+        Example::
+
+            >>> Topology.h100().node_share(("expert", "model"), abstract_mesh(expert=32, model=2))
+            8
+        """
+        if self.gpus_per_node is None:
+            return 1
+        axes, room, share = set(axes), self.gpus_per_node, 1
+        for name, size in reversed(list(axis_sizes(mesh).items())):
+            inside = size if size <= room else math.gcd(size, room)
+            if name in axes:
+                share *= inside
+            room = max(room // inside, 1)
+        return share
 
     def link(self, axes: tuple[str, ...], mesh: MeshLike) -> tuple[float, float]:
         """``(bandwidth, latency)`` of a device group spanning ``axes`` of ``mesh``.

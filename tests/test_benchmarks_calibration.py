@@ -20,7 +20,7 @@ def bench():
 @pytest.mark.slow
 def test_every_published_row_is_predicted_within_its_tolerance(bench):
     for row in bench.ROWS:
-        cost = bench.predict(row, sk.Topology.h100(stack=row["stack"]))
+        cost = bench.predict(row, bench.row_topology(row))
         ratio = bench.tok_s(row, cost) / row["published"]
         within = abs(ratio - 1) <= bench.tolerance(row)
         # a miss stays marked only while it misses: fixed, it must be unmarked
@@ -99,7 +99,8 @@ def test_deepseek_v3_is_priced_in_its_published_layout_and_auto_fits_80_gib(benc
     assert pipe.uneven and pipe.device_layers(58) == (6, 6, 8, 8, 8, 8, 8, 6)
     with pytest.raises(PipelineError, match="equal layer counts"):
         pipe.check_layers(58)
-    topo = sk.Topology.h100(stack=row["stack"])
+    topo = bench.row_topology(row)
+    assert (topo.expert_exchange, topo.expert_overlap) == ("node_dedup", True)
     cost = bench.predict(row, topo)
     assert cost.bubble_s > 0 and len(cost.stage_memory) == 8
     assert bench.auto_choice(row, topo)["memory_gib"] <= 80

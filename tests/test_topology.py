@@ -321,3 +321,27 @@ def test_topology_for_follows_the_mesh_devices():
     assert topology_for(gpus("NVIDIA A100-SXM4-80GB")) == Topology.a100()
     assert topology_for(gpus("NVIDIA H100 80GB HBM3")) is DEFAULT_TOPOLOGY
     assert DEFAULT_TOPOLOGY.name == "h100 (8 GPUs a node)"
+
+
+@pytest.mark.parametrize(
+    "sizes, axes, share",
+    [
+        ({"expert": 32, "model": 2}, ("expert", "model"), 8),  # 8 nodes of 8
+        ({"pipe": 8, "data": 2, "expert": 32, "model": 2}, ("expert", "model"), 8),
+        ({"data": 16, "model": 8}, ("data",), 1),  # the node is the model axis's
+        ({"data": 4, "expert": 4}, ("data", "expert"), 8),
+        ({"expert": 4}, ("expert",), 4),
+    ],
+)
+def test_node_share_counts_a_groups_devices_inside_one_node(sizes, axes, share):
+    """The devices of a group that share a node, the mesh laid out major → minor
+    over nodes of 8: an axis larger than the room left is split over nodes."""
+    assert Topology.h100().node_share(axes, abstract_mesh(**sizes)) == share
+    assert Topology(gpus_per_node=None).node_share(axes, abstract_mesh(**sizes)) == 1
+
+
+def test_an_unknown_expert_exchange_is_refused_with_the_choices():
+    with pytest.raises(SpmdError, match="expert_exchange is one of"):
+        Topology(expert_exchange="deepep")
+    with pytest.raises(SpmdError, match="expert_overlap is a bool"):
+        Topology(expert_overlap="yes")

@@ -490,6 +490,9 @@ class _Coll(NamedTuple):
     kind: str
     payload: float
     hidden: bool = False
+    #: hides only under another micro-batch's forward compute (a backward-pass
+    #: expert exchange under the priced-only 1F1B overlap: experts.overlapped)
+    paired: bool = False
 
 
 def _coll(
@@ -540,6 +543,9 @@ class GroupCost:
         (:func:`spmdkit.planner.experts.dispatch_buffer_bytes`; one call at a time).
       kept: bytes its ``moe_experts`` calls hold from their forward to their
         backward (:func:`spmdkit.planner.experts.kept_residual_bytes`).
+      paired_s: the part of ``comm_s`` that can hide only under another
+        micro-batch's forward compute (backward-pass expert exchanges under the
+        priced-only 1F1B overlap: :func:`spmdkit.planner.experts.overlapped`).
     """
 
     comm_s: float
@@ -559,6 +565,7 @@ class GroupCost:
     tp_bytes: float = 0.0
     buffers: float = 0.0
     kept: float = 0.0
+    paired_s: float = 0.0
 
     @property
     def time(self) -> float:
@@ -752,10 +759,11 @@ def group_cost(
     sp, tp, flops, compute_s = _params_part(ctx, g, layout, key)
     n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     by_kind: dict[str, float] = {}
-    comm_s = hidden_s = 0.0
+    comm_s = hidden_s = paired_s = 0.0
     for c in _collectives(ctx, g, layout, sp, tp):
         comm_s += c.time_s * count
         hidden_s += c.time_s * count if c.hidden else 0.0
+        paired_s += c.time_s * count if c.paired else 0.0
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.payload * count
     oshards = math.prod(sizes[a] for d in layout.opt for a in d)
     opt = g.opt_bytes / oshards * count
@@ -790,6 +798,7 @@ def group_cost(
         tp_bytes=sum(c.payload for c in tp) * count,
         buffers=experts.dispatch_buffer_bytes(ctx, g, sp, (*batch_axes, *sp.context)),
         kept=experts.kept_residual_bytes(ctx, g, sp, (*batch_axes, *sp.context)) * count,
+        paired_s=paired_s,
     )
     ctx.memo[key] = out
     return out
@@ -864,7 +873,7 @@ def total_cost(
     sizes = ctx.sizes
     trace = ctx.trace
     seq_shards = math.prod(sizes[a] for a in seq_axes)
-    comm_s = compute_s = hidden_s = layer_s = 0.0
+    comm_s = compute_s = hidden_s = layer_s = paired_s = 0.0
     comm: dict[str, float] = {}
     params = grads = opt = tp_weight = cast = offloaded = gathered = buffers = kept = 0.0
     total_flops = 0.0
@@ -873,6 +882,7 @@ def total_cost(
         c = group_cost(ctx, g, layout, batch_axes, seq_axes)
         comm_s += c.comm_s
         hidden_s += c.hidden_s
+        paired_s += c.paired_s
         compute_s += c.compute_s
         layer_s += c.layer_compute_s
         for k, v in c.comm_bytes:
@@ -892,7 +902,8 @@ def total_cost(
     attn_split = batch_shards * heads_tp
     attn_split *= _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
     attn_s = _attention_s(ctx, attention_dtype(dtype), attn_split)
-    compute_s += attn_s + recompute_s(ctx, layer_s)
+    rerun_s = recompute_s(ctx, layer_s)
+    compute_s += attn_s + rerun_s
     if not total_flops and trace.flops:
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
     # a pipelined stage gathers K/V over its tensor axes around the exchange
@@ -917,6 +928,8 @@ def total_cost(
     if moved:  # overlapped with the layers' compute
         comm["host_activations"] = moved
         comm_s, hidden_s = comm_s + host_s, hidden_s + host_s
+    if paired_s:  # under another micro-batch's forward: a third of the step's passes
+        hidden_s += min(paired_s, ctx.topology.overlap * (compute_s - rerun_s) / 3)
     exposed = comm_s - hidden_s
     step = compute_s + ctx.topology.exposed_comm(hidden_s, exposed, compute_s)
     hidden = comm_s - (step - compute_s)

@@ -33,6 +33,27 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   (:func:`ragged_exchange`).
   Charged to the down projection (the group whose last GEMM dim is ``embed``), once
   per call, as Megatron-LM's row-parallel weight carries a layer's all-reduce.
+- **priced-only exchange forms** (:class:`~spmdkit.topology.Topology` fields; the
+  plan then carries a ``priced_only`` note: spmdkit's executor runs neither).
+  ``expert_exchange="node_dedup"`` prices the exchange as DeepEP's normal kernels
+  run it where the EP group spans nodes: a token crosses the network once per
+  node holding one of its experts and is fanned out to their devices inside it
+  (the combine mirrors it), so a device sends ``T_local · (nodes - 1) · p_node``
+  rows of ``D`` over the network and forwards ``T_local · n_ep · p_device ·
+  (g - 1) / g`` over the node's link (``node_bandwidth``), both at once (:func:`node_dedup_time`;
+  ``g`` devices of the group a node: :meth:`~spmdkit.topology.Topology.node_share`).
+  ``p_node`` and ``p_device``: the chance that a node (a device) holds at least
+  one of a token's ``k`` experts, routed uniformly without a node limit (the
+  ``moe_experts`` router has none): ``1 - C(E - E_here, k) / C(E, k)``.
+  ``expert_overlap=True`` prices the token exchanges as overlappable with
+  compute in a step of two or more micro-batches (:func:`overlapped`), as
+  Megatron-LM's 1F1B all-to-all overlap runs them: one micro-batch's forward
+  beside another's backward, each pass's exchanges under the other pass's
+  compute. The forward pass's :data:`FORWARD_EXCHANGES` hide under the
+  topology's ``overlap`` share of compute like the other overlappable
+  collectives; the backward pass's (the transposes, a recompute's forward) only
+  under that share of the forward pass's compute, a third of the step's compute
+  less recomputation (:func:`spmdkit.planner.analytic.total_cost`).
 - **grouped GEMMs**: each device runs its ``E_local`` experts on what arrived:
   ``n_ep · T_local · k / E`` rows per local expert (all devices of the EP group send
   to it), the ``m`` of the topology's GEMM roofline, so the efficiency falls as the
@@ -68,6 +89,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "COUNT_EXCHANGES",
     "EXCHANGES",
+    "FORWARD_EXCHANGES",
     "LOAD_IMBALANCE",
     "MoeCall",
     "RAGGED_BACKENDS",
@@ -77,6 +99,8 @@ __all__ = [
     "exchanges",
     "kept_residual_bytes",
     "moe_call",
+    "node_dedup_time",
+    "overlapped",
     "ragged_exchange",
     "region_tokens",
     "rows_per_expert",
@@ -89,6 +113,9 @@ LOAD_IMBALANCE = 1.0
 #: Token buffers one call's train step exchanges without recompute: the forward's
 #: dispatch and combine, and their transposes in the backward.
 EXCHANGES = 4
+
+#: Token buffers of those the forward pass exchanges (its dispatch and combine).
+FORWARD_EXCHANGES = 2
 
 #: Per-expert count exchanges per call without recompute (the forward's).
 COUNT_EXCHANGES = 1
@@ -208,11 +235,68 @@ def dispatch_collectives(
     counts = n_ep * (call.experts // n_ep) * 4
     buffers, count_exchanges = exchanges(ctx)
     tokens = coll(ctx, "all_to_all", buf, sp.ep, times=buffers * times)
-    if ragged_exchange(ctx):  # the link carries the routed rows; the buffer is the payload
+    dedup = node_dedup_time(ctx, call, sp, t_local, itemsize)
+    if dedup is not None:  # priced only (module docstring): the buffer stays the payload
+        tokens = tokens._replace(time_s=dedup * buffers * times)
+    elif ragged_exchange(ctx):  # the link carries the routed rows; the buffer is the payload
         routed = t_local * call.top_k * call.d_model * itemsize * LOAD_IMBALANCE
         sent = coll(ctx, "all_to_all", routed, sp.ep, times=buffers * times)
         tokens = tokens._replace(time_s=sent.time_s)
-    return [tokens, coll(ctx, "all_to_all", counts, sp.ep, times=count_exchanges * times)]
+    counted = coll(ctx, "all_to_all", counts, sp.ep, times=count_exchanges * times)
+    if not overlapped(ctx):
+        return [tokens, counted]
+    # the forward pass's dispatch and combine hide under another micro-batch's
+    # backward; the backward pass's (transposes, a recompute's) under its forward
+    forward = FORWARD_EXCHANGES / buffers
+    ahead = tokens._replace(
+        time_s=tokens.time_s * forward, payload=tokens.payload * forward, hidden=True
+    )
+    behind = tokens._replace(
+        time_s=tokens.time_s - ahead.time_s, payload=tokens.payload - ahead.payload, paired=True
+    )
+    return [ahead, behind, counted]
+
+
+def overlapped(ctx: Any) -> bool:
+    """Whether the token exchanges are priced as overlappable with compute
+    (module docstring): the topology's ``expert_overlap`` (priced only), in a step
+    of two or more micro-batches (a pipeline's, or gradient accumulation's)."""
+    return bool(ctx.topology.expert_overlap) and ctx.recipe.microbatches >= 2
+
+
+def _hit(experts: int, here: int, k: int) -> float:
+    """The chance that ``here`` of ``experts`` experts hold at least one of a
+    token's ``k`` distinct experts, chosen uniformly: ``1 - C(E - here, k) / C(E, k)``."""
+    if here <= 0:
+        return 0.0
+    return 1.0 - math.comb(experts - here, k) / math.comb(experts, k)
+
+
+def node_dedup_time(
+    ctx: Any, call: MoeCall, sp: Any, t_local: float, itemsize: int
+) -> float | None:
+    """Seconds of one token exchange (one dispatch or combine of one micro-batch's
+    call) priced as a node-deduplicated exchange (module docstring): the network
+    part (a token once per remote node holding one of its experts) and the
+    intra-node fan-out run at once, the slower sets the time. None unless the
+    topology's ``expert_exchange`` is ``"node_dedup"`` and the EP group spans two
+    or more nodes (:meth:`~spmdkit.topology.Topology.node_share`)."""
+    topo = ctx.topology
+    if topo.expert_exchange != "node_dedup":
+        return None
+    n_ep = math.prod(ctx.sizes[a] for a in sp.ep)
+    share = topo.node_share(sp.ep, ctx.mesh)
+    nodes = n_ep // max(share, 1)
+    if nodes <= 1 or n_ep % share:
+        return None
+    row = call.d_model * itemsize * LOAD_IMBALANCE
+    net_bw, net_lat = topo.link(tuple(sp.ep), ctx.mesh)
+    nodes_hit = (nodes - 1) * _hit(call.experts, call.experts // nodes, call.top_k)
+    devices_hit = n_ep * _hit(call.experts, call.experts // n_ep, call.top_k)
+    network = (nodes - 1) * net_lat + t_local * nodes_hit * row / net_bw
+    inside = t_local * devices_hit * (share - 1) / share * row
+    fan_out = (share - 1) * topo.node_latency + inside / topo.node_bandwidth
+    return max(network, fan_out)
 
 
 def exchanges(ctx: Any) -> tuple[int, int]:

@@ -38,6 +38,9 @@ kind                    when
                         on ``plan.mesh``, not the mesh given
 ``replicated``          auto kept every parameter and the batch replicated on a mesh
                         of several devices: its step beside the best sharded plan's
+``priced_only``         the plan's routed-expert exchanges were priced as a form
+                        spmdkit's executor does not run (the topology's
+                        ``expert_exchange="node_dedup"`` or ``expert_overlap``)
 ======================  =============================================================
 """
 
@@ -77,6 +80,7 @@ __all__ = [
     "mesh_split_note",
     "no_batch_rule_note",
     "not_recosted",
+    "priced_only_note",
     "quiet_notes",
     "raise_if_strict",
     "recipe_note",
@@ -95,6 +99,7 @@ NOTE_KINDS = (
     "absent_axes",
     "mesh_split",
     "replicated",
+    "priced_only",
 )
 
 
@@ -605,3 +610,39 @@ def floored_reasons(floors: Mapping[str, float]) -> dict[str, tuple[str, str]]:
         "re-costed"
     )
     return {name: (why, f"≥ {fmt_time(floor)}") for name, floor in floors.items()}
+
+
+def priced_only_note(topology: Any, cost: Any) -> list[PlanNote]:
+    """The ``priced_only`` note of a plan priced on ``topology`` at ``cost`` (a
+    :class:`~spmdkit.planner.plans.Cost` or None): one when the topology prices the
+    routed experts' exchange as a form the executor does not run
+    (:attr:`~spmdkit.topology.Topology.expert_exchange` ``"node_dedup"``,
+    :attr:`~spmdkit.topology.Topology.expert_overlap`), the analytic estimator
+    priced it (the propagated estimate prices the all-to-alls it propagates) and
+    the step has all-to-alls; none otherwise."""
+    if topology is None or cost is None or not cost.comm_bytes.get("all_to_all"):
+        return []
+    if not cost.estimator.startswith("analytic"):
+        return []
+    forms = []
+    if topology.expert_exchange == "node_dedup":
+        forms.append(
+            "each token crossing the network once per node holding its experts and fanned "
+            "out inside it (DeepEP's normal kernels)"
+        )
+    if topology.expert_overlap:
+        forms.append("hidden under another micro-batch's compute (1F1B all-to-all overlap)")
+    if not forms:
+        return []
+    return [
+        PlanNote(
+            "priced_only",
+            "the routed experts' token exchanges are priced as "
+            + " and ".join(forms)
+            + ", which spmdkit's executor does not run: it sends every (token, expert) copy "
+            "in an all-to-all on each micro-batch's critical path, so plan.run's step is "
+            "slower than this price.",
+            "plan with a topology whose expert_exchange is 'all_to_all' and expert_overlap "
+            "False (the defaults) for the price of the step spmdkit runs",
+        )
+    ]

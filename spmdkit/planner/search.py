@@ -107,6 +107,7 @@ from spmdkit.planner.notes import (
     floored_reasons,
     mesh_split_note,
     not_recosted,
+    priced_only_note,
     recipe_note,
     refuse_typod_axes,
     replicated_note,
@@ -306,7 +307,8 @@ def plan(
     strategy, rules, absent = _foreign_tables(strategy, rules, mesh, opts.alias_map)
     if opts.pipeline is not None and strategy != "auto":
         out = _pipelined_preset(info, mesh, strategy, rules, recipe, names, optimizer, costs, opts)
-        return noted(out, absent, strict=opts.strict)
+        priced = priced_only_note(costs.topology, out.cost)
+        return noted(out, [*absent, *priced], strict=opts.strict)
     _check_recipe(recipe)
     named, names_from = apply_names(info, names, lambda: infer_names(info))
     planner = planner_for(named, mesh, optimizer, costs, opts)
@@ -321,7 +323,8 @@ def plan(
     out = replace(out, names_from=names_from)
     if isinstance(strategy, str) and strategy != "auto":
         check_placement(out, lambda: infer_names(info), strict=opts.strict)
-    return noted(out, [*absent, *out.notes], strict=opts.strict)
+    priced = priced_only_note(costs.topology, out.cost)
+    return noted(out, [*absent, *out.notes, *priced], strict=opts.strict)
 
 
 def _exported(

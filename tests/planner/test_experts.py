@@ -228,3 +228,113 @@ def test_runs_as_priced_reads_the_weights_dims():
     assert not experts.runs_as_priced(G, ((), (), (), ("data",)), ("data",))
     # EP x FSDP x expert TP
     assert experts.runs_as_priced(G, ((), ("expert",), ("data",), ("model",)), ("data",))
+
+
+def _hit(experts_total: int, here: int, k: int) -> float:
+    """The chance that ``here`` of the experts hold one of a token's ``k`` (uniform)."""
+    return 1 - math.comb(experts_total - here, k) / math.comb(experts_total, k)
+
+
+def test_a_node_deduplicated_exchange_sends_a_token_once_per_remote_node(info):
+    """``Topology(expert_exchange="node_dedup")`` prices each token exchange as
+    DeepEP's normal kernels run it: over the network once per remote node holding
+    one of the token's experts, fanned out inside the node at once, the slower of
+    the two. Here EP 4 over nodes of 2 GPUs: 2 nodes of 4 experts each, so a token
+    (top-2 of 8) crosses to the other node with chance 1 - C(4,2)/C(8,2), not with
+    each of its copies; the payload (the padded buffer) is unchanged, and the plan
+    says the form is priced only."""
+    import dataclasses
+
+    mesh = sk.abstract_mesh(data=2, expert=4)
+    plain = sk.Topology.h100(gpus_per_node=2)
+    dedup = dataclasses.replace(plain, expert_exchange="node_dedup")
+    assert plain.node_share(("expert",), mesh) == 2
+    plans = {
+        t.expert_exchange: sk.plan(info, mesh, "ep", estimator="analytic", topology=t)
+        for t in (plain, dedup)
+    }
+    assert plans["node_dedup"].cost.comm_bytes == plans["all_to_all"].cost.comm_bytes
+    t_local, row = T // 8, D_MODEL * 4
+    routed = t_local * K * row
+    old = plain.collective_time("all_to_all", routed * 3 // 4, 4, ("expert",), mesh)
+    network = 10e-6 + t_local * _hit(E, E // 2, K) * row / 50e9
+    fan_out = 5e-6 + t_local * 4 * _hit(E, E // 4, K) / 2 * row / 450e9
+    new = max(network, fan_out)
+    assert new < old
+    saved = plans["all_to_all"].cost.comm_time_s - plans["node_dedup"].cost.comm_time_s
+    assert saved == pytest.approx(4 * (old - new))
+    kinds = [n.kind for n in plans["node_dedup"].notes]
+    assert kinds.count("priced_only") == 1
+    assert "priced_only" not in [n.kind for n in plans["all_to_all"].notes]
+    assert "DeepEP" in next(str(n) for n in plans["node_dedup"].notes if n.kind == "priced_only")
+
+
+def test_an_ep_group_inside_one_node_exchanges_as_before(info):
+    """A node-deduplicated exchange inside one node is the plain one (nothing
+    crosses the network): the price is the all-to-all's."""
+    import dataclasses
+
+    mesh = sk.abstract_mesh(data=2, expert=4)
+    plain = sk.Topology.h100()
+    dedup = dataclasses.replace(plain, expert_exchange="node_dedup")
+    costs = [
+        sk.plan(info, mesh, "ep", estimator="analytic", topology=t).cost for t in (plain, dedup)
+    ]
+    assert costs[0].comm_time_s == costs[1].comm_time_s
+
+
+@pytest.fixture(scope="module")
+def long_batch():
+    """The decoder on 64 sequences of 64 tokens: its exchanges outweigh its
+    gradient all-reduces."""
+    toks = np.random.default_rng(0).integers(0, V, (64, 65)).astype(np.int32)
+    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
+    with nnx.use_eager_sharding(False):
+        return describe(lambda: MoEDecoder(nnx.Rngs(0)), loss=decoder_loss, batch=batch)
+
+
+def test_the_1f1b_overlap_hides_each_pass_exchanges_under_the_other_pass(long_batch):
+    """``Topology(expert_overlap=True)`` in a step of two micro-batches: the
+    forward's dispatch and combine become overlappable like the gradient
+    all-reduces, the backward's two (their transposes) hide only under the
+    forward's compute (a third of the step's, at the topology's overlap share);
+    the collectives and the compute stay what they were; one micro-batch has
+    nothing to pair with. (Links without latency: the times are the bytes'.)"""
+    import dataclasses
+
+    mesh = sk.abstract_mesh(data=2, expert=4)
+    plain = dataclasses.replace(
+        sk.Topology.h100(gpus_per_node=2), latency={"data": 0.0, "expert": 0.0}
+    )
+    paired = dataclasses.replace(plain, expert_overlap=True)
+
+    def plan(topology, microbatches, peak):
+        recipe = sk.Recipe(microbatches=microbatches)
+        return sk.plan(
+            long_batch,
+            mesh,
+            "ep",
+            estimator="analytic",
+            topology=topology,
+            recipe=recipe,
+            peak_flops=peak,
+        ).cost
+
+    t_local, row = 64 * 64 // 8 // 2, D_MODEL * 4
+    one = plain.collective_time("all_to_all", t_local * K * row * 3 // 4, 4, ("expert",), mesh)
+    exchanges = 4 * 2 * one  # four buffers a micro-batch, two micro-batches
+    # ample compute: every exchange hides
+    before, after = plan(plain, 2, 1e7), plan(paired, 2, 1e7)
+    assert after.comm_time_s == pytest.approx(before.comm_time_s)
+    assert after.compute_time_s == pytest.approx(before.compute_time_s)
+    assert before.step_time_s - after.step_time_s == pytest.approx(exchanges)
+    # compute of 1.2 exchanges: the backward's half hides under a third of it only
+    flops = before.compute_time_s * 1e7
+    before, after = (plan(t, 2, flops / (1.2 * exchanges)) for t in (plain, paired))
+    compute, share = after.compute_time_s, plain.overlap
+    assert share * compute / 3 < exchanges / 2
+    assert before.hidden_comm_s + exchanges / 2 + share * compute / 3 < share * compute
+    gained = before.step_time_s - after.step_time_s
+    assert gained == pytest.approx(exchanges / 2 + share * compute / 3)
+    single = plan(paired, 1, None)
+    assert single.step_time_s == pytest.approx(plan(plain, 1, None).step_time_s)
