@@ -630,6 +630,15 @@ MARKDOWN_HEADER = (
 )
 
 
+def _exchange_cell(exchange: dict | None) -> str:
+    """A row's priced-only expert exchange forms (its ``exchange`` Topology fields)
+    as the table shows them, labelled priced only; empty without any."""
+    if not exchange:
+        return ""
+    forms = [f"{k}={v}" if not isinstance(v, bool) else k for k, v in exchange.items() if v]
+    return " + ".join(forms) + " (priced only)"
+
+
 def markdown(saved: dict) -> str:
     """The saved table (``calibration.json``'s contents) as ``docs/recipes.md``
     shows it: one line per row, the header first."""
@@ -642,6 +651,7 @@ def markdown(saved: dict) -> str:
                 + "".join(f" with {n} over {'×'.join(a)}*" for n, a in r.get("rules", {}).items()),
                 r["recipe"],
                 r["pipeline"],
+                _exchange_cell(r.get("exchange")),
             )
             if x
         )
