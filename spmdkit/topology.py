@@ -408,6 +408,17 @@ class Topology:
                     fix="pass seconds, e.g. 5e-6",
                 )
             object.__setattr__(self, name, value)
+        self._check_expert_exchange()
+        gpn = self.gpus_per_node
+        if gpn is not None and (isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1):
+            raise SpmdError(
+                op="Topology",
+                must="gpus_per_node is a positive int or None",
+                given=repr(gpn),
+                fix="pass e.g. gpus_per_node=8",
+            )
+
+    def _check_expert_exchange(self) -> None:
         if self.expert_exchange not in EXPERT_EXCHANGES:
             raise SpmdError(
                 op="Topology",
@@ -422,14 +433,6 @@ class Topology:
                 must="expert_overlap is a bool",
                 given=repr(self.expert_overlap),
                 fix="pass expert_overlap=True (priced only) or False",
-            )
-        gpn = self.gpus_per_node
-        if gpn is not None and (isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1):
-            raise SpmdError(
-                op="Topology",
-                must="gpus_per_node is a positive int or None",
-                given=repr(gpn),
-                fix="pass e.g. gpus_per_node=8",
             )
 
     def _check_device_constants(self) -> None:

@@ -881,8 +881,7 @@ def total_cost(
     for g, layout in zip(groups, choice, strict=True):
         c = group_cost(ctx, g, layout, batch_axes, seq_axes)
         comm_s += c.comm_s
-        hidden_s += c.hidden_s
-        paired_s += c.paired_s
+        hidden_s, paired_s = hidden_s + c.hidden_s, paired_s + c.paired_s
         compute_s += c.compute_s
         layer_s += c.layer_compute_s
         for k, v in c.comm_bytes:
@@ -902,8 +901,7 @@ def total_cost(
     attn_split = batch_shards * heads_tp
     attn_split *= _attention_seq_shards(ctx, groups, choice, batch_axes, seq_axes)
     attn_s = _attention_s(ctx, attention_dtype(dtype), attn_split)
-    rerun_s = recompute_s(ctx, layer_s)
-    compute_s += attn_s + rerun_s
+    compute_s += attn_s + (rerun_s := recompute_s(ctx, layer_s))
     if not total_flops and trace.flops:
         compute_s = ctx.compute_time(trace.flops / batch_shards, 0.0, dtype)
     # a pipelined stage gathers K/V over its tensor axes around the exchange
@@ -928,8 +926,7 @@ def total_cost(
     if moved:  # overlapped with the layers' compute
         comm["host_activations"] = moved
         comm_s, hidden_s = comm_s + host_s, hidden_s + host_s
-    if paired_s:  # under another micro-batch's forward: a third of the step's passes
-        hidden_s += min(paired_s, ctx.topology.overlap * (compute_s - rerun_s) / 3)
+    hidden_s += min(paired_s, ctx.topology.overlap * (compute_s - rerun_s) / 3)  # forward's
     exposed = comm_s - hidden_s
     step = compute_s + ctx.topology.exposed_comm(hidden_s, exposed, compute_s)
     hidden = comm_s - (step - compute_s)

@@ -307,8 +307,7 @@ def plan(
     strategy, rules, absent = _foreign_tables(strategy, rules, mesh, opts.alias_map)
     if opts.pipeline is not None and strategy != "auto":
         out = _pipelined_preset(info, mesh, strategy, rules, recipe, names, optimizer, costs, opts)
-        priced = priced_only_note(costs.topology, out.cost)
-        return noted(out, [*absent, *priced], strict=opts.strict)
+        return noted(out, _priced(out, absent, costs), strict=opts.strict)
     _check_recipe(recipe)
     named, names_from = apply_names(info, names, lambda: infer_names(info))
     planner = planner_for(named, mesh, optimizer, costs, opts)
@@ -323,8 +322,13 @@ def plan(
     out = replace(out, names_from=names_from)
     if isinstance(strategy, str) and strategy != "auto":
         check_placement(out, lambda: infer_names(info), strict=opts.strict)
-    priced = priced_only_note(costs.topology, out.cost)
-    return noted(out, [*absent, *out.notes, *priced], strict=opts.strict)
+    return noted(out, _priced(out, [*absent, *out.notes], costs), strict=opts.strict)
+
+
+def _priced(out: Plan, notes: list[PlanNote], costs: CostModel) -> list[PlanNote]:
+    """``notes`` and the ``priced_only`` note of a plan priced on a topology whose
+    expert exchange the executor does not run (:func:`priced_only_note`)."""
+    return [*notes, *priced_only_note(costs.topology, out.cost)]
 
 
 def _exported(
