@@ -194,6 +194,18 @@ def _forward_abstract(*avals: Any, op: str, attrs: Any) -> list[Any]:
 
 
 def _grad_abstract(*avals: Any, op: str, attrs: Any, diff: tuple[bool, ...]) -> list[Any]:
+    # the grad region's results are the cotangents of its differentiable primal
+    # inputs, which ``jax.vjp`` gives in the primals' shapes and (inexact) dtypes:
+    # read off the operands, not from a trace of the op's forward and VJP
+    xs = avals[: len(diff)]
+    if len(xs) == len(diff) and all(
+        jnp.issubdtype(x.dtype, jnp.inexact) for x, on in zip(xs, diff, strict=True) if on
+    ):
+        return [
+            jax.core.ShapedArray(tuple(x.shape), np.dtype(x.dtype))
+            for x, on in zip(xs, diff, strict=True)
+            if on
+        ]
     return _abstract(avals, op, attrs, tuple(diff))
 
 
