@@ -72,7 +72,7 @@ states the tolerance measured against ``memory_analysis`` on CPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -394,6 +394,7 @@ def _temp_peak(
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
     outputs: Sequence[tuple[int | None, int, int | None]] = (),
+    own: Collection[int] = (),
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
@@ -409,7 +410,9 @@ def _temp_peak(
     ``outputs``: per output of the program, its value (None: made at the end),
     bytes and the donated argument it reuses (or None): temporaries XLA places in
     their buffers are not counted
-    (:func:`~spmdkit.propagation.buffers.output_allocations`).
+    (:func:`~spmdkit.propagation.buffers.output_allocations`). ``own``: partial
+    values the program reduces itself where they are made
+    (:func:`~spmdkit.propagation.buffers.heap_temps`).
 
     A node that reshards an operand runs in two steps: its collectives (the
     operand and its new copy both live, the node's results not yet made), then
@@ -473,6 +476,7 @@ def _temp_peak(
             last,
             fused,
             applied,
+            own,
         )
     bodies = [max(0, b - e) for b, e in zip(bodies, extras, strict=True)]
     fixed = [Span(3 * i, 3 * i + 1, e) for i, e in enumerate(extras) if e]
@@ -710,6 +714,7 @@ def liveness(
     cpu: bool = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
+    own: Collection[int] = (),
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagation`).
 
@@ -738,6 +743,10 @@ def liveness(
         live in ``transient``; one that a backward node recomputes a forward
         value from lives on to it), and one that only the collective of node
         ``i`` reads is freed before node ``i``'s results are made.
+      held: ``id(node)`` → what a grad region holds before it runs (:class:`RegionHold`).
+      own: partial values the program reduces itself where they are made (the
+        enforced replay's fused reductions): not deferred to the end with the
+        reductions XLA combines (:func:`~spmdkit.propagation.buffers.heap_temps`).
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -779,6 +788,7 @@ def liveness(
         copy_reads=copy_reads,
         held=held,
         outputs=allocations,
+        own=own,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias
