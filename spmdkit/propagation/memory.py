@@ -62,7 +62,10 @@ one memory and counts them in the temp allocation (``cpu=True``), as measured.
 
 Workspace on XLA:CPU only (``cpu=True``): the buffers of the ops XLA:CPU has no
 kernel for and expands (a max pool's gradient, a convolution with batch groups,
-``ragged_dot``), in :mod:`spmdkit.propagation.workspaces`.
+``ragged_dot``), in :mod:`spmdkit.propagation.workspaces`; and the buffers an
+op fills in place from a constant (a scan's stacked results, a scatter-add's
+zeros) live from the start of the program or loop body, where XLA:CPU's
+scheduler makes the constant fill (:func:`_zero_started`).
 
 What it does not model: XLA fuses chains of elementwise ops (their
 intermediates are never materialized) and may schedule differently, so the
@@ -79,6 +82,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from spmdkit import jaxprs
 from spmdkit.propagation.buffers import ELEMENTWISE as _ELEMENTWISE
 from spmdkit.propagation.buffers import Span, heap_temps, peak
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, dce
@@ -445,6 +449,7 @@ def _temp_peak(
     # gone), 3i + 2 after it (what is made as soon as the node's results exist:
     # copies of them, outputs that read them)
     temps = [Span(max(0, 3 * first - 1), 3 * end + 1, n, at) for first, end, n, at in copies.spans]
+    started = _zero_started(graph, prog) if cpu else set()
     temp_of: dict[int, int] = {}
     for i, node in enumerate(graph.nodes):
         for o in node.outs:
@@ -453,7 +458,8 @@ def _temp_peak(
             j = last.get(o, i)
             c = copy_reads.get(j, {}).get(o)
             temp_of[o] = len(temps)
-            temps.append(Span(3 * i + 1, 3 * j + (c is None or c.made != j), nbytes(o), i))
+            first = 0 if o in started else 3 * i + 1
+            temps.append(Span(first, 3 * j + (c is None or c.made != j), nbytes(o), i))
     bodies = _body_peaks(graph, spec, mesh, prog, fuse, duplicate, widen, inner, cpu, held)
     # per node, bytes live while it runs (a region's temporaries too)
     extras = [
@@ -482,6 +488,38 @@ def _temp_peak(
     fixed = [Span(3 * i, 3 * i + 1, e) for i, e in enumerate(extras) if e]
     fixed += [Span(3 * i + 1, 3 * i + 1, b) for i, b in enumerate(bodies) if b]
     return peak(temps + fixed)
+
+
+#: Primitives that write their updates into a copy of their first operand.
+_SCATTERS = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"})
+
+
+def _zero_started(graph: Graph, prog: FlatProgram) -> set[int]:
+    """Ids of the results of ``graph`` whose buffers start as a constant that the
+    op then writes into in place: a scan's stacked results (its while loop fills
+    an output buffer made from zeros, one slice per iteration) and the carries
+    it starts from a constant (a gradient accumulator), and a scatter's result
+    when its operand is a constant (the zeros a gradient's updates are added
+    into). XLA:CPU's scheduler makes those constant fills, which wait for
+    nothing, at the start of the program or loop body they are in, so such a
+    result's buffer is live from there rather than from its op (measured on
+    XLA:CPU, jax 0.10.2: a scanned model's step makes the backward scan's
+    stacked gradients and the embedding gradient's zero table before the
+    forward scan, and both are live at its peak). The same buffers of a grad
+    region's own loops are :class:`RegionHold`'s ``early``."""
+    const = prog.const_ids()
+    out: set[int] = set()
+    for node in graph.nodes:
+        if node.ins and not node.subs and all(v in const for v in node.ins):
+            const.update(node.outs)
+        if node.prim in _SCATTERS and node.ins and node.ins[0] in const:
+            out.update(node.outs[:1])
+        elif node.prim == "scan" and node.eqn is not None:
+            loop = jaxprs.scan(node.eqn)
+            carry = node.ins[loop.num_consts : loop.num_consts + loop.num_carry]
+            out.update(o for o, v in zip(node.outs, carry, strict=False) if v in const)
+            out.update(node.outs[loop.num_carry :])
+    return out
 
 
 def _body_peaks(
