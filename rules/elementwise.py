@@ -123,6 +123,19 @@ def _add_n(*xs: jax.Array) -> jax.Array:
     return out
 
 
+def _polynomial(x: jax.Array, *coeffs: jax.Array, unroll: int | None = None) -> jax.Array:
+    """``a_0 + x (a_1 + x (a_2 + ...))`` by Horner's rule: jax 0.12's
+    ``lax.polynomial_p`` (what its ``erf`` lowers through), written with
+    ``mul``/``add`` so it runs on every supported jax (``unroll`` only tells XLA
+    how to loop)."""
+    del unroll
+    shape = jnp.broadcast_shapes(jnp.shape(x), *(jnp.shape(c) for c in coeffs))
+    out = jnp.broadcast_to(jnp.asarray(coeffs[-1], jnp.result_type(x)), shape)
+    for c in reversed(coeffs[:-1]):
+        out = c + x * out
+    return out
+
+
 def _where(cond: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.where(cond, x, y)
 
@@ -391,6 +404,15 @@ PRIMITIVE_RULES = (
         examples=(Example(((8, 8),), attrs={"exponent_bits": 5, "mantissa_bits": 10}),),
         doc="rounds to a narrower float: monotone, so max/min pass; a sum rounded piece "
         "by piece is not the sum rounded, so sum/avg are resolved first",
+    ),
+    FactorRule(
+        "polynomial",
+        broadcast_notation,
+        impl=_polynomial,
+        partial="NONE",
+        examples=(Example(((8, 8), (), (), ())), Example(((4, 8, 2), (), ()), attrs={"unroll": 2})),
+        doc="a_0 + x a_1 + x^2 a_2 + ... (jax 0.12's erf lowers through it): not "
+        "monotone, so every partial is resolved",
     ),
     _binary("rem", lax.rem, "NONE", examples=_POS_SAME_EX, doc="x - y * trunc(x / y)"),
     _unary("round", _round, "MONOTONE"),

@@ -95,6 +95,7 @@ ELEMENTWISE = frozenset(
         "not",
         "one_minus_square",
         "or",
+        "polynomial",
         "population_count",
         "pow",
         "real",

@@ -383,6 +383,32 @@ def _transposed_operands(node: Any) -> tuple[int, ...]:
     )
 
 
+def _value_spans(
+    graph: Graph,
+    skip: set[int],
+    last: Mapping[int, int],
+    copy_reads: Mapping[int, Mapping[int, CopyRead]],
+    started: Collection[int],
+    nbytes: Callable[[int], int],
+    temps: list[Span],
+) -> dict[int, int]:
+    """Append to ``temps`` the span of each value the nodes of ``graph`` make (not
+    those in ``skip``: excluded or fused), from its node's step (step 0 for those
+    in ``started``) to its last reader's (through the reader's resharded copy, if
+    made there); return value id → its index in ``temps``."""
+    temp_of: dict[int, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for o in node.outs:
+            if o in skip:
+                continue
+            j = last.get(o, i)
+            c = copy_reads.get(j, {}).get(o)
+            temp_of[o] = len(temps)
+            first = 0 if o in started else 3 * i + 1
+            temps.append(Span(first, 3 * j + (c is None or c.made != j), nbytes(o), i))
+    return temp_of
+
+
 def _temp_peak(
     graph: Graph,
     spec: Mapping[int, TensorSpec],
@@ -450,16 +476,7 @@ def _temp_peak(
     # copies of them, outputs that read them)
     temps = [Span(max(0, 3 * first - 1), 3 * end + 1, n, at) for first, end, n, at in copies.spans]
     started = _zero_started(graph, prog) if cpu else set()
-    temp_of: dict[int, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for o in node.outs:
-            if o in exclude or o in fused:
-                continue
-            j = last.get(o, i)
-            c = copy_reads.get(j, {}).get(o)
-            temp_of[o] = len(temps)
-            first = 0 if o in started else 3 * i + 1
-            temps.append(Span(first, 3 * j + (c is None or c.made != j), nbytes(o), i))
+    temp_of = _value_spans(graph, exclude | fused, last, copy_reads, started, nbytes, temps)
     bodies = _body_peaks(graph, spec, mesh, prog, fuse, duplicate, widen, inner, cpu, held)
     # per node, bytes live while it runs (a region's temporaries too)
     extras = [

@@ -11,7 +11,6 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.engine.region import FORWARD, GRAD, region_call, region_program
-from spmdkit.util import freeze
 from spmdkit.verification.hlo import compiled_collectives
 
 
@@ -76,32 +75,42 @@ def test_integer_operands_get_no_cotangent_and_vmap_falls_back():
     np.testing.assert_allclose(per, jax.vmap(ref)(z, labels), rtol=1e-5)
 
 
-def test_a_grad_region_types_its_results_as_its_vjp_without_tracing_it():
-    # mixed dtypes and an integer operand: the cotangents are the differentiable
-    # operands' shapes and dtypes, as jax.eval_shape of the region's VJP says
+def test_a_grad_region_types_its_results_as_its_vjp_without_tracing_it(monkeypatch):
+    # mixed dtypes and an integer operand: the grad region's results are the
+    # differentiable operands' cotangents, typed as jax.eval_shape of its VJP
+    # says, and read off the operands: with the VJP made to fail, the grad still
+    # traces
     from spmdkit.engine import region as reg
 
     z = jax.ShapeDtypeStruct((4, 8, 10), "bfloat16")
     y = jax.ShapeDtypeStruct((4, 8), "int32")
     x, w = jax.ShapeDtypeStruct((8, 16), "float32"), jax.ShapeDtypeStruct((16,), "bfloat16")
     cases = [
-        ("softmax_cross_entropy", (z, y), {"reduction": "mean"}),
-        ("layer_norm", (x, w, w), {}),
+        ("softmax_cross_entropy", (z, y), {"reduction": "mean"}, (0,)),
+        ("layer_norm", (x, w, w), {}, (0, 1, 2)),
     ]
-    for op, args, attrs in cases:
+    wanted = []
+    for op, args, attrs, _ in cases:
         diff = tuple(bool(jnp.issubdtype(a.dtype, jnp.inexact)) for a in args)
         outs = jax.eval_shape(reg.forward_fn(op, attrs), *args)
-        grad_args = (*args, *outs)  # no kept residuals: the cotangents follow
-        want = jax.eval_shape(reg.grad_fn(op, attrs, diff), *grad_args)
-        reg._shapes.cache_clear()
-        got = reg._grad_abstract(
-            *(jax.core.ShapedArray(a.shape, a.dtype) for a in grad_args),
-            op=op,
-            attrs=freeze(attrs),
-            diff=diff,
-        )
-        assert [(g.shape, g.dtype) for g in got] == [(w_.shape, w_.dtype) for w_ in want]
-        assert reg._shapes.cache_info().currsize == 0  # read off, not traced
+        want = jax.eval_shape(reg.grad_fn(op, attrs, diff), *args, *outs)
+        wanted.append([(w_.shape, w_.dtype) for w_ in want])
+
+    def untraced(*a, **k):
+        raise AssertionError("the grad region's VJP was traced to type its results")
+
+    monkeypatch.setattr(reg, "grad_fn", untraced)
+    for (op, args, attrs, argnums), want in zip(cases, wanted, strict=True):
+        fn = getattr(sk.ops, op)
+
+        def loss(*a, fn=fn, attrs=attrs):
+            return jnp.sum(jnp.asarray(fn(*a, **attrs), jnp.float32))
+
+        closed = jax.make_jaxpr(jax.grad(loss, argnums=argnums))(*args)
+        eqns = [e for e in closed.jaxpr.eqns if e.primitive.name == GRAD]
+        assert len(eqns) == 1, op
+        got = [(tuple(v.aval.shape), v.aval.dtype) for v in eqns[0].outvars]
+        assert got == want, op
 
 
 def test_ops_trace_a_region_with_no_mesh_and_raise_typed_errors():
