@@ -491,7 +491,7 @@ def _run_layer_stack(
             loss,
             (
                 [
-                    _ungroup_layers(g) if differentiable(g) else zero_cotangent(x)
+                    _ungroup_layers(g, pipe) if differentiable(g) else zero_cotangent(x)
                     for g, x in zip(ct_xs, xs, strict=True)
                 ],
                 ct_sh,
@@ -519,7 +519,7 @@ def _run_layer_stack(
     )
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
-        _ungroup_layers(next(it_xs)) if f else zero_cotangent(x)
+        _ungroup_layers(next(it_xs), pipe) if f else zero_cotangent(x)
         for x, f in zip(xs, xs_floating, strict=True)
     ]
     ct_sh = [next(it_sh) if differentiable(x) else zero_cotangent(x) for x in shared]
@@ -551,15 +551,32 @@ def _pipeline_shard_map(
 
 
 def _regroup_layers(x: Any, pipe: Pipeline) -> Any:
-    """``[L, ...]`` → ``[p, v, L/(p·v), ...]``: device ``d``'s chunks ``d, d+p, ...``."""
+    """``[L, ...]`` → ``[p, v, L/(p·v), ...]``: device ``d``'s chunks ``d, d+p, ...``.
+    Under an uneven :attr:`~spmdkit.pipeline.Pipeline.layout`, ``[p, v, n, ...]``
+    with ``n`` the largest chunk's layers: each chunk's slice of the stack padded
+    with zeros to ``n`` (the padded layers are skipped, :meth:`SplitLoss.stage`)."""
     p, v = pipe.stages, pipe.virtual
-    y = jnp.reshape(x, (v, p, x.shape[0] // (p * v), *x.shape[1:]))
+    if pipe.uneven:
+        assert pipe.layout is not None
+        big, start, pieces = max(pipe.layout), 0, []
+        for n in pipe.layout:
+            pad = jnp.zeros((big - n, *x.shape[1:]), x.dtype)
+            pieces.append(jnp.concatenate([x[start : start + n], pad]))
+            start += n
+        y = jnp.reshape(jnp.stack(pieces), (v, p, big, *x.shape[1:]))
+    else:
+        y = jnp.reshape(x, (v, p, x.shape[0] // (p * v), *x.shape[1:]))
     return jnp.swapaxes(y, 0, 1)
 
 
-def _ungroup_layers(g: Any) -> Any:
-    """``[p, v, L/(p·v), ...]`` → ``[L, ...]``: :func:`_regroup_layers` undone."""
+def _ungroup_layers(g: Any, pipe: Pipeline) -> Any:
+    """``[p, v, L/(p·v), ...]`` → ``[L, ...]``: :func:`_regroup_layers` undone (an
+    uneven layout's padded layers dropped)."""
     y = jnp.swapaxes(g, 0, 1)
+    if pipe.uneven:
+        assert pipe.layout is not None
+        chunks = jnp.reshape(y, (y.shape[0] * y.shape[1], *y.shape[2:]))
+        return jnp.concatenate([chunks[c, :n] for c, n in enumerate(pipe.layout)])
     return jnp.reshape(y, (y.shape[0] * y.shape[1] * y.shape[2], *y.shape[3:]))
 
 
