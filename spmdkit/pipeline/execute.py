@@ -103,7 +103,7 @@ from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.ticks import explicit_tick_loop, gpipe_forward_loop
 from spmdkit.vma import shard_map
 
-__all__ = ["pipelined_value_and_grad"]
+__all__ = ["pipelined_value_and_grad", "regroup_layers", "ungroup_layers"]
 
 
 def pipelined_value_and_grad(
@@ -468,7 +468,7 @@ def _run_layer_stack(
     ]
     xs, shared, per = vals
     sched = build_schedule(pipe)
-    xs_g = [_regroup_layers(x, pipe) for x in xs]
+    xs_g = [regroup_layers(x, pipe) for x in xs]
     n = (len(xs), len(shared), len(per))
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))
@@ -476,7 +476,7 @@ def _run_layer_stack(
         dtypes = ([jnp.result_type(x) for x in xs], [jnp.result_type(x) for x in shared])
         w_xs, w_sh = (list(w) or [None] * len(v) for w, v in zip(wide, (xs, shared), strict=True))
         xs_g = [
-            x if w is None else _regroup_layers(w, pipe) for x, w in zip(xs_g, w_xs, strict=True)
+            x if w is None else regroup_layers(w, pipe) for x, w in zip(xs_g, w_xs, strict=True)
         ]
         sh_g = [x if w is None else w for x, w in zip(shared, w_sh, strict=True)]
         fn = _pipeline_shard_map(
@@ -491,7 +491,7 @@ def _run_layer_stack(
             loss,
             (
                 [
-                    _ungroup_layers(g, pipe) if differentiable(g) else zero_cotangent(x)
+                    ungroup_layers(g, pipe) if differentiable(g) else zero_cotangent(x)
                     for g, x in zip(ct_xs, xs, strict=True)
                 ],
                 ct_sh,
@@ -519,7 +519,7 @@ def _run_layer_stack(
     )
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
-        _ungroup_layers(next(it_xs), pipe) if f else zero_cotangent(x)
+        ungroup_layers(next(it_xs), pipe) if f else zero_cotangent(x)
         for x, f in zip(xs, xs_floating, strict=True)
     ]
     ct_sh = [next(it_sh) if differentiable(x) else zero_cotangent(x) for x in shared]
@@ -550,11 +550,18 @@ def _pipeline_shard_map(
     )
 
 
-def _regroup_layers(x: Any, pipe: Pipeline) -> Any:
+def regroup_layers(x: Any, pipe: Pipeline) -> Any:
     """``[L, ...]`` → ``[p, v, L/(p·v), ...]``: device ``d``'s chunks ``d, d+p, ...``.
     Under an uneven :attr:`~spmdkit.pipeline.Pipeline.layout`, ``[p, v, n, ...]``
     with ``n`` the largest chunk's layers: each chunk's slice of the stack padded
-    with zeros to ``n`` (the padded layers are skipped, :meth:`SplitLoss.stage`)."""
+    with zeros to ``n`` (the padded layers are skipped, :meth:`SplitLoss.stage`).
+
+    Example::
+
+        >>> pipe = Pipeline(stages=2, microbatches=2, layout=(1, 2))
+        >>> regroup_layers(jnp.arange(1.0, 4.0), pipe).tolist()
+        [[[1.0, 0.0]], [[2.0, 3.0]]]
+    """
     p, v = pipe.stages, pipe.virtual
     if pipe.uneven:
         assert pipe.layout is not None
@@ -569,8 +576,8 @@ def _regroup_layers(x: Any, pipe: Pipeline) -> Any:
     return jnp.swapaxes(y, 0, 1)
 
 
-def _ungroup_layers(g: Any, pipe: Pipeline) -> Any:
-    """``[p, v, L/(p·v), ...]`` → ``[L, ...]``: :func:`_regroup_layers` undone (an
+def ungroup_layers(g: Any, pipe: Pipeline) -> Any:
+    """``[p, v, L/(p·v), ...]`` → ``[L, ...]``: :func:`regroup_layers` undone (an
     uneven layout's padded layers dropped)."""
     y = jnp.swapaxes(g, 0, 1)
     if pipe.uneven:

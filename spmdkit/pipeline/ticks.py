@@ -84,13 +84,8 @@ def gpipe_forward_loop(
                 for v, b in zip(ctx.carry, inbox, strict=True)
             ]
             cd = [({**ctx.sv, **ctx.microbatch(i)})[v] for v in ctx.dconsts]
-            out = ctx.stage(
-                cast(_chunk_weights(xs_l, row["local"], pipe.virtual), dtypes[0]),
-                cd,
-                x_in,
-                i,
-                ctx.chunk_count(d, row["local"]),
-            )
+            w = cast(_chunk_weights(xs_l, row["local"], pipe.virtual), dtypes[0])
+            out = ctx.stage(w, cd, x_in, i, ctx.chunk_count(d, row["local"]))
             loss = jax.lax.switch(
                 row["last"],
                 [

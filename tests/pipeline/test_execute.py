@@ -646,18 +646,18 @@ def test_an_uneven_layout_pads_each_chunk_to_the_largest():
     ``[p, v, largest chunk, ...]``, chunk ``j · p + d`` at ``[d, j]``, its layers
     first and zeros after; undone, the padding is dropped and the stack is whole."""
     from spmdkit.pipeline.chunk import chunk_count_table
-    from spmdkit.pipeline.execute import _regroup_layers, _ungroup_layers
+    from spmdkit.pipeline.execute import regroup_layers, ungroup_layers
 
     pipe = Pipeline(
         stages=2, microbatches=4, schedule="interleaved", virtual=2, layout=(0, 3, 2, 1)
     )
     x = jnp.arange(6.0)[:, None] + 1  # layers 1..6
-    y = _regroup_layers(x, pipe)
+    y = regroup_layers(x, pipe)
     assert y.shape == (2, 2, 3, 1)
     # device 0 runs chunks 0 (none) and 2 (layers 4, 5); device 1 chunks 1 (1-3) and 3 (6)
     np.testing.assert_array_equal(y[..., 0], [[[0, 0, 0], [4, 5, 0]], [[1, 2, 3], [6, 0, 0]]])
     np.testing.assert_array_equal(chunk_count_table(pipe), [[0, 2], [3, 1]])
-    np.testing.assert_array_equal(_ungroup_layers(y, pipe), x)
+    np.testing.assert_array_equal(ungroup_layers(y, pipe), x)
     assert chunk_count_table(Pipeline(stages=2, microbatches=4, layout=(2, 2))) is None
 
 
@@ -694,3 +694,20 @@ def test_an_uneven_layout_runs_as_on_one_device(name, schedule, virtual, layout,
     for g, p in zip(jax.tree.leaves(got[1]), jax.tree.leaves(params), strict=True):
         assert g.shape == p.shape and g.dtype == p.dtype
     _assert_equal(got, jax.jit(jax.value_and_grad(info.loss_fn))(params, batch))
+
+
+def test_an_uneven_layout_over_layers_the_pipe_axis_does_not_divide_is_typed():
+    """Seven layers in chunks of 3 and 4 are priced, but the stack is stored split
+    evenly over the pipe axis, which jax cannot do with 7 layers over 2 devices:
+    sk.jit says so before placing anything."""
+    from models.gpt import GPTConfig
+
+    config = GPTConfig(n_layers=7, scan_layers=True)
+    info = describe(get_model("gpt"), config=config, batch_size=16)
+    pipe = Pipeline(stages=2, microbatches=4, layout=(3, 4))
+    plan = sk.plan(info, sk.make_mesh(pipe=2, data=4), "dp", pipeline=pipe)
+    assert plan.pipeline == pipe  # priced
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    with pytest.raises(PipelineError, match="7 layers over") as e:
+        step.place(info.abstract_params, info.batch)
+    assert "divides 7" in e.value.fix
