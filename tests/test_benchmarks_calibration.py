@@ -7,7 +7,6 @@ cores)."""
 import pytest
 
 import spmdkit as sk
-from spmdkit.pipeline import PipelineError
 from tests.scripts import loaded_script
 
 
@@ -90,15 +89,14 @@ def test_the_breakdown_prints_each_term_beside_the_published_step(bench):
 def test_deepseek_v3_is_priced_in_its_published_layout_and_auto_fits_80_gib(bench):
     """Issue 44: DeepSeek-V3 671B on 1,024 H100s, priced in Megatron-Bridge's uneven
     layout (58 MoE layers over 29 of 32 chunks, the dense stack on the first
-    stage), which the executor refuses to run; ``auto`` (``pipeline="auto"``,
-    float8 allowed) on the row's devices fits 80 GiB. (Its plan time, the
-    acceptance's 60 s, is measured by ``calibration.py`` as ``plan_s``, not
+    stage), priced only (sk.jit cannot store 58 layers split over 8 stages);
+    ``auto`` (``pipeline="auto"``, float8 allowed) on the row's devices fits 80 GiB.
+    (Its plan time, the acceptance's 60 s, is measured by ``calibration.py`` as ``plan_s``, not
     asserted on a shared machine.)"""
     row = next(r for r in bench.ROWS if "DeepSeek-V3" in r["name"])
     pipe = row["pipeline"]
     assert pipe.uneven and pipe.device_layers(58) == (6, 6, 8, 8, 8, 8, 8, 6)
-    with pytest.raises(PipelineError, match="equal layer counts"):
-        pipe.check_layers(58)
+    assert pipe.check_layers(58) == 2  # every chunk padded to two layers
     topo = bench.row_topology(row)
     assert (topo.expert_exchange, topo.expert_overlap) == ("node_dedup", True)
     cost = bench.predict(row, topo)

@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.batch import as_traced, as_tree
 from spmdkit.compile.enforce import enforced
 from spmdkit.errors import SpmdError
+from spmdkit.pipeline.schedule import PipelineError
 from spmdkit.planner.logical import PlanError
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
@@ -454,6 +455,8 @@ class PlannedFunction:
             with jax.set_mesh(self.mesh):
                 out_roles = self._out_role_cache[key]
                 in_sh = self._placed(in_specs, roles)
+            _check_stack_split(self.plan, args, in_sh)
+            with jax.set_mesh(self.mesh):
                 jitted = jax.jit(
                     body,
                     in_shardings=in_sh,
@@ -591,6 +594,39 @@ class PlannedFunction:
         if current is not None and _same_place(current, target, np.ndim(x)):
             return x
         return jax.device_put(x, target)
+
+
+def _check_stack_split(plan: Plan, args: tuple, in_sh: Any) -> None:
+    """An uneven pipeline layout's stacked parameters split over the pipe axis only
+    where it divides their layer count: they are stored split evenly (each chunk's
+    layers are moved to its device inside the step), and jax places no array on a
+    sharding that does not divide it. The planner prices such a plan (a layout
+    over any layer count); running it needs a stage count that divides the layers.
+
+    Raises:
+      PipelineError: a stacked parameter whose layer count the pipe axis does not divide.
+    """
+    pipe = plan.pipeline
+    if pipe is None or not pipe.uneven:
+        return
+    sizes = dict(plan.mesh.shape)
+    shardings = jax.tree.leaves(in_sh, is_leaf=lambda s: s is None or isinstance(s, NamedSharding))
+    leaves = jax.tree.leaves_with_path(args)
+    for (path, x), sh in zip(leaves, shardings, strict=True):
+        if not isinstance(sh, NamedSharding):
+            continue
+        for n, part in zip(np.shape(x), sh.spec, strict=False):
+            axes = () if part is None else (part,) if isinstance(part, str) else tuple(part)
+            if pipe.axis in axes and n % int(np.prod([sizes[a] for a in axes])):
+                raise PipelineError(
+                    op="sk.jit",
+                    must="under an uneven layout the axes that split a stacked parameter's "
+                    "layers divide them (the stack is stored split evenly over the pipe "
+                    "axis; each chunk's layers move to their device in the step)",
+                    given=f"{path_str(path[1:])}: {n} layers over {axes}, layout {pipe.layout}",
+                    fix=f"plan with a pipe axis that divides {n} (its size or a layout "
+                    "over fewer stages); the plan is priced as given but cannot be placed",
+                )
 
 
 class UnplannedBatchWarning(UserWarning):

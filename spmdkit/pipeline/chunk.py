@@ -17,12 +17,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spmdkit.pipeline.layouts import differentiable
 from spmdkit.pipeline.schedule import Pipeline, PipelineError
 from spmdkit.pipeline.split import SplitLoss
 
-__all__ = ["BoundLoss", "VjpStash"]
+__all__ = ["BoundLoss", "VjpStash", "chunk_count_table"]
 
 
 class BoundLoss:
@@ -63,9 +64,18 @@ class BoundLoss:
         """Micro-batch ``i``'s values."""
         return {v: x[i] for v, x in self.per.items()}
 
-    def stage(self, w: list, cd: list, carry: list, i: Any) -> list:
+    def stage(self, w: list, cd: list, carry: list, i: Any, count: Any = None) -> list:
+        """The carry after micro-batch ``i`` runs the chunk whose weights are ``w``
+        (``count``: its layers, the rest padding; None: all of ``w``'s)."""
         vals = {**self.sv, **self.microbatch(i), **dict(zip(self.dconsts, cd, strict=True))}
-        return self.sp.stage(w, vals, carry)
+        return self.sp.stage(w, vals, carry, count)
+
+    def chunk_count(self, d: Any, j: Any) -> Any:
+        """How many of its padded layers device ``d``'s local chunk ``j`` runs (an
+        int32 scalar) under an uneven :attr:`~spmdkit.pipeline.Pipeline.layout`;
+        None when the chunks are equal (every layer of the slice runs)."""
+        table = chunk_count_table(self.pipe)
+        return None if table is None else jnp.asarray(table)[d, j]
 
     def post(self, i: Any, out: list) -> tuple:
         """``(loss_i · scale, ct of carry, {var: ct})`` of micro-batch ``i``'s head and
@@ -79,6 +89,15 @@ class BoundLoss:
         loss, vjp = jax.vjp(f, out, diff)
         ct_c, ct_v = vjp(jnp.asarray(self.scale, loss.dtype))
         return loss * self.scale, ct_c, ct_v
+
+
+def chunk_count_table(pipe: Pipeline) -> np.ndarray | None:
+    """``int32[p, v]``: the layers device ``d``'s local chunk ``j`` (global chunk
+    ``j · p + d``) runs under an uneven layout; None for equal chunks."""
+    if not pipe.uneven:
+        return None
+    assert pipe.layout is not None
+    return np.asarray(pipe.layout, np.int32).reshape(pipe.virtual, pipe.stages).T.copy()
 
 
 class VjpStash:

@@ -21,8 +21,10 @@ when ``plan.pipeline`` is set):
    :func:`~spmdkit.pipeline.layouts.weight_splits`), all-reduced where it replicates it. Each device
    holds its chunks' stacked weights (``L / (p·v)`` layers per chunk, chunk
    ``c`` on device ``c mod p``; with ``v > 1`` the layer dim is regrouped into
-   that order inside the step). A ``lax.scan`` over the schedule's ticks runs,
-   per tick and device, the action of the tick table
+   that order inside the step; under an uneven ``pipe.layout`` each chunk's
+   layers are moved to its device by ``ppermute`` and padded to the largest
+   chunk's count, the padded layers skipped: :func:`regroup_layers`). A
+   ``lax.scan`` over the schedule's ticks runs, per tick and device, the action of the tick table
    (:mod:`spmdkit.pipeline.tables`) under ``lax.switch``; activations move to
    the next device and cotangents to the previous one with ``ppermute``.
    Ticks are scanned in runs with the same sends, so each run's body has only
@@ -103,7 +105,7 @@ from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.ticks import explicit_tick_loop, gpipe_forward_loop
 from spmdkit.vma import shard_map
 
-__all__ = ["pipelined_value_and_grad"]
+__all__ = ["pipelined_value_and_grad", "regroup_layers", "ungroup_layers"]
 
 
 def pipelined_value_and_grad(
@@ -468,7 +470,7 @@ def _run_layer_stack(
     ]
     xs, shared, per = vals
     sched = build_schedule(pipe)
-    xs_g = [_regroup_layers(x, pipe) for x in xs]
+    xs_g = [regroup_layers(x, pipe, mesh) for x in xs]
     n = (len(xs), len(shared), len(per))
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))
@@ -476,7 +478,8 @@ def _run_layer_stack(
         dtypes = ([jnp.result_type(x) for x in xs], [jnp.result_type(x) for x in shared])
         w_xs, w_sh = (list(w) or [None] * len(v) for w, v in zip(wide, (xs, shared), strict=True))
         xs_g = [
-            x if w is None else _regroup_layers(w, pipe) for x, w in zip(xs_g, w_xs, strict=True)
+            x if w is None else regroup_layers(w, pipe, mesh)
+            for x, w in zip(xs_g, w_xs, strict=True)
         ]
         sh_g = [x if w is None else w for x, w in zip(shared, w_sh, strict=True)]
         fn = _pipeline_shard_map(
@@ -491,7 +494,7 @@ def _run_layer_stack(
             loss,
             (
                 [
-                    _ungroup_layers(g) if differentiable(g) else zero_cotangent(x)
+                    ungroup_layers(g, pipe, mesh) if differentiable(g) else zero_cotangent(x)
                     for g, x in zip(ct_xs, xs, strict=True)
                 ],
                 ct_sh,
@@ -519,7 +522,7 @@ def _run_layer_stack(
     )
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
-        _ungroup_layers(next(it_xs)) if f else zero_cotangent(x)
+        ungroup_layers(next(it_xs), pipe, mesh) if f else zero_cotangent(x)
         for x, f in zip(xs, xs_floating, strict=True)
     ]
     ct_sh = [next(it_sh) if differentiable(x) else zero_cotangent(x) for x in shared]
@@ -550,17 +553,119 @@ def _pipeline_shard_map(
     )
 
 
-def _regroup_layers(x: Any, pipe: Pipeline) -> Any:
-    """``[L, ...]`` → ``[p, v, L/(p·v), ...]``: device ``d``'s chunks ``d, d+p, ...``."""
+def regroup_layers(x: Any, pipe: Pipeline, mesh: Any = None) -> Any:
+    """``[L, ...]`` → ``[p, v, L/(p·v), ...]``: device ``d``'s chunks ``d, d+p, ...``.
+    Under an uneven :attr:`~spmdkit.pipeline.Pipeline.layout`, ``[p, v, n, ...]``
+    with ``n`` the largest chunk's layers: each chunk's slice of the stack padded
+    with zeros to ``n`` (the padded layers are skipped, :meth:`SplitLoss.stage`).
+    With ``mesh`` (its pipe axis dividing ``L``), the layers move from the stack's
+    even split over the pipe axis to their chunks' devices by ``ppermute``
+    (:func:`_moved_layers`: only the layers that change device, once each).
+
+    Example::
+
+        >>> pipe = Pipeline(stages=2, microbatches=2, layout=(1, 2))
+        >>> regroup_layers(jnp.arange(1.0, 4.0), pipe).tolist()
+        [[[1.0, 0.0]], [[2.0, 3.0]]]
+    """
     p, v = pipe.stages, pipe.virtual
-    y = jnp.reshape(x, (v, p, x.shape[0] // (p * v), *x.shape[1:]))
+    if pipe.uneven and mesh is not None and x.shape[0] % p == 0:
+        return _moved_layers(x, pipe, mesh)
+    if pipe.uneven:
+        assert pipe.layout is not None
+        big, start, pieces = max(pipe.layout), 0, []
+        for n in pipe.layout:
+            pad = jnp.zeros((big - n, *x.shape[1:]), x.dtype)
+            pieces.append(jnp.concatenate([x[start : start + n], pad]))
+            start += n
+        y = jnp.reshape(jnp.stack(pieces), (v, p, big, *x.shape[1:]))
+    else:
+        y = jnp.reshape(x, (v, p, x.shape[0] // (p * v), *x.shape[1:]))
     return jnp.swapaxes(y, 0, 1)
 
 
-def _ungroup_layers(g: Any) -> Any:
-    """``[p, v, L/(p·v), ...]`` → ``[L, ...]``: :func:`_regroup_layers` undone."""
+def ungroup_layers(g: Any, pipe: Pipeline, mesh: Any = None) -> Any:
+    """``[p, v, L/(p·v), ...]`` → ``[L, ...]``: :func:`regroup_layers` undone (an
+    uneven layout's padded layers dropped; with ``mesh``, its transpose: the
+    layers' gradients permuted back to the stack's even split)."""
+    if pipe.uneven and mesh is not None and (sum(pipe.layout or ()) % pipe.stages == 0):
+        n_layers = sum(pipe.layout or ())
+        x = jax.ShapeDtypeStruct((n_layers, *g.shape[3:]), g.dtype)
+        (out,) = jax.linear_transpose(lambda a: _moved_layers(a, pipe, mesh), x)(g)
+        return out
     y = jnp.swapaxes(g, 0, 1)
+    if pipe.uneven:
+        assert pipe.layout is not None
+        chunks = jnp.reshape(y, (y.shape[0] * y.shape[1], *y.shape[2:]))
+        return jnp.concatenate([chunks[c, :n] for c, n in enumerate(pipe.layout)])
     return jnp.reshape(y, (y.shape[0] * y.shape[1] * y.shape[2], *y.shape[3:]))
+
+
+def _move_tables(pipe: Pipeline, n_layers: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Per shift ``s`` (device ``q`` sends to ``q + s``), ``(s, src, dst)``: ``src[q]``
+    the offsets in ``q``'s block of the stack (``L / p`` layers) it sends, ``dst[r]``
+    the padded slots (``j · n + k``) of ``r``'s chunks they fill, padded alike to the
+    shift's most (``dst`` past the end: dropped); shifts that move nothing left out."""
+    p, v = pipe.stages, pipe.virtual
+    assert pipe.layout is not None
+    block, big = n_layers // p, max(pipe.layout)
+    pairs: dict[int, list[list[tuple[int, int]]]] = {s: [[] for _ in range(p)] for s in range(p)}
+    start = 0
+    for c, n in enumerate(pipe.layout):
+        r, j = c % p, c // p
+        for k in range(n):
+            layer = start + k
+            q = layer // block
+            pairs[(r - q) % p][q].append((layer % block, j * big + k))
+        start += n
+    out = []
+    for s in range(p):
+        most = max(len(x) for x in pairs[s])
+        if not most:
+            continue
+        src = np.zeros((p, most), np.int32)
+        dst = np.full((p, most), v * big, np.int32)
+        for q, items in enumerate(pairs[s]):
+            for i, (a, _) in enumerate(items):
+                src[q, i] = a
+            for i, (_, b) in enumerate(items):
+                dst[(q + s) % p, i] = b
+        out.append((s, src, dst))
+    return out
+
+
+def _moved_layers(x: Any, pipe: Pipeline, mesh: Any) -> Any:
+    r""":func:`regroup_layers` of an uneven layout as a ``shard_map`` manual over the
+    pipe axis: each device gathers from its block of the stack the layers another
+    device's chunks run, ``ppermute``\ s them there (one permute per shift that
+    moves any) and scatters what it receives into its zero-padded chunks. Linear
+    in ``x``: its transpose moves the gradients back."""
+    p, v, axis = pipe.stages, pipe.virtual, pipe.axis
+    assert pipe.layout is not None
+    big = max(pipe.layout)
+    tables = _move_tables(pipe, x.shape[0])
+
+    # each device's rows of the tables enter split over the pipe axis (an
+    # axis_index here, manual over the pipe axis alone, is a partition id XLA's
+    # partitioner refuses to place)
+    def body(local: Any, idx: list) -> Any:
+        out = jnp.zeros((v * big, *local.shape[1:]), local.dtype)
+        for (s, _, _), (src, dst) in zip(tables, idx, strict=True):
+            vals = local[src[0]]
+            if s:
+                vals = jax.lax.ppermute(vals, axis, [(q, (q + s) % p) for q in range(p)])
+            out = out.at[dst[0]].add(vals, mode="drop")
+        return jnp.reshape(out, (1, v, big, *local.shape[1:]))
+
+    idx = [(jnp.asarray(src), jnp.asarray(dst)) for _, src, dst in tables]
+    return shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(axis), [(P(axis), P(axis))] * len(idx)),
+        out_specs=P(axis),
+        axis_names=frozenset({axis}),
+        check_vma=False,
+    )(x, idx)
 
 
 def _pre_grad_on_rows(

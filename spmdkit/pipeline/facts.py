@@ -276,7 +276,9 @@ def residual_probe(
             _, vjp = jax.vjp(f, carry, post)
             shared = [v in ctx.sv for v in ctx.dpost]
             return VjpStash().record(jax.tree.leaves(vjp), [], post, shared)
-        _, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0), w, cd, carry)
+        _, vjp = jax.vjp(
+            lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0, _chunk_zero_count(pipe)), w, cd, carry
+        )
         return VjpStash().record(jax.tree.leaves(vjp), w, cd, [v in ctx.sv for v in ctx.dconsts])
 
     return probe_fn
@@ -293,7 +295,9 @@ def backward_probe(loss_fn: Callable[..., Any], pipe: Pipeline, *rest: Any) -> C
 
     def probe_fn(params: Any, batch: Any) -> Any:
         ctx, w, cd, carry = _chunk_zero(loss_fn, pipe, rest, params, batch)
-        out, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0), w, cd, carry)
+        out, vjp = jax.vjp(
+            lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0, _chunk_zero_count(pipe)), w, cd, carry
+        )
         return vjp(jax.tree.map(jnp.ones_like, out))
 
     return probe_fn
@@ -307,13 +311,21 @@ def _chunk_zero(
     micro = split_microbatches(batch, pipe.microbatches)
     one = jax.tree.map(lambda x: x[0], micro)
     sp = split_loss(loss_fn, params, one, rest)
-    pipe.check_layers(sp.layers, op="pipeline")
+    size = pipe.check_layers(sp.layers, op="pipeline")
     xs, shared, per = sp.pre(jax.tree.leaves((params, one, rest)))
     ctx = BoundLoss(sp, pipe, shared, [x[None] for x in per])
-    w = [x[: sp.layers // pipe.chunks] for x in xs]
+    # an uneven layout's largest chunk, its layers run under the executor's skip
+    w = [x[:size] for x in xs]
     cd = [({**ctx.sv, **ctx.microbatch(0)})[v] for v in ctx.dconsts]
     carry = [ctx.per[v][0] for v in ctx.carry]
     return ctx, w, cd, carry
+
+
+def _chunk_zero_count(pipe: Pipeline) -> Any:
+    """The layer count :func:`_chunk_zero`'s chunk runs with: an uneven layout's
+    largest chunk's (the executor's ``lax.cond`` per layer, sized alike), None
+    for equal chunks."""
+    return jnp.int32(max(pipe.layout)) if pipe.uneven and pipe.layout else None
 
 
 # -- the row-combining layer check ---------------------------------------------------

@@ -93,10 +93,12 @@ class Pipeline:
         layout: the stacked layers each chunk runs, in chunk order (``p · v``
             counts summing to the layer count; a chunk may run none), as
             Megatron-LM's ``--pipeline-model-parallel-layout`` places them;
-            None (the default): ``L / (p · v)`` each. The planner prices an
-            uneven layout (a device runs its chunks' layers; the bubble is
-            ``p − 1`` ticks of the largest chunk); the executor runs equal
-            chunks only and refuses an uneven one (:meth:`check_layers`).
+            None (the default): ``L / (p · v)`` each. Under an uneven layout
+            every chunk's slice of the stacked weights is padded to the largest
+            chunk's layers inside the step (the padded layers skipped: no
+            compute, no gradient; parameters and gradients keep the model's
+            shapes); the planner prices a device by its chunks' layers and the
+            bubble as ``p − 1`` ticks of the largest chunk.
     """
 
     stages: int
@@ -174,7 +176,7 @@ class Pipeline:
 
     @property
     def uneven(self) -> bool:
-        """The layout gives chunks different layer counts (what the executor refuses)."""
+        """The layout gives chunks different layer counts (the executor pads them)."""
         return self.layout is not None and len(set(self.layout)) > 1
 
     def chunk_layers(self, n_layers: int) -> tuple[int, ...]:
@@ -202,15 +204,13 @@ class Pipeline:
         p, v, m = self.stages, self.virtual, self.microbatches
         return (p - 1) / (v * m + p - 1)
 
-    def check_layers(self, n_layers: int, *, op: str = "pipeline", priced: bool = False) -> int:
+    def check_layers(self, n_layers: int, *, op: str = "pipeline") -> int:
         """Layers per chunk (the largest chunk's under a :attr:`layout`); a
         :class:`PipelineError` unless ``p · v`` divides them, or the layout sums to them.
 
         Args:
             n_layers: the stacked (scanned) layer count.
             op: names the caller in the error.
-            priced: the layout is only priced (the planner): an uneven one is
-                accepted. The executor runs equal chunks only, and refuses it.
         """
         if self.layout is not None:
             if sum(self.layout) != n_layers:
@@ -219,15 +219,6 @@ class Pipeline:
                     must="the layout's chunks run every stacked layer once",
                     given=f"layout summing to {sum(self.layout)}, {n_layers} layers",
                     fix=f"pass a layout summing to {n_layers}",
-                )
-            if self.uneven and not priced:
-                raise PipelineError(
-                    op=op,
-                    must="the executor runs chunks of equal layer counts (each device's "
-                    "stacked weights are one array split evenly over the pipe axis)",
-                    given=f"layout={self.layout}",
-                    fix="run Pipeline(layout=None) with stages x virtual dividing the layers "
-                    "(the uneven layout is priced by sk.plan, not run)",
                 )
             return max(self.layout)
         if n_layers < 1 or n_layers % self.chunks:

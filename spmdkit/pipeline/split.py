@@ -30,6 +30,7 @@ from the last chunk's carry.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -177,10 +178,15 @@ class SplitLoss:
             [_read(env, v) for v in group] for group in (self.xs, self.shared, self.per_mb)
         )
 
-    def stage(self, xs: Sequence[Any], values: dict, carry: Sequence[Any]) -> list:
+    def stage(
+        self, xs: Sequence[Any], values: dict, carry: Sequence[Any], count: Any = None
+    ) -> list:
         """The carry after the layers whose stacked weights are ``xs`` (a chunk:
         leading dim ``L / chunks``); ``values`` maps the scan's constants
-        (variables) to their values."""
+        (variables) to their values. ``count`` (an int scalar, traced or not):
+        only the first ``count`` layers of ``xs`` run, the others (an uneven
+        layout's padding) pass the carry through under a ``lax.cond`` (no
+        compute, a zero gradient for their weights); None: every layer runs."""
         sc = jaxprs.scan(self.scan)
 
         def body(*args: Any) -> list:
@@ -197,7 +203,23 @@ class SplitLoss:
             out = body(*consts, *c, *x)
             return list(out[: len(c)]), None
 
-        out, _ = jax.lax.scan(step, list(carry), list(xs))
+        if count is None:
+            out, _ = jax.lax.scan(step, list(carry), list(xs))
+            return out
+
+        # under a checkpoint that saves everything (no recompute): its partial
+        # evaluation hands the cond's staged (backward) half the cond's operands
+        # as they are, so the layer's weights are read from the stack rather than
+        # kept as residuals of their own (a plain cond's linearization copies them)
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.everything_saveable)
+        def step_or_skip(c: list, kx: tuple) -> tuple[list, None]:
+            k, x = kx
+            run = lambda c_, x_: step(c_, x_)[0]  # noqa: E731
+            return jax.lax.cond(k < count, run, lambda c_, x_: list(c_), c, x), None
+
+        n = int(np.shape(xs[0])[0]) if xs else 0
+        ks = jnp.arange(n, dtype=jnp.int32)
+        out, _ = jax.lax.scan(step_or_skip, list(carry), (ks, list(xs)))
         return out
 
     def post(self, values: dict, carry_out: Sequence[Any]) -> Any:

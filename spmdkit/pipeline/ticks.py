@@ -84,9 +84,8 @@ def gpipe_forward_loop(
                 for v, b in zip(ctx.carry, inbox, strict=True)
             ]
             cd = [({**ctx.sv, **ctx.microbatch(i)})[v] for v in ctx.dconsts]
-            out = ctx.stage(
-                cast(_chunk_weights(xs_l, row["local"], pipe.virtual), dtypes[0]), cd, x_in, i
-            )
+            w = cast(_chunk_weights(xs_l, row["local"], pipe.virtual), dtypes[0])
+            out = ctx.stage(w, cd, x_in, i, ctx.chunk_count(d, row["local"]))
             loss = jax.lax.switch(
                 row["last"],
                 [
@@ -283,7 +282,8 @@ def _tick_actions(
             jnp.where(row["first"] > 0, ctx.per[v][i], b[row["f_in"]])
             for v, b in zip(ctx.carry, state["inbox_f"], strict=True)
         ]
-        out, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, i), w, cd, x_in)
+        count = ctx.chunk_count(jax.lax.axis_index(pipe.axis), row["local"])
+        out, vjp = jax.vjp(lambda w_, c_, x_: ctx.stage(w_, c_, x_, i, count), w, cd, x_in)
         leaves, vjp_stash.tree = jax.tree.flatten(vjp)
         keep = vjp_stash.record(leaves, w, cd, [v in ctx.sv for v in ctx.dconsts])
         loss, ct_c, ct_l = jax.lax.switch(

@@ -169,7 +169,7 @@ def _propagated_permutes(jaxpr: Any, axis: str, inside: bool = False) -> int:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "shard_map":
-            if axis in jaxprs.manual_axes(eqn):
+            if _runs_ticks(eqn, axis):
                 body = jaxprs.open_jaxpr(jaxprs.shard_map_body(eqn))[0]
                 total += _propagated_permutes(body, axis, True)
             continue
@@ -191,12 +191,23 @@ def _propagated_permutes(jaxpr: Any, axis: str, inside: bool = False) -> int:
     return total
 
 
+def _runs_ticks(eqn: Any, axis: str) -> bool:
+    """Is ``eqn`` (a ``shard_map``) the pipeline's, or its transpose: manual over
+    ``axis``, its body scanning the schedule's ticks? An uneven layout's layer
+    moves (:func:`~spmdkit.pipeline.execute.regroup_layers`) are manual over it
+    too, with no scan: propagation prices their permutes once each, as they run."""
+    if axis not in jaxprs.manual_axes(eqn):
+        return False
+    body = jaxprs.open_jaxpr(jaxprs.shard_map_body(eqn))[0]
+    return any(e.primitive.name == "scan" for e in body.eqns)
+
+
 def _pipeline_shard_maps(jaxpr: Any, axis: str) -> Iterator[Any]:
     """The ``shard_map`` equations manual over ``axis`` in ``jaxpr`` and the
     bodies of its other equations, in program order (not inside them)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            if axis in jaxprs.manual_axes(eqn):
+            if _runs_ticks(eqn, axis):
                 yield eqn
             continue
         for sub in jaxprs.sub_jaxprs(eqn):

@@ -639,3 +639,75 @@ def test_the_switch_returns_one_chunks_gradients_and_reads_the_accumulators(sche
         assert outs & chunk == chunk, "a chunk's gradients are not the switch's result"
         # the weights (as many, the same shapes) and the accumulators
         assert ins & (acc + acc) == acc + acc, "the switch does not read the accumulators"
+
+
+def test_an_uneven_layout_pads_each_chunk_to_the_largest():
+    """The stacked weights as the executor lays them out under an uneven layout:
+    ``[p, v, largest chunk, ...]``, chunk ``j · p + d`` at ``[d, j]``, its layers
+    first and zeros after; undone, the padding is dropped and the stack is whole."""
+    from spmdkit.pipeline.chunk import chunk_count_table
+    from spmdkit.pipeline.execute import regroup_layers, ungroup_layers
+
+    pipe = Pipeline(
+        stages=2, microbatches=4, schedule="interleaved", virtual=2, layout=(0, 3, 2, 1)
+    )
+    x = jnp.arange(6.0)[:, None] + 1  # layers 1..6
+    y = regroup_layers(x, pipe)
+    assert y.shape == (2, 2, 3, 1)
+    # device 0 runs chunks 0 (none) and 2 (layers 4, 5); device 1 chunks 1 (1-3) and 3 (6)
+    np.testing.assert_array_equal(y[..., 0], [[[0, 0, 0], [4, 5, 0]], [[1, 2, 3], [6, 0, 0]]])
+    np.testing.assert_array_equal(chunk_count_table(pipe), [[0, 2], [3, 1]])
+    np.testing.assert_array_equal(ungroup_layers(y, pipe), x)
+    assert chunk_count_table(Pipeline(stages=2, microbatches=4, layout=(2, 2))) is None
+
+
+def _six_layers(name: str) -> tuple:
+    """``(info, params, batch)`` of the zoo model with 6 stacked layers and 16 rows."""
+    from models.gpt import GPTConfig
+    from models.llama import LlamaConfig
+
+    config = (GPTConfig if name == "gpt" else LlamaConfig)(n_layers=6, scan_layers=True)
+    info = describe(get_model(name), config=config, batch_size=16)
+    rng = np.random.default_rng(0)
+    batch = jax.tree.map(lambda s: jnp.asarray(rng.integers(0, 200, s.shape), s.dtype), info.batch)
+    return info, info.init_fn(), batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "schedule", "virtual", "layout", "strategy"),
+    [
+        ("gpt", "1f1b", 1, (4, 2), "dp"),
+        ("llama", "interleaved", 2, (2, 1, 1, 2), "fsdp"),
+        ("llama", "gpipe", 1, (1, 5), "dp"),
+    ],
+)
+def test_an_uneven_layout_runs_as_on_one_device(name, schedule, virtual, layout, strategy):
+    """Issue 44: six layers in chunks of unequal layer counts on pipe=2 x data=4: every
+    chunk's slice padded to the largest chunk's layers, the padded layers skipped.
+    Loss and grads equal one device's, and the grads have the parameters' shapes."""
+    info, params, batch = _six_layers(name)
+    pipe = Pipeline(stages=2, microbatches=4, schedule=schedule, virtual=virtual, layout=layout)
+    plan = sk.plan(info, sk.make_mesh(pipe=2, data=4), strategy, pipeline=pipe)
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    got = step(params, batch)
+    for g, p in zip(jax.tree.leaves(got[1]), jax.tree.leaves(params), strict=True):
+        assert g.shape == p.shape and g.dtype == p.dtype
+    _assert_equal(got, jax.jit(jax.value_and_grad(info.loss_fn))(params, batch))
+
+
+def test_an_uneven_layout_over_layers_the_pipe_axis_does_not_divide_is_typed():
+    """Seven layers in chunks of 3 and 4 are priced, but the stack is stored split
+    evenly over the pipe axis, which jax cannot do with 7 layers over 2 devices:
+    sk.jit says so before placing anything."""
+    from models.gpt import GPTConfig
+
+    config = GPTConfig(n_layers=7, scan_layers=True)
+    info = describe(get_model("gpt"), config=config, batch_size=16)
+    pipe = Pipeline(stages=2, microbatches=4, layout=(3, 4))
+    plan = sk.plan(info, sk.make_mesh(pipe=2, data=4), "dp", pipeline=pipe)
+    assert plan.pipeline == pipe  # priced
+    step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
+    with pytest.raises(PipelineError, match="7 layers over") as e:
+        step.place(info.abstract_params, info.batch)
+    assert "divides 7" in e.value.fix

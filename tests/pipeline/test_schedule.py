@@ -88,17 +88,14 @@ def test_layers_must_divide_into_chunks_and_json_round_trip() -> None:
     assert set(SCHEDULES) == {"gpipe", "fthenb", "1f1b", "interleaved"}
 
 
-def test_a_layout_gives_chunks_their_layers_and_only_prices_uneven_ones() -> None:
+def test_a_layout_gives_chunks_their_layers() -> None:
     layout = (0, 2, 3, 1)
     pipe = Pipeline(stages=2, microbatches=4, schedule="interleaved", virtual=2, layout=layout)
     assert pipe.uneven and pipe.chunk_layers(6) == (0, 2, 3, 1)
     assert pipe.device_layers(6) == (3, 3)  # chunks 0, 2 on device 0; 1, 3 on device 1
-    assert pipe.check_layers(6, priced=True) == 3
-    with pytest.raises(PipelineError, match="equal layer counts") as e:
-        pipe.check_layers(6)  # the executor's check
-    assert "layout=None" in e.value.fix
+    assert pipe.check_layers(6) == 3  # the largest chunk's: what each chunk is padded to
     with pytest.raises(PipelineError, match="summing to 6"):
-        pipe.check_layers(7, priced=True)
+        pipe.check_layers(7)
     assert Pipeline.from_json(pipe.to_json()) == pipe
     assert pipe.short() == "pp2x2 interleaved m4 layout 0-2-3-1"
     even = Pipeline(stages=2, microbatches=4, layout=(2, 2))

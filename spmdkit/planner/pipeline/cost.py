@@ -49,9 +49,10 @@ such a candidate with the per-group model of :mod:`spmdkit.planner.analytic`:
   inter-node bandwidth); the busiest device's sends are on the critical path
   (Megatron-LM's default, no overlap), counted as ``collective_permute``.
 
-- **Uneven layouts** (:attr:`~spmdkit.pipeline.Pipeline.layout`, priced only: the
-  executor refuses them): device ``d`` computes its chunks' layers (plus the first
-  or last stage's extra work), every device holds the busiest device's stacked
+- **Uneven layouts** (:attr:`~spmdkit.pipeline.Pipeline.layout`; the executor
+  pads each chunk to the largest and skips the padded layers): device ``d``
+  computes its chunks' layers (plus the first or last stage's extra work), every
+  device holds the busiest device's stacked
   layers (one program runs on all), the buffers are sized for the largest chunk,
   and the bubble is ``p − 1`` ticks of the slowest chunk (:func:`_uneven_part`).
 

@@ -131,7 +131,7 @@ def _check_model(info: ModelInfo, pipe: Pipeline) -> None:
             fix="scan the stack to pipeline over its stacked parameters; name other "
             "stacked dims otherwise",
         )
-    pipe.check_layers(layers, op="plan(pipeline=...)", priced=True)
+    pipe.check_layers(layers, op="plan(pipeline=...)")
 
 
 def _why_unstacked(info: ModelInfo) -> str:

@@ -389,7 +389,7 @@ class PipelinePlanner:
         layers = self.problem.ctx.trace.layers
         stages = fixed_pipe.stages if fixed_pipe is not None else None
         if fixed_pipe is not None:
-            fixed_pipe.check_layers(layers, op="plan", priced=True)
+            fixed_pipe.check_layers(layers, op="plan")
         out: list[Candidate] = []
         meshes = pipe_meshes(self.problem.mesh, layers, stages)
         if not meshes:

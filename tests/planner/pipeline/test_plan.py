@@ -295,8 +295,9 @@ def test_an_uneven_layout_is_priced_by_its_busiest_device():
 @pytest.mark.slow
 def test_a_dense_stack_before_the_pipelined_one_runs_as_on_one_device():
     """DeepSeek's two stacks pipelined on pipe=2 x model=2: the dense layer on the
-    first stage, the MoE stack split, one device's loss and grads; an uneven
-    layout of the same stack is priced but the executor refuses it."""
+    first stage, the MoE stack split, one device's loss and grads; in an uneven
+    layout of the same stack too (one MoE layer on the first stage, three on the
+    second: the first chunk padded to three, its two padded layers skipped)."""
     import dataclasses
 
     import jax
@@ -315,10 +316,6 @@ def test_a_dense_stack_before_the_pipelined_one_runs_as_on_one_device():
         pipe = Pipeline(stages=2, microbatches=4, layout=layout)
         plan = sk.plan(spec, mesh, "megatron", config=config, pipeline=pipe, estimator="analytic")
         step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
-        if layout is not None:
-            with pytest.raises(PipelineError, match="equal layer counts"):
-                step(params, batch)
-            continue
         loss, grads = step(params, batch)
         np.testing.assert_allclose(loss, want, rtol=1e-5)
         for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
