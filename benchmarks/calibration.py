@@ -284,9 +284,9 @@ DEEPSEEK_V3 = {
         layout=(0, 0) + (2,) * 29 + (0,),
     ),
     # recompute mla_up_proj and mlp: the nearest named policy keeps the attention's
-    # output projection and recomputes the rest (the routed experts too, which
-    # Megatron keeps)
-    "recipe": dataclasses.replace(MEGATRON_FP8, remat="save_out_proj"),
+    # output projection and the routed experts' exchanged buffers (Megatron keeps
+    # the routed experts), recomputing attention, its projections and the dense MLPs
+    "recipe": dataclasses.replace(MEGATRON_FP8, remat="save_out_proj_experts"),
     "published_recipe": "FP8, GBS 8192, MBS 1, seq 4096, dropless (router forced to "
     "balance), recompute mla_up_proj and mlp, DeepEP dispatch in bf16, 1F1B all-to-all "
     "overlap, layout Et|(tt|)*30mL",

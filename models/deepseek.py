@@ -268,6 +268,8 @@ CONFIGS: dict[str, Any] = {
         n_shared_experts=1,
         score="sigmoid",
         routed_scaling=2.5,
+        expert_groups=4,
+        group_top_k=2,
         aux_loss_free_bias=True,
         load_balance="sequence",
         load_balance_weight=1e-4,
@@ -330,6 +332,8 @@ CONFIGS: dict[str, Any] = {
         score="sigmoid",
         normalize_top_k=True,
         routed_scaling=2.5,
+        expert_groups=8,
+        group_top_k=4,
         aux_loss_free_bias=True,
         load_balance="sequence",
         load_balance_weight=1e-4,
@@ -337,6 +341,7 @@ CONFIGS: dict[str, Any] = {
 }
 """DeepSeek sizes: ``tiny`` (softmax router, 1 dense + 2 MoE blocks, 8 experts top-2,
 scanned) and ``tiny_v3`` (V3's routing: sigmoid scores, the aux-loss-free bias,
-one shared expert, scaling 2.5, the sequence-wise balance loss) compile in seconds
-on CPU; ``16b`` has DeepSeek-V2-Lite's published dims (no query compression, 64
-experts top-6 + 2 shared); ``v3_671b`` DeepSeek-V3's."""
+group-limited to 2 of 4 expert groups, one shared expert, scaling 2.5, the
+sequence-wise balance loss) compile in seconds on CPU; ``16b`` has DeepSeek-V2-Lite's
+published dims (no query compression, 64 experts top-6 + 2 shared); ``v3_671b``
+DeepSeek-V3's (its routing limited to 4 of 8 expert groups)."""

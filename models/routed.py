@@ -47,6 +47,9 @@ class ExpertSettings:
       score: router scores, ``"softmax"`` or ``"sigmoid"``.
       normalize_top_k: renormalise the chosen scores to sum to 1.
       routed_scaling: factor on the routed experts' weights.
+      expert_groups: expert groups of group-limited routing (``None``: none;
+        :class:`spmdkit.nn.MoE`'s ``groups``).
+      group_top_k: groups a token may route to (its ``group_top_k``).
       aux_loss_free_bias: DeepSeek-V3's per-expert routing bias (model state).
       bias_update_rate: its step per training call.
       load_balance: ``"global"``, ``"sequence"`` or ``None``.
@@ -63,6 +66,8 @@ class ExpertSettings:
     score: str = "softmax"
     normalize_top_k: bool = True
     routed_scaling: float = 1.0
+    expert_groups: int | None = None
+    group_top_k: int | None = None
     aux_loss_free_bias: bool = False
     bias_update_rate: float = 1e-3
     load_balance: str | None = "global"
@@ -93,6 +98,8 @@ def expert_layer(cfg: Any, rngs: nnx.Rngs) -> sknn.MoE:
         score=cfg.score,
         normalize_top_k=cfg.normalize_top_k,
         routed_scaling=cfg.routed_scaling,
+        groups=cfg.expert_groups,
+        group_top_k=cfg.group_top_k,
         aux_loss_free_bias=cfg.aux_loss_free_bias,
         bias_update_rate=cfg.bias_update_rate,
         load_balance=cfg.load_balance,

@@ -63,6 +63,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from spmdkit.engine.rule import (
     Example,
@@ -121,8 +122,11 @@ def moe_experts_reference(
     w_down: jax.Array,
     *,
     capacity_factor: float | None = None,
+    expert_groups: tuple[int, int] | None = None,
 ) -> jax.Array:
     """The unsharded op, dense per token: each assignment gathers its expert's weights.
+    ``expert_groups`` (the routing's group limit) is a promise for the planner's
+    price; the op computes the same without it.
 
     Example::
 
@@ -186,6 +190,21 @@ def _check(ctx: RuleContext, inputs: Sequence[TensorSpec]) -> None:
             must="x, weights and the expert weights are floating point",
             given=f"dtypes {sorted(str(dt) for dt in floats)}",
             fix="cast them to a float dtype",
+        )
+    groups = ctx.attrs.get("expert_groups")
+    if groups is not None and not (
+        isinstance(groups, tuple)
+        and len(groups) == 2
+        and all(isinstance(n, int) and n >= 1 for n in groups)
+        and e % groups[0] == 0
+        and groups[1] <= groups[0]
+    ):
+        raise ShardingConflictError(
+            op=op,
+            must="expert_groups is None or (groups, group_top_k): groups divides the "
+            "experts, 1 <= group_top_k <= groups",
+            given=f"expert_groups={groups!r} with {e} experts",
+            fix="pass the router's group limit, e.g. expert_groups=(8, 4) for 256 experts",
         )
     cf = ctx.attrs.get("capacity_factor")
     if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0):
@@ -653,6 +672,13 @@ def _collect(back: jax.Array, route: _Route) -> jax.Array:
     return jnp.zeros_like(ys).at[route.order].set(ys, unique_indices=True)
 
 
+#: The ``checkpoint_name`` of the exchanged buffers the op keeps for its backward
+#: (the forward region's kept residuals carry it too:
+#: :func:`spmdkit.engine.region.kept_name`); a remat policy keeping it
+#: (``save_out_proj_experts``) skips rerunning the exchange.
+KEPT_NAME = "moe_experts"
+
+
 def _exchange(
     lctx: LocalContext,
     rows: jax.Array,
@@ -684,12 +710,17 @@ def _exchange_keeping(
     per_peer: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`_exchange`'s results with the rows received and their per-expert
-    counts (what the backward reads: :func:`residual_programs`)."""
+    counts (what the backward reads: :func:`residual_programs`). The three
+    exchanged results carry the ``checkpoint_name`` :data:`KEPT_NAME`: a remat
+    policy that keeps it runs the backward of the program traced inline (a
+    pipelined stage's) without exchanging again."""
     route = _route(flat, n_ep, e_local)
-    got = jax.lax.all_to_all(_dispatch(rows, route, n_ep, per_peer), ep, 0, 0, tiled=True)
+    sent = _dispatch(rows, route, n_ep, per_peer)
+    got = checkpoint_name(jax.lax.all_to_all(sent, ep, 0, 0, tiled=True), KEPT_NAME)
     counts = jax.lax.all_to_all(route.per_expert, ep, 0, 0, tiled=True)  # [source, expert]
+    counts = checkpoint_name(counts, KEPT_NAME)
     done = _expert_side(got, counts, e_local, wg, wu, wd)
-    back = jax.lax.all_to_all(done, ep, 0, 0, tiled=True)
+    back = checkpoint_name(jax.lax.all_to_all(done, ep, 0, 0, tiled=True), KEPT_NAME)
     return _collect(back, route), got, counts
 
 

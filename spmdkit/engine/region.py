@@ -53,6 +53,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import batching, mlir
 
 from spmdkit.engine.inference import InferenceResult, infer_forward, infer_grad
@@ -260,6 +261,13 @@ def _differentiable(x: Any) -> bool:
     return bool(jnp.issubdtype(x.dtype, jnp.inexact))
 
 
+def kept_name(op: str) -> str:
+    """The ``checkpoint_name`` tag of the residuals ``op``'s forward region keeps
+    for its grad region (``"moe_experts"``: the exchanged buffers), which a remat
+    policy keeps to run the backward without rerunning the forward region."""
+    return op
+
+
 def region_call(op: str, args: Sequence[Any], attrs: Mapping[str, Any]) -> Any:
     """Trace ``op(*args, **attrs)`` as a forward region with a grad region for its VJP.
 
@@ -286,6 +294,8 @@ def region_call(op: str, args: Sequence[Any], attrs: Mapping[str, Any]) -> Any:
 
     def fwd(*xs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         outs, kept = bound(xs)
+        # tagged: a remat policy that keeps them (KEPT_NAMES) skips the forward's rerun
+        kept = tuple(checkpoint_name(k, kept_name(op)) for k in kept)
         return outs, (xs, kept)
 
     def bwd(res: tuple[Any, ...], cts: tuple[Any, ...]) -> tuple[Any, ...]:

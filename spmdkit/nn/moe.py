@@ -5,7 +5,13 @@ Routing is plain jnp around the op (the planner sees its primitives):
 1. scores: ``softmax`` or ``sigmoid`` of the router logits ``x @ router``;
 2. top-k on the scores plus the aux-loss-free ``expert_bias`` (DeepSeek-V3: the
    bias moves the choice, never the weights), the chosen scores renormalised to
-   sum to 1 (``normalize_top_k``) and scaled by ``routed_scaling``;
+   sum to 1 (``normalize_top_k``) and scaled by ``routed_scaling``. With
+   ``groups`` (DeepSeek-V3's group-limited routing: ``n_group``, ``topk_group``)
+   the experts are ``groups`` contiguous groups of ``E / groups``; each group is
+   scored by the sum of its two best biased scores (its best alone when a group
+   holds one expert), the ``group_top_k`` best groups kept and the top-k taken
+   among their experts only: a token reaches at most ``group_top_k`` groups, so
+   at most that many nodes when each group's experts live on one node;
 3. the routed experts as one op (sort by expert, grouped GEMMs, combine; an
    all-to-all under expert parallelism), plus ``n_shared_experts`` experts every
    token goes through (one SwiGLU of ``n_shared_experts * d_ff_expert`` units).
@@ -57,6 +63,42 @@ def _check(cond: bool, must: str, given: Any, fix: str) -> None:
         raise ShardingConflictError(op="spmdkit.nn.MoE", must=must, given=repr(given), fix=fix)
 
 
+def _check_groups(e: int, k: int, groups: int | None, group_top_k: int | None) -> None:
+    """Raise ShardingConflictError for group-limited routing that cannot route."""
+    if groups is None and group_top_k is None:
+        return
+    _check(
+        groups is not None and group_top_k is not None,
+        "groups and group_top_k are given together",
+        {"groups": groups, "group_top_k": group_top_k},
+        "pass both (DeepSeek-V3: groups=8, group_top_k=4) or neither",
+    )
+    _check(
+        groups >= 1 and e % groups == 0,
+        "groups >= 1 divides n_experts",
+        {"groups": groups, "n_experts": e},
+        "pick groups among the divisors of n_experts",
+    )
+    _check(
+        1 <= group_top_k <= groups and group_top_k * (e // groups) >= k,
+        "1 <= group_top_k <= groups, the kept groups holding at least top_k experts",
+        {"group_top_k": group_top_k, "groups": groups, "experts_per_group": e // groups},
+        "raise group_top_k (or lower top_k)",
+    )
+
+
+def _group_limited(pick: jax.Array, groups: int, group_top_k: int) -> jax.Array:
+    """``pick`` ``[T, E]`` with the experts outside each token's ``group_top_k``
+    best groups set to ``-inf`` (module docstring: a group's score is the sum of
+    its two best entries)."""
+    t, e = pick.shape
+    grouped = pick.reshape(t, groups, e // groups)
+    best, _ = jax.lax.top_k(grouped, min(2, e // groups))
+    _, keep = jax.lax.top_k(jnp.sum(best, axis=-1), group_top_k)  # [T, group_top_k]
+    kept = jnp.sum(jax.nn.one_hot(keep, groups, dtype=jnp.bool_), axis=-2) > 0
+    return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(t, e)
+
+
 class MoE(nnx.Module):
     """Routed (and shared) SwiGLU experts; ``moe(x [..., D]) -> (y [..., D], aux_loss)``.
 
@@ -69,6 +111,10 @@ class MoE(nnx.Module):
       score: ``"softmax"`` or ``"sigmoid"`` router scores.
       normalize_top_k: renormalise the chosen scores to sum to 1.
       routed_scaling: factor on the routed experts' weights.
+      groups: expert groups for group-limited routing (``None``: none; module
+        docstring); must divide ``n_experts``.
+      group_top_k: groups a token may route to (with ``groups``); their experts
+        must number at least ``top_k``.
       aux_loss_free_bias: keep an :class:`ExpertBias` that steers the choice.
       bias_update_rate: the bias step per training call.
       load_balance: ``"global"``, ``"sequence"`` or ``None``.
@@ -96,6 +142,8 @@ class MoE(nnx.Module):
         score: str = "softmax",
         normalize_top_k: bool = True,
         routed_scaling: float = 1.0,
+        groups: int | None = None,
+        group_top_k: int | None = None,
         aux_loss_free_bias: bool = False,
         bias_update_rate: float = 1e-3,
         load_balance: str | None = "global",
@@ -119,7 +167,9 @@ class MoE(nnx.Module):
             load_balance,
             'pass load_balance="global", "sequence" or None',
         )
+        _check_groups(n_experts, top_k, groups, group_top_k)
         d, e, f = d_model, n_experts, d_ff_expert
+        self.groups, self.group_top_k = groups, group_top_k
         self.n_experts, self.top_k, self.score = e, top_k, score
         self.normalize_top_k, self.routed_scaling = normalize_top_k, routed_scaling
         self.load_balance, self.load_balance_weight = load_balance, load_balance_weight
@@ -153,7 +203,10 @@ class MoE(nnx.Module):
         logits = (tokens @ self.router[...].astype(x.dtype)).astype(jnp.float32)
         scores = jax.nn.softmax(logits) if self.score == "softmax" else jax.nn.sigmoid(logits)
         pick = scores if self.expert_bias is None else scores + self.expert_bias[...]
-        _, idx = jax.lax.top_k(jax.lax.stop_gradient(pick), self.top_k)
+        pick = jax.lax.stop_gradient(pick)
+        if self.groups is not None:
+            pick = _group_limited(pick, self.groups, self.group_top_k)
+        _, idx = jax.lax.top_k(pick, self.top_k)
         weights = jnp.take_along_axis(scores, idx, axis=-1)
         if self.normalize_top_k:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -161,6 +214,8 @@ class MoE(nnx.Module):
         kw: dict[str, Any] = {"capacity_factor": self.capacity_factor}
         if self.strategy is not None:
             kw["strategy"] = self.strategy
+        if self.groups is not None:
+            kw["expert_groups"] = (self.groups, self.group_top_k)
         y = call_op(
             moe_experts,
             tokens,

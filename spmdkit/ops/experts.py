@@ -47,6 +47,7 @@ def moe_experts(
     w_down: jax.Array,
     *,
     capacity_factor: float | None = None,
+    expert_groups: tuple[int, int] | None = None,
     strategy: str | None = None,
     mesh: MeshLike | None = None,
     in_specs: Sequence[Any] | None = None,
@@ -65,6 +66,12 @@ def moe_experts(
       capacity_factor: ``None`` (dropless), or token dropping: each expert takes
         at most ``ceil(capacity_factor * T * k / E)`` assignments, the first in
         token order over the whole batch, whatever the sharding.
+      expert_groups: ``(groups, group_top_k)`` when the routing is group-limited
+        (:class:`spmdkit.nn.MoE`'s ``groups``): each token's experts lie in at
+        most ``group_top_k`` of ``groups`` contiguous groups of experts. A promise
+        about ``expert_idx`` the op does not check or need (it computes the same);
+        the planner prices a node-deduplicated exchange with it
+        (:func:`spmdkit.planner.experts.node_dedup_time`).
       strategy: ``"all_to_all"`` (tokens sharded over the expert axes too,
         exchanged by all-to-all) or ``"local"`` (tokens replicated over the
         expert axes, the output summed over them); ``None``: the rule's first,
@@ -93,6 +100,8 @@ def moe_experts(
     attrs: dict[str, Any] = {}
     if capacity_factor is not None:
         attrs["capacity_factor"] = float(capacity_factor)
+    if expert_groups is not None:
+        attrs["expert_groups"] = tuple(int(n) for n in expert_groups)
     if strategy is not None:
         attrs["strategy"] = strategy
     shard = current_expert_shard()

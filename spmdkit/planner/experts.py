@@ -43,8 +43,10 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   (g - 1) / g`` over the node's link (``node_bandwidth``), both at once (:func:`node_dedup_time`;
   ``g`` devices of the group a node: :meth:`~spmdkit.topology.Topology.node_share`).
   ``p_node`` and ``p_device``: the chance that a node (a device) holds at least
-  one of a token's ``k`` experts, routed uniformly without a node limit (the
-  ``moe_experts`` router has none): ``1 - C(E - E_here, k) / C(E, k)``.
+  one of a token's ``k`` experts, routed uniformly: ``1 - C(E - E_here, k) / C(E, k)``
+  without a group limit; with one (the op's ``expert_groups``: DeepSeek-V3's
+  group-limited routing, a token's experts in at most ``group_top_k`` groups)
+  that maps onto the nodes, lower (:func:`reach_chance`).
   ``expert_overlap=True`` prices the token exchanges as overlappable with
   compute in a step of two or more micro-batches (:func:`overlapped`), as
   Megatron-LM's 1F1B all-to-all overlap runs them: one micro-batch's forward
@@ -87,6 +89,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 __all__ = [
+    "KEPT_TAG",
     "COUNT_EXCHANGES",
     "EXCHANGES",
     "FORWARD_EXCHANGES",
@@ -102,7 +105,9 @@ __all__ = [
     "node_dedup_time",
     "overlapped",
     "ragged_exchange",
+    "reach_chance",
     "region_tokens",
+    "reruns_exchange",
     "rows_per_expert",
 ]
 
@@ -137,6 +142,8 @@ class MoeCall(NamedTuple):
       itemsize: bytes of one element of ``x``.
       calls: how many calls one forward makes (a layer scan's trip count included).
       strategy: the op's ``strategy`` attribute (``None``: the planner's choice).
+      groups: the routing's group limit ``(groups, group_top_k)`` (the op's
+        ``expert_groups``), or None.
     """
 
     experts: int
@@ -147,6 +154,7 @@ class MoeCall(NamedTuple):
     itemsize: int
     calls: float
     strategy: str | None = None
+    groups: tuple[int, int] | None = None
 
 
 def moe_call(g: Any, trace: Any) -> MoeCall | None:
@@ -272,6 +280,38 @@ def _hit(experts: int, here: int, k: int) -> float:
     return 1.0 - math.comb(experts - here, k) / math.comb(experts, k)
 
 
+def reach_chance(experts: int, k: int, holders: int, groups: tuple[int, int] | None) -> float:
+    """The chance that one of ``holders`` equal contiguous shares of the experts
+    (a node's, a device's) holds at least one of a token's ``k`` experts.
+
+    Without a group limit, the ``k`` experts are distinct and uniform:
+    ``1 - C(E - E/holders, k) / C(E, k)``. With one (``groups``: ``(G, g)``, the
+    experts ``G`` contiguous groups, a token's experts in ``g`` of them) that maps
+    onto the holders (``G`` divides by ``holders`` or ``holders`` by ``G``), the
+    ``g`` groups are uniform among ``G`` and the ``k`` experts uniform among their
+    ``g · E / G``: a share overlapping ``m = max(1, G / holders)`` groups with
+    ``h = E / max(G, holders)`` experts in each is reached with chance
+    ``Σ_j P(j of its m groups kept) · (1 - C(gE/G - jh, k) / C(gE/G, k))``,
+    ``P`` hypergeometric. A limit that does not map onto the holders is left out
+    (the unlimited chance)."""
+    if holders <= 0:
+        return 0.0
+    here = experts // holders
+    if groups is None:
+        return _hit(experts, here, k)
+    n_groups, kept_groups = groups
+    if n_groups % holders and holders % n_groups:
+        return _hit(experts, here, k)
+    m = max(1, n_groups // holders)
+    h = experts // max(n_groups, holders)
+    kept = kept_groups * experts // n_groups
+    total = math.comb(n_groups, kept_groups)
+    return sum(
+        math.comb(m, j) * math.comb(n_groups - m, kept_groups - j) / total * _hit(kept, j * h, k)
+        for j in range(1, min(m, kept_groups) + 1)
+    )
+
+
 def node_dedup_time(
     ctx: Any, call: MoeCall, sp: Any, t_local: float, itemsize: int
 ) -> float | None:
@@ -280,7 +320,9 @@ def node_dedup_time(
     part (a token once per remote node holding one of its experts) and the
     intra-node fan-out run at once, the slower sets the time. None unless the
     topology's ``expert_exchange`` is ``"node_dedup"`` and the EP group spans two
-    or more nodes (:meth:`~spmdkit.topology.Topology.node_share`)."""
+    or more nodes (:meth:`~spmdkit.topology.Topology.node_share`). A group-limited
+    routing (``call.groups``) lowers the chances a token reaches a node or a
+    device (:func:`reach_chance`)."""
     topo = ctx.topology
     if topo.expert_exchange != "node_dedup":
         return None
@@ -291,12 +333,26 @@ def node_dedup_time(
         return None
     row = call.d_model * itemsize * LOAD_IMBALANCE
     net_bw, net_lat = topo.link(tuple(sp.ep), ctx.mesh)
-    nodes_hit = (nodes - 1) * _hit(call.experts, call.experts // nodes, call.top_k)
-    devices_hit = n_ep * _hit(call.experts, call.experts // n_ep, call.top_k)
+    nodes_hit = (nodes - 1) * reach_chance(call.experts, call.top_k, nodes, call.groups)
+    devices_hit = n_ep * reach_chance(call.experts, call.top_k, n_ep, call.groups)
     network = (nodes - 1) * net_lat + t_local * nodes_hit * row / net_bw
     inside = t_local * devices_hit * (share - 1) / share * row
     fan_out = (share - 1) * topo.node_latency + inside / topo.node_bandwidth
     return max(network, fan_out)
+
+
+#: The ``checkpoint_name`` the op's kept exchange buffers carry
+#: (:func:`spmdkit.engine.region.kept_name` of ``moe_experts``).
+KEPT_TAG = "moe_experts"
+
+
+def reruns_exchange(recipe: Any) -> bool:
+    """Whether the recipe's remat reruns a recomputed layer's token exchange: any
+    policy but ``none`` and those keeping the exchanged buffers (their tag,
+    :func:`spmdkit.engine.region.kept_name` of ``moe_experts``: the policy
+    ``save_out_proj_experts``, or ``names`` with it), which hold them from the
+    forward to the backward instead (:func:`kept_residual_bytes`)."""
+    return recipe.remat != "none" and KEPT_TAG not in recipe.saved_names
 
 
 def exchanges(ctx: Any) -> tuple[int, int]:
@@ -306,7 +362,7 @@ def exchanges(ctx: Any) -> tuple[int, int]:
     forward's three again where the recipe's remat recomputes the layer. A grad
     region reads the forward region's kept buffers; a pipelined stage's plain
     autodiff does the same (:func:`spmdkit.verification.pipelined.expert_exchange`)."""
-    forwards = 2 if ctx.recipe.remat != "none" else 1
+    forwards = 2 if reruns_exchange(ctx.recipe) else 1
     return EXCHANGES + 2 * (forwards - 1), COUNT_EXCHANGES * forwards
 
 
@@ -338,7 +394,7 @@ def kept_residual_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) ->
     if n_ep <= 1:
         return 0.0
     recipe = ctx.recipe
-    kept = 1.0 if recipe.remat == "none" else (recipe.remat_every - 1) / recipe.remat_every
+    kept = 1.0 if not reruns_exchange(recipe) else (recipe.remat_every - 1) / recipe.remat_every
     itemsize = recipe.compute_itemsize(call.itemsize)
     got = n_ep * _per_peer(call, t_local, n_ep) * call.d_model * itemsize
     back = math.ceil(t_local) * call.top_k * call.d_model * itemsize

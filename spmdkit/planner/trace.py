@@ -464,6 +464,8 @@ def _moe_calls(jaxpr: Jaxpr) -> dict[int, MoeCall]:
                 x, idx, _, wg = (v.aval for v in eqn.invars[:4])
                 e, d, f = (int(n) for n in wg.shape)
                 seen = out.get(e)
+                attrs = dict(eqn.params["attrs"])
+                groups = attrs.get("expert_groups")
                 out[e] = MoeCall(
                     e,
                     int(x.shape[0]),
@@ -472,7 +474,8 @@ def _moe_calls(jaxpr: Jaxpr) -> dict[int, MoeCall]:
                     f,
                     np.dtype(x.dtype).itemsize,
                     mult + (seen.calls if seen else 0.0),
-                    dict(eqn.params["attrs"]).get("strategy"),
+                    attrs.get("strategy"),
+                    tuple(groups) if groups is not None else None,
                 )
                 continue
             stack.extend((j, mult * jaxprs.scan_length(eqn)) for j in _eqn_subs(eqn))

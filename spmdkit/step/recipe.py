@@ -13,7 +13,13 @@ uses memory and time around it, as the published large-model recipes do
   ``"save_dot_except_mlpwi"``, ``"save_dot_except_mlp"``, ``"save_qkv_proj"``,
   ``"save_out_proj"``), which keep the projections tagged with
   ``jax.ad_checkpoint.checkpoint_name`` under MaxText's names (the reference
-  models tag them); ``"names"`` (keep the tags in :attr:`Recipe.save_names`).
+  models tag them), and ``"save_out_proj_experts"``: ``save_out_proj`` plus the
+  buffers the routed experts' forward exchanged (``moe_experts``' kept
+  residuals, tagged ``moe_experts``), so the backward reruns attention, its
+  projections and the dense MLPs but neither the experts' forward nor its token
+  exchange (the nearest to Megatron-LM's ``recompute_modules=["mla_up_proj",
+  "mlp"]``, which keeps the routed experts); ``"names"`` (keep the tags in
+  :attr:`Recipe.save_names`).
 - ``remat_every``: recompute one layer in ``k`` only (the first ``L/k``
   layers of the stack run under the policy, the others keep everything):
   memory and recompute time between the policy's and ``none``'s.
@@ -76,13 +82,16 @@ _QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
 #: MaxText's recompute policies by name (its ``remat_policy``): the
 #: ``checkpoint_name`` tags each keeps, most kept first. ``minimal`` is MaxText's
 #: *minimal recomputation*: every projection kept, only attention's inner
-#: products and the elementwise work recomputed.
+#: products and the elementwise work recomputed. ``save_out_proj_experts`` (not
+#: MaxText's) adds the routed experts' exchanged buffers to ``save_out_proj``
+#: (module docstring); on a model without routed experts it keeps the same.
 NAMED_POLICIES: dict[str, tuple[str, ...]] = {
     "minimal": (*_QKV, "out_proj", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo"),
     "save_dot_except_mlpwi": (*_QKV, "out_proj", "mlpwo"),
     "save_dot_except_mlp": (*_QKV, "out_proj"),
     "save_qkv_proj": _QKV,
     "save_out_proj": ("out_proj",),
+    "save_out_proj_experts": ("out_proj", "moe_experts"),
 }
 
 #: The per-layer recomputation policies (module docstring), most kept first.

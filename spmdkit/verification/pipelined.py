@@ -47,6 +47,7 @@ from spmdkit.pipeline.facts import (
 )
 from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
 from spmdkit.pipeline.schedule import Pipeline
+from spmdkit.planner.experts import reruns_exchange
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
 from spmdkit.spec import axis_sizes
@@ -485,7 +486,7 @@ def expert_exchange(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
     ``m`` micro-batches."""
     pipe = facts.pipe
     runs = pipe.microbatches * facts.layers / pipe.stages
-    rerun = 2 if plan.recipe.remat != "none" else 1
+    rerun = 2 if reruns_exchange(plan.recipe) else 1
     out: dict[str, float] = {}
     for kind, nbytes, transposed in facts.expert_bytes:
         out[kind] = out.get(kind, 0.0) + nbytes * runs * (rerun + transposed)

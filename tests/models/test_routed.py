@@ -120,6 +120,60 @@ def test_a_recomputed_expert_parallel_step_exchanges_the_forward_again():
     assert report.ok, str(report)
 
 
+@pytest.mark.slow
+def test_a_policy_keeping_the_experts_exchanges_the_forward_once():
+    """``save_out_proj_experts`` keeps the attention's output projection and the
+    buffers the routed experts' forward exchanged (their ``moe_experts`` tag): the
+    recompute reruns attention and the router but not the forward region, so the
+    step compiles no-remat's four token buffers and one count exchange per call
+    (``save_out_proj`` compiles six and two, as ``full``), equals one device, and
+    the analytic model prices that and holds the kept buffers (``moe_kept``)."""
+    info, batch, params, ref_loss, ref_grads = _reference("qwen3_moe", "tiny")
+    cfg = zoo.get_model("qwen3_moe").config("tiny")
+    e_local = cfg.n_experts // 8
+    buf = 8 * cfg.seq_len * min(cfg.top_k, e_local) * cfg.d_model * 4  # 8 peers, 8 tokens
+    for remat, buffers, counts in (("save_out_proj_experts", 4, 1), ("save_out_proj", 6, 2)):
+        recipe = sk.Recipe(remat=remat)
+        plan = sk.plan(info, sk.make_mesh(data=8), "ep", estimator="analytic", recipe=recipe)
+        step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
+        _assert_equal(step(params, batch), ref_loss, ref_grads)
+        report = plan.verify(step, params, batch)
+        predicted, compiled = {kind: (p, c) for kind, p, c, _ in report.rows}["all_to_all"]
+        assert predicted == compiled == plan.cost.comm_bytes["all_to_all"], remat
+        assert compiled == cfg.n_layers * (buffers * buf + counts * 8 * e_local * 4), remat
+        assert (plan.cost.memory.get("moe_kept", 0) > 0) == (remat == "save_out_proj_experts")
+        assert report.ok, str(report)
+
+
+@pytest.mark.slow
+def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once():
+    """In a pipelined stage (plain autodiff of the op's per-device program) the
+    exchanged buffers carry the same tag: under ``save_out_proj_experts`` the stages
+    compile no-remat's exchanges (``save_out_proj``'s rerun the forward's), as the
+    analytic model prices them, and the step equals one device. (plan.verify's
+    propagation counts no all-to-all in a recomputed stage: not checked here.)"""
+    info, batch, params, ref_loss, ref_grads = _reference(
+        "qwen3_moe", "tiny", load_balance="sequence"
+    )
+    pipe = sk.Pipeline(stages=2, microbatches=2, schedule="1f1b", local_statistics=True)
+    compiled = {}
+    for remat in ("none", "save_out_proj_experts", "save_out_proj"):
+        plan = sk.plan(
+            info,
+            sk.make_mesh(pipe=2, data=4),
+            "ep",
+            pipeline=pipe,
+            estimator="analytic",
+            recipe=sk.Recipe(remat=remat),
+        )
+        step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
+        _assert_equal(step(params, batch), ref_loss, ref_grads)
+        rows = {kind: c for kind, _, c, _ in plan.verify(step, params, batch).rows}
+        compiled[remat] = rows["all_to_all"]
+        assert compiled[remat] == plan.cost.comm_bytes["all_to_all"], remat
+    assert compiled["save_out_proj_experts"] == compiled["none"] < compiled["save_out_proj"]
+
+
 def _assert_equal(got, ref_loss, ref_grads):
     loss, grads = got
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)

@@ -70,6 +70,51 @@ def test_the_layer_is_the_reference_experts_plus_shared_and_losses():
     np.testing.assert_allclose(float(aux), float(0.01 * lb + 1e-3 * z), rtol=1e-5)
 
 
+def _group_limited_numpy(scores, bias, groups, group_top_k, k):
+    """DeepSeek-V3's group-limited choice, token by token in numpy: each group's
+    score is the sum of its two best biased scores; top-k among the kept groups."""
+    t, e = scores.shape
+    per = e // groups
+    out = np.zeros((t, k), np.int64)
+    for i in range(t):
+        pick = scores[i] + bias
+        group_score = [np.sort(pick[g * per : (g + 1) * per])[-2:].sum() for g in range(groups)]
+        kept = np.argsort(group_score)[::-1][:group_top_k]
+        allowed = np.concatenate([np.arange(g * per, (g + 1) * per) for g in kept])
+        out[i] = allowed[np.argsort(pick[allowed])[::-1][:k]]
+    return out
+
+
+def test_group_limited_routing_picks_from_the_best_groups_as_numpy_does():
+    kw = dict(n_experts=16, top_k=4, d_ff_expert=16, score="sigmoid", rngs=nnx.Rngs(0))
+    moe = sk.nn.MoE(D, groups=4, group_top_k=2, aux_loss_free_bias=True, **kw)
+    moe.update_bias = False
+    bias = np.asarray(jax.random.normal(jax.random.key(2), (16,))) * 0.3
+    moe.expert_bias[...] = jnp.asarray(bias, jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (2, S, D))
+    y, _ = moe(x)
+    t = np.asarray(x.reshape(-1, D), np.float64)
+    scores = 1 / (1 + np.exp(-(t @ np.asarray(moe.router[...], np.float64))))
+    idx = _group_limited_numpy(scores, bias, 4, 2, 4)
+    assert max(len(set(row // 4)) for row in idx) <= 2  # at most group_top_k groups a token
+    w = np.take_along_axis(scores, idx, -1)
+    w = w / w.sum(-1, keepdims=True)
+    want = moe_experts_reference(
+        jnp.asarray(t, jnp.float32),
+        jnp.asarray(idx, jnp.int32),
+        jnp.asarray(w, jnp.float32),
+        moe.w_gate[...],
+        moe.w_up[...],
+        moe.w_down[...],
+    )
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, D), want, rtol=1e-5, atol=1e-6)
+    plain = sk.nn.MoE(D, aux_loss_free_bias=True, **kw)  # same weights (same seed)
+    plain.update_bias = False
+    plain.expert_bias[...] = jnp.asarray(bias, jnp.float32)
+    free = np.asarray(jax.lax.top_k(jax.nn.sigmoid(t @ plain.router[...]) + bias, 4)[1])
+    assert (np.sort(free, -1) != np.sort(idx, -1)).any()  # the limit changed some choices
+
+
 @pytest.mark.slow
 def test_the_aux_loss_free_bias_is_state_moved_by_the_load():
     moe = sk.nn.MoE(
@@ -130,3 +175,13 @@ def test_bad_settings_raise():
         sk.nn.MoE(D, n_experts=8, top_k=2, d_ff_expert=16, score="relu", rngs=nnx.Rngs(0))
     with pytest.raises(ShardingConflictError, match="top_k"):
         sk.nn.MoE(D, n_experts=2, top_k=3, d_ff_expert=16, rngs=nnx.Rngs(0))
+    with pytest.raises(ShardingConflictError, match="together"):
+        sk.nn.MoE(D, n_experts=8, top_k=2, d_ff_expert=16, groups=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ShardingConflictError, match="divides n_experts"):
+        sk.nn.MoE(
+            D, n_experts=8, top_k=2, d_ff_expert=16, groups=3, group_top_k=1, rngs=nnx.Rngs(0)
+        )
+    with pytest.raises(ShardingConflictError, match="at least top_k"):
+        sk.nn.MoE(
+            D, n_experts=8, top_k=4, d_ff_expert=16, groups=4, group_top_k=1, rngs=nnx.Rngs(0)
+        )

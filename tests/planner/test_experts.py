@@ -19,10 +19,10 @@ T, D_MODEL, E, K = B * S, 16, 8, 2  # the decoder's tokens, width, experts, top-
 
 
 class MoEDecoder(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, **kw):
         init = jax.nn.initializers.normal(0.5)
         self.embed = nnx.Param(init(rngs.params(), (V, D_MODEL)), out_sharding=("vocab", "embed"))
-        self.moe = sk.nn.MoE(D_MODEL, n_experts=E, top_k=K, d_ff_expert=16, rngs=rngs)
+        self.moe = sk.nn.MoE(D_MODEL, n_experts=E, top_k=K, d_ff_expert=16, rngs=rngs, **kw)
         self.head = nnx.Param(init(rngs.params(), (D_MODEL, V)), out_sharding=("embed", "vocab"))
 
     def __call__(self, tokens):
@@ -267,6 +267,85 @@ def test_a_node_deduplicated_exchange_sends_a_token_once_per_remote_node(info):
     assert kinds.count("priced_only") == 1
     assert "priced_only" not in [n.kind for n in plans["all_to_all"].notes]
     assert "DeepEP" in next(str(n) for n in plans["node_dedup"].notes if n.kind == "priced_only")
+
+
+def test_reach_chance_with_a_group_limit_is_hand_worked_and_sampled():
+    """DeepSeek-V3 on 8 nodes (256 experts in 8 groups, one a node; top-8 in 4
+    groups): a node is reached when its group is kept (1/2) and one of the 8
+    experts, uniform among the 4 groups' 128, is its: 1/2 (1 - C(96,8)/C(128,8)),
+    against 1 - C(224,8)/C(256,8) unlimited. Two groups a holder (8 experts in 4
+    groups on 2 nodes, top-2 in 2 groups) sums over how many of its groups are
+    kept; the formula matches uniform group-limited routing sampled."""
+    v3 = experts.reach_chance(256, 8, 8, (8, 4))
+    assert v3 == pytest.approx(0.5 * (1 - math.comb(96, 8) / math.comb(128, 8)))
+    assert experts.reach_chance(256, 8, 8, None) == pytest.approx(_hit(256, 32, 8))
+    assert 8 * v3 <= 4 < 8 * _hit(256, 32, 8)  # at most group_top_k nodes a token
+    two = experts.reach_chance(8, 2, 2, (4, 2))
+    assert two == pytest.approx(4 / 6 * (1 - 1 / 6) + 1 / 6)  # j = 1, 2 of its groups
+    rng = np.random.default_rng(0)
+    for e, k, holders, (g, gk) in ((8, 2, 2, (4, 2)), (16, 3, 8, (4, 2)), (24, 4, 3, (6, 3))):
+        kept = np.argsort(rng.random((20000, g)), -1)[:, :gk]  # uniform groups
+        per = e // g
+        slots = np.argsort(rng.random((20000, gk * per)), -1)[:, :k]  # uniform experts
+        chosen = kept[np.arange(20000)[:, None], slots // per] * per + slots % per
+        reached = (chosen // (e // holders) == 0).any(-1).mean()  # holder 0 (symmetric)
+        assert experts.reach_chance(e, k, holders, (g, gk)) == pytest.approx(reached, abs=0.01)
+    assert experts.reach_chance(12, 2, 4, (3, 1)) == _hit(12, 3, 2)  # not mapping: unlimited
+
+
+def test_a_group_limited_router_lowers_the_node_deduplicated_price():
+    """The decoder above routing top-2 of 8 experts in 2 of 4 groups, EP 4 over
+    nodes of 2 GPUs: the trace reads the limit off the op, and each exchange costs
+    the hand-worked max(network, fan-out) with p_node = 13/18 (two groups a node)
+    and p_device = 5/12 (one group a device), below the unlimited 11/14 and 13/28."""
+    import dataclasses
+
+    toks = np.random.default_rng(0).integers(0, V, (B, S + 1)).astype(np.int32)
+    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
+    with nnx.use_eager_sharding(False):
+        grouped = describe(
+            lambda: MoEDecoder(nnx.Rngs(0), groups=4, group_top_k=2),
+            loss=decoder_loss,
+            batch=batch,
+        )
+    assert trace_step(grouped, None).moe_calls[E].groups == (4, 2)
+    mesh = sk.abstract_mesh(data=2, expert=4)
+    plain = sk.Topology.h100(gpus_per_node=2)
+    dedup = dataclasses.replace(plain, expert_exchange="node_dedup")
+    costs = [
+        sk.plan(grouped, mesh, "ep", estimator="analytic", topology=t).cost for t in (plain, dedup)
+    ]
+    t_local, row = T // 8, D_MODEL * 4
+    old = plain.collective_time("all_to_all", t_local * K * row * 3 // 4, 4, ("expert",), mesh)
+    network = 10e-6 + t_local * 13 / 18 * row / 50e9
+    fan_out = 5e-6 + t_local * 4 * 5 / 12 / 2 * row / 450e9
+    assert costs[0].comm_time_s - costs[1].comm_time_s == pytest.approx(
+        4 * (old - max(network, fan_out))
+    )
+    assert _hit(E, E // 2, K) > 13 / 18 and _hit(E, E // 4, K) > 5 / 12
+
+
+def test_a_policy_keeping_the_experts_buffers_prices_no_rerun(info):
+    """``save_out_proj_experts`` (or ``names`` with the ``moe_experts`` tag) keeps
+    the buffers the forward exchanged: the exchanges are no-remat's (the forward's
+    three are not rerun) and the buffers are held (``moe_kept``); every other
+    policy reruns them."""
+    assert experts.KEPT_TAG == "moe_experts"
+    assert not experts.reruns_exchange(sk.Recipe(remat="save_out_proj_experts"))
+    assert not experts.reruns_exchange(sk.Recipe(remat="names", save_names=("moe_experts",)))
+    assert experts.reruns_exchange(sk.Recipe(remat="save_out_proj"))
+    assert not experts.reruns_exchange(sk.Recipe())
+    mesh = sk.abstract_mesh(data=8)
+    costs = {
+        r: sk.plan(info, mesh, "ep", estimator="analytic", recipe=sk.Recipe(remat=r)).cost
+        for r in ("none", "save_out_proj", "save_out_proj_experts")
+    }
+    a2a = {r: c.comm_bytes["all_to_all"] for r, c in costs.items()}
+    assert a2a["save_out_proj_experts"] == a2a["none"] == _rule_bytes(8, 8)
+    buf, counts = 8 * (T // 8) * min(K, E // 8) * D_MODEL * 4, 8 * (E // 8) * 4
+    assert a2a["save_out_proj"] == 6 * buf + 2 * counts == a2a["none"] + 2 * buf + counts
+    assert costs["save_out_proj_experts"].memory["moe_kept"] > 0
+    assert "moe_kept" not in costs["save_out_proj"].memory
 
 
 def test_an_ep_group_inside_one_node_exchanges_as_before(info):
