@@ -306,6 +306,15 @@ DEEPSEEK_V3 = {
     "node-deduplicated dispatch, each token over InfiniBand once per node holding its "
     "experts, and Megatron's 1F1B all-to-all overlap), which spmdkit's executor does not run "
     "(it sends every (token, expert) copy, exposed): the plan's priced_only note",
+    "miss": "predicted faster than published, once the run's group-limited routing and "
+    "kept experts are priced (with neither the row was within tolerance, which hid two "
+    "errors of opposite sign). By --breakdown the 1F1B overlap hides most of the "
+    "exchange. Candidates, not tuned: the priced-only exchange forms take no SMs from "
+    "the expert GEMMs they overlap (DeepEP's kernels run on SMs of their own); load "
+    "imbalance is priced as none, while forced balancing evens the experts' loads only "
+    "on average, not per micro-batch; and the pipelined memory price does not count the "
+    "exchanged buffers save_out_proj_experts keeps, so the row's memory is low and the "
+    "layout would not fit as priced",
 }
 
 #: Published runs the planner cannot price as published, each with why: saved
