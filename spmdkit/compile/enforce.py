@@ -361,6 +361,8 @@ class _Replay:
 
     def _node(self, node: Node, read: Callable[[int], Any]) -> list[Any]:
         vals = [read(v) for v in node.ins]
+        if node.prim == "name":  # checkpoint_name: the kept residuals it tags stay checked
+            self.carry_kept(node.ins, node.outs)
         pins = self.program.specs.get(id(node))
         if pins is not None and pins.ran:  # computed in a contraction's chain
             return vals
