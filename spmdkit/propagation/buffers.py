@@ -323,25 +323,15 @@ def heap_temps(
     last: Mapping[int, int],
     fused: set[int],
     applied: Mapping[int, int],
-    own: Collection[int] = (),
 ) -> list[Span]:
     """The temporaries XLA keeps in its temp heap: not those it places in the
     outputs' buffers (:func:`output_allocations`), with the spans the outputs
     give them; ``extras`` (bytes live while each node runs) loses the copies of
     reductions deferred to the end. ``spec``: value id → its layout;
     ``copy_reads``: node index → {value id: the resharded copy
-    (:class:`~spmdkit.propagation.memory.CopyRead`) it reads in its place};
-    ``own``: partial values the program reduces itself where they are made
-    (the enforced replay's reduce-scatters under ``shard_map``): XLA's combiner
-    does not merge those, so they are not deferred to the end (measured on
-    XLA:CPU: a tiny GPT's ZeRO-1 step runs each such reduce-scatter as soon as
-    its gradient exists)."""
+    (:class:`~spmdkit.propagation.memory.CopyRead`) it reads in its place}."""
     reduced = {
-        i: {
-            u
-            for u, c in via.items()
-            if c.spec is not None and u in spec and spec[u].partial and u not in own
-        }
+        i: {u for u, c in via.items() if c.spec is not None and u in spec and spec[u].partial}
         for i, via in copy_reads.items()
     }
     allocations, ends, deferred = output_allocations(

@@ -141,9 +141,8 @@ def propagate(
     donated = _donated_ids(donate_argnums, args, graph.invars)
     # the records, their totals and the memory estimate wait for their first read
     # (Propagation.report): running the step (sk.jit) needs only the program
-    own = _own_reductions(graph, spec, node_pins)
     report, memory_as = _deferred_report(
-        propagator, graph, prog, spec, collect, final_out, peak, mesh, donated, roles, own
+        propagator, graph, prog, spec, collect, final_out, peak, mesh, donated, roles
     )
 
     return Propagation(
@@ -172,7 +171,6 @@ def _deferred_report(
     mesh: MeshLike,
     donated: Any,
     roles: Any,
-    own: frozenset[int] = frozenset(),
 ) -> tuple[Callable[[], dict[str, Any]], Callable[..., tuple[Any, Any]]]:
     """``(report, memory_as)`` for a :class:`Propagation`: ``report()`` prices the
     records, sums them and builds the memory estimate on its first call (the same
@@ -186,7 +184,7 @@ def _deferred_report(
             records = _records(recorder, propagator, graph, spec, collect, final_out)
             totals = _totals(records, peak)
             memory = _memory_fn(
-                graph, spec, final_out, mesh, prog, collect, recorder, donated, roles, own
+                graph, spec, final_out, mesh, prog, collect, recorder, donated, roles
             )
             reported["memory"] = memory
             reported["fields"] = {
@@ -343,12 +341,10 @@ def _memory_fn(
     recorder: Recorder,
     donated: set[int],
     roles: Mapping[int, str],
-    own: frozenset[int] = frozenset(),
 ) -> Any:
     """``memory(duplicate, widen=None, cpu=False)``: the liveness estimate of the
     propagated program (see :func:`_memory`); ``cpu`` also makes the copies of
-    batch-independent values at the start (:func:`_transient`); ``own``: the
-    partial values the replay reduces where they are made (:func:`_own_reductions`)."""
+    batch-independent values at the start (:func:`_transient`)."""
 
     reads = _copy_reads(collect, recorder)
     slices = _early_slices(collect, reads, mesh)
@@ -373,7 +369,6 @@ def _memory_fn(
             widen,
             cpu,
             reads,
-            own,
         )
 
     return memory
@@ -393,10 +388,9 @@ def _memory(
     widen: Mapping | None = None,
     cpu: bool = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
-    own: frozenset[int] = frozenset(),
 ) -> Any:
-    """The liveness estimate (``duplicate``, ``widen``, ``cpu``, ``copy_reads``,
-    ``own``: see :func:`liveness`). The regions'
+    """The liveness estimate (``duplicate``, ``widen``, ``cpu``, ``copy_reads``: see
+    :func:`liveness`). The regions'
     own temporaries and what a grad region holds from the forward pass count in
     the materialized (upper) estimate only: XLA fuses most of a region's
     elementwise body and merges its recompute with the forward region's where it
@@ -419,33 +413,7 @@ def _memory(
         cpu=cpu,
         copy_reads=copy_reads,
         held=None if duplicate else _region_holds(collect, mesh),
-        own=own,
     )
-
-
-def _own_reductions(
-    graph: Graph, spec: Mapping[int, TensorSpec], node_pins: Mapping[int, Any]
-) -> frozenset[int]:
-    """The sum-partial values of ``graph`` (top level) that the enforced replay
-    reduce-scatters where they are made (:attr:`~spmdkit.propagation.pinning.NodePins.fused`:
-    a contraction's result reduced in its own ``shard_map``), with the one-operand
-    nodes (transposes, reshapes, casts) the partial passes on its way. XLA's
-    combiner merges the replay's all-reduces with the others (a llama's ZeRO-1
-    step on XLA:CPU), not its reduce-scatters."""
-    own: set[int] = set()
-    for node in graph.nodes:
-        pinned = node_pins.get(id(node))
-        made_here = pinned is not None and any(
-            c.kind == "reduce_scatter" for c in (pinned.fused.collectives if pinned.fused else ())
-        )
-        passed = (
-            len(node.ins) == 1
-            and node.ins[0] in own
-            and all((s := spec.get(o)) is not None and s.partial for o in node.outs)
-        )
-        if made_here or passed:
-            own.update(node.outs)
-    return frozenset(own)
 
 
 def _copy_reads(steps: Sequence[Step], recorder: Recorder) -> dict[int, dict[int, CopyRead]]:

@@ -62,10 +62,7 @@ one memory and counts them in the temp allocation (``cpu=True``), as measured.
 
 Workspace on XLA:CPU only (``cpu=True``): the buffers of the ops XLA:CPU has no
 kernel for and expands (a max pool's gradient, a convolution with batch groups,
-``ragged_dot``), in :mod:`spmdkit.propagation.workspaces`; and the buffers an
-op fills in place from a constant (a scan's stacked results, a scatter-add's
-zeros) live from the start of the program or loop body, where XLA:CPU's
-scheduler makes the constant fill (:func:`_zero_started`).
+``ragged_dot``), in :mod:`spmdkit.propagation.workspaces`.
 
 What it does not model: XLA fuses chains of elementwise ops (their
 intermediates are never materialized) and may schedule differently, so the
@@ -75,14 +72,13 @@ states the tolerance measured against ``memory_analysis`` on CPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from spmdkit import jaxprs
 from spmdkit.propagation.buffers import ELEMENTWISE as _ELEMENTWISE
 from spmdkit.propagation.buffers import Span, heap_temps, peak
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, dce
@@ -383,32 +379,6 @@ def _transposed_operands(node: Any) -> tuple[int, ...]:
     )
 
 
-def _value_spans(
-    graph: Graph,
-    skip: set[int],
-    last: Mapping[int, int],
-    copy_reads: Mapping[int, Mapping[int, CopyRead]],
-    started: Collection[int],
-    nbytes: Callable[[int], int],
-    temps: list[Span],
-) -> dict[int, int]:
-    """Append to ``temps`` the span of each value the nodes of ``graph`` make (not
-    those in ``skip``: excluded or fused), from its node's step (step 0 for those
-    in ``started``) to its last reader's (through the reader's resharded copy, if
-    made there); return value id → its index in ``temps``."""
-    temp_of: dict[int, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for o in node.outs:
-            if o in skip:
-                continue
-            j = last.get(o, i)
-            c = copy_reads.get(j, {}).get(o)
-            temp_of[o] = len(temps)
-            first = 0 if o in started else 3 * i + 1
-            temps.append(Span(first, 3 * j + (c is None or c.made != j), nbytes(o), i))
-    return temp_of
-
-
 def _temp_peak(
     graph: Graph,
     spec: Mapping[int, TensorSpec],
@@ -424,7 +394,6 @@ def _temp_peak(
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
     outputs: Sequence[tuple[int | None, int, int | None]] = (),
-    own: Collection[int] = (),
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
@@ -440,9 +409,7 @@ def _temp_peak(
     ``outputs``: per output of the program, its value (None: made at the end),
     bytes and the donated argument it reuses (or None): temporaries XLA places in
     their buffers are not counted
-    (:func:`~spmdkit.propagation.buffers.output_allocations`). ``own``: partial
-    values the program reduces itself where they are made
-    (:func:`~spmdkit.propagation.buffers.heap_temps`).
+    (:func:`~spmdkit.propagation.buffers.output_allocations`).
 
     A node that reshards an operand runs in two steps: its collectives (the
     operand and its new copy both live, the node's results not yet made), then
@@ -475,8 +442,15 @@ def _temp_peak(
     # gone), 3i + 2 after it (what is made as soon as the node's results exist:
     # copies of them, outputs that read them)
     temps = [Span(max(0, 3 * first - 1), 3 * end + 1, n, at) for first, end, n, at in copies.spans]
-    started = _zero_started(graph, prog) if cpu else set()
-    temp_of = _value_spans(graph, exclude | fused, last, copy_reads, started, nbytes, temps)
+    temp_of: dict[int, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for o in node.outs:
+            if o in exclude or o in fused:
+                continue
+            j = last.get(o, i)
+            c = copy_reads.get(j, {}).get(o)
+            temp_of[o] = len(temps)
+            temps.append(Span(3 * i + 1, 3 * j + (c is None or c.made != j), nbytes(o), i))
     bodies = _body_peaks(graph, spec, mesh, prog, fuse, duplicate, widen, inner, cpu, held)
     # per node, bytes live while it runs (a region's temporaries too)
     extras = [
@@ -499,44 +473,11 @@ def _temp_peak(
             last,
             fused,
             applied,
-            own,
         )
     bodies = [max(0, b - e) for b, e in zip(bodies, extras, strict=True)]
     fixed = [Span(3 * i, 3 * i + 1, e) for i, e in enumerate(extras) if e]
     fixed += [Span(3 * i + 1, 3 * i + 1, b) for i, b in enumerate(bodies) if b]
     return peak(temps + fixed)
-
-
-#: Primitives that write their updates into a copy of their first operand.
-_SCATTERS = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"})
-
-
-def _zero_started(graph: Graph, prog: FlatProgram) -> set[int]:
-    """Ids of the results of ``graph`` whose buffers start as a constant that the
-    op then writes into in place: a scan's stacked results (its while loop fills
-    an output buffer made from zeros, one slice per iteration) and the carries
-    it starts from a constant (a gradient accumulator), and a scatter's result
-    when its operand is a constant (the zeros a gradient's updates are added
-    into). XLA:CPU's scheduler makes those constant fills, which wait for
-    nothing, at the start of the program or loop body they are in, so such a
-    result's buffer is live from there rather than from its op (measured on
-    XLA:CPU, jax 0.10.2: a scanned model's step makes the backward scan's
-    stacked gradients and the embedding gradient's zero table before the
-    forward scan, and both are live at its peak). The same buffers of a grad
-    region's own loops are :class:`RegionHold`'s ``early``."""
-    const = prog.const_ids()
-    out: set[int] = set()
-    for node in graph.nodes:
-        if node.ins and not node.subs and all(v in const for v in node.ins):
-            const.update(node.outs)
-        if node.prim in _SCATTERS and node.ins and node.ins[0] in const:
-            out.update(node.outs[:1])
-        elif node.prim == "scan" and node.eqn is not None:
-            loop = jaxprs.scan(node.eqn)
-            carry = node.ins[loop.num_consts : loop.num_consts + loop.num_carry]
-            out.update(o for o, v in zip(node.outs, carry, strict=False) if v in const)
-            out.update(node.outs[loop.num_carry :])
-    return out
 
 
 def _body_peaks(
@@ -769,7 +710,6 @@ def liveness(
     cpu: bool = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
-    own: Collection[int] = (),
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagation`).
 
@@ -798,10 +738,6 @@ def liveness(
         live in ``transient``; one that a backward node recomputes a forward
         value from lives on to it), and one that only the collective of node
         ``i`` reads is freed before node ``i``'s results are made.
-      held: ``id(node)`` → what a grad region holds before it runs (:class:`RegionHold`).
-      own: partial values the program reduces itself where they are made (the
-        enforced replay's fused reductions): not deferred to the end with the
-        reductions XLA combines (:func:`~spmdkit.propagation.buffers.heap_temps`).
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -843,7 +779,6 @@ def liveness(
         copy_reads=copy_reads,
         held=held,
         outputs=allocations,
-        own=own,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias
