@@ -56,7 +56,10 @@ MESHES = ((2, 4), (4, 2))
 
 #: Cases whose plan.verify is outside ±10% bytes / ±20% memory today. The test
 #: asserts they still miss, so a fix shows up as a failure here to remove the entry.
-KNOWN_VERIFY_MISSES: frozenset = frozenset()
+#: The NNX CNN under megatron on 2x4: peak predicted 142.6-182.2 KiB, compiled 246.2
+#: (collectives all within tolerance). On jax 0.12 it missed by as much before; on
+#: 0.10.2 since propagation's rounds pay the bytes they write (0084004).
+KNOWN_VERIFY_MISSES: frozenset = frozenset({("nnx_cnn", "megatron", (2, 4))})
 
 #: Misses on jax >= 0.12 only (the full sweep; CI's sample has neither). The VGG's
 #: peak under megatron and megatron_sp on 2x4: 633.4 KiB compiled (582.1 on 0.10.2)
