@@ -46,6 +46,7 @@ from spmdkit.state import register_registry
 
 __all__ = [
     "CALL_PRIMITIVES",
+    "MARKER_PRIMITIVES",
     "REMAT_PRIMITIVES",
     "Scan",
     "WhileLoop",
@@ -74,6 +75,12 @@ __all__ = [
 
 #: Recompute (``jax.checkpoint``) primitives: their body is an open jaxpr in ``jaxpr``.
 REMAT_PRIMITIVES = frozenset({"remat", "remat2", "checkpoint"})
+
+#: Primitives that carry facts about the program for spmdkit's own readers and no
+#: values (no operands, no results; they lower to nothing): the pipeline
+#: executor's :data:`~spmdkit.pipeline.facts.FACTS` marker. Graphs and replays skip
+#: them; the reader walks the traced program for them.
+MARKER_PRIMITIVES = frozenset({"spmdkit_pipeline_facts"})
 
 #: Call-like primitive → the parameter holding its body.
 CALL_PRIMITIVES: Mapping[str, str] = {

@@ -183,7 +183,7 @@ def test_the_scan_catches_unregistered_state(tmp_path):
 
 def test_each_context_variable_says_who_sets_and_reads_it(everything_imported):
     contexts = [h for h in everything_imported if h.kind == "context"]
-    assert len(contexts) == 11
+    assert len(contexts) == 10
     for h in contexts:
         assert h.set_by and h.read_by and h.clear is None
     assert all(h.clear is not None for h in everything_imported if h.kind == "cache")

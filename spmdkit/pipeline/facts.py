@@ -1,9 +1,10 @@
 """What the planner and ``plan.verify`` read about a pipelined loss.
 
-- While it is traced: :func:`pipelines_traced` collects a :class:`PipelineFacts`
-  per pipelined gradient traced inside (a stage output's bytes, a chunk's
-  residual set's, the head's; the batch axes; the unpipelined loss and its
-  arguments' shapes).
+- From the traced program: each pipelined gradient leaves a :data:`FACTS` marker
+  (an equation without values) in the program it is traced into, and
+  :func:`traced_pipelines` reads a :class:`PipelineFacts` per marker (a stage
+  output's bytes, a chunk's residual set's, the head's; the batch axes; the
+  unpipelined loss and its arguments' shapes).
 - From the schedule: :func:`permute_count`, the collective permutes the executor
   runs, and :func:`branch_runs`, how often the branch under each action scope
   runs (``FORWARD_SCOPE``…: the ``jax.named_scope``s the ticks run under).
@@ -18,15 +19,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad, batching, mlir
 
 from spmdkit import jaxprs
 from spmdkit.context_parallel import ContextShard, context_shard
@@ -44,11 +45,11 @@ from spmdkit.pipeline.rows import mixed_rows
 from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
 from spmdkit.pipeline.tables import build_tables, forward_ticks
-from spmdkit.state import register_context
 from spmdkit.util import path_str
 
 __all__ = [
     "BACKWARD_SCOPE",
+    "FACTS",
     "FORWARD_SCOPE",
     "HEAD_SCOPE",
     "PipelineFacts",
@@ -56,7 +57,6 @@ __all__ = [
     "branch_runs",
     "chunk_residuals",
     "permute_count",
-    "pipelines_traced",
     "record_traced",
     "residual_probe",
     "rows_combined",
@@ -66,6 +66,8 @@ __all__ = [
     "split_on_tokens",
     "split_rows_combined",
     "tokens_refused",
+    "traced_pipelines",
+    "TracedPipeline",
 ]
 
 # -- collected while a pipelined gradient is traced ----------------------------------
@@ -111,36 +113,81 @@ class PipelineFacts:
     expert_bytes: tuple[tuple[str, float, bool], ...] = ()
 
 
-_TRACED: contextvars.ContextVar[list[PipelineFacts] | None] = register_context(
-    contextvars.ContextVar("spmdkit_pipelines_traced", default=None),
-    module=__name__,
-    name="_TRACED",
-    set_by="`pipelines_traced()` (`plan.verify`'s pipelined prediction)",
-    read_by="the executor's `record_traced`, which appends",
-    why="the facts of the pipelined gradients traced inside the block (a step is the "
-    "user's function and the executor runs inside it, so what the executor computes "
-    "cannot be returned through it).",
-)
+#: The marker a traced pipelined gradient leaves in its program: an equation with
+#: no operands and no results, lowered to nothing, whose ``facts`` parameter is a
+#: :class:`TracedPipeline`. :func:`traced_pipelines` reads them back from the traced
+#: program: what the executor computes reaches ``plan.verify`` through the program
+#: it returns, not through a side channel.
+FACTS = jax.extend.core.Primitive("spmdkit_pipeline_facts")
+FACTS.multiple_results = True
+FACTS.def_impl(lambda **_: [])
+FACTS.def_abstract_eval(lambda **_: [])
+mlir.register_lowering(FACTS, lambda ctx, **_: [])
+ad.primitive_jvps[FACTS] = lambda primals, tangents, **params: (FACTS.bind(**params), [])
+batching.primitive_batchers[FACTS] = lambda args, dims, **params: (FACTS.bind(**params), [])
+assert FACTS.name in jaxprs.MARKER_PRIMITIVES
 
 
-@contextlib.contextmanager
-def pipelines_traced() -> Iterator[list[PipelineFacts]]:
-    """Collect the :class:`PipelineFacts` of the pipelined gradients traced inside
-    (what ``plan.verify`` predicts a pipelined step from).
+class TracedPipeline:
+    """What one traced pipelined gradient's marker carries: its facts, sized (two
+    abstract traces of the loss) only when a reader asks (:meth:`facts`).
+
+    Compared and hashed by identity, as jaxpr parameters are.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        pipe: Pipeline,
+        carry_bytes: int,
+        layers: int,
+        batch_axes: tuple[str, ...],
+        args: tuple,
+        context_bytes: tuple[tuple[str, float], ...] = (),
+        expert_bytes: tuple[tuple[str, float, bool], ...] = (),
+    ) -> None:
+        self._known = (loss_fn, pipe, carry_bytes, layers, batch_axes, args)
+        self._exchanges = (context_bytes, expert_bytes)
+        self._facts: PipelineFacts | None = None
+
+    def __repr__(self) -> str:
+        return f"TracedPipeline({self._known[1].short()})"
+
+    def facts(self) -> PipelineFacts:
+        """The :class:`PipelineFacts`, residuals sized on the first call."""
+        if self._facts is None:
+            loss_fn, pipe, carry, layers, batch_axes, args = self._known
+            r = _residuals_of(loss_fn, pipe, args)
+            h = _residuals_of(loss_fn, pipe, args, head=True)
+            self._facts = PipelineFacts(
+                pipe,
+                carry,
+                _tree_bytes(r),
+                _tree_bytes(h),
+                batch_axes=batch_axes,
+                loss_fn=loss_fn,
+                args=args,
+                layers=layers,
+                context_bytes=self._exchanges[0],
+                expert_bytes=self._exchanges[1],
+            )
+        return self._facts
+
+
+def traced_pipelines(traced: Any) -> list[PipelineFacts]:
+    """The :class:`PipelineFacts` of every pipelined gradient in a traced program
+    (a jaxpr or closed jaxpr, nested programs included), in program order: what
+    ``plan.verify`` predicts a pipelined step from.
 
     Example::
 
-        >>> with pipelines_traced() as seen:
-        ...     jax.eval_shape(step, params, batch)
+        >>> seen = traced_pipelines(jax.make_jaxpr(step)(params, batch))
         >>> seen[0].pipe.short()
         'pp2 1f1b m4'
     """
-    seen: list[PipelineFacts] = []
-    token = _TRACED.set(seen)
-    try:
-        yield seen
-    finally:
-        _TRACED.reset(token)
+    return [
+        eqn.params["facts"].facts() for eqn, _ in jaxprs.walk_eqns(traced) if eqn.primitive is FACTS
+    ]
 
 
 def record_traced(
@@ -152,29 +199,33 @@ def record_traced(
     context_bytes: tuple[tuple[str, float], ...] = (),
     expert_bytes: tuple[tuple[str, float, bool], ...] = (),
 ) -> None:
-    """Hand a pipelined gradient being traced (``sp``: its loss split; ``args``:
-    its params, batch and the rest) to the :func:`pipelines_traced` around it, if
-    any: its :class:`PipelineFacts`, residuals sized only then."""
-    seen = _TRACED.get()
-    if seen is None:
-        return
+    """Leave a pipelined gradient's facts in the program being traced (``sp``: its
+    loss split; ``args``: its params, batch and the rest): a :data:`FACTS` marker,
+    read back by :func:`traced_pipelines`."""
     carry = [v.aval for v in sp.carry]
-    r = chunk_residuals(loss_fn, pipe, *args)
-    h = chunk_residuals(loss_fn, pipe, *args, head=True)
-    sizes = (_tree_bytes(carry), _tree_bytes(r), _tree_bytes(h))
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), args)
-    seen.append(
-        PipelineFacts(
-            pipe,
-            *sizes,
-            batch_axes=batch_axes,
-            loss_fn=loss_fn,
-            args=tuple(shapes),
-            layers=sp.layers,
-            context_bytes=context_bytes,
-            expert_bytes=expert_bytes,
-        )
+    recorded = TracedPipeline(
+        loss_fn,
+        pipe,
+        _tree_bytes(carry),
+        sp.layers,
+        batch_axes,
+        tuple(shapes),
+        context_bytes,
+        expert_bytes,
     )
+    FACTS.bind(facts=recorded)
+
+
+def _residuals_of(
+    loss_fn: Callable[..., Any], pipe: Pipeline, args: tuple, head: bool = False
+) -> Any:
+    """:func:`chunk_residuals` at argument shapes (``args``: params, batch, the rest)."""
+
+    def probe(params: Any, batch: Any, *rest: Any) -> Any:
+        return residual_probe(loss_fn, pipe, *rest, head=head)(params, batch)
+
+    return jax.eval_shape(probe, *args)
 
 
 def _tree_bytes(shapes: Any) -> int:

@@ -202,6 +202,8 @@ class FlatProgram:
     ) -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
+            if name in jaxprs.MARKER_PRIMITIVES:  # facts for verify, no values
+                continue
             bwd = backward or "transpose(" in str(eqn.source_info.name_stack)
             ins = [self._read(env, v) for v in eqn.invars]
             body = jaxprs.call_body(eqn)

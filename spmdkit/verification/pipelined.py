@@ -3,7 +3,7 @@
 Propagation (:mod:`spmdkit.propagation`) takes the pipeline's ``shard_map`` as
 given: it prices the step outside it and predicts no ``ppermute`` and none of
 the memory the schedule holds. :func:`pipelined_prediction` adds both from the
-facts the traced gradient reports (:func:`spmdkit.pipeline.facts.pipelines_traced`):
+facts the traced gradient reports (:func:`spmdkit.pipeline.facts.traced_pipelines`):
 
 - collective permutes: :func:`~spmdkit.pipeline.facts.permute_count` of them,
   each one micro-batch's stage output on one device (its batch rows split over
@@ -42,8 +42,8 @@ from spmdkit.pipeline.facts import (
     backward_probe,
     branch_runs,
     permute_count,
-    pipelines_traced,
     residual_probe,
+    traced_pipelines,
 )
 from spmdkit.pipeline.memory import StageSizes, residual_outputs, stage_buffers
 from spmdkit.pipeline.schedule import Pipeline
@@ -95,17 +95,14 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
 
     Args:
       plan: the pipelined plan.
-      body: the compiled step's function (traced once more, abstractly).
+      body: the compiled step's function (traced once more, abstractly: its
+        pipelined gradients' facts are markers in the program, :func:`traced_pipelines`).
       prop: the propagated prediction.
       *args: the step's arguments.
     """
 
-    def fresh(*a: Any) -> Any:
-        # a new function: the step was traced before, and jax caches traces by function
-        return body(*a)
-
-    with pipelines_traced() as seen:
-        traced = jax.make_jaxpr(fresh)(*args)
+    traced = jax.make_jaxpr(body)(*args)
+    seen = traced_pipelines(traced)
     if not seen:
         return prop
     mesh_sizes = axis_sizes(plan.mesh)

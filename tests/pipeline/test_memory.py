@@ -12,7 +12,7 @@ from spmdkit.introspect.model import describe
 from spmdkit.models import get_model
 from spmdkit.models.llama import LlamaConfig
 from spmdkit.pipeline import Pipeline, build_schedule
-from spmdkit.pipeline.facts import chunk_residuals, pipelines_traced
+from spmdkit.pipeline.facts import chunk_residuals, traced_pipelines
 from spmdkit.pipeline.memory import (
     StageSizes,
     buffer_slots,
@@ -73,8 +73,8 @@ def _peaks_and_sizes(stages: int) -> tuple[dict, dict, StageSizes]:
         step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan, enforce=False)
         peaks[schedule] = report(step.compile(info.abstract_params, info.batch)).peak_bytes
     args = (info.loss_fn, pipes["gpipe"], info.abstract_params, info.batch)
-    with pipelines_traced() as seen:
-        jax.eval_shape(sk.value_and_grad(info.loss_fn, plan), info.abstract_params, info.batch)
+    step = sk.value_and_grad(info.loss_fn, plan)
+    seen = traced_pipelines(jax.make_jaxpr(step)(info.abstract_params, info.batch))
     carry = seen[0].carry_bytes
     sizes = StageSizes(
         residual=_bytes(chunk_residuals(*args)),
