@@ -65,7 +65,11 @@ where the plan gathers the whole axis.
 
 Composite ops of :mod:`spmdkit.ops` traced as regions (:mod:`spmdkit.engine.region`) run
 as their rule's ``shard_map`` program with the planned layouts and strategy, so their
-collectives are the rule's own.
+collectives are the rule's own. Each program is traced once per op, layouts and
+shapes (:func:`~spmdkit.engine.region.region_jaxpr`) and bound as one equation
+holding that jaxpr: the layers whose regions run the same program bind equal
+equations, which jax lowers once for all of them (each copy keeps its own name
+scope in the compiled HLO).
 
 What is not pinned:
   - other values with a pending reduction (``partial``): XLA keeps those
@@ -99,6 +103,8 @@ from typing import Any
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+from jax.interpreters import mlir
+from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -122,6 +128,7 @@ from spmdkit.propagation.primitives import grouped_groups_split, lookup_dims
 from spmdkit.propagation.records import Propagation
 from spmdkit.resharding import ReshardPlan, run_plan, step_fn
 from spmdkit.spec import TensorSpec, axis_sizes
+from spmdkit.state import cached
 from spmdkit.vma import shard_map
 
 try:  # name stacks keep forward/backward labels in the compiled HLO's metadata
@@ -135,6 +142,79 @@ __all__ = ["replay", "enforced"]
 #: Primitives jax lowers to their operand (``checkpoint_name``'s ``name``): a
 #: constraint on the result would be a second one on the same value.
 _LOWERED_AWAY = frozenset({"name"})
+
+
+#: One equation standing for a region's traced ``shard_map`` program
+#: (:func:`~spmdkit.engine.region.region_jaxpr`), bound with that jaxpr as its
+#: parameter (:func:`_run_program`).
+_program_p = jax.extend.core.Primitive("spmdkit_region_program")
+_program_p.multiple_results = True
+
+
+def _program_abstract(*avals: Any, jaxpr: Any) -> tuple[list[Any], Any]:
+    return [v.aval for v in jaxpr.outvars], jaxpr.effects
+
+
+def _program_lowering(ctx: Any, *args: Any, jaxpr: Any) -> Sequence[Any]:
+    # the program's equations lowered in place, under the name stack of the
+    # region's node (the op names plan.verify attributes collectives by)
+    outs, tokens = mlir.jaxpr_subcomp(
+        ctx.module_context,
+        jaxpr,
+        ctx.name_stack,
+        ctx.tokens_in,
+        [],
+        *args,
+        dim_var_values=ctx.dim_var_values,
+        const_lowering=ctx.const_lowering,
+        outer_traceback=None,
+    )
+    ctx.set_tokens_out(tokens)
+    return outs
+
+
+@cached(
+    maxsize=1024,
+    why="a region program's jaxpr with its unread results dropped (one object per "
+    "program and results read, so equal regions still lower once).",
+)
+def _program_dce(jaxpr: Any, used: tuple[bool, ...]) -> tuple[Any, tuple[bool, ...]]:
+    dced, used_ins = pe.dce_jaxpr(jaxpr, list(used))
+    return dced, tuple(used_ins)
+
+
+def _program_dce_rule(used_outputs: Sequence[bool], *rest: Any) -> tuple[list[bool], Any]:
+    """Dead code dropped inside the program as jax drops it inside the
+    ``shard_map`` it holds (``jit`` runs this before lowering); the last
+    argument is the equation (jax 0.12 passes its live inputs before it)."""
+    eqn = rest[-1]
+    if not any(used_outputs) and not eqn.effects:
+        return [False] * len(eqn.invars), None
+    jaxpr, used_ins = _program_dce(eqn.params["jaxpr"], tuple(used_outputs))
+    new = eqn.replace(
+        invars=[v for v, on in zip(eqn.invars, used_ins, strict=True) if on],
+        outvars=[v for v, on in zip(eqn.outvars, used_outputs, strict=True) if on],
+        params={**eqn.params, "jaxpr": jaxpr},
+        effects=jaxpr.effects,
+    )
+    return list(used_ins), new
+
+
+_program_p.def_effectful_abstract_eval(_program_abstract)
+mlir.register_lowering(_program_p, _program_lowering)
+pe.dce_rules[_program_p] = _program_dce_rule
+
+
+def _run_program(closed: jax.extend.core.ClosedJaxpr, vals: Sequence[Any]) -> list[Any]:
+    """A region's traced program run on ``vals`` as one equation whose parameter is
+    the program's jaxpr itself: nothing of it is traced again, and every layer
+    whose region has the same program (the same jaxpr, memoized per op, layouts
+    and shapes) binds an equal equation, which jax's lowering cache lowers once
+    for all of them (bound equation by equation, each layer's copy was traced
+    and lowered anew). A program with constants is bound equation by equation."""
+    if closed.consts:
+        return list(jax.extend.core.jaxpr_as_fun(closed)(*vals))
+    return list(_program_p.bind(*vals, jaxpr=closed.jaxpr))
 
 
 def _pin(x: Any, spec: TensorSpec | None, mesh: Any) -> Any:
@@ -523,7 +603,7 @@ class _Replay:
         self.check_residuals(node, vals, pins, closed is not None)
         if closed is None:
             return _bind(node.eqn, vals)
-        return list(jax.extend.core.jaxpr_as_fun(closed)(*vals))
+        return _run_program(closed, vals)
 
     def check_residuals(self, node: Node, vals: list[Any], pins: Any, planned: bool) -> None:
         """A forward region notes the layout its kept residuals are made under; a

@@ -953,3 +953,48 @@ def test_a_grad_region_planned_on_another_layout_than_its_forward_is_refused(mon
     errors = _errors(_run(prop, mesh, args), want)
     assert errors[0] < 1e-5  # the loss: the forward
     assert min(errors[1:]) > 0.1  # every grad: read from another device's buffers
+
+
+def _two_norms(x, s1, s2):
+    """Two layers alike: each an rms_norm region (its statistics over a sharded
+    d_model: a collective per norm) and a matmul."""
+
+    def loss(s1, s2):
+        h = sk.ops.rms_norm(x, s1, strategy="sharded_stats")
+        h = sk.ops.rms_norm(h * 2.0, s2, strategy="sharded_stats")
+        return jnp.sum(h**2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(s1, s2)
+
+
+def test_layers_running_one_region_program_bind_it_once_and_keep_their_names(mesh):
+    """Regions laid out alike (two layers' norms) are bound as one equation each
+    holding the same traced program (traced and lowered once, not per layer); the
+    values are the traced function's and each layer's collectives keep its own
+    equation's name in the compiled HLO (what plan.verify attributes them by)."""
+    from spmdkit.propagation.graph import node_tags
+    from spmdkit.verification.blame import tags_in
+
+    x = jax.random.normal(jax.random.key(0), (8, 32))
+    s1, s2 = jnp.linspace(0.5, 1.5, 32), jnp.linspace(1.5, 0.5, 32)
+    specs = (P("data", "model"), P("model"), P("model"))
+    prop = propagate(_two_norms, x, s1, s2, mesh=mesh, in_specs=specs)
+    with jax.set_mesh(mesh):
+        traced = jax.jit(enforced(prop)).trace(x, s1, s2)
+    bound = [e for e in traced.jaxpr.jaxpr.eqns if e.primitive.name == "spmdkit_region_program"]
+    assert len(bound) == 4  # two forward regions, two grad regions
+    programs = {id(e.params["jaxpr"]) for e in bound}
+    assert len(programs) == 2  # one forward program and one grad program for both layers
+    for got, want in zip(_run(prop, mesh, (x, s1, s2)), _two_norms(x, s1, s2), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    tags = node_tags(prop.program.graph)
+    norms = {
+        tags[id(n)]
+        for prim in ("spmdkit_op", "spmdkit_op_grad")
+        for n in _regions(prop.program.graph, prim)
+    }
+    assert len(norms) == 4
+    with jax.set_mesh(mesh):
+        hlo = traced.lower().compile().as_text()
+    named = {t for c in parse_collectives(hlo) for t in tags_in(c.op_name)}
+    assert norms <= named, (norms, named)
