@@ -358,10 +358,15 @@ class MoeExpertsRule(Rule):
             counts = n * (wg.shape[0] // n) * 4
             buf = n * _buffer_rows(x.shape[0], idx.shape[1], wg.shape[0], sizes, lay) * x.shape[1]
             buf *= x.itemsize
+            # the rows a device routes, balanced: what a ragged all-to-all sends
+            routed = -(-x.shape[0] // _size(sizes, lay.t)) * idx.shape[1] * x.shape[1]
+            routed *= x.itemsize
             if not grad:  # the grad reads the forward's counts (residual_programs)
                 out.append(op_collective(ctx, "all_to_all", lay.ep, counts))
             # forward: the tokens out and the results back; grad: their transposes
-            out += [op_collective(ctx, "all_to_all", lay.ep, buf) for _ in range(2)]
+            out += [
+                op_collective(ctx, "all_to_all", lay.ep, buf, routed_bytes=routed) for _ in range(2)
+            ]
         return tuple(out)
 
     # -- the three inferences ----------------------------------------------

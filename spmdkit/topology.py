@@ -91,6 +91,7 @@ __all__ = [
     "EXPERT_EXCHANGES",
     "H100_PEAK_FLOPS",
     "LOCAL_KINDS",
+    "RAGGED_BACKENDS",
     "Topology",
     "host_cores",
     "mesh_platform",
@@ -99,6 +100,11 @@ __all__ = [
 
 #: Reshard steps that move no data between devices.
 LOCAL_KINDS = frozenset({"slice", "to_partial"})
+
+#: Backends whose XLA has a ragged all-to-all (``jax.lax.ragged_all_to_all``): a
+#: routed experts' exchange there sends each peer only the rows routed to it, not
+#: the padded buffer (:mod:`spmdkit.planner.experts`).
+RAGGED_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
 
 #: Reshard steps that communicate.
 COLLECTIVE_KINDS = frozenset(

@@ -221,6 +221,7 @@ def op_collective(
     *,
     reduce_op: str | None = None,
     dim: int | None = None,
+    routed_bytes: int | None = None,
 ) -> Any:
     """A collective an op's local computation performs, priced like a reshard step.
 
@@ -233,6 +234,9 @@ def op_collective(
         all-gather output, reduce-scatter input).
       reduce_op: the reduce op of an all-reduce / reduce-scatter.
       dim: the gathered / scattered dim, if any.
+      routed_bytes: an all-to-all of a buffer padded for the worst case: the bytes
+        of the rows it carries (``Collective.routed_bytes``), what a backend with
+        a ragged all-to-all sends; the payload stays the padded buffer.
 
     Example::
 
@@ -257,6 +261,7 @@ def op_collective(
         payload_bytes=int(payload_bytes),
         wire_bytes=int(wire),
         time_s=time,
+        routed_bytes=None if routed_bytes is None else int(routed_bytes),
     )
 
 

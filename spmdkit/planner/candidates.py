@@ -237,7 +237,10 @@ def propagate_costed(
     mem = prop.memory
     topology = ctx.topology
     combined = combined_latency(prop.records, topology, ctx.mesh)
-    step, comm_s = _recost_step(analytic, prop.comm_time_s - combined, topology)
+    # the expert exchanges never hide, as the analytic model prices them (its
+    # priced-only 1F1B overlap aside: the executor does not run it)
+    exposed = 0.0 if topology.expert_overlap else exchange_time(prop.records)
+    step, comm_s = _recost_step(analytic, prop.comm_time_s - combined, topology, exposed)
     # temporaries that come back as fresh pages each step (XLA:CPU): the kernel's
     # work, on the device's share of the cores like its compute
     pages_s = topology.fresh_pages_time(mem.temp_bytes)
@@ -289,6 +292,22 @@ def combined_latency(records: Sequence, topology: Topology, mesh: MeshLike) -> f
     return saved
 
 
+def exchange_time(records: Sequence) -> float:
+    """Seconds the routed experts' exchanges of propagated ``records`` take (the
+    all-to-alls that know their routed rows, ``Collective.routed_bytes``; a loop
+    body's times its trip count): the part of a step's collectives that sits on
+    the critical path, never hidden under compute
+    (the ``overlap`` constant of :mod:`spmdkit.topology`)."""
+    total = 0.0
+    for r in records:
+        total += sum(
+            c.time_s for a in r.reshards for c in a.plan.collectives if c.routed_bytes is not None
+        )
+        if r.body and r.repeat:
+            total += r.repeat * exchange_time(r.body)
+    return total
+
+
 def _step_program(
     info: ModelInfo,
     optimizer: GradientTransformation | None,
@@ -309,18 +328,22 @@ def _step_program(
     return info.memo(key, lambda: trace_with_tree(step, *args))
 
 
-def _recost_step(analytic: Cost, collectives_s: float, topology: Topology) -> tuple[float, float]:
+def _recost_step(
+    analytic: Cost, collectives_s: float, topology: Topology, exposed_s: float = 0.0
+) -> tuple[float, float]:
     """(step time, communication time) of a plan whose propagated collectives take
     ``collectives_s``: the analytic model's compute time, and of the collectives
-    the analytic model's overlappable share hides under it; host offload traffic
-    as the analytic model prices it. Never decreases as ``collectives_s`` grows
-    while the hidden share is at most 1."""
+    the analytic model's overlappable share hides under it, never the
+    ``exposed_s`` of them that sit on the critical path (the routed experts'
+    exchanges, :func:`exchange_time`); host offload traffic as the analytic model
+    prices it. Never decreases as ``collectives_s`` grows while the hidden share
+    is at most 1."""
     compute = analytic.compute_time_s
     share = _share(analytic)
     host = analytic.comm_bytes.get("host_offload", 0) / topology.host_bandwidth
     # offloaded activations move while the layers compute (the analytic model's)
     host_acts = analytic.comm_bytes.get("host_activations", 0) / topology.host_bandwidth
-    hidden = collectives_s * share + host_acts
+    hidden = min(collectives_s * share, max(collectives_s - exposed_s, 0.0)) + host_acts
     comm_s = collectives_s + host + host_acts
     return compute + topology.exposed_comm(hidden, comm_s - hidden, compute), comm_s
 

@@ -88,6 +88,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from spmdkit.topology import RAGGED_BACKENDS as _RAGGED_BACKENDS
+
 __all__ = [
     "KEPT_TAG",
     "COUNT_EXCHANGES",
@@ -127,7 +129,7 @@ COUNT_EXCHANGES = 1
 
 #: Backends whose XLA has a ragged all-to-all (``jax.lax.ragged_all_to_all``):
 #: an exchange there sends each peer only the rows routed to it (module docstring).
-RAGGED_BACKENDS = frozenset({"gpu", "cuda", "rocm", "tpu"})
+RAGGED_BACKENDS = _RAGGED_BACKENDS
 
 
 class MoeCall(NamedTuple):

@@ -11,6 +11,7 @@ sums the reshard time and the per-device FLOPs of the propagator's steps, and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,12 +24,14 @@ from spmdkit.propagation.primitives import REDUCERS
 from spmdkit.propagation.steps import Step
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
-from spmdkit.topology import Topology, mesh_platform
+from spmdkit.topology import RAGGED_BACKENDS, Topology, mesh_platform
 from spmdkit.util import CONTRACTIONS, contraction_flops
 
 __all__ = [
     "Pricer",
     "node_flops",
+    "charged_bytes",
+    "on_link",
     "reshard_once",
     "steps_bytes",
     "steps_flops",
@@ -51,6 +54,40 @@ def target_backend(mesh: MeshLike, topology: object) -> str:
     import jax
 
     return mesh_platform(mesh) or jax.default_backend()
+
+
+def on_link(c: Collective, mesh: MeshLike, topology: Topology) -> Collective:
+    """``c`` as the link carries it on ``topology``: a padded all-to-all that
+    knows the rows it routes (``c.routed_bytes``: the routed experts' exchange,
+    :mod:`spmdkit.rules.moe`) sends only those on a backend with a ragged
+    all-to-all (:data:`~spmdkit.topology.RAGGED_BACKENDS`), so its wire bytes and
+    time are theirs there (its payload stays the padded buffer the HLO shows, as
+    the analytic model's :mod:`spmdkit.planner.experts` prices it); any other
+    collective is returned as it is.
+
+    Example::
+
+        >>> from spmdkit.resharding import Collective
+        >>> c = Collective("all_to_all", ("x",), 4, payload_bytes=4096,
+        ...                wire_bytes=3072, routed_bytes=1024)
+        >>> on_link(c, sk.abstract_mesh(x=4), sk.Topology.h100()).wire_bytes
+        768
+    """
+    if c.routed_bytes is None or target_backend(mesh, topology) not in RAGGED_BACKENDS:
+        return c
+    n = c.group_size
+    wire = c.routed_bytes * (n - 1) // n
+    t = topology.collective_time(c.kind, wire, n, c.axes, mesh)
+    return dataclasses.replace(c, wire_bytes=wire, time_s=t)
+
+
+def charged_bytes(c: Collective, mesh: MeshLike, topology: Topology) -> int:
+    """The bytes a choice among layouts compares for ``c`` (bytes first): what
+    :func:`on_link` sends of a padded all-to-all on a backend with a ragged one
+    (its routed rows), else its payload."""
+    if c.routed_bytes is not None and target_backend(mesh, topology) in RAGGED_BACKENDS:
+        return c.routed_bytes
+    return c.payload_bytes
 
 
 class Pricer:

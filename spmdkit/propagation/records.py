@@ -25,7 +25,13 @@ from spmdkit.engine.region import GRAD, REGIONS
 from spmdkit.propagation.cse import ValueNumbers
 from spmdkit.propagation.memory import MemoryEstimate
 from spmdkit.propagation.pinning import Program
-from spmdkit.propagation.pricing import Pricer, node_flops, reshard_once, target_backend
+from spmdkit.propagation.pricing import (
+    Pricer,
+    node_flops,
+    on_link,
+    reshard_once,
+    target_backend,
+)
 from spmdkit.propagation.primitives import RULE_ERRORS
 from spmdkit.propagation.regions import (
     MANUAL_COLLECTIVES,
@@ -530,7 +536,7 @@ class Recorder:
             ans = region_layouts(node.prim, p, attrs, req, self.mesh, produced=produced)
         except RULE_ERRORS:
             return []
-        own = list(ans.collectives)
+        own = [on_link(c, self.mesh, self.pricer.topology) for c in ans.collectives]
         on_in = region_input_collectives(node.prim, p, attrs, req, ans.outputs, self.mesh)
         for i, kind, axes, nbytes in on_in:
             key = (p["op"], p["attrs"], self.numbers.of(node.ins[i]), req[i], kind, axes, nbytes)

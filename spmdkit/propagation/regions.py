@@ -42,7 +42,7 @@ from spmdkit.propagation.contest import contested, settled, stays
 from spmdkit.propagation.cse import ValueNumbers
 from spmdkit.propagation.graph import FlatProgram
 from spmdkit.propagation.memory import fused_values, program_temp_bytes
-from spmdkit.propagation.pricing import Pricer
+from spmdkit.propagation.pricing import Pricer, charged_bytes, on_link
 from spmdkit.propagation.primitives import RULE_ERRORS
 from spmdkit.resharding import Collective
 from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
@@ -230,12 +230,26 @@ def _layout(
         # its backward reads, and the backward's (a grad rule may already count
         # the forward's, as attention's gathers of K/V)
         ctx = RuleContext(op=op, axis_sizes=axis_sizes(mesh), attrs={})
+        routed = _routed(*f.collectives, *g.collectives)
         return tuple(
-            op_collective(ctx, kind, axes, nbytes, reduce_op=r)
+            op_collective(
+                ctx, kind, axes, nbytes, reduce_op=r, routed_bytes=routed.get((kind, axes, nbytes))
+            )
             for kind, axes, r, nbytes in facts.collectives
         )
 
     return CandidateLayout(dict(attrs), req, tuple(outs), traced)
+
+
+def _routed(*rule: Collective) -> dict[tuple, int]:
+    """(kind, axes, payload) → routed bytes of the rule's padded all-to-alls
+    (``Collective.routed_bytes``), for the same collectives traced in a grad
+    region's program."""
+    return {
+        (c.kind, c.axes, c.payload_bytes): c.routed_bytes
+        for c in rule
+        if c.routed_bytes is not None
+    }
 
 
 def _kept(op: str, dtypes: Sequence[Any]) -> tuple[TensorSpec, ...]:
@@ -353,7 +367,7 @@ def _region_answer(
     best_kept = max((kept for _, kept, _, _ in found), default=0)
     if best_kept:
         found = [f for f in found if f[1] == best_kept]
-    best = cheapest_candidate([(moves, lay, given) for moves, _, lay, given in found])
+    best = cheapest_candidate([(moves, lay, given) for moves, _, lay, given in found], pricer)
     if best is None:
         return None
     ans, given = best
@@ -362,12 +376,16 @@ def _region_answer(
 
 def cheapest_candidate(
     found: Sequence[tuple[tuple[int, float], CandidateLayout, tuple[TensorSpec, ...]]],
+    pricer: Pricer | None = None,
 ) -> tuple[RegionAnswer, tuple[TensorSpec, ...]] | None:
     """The candidate of least cost, bytes first (its operands' reshards, then
     its own collectives), the first of equal costs. Own collectives only add
     to a cost, so candidates are asked for theirs in order of their reshards'
     cost, and not at all once that alone is above the best so far: a losing
-    grad region's program is not traced."""
+    grad region's program is not traced. With ``pricer``, an own collective
+    costs what its link carries on the pricer's topology
+    (:func:`~spmdkit.propagation.pricing.on_link`: the routed experts' padded
+    all-to-all sends only its routed rows where the backend has a ragged one)."""
     best: tuple[tuple[int, float], int, RegionAnswer, tuple[TensorSpec, ...]] | None = None
     order = sorted(range(len(found)), key=lambda i: (found[i][0], i))
     for i in order:
@@ -378,10 +396,12 @@ def cheapest_candidate(
             own = lay.own()
         except RULE_ERRORS:
             continue
-        cost = (
-            nbytes + sum(c.payload_bytes for c in own),
-            t + sum(c.time_s for c in own),
-        )
+        if pricer is not None:
+            own = tuple(on_link(c, pricer.mesh, pricer.topology) for c in own)
+            sent = sum(charged_bytes(c, pricer.mesh, pricer.topology) for c in own)
+        else:
+            sent = sum(c.payload_bytes for c in own)
+        cost = (nbytes + sent, t + sum(c.time_s for c in own))
         if best is None or (cost, i) < (best[0], best[1]):
             best = (cost, i, RegionAnswer(lay.attrs, lay.required, lay.outputs, own), given)
     return None if best is None else (best[2], best[3])

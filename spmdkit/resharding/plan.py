@@ -127,6 +127,10 @@ class Collective:
       time_s: alpha-beta time from the plan's :class:`Topology`.
       layouts: a ``collective_permute``'s dims before and after it (each dim's
         mesh axes, major → minor); None for the other kinds.
+      routed_bytes: an all-to-all whose buffer is padded for the worst case (the
+        routed experts' exchange, :mod:`spmdkit.rules.moe`): the bytes of the rows
+        it carries with balanced routing, what a backend with a ragged all-to-all
+        sends (:func:`spmdkit.propagation.pricing.on_link`); None for every other collective.
 
     Example::
 
@@ -145,6 +149,7 @@ class Collective:
     wire_bytes: int = 0
     time_s: float = 0.0
     layouts: tuple[_Dims, _Dims] | None = None
+    routed_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

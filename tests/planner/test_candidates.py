@@ -171,3 +171,36 @@ def test_the_budget_move_is_the_one_a_full_scan_picks():
                     kept = (ratio, i, j)
         assert (full is None) == (kept is None)
         assert full is None or full[1:] == kept[1:]
+
+
+def test_the_expert_exchange_is_never_hidden_under_compute():
+    """The routed experts' all-to-alls sit on the critical path: of a propagated
+    step whose analytic cost would hide all its communication, the exchanges'
+    seconds (:func:`exchange_time`: the four of a forward and grad, each a
+    routed-rows all-to-all) stay exposed; the rest hides."""
+    from jax.sharding import PartitionSpec as P
+
+    from spmdkit.planner.candidates import _recost_step, exchange_time
+    from spmdkit.propagation import propagate
+    from tests.propagation.test_regions import _experts
+
+    loss, args = _experts()
+    ep = P("expert")
+    prop = propagate(
+        jax.grad(loss, argnums=(0, 3, 4, 5)),
+        *args,
+        in_specs=(ep,) * 6,
+        mesh=sk.abstract_mesh(expert=8),
+        arg_roles=("batch",) * 3 + ("params",) * 3,
+    )
+    sent = [c for c in prop.collectives() if c.routed_bytes is not None]
+    assert len(sent) == 4
+    exchange = exchange_time(prop.records)
+    assert math.isclose(exchange, sum(c.time_s for c in sent))
+    mesh = sk.abstract_mesh(data=4, model=2)
+    dp = plan(toy_init, mesh, "dp", loss=toy_loss, batch=toy_batch(), estimator="analytic")
+    hides_all = dataclasses.replace(dp.cost, hidden_comm_s=dp.cost.comm_time_s, compute_time_s=1.0)
+    comm = 3 * exchange
+    assert _recost_step(hides_all, comm, DEFAULT_TOPOLOGY)[0] == pytest.approx(1.0)
+    step = _recost_step(hides_all, comm, DEFAULT_TOPOLOGY, exchange)[0]
+    assert step == pytest.approx(1.0 + exchange)

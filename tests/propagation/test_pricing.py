@@ -1,5 +1,7 @@
 """Reshard and FLOP costs of propagated steps."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -7,8 +9,9 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.propagation import propagate
-from spmdkit.propagation.pricing import Pricer, node_flops, steps_bytes
+from spmdkit.propagation.pricing import Pricer, charged_bytes, node_flops, on_link, steps_bytes
 from spmdkit.propagation.steps import LoopBody, Step
+from spmdkit.resharding import Collective
 from spmdkit.util import H100_BF16_PEAK_FLOPS, contraction_flops
 from tests.propagation.programs import F32, S
 
@@ -83,3 +86,23 @@ def test_a_grouped_gemm_counts_each_row_times_one_groups_weights(in_specs, per_d
     modes = sorted(len(r.outputs[0].shape) for r in recs)
     assert modes == [2, 2, 3]  # the forward, the lhs cotangent, the rhs cotangent
     assert tuple(r.flops for r in recs) == per_device
+
+
+def test_a_padded_exchange_is_priced_by_its_routed_rows_where_the_link_is_ragged():
+    """The routed experts' padded all-to-all (payload 4 KiB, 1 KiB routed over 4
+    devices): a GPU's ragged all-to-all sends the routed rows, so its wire bytes,
+    time and the bytes a choice compares are theirs; XLA:CPU sends the buffer, and
+    the collective is left as it was. Other collectives never change."""
+    mesh = sk.abstract_mesh(x=4)
+    padded = Collective("all_to_all", ("x",), 4, payload_bytes=4096, wire_bytes=3072)
+    routed = dataclasses.replace(padded, routed_bytes=1024)
+    gpu = sk.Topology.h100()
+    cpu = dataclasses.replace(gpu, platform="cpu")
+    sent = on_link(routed, mesh, gpu)
+    assert (sent.payload_bytes, sent.wire_bytes) == (4096, 768)
+    assert sent.time_s == gpu.collective_time("all_to_all", 768, 4, ("x",), mesh)
+    assert charged_bytes(sent, mesh, gpu) == 1024
+    assert on_link(routed, mesh, cpu) is routed
+    assert charged_bytes(routed, mesh, cpu) == 4096
+    assert on_link(padded, mesh, gpu) is padded
+    assert charged_bytes(padded, mesh, gpu) == 4096

@@ -1,6 +1,7 @@
 """propagation.regions: a composite op's region laid out whole by its rule, its
 strategies priced (reshards plus the op's own collectives) and the cheapest chosen."""
 
+import dataclasses
 import functools
 import re
 
@@ -288,3 +289,59 @@ def test_a_region_answer_is_memoized_and_each_caller_owns_its_attrs(monkeypatch)
     assert one is not None and one == two and one.attrs is not two.attrs
     one.attrs["strategy"] = "changed"
     assert regions.region_answer(FORWARD, eqn.params, specs, pricer) == two
+
+
+def _experts(t=128, d=16, f=8, e=8, k=2):
+    """Routed experts' loss (the squared output) and its arguments' shapes: tokens,
+    model and hidden widths, experts, top-k."""
+
+    def loss(x, idx, gate, wg, wu, wd):
+        return (sk.ops.moe_experts(x, idx, gate, wg, wu, wd) ** 2).sum()
+
+    args = (
+        jax.ShapeDtypeStruct((t, d), "float32"),
+        jax.ShapeDtypeStruct((t, k), "int32"),
+        jax.ShapeDtypeStruct((t, k), "float32"),
+        jax.ShapeDtypeStruct((e, d, f), "float32"),
+        jax.ShapeDtypeStruct((e, d, f), "float32"),
+        jax.ShapeDtypeStruct((e, f, d), "float32"),
+    )
+    return loss, args
+
+
+@pytest.mark.parametrize(
+    ("platform", "grad"), [("gpu", False), ("gpu", True), ("cpu", False)], ids=str
+)
+def test_expert_parallel_is_priced_by_the_rows_its_link_carries(platform, grad):
+    """Routed experts over 8 devices (one expert each, top-2, 16 tokens a device).
+    The exchange buffer is padded for the worst case, 8 rows per token where 2
+    are routed. Where the backend sends only the routed rows (a ragged all-to-all:
+    GPU), the exchange costs less than gathering the experts' weights and the
+    op keeps expert parallelism, forward and grad, its all-to-alls' payload the
+    padded buffer (what the HLO shows) and their wire the routed rows; on
+    XLA:CPU, which sends the whole buffer, gathering the weights moves fewer
+    bytes and wins."""
+    loss, args = _experts()
+    step = jax.grad(loss, argnums=(0, 3, 4, 5)) if grad else loss
+    topology = dataclasses.replace(sk.Topology.h100(), platform=platform)
+    ep = P("expert")
+    prop = propagate(
+        step,
+        *args,
+        in_specs=(ep, ep, ep, ep, ep, ep),
+        mesh=sk.abstract_mesh(expert=8),
+        topology=topology,
+        arg_roles=("batch", "batch", "batch", "params", "params", "params"),
+    )
+    gathered = prop.comm_bytes_by_kind.get("all_gather", 0)
+    exchanges = [c for c in prop.collectives() if c.routed_bytes is not None]
+    if platform == "cpu":
+        assert gathered == 3 * 8 * 16 * 8 * 4  # the three weights, whole
+        assert not exchanges
+        return
+    assert gathered == 0
+    # forward: the tokens out and back; grad: their transposes too
+    assert len(exchanges) == (4 if grad else 2)
+    padded, routed = 8 * 16 * 1 * 16 * 4, 16 * 2 * 16 * 4
+    for c in exchanges:
+        assert (c.payload_bytes, c.routed_bytes, c.wire_bytes) == (padded, routed, routed * 7 // 8)
