@@ -261,8 +261,8 @@ GPT_OSS_120B = {
 #: MTP layer and the loss. Priced with the dense stack on the first device (before
 #: the MoE stack it pipelines: the second device's two dense layers counted on the
 #: first) and the 58 MoE layers over chunks 2-30; the zoo's model has no MTP layer.
-#: The executor runs uneven layouts, but stores the stack split evenly over the pipe
-#: axis, which 8 stages cannot do with 58 layers: the row is priced, not run.
+#: The executor runs the layout (the 58-layer stack stored split over the pipe axis
+#: on a dim 8 divides), but not the published expert exchange: the row is priced.
 DEEPSEEK_V3 = {
     "name": "Megatron-Bridge DeepSeek-V3 671B FP8",
     "source": "Megatron-Bridge performance summary (H100), 25.09; its DeepSeek-V3 "
@@ -300,8 +300,8 @@ DEEPSEEK_V3 = {
     "memory_gib": None,
     "fit": False,
     "pipelined": True,
-    "runs": "priced only: the executor runs uneven layouts but cannot store 58 layers "
-    "split evenly over 8 stages (sk.jit: PipelineError), and the "
+    "runs": "priced only: the executor runs the uneven layout (the 58-layer stack "
+    "stored split over the pipe axis on a dim 8 divides), but the "
     "expert exchange is priced as the published run does it (row's exchange: DeepEP's "
     "node-deduplicated dispatch, each token over InfiniBand once per node holding its "
     "experts, and Megatron's 1F1B all-to-all overlap), which spmdkit's executor does not run "

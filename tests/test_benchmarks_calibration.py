@@ -89,7 +89,7 @@ def test_the_breakdown_prints_each_term_beside_the_published_step(bench):
 def test_deepseek_v3_is_priced_in_its_published_layout_and_auto_fits_80_gib(bench):
     """Issue 44: DeepSeek-V3 671B on 1,024 H100s, priced in Megatron-Bridge's uneven
     layout (58 MoE layers over 29 of 32 chunks, the dense stack on the first
-    stage), priced only (sk.jit cannot store 58 layers split over 8 stages);
+    stage), priced only (its expert exchange is the published run's, not spmdkit's);
     ``auto`` (``pipeline="auto"``, float8 allowed) on the row's devices fits 80 GiB.
     (Its plan time, the acceptance's 60 s, is measured by ``calibration.py`` as ``plan_s``, not
     asserted on a shared machine.)"""

@@ -598,13 +598,14 @@ class PlannedFunction:
 
 def _check_stack_split(plan: Plan, args: tuple, in_sh: Any) -> None:
     """An uneven pipeline layout's stacked parameters split over the pipe axis only
-    where it divides their layer count: they are stored split evenly (each chunk's
-    layers are moved to its device inside the step), and jax places no array on a
-    sharding that does not divide it. The planner prices such a plan (a layout
-    over any layer count); running it needs a stage count that divides the layers.
+    where it divides them: jax places no array on a sharding that does not divide
+    it. The plan stores a stack whose layer count the pipe axis does not divide
+    split on another dim (:mod:`spmdkit.pipeline.stored`); one with no dim the
+    axis divides (a per-layer scalar) keeps the split on its layers and cannot
+    be placed.
 
     Raises:
-      PipelineError: a stacked parameter whose layer count the pipe axis does not divide.
+      PipelineError: a stacked parameter with a dim the pipe axis does not divide.
     """
     pipe = plan.pipeline
     if pipe is None or not pipe.uneven:
@@ -620,12 +621,15 @@ def _check_stack_split(plan: Plan, args: tuple, in_sh: Any) -> None:
             if pipe.axis in axes and n % int(np.prod([sizes[a] for a in axes])):
                 raise PipelineError(
                     op="sk.jit",
-                    must="under an uneven layout the axes that split a stacked parameter's "
-                    "layers divide them (the stack is stored split evenly over the pipe "
-                    "axis; each chunk's layers move to their device in the step)",
-                    given=f"{path_str(path[1:])}: {n} layers over {axes}, layout {pipe.layout}",
+                    must="under an uneven layout the axes that split a stacked parameter "
+                    "divide its dim (jax places no array on an uneven split; a stack "
+                    "whose layers the pipe axis does not divide is stored split on "
+                    "another dim, where one takes it)",
+                    given=f"{path_str(path[1:])}: shape {np.shape(x)}, {n} over {axes}, "
+                    f"layout {pipe.layout}",
                     fix=f"plan with a pipe axis that divides {n} (its size or a layout "
-                    "over fewer stages); the plan is priced as given but cannot be placed",
+                    "over fewer stages), or give the parameter a dim it divides; the "
+                    "plan is priced as given but cannot be placed",
                 )
 
 

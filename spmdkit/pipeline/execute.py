@@ -101,6 +101,7 @@ from spmdkit.pipeline.layouts import (
 )
 from spmdkit.pipeline.schedule import Pipeline, PipelineError, build_schedule
 from spmdkit.pipeline.split import SplitLoss, split_loss
+from spmdkit.pipeline.stored import stack_dim
 from spmdkit.pipeline.tables import build_tables, forward_ticks
 from spmdkit.pipeline.ticks import explicit_tick_loop, gpipe_forward_loop
 from spmdkit.vma import shard_map
@@ -203,6 +204,7 @@ def pipelined_value_and_grad(
         cp = (shard.axes, shard.shards) if shard is not None else ((), 1)
         data = (*axes, *cp[0])
         p_specs, g_specs = layouts(params) if layouts and data else (None, None)
+        stored = _stored_specs(sp, pipe, layouts(params)[0] if layouts and pipe.uneven else None)
         on = dict(run_mesh.shape)
         ep, owner = _experts_on(experts, params, p_specs, axes, on)
         local, rows, seq, exch, ep_exch = _local_split(
@@ -222,7 +224,7 @@ def pipelined_value_and_grad(
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)
             wide = gpipe_wide_params(pipe, (xs, shared), sources, p_leaves)
             loss, (ct_xs, ct_sh, ct_per), outs = _run_layer_stack(
-                local, pipe, run_mesh, lay, (xs, shared, per), wide
+                local, pipe, run_mesh, lay, (xs, shared, per), wide, stored
             )
             (ct_xs, ct_sh), direct = route_wide_gradients((ct_xs, ct_sh), (xs, shared), sources)
             (g,) = pre_vjp(((ct_xs, ct_sh), ct_per))
@@ -234,7 +236,7 @@ def pipelined_value_and_grad(
         (xs, shared), pre_vjp = jax.vjp(lambda pl: pre_all(pl)[0], p_leaves)
         wide = gpipe_wide_params(pipe, (xs, shared), sources, p_leaves)
         loss, (ct_xs, ct_sh, ct_per), outs = _run_layer_stack(
-            local, pipe, run_mesh, lay, (xs, shared, per), wide
+            local, pipe, run_mesh, lay, (xs, shared, per), wide, stored
         )
         (ct_xs, ct_sh), direct = route_wide_gradients((ct_xs, ct_sh), (xs, shared), sources)
         g = add_routed_gradients(pre_vjp((ct_xs, ct_sh))[0], direct)
@@ -457,20 +459,25 @@ def _run_layer_stack(
     lay: ManualAxes,
     vals: tuple[list, list, list],
     wide: tuple[Sequence[Any], Sequence[Any]] = ((), ()),
+    stored: Sequence[P | None] = (),
 ) -> tuple:
     """``(loss, (ct xs, ct shared, ct per), outputs)`` of the pipelined layer stack
     and head (``sp``: the loss split on a device's rows of a micro-batch;
     ``outputs``: the last stage's, ``[m, rows, ...]`` per carry value, with
     ``pipe.return_output``, else None). ``wide``: per stacked weight and per
     shared value, the wider value it is a cast of (its fp32 parameter) or None;
-    GPipe runs with those and returns their gradients at that dtype."""
+    GPipe runs with those and returns their gradients at that dtype. ``stored``:
+    per stacked weight, its parameter's spec where its stack is stored split over
+    the pipe axis on another dim than its layers (:mod:`spmdkit.pipeline.stored`),
+    else None."""
+    dims = list(stored) or [None] * len(vals[0])
     carry_specs = [
         lay.value_spec(next(k for k, u in enumerate(sp.per_mb) if u is v))
         for v in (sp.carry if pipe.return_output else ())
     ]
     xs, shared, per = vals
     sched = build_schedule(pipe)
-    xs_g = [regroup_layers(x, pipe, mesh) for x in xs]
+    xs_g = [regroup_layers(x, pipe, mesh, k) for x, k in zip(xs, dims, strict=True)]
     n = (len(xs), len(shared), len(per))
     if pipe.schedule == "gpipe":
         tables = build_tables(sched, ticks=forward_ticks(sched))
@@ -478,8 +485,8 @@ def _run_layer_stack(
         dtypes = ([jnp.result_type(x) for x in xs], [jnp.result_type(x) for x in shared])
         w_xs, w_sh = (list(w) or [None] * len(v) for w, v in zip(wide, (xs, shared), strict=True))
         xs_g = [
-            x if w is None else regroup_layers(w, pipe, mesh)
-            for x, w in zip(xs_g, w_xs, strict=True)
+            x if w is None else regroup_layers(w, pipe, mesh, k)
+            for x, w, k in zip(xs_g, w_xs, dims, strict=True)
         ]
         sh_g = [x if w is None else w for x, w in zip(shared, w_sh, strict=True)]
         fn = _pipeline_shard_map(
@@ -494,8 +501,8 @@ def _run_layer_stack(
             loss,
             (
                 [
-                    ungroup_layers(g, pipe, mesh) if differentiable(g) else zero_cotangent(x)
-                    for g, x in zip(ct_xs, xs, strict=True)
+                    ungroup_layers(g, pipe, mesh, k) if differentiable(g) else zero_cotangent(x)
+                    for g, x, k in zip(ct_xs, xs, dims, strict=True)
                 ],
                 ct_sh,
                 ct_per,
@@ -522,8 +529,8 @@ def _run_layer_stack(
     )
     it_xs, it_sh, it_mb = iter(g_xs), iter(g_sh), iter(g_mb)
     ct_xs = [
-        ungroup_layers(next(it_xs), pipe, mesh) if f else zero_cotangent(x)
-        for x, f in zip(xs, xs_floating, strict=True)
+        ungroup_layers(next(it_xs), pipe, mesh, k) if f else zero_cotangent(x)
+        for x, f, k in zip(xs, xs_floating, dims, strict=True)
     ]
     ct_sh = [next(it_sh) if differentiable(x) else zero_cotangent(x) for x in shared]
     ct_per = [next(it_mb) if differentiable(x) else zero_cotangent(x) for x in per]
@@ -553,14 +560,17 @@ def _pipeline_shard_map(
     )
 
 
-def regroup_layers(x: Any, pipe: Pipeline, mesh: Any = None) -> Any:
+def regroup_layers(x: Any, pipe: Pipeline, mesh: Any = None, stored: P | None = None) -> Any:
     """``[L, ...]`` → ``[p, v, L/(p·v), ...]``: device ``d``'s chunks ``d, d+p, ...``.
     Under an uneven :attr:`~spmdkit.pipeline.Pipeline.layout`, ``[p, v, n, ...]``
     with ``n`` the largest chunk's layers: each chunk's slice of the stack padded
     with zeros to ``n`` (the padded layers are skipped, :meth:`SplitLoss.stage`).
     With ``mesh`` (its pipe axis dividing ``L``), the layers move from the stack's
     even split over the pipe axis to their chunks' devices by ``ppermute``
-    (:func:`_moved_layers`: only the layers that change device, once each).
+    (:func:`_moved_layers`: only the layers that change device, once each);
+    with ``stored`` too (the parameter's spec, the pipe axis on another dim:
+    :mod:`spmdkit.pipeline.stored`, ``L`` need not divide), the chunks gather their
+    layers by one all-to-all (:func:`_exchanged_layers`).
 
     Example::
 
@@ -569,6 +579,8 @@ def regroup_layers(x: Any, pipe: Pipeline, mesh: Any = None) -> Any:
         [[[1.0, 0.0]], [[2.0, 3.0]]]
     """
     p, v = pipe.stages, pipe.virtual
+    if pipe.uneven and mesh is not None and stored is not None:
+        return _exchanged_layers(x, pipe, mesh, stored)
     if pipe.uneven and mesh is not None and x.shape[0] % p == 0:
         return _moved_layers(x, pipe, mesh)
     if pipe.uneven:
@@ -584,10 +596,15 @@ def regroup_layers(x: Any, pipe: Pipeline, mesh: Any = None) -> Any:
     return jnp.swapaxes(y, 0, 1)
 
 
-def ungroup_layers(g: Any, pipe: Pipeline, mesh: Any = None) -> Any:
+def ungroup_layers(g: Any, pipe: Pipeline, mesh: Any = None, stored: P | None = None) -> Any:
     """``[p, v, L/(p·v), ...]`` → ``[L, ...]``: :func:`regroup_layers` undone (an
     uneven layout's padded layers dropped; with ``mesh``, its transpose: the
-    layers' gradients permuted back to the stack's even split)."""
+    layers' gradients permuted back to the stack's even split, or with ``stored``
+    exchanged back to it)."""
+    if pipe.uneven and mesh is not None and stored is not None:
+        x = jax.ShapeDtypeStruct((sum(pipe.layout or ()), *g.shape[3:]), g.dtype)
+        (out,) = jax.linear_transpose(lambda a: _exchanged_layers(a, pipe, mesh, stored), x)(g)
+        return out
     if pipe.uneven and mesh is not None and (sum(pipe.layout or ()) % pipe.stages == 0):
         n_layers = sum(pipe.layout or ())
         x = jax.ShapeDtypeStruct((n_layers, *g.shape[3:]), g.dtype)
@@ -666,6 +683,64 @@ def _moved_layers(x: Any, pipe: Pipeline, mesh: Any) -> Any:
         axis_names=frozenset({axis}),
         check_vma=False,
     )(x, idx)
+
+
+def _exchanged_layers(x: Any, pipe: Pipeline, mesh: Any, spec: P) -> Any:
+    r""":func:`regroup_layers` of a stack stored as ``spec``, split over the pipe axis
+    on another dim than its layers (:mod:`spmdkit.pipeline.stored`: every device
+    holds a slice of every layer), as a ``shard_map`` manual over ``spec``'s axes:
+    each device gathers, per device, its slices of that device's chunks' layers
+    into their zero-padded slots, one ``all_to_all`` sends each device its own,
+    and the slices it receives are joined on that dim (the pipe axis is its
+    minor-most: the joined slices are the device's block of the axes before it,
+    which stay split). Linear in ``x``: its transpose sends the gradients' slices back."""
+    p, v, axis = pipe.stages, pipe.virtual, pipe.axis
+    assert pipe.layout is not None
+    dim = stack_dim(spec, axis)
+    assert dim is not None
+    big, n_layers = max(pipe.layout), x.shape[0]
+    # slot j·big + k of device r: layer k of chunk j·p + r, or past the end (zeros)
+    idx = np.full((p, v * big), n_layers, np.int32)
+    start = 0
+    for c, n in enumerate(pipe.layout):
+        idx[c % p, (c // p) * big : (c // p) * big + n] = np.arange(start, start + n)
+        start += n
+
+    def body(local: Any) -> Any:
+        send = jnp.take(local, jnp.asarray(idx), axis=0, mode="fill", fill_value=0)
+        got = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [p (from), slots, ...]
+        got = jnp.moveaxis(got, 0, dim)  # the senders' slices beside theirs on dim
+        shape = (*local.shape[1:dim], p * local.shape[dim], *local.shape[dim + 1 :])
+        return jnp.reshape(got, (1, v, big, *shape))
+
+    entries = list(tuple(spec))
+    kept = [
+        tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if a != axis)
+        for e in entries[1:]
+    ]
+    out = P(axis, None, None, *[None if not k else k[0] if len(k) == 1 else k for k in kept])
+    manual = {axis, *(a for k in kept for a in k)}
+    return shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(spec,),
+        out_specs=out,
+        axis_names=frozenset(manual),
+        check_vma=False,
+    )(x)
+
+
+def _stored_specs(sp: SplitLoss, pipe: Pipeline, specs: Any) -> list[P | None]:
+    """Per stacked weight of ``sp``, the plan's spec (``specs``) of the parameter
+    it is (a cast of) when that stack is stored split over the pipe axis on
+    another dim than its layers (:func:`~spmdkit.pipeline.stored.stack_dim`), else None."""
+    if specs is None:
+        return [None] * len(sp.xs)
+    leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    src, _ = param_sources(sp)
+    return [
+        None if i is None or stack_dim(leaves[i], pipe.axis) is None else leaves[i] for i in src
+    ]
 
 
 def _pre_grad_on_rows(

@@ -23,6 +23,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from spmdkit.introspect.model import ModelInfo
+from spmdkit.pipeline.stored import stored_stack_specs
 from spmdkit.planner.analytic import CostContext, ParamGroup
 from spmdkit.planner.candidates import Candidate, context_record, state_layout, step_floor
 from spmdkit.planner.context_parallel import CONTEXT_AXIS
@@ -159,6 +160,8 @@ class Problem:
                     grads[path] = dims_spec(layout.opt)
         order = [p.path for p in self.info.params]
         mesh = self.mesh if c.mesh is None else c.mesh
+        if c.pipeline is not None:
+            _store_stacks(self.info, (params, opt, grads), c.pipeline.axis, axis_sizes(mesh))
         state, state_from = state_layout(self.info, params, c.rules, mesh)
         return Plan(
             mesh=mesh,
@@ -186,3 +189,19 @@ class Problem:
                 pinned=tuple(g.key for g in self.groups if g.pinned is not None),
             ),
         )
+
+
+def _store_stacks(info: ModelInfo, specs: tuple[dict, dict, dict], axis: str, sizes: dict) -> None:
+    """Re-lay, in place, the stacked parameters whose ``layers`` dim the pipe axis
+    splits but does not divide (an uneven layout's) on a dim it does, their optimizer
+    state and gradients alike (:func:`~spmdkit.pipeline.stored.stored_stack_specs`)."""
+    params, opt, grads = specs
+    for p in info.params:
+        if p.path not in params or not p.shape:
+            continue
+        got = stored_stack_specs(
+            (params[p.path], opt[p.path], grads.get(p.path)), p.shape, axis, sizes
+        )
+        params[p.path], opt[p.path] = got[0], got[1]
+        if got[2] is not None:
+            grads[p.path] = got[2]

@@ -57,6 +57,7 @@ from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.pipeline.context_parallel import rows_loss_combined, rows_loss_error
 from spmdkit.pipeline.facts import rows_error, rows_split, split_rows_combined, tokens_refused
 from spmdkit.pipeline.layer_scan import find_layer_scan
+from spmdkit.pipeline.stored import stack_dim
 from spmdkit.planner.logical import LogicalRules, RulesLike
 from spmdkit.planner.naming import infer_names
 from spmdkit.planner.plans import Plan
@@ -360,8 +361,12 @@ def check_pipelined(info: ModelInfo, plan: Plan) -> None:
         spec = tuple(plan.params[path])
         first = spec[0] if spec else None
         axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-        # an uneven layout is priced only (the executor refuses it): no even split
+        # an uneven layout's stack the pipe axis does not divide is stored split on
+        # another dim (spmdkit.pipeline.stored); it runs where one takes the axis
+        moved = pipe.uneven and not axes and stack_dim(plan.params[path], pipe.axis) is not None
         uneven = pipe.uneven and axes == (pipe.axis,)
+        if moved:
+            continue
         if pipe.axis not in axes or (layers % math.prod(sizes[a] for a in axes) and not uneven):
             raise PipelineError(
                 op="plan(pipeline=...)",
