@@ -199,6 +199,9 @@ class StepTrace:
         (:func:`spmdkit.planner.trace.trace_step` reads both from the step).
       moe_calls: expert count → the step's ``moe_experts`` call of that many
         experts (:mod:`spmdkit.planner.experts`).
+      param_uses: path → how many weight matmuls outside the layer scans read that
+        param, for those read by two or more (a head shared by the model's output
+        and a multi-token-prediction module): each computes with it.
     """
 
     flops: float
@@ -232,6 +235,7 @@ class StepTrace:
     layer_float8: Callable[[], float] | None = field(default=None, repr=False)
     expert_top_k: dict[int, float] = field(default_factory=dict)
     moe_calls: dict[int, MoeCall] = field(default_factory=dict)
+    param_uses: dict[str, int] = field(default_factory=dict)
 
     def routed_share(self, experts: int) -> float:
         """The share of the tokens one of ``experts`` experts sees: ``top_k / experts``
@@ -344,6 +348,8 @@ class ParamGroup:
       shape, dtype, logical, pinned: as in :class:`~spmdkit.introspect.ParamInfo`.
       opt_bytes: optimizer-state bytes of one member.
       master: of :attr:`opt_bytes`, the fp32 master's (:mod:`spmdkit.planner.stored`).
+      uses: weight matmuls one member takes part in per token (a shared head's
+        two: :attr:`StepTrace.param_uses`); 1 for every other weight.
     """
 
     key: str
@@ -354,6 +360,7 @@ class ParamGroup:
     pinned: P | None
     opt_bytes: int
     master: int = 0
+    uses: int = 1
 
     @property
     def count(self) -> int:
@@ -384,7 +391,9 @@ def param_groups(info: ModelInfo, trace: StepTrace) -> list[ParamGroup]:
     out = []
     for (k, shape, dtype, logical, pinned), ps in by.items():
         ob = max(trace.opt_bytes.get(p.path, 0) for p in ps)
-        out.append(ParamGroup(k, tuple(p.path for p in ps), shape, dtype, logical, pinned, ob))
+        uses = max(trace.param_uses.get(p.path, 1) for p in ps)
+        paths = tuple(p.path for p in ps)
+        out.append(ParamGroup(k, paths, shape, dtype, logical, pinned, ob, uses=uses))
     return out
 
 
@@ -470,10 +479,11 @@ class CostContext:
 
 def param_flops(g: ParamGroup, trace: StepTrace) -> float:
     """FLOPs one member of ``g`` adds to a train step: 6 per weight per token it
-    sees (an expert weight: those routed to it, :func:`routed_share`)."""
+    sees (an expert weight: those routed to it, :func:`routed_share`) and per
+    weight matmul it takes part in (:attr:`ParamGroup.uses`)."""
     if len(g.shape) < 2:
         return 0.0
-    return 6.0 * trace.tokens * math.prod(g.shape) * routed_share(g, trace)
+    return 6.0 * trace.tokens * math.prod(g.shape) * routed_share(g, trace) * g.uses
 
 
 #: ``CostContext.memo`` key prefix of a collective's time (:func:`_coll`).
@@ -833,13 +843,18 @@ def _params_part(
     k, n = gemm_dims(g, dims, sp.tp, sizes)
     m = sp.tokens_local * routed_share(g, ctx.trace) / ctx.recipe.microbatches
     call = experts.moe_call(g, ctx.trace)
+    exchanged: list[_Coll] = []
     if call is not None:
-        tp += experts.dispatch_collectives(ctx, g, call, sp, (*batch_axes, *sp.context), _coll)
-        m = experts.rows_per_expert(ctx, g, call, sp, (*batch_axes, *sp.context))
+        token_axes = (*batch_axes, *sp.context)
+        exchanged = experts.dispatch_collectives(ctx, g, call, sp, token_axes, _coll)
+        tp += exchanged
+        m = experts.rows_per_expert(ctx, g, call, sp, token_axes)
     n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     compute_s = ctx.matmul_time(flops / splits, m, k, n, matmul_dtype(ctx, g))
     if call is not None:
-        compute_s *= experts.LOAD_IMBALANCE
+        # the busiest device's rows, and the SMs an overlapped exchange holds
+        compute_s *= experts.load_imbalance(call, *experts.region_tokens(ctx, call, sp, token_axes))
+        compute_s += experts.exchange_sm_s(ctx, exchanged)
     compute_s += quantize_s(ctx, g, flops / splits, m, k, n, n_fsdp)
     ctx.memo[pkey] = (sp, tp, flops, compute_s)
     return sp, tp, flops, compute_s
