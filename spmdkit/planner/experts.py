@@ -110,6 +110,7 @@ __all__ = [
     "FORWARD_EXCHANGES",
     "MoeCall",
     "RAGGED_BACKENDS",
+    "call_compute_s",
     "dispatch_buffer_bytes",
     "dispatch_collectives",
     "ep_axes",
@@ -299,6 +300,21 @@ def exchange_sm_s(ctx: Any, colls: Sequence[Any]) -> float:
         return 0.0
     overlapping = sum(c.time_s for c in colls if c.hidden or c.paired)
     return overlapping * topo.exchange_sms / topo.sm_count
+
+
+def call_compute_s(
+    ctx: Any,
+    call: MoeCall,
+    sp: Any,
+    token_axes: Sequence[str],
+    balanced_s: float,
+    colls: Sequence[Any],
+) -> float:
+    """Seconds of a call's grouped GEMMs priced at ``balanced_s`` for balanced
+    routing, as the busiest device runs them (:func:`load_imbalance`), plus what
+    the overlapped exchanges among ``colls`` take from them (:func:`exchange_sm_s`)."""
+    busiest = load_imbalance(call, *region_tokens(ctx, call, sp, token_axes))
+    return balanced_s * busiest + exchange_sm_s(ctx, colls)
 
 
 def _device_variance(call: MoeCall, n_ep: int) -> float:

@@ -483,7 +483,6 @@ def _moe_calls(jaxpr: Jaxpr) -> dict[int, MoeCall]:
 
 
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
-    opt = _optimizer(optimizer)
     args = info.trace_args()
     try:
         closed = jax.make_jaxpr(jax.value_and_grad(info.scalar_loss))(*args)
@@ -498,7 +497,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
     resid_bytes = sum(_nbytes(x) for x in jax.tree.leaves(resid))
     param_bytes = sum(p.nbytes for p in info.params)
     batch_bytes = sum(_nbytes(x) for x in jax.tree.leaves(info.batch))
-    abstract_opt = jax.eval_shape(opt.init, info.abstract_params)
+    abstract_opt = jax.eval_shape(_optimizer(optimizer).init, info.abstract_params)
     opt_bytes, other = _opt_bytes(info, abstract_opt)
     batch, seq, tokens = _batch_dims(info)
     dtypes = [np.dtype(p.dtype).itemsize for p in info.params if len(p.shape) >= 2]
