@@ -245,13 +245,18 @@ GPT_OSS_120B = {
     "sliding-window attention (which would lower the price) and the biases, and the "
     "published recipe recomputes the norms and the experts' activation. By --breakdown "
     "the slowest stage (its layers and the LM head) would have to compute at about half "
-    "the rate the dense rows calibrate; which of the published run's costs spmdkit's "
-    "program lacks is not known (candidates: the attention kernel for sinks at head_dim "
-    "64, the all-to-all dispatcher's host synchronisation per layer). Not unfused "
-    "attention: TE runs sinks in cuDNN's fused kernel for its sbhd layout since TE 2.8 "
-    "(cuDNN 9.13.1; the 9.18 floor is the packed thd layout's), and the unfused path "
-    "keeps each layer's probabilities, 2 GiB a micro-batch here, 72 GiB for the first "
-    "stage's 9 layers and 4 micro-batches in flight: it would not fit 80 GiB",
+    "the rate the dense rows calibrate, with the exchange (NCCL all-to-all inside the "
+    "node, not overlapped) already exposed; the per-call load imbalance of forced (random) "
+    "routing is priced and small here. Not the gap: unfused attention (TE runs sinks in "
+    "cuDNN's fused kernel for its sbhd layout since TE 2.8, cuDNN 9.13.1; the unfused "
+    "path keeps each layer's probabilities, 2 GiB a micro-batch here, and would not fit "
+    "80 GiB), the 1F1B bubble (3 of 83 ticks), the gradient sync. Candidates, unpriced: "
+    "the per-layer host synchronisation of Megatron-LM's dropless alltoall dispatcher "
+    "(the CPU waits for the token counts before each exchange, MBS 1, no CUDA graphs on "
+    "H100), and the token permutation's memory passes (permute, sort by local expert, "
+    "their inverses, forward and backward). The Qwen3-30B-A3B row, within tolerance, is "
+    "mostly exposed InfiniBand all-to-all by --breakdown, so this row is the one that "
+    "tests the MoE layers' compute price",
 }
 
 #: Megatron-Bridge's DeepSeek-V3 layout on 1,024 H100s: TP 2 (sequence parallel) x
@@ -260,7 +265,9 @@ GPT_OSS_120B = {
 #: layer 0, chunk 1 dense layers 1-2, chunks 2-30 two MoE layers each, chunk 31 the
 #: MTP layer and the loss. Priced with the dense stack on the first device (before
 #: the MoE stack it pipelines: the second device's two dense layers counted on the
-#: first) and the 58 MoE layers over chunks 2-30; the zoo's model has no MTP layer.
+#: first), the 58 MoE layers over chunks 2-30, and the MTP layer (the zoo's
+#: ``mtp_layers=1``: one more MoE block and the shared head again) after the stack,
+#: on the last device with the head and the loss, as chunk 31 holds them.
 #: The executor runs the layout (the 58-layer stack stored split over the pipe axis
 #: on a dim 8 divides), but not the published expert exchange: the row is priced.
 DEEPSEEK_V3 = {
@@ -268,7 +275,8 @@ DEEPSEEK_V3 = {
     "source": "Megatron-Bridge performance summary (H100), 25.09; its DeepSeek-V3 "
     "H100 workload config (scripts/performance/configs/deepseek)",
     "model": ("deepseek", "v3_671b"),
-    "config": {},
+    # the recipe's one multi-token-prediction depth (mtp_num_layers=1), the layout's m
+    "config": {"mtp_layers": 1},
     "devices": 1024,
     "mesh": {"pipe": 8, "data": 2, "expert": 32, "model": 2},
     "published_mesh": "TP 2 x PP 8 x VP 4 x EP 64 (DP 64, ETP 1)",
@@ -293,8 +301,10 @@ DEEPSEEK_V3 = {
     # the published run's expert exchange, priced only (spmdkit's executor runs an
     # all-to-all per (token, expert) copy on each micro-batch's critical path):
     # DeepEP (moe_token_dispatcher_type "flex", moe_enable_deepep) and the 1F1B
-    # all-to-all overlap (overlap_moe_expert_parallel_comm, delay_wgrad_compute)
-    "exchange": {"expert_exchange": "node_dedup", "expert_overlap": True},
+    # all-to-all overlap (overlap_moe_expert_parallel_comm, delay_wgrad_compute);
+    # DeepEP's kernels on 20 SMs of their own (Megatron-LM's moe_deepep_num_sms
+    # default, which the recipe keeps) while they overlap the expert GEMMs
+    "exchange": {"expert_exchange": "node_dedup", "expert_overlap": True, "exchange_sms": 20},
     "stack": "xla",
     "published": 1297,
     "memory_gib": None,
@@ -304,17 +314,10 @@ DEEPSEEK_V3 = {
     "stored split over the pipe axis on a dim 8 divides), but the "
     "expert exchange is priced as the published run does it (row's exchange: DeepEP's "
     "node-deduplicated dispatch, each token over InfiniBand once per node holding its "
-    "experts, and Megatron's 1F1B all-to-all overlap), which spmdkit's executor does not run "
-    "(it sends every (token, expert) copy, exposed): the plan's priced_only note",
-    "miss": "predicted faster than published, once the run's group-limited routing and "
-    "kept experts are priced (with neither the row was within tolerance, which hid two "
-    "errors of opposite sign). By --breakdown the 1F1B overlap hides most of the "
-    "exchange. Candidates, not tuned: the priced-only exchange forms take no SMs from "
-    "the expert GEMMs they overlap (DeepEP's kernels run on SMs of their own); load "
-    "imbalance is priced as none, while forced balancing evens the experts' loads only "
-    "on average, not per micro-batch; and the pipelined memory price does not count the "
-    "exchanged buffers save_out_proj_experts keeps, so the row's memory is low and the "
-    "layout would not fit as priced",
+    "experts, on 20 SMs of its own, and Megatron's 1F1B all-to-all overlap), which "
+    "spmdkit's executor does not run (it sends every (token, expert) copy, exposed): the "
+    "plan's priced_only note. The pipelined memory price does not count the exchanged "
+    "buffers save_out_proj_experts keeps, so the row's memory is low",
 }
 
 #: Published runs the planner cannot price as published, each with why: saved

@@ -22,7 +22,16 @@ Layers
     ``n_layers - n_dense_layers`` blocks with the experts of
     :func:`~spmdkit.models.routed.expert_layer`: two stacks (``dense_layers``,
     ``moe_layers``), each a python list or one block scanned over ``layers``.
-    DeepSeek-V3's multi-token-prediction module is left out.
+
+Multi-token prediction (``mtp_layers=1``)
+    DeepSeek-V3's MTP module (one depth, as its paper and Megatron-LM's
+    ``mtp_num_layers=1`` train it): after the stack, the main model's hidden state
+    and the embedding of the next token (the embedding output one position on:
+    the table is shared, so no second lookup), each RMS-normed, are concatenated
+    and projected back to the width (``mtp/proj [mlp, embed]``, ``2 · d_model``
+    in), run through one more MoE block, normed and multiplied by the shared
+    output head; its cross-entropy against the token two ahead, weighted by
+    ``mtp_weight``, joins the auxiliary loss. Off by default (``mtp_layers=0``).
 
 Parameters carry logical axis names only: ``embed``, ``vocab``, ``heads``,
 ``head_dim``, ``q_lora`` and ``kv_lora`` (the low-rank dims, replicated by the
@@ -82,6 +91,10 @@ class DeepSeekConfig(ExpertSettings):
       param_dtype: parameter dtype.
       attention: attention implementation, one of
         :data:`~spmdkit.models.layers.ATTENTION_IMPLEMENTATIONS`.
+      mtp_layers: multi-token-prediction depths after the stack: 0 (none) or 1
+        (DeepSeek-V3's, module docstring).
+      mtp_weight: the MTP loss's weight in the total (DeepSeek-V3's 0.1 early in
+        training, Megatron-Bridge's ``mtp_loss_scaling_factor``).
     """
 
     vocab: int = 256
@@ -102,6 +115,8 @@ class DeepSeekConfig(ExpertSettings):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     attention: str = "auto"
+    mtp_layers: int = 0
+    mtp_weight: float = 0.1
 
     def __post_init__(self) -> None:
         self.check_experts("DeepSeekConfig")
@@ -112,6 +127,7 @@ class DeepSeekConfig(ExpertSettings):
             (self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim be even (RoPE rotates pairs)"),
             (0 < self.v_head_dim <= qk, "0 < v_head_dim <= qk_nope_head_dim + qk_rope_head_dim"),
             (self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank be None or > 0"),
+            (self.mtp_layers in (0, 1), "mtp_layers be 0 or 1 (one prediction depth)"),
             (
                 self.attention in lyr.ATTENTION_IMPLEMENTATIONS,
                 f"attention be one of {lyr.ATTENTION_IMPLEMENTATIONS}",
@@ -217,6 +233,30 @@ class MoEBlock(RoutedBlock):
     attention = MLAttention
 
 
+class MultiTokenPrediction(nnx.Module):
+    """DeepSeek-V3's multi-token-prediction module, one depth (module docstring):
+    ``mtp(h, e_next) -> (x, aux)``, ``h`` the stack's output and ``e_next`` the
+    next token's embedding at each position; the caller applies ``norm`` and the
+    shared head."""
+
+    def __init__(self, cfg: DeepSeekConfig, *, rngs: nnx.Rngs):
+        self.hidden_norm = rms_norm(cfg)
+        self.embed_norm = rms_norm(cfg)
+        self.proj = lyr.param(
+            rngs,
+            lyr.fan_in_init(2 * cfg.d_model),
+            (2 * cfg.d_model, cfg.d_model),
+            ("mlp", "embed"),
+            cfg.param_dtype,
+        )
+        self.block = MoEBlock(cfg, rngs=rngs)
+        self.norm = rms_norm(cfg)
+
+    def __call__(self, h: jax.Array, e_next: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = jnp.concatenate([self.hidden_norm(h), self.embed_norm(e_next)], axis=-1)
+        return self.block(x @ self.proj[...].astype(x.dtype))
+
+
 class DeepSeek(nnx.Module):
     """DeepSeek style language model; ``model(tokens) -> (logits, aux_loss)``, the
     auxiliary loss summed over the MoE layers (each already weighted).
@@ -241,6 +281,7 @@ class DeepSeek(nnx.Module):
             make_layers(cfg, rngs, MoEBlock, n_layers=n_moe) if n_moe else None
         )
         self.norm = rms_norm(cfg)
+        self.mtp = nnx.data(MultiTokenPrediction(cfg, rngs=rngs) if cfg.mtp_layers else None)
         self.lm_head = lyr.param(
             rngs,
             lyr.fan_in_init(cfg.d_model),
@@ -253,11 +294,19 @@ class DeepSeek(nnx.Module):
         cfg = self.cfg
         x = self.embed(tokens)
         x = x.astype(cfg.dtype) if cfg.dtype is not None else x
+        embedded = x
         if self.dense_layers is not None:
             x = run_layers(cfg, self.dense_layers, x)
         aux = jnp.zeros((), jnp.float32)
         if self.moe_layers is not None:
             x, aux = run_moe_layers(cfg, self.moe_layers, x)
+        if self.mtp is not None:
+            # position i predicts token i + 2 from the stack's state and token i + 1
+            h, a = self.mtp(x, jnp.roll(embedded, -1, axis=1))
+            h = self.mtp.norm(h)
+            ahead = h @ self.lm_head[...].astype(h.dtype)
+            ce = sknn.cross_entropy(ahead[:, :-2], tokens[:, 2:])
+            aux = aux + a + cfg.mtp_weight * ce
         x = self.norm(x)
         return x @ self.lm_head[...].astype(x.dtype), aux
 

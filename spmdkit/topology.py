@@ -316,6 +316,12 @@ class Topology:
         compute hides them, as Megatron-LM's 1F1B all-to-all overlap runs them).
         Priced only: spmdkit's executor runs each micro-batch's exchanges on its
         own critical path (the ``priced_only`` note says so).
+      exchange_sms: streaming multiprocessors an overlapped token exchange's
+        kernels hold while they run (DeepEP's normal kernels run on SMs of
+        their own: Megatron-LM's ``moe_deepep_num_sms``, 20 by default); the
+        compute they overlap runs on the others, so each second of overlapped
+        exchange costs ``exchange_sms / sm_count`` seconds of compute. 0: the
+        exchange takes no SMs from the compute (a copy-engine transfer).
       platform: the XLA backend the devices run (``"gpu"``, ``"cpu"``, ...): which
         compiler passes the prediction follows on an abstract mesh
         (:meth:`target`); None: jax's default backend.
@@ -352,6 +358,7 @@ class Topology:
     combines_all_reduces: bool = False
     expert_exchange: str = "all_to_all"
     expert_overlap: bool = False
+    exchange_sms: int = 0
     platform: str | None = "gpu"
     name: str = "custom"
 
@@ -439,6 +446,15 @@ class Topology:
                 must="expert_overlap is a bool",
                 given=repr(self.expert_overlap),
                 fix="pass expert_overlap=True (priced only) or False",
+            )
+        sms = self.exchange_sms
+        if isinstance(sms, bool) or not isinstance(sms, int) or not 0 <= sms < self.sm_count:
+            raise SpmdError(
+                op="Topology",
+                must=f"exchange_sms is an int in [0, sm_count) = [0, {self.sm_count})",
+                given=repr(sms),
+                fix="pass the SMs the exchange kernels hold, e.g. exchange_sms=20 "
+                "(DeepEP's normal kernels under Megatron-LM's default), or 0",
             )
 
     def _check_device_constants(self) -> None:

@@ -345,3 +345,10 @@ def test_an_unknown_expert_exchange_is_refused_with_the_choices():
         Topology(expert_exchange="deepep")
     with pytest.raises(SpmdError, match="expert_overlap is a bool"):
         Topology(expert_overlap="yes")
+
+
+@pytest.mark.parametrize("sms", [-1, 132, 2.5, True])
+def test_exchange_sms_must_leave_the_compute_some_sms(sms):
+    with pytest.raises(SpmdError, match=r"exchange_sms is an int in \[0, sm_count\)"):
+        Topology(exchange_sms=sms)
+    assert Topology(exchange_sms=20).exchange_sms == 20

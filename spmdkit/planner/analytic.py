@@ -199,6 +199,7 @@ class StepTrace:
         (:func:`spmdkit.planner.trace.trace_step` reads both from the step).
       moe_calls: expert count → the step's ``moe_experts`` call of that many
         experts (:mod:`spmdkit.planner.experts`).
+      param_uses: path → weight matmuls reading it outside the layer scans, where 2+ do.
     """
 
     flops: float
@@ -232,6 +233,7 @@ class StepTrace:
     layer_float8: Callable[[], float] | None = field(default=None, repr=False)
     expert_top_k: dict[int, float] = field(default_factory=dict)
     moe_calls: dict[int, MoeCall] = field(default_factory=dict)
+    param_uses: dict[str, int] = field(default_factory=dict)
 
     def routed_share(self, experts: int) -> float:
         """The share of the tokens one of ``experts`` experts sees: ``top_k / experts``
@@ -344,6 +346,7 @@ class ParamGroup:
       shape, dtype, logical, pinned: as in :class:`~spmdkit.introspect.ParamInfo`.
       opt_bytes: optimizer-state bytes of one member.
       master: of :attr:`opt_bytes`, the fp32 master's (:mod:`spmdkit.planner.stored`).
+      uses: weight matmuls one member is in per token (:attr:`StepTrace.param_uses`).
     """
 
     key: str
@@ -354,6 +357,7 @@ class ParamGroup:
     pinned: P | None
     opt_bytes: int
     master: int = 0
+    uses: int = 1
 
     @property
     def count(self) -> int:
@@ -384,7 +388,8 @@ def param_groups(info: ModelInfo, trace: StepTrace) -> list[ParamGroup]:
     out = []
     for (k, shape, dtype, logical, pinned), ps in by.items():
         ob = max(trace.opt_bytes.get(p.path, 0) for p in ps)
-        out.append(ParamGroup(k, tuple(p.path for p in ps), shape, dtype, logical, pinned, ob))
+        uses, paths = max(trace.param_uses.get(p.path, 1) for p in ps), tuple(p.path for p in ps)
+        out.append(ParamGroup(k, paths, shape, dtype, logical, pinned, ob, uses=uses))
     return out
 
 
@@ -470,10 +475,10 @@ class CostContext:
 
 def param_flops(g: ParamGroup, trace: StepTrace) -> float:
     """FLOPs one member of ``g`` adds to a train step: 6 per weight per token it
-    sees (an expert weight: those routed to it, :func:`routed_share`)."""
+    sees (an expert weight: those routed to it, :func:`routed_share`), per use."""
     if len(g.shape) < 2:
         return 0.0
-    return 6.0 * trace.tokens * math.prod(g.shape) * routed_share(g, trace)
+    return 6.0 * trace.tokens * math.prod(g.shape) * routed_share(g, trace) * g.uses
 
 
 #: ``CostContext.memo`` key prefix of a collective's time (:func:`_coll`).
@@ -832,14 +837,14 @@ def _params_part(
     splits = math.prod(sizes[a] for a in {*batch_axes, *sp.tp, *sp.context, *sp.ep})
     k, n = gemm_dims(g, dims, sp.tp, sizes)
     m = sp.tokens_local * routed_share(g, ctx.trace) / ctx.recipe.microbatches
-    call = experts.moe_call(g, ctx.trace)
+    call, on, exchanged = experts.moe_call(g, ctx.trace), (*batch_axes, *sp.context), []
     if call is not None:
-        tp += experts.dispatch_collectives(ctx, g, call, sp, (*batch_axes, *sp.context), _coll)
-        m = experts.rows_per_expert(ctx, g, call, sp, (*batch_axes, *sp.context))
+        tp += (exchanged := experts.dispatch_collectives(ctx, g, call, sp, on, _coll))
+        m = experts.rows_per_expert(ctx, g, call, sp, on)
     n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     compute_s = ctx.matmul_time(flops / splits, m, k, n, matmul_dtype(ctx, g))
-    if call is not None:
-        compute_s *= experts.LOAD_IMBALANCE
+    if call is not None:  # as the busiest device runs them, beside an exchange's SMs
+        compute_s = experts.call_compute_s(ctx, call, sp, on, compute_s, exchanged)
     compute_s += quantize_s(ctx, g, flops / splits, m, k, n, n_fsdp)
     ctx.memo[pkey] = (sp, tp, flops, compute_s)
     return sp, tp, flops, compute_s

@@ -28,7 +28,7 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   That buffer is the payload; what crosses the link depends on the backend: XLA's
   padded all-to-all (CPU) sends all of it, a ragged all-to-all
   (``jax.lax.ragged_all_to_all``: GPU, TPU; :data:`RAGGED_BACKENDS`) only the rows
-  routed, ``T_local · k`` of ``D`` per exchange (times :data:`LOAD_IMBALANCE`: the
+  routed, ``T_local · k`` of ``D`` per exchange (times :func:`load_imbalance`: the
   busiest device's), which is what the link time charges there
   (:func:`ragged_exchange`).
   Charged to the down projection (the group whose last GEMM dim is ``embed``), once
@@ -73,10 +73,24 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   forward to its backward, for every layer the recipe does not recompute: the rows
   received (one buffer), their counts and the results back (``T_local · k · D``)
   (:func:`kept_residual_bytes`).
-- **load imbalance**: :data:`LOAD_IMBALANCE` multiplies the grouped GEMMs' time:
-  the busiest device's assignments over the mean. 1.0 by default: balanced routing
-  (the published rows force it, e.g. DeepSeek-V3's aux-loss-free bias keeps the
-  loads level); the padded buffers are sized for the worst case whatever it is.
+- **load imbalance** (:func:`load_imbalance`): the grouped GEMMs' time, and the
+  rows a ragged or node-deduplicated exchange sends, are the busiest device's, and
+  even routing that is balanced on average is not balanced per call. The price
+  takes the routing as uniform (each token's ``k`` distinct experts uniform among
+  the ``E``; with a group limit that maps onto the devices, its ``g`` groups uniform
+  among the ``G`` and the experts uniform within them), which is what a forced
+  balance runs: Megatron-LM's ``moe_router_force_load_balancing``, which the
+  published MoE benchmarks set, replaces the router's logits with standard-normal
+  noise. A device's rows per call are then a sum of ``n_ep · T_local`` independent
+  per-token counts, mean ``T_local · k``; the busiest of the ``n_ep`` devices is
+  priced at the mean plus the expected maximum of ``n_ep`` standard normals (Blom's
+  approximation, ``Φ⁻¹((n − 0.375) / (n + 0.25))``) standard deviations. A learned
+  router is less even than uniform: this is the least imbalance a dropless call
+  pays. The padded buffers are sized for the worst case whatever it is.
+- **SMs the exchange holds**: an overlapped exchange (``expert_overlap``) whose
+  kernels run on SMs of their own (the topology's ``exchange_sms``: DeepEP's
+  normal kernels) leaves the compute it overlaps the other SMs, so its time costs
+  ``exchange_sms / sm_count`` of itself in compute (:func:`exchange_sm_s`).
 
 A group of a step without ``moe_experts`` calls (experts as one-hot einsums or plain
 ``ragged_dot``) keeps the analytic model's own pricing.
@@ -86,6 +100,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from statistics import NormalDist
 from typing import Any, NamedTuple
 
 from spmdkit.topology import RAGGED_BACKENDS as _RAGGED_BACKENDS
@@ -95,14 +110,16 @@ __all__ = [
     "COUNT_EXCHANGES",
     "EXCHANGES",
     "FORWARD_EXCHANGES",
-    "LOAD_IMBALANCE",
     "MoeCall",
     "RAGGED_BACKENDS",
+    "call_compute_s",
     "dispatch_buffer_bytes",
     "dispatch_collectives",
     "ep_axes",
+    "exchange_sm_s",
     "exchanges",
     "kept_residual_bytes",
+    "load_imbalance",
     "moe_call",
     "node_dedup_time",
     "overlapped",
@@ -112,10 +129,6 @@ __all__ = [
     "reruns_exchange",
     "rows_per_expert",
 ]
-
-#: The busiest device's routed assignments over the mean (module docstring): the
-#: grouped GEMMs' time scales by it. 1.0: balanced routing.
-LOAD_IMBALANCE = 1.0
 
 #: Token buffers one call's train step exchanges without recompute: the forward's
 #: dispatch and combine, and their transposes in the backward.
@@ -249,7 +262,8 @@ def dispatch_collectives(
     if dedup is not None:  # priced only (module docstring): the buffer stays the payload
         tokens = tokens._replace(time_s=dedup * buffers * times)
     elif ragged_exchange(ctx):  # the link carries the routed rows; the buffer is the payload
-        routed = t_local * call.top_k * call.d_model * itemsize * LOAD_IMBALANCE
+        routed = t_local * call.top_k * call.d_model * itemsize
+        routed *= load_imbalance(call, n_ep, t_local)
         sent = coll(ctx, "all_to_all", routed, sp.ep, times=buffers * times)
         tokens = tokens._replace(time_s=sent.time_s)
     counted = coll(ctx, "all_to_all", counts, sp.ep, times=count_exchanges * times)
@@ -272,6 +286,77 @@ def overlapped(ctx: Any) -> bool:
     (module docstring): the topology's ``expert_overlap`` (priced only), in a step
     of two or more micro-batches (a pipeline's, or gradient accumulation's)."""
     return bool(ctx.topology.expert_overlap) and ctx.recipe.microbatches >= 2
+
+
+def exchange_sm_s(ctx: Any, colls: Sequence[Any]) -> float:
+    """Seconds of compute the overlapped token exchanges among ``colls`` (those
+    :func:`dispatch_collectives` marks hidden or paired) take from the GEMMs they
+    overlap (module docstring): their time × the topology's ``exchange_sms`` over
+    its ``sm_count``; 0 when they are not overlapped (:func:`overlapped`) or hold no
+    SMs.
+
+    Example: 2 s of overlapped exchange on kernels holding 20 of 132 SMs cost
+    20 / 132 × 2 ≈ 0.30 s of compute."""
+    topo = ctx.topology
+    if not topo.exchange_sms or not overlapped(ctx):
+        return 0.0
+    overlapping = sum(c.time_s for c in colls if c.hidden or c.paired)
+    return overlapping * topo.exchange_sms / topo.sm_count
+
+
+def call_compute_s(
+    ctx: Any,
+    call: MoeCall,
+    sp: Any,
+    token_axes: Sequence[str],
+    balanced_s: float,
+    colls: Sequence[Any],
+) -> float:
+    """Seconds of a call's grouped GEMMs priced at ``balanced_s`` for balanced
+    routing, as the busiest device runs them (:func:`load_imbalance`), plus what
+    the overlapped exchanges among ``colls`` take from them (:func:`exchange_sm_s`)."""
+    busiest = load_imbalance(call, *region_tokens(ctx, call, sp, token_axes))
+    return balanced_s * busiest + exchange_sm_s(ctx, colls)
+
+
+def _device_variance(call: MoeCall, n_ep: int) -> float:
+    """Variance of how many of one token's ``k`` experts one of ``n_ep`` devices
+    holds, routed uniformly (module docstring): hypergeometric, ``k`` draws from
+    ``E`` of which the device holds ``E / n_ep``; with a group limit ``(G, g)``
+    whose groups each hold whole devices' experts, a mixture: the device's group
+    kept with chance ``g / G``, then ``k`` draws from the kept ``g · E / G``."""
+    e, k = call.experts, call.top_k
+    here = e // n_ep
+
+    def hyper(pool: int) -> tuple[float, float]:
+        share = here / pool
+        var = k * share * (1 - share) * (pool - k) / (pool - 1) if pool > 1 else 0.0
+        return k * share, var
+
+    groups = call.groups
+    if groups is not None and groups[0] <= n_ep and (e // groups[0]) % here == 0:
+        n_groups, kept = groups
+        chance = kept / n_groups
+        mean, var = hyper(kept * e // n_groups)
+        return chance * (var + mean * mean) - (chance * mean) ** 2
+    return hyper(e)[1]
+
+
+def load_imbalance(call: MoeCall, n_ep: int, t_local: float) -> float:
+    """The busiest of ``n_ep`` devices' routed rows over the mean, per call, for
+    ``t_local`` tokens a device under uniform routing (module docstring): 1 plus
+    the expected maximum of ``n_ep`` standard normals (Blom) times the coefficient
+    of variation of a device's rows, ``√(n_ep · T_local · var) / (T_local · k)``.
+    1.0 without expert parallelism.
+
+    Example: GPT-OSS 120B's calls under EP 8 (128 experts top-4, 4,096 tokens a
+    device): a device's 16,384 rows vary by about 118, the busiest of 8 by about
+    1.4 of that: about 1.01."""
+    if n_ep <= 1 or t_local <= 0 or call.experts < n_ep:
+        return 1.0
+    var = _device_variance(call, n_ep)
+    z = NormalDist().inv_cdf((n_ep - 0.375) / (n_ep + 0.25))
+    return 1.0 + z * math.sqrt(n_ep * t_local * var) / (t_local * call.top_k)
 
 
 def _hit(experts: int, here: int, k: int) -> float:
@@ -333,7 +418,7 @@ def node_dedup_time(
     nodes = n_ep // max(share, 1)
     if nodes <= 1 or n_ep % share:
         return None
-    row = call.d_model * itemsize * LOAD_IMBALANCE
+    row = call.d_model * itemsize * load_imbalance(call, n_ep, t_local)
     net_bw, net_lat = topo.link(tuple(sp.ep), ctx.mesh)
     nodes_hit = (nodes - 1) * reach_chance(call.experts, call.top_k, nodes, call.groups)
     devices_hit = n_ep * reach_chance(call.experts, call.top_k, n_ep, call.groups)

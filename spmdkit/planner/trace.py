@@ -483,7 +483,6 @@ def _moe_calls(jaxpr: Jaxpr) -> dict[int, MoeCall]:
 
 
 def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> StepTrace:
-    opt = _optimizer(optimizer)
     args = info.trace_args()
     try:
         closed = jax.make_jaxpr(jax.value_and_grad(info.scalar_loss))(*args)
@@ -498,7 +497,7 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
     resid_bytes = sum(_nbytes(x) for x in jax.tree.leaves(resid))
     param_bytes = sum(p.nbytes for p in info.params)
     batch_bytes = sum(_nbytes(x) for x in jax.tree.leaves(info.batch))
-    abstract_opt = jax.eval_shape(opt.init, info.abstract_params)
+    abstract_opt = jax.eval_shape(_optimizer(optimizer).init, info.abstract_params)
     opt_bytes, other = _opt_bytes(info, abstract_opt)
     batch, seq, tokens = _batch_dims(info)
     dtypes = [np.dtype(p.dtype).itemsize for p in info.params if len(p.shape) >= 2]
@@ -561,7 +560,40 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
         lm_head_params=_lm_head_params(forward.jaxpr, args[0]),
         expert_top_k=_expert_top_k(forward.jaxpr, tokens),
         moe_calls=_moe_calls(forward.jaxpr),
+        param_uses=_param_uses(forward.jaxpr, args[0]),
     )
+
+
+#: Primitives that move a weight without computing on it (followed to its matmuls).
+_MOVES = frozenset({"convert_element_type", "transpose", "reshape", "copy", "copy_p"})
+
+
+def _param_uses(jaxpr: Jaxpr, params: PyTree) -> dict[str, int]:
+    """Paths of the params two or more weight matmuls read outside the layer
+    scans (through casts, transposes and reshapes, and into calls), with how many
+    (:attr:`~spmdkit.planner.analytic.StepTrace.param_uses`); the params lead the
+    jaxpr's invars. A scan's body is not entered: a stacked weight is one use a layer."""
+    paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    counts: dict[int, int] = {}
+
+    def walk(jx: Jaxpr, origin: dict) -> None:
+        for eqn in jx.eqns:
+            ins = [origin.get(v) if _is_var(v) else None for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in CONTRACTIONS:
+                for o in {o for o in ins if o is not None}:
+                    counts[o] = counts.get(o, 0) + 1
+            elif name in _MOVES and ins and ins[0] is not None:
+                origin[eqn.outvars[0]] = ins[0]
+            elif (body := jaxprs.call_body(eqn)) is not None:
+                inner = jaxprs.open_jaxpr(body)[0]
+                walk(
+                    inner, {b: o for b, o in zip(inner.invars, ins, strict=False) if o is not None}
+                )
+
+    jaxpr = jaxprs.open_jaxpr(jaxpr)[0]
+    walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars) if i < len(paths)})
+    return {paths[i]: n for i, n in counts.items() if n >= 2}
 
 
 def _lm_head_params(jaxpr: Jaxpr, params: PyTree) -> frozenset[str]:

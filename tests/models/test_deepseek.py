@@ -86,3 +86,37 @@ def test_config_validates_itself():
         deepseek.DeepSeekConfig(v_head_dim=64)
     with pytest.raises(ModelConfigError, match="top_k"):
         deepseek.DeepSeekConfig(n_experts=4, top_k=5)
+
+
+def test_config_refuses_more_than_one_prediction_depth():
+    with pytest.raises(ModelConfigError, match="mtp_layers"):
+        deepseek.DeepSeekConfig(mtp_layers=2)
+
+
+def test_the_mtp_module_adds_its_weighted_loss_two_tokens_ahead():
+    """``mtp_layers=1``: one more MoE block after the stack, reading the stack's
+    state and the next token's embedding through a ``[2·d_model, d_model]``
+    projection, and the shared head; its cross-entropy against the token two
+    ahead joins the auxiliary loss at ``mtp_weight``. The main logits are the
+    same function of the same weights as without the module."""
+    import dataclasses
+
+    cfg = dataclasses.replace(deepseek.CONFIGS["tiny_v3"](), mtp_layers=1, attention="xla")
+    with nnx.use_eager_sharding(False):
+        model = deepseek.DeepSeek(cfg, rngs=nnx.Rngs(0))
+    assert model.mtp.proj.shape == (2 * cfg.d_model, cfg.d_model)
+    assert zoo.param_axes(model)[("mtp", "proj")] == ("mlp", "embed")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (2, 16)), jnp.int32)
+
+    def aux_at(weight):
+        m = deepseek.DeepSeek(dataclasses.replace(cfg, mtp_weight=weight), rngs=nnx.Rngs(0))
+        return m(tokens)
+
+    with nnx.use_eager_sharding(False):
+        (logits, aux), (_, no_mtp_loss) = aux_at(1.0), aux_at(0.0)
+        plain = deepseek.DeepSeek(dataclasses.replace(cfg, mtp_layers=0), rngs=nnx.Rngs(0))
+    ce = float(aux - no_mtp_loss)
+    assert 0.5 * np.log(cfg.vocab) < ce < 2 * np.log(cfg.vocab)  # a fresh model's CE
+    # the main path: the plain model with the same weights (its state copied over)
+    nnx.update(plain, nnx.state(model, nnx.Not(nnx.PathContains("mtp"))))
+    np.testing.assert_allclose(plain(tokens)[0], logits, rtol=1e-5, atol=1e-5)

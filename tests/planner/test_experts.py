@@ -57,7 +57,6 @@ def _rule_bytes(n_ep: int, t_axes: int) -> int:
 def test_the_trace_reads_the_call(info):
     call = trace_step(info, None).moe_calls[E]
     assert (call.tokens, call.top_k, call.d_model, call.d_ff, call.calls) == (T, K, D_MODEL, 16, 1)
-    assert experts.LOAD_IMBALANCE == 1.0
 
 
 @pytest.mark.parametrize(
@@ -121,9 +120,11 @@ def test_a_ragged_backend_sends_the_routed_rows_over_the_link(info):
     assert plans["gpu"].cost.comm_bytes == plans["cpu"].cost.comm_bytes
     t_local, n_ep = T // 8, 4
     buf = n_ep * t_local * min(K, E // n_ep) * D_MODEL * 4
-    routed = t_local * K * D_MODEL * 4
+    # the busiest device's routed rows (uniform routing)
+    busiest = experts.load_imbalance(trace_step(info, None).moe_calls[E], n_ep, t_local)
+    routed = t_local * K * D_MODEL * 4 * busiest
     per = {
-        b: gpu.collective_time("all_to_all", b * 3 // 4, 4, ("expert",), mesh)
+        b: gpu.collective_time("all_to_all", int(b * 3 / 4), 4, ("expert",), mesh)
         for b in (buf, routed)
     }
     saved = plans["cpu"].cost.comm_time_s - plans["gpu"].cost.comm_time_s
@@ -254,9 +255,10 @@ def test_a_node_deduplicated_exchange_sends_a_token_once_per_remote_node(info):
         for t in (plain, dedup)
     }
     assert plans["node_dedup"].cost.comm_bytes == plans["all_to_all"].cost.comm_bytes
-    t_local, row = T // 8, D_MODEL * 4
+    t_local = T // 8
+    row = D_MODEL * 4 * experts.load_imbalance(trace_step(info, None).moe_calls[E], 4, t_local)
     routed = t_local * K * row
-    old = plain.collective_time("all_to_all", routed * 3 // 4, 4, ("expert",), mesh)
+    old = plain.collective_time("all_to_all", int(routed * 3 / 4), 4, ("expert",), mesh)
     network = 10e-6 + t_local * _hit(E, E // 2, K) * row / 50e9
     fan_out = 5e-6 + t_local * 4 * _hit(E, E // 4, K) / 2 * row / 450e9
     new = max(network, fan_out)
@@ -315,8 +317,10 @@ def test_a_group_limited_router_lowers_the_node_deduplicated_price():
     costs = [
         sk.plan(grouped, mesh, "ep", estimator="analytic", topology=t).cost for t in (plain, dedup)
     ]
-    t_local, row = T // 8, D_MODEL * 4
-    old = plain.collective_time("all_to_all", t_local * K * row * 3 // 4, 4, ("expert",), mesh)
+    t_local = T // 8
+    call = trace_step(grouped, None).moe_calls[E]
+    row = D_MODEL * 4 * experts.load_imbalance(call, 4, t_local)
+    old = plain.collective_time("all_to_all", int(t_local * K * row * 3 / 4), 4, ("expert",), mesh)
     network = 10e-6 + t_local * 13 / 18 * row / 50e9
     fan_out = 5e-6 + t_local * 4 * 5 / 12 / 2 * row / 450e9
     assert costs[0].comm_time_s - costs[1].comm_time_s == pytest.approx(
@@ -399,8 +403,11 @@ def test_the_1f1b_overlap_hides_each_pass_exchanges_under_the_other_pass(long_ba
             peak_flops=peak,
         ).cost
 
-    t_local, row = 64 * 64 // 8 // 2, D_MODEL * 4
-    one = plain.collective_time("all_to_all", t_local * K * row * 3 // 4, 4, ("expert",), mesh)
+    t_local = 64 * 64 // 8 // 2
+    busiest = experts.load_imbalance(trace_step(long_batch, None).moe_calls[E], 4, t_local)
+    row = D_MODEL * 4 * busiest
+    wire = int(t_local * K * row * 3 / 4)  # whole bytes on the wire
+    one = plain.collective_time("all_to_all", wire, 4, ("expert",), mesh)
     exchanges = 4 * 2 * one  # four buffers a micro-batch, two micro-batches
     # ample compute: every exchange hides
     before, after = plan(plain, 2, 1e7), plan(paired, 2, 1e7)
@@ -417,3 +424,88 @@ def test_the_1f1b_overlap_hides_each_pass_exchanges_under_the_other_pass(long_ba
     assert gained == pytest.approx(exchanges / 2 + share * compute / 3)
     single = plan(paired, 1, None)
     assert single.step_time_s == pytest.approx(plan(plain, 1, None).step_time_s)
+
+
+def _sampled_imbalance(e, k, n_ep, t_local, groups=None, trials=2000, seed=0):
+    """The busiest device's rows over the mean, averaged over sampled calls of
+    uniform (group-limited) routing: ``n_ep * t_local`` tokens, ``k`` distinct
+    experts each, ``e / n_ep`` contiguous experts a device."""
+    rng = np.random.default_rng(seed)
+    tokens = n_ep * t_local
+    if groups is None:
+        chosen = np.argsort(rng.random((trials, tokens, e), np.float32), -1)[..., :k]
+    else:
+        g, gk = groups
+        per = e // g
+        kept = np.argsort(rng.random((trials, tokens, g), np.float32), -1)[..., :gk]
+        slots = np.argsort(rng.random((trials, tokens, gk * per), np.float32), -1)[..., :k]
+        chosen = np.take_along_axis(kept, slots // per, -1) * per + slots % per
+    device = chosen // (e // n_ep)
+    loads = np.stack([(device == d).sum((1, 2)) for d in range(n_ep)], -1)
+    return float((loads.max(-1) / (t_local * k)).mean())
+
+
+@pytest.mark.parametrize(
+    ("e", "k", "n_ep", "t_local", "groups"),
+    [(16, 2, 4, 64, None), (32, 4, 8, 32, None), (16, 4, 8, 32, (4, 2))],
+)
+def test_the_load_imbalance_is_sampled_uniform_routings(e, k, n_ep, t_local, groups):
+    """Forced balancing routes uniformly (Megatron-LM replaces the logits by
+    standard-normal noise): the priced busiest device, the mean plus Blom's
+    expected maximum of n_ep normals in standard deviations of the per-token
+    (hypergeometric, or group-mixture) counts, is what sampled calls show, within
+    15% of the excess over balanced (the normal approximation misses a little of
+    the counts' skew at a few hundred rows a device)."""
+    call = experts.MoeCall(e, n_ep * t_local, k, 8, 8, 4, 1.0, groups=groups)
+    priced = experts.load_imbalance(call, n_ep, t_local)
+    sampled = _sampled_imbalance(e, k, n_ep, t_local, groups)
+    assert priced > 1.0
+    assert priced - 1 == pytest.approx(sampled - 1, rel=0.15)
+
+
+def test_the_load_imbalance_shrinks_with_the_tokens_and_a_group_limit_raises_it():
+    """No expert parallelism, no imbalance; 16 times the tokens a device, a quarter
+    of the excess (it falls as 1 / sqrt(T_local)); a group limit concentrating a
+    token's experts in fewer devices' groups varies a device's rows more."""
+    call = experts.MoeCall(256, 4096, 8, 8, 8, 4, 1.0)
+    assert experts.load_imbalance(call, 1, 4096) == 1.0
+    small, large = (experts.load_imbalance(call, 64, t) - 1 for t in (256, 4096))
+    assert large == pytest.approx(small / 4)
+    limited = experts.load_imbalance(call._replace(groups=(8, 4)), 64, 4096)
+    assert limited > 1 + large
+    # a limit that does not map onto the devices is left out (unlimited)
+    odd = experts.load_imbalance(call._replace(groups=(128, 4)), 64, 4096)
+    assert odd == pytest.approx(1 + large)
+
+
+def test_an_overlapped_exchange_on_sms_of_its_own_slows_the_compute(long_batch):
+    """``Topology(exchange_sms=20)`` under the 1F1B overlap: the compute runs on the
+    other SMs while the exchanges run, so it grows by 20 / 132 of their time (the
+    link times are the bytes' and the exchanges all overlapped); without the
+    overlap, or with one micro-batch, it is unchanged."""
+    import dataclasses
+
+    mesh = sk.abstract_mesh(data=2, expert=4)
+    plain = dataclasses.replace(
+        sk.Topology.h100(gpus_per_node=2), latency={"data": 0.0, "expert": 0.0}
+    )
+    paired = dataclasses.replace(plain, expert_overlap=True)
+    held = dataclasses.replace(paired, exchange_sms=20)
+
+    def cost(topology, microbatches=2):
+        recipe = sk.Recipe(microbatches=microbatches)
+        return sk.plan(
+            long_batch, mesh, "ep", estimator="analytic", topology=topology, recipe=recipe
+        ).cost
+
+    t_local = 64 * 64 // 8 // 2
+    busiest = experts.load_imbalance(trace_step(long_batch, None).moe_calls[E], 4, t_local)
+    one = plain.collective_time(
+        "all_to_all", int(t_local * K * D_MODEL * 4 * busiest * 3 / 4), 4, ("expert",), mesh
+    )
+    exchanges = 4 * 2 * one
+    grown = cost(held).compute_time_s - cost(paired).compute_time_s
+    assert grown == pytest.approx(exchanges * 20 / 132)
+    unpaired = dataclasses.replace(plain, exchange_sms=20)
+    assert cost(unpaired).compute_time_s == pytest.approx(cost(plain).compute_time_s)
+    assert cost(held, 1).compute_time_s == pytest.approx(cost(paired, 1).compute_time_s)

@@ -156,3 +156,36 @@ def test_with_no_router_top_k_the_grouped_gemms_rows_per_token_are_the_top_k():
     # value and weight grad, down's value and both grads (the batch needs no grad);
     # the router's forward (its sort has no gradient)
     assert trace.flops == 5 * (2.0 * 48 * 8 * 16) + 2.0 * 16 * 8 * 4
+
+
+class TwiceHead(nnx.Module):
+    """A head read by two weight matmuls (a shared output projection, as DeepSeek's
+    multi-token-prediction module reuses it), and one read once."""
+
+    def __init__(self, rngs):
+        self.body = nnx.Param(jax.random.normal(rngs.params(), (8, 8)) * 0.3)
+        self.head = nnx.Param(jax.random.normal(rngs.params(), (8, 16)) * 0.3)
+
+    def __call__(self, x):
+        h = x @ self.body[...]
+        return h @ self.head[...], jnp.tanh(h) @ self.head[...].astype(jnp.bfloat16)
+
+
+def twice_loss(model, batch):
+    a, b = model(batch["x"])
+    return jnp.mean(a**2) + jnp.mean(b.astype(jnp.float32) ** 2)
+
+
+def test_a_weight_two_matmuls_read_computes_twice():
+    """The trace counts the weight matmuls outside the layer scans that read each
+    param (through casts): the head two, the body one (not listed); the analytic
+    FLOPs of the head's group double."""
+    from spmdkit.planner.analytic import param_flops, param_groups
+
+    with nnx.use_eager_sharding(False):
+        info = describe(lambda: TwiceHead(nnx.Rngs(0)), loss=twice_loss, batch=BATCH)
+    trace = trace_step(info, None)
+    assert trace.param_uses == {"head": 2}
+    groups = {g.key: g for g in param_groups(info, trace)}
+    assert (groups["head"].uses, groups["body"].uses) == (2, 1)
+    assert param_flops(groups["head"], trace) == 6 * 16 * 8 * 16 * 2
