@@ -312,9 +312,11 @@ DEEPSEEK_V3 = {
     "exchange. Candidates, not tuned: the priced-only exchange forms take no SMs from "
     "the expert GEMMs they overlap (DeepEP's kernels run on SMs of their own); load "
     "imbalance is priced as none, while forced balancing evens the experts' loads only "
-    "on average, not per micro-batch; and the pipelined memory price does not count the "
-    "exchanged buffers save_out_proj_experts keeps, so the row's memory is low and the "
-    "layout would not fit as priced",
+    "on average, not per micro-batch. Its memory is far above 80 GiB: the pipelined price "
+    "holds the exchanged buffers save_out_proj_experts keeps per micro-batch in flight at "
+    "the executor's padded size (n_ep x T_local x min(k, E_local) rows received per call), "
+    "where the published run's DeepEP keeps only the routed rows, a form the memory price "
+    "does not model",
 }
 
 #: Published runs the planner cannot price as published, each with why: saved
