@@ -548,6 +548,9 @@ class GroupCost:
         (:func:`spmdkit.planner.experts.dispatch_buffer_bytes`; one call at a time).
       kept: bytes its ``moe_experts`` calls hold from their forward to their
         backward (:func:`spmdkit.planner.experts.kept_residual_bytes`).
+      stage_kept: in a pipelined stage, bytes the ``moe_experts`` call one
+        member serves in one layer keeps from its forward to its backward per
+        micro-batch in flight (:func:`spmdkit.planner.experts.stage_kept_bytes`).
       paired_s: the part of ``comm_s`` that can hide only under another
         micro-batch's forward compute (backward-pass expert exchanges under the
         priced-only 1F1B overlap: :func:`spmdkit.planner.experts.overlapped`).
@@ -571,6 +574,7 @@ class GroupCost:
     buffers: float = 0.0
     kept: float = 0.0
     paired_s: float = 0.0
+    stage_kept: float = 0.0
 
     @property
     def time(self) -> float:
@@ -804,6 +808,7 @@ def group_cost(
         buffers=experts.dispatch_buffer_bytes(ctx, g, sp, (*batch_axes, *sp.context)),
         kept=experts.kept_residual_bytes(ctx, g, sp, (*batch_axes, *sp.context)) * count,
         paired_s=paired_s,
+        stage_kept=experts.stage_kept_bytes(ctx, g, sp, (*batch_axes, *sp.context)),
     )
     ctx.memo[key] = out
     return out

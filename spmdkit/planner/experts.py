@@ -72,7 +72,10 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   (:func:`dispatch_buffer_bytes`). What the grad reads is held from each call's
   forward to its backward, for every layer the recipe does not recompute: the rows
   received (one buffer), their counts and the results back (``T_local · k · D``)
-  (:func:`kept_residual_bytes`).
+  (:func:`kept_residual_bytes`). In a pipelined stage those are kept per layer
+  and micro-batch in flight, with the stage's residual set (without recompute
+  the grouped GEMMs' outputs too: :func:`stage_kept_bytes`), unless the recipe
+  reruns the exchange.
 - **load imbalance** (:func:`load_imbalance`): the grouped GEMMs' time, and the
   rows a ragged or node-deduplicated exchange sends, are the busiest device's, and
   even routing that is balanced on average is not balanced per call. The price
@@ -128,6 +131,7 @@ __all__ = [
     "region_tokens",
     "reruns_exchange",
     "rows_per_expert",
+    "stage_kept_bytes",
 ]
 
 #: Token buffers one call's train step exchanges without recompute: the forward's
@@ -473,20 +477,54 @@ def kept_residual_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) ->
     the rows received, their counts and the results back, for the layers the
     recipe does not recompute (:func:`rules.moe.residual_programs`); 0 unless ``g``
     is the down projection of an expert-parallel call, or in a pipelined stage
-    (its residuals are the stage's: :mod:`spmdkit.pipeline.memory`)."""
+    (its residuals are the stage's, per micro-batch in flight:
+    :func:`stage_kept_bytes`)."""
+    if ctx.gather_once:
+        return 0.0
+    recipe = ctx.recipe
+    kept = 1.0 if not reruns_exchange(recipe) else (recipe.remat_every - 1) / recipe.remat_every
+    return kept * _layers(g) * _call_kept_bytes(ctx, g, sp, token_axes)
+
+
+def stage_kept_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:
+    """In a pipelined stage (:attr:`~spmdkit.planner.analytic.CostContext.gather_once`),
+    the bytes one layer's call (``g`` its down projection) keeps on one device
+    from its forward to its backward for one micro-batch, where the recipe keeps
+    the exchanged buffers (:func:`reruns_exchange`): the rows received, their
+    counts and the results back (a policy keeping :data:`KEPT_TAG`), and without
+    recompute the grouped GEMMs' gate, up and hidden outputs too (``F_local``
+    wide each); 0 otherwise, or outside a pipelined stage. The stage's plain
+    autodiff of the op's per-device program keeps them with each micro-batch's
+    residual set (:mod:`spmdkit.expert_shard`), and the traced step holds only
+    stand-ins for them (:mod:`spmdkit.engine.region`), so the pipelined price
+    adds them per micro-batch in flight
+    (:func:`spmdkit.planner.pipeline.cost.activation_bytes`)."""
+    if not ctx.gather_once or reruns_exchange(ctx.recipe):
+        return 0.0
+    return _call_kept_bytes(ctx, g, sp, token_axes, gemms=ctx.recipe.remat == "none")
+
+
+def _call_kept_bytes(
+    ctx: Any, g: Any, sp: Any, token_axes: Sequence[str], gemms: bool = False
+) -> float:
+    """One call's kept buffers on one device for one micro-batch (the rows
+    received, their counts, the results back; ``gemms``: the grouped GEMMs'
+    three outputs too); 0 unless ``g`` is the down projection of an
+    expert-parallel call."""
     call = moe_call(g, ctx.trace)
-    if call is None or ctx.gather_once or not _is_down(g):
+    if call is None or not _is_down(g):
         return 0.0
     n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
     if n_ep <= 1:
         return 0.0
-    recipe = ctx.recipe
-    kept = 1.0 if not reruns_exchange(recipe) else (recipe.remat_every - 1) / recipe.remat_every
-    itemsize = recipe.compute_itemsize(call.itemsize)
-    got = n_ep * _per_peer(call, t_local, n_ep) * call.d_model * itemsize
+    itemsize = ctx.recipe.compute_itemsize(call.itemsize)
+    rows = n_ep * _per_peer(call, t_local, n_ep)
+    got = rows * call.d_model * itemsize
     back = math.ceil(t_local) * call.top_k * call.d_model * itemsize
     counts = n_ep * (call.experts // n_ep) * 4
-    return kept * _layers(g) * (got + back + counts)
+    f_local = call.d_ff / math.prod(ctx.sizes[a] for a in sp.tp)
+    outputs = 3 * rows * f_local * itemsize if gemms else 0.0
+    return got + back + counts + outputs
 
 
 def dispatch_buffer_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:

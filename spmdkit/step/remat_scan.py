@@ -207,7 +207,15 @@ def remat_loss(loss_fn: Callable, recipe: Recipe) -> Callable:
     @functools.wraps(loss_fn)
     def rematted(*args: Any) -> Any:
         check_offload(recipe)
-        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+
+        def afresh(*a: Any) -> Any:
+            # a new function per call: jax caches a function's traces, and a trace
+            # must run the model's ops each time, for what they note while traced
+            # (a pipelined stage's expert and context exchanges:
+            # spmdkit.expert_shard, spmdkit.context_parallel)
+            return loss_fn(*a)
+
+        closed, shape = jax.make_jaxpr(afresh, return_shape=True)(*args)
         layer = find_layer_scan(closed.jaxpr)
         if layer is None or any(c.primitive.name not in CALLS for c in layer.calls):
             raise RecipeError(

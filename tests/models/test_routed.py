@@ -149,18 +149,31 @@ def test_a_policy_keeping_the_experts_exchanges_the_forward_once():
 def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once():
     """In a pipelined stage (plain autodiff of the op's per-device program) the
     exchanged buffers carry the same tag: under ``save_out_proj_experts`` the stages
-    compile no-remat's exchanges (``save_out_proj``'s rerun the forward's), as the
-    analytic model prices them, and the step equals one device. (plan.verify's
-    propagation counts no all-to-all in a recomputed stage: not checked here.)"""
+    compile no-remat's exchanges (``save_out_proj``'s rerun the forward's), which
+    ``plan.verify`` predicts exactly (the stages' exchanges as each trace of the
+    step notes them, recomputed layers too) and the analytic model prices, and the
+    step equals one device. The analytic memory price (the kept buffers per
+    micro-batch in flight) is within verify's tolerance of the compiled peak."""
     info, batch, params, ref_loss, ref_grads = _reference(
         "qwen3_moe", "tiny", load_balance="sequence"
     )
-    pipe = sk.Pipeline(stages=2, microbatches=2, schedule="1f1b", local_statistics=True)
+    cfg = zoo.get_model("qwen3_moe").config("tiny")
+    m, stages, n_ep = 2, 2, 4
+    e_local = cfg.n_experts // n_ep
+    # a device's rows of a micro-batch: 8 / m / 4 sequences
+    t_local = 8 // m // n_ep * cfg.seq_len
+    buf = n_ep * t_local * min(cfg.top_k, e_local) * cfg.d_model * 4
+    calls = cfg.n_layers // stages * m  # per device: its layers, every micro-batch
+    pipe = sk.Pipeline(stages=stages, microbatches=m, schedule="1f1b", local_statistics=True)
     compiled = {}
-    for remat in ("none", "save_out_proj_experts", "save_out_proj"):
+    for remat, buffers, counts in (
+        ("none", 4, 1),
+        ("save_out_proj_experts", 4, 1),
+        ("save_out_proj", 6, 2),
+    ):
         plan = sk.plan(
             info,
-            sk.make_mesh(pipe=2, data=4),
+            sk.make_mesh(pipe=stages, data=n_ep),
             "ep",
             pipeline=pipe,
             estimator="analytic",
@@ -168,9 +181,15 @@ def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once():
         )
         step = sk.jit(sk.value_and_grad(info.loss_fn, plan), plan)
         _assert_equal(step(params, batch), ref_loss, ref_grads)
-        rows = {kind: c for kind, _, c, _ in plan.verify(step, params, batch).rows}
-        compiled[remat] = rows["all_to_all"]
-        assert compiled[remat] == plan.cost.comm_bytes["all_to_all"], remat
+        report = plan.verify(step, params, batch)
+        rows = {kind: (p, c, ok) for kind, p, c, ok in report.rows}
+        predicted, compiled[remat], ok = rows["all_to_all"]
+        assert ok and predicted == compiled[remat] == plan.cost.comm_bytes["all_to_all"], remat
+        assert compiled[remat] == calls * (buffers * buf + counts * n_ep * e_local * 4), remat
+        assert rows["collectives total"][2], remat
+        # the analytic memory price, kept buffers per micro-batch in flight included
+        peak = rows["peak memory"][1]
+        assert abs(sum(plan.cost.memory.values()) - peak) <= 0.2 * peak, remat
     assert compiled["save_out_proj_experts"] == compiled["none"] < compiled["save_out_proj"]
 
 

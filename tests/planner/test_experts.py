@@ -193,6 +193,46 @@ def test_a_pipelined_stage_runs_the_forwards_exchanges_and_their_transposes():
     assert got["full"].cost.comm_bytes["all_to_all"] == calls * (6 * buf + 2 * counts)
 
 
+@pytest.mark.slow
+def test_a_pipelined_stage_holds_the_kept_buffers_per_micro_batch_in_flight():
+    """A pipelined stage keeping the exchanged buffers (``save_out_proj_experts``)
+    holds one call's rows received, counts and results back per layer with every
+    residual set (each micro-batch in flight, and the tick's two): the traced
+    step's residuals hold only stand-ins for them, so the price adds them beyond
+    ``save_out_proj``'s (which reruns the exchange and keeps neither)."""
+    from spmdkit.models import get_model
+    from spmdkit.pipeline import Pipeline
+    from spmdkit.pipeline.memory import StageSizes, stage_buffers
+
+    spec = get_model("qwen3_moe")
+    cfg = spec.configs["tiny"]()
+    pipe = Pipeline(stages=2, microbatches=4, schedule="1f1b", local_statistics=True)
+    acts = {
+        remat: sk.plan(
+            spec,
+            sk.abstract_mesh(pipe=2, data=4),
+            "fsdp",
+            config=cfg,
+            batch_size=16,
+            rules=[("expert", ("data",))],
+            recipe=sk.Recipe(remat=remat),
+            pipeline=pipe,
+            estimator="analytic",
+        ).cost.memory["activations"]
+        for remat in ("save_out_proj", "save_out_proj_experts")
+    }
+    n_ep, e_local = 4, cfg.n_experts // 4
+    t_local = 16 * cfg.seq_len // 4 // pipe.microbatches  # a device's tokens of a micro-batch
+    got = n_ep * t_local * min(cfg.top_k, e_local) * cfg.d_model * 4
+    back = t_local * cfg.top_k * cfg.d_model * 4
+    counts = n_ep * e_local * 4
+    held = stage_buffers(pipe, StageSizes(residual=1.0, head=0.0, carry=0.0))
+    sets = held["stash"] + held["tick"]  # residual sets a device holds at its peak
+    layers = cfg.n_layers // pipe.stages
+    kept = acts["save_out_proj_experts"] - acts["save_out_proj"]
+    assert kept == pytest.approx(sets * layers * (got + back + counts), abs=2)
+
+
 def test_the_search_costs_only_the_layouts_the_op_runs_as_priced(info):
     """The op gathers an expert weight whole before it runs unless its ``D`` is split
     over token axes only and its ``F`` over none; its gradient then leaves each layer

@@ -141,3 +141,23 @@ def test_remat_finds_the_layer_scan_inside_a_jit(reference):
 def test_remat_of_an_unrolled_loss_is_a_typed_error():
     with pytest.raises(RecipeError, match="scan_layers=True"):
         sk.value_and_grad(looped_loss, Recipe(remat="full"))(init(), batch())
+
+
+def test_every_trace_of_a_rematted_loss_runs_the_model():
+    """The loss is traced afresh on every call, not from jax's trace cache: what
+    its ops note while traced (a pipelined stage's expert exchanges) is noted by
+    every trace of the step, as without recompute."""
+    runs = []
+
+    def noting_loss(params, x):
+        runs.append(1)
+        return scanned_loss(params, x)
+
+    rematted = remat_scan.remat_loss(noting_loss, Recipe(remat="full"))
+    for _ in range(2):
+
+        def step(p, x):  # a new function per trace, as the pipeline's split makes
+            return rematted(p, x)
+
+        jax.make_jaxpr(step)(init(), batch())
+    assert len(runs) == 2

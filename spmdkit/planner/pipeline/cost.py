@@ -380,6 +380,7 @@ def activation_bytes(
     *,
     chunk_weights: float = 0.0,
     compute_dtype: str | None = None,
+    expert_kept: float = 0.0,
 ) -> tuple[float, ...]:
     """Activation bytes per pipe-axis device under ``pipe``'s schedule (module docstring).
 
@@ -401,6 +402,10 @@ def activation_bytes(
             chunk's gradients from a backward).
         compute_dtype: the recipe's (``"float8"``: a layer's residual set is the
             float8 step's, :func:`~spmdkit.planner.float8.layer_residuals`).
+        expert_kept: bytes one layer's routed experts keep per micro-batch on
+            one device beside the traced residuals, which hold only stand-ins
+            for them (:func:`~spmdkit.planner.experts.stage_kept_bytes`): part
+            of each residual set.
 
     Example: 8 layers whose input is 1 MiB and residuals 4 MiB per micro-batch
     and device, full remat, 1F1B over 4 stages: 4 stash slots of 2 layers × 1 MiB
@@ -411,7 +416,7 @@ def activation_bytes(
     recipe = Recipe(remat=remat, save_names=save_names, compute_dtype=compute_dtype)
     # an uneven layout's buffers are sized for its largest chunk
     chunk = max(pipe.layout) if pipe.uneven else trace.layers / (p * v)
-    per_chunk = chunk * _kept_per_layer(trace, recipe) * act_scale
+    per_chunk = chunk * (_kept_per_layer(trace, recipe) * act_scale + expert_kept)
     recompute = layer_residuals(trace, recipe) * act_scale if remat != "none" else 0.0
     head = max(trace.resid_bytes - trace.layers * trace.layer_resid, 0.0) * act_scale
     sizes = StageSizes(
@@ -479,6 +484,7 @@ def pipeline_cost(
         carry_scale,
         chunk_weights=chunk_weights,
         compute_dtype=recipe.compute_dtype,
+        expert_kept=stage.expert_kept,
     )
     stage_memory = tuple(int(_static(held) + a) for a in acts)
     peak_dev = max(range(p), key=lambda d: (stage_memory[d], -d))
@@ -529,6 +535,9 @@ class _StagePart(NamedTuple):
     chunk_weights: float
     #: an uneven layout's slowest chunk, all micro-batches (None: even chunks)
     chunk_s: float | None = None
+    #: bytes one layer's routed experts keep per micro-batch on one device
+    #: (:func:`~spmdkit.planner.experts.stage_kept_bytes`)
+    expert_kept: float = 0.0
 
 
 def _stage_part(
@@ -599,6 +608,7 @@ def _held_part(
         act_scale=act_scale,
         carry_scale=carry_scale,
         chunk_weights=_chunk_weights(sctx, groups, choice, stack, batch_axes, seq_axes),
+        expert_kept=_expert_kept(sctx, groups, choice, stack, batch_axes, seq_axes),
     )
 
 
@@ -659,6 +669,22 @@ def _chunk_weights(
         / ctx.accumulator_ratio(groups[i].dtype)
         * cast_ratio(ctx, groups[i])
         for i in stack
+    )
+
+
+def _expert_kept(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    stack: Sequence[int],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+) -> float:
+    """What one stacked layer's routed experts keep per micro-batch on one device:
+    per group of the stage's stack (``stack``: each sliced per layer by the layer
+    scan), its call's (:func:`~spmdkit.planner.experts.stage_kept_bytes`)."""
+    return sum(
+        group_cost(ctx, groups[i], choice[i], batch_axes, seq_axes).stage_kept for i in stack
     )
 
 
