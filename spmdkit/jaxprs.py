@@ -58,6 +58,7 @@ __all__ = [
     "manual_axes",
     "open_jaxpr",
     "primitive_body_fn",
+    "program_jaxpr",
     "registered_body",
     "scan",
     "scan_length",
@@ -278,6 +279,12 @@ def registered_body(eqn: Any) -> Any | None:
     (``sk.register_primitive(name, body=fn)``), None when there is none."""
     fn = primitive_body_fn(eqn.primitive.name)
     return None if fn is None else fn(eqn)
+
+
+def program_jaxpr(eqn: Any) -> Any:
+    """The closed jaxpr a program equation holds in ``jaxpr`` (the enforced replay's
+    region programs, bound once per distinct program)."""
+    return eqn.params["jaxpr"]
 
 
 def shard_map_body(eqn: Any) -> Any:

@@ -190,7 +190,7 @@ def _program_dce_rule(used_outputs: Sequence[bool], *rest: Any) -> tuple[list[bo
     eqn = rest[-1]
     if not any(used_outputs) and not eqn.effects:
         return [False] * len(eqn.invars), None
-    jaxpr, used_ins = _program_dce(eqn.params["jaxpr"], tuple(used_outputs))
+    jaxpr, used_ins = _program_dce(jaxprs.program_jaxpr(eqn), tuple(used_outputs))
     new = eqn.replace(
         invars=[v for v, on in zip(eqn.invars, used_ins, strict=True) if on],
         outvars=[v for v, on in zip(eqn.outvars, used_outputs, strict=True) if on],

@@ -88,6 +88,7 @@ from spmdkit.planner.plain_attention import (
 )
 from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.planner.step_terms import (
+    PolicyFacts,
     activations,
     memory_bound_s,
     memory_by_kind,
@@ -104,7 +105,6 @@ __all__ = [
     "GroupCost",
     "GroupLayout",
     "ParamGroup",
-    "PolicyFacts",
     "StepTrace",
     "column_siblings",
     "cost_levers",
@@ -122,18 +122,6 @@ _FUSED_BACKWARD = 7.0 / 9.0
 
 #: Logical dims that are not the activation width a tensor-parallel param moves.
 _SKIP_OTHER = {"head_dim", "conv_window", "layers", "expert"}
-
-
-class PolicyFacts(NamedTuple):
-    """One layer under a remat policy, as jax runs it (global batch): the bytes
-    it keeps for the backward pass besides its inputs, on the device and on the
-    host (offloaded), and the FLOPs its backward pass recomputes (weight
-    matmuls, attention's batched products)."""
-
-    device_bytes: float
-    host_bytes: float
-    recompute_mm: float
-    recompute_attn: float
 
 
 def _traced_policy(recipe: Recipe) -> bool:

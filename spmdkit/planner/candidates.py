@@ -74,6 +74,7 @@ __all__ = [
     "preset_tables",
     "propagate_cost",
     "propagate_costed",
+    "recost_step",
     "rules_choice",
     "search_layouts",
     "state_layout",
@@ -240,7 +241,7 @@ def propagate_costed(
     # the expert exchanges never hide, as the analytic model prices them (its
     # priced-only 1F1B overlap aside: the executor does not run it)
     exposed = 0.0 if topology.expert_overlap else exchange_time(prop.records)
-    step, comm_s = _recost_step(analytic, prop.comm_time_s - combined, topology, exposed)
+    step, comm_s = recost_step(analytic, prop.comm_time_s - combined, topology, exposed)
     # temporaries that come back as fresh pages each step (XLA:CPU): the kernel's
     # work, on the device's share of the cores like its compute
     pages_s = topology.fresh_pages_time(mem.temp_bytes)
@@ -328,7 +329,7 @@ def _step_program(
     return info.memo(key, lambda: trace_with_tree(step, *args))
 
 
-def _recost_step(
+def recost_step(
     analytic: Cost, collectives_s: float, topology: Topology, exposed_s: float = 0.0
 ) -> tuple[float, float]:
     """(step time, communication time) of a plan whose propagated collectives take
@@ -370,7 +371,7 @@ def step_floor(
     sizes = axis_sizes(mesh)
     split = any(sizes[a] > 1 for a in batch_axes)
     latency = min((topology.link((a,), mesh)[1] for a, n in sizes.items() if n > 1), default=0.0)
-    return _recost_step(analytic, latency if split else 0.0, topology)[0]
+    return recost_step(analytic, latency if split else 0.0, topology)[0]
 
 
 # -- the model's mutable state ----------------------------------------------------------------

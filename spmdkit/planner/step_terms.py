@@ -7,9 +7,28 @@ and the memory by kind. ``ctx`` is a :class:`~spmdkit.planner.analytic.CostConte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["activations", "memory_bound_s", "memory_by_kind", "offload_traffic", "recompute_s"]
+__all__ = [
+    "PolicyFacts",
+    "activations",
+    "memory_bound_s",
+    "memory_by_kind",
+    "offload_traffic",
+    "recompute_s",
+]
+
+
+class PolicyFacts(NamedTuple):
+    """One layer under a remat policy, as jax runs it (global batch): the bytes
+    it keeps for the backward pass besides its inputs, on the device and on the
+    host (offloaded), and the FLOPs its backward pass recomputes (weight
+    matmuls, attention's batched products)."""
+
+    device_bytes: float
+    host_bytes: float
+    recompute_mm: float
+    recompute_attn: float
 
 
 def memory_by_kind(

@@ -24,12 +24,10 @@ from spmdkit import jaxprs
 from spmdkit.engine.region import FORWARD, REGIONS, forward_fn, grad_fn
 from spmdkit.introspect.model import ModelInfo, unbound_axis_error
 from spmdkit.pipeline.layer_scan import find_layer_scan
-from spmdkit.planner.analytic import (
-    PolicyFacts,
-    StepTrace,
-)
+from spmdkit.planner.analytic import StepTrace
 from spmdkit.planner.experts import MoeCall
 from spmdkit.planner.plans import PyTree
+from spmdkit.planner.step_terms import PolicyFacts
 from spmdkit.state import cached
 from spmdkit.step.fp8 import fp8_loss, lm_head_operands, lm_heads
 from spmdkit.step.master import opt_init, stored_dtype, stored_params
@@ -571,7 +569,7 @@ _MOVES = frozenset({"convert_element_type", "transpose", "reshape", "copy", "cop
 def _param_uses(jaxpr: Jaxpr, params: PyTree) -> dict[str, int]:
     """Paths of the params two or more weight matmuls read outside the layer
     scans (through casts, transposes and reshapes, and into calls), with how many
-    (:attr:`~spmdkit.planner.analytic.StepTrace.param_uses`); the params lead the
+    (:class:`~spmdkit.planner.analytic.StepTrace`'s ``param_uses``); the params lead the
     jaxpr's invars. A scan's body is not entered: a stacked weight is one use a layer."""
     paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     counts: dict[int, int] = {}

@@ -180,7 +180,7 @@ def test_the_expert_exchange_is_never_hidden_under_compute():
     routed-rows all-to-all) stay exposed; the rest hides."""
     from jax.sharding import PartitionSpec as P
 
-    from spmdkit.planner.candidates import _recost_step, exchange_time
+    from spmdkit.planner.candidates import exchange_time, recost_step
     from spmdkit.propagation import propagate
     from tests.propagation.test_regions import _experts
 
@@ -201,6 +201,6 @@ def test_the_expert_exchange_is_never_hidden_under_compute():
     dp = plan(toy_init, mesh, "dp", loss=toy_loss, batch=toy_batch(), estimator="analytic")
     hides_all = dataclasses.replace(dp.cost, hidden_comm_s=dp.cost.comm_time_s, compute_time_s=1.0)
     comm = 3 * exchange
-    assert _recost_step(hides_all, comm, DEFAULT_TOPOLOGY)[0] == pytest.approx(1.0)
-    step = _recost_step(hides_all, comm, DEFAULT_TOPOLOGY, exchange)[0]
+    assert recost_step(hides_all, comm, DEFAULT_TOPOLOGY)[0] == pytest.approx(1.0)
+    step = recost_step(hides_all, comm, DEFAULT_TOPOLOGY, exchange)[0]
     assert step == pytest.approx(1.0 + exchange)
