@@ -157,19 +157,16 @@ def test_deepseek_v3_671b_plans_on_1024_h100s_within_80_gib():
     assert took <= 60, took
 
 
-@pytest.mark.slow
-def test_a_pipelined_stage_runs_the_forwards_exchanges_and_their_transposes():
-    """In a pipelined stage the executor runs moe_experts' per-device program under
-    plain autodiff (spmdkit.expert_shard: no grad region rerunning the forward):
-    per call and micro-batch the two token buffers, their transposes and one count
-    exchange; the forward's three again where the recipe recomputes the layer."""
+def _pipelined_qwen3(remats):
+    """Tiny Qwen3-MoE planned (analytic) on pipe 2 x data 4, experts over data, 1F1B
+    with 4 micro-batches, under each remat policy: (config, pipeline, plans)."""
     from spmdkit.models import get_model
     from spmdkit.pipeline import Pipeline
 
     spec = get_model("qwen3_moe")
     cfg = spec.configs["tiny"]()
     pipe = Pipeline(stages=2, microbatches=4, schedule="1f1b", local_statistics=True)
-    got = {
+    plans = {
         remat: sk.plan(
             spec,
             sk.abstract_mesh(pipe=2, data=4),
@@ -181,8 +178,18 @@ def test_a_pipelined_stage_runs_the_forwards_exchanges_and_their_transposes():
             pipeline=pipe,
             estimator="analytic",
         )
-        for remat in ("none", "full")
+        for remat in remats
     }
+    return cfg, pipe, plans
+
+
+@pytest.mark.slow
+def test_a_pipelined_stage_runs_the_forwards_exchanges_and_their_transposes():
+    """In a pipelined stage the executor runs moe_experts' per-device program under
+    plain autodiff (spmdkit.expert_shard: no grad region rerunning the forward):
+    per call and micro-batch the two token buffers, their transposes and one count
+    exchange; the forward's three again where the recipe recomputes the layer."""
+    cfg, pipe, got = _pipelined_qwen3(("none", "full"))
     assert got["none"].params["layers/moe/w_down"][1] == "data"
     n_ep, e_local = 4, cfg.n_experts // 4
     t_local = 16 * cfg.seq_len // 4 // pipe.microbatches  # a device's tokens of a micro-batch
@@ -200,27 +207,10 @@ def test_a_pipelined_stage_holds_the_kept_buffers_per_micro_batch_in_flight():
     residual set (each micro-batch in flight, and the tick's two): the traced
     step's residuals hold only stand-ins for them, so the price adds them beyond
     ``save_out_proj``'s (which reruns the exchange and keeps neither)."""
-    from spmdkit.models import get_model
-    from spmdkit.pipeline import Pipeline
     from spmdkit.pipeline.memory import StageSizes, stage_buffers
 
-    spec = get_model("qwen3_moe")
-    cfg = spec.configs["tiny"]()
-    pipe = Pipeline(stages=2, microbatches=4, schedule="1f1b", local_statistics=True)
-    acts = {
-        remat: sk.plan(
-            spec,
-            sk.abstract_mesh(pipe=2, data=4),
-            "fsdp",
-            config=cfg,
-            batch_size=16,
-            rules=[("expert", ("data",))],
-            recipe=sk.Recipe(remat=remat),
-            pipeline=pipe,
-            estimator="analytic",
-        ).cost.memory["activations"]
-        for remat in ("save_out_proj", "save_out_proj_experts")
-    }
+    cfg, pipe, plans = _pipelined_qwen3(("save_out_proj", "save_out_proj_experts"))
+    acts = {remat: p.cost.memory["activations"] for remat, p in plans.items()}
     n_ep, e_local = 4, cfg.n_experts // 4
     t_local = 16 * cfg.seq_len // 4 // pipe.microbatches  # a device's tokens of a micro-batch
     got = n_ep * t_local * min(cfg.top_k, e_local) * cfg.d_model * 4
