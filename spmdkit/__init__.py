@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from spmdkit.compile import PlannedFunction, jit
     from spmdkit.compile.annotate import init_sharded, shard
+    from spmdkit.compile.tune import tune
     from spmdkit.engine.factor import Notation, parse_notation
     from spmdkit.engine.factor_rule import FactorRule
     from spmdkit.engine.inference import (
@@ -193,6 +194,7 @@ _EXPORTS: dict[str, str] = {
             "REDUCE_OPS",
             "TensorSpec",
         ),
+        "spmdkit.compile.tune": ("tune",),
         "spmdkit.state": ("clear_caches",),
         "spmdkit.topology": (
             "DEFAULT_TOPOLOGY",
@@ -329,6 +331,7 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "train_step",
+    "tune",
     "value_and_grad",
     "Topology",
     "Example",

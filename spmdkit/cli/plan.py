@@ -2,10 +2,11 @@
 appended to ``cli.COMMANDS``.
 
 ``spmdkit plan MODEL --mesh data=2,model=4 [--strategy auto] [--config tiny]
-[--batch-size 8] [--abstract] [--json PATH] [--html PATH]`` prints the plan table for a
-reference model (``spmdkit.models``) or the user's (``pkg.module:factory``,
+[--batch-size 8] [--abstract] [--measure] [--json PATH] [--html PATH]`` prints the plan
+table for a reference model (``spmdkit.models``) or the user's (``pkg.module:factory``,
 :mod:`spmdkit.cli.model_arg`); ``--abstract`` plans on an abstract mesh (no
-devices, any size), otherwise on virtual CPU devices.
+devices, any size), otherwise on virtual CPU devices. ``--measure`` (auto only)
+times auto's candidates on those devices and keeps the fastest (:func:`spmdkit.tune`).
 
 ``spmdkit report MODEL --mesh data=2,model=4 [--strategy ...] [--config tiny]``
 compiles one train step on virtual CPU devices with the plan (params born
@@ -50,6 +51,12 @@ def _configure_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--estimator", default="propagate", choices=("propagate", "analytic"), help="cost model"
     )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="auto only: time auto's candidates on the mesh's devices and keep the fastest "
+        "(sk.tune; a compile per candidate)",
+    )
 
 
 def check_plan_args(verb: str, args: argparse.Namespace) -> dict[str, int]:
@@ -62,6 +69,14 @@ def check_plan_args(verb: str, args: argparse.Namespace) -> dict[str, int]:
       UsageError: naming the flag; UnknownModelError: no such model or config.
     """
     axes = parse_mesh(args.mesh)
+    if getattr(args, "measure", False) and (args.strategy != "auto" or args.abstract):
+        raise UsageError(
+            op=f"spmdkit {verb} --measure",
+            must="--measure times auto's candidates on real devices: --strategy auto, "
+            "no --abstract",
+            given=f"--strategy {args.strategy}" + (" --abstract" if args.abstract else ""),
+            fix="drop --measure, or plan with --strategy auto on the mesh's devices",
+        )
     for flag in ("json", "html"):
         path = getattr(args, flag, None)
         if not path:
@@ -96,7 +111,10 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
         )
         info = model.describe()
         with quiet_notes():  # the table below lists them
-            p = plan(info, mesh, args.strategy, estimator=args.estimator)
+            if args.measure:
+                p = sk.tune(info, mesh, cost_model=sk.CostModel(estimator=args.estimator))
+            else:
+                p = plan(info, mesh, args.strategy, estimator=args.estimator)
     except SpmdError as e:
         return report_error("plan", e, sys.stderr)
     out.write(throughput_line(p, info) + "\n" + p.table() + "\n")

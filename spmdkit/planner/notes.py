@@ -41,6 +41,9 @@ kind                    when
 ``priced_only``         the plan's routed-expert exchanges were priced as a form
                         spmdkit's executor does not run (the topology's
                         ``expert_exchange="node_dedup"`` or ``expert_overlap``)
+``measured``            auto timed its candidates on the mesh's devices (a step
+                        timer, :func:`spmdkit.tune`): each one's price and measured
+                        step, and which it kept
 ======================  =============================================================
 """
 
@@ -100,6 +103,7 @@ NOTE_KINDS = (
     "mesh_split",
     "replicated",
     "priced_only",
+    "measured",
 )
 
 

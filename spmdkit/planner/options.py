@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from spmdkit.pipeline import Pipeline, PipelineError
 from spmdkit.planner.logical import ACTIVATION_ALIASES, PlanError, check_aliases
@@ -105,6 +106,14 @@ class SearchOptions:
         balancing per data-parallel rank). Off by default: the statistics, and so
         the loss, then differ from the unsplit step's, so auto never picks it
         unasked. Only through ``options`` (no ``plan`` keyword).
+      measure: a step timer, ``timer(plans) -> seconds`` (one measured step time
+        per plan, in order): ``strategy="auto"`` then times up to
+        ``measure_candidates`` of its candidates and keeps the fastest measured
+        (:mod:`spmdkit.planner.measured`, with a ``measured`` note). None (default):
+        the priced pick. :func:`spmdkit.tune` passes one that compiles and runs
+        each plan's train step on the mesh's devices. Only through ``options``.
+      measure_candidates: how many candidates a ``measure`` timer gets at most
+        (auto's priced pick, then the best of each preset, then the runner-ups).
 
     Example::
 
@@ -119,8 +128,25 @@ class SearchOptions:
     allow_over_budget: bool = False
     strict: bool = False
     allow_local_statistics: bool = False
+    measure: Callable[[Sequence[Any]], Sequence[float]] | None = field(default=None, compare=False)
+    measure_candidates: int = 8
 
     def __post_init__(self) -> None:
+        if self.measure is not None and not callable(self.measure):
+            raise PlanError(
+                op="plan",
+                must="measure is None or a callable timer(plans) -> seconds",
+                given=type(self.measure).__name__,
+                fix="pass spmdkit.tune(...) to time auto's candidates, or leave measure None",
+            )
+        n = self.measure_candidates
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PlanError(
+                op="plan",
+                must="measure_candidates is a positive int",
+                given=repr(n),
+                fix="pass e.g. measure_candidates=8",
+            )
         pairs = self.aliases
         if isinstance(pairs, (tuple, list)):
             with contextlib.suppress(TypeError, ValueError):  # check_aliases says what

@@ -98,6 +98,7 @@ from spmdkit.planner.logical import (
     PlanError,
     RulesLike,
 )
+from spmdkit.planner.measured import measured_choice
 from spmdkit.planner.naming import apply_names, check_placement, infer_names
 from spmdkit.planner.notes import (
     RECOST_OVER_BUDGET,
@@ -835,6 +836,26 @@ class _Planner:
             return candidates
         return self.recosted(list(candidates), set(), self.pipes.calibrated, _RECOST_PIPELINES)
 
+    def timed(
+        self, best: Candidate, others: list[Candidate], recost: Callable | None
+    ) -> tuple[Candidate, list[Candidate], list[PlanNote]]:
+        """With a step timer (``options.measure``) and a ``best`` that fits: the
+        fastest measured candidate, the runner-ups and the ``measured`` note
+        (:func:`~spmdkit.planner.measured.measured_choice`); else as given."""
+        timer, budget = self.problem.options.measure, self.problem.budget
+        if timer is None or best.cost.peak_bytes > budget:
+            return best, others, []
+        return measured_choice(
+            best,
+            others,
+            sorted([*self.floored.values(), *self.analytic], key=self.problem.rank),
+            budget=budget,
+            limit=self.problem.options.measure_candidates,
+            build=lambda c: self.with_choices(self.problem.make_plan("auto", c, c.cost), c),
+            recost=recost,
+            timer=timer,
+        )
+
     def ranked(self, candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:
         """The best candidate and the runner-ups (one per label), by :meth:`rank`."""
         ranked = sorted(
@@ -865,6 +886,7 @@ class _Planner:
         others = with_sharded(
             best, others, self.analytic, self.problem.rank, self.problem.budget, recost
         )
+        best, others, timed = self.timed(best, others, recost)
         if best.cost.peak_bytes > self.problem.budget:
             if not allow_over_budget:
                 budget = Budget(
@@ -889,9 +911,11 @@ class _Planner:
         if not best.sharded and sharded is not None and sharded not in shown:
             shown = [*others[:11], sharded]  # the runner-ups always show a sharded plan
         alternatives = tuple((c.label, c.cost) for c in shown)
-        notes: list[PlanNote] = (
-            mesh_split_note(self.problem.mesh, out.mesh) + self.pipes.refused_notes()
-        )
+        notes: list[PlanNote] = [
+            *mesh_split_note(self.problem.mesh, out.mesh),
+            *self.pipes.refused_notes(),
+            *timed,
+        ]
         if not best.sharded:
             versus = None if sharded is None else (sharded.label, sharded.cost.step_time_s)
             devices, name = (

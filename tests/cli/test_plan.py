@@ -110,3 +110,15 @@ def test_throughput_line_quotes_tok_s_and_mfu_as_the_readme_tables():
     n = sum(math.prod(q.shape) for q in info.params) - 128256 * 4096
     textbook = (6 * n + 12 * 32 * 4096 * 8192) * 16 * 8192 / (p.cost.step_time_s * 8 * 989e12)
     assert abs(mfu / 100 - textbook) < 0.01 * textbook, (mfu, textbook)
+
+
+@pytest.mark.parametrize(
+    "flags, given",
+    [(["--strategy", "fsdp"], "--strategy fsdp"), (["--abstract"], "--strategy auto --abstract")],
+)
+def test_plan_measure_is_refused_off_auto_or_on_an_abstract_mesh(flags, given, capsys):
+    """--measure runs steps: it is checked before any planning (a usage error)."""
+    status, _ = _run("plan", ["gpt", "--mesh", "data=8", "--measure", *flags])
+    err = capsys.readouterr().err
+    assert status != 0
+    assert "--measure" in err and given in err and "drop --measure" in err

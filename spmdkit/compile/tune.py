@@ -1,0 +1,307 @@
+"""``sk.tune``: auto's plan, its candidates timed on the mesh's own devices.
+
+``sk.plan(model, mesh, "auto")`` ranks layouts by a price: a model of the devices'
+compute, memory and links. Where the mesh is made of real devices, the step can be
+run instead of modelled. :func:`tune` plans with ``strategy="auto"`` and a step
+timer (:class:`~spmdkit.planner.options.SearchOptions`'s ``measure``; the planner's
+side is :mod:`spmdkit.planner.measured`): auto's priced pick, the best candidate of
+each preset that fits the memory budget and auto's other runner-ups (one per
+distinct layout, at most ``candidates``) are each compiled as ``train`` runs them
+(``sk.jit(sk.train_step(info, optimizer, plan), plan, donate_state=True)``) and
+timed, and the fastest measured is returned, with a ``measured`` note listing each
+one's price and measured step.
+
+Each candidate is timed in its own block with only its own arrays alive: its
+parameters, optimizer state (and model state) built with its shardings, ``warmup``
+untimed steps, then ``steps`` timed steps, each fed the previous one's outputs (the
+state donated, as in training); then its arrays are dropped before the next one's
+are built, so a step's temporaries reuse freed pages as they do in a training
+process that holds one plan, and a large model's candidates never share the
+devices' memory. The candidates are timed in ``passes`` passes, the order reversed
+each pass (each step compiled once), and a candidate's time is its least
+wall-clock step: the one the host's other work disturbed least, so a load that
+comes and goes during the run does not decide the choice. Timing costs a compile
+per candidate: tune on the mesh you will train on, once per model and batch shape.
+
+:func:`time_plans` is the timer, usable on any list of plans of one model.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from spmdkit.compile.annotate import init_sharded
+from spmdkit.compile.function import jit
+from spmdkit.errors import SpmdError
+from spmdkit.introspect import ModelInfo, describe
+from spmdkit.planner import Plan
+from spmdkit.planner import plan as make_plan
+from spmdkit.planner.options import CostModel, SearchOptions
+from spmdkit.step.grad import train_step
+from spmdkit.step.master import opt_init
+from spmdkit.step.recipe import Recipe
+
+__all__ = ["StepTimes", "time_plans", "timed_step", "tune"]
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One plan's timed steps: per step the wall-clock seconds, the process's CPU
+    seconds, its system CPU seconds and its minor page faults."""
+
+    wall: tuple[float, ...]
+    cpu: tuple[float, ...]
+    sys: tuple[float, ...]
+    faults: tuple[float, ...]
+
+    @property
+    def median_s(self) -> float:
+        """The median wall-clock step."""
+        return statistics.median(self.wall)
+
+    @property
+    def best_s(self) -> float:
+        """The least wall-clock step: the one other work on the host disturbed least
+        (what :func:`tune` ranks by)."""
+        return min(self.wall)
+
+
+def _example_batch(info: ModelInfo, batch: Any) -> Any:
+    """``batch`` if it holds arrays, else zeros of the described (abstract) batch:
+    token ids and labels of 0 are valid, and the step's work does not depend on the
+    values."""
+    leaves = jax.tree.leaves(batch)
+    if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return batch
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), info.batch)
+
+
+def timed_step(
+    info: ModelInfo,
+    plan: Plan,
+    optimizer: optax.GradientTransformation,
+    batch: Any,
+    step: Callable[..., Any] | None = None,
+    *,
+    donate: bool = True,
+) -> Callable[[], Any]:
+    """A one-step call of ``sk.jit(sk.train_step(info, optimizer, plan), plan,
+    donate_state=donate)`` (or ``step``, one made so before), as ``train`` runs it
+    (which donates): the parameters (``init_sharded``), the optimizer state (and the
+    model's state, when it has some) placed with the plan's shardings, donated to
+    each step (unless ``donate`` is False) and replaced by its outputs; ``batch``
+    placed once. Run once before it is returned
+    (compiling the step on its first call). Dropping the call (and collecting)
+    frees its arrays; the call's ``step`` attribute is the compiled step.
+
+    Example::
+
+        >>> call = timed_step(info, plan, optax.adam(1e-3), batch)
+        >>> loss = call()[-1]  # doctest: +SKIP
+    """
+    params = init_sharded(info, plan)
+    init = opt_init(optimizer, plan.recipe)
+    opt_state = jax.jit(init, out_shardings=plan.opt_shardings(jax.eval_shape(init, params)))(
+        params
+    )
+    carried = [params, opt_state]
+    if info.has_state:
+        state = info.init_state_fn()
+        carried.append(
+            jax.device_put(state, plan.state_sharding(jax.eval_shape(lambda s: s, state)))
+        )
+    placed = jax.device_put(batch, plan.batch_sharding(batch))
+    del params, opt_state
+    compiled = step
+    if compiled is None:
+        compiled = jit(train_step(info, optimizer, plan), plan, donate_state=donate)
+
+    def call() -> Any:
+        out = compiled(*carried, placed)
+        carried[:] = out[:-1]  # the outputs carry on (donated inputs are gone)
+        return out
+
+    jax.block_until_ready(call())
+    call.step = compiled  # type: ignore[attr-defined]
+    return call
+
+
+def _block(call: Callable[[], Any], steps: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"wall": [], "cpu": [], "sys": [], "faults": []}
+    for _ in range(steps):
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        c0, t0 = time.process_time(), time.perf_counter()
+        jax.block_until_ready(call())
+        out["wall"].append(time.perf_counter() - t0)
+        out["cpu"].append(time.process_time() - c0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        out["sys"].append(r1.ru_stime - r0.ru_stime)
+        out["faults"].append(float(r1.ru_minflt - r0.ru_minflt))
+    return out
+
+
+def time_plans(
+    info: ModelInfo,
+    plans: Sequence[Plan],
+    optimizer: optax.GradientTransformation,
+    batch: Any = None,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    passes: int = 2,
+) -> list[StepTimes]:
+    """Each plan's train step timed on its mesh's devices (module docstring): per
+    pass, every plan in turn (the order reversed each pass, so a load that drifts
+    over the run reaches every plan alike) has its arrays built, ``warmup``
+    untimed steps and ``steps`` timed ones, and its arrays dropped before the next
+    plan's are built; each step is compiled once, on its first pass.
+
+    Args:
+      info: the described model (``sk.describe``).
+      plans: plans of that model, on meshes of real devices.
+      optimizer: the optimizer the steps update with.
+      batch: a batch of arrays (None: zeros of ``info.batch``).
+      steps: timed steps per plan and pass (at least 1).
+      warmup: untimed steps per plan and pass, after the one that builds it.
+      passes: how many times every plan is timed (at least 1).
+
+    Returns:
+      One :class:`StepTimes` per plan, in order (``passes * steps`` steps each).
+
+    Raises:
+      SpmdError: a plan on an abstract mesh, or a count out of range.
+
+    Example::
+
+        >>> [t.best_s for t in time_plans(info, [fsdp, megatron], optax.adam(1e-3))]
+        [0.19, 0.14]  # doctest: +SKIP
+    """
+    _check_counts(steps=steps, warmup=warmup, passes=passes)
+    for p in plans:
+        if not isinstance(p.mesh, Mesh):
+            raise SpmdError(
+                op="time_plans",
+                must="every plan is on a mesh of real devices (jax.sharding.Mesh)",
+                given=f"a plan on {type(p.mesh).__name__} {dict(p.mesh.shape)}",
+                fix="plan on sk.make_mesh(...) to time it; an abstract mesh is priced only",
+            )
+    example = _example_batch(info, batch)
+    compiled: dict[int, Any] = {}
+    times: list[dict[str, list[float]]] = [
+        {"wall": [], "cpu": [], "sys": [], "faults": []} for _ in plans
+    ]
+    order = list(range(len(plans)))
+    for k in range(passes):
+        for i in order if k % 2 == 0 else order[::-1]:
+            call = timed_step(info, plans[i], optimizer, example, compiled.get(i))
+            compiled[i] = call.step  # type: ignore[attr-defined]
+            for _ in range(warmup):
+                jax.block_until_ready(call())
+            for key, values in _block(call, steps).items():
+                times[i][key] += values
+            del call
+            gc.collect()
+    compiled.clear()
+    jax.clear_caches()  # the compiled steps' executables are held by jax's caches too
+    gc.collect()
+    return [StepTimes(*(tuple(t[k]) for k in ("wall", "cpu", "sys", "faults"))) for t in times]
+
+
+def _check_counts(**counts: object) -> None:
+    least = {"warmup": 0}
+    for name, value in counts.items():
+        low = least.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise SpmdError(
+                op="tune",
+                must=f"{name} is an int >= {low}",
+                given=repr(value),
+                fix=f"pass e.g. {name}={max(low, 2)}",
+            )
+
+
+def tune(
+    model: object,
+    mesh: Mesh,
+    *,
+    optimizer: optax.GradientTransformation | None = None,
+    config: object = None,
+    batch: Any = None,
+    batch_size: int = 8,
+    loss: Callable | None = None,
+    recipe: Recipe | None = None,
+    rules: Any = None,
+    names: Mapping[str, tuple | None] | None = None,
+    cost_model: CostModel | None = None,
+    options: SearchOptions | None = None,
+    candidates: int = 8,
+    steps: int = 3,
+    warmup: int = 1,
+    passes: int = 2,
+) -> Plan:
+    """Plan ``model`` with ``strategy="auto"`` on ``mesh``'s devices, choosing among
+    auto's candidates by their measured step (module docstring).
+
+    Args:
+      model, config, batch, batch_size, loss, recipe, rules, names, cost_model:
+        as :func:`spmdkit.plan`. A ``batch`` of arrays is also what the steps are
+        timed on (else zeros of the model's batch).
+      mesh: a mesh of real devices (``sk.make_mesh``).
+      optimizer: the optimizer the steps update with (default ``optax.adam(1e-3)``).
+      options: :class:`~spmdkit.planner.options.SearchOptions` (pipelines, float8,
+        ...); its ``measure`` is set here.
+      candidates: how many candidates are timed at most.
+      steps, warmup, passes: timed steps per candidate and pass, untimed ones
+        before them, and passes over the candidates (:func:`time_plans`).
+
+    Returns:
+      The fastest measured candidate's :class:`~spmdkit.planner.Plan` (its cost the
+      price; the ``measured`` note has every timed candidate's figures).
+
+    Raises:
+      SpmdError: an abstract mesh, or a count out of range; what ``sk.plan`` raises.
+
+    Example::
+
+        >>> plan = sk.tune(get_model("gpt"), sk.make_mesh(data=2, model=4), config="small")
+        >>> [n.kind for n in plan.notes]  # doctest: +SKIP
+        ['measured']
+    """
+    _check_counts(steps=steps, warmup=warmup, passes=passes)
+    if not isinstance(mesh, Mesh):
+        raise SpmdError(
+            op="tune",
+            must="mesh is a mesh of real devices (jax.sharding.Mesh), whose steps can run",
+            given=type(mesh).__name__,
+            fix="pass sk.make_mesh(...); to plan an abstract mesh use sk.plan(..., 'auto')",
+        )
+    opt = optax.adam(1e-3) if optimizer is None else optimizer
+    info = describe(model, config=config, batch=batch, batch_size=batch_size, loss=loss)
+
+    def timer(plans: Sequence[Plan]) -> list[float]:
+        timed = time_plans(info, plans, opt, batch, steps=steps, warmup=warmup, passes=passes)
+        return [t.best_s for t in timed]
+
+    opts = replace(options or SearchOptions(), measure=timer, measure_candidates=candidates)
+    return make_plan(
+        info,
+        mesh,
+        "auto",
+        optimizer=opt,
+        recipe=recipe,
+        rules=rules,
+        names=names,
+        cost_model=cost_model,
+        options=opts,
+    )

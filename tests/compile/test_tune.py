@@ -1,0 +1,65 @@
+"""``sk.tune``: auto's candidates timed on the mesh's own devices."""
+
+import re
+
+import jax
+import optax
+import pytest
+
+import spmdkit as sk
+from spmdkit.compile.tune import time_plans
+from spmdkit.errors import SpmdError
+from spmdkit.planner.notes import quiet_notes
+
+
+@pytest.fixture(scope="module")
+def tiny_infos():
+    """Tiny GPT, described once (batch 8)."""
+    from models import get_model
+
+    return {"gpt": sk.describe(get_model("gpt"), config="tiny", batch_size=8)}
+
+
+def test_tune_times_candidates_on_the_devices_and_keeps_the_fastest(tiny_infos):
+    """Two candidates of tiny GPT on 2×4 CPU devices, one step each: the plan says
+    what it timed, and the pick is the one with the least measured step."""
+    mesh = sk.make_mesh(data=2, model=4)
+    with quiet_notes():
+        p = sk.tune(tiny_infos["gpt"], mesh, candidates=2, steps=1, warmup=0, passes=1)
+    (note,) = [n for n in p.notes if n.kind == "measured"]
+    assert "timed 2 candidates" in note.message
+    units = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6}
+    timed = {
+        label: float(value) * units[unit]
+        for label, value, unit in re.findall(
+            r"([\w\[\]=+, .-]+?): priced [\d.]+ \S+, measured ([\d.]+) (\S+?)[;)]", note.message
+        )
+    }
+    assert len(timed) == 2, note.message
+    fastest = min(timed, key=timed.get)
+    assert fastest.strip().split("+")[0] == p.chosen
+
+
+def test_time_plans_runs_each_plan_for_its_steps_and_passes(tiny_infos):
+    mesh = sk.make_mesh(data=8)
+    info = tiny_infos["gpt"]
+    plans = [sk.plan(info, mesh, s, estimator="analytic") for s in ("dp", "fsdp")]
+    times = time_plans(info, plans, optax.sgd(0.1), steps=2, warmup=0, passes=2)
+    assert [len(t.wall) for t in times] == [4, 4]
+    for t in times:
+        assert 0 < t.best_s <= t.median_s
+        assert all(c >= 0 for c in t.cpu)
+
+
+def test_tune_and_time_plans_refuse_an_abstract_mesh_and_bad_counts(tiny_infos):
+    info = tiny_infos["gpt"]
+    with pytest.raises(SpmdError, match="mesh of real devices"):
+        sk.tune(info, sk.abstract_mesh(data=8))
+    abstract = sk.plan(info, sk.abstract_mesh(data=8), "dp", estimator="analytic")
+    with pytest.raises(SpmdError, match="real devices"):
+        time_plans(info, [abstract], optax.sgd(0.1))
+    with pytest.raises(SpmdError, match="steps is an int >= 1"):
+        sk.tune(info, sk.make_mesh(data=8), steps=0)
+    with pytest.raises(SpmdError, match="passes is an int >= 1"):
+        time_plans(info, [], optax.sgd(0.1), passes=0)
+    assert jax.device_count() == 8
