@@ -87,6 +87,12 @@ def _configure_train(parser: argparse.ArgumentParser) -> None:
         "--virtual", type=positive_int, default=1, help="pipeline chunks per device (interleaved)"
     )
     parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="auto only: time auto's candidates on the mesh's devices and train the fastest "
+        "(sk.tune; a compile per candidate; one process)",
+    )
+    parser.add_argument(
         "--local-statistics",
         action="store_true",
         help="pipeline: layers that combine rows (MoE routing statistics) use each device's rows",
@@ -113,6 +119,13 @@ def check_train_args(args: argparse.Namespace) -> dict[str, int]:
         )
     if args.ckpt:
         dir_to_write("spmdkit train", "--ckpt", args.ckpt)
+    if args.measure and args.strategy != "auto":
+        raise UsageError(
+            op="spmdkit train --measure",
+            must="--measure times auto's candidates: --strategy auto",
+            given=f"--strategy {args.strategy}",
+            fix="drop --measure, or train with --strategy auto",
+        )
     pipeline_of(args, axes)
     check_model_arg("spmdkit train", args.model, args.config)  # imports the models: last
     return axes
@@ -158,10 +171,12 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     from flax import nnx
 
     from spmdkit.cli.plan import throughput_line
+    from spmdkit.compile.tune import tune
     from spmdkit.introspect import describe
     from spmdkit.mesh import make_mesh
     from spmdkit.planner import plan as make_plan
     from spmdkit.planner.notes import quiet_notes
+    from spmdkit.planner.options import SearchOptions
     from spmdkit.runtime.checkpoint import Manager
     from spmdkit.runtime.train import train
 
@@ -176,9 +191,13 @@ def _train(args: argparse.Namespace, axes: dict[str, int], out: TextIO) -> int:
     optimizer = optax.adam(args.lr)
     info = describe(spec, config=config, batch_size=batch_size)
     with quiet_notes():  # train prints them before the first step
-        plan = make_plan(
-            info, mesh, args.strategy, optimizer=optimizer, pipeline=pipeline_of(args, axes)
-        )
+        if args.measure:
+            opts = SearchOptions(pipeline=pipeline_of(args, axes))
+            plan = tune(info, mesh, optimizer=optimizer, options=opts)
+        else:
+            plan = make_plan(
+                info, mesh, args.strategy, optimizer=optimizer, pipeline=pipeline_of(args, axes)
+            )
     if jax.process_index() == 0:
         out.write(f"{throughput_line(plan, info, optimizer)}\n{plan.table(notes=False)}\n")
     with nnx.use_eager_sharding(False):

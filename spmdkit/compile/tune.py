@@ -270,7 +270,8 @@ def tune(
       price; the ``measured`` note has every timed candidate's figures).
 
     Raises:
-      SpmdError: an abstract mesh, or a count out of range; what ``sk.plan`` raises.
+      SpmdError: an abstract mesh, several processes (``jax.distributed``: each
+        would time its own devices), or a count out of range; what ``sk.plan`` raises.
 
     Example::
 
@@ -285,6 +286,15 @@ def tune(
             must="mesh is a mesh of real devices (jax.sharding.Mesh), whose steps can run",
             given=type(mesh).__name__,
             fix="pass sk.make_mesh(...); to plan an abstract mesh use sk.plan(..., 'auto')",
+        )
+    if jax.process_count() > 1:
+        raise SpmdError(
+            op="tune",
+            must="one process: each process would time the candidates on its own devices "
+            "and could pick another plan than the others",
+            given=f"{jax.process_count()} processes",
+            fix="tune on one host's mesh, save the plan (plan.to_json()) and load it on "
+            "every process (Plan.from_json(text, mesh=mesh))",
         )
     opt = optax.adam(1e-3) if optimizer is None else optimizer
     info = describe(model, config=config, batch=batch, batch_size=batch_size, loss=loss)

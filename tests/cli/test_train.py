@@ -126,6 +126,27 @@ def test_train_ckpt_that_is_a_file_fails_before_planning(no_devices, tmp_path, c
     assert f.read_text() == "not a directory"
 
 
+def test_train_measure_off_auto_fails_before_planning(no_devices, capsys):
+    from spmdkit.cli import main
+
+    assert main(["train", "gpt", "--measure", "--strategy", "fsdp"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spmdkit train --measure: --measure times auto's candidates")
+    assert "--strategy fsdp" in err and "drop --measure" in err
+
+
+@pytest.mark.slow
+def test_train_measure_trains_the_plan_tune_picked(capsys):
+    """``--measure``: the plan trained is the one sk.tune timed fastest (its note
+    printed with the others before the first step)."""
+    from spmdkit.cli import main
+
+    assert main(["train", "gpt", "--config", "tiny", "--mesh", "data=8", "--steps", "2",
+                 "--measure"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "[measured] auto timed" in out and "trained steps" in out
+
+
 def test_train_help_shows_defaults_and_model_configs(capsys):
     from spmdkit.cli import main
 
