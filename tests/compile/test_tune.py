@@ -25,7 +25,15 @@ def test_tune_times_candidates_on_the_devices_and_keeps_the_fastest(tiny_infos):
     what it timed, and the pick is the one with the least measured step."""
     mesh = sk.make_mesh(data=2, model=4)
     with quiet_notes():
-        p = sk.tune(tiny_infos["gpt"], mesh, candidates=2, steps=1, warmup=0, passes=1)
+        p = sk.tune(
+            tiny_infos["gpt"],
+            mesh,
+            cost_model=sk.CostModel(estimator="analytic"),
+            candidates=2,
+            steps=1,
+            warmup=0,
+            passes=1,
+        )
     (note,) = [n for n in p.notes if n.kind == "measured"]
     assert "timed 2 candidates" in note.message
     units = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6}
@@ -40,6 +48,7 @@ def test_tune_times_candidates_on_the_devices_and_keeps_the_fastest(tiny_infos):
     assert fastest.strip().split("+")[0] == p.chosen
 
 
+@pytest.mark.slow
 def test_time_plans_runs_each_plan_for_its_steps_and_passes(tiny_infos):
     mesh = sk.make_mesh(data=8)
     info = tiny_infos["gpt"]

@@ -18,13 +18,19 @@ def mesh():
     return sk.make_mesh(data=2, model=4)
 
 
-def _auto(info, mesh, timer, **kw):
+#: The analytic estimator where the test is about the choice, not the prices.
+ANALYTIC = sk.CostModel(estimator="analytic")
+
+
+def _auto(info, mesh, timer, cost_model=None, **kw):
     with quiet_notes():
-        return plan(info, mesh, "auto", options=sk.SearchOptions(measure=timer, **kw))
+        return plan(
+            info, mesh, "auto", cost_model=cost_model, options=sk.SearchOptions(measure=timer, **kw)
+        )
 
 
-@pytest.mark.parametrize("favour", ["model", "data"])
-def test_auto_keeps_the_candidate_the_timer_measures_fastest(tiny_infos, mesh, favour):
+@pytest.mark.parametrize("favour, costs", [("model", None), ("data", ANALYTIC)])
+def test_auto_keeps_the_candidate_the_timer_measures_fastest(tiny_infos, mesh, favour, costs):
     """A timer that makes every plan splitting a weight over ``favour`` fast: auto
     picks one of those, whatever the price ranked first, and says so."""
     seen = []
@@ -35,8 +41,8 @@ def test_auto_keeps_the_candidate_the_timer_measures_fastest(tiny_infos, mesh, f
 
     info = tiny_infos["gpt"]
     with quiet_notes():
-        priced = plan(info, mesh, "auto")
-    p = _auto(info, mesh, timer)
+        priced = plan(info, mesh, "auto", cost_model=costs)
+    p = _auto(info, mesh, timer, costs)
     assert _uses(p, favour)
     assert 2 <= len(seen) <= 8
     assert all(q.mesh.shape == mesh.shape for q in seen)
@@ -64,7 +70,7 @@ def test_the_timed_candidates_include_the_best_of_every_preset_that_fits(tiny_in
         labels.append(len(plans))
         return [1.0 + i for i in range(len(plans))]
 
-    p = _auto(tiny_infos["gpt"], mesh, timer, measure_candidates=len(PRESETS) + 4)
+    p = _auto(tiny_infos["gpt"], mesh, timer, ANALYTIC, measure_candidates=len(PRESETS) + 4)
     (note,) = [n for n in p.notes if n.kind == "measured"]
     for name in ("fsdp", "zero1", "zero2", "megatron", "megatron_sp", "tp_fsdp"):
         assert f"{name}" in note.message, name
@@ -73,8 +79,11 @@ def test_the_timed_candidates_include_the_best_of_every_preset_that_fits(tiny_in
 
 def test_one_candidate_keeps_the_priced_pick(tiny_infos, mesh):
     with quiet_notes():
-        priced = plan(tiny_infos["gpt"], mesh, "auto")
-    p = _auto(tiny_infos["gpt"], mesh, lambda plans: [1.0] * len(plans), measure_candidates=1)
+        priced = plan(tiny_infos["gpt"], mesh, "auto", cost_model=ANALYTIC)
+    one = [1.0]
+    p = _auto(
+        tiny_infos["gpt"], mesh, lambda plans: one * len(plans), ANALYTIC, measure_candidates=1
+    )
     assert p.params == priced.params and p.chosen == priced.chosen
 
 
@@ -88,7 +97,7 @@ def test_one_candidate_keeps_the_priced_pick(tiny_infos, mesh):
 )
 def test_a_timer_that_answers_wrong_is_a_plan_error(tiny_infos, mesh, answer, match):
     with pytest.raises(PlanError, match=match):
-        _auto(tiny_infos["gpt"], mesh, answer)
+        _auto(tiny_infos["gpt"], mesh, answer, ANALYTIC, measure_candidates=2)
 
 
 @pytest.mark.parametrize(
