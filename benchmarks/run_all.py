@@ -898,6 +898,9 @@ def _auto_vs_presets_table(section: dict[str, Any]) -> str:
             r["ratio_to_fastest"],
             f"{r['ratio_to_fastest_p25']:.3f}–{r['ratio_to_fastest_p75']:.3f}",
             r.get("cpu_ratio_to_fastest"),
+            r.get("tuned_chose", "—"),
+            r.get("tuned_ratio_to_fastest"),
+            r.get("tuned_cpu_ratio_to_fastest"),
         ]
         for r in section.get("rows", [])
     ]
@@ -913,6 +916,9 @@ def _auto_vs_presets_table(section: dict[str, Any]) -> str:
             f"auto / fastest (≤ {section.get('target')})",
             "p25–p75",
             "CPU-seconds ratio",
+            "sk.tune chose",
+            "tuned / fastest",
+            "tuned CPU-seconds ratio",
         ],
         rows,
     )
