@@ -9,6 +9,10 @@ A collective over a group of ``n`` devices takes ``steps`` latency hops and push
     steps = 2 (n - 1)    for all_reduce (reduce-scatter then all-gather)
     steps = 0            for local ops (slice, to_partial)
 
+With ``tree_all_reduce`` (H100, A100) an all-reduce pays the lower of the ring's
+latency and NCCL's tree's, ``2 ((m - 1) + ceil(log2 nodes))`` hops for ``m`` devices
+a node (NCCL's tuner picks per call, ``src/graph/tuning.cc``), bytes as the ring.
+
 Which link a group uses is decided per mesh axis. An axis named in
 ``bandwidth=`` / ``latency=`` uses those numbers. Otherwise, when
 ``gpus_per_node`` is set, the *node heuristic* applies: mesh axes are laid out
@@ -303,6 +307,8 @@ class Topology:
       fresh_pages_from: a device's temporaries in bytes from which they are fresh
         pages each step (XLA:CPU's temporaries are one allocation a device, which
         glibc maps afresh above its largest mmap threshold); None: never.
+      tree_all_reduce: an all-reduce's latency the lower of the ring's and NCCL's
+        tree's (module docstring); off: the ring's (plain alpha-beta; XLA:CPU).
       combines_all_reduces: whether the step's propagated all-reduces of one
         group of axes and one pass (forward, backward) pay one collective's
         latency, not one each (XLA:CPU's all-reduce combiner merges them; the
@@ -355,6 +361,7 @@ class Topology:
     fusion_traffic: float = 1.0
     fresh_page_s: float = 0.0
     fresh_pages_from: float | None = None
+    tree_all_reduce: bool = False
     combines_all_reduces: bool = False
     expert_exchange: str = "all_to_all"
     expert_overlap: bool = False
@@ -401,24 +408,14 @@ class Topology:
                 fix="pass bytes per second, e.g. 50e9 (PCIe Gen5 x16)",
             )
         object.__setattr__(self, "host_bandwidth", float(self.host_bandwidth))
-        for name in ("default_bandwidth", "node_bandwidth"):
-            value = float(getattr(self, name))
-            if not value > 0:
+        for name in ("default_bandwidth", "node_bandwidth", "default_latency", "node_latency"):
+            value, link = float(getattr(self, name)), name.endswith("bandwidth")
+            if (value <= 0) if link else (value < 0):
                 raise SpmdError(
                     op="Topology",
-                    must=f"{name} is > 0 bytes/s",
+                    must=f"{name} is > 0 bytes/s" if link else f"{name} is >= 0 s",
                     given=str(value),
-                    fix="pass bytes per second, e.g. 50e9",
-                )
-            object.__setattr__(self, name, value)
-        for name in ("default_latency", "node_latency"):
-            value = float(getattr(self, name))
-            if value < 0:
-                raise SpmdError(
-                    op="Topology",
-                    must=f"{name} is >= 0 s",
-                    given=str(value),
-                    fix="pass seconds, e.g. 5e-6",
+                    fix="pass bytes per second, e.g. 50e9" if link else "pass seconds, e.g. 5e-6",
                 )
             object.__setattr__(self, name, value)
         self._check_expert_exchange()
@@ -470,6 +467,7 @@ class Topology:
         object.__setattr__(self, "fresh_page_s", page)
         object.__setattr__(self, "fresh_pages_from", None if start is None else float(start))
         object.__setattr__(self, "combines_all_reduces", bool(self.combines_all_reduces))
+        object.__setattr__(self, "tree_all_reduce", bool(self.tree_all_reduce))
         for name in ("hbm_bandwidth", "fusion_traffic"):
             value = float(getattr(self, name))
             if not value > 0:
@@ -521,6 +519,7 @@ class Topology:
             gpus_per_node=gpus_per_node,
             node_bandwidth=_NVLINK4_BANDWIDTH,
             node_latency=_NVLINK4_LATENCY,
+            tree_all_reduce=True,
             **_stack(stack),
             name=_gpu_name("h100", gpus_per_node, stack),
         )
@@ -543,6 +542,7 @@ class Topology:
             node_latency=_NVLINK4_LATENCY,
             peak_flops=A100_PEAK_FLOPS,
             host_bandwidth=_PCIE4_BANDWIDTH,
+            tree_all_reduce=True,
             name=_gpu_name("a100", gpus_per_node, stack),
         )
 
@@ -830,9 +830,10 @@ class Topology:
         """Alpha-beta time (s) of one ring collective.
 
         ``latency * steps + wire_bytes / bandwidth`` with ``steps = n - 1`` for
-        all_gather / reduce_scatter / all_to_all, ``2 (n - 1)`` for all_reduce,
-        1 for a collective_permute (each device sends one buffer to one peer),
-        and 0 s for local kinds or a group of one device.
+        all_gather / reduce_scatter / all_to_all, ``2 (n - 1)`` for all_reduce
+        (or :meth:`tree_latency`'s, lower, with ``tree_all_reduce``), 1 for a
+        collective_permute (each device sends one buffer to one peer), and 0 s for
+        local kinds or a group of one device.
 
         Args:
           kind: ``"all_gather"``, ``"all_reduce"``, ``"reduce_scatter"``,
@@ -861,10 +862,14 @@ class Topology:
             bandwidth, latency = self.link(axes, mesh)
             return latency + wire_bytes / bandwidth
         levels = self._levels(tuple(axes), mesh)
+        cut = 0.0  # NCCL's tree, where its latency is below the ring's
+        if kind == "all_reduce" and self.tree_all_reduce and levels:
+            ring = 2 * sum((n - 1) * lat for n, _, lat in levels)
+            cut = max(0.0, ring - self.tree_latency(group_size, tuple(axes), mesh))
         if len(levels) <= 1:
             bandwidth, latency = self.link(axes, mesh)
             steps = 2 * (group_size - 1) if kind == "all_reduce" else group_size - 1
-            return latency * steps + wire_bytes / bandwidth
+            return latency * steps + wire_bytes / bandwidth - cut
         if kind == "all_to_all":
             # each level's peers get their pieces over its link, the levels at once
             piece, near, time = wire_bytes / (group_size - 1), 1, 0.0
@@ -882,7 +887,20 @@ class Topology:
         for n, bandwidth, latency in levels:
             time += rounds * ((n - 1) * latency + (n - 1) / n * piece / bandwidth)
             piece /= n
-        return time
+        return time - cut
+
+    def tree_latency(self, group_size: int, axes: tuple[str, ...], mesh: MeshLike) -> float:
+        """Latency (s) of an all-reduce over ``axes`` by NCCL's tree, up and down: the
+        faster levels (:meth:`_levels`) chained, the slowest ``ceil(log2 n)`` deep
+        where it crosses nodes (else chained)."""
+        levels = self._levels(tuple(axes), mesh)
+        if group_size <= 1 or not levels:
+            return 0.0
+        *inner, (n, _, latency) = levels
+        chained = sum((m - 1) * lat for m, _, lat in inner)
+        crosses = self.gpus_per_node is None or self.node_share(axes, mesh) < group_size
+        hops = math.ceil(math.log2(n)) if crosses else n - 1
+        return 2 * (chained + hops * latency)
 
     def _levels(
         self, axes: tuple[str, ...], mesh: MeshLike

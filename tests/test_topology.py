@@ -1,5 +1,7 @@
 """Topology: links per mesh axis, the node heuristic, and alpha-beta times."""
 
+import dataclasses
+
 import pytest
 
 from spmdkit.errors import SpmdError
@@ -109,10 +111,16 @@ def test_groups_over_two_links_run_hierarchically():
     assert rs == pytest.approx(want)
     ag = topo.collective_time("all_gather", rs_wire, n, ("data", "model"), mesh)
     assert ag == pytest.approx(rs)
-    # an all-reduce is its reduce-scatter plus its all-gather, whichever axes it spans:
-    # dp's gradient all-reduce and ZeRO-1's reduce-scatter + all-gather cost the same
-    ar = topo.collective_time("all_reduce", 2 * rs_wire, n, ("data", "model"), mesh)
+    # on the ring, an all-reduce is its reduce-scatter plus its all-gather, whichever
+    # axes it spans: dp's gradient all-reduce and ZeRO-1's reduce-scatter + all-gather
+    # cost the same
+    ring = dataclasses.replace(topo, tree_all_reduce=False)
+    ar = ring.collective_time("all_reduce", 2 * rs_wire, n, ("data", "model"), mesh)
     assert ar == pytest.approx(rs + ag)
+    # NCCL's tree takes 2 (7 + log2 4) hops where the ring takes 2 (7 + 3): the same
+    # bytes, 2 inter-node hops fewer
+    tree = topo.collective_time("all_reduce", 2 * rs_wire, n, ("data", "model"), mesh)
+    assert tree == pytest.approx(ar - 2 * ib_lat)
     # between the all-NVLink and the flat all-InfiniBand prices
     flat_ib = 2 * (n - 1) * ib_lat + 2 * rs_wire / ib
     assert 2 * rs_wire / nv < ar < flat_ib
@@ -127,6 +135,44 @@ def test_groups_over_two_links_run_hierarchically():
     piece = rs_wire / (n - 1)
     assert a2a == pytest.approx(max(7 * (nv_lat + piece / nv), 24 * (ib_lat + piece / ib)))
     assert a2a < (n - 1) * ib_lat + rs_wire / ib  # below the flat slowest-link price
+
+
+def test_all_reduce_takes_nccls_tree_where_its_latency_is_lower():
+    # NCCL's tuner prices ring and tree per call (src/graph/tuning.cc): the tree
+    # chains the GPUs of a node and spans the nodes in a binary tree
+    topo = Topology.h100()
+    mesh = abstract_mesh(data=16, expert=32, model=2)  # DeepSeek-V3's flat 1,024
+    axes = ("data", "expert", "model")
+    ring = dataclasses.replace(topo, tree_all_reduce=False)
+    (_, nv_lat), (_, ib_lat) = topo.link(("model",), mesh), topo.link(("expert",), mesh)
+    # a float8 scale's amax, 4 bytes: the ring's 2 (1 + 511) hops against 2 (1 + 9)
+    assert ring.collective_time("all_reduce", 4, 1024, axes, mesh) == pytest.approx(
+        2 * (nv_lat + 511 * ib_lat), rel=1e-6
+    )
+    assert topo.tree_latency(1024, axes, mesh) == pytest.approx(2 * (nv_lat + 9 * ib_lat))
+    small = topo.collective_time("all_reduce", 4, 1024, axes, mesh)
+    assert small == pytest.approx(2 * (nv_lat + 9 * ib_lat), rel=1e-6)
+    # the bytes' term is the ring's at any size: the tree saves the same latency
+    big = 2**30
+    saved = ring.collective_time("all_reduce", big, 1024, axes, mesh) - topo.collective_time(
+        "all_reduce", big, 1024, axes, mesh
+    )
+    assert saved == pytest.approx(2 * (511 - 9) * ib_lat)
+    # inside one node the tree is a chain: the ring's latency
+    node = abstract_mesh(data=4, model=8)
+    assert topo.tree_latency(8, ("model",), node) == pytest.approx(2 * 7 * nv_lat)
+    assert topo.collective_time("all_reduce", 4, 8, ("model",), node) == (
+        ring.collective_time("all_reduce", 4, 8, ("model",), node)
+    )
+    # one GPU a node over 64 nodes: log2 64 hops each way
+    wide = abstract_mesh(data=64, model=8)
+    assert topo.tree_latency(64, ("data",), wide) == pytest.approx(2 * 6 * ib_lat)
+    # the other kinds and the CPU (XLA:CPU's collectives) keep the ring
+    assert topo.collective_time("all_gather", 4, 1024, axes, mesh) == (
+        ring.collective_time("all_gather", 4, 1024, axes, mesh)
+    )
+    assert not Topology.cpu(8, cores=2).tree_all_reduce
+    assert Topology.a100().tree_all_reduce and not Topology().tree_all_reduce
 
 
 # -- compute and overlap -----------------------------------------------------------------
