@@ -17,8 +17,12 @@ stay as size-1 dims, never sharded.
 
 Along one dim (``cumsum`` and the other scans, ``sort``, ``argmax``, ``top_k``): every
 output element depends on the whole dim, so it stays unsharded and the other dims
-pass through (``top_k`` gathers its whole operand, as XLA partitions its TopK custom
-call). A pending reduction passes a scan that computes with the same op: a sum/avg
+pass through. ``top_k`` runs per device under ``shard_map`` (its rule's own local
+computation, and ``sk.jit``'s replay, :mod:`spmdkit.compile.enforce`): XLA's
+partitioner gathers the whole operand of its TopK custom call, rows included, where a
+router's top-k of each token's expert scores needs only that token's row (MaxText runs
+its routing so, inside ``shard_map``; Megatron-LM on each rank's tokens). A pending
+reduction passes a scan that computes with the same op: a sum/avg
 through ``cumsum`` (a running sum of the devices' pieces sums to the running sum),
 max through ``cummax``, min through ``cummin``; nothing through a product, a
 log-sum-exp, a sort or an argmax (a running sum of max-partial pieces is not the
@@ -27,7 +31,8 @@ running sum of their max).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -37,7 +42,7 @@ from jax import lax
 
 from spmdkit.engine.factor import BROADCAST, Notation
 from spmdkit.engine.factor_rule import FactorRule
-from spmdkit.engine.rule import Example, RuleContext
+from spmdkit.engine.rule import Example, LocalContext, RuleContext
 from spmdkit.errors import ShardingConflictError
 
 __all__ = ["PRIMITIVE_RULES", "RULES", "along_notation", "reduce_notation"]
@@ -202,15 +207,22 @@ def _top_k_notation(
     shapes: tuple[tuple[int, ...], ...], *, k: int, axis: int = -1, **_: Any
 ) -> Notation:
     (shape,) = shapes
-    nt = along_notation(shapes, along=tuple(range(len(shape))), outputs=0)
     at = axis % len(shape)
+    nt = along_notation(shapes, along=(at,), outputs=0)
     out = tuple("k" if i == at else f for i, f in enumerate(nt.inputs[0]))
     return Notation(nt.inputs, (out, out), nt.need_replication | {"k"}, None)
 
 
 class _TopKRule(FactorRule):
     """top_k: its results hold ``k`` elements along the selected dim, a factor no
-    operand has, sized by the attribute."""
+    operand has, sized by the attribute; the other dims (a router's tokens) pass
+    through, each device taking the top ``k`` of its own rows.
+
+    Its computation is its own ``shard_map`` program (:meth:`local_fn`, the op on a
+    device's block): XLA's SPMD partitioner gathers the whole operand of the TopK
+    custom call it lowers ``top_k`` to, sharded rows included (compiled on jax
+    0.10.2 and 0.12), so ``sk.jit``'s replay runs it per device as the rule says
+    (:mod:`spmdkit.compile.enforce`), and the jit check compiles that program."""
 
     def _sizes(
         self, ctx: RuleContext, nt: Notation, shapes: Sequence[tuple[int, ...]]
@@ -218,6 +230,12 @@ class _TopKRule(FactorRule):
         sizes = super()._sizes(ctx, nt, shapes)
         sizes["k"] = int(ctx.attrs["k"])
         return sizes
+
+    def local_fn(self, lctx: LocalContext) -> Callable[..., Any]:
+        """The op on a device's block of rows (the selected dim whole): its
+        top ``k``, padding rows of an uneven block masked as for any rule."""
+        attrs = {k: v for k, v in lctx.attrs.items() if k != "strategy"}
+        return self.masked(functools.partial(_top_k, **attrs), lctx)
 
 
 def _top_k(x: jax.Array, *, k: int, axis: int = -1, **kw: Any) -> tuple[jax.Array, jax.Array]:
@@ -257,8 +275,8 @@ PRIMITIVE_RULES = (
         impl=_top_k,
         partial="NONE",
         examples=(Example(((8, 8),), attrs={"k": 2}), Example(((4, 8, 2),), attrs={"k": 1})),
-        doc="the k largest along the last dim and their indices; every dim unsharded "
-        "(XLA gathers the whole operand for its TopK custom call)",
+        doc="the k largest along the last dim and their indices; that dim unsharded, the "
+        "others pass through (run per device: XLA gathers its TopK custom call's operand)",
     ),
 )
 

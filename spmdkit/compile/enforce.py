@@ -54,7 +54,10 @@ Three cases need more than a constraint on each side:
     smaller block and permutes it into the readers' layout (megatron_sp's
     position embedding). So is a grouped GEMM (``ragged_dot_general``) whose
     result is partial over its groups' axes and others, run per device by its
-    rule's local computation: left alone, XLA reduces it once per factor.
+    rule's local computation: left alone, XLA reduces it once per factor. So is a
+    ``top_k`` whose operand stays sharded on the dims it does not select along (a
+    router's tokens): left alone, XLA gathers the whole operand of its TopK custom
+    call, every device taking the top-k of every token.
 
 The step's outputs leave in the layouts it returns them in: an output made in
 another layout moves there with the plan's own collectives under ``shard_map``
@@ -471,6 +474,8 @@ class _Replay:
                 outs = self.region(node, vals, pins)
             elif (split := self.split_groups(node, pins)) is not None:
                 outs = [split(*vals)]
+            elif (rows := self.local_top_k(node, pins)) is not None:
+                outs = list(rows(*vals))
             else:
                 outs = _bind(node.eqn, vals)
                 if node.prim in _LOWERED_AWAY:
@@ -590,6 +595,28 @@ class _Replay:
             mesh=self.mesh,
             in_specs=tuple(s.to_partition_spec() for s in pins.required),
             out_specs=out.to_partition_spec(),
+            check_vma=False,
+        )
+
+    def local_top_k(self, node: Node, pins: Any) -> Callable[..., Any] | None:
+        """A ``top_k`` whose operand the plan keeps sharded (a router's tokens),
+        run per device under ``shard_map`` as its rule's local computation does;
+        None for any other node, an operand replicated, or uneven blocks. Left to
+        XLA, the partitioner gathers the whole operand of the TopK custom call
+        (its rows too), which no plan predicts (:mod:`spmdkit.rules.reduction`)."""
+        if node.prim != "top_k":
+            return None
+        specs = (*pins.required, *pins.produced)
+        if any(s is None or s.partial or not s.is_even(self.mesh) for s in specs):
+            return None
+        if not any(pins.required[0].dims):
+            return None
+        eqn = node.eqn
+        return shard_map(
+            lambda x: tuple(_bind(eqn, [x], local=True)),
+            mesh=self.mesh,
+            in_specs=(pins.required[0].to_partition_spec(),),
+            out_specs=tuple(s.to_partition_spec() for s in pins.produced),
             check_vma=False,
         )
 

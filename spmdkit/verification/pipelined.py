@@ -405,8 +405,8 @@ def stage_collectives(plan: Plan, facts: PipelineFacts) -> dict[str, float]:
     def add(records: Any, share: float) -> None:
         for r in records:
             for a in r.reshards:
-                # a step gathering over the manual batch axes first (XLA's TopK
-                # gathers a whole operand) does not run in the stage, whose rows
+                # a step gathering over the manual batch axes first (an op that
+                # needs its operand whole) does not run in the stage, whose rows
                 # stay split over them: the later steps move that much less
                 grown = 1
                 for c in a.plan.collectives:

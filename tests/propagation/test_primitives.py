@@ -189,15 +189,17 @@ def test_conv_train_step_matches_hlo(mesh2d, kernel, images, expected):
 
 
 @pytest.mark.parametrize(
-    ("spec", "flipped"),
-    [(P("x"), (("x",), ())), (P(None, "x"), ((), ()))],
+    ("spec", "flipped", "gathered"),
+    [(P("x"), (("x",), ()), {}), (P(None, "x"), ((), ()), {"all_gather": 16 * 32 * 4})],
     ids=["rows-sharded", "axis-sharded"],
 )
-def test_top_k_and_rev_have_rules_that_match_the_hlo(mesh1d, spec, flipped):
+def test_top_k_and_rev_have_rules_that_match_the_hlo(mesh1d, spec, flipped, gathered):
     """top_k (MoE routing) and rev (flip) have rules. rev keeps every dim but the
-    reversed one; top_k gathers its whole operand, as XLA partitions its TopK custom
-    call. Predicted bytes equal the pinned program's HLO and its values equal the
-    unsharded function."""
+    reversed one; top_k keeps its rows where they are (each device takes the top k of
+    its own rows: the replay runs it under shard_map, where XLA's partitioner would
+    gather the TopK custom call's whole operand) and gathers only the dim it selects
+    along (one gather of x, reused by the flip). Predicted bytes equal the pinned
+    program's HLO and its values equal the unsharded function."""
     import numpy as np
 
     from spmdkit.compile.enforce import enforced
@@ -213,7 +215,8 @@ def test_top_k_and_rev_have_rules_that_match_the_hlo(mesh1d, spec, flipped):
     assert not prop.unknown
     assert [o.shape for o in prop.out_specs] == [(16, 2), (16, 2), (16, 32)]
     assert prop.out_specs[2].dims == flipped
-    assert prop.comm_bytes_by_kind == {"all_gather": 16 * 32 * 4}  # one gather of x, reused
+    assert prop.comm_bytes_by_kind == gathered
+    assert prop.out_specs[0].dims == flipped  # top_k's values: rows as x's
     value = jax.random.normal(jax.random.key(0), (16, 32))
     with jax.set_mesh(as_auto(mesh1d)):  # the program as sk.jit runs it: pinned
         cols = sk.compiled_collectives(enforced(prop), sharded(x, spec, as_auto(mesh1d)))

@@ -1,5 +1,7 @@
 """Reduction family: notation goldens and axis handling."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -73,3 +75,38 @@ def test_cumsum_passes_check_rule_with_max_and_min_partial_inputs(mesh1d):
     )
     given = {p for case in wrong.wrong for s in case.given for _, p in s.partial}
     assert given == {"max", "min"}, str(wrong)
+
+
+def test_top_k_keeps_each_devices_rows_and_runs_them_per_device(mesh1d, mesh2d):
+    """A router's top-k of each token's scores: the rows (tokens) stay where they
+    are, only the dim it selects along is gathered. Numerically right against the
+    unsharded op on every layout, and the program it runs (per device, under
+    shard_map) compiles to the predicted collectives: none for sharded rows. Left
+    to XLA's partitioner the TopK custom call gathers the rows too, which is why
+    the rule runs its own program."""
+    from jax.sharding import NamedSharding
+
+    from spmdkit.testing import check_jit, check_rule
+    from spmdkit.verification.hlo import parse_collectives
+
+    rows = sk.infer_forward("top_k", T((16, 32), P("x")), mesh=mesh1d, k=2)
+    assert [o.dims for o in rows.outputs] == [(("x",), ())] * 2
+    assert not rows.reshards and not rows.collectives
+    along = sk.infer_forward("top_k", T((16, 32), P(None, "x")), mesh=mesh1d, k=2)
+    assert along.inputs[0].dims == ((), ())  # the selected dim gathered
+    three = sk.infer_forward("top_k", T((4, 8, 32), P("a", "b")), mesh=mesh2d, k=3)
+    assert three.outputs[0].dims == (("a",), ("b",), ())
+    examples = [
+        sk.Example(((8, 16),), attrs={"k": 2}),
+        sk.Example(((4, 8, 6),), attrs={"k": 3}),
+    ]
+    for mesh in (mesh1d, mesh2d):
+        report = check_rule("top_k", mesh=mesh, examples=examples, max_cases=None, grads=False)
+        assert report.ok, str(report)
+        jit = check_jit("top_k", mesh=mesh, examples=examples, max_cases=None)
+        assert jit.ok, str(jit)
+    # the fact the rule works around: XLA gathers a row-sharded operand whole
+    amesh = jax.sharding.Mesh(mesh1d.devices, mesh1d.axis_names)
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32, sharding=NamedSharding(amesh, P("x")))
+    text = jax.jit(lambda v: jax.lax.top_k(v, 2)).lower(x).compile().as_text()
+    assert [c.kind for c in parse_collectives(text)] == ["all_gather"]
