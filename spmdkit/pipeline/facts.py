@@ -9,7 +9,10 @@
   runs, and :func:`branch_runs`, how often the branch under each action scope
   runs (``FORWARD_SCOPE``…: the ``jax.named_scope``s the ticks run under).
 - From the loss: :func:`chunk_residuals` / :func:`residual_probe`, what one
-  forward of one chunk stashes for one micro-batch; :func:`rows_combined`, a
+  forward of one chunk stashes for one micro-batch (:func:`backward_probe`,
+  :func:`pullback_probe`: its backward; :func:`expert_local_program`: any of
+  them traced on one device's rows and experts, as an expert-parallel stage
+  runs them); :func:`rows_combined`, a
   layer that combines a micro-batch's rows, which a pipeline with batch axes
   refuses (:func:`rows_error`) and the planner asks about before it plans one,
   and :func:`rows_loss_refused`, a loss that is not a mean over the rows;

@@ -13,9 +13,13 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.facts.traced_pipeline
   gathers are the reshards of the ``shard_map``'s operands;
 - memory: the pipeline's buffers (:func:`spmdkit.pipeline.memory.stage_buffers`),
   sized from the traced facts and the plan (a chunk's weights: the stacked
-  parameters' bytes on one device over ``v``; a backward's working set: chunk
-  0's forward and backward propagated, less its residual set), on top of the
-  propagated step.
+  parameters' bytes on one device over ``v``, routed experts split over the
+  batch axes staying split; a backward's working set: chunk 0's forward and
+  backward propagated, less its residual set), on top of the propagated step.
+  Under expert parallelism over the batch axes a chunk's residual set and
+  working set are read off the per-device programs the stages run
+  (:func:`~spmdkit.pipeline.facts.expert_local_program`): the global trace's
+  routed experts are regions whose kept buffers are empty stand-ins.
   Propagation takes a ``shard_map``'s out_specs as given, so it counts GPipe's
   residuals (the forward ``shard_map``'s outputs,
   :func:`~spmdkit.pipeline.memory.residual_outputs`) unsharded over the axes
@@ -384,17 +388,18 @@ def _backward_working_set(plan: Plan, facts: PipelineFacts, residual: float) -> 
 
 def _expert_working_set(plan: Plan, facts: PipelineFacts, residual: float, sliced: float) -> float:
     """:func:`_backward_working_set` under expert parallelism, from the per-device
-    programs the stages run (:func:`~spmdkit.pipeline.facts.expert_local_program`:
+    programs the stages run (:func:`~spmdkit.pipeline.facts.expert_local_program`;
     propagation prices the routed experts' regions, not those programs), by
-    liveness (:func:`~spmdkit.propagation.memory.program_temp_bytes`, with
-    XLA:CPU's workspaces on a CPU mesh): a backward tick's temporaries
-    (:func:`~spmdkit.pipeline.facts.pullback_probe`: the chunk's vjp rebuilt
-    from its stash, a recomputed forward included) less the weights it slices,
-    plus a forward tick's beyond the residual set it stashes (by liveness alone)
-    (:func:`~spmdkit.pipeline.facts.residual_probe`'s program less its
-    results): the two are branches of the tick's ``lax.switch``, which
-    XLA:CPU gives buffers of their own, so a recomputing policy, whose forward
-    tick makes and drops what the backward makes again, holds both."""
+    liveness (:func:`~spmdkit.propagation.memory.program_temp_bytes`): a
+    backward tick's temporaries (:func:`~spmdkit.pipeline.facts.pullback_probe`:
+    the chunk's vjp rebuilt from its stash, a recomputed forward included; with
+    XLA:CPU's workspaces on a CPU mesh) less the weights it slices, plus a
+    forward tick's beyond the residual set it stashes
+    (:func:`~spmdkit.pipeline.facts.residual_probe`'s program less its results).
+    Both count: the forward and the backward are branches of the tick's
+    ``lax.switch``, and on XLA:CPU the compiled peak of a recomputing policy
+    (whose forward tick makes and drops what its backward makes again) holds
+    both branches' temporaries (measured on the tiny routed models)."""
     loss_fn, pipe, experts = facts.loss_fn, facts.pipe, facts.experts
     assert loss_fn is not None and experts is not None
     cpu = _on_cpu(plan.mesh)
