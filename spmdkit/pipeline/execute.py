@@ -218,7 +218,9 @@ def pipelined_value_and_grad(
         p_leaves, p_tree = jax.tree.flatten(params)
         r_leaves = jax.tree.leaves(rest)
         pre_all = _pre_for_microbatches(sp, micro, r_leaves)
-        record_traced(loss_fn, pipe, sp, lay.data_axes, (params, batch, *rest), exch, ep_exch)
+        record_traced(
+            loss_fn, pipe, sp, lay.data_axes, (params, batch, *rest), exch, ep_exch, (ep, owner)
+        )
         sources = param_sources(sp)
         if not _every_value_on_rows(sp, lay):
             ((xs, shared), per), pre_vjp = jax.vjp(pre_all, p_leaves)

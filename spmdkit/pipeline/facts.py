@@ -9,7 +9,10 @@
   runs, and :func:`branch_runs`, how often the branch under each action scope
   runs (``FORWARD_SCOPE``…: the ``jax.named_scope``s the ticks run under).
 - From the loss: :func:`chunk_residuals` / :func:`residual_probe`, what one
-  forward of one chunk stashes for one micro-batch; :func:`rows_combined`, a
+  forward of one chunk stashes for one micro-batch (:func:`backward_probe`,
+  :func:`pullback_probe`: its backward; :func:`expert_local_program`: any of
+  them traced on one device's rows and experts, as an expert-parallel stage
+  runs them); :func:`rows_combined`, a
   layer that combines a micro-batch's rows, which a pipeline with batch axes
   refuses (:func:`rows_error`) and the planner asks about before it plans one,
   and :func:`rows_loss_refused`, a loss that is not a mean over the rows;
@@ -31,10 +34,13 @@ from jax.interpreters import ad, batching, mlir
 
 from spmdkit import jaxprs
 from spmdkit.context_parallel import ContextShard, context_shard
+from spmdkit.expert_shard import ExpertShard, expert_shard
 from spmdkit.pipeline.chunk import BoundLoss, VjpStash
 from spmdkit.pipeline.context_parallel import rows_loss_combined, tokens_combined
 from spmdkit.pipeline.layouts import (
+    BatchSplit,
     ManualAxes,
+    local_experts,
     local_rows,
     local_tokens,
     per_mb_rows_split,
@@ -56,7 +62,9 @@ __all__ = [
     "backward_probe",
     "branch_runs",
     "chunk_residuals",
+    "expert_local_program",
     "permute_count",
+    "pullback_probe",
     "record_traced",
     "residual_probe",
     "rows_combined",
@@ -99,6 +107,18 @@ class PipelineFacts:
         payload bytes, whether the backward runs its transpose), ...)``, as its
         stage traced them (the routed experts' all-to-alls:
         :func:`spmdkit.expert_shard.expert_shard`).
+      local_residual_bytes: with expert parallelism over batch axes, one chunk's
+        residual set for one micro-batch on one device, from the per-device
+        program the stages run (the routed experts' exchanged buffers and
+        grouped GEMMs' outputs, which the global trace's regions hold only
+        empty stand-ins for: :mod:`spmdkit.engine.region`); None otherwise
+        (``residual_bytes`` over the batch's shards is a device's share).
+      experts: with expert parallelism over batch axes, per parameter leaf its
+        routed experts' split over them
+        (:func:`~spmdkit.pipeline.layouts.expert_splits`: those weights enter
+        the pipeline split and stay so) and the
+        :class:`~spmdkit.expert_shard.ExpertShard` the stages are traced on
+        (:func:`expert_local_program` traces a probe as they do); None without.
     """
 
     pipe: Pipeline
@@ -111,6 +131,8 @@ class PipelineFacts:
     layers: int = 0
     context_bytes: tuple[tuple[str, float], ...] = ()
     expert_bytes: tuple[tuple[str, float, bool], ...] = ()
+    local_residual_bytes: int | None = None
+    experts: tuple[tuple[BatchSplit, ...], ExpertShard] | None = None
 
 
 #: The marker a traced pipelined gradient leaves in its program: an equation with
@@ -145,9 +167,11 @@ class TracedPipeline:
         args: tuple,
         context_bytes: tuple[tuple[str, float], ...] = (),
         expert_bytes: tuple[tuple[str, float, bool], ...] = (),
+        experts: tuple[tuple[BatchSplit, ...], ExpertShard | None] = ((), None),
     ) -> None:
         self._known = (loss_fn, pipe, carry_bytes, layers, batch_axes, args)
         self._exchanges = (context_bytes, expert_bytes)
+        self._experts = experts
         self._facts: PipelineFacts | None = None
 
     def __repr__(self) -> str:
@@ -159,6 +183,15 @@ class TracedPipeline:
             loss_fn, pipe, carry, layers, batch_axes, args = self._known
             r = _residuals_of(loss_fn, pipe, args)
             h = _residuals_of(loss_fn, pipe, args, head=True)
+            splits, owner = self._experts
+            experts = (tuple(splits), owner) if owner is not None else None
+            local = None
+            if experts is not None:
+
+                def probe(env: list[tuple[str, int]], rest: tuple) -> Callable[[Any, Any], Any]:
+                    return residual_probe(loss_fn, pipe, *rest, axis_env=env)
+
+                local = _tree_bytes(expert_local_program(probe, args, experts).out_avals)
             self._facts = PipelineFacts(
                 pipe,
                 carry,
@@ -170,6 +203,8 @@ class TracedPipeline:
                 layers=layers,
                 context_bytes=self._exchanges[0],
                 expert_bytes=self._exchanges[1],
+                local_residual_bytes=local,
+                experts=experts,
             )
         return self._facts
 
@@ -198,10 +233,14 @@ def record_traced(
     args: tuple,
     context_bytes: tuple[tuple[str, float], ...] = (),
     expert_bytes: tuple[tuple[str, float, bool], ...] = (),
+    experts: tuple[tuple[BatchSplit, ...], ExpertShard | None] = ((), None),
 ) -> None:
     """Leave a pipelined gradient's facts in the program being traced (``sp``: its
-    loss split; ``args``: its params, batch and the rest): a :data:`FACTS` marker,
-    read back by :func:`traced_pipelines`."""
+    loss split; ``args``: its params, batch and the rest; ``experts``: per
+    parameter leaf its expert-parallel split and the
+    :class:`~spmdkit.expert_shard.ExpertShard` the stages are traced on, None
+    without expert parallelism): a :data:`FACTS` marker, read back by
+    :func:`traced_pipelines`."""
     carry = [v.aval for v in sp.carry]
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), args)
     recorded = TracedPipeline(
@@ -213,6 +252,7 @@ def record_traced(
         tuple(shapes),
         context_bytes,
         expert_bytes,
+        experts,
     )
     FACTS.bind(facts=recorded)
 
@@ -226,6 +266,38 @@ def _residuals_of(
         return residual_probe(loss_fn, pipe, *rest, head=head)(params, batch)
 
     return jax.eval_shape(probe, *args)
+
+
+def expert_local_program(
+    make: Callable[[list[tuple[str, int]], tuple], Callable[[Any, Any], Any]],
+    args: tuple,
+    experts: tuple[tuple[BatchSplit, ...], ExpertShard],
+    extra: Any = None,
+) -> Any:
+    """A probe of the loss (``make(axis_env, rest)``: ``f(params, batch[, extra])``, such as
+    :func:`residual_probe` or :func:`backward_probe` given the axis
+    environment and the step's other arguments) traced as one device's stage runs
+    it under expert parallelism:
+    on a device's rows and experts under :func:`~spmdkit.expert_shard.expert_shard`
+    (the executor's per-device program,
+    :func:`spmdkit.pipeline.execute.pipelined_value_and_grad`), so the routed
+    experts' values are their per-device program's. ``args``: the step's
+    params, batch and the rest (shapes); ``experts``:
+    :attr:`PipelineFacts.experts`; ``extra``: shapes the probe takes as a third
+    argument (None: none). Returns the closed jaxpr (per-device shapes)."""
+    splits, owner = experts
+    params, batch, *rest = args
+    leaves, tree = jax.tree.flatten(params)
+    mine = jax.tree.unflatten(tree, local_experts(leaves, list(splits), dict(owner.sizes)))
+    rows = local_rows(batch, owner.token_shards)
+    env = list(owner.sizes)
+
+    def run(p: Any, b: Any, e: Any, *r: Any) -> Any:
+        f = make(env, r)
+        return f(p, b) if extra is None else f(p, b, e)
+
+    with expert_shard(owner):
+        return jax.make_jaxpr(run, axis_env=env)(mine, rows, extra, *rest)
 
 
 def _tree_bytes(shapes: Any) -> int:
@@ -309,14 +381,20 @@ def chunk_residuals(
 
 
 def residual_probe(
-    loss_fn: Callable[..., Any], pipe: Pipeline, *rest: Any, head: bool = False
+    loss_fn: Callable[..., Any],
+    pipe: Pipeline,
+    *rest: Any,
+    head: bool = False,
+    axis_env: list[tuple[str, int]] | None = None,
 ) -> Callable[[Any, Any], list]:
     """``f(params, batch) -> residuals``: :func:`chunk_residuals`'s leaves as a
     function of the step's arguments, for micro-batch 0 and chunk 0 (what
-    ``plan.verify`` propagates with the plan's layouts to size them per device)."""
+    ``plan.verify`` propagates with the plan's layouts to size them per device;
+    ``axis_env``: the manual axes a per-device trace of the loss may name in
+    collectives, as :func:`~spmdkit.pipeline.split.split_loss` takes them)."""
 
     def probe_fn(params: Any, batch: Any) -> list:
-        ctx, w, cd, carry = _chunk_zero(loss_fn, pipe, rest, params, batch)
+        ctx, w, cd, carry = _chunk_zero(loss_fn, pipe, rest, params, batch, axis_env or [])
         if head:
             post = [ctx.sv[v] if v in ctx.sv else ctx.microbatch(0)[v] for v in ctx.dpost]
 
@@ -335,17 +413,23 @@ def residual_probe(
     return probe_fn
 
 
-def backward_probe(loss_fn: Callable[..., Any], pipe: Pipeline, *rest: Any) -> Callable[..., Any]:
+def backward_probe(
+    loss_fn: Callable[..., Any],
+    pipe: Pipeline,
+    *rest: Any,
+    axis_env: list[tuple[str, int]] | None = None,
+) -> Callable[..., Any]:
     """``f(params, batch) -> gradients``: chunk 0's forward and backward for
     micro-batch 0 (its ``jax.vjp`` and the pullback of a cotangent of ones), as a
     function of the step's arguments. Propagated with the plan's layouts, its
     temporaries' peak is the residual set the backward reads plus its working
     set (the cotangents it makes, the chunk's weights as it slices them): what
     ``plan.verify`` sizes a backward tick's working set from
-    (:attr:`~spmdkit.pipeline.memory.StageSizes.working`)."""
+    (:attr:`~spmdkit.pipeline.memory.StageSizes.working`; ``axis_env``:
+    :func:`residual_probe`'s)."""
 
     def probe_fn(params: Any, batch: Any) -> Any:
-        ctx, w, cd, carry = _chunk_zero(loss_fn, pipe, rest, params, batch)
+        ctx, w, cd, carry = _chunk_zero(loss_fn, pipe, rest, params, batch, axis_env)
         out, vjp = jax.vjp(
             lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0, _chunk_zero_count(pipe)), w, cd, carry
         )
@@ -354,14 +438,58 @@ def backward_probe(loss_fn: Callable[..., Any], pipe: Pipeline, *rest: Any) -> C
     return probe_fn
 
 
+def pullback_probe(
+    loss_fn: Callable[..., Any],
+    pipe: Pipeline,
+    *rest: Any,
+    axis_env: list[tuple[str, int]] | None = None,
+) -> Callable[..., Any]:
+    """``f(params, batch, stash) -> gradients``: chunk 0's backward for micro-batch 0
+    as a backward tick runs it (:mod:`spmdkit.pipeline.ticks`): the chunk's
+    ``jax.vjp`` rebuilt from its stashed residuals (``stash``: the leaves
+    :func:`residual_probe` returns) and the weights it reads again, applied to a
+    cotangent of ones; the forward is traced apart, as a forward tick's branch
+    is. The program's temporaries are what a backward makes beyond the set it
+    reads, a recomputed forward's included (a probe running the forward too,
+    :func:`backward_probe`, shares them with its forward). ``axis_env``:
+    :func:`residual_probe`'s."""
+
+    held = VjpStash()
+
+    def forward(params: Any, batch: Any) -> list:
+        ctx, w, cd, carry = _chunk_zero(loss_fn, pipe, rest, params, batch, axis_env)
+        out, vjp = jax.vjp(
+            lambda w_, c_, x_: ctx.stage(w_, c_, x_, 0, _chunk_zero_count(pipe)), w, cd, carry
+        )
+        leaves, held.tree = jax.tree.flatten(vjp)
+        held.record(leaves, w, cd, [v in ctx.sv for v in ctx.dconsts])
+        return out
+
+    def probe_fn(params: Any, batch: Any, stash: list) -> Any:
+        # the forward in a trace of its own (as a forward tick's branch is): only
+        # the stash's structure is read from it
+        out = jax.eval_shape(forward, params, batch)
+        _, w, cd, _ = _chunk_zero(loss_fn, pipe, rest, params, batch, axis_env)
+        ct = [jnp.ones(o.shape, o.dtype) for o in out]
+        return held.rebuild(list(stash), w, cd)(ct)
+
+    return probe_fn
+
+
 def _chunk_zero(
-    loss_fn: Callable[..., Any], pipe: Pipeline, rest: tuple, params: Any, batch: Any
+    loss_fn: Callable[..., Any],
+    pipe: Pipeline,
+    rest: tuple,
+    params: Any,
+    batch: Any,
+    axis_env: list[tuple[str, int]] | None = None,
 ) -> tuple[BoundLoss, list, list, list]:
     """Chunk 0 and micro-batch 0 of the loss split for ``pipe``: the bound loss,
-    the chunk's stacked weights, its differentiated constants and its input."""
+    the chunk's stacked weights, its differentiated constants and its input
+    (``axis_env``: :func:`residual_probe`'s)."""
     micro = split_microbatches(batch, pipe.microbatches)
     one = jax.tree.map(lambda x: x[0], micro)
-    sp = split_loss(loss_fn, params, one, rest)
+    sp = split_loss(loss_fn, params, one, rest, axis_env=axis_env or [])
     size = pipe.check_layers(sp.layers, op="pipeline")
     xs, shared, per = sp.pre(jax.tree.leaves((params, one, rest)))
     ctx = BoundLoss(sp, pipe, shared, [x[None] for x in per])

@@ -13,9 +13,13 @@ facts the traced gradient reports (:func:`spmdkit.pipeline.facts.traced_pipeline
   gathers are the reshards of the ``shard_map``'s operands;
 - memory: the pipeline's buffers (:func:`spmdkit.pipeline.memory.stage_buffers`),
   sized from the traced facts and the plan (a chunk's weights: the stacked
-  parameters' bytes on one device over ``v``; a backward's working set: chunk
-  0's forward and backward propagated, less its residual set), on top of the
-  propagated step.
+  parameters' bytes on one device over ``v``, routed experts split over the
+  batch axes staying split; a backward's working set: chunk 0's forward and
+  backward propagated, less its residual set), on top of the propagated step.
+  Under expert parallelism over the batch axes a chunk's residual set and
+  working set are read off the per-device programs the stages run
+  (:func:`~spmdkit.pipeline.facts.expert_local_program`): the global trace's
+  routed experts are regions whose kept buffers are empty stand-ins.
   Propagation takes a ``shard_map``'s out_specs as given, so it counts GPipe's
   residuals (the forward ``shard_map``'s outputs,
   :func:`~spmdkit.pipeline.memory.residual_outputs`) unsharded over the axes
@@ -41,7 +45,9 @@ from spmdkit.pipeline.facts import (
     PipelineFacts,
     backward_probe,
     branch_runs,
+    expert_local_program,
     permute_count,
+    pullback_probe,
     residual_probe,
     traced_pipelines,
 )
@@ -50,6 +56,7 @@ from spmdkit.pipeline.schedule import Pipeline
 from spmdkit.planner.experts import reruns_exchange
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import Propagation, propagate
+from spmdkit.propagation.memory import program_temp_bytes
 from spmdkit.spec import axis_sizes
 from spmdkit.verification.compiled import CompiledReport
 
@@ -68,7 +75,9 @@ def chunk_weight_bytes(
 ) -> float:
     """One chunk's stacked weights on one device: the parameters whose first
     logical dim is ``layers``, as the plan stores them (``gathered``: except
-    over these axes, which the pipeline's ``shard_map`` gathers them over;
+    over these axes, which the pipeline's ``shard_map`` gathers them over, but
+    on a routed expert weight's ``expert`` dim, which stays split over them:
+    expert parallelism, :func:`~spmdkit.pipeline.layouts.expert_splits`;
     ``computed``: in the recipe's compute dtype, as the stages use them), over
     the virtual stages."""
     pipe = plan.pipeline
@@ -80,9 +89,10 @@ def chunk_weight_bytes(
         if not logical or logical[0] != "layers" or path not in plan.params:
             continue
         shards = 1
-        for entry in plan.params[path]:
+        for dim, entry in enumerate(plan.params[path]):
+            kept = dim < len(logical) and logical[dim] == "expert"
             for axis in (entry,) if isinstance(entry, str) else entry or ():
-                shards *= 1 if axis in gathered else sizes[axis]
+                shards *= 1 if axis in gathered and not kept else sizes[axis]
         cast = computed and plan.recipe.compute_dtype and np.issubdtype(dtype, np.floating)
         item = np.dtype(dtype).itemsize
         item = plan.recipe.weight_itemsize(item) if cast else item
@@ -333,6 +343,10 @@ def _residuals_per_device(plan: Plan, facts: PipelineFacts, shards: int) -> tupl
     over the batch's shards; with automatic axes inside the stages (tensor
     parallel), as the plan lays them out there, by propagating the residuals as
     a function of the step's arguments."""
+    if facts.local_residual_bytes is not None and not _auto_axes(plan, facts):
+        # expert parallelism: the per-device program's set (the global trace's
+        # routed experts hold only stand-ins for what theirs keep)
+        return float(facts.local_residual_bytes), facts.head_bytes / shards
     if not _auto_axes(plan, facts) or facts.loss_fn is None:
         return facts.residual_bytes / shards, facts.head_bytes / shards
     params, batch, *rest = facts.args
@@ -359,6 +373,8 @@ def _backward_working_set(plan: Plan, facts: PipelineFacts, residual: float) -> 
     if facts.loss_fn is None:
         return 0.0
     sliced = chunk_weight_bytes(plan) if facts.pipe.virtual == 1 else 0.0
+    if facts.experts is not None and not _auto_axes(plan, facts):
+        return _expert_working_set(plan, facts, residual, sliced)
     params, batch, *rest = facts.args
     prop = propagate(
         backward_probe(facts.loss_fn, facts.pipe, *rest),
@@ -368,6 +384,49 @@ def _backward_working_set(plan: Plan, facts: PipelineFacts, residual: float) -> 
         mesh=plan.mesh,
     )
     return max(float(prop.memory.temp_bytes) - residual - sliced, 0.0)
+
+
+def _expert_working_set(plan: Plan, facts: PipelineFacts, residual: float, sliced: float) -> float:
+    """:func:`_backward_working_set` under expert parallelism, from the per-device
+    programs the stages run (:func:`~spmdkit.pipeline.facts.expert_local_program`;
+    propagation prices the routed experts' regions, not those programs), by
+    liveness (:func:`~spmdkit.propagation.memory.program_temp_bytes`): a
+    backward tick's temporaries (:func:`~spmdkit.pipeline.facts.pullback_probe`:
+    the chunk's vjp rebuilt from its stash, a recomputed forward included; with
+    XLA:CPU's workspaces on a CPU mesh) less the weights it slices, plus a
+    forward tick's beyond the residual set it stashes
+    (:func:`~spmdkit.pipeline.facts.residual_probe`'s program less its results).
+    Both count: the forward and the backward are branches of the tick's
+    ``lax.switch``, and on XLA:CPU the compiled peak of a recomputing policy
+    (whose forward tick makes and drops what its backward makes again) holds
+    both branches' temporaries (measured on the tiny routed models)."""
+    loss_fn, pipe, experts = facts.loss_fn, facts.pipe, facts.experts
+    assert loss_fn is not None and experts is not None
+    cpu = _on_cpu(plan.mesh)
+
+    def forward(env: list[tuple[str, int]], rest: tuple) -> Callable:
+        return residual_probe(loss_fn, pipe, *rest, axis_env=env)
+
+    fwd = expert_local_program(forward, facts.args, experts)
+    stash = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fwd.out_avals]
+
+    def backward(env: list[tuple[str, int]], rest: tuple) -> Callable:
+        return pullback_probe(loss_fn, pipe, *rest, axis_env=env)
+
+    bwd = expert_local_program(backward, facts.args, experts, stash)
+    # the forward's without XLA:CPU's workspaces: a forward tick's program is
+    # the layers' forward alone, whose copies XLA fuses (compiled alone, its
+    # temporaries match this count; the backward's exceed the count without them)
+    made = max(float(program_temp_bytes(fwd)) - residual, 0.0)
+    return max(float(program_temp_bytes(bwd, cpu=cpu)) - sliced, 0.0) + made
+
+
+def _on_cpu(mesh: Any) -> bool:
+    """Whether ``mesh`` is a device mesh of CPU devices (False for an abstract one)."""
+    try:
+        return bool(mesh.devices.flat[0].platform == "cpu")
+    except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
+        return False
 
 
 def stage_collectives(plan: Plan, facts: PipelineFacts) -> dict[str, float]:

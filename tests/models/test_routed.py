@@ -146,18 +146,22 @@ def test_a_policy_keeping_the_experts_exchanges_the_forward_once():
 
 
 @pytest.mark.slow
-def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once():
+@pytest.mark.parametrize(("name", "size"), [("deepseek", "tiny"), ("qwen3_moe", "tiny")])
+def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once(name, size):
     """In a pipelined stage (plain autodiff of the op's per-device program) the
     exchanged buffers carry the same tag: under ``save_out_proj_experts`` the stages
-    compile no-remat's exchanges (``save_out_proj``'s rerun the forward's), which
-    ``plan.verify`` predicts exactly (the stages' exchanges as each trace of the
-    step notes them, recomputed layers too) and the analytic model prices, and the
-    step equals one device. The analytic memory price (the kept buffers per
-    micro-batch in flight) is within verify's tolerance of the compiled peak."""
+    compile no-remat's exchanges (``save_out_proj``'s and ``full``'s rerun the
+    forward's), which ``plan.verify`` predicts exactly (the stages' exchanges as
+    each trace of the step notes them, recomputed layers too) and the analytic
+    model prices, and the step equals one device. Under every policy the analytic
+    memory price (the kept buffers per micro-batch in flight) and ``plan.verify``'s
+    peak (the stages' residual sets and working sets from their per-device
+    programs, the experts' weights as each device holds them) are within
+    verify's tolerance of the compiled peak."""
     info, batch, params, ref_loss, ref_grads = _reference(
-        "qwen3_moe", "tiny", load_balance="sequence"
+        name, size, load_balance="sequence", **PIPELINED[name]
     )
-    cfg = zoo.get_model("qwen3_moe").config("tiny")
+    cfg = dataclasses.replace(zoo.get_model(name).config(size), **PIPELINED[name])
     m, stages, n_ep = 2, 2, 4
     e_local = cfg.n_experts // n_ep
     # a device's rows of a micro-batch: 8 / m / 4 sequences
@@ -170,6 +174,7 @@ def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once():
         ("none", 4, 1),
         ("save_out_proj_experts", 4, 1),
         ("save_out_proj", 6, 2),
+        ("full", 6, 2),
     ):
         plan = sk.plan(
             info,
@@ -188,8 +193,10 @@ def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once():
         assert compiled[remat] == calls * (buffers * buf + counts * n_ep * e_local * 4), remat
         assert rows["collectives total"][2], remat
         # the analytic memory price, kept buffers per micro-batch in flight included
-        peak = rows["peak memory"][1]
+        predicted, peak, ok = rows["peak memory"]
         assert abs(sum(plan.cost.memory.values()) - peak) <= 0.2 * peak, remat
+        # verify's prediction, as a point and as its row
+        assert ok and abs(predicted - peak) <= 0.2 * peak, (remat, predicted, peak)
     assert compiled["save_out_proj_experts"] == compiled["none"] < compiled["save_out_proj"]
 
 

@@ -248,3 +248,31 @@ def test_verify_predicts_a_stack_the_pipe_axis_does_not_divide(schedule, virtual
         assert ok and predicted == compiled > 0, (kind, predicted, compiled)
     assert "all_gather" not in rows
     assert rows["peak memory"][3], rows["peak memory"]
+
+
+def test_a_chunks_routed_experts_stay_split_over_the_batch_axes():
+    """Expert parallelism over the data axis (the ``ep`` preset on pipe 2 x data 4):
+    the pipeline gathers a chunk's weights over the batch axes at its input but for
+    the routed experts' ``expert`` dim, which stays split (a device runs its own
+    experts), so the chunk a device computes with holds a quarter of each expert
+    weight and every other stacked weight whole over ``data``."""
+    import math
+
+    import numpy as np
+
+    from spmdkit.verification.pipelined import chunk_weight_bytes
+
+    info = describe(get_model("qwen3_moe"), config="tiny", batch_size=16)
+    pipe = Pipeline(stages=2, microbatches=2, schedule="1f1b", local_statistics=True)
+    plan = sk.plan(
+        info, sk.abstract_mesh(pipe=2, data=4), "ep", pipeline=pipe, estimator="analytic"
+    )
+    assert tuple(plan.params["layers/moe/w_gate"]) == ("pipe", "data")
+    want = 0.0
+    for shape, dtype, logical in plan.info.values():
+        if logical and logical[0] == "layers":
+            split = 2 * (4 if "expert" in logical else 1)  # pipe, then the experts over data
+            want += math.prod(shape) * np.dtype(dtype).itemsize / split
+    assert any("expert" in (names or ()) for _, _, names in plan.info.values())
+    assert chunk_weight_bytes(plan, ("data",)) == pytest.approx(want)
+    assert chunk_weight_bytes(plan) == pytest.approx(want)
