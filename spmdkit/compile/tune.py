@@ -254,16 +254,25 @@ def tune(
     auto's candidates by their measured step (module docstring).
 
     Args:
-      model, config, batch, batch_size, loss, recipe, rules, names, cost_model:
-        as :func:`spmdkit.plan`. A ``batch`` of arrays is also what the steps are
-        timed on (else zeros of the model's batch).
+      model: as :func:`spmdkit.plan` (a model spec, an NNX module, a ``ModelInfo``...).
       mesh: a mesh of real devices (``sk.make_mesh``).
       optimizer: the optimizer the steps update with (default ``optax.adam(1e-3)``).
+      config: as :func:`spmdkit.plan`.
+      batch: as :func:`spmdkit.plan`; a batch of arrays is also what the steps are
+        timed on (else zeros of the model's batch).
+      batch_size: as :func:`spmdkit.plan`.
+      loss: as :func:`spmdkit.plan`.
+      recipe: as :func:`spmdkit.plan` (given: fixed for every candidate).
+      rules: as :func:`spmdkit.plan`.
+      names: as :func:`spmdkit.plan`.
+      cost_model: as :func:`spmdkit.plan` (how the candidates are priced and ranked
+        before timing).
       options: :class:`~spmdkit.planner.options.SearchOptions` (pipelines, float8,
         ...); its ``measure`` is set here.
       candidates: how many candidates are timed at most.
-      steps, warmup, passes: timed steps per candidate and pass, untimed ones
-        before them, and passes over the candidates (:func:`time_plans`).
+      steps: timed steps per candidate and pass (:func:`time_plans`).
+      warmup: untimed steps per candidate and pass before them.
+      passes: passes over the candidates, the order reversed each pass.
 
     Returns:
       The fastest measured candidate's :class:`~spmdkit.planner.Plan` (its cost the
