@@ -187,7 +187,7 @@ def time_plans(
         >>> [t.best_s for t in time_plans(info, [fsdp, megatron], optax.adam(1e-3))]
         [0.19, 0.14]  # doctest: +SKIP
     """
-    _check_counts(steps=steps, warmup=warmup, passes=passes)
+    _check_counts("time_plans", steps=steps, warmup=warmup, passes=passes)
     for p in plans:
         if not isinstance(p.mesh, Mesh):
             raise SpmdError(
@@ -218,13 +218,13 @@ def time_plans(
     return [StepTimes(*(tuple(t[k]) for k in ("wall", "cpu", "sys", "faults"))) for t in times]
 
 
-def _check_counts(**counts: object) -> None:
+def _check_counts(op: str, **counts: object) -> None:
     least = {"warmup": 0}
     for name, value in counts.items():
         low = least.get(name, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise SpmdError(
-                op="tune",
+                op=op,
                 must=f"{name} is an int >= {low}",
                 given=repr(value),
                 fix=f"pass e.g. {name}={max(low, 2)}",
@@ -288,7 +288,7 @@ def tune(
         >>> [n.kind for n in plan.notes]  # doctest: +SKIP
         ['measured']
     """
-    _check_counts(steps=steps, warmup=warmup, passes=passes)
+    _check_counts("tune", steps=steps, warmup=warmup, passes=passes)
     if not isinstance(mesh, Mesh):
         raise SpmdError(
             op="tune",
