@@ -54,8 +54,10 @@ def measured_pool(
     seen: set = set()
 
     def add(c: Candidate) -> None:
+        if len(out) >= limit:
+            return  # a full pool builds no more plans
         key = layout(c)
-        if len(out) < limit and key not in seen:
+        if key not in seen:
             seen.add(key)
             out.append(c)
 
