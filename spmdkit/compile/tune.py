@@ -17,10 +17,14 @@ untimed steps, then ``steps`` timed steps, each fed the previous one's outputs (
 state donated, as in training); then its arrays are dropped before the next one's
 are built, so a step's temporaries reuse freed pages as they do in a training
 process that holds one plan, and a large model's candidates never share the
-devices' memory. The candidates are timed in ``passes`` passes, the order reversed
-each pass (each step compiled once), and a candidate's time is its least
-wall-clock step: the one the host's other work disturbed least, so a load that
-comes and goes during the run does not decide the choice. Timing costs a compile
+devices' memory. A block runs at least ``steps`` timed steps and at least
+``min_time_s`` seconds of them, as ``timeit`` sizes its loops, so a step of a few
+milliseconds is timed over many steps rather than three. The candidates are timed
+in ``passes`` passes, the order reversed each pass (each step compiled once), and a
+candidate's time is the least, over the passes, of its median step in a pass: the
+median keeps a pass's stray slow steps out, the least keeps out the pass that the
+host's other work disturbed most, so a load that comes and goes during the run
+does not decide the choice. Timing costs a compile
 per candidate: tune on the mesh you will train on, once per model and batch shape.
 
 :func:`time_plans` is the timer, usable on any list of plans of one model.
@@ -58,12 +62,14 @@ __all__ = ["StepTimes", "time_plans", "timed_step", "tune"]
 @dataclass(frozen=True)
 class StepTimes:
     """One plan's timed steps: per step the wall-clock seconds, the process's CPU
-    seconds, its system CPU seconds and its minor page faults."""
+    seconds, its system CPU seconds and its minor page faults; ``per_pass`` is how
+    many of the steps each pass timed, in order (empty: one pass)."""
 
     wall: tuple[float, ...]
     cpu: tuple[float, ...]
     sys: tuple[float, ...]
     faults: tuple[float, ...]
+    per_pass: tuple[int, ...] = ()
 
     @property
     def median_s(self) -> float:
@@ -72,9 +78,25 @@ class StepTimes:
 
     @property
     def best_s(self) -> float:
-        """The least wall-clock step: the one other work on the host disturbed least
-        (what :func:`tune` ranks by)."""
+        """The least wall-clock step: the one other work on the host disturbed least."""
         return min(self.wall)
+
+    @property
+    def pass_medians_s(self) -> tuple[float, ...]:
+        """Each pass's median wall-clock step, in order."""
+        sizes = self.per_pass or (len(self.wall),)
+        out, start = [], 0
+        for n in sizes:
+            out.append(statistics.median(self.wall[start : start + n]))
+            start += n
+        return tuple(out)
+
+    @property
+    def score_s(self) -> float:
+        """The least of the passes' median steps (what :func:`tune` ranks by): the
+        median keeps a pass's stray slow steps out, the least the pass the host's
+        other work disturbed most."""
+        return min(self.pass_medians_s)
 
 
 def _example_batch(info: ModelInfo, batch: Any) -> Any:
@@ -137,9 +159,11 @@ def timed_step(
     return call
 
 
-def _block(call: Callable[[], Any], steps: int) -> dict[str, list[float]]:
+def _block(call: Callable[[], Any], steps: int, min_time_s: float) -> dict[str, list[float]]:
+    """At least ``steps`` timed steps of ``call`` and at least ``min_time_s`` seconds
+    of them."""
     out: dict[str, list[float]] = {"wall": [], "cpu": [], "sys": [], "faults": []}
-    for _ in range(steps):
+    while len(out["wall"]) < steps or sum(out["wall"]) < min_time_s:
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         c0, t0 = time.process_time(), time.perf_counter()
         jax.block_until_ready(call())
@@ -160,24 +184,29 @@ def time_plans(
     steps: int = 3,
     warmup: int = 1,
     passes: int = 2,
+    min_time_s: float = 0.25,
 ) -> list[StepTimes]:
     """Each plan's train step timed on its mesh's devices (module docstring): per
     pass, every plan in turn (the order reversed each pass, so a load that drifts
     over the run reaches every plan alike) has its arrays built, ``warmup``
-    untimed steps and ``steps`` timed ones, and its arrays dropped before the next
-    plan's are built; each step is compiled once, on its first pass.
+    untimed steps and at least ``steps`` timed ones (and at least ``min_time_s``
+    seconds of them), and its arrays dropped before the next plan's are built; each
+    step is compiled once, on its first pass.
 
     Args:
       info: the described model (``sk.describe``).
       plans: plans of that model, on meshes of real devices.
       optimizer: the optimizer the steps update with.
       batch: a batch of arrays (None: zeros of ``info.batch``).
-      steps: timed steps per plan and pass (at least 1).
+      steps: timed steps per plan and pass, at least (at least 1).
       warmup: untimed steps per plan and pass, after the one that builds it.
       passes: how many times every plan is timed (at least 1).
+      min_time_s: seconds of timed steps per plan and pass, at least (>= 0): more
+        steps are run until they add up to it.
 
     Returns:
-      One :class:`StepTimes` per plan, in order (``passes * steps`` steps each).
+      One :class:`StepTimes` per plan, in order (its ``per_pass`` the steps each
+      pass timed).
 
     Raises:
       SpmdError: a plan on an abstract mesh, or a count out of range.
@@ -188,6 +217,7 @@ def time_plans(
         [0.19, 0.14]  # doctest: +SKIP
     """
     _check_counts("time_plans", steps=steps, warmup=warmup, passes=passes)
+    _check_seconds("time_plans", min_time_s)
     for p in plans:
         if not isinstance(p.mesh, Mesh):
             raise SpmdError(
@@ -199,7 +229,7 @@ def time_plans(
     example = _example_batch(info, batch)
     compiled: dict[int, Any] = {}
     times: list[dict[str, list[float]]] = [
-        {"wall": [], "cpu": [], "sys": [], "faults": []} for _ in plans
+        {"wall": [], "cpu": [], "sys": [], "faults": [], "per_pass": []} for _ in plans
     ]
     order = list(range(len(plans)))
     for k in range(passes):
@@ -208,14 +238,28 @@ def time_plans(
             compiled[i] = call.step  # type: ignore[attr-defined]
             for _ in range(warmup):
                 jax.block_until_ready(call())
-            for key, values in _block(call, steps).items():
+            block = _block(call, steps, min_time_s)
+            for key, values in block.items():
                 times[i][key] += values
+            times[i]["per_pass"].append(len(block["wall"]))
             del call
             gc.collect()
     compiled.clear()
     jax.clear_caches()  # the compiled steps' executables are held by jax's caches too
     gc.collect()
-    return [StepTimes(*(tuple(t[k]) for k in ("wall", "cpu", "sys", "faults"))) for t in times]
+    keys = ("wall", "cpu", "sys", "faults", "per_pass")
+    return [StepTimes(*(tuple(t[k]) for k in keys)) for t in times]
+
+
+def _check_seconds(op: str, min_time_s: object) -> None:
+    ok = isinstance(min_time_s, int | float) and not isinstance(min_time_s, bool)
+    if not ok or not min_time_s >= 0 or min_time_s == float("inf"):
+        raise SpmdError(
+            op=op,
+            must="min_time_s is a finite number of seconds >= 0",
+            given=repr(min_time_s),
+            fix="pass e.g. min_time_s=0.25 (0: exactly `steps` timed steps)",
+        )
 
 
 def _check_counts(op: str, **counts: object) -> None:
@@ -249,6 +293,7 @@ def tune(
     steps: int = 3,
     warmup: int = 1,
     passes: int = 2,
+    min_time_s: float = 0.25,
 ) -> Plan:
     """Plan ``model`` with ``strategy="auto"`` on ``mesh``'s devices, choosing among
     auto's candidates by their measured step (module docstring).
@@ -270,9 +315,10 @@ def tune(
       options: :class:`~spmdkit.planner.options.SearchOptions` (pipelines, float8,
         ...); its ``measure`` is set here.
       candidates: how many candidates are timed at most.
-      steps: timed steps per candidate and pass (:func:`time_plans`).
+      steps: timed steps per candidate and pass, at least (:func:`time_plans`).
       warmup: untimed steps per candidate and pass before them.
       passes: passes over the candidates, the order reversed each pass.
+      min_time_s: seconds of timed steps per candidate and pass, at least.
 
     Returns:
       The fastest measured candidate's :class:`~spmdkit.planner.Plan` (its cost the
@@ -289,6 +335,7 @@ def tune(
         ['measured']
     """
     _check_counts("tune", steps=steps, warmup=warmup, passes=passes)
+    _check_seconds("tune", min_time_s)
     if not isinstance(mesh, Mesh):
         raise SpmdError(
             op="tune",
@@ -309,8 +356,17 @@ def tune(
     info = describe(model, config=config, batch=batch, batch_size=batch_size, loss=loss)
 
     def timer(plans: Sequence[Plan]) -> list[float]:
-        timed = time_plans(info, plans, opt, batch, steps=steps, warmup=warmup, passes=passes)
-        return [t.best_s for t in timed]
+        timed = time_plans(
+            info,
+            plans,
+            opt,
+            batch,
+            steps=steps,
+            warmup=warmup,
+            passes=passes,
+            min_time_s=min_time_s,
+        )
+        return [t.score_s for t in timed]
 
     opts = replace(options or SearchOptions(), measure=timer, measure_candidates=candidates)
     return make_plan(

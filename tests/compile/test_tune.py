@@ -33,6 +33,7 @@ def test_tune_times_candidates_on_the_devices_and_keeps_the_fastest(tiny_infos):
             steps=1,
             warmup=0,
             passes=1,
+            min_time_s=0,
         )
     (note,) = [n for n in p.notes if n.kind == "measured"]
     assert "timed 2 candidates" in note.message
@@ -53,11 +54,20 @@ def test_time_plans_runs_each_plan_for_its_steps_and_passes(tiny_infos):
     mesh = sk.make_mesh(data=8)
     info = tiny_infos["gpt"]
     plans = [sk.plan(info, mesh, s, estimator="analytic") for s in ("dp", "fsdp")]
-    times = time_plans(info, plans, optax.sgd(0.1), steps=2, warmup=0, passes=2)
+    times = time_plans(info, plans, optax.sgd(0.1), steps=2, warmup=0, passes=2, min_time_s=0)
     assert [len(t.wall) for t in times] == [4, 4]
     for t in times:
-        assert 0 < t.best_s <= t.median_s
+        assert t.per_pass == (2, 2)
+        assert 0 < t.best_s <= t.score_s <= max(t.pass_medians_s)
         assert all(c >= 0 for c in t.cpu)
+    # sized by time: each pass runs steps until they add up to min_time_s
+    (t,) = time_plans(info, plans[:1], optax.sgd(0.1), steps=1, warmup=0, passes=2, min_time_s=0.2)
+    assert len(t.per_pass) == 2 and sum(t.per_pass) == len(t.wall)
+    start = 0
+    for n in t.per_pass:
+        block = t.wall[start : start + n]
+        assert sum(block) >= 0.2 and sum(block[:-1]) < 0.2
+        start += n
 
 
 def test_tune_and_time_plans_refuse_an_abstract_mesh_and_bad_counts(tiny_infos):
@@ -71,4 +81,9 @@ def test_tune_and_time_plans_refuse_an_abstract_mesh_and_bad_counts(tiny_infos):
         sk.tune(info, sk.make_mesh(data=8), steps=0)
     with pytest.raises(SpmdError, match="passes is an int >= 1"):
         time_plans(info, [], optax.sgd(0.1), passes=0)
+    for bad in (-1.0, float("nan"), float("inf"), "0.2", True):
+        with pytest.raises(SpmdError, match="min_time_s is a finite number"):
+            time_plans(info, [], optax.sgd(0.1), min_time_s=bad)
+    with pytest.raises(SpmdError, match="min_time_s is a finite number"):
+        sk.tune(info, sk.make_mesh(data=8), min_time_s=-1)
     assert jax.device_count() == 8
