@@ -63,19 +63,21 @@ meshes data=2 × model=4 and data=8, for the reference models' ``tiny`` and
 ``small`` configs (:data:`AUTO_CASES`), ``sk.plan(..., "auto")`` (priced on the
 mesh's own topology, ``Topology.cpu``) against every preset: each distinct plan's
 train step (``sk.jit(sk.train_step(info, adam, plan), plan, donate_state=True)``,
-its outputs fed to the next step, as ``train`` runs it) compiled and timed in its
-own block with only its own arrays alive (built, two untimed steps, timed steps,
-then its arrays and compiled step dropped and collected before the next plan's:
-with every plan's arrays alive at once, a step's large temporaries get fresh pages
-from the kernel that a training process, holding only its own, need not pay),
-auto's block first and every block as many steps as auto's; per preset the median
-of the ratios auto / preset of the i-th steps of the two blocks, and auto against
+its outputs fed to the next step, as ``train`` runs it) compiled once and timed by
+``time_plans``, the timer ``sk.tune`` uses: three passes over the plans, the order
+reversed each pass, each plan in its own block with only its own arrays alive
+(built, two untimed steps, at least a share of the budget in timed steps, then its
+arrays dropped and collected before the next plan's: with every plan's arrays alive
+at once, a step's large temporaries get fresh pages from the kernel that a training
+process, holding only its own, need not pay). A plan's step is the least of its
+passes' median steps, so a load that drifts over the run reaches every plan alike
+and the pass it disturbed most is left out. Auto's and ``sk.tune``'s picks against
 the fastest preset (target ≤ 1.1), in wall-clock time and in the process's CPU
 seconds per step (``cpu_ratio_to_fastest``: the steps' own work, which a loaded,
 shared host inflates least; wall-clock differences between layouts there also hold
 the threads' waits at each collective; ``cpu_ratio_to_least_cpu``: the same against
-``least_cpu_preset``, the preset of least CPU time a step, since the blocks run one
-after another and a drifting load can make another preset the wall-clock fastest),
+``least_cpu_preset``, the preset of least CPU time a step), the wall-clock ratio of
+each pass (``ratio_to_fastest_per_pass``),
 with each step's system CPU seconds and
 minor page faults (``step_sys_ms``, ``step_page_faults``: the kernel zero-filling
 fresh pages). The CPU topology's per-core constants measured on this host
@@ -675,45 +677,13 @@ def _train_run(info: Any, plan: Any, opt: Any, batch: Any, *, donate: bool = Tru
     return timed_step(info, plan, opt, batch, donate=donate)
 
 
-def _time_plan(
-    info: Any,
-    plan: Any,
-    opt: Any,
-    batch: Any,
-    *,
-    steps: int | None,
-    budget_s: float,
-    warmup: int,
-    donate: bool = True,
-) -> dict[str, Any]:
-    """Build one plan's step and arrays, run ``warmup`` untimed steps, time
-    ``steps`` steps (or, with None, as many as ``budget_s`` holds: 3 to 25), then
-    drop its arrays and compiled step and collect, so that the next plan runs with
-    only its own arrays alive (as in training, where a step's large temporaries
-    reuse the pages the previous step freed). Per step: wall seconds, the
-    process's CPU seconds, system CPU seconds and minor page faults."""
-    import gc
-    import resource
-
-    import jax
-
-    call = _train_run(info, plan, opt, batch, donate=donate)
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-    if steps is None:
-        steps = max(3, min(25, int(budget_s / max(_timed(call), 1e-9))))
-    out: dict[str, list[float]] = {"wall": [], "cpu": [], "sys": [], "faults": []}
-    for _ in range(steps):
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        c0 = time.process_time()
-        out["wall"].append(_timed(call))
-        out["cpu"].append(time.process_time() - c0)
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        out["sys"].append(r1.ru_stime - r0.ru_stime)
-        out["faults"].append(r1.ru_minflt - r0.ru_minflt)
-    del call
-    jax.clear_caches()  # the compiled step's executables, held by jax's caches too
-    gc.collect()
+def _pass_medians(t: Any, clock: str) -> list[float]:
+    """Each pass's median step of ``t`` (a :class:`~spmdkit.compile.tune.StepTimes`)
+    on ``clock`` ("wall" or "cpu")."""
+    values, out, start = getattr(t, clock), [], 0
+    for n in t.per_pass:
+        out.append(statistics.median(values[start : start + n]))
+        start += n
     return out
 
 
@@ -725,19 +695,22 @@ def measure_auto(
     budget_s: float,
     batch_size: int = 8,
     warmup: int = 2,
-    donate: bool = True,
+    passes: int = 3,
 ) -> dict[str, Any]:
-    """Auto's plan against every preset on one model and mesh: each distinct plan's
-    train step compiled with ``sk.jit`` (state donated, as ``train`` runs it, unless
-    ``donate`` is False) and
-    timed in its own block with only its own arrays alive (:func:`_time_plan`),
-    auto's first; every plan gets as many steps as auto's block (``rounds``: auto's
-    share of ``budget_s``, 3 to 25). Per preset the median of the ratios auto /
-    preset of the i-th steps of the two blocks."""
+    """Auto's plan and ``sk.tune``'s pick against every preset on one model and
+    mesh: each distinct plan's train step compiled with ``sk.jit`` (state donated,
+    as ``train`` runs it) and timed by :func:`spmdkit.compile.tune.time_plans` (the
+    timer ``sk.tune`` uses): ``passes`` passes over the plans, the order reversed
+    each pass, each plan in its own block with only its own arrays alive,
+    ``warmup`` untimed steps and at least ``budget_s / (plans * passes)`` seconds
+    of timed ones. A plan's step is the least of its passes' median steps (so a
+    load that drifts over the run reaches every plan alike and the pass it
+    disturbed most is left out); ratios are of those, wall clock and CPU seconds."""
     import numpy as np
     import optax
 
     import spmdkit as sk
+    from spmdkit.compile.tune import time_plans
     from spmdkit.models import get_model
 
     spec = get_model(name)
@@ -755,71 +728,64 @@ def measure_auto(
     keys = {n: _layout_key(p) for n, p in plans.items()}
     order = list(dict.fromkeys(keys.values()))  # auto's layout first
     plan_of = {k: plans[next(n for n in plans if keys[n] == k)] for k in order}
-    share = budget_s / len(order)
-    blocks = {
-        order[0]: _time_plan(
-            info,
-            plan_of[order[0]],
-            opt,
-            batch,
-            steps=None,
-            budget_s=share,
-            warmup=warmup,
-            donate=donate,
-        )
-    }
-    rounds = len(blocks[order[0]]["wall"])
-    for k in order[1:]:
-        blocks[k] = _time_plan(
-            info, plan_of[k], opt, batch, steps=rounds, budget_s=share, warmup=warmup, donate=donate
-        )
+    timed = time_plans(
+        info,
+        [plan_of[k] for k in order],
+        opt,
+        batch,
+        steps=3,
+        warmup=warmup,
+        passes=passes,
+        min_time_s=budget_s / (len(order) * passes),
+    )
+    by_key = dict(zip(order, timed, strict=True))
     med = statistics.median
-    auto_b = blocks[keys["auto"]]
-    auto_t, auto_c = auto_b["wall"], auto_b["cpu"]
+    step = {k: {c: min(_pass_medians(t, c)) for c in ("wall", "cpu")} for k, t in by_key.items()}
     presets = {}
     for n in plans:
         if n in ("auto", "tuned"):
             continue
-        b = blocks[keys[n]]
+        t, k = by_key[keys[n]], keys[n]
         presets[n] = {
-            "step_ms": 1e3 * med(b["wall"]),
-            "step_cpu_ms": 1e3 * med(b["cpu"]),
-            "step_sys_ms": 1e3 * med(b["sys"]),
-            "step_page_faults": med(b["faults"]),
-            "auto_ratio": med([a / x for a, x in zip(auto_t, b["wall"], strict=True)]),
-            "auto_cpu_ratio": med([a / x for a, x in zip(auto_c, b["cpu"], strict=True)]),
+            "step_ms": 1e3 * step[k]["wall"],
+            "step_cpu_ms": 1e3 * step[k]["cpu"],
+            "step_sys_ms": 1e3 * med(t.sys),
+            "step_page_faults": med(t.faults),
+            "auto_ratio": step[keys["auto"]]["wall"] / step[k]["wall"],
+            "auto_cpu_ratio": step[keys["auto"]]["cpu"] / step[k]["cpu"],
             "predicted_step_s": plans[n].cost.step_time_s,
-            "same_as_auto": keys[n] == keys["auto"],
+            "same_as_auto": k == keys["auto"],
         }
     fastest = min(presets, key=lambda n: presets[n]["step_ms"])
-    # the blocks run one after another, so the host's load drifts between them:
     # the preset of least CPU time a step beside the one of least wall time
     least_cpu = min(presets, key=lambda n: presets[n]["step_cpu_ms"])
-    fast_t = blocks[keys[fastest]]["wall"]
     a, tuned = plans["auto"], plans["tuned"]
-    tuned_b = blocks[keys["tuned"]]
-    fast_b = blocks[keys[fastest]]
-    ratio = {
-        clock: med([x / y for x, y in zip(tuned_b[clock], fast_b[clock], strict=True)])
-        for clock in ("wall", "cpu")
-    }
+    auto_t = by_key[keys["auto"]]
+    per_pass = [
+        x / y
+        for x, y in zip(
+            _pass_medians(auto_t, "wall"), _pass_medians(by_key[keys[fastest]], "wall"), strict=True
+        )
+    ]
+    ratio = {c: step[keys["tuned"]][c] / step[keys[fastest]][c] for c in ("wall", "cpu")}
     return {
         "model": name,
         "config": size,
         "mesh": mesh_shape,
         "batch": batch_size,
         "params": int(sum(np.prod(p.shape) for p in info.params)),
-        "rounds": rounds,
+        "steps_per_pass": {n: list(by_key[keys[n]].per_pass) for n in plans},
+        "passes": passes,
         "warmup": warmup,
-        "timing": "own_arrays_alone",
-        "donate": donate,
+        "timing": "time_plans_passes",
+        "donate": True,
         "topology": a.topology,
         "auto_chose": f"{a.chosen}" + ("" if a.recipe.is_default else f"+{a.recipe.short()}"),
         "auto_sharded": _sharded(a),
-        "auto_step_ms": 1e3 * med(auto_t),
-        "auto_step_cpu_ms": 1e3 * med(auto_c),
-        "auto_step_sys_ms": 1e3 * med(auto_b["sys"]),
-        "auto_step_page_faults": med(auto_b["faults"]),
+        "auto_step_ms": 1e3 * step[keys["auto"]]["wall"],
+        "auto_step_cpu_ms": 1e3 * step[keys["auto"]]["cpu"],
+        "auto_step_sys_ms": 1e3 * med(auto_t.sys),
+        "auto_step_page_faults": med(auto_t.faults),
         "auto_predicted_step_s": a.cost.step_time_s,
         "auto_notes": [n.kind for n in a.notes],
         "fastest_preset": fastest,
@@ -827,14 +793,13 @@ def measure_auto(
         "cpu_ratio_to_fastest": presets[fastest]["auto_cpu_ratio"],
         "least_cpu_preset": least_cpu,
         "cpu_ratio_to_least_cpu": presets[least_cpu]["auto_cpu_ratio"],
-        "ratio_to_fastest_p25": _pct([x / y for x, y in zip(auto_t, fast_t, strict=True)], 0.25),
-        "ratio_to_fastest_p75": _pct([x / y for x, y in zip(auto_t, fast_t, strict=True)], 0.75),
+        "ratio_to_fastest_per_pass": per_pass,
         "presets": presets,
         "plan_s": plan_s,
         "tuned_chose": f"{tuned.chosen}"
         + ("" if tuned.recipe.is_default else f"+{tuned.recipe.short()}"),
         "tuned_same_as_auto": keys["tuned"] == keys["auto"],
-        "tuned_step_ms": 1e3 * med(tuned_b["wall"]),
+        "tuned_step_ms": 1e3 * step[keys["tuned"]]["wall"],
         "tuned_ratio_to_fastest": ratio["wall"],
         "tuned_cpu_ratio_to_fastest": ratio["cpu"],
         "tune_s": tune_s,
@@ -850,7 +815,7 @@ def _sharded(plan: Any) -> bool:
 def _auto_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'model':<10}{'config':<7}{'mesh':<9}{'auto chose':<30}{'auto':>9} "
-        f"{'fastest preset':<15}{'preset':>9} {'auto/preset':>11}  [p25, p75]   cpu ratio"
+        f"{'fastest preset':<15}{'preset':>9} {'auto/preset':>11}  [passes min, max] cpu ratio"
         f"  {'tune chose':<16}{'tuned/preset':>12} {'cpu':>6}"
     )
     for r in rows:
@@ -860,8 +825,9 @@ def _auto_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{r['model']:<10}{r['config']:<7}{mesh:<9}{r['auto_chose'][:29]:<30}"
             f"{r['auto_step_ms']:>7.2f}ms {f:<15}{r['presets'][f]['step_ms']:>7.2f}ms "
-            f"{r['ratio_to_fastest']:>11.3f}  [{r['ratio_to_fastest_p25']:.3f}, "
-            f"{r['ratio_to_fastest_p75']:.3f}] {r['cpu_ratio_to_fastest']:>6.3f} {ok:<4}"
+            f"{r['ratio_to_fastest']:>11.3f}  [{min(r['ratio_to_fastest_per_pass']):.3f}, "
+            f"{max(r['ratio_to_fastest_per_pass']):.3f}]   "
+            f"{r['cpu_ratio_to_fastest']:>6.3f} {ok:<4}"
             f"  {r['tuned_chose'][:15]:<16}{r['tuned_ratio_to_fastest']:>12.3f} "
             f"{r['tuned_cpu_ratio_to_fastest']:>6.3f} "
             f"{'ok' if r['tuned_ratio_to_fastest'] <= AUTO_TARGET else 'OVER'}",
@@ -1040,13 +1006,15 @@ def run_auto_section(args: argparse.Namespace) -> dict[str, Any]:
         "target": AUTO_TARGET,
         "cpu_constants": constants,
         "definition": "step time of sk.jit(sk.train_step(info, adam, plan), plan, "
-        "donate_state=True), auto's plan / each preset's, each distinct plan timed in its own "
-        "block with only its own arrays alive (built, 2 untimed steps, timed steps, dropped "
-        "and collected), auto's first, every block as many steps as auto's; median of the "
-        "ratios of the i-th steps of the two blocks; the fastest preset is the one of "
-        "least median step time; cpu_ratio_to_fastest: the same of the process's CPU seconds "
-        "per step (the step's own work, what a loaded, shared host inflates least); "
-        "cpu_ratio_to_least_cpu: the same against the preset of least CPU time a step",
+        "donate_state=True) for auto's plan, sk.tune's and each preset's, each distinct plan "
+        "timed by spmdkit.compile.tune.time_plans: 3 passes, the order reversed each pass, "
+        "each plan in its own block with only its own arrays alive (built, 2 untimed steps, "
+        "at least budget / (plans * passes) seconds of timed steps, dropped and collected); a "
+        "plan's step is the least of its passes' median steps; ratios of those; the fastest "
+        "preset is the one of least such step; cpu_ratio_to_fastest: the same of the "
+        "process's CPU seconds per step (the step's own work, what a loaded, shared host "
+        "inflates least); cpu_ratio_to_least_cpu: the same against the preset of least CPU "
+        "time a step",
         "rows": rows,
     }
 
@@ -1065,6 +1033,8 @@ def machine(gpu: bool) -> dict[str, Any]:
         "spmdkit": getattr(spmdkit, "__version__", "?"),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        # the cores this process may run on (a run pinned with taskset has fewer)
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "load_average_1m": os.getloadavg()[0],
         "backend": jax.default_backend(),
         "device_kind": dev.device_kind,

@@ -884,6 +884,15 @@ def _startup_table(d: dict[str, Any]) -> str:
     )
 
 
+def _auto_spread(r: dict[str, Any]) -> str:
+    """A row's spread of auto / fastest: its passes' ratios (min–max), or the
+    percentiles of the per-step ratios of earlier tables."""
+    if "ratio_to_fastest_per_pass" in r:
+        xs = r["ratio_to_fastest_per_pass"]
+        return f"{min(xs):.3f}–{max(xs):.3f} (passes)"
+    return f"{r['ratio_to_fastest_p25']:.3f}–{r['ratio_to_fastest_p75']:.3f} (p25–p75)"
+
+
 def _auto_vs_presets_table(section: dict[str, Any]) -> str:
     """Auto's measured train step against every preset's on 8 CPU devices (issue 43)."""
     rows = [
@@ -896,7 +905,7 @@ def _auto_vs_presets_table(section: dict[str, Any]) -> str:
             r["fastest_preset"],
             r["presets"][r["fastest_preset"]]["step_ms"],
             r["ratio_to_fastest"],
-            f"{r['ratio_to_fastest_p25']:.3f}–{r['ratio_to_fastest_p75']:.3f}",
+            _auto_spread(r),
             r.get("cpu_ratio_to_fastest"),
             r.get("tuned_chose", "—"),
             r.get("tuned_ratio_to_fastest"),
@@ -914,7 +923,7 @@ def _auto_vs_presets_table(section: dict[str, Any]) -> str:
             "fastest preset",
             "preset ms",
             f"auto / fastest (≤ {section.get('target')})",
-            "p25–p75",
+            "spread",
             "CPU-seconds ratio",
             "sk.tune chose",
             "tuned / fastest",
@@ -959,12 +968,17 @@ def sec_overhead(results: Path, out: Path, gpu_note: str) -> str:
             ]
     auto = d.get("auto_vs_presets") if d is not None else None
     if auto and auto.get("rows"):
-        alone = all(r.get("timing") == "own_arrays_alone" for r in auto["rows"])
+        timing = {r.get("timing") for r in auto["rows"]}
         how = (
-            "timed in its own block with only its own arrays alive (state donated, as `train` "
-            "runs it); ratio = median of the ratios of the i-th steps of auto's block and the "
-            "fastest preset's"
-            if alone
+            "timed by `time_plans` (what `sk.tune` times with): three passes, the order "
+            "reversed each pass, each plan in its own block with only its own arrays alive "
+            "(state donated, as `train` runs it); a plan's step = the least of its passes' "
+            "median steps; ratio = auto's (or `sk.tune`'s) / the fastest preset's"
+            if timing == {"time_plans_passes"}
+            else "timed in its own block with only its own arrays alive (state donated, as "
+            "`train` runs it); ratio = median of the ratios of the i-th steps of auto's block "
+            "and the fastest preset's"
+            if timing == {"own_arrays_alone"}
             else "timed in rounds (every plan once a round, the order rotated, every plan's "
             "arrays alive at once); ratio = median of the per-round ratios auto / the fastest "
             "preset"

@@ -1,5 +1,6 @@
 """``sk.tune``: auto's candidates timed on the mesh's own devices."""
 
+import gc
 import re
 
 import jax
@@ -60,6 +61,12 @@ def test_time_plans_runs_each_plan_for_its_steps_and_passes(tiny_infos):
         assert t.per_pass == (2, 2)
         assert 0 < t.best_s <= t.score_s <= max(t.pass_medians_s)
         assert all(c >= 0 for c in t.cpu)
+    # each plan's block leaves none of its arrays alive (params, state, batch, outputs)
+    gc.collect()
+    before = {id(x) for x in jax.live_arrays()}
+    time_plans(info, plans[:1], optax.sgd(0.1), steps=1, warmup=0, passes=1, min_time_s=0)
+    gc.collect()
+    assert {id(x) for x in jax.live_arrays()} <= before
     # sized by time: each pass runs steps until they add up to min_time_s
     (t,) = time_plans(info, plans[:1], optax.sgd(0.1), steps=1, warmup=0, passes=2, min_time_s=0.2)
     assert len(t.per_pass) == 2 and sum(t.per_pass) == len(t.wall)
