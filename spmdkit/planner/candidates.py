@@ -71,6 +71,7 @@ __all__ = [
     "context_record",
     "group_choices",
     "layout_options",
+    "preset_choice",
     "preset_tables",
     "propagate_cost",
     "propagate_costed",
@@ -576,6 +577,31 @@ def rules_choice(
     return out
 
 
+#: ``memo`` key prefix of a preset's tables and layouts (:func:`preset_choice`).
+_PRESET_KEY = ("candidates", "preset_choice")
+
+
+def preset_choice(
+    memo: dict,
+    name: str,
+    extra: RulesLike | None,
+    mesh: MeshLike,
+    groups: list[ParamGroup],
+    aliases: Mapping[str, str] | None = None,
+) -> tuple[LogicalRules, list[GroupLayout]]:
+    """A preset's parameter table and its layout per group (:func:`preset_tables`,
+    :func:`rules_choice`), memoized in ``memo`` for these very ``extra``, ``mesh``
+    and ``groups`` (one plan call's) and these ``aliases``: the same under every
+    recipe the search costs the preset with. The layouts come back as a new list."""
+    given = (extra, mesh, groups)
+    key = (_PRESET_KEY, name, *map(id, given), tuple(sorted((aliases or {}).items())))
+    hit = memo.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], given, strict=True)):
+        rules, opt_rules = preset_tables(name, extra, mesh, aliases)
+        hit = memo[key] = (given, rules, rules_choice(rules, opt_rules, groups, mesh, name))
+    return hit[1], list(hit[2])
+
+
 def _pinned(g: ParamGroup) -> GroupLayout:
     """A group the model pins in mesh axes: its pin, for the parameters and their
     optimizer state alike."""
@@ -698,36 +724,66 @@ def search_layouts(
     sizes = ctx.sizes if sizes is None else sizes
     found = [layout_options(ctx, g, batch_axes, seq_axes, sizes) for g in groups]
     options = [opts for opts, _ in found]
-
-    def gcost(i: int, j: int) -> GroupCost:
-        return found[i][1][j]
-
-    pick = []
-    for i, opts in enumerate(options):
-        best = min(range(len(opts)), key=lambda j: (gcost(i, j).time, gcost(i, j).memory, j))
-        pick.append(best)
+    ranked = [_ranked(ctx, costs) for _, costs in found]
+    pick = [r.best for r in ranked]
     choice = [options[i][j] for i, j in enumerate(pick)]
     cost = total(ctx, groups, choice, batch_axes, seq_axes)
     # Over budget: trade time for memory, best Δtime per byte saved first.
-    moves: list[list[tuple[float, int]] | None] = [None] * len(options)
     for _ in range(4 * len(groups) * 8):
         if cost.peak_bytes <= budget:
             break
         best_move = None
-        for i in range(len(options)):
-            if moves[i] is None:  # only the group moved last changes its moves
-                moves[i] = budget_moves(gcost, i, pick[i], len(options[i]))
-            for ratio, j in moves[i]:
+        for i, r in enumerate(ranked):
+            for ratio, j in r.moves(pick[i]):
                 if best_move is None or ratio < best_move[0]:
                     best_move = (ratio, i, j)
         if best_move is None:
             break
         _, i, j = best_move
         pick[i] = j
-        moves[i] = None
         choice[i] = options[i][j]
         cost = total(ctx, groups, choice, batch_axes, seq_axes)
     return choice, cost
+
+
+class _Ranked:
+    """One group's option costs as :func:`search_layouts` reads them: each
+    option's time and memory, the fastest option (ties: the least memory, then
+    the first), and the budget moves from each option (:func:`budget_moves`),
+    computed once per option."""
+
+    __slots__ = ("_moves", "best", "memories", "times")
+
+    def __init__(self, costs: Sequence[GroupCost]) -> None:
+        keys = [(c.time, c.memory, j) for j, c in enumerate(costs)]
+        self.best: int = min(keys)[2]
+        self.times = [t for t, _, _ in keys]
+        self.memories = [m for _, m, _ in keys]
+        self._moves: dict[int, list[tuple[float, int]]] = {}
+
+    def moves(self, cur_j: int) -> list[tuple[float, int]]:
+        """:func:`budget_moves` from option ``cur_j`` (memoized)."""
+        out = self._moves.get(cur_j)
+        if out is None:
+            out = self._moves[cur_j] = _moves_from(self.times, self.memories, cur_j)
+        return out
+
+
+#: ``CostContext.memo`` key prefix of a group's ranked option costs (:func:`_ranked`).
+_RANKED_KEY = ("candidates", "ranked")
+
+
+def _ranked(ctx: CostContext, costs: list[GroupCost]) -> _Ranked:
+    """``costs`` (a list :func:`layout_options` memoized in ``ctx``) ranked, memoized
+    beside it: the planner searches the same options under many recipes and
+    budgets."""
+    key = (_RANKED_KEY, id(costs))
+    hit = ctx.memo.get(key)
+    if hit is not None and hit[0] is costs:
+        return hit[1]
+    out = _Ranked(costs)
+    ctx.memo[key] = (costs, out)  # holding ``costs`` keeps its id this entry's
+    return out
 
 
 def layout_options(
@@ -793,13 +849,18 @@ def budget_moves(
       cur_j: its option now.
       n: its option count.
     """
-    cur = gcost(i, cur_j)
+    costs = [gcost(i, j) for j in range(n)]
+    return _moves_from([c.time for c in costs], [c.memory for c in costs], cur_j)
+
+
+def _moves_from(times: Sequence[float], memories: Sequence[float], cur_j: int) -> list:
+    """:func:`budget_moves` on the options' times and memories."""
+    cur_t, cur_m = times[cur_j], memories[cur_j]
     out = []
-    for j in range(n):
-        c = gcost(i, j)
-        saved = cur.memory - c.memory
+    for j, m in enumerate(memories):
+        saved = cur_m - m
         if saved > 0:
-            out.append(((c.time - cur.time) / saved, j))
+            out.append(((times[j] - cur_t) / saved, j))
     if any(math.isnan(r) for r, _ in out):
         return out
     kept: list[tuple[float, int]] = []

@@ -30,7 +30,7 @@ and ``train`` run on it, as for a context-parallel or pipelined plan) and a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from spmdkit.mesh import data_axis
@@ -39,8 +39,7 @@ from spmdkit.planner.candidates import (
     Candidate,
     activation_layout,
     batch_axis_choices,
-    preset_tables,
-    rules_choice,
+    preset_choice,
     search_layouts,
 )
 from spmdkit.planner.context_parallel import split_context
@@ -90,10 +89,12 @@ class ExpertPlanner:
       problem: what the plan call plans (it reads the mesh, the traced step, the
         groups, the budget and the aliases).
       meshes: :func:`expert_meshes` of the plan's mesh and traced step.
+      memo: the ``ep`` preset's tables and layouts per split mesh (a cache).
     """
 
     problem: Problem
     meshes: tuple[MeshLike, ...]
+    memo: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, problem: Problem) -> ExpertPlanner:
@@ -136,8 +137,7 @@ class ExpertPlanner:
     def split_ep(self, mesh: MeshLike, extra: RulesLike | None, recipe: Recipe) -> Candidate:
         """The ``ep`` preset's candidate on the split ``mesh``."""
         problem = self.problem
-        rules, opt_rules = preset_tables("ep", extra, mesh, problem.aliases)
-        choice = rules_choice(rules, opt_rules, problem.groups, mesh, "ep")
+        rules, choice = preset_choice(self.memo, "ep", extra, mesh, problem.groups, problem.aliases)
         act = activation_layout(rules, mesh, problem.ctx.trace)
         ctx = problem.context_ctx(mesh, recipe, ())
         cost = total_cost(ctx, problem.groups, choice, act.get("batch", ()), act.get("seq", ()))

@@ -82,7 +82,7 @@ from spmdkit.planner.candidates import (
     activation_layout,
     batch_axis_choices,
     group_choices,
-    preset_tables,
+    preset_choice,
     propagate_costed,
     rules_choice,
     search_layouts,
@@ -124,7 +124,7 @@ from spmdkit.planner.trace import trace_step
 from spmdkit.spec import MeshLike, axis_sizes
 from spmdkit.step.recipe import PLAIN, Recipe
 from spmdkit.topology import Topology, topology_for
-from spmdkit.util import fmt_bytes
+from spmdkit.util import fmt_bytes, gc_paused
 
 if TYPE_CHECKING:
     from optax import GradientTransformation
@@ -513,13 +513,11 @@ class _Planner:
         mesh where the experts would be replicated (:mod:`~spmdkit.planner.expert_mesh`)."""
         if name == "ep" and (split := self.experts.ep_mesh()) is not None:
             return self.experts.split_ep(split, extra, recipe)
-        rules, opt_rules = preset_tables(name, extra, self.problem.mesh, self.problem.aliases)
-        return self.costed(
-            name,
-            rules_choice(rules, opt_rules, self.problem.groups, self.problem.mesh, name),
-            rules,
-            recipe,
+        problem = self.problem
+        rules, choice = preset_choice(
+            self.memos, name, extra, problem.mesh, problem.groups, problem.aliases
         )
+        return self.costed(name, choice, rules, recipe)
 
     def table(self, table: LogicalRules, recipe: Recipe = PLAIN) -> Candidate:
         """A user rule table's candidate."""
@@ -701,13 +699,14 @@ class _Planner:
             return self.ranked(
                 self.recosted_pipelines(self.pipes.pipelined(pipeline, fixed, extra))
             )
-        candidates = self.analytic = self.analytic_candidates(extra, fixed)
+        with gc_paused():  # the analytic search's memos: millions of small objects
+            candidates = self.analytic = self.analytic_candidates(extra, fixed)
+            piped = self.pipes.pipelined(pipeline, fixed, extra) if pipeline is not None else []
         self.dropped = {
             n: ("their batch layouts split into none of the micro-batch counts tried", "")
             for n in PRESETS
             if all(c.name != n for c in candidates)
         }
-        piped = self.pipes.pipelined(pipeline, fixed, extra) if pipeline is not None else []
         far = _RECOST_OVER_BUDGET * self.problem.budget
         if (
             self.problem.estimator == "propagate"

@@ -173,6 +173,32 @@ def test_the_budget_move_is_the_one_a_full_scan_picks():
         assert full is None or full[1:] == kept[1:]
 
 
+def test_a_presets_layouts_are_resolved_once_per_plan_and_match_its_tables():
+    """preset_choice: a preset's table and layouts are those of preset_tables and
+    rules_choice, resolved once for a plan call's extra rules, mesh and groups (the
+    same under every recipe), handed back as a new list each time; other extra
+    rules resolve anew."""
+    from spmdkit.introspect import describe
+    from spmdkit.models import get_model
+    from spmdkit.planner import candidates
+    from spmdkit.planner.search import planner_for
+
+    info = describe(get_model("llama"), config="tiny_scan", batch_size=8)
+    problem = planner_for(info, sk.abstract_mesh(data=2, model=2)).problem
+    mesh, groups, memo = problem.mesh, problem.groups, {}
+    for name in ("fsdp", "megatron_sp+zero1"):
+        rules, choice = candidates.preset_choice(memo, name, None, mesh, groups)
+        want, want_opt = candidates.preset_tables(name, None, mesh)
+        assert rules == want
+        assert choice == candidates.rules_choice(want, want_opt, groups, mesh, name)
+        again = candidates.preset_choice(memo, name, None, mesh, groups)
+        assert again[0] is rules and again[1] == choice and again[1] is not choice
+    extra = [("embed", None)]
+    rules, choice = candidates.preset_choice(memo, "fsdp", extra, mesh, groups)
+    assert rules == candidates.preset_tables("fsdp", extra, mesh)[0]
+    assert len(memo) == 3
+
+
 def test_the_expert_exchange_is_never_hidden_under_compute():
     """The routed experts' all-to-alls sit on the critical path: of a propagated
     step whose analytic cost would hide all its communication, the exchanges'
