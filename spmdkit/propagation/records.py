@@ -332,9 +332,10 @@ class Recorder:
         self.ops = ops
         self.avail: dict[int, list[TensorSpec]] = {}
         self.held: dict = {}
-        # (top-level index, value id, bytes, dtype) of the operands XLA:CPU lays out
-        # anew for a gather or scatter over a minor dim (:func:`relayout_bytes`)
-        self.relayouts: list[tuple[int, int, int, Any]] = []
+        # (top-level index, value id, bytes before gathers, bytes before scatters,
+        # dtype): the operands XLA:CPU lays out anew for a gather or a scatter over a
+        # minor dim (:func:`relayout_bytes`)
+        self.relayouts: list[tuple[int, int, int, int, Any]] = []
         self.numbers = ValueNumbers(values)
         self.shared: collections.Counter = collections.Counter()
         self.merges = cse_merges_through_barriers(target_backend(self.mesh, pricer.topology))
@@ -363,8 +364,10 @@ class Recorder:
         )
         for a in reshards:
             k = int(a.arg.split()[1])
-            if n := relayout_bytes(a, self.mesh):
-                self.relayouts.append((at, node.ins[k], n, a.src.dtype))
+            gathers = relayout_bytes(a, self.mesh, ("all_gather",))
+            scatters = relayout_bytes(a, self.mesh, ("reduce_scatter",))
+            if gathers or scatters:
+                self.relayouts.append((at, node.ins[k], gathers, scatters, a.src.dtype))
         merged = self.numbers.merge(node, req, outs, self.numbers.scope(node, scope))
         if node.kind == "shard_map":
             layouts = self._operand_layouts(jaxprs.manual_axes(node.eqn), req)
@@ -659,7 +662,9 @@ def _squeezed(shape: tuple) -> tuple:
     return shape[i:]
 
 
-def relayout_bytes(reshard: ArgReshard, mesh: MeshLike) -> int:
+def relayout_bytes(
+    reshard: ArgReshard, mesh: MeshLike, kinds: Sequence[str] = ("all_gather", "reduce_scatter")
+) -> int:
     """Bytes of the copies XLA:CPU makes of a reshard's operands to lay them out
     for its gathers and scatters.
 
@@ -679,6 +684,7 @@ def relayout_bytes(reshard: ArgReshard, mesh: MeshLike) -> int:
     Args:
       reshard: one operand's reshard.
       mesh: the mesh its specs are laid out on.
+      kinds: the collective kinds to count.
 
     Returns:
       The bytes of those copies at the reshard's dtype (0: none).
@@ -686,7 +692,7 @@ def relayout_bytes(reshard: ArgReshard, mesh: MeshLike) -> int:
     src, dst = reshard.src.local_shape(mesh), reshard.dst.local_shape(mesh)
     total = 0
     for c in reshard.plan.collectives:
-        if c.kind not in ("all_gather", "reduce_scatter") or c.dim is None:
+        if c.kind not in kinds or c.kind not in ("all_gather", "reduce_scatter") or c.dim is None:
             continue
         if any(min(src[k], dst[k]) > 1 for k in range(c.dim)):
             total += (
