@@ -40,10 +40,14 @@ The recipe (:class:`~spmdkit.step.recipe.Recipe`) changes these terms:
   backward), overlapped with compute;
 - ``compute_dtype``: activations at its itemsize; compute at its peak;
   FSDP/gradient collectives move the cast (bf16) weights and gradients; the
-  cast copy of the local parameters is live during the step; ``"float8"``: as
+  copy of the local parameters cast to the activation dtype is live during the
+  step (none where they are stored in it; float8 quantizes each weight inside its
+  matmul, a layer at a time); ``"float8"``: as
   :mod:`spmdkit.planner.float8` prices it (LM head in bf16, quantization, residuals);
 - ``microbatches``: activations of one micro-batch; FSDP gathers and
-  reduce-scatters once per micro-batch; the gradient all-reduce once;
+  reduce-scatters once per micro-batch; the gradient all-reduce once; a ZeRO
+  layout's gradient reduce-scattered into the optimizer state's shard per
+  micro-batch and accumulated there;
 - ``master_weights="optimizer"``: groups as :mod:`spmdkit.planner.stored` stores them;
 - ``offload_opt``: optimizer state lives on the host and crosses the host link
   twice per step (exposed); on the device it is live only during the update,
@@ -70,7 +74,7 @@ from spmdkit.pipeline.layouts import accumulator_dtype
 from spmdkit.planner import experts, float8
 from spmdkit.planner.context_parallel import stage_context_attention
 from spmdkit.planner.experts import MoeCall
-from spmdkit.planner.float8 import attention_dtype, cast_ratio, matmul_dtype, quantize_s
+from spmdkit.planner.float8 import attention_dtype, cast_ratio, copy_ratio, matmul_dtype, quantize_s
 from spmdkit.planner.group_gemms import (
     column_siblings,
     gemm_dims,
@@ -90,6 +94,7 @@ from spmdkit.planner.plans import Cost, Dims, PyTree
 from spmdkit.planner.step_terms import (
     PolicyFacts,
     activations,
+    grads_at_state,
     memory_bound_s,
     memory_by_kind,
     offload_traffic,
@@ -775,13 +780,13 @@ def group_cost(
         compute_s=compute_s,
         comm_bytes=tuple(sorted(by_kind.items())),
         params=sp.local * count,
-        grads=sp.local * count / (n_extra if layout.grads_sharded else 1),
+        grads=sp.local * count / (n_extra if grads_at_state(ctx, layout) else 1),
         opt=0.0 if recipe.offload_opt else opt,
         tp_weight=flops * (1 - 1 / n_tp),
         hidden_s=hidden_s,
         layer_compute_s=compute_s if count > 1 or "layers" in logical else 0.0,
         # the compute-dtype copy (none where the stored params are in that dtype)
-        cast=sp.local * count * cast if cast != 1.0 else 0.0,
+        cast=sp.local * count * copy if (copy := copy_ratio(ctx, g)) != 1.0 else 0.0,
         gathered=(
             ((n_fsdp - 1) * cast + n_fsdp * ctx.accumulator_ratio(g.dtype) - 1) * sp.local * count
             if ctx.gather_once

@@ -65,11 +65,15 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   sum-partial output; the weights gathered inside the op). The search costs no
   other layout of these weights (:func:`runs_as_priced`): the op would gather such
   a weight whole before it runs and hand its gradient back whole per layer.
-- **memory**: the exchange buffers live while a call runs (send, receive, the
-  experts' output, the results back: four of ``n_ep · T_local · min(k, E_local) · D``)
-  and the grouped GEMMs' gate, up and hidden outputs (``F_local`` wide each); the
-  backward's working set holds them and their cotangents, for one layer at a time
-  (:func:`dispatch_buffer_bytes`). What the grad reads is held from each call's
+- **memory**: one call's backward (the grad region's program, one layer at a
+  time) holds at its peak three buffers of ``n_ep · T_local · min(k, E_local)``
+  rows ``D`` wide (the cotangent received, the rows sorted by expert, the rows'
+  cotangent), four ``F_local`` wide (the recomputed gate and up outputs and
+  their cotangents) and the local experts' weight gradients before their sum
+  over the token axes; the forward region's peak (the send and receive buffers)
+  is below it. Where the recipe reruns the exchange the recomputed forward's
+  received rows, counts and results back are held through that one layer's
+  backward too (:func:`dispatch_buffer_bytes`). What the grad reads is held from each call's
   forward to its backward, for every layer the recipe does not recompute: the rows
   received (one buffer), their counts and the results back (``T_local · k · D``)
   (:func:`kept_residual_bytes`). In a pipelined stage those are kept per layer
@@ -505,14 +509,19 @@ def stage_kept_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> fl
 
 
 def _call_kept_bytes(
-    ctx: Any, g: Any, sp: Any, token_axes: Sequence[str], gemms: bool = False
+    ctx: Any,
+    g: Any,
+    sp: Any,
+    token_axes: Sequence[str],
+    gemms: bool = False,
+    down: bool = True,
 ) -> float:
     """One call's kept buffers on one device for one micro-batch (the rows
     received, their counts, the results back; ``gemms``: the grouped GEMMs'
-    three outputs too); 0 unless ``g`` is the down projection of an
-    expert-parallel call."""
+    three outputs too); 0 unless ``g`` is a weight (``down``: the down
+    projection) of an expert-parallel call."""
     call = moe_call(g, ctx.trace)
-    if call is None or not _is_down(g):
+    if call is None or (down and not _is_down(g)):
         return 0.0
     n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
     if n_ep <= 1:
@@ -528,9 +537,17 @@ def _call_kept_bytes(
 
 
 def dispatch_buffer_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:
-    """Bytes one call's backward holds while it runs (module docstring): four
-    exchange buffers and three grouped-GEMM outputs ``F_local`` wide, twice (the
-    values and their cotangents); 0 for a group that is no ``moe_experts`` weight."""
+    """Bytes one call's backward holds while it runs (module docstring): the grad
+    region's program (:func:`rules.moe.residual_programs`) at its peak holds three
+    buffers of the exchanged rows ``D`` wide (the received cotangent, the rows
+    sorted by expert that the weight gradients read, and the rows' cotangent
+    formed), four of the grouped GEMMs' ``F_local``-wide values (the gate and
+    up outputs it recomputes, their cotangents) and the local experts' three
+    weight gradients before their sum over the token axes; where the recipe reruns the
+    exchange (:func:`reruns_exchange`) it also holds, for the one layer it
+    recomputes, what the forward region hands it (the rows received, their
+    counts and the results back: what :func:`kept_residual_bytes` holds for every
+    layer otherwise); 0 for a group that is no ``moe_experts`` weight."""
     call = moe_call(g, ctx.trace)
     if call is None:
         return 0.0
@@ -538,4 +555,10 @@ def dispatch_buffer_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) 
     f_local = call.d_ff / math.prod(ctx.sizes[a] for a in sp.tp)
     itemsize = ctx.recipe.compute_itemsize(call.itemsize)
     rows = n_ep * _per_peer(call, t_local, n_ep) if n_ep > 1 else t_local * call.top_k
-    return 2.0 * rows * (4 * call.d_model + 3 * f_local) * itemsize
+    held = 0.0
+    if n_ep > 1 and reruns_exchange(ctx.recipe):
+        held = _call_kept_bytes(ctx, g, sp, token_axes, down=False)
+    # the local experts' three weight gradients, each before its sum over the tokens' axes
+    e_local = call.experts // n_ep if n_ep > 1 else call.experts
+    weight_grads = 3 * e_local * call.d_model * f_local * itemsize
+    return rows * (3 * call.d_model + 4 * f_local) * itemsize + weight_grads + held

@@ -72,6 +72,7 @@ __all__ = [
     "TRANSPOSE_BYTES",
     "attention_dtype",
     "cast_ratio",
+    "copy_ratio",
     "kept_in_bf16",
     "layer_residuals",
     "matmul_dtype",
@@ -108,6 +109,16 @@ def cast_ratio(ctx: CostContext, g: ParamGroup) -> float:
         return 1.0
     size = recipe.compute_itemsize(4) if kept_in_bf16(ctx, g) else recipe.weight_itemsize(4)
     return size / np.dtype(g.dtype).itemsize
+
+
+def copy_ratio(ctx: CostContext, g: ParamGroup) -> float:
+    """Bytes of the compute-dtype copy of ``g``'s params the step holds, per byte
+    of the param: the parameters cast to the recipe's activation dtype
+    (:func:`spmdkit.step.cast.cast_params`: bfloat16 under float8, which
+    quantizes each weight inside its own matmul, :mod:`spmdkit.step.fp8`, a
+    layer's at a time); 1.0 where that is the stored dtype (no copy)."""
+    itemsize = np.dtype(g.dtype).itemsize
+    return ctx.recipe.compute_itemsize(itemsize) / itemsize
 
 
 def attention_dtype(dtype: str) -> str:

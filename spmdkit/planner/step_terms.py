@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "PolicyFacts",
     "activations",
+    "grads_at_state",
     "memory_bound_s",
     "memory_by_kind",
     "offload_traffic",
@@ -57,6 +58,18 @@ def memory_by_kind(
         # activations are freed: the peak grows only where it exceeds them.
         memory["opt_update"] = int(max(offloaded - acts, 0.0))
     return memory
+
+
+def grads_at_state(ctx: Any, layout: Any) -> bool:
+    """Whether the step holds a group's gradient at its optimizer state's shard
+    (divided over the ZeRO axes beyond the parameters'): ZeRO-2
+    (the layout's ``grads_sharded``), or, outside a pipelined stage, a step of two or more
+    micro-batches, whose each micro-batch's gradient is reduce-scattered into the
+    state's shard (:func:`spmdkit.planner.analytic.group_cost`'s collectives) and summed there
+    (:func:`spmdkit.step.grad.accumulate_microbatches`: the accumulator is
+    unconstrained, and propagation lays it out as the reduce-scatter leaves it).
+    A single micro-batch's gradient is whole until the step's reduce-scatter."""
+    return layout.grads_sharded or (ctx.recipe.microbatches > 1 and not ctx.gather_once)
 
 
 def activations(ctx: Any, shards: int, tp_frac: float, seq_sharded: bool) -> float:

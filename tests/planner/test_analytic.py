@@ -2,6 +2,7 @@
 
 import pytest
 
+import spmdkit as sk
 from spmdkit.introspect import describe
 from spmdkit.planner.analytic import CostContext, GroupLayout, group_cost, param_groups, total_cost
 from spmdkit.planner.trace import trace_step
@@ -255,6 +256,33 @@ def test_zero2_reduce_scatters_and_shards_the_grads(llama):
     # consumer of a gradient is the update there); ZeRO-2 also keeps them there
     assert c2.comm_bytes == c1.comm_bytes and c1.comm_bytes["reduce_scatter"] > 0
     assert c1.comm_bytes.get("all_reduce", 0) < c1.comm_bytes["reduce_scatter"] / 10
+
+
+def test_zero1_accumulates_the_micro_batches_grads_in_the_state_shard():
+    """Tiny Llama, ``zero1`` on ``data=8``: with two micro-batches the step
+    reduce-scatters each one's gradient into the optimizer state's shard and sums
+    it there (the propagated step's reduce-scatters double), so the analytic
+    gradient is the shard's, and the temporaries agree with propagation's; one
+    micro-batch's gradient is whole until the step's reduce-scatter."""
+    from spmdkit.models import get_model
+
+    info = describe(get_model("llama"), config="tiny", batch_size=16)
+    mesh = sk.abstract_mesh(data=8)
+    plans = {
+        (m, est): sk.plan(info, mesh, "zero1", recipe=sk.Recipe(microbatches=m), estimator=est).cost
+        for m in (1, 2)
+        for est in ("analytic", "propagate")
+    }
+    one, two = plans[1, "analytic"], plans[2, "analytic"]
+    assert one.memory["grads"] == one.memory["params"]
+    assert two.memory["grads"] == pytest.approx(one.memory["grads"] / 8, rel=1e-3)
+    scattered = [plans[m, "propagate"].comm_bytes["reduce_scatter"] for m in (1, 2)]
+    assert scattered[1] == 2 * scattered[0]
+    temps = two.memory["grads"] + two.memory["activations"]
+    held = plans[2, "propagate"].memory["temporaries"]
+    assert 0.6 * held < temps < 1.4 * held
+    # the whole gradient would hold more than twice what the step holds
+    assert one.memory["grads"] + two.memory["activations"] > 2 * held
 
 
 def test_sequence_parallel_attention_is_split_once_by_the_model_axis():

@@ -85,13 +85,64 @@ def test_the_buffers_and_rows_follow_the_ep_degree(info):
         n: sk.plan(info, sk.abstract_mesh(data=8 // n, expert=n), "ep", estimator="analytic")
         for n in (2, 4, 8)
     }
-    # the padded buffers: n_ep * T_local * min(k, E_local) rows, T_local = T / 8
+    # the padded buffers: n_ep * T_local * min(k, E_local) rows, T_local = T / 8;
+    # three D wide and four F wide, and the E_local experts' three weight gradients
     rows = {n: n * (T // 8) * min(K, E // n) for n in plans}
     mem = {n: p.cost.memory["moe_buffers"] for n, p in plans.items()}
+    f_local = 16
     for n in plans:
-        f_local = 16
-        assert mem[n] == pytest.approx(2 * rows[n] * (4 * D_MODEL + 3 * f_local) * 4)
-    assert math.isclose(mem[2] / mem[8], rows[2] / rows[8])
+        grads = 3 * (E // n) * D_MODEL * f_local * 4
+        assert mem[n] == pytest.approx(rows[n] * (3 * D_MODEL + 4 * f_local) * 4 + grads)
+
+
+@pytest.fixture(scope="module")
+def wide_qwen3():
+    """Tiny Qwen3-MoE (scanned) with experts three times as wide as the model, so
+    that ``D``-wide and ``F``-wide buffers differ."""
+    import dataclasses
+
+    from spmdkit.models import get_model
+
+    spec = get_model("qwen3_moe")
+    cfg = spec.configs["tiny"]()
+    cfg = dataclasses.replace(cfg, d_ff_expert=3 * cfg.d_model)
+    return describe(spec, config=cfg, batch_size=16)
+
+
+@pytest.mark.parametrize("shape", [{"data": 8}, {"data": 2, "expert": 4}])
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_the_backward_buffers_are_the_grad_regions(wide_qwen3, monkeypatch, shape, remat):
+    """The analytic working set of one call's backward is what propagation holds
+    there: the grad region's own temporaries (its per-device program's peak), and
+    under a recompute that reruns the exchange what the recomputed forward hands
+    it (the rows received, their counts, the results back)."""
+    from spmdkit.propagation import driver
+
+    seen: dict[bool, int] = {}
+    orig = driver.region_temp_bytes
+
+    def spy(prim, params, attrs, required, produced, mesh, **kw):
+        got = orig(prim, params, attrs, required, produced, mesh, **kw)
+        if params["op"] == "moe_experts" and prim.endswith("_grad") and kw.get("duplicate"):
+            seen[True] = max(seen.get(True, 0), got)
+        return got
+
+    monkeypatch.setattr(driver, "region_temp_bytes", spy)
+    mesh = sk.abstract_mesh(**shape)
+    recipe = sk.Recipe(remat=remat)
+    analytic = sk.plan(wide_qwen3, mesh, "ep", recipe=recipe, estimator="analytic").cost
+    sk.plan(wide_qwen3, mesh, "ep", recipe=recipe, estimator="propagate")
+    temps = seen[True]
+    held = 0
+    if remat == "full":  # the forward's residuals: as moe_kept holds them without recompute
+        none = sk.plan(wide_qwen3, mesh, "ep", estimator="analytic").cost.memory["moe_kept"]
+        held = none / _layers(wide_qwen3)
+    assert analytic.memory["moe_buffers"] == pytest.approx(temps + held, rel=0.05)
+
+
+def _layers(info) -> int:
+    """The scanned layers of a described model."""
+    return next(p.shape[0] for p in info.params if "layers" in (p.logical or ()))
 
 
 def test_the_experts_batched_dots_are_no_attention(info):

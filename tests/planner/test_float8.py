@@ -116,6 +116,32 @@ def test_float8_holds_no_more_than_bf16_under_2d_fsdp():
     assert fp8.comm_bytes["reduce_scatter"] >= bf16.comm_bytes["reduce_scatter"]
 
 
+@pytest.mark.parametrize("master", ["params", "optimizer"])
+def test_float8_holds_the_activation_dtype_copy_as_propagation_does(master):
+    """Tiny Qwen3-MoE, fsdp on ``data=2 x expert=4``: the step casts the params to
+    bfloat16 under float8 as under bf16 (float8 quantizes each weight inside its
+    matmul), so the held copy is bf16's (fp32 params) or none (bf16 params, the
+    master in the optimizer state), and the propagated peaks agree."""
+    from spmdkit.models import get_model
+
+    spec = get_model("qwen3_moe")
+    cfg = spec.configs["tiny"]()
+    mesh = sk.abstract_mesh(data=2, expert=4)
+
+    def cost(dtype, est):
+        recipe = sk.Recipe(remat="full", compute_dtype=dtype, master_weights=master)
+        p = sk.plan(spec, mesh, "fsdp", config=cfg, batch_size=16, recipe=recipe,
+                    rules=[("expert", ("expert",))], estimator=est)  # fmt: skip
+        return p.cost
+
+    bf16, fp8 = cost("bfloat16", "analytic"), cost("float8", "analytic")
+    copy = bf16.memory.get("compute_copy", 0)
+    assert fp8.memory.get("compute_copy", 0) == copy
+    assert (copy > 0) == (master == "params")
+    held = {d: cost(d, "propagate").peak_bytes for d in ("bfloat16", "float8")}
+    assert held["float8"] == pytest.approx(held["bfloat16"], rel=0.01)
+
+
 def _stacked_residuals(info, recipe):
     """Per layer, the bytes by dtype of what ``jax.vjp`` of the recipe's loss (params
     cast as the step casts them, float8 as ``spmdkit.step.fp8`` rewrites it, remat as
