@@ -71,7 +71,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdkit.introspect.model import ModelInfo, ParamInfo
 from spmdkit.pipeline.layouts import accumulator_dtype
-from spmdkit.planner import experts, float8
+from spmdkit.planner import expert_passes, experts, float8
 from spmdkit.planner.context_parallel import stage_context_attention
 from spmdkit.planner.experts import MoeCall
 from spmdkit.planner.float8 import attention_dtype, cast_ratio, copy_ratio, matmul_dtype, quantize_s
@@ -843,6 +843,7 @@ def _params_part(
     compute_s = ctx.matmul_time(flops / splits, m, k, n, matmul_dtype(ctx, g))
     if call is not None:  # as the busiest device runs them, beside an exchange's SMs
         compute_s = experts.call_compute_s(ctx, call, sp, on, compute_s, exchanged)
+        compute_s += expert_passes.passes_s(ctx, g, sp, on)  # rows through memory
     compute_s += quantize_s(ctx, g, flops / splits, m, k, n, n_fsdp)
     ctx.memo[pkey] = (sp, tp, flops, compute_s)
     return sp, tp, flops, compute_s
