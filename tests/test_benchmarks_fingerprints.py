@@ -47,6 +47,10 @@ def test_a_difference_names_the_case_and_the_source_is_ignored(bench):
 def test_plans_and_compiled_steps_match_the_baseline(bench):
     baseline = json.loads(bench.RESULTS.read_text())
     assert jax.__version__ in baseline, "no baseline for this jax: run the script with --write"
-    now = bench.compute()
-    assert len(now["plans"]) == len(baseline[jax.__version__]["plans"]) >= 39
-    assert bench.differences(baseline[jax.__version__], now) == []
+    base = baseline[jax.__version__]
+    steps = base.get("cpus") in (None, bench.usable_cpus())
+    now = bench.compute(steps=steps)
+    assert len(now["plans"]) == len(base["plans"]) >= 39
+    assert bench.differences(base, now) == []
+    if not steps:  # XLA:CPU splits a step's work by the cores: another count, another HLO
+        pytest.skip(f"plans compared; the steps' baseline is for {base['cpus']} cores")
