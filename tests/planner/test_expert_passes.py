@@ -4,25 +4,19 @@ in the step's compute, at the HBM bandwidth, charged once per call."""
 
 from unittest import mock
 
-import numpy as np
 import pytest
-from flax import nnx
 
 import spmdkit as sk
-from spmdkit.introspect import describe
 from spmdkit.planner import expert_passes, experts
 from spmdkit.planner.trace import trace_step
-from tests.planner.test_experts import D_MODEL, B, E, K, MoEDecoder, S, V, decoder_loss
+from tests.planner.test_experts import D_MODEL, B, E, K, S, decoder_info
 
 F = 16  # MoEDecoder's expert width
 
 
 @pytest.fixture(scope="module")
 def info():
-    toks = np.random.default_rng(0).integers(0, V, (B, S + 1)).astype(np.int32)
-    batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
-    with nnx.use_eager_sharding(False):
-        return describe(lambda: MoEDecoder(nnx.Rngs(0)), loss=decoder_loss, batch=batch)
+    return decoder_info()
 
 
 def test_call_bytes_counts_the_passes_by_hand():

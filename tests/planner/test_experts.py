@@ -36,12 +36,17 @@ def decoder_loss(model, batch):
     return sk.nn.cross_entropy(logits, batch["targets"]) + aux
 
 
-@pytest.fixture(scope="module")
-def info():
+def decoder_info():
+    """The MoE decoder described on a batch of random tokens."""
     toks = np.random.default_rng(0).integers(0, V, (B, S + 1)).astype(np.int32)
     batch = {"tokens": toks[:, :-1], "targets": toks[:, 1:]}
     with nnx.use_eager_sharding(False):
         return describe(lambda: MoEDecoder(nnx.Rngs(0)), loss=decoder_loss, batch=batch)
+
+
+@pytest.fixture(scope="module")
+def info():
+    return decoder_info()
 
 
 def _rule_bytes(n_ep: int, t_axes: int) -> int:
