@@ -677,16 +677,6 @@ def _train_run(info: Any, plan: Any, opt: Any, batch: Any, *, donate: bool = Tru
     return timed_step(info, plan, opt, batch, donate=donate)
 
 
-def _pass_medians(t: Any, clock: str) -> list[float]:
-    """Each pass's median step of ``t`` (a :class:`~spmdkit.compile.tune.StepTimes`)
-    on ``clock`` ("wall" or "cpu")."""
-    values, out, start = getattr(t, clock), [], 0
-    for n in t.per_pass:
-        out.append(statistics.median(values[start : start + n]))
-        start += n
-    return out
-
-
 def measure_auto(
     name: str,
     size: str,
@@ -740,7 +730,7 @@ def measure_auto(
     )
     by_key = dict(zip(order, timed, strict=True))
     med = statistics.median
-    step = {k: {c: min(_pass_medians(t, c)) for c in ("wall", "cpu")} for k, t in by_key.items()}
+    step = {k: {c: min(t.pass_medians(c)) for c in ("wall", "cpu")} for k, t in by_key.items()}
     presets = {}
     for n in plans:
         if n in ("auto", "tuned"):
@@ -763,9 +753,7 @@ def measure_auto(
     auto_t = by_key[keys["auto"]]
     per_pass = [
         x / y
-        for x, y in zip(
-            _pass_medians(auto_t, "wall"), _pass_medians(by_key[keys[fastest]], "wall"), strict=True
-        )
+        for x, y in zip(auto_t.pass_medians(), by_key[keys[fastest]].pass_medians(), strict=True)
     ]
     ratio = {c: step[keys["tuned"]][c] / step[keys[fastest]][c] for c in ("wall", "cpu")}
     return {

@@ -37,21 +37,6 @@ def _live() -> set[int]:
     return {id(x) for x in jax.live_arrays()}
 
 
-def test_pass_medians_split_the_steps_by_pass(bench):
-    from spmdkit.compile.tune import StepTimes
-
-    t = StepTimes(
-        wall=(1.0, 3.0, 2.0, 5.0, 4.0),
-        cpu=(2.0, 2.0, 2.0, 1.0, 9.0),
-        sys=(0,) * 5,
-        faults=(0,) * 5,
-        per_pass=(3, 2),
-    )
-    assert bench._pass_medians(t, "wall") == [2.0, 4.5]
-    assert bench._pass_medians(t, "cpu") == [2.0, 5.0]
-    assert t.score_s == 2.0
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("donate", [True, False])
 def test_the_step_donates_its_state_as_train_does(bench, case, donate):

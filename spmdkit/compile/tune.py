@@ -81,15 +81,20 @@ class StepTimes:
         """The least wall-clock step: the one other work on the host disturbed least."""
         return min(self.wall)
 
+    def pass_medians(self, clock: str = "wall") -> tuple[float, ...]:
+        """Each pass's median step on ``clock`` (``"wall"``, ``"cpu"``, ``"sys"`` or
+        ``"faults"``), in order."""
+        values = getattr(self, clock)
+        out, start = [], 0
+        for n in self.per_pass or (len(values),):
+            out.append(statistics.median(values[start : start + n]))
+            start += n
+        return tuple(out)
+
     @property
     def pass_medians_s(self) -> tuple[float, ...]:
         """Each pass's median wall-clock step, in order."""
-        sizes = self.per_pass or (len(self.wall),)
-        out, start = [], 0
-        for n in sizes:
-            out.append(statistics.median(self.wall[start : start + n]))
-            start += n
-        return tuple(out)
+        return self.pass_medians("wall")
 
     @property
     def score_s(self) -> float:

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import spmdkit as sk
-from spmdkit.compile.tune import time_plans
+from spmdkit.compile.tune import StepTimes, time_plans
 from spmdkit.errors import SpmdError
 from spmdkit.planner.notes import quiet_notes
 
@@ -94,3 +94,16 @@ def test_tune_and_time_plans_refuse_an_abstract_mesh_and_bad_counts(tiny_infos):
     with pytest.raises(SpmdError, match="min_time_s is a finite number"):
         sk.tune(info, sk.make_mesh(data=8), min_time_s=-1)
     assert jax.device_count() == 8
+
+
+def test_pass_medians_split_the_steps_by_pass():
+    t = StepTimes(
+        wall=(1.0, 3.0, 2.0, 5.0, 4.0),
+        cpu=(2.0, 2.0, 2.0, 1.0, 9.0),
+        sys=(0,) * 5,
+        faults=(0,) * 5,
+        per_pass=(3, 2),
+    )
+    assert t.pass_medians() == t.pass_medians_s == (2.0, 4.5)
+    assert t.pass_medians("cpu") == (2.0, 5.0)
+    assert t.score_s == 2.0
