@@ -63,7 +63,6 @@ __all__ = [
     "SORT_PASSES",
     "TOKEN_PASSES",
     "call_bytes",
-    "carries_call",
     "passes_s",
 ]
 
@@ -116,19 +115,6 @@ def call_bytes(
     return (elements + glu * routed * d_ff) * itemsize
 
 
-def carries_call(g: Any) -> bool:
-    """Whether expert weight ``g`` is the one a call's passes are charged to: the
-    down projection (its last GEMM dim ``embed``), as the exchange is."""
-    logical = [n for n in (g.logical or ()) if n not in ("layers", "expert")]
-    return bool(logical) and logical[-1] == "embed"
-
-
-def _stacked(g: Any) -> int:
-    """Calls one member of ``g`` serves: its stacked-layers dim's length, else 1."""
-    logical = g.logical or ()
-    return int(g.shape[logical.index("layers")]) if "layers" in logical else 1
-
-
 def passes_s(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:
     """Seconds one device spends on the memory passes of the calls parameter
     group ``g`` serves (all its members, every micro-batch: module docstring)
@@ -136,7 +122,7 @@ def passes_s(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:
     ``moe_experts`` call, or where the context prices FLOPs only
     (``ctx.peak_flops``)."""
     call = experts.moe_call(g, ctx.trace)
-    if call is None or not carries_call(g) or ctx.peak_flops is not None:
+    if call is None or not experts.is_down_projection(g) or ctx.peak_flops is not None:
         return 0.0
     n_ep, t_local = experts.region_tokens(ctx, call, sp, token_axes)
     nbytes = call_bytes(
@@ -148,5 +134,5 @@ def passes_s(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:
         sort=n_ep > 1 and call.experts // n_ep > 1,
         rerun=experts.reruns_exchange(ctx.recipe),
     )
-    calls = _stacked(g) * ctx.recipe.microbatches * g.count
+    calls = experts.stacked_calls(g) * ctx.recipe.microbatches * g.count
     return calls * nbytes / ctx.topology.hbm_bandwidth

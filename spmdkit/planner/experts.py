@@ -125,6 +125,7 @@ __all__ = [
     "ep_axes",
     "exchange_sm_s",
     "exchanges",
+    "is_down_projection",
     "kept_residual_bytes",
     "load_imbalance",
     "moe_call",
@@ -135,6 +136,7 @@ __all__ = [
     "region_tokens",
     "reruns_exchange",
     "rows_per_expert",
+    "stacked_calls",
     "stage_kept_bytes",
 ]
 
@@ -219,14 +221,14 @@ def runs_as_priced(g: Any, dims: Sequence[Sequence[str]], token_axes: Sequence[s
     return True
 
 
-def _is_down(g: Any) -> bool:
+def is_down_projection(g: Any) -> bool:
     """Whether ``g`` is the experts' down projection (its last GEMM dim ``embed``):
     the group a call's exchanges are charged to."""
     logical = [n for n in (g.logical or ()) if n not in ("layers", "expert")]
     return bool(logical) and logical[-1] == "embed"
 
 
-def _layers(g: Any) -> int:
+def stacked_calls(g: Any) -> int:
     """Calls one member of ``g`` serves: its stacked-layers dim's length, else 1."""
     logical = g.logical or ()
     return int(g.shape[logical.index("layers")]) if "layers" in logical else 1
@@ -258,9 +260,9 @@ def dispatch_collectives(
     the down projection. ``coll(ctx, kind, payload, axes, times=)`` builds one
     collective (the analytic model's)."""
     n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
-    if n_ep <= 1 or not _is_down(g):
+    if n_ep <= 1 or not is_down_projection(g):
         return []
-    times = _layers(g) * ctx.recipe.microbatches
+    times = stacked_calls(g) * ctx.recipe.microbatches
     itemsize = ctx.recipe.compute_itemsize(call.itemsize)
     buf = n_ep * _per_peer(call, t_local, n_ep) * call.d_model * itemsize
     counts = n_ep * (call.experts // n_ep) * 4
@@ -487,7 +489,7 @@ def kept_residual_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) ->
         return 0.0
     recipe = ctx.recipe
     kept = 1.0 if not reruns_exchange(recipe) else (recipe.remat_every - 1) / recipe.remat_every
-    return kept * _layers(g) * _call_kept_bytes(ctx, g, sp, token_axes)
+    return kept * stacked_calls(g) * _call_kept_bytes(ctx, g, sp, token_axes)
 
 
 def stage_kept_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) -> float:
@@ -521,7 +523,7 @@ def _call_kept_bytes(
     three outputs too); 0 unless ``g`` is a weight (``down``: the down
     projection) of an expert-parallel call."""
     call = moe_call(g, ctx.trace)
-    if call is None or (down and not _is_down(g)):
+    if call is None or (down and not is_down_projection(g)):
         return 0.0
     n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
     if n_ep <= 1:

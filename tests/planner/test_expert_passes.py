@@ -61,7 +61,7 @@ def test_a_context_pricing_flops_only_adds_no_passes(info):
 
     trace = trace_step(info, None)
     groups = {g.key: g for g in analytic.param_groups(info, trace)}
-    assert expert_passes.carries_call(groups["moe/w_down"])
-    assert not expert_passes.carries_call(groups["moe/w_gate"])
+    assert experts.is_down_projection(groups["moe/w_down"])
+    assert not experts.is_down_projection(groups["moe/w_gate"])
     ctx = mock.Mock(peak_flops=1e15, trace=trace)
     assert expert_passes.passes_s(ctx, groups["moe/w_down"], None, ()) == 0.0
