@@ -197,6 +197,14 @@ def _experts_over(*ep: str) -> list:
     return [("expert", ep), ("batch", ("data", *(a for a in ep if a != "data")))]
 
 
+#: Megatron-LM's alltoall token dispatcher (``moe_token_dispatcher_type="alltoall"``,
+#: the published Qwen3 and GPT-OSS runs'), priced only: the per-expert counts
+#: exchanged first (the host waits for them), then buffers of the rows routed,
+#: where spmdkit's op pads them for the worst case (``n_ep`` times as many rows
+#: at top-k >= the local experts).
+MEGATRON_ALLTOALL = {"expert_exchange": "routed"}
+
+
 MEGATRON_BRIDGE_MOE = "Megatron-Bridge performance summary (H100), 26.04.01"
 QWEN3_30B = {
     "name": "Megatron-Bridge Qwen3-30B-A3B FP8",
@@ -213,6 +221,7 @@ QWEN3_30B = {
     "batch": 1024,
     "recipe": dataclasses.replace(MEGATRON_FP8, microbatches=64),
     "published_recipe": "FP8, GBS 1024, MBS 1, dropless, distributed optimizer",
+    "exchange": MEGATRON_ALLTOALL,
     "stack": "xla",
     "published": 8960,
     "memory_gib": None,
@@ -234,6 +243,7 @@ GPT_OSS_120B = {
     "pipeline": Pipeline(stages=4, microbatches=80, schedule="1f1b", local_statistics=True),
     "recipe": MEGATRON_BF16,
     "published_recipe": "bf16, GBS 1280, MBS 1, dropless, distributed optimizer",
+    "exchange": MEGATRON_ALLTOALL,
     "stack": "xla",
     "published": 5824,
     "memory_gib": None,
