@@ -334,11 +334,11 @@ DEEPSEEK_V3 = {
     "node-deduplicated dispatch, each token over InfiniBand once per node holding its "
     "experts, on 20 SMs of its own, and Megatron's 1F1B all-to-all overlap), which "
     "spmdkit's executor does not run (it sends every (token, expert) copy, exposed): the "
-    "plan's priced_only note. Its memory is far above 80 GiB: the pipelined price holds "
-    "the exchanged buffers save_out_proj_experts keeps per micro-batch in flight at the "
-    "executor's padded size (n_ep x T_local x min(k, E_local) rows received per call), "
-    "where the published run's DeepEP keeps only the routed rows, a form the memory price "
-    "does not model",
+    "plan's priced_only note. Its memory holds the exchanged buffers "
+    "save_out_proj_experts keeps per micro-batch in flight at the rows routed, as DeepEP "
+    "sizes them (T_local x k rows received per call, the busiest device's); spmdkit's "
+    "executor pads them to n_ep x T_local x min(k, E_local), 32 times as many here, and "
+    "would not fit 80 GiB",
 }
 
 #: Published runs the planner cannot price as published, each with why: saved
