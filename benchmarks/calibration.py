@@ -197,6 +197,14 @@ def _experts_over(*ep: str) -> list:
     return [("expert", ep), ("batch", ("data", *(a for a in ep if a != "data")))]
 
 
+#: Megatron-LM's alltoall token dispatcher (``moe_token_dispatcher_type="alltoall"``,
+#: the published Qwen3 and GPT-OSS runs'), priced only: the per-expert counts
+#: exchanged first (the host waits for them), then buffers of the rows routed,
+#: where spmdkit's op pads them for the worst case (``n_ep`` times as many rows
+#: at top-k >= the local experts).
+MEGATRON_ALLTOALL = {"expert_exchange": "routed"}
+
+
 MEGATRON_BRIDGE_MOE = "Megatron-Bridge performance summary (H100), 26.04.01"
 QWEN3_30B = {
     "name": "Megatron-Bridge Qwen3-30B-A3B FP8",
@@ -213,6 +221,7 @@ QWEN3_30B = {
     "batch": 1024,
     "recipe": dataclasses.replace(MEGATRON_FP8, microbatches=64),
     "published_recipe": "FP8, GBS 1024, MBS 1, dropless, distributed optimizer",
+    "exchange": MEGATRON_ALLTOALL,
     "stack": "xla",
     "published": 8960,
     "memory_gib": None,
@@ -234,6 +243,7 @@ GPT_OSS_120B = {
     "pipeline": Pipeline(stages=4, microbatches=80, schedule="1f1b", local_statistics=True),
     "recipe": MEGATRON_BF16,
     "published_recipe": "bf16, GBS 1280, MBS 1, dropless, distributed optimizer",
+    "exchange": MEGATRON_ALLTOALL,
     "stack": "xla",
     "published": 5824,
     "memory_gib": None,
@@ -324,11 +334,11 @@ DEEPSEEK_V3 = {
     "node-deduplicated dispatch, each token over InfiniBand once per node holding its "
     "experts, on 20 SMs of its own, and Megatron's 1F1B all-to-all overlap), which "
     "spmdkit's executor does not run (it sends every (token, expert) copy, exposed): the "
-    "plan's priced_only note. Its memory is far above 80 GiB: the pipelined price holds "
-    "the exchanged buffers save_out_proj_experts keeps per micro-batch in flight at the "
-    "executor's padded size (n_ep x T_local x min(k, E_local) rows received per call), "
-    "where the published run's DeepEP keeps only the routed rows, a form the memory price "
-    "does not model",
+    "plan's priced_only note. Its memory holds the exchanged buffers "
+    "save_out_proj_experts keeps per micro-batch in flight at the rows routed, as DeepEP "
+    "sizes them (T_local x k rows received per call, the busiest device's); spmdkit's "
+    "executor pads them to n_ep x T_local x min(k, E_local), 32 times as many here, and "
+    "would not fit 80 GiB",
 }
 
 #: Published runs the planner cannot price as published, each with why: saved

@@ -116,11 +116,11 @@ COLLECTIVE_KINDS = frozenset(
 )
 
 #: How routed experts' token exchange is priced (:attr:`Topology.expert_exchange`):
-#: ``"all_to_all"`` (what spmdkit's ``moe_experts`` op runs: every (token, expert)
-#: copy sent to its expert's device) or ``"node_dedup"`` (priced only: each token
-#: crosses the network once per destination node and fans out inside it, as
-#: DeepEP's normal kernels do).
-EXPERT_EXCHANGES = ("all_to_all", "node_dedup")
+#: ``"all_to_all"`` (spmdkit's ``moe_experts`` op: every (token, expert) copy sent
+#: from a buffer padded for the worst case); priced only, buffers sized to the rows
+#: routed: ``"routed"`` (Megatron-LM's alltoall dispatcher) or ``"node_dedup"``
+#: (a token over the network once per node holding its experts: DeepEP's).
+EXPERT_EXCHANGES = ("all_to_all", "routed", "node_dedup")
 
 # Published link numbers behind Topology.h100 (per GPU, per direction).
 _NVLINK4_BANDWIDTH = 450e9  # H100 SXM NVLink 4: 900 GB/s bidirectional
@@ -314,8 +314,8 @@ class Topology:
         latency, not one each (XLA:CPU's all-reduce combiner merges them; the
         GPU calibration prices each).
       expert_exchange: one of :data:`EXPERT_EXCHANGES`: how routed experts' token
-        exchanges are priced. ``"node_dedup"`` prices a form spmdkit's executor does
-        not run (a plan priced with it carries a ``priced_only`` note;
+        exchanges and their buffers are priced. ``"routed"`` and ``"node_dedup"``
+        price forms spmdkit's executor does not run (a ``priced_only`` note;
         :mod:`spmdkit.planner.experts`, docs/moe.md).
       expert_overlap: price the experts' token exchanges as overlappable with
         compute in a step of two or more micro-batches (another micro-batch's
@@ -434,8 +434,8 @@ class Topology:
                 op="Topology",
                 must=f"expert_exchange is one of {EXPERT_EXCHANGES}",
                 given=repr(self.expert_exchange),
-                fix="pass expert_exchange='all_to_all' (what spmdkit runs) or 'node_dedup' "
-                "(priced only: one network crossing a token per destination node)",
+                fix="pass 'all_to_all' (what spmdkit runs), or, priced only, 'routed' "
+                "(buffers of the rows routed) or 'node_dedup' (DeepEP's node dedup)",
             )
         if not isinstance(self.expert_overlap, bool):
             raise SpmdError(

@@ -34,8 +34,12 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   Charged to the down projection (the group whose last GEMM dim is ``embed``), once
   per call, as Megatron-LM's row-parallel weight carries a layer's all-reduce.
 - **priced-only exchange forms** (:class:`~spmdkit.topology.Topology` fields; the
-  plan then carries a ``priced_only`` note: spmdkit's executor runs neither).
-  ``expert_exchange="node_dedup"`` prices the exchange as DeepEP's normal kernels
+  plan then carries a ``priced_only`` note: spmdkit's executor runs none of them).
+  ``expert_exchange="routed"`` prices Megatron-LM's alltoall dispatcher: the
+  per-expert counts exchanged first (the host waits for them), then buffers of
+  the rows routed, sized at run time (:func:`received_rows`; the link carries those
+  rows on any backend). ``expert_exchange="node_dedup"`` sizes its buffers so
+  too, and prices the exchange as DeepEP's normal kernels
   run it where the EP group spans nodes: a token crosses the network once per
   node holding one of its experts and is fanned out to their devices inside it
   (the combine mirrors it), so a device sends ``T_local · (nodes - 1) · p_node``
@@ -66,8 +70,10 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   other layout of these weights (:func:`runs_as_priced`): the op would gather such
   a weight whole before it runs and hand its gradient back whole per layer.
 - **memory**: one call's backward (the grad region's program, one layer at a
-  time) holds at its peak three buffers of ``n_ep · T_local · min(k, E_local)``
-  rows ``D`` wide (the cotangent received, the rows sorted by expert, the rows'
+  time) holds at its peak three buffers of the rows received
+  (:func:`received_rows`: the op's padded ``n_ep · T_local · min(k, E_local)``,
+  or a priced-only form's routed ``T_local · k`` at the busiest device's load)
+  ``D`` wide (the cotangent received, the rows sorted by expert, the rows'
   cotangent), four ``F_local`` wide (the recomputed gate and up outputs and
   their cotangents) and the local experts' weight gradients before their sum
   over the token axes; the forward region's peak (the send and receive buffers)
@@ -133,9 +139,11 @@ __all__ = [
     "overlapped",
     "ragged_exchange",
     "reach_chance",
+    "received_rows",
     "region_tokens",
     "reruns_exchange",
     "rows_per_expert",
+    "sized_buffers",
     "stacked_calls",
     "stage_kept_bytes",
 ]
@@ -251,6 +259,26 @@ def _per_peer(call: MoeCall, t_local: float, n_ep: int) -> float:
     return math.ceil(t_local) * min(call.top_k, call.experts // n_ep)
 
 
+def sized_buffers(ctx: Any) -> bool:
+    """Whether the topology's exchange form sizes its buffers to the rows routed
+    (module docstring): ``expert_exchange`` ``"routed"`` or ``"node_dedup"``, priced
+    only; spmdkit's op (``"all_to_all"``) pads them for the worst case."""
+    return ctx.topology.expert_exchange != "all_to_all"
+
+
+def received_rows(ctx: Any, call: MoeCall, n_ep: int, t_local: float) -> float:
+    """Rows of ``D`` one device receives per call and micro-batch from ``n_ep``
+    peers, as its buffers hold them (module docstring): the op's padded buffer,
+    ``n_ep · T_local · min(k, E_local)``, or under :func:`sized_buffers` the rows
+    routed to the busiest device, ``T_local · k`` times :func:`load_imbalance`.
+
+    Example: Qwen3-30B-A3B under EP 16 (128 experts top-8), 4,096 tokens a
+    device: 524,288 padded rows, about 33,000 routed."""
+    if sized_buffers(ctx):
+        return math.ceil(t_local) * call.top_k * load_imbalance(call, n_ep, t_local)
+    return n_ep * _per_peer(call, t_local, n_ep)
+
+
 def dispatch_collectives(
     ctx: Any, g: Any, call: MoeCall, sp: Any, token_axes: Sequence[str], coll: Any
 ) -> list[Any]:
@@ -271,7 +299,8 @@ def dispatch_collectives(
     dedup = node_dedup_time(ctx, call, sp, t_local, itemsize)
     if dedup is not None:  # priced only (module docstring): the buffer stays the payload
         tokens = tokens._replace(time_s=dedup * buffers * times)
-    elif ragged_exchange(ctx):  # the link carries the routed rows; the buffer is the payload
+    elif ragged_exchange(ctx) or ctx.topology.expert_exchange == "routed":
+        # the link carries the routed rows; the op's buffer is the payload
         routed = t_local * call.top_k * call.d_model * itemsize
         routed *= load_imbalance(call, n_ep, t_local)
         sent = coll(ctx, "all_to_all", routed, sp.ep, times=buffers * times)
@@ -529,7 +558,7 @@ def _call_kept_bytes(
     if n_ep <= 1:
         return 0.0
     itemsize = ctx.recipe.compute_itemsize(call.itemsize)
-    rows = n_ep * _per_peer(call, t_local, n_ep)
+    rows = received_rows(ctx, call, n_ep, t_local)
     got = rows * call.d_model * itemsize
     back = math.ceil(t_local) * call.top_k * call.d_model * itemsize
     counts = n_ep * (call.experts // n_ep) * 4
@@ -556,7 +585,7 @@ def dispatch_buffer_bytes(ctx: Any, g: Any, sp: Any, token_axes: Sequence[str]) 
     n_ep, t_local = region_tokens(ctx, call, sp, token_axes)
     f_local = call.d_ff / math.prod(ctx.sizes[a] for a in sp.tp)
     itemsize = ctx.recipe.compute_itemsize(call.itemsize)
-    rows = n_ep * _per_peer(call, t_local, n_ep) if n_ep > 1 else t_local * call.top_k
+    rows = received_rows(ctx, call, n_ep, t_local) if n_ep > 1 else t_local * call.top_k
     held = 0.0
     if n_ep > 1 and reruns_exchange(ctx.recipe):
         held = _call_kept_bytes(ctx, g, sp, token_axes, down=False)

@@ -40,7 +40,8 @@ kind                    when
                         of several devices: its step beside the best sharded plan's
 ``priced_only``         the plan's routed-expert exchanges were priced as a form
                         spmdkit's executor does not run (the topology's
-                        ``expert_exchange="node_dedup"`` or ``expert_overlap``)
+                        ``expert_exchange`` ``"routed"`` or ``"node_dedup"``, or
+                        ``expert_overlap``)
 ``measured``            auto timed its candidates on the mesh's devices (a step
                         timer, :func:`spmdkit.tune`): each one's price and measured
                         step, and which it kept
@@ -620,7 +621,7 @@ def priced_only_note(topology: Any, cost: Any) -> list[PlanNote]:
     """The ``priced_only`` note of a plan priced on ``topology`` at ``cost`` (a
     :class:`~spmdkit.planner.plans.Cost` or None): one when the topology prices the
     routed experts' exchange as a form the executor does not run
-    (:attr:`~spmdkit.topology.Topology.expert_exchange` ``"node_dedup"``,
+    (:attr:`~spmdkit.topology.Topology.expert_exchange` ``"routed"`` or ``"node_dedup"``,
     :attr:`~spmdkit.topology.Topology.expert_overlap`), the analytic estimator
     priced it (the propagated estimate prices the all-to-alls it propagates) and
     the step has all-to-alls; none otherwise."""
@@ -629,10 +630,15 @@ def priced_only_note(topology: Any, cost: Any) -> list[PlanNote]:
     if not cost.estimator.startswith("analytic"):
         return []
     forms = []
+    if topology.expert_exchange == "routed":
+        forms.append(
+            "buffers of the rows routed, sized once the counts are exchanged (Megatron-LM's "
+            "alltoall dispatcher)"
+        )
     if topology.expert_exchange == "node_dedup":
         forms.append(
             "each token crossing the network once per node holding its experts and fanned "
-            "out inside it (DeepEP's normal kernels)"
+            "out inside it, into buffers of the rows routed (DeepEP's normal kernels)"
         )
     if topology.expert_overlap:
         forms.append("hidden under another micro-batch's compute (1F1B all-to-all overlap)")
@@ -644,8 +650,10 @@ def priced_only_note(topology: Any, cost: Any) -> list[PlanNote]:
             "the routed experts' token exchanges are priced as "
             + " and ".join(forms)
             + ", which spmdkit's executor does not run: it sends every (token, expert) copy "
-            "in an all-to-all on each micro-batch's critical path, so plan.run's step is "
-            "slower than this price.",
+            "in an all-to-all on each micro-batch's critical path, from buffers padded for "
+            "the worst case, so plan.run's step is slower than this price"
+            + (" and holds more memory" if topology.expert_exchange != "all_to_all" else "")
+            + ".",
             "plan with a topology whose expert_exchange is 'all_to_all' and expert_overlap "
             "False (the defaults) for the price of the step spmdkit runs",
         )

@@ -100,6 +100,46 @@ def test_the_buffers_and_rows_follow_the_ep_degree(info):
         assert mem[n] == pytest.approx(rows[n] * (3 * D_MODEL + 4 * f_local) * 4 + grads)
 
 
+@pytest.mark.parametrize("form", ["routed", "node_dedup"])
+def test_a_dispatcher_sized_at_run_time_holds_the_rows_routed(info, form):
+    """A priced-only exchange form whose buffers are sized once the counts are
+    exchanged (``expert_exchange="routed"``: Megatron-LM's alltoall dispatcher;
+    ``"node_dedup"``: DeepEP's) holds the rows routed to the busiest device,
+    ``T_local * k`` times the load imbalance, where the op pads its buffer to
+    ``n_ep * T_local * min(k, E_local)``: the kept rows and the backward's D-wide
+    and F-wide buffers shrink by their ratio, and the plan says it is priced only.
+    The parameters' memory and the exchange's payload (the op's) do not move."""
+    import dataclasses
+
+    mesh = sk.abstract_mesh(data=2, expert=4)
+    n_ep, t_local, f_local = 4, T // 8, 16
+    op = sk.Topology.h100()
+    sized = dataclasses.replace(op, expert_exchange=form)
+    plans = {
+        t.expert_exchange: sk.plan(info, mesh, "ep", estimator="analytic", topology=t)
+        for t in (op, sized)
+    }
+    busiest = experts.load_imbalance(trace_step(info, None).moe_calls[E], n_ep, t_local)
+    padded, routed = n_ep * t_local * min(K, E // n_ep), t_local * K * busiest
+    assert busiest > 1 and routed < padded / 2
+    grads = 3 * (E // n_ep) * D_MODEL * f_local * 4
+    counts, back = n_ep * (E // n_ep) * 4, t_local * K * D_MODEL * 4
+    for name, rows in (("all_to_all", padded), (form, routed)):
+        mem = plans[name].cost.memory
+        want = rows * (3 * D_MODEL + 4 * f_local) * 4 + grads
+        assert mem["moe_buffers"] == pytest.approx(want, abs=1)
+        assert mem["moe_kept"] == pytest.approx(rows * D_MODEL * 4 + counts + back, abs=1)
+    for kind in ("params", "grads", "opt_state"):
+        assert plans[form].cost.memory[kind] == plans["all_to_all"].cost.memory[kind]
+    payload = plans["all_to_all"].cost.comm_bytes["all_to_all"]
+    assert plans[form].cost.comm_bytes["all_to_all"] == payload
+    assert "priced_only" in [n.kind for n in plans[form].notes]
+    assert "priced_only" not in [n.kind for n in plans["all_to_all"].notes]
+    if form == "routed":  # its link carries the routed rows, as a GPU's ragged exchange
+        step = plans["all_to_all"].cost.step_time_s
+        assert plans[form].cost.step_time_s == pytest.approx(step)
+
+
 @pytest.fixture(scope="module")
 def wide_qwen3():
     """Tiny Qwen3-MoE (scanned) with experts three times as wide as the model, so
