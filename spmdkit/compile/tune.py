@@ -20,11 +20,15 @@ process that holds one plan, and a large model's candidates never share the
 devices' memory. A block runs at least ``steps`` timed steps and at least
 ``min_time_s`` seconds of them, as ``timeit`` sizes its loops, so a step of a few
 milliseconds is timed over many steps rather than three. The candidates are timed
-in ``passes`` passes, the order reversed each pass (each step compiled once), and a
-candidate's time is the least, over the passes, of its median step in a pass: the
-median keeps a pass's stray slow steps out, the least keeps out the pass that the
-host's other work disturbed most, so a load that comes and goes during the run
-does not decide the choice. Timing costs a compile
+in ``passes`` passes, the order reversed each pass (each step compiled once), and
+compared pass by pass (:func:`paired_scores`): in each pass a candidate's median
+step over the geometric mean of all candidates' median steps in that pass, and
+the median of those ratios over the passes. The median within a pass keeps its
+stray slow steps out; the ratio within a pass cancels a load that comes and goes
+during the run (it slows every block of a pass alike); the median over passes
+keeps out the pass whose block the host's other work disturbed. Candidates that
+score within ``runoff`` of the fastest are then timed again among themselves, in
+as many passes, and that runoff orders them. Timing costs a compile
 per candidate: tune on the mesh you will train on, once per model and batch shape.
 
 :func:`time_plans` is the timer, usable on any list of plans of one model.
@@ -56,7 +60,7 @@ from spmdkit.step.grad import train_step
 from spmdkit.step.master import opt_init
 from spmdkit.step.recipe import Recipe
 
-__all__ = ["StepTimes", "time_plans", "timed_step", "tune"]
+__all__ = ["StepTimes", "paired_scores", "time_plans", "timed_step", "tune"]
 
 
 @dataclass(frozen=True)
@@ -98,10 +102,51 @@ class StepTimes:
 
     @property
     def score_s(self) -> float:
-        """The least of the passes' median steps (what :func:`tune` ranks by): the
-        median keeps a pass's stray slow steps out, the least the pass the host's
-        other work disturbed most."""
+        """The least of the passes' median steps: the median keeps a pass's stray
+        slow steps out, the least the pass the host's other work disturbed most
+        (one plan alone; :func:`paired_scores` compares plans timed together)."""
         return min(self.pass_medians_s)
+
+
+def paired_scores(timed: Sequence[StepTimes], clock: str = "wall") -> list[float]:
+    """Each plan's step, compared with the others' in the same passes (what
+    :func:`tune` ranks by): in each pass, a plan's median step over the geometric
+    mean of every plan's median step in that pass; a plan's score is the median of
+    those ratios over the passes, times the median pass's geometric mean (so it
+    reads as seconds). A load that comes and goes moves every plan's steps of a pass
+    alike and cancels in the ratio; the median over passes keeps out a pass that
+    one plan's block had disturbed.
+
+    Args:
+      timed: plans timed in the same passes (:func:`time_plans`' answer).
+      clock: ``"wall"`` or ``"cpu"`` (as :meth:`StepTimes.pass_medians`).
+
+    Raises:
+      SpmdError: the plans were timed in different numbers of passes.
+
+    Example::
+
+        >>> a = StepTimes((1.0, 2.0), (0, 0), (0, 0), (0, 0), per_pass=(1, 1))
+        >>> b = StepTimes((2.0, 4.0), (0, 0), (0, 0), (0, 0), per_pass=(1, 1))
+        >>> [round(s, 3) for s in paired_scores([a, b])]
+        [1.5, 3.0]
+    """
+    medians = [t.pass_medians(clock) for t in timed]
+    if not medians:
+        return []
+    passes = {len(m) for m in medians}
+    if len(passes) != 1:
+        raise SpmdError(
+            op="paired_scores",
+            must="every plan was timed in the same passes",
+            given=f"pass counts {sorted(passes)}",
+            fix="score the answer of one time_plans call",
+        )
+    means = [float(np.exp(np.mean([np.log(m[k]) for m in medians]))) for k in range(passes.pop())]
+    scale = statistics.median(means)
+    return [
+        scale * statistics.median(x / g for x, g in zip(m, means, strict=True)) for m in medians
+    ]
 
 
 def _example_batch(info: ModelInfo, batch: Any) -> Any:
@@ -297,8 +342,9 @@ def tune(
     candidates: int = 8,
     steps: int = 3,
     warmup: int = 1,
-    passes: int = 2,
+    passes: int = 3,
     min_time_s: float = 0.25,
+    runoff: float = 0.15,
 ) -> Plan:
     """Plan ``model`` with ``strategy="auto"`` on ``mesh``'s devices, choosing among
     auto's candidates by their measured step (module docstring).
@@ -324,6 +370,9 @@ def tune(
       warmup: untimed steps per candidate and pass before them.
       passes: passes over the candidates, the order reversed each pass.
       min_time_s: seconds of timed steps per candidate and pass, at least.
+      runoff: candidates whose score is within this fraction of the fastest's
+        (0.15: 15%) are timed again, among themselves, in ``passes`` more passes,
+        and ranked by that runoff (>= 0; 0 times only a tie again).
 
     Returns:
       The fastest measured candidate's :class:`~spmdkit.planner.Plan` (its cost the
@@ -341,6 +390,7 @@ def tune(
     """
     _check_counts("tune", steps=steps, warmup=warmup, passes=passes)
     _check_seconds("tune", min_time_s)
+    _check_runoff(runoff)
     if not isinstance(mesh, Mesh):
         raise SpmdError(
             op="tune",
@@ -361,17 +411,21 @@ def tune(
     info = describe(model, config=config, batch=batch, batch_size=batch_size, loss=loss)
 
     def timer(plans: Sequence[Plan]) -> list[float]:
-        timed = time_plans(
-            info,
-            plans,
-            opt,
-            batch,
-            steps=steps,
-            warmup=warmup,
-            passes=passes,
-            min_time_s=min_time_s,
-        )
-        return [t.score_s for t in timed]
+        def timed(subset: Sequence[Plan]) -> list[float]:
+            return paired_scores(
+                time_plans(
+                    info,
+                    subset,
+                    opt,
+                    batch,
+                    steps=steps,
+                    warmup=warmup,
+                    passes=passes,
+                    min_time_s=min_time_s,
+                )
+            )
+
+        return _with_runoff(timed, list(plans), runoff)
 
     opts = replace(options or SearchOptions(), measure=timer, measure_candidates=candidates)
     return make_plan(
@@ -385,3 +439,37 @@ def tune(
         cost_model=cost_model,
         options=opts,
     )
+
+
+def _with_runoff(
+    timed: Callable[[Sequence[Plan]], list[float]], plans: list[Plan], runoff: float
+) -> list[float]:
+    """``timed(plans)``, then the plans within ``runoff`` of the fastest timed again
+    among themselves (when there are two or more) and their scores replaced by the
+    runoff's, rescaled to the same geometric mean as their first scores: the runoff
+    reorders the contenders only, never against a plan it did not time again."""
+    seconds = timed(plans)
+    if len(plans) < 2:
+        return seconds
+    best = min(seconds)
+    close = [i for i, s in enumerate(seconds) if s <= best * (1 + runoff)]
+    if len(close) < 2:
+        return seconds
+    again = timed([plans[i] for i in close])
+    first = [seconds[i] for i in close]
+    scale = float(np.exp(np.mean(np.log(first)) - np.mean(np.log(again))))
+    for i, s in zip(close, again, strict=True):
+        seconds[i] = s * scale
+    return seconds
+
+
+def _check_runoff(runoff: object) -> None:
+    ok = isinstance(runoff, int | float) and not isinstance(runoff, bool)
+    if not ok or not 0 <= runoff < float("inf"):
+        raise SpmdError(
+            op="tune",
+            must="runoff is a finite fraction >= 0 (how close to the fastest a candidate "
+            "must score to be timed again)",
+            given=repr(runoff),
+            fix="pass e.g. runoff=0.15 (0: only ties are timed again)",
+        )

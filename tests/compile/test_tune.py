@@ -1,6 +1,7 @@
 """``sk.tune``: auto's candidates timed on the mesh's own devices."""
 
 import gc
+import math
 import re
 
 import jax
@@ -8,7 +9,7 @@ import optax
 import pytest
 
 import spmdkit as sk
-from spmdkit.compile.tune import StepTimes, time_plans
+from spmdkit.compile.tune import StepTimes, _with_runoff, paired_scores, time_plans
 from spmdkit.errors import SpmdError
 from spmdkit.planner.notes import quiet_notes
 
@@ -107,3 +108,54 @@ def test_pass_medians_split_the_steps_by_pass():
     assert t.pass_medians() == t.pass_medians_s == (2.0, 4.5)
     assert t.pass_medians("cpu") == (2.0, 5.0)
     assert t.score_s == 2.0
+
+
+def _passes(*medians: float) -> StepTimes:
+    """A plan timed one step a pass, those steps ``medians``."""
+    n = len(medians)
+    return StepTimes(tuple(medians), (0.0,) * n, (0.0,) * n, (0.0,) * n, per_pass=(1,) * n)
+
+
+def test_paired_scores_compare_plans_within_each_pass():
+    """B is 8% faster than A in two passes of three; in the other a disturbance hit
+    B's block. The least pass median would pick A (its 1.0 beats B's 1.1); compared
+    pass by pass, B wins, and a load that slows a whole pass cancels."""
+    a, b = _passes(1.0, 1.2, 1.2), _passes(1.5, 1.1, 1.1)
+    assert a.score_s < b.score_s
+    sa, sb = paired_scores([a, b])
+    assert sb < sa
+    # a whole pass 10x slower (the host busy): the scores keep their order and ratio
+    sa2, sb2 = paired_scores([_passes(1.0, 12.0, 1.2), _passes(1.5, 11.0, 1.1)])
+    assert sb2 < sa2 and sa2 / sb2 == pytest.approx(sa / sb)
+    # one plan: its median pass median
+    assert paired_scores([_passes(3.0, 1.0, 2.0)]) == [2.0]
+    assert paired_scores([]) == []
+    with pytest.raises(SpmdError, match="same passes"):
+        paired_scores([_passes(1.0), _passes(1.0, 2.0)])
+
+
+def test_runoff_times_the_contenders_again_and_reorders_only_them():
+    calls = []
+    script = {4: [1.0, 1.1, 2.0, 1.05], 3: [1.3, 1.0, 1.2]}
+
+    def timed(plans):
+        calls.append(list(plans))
+        return list(script[len(plans)])
+
+    plans = ["a", "b", "c", "d"]
+    seconds = _with_runoff(timed, plans, 0.15)
+    assert calls == [plans, ["a", "b", "d"]]  # c (2x the fastest) is not timed again
+    assert seconds[2] == 2.0
+    assert min(range(4), key=seconds.__getitem__) == 1  # b won the runoff
+    # rescaled to the first round's geometric mean: c still the slowest
+    first, again = [1.0, 1.1, 1.05], [seconds[0], seconds[1], seconds[3]]
+    assert sum(map(math.log, again)) == pytest.approx(sum(map(math.log, first)))
+    # no contender within the margin: timed once
+    calls.clear()
+    assert _with_runoff(timed, plans, 0.01) == script[4] and len(calls) == 1
+
+
+def test_tune_refuses_a_bad_runoff(tiny_infos):
+    for bad in (-0.1, float("inf"), "0.1", None):
+        with pytest.raises(SpmdError, match="runoff is a finite fraction"):
+            sk.tune(tiny_infos["gpt"], sk.make_mesh(data=8), runoff=bad)
