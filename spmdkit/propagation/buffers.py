@@ -368,9 +368,9 @@ def scattered_at_once(producer: str | None, partial: Any, reduced: Any) -> bool:
     the plan's collectives (``spmdkit.compile.enforce``); a reduce-scatter among
     them stays one on CPU, and XLA:CPU combines all-reduces only, so the scheduler
     runs it, and frees the partial sum, as soon as the contraction has made it.
-    Measured (XLA:CPU, jax 0.10.2): an FSDP dropout MLP's two weight gradients,
-    each an f32 partial sum of 256 KiB, are each reduce-scattered before the next
-    contraction runs, one freed before the other is made.
+    Measured on XLA:CPU: an FSDP dropout MLP's two weight gradients are each
+    reduce-scattered before the next contraction runs, one freed before the
+    other is made.
 
     Args:
       producer: the primitive that makes the partial value (None: an input).
