@@ -260,7 +260,9 @@ def output_allocations(
     combiner merges those independent reductions into one after the last
     gradient, so each partial sum lives until then (measured on XLA:CPU: a
     llama's ZeRO-1 step keeps every gradient's reduced copy in its temp heap at
-    the end, the partial sums in the outputs' buffers).
+    the end, the partial sums in the outputs' buffers). Not a contraction's
+    partial sum reduce-scattered, which XLA:CPU does not combine: it is reduced,
+    and freed, as soon as it exists (:func:`scattered_at_once`).
 
     Args:
       graph: the program.
@@ -330,8 +332,16 @@ def heap_temps(
     reductions deferred to the end. ``spec``: value id → its layout;
     ``copy_reads``: node index → {value id: the resharded copy
     (:class:`~spmdkit.propagation.memory.CopyRead`) it reads in its place}."""
+    producer = {o: node.prim for node in graph.nodes for o in node.outs}
     reduced = {
-        i: {u for u, c in via.items() if c.spec is not None and u in spec and spec[u].partial}
+        i: {
+            u
+            for u, c in via.items()
+            if c.spec is not None
+            and u in spec
+            and spec[u].partial
+            and not scattered_at_once(producer.get(u), spec[u], c.spec)
+        }
         for i, via in copy_reads.items()
     }
     allocations, ends, deferred = output_allocations(
@@ -348,6 +358,29 @@ def heap_temps(
     loops = {temp_of[o] for node in graph.nodes if node.subs for o in node.outs if o in temp_of}
     out = hosted(temps, allocations, loops)
     return [t for k, t in enumerate(temps) if k not in out]
+
+
+def scattered_at_once(producer: str | None, partial: Any, reduced: Any) -> bool:
+    """Whether XLA:CPU reduce-scatters a contraction's partial sum as soon as it
+    exists (not with the other gradients at the end).
+
+    The enforced step reduces a contraction's pending sum under ``shard_map`` with
+    the plan's collectives (``spmdkit.compile.enforce``); a reduce-scatter among
+    them stays one on CPU, and XLA:CPU combines all-reduces only, so the scheduler
+    runs it, and frees the partial sum, as soon as the contraction has made it.
+    Measured on XLA:CPU: an FSDP dropout MLP's two weight gradients are each
+    reduce-scattered before the next contraction runs, one freed before the
+    other is made.
+
+    Args:
+      producer: the primitive that makes the partial value (None: an input).
+      partial: the partial value's layout.
+      reduced: the layout its reduction makes.
+    """
+    if producer not in _CONTRACTIONS:
+        return False
+    split = {a for axes in reduced.dims for a in axes}
+    return any(axis in split for axis, _ in partial.partial)
 
 
 def _made(

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from spmdkit.engine.region import GRAD, REGIONS
 from spmdkit.engine.registry import get_rule
 from spmdkit.errors import ShardingConflictError, SpecError
+from spmdkit.propagation.buffers import ELEMENTWISE as _ELEMENTWISE
 from spmdkit.propagation.choose import consumer_hints
 from spmdkit.propagation.contest import sequence_axes
 from spmdkit.propagation.graph import (
@@ -65,7 +66,7 @@ from spmdkit.propagation.regions import (
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.topology import DEFAULT_TOPOLOGY, Topology
-from spmdkit.util import H100_BF16_PEAK_FLOPS
+from spmdkit.util import CONTRACTIONS, H100_BF16_PEAK_FLOPS
 
 __all__ = ["propagate"]
 
@@ -355,6 +356,8 @@ def _memory_fn(
         for c in slices.values():
             for i in range(c.made, min(c.last, len(transient) - 1) + 1):
                 transient[i] += c.spec.local_bytes(mesh)
+        if cpu:
+            _relayouts(graph, recorder.relayouts, transient, widen, early)
         return _memory(
             graph,
             spec,
@@ -542,6 +545,36 @@ def _transient(
         for i in range(first, min(last, n - 1) + 1):
             transient[i] += nbytes
     return transient
+
+
+def _relayouts(
+    graph: Graph,
+    relayouts: Sequence[tuple[int, int, int, int, Any]],
+    transient: list[int],
+    widen: Mapping | None,
+    early: set[int] | None,
+) -> None:
+    """Add to ``transient`` XLA:CPU's copies of the operands it lays out anew for a
+    gather or scatter over a minor dim (:func:`~spmdkit.propagation.records.relayout_bytes`),
+    live while the collective runs (at the start for an ``early`` value, see
+    :func:`_transient`). An elementwise result that the collective alone reads is
+    made in that layout by its own fusion: no copy. A reduce-scatter is counted
+    after a contraction only: the enforced replay reduces a contraction's pending
+    sum with the plan's collectives, where XLA's partitioner runs the others as an
+    all-reduce and a slice on CPU (``spmdkit.verification.planned.as_on_cpu``)."""
+    producer = {o: node for node in graph.nodes for o in node.outs}
+    readers = collections.Counter(v for node in graph.nodes for v in set(node.ins))
+    for at, vid, gathers, scatters, dtype in relayouts:
+        made = producer.get(vid)
+        nbytes = scatters if made is not None and made.prim in CONTRACTIONS else 0
+        if made is None or made.prim not in _ELEMENTWISE or readers[vid] > 1:
+            nbytes += gathers
+        if not nbytes:
+            continue
+        if widen and dtype in widen:
+            nbytes = nbytes * np.dtype(widen[dtype]).itemsize // np.dtype(dtype).itemsize
+        i = 0 if early and vid in early else min(at, len(transient) - 1)
+        transient[i] += nbytes
 
 
 class _Totals(NamedTuple):

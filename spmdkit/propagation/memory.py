@@ -62,7 +62,10 @@ one memory and counts them in the temp allocation (``cpu=True``), as measured.
 
 Workspace on XLA:CPU only (``cpu=True``): the buffers of the ops XLA:CPU has no
 kernel for and expands (a max pool's gradient, a convolution with batch groups,
-``ragged_dot``), in :mod:`spmdkit.propagation.workspaces`.
+``ragged_dot``), in :mod:`spmdkit.propagation.workspaces`; and the copy of an
+operand XLA:CPU lays out anew for a gather or reduce-scatter over a minor dim, live
+while the collective runs (the driver's ``transient`` bytes,
+:func:`spmdkit.propagation.records.relayout_bytes`).
 
 What it does not model: XLA fuses chains of elementwise ops (their
 intermediates are never materialized) and may schedule differently, so the

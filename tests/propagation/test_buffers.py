@@ -1,5 +1,7 @@
 """XLA's buffer assignment of temporaries to the outputs' buffers, as modelled."""
 
+import functools
+
 from spmdkit.propagation.buffers import Allocation, Span, hosted, peak
 
 
@@ -44,3 +46,46 @@ def test_a_donated_argument_holds_values_between_its_last_reader_and_its_output(
     assert hosted([Span(5, 11, 200)], [donated]) == {0}
     assert hosted([Span(3, 11, 200)], [donated]) == set()
     assert hosted([Span(5, 12, 200)], [donated]) == set()
+
+
+def test_a_contractions_reduce_scatter_runs_at_once_its_all_reduce_at_the_end():
+    from jax.sharding import PartitionSpec as P
+
+    from spmdkit.propagation.buffers import scattered_at_once
+    from spmdkit.spec import TensorSpec
+
+    partial = TensorSpec((64, 1024), dtype="float32", partial={"data": "sum", "model": "sum"})
+    scattered = TensorSpec((64, 1024), P(("data", "model")), dtype="float32")
+    whole = TensorSpec((64, 1024), dtype="float32")
+    assert scattered_at_once("dot_general", partial, scattered)
+    assert scattered_at_once("conv_general_dilated", partial, scattered)
+    assert not scattered_at_once("dot_general", partial, whole)  # all-reduced: combined
+    assert not scattered_at_once("reduce_sum", partial, scattered)  # all-reduce + slice on CPU
+    assert not scattered_at_once(None, partial, scattered)
+
+
+def test_xla_cpu_reduce_scatters_each_partial_product_before_the_next_is_made():
+    """What :func:`scattered_at_once` stands for, compiled: two weight gradients'
+    partial products, each reduce-scattered under ``shard_map``, are never live
+    at once (all-reduced, XLA:CPU combines them after both exist)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import spmdkit as sk
+
+    mesh = sk.make_mesh(x=8, axis_types="auto")
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    dy = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    block = 64 * 256 * 4  # one partial product per device
+
+    def temp(reduce, out):
+        def body(x, dy1, dy2):
+            return reduce(x.T @ dy1), reduce(x.T @ jnp.tanh(dy2))
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=(out, out))
+        return jax.jit(f).lower(x, dy, dy).compile().memory_analysis().temp_size_in_bytes
+
+    scatter = functools.partial(jax.lax.psum_scatter, axis_name="x", tiled=True)
+    assert temp(scatter, P("x")) < 2 * block
+    assert temp(functools.partial(jax.lax.psum, axis_name="x"), P()) >= 2 * block

@@ -56,24 +56,17 @@ MESHES = ((2, 4), (4, 2))
 
 #: Cases whose plan.verify is outside ±10% bytes / ±20% memory today. The test
 #: asserts they still miss, so a fix shows up as a failure here to remove the entry.
-#: The NNX CNN under megatron on 2x4: peak predicted 142.6-182.2 KiB, compiled 246.2
-#: (collectives all within tolerance). On jax 0.12 it missed by as much before; on
-#: 0.10.2 since propagation's rounds pay the bytes they write (0084004).
-KNOWN_VERIFY_MISSES: frozenset = frozenset({("nnx_cnn", "megatron", (2, 4))})
+#: None today: the NNX CNN under megatron on 2x4 (predicted 142.6-182.2 KiB, compiled
+#: 246.2) missed the copy XLA:CPU makes of a convolution's partial input gradient,
+#: f32[4,16,16,16], to lay it out for its reduce-scatter over the channels (both
+#: live at the compiled peak), now counted
+#: (:func:`spmdkit.propagation.records.relayout_bytes`).
+KNOWN_VERIFY_MISSES: frozenset = frozenset()
 
-#: Misses on jax >= 0.12 only (the full sweep; CI's sample has neither). The VGG's
-#: peak under megatron and megatron_sp on 2x4: 633.4 KiB compiled (582.1 on 0.10.2)
-#: against 411.6-491.7 predicted on both. XLA's buffer assignment on 0.12 packs the
-#: same live set worse: temp heap 518.5 KiB for a live peak of 465.3 (0.10.2: 467.1
-#: for 449.6), and it schedules three weight transposes (15.7 KiB) before the peak.
-#: On both, XLA gathers the activation its filter gradient reads (f32[8,16,16,16],
-#: over data then model) as soon as the forward makes it and keeps its transposed
-#: copy (128 KiB) until the backward, where propagation prices the gather at the
-#: filter gradient only.
-KNOWN_VERIFY_MISSES_JAX_012: frozenset = frozenset({
-    ("vgg_linen", "megatron", (2, 4)),
-    ("vgg_linen", "megatron_sp", (2, 4)),
-})  # fmt: skip
+#: Misses on jax >= 0.12 only (the full sweep; CI's sample has none). None today: the
+#: VGG under megatron and megatron_sp on 2x4 (633.4 KiB compiled when listed) compiles
+#: to 517.9 KiB since, inside the prediction's range.
+KNOWN_VERIFY_MISSES_JAX_012: frozenset = frozenset()
 
 
 #: Rows of plan.verify the user's MoE (tests/zoo/moe.py) misses today, per model,

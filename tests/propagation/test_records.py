@@ -1,0 +1,59 @@
+"""The records' memory facts: the operands XLA:CPU lays out anew for a collective."""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import spmdkit as sk
+from spmdkit.engine.inference import ArgReshard
+from spmdkit.propagation.records import relayout_bytes
+from spmdkit.resharding import plan_reshard
+from spmdkit.spec import TensorSpec
+
+
+def _reshard(src, dst, mesh):
+    return ArgReshard("input 0", src, dst, plan_reshard(src, dst, mesh))
+
+
+def test_a_gather_or_scatter_over_a_minor_dim_copies_its_operand():
+    mesh = sk.abstract_mesh(data=2, model=4)
+    shape = (8, 16, 16, 16)
+    partial = TensorSpec(shape, P("data"), dtype="float32", partial={"model": "sum"})
+    # the channels (minor): the whole partial block, f32[4,16,16,16], is copied
+    channels = TensorSpec(shape, P("data", None, None, "model"), dtype="float32")
+    assert relayout_bytes(_reshard(partial, channels, mesh), mesh) == 4 * 16 * 16 * 16 * 4
+    # the rows after the batch's: the batch dim holds 4 rows per device, so a copy too
+    rows = TensorSpec(shape, P("data", "model"), dtype="float32")
+    assert relayout_bytes(_reshard(partial, rows, mesh), mesh) == 4 * 16 * 16 * 16 * 4
+    # the major dim: its blocks are contiguous already
+    whole = TensorSpec(shape, dtype="float32", partial={"model": "sum"})
+    major = TensorSpec(shape, P("model"), dtype="float32")
+    assert relayout_bytes(_reshard(whole, major, mesh), mesh) == 0
+    # a gather copies the local block it sends, unless every dim before it is one wide
+    sharded = TensorSpec((8, 32), P("data", "model"), dtype="float32")
+    gathered = TensorSpec((8, 32), P("data"), dtype="float32")
+    assert relayout_bytes(_reshard(sharded, gathered, mesh), mesh) == 4 * 8 * 4
+    thin = TensorSpec((2, 32), P("data", "model"), dtype="float32")
+    assert relayout_bytes(_reshard(thin, thin.replace(dims=(("data",), ())), mesh), mesh) == 0
+
+
+def test_xla_cpu_copies_a_reduce_scatters_operand_over_a_minor_dim():
+    """What :func:`relayout_bytes` counts, compiled: a contraction's partial result
+    reduce-scattered over its columns is copied (column-major) first, both live at
+    once; over its rows it is scattered as it is."""
+    mesh = sk.make_mesh(x=4, axis_types="auto")
+    a = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    b = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    block = 64 * 256 * 4  # the partial product on each device
+
+    def temp(dim):
+        def body(a, b):
+            return jax.lax.psum_scatter(a @ b, "x", scatter_dimension=dim, tiled=True)
+
+        f = jax.shard_map(
+            body, mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P(*[None] * dim, "x")
+        )
+        return jax.jit(f).lower(a, b).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(1) >= 2 * block
+    assert temp(0) < 2 * block
