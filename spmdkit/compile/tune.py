@@ -60,7 +60,7 @@ from spmdkit.step.grad import train_step
 from spmdkit.step.master import opt_init
 from spmdkit.step.recipe import Recipe
 
-__all__ = ["StepTimes", "paired_scores", "time_plans", "timed_step", "tune"]
+__all__ = ["StepTimes", "paired_scores", "time_plans", "timed_step", "tune", "with_runoff"]
 
 
 @dataclass(frozen=True)
@@ -425,7 +425,7 @@ def tune(
                 )
             )
 
-        return _with_runoff(timed, list(plans), runoff)
+        return with_runoff(timed, list(plans), runoff)
 
     opts = replace(options or SearchOptions(), measure=timer, measure_candidates=candidates)
     return make_plan(
@@ -441,13 +441,30 @@ def tune(
     )
 
 
-def _with_runoff(
+def with_runoff(
     timed: Callable[[Sequence[Plan]], list[float]], plans: list[Plan], runoff: float
 ) -> list[float]:
     """``timed(plans)``, then the plans within ``runoff`` of the fastest timed again
     among themselves (when there are two or more) and their scores replaced by the
     runoff's, rescaled to the same geometric mean as their first scores: the runoff
-    reorders the contenders only, never against a plan it did not time again."""
+    reorders the contenders only, never against a plan it did not time again
+    (:func:`tune`'s ranking).
+
+    Args:
+      timed: ``plans -> scores`` (seconds, one per plan, e.g. :func:`paired_scores`
+        of :func:`time_plans`).
+      plans: the plans, in order.
+      runoff: how close to the fastest a plan must score to be timed again (0.15:
+        within 15%).
+
+    Returns:
+      One score per plan, in order.
+
+    Example::
+
+        >>> with_runoff(lambda ps: [1.0, 1.05, 2.0][: len(ps)], ["a", "b", "c"], 0.15)
+        [1.0, 1.05, 2.0]
+    """
     seconds = timed(plans)
     if len(plans) < 2:
         return seconds

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import spmdkit as sk
-from spmdkit.compile.tune import StepTimes, _with_runoff, paired_scores, time_plans
+from spmdkit.compile.tune import StepTimes, paired_scores, time_plans, with_runoff
 from spmdkit.errors import SpmdError
 from spmdkit.planner.notes import quiet_notes
 
@@ -143,7 +143,7 @@ def test_runoff_times_the_contenders_again_and_reorders_only_them():
         return list(script[len(plans)])
 
     plans = ["a", "b", "c", "d"]
-    seconds = _with_runoff(timed, plans, 0.15)
+    seconds = with_runoff(timed, plans, 0.15)
     assert calls == [plans, ["a", "b", "d"]]  # c (2x the fastest) is not timed again
     assert seconds[2] == 2.0
     assert min(range(4), key=seconds.__getitem__) == 1  # b won the runoff
@@ -152,7 +152,7 @@ def test_runoff_times_the_contenders_again_and_reorders_only_them():
     assert sum(map(math.log, again)) == pytest.approx(sum(map(math.log, first)))
     # no contender within the margin: timed once
     calls.clear()
-    assert _with_runoff(timed, plans, 0.01) == script[4] and len(calls) == 1
+    assert with_runoff(timed, plans, 0.01) == script[4] and len(calls) == 1
 
 
 def test_tune_refuses_a_bad_runoff(tiny_infos):
