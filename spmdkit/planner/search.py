@@ -634,6 +634,7 @@ class _Planner:
             c = self.preset(name, extra, recipe)
             if self.problem.fits_batch(recipe, c.activation.get("batch", ()), c.mesh):
                 out.append(c)
+        out += self.experts.dense_presets(extra, recipe)
         out += self.searched(recipe) + self.experts.searched(recipe)
         return out + self.context_searched(recipe)
 
@@ -646,8 +647,11 @@ class _Planner:
         for recipes in self.problem.recipes(fixed):
             fits = False
             done: set[tuple] = set()
-            # per recipe key, the smallest peak of the last count costed
+            # per recipe key, the smallest peak of the last count costed, and
+            # each candidate's peak there
             smallest: dict[tuple, float] = {}
+            peaks: dict[tuple, dict[str, float]] = {}
+            room = _FLAT_HEADROOM * self.problem.budget
             for r in recipes:
                 key = (r.remat, r.remat_offload, r.remat_every, r.compute_dtype, r.master_weights)
                 if key in done:
@@ -662,18 +666,24 @@ class _Planner:
                         done.add(key)
                     continue
                 least = min(c.cost.peak_bytes for c in cands)
-                # more micro-batches that saved no memory: none will (the
-                # count follows the memory need, with no fixed cap)
-                if least >= smallest.get(key, math.inf):
-                    done.add(key)
-                smallest[key] = least
+                before = peaks.get(key, {})
+                peaks[key] = {c.name: c.cost.peak_bytes for c in cands}
                 if any(c.cost.peak_bytes <= self.problem.budget for c in cands):
                     fits = True
                 # more micro-batches until one fits with headroom: propagation
                 # prices the step's memory above the analytic model (Llama-3 8B on
-                # 8 GPUs: +12%), and auto re-costs the favourites (:meth:`recosted`)
-                if any(c.cost.peak_bytes <= _FLAT_HEADROOM * self.problem.budget for c in cands):
+                # 8 GPUs: +12%), and auto re-costs the favourites (:meth:`recosted`);
+                # past that, while a faster plan could still fit (:func:`_faster`)
+                # and the last count shrank one of them
+                if any(c.cost.peak_bytes <= room for c in cands):
+                    faster = _faster(cands, room)
+                    if not any(c.cost.peak_bytes < before.get(c.name, math.inf) for c in faster):
+                        done.add(key)
+                # more micro-batches that saved no memory: none will (the
+                # count follows the memory need, with no fixed cap)
+                elif least >= smallest.get(key, math.inf):
                     done.add(key)
+                smallest[key] = least
                 # more micro-batches shrink the activations and the expert
                 # exchange's buffers only (and what they hide, opt_update): where
                 # the rest of every candidate is over the budget, no count fits
@@ -730,7 +740,7 @@ class _Planner:
                 i
                 for i, c in enumerate(candidates)
                 if c.recipe == base
-                and not c.name.startswith("searched")
+                and c.name in PRESETS
                 and c.cost.peak_bytes <= _RECOST_OVER_BUDGET * self.problem.budget
             }
             before = candidates
@@ -948,6 +958,19 @@ class _Planner:
             reasons |= {n: why for n, why in self.dropped.items() if n not in names}
             notes += dropped_note({n: reasons[n] for n in PRESETS if n in reasons})
         return replace(out, alternatives=alternatives, chosen=best.name, notes=tuple(notes))
+
+
+def _faster(cands: list[Candidate], room: float) -> list[Candidate]:
+    """The candidates faster than the fastest that fits ``room`` and over it by no
+    more than more micro-batches shrink (:func:`_rest` within it): those a
+    larger count could still make fit (Megatron-LM's MoE layout fits at more
+    micro-batches than the FSDP plans that fit first)."""
+    best = min((c.cost.step_time_s for c in cands if c.cost.peak_bytes <= room), default=0.0)
+    return [
+        c
+        for c in cands
+        if c.cost.step_time_s < best and c.cost.peak_bytes > room and _rest(c.cost) <= room
+    ]
 
 
 def _rest(cost: Cost) -> float:
