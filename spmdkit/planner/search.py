@@ -76,7 +76,7 @@ from spmdkit.planner.analytic import (
     param_groups,
     total_cost,
 )
-from spmdkit.planner.budget import Budget, over_budget_error
+from spmdkit.planner.budget import Budget, faster_fits, over_budget_error, shrink_rest
 from spmdkit.planner.candidates import (
     Candidate,
     activation_layout,
@@ -116,7 +116,7 @@ from spmdkit.planner.notes import (
 from spmdkit.planner.options import CostModel, SearchOptions, given
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
 from spmdkit.planner.pipeline.search import PipelinePlanner
-from spmdkit.planner.plans import Cost, Plan, PyTree, noted
+from spmdkit.planner.plans import Plan, PyTree, noted
 from spmdkit.planner.problem import Problem
 from spmdkit.planner.provenance import Provenance
 from spmdkit.planner.rule_export import RuleTable
@@ -673,10 +673,10 @@ class _Planner:
                 # more micro-batches until one fits with headroom: propagation
                 # prices the step's memory above the analytic model (Llama-3 8B on
                 # 8 GPUs: +12%), and auto re-costs the favourites (:meth:`recosted`);
-                # past that, while a faster plan could still fit (:func:`_faster`)
+                # past that, while a faster plan could still fit (:func:`faster_fits`)
                 # and the last count shrank one of them
                 if any(c.cost.peak_bytes <= room for c in cands):
-                    faster = _faster(cands, room)
+                    faster = faster_fits(cands, room)
                     if not any(c.cost.peak_bytes < before.get(c.name, math.inf) for c in faster):
                         done.add(key)
                 # more micro-batches that saved no memory: none will (the
@@ -689,7 +689,7 @@ class _Planner:
                 # the rest of every candidate is over the budget, no count fits
                 # (a 1T model on 3,072 devices: 8 counts saved; when nothing
                 # fits, the closest is then among the counts costed)
-                if cands and all(_rest(c.cost) > self.problem.budget for c in cands):
+                if cands and all(shrink_rest(c.cost) > self.problem.budget for c in cands):
                     done.add(key)
             if fits:
                 break
@@ -958,28 +958,6 @@ class _Planner:
             reasons |= {n: why for n, why in self.dropped.items() if n not in names}
             notes += dropped_note({n: reasons[n] for n in PRESETS if n in reasons})
         return replace(out, alternatives=alternatives, chosen=best.name, notes=tuple(notes))
-
-
-def _faster(cands: list[Candidate], room: float) -> list[Candidate]:
-    """The candidates faster than the fastest that fits ``room`` and over it by no
-    more than more micro-batches shrink (:func:`_rest` within it): those a
-    larger count could still make fit (Megatron-LM's MoE layout fits at more
-    micro-batches than the FSDP plans that fit first)."""
-    best = min((c.cost.step_time_s for c in cands if c.cost.peak_bytes <= room), default=0.0)
-    return [
-        c
-        for c in cands
-        if c.cost.step_time_s < best and c.cost.peak_bytes > room and _rest(c.cost) <= room
-    ]
-
-
-def _rest(cost: Cost) -> float:
-    """A cost's memory less what more micro-batches change (activations, the
-    expert exchange's token buffers and those its grad reads, the offloaded
-    optimizer update they hide, and plain attention's score matrices)."""
-    memory = cost.memory
-    shrinks = ("activations", "moe_buffers", "moe_kept", "opt_update", "attention_scores")
-    return cost.peak_bytes - sum(memory.get(k, 0) for k in shrinks)
 
 
 def planner_for(
