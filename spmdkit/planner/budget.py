@@ -24,7 +24,7 @@ its estimate):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from spmdkit.planner.candidates import Candidate
@@ -32,7 +32,7 @@ from spmdkit.planner.logical import OverBudgetError
 from spmdkit.planner.plans import Cost
 from spmdkit.util import fmt_bytes
 
-__all__ = ["CLOSEST", "Budget", "over_budget_error"]
+__all__ = ["CLOSEST", "Budget", "faster_fits", "over_budget_error", "shrink_rest"]
 
 #: How many of the closest candidates the error names.
 CLOSEST = 3
@@ -121,3 +121,25 @@ def over_budget_error(budget: Budget, ranked: list[Candidate]) -> OverBudgetErro
         fix=fix.strip(),
         candidates=tuple((c.label, c.cost) for c in closest),
     )
+
+
+def faster_fits(cands: Sequence[Candidate], room: float) -> list[Candidate]:
+    """The candidates faster than the fastest that fits ``room`` and over it by no
+    more than more micro-batches shrink (:func:`shrink_rest` within it): those a
+    larger count could still make fit (Megatron-LM's MoE layout fits at more
+    micro-batches than the FSDP plans that fit first)."""
+    best = min((c.cost.step_time_s for c in cands if c.cost.peak_bytes <= room), default=0.0)
+    return [
+        c
+        for c in cands
+        if c.cost.step_time_s < best and c.cost.peak_bytes > room and shrink_rest(c.cost) <= room
+    ]
+
+
+def shrink_rest(cost: Cost) -> float:
+    """A cost's memory less what more micro-batches change (activations, the
+    expert exchange's token buffers and those its grad reads, the offloaded
+    optimizer update they hide, and plain attention's score matrices)."""
+    memory = cost.memory
+    shrinks = ("activations", "moe_buffers", "moe_kept", "opt_update", "attention_scores")
+    return cost.peak_bytes - sum(memory.get(k, 0) for k in shrinks)

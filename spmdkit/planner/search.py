@@ -76,7 +76,7 @@ from spmdkit.planner.analytic import (
     param_groups,
     total_cost,
 )
-from spmdkit.planner.budget import Budget, over_budget_error
+from spmdkit.planner.budget import Budget, faster_fits, over_budget_error, shrink_rest
 from spmdkit.planner.candidates import (
     Candidate,
     activation_layout,
@@ -116,7 +116,7 @@ from spmdkit.planner.notes import (
 from spmdkit.planner.options import CostModel, SearchOptions, given
 from spmdkit.planner.pipeline.plan import check_pipelined, pipeline_submesh
 from spmdkit.planner.pipeline.search import PipelinePlanner
-from spmdkit.planner.plans import Cost, Plan, PyTree, noted
+from spmdkit.planner.plans import Plan, PyTree, noted
 from spmdkit.planner.problem import Problem
 from spmdkit.planner.provenance import Provenance
 from spmdkit.planner.rule_export import RuleTable
@@ -634,6 +634,7 @@ class _Planner:
             c = self.preset(name, extra, recipe)
             if self.problem.fits_batch(recipe, c.activation.get("batch", ()), c.mesh):
                 out.append(c)
+        out += self.experts.dense_presets(extra, recipe)
         out += self.searched(recipe) + self.experts.searched(recipe)
         return out + self.context_searched(recipe)
 
@@ -646,8 +647,11 @@ class _Planner:
         for recipes in self.problem.recipes(fixed):
             fits = False
             done: set[tuple] = set()
-            # per recipe key, the smallest peak of the last count costed
+            # per recipe key, the smallest peak of the last count costed, and
+            # each candidate's peak there
             smallest: dict[tuple, float] = {}
+            peaks: dict[tuple, dict[str, float]] = {}
+            room = _FLAT_HEADROOM * self.problem.budget
             for r in recipes:
                 key = (r.remat, r.remat_offload, r.remat_every, r.compute_dtype, r.master_weights)
                 if key in done:
@@ -662,24 +666,30 @@ class _Planner:
                         done.add(key)
                     continue
                 least = min(c.cost.peak_bytes for c in cands)
-                # more micro-batches that saved no memory: none will (the
-                # count follows the memory need, with no fixed cap)
-                if least >= smallest.get(key, math.inf):
-                    done.add(key)
-                smallest[key] = least
+                before = peaks.get(key, {})
+                peaks[key] = {c.name: c.cost.peak_bytes for c in cands}
                 if any(c.cost.peak_bytes <= self.problem.budget for c in cands):
                     fits = True
                 # more micro-batches until one fits with headroom: propagation
                 # prices the step's memory above the analytic model (Llama-3 8B on
-                # 8 GPUs: +12%), and auto re-costs the favourites (:meth:`recosted`)
-                if any(c.cost.peak_bytes <= _FLAT_HEADROOM * self.problem.budget for c in cands):
+                # 8 GPUs: +12%), and auto re-costs the favourites (:meth:`recosted`);
+                # past that, while a faster plan could still fit (:func:`faster_fits`)
+                # and the last count shrank one of them
+                if any(c.cost.peak_bytes <= room for c in cands):
+                    faster = faster_fits(cands, room)
+                    if not any(c.cost.peak_bytes < before.get(c.name, math.inf) for c in faster):
+                        done.add(key)
+                # more micro-batches that saved no memory: none will (the
+                # count follows the memory need, with no fixed cap)
+                elif least >= smallest.get(key, math.inf):
                     done.add(key)
+                smallest[key] = least
                 # more micro-batches shrink the activations and the expert
                 # exchange's buffers only (and what they hide, opt_update): where
                 # the rest of every candidate is over the budget, no count fits
                 # (a 1T model on 3,072 devices: 8 counts saved; when nothing
                 # fits, the closest is then among the counts costed)
-                if cands and all(_rest(c.cost) > self.problem.budget for c in cands):
+                if cands and all(shrink_rest(c.cost) > self.problem.budget for c in cands):
                     done.add(key)
             if fits:
                 break
@@ -730,7 +740,7 @@ class _Planner:
                 i
                 for i, c in enumerate(candidates)
                 if c.recipe == base
-                and not c.name.startswith("searched")
+                and c.name in PRESETS
                 and c.cost.peak_bytes <= _RECOST_OVER_BUDGET * self.problem.budget
             }
             before = candidates
@@ -948,15 +958,6 @@ class _Planner:
             reasons |= {n: why for n, why in self.dropped.items() if n not in names}
             notes += dropped_note({n: reasons[n] for n in PRESETS if n in reasons})
         return replace(out, alternatives=alternatives, chosen=best.name, notes=tuple(notes))
-
-
-def _rest(cost: Cost) -> float:
-    """A cost's memory less what more micro-batches change (activations, the
-    expert exchange's token buffers and those its grad reads, the offloaded
-    optimizer update they hide, and plain attention's score matrices)."""
-    memory = cost.memory
-    shrinks = ("activations", "moe_buffers", "moe_kept", "opt_update", "attention_scores")
-    return cost.peak_bytes - sum(memory.get(k, 0) for k in shrinks)
 
 
 def planner_for(

@@ -12,7 +12,15 @@ from flax import nnx
 import spmdkit as sk
 from spmdkit.introspect import describe
 from spmdkit.models import get_model
-from spmdkit.planner.expert_mesh import EXPERT_AXIS, expert_counts, expert_meshes
+from spmdkit.planner.expert_mesh import (
+    EXPERT_AXIS,
+    expert_counts,
+    expert_meshes,
+    expert_placement,
+)
+from spmdkit.planner.logical import LogicalRules
+from spmdkit.planner.options import CostModel
+from spmdkit.planner.search import planner_for
 from spmdkit.planner.trace import trace_step
 
 GIB = 2**30
@@ -60,6 +68,54 @@ def test_the_split_meshes(info):
     assert expert_meshes(sk.abstract_mesh(data=8, ep=2), (8,)) == []
     assert expert_meshes(sk.abstract_mesh(data=16), ()) == []
     assert expert_meshes(sk.abstract_mesh(data=7), (8,)) == []
+
+
+def test_the_expert_placement_spans_the_model_axes_where_they_divide():
+    """Megatron-LM's MoE layout: the experts over the expert axes and, where every
+    expert count divides them too, the tensor-parallel ones (EP across TP ranks);
+    the batch over the data and expert axes, never the model axes."""
+    sizes = {"data": 16, "expert": 32, "model": 2}
+    wide = expert_placement(sizes, (256,), None, over_model=True)
+    assert wide.entries == (("expert", ("expert", "model")), ("batch", ("data", "expert")))
+    # the pipelined stage's (over_model off) and 96 experts over 64: the expert axis alone
+    narrow = (("expert", ("expert",)), ("batch", ("data", "expert")))
+    assert expert_placement(sizes, (256,), None).entries == narrow
+    assert expert_placement(sizes, (96,), None, over_model=True).entries == narrow
+    # no expert-named axis, an axis that does not divide, a table placing the batch
+    assert expert_placement({"data": 8, "model": 4}, (8,), None, over_model=True) is None
+    assert expert_placement({"data": 2, "expert": 3}, (8,), None) is None
+    given = LogicalRules((("batch", ("data",)),))
+    assert expert_placement(sizes, (256,), given, over_model=True) is None
+    # other extra rules stay, behind the placement
+    extra = LogicalRules((("vocab", ("model",)),))
+    got = expert_placement(sizes, (256,), extra, over_model=True)
+    assert got.entries == (*wide.entries, *extra.entries)
+
+
+def test_auto_costs_the_tensor_parallel_presets_with_expert_parallel_experts(info):
+    """Issue 44: auto's flat candidates include Megatron-LM's MoE layout (dense
+    weights tensor-parallel with sequence parallelism, the experts over the expert
+    and model axes, the batch over data and expert, the optimizer state over data),
+    which neither a preset nor the per-group search lays out."""
+    mesh = sk.abstract_mesh(data=2, expert=2, model=2)
+    planner = planner_for(info, mesh, None, CostModel(estimator="analytic"))
+    planner.auto(None, sk.Recipe())
+    names = {c.name for c in planner.analytic}
+    assert {"megatron_sp+zero1+ep", "megatron+zero1+ep", "tp_fsdp+ep"} <= names
+    c = next(c for c in planner.analytic if c.name == "megatron_sp+zero1+ep")
+    p = planner.problem.make_plan(c.name, c, c.cost)
+    assert p.params["moe/w_down"][0] == ("expert", "model")
+    assert p.activation["batch"] == ("data", EXPERT_AXIS) and p.activation["seq"] == ("model",)
+    assert p.params["head"] == jax.sharding.PartitionSpec(None, "model")  # vocab-parallel
+    assert "data" in str(p.opt["head"])  # the distributed optimizer: state over data
+    assert c.mesh is None and c.cost.comm_bytes["all_to_all"] > 0
+    # on a mesh without an expert axis, on the split ones (no model axis: dense
+    # weights replicated or FSDP, one candidate per distinct layout)
+    split = planner_for(info, sk.abstract_mesh(data=8), None, CostModel(estimator="analytic"))
+    got = split.experts.dense_presets(None, sk.Recipe())
+    assert got and all(_sizes(c.mesh)[EXPERT_AXIS] > 1 for c in got)
+    layouts = [(tuple(c.mesh.axis_sizes), tuple(c.choice)) for c in got]
+    assert len(set(layouts)) == len(layouts)
 
 
 @pytest.mark.slow  # the README command's budget

@@ -253,6 +253,44 @@ def test_deepseek_v3_671b_plans_on_1024_h100s_within_80_gib():
     assert took <= 60, took
 
 
+@pytest.mark.slow
+def test_deepseek_v3_auto_is_not_worse_than_the_published_layout_by_its_prices():
+    """Issue 44's acceptance on the calibration's DeepSeek-V3 row (TP 2 x PP 8 x VP 4
+    x EP 64, FP8, the published run's DeepEP exchange priced): auto on the row's
+    devices, with the levers the published recipe uses allowed (as the
+    calibration's auto column plans it, analytic), fits 80 GiB within 5% of the
+    published layout's tokens per second per GPU priced on the same topology (its
+    flat Megatron-LM layouts come within 3%; the published pipeline, 58 MoE layers
+    unevenly over 8 x 4 chunks, is no layout auto searches). Before auto costed
+    the tensor-parallel presets with the experts expert-parallel (and grew
+    micro-batches while a faster plan could fit) it reached about 0.7 of it."""
+    from tests.scripts import loaded_script
+
+    with loaded_script("benchmarks/calibration.py") as cal:
+        row = cal.DEEPSEEK_V3
+        topology = cal.row_topology(row)
+        published = cal.tok_s(row, cal.predict(row, topology))
+        spec, config = cal._model(row)
+        options = sk.SearchOptions(
+            pipeline="auto",
+            allow_fp8=True,
+            allow_master_weights=True,
+            allow_local_statistics=True,
+        )
+        p = sk.plan(
+            spec,
+            sk.abstract_mesh(**cal.auto_mesh(row)),
+            "auto",
+            config=config,
+            batch_size=row["batch"],
+            topology=topology,
+            estimator="analytic",
+            options=options,
+        )
+        assert p.cost.peak_bytes <= 80 * 2**30
+        assert cal.tok_s(row, p.cost) >= 0.95 * published, (p.chosen, published)
+
+
 def _pipelined_qwen3(remats):
     """Tiny Qwen3-MoE planned (analytic) on pipe 2 x data 4, experts over data, 1F1B
     with 4 micro-batches, under each remat policy: (config, pipeline, plans)."""

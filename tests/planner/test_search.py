@@ -418,6 +418,52 @@ def test_auto_stops_adding_micro_batches_that_save_no_memory(monkeypatch):
     assert tried and all(counts == [1, 2] for counts in tried.values())
 
 
+def _grown_pair(monkeypatch, fast_rest: int) -> list[int]:
+    """The micro-batch counts auto's flat search costs for one recipe key when a
+    slow plan fits at any count (50 of 100 bytes, step 2 s) beside a fast one
+    whose activations (320 / m bytes) shrink with the count on ``fast_rest``
+    bytes more micro-batches leave (step 1 s)."""
+    from spmdkit.models import get_model
+    from spmdkit.planner.candidates import Candidate
+    from spmdkit.planner.plans import Cost
+    from spmdkit.planner.search import planner_for
+
+    info = describe(get_model("llama"), config="tiny_scan", batch_size=64)
+    costs = sk.CostModel(memory_budget=100, estimator="analytic")
+    planner = planner_for(info, sk.abstract_mesh(data=2), None, costs)
+    fixed = sk.Recipe(remat="full")
+    tried: list[int] = []
+
+    def candidates(recipe, extra):
+        if (recipe.remat, recipe.compute_dtype, recipe.offload_opt) == (
+            fixed.remat,
+            fixed.compute_dtype,
+            fixed.offload_opt,
+        ) and not recipe.remat_offload:
+            tried.append(recipe.microbatches)
+        m = recipe.microbatches
+        slow = Cost(2.0, 2.0, 0.0, {}, {"params": 50})
+        fast = Cost(1.0, 1.0, 0.0, {}, {"params": fast_rest, "activations": 320 // m})
+        return [
+            Candidate("fsdp", [], {}, None, slow, recipe),
+            Candidate("megatron_sp+zero1+ep", [], {}, None, fast, recipe),
+        ]
+
+    monkeypatch.setattr(planner, "candidates", candidates)
+    planner.analytic_candidates(None, None)
+    return tried
+
+
+def test_auto_adds_micro_batches_while_a_faster_plan_could_fit(monkeypatch):
+    """A plan that fits at one micro-batch does not end the growth while a faster
+    one is over the budget only by what more micro-batches shrink: Megatron-LM's
+    MoE layout fits at more micro-batches than the FSDP plans that fit first
+    (here at 8: 20 + 320 / 8 <= 85). Where the faster plan's other memory is over
+    the budget already, one count is all."""
+    assert _grown_pair(monkeypatch, 20) == [1, 2, 4, 8]
+    assert _grown_pair(monkeypatch, 90) == [1]
+
+
 @pytest.mark.slow
 def test_auto_fits_mixtral_8x7b_on_64_devices_without_a_pipeline():
     """Issue 44's acceptance: Mixtral 8x7B (the zoo's GShard ``moe`` decoder at

@@ -72,16 +72,14 @@ from spmdkit.planner.candidates import (
     search_layouts,
 )
 from spmdkit.planner.context_parallel import CONTEXT_AXIS, context_axes, context_meshes
-from spmdkit.planner.expert_mesh import expert_counts
+from spmdkit.planner.expert_mesh import expert_counts, expert_placement
 from spmdkit.planner.logical import (
     BATCH_NAMES,
     PRESETS,
-    ROLE_NAMES,
     SHARDED_OPT_PRESETS,
     LogicalRules,
     RulesLike,
     UnknownLogicalAxisError,
-    axis_roles,
     preset_rules,
 )
 from spmdkit.planner.notes import PlanNote
@@ -827,20 +825,8 @@ class PipelinePlanner:
         expert-parallel ``moe_experts`` calls, those axes (more than one device)
         divide every expert count, and ``extra`` places neither the experts nor
         the batch; else none."""
-        counts = expert_counts(self.problem.ctx.trace)
-        placed = extra is not None and any(n in ("expert", "batch") for n, _ in extra.entries)
-        if not counts or placed:
-            return []
-        # axes named for the role only (a mesh of other names gives no axis the role)
-        ep = tuple(a for a in inner if a in ROLE_NAMES["expert"] and inner[a] > 1)
-        size = math.prod(inner[a] for a in ep)
-        if not ep or any(e % size for e in counts):
-            return []
-        roles = axis_roles(_mesh_without(dict(inner), ()))
-        data = {*roles["data"], *roles["fsdp"], *ep} - {*roles["model"], CONTEXT_AXIS} | set(ep)
-        batch = tuple(a for a in inner if a in data)
-        rules = LogicalRules((("expert", ep), ("batch", batch)))
-        return [rules if extra is None else extra.prepend(rules)]
+        rules = expert_placement(dict(inner), expert_counts(self.problem.ctx.trace), extra)
+        return [] if rules is None else [rules]
 
     def pipelined_table(
         self,
