@@ -103,6 +103,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -996,17 +997,24 @@ def measure_fresh_pages(repeats: int = 5) -> dict[str, float]:
     return out
 
 
-def run_auto_section(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``auto_vs_presets`` section: :func:`measure_auto` per case and mesh."""
+def run_auto_section(
+    args: argparse.Namespace, save: Callable[[list[dict[str, Any]]], None] | None = None
+) -> dict[str, Any]:
+    """The ``auto_vs_presets`` section: :func:`measure_auto` per case and mesh, in
+    ``--auto-models``' order; ``save(rows)`` after each row (a long run cut short
+    keeps what it measured)."""
     wanted = [c for c in args.auto_models.split(",") if c]
-    cases = [(m, s) for m, s in AUTO_CASES if m in wanted or f"{m}:{s}" in wanted]
+    cases = [c for w in wanted for c in AUTO_CASES if w in (c[0], f"{c[0]}:{c[1]}")]
+    cases = list(dict.fromkeys(cases))
     meshes = [{"data": 2, "model": 4}, {"data": 8}][: 1 if args.quick else 2]
     budget = 5.0 if args.quick else 30.0
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, size in cases:
         for shape in meshes:
             rows.append(measure_auto(name, size, shape, budget_s=budget))
             _auto_table(rows[-1:])
+            if save is not None:
+                save(rows)
     _auto_table(rows)
     constants = measure_cpu_constants()
     print("CPU constants measured here (per core):", constants, flush=True)
@@ -1056,10 +1064,17 @@ def _auto_main(args: argparse.Namespace, load_start: float) -> int:
     """``--auto-only``: run the auto section and replace it in the JSON, keeping the rest."""
     path = Path(args.out or RESULTS / "overhead.json")
     out = json.loads(path.read_text()) if path.exists() else {}
-    section = run_auto_section(args)
-    section["meta"] = machine(False) | {"quick": args.quick, "load_average_1m_start": load_start}
-    out["auto_vs_presets"] = section
     path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"quick": args.quick, "load_average_1m_start": load_start}
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        partial = {"target": AUTO_TARGET, "rows": rows, "partial": True}
+        out["auto_vs_presets"] = partial | {"meta": machine(False) | meta}
+        path.write_text(json.dumps(out, indent=1))
+
+    section = run_auto_section(args, save)
+    section["meta"] = machine(False) | meta
+    out["auto_vs_presets"] = section
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
     return 0
