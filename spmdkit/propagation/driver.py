@@ -549,7 +549,7 @@ def _transient(
 
 def _relayouts(
     graph: Graph,
-    relayouts: Sequence[tuple[int, int, int, int, Any]],
+    relayouts: Sequence[tuple[int, int, int, int, Any, int]],
     transient: list[int],
     widen: Mapping | None,
     early: set[int] | None,
@@ -561,12 +561,14 @@ def _relayouts(
     made in that layout by its own fusion: no copy. A reduce-scatter is counted
     after a contraction only: the enforced replay reduces a contraction's pending
     sum with the plan's collectives, where XLA's partitioner runs the others as an
-    all-reduce and a slice on CPU (``spmdkit.verification.planned.as_on_cpu``)."""
+    all-reduce and a slice on CPU (``spmdkit.verification.planned.as_on_cpu``). A
+    contraction's row-major copy of an operand gathered over a minor dim
+    (:func:`~spmdkit.propagation.records.gathered_copy_bytes`) is live with it."""
     producer = {o: node for node in graph.nodes for o in node.outs}
     readers = collections.Counter(v for node in graph.nodes for v in set(node.ins))
-    for at, vid, gathers, scatters, dtype in relayouts:
+    for at, vid, gathers, scatters, dtype, copied in relayouts:
         made = producer.get(vid)
-        nbytes = scatters if made is not None and made.prim in CONTRACTIONS else 0
+        nbytes = copied + (scatters if made is not None and made.prim in CONTRACTIONS else 0)
         if made is None or made.prim not in _ELEMENTWISE or readers[vid] > 1:
             nbytes += gathers
         if not nbytes:
