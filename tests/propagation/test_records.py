@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdkit as sk
 from spmdkit.engine.inference import ArgReshard
-from spmdkit.propagation.records import relayout_bytes
+from spmdkit.propagation.records import gathered_copy_bytes, relayout_bytes
 from spmdkit.resharding import plan_reshard
 from spmdkit.spec import TensorSpec
 
@@ -54,6 +54,40 @@ def test_xla_cpu_copies_a_reduce_scatters_operand_over_a_minor_dim():
             body, mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P(*[None] * dim, "x")
         )
         return jax.jit(f).lower(a, b).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(1) >= 2 * block
+    assert temp(0) < 2 * block
+
+
+def test_a_contraction_copies_an_operand_gathered_over_a_minor_dim():
+    mesh = sk.abstract_mesh(data=2, model=4)
+    # gathered over the columns, 64 rows before them: the whole gathered block
+    cols = TensorSpec((192, 64), P(None, "data"), dtype="float32")
+    whole = TensorSpec((192, 64), dtype="float32")
+    assert gathered_copy_bytes(_reshard(cols, whole, mesh), mesh) == 192 * 64 * 4
+    # over the rows (major): the dot reads it as gathered
+    rows = TensorSpec((192, 64), P("data"), dtype="float32")
+    assert gathered_copy_bytes(_reshard(rows, whole, mesh), mesh) == 0
+    # a slice or a reduction gathers nothing
+    assert gathered_copy_bytes(_reshard(whole, cols, mesh), mesh) == 0
+
+
+def test_xla_cpu_copies_a_weight_gathered_over_its_columns_before_a_dot():
+    """What :func:`gathered_copy_bytes` counts, compiled: a weight all-gathered over
+    its minor dim is copied row-major before the dot reads it, the gathered block
+    and its copy live at once; gathered over its rows it is read as it is."""
+    mesh = sk.make_mesh(x=4, axis_types="auto")
+    x = jax.ShapeDtypeStruct((8, 256), jnp.float32)
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    block = 256 * 256 * 4  # the gathered weight
+
+    def temp(dim):
+        def body(x, w):
+            return x @ jax.lax.all_gather(w, "x", axis=dim, tiled=True)
+
+        spec = P(*[None] * dim, "x")
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), spec), out_specs=P("x"))
+        return jax.jit(f).lower(x, w).compile().memory_analysis().temp_size_in_bytes
 
     assert temp(1) >= 2 * block
     assert temp(0) < 2 * block
