@@ -142,7 +142,7 @@ def paired_scores(timed: Sequence[StepTimes], clock: str = "wall") -> list[float
             given=f"pass counts {sorted(passes)}",
             fix="score the answer of one time_plans call",
         )
-    means = [float(np.exp(np.mean([np.log(m[k]) for m in medians]))) for k in range(passes.pop())]
+    means = [_geomean([m[k] for m in medians]) for k in range(passes.pop())]
     scale = statistics.median(means)
     return [
         scale * statistics.median(x / g for x, g in zip(m, means, strict=True)) for m in medians
@@ -301,9 +301,17 @@ def time_plans(
     return [StepTimes(*(tuple(t[k]) for k in keys)) for t in times]
 
 
+def _geomean(values: Sequence[float]) -> float:
+    return float(np.exp(np.mean(np.log(values))))
+
+
+def _finite_at_least_zero(value: object) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and 0 <= value < float("inf")
+
+
 def _check_seconds(op: str, min_time_s: object) -> None:
-    ok = isinstance(min_time_s, int | float) and not isinstance(min_time_s, bool)
-    if not ok or not min_time_s >= 0 or min_time_s == float("inf"):
+    if not _finite_at_least_zero(min_time_s):
         raise SpmdError(
             op=op,
             must="min_time_s is a finite number of seconds >= 0",
@@ -474,15 +482,14 @@ def with_runoff(
         return seconds
     again = timed([plans[i] for i in close])
     first = [seconds[i] for i in close]
-    scale = float(np.exp(np.mean(np.log(first)) - np.mean(np.log(again))))
+    scale = _geomean(first) / _geomean(again)
     for i, s in zip(close, again, strict=True):
         seconds[i] = s * scale
     return seconds
 
 
 def _check_runoff(runoff: object) -> None:
-    ok = isinstance(runoff, int | float) and not isinstance(runoff, bool)
-    if not ok or not 0 <= runoff < float("inf"):
+    if not _finite_at_least_zero(runoff):
         raise SpmdError(
             op="tune",
             must="runoff is a finite fraction >= 0 (how close to the fastest a candidate "
