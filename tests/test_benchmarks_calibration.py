@@ -86,13 +86,10 @@ def test_the_breakdown_prints_each_term_beside_the_published_step(bench):
 
 
 @pytest.mark.slow
-def test_deepseek_v3_is_priced_in_its_published_layout_and_auto_fits_80_gib(bench):
+def test_deepseek_v3_is_priced_in_its_published_layout(bench):
     """Issue 44: DeepSeek-V3 671B on 1,024 H100s, priced in Megatron-Bridge's uneven
     layout (58 MoE layers over 29 of 32 chunks, the dense stack on the first
-    stage), priced only (its expert exchange is the published run's, not spmdkit's);
-    ``auto`` (``pipeline="auto"``, float8 allowed) on the row's devices fits 80 GiB.
-    (Its plan time, the acceptance's 60 s, is measured by ``calibration.py`` as ``plan_s``, not
-    asserted on a shared machine.)"""
+    stage), priced only (its expert exchange is the published run's, not spmdkit's)."""
     row = next(r for r in bench.ROWS if "DeepSeek-V3" in r["name"])
     pipe = row["pipeline"]
     assert pipe.uneven and pipe.device_layers(58) == (6, 6, 8, 8, 8, 8, 8, 6)
@@ -101,7 +98,19 @@ def test_deepseek_v3_is_priced_in_its_published_layout_and_auto_fits_80_gib(benc
     assert (topo.expert_exchange, topo.expert_overlap) == ("node_dedup", True)
     cost = bench.predict(row, topo)
     assert cost.bubble_s > 0 and len(cost.stage_memory) == 8
-    assert bench.auto_choice(row, topo)["memory_gib"] <= 80
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_deepseek_v3_auto_with_the_default_estimator_fits_80_gib(bench):
+    """``auto`` (``pipeline="auto"``, float8 allowed) on the DeepSeek-V3 row's devices,
+    as the calibration's auto column plans it (the default estimator), fits 80 GiB.
+    Not in CI's sample (~230 CPU s): tests/planner/test_experts.py's analytic auto
+    on the same row checks the fit and the speed. (Its plan time, the acceptance's
+    60 s, is measured by ``calibration.py`` as ``plan_s``, not asserted on a shared
+    machine.)"""
+    row = next(r for r in bench.ROWS if "DeepSeek-V3" in r["name"])
+    assert bench.auto_choice(row, bench.row_topology(row))["memory_gib"] <= 80
 
 
 #: The published MoE layouts' degrees (Megatron-Bridge's tables): tensor and
