@@ -136,10 +136,17 @@ def test_train_measure_off_auto_fails_before_planning(no_devices, capsys):
 
 
 @pytest.mark.slow
-def test_train_measure_trains_the_plan_tune_picked(capsys):
+def test_train_measure_trains_the_plan_tune_picked(capsys, monkeypatch):
     """``--measure``: the plan trained is the one sk.tune timed fastest (its note
-    printed with the others before the first step)."""
+    printed with the others before the first step). Three candidates, one pass each:
+    the CLI's path (sk.tune's ranking is tests/compile/test_tune.py's)."""
+    import functools
+
+    import spmdkit.compile.tune as tuning
     from spmdkit.cli import main
+
+    quick = functools.partial(tuning.tune, candidates=3, passes=1, min_time_s=0, runoff=0)
+    monkeypatch.setattr(tuning, "tune", quick)
 
     assert main(["train", "gpt", "--config", "tiny", "--mesh", "data=8", "--steps", "2",
                  "--measure"]) == 0  # fmt: skip
