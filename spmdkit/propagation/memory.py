@@ -65,7 +65,9 @@ kernel for and expands (a max pool's gradient, a convolution with batch groups,
 ``ragged_dot``), in :mod:`spmdkit.propagation.workspaces`; and the copy of an
 operand XLA:CPU lays out anew for a gather or reduce-scatter over a minor dim, live
 while the collective runs (the driver's ``transient`` bytes,
-:func:`spmdkit.propagation.records.relayout_bytes`).
+:func:`spmdkit.propagation.records.relayout_bytes`), and in a loop body the
+row-major copy a contraction makes of an operand gathered over a minor dim
+(:func:`spmdkit.propagation.records.gathered_copy_bytes`).
 
 What it does not model: XLA fuses chains of elementwise ops (their
 intermediates are never materialized) and may schedule differently, so the
