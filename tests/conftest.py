@@ -113,7 +113,12 @@ def _left_to_full_sweep(item) -> bool:
     op = _swept_op(item)
     if op is None or op in primitive_ops():  # sampled by _sample_primitive_sweep
         return False
-    return bool(item.get_closest_marker("full_sweep")) and op not in sweep_ops()
+    if item.get_closest_marker("full_sweep"):
+        return op not in sweep_ops()
+    # a sample sweep moved to the slow step (test_all_rules.SLOW_SAMPLES) of an op whose
+    # full sweep of the same test runs there too: the full one checks more cases of the
+    # same examples on the same mesh, so the step runs only it
+    return bool(item.get_closest_marker("slow")) and op in sweep_ops()
 
 
 def pytest_configure(config):

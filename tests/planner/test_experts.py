@@ -253,6 +253,9 @@ def test_deepseek_v3_671b_plans_on_1024_h100s_within_80_gib():
     assert took <= 60, took
 
 
+# CI's slow step leaves this out (SPMDKIT_FULL_SWEEP=1 runs it): about 150 CPU s of
+# planning with every lever allowed; the plan-time and 80 GiB bound above stays in CI
+@pytest.mark.full
 @pytest.mark.slow
 def test_deepseek_v3_auto_is_not_worse_than_the_published_layout_by_its_prices():
     """Issue 44's acceptance on the calibration's DeepSeek-V3 row (TP 2 x PP 8 x VP 4
