@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402 (after the flags above)
 import pytest  # noqa: E402
 
-from tests.sampling import FULL_SWEEP, every_kth  # noqa: E402
+from tests.sampling import FULL_SWEEP, every_kth, in_half  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -136,6 +136,18 @@ def pytest_addoption(parser):
         help="run only the tests marked quick: a representative subset for an edit-test "
         "loop (about a minute); the default run is the full check",
     )
+    parser.addoption(
+        "--slow-half",
+        choices=("0", "1"),
+        default=None,
+        help="run only this half of the slow tests (tests/sampling.py's in_half; .ci/run "
+        "picks it by the commit's hash); the tests not marked slow all run",
+    )
+
+
+def pytest_report_header(config):
+    half = config.getoption("--slow-half")
+    return [f"slow tests: half {half} of 2 (--slow-half)"] if half is not None else []
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m reads the markers
@@ -152,6 +164,7 @@ def pytest_collection_modifyitems(config, items):
         if left_out:
             config.hook.pytest_deselected(items=left_out)
             items[:] = [i for i in items if not i.get_closest_marker("full")]
+    _keep_slow_half(config, items)
     if config.getoption("--quick"):
         keep = [i for i in items if i.get_closest_marker("quick")]
         dropped = [i for i in items if not i.get_closest_marker("quick")]
@@ -159,6 +172,25 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=dropped)
         items[:] = keep
     _group_shared_steps(items)
+
+
+def _keep_slow_half(config, items) -> None:
+    """``--slow-half=H``: deselect the slow tests outside half ``H``, a group sharing one
+    compiled step (``xdist_group``) kept whole."""
+    half = config.getoption("--slow-half")
+    if half is None:
+        return
+
+    def kept(item) -> bool:
+        if not item.get_closest_marker("slow"):
+            return True
+        group = item.get_closest_marker("xdist_group")
+        return in_half(group.args[0] if group else item.nodeid, int(half))
+
+    dropped = [i for i in items if not kept(i)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if kept(i)]
 
 
 def _group_shared_steps(items) -> None:

@@ -11,12 +11,19 @@ first two axes, still runs in CI.
 
     SPMDKIT_FULL_SWEEP=1 python -m pytest -m slow    # every case
     python -m pytest -m full                          # only what CI leaves out
+
+CI's slow step runs one half of the slow tests a commit (``--slow-half``, by the
+commit's hash: :func:`in_half`), so that the whole ``.ci/run`` keeps to its 30 minutes
+on 2 cores; consecutive commits' halves differ at random, and either half reproduces:
+
+    python -m pytest -m slow --slow-half=0            # or 1; without it: both
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 
 import pytest
@@ -78,3 +85,17 @@ def full(*values, **param):
     """One case that only ``SPMDKIT_FULL_SWEEP=1`` runs (a ``pytest.param``)."""
     marks = list(param.pop("marks", ()))
     return pytest.param(*values, marks=[*marks, pytest.mark.full], **param)
+
+
+def in_half(key: str, half: int) -> bool:
+    """Whether the slow test keyed ``key`` (its ``xdist_group``, else its node id, so a
+    group that shares one compiled step stays together) runs in ``half`` (0 or 1) of a
+    split slow step. By CRC-32 of the key: the same on every machine and Python, and
+    about even by cost over the step's hundreds of tests.
+
+    Example::
+
+        >>> [in_half("tests/x.py::test_y", h) for h in (0, 1)]
+        [True, False]
+    """
+    return zlib.crc32(key.encode()) % 2 == half

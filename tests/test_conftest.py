@@ -58,3 +58,56 @@ def test_the_checks_catch_a_node_id_list():
 def test_the_tier_markers_are_registered(pytestconfig):
     names = {line.split(":")[0] for line in pytestconfig.getini("markers")}
     assert {"slow", "heavy", "quick", "full", "full_sweep"} <= names
+
+
+class _Item:
+    """What ``_keep_slow_half`` reads of a collected test: its node id and marks."""
+
+    def __init__(self, nodeid: str, *marks):
+        self.nodeid = nodeid
+        self.marks = {m.name: m for m in marks}
+
+    def get_closest_marker(self, name):
+        return self.marks.get(name)
+
+
+class _Config:
+    def __init__(self, half):
+        self.half = half
+        self.deselected: list = []
+        self.hook = self
+
+    def getoption(self, name):
+        assert name == "--slow-half"
+        return self.half
+
+    def pytest_deselected(self, items):
+        self.deselected.extend(items)
+
+
+def test_the_slow_halves_split_only_slow_tests_and_keep_a_group_together():
+    import pytest
+
+    from tests.conftest import _keep_slow_half
+
+    slow, group = pytest.mark.slow, pytest.mark.xdist_group("step-a")
+    items = [_Item(f"tests/m.py::test_{i}", slow) for i in range(200)]
+    items += [_Item(f"tests/m.py::test_fast_{i}") for i in range(20)]
+    items += [_Item(f"tests/m.py::test_grouped_{i}", slow, group) for i in range(5)]
+    kept = {}
+    for half in ("0", "1"):
+        config, run = _Config(half), list(items)
+        _keep_slow_half(config, run)
+        assert {i.nodeid for i in run} | {i.nodeid for i in config.deselected} == {
+            i.nodeid for i in items
+        }
+        kept[half] = {i.nodeid for i in run}
+    # every fast test in both, every slow one in exactly one, a group all in one
+    assert kept["0"] & kept["1"] == {f"tests/m.py::test_fast_{i}" for i in range(20)}
+    assert len(kept["0"] | kept["1"]) == len(items)
+    assert sum(f"tests/m.py::test_grouped_{i}" in kept["0"] for i in range(5)) in (0, 5)
+    assert 70 < len(kept["0"]) - 20 < 140  # about half of the 205 slow ones
+    # without the option nothing is left out
+    config, run = _Config(None), list(items)
+    _keep_slow_half(config, run)
+    assert run == items and config.deselected == []
