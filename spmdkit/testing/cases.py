@@ -220,9 +220,14 @@ def prepare_grad_case(
     )
 
 
-def run_cases(cases: Sequence[Case], mesh: Mesh, rtol: float) -> list[CaseFailure | None]:
-    """Every case's failure or None; the cases that run, run in one program
-    (:func:`_run_together`)."""
+def run_cases(
+    cases: Sequence[Case], mesh: Mesh, rtol: float | Sequence[float]
+) -> list[CaseFailure | None]:
+    """Every case's failure or None; the cases that run, run together
+    (:func:`_run_together`). ``rtol``: one tolerance, or each case's."""
+    rtols = [rtol] * len(cases) if isinstance(rtol, (int, float)) else list(rtol)
+    if len(rtols) != len(cases):
+        raise ValueError(f"run_cases: {len(cases)} cases but {len(rtols)} tolerances")
     live = [c for c in cases if c.early is None]
     jobs = [
         (
@@ -233,7 +238,8 @@ def run_cases(cases: Sequence[Case], mesh: Mesh, rtol: float) -> list[CaseFailur
     ]
     outs = iter(_run_together(jobs, mesh))
     return [
-        c.early if c.early is not None else _check_case(c, next(outs), mesh, rtol) for c in cases
+        c.early if c.early is not None else _check_case(c, next(outs), mesh, r)
+        for c, r in zip(cases, rtols, strict=True)
     ]
 
 

@@ -199,21 +199,76 @@ def _sweep_rule(
     missing: bool,
     seed: int,
 ) -> RuleReport:
-    """:func:`check_rule` on a registered ``rule``: each example's forward cases, then
-    its grad cases where it has differentiable inputs and floating outputs."""
+    """:func:`check_rule` on a registered ``rule``: each example's forward cases, and
+    its grad cases where it has differentiable inputs and floating outputs, all run
+    together (:func:`run_cases`: compiling is what a sweep spends its time on, and
+    each program has a fixed cost); then, for the forward cases the rule resharded,
+    a search for placements it missed."""
     report = RuleReport(rule.name, dict(axis_sizes(mesh)))
     rng = np.random.default_rng(seed)
+    batches: list[_Batch] = []
     for ex in examples or rule.examples:
         values = _example_values(ex, rng)
         ref = unsharded_outputs(rule, ex.attrs, values)
-        _sweep_forward(report, rule, ex, mesh, values, ref, max_cases, missing, rng)
+        batches.append(_forward_cases(rule, ex, mesh, values, ref, max_cases, rng, missing))
         if not grads:
             continue
         diff = ex.differentiable or (True,) * len(ex.shapes)
         if not any(diff) or not all(jnp.issubdtype(r.dtype, jnp.floating) for r in ref):
             continue
-        _sweep_grads(report, rule, ex, mesh, values, ref, tuple(diff), max_grad_cases, rng)
+        batches.append(_grad_cases(rule, ex, mesh, values, ref, tuple(diff), max_grad_cases, rng))
+    cases = [c for b in batches for c in b.cases]
+    failures = iter(run_cases(cases, mesh, [b.rtol for b in batches for _ in b.cases]))
+    for batch in batches:
+        for case, given in zip(batch.cases, batch.given, strict=True):
+            batch.record(report, case, given, next(failures))
     return report
+
+
+@dataclass
+class _Batch:
+    """One example's forward or grad cases, ready to run: what each was given (the
+    input specs, with the cotangent specs for a grad case) and how a result is
+    recorded."""
+
+    rule: Rule
+    ex: Example
+    mesh: Mesh
+    cases: list[Case]
+    given: list[tuple[Any, ...]]
+    rtol: float
+    grad: bool
+    values: Sequence[np.ndarray] = ()
+    ref: Sequence[np.ndarray] = ()
+    missing: bool = False
+
+    def record(
+        self, report: RuleReport, case: Case, given: tuple[Any, ...], failure: CaseFailure | None
+    ) -> None:
+        """Count ``case`` in ``report`` with its failure, undeclared replications and,
+        for a forward case the rule resharded, a placement it missed."""
+        attrs = dict(self.ex.attrs)
+        if self.grad:
+            report.grad_cases += 1
+            plain, gs = given
+            _record_replications(report, self.rule, case, plain, self.mesh, attrs, gs)
+        else:
+            report.forward_cases += 1
+            specs, seed = given
+            _record_replications(report, self.rule, case, specs, self.mesh, attrs)
+        if failure:
+            report.wrong.append(failure)
+            return
+        if self.grad or not self.missing:
+            return
+        if tuple(case.res.inputs) != tuple(specs) and len(self.ref) == 1:
+            own = np.random.default_rng([seed, 1])
+            cand = find_missing_placement(
+                self.rule, specs, self.mesh, self.values, attrs, self.ref, self.ex.rtol,
+                self.ex.domain, own,
+            )  # fmt: skip
+            if cand is not None:
+                report.missing.append(MissingPlacement(attrs, tuple(specs), cand))
 
 
 def _example_values(ex: Example, rng: np.random.Generator) -> list[np.ndarray]:
@@ -227,20 +282,18 @@ def _example_values(ex: Example, rng: np.random.Generator) -> list[np.ndarray]:
     ]
 
 
-def _sweep_forward(
-    report: RuleReport,
+def _forward_cases(
     rule: Rule,
     ex: Example,
     mesh: Mesh,
     values: Sequence[np.ndarray],
     ref: Sequence[np.ndarray],
     max_cases: int | None,
-    missing: bool,
     rng: np.random.Generator,
-) -> None:
-    """The forward cases of one example, run together; then, for the cases the rule
-    resharded, a search for placements it missed (one at a time, drawing from the
-    case's own seed: the cases a sweep runs do not depend on ``missing``)."""
+    missing: bool = False,
+) -> _Batch:
+    """The forward cases of one example (a missed-placement search, if ``missing``,
+    draws from each case's own seed: the cases a sweep runs do not depend on it)."""
     attrs = dict(ex.attrs)
     combos = spec_combinations(example_input_specs(ex, mesh), max_cases, rng)
     seeds = [int(rng.integers(1 << 30)) for _ in combos]
@@ -248,24 +301,11 @@ def _sweep_forward(
         prepare_forward_case(rule, specs, mesh, values, attrs, ref, ex.domain, seed)
         for specs, seed in zip(combos, seeds, strict=True)
     ]
-    failures = run_cases(cases, mesh, ex.rtol)
-    for specs, case, failure, seed in zip(combos, cases, failures, seeds, strict=True):
-        report.forward_cases += 1
-        _record_replications(report, rule, case, specs, mesh, attrs)
-        if failure:
-            report.wrong.append(failure)
-            continue
-        if missing and tuple(case.res.inputs) != tuple(specs) and len(ref) == 1:
-            own = np.random.default_rng([seed, 1])
-            cand = find_missing_placement(
-                rule, specs, mesh, values, attrs, ref, ex.rtol, ex.domain, own
-            )
-            if cand is not None:
-                report.missing.append(MissingPlacement(attrs, tuple(specs), cand))
+    given = [(specs, seed) for specs, seed in zip(combos, seeds, strict=True)]
+    return _Batch(rule, ex, mesh, cases, given, ex.rtol, False, values, ref, missing)
 
 
-def _sweep_grads(
-    report: RuleReport,
+def _grad_cases(
     rule: Rule,
     ex: Example,
     mesh: Mesh,
@@ -274,8 +314,8 @@ def _sweep_grads(
     diff: tuple[bool, ...],
     max_grad_cases: int | None,
     rng: np.random.Generator,
-) -> None:
-    """The grad cases of one example (each with a random cotangent spec), run together."""
+) -> _Batch:
+    """The grad cases of one example, each with a random cotangent spec."""
     attrs = dict(ex.attrs)
     out_cands = [
         enumerate_specs(r.shape, mesh, dtype=r.dtype, partial_ops=("sum",), even_only=not ex.uneven)
@@ -291,12 +331,7 @@ def _sweep_grads(
             prepare_grad_case(rule, plain, gs, mesh, values, cots, attrs, diff, ex.domain, seed)
         )
         given.append((plain, gs))
-    failures = run_cases(cases, mesh, max(ex.rtol, 1e-5))
-    for case, (plain, gs), failure in zip(cases, given, failures, strict=True):
-        report.grad_cases += 1
-        _record_replications(report, rule, case, plain, mesh, attrs, gs)
-        if failure:
-            report.wrong.append(failure)
+    return _Batch(rule, ex, mesh, cases, given, max(ex.rtol, 1e-5), True)
 
 
 def _record_replications(
