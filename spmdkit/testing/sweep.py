@@ -263,10 +263,10 @@ class _Batch:
             return
         if tuple(case.res.inputs) != tuple(specs) and len(self.ref) == 1:
             own = np.random.default_rng([seed, 1])
+            ex = self.ex
             cand = find_missing_placement(
-                self.rule, specs, self.mesh, self.values, attrs, self.ref, self.ex.rtol,
-                self.ex.domain, own,
-            )  # fmt: skip
+                self.rule, specs, self.mesh, self.values, attrs, self.ref, ex.rtol, ex.domain, own
+            )
             if cand is not None:
                 report.missing.append(MissingPlacement(attrs, tuple(specs), cand))
 
