@@ -288,12 +288,20 @@ def output_allocations(
         while v is not None and v in applied:
             v = applied[v]
         if v is not None and v in producer:
-            made, reads, elementwise = _made(graph, v, producer, fused, applied, early)
-            partial = {(i, u) for u, i in reads.items() if u in (reduced or {}).get(i, ())}
-            if partial:  # reduced with the other gradients, at the end
+            made, reads, elementwise, chain = _made(graph, v, producer, fused, applied, early)
+            red = reduced or {}
+            partial = {(i, u) for u, i in reads.items() if u in red.get(i, ())}
+            # a gradient output moved and cast from a partial sum fused on the way (a
+            # weight gradient's transpose, which the reduction's operand layout
+            # absorbs, cast to its parameter's dtype): the values the chain reads are
+            # the reduction's operands, held with the other gradients to the end
+            moved = all(graph.nodes[i].prim in _MOVES_AND_CASTS for i in chain)
+            folded = {(i, u) for i in chain for u in red.get(i, ()) if u in fused and moved}
+            if partial or folded:  # reduced with the other gradients, at the end
                 made = end - 1
-                ends.update((temp_of[u], end) for _, u in partial if u in temp_of)
-                deferred |= partial
+                held = {u for _, u in partial} | (set(reads) if folded else set())
+                ends.update((temp_of[u], end) for u in held if u in temp_of)
+                deferred |= partial | folded
             else:
                 read_last = [
                     temp_of[u] for u, i in reads.items() if u in temp_of and last.get(u) == i
@@ -390,12 +398,13 @@ def _made(
     fused: set[int],
     applied: Mapping[int, int],
     early: set[int],
-) -> tuple[int, dict[int, int], bool]:
+) -> tuple[int, dict[int, int], bool, list[int]]:
     """(the step an output ``v`` is made, {materialized value it reads: the node
-    reading it}, whether it is elementwise). XLA's scheduler makes an output as
-    soon as the values it reads exist (measured on XLA:CPU: a convolution's
-    input gradient, an output, runs before its filter gradient although
-    autodiff emits it after), its fused operands in its fusion; an argument's
+    reading it}, whether it is elementwise, the nodes of its fusion). XLA's
+    scheduler makes an output as soon as the values it reads exist (measured on
+    XLA:CPU: a convolution's input gradient, an output, runs before its filter
+    gradient although autodiff emits it after), its fused operands in its
+    fusion; an argument's
     elements moved about (a kernel flipped) can be made at any time. An
     elementwise fusion writes its result over an operand of its size that it
     reads last."""
@@ -417,7 +426,7 @@ def _made(
             elif u not in early:
                 reads[u] = i
     made = 3 * max(producer[u] for u in reads) + 2 if reads else 3 * min(at) + 1
-    return made, reads, all(graph.nodes[i].prim in _IN_PLACE for i in at)
+    return made, reads, all(graph.nodes[i].prim in _IN_PLACE for i in at), at
 
 
 #: Primitives XLA's scheduler runs as soon as their operands exist (measured: a
@@ -426,6 +435,10 @@ _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 
 #: Primitives that only rearrange their operand's elements.
 _REARRANGES = frozenset({"transpose", "reshape", "squeeze", "broadcast_in_dim", "rev"})
+
+#: What lies between a weight gradient's contraction and the gradient output: moves
+#: of its elements and a cast to the parameter's dtype.
+_MOVES_AND_CASTS = _REARRANGES | {"convert_element_type"}
 
 #: Primitives whose result XLA may write over an operand of its size: elementwise,
 #: and moves that a layout folds into the operand's producer.
