@@ -207,6 +207,19 @@ def differences(baseline: dict, now: dict) -> list[str]:
     return out
 
 
+def comparable(base: dict, now: dict) -> tuple[dict, str | None]:
+    """``now`` as it compares with ``base``: without its compiled steps when they were
+    compiled on another core count than the baseline's (XLA:CPU splits a step's work
+    by the cores), with why; unchanged when it has no steps (``--plans-only``)."""
+    if "steps" not in now or base.get("cpus", now["cpus"]) == now["cpus"]:
+        return now, None
+    why = (
+        f"steps compiled on {now['cpus']} cores, the baseline's on {base['cpus']}: "
+        "comparing the plans only"
+    )
+    return {k: v for k, v in now.items() if k != "steps"}, why
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="store this run as the baseline")
@@ -224,12 +237,9 @@ def main() -> None:
         print(f"wrote jax {jax.__version__}'s to {RESULTS}")
         return
     base = stored.get(jax.__version__, {})
-    if base.get("cpus", now.get("cpus")) != now.get("cpus"):
-        print(
-            f"steps compiled on {now['cpus']} cores, the baseline's on {base['cpus']}: "
-            "comparing the plans only"
-        )
-        now.pop("steps")
+    now, why = comparable(base, now)
+    if why:
+        print(why)
     diff = differences(base, now)
     print("\n".join(diff) or f"identical to {RESULTS.name} ({len(now['plans'])} plans)")
     sys.exit(1 if diff else 0)

@@ -43,6 +43,17 @@ def test_a_difference_names_the_case_and_the_source_is_ignored(bench):
     assert same != bench.hlo_fingerprint(hlo("/a/m.py", 3, op="subtract"))
 
 
+def test_plans_only_and_another_core_count_compare_the_plans(bench):
+    base = {"plans": {"a": "1"}, "steps": {"plain": "x"}, "cpus": 2}
+    plans_only = {"plans": {"a": "1"}}  # --plans-only: no steps, no core count
+    assert bench.comparable(base, plans_only) == (plans_only, None)
+    same = {"plans": {"a": "1"}, "steps": {"plain": "x"}, "cpus": 2}
+    assert bench.comparable(base, same) == (same, None)
+    now, why = bench.comparable(base, {**same, "cpus": 16})
+    assert now == {"plans": {"a": "1"}, "cpus": 16} and "16 cores" in why and "on 2" in why
+    assert bench.differences(base, now) == []
+
+
 @pytest.mark.slow
 def test_plans_and_compiled_steps_match_the_baseline(bench):
     baseline = json.loads(bench.RESULTS.read_text())
