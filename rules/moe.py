@@ -28,6 +28,9 @@ Algebra, factor by factor:
     per-expert counts ``[n, E_local]`` (int32) and the tokens out and back, three
     all-to-alls over the expert axes; their grads two more (the transposes of the
     token exchanges: the grad keeps the forward's buffers, :func:`residual_programs`).
+    Where the backend has a ragged all-to-all (a GPU, a TPU: :func:`ragged_backend`)
+    the token exchanges are ``jax.lax.ragged_all_to_all`` sized by the counts: each
+    slot of the buffer sends only its rows routed, as the plan prices them there.
   - ``strategy="local"``: the tokens are replicated over the expert axes; each
     device runs its own experts on the assignments routed to them and the
     output is a sum over the expert axes (an all-reduce, resolved by the region,
@@ -78,6 +81,7 @@ from spmdkit.engine.rule import (
 )
 from spmdkit.errors import ShardingConflictError
 from spmdkit.spec import TensorSpec
+from spmdkit.topology import RAGGED_BACKENDS
 from spmdkit.vma import varying_axes
 
 __all__ = [
@@ -86,6 +90,7 @@ __all__ = [
     "expert_capacity",
     "experts_example",
     "moe_experts_reference",
+    "ragged_backend",
     "residual_programs",
 ]
 
@@ -696,9 +701,10 @@ def _exchange(
     e_local: int,
     per_peer: int,
 ) -> jax.Array:
-    """Expert parallelism by a padded all-to-all: each assignment (``rows``, expert
-    ``flat``) goes to its expert's device, the experts run there, the results come
-    back; ``[t*k, D]`` in assignment order (zero for an expert id out of range)."""
+    """Expert parallelism by an all-to-all (padded, or ragged where the backend has
+    one): each assignment (``rows``, expert ``flat``) goes to its expert's device,
+    the experts run there, the results come back; ``[t*k, D]`` in assignment order
+    (zero for an expert id out of range)."""
     y, _, _ = _exchange_keeping(rows, flat, wg, wu, wd, tuple(ep), n_ep, e_local, per_peer)
     return y
 
@@ -721,12 +727,60 @@ def _exchange_keeping(
     pipelined stage's) without exchanging again."""
     route = _route(flat, n_ep, e_local)
     sent = _dispatch(rows, route, n_ep, per_peer)
-    got = checkpoint_name(jax.lax.all_to_all(sent, ep, 0, 0, tiled=True), KEPT_NAME)
+    padded = None if ragged_backend() else jax.lax.all_to_all(sent, ep, 0, 0, tiled=True)
     counts = jax.lax.all_to_all(route.per_expert, ep, 0, 0, tiled=True)  # [source, expert]
     counts = checkpoint_name(counts, KEPT_NAME)
+    sends, gets = _slot_sizes(route, counts)  # a ragged exchange is sized by the counts
+    got = padded if padded is not None else _slot_exchange(sent, sends, gets, ep)
+    got = checkpoint_name(got, KEPT_NAME)
     done = _expert_side(got, counts, e_local, wg, wu, wd)
-    back = checkpoint_name(jax.lax.all_to_all(done, ep, 0, 0, tiled=True), KEPT_NAME)
+    back = checkpoint_name(_slot_exchange(done, gets, sends, ep), KEPT_NAME)
     return _collect(back, route), got, counts
+
+
+def _slot_sizes(route: _Route, counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rows this device sends each peer and the rows it receives from each."""
+    return jnp.sum(route.per_expert, axis=1), jnp.sum(counts, axis=1)
+
+
+#: The ragged all-to-all the exchange calls where the backend has one (a test of the
+#: offsets on CPU puts :func:`spmdkit.testing.ragged.ragged_all_to_all_reference` here).
+_ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+def ragged_backend() -> bool:
+    """Whether the exchange runs as a ragged all-to-all: the default backend is one
+    of :data:`spmdkit.topology.RAGGED_BACKENDS` (XLA:CPU has none), where the plan
+    prices only the rows routed (:func:`spmdkit.planner.experts.ragged_exchange`)."""
+    return jax.default_backend() in RAGGED_BACKENDS
+
+
+def _slot_exchange(
+    buf: jax.Array, sends: jax.Array, gets: jax.Array, ep: Sequence[str]
+) -> jax.Array:
+    """A buffer of one slot per peer ``[n_ep, per_peer, ...]`` exchanged: peer ``j``
+    receives this device's slot ``j`` as its slot of this device. Only the first
+    ``sends[j]`` rows of each slot are rows (the rest padding, zero); ``gets[i]``
+    rows come from peer ``i``. Where the backend has a ragged all-to-all
+    (:func:`ragged_backend`) only those rows cross the link, the received slots
+    zero past them; elsewhere the padded all-to-all sends every slot whole."""
+    if not ragged_backend():
+        return jax.lax.all_to_all(buf, tuple(ep), 0, 0, tiled=True)
+    n_ep, per_peer = buf.shape[:2]
+    flat = buf.reshape(n_ep * per_peer, *buf.shape[2:])
+    me = jax.lax.axis_index(tuple(ep)).astype(jnp.int32)
+    starts = _varying(jnp.arange(n_ep, dtype=jnp.int32) * per_peer, ep)
+    landing = jnp.full((n_ep,), per_peer, jnp.int32) * me
+    out = _ragged_all_to_all(
+        flat,
+        jnp.zeros_like(flat),
+        starts,
+        _varying(sends.astype(jnp.int32), ep),
+        _varying(landing, ep),
+        _varying(gets.astype(jnp.int32), ep),
+        axis_name=tuple(ep),
+    )
+    return out.reshape(buf.shape)
 
 
 def residual_programs(lctx: LocalContext) -> KeptResiduals | None:
@@ -785,14 +839,15 @@ def residual_programs(lctx: LocalContext) -> KeptResiduals | None:
         at = _varying(jnp.zeros_like(got), sorted(varying_axes(y), key=str))
         _, collect_vjp = jax.vjp(lambda b: _collect(b, route), at)
         (d_back,) = collect_vjp(d_y)
-        d_done = jax.lax.all_to_all(d_back, ep, 0, 0, tiled=True)
+        sends, gets = _slot_sizes(route, counts)
+        d_done = _slot_exchange(d_back, sends, gets, ep)
 
         def experts(got, wg, wu, wd):
             return _expert_side(got, counts, e_local, *prog.weights(wg, wu, wd))
 
         _, exp_vjp = jax.vjp(experts, got, wg, wu, wd)
         d_got, d_wg, d_wu, d_wd = exp_vjp(d_done)
-        d_send = jax.lax.all_to_all(d_got, ep, 0, 0, tiled=True)
+        d_send = _slot_exchange(d_got, gets, sends, ep)
         per_peer = got.shape[1]
         _, send_vjp = jax.vjp(
             lambda xm: _dispatch(jnp.repeat(xm, k, axis=0), route, n_ep, per_peer), masked[0]

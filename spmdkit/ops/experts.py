@@ -4,10 +4,11 @@ The routed experts of a mixture-of-experts layer as one op: assignments sorted
 by expert, the experts run as grouped GEMMs (``jax.lax.ragged_dot``), the
 results combined with the routing weights. Under expert parallelism
 (``strategy="all_to_all"``) each device sends the assignments to the devices
-holding their experts and receives the results back, three padded all-to-alls
-over the expert axes (the per-expert counts, the tokens out, the results
-back); ``"local"`` runs each device's experts on the tokens it holds and sums
-the outputs over the expert axes. Expert tensor parallelism (the hidden dim
+holding their experts and receives the results back, three all-to-alls over
+the expert axes (the per-expert counts, the tokens out, the results back; the
+tokens' padded on CPU, ragged where the backend has one); ``"local"`` runs
+each device's experts on the tokens it holds and sums the outputs over the
+expert axes. Expert tensor parallelism (the hidden dim
 sharded) leaves the output sum-partial, FSDP storage of the weights' model dim
 is all-gathered inside. ``jax.grad`` differentiates the per-device program
 (the transposes of the all-to-alls and gathers are the backward's collectives).

@@ -119,3 +119,51 @@ def test_no_exchange_keeps_nothing():
     ]
     res = sk.infer_forward("moe_experts", *specs, mesh=mesh)
     assert residual_programs(local_context(get_rule("moe_experts"), res, {}, mesh)) is None
+
+
+@pytest.mark.parametrize("layout", ["ep8", "ep_joins_tokens"])
+def test_a_ragged_exchange_gives_what_the_padded_one_gives(monkeypatch, layout):
+    """Where the backend has a ragged all-to-all (a GPU, a TPU) the four token
+    exchanges send only the rows routed. XLA:CPU has none, so its documented
+    semantics, built from a padded all-to-all (spmdkit.testing.ragged), stand in:
+    the forward and the backward from residuals, and the rule's program vjp'd, give
+    what the padded exchange gives."""
+    from spmdkit.testing.ragged import ragged_all_to_all_reference
+
+    padded, _, args, _ = _programs(layout, T, {"strategy": "all_to_all"})
+    want = padded(*args)
+    for moe in _moe_modules():
+        monkeypatch.setattr(moe, "ragged_backend", lambda: True)
+        monkeypatch.setattr(moe, "_ragged_all_to_all", ragged_all_to_all_reference)
+    kept, rerun, args, _ = _programs(layout, T, {"strategy": "all_to_all"})
+    # the counts, and per ragged exchange the reference's two all-to-alls (the rows,
+    # the offsets), the rows' transposed in the backward: the stand-in is what ran
+    text = rerun.trace(*args).lower().as_text()
+    assert text.count('"stablehlo.all_to_all"') == 1 + 2 * 2 + 2
+    for got, again, w in zip(kept(*args), rerun(*args), want, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(again), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_on_a_gpu_the_token_exchanges_lower_to_ragged_all_to_alls(monkeypatch):
+    """Lowered for CUDA (jax lowers for a platform it does not run on), the forward
+    that keeps its buffers and the backward from them exchange the tokens by four
+    ``ragged_all_to_all`` ops, the counts by one all-to-all; the rule's program
+    differentiated by jax, by four too (jax's transpose of the op also exchanges
+    its offsets)."""
+    for moe in _moe_modules():
+        monkeypatch.setattr(moe, "ragged_backend", lambda: True)
+    kept, rerun, args, _ = _programs("ep8", T, {"strategy": "all_to_all"})
+    for program in (kept, rerun):
+        text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @ragged_all_to_all(") == 4
+    text = kept.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('"stablehlo.all_to_all"') == 1
+
+
+def _moe_modules():
+    """rules/moe.py as this file imports it and as the registry's rule does
+    (``spmdkit.rules.moe``): one file, two modules."""
+    import importlib
+
+    return [importlib.import_module(m) for m in ("rules.moe", "spmdkit.rules.moe")]
