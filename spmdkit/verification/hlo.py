@@ -5,7 +5,9 @@ will run. This module finds its collectives and normalizes them:
 
 - kinds: ``all-gather``, ``all-reduce``, ``reduce-scatter``, ``all-to-all`` and
   ``collective-permute`` become ``all_gather``, ``all_reduce``, ``reduce_scatter``,
-  ``all_to_all``, ``collective_permute``. Async ``-start``/``-done`` pairs count
+  ``all_to_all``, ``collective_permute`` (a ``ragged-all-to-all``, a GPU's or TPU's
+  exchange of routed rows, is an ``all_to_all`` of its receiving buffer). Async
+  ``-start``/``-done`` pairs count
   once (the ``-start``); the ``async-start`` wrappers GPUs use around other
   collectives are skipped, since the wrapped op is printed in its own computation.
 - ``replica_groups`` in all three text forms are expanded to explicit groups:
@@ -55,6 +57,9 @@ _OPCODES = {
     "all-reduce": "all_reduce",
     "reduce-scatter": "reduce_scatter",
     "all-to-all": "all_to_all",
+    # a GPU's or TPU's exchange of the rows routed (the moe_experts op's there): its
+    # result is the receiving buffer, the payload the plan counts
+    "ragged-all-to-all": "all_to_all",
     "collective-permute": "collective_permute",
 }
 

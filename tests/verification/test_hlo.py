@@ -172,6 +172,20 @@ def test_gpu_style_module_parses_every_collective_once():
     }
 
 
+def test_a_ragged_all_to_all_is_an_all_to_all_of_its_receiving_buffer():
+    """What a GPU compiles the moe_experts op's token exchange to: the payload is the
+    receiving buffer (the plan's), not the offsets and sizes beside it."""
+    text = (
+        "HloModule m, num_partitions=8\n\nENTRY %main (p: f32[64,16]) -> f32[64,16] {\n"
+        "  %p = f32[64,16]{1,0} parameter(0)\n  %z = f32[64,16]{1,0} parameter(1)\n"
+        "  %o = s32[8]{0} parameter(2)\n"
+        "  ROOT %ragged-all-to-all = f32[64,16]{1,0} ragged-all-to-all(%p, %z, %o, %o, %o, %o),"
+        " channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}\n}\n"
+    )
+    (c,) = parse_collectives(text)
+    assert (c.kind, c.group_size, c.payload_bytes) == ("all_to_all", 8, 64 * 16 * 4)
+
+
 # -- real compiles -----------------------------------------------------------------
 
 
