@@ -727,19 +727,20 @@ def _exchange_keeping(
     pipelined stage's) without exchanging again."""
     route = _route(flat, n_ep, e_local)
     sent = _dispatch(rows, route, n_ep, per_peer)
-    padded = None if ragged_backend() else jax.lax.all_to_all(sent, ep, 0, 0, tiled=True)
+    ragged = ragged_backend()
+    got = None if ragged else _slot_exchange(sent, ep, None)
     counts = jax.lax.all_to_all(route.per_expert, ep, 0, 0, tiled=True)  # [source, expert]
     counts = checkpoint_name(counts, KEPT_NAME)
-    sends, gets = _slot_sizes(route, counts)  # a ragged exchange is sized by the counts
-    got = padded if padded is not None else _slot_exchange(sent, sends, gets, ep)
-    got = checkpoint_name(got, KEPT_NAME)
+    sizes = _slot_sizes(route, counts) if ragged else None  # a ragged one's, by the counts
+    got = checkpoint_name(_slot_exchange(sent, ep, sizes) if got is None else got, KEPT_NAME)
     done = _expert_side(got, counts, e_local, wg, wu, wd)
-    back = checkpoint_name(_slot_exchange(done, gets, sends, ep), KEPT_NAME)
+    back = checkpoint_name(_slot_exchange(done, ep, sizes and sizes[::-1]), KEPT_NAME)
     return _collect(back, route), got, counts
 
 
 def _slot_sizes(route: _Route, counts: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The rows this device sends each peer and the rows it receives from each."""
+    """The rows this device sends each peer and the rows it receives from each (for
+    the results' way back, the other way round)."""
     return jnp.sum(route.per_expert, axis=1), jnp.sum(counts, axis=1)
 
 
@@ -756,16 +757,17 @@ def ragged_backend() -> bool:
 
 
 def _slot_exchange(
-    buf: jax.Array, sends: jax.Array, gets: jax.Array, ep: Sequence[str]
+    buf: jax.Array, ep: Sequence[str], sizes: tuple[jax.Array, jax.Array] | None
 ) -> jax.Array:
     """A buffer of one slot per peer ``[n_ep, per_peer, ...]`` exchanged: peer ``j``
-    receives this device's slot ``j`` as its slot of this device. Only the first
-    ``sends[j]`` rows of each slot are rows (the rest padding, zero); ``gets[i]``
-    rows come from peer ``i``. Where the backend has a ragged all-to-all
-    (:func:`ragged_backend`) only those rows cross the link, the received slots
-    zero past them; elsewhere the padded all-to-all sends every slot whole."""
-    if not ragged_backend():
+    receives this device's slot ``j`` as its slot of this device. ``sizes``: None
+    sends every slot whole (the padded all-to-all); ``(sends, gets)``, where the
+    backend has a ragged all-to-all (:func:`ragged_backend`), sends only the first
+    ``sends[j]`` rows of slot ``j`` (the rest is padding) and receives ``gets[i]``
+    rows from peer ``i``, the received slots zero past them."""
+    if sizes is None:
         return jax.lax.all_to_all(buf, tuple(ep), 0, 0, tiled=True)
+    sends, gets = sizes
     n_ep, per_peer = buf.shape[:2]
     flat = buf.reshape(n_ep * per_peer, *buf.shape[2:])
     me = jax.lax.axis_index(tuple(ep)).astype(jnp.int32)
@@ -839,15 +841,15 @@ def residual_programs(lctx: LocalContext) -> KeptResiduals | None:
         at = _varying(jnp.zeros_like(got), sorted(varying_axes(y), key=str))
         _, collect_vjp = jax.vjp(lambda b: _collect(b, route), at)
         (d_back,) = collect_vjp(d_y)
-        sends, gets = _slot_sizes(route, counts)
-        d_done = _slot_exchange(d_back, sends, gets, ep)
+        sizes = _slot_sizes(route, counts) if ragged_backend() else None
+        d_done = _slot_exchange(d_back, ep, sizes)  # the results' way back, transposed
 
         def experts(got, wg, wu, wd):
             return _expert_side(got, counts, e_local, *prog.weights(wg, wu, wd))
 
         _, exp_vjp = jax.vjp(experts, got, wg, wu, wd)
         d_got, d_wg, d_wu, d_wd = exp_vjp(d_done)
-        d_send = _slot_exchange(d_got, gets, sends, ep)
+        d_send = _slot_exchange(d_got, ep, sizes and sizes[::-1])  # the tokens' way out
         per_peer = got.shape[1]
         _, send_vjp = jax.vjp(
             lambda xm: _dispatch(jnp.repeat(xm, k, axis=0), route, n_ep, per_peer), masked[0]
