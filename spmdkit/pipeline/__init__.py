@@ -10,6 +10,7 @@ from spmdkit.pipeline.schedule import (
     Pipeline,
     PipelineError,
     Schedule,
+    balanced_layout,
     build_schedule,
     device_orders,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "Schedule",
+    "balanced_layout",
     "build_schedule",
     "device_orders",
 ]

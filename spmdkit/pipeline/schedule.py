@@ -45,6 +45,7 @@ from spmdkit.errors import SpmdError
 __all__ = [
     "SCHEDULES",
     "Action",
+    "balanced_layout",
     "Pipeline",
     "PipelineError",
     "Schedule",
@@ -262,6 +263,64 @@ class Pipeline:
         if d.get("layout") is not None:
             d["layout"] = tuple(d["layout"])
         return cls(**d)
+
+
+def balanced_layout(
+    layers: int, stages: int, virtual: int = 1, ends: tuple[float, float] = (0.0, 0.0)
+) -> tuple[int, ...]:
+    """A :attr:`Pipeline.layout` of ``layers`` stacked layers over ``stages · virtual``
+    chunks that keeps the busiest device's work, then the slowest chunk's, least.
+
+    Layers go one at a time to the device with the least work (its chunks'
+    layers, plus ``ends[0]`` on the first device and ``ends[1]`` on the last:
+    what they run before and after the stack, in layers), there to its chunk
+    with the least (the first chunk carries ``ends[0]``, the last ``ends[1]``);
+    ties go to the middle devices and chunks, as the end stages hold more. With
+    ``ends`` zero every chunk gets ``⌊L / (p·v)⌋`` or ``⌈L / (p·v)⌉`` layers
+    and the devices' layers differ by at most one; heavier ends take fewer.
+
+    Args:
+        layers: the stacked layer count ``L``.
+        stages: devices on the pipe axis (``p``).
+        virtual: chunks per device (``v``).
+        ends: the first and the last device's work besides their layers, in
+            layers (``≥ 0``).
+
+    Raises:
+        PipelineError: a count is not positive, or an end's work is negative.
+
+    Example::
+        >>> balanced_layout(58, 8)
+        (7, 7, 7, 8, 8, 7, 7, 7)
+        >>> balanced_layout(10, 2, 2, ends=(1.0, 0.0))
+        (2, 3, 3, 2)
+    """
+    if min(layers, stages, virtual) < 1 or min(ends) < 0:
+        raise PipelineError(
+            op="balanced_layout",
+            must="layers, stages and virtual are positive and the ends' work is not negative",
+            given=f"layers={layers}, stages={stages}, virtual={virtual}, ends={ends}",
+            fix="pass positive counts and ends >= 0",
+        )
+    p, n = stages, stages * virtual
+    load = [0.0] * p
+    load[0] += ends[0]
+    load[-1] += ends[1]
+    work = [0.0] * n  # a chunk's layers and end work
+    work[0] += ends[0]
+    work[-1] += ends[1]
+    counts = [0] * n
+
+    def outer(i: int, size: int) -> tuple[bool, int]:  # ends last, then the middle first
+        return i in (0, size - 1), abs(2 * i - (size - 1))
+
+    for _ in range(layers):
+        d = min(range(p), key=lambda d: (load[d], *outer(d, p)))
+        c = min(range(d, n, p), key=lambda c: (work[c], *outer(c, n)))
+        load[d] += 1
+        work[c] += 1
+        counts[c] += 1
+    return tuple(counts)
 
 
 def _runs(counts: tuple[int, ...]) -> str:

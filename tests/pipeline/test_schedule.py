@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spmdkit.pipeline import SCHEDULES, Pipeline, PipelineError, build_schedule
+from spmdkit.pipeline import SCHEDULES, Pipeline, PipelineError, balanced_layout, build_schedule
 
 CONFIGS = [
     Pipeline(stages=4, microbatches=8, schedule="gpipe"),
@@ -101,6 +101,51 @@ def test_a_layout_gives_chunks_their_layers() -> None:
     even = Pipeline(stages=2, microbatches=4, layout=(2, 2))
     assert not even.uneven and even.check_layers(4) == 2
     assert "layout" not in Pipeline(stages=2, microbatches=4).to_json()
+
+
+@pytest.mark.parametrize("layers", [1, 5, 9, 58, 61])
+@pytest.mark.parametrize("stages,virtual", [(1, 1), (2, 1), (3, 2), (4, 4), (8, 4)])
+def test_a_balanced_layout_gives_chunks_and_devices_floor_or_ceil(
+    layers: int, stages: int, virtual: int
+) -> None:
+    chunks = stages * virtual
+    layout = balanced_layout(layers, stages, virtual)
+    assert len(layout) == chunks and sum(layout) == layers
+    assert set(layout) <= {layers // chunks, -(-layers // chunks)}
+    devices = Pipeline(stages, stages, "fthenb", virtual=virtual, layout=layout).device_layers(
+        layers
+    )
+    assert set(devices) <= {layers // stages, -(-layers // stages)}
+
+
+def _fewest_busiest(layers: int, ends: tuple[float, ...]) -> float:
+    """The least work the busiest of len(ends) devices can run (brute force)."""
+    if len(ends) == 1:
+        return layers + ends[0]
+    return min(max(n + ends[0], _fewest_busiest(layers - n, ends[1:])) for n in range(layers + 1))
+
+
+@pytest.mark.parametrize("ends", [(0.0, 0.0), (2.0, 0.5), (1.0, 3.0), (7.0, 0.0)])
+@pytest.mark.parametrize("layers", [4, 7, 12])
+def test_a_balanced_layout_keeps_the_busiest_device_least_busy(
+    ends: tuple[float, float], layers: int
+) -> None:
+    """The end devices' work (in layers) counted: the busiest device runs the
+    least it can, and the first and last chunks take their share of it."""
+    layout = balanced_layout(layers, 3, 2, ends)
+    devices = Pipeline(3, 3, "interleaved", virtual=2, layout=layout).device_layers(layers)
+    work = (devices[0] + ends[0], devices[1], devices[2] + ends[1])
+    assert sum(layout) == layers
+    assert max(work) == _fewest_busiest(layers, (ends[0], 0.0, ends[1]))
+    if ends[0] >= 1:  # the first chunk is lighter than the first device's other
+        assert layout[0] <= layout[3]
+
+
+@pytest.mark.parametrize("args", [(0, 2, 1), (4, 0, 1), (4, 2, 0), (4, 2, 1, (-1.0, 0.0))])
+def test_a_bad_balanced_layout_is_typed(args: tuple) -> None:
+    with pytest.raises(PipelineError, match="balanced_layout") as e:
+        balanced_layout(*args)
+    assert e.value.fix
 
 
 @pytest.mark.parametrize("layout", [(1, 2, 3), (1, -1), (0, 0), [1, 1]])

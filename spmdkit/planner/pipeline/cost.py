@@ -55,6 +55,8 @@ such a candidate with the per-group model of :mod:`spmdkit.planner.analytic`:
   device holds the busiest device's stacked
   layers (one program runs on all), the buffers are sized for the largest chunk,
   and the bubble is ``p − 1`` ticks of the slowest chunk (:func:`_uneven_part`).
+  The end stages' extra work, in layers (:func:`end_layers`), is what auto
+  balances its uneven layouts against.
 
 Memory per device is the largest over the pipe axis (:attr:`Cost.stage_memory`
 lists each device's).
@@ -63,7 +65,7 @@ lists each device's).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
 
@@ -94,6 +96,7 @@ __all__ = [
     "StageSplit",
     "Where",
     "activation_bytes",
+    "end_layers",
     "held_activations",
     "most_sends",
     "param_stages",
@@ -212,7 +215,8 @@ class StageSplit:
     Attributes:
         pipe: the configuration (stages, virtual, micro-batches, schedule, axis).
         where: per parameter group (the planner's order), its :data:`Where`.
-        layers: the stacked layer count ``L`` (``p · v`` divides it).
+        layers: the stacked layer count ``L`` (``p · v`` divides it, or the
+            pipe's layout sums to it).
     """
 
     pipe: Pipeline
@@ -612,6 +616,62 @@ def _held_part(
     )
 
 
+def _layer_costs(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    split: StageSplit,
+) -> tuple[Callable[[int], tuple[CostContext, list[ParamGroup]]], Callable[[int, int], Cost]]:
+    """``(at, cost)``: ``at(n)`` the stage context and groups of a device holding
+    ``n`` stacked layers; ``cost(n, d)`` pipe-axis device ``d``'s cost holding ``n``
+    (``d = -1``: the stack's groups alone), the devices between the ends alike."""
+    p, recipe = split.pipe.stages, replace(ctx.recipe, microbatches=split.pipe.microbatches)
+    stored = [stored_group(recipe, g) for g in groups]
+    stack = [i for i, w in enumerate(split.where) if w == "layers"]
+    memo: dict[tuple[int, int], Cost] = {}
+
+    def at(n: int) -> tuple[CostContext, list[ParamGroup]]:
+        c = replace(ctx, recipe=recipe, trace=_layers_trace(ctx.trace, n), gather_once=True)
+        where = zip(stored, split.where, strict=True)
+        return c, [_relayered(g, n) if w == "layers" else g for g, w in where]
+
+    def cost(n: int, d: int) -> Cost:
+        view = d if d in (-1, 0, p - 1) else 1
+        if (n, view) not in memo:
+            c, gs = at(n)
+            ix = stack if view < 0 else split.on_device(view)
+            memo[n, view] = total_cost(
+                c, [gs[i] for i in ix], [choice[i] for i in ix], batch_axes, seq_axes
+            )
+        return memo[n, view]
+
+    return at, cost
+
+
+def end_layers(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    split: StageSplit,
+) -> tuple[float, float]:
+    """The first and the last pipe-axis device's work besides their stacked layers
+    (what runs before the stack, and after it: the embedding, a dense prefix, the
+    head and the loss), in one stacked layer's compute time: what
+    :func:`~spmdkit.planner.pipeline.search.with_ends` balances an uneven layout
+    against. Arguments as :func:`pipeline_cost`'s (``groups`` whole or as a
+    device holds them: each is re-layered)."""
+    _, cost = _layer_costs(ctx, groups, choice, batch_axes, seq_axes, split)
+    layer_s = cost(1, -1).compute_time_s
+    if layer_s <= 0:
+        return 0.0, 0.0
+    first, last = (cost(1, d).compute_time_s - layer_s for d in (0, split.pipe.stages - 1))
+    return max(first, 0.0) / layer_s, max(last, 0.0) / layer_s
+
+
 def _uneven_part(
     ctx: CostContext,
     groups: Sequence[ParamGroup],
@@ -626,22 +686,11 @@ def _uneven_part(
     device); the slowest chunk, a layer's time by its count plus the end stages'
     extra work on the first and last chunks, sets the bubble."""
     pipe = split.pipe
-    p, recipe = pipe.stages, replace(ctx.recipe, microbatches=pipe.microbatches)
+    p = pipe.stages
     counts = pipe.device_layers(split.layers)
-    stored = [stored_group(recipe, g) for g in groups]
-
-    def at(n: int) -> tuple[CostContext, list[ParamGroup]]:
-        c = replace(ctx, recipe=recipe, trace=_layers_trace(ctx.trace, n), gather_once=True)
-        where = zip(stored, split.where, strict=True)
-        return c, [_relayered(g, n) if w == "layers" else g for g, w in where]
-
-    def cost(n: int, ix: Sequence[int]) -> Cost:
-        c, gs = at(n)
-        return total_cost(c, [gs[i] for i in ix], [choice[i] for i in ix], batch_axes, seq_axes)
-
-    stack = [i for i, w in enumerate(split.where) if w == "layers"]
-    layer_s = cost(1, stack).compute_time_s
-    devices = {d: cost(counts[d], split.on_device(d)) for d in {0, p - 1, *range(p)}}
+    at, cost = _layer_costs(ctx, groups, choice, batch_axes, seq_axes, split)
+    layer_s = cost(1, -1).compute_time_s
+    devices = {d: cost(counts[d], d) for d in range(p)}
     extra = {d: max(devices[d].compute_time_s - counts[d] * layer_s, 0.0) for d in (0, p - 1)}
     last = pipe.chunks - 1
     chunk_s = max(

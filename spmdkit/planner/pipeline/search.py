@@ -7,7 +7,7 @@ beside the usual ones (:mod:`spmdkit.planner.search`); this module says which:
   axis is used as it is (its size is the degree). A mesh without one has its
   data axis (the axis named ``data``, else the first axis with more than one
   device) split into ``pipe × data`` for every degree ``p ≥ 2`` that divides
-  both that axis and the layer count: ``data=64, model=8`` gives
+  that axis and is at most the layer count: ``data=64, model=8`` gives
   ``pipe=8, data=8, model=8`` among others. The pipe axis goes right before the
   data axis (major to it), so with the topology's node heuristic it spans nodes
   and its sends use the inter-node link. The plan's mesh then has the ``pipe``
@@ -30,6 +30,15 @@ beside the usual ones (:mod:`spmdkit.planner.search`); this module says which:
   stage; for ``m < p`` (1F1B needs ``m ≥ p``) F-then-B with input release. GPipe is never proposed:
   it has F-then-B's bubble and holds more (:mod:`spmdkit.planner.pipeline.cost`),
   and F-then-B has 1F1B's bubble and holds more where 1F1B runs.
+- **Uneven layouts**: a degree that does not divide the layer count (DeepSeek-V3's
+  58 MoE layers over 8 stages) gets the same schedules with an uneven
+  :attr:`~spmdkit.pipeline.Pipeline.layout` (:func:`~spmdkit.pipeline.balanced_layout`),
+  interleaved with ``2 ≤ v ≤`` :data:`UNEVEN_VIRTUAL` virtual stages (at most the
+  layers per stage). Once a stage's layouts are known, the layouts are rebalanced
+  for the end stages' own work (:func:`with_ends`: what runs before the stack on
+  the first, the head on the last, in layers by the cost model), so the first
+  and last chunks hold fewer layers, as Megatron-LM's DeepSeek-V3 layout does.
+  A degree that divides the layers keeps its even layouts.
 - **Expert parallelism in the stages**: for a step with expert-parallel
   ``moe_experts`` calls on a mesh with an expert-role axis (``expert``, ``ep``)
   whose size divides every expert count, the tensor-parallel presets are also
@@ -54,7 +63,7 @@ from typing import Any
 from jax.sharding import AbstractMesh
 
 from spmdkit.mesh import abstract_mesh, data_axis, split_axis
-from spmdkit.pipeline import Pipeline, PipelineError
+from spmdkit.pipeline import Pipeline, PipelineError, balanced_layout
 from spmdkit.pipeline.context_parallel import tokens_error
 from spmdkit.planner.analytic import (
     CostContext,
@@ -83,7 +92,13 @@ from spmdkit.planner.logical import (
     preset_rules,
 )
 from spmdkit.planner.notes import PlanNote
-from spmdkit.planner.pipeline.cost import StageSplit, param_stages, pipeline_cost, stage_groups
+from spmdkit.planner.pipeline.cost import (
+    StageSplit,
+    end_layers,
+    param_stages,
+    pipeline_cost,
+    stage_groups,
+)
 from spmdkit.planner.pipeline.plan import (
     PLACEHOLDER_AXIS,
     check_pipeline_batch,
@@ -101,11 +116,13 @@ from spmdkit.util import divisors
 __all__ = [
     "PipelinePlanner",
     "PIPE_AXIS",
+    "UNEVEN_VIRTUAL",
     "data_axis",
     "pipe_meshes",
     "pipeline_configs",
     "reference",
     "split_mesh",
+    "with_ends",
 ]
 
 #: The cost of a candidate not costed yet (never ranked).
@@ -129,6 +146,11 @@ _LOSS_WHY = (
 
 #: The mesh axis pipelined plans put their stages on.
 PIPE_AXIS = "pipe"
+
+#: The most virtual stages auto interleaves an uneven layout with (a degree that
+#: does not divide the layers: :func:`pipeline_configs`); Megatron-Bridge runs
+#: DeepSeek-V3's 58 MoE layers as 8 stages of 4 virtual ones.
+UNEVEN_VIRTUAL = 4
 
 
 def split_mesh(mesh: MeshLike, stages: int, axis: str = PIPE_AXIS) -> MeshLike:
@@ -169,7 +191,8 @@ def pipe_meshes(mesh: MeshLike, layers: int, stages: int | None = None) -> list[
 
     Args:
         mesh: the mesh given to ``plan``.
-        layers: the stacked layer count (degrees must divide it).
+        layers: the stacked layer count (degrees are at most it; one that does
+            not divide it pipelines uneven layouts: :func:`pipeline_configs`).
         stages: a fixed degree (a given :class:`~spmdkit.pipeline.Pipeline`), or
             None for every degree.
     """
@@ -182,9 +205,7 @@ def pipe_meshes(mesh: MeshLike, layers: int, stages: int | None = None) -> list[
     if data is None or layers < 2:
         return []
     return [
-        split_mesh(mesh, p)
-        for p in range(2, sizes[data] + 1)
-        if sizes[data] % p == 0 and layers % p == 0
+        split_mesh(mesh, p) for p in range(2, min(sizes[data], layers) + 1) if sizes[data] % p == 0
     ]
 
 
@@ -219,18 +240,41 @@ def pipeline_configs(
         fits = sum(request.layout) == layers if request.layout else layers % request.chunks == 0
         ok = request.stages == stages and fits and local_batch % request.microbatches == 0
         return [request] if ok else []
-    if layers % stages:
-        return []
-    virtual = [v for v in divisors(layers // stages) if v > 1]
+    even = layers % stages == 0
+    if even:
+        virtual = [v for v in divisors(layers // stages) if v > 1]
+    else:  # an uneven layout per virtual count (balanced_layout)
+        virtual = list(range(2, min(UNEVEN_VIRTUAL, layers // stages) + 1))
+    lay = {v: None if even else balanced_layout(layers, stages, v) for v in (1, *virtual)}
     out: list[Pipeline] = []
-    for m in divisors(local_batch):
+    for m in divisors(local_batch) if layers >= stages else []:
         if m < stages:
-            out.append(Pipeline(stages, m, "fthenb"))
+            out.append(Pipeline(stages, m, "fthenb", layout=lay[1]))
             continue
-        out.append(Pipeline(stages, m, "1f1b"))
+        out.append(Pipeline(stages, m, "1f1b", layout=lay[1]))
         if m % stages == 0:
-            out += [Pipeline(stages, m, "interleaved", virtual=v) for v in virtual]
+            out += [Pipeline(stages, m, "interleaved", virtual=v, layout=lay[v]) for v in virtual]
     return out
+
+
+def with_ends(
+    configs: Sequence[Pipeline], layers: int, ends: tuple[float, float]
+) -> list[Pipeline]:
+    """``configs`` with each uneven layout (:func:`pipeline_configs`' for a degree
+    that does not divide the layers) rebalanced for the end stages' extra work
+    (``ends``: the first and the last device's, in layers:
+    :func:`~spmdkit.planner.pipeline.cost.end_layers`), so the first and last
+    chunks take fewer layers where they run the embedding or the head; even
+    configurations unchanged.
+
+    Example:
+        >>> with_ends(pipeline_configs(3, 8, 3), 8, (2.0, 0.0))[1].short()
+        'pp3 1f1b m3 layout 1-4-3'
+    """
+    return [
+        replace(c, layout=balanced_layout(layers, c.stages, c.virtual, ends)) if c.uneven else c
+        for c in configs
+    ]
 
 
 def reference(configs: Sequence[Pipeline]) -> Pipeline:
@@ -392,8 +436,8 @@ class PipelinePlanner:
         meshes = pipe_meshes(self.problem.mesh, layers, stages)
         if not meshes:
             self.why_none.append(
-                f"no pipe degree of 2 or more divides both the mesh's data axis "
-                f"({axis_sizes(self.problem.mesh)}) and the {layers} layers"
+                f"no pipe degree of 2 or more divides the mesh's data axis "
+                f"({axis_sizes(self.problem.mesh)}) and is at most the {layers} layers"
             )
         # and each with its data axis split for context parallelism where auto
         # tries it unpipelined (long sequences, a batch short of the data axis)
@@ -532,7 +576,9 @@ class PipelinePlanner:
                 configs = self.with_statistics(configs, request, shards)
                 if not configs:
                     continue
-                found = self.pipe_search(sctx, groups, where, (batch_ax, seq_ax), configs, inner)
+                found = self.pipe_search(
+                    sctx, groups, where, (batch_ax, seq_ax), configs, inner, request
+                )
                 for choice, cost, pipe in found:
                     full = [
                         _on_pipe(g, lay) if w == "layers" else lay
@@ -596,13 +642,16 @@ class PipelinePlanner:
         axes: tuple[tuple[str, ...], tuple[str, ...]],
         configs: list[Pipeline],
         inner: dict[str, int],
+        request: Pipeline | None = None,
     ) -> list[tuple[list[GroupLayout], Cost, Pipeline]]:
         """Stage layouts searched under the reference configuration
         (:func:`~spmdkit.planner.pipeline.search.reference`, honouring the budget), then
         the best configuration with them, ``(choice, cost, pipeline)``, and the best
         within :data:`_PIPE_HEADROOM` of the budget when that is another one (the
         analytic model's memory is calibrated upwards later, :meth:`calibrated`).
-        ``axes``: the batch axes and the context axes the sequence is split over."""
+        ``axes``: the batch axes and the context axes the sequence is split over.
+        Uneven layouts are rebalanced for the end stages (:func:`with_ends`) unless
+        they are the ``request``'s."""
         layers = ctx.trace.layers
         batch_ax, seq_ax = axes
         ref = reference(configs)
@@ -621,6 +670,11 @@ class PipelinePlanner:
             total=lambda _c, _g, ch, _b, _s: cost_of(ref, ch),
             sizes=inner,
         )
+        if ref.uneven and request is None:  # the end stages' work: fewer layers there
+            ends = end_layers(
+                rctx, groups, choice, batch_ax, seq_ax, StageSplit(ref, where, layers)
+            )
+            configs = with_ends(configs, layers, ends)
         costed = self.costed_configs(configs, lambda pipe: cost_of(pipe, choice))
         cost, i, pipe = min(costed, key=lambda x: (*self.problem.rank_cost(x[0]), x[1]))
         tight = self.problem.budget * _PIPE_HEADROOM
@@ -735,24 +789,28 @@ class PipelinePlanner:
     ) -> Cost:
         """:func:`~spmdkit.planner.pipeline.cost.pipeline_cost` of a pipelined candidate
         (its cost not read) whose layouts off the pipe axis are ``choice``."""
+        pctx, groups, split = self.stage_view(c)
+        batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
+        return pipeline_cost(pctx, groups, choice, batch, seq, split, calibration=calibration)
+
+    def stage_view(self, c: Candidate) -> tuple[CostContext, list[ParamGroup], StageSplit]:
+        """A pipelined candidate's cost context (its mesh, recipe and context axes),
+        its groups as the busiest pipe-axis device holds them, and its split."""
         assert c.pipeline is not None and c.mesh is not None
         where = self.stages()
         assert where is not None
-        sizes = axis_sizes(c.mesh)
         pctx = replace(
             self.problem.ctx,
             mesh=c.mesh,
-            sizes=sizes,
+            sizes=axis_sizes(c.mesh),
             recipe=c.recipe,
             memo=self.pipe_memo(c.mesh),
             context=context_axes(c.activation.get("seq", ())),
         )
         layers = self.problem.ctx.trace.layers
-        split = StageSplit(c.pipeline, where, layers)
         held = max(c.pipeline.device_layers(layers)) if c.pipeline.uneven else None
         groups = stage_groups(self.problem.groups, where, c.pipeline.stages, held)
-        batch, seq = c.activation.get("batch", ()), c.activation.get("seq", ())
-        return pipeline_cost(pctx, groups, choice, batch, seq, split, calibration=calibration)
+        return pctx, groups, StageSplit(c.pipeline, where, layers)
 
     def pipelined_strategy(
         self,
@@ -880,6 +938,14 @@ class PipelinePlanner:
             c = Candidate(name, full, act, rules, _NO_COST, recipe, pipe, mesh)
             return self.pipelined_cost(c, choice)
 
+        ref = reference(configs)
+        if ref.uneven and request is None:  # the end stages' work: fewer layers there
+            pctx, groups, split = self.stage_view(
+                Candidate(name, full, act, rules, _NO_COST, recipe, ref, mesh)
+            )
+            batch, seq = act.get("batch", ()), act.get("seq", ())
+            ends = end_layers(pctx, groups, choice, batch, seq, split)
+            configs = with_ends(configs, self.problem.ctx.trace.layers, ends)
         costed = self.costed_configs(configs, cost_of)
         cost, _, pipe = min(costed, key=lambda x: (*self.problem.rank_cost(x[0]), x[1]))
         cp = context_axes(act.get("seq", ()))

@@ -13,8 +13,14 @@ from spmdkit.introspect import describe
 from spmdkit.models import get_model
 from spmdkit.models.llama import LlamaConfig
 from spmdkit.pipeline import Pipeline, PipelineError
-from spmdkit.planner import Plan, PlanError, plan
-from spmdkit.planner.pipeline.search import pipe_meshes, pipeline_configs, split_mesh
+from spmdkit.planner import OverBudgetError, Plan, PlanError, plan
+from spmdkit.planner.pipeline.search import (
+    UNEVEN_VIRTUAL,
+    pipe_meshes,
+    pipeline_configs,
+    split_mesh,
+    with_ends,
+)
 from spmdkit.util import divisors
 
 
@@ -29,9 +35,11 @@ def test_split_mesh_keeps_the_device_order() -> None:
         split_mesh(sk.abstract_mesh(data=6), 4)
 
 
-def test_pipe_degrees_divide_the_data_axis_and_the_layers() -> None:
+def test_pipe_degrees_divide_the_data_axis_up_to_the_layers() -> None:
+    """A degree that does not divide the layers is tried too (uneven layouts),
+    one above the layer count is not (a device would run no layer)."""
     degrees = [dict(m.shape)["pipe"] for m in pipe_meshes(sk.abstract_mesh(data=16, model=8), 12)]
-    assert degrees == [2, 4]
+    assert degrees == [2, 4, 8]
     given = sk.abstract_mesh(pipe=4, data=2)
     assert pipe_meshes(given, 8) == [given]
 
@@ -41,7 +49,62 @@ def test_pipe_degrees_of_a_126_layer_model() -> None:
         return [dict(m.shape)["pipe"] for m in pipe_meshes(sk.abstract_mesh(**axes), 126)]
 
     assert {2, 3, 6, 7, 9, 14, 18} <= set(degrees(data=252, model=2))
-    assert degrees(data=72, model=8) == [2, 3, 6, 9, 18]  # 7 and 14 do not split 72
+    assert 252 not in degrees(data=252, model=2)  # more stages than layers
+    # 7 and 14 do not split 72; 4, 8, 12, 24, 36 and 72 split it but not 126
+    assert degrees(data=72, model=8) == [2, 3, 4, 6, 8, 9, 12, 18, 24, 36, 72]
+
+
+def test_pipe_degrees_that_do_not_divide_the_layers_get_balanced_layouts() -> None:
+    """DeepSeek-V3's 58 MoE layers over 8 stages: every configuration has an uneven
+    layout whose chunks (8 · v of them) sum to 58 and differ by at most one layer,
+    as do the devices' layers; interleaved with 2 to UNEVEN_VIRTUAL (4) virtual stages."""
+    configs = pipeline_configs(8, 58, 64)
+    assert configs and all(c.uneven for c in configs)
+    for c in configs:
+        assert len(c.layout) == c.chunks and sum(c.layout) == 58
+        assert max(c.layout) - min(c.layout) <= 1
+        assert max(c.device_layers(58)) - min(c.device_layers(58)) <= 1
+        assert c.check_layers(58) == max(c.layout)
+    assert {c.virtual for c in configs if c.schedule == "interleaved"} == {2, 3, 4}
+    assert {c.schedule for c in configs if c.microbatches < 8} == {"fthenb"}
+    pp8x4 = next(c for c in configs if c.virtual == 4)
+    assert pp8x4.layout == (1, 1, 1) + (2,) * 26 + (1, 1, 1)
+    # at most UNEVEN_VIRTUAL virtual stages, and no more chunks than layers
+    assert max(c.virtual for c in pipeline_configs(3, 100, 3)) == UNEVEN_VIRTUAL
+    assert sorted({c.virtual for c in pipeline_configs(4, 9, 4)}) == [1, 2]
+    assert pipeline_configs(16, 12, 16) == []  # more stages than layers
+
+
+def test_uneven_layouts_rebalanced_for_the_end_stages() -> None:
+    """with_ends takes layers off the chunks of a first or last stage with work of
+    its own; even configurations stay as they are."""
+    configs = pipeline_configs(8, 58, 64)
+    light = with_ends(configs, 58, (3.5, 1.5))
+    pp8x4 = next(c for c in light if c.virtual == 4)
+    assert pp8x4.layout[0] == 0 and pp8x4.layout[-1] == 0 and sum(pp8x4.layout) == 58
+    work = [n + e for n, e in zip(pp8x4.device_layers(58), (3.5, *[0] * 6, 1.5), strict=True)]
+    assert max(work) == 8  # the fewest the busiest device can run: 8 layers
+    assert [c.microbatches for c in light] == [c.microbatches for c in configs]
+    even = pipeline_configs(4, 8, 16)
+    assert with_ends(even, 8, (3.0, 3.0)) == even
+
+
+def test_auto_pipelines_uneven_layouts_where_no_degree_divides_the_layers() -> None:
+    """9 layers on data=4: neither 2 nor 4 divides them, so auto used to cost no
+    pipeline and nothing fit 8 GB (unpipelined plans need about 13.6). It now
+    pipelines 9 layers unevenly and fits."""
+    cfg = LlamaConfig(
+        n_layers=9, d_model=2048, d_mlp=8192, n_heads=16, n_kv_heads=4, head_dim=128,
+        seq_len=2048, vocab=1024, scan_layers=True,
+    )  # fmt: skip
+    info = describe(get_model("llama"), config=cfg, batch_size=16)
+    kw = dict(estimator="analytic", recipe=sk.Recipe(), memory_budget=8e9)
+    with pytest.raises(OverBudgetError):
+        plan(info, sk.abstract_mesh(data=4), "auto", **kw)
+    p = plan(info, sk.abstract_mesh(data=4), "auto", pipeline="auto", **kw)
+    assert p.pipeline is not None and p.pipeline.uneven
+    assert sum(p.pipeline.layout) == 9 and p.pipeline.stages in (2, 4)
+    assert p.cost.peak_bytes <= 8e9
 
 
 def test_every_micro_batch_count_that_divides_the_replica_batch() -> None:
