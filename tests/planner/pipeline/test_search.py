@@ -516,3 +516,18 @@ def test_auto_splits_a_pipe_meshs_data_axis_for_context_where_it_would_unpipelin
         (("pipe", 2), ("data", 1), ("context", 4)),
     }
     assert any(c.context and c.name.startswith("searched[batch=-,context=4]") for c in got)
+
+
+def test_a_requested_uneven_layout_is_kept_as_asked() -> None:
+    """auto and a preset given an uneven pipeline cost that layout, not one
+    rebalanced for the end stages (only auto's own layouts are)."""
+    cfg = LlamaConfig(
+        n_layers=9, d_model=256, d_mlp=1024, n_heads=4, n_kv_heads=4, head_dim=64,
+        seq_len=128, vocab=32000, scan_layers=True,
+    )  # fmt: skip
+    info = describe(get_model("llama"), config=cfg, batch_size=8)
+    asked = Pipeline(2, 4, "1f1b", layout=(4, 5))  # not what auto would balance
+    for strategy in ("auto", "megatron"):
+        mesh = sk.abstract_mesh(pipe=2, data=2)
+        p = plan(info, mesh, strategy, estimator="analytic", pipeline=asked)
+        assert p.pipeline == asked, strategy
