@@ -263,8 +263,9 @@ def test_deepseek_v3_auto_is_not_worse_than_the_published_layout_by_its_prices()
     devices, with the levers the published recipe uses allowed (as the
     calibration's auto column plans it, analytic), fits 80 GiB within 5% of the
     published layout's tokens per second per GPU priced on the same topology (its
-    flat Megatron-LM layouts come within 3%; the published pipeline, 58 MoE layers
-    unevenly over 8 x 4 chunks, is no layout auto searches). Before auto costed
+    flat Megatron-LM layouts come within 3%; auto costs PP 8 x VP 4 with its own
+    uneven layouts, but not the published pipeline's EP 64 over the expert and
+    tensor axes). Before auto costed
     the tensor-parallel presets with the experts expert-parallel (and grew
     micro-batches while a faster plan could fit) it reached about 0.7 of it."""
     from tests.scripts import loaded_script
