@@ -261,11 +261,11 @@ def test_deepseek_v3_auto_is_not_worse_than_the_published_layout_by_its_prices()
     """Issue 44's acceptance on the calibration's DeepSeek-V3 row (TP 2 x PP 8 x VP 4
     x EP 64, FP8, the published run's DeepEP exchange priced): auto on the row's
     devices, with the levers the published recipe uses allowed (as the
-    calibration's auto column plans it, analytic), fits 80 GiB within 5% of the
+    calibration's auto column plans it, analytic), fits 80 GiB at no fewer than the
     published layout's tokens per second per GPU priced on the same topology (its
-    flat Megatron-LM layouts come within 3%; auto costs PP 8 x VP 4 with its own
-    uneven layouts, but not the published pipeline's EP 64 over the expert and
-    tensor axes). Before auto costed
+    flat Megatron-LM layouts come within 3%; auto also costs PP 8 x VP 4 with its
+    own uneven layouts and the stages' experts over the expert and tensor axes,
+    the published pipeline's EP 64). Before auto costed
     the tensor-parallel presets with the experts expert-parallel (and grew
     micro-batches while a faster plan could fit) it reached about 0.7 of it."""
     from tests.scripts import loaded_script
@@ -292,7 +292,7 @@ def test_deepseek_v3_auto_is_not_worse_than_the_published_layout_by_its_prices()
             options=options,
         )
         assert p.cost.peak_bytes <= 80 * 2**30
-        assert cal.tok_s(row, p.cost) >= 0.95 * published, (p.chosen, published)
+        assert cal.tok_s(row, p.cost) >= published, (p.chosen, published)
 
 
 def _pipelined_qwen3(remats):

@@ -879,12 +879,20 @@ class PipelinePlanner:
     ) -> list[LogicalRules]:
         """The rules that put the experts on the stage mesh's expert-role axes
         (``inner``: the mesh's axes but the pipe axis) and the batch over them and
-        the data axes, ahead of ``extra``: one table, when the step has
-        expert-parallel ``moe_experts`` calls, those axes (more than one device)
-        divide every expert count, and ``extra`` places neither the experts nor
-        the batch; else none."""
-        rules = expert_placement(dict(inner), expert_counts(self.problem.ctx.trace), extra)
-        return [] if rules is None else [rules]
+        the data axes, ahead of ``extra``: when the step has expert-parallel
+        ``moe_experts`` calls, those axes (more than one device) divide every
+        expert count, and ``extra`` places neither the experts nor the batch, that
+        table and, where every expert count divides them too, one with the experts
+        over the model axes as well (EP across the TP ranks, as the flat
+        candidates and Megatron-Bridge's DeepSeek-V3 run: EP 64 over TP 2 x EP 32);
+        else none."""
+        counts = expert_counts(self.problem.ctx.trace)
+        out: list[LogicalRules] = []
+        for over_model in (False, True):
+            rules = expert_placement(dict(inner), counts, extra, over_model=over_model)
+            if rules is not None and rules not in out:
+                out.append(rules)
+        return out
 
     def pipelined_table(
         self,
