@@ -314,9 +314,10 @@ def balanced_layout(
     def outer(i: int, size: int) -> tuple[bool, int]:  # ends last, then the middle first
         return i in (0, size - 1), abs(2 * i - (size - 1))
 
+    by_device, by_chunk = [outer(d, p) for d in range(p)], [outer(c, n) for c in range(n)]
     for _ in range(layers):
-        d = min(range(p), key=lambda d: (load[d], *outer(d, p)))
-        c = min(range(d, n, p), key=lambda c: (work[c], *outer(c, n)))
+        d = min(range(p), key=lambda d: (load[d], *by_device[d]))
+        c = min(range(d, n, p), key=lambda c: (work[c], *by_chunk[c]))
         load[d] += 1
         work[c] += 1
         counts[c] += 1

@@ -557,8 +557,7 @@ def _stage_part(
     memoized in ``ctx.memo``: the planner costs many schedules per count."""
     pipe = split.pipe
     recipe = replace(ctx.recipe, microbatches=pipe.microbatches)
-    key = ("pipeline_stage", tuple(choice), batch_axes, seq_axes, split.where, pipe.stages, recipe)
-    key += (tuple(g.key for g in groups), tuple(g.shape for g in groups), tuple(ctx.sizes.items()))
+    key = _stage_key(ctx, groups, choice, batch_axes, seq_axes, split)
     key += (pipe.layout,) if pipe.uneven else ()
     hit = ctx.memo.get(key)
     if hit is not None:
@@ -582,6 +581,35 @@ def _stage_part(
     out = _held_part(sctx, groups, choice, batch_axes, seq_axes, split, slow)
     ctx.memo[key] = out
     return out
+
+
+def _stage_key(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    split: StageSplit,
+) -> tuple:
+    """``ctx.memo``'s key of what the stages cost at ``split``'s micro-batch count
+    whatever the schedule, the virtual stages and an uneven layout (the memo is
+    shared only by contexts of one mesh shape, topology and trace)."""
+    recipe = replace(ctx.recipe, microbatches=split.pipe.microbatches)
+    key = ("pipeline_stage", tuple(choice), batch_axes, seq_axes, split.where, split.pipe.stages)
+    key += (recipe, tuple(g.key for g in groups), tuple(g.shape for g in groups))
+    return (*key, tuple(ctx.sizes.items()))
+
+
+def _layers_key(
+    ctx: CostContext,
+    groups: Sequence[ParamGroup],
+    choice: Sequence[GroupLayout],
+    batch_axes: tuple[str, ...],
+    seq_axes: tuple[str, ...],
+    split: StageSplit,
+) -> tuple:
+    """``ctx.memo``'s key of the per-layer-count costs :func:`_layer_costs` shares."""
+    return ("pipeline_layers", *_stage_key(ctx, groups, choice, batch_axes, seq_axes, split))
 
 
 def _held_part(
@@ -626,16 +654,23 @@ def _layer_costs(
 ) -> tuple[Callable[[int], tuple[CostContext, list[ParamGroup]]], Callable[[int, int], Cost]]:
     """``(at, cost)``: ``at(n)`` the stage context and groups of a device holding
     ``n`` stacked layers; ``cost(n, d)`` pipe-axis device ``d``'s cost holding ``n``
-    (``d = -1``: the stack's groups alone), the devices between the ends alike."""
+    (``d = -1``: the stack's groups alone), the devices between the ends alike.
+    Both memoized in ``ctx.memo`` per :func:`_stage_key`: the layouts of one
+    micro-batch count (every virtual stage count, the end stages' rebalancing)
+    share their devices' costs."""
     p, recipe = split.pipe.stages, replace(ctx.recipe, microbatches=split.pipe.microbatches)
-    stored = [stored_group(recipe, g) for g in groups]
+    key = _layers_key(ctx, groups, choice, batch_axes, seq_axes, split)
+    memo: dict[Any, Any] = ctx.memo.setdefault(key, {})
     stack = [i for i, w in enumerate(split.where) if w == "layers"]
-    memo: dict[tuple[int, int], Cost] = {}
 
     def at(n: int) -> tuple[CostContext, list[ParamGroup]]:
-        c = replace(ctx, recipe=recipe, trace=_layers_trace(ctx.trace, n), gather_once=True)
-        where = zip(stored, split.where, strict=True)
-        return c, [_relayered(g, n) if w == "layers" else g for g, w in where]
+        if ("at", n) not in memo:
+            if "stored" not in memo:
+                memo["stored"] = [stored_group(recipe, g) for g in groups]
+            c = replace(ctx, recipe=recipe, trace=_layers_trace(ctx.trace, n), gather_once=True)
+            where = zip(memo["stored"], split.where, strict=True)
+            memo["at", n] = c, [_relayered(g, n) if w == "layers" else g for g, w in where]
+        return memo["at", n]
 
     def cost(n: int, d: int) -> Cost:
         view = d if d in (-1, 0, p - 1) else 1
@@ -698,9 +733,13 @@ def _uneven_part(
         for c, n in enumerate(pipe.layout or ())
     )
     slow = max(devices.values(), key=lambda c: c.compute_time_s)
-    part = _held_part(*at(max(counts)), choice, batch_axes, seq_axes, split, slow)
-    weights = part.chunk_weights * max(pipe.layout or (1,)) / max(counts)
-    return part._replace(chunk_weights=weights, chunk_s=chunk_s)
+    held = max(counts)
+    memo = ctx.memo.setdefault(_layers_key(ctx, groups, choice, batch_axes, seq_axes, split), {})
+    if ("held", held) not in memo:  # the busiest device's (slow only passes through)
+        memo["held", held] = _held_part(*at(held), choice, batch_axes, seq_axes, split, slow)
+    part = memo["held", held]
+    weights = part.chunk_weights * max(pipe.layout or (1,)) / held
+    return part._replace(slow=slow, chunk_weights=weights, chunk_s=chunk_s)
 
 
 def _chunk_weights(

@@ -271,10 +271,10 @@ def with_ends(
         >>> with_ends(pipeline_configs(3, 8, 3), 8, (2.0, 0.0))[1].short()
         'pp3 1f1b m3 layout 1-4-3'
     """
-    return [
-        replace(c, layout=balanced_layout(layers, c.stages, c.virtual, ends)) if c.uneven else c
-        for c in configs
-    ]
+    layouts = {  # one per virtual stage count: the configurations differ in m
+        c.virtual: balanced_layout(layers, c.stages, c.virtual, ends) for c in configs if c.uneven
+    }
+    return [replace(c, layout=layouts[c.virtual]) if c.uneven else c for c in configs]
 
 
 def reference(configs: Sequence[Pipeline]) -> Pipeline:
