@@ -655,22 +655,22 @@ def _layer_costs(
     """``(at, cost)``: ``at(n)`` the stage context and groups of a device holding
     ``n`` stacked layers; ``cost(n, d)`` pipe-axis device ``d``'s cost holding ``n``
     (``d = -1``: the stack's groups alone), the devices between the ends alike.
-    Both memoized in ``ctx.memo`` per :func:`_stage_key`: the layouts of one
-    micro-batch count (every virtual stage count, the end stages' rebalancing)
-    share their devices' costs."""
+    ``cost`` is memoized in ``ctx.memo`` per :func:`_stage_key`: the layouts of
+    one micro-batch count (every virtual stage count, the end stages'
+    rebalancing) share their devices' costs."""
     p, recipe = split.pipe.stages, replace(ctx.recipe, microbatches=split.pipe.microbatches)
-    key = _layers_key(ctx, groups, choice, batch_axes, seq_axes, split)
-    memo: dict[Any, Any] = ctx.memo.setdefault(key, {})
+    memo = ctx.memo.setdefault(_layers_key(ctx, groups, choice, batch_axes, seq_axes, split), {})
+    # the stored groups depend on the recipe alone: shared by every choice
+    keys = ("pipeline_stored", recipe, *((g.key, g.shape, g.dtype, g.opt_bytes) for g in groups))
+    if keys not in ctx.memo:
+        ctx.memo[keys] = [stored_group(recipe, g) for g in groups]
+    stored = ctx.memo[keys]
     stack = [i for i, w in enumerate(split.where) if w == "layers"]
 
     def at(n: int) -> tuple[CostContext, list[ParamGroup]]:
-        if ("at", n) not in memo:
-            if "stored" not in memo:
-                memo["stored"] = [stored_group(recipe, g) for g in groups]
-            c = replace(ctx, recipe=recipe, trace=_layers_trace(ctx.trace, n), gather_once=True)
-            where = zip(memo["stored"], split.where, strict=True)
-            memo["at", n] = c, [_relayered(g, n) if w == "layers" else g for g, w in where]
-        return memo["at", n]
+        c = replace(ctx, recipe=recipe, trace=_layers_trace(ctx.trace, n), gather_once=True)
+        where = zip(stored, split.where, strict=True)
+        return c, [_relayered(g, n) if w == "layers" else g for g, w in where]
 
     def cost(n: int, d: int) -> Cost:
         view = d if d in (-1, 0, p - 1) else 1
