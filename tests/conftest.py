@@ -34,8 +34,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 #: The slow rule sweeps (tests/rules/test_all_rules.py: the ``full`` sizes and the 2 x 3
 #: mesh) that CI's slow step runs: those of every twelfth op of each rule family, by
 #: name, the first included (tests/sampling.py): 17 of the 86 library ops, every family
-#: (elementwise 4 of 44, shape 2 of 15, each other family's first); every op's sample
-#: sweeps run in the default run, but for the costliest (test_all_rules.py's ``SLOW_SAMPLES``).
+#: (elementwise 4 of 44, shape 2 of 15, each other family's first); the default run has
+#: some of every op's sample sweeps (test_all_rules.py's ``in_default_run``), the slow
+#: step the others.
 SWEEP_EVERY = 12
 
 

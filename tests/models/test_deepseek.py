@@ -102,21 +102,26 @@ def test_the_mtp_module_adds_its_weighted_loss_two_tokens_ahead():
     import dataclasses
 
     cfg = dataclasses.replace(deepseek.CONFIGS["tiny_v3"](), mtp_layers=1, attention="xla")
+
+    def build(config):
+        return deepseek.DeepSeek(config, rngs=nnx.Rngs(0))
+
+    # compiled calls: op by op, the forward passes on 8 CPU devices take longer
+    forward = nnx.jit(lambda m, t: m(t))
     with nnx.use_eager_sharding(False):
-        model = deepseek.DeepSeek(cfg, rngs=nnx.Rngs(0))
+        model = build(cfg)
     assert model.mtp.proj.shape == (2 * cfg.d_model, cfg.d_model)
     assert zoo.param_axes(model)[("mtp", "proj")] == ("mlp", "embed")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (2, 16)), jnp.int32)
 
     def aux_at(weight):
-        m = deepseek.DeepSeek(dataclasses.replace(cfg, mtp_weight=weight), rngs=nnx.Rngs(0))
-        return m(tokens)
+        return forward(build(dataclasses.replace(cfg, mtp_weight=weight)), tokens)
 
     with nnx.use_eager_sharding(False):
         (logits, aux), (_, no_mtp_loss) = aux_at(1.0), aux_at(0.0)
-        plain = deepseek.DeepSeek(dataclasses.replace(cfg, mtp_layers=0), rngs=nnx.Rngs(0))
+        plain = build(dataclasses.replace(cfg, mtp_layers=0))
     ce = float(aux - no_mtp_loss)
     assert 0.5 * np.log(cfg.vocab) < ce < 2 * np.log(cfg.vocab)  # a fresh model's CE
     # the main path: the plain model with the same weights (its state copied over)
     nnx.update(plain, nnx.state(model, nnx.Not(nnx.PathContains("mtp"))))
-    np.testing.assert_allclose(plain(tokens)[0], logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(forward(plain, tokens)[0], logits, rtol=1e-5, atol=1e-5)

@@ -4,8 +4,10 @@
   even shapes and uneven ones (padded blocks);
 * jit check: compiled HLO collectives equal the predicted ones.
 
-Each check runs twice over: a sample in the default run (``[<op>-sample]``) and the
-full sample in the slow step (``[<op>-full]``, ``python -m pytest -m slow``), where CI
+Each check runs twice over: a sample (``[<op>-sample]``) and the full sample in the
+slow step (``[<op>-full]``, ``python -m pytest -m slow``). The default run has every
+sample sweep of the quick ops and two of the five of every other op, rotated over the
+ops (:func:`in_default_run`; the slow step runs the rest). In the slow step CI
 runs the full sweeps (and the 2 x 3 mesh's) of every twelfth op of each family
 (tests/conftest.py, ``SWEEP_EVERY``; ``SPMDKIT_FULL_SWEEP=1`` runs every op's). The
 rules of jax primitives the library has no op for (each family's ``PRIMITIVE_RULES``:
@@ -73,18 +75,48 @@ SLOW_SAMPLES = {
 }
 
 
+#: The op sweeps, in the order :func:`in_default_run` rotates them over the ops.
+SWEEPS = (
+    "test_numeric_sweep_1d",
+    "test_numeric_sweep_2d",
+    "test_uneven_sweep_1d",
+    "test_uneven_sweep_2d",
+    "test_jit_collectives_match_prediction",
+)
+#: Of the :data:`SWEEPS`, the sample sweeps of an op outside :data:`QUICK_OPS` that the
+#: default run keeps; its others run in the slow step.
+DEFAULT_SWEEPS = 2
+
+
+def in_default_run(op: str, test: str) -> bool:
+    """Whether ``test``'s sample sweep of ``op`` runs in the default run: all of a
+    :data:`QUICK_OPS` op's, none in :data:`SLOW_SAMPLES`, and of every other op
+    :data:`DEFAULT_SWEEPS` of its other :data:`SWEEPS`, rotated by the op's place in
+    the registry (the next op keeps the next ones), so each sweep runs for about
+    ``DEFAULT_SWEEPS / len(SWEEPS)`` of the ops and every op keeps a numeric check
+    or its compiled collectives in the default run. The README's test command holds
+    its 5-minute budget on 2 cores so; the slow step runs the rest."""
+    if op in SLOW_SAMPLES.get(test, frozenset()):
+        return False
+    if op in QUICK_OPS or test not in SWEEPS:
+        return True
+    left = [t for t in SWEEPS if op not in SLOW_SAMPLES.get(t, frozenset())]
+    first = OPS.index(op) % len(left)
+    return test in (left + left)[first : first + DEFAULT_SWEEPS]
+
+
 def pytest_generate_tests(metafunc):
     """``op``: every registered op, a module-scoped parameter, so pytest runs each op's
     checks one after another (on one xdist worker, mostly), reusing its compiled
     reference; marked ``heavy`` outside :data:`QUICK_OPS` and ``slow`` where the test's
-    sample sweep of it is in :data:`SLOW_SAMPLES`."""
+    sample sweep of it is not :func:`in_default_run`."""
     if "op" not in metafunc.fixturenames:
         return
-    slow = SLOW_SAMPLES.get(metafunc.function.__name__, frozenset())
+    test = metafunc.function.__name__
     params = []
     for op in OPS:
         marks = [] if op in QUICK_OPS else [pytest.mark.heavy]
-        if op in slow:
+        if not in_default_run(op, test):
             marks.append(pytest.mark.slow)
         params.append(pytest.param(op, marks=marks))
     metafunc.parametrize("op", params, scope="module")
@@ -95,6 +127,9 @@ def test_the_tier_data_names_tests_and_ops_that_exist():
     ops: a renamed test or op would otherwise change tier silently."""
     tests = {name for name in globals() if name.startswith("test_")}
     assert set(SLOW_SAMPLES) <= tests, set(SLOW_SAMPLES) - tests
+    assert set(SWEEPS) <= tests, set(SWEEPS) - tests
+    # every op keeps a sweep in the default run
+    assert all(any(in_default_run(op, t) for t in SWEEPS) for op in OPS)
     named = QUICK_OPS.union(*SLOW_SAMPLES.values())
     assert named <= set(OPS), named - set(OPS)
 
