@@ -39,6 +39,10 @@ FIELDS = (
 )
 
 
+#: The most runs of ticks a repeating unit of :meth:`Tables.blocks` holds.
+MAX_UNIT = 8
+
+
 @dataclass(frozen=True)
 class Tables:
     """Per-(tick, device) integer tables (:data:`FIELDS`) and buffer sizes.
@@ -74,6 +78,44 @@ class Tables:
                 out[-1] = (out[-1][0], t + 1, *flags)
             else:
                 out.append((t, t + 1, *flags))
+        return out
+
+    def blocks(self) -> list[tuple[int, int, tuple[tuple[int, bool, bool], ...]]]:
+        """The :meth:`segments` with repeating stretches folded: ``(start, reps,
+        unit)``, where ``unit``'s runs ``(ticks, send_f, send_b)`` follow one another
+        ``reps`` times from tick ``start``.
+
+        A 2-stage 1F1B alternates ticks that send both ways with ticks that send
+        nothing (a run per tick, so a program of run-by-run scans grows with the
+        micro-batches); the executor scans a folded stretch once over its repeats,
+        each repeat running the unit's runs in order with the permutes they had.
+        Units of up to :data:`MAX_UNIT` runs; the repeats that cover the most runs
+        win.
+
+        Example::
+
+            >>> t = Tables({}, 0, 0, 0, (1, 0, 1, 0, 1, 0), (0, 0, 1, 0, 1, 1))
+            >>> for block in t.blocks():
+            ...     print(block)
+            (0, 1, ((1, True, False),))
+            (1, 2, ((1, False, False), (1, True, True)))
+            (5, 1, ((1, False, True),))
+        """
+        runs = [(stop - start, bool(f), bool(b)) for start, stop, f, b in self.segments()]
+        out: list[tuple[int, int, tuple[tuple[int, bool, bool], ...]]] = []
+        i = tick = 0
+        while i < len(runs):
+            best_k, best_reps = 1, 1
+            for k in range(2, MAX_UNIT + 1):
+                reps = 1
+                while runs[i + reps * k : i + (reps + 1) * k] == runs[i : i + k]:
+                    reps += 1
+                if reps > 1 and reps * k > best_reps * best_k:
+                    best_k, best_reps = k, reps
+            unit = tuple(runs[i : i + best_k])
+            out.append((tick, best_reps, unit))
+            tick += best_reps * sum(n for n, _, _ in unit)
+            i += best_reps * best_k
         return out
 
 

@@ -4,7 +4,9 @@ A loop scans the schedule's tick table (:mod:`spmdkit.pipeline.tables`) in runs 
 ticks with the same sends: each tick a ``lax.switch`` on the device's action
 (idle, forward, backward; never two computed), each run's body with only the
 ``ppermute``s it needs (activations to the next device, cotangents to the
-previous one):
+previous one). Runs that repeat (a 2-stage 1F1B's steady state alternates two) are
+scanned once over their repeats (:meth:`~spmdkit.pipeline.tables.Tables.blocks`), so
+the program does not grow with the micro-batches:
 
 - :func:`gpipe_forward_loop`: GPipe's forward ticks; the executor takes
   ``jax.vjp`` of the loop, so autodiff runs the backward ticks and keeps every
@@ -199,11 +201,30 @@ def explicit_tick_loop(
             return tick
 
         tab = jnp.asarray(tables.stacked())
-        for start, stop, sf, sb in tables.segments():
-            state, _ = jax.lax.scan(make_tick(sf, sb), state, tab[start:stop])
+        for start, reps, unit in tables.blocks():
+            width = sum(n for n, _, _ in unit)
+            if reps == 1:
+                state = _run_unit(state, tab[start : start + width], unit, make_tick)
+                continue
+            rows = tab[start : start + reps * width].reshape(reps, width, *tab.shape[1:])
+
+            def repeat(st: dict, rows_r: Any, unit: tuple = unit) -> tuple:
+                return _run_unit(st, rows_r, unit, make_tick), None
+
+            state, _ = jax.lax.scan(repeat, state, rows)
         return _reduced_results(ctx, lay, state, xs_l)
 
     return body
+
+
+def _run_unit(state: dict, rows: Any, unit: tuple, make_tick: Callable) -> dict:
+    """``state`` after the ticks of ``rows`` (a :meth:`~spmdkit.pipeline.tables.Tables.blocks`
+    unit's), each run of ``unit`` one ``lax.scan`` with its own sends."""
+    at = 0
+    for n, send_f, send_b in unit:
+        state, _ = jax.lax.scan(make_tick(send_f, send_b), state, rows[at : at + n])
+        at += n
+    return state
 
 
 def _permute_pairs(pipe: Pipeline) -> tuple[list, list]:
