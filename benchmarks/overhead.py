@@ -86,7 +86,8 @@ minor page faults (``step_sys_ms``, ``step_page_faults``: the kernel zero-fillin
 fresh pages). The CPU topology's per-core constants measured on this host
 (``measure_cpu_constants``, ``measure_fresh_pages``) are saved beside the table
 (``cpu_constants``).
-``--auto-only`` runs just this section and replaces it in the JSON.
+``--auto-only`` runs just this section and puts its rows in the JSON's table, in
+place of the stored rows of the same model, config and mesh (the others kept).
 
 Run: ``python benchmarks/overhead.py [--quick] [--gpu] [--startup-only] [--auto-only]
 [--first-compile-only] [--out PATH]``.
@@ -136,7 +137,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--auto-only",
         action="store_true",
-        help="only auto vs the presets (its section of the JSON replaced, the rest kept)",
+        help="only auto vs the presets (its rows replace the stored rows of their cases)",
     )
     ap.add_argument("--skip-auto", action="store_true", help="skip auto vs the presets")
     ap.add_argument(
@@ -780,6 +781,7 @@ def measure_auto(
         "model": name,
         "config": size,
         "mesh": mesh_shape,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "batch": batch_size,
         "params": int(sum(np.prod(p.shape) for p in info.params)),
         "steps_per_pass": {n: list(by_key[keys[n]].per_pass) for n in plans},
@@ -1060,20 +1062,51 @@ def machine(gpu: bool) -> dict[str, Any]:
     }
 
 
+def merged_auto_rows(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``kept`` rows (a stored table's) with ``new`` ones in place of those of the
+    same model, config and mesh, in :data:`AUTO_CASES`' order (data=2 × model=4
+    first), so a run of some cases adds to the stored table rather than replace it.
+
+    Example::
+
+        >>> a = {"model": "gpt", "config": "small", "mesh": {"data": 8}, "x": 1}
+        >>> b = {"model": "gpt", "config": "tiny", "mesh": {"data": 8}, "x": 2}
+        >>> [r["x"] for r in merged_auto_rows([a], [b, {**a, "x": 3}])]
+        [2, 3]
+    """
+
+    def key(r: dict[str, Any]) -> tuple:
+        return r["model"], r["config"], tuple(sorted(r["mesh"].items()))
+
+    rows = {key(r): r for r in kept} | {key(r): r for r in new}
+    order = {case: i for i, case in enumerate(AUTO_CASES)}
+
+    def place(k: tuple) -> tuple:
+        return order.get(k[:2], len(order)), dict(k[2]) != {"data": 2, "model": 4}
+
+    return [rows[k] for k in sorted(rows, key=place)]
+
+
 def _auto_main(args: argparse.Namespace, load_start: float) -> int:
-    """``--auto-only``: run the auto section and replace it in the JSON, keeping the rest."""
+    """``--auto-only``: run the auto section and merge its rows into the JSON's table
+    (:func:`merged_auto_rows`), keeping the rest."""
     path = Path(args.out or RESULTS / "overhead.json")
     out = json.loads(path.read_text()) if path.exists() else {}
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"quick": args.quick, "load_average_1m_start": load_start}
 
+    kept = out.get("auto_vs_presets", {}).get("rows", [])
+
     def save(rows: list[dict[str, Any]]) -> None:
-        partial = {"target": AUTO_TARGET, "rows": rows, "partial": True}
+        merged = merged_auto_rows(kept, rows)
+        partial = {"target": AUTO_TARGET, "rows": merged, "partial": True}
         out["auto_vs_presets"] = partial | {"meta": machine(False) | meta}
         path.write_text(json.dumps(out, indent=1))
 
     section = run_auto_section(args, save)
     section["meta"] = machine(False) | meta
+    section["rows"] = merged_auto_rows(kept, section["rows"])
+    section["partial"] = len(section["rows"]) < 2 * len(AUTO_CASES)
     out["auto_vs_presets"] = section
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")

@@ -53,3 +53,21 @@ def test_the_step_donates_its_state_as_train_does(bench, case, donate):
     assert not any(x.is_deleted() for x in jax.tree.leaves(out))
     del call, out, held
     assert _live() <= before
+
+
+def test_a_run_of_some_cases_adds_its_rows_to_the_stored_table(bench):
+    """``--auto-only`` on some cases keeps the stored rows of the others: new rows
+    replace those of their model, config and mesh, in the cases' order."""
+
+    def row(model, config, mesh, tag):
+        return {"model": model, "config": config, "mesh": mesh, "tag": tag}
+
+    two_by_four, eight = {"data": 2, "model": 4}, {"data": 8}
+    kept = [row("moe", "tiny", two_by_four, "old"), row("gpt", "small", eight, "old")]
+    new = [row("gpt", "small", eight, "new"), row("gpt", "tiny", eight, "new")]
+    merged = bench.merged_auto_rows(kept, new)
+    assert [(r["model"], r["config"], r["tag"]) for r in merged] == [
+        ("gpt", "tiny", "new"),
+        ("gpt", "small", "new"),
+        ("moe", "tiny", "old"),
+    ]
