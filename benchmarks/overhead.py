@@ -641,6 +641,8 @@ AUTO_CASES = (
     ("gpt_linen", "tiny"),
     ("gpt_linen", "small"),
 )
+#: The meshes each of :data:`AUTO_CASES` is measured on, in the table's order.
+AUTO_MESHES = ({"data": 2, "model": 4}, {"data": 8})
 #: Acceptance: auto's measured step at most this many times the fastest preset's.
 AUTO_TARGET = 1.1
 
@@ -1008,7 +1010,7 @@ def run_auto_section(
     wanted = [c for c in args.auto_models.split(",") if c]
     cases = [c for w in wanted for c in AUTO_CASES if w in (c[0], f"{c[0]}:{c[1]}")]
     cases = list(dict.fromkeys(cases))
-    meshes = [{"data": 2, "model": 4}, {"data": 8}][: 1 if args.quick else 2]
+    meshes = list(AUTO_MESHES)[: 1 if args.quick else None]
     budget = 5.0 if args.quick else 30.0
     rows: list[dict[str, Any]] = []
     for name, size in cases:
@@ -1064,8 +1066,9 @@ def machine(gpu: bool) -> dict[str, Any]:
 
 def merged_auto_rows(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``kept`` rows (a stored table's) with ``new`` ones in place of those of the
-    same model, config and mesh, in :data:`AUTO_CASES`' order (data=2 × model=4
-    first), so a run of some cases adds to the stored table rather than replace it.
+    same model, config and mesh, in :data:`AUTO_CASES`' order (then
+    :data:`AUTO_MESHES`'), so a run of some cases adds to the stored table rather
+    than replace it.
 
     Example::
 
@@ -1080,9 +1083,11 @@ def merged_auto_rows(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> l
 
     rows = {key(r): r for r in kept} | {key(r): r for r in new}
     order = {case: i for i, case in enumerate(AUTO_CASES)}
+    meshes = [tuple(sorted(m.items())) for m in AUTO_MESHES]
 
     def place(k: tuple) -> tuple:
-        return order.get(k[:2], len(order)), dict(k[2]) != {"data": 2, "model": 4}
+        mesh = meshes.index(k[2]) if k[2] in meshes else len(meshes)
+        return order.get(k[:2], len(order)), mesh
 
     return [rows[k] for k in sorted(rows, key=place)]
 
@@ -1106,7 +1111,7 @@ def _auto_main(args: argparse.Namespace, load_start: float) -> int:
     section = run_auto_section(args, save)
     section["meta"] = machine(False) | meta
     section["rows"] = merged_auto_rows(kept, section["rows"])
-    section["partial"] = len(section["rows"]) < 2 * len(AUTO_CASES)
+    section["partial"] = len(section["rows"]) < len(AUTO_MESHES) * len(AUTO_CASES)
     out["auto_vs_presets"] = section
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path}")
