@@ -945,8 +945,62 @@ def measure_cpu_constants(repeats: int = 7) -> dict[str, float]:
         max(cpu_s(gathers(25), on_half) - cpu_s(gathers(1), on_half), 0.0) / 24
     )
     out["collective_cpu_s"] = (out["all_reduce_cpu_s"] + out["all_gather_cpu_s"]) / 2
+    out.update(measure_rendezvous())
     out.update(measure_fresh_pages())
     return out
+
+
+def measure_rendezvous(repeats: int = 7, width: int = 320, segments: int = 12) -> dict[str, float]:
+    """What a collective's rendezvous costs a step on this host's virtual devices,
+    in wall seconds per ring hop (``Topology.cpu``'s ``latency_per_hop_s`` before
+    its ``devices / cores`` stretch, as ``rendezvous_per_hop_s``).
+
+    A chain of ``segments`` blocks of compute (a ``width``-square matmul a device,
+    a few ms each on 8 devices sharing 2 cores) each closed by a small all-reduce
+    over every device, against the same chain with a local op in its place: the
+    device threads arrive at each rendezvous after their compute, each on its time
+    slice of the cores, and wait for the last (a chain of bare all-reduces, whose
+    threads stay in step, measures a fraction of it)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from spmdkit.topology import host_cores
+
+    n, cores = len(jax.devices()), host_cores()
+    mesh = jax.make_mesh((n,), ("d",))
+
+    def chain(meet: bool) -> Any:
+        def body(x: Any) -> Any:
+            for _ in range(segments):
+                x = jnp.tanh(x @ x * 0.01)
+                v = x[0, :4, :4]
+                v = jax.lax.psum(v, "d") if meet else v * 1.0001
+                x = x + v.sum() * 1e-6
+            return x
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    x = jax.device_put(jnp.full((n, width, width), 0.1, jnp.float32), NamedSharding(mesh, P("d")))
+
+    def wall_s(fn: Any) -> float:
+        jax.block_until_ready(fn(x))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    bare = wall_s(chain(False))
+    each = max(wall_s(chain(True)) - bare, 0.0) / segments
+    hops = max(n - 1, 1)
+    return {
+        "rendezvous_segment_s": bare / segments,
+        "rendezvous_s": each,
+        "rendezvous_per_hop_s": each / hops / max(1.0, n / cores),
+    }
 
 
 def measure_fresh_pages(repeats: int = 5) -> dict[str, float]:

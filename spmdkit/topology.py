@@ -199,8 +199,7 @@ STACKS: dict[str, dict[str, float]] = {
 #: ``measure_cpu_constants``; the figures are saved in
 #: ``benchmarks/results/overhead.json``, ``auto_vs_presets.cpu_constants``): a
 #: batched 256^3 matmul per device (f32 and bf16 ran at the same rate), an
-#: elementwise pass, chains of small all-reduces (latency per ring hop at 8
-#: devices on 2 cores, divided by that oversubscription) and a 1 MiB all-reduce.
+#: elementwise pass and a 1 MiB all-reduce.
 #: ``bf16_rate``: a bf16 or f16 step's rate against f32's, calibrated on the
 #: step: the same layout (gpt tiny, tp_fsdp, data=2 x model=4) ran about 1.5x
 #: slower with bf16 compute (XLA:CPU widens bf16 elementwise work to f32 and
@@ -210,11 +209,13 @@ STACKS: dict[str, dict[str, float]] = {
 #: recipe's scale-and-cast of each operand, so a float8 step (gpt tiny, tp_fsdp
 #: and fsdp on data=2 x model=4) ran slower than the f32 one, as a bf16 step does.
 #: These rates are over the wall clock of a loaded, shared host (below the same
-#: work's rates per second of CPU time); priced per CPU second
-#: (as ``measure_cpu_constants`` now measures them) they rank 8-way batch-split plans
-#: ahead of tensor-parallel ones on the small reference models where the measured
-#: step says otherwise (llama small on data=2 x model=4), so they stay until that
-#: is priced.
+#: work's rates per CPU second, as ``measure_cpu_constants`` now measures them).
+#: ``latency_per_hop_s``: per ring hop, the rendezvous of device threads that each
+#: arrive after their compute on a time slice of the cores; it grows with the compute
+#: between collectives (``measure_cpu_constants``' ``rendezvous_per_hop_s``), so a
+#: chain of bare collectives measured it low (5 us): priced so, FSDP's many all-device
+#: collectives looked cheaper than tensor parallelism's over groups of 2 or 4, the
+#: opposite of the small reference models' measured steps (the auto-vs-presets table).
 #: ``fresh_page_cpu_s``: the kernel's CPU seconds per 4 KiB page of a device's
 #: temporaries that are fresh pages each step (faulted in and zero-filled; measured
 #: by ``measure_fresh_pages`` on a program with 48 MiB of temporaries a device, one
@@ -226,7 +227,7 @@ CPU_CONSTANTS: dict[str, float] = {
     "bf16_rate": 0.5,
     "float8_rate": 0.5,
     "memory_bytes_per_core": 4e9,
-    "latency_per_hop_s": 5e-6,
+    "latency_per_hop_s": 30e-6,
     "link_bytes_per_core": 2e9,
     "fresh_page_cpu_s": 2.2e-6,
     "fresh_pages_from": float(32 << 20),
@@ -567,8 +568,7 @@ class Topology:
         so both are priced below the f32 rate, float8 included so a float8 recipe
         plans and verifies on CPU devices as on an H100.
         The per-core constants (:data:`CPU_CONSTANTS`) were measured on a 2-core
-        x86 host with 8 virtual devices (``benchmarks/overhead.py``'s
-        ``measure_cpu_constants``, saved beside its auto-vs-presets table).
+        x86 host with 8 virtual devices (``benchmarks/overhead.py``).
 
         Args:
           devices: the mesh's devices (all running the step).
