@@ -332,6 +332,35 @@ def test_fresh_pages_are_priced_on_cpu_devices_only_above_the_threshold():
             Topology(**bad)
 
 
+def test_cpu_prices_all_device_collectives_above_smaller_groups():
+    """The rendezvous of 8 device threads on 2 cores, per ring hop: the small
+    GPT on data=2 x model=4 under fsdp (about 140 all-device collectives a step)
+    is priced above megatron_sp (fewer, over groups of 4 and 2), the order
+    ``benchmarks/overhead.py`` measures (fsdp's step 1.17x megatron_sp's); with
+    the bare-collective latency (5 us a hop) fsdp was priced below it."""
+    import jax
+    import optax
+
+    import spmdkit as sk
+    from spmdkit.models import get_model
+
+    cpu = Topology.cpu(8, cores=2)
+    assert cpu.collective_time("all_gather", 0, 8, ("d",), abstract_mesh(d=8)) == pytest.approx(
+        7 * 4 * 30e-6
+    )
+    info = sk.describe(get_model("gpt"), config="small", batch_size=8)
+    mesh = sk.make_mesh(data=2, model=4, devices=jax.devices("cpu")[:8])
+    opt = optax.adam(1e-3)
+
+    def step_s(strategy: str, topology: Topology) -> float:
+        plan = sk.plan(info, mesh, strategy, optimizer=opt, topology=topology)
+        return plan.cost.step_time_s
+
+    assert step_s("megatron_sp", cpu) < step_s("fsdp", cpu)
+    bare = dataclasses.replace(cpu, default_latency=4 * 5e-6)
+    assert step_s("fsdp", bare) < step_s("megatron_sp", bare)
+
+
 def test_a_float8_recipe_plans_on_cpu_devices():
     """A mesh of CPU devices is priced on ``Topology.cpu``: a float8 recipe (the
     recipe the float8 tests verify on CPU) is priced there, not refused."""
