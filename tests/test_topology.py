@@ -336,8 +336,8 @@ def test_cpu_prices_all_device_collectives_above_smaller_groups():
     """The rendezvous of 8 device threads on 2 cores, per ring hop: the small
     GPT on data=2 x model=4 under fsdp (about 140 all-device collectives a step)
     is priced above megatron_sp (fewer, over groups of 4 and 2), the order
-    ``benchmarks/overhead.py`` measures (fsdp's step 1.17x megatron_sp's); with
-    the bare-collective latency (5 us a hop) fsdp was priced below it."""
+    ``benchmarks/overhead.py``'s auto-vs-presets table measures; with the
+    bare-collective latency (5 us a hop) fsdp was priced below it."""
     import jax
     import optax
 
