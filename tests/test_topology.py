@@ -343,10 +343,12 @@ def test_cpu_prices_all_device_collectives_above_smaller_groups():
 
     import spmdkit as sk
     from spmdkit.models import get_model
+    from spmdkit.topology import CPU_CONSTANTS
 
     cpu = Topology.cpu(8, cores=2)
+    hop = CPU_CONSTANTS["latency_per_hop_s"] * 4  # 8 device threads on 2 cores
     assert cpu.collective_time("all_gather", 0, 8, ("d",), abstract_mesh(d=8)) == pytest.approx(
-        7 * 4 * 30e-6
+        7 * hop
     )
     info = sk.describe(get_model("gpt"), config="small", batch_size=8)
     mesh = sk.make_mesh(data=2, model=4, devices=jax.devices("cpu")[:8])
