@@ -14,7 +14,12 @@ device and prints the price beside the time:
 * **elementwise**: one fused pass ``y = 1.5 x + 1`` (read + write);
 * **attention**: causal GQA attention forward + backward
   (``jax.nn.dot_product_attention``; ``implementation="cudnn"`` on a GPU: the fused
-  kernel the calibration rows ran).
+  kernel the calibration rows ran);
+* **grouped GEMMs** (``jax.lax.ragged_dot``): one device's routed experts at
+  DeepSeek-V3's and Qwen3-MoE's shapes under their published expert-parallel
+  degrees, 128 to 8,192 rows per expert, priced as the planner prices them (the
+  GEMM roofline at the rows per local expert), beside the same FLOPs as a dense
+  batched GEMM.
 
 Each case: the median of ``--repeat`` timings, each of ``--calls`` calls dispatched
 back to back and blocked once (so dispatch overhead hides behind the kernels), with
@@ -26,7 +31,7 @@ H100 constants, printed as such: the CPU run checks the script, not the model.
 Saved as JSON (``benchmarks/results/kernels.json``, or ``--out``)::
 
     {"benchmark": "kernels", "date", "jax", "platform", "device_kind", "topology",
-     "cases": [{"kind": "gemm"|"elementwise"|"attention", "label", "shape",
+     "cases": [{"kind": "gemm"|"elementwise"|"attention"|"ragged", "label", "shape",
                 "flops", "bytes", "predicted_s", "measured_s", "ratio",
                 "measured_tflops", "measured_gbps", "efficiency_predicted",
                 "efficiency_measured"}]}
@@ -34,7 +39,8 @@ Saved as JSON (``benchmarks/results/kernels.json``, or ``--out``)::
 ``ratio`` is predicted / measured; ``efficiency_*`` is FLOP/s over the dtype's peak
 (GEMMs and attention) or bytes/s over ``hbm_bandwidth`` (elementwise).
 
-Run: ``python benchmarks/kernels.py [--out PATH] [--repeat N] [--calls N]``.
+Run: ``python benchmarks/kernels.py [--out PATH] [--repeat N] [--calls N]
+[--kinds gemm,elementwise,attention,ragged]``.
 """
 
 from __future__ import annotations
@@ -78,6 +84,18 @@ GPU_ATTENTION = (
     ("GPT 350M, 8 x 1k", 8, 1024, 16, 16, 64),
 )
 CPU_ATTENTION = (("tiny", 1, 256, 4, 2, 32),)
+#: (label, local experts, model width, expert hidden width): one device's experts
+#: under the published expert-parallel degrees.
+GPU_RAGGED = (
+    ("DeepSeek-V3, EP 64", 4, 7168, 2048),
+    ("Qwen3-30B-A3B, EP 16", 8, 2048, 768),
+    ("Qwen3-235B-A22B, EP 16", 8, 4096, 1536),
+)
+#: rows each local expert multiplies per call (tokens per expert)
+GPU_RAGGED_ROWS = (128, 512, 2048, 8192)
+CPU_RAGGED = (("tiny", 4, 128, 64),)
+CPU_RAGGED_ROWS = (32, 128)
+KINDS = ("gemm", "elementwise", "attention", "ragged")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -85,6 +103,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(RESULTS / "kernels.json"), help="JSON path")
     ap.add_argument("--repeat", type=int, default=5, help="timings per case (median)")
     ap.add_argument("--calls", type=int, default=10, help="calls per timing")
+    ap.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}"
+    )
     return ap.parse_args(argv)
 
 
@@ -159,6 +180,53 @@ def attention_case(topo: Topology, label: str, shape: tuple[int, ...], args: Any
                 measured, flops / predicted / peak, flops / measured / peak)  # fmt: skip
 
 
+def ragged_cases(topo: Topology, label: str, shape: tuple[int, int, int, int], args: Any
+                 ) -> list[dict]:  # fmt: skip
+    """One device's grouped GEMMs (``jax.lax.ragged_dot``, bf16) at ``shape`` =
+    ``(local experts E, rows per expert r, model width D, hidden width F)``, each
+    group ``r`` rows (balanced routing), beside the planner's price of them: the
+    GEMM roofline at ``m = r`` (:func:`spmdkit.planner.experts.rows_per_expert`),
+    ``k x n`` the weight's. Four cases: the up projection ``[E r, D] x [E, D, F]``
+    forward, its backward (the rows' and the weights' cotangents, priced as two
+    GEMMs of the forward's shape, as the planner prices a weight's backward), the
+    down projection ``[E r, F] x [E, F, D]`` forward, and the up projection as a
+    dense batched GEMM ``[E, r, D] x [E, D, F]`` (what the grouped form would run at
+    without its ragged bookkeeping)."""
+    e, r, d, f = shape
+    dt = jnp.bfloat16
+    sizes = jnp.full((e,), r, jnp.int32)
+
+    def ragged(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=dt)
+
+    def backward(x: jax.Array, w: jax.Array, ct: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jax.vjp(ragged, x, w)[1](ct)
+
+    up = [(_rand(5 * i, (e * r, d), dt), _rand(5 * i + 1, (e, d, f), dt)) for i in range(3)]
+    down = [(_rand(5 * i + 2, (e * r, f), dt), _rand(5 * i + 3, (e, f, d), dt)) for i in range(3)]
+    back = [(x, w, _rand(5 * i + 4, (e * r, f), dt)) for i, (x, w) in enumerate(up)]
+    dense = [(x.reshape(e, r, d), w) for x, w in up]
+    peak = topo.peak("bfloat16")
+    flops = 2.0 * e * r * d * f
+    nbytes = 2.0 * (e * r * d + e * d * f + e * r * f)
+    specs = (
+        ("up", jax.jit(ragged), up, (r, d, f), 1),
+        ("up backward", jax.jit(backward), back, (r, d, f), 2),
+        ("down", jax.jit(ragged), down, (r, f, d), 1),
+        ("up as batched dense", jax.jit(lambda x, w: jnp.einsum(
+            "erd,edf->erf", x, w, preferred_element_type=dt)), dense, (r, d, f), 1),
+    )  # fmt: skip
+    rows = []
+    for part, fn, inputs, (m, k, n), gemms in specs:
+        measured = timed(fn, inputs, args.repeat, args.calls)
+        predicted = topo.matmul_time(gemms * flops, m, k, n, "bfloat16", itemsize=2)
+        work = gemms * flops
+        rows.append(_row("ragged", f"{label}, {r} rows/expert, {part}", (e, r, k, n), work,
+                         gemms * nbytes, predicted, measured, work / predicted / peak,
+                         work / measured / peak))  # fmt: skip
+    return rows
+
+
 def _row(kind: str, label: str, shape: tuple, flops: float, nbytes: float, predicted: float,
          measured: float, eff_pred: float, eff_meas: float) -> dict:  # fmt: skip
     return {
@@ -184,16 +252,16 @@ def table(result: dict) -> str:
         + (" - CPU timings, not a GPU's" if result["platform"] == "cpu" else "")
     )
     cols = (
-        f"{'kind':<12}{'case':<42}{'pred ms':>10}{'meas ms':>10}{'ratio':>7}"
+        f"{'kind':<12}{'case':<62}{'pred ms':>10}{'meas ms':>10}{'ratio':>7}"
         f"{'TFLOP/s':>9}{'GB/s':>8}{'eff pred':>9}{'eff meas':>9}"
     )
     lines = [head, cols]
     for c in result["cases"]:
         if "error" in c:
-            lines.append(f"{c['kind']:<12}{c['label'][:41]:<42}error: {c['error'][:80]}")
+            lines.append(f"{c['kind']:<12}{c['label'][:61]:<62}error: {c['error'][:80]}")
             continue
         lines.append(
-            f"{c['kind']:<12}{c['label'][:41]:<42}{c['predicted_s'] * 1e3:10.3f}"
+            f"{c['kind']:<12}{c['label'][:61]:<62}{c['predicted_s'] * 1e3:10.3f}"
             f"{c['measured_s'] * 1e3:10.3f}{c['ratio']:7.2f}{c['measured_tflops']:9.1f}"
             f"{c['measured_gbps']:8.0f}{c['efficiency_predicted']:9.3f}"
             f"{c['efficiency_measured']:9.3f}"
@@ -208,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu = device.platform == "gpu"
     a100 = "A100" in device.device_kind
     topo = Topology.a100() if a100 else Topology.h100()
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"kernels.py: --kinds {','.join(unknown)}: not one of {', '.join(KINDS)}")
     cases: list[dict] = []
     runs: list[tuple[str, str, Any]] = [
         ("gemm", label, lambda m=m, k=k, n=n, label=label: gemm_case(topo, label, m, k, n, args))
@@ -219,11 +291,21 @@ def main(argv: list[str] | None = None) -> int:
         ("attention", label, lambda label=label, s=s: attention_case(topo, label, s, args))
         for label, *s in (GPU_ATTENTION if gpu else CPU_ATTENTION)
     ]
+    runs += [
+        ("ragged", f"{label}, {r} rows/expert",
+         lambda label=label, s=(e, r, d, f): ragged_cases(topo, label, s, args))
+        for label, e, d, f in (GPU_RAGGED if gpu else CPU_RAGGED)
+        for r in (GPU_RAGGED_ROWS if gpu else CPU_RAGGED_ROWS)
+    ]  # fmt: skip
     for kind, label, run in runs:
+        if kind not in kinds:
+            continue
         try:
-            cases.append(run())
+            got = run()
+            cases += got if isinstance(got, list) else [got]
         except Exception as e:  # a failing case is recorded, the others still run
             cases.append({"kind": kind, "label": label, "error": repr(e)})
+        print(f"{kind}: {label} done", flush=True)
     result = {
         "benchmark": "kernels",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -87,11 +87,30 @@ from spmdkit.topology import Topology
 RESULTS = Path(__file__).resolve().parent / "results"
 STRATEGIES = ("dp", "fsdp", "megatron", "auto")
 #: Config per model on a GPU (the batch then fills the device) and on CPU.
-GPU_CONFIG = {"gpt": "350m", "llama": "8b", "moe": "tiny", "convnet": "tiny"}
-#: Config fields replaced on a GPU: Llama 3 8B's layer and vocabulary, two layers (the
-#: step of one device fits; the shapes are the real model's).
-GPU_OVERRIDES: dict[str, dict[str, Any]] = {"llama": {"n_layers": 2}}
-CPU_CONFIG = {"gpt": "tiny", "llama": "tiny", "moe": "tiny", "convnet": "tiny"}
+GPU_CONFIG = {
+    "gpt": "350m",
+    "llama": "8b",
+    "moe": "tiny",
+    "convnet": "tiny",
+    "qwen3_moe": "30b_a3b",
+    "deepseek": "16b",
+}
+#: Config fields replaced on a GPU: Llama 3 8B's layer and vocabulary, two layers;
+#: Qwen3-30B-A3B's two MoE layers; the 16B DeepSeek's dense first layer and one MoE
+#: layer (the step of one device fits; the shapes are the real model's).
+GPU_OVERRIDES: dict[str, dict[str, Any]] = {
+    "llama": {"n_layers": 2},
+    "qwen3_moe": {"n_layers": 2},
+    "deepseek": {"n_layers": 2},
+}
+CPU_CONFIG = {
+    "gpt": "tiny",
+    "llama": "tiny",
+    "moe": "tiny",
+    "convnet": "tiny",
+    "qwen3_moe": "tiny",
+    "deepseek": "tiny",
+}
 CPU_BATCH = 16
 
 
@@ -338,13 +357,13 @@ def table(result: dict) -> str:
         + (" - CPU figures, not a GPU's" if platform == "cpu" else "")
     )
     cols = (
-        f"{'model':<8}{'config':<8}{'strategy':<10}{'chosen':<12}{'mesh':<6}{'batch':>6}"
+        f"{'model':<10}{'config':<20}{'strategy':<10}{'chosen':<12}{'mesh':<6}{'batch':>6}"
         f"{'pred ms':>10}{'meas ms':>10}{'ratio':>7}{'plan MiB':>10}{'pred MiB':>10}"
         f"{'comp MiB':>10}{'ratio':>7}  verify"
     )
     lines = [head, cols]
     for c in result["cases"]:
-        who = f"{c['model']:<8}{c['config']:<8}{c['strategy']:<10}"
+        who = f"{c['model']:<10}{str(c['config'])[:19]:<20}{c['strategy']:<10}"
         if "error" in c:
             lines.append(f"{who}error: {c['error'][:100]}")
             continue
