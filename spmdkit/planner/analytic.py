@@ -491,6 +491,7 @@ class _Coll(NamedTuple):
     #: hides only under another micro-batch's forward compute (a backward-pass
     #: expert exchange under the priced-only 1F1B overlap: experts.overlapped)
     paired: bool = False
+    axes: tuple[str, ...] = ()
 
 
 def _coll(
@@ -511,7 +512,7 @@ def _coll(
     t = ctx.memo.get(key)
     if t is None:
         t = ctx.memo[key] = ctx.topology.collective_time(kind, wire, n, axes, ctx.mesh)
-    return _Coll(t * times, kind, payload * times, hidden)
+    return _Coll(t * times, kind, payload * times, hidden, axes=axes)
 
 
 @dataclass(frozen=True)
@@ -642,8 +643,7 @@ def _split(
     dims, odims = layout.params, layout.opt
     used = tuple(a for d in dims for a in d)
     logical = g.logical or (None,) * len(g.shape)
-    # Axes on a stacked-layers dim: each scan step gathers its layer's weights,
-    # like FSDP, and they split no compute.
+    # Axes on a stacked-layers dim: FSDP-like (each scan step gathers its layer); split no compute
     layer_axes = tuple(a for d, n in zip(dims, logical, strict=True) if n == "layers" for a in d)
     # an expert-parallel moe_experts weight: its EP axes split experts, not FSDP or TP
     ep = experts.ep_axes(g, dims, sizes) if experts.moe_call(g, ctx.trace) else ()
@@ -762,7 +762,9 @@ def group_cost(
     n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     by_kind: dict[str, float] = {}
     comm_s = hidden_s = paired_s = 0.0
-    for c in _collectives(ctx, g, layout, sp, tp):
+    colls = _collectives(ctx, g, layout, sp, tp)
+    compute_s += experts.transposes_s(ctx, g, layout, colls) * count
+    for c in colls:
         comm_s += c.time_s * count
         hidden_s += c.time_s * count if c.hidden else 0.0
         paired_s += c.time_s * count if c.paired else 0.0

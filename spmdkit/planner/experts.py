@@ -106,7 +106,13 @@ layout is priced as the op's ``all_to_all`` strategy runs it
   ``exchange_sms / sm_count`` of itself in compute (:func:`exchange_sm_s`).
 
 A group of a step without ``moe_experts`` calls (experts as one-hot einsums or plain
-``ragged_dot``) keeps the analytic model's own pricing.
+``ragged_dot``) keeps the analytic model's own pricing, but for one term that every
+stacked expert weight pays (:func:`transposes_s`): XLA runs an all-gather or a
+reduce-scatter with its dim major in memory, and an expert weight ``[E, D, F]``
+gathered or scattered over ``D`` or ``F`` then has its expert dim inside, which no
+batched GEMM reads in place: each such collective costs a transpose of its whole
+buffer (read and written at ``hbm_bandwidth``). Laid out over ``E`` it costs none.
+A 2-D weight's permuted layout is a plain transpose, which the GEMM reads in place.
 """
 
 from __future__ import annotations
@@ -146,6 +152,7 @@ __all__ = [
     "sized_buffers",
     "stacked_calls",
     "stage_kept_bytes",
+    "transposes_s",
 ]
 
 #: Token buffers one call's train step exchanges without recompute: the forward's
@@ -209,6 +216,33 @@ def ep_axes(g: Any, dims: Sequence[Sequence[str]], sizes: dict[str, int]) -> tup
     if axes and g.shape[i] % math.prod(sizes[a] for a in axes):
         return ()
     return axes
+
+
+def transposes_s(ctx: Any, g: Any, layout: Any, colls: Sequence[Any]) -> float:
+    """Seconds one member of expert weight ``g`` laid out as ``layout`` spends on
+    the transposes its all-gathers and reduce-scatters ``colls`` (the analytic
+    model's, each with its mesh axes) need (module docstring): a pass reading and
+    writing each one's whole buffer where it runs over a mesh axis on a dim after
+    the expert dim, while a device still holds several experts; 0 for a weight
+    without an ``expert`` dim.
+
+    Example: the 8-expert MoE's ``w_up`` ``[layers, 8, 256, 512]`` with ``embed``
+    over ``data`` (FSDP) gathers and scatters 4 MiB a layer over dim 2: two
+    transposes of 8 MiB of traffic a layer; with ``expert`` over ``data``, none."""
+    logical = g.logical or ()
+    if "expert" not in logical:
+        return 0.0
+    e = logical.index("expert")
+    sizes = ctx.sizes
+    if math.prod(sizes[a] for a in layout.params[e]) >= g.shape[e]:
+        return 0.0  # one expert a device: the expert dim is a unit dim
+    after = {a for dims in (layout.params, layout.opt) for d in dims[e + 1 :] for a in d}
+    moved = sum(
+        c.payload
+        for c in colls
+        if c.kind in ("all_gather", "reduce_scatter") and after.intersection(c.axes)
+    )
+    return 2.0 * moved / ctx.topology.hbm_bandwidth
 
 
 def runs_as_priced(g: Any, dims: Sequence[Sequence[str]], token_axes: Sequence[str]) -> bool:
