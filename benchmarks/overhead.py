@@ -146,6 +146,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="models (or model:config) whose auto plan is timed against the presets",
     )
     ap.add_argument(
+        "--auto-meshes",
+        default="",
+        help="only these of the auto section's meshes, ';'-separated ('data=2,model=4;data=8')",
+    )
+    ap.add_argument(
         "--compile-configs",
         default="tiny,small",
         help="configs of --models whose first compile is timed ('' to skip)",
@@ -1065,6 +1070,12 @@ def run_auto_section(
     cases = [c for w in wanted for c in AUTO_CASES if w in (c[0], f"{c[0]}:{c[1]}")]
     cases = list(dict.fromkeys(cases))
     meshes = list(AUTO_MESHES)[: 1 if args.quick else None]
+    if args.auto_meshes:
+        named = {",".join(f"{k}={v}" for k, v in m.items()): m for m in AUTO_MESHES}
+        unknown = [w for w in args.auto_meshes.split(";") if w not in named]
+        if unknown:
+            raise SystemExit(f"overhead.py: --auto-meshes {unknown}: not one of {list(named)}")
+        meshes = [named[w] for w in args.auto_meshes.split(";")]
     budget = 5.0 if args.quick else 30.0
     rows: list[dict[str, Any]] = []
     for name, size in cases:

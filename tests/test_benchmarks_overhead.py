@@ -71,3 +71,27 @@ def test_a_run_of_some_cases_adds_its_rows_to_the_stored_table(bench):
         ("gpt", "small", "new"),
         ("moe", "tiny", "old"),
     ]
+
+
+def test_auto_meshes_picks_the_meshes_a_run_measures(bench, monkeypatch):
+    """``--auto-meshes`` runs the named meshes of the table only, and names the
+    table's meshes when one is not among them."""
+    runs = []
+
+    def fake(name, size, shape, *, budget_s):
+        runs.append((name, size, shape))
+        return {"model": name, "config": size, "mesh": shape}
+
+    monkeypatch.setattr(bench, "measure_auto", fake)
+    monkeypatch.setattr(bench, "_auto_table", lambda rows: None)
+    monkeypatch.setattr(bench, "measure_cpu_constants", lambda: {})
+    args = bench._parse(["--auto-only", "--auto-models", "moe:small", "--auto-meshes", "data=8"])
+    bench.run_auto_section(args)
+    assert runs == [("moe", "small", {"data": 8})]
+    args = bench._parse(["--auto-only", "--auto-models", "moe:tiny", "--auto-meshes",
+                         "data=8;data=2,model=4"])  # fmt: skip
+    bench.run_auto_section(args)
+    assert runs[1:] == [("moe", "tiny", {"data": 8}), ("moe", "tiny", {"data": 2, "model": 4})]
+    args = bench._parse(["--auto-only", "--auto-meshes", "data=4"])
+    with pytest.raises(SystemExit, match=r"'data=2,model=4', 'data=8'"):
+        bench.run_auto_section(args)
