@@ -36,7 +36,8 @@ Saved as JSON (``benchmarks/results/kernels.json``, or ``--out``)::
                 "measured_tflops", "measured_gbps", "efficiency_predicted",
                 "efficiency_measured"}]}
 
-``ratio`` is predicted / measured; ``efficiency_*`` is FLOP/s over the dtype's peak
+A grouped GEMM's ``shape`` is ``[experts, rows per expert, k, n]``. ``ratio`` is
+predicted / measured; ``efficiency_*`` is FLOP/s over the dtype's peak
 (GEMMs and attention) or bytes/s over ``hbm_bandwidth`` (elementwise).
 
 Run: ``python benchmarks/kernels.py [--out PATH] [--repeat N] [--calls N]
