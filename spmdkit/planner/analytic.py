@@ -763,7 +763,7 @@ def group_cost(
     by_kind: dict[str, float] = {}
     comm_s = hidden_s = paired_s = 0.0
     colls = _collectives(ctx, g, layout, sp, tp)
-    compute_s += experts.transposes_s(ctx, g, layout, colls) * count
+    compute_s += experts.transposes_s(ctx, g, layout, colls, tp) * count
     for c in colls:
         comm_s += c.time_s * count
         hidden_s += c.time_s * count if c.hidden else 0.0

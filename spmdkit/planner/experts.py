@@ -218,13 +218,16 @@ def ep_axes(g: Any, dims: Sequence[Sequence[str]], sizes: dict[str, int]) -> tup
     return axes
 
 
-def transposes_s(ctx: Any, g: Any, layout: Any, colls: Sequence[Any]) -> float:
+def transposes_s(
+    ctx: Any, g: Any, layout: Any, colls: Sequence[Any], activations: Sequence[Any] = ()
+) -> float:
     """Seconds one member of expert weight ``g`` laid out as ``layout`` spends on
-    the transposes its all-gathers and reduce-scatters ``colls`` (the analytic
-    model's, each with its mesh axes) need (module docstring): a pass reading and
-    writing each one's whole buffer where it runs over a mesh axis on a dim after
-    the expert dim, while a device still holds several experts; 0 for a weight
-    without an ``expert`` dim.
+    the transposes its all-gathers and reduce-scatters need (module docstring):
+    those of ``colls`` (the analytic model's, each with its mesh axes) but for the
+    ``activations``' (its tensor-parallel collectives, which move no weight), a
+    pass reading and writing each one's whole buffer where it runs over a mesh
+    axis on a dim after the expert dim, while a device still holds several
+    experts; 0 for a weight without an ``expert`` dim.
 
     Example: the 8-expert MoE's ``w_up`` ``[layers, 8, 256, 512]`` with ``embed``
     over ``data`` (FSDP) gathers and scatters 4 MiB a layer over dim 2: two
@@ -240,7 +243,9 @@ def transposes_s(ctx: Any, g: Any, layout: Any, colls: Sequence[Any]) -> float:
     moved = sum(
         c.payload
         for c in colls
-        if c.kind in ("all_gather", "reduce_scatter") and after.intersection(c.axes)
+        if c.kind in ("all_gather", "reduce_scatter")
+        and after.intersection(c.axes)
+        and all(c is not a for a in activations)
     )
     return 2.0 * moved / ctx.topology.hbm_bandwidth
 

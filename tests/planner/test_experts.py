@@ -697,6 +697,11 @@ def test_transposes_price_an_expert_weights_collectives_over_a_later_dim():
     over = lambda *dims: Ns(params=dims, opt=dims)  # noqa: E731
     fsdp = over((), ("model",), ("data",), ())
     assert experts.transposes_s(ctx, g, fsdp, colls) == pytest.approx(2 * 8e6 / topo.hbm_bandwidth)
+    # an activation's collective (tensor parallelism's) over such an axis moves no weight
+    sp_rs = Ns(kind="reduce_scatter", payload=3e6, axes=("data",))
+    assert experts.transposes_s(ctx, g, fsdp, [*colls, sp_rs], [sp_rs]) == pytest.approx(
+        2 * 8e6 / topo.hbm_bandwidth
+    )
     assert experts.transposes_s(ctx, g, over((), ("data",), (), ()), colls[:2]) == 0.0
     zero = Ns(params=((), (), (), ()), opt=((), (), ("data",), ()))  # ZeRO: the state's dim
     assert experts.transposes_s(ctx, g, zero, colls[:1]) == pytest.approx(
