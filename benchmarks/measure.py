@@ -17,7 +17,9 @@ What the prediction is for:
            master weights; the batch doubles until dp's predicted peak fills about
            half the device's memory (``--batch`` sets it instead), at the model's
            :data:`GPU_CONFIG` size with :data:`GPU_OVERRIDES` (Llama 3 8B's layer
-           and vocabulary, two layers), so the step is compute-bound as in training.
+           and vocabulary, two layers; Qwen3-30B-A3B's and the 16B DeepSeek's
+           widths, experts and vocabulary with one or two MoE layers), so the step
+           is compute-bound as in training.
   CPU      a CPU topology measured here before the cases: the f32 matmul FLOP/s one
            virtual device gets while all run at once (``peak_flops``, efficiencies 1,
            no GEMM tiles), the bus bandwidth of an all-reduce over all of them (every
