@@ -59,33 +59,33 @@ and records the device name and, where the peak FLOP/s of the device is known,
 the MFU of the step.
 
 **Auto vs the presets** (``auto_vs_presets``; issue 43): on 8 virtual CPU devices,
-meshes data=2 × model=4 and data=8, for the reference models' ``tiny`` and
-``small`` configs (:data:`AUTO_CASES`), ``sk.plan(..., "auto")`` (priced on the
-mesh's own topology, ``Topology.cpu``) against every preset: each distinct plan's
-train step (``sk.jit(sk.train_step(info, adam, plan), plan, donate_state=True)``,
-its outputs fed to the next step, as ``train`` runs it) compiled once and timed by
-``time_plans``, the timer ``sk.tune`` uses: five passes over the plans, the order
-reversed each pass, each plan in its own block with only its own arrays alive
-(built, two untimed steps, at least a share of the budget in timed steps, then its
-arrays dropped and collected before the next plan's: with every plan's arrays alive
-at once, a step's large temporaries get fresh pages from the kernel that a training
-process, holding only its own, need not pay). Plans are compared pass by pass: auto's
-ratio to a preset is the median over the passes of auto's median step in a pass over
-the preset's in the same pass, so a load that comes and goes slows both alike and
-cancels; the fastest preset is the one auto's ratio is largest against (a plan's
+meshes data=2 × model=4 and data=8, for the reference models' ``tiny`` and ``small``
+configs (:data:`AUTO_CASES`), ``sk.plan(..., "auto")`` (priced on the mesh's own
+topology, ``Topology.cpu``) against every preset: each distinct plan's train step
+(``sk.jit(sk.train_step(info, adam, plan), plan, donate_state=True)``, its outputs fed
+to the next step, as ``train`` runs it) compiled once and timed by ``time_plans``, the
+timer ``sk.tune`` uses: five passes over the plans (or ``--auto-passes``;
+``--auto-budget`` sets the seconds of timed steps, 30 by default: a pair of plans a few
+percent apart on a 15 ms step needs more passes to rank, as single passes scatter by
+±25% on a shared host), the order reversed each pass, each plan in its own block with
+only its own arrays alive (built, two untimed steps, at least a share of the budget in
+timed steps, then its arrays dropped and collected before the next plan's: with every
+plan's arrays alive at once, a step's large temporaries get fresh pages from the kernel
+that a training process, holding only its own, need not pay). Plans are compared pass by
+pass: auto's ratio to a preset is the median over the passes of auto's median step in a
+pass over the preset's in the same pass, so a load that comes and goes slows both alike
+and cancels; the fastest preset is the one auto's ratio is largest against (a plan's
 ``step_ms`` is ``sk.tune``'s score, ``paired_scores``; ``auto_ratio_least_medians``
-keeps the earlier statistic, the least pass medians' ratio). Auto's and ``sk.tune``'s picks against
-the fastest preset (target ≤ 1.1), in wall-clock time and in the process's CPU
-seconds per step (``cpu_ratio_to_fastest``: the steps' own work, which a loaded,
-shared host inflates least; wall-clock differences between layouts there also hold
-the threads' waits at each collective; ``cpu_ratio_to_least_cpu``: the same against
-``least_cpu_preset``, the preset of least CPU time a step), the wall-clock ratio of
-each pass (``ratio_to_fastest_per_pass``),
-with each step's system CPU seconds and
-minor page faults (``step_sys_ms``, ``step_page_faults``: the kernel zero-filling
-fresh pages). The CPU topology's per-core constants measured on this host
-(``measure_cpu_constants``, ``measure_fresh_pages``) are saved beside the table
-(``cpu_constants``).
+keeps the earlier statistic, the least pass medians' ratio). Auto's and ``sk.tune``'s
+picks against the fastest preset (target ≤ 1.1), in wall-clock time and in the process's
+CPU seconds per step (``cpu_ratio_to_fastest``: the steps' own work, which a loaded,
+shared host inflates least; wall-clock differences between layouts there also hold the
+threads' waits at each collective; ``cpu_ratio_to_least_cpu``: the same against
+``least_cpu_preset``, the preset of least CPU time a step), the wall-clock ratio of each
+pass (``ratio_to_fastest_per_pass``), with each step's system CPU seconds and minor page
+faults (``step_sys_ms``, ``step_page_faults``: the kernel zero-filling fresh pages). The
+CPU topology's per-core constants measured on this host (``measure_cpu_constants``,
+``measure_fresh_pages``) are saved beside the table (``cpu_constants``).
 ``--auto-only`` runs just this section and puts its rows in the JSON's table, in
 place of the stored rows of the same model, config and mesh (the others kept).
 
@@ -149,6 +149,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--auto-meshes",
         default="",
         help="only these of the auto section's meshes, ';'-separated ('data=2,model=4;data=8')",
+    )
+    ap.add_argument(
+        "--auto-passes",
+        type=int,
+        default=5,
+        help="passes over the plans per auto row (more passes: a tighter median ratio)",
+    )
+    ap.add_argument(
+        "--auto-budget",
+        type=float,
+        default=None,
+        help="seconds of timed steps per auto row, all plans and passes (default 30, 5 --quick)",
     )
     ap.add_argument(
         "--compile-configs",
@@ -793,6 +805,7 @@ def measure_auto(
         "params": int(sum(np.prod(p.shape) for p in info.params)),
         "steps_per_pass": {n: list(by_key[keys[n]].per_pass) for n in plans},
         "passes": passes,
+        "budget_s": budget_s,
         "warmup": warmup,
         "timing": "time_plans_passes",
         "donate": True,
@@ -1076,11 +1089,11 @@ def run_auto_section(
         if unknown:
             raise SystemExit(f"overhead.py: --auto-meshes {unknown}: not one of {list(named)}")
         meshes = [named[w] for w in args.auto_meshes.split(";")]
-    budget = 5.0 if args.quick else 30.0
+    budget = args.auto_budget or (5.0 if args.quick else 30.0)
     rows: list[dict[str, Any]] = []
     for name, size in cases:
         for shape in meshes:
-            rows.append(measure_auto(name, size, shape, budget_s=budget))
+            rows.append(measure_auto(name, size, shape, budget_s=budget, passes=args.auto_passes))
             _auto_table(rows[-1:])
             if save is not None:
                 save(rows)
@@ -1092,9 +1105,10 @@ def run_auto_section(
         "cpu_constants": constants,
         "definition": "step time of sk.jit(sk.train_step(info, adam, plan), plan, "
         "donate_state=True) for auto's plan, sk.tune's and each preset's, each distinct plan "
-        "timed by spmdkit.compile.tune.time_plans: 5 passes, the order reversed each pass, "
+        "timed by spmdkit.compile.tune.time_plans: a row's passes (5 unless --auto-passes), "
+        "the order reversed each pass, "
         "each plan in its own block with only its own arrays alive (built, 2 untimed steps, "
-        "at least budget / (plans * passes) seconds of timed steps, dropped and collected); "
+        "at least budget_s / (plans * passes) seconds of timed steps, dropped and collected); "
         "ratios paired by pass: the median over the passes of one plan's median step over "
         "the other's in the same pass; the fastest preset is the one auto's (or the tuned "
         "plan's) ratio is largest against; cpu_ratio_to_fastest: the same of the "

@@ -75,11 +75,13 @@ def test_a_run_of_some_cases_adds_its_rows_to_the_stored_table(bench):
 
 def test_auto_meshes_picks_the_meshes_a_run_measures(bench, monkeypatch):
     """``--auto-meshes`` runs the named meshes of the table only, and names the
-    table's meshes when one is not among them."""
-    runs = []
+    table's meshes when one is not among them; ``--auto-passes`` and
+    ``--auto-budget`` reach the timer (5 passes and 30 s unless given)."""
+    runs, timing = [], []
 
-    def fake(name, size, shape, *, budget_s):
+    def fake(name, size, shape, *, budget_s, passes):
         runs.append((name, size, shape))
+        timing.append((passes, budget_s))
         return {"model": name, "config": size, "mesh": shape}
 
     monkeypatch.setattr(bench, "measure_auto", fake)
@@ -88,10 +90,13 @@ def test_auto_meshes_picks_the_meshes_a_run_measures(bench, monkeypatch):
     args = bench._parse(["--auto-only", "--auto-models", "moe:small", "--auto-meshes", "data=8"])
     bench.run_auto_section(args)
     assert runs == [("moe", "small", {"data": 8})]
+    assert timing == [(5, 30.0)]
     args = bench._parse(["--auto-only", "--auto-models", "moe:tiny", "--auto-meshes",
-                         "data=8;data=2,model=4"])  # fmt: skip
+                         "data=8;data=2,model=4", "--auto-passes", "15",
+                         "--auto-budget", "150"])  # fmt: skip
     bench.run_auto_section(args)
     assert runs[1:] == [("moe", "tiny", {"data": 8}), ("moe", "tiny", {"data": 2, "model": 4})]
+    assert timing[1:] == [(15, 150.0)] * 2
     args = bench._parse(["--auto-only", "--auto-meshes", "data=4"])
     with pytest.raises(SystemExit, match=r"'data=2,model=4', 'data=8'"):
         bench.run_auto_section(args)
