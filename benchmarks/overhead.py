@@ -65,27 +65,28 @@ topology, ``Topology.cpu``) against every preset: each distinct plan's train ste
 (``sk.jit(sk.train_step(info, adam, plan), plan, donate_state=True)``, its outputs fed
 to the next step, as ``train`` runs it) compiled once and timed by ``time_plans``, the
 timer ``sk.tune`` uses: five passes over the plans (or ``--auto-passes``;
-``--auto-budget`` sets the seconds of timed steps, 30 by default: a pair of plans a few
-percent apart on a 15 ms step needs more passes to rank, as single passes scatter by
-±25% on a shared host), the order reversed each pass, each plan in its own block with
-only its own arrays alive (built, two untimed steps, at least a share of the budget in
-timed steps, then its arrays dropped and collected before the next plan's: with every
-plan's arrays alive at once, a step's large temporaries get fresh pages from the kernel
-that a training process, holding only its own, need not pay). Plans are compared pass by
-pass: auto's ratio to a preset is the median over the passes of auto's median step in a
-pass over the preset's in the same pass, so a load that comes and goes slows both alike
-and cancels; the fastest preset is the one auto's ratio is largest against (a plan's
-``step_ms`` is ``sk.tune``'s score, ``paired_scores``; ``auto_ratio_least_medians``
-keeps the earlier statistic, the least pass medians' ratio). Auto's and ``sk.tune``'s
-picks against the fastest preset (target ≤ 1.1), in wall-clock time and in the process's
-CPU seconds per step (``cpu_ratio_to_fastest``: the steps' own work, which a loaded,
-shared host inflates least; wall-clock differences between layouts there also hold the
-threads' waits at each collective; ``cpu_ratio_to_least_cpu``: the same against
-``least_cpu_preset``, the preset of least CPU time a step), the wall-clock ratio of each
-pass (``ratio_to_fastest_per_pass``), with each step's system CPU seconds and minor page
-faults (``step_sys_ms``, ``step_page_faults``: the kernel zero-filling fresh pages). The
-CPU topology's per-core constants measured on this host (``measure_cpu_constants``,
-``measure_fresh_pages``) are saved beside the table (``cpu_constants``).
+``--auto-budget`` sets the seconds of timed steps, 30 by default: two plans a few
+percent apart on a short step need more passes to rank, as a single pass on a shared
+host scatters far wider than that), the order reversed each pass, each plan in its own
+block with only its own arrays alive (built, two untimed steps, at least a share of the
+budget in timed steps, then its arrays dropped and collected before the next plan's:
+with every plan's arrays alive at once, a step's large temporaries get fresh pages from
+the kernel that a training process, holding only its own, need not pay). Plans are
+compared pass by pass: auto's ratio to a preset is the median over the passes of auto's
+median step in a pass over the preset's in the same pass, so a load that comes and goes
+slows both alike and cancels; the fastest preset is the one auto's ratio is largest
+against (a plan's ``step_ms`` is ``sk.tune``'s score, ``paired_scores``;
+``auto_ratio_least_medians`` keeps the earlier statistic, the least pass medians'
+ratio). Auto's and ``sk.tune``'s picks against the fastest preset (target ≤ 1.1), in
+wall-clock time and in the process's CPU seconds per step (``cpu_ratio_to_fastest``: the
+steps' own work, which a loaded, shared host inflates least; wall-clock differences
+between layouts there also hold the threads' waits at each collective;
+``cpu_ratio_to_least_cpu``: the same against ``least_cpu_preset``, the preset of least
+CPU time a step), the wall-clock ratio of each pass (``ratio_to_fastest_per_pass``),
+with each step's system CPU seconds and minor page faults (``step_sys_ms``,
+``step_page_faults``: the kernel zero-filling fresh pages). The CPU topology's per-core
+constants measured on this host (``measure_cpu_constants``, ``measure_fresh_pages``) are
+saved beside the table (``cpu_constants``).
 ``--auto-only`` runs just this section and puts its rows in the JSON's table, in
 place of the stored rows of the same model, config and mesh (the others kept).
 
