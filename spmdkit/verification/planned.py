@@ -39,6 +39,7 @@ __all__ = [
     "CPU_PROMOTED",
     "CPU_WIDENED_COLLECTIVES",
     "as_on_cpu",
+    "as_replayed",
     "held_on_cpu",
     "promoted_on_cpu",
     "platform",
@@ -101,7 +102,7 @@ def verify_plan(
             fix=f"wrap with sk.jit(step, plan) (plan: {plan!r}) and pass what it returns",
         )
     _, prop = step.program(*args)
-    traced = prop
+    traced = prop = as_replayed(prop)
     if platform(step.mesh) == "cpu":
         prop = held_on_cpu(promoted_on_cpu(prop, as_on_cpu(prop)))
     if plan.pipeline is not None:
@@ -123,6 +124,104 @@ def platform(mesh: MeshLike) -> str | None:
         return mesh.devices.flat[0].platform
     except (AttributeError, IndexError, ValueError):  # AbstractMesh: ValueError
         return None
+
+
+def as_replayed(prop: Propagation) -> Propagation:
+    """The prediction with the sums the enforced replay reduces itself moved as
+    the replay moves them.
+
+    Propagation prices a contraction's pending sum at each reader: one reader
+    may reduce-scatter it and another gather that back (the RMS norm's output
+    gradient under sequence parallelism: the scale gradient's ``mul`` reads it
+    split over the sequence, the input gradient's whole). The replay reduces such
+    a sum once, where it is computed, to the coarsest layout its readers want
+    (:attr:`~spmdkit.propagation.pinning.NodePins.fused`: an all-reduce here),
+    and each reader slices its block locally: the compiled program has the one
+    reduction and no gather. For each such sum of the top-level program whose
+    reduction a direct reader's record prices, the readers' moves of it are
+    dropped from their records and the replay's reduction is recorded on the
+    producing equation (as ``output 0``); ``comm_bytes_by_kind`` follows. Sums
+    reduced along a chain of ops, or inside a loop body, are left as priced.
+
+    Args:
+      prop: a propagation of a planned step (``prop.program`` holds the replay's
+        pins; without it ``prop`` is returned).
+
+    Returns:
+      ``prop`` with ``records`` and ``comm_bytes_by_kind`` as the replay runs them.
+
+    Example::
+
+        >>> replayed = as_replayed(prop)  # megatron_sp: RS + AG at two readers
+        >>> replayed.comm_bytes_by_kind["all_gather"] < prop.comm_bytes_by_kind["all_gather"]
+        True
+    """
+    program = prop.program
+    if program is None:
+        return prop
+    nodes = program.graph.nodes
+    records = {r.index: r for r in prop.records}
+    if len(records) != len(prop.records):
+        return prop
+    reads: dict[int, list[tuple[int, int]]] = {}  # value → (reader node, operand)
+    for j, node in enumerate(nodes):
+        for k, v in enumerate(node.ins):
+            reads.setdefault(v, []).append((j, k))
+    delta: dict[str, int] = {}
+    changed: dict[int, EqnRecord] = {}
+    for i, node in enumerate(nodes):
+        pins = program.specs.get(id(node))
+        if pins is None or pins.fused is None or pins.chain or i not in records:
+            continue
+        fused = pins.fused
+        moves = [
+            (j, a)
+            for j, k in reads.get(node.outs[0], ())
+            if j in records
+            for a in changed.get(j, records[j]).reshards
+            if a.arg == f"input {k}"
+        ]
+        if not any(a.src == fused.src for _, a in moves):
+            continue  # the reduction is priced further on (a chain): left as is
+        for j, a in moves:
+            r = changed.get(j, records[j])
+            changed[j] = _without(r, a)
+            for c in a.plan.collectives:
+                delta[c.kind] = delta.get(c.kind, 0) - c.payload_bytes
+        r = changed.get(i, records[i])
+        own = dataclasses.replace(moves[0][1], arg="output 0", src=fused.src, dst=fused.dst)
+        changed[i] = _with(r, dataclasses.replace(own, plan=fused, in_place=False))
+        for c in fused.collectives:
+            delta[c.kind] = delta.get(c.kind, 0) + c.payload_bytes
+    if not changed:
+        return prop
+    kinds = dict(prop.comm_bytes_by_kind)
+    for kind, n in delta.items():
+        kinds[kind] = kinds.get(kind, 0) + n
+    kinds = {k: n for k, n in sorted(kinds.items()) if n}
+    out = tuple(changed.get(r.index, r) for r in prop.records)
+    return dataclasses.replace(prop, records=out, comm_bytes_by_kind=kinds)
+
+
+def _without(record: EqnRecord, move: Any) -> EqnRecord:
+    """``record`` without the reshard ``move`` (its bytes and time taken off)."""
+    kept = tuple(a for a in record.reshards if a is not move)
+    return dataclasses.replace(
+        record,
+        reshards=kept,
+        comm_bytes=record.comm_bytes - move.plan.payload_bytes,
+        comm_time_s=record.comm_time_s - move.plan.time_s,
+    )
+
+
+def _with(record: EqnRecord, move: Any) -> EqnRecord:
+    """``record`` with the reshard ``move`` added (its bytes and time too)."""
+    return dataclasses.replace(
+        record,
+        reshards=(*record.reshards, move),
+        comm_bytes=record.comm_bytes + move.plan.payload_bytes,
+        comm_time_s=record.comm_time_s + move.plan.time_s,
+    )
 
 
 def as_on_cpu(prop: Propagation) -> Propagation:

@@ -269,28 +269,7 @@ def test_donate_state_is_a_constructor_option(info):
     [
         ("fsdp", (2, 4)),
         ("megatron", (4, 2)),
-        pytest.param(
-            "megatron_sp",
-            (2, 4),
-            marks=[
-                pytest.mark.slow,
-                # not strict: the miss depends on the machine. On the development
-                # host it misses at 728f43b too, where CI's run passed: all_gather
-                # predicted 104.0, compiled 88.0 KiB (two 8 KiB gathers at the
-                # Mixer's mul in the backward predicted; XLA all-reduces the
-                # scatter-add's f32[64,32] instead). Misses on the development host
-                # on jax 0.10.2 and 0.12 alike, and not by XLA's choice: the replay
-                # (pinning._fused_reduction) psums the qkv einsum's partial
-                # gradient of the norm's output to the coarsest layout its readers
-                # want (full) and slices it for the scale gradient's mul, so the
-                # lowered StableHLO already has the all-reduce; the records price
-                # a reduce-scatter for that mul and an all-gather back for the
-                # mul by the scale. Not strict: CI's run passed at 728f43b
-                pytest.mark.xfail(
-                    strict=False, reason="records price the replay's fused reduction apart"
-                ),
-            ],
-        ),
+        pytest.param("megatron_sp", (2, 4), marks=pytest.mark.slow),
     ],
 )
 @pytest.mark.heavy

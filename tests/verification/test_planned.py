@@ -18,6 +18,7 @@ from spmdkit.resharding import plan_reshard
 from spmdkit.verification.planned import (
     PlannedProgram,
     as_on_cpu,
+    as_replayed,
     platform,
     unsliced_plan_bytes,
     verify_plan,
@@ -32,6 +33,43 @@ def _prop(mesh):
     return propagate(
         lambda x: jnp.tanh(x) * 2, S((16, 16), "float32"), in_specs=(P("a"),), mesh=mesh
     )
+
+
+def _toy_program(strategy):
+    """The plan tests' toy LM (tests/plan_model.py) under ``strategy`` on
+    data=2 × model=4: the propagation ``sk.jit`` replays."""
+    from tests.plan_model import toy_batch, toy_init, toy_loss
+
+    info = sk.describe(toy_init, loss=toy_loss, batch=toy_batch())
+    p = sk.plan(info, sk.make_mesh(data=2, model=4), strategy, estimator="analytic")
+    step = sk.jit(jax.value_and_grad(info.loss_fn), p)
+    return step.program(sk.init_sharded(info, p), toy_batch())[1]
+
+
+def test_as_replayed_moves_a_sum_the_replay_reduces_as_it_does():
+    """Under megatron_sp the norm's output gradient (the qkv einsum's sum over
+    ``model``) is read split over the sequence by the scale gradient's mul and
+    whole by the input gradient's: priced there as a reduce-scatter and a gather
+    back (8 KiB each, per layer), the replay all-reduces it once where the dot
+    makes it. A plan whose sums have one reader each is unchanged."""
+    prop = _toy_program("megatron_sp")
+    replayed = as_replayed(prop)
+    before, after = prop.comm_bytes_by_kind, replayed.comm_bytes_by_kind
+    kib = 1024
+    assert before["all_gather"] - after["all_gather"] == 2 * 8 * kib  # two layers
+    assert before["reduce_scatter"] - after["reduce_scatter"] == 2 * 8 * kib
+    assert after["all_reduce"] - before["all_reduce"] == 2 * 8 * kib
+    moved = [
+        (r.primitive, a.arg, c.kind)
+        for r in replayed.records
+        for a in r.reshards
+        if a.arg == "output 0"
+        for c in a.plan.collectives
+    ]
+    assert moved.count(("dot_general", "output 0", "all_reduce")) >= 2
+    assert sum(r.comm_bytes for r in replayed.records) == sum(after.values())
+    fsdp = _toy_program("fsdp")
+    assert as_replayed(fsdp).comm_bytes_by_kind == fsdp.comm_bytes_by_kind
 
 
 def test_a_plain_function_is_refused_with_the_fix(mesh2d):
