@@ -22,6 +22,7 @@ def tiny_infos():
     return {"gpt": sk.describe(get_model("gpt"), config="tiny", batch_size=8)}
 
 
+@pytest.mark.slow  # the README command's budget
 def test_tune_times_candidates_on_the_devices_and_keeps_the_fastest(tiny_infos):
     """Two candidates of tiny GPT on 2×4 CPU devices, one step each: the plan says
     what it timed, and the pick is the one with the least measured step."""

@@ -93,6 +93,7 @@ def test_config_refuses_more_than_one_prediction_depth():
         deepseek.DeepSeekConfig(mtp_layers=2)
 
 
+@pytest.mark.slow  # the README command's budget
 def test_the_mtp_module_adds_its_weighted_loss_two_tokens_ahead():
     """``mtp_layers=1``: one more MoE block after the stack, reading the stack's
     state and the next token's embedding through a ``[2·d_model, d_model]``
