@@ -122,3 +122,19 @@ def test_cse_through_barriers_is_what_the_installed_xla_cpu_compiles():
     assert not versions.cse_merges_through_barriers("gpu")
     assert versions.cse_merges_through_barriers("cpu", "0.10.2")
     assert not versions.cse_merges_through_barriers("cpu", "0.11.0")
+
+
+def test_cpu_float8_held_as_is_the_dtype_the_installed_xla_cpu_runs_dots_in():
+    """The gate held_on_cpu reads, against the compiled program: a bf16 matmul
+    whose left operand contracts its last dim runs in float32 (operands
+    converted) where the gate says float32, natively in 16 bits where it says
+    float16."""
+    import jax
+
+    bf16 = jax.ShapeDtypeStruct((64, 32), "bfloat16"), jax.ShapeDtypeStruct((32, 48), "bfloat16")
+    hlo = jax.jit(lambda a, b: a @ b).lower(*bf16).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]
+    widened = bool(re.search(r"= f32\[64,48\]", entry))
+    assert widened == (versions.cpu_float8_held_as() == "float32"), entry
+    assert versions.cpu_float8_held_as("0.10.2") == "float32"
+    assert versions.cpu_float8_held_as("0.11.0") == "float16"

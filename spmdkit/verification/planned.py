@@ -33,6 +33,7 @@ from spmdkit.spec import MeshLike
 from spmdkit.verification.blame import attribute
 from spmdkit.verification.compiled import VerifyReport, report, verify
 from spmdkit.verification.pipelined import counted_by_schedule, pipelined_prediction
+from spmdkit.versions import cpu_float8_held_as
 
 __all__ = [
     "PlannedProgram",
@@ -361,14 +362,17 @@ def held_on_cpu(prop: Propagation) -> Propagation:
 
     Float8 (:data:`CPU_FLOAT8`): the compiled CPU program of an ``spmdkit.step.fp8``
     step holds no float8 buffer: each quantizing cast is fused with the convert
-    that feeds the (float32) dot, so the quantized activations the backward keeps
-    are float32 buffers, and only the FSDP-gathered weights are narrower
-    (float16, :data:`CPU_WIDENED_COLLECTIVES`). The estimate holds float8 values
-    at float32 size: on tiny GPT's fsdp float8 step (8 devices) 1,012-1,164 KiB
-    against 1,018 KiB compiled (jax 0.12: 1,012), where float8 sizes put it
-    642-778 KiB; the scanned tiny Llama 922-959 KiB against 872, tiny GPT with
-    ``remat="dots"`` 1,102-1,138 against 1,078. (A bare float8 MLP's gradient,
-    whose few values XLA fuses further, is counted 27% high: conservative.)
+    that feeds the dot, so the quantized activations the backward keeps are
+    buffers of the dot's operand dtype, and only the FSDP-gathered weights are
+    narrower (float16, :data:`CPU_WIDENED_COLLECTIVES`). That dtype depends on
+    jaxlib (:func:`~spmdkit.versions.cpu_float8_held_as`): float32 up to 0.10,
+    where every such dot runs in float32, and 16 bits from 0.11, where XLA:CPU
+    runs them natively. Measured on tiny GPT's fsdp float8 step (8 devices,
+    per device): 934-982 KiB predicted against 942 KiB compiled on jaxlib 0.10.2
+    (float8 sizes would put it at 525 KiB), and with 16-bit copies 737-790 KiB
+    against 694 KiB on 0.12.0, where float32 copies put it 35% over. (A bare
+    float8 MLP's gradient, whose few values XLA fuses further, is counted high:
+    conservative.)
 
     Args:
       prop: the propagation (its ``memory_as`` re-measures the peak).
@@ -384,11 +388,11 @@ def held_on_cpu(prop: Propagation) -> Propagation:
     """
     if prop.memory_as is None:
         return prop
-    f32 = np.dtype(np.float32)
     widen = {}
-    for dtypes in (CPU_PROMOTED, CPU_FLOAT8):
+    held = {CPU_PROMOTED: np.dtype(np.float32), CPU_FLOAT8: np.dtype(cpu_float8_held_as())}
+    for dtypes, wide in held.items():
         if _holds(prop.records, dtypes):
-            widen.update(dict.fromkeys(dtypes, f32))
+            widen.update(dict.fromkeys(dtypes, wide))
     memory, materialized = prop.memory_as(widen or None, cpu=True)
     return dataclasses.replace(prop, memory=memory, memory_materialized=materialized)
 

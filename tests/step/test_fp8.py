@@ -223,12 +223,6 @@ def _counting_batches(cfg, n, batch_size, seed=0):
     return out
 
 
-@pytest.mark.xfail(
-    jax.__version_info__ >= (0, 12),
-    reason="jax 0.12's XLA:CPU holds the float8 step in 720 KiB, under the 934-982 KiB "
-    "predicted (failed before the stop of 2026-12-02 too)",
-    strict=False,
-)
 # CI's slow step leaves this out (SPMDKIT_FULL_SWEEP=1 runs it): training curves of float8 vs
 # bf16; the float8 steps' verify on a 2-D mesh stays in CI's sample
 @pytest.mark.full
