@@ -161,9 +161,12 @@ def as_replayed(prop: Propagation) -> Propagation:
     if program is None:
         return prop
     nodes = program.graph.nodes
-    records = {r.index: r for r in prop.records}
-    if len(records) != len(prop.records):
-        return prop
+    # a record per node of the top-level program, at the node's position
+    records = {
+        r.index: r
+        for r in prop.records
+        if r.index < len(nodes) and nodes[r.index].prim == r.primitive
+    }
     reads: dict[int, list[tuple[int, int]]] = {}  # value → (reader node, operand)
     for j, node in enumerate(nodes):
         for k, v in enumerate(node.ins):
