@@ -203,7 +203,8 @@ def as_replayed(prop: Propagation) -> Propagation:
     for kind, n in delta.items():
         kinds[kind] = kinds.get(kind, 0) + n
     kinds = {k: n for k, n in sorted(kinds.items()) if n}
-    out = tuple(changed.get(r.index, r) for r in prop.records)
+    new = {id(records[i]): r for i, r in changed.items()}
+    out = tuple(new.get(id(r), r) for r in prop.records)
     return dataclasses.replace(prop, records=out, comm_bytes_by_kind=kinds)
 
 
