@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmdkit.engine.inference import ArgReshard
 from spmdkit.errors import SpmdError
 from spmdkit.planner.plans import Plan
 from spmdkit.propagation import EqnRecord, Propagation
@@ -192,9 +193,8 @@ def as_replayed(prop: Propagation) -> Propagation:
             changed[j] = _without(r, a)
             for c in a.plan.collectives:
                 delta[c.kind] = delta.get(c.kind, 0) - c.payload_bytes
-        r = changed.get(i, records[i])
-        own = dataclasses.replace(moves[0][1], arg="output 0", src=fused.src, dst=fused.dst)
-        changed[i] = _with(r, dataclasses.replace(own, plan=fused, in_place=False))
+        own = ArgReshard("output 0", fused.src, fused.dst, fused)
+        changed[i] = _with(changed.get(i, records[i]), own)
         for c in fused.collectives:
             delta[c.kind] = delta.get(c.kind, 0) + c.payload_bytes
     if not changed:
@@ -208,7 +208,7 @@ def as_replayed(prop: Propagation) -> Propagation:
     return dataclasses.replace(prop, records=out, comm_bytes_by_kind=kinds)
 
 
-def _without(record: EqnRecord, move: Any) -> EqnRecord:
+def _without(record: EqnRecord, move: ArgReshard) -> EqnRecord:
     """``record`` without the reshard ``move`` (its bytes and time taken off)."""
     kept = tuple(a for a in record.reshards if a is not move)
     return dataclasses.replace(
@@ -219,7 +219,7 @@ def _without(record: EqnRecord, move: Any) -> EqnRecord:
     )
 
 
-def _with(record: EqnRecord, move: Any) -> EqnRecord:
+def _with(record: EqnRecord, move: ArgReshard) -> EqnRecord:
     """``record`` with the reshard ``move`` added (its bytes and time too)."""
     return dataclasses.replace(
         record,
