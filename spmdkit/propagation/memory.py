@@ -87,7 +87,12 @@ import numpy as np
 from spmdkit.propagation.buffers import ELEMENTWISE as _ELEMENTWISE
 from spmdkit.propagation.buffers import Span, heap_temps, peak
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, dce
-from spmdkit.propagation.workspaces import cpu_workspaces
+from spmdkit.propagation.workspaces import (
+    SIXTEEN_BIT_FLOATS,
+    CpuBackend,
+    cpu_workspaces,
+    float32_dot,
+)
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.util import fmt_bytes as _fmt
 
@@ -365,6 +370,93 @@ def _transposed_copies(graph: Graph, nbytes: Any, out: _Copies) -> dict[int, dic
     return reads
 
 
+def _held_wide(
+    graph: Graph,
+    spec: Mapping[int, TensorSpec],
+    prog: FlatProgram,
+    widen: Mapping[np.dtype, np.dtype] | None,
+    cpu: bool | CpuBackend,
+) -> tuple[Mapping[np.dtype, np.dtype] | None, set[int]]:
+    """(the ``widen`` the temporaries are held by, the 16-bit values held in float32
+    besides): a backend that runs 16-bit dots natively keeps 16-bit temporaries at
+    their size but for :func:`_float32_results` (its resharded copies are widened
+    elsewhere, as ``widen`` says)."""
+    if not getattr(cpu, "native_16bit_dots", False):
+        return widen, set()
+    if widen:
+        widen = {k: d for k, d in widen.items() if k not in SIXTEEN_BIT_FLOATS} or None
+    return widen, _float32_results(graph, spec, prog)
+
+
+def _held_layout(
+    spec: Mapping[int, TensorSpec],
+    prog: FlatProgram,
+    widen: Mapping[np.dtype, np.dtype] | None,
+    wide: set[int],
+) -> Callable[[int], TensorSpec]:
+    """Value id → its layout as the backend holds it: in the dtype ``widen`` maps
+    its own to, or in float32 for the values of ``wide``."""
+
+    def layout(v: int) -> TensorSpec:
+        s = spec.get(v)
+        if s is None:
+            s = TensorSpec(prog.shapes[v], dtype=prog.dtypes[v])
+        if widen and s.dtype in widen:
+            s = s.replace(dtype=widen[s.dtype])
+        elif v in wide:
+            s = s.replace(dtype=np.dtype(np.float32))
+        return s
+
+    return layout
+
+
+def _float32_dots(graph: Graph, prog: FlatProgram) -> list[int]:
+    """Indices of the 16-bit float dots XLA:CPU runs in float32 where it runs the
+    others natively (:func:`~spmdkit.propagation.workspaces.float32_dot`)."""
+    out = []
+    for i, node in enumerate(graph.nodes):
+        if node.prim != "dot_general" or node.eqn is None or len(node.ins) != 2:
+            continue
+        lhs, rhs = node.ins
+        if not {prog.dtypes[lhs], prog.dtypes[rhs]} & SIXTEEN_BIT_FLOATS:
+            continue
+        dims = node.eqn.params["dimension_numbers"]
+        if float32_dot(len(prog.shapes[lhs]), len(prog.shapes[rhs]), dims):
+            out.append(i)
+    return out
+
+
+def _float32_results(graph: Graph, spec: Mapping[int, TensorSpec], prog: FlatProgram) -> set[int]:
+    """The 16-bit values XLA:CPU holds in float32 where it runs 16-bit dots
+    natively: the results of :func:`_float32_dots`, and the partial sums it
+    reduces (its collectives reduce 16-bit floats in float32, so the partial sum
+    is converted as it is made)."""
+    out = {o for i in _float32_dots(graph, prog) for o in graph.nodes[i].outs}
+    out |= {v for node in graph.nodes for v in node.outs if v in spec and spec[v].partial}
+    return {v for v in out if prog.dtypes[v] in SIXTEEN_BIT_FLOATS}
+
+
+def _float32_dot_copies(
+    graph: Graph, prog: FlatProgram, layout: Any, mesh: MeshLike, out: _Copies
+) -> dict[int, dict[int, CopyRead]]:
+    """The float32 copies of the 16-bit operands of :func:`_float32_dots` (XLA:CPU
+    converts them for its Eigen dot): each made as soon as its operand exists (at
+    the start for an input of the graph) and held until the dot, which reads it in
+    the operand's place (``copy_reads``, as :func:`_transposed_copies`)."""
+    producer = {o: i for i, node in enumerate(graph.nodes) for o in node.outs}
+    reads: dict[int, dict[int, CopyRead]] = {}
+    for i in _float32_dots(graph, prog):
+        node = graph.nodes[i]
+        for v in dict.fromkeys(node.ins):
+            s = layout(v)
+            if s.dtype not in SIXTEEN_BIT_FLOATS:
+                continue
+            first = min(producer[v] + 1, i) if v in producer else 0
+            out.hold(first, i, s.replace(dtype=np.dtype(np.float32)).local_bytes(mesh))
+            reads.setdefault(i, {})[v] = CopyRead(first, i)
+    return reads
+
+
 def _transposed_operands(node: Any) -> tuple[int, ...]:
     """The operands XLA:CPU runs this equation on transposed copies of (module
     docstring): a convolution's input when it is not batch-major and
@@ -395,7 +487,7 @@ def _temp_peak(
     duplicate: bool = True,
     widen: Mapping[np.dtype, np.dtype] | None = None,
     inner: Mapping[int, int] | None = None,
-    cpu: bool = False,
+    cpu: bool | CpuBackend = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
     outputs: Sequence[tuple[int | None, int, int | None]] = (),
@@ -419,15 +511,9 @@ def _temp_peak(
     A node that reshards an operand runs in two steps: its collectives (the
     operand and its new copy both live, the node's results not yet made), then
     the node itself (an operand that only the collective read is freed)."""
+    widen, wide = _held_wide(graph, spec, prog, widen, cpu)
     cache: dict[int, int] = dict.fromkeys(_narrowed(graph, prog, widen), 0) if widen else {}
-
-    def layout(v: int) -> TensorSpec:
-        s = spec.get(v)
-        if s is None:
-            s = TensorSpec(prog.shapes[v], dtype=prog.dtypes[v])
-        if widen and s.dtype in widen:
-            s = s.replace(dtype=widen[s.dtype])
-        return s
+    layout = _held_layout(spec, prog, widen, wide)
 
     def nbytes(v: int) -> int:
         b = cache.get(v)
@@ -436,7 +522,7 @@ def _temp_peak(
             b = cache[v] = 0 if on_host else layout(v).local_bytes(mesh)
         return b
 
-    copies, copy_reads = _workspaces(graph, layout, nbytes, mesh, cpu, copy_reads)
+    copies, copy_reads = _workspaces(graph, prog, layout, nbytes, mesh, cpu, copy_reads)
     _region_holds(graph, held or {}, copies)
     aliases = _aliases(graph, spec, prog, nbytes, copy_reads)
     last, fused, extended, applied = _lifetimes(graph, prog, fuse, duplicate, copy_reads, aliases)
@@ -494,7 +580,7 @@ def _body_peaks(
     duplicate: bool,
     widen: Mapping[np.dtype, np.dtype] | None,
     inner: Mapping[int, int] | None,
-    cpu: bool,
+    cpu: bool | CpuBackend,
     held: Mapping[int, RegionHold] | None,
 ) -> list[int]:
     """Per node, the peak of its loop bodies' own temporaries (0 for none)."""
@@ -524,18 +610,24 @@ def _body_peaks(
 
 def _workspaces(
     graph: Graph,
+    prog: FlatProgram,
     layout: Any,
     nbytes: Any,
     mesh: MeshLike,
-    cpu: bool,
+    cpu: bool | CpuBackend,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None,
 ) -> tuple[_Copies, dict[int, dict[int, CopyRead]]]:
     """The backend's own buffers (transposed convolution inputs; on XLA:CPU, the
-    max-pool gradient's workspace) and ``copy_reads`` with the transposed copies."""
+    max-pool gradient's workspace and the float32 operands of the 16-bit dots it
+    does not run natively) and ``copy_reads`` with the copies read in place of
+    their values."""
     copies = _Copies()
     transposed = _transposed_copies(graph, nbytes, copies)
     if cpu:
         cpu_workspaces(graph, layout, mesh, copies)
+    if getattr(cpu, "native_16bit_dots", False):
+        for i, via in _float32_dot_copies(graph, prog, layout, mesh, copies).items():
+            transposed.setdefault(i, {}).update(via)
     reads = {
         i: {**transposed.get(i, {}), **(copy_reads or {}).get(i, {})}
         for i in set(transposed) | set(copy_reads or {})
@@ -712,7 +804,7 @@ def liveness(
     duplicate: bool = True,
     widen: Mapping[np.dtype, np.dtype] | None = None,
     inner: Mapping[int, int] | None = None,
-    cpu: bool = False,
+    cpu: bool | CpuBackend = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
 ) -> MemoryEstimate:
@@ -736,7 +828,10 @@ def liveness(
       inner: ``id(node)`` → temporaries a node holds while it runs besides its
         results (a region's own program: :func:`program_temp_bytes`).
       cpu: add the workspaces XLA's CPU backend takes where it expands an op
-        (:mod:`spmdkit.propagation.workspaces`).
+        (:mod:`spmdkit.propagation.workspaces`); a
+        :class:`~spmdkit.propagation.workspaces.CpuBackend` that runs 16-bit dots
+        natively also keeps 16-bit temporaries at their size (not ``widen``ed),
+        but for the float32 ones it makes (its ``native_16bit_dots``).
       copy_reads: node index → {value id: the resharded copy of it that the
         node reads (:class:`CopyRead`)}: the value is materialized for the
         collective, freed once no node reads it in its own layout (its copies
@@ -804,7 +899,7 @@ def estimate_memory(
     *,
     donated: Sequence[int] = (),
     roles: Sequence[str | None] | None = None,
-    cpu: bool = False,
+    cpu: bool | CpuBackend = False,
 ) -> MemoryEstimate:
     """Per-device memory of ``closed_jaxpr`` with the given layouts.
 

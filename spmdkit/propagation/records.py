@@ -159,7 +159,8 @@ class Propagation:
         memory_materialized)`` re-measured as a backend holds the program:
         ``widen`` (dtype → a wider dtype) holds temporaries and resharded copies
         of those dtypes in the wider one (a backend without native 16-bit floats),
-        ``cpu`` adds the workspaces of the ops XLA:CPU expands and makes the
+        ``cpu`` (True or a ``spmdkit.propagation.workspaces.CpuBackend``) adds
+        the workspaces of the ops XLA:CPU expands and makes the
         batch-independent resharded copies at the start, as XLA:CPU schedules
         them (see ``spmdkit.verification.planned.held_on_cpu``); None when not
         propagated.

@@ -25,6 +25,17 @@ GPUs and TPUs run these ops natively and take none of them.
   operands are expanded (``g`` times each), each made as soon as its operand
   exists (XLA's scheduler puts the forward's rows' expansion before the forward
   GEMM) and held until the dot.
+- **16-bit float dots read transposed** (:func:`float32_dot`, jaxlib 0.11 and
+  later, :class:`CpuBackend`): XLA:CPU runs a bfloat16 or float16 dot natively
+  (its YNNPACK fusion: 16-bit operands and result) when the left operand contracts
+  its last dim, and XLA's dot canonicalization (DotDecomposer) copies every dot
+  that is not already ``[batch, m, k] x [batch, k, n]``-shaped into that form. A
+  dot that is already canonical but contracts its left operand's first free dim
+  (``xT @ dy``, a 2-D weight gradient; ``bhqk,bhqd->bhkd``, attention's value
+  gradient) runs as a float32 Eigen dot instead: each 16-bit operand gets a
+  float32 copy, made as soon as the operand exists and held until the dot, and
+  the result is float32. jaxlib 0.10 ran every 16-bit dot in float32, on float32
+  operands that the backend holds as such throughout (``widen``).
 
 ``out`` below is the liveness estimate's collector of backend buffers: ``hold(first,
 last, nbytes, at=None)`` for bytes live from node ``first`` to node ``last``, and
@@ -37,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from spmdkit.propagation.graph import Graph
@@ -44,13 +56,64 @@ from spmdkit.propagation.primitives import grouped_groups_split, grouped_partial
 from spmdkit.spec import MeshLike
 
 __all__ = [
+    "CpuBackend",
+    "SIXTEEN_BIT_FLOATS",
     "ScatterWorkspace",
     "RaggedWorkspace",
     "batch_group_workspace",
     "cpu_workspaces",
+    "float32_dot",
     "ragged_dot_workspace",
     "select_and_scatter_workspace",
 ]
+
+
+#: The 16-bit float dtypes XLA:CPU computes with in float32 or natively.
+SIXTEEN_BIT_FLOATS = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
+
+
+@dataclass(frozen=True)
+class CpuBackend:
+    """What the liveness estimate models of one XLA:CPU (``cpu=`` of
+    :func:`~spmdkit.propagation.memory.liveness`; ``True`` is the default one).
+
+    Attributes:
+      native_16bit_dots: the backend runs 16-bit float dots natively, except those
+        :func:`float32_dot` names (jaxlib 0.11 and later): their temporaries keep
+        their 16-bit size, where ``False`` (jaxlib 0.10) holds them in float32
+        through the estimate's ``widen``.
+    """
+
+    native_16bit_dots: bool = False
+
+
+def float32_dot(lhs_rank: int, rhs_rank: int, dimension_numbers: Any) -> bool:
+    """Whether XLA:CPU runs a 16-bit ``dot_general`` of these ranks and dimension
+    numbers as a float32 Eigen dot when it runs 16-bit dots natively (module
+    docstring): the dot is canonical (batch dims leading and in order on both
+    sides, one contracting dim, at most one free dim per operand), so it is not
+    copied into the native form, and its left operand contracts the dim before
+    its free one.
+
+    Example::
+
+        >>> dims = lambda lc, rc, lb=(), rb=(): ((lc, rc), (lb, rb))
+        >>> float32_dot(2, 2, dims((1,), (0,)))  # x @ w: native
+        False
+        >>> float32_dot(2, 2, dims((0,), (0,)))  # x.T @ dy, a weight gradient
+        True
+        >>> float32_dot(3, 3, dims((0, 1), (0, 1)))  # bsd,bsf->df: copied, native
+        False
+        >>> float32_dot(4, 4, dims((2,), (2,), (0, 1), (0, 1)))  # bhqk,bhqd->bhkd
+        True
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = tuple(lc), tuple(rc), tuple(lb), tuple(rb)
+    batch = tuple(range(len(lb)))
+    lfree = [d for d in range(lhs_rank) if d not in lc and d not in lb]
+    rfree = [d for d in range(rhs_rank) if d not in rc and d not in rb]
+    canonical = lb == batch and rb == batch and len(lc) == 1 and len(lfree) <= 1 and len(rfree) <= 1
+    return canonical and bool(lfree) and lc[0] < lfree[0]
 
 
 def cpu_workspaces(graph: Graph, layout: Any, mesh: MeshLike, out: Any) -> None:

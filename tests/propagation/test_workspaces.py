@@ -142,3 +142,37 @@ def test_ragged_dot_workspace_matches_xla_cpu(argnums, groups, rows, k, n):
     assert estimate_memory(closed, {}, mesh).temp_bytes < 0.3 * compiled  # GPU: no workspace
     got = estimate_memory(closed, {}, mesh, cpu=True).temp_bytes
     assert got == pytest.approx(compiled, rel=0.2), (got, compiled)
+
+
+#: (lhs shape, rhs shape, dimension numbers) of 16-bit dots: forward, input and
+#: weight gradients of 2-D and 3-D activations, attention's batched dots.
+_DOTS = [
+    ((64, 32), (32, 48), (((1,), (0,)), ((), ()))),  # x @ w
+    ((64, 48), (32, 48), (((1,), (1,)), ((), ()))),  # dy @ w.T
+    ((64, 32), (64, 48), (((0,), (0,)), ((), ()))),  # x.T @ dy
+    ((4, 16, 32), (4, 16, 48), (((0, 1), (0, 1)), ((), ()))),  # bsd,bsf->df
+    ((2, 4, 16, 16), (2, 4, 16, 8), (((3,), (2,)), ((0, 1), (0, 1)))),  # bhqk,bhkd->bhqd
+    ((2, 4, 16, 16), (2, 4, 16, 8), (((2,), (2,)), ((0, 1), (0, 1)))),  # bhqk,bhqd->bhkd
+]
+
+
+@pytest.mark.parametrize(("lhs", "rhs", "dims"), _DOTS)
+def test_float32_dot_names_the_dots_xla_cpu_runs_in_float32(lhs, rhs, dims):
+    """Against the compiled program of one bf16 dot on one CPU device: from jaxlib
+    0.11 the dots ``float32_dot`` names compile to a float32 dot and the others to
+    a bf16 one (YNNPACK's fusion); up to 0.10 every one runs in float32."""
+    from spmdkit.propagation.workspaces import float32_dot
+    from spmdkit.versions import cpu_float8_held_as
+
+    bf16 = jnp.bfloat16
+
+    def f(a, b):
+        return jax.lax.dot_general(a, b, dims)
+
+    hlo = jax.jit(f).lower(S(lhs, bf16), S(rhs, bf16)).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]
+    dots = [line for line in entry.splitlines() if " dot(" in line or "__ynn_fusion" in line]
+    assert len(dots) == 1, entry
+    in_float32 = "= f32[" in dots[0]
+    native = cpu_float8_held_as() != "float32"
+    assert in_float32 == (float32_dot(len(lhs), len(rhs), dims) or not native), entry

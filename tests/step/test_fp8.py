@@ -375,9 +375,4 @@ def test_float8_step_on_a_2d_mesh_verifies(strategy, remat):
     batch = _counting_batches(spec.configs["tiny_scan"](), 1, 8)[0]
     report = p.verify(sk.jit(sk.train_step(info, opt, p), p), params, opt_state, batch)
     assert {kind for kind, *_ in report.rows} >= {"all_gather", "reduce_scatter"}
-    if strategy == "megatron_sp" and jax.__version_info__ >= (0, 12):
-        # jax 0.12's XLA holds this tiny megatron_sp step in 1.0 MiB where the
-        # prediction says 1.3 (bf16 alike): the collectives are what is checked
-        assert all(ok for kind, *_, ok in report.rows if kind != "peak memory"), str(report)
-    else:
-        assert report.ok, str(report)
+    assert report.ok, str(report)
