@@ -53,11 +53,18 @@ from spmdkit.propagation.graph import (
     uses,
     widened,
 )
-from spmdkit.propagation.memory import CopyRead, RegionHold, liveness
+from spmdkit.propagation.memory import BodyCopies, CopyRead, RegionHold, liveness
 from spmdkit.propagation.pinning import Program, pins
 from spmdkit.propagation.pricing import steps_bytes, steps_flops
 from spmdkit.propagation.propagator import GraphFacts, Propagator
-from spmdkit.propagation.records import LATER, REPORTED, EqnRecord, Propagation, Recorder
+from spmdkit.propagation.records import (
+    LATER,
+    REPORTED,
+    EqnRecord,
+    LoopCopies,
+    Propagation,
+    Recorder,
+)
 from spmdkit.propagation.regions import (
     region_loop_buffer_bytes,
     region_residual_bytes,
@@ -352,7 +359,8 @@ def _memory_fn(
 
     def memory(duplicate: bool, widen: Mapping | None = None, cpu: bool = False) -> Any:
         early = _batch_free(graph, roles) if cpu else None
-        transient = _transient(recorder.held, len(graph.nodes), mesh, widen, early)
+        top = {k: h for k, h in recorder.held.items() if k not in recorder.in_loops}
+        transient = _transient(top, len(graph.nodes), mesh, widen, early)
         for c in slices.values():
             for i in range(c.made, min(c.last, len(transient) - 1) + 1):
                 transient[i] += c.spec.local_bytes(mesh)
@@ -372,9 +380,20 @@ def _memory_fn(
             widen,
             cpu,
             reads,
+            {i: _body_copies(c, mesh, widen) for i, c in recorder.loops.items()},
         )
 
     return memory
+
+
+def _body_copies(copies: LoopCopies, mesh: MeshLike, widen: Mapping | None) -> BodyCopies:
+    """A scan body's resharded copies (:class:`~spmdkit.propagation.records.LoopCopies`)
+    as bytes live per body node (``widen`` as :func:`_transient`)."""
+    n = max((h[1] for h in copies.held.values()), default=-1) + 1
+    return BodyCopies(
+        _transient(copies.held, n, mesh, widen),
+        {j: _body_copies(c, mesh, widen) for j, c in copies.nested.items()},
+    )
 
 
 def _memory(
@@ -391,6 +410,7 @@ def _memory(
     widen: Mapping | None = None,
     cpu: bool = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
+    loops: Mapping[int, BodyCopies] | None = None,
 ) -> Any:
     """The liveness estimate (``duplicate``, ``widen``, ``cpu``, ``copy_reads``: see
     :func:`liveness`). The regions'
@@ -416,6 +436,7 @@ def _memory(
         cpu=cpu,
         copy_reads=copy_reads,
         held=None if duplicate else _region_holds(collect, mesh),
+        loops=loops,
     )
 
 

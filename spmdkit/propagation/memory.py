@@ -172,6 +172,15 @@ class MemoryEstimate:
         )
 
 
+class BodyCopies(NamedTuple):
+    """The resharded copies of a scan's body, for its liveness: per body node, the
+    bytes live while it runs (as ``transient`` of the top level), and the nested
+    scans' own by body node index."""
+
+    transient: list[int]
+    nested: dict[int, BodyCopies]
+
+
 class CopyRead(NamedTuple):
     """A copy of a value that a node reads in the value's place.
 
@@ -491,6 +500,7 @@ def _temp_peak(
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
     outputs: Sequence[tuple[int | None, int, int | None]] = (),
+    loops: Mapping[int, BodyCopies] | None = None,
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
@@ -542,7 +552,7 @@ def _temp_peak(
             c = copy_reads.get(j, {}).get(o)
             temp_of[o] = len(temps)
             temps.append(Span(3 * i + 1, 3 * j + (c is None or c.made != j), nbytes(o), i))
-    bodies = _body_peaks(graph, spec, mesh, prog, fuse, duplicate, widen, inner, cpu, held)
+    bodies = _body_peaks(graph, spec, mesh, prog, fuse, duplicate, widen, inner, cpu, held, loops)
     # per node, bytes live while it runs (a region's temporaries too)
     extras = [
         (transient[i] if transient is not None and i < len(transient) else 0)
@@ -582,30 +592,37 @@ def _body_peaks(
     inner: Mapping[int, int] | None,
     cpu: bool | CpuBackend,
     held: Mapping[int, RegionHold] | None,
+    loops: Mapping[int, BodyCopies] | None = None,
 ) -> list[int]:
-    """Per node, the peak of its loop bodies' own temporaries (0 for none)."""
-    return [
-        max(
-            (
-                _temp_peak(
-                    sub,
-                    spec,
-                    mesh,
-                    prog,
-                    set(sub.invars),
-                    fuse,
-                    duplicate=duplicate,
-                    widen=widen,
-                    inner=inner,
-                    cpu=cpu,
-                    held=held,
-                )
-                for sub in node.subs
-            ),
-            default=0,
+    """Per node, the peak of its loop bodies' own temporaries (0 for none), a scan's
+    body's resharded copies included (``loops``, by node index)."""
+    out = []
+    for i, node in enumerate(graph.nodes):
+        copies = (loops or {}).get(i)
+        out.append(
+            max(
+                (
+                    _temp_peak(
+                        sub,
+                        spec,
+                        mesh,
+                        prog,
+                        set(sub.invars),
+                        fuse,
+                        transient=copies.transient if copies else None,
+                        duplicate=duplicate,
+                        widen=widen,
+                        inner=inner,
+                        cpu=cpu,
+                        held=held,
+                        loops=copies.nested if copies else None,
+                    )
+                    for sub in node.subs
+                ),
+                default=0,
+            )
         )
-        for node in graph.nodes
-    ]
+    return out
 
 
 def _workspaces(
@@ -807,6 +824,7 @@ def liveness(
     cpu: bool | CpuBackend = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
+    loops: Mapping[int, BodyCopies] | None = None,
 ) -> MemoryEstimate:
     """The estimate for a flattened program (see :mod:`spmdkit.propagation`).
 
@@ -838,6 +856,8 @@ def liveness(
         live in ``transient``; one that a backward node recomputes a forward
         value from lives on to it), and one that only the collective of node
         ``i`` reads is freed before node ``i``'s results are made.
+      loops: node index → the resharded copies of the scan there
+        (:class:`BodyCopies`), held inside its body's liveness.
     """
     roles = dict(roles or {})
     by_role: dict[str, int] = {}
@@ -879,6 +899,7 @@ def liveness(
         copy_reads=copy_reads,
         held=held,
         outputs=allocations,
+        loops=loops,
     )
     by_role["temp"] = by_role.get("temp", 0) + temp
     by_role["output"] = by_role.get("output", 0) + out_bytes - alias

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from spmdkit.spec import MeshLike, TensorSpec, axis_sizes
 from spmdkit.util import CONTRACTIONS, fmt_bytes
 from spmdkit.versions import cse_merges_through_barriers
 
-__all__ = ["LATER", "REPORTED", "EqnRecord", "Propagation", "Recorder"]
+__all__ = ["LATER", "REPORTED", "EqnRecord", "LoopCopies", "Propagation", "Recorder"]
 
 #: The fields of :class:`Propagation` its ``report`` may compute on first read.
 REPORTED = (
@@ -307,6 +307,37 @@ def _source(eqn: Any) -> str:
         return ""
 
 
+class LoopCopies(NamedTuple):
+    """The resharded copies one scan's body makes, on the body's own timeline: the
+    memory estimate holds them inside the body's liveness (they live while the
+    body runs the ops that read them), where held at the scan's node they would
+    all count at once.
+
+    Attributes:
+      held: (value number, layout) → ``[first, last, bytes]`` over the body's node
+        indices (as :attr:`Recorder.held` over the top level's).
+      nested: body node index → the :class:`LoopCopies` of the scan there.
+    """
+
+    held: dict
+    nested: dict
+
+
+def _hoisted_keys(
+    step: Step, before: Sequence[EqnRecord], after: Sequence[EqnRecord], numbers: Any
+) -> list[tuple]:
+    """The ``held`` keys (value number, layout) of the body reshards :func:`_hoist`
+    moved out of the loop (in ``before``'s records, not in ``after``'s)."""
+    keys = []
+    for b, a, x in zip(before, after, step.loop.steps, strict=False):
+        for r in b.reshards:
+            if r in a.reshards or not r.arg.startswith("input "):
+                continue
+            i = int(r.arg.split()[1])
+            keys.append((numbers.of(x.node.ins[i]), x.required[i]))
+    return keys
+
+
 class Recorder:
     """Prices the propagator's steps into :class:`EqnRecord` s, in program order.
 
@@ -333,6 +364,11 @@ class Recorder:
         self.ops = ops
         self.avail: dict[int, list[TensorSpec]] = {}
         self.held: dict = {}
+        # the copies scans' bodies make, on their bodies' timelines (LoopCopies), by
+        # top-level node; the keys of ``held`` they count; the scans being recorded
+        self.loops: dict[int, LoopCopies] = {}
+        self.in_loops: set = set()
+        self._frames: list[LoopCopies | None] = []
         # (top-level index, value id, bytes before gathers, bytes before scatters,
         # dtype, bytes after gathers): the operands XLA:CPU lays out anew for a gather
         # or a scatter over a minor dim (:func:`relayout_bytes`), and the gathered
@@ -365,6 +401,8 @@ class Recorder:
             and (a := reshard_once(self.pricer, self.avail, v, f"input {i}", s, r, self.held, at))
             is not None
         )
+        if self._frames and self._frames[-1] is not None:
+            self._claim(self._frames[-1], index, at, ins, step)
         for a in reshards:
             k = int(a.arg.split()[1])
             gathers = relayout_bytes(a, self.mesh, ("all_gather",))
@@ -394,15 +432,10 @@ class Recorder:
         repeat = 1
         if step.loop is not None:
             repeat = step.loop.trips
-            inner = self._enter(step, scope)
-            body = tuple(self.record(x, j, at, inner) for j, x in enumerate(step.loop.steps))
-            if inner is scope:
-                self._leave(step, scope)
-            if repeat > 1 and node.kind == "scan":
-                hoisted, body = _hoist(step, body)
-                reshards += hoisted
-                comm += sum(a.payload_bytes for a in hoisted)
-                ctime += sum(a.plan.time_s for a in hoisted)
+            body, hoisted = self._body(step, index, at, scope)
+            reshards += hoisted
+            comm += sum(a.payload_bytes for a in hoisted)
+            ctime += sum(a.plan.time_s for a in hoisted)
             if step.loop.back:
                 body += (_carry_record(len(body), step.loop.back, node.backward),)
             comm += repeat * sum(r.comm_bytes for r in body)
@@ -425,6 +458,58 @@ class Recorder:
             repeat=repeat,
             body=body,
         )
+
+    def _body(
+        self, step: Step, index: int, at: int, scope: Any
+    ) -> tuple[tuple[EqnRecord, ...], tuple[ArgReshard, ...]]:
+        """The records of a loop node's body and the reshards hoisted out of it
+        (:func:`_hoist`); a scan's body's copies noted on its own timeline
+        (:class:`LoopCopies`: in :attr:`loops`, or in the enclosing scan's)."""
+        node = step.node
+        scan = node.kind == "scan" and len(node.subs) == 1
+        self._frames.append(LoopCopies({}, {}) if scan else None)
+        inner = self._enter(step, scope)
+        body = tuple(self.record(x, j, at, inner) for j, x in enumerate(step.loop.steps))
+        if inner is scope:
+            self._leave(step, scope)
+        copies = self._frames.pop()
+        hoisted: tuple[ArgReshard, ...] = ()
+        if step.loop.trips > 1 and node.kind == "scan":
+            before = body
+            hoisted, body = _hoist(step, body)
+            if copies is not None:  # made once, before the loop: held through it
+                for key in _hoisted_keys(step, before, body, self.numbers):
+                    if copies.held.pop(key, None) is not None:
+                        self.in_loops.discard(key)
+        if copies is not None:
+            if not self._frames:
+                self.loops[index] = copies
+            elif self._frames[-1] is not None:
+                self._frames[-1].nested[index] = copies
+            else:  # inside a loop whose copies are held at its node
+                self._unclaim(copies)
+        return body, hoisted
+
+    def _claim(self, frame: LoopCopies, j: int, at: int, ins: list[int], step: Step) -> None:
+        """Note in ``frame`` (the scan body being recorded) the resharded copies
+        node ``j`` of the body reads that the body made (``held`` has them at the
+        top-level node ``at``): from the node that makes one to its last reader."""
+        for v, s, r in zip(ins, step.given, step.required, strict=True):
+            key = (v, r)
+            h = self.held.get(key)
+            if h is None or (s.dims, s.partial) == (r.dims, r.partial):
+                continue
+            if key in frame.held:
+                frame.held[key][1] = j
+            elif key not in self.in_loops and h[0] == at:
+                frame.held[key] = [j, j, h[2]]
+                self.in_loops.add(key)
+
+    def _unclaim(self, copies: LoopCopies) -> None:
+        """Give ``copies`` (and its nested scans') back to the flat ``held``."""
+        self.in_loops.difference_update(copies.held)
+        for inner in copies.nested.values():
+            self._unclaim(inner)
 
     def _enter(self, step: Step, scope: Any) -> Any:
         """The scope a loop's body is numbered in: the caller's for a scan that

@@ -165,7 +165,9 @@ def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once(reques
     programs, the experts' weights as each device holds them) are within
     verify's tolerance of the compiled peak."""
     if name == "deepseek":
-        newer_cpu_miss(request, "the analytic memory price 4.22 MB, compiled 3.49 MB")
+        newer_cpu_miss(
+            request, "remat none: verify's peak 4.22 MB, compiled 3.49 MB (3.55 MB on 0.10.2)"
+        )
     info, batch, params, ref_loss, ref_grads = _reference(
         name, size, load_balance="sequence", **PIPELINED[name]
     )

@@ -121,7 +121,10 @@ def test_float8_holds_the_activation_dtype_copy_as_propagation_does(master):
     """Tiny Qwen3-MoE, fsdp on ``data=2 x expert=4``: the step casts the params to
     bfloat16 under float8 as under bf16 (float8 quantizes each weight inside its
     matmul), so the held copy is bf16's (fp32 params) or none (bf16 params, the
-    master in the optimizer state), and the propagated peaks agree."""
+    master in the optimizer state), and the propagated peaks agree within 3%:
+    float8's are lower by the FSDP gathers inside the layer scan, which move the
+    weights quantized (1 byte an element, 2 under bf16) and are held while the
+    body's matmuls read them."""
     from spmdkit.models import get_model
 
     spec = get_model("qwen3_moe")
@@ -139,7 +142,8 @@ def test_float8_holds_the_activation_dtype_copy_as_propagation_does(master):
     assert fp8.memory.get("compute_copy", 0) == copy
     assert (copy > 0) == (master == "params")
     held = {d: cost(d, "propagate").peak_bytes for d in ("bfloat16", "float8")}
-    assert held["float8"] == pytest.approx(held["bfloat16"], rel=0.01)
+    assert held["float8"] <= held["bfloat16"]
+    assert held["float8"] == pytest.approx(held["bfloat16"], rel=0.03)
 
 
 def _stacked_residuals(info, recipe):

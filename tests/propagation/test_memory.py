@@ -189,3 +189,31 @@ def test_scan_body_peak_counts_while_the_loop_runs():
     w, h = S((3, 64, 1024), F32), S((16, 64), F32)
     prop = propagate(f, w, h, in_specs=(None, P("x")), mesh=mesh)
     assert prop.memory.temp_bytes >= 16 // 4 * 1024 * 4
+
+
+def test_a_scans_resharded_copies_live_on_its_bodys_timeline():
+    """A scanned stack of three matmuls a layer, activations gathered for each
+    (8 CPU devices): each gathered copy lives from its collective to its matmul
+    inside the body, so the estimate holds them where the body reads them (within
+    10% of the compiled peak), not all at once at the scan's node (before: 8.4 MiB
+    predicted, 6.5 MiB compiled)."""
+    from jax.sharding import PartitionSpec as P
+
+    from spmdkit.compile.enforce import enforced
+
+    def layer(h, w):
+        for k in range(3):
+            h = jnp.tanh(h @ w[k])
+        return h, None
+
+    def f(ws, x):
+        return jax.lax.scan(layer, x, ws)[0].sum()
+
+    mesh = sk.make_mesh(data=8, axis_types="auto")
+    args = (S((4, 3, 256, 256), F32), S((2048, 256), F32))
+    prop = propagate(f, *args, mesh=mesh, in_specs=(P(None, None, None, "data"), P()))
+    assert prop.comm_bytes_by_kind["all_gather"] > 0
+    shardings = tuple(NamedSharding(mesh, s.to_partition_spec()) for s in prop.in_specs)
+    with jax.set_mesh(mesh):
+        compiled = report(jax.jit(enforced(prop), in_shardings=shardings).lower(*args).compile())
+    assert prop.memory.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.1)
