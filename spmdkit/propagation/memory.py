@@ -27,7 +27,10 @@ makes its results, so an operand only they read is gone by then. A forward
 value that a backward node recomputes from a copy keeps the copy alive, not the
 value. A layout constraint that changes nothing is its operand's buffer.
 (Measured on the zoo's ViT and U-Net ``tp_fsdp``: XLA's live set at its peak
-holds each all-reduced activation once, never beside its partial source.)
+holds each all-reduced activation once, never beside its partial source.) A
+scan body's copies live likewise on the body's own timeline, inside its
+liveness (:class:`BodyCopies`); those of a ``while`` or ``cond`` body are held
+while the whole node runs.
 
 Grad regions (``held``, the upper estimate): a composite op's grad region
 holds, before it runs, the part of its program XLA runs in the forward pass
