@@ -122,9 +122,9 @@ def test_float8_holds_the_activation_dtype_copy_as_propagation_does(master):
     bfloat16 under float8 as under bf16 (float8 quantizes each weight inside its
     matmul), so the held copy is bf16's (fp32 params) or none (bf16 params, the
     master in the optimizer state), and the propagated peaks agree within 3%:
-    float8's are lower by the FSDP gathers inside the layer scan, which move the
-    weights quantized (1 byte an element, 2 under bf16) and are held while the
-    body's matmuls read them."""
+    float8's may be lower by the FSDP gathers inside the layer scan, which move
+    the weights quantized (1 byte an element, 2 under bf16) and are held through
+    the scan."""
     from spmdkit.models import get_model
 
     spec = get_model("qwen3_moe")
