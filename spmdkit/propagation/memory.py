@@ -29,8 +29,10 @@ value. A layout constraint that changes nothing is its operand's buffer.
 (Measured on the zoo's ViT and U-Net ``tp_fsdp``: XLA's live set at its peak
 holds each all-reduced activation once, never beside its partial source.) A
 scan body's copies live likewise on the body's own timeline, inside its
-liveness (:class:`BodyCopies`); those of a ``while`` or ``cond`` body are held
-while the whole node runs.
+liveness (:class:`BodyCopies`), but for the copies of values the body computes
+without the batch (a layer's weights gathered under FSDP), which are held
+through the body; those of a ``while`` or ``cond`` body are held while the
+whole node runs.
 
 Grad regions (``held``, the upper estimate): a composite op's grad region
 holds, before it runs, the part of its program XLA runs in the forward pass
