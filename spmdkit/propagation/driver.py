@@ -362,9 +362,10 @@ def _memory_fn(
         early = free if cpu else None
         top = {k: h for k, h in recorder.held.items() if k not in recorder.in_loops}
         transient = _transient(top, len(graph.nodes), mesh, widen, early)
-        loops = {
-            i: _body_copies(c, graph.nodes[i], free, mesh, widen) for i, c in recorder.loops.items()
-        }
+        loops = {}
+        for i, c in recorder.loops.items():
+            loops[i], at_node = _body_copies(c, graph.nodes[i], free, mesh, widen)
+            transient[i] += at_node
         for c in slices.values():
             for i in range(c.made, min(c.last, len(transient) - 1) + 1):
                 transient[i] += c.spec.local_bytes(mesh)
@@ -392,19 +393,20 @@ def _memory_fn(
 
 def _body_copies(
     copies: LoopCopies, node: Any, free: set[int], mesh: MeshLike, widen: Mapping | None
-) -> BodyCopies:
+) -> tuple[BodyCopies, int]:
     """A scan body's resharded copies (:class:`~spmdkit.propagation.records.LoopCopies`)
     as bytes live per body node (``widen`` as :func:`_transient`), and the bytes
-    held while the whole scan ``node`` runs. ``free``: the values of the graph
-    the scan is in that do not depend on the batch (:func:`_batch_free`). A copy
-    of a value the body computes from those alone (a layer's weights, its slice
-    of the stack, gathered under FSDP) waits for nothing: XLA's schedulers run
-    such collectives early (on CPU at the top of the body), so these copies are
-    held through the scan, as all of a body's copies were before (measured on
-    tiny scanned Llama's FSDP step: 589 KiB predicted, 661 compiled; on the
-    body's timeline 513). The others (an activation gathered for a matmul,
-    sequence parallelism's) live from the op that makes them to their last
-    reader inside the body."""
+    held at the scan ``node`` itself. ``free``: the values of the graph the scan
+    is in that do not depend on the batch (:func:`_batch_free`). A copy of a
+    value the body computes from those alone (a layer's weights, its slice of
+    the stack, gathered under FSDP) waits for nothing: XLA's schedulers run such
+    collectives early (on CPU at the top of the body), so these copies are held
+    at the scan's node, as all of a body's copies were before (measured: tiny
+    scanned Llama's FSDP step, 589 KiB predicted and 661 compiled; on the body's
+    timeline 413; held through the body, tiny GPT's fsdp step with full
+    recompute 897 KiB against 683). The others (an activation gathered for a
+    matmul, sequence parallelism's) live from the op that makes them to their
+    last reader inside the body."""
     sub = node.subs[0]
     inner: set[int] = set()
     if free and len(sub.invars) == len(node.ins):
@@ -412,13 +414,14 @@ def _body_copies(
         for n in sub.nodes:
             if not n.subs and all(v in inner for v in n.ins):
                 inner.update(n.outs)
-    n = len(sub.nodes)
-    early = {k: [0, n - 1, h[2]] for k, h in copies.held.items() if k[0] in inner}
-    transient = _transient({**copies.held, **early}, n, mesh, widen)
-    return BodyCopies(
-        transient,
-        {j: _body_copies(c, sub.nodes[j], inner, mesh, widen) for j, c in copies.nested.items()},
-    )
+    timeline = {k: h for k, h in copies.held.items() if k[0] not in inner}
+    transient = _transient(timeline, len(sub.nodes), mesh, widen)
+    nested = {}
+    for j, c in copies.nested.items():
+        nested[j], at_node = _body_copies(c, sub.nodes[j], inner, mesh, widen)
+        transient[j] += at_node
+    early = {k: [0, 0, h[2]] for k, h in copies.held.items() if k[0] in inner}
+    return BodyCopies(transient, nested), _transient(early, 1, mesh, widen)[0]
 
 
 def _memory(

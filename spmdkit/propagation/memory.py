@@ -30,9 +30,8 @@ value. A layout constraint that changes nothing is its operand's buffer.
 holds each all-reduced activation once, never beside its partial source.) A
 scan body's copies live likewise on the body's own timeline, inside its
 liveness (:class:`BodyCopies`), but for the copies of values the body computes
-without the batch (a layer's weights gathered under FSDP), which are held
-through the body; those of a ``while`` or ``cond`` body are held while the
-whole node runs.
+without the batch (a layer's weights gathered under FSDP), which are held at
+the scan's node, as are all those of a ``while`` or ``cond`` body.
 
 Grad regions (``held``, the upper estimate): a composite op's grad region
 holds, before it runs, the part of its program XLA runs in the forward pass

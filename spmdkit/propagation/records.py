@@ -310,9 +310,9 @@ def _source(eqn: Any) -> str:
 class LoopCopies(NamedTuple):
     """The resharded copies one scan's body makes, on the body's own timeline: the
     memory estimate holds them inside the body's liveness (from the op that
-    makes one to its last reader; through the body for a copy of a batch-free
-    value, ``spmdkit.propagation.driver``), where held at the scan's node they
-    would all count at once.
+    makes one to its last reader; a copy of a batch-free value is held at the
+    scan's node, ``spmdkit.propagation.driver``), where held at the scan's node
+    they would all count at once.
 
     Attributes:
       held: (value number, layout) → ``[first, last, bytes]`` over the body's node
