@@ -420,8 +420,12 @@ def _body_copies(
     for j, c in copies.nested.items():
         nested[j], at_node = _body_copies(c, sub.nodes[j], inner, mesh, widen)
         transient[j] += at_node
-    early = {k: [0, 0, h[2]] for k, h in copies.held.items() if k[0] in inner}
-    return BodyCopies(transient, nested), _transient(early, 1, mesh, widen)[0]
+    at_scan = sum(
+        _held_bytes(layout, h[2], mesh, widen)
+        for (vid, layout), h in copies.held.items()
+        if vid in inner
+    )
+    return BodyCopies(transient, nested), at_scan
 
 
 def _memory(
@@ -588,12 +592,18 @@ def _transient(
     transient = [0] * n
     for (vid, layout), (made, last, held_bytes) in held.items():
         first = 0 if early and vid in early else made
-        nbytes = held_bytes
-        if widen and layout.dtype in widen:
-            nbytes = layout.replace(dtype=widen[layout.dtype]).local_bytes(mesh)
+        nbytes = _held_bytes(layout, held_bytes, mesh, widen)
         for i in range(first, min(last, n - 1) + 1):
             transient[i] += nbytes
     return transient
+
+
+def _held_bytes(layout: TensorSpec, nbytes: int, mesh: Any, widen: Mapping | None) -> int:
+    """A resharded copy's bytes as the backend holds it (``widen``: dtype → the
+    dtype it holds such copies in)."""
+    if widen and layout.dtype in widen:
+        return layout.replace(dtype=widen[layout.dtype]).local_bytes(mesh)
+    return nbytes
 
 
 def _relayouts(
