@@ -19,20 +19,27 @@ batch axes). :func:`stage_buffers` counts them from the tick tables
     there is no trash slot (ticks that stash nothing write out of bounds,
     dropped);
   - ``inboxes``: ``(n_inbox_f + 1 + n_inbox_b + 1) · C`` (with their trash slots);
-  - ``tick``: two residual sets around the tick's ``lax.switch`` and a
-    backward's working set: the switch's result (a forward's fresh set until it
-    is written to its slot; a backward branch returns a zero-filled one) and the
-    slot a backward reads (``2·R``; measured on XLA:CPU, tiny Llama, pipe=2 and
-    4), plus what the backward makes beyond the set it reads
-    (:attr:`StageSizes.working`: its layers' cotangents, the chunk's weights as
-    it slices them, the operands it transposes; ``plan.verify`` sizes it by
-    propagating one chunk's forward and backward). Measured on XLA:CPU, tiny GPT
-    (pipe 2, 4 micro-batches, GELU keeping only its input): megatron 1F1B's
-    peak holds the slot read, the zero-filled result (one ``R`` each) and
-    somewhat less than an ``R`` of cotangents and weight-gradient stacks; dp
-    interleaved (v 2) holds the slot read, the chunk's weights it sliced (as
-    large, there) and about an ``R`` of cotangents and head gradients, its peak
-    falling before the zero-filled result is made;
+  - ``tick``: the slot a backward reads (``R``), the backward's working set
+    beyond it (:attr:`StageSizes.working`: its layers' cotangents, the chunk's
+    weights as it slices them, the operands it transposes; ``plan.verify``
+    sizes it by propagating one chunk's forward and backward) and the
+    ``lax.switch``'s residual result (``R``: a forward's fresh set until it is
+    written to its slot). What a backward branch returns there decides how
+    the three add up (read off XLA:CPU's compiled peaks):
+
+    - a zero-filled set, where the stages keep an automatic mesh axis: XLA
+      copies hoisted zeros into the result at the branch's start, so it is
+      held through the working set: ``2·R + working``. Tiny GPT (pipe 2, 4
+      micro-batches, megatron 1F1B) holds the slot read, the zeros and
+      somewhat less than an ``R`` of cotangents and weight-gradient stacks; a
+      4-layer Llama (pipe 2 × context 2 × model 2, megatron 1F1B) the slot
+      read, about an ``R`` of zero copies and the backward's scan;
+    - the slot it read (:attr:`StageSizes.read_slot`, every axis manual): XLA
+      re-slices the slot into the result at the branch's end, after the
+      working set is gone: ``R + max(working, R)``. The pipelined DeepSeek
+      stage keeping its experts (pipe 2 × data 4, no recompute) peaks inside
+      its backward with the slot read, the working set and 64 KiB of the
+      result; dp interleaved (v 2) on tiny GPT peaks before the result is made.
   - ``grads``: ``W``, a backward's chunk gradients: the tick's ``lax.switch``
     result, added to the accumulators after it. (Added inside the
     branch, the accumulators were the switch's result instead, and XLA copied
@@ -89,6 +96,9 @@ class StageSizes:
       working: a backward's working set beyond the residual set it reads: the
         cotangents its layers make, the chunk's weights as it slices them, the
         operands it transposes (0: not sized, the planner's count).
+      read_slot: a backward's stash effect is the slot it read, not a
+        zero-filled set (every mesh axis manual in the stages:
+        :func:`~spmdkit.pipeline.ticks.explicit_tick_loop`).
     """
 
     residual: float
@@ -96,6 +106,7 @@ class StageSizes:
     carry: float = 0.0
     weights: float = 0.0
     working: float = 0.0
+    read_slot: bool = False
 
 
 def held_residual_sets(pipe: Pipeline) -> int:
@@ -135,7 +146,9 @@ def stage_buffers(pipe: Pipeline, sizes: StageSizes) -> dict[str, float]:
     return {
         "stash": held * r,
         "inboxes": inbox * c,
-        "tick": 2 * r + sizes.working,
+        # the slot read, then the working set and the switch's result: a zero-filled
+        # set copied in at the branch's start, or the slot re-read at its end
+        "tick": r + (max(sizes.working, r) if sizes.read_slot else r + sizes.working),
         "grads": w,
     }
 

@@ -138,7 +138,12 @@ def pipelined_prediction(plan: Plan, body: Callable, prop: Propagation, *args: A
         residual, head = _residuals_per_device(plan, facts, shards)
         working = _backward_working_set(plan, facts, residual)
         sizes = StageSizes(
-            residual=residual, head=head, carry=carry, weights=computed, working=working
+            residual=residual,
+            head=head,
+            carry=carry,
+            weights=computed,
+            working=working,
+            read_slot=not _auto_axes(plan, facts),  # as the executor decides
         )
         held = stage_buffers(pipe, sizes)
         extra += sum(held.values())

@@ -14,7 +14,6 @@ import pytest
 import spmdkit as sk
 from spmdkit import models as zoo
 from spmdkit.introspect import describe
-from tests.cpu_misses import newer_cpu_miss
 from tests.sampling import full
 
 #: (model, size, published total, published active, the publisher counts the token
@@ -153,7 +152,7 @@ def test_a_policy_keeping_the_experts_exchanges_the_forward_once():
     # CI's sample: DeepSeek's (the same executor path, ~80 CPU s each)
     [("deepseek", "tiny"), full("qwen3_moe", "tiny")],
 )
-def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once(request, name, size):
+def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once(name, size):
     """In a pipelined stage (plain autodiff of the op's per-device program) the
     exchanged buffers carry the same tag: under ``save_out_proj_experts`` the stages
     compile no-remat's exchanges (``save_out_proj``'s and ``full``'s rerun the
@@ -164,10 +163,6 @@ def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once(reques
     peak (the stages' residual sets and working sets from their per-device
     programs, the experts' weights as each device holds them) are within
     verify's tolerance of the compiled peak."""
-    if name == "deepseek":
-        newer_cpu_miss(
-            request, "remat none: verify's peak 4.22 MB, compiled 3.49 MB (3.55 MB on 0.10.2)"
-        )
     info, batch, params, ref_loss, ref_grads = _reference(
         name, size, load_balance="sequence", **PIPELINED[name]
     )

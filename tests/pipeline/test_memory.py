@@ -51,6 +51,12 @@ def test_held_sets_per_schedule():
     # a backward's working set beyond the set it reads joins the tick's two sets
     working = dataclasses.replace(sizes, working=5.0)
     assert stage_buffers(ob, working) == {**stage_buffers(ob, sizes), "tick": 25.0}
+    # a backward returning the slot it read: the slot, then the larger of its
+    # working set and the slot re-read into the switch's result at its end
+    small = dataclasses.replace(working, read_slot=True)
+    assert stage_buffers(ob, small) == stage_buffers(ob, sizes)
+    large = dataclasses.replace(sizes, working=15.0, read_slot=True)
+    assert stage_buffers(ob, large)["tick"] == 25.0
     # GPipe: per forward tick R + H + W, and its inbox
     gpipe = stage_buffers(gp, sizes)
     assert gpipe["stash"] == 11 * (10 + 1 + 3) and gpipe["tick"] == 10.0
