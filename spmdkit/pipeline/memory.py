@@ -38,8 +38,9 @@ batch axes). :func:`stage_buffers` counts them from the tick tables
       re-slices the slot into the result at the branch's end, after the
       working set is gone: ``R + max(working, R)``. The pipelined DeepSeek
       stage keeping its experts (pipe 2 × data 4, no recompute) peaks inside
-      its backward with the slot read, the working set and 64 KiB of the
-      result; dp interleaved (v 2) on tiny GPT peaks before the result is made.
+      its backward with the slot read, the working set and one small piece of
+      the result; dp interleaved (v 2) on tiny GPT peaks before the result is
+      made.
   - ``grads``: ``W``, a backward's chunk gradients: the tick's ``lax.switch``
     result, added to the accumulators after it. (Added inside the
     branch, the accumulators were the switch's result instead, and XLA copied
