@@ -200,8 +200,10 @@ def test_a_pipelined_stage_keeping_the_experts_exchanges_the_forward_once(name, 
         # the analytic memory price, kept buffers per micro-batch in flight included
         predicted, peak, ok = rows["peak memory"]
         assert abs(sum(plan.cost.memory.values()) - peak) <= 0.2 * peak, remat
-        # verify's prediction, as a point and as its row
-        assert ok and abs(predicted - peak) <= 0.2 * peak, (remat, predicted, peak)
+        # verify's prediction, as its row and as a point within 10%: a backward
+        # returning the slot it read holds that result after its working set
+        # (spmdkit.pipeline.memory; counted through it, remat none was 19-21% over)
+        assert ok and abs(predicted - peak) <= 0.1 * peak, (remat, predicted, peak)
     assert compiled["save_out_proj_experts"] == compiled["none"] < compiled["save_out_proj"]
 
 
