@@ -357,8 +357,9 @@ def _memory_fn(
     reads = _copy_reads(collect, recorder)
     slices = _early_slices(collect, reads, mesh)
 
+    free = _batch_free(graph, roles)  # the same for every call below
+
     def memory(duplicate: bool, widen: Mapping | None = None, cpu: bool = False) -> Any:
-        free = _batch_free(graph, roles)
         early = free if cpu else None
         top = {k: h for k, h in recorder.held.items() if k not in recorder.in_loops}
         transient = _transient(top, len(graph.nodes), mesh, widen, early)
@@ -401,12 +402,11 @@ def _body_copies(
     value the body computes from those alone (a layer's weights, its slice of
     the stack, gathered under FSDP) waits for nothing: XLA's schedulers run such
     collectives early (on CPU at the top of the body), so these copies are held
-    at the scan's node, as all of a body's copies were before (measured: tiny
-    scanned Llama's FSDP step, 589 KiB predicted and 661 compiled; on the body's
-    timeline 413; held through the body, tiny GPT's fsdp step with full
-    recompute 897 KiB against 683). The others (an activation gathered for a
-    matmul, sequence parallelism's) live from the op that makes them to their
-    last reader inside the body."""
+    at the scan's node, as all of a body's copies were before (of the designs
+    tried, the one tiny scanned Llama's FSDP step and tiny GPT's fsdp step with
+    full recompute both verify under; figures in commit 39451ef). The others (an
+    activation gathered for a matmul, sequence parallelism's) live from the op
+    that makes them to their last reader inside the body."""
     sub = node.subs[0]
     inner: set[int] = set()
     if free and len(sub.invars) == len(node.ins):
