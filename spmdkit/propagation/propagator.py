@@ -28,7 +28,7 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 
 from spmdkit import jaxprs
-from spmdkit.engine.region import REGIONS
+from spmdkit.engine.region import FORWARD, GRAD, KEPT_NOTHING, REGIONS, kept_dtypes, kept_layout
 from spmdkit.engine.registry import registered_ops
 from spmdkit.errors import SpmdError
 from spmdkit.propagation.choose import Chooser
@@ -44,7 +44,7 @@ from spmdkit.propagation.primitives import (
     to_rule,
     with_masked_lookup,
 )
-from spmdkit.propagation.regions import region_answer
+from spmdkit.propagation.regions import RegionAnswer, region_answer, region_layouts
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import MeshLike, TensorSpec
 from spmdkit.state import register_cache
@@ -147,6 +147,9 @@ class Propagator:
         self.uses: dict[int, int] = dict(facts.uses)
         self.unknown: collections.Counter = collections.Counter()
         self.reassociates = reassociates_all_reduces(target_backend(mesh, topology))
+        # value id → (kept layout, attributes, operand layouts) of the forward region
+        # that made that kept residual, carried through checkpoint names and scans
+        self.kept: dict[int, tuple[Any, dict, _Specs]] = {}
 
     def replicated(self, vid: int) -> TensorSpec:
         """The replicated spec of value ``vid``."""
@@ -222,9 +225,15 @@ class Propagator:
             if eff != specs:
                 op, attrs, req, outs, hinted = self._equation(node, eff)
                 return Step(node, op, attrs, specs, req, outs, hinted=hinted)
+        if node.prim == "name":
+            self._carry_kept(node.ins, node.outs)
         if node.kind in ("scan", "while", "cond"):
             run = {"scan": scan, "while": while_loop, "cond": cond}
+            if node.kind == "scan":
+                self._carry_kept(node.ins, node.subs[0].invars)
             req, outs, loop = run[node.kind](self, node, specs, spec)
+            if node.kind == "scan":
+                self._carry_kept(node.subs[0].outvars, node.outs)
             return Step(node, node.prim, _loop_attrs(node), specs, req, outs, loop)
         if node.kind == "shard_map":
             op, attrs, req, outs = self._shard_map(node, specs)
@@ -351,9 +360,52 @@ class Propagator:
         if ans is None:
             self.warn(node.prim, f"rule {p['op']!r} does not fit the region")
             return self._unknown(node, specs)
+        ans = self._pair_kept(node, specs, ans)
         dtypes = [self.prog.dtypes[o] for o in node.outs]
         outs = tuple(o.replace(dtype=d) for o, d in zip(ans.outputs, dtypes, strict=True))
         return p["op"], ans.attrs, ans.required, outs
+
+    def _pair_kept(self, node: Node, specs: _Specs, ans: RegionAnswer) -> RegionAnswer:
+        """A region of an op that keeps residuals for its grad region
+        (:func:`~spmdkit.engine.region.kept_dtypes`): a forward region notes the layout
+        it keeps them under; a grad region reads them on that layout, or recomputes
+        where the forward kept none. Each pass picks its cheapest strategy alone, so
+        where the grad region's own pick would read another layout (a forward
+        ``local``, its grad ``all_to_all``: no residuals to read), it is laid out as
+        its forward region was (that strategy, the primal operands moved to the
+        forward's layouts: priced reshards), the pairing ``sk.jit`` checks."""
+        p = node.eqn.params
+        op, fwd = p["op"], node.prim == FORWARD
+        n = len(node.ins) if fwd else len(p["diff"])
+        n_kept = len(kept_dtypes(op, [self.prog.dtypes[v] for v in node.ins[:n]]))
+        if not n_kept:
+            return ans
+        layout = kept_layout(node.prim, p, ans.attrs, ans.required, ans.outputs, self.mesh)
+        if fwd:
+            made = (KEPT_NOTHING if layout is None else layout, ans.attrs, ans.required)
+            for vid in node.outs[len(node.outs) - n_kept :]:
+                self.kept[vid] = made
+            return ans
+        found = {id(self.kept.get(v)): self.kept.get(v) for v in node.ins[n : n + n_kept]}
+        if len(found) != 1 or None in found.values():
+            return ans  # no forward region in sight: nothing to pair with
+        made_under, attrs, required = next(iter(found.values()))
+        if (KEPT_NOTHING if layout is None else layout) == made_under:
+            return ans
+        try:
+            paired = region_layouts(GRAD, p, attrs, (*required, *specs[n:]), self.mesh)
+        except RULE_ERRORS:
+            return ans  # sk.jit refuses the pair, naming both layouts
+        again = kept_layout(GRAD, p, paired.attrs, paired.required, paired.outputs, self.mesh)
+        return paired if (KEPT_NOTHING if again is None else again) == made_under else ans
+
+    def _carry_kept(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Carry the forward regions' kept layouts from values ``src`` to ``dst``
+        (position by position: a scan's operands into its body, its body's results
+        out, a checkpoint name's operand to its result)."""
+        for a, b in zip(src, dst, strict=True):
+            if a in self.kept:
+                self.kept[b] = self.kept[a]
 
     def _unknown(self, node: Node, specs: _Specs) -> _Answer:
         """No rule: operands made replicated (pending reductions resolved), results

@@ -114,3 +114,50 @@ def test_partial_sums_meeting_at_an_add_reduce_as_the_target_does():
     ]
     rep = compiled_report(step, placed)
     assert rep.bytes_by_kind() == promoted_on_cpu(prop).comm_bytes_by_kind  # moved in f32
+
+
+def test_a_grad_region_is_laid_out_as_its_forward_region_kept_its_residuals():
+    """Routed experts keep their exchange's residuals for the grad region, which
+    reads them on the layout they were kept under. Each pass picking its cheapest
+    strategy alone, auto on tiny Qwen3-MoE over data=4 x model=2 gave the forward
+    region ``local`` (it keeps none) and the grad region ``all_to_all`` (it reads
+    them), a pair sk.jit refused when tracing the plan's step. The grad region is
+    now laid out as its forward region was, so the step traces and every pair
+    agrees."""
+    import numpy as np
+    import optax
+
+    import spmdkit as sk
+    from spmdkit.engine.region import FORWARD, GRAD, KEPT_NOTHING, kept_layout
+    from spmdkit.propagation.propagator import Propagator
+
+    m = sk.models.get_model("qwen3_moe")
+    cfg = m.config("tiny")
+    batch = m.batch(cfg, 8, np.random.default_rng(0))
+    info = sk.describe(m, config=cfg, batch=batch)
+    mesh = sk.make_mesh(data=4, model=2)
+    plan = sk.plan(info, mesh, "auto", estimator="analytic")
+    pairs: list = []
+    paired = Propagator._pair_kept
+
+    def spy(self, node, specs, ans):
+        out = paired(self, node, specs, ans)
+        if node.eqn.params["op"] == "moe_experts":
+            made = kept_layout(
+                node.prim, node.eqn.params, out.attrs, out.required, out.outputs, mesh
+            )
+            pairs.append((node.prim, made or KEPT_NOTHING, out.attrs.get("strategy")))
+        return out
+
+    opt = optax.adam(1e-3)
+    params, opt_state = plan.abstract(
+        info.abstract_params, jax.eval_shape(opt.init, info.abstract_params)
+    )
+    try:
+        Propagator._pair_kept = spy
+        sk.jit(sk.train_step(info, opt, plan), plan).lower(params, opt_state, batch)
+    finally:
+        Propagator._pair_kept = paired
+    forward = {made for prim, made, _ in pairs if prim == FORWARD}
+    grad = {made for prim, made, _ in pairs if prim == GRAD}
+    assert forward and grad and grad <= forward, pairs
