@@ -184,17 +184,20 @@ def test_round_trip_every_strategy_on_tiny_gpt(gpt, strategy):
     _round_trip(gpt, strategy, sk.make_mesh(data=2, model=4, axis_types="auto"))
 
 
-#: Llama and the MoE model: each strategy once in the slow step (a latin sample),
+#: Llama and the MoE models (GShard's capacity routing, and Qwen3-MoE's dropless
+#: grouped GEMMs, its tokens exchanged by all-to-all where the plan splits them
+#: over the experts' axes): each strategy once in the slow step (a latin sample),
 #: every pair with SPMDKIT_FULL_SWEEP=1.
+OTHER_MODELS = ("llama", "moe", "qwen3_moe")
 OTHERS = sampled(
-    list(itertools.product(STRATEGIES, ("llama", "moe"))),
-    latin(STRATEGIES, ("llama", "moe")),
+    list(itertools.product(STRATEGIES, OTHER_MODELS)),
+    latin(STRATEGIES, OTHER_MODELS),
     marks=[pytest.mark.slow],
 )
 
 
 @pytest.mark.parametrize("strategy, model", OTHERS)
-def test_round_trip_on_llama_and_moe(strategy, model):
+def test_round_trip_on_llama_and_the_moe_models(strategy, model):
     from spmdkit.introspect.model import describe
     from spmdkit.models import get_model
 
