@@ -246,6 +246,13 @@ GPT_OSS_120B = {
     "exchange": MEGATRON_ALLTOALL,
     "stack": "xla",
     "published": 5824,
+    # the same model, mesh and layout in earlier releases' summaries (DGX-H100 rows):
+    # MBS 1 again, and MBS 4 over a quarter of the batch (8 micro-batches, the
+    # bubble 3 of 11 ticks); --breakdown prices each beside its published step
+    "variants": [
+        {"release": "26.02", "batch": 1280, "microbatches": 80, "published": 5993},
+        {"release": "25.11", "batch": 512, "microbatches": 8, "published": 5630},
+    ],
     "memory_gib": None,
     "fit": False,
     "pipelined": True,
@@ -267,6 +274,10 @@ GPT_OSS_120B = {
     "CPU waits for the token counts before each forward exchange: 720 waits a step on a "
     "stage, 9 layers x 80 micro-batches, each a host round trip of tens of microseconds, "
     "well under 1% of the step; unpriced, as XLA sizes the exchange statically). "
+    "The row's variants (--breakdown) locate it: the same layout at MBS 4 (25.11) is "
+    "predicted much closer, and spread over a stage's layers and ticks the gap grows far "
+    "less than the micro-batch (a quarter of the tokens at MBS 1 leave most of MBS 4's gap "
+    "per layer and tick): mostly a fixed cost per launch of a layer, not a slower rate. "
     "Candidates, unpriced: the host's eager dispatch exposed after each such wait (MBS 1, "
     "no CUDA graphs on H100, where Megatron-Bridge's Blackwell recipes graph the "
     "attention, router and dispatch preprocessing), the experts' weight-gradient GEMMs "
@@ -655,7 +666,48 @@ def breakdown(row: dict, topology: sk.Topology) -> str:
             f"  {key:<28.28}{tuple(g.shape)!s:<28}{c.compute_s:>10.3f}{c.comm_s:>8.3f}"
             f"{c.hidden_s:>8.3f}  {moved}"
         )
+    lines += variant_lines(row, topology, config.n_layers)
     return "\n".join(lines)
+
+
+def variant_lines(row: dict, topology: sk.Topology, n_layers: int) -> list[str]:
+    """A pipelined row's ``variants`` (the same layout in other releases' published
+    summaries, at another batch and micro-batch count) each priced beside its
+    published step, with the gap spread over the slowest stage's work: per tick
+    (a micro-batch's forward and backward on a stage, ``m + p - 1`` of them) and
+    per layer of a stage in a tick. A gap that stays per layer and micro-batch as
+    the micro-batch grows is a fixed cost per launch of a layer (the host's,
+    the kernels' latencies), not a rate; one that grows with it is a rate."""
+    variants = row.get("variants", ())
+    pipe = row.get("pipeline")
+    if not variants or pipe is None:
+        return []
+    out = [
+        f"  {'variant':<10}{'batch':>6}{'m':>5}{'published':>11}{'predicted':>11}{'ratio':>7}"
+        f"{'gap s':>8}{'per tick ms':>13}{'per layer ms':>14}"
+    ]
+    seq = _model(row)[1].seq_len
+    for v in (
+        {"release": "this", "batch": row["batch"], "microbatches": pipe.microbatches},
+        *variants,
+    ):
+        published = v.get("published", row["published"])
+        r = dict(
+            row,
+            batch=v["batch"],
+            published=published,
+            pipeline=dataclasses.replace(pipe, microbatches=v["microbatches"]),
+        )
+        cost = predict(r, topology)
+        published_s = v["batch"] * seq / published / row["devices"]
+        gap = published_s - cost.step_time_s
+        ticks = v["microbatches"] + pipe.stages - 1
+        out.append(
+            f"  {v['release']:<10}{v['batch']:>6}{v['microbatches']:>5}{published:>11,}"
+            f"{tok_s(r, cost):>11,.0f}{tok_s(r, cost) / published:>7.2f}{gap:>8.2f}"
+            f"{gap / ticks * 1e3:>13.1f}{gap / ticks / (n_layers / pipe.stages) * 1e3:>14.1f}"
+        )
+    return out
 
 
 MARKDOWN_HEADER = (

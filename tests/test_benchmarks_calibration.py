@@ -83,6 +83,14 @@ def test_the_breakdown_prints_each_term_beside_the_published_step(bench):
     assert f"pipeline bubble {cost.bubble_s:.2f} s" in text
     down = next(line for line in text.splitlines() if "layers/moe/w_down" in line)
     assert "all_to_all" in down
+    # the same layout's other published releases, each priced at its own batch and
+    # micro-batches beside its published step
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[-3:]}
+    for v in row["variants"]:
+        cells = rows[v["release"]]
+        assert cells[1:4] == [str(v["batch"]), str(v["microbatches"]), f"{v['published']:,}"]
+    assert rows["this"][3] == f"{row['published']:,}"
+    assert float(rows["this"][5]) == pytest.approx(bench.tok_s(row, cost) / row["published"], 0.01)
 
 
 @pytest.mark.slow
