@@ -376,6 +376,10 @@ class Recorder:
         # results a contraction copies back to row-major (:func:`gathered_copy_bytes`)
         self.relayouts: list[tuple[int, int, int, int, Any, int]] = []
         self.numbers = ValueNumbers(values)
+        # a once-run scan's stacked result (its number) → the body's value stacked
+        # (its number) and the stacked layout: a later once-run scan slicing it in
+        # that layout reads that value (XLA folds the slice of the stack)
+        self.stacked: dict[int, tuple[int, TensorSpec]] = {}
         self.shared: collections.Counter = collections.Counter()
         self.merges = cse_merges_through_barriers(target_backend(self.mesh, pricer.topology))
         # partially manual shard_maps' operand layouts on their automatic axes, by
@@ -515,15 +519,20 @@ class Recorder:
     def _enter(self, step: Step, scope: Any) -> Any:
         """The scope a loop's body is numbered in: the caller's for a scan that
         runs once (XLA inlines it; its operands are the caller's values, the
-        ``xs`` sliced at 0), else the loop's own."""
+        ``xs`` sliced at 0: where the ``xs`` is another once-run scan's ``ys``
+        stacked in the layout it is read in, the value that scan's body stacked,
+        as XLA's simplifier folds the slice of the stack), else the loop's own."""
         node = step.node
         if node.kind != "scan" or jaxprs.scan_length(node.eqn) != 1:
             return ("loop", id(node))
         first_xs = jaxprs.scan(node.eqn).first_xs
         body = node.subs[0]
         for i, (b, v) in enumerate(zip(body.invars, node.ins, strict=True)):
+            stacked = self.stacked.get(self.numbers.of(v))
             if i < first_xs:
                 self.numbers.alias(b, v)
+            elif stacked is not None and stacked[1] == step.required[i]:
+                self.numbers.alias(b, stacked[0])  # the slice of a once-run scan's stack
             else:
                 self.numbers.derived(b, ("x0", scope, self.numbers.of(v), step.required[i]))
         return scope
@@ -538,6 +547,7 @@ class Recorder:
                 self.numbers.alias(o, b)
             else:
                 self.numbers.derived(o, ("ys", scope, self.numbers.of(b), step.outputs[k]))
+                self.stacked.setdefault(self.numbers.of(o), (self.numbers.of(b), step.outputs[k]))
 
     def output(self, index: int, i: int, vid: int, have: TensorSpec, want: TensorSpec):
         """The record of moving the step's output ``i`` (value ``vid``) from
