@@ -43,12 +43,17 @@ from spmdkit.propagation.graph import Graph
 
 __all__ = [
     "Allocation",
+    "NodeHolds",
     "ELEMENTWISE",
     "Span",
     "heap_temps",
     "hosted",
     "output_allocations",
     "peak",
+    "own_parts",
+    "peak_parts",
+    "without",
+    "zero_values",
 ]
 
 #: Elementwise primitives: XLA fuses them, and may write their result over an operand.
@@ -116,6 +121,32 @@ class Span(NamedTuple):
     end: int
     nbytes: int
     at: int = 0
+
+
+def peak_parts(spans: Iterable[Span]) -> list[int]:
+    """The sizes of the buffers live at the first step where :func:`peak` is
+    reached, largest first: what a loop body or a region holds at its peak, each
+    a buffer XLA may place on its own (in an output's buffer not yet written).
+
+    Example::
+
+        >>> peak_parts([Span(0, 3, 10), Span(2, 5, 5), Span(4, 6, 7)])
+        [10, 5]
+    """
+    spans = [s for s in spans if s.nbytes and s.start <= s.end]
+    events: dict[int, int] = {}
+    for s in spans:
+        events[s.start] = events.get(s.start, 0) + s.nbytes
+        events[s.end + 1] = events.get(s.end + 1, 0) - s.nbytes
+    live = top = 0
+    at = None
+    for t in sorted(events):
+        live += events[t]
+        if live > top:
+            top, at = live, t
+    if at is None:
+        return []
+    return sorted((s.nbytes for s in spans if s.start <= at <= s.end), reverse=True)
 
 
 def peak(spans: Iterable[Span]) -> int:
@@ -333,13 +364,18 @@ def heap_temps(
     last: Mapping[int, int],
     fused: set[int],
     applied: Mapping[int, int],
-) -> list[Span]:
+    movable: Sequence[Span] = (),
+) -> tuple[list[Span], set[int]]:
     """The temporaries XLA keeps in its temp heap: not those it places in the
     outputs' buffers (:func:`output_allocations`), with the spans the outputs
     give them; ``extras`` (bytes live while each node runs) loses the copies of
     reductions deferred to the end. ``spec``: value id → its layout;
     ``copy_reads``: node index → {value id: the resharded copy
-    (:class:`~spmdkit.propagation.memory.CopyRead`) it reads in its place}."""
+    (:class:`~spmdkit.propagation.memory.CopyRead`) it reads in its place}.
+    ``movable``: buffers held while one node runs (a loop body's at its peak, a
+    region's own), which XLA places in the outputs' buffers too where one is
+    free then and large enough: the indices of those it places come back with
+    the temporaries."""
     producer = {o: node.prim for node in graph.nodes for o in node.outs}
     reduced = {
         i: {
@@ -364,8 +400,9 @@ def heap_temps(
             extras[k] = max(0, extras[k] - s.local_bytes(mesh))
     temps = [t._replace(end=ends[k]) if k in ends else t for k, t in enumerate(temps)]
     loops = {temp_of[o] for node in graph.nodes if node.subs for o in node.outs if o in temp_of}
-    out = hosted(temps, allocations, loops)
-    return [t for k, t in enumerate(temps) if k not in out]
+    n = len(temps)
+    out = hosted([*temps, *movable], allocations, loops)
+    return [t for k, t in enumerate(temps) if k not in out], {k - n for k in out if k >= n}
 
 
 def scattered_at_once(producer: str | None, partial: Any, reduced: Any) -> bool:
@@ -443,3 +480,83 @@ _MOVES_AND_CASTS = _REARRANGES | {"convert_element_type"}
 #: Primitives whose result XLA may write over an operand of its size: elementwise,
 #: and moves that a layout folds into the operand's producer.
 _IN_PLACE = ELEMENTWISE | {"transpose", "reshape", "squeeze", "broadcast_in_dim"}
+
+
+def own_parts(inner: Mapping[int, Any] | None, node: Any) -> tuple[int, ...]:
+    """The buffers a node holds while it runs besides its results (``inner``: a
+    region's own program, its peak's buffers or their total)."""
+    held = (inner or {}).get(id(node), 0)
+    if isinstance(held, tuple):
+        return tuple(b for b in held if b)
+    return (held,) if held else ()
+
+
+def without(parts: Sequence[int], nbytes: int) -> tuple[int, ...]:
+    """``parts`` less one buffer of ``nbytes`` (placed elsewhere)."""
+    out = list(parts)
+    if nbytes in out:
+        out.remove(nbytes)
+    return tuple(out)
+
+
+class NodeHolds(NamedTuple):
+    """Per node of a graph, what it holds while it runs besides the values the
+    liveness tracks: ``extras`` (resharded operands, backend workspaces), ``own``
+    (a region's own program, by buffer), ``bodies`` (its loop bodies' peak) and
+    ``body_parts`` (the buffers live at that peak). XLA places the buffers of a
+    region and of a loop body in the outputs' buffers as it does the top level's
+    temporaries, where one is free then and large enough (:meth:`movable`,
+    :meth:`place`); the rest are held at the node (:meth:`spans`), a body's peak
+    beyond what the node already holds."""
+
+    extras: list[int]
+    own: list[tuple[int, ...]]
+    bodies: list[int]
+    body_parts: list[tuple[int, ...]]
+
+    def movable(self) -> list[Span]:
+        """The buffers XLA may place elsewhere: each region buffer over its
+        node's two steps, each body buffer at its node's own step."""
+        out = [Span(3 * i, 3 * i + 1, b) for i, parts in enumerate(self.own) for b in parts]
+        out += [Span(3 * i + 1, 3 * i + 1, b) for i, ps in enumerate(self.body_parts) for b in ps]
+        return out
+
+    def place(self, placed: Collection[int]) -> None:
+        """Drop the buffers of :meth:`movable` placed in the outputs' buffers."""
+        owners = [i for i, parts in enumerate(self.own) for _ in parts]
+        owners += [-1 - i for i, ps in enumerate(self.body_parts) for _ in ps]
+        sizes = [s.nbytes for s in self.movable()]
+        for k in sorted(placed):
+            i, b = owners[k], sizes[k]
+            if i >= 0:
+                self.own[i] = without(self.own[i], b)
+            else:
+                self.bodies[-1 - i] = max(0, self.bodies[-1 - i] - b)
+                self.body_parts[-1 - i] = without(self.body_parts[-1 - i], b)
+
+    def spans(self) -> list[Span]:
+        """What each node holds while it runs, by buffer where it can be told."""
+        fixed = [Span(3 * i, 3 * i + 1, e) for i, e in enumerate(self.extras) if e]
+        fixed += [Span(3 * i, 3 * i + 1, b) for i, parts in enumerate(self.own) for b in parts]
+        for i, b in enumerate(self.bodies):
+            held = self.extras[i] + sum(self.own[i])
+            rest = max(0, b - held)
+            if rest and rest == sum(self.body_parts[i]):
+                fixed += [Span(3 * i + 1, 3 * i + 1, p) for p in self.body_parts[i]]
+            elif rest:
+                fixed.append(Span(3 * i + 1, 3 * i + 1, rest))
+        return fixed
+
+
+#: Primitives that keep a zero operand's values zero.
+_ZERO_PRESERVING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze"})
+
+
+def zero_values(graph: Graph, prog: Any) -> set[int]:
+    """Ids of values that are all zeros: literal zeros, and broadcasts, casts and
+    reshapes of them (``jnp.zeros``, an autodiff's instantiated zero cotangent)."""
+    out = {v for v, c in prog.values.items() if np.size(c) == 1 and not np.any(np.asarray(c))}
+    for node in graph.nodes:
+        if node.prim in _ZERO_PRESERVING and node.ins and node.ins[0] in out:
+            out.update(node.outs)
+    return out

@@ -68,7 +68,7 @@ from spmdkit.propagation.records import (
 from spmdkit.propagation.regions import (
     region_loop_buffer_bytes,
     region_residual_bytes,
-    region_temp_bytes,
+    region_temp_parts,
 )
 from spmdkit.propagation.steps import Step
 from spmdkit.spec import MeshLike, TensorSpec
@@ -312,8 +312,9 @@ def _sweeps(
 
 def _region_temps(
     steps: Sequence[Step], mesh: MeshLike, *, duplicate: bool = False, cpu: bool = False
-) -> dict[int, int]:
-    """``id(node)`` → a region node's own temporaries at its planned layouts (see
+) -> dict[int, tuple[int, ...]]:
+    """``id(node)`` → a region node's own temporaries at its planned layouts, the
+    sizes of the buffers live at their peak (see
     :func:`~spmdkit.propagation.regions.region_temp_bytes`), loop bodies included.
     ``duplicate`` (the lower estimate): only the regions whose rule says their
     temporaries materialize (:attr:`~spmdkit.engine.rule.Rule.scratch_materializes`),
@@ -324,7 +325,7 @@ def _region_temps(
         if node.prim in REGIONS and (
             not duplicate or get_rule(node.eqn.params["op"]).scratch_materializes
         ):
-            out[id(node)] = region_temp_bytes(
+            out[id(node)] = region_temp_parts(
                 node.prim,
                 node.eqn.params,
                 step.attrs,

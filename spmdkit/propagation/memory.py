@@ -89,7 +89,15 @@ import jax
 import numpy as np
 
 from spmdkit.propagation.buffers import ELEMENTWISE as _ELEMENTWISE
-from spmdkit.propagation.buffers import Span, heap_temps, peak
+from spmdkit.propagation.buffers import (
+    NodeHolds,
+    Span,
+    heap_temps,
+    own_parts,
+    peak,
+    peak_parts,
+    zero_values,
+)
 from spmdkit.propagation.graph import FlatProgram, Graph, Node, dce
 from spmdkit.propagation.workspaces import (
     SIXTEEN_BIT_FLOATS,
@@ -505,6 +513,7 @@ def _temp_peak(
     held: Mapping[int, RegionHold] | None = None,
     outputs: Sequence[tuple[int | None, int, int | None]] = (),
     loops: Mapping[int, BodyCopies] | None = None,
+    parts: list[int] | None = None,
 ) -> int:
     """Peak bytes of values born inside ``graph`` (minus ``exclude``), by liveness;
     ``transient[i]`` bytes (resharded operands) are live during node ``i`` only.
@@ -520,7 +529,9 @@ def _temp_peak(
     ``outputs``: per output of the program, its value (None: made at the end),
     bytes and the donated argument it reuses (or None): temporaries XLA places in
     their buffers are not counted
-    (:func:`~spmdkit.propagation.buffers.output_allocations`).
+    (:func:`~spmdkit.propagation.buffers.output_allocations`), nor the buffers of
+    a loop body at its peak or of a region's own program it places there.
+    ``parts``: filled with the sizes of the buffers live at the peak.
 
     A node that reshards an operand runs in two steps: its collectives (the
     operand and its new copy both live, the node's results not yet made), then
@@ -556,16 +567,19 @@ def _temp_peak(
             c = copy_reads.get(j, {}).get(o)
             temp_of[o] = len(temps)
             temps.append(Span(3 * i + 1, 3 * j + (c is None or c.made != j), nbytes(o), i))
-    bodies = _body_peaks(graph, spec, mesh, prog, fuse, duplicate, widen, inner, cpu, held, loops)
-    # per node, bytes live while it runs (a region's temporaries too)
+    bodies, body_parts = _body_peaks(
+        graph, spec, mesh, prog, fuse, duplicate, widen, inner, cpu, held, loops
+    )
+    # per node, bytes live while it runs (a region's temporaries too, by buffer)
+    own = [own_parts(inner, node) for node in graph.nodes]
     extras = [
         (transient[i] if transient is not None and i < len(transient) else 0)
         + copies.during.get(i, 0)
-        + (inner.get(id(node), 0) if inner else 0)
-        for i, node in enumerate(graph.nodes)
+        for i in range(len(graph.nodes))
     ]
+    holds = NodeHolds(extras, own, bodies, body_parts)
     if outputs:
-        temps = heap_temps(
+        temps, placed = heap_temps(
             graph,
             outputs,
             spec,
@@ -578,10 +592,12 @@ def _temp_peak(
             last,
             fused,
             applied,
+            holds.movable(),
         )
-    bodies = [max(0, b - e) for b, e in zip(bodies, extras, strict=True)]
-    fixed = [Span(3 * i, 3 * i + 1, e) for i, e in enumerate(extras) if e]
-    fixed += [Span(3 * i + 1, 3 * i + 1, b) for i, b in enumerate(bodies) if b]
+        holds.place(placed)
+    fixed = holds.spans()
+    if parts is not None:
+        parts.extend(peak_parts(temps + fixed))
     return peak(temps + fixed)
 
 
@@ -597,36 +613,37 @@ def _body_peaks(
     cpu: bool | CpuBackend,
     held: Mapping[int, RegionHold] | None,
     loops: Mapping[int, BodyCopies] | None = None,
-) -> list[int]:
+) -> tuple[list[int], list[tuple[int, ...]]]:
     """Per node, the peak of its loop bodies' own temporaries (0 for none), a scan's
-    body's resharded copies included (``loops``, by node index)."""
-    out = []
+    body's resharded copies included (``loops``, by node index), and the sizes of
+    the buffers live at that peak."""
+    peaks, parts = [], []
     for i, node in enumerate(graph.nodes):
         copies = (loops or {}).get(i)
-        out.append(
-            max(
-                (
-                    _temp_peak(
-                        sub,
-                        spec,
-                        mesh,
-                        prog,
-                        set(sub.invars),
-                        fuse,
-                        transient=copies.transient if copies else None,
-                        duplicate=duplicate,
-                        widen=widen,
-                        inner=inner,
-                        cpu=cpu,
-                        held=held,
-                        loops=copies.nested if copies else None,
-                    )
-                    for sub in node.subs
-                ),
-                default=0,
+        best, best_parts = 0, ()
+        for sub in node.subs:
+            found: list[int] = []
+            b = _temp_peak(
+                sub,
+                spec,
+                mesh,
+                prog,
+                set(sub.invars),
+                fuse,
+                transient=copies.transient if copies else None,
+                duplicate=duplicate,
+                widen=widen,
+                inner=inner,
+                cpu=cpu,
+                held=held,
+                loops=copies.nested if copies else None,
+                parts=found,
             )
-        )
-    return out
+            if b > best:
+                best, best_parts = b, tuple(found)
+        peaks.append(best)
+        parts.append(best_parts)
+    return peaks, parts
 
 
 def _workspaces(
@@ -711,7 +728,7 @@ def _aliases(
     them), and bitcasts (:func:`_bitcast`) that reshard nothing (each device's
     block is its operand's, as many bytes, read in place)."""
     out = {}
-    zeros = _zeros(graph, prog)
+    zeros = zero_values(graph, prog)
     for i, node in enumerate(graph.nodes):
         ins = node.ins
         if node.prim in ("add", "add_any") and len(ins) == 2 and len(node.outs) == 1:
@@ -742,20 +759,6 @@ def _aliases(
             and nbytes(node.ins[0]) == nbytes(node.outs[0])
         ):
             out[node.outs[0]] = node.ins[0]
-    return out
-
-
-#: Primitives that keep a zero operand's values zero.
-_ZERO_PRESERVING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze"})
-
-
-def _zeros(graph: Graph, prog: FlatProgram) -> set[int]:
-    """Ids of values that are all zeros: literal zeros, and broadcasts, casts and
-    reshapes of them (``jnp.zeros``, an autodiff's instantiated zero cotangent)."""
-    out = {v for v, c in prog.values.items() if np.size(c) == 1 and not np.any(np.asarray(c))}
-    for node in graph.nodes:
-        if node.prim in _ZERO_PRESERVING and node.ins and node.ins[0] in out:
-            out.update(node.outs)
     return out
 
 
@@ -963,10 +966,13 @@ def estimate_memory(
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def program_temp_bytes(closed_jaxpr: Any, *, duplicate: bool = True, cpu: bool = False) -> int:
+def program_temp_bytes(
+    closed_jaxpr: Any, *, duplicate: bool = True, cpu: bool = False, parts: list | None = None
+) -> int:
     """Peak bytes of a program's temporaries: the values it makes that are
     neither its inputs nor its outputs, by liveness with the fusion model above
-    (``cpu``: with XLA:CPU's workspaces).
+    (``cpu``: with XLA:CPU's workspaces; ``parts``: filled with the sizes of the
+    buffers live at that peak).
 
     Every value is taken at its own (per-device) shape: pass the body of a
     ``shard_map`` to get what one device holds while the body runs.
@@ -981,7 +987,7 @@ def program_temp_bytes(closed_jaxpr: Any, *, duplicate: bool = True, cpu: bool =
     graph, _ = prog.graph(closed_jaxpr)
     dce(graph)
     ends = set(graph.invars) | set(graph.outvars)
-    return _temp_peak(graph, {}, _NO_MESH, prog, ends, duplicate=duplicate, cpu=cpu)
+    return _temp_peak(graph, {}, _NO_MESH, prog, ends, duplicate=duplicate, cpu=cpu, parts=parts)
 
 
 def fused_values(graph: Graph, prog: FlatProgram, *, duplicate: bool = True) -> set[int]:

@@ -61,6 +61,7 @@ __all__ = [
     "region_program",
     "region_residual_bytes",
     "region_temp_bytes",
+    "region_temp_parts",
     "region_unread_inputs",
 ]
 
@@ -504,9 +505,16 @@ class _Facts:
     def temp_bytes(self, *, duplicate: bool, cpu: bool) -> int:
         """Peak bytes of the body's temporaries (as
         :func:`~spmdkit.propagation.memory.program_temp_bytes`)."""
+        return sum(self.temp_parts(duplicate=duplicate, cpu=cpu))
+
+    def temp_parts(self, *, duplicate: bool, cpu: bool) -> tuple[int, ...]:
+        """The sizes of the buffers live at the body's temporaries' peak
+        (:meth:`temp_bytes` is their sum), each a buffer XLA places on its own."""
         key = (duplicate, cpu)
         if key not in self._temps:
-            self._temps[key] = program_temp_bytes(self._body, duplicate=duplicate, cpu=cpu)
+            parts: list[int] = []
+            total = program_temp_bytes(self._body, duplicate=duplicate, cpu=cpu, parts=parts)
+            self._temps[key] = tuple(parts) if sum(parts) == total else (total,)
         return self._temps[key]
 
     def residual_bytes(self, *, duplicate: bool) -> int:
@@ -552,6 +560,24 @@ def region_temp_bytes(
     if facts is None:
         return 0
     return facts.temp_bytes(duplicate=duplicate, cpu=cpu)
+
+
+def region_temp_parts(
+    prim: str,
+    params: Mapping[str, Any],
+    attrs: Mapping[str, Any],
+    required: Sequence[TensorSpec],
+    produced: Sequence[TensorSpec],
+    mesh: MeshLike,
+    *,
+    duplicate: bool = True,
+    cpu: bool = False,
+) -> tuple[int, ...]:
+    """:func:`region_temp_bytes` by buffer: the sizes of the buffers live at the
+    program's peak (each one XLA places on its own); () where the replay binds the
+    region unsharded."""
+    facts = region_program(prim, params, attrs, required, produced, mesh)
+    return () if facts is None else facts.temp_parts(duplicate=duplicate, cpu=cpu)
 
 
 def region_program(
