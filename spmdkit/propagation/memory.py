@@ -570,14 +570,13 @@ def _temp_peak(
     bodies, body_parts = _body_peaks(
         graph, spec, mesh, prog, fuse, duplicate, widen, inner, cpu, held, loops
     )
-    # per node, bytes live while it runs (a region's temporaries too, by buffer)
-    own = [own_parts(inner, node) for node in graph.nodes]
+    # per node, bytes live while it runs: reshards and workspaces, its region's by buffer
     extras = [
         (transient[i] if transient is not None and i < len(transient) else 0)
         + copies.during.get(i, 0)
         for i in range(len(graph.nodes))
     ]
-    holds = NodeHolds(extras, own, bodies, body_parts)
+    holds = NodeHolds(extras, [own_parts(inner, n) for n in graph.nodes], bodies, body_parts)
     if outputs:
         temps, placed = heap_temps(
             graph,
