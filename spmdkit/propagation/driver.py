@@ -315,7 +315,7 @@ def _region_temps(
 ) -> dict[int, tuple[int, ...]]:
     """``id(node)`` → a region node's own temporaries at its planned layouts, the
     sizes of the buffers live at their peak (see
-    :func:`~spmdkit.propagation.regions.region_temp_bytes`), loop bodies included.
+    :func:`~spmdkit.propagation.regions.region_temp_parts`), loop bodies included.
     ``duplicate`` (the lower estimate): only the regions whose rule says their
     temporaries materialize (:attr:`~spmdkit.engine.rule.Rule.scratch_materializes`),
     at their program's own lower estimate. ``cpu``: with XLA:CPU's workspaces."""

@@ -60,7 +60,6 @@ __all__ = [
     "region_loop_buffer_bytes",
     "region_program",
     "region_residual_bytes",
-    "region_temp_bytes",
     "region_temp_parts",
     "region_unread_inputs",
 ]
@@ -502,14 +501,10 @@ class _Facts:
         self._residuals: dict[bool, int] = {}
         self._kept = kept
 
-    def temp_bytes(self, *, duplicate: bool, cpu: bool) -> int:
-        """Peak bytes of the body's temporaries (as
-        :func:`~spmdkit.propagation.memory.program_temp_bytes`)."""
-        return sum(self.temp_parts(duplicate=duplicate, cpu=cpu))
-
     def temp_parts(self, *, duplicate: bool, cpu: bool) -> tuple[int, ...]:
-        """The sizes of the buffers live at the body's temporaries' peak
-        (:meth:`temp_bytes` is their sum), each a buffer XLA places on its own."""
+        """The sizes of the buffers live at the peak of the body's temporaries (as
+        :func:`~spmdkit.propagation.memory.program_temp_bytes` finds it), each a
+        buffer XLA places on its own."""
         key = (duplicate, cpu)
         if key not in self._temps:
             parts: list[int] = []
@@ -538,30 +533,6 @@ class _Facts:
         return _loop_buffer_bytes(self._graph, self._n, self._prog) if self._grad else 0
 
 
-def region_temp_bytes(
-    prim: str,
-    params: Mapping[str, Any],
-    attrs: Mapping[str, Any],
-    required: Sequence[TensorSpec],
-    produced: Sequence[TensorSpec],
-    mesh: MeshLike,
-    *,
-    duplicate: bool = True,
-    cpu: bool = False,
-) -> int:
-    """Bytes one device holds inside a region while it runs, besides its operands
-    and results: the temporaries of the ``shard_map`` program the replay runs
-    (:func:`spmdkit.engine.region.region_program`) at the planned layouts, a grad
-    region's recomputed forward included (``duplicate``, ``cpu``: as
-    :func:`~spmdkit.propagation.memory.liveness`). 0 where the replay binds the
-    region unsharded instead (an uneven or partial layout: XLA partitions it).
-    """
-    facts = region_program(prim, params, attrs, required, produced, mesh)
-    if facts is None:
-        return 0
-    return facts.temp_bytes(duplicate=duplicate, cpu=cpu)
-
-
 def region_temp_parts(
     prim: str,
     params: Mapping[str, Any],
@@ -573,9 +544,13 @@ def region_temp_parts(
     duplicate: bool = True,
     cpu: bool = False,
 ) -> tuple[int, ...]:
-    """:func:`region_temp_bytes` by buffer: the sizes of the buffers live at the
-    program's peak (each one XLA places on its own); () where the replay binds the
-    region unsharded."""
+    """What one device holds inside a region while it runs, besides its operands
+    and results: the temporaries of the ``shard_map`` program the replay runs
+    (:func:`spmdkit.engine.region.region_program`) at the planned layouts, a grad
+    region's recomputed forward included (``duplicate``, ``cpu``: as
+    :func:`~spmdkit.propagation.memory.liveness`), as the sizes of the buffers live
+    at their peak (each one XLA places on its own). () where the replay binds the
+    region unsharded instead (an uneven or partial layout: XLA partitions it)."""
     facts = region_program(prim, params, attrs, required, produced, mesh)
     return () if facts is None else facts.temp_parts(duplicate=duplicate, cpu=cpu)
 

@@ -280,17 +280,7 @@ def test_routed_experts_regions_buffers_go_in_the_outputs_buffers(strategy):
     temp heap the peak was 3.3 MiB (ep) and 2.7 MiB (megatron) against 2.6 and
     2.0 compiled; placed by buffer as the top level's temporaries are, it
     verifies."""
-    import numpy as np
+    from tests.verification.steps import verified
 
-    m = sk.models.get_model("qwen3_moe")
-    cfg = m.config("tiny")
-    batch = m.batch(cfg, 8, np.random.default_rng(0))
-    info = sk.describe(m, config=cfg, batch=batch)
-    plan = sk.plan(info, sk.make_mesh(data=4, model=2), strategy, estimator="analytic")
-    opt = optax.adam(1e-3)
-    params = sk.init_sharded(info, plan)
-    step = sk.jit(sk.train_step(info, opt, plan), plan)
-    with jax.set_mesh(plan.mesh):
-        opt_state = jax.jit(opt.init)(params)
-    report = plan.verify(step, params, opt_state, batch)
+    report = verified("qwen3_moe", strategy, mesh=(4, 2))
     assert report.ok, str(report)

@@ -103,21 +103,10 @@ def test_a_once_run_backward_reads_what_the_once_run_forward_gathered():
     MLA's low-rank and rope-key ones) read the activation the forward gathered:
     no gather again. Predicted so, megatron_sp on data=2 x model=4 predicts the
     compiled all-gathers exactly (it counted three re-gathers, 32 KiB, 12% over)."""
-    import numpy as np
-    import optax
+    from tests.verification.steps import verified
 
-    m = sk.models.get_model("deepseek")
-    cfg = m.config("tiny")
-    assert cfg.n_dense_layers == 1
-    batch = m.batch(cfg, 8, np.random.default_rng(0))
-    info = sk.describe(m, config=cfg, batch=batch)
-    plan = sk.plan(info, sk.make_mesh(data=2, model=4), "megatron_sp", estimator="analytic")
-    opt = optax.adam(1e-3)
-    params = sk.init_sharded(info, plan)
-    step = sk.jit(sk.train_step(info, opt, plan), plan)
-    with jax.set_mesh(plan.mesh):
-        opt_state = jax.jit(opt.init)(params)
-    report = plan.verify(step, params, opt_state, batch)
+    assert sk.models.get_model("deepseek").config("tiny").n_dense_layers == 1
+    report = verified("deepseek", "megatron_sp", mesh=(2, 4))
     rows = {kind: (p, c) for kind, p, c, _ in report.rows}
     predicted, compiled = rows["all_gather"]
     assert predicted == compiled > 0, str(report)

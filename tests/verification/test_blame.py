@@ -8,7 +8,6 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -29,6 +28,8 @@ from spmdkit.verification.blame import (
 )
 from spmdkit.verification.hlo import HloCollective, parse_collectives
 from tests.sampling import latin, sampled
+from tests.verification.steps import run as _run
+from tests.verification.steps import verified as _verified
 
 # -- the HLO's names and frames --------------------------------------------------------
 
@@ -113,25 +114,6 @@ def test_a_frame_in_the_rules_package_is_spmdkits_own_not_the_users():
 
 
 # -- reference models -------------------------------------------------------------------
-
-
-def _verified(model, strategy, *, mesh=(2, 4)):
-    m = sk.models.get_model(model)
-    cfg = m.config("tiny")
-    batch = m.batch(cfg, 8, np.random.default_rng(0))
-    info = sk.describe(m, config=cfg, batch=batch)
-    mesh = sk.make_mesh(data=mesh[0], model=mesh[1])
-    return _run(info, mesh, strategy, batch)
-
-
-def _run(info, mesh, strategy, batch, **kw):
-    plan = sk.plan(info, mesh, strategy, estimator="analytic", **kw)
-    params = sk.init_sharded(info, plan)
-    opt = optax.adam(1e-3)
-    step = sk.jit(sk.train_step(info, opt, plan), plan)
-    with jax.set_mesh(plan.mesh):
-        opt_state = jax.jit(opt.init)(params)
-    return plan.verify(step, params, opt_state, batch)
 
 
 def _check_attributed(report) -> Attribution:
