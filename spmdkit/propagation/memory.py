@@ -692,10 +692,8 @@ def _extend_copies(
 #: Primitives that only move elements: fused into a collective that reads them.
 _MOVES_ONLY = frozenset({"transpose", "reshape", "squeeze", "broadcast_in_dim"})
 
-#: Primitives whose result is their operand when the layouts agree (no buffer):
-#: layout constraints, and ``pvary`` (a ``shard_map`` body's type cast of an
-#: invariant value to a varying one, which lowers to its operand).
-_LAYOUT_ONLY = frozenset({"sharding_constraint", "reshard", "pvary"})
+#: Primitives whose result is their operand when the layouts agree (no buffer).
+_LAYOUT_ONLY = frozenset({"sharding_constraint", "reshard"})
 
 
 #: Primitives that only reinterpret their operand's shape: on XLA's row-major

@@ -219,32 +219,6 @@ def test_a_scans_resharded_copies_live_on_its_bodys_timeline():
     assert prop.memory.peak_bytes == pytest.approx(compiled.peak_bytes, rel=0.1)
 
 
-def test_a_pvary_is_its_operands_buffer():
-    """Inside a ``shard_map`` body, ``pvary`` casts an invariant value (a weight
-    passed whole) to a varying one: it lowers to its operand, no copy. The body's
-    estimate counts the first matmul's result only, as XLA's temporaries do (before: a
-    copy of the weight per ``pvary`` too; routed experts' grad regions pvary each
-    expert weight, three whole weights a region over-counted)."""
-    from spmdkit.propagation.memory import program_temp_bytes
-    from spmdkit.vma import shard_map
-
-    mesh = sk.make_mesh(a=8, axis_types="auto")
-    x, w = S((8 * 64, 256), F32), S((256, 256), F32)
-
-    def body(x, w):
-        first = x @ jax.lax.pcast(w, ("a",), to="varying")
-        return first @ jax.lax.pcast(w, ("a",), to="varying")
-
-    f = shard_map(body, mesh=mesh, in_specs=(P("a"), P()), out_specs=P("a"))
-    (eqn,) = jax.make_jaxpr(f)(x, w).jaxpr.eqns
-    inner = eqn.params["jaxpr"]
-    closed = inner if hasattr(inner, "consts") else jax.extend.core.ClosedJaxpr(inner, ())
-    assert any(e.primitive.name == "pvary" for e in closed.jaxpr.eqns)
-    assert program_temp_bytes(closed, cpu=True) == 64 * 256 * 4  # the first product
-    compiled = jax.jit(f).lower(x, w).compile().memory_analysis().temp_size_in_bytes
-    assert compiled == 64 * 256 * 4
-
-
 def test_a_loop_bodys_buffers_go_in_the_outputs_buffers_not_yet_written():
     """A step's outputs (the updated weights) are written at its end, so XLA places
     temporaries in their buffers until then, a loop body's too: a body buffer of
