@@ -497,7 +497,7 @@ class _Facts:
         self._grad = prim == GRAD
         self._n = n_diff
         self._body, self._graph, self._prog = body, graph, prog
-        self._temps: dict[tuple[bool, bool], int] = {}
+        self._temps: dict[tuple[bool, bool], tuple[int, ...]] = {}
         self._residuals: dict[bool, int] = {}
         self._kept = kept
 
