@@ -125,8 +125,9 @@ class Span(NamedTuple):
 
 def peak_parts(spans: Iterable[Span]) -> list[int]:
     """The sizes of the buffers live at the first step where :func:`peak` is
-    reached, largest first: what a loop body or a region holds at its peak, each
-    a buffer XLA may place on its own (in an output's buffer not yet written).
+    reached, largest first (they sum to it): what a loop body or a region holds at
+    its peak, each a buffer XLA may place on its own (in an output's buffer not
+    yet written).
 
     Example::
 
@@ -134,19 +135,23 @@ def peak_parts(spans: Iterable[Span]) -> list[int]:
         [10, 5]
     """
     spans = [s for s in spans if s.nbytes and s.start <= s.end]
+    _, at = _crest(spans)
+    return sorted((s.nbytes for s in spans if s.start <= at <= s.end), reverse=True)
+
+
+def _crest(spans: Iterable[Span]) -> tuple[int, int]:
+    """The most bytes live at any one step, and the first step they are."""
     events: dict[int, int] = {}
     for s in spans:
-        events[s.start] = events.get(s.start, 0) + s.nbytes
-        events[s.end + 1] = events.get(s.end + 1, 0) - s.nbytes
-    live = top = 0
-    at = None
+        if s.nbytes and s.start <= s.end:
+            events[s.start] = events.get(s.start, 0) + s.nbytes
+            events[s.end + 1] = events.get(s.end + 1, 0) - s.nbytes
+    live = top = at = 0
     for t in sorted(events):
         live += events[t]
         if live > top:
             top, at = live, t
-    if at is None:
-        return []
-    return sorted((s.nbytes for s in spans if s.start <= at <= s.end), reverse=True)
+    return top, at
 
 
 def peak(spans: Iterable[Span]) -> int:
@@ -157,16 +162,7 @@ def peak(spans: Iterable[Span]) -> int:
         >>> peak([Span(0, 3, 10), Span(2, 5, 5), Span(4, 6, 7)])
         15
     """
-    events: dict[int, int] = {}
-    for s in spans:
-        if s.nbytes and s.start <= s.end:
-            events[s.start] = events.get(s.start, 0) + s.nbytes
-            events[s.end + 1] = events.get(s.end + 1, 0) - s.nbytes
-    live = top = 0
-    for t in sorted(events):
-        live += events[t]
-        top = max(top, live)
-    return top
+    return _crest(spans)[0]
 
 
 class Allocation(NamedTuple):
@@ -482,13 +478,10 @@ _MOVES_AND_CASTS = _REARRANGES | {"convert_element_type"}
 _IN_PLACE = ELEMENTWISE | {"transpose", "reshape", "squeeze", "broadcast_in_dim"}
 
 
-def own_parts(inner: Mapping[int, Any] | None, node: Any) -> tuple[int, ...]:
-    """The buffers a node holds while it runs besides its results (``inner``: a
-    region's own program, its peak's buffers or their total)."""
-    held = (inner or {}).get(id(node), 0)
-    if isinstance(held, tuple):
-        return tuple(b for b in held if b)
-    return (held,) if held else ()
+def own_parts(inner: Mapping[int, Sequence[int]] | None, node: Any) -> tuple[int, ...]:
+    """The buffers a node holds while it runs besides its results (``inner``:
+    ``id(node)`` → the buffers live at its region program's peak)."""
+    return tuple(b for b in (inner or {}).get(id(node), ()) if b)
 
 
 def without(parts: Sequence[int], nbytes: int) -> tuple[int, ...]:
@@ -521,13 +514,13 @@ class NodeHolds(NamedTuple):
         out += [Span(3 * i + 1, 3 * i + 1, b) for i, ps in enumerate(self.body_parts) for b in ps]
         return out
 
-    def place(self, placed: Collection[int]) -> None:
-        """Drop the buffers of :meth:`movable` placed in the outputs' buffers."""
+    def place(self, placed: Collection[int], movable: Sequence[Span]) -> None:
+        """Drop the buffers of :meth:`movable` (``movable``, as it gave them) that
+        are placed in the outputs' buffers (``placed``: their indices)."""
         owners = [i for i, parts in enumerate(self.own) for _ in parts]
         owners += [-1 - i for i, ps in enumerate(self.body_parts) for _ in ps]
-        sizes = [s.nbytes for s in self.movable()]
         for k in sorted(placed):
-            i, b = owners[k], sizes[k]
+            i, b = owners[k], movable[k].nbytes
             if i >= 0:
                 self.own[i] = without(self.own[i], b)
             else:

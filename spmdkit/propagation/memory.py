@@ -507,7 +507,7 @@ def _temp_peak(
     transient: Sequence[int] | None = None,
     duplicate: bool = True,
     widen: Mapping[np.dtype, np.dtype] | None = None,
-    inner: Mapping[int, int] | None = None,
+    inner: Mapping[int, tuple[int, ...]] | None = None,
     cpu: bool | CpuBackend = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
@@ -520,8 +520,8 @@ def _temp_peak(
     ``duplicate``: a cheap elementwise value read by several consumers is fused
     into each of them; False: only single-reader values fuse, the others are
     materialized once. ``widen``: dtype → the dtype its values are held in.
-    ``inner``: ``id(node)`` → the temporaries a node holds
-    while it runs (a region's own program), in this graph or a nested body.
+    ``inner``: ``id(node)`` → the buffers a node holds while it runs (those live
+    at its region program's peak), in this graph or a nested body.
     ``cpu``: add XLA:CPU's workspaces (:mod:`spmdkit.propagation.workspaces`).
     ``copy_reads``: node index → {value id: the resharded copy the node reads in
     its place} (:func:`_lifetimes`). ``held``: ``id(node)`` → what a grad region
@@ -591,13 +591,13 @@ def _temp_peak(
             last,
             fused,
             applied,
-            holds.movable(),
+            movable := holds.movable(),
         )
-        holds.place(placed)
-    fixed = holds.spans()
-    if parts is not None:
-        parts.extend(peak_parts(temps + fixed))
-    return peak(temps + fixed)
+        holds.place(placed, movable)
+    if parts is None:
+        return peak(temps + holds.spans())
+    parts.extend(peak_parts(temps + holds.spans()))
+    return sum(parts)
 
 
 def _body_peaks(
@@ -608,7 +608,7 @@ def _body_peaks(
     fuse: bool,
     duplicate: bool,
     widen: Mapping[np.dtype, np.dtype] | None,
-    inner: Mapping[int, int] | None,
+    inner: Mapping[int, tuple[int, ...]] | None,
     cpu: bool | CpuBackend,
     held: Mapping[int, RegionHold] | None,
     loops: Mapping[int, BodyCopies] | None = None,
@@ -826,7 +826,7 @@ def liveness(
     transient: Sequence[int] | None = None,
     duplicate: bool = True,
     widen: Mapping[np.dtype, np.dtype] | None = None,
-    inner: Mapping[int, int] | None = None,
+    inner: Mapping[int, tuple[int, ...]] | None = None,
     cpu: bool | CpuBackend = False,
     copy_reads: Mapping[int, Mapping[int, CopyRead]] | None = None,
     held: Mapping[int, RegionHold] | None = None,
@@ -849,8 +849,9 @@ def liveness(
       widen: dtype → a wider dtype the backend holds its temporaries in (XLA's
         CPU backend computes 16-bit floats in float32); arguments and outputs
         keep their own dtypes.
-      inner: ``id(node)`` → temporaries a node holds while it runs besides its
-        results (a region's own program: :func:`program_temp_bytes`).
+      inner: ``id(node)`` → the buffers a node holds while it runs besides its
+        results (those live at its region program's peak:
+        :func:`~spmdkit.propagation.regions.region_temp_parts`).
       cpu: add the workspaces XLA's CPU backend takes where it expands an op
         (:mod:`spmdkit.propagation.workspaces`); a
         :class:`~spmdkit.propagation.workspaces.CpuBackend` that runs 16-bit dots

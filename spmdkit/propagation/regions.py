@@ -508,8 +508,8 @@ class _Facts:
         key = (duplicate, cpu)
         if key not in self._temps:
             parts: list[int] = []
-            total = program_temp_bytes(self._body, duplicate=duplicate, cpu=cpu, parts=parts)
-            self._temps[key] = tuple(parts) if sum(parts) == total else (total,)
+            program_temp_bytes(self._body, duplicate=duplicate, cpu=cpu, parts=parts)
+            self._temps[key] = tuple(parts)
         return self._temps[key]
 
     def residual_bytes(self, *, duplicate: bool) -> int:
