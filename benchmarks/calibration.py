@@ -198,11 +198,19 @@ def _experts_over(*ep: str) -> list:
 
 
 #: Megatron-LM's alltoall token dispatcher (``moe_token_dispatcher_type="alltoall"``,
-#: the published Qwen3 and GPT-OSS runs'), priced only: the per-expert counts
-#: exchanged first (the host waits for them), then buffers of the rows routed,
-#: where spmdkit's op pads them for the worst case (``n_ep`` times as many rows
-#: at top-k >= the local experts).
+#: the published GPT-OSS run's), priced only: the per-expert counts exchanged
+#: first (the host waits for them), then buffers of the rows routed, where
+#: spmdkit's op pads them for the worst case (``n_ep`` times as many rows at
+#: top-k >= the local experts).
 MEGATRON_ALLTOALL = {"expert_exchange": "routed"}
+
+#: Megatron-LM's flex dispatcher on HybridEP (``moe_token_dispatcher_type="flex"``,
+#: ``moe_flex_dispatcher_backend="hybridep"``: the published Qwen3-30B-A3B run's,
+#: Megatron-Bridge's H100 config since its #2477 of 2026-02-23, before 26.04),
+#: priced only: hierarchical, a token over InfiniBand once per node holding one of
+#: its experts and fanned out over NVLink inside it, as DeepEP's normal kernels
+#: run it; not overlapped (the config's ``moe_a2a_overlap=False``).
+MEGATRON_HYBRIDEP = {"expert_exchange": "node_dedup"}
 
 
 MEGATRON_BRIDGE_MOE = "Megatron-Bridge performance summary (H100), 26.04.01"
@@ -221,12 +229,23 @@ QWEN3_30B = {
     "batch": 1024,
     "recipe": dataclasses.replace(MEGATRON_FP8, microbatches=64),
     "published_recipe": "FP8, GBS 1024, MBS 1, dropless, distributed optimizer",
-    "exchange": MEGATRON_ALLTOALL,
+    "exchange": MEGATRON_HYBRIDEP,
     "stack": "xla",
     "published": 8960,
     "memory_gib": None,
     "fit": False,
     "pipelined": False,
+    "miss": "predicted faster than published, as the GPT-OSS row is: both are Megatron-LM's "
+    "MoE layers at micro-batch 1 on H100s without CUDA graphs (the FP8 H100 config graphs "
+    "nothing). Priced with its HybridEP exchange (each token over InfiniBand once per "
+    "node), the exchange is a small term (--breakdown: about 4.5 s of an 18.3 s step "
+    "exposed) and the gap, 11 s, is 3.6 ms a layer and micro-batch: about 0.9 of the "
+    "layers' priced compute, as GPT-OSS's row lacks at MBS 1. Priced with the "
+    "alltoall dispatcher instead (every (token, expert) copy over InfiniBand, about 8 "
+    "times the bytes HybridEP sends), this row was within tolerance (0.93), by a wrong "
+    "exchange. The same model in 26.02.01's layout (PP 2 x VP 12 x EP 8, its exchange "
+    "inside a node: 9,058 tok/s/GPU) is predicted 1.55 times as fast (14,055, the "
+    "exchange not overlapped), so the network does not make the gap",
 }
 GPT_OSS_120B = {
     "name": "Megatron-Bridge GPT-OSS 120B",
@@ -276,16 +295,17 @@ GPT_OSS_120B = {
     "well under 1% of the step; unpriced, as XLA sizes the exchange statically). "
     "The row's variants (--breakdown) locate it: the same layout at MBS 4 (25.11) is "
     "predicted much closer, and spread over a stage's layers and ticks the gap grows far "
-    "less than the micro-batch (a quarter of the tokens at MBS 1 leave most of MBS 4's gap "
-    "per layer and tick): mostly a fixed cost per launch of a layer, not a slower rate. "
-    "Candidates, unpriced: the host's eager dispatch exposed after each such wait (MBS 1, "
-    "no CUDA graphs on H100, where Megatron-Bridge's Blackwell recipes graph the "
-    "attention, router and dispatch preprocessing), the experts' weight-gradient GEMMs "
-    "(about 1,024 rows an expert: a short reduction the forward-shaped roofline does not "
-    "see), attention at head_dim 64 (the exponentials cost as much as the dots there), "
-    "and NCCL's all-to-all below the NVLink rate. The Qwen3-30B-A3B row, within "
-    "tolerance, is mostly exposed InfiniBand all-to-all by --breakdown, so this row is the "
-    "one that tests the MoE layers' compute price",
+    "less than the micro-batch: about 0.9 of the layers' priced compute at MBS 1, a third "
+    "at MBS 4. The Qwen3-30B-A3B row misses the same way at MBS 1 (its miss), over "
+    "InfiniBand and inside a node alike, so neither this model's extras nor the network "
+    "make it: Megatron-LM's MoE layers at micro-batch 1 on H100 cost more than the price "
+    "says. Candidates, unpriced: the host's eager dispatch (MBS 1, no CUDA graphs on "
+    "H100, where Megatron-Bridge's Blackwell recipes graph the attention, router and "
+    "dispatch preprocessing), the experts' weight-gradient GEMMs (about 1,024 rows an "
+    "expert: a short reduction the forward-shaped roofline does not see), attention at "
+    "head_dim 64 (the exponentials cost as much as the dots there), and NCCL's all-to-all "
+    "below the NVLink rate. Timing spmdkit's own MoE layer at MBS 1 and 4 on an H100 "
+    "(issue 44's GPU item) would say whether an XLA step pays it too",
 }
 
 #: Megatron-Bridge's DeepSeek-V3 layout on 1,024 H100s: TP 2 (sequence parallel) x
