@@ -655,9 +655,11 @@ def breakdown(row: dict, topology: sk.Topology) -> str:
     trace = trace_step(info, None)
     tokens = row["batch"] * config.seq_len
     # 6 per weight and token it meets (routed experts': their top-k share; the
-    # embedding table's counted too) + attention's dots as the step traces them
+    # embedding table's counted too, as a lookup's are not in the price) +
+    # attention's dots as the step traces them
     weights = sum(
-        analytic.param_flops(g, trace) * g.count for g in analytic.param_groups(info, trace)
+        analytic.param_flops(dataclasses.replace(g, uses=max(g.uses, 1)), trace) * g.count
+        for g in analytic.param_groups(info, trace)
     )
     flops_token = (weights + trace.attn_flops) / trace.tokens
     published_s = tokens / row["published"] / row["devices"]

@@ -192,7 +192,7 @@ class StepTrace:
         (:func:`spmdkit.planner.trace.trace_step` reads both from the step).
       moe_calls: expert count → the step's ``moe_experts`` call of that many
         experts (:mod:`spmdkit.planner.experts`).
-      param_uses: path → weight matmuls reading it outside the layer scans, where 2+ do.
+      param_uses: path → weight matmuls reading it outside layer scans (2+; 0: a lookup).
     """
 
     flops: float

@@ -566,13 +566,24 @@ def _trace_step(info: ModelInfo, optimizer: GradientTransformation | None) -> St
 _MOVES = frozenset({"convert_element_type", "transpose", "reshape", "copy", "copy_p"})
 
 
+def _lookup(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` reads rows of its first operand by index: a ``gather`` or
+    an embedding traced as a region (:mod:`spmdkit.engine.region`)."""
+    name = eqn.primitive.name
+    return name == "gather" or (name == FORWARD and eqn.params.get("op") == "embedding")
+
+
 def _param_uses(jaxpr: Jaxpr, params: PyTree) -> dict[str, int]:
     """Paths of the params two or more weight matmuls read outside the layer
-    scans (through casts, transposes and reshapes, and into calls), with how many
-    (:class:`~spmdkit.planner.analytic.StepTrace`'s ``param_uses``); the params lead the
-    jaxpr's invars. A scan's body is not entered: a stacked weight is one use a layer."""
+    scans (through casts, transposes and reshapes, and into calls), with how many,
+    and of those only gathered from there (an embedding table's lookup: rows
+    read, no weight matmul), with 0 (:class:`~spmdkit.planner.analytic.StepTrace`'s
+    ``param_uses``); the params lead the jaxpr's invars. A scan's body is not
+    entered: a stacked weight is one use a layer."""
     paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     counts: dict[int, int] = {}
+    gathered: set[int] = set()
+    other: set[int] = set()
 
     def walk(jx: Jaxpr, origin: dict) -> None:
         for eqn in jx.eqns:
@@ -588,10 +599,17 @@ def _param_uses(jaxpr: Jaxpr, params: PyTree) -> dict[str, int]:
                 walk(
                     inner, {b: o for b, o in zip(inner.invars, ins, strict=False) if o is not None}
                 )
+            else:
+                if _lookup(eqn) and ins and ins[0] is not None:
+                    gathered.add(ins[0])
+                    ins = ins[1:]
+                other.update(o for o in ins if o is not None)
 
     jaxpr = jaxprs.open_jaxpr(jaxpr)[0]
     walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars) if i < len(paths)})
-    return {paths[i]: n for i, n in counts.items() if n >= 2}
+    uses = {paths[i]: n for i, n in counts.items() if n >= 2}
+    lookups = gathered - other - set(counts)
+    return uses | {paths[i]: 0 for i in sorted(lookups) if i < len(paths)}
 
 
 def _lm_head_params(jaxpr: Jaxpr, params: PyTree) -> frozenset[str]:

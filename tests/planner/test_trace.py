@@ -189,3 +189,40 @@ def test_a_weight_two_matmuls_read_computes_twice():
     groups = {g.key: g for g in param_groups(info, trace)}
     assert (groups["head"].uses, groups["body"].uses) == (2, 1)
     assert param_flops(groups["head"], trace) == 6 * 16 * 8 * 16 * 2
+
+
+class Lookup(nnx.Module):
+    """A table read by index (as ``nnx.Embed`` and spmdkit's ``Embed`` do) and by
+    a plain ``jnp.take``, and a tied table also read by a matmul."""
+
+    def __init__(self, rngs):
+        self.table = nnx.Param(jax.random.normal(rngs.params(), (32, 8)) * 0.3)
+        self.taken = nnx.Param(jax.random.normal(rngs.params(), (32, 8)) * 0.3)
+        self.tied = nnx.Embed(32, 8, rngs=rngs)
+        self.body = nnx.Param(jax.random.normal(rngs.params(), (8, 8)) * 0.3)
+
+    def __call__(self, ids):
+        h = self.table[...][ids] + jnp.take(self.taken[...], ids, axis=0) + self.tied(ids)
+        return self.tied.attend(jnp.tanh(h @ self.body[...]))
+
+
+def lookup_loss(model, batch):
+    return jnp.mean(model(batch["ids"]) ** 2)
+
+
+def test_a_table_only_gathered_from_adds_no_matmul_flops():
+    """An embedding table's lookup reads rows, no weight matmul: the trace lists
+    the tables only gathered from with 0 uses, so the analytic model prices no
+    FLOPs for them (it priced 6 a weight and token, the LM head's, and scaled every
+    other group's down to match the traced total); a tied table, also read by a
+    matmul, keeps its one use."""
+    from spmdkit.planner.analytic import param_flops, param_groups
+
+    batch = {"ids": np.arange(32, dtype=np.int32).reshape(4, 8) % 32}
+    with nnx.use_eager_sharding(False):
+        info = describe(lambda: Lookup(nnx.Rngs(0)), loss=lookup_loss, batch=batch)
+    trace = trace_step(info, None)
+    assert trace.param_uses == {"table": 0, "taken": 0}
+    groups = {g.key: g for g in param_groups(info, trace)}
+    assert param_flops(groups["table"], trace) == param_flops(groups["taken"], trace) == 0
+    assert groups["tied/embedding"].uses == 1 and param_flops(groups["body"], trace) > 0
