@@ -147,8 +147,7 @@ def _auto_kw(info, mesh, name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a preset that cannot place a weight says so
         peaks = {
-            s: sk.plan(info, mesh, s, **kw, **GLUE[name]).cost.peak_bytes
-            for s in STRATEGIES[:-1]
+            s: sk.plan(info, mesh, s, **kw, **GLUE[name]).cost.peak_bytes for s in STRATEGIES[:-1]
         }
     dp = peaks.pop("dp")
     least = min(peaks.values())
