@@ -212,6 +212,16 @@ MEGATRON_ALLTOALL = {"expert_exchange": "routed"}
 #: run it; not overlapped (the config's ``moe_a2a_overlap=False``).
 MEGATRON_HYBRIDEP = {"expert_exchange": "node_dedup"}
 
+#: What Megatron-LM's MoE layers cost beyond their kernels' price, per layer call and
+#: micro-batch, forward and backward (``Topology.moe_call_s``, priced only): fitted on
+#: the Qwen3-30B-A3B row (:func:`fit_call`), the MoE rows' one fit, every other MoE
+#: row and variant a hold-out. A fixed cost per call: GPT-OSS's rows at micro-batch 1
+#: and 4 lack the same seconds per layer and tick without it. The eager framework's
+#: host dispatch at micro-batch 1 (no CUDA graphs in these H100 recipes) is the
+#: candidate; spmdkit's compiled step is priced without it.
+MEGATRON_MOE_CALL_S = 3.5e-3
+MEGATRON_MOE = {"moe_call_s": MEGATRON_MOE_CALL_S}
+
 
 MEGATRON_BRIDGE_MOE = "Megatron-Bridge performance summary (H100), 26.04.01"
 QWEN3_30B = {
@@ -229,23 +239,18 @@ QWEN3_30B = {
     "batch": 1024,
     "recipe": dataclasses.replace(MEGATRON_FP8, microbatches=64),
     "published_recipe": "FP8, GBS 1024, MBS 1, dropless, distributed optimizer",
-    "exchange": MEGATRON_HYBRIDEP,
+    # priced with the alltoall dispatcher's bytes (every (token, expert) copy over
+    # InfiniBand, about 8 times what HybridEP sends) this row was once within its
+    # tolerance without moe_call_s, by a wrong exchange; the same model in 26.02.01's
+    # layout (PP 2 x VP 12 x EP 8, its exchange inside a node: 9,058 tok/s/GPU)
+    # lacks about as much per layer call without it, so the network does not make it
+    "exchange": {**MEGATRON_HYBRIDEP, **MEGATRON_MOE},
+    "fits": "moe_call_s",
     "stack": "xla",
     "published": 8960,
     "memory_gib": None,
     "fit": False,
     "pipelined": False,
-    "miss": "predicted faster than published, as the GPT-OSS row is: both are Megatron-LM's "
-    "MoE layers at micro-batch 1 on H100s without CUDA graphs (the FP8 H100 config graphs "
-    "nothing). Priced with its HybridEP exchange (each token over InfiniBand once per "
-    "node), the exchange is a small term (--breakdown: about 4.5 s of an 18.3 s step "
-    "exposed) and the gap, 11 s, is 3.6 ms a layer and micro-batch: about 0.9 of the "
-    "layers' priced compute, as GPT-OSS's row lacks at MBS 1. Priced with the "
-    "alltoall dispatcher instead (every (token, expert) copy over InfiniBand, about 8 "
-    "times the bytes HybridEP sends), this row was within tolerance (0.93), by a wrong "
-    "exchange. The same model in 26.02.01's layout (PP 2 x VP 12 x EP 8, its exchange "
-    "inside a node: 9,058 tok/s/GPU) is predicted 1.55 times as fast (14,055, the "
-    "exchange not overlapped), so the network does not make the gap",
 }
 GPT_OSS_120B = {
     "name": "Megatron-Bridge GPT-OSS 120B",
@@ -262,7 +267,13 @@ GPT_OSS_120B = {
     "pipeline": Pipeline(stages=4, microbatches=80, schedule="1f1b", local_statistics=True),
     "recipe": MEGATRON_BF16,
     "published_recipe": "bf16, GBS 1280, MBS 1, dropless, distributed optimizer",
-    "exchange": MEGATRON_ALLTOALL,
+    # the zoo's gpt_oss_120b has the published dims that set the FLOPs (layers,
+    # width, heads, KV heads, head_dim, experts, top-k, expert width, vocab) but not
+    # the attention sinks, the alternating sliding-window attention (which would lower
+    # the price) or the biases; the published recipe recomputes the norms and the
+    # experts' activation. TE runs the sinks in cuDNN's fused kernel (the unfused path
+    # keeps each layer's 2 GiB of probabilities a micro-batch and would not fit)
+    "exchange": {**MEGATRON_ALLTOALL, **MEGATRON_MOE},
     "stack": "xla",
     "published": 5824,
     # the same model, mesh and layout in earlier releases' summaries (DGX-H100 rows):
@@ -275,37 +286,6 @@ GPT_OSS_120B = {
     "memory_gib": None,
     "fit": False,
     "pipelined": True,
-    "miss": "predicted faster than published. The zoo's gpt_oss_120b matches the published "
-    "dims that set the FLOPs (layers, width, heads, KV heads, head_dim, experts, top-k, "
-    "expert width, vocab); it leaves out the attention sinks, the alternating "
-    "sliding-window attention (which would lower the price) and the biases, and the "
-    "published recipe recomputes the norms and the experts' activation. Priced: the "
-    "exchange (NCCL all-to-all inside the node, not overlapped, exposed), the per-call load "
-    "imbalance of forced (random) routing (small here), and the rows' memory passes "
-    "(permute, sort by local expert, their inverses and the gated activation, forward and "
-    "backward: planner.expert_passes, about 2 GB a layer and micro-batch on a device). By "
-    "--breakdown the slowest stage (its layers and the LM head) would still have to "
-    "compute at about 0.63 of the rate priced. Not the gap: unfused attention (TE runs "
-    "sinks in cuDNN's fused kernel for its sbhd layout since TE 2.8, cuDNN 9.13.1; the "
-    "unfused path keeps each layer's probabilities, 2 GiB a micro-batch here, and would "
-    "not fit 80 GiB), the 1F1B bubble (3 of 83 ticks), the gradient sync, and the "
-    "per-layer host synchronisation of Megatron-LM's dropless alltoall dispatcher (the "
-    "CPU waits for the token counts before each forward exchange: 720 waits a step on a "
-    "stage, 9 layers x 80 micro-batches, each a host round trip of tens of microseconds, "
-    "well under 1% of the step; unpriced, as XLA sizes the exchange statically). "
-    "The row's variants (--breakdown) locate it: the same layout at MBS 4 (25.11) is "
-    "predicted much closer, and spread over a stage's layers and ticks the gap grows far "
-    "less than the micro-batch: about 0.9 of the layers' priced compute at MBS 1, a third "
-    "at MBS 4. The Qwen3-30B-A3B row misses the same way at MBS 1 (its miss), over "
-    "InfiniBand and inside a node alike, so neither this model's extras nor the network "
-    "make it: Megatron-LM's MoE layers at micro-batch 1 on H100 cost more than the price "
-    "says. Candidates, unpriced: the host's eager dispatch (MBS 1, no CUDA graphs on "
-    "H100, where Megatron-Bridge's Blackwell recipes graph the attention, router and "
-    "dispatch preprocessing), the experts' weight-gradient GEMMs (about 1,024 rows an "
-    "expert: a short reduction the forward-shaped roofline does not see), attention at "
-    "head_dim 64 (the exponentials cost as much as the dots there), and NCCL's all-to-all "
-    "below the NVLink rate. Timing spmdkit's own MoE layer at MBS 1 and 4 on an H100 "
-    "(issue 44's GPU item) would say whether an XLA step pays it too",
 }
 
 #: Megatron-Bridge's DeepSeek-V3 layout on 1,024 H100s: TP 2 (sequence parallel) x
@@ -353,7 +333,12 @@ DEEPSEEK_V3 = {
     # all-to-all overlap (overlap_moe_expert_parallel_comm, delay_wgrad_compute);
     # DeepEP's kernels on 20 SMs of their own (Megatron-LM's moe_deepep_num_sms
     # default, which the recipe keeps) while they overlap the expert GEMMs
-    "exchange": {"expert_exchange": "node_dedup", "expert_overlap": True, "exchange_sms": 20},
+    "exchange": {
+        "expert_exchange": "node_dedup",
+        "expert_overlap": True,
+        "exchange_sms": 20,
+        **MEGATRON_MOE,
+    },
     "stack": "xla",
     "published": 1297,
     "memory_gib": None,
@@ -510,9 +495,10 @@ ROWS = [
 
 def row_topology(row: dict) -> sk.Topology:
     """The topology ``row`` is priced on: H100 nodes of 8 with its stack's constants,
-    and the priced-only expert exchange forms its published run uses (``exchange``:
-    :class:`~spmdkit.topology.Topology` fields, ``expert_exchange`` and
-    ``expert_overlap``), if any."""
+    and the priced-only forms its published run uses (``exchange``:
+    :class:`~spmdkit.topology.Topology` fields: its expert exchange's
+    ``expert_exchange``, ``expert_overlap`` and ``exchange_sms``, and Megatron-LM's
+    ``moe_call_s``), if any."""
     return dataclasses.replace(sk.Topology.h100(stack=row["stack"]), **row.get("exchange", {}))
 
 
@@ -557,6 +543,14 @@ def fit(row: dict, base: sk.Topology) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def fit_call(row: dict, base: sk.Topology) -> float:
+    """The ``moe_call_s`` at which ``row`` is predicted exactly: the step grows by
+    the same seconds per call however many there are, so two predictions place it."""
+    at = [predict(row, dataclasses.replace(base, moe_call_s=c)).step_time_s for c in (0, 1e-3)]
+    published_s = row["batch"] * _model(row)[1].seq_len / row["published"] / row["devices"]
+    return (published_s - at[0]) / (at[1] - at[0]) * 1e-3
 
 
 def auto_mesh(row: dict) -> dict[str, int]:
@@ -744,7 +738,11 @@ def _exchange_cell(exchange: dict | None) -> str:
     as the table shows them, labelled priced only; empty without any."""
     if not exchange:
         return ""
-    forms = [f"{k}={v}" if not isinstance(v, bool) else k for k, v in exchange.items() if v]
+    forms = [
+        k if isinstance(v, bool) else f"{k}={v * 1e3:g} ms" if k == "moe_call_s" else f"{k}={v}"
+        for k, v in exchange.items()
+        if v
+    ]
     return " + ".join(forms) + " (priced only)"
 
 
@@ -858,7 +856,7 @@ def main() -> None:
             config=row["config"],
             recipe=row["recipe"].short(),
             pipeline=row["pipeline"].short() if row.get("pipeline") else None,
-            role="fit" if row["fit"] else "hold-out",
+            role="fit" if row["fit"] else f"fit: {row['fits']}" if "fits" in row else "hold-out",
             tolerance=tolerance(row),
             in_space="outside" not in row,
             predicted=pred,
@@ -897,6 +895,21 @@ def main() -> None:
             f"{c['fitted_matmul_efficiency']:.3f} fits its row exactly; attention "
             f"{c['attention_efficiency']:.2f}, fusion traffic {c['fusion_traffic']:.1f}"
         )
+    call_row = next(r for r in ROWS if r.get("fits") == "moe_call_s")
+    if chosen(call_row):
+        base = dataclasses.replace(row_topology(call_row), moe_call_s=0.0)
+        call_fit = fit_call(call_row, base)
+    else:
+        call_fit = saved["constants"]["moe_call_s"]["fitted"]
+    constants["moe_call_s"] = {
+        "in_use": MEGATRON_MOE_CALL_S,
+        "fitted": call_fit,
+        "row": call_row["name"],
+    }
+    print(
+        f"Megatron-LM MoE: moe_call_s {MEGATRON_MOE_CALL_S * 1e3:.1f} ms in use, "
+        f"{call_fit * 1e3:.2f} ms fits its row exactly ({call_row['name']})"
+    )
     unpriced = [dict(r) for r in UNPRICED]
     if chosen({"name": "DeepSeek-V3 layouts"}):
         layouts = deepseek_layouts()

@@ -13,57 +13,51 @@ With ``tree_all_reduce`` (H100, A100) an all-reduce pays the lower of the ring's
 latency and NCCL's tree's, ``2 ((m - 1) + ceil(log2 nodes))`` hops for ``m`` devices
 a node (NCCL's tuner picks per call, ``src/graph/tuning.cc``), bytes as the ring.
 
-Which link a group uses is decided per mesh axis. An axis named in
-``bandwidth=`` / ``latency=`` uses those numbers. Otherwise, when
-``gpus_per_node`` is set, the *node heuristic* applies: mesh axes are laid out
-major → minor over the device list (as ``jax.make_mesh`` does on one host kind),
-so the minor-most axes whose sizes multiply to at most ``gpus_per_node`` stay
-inside one node and use ``node_bandwidth`` / ``node_latency``; every more major
-axis crosses nodes and uses ``default_bandwidth`` / ``default_latency``. A group
-spanning several axes runs at the pace of its slowest axis (minimum bandwidth,
-maximum latency) when its axes share one link. A group spanning links of different
-speeds runs hierarchically, as NCCL's multi-node collectives and the classic 2-D
-all-reduce do: the fastest link first on the whole buffer, each slower link on the
-piece the faster levels leave, so an all-reduce over (nodes, GPUs in a node) sends
-only 1/8 of the buffer over InfiniBand. An all-to-all over such a group sends each
-peer its piece directly: the pieces for peers one fast level away go over that
-level's link while those for farther peers cross the slower ones, all at once, so
-it takes as long as its slowest level's share (over (2 nodes, 8 GPUs) 8 of 15
-pieces cross InfiniBand, not all of them).
-This is a heuristic: a device order that interleaves nodes differently needs
-explicit per-axis numbers.
+Which link a group uses is decided per mesh axis. An axis named in ``bandwidth=`` /
+``latency=`` uses those numbers. Otherwise, when ``gpus_per_node`` is set, the *node
+heuristic* applies: mesh axes are laid out major → minor over the device list (as
+``jax.make_mesh`` does on one host kind), so the minor-most axes whose sizes multiply to at
+most ``gpus_per_node`` stay inside one node and use ``node_bandwidth`` / ``node_latency``;
+every more major axis crosses nodes and uses ``default_bandwidth`` / ``default_latency``. A
+group spanning several axes runs at the pace of its slowest axis (minimum bandwidth, maximum
+latency) when its axes share one link. A group spanning links of different speeds runs
+hierarchically, as NCCL's multi-node collectives and the classic 2-D all-reduce do: the
+fastest link first on the whole buffer, each slower link on the piece the faster levels
+leave, so an all-reduce over (nodes, GPUs in a node) sends only 1/8 of the buffer over
+InfiniBand. An all-to-all over such a group sends each peer its piece directly: the pieces
+for peers one fast level away go over that level's link while those for farther peers cross
+the slower ones, all at once, so it takes as long as its slowest level's share (over (2
+nodes, 8 GPUs) 8 of 15 pieces cross InfiniBand, not all of them). This is a heuristic: a
+device order that interleaves nodes differently needs explicit per-axis numbers.
 
 Compute and overlap
 -------------------
 A topology also says how fast a device computes, each constant with its source
 (``docs/recipes.md``, "Step-time model and calibration"):
 
-- ``peak_flops``: dense peak FLOP/s per compute dtype (H100 SXM and A100 SXM
-  datasheets, no sparsity).
-- Weight matmuls (:meth:`Topology.matmul_time`) run as GEMMs of a shape: an
-  ``m × k`` activation times a ``k × n`` weight. Their rate is a roofline: the
-  tensor cores at ``matmul_efficiency`` of the peak (what a large, well-tiled
-  GEMM reaches in a training step, fitted) times the tile and wave
-  quantization of the output over ``gemm_tile`` tiles and ``sm_count``
-  multiprocessors (a GEMM of fewer tiles than multiprocessors splits ``k``
-  over them; few rows take a tile of 64), times ``k / (k + k_ramp)`` (the
-  main loop's prologue and epilogue: small-k GEMMs lose more), unless the
-  GEMM's operands take longer to stream through HBM (``hbm_bandwidth``) than its FLOPs take: small
-  ``m`` (few tokens per device) makes a GEMM memory bound.
-- Memory-bound work (elementwise chains as XLA fuses them, norms, softmax,
-  casts, the optimizer update) is priced by the bytes crossing fusion
-  boundaries over ``hbm_bandwidth`` (:meth:`Topology.memory_time`);
-  ``fusion_traffic`` scales them for a stack that fuses less (1 for XLA).
-- Attention in a fused kernel (cuDNN's flash attention, what the models'
-  ``"auto"`` attention runs on a GPU) runs at ``attention_efficiency`` of the
-  peak and, causal, skips the key blocks above the diagonal
-  (``attention_block`` keys a block); the blockwise fallback and plain XLA
-  attention compute every block.
-- ``overlap``: how much of the compute time XLA's latency-hiding scheduler can
-  hide collectives under (the next layer's FSDP all-gather and the gradient
-  reduce-scatters and all-reduces run while the current layer computes;
-  tensor-parallel all-reduces and expert all-to-alls sit on the critical path
-  and are never hidden).
+- ``peak_flops``: dense peak FLOP/s per compute dtype (H100 SXM and A100 SXM datasheets, no
+  sparsity).
+- Weight matmuls (:meth:`Topology.matmul_time`) run as GEMMs of a shape: an ``m × k``
+  activation times a ``k × n`` weight. Their rate is a roofline: the tensor cores at
+  ``matmul_efficiency`` of the peak (what a large, well-tiled GEMM reaches in a training step,
+  fitted) times the tile and wave quantization of the output over ``gemm_tile`` tiles and
+  ``sm_count`` multiprocessors (a GEMM of fewer tiles than multiprocessors splits ``k`` over
+  them; few rows take a tile of 64), times ``k / (k + k_ramp)`` (the main loop's prologue and
+  epilogue: small-k GEMMs lose more), unless the GEMM's operands take longer to stream through
+  HBM (``hbm_bandwidth``) than its FLOPs take: small ``m`` (few tokens per device) makes a
+  GEMM memory bound.
+- Memory-bound work (elementwise chains as XLA fuses them, norms, softmax, casts, the
+  optimizer update) is priced by the bytes crossing fusion boundaries over ``hbm_bandwidth``
+  (:meth:`Topology.memory_time`); ``fusion_traffic`` scales them for a stack that fuses less
+  (1 for XLA).
+- Attention in a fused kernel (cuDNN's flash attention, what the models' ``"auto"`` attention
+  runs on a GPU) runs at ``attention_efficiency`` of the peak and, causal, skips the key
+  blocks above the diagonal (``attention_block`` keys a block); the blockwise fallback and
+  plain XLA attention compute every block.
+- ``overlap``: how much of the compute time XLA's latency-hiding scheduler can hide
+  collectives under (the next layer's FSDP all-gather and the gradient reduce-scatters and
+  all-reduces run while the current layer computes; tensor-parallel all-reduces and expert
+  all-to-alls sit on the critical path and are never hidden).
 - ``host_bandwidth``: the host link optimizer-state offload uses.
 
 The free constants (``matmul_efficiency``, ``attention_efficiency``) are
@@ -329,6 +323,9 @@ class Topology:
         compute they overlap runs on the others, so each second of overlapped
         exchange costs ``exchange_sms / sm_count`` seconds of compute. 0: the
         exchange takes no SMs from the compute (a copy-engine transfer).
+      moe_call_s: seconds one MoE layer's call adds per micro-batch (forward and backward)
+        beyond its kernels' price: an eager framework's fixed cost per layer launch; priced
+        only (0 for spmdkit's compiled step; the calibration's Megatron-LM rows fit it).
       platform: the XLA backend the devices run (``"gpu"``, ``"cpu"``, ...): which
         compiler passes the prediction follows on an abstract mesh
         (:meth:`target`); None: jax's default backend.
@@ -367,6 +364,7 @@ class Topology:
     expert_exchange: str = "all_to_all"
     expert_overlap: bool = False
     exchange_sms: int = 0
+    moe_call_s: float = 0.0
     platform: str | None = "gpu"
     name: str = "custom"
 
@@ -409,9 +407,10 @@ class Topology:
                 fix="pass bytes per second, e.g. 50e9 (PCIe Gen5 x16)",
             )
         object.__setattr__(self, "host_bandwidth", float(self.host_bandwidth))
-        for name in ("default_bandwidth", "node_bandwidth", "default_latency", "node_latency"):
+        links = ("default_bandwidth", "node_bandwidth", "default_latency", "node_latency")
+        for name in (*links, "moe_call_s"):
             value, link = float(getattr(self, name)), name.endswith("bandwidth")
-            if (value <= 0) if link else (value < 0):
+            if not (value > 0 if link else value >= 0):
                 raise SpmdError(
                     op="Topology",
                     must=f"{name} is > 0 bytes/s" if link else f"{name} is >= 0 s",

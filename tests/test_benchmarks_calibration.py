@@ -94,6 +94,27 @@ def test_the_breakdown_prints_each_term_beside_the_published_step(bench):
 
 
 @pytest.mark.slow
+def test_the_moe_call_cost_is_fitted_on_one_row_and_holds_on_the_others(bench):
+    """Megatron-LM's fixed cost per MoE layer call (``Topology.moe_call_s``, priced
+    only) is fitted on one row, the in-use constant within 5% of what predicts it
+    exactly; the other MoE rows are its hold-outs (the tolerance test above), and
+    so are GPT-OSS's rows of earlier releases, at micro-batch 1 and at 4: a fixed
+    cost per call, not a rate, holds on both."""
+    import dataclasses
+
+    row = next(r for r in bench.ROWS if r.get("fits") == "moe_call_s")
+    fitted = bench.fit_call(row, dataclasses.replace(bench.row_topology(row), moe_call_s=0.0))
+    assert fitted == pytest.approx(bench.MEGATRON_MOE_CALL_S, rel=0.05)
+    held = [r for r in bench.ROWS if r.get("exchange", {}).get("moe_call_s")]
+    assert {r["model"][1] for r in held} == {"30b_a3b", "gpt_oss_120b", "v3_671b"}
+    oss = next(r for r in held if "GPT-OSS" in r["name"])
+    text = bench.breakdown(oss, bench.row_topology(oss))
+    ratios = {line.split()[0]: float(line.split()[5]) for line in text.splitlines()[-3:]}
+    assert set(ratios) == {"this", *(v["release"] for v in oss["variants"])}
+    assert all(abs(r - 1) <= bench.tolerance(oss) for r in ratios.values()), ratios
+
+
+@pytest.mark.slow
 def test_deepseek_v3_is_priced_in_its_published_layout(bench):
     """Issue 44: DeepSeek-V3 671B on 1,024 H100s, priced in Megatron-Bridge's uneven
     layout (58 MoE layers over 29 of 32 chunks, the dense stack on the first

@@ -429,3 +429,11 @@ def test_exchange_sms_must_leave_the_compute_some_sms(sms):
     with pytest.raises(SpmdError, match=r"exchange_sms is an int in \[0, sm_count\)"):
         Topology(exchange_sms=sms)
     assert Topology(exchange_sms=20).exchange_sms == 20
+
+
+@pytest.mark.parametrize("seconds", [-1e-3, float("nan")])
+def test_a_moe_call_cost_is_seconds_not_below_zero(seconds):
+    with pytest.raises(SpmdError, match=r"moe_call_s is >= 0 s"):
+        Topology(moe_call_s=seconds)
+    assert Topology(moe_call_s=3.5e-3).moe_call_s == 3.5e-3
+    assert Topology().moe_call_s == 0.0

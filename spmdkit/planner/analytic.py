@@ -844,7 +844,7 @@ def _params_part(
     n_fsdp = math.prod(sizes[a] for a in sp.fsdp)
     compute_s = ctx.matmul_time(flops / splits, m, k, n, matmul_dtype(ctx, g))
     if call is not None:  # as the busiest device runs them, beside an exchange's SMs
-        compute_s = experts.call_compute_s(ctx, call, sp, on, compute_s, exchanged)
+        compute_s = experts.call_compute_s(ctx, g, call, sp, on, compute_s, exchanged)
         compute_s += expert_passes.passes_s(ctx, g, sp, on)  # rows through memory
     compute_s += quantize_s(ctx, g, flops / splits, m, k, n, n_fsdp)
     ctx.memo[pkey] = (sp, tp, flops, compute_s)

@@ -384,17 +384,21 @@ def exchange_sm_s(ctx: Any, colls: Sequence[Any]) -> float:
 
 def call_compute_s(
     ctx: Any,
+    g: Any,
     call: MoeCall,
     sp: Any,
     token_axes: Sequence[str],
     balanced_s: float,
     colls: Sequence[Any],
 ) -> float:
-    """Seconds of a call's grouped GEMMs priced at ``balanced_s`` for balanced
-    routing, as the busiest device runs them (:func:`load_imbalance`), plus what
-    the overlapped exchanges among ``colls`` take from them (:func:`exchange_sm_s`)."""
+    """Seconds of a call's grouped GEMMs of ``g`` priced at ``balanced_s`` for
+    balanced routing, as the busiest device runs them (:func:`load_imbalance`),
+    plus what the overlapped exchanges among ``colls`` take from them
+    (:func:`exchange_sm_s`) and, on the down projection, the topology's fixed
+    ``moe_call_s`` per call and micro-batch (priced only: an eager framework's)."""
     busiest = load_imbalance(call, *region_tokens(ctx, call, sp, token_axes))
-    return balanced_s * busiest + exchange_sm_s(ctx, colls)
+    calls = stacked_calls(g) * g.count * ctx.recipe.microbatches if is_down_projection(g) else 0
+    return balanced_s * busiest + exchange_sm_s(ctx, colls) + ctx.topology.moe_call_s * calls
 
 
 def _device_variance(call: MoeCall, n_ep: int) -> float:

@@ -679,6 +679,34 @@ def test_an_overlapped_exchange_on_sms_of_its_own_slows_the_compute(long_batch):
     assert cost(held, 1).compute_time_s == pytest.approx(cost(paired, 1).compute_time_s)
 
 
+@pytest.mark.parametrize("mesh_axes", [{"data": 2, "expert": 4}, {"data": 8}])
+def test_a_fixed_cost_per_moe_call_is_added_once_a_layer_and_micro_batch(long_batch, mesh_axes):
+    """``Topology(moe_call_s=...)`` (priced only: an eager framework's fixed cost per
+    MoE layer launch) adds its seconds to the compute once per routed-experts call
+    and micro-batch, with or without expert parallelism; the collectives are
+    unchanged."""
+    import dataclasses
+
+    mesh = sk.abstract_mesh(**mesh_axes)
+    plain = sk.Topology.h100()
+    held = dataclasses.replace(plain, moe_call_s=2e-3)
+    calls = sum(c.calls for c in trace_step(long_batch, None).moe_calls.values())
+
+    def cost(topology):
+        return sk.plan(
+            long_batch,
+            mesh,
+            "ep" if "expert" in mesh_axes else "dp",
+            estimator="analytic",
+            topology=topology,
+            recipe=sk.Recipe(microbatches=2),
+        ).cost
+
+    grown = cost(held).compute_time_s - cost(plain).compute_time_s
+    assert calls >= 1 and grown == pytest.approx(2e-3 * calls * 2)
+    assert cost(held).comm_bytes == cost(plain).comm_bytes
+
+
 def test_transposes_price_an_expert_weights_collectives_over_a_later_dim():
     """transposes_s: a pass reading and writing the whole buffer of each all-gather
     and reduce-scatter over an axis on a dim after the expert dim; none over the
