@@ -739,7 +739,7 @@ def _exchange_cell(exchange: dict | None) -> str:
     if not exchange:
         return ""
     forms = [
-        k if isinstance(v, bool) else f"{k}={v * 1e3:g} ms" if k == "moe_call_s" else f"{k}={v}"
+        k if isinstance(v, bool) else f"{k}={v:g}" if k == "moe_call_s" else f"{k}={v}"
         for k, v in exchange.items()
         if v
     ]
