@@ -125,7 +125,7 @@ from spmdkit.engine.region import (
 from spmdkit.engine.registry import get_rule
 from spmdkit.engine.rule import LocalContext
 from spmdkit.errors import SpmdError
-from spmdkit.propagation.graph import Graph, Node, node_tags
+from spmdkit.propagation.graph import Graph, Node, is_fill, node_tags
 from spmdkit.propagation.pinning import Program
 from spmdkit.propagation.primitives import grouped_groups_split, lookup_dims
 from spmdkit.propagation.records import Propagation
@@ -229,6 +229,18 @@ def _pin(x: Any, spec: TensorSpec | None, mesh: Any) -> Any:
     if tuple(getattr(x, "shape", ())) != tuple(spec.shape):
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_partition_spec()))
+
+
+def _fills(graph: Graph, values: dict, out: dict | None = None) -> dict[int, Node]:
+    """Value id → the node that makes it by broadcasting a constant scalar
+    (:func:`~spmdkit.propagation.graph.is_fill` of a literal), bodies included."""
+    out = {} if out is None else out
+    for node in graph.nodes:
+        if is_fill(node) and all(v in values for v in node.ins):
+            out[node.outs[0]] = node
+        for sub in node.subs:
+            _fills(sub, values, out)
+    return out
 
 
 def _partly_manual(node: Node, mesh: Any) -> bool:
@@ -349,6 +361,9 @@ class _Replay:
         # (KEPT_NOTHING: its stand-in), carried into and out of scan bodies, so
         # each grad region checks it reads its forward's residuals on their layout
         self.kept: dict[int, KeptLayout | str] = {}
+        # value id → the node broadcasting a constant scalar into it: a reader that
+        # wants it in another layout gets it made anew there (moved for nothing)
+        self.fills = _fills(program.graph, program.values)
 
     def pin(self, x: Any, spec: TensorSpec | None) -> Any:
         """``x`` pinned to ``spec`` (as :func:`_pin`), unless it already is: an
@@ -512,7 +527,13 @@ class _Replay:
         """``x`` (value ``vid``) moved to ``spec``, once per value and target (later
         readers reuse the moved copy, as the plan counts it): by the plan's own
         collectives when ``chain`` is a :class:`ReshardPlan`, else pinned at each
-        intermediate layout of ``chain``."""
+        intermediate layout of ``chain``; a constant fill made anew in ``spec``."""
+        fill = self.fills.get(vid)
+        if fill is not None and spec is not None and not spec.partial and spec.dims:
+            hit = self.pinned.get(id(x))
+            if hit is None or hit[0] is not x or hit[1].dims != spec.dims:
+                made = _bind(fill.eqn, [self.program.values[v] for v in fill.ins])
+                return self.pin(made[0], spec)
         if not chain:
             copy = self.copies.get((vid, spec))
             return copy[1] if copy is not None and copy[0] is x else self.pin(x, spec)

@@ -28,12 +28,14 @@ import numpy as np
 from spmdkit import jaxprs
 
 __all__ = [
+    "FILL",
     "FlatProgram",
     "Graph",
     "Group",
     "Node",
     "TAG_PREFIX",
     "dce",
+    "is_fill",
     "node_tags",
     "producers",
     "stationary",
@@ -337,12 +339,28 @@ def uses(graph: Graph, out: dict[int, int] | None = None) -> dict[int, int]:
     return out
 
 
+#: :func:`producers`' name for a ``broadcast_in_dim`` of a scalar (a constant
+#: fill: the zeros a transposed ``select_n`` reads, say). It moves for nothing:
+#: the enforced replay makes it anew in each reader's layout
+#: (:func:`spmdkit.compile.enforce.replay`).
+FILL = "fill"
+
+
+def is_fill(node: Node) -> bool:
+    """Whether ``node`` broadcasts a scalar (:data:`FILL`)."""
+    return node.prim == "broadcast_in_dim" and all(
+        not getattr(v.aval, "shape", ()) for v in node.eqn.invars
+    )
+
+
 def producers(graph: Graph, out: dict[int, str] | None = None) -> dict[int, str]:
-    """Value id → the primitive that makes it, bodies included."""
+    """Value id → the primitive that makes it (:data:`FILL` for a broadcast scalar),
+    bodies included."""
     out = {} if out is None else out
     for node in graph.nodes:
+        made = FILL if is_fill(node) else node.prim
         for o in node.outs:
-            out[o] = node.prim
+            out[o] = made
         for sub in node.subs:
             producers(sub, out)
     return out

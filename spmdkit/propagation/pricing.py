@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from spmdkit.engine.inference import ArgReshard
-from spmdkit.propagation.graph import Node
+from spmdkit.propagation.graph import FILL, Node
 from spmdkit.propagation.primitives import REDUCERS
 from spmdkit.propagation.steps import Step
 from spmdkit.resharding import Collective, ReshardPlan, plan_reshard
@@ -120,10 +120,15 @@ class Pricer:
         """The reshard of a value from ``src`` to ``dst`` (None when they agree).
 
         A value made by a scatter or gather (``vid``'s producer) is reduced at the
-        layout it was made in before it moves (``ArgReshard.in_place``)."""
+        layout it was made in before it moves (``ArgReshard.in_place``); a broadcast
+        scalar (:data:`~spmdkit.propagation.graph.FILL`) moves for nothing: the
+        replay makes it anew in the reader's layout."""
         if src.dims == dst.dims and src.partial == dst.partial:
             return None
-        strict = vid is not None and self.producer.get(vid) in _REDUCE_IN_PLACE
+        made = self.producer.get(vid) if vid is not None else None
+        if made == FILL and not src.partial and not dst.partial:  # made where it is read
+            return ArgReshard(label, src, dst, ReshardPlan(src, dst, ()))
+        strict = made in _REDUCE_IN_PLACE
         # a pending sum carried through a widening cast: XLA reduces the producer's
         # result in its own (narrower) dtype, before the cast
         narrow = self.widened.get(vid) if vid is not None and src.partial else None

@@ -106,3 +106,21 @@ def test_a_padded_exchange_is_priced_by_its_routed_rows_where_the_link_is_ragged
     assert charged_bytes(routed, mesh, cpu) == 4096
     assert on_link(padded, mesh, gpu) is padded
     assert charged_bytes(padded, mesh, gpu) == 4096
+
+
+def test_a_broadcast_scalar_moves_for_nothing_and_is_made_where_it_is_read():
+    """A ``broadcast_in_dim`` of a scalar (the zeros a transposed relu reads) is a
+    fill: a reshard of it is planned with no collective, and the enforced replay
+    makes it anew in its reader's layout, so the compiled step moves nothing for
+    it either (XLA moved such a pinned fill by all-to-all, or replicated it)."""
+    from spmdkit.propagation.graph import FILL
+
+    mesh = sk.abstract_mesh(data=2, model=4)
+    src = sk.TensorSpec((8, 16), P(("data", "model")), dtype=F32)
+    dst = sk.TensorSpec((8, 16), P(None, "data"), dtype=F32)
+    pricer = Pricer(mesh, sk.DEFAULT_TOPOLOGY, producer={1: FILL, 2: "mul"})
+    assert pricer.reshard("input 1", src, dst, 1).plan.collectives == ()
+    assert pricer.reshard("input 1", src, dst, 2).plan.collectives != ()
+    # a pending sum broadcast from a partial scalar still moves as planned
+    partial = sk.TensorSpec((8, 16), P("data"), dtype=F32, partial="model")
+    assert pricer.reshard("input 1", partial, src, 1).plan.collectives != ()

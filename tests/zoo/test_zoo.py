@@ -242,6 +242,18 @@ def test_batch_statistics_are_state_and_train_like_one_device(name):
 
 
 @pytest.mark.slow
+def test_a_relus_zeros_are_made_in_the_layout_their_reader_wants():
+    """ResNet and the VGG under fsdp on 2x4: their transposed relus read zeros (a
+    broadcast scalar) in a layout other than the one made; the plan moved them (an
+    all-gather and an all-to-all, or an all-to-all), which XLA did by all-to-all or
+    not at all. A fill now moves for nothing and the replay makes it anew in its
+    reader's layout: both verify, every collective as predicted."""
+    for name in ("resnet", "vgg_linen"):
+        report = run_case(name, "fsdp", (2, 4))[1]
+        assert report.ok, str(report)
+
+
+@pytest.mark.slow
 def test_resnet_max_pool_has_rules_matches_and_verifies():
     _check("resnet", "megatron", (4, 2))
 
