@@ -231,15 +231,15 @@ def _pin(x: Any, spec: TensorSpec | None, mesh: Any) -> Any:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_partition_spec()))
 
 
-def _fills(graph: Graph, values: dict, out: dict | None = None) -> dict[int, Node]:
-    """Value id → the node that makes it by broadcasting a constant scalar
-    (:func:`~spmdkit.propagation.graph.is_fill` of a literal), bodies included."""
+def _fills(graph: Graph, out: dict | None = None) -> dict[int, Node]:
+    """Value id → the node that makes it by broadcasting a scalar
+    (:func:`~spmdkit.propagation.graph.is_fill`), bodies included."""
     out = {} if out is None else out
     for node in graph.nodes:
-        if is_fill(node) and all(v in values for v in node.ins):
+        if is_fill(node):
             out[node.outs[0]] = node
         for sub in node.subs:
-            _fills(sub, values, out)
+            _fills(sub, out)
     return out
 
 
@@ -361,9 +361,11 @@ class _Replay:
         # (KEPT_NOTHING: its stand-in), carried into and out of scan bodies, so
         # each grad region checks it reads its forward's residuals on their layout
         self.kept: dict[int, KeptLayout | str] = {}
-        # value id → the node broadcasting a constant scalar into it: a reader that
-        # wants it in another layout gets it made anew there (moved for nothing)
-        self.fills = _fills(program.graph, program.values)
+        # value id → the node broadcasting a scalar into it, and the scalar it
+        # broadcast: a reader that wants it in another layout gets it made anew
+        # there (moved for nothing, as the plan prices it)
+        self.fills = _fills(program.graph)
+        self.filled: dict[int, list[Any]] = {}
 
     def pin(self, x: Any, spec: TensorSpec | None) -> Any:
         """``x`` pinned to ``spec`` (as :func:`_pin`), unless it already is: an
@@ -459,6 +461,8 @@ class _Replay:
 
     def _node(self, node: Node, read: Callable[[int], Any]) -> list[Any]:
         vals = [read(v) for v in node.ins]
+        if node.outs and node.outs[0] in self.fills:
+            self.filled[node.outs[0]] = vals
         if node.prim == "name":  # checkpoint_name: the kept residuals it tags stay checked
             self.carry_kept(node.ins, node.outs)
         pins = self.program.specs.get(id(node))
@@ -528,12 +532,11 @@ class _Replay:
         readers reuse the moved copy, as the plan counts it): by the plan's own
         collectives when ``chain`` is a :class:`ReshardPlan`, else pinned at each
         intermediate layout of ``chain``; a constant fill made anew in ``spec``."""
-        fill = self.fills.get(vid)
-        if fill is not None and spec is not None and not spec.partial and spec.dims:
-            hit = self.pinned.get(id(x))
-            if hit is None or hit[0] is not x or hit[1].dims != spec.dims:
-                made = _bind(fill.eqn, [self.program.values[v] for v in fill.ins])
-                return self.pin(made[0], spec)
+        fill, scalar = self.fills.get(vid), self.filled.get(vid)
+        if fill is not None and scalar is not None and spec is not None and not spec.partial:
+            hit = self.pinned.get(id(x))  # made pinned, not a pending sum
+            if hit is not None and hit[0] is x and hit[1].dims != spec.dims:
+                return self.pin(_bind(fill.eqn, scalar)[0], spec)
         if not chain:
             copy = self.copies.get((vid, spec))
             return copy[1] if copy is not None and copy[0] is x else self.pin(x, spec)
