@@ -546,8 +546,9 @@ def fit(row: dict, base: sk.Topology) -> float:
 
 
 def fit_call(row: dict, base: sk.Topology) -> float:
-    """The ``moe_call_s`` at which ``row`` is predicted exactly: the step grows by
-    the same seconds per call however many there are, so two predictions place it."""
+    """The ``moe_call_s`` at which ``row`` is predicted exactly on ``base`` (its
+    own ``moe_call_s`` replaced): the step grows by the same seconds per call
+    however many there are, so two predictions place it."""
     at = [predict(row, dataclasses.replace(base, moe_call_s=c)).step_time_s for c in (0, 1e-3)]
     published_s = row["batch"] * _model(row)[1].seq_len / row["published"] / row["devices"]
     return (published_s - at[0]) / (at[1] - at[0]) * 1e-3
@@ -738,11 +739,7 @@ def _exchange_cell(exchange: dict | None) -> str:
     as the table shows them, labelled priced only; empty without any."""
     if not exchange:
         return ""
-    forms = [
-        k if isinstance(v, bool) else f"{k}={v:g}" if k == "moe_call_s" else f"{k}={v}"
-        for k, v in exchange.items()
-        if v
-    ]
+    forms = [f"{k}={v}" if not isinstance(v, bool) else k for k, v in exchange.items() if v]
     return " + ".join(forms) + " (priced only)"
 
 
@@ -897,8 +894,7 @@ def main() -> None:
         )
     call_row = next(r for r in ROWS if r.get("fits") == "moe_call_s")
     if chosen(call_row):
-        base = dataclasses.replace(row_topology(call_row), moe_call_s=0.0)
-        call_fit = fit_call(call_row, base)
+        call_fit = fit_call(call_row, row_topology(call_row))
     else:
         call_fit = saved["constants"]["moe_call_s"]["fitted"]
     constants["moe_call_s"] = {

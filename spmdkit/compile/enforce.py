@@ -231,18 +231,6 @@ def _pin(x: Any, spec: TensorSpec | None, mesh: Any) -> Any:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_partition_spec()))
 
 
-def _fills(graph: Graph, out: dict | None = None) -> dict[int, Node]:
-    """Value id → the node that makes it by broadcasting a scalar
-    (:func:`~spmdkit.propagation.graph.is_fill`), bodies included."""
-    out = {} if out is None else out
-    for node in graph.nodes:
-        if is_fill(node):
-            out[node.outs[0]] = node
-        for sub in node.subs:
-            _fills(sub, out)
-    return out
-
-
 def _partly_manual(node: Node, mesh: Any) -> bool:
     """Whether ``node`` is a ``shard_map`` manual over some of ``mesh``'s axes of
     size > 1 but not all of them."""
@@ -361,11 +349,10 @@ class _Replay:
         # (KEPT_NOTHING: its stand-in), carried into and out of scan bodies, so
         # each grad region checks it reads its forward's residuals on their layout
         self.kept: dict[int, KeptLayout | str] = {}
-        # value id → the node broadcasting a scalar into it, and the scalar it
+        # value id → the node broadcasting a scalar into it and the scalar it
         # broadcast: a reader that wants it in another layout gets it made anew
         # there (moved for nothing, as the plan prices it)
-        self.fills = _fills(program.graph)
-        self.filled: dict[int, list[Any]] = {}
+        self.filled: dict[int, tuple[Node, list[Any]]] = {}
 
     def pin(self, x: Any, spec: TensorSpec | None) -> Any:
         """``x`` pinned to ``spec`` (as :func:`_pin`), unless it already is: an
@@ -461,8 +448,8 @@ class _Replay:
 
     def _node(self, node: Node, read: Callable[[int], Any]) -> list[Any]:
         vals = [read(v) for v in node.ins]
-        if node.outs and node.outs[0] in self.fills:
-            self.filled[node.outs[0]] = vals
+        if is_fill(node):
+            self.filled[node.outs[0]] = (node, vals)
         if node.prim == "name":  # checkpoint_name: the kept residuals it tags stay checked
             self.carry_kept(node.ins, node.outs)
         pins = self.program.specs.get(id(node))
@@ -532,11 +519,11 @@ class _Replay:
         readers reuse the moved copy, as the plan counts it): by the plan's own
         collectives when ``chain`` is a :class:`ReshardPlan`, else pinned at each
         intermediate layout of ``chain``; a constant fill made anew in ``spec``."""
-        fill, scalar = self.fills.get(vid), self.filled.get(vid)
-        if fill is not None and scalar is not None and spec is not None and not spec.partial:
+        fill = self.filled.get(vid)
+        if fill is not None and spec is not None and not spec.partial:
             hit = self.pinned.get(id(x))  # made pinned, not a pending sum
             if hit is not None and hit[0] is x and hit[1].dims != spec.dims:
-                return self.pin(_bind(fill.eqn, scalar)[0], spec)
+                return self.pin(_bind(fill[0].eqn, fill[1])[0], spec)
         if not chain:
             copy = self.copies.get((vid, spec))
             return copy[1] if copy is not None and copy[0] is x else self.pin(x, spec)

@@ -609,7 +609,7 @@ def _param_uses(jaxpr: Jaxpr, params: PyTree) -> dict[str, int]:
     walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars) if i < len(paths)})
     uses = {paths[i]: n for i, n in counts.items() if n >= 2}
     lookups = gathered - other - set(counts)
-    return uses | {paths[i]: 0 for i in sorted(lookups) if i < len(paths)}
+    return uses | {paths[i]: 0 for i in sorted(lookups)}
 
 
 def _lm_head_params(jaxpr: Jaxpr, params: PyTree) -> frozenset[str]:
